@@ -1,0 +1,167 @@
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "common/cpu/selectors.h"
+#include "common/status_macros.h"
+
+namespace gtopk {
+namespace cpu {
+namespace {
+
+// Smallest magnitude key whose value is strictly greater than t.
+uint32_t MinKeyAbove(double t) {
+  if (t < 0.0) return 0;
+  const float tf = static_cast<float>(t);  // nearest float
+  if (!std::isfinite(tf)) return kNonFiniteKey;
+  const uint32_t key = MagnitudeKey(tf);
+  // tf is the float nearest to t: no float lies strictly between them.
+  return static_cast<double>(tf) > t ? key : key + 1;
+}
+
+uint64_t CountAtLeast(absl::Span<const float> values, uint32_t min_key) {
+  uint64_t count = 0;
+  for (float v : values) count += MagnitudeKey(v) >= min_key;
+  return count;
+}
+
+}  // namespace
+
+double NormalQuantile(double p) {
+  // Phi(x) = erfc(-x / sqrt(2)) / 2 is increasing; bisect on [-40, 40].
+  double lo = -40.0, hi = 40.0;
+  for (int i = 0; i < 200 && hi - lo > 1e-15 * (1.0 + std::fabs(lo)); ++i) {
+    const double mid = 0.5 * (lo + hi);
+    if (0.5 * std::erfc(-mid / std::sqrt(2.0)) < p) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return 0.5 * (lo + hi);
+}
+
+uint64_t GaussianKSelector::MinCount(uint64_t k) const {
+  const uint64_t lo = (2 * k + 2) / 3;  // ceil(2k/3)
+  const uint64_t hi = 4 * k / 3;        // floor(4k/3)
+  return lo <= hi ? lo : k;
+}
+
+uint64_t GaussianKSelector::MaxCount(uint64_t k) const {
+  const uint64_t lo = (2 * k + 2) / 3;
+  const uint64_t hi = 4 * k / 3;
+  return lo <= hi ? hi : k;
+}
+
+absl::Status GaussianKSelector::Select(absl::Span<const float> u, uint64_t k,
+                                       uint64_t /*step*/, SparseVector* out) {
+  out->clear();
+  GTOPK_RETURN_IF_ERROR(ValidateSelectArgs(u.size(), k));
+  const size_t n = u.size();
+  const uint64_t lo = MinCount(k), hi = MaxCount(k);
+  if (k == n || lo == hi) return ExactTopK(u, k, &scratch_, out);
+
+  // Pass 1: mean and standard deviation. Four 4-float vector lanes per 1 Ki
+  // block (GCC/Clang vector extensions: plain SSE2, no reassociation flags
+  // needed), blocks accumulated in double.
+  typedef float Float4 __attribute__((vector_size(16)));
+  double sum = 0.0, sumsq = 0.0;
+  const float* p = u.data();
+  constexpr size_t kStatBlock = 1024;
+  size_t i = 0;
+  for (; i + kStatBlock <= n; i += kStatBlock) {
+    Float4 s0 = {}, s1 = {}, s2 = {}, s3 = {}, q0 = {}, q1 = {}, q2 = {},
+           q3 = {};
+    for (size_t b = 0; b < kStatBlock; b += 16) {
+      Float4 a0, a1, a2, a3;
+      std::memcpy(&a0, p + i + b, sizeof(a0));
+      std::memcpy(&a1, p + i + b + 4, sizeof(a1));
+      std::memcpy(&a2, p + i + b + 8, sizeof(a2));
+      std::memcpy(&a3, p + i + b + 12, sizeof(a3));
+      s0 += a0;
+      s1 += a1;
+      s2 += a2;
+      s3 += a3;
+      q0 += a0 * a0;
+      q1 += a1 * a1;
+      q2 += a2 * a2;
+      q3 += a3 * a3;
+    }
+    const Float4 s = (s0 + s1) + (s2 + s3);
+    const Float4 q = (q0 + q1) + (q2 + q3);
+    sum += (static_cast<double>(s[0]) + s[1]) + (static_cast<double>(s[2]) + s[3]);
+    sumsq += (static_cast<double>(q[0]) + q[1]) + (static_cast<double>(q[2]) + q[3]);
+  }
+  for (; i < n; ++i) {
+    sum += p[i];
+    sumsq += static_cast<double>(p[i]) * p[i];
+  }
+  // Float lanes overflow for |x| > ~1e19 (squares) before double would; any
+  // non-finite total is re-checked exactly.
+  if (!std::isfinite(sum) || !std::isfinite(sumsq)) {
+    GTOPK_RETURN_IF_ERROR(ValidateFinite(u, "selector input"));
+    sum = sumsq = 0.0;
+    for (size_t j = 0; j < n; ++j) {
+      sum += p[j];
+      sumsq += static_cast<double>(p[j]) * p[j];
+    }
+  }
+  const double mean = sum / n;
+  const double var =
+      n > 1 ? std::max(0.0, (sumsq - sum * mean) / static_cast<double>(n - 1))
+            : 0.0;
+  const double density = static_cast<double>(k) / static_cast<double>(n);
+  double threshold = mean + NormalQuantile(1.0 - density / 2.0) * std::sqrt(var);
+
+  // Survivors of the lowest threshold scanned so far (complete or not).
+  Candidates& survivors = scratch_.candidates;
+  bool have_survivors = false;
+  uint32_t survivors_min_key = 0;
+  const size_t cap = 16 * static_cast<size_t>(k) + 4096;
+
+  for (int adjustment = 0;; ++adjustment) {
+    const uint32_t min_key = MinKeyAbove(threshold);
+    uint64_t count;
+    bool exact_count = true;
+    if (have_survivors && min_key >= survivors_min_key) {
+      count = CountAtLeast(survivors.value_span(), min_key);
+    } else {
+      have_survivors = CollectAtLeast(u, min_key, cap, &survivors);
+      survivors_min_key = min_key;
+      if (AnyNonFinite(survivors.value_span())) {
+        return ValidateFinite(u, "selector input");
+      }
+      count = survivors.size;
+      exact_count = have_survivors;  // false: more than cap survive
+    }
+    if (exact_count && count >= lo && count <= hi) {
+      out->indices.resize(count);
+      out->values.resize(count);
+      size_t w = 0;
+      for (size_t j = 0; j < survivors.size; ++j) {
+        const float v = survivors.values.data()[j];
+        if (MagnitudeKey(v) >= min_key) {
+          out->indices[w] = survivors.positions.data()[j];
+          out->values[w] = v;
+          ++w;
+        }
+      }
+      return absl::OkStatus();
+    }
+    if (adjustment == max_adjustments_) break;
+    threshold = count < lo ? threshold * 0.5 : threshold * 1.5;
+    // A non-positive threshold admits every non-zero entry; scaling it can
+    // neither lower nor raise the count any more.
+    if (threshold <= 0.0) break;
+  }
+  // Still outside the range: the exact top-k, from the survivors when they
+  // are complete and enough, else from u.
+  if (have_survivors && survivors.size >= k) {
+    FinishTopKFromCandidates(survivors, k, &scratch_.keys, out);
+    return absl::OkStatus();
+  }
+  return ExactTopK(u, k, &scratch_, out);
+}
+
+}  // namespace cpu
+}  // namespace gtopk

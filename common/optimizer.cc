@@ -1,0 +1,211 @@
+#include "common/optimizer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/selector.h"
+#include "common/status_macros.h"
+
+namespace gtopk {
+
+absl::string_view MomentumModeName(MomentumMode mode) {
+  switch (mode) {
+    case MomentumMode::kNone: return "none";
+    case MomentumMode::kDgcCorrection: return "dgc";
+    case MomentumMode::kGlobal: return "global";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<MomentumMode> ParseMomentumMode(absl::string_view name) {
+  for (MomentumMode m : {MomentumMode::kNone, MomentumMode::kDgcCorrection,
+                         MomentumMode::kGlobal}) {
+    if (name == MomentumModeName(m)) return m;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown momentum mode \"", name, "\"; known: none, dgc, global"));
+}
+
+std::vector<double> DgcDensityWarmup() {
+  return {0.25, 0.0625, 0.015625, 0.004};
+}
+
+absl::Status ValidateOptimizerOptions(const OptimizerOptions& o) {
+  if (!(std::isfinite(o.lr) && o.lr > 0.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("lr must be finite and > 0, got ", o.lr));
+  }
+  if (!(o.momentum >= 0.0f && o.momentum < 1.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("momentum must be in [0, 1), got ", o.momentum));
+  }
+  if (!(std::isfinite(o.weight_decay) && o.weight_decay >= 0.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "weight_decay must be finite and >= 0, got ", o.weight_decay));
+  }
+  if (o.lr_warmup_steps < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "lr_warmup_steps must be >= 0, got ", o.lr_warmup_steps));
+  }
+  if (!(o.density > 0.0 && o.density <= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("density must be in (0, 1], got ", o.density));
+  }
+  for (size_t e = 0; e < o.density_warmup.size(); ++e) {
+    const double d = o.density_warmup[e];
+    if (!(d > 0.0 && d <= 1.0)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "density_warmup[", e, "] must be in (0, 1], got ", d));
+    }
+  }
+  if (!o.density_warmup.empty() && o.steps_per_epoch <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("steps_per_epoch must be > 0 with a density warm-up, "
+                     "got ", o.steps_per_epoch));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<OptimizerRule> OptimizerRule::Create(
+    const OptimizerOptions& options) {
+  GTOPK_RETURN_IF_ERROR(ValidateOptimizerOptions(options));
+  return OptimizerRule(options);
+}
+
+float OptimizerRule::LrAt(int64_t step) const {
+  const int64_t w = options_.lr_warmup_steps;
+  if (w <= 0 || step >= w) return options_.lr;
+  return options_.lr * (static_cast<float>(std::max<int64_t>(step, 0) + 1) /
+                        static_cast<float>(w));
+}
+
+double OptimizerRule::DensityAt(int64_t step) const {
+  if (options_.density_warmup.empty()) return options_.density;
+  const int64_t epoch = std::max<int64_t>(step, 0) / options_.steps_per_epoch;
+  if (epoch >= static_cast<int64_t>(options_.density_warmup.size())) {
+    return options_.density;
+  }
+  return std::max(options_.density_warmup[epoch], options_.density);
+}
+
+absl::StatusOr<uint64_t> OptimizerRule::KAt(int64_t step, uint64_t n) const {
+  return KFromDensity(DensityAt(step), n);
+}
+
+absl::Status OptimizerRule::AccumulateLocal(int64_t step,
+                                            absl::Span<const float> grad,
+                                            absl::Span<const float> params,
+                                            absl::Span<float> velocity,
+                                            absl::Span<float> residual) const {
+  const size_t n = grad.size();
+  if (step < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("step must be >= 0, got ", step));
+  }
+  if (params.size() != n || residual.size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "length mismatch: gradient ", n, ", parameters ", params.size(),
+        ", residual ", residual.size()));
+  }
+  const bool dgc = options_.momentum_mode == MomentumMode::kDgcCorrection;
+  if (dgc && velocity.size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "velocity has ", velocity.size(), " entries, expected ", n));
+  }
+  GTOPK_RETURN_IF_ERROR(ValidateFinite(grad, "gradient"));
+  const float lr = LrAt(step);
+  const float wd = options_.weight_decay;
+  const float m = options_.momentum;
+  // Written as separate statements so that no compiler contracts them into
+  // FMAs differently on different replicas (we build with ISO C++, where GCC
+  // does not contract across statements).
+  if (dgc) {
+    for (size_t i = 0; i < n; ++i) {
+      const float g = grad[i] + wd * params[i];
+      const float v = m * velocity[i] + g;
+      velocity[i] = v;
+      residual[i] += lr * v;
+    }
+  } else {
+    for (size_t i = 0; i < n; ++i) {
+      const float g = grad[i] + wd * params[i];
+      residual[i] += lr * g;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status OptimizerRule::MaskMomentum(const SparseVector& sent,
+                                         const SparseVector& global,
+                                         absl::Span<float> velocity) const {
+  const uint64_t n = velocity.size();
+  if (options_.momentum_mode != MomentumMode::kDgcCorrection ||
+      !options_.momentum_factor_masking) {
+    return absl::OkStatus();
+  }
+  GTOPK_RETURN_IF_ERROR(ValidateSparseVector(sent, n));
+  GTOPK_RETURN_IF_ERROR(ValidateSparseVector(global, n));
+  size_t a = 0, b = 0;
+  while (a < sent.size() && b < global.size()) {
+    const uint32_t x = sent.indices[a], y = global.indices[b];
+    if (x == y) {
+      velocity[x] = 0.0f;
+      ++a;
+      ++b;
+    } else if (x < y) {
+      ++a;
+    } else {
+      ++b;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status OptimizerRule::ApplyAggregated(
+    const SparseVector& aggregated, uint64_t offset, int num_workers,
+    absl::Span<float> params, absl::Span<float> global_velocity) const {
+  if (num_workers < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_workers must be >= 1, got ", num_workers));
+  }
+  const uint64_t end = offset + params.size();
+  GTOPK_RETURN_IF_ERROR(ValidateSparseVector(aggregated, kMaxDenseLength));
+  if (!aggregated.empty() && (aggregated.indices.front() < offset ||
+                              aggregated.indices.back() >= end)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "aggregated indices [", aggregated.indices.front(), ", ",
+        aggregated.indices.back(), "] fall outside the parameter range [",
+        offset, ", ", end, ")"));
+  }
+  const bool global = options_.momentum_mode == MomentumMode::kGlobal;
+  if (global && global_velocity.size() != params.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("global velocity has ", global_velocity.size(),
+                     " entries, expected ", params.size()));
+  }
+  const float p = static_cast<float>(num_workers);
+  if (!global) {
+    for (size_t j = 0; j < aggregated.size(); ++j) {
+      const float update = aggregated.values[j] / p;
+      params[aggregated.indices[j] - offset] -= update;
+    }
+    return absl::OkStatus();
+  }
+  const float m = options_.momentum;
+  size_t j = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    float update = 0.0f;
+    if (j < aggregated.size() && aggregated.indices[j] - offset == i) {
+      update = aggregated.values[j] / p;
+      ++j;
+    }
+    const float v = m * global_velocity[i] + update;
+    global_velocity[i] = v;
+    params[i] -= v;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace gtopk

@@ -1,0 +1,129 @@
+// The optimizer rule shared by workers and servers. Every replica and the
+// servers' copy of the parameters apply the same float operations in the same
+// order through these functions, so they stay bit-identical.
+#ifndef GTOPK_COMMON_OPTIMIZER_H_
+#define GTOPK_COMMON_OPTIMIZER_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "common/sparse_vector.h"
+
+namespace gtopk {
+
+// Where momentum lives.
+enum class MomentumMode {
+  // No momentum: u = residual + lr * g.
+  kNone,
+  // DGC momentum correction (Lin et al., ICLR 2018, arXiv:1712.01887, Sec.
+  // 3.2): each worker keeps a local velocity v = m*v + g and accumulates
+  // u = residual + lr*v, so sparsification does not lose momentum. The
+  // default.
+  kDgcCorrection,
+  // Global momentum after aggregation, as in the authors' gTop-k code (Shi et
+  // al., ICDCS 2019): workers accumulate u = residual + lr*g; every replica
+  // keeps V = m*V + A/P over the dense vector and applies params -= V.
+  kGlobal,
+};
+
+// "none", "dgc", "global".
+absl::string_view MomentumModeName(MomentumMode mode);
+// INVALID_ARGUMENT for an unknown name (the message lists the known ones).
+absl::StatusOr<MomentumMode> ParseMomentumMode(absl::string_view name);
+
+// DGC's density warm-up (arXiv:1712.01887, Sec. 3.4): densities for the
+// first four epochs, 0.25 -> 0.0625 -> 0.015625 -> 0.004, then the target.
+std::vector<double> DgcDensityWarmup();
+
+struct OptimizerOptions {
+  // Base learning rate (dimensionless step size), finite and > 0.
+  float lr = 0.1f;
+  // Momentum coefficient m in [0, 1); ignored by MomentumMode::kNone.
+  float momentum = 0.9f;
+  MomentumMode momentum_mode = MomentumMode::kDgcCorrection;
+  // DGC momentum factor masking: clear the local velocity of the entries
+  // whose accumulated value was applied this step (sent and globally
+  // selected). Only with kDgcCorrection.
+  bool momentum_factor_masking = true;
+  // L2 weight decay coefficient >= 0, added to the gradient as wd * param.
+  float weight_decay = 0.0f;
+  // Linear learning-rate warm-up (Goyal et al., 2017): lr * (step+1)/W for
+  // the first W steps; 0 disables it.
+  int64_t lr_warmup_steps = 0;
+  // Target density k/n in (0, 1] after warm-up.
+  double density = 0.001;
+  // Density for each warm-up epoch (each in (0, 1]); epoch e < size() uses
+  // max(density_warmup[e], density). Empty: no density warm-up.
+  std::vector<double> density_warmup;
+  // Steps per epoch, > 0 when density_warmup is not empty.
+  int64_t steps_per_epoch = 0;
+};
+
+// INVALID_ARGUMENT naming the first bad field, or OK.
+absl::Status ValidateOptimizerOptions(const OptimizerOptions& options);
+
+// The per-step arithmetic of gTop-k S-SGD with error feedback (DESIGN.md,
+// "One step"). Immutable after Create: safe to share across threads; the
+// spans passed in are caller-owned and must not be shared during a call.
+class OptimizerRule {
+ public:
+  // INVALID_ARGUMENT when the options are invalid.
+  static absl::StatusOr<OptimizerRule> Create(const OptimizerOptions& options);
+
+  const OptimizerOptions& options() const { return options_; }
+
+  // Learning rate at `step` (>= 0), with warm-up.
+  float LrAt(int64_t step) const;
+  // Density at `step` (>= 0), with density warm-up.
+  double DensityAt(int64_t step) const;
+  // k at `step` for n parameters: KFromDensity(DensityAt(step), n).
+  absl::StatusOr<uint64_t> KAt(int64_t step, uint64_t n) const;
+
+  // Worker side, before selection. All spans have length n.
+  //   g' = grad + weight_decay * params
+  //   kDgcCorrection: velocity = m * velocity + g';  residual += lr * velocity
+  //   kNone, kGlobal: residual += lr * g'   (velocity untouched, may be empty)
+  // After this, `residual` is u, what the selector picks from.
+  // INVALID_ARGUMENT on a length mismatch, a negative step or a non-finite
+  // gradient (position named); nothing is modified then.
+  absl::Status AccumulateLocal(int64_t step, absl::Span<const float> grad,
+                               absl::Span<const float> params,
+                               absl::Span<float> velocity,
+                               absl::Span<float> residual) const;
+
+  // Worker side, after the global selection: DGC momentum factor masking,
+  // velocity[i] = 0 for every i in both `sent` and `global` (sorted index
+  // lists, O(|sent| + |global|)). No-op unless kDgcCorrection with masking.
+  // INVALID_ARGUMENT if either vector is invalid for n = velocity.size().
+  absl::Status MaskMomentum(const SparseVector& sent,
+                            const SparseVector& global,
+                            absl::Span<float> velocity) const;
+
+  // Every replica and every server: applies the aggregated update to the
+  // parameter range [offset, offset + params.size()).
+  //   aggregated  the sum over the P workers of the globally selected
+  //               entries (global indices, all inside the range);
+  //   kDgcCorrection, kNone: params[i - offset] -= aggregated_i / P
+  //   kGlobal: for every i in the range, V = m*V + (aggregated_i / P, or 0);
+  //            params -= V   (global_velocity has params.size() entries).
+  // INVALID_ARGUMENT for num_workers < 1, an invalid `aggregated`, an index
+  // outside the range or a global_velocity of the wrong size; nothing is
+  // modified then.
+  absl::Status ApplyAggregated(const SparseVector& aggregated, uint64_t offset,
+                               int num_workers, absl::Span<float> params,
+                               absl::Span<float> global_velocity) const;
+
+ private:
+  explicit OptimizerRule(OptimizerOptions options)
+      : options_(std::move(options)) {}
+  OptimizerOptions options_;
+};
+
+}  // namespace gtopk
+
+#endif  // GTOPK_COMMON_OPTIMIZER_H_

@@ -1,0 +1,269 @@
+#include "common/optimizer.h"
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "common/testing/status_matchers.h"
+#include "gtest/gtest.h"
+
+namespace gtopk {
+namespace {
+
+using ::gtopk::testing::StatusIs;
+using ::testing::HasSubstr;
+
+std::vector<float> Random(size_t n, uint64_t seed, float scale = 1.0f) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, scale);
+  std::vector<float> x(n);
+  for (float& v : x) v = normal(rng);
+  return x;
+}
+
+bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() &&
+         std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+OptimizerRule MakeRule(const OptimizerOptions& o) {
+  auto rule = OptimizerRule::Create(o);
+  EXPECT_TRUE(rule.ok()) << rule.status();
+  return *std::move(rule);
+}
+
+TEST(OptimizerTest, AccumulateLocalMatchesTheFormulas) {
+  const size_t n = 1001;
+  const auto grad = Random(n, 1), params = Random(n, 2);
+  for (MomentumMode mode : {MomentumMode::kNone, MomentumMode::kDgcCorrection,
+                            MomentumMode::kGlobal}) {
+    OptimizerOptions o;
+    o.lr = 0.05f;
+    o.momentum = 0.9f;
+    o.weight_decay = 1e-4f;
+    o.momentum_mode = mode;
+    OptimizerRule rule = MakeRule(o);
+    std::vector<float> velocity = Random(n, 3), residual = Random(n, 4);
+    std::vector<float> ref_v = velocity, ref_r = residual;
+    // Reference: the documented formula, one operation at a time.
+    for (size_t i = 0; i < n; ++i) {
+      float g = o.weight_decay * params[i];
+      g = grad[i] + g;
+      if (mode == MomentumMode::kDgcCorrection) {
+        float mv = o.momentum * ref_v[i];
+        ref_v[i] = mv + g;
+        float step = o.lr * ref_v[i];
+        ref_r[i] = ref_r[i] + step;
+      } else {
+        float step = o.lr * g;
+        ref_r[i] = ref_r[i] + step;
+      }
+    }
+    GTOPK_ASSERT_OK(rule.AccumulateLocal(100, grad, params,
+                                         absl::MakeSpan(velocity),
+                                         absl::MakeSpan(residual)));
+    EXPECT_TRUE(BitEqual(velocity, ref_v)) << MomentumModeName(mode);
+    EXPECT_TRUE(BitEqual(residual, ref_r)) << MomentumModeName(mode);
+  }
+}
+
+TEST(OptimizerTest, AccumulateLocalRejectsBadInputWithoutChanges) {
+  OptimizerRule rule = MakeRule({});
+  std::vector<float> grad = Random(10, 1), params = Random(10, 2);
+  std::vector<float> velocity(10, 1.0f), residual(10, 2.0f);
+  const auto v0 = velocity, r0 = residual;
+  grad[7] = NAN;
+  EXPECT_THAT(rule.AccumulateLocal(0, grad, params, absl::MakeSpan(velocity),
+                                   absl::MakeSpan(residual)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("gradient has a non-finite value (nan) at "
+                                 "position 7")));
+  grad[7] = 0;
+  EXPECT_THAT(rule.AccumulateLocal(0, grad, absl::MakeSpan(params).subspan(1),
+                                   absl::MakeSpan(velocity),
+                                   absl::MakeSpan(residual)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("length mismatch")));
+  EXPECT_THAT(rule.AccumulateLocal(-1, grad, params, absl::MakeSpan(velocity),
+                                   absl::MakeSpan(residual)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("step must be >= 0")));
+  EXPECT_THAT(rule.AccumulateLocal(0, grad, params, {},
+                                   absl::MakeSpan(residual)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("velocity has 0 entries")));
+  EXPECT_TRUE(BitEqual(velocity, v0));
+  EXPECT_TRUE(BitEqual(residual, r0));
+}
+
+TEST(OptimizerTest, ShardedApplicationIsBitIdenticalToWhole) {
+  // The servers apply the update per shard range; workers to the whole
+  // vector. Both must give the same bits, for every momentum mode.
+  const size_t n = 5003;
+  const int workers = 7;
+  for (MomentumMode mode : {MomentumMode::kNone, MomentumMode::kDgcCorrection,
+                            MomentumMode::kGlobal}) {
+    OptimizerOptions o;
+    o.momentum_mode = mode;
+    OptimizerRule rule = MakeRule(o);
+    std::vector<float> whole = Random(n, 9), whole_v(n, 0.0f);
+    std::vector<float> sharded = whole, sharded_v(n, 0.0f);
+    const std::vector<uint64_t> bounds = {0, 1, 2000, 2001, 4999, n};
+    for (int step = 0; step < 3; ++step) {
+      SparseVector agg;
+      std::mt19937_64 rng(step);
+      for (uint32_t i = 0; i < n; ++i) {
+        if (rng() % 10 == 0) agg.push_back(i, static_cast<float>(rng() % 1000) * 0.37f - 100);
+      }
+      GTOPK_ASSERT_OK(rule.ApplyAggregated(agg, 0, workers,
+                                           absl::MakeSpan(whole),
+                                           absl::MakeSpan(whole_v)));
+      for (size_t s = 0; s + 1 < bounds.size(); ++s) {
+        SparseVector part;
+        for (size_t j = 0; j < agg.size(); ++j) {
+          if (agg.indices[j] >= bounds[s] && agg.indices[j] < bounds[s + 1]) {
+            part.push_back(agg.indices[j], agg.values[j]);
+          }
+        }
+        const size_t len = bounds[s + 1] - bounds[s];
+        GTOPK_ASSERT_OK(rule.ApplyAggregated(
+            part, bounds[s], workers,
+            absl::MakeSpan(sharded).subspan(bounds[s], len),
+            absl::MakeSpan(sharded_v).subspan(bounds[s], len)));
+      }
+    }
+    EXPECT_TRUE(BitEqual(whole, sharded)) << MomentumModeName(mode);
+    EXPECT_TRUE(BitEqual(whole_v, sharded_v)) << MomentumModeName(mode);
+  }
+}
+
+TEST(OptimizerTest, ApplyAggregatedMatchesReference) {
+  const size_t n = 100;
+  SparseVector agg;
+  agg.push_back(3, 4.0f);
+  agg.push_back(50, -1.5f);
+  agg.push_back(99, 0.25f);
+  std::vector<float> params = Random(n, 5);
+  // kDgcCorrection / kNone: params[i] -= A_i / P on the selected entries only.
+  {
+    OptimizerRule rule = MakeRule({});
+    std::vector<float> p = params;
+    GTOPK_ASSERT_OK(rule.ApplyAggregated(agg, 0, 4, absl::MakeSpan(p), {}));
+    std::vector<float> ref = params;
+    ref[3] -= 1.0f;
+    ref[50] -= -0.375f;
+    ref[99] -= 0.0625f;
+    EXPECT_TRUE(BitEqual(p, ref));
+  }
+  // kGlobal: V = m V + A/P everywhere, params -= V.
+  {
+    OptimizerOptions o;
+    o.momentum_mode = MomentumMode::kGlobal;
+    o.momentum = 0.5f;
+    OptimizerRule rule = MakeRule(o);
+    std::vector<float> p = params, v(n, 2.0f);
+    GTOPK_ASSERT_OK(rule.ApplyAggregated(agg, 0, 4, absl::MakeSpan(p),
+                                         absl::MakeSpan(v)));
+    for (size_t i = 0; i < n; ++i) {
+      float a = i == 3 ? 1.0f : i == 50 ? -0.375f : i == 99 ? 0.0625f : 0.0f;
+      const float expect_v = 1.0f + a;
+      EXPECT_EQ(v[i], expect_v) << i;
+      EXPECT_EQ(p[i], params[i] - expect_v) << i;
+    }
+  }
+}
+
+TEST(OptimizerTest, ApplyAggregatedRejectsBadInputWithoutChanges) {
+  OptimizerRule rule = MakeRule({});
+  std::vector<float> params(10, 1.0f);
+  SparseVector agg;
+  agg.push_back(15, 1.0f);
+  EXPECT_THAT(rule.ApplyAggregated(agg, 5, 2, absl::MakeSpan(params), {}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("outside the parameter range [5, 15)")));
+  agg.indices[0] = 4;
+  EXPECT_THAT(rule.ApplyAggregated(agg, 5, 2, absl::MakeSpan(params), {}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("outside the parameter range")));
+  agg.indices[0] = 6;
+  EXPECT_THAT(rule.ApplyAggregated(agg, 5, 0, absl::MakeSpan(params), {}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("num_workers")));
+  agg.values[0] = INFINITY;
+  EXPECT_THAT(rule.ApplyAggregated(agg, 5, 2, absl::MakeSpan(params), {}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("not finite")));
+  EXPECT_EQ(params, std::vector<float>(10, 1.0f));
+}
+
+TEST(OptimizerTest, MomentumFactorMaskingClearsSentAndSelected) {
+  OptimizerRule rule = MakeRule({});
+  std::vector<float> v(10, 1.0f);
+  SparseVector sent, global;
+  for (uint32_t i : {1u, 3u, 5u, 7u}) sent.push_back(i, 1.0f);
+  for (uint32_t i : {0u, 3u, 7u, 9u}) global.push_back(i, 1.0f);
+  GTOPK_ASSERT_OK(rule.MaskMomentum(sent, global, absl::MakeSpan(v)));
+  std::vector<float> expect(10, 1.0f);
+  expect[3] = expect[7] = 0.0f;
+  EXPECT_EQ(v, expect);
+  OptimizerOptions o;
+  o.momentum_factor_masking = false;
+  std::vector<float> w(10, 1.0f);
+  GTOPK_ASSERT_OK(MakeRule(o).MaskMomentum(sent, global, absl::MakeSpan(w)));
+  EXPECT_EQ(w, std::vector<float>(10, 1.0f));
+  sent.indices[1] = 0;  // unsorted
+  EXPECT_THAT(rule.MaskMomentum(sent, global, absl::MakeSpan(v)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("not strictly ascending")));
+}
+
+TEST(OptimizerTest, SchedulesFollowWarmups) {
+  OptimizerOptions o;
+  o.lr = 0.4f;
+  o.lr_warmup_steps = 4;
+  o.density = 0.001;
+  o.density_warmup = DgcDensityWarmup();
+  o.steps_per_epoch = 10;
+  OptimizerRule rule = MakeRule(o);
+  EXPECT_EQ(rule.LrAt(0), 0.4f * (1.0f / 4.0f));
+  EXPECT_EQ(rule.LrAt(3), 0.4f);
+  EXPECT_EQ(rule.LrAt(1000), 0.4f);
+  EXPECT_EQ(rule.DensityAt(0), 0.25);
+  EXPECT_EQ(rule.DensityAt(9), 0.25);
+  EXPECT_EQ(rule.DensityAt(10), 0.0625);
+  EXPECT_EQ(rule.DensityAt(25), 0.015625);
+  EXPECT_EQ(rule.DensityAt(39), 0.004);
+  EXPECT_EQ(rule.DensityAt(40), 0.001);
+  EXPECT_EQ(*rule.KAt(40, 25557032), 25557u);
+  EXPECT_EQ(*rule.KAt(0, 1000), 250u);
+  // A warm-up density below the target never lowers it.
+  o.density = 0.1;
+  EXPECT_EQ(MakeRule(o).DensityAt(35), 0.1);
+}
+
+TEST(OptimizerTest, OptionsAreValidated) {
+  auto bad = [](auto mutate, const char* what) {
+    OptimizerOptions o;
+    mutate(o);
+    EXPECT_THAT(OptimizerRule::Create(o),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(what)));
+  };
+  bad([](OptimizerOptions& o) { o.lr = 0; }, "lr must be");
+  bad([](OptimizerOptions& o) { o.lr = NAN; }, "lr must be");
+  bad([](OptimizerOptions& o) { o.momentum = 1.0f; }, "momentum must be");
+  bad([](OptimizerOptions& o) { o.weight_decay = -1; }, "weight_decay");
+  bad([](OptimizerOptions& o) { o.lr_warmup_steps = -1; }, "lr_warmup_steps");
+  bad([](OptimizerOptions& o) { o.density = 0; }, "density must be");
+  bad([](OptimizerOptions& o) { o.density_warmup = {0.5, 2.0}; },
+      "density_warmup[1]");
+  bad([](OptimizerOptions& o) { o.density_warmup = {0.5}; },
+      "steps_per_epoch");
+  EXPECT_THAT(ParseMomentumMode("nesterov"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("known: none, dgc, global")));
+  EXPECT_EQ(*ParseMomentumMode("global"), MomentumMode::kGlobal);
+}
+
+}  // namespace
+}  // namespace gtopk

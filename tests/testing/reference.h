@@ -1,0 +1,108 @@
+// Plain, obviously-correct reference implementations and seeded input
+// generators shared by the tests. Nothing here is optimised on purpose.
+#ifndef GTOPK_TESTS_TESTING_REFERENCE_H_
+#define GTOPK_TESTS_TESTING_REFERENCE_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/sparse_vector.h"
+
+namespace gtopk {
+namespace testing {
+
+// Top-k by |value| with ties broken by lower index, by a full stable sort;
+// returned sorted by index with the input's values.
+inline SparseVector ReferenceTopK(const std::vector<float>& x, size_t k) {
+  std::vector<uint32_t> order(x.size());
+  std::iota(order.begin(), order.end(), 0u);
+  std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+    return std::fabs(x[a]) > std::fabs(x[b]);
+  });
+  order.resize(std::min(k, order.size()));
+  std::sort(order.begin(), order.end());
+  SparseVector out;
+  for (uint32_t i : order) out.push_back(i, x[i]);
+  return out;
+}
+
+// Named input families, including adversarial ones for threshold selection.
+enum class Distribution {
+  kNormal,
+  kHeavyTailed,  // Student-t with 1.5 degrees of freedom
+  kManyZeros,    // 90% exact zeros (and -0.0)
+  kAllZeros,
+  kAllEqual,
+  kFewLevels,    // 5 distinct magnitudes: ties at the k-th value
+  kDenormals,    // subnormal magnitudes only
+  kAscending,    // sorted ramp: the largest values all at the end
+  kSpike,        // small noise plus one block of large values
+};
+
+inline std::vector<Distribution> AllDistributions() {
+  return {Distribution::kNormal,    Distribution::kHeavyTailed,
+          Distribution::kManyZeros, Distribution::kAllZeros,
+          Distribution::kAllEqual,  Distribution::kFewLevels,
+          Distribution::kDenormals, Distribution::kAscending,
+          Distribution::kSpike};
+}
+
+inline std::string DistributionName(Distribution d) {
+  switch (d) {
+    case Distribution::kNormal: return "normal";
+    case Distribution::kHeavyTailed: return "heavy_tailed";
+    case Distribution::kManyZeros: return "many_zeros";
+    case Distribution::kAllZeros: return "all_zeros";
+    case Distribution::kAllEqual: return "all_equal";
+    case Distribution::kFewLevels: return "few_levels";
+    case Distribution::kDenormals: return "denormals";
+    case Distribution::kAscending: return "ascending";
+    case Distribution::kSpike: return "spike";
+  }
+  return "unknown";
+}
+
+inline std::vector<float> MakeInput(Distribution d, size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::student_t_distribution<float> student(1.5f);
+  std::uniform_int_distribution<int> level(0, 4);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  std::vector<float> x(n);
+  for (size_t i = 0; i < n; ++i) {
+    switch (d) {
+      case Distribution::kNormal: x[i] = normal(rng); break;
+      case Distribution::kHeavyTailed: x[i] = student(rng); break;
+      case Distribution::kManyZeros:
+        x[i] = unit(rng) < 0.9f ? (i % 2 ? -0.0f : 0.0f) : normal(rng);
+        break;
+      case Distribution::kAllZeros: x[i] = (i % 3 == 0) ? -0.0f : 0.0f; break;
+      case Distribution::kAllEqual: x[i] = (i % 2) ? -0.5f : 0.5f; break;
+      case Distribution::kFewLevels:
+        x[i] = (unit(rng) < 0.5f ? -1.0f : 1.0f) * (1 + level(rng)) * 0.25f;
+        break;
+      case Distribution::kDenormals:
+        x[i] = normal(rng) * std::numeric_limits<float>::denorm_min() * 1000.0f;
+        break;
+      case Distribution::kAscending:
+        x[i] = static_cast<float>(i) / static_cast<float>(n);
+        break;
+      case Distribution::kSpike:
+        x[i] = normal(rng) * 1e-3f;
+        if (i >= n / 3 && i < n / 3 + n / 50 + 1) x[i] = 10.0f + normal(rng);
+        break;
+    }
+  }
+  return x;
+}
+
+}  // namespace testing
+}  // namespace gtopk
+
+#endif  // GTOPK_TESTS_TESTING_REFERENCE_H_
