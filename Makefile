@@ -50,8 +50,8 @@ test: deps
 bench: build
 	mkdir -p bench/results
 	$(BUILD_DIR)/bench/cpu_select_bench --results_json=bench/results/cpu_select.json
-	$(BUILD_DIR)/bench/codec_bench --benchmark_out=bench/results/codec.json --benchmark_out_format=json
-	$(BUILD_DIR)/bench/merge_bench --benchmark_out=bench/results/merge.json --benchmark_out_format=json
+	$(BUILD_DIR)/bench/codec_bench --results_json=bench/results/codec.json
+	$(BUILD_DIR)/bench/merge_bench --results_json=bench/results/merge.json
 
 format:
 	find common server worker tests bench -name '*.h' -o -name '*.cc' -o -name '*.cu' 2>/dev/null | xargs clang-format -i

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "bench/results_reporter.h"
 #include "benchmark/benchmark.h"
 #include "common/codec.h"
@@ -119,7 +120,10 @@ void RegisterAll() {
   }
 }
 
-void PrintSummary(const bench::CollectingReporter& r) {
+// Prints the table and returns the JSON summary (bytes per pair and GB/s over
+// the 8 decoded bytes per pair, per codec combination).
+std::string Summarize(const bench::CollectingReporter& r,
+                      const std::string& command) {
   std::printf(
       "\nn = %llu, k = %zu (density 0.001), seed %llu; GB/s over 8 decoded "
       "bytes per pair\n",
@@ -132,42 +136,47 @@ void PrintSummary(const bench::CollectingReporter& r) {
     const double s = r.Seconds(name);
     return s > 0 ? decoded_bytes / s / 1e9 : 0.0;
   };
+  std::string json = absl::StrCat(
+      "{\n  \"command\": \"", command, "\",\n  \"n\": ", kN, ",\n  \"k\": ", kK,
+      ",\n  \"density\": 0.001,\n  \"inputs\": \"uniform random k-subset, "
+      "normal(0,1) fp32, seed ",
+      kSeed,
+      "\",\n  \"threads\": 1,\n  \"gb_per_s_over\": \"8 decoded bytes per "
+      "pair\",\n  \"codecs\": [");
+  bool first = true;
   for (IndexCodec index : kIndexCodecs) {
     for (ValueCodec value : kValueCodecs) {
       const CodecSpec spec{index, value};
+      const double bpp = r.Counter(Name("encode", spec), "bytes_per_pair");
+      const double enc = rate(Name("encode", spec));
+      const double dec = rate(Name("decode", spec));
       std::printf("%-14s %-5s %14.3f %12.2f %12.2f\n",
                   std::string(IndexCodecName(index)).c_str(),
-                  std::string(ValueCodecName(value)).c_str(),
-                  r.Counter(Name("encode", spec), "bytes_per_pair"),
-                  rate(Name("encode", spec)), rate(Name("decode", spec)));
+                  std::string(ValueCodecName(value)).c_str(), bpp, enc, dec);
+      absl::StrAppend(
+          &json, first ? "" : ",",
+          absl::StrFormat("\n    {\"index\": \"%s\", \"value\": \"%s\", "
+                          "\"bytes_per_pair\": %.3f, \"encode_gb_per_s\": "
+                          "%.2f, \"decode_gb_per_s\": %.2f}",
+                          IndexCodecName(index), ValueCodecName(value), bpp,
+                          enc, dec));
+      first = false;
     }
   }
-  for (ValueCodec value : kValueCodecs) {
-    const CodecSpec varint{IndexCodec::kDeltaVarint, value};
-    const CodecSpec bitpack{IndexCodec::kDeltaBitpack, value};
-    const double enc_bitpack = r.Seconds(Name("encode", bitpack));
-    const double dec_bitpack = r.Seconds(Name("decode", bitpack));
-    if (enc_bitpack <= 0 || dec_bitpack <= 0) continue;  // filtered out
-    const double enc = r.Seconds(Name("encode", varint)) / enc_bitpack;
-    const double dec = r.Seconds(Name("decode", varint)) / dec_bitpack;
-    std::printf(
-        "delta-bitpack vs delta-varint (%s): encode %.2fx, decode "
-        "%.2fx faster\n",
-        std::string(ValueCodecName(value)).c_str(), enc, dec);
-  }
+  absl::StrAppend(&json, "\n  ]\n}\n");
+  return json;
 }
 
 }  // namespace
 }  // namespace gtopk
 
 int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 2;
-  gtopk::Input();  // build the input before the first timing
-  gtopk::RegisterAll();
-  gtopk::bench::CollectingReporter reporter;
-  benchmark::RunSpecifiedBenchmarks(&reporter);
-  benchmark::Shutdown();
-  gtopk::PrintSummary(reporter);
-  return 0;
+  gtopk::bench::BenchProgram program;
+  program.default_results = "bench/results/codec.json";
+  program.register_benchmarks = [] {
+    gtopk::Input();  // build the input before the first timing
+    gtopk::RegisterAll();
+  };
+  program.summarize = gtopk::Summarize;
+  return gtopk::bench::BenchMain(argc, argv, program);
 }

@@ -107,19 +107,24 @@ void BM_Select(benchmark::State& state, const char* name) {
 
 void RegisterAll() {
   benchmark::RegisterBenchmark("memcpy", BM_Memcpy)
-      ->Unit(benchmark::kMillisecond)->UseRealTime();
+      ->Unit(benchmark::kMillisecond)
+      ->UseRealTime();
   for (int d = 0; d < 2; ++d) {
     benchmark::RegisterBenchmark("nth_element", BM_NthElement)
-        ->Arg(d)->Unit(benchmark::kMillisecond)->UseRealTime();
+        ->Arg(d)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
     for (const char* name : {"exact", "gaussiank", "dgc", "randomk"}) {
       benchmark::RegisterBenchmark(name, BM_Select, name)
-          ->Arg(d)->Unit(benchmark::kMillisecond)->UseRealTime();
+          ->Arg(d)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
     }
   }
 }
 
-int WriteSummary(const bench::CollectingReporter& r, const std::string& path,
-                 const std::string& command) {
+std::string Summarize(const bench::CollectingReporter& r,
+                      const std::string& command) {
   const double memcpy_ms = r.Seconds("memcpy") * 1e3;
   std::string json = absl::StrCat(
       "{\n  \"command\": \"", command, "\",\n  \"n\": ", g_n,
@@ -149,44 +154,26 @@ int WriteSummary(const bench::CollectingReporter& r, const std::string& path,
             r.Counter("dgc" + arg, "selected")));
   }
   absl::StrAppend(&json, "\n  ]\n}\n");
-  FILE* f = std::fopen(path.c_str(), "w");
-  if (f == nullptr) {
-    std::fprintf(stderr, "cannot write %s\n", path.c_str());
-    return 1;
+  return json;
+}
+
+int ParseFlag(absl::string_view arg) {
+  if (!absl::ConsumePrefix(&arg, "--n=")) return 0;
+  if (!absl::SimpleAtoi(arg, &g_n) || g_n < 1000) {
+    std::fprintf(stderr, "--n must be an integer >= 1000\n");
+    return -1;
   }
-  std::fputs(json.c_str(), f);
-  std::fclose(f);
-  std::printf("\nwrote %s\n%s", path.c_str(), json.c_str());
-  return 0;
+  return 1;
 }
 
 }  // namespace
 }  // namespace gtopk
 
 int main(int argc, char** argv) {
-  const std::string command = gtopk::bench::CommandLine(argc, argv);
-  std::string results = "bench/results/cpu_select.json";
-  // Our own flags first; the rest goes to Google Benchmark.
-  std::vector<char*> rest;
-  for (int i = 0; i < argc; ++i) {
-    absl::string_view arg(argv[i]);
-    if (absl::ConsumePrefix(&arg, "--results_json=")) {
-      results = std::string(arg);
-    } else if (absl::ConsumePrefix(&arg, "--n=")) {
-      if (!absl::SimpleAtoi(arg, &gtopk::g_n) || gtopk::g_n < 1000) {
-        std::fprintf(stderr, "--n must be an integer >= 1000\n");
-        return 2;
-      }
-    } else {
-      rest.push_back(argv[i]);
-    }
-  }
-  int rest_argc = static_cast<int>(rest.size());
-  benchmark::Initialize(&rest_argc, rest.data());
-  if (benchmark::ReportUnrecognizedArguments(rest_argc, rest.data())) return 2;
-  gtopk::RegisterAll();
-  gtopk::bench::CollectingReporter reporter;
-  benchmark::RunSpecifiedBenchmarks(&reporter);
-  benchmark::Shutdown();
-  return gtopk::WriteSummary(reporter, results, command);
+  gtopk::bench::BenchProgram program;
+  program.default_results = "bench/results/cpu_select.json";
+  program.parse_flag = gtopk::ParseFlag;
+  program.register_benchmarks = gtopk::RegisterAll;
+  program.summarize = gtopk::Summarize;
+  return gtopk::bench::BenchMain(argc, argv, program);
 }

@@ -157,8 +157,8 @@ void RegisterAll() {
       ->UseRealTime();
 }
 
-int WriteSummary(const bench::CollectingReporter& r, const std::string& path,
-                 const std::string& command) {
+std::string Summarize(const bench::CollectingReporter& r,
+                      const std::string& command) {
   std::string json = absl::StrCat(
       "{\n  \"command\": \"", command, "\",\n  \"n\": ", kN,
       ",\n  \"k_per_worker\": ", kK,
@@ -186,39 +186,16 @@ int WriteSummary(const bench::CollectingReporter& r, const std::string& path,
           "\"us\": %.1f, \"sparse_sum_P32_us\": %.1f}\n}\n",
           r.Counter("SparseTopK/32", "sum_nnz"), static_cast<int>(kK),
           r.Seconds("SparseTopK/32") * 1e6, r.Seconds("SparseSum/32") * 1e6));
-  FILE* f = std::fopen(path.c_str(), "w");
-  if (f == nullptr) {
-    std::fprintf(stderr, "cannot write %s\n", path.c_str());
-    return 1;
-  }
-  std::fputs(json.c_str(), f);
-  std::fclose(f);
-  std::printf("\nwrote %s\n%s", path.c_str(), json.c_str());
-  return 0;
+  return json;
 }
 
 }  // namespace
 }  // namespace gtopk
 
 int main(int argc, char** argv) {
-  const std::string command = gtopk::bench::CommandLine(argc, argv);
-  std::string results = "bench/results/merge.json";
-  // Our own flags first; the rest goes to Google Benchmark.
-  std::vector<char*> rest;
-  for (int i = 0; i < argc; ++i) {
-    absl::string_view arg(argv[i]);
-    if (absl::ConsumePrefix(&arg, "--results_json=")) {
-      results = std::string(arg);
-    } else {
-      rest.push_back(argv[i]);
-    }
-  }
-  int rest_argc = static_cast<int>(rest.size());
-  benchmark::Initialize(&rest_argc, rest.data());
-  if (benchmark::ReportUnrecognizedArguments(rest_argc, rest.data())) return 2;
-  gtopk::RegisterAll();
-  gtopk::bench::CollectingReporter reporter;
-  benchmark::RunSpecifiedBenchmarks(&reporter);
-  benchmark::Shutdown();
-  return gtopk::WriteSummary(reporter, results, command);
+  gtopk::bench::BenchProgram program;
+  program.default_results = "bench/results/merge.json";
+  program.register_benchmarks = gtopk::RegisterAll;
+  program.summarize = gtopk::Summarize;
+  return gtopk::bench::BenchMain(argc, argv, program);
 }

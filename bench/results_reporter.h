@@ -4,10 +4,14 @@
 #ifndef GTOPK_BENCH_RESULTS_REPORTER_H_
 #define GTOPK_BENCH_RESULTS_REPORTER_H_
 
+#include <cstdio>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
 
+#include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 #include "benchmark/benchmark.h"
 
 namespace gtopk {
@@ -63,6 +67,60 @@ inline std::string CommandLine(int argc, char** argv) {
     cmd += argv[i];
   }
   return cmd;
+}
+
+// What differs between our benchmark programs; BenchMain does the rest.
+struct BenchProgram {
+  // Where the JSON summary goes unless --results_json=PATH is given.
+  std::string default_results;
+  // Optional: a program-specific flag ("--n=..."). Returns 1 when `arg` was
+  // consumed, 0 when it is not this program's, -1 (after printing why) when
+  // its value is bad.
+  std::function<int(absl::string_view arg)> parse_flag;
+  // Registers the benchmarks (after flags are parsed).
+  std::function<void()> register_benchmarks;
+  // The JSON document for the results file, given the measurements and the
+  // command line that produced them.
+  std::function<std::string(const CollectingReporter&, const std::string&)>
+      summarize;
+};
+
+// main() of every benchmark program: parses --results_json and the
+// program's flags, hands the rest to Google Benchmark, runs, writes the
+// summary. Returns the process exit code (2 for bad flags, 1 when the
+// results file cannot be written).
+inline int BenchMain(int argc, char** argv, const BenchProgram& program) {
+  const std::string command = CommandLine(argc, argv);
+  std::string results = program.default_results;
+  std::vector<char*> rest;
+  for (int i = 0; i < argc; ++i) {
+    absl::string_view arg(argv[i]);
+    if (absl::ConsumePrefix(&arg, "--results_json=")) {
+      results = std::string(arg);
+      continue;
+    }
+    const int consumed =
+        i > 0 && program.parse_flag ? program.parse_flag(argv[i]) : 0;
+    if (consumed < 0) return 2;
+    if (consumed == 0) rest.push_back(argv[i]);
+  }
+  int rest_argc = static_cast<int>(rest.size());
+  benchmark::Initialize(&rest_argc, rest.data());
+  if (benchmark::ReportUnrecognizedArguments(rest_argc, rest.data())) return 2;
+  program.register_benchmarks();
+  CollectingReporter reporter;
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+  benchmark::Shutdown();
+  const std::string json = program.summarize(reporter, command);
+  FILE* f = std::fopen(results.c_str(), "w");
+  if (f == nullptr) {
+    std::fprintf(stderr, "cannot write %s\n", results.c_str());
+    return 1;
+  }
+  std::fputs(json.c_str(), f);
+  std::fclose(f);
+  std::printf("\nwrote %s\n%s", results.c_str(), json.c_str());
+  return 0;
 }
 
 }  // namespace bench

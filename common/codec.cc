@@ -6,6 +6,7 @@
 #include <limits>
 #include <utility>
 
+#include "absl/base/casts.h"
 #include "absl/base/config.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -77,18 +78,6 @@ inline void Store32LE(uint32_t v, uint8_t* p) {
 #endif
 }
 
-inline uint32_t FloatToBits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, sizeof(b));
-  return b;
-}
-
-inline float BitsToFloat(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, sizeof(f));
-  return f;
-}
-
 inline bool FloatBitsFinite(uint32_t b) {
   return (b & 0x7f800000u) != 0x7f800000u;
 }
@@ -145,7 +134,7 @@ inline uint32_t Fp16ToFloatBits(uint16_t h) {
   // Zero or subnormal em * 2^-24 (em < 2^10): an integer-to-float
   // conversion and a power-of-two scaling, both exact whatever the rounding
   // mode, and on normal floats only (unaffected by flush-to-zero modes).
-  const uint32_t subnormal = FloatToBits(
+  const uint32_t subnormal = absl::bit_cast<uint32_t>(
       static_cast<float>(static_cast<int32_t>(em)) * 5.9604644775390625e-8f);
   // A mask blend, not `?:`: keeps the loop free of control flow (GCC will
   // not speculate the multiplication into a select under -ftrapping-math)
@@ -448,18 +437,20 @@ uint8_t* EncodeValues(const float* values, size_t count, ValueCodec codec,
       return p + count * sizeof(float);
 #else
       for (size_t j = 0; j < count; ++j, p += 4) {
-        Store32LE(FloatToBits(values[j]), p);
+        Store32LE(absl::bit_cast<uint32_t>(values[j]), p);
       }
       return p;
 #endif
     case ValueCodec::kFp16:
       for (size_t j = 0; j < count; ++j) {
-        Store16LE(FloatBitsToFp16(FloatToBits(values[j])), p + 2 * j);
+        Store16LE(FloatBitsToFp16(absl::bit_cast<uint32_t>(values[j])),
+                  p + 2 * j);
       }
       return p + 2 * count;
     case ValueCodec::kBf16:
       for (size_t j = 0; j < count; ++j) {
-        Store16LE(FloatBitsToBf16(FloatToBits(values[j])), p + 2 * j);
+        Store16LE(FloatBitsToBf16(absl::bit_cast<uint32_t>(values[j])),
+                  p + 2 * j);
       }
       return p + 2 * count;
   }
@@ -482,7 +473,7 @@ bool QuickValid(const SparseVector& v, uint64_t n) {
   const float* values = v.values.data();
   for (size_t j = 0; j < count; ++j) {
     // Non-zero iff some value has an all-ones exponent (Inf or NaN).
-    const uint32_t e = FloatToBits(values[j]) & 0x7f800000u;
+    const uint32_t e = absl::bit_cast<uint32_t>(values[j]) & 0x7f800000u;
     all_exponents |= (e == 0x7f800000u) ? 1u : 0u;
   }
   return not_ascending == 0 && all_exponents == 0 && idx[count - 1] < n;
@@ -702,7 +693,7 @@ absl::Status DecodeValues(Reader& r, size_t count, ValueCodec codec,
       for (size_t j = 0; j < count; ++j) {
         const uint32_t b = Load32LE(p + 4 * j);
         max_abs = std::max(max_abs, b & 0x7fffffffu);
-        values[j] = BitsToFloat(b);
+        values[j] = absl::bit_cast<float>(b);
       }
       if (max_abs < 0x7f800000u) return absl::OkStatus();
       for (size_t j = 0; j < count; ++j) {
@@ -717,7 +708,7 @@ absl::Status DecodeValues(Reader& r, size_t count, ValueCodec codec,
       for (size_t j = 0; j < count; ++j) {
         const uint16_t h = Load16LE(p + 2 * j);
         max_abs = std::max<uint32_t>(max_abs, h & 0x7fffu);
-        values[j] = BitsToFloat(Fp16ToFloatBits(h));
+        values[j] = absl::bit_cast<float>(Fp16ToFloatBits(h));
       }
       if (max_abs < 0x7c00u) return absl::OkStatus();
       for (size_t j = 0; j < count; ++j) {
@@ -731,7 +722,7 @@ absl::Status DecodeValues(Reader& r, size_t count, ValueCodec codec,
       for (size_t j = 0; j < count; ++j) {
         const uint16_t h = Load16LE(p + 2 * j);
         max_abs = std::max<uint32_t>(max_abs, h & 0x7fffu);
-        values[j] = BitsToFloat(Bf16ToFloatBits(h));
+        values[j] = absl::bit_cast<float>(Bf16ToFloatBits(h));
       }
       if (max_abs < 0x7f80u) return absl::OkStatus();
       for (size_t j = 0; j < count; ++j) {
@@ -882,15 +873,15 @@ absl::StatusOr<ValueCodec> ParseValueCodec(absl::string_view name) {
 }
 
 float QuantizeValue(ValueCodec codec, float x) {
-  const uint32_t b = FloatToBits(x);
+  const uint32_t b = absl::bit_cast<uint32_t>(x);
   if (!FloatBitsFinite(b)) return x;
   switch (codec) {
     case ValueCodec::kFp32:
       return x;
     case ValueCodec::kFp16:
-      return BitsToFloat(Fp16ToFloatBits(FloatBitsToFp16(b)));
+      return absl::bit_cast<float>(Fp16ToFloatBits(FloatBitsToFp16(b)));
     case ValueCodec::kBf16:
-      return BitsToFloat(Bf16ToFloatBits(FloatBitsToBf16(b)));
+      return absl::bit_cast<float>(Bf16ToFloatBits(FloatBitsToBf16(b)));
   }
   return x;
 }

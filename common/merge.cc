@@ -5,6 +5,7 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/base/casts.h"
 #include "absl/strings/str_cat.h"
 
 namespace gtopk {
@@ -22,16 +23,6 @@ inline uint32_t PackedIndex(uint64_t packed) {
 }
 inline float PackedValue(uint64_t packed) {
   const uint32_t bits = static_cast<uint32_t>(packed);
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
-inline uint32_t FloatBits(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  return bits;
-}
-inline float BitsFloat(uint32_t bits) {
   float value;
   std::memcpy(&value, &bits, sizeof(value));
   return value;
@@ -101,10 +92,12 @@ bool MergeTwo(const SparseVector& a, const SparseVector& b,
     const float sum = av[i] + bv[j];  // used only when x == y
     const uint32_t both = take_a & take_b;
     const uint32_t value_bits =
-        both ? FloatBits(sum) : (take_a ? FloatBits(av[i]) : FloatBits(bv[j]));
+        both ? absl::bit_cast<uint32_t>(sum)
+             : (take_a ? absl::bit_cast<uint32_t>(av[i])
+                       : absl::bit_cast<uint32_t>(bv[j]));
     bad |= both & NonFinite(sum);
     oi[m] = take_a ? x : y;
-    ov[m] = BitsFloat(value_bits);
+    ov[m] = absl::bit_cast<float>(value_bits);
     i += take_a;
     j += take_b;
     ++m;

@@ -12,9 +12,12 @@ namespace gtopk {
 
 absl::string_view MomentumModeName(MomentumMode mode) {
   switch (mode) {
-    case MomentumMode::kNone: return "none";
-    case MomentumMode::kDgcCorrection: return "dgc";
-    case MomentumMode::kGlobal: return "global";
+    case MomentumMode::kNone:
+      return "none";
+    case MomentumMode::kDgcCorrection:
+      return "dgc";
+    case MomentumMode::kGlobal:
+      return "global";
   }
   return "unknown";
 }
@@ -46,8 +49,8 @@ absl::Status ValidateOptimizerOptions(const OptimizerOptions& o) {
         "weight_decay must be finite and >= 0, got ", o.weight_decay));
   }
   if (o.lr_warmup_steps < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "lr_warmup_steps must be >= 0, got ", o.lr_warmup_steps));
+    return absl::InvalidArgumentError(
+        absl::StrCat("lr_warmup_steps must be >= 0, got ", o.lr_warmup_steps));
   }
   if (!(o.density > 0.0 && o.density <= 1.0)) {
     return absl::InvalidArgumentError(
@@ -56,14 +59,15 @@ absl::Status ValidateOptimizerOptions(const OptimizerOptions& o) {
   for (size_t e = 0; e < o.density_warmup.size(); ++e) {
     const double d = o.density_warmup[e];
     if (!(d > 0.0 && d <= 1.0)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "density_warmup[", e, "] must be in (0, 1], got ", d));
+      return absl::InvalidArgumentError(
+          absl::StrCat("density_warmup[", e, "] must be in (0, 1], got ", d));
     }
   }
   if (!o.density_warmup.empty() && o.steps_per_epoch <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("steps_per_epoch must be > 0 with a density warm-up, "
-                     "got ", o.steps_per_epoch));
+                     "got ",
+                     o.steps_per_epoch));
   }
   return absl::OkStatus();
 }
@@ -105,9 +109,9 @@ absl::Status OptimizerRule::AccumulateLocal(int64_t step,
         absl::StrCat("step must be >= 0, got ", step));
   }
   if (params.size() != n || residual.size() != n) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "length mismatch: gradient ", n, ", parameters ", params.size(),
-        ", residual ", residual.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("length mismatch: gradient ", n, ", parameters ",
+                     params.size(), ", residual ", residual.size()));
   }
   const bool dgc = options_.momentum_mode == MomentumMode::kDgcCorrection;
   if (dgc && velocity.size() != n) {

@@ -75,8 +75,8 @@ absl::StatusOr<std::unique_ptr<Selector>> SelectorRegistry::Create(
   auto it = factories_.find(name);
   if (it == factories_.end()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("unknown selector \"", name, "\"; known: ",
-                     absl::StrJoin(Names(), ", ")));
+        absl::StrCat("unknown selector \"", name,
+                     "\"; known: ", absl::StrJoin(Names(), ", ")));
   }
   GTOPK_RETURN_IF_ERROR(ValidateSelectorOptions(options));
   return it->second(options);
@@ -94,21 +94,24 @@ absl::Status RegisterBuiltinSelectors(SelectorRegistry* registry) {
       [](const SelectorOptions&) -> absl::StatusOr<std::unique_ptr<Selector>> {
         return std::make_unique<cpu::ExactSelector>();
       }));
-  GTOPK_RETURN_IF_ERROR(registry->Register(
-      "gaussiank",
-      [](const SelectorOptions& o) -> absl::StatusOr<std::unique_ptr<Selector>> {
-        return std::make_unique<cpu::GaussianKSelector>(o);
-      }));
-  GTOPK_RETURN_IF_ERROR(registry->Register(
-      "dgc",
-      [](const SelectorOptions& o) -> absl::StatusOr<std::unique_ptr<Selector>> {
-        return std::make_unique<cpu::DgcSelector>(o);
-      }));
-  GTOPK_RETURN_IF_ERROR(registry->Register(
-      "randomk",
-      [](const SelectorOptions& o) -> absl::StatusOr<std::unique_ptr<Selector>> {
-        return std::make_unique<cpu::RandomKSelector>(o);
-      }));
+  GTOPK_RETURN_IF_ERROR(
+      registry->Register("gaussiank",
+                         [](const SelectorOptions& o)
+                             -> absl::StatusOr<std::unique_ptr<Selector>> {
+                           return std::make_unique<cpu::GaussianKSelector>(o);
+                         }));
+  GTOPK_RETURN_IF_ERROR(
+      registry->Register("dgc",
+                         [](const SelectorOptions& o)
+                             -> absl::StatusOr<std::unique_ptr<Selector>> {
+                           return std::make_unique<cpu::DgcSelector>(o);
+                         }));
+  GTOPK_RETURN_IF_ERROR(
+      registry->Register("randomk",
+                         [](const SelectorOptions& o)
+                             -> absl::StatusOr<std::unique_ptr<Selector>> {
+                           return std::make_unique<cpu::RandomKSelector>(o);
+                         }));
   return absl::OkStatus();
 }
 

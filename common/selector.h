@@ -75,9 +75,8 @@ absl::Status ValidateSelectArgs(uint64_t n, uint64_t k);
 absl::StatusOr<uint64_t> KFromDensity(double density, uint64_t n);
 
 // Builds a selector from SelectorOptions; validates them.
-using SelectorFactory =
-    std::function<absl::StatusOr<std::unique_ptr<Selector>>(
-        const SelectorOptions&)>;
+using SelectorFactory = std::function<absl::StatusOr<std::unique_ptr<Selector>>(
+    const SelectorOptions&)>;
 
 // Name -> factory table. Filled explicitly (RegisterBuiltinSelectors), never
 // by static initializers, so a static library cannot silently drop entries.

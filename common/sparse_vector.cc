@@ -12,9 +12,8 @@ bool operator==(const SparseVector& a, const SparseVector& b) {
     return false;
   }
   // Bitwise comparison: -0.0 and +0.0 differ, which replicas must not.
-  return a.values.empty() ||
-         std::memcmp(a.values.data(), b.values.data(),
-                     a.values.size() * sizeof(float)) == 0;
+  return a.values.empty() || std::memcmp(a.values.data(), b.values.data(),
+                                         a.values.size() * sizeof(float)) == 0;
 }
 
 absl::Status ValidateFinite(absl::Span<const float> values, const char* what) {
@@ -41,10 +40,10 @@ absl::Status ValidateSparse(absl::Span<const uint32_t> indices,
                        indices[j], " >= n = ", n));
     }
     if (j > 0 && indices[j] <= indices[j - 1]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "sparse indices not strictly ascending at position ", j, ": ",
-          indices[j], " after ", indices[j - 1],
-          indices[j] == indices[j - 1] ? " (duplicate)" : ""));
+      return absl::InvalidArgumentError(
+          absl::StrCat("sparse indices not strictly ascending at position ", j,
+                       ": ", indices[j], " after ", indices[j - 1],
+                       indices[j] == indices[j - 1] ? " (duplicate)" : ""));
     }
     if (!std::isfinite(values[j])) {
       return absl::InvalidArgumentError(

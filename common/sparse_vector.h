@@ -58,8 +58,7 @@ absl::Status ValidateSparse(absl::Span<const uint32_t> indices,
 
 // Returns INVALID_ARGUMENT naming the first non-finite value and its position,
 // or OK. `what` names the buffer in the message (e.g. "gradient").
-absl::Status ValidateFinite(absl::Span<const float> values,
-                            const char* what);
+absl::Status ValidateFinite(absl::Span<const float> values, const char* what);
 
 // Expands `v` into a dense vector of length n (zeros elsewhere). Test and
 // debugging helper; precondition: ValidateSparseVector(v, n).ok().

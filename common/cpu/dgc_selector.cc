@@ -16,8 +16,8 @@ absl::Status DgcSelector::Select(absl::Span<const float> u, uint64_t k,
   GTOPK_RETURN_IF_ERROR(ValidateSelectArgs(u.size(), k));
   const size_t n = u.size();
   constexpr size_t kRunLength = 16;
-  const size_t wanted = static_cast<size_t>(
-      std::ceil(sample_fraction_ * static_cast<double>(n)));
+  const size_t wanted =
+      static_cast<size_t>(std::ceil(sample_fraction_ * static_cast<double>(n)));
   const size_t runs = (wanted + kRunLength - 1) / kRunLength;
   // A sample as large as the input gives the exact threshold: that is the
   // exact top-k, computed directly.

@@ -89,8 +89,10 @@ absl::Status GaussianKSelector::Select(absl::Span<const float> u, uint64_t k,
     }
     const Float4 s = (s0 + s1) + (s2 + s3);
     const Float4 q = (q0 + q1) + (q2 + q3);
-    sum += (static_cast<double>(s[0]) + s[1]) + (static_cast<double>(s[2]) + s[3]);
-    sumsq += (static_cast<double>(q[0]) + q[1]) + (static_cast<double>(q[2]) + q[3]);
+    sum +=
+        (static_cast<double>(s[0]) + s[1]) + (static_cast<double>(s[2]) + s[3]);
+    sumsq +=
+        (static_cast<double>(q[0]) + q[1]) + (static_cast<double>(q[2]) + q[3]);
   }
   for (; i < n; ++i) {
     sum += p[i];
@@ -111,7 +113,8 @@ absl::Status GaussianKSelector::Select(absl::Span<const float> u, uint64_t k,
       n > 1 ? std::max(0.0, (sumsq - sum * mean) / static_cast<double>(n - 1))
             : 0.0;
   const double density = static_cast<double>(k) / static_cast<double>(n);
-  double threshold = mean + NormalQuantile(1.0 - density / 2.0) * std::sqrt(var);
+  double threshold =
+      mean + NormalQuantile(1.0 - density / 2.0) * std::sqrt(var);
 
   // Survivors of the lowest threshold scanned so far (complete or not).
   Candidates& survivors = scratch_.candidates;

@@ -34,7 +34,8 @@ absl::Status RandomKSelector::Select(absl::Span<const float> u, uint64_t k,
     seen.reserve(k);
     for (uint64_t j = n - k; j < n; ++j) {
       const uint32_t t = static_cast<uint32_t>(UniformBelow(rng, j + 1));
-      const uint32_t pick = seen.insert(t).second ? t : static_cast<uint32_t>(j);
+      const uint32_t pick =
+          seen.insert(t).second ? t : static_cast<uint32_t>(j);
       if (pick != t) seen.insert(pick);
       picked_.push_back(pick);
     }

@@ -85,7 +85,8 @@ bool CollectAtLeast(absl::Span<const float> u, uint32_t min_key, size_t cap,
   // A 64-bit survivor mask per block from 16 four-wide compares, then one
   // visit per set bit: cost ~ reading the block plus a few cycles a survivor.
   const __m128i abs_mask = _mm_set1_epi32(0x7fffffff);
-  const __m128i below = _mm_set1_epi32(threshold - 1);  // key >= t <=> key > t-1
+  const __m128i below =
+      _mm_set1_epi32(threshold - 1);  // key >= t <=> key > t-1
   for (; i + kBlock <= n; i += kBlock) {
     uint64_t mask = 0;
     for (size_t j = 0; j < kBlock; j += 4) {
@@ -269,7 +270,8 @@ absl::Status ExactTopK(absl::Span<const float> u, uint64_t k,
     // the sample count, so that fewer than k survive only rarely.
     const double expected = static_cast<double>(kSampleSize) *
                             static_cast<double>(k) / static_cast<double>(n);
-    const double rank = std::ceil(1.1 * expected + 4.0 * std::sqrt(expected) + 8.0);
+    const double rank =
+        std::ceil(1.1 * expected + 4.0 * std::sqrt(expected) + 8.0);
     if (rank < kSampleSize / 4.0) {
       std::vector<uint32_t>& sample = scratch->keys;
       SampleKeys(u, &sample);
@@ -278,7 +280,8 @@ absl::Status ExactTopK(absl::Span<const float> u, uint64_t k,
                        std::greater<uint32_t>());
       const uint32_t threshold = sample[r - 1];
       // Survivors expected: rank * n / kSampleSize; allow 4x that.
-      const size_t cap = static_cast<size_t>(4.0 * rank * n / kSampleSize) + 1024;
+      const size_t cap =
+          static_cast<size_t>(4.0 * rank * n / kSampleSize) + 1024;
       Candidates& candidates = scratch->candidates;
       const bool complete = CollectAtLeast(u, threshold, cap, &candidates);
       // The largest key always survives, so a non-finite value shows here.

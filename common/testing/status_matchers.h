@@ -46,14 +46,14 @@ MATCHER_P2(StatusIs, code, message_matcher,
 #define GTOPK_ASSERT_OK(expr) ASSERT_THAT((expr), ::gtopk::testing::IsOk())
 
 // GTOPK_ASSERT_OK_AND_ASSIGN(auto x, StatusOrExpr);
-#define GTOPK_ASSERT_OK_AND_ASSIGN(lhs, expr)                              \
-  GTOPK_ASSERT_OK_AND_ASSIGN_IMPL_(                                        \
+#define GTOPK_ASSERT_OK_AND_ASSIGN(lhs, expr) \
+  GTOPK_ASSERT_OK_AND_ASSIGN_IMPL_(           \
       GTOPK_TESTING_CONCAT_(gtopk_statusor_, __LINE__), lhs, expr)
 #define GTOPK_TESTING_CONCAT_INNER_(a, b) a##b
 #define GTOPK_TESTING_CONCAT_(a, b) GTOPK_TESTING_CONCAT_INNER_(a, b)
 #define GTOPK_ASSERT_OK_AND_ASSIGN_IMPL_(statusor, lhs, expr) \
-  auto statusor = (expr);                                      \
-  ASSERT_TRUE(statusor.ok()) << statusor.status();             \
+  auto statusor = (expr);                                     \
+  ASSERT_TRUE(statusor.ok()) << statusor.status();            \
   lhs = *std::move(statusor)
 
 #endif  // GTOPK_COMMON_TESTING_STATUS_MATCHERS_H_

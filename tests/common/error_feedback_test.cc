@@ -14,10 +14,13 @@
 #include "common/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/reference.h"
 
 namespace gtopk {
 namespace {
 
+using ::gtopk::testing::FloatBits;
+using ::gtopk::testing::MakeSparse;
 using ::gtopk::testing::StatusIs;
 using ::testing::HasSubstr;
 
@@ -25,22 +28,9 @@ constexpr float kMax = std::numeric_limits<float>::max();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-SparseVector Make(std::vector<uint32_t> idx, std::vector<float> val) {
-  SparseVector v;
-  v.indices = std::move(idx);
-  v.values = std::move(val);
-  return v;
-}
-
-uint32_t Bits(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, sizeof(b));
-  return b;
-}
-
 std::vector<uint32_t> BitsOf(absl::Span<const float> x) {
   std::vector<uint32_t> bits(x.size());
-  for (size_t i = 0; i < x.size(); ++i) bits[i] = Bits(x[i]);
+  for (size_t i = 0; i < x.size(); ++i) bits[i] = FloatBits(x[i]);
   return bits;
 }
 
@@ -62,7 +52,7 @@ double HalfUlp(float x) {
 // Round to bfloat16 (nearest, ties to even) and back; finite inputs far
 // from FLT_MAX only.
 float RoundBf16(float x) {
-  const uint32_t b = Bits(x);
+  const uint32_t b = FloatBits(x);
   const uint32_t rounded = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
   return FromBits(rounded);
 }
@@ -175,7 +165,7 @@ TEST_P(ErrorFeedbackPropertyTest, NothingIsLost) {
     const std::vector<float> u(feedback.residual().begin(),
                                feedback.residual().end());
     for (size_t i = 0; i < n; ++i) {
-      ASSERT_EQ(Bits(u[i]), Bits(before[i] + update[i])) << i;
+      ASSERT_EQ(FloatBits(u[i]), FloatBits(before[i] + update[i])) << i;
     }
 
     SparseVector sent;
@@ -188,9 +178,9 @@ TEST_P(ErrorFeedbackPropertyTest, NothingIsLost) {
       const uint32_t i = sent.indices[j];
       const float expected = static_cast<float>(
           static_cast<double>(u[i]) - static_cast<double>(received.values[j]));
-      ASSERT_EQ(Bits(feedback.residual()[i]), Bits(expected + 0.0f)) << i;
+      ASSERT_EQ(FloatBits(feedback.residual()[i]), FloatBits(expected)) << i;
       if (codec == Codec::kFp32) {
-        ASSERT_EQ(Bits(feedback.residual()[i]), 0u) << i;
+        ASSERT_EQ(FloatBits(feedback.residual()[i]), 0u) << i;
       }
     }
 
@@ -205,7 +195,7 @@ TEST_P(ErrorFeedbackPropertyTest, NothingIsLost) {
     for (size_t i = 0; i < n; ++i) {
       if (sent_pos[i] < 0) {
         // Never sent: untouched.
-        ASSERT_EQ(Bits(r[i]), Bits(u[i])) << "unsent " << i;
+        ASSERT_EQ(FloatBits(r[i]), FloatBits(u[i])) << "unsent " << i;
         continue;
       }
       const float recv = received.values[sent_pos[i]];
@@ -218,7 +208,7 @@ TEST_P(ErrorFeedbackPropertyTest, NothingIsLost) {
                   HalfUlp(r[i]))
             << "applied " << i;
         if (codec == Codec::kFp32) {
-          ASSERT_EQ(Bits(r[i]), 0u) << i;
+          ASSERT_EQ(FloatBits(r[i]), 0u) << i;
         }
       } else {
         // Put back: r == fl(fl(u - recv) + recv), within a rounding of u;
@@ -227,7 +217,7 @@ TEST_P(ErrorFeedbackPropertyTest, NothingIsLost) {
                   HalfUlp(r[i]) + HalfUlp(r[i] - recv))
             << "put back " << i;
         if (codec == Codec::kFp32) {
-          ASSERT_EQ(Bits(r[i]), Bits(u[i])) << "put back " << i;
+          ASSERT_EQ(FloatBits(r[i]), FloatBits(u[i])) << "put back " << i;
         }
       }
       // These codecs decode within a factor 2 of the value (or to 0), so by
@@ -290,10 +280,10 @@ TEST(ErrorFeedbackTest, NegativeZeroSurvivesAPutBack) {
   ErrorFeedback feedback(4);
   feedback.mutable_residual()[1] = -0.0f;
   feedback.mutable_residual()[2] = 2.0f;
-  const SparseVector sent = Make({1, 2}, {-0.0f, 2.0f});
+  const SparseVector sent = MakeSparse({1, 2}, {-0.0f, 2.0f});
   GTOPK_ASSERT_OK(feedback.MarkSent(sent, sent));
   GTOPK_ASSERT_OK(feedback.PutBack(sent, SparseVector{}));
-  EXPECT_EQ(Bits(feedback.residual()[1]), Bits(-0.0f));
+  EXPECT_EQ(FloatBits(feedback.residual()[1]), FloatBits(-0.0f));
   EXPECT_EQ(feedback.residual()[2], 2.0f);
 }
 
@@ -301,10 +291,11 @@ TEST(ErrorFeedbackTest, PutBackIgnoresGlobalValuesAndExtraIndices) {
   ErrorFeedback feedback(10);
   GTOPK_ASSERT_OK(
       feedback.Accumulate(std::vector<float>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}));
-  const SparseVector sent = Make({2, 5, 9}, {2, 5, 9});
+  const SparseVector sent = MakeSparse({2, 5, 9}, {2, 5, 9});
   GTOPK_ASSERT_OK(feedback.MarkSent(sent, sent));
   // Global values are not read: NaN is fine there.
-  GTOPK_ASSERT_OK(feedback.PutBack(sent, Make({0, 5, 7}, {kNaN, kNaN, kNaN})));
+  GTOPK_ASSERT_OK(
+      feedback.PutBack(sent, MakeSparse({0, 5, 7}, {kNaN, kNaN, kNaN})));
   EXPECT_EQ(std::vector<float>(feedback.residual().begin(),
                                feedback.residual().end()),
             (std::vector<float>{0, 1, 2, 3, 4, 0, 6, 7, 8, 9}));
@@ -362,28 +353,30 @@ TEST_F(ErrorFeedbackErrorTest, AccumulateRejectsBadUpdates) {
 }
 
 TEST_F(ErrorFeedbackErrorTest, MarkSentRejectsMismatches) {
-  const SparseVector sent = Make({1, 4}, {-1.0f, 3.0f});
+  const SparseVector sent = MakeSparse({1, 4}, {-1.0f, 3.0f});
   struct Case {
     SparseVector sent, received;
     absl::StatusCode code;
     std::string message;
   };
   const std::vector<Case> cases = {
-      {Make({4, 1}, {3.0f, -1.0f}), Make({4, 1}, {3.0f, -1.0f}),
+      {MakeSparse({4, 1}, {3.0f, -1.0f}), MakeSparse({4, 1}, {3.0f, -1.0f}),
        absl::StatusCode::kInvalidArgument, "sent: sparse indices not strictly"},
-      {sent, Make({1, 8}, {-1.0f, 3.0f}), absl::StatusCode::kInvalidArgument,
+      {sent, MakeSparse({1, 8}, {-1.0f, 3.0f}),
+       absl::StatusCode::kInvalidArgument,
        "sent_as_received: sparse index out of range at position 1"},
-      {sent, Make({1, 4}, {-1.0f, kNaN}), absl::StatusCode::kInvalidArgument,
+      {sent, MakeSparse({1, 4}, {-1.0f, kNaN}),
+       absl::StatusCode::kInvalidArgument,
        "sent_as_received: sparse value not finite at position 1"},
-      {sent, Make({1}, {-1.0f}), absl::StatusCode::kInvalidArgument,
+      {sent, MakeSparse({1}, {-1.0f}), absl::StatusCode::kInvalidArgument,
        "2 entries but sent_as_received 1"},
-      {sent, Make({1, 5}, {-1.0f, 3.0f}), absl::StatusCode::kInvalidArgument,
-       "indices differ at position 1"},
-      {Make({1, 4}, {-1.0f, 3.5f}), Make({1, 4}, {-1.0f, 3.5f}),
+      {sent, MakeSparse({1, 5}, {-1.0f, 3.0f}),
+       absl::StatusCode::kInvalidArgument, "indices differ at position 1"},
+      {MakeSparse({1, 4}, {-1.0f, 3.5f}), MakeSparse({1, 4}, {-1.0f, 3.5f}),
        absl::StatusCode::kFailedPrecondition, "position 1 (index 4)"},
-      {Make({3}, {-0.0f}), Make({3}, {-0.0f}),
+      {MakeSparse({3}, {-0.0f}), MakeSparse({3}, {-0.0f}),
        absl::StatusCode::kFailedPrecondition, "index 3"},  // bits differ
-      {Make({5}, {kMax}), Make({5}, {-kMax}),
+      {MakeSparse({5}, {kMax}), MakeSparse({5}, {-kMax}),
        absl::StatusCode::kInvalidArgument, "overflows at position 0"},
   };
   for (const Case& c : cases) {
@@ -402,8 +395,8 @@ TEST_F(ErrorFeedbackErrorTest, PutBackNeedsItsMarkSentExactlyOnce) {
   EXPECT_THAT(feedback_.PutBack(SparseVector{}, SparseVector{}),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("no pending MarkSent")));
-  const SparseVector sent = Make({1, 4}, {-1.0f, 3.0f});
-  const SparseVector received = Make({1, 4}, {-1.0f, 2.75f});
+  const SparseVector sent = MakeSparse({1, 4}, {-1.0f, 3.0f});
+  const SparseVector received = MakeSparse({1, 4}, {-1.0f, 2.75f});
   GTOPK_ASSERT_OK(feedback_.MarkSent(sent, received));
   snapshot_ = BitsOf(feedback_.residual());
   EXPECT_EQ(feedback_.residual()[4], 0.25f);
@@ -416,15 +409,15 @@ TEST_F(ErrorFeedbackErrorTest, PutBackNeedsItsMarkSentExactlyOnce) {
   const std::vector<Case> cases = {
       {sent, SparseVector{}, absl::StatusCode::kFailedPrecondition,
        "differs from the one given to the last MarkSent"},
-      {Make({1, 4}, {-1.0f, kInf}), SparseVector{},
+      {MakeSparse({1, 4}, {-1.0f, kInf}), SparseVector{},
        absl::StatusCode::kInvalidArgument, "not finite at position 1"},
-      {received, Make({3, 2}, {0, 0}), absl::StatusCode::kInvalidArgument,
+      {received, MakeSparse({3, 2}, {0, 0}), absl::StatusCode::kInvalidArgument,
        "global: sparse indices not strictly ascending at position 1"},
-      {received, Make({2, 2}, {0, 0}), absl::StatusCode::kInvalidArgument,
+      {received, MakeSparse({2, 2}, {0, 0}), absl::StatusCode::kInvalidArgument,
        "global: sparse indices not strictly ascending at position 1"},
-      {received, Make({2, 8}, {0, 0}), absl::StatusCode::kInvalidArgument,
+      {received, MakeSparse({2, 8}, {0, 0}), absl::StatusCode::kInvalidArgument,
        "global: sparse index out of range at position 1"},
-      {received, Make({2, 3}, {0}), absl::StatusCode::kInvalidArgument,
+      {received, MakeSparse({2, 3}, {0}), absl::StatusCode::kInvalidArgument,
        "global: sparse vector has 2 indices but 1 values"},
   };
   for (const Case& c : cases) {
@@ -434,19 +427,19 @@ TEST_F(ErrorFeedbackErrorTest, PutBackNeedsItsMarkSentExactlyOnce) {
     ExpectUnchanged();
   }
   // Still pending: the right call succeeds once, then no more.
-  GTOPK_ASSERT_OK(feedback_.PutBack(received, Make({1}, {0})));
+  GTOPK_ASSERT_OK(feedback_.PutBack(received, MakeSparse({1}, {0})));
   EXPECT_EQ(feedback_.residual()[4], 3.0f);
-  EXPECT_EQ(Bits(feedback_.residual()[1]), 0u);
+  EXPECT_EQ(FloatBits(feedback_.residual()[1]), 0u);
   snapshot_ = BitsOf(feedback_.residual());
-  EXPECT_THAT(feedback_.PutBack(received, Make({1}, {0})),
+  EXPECT_THAT(feedback_.PutBack(received, MakeSparse({1}, {0})),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("no pending MarkSent")));
   ExpectUnchanged();
 }
 
 TEST_F(ErrorFeedbackErrorTest, PutBackRejectsANonFiniteSum) {
-  const SparseVector sent = Make({5}, {kMax});
-  const SparseVector received = Make({5}, {kMax * 0.5f});
+  const SparseVector sent = MakeSparse({5}, {kMax});
+  const SparseVector received = MakeSparse({5}, {kMax * 0.5f});
   GTOPK_ASSERT_OK(feedback_.MarkSent(sent, received));  // residual: max/2
   feedback_.mutable_residual()[5] = kMax;  // changed behind our back
   snapshot_ = BitsOf(feedback_.residual());
@@ -457,7 +450,7 @@ TEST_F(ErrorFeedbackErrorTest, PutBackRejectsANonFiniteSum) {
 }
 
 TEST_F(ErrorFeedbackErrorTest, ResetZeroesAndForgetsThePendingMarkSent) {
-  const SparseVector sent = Make({1}, {-1.0f});
+  const SparseVector sent = MakeSparse({1}, {-1.0f});
   GTOPK_ASSERT_OK(feedback_.MarkSent(sent, sent));
   feedback_.Reset();
   EXPECT_EQ(BitsOf(feedback_.residual()), std::vector<uint32_t>(8, 0u));

@@ -142,9 +142,9 @@ RunResult RunSteps(const Param& param, uint64_t seed) {
     }
     for (int w = 0; w < workers; ++w) {
       EXPECT_THAT(ef[w].PutBack(received[w], global), testing::IsOk());
-      EXPECT_THAT(rule.MaskMomentum(sent[w], global,
-                                    absl::MakeSpan(velocity[w])),
-                  testing::IsOk());
+      EXPECT_THAT(
+          rule.MaskMomentum(sent[w], global, absl::MakeSpan(velocity[w])),
+          testing::IsOk());
       EXPECT_THAT(rule.ApplyAggregated(global, 0, workers,
                                        absl::MakeSpan(r.worker_params[w]),
                                        absl::MakeSpan(global_v[w])),
@@ -195,13 +195,12 @@ std::string Name(const ::testing::TestParamInfo<Param>& info) {
 
 INSTANTIATE_TEST_SUITE_P(
     Steps, GtopkStepTest,
-    ::testing::Combine(::testing::Values(1, 4, 8),
-                       ::testing::Values("exact", "gaussiank", "dgc",
-                                         "randomk"),
-                       ::testing::Values(ValueCodec::kFp32, ValueCodec::kBf16),
-                       ::testing::Values(MomentumMode::kNone,
-                                         MomentumMode::kDgcCorrection,
-                                         MomentumMode::kGlobal)),
+    ::testing::Combine(
+        ::testing::Values(1, 4, 8),
+        ::testing::Values("exact", "gaussiank", "dgc", "randomk"),
+        ::testing::Values(ValueCodec::kFp32, ValueCodec::kBf16),
+        ::testing::Values(MomentumMode::kNone, MomentumMode::kDgcCorrection,
+                          MomentumMode::kGlobal)),
     Name);
 
 }  // namespace

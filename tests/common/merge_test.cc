@@ -19,6 +19,8 @@
 namespace gtopk {
 namespace {
 
+using ::gtopk::testing::FloatBits;
+using ::gtopk::testing::MakeSparse;
 using ::gtopk::testing::ReferenceTopK;
 using ::gtopk::testing::StatusIs;
 using ::testing::AllOf;
@@ -27,19 +29,6 @@ using ::testing::HasSubstr;
 constexpr float kMax = std::numeric_limits<float>::max();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
-
-SparseVector Make(std::vector<uint32_t> idx, std::vector<float> val) {
-  SparseVector v;
-  v.indices = std::move(idx);
-  v.values = std::move(val);
-  return v;
-}
-
-uint32_t Bits(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, sizeof(b));
-  return b;
-}
 
 // Obviously-correct reference: a dense accumulator plus "present" flags,
 // summed in rank order starting from the first present value.
@@ -158,7 +147,7 @@ TEST_P(SparseSumRandomTest, MatchesReferencesBitForBit) {
   const std::vector<SparseVector> inputs = RandomInputs(P, density, n, seed);
   const SparseVector expected = DenseReferenceSum(inputs, n);
 
-  SparseVector sum = Make({7}, {1.0f});  // stale content must be replaced
+  SparseVector sum = MakeSparse({7}, {1.0f});  // stale content must be replaced
   GTOPK_ASSERT_OK(SparseSum(inputs, n, &sum));
   EXPECT_TRUE(sum == expected) << "sum differs from the dense reference";
   GTOPK_EXPECT_OK(ValidateSparseVector(sum, n));
@@ -219,10 +208,10 @@ INSTANTIATE_TEST_SUITE_P(
 // Adversarial cases.
 
 TEST(SparseSumTest, NoInputsGiveAnEmptySum) {
-  SparseVector out = Make({1}, {2.0f});
+  SparseVector out = MakeSparse({1}, {2.0f});
   GTOPK_ASSERT_OK(SparseSum({}, 10, &out));
   EXPECT_TRUE(out.empty());
-  out = Make({1}, {2.0f});
+  out = MakeSparse({1}, {2.0f});
   GTOPK_ASSERT_OK(SparseSum({}, 0, &out));
   EXPECT_TRUE(out.empty());
 }
@@ -230,7 +219,7 @@ TEST(SparseSumTest, NoInputsGiveAnEmptySum) {
 TEST(SparseSumTest, EmptyInputsGiveAnEmptySum) {
   for (size_t P : {1, 2, 3, 8}) {
     std::vector<SparseVector> inputs(P);
-    SparseVector out = Make({1}, {2.0f});
+    SparseVector out = MakeSparse({1}, {2.0f});
     GTOPK_ASSERT_OK(SparseSum(inputs, 10, &out));
     EXPECT_TRUE(out.empty()) << P;
   }
@@ -241,22 +230,22 @@ TEST(SparseSumTest, EmptyInputsKeepRankOrderOfTheOthers) {
   // (1e8 + 1) + -1e8 == 0 but (1e8 + -1e8) + 1 == 1.
   auto inputs_for = [](size_t empties, float a, float b, float c) {
     std::vector<SparseVector> inputs;
-    inputs.push_back(Make({5}, {a}));
+    inputs.push_back(MakeSparse({5}, {a}));
     for (size_t e = 0; e < empties; ++e) inputs.emplace_back();
-    inputs.push_back(Make({5}, {b}));
+    inputs.push_back(MakeSparse({5}, {b}));
     inputs.emplace_back();
-    inputs.push_back(Make({5}, {c}));
+    inputs.push_back(MakeSparse({5}, {c}));
     return inputs;
   };
   for (size_t empties : {0, 1, 3}) {
     SparseVector out;
     GTOPK_ASSERT_OK(
         SparseSum(inputs_for(empties, 1e8f, 1.0f, -1e8f), 10, &out));
-    EXPECT_TRUE(out == Make({5}, {0.0f})) << empties;
+    EXPECT_TRUE(out == MakeSparse({5}, {0.0f})) << empties;
     // Another rank order, other bits.
     GTOPK_ASSERT_OK(
         SparseSum(inputs_for(empties, 1e8f, -1e8f, 1.0f), 10, &out));
-    EXPECT_TRUE(out == Make({5}, {1.0f})) << empties;
+    EXPECT_TRUE(out == MakeSparse({5}, {1.0f})) << empties;
   }
 }
 
@@ -312,39 +301,44 @@ TEST(SparseSumTest, DisjointSupportsAreConcatenatedAndSorted) {
 
 TEST(SparseSumTest, ExactCancellationStaysInTheOutput) {
   SparseVector out;
-  GTOPK_ASSERT_OK(
-      SparseSum({Make({0, 3}, {1.5f, 2.0f}), Make({3}, {-2.0f})}, 4, &out));
-  EXPECT_TRUE(out == Make({0, 3}, {1.5f, 0.0f}));
   GTOPK_ASSERT_OK(SparseSum(
-      {Make({3}, {2.0f}), Make({1}, {1.0f}), Make({3}, {-2.0f})}, 4, &out));
-  EXPECT_TRUE(out == Make({1, 3}, {1.0f, 0.0f}));
-  EXPECT_EQ(Bits(out.values[1]), 0u);  // +0.0
+      {MakeSparse({0, 3}, {1.5f, 2.0f}), MakeSparse({3}, {-2.0f})}, 4, &out));
+  EXPECT_TRUE(out == MakeSparse({0, 3}, {1.5f, 0.0f}));
+  GTOPK_ASSERT_OK(SparseSum({MakeSparse({3}, {2.0f}), MakeSparse({1}, {1.0f}),
+                             MakeSparse({3}, {-2.0f})},
+                            4, &out));
+  EXPECT_TRUE(out == MakeSparse({1, 3}, {1.0f, 0.0f}));
+  EXPECT_EQ(FloatBits(out.values[1]), 0u);  // +0.0
 }
 
 TEST(SparseSumTest, NegativeZeroSurvives) {
   SparseVector out;
   // Held by one input only, on every path.
-  GTOPK_ASSERT_OK(SparseSum({Make({2}, {-0.0f})}, 4, &out));
-  EXPECT_EQ(Bits(out.values[0]), Bits(-0.0f));
-  GTOPK_ASSERT_OK(SparseSum({Make({2}, {-0.0f}), Make({1}, {1.0f})}, 4, &out));
-  EXPECT_TRUE(out == Make({1, 2}, {1.0f, -0.0f}));
-  GTOPK_ASSERT_OK(SparseSum(
-      {Make({1}, {1.0f}), Make({3}, {2.0f}), Make({2}, {-0.0f})}, 4, &out));
-  EXPECT_TRUE(out == Make({1, 2, 3}, {1.0f, -0.0f, 2.0f}));
-  // -0 + -0 == -0, -0 + +0 == +0.
-  GTOPK_ASSERT_OK(SparseSum(
-      {Make({0, 1}, {-0.0f, -0.0f}), Make({0, 1}, {-0.0f, 0.0f}), Make({}, {})},
-      4, &out));
-  EXPECT_TRUE(out == Make({0, 1}, {-0.0f, 0.0f}));
-  GTOPK_ASSERT_OK(SparseSum({Make({0, 1}, {-0.0f, -0.0f}),
-                             Make({0, 1}, {-0.0f, 0.0f}), Make({2}, {1.0f})},
+  GTOPK_ASSERT_OK(SparseSum({MakeSparse({2}, {-0.0f})}, 4, &out));
+  EXPECT_EQ(FloatBits(out.values[0]), FloatBits(-0.0f));
+  GTOPK_ASSERT_OK(
+      SparseSum({MakeSparse({2}, {-0.0f}), MakeSparse({1}, {1.0f})}, 4, &out));
+  EXPECT_TRUE(out == MakeSparse({1, 2}, {1.0f, -0.0f}));
+  GTOPK_ASSERT_OK(SparseSum({MakeSparse({1}, {1.0f}), MakeSparse({3}, {2.0f}),
+                             MakeSparse({2}, {-0.0f})},
                             4, &out));
-  EXPECT_TRUE(out == Make({0, 1, 2}, {-0.0f, 0.0f, 1.0f}));
+  EXPECT_TRUE(out == MakeSparse({1, 2, 3}, {1.0f, -0.0f, 2.0f}));
+  // -0 + -0 == -0, -0 + +0 == +0.
+  GTOPK_ASSERT_OK(
+      SparseSum({MakeSparse({0, 1}, {-0.0f, -0.0f}),
+                 MakeSparse({0, 1}, {-0.0f, 0.0f}), MakeSparse({}, {})},
+                4, &out));
+  EXPECT_TRUE(out == MakeSparse({0, 1}, {-0.0f, 0.0f}));
+  GTOPK_ASSERT_OK(
+      SparseSum({MakeSparse({0, 1}, {-0.0f, -0.0f}),
+                 MakeSparse({0, 1}, {-0.0f, 0.0f}), MakeSparse({2}, {1.0f})},
+                4, &out));
+  EXPECT_TRUE(out == MakeSparse({0, 1, 2}, {-0.0f, 0.0f, 1.0f}));
 }
 
 TEST(SparseSumTest, FirstAndLastIndex) {
   for (size_t P : {2, 3}) {
-    std::vector<SparseVector> inputs(P, Make({0, 99}, {1.0f, -2.0f}));
+    std::vector<SparseVector> inputs(P, MakeSparse({0, 99}, {1.0f, -2.0f}));
     SparseVector out;
     GTOPK_ASSERT_OK(SparseSum(inputs, 100, &out));
     EXPECT_TRUE(out == DenseReferenceSum(inputs, 100));
@@ -443,8 +437,8 @@ TEST(SparseSumTest, OutputMayAliasAnInput) {
   for (size_t P : {1, 2, 3}) {
     std::vector<SparseVector> inputs;
     for (size_t p = 0; p < P; ++p) {
-      inputs.push_back(Make({1, static_cast<uint32_t>(2 + p)},
-                            {1.0f, static_cast<float>(p)}));
+      inputs.push_back(MakeSparse({1, static_cast<uint32_t>(2 + p)},
+                                  {1.0f, static_cast<float>(p)}));
     }
     const SparseVector expected = DenseReferenceSum(inputs, 10);
     GTOPK_ASSERT_OK(SparseSum(inputs, 10, &inputs[P - 1]));
@@ -453,8 +447,8 @@ TEST(SparseSumTest, OutputMayAliasAnInput) {
 }
 
 TEST(SparseSumTest, RejectsDenseLengthAbove2To32) {
-  SparseVector out = Make({1}, {1.0f});
-  EXPECT_THAT(SparseSum({Make({1}, {1.0f})}, kMaxDenseLength + 1, &out),
+  SparseVector out = MakeSparse({1}, {1.0f});
+  EXPECT_THAT(SparseSum({MakeSparse({1}, {1.0f})}, kMaxDenseLength + 1, &out),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("2^32")));
   EXPECT_TRUE(out.empty());
 }
@@ -467,24 +461,25 @@ struct BadInputCase {
 
 std::vector<BadInputCase> BadInputCases() {
   return {
-      {"unsorted", Make({1, 5, 4}, {1, 2, 3}),
+      {"unsorted", MakeSparse({1, 5, 4}, {1, 2, 3}),
        "not strictly ascending at position 2"},
-      {"duplicate", Make({1, 5, 5}, {1, 2, 3}), "(duplicate)"},
-      {"out_of_range", Make({1, 10}, {1, 2}), "out of range at position 1"},
-      {"nan", Make({1, 2, 3}, {1, kNaN, 3}), "not finite at position 1"},
-      {"inf", Make({1, 2}, {1, -kInf}), "not finite at position 1"},
-      {"size_mismatch", Make({1, 2}, {1}), "2 indices but 1 values"},
+      {"duplicate", MakeSparse({1, 5, 5}, {1, 2, 3}), "(duplicate)"},
+      {"out_of_range", MakeSparse({1, 10}, {1, 2}),
+       "out of range at position 1"},
+      {"nan", MakeSparse({1, 2, 3}, {1, kNaN, 3}), "not finite at position 1"},
+      {"inf", MakeSparse({1, 2}, {1, -kInf}), "not finite at position 1"},
+      {"size_mismatch", MakeSparse({1, 2}, {1}), "2 indices but 1 values"},
   };
 }
 
 TEST(SparseSumTest, InvalidInputsNameTheInputAndPosition) {
-  const SparseVector good = Make({0, 1, 9}, {1, 2, 3});
+  const SparseVector good = MakeSparse({0, 1, 9}, {1, 2, 3});
   for (const BadInputCase& c : BadInputCases()) {
     for (size_t P : {1, 2, 3, 8}) {
       for (size_t bad_rank : {size_t{0}, P - 1}) {
         std::vector<SparseVector> inputs(P, good);
         inputs[bad_rank] = c.bad;
-        SparseVector out = Make({4}, {4.0f});
+        SparseVector out = MakeSparse({4}, {4.0f});
         EXPECT_THAT(SparseSum(inputs, 10, &out),
                     StatusIs(absl::StatusCode::kInvalidArgument,
                              AllOf(HasSubstr("input " +
@@ -492,7 +487,7 @@ TEST(SparseSumTest, InvalidInputsNameTheInputAndPosition) {
                                    HasSubstr(c.message))))
             << c.name << " P=" << P;
         EXPECT_TRUE(out.empty()) << c.name;
-        SparseVector global = Make({4}, {4.0f});
+        SparseVector global = MakeSparse({4}, {4.0f});
         EXPECT_THAT(
             ReferenceGtopkStep(inputs, 10, 2, &global),
             StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.message)));
@@ -505,8 +500,9 @@ TEST(SparseSumTest, InvalidInputsNameTheInputAndPosition) {
 TEST(SparseSumTest, RejectsOverflowToInfNamingTheIndex) {
   for (size_t P : {2, 3, 8}) {
     for (float sign : {1.0f, -1.0f}) {
-      std::vector<SparseVector> inputs(P, Make({0, 7}, {1.0f, sign * kMax}));
-      SparseVector out = Make({4}, {4.0f});
+      std::vector<SparseVector> inputs(P,
+                                       MakeSparse({0, 7}, {1.0f, sign * kMax}));
+      SparseVector out = MakeSparse({4}, {4.0f});
       EXPECT_THAT(SparseSum(inputs, 10, &out),
                   StatusIs(absl::StatusCode::kInvalidArgument,
                            AllOf(HasSubstr("overflow"), HasSubstr("index 7"))))
@@ -518,12 +514,14 @@ TEST(SparseSumTest, RejectsOverflowToInfNamingTheIndex) {
   // brought the exact sum back: (max + max) + -max == Inf.
   SparseVector out;
   EXPECT_THAT(
-      SparseSum({Make({3}, {kMax}), Make({3}, {kMax}), Make({3}, {-kMax})}, 10,
-                &out),
+      SparseSum({MakeSparse({3}, {kMax}), MakeSparse({3}, {kMax}),
+                 MakeSparse({3}, {-kMax})},
+                10, &out),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("index 3")));
   // max + -max is fine.
-  GTOPK_ASSERT_OK(SparseSum({Make({3}, {kMax}), Make({3}, {-kMax})}, 10, &out));
-  EXPECT_TRUE(out == Make({3}, {0.0f}));
+  GTOPK_ASSERT_OK(
+      SparseSum({MakeSparse({3}, {kMax}), MakeSparse({3}, {-kMax})}, 10, &out));
+  EXPECT_TRUE(out == MakeSparse({3}, {0.0f}));
 }
 
 // -------------------------------------------------------------------------
@@ -531,29 +529,30 @@ TEST(SparseSumTest, RejectsOverflowToInfNamingTheIndex) {
 
 TEST(SparseTopKTest, TiesAtTheKthMagnitudeGoToTheLowerIndex) {
   const SparseVector v =
-      Make({2, 5, 9, 11, 40}, {-1.0f, 0.5f, 1.0f, -1.0f, 2.0f});
+      MakeSparse({2, 5, 9, 11, 40}, {-1.0f, 0.5f, 1.0f, -1.0f, 2.0f});
   SparseVector out;
   GTOPK_ASSERT_OK(SparseTopK(v, 1, &out));
-  EXPECT_TRUE(out == Make({40}, {2.0f}));
+  EXPECT_TRUE(out == MakeSparse({40}, {2.0f}));
   GTOPK_ASSERT_OK(SparseTopK(v, 2, &out));
-  EXPECT_TRUE(out == Make({2, 40}, {-1.0f, 2.0f}));
+  EXPECT_TRUE(out == MakeSparse({2, 40}, {-1.0f, 2.0f}));
   GTOPK_ASSERT_OK(SparseTopK(v, 3, &out));
-  EXPECT_TRUE(out == Make({2, 9, 40}, {-1.0f, 1.0f, 2.0f}));
+  EXPECT_TRUE(out == MakeSparse({2, 9, 40}, {-1.0f, 1.0f, 2.0f}));
   GTOPK_ASSERT_OK(SparseTopK(v, 4, &out));
-  EXPECT_TRUE(out == Make({2, 9, 11, 40}, {-1.0f, 1.0f, -1.0f, 2.0f}));
+  EXPECT_TRUE(out == MakeSparse({2, 9, 11, 40}, {-1.0f, 1.0f, -1.0f, 2.0f}));
   // +0.0 and -0.0 tie too.
-  GTOPK_ASSERT_OK(SparseTopK(Make({1, 3, 8}, {0.0f, -0.0f, 0.0f}), 2, &out));
-  EXPECT_TRUE(out == Make({1, 3}, {0.0f, -0.0f}));
+  GTOPK_ASSERT_OK(
+      SparseTopK(MakeSparse({1, 3, 8}, {0.0f, -0.0f, 0.0f}), 2, &out));
+  EXPECT_TRUE(out == MakeSparse({1, 3}, {0.0f, -0.0f}));
 }
 
 TEST(SparseTopKTest, KAtLeastSizeReturnsEverything) {
-  const SparseVector v = Make({2, 5, 9}, {-1.0f, -0.0f, 3.0f});
+  const SparseVector v = MakeSparse({2, 5, 9}, {-1.0f, -0.0f, 3.0f});
   for (uint64_t k : {3, 4, 1000}) {
-    SparseVector out = Make({1}, {1.0f});
+    SparseVector out = MakeSparse({1}, {1.0f});
     GTOPK_ASSERT_OK(SparseTopK(v, k, &out));
     EXPECT_TRUE(out == v) << k;
   }
-  SparseVector out = Make({1}, {1.0f});
+  SparseVector out = MakeSparse({1}, {1.0f});
   GTOPK_ASSERT_OK(SparseTopK(SparseVector{}, 5, &out));
   EXPECT_TRUE(out.empty());
 }
@@ -575,21 +574,21 @@ TEST(SparseTopKTest, LargeInputUsesTheSampledPathCorrectly) {
 }
 
 TEST(SparseTopKTest, OutputMayAliasTheInput) {
-  SparseVector v = Make({2, 5, 9, 11}, {-1.0f, 0.5f, 3.0f, -2.0f});
+  SparseVector v = MakeSparse({2, 5, 9, 11}, {-1.0f, 0.5f, 3.0f, -2.0f});
   GTOPK_ASSERT_OK(SparseTopK(v, 2, &v));
-  EXPECT_TRUE(v == Make({9, 11}, {3.0f, -2.0f}));
+  EXPECT_TRUE(v == MakeSparse({9, 11}, {3.0f, -2.0f}));
   GTOPK_ASSERT_OK(SparseTopK(v, 5, &v));
-  EXPECT_TRUE(v == Make({9, 11}, {3.0f, -2.0f}));
+  EXPECT_TRUE(v == MakeSparse({9, 11}, {3.0f, -2.0f}));
 }
 
 TEST(SparseTopKTest, RejectsKZeroAndInvalidVectors) {
-  SparseVector out = Make({1}, {1.0f});
-  EXPECT_THAT(SparseTopK(Make({1}, {1.0f}), 0, &out),
+  SparseVector out = MakeSparse({1}, {1.0f});
+  EXPECT_THAT(SparseTopK(MakeSparse({1}, {1.0f}), 0, &out),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("k")));
   EXPECT_TRUE(out.empty());
   for (const BadInputCase& c : BadInputCases()) {
     if (c.name == "out_of_range") continue;  // any uint32 index is in range
-    out = Make({1}, {1.0f});
+    out = MakeSparse({1}, {1.0f});
     EXPECT_THAT(
         SparseTopK(c.bad, 1, &out),
         StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.message)))
@@ -599,11 +598,11 @@ TEST(SparseTopKTest, RejectsKZeroAndInvalidVectors) {
 }
 
 TEST(ReferenceGtopkStepTest, KZeroAndEmpty) {
-  SparseVector global = Make({1}, {1.0f});
-  EXPECT_THAT(ReferenceGtopkStep({Make({1}, {1.0f})}, 10, 0, &global),
+  SparseVector global = MakeSparse({1}, {1.0f});
+  EXPECT_THAT(ReferenceGtopkStep({MakeSparse({1}, {1.0f})}, 10, 0, &global),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("k")));
   EXPECT_TRUE(global.empty());
-  global = Make({1}, {1.0f});
+  global = MakeSparse({1}, {1.0f});
   GTOPK_ASSERT_OK(ReferenceGtopkStep({}, 10, 3, &global));
   EXPECT_TRUE(global.empty());
 }
@@ -611,17 +610,18 @@ TEST(ReferenceGtopkStepTest, KZeroAndEmpty) {
 TEST(ReferenceGtopkStepTest, SelectsBySummedMagnitudeWithTies) {
   // Sums: 0 -> 3, 1 -> -3, 4 -> 0 (cancelled), 6 -> 3, 9 -> 1.
   const std::vector<SparseVector> pushes = {
-      Make({0, 1, 4}, {1.0f, -1.0f, 2.0f}),
-      Make({0, 4, 6, 9}, {2.0f, -2.0f, 1.0f, 1.0f}),
-      Make({1, 6}, {-2.0f, 2.0f}),
+      MakeSparse({0, 1, 4}, {1.0f, -1.0f, 2.0f}),
+      MakeSparse({0, 4, 6, 9}, {2.0f, -2.0f, 1.0f, 1.0f}),
+      MakeSparse({1, 6}, {-2.0f, 2.0f}),
   };
   SparseVector global;
   GTOPK_ASSERT_OK(ReferenceGtopkStep(pushes, 10, 2, &global));
-  EXPECT_TRUE(global == Make({0, 1}, {3.0f, -3.0f}));  // 6 loses the tie
+  EXPECT_TRUE(global == MakeSparse({0, 1}, {3.0f, -3.0f}));  // 6 loses the tie
   GTOPK_ASSERT_OK(ReferenceGtopkStep(pushes, 10, 3, &global));
-  EXPECT_TRUE(global == Make({0, 1, 6}, {3.0f, -3.0f, 3.0f}));
+  EXPECT_TRUE(global == MakeSparse({0, 1, 6}, {3.0f, -3.0f, 3.0f}));
   GTOPK_ASSERT_OK(ReferenceGtopkStep(pushes, 10, 5, &global));
-  EXPECT_TRUE(global == Make({0, 1, 4, 6, 9}, {3.0f, -3.0f, 0.0f, 3.0f, 1.0f}));
+  EXPECT_TRUE(global ==
+              MakeSparse({0, 1, 4, 6, 9}, {3.0f, -3.0f, 0.0f, 3.0f, 1.0f}));
 }
 
 }  // namespace

@@ -60,9 +60,8 @@ TEST(OptimizerTest, AccumulateLocalMatchesTheFormulas) {
         ref_r[i] = ref_r[i] + step;
       }
     }
-    GTOPK_ASSERT_OK(rule.AccumulateLocal(100, grad, params,
-                                         absl::MakeSpan(velocity),
-                                         absl::MakeSpan(residual)));
+    GTOPK_ASSERT_OK(rule.AccumulateLocal(
+        100, grad, params, absl::MakeSpan(velocity), absl::MakeSpan(residual)));
     EXPECT_TRUE(BitEqual(velocity, ref_v)) << MomentumModeName(mode);
     EXPECT_TRUE(BitEqual(residual, ref_r)) << MomentumModeName(mode);
   }
@@ -80,19 +79,19 @@ TEST(OptimizerTest, AccumulateLocalRejectsBadInputWithoutChanges) {
                        HasSubstr("gradient has a non-finite value (nan) at "
                                  "position 7")));
   grad[7] = 0;
-  EXPECT_THAT(rule.AccumulateLocal(0, grad, absl::MakeSpan(params).subspan(1),
-                                   absl::MakeSpan(velocity),
-                                   absl::MakeSpan(residual)),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("length mismatch")));
+  EXPECT_THAT(
+      rule.AccumulateLocal(0, grad, absl::MakeSpan(params).subspan(1),
+                           absl::MakeSpan(velocity), absl::MakeSpan(residual)),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("length mismatch")));
   EXPECT_THAT(rule.AccumulateLocal(-1, grad, params, absl::MakeSpan(velocity),
                                    absl::MakeSpan(residual)),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("step must be >= 0")));
-  EXPECT_THAT(rule.AccumulateLocal(0, grad, params, {},
-                                   absl::MakeSpan(residual)),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("velocity has 0 entries")));
+  EXPECT_THAT(
+      rule.AccumulateLocal(0, grad, params, {}, absl::MakeSpan(residual)),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("velocity has 0 entries")));
   EXPECT_TRUE(BitEqual(velocity, v0));
   EXPECT_TRUE(BitEqual(residual, r0));
 }
@@ -114,11 +113,11 @@ TEST(OptimizerTest, ShardedApplicationIsBitIdenticalToWhole) {
       SparseVector agg;
       std::mt19937_64 rng(step);
       for (uint32_t i = 0; i < n; ++i) {
-        if (rng() % 10 == 0) agg.push_back(i, static_cast<float>(rng() % 1000) * 0.37f - 100);
+        if (rng() % 10 == 0)
+          agg.push_back(i, static_cast<float>(rng() % 1000) * 0.37f - 100);
       }
-      GTOPK_ASSERT_OK(rule.ApplyAggregated(agg, 0, workers,
-                                           absl::MakeSpan(whole),
-                                           absl::MakeSpan(whole_v)));
+      GTOPK_ASSERT_OK(rule.ApplyAggregated(
+          agg, 0, workers, absl::MakeSpan(whole), absl::MakeSpan(whole_v)));
       for (size_t s = 0; s + 1 < bounds.size(); ++s) {
         SparseVector part;
         for (size_t j = 0; j < agg.size(); ++j) {
@@ -163,8 +162,8 @@ TEST(OptimizerTest, ApplyAggregatedMatchesReference) {
     o.momentum = 0.5f;
     OptimizerRule rule = MakeRule(o);
     std::vector<float> p = params, v(n, 2.0f);
-    GTOPK_ASSERT_OK(rule.ApplyAggregated(agg, 0, 4, absl::MakeSpan(p),
-                                         absl::MakeSpan(v)));
+    GTOPK_ASSERT_OK(
+        rule.ApplyAggregated(agg, 0, 4, absl::MakeSpan(p), absl::MakeSpan(v)));
     for (size_t i = 0; i < n; ++i) {
       float a = i == 3 ? 1.0f : i == 50 ? -0.375f : i == 99 ? 0.0625f : 0.0f;
       const float expect_v = 1.0f + a;
@@ -187,13 +186,13 @@ TEST(OptimizerTest, ApplyAggregatedRejectsBadInputWithoutChanges) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("outside the parameter range")));
   agg.indices[0] = 6;
-  EXPECT_THAT(rule.ApplyAggregated(agg, 5, 0, absl::MakeSpan(params), {}),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("num_workers")));
+  EXPECT_THAT(
+      rule.ApplyAggregated(agg, 5, 0, absl::MakeSpan(params), {}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("num_workers")));
   agg.values[0] = INFINITY;
-  EXPECT_THAT(rule.ApplyAggregated(agg, 5, 2, absl::MakeSpan(params), {}),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("not finite")));
+  EXPECT_THAT(
+      rule.ApplyAggregated(agg, 5, 2, absl::MakeSpan(params), {}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not finite")));
   EXPECT_EQ(params, std::vector<float>(10, 1.0f));
 }
 
@@ -255,10 +254,12 @@ TEST(OptimizerTest, OptionsAreValidated) {
   bad([](OptimizerOptions& o) { o.weight_decay = -1; }, "weight_decay");
   bad([](OptimizerOptions& o) { o.lr_warmup_steps = -1; }, "lr_warmup_steps");
   bad([](OptimizerOptions& o) { o.density = 0; }, "density must be");
-  bad([](OptimizerOptions& o) { o.density_warmup = {0.5, 2.0}; },
+  bad(
+      [](OptimizerOptions& o) {
+        o.density_warmup = {0.5, 2.0};
+      },
       "density_warmup[1]");
-  bad([](OptimizerOptions& o) { o.density_warmup = {0.5}; },
-      "steps_per_epoch");
+  bad([](OptimizerOptions& o) { o.density_warmup = {0.5}; }, "steps_per_epoch");
   EXPECT_THAT(ParseMomentumMode("nesterov"),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("known: none, dgc, global")));

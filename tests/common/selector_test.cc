@@ -190,8 +190,8 @@ TEST(ExactTopKTest, RadixSelectMatchesSortOnEveryDistribution) {
 TEST(ExactTopKTest, HandlesDenormalsNegativeZeroAndExtremes) {
   const float dmin = std::numeric_limits<float>::denorm_min();
   const float fmax = std::numeric_limits<float>::max();
-  std::vector<float> u = {-0.0f, 0.0f, dmin, -dmin, 2 * dmin, -fmax, fmax,
-                          1.0f,  -1.0f, 0.0f};
+  std::vector<float> u = {-0.0f, 0.0f, dmin, -dmin, 2 * dmin,
+                          -fmax, fmax, 1.0f, -1.0f, 0.0f};
   cpu::ExactSelector selector;
   for (uint64_t k = 1; k <= u.size(); ++k) {
     SparseVector out;

@@ -5,52 +5,50 @@
 
 #include "common/testing/status_matchers.h"
 #include "gtest/gtest.h"
+#include "tests/testing/reference.h"
 
 namespace gtopk {
 namespace {
 
+using ::gtopk::testing::FloatBits;
+using ::gtopk::testing::MakeSparse;
 using ::gtopk::testing::StatusIs;
 using ::testing::HasSubstr;
 
-SparseVector Make(std::vector<uint32_t> idx, std::vector<float> val) {
-  SparseVector v;
-  v.indices = std::move(idx);
-  v.values = std::move(val);
-  return v;
-}
-
 TEST(SparseVectorTest, AcceptsValidVectors) {
   GTOPK_EXPECT_OK(ValidateSparseVector(SparseVector{}, 0));
-  GTOPK_EXPECT_OK(ValidateSparseVector(Make({0, 3, 9}, {1, -2, -0.0f}), 10));
+  GTOPK_EXPECT_OK(
+      ValidateSparseVector(MakeSparse({0, 3, 9}, {1, -2, -0.0f}), 10));
   GTOPK_EXPECT_OK(ValidateSparseVector(
-      Make({0, 0xffffffffu}, {1, std::numeric_limits<float>::denorm_min()}),
+      MakeSparse({0, 0xffffffffu},
+                 {1, std::numeric_limits<float>::denorm_min()}),
       kMaxDenseLength));
 }
 
 TEST(SparseVectorTest, NamesTheFirstFaultAndItsPosition) {
-  EXPECT_THAT(ValidateSparseVector(Make({1, 2}, {1}), 10),
+  EXPECT_THAT(ValidateSparseVector(MakeSparse({1, 2}, {1}), 10),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("2 indices but 1 values")));
-  EXPECT_THAT(ValidateSparseVector(Make({1, 5, 4}, {1, 2, 3}), 10),
+  EXPECT_THAT(ValidateSparseVector(MakeSparse({1, 5, 4}, {1, 2, 3}), 10),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("not strictly ascending at position 2")));
-  EXPECT_THAT(ValidateSparseVector(Make({1, 5, 5}, {1, 2, 3}), 10),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("(duplicate)")));
-  EXPECT_THAT(ValidateSparseVector(Make({1, 10}, {1, 2}), 10),
+  EXPECT_THAT(
+      ValidateSparseVector(MakeSparse({1, 5, 5}, {1, 2, 3}), 10),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("(duplicate)")));
+  EXPECT_THAT(ValidateSparseVector(MakeSparse({1, 10}, {1, 2}), 10),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("out of range at position 1: 10 >= n = 10")));
   EXPECT_THAT(
-      ValidateSparseVector(Make({1, 2, 3}, {1, NAN, INFINITY}), 10),
+      ValidateSparseVector(MakeSparse({1, 2, 3}, {1, NAN, INFINITY}), 10),
       StatusIs(absl::StatusCode::kInvalidArgument,
                HasSubstr("not finite at position 1 (index 2)")));
-  EXPECT_THAT(ValidateSparseVector(Make({7}, {-INFINITY}), 10),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("position 0")));
+  EXPECT_THAT(
+      ValidateSparseVector(MakeSparse({7}, {-INFINITY}), 10),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("position 0")));
   // Range is checked before order at the same position.
-  EXPECT_THAT(ValidateSparseVector(Make({3}, {1}), 0),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("out of range")));
+  EXPECT_THAT(
+      ValidateSparseVector(MakeSparse({3}, {1}), 0),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("out of range")));
 }
 
 TEST(SparseVectorTest, ValidateFiniteNamesPosition) {
@@ -64,13 +62,13 @@ TEST(SparseVectorTest, ValidateFiniteNamesPosition) {
 }
 
 TEST(SparseVectorTest, EqualityIsBitwise) {
-  EXPECT_EQ(Make({1}, {0.0f}), Make({1}, {0.0f}));
-  EXPECT_NE(Make({1}, {0.0f}), Make({1}, {-0.0f}));
-  EXPECT_NE(Make({1}, {1.0f}), Make({2}, {1.0f}));
+  EXPECT_EQ(MakeSparse({1}, {0.0f}), MakeSparse({1}, {0.0f}));
+  EXPECT_NE(MakeSparse({1}, {0.0f}), MakeSparse({1}, {-0.0f}));
+  EXPECT_NE(MakeSparse({1}, {1.0f}), MakeSparse({2}, {1.0f}));
 }
 
 TEST(SparseVectorTest, ToDense) {
-  EXPECT_EQ(ToDense(Make({0, 3}, {1.5f, -2.0f}), 5),
+  EXPECT_EQ(ToDense(MakeSparse({0, 3}, {1.5f, -2.0f}), 5),
             (std::vector<float>{1.5f, 0, 0, -2.0f, 0}));
 }
 

@@ -6,16 +6,34 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/sparse_vector.h"
 
 namespace gtopk {
 namespace testing {
+
+// A SparseVector from literal index and value lists (not validated).
+inline SparseVector MakeSparse(std::vector<uint32_t> indices,
+                               std::vector<float> values) {
+  SparseVector v;
+  v.indices = std::move(indices);
+  v.values = std::move(values);
+  return v;
+}
+
+// The bits of a float, for bit-exact comparisons that tell -0.0 from +0.0.
+inline uint32_t FloatBits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return bits;
+}
 
 // Top-k by |value| with ties broken by lower index, by a full stable sort;
 // returned sorted by index with the input's values.
@@ -39,10 +57,10 @@ enum class Distribution {
   kManyZeros,    // 90% exact zeros (and -0.0)
   kAllZeros,
   kAllEqual,
-  kFewLevels,    // 5 distinct magnitudes: ties at the k-th value
-  kDenormals,    // subnormal magnitudes only
-  kAscending,    // sorted ramp: the largest values all at the end
-  kSpike,        // small noise plus one block of large values
+  kFewLevels,  // 5 distinct magnitudes: ties at the k-th value
+  kDenormals,  // subnormal magnitudes only
+  kAscending,  // sorted ramp: the largest values all at the end
+  kSpike,      // small noise plus one block of large values
 };
 
 inline std::vector<Distribution> AllDistributions() {
@@ -55,15 +73,24 @@ inline std::vector<Distribution> AllDistributions() {
 
 inline std::string DistributionName(Distribution d) {
   switch (d) {
-    case Distribution::kNormal: return "normal";
-    case Distribution::kHeavyTailed: return "heavy_tailed";
-    case Distribution::kManyZeros: return "many_zeros";
-    case Distribution::kAllZeros: return "all_zeros";
-    case Distribution::kAllEqual: return "all_equal";
-    case Distribution::kFewLevels: return "few_levels";
-    case Distribution::kDenormals: return "denormals";
-    case Distribution::kAscending: return "ascending";
-    case Distribution::kSpike: return "spike";
+    case Distribution::kNormal:
+      return "normal";
+    case Distribution::kHeavyTailed:
+      return "heavy_tailed";
+    case Distribution::kManyZeros:
+      return "many_zeros";
+    case Distribution::kAllZeros:
+      return "all_zeros";
+    case Distribution::kAllEqual:
+      return "all_equal";
+    case Distribution::kFewLevels:
+      return "few_levels";
+    case Distribution::kDenormals:
+      return "denormals";
+    case Distribution::kAscending:
+      return "ascending";
+    case Distribution::kSpike:
+      return "spike";
   }
   return "unknown";
 }
@@ -77,13 +104,21 @@ inline std::vector<float> MakeInput(Distribution d, size_t n, uint64_t seed) {
   std::vector<float> x(n);
   for (size_t i = 0; i < n; ++i) {
     switch (d) {
-      case Distribution::kNormal: x[i] = normal(rng); break;
-      case Distribution::kHeavyTailed: x[i] = student(rng); break;
+      case Distribution::kNormal:
+        x[i] = normal(rng);
+        break;
+      case Distribution::kHeavyTailed:
+        x[i] = student(rng);
+        break;
       case Distribution::kManyZeros:
         x[i] = unit(rng) < 0.9f ? (i % 2 ? -0.0f : 0.0f) : normal(rng);
         break;
-      case Distribution::kAllZeros: x[i] = (i % 3 == 0) ? -0.0f : 0.0f; break;
-      case Distribution::kAllEqual: x[i] = (i % 2) ? -0.5f : 0.5f; break;
+      case Distribution::kAllZeros:
+        x[i] = (i % 3 == 0) ? -0.0f : 0.0f;
+        break;
+      case Distribution::kAllEqual:
+        x[i] = (i % 2) ? -0.5f : 0.5f;
+        break;
       case Distribution::kFewLevels:
         x[i] = (unit(rng) < 0.5f ? -1.0f : 1.0f) * (1 + level(rng)) * 0.25f;
         break;
