@@ -16,7 +16,8 @@ CMAKE_ARGS ?=
 
 # Debian 12 packages the build and tests need.
 DEB_PACKAGES := build-essential cmake ninja-build pkg-config \
-	libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev zlib1g-dev
+	libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev zlib1g-dev \
+	libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
 
 .PHONY: all deps build test bench format clean
 

@@ -754,12 +754,8 @@ uint64_t MinPayloadBytes(uint64_t count, IndexCodec index, ValueCodec value) {
   return bytes;
 }
 
-absl::Status DecodeImpl(absl::string_view bytes, uint64_t n,
-                        SparseVector* out) {
-  if (n > kMaxDenseLength) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("DecodeSparse: dense length n = ", n, " exceeds 2^32"));
-  }
+// Parses the fixed header (version, codec ids) at the start of `bytes`.
+absl::StatusOr<CodecSpec> ParseFixedHeader(absl::string_view bytes) {
   const uint8_t* begin = reinterpret_cast<const uint8_t*>(bytes.data());
   Reader r{begin, begin, begin + bytes.size()};
   if (r.remaining() < 1) {
@@ -784,6 +780,21 @@ absl::Status DecodeImpl(absl::string_view bytes, uint64_t n,
   if (!KnownValueCodec(value_codec)) {
     return Corrupt("unknown value codec id ", int{r.p[2]}, " at byte offset 2");
   }
+  return CodecSpec{index_codec, value_codec};
+}
+
+absl::Status DecodeImpl(absl::string_view bytes, uint64_t n,
+                        SparseVector* out) {
+  if (n > kMaxDenseLength) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DecodeSparse: dense length n = ", n, " exceeds 2^32"));
+  }
+  absl::StatusOr<CodecSpec> spec = ParseFixedHeader(bytes);
+  if (!spec.ok()) return spec.status();
+  const IndexCodec index_codec = spec->index;
+  const ValueCodec value_codec = spec->value;
+  const uint8_t* begin = reinterpret_cast<const uint8_t*>(bytes.data());
+  Reader r{begin, begin, begin + bytes.size()};
   r.p += kFixedHeaderBytes;
 
   uint32_t count32 = 0;
@@ -949,6 +960,10 @@ absl::Status DecodeSparse(absl::string_view bytes, uint64_t n,
   absl::Status status = DecodeImpl(bytes, n, out);
   if (!status.ok()) out->clear();
   return status;
+}
+
+absl::StatusOr<CodecSpec> PeekCodecSpec(absl::string_view bytes) {
+  return ParseFixedHeader(bytes);
 }
 
 }  // namespace gtopk

@@ -142,6 +142,12 @@ absl::Status EncodeSparse(const SparseVector& v, uint64_t n, CodecSpec spec,
 absl::Status DecodeSparse(absl::string_view bytes, uint64_t n,
                           SparseVector* out);
 
+// The codecs named in the header of an encoded message (its first three
+// bytes), without decoding the rest: lets a receiver reject a message in the
+// wrong codec before decoding it. INVALID_ARGUMENT for an empty or truncated
+// header, an unknown format version or an unknown codec id.
+absl::StatusOr<CodecSpec> PeekCodecSpec(absl::string_view bytes);
+
 }  // namespace gtopk
 
 #endif  // GTOPK_COMMON_CODEC_H_

@@ -212,4 +212,40 @@ absl::Status OptimizerRule::ApplyAggregated(
   return absl::OkStatus();
 }
 
+absl::Status OptimizerRule::ApplyAggregatedDense(
+    absl::Span<const float> sum, int num_workers, absl::Span<float> params,
+    absl::Span<float> global_velocity) const {
+  if (num_workers < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_workers must be >= 1, got ", num_workers));
+  }
+  if (sum.size() != params.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "dense sum has ", sum.size(), " entries, parameters ", params.size()));
+  }
+  const bool global = options_.momentum_mode == MomentumMode::kGlobal;
+  if (global && global_velocity.size() != params.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("global velocity has ", global_velocity.size(),
+                     " entries, expected ", params.size()));
+  }
+  GTOPK_RETURN_IF_ERROR(ValidateFinite(sum, "dense sum"));
+  const float p = static_cast<float>(num_workers);
+  if (!global) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      const float update = sum[i] / p;
+      params[i] -= update;
+    }
+    return absl::OkStatus();
+  }
+  const float m = options_.momentum;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const float update = sum[i] / p;
+    const float v = m * global_velocity[i] + update;
+    global_velocity[i] = v;
+    params[i] -= v;
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace gtopk

@@ -118,6 +118,15 @@ class OptimizerRule {
                                int num_workers, absl::Span<float> params,
                                absl::Span<float> global_velocity) const;
 
+  // Dense S-SGD variant of ApplyAggregated: `sum` holds the sum over the P
+  // workers for every parameter of the range (sum.size() == params.size()).
+  // Same arithmetic as ApplyAggregated with every index selected.
+  // INVALID_ARGUMENT for num_workers < 1, mismatched sizes or a non-finite
+  // sum (position named); nothing is modified then.
+  absl::Status ApplyAggregatedDense(absl::Span<const float> sum,
+                                    int num_workers, absl::Span<float> params,
+                                    absl::Span<float> global_velocity) const;
+
  private:
   explicit OptimizerRule(OptimizerOptions options)
       : options_(std::move(options)) {}

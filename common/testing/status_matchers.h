@@ -39,6 +39,14 @@ MATCHER_P2(StatusIs, code, message_matcher,
          ::testing::Matches(message_matcher)(std::string(s.message()));
 }
 
+// EXPECT_THAT(s, StatusIs(absl::StatusCode::kNotFound));  (any message)
+MATCHER_P(StatusIs, code,
+          std::string("has code ") + absl::StatusCodeToString(code)) {
+  const absl::Status& s = ::gtopk::testing::GetStatus(arg);
+  *result_listener << "status is " << s;
+  return s.code() == code;
+}
+
 }  // namespace testing
 }  // namespace gtopk
 

@@ -902,3 +902,31 @@ TEST(CodecSizeTest, BytesPerPairAtDensityOneInAThousand) {
 
 }  // namespace
 }  // namespace gtopk
+
+namespace gtopk {
+namespace {
+
+TEST(PeekCodecSpecTest, ReadsTheHeaderOnly) {
+  SparseVector v;
+  v.push_back(3, 1.5f);
+  std::string bytes;
+  ASSERT_TRUE(EncodeSparse(v, 10,
+                           CodecSpec{IndexCodec::kDeltaBitpack, ValueCodec::kBf16},
+                           &bytes)
+                  .ok());
+  absl::StatusOr<CodecSpec> spec = PeekCodecSpec(bytes.substr(0, 3));
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->index, IndexCodec::kDeltaBitpack);
+  EXPECT_EQ(spec->value, ValueCodec::kBf16);
+  EXPECT_EQ(PeekCodecSpec("").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PeekCodecSpec(std::string("\x01\x07\x00", 3)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PeekCodecSpec(std::string("\x02\x00\x00", 3)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PeekCodecSpec(std::string("\x01\x00\x09", 3)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace gtopk

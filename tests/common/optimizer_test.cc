@@ -137,6 +137,38 @@ TEST(OptimizerTest, ShardedApplicationIsBitIdenticalToWhole) {
   }
 }
 
+TEST(OptimizerTest, DenseApplicationEqualsSparseWithEveryIndex) {
+  const size_t n = 777;
+  const std::vector<float> sum = Random(n, 21, 3.0f);
+  SparseVector all;
+  for (uint32_t i = 0; i < n; ++i) all.push_back(i, sum[i]);
+  for (MomentumMode mode : {MomentumMode::kNone, MomentumMode::kDgcCorrection,
+                            MomentumMode::kGlobal}) {
+    OptimizerOptions o;
+    o.momentum_mode = mode;
+    OptimizerRule rule = MakeRule(o);
+    std::vector<float> a = Random(n, 22), av(n, 0.5f);
+    std::vector<float> b = a, bv = av;
+    GTOPK_ASSERT_OK(rule.ApplyAggregated(all, 0, 3, absl::MakeSpan(a),
+                                         absl::MakeSpan(av)));
+    GTOPK_ASSERT_OK(rule.ApplyAggregatedDense(sum, 3, absl::MakeSpan(b),
+                                              absl::MakeSpan(bv)));
+    EXPECT_TRUE(BitEqual(a, b)) << MomentumModeName(mode);
+    EXPECT_TRUE(BitEqual(av, bv)) << MomentumModeName(mode);
+  }
+  OptimizerRule rule = MakeRule({});
+  std::vector<float> p(n, 1.0f), bad = sum;
+  bad[5] = NAN;
+  EXPECT_THAT(rule.ApplyAggregatedDense(bad, 3, absl::MakeSpan(p), {}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("position 5")));
+  EXPECT_THAT(rule.ApplyAggregatedDense(absl::MakeSpan(sum).subspan(1), 3,
+                                        absl::MakeSpan(p), {}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("dense sum has 776 entries")));
+  EXPECT_EQ(p, std::vector<float>(n, 1.0f));
+}
+
 TEST(OptimizerTest, ApplyAggregatedMatchesReference) {
   const size_t n = 100;
   SparseVector agg;

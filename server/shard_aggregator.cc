@@ -1,0 +1,427 @@
+#include "server/shard_aggregator.h"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/merge.h"
+#include "common/status_macros.h"
+
+namespace gtopk {
+namespace server {
+
+absl::string_view AggregationModeName(AggregationMode mode) {
+  switch (mode) {
+    case AggregationMode::kGtopk: return "gtopk";
+    case AggregationMode::kTopk: return "topk";
+    case AggregationMode::kDense: return "dense";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<AggregationMode> ParseAggregationMode(absl::string_view name) {
+  for (AggregationMode m : {AggregationMode::kGtopk, AggregationMode::kTopk,
+                            AggregationMode::kDense}) {
+    if (name == AggregationModeName(m)) return m;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown mode \"", name, "\"; known: gtopk, topk, dense"));
+}
+
+absl::string_view SelectionKindName(SelectionKind kind) {
+  return kind == SelectionKind::kExact ? "exact" : "quota";
+}
+
+absl::StatusOr<SelectionKind> ParseSelectionKind(absl::string_view name) {
+  if (name == "exact") return SelectionKind::kExact;
+  if (name == "quota") return SelectionKind::kQuota;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown selection \"", name, "\"; known: exact, quota"));
+}
+
+std::pair<uint64_t, uint64_t> ShardRange(uint64_t n, uint32_t num_shards,
+                                         uint32_t shard_id) {
+  // n <= 2^32 and S < 2^32, so the products fit in 64 bits.
+  return {n * shard_id / num_shards, n * (shard_id + uint64_t{1}) / num_shards};
+}
+
+absl::Status ValidateShardOptions(const ShardOptions& o) {
+  if (o.num_shards < 1) {
+    return absl::InvalidArgumentError("num_shards must be >= 1");
+  }
+  if (o.shard_id >= o.num_shards) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shard_id ", o.shard_id, " must be < num_shards ", o.num_shards));
+  }
+  if (o.n < 1 || o.n > kMaxDenseLength) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("n must be in [1, 2^32], got ", o.n));
+  }
+  if (o.num_workers < 1) {
+    return absl::InvalidArgumentError("num_workers must be >= 1");
+  }
+  if (o.step_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step_timeout must be > 0, got ", absl::FormatDuration(o.step_timeout)));
+  }
+  return ValidateOptimizerOptions(o.optimizer);
+}
+
+absl::StatusOr<std::unique_ptr<ShardAggregator>> ShardAggregator::Create(
+    const ShardOptions& options, ThresholdExchange* exchange) {
+  GTOPK_RETURN_IF_ERROR(ValidateShardOptions(options));
+  if (options.mode == AggregationMode::kGtopk &&
+      options.selection == SelectionKind::kExact && options.num_shards > 1 &&
+      exchange == nullptr) {
+    return absl::InvalidArgumentError(
+        "gtopk + exact with more than one shard needs a threshold exchange");
+  }
+  GTOPK_ASSIGN_OR_RETURN(OptimizerRule rule,
+                         OptimizerRule::Create(options.optimizer));
+  return std::unique_ptr<ShardAggregator>(
+      new ShardAggregator(options, std::move(rule), exchange));
+}
+
+ShardAggregator::ShardAggregator(const ShardOptions& options,
+                                 OptimizerRule rule,
+                                 ThresholdExchange* exchange)
+    : options_(options),
+      rule_(std::move(rule)),
+      exchange_(exchange),
+      begin_(ShardRange(options.n, options.num_shards, options.shard_id).first),
+      end_(ShardRange(options.n, options.num_shards, options.shard_id).second) {}
+
+absl::StatusOr<bool> ShardAggregator::InitParams(
+    absl::Span<const float> values) {
+  if (values.size() != end_ - begin_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shard ", options_.shard_id, " owns ", end_ - begin_,
+        " parameters [", begin_, ", ", end_, "), got ", values.size()));
+  }
+  GTOPK_RETURN_IF_ERROR(ValidateFinite(values, "initial parameters"));
+  absl::MutexLock lock(&mu_);
+  if (initialized_) return false;
+  params_.assign(values.begin(), values.end());
+  if (options_.optimizer.momentum_mode == MomentumMode::kGlobal) {
+    global_velocity_.assign(values.size(), 0.0f);
+  }
+  initialized_ = true;
+  cv_.SignalAll();
+  return true;
+}
+
+absl::StatusOr<std::pair<std::vector<float>, int64_t>> ShardAggregator::Params(
+    absl::Time deadline) const {
+  absl::MutexLock lock(&mu_);
+  while (!initialized_) {
+    if (!closed_.ok()) return closed_;
+    if (cv_.WaitWithDeadline(&mu_, deadline) && !initialized_) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "shard ", options_.shard_id,
+          " has no parameters yet (worker 0 initialises them)"));
+    }
+  }
+  return std::make_pair(params_, next_step_);
+}
+
+void ShardAggregator::SetStepAppliedCallback(
+    std::function<void(int64_t)> callback) {
+  absl::MutexLock lock(&mu_);
+  on_step_applied_ = std::move(callback);
+}
+
+int64_t ShardAggregator::next_step() const {
+  absl::MutexLock lock(&mu_);
+  return next_step_;
+}
+
+absl::Status ShardAggregator::ValidatePush(const WorkerPush& push) const {
+  if (push.worker >= options_.num_workers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown worker rank ", push.worker, "; the cluster has ",
+                     options_.num_workers, " workers"));
+  }
+  const std::string who =
+      absl::StrCat("worker ", push.worker, " step ", push.step, ": ");
+  if (options_.mode == AggregationMode::kDense) {
+    if (!push.sparse.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(who, "sparse entries sent in dense mode"));
+    }
+    if (push.dense.size() != end_ - begin_) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          who, "dense push has ", push.dense.size(), " values, shard ",
+          options_.shard_id, " owns ", end_ - begin_));
+    }
+    absl::Status s = ValidateFinite(push.dense, "dense push");
+    if (!s.ok()) return absl::InvalidArgumentError(who + std::string(s.message()));
+    return absl::OkStatus();
+  }
+  if (!push.dense.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, "dense values sent in ", AggregationModeName(options_.mode),
+        " mode"));
+  }
+  absl::Status s = ValidateSparseVector(push.sparse, options_.n);
+  if (!s.ok()) return absl::InvalidArgumentError(who + std::string(s.message()));
+  if (!push.sparse.empty() && (push.sparse.indices.front() < begin_ ||
+                               push.sparse.indices.back() >= end_)) {
+    const uint32_t bad = push.sparse.indices.front() < begin_
+                             ? push.sparse.indices.front()
+                             : push.sparse.indices.back();
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, "index ", bad, " is outside shard ", options_.shard_id,
+        "'s range [", begin_, ", ", end_, ")"));
+  }
+  return absl::OkStatus();
+}
+
+void ShardAggregator::FailRoundLocked(const std::shared_ptr<Round>& round,
+                                      absl::Status status) {
+  round->finished = true;
+  round->status = std::move(status);
+  round->notified = round->arrived;  // those waiting get it from their wait
+  if (pending_ == round) pending_.reset();
+  failed_ = round;
+  cv_.SignalAll();
+}
+
+void ShardAggregator::FailStepLocked(int64_t step, uint32_t worker,
+                                     const absl::Status& reason) {
+  // A bad push for the current step fails that step for every worker: those
+  // waiting are woken, those still to come are told on arrival.
+  if (step != next_step_ || (pending_ != nullptr && pending_->computing)) {
+    return;
+  }
+  if (pending_ == nullptr) {
+    pending_ = std::make_shared<Round>();
+    pending_->step = step;
+    pending_->arrived.assign(options_.num_workers, false);
+  }
+  std::shared_ptr<Round> round = pending_;
+  FailRoundLocked(round, absl::AbortedError(absl::StrCat(
+                             "step ", step, " failed on shard ",
+                             options_.shard_id, ": ", reason.message())));
+  if (worker < options_.num_workers) round->notified[worker] = true;
+}
+
+void ShardAggregator::RejectPush(int64_t step, uint32_t worker,
+                                 const absl::Status& reason) {
+  absl::MutexLock lock(&mu_);
+  FailStepLocked(step, worker, reason);
+}
+
+absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
+    WorkerPush push, absl::Time deadline) {
+  const absl::Status valid = ValidatePush(push);
+  const uint32_t w = push.worker;
+  absl::MutexLock lock(&mu_);
+  if (!closed_.ok()) return closed_;
+  if (!initialized_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "shard ", options_.shard_id,
+        " has no parameters yet; worker 0 must initialise them first"));
+  }
+  if (!valid.ok()) {
+    FailStepLocked(push.step, w, valid);
+    return valid;
+  }
+  if (push.step < next_step_) {
+    if (last_ != nullptr && last_->step == push.step) return last_->result;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", push.step, " was already applied; shard ", options_.shard_id,
+        " is at step ", next_step_));
+  }
+  if (push.step > next_step_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", push.step, " is ahead of shard ", options_.shard_id,
+        ", which is at step ", next_step_));
+  }
+  if (failed_ != nullptr && failed_->step == push.step &&
+      !failed_->notified[w]) {
+    failed_->notified[w] = true;
+    return failed_->status;
+  }
+  if (pending_ == nullptr) {
+    pending_ = std::make_shared<Round>();
+    pending_->step = push.step;
+    pending_->arrived.assign(options_.num_workers, false);
+    pending_->pushes.resize(options_.num_workers);
+  }
+  std::shared_ptr<Round> round = pending_;
+  if (!round->arrived[w]) {  // else: a retry; wait for the same round
+    round->arrived[w] = true;
+    round->pushes[w] = std::move(push);
+    ++round->count;
+  }
+  if (round->count == options_.num_workers && !round->computing) {
+    round->computing = true;
+    std::vector<WorkerPush> pushes = std::move(round->pushes);
+    mu_.Unlock();
+    absl::StatusOr<std::shared_ptr<const RoundResult>> result =
+        Compute(pushes, round->step, deadline);
+    mu_.Lock();
+    absl::Status status = result.status();
+    if (status.ok()) {
+      const RoundResult& r = **result;
+      status = options_.mode == AggregationMode::kDense
+                   ? rule_.ApplyAggregatedDense(
+                         r.dense_sum, static_cast<int>(options_.num_workers),
+                         absl::MakeSpan(params_),
+                         absl::MakeSpan(global_velocity_))
+                   : rule_.ApplyAggregated(
+                         r.selected, begin_,
+                         static_cast<int>(options_.num_workers),
+                         absl::MakeSpan(params_),
+                         absl::MakeSpan(global_velocity_));
+    }
+    if (!status.ok()) {
+      FailRoundLocked(round, absl::Status(status.code(),
+                                          absl::StrCat("step ", round->step,
+                                                       " failed on shard ",
+                                                       options_.shard_id, ": ",
+                                                       status.message())));
+      return round->status;
+    }
+    round->result = *std::move(result);
+    round->status = absl::OkStatus();
+    round->finished = true;
+    ++next_step_;
+    last_ = round;
+    pending_.reset();
+    cv_.SignalAll();
+    if (on_step_applied_) {
+      const int64_t applied_next = next_step_;
+      auto callback = on_step_applied_;
+      mu_.Unlock();
+      callback(applied_next);
+      mu_.Lock();
+    }
+    return round->result;
+  }
+  while (!round->finished) {
+    if (!closed_.ok() && !round->computing) {
+      FailRoundLocked(round, closed_);
+      break;
+    }
+    const bool timed_out = cv_.WaitWithDeadline(&mu_, deadline);
+    if (round->finished) break;
+    if (timed_out && !round->computing) {
+      std::vector<uint32_t> missing;
+      for (uint32_t r = 0; r < options_.num_workers; ++r) {
+        if (!round->arrived[r]) missing.push_back(r);
+      }
+      FailRoundLocked(
+          round, absl::DeadlineExceededError(absl::StrCat(
+                     "step ", round->step, " timed out on shard ",
+                     options_.shard_id, " waiting for worker(s) ",
+                     absl::StrJoin(missing, ", "))));
+    }
+    // While a round is computing, its computing caller is bounded by its own
+    // deadline; keep waiting for it.
+  }
+  if (!round->status.ok()) return round->status;
+  return round->result;
+}
+
+absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Compute(
+    const std::vector<WorkerPush>& pushes, int64_t step, absl::Time deadline) {
+  auto result = std::make_shared<RoundResult>();
+  result->step = step;
+  if (options_.mode == AggregationMode::kDense) {
+    // Rank order, starting from worker 0's values (as SparseSum does).
+    result->dense_sum = pushes[0].dense;
+    for (size_t w = 1; w < pushes.size(); ++w) {
+      for (size_t i = 0; i < result->dense_sum.size(); ++i) {
+        result->dense_sum[i] += pushes[w].dense[i];
+      }
+    }
+    GTOPK_RETURN_IF_ERROR(ValidateFinite(result->dense_sum, "dense sum"));
+    return result;
+  }
+  std::vector<SparseVector> inputs;
+  inputs.reserve(pushes.size());
+  for (const WorkerPush& p : pushes) inputs.push_back(p.sparse);
+  SparseVector sum;
+  GTOPK_RETURN_IF_ERROR(SparseSum(inputs, options_.n, &sum));
+  GTOPK_ASSIGN_OR_RETURN(const uint64_t k, rule_.KAt(step, options_.n));
+  if (options_.mode == AggregationMode::kTopk) {
+    result->selected = std::move(sum);
+  } else if (options_.selection == SelectionKind::kQuota) {
+    const uint64_t range = end_ - begin_;
+    const uint64_t quota = (k * range + options_.n - 1) / options_.n;
+    if (quota > 0 && !sum.empty()) {
+      GTOPK_RETURN_IF_ERROR(SparseTopK(sum, quota, &result->selected));
+    }
+  } else if (options_.num_shards == 1) {
+    if (!sum.empty()) {
+      GTOPK_RETURN_IF_ERROR(SparseTopK(sum, k, &result->selected));
+    }
+  } else {
+    GTOPK_RETURN_IF_ERROR(DistributedExactTopK(sum, k, step,
+                                               options_.shard_id, exchange_,
+                                               deadline, &result->selected));
+  }
+  GTOPK_RETURN_IF_ERROR(EncodeSparse(
+      result->selected, options_.n,
+      CodecSpec{options_.pull_index_codec, ValueCodec::kFp32},
+      &result->encoded));
+  return result;
+}
+
+void ShardAggregator::Close(const absl::Status& reason) {
+  absl::MutexLock lock(&mu_);
+  if (!closed_.ok()) return;
+  closed_ = reason.ok() ? absl::UnavailableError(absl::StrCat(
+                              "shard ", options_.shard_id, " is closed"))
+                        : reason;
+  if (pending_ != nullptr && !pending_->computing) {
+    FailRoundLocked(pending_, closed_);
+  }
+  cv_.SignalAll();
+}
+
+absl::StatusOr<ShardCheckpoint> ShardAggregator::Snapshot() const {
+  absl::MutexLock lock(&mu_);
+  if (!initialized_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "shard ", options_.shard_id, " has no parameters to checkpoint"));
+  }
+  ShardCheckpoint c;
+  c.shard_id = options_.shard_id;
+  c.num_shards = options_.num_shards;
+  c.n = options_.n;
+  c.begin = begin_;
+  c.end = end_;
+  c.next_step = next_step_;
+  c.params = params_;
+  c.global_velocity = global_velocity_;
+  return c;
+}
+
+absl::Status ShardAggregator::Restore(const ShardCheckpoint& c) {
+  GTOPK_RETURN_IF_ERROR(ValidateCheckpointFor(c, options_.shard_id,
+                                              options_.num_shards, options_.n,
+                                              begin_, end_));
+  const bool global = options_.optimizer.momentum_mode == MomentumMode::kGlobal;
+  if (global && c.global_velocity.size() != c.params.size()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint of shard ", c.shard_id,
+        " has no global velocity but the cluster uses global momentum"));
+  }
+  absl::MutexLock lock(&mu_);
+  params_ = c.params;
+  global_velocity_ = global ? c.global_velocity : std::vector<float>();
+  next_step_ = c.next_step;
+  initialized_ = true;
+  pending_.reset();
+  last_.reset();
+  failed_.reset();
+  cv_.SignalAll();
+  return absl::OkStatus();
+}
+
+}  // namespace server
+}  // namespace gtopk

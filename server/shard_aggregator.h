@@ -1,0 +1,208 @@
+// One aggregator shard's synchronous rounds and parameters, independent of
+// gRPC (server/service.cc adapts it to the wire; tests drive it directly).
+#ifndef GTOPK_SERVER_SHARD_AGGREGATOR_H_
+#define GTOPK_SERVER_SHARD_AGGREGATOR_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "common/codec.h"
+#include "common/optimizer.h"
+#include "common/sparse_vector.h"
+#include "server/checkpoint.h"
+#include "server/threshold.h"
+
+namespace gtopk {
+namespace server {
+
+// What the servers return each step (proto gtopk.v1.Mode).
+enum class AggregationMode { kGtopk, kTopk, kDense };
+// How gtopk mode picks the global top-k across shards (proto Selection).
+enum class SelectionKind { kExact, kQuota };
+
+absl::string_view AggregationModeName(AggregationMode mode);  // gtopk|topk|dense
+absl::StatusOr<AggregationMode> ParseAggregationMode(absl::string_view name);
+absl::string_view SelectionKindName(SelectionKind kind);  // exact|quota
+absl::StatusOr<SelectionKind> ParseSelectionKind(absl::string_view name);
+
+// Contiguous, near-equal split of [0, n) into S ranges: shard s owns
+// [s*n/S, (s+1)*n/S). Precondition: S >= 1.
+std::pair<uint64_t, uint64_t> ShardRange(uint64_t n, uint32_t num_shards,
+                                         uint32_t shard_id);
+
+struct ShardOptions {
+  uint32_t shard_id = 0;    // 0..num_shards-1
+  uint32_t num_shards = 1;  // S >= 1
+  uint64_t n = 0;           // parameter count, 1..2^32
+  uint32_t num_workers = 1;  // P >= 1
+  AggregationMode mode = AggregationMode::kGtopk;
+  SelectionKind selection = SelectionKind::kExact;
+  // Index codec of the pulls (values always go out as fp32, so replicas and
+  // servers apply identical bits).
+  IndexCodec pull_index_codec = IndexCodec::kDeltaVarint;
+  OptimizerOptions optimizer;
+  // Longest a round waits for the pushes and the threshold exchange.
+  absl::Duration step_timeout = absl::Seconds(30);
+};
+
+// INVALID_ARGUMENT naming the first bad field, or OK.
+absl::Status ValidateShardOptions(const ShardOptions& options);
+
+// One worker's contribution to a round, already decoded.
+struct WorkerPush {
+  int64_t step = 0;
+  uint32_t worker = 0;
+  // gtopk/topk: global indices inside the shard's range.
+  SparseVector sparse;
+  // dense: exactly end - begin values.
+  std::vector<float> dense;
+};
+
+// The outcome of one round, shared by every worker's call.
+struct RoundResult {
+  int64_t step = 0;
+  // gtopk/topk: the selected entries with the SUM over workers (global
+  // indices); dense: empty.
+  SparseVector selected;
+  // dense: the sum over workers of the range; otherwise empty.
+  std::vector<float> dense_sum;
+  // `selected` encoded once for all workers (pull_index_codec + fp32).
+  std::string encoded;
+};
+
+// A shard: owns the parameters of [begin, end), runs one synchronous round
+// per step (collect all P pushes -> sparse sum -> selection -> apply the
+// shared optimizer rule -> the same result to every worker).
+//
+// Thread-safety: every public method is thread-safe. Submit blocks (up to the
+// given deadline) until the round completes or fails; the call that
+// completes the round does the merge and the threshold exchange.
+//
+// Rounds are all-or-nothing: a bad push fails its caller with
+// INVALID_ARGUMENT and the round with ABORTED for every other worker; a
+// round that misses its deadline fails for everyone with DEADLINE_EXCEEDED
+// naming the missing workers. A failed round changes no parameter and the
+// same step can be retried. A repeated push for a (step, worker) that is
+// part of the pending round, or of the last completed one, is a retry: it
+// gets that round's result (its content is ignored).
+class ShardAggregator {
+ public:
+  // `exchange` is used for gtopk + exact with S > 1 and must outlive the
+  // aggregator; it may be null otherwise. INVALID_ARGUMENT for bad options.
+  static absl::StatusOr<std::unique_ptr<ShardAggregator>> Create(
+      const ShardOptions& options, ThresholdExchange* exchange);
+
+  const ShardOptions& options() const { return options_; }
+  uint64_t begin() const { return begin_; }
+  uint64_t end() const { return end_; }
+
+  // Sets the initial parameters of the range (end - begin finite values),
+  // once: returns true when they were taken, false when the shard already
+  // had parameters (they are kept). INVALID_ARGUMENT for a wrong size or a
+  // non-finite value.
+  absl::StatusOr<bool> InitParams(absl::Span<const float> values);
+
+  // Waits until the shard has parameters (or the deadline:
+  // DEADLINE_EXCEEDED), then returns a copy and the next step.
+  absl::StatusOr<std::pair<std::vector<float>, int64_t>> Params(
+      absl::Time deadline) const;
+
+  // The first step not yet applied.
+  int64_t next_step() const;
+
+  // Contributes `push` to the round of push.step and waits for its result.
+  // Errors: INVALID_ARGUMENT (bad push: rank, range, order, lengths,
+  // non-finite, mode mismatch), FAILED_PRECONDITION (no parameters yet; a
+  // step that is neither the current one nor a retry of the last one),
+  // ABORTED (another worker's push failed the round), DEADLINE_EXCEEDED
+  // (missing workers named), or the threshold exchange's error.
+  absl::StatusOr<std::shared_ptr<const RoundResult>> Submit(
+      WorkerPush push, absl::Time deadline);
+
+  // Fails the round of `step` (when it is the current, not yet computing
+  // round) as a bad push from `worker` would: every other worker gets
+  // ABORTED with `reason`. For pushes rejected before Submit (e.g. bytes
+  // that do not decode). Thread-safe, does not block.
+  void RejectPush(int64_t step, uint32_t worker, const absl::Status& reason);
+
+  // Called (without internal locks held) by the thread that completed a
+  // round, after the parameters were updated, with the new next step; e.g.
+  // to write a checkpoint every N steps. Set before the first Submit.
+  void SetStepAppliedCallback(std::function<void(int64_t next_step)> callback);
+
+  // Stops the shard for good (graceful shutdown): fails the pending round
+  // (unless a caller is already computing it; that one finishes within its
+  // own deadline) and every later Submit and Params call with `reason`
+  // (e.g. UNAVAILABLE "shard 1 is shutting down"), so that no handler stays
+  // blocked until its step deadline. Parameters are kept (Snapshot still
+  // works). Thread-safe, does not block; later calls are no-ops.
+  void Close(const absl::Status& reason);
+
+  // A consistent copy of the state for a checkpoint (FAILED_PRECONDITION
+  // before initialisation).
+  absl::StatusOr<ShardCheckpoint> Snapshot() const;
+  // Restores parameters and next step from a checkpoint of this layout
+  // (FAILED_PRECONDITION when it belongs to another layout).
+  absl::Status Restore(const ShardCheckpoint& checkpoint);
+
+ private:
+  struct Round {
+    int64_t step = 0;
+    std::vector<bool> arrived;
+    std::vector<WorkerPush> pushes;
+    uint32_t count = 0;
+    bool computing = false;  // a caller is merging/selecting
+    bool finished = false;
+    absl::Status status;  // set when finished
+    std::shared_ptr<const RoundResult> result;
+    // Failed rounds: which workers have been told (each is told once, then
+    // the step can be retried).
+    std::vector<bool> notified;
+  };
+
+  ShardAggregator(const ShardOptions& options, OptimizerRule rule,
+                  ThresholdExchange* exchange);
+
+  absl::Status ValidatePush(const WorkerPush& push) const;
+  // Computes and applies the round (called without mu_ held, by the caller
+  // that completed it). Returns the result or the failure.
+  absl::StatusOr<std::shared_ptr<const RoundResult>> Compute(
+      const std::vector<WorkerPush>& pushes, int64_t step,
+      absl::Time deadline);
+  void FailRoundLocked(const std::shared_ptr<Round>& round,
+                       absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FailStepLocked(int64_t step, uint32_t worker,
+                      const absl::Status& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const ShardOptions options_;
+  const OptimizerRule rule_;
+  ThresholdExchange* const exchange_;
+  const uint64_t begin_, end_;
+
+  mutable absl::Mutex mu_;
+  mutable absl::CondVar cv_;
+  bool initialized_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t next_step_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<float> params_ ABSL_GUARDED_BY(mu_);
+  std::vector<float> global_velocity_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<Round> pending_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<Round> last_ ABSL_GUARDED_BY(mu_);  // last finished OK
+  std::shared_ptr<Round> failed_ ABSL_GUARDED_BY(mu_);  // last failed
+  std::function<void(int64_t)> on_step_applied_ ABSL_GUARDED_BY(mu_);
+  absl::Status closed_ ABSL_GUARDED_BY(mu_);  // not OK after Close
+};
+
+}  // namespace server
+}  // namespace gtopk
+
+#endif  // GTOPK_SERVER_SHARD_AGGREGATOR_H_

@@ -1,0 +1,418 @@
+// In-process cluster of ShardAggregators (no gRPC): P worker threads push to
+// S shards concurrently, step after step, and the result is compared with the
+// single-process reference (common/merge.h) bit for bit.
+#include "server/shard_aggregator.h"
+
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "common/codec.h"
+#include "common/error_feedback.h"
+#include "common/merge.h"
+#include "common/selector.h"
+#include "common/testing/status_matchers.h"
+#include "gtest/gtest.h"
+#include "server/threshold.h"
+
+namespace gtopk {
+namespace server {
+namespace {
+
+using ::gtopk::testing::StatusIs;
+using ::testing::HasSubstr;
+
+struct Cluster {
+  std::unique_ptr<ThresholdCoordinator> coordinator;
+  std::unique_ptr<LocalThresholdExchange> exchange;
+  std::vector<std::unique_ptr<ShardAggregator>> shards;
+};
+
+Cluster MakeCluster(const ShardOptions& base, uint32_t num_shards) {
+  Cluster c;
+  c.coordinator = std::make_unique<ThresholdCoordinator>(num_shards);
+  c.exchange = std::make_unique<LocalThresholdExchange>(c.coordinator.get());
+  for (uint32_t s = 0; s < num_shards; ++s) {
+    ShardOptions o = base;
+    o.shard_id = s;
+    o.num_shards = num_shards;
+    auto shard = ShardAggregator::Create(o, c.exchange.get());
+    EXPECT_TRUE(shard.ok()) << shard.status();
+    c.shards.push_back(*std::move(shard));
+  }
+  return c;
+}
+
+SparseVector Slice(const SparseVector& v, uint64_t begin, uint64_t end) {
+  SparseVector out;
+  for (size_t j = 0; j < v.size(); ++j) {
+    if (v.indices[j] >= begin && v.indices[j] < end) {
+      out.push_back(v.indices[j], v.values[j]);
+    }
+  }
+  return out;
+}
+
+bool BitEqual(absl::Span<const float> a, absl::Span<const float> b) {
+  return a.size() == b.size() &&
+         std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// mode, selection, workers, shards
+using Param = std::tuple<AggregationMode, SelectionKind, int, int>;
+
+class ShardClusterTest : public ::testing::TestWithParam<Param> {};
+
+TEST_P(ShardClusterTest, MatchesSingleProcessReference) {
+  const auto [mode, selection, workers, num_shards] = GetParam();
+  const uint64_t n = 5003;
+  ShardOptions base;
+  base.n = n;
+  base.num_workers = workers;
+  base.mode = mode;
+  base.selection = selection;
+  base.optimizer.density = 0.02;
+  base.step_timeout = absl::Seconds(20);
+  Cluster cluster = MakeCluster(base, num_shards);
+  auto rule = OptimizerRule::Create(base.optimizer);
+  ASSERT_TRUE(rule.ok());
+
+  std::mt19937_64 init_rng(1);
+  std::normal_distribution<float> normal;
+  std::vector<float> init(n);
+  for (float& x : init) x = normal(init_rng);
+  for (auto& shard : cluster.shards) {
+    auto taken = shard->InitParams(
+        absl::MakeSpan(init).subspan(shard->begin(), shard->end() - shard->begin()));
+    ASSERT_TRUE(taken.ok() && *taken);
+  }
+  // Worker replicas, each with its own error feedback and selector.
+  std::vector<std::vector<float>> params(workers, init);
+  std::vector<std::vector<float>> velocity(workers, std::vector<float>(n));
+  std::vector<std::vector<float>> global_v(workers, std::vector<float>(n));
+  std::vector<ErrorFeedback> ef;
+  for (int w = 0; w < workers; ++w) ef.emplace_back(n);
+  auto selector = CreateSelector("exact");
+  ASSERT_TRUE(selector.ok());
+
+  for (int step = 0; step < 4; ++step) {
+    const uint64_t k = *rule->KAt(step, n);
+    std::vector<SparseVector> pushed(workers);
+    std::vector<std::vector<float>> dense(workers);
+    for (int w = 0; w < workers; ++w) {
+      std::mt19937_64 rng(step * 1000 + w);
+      std::vector<float> grad(n);
+      for (float& g : grad) g = normal(rng);
+      // Sparse pushes have empty ranges on purpose for some workers/steps.
+      if (w == 1 && step == 2) std::fill(grad.begin(), grad.end(), 0.0f);
+      GTOPK_ASSERT_OK(rule->AccumulateLocal(step, grad, params[w],
+                                            absl::MakeSpan(velocity[w]),
+                                            ef[w].mutable_residual()));
+      if (mode == AggregationMode::kDense) {
+        dense[w].assign(ef[w].residual().begin(), ef[w].residual().end());
+        std::fill(ef[w].mutable_residual().begin(),
+                  ef[w].mutable_residual().end(), 0.0f);
+      } else {
+        SparseVector sent;
+        GTOPK_ASSERT_OK((*selector)->Select(ef[w].residual(), k, step, &sent));
+        GTOPK_ASSERT_OK(ef[w].MarkSent(sent, sent));
+        pushed[w] = sent;
+      }
+    }
+    // Every worker pushes to every shard concurrently (as its S streams do).
+    std::vector<std::vector<absl::StatusOr<std::shared_ptr<const RoundResult>>>>
+        results(workers);
+    std::vector<std::thread> threads;
+    for (int w = 0; w < workers; ++w) {
+      results[w].resize(num_shards, absl::UnknownError("not run"));
+      for (int s = 0; s < num_shards; ++s) {
+        threads.emplace_back([&, w, s] {
+          ShardAggregator& shard = *cluster.shards[s];
+          WorkerPush push;
+          push.step = step;
+          push.worker = w;
+          if (mode == AggregationMode::kDense) {
+            push.dense.assign(dense[w].begin() + shard.begin(),
+                              dense[w].begin() + shard.end());
+          } else {
+            push.sparse = Slice(pushed[w], shard.begin(), shard.end());
+          }
+          results[w][s] = shard.Submit(std::move(push),
+                                       absl::Now() + absl::Seconds(20));
+        });
+      }
+    }
+    for (auto& t : threads) t.join();
+
+    // The oracle for this step.
+    SparseVector expected;
+    std::vector<float> expected_dense;
+    if (mode == AggregationMode::kDense) {
+      expected_dense = dense[0];
+      for (int w = 1; w < workers; ++w) {
+        for (uint64_t i = 0; i < n; ++i) expected_dense[i] += dense[w][i];
+      }
+    } else if (mode == AggregationMode::kTopk) {
+      GTOPK_ASSERT_OK(SparseSum(pushed, n, &expected));
+    } else if (selection == SelectionKind::kExact) {
+      GTOPK_ASSERT_OK(ReferenceGtopkStep(pushed, n, k, &expected));
+    } else {
+      for (auto& shard : cluster.shards) {
+        std::vector<SparseVector> slices;
+        for (auto& p : pushed) slices.push_back(Slice(p, shard->begin(), shard->end()));
+        SparseVector sum, top;
+        GTOPK_ASSERT_OK(SparseSum(slices, n, &sum));
+        const uint64_t range = shard->end() - shard->begin();
+        const uint64_t quota = (k * range + n - 1) / n;
+        if (quota > 0 && !sum.empty()) {
+          GTOPK_ASSERT_OK(SparseTopK(sum, quota, &top));
+        }
+        for (size_t j = 0; j < top.size(); ++j) expected.push_back(top.indices[j], top.values[j]);
+      }
+    }
+    // Every worker got the same result from each shard; their union is the
+    // oracle's selection.
+    SparseVector got;
+    std::vector<float> got_dense;
+    for (int s = 0; s < num_shards; ++s) {
+      for (int w = 0; w < workers; ++w) {
+        ASSERT_TRUE(results[w][s].ok()) << "worker " << w << " shard " << s
+                                        << ": " << results[w][s].status();
+        ASSERT_EQ(results[w][s]->get(), results[0][s]->get());
+      }
+      const RoundResult& r = **results[0][s];
+      if (mode != AggregationMode::kDense) {
+        SparseVector decoded;
+        GTOPK_ASSERT_OK(DecodeSparse(r.encoded, n, &decoded));
+        ASSERT_EQ(decoded, r.selected);
+      } else {
+        ASSERT_TRUE(r.encoded.empty());
+      }
+      for (size_t j = 0; j < r.selected.size(); ++j) {
+        got.push_back(r.selected.indices[j], r.selected.values[j]);
+      }
+      got_dense.insert(got_dense.end(), r.dense_sum.begin(), r.dense_sum.end());
+    }
+    if (mode == AggregationMode::kDense) {
+      ASSERT_TRUE(BitEqual(got_dense, expected_dense)) << "step " << step;
+    } else {
+      ASSERT_EQ(got, expected) << "step " << step;
+    }
+    // Workers apply the same update.
+    for (int w = 0; w < workers; ++w) {
+      if (mode == AggregationMode::kDense) {
+        GTOPK_ASSERT_OK(rule->ApplyAggregatedDense(got_dense, workers,
+                                                   absl::MakeSpan(params[w]),
+                                                   absl::MakeSpan(global_v[w])));
+      } else {
+        if (mode == AggregationMode::kGtopk) {
+          GTOPK_ASSERT_OK(ef[w].PutBack(pushed[w], got));
+        }
+        GTOPK_ASSERT_OK(rule->MaskMomentum(pushed[w], got, absl::MakeSpan(velocity[w])));
+        GTOPK_ASSERT_OK(rule->ApplyAggregated(got, 0, workers,
+                                              absl::MakeSpan(params[w]),
+                                              absl::MakeSpan(global_v[w])));
+      }
+    }
+  }
+  // Servers and every replica hold the same bits.
+  for (auto& shard : cluster.shards) {
+    auto server = shard->Params(absl::Now() + absl::Seconds(1));
+    ASSERT_TRUE(server.ok());
+    EXPECT_EQ(server->second, 4);
+    for (int w = 0; w < workers; ++w) {
+      ASSERT_TRUE(BitEqual(server->first,
+                           absl::MakeSpan(params[w]).subspan(
+                               shard->begin(), shard->end() - shard->begin())))
+          << "worker " << w << " shard " << shard->options().shard_id;
+    }
+  }
+}
+
+std::string Name(const ::testing::TestParamInfo<Param>& info) {
+  const auto [mode, selection, workers, shards] = info.param;
+  return absl::StrCat(AggregationModeName(mode), "_",
+                      SelectionKindName(selection), "_P", workers, "_S",
+                      shards);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Gtopk, ShardClusterTest,
+    ::testing::Combine(::testing::Values(AggregationMode::kGtopk),
+                       ::testing::Values(SelectionKind::kExact,
+                                         SelectionKind::kQuota),
+                       ::testing::Values(1, 2, 3, 5, 8),
+                       ::testing::Values(1, 2, 3)),
+    Name);
+INSTANTIATE_TEST_SUITE_P(
+    Baselines, ShardClusterTest,
+    ::testing::Combine(::testing::Values(AggregationMode::kTopk,
+                                         AggregationMode::kDense),
+                       ::testing::Values(SelectionKind::kExact),
+                       ::testing::Values(1, 3, 8), ::testing::Values(1, 3)),
+    Name);
+
+// --- Failure handling ------------------------------------------------------
+
+ShardOptions SmallOptions(uint32_t workers) {
+  ShardOptions o;
+  o.n = 100;
+  o.num_workers = workers;
+  o.optimizer.density = 0.1;
+  o.step_timeout = absl::Seconds(5);
+  return o;
+}
+
+std::unique_ptr<ShardAggregator> SingleShard(uint32_t workers) {
+  auto shard = ShardAggregator::Create(SmallOptions(workers), nullptr);
+  EXPECT_TRUE(shard.ok()) << shard.status();
+  std::vector<float> init(100, 1.0f);
+  EXPECT_TRUE(shard.ok() && (*shard)->InitParams(init).ok());
+  return *std::move(shard);
+}
+
+WorkerPush Push(int64_t step, uint32_t worker, std::vector<uint32_t> idx) {
+  WorkerPush p;
+  p.step = step;
+  p.worker = worker;
+  for (uint32_t i : idx) p.sparse.push_back(i, 0.5f + static_cast<float>(i));
+  return p;
+}
+
+TEST(ShardAggregatorTest, BadPushFailsTheStepForEveryoneAndIsNotApplied) {
+  auto shard = SingleShard(2);
+  const auto before = shard->Params(absl::Now() + absl::Seconds(1))->first;
+  absl::StatusOr<std::shared_ptr<const RoundResult>> good;
+  std::thread t([&] {
+    good = shard->Submit(Push(0, 0, {1, 2}), absl::Now() + absl::Seconds(5));
+  });
+  absl::SleepFor(absl::Milliseconds(50));
+  WorkerPush bad = Push(0, 1, {5, 3});  // unsorted
+  EXPECT_THAT(shard->Submit(bad, absl::Now() + absl::Seconds(5)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("worker 1 step 0: sparse indices not "
+                                 "strictly ascending at position 1")));
+  t.join();
+  EXPECT_THAT(good, StatusIs(absl::StatusCode::kAborted,
+                             HasSubstr("step 0 failed on shard 0")));
+  EXPECT_EQ(shard->next_step(), 0);
+  EXPECT_EQ(shard->Params(absl::Now() + absl::Seconds(1))->first, before);
+  // The step can be retried and then completes.
+  std::thread t2([&] {
+    good = shard->Submit(Push(0, 0, {1, 2}), absl::Now() + absl::Seconds(5));
+  });
+  auto second = shard->Submit(Push(0, 1, {3, 5}), absl::Now() + absl::Seconds(5));
+  t2.join();
+  GTOPK_EXPECT_OK(second);
+  GTOPK_EXPECT_OK(good);
+  EXPECT_EQ(shard->next_step(), 1);
+}
+
+TEST(ShardAggregatorTest, BadPushBeforeOthersArriveFailsThemOnArrival) {
+  auto shard = SingleShard(2);
+  EXPECT_THAT(shard->Submit(Push(0, 1, {200}), absl::Now() + absl::Seconds(5)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("out of range")));
+  EXPECT_THAT(shard->Submit(Push(0, 0, {1}), absl::Now() + absl::Seconds(5)),
+              StatusIs(absl::StatusCode::kAborted, HasSubstr("step 0 failed")));
+  EXPECT_EQ(shard->next_step(), 0);
+}
+
+TEST(ShardAggregatorTest, EveryKindOfBadPushIsRejected) {
+  auto shard = SingleShard(2);
+  const absl::Time d = absl::Now() + absl::Seconds(5);
+  EXPECT_THAT(shard->Submit(Push(0, 7, {1}), d),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("unknown worker rank 7")));
+  EXPECT_THAT(shard->Submit(Push(0, 0, {2, 2}), d),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("(duplicate)")));
+  WorkerPush mismatch = Push(0, 0, {1, 2});
+  mismatch.sparse.values.pop_back();
+  EXPECT_THAT(shard->Submit(mismatch, d),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("2 indices but 1 values")));
+  WorkerPush nan = Push(0, 0, {1});
+  nan.sparse.values[0] = NAN;
+  EXPECT_THAT(shard->Submit(nan, d),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("not finite")));
+  WorkerPush dense = Push(0, 0, {});
+  dense.dense = {1.0f};
+  EXPECT_THAT(shard->Submit(dense, d),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("dense values sent in gtopk mode")));
+  EXPECT_THAT(shard->Submit(Push(3, 0, {1}), d),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("step 3 is ahead")));
+  EXPECT_EQ(shard->next_step(), 0);
+}
+
+TEST(ShardAggregatorTest, MissingWorkerTimesOutNamingIt) {
+  auto shard = SingleShard(3);
+  const absl::Time start = absl::Now();
+  std::thread t([&] {
+    EXPECT_THAT(
+        shard->Submit(Push(0, 0, {1}), absl::Now() + absl::Milliseconds(300)),
+        StatusIs(absl::StatusCode::kDeadlineExceeded,
+                 HasSubstr("waiting for worker(s) 1, 2")));
+  });
+  t.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  EXPECT_EQ(shard->next_step(), 0);
+}
+
+TEST(ShardAggregatorTest, RetryOfACompletedStepGetsTheSameResult) {
+  auto shard = SingleShard(1);
+  auto first = shard->Submit(Push(0, 0, {4, 9}), absl::Now() + absl::Seconds(5));
+  GTOPK_ASSERT_OK(first);
+  auto retry = shard->Submit(Push(0, 0, {1}), absl::Now() + absl::Seconds(5));
+  GTOPK_ASSERT_OK(retry);
+  EXPECT_EQ(first->get(), retry->get());
+  EXPECT_EQ(shard->next_step(), 1);
+  EXPECT_THAT(shard->Submit(Push(0, 0, {1}), absl::Now()),
+              testing::IsOk());  // still the last step: a retry
+  GTOPK_ASSERT_OK(shard->Submit(Push(1, 0, {1}), absl::Now() + absl::Seconds(5)));
+  EXPECT_THAT(shard->Submit(Push(0, 0, {1}), absl::Now()),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("step 0 was already applied")));
+}
+
+TEST(ShardAggregatorTest, NoPushBeforeInitialisation) {
+  auto shard = ShardAggregator::Create(SmallOptions(1), nullptr);
+  ASSERT_TRUE(shard.ok());
+  EXPECT_THAT((*shard)->Submit(Push(0, 0, {1}), absl::Now()),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("no parameters yet")));
+  EXPECT_THAT((*shard)->Params(absl::Now() + absl::Milliseconds(20)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded));
+  std::vector<float> wrong(99, 1.0f);
+  EXPECT_THAT((*shard)->InitParams(wrong),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("owns 100 parameters")));
+}
+
+TEST(ShardAggregatorTest, SnapshotRestoreRoundTrip) {
+  auto shard = SingleShard(1);
+  GTOPK_ASSERT_OK(shard->Submit(Push(0, 0, {4, 9}), absl::Now() + absl::Seconds(5)));
+  auto snap = shard->Snapshot();
+  GTOPK_ASSERT_OK(snap);
+  auto fresh = ShardAggregator::Create(SmallOptions(1), nullptr);
+  ASSERT_TRUE(fresh.ok());
+  GTOPK_ASSERT_OK((*fresh)->Restore(*snap));
+  EXPECT_EQ((*fresh)->next_step(), 1);
+  EXPECT_EQ((*fresh)->Params(absl::Now())->first,
+            shard->Params(absl::Now())->first);
+  ShardCheckpoint other = *snap;
+  other.n = 101;
+  EXPECT_THAT((*fresh)->Restore(other),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+}
+
+}  // namespace
+}  // namespace server
+}  // namespace gtopk
