@@ -119,12 +119,15 @@ absl::Status OptimizerRule::AccumulateLocal(int64_t step,
         "velocity has ", velocity.size(), " entries, expected ", n));
   }
   GTOPK_RETURN_IF_ERROR(ValidateFinite(grad, "gradient"));
+  if (options_.weight_decay != 0.0f) {
+    GTOPK_RETURN_IF_ERROR(ValidateFinite(params, "parameters"));
+  }
   const float lr = LrAt(step);
   const float wd = options_.weight_decay;
   const float m = options_.momentum;
-  // Written as separate statements so that no compiler contracts them into
-  // FMAs differently on different replicas (we build with ISO C++, where GCC
-  // does not contract across statements).
+  // Separate statements, and the build passes -ffp-contract=off (top-level
+  // CMakeLists.txt): no compiler may fuse these into FMAs, whose different
+  // rounding would make replicas built with other flags diverge.
   if (dgc) {
     for (size_t i = 0; i < n; ++i) {
       const float g = grad[i] + wd * params[i];

@@ -89,8 +89,10 @@ class OptimizerRule {
   //   kDgcCorrection: velocity = m * velocity + g';  residual += lr * velocity
   //   kNone, kGlobal: residual += lr * g'   (velocity untouched, may be empty)
   // After this, `residual` is u, what the selector picks from.
-  // INVALID_ARGUMENT on a length mismatch, a negative step or a non-finite
-  // gradient (position named); nothing is modified then.
+  // INVALID_ARGUMENT on a length mismatch, a negative step, a non-finite
+  // gradient or (with weight decay) non-finite parameters, position named;
+  // nothing is modified then. A residual that overflows to +-Inf (|u| beyond
+  // FLT_MAX) is reported by the selector that reads it next.
   absl::Status AccumulateLocal(int64_t step, absl::Span<const float> grad,
                                absl::Span<const float> params,
                                absl::Span<float> velocity,

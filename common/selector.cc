@@ -52,6 +52,10 @@ absl::StatusOr<uint64_t> KFromDensity(double density, uint64_t n) {
   if (n == 0) {
     return absl::InvalidArgumentError("density given for n = 0 entries");
   }
+  if (n > kMaxDenseLength) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "n = ", n, " entries; at most 2^32 are supported"));
+  }
   const double k = std::round(density * static_cast<double>(n));
   if (k < 1.0) return uint64_t{1};
   return std::min<uint64_t>(n, static_cast<uint64_t>(k));

@@ -59,6 +59,8 @@ absl::Status GaussianKSelector::Select(absl::Span<const float> u, uint64_t k,
   GTOPK_RETURN_IF_ERROR(ValidateSelectArgs(u.size(), k));
   const size_t n = u.size();
   const uint64_t lo = MinCount(k), hi = MaxCount(k);
+  last_adjustments_ = 0;
+  last_fell_back_ = true;
   if (k == n || lo == hi) return ExactTopK(u, k, &scratch_, out);
 
   // Pass 1: mean and standard deviation. Four 4-float vector lanes per 1 Ki
@@ -138,6 +140,8 @@ absl::Status GaussianKSelector::Select(absl::Span<const float> u, uint64_t k,
       exact_count = have_survivors;  // false: more than cap survive
     }
     if (exact_count && count >= lo && count <= hi) {
+      last_adjustments_ = adjustment;
+      last_fell_back_ = false;
       out->indices.resize(count);
       out->values.resize(count);
       size_t w = 0;
@@ -151,7 +155,10 @@ absl::Status GaussianKSelector::Select(absl::Span<const float> u, uint64_t k,
       }
       return absl::OkStatus();
     }
-    if (adjustment == max_adjustments_) break;
+    if (adjustment == max_adjustments_) {
+      last_adjustments_ = adjustment;
+      break;
+    }
     threshold = count < lo ? threshold * 0.5 : threshold * 1.5;
     // A non-positive threshold admits every non-zero entry; scaling it can
     // neither lower nor raise the count any more.

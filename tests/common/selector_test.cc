@@ -3,6 +3,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <random>
 #include <memory>
 #include <set>
 #include <string>
@@ -162,6 +163,9 @@ TEST(KFromDensityTest, RoundsAndValidates) {
   EXPECT_EQ(*KFromDensity(0.001, 25557032), 25557u);
   EXPECT_EQ(*KFromDensity(1e-9, 10), 1u);
   EXPECT_EQ(*KFromDensity(1.0, 10), 10u);
+  EXPECT_THAT(KFromDensity(0.5, (uint64_t{1} << 32) + 1),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("at most 2^32")));
   for (double bad : {0.0, -0.1, 1.5, std::nan("")}) {
     EXPECT_THAT(KFromDensity(bad, 10),
                 StatusIs(absl::StatusCode::kInvalidArgument,
@@ -200,9 +204,30 @@ TEST(ExactTopKTest, HandlesDenormalsNegativeZeroAndExtremes) {
   }
 }
 
-TEST(ExactTopKTest, FallsBackWhenTheSampleMisleads) {
-  // Large values only in positions the evenly spaced sample never visits
-  // (just after each sampled run): the sampled threshold keeps too few.
+TEST(ExactTopKTest, FallsBackWhenTooFewSurvive) {
+  // Large values exactly at the positions the evenly spaced block sample
+  // reads (16-value runs starting at (n-16)*r/1023), small ones elsewhere:
+  // the sampled threshold keeps fewer than k, so the radix path must run.
+  const size_t n = 65536;
+  std::vector<float> u(n);
+  std::mt19937_64 rng(3);
+  std::uniform_real_distribution<float> small(0.0f, 1.0f);
+  for (float& x : u) x = small(rng);
+  for (size_t r = 0; r < 1024; ++r) {
+    const size_t start = (n - 16) * r / 1023;
+    for (size_t j = 0; j < 16; ++j) u[start + j] = 100.0f + small(rng);
+  }
+  cpu::ExactSelector selector;
+  for (uint64_t k : {65ul, 200ul, 5000ul, 20000ul}) {
+    SparseVector out;
+    GTOPK_ASSERT_OK(selector.Select(u, k, 0, &out));
+    EXPECT_EQ(out, ReferenceTopK(u, k)) << "k=" << k;
+  }
+}
+
+TEST(ExactTopKTest, FallsBackWhenTooManySurvive) {
+  // Mostly equal values with spikes every 997th position: the sampled
+  // threshold admits nearly everything and the survivor cap trips.
   const size_t n = 1 << 20;
   std::vector<float> u(n, 1.0f);
   for (size_t i = 0; i < n; i += 997) u[i] = 2.0f + static_cast<float>(i);
@@ -223,10 +248,31 @@ TEST(GaussianKTest, AdjustsThresholdIntoRangeOnHeavyTails) {
   for (uint64_t k : {1049ul, 10486ul}) {
     SparseVector out;
     GTOPK_ASSERT_OK(selector.Select(u, k, 0, &out));
+    // Reached by scaling the threshold up, not by the exact fallback.
+    EXPECT_GE(selector.last_adjustments(), 1) << "k=" << k;
+    EXPECT_FALSE(selector.last_fell_back()) << "k=" << k;
     EXPECT_GE(out.size(), (2 * k + 2) / 3);
     EXPECT_LE(out.size(), 4 * k / 3);
     EXPECT_EQ(out, ReferenceTopK(u, out.size()));
   }
+}
+
+TEST(GaussianKTest, NormalDataNeedsNoAdjustment) {
+  const size_t n = 1 << 20;
+  const std::vector<float> u = MakeInput(Distribution::kNormal, n, 6);
+  cpu::GaussianKSelector selector(SelectorOptions{});
+  SparseVector out;
+  GTOPK_ASSERT_OK(selector.Select(u, 1049, 0, &out));
+  EXPECT_EQ(selector.last_adjustments(), 0);
+  EXPECT_FALSE(selector.last_fell_back());
+  // Too few at first (the threshold is far too high for data with a huge
+  // mean offset in the tail): halving must bring the count into range.
+  std::vector<float> v = MakeInput(Distribution::kNormal, n, 7);
+  for (size_t i = 0; i < n; i += 2) v[i] *= 0.01f;  // two populations
+  GTOPK_ASSERT_OK(selector.Select(v, 10486, 0, &out));
+  EXPECT_GE(out.size(), (2 * 10486u + 2) / 3);
+  EXPECT_LE(out.size(), 4 * 10486u / 3);
+  EXPECT_EQ(out, ReferenceTopK(v, out.size()));
 }
 
 TEST(GaussianKTest, NormalQuantile) {

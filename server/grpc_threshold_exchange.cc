@@ -1,0 +1,108 @@
+#include "server/grpc_threshold_exchange.h"
+
+#include <algorithm>
+#include <climits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/support/channel_arguments.h"
+
+namespace gtopk {
+namespace server {
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
+                      std::string(status.message()));
+}
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      status.error_message());
+}
+
+std::shared_ptr<grpc::Channel> CreateLimitedChannel(
+    const std::string& address, uint64_t max_message_bytes) {
+  grpc::ChannelArguments args;
+  const int limit = static_cast<int>(
+      std::min<uint64_t>(max_message_bytes, static_cast<uint64_t>(INT_MAX)));
+  args.SetMaxReceiveMessageSize(limit);
+  args.SetMaxSendMessageSize(limit);
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
+                                   args);
+}
+
+v1::ThresholdRequest ToProto(const ThresholdRequest& request) {
+  v1::ThresholdRequest p;
+  p.set_step(request.step);
+  p.set_shard_id(request.shard_id);
+  p.set_k(request.k);
+  p.set_level(request.level);
+  p.mutable_histogram()->Add(request.histogram.begin(),
+                             request.histogram.end());
+  return p;
+}
+
+ThresholdRequest FromProto(const v1::ThresholdRequest& p) {
+  ThresholdRequest r;
+  r.step = p.step();
+  r.shard_id = p.shard_id();
+  r.k = p.k();
+  r.level = p.level();
+  r.histogram.assign(p.histogram().begin(), p.histogram().end());
+  return r;
+}
+
+v1::ThresholdResponse ToProto(const ThresholdResponse& response) {
+  v1::ThresholdResponse p;
+  p.set_step(response.step);
+  p.set_level(response.level);
+  p.set_bucket(response.bucket);
+  p.set_greater_total(response.greater_total);
+  p.set_kth_key(response.kth_key);
+  p.set_ties_to_keep(response.ties_to_keep);
+  p.set_done(response.done);
+  p.set_keep_all(response.keep_all);
+  return p;
+}
+
+ThresholdResponse FromProto(const v1::ThresholdResponse& p) {
+  ThresholdResponse r;
+  r.step = p.step();
+  r.level = p.level();
+  r.bucket = p.bucket();
+  r.greater_total = p.greater_total();
+  r.kth_key = p.kth_key();
+  r.ties_to_keep = p.ties_to_keep();
+  r.done = p.done();
+  r.keep_all = p.keep_all();
+  return r;
+}
+
+GrpcThresholdExchange::GrpcThresholdExchange(
+    std::shared_ptr<grpc::Channel> channel, std::string leader_address)
+    : leader_address_(std::move(leader_address)),
+      stub_(v1::Aggregator::NewStub(std::move(channel))) {}
+
+absl::StatusOr<ThresholdResponse> GrpcThresholdExchange::Exchange(
+    const ThresholdRequest& request, absl::Time deadline) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(deadline + kLeaderDeadlineSlack));
+  v1::ThresholdResponse response;
+  const grpc::Status status =
+      stub_->ExchangeThreshold(&context, ToProto(request), &response);
+  if (!status.ok()) {
+    return absl::Status(
+        static_cast<absl::StatusCode>(status.error_code()),
+        absl::StrCat("leader ", leader_address_,
+                     " (ExchangeThreshold): ", status.error_message()));
+  }
+  return FromProto(response);
+}
+
+}  // namespace server
+}  // namespace gtopk

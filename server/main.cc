@@ -1,0 +1,244 @@
+// gtopk-server: one aggregator shard (shard 0 is also the leader). Every flag
+// is documented in server/flags.md. Flags are read here only and copied into
+// a validated ServerConfig.
+//
+// Exit codes: 0 after a graceful shutdown (SIGTERM/SIGINT) or a SERVING
+// health check; 1 for a health check that is not SERVING or fails (and for
+// flag syntax errors reported by Abseil's parser); 2 for an invalid flag
+// value or a failed startup.
+#include <pthread.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "common/codec.h"
+#include "common/optimizer.h"
+#include "common/status_macros.h"
+#include "server/service.h"
+#include "server/shard_aggregator.h"
+
+ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
+          "host:port to listen on; port 0 picks a free port");
+ABSL_FLAG(int64_t, shard_id, 0, "this shard, 0..num-shards-1 (0 = leader)");
+ABSL_FLAG(int64_t, num_shards, 1, "S, shards in the cluster");
+ABSL_FLAG(int64_t, workers, 1, "P, workers in the cluster");
+ABSL_FLAG(std::string, peers, "",
+          "comma-separated host:port of all S shards in shard order");
+ABSL_FLAG(absl::Duration, step_timeout, absl::Seconds(30),
+          "deadline of every step wait, e.g. 30s or 500ms");
+ABSL_FLAG(std::string, checkpoint_dir, "",
+          "directory for this shard's checkpoint (empty: none)");
+ABSL_FLAG(int64_t, checkpoint_every, 0,
+          "checkpoint every N steps (0: only on shutdown)");
+ABSL_FLAG(std::string, mode, "gtopk", "gtopk | topk | dense");
+ABSL_FLAG(std::string, selection, "exact", "exact | quota (gtopk mode)");
+ABSL_FLAG(std::string, selector, "exact",
+          "workers' local selector: exact | gaussiank | dgc | randomk");
+ABSL_FLAG(uint64_t, seed, 0, "seed of the workers' randomised selectors");
+ABSL_FLAG(std::string, index_codec, "delta-varint",
+          "raw | delta-varint | delta-bitpack");
+ABSL_FLAG(std::string, value_codec, "fp32", "fp32 | fp16 | bf16");
+ABSL_FLAG(double, lr, 0.1, "base learning rate, > 0");
+ABSL_FLAG(double, momentum, 0.9, "momentum coefficient in [0, 1)");
+ABSL_FLAG(std::string, momentum_mode, "dgc", "none | dgc | global");
+ABSL_FLAG(bool, momentum_masking, true, "DGC momentum factor masking");
+ABSL_FLAG(double, weight_decay, 0.0, "L2 weight decay, >= 0");
+ABSL_FLAG(int64_t, lr_warmup_steps, 0, "linear lr warm-up steps (0: none)");
+ABSL_FLAG(double, density, 0.001, "target density k/n in (0, 1]");
+ABSL_FLAG(std::string, density_warmup, "",
+          "per-epoch warm-up densities, comma list, or 'dgc'");
+ABSL_FLAG(int64_t, steps_per_epoch, 0,
+          "steps per epoch (> 0 when --density-warmup is set)");
+ABSL_FLAG(uint64_t, max_message_bytes, uint64_t{64} << 20,
+          "gRPC send/receive limit in bytes");
+ABSL_FLAG(std::string, health_check, "",
+          "client mode: check grpc.health.v1 at this host:port and exit");
+
+namespace {
+
+using gtopk::server::ServerConfig;
+
+absl::Status InRange(const char* flag, int64_t value, int64_t lo, int64_t hi) {
+  if (value < lo || value > hi) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--", flag, " must be in [", lo, ", ", hi, "], got ", value));
+  }
+  return absl::OkStatus();
+}
+
+// Prefixes a parse error with the flag's name.
+absl::Status FlagError(const char* flag, const absl::Status& status) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", flag, ": ", status.message()));
+}
+
+absl::StatusOr<ServerConfig> ConfigFromFlags() {
+  ServerConfig c;
+  const int64_t shard_id = absl::GetFlag(FLAGS_shard_id);
+  const int64_t num_shards = absl::GetFlag(FLAGS_num_shards);
+  const int64_t workers = absl::GetFlag(FLAGS_workers);
+  GTOPK_RETURN_IF_ERROR(InRange("num-shards", num_shards, 1, 1 << 16));
+  GTOPK_RETURN_IF_ERROR(InRange("shard-id", shard_id, 0, num_shards - 1));
+  GTOPK_RETURN_IF_ERROR(InRange("workers", workers, 1, 1 << 16));
+  c.shard_id = static_cast<uint32_t>(shard_id);
+  c.num_shards = static_cast<uint32_t>(num_shards);
+  c.num_workers = static_cast<uint32_t>(workers);
+
+  const std::string peers = absl::GetFlag(FLAGS_peers);
+  if (peers.empty() && num_shards == 1) {
+    c.peers = {""};  // a single shard: its own address
+  } else {
+    c.peers = absl::StrSplit(peers, ',');
+  }
+  if (c.peers.size() != c.num_shards) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--peers must list ", num_shards,
+                     " comma-separated host:port addresses (one per shard, "
+                     "shard order), got ",
+                     peers.empty() ? 0 : c.peers.size()));
+  }
+
+  c.step_timeout = absl::GetFlag(FLAGS_step_timeout);
+  c.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  c.checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);
+  c.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  c.selector = absl::GetFlag(FLAGS_selector);
+  c.selector_seed = absl::GetFlag(FLAGS_seed);
+
+  auto mode = gtopk::server::ParseAggregationMode(absl::GetFlag(FLAGS_mode));
+  if (!mode.ok()) return FlagError("mode", mode.status());
+  c.mode = *mode;
+  auto selection =
+      gtopk::server::ParseSelectionKind(absl::GetFlag(FLAGS_selection));
+  if (!selection.ok()) return FlagError("selection", selection.status());
+  c.selection = *selection;
+  auto index_codec = gtopk::ParseIndexCodec(absl::GetFlag(FLAGS_index_codec));
+  if (!index_codec.ok()) return FlagError("index-codec", index_codec.status());
+  c.index_codec = *index_codec;
+  auto value_codec = gtopk::ParseValueCodec(absl::GetFlag(FLAGS_value_codec));
+  if (!value_codec.ok()) return FlagError("value-codec", value_codec.status());
+  c.value_codec = *value_codec;
+
+  gtopk::OptimizerOptions& o = c.optimizer;
+  o.lr = static_cast<float>(absl::GetFlag(FLAGS_lr));
+  o.momentum = static_cast<float>(absl::GetFlag(FLAGS_momentum));
+  auto momentum_mode =
+      gtopk::ParseMomentumMode(absl::GetFlag(FLAGS_momentum_mode));
+  if (!momentum_mode.ok()) {
+    return FlagError("momentum-mode", momentum_mode.status());
+  }
+  o.momentum_mode = *momentum_mode;
+  o.momentum_factor_masking = absl::GetFlag(FLAGS_momentum_masking);
+  o.weight_decay = static_cast<float>(absl::GetFlag(FLAGS_weight_decay));
+  o.lr_warmup_steps = absl::GetFlag(FLAGS_lr_warmup_steps);
+  o.density = absl::GetFlag(FLAGS_density);
+  o.steps_per_epoch = absl::GetFlag(FLAGS_steps_per_epoch);
+  const std::string warmup = absl::GetFlag(FLAGS_density_warmup);
+  if (warmup == "dgc") {
+    o.density_warmup = gtopk::DgcDensityWarmup();
+  } else if (!warmup.empty()) {
+    for (absl::string_view piece : absl::StrSplit(warmup, ',')) {
+      double d = 0;
+      if (!absl::SimpleAtod(piece, &d)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--density-warmup: '", piece,
+                         "' is not a number (expected a comma list of "
+                         "densities, or 'dgc')"));
+      }
+      o.density_warmup.push_back(d);
+    }
+  }
+  GTOPK_RETURN_IF_ERROR(gtopk::server::ValidateServerConfig(c));
+  return c;
+}
+
+// Abseil flag names are C identifiers (shard_id); the documented spelling
+// is --shard-id. Rewrites the name part of every "--name[=value]" argument
+// (up to a bare "--") from dashes to underscores; values are untouched.
+std::vector<std::string> NormalizeFlagNames(int argc, char** argv) {
+  std::vector<std::string> args(argv, argv + argc);
+  for (size_t i = 1; i < args.size(); ++i) {
+    std::string& a = args[i];
+    if (a == "--") break;
+    if (a.size() < 3 || a[0] != '-') continue;
+    const size_t start = a[1] == '-' ? 2 : 1;
+    const size_t end = std::min(a.find('='), a.size());
+    for (size_t j = start; j < end; ++j) {
+      if (a[j] == '-') a[j] = '_';
+    }
+  }
+  return args;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Block SIGTERM/SIGINT before any thread starts, so that every thread
+  // inherits the mask and the main thread receives them with sigwait.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  std::vector<std::string> args = NormalizeFlagNames(argc, argv);
+  std::vector<char*> arg_pointers;
+  for (std::string& a : args) arg_pointers.push_back(a.data());
+  absl::ParseCommandLine(static_cast<int>(arg_pointers.size()),
+                         arg_pointers.data());
+
+  const std::string health_target = absl::GetFlag(FLAGS_health_check);
+  if (!health_target.empty()) {
+    absl::StatusOr<bool> serving =
+        gtopk::server::CheckHealth(health_target, absl::Seconds(5));
+    if (!serving.ok()) {
+      std::fprintf(stderr, "gtopk-server: %s\n",
+                   serving.status().ToString().c_str());
+      return 1;
+    }
+    std::printf("%s\n", *serving ? "SERVING" : "NOT_SERVING");
+    return *serving ? 0 : 1;
+  }
+
+  absl::StatusOr<ServerConfig> config = ConfigFromFlags();
+  if (!config.ok()) {
+    std::fprintf(stderr, "gtopk-server: invalid flags: %s\n",
+                 std::string(config.status().message()).c_str());
+    return 2;
+  }
+  const uint32_t shard_id = config->shard_id;
+  absl::StatusOr<std::unique_ptr<gtopk::server::AggregatorServer>> server =
+      gtopk::server::AggregatorServer::Start(*std::move(config),
+                                             absl::GetFlag(FLAGS_listen));
+  if (!server.ok()) {
+    std::fprintf(stderr, "gtopk-server: cannot start shard %u: %s\n",
+                 shard_id, server.status().ToString().c_str());
+    return 2;
+  }
+  std::printf("listening on %s\n", (*server)->address().c_str());
+  std::fflush(stdout);
+
+  int signal_number = 0;
+  sigwait(&signals, &signal_number);
+  std::fprintf(stderr, "gtopk-server shard %u: signal %d, shutting down\n",
+               shard_id, signal_number);
+  const absl::Status checkpoint = (*server)->Shutdown(absl::Seconds(5));
+  if (!checkpoint.ok()) {
+    std::fprintf(stderr, "gtopk-server shard %u: final checkpoint failed: %s\n",
+                 shard_id, checkpoint.ToString().c_str());
+  }
+  return 0;
+}

@@ -1,0 +1,863 @@
+#include "server/service.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdio>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/notification.h"
+#include "common/selector.h"
+#include "common/sparse_vector.h"
+#include "common/status_macros.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_builder.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "grpcpp/support/stub_options.h"
+#include "server/checkpoint.h"
+
+namespace gtopk {
+namespace server {
+namespace {
+
+// How often waits wake up to look for a cancelled call or a shutdown.
+constexpr absl::Duration kPollInterval = absl::Milliseconds(50);
+// Room for the non-value fields of a ParamsChunk (varints, tags).
+constexpr uint64_t kChunkOverheadBytes = 64;
+
+int ClampToInt(uint64_t v) {
+  return static_cast<int>(std::min<uint64_t>(v, static_cast<uint64_t>(INT_MAX)));
+}
+
+absl::Time ContextDeadline(const grpc::ServerContext* context) {
+  if (context == nullptr) return absl::InfiniteFuture();
+  const auto deadline = context->deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) {
+    return absl::InfiniteFuture();
+  }
+  return absl::FromChrono(deadline);
+}
+
+v1::Mode ModeToProto(AggregationMode mode) {
+  switch (mode) {
+    case AggregationMode::kGtopk:
+      return v1::MODE_GTOPK;
+    case AggregationMode::kTopk:
+      return v1::MODE_TOPK;
+    case AggregationMode::kDense:
+      return v1::MODE_DENSE;
+  }
+  return v1::MODE_UNSPECIFIED;
+}
+
+v1::MomentumMode MomentumToProto(MomentumMode mode) {
+  switch (mode) {
+    case MomentumMode::kNone:
+      return v1::MOMENTUM_MODE_NONE;
+    case MomentumMode::kDgcCorrection:
+      return v1::MOMENTUM_MODE_DGC;
+    case MomentumMode::kGlobal:
+      return v1::MOMENTUM_MODE_GLOBAL;
+  }
+  return v1::MOMENTUM_MODE_UNSPECIFIED;
+}
+
+bool LooksLikeHostPort(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  return colon != std::string::npos && colon > 0 &&
+         colon + 1 < address.size();
+}
+
+}  // namespace
+
+absl::Status ValidateServerConfig(const ServerConfig& c) {
+  if (c.num_shards < 1) {
+    return absl::InvalidArgumentError("num_shards must be >= 1, got 0");
+  }
+  if (c.shard_id >= c.num_shards) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shard_id must be < num_shards (", c.num_shards, "), got ",
+        c.shard_id));
+  }
+  if (c.num_workers < 1) {
+    return absl::InvalidArgumentError("num_workers must be >= 1, got 0");
+  }
+  if (c.peers.size() != c.num_shards) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("peers must list num_shards (", c.num_shards,
+                     ") addresses in shard order, got ", c.peers.size()));
+  }
+  for (uint32_t s = 0; s < c.num_shards; ++s) {
+    if (s == c.shard_id && c.peers[s].empty()) continue;
+    if (!LooksLikeHostPort(c.peers[s])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "peers[", s, "] must be host:port, got '", c.peers[s], "'"));
+    }
+  }
+  SelectorRegistry registry;
+  GTOPK_RETURN_IF_ERROR(RegisterBuiltinSelectors(&registry));
+  const std::vector<std::string> names = registry.Names();
+  if (std::find(names.begin(), names.end(), c.selector) == names.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("selector must be one of ", absl::StrJoin(names, ", "),
+                     "; got '", c.selector, "'"));
+  }
+  if (IndexCodecName(c.index_codec) == "unknown") {
+    return absl::InvalidArgumentError("index_codec is not a known codec");
+  }
+  if (ValueCodecName(c.value_codec) == "unknown") {
+    return absl::InvalidArgumentError("value_codec is not a known codec");
+  }
+  if (c.step_timeout <= absl::ZeroDuration() ||
+      c.step_timeout >= absl::Milliseconds(UINT32_MAX)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("step_timeout must be in (0, 2^32 ms), got ",
+                     absl::FormatDuration(c.step_timeout)));
+  }
+  if (c.max_message_bytes < 1024 ||
+      c.max_message_bytes > static_cast<uint64_t>(INT_MAX)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_message_bytes must be in [1024, 2^31-1], got ",
+                     c.max_message_bytes));
+  }
+  if (c.download_chunk_bytes < kChunkOverheadBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("download_chunk_bytes must be >= ", kChunkOverheadBytes,
+                     ", got ", c.download_chunk_bytes));
+  }
+  if (c.checkpoint_every < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "checkpoint_every must be >= 0, got ", c.checkpoint_every));
+  }
+  if (c.checkpoint_every > 0 && c.checkpoint_dir.empty()) {
+    return absl::InvalidArgumentError(
+        "checkpoint_every > 0 needs a checkpoint_dir");
+  }
+  absl::Status s = ValidateOptimizerOptions(c.optimizer);
+  if (!s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("optimizer: ", s.message()));
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// AggregatorService
+
+AggregatorService::AggregatorService(ServerConfig config)
+    : config_(std::move(config)) {
+  rank_given_.assign(config_.num_workers, false);
+  if (is_leader()) {
+    coordinator_ = std::make_unique<ThresholdCoordinator>(config_.num_shards);
+    exchange_ = std::make_unique<LocalThresholdExchange>(coordinator_.get());
+  } else {
+    leader_channel_ =
+        CreateLimitedChannel(config_.peers[0], config_.max_message_bytes);
+    leader_stub_ = v1::Aggregator::NewStub(leader_channel_);
+    exchange_ = std::make_unique<GrpcThresholdExchange>(leader_channel_,
+                                                        config_.peers[0]);
+  }
+}
+
+AggregatorService::~AggregatorService() = default;
+
+absl::StatusOr<std::unique_ptr<AggregatorService>> AggregatorService::Create(
+    ServerConfig config) {
+  GTOPK_RETURN_IF_ERROR(ValidateServerConfig(config));
+  std::unique_ptr<AggregatorService> service(
+      new AggregatorService(std::move(config)));
+  const ServerConfig& c = service->config_;
+  if (!c.checkpoint_dir.empty()) {
+    struct stat st;
+    if (stat(c.checkpoint_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("checkpoint_dir ", c.checkpoint_dir,
+                       " is not an existing directory"));
+    }
+    absl::StatusOr<ShardCheckpoint> checkpoint =
+        ReadCheckpoint(c.checkpoint_dir, c.shard_id);
+    if (checkpoint.ok()) {
+      absl::MutexLock lock(&service->mu_);
+      GTOPK_RETURN_IF_ERROR(service->CreateAggregatorLocked(checkpoint->n));
+      GTOPK_RETURN_IF_ERROR(service->aggregator_->Restore(*checkpoint));
+      service->n_ = checkpoint->n;
+    } else if (!absl::IsNotFound(checkpoint.status())) {
+      return checkpoint.status();
+    }
+  }
+  return service;
+}
+
+void AggregatorService::SetOwnAddress(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  own_address_ = address;
+}
+
+int64_t AggregatorService::next_step() const {
+  ShardAggregator* aggregator;
+  {
+    absl::MutexLock lock(&mu_);
+    aggregator = aggregator_.get();
+  }
+  return aggregator == nullptr ? -1 : aggregator->next_step();
+}
+
+absl::Status AggregatorService::WriteCheckpointNow() {
+  if (config_.checkpoint_dir.empty()) return absl::OkStatus();
+  ShardAggregator* aggregator;
+  {
+    absl::MutexLock lock(&mu_);
+    aggregator = aggregator_.get();
+  }
+  if (aggregator == nullptr) return absl::OkStatus();
+  absl::MutexLock lock(&checkpoint_mu_);
+  absl::StatusOr<ShardCheckpoint> snapshot = aggregator->Snapshot();
+  if (absl::IsFailedPrecondition(snapshot.status())) {
+    return absl::OkStatus();  // no parameters yet: nothing to keep
+  }
+  GTOPK_RETURN_IF_ERROR(snapshot.status());
+  return WriteCheckpoint(config_.checkpoint_dir, *snapshot);
+}
+
+void AggregatorService::BeginShutdown() {
+  absl::MutexLock lock(&mu_);
+  if (shutting_down_) return;
+  shutting_down_ = true;
+  if (aggregator_ != nullptr) {
+    aggregator_->Close(absl::UnavailableError(
+        absl::StrCat("shard ", config_.shard_id, " is shutting down")));
+  }
+  cv_.SignalAll();
+}
+
+absl::Time AggregatorService::WaitDeadline(
+    const grpc::ServerContext* context) const {
+  return std::min(absl::Now() + config_.step_timeout,
+                  ContextDeadline(context));
+}
+
+absl::Status AggregatorService::CreateAggregatorLocked(uint64_t n) {
+  ShardOptions options;
+  options.shard_id = config_.shard_id;
+  options.num_shards = config_.num_shards;
+  options.n = n;
+  options.num_workers = config_.num_workers;
+  options.mode = config_.mode;
+  options.selection = config_.selection;
+  options.pull_index_codec = config_.index_codec;
+  options.optimizer = config_.optimizer;
+  options.step_timeout = config_.step_timeout;
+  GTOPK_ASSIGN_OR_RETURN(std::unique_ptr<ShardAggregator> aggregator,
+                         ShardAggregator::Create(options, exchange_.get()));
+  if (config_.checkpoint_every > 0) {
+    const int64_t every = config_.checkpoint_every;
+    aggregator->SetStepAppliedCallback([this, every](int64_t next_step) {
+      if (next_step % every != 0) return;
+      const absl::Status s = WriteCheckpointNow();
+      if (!s.ok()) {
+        // The step stands; only its durability is late. Say so loudly.
+        std::fprintf(stderr, "gtopk-server shard %u: checkpoint at step %lld "
+                             "failed: %s\n",
+                     config_.shard_id, static_cast<long long>(next_step),
+                     s.ToString().c_str());
+      }
+    });
+  }
+  aggregator_ = std::move(aggregator);
+  cv_.SignalAll();
+  return absl::OkStatus();
+}
+
+absl::Status AggregatorService::AwaitClusterLocked(
+    grpc::ServerContext* context, absl::Time deadline) {
+  while (aggregator_ == nullptr) {
+    if (shutting_down_) {
+      return absl::UnavailableError(
+          absl::StrCat("shard ", config_.shard_id, " is shutting down"));
+    }
+    if (context != nullptr && context->IsCancelled()) {
+      return absl::CancelledError("the call was cancelled");
+    }
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "the cluster has no parameter count yet: no worker has joined "
+          "leader shard 0 within ",
+          absl::FormatDuration(config_.step_timeout)));
+    }
+    cv_.WaitWithDeadline(&mu_, std::min(deadline, absl::Now() + kPollInterval));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::ClusterSpec> AggregatorService::FetchSpecFromLeader(
+    absl::Time deadline) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(deadline));
+  v1::ClusterSpec spec;
+  const grpc::Status status =
+      leader_stub_->GetClusterSpec(&context, v1::JoinRequest(), &spec);
+  if (!status.ok()) {
+    return absl::Status(
+        static_cast<absl::StatusCode>(status.error_code()),
+        absl::StrCat("leader ", config_.peers[0],
+                     " (GetClusterSpec): ", status.error_message()));
+  }
+  return spec;
+}
+
+absl::StatusOr<ShardAggregator*> AggregatorService::GetAggregator(
+    grpc::ServerContext* context, absl::Time deadline) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (aggregator_ != nullptr) return aggregator_.get();
+    if (shutting_down_) {
+      return absl::UnavailableError(
+          absl::StrCat("shard ", config_.shard_id, " is shutting down"));
+    }
+    if (is_leader()) {
+      GTOPK_RETURN_IF_ERROR(AwaitClusterLocked(context, deadline));
+      return aggregator_.get();
+    }
+  }
+  absl::MutexLock create(&create_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    if (aggregator_ != nullptr) return aggregator_.get();
+  }
+  GTOPK_ASSIGN_OR_RETURN(v1::ClusterSpec spec, FetchSpecFromLeader(deadline));
+  const std::string leader = config_.peers[0];
+  if (spec.num_workers() != config_.num_workers) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "shard ", config_.shard_id, " is configured for ", config_.num_workers,
+        " workers but leader ", leader, " for ", spec.num_workers()));
+  }
+  if (static_cast<uint32_t>(spec.shards_size()) != config_.num_shards) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "shard ", config_.shard_id, " is configured for ", config_.num_shards,
+        " shards but leader ", leader, " for ", spec.shards_size()));
+  }
+  if (spec.mode() != ModeToProto(config_.mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "shard ", config_.shard_id, " runs mode ",
+        AggregationModeName(config_.mode), " but leader ", leader, " runs ",
+        v1::Mode_Name(spec.mode())));
+  }
+  absl::MutexLock lock(&mu_);
+  if (shutting_down_) {
+    return absl::UnavailableError(
+        absl::StrCat("shard ", config_.shard_id, " is shutting down"));
+  }
+  GTOPK_RETURN_IF_ERROR(CreateAggregatorLocked(spec.n()));
+  n_ = spec.n();
+  return aggregator_.get();
+}
+
+v1::ClusterSpec AggregatorService::BuildSpecLocked() const {
+  v1::ClusterSpec spec;
+  spec.set_n(n_);
+  spec.set_num_workers(config_.num_workers);
+  for (uint32_t s = 0; s < config_.num_shards; ++s) {
+    v1::ShardSpec* shard = spec.add_shards();
+    shard->set_shard_id(s);
+    shard->set_address(s == config_.shard_id && config_.peers[s].empty()
+                           ? own_address_
+                           : config_.peers[s]);
+    const auto range = ShardRange(n_, config_.num_shards, s);
+    shard->set_begin(range.first);
+    shard->set_end(range.second);
+  }
+  spec.set_mode(ModeToProto(config_.mode));
+  spec.set_selection(config_.selection == SelectionKind::kExact
+                         ? v1::SELECTION_EXACT
+                         : v1::SELECTION_QUOTA);
+  spec.set_selector(config_.selector);
+  spec.set_selector_seed(config_.selector_seed);
+  spec.set_index_codec(std::string(IndexCodecName(config_.index_codec)));
+  spec.set_value_codec(std::string(ValueCodecName(config_.value_codec)));
+  const OptimizerOptions& o = config_.optimizer;
+  v1::OptimizerSpec* opt = spec.mutable_optimizer();
+  opt->set_lr(o.lr);
+  opt->set_momentum(o.momentum);
+  opt->set_momentum_mode(MomentumToProto(o.momentum_mode));
+  opt->set_momentum_factor_masking(o.momentum_factor_masking);
+  opt->set_weight_decay(o.weight_decay);
+  opt->set_lr_warmup_steps(o.lr_warmup_steps);
+  opt->set_density(o.density);
+  opt->mutable_density_warmup()->Add(o.density_warmup.begin(),
+                                     o.density_warmup.end());
+  opt->set_steps_per_epoch(o.steps_per_epoch);
+  spec.set_step_timeout_ms(
+      static_cast<uint32_t>(absl::ToInt64Milliseconds(config_.step_timeout)));
+  spec.set_max_message_bytes(config_.max_message_bytes);
+  spec.set_next_step(aggregator_ != nullptr ? aggregator_->next_step() : 0);
+  return spec;
+}
+
+grpc::Status AggregatorService::Join(grpc::ServerContext* /*context*/,
+                                     const v1::JoinRequest* request,
+                                     v1::JoinResponse* response) {
+  if (!is_leader()) {
+    return ToGrpcStatus(absl::FailedPreconditionError(
+        absl::StrCat("shard ", config_.shard_id,
+                     " is not the leader; join ", config_.peers[0])));
+  }
+  const uint64_t n = request->n();
+  if (n < 1 || n > kMaxDenseLength) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("n must be in [1, 2^32], got ", n)));
+  }
+  const int64_t requested = request->requested_rank();
+  if (requested < -1 || requested >= int64_t{config_.num_workers}) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+        "requested_rank ", requested, " is out of range: the cluster has ",
+        config_.num_workers, " workers (ranks 0..", config_.num_workers - 1,
+        "; -1 for any)")));
+  }
+  absl::MutexLock lock(&mu_);
+  if (shutting_down_) {
+    return ToGrpcStatus(absl::UnavailableError(
+        absl::StrCat("shard ", config_.shard_id, " is shutting down")));
+  }
+  if (n_ == 0) {
+    const absl::Status created = CreateAggregatorLocked(n);
+    if (!created.ok()) return ToGrpcStatus(created);
+    n_ = n;
+  } else if (n != n_) {
+    return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
+        "the worker has n = ", n, " parameters but the cluster has n = ", n_)));
+  }
+  uint32_t rank = 0;
+  if (requested >= 0) {
+    rank = static_cast<uint32_t>(requested);
+  } else {
+    while (rank < config_.num_workers && rank_given_[rank]) ++rank;
+    if (rank == config_.num_workers) {
+      return ToGrpcStatus(absl::ResourceExhaustedError(
+          absl::StrCat("all ", config_.num_workers,
+                       " ranks are taken; ask for a rank explicitly to "
+                       "re-join")));
+    }
+  }
+  rank_given_[rank] = true;
+  response->set_rank(rank);
+  *response->mutable_cluster() = BuildSpecLocked();
+  return grpc::Status::OK;
+}
+
+grpc::Status AggregatorService::GetClusterSpec(
+    grpc::ServerContext* context, const v1::JoinRequest* /*request*/,
+    v1::ClusterSpec* response) {
+  const absl::Time deadline = WaitDeadline(context);
+  if (!is_leader()) {
+    absl::StatusOr<v1::ClusterSpec> spec = FetchSpecFromLeader(deadline);
+    if (!spec.ok()) return ToGrpcStatus(spec.status());
+    *response = *std::move(spec);
+    return grpc::Status::OK;
+  }
+  absl::MutexLock lock(&mu_);
+  const absl::Status ready = AwaitClusterLocked(context, deadline);
+  if (!ready.ok()) return ToGrpcStatus(ready);
+  *response = BuildSpecLocked();
+  return grpc::Status::OK;
+}
+
+grpc::Status AggregatorService::InitParams(
+    grpc::ServerContext* context, grpc::ServerReader<v1::ParamsChunk>* reader,
+    v1::InitParamsResponse* response) {
+  const uint32_t shard = config_.shard_id;
+  ShardAggregator* aggregator = nullptr;
+  std::vector<float> values;
+  uint64_t begin = 0, end = 0, next = 0;
+  v1::ParamsChunk chunk;
+  auto get_aggregator = [&]() -> absl::Status {
+    GTOPK_ASSIGN_OR_RETURN(aggregator,
+                           GetAggregator(context, WaitDeadline(context)));
+    begin = aggregator->begin();
+    end = aggregator->end();
+    next = begin;
+    values.reserve(end - begin);
+    return absl::OkStatus();
+  };
+  while (reader->Read(&chunk)) {
+    if (chunk.worker() != 0) {
+      return ToGrpcStatus(absl::PermissionDeniedError(absl::StrCat(
+          "only worker 0 initialises the parameters; got a chunk from worker ",
+          chunk.worker())));
+    }
+    if (chunk.shard_id() != shard) {
+      return ToGrpcStatus(absl::InvalidArgumentError(
+          absl::StrCat("parameter chunk for shard ", chunk.shard_id(),
+                       " was sent to shard ", shard)));
+    }
+    if (aggregator == nullptr) {
+      const absl::Status s = get_aggregator();
+      if (!s.ok()) return ToGrpcStatus(s);
+    }
+    const uint64_t offset = chunk.offset();
+    const uint64_t count = static_cast<uint64_t>(chunk.values_size());
+    if (offset != next) {
+      return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+          "parameter chunk at offset ", offset, " ",
+          offset < next ? "overlaps" : "leaves a gap after",
+          " the values received so far: expected offset ", next,
+          " (shard ", shard, " owns [", begin, ", ", end, "))")));
+    }
+    if (count > end - offset) {
+      return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+          "parameter chunk [", offset, ", ", offset + count,
+          ") runs past the end of shard ", shard, "'s range [", begin, ", ",
+          end, ")")));
+    }
+    for (uint64_t j = 0; j < count; ++j) {
+      if (!std::isfinite(chunk.values(static_cast<int>(j)))) {
+        return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+            "initial parameter at index ", offset + j, " is not finite (",
+            chunk.values(static_cast<int>(j)), ")")));
+      }
+    }
+    values.insert(values.end(), chunk.values().begin(), chunk.values().end());
+    next = offset + count;
+  }
+  if (context->IsCancelled()) {
+    return grpc::Status(grpc::StatusCode::CANCELLED, "InitParams cancelled");
+  }
+  if (aggregator == nullptr) {
+    const absl::Status s = get_aggregator();
+    if (!s.ok()) return ToGrpcStatus(s);
+  }
+  if (next != end) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+        "parameter chunks cover [", begin, ", ", next, ") but shard ", shard,
+        " owns [", begin, ", ", end, "): ", end - next, " values missing")));
+  }
+  absl::StatusOr<bool> taken = aggregator->InitParams(values);
+  if (!taken.ok()) return ToGrpcStatus(taken.status());
+  response->set_initialized_now(*taken);
+  return grpc::Status::OK;
+}
+
+grpc::Status AggregatorService::DownloadParams(
+    grpc::ServerContext* context, const v1::DownloadParamsRequest* request,
+    grpc::ServerWriter<v1::ParamsChunk>* writer) {
+  if (request->worker() >= config_.num_workers) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+        "unknown worker rank ", request->worker(), "; the cluster has ",
+        config_.num_workers, " workers")));
+  }
+  const absl::Time deadline = WaitDeadline(context);
+  absl::StatusOr<ShardAggregator*> aggregator =
+      GetAggregator(context, deadline);
+  if (!aggregator.ok()) return ToGrpcStatus(aggregator.status());
+  // Wait in short slices so that a cancelled call or a shutdown ends it.
+  absl::StatusOr<std::pair<std::vector<float>, int64_t>> params;
+  while (true) {
+    params = (*aggregator)->Params(std::min(deadline, absl::Now() + kPollInterval));
+    if (params.ok() || !absl::IsDeadlineExceeded(params.status()) ||
+        absl::Now() >= deadline) {
+      break;
+    }
+    if (context->IsCancelled()) {
+      return grpc::Status(grpc::StatusCode::CANCELLED,
+                          "DownloadParams cancelled");
+    }
+  }
+  if (!params.ok()) return ToGrpcStatus(params.status());
+  const std::vector<float>& values = params->first;
+  const uint64_t chunk_bytes =
+      std::min(config_.download_chunk_bytes, config_.max_message_bytes);
+  const size_t per_chunk = static_cast<size_t>(
+      std::max<uint64_t>(1, (chunk_bytes - kChunkOverheadBytes) / 4));
+  const uint64_t begin = (*aggregator)->begin();
+  size_t offset = 0;
+  do {
+    const size_t count = std::min(per_chunk, values.size() - offset);
+    v1::ParamsChunk chunk;
+    chunk.set_worker(request->worker());
+    chunk.set_shard_id(config_.shard_id);
+    chunk.set_offset(begin + offset);
+    chunk.set_step(params->second);
+    chunk.mutable_values()->Add(values.begin() + offset,
+                                values.begin() + offset + count);
+    if (!writer->Write(chunk)) {
+      return grpc::Status(grpc::StatusCode::CANCELLED,
+                          "the worker went away during DownloadParams");
+    }
+    offset += count;
+  } while (offset < values.size());
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<WorkerPush> AggregatorService::DecodePush(const v1::Push& push,
+                                                         uint64_t n) const {
+  const std::string who =
+      absl::StrCat("worker ", push.worker(), " step ", push.step(), ": ");
+  if (push.shard_id() != config_.shard_id) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, "push for shard ", push.shard_id(),
+                     " was sent to shard ", config_.shard_id));
+  }
+  if (push.worker() >= config_.num_workers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown worker rank ", push.worker(),
+                     "; the cluster has ", config_.num_workers, " workers"));
+  }
+  WorkerPush out;
+  out.step = push.step();
+  out.worker = push.worker();
+  if (config_.mode == AggregationMode::kDense) {
+    if (!push.sparse().empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(who, "sparse bytes sent in dense mode"));
+    }
+    out.dense.assign(push.dense().begin(), push.dense().end());
+    return out;
+  }
+  if (push.dense_size() > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, "dense values sent in ", AggregationModeName(config_.mode),
+        " mode"));
+  }
+  absl::StatusOr<CodecSpec> spec = PeekCodecSpec(push.sparse());
+  if (!spec.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, "corrupt sparse push: ", spec.status().message()));
+  }
+  if (spec->index != config_.index_codec ||
+      spec->value != config_.value_codec) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, "wrong codec: the push uses ", IndexCodecName(spec->index), "/",
+        ValueCodecName(spec->value), ", the cluster uses ",
+        IndexCodecName(config_.index_codec), "/",
+        ValueCodecName(config_.value_codec)));
+  }
+  absl::Status decoded = DecodeSparse(push.sparse(), n, &out.sparse);
+  if (!decoded.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, "bad sparse push: ", decoded.message()));
+  }
+  return out;
+}
+
+grpc::Status AggregatorService::PushPull(
+    grpc::ServerContext* context,
+    grpc::ServerReaderWriter<v1::Pull, v1::Push>* stream) {
+  ShardAggregator* aggregator = nullptr;
+  int64_t stream_worker = -1;  // the rank of the first push: one per stream
+  v1::Push push;
+  while (stream->Read(&push)) {
+    if (stream_worker < 0) stream_worker = push.worker();
+    if (push.worker() != stream_worker && aggregator != nullptr) {
+      const absl::Status mixed = absl::InvalidArgumentError(absl::StrCat(
+          "push from worker ", push.worker(), " on the PushPull stream of "
+          "worker ", stream_worker, " (one stream per worker and shard)"));
+      aggregator->RejectPush(push.step(), static_cast<uint32_t>(stream_worker),
+                             mixed);
+      return ToGrpcStatus(mixed);
+    }
+    if (aggregator == nullptr) {
+      absl::StatusOr<ShardAggregator*> a =
+          GetAggregator(context, WaitDeadline(context));
+      if (!a.ok()) return ToGrpcStatus(a.status());
+      aggregator = *a;
+    }
+    absl::StatusOr<WorkerPush> decoded =
+        DecodePush(push, aggregator->options().n);
+    if (!decoded.ok()) {
+      // Fail the round for everyone, as a bad push inside Submit would.
+      aggregator->RejectPush(push.step(), push.worker(), decoded.status());
+      return ToGrpcStatus(decoded.status());
+    }
+    absl::StatusOr<std::shared_ptr<const RoundResult>> result =
+        aggregator->Submit(*std::move(decoded),
+                           absl::Now() + config_.step_timeout);
+    if (!result.ok()) return ToGrpcStatus(result.status());
+    const RoundResult& r = **result;
+    v1::Pull pull;
+    pull.set_step(r.step);
+    pull.set_shard_id(config_.shard_id);
+    if (config_.mode == AggregationMode::kDense) {
+      pull.mutable_dense()->Add(r.dense_sum.begin(), r.dense_sum.end());
+      pull.set_selected(r.dense_sum.size());
+    } else {
+      pull.set_sparse(r.encoded);
+      pull.set_selected(r.selected.size());
+    }
+    const size_t bytes = pull.ByteSizeLong();
+    if (bytes > config_.max_message_bytes) {
+      return ToGrpcStatus(absl::ResourceExhaustedError(absl::StrCat(
+          "pull of step ", r.step, " from shard ", config_.shard_id, " is ",
+          bytes, " bytes, over max_message_bytes ",
+          config_.max_message_bytes)));
+    }
+    if (!stream->Write(pull)) {
+      return grpc::Status(
+          grpc::StatusCode::CANCELLED,
+          absl::StrCat("worker ", push.worker(),
+                       " went away before its pull of step ", r.step));
+    }
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status AggregatorService::ExchangeThreshold(
+    grpc::ServerContext* context, const v1::ThresholdRequest* request,
+    v1::ThresholdResponse* response) {
+  if (!is_leader()) {
+    return ToGrpcStatus(absl::FailedPreconditionError(
+        absl::StrCat("shard ", config_.shard_id,
+                     " is not the leader; ExchangeThreshold goes to ",
+                     config_.peers[0])));
+  }
+  const absl::Time deadline =
+      std::min(absl::Now() + config_.step_timeout,
+               ContextDeadline(context) - kLeaderDeadlineSlack);
+  absl::StatusOr<ThresholdResponse> answer =
+      coordinator_->Submit(FromProto(*request), deadline);
+  if (!answer.ok()) return ToGrpcStatus(answer.status());
+  *response = ToProto(*answer);
+  return grpc::Status::OK;
+}
+
+// ---------------------------------------------------------------------------
+// AggregatorServer
+
+absl::StatusOr<std::unique_ptr<AggregatorServer>> AggregatorServer::Start(
+    ServerConfig config, const std::string& listen_address) {
+  if (!LooksLikeHostPort(listen_address)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "listen address must be host:port, got '", listen_address, "'"));
+  }
+  std::unique_ptr<AggregatorServer> server(new AggregatorServer());
+  GTOPK_ASSIGN_OR_RETURN(server->service_,
+                         AggregatorService::Create(std::move(config)));
+  const int limit = ClampToInt(server->service_->config().max_message_bytes);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(listen_address, grpc::InsecureServerCredentials(),
+                           &server->port_);
+  builder.SetMaxReceiveMessageSize(limit);
+  builder.SetMaxSendMessageSize(limit);
+  builder.RegisterService(server->service_.get());
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || server->port_ == 0) {
+    server->shut_down_ = true;
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", listen_address));
+  }
+  server->address_ = absl::StrCat(
+      listen_address.substr(0, listen_address.rfind(':')), ":", server->port_);
+  server->service_->SetOwnAddress(server->address_);
+  if (grpc::HealthCheckServiceInterface* health =
+          server->server_->GetHealthCheckService()) {
+    health->SetServingStatus(true);
+  }
+  return server;
+}
+
+AggregatorServer::~AggregatorServer() {
+  if (!shut_down_) Shutdown(absl::ZeroDuration()).IgnoreError();
+}
+
+absl::Status AggregatorServer::Shutdown(absl::Duration grace) {
+  if (shut_down_ || server_ == nullptr) return absl::OkStatus();
+  shut_down_ = true;
+  if (grpc::HealthCheckServiceInterface* health =
+          server_->GetHealthCheckService()) {
+    health->SetServingStatus(false);
+  }
+  const absl::Time deadline = absl::Now() + grace;
+  absl::Notification drained;
+  // Handlers blocked in a step wait do not see gRPC's cancellation: at the
+  // deadline, fail their waits so that Shutdown can return.
+  std::thread closer([this, deadline, &drained] {
+    if (!drained.WaitForNotificationWithDeadline(deadline)) {
+      service_->BeginShutdown();
+    }
+  });
+  server_->Shutdown(absl::ToChronoTime(deadline));
+  drained.Notify();
+  closer.join();
+  service_->BeginShutdown();
+  server_->Wait();
+  return service_->WriteCheckpointNow();
+}
+
+// ---------------------------------------------------------------------------
+// Health check client
+
+absl::StatusOr<bool> CheckHealth(const std::string& address,
+                                 absl::Duration timeout) {
+  grpc::GenericStub stub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  // grpc.health.v1.HealthCheckRequest{service: ""} serialises to no bytes.
+  grpc::Slice empty_slice(std::string{});
+  grpc::ByteBuffer request(&empty_slice, 1);
+  grpc::ByteBuffer response;
+  grpc::Status status;
+  absl::Notification done;
+  stub.UnaryCall(&context, "/grpc.health.v1.Health/Check",
+                 grpc::StubOptions(), &request, &response,
+                 [&status, &done](grpc::Status s) {
+                   status = std::move(s);
+                   done.Notify();
+                 });
+  done.WaitForNotification();
+  if (!status.ok()) {
+    return absl::Status(
+        static_cast<absl::StatusCode>(status.error_code()),
+        absl::StrCat("health check of ", address, ": ",
+                     status.error_message()));
+  }
+  std::vector<grpc::Slice> slices;
+  std::string bytes;
+  if (response.Valid() && response.Dump(&slices).ok()) {
+    for (const grpc::Slice& s : slices) {
+      bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    }
+  }
+  // HealthCheckResponse{ServingStatus status = 1}: read the varint fields,
+  // skip anything else; SERVING is 1, and an absent field means UNKNOWN (0).
+  uint64_t serving = 0;
+  size_t pos = 0;
+  auto read_varint = [&bytes, &pos](uint64_t* v) {
+    *v = 0;
+    for (int shift = 0; shift < 64 && pos < bytes.size(); shift += 7) {
+      const uint8_t b = static_cast<uint8_t>(bytes[pos++]);
+      *v |= uint64_t{b & 0x7fu} << shift;
+      if ((b & 0x80) == 0) return true;
+    }
+    return false;
+  };
+  while (pos < bytes.size()) {
+    uint64_t tag = 0, value = 0;
+    if (!read_varint(&tag)) break;
+    const uint64_t wire_type = tag & 7;
+    if (wire_type == 0) {
+      if (!read_varint(&value)) break;
+      if ((tag >> 3) == 1) serving = value;
+    } else if (wire_type == 2) {
+      if (!read_varint(&value) || value > bytes.size() - pos) break;
+      pos += value;
+    } else {
+      return absl::InternalError(
+          absl::StrCat("health check of ", address,
+                       ": unexpected wire type ", wire_type, " in response"));
+    }
+  }
+  return serving == 1;
+}
+
+}  // namespace server
+}  // namespace gtopk

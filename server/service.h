@@ -1,0 +1,261 @@
+// The aggregator shard as a gRPC service (gtopk.v1.Aggregator): adapts
+// ShardAggregator (server/shard_aggregator.h) to the wire, plus the leader's
+// rendezvous (Join, cluster spec) and threshold coordinator, checkpointing,
+// and a small server wrapper used by gtopk-server's main() and by tests.
+//
+// Status codes follow docs/errors.md; every handler converts its
+// absl::Status with ToGrpcStatus (server/grpc_threshold_exchange.h), so the
+// code and message a worker sees are the ones produced here or in the core.
+#ifndef GTOPK_SERVER_SERVICE_H_
+#define GTOPK_SERVER_SERVICE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/codec.h"
+#include "common/optimizer.h"
+#include "gtopk/v1/gtopk.grpc.pb.h"
+#include "gtopk/v1/gtopk.pb.h"
+#include "grpcpp/server.h"
+#include "server/grpc_threshold_exchange.h"
+#include "server/shard_aggregator.h"
+#include "server/threshold.h"
+
+namespace gtopk {
+namespace server {
+
+// Everything one gtopk-server process needs; filled from flags in main()
+// (server/flags.md documents each flag) or directly by tests.
+struct ServerConfig {
+  // This shard, 0..num_shards-1; shard 0 is the leader.
+  uint32_t shard_id = 0;
+  // S >= 1 shards in the cluster.
+  uint32_t num_shards = 1;
+  // P >= 1 workers (ranks 0..P-1).
+  uint32_t num_workers = 1;
+  // S host:port addresses in shard order; peers[0] is the leader, which
+  // non-leaders dial. The leader puts them into the cluster spec for the
+  // workers. The own entry may be empty: the server's bound address is used.
+  std::vector<std::string> peers;
+  AggregationMode mode = AggregationMode::kGtopk;
+  SelectionKind selection = SelectionKind::kExact;
+  // Workers' local selector, told to them in the cluster spec: a name
+  // registered by RegisterBuiltinSelectors (exact, gaussiank, dgc, randomk).
+  std::string selector = "exact";
+  // Seed of the workers' randomised selectors (cluster spec).
+  uint64_t selector_seed = 0;
+  // Codecs the workers must push with (gtopk/topk); pulls use index_codec
+  // with fp32 values.
+  IndexCodec index_codec = IndexCodec::kDeltaVarint;
+  ValueCodec value_codec = ValueCodec::kFp32;
+  // The optimizer rule shared by workers and servers (validated).
+  OptimizerOptions optimizer;
+  // Deadline of every wait: a step's pushes, the threshold exchange, the
+  // cluster spec (n), initialisation before a download. In (0, 2^32 ms).
+  absl::Duration step_timeout = absl::Seconds(30);
+  // gRPC send and receive limit of the server and of its channels to the
+  // leader, in bytes, in [1024, 2^31 - 1]. A larger message fails with
+  // RESOURCE_EXHAUSTED.
+  uint64_t max_message_bytes = uint64_t{64} << 20;
+  // Largest DownloadParams chunk, in bytes (>= 64; the effective size is
+  // also capped by max_message_bytes). The default stays below gRPC's 4 MB
+  // default so that clients with default limits can download.
+  uint64_t download_chunk_bytes = uint64_t{1} << 20;
+  // Directory of this shard's checkpoint (shard-<id>.ckpt); empty: no
+  // checkpoints. Must exist.
+  std::string checkpoint_dir;
+  // Write a checkpoint after every step whose next step is a multiple of
+  // this (>= 0); 0: only on graceful shutdown. Needs checkpoint_dir.
+  int64_t checkpoint_every = 0;
+};
+
+// OK, or INVALID_ARGUMENT naming the first bad field and its value.
+absl::Status ValidateServerConfig(const ServerConfig& config);
+
+// The gtopk.v1.Aggregator service of one shard (synchronous gRPC API: each
+// call, and each PushPull stream, runs on its own gRPC thread).
+//
+// Per-RPC behaviour (all waits end at now + step_timeout at the latest, and
+// earlier when the call is cancelled):
+//   Join            leader only (others: FAILED_PRECONDITION "shard s is not
+//                   the leader; join <leader address>"). n in [1, 2^32]
+//                   (INVALID_ARGUMENT); the first Join fixes the cluster's n
+//                   unless a checkpoint did; another n -> FAILED_PRECONDITION
+//                   naming both counts. requested_rank: -1 = the lowest rank
+//                   not yet given out (none left: RESOURCE_EXHAUSTED),
+//                   0..P-1 = that rank (re-joins allowed), >= P or < -1 =
+//                   INVALID_ARGUMENT.
+//   GetClusterSpec  leader: waits until n is known (DEADLINE_EXCEEDED
+//                   otherwise); non-leaders forward to the leader (errors
+//                   name it). The request's fields are ignored.
+//   InitParams      chunks must come from worker 0 (PERMISSION_DENIED
+//                   otherwise: the caller is well-formed but not allowed to
+//                   initialise), be for this shard, contiguous from begin,
+//                   inside the range, finite, and cover it exactly
+//                   (INVALID_ARGUMENT naming the fault). Idempotent.
+//   DownloadParams  worker < P; waits until initialised, then streams chunks
+//                   of at most download_chunk_bytes, each with step = next
+//                   step. An empty range yields one empty chunk.
+//   PushPull        per Push: shard_id and worker checked, codecs must be
+//                   the cluster's, bytes must decode (all INVALID_ARGUMENT,
+//                   and the step fails for every worker); then
+//                   ShardAggregator::Submit. The stream ends with the first
+//                   error (the step's status: INVALID_ARGUMENT, ABORTED,
+//                   DEADLINE_EXCEEDED naming missing workers,
+//                   FAILED_PRECONDITION for a wrong step, ...). A Pull
+//                   larger than max_message_bytes: RESOURCE_EXHAUSTED.
+//   ExchangeThreshold  leader only (FAILED_PRECONDITION otherwise).
+//
+// A non-leader creates its ShardAggregator lazily, on the first InitParams,
+// DownloadParams or PushPull, by asking the leader for the cluster spec
+// (for n), unless it restored a checkpoint.
+//
+// Thread-safety: all methods are thread-safe.
+class AggregatorService final : public v1::Aggregator::Service {
+ public:
+  // Validates `config`; with a checkpoint_dir, restores this shard's
+  // checkpoint when there is one (its n fixes the leader's n). Errors:
+  // INVALID_ARGUMENT (config), ReadCheckpoint's errors other than NOT_FOUND,
+  // FAILED_PRECONDITION for a checkpoint of another layout.
+  static absl::StatusOr<std::unique_ptr<AggregatorService>> Create(
+      ServerConfig config);
+  ~AggregatorService() override;
+
+  const ServerConfig& config() const { return config_; }
+  bool is_leader() const { return config_.shard_id == 0; }
+
+  // The address put into the cluster spec for this shard when its peers
+  // entry is empty (AggregatorServer sets it to the bound address).
+  void SetOwnAddress(const std::string& address);
+
+  // The first step this shard has not applied; -1 while it has no
+  // aggregator (n unknown yet).
+  int64_t next_step() const;
+
+  // Writes this shard's checkpoint now. OK without a checkpoint_dir or
+  // before the shard has parameters (nothing to write); otherwise
+  // WriteCheckpoint's status. Serialised with the periodic writes.
+  absl::Status WriteCheckpointNow();
+
+  // Graceful shutdown: pending and later steps, downloads and waits fail
+  // with UNAVAILABLE "shard s is shutting down", so that no handler stays
+  // blocked. Irreversible. Does not block.
+  void BeginShutdown();
+
+  grpc::Status Join(grpc::ServerContext* context,
+                    const v1::JoinRequest* request,
+                    v1::JoinResponse* response) override;
+  grpc::Status GetClusterSpec(grpc::ServerContext* context,
+                              const v1::JoinRequest* request,
+                              v1::ClusterSpec* response) override;
+  grpc::Status InitParams(grpc::ServerContext* context,
+                          grpc::ServerReader<v1::ParamsChunk>* reader,
+                          v1::InitParamsResponse* response) override;
+  grpc::Status DownloadParams(
+      grpc::ServerContext* context, const v1::DownloadParamsRequest* request,
+      grpc::ServerWriter<v1::ParamsChunk>* writer) override;
+  grpc::Status PushPull(
+      grpc::ServerContext* context,
+      grpc::ServerReaderWriter<v1::Pull, v1::Push>* stream) override;
+  grpc::Status ExchangeThreshold(grpc::ServerContext* context,
+                                 const v1::ThresholdRequest* request,
+                                 v1::ThresholdResponse* response) override;
+
+ private:
+  explicit AggregatorService(ServerConfig config);
+
+  // The deadline of a wait that starts now: now + step_timeout, or the
+  // call's own deadline when earlier.
+  absl::Time WaitDeadline(const grpc::ServerContext* context) const;
+  // This shard's aggregator, creating it if needed (see the class comment).
+  absl::StatusOr<ShardAggregator*> GetAggregator(grpc::ServerContext* context,
+                                                 absl::Time deadline);
+  // Creates the aggregator for `n` (and wires its checkpoint callback).
+  absl::Status CreateAggregatorLocked(uint64_t n)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waits (polling for cancellation) until n is known; the leader only.
+  absl::Status AwaitClusterLocked(grpc::ServerContext* context,
+                                  absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::ClusterSpec BuildSpecLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Non-leaders: the cluster spec from the leader.
+  absl::StatusOr<v1::ClusterSpec> FetchSpecFromLeader(absl::Time deadline);
+  // Turns a wire push into a WorkerPush (codec and shard checks, decoding).
+  absl::StatusOr<WorkerPush> DecodePush(const v1::Push& push,
+                                        uint64_t n) const;
+
+  const ServerConfig config_;
+  // Shard 0 only: the per-step threshold rendezvous and the leader's own way
+  // to it.
+  std::unique_ptr<ThresholdCoordinator> coordinator_;
+  // Shards 1..S-1: the channel to the leader (cluster spec, threshold).
+  std::shared_ptr<grpc::Channel> leader_channel_;
+  std::unique_ptr<v1::Aggregator::Stub> leader_stub_;
+  // The exchange the aggregator uses (local on shard 0, gRPC elsewhere).
+  std::unique_ptr<ThresholdExchange> exchange_;
+
+  // Serialises non-leaders' lazy creation (one call to the leader at a time).
+  absl::Mutex create_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  mutable absl::Mutex mu_;
+  absl::CondVar cv_;  // signalled when the aggregator appears or on shutdown
+  std::string own_address_ ABSL_GUARDED_BY(mu_);
+  uint64_t n_ ABSL_GUARDED_BY(mu_) = 0;  // 0: not known yet
+  std::vector<bool> rank_given_ ABSL_GUARDED_BY(mu_);
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  // Created once, never replaced: the pointer may be used without mu_.
+  std::unique_ptr<ShardAggregator> aggregator_ ABSL_GUARDED_BY(mu_);
+
+  absl::Mutex checkpoint_mu_;  // one checkpoint writer at a time
+};
+
+// A running gtopk-server: the service plus a grpc::Server with the message
+// limits raised to max_message_bytes and grpc.health.v1 enabled (SERVING
+// once started).
+class AggregatorServer {
+ public:
+  // Listens on `listen_address` (host:port; port 0 picks a free port).
+  // Errors: Create's, UNAVAILABLE when the address cannot be bound.
+  static absl::StatusOr<std::unique_ptr<AggregatorServer>> Start(
+      ServerConfig config, const std::string& listen_address);
+  ~AggregatorServer();  // Shutdown(0) unless already shut down
+
+  // "host:port" with the port actually bound.
+  const std::string& address() const { return address_; }
+  int port() const { return port_; }
+  AggregatorService* service() { return service_.get(); }
+
+  // Graceful shutdown: health NOT_SERVING; stop accepting calls and let
+  // running ones finish until now + grace; then fail what still waits
+  // (AggregatorService::BeginShutdown) and cancel the rest; finally write
+  // the checkpoint (after the last applied step). Returns the checkpoint's
+  // status. Idempotent.
+  absl::Status Shutdown(absl::Duration grace);
+
+ private:
+  AggregatorServer() = default;
+  std::unique_ptr<AggregatorService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string address_;
+  int port_ = 0;
+  bool shut_down_ = false;
+};
+
+// grpc.health.v1.Health/Check for service "" at `address`: true when the
+// server answers SERVING, false for any other serving status. Errors: the
+// call's status (e.g. UNAVAILABLE, DEADLINE_EXCEEDED after `timeout`),
+// INTERNAL for an unparseable response. Uses a generic stub, so no health
+// proto is needed.
+absl::StatusOr<bool> CheckHealth(const std::string& address,
+                                 absl::Duration timeout);
+
+}  // namespace server
+}  // namespace gtopk
+
+#endif  // GTOPK_SERVER_SERVICE_H_

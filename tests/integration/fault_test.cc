@@ -1,0 +1,179 @@
+// Faults on a real in-process cluster: a worker that disconnects in the
+// middle of a step (pushed to one shard of two, then gone) makes the others
+// fail within the step deadline with an error naming it, without applying
+// anything; a slow worker within the deadline does not fail the step.
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/codec.h"
+#include "common/testing/status_matchers.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "server/service.h"
+#include "tests/integration/test_cluster.h"
+#include "worker/client.h"
+
+namespace gtopk {
+namespace {
+
+using ::gtopk::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using testing::TestCluster;
+using worker::ClientOptions;
+using worker::WorkerClient;
+
+constexpr uint64_t kN = 2003;
+
+server::ServerConfig Config(int workers, absl::Duration step_timeout) {
+  server::ServerConfig c;
+  c.num_workers = workers;
+  c.optimizer.density = 0.01;
+  c.optimizer.lr = 0.1f;
+  c.step_timeout = step_timeout;
+  return c;
+}
+
+std::unique_ptr<WorkerClient> Join(const TestCluster& cluster, int rank) {
+  ClientOptions o;
+  o.leader_address = cluster.leader();
+  o.requested_rank = rank;
+  o.n = kN;
+  o.rpc_timeout = absl::Seconds(10);
+  o.step_watchdog_margin = absl::Milliseconds(500);
+  auto c = WorkerClient::Connect(o);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? *std::move(c) : nullptr;
+}
+
+std::vector<float> Seeded(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> v(kN);
+  for (float& x : v) x = normal(rng);
+  return v;
+}
+
+bool BitEqual(absl::Span<const float> a, absl::Span<const float> b) {
+  return a.size() == b.size() &&
+         std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+TEST(FaultTest, WorkerDisconnectingMidStepFailsTheOthersNamingIt) {
+  auto cluster_or = TestCluster::Start(Config(3, absl::Seconds(1)), 2);
+  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+  TestCluster& cluster = **cluster_or;
+  std::vector<std::unique_ptr<WorkerClient>> clients;
+  for (int w = 0; w < 3; ++w) {
+    clients.push_back(Join(cluster, w));
+    ASSERT_NE(clients.back(), nullptr);
+  }
+  std::vector<std::vector<float>> params(3);
+  {
+    std::vector<std::thread> threads;
+    for (int w = 0; w < 3; ++w) {
+      threads.emplace_back([&, w] {
+        params[w] = w == 0 ? Seeded(1) : std::vector<float>(kN, 0.0f);
+        GTOPK_EXPECT_OK(
+            clients[w]->SynchronizeParameters(absl::MakeSpan(params[w])));
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  const std::vector<float> before = params[0];
+
+  // Workers 0 and 1 step normally.
+  std::vector<absl::Status> status(2);
+  std::vector<absl::Duration> took(2);
+  std::vector<std::thread> threads;
+  for (int w = 0; w < 2; ++w) {
+    threads.emplace_back([&, w] {
+      const absl::Time start = absl::Now();
+      status[w] = clients[w]->Step(Seeded(100 + w), absl::MakeSpan(params[w]))
+                      .status();
+      took[w] = absl::Now() - start;
+    });
+  }
+  // Worker 2 pushes to shard 0 only, then disconnects.
+  {
+    const v1::ClusterSpec spec = clients[2]->cluster();
+    auto stub = v1::Aggregator::NewStub(grpc::CreateChannel(
+        spec.shards(0).address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    auto stream = stub->PushPull(&ctx);
+    v1::Push push;
+    push.set_step(0);
+    push.set_worker(2);
+    push.set_shard_id(0);
+    SparseVector one;
+    one.push_back(static_cast<uint32_t>(spec.shards(0).begin()), 0.5f);
+    GTOPK_ASSERT_OK(EncodeSparse(one, kN,
+                                 CodecSpec{*ParseIndexCodec(spec.index_codec()),
+                                           *ParseValueCodec(spec.value_codec())},
+                                 push.mutable_sparse()));
+    EXPECT_TRUE(stream->Write(push));
+    absl::SleepFor(absl::Milliseconds(100));
+    ctx.TryCancel();
+    stream->Finish().IgnoreError();
+    clients[2].reset();
+  }
+  for (auto& t : threads) t.join();
+
+  for (int w = 0; w < 2; ++w) {
+    EXPECT_THAT(status[w], StatusIs(absl::StatusCode::kDeadlineExceeded,
+                                    AllOf(HasSubstr("shard 1"),
+                                          HasSubstr("worker(s) 2"))))
+        << "worker " << w;
+    // Within the step deadline (1 s) plus the client's margin and slack.
+    EXPECT_LT(took[w], absl::Milliseconds(2500)) << "worker " << w;
+    EXPECT_TRUE(BitEqual(params[w], before)) << "worker " << w;
+    EXPECT_EQ(clients[w]->next_step(), 0);
+  }
+}
+
+TEST(FaultTest, SlowWorkerWithinTheDeadlineCompletesTheStep) {
+  auto cluster_or = TestCluster::Start(Config(2, absl::Seconds(2)), 2);
+  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+  TestCluster& cluster = **cluster_or;
+  std::vector<std::unique_ptr<WorkerClient>> clients;
+  for (int w = 0; w < 2; ++w) {
+    clients.push_back(Join(cluster, w));
+    ASSERT_NE(clients.back(), nullptr);
+  }
+  std::vector<std::vector<float>> params(2);
+  std::vector<absl::Status> status(2);
+  std::vector<std::thread> threads;
+  for (int w = 0; w < 2; ++w) {
+    threads.emplace_back([&, w] {
+      params[w] = w == 0 ? Seeded(1) : std::vector<float>(kN, 0.0f);
+      auto sync = clients[w]->SynchronizeParameters(absl::MakeSpan(params[w]));
+      if (!sync.ok()) {
+        status[w] = sync.status();
+        return;
+      }
+      for (int step = 0; step < 2 && status[w].ok(); ++step) {
+        if (w == 1) absl::SleepFor(absl::Milliseconds(300));
+        status[w] = clients[w]
+                        ->Step(Seeded(1000 * step + w), absl::MakeSpan(params[w]))
+                        .status();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  GTOPK_ASSERT_OK(status[0]);
+  GTOPK_ASSERT_OK(status[1]);
+  EXPECT_TRUE(BitEqual(params[0], params[1]));
+  auto server = cluster.ServerParams(kN);
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_EQ(server->second, 2);
+  EXPECT_TRUE(BitEqual(server->first, params[0]));
+}
+
+}  // namespace
+}  // namespace gtopk

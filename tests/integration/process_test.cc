@@ -1,0 +1,232 @@
+// The real gtopk-server binaries as processes on loopback, with in-process
+// WorkerClients: a few steps, parameters compared between workers and
+// servers; a shard killed with SIGKILL and restarted from its checkpoint
+// serves the same parameters and the cluster carries on; SIGTERM shuts the
+// servers down cleanly (exit 0).
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "common/testing/status_matchers.h"
+#include "gtest/gtest.h"
+#include "tests/integration/test_cluster.h"
+#include "worker/client.h"
+
+#ifndef GTOPK_SERVER_BINARY
+#error "GTOPK_SERVER_BINARY must name the gtopk-server executable"
+#endif
+
+namespace gtopk {
+namespace {
+
+// A child gtopk-server. The destructor kills it (SIGKILL) if still running.
+class ServerProcess {
+ public:
+  ServerProcess() = default;
+  ServerProcess(const ServerProcess&) = delete;
+  ServerProcess& operator=(const ServerProcess&) = delete;
+  ~ServerProcess() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    if (out_ >= 0) close(out_);
+  }
+
+  // Starts the binary and waits (up to 20 s) for its "listening on" line.
+  ::testing::AssertionResult Start(const std::vector<std::string>& args) {
+    int pipefd[2];
+    if (pipe(pipefd) != 0) return ::testing::AssertionFailure() << "pipe";
+    pid_ = fork();
+    if (pid_ < 0) return ::testing::AssertionFailure() << "fork";
+    if (pid_ == 0) {
+      dup2(pipefd[1], STDOUT_FILENO);
+      close(pipefd[0]);
+      close(pipefd[1]);
+      std::vector<char*> argv;
+      std::string binary = GTOPK_SERVER_BINARY;
+      argv.push_back(binary.data());
+      std::vector<std::string> copy = args;
+      for (std::string& a : copy) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(binary.c_str(), argv.data());
+      _exit(127);
+    }
+    close(pipefd[1]);
+    out_ = pipefd[0];
+    std::string seen;
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (absl::Now() < deadline) {
+      pollfd p{out_, POLLIN, 0};
+      if (poll(&p, 1, 100) <= 0) continue;
+      char buf[256];
+      const ssize_t got = read(out_, buf, sizeof(buf));
+      if (got <= 0) break;
+      seen.append(buf, got);
+      if (seen.find("listening on") != std::string::npos &&
+          seen.find('\n', seen.find("listening on")) != std::string::npos) {
+        return ::testing::AssertionSuccess();
+      }
+    }
+    return ::testing::AssertionFailure()
+           << "gtopk-server did not report listening; output: " << seen;
+  }
+
+  // Sends `signal` and waits up to `timeout` for the exit; returns the exit
+  // status (or -1 on timeout, after which the process is killed).
+  int StopWith(int signal, absl::Duration timeout) {
+    kill(pid_, signal);
+    const absl::Time deadline = absl::Now() + timeout;
+    int status = 0;
+    while (absl::Now() < deadline) {
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      }
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int out_ = -1;
+};
+
+std::vector<float> Random(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(n);
+  for (float& v : x) v = normal(rng);
+  return x;
+}
+
+bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() &&
+         std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+TEST(ProcessTest, RealServersTrainSurviveAKillAndShutDownCleanly) {
+  const uint64_t n = 20011;
+  const int workers = 2;
+  auto ports = testing::PickFreePorts(2);
+  ASSERT_TRUE(ports.ok()) << ports.status();
+  std::vector<std::string> peers;
+  for (int p : *ports) peers.push_back(absl::StrCat("127.0.0.1:", p));
+  char dir_template[] = "/tmp/gtopk_process_test_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  auto args = [&](int shard) {
+    return std::vector<std::string>{
+        absl::StrCat("--listen=", peers[shard]),
+        absl::StrCat("--shard-id=", shard),
+        "--num-shards=2",
+        absl::StrCat("--workers=", workers),
+        absl::StrCat("--peers=", absl::StrJoin(peers, ",")),
+        "--step-timeout=10s",
+        absl::StrCat("--checkpoint-dir=", dir),
+        "--checkpoint-every=1",
+        "--density=0.01",
+        "--index-codec=delta-bitpack",
+        "--value-codec=bf16"};
+  };
+  ServerProcess shard0, shard1;
+  ASSERT_TRUE(shard0.Start(args(0)));
+  ASSERT_TRUE(shard1.Start(args(1)));
+
+  // Two workers, three steps each, in threads (steps are synchronous).
+  std::vector<std::unique_ptr<worker::WorkerClient>> clients(workers);
+  std::vector<std::vector<float>> params(workers);
+  auto run_steps = [&](int from, int to) {
+    std::vector<std::thread> threads;
+    std::vector<absl::Status> status(workers);
+    for (int w = 0; w < workers; ++w) {
+      threads.emplace_back([&, w] {
+        for (int step = from; step < to; ++step) {
+          auto stats = clients[w]->Step(Random(n, 100 * step + w), absl::MakeSpan(params[w]));
+          if (!stats.ok()) {
+            status[w] = stats.status();
+            return;
+          }
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int w = 0; w < workers; ++w) GTOPK_EXPECT_OK(status[w]) << "worker " << w;
+  };
+  {
+    std::vector<std::thread> threads;
+    for (int w = 0; w < workers; ++w) {
+      threads.emplace_back([&, w] {
+        worker::ClientOptions o;
+        o.leader_address = peers[0];
+        o.requested_rank = w;
+        o.n = n;
+        auto c = worker::WorkerClient::Connect(o);
+        ASSERT_TRUE(c.ok()) << c.status();
+        clients[w] = *std::move(c);
+        params[w] = Random(n, 7);  // rank 0's values initialise the shards
+        if (w == 1) std::fill(params[w].begin(), params[w].end(), 0.0f);
+        auto next = clients[w]->SynchronizeParameters(absl::MakeSpan(params[w]));
+        ASSERT_TRUE(next.ok()) << next.status();
+        EXPECT_EQ(*next, 0);
+      });
+    }
+    for (auto& t : threads) t.join();
+    ASSERT_TRUE(clients[0] && clients[1]);
+  }
+  ASSERT_TRUE(BitEqual(params[0], params[1]));
+  run_steps(0, 3);
+  ASSERT_TRUE(BitEqual(params[0], params[1]));
+
+  auto download = [&](int rank, int64_t expected_step) -> std::vector<float> {
+    worker::ClientOptions o;
+    o.leader_address = peers[0];
+    o.requested_rank = rank;  // a re-join of a live rank is allowed
+    o.n = n;
+    auto c = worker::WorkerClient::Connect(o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    if (!c.ok()) return {};
+    std::vector<float> p(n, 0.0f);
+    auto next = (*c)->SynchronizeParameters(absl::MakeSpan(p));
+    EXPECT_TRUE(next.ok()) << next.status();
+    EXPECT_EQ(next.value_or(-1), expected_step);
+    return p;
+  };
+  // The servers hold the same bits as the workers.
+  EXPECT_TRUE(BitEqual(download(1, 3), params[0]));
+
+  // Kill shard 1 without warning and restart it from its checkpoint.
+  EXPECT_EQ(shard1.StopWith(SIGKILL, absl::Seconds(10)), 128 + SIGKILL);
+  ServerProcess restarted;
+  ASSERT_TRUE(restarted.Start(args(1)));
+  EXPECT_TRUE(BitEqual(download(1, 3), params[0]))
+      << "restarted shard serves different parameters";
+  // The workers carry on (their streams to shard 1 are reopened).
+  run_steps(3, 5);
+  EXPECT_TRUE(BitEqual(params[0], params[1]));
+  EXPECT_TRUE(BitEqual(download(1, 5), params[0]));
+
+  // Graceful shutdown: SIGTERM -> exit 0.
+  clients.clear();
+  EXPECT_EQ(restarted.StopWith(SIGTERM, absl::Seconds(15)), 0);
+  EXPECT_EQ(shard0.StopWith(SIGTERM, absl::Seconds(15)), 0);
+  std::string cleanup = "rm -rf " + dir;
+  EXPECT_EQ(system(cleanup.c_str()), 0);
+}
+
+}  // namespace
+}  // namespace gtopk

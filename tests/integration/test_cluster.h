@@ -1,0 +1,142 @@
+// An in-process gtopk cluster for integration tests: S AggregatorServers on
+// loopback (real gRPC) and helpers to read the servers' parameters back.
+#ifndef GTOPK_TESTS_INTEGRATION_TEST_CLUSTER_H_
+#define GTOPK_TESTS_INTEGRATION_TEST_CLUSTER_H_
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "gtopk/v1/gtopk.grpc.pb.h"
+#include "server/service.h"
+
+namespace gtopk {
+namespace testing {
+
+// `count` distinct free loopback ports (bound together, then released; the
+// servers bind them right after, so a collision is unlikely and retried).
+inline absl::StatusOr<std::vector<int>> PickFreePorts(int count) {
+  std::vector<int> fds, ports;
+  absl::Status status;
+  for (int i = 0; i < count && status.ok(); ++i) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) {
+      status = absl::InternalError("socket() failed");
+      break;
+    }
+    fds.push_back(fd);
+    sockaddr_in addr;
+    std::memset(&addr, 0, sizeof(addr));
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = 0;
+    socklen_t len = sizeof(addr);
+    if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+        getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      status = absl::InternalError("bind() failed");
+      break;
+    }
+    ports.push_back(ntohs(addr.sin_port));
+  }
+  for (int fd : fds) close(fd);
+  if (!status.ok()) return status;
+  return ports;
+}
+
+// S running shards. `base` supplies everything but shard_id, num_shards
+// and peers.
+class TestCluster {
+ public:
+  static absl::StatusOr<std::unique_ptr<TestCluster>> Start(
+      const server::ServerConfig& base, uint32_t num_shards) {
+    absl::Status last;
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      auto ports = PickFreePorts(static_cast<int>(num_shards));
+      if (!ports.ok()) return ports.status();
+      std::vector<std::string> peers;
+      for (int p : *ports) peers.push_back(absl::StrCat("127.0.0.1:", p));
+      auto cluster = std::unique_ptr<TestCluster>(new TestCluster());
+      last = absl::OkStatus();
+      for (uint32_t s = 0; s < num_shards && last.ok(); ++s) {
+        server::ServerConfig c = base;
+        c.shard_id = s;
+        c.num_shards = num_shards;
+        c.peers = peers;
+        auto srv = server::AggregatorServer::Start(c, peers[s]);
+        if (!srv.ok()) {
+          last = srv.status();
+        } else {
+          cluster->servers_.push_back(*std::move(srv));
+        }
+      }
+      if (last.ok()) {
+        cluster->peers_ = peers;
+        return cluster;
+      }
+    }
+    return last;
+  }
+
+  ~TestCluster() {
+    for (auto& s : servers_) s->Shutdown(absl::Milliseconds(200)).IgnoreError();
+  }
+
+  const std::string& leader() const { return peers_[0]; }
+  const std::vector<std::string>& peers() const { return peers_; }
+  server::AggregatorServer& shard(size_t s) { return *servers_[s]; }
+  size_t size() const { return servers_.size(); }
+
+  // Downloads every shard's parameters (as worker `rank`) into a vector of
+  // length n, and the step every shard reports (-1 if they disagree).
+  absl::StatusOr<std::pair<std::vector<float>, int64_t>> ServerParams(
+      uint64_t n, uint32_t rank = 0) {
+    std::vector<float> out(n, 0.0f);
+    int64_t step = -2;
+    for (size_t s = 0; s < peers_.size(); ++s) {
+      auto stub = v1::Aggregator::NewStub(grpc::CreateChannel(
+          peers_[s], grpc::InsecureChannelCredentials()));
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+      v1::DownloadParamsRequest req;
+      req.set_worker(rank);
+      auto reader = stub->DownloadParams(&ctx, req);
+      v1::ParamsChunk chunk;
+      while (reader->Read(&chunk)) {
+        if (chunk.offset() + chunk.values_size() > n) {
+          return absl::InternalError("chunk out of range");
+        }
+        std::copy(chunk.values().begin(), chunk.values().end(),
+                  out.begin() + chunk.offset());
+        if (step == -2) step = chunk.step();
+        if (step != chunk.step()) step = -1;
+      }
+      const grpc::Status st = reader->Finish();
+      if (!st.ok()) {
+        return absl::Status(static_cast<absl::StatusCode>(st.error_code()),
+                            st.error_message());
+      }
+    }
+    return std::make_pair(std::move(out), step);
+  }
+
+ private:
+  TestCluster() = default;
+  std::vector<std::string> peers_;
+  std::vector<std::unique_ptr<server::AggregatorServer>> servers_;
+};
+
+}  // namespace testing
+}  // namespace gtopk
+
+#endif  // GTOPK_TESTS_INTEGRATION_TEST_CLUSTER_H_

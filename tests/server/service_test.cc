@@ -1,0 +1,749 @@
+// AggregatorService over real gRPC on loopback: in-process servers
+// (AggregatorServer on 127.0.0.1, port 0), raw gtopk.v1 stubs as workers.
+#include "server/service.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/codec.h"
+#include "common/merge.h"
+#include "common/optimizer.h"
+#include "common/sparse_vector.h"
+#include "common/testing/status_matchers.h"
+#include "gmock/gmock.h"
+#include "grpcpp/client_context.h"
+#include "gtest/gtest.h"
+#include "gtopk/v1/gtopk.grpc.pb.h"
+#include "server/checkpoint.h"
+#include "server/grpc_threshold_exchange.h"
+#include "tests/testing/reference.h"
+
+namespace gtopk {
+namespace server {
+namespace {
+
+using ::gtopk::testing::FloatBits;
+using ::gtopk::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+// A port that was free a moment ago (for a shard whose address the leader
+// must know before that shard starts).
+int PickUnusedPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    close(fd);
+    return 0;
+  }
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+ServerConfig BaseConfig(uint32_t num_shards, uint32_t num_workers) {
+  ServerConfig c;
+  c.num_shards = num_shards;
+  c.num_workers = num_workers;
+  c.peers.assign(num_shards, "");
+  c.step_timeout = absl::Seconds(2);
+  c.optimizer.density = 0.2;
+  c.optimizer.momentum_mode = MomentumMode::kDgcCorrection;
+  return c;
+}
+
+// S in-process shards on loopback. `config` is used for every shard (its
+// shard_id and peers are filled in).
+struct Cluster {
+  std::vector<std::unique_ptr<AggregatorServer>> servers;
+  std::vector<std::unique_ptr<v1::Aggregator::Stub>> stubs;
+
+  v1::Aggregator::Stub* stub(size_t s) { return stubs[s].get(); }
+};
+
+absl::StatusOr<Cluster> StartCluster(ServerConfig config) {
+  Cluster cluster;
+  const uint32_t S = config.num_shards;
+  std::vector<std::string> listen(S, "127.0.0.1:0");
+  std::vector<std::string> peers(S, "");
+  for (uint32_t s = 1; s < S; ++s) {
+    listen[s] = absl::StrCat("127.0.0.1:", PickUnusedPort());
+    peers[s] = listen[s];
+  }
+  for (uint32_t s = 0; s < S; ++s) {
+    ServerConfig c = config;
+    c.shard_id = s;
+    c.peers = peers;
+    c.peers[s] = "";  // its own entry: the bound address
+    absl::StatusOr<std::unique_ptr<AggregatorServer>> server =
+        AggregatorServer::Start(c, listen[s]);
+    if (!server.ok()) return server.status();
+    if (s == 0) peers[0] = (*server)->address();
+    cluster.stubs.push_back(v1::Aggregator::NewStub(
+        CreateLimitedChannel((*server)->address(), uint64_t{64} << 20)));
+    cluster.servers.push_back(*std::move(server));
+  }
+  return cluster;
+}
+
+absl::StatusOr<v1::JoinResponse> Join(v1::Aggregator::Stub* stub, int rank,
+                                      uint64_t n) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  v1::JoinRequest request;
+  request.set_requested_rank(rank);
+  request.set_n(n);
+  v1::JoinResponse response;
+  const grpc::Status s = stub->Join(&ctx, request, &response);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return response;
+}
+
+// Streams `values` (the range starting at `offset`) in chunks of `chunk`.
+absl::StatusOr<bool> InitParams(v1::Aggregator::Stub* stub, uint32_t worker,
+                                uint32_t shard, uint64_t offset,
+                                const std::vector<float>& values,
+                                size_t chunk) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  v1::InitParamsResponse response;
+  auto writer = stub->InitParams(&ctx, &response);
+  for (size_t i = 0; i < values.size(); i += chunk) {
+    v1::ParamsChunk c;
+    c.set_worker(worker);
+    c.set_shard_id(shard);
+    c.set_offset(offset + i);
+    for (size_t j = i; j < std::min(values.size(), i + chunk); ++j) {
+      c.add_values(values[j]);
+    }
+    if (!writer->Write(c)) break;
+  }
+  writer->WritesDone();
+  const grpc::Status s = writer->Finish();
+  if (!s.ok()) return FromGrpcStatus(s);
+  return response.initialized_now();
+}
+
+struct Downloaded {
+  std::vector<float> values;
+  int64_t step = -1;
+  int chunks = 0;
+  uint64_t offset = 0;
+};
+
+absl::StatusOr<Downloaded> Download(v1::Aggregator::Stub* stub,
+                                    uint32_t worker = 0) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  v1::DownloadParamsRequest request;
+  request.set_worker(worker);
+  auto reader = stub->DownloadParams(&ctx, request);
+  Downloaded d;
+  v1::ParamsChunk c;
+  while (reader->Read(&c)) {
+    if (d.chunks == 0) d.offset = c.offset();
+    if (c.offset() != d.offset + d.values.size()) {
+      return absl::InternalError("chunks not contiguous");
+    }
+    d.values.insert(d.values.end(), c.values().begin(), c.values().end());
+    d.step = c.step();
+    ++d.chunks;
+  }
+  const grpc::Status s = reader->Finish();
+  if (!s.ok()) return FromGrpcStatus(s);
+  return d;
+}
+
+// One push on a fresh stream, then its pull (or the stream's status).
+absl::StatusOr<v1::Pull> PushOnce(v1::Aggregator::Stub* stub,
+                                  const v1::Push& push) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  auto stream = stub->PushPull(&ctx);
+  stream->Write(push);
+  v1::Pull pull;
+  const bool got = stream->Read(&pull);
+  stream->WritesDone();
+  const grpc::Status s = stream->Finish();
+  if (!s.ok()) return FromGrpcStatus(s);
+  if (!got) return absl::InternalError("stream ended without a pull");
+  return pull;
+}
+
+v1::Push MakePush(int64_t step, uint32_t worker, uint32_t shard,
+                  std::string sparse) {
+  v1::Push p;
+  p.set_step(step);
+  p.set_worker(worker);
+  p.set_shard_id(shard);
+  p.set_sparse(std::move(sparse));
+  return p;
+}
+
+std::string Encode(const SparseVector& v, uint64_t n, CodecSpec spec) {
+  std::string out;
+  EXPECT_TRUE(EncodeSparse(v, n, spec, &out).ok());
+  return out;
+}
+
+// A codec-v1 message with raw indices and fp32 values, written by hand so
+// that it may break the invariants (unsorted, duplicate, NaN).
+std::string RawMessage(const std::vector<uint32_t>& indices,
+                       const std::vector<float>& values) {
+  std::string out = {1, static_cast<char>(IndexCodec::kRaw),
+                     static_cast<char>(ValueCodec::kFp32),
+                     static_cast<char>(indices.size())};  // count < 128
+  for (uint32_t i : indices) {
+    for (int b = 0; b < 4; ++b) out.push_back(static_cast<char>(i >> (8 * b)));
+  }
+  for (float v : values) {
+    const uint32_t bits = FloatBits(v);
+    for (int b = 0; b < 4; ++b) {
+      out.push_back(static_cast<char>(bits >> (8 * b)));
+    }
+  }
+  return out;
+}
+
+std::vector<uint32_t> Bits(const std::vector<float>& v) {
+  std::vector<uint32_t> out;
+  for (float x : v) out.push_back(FloatBits(x));
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+
+TEST(ServiceConfigTest, RejectsBadFieldsByName) {
+  ServerConfig c = BaseConfig(2, 2);
+  c.peers = {"", "not-an-address"};
+  EXPECT_THAT(ValidateServerConfig(c),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("peers[1]")));
+  c = BaseConfig(2, 2);
+  c.peers = {""};
+  EXPECT_THAT(ValidateServerConfig(c),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("peers")));
+  c = BaseConfig(1, 1);
+  c.selector = "bogus";
+  EXPECT_THAT(ValidateServerConfig(c),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("selector")));
+  c = BaseConfig(1, 1);
+  c.checkpoint_every = 3;
+  EXPECT_THAT(ValidateServerConfig(c),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("checkpoint_dir")));
+  c = BaseConfig(1, 1);
+  c.step_timeout = absl::ZeroDuration();
+  EXPECT_THAT(ValidateServerConfig(c),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("step_timeout")));
+}
+
+TEST(ServiceTest, HealthIsServingAfterStart) {
+  GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(BaseConfig(1, 1)));
+  GTOPK_ASSERT_OK_AND_ASSIGN(
+      bool serving,
+      CheckHealth(cluster.servers[0]->address(), absl::Seconds(5)));
+  EXPECT_TRUE(serving);
+}
+
+TEST(ServiceTest, JoinAssignsRanksAndChecksN) {
+  ServerConfig config = BaseConfig(2, 2);
+  GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(config));
+  v1::Aggregator::Stub* leader = cluster.stub(0);
+
+  EXPECT_THAT(Join(leader, -1, 0),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("n must")));
+  EXPECT_THAT(Join(leader, 2, 10),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("requested_rank 2")));
+  EXPECT_THAT(Join(cluster.stub(1), -1, 10),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("not the leader"),
+                             HasSubstr(cluster.servers[0]->address()))));
+
+  GTOPK_ASSERT_OK_AND_ASSIGN(v1::JoinResponse first, Join(leader, -1, 10));
+  EXPECT_EQ(first.rank(), 0u);
+  const v1::ClusterSpec& spec = first.cluster();
+  EXPECT_EQ(spec.n(), 10u);
+  EXPECT_EQ(spec.num_workers(), 2u);
+  ASSERT_EQ(spec.shards_size(), 2);
+  EXPECT_EQ(spec.shards(0).address(), cluster.servers[0]->address());
+  EXPECT_EQ(spec.shards(1).address(), cluster.servers[1]->address());
+  EXPECT_EQ(spec.shards(0).begin(), 0u);
+  EXPECT_EQ(spec.shards(0).end(), 5u);
+  EXPECT_EQ(spec.shards(1).begin(), 5u);
+  EXPECT_EQ(spec.shards(1).end(), 10u);
+  EXPECT_EQ(spec.mode(), v1::MODE_GTOPK);
+  EXPECT_EQ(spec.selection(), v1::SELECTION_EXACT);
+  EXPECT_EQ(spec.index_codec(), "delta-varint");
+  EXPECT_EQ(spec.value_codec(), "fp32");
+  EXPECT_EQ(spec.step_timeout_ms(), 2000u);
+  EXPECT_EQ(spec.next_step(), 0);
+  EXPECT_DOUBLE_EQ(spec.optimizer().density(), 0.2);
+
+  GTOPK_ASSERT_OK_AND_ASSIGN(v1::JoinResponse second, Join(leader, -1, 10));
+  EXPECT_EQ(second.rank(), 1u);
+  EXPECT_THAT(Join(leader, -1, 10),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("ranks are taken")));
+  GTOPK_ASSERT_OK_AND_ASSIGN(v1::JoinResponse rejoin, Join(leader, 1, 10));
+  EXPECT_EQ(rejoin.rank(), 1u);
+  EXPECT_THAT(Join(leader, 0, 11),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("n = 11"), HasSubstr("n = 10"))));
+
+  // A non-leader forwards GetClusterSpec to the leader.
+  grpc::ClientContext ctx;
+  v1::ClusterSpec forwarded;
+  ASSERT_TRUE(
+      cluster.stub(1)->GetClusterSpec(&ctx, v1::JoinRequest(), &forwarded).ok());
+  EXPECT_EQ(forwarded.n(), 10u);
+}
+
+TEST(ServiceTest, InitAndDownloadAcrossTwoShardsInChunks) {
+  ServerConfig config = BaseConfig(2, 2);
+  config.download_chunk_bytes = 64 + 3 * 4;  // 3 values per chunk
+  GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(config));
+  const uint64_t n = 21;
+  GTOPK_ASSERT_OK_AND_ASSIGN(v1::JoinResponse join, Join(cluster.stub(0), 0, n));
+  std::vector<float> params(n);
+  for (uint64_t i = 0; i < n; ++i) params[i] = 0.5f * i - 3.25f;
+  for (uint32_t s = 0; s < 2; ++s) {
+    const uint64_t begin = join.cluster().shards(s).begin();
+    const uint64_t end = join.cluster().shards(s).end();
+    std::vector<float> range(params.begin() + begin, params.begin() + end);
+    GTOPK_ASSERT_OK_AND_ASSIGN(
+        bool now, InitParams(cluster.stub(s), 0, s, begin, range, 4));
+    EXPECT_TRUE(now);
+    // Idempotent: a second initialisation keeps the first values.
+    std::vector<float> other(range.size(), 7.0f);
+    GTOPK_ASSERT_OK_AND_ASSIGN(
+        bool again, InitParams(cluster.stub(s), 0, s, begin, other, 4));
+    EXPECT_FALSE(again);
+  }
+  std::vector<float> all;
+  for (uint32_t s = 0; s < 2; ++s) {
+    GTOPK_ASSERT_OK_AND_ASSIGN(Downloaded d, Download(cluster.stub(s), 1));
+    EXPECT_GT(d.chunks, 2);
+    EXPECT_EQ(d.step, 0);
+    EXPECT_EQ(d.offset, join.cluster().shards(s).begin());
+    all.insert(all.end(), d.values.begin(), d.values.end());
+  }
+  EXPECT_EQ(Bits(all), Bits(params));
+
+  // Chunk faults, each named.
+  EXPECT_THAT(InitParams(cluster.stub(1), 0, 0, 10, {1.0f}, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("for shard 0 was sent to shard 1")));
+  EXPECT_THAT(InitParams(cluster.stub(0), 0, 0, 1, {1.0f}, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("gap")));
+  EXPECT_THAT(InitParams(cluster.stub(0), 0, 0, 0, {1.0f, 2.0f}, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("values missing")));
+  EXPECT_THAT(
+      InitParams(cluster.stub(0), 0, 0, 0,
+                 std::vector<float>(10, std::numeric_limits<float>::quiet_NaN()),
+                 10),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not finite")));
+}
+
+TEST(ServiceTest, OneGtopkStepMatchesReference) {
+  ServerConfig config = BaseConfig(2, 2);
+  GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(config));
+  const uint64_t n = 40;
+  GTOPK_ASSERT_OK_AND_ASSIGN(v1::JoinResponse join, Join(cluster.stub(0), 0, n));
+  ASSERT_TRUE(Join(cluster.stub(0), 1, n).ok());
+  std::vector<float> params(n);
+  for (uint64_t i = 0; i < n; ++i) params[i] = 0.01f * i - 0.2f;
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for (uint32_t s = 0; s < 2; ++s) {
+    ranges.emplace_back(join.cluster().shards(s).begin(),
+                        join.cluster().shards(s).end());
+    std::vector<float> range(params.begin() + ranges[s].first,
+                             params.begin() + ranges[s].second);
+    ASSERT_TRUE(
+        InitParams(cluster.stub(s), 0, s, ranges[s].first, range, 7).ok());
+  }
+
+  // Seeded local top-k's that overlap, so the sum has shared indices.
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<SparseVector> pushes(2);
+  for (uint32_t w = 0; w < 2; ++w) {
+    for (uint32_t i = 0; i < n; ++i) {
+      if ((i + w) % 3 != 0) pushes[w].push_back(i, normal(rng));
+    }
+  }
+  const CodecSpec codec;  // the cluster's: delta-varint + fp32
+  std::vector<absl::StatusOr<v1::Pull>> pulls(4, absl::UnknownError(""));
+  std::vector<std::thread> threads;
+  for (uint32_t w = 0; w < 2; ++w) {
+    for (uint32_t s = 0; s < 2; ++s) {
+      SparseVector part;
+      for (size_t j = 0; j < pushes[w].size(); ++j) {
+        const uint32_t i = pushes[w].indices[j];
+        if (i >= ranges[s].first && i < ranges[s].second) {
+          part.push_back(i, pushes[w].values[j]);
+        }
+      }
+      v1::Push push = MakePush(0, w, s, Encode(part, n, codec));
+      threads.emplace_back([&pulls, &cluster, w, s, push] {
+        pulls[w * 2 + s] = PushOnce(cluster.stub(s), push);
+      });
+    }
+  }
+  for (std::thread& t : threads) t.join();
+
+  SparseVector expected;
+  const uint64_t k = 8;  // density 0.2 of 40
+  GTOPK_ASSERT_OK(ReferenceGtopkStep(pushes, n, k, &expected));
+  for (uint32_t w = 0; w < 2; ++w) {
+    SparseVector got;
+    for (uint32_t s = 0; s < 2; ++s) {
+      ASSERT_TRUE(pulls[w * 2 + s].ok()) << pulls[w * 2 + s].status();
+      const v1::Pull& pull = *pulls[w * 2 + s];
+      EXPECT_EQ(pull.step(), 0);
+      EXPECT_EQ(pull.shard_id(), s);
+      SparseVector part;
+      GTOPK_ASSERT_OK(DecodeSparse(pull.sparse(), n, &part));
+      EXPECT_EQ(pull.selected(), part.size());
+      for (size_t j = 0; j < part.size(); ++j) {
+        got.push_back(part.indices[j], part.values[j]);
+      }
+    }
+    EXPECT_EQ(got.indices, expected.indices) << "worker " << w;
+    EXPECT_EQ(Bits(got.values), Bits(expected.values)) << "worker " << w;
+  }
+
+  // The servers applied the shared optimizer rule.
+  GTOPK_ASSERT_OK_AND_ASSIGN(OptimizerRule rule,
+                             OptimizerRule::Create(config.optimizer));
+  std::vector<float> want = params;
+  GTOPK_ASSERT_OK(rule.ApplyAggregated(expected, 0, 2, absl::MakeSpan(want),
+                                       absl::Span<float>()));
+  std::vector<float> all;
+  for (uint32_t s = 0; s < 2; ++s) {
+    GTOPK_ASSERT_OK_AND_ASSIGN(Downloaded d, Download(cluster.stub(s)));
+    EXPECT_EQ(d.step, 1);
+    all.insert(all.end(), d.values.begin(), d.values.end());
+  }
+  EXPECT_EQ(Bits(all), Bits(want));
+}
+
+// ---------------------------------------------------------------------------
+// Bad input, one test per kind: the right status, and the step not applied.
+
+class BadInputTest : public ::testing::Test {
+ protected:
+  static constexpr uint64_t kN = 16;
+
+  void Start(AggregationMode mode = AggregationMode::kGtopk) {
+    ServerConfig config = BaseConfig(1, 2);
+    config.mode = mode;
+    config.index_codec = IndexCodec::kRaw;
+    config.max_message_bytes = 4096;
+    absl::StatusOr<Cluster> cluster = StartCluster(config);
+    ASSERT_TRUE(cluster.ok()) << cluster.status();
+    cluster_ = *std::move(cluster);
+    ASSERT_TRUE(Join(stub(), 0, kN).ok());
+    for (uint64_t i = 0; i < kN; ++i) params_.push_back(1.0f + i);
+    ASSERT_TRUE(InitParams(stub(), 0, 0, 0, params_, 5).ok());
+  }
+
+  v1::Aggregator::Stub* stub() { return cluster_.stub(0); }
+
+  // The step was not applied: same parameters (bits) and next step 0.
+  void ExpectNotApplied() {
+    absl::StatusOr<Downloaded> d = Download(stub());
+    ASSERT_TRUE(d.ok()) << d.status();
+    EXPECT_EQ(d->step, 0);
+    EXPECT_EQ(Bits(d->values), Bits(params_));
+    EXPECT_EQ(cluster_.servers[0]->service()->next_step(), 0);
+  }
+
+  std::string Good() {
+    return RawMessage({1, 4}, {0.5f, -2.0f});
+  }
+
+  Cluster cluster_;
+  std::vector<float> params_;
+};
+
+TEST_F(BadInputTest, WrongStep) {
+  Start();
+  EXPECT_THAT(PushOnce(stub(), MakePush(5, 0, 0, Good())),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("step 5 is ahead of shard 0")));
+  ExpectNotApplied();
+}
+
+TEST_F(BadInputTest, UnknownRank) {
+  Start();
+  EXPECT_THAT(PushOnce(stub(), MakePush(0, 7, 0, Good())),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("unknown worker rank 7")));
+  ExpectNotApplied();
+}
+
+TEST_F(BadInputTest, OutOfRangeIndex) {
+  Start();
+  EXPECT_THAT(PushOnce(stub(), MakePush(0, 0, 0, RawMessage({3, 16}, {1, 1}))),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("index 16 >= n = 16")));
+  ExpectNotApplied();
+}
+
+TEST_F(BadInputTest, UnsortedIndices) {
+  Start();
+  EXPECT_THAT(PushOnce(stub(), MakePush(0, 0, 0, RawMessage({5, 3}, {1, 1}))),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("not strictly ascending")));
+  ExpectNotApplied();
+}
+
+TEST_F(BadInputTest, DuplicateIndex) {
+  Start();
+  EXPECT_THAT(PushOnce(stub(), MakePush(0, 0, 0, RawMessage({3, 3}, {1, 1}))),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("(duplicate)")));
+  ExpectNotApplied();
+}
+
+TEST_F(BadInputTest, DenseLengthMismatch) {
+  Start(AggregationMode::kDense);
+  v1::Push push = MakePush(0, 0, 0, "");
+  for (int i = 0; i < 5; ++i) push.add_dense(1.0f);
+  EXPECT_THAT(PushOnce(stub(), push),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("dense push has 5 values, shard 0 owns 16")));
+  ExpectNotApplied();
+}
+
+TEST_F(BadInputTest, NaNValue) {
+  Start();
+  EXPECT_THAT(
+      PushOnce(stub(),
+               MakePush(0, 0, 0,
+                        RawMessage({2}, {std::numeric_limits<float>::quiet_NaN()}))),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("NaN")));
+  ExpectNotApplied();
+}
+
+TEST_F(BadInputTest, WrongCodec) {
+  Start();
+  SparseVector v;
+  v.push_back(2, 1.0f);
+  const std::string varint =
+      Encode(v, kN, CodecSpec{IndexCodec::kDeltaVarint, ValueCodec::kFp32});
+  EXPECT_THAT(PushOnce(stub(), MakePush(0, 0, 0, varint)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("wrong codec: the push uses delta-varint/fp32, "
+                                 "the cluster uses raw/fp32")));
+  ExpectNotApplied();
+}
+
+TEST_F(BadInputTest, CorruptBytes) {
+  Start();
+  std::string truncated = Good();
+  truncated.resize(truncated.size() - 3);
+  EXPECT_THAT(PushOnce(stub(), MakePush(0, 0, 0, truncated)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("bad sparse push: invalid sparse message")));
+  EXPECT_THAT(PushOnce(stub(), MakePush(0, 0, 0, "\x07\x00")),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("corrupt sparse push")));
+  ExpectNotApplied();
+}
+
+TEST_F(BadInputTest, WrongShardId) {
+  Start();
+  EXPECT_THAT(PushOnce(stub(), MakePush(0, 0, 3, Good())),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("push for shard 3 was sent to shard 0")));
+  ExpectNotApplied();
+}
+
+TEST_F(BadInputTest, OversizedMessage) {
+  Start();
+  // Over the server's max_message_bytes (4096): gRPC itself refuses it.
+  EXPECT_THAT(PushOnce(stub(), MakePush(0, 0, 0, std::string(5000, 'x'))),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("larger than max")));
+  ExpectNotApplied();
+}
+
+TEST_F(BadInputTest, InitParamsFromWorkerOne) {
+  Start();
+  EXPECT_THAT(InitParams(stub(), 1, 0, 0, std::vector<float>(kN, 9.0f), 8),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstr("only worker 0")));
+  ExpectNotApplied();
+}
+
+TEST_F(BadInputTest, BadPushFailsTheStepForTheOtherWorker) {
+  Start();
+  // Worker 1 pushes a good step 0 and waits; worker 0's bad push fails the
+  // round: worker 1 gets ABORTED naming the fault, nothing is applied.
+  absl::StatusOr<v1::Pull> other = absl::UnknownError("");
+  std::thread t([&] { other = PushOnce(stub(), MakePush(0, 1, 0, Good())); });
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_THAT(PushOnce(stub(), MakePush(0, 0, 0, RawMessage({3, 3}, {1, 1}))),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("duplicate")));
+  t.join();
+  EXPECT_THAT(other, StatusIs(absl::StatusCode::kAborted,
+                              HasSubstr("duplicate")));
+  ExpectNotApplied();
+}
+
+// ---------------------------------------------------------------------------
+
+TEST(ServiceTest, CancelledWorkerMidStepGivesDeadlineExceededNamingIt) {
+  ServerConfig config = BaseConfig(1, 2);
+  config.step_timeout = absl::Milliseconds(500);
+  GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(config));
+  const uint64_t n = 8;
+  ASSERT_TRUE(Join(cluster.stub(0), 0, n).ok());
+  ASSERT_TRUE(InitParams(cluster.stub(0), 0, 0, 0, std::vector<float>(n, 1.0f),
+                         8)
+                  .ok());
+  const std::string push = Encode(SparseVector{{1}, {0.5f}}, n, CodecSpec());
+  grpc::ClientContext ctx0, ctx1;
+  ctx0.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  ctx1.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  auto s0 = cluster.stub(0)->PushPull(&ctx0);
+  auto s1 = cluster.stub(0)->PushPull(&ctx1);
+  ASSERT_TRUE(s0->Write(MakePush(0, 0, 0, push)));
+  ASSERT_TRUE(s1->Write(MakePush(0, 1, 0, push)));
+  v1::Pull pull;
+  ASSERT_TRUE(s0->Read(&pull));
+  ASSERT_TRUE(s1->Read(&pull));
+  EXPECT_EQ(pull.step(), 0);
+
+  // Step 1: worker 0 pushes, worker 1's stream is cancelled mid-step.
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(s0->Write(MakePush(1, 0, 0, push)));
+  absl::SleepFor(absl::Milliseconds(50));
+  ctx1.TryCancel();
+  EXPECT_FALSE(s0->Read(&pull));
+  const grpc::Status status = s0->Finish();
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_THAT(FromGrpcStatus(status),
+              StatusIs(absl::StatusCode::kDeadlineExceeded,
+                       HasSubstr("waiting for worker(s) 1")));
+  EXPECT_LT(took, absl::Seconds(2));
+  EXPECT_EQ(s1->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_EQ(cluster.servers[0]->service()->next_step(), 1);
+}
+
+TEST(ServiceTest, ShutdownEndsWaitingStepsAndWritesCheckpoint) {
+  char dir_template[] = "/tmp/gtopk_service_test_XXXXXX";
+  const char* dir = mkdtemp(dir_template);
+  ASSERT_NE(dir, nullptr);
+  ServerConfig config = BaseConfig(1, 2);
+  config.step_timeout = absl::Seconds(30);  // far beyond the test's bound
+  config.checkpoint_dir = dir;              // checkpoint_every 0: on shutdown
+  GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(config));
+  const uint64_t n = 8;
+  ASSERT_TRUE(Join(cluster.stub(0), 0, n).ok());
+  ASSERT_TRUE(InitParams(cluster.stub(0), 0, 0, 0, std::vector<float>(n, 2.0f),
+                         8)
+                  .ok());
+  EXPECT_THAT(ReadCheckpoint(dir, 0), StatusIs(absl::StatusCode::kNotFound,
+                                               HasSubstr("")));
+  // Worker 0 waits in step 0 for worker 1, which never comes.
+  absl::StatusOr<v1::Pull> waiting = absl::UnknownError("");
+  std::thread t([&] {
+    waiting = PushOnce(cluster.stub(0),
+                       MakePush(0, 0, 0,
+                                Encode(SparseVector{{1}, {1.0f}}, n,
+                                       CodecSpec())));
+  });
+  absl::SleepFor(absl::Milliseconds(100));
+  const absl::Time start = absl::Now();
+  GTOPK_EXPECT_OK(cluster.servers[0]->Shutdown(absl::Milliseconds(200)));
+  t.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  // Depending on who is first: our UNAVAILABLE or gRPC's cancellation.
+  EXPECT_FALSE(waiting.ok());
+  EXPECT_TRUE(absl::IsUnavailable(waiting.status()) ||
+              absl::IsCancelled(waiting.status()))
+      << waiting.status();
+  GTOPK_ASSERT_OK_AND_ASSIGN(ShardCheckpoint c, ReadCheckpoint(dir, 0));
+  EXPECT_EQ(c.next_step, 0);
+  EXPECT_EQ(c.params, std::vector<float>(n, 2.0f));
+  std::remove(CheckpointPath(dir, 0).c_str());
+  rmdir(dir);
+}
+
+TEST(ServiceTest, CheckpointRestartServesSameParameters) {
+  char dir_template[] = "/tmp/gtopk_service_test_XXXXXX";
+  const char* dir = mkdtemp(dir_template);
+  ASSERT_NE(dir, nullptr);
+  ServerConfig config = BaseConfig(1, 1);
+  config.checkpoint_dir = dir;
+  config.checkpoint_every = 1;
+  const uint64_t n = 12;
+  Downloaded before;
+  {
+    GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(config));
+    ASSERT_TRUE(Join(cluster.stub(0), 0, n).ok());
+    std::vector<float> params(n);
+    for (uint64_t i = 0; i < n; ++i) params[i] = 0.3f * i;
+    ASSERT_TRUE(InitParams(cluster.stub(0), 0, 0, 0, params, 5).ok());
+    SparseVector v;
+    v.push_back(2, 1.5f);
+    v.push_back(9, -0.25f);
+    GTOPK_ASSERT_OK_AND_ASSIGN(
+        v1::Pull pull,
+        PushOnce(cluster.stub(0), MakePush(0, 0, 0, Encode(v, n, CodecSpec()))));
+    EXPECT_EQ(pull.step(), 0);
+    // Written by the every-step checkpoint, before any shutdown.
+    GTOPK_ASSERT_OK_AND_ASSIGN(ShardCheckpoint c, ReadCheckpoint(dir, 0));
+    EXPECT_EQ(c.next_step, 1);
+    GTOPK_ASSERT_OK_AND_ASSIGN(before, Download(cluster.stub(0)));
+    EXPECT_EQ(before.step, 1);
+    EXPECT_NE(Bits(before.values), Bits(params));
+  }
+  GTOPK_ASSERT_OK_AND_ASSIGN(Cluster restarted, StartCluster(config));
+  // No Join needed: the checkpoint carries n.
+  GTOPK_ASSERT_OK_AND_ASSIGN(Downloaded after, Download(restarted.stub(0)));
+  EXPECT_EQ(after.step, 1);
+  EXPECT_EQ(Bits(after.values), Bits(before.values));
+  GTOPK_ASSERT_OK_AND_ASSIGN(v1::JoinResponse join,
+                             Join(restarted.stub(0), 0, n));
+  EXPECT_EQ(join.cluster().next_step(), 1);
+  EXPECT_THAT(Join(restarted.stub(0), 0, n + 1),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("n = 12")));
+  std::remove(CheckpointPath(dir, 0).c_str());
+  rmdir(dir);
+}
+
+}  // namespace
+}  // namespace server
+}  // namespace gtopk

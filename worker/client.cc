@@ -1,0 +1,647 @@
+#include "worker/client.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "common/random.h"
+#include "common/status_macros.h"
+#include "grpcpp/grpcpp.h"
+
+namespace gtopk {
+namespace worker {
+
+// One shard: its channel and, between steps, its open PushPull stream.
+struct WorkerClient::ShardConn {
+  uint32_t id = 0;
+  std::string address;
+  uint64_t begin = 0;
+  uint64_t end = 0;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Aggregator::Stub> stub;
+  // Open stream (both null when closed). The context outlives the stream.
+  std::unique_ptr<grpc::ClientContext> context;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::Push, v1::Pull>> stream;
+  // Set by the step thread when the stream ended (it must be reopened).
+  bool broken = false;
+};
+
+namespace {
+
+// gRPC's default message limit; every chunked transfer stays below it.
+constexpr uint64_t kDefaultMessageBytes = uint64_t{4} << 20;
+
+absl::Status FromGrpc(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      s.error_message());
+}
+
+// Same code, message prefixed with `where`.
+absl::Status Prefixed(const absl::Status& s, absl::string_view where) {
+  return absl::Status(s.code(), absl::StrCat(where, ": ", s.message()));
+}
+
+absl::StatusOr<OptimizerOptions> OptimizerFromSpec(const v1::OptimizerSpec& s) {
+  OptimizerOptions o;
+  o.lr = s.lr();
+  o.momentum = s.momentum();
+  switch (s.momentum_mode()) {
+    case v1::MOMENTUM_MODE_NONE:
+      o.momentum_mode = MomentumMode::kNone;
+      break;
+    case v1::MOMENTUM_MODE_UNSPECIFIED:  // the documented default
+    case v1::MOMENTUM_MODE_DGC:
+      o.momentum_mode = MomentumMode::kDgcCorrection;
+      break;
+    case v1::MOMENTUM_MODE_GLOBAL:
+      o.momentum_mode = MomentumMode::kGlobal;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("cluster spec: unknown momentum mode ",
+                       static_cast<int>(s.momentum_mode())));
+  }
+  o.momentum_factor_masking = s.momentum_factor_masking();
+  o.weight_decay = s.weight_decay();
+  o.lr_warmup_steps = s.lr_warmup_steps();
+  o.density = s.density();
+  o.density_warmup.assign(s.density_warmup().begin(),
+                          s.density_warmup().end());
+  o.steps_per_epoch = s.steps_per_epoch();
+  return o;
+}
+
+// Checks what the client relies on: n, rank, shards tiling [0, n) in id
+// order, a step timeout.
+absl::Status ValidateCluster(const v1::ClusterSpec& c, uint64_t n,
+                             uint32_t rank) {
+  if (c.n() != n) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cluster spec: cluster has n = ", c.n(), ", this worker has ", n));
+  }
+  if (c.num_workers() < 1 || rank >= c.num_workers()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cluster spec: rank ", rank, " not below P = ",
+                     c.num_workers()));
+  }
+  if (c.shards_size() < 1) {
+    return absl::InvalidArgumentError("cluster spec: no shards");
+  }
+  uint64_t expected_begin = 0;
+  for (int s = 0; s < c.shards_size(); ++s) {
+    const v1::ShardSpec& sh = c.shards(s);
+    if (sh.shard_id() != static_cast<uint32_t>(s) || sh.address().empty() ||
+        sh.begin() != expected_begin || sh.end() < sh.begin() ||
+        sh.end() > n) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cluster spec: shard at position ", s, " (id ", sh.shard_id(),
+          ", address \"", sh.address(), "\", range [", sh.begin(), ", ",
+          sh.end(), ")) does not continue the tiling of [0, ", n,
+          ") at ", expected_begin));
+    }
+    expected_begin = sh.end();
+  }
+  if (expected_begin != n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cluster spec: shard ranges end at ", expected_begin, ", not n = ", n));
+  }
+  if (c.step_timeout_ms() == 0) {
+    return absl::InvalidArgumentError("cluster spec: step_timeout_ms is 0");
+  }
+  return absl::OkStatus();
+}
+
+uint64_t MessageLimit(const v1::ClusterSpec& c) {
+  const uint64_t limit =
+      c.max_message_bytes() == 0 ? kDefaultMessageBytes : c.max_message_bytes();
+  return std::min<uint64_t>(limit, INT_MAX);
+}
+
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
+                                           uint64_t max_message_bytes) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(static_cast<int>(max_message_bytes));
+  args.SetMaxSendMessageSize(static_cast<int>(max_message_bytes));
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
+                                   args);
+}
+
+// The entries of `v` with index in [begin, end).
+SparseVector Slice(const SparseVector& v, uint64_t begin, uint64_t end) {
+  const auto lo = std::lower_bound(v.indices.begin(), v.indices.end(), begin);
+  const auto hi = std::lower_bound(lo, v.indices.end(), end);
+  const size_t a = lo - v.indices.begin();
+  const size_t b = hi - v.indices.begin();
+  SparseVector out;
+  out.indices.assign(v.indices.begin() + a, v.indices.begin() + b);
+  out.values.assign(v.values.begin() + a, v.values.begin() + b);
+  return out;
+}
+
+}  // namespace
+
+uint64_t WorkerClient::SelectorSeedForRank(uint64_t cluster_seed,
+                                           uint32_t rank) {
+  // A stream id outside the range selectors use for steps.
+  return MixSeed(cluster_seed, (uint64_t{1} << 63) | rank);
+}
+
+absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
+    const ClientOptions& options) {
+  if (options.leader_address.empty()) {
+    return absl::InvalidArgumentError("ClientOptions: leader_address is empty");
+  }
+  if (options.n == 0 || options.n > kMaxDenseLength) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ClientOptions: n = ", options.n, " is not in [1, 2^32]"));
+  }
+  if (options.requested_rank < -1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ClientOptions: requested_rank ", options.requested_rank,
+        " (use -1 for any)"));
+  }
+  if (options.rpc_timeout <= absl::ZeroDuration() ||
+      options.step_watchdog_margin < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "ClientOptions: rpc_timeout must be > 0 and step_watchdog_margin >= 0");
+  }
+
+  const std::string leader = absl::StrCat("leader ", options.leader_address);
+  v1::JoinRequest request;
+  request.set_requested_rank(options.requested_rank);
+  request.set_n(options.n);
+  v1::JoinResponse response;
+  {
+    auto channel = MakeChannel(options.leader_address, kDefaultMessageBytes);
+    auto stub = v1::Aggregator::NewStub(channel);
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + options.rpc_timeout));
+    // A worker may start before the leader: wait for it up to the deadline.
+    context.set_wait_for_ready(true);
+    const absl::Status s = FromGrpc(stub->Join(&context, request, &response));
+    if (!s.ok()) return Prefixed(s, absl::StrCat(leader, ": Join"));
+  }
+  const v1::ClusterSpec& cluster = response.cluster();
+  const uint32_t rank = response.rank();
+  {
+    const absl::Status s = ValidateCluster(cluster, options.n, rank);
+    if (!s.ok()) return Prefixed(s, leader);
+  }
+  if (options.requested_rank >= 0 &&
+      rank != static_cast<uint32_t>(options.requested_rank)) {
+    return absl::InternalError(absl::StrCat(leader, ": asked for rank ",
+                                            options.requested_rank, ", got ",
+                                            rank));
+  }
+  GTOPK_ASSIGN_OR_RETURN(OptimizerOptions optimizer,
+                         OptimizerFromSpec(cluster.optimizer()));
+  GTOPK_ASSIGN_OR_RETURN(OptimizerRule rule, OptimizerRule::Create(optimizer));
+  SelectorOptions selector_options;
+  selector_options.seed =
+      SelectorSeedForRank(cluster.selector_seed(), rank);
+  GTOPK_ASSIGN_OR_RETURN(std::unique_ptr<Selector> selector,
+                         CreateSelector(cluster.selector(), selector_options));
+  CodecSpec codec;
+  GTOPK_ASSIGN_OR_RETURN(codec.index, ParseIndexCodec(cluster.index_codec()));
+  GTOPK_ASSIGN_OR_RETURN(codec.value, ParseValueCodec(cluster.value_codec()));
+  if (cluster.mode() != v1::MODE_GTOPK && cluster.mode() != v1::MODE_TOPK &&
+      cluster.mode() != v1::MODE_DENSE) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(leader, ": cluster spec has no valid mode (",
+                     static_cast<int>(cluster.mode()), ")"));
+  }
+
+  const uint64_t limit = MessageLimit(cluster);
+  std::vector<std::unique_ptr<ShardConn>> shards;
+  for (const v1::ShardSpec& sh : cluster.shards()) {
+    auto conn = std::make_unique<ShardConn>();
+    conn->id = sh.shard_id();
+    conn->address = sh.address();
+    conn->begin = sh.begin();
+    conn->end = sh.end();
+    conn->channel = MakeChannel(sh.address(), limit);
+    conn->stub = v1::Aggregator::NewStub(conn->channel);
+    shards.push_back(std::move(conn));
+  }
+  return std::unique_ptr<WorkerClient>(
+      new WorkerClient(options, rank, cluster, std::move(rule),
+                       std::move(selector), codec, std::move(shards)));
+}
+
+WorkerClient::WorkerClient(const ClientOptions& options, uint32_t rank,
+                           v1::ClusterSpec cluster, OptimizerRule rule,
+                           std::unique_ptr<Selector> selector, CodecSpec codec,
+                           std::vector<std::unique_ptr<ShardConn>> shards)
+    : options_(options),
+      rank_(rank),
+      cluster_(std::move(cluster)),
+      rule_(std::move(rule)),
+      selector_(std::move(selector)),
+      codec_(codec),
+      shards_(std::move(shards)),
+      mode_(cluster_.mode() == v1::MODE_GTOPK  ? Mode::kGtopk
+            : cluster_.mode() == v1::MODE_TOPK ? Mode::kTopk
+                                               : Mode::kDense),
+      feedback_(cluster_.n()),
+      velocity_(cluster_.n(), 0.0f),
+      global_velocity_(cluster_.n(), 0.0f),
+      next_step_(cluster_.next_step()) {}
+
+WorkerClient::~WorkerClient() { CloseStreams(); }
+
+std::string WorkerClient::ShardName(size_t s) const {
+  return absl::StrCat("shard ", shards_[s]->id, " (", shards_[s]->address,
+                      ")");
+}
+
+void WorkerClient::CloseStreams() {
+  for (auto& c : shards_) {
+    if (c->stream != nullptr && !c->broken) {  // broken: already finished
+      c->context->TryCancel();
+      c->stream->Finish().IgnoreError();
+    }
+    c->stream.reset();
+    c->context.reset();
+    c->broken = false;
+  }
+}
+
+absl::StatusOr<int64_t> WorkerClient::SynchronizeParameters(
+    absl::Span<float> params) {
+  const uint64_t n = cluster_.n();
+  if (params.size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "SynchronizeParameters: params has ", params.size(), " values, n = ",
+        n));
+  }
+  const uint64_t limit = std::min(MessageLimit(cluster_), kDefaultMessageBytes);
+  // Room for the chunk's other fields and framing.
+  const uint64_t budget = limit > 2048 ? limit - 1024 : limit / 2;
+  const uint64_t chunk_floats = std::max<uint64_t>(1, budget / sizeof(float));
+
+  if (rank_ == 0) {
+    GTOPK_RETURN_IF_ERROR(ValidateFinite(params, "params"));
+    for (size_t s = 0; s < shards_.size(); ++s) {
+      ShardConn& c = *shards_[s];
+      grpc::ClientContext context;
+      context.set_deadline(
+          absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+      v1::InitParamsResponse response;
+      auto writer = c.stub->InitParams(&context, &response);
+      uint64_t offset = c.begin;
+      do {  // at least one chunk, so an empty range still reports back
+        const uint64_t len = std::min(chunk_floats, c.end - offset);
+        v1::ParamsChunk chunk;
+        chunk.set_worker(rank_);
+        chunk.set_shard_id(c.id);
+        chunk.set_offset(offset);
+        chunk.mutable_values()->Resize(static_cast<int>(len), 0.0f);
+        if (len > 0) {
+          std::memcpy(chunk.mutable_values()->mutable_data(),
+                      params.data() + offset, len * sizeof(float));
+        }
+        if (!writer->Write(chunk)) break;  // Finish() has the reason
+        offset += len;
+      } while (offset < c.end);
+      writer->WritesDone();
+      const absl::Status st = FromGrpc(writer->Finish());
+      if (!st.ok()) return Prefixed(st, absl::StrCat(ShardName(s), ": InitParams"));
+    }
+  }
+
+  int64_t step = -1;
+  size_t step_shard = 0;
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    ShardConn& c = *shards_[s];
+    const std::string where = absl::StrCat(ShardName(s), ": DownloadParams");
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+    v1::DownloadParamsRequest request;
+    request.set_worker(rank_);
+    auto reader = c.stub->DownloadParams(&context, request);
+    v1::ParamsChunk chunk;
+    uint64_t offset = c.begin;
+    int64_t shard_step = -1;
+    absl::Status bad;
+    while (reader->Read(&chunk)) {
+      if (!bad.ok()) continue;  // drain before Finish
+      if (chunk.shard_id() != c.id || chunk.offset() != offset ||
+          static_cast<uint64_t>(chunk.values_size()) > c.end - offset ||
+          (shard_step >= 0 && chunk.step() != shard_step) || chunk.step() < 0) {
+        bad = absl::InternalError(absl::StrCat(
+            where, ": malformed chunk (shard ", chunk.shard_id(), ", offset ",
+            chunk.offset(), ", ", chunk.values_size(), " values, step ",
+            chunk.step(), "); expected offset ", offset, " in [", c.begin,
+            ", ", c.end, ")"));
+        context.TryCancel();
+        continue;
+      }
+      shard_step = chunk.step();
+      if (chunk.values_size() > 0) {
+        std::memcpy(params.data() + offset, chunk.values().data(),
+                    chunk.values_size() * sizeof(float));
+      }
+      offset += chunk.values_size();
+    }
+    const absl::Status st = FromGrpc(reader->Finish());
+    GTOPK_RETURN_IF_ERROR(bad);
+    if (!st.ok()) return Prefixed(st, where);
+    if (offset != c.end) {
+      return absl::InternalError(absl::StrCat(
+          where, ": stream ended at index ", offset, ", range ends at ", c.end));
+    }
+    if (shard_step < 0) continue;  // an empty range may send no chunk
+    if (step >= 0 && shard_step != step) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "SynchronizeParameters: ", ShardName(step_shard), " is at step ",
+          step, " but ", ShardName(s), " is at step ", shard_step));
+    }
+    step = shard_step;
+    step_shard = s;
+  }
+  if (step < 0) {
+    return absl::InternalError(
+        "SynchronizeParameters: no shard reported its step");
+  }
+  next_step_ = step;
+  return step;
+}
+
+absl::Status WorkerClient::Exchange(int64_t step,
+                                    const std::vector<v1::Push>& pushes,
+                                    std::vector<v1::Pull>* pulls) {
+  const size_t S = shards_.size();
+  pulls->assign(S, v1::Pull());
+  std::vector<absl::Status> results(S);
+  std::vector<bool> done(S, false);
+  absl::Mutex mu;
+  size_t finished = 0;
+
+  for (auto& c : shards_) {
+    if (c->stream == nullptr) {
+      c->context = std::make_unique<grpc::ClientContext>();
+      // Wait (bounded by the step watchdog) for a reconnecting channel
+      // instead of failing at once, e.g. while a shard restarts.
+      c->context->set_wait_for_ready(true);
+      c->broken = false;
+    }
+  }
+  std::vector<std::thread> threads;
+  threads.reserve(S);
+  for (size_t s = 0; s < S; ++s) {
+    threads.emplace_back([&, s] {
+      ShardConn& c = *shards_[s];
+      absl::Status result;
+      if (c.stream == nullptr) c.stream = c.stub->PushPull(c.context.get());
+      bool written = c.stream->Write(pushes[s]);
+      if (!written) {
+        // The stream died before this push got through (e.g. the shard
+        // restarted since the last step): finish it and push once more on a
+        // fresh stream. Safe: a shard takes one push per (step, worker) and
+        // treats a repeat as a retry.
+        v1::Pull ignored;
+        while (c.stream->Read(&ignored)) {
+        }
+        c.stream->Finish().IgnoreError();
+        {
+          absl::MutexLock lock(&mu);  // the watchdog cancels under mu
+          c.stream.reset();
+          c.context = std::make_unique<grpc::ClientContext>();
+          c.context->set_wait_for_ready(true);
+        }
+        c.stream = c.stub->PushPull(c.context.get());
+        written = c.stream->Write(pushes[s]);
+      }
+      const bool ok = written && c.stream->Read(&(*pulls)[s]);
+      if (!ok) {
+        // Finish needs every incoming message read; after a failed Read
+        // there are none left.
+        v1::Pull ignored;
+        while (!written && c.stream->Read(&ignored)) {
+        }
+        const grpc::Status st = c.stream->Finish();
+        c.broken = true;
+        result = st.ok() ? absl::UnavailableError(absl::StrCat(
+                               "stream closed by the server during step ",
+                               step))
+                         : FromGrpc(st);
+      }
+      absl::MutexLock lock(&mu);
+      results[s] = std::move(result);
+      done[s] = true;
+      ++finished;
+    });
+  }
+
+  const absl::Duration budget =
+      absl::Milliseconds(cluster_.step_timeout_ms()) +
+      options_.step_watchdog_margin;
+  std::vector<bool> timed_out(S, false);
+  {
+    absl::MutexLock lock(&mu);
+    auto all_done = [&] { return finished == S; };
+    if (!mu.AwaitWithTimeout(absl::Condition(&all_done), budget)) {
+      for (size_t s = 0; s < S; ++s) {
+        if (!done[s]) {
+          timed_out[s] = true;
+          shards_[s]->context->TryCancel();
+        }
+      }
+      mu.Await(absl::Condition(&all_done));  // prompt after the cancel
+    }
+  }
+  for (auto& t : threads) t.join();
+
+  std::vector<std::string> messages;
+  absl::StatusCode code = absl::StatusCode::kOk;
+  for (size_t s = 0; s < S; ++s) {
+    absl::Status st = results[s];
+    if (timed_out[s]) {
+      st = absl::DeadlineExceededError(absl::StrCat(
+          "no pull for step ", step, " within ", absl::FormatDuration(budget),
+          " (step timeout ", cluster_.step_timeout_ms(), "ms + margin); ",
+          "stream cancelled"));
+    }
+    if (st.ok()) continue;
+    if (code == absl::StatusCode::kOk) code = st.code();
+    messages.push_back(absl::StrCat(ShardName(s), ": ", st.message()));
+  }
+  if (code == absl::StatusCode::kOk) return absl::OkStatus();
+  CloseStreams();
+  return absl::Status(code, absl::StrJoin(messages, "; "));
+}
+
+absl::StatusOr<StepStats> WorkerClient::Step(absl::Span<const float> gradient,
+                                             absl::Span<float> params) {
+  const uint64_t n = cluster_.n();
+  if (gradient.size() != n || params.size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Step: gradient has ", gradient.size(), " values and params ",
+        params.size(), "; n = ", n));
+  }
+  const size_t S = shards_.size();
+  const int P = static_cast<int>(cluster_.num_workers());
+  const int64_t step = next_step_;
+  StepStats stats;
+  stats.step = step;
+  stats.bytes_sent.assign(S, 0);
+  stats.bytes_received.assign(S, 0);
+  GTOPK_ASSIGN_OR_RETURN(stats.k, rule_.KAt(step, n));
+
+  absl::Time t = absl::Now();
+  // Nothing changed when this fails (its contract).
+  GTOPK_RETURN_IF_ERROR(rule_.AccumulateLocal(
+      step, gradient, params, absl::MakeSpan(velocity_),
+      feedback_.mutable_residual()));
+  stats.accumulate = absl::Now() - t;
+
+  // From here on the residual holds u; a failure must leave it there.
+  SparseVector sent, received;
+  bool marked = false;
+  auto fail = [&](absl::Status status) -> absl::Status {
+    if (marked) {
+      // Every sent entry goes back: residual[i] = fl(fl(u - recv) + recv).
+      const absl::Status restored = feedback_.PutBack(received, SparseVector());
+      if (!restored.ok()) {
+        return absl::InternalError(absl::StrCat(
+            status.ToString(), "; and restoring the residual failed: ",
+            restored.ToString()));
+      }
+    }
+    return status;
+  };
+
+  std::vector<v1::Push> pushes(S);
+  for (size_t s = 0; s < S; ++s) {
+    pushes[s].set_step(step);
+    pushes[s].set_worker(rank_);
+    pushes[s].set_shard_id(shards_[s]->id);
+  }
+  if (mode_ == Mode::kDense) {
+    t = absl::Now();
+    const absl::Span<const float> u = feedback_.residual();
+    for (size_t s = 0; s < S; ++s) {
+      const uint64_t len = shards_[s]->end - shards_[s]->begin;
+      auto* dense = pushes[s].mutable_dense();
+      dense->Resize(static_cast<int>(len), 0.0f);
+      if (len > 0) {
+        std::memcpy(dense->mutable_data(), u.data() + shards_[s]->begin,
+                    len * sizeof(float));
+      }
+    }
+    stats.sent_pairs = n;
+    stats.encode = absl::Now() - t;
+  } else {
+    t = absl::Now();
+    absl::Status st = selector_->Select(feedback_.residual(), stats.k,
+                                        static_cast<uint64_t>(step), &sent);
+    if (!st.ok()) return fail(st);
+    received = sent;
+    QuantizeValues(codec_.value, absl::MakeSpan(received.values));
+    st = feedback_.MarkSent(sent, received);
+    if (!st.ok()) return fail(st);
+    marked = true;
+    stats.select = absl::Now() - t;
+    stats.sent_pairs = sent.size();
+
+    t = absl::Now();
+    for (size_t s = 0; s < S; ++s) {
+      const SparseVector slice =
+          Slice(sent, shards_[s]->begin, shards_[s]->end);
+      st = EncodeSparse(slice, n, codec_, pushes[s].mutable_sparse());
+      if (!st.ok()) return fail(Prefixed(st, ShardName(s)));
+    }
+    stats.encode = absl::Now() - t;
+  }
+  for (size_t s = 0; s < S; ++s) stats.bytes_sent[s] = pushes[s].ByteSizeLong();
+
+  // Push to every shard, then await every pull.
+  t = absl::Now();
+  std::vector<v1::Pull> pulls;
+  {
+    const absl::Status st = Exchange(step, pushes, &pulls);
+    if (!st.ok()) return fail(st);
+  }
+  // Validate and decode everything before changing any state.
+  SparseVector global;
+  for (size_t s = 0; s < S; ++s) {
+    const ShardConn& c = *shards_[s];
+    const v1::Pull& pull = pulls[s];
+    stats.bytes_received[s] = pull.ByteSizeLong();
+    absl::Status bad;
+    if (pull.step() != step || pull.shard_id() != c.id) {
+      bad = absl::InternalError(absl::StrCat(
+          "pull is for step ", pull.step(), " shard ", pull.shard_id(),
+          ", expected step ", step));
+    } else if (mode_ == Mode::kDense) {
+      if (static_cast<uint64_t>(pull.dense_size()) != c.end - c.begin) {
+        bad = absl::InternalError(absl::StrCat("dense pull has ",
+                                               pull.dense_size(),
+                                               " values, range has ",
+                                               c.end - c.begin));
+      } else {
+        bad = ValidateFinite(pull.dense(), "dense pull");
+        if (!bad.ok()) bad = absl::InternalError(bad.message());
+      }
+      stats.received_pairs += pull.dense_size();
+    } else {
+      SparseVector part;
+      bad = DecodeSparse(pull.sparse(), n, &part);
+      if (!bad.ok()) {
+        bad = absl::InternalError(absl::StrCat("undecodable pull: ",
+                                               bad.message()));
+      } else if (!part.empty() &&
+                 (part.indices.front() < c.begin ||
+                  part.indices.back() >= c.end)) {
+        bad = absl::InternalError(absl::StrCat(
+            "pull has indices outside [", c.begin, ", ", c.end, ")"));
+      } else {
+        // Shards are in index order, so the union stays sorted.
+        global.indices.insert(global.indices.end(), part.indices.begin(),
+                              part.indices.end());
+        global.values.insert(global.values.end(), part.values.begin(),
+                             part.values.end());
+        stats.received_pairs += part.size();
+      }
+    }
+    if (!bad.ok()) {
+      CloseStreams();
+      return fail(Prefixed(bad, ShardName(s)));
+    }
+  }
+  stats.push_wait = absl::Now() - t;
+
+  t = absl::Now();
+  if (mode_ == Mode::kDense) {
+    for (size_t s = 0; s < S; ++s) {
+      const uint64_t begin = shards_[s]->begin;
+      const uint64_t len = shards_[s]->end - begin;
+      GTOPK_RETURN_IF_ERROR(rule_.ApplyAggregatedDense(
+          pulls[s].dense(), P, params.subspan(begin, len),
+          absl::MakeSpan(global_velocity_).subspan(begin, len)));
+    }
+    // Everything accumulated was applied.
+    std::fill(feedback_.mutable_residual().begin(),
+              feedback_.mutable_residual().end(), 0.0f);
+  } else {
+    if (mode_ == Mode::kGtopk) {
+      GTOPK_RETURN_IF_ERROR(feedback_.PutBack(received, global));
+    }
+    GTOPK_RETURN_IF_ERROR(
+        rule_.MaskMomentum(sent, global, absl::MakeSpan(velocity_)));
+    GTOPK_RETURN_IF_ERROR(rule_.ApplyAggregated(global, 0, P, params,
+                                                absl::MakeSpan(global_velocity_)));
+  }
+  stats.apply = absl::Now() - t;
+  ++next_step_;
+  return stats;
+}
+
+}  // namespace worker
+}  // namespace gtopk

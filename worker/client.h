@@ -1,0 +1,210 @@
+// The worker client library: joins a gTop-k cluster, keeps the worker's error
+// feedback and momentum state, and runs one synchronous step per call against
+// the S aggregator shards (DESIGN.md, "One step"; Shi et al., "A Distributed
+// Synchronous SGD Algorithm with Global Top-k Sparsification for Low
+// Bandwidth Networks", ICDCS 2019, arXiv:1901.04359; momentum correction and
+// masking from Lin et al., "Deep Gradient Compression", arXiv:1712.01887).
+//
+// Framework-free: gradients and parameters are flat float buffers of length
+// n in host memory, owned by the caller. (Device memory is added by the CUDA
+// issue behind the same calls.)
+//
+// Usage:
+//   ClientOptions o;
+//   o.leader_address = "10.0.0.1:7000";
+//   o.n = params.size();
+//   GTOPK_ASSIGN_OR_RETURN(auto client, WorkerClient::Connect(o));
+//   GTOPK_ASSIGN_OR_RETURN(int64_t step,
+//                          client->SynchronizeParameters(params));
+//   for (;; ++step) {
+//     ComputeGradient(params, grad);
+//     GTOPK_ASSIGN_OR_RETURN(StepStats stats, client->Step(grad, params));
+//   }
+#ifndef GTOPK_WORKER_CLIENT_H_
+#define GTOPK_WORKER_CLIENT_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "common/codec.h"
+#include "common/error_feedback.h"
+#include "common/optimizer.h"
+#include "common/selector.h"
+#include "common/sparse_vector.h"
+#include "gtopk/v1/gtopk.grpc.pb.h"
+#include "gtopk/v1/gtopk.pb.h"
+
+namespace gtopk {
+namespace worker {
+
+// How a worker reaches the cluster. Every field is validated by Connect.
+struct ClientOptions {
+  // host:port of the leader (shard 0), where the worker joins. The other
+  // shards are dialled at the addresses the cluster spec names.
+  std::string leader_address;
+  // The rank this worker wants (e.g. JOB_COMPLETION_INDEX), or -1 for any
+  // free rank.
+  int requested_rank = -1;
+  // The worker's parameter count; must equal the cluster's n.
+  uint64_t n = 0;
+  // Deadline of every non-step RPC (Join, InitParams, DownloadParams), > 0.
+  absl::Duration rpc_timeout = absl::Seconds(30);
+  // Added to the cluster's step timeout to form the step watchdog: a step
+  // whose pulls have not all arrived by step_timeout + margin after its
+  // pushes started is cancelled. The margin lets the servers' own
+  // (better-informed) DEADLINE_EXCEEDED arrive first. >= 0.
+  absl::Duration step_watchdog_margin = absl::Seconds(2);
+};
+
+// What one successful Step did. Durations are wall-clock.
+struct StepStats {
+  int64_t step = 0;           // the step that was applied
+  uint64_t k = 0;             // the step's k (OptimizerRule::KAt)
+  uint64_t sent_pairs = 0;    // pairs pushed (dense: values pushed)
+  uint64_t received_pairs = 0;  // pairs pulled, all shards (dense: values)
+  // Serialized Push / Pull message sizes, indexed by shard id (size S).
+  std::vector<uint64_t> bytes_sent;
+  std::vector<uint64_t> bytes_received;
+  absl::Duration accumulate;  // momentum correction + error feedback
+  absl::Duration select;      // local top-k (+ codec round trip, MarkSent)
+  absl::Duration encode;      // slicing and encoding the S pushes
+  absl::Duration push_wait;   // pushes out until the last pull decoded
+  absl::Duration apply;       // put-back, masking, parameter update
+};
+
+// One worker of a gTop-k cluster.
+//
+// Thread-safety: not thread-safe; use an instance from one thread at a time
+// (calls block, see each method). Distinct instances are independent (the
+// tests run several in one process).
+//
+// State owned here: the cluster spec, one gRPC channel per shard, the
+// worker's residual (error feedback), local velocity (DGC momentum
+// correction), global velocity (MomentumMode::kGlobal) and the step counter.
+// The caller owns the gradient and parameter buffers; nothing is retained
+// between calls.
+//
+// Errors are absl::Status with the server's code kept where a server
+// answered (ABORTED: another worker's push failed the step;
+// INVALID_ARGUMENT: this worker's push was rejected; DEADLINE_EXCEEDED: a
+// missing worker or a stalled shard; UNAVAILABLE: a shard cannot be
+// reached), and the message prefixed with the shard's id and address.
+class WorkerClient {
+ public:
+  // Joins the cluster through options.leader_address (blocks up to
+  // rpc_timeout), keeps the returned cluster spec and prepares the channels,
+  // optimizer rule, selector and codecs. Does not touch parameters: call
+  // SynchronizeParameters next.
+  // Errors: INVALID_ARGUMENT for bad options or an unusable cluster spec
+  // (the field named); the Join's status otherwise (FAILED_PRECONDITION for
+  // a parameter-count mismatch or a taken rank, DEADLINE_EXCEEDED /
+  // UNAVAILABLE when the leader cannot be reached), prefixed with the
+  // leader's address.
+  static absl::StatusOr<std::unique_ptr<WorkerClient>> Connect(
+      const ClientOptions& options);
+
+  // Cancels any open streams and closes them (no RPC waits longer than the
+  // cancellation takes).
+  ~WorkerClient();
+
+  WorkerClient(const WorkerClient&) = delete;
+  WorkerClient& operator=(const WorkerClient&) = delete;
+
+  // This worker's rank, 0..P-1.
+  uint32_t rank() const { return rank_; }
+  // The cluster spec from Join (fixed for the cluster's life, except
+  // next_step, which is the value at Join time).
+  const v1::ClusterSpec& cluster() const { return cluster_; }
+  // The next step Step() will run.
+  int64_t next_step() const { return next_step_; }
+  // The error-feedback residual (length n): what this worker accumulated
+  // but has not had applied. For diagnostics and tests; valid until the
+  // next non-const call.
+  absl::Span<const float> residual() const { return feedback_.residual(); }
+
+  // The selector seed a worker of `rank` uses for the cluster's
+  // selector_seed, so that workers' randomized selectors differ while every
+  // run with the same seed repeats (SplitMix64 of seed and rank).
+  static uint64_t SelectorSeedForRank(uint64_t cluster_seed, uint32_t rank);
+
+  // Makes `params` (length n) equal to the servers' parameters and returns
+  // the step to continue from (also stored as next_step()).
+  // Rank 0 first offers `params` to every shard as the initial values
+  // (InitParams, in chunks below 4 MB and max_message_bytes; a shard that
+  // already has parameters keeps them). Then every rank downloads every
+  // shard's range into `params`, so all replicas equal the servers even
+  // after a restart. Blocks: each RPC up to rpc_timeout (a download waits on
+  // the server until rank 0 has initialised the shard).
+  // Errors: INVALID_ARGUMENT for a wrong length or a non-finite value (rank
+  // 0); a shard's RPC status prefixed with the shard; INTERNAL for a
+  // malformed download (gap, overlap, wrong shard); FAILED_PRECONDITION when
+  // the shards disagree on the next step. On error `params` may be partly
+  // overwritten: call again.
+  absl::StatusOr<int64_t> SynchronizeParameters(absl::Span<float> params);
+
+  // One synchronous step (DESIGN.md "One step") at next_step():
+  //   gradient  length n, finite; the local gradient (not scaled by lr).
+  //   params    length n; this replica's parameters, updated in place with
+  //             exactly the update every other replica and the servers apply.
+  // Sequence: AccumulateLocal -> Select(residual, k, step) -> codec round
+  // trip -> MarkSent -> one push per shard (all S sent before any pull is
+  // awaited) -> pulls -> union G -> (gtopk) PutBack -> MaskMomentum ->
+  // ApplyAggregated. Dense mode pushes the whole accumulated vector and
+  // applies the dense sum.
+  // Blocks until every shard answered, at most the cluster's step timeout
+  // plus options.step_watchdog_margin after the pushes start; a stalled
+  // shard is cancelled and named.
+  // On error nothing is applied to `params`, the step counter is unchanged,
+  // and the residual still holds everything accumulated (including this
+  // gradient's contribution), so the caller may call Step again with its
+  // next gradient added on top. The streams are reopened by the next call.
+  // Errors: INVALID_ARGUMENT for a wrong length or non-finite gradient
+  // (nothing changed); otherwise a shard's status (code kept, message
+  // "shard <id> (<address>): ..."; when several shards failed, all are
+  // listed); INTERNAL for a malformed pull.
+  absl::StatusOr<StepStats> Step(absl::Span<const float> gradient,
+                                 absl::Span<float> params);
+
+ private:
+  struct ShardConn;
+
+  WorkerClient(const ClientOptions& options, uint32_t rank,
+               v1::ClusterSpec cluster, OptimizerRule rule,
+               std::unique_ptr<Selector> selector, CodecSpec codec,
+               std::vector<std::unique_ptr<ShardConn>> shards);
+
+  // Runs one push/pull exchange on every shard concurrently under the step
+  // watchdog; fills pulls[s] or returns the combined error (and closes all
+  // streams).
+  absl::Status Exchange(int64_t step, const std::vector<v1::Push>& pushes,
+                        std::vector<v1::Pull>* pulls);
+  // Cancels and finishes every open stream.
+  void CloseStreams();
+  // "shard 1 (host:port)".
+  std::string ShardName(size_t s) const;
+
+  const ClientOptions options_;
+  const uint32_t rank_;
+  const v1::ClusterSpec cluster_;
+  const OptimizerRule rule_;
+  std::unique_ptr<Selector> selector_;
+  const CodecSpec codec_;
+  std::vector<std::unique_ptr<ShardConn>> shards_;
+  enum class Mode { kGtopk, kTopk, kDense } mode_;
+
+  ErrorFeedback feedback_;
+  std::vector<float> velocity_;         // DGC local velocity, length n
+  std::vector<float> global_velocity_;  // kGlobal momentum, length n
+  int64_t next_step_ = 0;
+};
+
+}  // namespace worker
+}  // namespace gtopk
+
+#endif  // GTOPK_WORKER_CLIENT_H_
