@@ -53,6 +53,7 @@ bench: build
 	$(BUILD_DIR)/bench/cpu_select_bench --results_json=bench/results/cpu_select.json
 	$(BUILD_DIR)/bench/codec_bench --results_json=bench/results/codec.json
 	$(BUILD_DIR)/bench/merge_bench --results_json=bench/results/merge.json
+	$(BUILD_DIR)/bench/aggregation_bench --results_json=bench/results/aggregation.json
 
 format:
 	find common server worker tests bench -name '*.h' -o -name '*.cc' -o -name '*.cu' 2>/dev/null | xargs clang-format -i

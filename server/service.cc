@@ -684,6 +684,8 @@ grpc::Status AggregatorService::PushPull(
     const RoundResult& r = **result;
     v1::Pull pull;
     pull.set_step(r.step);
+    pull.set_merge_us(static_cast<uint64_t>(absl::ToInt64Microseconds(r.merge_time)));
+    pull.set_select_us(static_cast<uint64_t>(absl::ToInt64Microseconds(r.select_time)));
     pull.set_shard_id(config_.shard_id);
     if (config_.mode == AggregationMode::kDense) {
       pull.mutable_dense()->Add(r.dense_sum.begin(), r.dense_sum.end());

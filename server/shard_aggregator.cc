@@ -330,6 +330,7 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Compute(
     const std::vector<WorkerPush>& pushes, int64_t step, absl::Time deadline) {
   auto result = std::make_shared<RoundResult>();
   result->step = step;
+  const absl::Time merge_start = absl::Now();
   if (options_.mode == AggregationMode::kDense) {
     // Rank order, starting from worker 0's values (as SparseSum does).
     result->dense_sum = pushes[0].dense;
@@ -339,6 +340,7 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Compute(
       }
     }
     GTOPK_RETURN_IF_ERROR(ValidateFinite(result->dense_sum, "dense sum"));
+    result->merge_time = absl::Now() - merge_start;
     return result;
   }
   std::vector<SparseVector> inputs;
@@ -346,6 +348,8 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Compute(
   for (const WorkerPush& p : pushes) inputs.push_back(p.sparse);
   SparseVector sum;
   GTOPK_RETURN_IF_ERROR(SparseSum(inputs, options_.n, &sum));
+  const absl::Time select_start = absl::Now();
+  result->merge_time = select_start - merge_start;
   GTOPK_ASSIGN_OR_RETURN(const uint64_t k, rule_.KAt(step, options_.n));
   if (options_.mode == AggregationMode::kTopk) {
     result->selected = std::move(sum);
@@ -364,6 +368,7 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Compute(
                                                options_.shard_id, exchange_,
                                                deadline, &result->selected));
   }
+  result->select_time = absl::Now() - select_start;
   GTOPK_RETURN_IF_ERROR(EncodeSparse(
       result->selected, options_.n,
       CodecSpec{options_.pull_index_codec, ValueCodec::kFp32},

@@ -77,6 +77,10 @@ struct RoundResult {
   std::vector<float> dense_sum;
   // `selected` encoded once for all workers (pull_index_codec + fp32).
   std::string encoded;
+  // Wall time of the sum of the pushes and of the selection (gtopk exact:
+  // including the threshold exchange).
+  absl::Duration merge_time;
+  absl::Duration select_time;
 };
 
 // A shard: owns the parameters of [begin, end), runs one synchronous round

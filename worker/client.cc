@@ -574,6 +574,10 @@ absl::StatusOr<StepStats> WorkerClient::Step(absl::Span<const float> gradient,
     const ShardConn& c = *shards_[s];
     const v1::Pull& pull = pulls[s];
     stats.bytes_received[s] = pull.ByteSizeLong();
+    stats.server_merge = std::max(
+        stats.server_merge, absl::Microseconds(static_cast<int64_t>(pull.merge_us())));
+    stats.server_select = std::max(
+        stats.server_select, absl::Microseconds(static_cast<int64_t>(pull.select_us())));
     absl::Status bad;
     if (pull.step() != step || pull.shard_id() != c.id) {
       bad = absl::InternalError(absl::StrCat(

@@ -76,6 +76,10 @@ struct StepStats {
   absl::Duration encode;      // slicing and encoding the S pushes
   absl::Duration push_wait;   // pushes out until the last pull decoded
   absl::Duration apply;       // put-back, masking, parameter update
+  // Server side, the slowest shard's (from the pulls): sum of the P pushes,
+  // and selection (gtopk exact: with the leader's threshold exchange).
+  absl::Duration server_merge;
+  absl::Duration server_select;
 };
 
 // One worker of a gTop-k cluster.

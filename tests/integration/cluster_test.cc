@@ -20,7 +20,7 @@
 #include "common/testing/status_matchers.h"
 #include "gtest/gtest.h"
 #include "server/service.h"
-#include "tests/integration/test_cluster.h"
+#include "server/local_cluster.h"
 #include "worker/client.h"
 
 namespace gtopk {
@@ -28,7 +28,7 @@ namespace {
 
 using server::AggregationMode;
 using server::SelectionKind;
-using testing::TestCluster;
+using server::LocalCluster;
 using worker::ClientOptions;
 using worker::StepStats;
 using worker::WorkerClient;
@@ -215,9 +215,9 @@ class ClusterTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(ClusterTest, MatchesSingleProcessSimulation) {
   const Case& c = GetParam();
-  auto cluster_or = TestCluster::Start(MakeConfig(c), c.shards);
+  auto cluster_or = server::LocalCluster::Start(MakeConfig(c), c.shards);
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
-  TestCluster& cluster = **cluster_or;
+  server::LocalCluster& cluster = **cluster_or;
 
   std::vector<std::unique_ptr<WorkerClient>> clients(c.workers);
   for (int w = 0; w < c.workers; ++w) {

@@ -16,7 +16,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "server/service.h"
-#include "tests/integration/test_cluster.h"
+#include "server/local_cluster.h"
 #include "worker/client.h"
 
 namespace gtopk {
@@ -25,7 +25,7 @@ namespace {
 using ::gtopk::testing::StatusIs;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
-using testing::TestCluster;
+using server::LocalCluster;
 using worker::ClientOptions;
 using worker::WorkerClient;
 
@@ -40,7 +40,7 @@ server::ServerConfig Config(int workers, absl::Duration step_timeout) {
   return c;
 }
 
-std::unique_ptr<WorkerClient> Join(const TestCluster& cluster, int rank) {
+std::unique_ptr<WorkerClient> Join(const server::LocalCluster& cluster, int rank) {
   ClientOptions o;
   o.leader_address = cluster.leader();
   o.requested_rank = rank;
@@ -66,9 +66,9 @@ bool BitEqual(absl::Span<const float> a, absl::Span<const float> b) {
 }
 
 TEST(FaultTest, WorkerDisconnectingMidStepFailsTheOthersNamingIt) {
-  auto cluster_or = TestCluster::Start(Config(3, absl::Seconds(1)), 2);
+  auto cluster_or = server::LocalCluster::Start(Config(3, absl::Seconds(1)), 2);
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
-  TestCluster& cluster = **cluster_or;
+  server::LocalCluster& cluster = **cluster_or;
   std::vector<std::unique_ptr<WorkerClient>> clients;
   for (int w = 0; w < 3; ++w) {
     clients.push_back(Join(cluster, w));
@@ -138,9 +138,9 @@ TEST(FaultTest, WorkerDisconnectingMidStepFailsTheOthersNamingIt) {
 }
 
 TEST(FaultTest, SlowWorkerWithinTheDeadlineCompletesTheStep) {
-  auto cluster_or = TestCluster::Start(Config(2, absl::Seconds(2)), 2);
+  auto cluster_or = server::LocalCluster::Start(Config(2, absl::Seconds(2)), 2);
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
-  TestCluster& cluster = **cluster_or;
+  server::LocalCluster& cluster = **cluster_or;
   std::vector<std::unique_ptr<WorkerClient>> clients;
   for (int w = 0; w < 2; ++w) {
     clients.push_back(Join(cluster, w));

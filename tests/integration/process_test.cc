@@ -22,7 +22,7 @@
 #include "absl/time/clock.h"
 #include "common/testing/status_matchers.h"
 #include "gtest/gtest.h"
-#include "tests/integration/test_cluster.h"
+#include "server/local_cluster.h"
 #include "worker/client.h"
 
 #ifndef GTOPK_SERVER_BINARY
@@ -122,7 +122,7 @@ bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
 TEST(ProcessTest, RealServersTrainSurviveAKillAndShutDownCleanly) {
   const uint64_t n = 20011;
   const int workers = 2;
-  auto ports = testing::PickFreePorts(2);
+  auto ports = server::PickFreePorts(2);
   ASSERT_TRUE(ports.ok()) << ports.status();
   std::vector<std::string> peers;
   for (int p : *ports) peers.push_back(absl::StrCat("127.0.0.1:", p));

@@ -1,7 +1,7 @@
-// An in-process gtopk cluster for integration tests: S AggregatorServers on
+// An in-process gtopk cluster for tests and benchmarks: S AggregatorServers on
 // loopback (real gRPC) and helpers to read the servers' parameters back.
-#ifndef GTOPK_TESTS_INTEGRATION_TEST_CLUSTER_H_
-#define GTOPK_TESTS_INTEGRATION_TEST_CLUSTER_H_
+#ifndef GTOPK_SERVER_LOCAL_CLUSTER_H_
+#define GTOPK_SERVER_LOCAL_CLUSTER_H_
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -22,7 +22,7 @@
 #include "server/service.h"
 
 namespace gtopk {
-namespace testing {
+namespace server {
 
 // `count` distinct free loopback ports (bound together, then released; the
 // servers bind them right after, so a collision is unlikely and retried).
@@ -56,24 +56,24 @@ inline absl::StatusOr<std::vector<int>> PickFreePorts(int count) {
 
 // S running shards. `base` supplies everything but shard_id, num_shards
 // and peers.
-class TestCluster {
+class LocalCluster {
  public:
-  static absl::StatusOr<std::unique_ptr<TestCluster>> Start(
-      const server::ServerConfig& base, uint32_t num_shards) {
+  static absl::StatusOr<std::unique_ptr<LocalCluster>> Start(
+      const ServerConfig& base, uint32_t num_shards) {
     absl::Status last;
     for (int attempt = 0; attempt < 3; ++attempt) {
       auto ports = PickFreePorts(static_cast<int>(num_shards));
       if (!ports.ok()) return ports.status();
       std::vector<std::string> peers;
       for (int p : *ports) peers.push_back(absl::StrCat("127.0.0.1:", p));
-      auto cluster = std::unique_ptr<TestCluster>(new TestCluster());
+      auto cluster = std::unique_ptr<LocalCluster>(new LocalCluster());
       last = absl::OkStatus();
       for (uint32_t s = 0; s < num_shards && last.ok(); ++s) {
-        server::ServerConfig c = base;
+        ServerConfig c = base;
         c.shard_id = s;
         c.num_shards = num_shards;
         c.peers = peers;
-        auto srv = server::AggregatorServer::Start(c, peers[s]);
+        auto srv = AggregatorServer::Start(c, peers[s]);
         if (!srv.ok()) {
           last = srv.status();
         } else {
@@ -88,13 +88,13 @@ class TestCluster {
     return last;
   }
 
-  ~TestCluster() {
+  ~LocalCluster() {
     for (auto& s : servers_) s->Shutdown(absl::Milliseconds(200)).IgnoreError();
   }
 
   const std::string& leader() const { return peers_[0]; }
   const std::vector<std::string>& peers() const { return peers_; }
-  server::AggregatorServer& shard(size_t s) { return *servers_[s]; }
+  AggregatorServer& shard(size_t s) { return *servers_[s]; }
   size_t size() const { return servers_.size(); }
 
   // Downloads every shard's parameters (as worker `rank`) into a vector of
@@ -131,12 +131,12 @@ class TestCluster {
   }
 
  private:
-  TestCluster() = default;
+  LocalCluster() = default;
   std::vector<std::string> peers_;
-  std::vector<std::unique_ptr<server::AggregatorServer>> servers_;
+  std::vector<std::unique_ptr<AggregatorServer>> servers_;
 };
 
-}  // namespace testing
+}  // namespace server
 }  // namespace gtopk
 
-#endif  // GTOPK_TESTS_INTEGRATION_TEST_CLUSTER_H_
+#endif  // GTOPK_SERVER_LOCAL_CLUSTER_H_
