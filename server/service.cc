@@ -559,9 +559,9 @@ grpc::Status AggregatorService::DownloadParams(
       GetAggregator(context, deadline);
   if (!aggregator.ok()) return ToGrpcStatus(aggregator.status());
   // Wait in short slices so that a cancelled call or a shutdown ends it.
-  absl::StatusOr<std::pair<std::vector<float>, int64_t>> params;
+  absl::StatusOr<ShardAggregator::State> params;
   while (true) {
-    params = (*aggregator)->Params(std::min(deadline, absl::Now() + kPollInterval));
+    params = (*aggregator)->GetState(std::min(deadline, absl::Now() + kPollInterval));
     if (params.ok() || !absl::IsDeadlineExceeded(params.status()) ||
         absl::Now() >= deadline) {
       break;
@@ -572,11 +572,14 @@ grpc::Status AggregatorService::DownloadParams(
     }
   }
   if (!params.ok()) return ToGrpcStatus(params.status());
-  const std::vector<float>& values = params->first;
+  const std::vector<float>& values = params->params;
+  const std::vector<float>& velocity = params->global_velocity;
+  const bool with_velocity = !velocity.empty();
   const uint64_t chunk_bytes =
       std::min(config_.download_chunk_bytes, config_.max_message_bytes);
-  const size_t per_chunk = static_cast<size_t>(
-      std::max<uint64_t>(1, (chunk_bytes - kChunkOverheadBytes) / 4));
+  // 4 bytes per value, 8 with the global velocity alongside.
+  const size_t per_chunk = static_cast<size_t>(std::max<uint64_t>(
+      1, (chunk_bytes - kChunkOverheadBytes) / (with_velocity ? 8 : 4)));
   const uint64_t begin = (*aggregator)->begin();
   size_t offset = 0;
   do {
@@ -585,9 +588,13 @@ grpc::Status AggregatorService::DownloadParams(
     chunk.set_worker(request->worker());
     chunk.set_shard_id(config_.shard_id);
     chunk.set_offset(begin + offset);
-    chunk.set_step(params->second);
+    chunk.set_step(params->next_step);
     chunk.mutable_values()->Add(values.begin() + offset,
                                 values.begin() + offset + count);
+    if (with_velocity) {
+      chunk.mutable_global_velocity()->Add(velocity.begin() + offset,
+                                           velocity.begin() + offset + count);
+    }
     if (!writer->Write(chunk)) {
       return grpc::Status(grpc::StatusCode::CANCELLED,
                           "the worker went away during DownloadParams");

@@ -112,7 +112,7 @@ absl::StatusOr<bool> ShardAggregator::InitParams(
   return true;
 }
 
-absl::StatusOr<std::pair<std::vector<float>, int64_t>> ShardAggregator::Params(
+absl::StatusOr<ShardAggregator::State> ShardAggregator::GetState(
     absl::Time deadline) const {
   absl::MutexLock lock(&mu_);
   while (!initialized_) {
@@ -123,7 +123,17 @@ absl::StatusOr<std::pair<std::vector<float>, int64_t>> ShardAggregator::Params(
           " has no parameters yet (worker 0 initialises them)"));
     }
   }
-  return std::make_pair(params_, next_step_);
+  State state;
+  state.params = params_;
+  state.global_velocity = global_velocity_;
+  state.next_step = next_step_;
+  return state;
+}
+
+absl::StatusOr<std::pair<std::vector<float>, int64_t>> ShardAggregator::Params(
+    absl::Time deadline) const {
+  GTOPK_ASSIGN_OR_RETURN(State state, GetState(deadline));
+  return std::make_pair(std::move(state.params), state.next_step);
 }
 
 void ShardAggregator::SetStepAppliedCallback(

@@ -120,6 +120,15 @@ class ShardAggregator {
   absl::StatusOr<std::pair<std::vector<float>, int64_t>> Params(
       absl::Time deadline) const;
 
+  // Parameters, global velocity (kGlobal momentum only, else empty) and the
+  // next step, as one consistent snapshot. Waits like Params().
+  struct State {
+    std::vector<float> params;
+    std::vector<float> global_velocity;
+    int64_t next_step = 0;
+  };
+  absl::StatusOr<State> GetState(absl::Time deadline) const;
+
   // The first step not yet applied.
   int64_t next_step() const;
 

@@ -342,10 +342,26 @@ absl::StatusOr<int64_t> WorkerClient::SynchronizeParameters(
         context.TryCancel();
         continue;
       }
+      if (chunk.global_velocity_size() != 0 &&
+          chunk.global_velocity_size() != chunk.values_size()) {
+        bad = absl::InternalError(absl::StrCat(
+            where, ": chunk at offset ", chunk.offset(), " has ",
+            chunk.values_size(), " values but ", chunk.global_velocity_size(),
+            " global velocity entries"));
+        context.TryCancel();
+        continue;
+      }
       shard_step = chunk.step();
       if (chunk.values_size() > 0) {
         std::memcpy(params.data() + offset, chunk.values().data(),
                     chunk.values_size() * sizeof(float));
+      }
+      // Global momentum: continue with the servers' V, so a joining or
+      // restarted replica applies the same updates as everyone else.
+      if (chunk.global_velocity_size() > 0) {
+        std::memcpy(global_velocity_.data() + offset,
+                    chunk.global_velocity().data(),
+                    chunk.global_velocity_size() * sizeof(float));
       }
       offset += chunk.values_size();
     }

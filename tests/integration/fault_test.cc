@@ -175,5 +175,60 @@ TEST(FaultTest, SlowWorkerWithinTheDeadlineCompletesTheStep) {
   EXPECT_TRUE(BitEqual(server->first, params[0]));
 }
 
+TEST(FaultTest, RestartedWorkerRejoinsBitIdenticalWithGlobalMomentum) {
+  // With global momentum every replica keeps V; a restarted worker must get
+  // the servers' V with the parameters, or it would drift from the others.
+  server::ServerConfig config = Config(2, absl::Seconds(10));
+  config.optimizer.momentum_mode = MomentumMode::kGlobal;
+  config.optimizer.momentum = 0.9f;
+  auto cluster_or = server::LocalCluster::Start(config, 2);
+  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+  server::LocalCluster& cluster = **cluster_or;
+  std::vector<std::unique_ptr<WorkerClient>> clients(2);
+  std::vector<std::vector<float>> params(2);
+  auto steps = [&](int from, int to) {
+    std::vector<std::thread> threads;
+    for (int w = 0; w < 2; ++w) {
+      threads.emplace_back([&, w] {
+        for (int step = from; step < to; ++step) {
+          auto s = clients[w]->Step(Seeded(1000 * step + w),
+                                    absl::MakeSpan(params[w]));
+          EXPECT_TRUE(s.ok()) << "worker " << w << ": " << s.status();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+  };
+  {
+    std::vector<std::thread> threads;
+    for (int w = 0; w < 2; ++w) {
+      threads.emplace_back([&, w] {
+        clients[w] = Join(cluster, w);
+        ASSERT_NE(clients[w], nullptr);
+        params[w] = Seeded(5);
+        ASSERT_TRUE(clients[w]->SynchronizeParameters(absl::MakeSpan(params[w])).ok());
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  steps(0, 3);
+  // Worker 1 "restarts": a new client for rank 1 with a fresh buffer.
+  clients[1].reset();
+  clients[1] = Join(cluster, 1);
+  ASSERT_NE(clients[1], nullptr);
+  params[1].assign(kN, 0.0f);
+  auto next = clients[1]->SynchronizeParameters(absl::MakeSpan(params[1]));
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(*next, 3);
+  EXPECT_TRUE(BitEqual(params[0], params[1]));
+  steps(3, 6);
+  EXPECT_TRUE(BitEqual(params[0], params[1]))
+      << "the restarted replica drifted from the others";
+  auto server = cluster.ServerParams(kN);
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_TRUE(BitEqual(server->first, params[0]));
+  EXPECT_EQ(server->second, 6);
+}
+
 }  // namespace
 }  // namespace gtopk
