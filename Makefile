@@ -5,9 +5,16 @@
 #   make test    deps + build + every test (ctest); non-zero on any failure
 #   make bench   run the benchmarks, write bench/results/*.json
 #   make format  clang-format the sources in place (needs clang-format)
+#   make demo    deps + build + a local cluster training Fashion-MNIST with
+#                gTop-k (deploy/local/gtopk_local.py); logs and
+#                runs/$(NAME)/summary.json
 #
 # Variables: BUILD_DIR (build), BUILD_TYPE (Release), JOBS (nproc),
 # CMAKE_ARGS (extra -D options, e.g. -DGTOPK_SANITIZE=address).
+# Demo variables (defaults below): WORKERS SHARDS MODEL MODE SELECTION DENSITY
+# DENSITY_WARMUP SELECTOR EPOCHS STEPS BATCH LR MOMENTUM MOMENTUM_MODE SEED
+# NAME DEMO_ARGS (extra launcher flags), e.g.
+#   make demo WORKERS=8 SHARDS=3 MODE=dense DENSITY=0.01 EPOCHS=3 MODEL=mlp SELECTOR=gaussiank
 
 BUILD_DIR  ?= build
 BUILD_TYPE ?= Release
@@ -17,9 +24,29 @@ CMAKE_ARGS ?=
 # Debian 12 packages the build and tests need.
 DEB_PACKAGES := build-essential cmake ninja-build pkg-config \
 	libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev zlib1g-dev \
-	libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
+	libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc \
+	libtorch-dev dataset-fashion-mnist python3
 
-.PHONY: all deps build test bench format clean
+# `make demo` defaults: P workers, S shards, about 5 minutes on 2 cores.
+WORKERS        ?= 4
+SHARDS         ?= 2
+MODEL          ?= cnn
+MODE           ?= gtopk
+SELECTION      ?= exact
+DENSITY        ?= 0.001
+DENSITY_WARMUP ?= dgc
+SELECTOR       ?= exact
+EPOCHS         ?= 3
+STEPS          ?=
+BATCH          ?= 32
+LR             ?= 0.1
+MOMENTUM       ?= 0.9
+MOMENTUM_MODE  ?= dgc
+SEED           ?= 1
+NAME           ?= demo
+DEMO_ARGS      ?=
+
+.PHONY: all deps build test bench demo format clean
 
 all: build
 
@@ -54,6 +81,18 @@ bench: build
 	$(BUILD_DIR)/bench/codec_bench --results_json=bench/results/codec.json
 	$(BUILD_DIR)/bench/merge_bench --results_json=bench/results/merge.json
 	$(BUILD_DIR)/bench/aggregation_bench --results_json=bench/results/aggregation.json
+
+# deps and build first (in that order, also under -j), then the launcher.
+demo: deps
+	@$(MAKE) --no-print-directory build
+	python3 deploy/local/gtopk_local.py --name $(NAME) \
+	  --workers $(WORKERS) --shards $(SHARDS) --model $(MODEL) \
+	  --mode $(MODE) --selection $(SELECTION) --density $(DENSITY) \
+	  $(if $(strip $(DENSITY_WARMUP)),--density-warmup $(DENSITY_WARMUP)) \
+	  --selector $(SELECTOR) --epochs $(EPOCHS) $(if $(strip $(STEPS)),--steps $(STEPS)) \
+	  --batch-size $(BATCH) --lr $(LR) --momentum $(MOMENTUM) \
+	  --momentum-mode $(MOMENTUM_MODE) --seed $(SEED) \
+	  --build-dir $(BUILD_DIR) --runs-dir runs $(DEMO_ARGS)
 
 format:
 	find common server worker tests bench -name '*.h' -o -name '*.cc' -o -name '*.cu' 2>/dev/null | xargs clang-format -i

@@ -9,6 +9,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
@@ -72,10 +73,16 @@ v1::MomentumMode MomentumToProto(MomentumMode mode) {
   return v1::MOMENTUM_MODE_UNSPECIFIED;
 }
 
+// host:port with a numeric port in [0, 65535] (0: pick a free port).
 bool LooksLikeHostPort(const std::string& address) {
   const size_t colon = address.rfind(':');
-  return colon != std::string::npos && colon > 0 &&
-         colon + 1 < address.size();
+  if (colon == std::string::npos || colon == 0 || colon + 1 >= address.size()) {
+    return false;
+  }
+  uint32_t port = 0;
+  return absl::SimpleAtoi(absl::string_view(address).substr(colon + 1),
+                          &port) &&
+         port <= 65535;
 }
 
 }  // namespace
@@ -752,6 +759,9 @@ absl::StatusOr<std::unique_ptr<AggregatorServer>> AggregatorServer::Start(
   const int limit = ClampToInt(server->service_->config().max_message_bytes);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
+  // No SO_REUSEPORT: a second server on the same address must fail to
+  // start instead of silently sharing the port's connections.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(listen_address, grpc::InsecureServerCredentials(),
                            &server->port_);
   builder.SetMaxReceiveMessageSize(limit);

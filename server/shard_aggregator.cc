@@ -192,29 +192,25 @@ void ShardAggregator::FailRoundLocked(const std::shared_ptr<Round>& round,
                                       absl::Status status) {
   round->finished = true;
   round->status = std::move(status);
-  round->notified = round->arrived;  // those waiting get it from their wait
   if (pending_ == round) pending_.reset();
-  failed_ = round;
   cv_.SignalAll();
 }
 
-void ShardAggregator::FailStepLocked(int64_t step, uint32_t worker,
+void ShardAggregator::FailStepLocked(int64_t step, uint32_t /*worker*/,
                                      const absl::Status& reason) {
-  // A bad push for the current step fails that step for every worker: those
-  // waiting are woken, those still to come are told on arrival.
-  if (step != next_step_ || (pending_ != nullptr && pending_->computing)) {
+  // A bad push for the current step fails the round for every worker waiting
+  // in it. Workers that arrive later start a new round of the same step (a
+  // retry), which completes once every worker, the culprit included, has
+  // pushed again, or fails at its deadline naming who is missing. (Telling
+  // late arrivals of an old failure instead made retries after a partial
+  // push -- a worker that died after pushing to some shards -- fail again
+  // and again on alternating shards.)
+  if (step != next_step_ || pending_ == nullptr || pending_->computing) {
     return;
   }
-  if (pending_ == nullptr) {
-    pending_ = std::make_shared<Round>();
-    pending_->step = step;
-    pending_->arrived.assign(options_.num_workers, false);
-  }
-  std::shared_ptr<Round> round = pending_;
-  FailRoundLocked(round, absl::AbortedError(absl::StrCat(
-                             "step ", step, " failed on shard ",
-                             options_.shard_id, ": ", reason.message())));
-  if (worker < options_.num_workers) round->notified[worker] = true;
+  FailRoundLocked(pending_, absl::AbortedError(absl::StrCat(
+                                "step ", step, " failed on shard ",
+                                options_.shard_id, ": ", reason.message())));
 }
 
 void ShardAggregator::RejectPush(int64_t step, uint32_t worker,
@@ -238,6 +234,10 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
     FailStepLocked(push.step, w, valid);
     return valid;
   }
+  if (push.step < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "worker ", w, ": step ", push.step, " is negative"));
+  }
   if (push.step < next_step_) {
     if (last_ != nullptr && last_->step == push.step) return last_->result;
     return absl::FailedPreconditionError(absl::StrCat(
@@ -249,11 +249,6 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
         "step ", push.step, " is ahead of shard ", options_.shard_id,
         ", which is at step ", next_step_));
   }
-  if (failed_ != nullptr && failed_->step == push.step &&
-      !failed_->notified[w]) {
-    failed_->notified[w] = true;
-    return failed_->status;
-  }
   if (pending_ == nullptr) {
     pending_ = std::make_shared<Round>();
     pending_->step = push.step;
@@ -261,11 +256,20 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
     pending_->pushes.resize(options_.num_workers);
   }
   std::shared_ptr<Round> round = pending_;
-  if (!round->arrived[w]) {  // else: a retry; wait for the same round
+  if (!round->arrived[w]) {
     round->arrived[w] = true;
     round->pushes[w] = std::move(push);
     ++round->count;
-  }
+  } else if (!round->computing &&
+             (round->pushes[w].sparse != push.sparse ||
+              round->pushes[w].dense != push.dense)) {
+    // A retry must repeat the push; other content for the same (step,
+    // worker) is rejected (the round keeps the first push).
+    return absl::InvalidArgumentError(absl::StrCat(
+        "worker ", w, " step ", push.step,
+        ": a second, different push for the same step on shard ",
+        options_.shard_id));
+  }  // else: a retry; wait for the same round
   if (round->count == options_.num_workers && !round->computing) {
     round->computing = true;
     std::vector<WorkerPush> pushes = std::move(round->pushes);
@@ -433,7 +437,6 @@ absl::Status ShardAggregator::Restore(const ShardCheckpoint& c) {
   initialized_ = true;
   pending_.reset();
   last_.reset();
-  failed_.reset();
   cv_.SignalAll();
   return absl::OkStatus();
 }

@@ -92,10 +92,10 @@ struct RoundResult {
 // completes the round does the merge and the threshold exchange.
 //
 // Rounds are all-or-nothing: a bad push fails its caller with
-// INVALID_ARGUMENT and the round with ABORTED for every other worker; a
-// round that misses its deadline fails for everyone with DEADLINE_EXCEEDED
+// INVALID_ARGUMENT and the round with ABORTED for every worker waiting in it;
+// a round that misses its deadline fails for everyone with DEADLINE_EXCEEDED
 // naming the missing workers. A failed round changes no parameter and the
-// same step can be retried. A repeated push for a (step, worker) that is
+// same step can be retried: pushes arriving after a failure form a new round. A repeated push for a (step, worker) that is
 // part of the pending round, or of the last completed one, is a retry: it
 // gets that round's result (its content is ignored).
 class ShardAggregator {
@@ -177,9 +177,6 @@ class ShardAggregator {
     bool finished = false;
     absl::Status status;  // set when finished
     std::shared_ptr<const RoundResult> result;
-    // Failed rounds: which workers have been told (each is told once, then
-    // the step can be retried).
-    std::vector<bool> notified;
   };
 
   ShardAggregator(const ShardOptions& options, OptimizerRule rule,
@@ -210,7 +207,6 @@ class ShardAggregator {
   std::vector<float> global_velocity_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<Round> pending_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<Round> last_ ABSL_GUARDED_BY(mu_);  // last finished OK
-  std::shared_ptr<Round> failed_ ABSL_GUARDED_BY(mu_);  // last failed
   std::function<void(int64_t)> on_step_applied_ ABSL_GUARDED_BY(mu_);
   absl::Status closed_ ABSL_GUARDED_BY(mu_);  // not OK after Close
 };

@@ -439,6 +439,21 @@ absl::StatusOr<ThresholdResponse> ThresholdCoordinator::Submit(
   absl::MutexLock lock(&mu_);
   GTOPK_ASSIGN_OR_RETURN(std::shared_ptr<StepState> state,
                          FindOrCreateStepLocked(request.step));
+  if (level == 0) {
+    // A level-0 request for a step whose exchange failed is a new attempt
+    // of that step (the workers retry a failed step on every shard): start
+    // it afresh. Waiters of the failed attempt keep their own state.
+    bool failed = false;
+    for (uint32_t l = 0; l < kThresholdLevels; ++l) {
+      failed |= state->rounds[l].phase == Round::Phase::kFailed;
+    }
+    if (failed) {
+      auto fresh = std::make_shared<StepState>();
+      fresh->step = request.step;
+      steps_[request.step] = fresh;
+      state = fresh;
+    }
+  }
   Round& round = state->rounds[level];
 
   if (round.phase == Round::Phase::kIdle) {

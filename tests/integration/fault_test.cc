@@ -135,6 +135,35 @@ TEST(FaultTest, WorkerDisconnectingMidStepFailsTheOthersNamingIt) {
     EXPECT_TRUE(BitEqual(params[w], before)) << "worker " << w;
     EXPECT_EQ(clients[w]->next_step(), 0);
   }
+  // Worker 2 comes back; all three retry step 0 (a failed step can simply
+  // be run again) and get past it: the failed threshold exchange of the
+  // first attempt must not block the retry.
+  clients[2] = Join(cluster, 2);
+  ASSERT_NE(clients[2], nullptr);
+  params[2].assign(kN, 0.0f);
+  GTOPK_ASSERT_OK(clients[2]->SynchronizeParameters(absl::MakeSpan(params[2])));
+  std::vector<absl::Status> retry(3);
+  std::vector<std::thread> again;
+  for (int w = 0; w < 3; ++w) {
+    again.emplace_back([&, w] {
+      // A worker may first hear of the failure once more on a shard it had
+      // not heard from; allow a few attempts.
+      for (int attempt = 0; attempt < 4; ++attempt) {
+        retry[w] = clients[w]->Step(Seeded(200 + w), absl::MakeSpan(params[w])).status();
+        if (retry[w].ok()) break;
+      }
+    });
+  }
+  for (auto& t : again) t.join();
+  for (int w = 0; w < 3; ++w) {
+    GTOPK_EXPECT_OK(retry[w]) << "worker " << w << " cannot get past step 0";
+    EXPECT_EQ(clients[w]->next_step(), 1);
+  }
+  EXPECT_TRUE(BitEqual(params[0], params[1]));
+  EXPECT_TRUE(BitEqual(params[0], params[2]));
+  auto server = cluster.ServerParams(kN);
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_TRUE(BitEqual(server->first, params[0]));
 }
 
 TEST(FaultTest, SlowWorkerWithinTheDeadlineCompletesTheStep) {

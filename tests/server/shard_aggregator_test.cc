@@ -312,14 +312,26 @@ TEST(ShardAggregatorTest, BadPushFailsTheStepForEveryoneAndIsNotApplied) {
   EXPECT_EQ(shard->next_step(), 1);
 }
 
-TEST(ShardAggregatorTest, BadPushBeforeOthersArriveFailsThemOnArrival) {
+TEST(ShardAggregatorTest, BadPushBeforeOthersArriveIsNotAppliedAndCanBeRetried) {
   auto shard = SingleShard(2);
   EXPECT_THAT(shard->Submit(Push(0, 1, {200}), absl::Now() + absl::Seconds(5)),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("out of range")));
-  EXPECT_THAT(shard->Submit(Push(0, 0, {1}), absl::Now() + absl::Seconds(5)),
-              StatusIs(absl::StatusCode::kAborted, HasSubstr("step 0 failed")));
+  // The other worker's push starts a round that waits for worker 1's retry
+  // (or fails at its deadline naming worker 1).
+  EXPECT_THAT(
+      shard->Submit(Push(0, 0, {1}), absl::Now() + absl::Milliseconds(200)),
+      StatusIs(absl::StatusCode::kDeadlineExceeded,
+               HasSubstr("waiting for worker(s) 1")));
   EXPECT_EQ(shard->next_step(), 0);
+  absl::StatusOr<std::shared_ptr<const RoundResult>> first;
+  std::thread t([&] {
+    first = shard->Submit(Push(0, 0, {1}), absl::Now() + absl::Seconds(5));
+  });
+  GTOPK_EXPECT_OK(shard->Submit(Push(0, 1, {2}), absl::Now() + absl::Seconds(5)));
+  t.join();
+  GTOPK_EXPECT_OK(first);
+  EXPECT_EQ(shard->next_step(), 1);
 }
 
 TEST(ShardAggregatorTest, EveryKindOfBadPushIsRejected) {
@@ -349,7 +361,27 @@ TEST(ShardAggregatorTest, EveryKindOfBadPushIsRejected) {
   EXPECT_THAT(shard->Submit(Push(3, 0, {1}), d),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("step 3 is ahead")));
+  EXPECT_THAT(shard->Submit(Push(-5, 0, {1}), d),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("step -5 is negative")));
   EXPECT_EQ(shard->next_step(), 0);
+}
+
+TEST(ShardAggregatorTest, DifferentSecondPushForTheSameStepIsRejected) {
+  auto shard = SingleShard(2);
+  absl::StatusOr<std::shared_ptr<const RoundResult>> first;
+  std::thread t([&] {
+    first = shard->Submit(Push(0, 0, {1, 2}), absl::Now() + absl::Seconds(5));
+  });
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_THAT(shard->Submit(Push(0, 0, {3}), absl::Now() + absl::Seconds(5)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("a second, different push")));
+  GTOPK_EXPECT_OK(shard->Submit(Push(0, 1, {4}), absl::Now() + absl::Seconds(5)));
+  t.join();
+  GTOPK_ASSERT_OK(first);
+  // The round used the first push: indices 1, 2 and 4 were selected.
+  EXPECT_EQ((*first)->selected.indices, (std::vector<uint32_t>{1, 2, 4}));
 }
 
 TEST(ShardAggregatorTest, MissingWorkerTimesOutNamingIt) {

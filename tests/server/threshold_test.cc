@@ -540,10 +540,24 @@ TEST(ThresholdCoordinatorTest, DeadlineNamesTheMissingShard) {
                                    HasSubstr("waiting for shard 2 "),
                                    HasSubstr("2 of 3 arrived"))));
   }
-  // The late shard gets the round's failure, immediately.
+  // A late level-0 request starts a new attempt of the failed step (the
+  // workers retry a failed step on every shard): it waits for the others.
   EXPECT_THAT(
-      coordinator.Submit(Req(0, 2, 5, 0, {{1, 9}}), Later()),
-      StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("shard 2")));
+      coordinator.Submit(Req(0, 2, 5, 0, {{1, 9}}), Soon()),
+      StatusIs(absl::StatusCode::kDeadlineExceeded,
+               HasSubstr("waiting for shards 0, 1 (1 of 3 arrived)")));
+  // A full retry of the step by all three shards succeeds.
+  {
+    absl::StatusOr<ThresholdResponse> a, b, c;
+    std::thread ta([&] { a = coordinator.Submit(Req(0, 0, 5, 0, {{1, 9}}), Later()); });
+    std::thread tb([&] { b = coordinator.Submit(Req(0, 1, 5, 0, {{1, 9}}), Later()); });
+    c = coordinator.Submit(Req(0, 2, 5, 0, {{1, 9}}), Later());
+    ta.join();
+    tb.join();
+    EXPECT_THAT(a, ::gtopk::testing::IsOk());
+    EXPECT_THAT(b, ::gtopk::testing::IsOk());
+    EXPECT_THAT(c, ::gtopk::testing::IsOk());
+  }
   // Two missing shards are both named; a past deadline does not block.
   EXPECT_THAT(
       coordinator.Submit(Req(1, 0, 5, 0, {}), absl::Now() - absl::Seconds(1)),
@@ -608,6 +622,9 @@ TEST(ThresholdCoordinatorTest, WrongHistogramSizeFailsTheRoundForEveryone) {
   std::thread t0([&] {
     r0 = coordinator.Submit(Req(0, 0, 3, 0, {{5, 4}}), Later());
   });
+  // Shard 0 is waiting in the round before the bad request arrives (a shard
+  // arriving after a failed attempt would start a new one instead).
+  AwaitSteps(coordinator, 1);
   ThresholdRequest bad = Req(0, 1, 3, 0, {});
   bad.histogram.resize(512);
   EXPECT_THAT(coordinator.Submit(bad, Later()),
@@ -617,13 +634,18 @@ TEST(ThresholdCoordinatorTest, WrongHistogramSizeFailsTheRoundForEveryone) {
                                        "expected 2048"))));
   t0.join();
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
-  // Shard 0 waited on (or came after) the failed round: ABORTED naming
-  // shard 1's fault.
+  // Shard 0 waited in the failed round: ABORTED naming shard 1's fault.
   EXPECT_THAT(r0, StatusIs(absl::StatusCode::kAborted,
                            HasSubstr("shard 1: histogram has 512 buckets")));
-  // The failed step stays failed; the next step works.
-  EXPECT_THAT(coordinator.Submit(Req(0, 1, 3, 0, {{5, 1}}), Later()),
-              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::_));
+  // A retry of the failed step is a new attempt; it and the next step work.
+  {
+    absl::StatusOr<ThresholdResponse> a;
+    std::thread ta([&] { a = coordinator.Submit(Req(0, 0, 3, 0, {{5, 4}}), Later()); });
+    EXPECT_THAT(coordinator.Submit(Req(0, 1, 3, 0, {{5, 1}}), Later()),
+                ::gtopk::testing::IsOk());
+    ta.join();
+    EXPECT_THAT(a, ::gtopk::testing::IsOk());
+  }
   std::thread t1([&] {
     r0 = coordinator.Submit(Req(1, 0, 3, 0, {{5, 4}}), Later());
   });

@@ -1,0 +1,796 @@
+#!/usr/bin/env python3
+"""Local gTop-k cluster launcher: S `gtopk-server` shards and P `gtopk-worker`
+trainers as processes on loopback (127.0.0.1 only), on free ports.
+
+  deploy/local/gtopk_local.py --name demo --workers 4 --shards 2 --model cnn \
+      --mode gtopk --selection exact --density 0.001 --selector exact \
+      --epochs 1 --batch-size 32 --lr 0.1
+
+What it does, in order:
+  1. computes steps_per_epoch = floor(train_samples / P / batch_size)
+     (train_samples = 60000, the Fashion-MNIST training set, or --train-limit);
+  2. empties runs/NAME/ and starts the S servers (same cluster flags for all,
+     --peers listing every shard, checkpoints in runs/NAME/ckpt/, logs in
+     runs/NAME/server-s.log) and waits until each answers SERVING to
+     `gtopk-server --health-check`;
+  3. starts the P workers (logs in runs/NAME/worker-w.log, summaries in
+     runs/NAME/worker-w.json) and writes runs/NAME/pids.json;
+  4. streams rank 0's progress lines (one rewritten status line on a TTY,
+     plain lines otherwise) while watching every process: a worker that exits
+     non-zero, or a server that exits at all, stops the whole run (the failing
+     process and the tail of its log are printed; exit 1);
+  5. on success stops the servers with SIGTERM (they checkpoint and exit 0;
+     SIGKILL after a grace period) and writes runs/NAME/summary.json, merging
+     the workers' summaries.
+
+Every child runs in its own process group (and gets SIGKILL if the launcher
+itself dies, via PR_SET_PDEATHSIG); groups are stopped on success, failure,
+SIGINT/SIGTERM/SIGHUP (exit 130) and at interpreter exit, so no process
+outlives the launcher. Exit codes: 0 success, 1 a process failed or the
+servers did not stop cleanly, 2 bad arguments or missing binaries,
+130 interrupted.
+
+Standard library only (Python 3.9+).
+"""
+
+import argparse
+import atexit
+import ctypes
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+FASHION_MNIST_TRAIN_SAMPLES = 60000
+LOOPBACK = "127.0.0.1"
+TAIL_LINES = 20
+PROGRESS_RE = re.compile(r"^(step|eval|done) ")
+STEP_RE = re.compile(r"^step (\d+)/(\d+) epoch (\d+) loss (\S+)")
+
+
+class LaunchError(Exception):
+    """A failure the launcher reports (message printed, exit 1)."""
+
+
+class Interrupted(Exception):
+    """SIGINT/SIGTERM/SIGHUP received."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def log(msg):
+    sys.stderr.write("gtopk_local: %s\n" % msg)
+    sys.stderr.flush()
+
+
+# --------------------------------------------------------------------------
+# Child processes
+
+
+_PR_SET_PDEATHSIG = 1
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+except OSError:  # pragma: no cover - not Linux/glibc
+    _libc = None
+
+
+def _child_setup():
+    """Runs in the child between fork and exec: own process group, and
+    SIGKILL when the launcher dies (even by SIGKILL)."""
+    os.setsid()
+    if _libc is not None:
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+class Child:
+    """One server or worker process, in its own process group."""
+
+    def __init__(self, kind, index, argv, log_path):
+        self.kind = kind
+        self.index = index
+        self.argv = argv
+        self.log_path = log_path
+        self.proc = None
+
+    @property
+    def label(self):
+        return "%s %d" % (self.kind, self.index)
+
+    @property
+    def pid(self):
+        return self.proc.pid if self.proc else None
+
+    def start(self):
+        with open(self.log_path, "ab") as out:
+            out.write(("$ %s\n" % shlex.join(self.argv)).encode())
+            out.flush()
+            self.proc = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT, preexec_fn=_child_setup,
+                close_fds=True)
+
+    def poll(self):
+        return self.proc.poll() if self.proc else None
+
+    def signal_group(self, sig):
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def tail(self, n=TAIL_LINES):
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - 64 * 1024))
+                data = f.read().decode("utf-8", "replace")
+        except OSError as e:
+            return "(cannot read %s: %s)" % (self.log_path, e)
+        return "\n".join(data.splitlines()[-n:])
+
+
+def describe_exit(code):
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return "killed by %s" % signal.Signals(-code).name
+        except ValueError:
+            return "killed by signal %d" % -code
+    return "exit code %d" % code
+
+
+def stop_children(children, grace):
+    """SIGTERM every group still running, wait up to `grace` seconds, then
+    SIGKILL the rest; also SIGKILLs the groups of exited leaders (stray
+    descendants) and reaps everything."""
+    running = [c for c in children if c.proc is not None and c.poll() is None]
+    for c in running:
+        c.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for c in running:
+        left = deadline - time.monotonic()
+        try:
+            c.proc.wait(timeout=max(0.0, left))
+        except subprocess.TimeoutExpired:
+            pass
+    for c in children:
+        if c.proc is None:
+            continue
+        c.signal_group(signal.SIGKILL)
+        try:
+            c.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            log("%s (pid %d) did not die after SIGKILL" % (c.label, c.pid))
+
+
+# --------------------------------------------------------------------------
+# Helpers
+
+
+def pick_free_ports(count):
+    """Distinct free loopback ports (all sockets held open together, so the
+    ports differ; a race with another program remains possible and is
+    handled by retrying the server start)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((LOOPBACK, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def human_bytes(b):
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(b) < 1024 or unit == "GB":
+            return ("%.0f %s" if unit == "B" else "%.1f %s") % (b, unit)
+        b /= 1024.0
+    return "%g" % b  # pragma: no cover
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _gtopk_pid(pid):
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            return b"gtopk-" in f.read()
+    except OSError:
+        return False
+
+
+class ProgressPrinter:
+    """Follows rank 0's log and prints its progress lines."""
+
+    def __init__(self, path, tty):
+        self.path = path
+        self.tty = tty
+        self.offset = 0
+        self.partial = b""
+        self.status_shown = False
+
+    def poll(self, final=False):
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return
+        self.offset += len(data)
+        data = self.partial + data
+        lines = data.split(b"\n")
+        self.partial = lines.pop()
+        if final and self.partial:
+            lines.append(self.partial)
+            self.partial = b""
+        for raw in lines:
+            line = raw.decode("utf-8", "replace").rstrip("\r")
+            if PROGRESS_RE.match(line):
+                self.emit(line)
+
+    def emit(self, line):
+        if self.tty and line.startswith("step "):
+            width = shutil.get_terminal_size((120, 20)).columns
+            sys.stdout.write("\r\033[K" + line[:max(10, width - 1)])
+            self.status_shown = True
+        else:
+            self.clear()
+            sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+    def clear(self):
+        if self.status_shown:
+            sys.stdout.write("\r\033[K")
+            self.status_shown = False
+
+
+# --------------------------------------------------------------------------
+# The launcher
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        prog="gtopk_local.py",
+        description="Run a local gTop-k cluster (S servers, P workers) on "
+        "127.0.0.1; logs and summaries in RUNS_DIR/NAME/.")
+    p.add_argument("--name", default="demo",
+                   help="run name: files go to RUNS_DIR/NAME/ (emptied first)")
+    p.add_argument("--workers", type=int, default=4, help="P")
+    p.add_argument("--shards", type=int, default=2, help="S")
+    p.add_argument("--model", default="cnn",
+                   help="mlp | cnn | synthetic:N")
+    p.add_argument("--mode", default="gtopk", choices=["gtopk", "topk", "dense"])
+    p.add_argument("--selection", default="exact", choices=["exact", "quota"])
+    p.add_argument("--density", type=float, default=0.001)
+    p.add_argument("--density-warmup", default="",
+                   help="per-epoch warm-up densities (comma list) or 'dgc'; "
+                   "empty: none")
+    p.add_argument("--selector", default="exact",
+                   choices=["exact", "gaussiank", "dgc", "randomk"])
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--steps", type=int, default=None,
+                   help="stop after this many steps in all")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--momentum-mode", default="dgc",
+                   choices=["none", "dgc", "global"])
+    p.add_argument("--weight-decay", type=float, default=None)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--index-codec", default=None,
+                   choices=["raw", "delta-varint", "delta-bitpack"])
+    p.add_argument("--value-codec", default=None,
+                   choices=["fp32", "fp16", "bf16"])
+    p.add_argument("--train-limit", type=int, default=None)
+    p.add_argument("--test-limit", type=int, default=None)
+    p.add_argument("--eval-every", type=int, default=None)
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per worker (default 1)")
+    p.add_argument("--build-dir", default="build")
+    p.add_argument("--server-bin", default=None,
+                   help="default BUILD_DIR/server/gtopk-server")
+    p.add_argument("--worker-bin", default=None,
+                   help="default BUILD_DIR/worker/gtopk-worker")
+    p.add_argument("--runs-dir", default="runs")
+    p.add_argument("--step-timeout", default="60s",
+                   help="servers' --step-timeout (Abseil duration)")
+    p.add_argument("--ready-timeout", type=float, default=30.0,
+                   help="seconds to wait for each server to be SERVING")
+    p.add_argument("--grace", type=float, default=15.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping")
+    p.add_argument("--timeout", type=float, default=0,
+                   help="fail the run after this many seconds (0: none)")
+    args = p.parse_args(argv)
+
+    errors = []
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.name):
+        errors.append("--name must match [A-Za-z0-9][A-Za-z0-9._-]*")
+    for flag in ("workers", "shards", "epochs", "batch_size", "threads"):
+        if getattr(args, flag) < 1:
+            errors.append("--%s must be >= 1" % flag.replace("_", "-"))
+    for flag in ("steps", "train_limit", "test_limit", "eval_every"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            errors.append("--%s must be >= 1" % flag.replace("_", "-"))
+    if not 0 < args.density <= 1:
+        errors.append("--density must be in (0, 1]")
+    if errors:
+        p.error("; ".join(errors))
+    return args
+
+
+class Launcher:
+    def __init__(self, args, argv):
+        self.args = args
+        self.argv = argv
+        self.run_dir = os.path.abspath(os.path.join(args.runs_dir, args.name))
+        self.servers = []
+        self.workers = []
+        self.t0 = time.monotonic()
+        self.tty = sys.stdout.isatty()
+        self.progress = None
+        build = args.build_dir
+        self.server_bin = os.path.abspath(
+            args.server_bin or os.path.join(build, "server", "gtopk-server"))
+        self.worker_bin = os.path.abspath(
+            args.worker_bin or os.path.join(build, "worker", "gtopk-worker"))
+        train = args.train_limit or FASHION_MNIST_TRAIN_SAMPLES
+        self.train_samples = train
+        self.steps_per_epoch = train // args.workers // args.batch_size
+        self.addresses = []
+
+    @property
+    def children(self):
+        return self.servers + self.workers
+
+    # -- set-up -------------------------------------------------------------
+
+    def check(self):
+        for what, path in (("server", self.server_bin),
+                           ("worker", self.worker_bin)):
+            if not os.access(path, os.X_OK):
+                hint = ("build it with `make build`" if what == "server" else
+                        "build it with `make build` (needs libtorch-dev)")
+                raise UsageError("%s binary %s not found or not executable; %s"
+                                 % (what, path, hint))
+        if self.steps_per_epoch < 1:
+            raise UsageError(
+                "steps per epoch = floor(%d / %d / %d) = 0: use fewer workers, "
+                "a smaller batch or a larger --train-limit"
+                % (self.train_samples, self.args.workers, self.args.batch_size))
+
+    def prepare_run_dir(self):
+        pids = os.path.join(self.run_dir, "pids.json")
+        if os.path.exists(pids):
+            try:
+                with open(pids) as f:
+                    old = json.load(f)
+                live = [p for p in old.get("servers", []) + old.get("workers", [])
+                        if _pid_alive(p) and _gtopk_pid(p)]
+            except (OSError, ValueError, AttributeError, TypeError):
+                live = []
+            if live:
+                raise UsageError("run %s looks alive (pids %s in %s); stop it "
+                                 "or pick another --name" % (
+                                     self.args.name, live, pids))
+        if os.path.isdir(self.run_dir):
+            shutil.rmtree(self.run_dir)
+        os.makedirs(os.path.join(self.run_dir, "ckpt"))
+
+    def server_argv(self, shard, peers):
+        a = self.args
+        argv = [
+            self.server_bin,
+            "--listen=%s" % peers[shard],
+            "--shard-id=%d" % shard,
+            "--num-shards=%d" % a.shards,
+            "--workers=%d" % a.workers,
+            "--peers=%s" % ",".join(peers),
+            "--mode=%s" % a.mode,
+            "--selection=%s" % a.selection,
+            "--selector=%s" % a.selector,
+            "--density=%r" % a.density,
+            "--lr=%r" % a.lr,
+            "--momentum=%r" % a.momentum,
+            "--momentum-mode=%s" % a.momentum_mode,
+            "--seed=%d" % a.seed,
+            "--steps-per-epoch=%d" % self.steps_per_epoch,
+            "--step-timeout=%s" % a.step_timeout,
+            "--checkpoint-dir=%s" % os.path.join(self.run_dir, "ckpt"),
+        ]
+        if a.density_warmup:
+            argv.append("--density-warmup=%s" % a.density_warmup)
+        if a.weight_decay is not None:
+            argv.append("--weight-decay=%r" % a.weight_decay)
+        if a.index_codec:
+            argv.append("--index-codec=%s" % a.index_codec)
+        if a.value_codec:
+            argv.append("--value-codec=%s" % a.value_codec)
+        return argv
+
+    def worker_argv(self, rank):
+        a = self.args
+        argv = [
+            self.worker_bin,
+            "--server=%s" % self.addresses[0],
+            "--rank=%d" % rank,
+            "--model=%s" % a.model,
+            "--batch-size=%d" % a.batch_size,
+            "--epochs=%d" % a.epochs,
+            "--seed=%d" % a.seed,
+            "--threads=%d" % a.threads,
+            "--summary-json=%s" % os.path.join(self.run_dir,
+                                               "worker-%d.json" % rank),
+            # Consistency flags: checked against the servers' cluster spec.
+            "--mode=%s" % a.mode,
+            "--selector=%s" % a.selector,
+            "--density=%r" % a.density,
+            "--lr=%r" % a.lr,
+            "--momentum=%r" % a.momentum,
+        ]
+        if a.index_codec:
+            argv.append("--index-codec=%s" % a.index_codec)
+        if a.value_codec:
+            argv.append("--value-codec=%s" % a.value_codec)
+        for flag in ("steps", "train_limit", "test_limit", "eval_every"):
+            v = getattr(a, flag)
+            if v is not None:
+                argv.append("--%s=%d" % (flag.replace("_", "-"), v))
+        if a.data_dir:
+            argv.append("--data-dir=%s" % os.path.abspath(a.data_dir))
+        return argv
+
+    def write_pids(self):
+        path = os.path.join(self.run_dir, "pids.json")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"launcher": os.getpid(),
+                       "servers": [c.pid for c in self.servers],
+                       "workers": [c.pid for c in self.workers],
+                       "addresses": self.addresses}, f)
+            f.write("\n")
+        os.replace(tmp, path)
+
+    def start_servers(self, attempts=3):
+        for attempt in range(1, attempts + 1):
+            ports = pick_free_ports(self.args.shards)
+            self.addresses = ["%s:%d" % (LOOPBACK, p) for p in ports]
+            self.servers = [
+                Child("server", s, self.server_argv(s, self.addresses),
+                      os.path.join(self.run_dir, "server-%d.log" % s))
+                for s in range(self.args.shards)]
+            for c in self.servers:
+                c.start()
+            self.write_pids()
+            try:
+                for c in self.servers:
+                    self.wait_serving(c)
+                log("%d server(s) SERVING at %s" % (
+                    len(self.servers), ",".join(self.addresses)))
+                return
+            except LaunchError as e:
+                tails = "".join(c.tail() for c in self.servers)
+                port_race = ("Address already in use" in tails
+                             or "Failed to add" in tails
+                             or "cannot listen" in tails.lower())
+                if attempt < attempts and port_race:
+                    log("a port was taken, retrying with new ports")
+                    stop_children(self.servers, self.args.grace)
+                    self.servers = []
+                    continue
+                raise e
+
+    def wait_serving(self, c):
+        deadline = time.monotonic() + self.args.ready_timeout
+        addr = self.addresses[c.index]
+        while True:
+            code = c.poll()
+            if code is not None:
+                raise LaunchError(self.failure_text(
+                    c, "exited during start-up (%s)" % describe_exit(code)))
+            try:
+                r = subprocess.run(
+                    [self.server_bin, "--health-check=%s" % addr],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, timeout=10)
+                if r.returncode == 0:
+                    return
+            except subprocess.TimeoutExpired:
+                pass
+            if time.monotonic() > deadline:
+                raise LaunchError(self.failure_text(
+                    c, "not SERVING at %s after %.0f s" % (
+                        addr, self.args.ready_timeout)))
+            time.sleep(0.1)
+
+    def start_workers(self):
+        for w in range(self.args.workers):
+            c = Child("worker", w, self.worker_argv(w),
+                      os.path.join(self.run_dir, "worker-%d.log" % w))
+            self.workers.append(c)
+            c.start()
+        self.write_pids()
+        log("%d worker(s) started; logs in %s" % (len(self.workers),
+                                                  self.run_dir))
+
+    # -- running ------------------------------------------------------------
+
+    def failure_text(self, c, what):
+        return "%s (pid %s) %s; last lines of %s:\n%s" % (
+            c.label, c.pid, what, c.log_path, indent(c.tail()))
+
+    def monitor(self):
+        self.progress = ProgressPrinter(self.workers[0].log_path, self.tty)
+        deadline = (self.t0 + self.args.timeout) if self.args.timeout else None
+        while True:
+            self.progress.poll()
+            failed = []
+            for c in self.servers:
+                code = c.poll()
+                if code is not None:
+                    failed.append((c, "exited before the workers finished (%s)"
+                                   % describe_exit(code)))
+            done = 0
+            for c in self.workers:
+                code = c.poll()
+                if code is None:
+                    continue
+                if code == 0:
+                    done += 1
+                else:
+                    failed.append((c, "failed (%s)" % describe_exit(code)))
+            if failed:
+                self.progress.poll(final=True)
+                self.progress.clear()
+                # Workers first: a dead worker is the usual cause.
+                failed.sort(key=lambda fc: fc[0].kind != "worker")
+                raise LaunchError("\n".join(self.failure_text(c, what)
+                                            for c, what in failed))
+            if done == len(self.workers):
+                self.progress.poll(final=True)
+                self.progress.clear()
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                raise LaunchError("run exceeded --timeout=%g s" %
+                                  self.args.timeout)
+            time.sleep(0.2)
+
+    def stop_servers(self):
+        """SIGTERM (checkpoint + exit 0), SIGKILL after the grace period."""
+        for c in self.servers:
+            c.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + self.args.grace
+        codes = {}
+        for c in self.servers:
+            try:
+                codes[c.index] = c.proc.wait(
+                    timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.signal_group(signal.SIGKILL)
+                c.proc.wait()
+                codes[c.index] = "killed after %g s grace" % self.args.grace
+        return codes
+
+    # -- summary ------------------------------------------------------------
+
+    def summarize(self, server_codes):
+        a = self.args
+        reports = []
+        for c in self.workers:
+            path = os.path.join(self.run_dir, "worker-%d.json" % c.index)
+            try:
+                with open(path) as f:
+                    reports.append(json.load(f))
+            except (OSError, ValueError) as e:
+                raise LaunchError("worker %d exited 0 but its summary %s is "
+                                  "unreadable: %s" % (c.index, path, e))
+        r0 = next((r for r in reports if r.get("rank") == 0), reports[0])
+
+        def mean(key):
+            vals = [r[key] for r in reports
+                    if isinstance(r.get(key), (int, float))]
+            return statistics.fmean(vals) if vals else None
+
+        param = [r.get("param_checksum") for r in reports]
+        server = [r.get("server_checksum") for r in reports]
+        match = (len(reports) == a.workers and param[0] is not None
+                 and all(p == param[0] for p in param)
+                 and all(s == param[0] for s in server))
+        sent = mean("sent_bytes_per_step")
+        dense = mean("dense_bytes_per_step")
+        summary = {
+            "name": a.name,
+            "mode": r0.get("mode", a.mode),
+            "selection": a.selection,
+            "workers": a.workers,
+            "shards": a.shards,
+            "model": r0.get("model", a.model),
+            "n": r0.get("n"),
+            "density": a.density,
+            "density_warmup": a.density_warmup,
+            "selector": r0.get("selector", a.selector),
+            "epochs": r0.get("epochs", a.epochs),
+            "epochs_requested": a.epochs,
+            "steps": r0.get("steps"),
+            "steps_per_epoch": self.steps_per_epoch,
+            "batch_size": a.batch_size,
+            "lr": a.lr,
+            "momentum": a.momentum,
+            "momentum_mode": a.momentum_mode,
+            "seed": a.seed,
+            "index_codec": a.index_codec,
+            "value_codec": a.value_codec,
+            "train_limit": a.train_limit,
+            "test_limit": a.test_limit,
+            "test_accuracy": r0.get("test_accuracy"),
+            "final_loss": mean("final_loss"),
+            "wall_seconds": round(time.monotonic() - self.t0, 3),
+            "train_wall_seconds": r0.get("wall_seconds"),
+            "step_seconds_p50": r0.get("step_seconds_p50"),
+            "step_seconds_p50_max_over_ranks": max(
+                (r["step_seconds_p50"] for r in reports
+                 if isinstance(r.get("step_seconds_p50"), (int, float))),
+                default=None),
+            "sent_bytes_per_worker_per_step": sent,
+            "received_bytes_per_worker_per_step":
+                mean("received_bytes_per_step"),
+            "dense_bytes_per_worker_per_step": dense,
+            "sent_fraction_of_dense": (sent / dense) if sent is not None
+            and dense else None,
+            "replica_checksums_match": match,
+            "param_checksums": param,
+            "server_checksums": server,
+            "server_exit_codes": [server_codes.get(i)
+                                  for i in range(len(self.servers))],
+            "run_dir": self.run_dir,
+            "command": [sys.executable, os.path.abspath(sys.argv[0])]
+            + self.argv,
+            "command_line": shlex.join(
+                [os.path.abspath(sys.argv[0])] + self.argv),
+            "per_rank": reports,
+        }
+        path = os.path.join(self.run_dir, "summary.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(summary, f, indent=2, sort_keys=False)
+            f.write("\n")
+        os.replace(path + ".tmp", path)
+        return summary, path
+
+    def print_summary(self, s, path):
+        acc = s["test_accuracy"]
+        lines = ["%s: %s, P=%d workers, S=%d shards, model %s (n=%s), "
+                 "density %g, %s steps" % (
+                     s["name"], s["mode"], s["workers"], s["shards"],
+                     s["model"], s["n"], s["density"], s["steps"])]
+        lines.append("  test accuracy   %s" % (
+            "%.4f" % acc if isinstance(acc, (int, float)) else acc))
+        if isinstance(s["final_loss"], (int, float)):
+            lines.append("  final loss      %.4f (mean over ranks)"
+                         % s["final_loss"])
+        if s["sent_bytes_per_worker_per_step"] is not None and \
+                s["dense_bytes_per_worker_per_step"]:
+            lines.append("  sent per worker per step  %s vs %s dense (%.3f%%)"
+                         % (human_bytes(s["sent_bytes_per_worker_per_step"]),
+                            human_bytes(s["dense_bytes_per_worker_per_step"]),
+                            100 * s["sent_fraction_of_dense"]))
+        if isinstance(s["step_seconds_p50"], (int, float)):
+            lines.append("  step time p50   %.1f ms" %
+                         (1000 * s["step_seconds_p50"]))
+        lines.append("  wall time       %.1f s" % s["wall_seconds"])
+        lines.append("  replicas identical (workers and servers): %s" % (
+            "yes" if s["replica_checksums_match"] else "NO"))
+        lines.append("  summary         %s" % path)
+        print("\n".join(lines))
+        sys.stdout.flush()
+
+    # -- all of it ----------------------------------------------------------
+
+    def run(self):
+        self.check()
+        self.prepare_run_dir()
+        a = self.args
+        log("run %s: %s, P=%d, S=%d, model %s, %d steps/epoch x %d epoch(s)%s"
+            % (a.name, a.mode, a.workers, a.shards, a.model,
+               self.steps_per_epoch, a.epochs,
+               ", at most %d steps" % a.steps if a.steps else ""))
+        self.start_servers()
+        self.start_workers()
+        self.monitor()
+        codes = self.stop_servers()
+        summary, path = self.summarize(codes)
+        self.print_summary(summary, path)
+        bad = {i: c for i, c in codes.items() if c != 0}
+        if bad:
+            for i, c in sorted(bad.items()):
+                log(self.failure_text(self.servers[i],
+                                      "did not stop cleanly (%s)" % (
+                                          describe_exit(c)
+                                          if isinstance(c, int) else c)))
+            return 1
+        if not summary["replica_checksums_match"]:
+            log("replica checksums differ: %s (workers) vs %s (servers)" % (
+                summary["param_checksums"], summary["server_checksums"]))
+            return 1
+        return 0
+
+
+class UsageError(Exception):
+    """Bad arguments or missing binaries (exit 2)."""
+
+
+def indent(text, prefix="    | "):
+    return "\n".join(prefix + line for line in text.splitlines()) or \
+        prefix + "(empty log)"
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    launcher = Launcher(args, argv)
+
+    def on_signal(signum, _frame):
+        # Ignore repeats while stopping; the first one unwinds main().
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, on_signal)
+    atexit.register(lambda: stop_children(launcher.children, 0))
+
+    try:
+        return launcher.run()
+    except UsageError as e:
+        log("error: %s" % e)
+        return 2
+    except LaunchError as e:
+        if launcher.progress:
+            launcher.progress.clear()
+        log("run %s FAILED: %s" % (args.name, e))
+        log("stopping every process; logs in %s" % launcher.run_dir)
+        return 1
+    except Interrupted as e:
+        if launcher.progress:
+            launcher.progress.clear()
+        log("%s received: stopping every process; logs in %s" % (
+            e, launcher.run_dir))
+        return 130
+    finally:
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        except ValueError:  # pragma: no cover - not main thread
+            pass
+        stop_children(launcher.children, min(args.grace, 10.0))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

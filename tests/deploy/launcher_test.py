@@ -1,0 +1,289 @@
+#!/usr/bin/env python3
+"""Tests of the local cluster launcher, deploy/local/gtopk_local.py.
+
+Two groups:
+  * LauncherMechanicsTest: the real gtopk-server with a stand-in trainer
+    (tests/deploy/fake_worker.py) - success summary, a failing worker, a
+    checksum mismatch, Ctrl-C; runs wherever the server is built.
+  * TrainingTest: the real gtopk-worker on a small slice of Fashion-MNIST -
+    end to end (loss falls, accuracy far above chance, replicas identical),
+    gtopk at density 1.0 == dense S-SGD bit for bit, a worker killed with
+    SIGKILL mid-run. Skipped (with the reason) when gtopk-worker was not
+    built, which happens when libtorch-dev is missing - except under CI
+    (env CI=true), where that is a failure.
+
+The build directory comes from GTOPK_BUILD_DIR (ctest sets it), else build/.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+LAUNCHER = os.path.join(ROOT, "deploy", "local", "gtopk_local.py")
+FAKE_WORKER = os.path.join(HERE, "fake_worker.py")
+BUILD_DIR = os.path.abspath(os.environ.get("GTOPK_BUILD_DIR",
+                                           os.path.join(ROOT, "build")))
+SERVER_BIN = os.path.join(BUILD_DIR, "server", "gtopk-server")
+WORKER_BIN = os.path.join(BUILD_DIR, "worker", "gtopk-worker")
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+STEP_RE = re.compile(r"^step (\d+)/(\d+) epoch (\d+) loss (\S+)", re.M)
+
+
+def alive(pid):
+    """True if pid exists and is not a zombie."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def processes_mentioning(text):
+    """PIDs (not this one) whose command line contains `text`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open("/proc/%s/cmdline" % entry, "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode("utf-8", "replace")
+        except OSError:
+            continue
+        if text in cmd and alive(int(entry)):
+            found.append((int(entry), cmd))
+    return found
+
+
+class LauncherCase(unittest.TestCase):
+    def setUp(self):
+        if not os.access(SERVER_BIN, os.X_OK):
+            self.fail("gtopk-server not built at %s (set GTOPK_BUILD_DIR)"
+                      % SERVER_BIN)
+        self.tmp = tempfile.TemporaryDirectory(prefix="gtopk-launcher-test-")
+        self.runs = self.tmp.name
+        self.addCleanup(self.tmp.cleanup)
+
+    def argv(self, name, *extra, worker_bin=None):
+        argv = [sys.executable, LAUNCHER, "--name", name, "--build-dir",
+                BUILD_DIR, "--runs-dir", self.runs, "--grace", "10",
+                "--step-timeout", "20s"]
+        if worker_bin:
+            argv += ["--worker-bin", worker_bin]
+        return argv + list(extra)
+
+    def launch(self, name, *extra, worker_bin=None, env=None, timeout=120):
+        e = dict(os.environ)
+        e.update(env or {})
+        r = subprocess.run(self.argv(name, *extra, worker_bin=worker_bin),
+                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, env=e, timeout=timeout,
+                           text=True)
+        return r.returncode, r.stdout
+
+    def run_dir(self, name):
+        return os.path.join(self.runs, name)
+
+    def load(self, name, file):
+        with open(os.path.join(self.run_dir(name), file)) as f:
+            return json.load(f)
+
+    def assert_nothing_left(self, name):
+        pids = self.load(name, "pids.json")
+        everything = pids["servers"] + pids["workers"]
+        self.assertTrue(everything)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(map(alive, everything)):
+            time.sleep(0.1)
+        self.assertEqual([p for p in everything if alive(p)], [],
+                         "processes of run %s still alive" % name)
+        self.assertEqual(processes_mentioning(self.run_dir(name)), [])
+
+
+class LauncherMechanicsTest(LauncherCase):
+    """Real servers, a stand-in trainer: the launcher's process handling."""
+
+    COMMON = ("--workers", "3", "--shards", "2", "--model", "mlp")
+
+    def test_success_writes_merged_summary(self):
+        code, out = self.launch("ok", *self.COMMON, "--steps", "12",
+                                worker_bin=FAKE_WORKER)
+        self.assertEqual(code, 0, out)
+        self.assertIn("step 12/12", out)
+        s = self.load("ok", "summary.json")
+        for key in ("mode", "workers", "shards", "model", "n", "density",
+                    "selector", "epochs", "steps", "test_accuracy",
+                    "final_loss", "wall_seconds", "step_seconds_p50",
+                    "sent_bytes_per_worker_per_step",
+                    "dense_bytes_per_worker_per_step",
+                    "replica_checksums_match", "command"):
+            self.assertIn(key, s)
+        self.assertEqual((s["workers"], s["shards"], s["steps"]), (3, 2, 12))
+        self.assertTrue(s["replica_checksums_match"])
+        self.assertEqual(s["server_exit_codes"], [0, 0])
+        self.assertEqual(len(s["per_rank"]), 3)
+        self.assertEqual(s["sent_fraction_of_dense"], 80 / 4000)
+        # Servers got the same cluster flags and every peer, on loopback.
+        for shard in (0, 1):
+            with open(os.path.join(self.run_dir("ok"),
+                                   "server-%d.log" % shard)) as f:
+                log = f.read()
+            self.assertIn("--peers=127.0.0.1:", log)
+            self.assertIn("--steps-per-epoch=625", log)  # 60000 / 3 / 32
+            self.assertIn("--shard-id=%d" % shard, log)
+        self.assert_nothing_left("ok")
+
+    def test_failing_worker_fails_the_run(self):
+        code, out = self.launch("fail", *self.COMMON, "--steps", "500",
+                                worker_bin=FAKE_WORKER,
+                                env={"FAKE_FAIL_RANK": "2",
+                                     "FAKE_FAIL_AT": "3"})
+        self.assertEqual(code, 1, out)
+        self.assertRegex(out, r"worker 2 \(pid \d+\) failed \(exit code 3\)")
+        self.assertIn("simulated failure at step 3", out)  # the log tail
+        self.assertFalse(os.path.exists(
+            os.path.join(self.run_dir("fail"), "summary.json")))
+        self.assert_nothing_left("fail")
+
+    def test_checksum_mismatch_is_reported(self):
+        code, out = self.launch("skew", *self.COMMON, "--steps", "3",
+                                worker_bin=FAKE_WORKER,
+                                env={"FAKE_CHECKSUM_SKEW": "1"})
+        self.assertEqual(code, 1, out)
+        self.assertIn("replica checksums differ", out)
+        self.assertFalse(self.load("skew", "summary.json")
+                         ["replica_checksums_match"])
+
+    def test_sigint_stops_everything(self):
+        p = subprocess.Popen(
+            self.argv("int", *self.COMMON, "--steps", "100000",
+                      worker_bin=FAKE_WORKER),
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+        try:
+            pids_path = os.path.join(self.run_dir("int"), "pids.json")
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                if os.path.exists(pids_path) and \
+                        len(self.load("int", "pids.json")["workers"]) == 3:
+                    break
+                time.sleep(0.1)
+            time.sleep(0.5)
+            p.send_signal(signal.SIGINT)
+            out, _ = p.communicate(timeout=30)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        self.assertEqual(p.returncode, 130, out)
+        self.assertIn("SIGINT received", out)
+        self.assert_nothing_left("int")
+
+    def test_bad_arguments(self):
+        code, out = self.launch("bad", "--workers", "4", "--batch-size",
+                                "64", "--train-limit", "100",
+                                worker_bin=FAKE_WORKER)
+        self.assertEqual(code, 2, out)
+        self.assertIn("steps per epoch", out)
+        code, out = self.launch("nobin", worker_bin="/nonexistent/worker")
+        self.assertEqual(code, 2, out)
+        self.assertIn("not found", out)
+
+
+@unittest.skipIf(not os.access(WORKER_BIN, os.X_OK) and not IN_CI,
+                 "gtopk-worker not built at %s (libtorch-dev missing?); "
+                 "the trainer tests need it" % WORKER_BIN)
+class TrainingTest(LauncherCase):
+    """The real trainer on a small slice of Fashion-MNIST."""
+
+    SLICE = ("--model", "mlp", "--train-limit", "4096", "--test-limit",
+             "1000", "--batch-size", "32")
+
+    def setUp(self):
+        super().setUp()
+        self.assertTrue(os.access(WORKER_BIN, os.X_OK),
+                        "CI is set but gtopk-worker was not built at %s"
+                        % WORKER_BIN)
+
+    def test_end_to_end_small_slice(self):
+        code, out = self.launch(
+            "e2e", *self.SLICE, "--workers", "2", "--shards", "2",
+            "--mode", "gtopk", "--density", "0.01", "--steps", "40",
+            "--lr", "0.1", "--momentum", "0.9", "--seed", "1")
+        self.assertEqual(code, 0, out)
+        with open(os.path.join(self.run_dir("e2e"), "worker-0.log")) as f:
+            losses = [float(m.group(4)) for m in STEP_RE.finditer(f.read())]
+        self.assertGreaterEqual(len(losses), 30, out)
+        first = sum(losses[:5]) / 5
+        last = sum(losses[-5:]) / 5
+        self.assertLess(last, 0.8 * first, "loss did not fall: %s" % losses)
+        s = self.load("e2e", "summary.json")
+        self.assertEqual(s["steps"], 40)
+        self.assertGreater(s["test_accuracy"], 0.5)  # chance is 0.1
+        self.assertTrue(s["replica_checksums_match"], s)
+        self.assertLess(s["sent_bytes_per_worker_per_step"],
+                        s["dense_bytes_per_worker_per_step"])
+        self.assert_nothing_left("e2e")
+
+    def test_gtopk_density_one_equals_dense(self):
+        # Global momentum (DGC's local correction and masking differ from
+        # dense S-SGD by design) and fp32 values: with k = n the sparse sum
+        # adds the same values in the same rank order as the dense sum, so
+        # the parameters must be bit-identical.
+        common = self.SLICE + ("--workers", "2", "--shards", "2", "--steps",
+                               "12", "--density", "1.0", "--momentum-mode",
+                               "global", "--index-codec", "delta-varint",
+                               "--value-codec", "fp32", "--seed", "7")
+        checksums = {}
+        for mode in ("gtopk", "dense"):
+            code, out = self.launch(mode, *common, "--mode", mode)
+            self.assertEqual(code, 0, out)
+            s = self.load(mode, "summary.json")
+            self.assertTrue(s["replica_checksums_match"], s)
+            checksums[mode] = s["param_checksums"][0]
+        self.assertEqual(checksums["gtopk"], checksums["dense"])
+
+    def test_killed_worker_fails_the_run_and_leaves_nothing(self):
+        p = subprocess.Popen(
+            self.argv("kill", *self.SLICE, "--workers", "2", "--shards", "2",
+                      "--density", "0.01", "--epochs", "50"),
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+        try:
+            log0 = os.path.join(self.run_dir("kill"), "worker-0.log")
+            deadline = time.monotonic() + 60
+            steps = 0
+            while time.monotonic() < deadline and p.poll() is None:
+                try:
+                    with open(log0) as f:
+                        steps = len(STEP_RE.findall(f.read()))
+                except OSError:
+                    pass
+                if steps >= 3:
+                    break
+                time.sleep(0.1)
+            self.assertGreaterEqual(steps, 3, "no progress before the kill")
+            victim = self.load("kill", "pids.json")["workers"][1]
+            os.kill(victim, signal.SIGKILL)
+            out, _ = p.communicate(timeout=60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        self.assertEqual(p.returncode, 1, out)
+        self.assertRegex(out, r"worker 1 \(pid %d\) failed \(killed by SIGKILL\)"
+                         % victim)
+        self.assertIn("last lines of", out)
+        self.assertIn("--rank=1", out)  # the tail of worker-1.log
+        self.assert_nothing_left("kill")
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)

@@ -1,0 +1,162 @@
+// gtopk-worker: one training replica of a gTop-k cluster (worker/flags.md).
+// Flags are read here only and copied into TrainerOptions.
+//
+// stdout (rank 0 only; parsed by deploy/local): one line per step
+//   step <s>/<total> epoch <e> loss <x.xxxx> samples/s <n> sent_bytes <b> step_ms <t>
+// one line per evaluation
+//   eval step <s> test_accuracy <0.xxxx> test_loss <x.xxxx>
+// and at the end
+//   done steps <s> test_accuracy <a> final_loss <l> wall_seconds <w>
+// Errors go to stderr; exit 1 on any error.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "worker/trainer/idx_reader.h"
+#include "worker/trainer/trainer.h"
+
+ABSL_FLAG(std::string, server, "", "leader (shard 0) host:port; required");
+ABSL_FLAG(int, rank, -1,
+          "rank to take; -1: $JOB_COMPLETION_INDEX if set, else any free rank");
+ABSL_FLAG(std::string, model, "cnn", "mlp | cnn | synthetic:N");
+ABSL_FLAG(int64_t, batch_size, 32, "samples per step per worker");
+ABSL_FLAG(int64_t, epochs, 1, "epochs to train");
+ABSL_FLAG(int64_t, steps, 0,
+          "0: epochs * steps_per_epoch; > 0: at most this many steps");
+ABSL_FLAG(std::string, data_dir, gtopk::worker::kDefaultFashionMnistDir,
+          "directory with the Fashion-MNIST IDX files");
+ABSL_FLAG(int64_t, train_limit, 0, "use the first N training samples (0: all)");
+ABSL_FLAG(int64_t, test_limit, 0, "use the first N test samples (0: all)");
+ABSL_FLAG(int64_t, eval_every, 0,
+          "also evaluate every N steps (0: after each epoch and at the end)");
+ABSL_FLAG(uint64_t, seed, 1, "seed of initialisation and shuffles");
+ABSL_FLAG(int, threads, 1, "torch intra-op threads");
+ABSL_FLAG(int64_t, compute_ms, 0,
+          "synthetic only: sleep this many ms per step to emulate compute");
+ABSL_FLAG(std::string, summary_json, "", "write this rank's summary here");
+ABSL_FLAG(std::string, device, "cpu", "cpu | cuda");
+ABSL_FLAG(int64_t, rpc_timeout_s, 60,
+          "deadline of Join and parameter download RPCs, seconds");
+// Consistency checks against the servers' cluster spec (empty: no check).
+ABSL_FLAG(std::string, mode, "", "check: gtopk | topk | dense");
+ABSL_FLAG(std::string, selector, "", "check: exact | gaussiank | dgc | randomk");
+ABSL_FLAG(std::string, density, "", "check: density k/n");
+ABSL_FLAG(std::string, lr, "", "check: base learning rate");
+ABSL_FLAG(std::string, momentum, "", "check: momentum coefficient");
+ABSL_FLAG(std::string, index_codec, "", "check: index codec");
+ABSL_FLAG(std::string, value_codec, "", "check: value codec");
+
+namespace {
+
+std::optional<std::string> OptionalString(const std::string& v) {
+  if (v.empty()) return std::nullopt;
+  return v;
+}
+
+absl::Status OptionalDouble(const char* flag, const std::string& v,
+                            std::optional<double>* out) {
+  if (v.empty()) return absl::OkStatus();
+  double d = 0;
+  if (!absl::SimpleAtod(v, &d)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, "=", v, " is not a number"));
+  }
+  *out = d;
+  return absl::OkStatus();
+}
+
+absl::Status Run() {
+  gtopk::worker::TrainerOptions o;
+  o.server = absl::GetFlag(FLAGS_server);
+  o.rank = absl::GetFlag(FLAGS_rank);
+  if (o.rank == -1) {
+    if (const char* env = std::getenv("JOB_COMPLETION_INDEX");
+        env != nullptr && *env != '\0') {
+      if (!absl::SimpleAtoi(env, &o.rank) || o.rank < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "JOB_COMPLETION_INDEX=\"", env, "\" is not a rank >= 0"));
+      }
+    }
+  }
+  o.model = absl::GetFlag(FLAGS_model);
+  o.batch_size = absl::GetFlag(FLAGS_batch_size);
+  o.epochs = absl::GetFlag(FLAGS_epochs);
+  o.steps = absl::GetFlag(FLAGS_steps);
+  o.data_dir = absl::GetFlag(FLAGS_data_dir);
+  o.train_limit = absl::GetFlag(FLAGS_train_limit);
+  o.test_limit = absl::GetFlag(FLAGS_test_limit);
+  o.eval_every = absl::GetFlag(FLAGS_eval_every);
+  o.seed = absl::GetFlag(FLAGS_seed);
+  o.threads = absl::GetFlag(FLAGS_threads);
+  o.compute_ms = absl::GetFlag(FLAGS_compute_ms);
+  o.summary_json = absl::GetFlag(FLAGS_summary_json);
+  o.device = absl::GetFlag(FLAGS_device);
+  const int64_t rpc_timeout_s = absl::GetFlag(FLAGS_rpc_timeout_s);
+  if (rpc_timeout_s < 1 || rpc_timeout_s > 86400) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--rpc-timeout-s must be in [1, 86400], got ", rpc_timeout_s));
+  }
+  o.rpc_timeout = absl::Seconds(rpc_timeout_s);
+  o.mode = OptionalString(absl::GetFlag(FLAGS_mode));
+  o.selector = OptionalString(absl::GetFlag(FLAGS_selector));
+  o.index_codec = OptionalString(absl::GetFlag(FLAGS_index_codec));
+  o.value_codec = OptionalString(absl::GetFlag(FLAGS_value_codec));
+  if (absl::Status s =
+          OptionalDouble("density", absl::GetFlag(FLAGS_density), &o.density);
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = OptionalDouble("lr", absl::GetFlag(FLAGS_lr), &o.lr);
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = OptionalDouble(
+          "momentum", absl::GetFlag(FLAGS_momentum), &o.momentum);
+      !s.ok()) {
+    return s;
+  }
+  return gtopk::worker::RunTrainer(o);
+}
+
+// Abseil flag names are C identifiers (batch_size); the documented spelling
+// is --batch-size. Rewrites the name part of every "--name[=value]" argument
+// (up to a bare "--") from dashes to underscores; values are untouched.
+std::vector<std::string> NormalizeFlagNames(int argc, char** argv) {
+  std::vector<std::string> args(argv, argv + argc);
+  for (size_t i = 1; i < args.size(); ++i) {
+    std::string& a = args[i];
+    if (a == "--") break;
+    if (a.size() < 3 || a[0] != '-') continue;
+    const size_t start = a[1] == '-' ? 2 : 1;
+    const size_t end = std::min(a.find('='), a.size());
+    for (size_t j = start; j < end; ++j) {
+      if (a[j] == '-') a[j] = '_';
+    }
+  }
+  return args;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args = NormalizeFlagNames(argc, argv);
+  std::vector<char*> arg_pointers;
+  for (std::string& a : args) arg_pointers.push_back(a.data());
+  absl::ParseCommandLine(static_cast<int>(arg_pointers.size()),
+                         arg_pointers.data());
+  const absl::Status status = Run();
+  if (!status.ok()) {
+    std::fprintf(stderr, "gtopk-worker: %s\n", status.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,69 @@
+// The trainer's models behind a torch-free interface, so that only
+// model_torch.cc includes libtorch headers (compile time).
+//
+// Parameters live in ONE flat float buffer of length n (order: the model's
+// parameter order, each tensor row-major); the model's tensors are views into
+// it, so the worker client updates the model in place.
+#ifndef GTOPK_WORKER_TRAINER_MODEL_H_
+#define GTOPK_WORKER_TRAINER_MODEL_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace gtopk {
+namespace worker {
+
+inline constexpr int kImageSide = 28;
+inline constexpr int kImagePixels = kImageSide * kImageSide;
+inline constexpr int kClasses = 10;
+// Fashion-MNIST training-set statistics of pixels scaled to [0, 1].
+inline constexpr float kPixelMean = 0.2860f;
+inline constexpr float kPixelStd = 0.3530f;
+
+struct EvalResult {
+  double accuracy = 0;  // fraction of correct top-1 predictions
+  double loss = 0;      // mean cross-entropy
+};
+
+class Model {
+ public:
+  virtual ~Model() = default;
+  // The flat parameter buffer (length n), the tensors' storage.
+  virtual absl::Span<float> params() = 0;
+  size_t n() const { return n_; }
+
+  // Forward and backward on `batch` images (normalised floats, batch x 784)
+  // with `labels` (batch entries, 0..9); writes the gradient of the mean
+  // cross-entropy into `grad` (length n) and returns that loss.
+  virtual absl::StatusOr<float> ComputeGradient(absl::Span<const float> images,
+                                                absl::Span<const int64_t> labels,
+                                                absl::Span<float> grad) = 0;
+  // Forward only, in chunks; the images are normalised floats (count x 784).
+  virtual EvalResult Evaluate(absl::Span<const float> images,
+                              absl::Span<const int64_t> labels) = 0;
+
+ protected:
+  size_t n_ = 0;
+};
+
+// "mlp" (784-256-10, ReLU) or "cnn" (conv 5x5 32 + max-pool 2, conv 5x5 64 +
+// max-pool 2, fc 1024-256, fc 256-10, ReLU). Initialised like PyTorch's
+// defaults (uniform +-1/sqrt(fan_in)) from torch::manual_seed(seed).
+// `threads`: torch intra-op threads (>= 1).
+// Errors: INVALID_ARGUMENT for another name.
+absl::StatusOr<std::unique_ptr<Model>> MakeTorchModel(const std::string& name,
+                                                      uint64_t seed,
+                                                      int threads);
+
+// Whether this libtorch was built with CUDA and sees a device.
+bool TorchCudaAvailable();
+
+}  // namespace worker
+}  // namespace gtopk
+
+#endif  // GTOPK_WORKER_TRAINER_MODEL_H_

@@ -1,0 +1,177 @@
+// The only translation unit that includes libtorch.
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "worker/trainer/model.h"
+
+namespace gtopk {
+namespace worker {
+namespace {
+
+struct ParamShape {
+  std::vector<int64_t> shape;
+  int64_t fan_in;  // for the uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)) init
+};
+
+int64_t Numel(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+class TorchModel final : public Model {
+ public:
+  enum class Kind { kMlp, kCnn };
+
+  TorchModel(Kind kind, uint64_t seed) : kind_(kind) {
+    std::vector<ParamShape> shapes;
+    if (kind == Kind::kMlp) {
+      shapes = {{{256, kImagePixels}, kImagePixels}, {{256}, kImagePixels},
+                {{kClasses, 256}, 256},              {{kClasses}, 256}};
+    } else {
+      shapes = {{{32, 1, 5, 5}, 25},       {{32}, 25},
+                {{64, 32, 5, 5}, 32 * 25}, {{64}, 32 * 25},
+                {{256, 1024}, 1024},       {{256}, 1024},
+                {{kClasses, 256}, 256},    {{kClasses}, 256}};
+    }
+    size_t n = 0;
+    for (const ParamShape& s : shapes) n += static_cast<size_t>(Numel(s.shape));
+    n_ = n;
+    flat_.assign(n, 0.0f);
+    torch::manual_seed(seed);
+    torch::NoGradGuard no_grad;
+    size_t offset = 0;
+    for (const ParamShape& s : shapes) {
+      torch::Tensor t = torch::from_blob(flat_.data() + offset, s.shape,
+                                         torch::TensorOptions().dtype(
+                                             torch::kFloat32));
+      const double bound = 1.0 / std::sqrt(static_cast<double>(s.fan_in));
+      t.uniform_(-bound, bound);
+      t.requires_grad_(true);
+      params_.push_back(t);
+      offset += static_cast<size_t>(Numel(s.shape));
+    }
+  }
+
+  absl::Span<float> params() override { return absl::MakeSpan(flat_); }
+
+  absl::StatusOr<float> ComputeGradient(absl::Span<const float> images,
+                                        absl::Span<const int64_t> labels,
+                                        absl::Span<float> grad) override {
+    const int64_t batch = static_cast<int64_t>(labels.size());
+    if (batch == 0 || images.size() != labels.size() * kImagePixels ||
+        grad.size() != n_) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ComputeGradient: batch of ", labels.size(), " labels, ",
+          images.size(), " pixels, gradient of ", grad.size(),
+          " (n = ", n_, ")"));
+    }
+    for (torch::Tensor& p : params_) p.mutable_grad() = torch::Tensor();
+    torch::Tensor x = Input(images, batch);
+    torch::Tensor y = torch::from_blob(const_cast<int64_t*>(labels.data()),
+                                       {batch}, torch::kInt64);
+    torch::Tensor loss = torch::nll_loss(Forward(x), y);
+    loss.backward();
+    size_t offset = 0;
+    for (torch::Tensor& p : params_) {
+      const size_t count = static_cast<size_t>(p.numel());
+      torch::Tensor g = p.grad();
+      if (!g.defined()) {
+        std::memset(grad.data() + offset, 0, count * sizeof(float));
+      } else {
+        g = g.contiguous();
+        std::memcpy(grad.data() + offset, g.data_ptr<float>(),
+                    count * sizeof(float));
+      }
+      offset += count;
+    }
+    return loss.item<float>();
+  }
+
+  EvalResult Evaluate(absl::Span<const float> images,
+                      absl::Span<const int64_t> labels) override {
+    torch::NoGradGuard no_grad;
+    constexpr int64_t kChunk = 1000;
+    const int64_t total = static_cast<int64_t>(labels.size());
+    double loss_sum = 0;
+    int64_t correct = 0;
+    for (int64_t begin = 0; begin < total; begin += kChunk) {
+      const int64_t count = std::min(kChunk, total - begin);
+      torch::Tensor x = Input(images.subspan(begin * kImagePixels,
+                                             count * kImagePixels),
+                              count);
+      torch::Tensor y =
+          torch::from_blob(const_cast<int64_t*>(labels.data() + begin),
+                           {count}, torch::kInt64);
+      torch::Tensor logp = Forward(x);
+      loss_sum += torch::nll_loss(logp, y, {}, at::Reduction::Sum)
+                      .item<double>();
+      correct += logp.argmax(1).eq(y).sum().item<int64_t>();
+    }
+    EvalResult r;
+    if (total > 0) {
+      r.accuracy = static_cast<double>(correct) / static_cast<double>(total);
+      r.loss = loss_sum / static_cast<double>(total);
+    }
+    return r;
+  }
+
+ private:
+  torch::Tensor Input(absl::Span<const float> images, int64_t batch) {
+    return torch::from_blob(const_cast<float*>(images.data()),
+                            {batch, 1, kImageSide, kImageSide},
+                            torch::kFloat32);
+  }
+
+  // Log-probabilities, batch x 10.
+  torch::Tensor Forward(torch::Tensor x) {
+    const std::vector<torch::Tensor>& p = params_;
+    if (kind_ == Kind::kMlp) {
+      x = x.reshape({x.size(0), kImagePixels});
+      x = torch::relu(torch::linear(x, p[0], p[1]));
+      x = torch::linear(x, p[2], p[3]);
+    } else {
+      x = torch::max_pool2d(torch::relu(torch::conv2d(x, p[0], p[1])), 2);
+      x = torch::max_pool2d(torch::relu(torch::conv2d(x, p[2], p[3])), 2);
+      x = x.reshape({x.size(0), 1024});
+      x = torch::relu(torch::linear(x, p[4], p[5]));
+      x = torch::linear(x, p[6], p[7]);
+    }
+    return torch::log_softmax(x, 1);
+  }
+
+  const Kind kind_;
+  std::vector<float> flat_;
+  std::vector<torch::Tensor> params_;  // views into flat_
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Model>> MakeTorchModel(const std::string& name,
+                                                      uint64_t seed,
+                                                      int threads) {
+  if (threads < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--threads must be >= 1, got ", threads));
+  }
+  torch::set_num_threads(threads);
+  if (name == "mlp") {
+    return std::unique_ptr<Model>(new TorchModel(TorchModel::Kind::kMlp, seed));
+  }
+  if (name == "cnn") {
+    return std::unique_ptr<Model>(new TorchModel(TorchModel::Kind::kCnn, seed));
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown model \"", name, "\"; expected mlp, cnn or synthetic:N"));
+}
+
+bool TorchCudaAvailable() { return torch::cuda::is_available(); }
+
+}  // namespace worker
+}  // namespace gtopk

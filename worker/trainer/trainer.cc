@@ -1,0 +1,511 @@
+#include "worker/trainer/trainer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/match.h"
+#include "absl/types/span.h"
+#include "common/random.h"
+#include "common/status_macros.h"
+#include "worker/client.h"
+#include "worker/trainer/idx_reader.h"
+#include "worker/trainer/model.h"
+
+namespace gtopk {
+namespace worker {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// `synthetic:N`: no data; a seeded random gradient of N floats per step.
+class SyntheticModel final : public Model {
+ public:
+  SyntheticModel(size_t n, uint64_t seed) {
+    n_ = n;
+    flat_.resize(n);
+    std::mt19937_64 rng(MixSeed(seed, 0x5e7));
+    for (float& v : flat_) v = (UniformFloat(rng) - 0.5f) * 0.2f;
+  }
+  absl::Span<float> params() override { return absl::MakeSpan(flat_); }
+  absl::StatusOr<float> ComputeGradient(absl::Span<const float>,
+                                        absl::Span<const int64_t>,
+                                        absl::Span<float>) override {
+    return absl::UnimplementedError("synthetic model has no data");
+  }
+  EvalResult Evaluate(absl::Span<const float>,
+                      absl::Span<const int64_t>) override {
+    return {};
+  }
+  // Uniform in [-1, 1), seeded per (seed, rank, step).
+  static void RandomGradient(uint64_t seed, uint32_t rank, int64_t step,
+                             absl::Span<float> grad) {
+    std::mt19937_64 rng(
+        MixSeed(MixSeed(seed, rank), static_cast<uint64_t>(step)));
+    for (float& g : grad) g = UniformFloat(rng) * 2.0f - 1.0f;
+  }
+
+ private:
+  std::vector<float> flat_;
+};
+
+// Parses "synthetic:N" (1 <= N <= 2^32); nullopt when `model` is not
+// synthetic.
+absl::StatusOr<uint64_t> SyntheticSize(const std::string& model) {
+  constexpr char kPrefix[] = "synthetic:";
+  if (!absl::StartsWith(model, kPrefix)) return uint64_t{0};
+  uint64_t n = 0;
+  if (!absl::SimpleAtoi(model.substr(sizeof(kPrefix) - 1), &n) || n < 1 ||
+      n > (uint64_t{1} << 32)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--model=", model, ": synthetic:N needs 1 <= N <= 2^32"));
+  }
+  return n;
+}
+
+std::string ModeName(v1::Mode mode) {
+  switch (mode) {
+    case v1::MODE_GTOPK:
+      return "gtopk";
+    case v1::MODE_TOPK:
+      return "topk";
+    case v1::MODE_DENSE:
+      return "dense";
+    default:
+      return absl::StrCat("unspecified(", static_cast<int>(mode), ")");
+  }
+}
+
+absl::Status Mismatch(const char* flag, const std::string& mine,
+                      const std::string& servers) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "--", flag, "=", mine, " but the servers' cluster spec has ", flag, " ",
+      servers, " (configure the servers and workers alike)"));
+}
+
+bool Close(double a, double b) {
+  return std::fabs(a - b) <= 1e-6 * std::max(1.0, std::fabs(a));
+}
+
+// The optional consistency flags against the cluster spec.
+absl::Status CheckCluster(const TrainerOptions& o, const v1::ClusterSpec& c) {
+  if (o.mode && *o.mode != ModeName(c.mode())) {
+    return Mismatch("mode", *o.mode, ModeName(c.mode()));
+  }
+  if (o.selector && *o.selector != c.selector()) {
+    return Mismatch("selector", *o.selector, c.selector());
+  }
+  if (o.index_codec && *o.index_codec != c.index_codec()) {
+    return Mismatch("index-codec", *o.index_codec, c.index_codec());
+  }
+  if (o.value_codec && *o.value_codec != c.value_codec()) {
+    return Mismatch("value-codec", *o.value_codec, c.value_codec());
+  }
+  if (o.density && !Close(*o.density, c.optimizer().density())) {
+    return Mismatch("density", absl::StrCat(*o.density),
+                    absl::StrCat(c.optimizer().density()));
+  }
+  if (o.lr && !Close(*o.lr, c.optimizer().lr())) {
+    return Mismatch("lr", absl::StrCat(*o.lr), absl::StrCat(c.optimizer().lr()));
+  }
+  if (o.momentum && !Close(*o.momentum, c.optimizer().momentum())) {
+    return Mismatch("momentum", absl::StrCat(*o.momentum),
+                    absl::StrCat(c.optimizer().momentum()));
+  }
+  return absl::OkStatus();
+}
+
+// A data split as uint8 pixels plus int64 labels, after --*-limit.
+struct Split {
+  std::vector<uint8_t> pixels;
+  std::vector<int64_t> labels;
+  size_t size() const { return labels.size(); }
+};
+
+absl::StatusOr<Split> LoadSplit(const std::string& images,
+                                const std::string& labels, int64_t limit) {
+  GTOPK_ASSIGN_OR_RETURN(IdxDataset d, ReadIdxDataset(images, labels));
+  size_t count = d.labels.labels.size();
+  if (limit > 0) count = std::min(count, static_cast<size_t>(limit));
+  Split s;
+  s.pixels.assign(d.images.pixels.begin(),
+                  d.images.pixels.begin() + count * kImagePixels);
+  s.labels.assign(d.labels.labels.begin(), d.labels.labels.begin() + count);
+  return s;
+}
+
+inline float Normalise(uint8_t v) {
+  return (static_cast<float>(v) * (1.0f / 255.0f) - kPixelMean) / kPixelStd;
+}
+
+// The training set's permutation for `epoch`, identical on every rank.
+std::vector<uint32_t> EpochPermutation(size_t count, uint64_t seed,
+                                       int64_t epoch) {
+  std::vector<uint32_t> perm(count);
+  std::iota(perm.begin(), perm.end(), 0u);
+  std::mt19937_64 rng(MixSeed(seed, 0x5f0000ull + static_cast<uint64_t>(epoch)));
+  for (size_t i = count; i > 1; --i) {
+    const size_t j = UniformBelow(rng, i);
+    std::swap(perm[i - 1], perm[j]);
+  }
+  return perm;
+}
+
+std::string Hex64(uint64_t v) { return absl::StrFormat("%016x", v); }
+
+std::string JsonNumber(double v) {
+  if (!std::isfinite(v)) return "null";
+  return absl::StrFormat("%.10g", v);
+}
+
+std::string JsonString(const std::string& s) {
+  std::string out = "\"";
+  for (char ch : s) {
+    if (ch == '"' || ch == '\\') {
+      out += '\\';
+      out += ch;
+    } else if (static_cast<unsigned char>(ch) < 0x20) {
+      out += absl::StrFormat("\\u%04x", ch);
+    } else {
+      out += ch;
+    }
+  }
+  return out + "\"";
+}
+
+void PrintLine(const std::string& line) {
+  std::fputs(line.c_str(), stdout);
+  std::fputc('\n', stdout);
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+uint64_t Fnv1a64(const void* data, size_t bytes) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (size_t i = 0; i < bytes; ++i) {
+    h ^= p[i];
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+absl::Status ValidateOptions(const TrainerOptions& o) {
+  if (o.server.empty()) {
+    return absl::InvalidArgumentError("--server (leader host:port) is required");
+  }
+  if (o.rank < -1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--rank must be >= -1, got ", o.rank));
+  }
+  if (o.batch_size < 1 || o.batch_size > 65536) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--batch-size must be in [1, 65536], got ", o.batch_size));
+  }
+  if (o.epochs < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--epochs must be >= 1, got ", o.epochs));
+  }
+  if (o.steps < 0 || o.train_limit < 0 || o.test_limit < 0 ||
+      o.eval_every < 0 || o.compute_ms < 0) {
+    return absl::InvalidArgumentError(
+        "--steps, --train-limit, --test-limit, --eval-every and --compute-ms "
+        "must be >= 0");
+  }
+  if (o.threads < 1 || o.threads > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--threads must be in [1, 1024], got ", o.threads));
+  }
+  if (o.device == "cuda") {
+    return absl::FailedPreconditionError(
+        "--device=cuda: this build has no CUDA libtorch (Debian's libtorch-dev "
+        "is CPU-only); use --device=cpu");
+  }
+  if (o.device != "cpu") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device must be cpu or cuda, got \"", o.device, "\""));
+  }
+  GTOPK_ASSIGN_OR_RETURN(uint64_t synthetic_n, SyntheticSize(o.model));
+  if (synthetic_n == 0 && o.model != "mlp" && o.model != "cnn") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--model must be mlp, cnn or synthetic:N, got \"", o.model, "\""));
+  }
+  if (o.compute_ms > 0 && synthetic_n == 0) {
+    return absl::InvalidArgumentError(
+        "--compute-ms applies to --model=synthetic:N only");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RunTrainer(const TrainerOptions& o) {
+  GTOPK_RETURN_IF_ERROR(ValidateOptions(o));
+  GTOPK_ASSIGN_OR_RETURN(const uint64_t synthetic_n, SyntheticSize(o.model));
+  const bool synthetic = synthetic_n > 0;
+
+  // Model first (n), then the data, so local errors come before the join.
+  std::unique_ptr<Model> model;
+  if (synthetic) {
+    model = std::make_unique<SyntheticModel>(synthetic_n, o.seed);
+  } else {
+    GTOPK_ASSIGN_OR_RETURN(model, MakeTorchModel(o.model, o.seed, o.threads));
+  }
+  const size_t n = model->n();
+  absl::Span<float> params = model->params();
+
+  Split train, test;
+  if (!synthetic) {
+    const FashionMnistFiles files = FashionMnistPaths(o.data_dir);
+    GTOPK_ASSIGN_OR_RETURN(
+        train, LoadSplit(files.train_images, files.train_labels, o.train_limit));
+    GTOPK_ASSIGN_OR_RETURN(
+        test, LoadSplit(files.test_images, files.test_labels, o.test_limit));
+  }
+
+  ClientOptions co;
+  co.leader_address = o.server;
+  co.requested_rank = o.rank;
+  co.n = n;
+  co.rpc_timeout = o.rpc_timeout;
+  GTOPK_ASSIGN_OR_RETURN(std::unique_ptr<WorkerClient> client,
+                         WorkerClient::Connect(co));
+  const v1::ClusterSpec& cluster = client->cluster();
+  GTOPK_RETURN_IF_ERROR(CheckCluster(o, cluster));
+  const uint32_t rank = client->rank();
+  const uint32_t workers = cluster.num_workers();
+  const bool leader_rank = rank == 0;
+
+  int64_t steps_per_epoch;
+  if (synthetic) {
+    steps_per_epoch = o.steps > 0 ? o.steps : 100;
+  } else {
+    steps_per_epoch = static_cast<int64_t>(train.size()) / workers /
+                      o.batch_size;
+    if (steps_per_epoch < 1) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "training set of ", train.size(), " samples is too small for ",
+          workers, " workers x --batch-size=", o.batch_size));
+    }
+  }
+  int64_t total_steps = o.epochs * steps_per_epoch;
+  if (o.steps > 0) total_steps = std::min(total_steps, o.steps);
+  if (!cluster.optimizer().density_warmup().empty() &&
+      cluster.optimizer().steps_per_epoch() != steps_per_epoch &&
+      leader_rank) {
+    std::fprintf(stderr,
+                 "warning: the servers' --steps-per-epoch=%lld differs from "
+                 "this worker's %lld steps per epoch; density warm-up epochs "
+                 "will not match data epochs\n",
+                 static_cast<long long>(cluster.optimizer().steps_per_epoch()),
+                 static_cast<long long>(steps_per_epoch));
+  }
+
+  GTOPK_ASSIGN_OR_RETURN(const int64_t start_step,
+                         client->SynchronizeParameters(params));
+  const Clock::time_point t_start = Clock::now();
+
+  // Rank 0's test set, normalised once.
+  std::vector<float> test_images;
+  if (leader_rank && !synthetic) {
+    test_images.resize(test.pixels.size());
+    for (size_t i = 0; i < test.pixels.size(); ++i) {
+      test_images[i] = Normalise(test.pixels[i]);
+    }
+  }
+  double test_accuracy = std::nan("");
+  int64_t last_eval = -1;
+  auto evaluate = [&](int64_t done) {
+    if (!leader_rank || synthetic || done == last_eval) return;
+    last_eval = done;
+    const EvalResult r = model->Evaluate(test_images, test.labels);
+    test_accuracy = r.accuracy;
+    PrintLine(absl::StrFormat("eval step %d test_accuracy %.4f test_loss %.4f",
+                              done, r.accuracy, r.loss));
+  };
+
+  std::vector<float> grad(n, 0.0f);
+  std::vector<float> batch_images(static_cast<size_t>(o.batch_size) *
+                                  kImagePixels);
+  std::vector<int64_t> batch_labels(static_cast<size_t>(o.batch_size));
+  std::vector<uint32_t> perm;
+  int64_t perm_epoch = -1;
+  std::vector<double> step_seconds;
+  std::vector<float> losses;
+  double sent_total = 0, received_total = 0;
+
+  for (int64_t step = start_step; step < total_steps; ++step) {
+    const Clock::time_point t0 = Clock::now();
+    const int64_t epoch = step / steps_per_epoch;
+    float loss = 0;
+    if (synthetic) {
+      SyntheticModel::RandomGradient(o.seed, rank, step, absl::MakeSpan(grad));
+      if (o.compute_ms > 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(o.compute_ms));
+      }
+    } else {
+      if (epoch != perm_epoch) {
+        perm = EpochPermutation(train.size(), o.seed, epoch);
+        perm_epoch = epoch;
+      }
+      const size_t per_rank =
+          static_cast<size_t>(steps_per_epoch) * o.batch_size;
+      const size_t base = rank * per_rank +
+                          static_cast<size_t>(step % steps_per_epoch) *
+                              o.batch_size;
+      for (int64_t b = 0; b < o.batch_size; ++b) {
+        const uint32_t idx = perm[base + b];
+        const uint8_t* src = train.pixels.data() + size_t{idx} * kImagePixels;
+        float* dst = batch_images.data() + b * kImagePixels;
+        for (int i = 0; i < kImagePixels; ++i) dst[i] = Normalise(src[i]);
+        batch_labels[b] = train.labels[idx];
+      }
+      GTOPK_ASSIGN_OR_RETURN(loss, model->ComputeGradient(batch_images,
+                                                          batch_labels,
+                                                          absl::MakeSpan(grad)));
+      if (!std::isfinite(loss)) {
+        return absl::InternalError(absl::StrCat(
+            "loss is ", loss, " at step ", step,
+            " (diverged; lower the servers' --lr)"));
+      }
+    }
+    absl::StatusOr<StepStats> stats = client->Step(grad, params);
+    if (!stats.ok()) {
+      return absl::Status(stats.status().code(),
+                          absl::StrCat("step ", step, ": ",
+                                       stats.status().message()));
+    }
+    const double seconds = SecondsSince(t0);
+    step_seconds.push_back(seconds);
+    losses.push_back(loss);
+    uint64_t sent = 0, received = 0;
+    for (uint64_t b : stats->bytes_sent) sent += b;
+    for (uint64_t b : stats->bytes_received) received += b;
+    sent_total += static_cast<double>(sent);
+    received_total += static_cast<double>(received);
+    const int64_t done = step + 1;
+    if (leader_rank) {
+      const double samples_per_second =
+          seconds > 0 ? static_cast<double>(workers) * o.batch_size / seconds
+                      : 0.0;
+      PrintLine(absl::StrFormat(
+          "step %d/%d epoch %d loss %.4f samples/s %.0f sent_bytes %d "
+          "step_ms %.1f",
+          done, total_steps, epoch + 1, loss, samples_per_second, sent,
+          seconds * 1e3));
+    }
+    if (done % steps_per_epoch == 0 ||
+        (o.eval_every > 0 && done % o.eval_every == 0)) {
+      evaluate(done);
+    }
+  }
+  evaluate(total_steps);
+  const double wall_seconds = SecondsSince(t_start);
+
+  // Final loss: mean of this rank's last 20 steps.
+  double final_loss = std::nan("");
+  if (!losses.empty() && !synthetic) {
+    const size_t m = std::min<size_t>(20, losses.size());
+    final_loss = std::accumulate(losses.end() - m, losses.end(), 0.0) / m;
+  }
+  double p50 = std::nan("");
+  if (!step_seconds.empty()) {
+    std::vector<double> sorted = step_seconds;
+    std::sort(sorted.begin(), sorted.end());
+    p50 = sorted[sorted.size() / 2];
+  }
+
+  const uint64_t param_checksum = Fnv1a64(params.data(), n * sizeof(float));
+  // The servers' parameters after the last step (a download into scratch).
+  std::vector<float> scratch(params.begin(), params.end());
+  GTOPK_ASSIGN_OR_RETURN(const int64_t server_step,
+                         client->SynchronizeParameters(absl::MakeSpan(scratch)));
+  const uint64_t server_checksum =
+      Fnv1a64(scratch.data(), n * sizeof(float));
+  if (server_checksum != param_checksum) {
+    std::fprintf(stderr,
+                 "warning: rank %u's parameters (checksum %s) differ from the "
+                 "servers' (checksum %s, at step %lld)\n",
+                 rank, Hex64(param_checksum).c_str(),
+                 Hex64(server_checksum).c_str(),
+                 static_cast<long long>(server_step));
+  }
+
+  if (leader_rank) {
+    PrintLine(absl::StrFormat(
+        "done steps %d test_accuracy %.4f final_loss %.4f wall_seconds %.1f",
+        total_steps, test_accuracy, final_loss, wall_seconds));
+  }
+
+  if (!o.summary_json.empty()) {
+    const size_t steps_run = step_seconds.size();
+    const double per = steps_run > 0 ? 1.0 / steps_run : std::nan("");
+    std::string j = "{\n";
+    auto field = [&j](const char* key, const std::string& value, bool last) {
+      absl::StrAppend(&j, "  \"", key, "\": ", value, last ? "\n" : ",\n");
+    };
+    field("rank", absl::StrCat(rank), false);
+    field("model", JsonString(o.model), false);
+    field("n", absl::StrCat(n), false);
+    field("mode", JsonString(ModeName(cluster.mode())), false);
+    field("selector", JsonString(cluster.selector()), false);
+    field("density", JsonNumber(cluster.optimizer().density()), false);
+    field("workers", absl::StrCat(workers), false);
+    field("shards", absl::StrCat(cluster.shards_size()), false);
+    field("epochs",
+          JsonNumber(static_cast<double>(total_steps) / steps_per_epoch),
+          false);
+    field("steps", absl::StrCat(total_steps), false);
+    field("start_step", absl::StrCat(start_step), false);
+    field("steps_per_epoch", absl::StrCat(steps_per_epoch), false);
+    field("batch_size", absl::StrCat(o.batch_size), false);
+    field("final_loss", JsonNumber(final_loss), false);
+    field("test_accuracy",
+          leader_rank ? JsonNumber(test_accuracy) : std::string("null"), false);
+    field("wall_seconds", JsonNumber(wall_seconds), false);
+    field("step_seconds_p50", JsonNumber(p50), false);
+    field("sent_bytes_per_step", JsonNumber(sent_total * per), false);
+    field("received_bytes_per_step", JsonNumber(received_total * per), false);
+    field("dense_bytes_per_step", absl::StrCat(uint64_t{4} * n), false);
+    field("param_checksum", JsonString(Hex64(param_checksum)), false);
+    field("server_checksum", JsonString(Hex64(server_checksum)), true);
+    j += "}\n";
+    const std::string tmp = o.summary_json + ".tmp";
+    {
+      std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+      out << j;
+      out.flush();
+      if (!out) {
+        return absl::PermissionDeniedError(
+            absl::StrCat("--summary-json: cannot write ", tmp));
+      }
+    }
+    if (std::rename(tmp.c_str(), o.summary_json.c_str()) != 0) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "--summary-json: cannot rename ", tmp, " to ", o.summary_json, ": ",
+          std::strerror(errno)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace worker
+}  // namespace gtopk

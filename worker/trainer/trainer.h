@@ -1,0 +1,56 @@
+// The gtopk-worker training loop (worker/flags.md): joins the cluster,
+// synchronises the parameters, trains `mlp` / `cnn` on Fashion-MNIST or runs
+// `synthetic:N` updates, steps through the worker client, evaluates on rank 0
+// and prints the progress lines the local launcher parses.
+// Torch-free: the models are behind worker/trainer/model.h.
+#ifndef GTOPK_WORKER_TRAINER_TRAINER_H_
+#define GTOPK_WORKER_TRAINER_TRAINER_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+
+namespace gtopk {
+namespace worker {
+
+// One field per flag (worker/flags.md); main.cc copies the flags in.
+struct TrainerOptions {
+  std::string server;     // leader host:port
+  int rank = -1;          // -1: any free rank
+  std::string model = "cnn";  // mlp | cnn | synthetic:N
+  int64_t batch_size = 32;
+  int64_t epochs = 1;
+  int64_t steps = 0;      // 0: epochs * steps_per_epoch; > 0: caps the run
+  std::string data_dir;
+  int64_t train_limit = 0;  // 0: all
+  int64_t test_limit = 0;   // 0: all
+  int64_t eval_every = 0;   // 0: only after each epoch and at the end
+  uint64_t seed = 1;
+  int threads = 1;
+  int64_t compute_ms = 0;   // synthetic only
+  std::string summary_json;
+  std::string device = "cpu";
+  absl::Duration rpc_timeout = absl::Seconds(60);
+
+  // Consistency checks against the servers' cluster spec (unset: no check).
+  std::optional<std::string> mode, selector, index_codec, value_codec;
+  std::optional<double> density, lr, momentum;
+};
+
+// Checks the options that need no cluster (INVALID_ARGUMENT naming the flag).
+absl::Status ValidateOptions(const TrainerOptions& options);
+
+// Runs the whole training. Errors name their cause (the flag, file, shard or
+// step); the caller prints them and exits 1.
+absl::Status RunTrainer(const TrainerOptions& options);
+
+// 64-bit FNV-1a over the bytes of `data` (the replica checksums).
+uint64_t Fnv1a64(const void* data, size_t bytes);
+
+}  // namespace worker
+}  // namespace gtopk
+
+#endif  // GTOPK_WORKER_TRAINER_TRAINER_H_
