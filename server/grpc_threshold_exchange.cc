@@ -104,5 +104,27 @@ absl::StatusOr<ThresholdResponse> GrpcThresholdExchange::Exchange(
   return FromProto(response);
 }
 
+GrpcCommitExchange::GrpcCommitExchange(std::shared_ptr<grpc::Channel> channel,
+                                       std::string leader_address)
+    : leader_address_(std::move(leader_address)),
+      stub_(v1::Aggregator::NewStub(std::move(channel))) {}
+
+absl::Status GrpcCommitExchange::Vote(int64_t step, uint32_t shard,
+                                      absl::Time deadline) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(deadline + kLeaderDeadlineSlack));
+  v1::CommitRequest request;
+  request.set_step(step);
+  request.set_shard_id(shard);
+  v1::CommitResponse response;
+  const grpc::Status status = stub_->CommitStep(&context, request, &response);
+  if (!status.ok()) {
+    return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                        absl::StrCat("leader ", leader_address_,
+                                     " (CommitStep): ", status.error_message()));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace server
 }  // namespace gtopk

@@ -15,6 +15,7 @@
 #include "gtopk/v1/gtopk.pb.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/support/status.h"
+#include "server/commit.h"
 #include "server/threshold.h"
 
 namespace gtopk {
@@ -64,6 +65,19 @@ class GrpcThresholdExchange final : public ThresholdExchange {
 
   absl::StatusOr<ThresholdResponse> Exchange(const ThresholdRequest& request,
                                              absl::Time deadline) override;
+
+ private:
+  const std::string leader_address_;
+  const std::unique_ptr<v1::Aggregator::Stub> stub_;
+};
+
+// A CommitExchange over gRPC to the leader's CommitStep. Thread-safe.
+class GrpcCommitExchange final : public CommitExchange {
+ public:
+  GrpcCommitExchange(std::shared_ptr<grpc::Channel> channel,
+                     std::string leader_address);
+  absl::Status Vote(int64_t step, uint32_t shard,
+                    absl::Time deadline) override;
 
  private:
   const std::string leader_address_;

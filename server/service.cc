@@ -167,12 +167,17 @@ AggregatorService::AggregatorService(ServerConfig config)
   if (is_leader()) {
     coordinator_ = std::make_unique<ThresholdCoordinator>(config_.num_shards);
     exchange_ = std::make_unique<LocalThresholdExchange>(coordinator_.get());
+    commit_coordinator_ =
+        std::make_unique<CommitCoordinator>(config_.num_shards);
+    commit_ = std::make_unique<LocalCommitExchange>(commit_coordinator_.get());
   } else {
     leader_channel_ =
         CreateLimitedChannel(config_.peers[0], config_.max_message_bytes);
     leader_stub_ = v1::Aggregator::NewStub(leader_channel_);
     exchange_ = std::make_unique<GrpcThresholdExchange>(leader_channel_,
                                                         config_.peers[0]);
+    commit_ = std::make_unique<GrpcCommitExchange>(leader_channel_,
+                                                   config_.peers[0]);
   }
 }
 
@@ -265,7 +270,8 @@ absl::Status AggregatorService::CreateAggregatorLocked(uint64_t n) {
   options.optimizer = config_.optimizer;
   options.step_timeout = config_.step_timeout;
   GTOPK_ASSIGN_OR_RETURN(std::unique_ptr<ShardAggregator> aggregator,
-                         ShardAggregator::Create(options, exchange_.get()));
+                         ShardAggregator::Create(options, exchange_.get(),
+                                                 commit_.get()));
   if (config_.checkpoint_every > 0) {
     const int64_t every = config_.checkpoint_every;
     aggregator->SetStepAppliedCallback([this, every](int64_t next_step) {
@@ -742,6 +748,22 @@ grpc::Status AggregatorService::ExchangeThreshold(
   if (!answer.ok()) return ToGrpcStatus(answer.status());
   *response = ToProto(*answer);
   return grpc::Status::OK;
+}
+
+grpc::Status AggregatorService::CommitStep(grpc::ServerContext* context,
+                                           const v1::CommitRequest* request,
+                                           v1::CommitResponse* /*response*/) {
+  if (!is_leader()) {
+    return ToGrpcStatus(absl::FailedPreconditionError(
+        absl::StrCat("shard ", config_.shard_id,
+                     " is not the leader; CommitStep goes to ",
+                     config_.peers[0])));
+  }
+  const absl::Time deadline =
+      std::min(absl::Now() + config_.step_timeout,
+               ContextDeadline(context) - kLeaderDeadlineSlack);
+  return ToGrpcStatus(
+      commit_coordinator_->Vote(request->step(), request->shard_id(), deadline));
 }
 
 // ---------------------------------------------------------------------------

@@ -26,6 +26,7 @@
 #include "grpcpp/server.h"
 #include "server/grpc_threshold_exchange.h"
 #include "server/shard_aggregator.h"
+#include "server/commit.h"
 #include "server/threshold.h"
 
 namespace gtopk {
@@ -164,6 +165,9 @@ class AggregatorService final : public v1::Aggregator::Service {
   grpc::Status PushPull(
       grpc::ServerContext* context,
       grpc::ServerReaderWriter<v1::Pull, v1::Push>* stream) override;
+  grpc::Status CommitStep(grpc::ServerContext* context,
+                          const v1::CommitRequest* request,
+                          v1::CommitResponse* response) override;
   grpc::Status ExchangeThreshold(grpc::ServerContext* context,
                                  const v1::ThresholdRequest* request,
                                  v1::ThresholdResponse* response) override;
@@ -195,6 +199,8 @@ class AggregatorService final : public v1::Aggregator::Service {
   // Shard 0 only: the per-step threshold rendezvous and the leader's own way
   // to it.
   std::unique_ptr<ThresholdCoordinator> coordinator_;
+  std::unique_ptr<CommitCoordinator> commit_coordinator_;  // leader only
+  std::unique_ptr<CommitExchange> commit_;
   // Shards 1..S-1: the channel to the leader (cluster spec, threshold).
   std::shared_ptr<grpc::Channel> leader_channel_;
   std::unique_ptr<v1::Aggregator::Stub> leader_stub_;

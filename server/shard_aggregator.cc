@@ -70,7 +70,8 @@ absl::Status ValidateShardOptions(const ShardOptions& o) {
 }
 
 absl::StatusOr<std::unique_ptr<ShardAggregator>> ShardAggregator::Create(
-    const ShardOptions& options, ThresholdExchange* exchange) {
+    const ShardOptions& options, ThresholdExchange* exchange,
+    CommitExchange* commit) {
   GTOPK_RETURN_IF_ERROR(ValidateShardOptions(options));
   if (options.mode == AggregationMode::kGtopk &&
       options.selection == SelectionKind::kExact && options.num_shards > 1 &&
@@ -81,15 +82,17 @@ absl::StatusOr<std::unique_ptr<ShardAggregator>> ShardAggregator::Create(
   GTOPK_ASSIGN_OR_RETURN(OptimizerRule rule,
                          OptimizerRule::Create(options.optimizer));
   return std::unique_ptr<ShardAggregator>(
-      new ShardAggregator(options, std::move(rule), exchange));
+      new ShardAggregator(options, std::move(rule), exchange, commit));
 }
 
 ShardAggregator::ShardAggregator(const ShardOptions& options,
                                  OptimizerRule rule,
-                                 ThresholdExchange* exchange)
+                                 ThresholdExchange* exchange,
+                                 CommitExchange* commit)
     : options_(options),
       rule_(std::move(rule)),
       exchange_(exchange),
+      commit_(commit),
       begin_(ShardRange(options.n, options.num_shards, options.shard_id).first),
       end_(ShardRange(options.n, options.num_shards, options.shard_id).second) {}
 
@@ -276,6 +279,11 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
     mu_.Unlock();
     absl::StatusOr<std::shared_ptr<const RoundResult>> result =
         Compute(pushes, round->step, deadline);
+    if (result.ok() && commit_ != nullptr && options_.num_shards > 1) {
+      // Apply only once every shard has computed this step.
+      absl::Status vote = commit_->Vote(round->step, options_.shard_id, deadline);
+      if (!vote.ok()) result = vote;
+    }
     mu_.Lock();
     absl::Status status = result.status();
     if (status.ok()) {

@@ -19,6 +19,7 @@
 #include "common/optimizer.h"
 #include "common/sparse_vector.h"
 #include "server/checkpoint.h"
+#include "server/commit.h"
 #include "server/threshold.h"
 
 namespace gtopk {
@@ -102,8 +103,12 @@ class ShardAggregator {
  public:
   // `exchange` is used for gtopk + exact with S > 1 and must outlive the
   // aggregator; it may be null otherwise. INVALID_ARGUMENT for bad options.
+  // `commit`, when not null (required for S > 1 in the gRPC service), is
+  // asked before every apply whether all shards computed the step (see
+  // server/commit.h); a step not committed is failed, not applied.
   static absl::StatusOr<std::unique_ptr<ShardAggregator>> Create(
-      const ShardOptions& options, ThresholdExchange* exchange);
+      const ShardOptions& options, ThresholdExchange* exchange,
+      CommitExchange* commit = nullptr);
 
   const ShardOptions& options() const { return options_; }
   uint64_t begin() const { return begin_; }
@@ -180,7 +185,7 @@ class ShardAggregator {
   };
 
   ShardAggregator(const ShardOptions& options, OptimizerRule rule,
-                  ThresholdExchange* exchange);
+                  ThresholdExchange* exchange, CommitExchange* commit);
 
   absl::Status ValidatePush(const WorkerPush& push) const;
   // Computes and applies the round (called without mu_ held, by the caller
@@ -197,6 +202,7 @@ class ShardAggregator {
   const ShardOptions options_;
   const OptimizerRule rule_;
   ThresholdExchange* const exchange_;
+  CommitExchange* const commit_;
   const uint64_t begin_, end_;
 
   mutable absl::Mutex mu_;

@@ -65,8 +65,17 @@ bool BitEqual(absl::Span<const float> a, absl::Span<const float> b) {
          std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
-TEST(FaultTest, WorkerDisconnectingMidStepFailsTheOthersNamingIt) {
-  auto cluster_or = server::LocalCluster::Start(Config(3, absl::Seconds(1)), 2);
+// (mode, selection): exact selection couples the shards through the
+// threshold exchange; quota and topk rely on the commit vote alone.
+class PartialPushTest
+    : public ::testing::TestWithParam<
+          std::pair<server::AggregationMode, server::SelectionKind>> {};
+
+TEST_P(PartialPushTest, WorkerDisconnectingMidStepFailsTheOthersNamingIt) {
+  server::ServerConfig config = Config(3, absl::Seconds(1));
+  config.mode = GetParam().first;
+  config.selection = GetParam().second;
+  auto cluster_or = server::LocalCluster::Start(config, 2);
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
   server::LocalCluster& cluster = **cluster_or;
   std::vector<std::unique_ptr<WorkerClient>> clients;
@@ -135,6 +144,15 @@ TEST(FaultTest, WorkerDisconnectingMidStepFailsTheOthersNamingIt) {
     EXPECT_TRUE(BitEqual(params[w], before)) << "worker " << w;
     EXPECT_EQ(clients[w]->next_step(), 0);
   }
+  // No shard applied the step (worker 2's push completed shard 0's round,
+  // but shard 1's never completed, so shard 0 must not apply either).
+  {
+    auto server = cluster.ServerParams(kN);
+    ASSERT_TRUE(server.ok()) << server.status();
+    EXPECT_EQ(server->second, 0) << "a shard moved past the failed step";
+    EXPECT_TRUE(BitEqual(server->first, before))
+        << "the failed step was applied on some shard";
+  }
   // Worker 2 comes back; all three retry step 0 (a failed step can simply
   // be run again) and get past it: the failed threshold exchange of the
   // first attempt must not block the retry.
@@ -165,6 +183,20 @@ TEST(FaultTest, WorkerDisconnectingMidStepFailsTheOthersNamingIt) {
   ASSERT_TRUE(server.ok()) << server.status();
   EXPECT_TRUE(BitEqual(server->first, params[0]));
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    Modes, PartialPushTest,
+    ::testing::Values(
+        std::make_pair(server::AggregationMode::kGtopk,
+                       server::SelectionKind::kExact),
+        std::make_pair(server::AggregationMode::kGtopk,
+                       server::SelectionKind::kQuota),
+        std::make_pair(server::AggregationMode::kTopk,
+                       server::SelectionKind::kExact)),
+    [](const auto& info) {
+      return absl::StrCat(server::AggregationModeName(info.param.first), "_",
+                          server::SelectionKindName(info.param.second));
+    });
 
 TEST(FaultTest, SlowWorkerWithinTheDeadlineCompletesTheStep) {
   auto cluster_or = server::LocalCluster::Start(Config(2, absl::Seconds(2)), 2);

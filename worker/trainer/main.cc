@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "common/flag_names.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
@@ -127,28 +128,11 @@ absl::Status Run() {
   return gtopk::worker::RunTrainer(o);
 }
 
-// Abseil flag names are C identifiers (batch_size); the documented spelling
-// is --batch-size. Rewrites the name part of every "--name[=value]" argument
-// (up to a bare "--") from dashes to underscores; values are untouched.
-std::vector<std::string> NormalizeFlagNames(int argc, char** argv) {
-  std::vector<std::string> args(argv, argv + argc);
-  for (size_t i = 1; i < args.size(); ++i) {
-    std::string& a = args[i];
-    if (a == "--") break;
-    if (a.size() < 3 || a[0] != '-') continue;
-    const size_t start = a[1] == '-' ? 2 : 1;
-    const size_t end = std::min(a.find('='), a.size());
-    for (size_t j = start; j < end; ++j) {
-      if (a[j] == '-') a[j] = '_';
-    }
-  }
-  return args;
-}
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<std::string> args = NormalizeFlagNames(argc, argv);
+  std::vector<std::string> args = gtopk::NormalizeFlagNames(argc, argv);
   std::vector<char*> arg_pointers;
   for (std::string& a : args) arg_pointers.push_back(a.data());
   absl::ParseCommandLine(static_cast<int>(arg_pointers.size()),

@@ -1,0 +1,82 @@
+// Cross-shard commit of a step: no shard applies step t until every shard
+// has computed its part of step t. Without it, a step that fails on one shard
+// (a push that only that shard rejects, a worker that died after pushing to
+// some shards, a shard that died) could be applied on the others, and the
+// shards would then hold parameters of different steps.
+#ifndef GTOPK_SERVER_COMMIT_H_
+#define GTOPK_SERVER_COMMIT_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace gtopk {
+namespace server {
+
+// The leader's side: collects "ready to apply step t" votes from the S
+// shards. Thread-safe; Vote blocks.
+class CommitCoordinator {
+ public:
+  // `num_shards` is S >= 1; `retained_steps` decided steps are remembered
+  // so that a repeated vote (a retry) gets the same answer.
+  explicit CommitCoordinator(uint32_t num_shards, int retained_steps = 8);
+
+  // Shard `shard` is ready to apply `step`. Returns OK once all S shards
+  // have voted for the step (then every shard applies it), also for a vote
+  // on a step already committed. Errors (the step must not be applied):
+  //   INVALID_ARGUMENT   shard >= S or step < 0 (only this call);
+  //   DEADLINE_EXCEEDED  `deadline` passed before every shard voted; the
+  //                      message names the shards that did not. The
+  //                      attempt is discarded, so that the workers' retry of
+  //                      the step starts a fresh vote; other shards waiting
+  //                      on it get ABORTED.
+  //   FAILED_PRECONDITION the step is older than the retained ones.
+  absl::Status Vote(int64_t step, uint32_t shard, absl::Time deadline);
+
+ private:
+  struct Attempt {
+    std::vector<bool> voted;
+    uint32_t count = 0;
+    bool committed = false;
+    absl::Status aborted;  // non-OK once discarded
+  };
+  const uint32_t num_shards_;
+  const size_t retained_steps_;
+  absl::Mutex mu_;
+  absl::CondVar changed_;
+  std::map<int64_t, std::shared_ptr<Attempt>> steps_ ABSL_GUARDED_BY(mu_);
+};
+
+// How a shard reaches the leader's CommitCoordinator.
+class CommitExchange {
+ public:
+  virtual ~CommitExchange() = default;
+  // Same contract as CommitCoordinator::Vote (plus transport errors).
+  virtual absl::Status Vote(int64_t step, uint32_t shard,
+                            absl::Time deadline) = 0;
+};
+
+// In-process exchange (the leader itself, tests).
+class LocalCommitExchange final : public CommitExchange {
+ public:
+  explicit LocalCommitExchange(CommitCoordinator* coordinator)
+      : coordinator_(coordinator) {}
+  absl::Status Vote(int64_t step, uint32_t shard,
+                    absl::Time deadline) override {
+    return coordinator_->Vote(step, shard, deadline);
+  }
+
+ private:
+  CommitCoordinator* const coordinator_;
+};
+
+}  // namespace server
+}  // namespace gtopk
+
+#endif  // GTOPK_SERVER_COMMIT_H_

@@ -1,0 +1,25 @@
+#include "common/flag_names.h"
+
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace gtopk {
+namespace {
+
+TEST(FlagNamesTest, RewritesNamesNotValues) {
+  std::vector<std::string> in = {
+      "gtopk-server", "--shard-id=1", "--peers=a-b:1,c-d:2", "-num-shards", "3",
+      "--",           "--not-a-flag"};
+  std::vector<char*> argv;
+  for (std::string& s : in) argv.push_back(s.data());
+  const std::vector<std::string> out =
+      NormalizeFlagNames(static_cast<int>(argv.size()), argv.data());
+  EXPECT_EQ(out, (std::vector<std::string>{"gtopk-server", "--shard_id=1",
+                                           "--peers=a-b:1,c-d:2", "-num_shards",
+                                           "3", "--", "--not-a-flag"}));
+}
+
+}  // namespace
+}  // namespace gtopk
