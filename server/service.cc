@@ -125,10 +125,10 @@ absl::Status ValidateServerConfig(const ServerConfig& c) {
   if (ValueCodecName(c.value_codec) == "unknown") {
     return absl::InvalidArgumentError("value_codec is not a known codec");
   }
-  if (c.step_timeout <= absl::ZeroDuration() ||
+  if (c.step_timeout < absl::Milliseconds(1) ||
       c.step_timeout >= absl::Milliseconds(UINT32_MAX)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("step_timeout must be in (0, 2^32 ms), got ",
+        absl::StrCat("step_timeout (--step-timeout) must be in [1ms, 2^32 ms), got ",
                      absl::FormatDuration(c.step_timeout)));
   }
   if (c.max_message_bytes < 1024 ||

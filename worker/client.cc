@@ -447,6 +447,14 @@ absl::Status WorkerClient::Exchange(int64_t step,
                                "stream closed by the server during step ",
                                step))
                          : FromGrpc(st);
+        if (absl::IsResourceExhausted(result)) {
+          result = absl::ResourceExhaustedError(absl::StrCat(
+              result.message(),
+              " (a push or pull exceeds the cluster's max_message_bytes = ",
+              cluster_.max_message_bytes(),
+              "; raise the servers' --max-message-bytes, or use more shards "
+              "or a lower density)"));
+        }
       }
       absl::MutexLock lock(&mu);
       results[s] = std::move(result);
