@@ -26,6 +26,7 @@
 #include "common/merge.h"
 #include "common/optimizer.h"
 #include "common/sparse_vector.h"
+#include "common/status_macros.h"
 #include "common/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
@@ -33,6 +34,7 @@
 #include "gtopk/v1/gtopk.grpc.pb.h"
 #include "server/checkpoint.h"
 #include "server/grpc_threshold_exchange.h"
+#include "server/local_cluster.h"
 #include "tests/testing/reference.h"
 
 namespace gtopk {
@@ -43,24 +45,6 @@ using ::gtopk::testing::FloatBits;
 using ::gtopk::testing::StatusIs;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
-
-// A port that was free a moment ago (for a shard whose address the leader
-// must know before that shard starts).
-int PickUnusedPort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    close(fd);
-    return 0;
-  }
-  close(fd);
-  return ntohs(addr.sin_port);
-}
 
 ServerConfig BaseConfig(uint32_t num_shards, uint32_t num_workers) {
   ServerConfig c;
@@ -87,8 +71,10 @@ absl::StatusOr<Cluster> StartCluster(ServerConfig config) {
   const uint32_t S = config.num_shards;
   std::vector<std::string> listen(S, "127.0.0.1:0");
   std::vector<std::string> peers(S, "");
+  // Shards other than the leader need addresses the leader knows up front.
+  GTOPK_ASSIGN_OR_RETURN(std::vector<int> ports, PickFreePorts(S));
   for (uint32_t s = 1; s < S; ++s) {
-    listen[s] = absl::StrCat("127.0.0.1:", PickUnusedPort());
+    listen[s] = absl::StrCat("127.0.0.1:", ports[s]);
     peers[s] = listen[s];
   }
   for (uint32_t s = 0; s < S; ++s) {
@@ -237,18 +223,18 @@ std::vector<uint32_t> Bits(const std::vector<float>& v) {
 TEST(ServiceConfigTest, RejectsBadFieldsByName) {
   ServerConfig c = BaseConfig(2, 2);
   c.peers = {"", "not-an-address"};
-  EXPECT_THAT(ValidateServerConfig(c),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("peers[1]")));
+  EXPECT_THAT(
+      ValidateServerConfig(c),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("peers[1]")));
   c = BaseConfig(2, 2);
   c.peers = {""};
   EXPECT_THAT(ValidateServerConfig(c),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("peers")));
   c = BaseConfig(1, 1);
   c.selector = "bogus";
-  EXPECT_THAT(ValidateServerConfig(c),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("selector")));
+  EXPECT_THAT(
+      ValidateServerConfig(c),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("selector")));
   c = BaseConfig(1, 1);
   c.checkpoint_every = 3;
   EXPECT_THAT(ValidateServerConfig(c),
@@ -256,9 +242,9 @@ TEST(ServiceConfigTest, RejectsBadFieldsByName) {
                        HasSubstr("checkpoint_dir")));
   c = BaseConfig(1, 1);
   c.step_timeout = absl::ZeroDuration();
-  EXPECT_THAT(ValidateServerConfig(c),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("step_timeout")));
+  EXPECT_THAT(
+      ValidateServerConfig(c),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("step_timeout")));
 }
 
 TEST(ServiceTest, HealthIsServingAfterStart) {
@@ -274,11 +260,10 @@ TEST(ServiceTest, JoinAssignsRanksAndChecksN) {
   GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(config));
   v1::Aggregator::Stub* leader = cluster.stub(0);
 
-  EXPECT_THAT(Join(leader, -1, 0),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("n must")));
-  EXPECT_THAT(Join(leader, 2, 10),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("requested_rank 2")));
+  EXPECT_THAT(Join(leader, -1, 0), StatusIs(absl::StatusCode::kInvalidArgument,
+                                            HasSubstr("n must")));
+  EXPECT_THAT(Join(leader, 2, 10), StatusIs(absl::StatusCode::kInvalidArgument,
+                                            HasSubstr("requested_rank 2")));
   EXPECT_THAT(Join(cluster.stub(1), -1, 10),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        AllOf(HasSubstr("not the leader"),
@@ -318,8 +303,9 @@ TEST(ServiceTest, JoinAssignsRanksAndChecksN) {
   // A non-leader forwards GetClusterSpec to the leader.
   grpc::ClientContext ctx;
   v1::ClusterSpec forwarded;
-  ASSERT_TRUE(
-      cluster.stub(1)->GetClusterSpec(&ctx, v1::JoinRequest(), &forwarded).ok());
+  ASSERT_TRUE(cluster.stub(1)
+                  ->GetClusterSpec(&ctx, v1::JoinRequest(), &forwarded)
+                  .ok());
   EXPECT_EQ(forwarded.n(), 10u);
 }
 
@@ -328,7 +314,8 @@ TEST(ServiceTest, InitAndDownloadAcrossTwoShardsInChunks) {
   config.download_chunk_bytes = 64 + 3 * 4;  // 3 values per chunk
   GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(config));
   const uint64_t n = 21;
-  GTOPK_ASSERT_OK_AND_ASSIGN(v1::JoinResponse join, Join(cluster.stub(0), 0, n));
+  GTOPK_ASSERT_OK_AND_ASSIGN(v1::JoinResponse join,
+                             Join(cluster.stub(0), 0, n));
   std::vector<float> params(n);
   for (uint64_t i = 0; i < n; ++i) params[i] = 0.5f * i - 3.25f;
   for (uint32_t s = 0; s < 2; ++s) {
@@ -359,15 +346,14 @@ TEST(ServiceTest, InitAndDownloadAcrossTwoShardsInChunks) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("for shard 0 was sent to shard 1")));
   EXPECT_THAT(InitParams(cluster.stub(0), 0, 0, 1, {1.0f}, 1),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("gap")));
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("gap")));
   EXPECT_THAT(InitParams(cluster.stub(0), 0, 0, 0, {1.0f, 2.0f}, 1),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("values missing")));
   EXPECT_THAT(
-      InitParams(cluster.stub(0), 0, 0, 0,
-                 std::vector<float>(10, std::numeric_limits<float>::quiet_NaN()),
-                 10),
+      InitParams(
+          cluster.stub(0), 0, 0, 0,
+          std::vector<float>(10, std::numeric_limits<float>::quiet_NaN()), 10),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not finite")));
 }
 
@@ -375,7 +361,8 @@ TEST(ServiceTest, OneGtopkStepMatchesReference) {
   ServerConfig config = BaseConfig(2, 2);
   GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(config));
   const uint64_t n = 40;
-  GTOPK_ASSERT_OK_AND_ASSIGN(v1::JoinResponse join, Join(cluster.stub(0), 0, n));
+  GTOPK_ASSERT_OK_AND_ASSIGN(v1::JoinResponse join,
+                             Join(cluster.stub(0), 0, n));
   ASSERT_TRUE(Join(cluster.stub(0), 1, n).ok());
   std::vector<float> params(n);
   for (uint64_t i = 0; i < n; ++i) params[i] = 0.01f * i - 0.2f;
@@ -485,9 +472,7 @@ class BadInputTest : public ::testing::Test {
     EXPECT_EQ(cluster_.servers[0]->service()->next_step(), 0);
   }
 
-  std::string Good() {
-    return RawMessage({1, 4}, {0.5f, -2.0f});
-  }
+  std::string Good() { return RawMessage({1, 4}, {0.5f, -2.0f}); }
 
   Cluster cluster_;
   std::vector<float> params_;
@@ -527,9 +512,9 @@ TEST_F(BadInputTest, UnsortedIndices) {
 
 TEST_F(BadInputTest, DuplicateIndex) {
   Start();
-  EXPECT_THAT(PushOnce(stub(), MakePush(0, 0, 0, RawMessage({3, 3}, {1, 1}))),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("(duplicate)")));
+  EXPECT_THAT(
+      PushOnce(stub(), MakePush(0, 0, 0, RawMessage({3, 3}, {1, 1}))),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("(duplicate)")));
   ExpectNotApplied();
 }
 
@@ -546,9 +531,10 @@ TEST_F(BadInputTest, DenseLengthMismatch) {
 TEST_F(BadInputTest, NaNValue) {
   Start();
   EXPECT_THAT(
-      PushOnce(stub(),
-               MakePush(0, 0, 0,
-                        RawMessage({2}, {std::numeric_limits<float>::quiet_NaN()}))),
+      PushOnce(
+          stub(),
+          MakePush(0, 0, 0,
+                   RawMessage({2}, {std::numeric_limits<float>::quiet_NaN()}))),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("NaN")));
   ExpectNotApplied();
 }
@@ -559,10 +545,11 @@ TEST_F(BadInputTest, WrongCodec) {
   v.push_back(2, 1.0f);
   const std::string varint =
       Encode(v, kN, CodecSpec{IndexCodec::kDeltaVarint, ValueCodec::kFp32});
-  EXPECT_THAT(PushOnce(stub(), MakePush(0, 0, 0, varint)),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("wrong codec: the push uses delta-varint/fp32, "
-                                 "the cluster uses raw/fp32")));
+  EXPECT_THAT(
+      PushOnce(stub(), MakePush(0, 0, 0, varint)),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("wrong codec: the push uses delta-varint/fp32, "
+                         "the cluster uses raw/fp32")));
   ExpectNotApplied();
 }
 
@@ -611,12 +598,12 @@ TEST_F(BadInputTest, BadPushFailsTheStepForTheOtherWorker) {
   absl::StatusOr<v1::Pull> other = absl::UnknownError("");
   std::thread t([&] { other = PushOnce(stub(), MakePush(0, 1, 0, Good())); });
   absl::SleepFor(absl::Milliseconds(200));
-  EXPECT_THAT(PushOnce(stub(), MakePush(0, 0, 0, RawMessage({3, 3}, {1, 1}))),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("duplicate")));
+  EXPECT_THAT(
+      PushOnce(stub(), MakePush(0, 0, 0, RawMessage({3, 3}, {1, 1}))),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("duplicate")));
   t.join();
-  EXPECT_THAT(other, StatusIs(absl::StatusCode::kAborted,
-                              HasSubstr("duplicate")));
+  EXPECT_THAT(other,
+              StatusIs(absl::StatusCode::kAborted, HasSubstr("duplicate")));
   ExpectNotApplied();
 }
 
@@ -628,9 +615,9 @@ TEST(ServiceTest, CancelledWorkerMidStepGivesDeadlineExceededNamingIt) {
   GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(config));
   const uint64_t n = 8;
   ASSERT_TRUE(Join(cluster.stub(0), 0, n).ok());
-  ASSERT_TRUE(InitParams(cluster.stub(0), 0, 0, 0, std::vector<float>(n, 1.0f),
-                         8)
-                  .ok());
+  ASSERT_TRUE(
+      InitParams(cluster.stub(0), 0, 0, 0, std::vector<float>(n, 1.0f), 8)
+          .ok());
   const std::string push = Encode(SparseVector{{1}, {0.5f}}, n, CodecSpec());
   grpc::ClientContext ctx0, ctx1;
   ctx0.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
@@ -670,18 +657,17 @@ TEST(ServiceTest, ShutdownEndsWaitingStepsAndWritesCheckpoint) {
   GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(config));
   const uint64_t n = 8;
   ASSERT_TRUE(Join(cluster.stub(0), 0, n).ok());
-  ASSERT_TRUE(InitParams(cluster.stub(0), 0, 0, 0, std::vector<float>(n, 2.0f),
-                         8)
-                  .ok());
-  EXPECT_THAT(ReadCheckpoint(dir, 0), StatusIs(absl::StatusCode::kNotFound,
-                                               HasSubstr("")));
+  ASSERT_TRUE(
+      InitParams(cluster.stub(0), 0, 0, 0, std::vector<float>(n, 2.0f), 8)
+          .ok());
+  EXPECT_THAT(ReadCheckpoint(dir, 0),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("")));
   // Worker 0 waits in step 0 for worker 1, which never comes.
   absl::StatusOr<v1::Pull> waiting = absl::UnknownError("");
   std::thread t([&] {
-    waiting = PushOnce(cluster.stub(0),
-                       MakePush(0, 0, 0,
-                                Encode(SparseVector{{1}, {1.0f}}, n,
-                                       CodecSpec())));
+    waiting = PushOnce(
+        cluster.stub(0),
+        MakePush(0, 0, 0, Encode(SparseVector{{1}, {1.0f}}, n, CodecSpec())));
   });
   absl::SleepFor(absl::Milliseconds(100));
   const absl::Time start = absl::Now();
@@ -719,8 +705,8 @@ TEST(ServiceTest, CheckpointRestartServesSameParameters) {
     v.push_back(2, 1.5f);
     v.push_back(9, -0.25f);
     GTOPK_ASSERT_OK_AND_ASSIGN(
-        v1::Pull pull,
-        PushOnce(cluster.stub(0), MakePush(0, 0, 0, Encode(v, n, CodecSpec()))));
+        v1::Pull pull, PushOnce(cluster.stub(0),
+                                MakePush(0, 0, 0, Encode(v, n, CodecSpec()))));
     EXPECT_EQ(pull.step(), 0);
     // Written by the every-step checkpoint, before any shutdown.
     GTOPK_ASSERT_OK_AND_ASSIGN(ShardCheckpoint c, ReadCheckpoint(dir, 0));
@@ -737,9 +723,9 @@ TEST(ServiceTest, CheckpointRestartServesSameParameters) {
   GTOPK_ASSERT_OK_AND_ASSIGN(v1::JoinResponse join,
                              Join(restarted.stub(0), 0, n));
   EXPECT_EQ(join.cluster().next_step(), 1);
-  EXPECT_THAT(Join(restarted.stub(0), 0, n + 1),
-              StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstr("n = 12")));
+  EXPECT_THAT(
+      Join(restarted.stub(0), 0, n + 1),
+      StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("n = 12")));
   std::remove(CheckpointPath(dir, 0).c_str());
   rmdir(dir);
 }
