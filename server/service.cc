@@ -33,11 +33,14 @@ namespace {
 
 // How often waits wake up to look for a cancelled call or a shutdown.
 constexpr absl::Duration kPollInterval = absl::Milliseconds(50);
+// Concurrent DownloadParams snapshots per server (each one shard range).
+constexpr int kMaxConcurrentDownloads = 4;
 // Room for the non-value fields of a ParamsChunk (varints, tags).
 constexpr uint64_t kChunkOverheadBytes = 64;
 
 int ClampToInt(uint64_t v) {
-  return static_cast<int>(std::min<uint64_t>(v, static_cast<uint64_t>(INT_MAX)));
+  return static_cast<int>(
+      std::min<uint64_t>(v, static_cast<uint64_t>(INT_MAX)));
 }
 
 absl::Time ContextDeadline(const grpc::ServerContext* context) {
@@ -92,9 +95,9 @@ absl::Status ValidateServerConfig(const ServerConfig& c) {
     return absl::InvalidArgumentError("num_shards must be >= 1, got 0");
   }
   if (c.shard_id >= c.num_shards) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "shard_id must be < num_shards (", c.num_shards, "), got ",
-        c.shard_id));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shard_id must be < num_shards (", c.num_shards, "), got ",
+                     c.shard_id));
   }
   if (c.num_workers < 1) {
     return absl::InvalidArgumentError("num_workers must be >= 1, got 0");
@@ -115,9 +118,9 @@ absl::Status ValidateServerConfig(const ServerConfig& c) {
   GTOPK_RETURN_IF_ERROR(RegisterBuiltinSelectors(&registry));
   const std::vector<std::string> names = registry.Names();
   if (std::find(names.begin(), names.end(), c.selector) == names.end()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("selector must be one of ", absl::StrJoin(names, ", "),
-                     "; got '", c.selector, "'"));
+    return absl::InvalidArgumentError(absl::StrCat("selector must be one of ",
+                                                   absl::StrJoin(names, ", "),
+                                                   "; got '", c.selector, "'"));
   }
   if (IndexCodecName(c.index_codec) == "unknown") {
     return absl::InvalidArgumentError("index_codec is not a known codec");
@@ -127,9 +130,9 @@ absl::Status ValidateServerConfig(const ServerConfig& c) {
   }
   if (c.step_timeout < absl::Milliseconds(1) ||
       c.step_timeout >= absl::Milliseconds(UINT32_MAX)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("step_timeout (--step-timeout) must be in [1ms, 2^32 ms), got ",
-                     absl::FormatDuration(c.step_timeout)));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step_timeout (--step-timeout) must be in [1ms, 2^32 ms), got ",
+        absl::FormatDuration(c.step_timeout)));
   }
   if (c.max_message_bytes < 1024 ||
       c.max_message_bytes > static_cast<uint64_t>(INT_MAX)) {
@@ -152,8 +155,7 @@ absl::Status ValidateServerConfig(const ServerConfig& c) {
   }
   absl::Status s = ValidateOptimizerOptions(c.optimizer);
   if (!s.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("optimizer: ", s.message()));
+    return absl::InvalidArgumentError(absl::StrCat("optimizer: ", s.message()));
   }
   return absl::OkStatus();
 }
@@ -176,8 +178,8 @@ AggregatorService::AggregatorService(ServerConfig config)
     leader_stub_ = v1::Aggregator::NewStub(leader_channel_);
     exchange_ = std::make_unique<GrpcThresholdExchange>(leader_channel_,
                                                         config_.peers[0]);
-    commit_ = std::make_unique<GrpcCommitExchange>(leader_channel_,
-                                                   config_.peers[0]);
+    commit_ =
+        std::make_unique<GrpcCommitExchange>(leader_channel_, config_.peers[0]);
   }
 }
 
@@ -254,8 +256,7 @@ void AggregatorService::BeginShutdown() {
 
 absl::Time AggregatorService::WaitDeadline(
     const grpc::ServerContext* context) const {
-  return std::min(absl::Now() + config_.step_timeout,
-                  ContextDeadline(context));
+  return std::min(absl::Now() + config_.step_timeout, ContextDeadline(context));
 }
 
 absl::Status AggregatorService::CreateAggregatorLocked(uint64_t n) {
@@ -269,9 +270,9 @@ absl::Status AggregatorService::CreateAggregatorLocked(uint64_t n) {
   options.pull_index_codec = config_.index_codec;
   options.optimizer = config_.optimizer;
   options.step_timeout = config_.step_timeout;
-  GTOPK_ASSIGN_OR_RETURN(std::unique_ptr<ShardAggregator> aggregator,
-                         ShardAggregator::Create(options, exchange_.get(),
-                                                 commit_.get()));
+  GTOPK_ASSIGN_OR_RETURN(
+      std::unique_ptr<ShardAggregator> aggregator,
+      ShardAggregator::Create(options, exchange_.get(), commit_.get()));
   if (config_.checkpoint_every > 0) {
     const int64_t every = config_.checkpoint_every;
     aggregator->SetStepAppliedCallback([this, every](int64_t next_step) {
@@ -279,8 +280,9 @@ absl::Status AggregatorService::CreateAggregatorLocked(uint64_t n) {
       const absl::Status s = WriteCheckpointNow();
       if (!s.ok()) {
         // The step stands; only its durability is late. Say so loudly.
-        std::fprintf(stderr, "gtopk-server shard %u: checkpoint at step %lld "
-                             "failed: %s\n",
+        std::fprintf(stderr,
+                     "gtopk-server shard %u: checkpoint at step %lld "
+                     "failed: %s\n",
                      config_.shard_id, static_cast<long long>(next_step),
                      s.ToString().c_str());
       }
@@ -291,8 +293,8 @@ absl::Status AggregatorService::CreateAggregatorLocked(uint64_t n) {
   return absl::OkStatus();
 }
 
-absl::Status AggregatorService::AwaitClusterLocked(
-    grpc::ServerContext* context, absl::Time deadline) {
+absl::Status AggregatorService::AwaitClusterLocked(grpc::ServerContext* context,
+                                                   absl::Time deadline) {
   while (aggregator_ == nullptr) {
     if (shutting_down_) {
       return absl::UnavailableError(
@@ -360,10 +362,10 @@ absl::StatusOr<ShardAggregator*> AggregatorService::GetAggregator(
         " shards but leader ", leader, " for ", spec.shards_size()));
   }
   if (spec.mode() != ModeToProto(config_.mode)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "shard ", config_.shard_id, " runs mode ",
-        AggregationModeName(config_.mode), " but leader ", leader, " runs ",
-        v1::Mode_Name(spec.mode())));
+    return absl::FailedPreconditionError(
+        absl::StrCat("shard ", config_.shard_id, " runs mode ",
+                     AggregationModeName(config_.mode), " but leader ", leader,
+                     " runs ", v1::Mode_Name(spec.mode())));
   }
   absl::MutexLock lock(&mu_);
   if (shutting_down_) {
@@ -421,8 +423,8 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* /*context*/,
                                      v1::JoinResponse* response) {
   if (!is_leader()) {
     return ToGrpcStatus(absl::FailedPreconditionError(
-        absl::StrCat("shard ", config_.shard_id,
-                     " is not the leader; join ", config_.peers[0])));
+        absl::StrCat("shard ", config_.shard_id, " is not the leader; join ",
+                     config_.peers[0])));
   }
   const uint64_t n = request->n();
   if (n < 1 || n > kMaxDenseLength) {
@@ -519,17 +521,17 @@ grpc::Status AggregatorService::InitParams(
     const uint64_t offset = chunk.offset();
     const uint64_t count = static_cast<uint64_t>(chunk.values_size());
     if (offset != next) {
-      return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-          "parameter chunk at offset ", offset, " ",
-          offset < next ? "overlaps" : "leaves a gap after",
-          " the values received so far: expected offset ", next,
-          " (shard ", shard, " owns [", begin, ", ", end, "))")));
+      return ToGrpcStatus(absl::InvalidArgumentError(
+          absl::StrCat("parameter chunk at offset ", offset, " ",
+                       offset < next ? "overlaps" : "leaves a gap after",
+                       " the values received so far: expected offset ", next,
+                       " (shard ", shard, " owns [", begin, ", ", end, "))")));
     }
     if (count > end - offset) {
-      return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-          "parameter chunk [", offset, ", ", offset + count,
-          ") runs past the end of shard ", shard, "'s range [", begin, ", ",
-          end, ")")));
+      return ToGrpcStatus(absl::InvalidArgumentError(
+          absl::StrCat("parameter chunk [", offset, ", ", offset + count,
+                       ") runs past the end of shard ", shard, "'s range [",
+                       begin, ", ", end, ")")));
     }
     for (uint64_t j = 0; j < count; ++j) {
       if (!std::isfinite(chunk.values(static_cast<int>(j)))) {
@@ -563,18 +565,42 @@ grpc::Status AggregatorService::DownloadParams(
     grpc::ServerContext* context, const v1::DownloadParamsRequest* request,
     grpc::ServerWriter<v1::ParamsChunk>* writer) {
   if (request->worker() >= config_.num_workers) {
-    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-        "unknown worker rank ", request->worker(), "; the cluster has ",
-        config_.num_workers, " workers")));
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("unknown worker rank ", request->worker(),
+                     "; the cluster has ", config_.num_workers, " workers")));
   }
   const absl::Time deadline = WaitDeadline(context);
   absl::StatusOr<ShardAggregator*> aggregator =
       GetAggregator(context, deadline);
   if (!aggregator.ok()) return ToGrpcStatus(aggregator.status());
+  {
+    absl::MutexLock lock(&download_mu_);
+    auto has_slot = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(download_mu_) {
+      return active_downloads_ < kMaxConcurrentDownloads;
+    };
+    while (!download_mu_.AwaitWithDeadline(
+        absl::Condition(&has_slot),
+        std::min(deadline, absl::Now() + kPollInterval))) {
+      if (context->IsCancelled() || absl::Now() >= deadline) {
+        return ToGrpcStatus(absl::DeadlineExceededError(absl::StrCat(
+            "shard ", config_.shard_id, ": ", kMaxConcurrentDownloads,
+            " parameter downloads already in progress")));
+      }
+    }
+    ++active_downloads_;
+  }
+  struct Release {
+    AggregatorService* self;
+    ~Release() {
+      absl::MutexLock lock(&self->download_mu_);
+      --self->active_downloads_;
+    }
+  } release{this};
   // Wait in short slices so that a cancelled call or a shutdown ends it.
   absl::StatusOr<ShardAggregator::State> params;
   while (true) {
-    params = (*aggregator)->GetState(std::min(deadline, absl::Now() + kPollInterval));
+    params = (*aggregator)
+                 ->GetState(std::min(deadline, absl::Now() + kPollInterval));
     if (params.ok() || !absl::IsDeadlineExceeded(params.status()) ||
         absl::Now() >= deadline) {
       break;
@@ -643,9 +669,9 @@ absl::StatusOr<WorkerPush> AggregatorService::DecodePush(const v1::Push& push,
     return out;
   }
   if (push.dense_size() > 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        who, "dense values sent in ", AggregationModeName(config_.mode),
-        " mode"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, "dense values sent in ",
+                     AggregationModeName(config_.mode), " mode"));
   }
   absl::StatusOr<CodecSpec> spec = PeekCodecSpec(push.sparse());
   if (!spec.ok()) {
@@ -677,9 +703,11 @@ grpc::Status AggregatorService::PushPull(
   while (stream->Read(&push)) {
     if (stream_worker < 0) stream_worker = push.worker();
     if (push.worker() != stream_worker && aggregator != nullptr) {
-      const absl::Status mixed = absl::InvalidArgumentError(absl::StrCat(
-          "push from worker ", push.worker(), " on the PushPull stream of "
-          "worker ", stream_worker, " (one stream per worker and shard)"));
+      const absl::Status mixed = absl::InvalidArgumentError(
+          absl::StrCat("push from worker ", push.worker(),
+                       " on the PushPull stream of "
+                       "worker ",
+                       stream_worker, " (one stream per worker and shard)"));
       aggregator->RejectPush(push.step(), static_cast<uint32_t>(stream_worker),
                              mixed);
       return ToGrpcStatus(mixed);
@@ -704,8 +732,10 @@ grpc::Status AggregatorService::PushPull(
     const RoundResult& r = **result;
     v1::Pull pull;
     pull.set_step(r.step);
-    pull.set_merge_us(static_cast<uint64_t>(absl::ToInt64Microseconds(r.merge_time)));
-    pull.set_select_us(static_cast<uint64_t>(absl::ToInt64Microseconds(r.select_time)));
+    pull.set_merge_us(
+        static_cast<uint64_t>(absl::ToInt64Microseconds(r.merge_time)));
+    pull.set_select_us(
+        static_cast<uint64_t>(absl::ToInt64Microseconds(r.select_time)));
     pull.set_shard_id(config_.shard_id);
     if (config_.mode == AggregationMode::kDense) {
       pull.mutable_dense()->Add(r.dense_sum.begin(), r.dense_sum.end());
@@ -735,10 +765,9 @@ grpc::Status AggregatorService::ExchangeThreshold(
     grpc::ServerContext* context, const v1::ThresholdRequest* request,
     v1::ThresholdResponse* response) {
   if (!is_leader()) {
-    return ToGrpcStatus(absl::FailedPreconditionError(
-        absl::StrCat("shard ", config_.shard_id,
-                     " is not the leader; ExchangeThreshold goes to ",
-                     config_.peers[0])));
+    return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
+        "shard ", config_.shard_id,
+        " is not the leader; ExchangeThreshold goes to ", config_.peers[0])));
   }
   const absl::Time deadline =
       std::min(absl::Now() + config_.step_timeout,
@@ -754,16 +783,15 @@ grpc::Status AggregatorService::CommitStep(grpc::ServerContext* context,
                                            const v1::CommitRequest* request,
                                            v1::CommitResponse* /*response*/) {
   if (!is_leader()) {
-    return ToGrpcStatus(absl::FailedPreconditionError(
-        absl::StrCat("shard ", config_.shard_id,
-                     " is not the leader; CommitStep goes to ",
-                     config_.peers[0])));
+    return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
+        "shard ", config_.shard_id, " is not the leader; CommitStep goes to ",
+        config_.peers[0])));
   }
   const absl::Time deadline =
       std::min(absl::Now() + config_.step_timeout,
                ContextDeadline(context) - kLeaderDeadlineSlack);
-  return ToGrpcStatus(
-      commit_coordinator_->Vote(request->step(), request->shard_id(), deadline));
+  return ToGrpcStatus(commit_coordinator_->Vote(request->step(),
+                                                request->shard_id(), deadline));
 }
 
 // ---------------------------------------------------------------------------
@@ -848,18 +876,16 @@ absl::StatusOr<bool> CheckHealth(const std::string& address,
   grpc::ByteBuffer response;
   grpc::Status status;
   absl::Notification done;
-  stub.UnaryCall(&context, "/grpc.health.v1.Health/Check",
-                 grpc::StubOptions(), &request, &response,
-                 [&status, &done](grpc::Status s) {
+  stub.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(),
+                 &request, &response, [&status, &done](grpc::Status s) {
                    status = std::move(s);
                    done.Notify();
                  });
   done.WaitForNotification();
   if (!status.ok()) {
-    return absl::Status(
-        static_cast<absl::StatusCode>(status.error_code()),
-        absl::StrCat("health check of ", address, ": ",
-                     status.error_message()));
+    return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                        absl::StrCat("health check of ", address, ": ",
+                                     status.error_message()));
   }
   std::vector<grpc::Slice> slices;
   std::string bytes;
@@ -892,9 +918,9 @@ absl::StatusOr<bool> CheckHealth(const std::string& address,
       if (!read_varint(&value) || value > bytes.size() - pos) break;
       pos += value;
     } else {
-      return absl::InternalError(
-          absl::StrCat("health check of ", address,
-                       ": unexpected wire type ", wire_type, " in response"));
+      return absl::InternalError(absl::StrCat("health check of ", address,
+                                              ": unexpected wire type ",
+                                              wire_type, " in response"));
     }
   }
   return serving == 1;

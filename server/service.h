@@ -21,12 +21,12 @@
 #include "absl/time/time.h"
 #include "common/codec.h"
 #include "common/optimizer.h"
+#include "grpcpp/server.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
 #include "gtopk/v1/gtopk.pb.h"
-#include "grpcpp/server.h"
+#include "server/commit.h"
 #include "server/grpc_threshold_exchange.h"
 #include "server/shard_aggregator.h"
-#include "server/commit.h"
 #include "server/threshold.h"
 
 namespace gtopk {
@@ -192,8 +192,7 @@ class AggregatorService final : public v1::Aggregator::Service {
   // Non-leaders: the cluster spec from the leader.
   absl::StatusOr<v1::ClusterSpec> FetchSpecFromLeader(absl::Time deadline);
   // Turns a wire push into a WorkerPush (codec and shard checks, decoding).
-  absl::StatusOr<WorkerPush> DecodePush(const v1::Push& push,
-                                        uint64_t n) const;
+  absl::StatusOr<WorkerPush> DecodePush(const v1::Push& push, uint64_t n) const;
 
   const ServerConfig config_;
   // Shard 0 only: the per-step threshold rendezvous and the leader's own way
@@ -219,6 +218,11 @@ class AggregatorService final : public v1::Aggregator::Service {
   std::unique_ptr<ShardAggregator> aggregator_ ABSL_GUARDED_BY(mu_);
 
   absl::Mutex checkpoint_mu_;  // one checkpoint writer at a time
+  // DownloadParams copies the shard's range per call; at most
+  // kMaxConcurrentDownloads copies exist at once (the others wait, bounded
+  // by their deadline), so clients cannot exhaust the server's memory.
+  absl::Mutex download_mu_;
+  int active_downloads_ ABSL_GUARDED_BY(download_mu_) = 0;
 };
 
 // A running gtopk-server: the service plus a grpc::Server with the message

@@ -357,6 +357,41 @@ TEST(ServiceTest, InitAndDownloadAcrossTwoShardsInChunks) {
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not finite")));
 }
 
+TEST(ServiceTest, ConcurrentDownloadsAreBounded) {
+  // Each download snapshots the shard's range; clients that never read must
+  // not make the server hold unboundedly many copies.
+  ServerConfig config = BaseConfig(1, 1);
+  config.step_timeout = absl::Milliseconds(500);
+  GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(config));
+  const uint64_t n = uint64_t{4} << 20;  // 16 MiB: far beyond flow control
+  GTOPK_ASSERT_OK_AND_ASSIGN(v1::JoinResponse join,
+                             Join(cluster.stub(0), 0, n));
+  (void)join;
+  GTOPK_ASSERT_OK_AND_ASSIGN(bool now,
+                             InitParams(cluster.stub(0), 0, 0, 0,
+                                        std::vector<float>(n, 1.0f), 1 << 18));
+  EXPECT_TRUE(now);
+  // Four streams that never read hold the four download slots...
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  std::vector<std::unique_ptr<grpc::ClientReader<v1::ParamsChunk>>> readers;
+  v1::DownloadParamsRequest request;
+  for (int i = 0; i < 4; ++i) {
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    readers.push_back(
+        cluster.stub(0)->DownloadParams(contexts.back().get(), request));
+  }
+  absl::SleepFor(absl::Milliseconds(200));
+  // ...so a fifth waits for one and gives up at its deadline, with a reason.
+  EXPECT_THAT(Download(cluster.stub(0), 0),
+              StatusIs(absl::StatusCode::kDeadlineExceeded,
+                       HasSubstr("downloads already in progress")));
+  for (auto& c : contexts) c->TryCancel();
+  for (auto& r : readers) r->Finish().IgnoreError();
+  // Once they are gone, downloads work again.
+  GTOPK_ASSERT_OK_AND_ASSIGN(Downloaded d, Download(cluster.stub(0), 0));
+  EXPECT_EQ(d.values.size(), n);
+}
+
 TEST(ServiceTest, OneGtopkStepMatchesReference) {
   ServerConfig config = BaseConfig(2, 2);
   GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(config));
