@@ -349,7 +349,7 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
 }
 
 absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Compute(
-    const std::vector<WorkerPush>& pushes, int64_t step, absl::Time deadline) {
+    std::vector<WorkerPush>& pushes, int64_t step, absl::Time deadline) {
   auto result = std::make_shared<RoundResult>();
   result->step = step;
   const absl::Time merge_start = absl::Now();
@@ -367,7 +367,8 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Compute(
   }
   std::vector<SparseVector> inputs;
   inputs.reserve(pushes.size());
-  for (const WorkerPush& p : pushes) inputs.push_back(p.sparse);
+  // The pushes are consumed: move, not copy, P sparse vectors per step.
+  for (WorkerPush& p : pushes) inputs.push_back(std::move(p.sparse));
   SparseVector sum;
   GTOPK_RETURN_IF_ERROR(SparseSum(inputs, options_.n, &sum));
   const absl::Time select_start = absl::Now();

@@ -188,10 +188,11 @@ class ShardAggregator {
                   ThresholdExchange* exchange, CommitExchange* commit);
 
   absl::Status ValidatePush(const WorkerPush& push) const;
-  // Computes and applies the round (called without mu_ held, by the caller
-  // that completed it). Returns the result or the failure.
+  // Sums and selects the round (called without mu_ held, by the caller that
+  // completed it; Submit applies the result). Consumes the pushes' sparse
+  // vectors. Returns the result or the failure.
   absl::StatusOr<std::shared_ptr<const RoundResult>> Compute(
-      const std::vector<WorkerPush>& pushes, int64_t step,
+      std::vector<WorkerPush>& pushes, int64_t step,
       absl::Time deadline);
   void FailRoundLocked(const std::shared_ptr<Round>& round,
                        absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
