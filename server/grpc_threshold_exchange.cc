@@ -88,6 +88,19 @@ GrpcThresholdExchange::GrpcThresholdExchange(
     : leader_address_(std::move(leader_address)),
       stub_(v1::Aggregator::NewStub(std::move(channel))) {}
 
+namespace {
+
+// A leader RPC's status, code kept, message naming the leader and the RPC.
+absl::Status FromLeader(const grpc::Status& status,
+                        const std::string& leader_address, const char* rpc) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      absl::StrCat("leader ", leader_address, " (", rpc,
+                                   "): ", status.error_message()));
+}
+
+}  // namespace
+
 absl::StatusOr<ThresholdResponse> GrpcThresholdExchange::Exchange(
     const ThresholdRequest& request, absl::Time deadline) {
   grpc::ClientContext context;
@@ -96,10 +109,7 @@ absl::StatusOr<ThresholdResponse> GrpcThresholdExchange::Exchange(
   const grpc::Status status =
       stub_->ExchangeThreshold(&context, ToProto(request), &response);
   if (!status.ok()) {
-    return absl::Status(
-        static_cast<absl::StatusCode>(status.error_code()),
-        absl::StrCat("leader ", leader_address_,
-                     " (ExchangeThreshold): ", status.error_message()));
+    return FromLeader(status, leader_address_, "ExchangeThreshold");
   }
   return FromProto(response);
 }
@@ -118,12 +128,7 @@ absl::Status GrpcCommitExchange::Vote(int64_t step, uint32_t shard,
   request.set_shard_id(shard);
   v1::CommitResponse response;
   const grpc::Status status = stub_->CommitStep(&context, request, &response);
-  if (!status.ok()) {
-    return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                        absl::StrCat("leader ", leader_address_,
-                                     " (CommitStep): ", status.error_message()));
-  }
-  return absl::OkStatus();
+  return FromLeader(status, leader_address_, "CommitStep");
 }
 
 }  // namespace server
