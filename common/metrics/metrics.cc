@@ -149,12 +149,21 @@ void CheckBuckets(const BucketBoundaries& buckets, const std::string& family) {
 
 }  // namespace internal
 
+void Registry::RegisterCollectable(
+    const std::weak_ptr<Collectable>& collectable) {
+  std::lock_guard<std::mutex> lock(mu_);
+  collectables_.push_back(collectable);
+}
+
 std::vector<MetricFamily> Registry::Collect() const {
   std::vector<std::shared_ptr<Collectable>> families;
   {
     std::lock_guard<std::mutex> lock(mu_);
     families.reserve(families_.size());
     for (const Entry& e : families_) families.push_back(e.family);
+    for (const auto& weak : collectables_) {
+      if (auto c = weak.lock()) families.push_back(std::move(c));
+    }
   }
   std::vector<MetricFamily> out;
   out.reserve(families.size());

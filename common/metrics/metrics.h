@@ -281,9 +281,15 @@ class Registry final : public Collectable {
     return ref;
   }
 
+  // Adds the families of `collectable` (held weakly; skipped once destroyed)
+  // after the registry's own, e.g. values computed at scrape time. Their
+  // names must not repeat the registry's (the serializer would merge them).
+  void RegisterCollectable(const std::weak_ptr<Collectable>& collectable);
+
   std::vector<MetricFamily> Collect() const override;
 
  private:
+  std::vector<std::weak_ptr<Collectable>> collectables_;
   struct Entry {
     std::string name;
     std::shared_ptr<Collectable> family;

@@ -4,6 +4,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <set>
 
@@ -120,10 +121,40 @@ bool LabelsValid(const ClientMetric& m, MetricType type) {
 std::string FormatNumber(double value) {
   if (std::isnan(value)) return "NaN";
   if (std::isinf(value)) return value > 0 ? "+Inf" : "-Inf";
+  // Shortest round-trip digits, as "d.ddde+XX" (C locale by definition).
   char buffer[64];
-  const std::to_chars_result r =
-      std::to_chars(buffer, buffer + sizeof(buffer), value);
-  return std::string(buffer, r.ptr);
+  const std::to_chars_result r = std::to_chars(
+      buffer, buffer + sizeof(buffer), value, std::chars_format::scientific);
+  const std::string sci(buffer, r.ptr);
+  const size_t e = sci.find('e');
+  const int exponent = std::atoi(sci.c_str() + e + 1);
+  // Go's strconv.FormatFloat(v, 'g', -1, 64), which the reference client
+  // (client_golang) uses: the exponent form when exp < -4 or exp >= 6 (so
+  // 1e+06, 123456, 0.0001, 1e-05). Matching it keeps `le` label strings
+  // identical to other clients' (le="0.0001").
+  if (exponent < -4 || exponent >= 6) return sci;
+  const bool negative = sci[0] == '-';
+  std::string digits;
+  for (size_t i = negative ? 1 : 0; i < e; ++i) {
+    if (sci[i] != '.') digits += sci[i];
+  }
+  std::string out = negative ? "-" : "";
+  if (exponent < 0) {
+    out += "0.";
+    out.append(static_cast<size_t>(-exponent - 1), '0');
+    out += digits;
+    return out;
+  }
+  const size_t integer_digits = static_cast<size_t>(exponent) + 1;
+  if (digits.size() <= integer_digits) {
+    out += digits;
+    out.append(integer_digits - digits.size(), '0');
+  } else {
+    out += digits.substr(0, integer_digits);
+    out += '.';
+    out += digits.substr(integer_digits);
+  }
+  return out;
 }
 
 std::string EscapeLabelValue(const std::string& value) {

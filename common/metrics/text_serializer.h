@@ -17,7 +17,8 @@ inline constexpr char kTextContentType[] =
 
 // A sample value: "NaN", "+Inf", "-Inf", or the shortest decimal that parses
 // back to the same double (std::to_chars: independent of the C locale, so
-// never "0,5").
+// never "0,5"), laid out as Go's strconv.FormatFloat(v, 'g', -1, 64) does
+// (client_golang): "0.0001", "123456", "1e+06", "1.5e-07".
 std::string FormatNumber(double value);
 
 // Label value escaping: backslash -> \\, double quote -> \", newline -> \n;

@@ -87,7 +87,17 @@ TEST(TextSerializerTest, FormatNumberSpellsSpecialValues) {
   EXPECT_EQ(FormatNumber(std::nan("")), "NaN");
   EXPECT_EQ(FormatNumber(0), "0");
   EXPECT_EQ(FormatNumber(0.5), "0.5");
-  EXPECT_EQ(FormatNumber(1234567), "1234567");
+  // Go's strconv.FormatFloat(v, 'g', -1, 64), as client_golang writes them.
+  EXPECT_EQ(FormatNumber(123456), "123456");
+  EXPECT_EQ(FormatNumber(1234567), "1.234567e+06");
+  EXPECT_EQ(FormatNumber(1e6), "1e+06");
+  EXPECT_EQ(FormatNumber(0.0001), "0.0001");
+  EXPECT_EQ(FormatNumber(0.00025), "0.00025");
+  EXPECT_EQ(FormatNumber(0.00001), "1e-05");
+  EXPECT_EQ(FormatNumber(-0.5), "-0.5");
+  EXPECT_EQ(FormatNumber(100), "100");
+  EXPECT_EQ(FormatNumber(12.5), "12.5");
+  EXPECT_EQ(FormatNumber(4294967296.0), "4.294967296e+09");
 }
 
 // Every formatted double parses back (strtod, C locale) to the same bits,
