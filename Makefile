@@ -25,7 +25,8 @@ CMAKE_ARGS ?=
 DEB_PACKAGES := build-essential cmake ninja-build pkg-config \
 	libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev zlib1g-dev \
 	libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc \
-	libtorch-dev dataset-fashion-mnist python3
+	libtorch-dev dataset-fashion-mnist python3 \
+	libcpp-httplib-dev prometheus
 
 # `make demo` defaults: P workers, S shards, about 5 minutes on 2 cores
 # (measured: README, "make demo"). DGC's own warm-up ("dgc": four epochs)
