@@ -516,7 +516,8 @@ def analyse(a, runs, cpu_runs, baseline):
 
 def markdown(a, runs, cpu_runs):
     lines = ["| method | P | step | compute | local | communication | "
-             "step without tc limit | sent / worker / step | scaling eff. |",
+             "step without tc limit | sent / received per worker per step | "
+             "scaling eff. |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         if r.get("baseline"):
@@ -529,7 +530,9 @@ def markdown(a, runs, cpu_runs):
                          r["local_seconds_p50"] * 1e3,
                          r["communication_seconds_p50"] * 1e3,
                          "%.0f ms" % (un * 1e3) if un else "-",
-                         human_bytes(r["sent_bytes_per_worker_per_step"]),
+                         human_bytes(r["sent_bytes_per_worker_per_step"]) +
+                         " / " +
+                         human_bytes(r["received_bytes_per_worker_per_step"]),
                          "%.3f" % r["scaling_efficiency"]
                          if "scaling_efficiency" in r else "-"))
     return "\n".join(lines)
@@ -623,6 +626,9 @@ def parse_args(argv):
                     help="process logs and summaries (default: a new temp dir)")
     ap.add_argument("--run-timeout-s", type=float, default=900,
                     help="limit of one run (all its steps), seconds")
+    ap.add_argument("--replot", metavar="JSON", default="",
+                    help="only redraw --plot and the table of an existing "
+                    "result file (no root needed), then exit")
     ap.add_argument("--cleanup", action="store_true",
                     help="only remove namespaces left by dead runs, then exit")
     a = ap.parse_args(argv)
@@ -687,8 +693,29 @@ def preflight(a):
     return None
 
 
+def replot(a):
+    with open(a.replot) as f:
+        result = json.load(f)
+    c = result["config"]
+    a.workers, a.methods = c["workers"], c["methods"]
+    a.n, a.density, a.compute_ms = c["n"], c["density"], c["compute_ms"]
+    a.rate = c["rate_per_link_each_direction"]
+    result["table_markdown"] = markdown(a, result["runs"],
+                                        result["runs_without_tc_limit"])
+    with open(a.replot + ".tmp", "w") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")
+    os.replace(a.replot + ".tmp", a.replot)
+    if a.plot:
+        plot(a, result["runs"], a.plot)
+    print(result["table_markdown"])
+    return 0
+
+
 def main(argv):
     a = parse_args(argv)
+    if a.replot:
+        return replot(a)
     problem = preflight(a)
     if problem:
         print(problem, file=sys.stderr)
