@@ -20,7 +20,8 @@ which deletes their links); the clean-up is safe to run twice, and
 
 Runs, in one invocation, for every P in --workers and every method in
 --methods (each on a fresh set of processes, the same links):
-  dense, topk, gtopk   gtopk-server --mode=<m> with S = --shards shards, and
+  dense, topk, gtopk   gtopk-server --mode=<m> --selection=<--selection> with
+                       S = --shards shards (default 2), and
                        P gtopk-worker --model=synthetic:<n> --compute-ms=<c>
   ddp                  bench/lowbw/ddp_allreduce.py: torch DDP, gloo, the same
                        n floats, the same --compute-ms
@@ -292,7 +293,7 @@ class Bench:
             argv = [self.server_bin, "--listen=" + peers[s],
                     "--shard-id=%d" % s, "--num-shards=%d" % S,
                     "--workers=%d" % P, "--peers=" + ",".join(peers),
-                    "--mode=" + mode, "--selection=exact",
+                    "--mode=" + mode, "--selection=" + a.selection,
                     "--density=%r" % a.density, "--step-timeout=600s",
                     "--max-message-bytes=1073741824"]
             self.procs.start("server %d" % s, t.ns("s%d" % s), argv,
@@ -599,6 +600,10 @@ def parse_args(argv):
                     help="comma list of P (default 2,4,8)")
     ap.add_argument("--shards", type=int, default=2,
                     help="S, gtopk-server shards, each on its own link (2)")
+    ap.add_argument("--selection", choices=("exact", "quota"),
+                    default="exact",
+                    help="gtopk selection across shards (server/flags.md; "
+                    "quota has no shard-leader threshold exchange)")
     ap.add_argument("--n", type=int, default=25557032,
                     help="floats per gradient (default 25,557,032: ResNet-50)")
     ap.add_argument("--density", type=float, default=0.001)
@@ -774,7 +779,7 @@ def main(argv):
                         "in its own netns",
             "n": a.n, "density": a.density, "k": bench.k,
             "compute_ms": a.compute_ms, "workers": a.workers,
-            "shards": a.shards, "selection": "exact",
+            "shards": a.shards, "selection": a.selection,
             "codecs": "delta-varint + fp32 (server defaults)",
             "timed_steps": a.steps, "warmup_steps": a.warmup,
             "methods": a.methods,

@@ -72,8 +72,8 @@ class SyntheticModel final : public Model {
       grad[i + 1] = static_cast<float>((z >> 8) & 0xffffff) * kScale - 1.0f;
     }
     if (n % 2 == 1) {
-      grad[n - 1] = static_cast<float>(MixSeed(base, n / 2) >> 40) * kScale -
-                    1.0f;
+      grad[n - 1] =
+          static_cast<float>(MixSeed(base, n / 2) >> 40) * kScale - 1.0f;
     }
   }
 
