@@ -4,6 +4,10 @@
 #   make build   Release build in build/
 #   make test    deps + build + every test (ctest); non-zero on any failure
 #   make bench   run the benchmarks, write bench/results/*.json
+#   make bench-lowbw  (root) gTop-k vs Top-k vs dense vs PyTorch DDP over
+#                1 Gbit/s links in network namespaces (bench/lowbw/);
+#                bench/results/lowbw.json and lowbw.png. LOWBW_ARGS: extra
+#                flags, e.g. LOWBW_ARGS="--rate 100mbit --workers 2,4"
 #   make format  clang-format the sources in place (needs clang-format)
 #   make demo    deps + build + a local cluster training Fashion-MNIST with
 #                gTop-k (deploy/local/gtopk_local.py); logs and
@@ -26,7 +30,8 @@ DEB_PACKAGES := build-essential cmake ninja-build pkg-config \
 	libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev zlib1g-dev \
 	libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc \
 	libtorch-dev dataset-fashion-mnist python3 \
-	libcpp-httplib-dev prometheus
+	libcpp-httplib-dev prometheus \
+	python3-torch gnuplot-nox iproute2
 
 # `make demo` defaults: P workers, S shards, about 5 minutes on 2 cores
 # (measured: README, "make demo"). DGC's own warm-up ("dgc": four epochs)
@@ -48,8 +53,9 @@ MOMENTUM_MODE  ?= dgc
 SEED           ?= 1
 NAME           ?= demo
 DEMO_ARGS      ?=
+LOWBW_ARGS     ?=
 
-.PHONY: all deps build test bench demo format clean
+.PHONY: all deps build test bench bench-lowbw demo format clean
 
 all: build
 
@@ -86,6 +92,16 @@ bench: build
 	$(BUILD_DIR)/bench/codec_bench --results_json=bench/results/codec.json
 	$(BUILD_DIR)/bench/merge_bench --results_json=bench/results/merge.json
 	$(BUILD_DIR)/bench/aggregation_bench --results_json=bench/results/aggregation.json
+
+# Root first (namespaces and tc need it), then deps and build, then the run.
+# Debian's python3-torch is imported by /usr/bin/python3 (not a pyenv one).
+bench-lowbw:
+	@if [ "$$(id -u)" != 0 ]; then \
+	  echo "bench-lowbw: needs root (it creates network namespaces and tc qdiscs): sudo make bench-lowbw"; \
+	  exit 2; fi
+	@$(MAKE) --no-print-directory deps
+	@$(MAKE) --no-print-directory build
+	/usr/bin/python3 bench/lowbw/lowbw.py --build-dir $(BUILD_DIR) $(LOWBW_ARGS)
 
 # deps and build first (in that order, also under -j), then the launcher.
 demo: deps

@@ -250,6 +250,29 @@ class TrainingTest(LauncherCase):
             checksums[mode] = s["param_checksums"][0]
         self.assertEqual(checksums["gtopk"], checksums["dense"])
 
+    def test_synthetic_epochs_follow_the_servers_warmup(self):
+        # synthetic:N has no data epoch: the worker takes the servers'
+        # --steps-per-epoch (the launcher's floor(60000 / 2 / 32) = 937), so
+        # their density warm-up epochs match, and --steps is the run length
+        # (it used to be the epoch length too, with a mismatch warning).
+        code, out = self.launch(
+            "synthetic", "--model", "synthetic:1000", "--workers", "2",
+            "--shards", "1", "--steps", "12", "--epochs", "1",
+            "--density-warmup", "0.5", "--density", "0.01")
+        self.assertEqual(code, 0, out)
+        for rank in (0, 1):
+            w = self.load("synthetic", "worker-%d.json" % rank)
+            self.assertEqual(w["steps"], 12)
+            self.assertEqual(w["steps_per_epoch"], 60000 // 2 // 32)
+            self.assertEqual(len(w["per_step"]["step_seconds"]), 12)
+            self.assertEqual(len(w["per_step"]["communication_seconds"]), 12)
+            # Warm-up density 0.5 for the whole run: k = 500 of n = 1000.
+            self.assertGreaterEqual(w["sent_bytes_per_step"], 500 * 4)
+            with open(os.path.join(self.run_dir("synthetic"),
+                                   "worker-%d.log" % rank)) as f:
+                self.assertNotIn("differs from", f.read())
+        self.assert_nothing_left("synthetic")
+
     def test_killed_worker_fails_the_run_and_leaves_nothing(self):
         p = subprocess.Popen(
             self.argv("kill", *self.SLICE, "--workers", "2", "--shards", "2",
