@@ -723,6 +723,38 @@ __global__ void FirstNonFiniteKernel(const float* __restrict__ u, uint64_t n,
   }
 }
 
+// dst[idx[j]] = val[j] (subtract == 0) or dst[idx[j]] - val[j].
+__global__ void ScatterKernel(float* dst, uint64_t n,
+                              const uint32_t* __restrict__ idx,
+                              const float* __restrict__ val, uint64_t count,
+                              int subtract) {
+  for (uint64_t j = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; j < count;
+       j += uint64_t{gridDim.x} * blockDim.x) {
+    const uint32_t i = idx[j];
+    if (i >= n) continue;
+    if (subtract) {
+      const float d = dst[i];
+      dst[i] = d - val[j];
+    } else {
+      dst[i] = val[j];
+    }
+  }
+}
+
+// v = m * velocity + update; velocity = v; params -= v (dense).
+__global__ void GlobalMomentumKernel(float* params, float* velocity,
+                                     const float* __restrict__ update,
+                                     uint64_t n, float m) {
+  for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += uint64_t{gridDim.x} * blockDim.x) {
+    const float mv = m * velocity[i];
+    const float v = mv + update[i];
+    velocity[i] = v;
+    const float p = params[i];
+    params[i] = p - v;
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Host helpers
 // ---------------------------------------------------------------------------
@@ -784,6 +816,72 @@ uint64_t MinCount(Method method, uint64_t k) {
 uint64_t MaxCount(Method method, uint64_t k) {
   const uint64_t lo = (2 * k + 2) / 3, hi = 4 * k / 3;
   return method == Method::kGaussianK && lo <= hi ? hi : k;
+}
+
+Status SparseUpdater::Upload(const uint32_t* idx, const float* val,
+                             uint64_t count, cudaStream_t stream) {
+  if (idx_.size() < count) {
+    // Buffers in flight on `stream` must not be freed under it.
+    GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    GTOPK_CUDA_RETURN_IF_NOT_OK(idx_.Allocate(std::max<uint64_t>(count, 2 * idx_.size())));
+    GTOPK_CUDA_RETURN_IF_NOT_OK(val_.Allocate(idx_.size()));
+  }
+  GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(idx_.get(), idx,
+                                             count * sizeof(uint32_t),
+                                             cudaMemcpyHostToDevice, stream));
+  GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(val_.get(), val,
+                                             count * sizeof(float),
+                                             cudaMemcpyHostToDevice, stream));
+  return Status::Ok();
+}
+
+Status SparseUpdater::Set(float* dst, uint64_t n, const uint32_t* idx,
+                          const float* val, uint64_t count,
+                          cudaStream_t stream) {
+  if (count == 0) return Status::Ok();
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Upload(idx, val, count, stream));
+  const int blocks = static_cast<int>(std::min<uint64_t>((count + 255) / 256, 4096));
+  ScatterKernel<<<blocks, 256, 0, stream>>>(dst, n, idx_.get(), val_.get(),
+                                            count, 0);
+  GTOPK_CUDA_LAUNCH_CHECK();
+  return Status::Ok();
+}
+
+Status SparseUpdater::Subtract(float* dst, uint64_t n, const uint32_t* idx,
+                               const float* val, uint64_t count,
+                               cudaStream_t stream) {
+  if (count == 0) return Status::Ok();
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Upload(idx, val, count, stream));
+  const int blocks = static_cast<int>(std::min<uint64_t>((count + 255) / 256, 4096));
+  ScatterKernel<<<blocks, 256, 0, stream>>>(dst, n, idx_.get(), val_.get(),
+                                            count, 1);
+  GTOPK_CUDA_LAUNCH_CHECK();
+  return Status::Ok();
+}
+
+Status SparseUpdater::GlobalMomentum(float* params, float* velocity,
+                                     uint64_t n, float momentum,
+                                     const uint32_t* idx, const float* val,
+                                     uint64_t count, cudaStream_t stream) {
+  if (n == 0) return Status::Ok();
+  if (dense_.size() < n) {
+    GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    GTOPK_CUDA_RETURN_IF_NOT_OK(dense_.Allocate(n));
+  }
+  GTOPK_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(dense_.get(), 0, n * sizeof(float), stream));  // +0.0
+  if (count > 0) {
+    GTOPK_CUDA_RETURN_IF_NOT_OK(Upload(idx, val, count, stream));
+    const int blocks = static_cast<int>(std::min<uint64_t>((count + 255) / 256, 4096));
+    ScatterKernel<<<blocks, 256, 0, stream>>>(dense_.get(), n, idx_.get(),
+                                              val_.get(), count, 0);
+    GTOPK_CUDA_LAUNCH_CHECK();
+  }
+  const int blocks = static_cast<int>(std::min<uint64_t>((n + 1023) / 1024, 8192));
+  GlobalMomentumKernel<<<blocks, 256, 0, stream>>>(params, velocity,
+                                                   dense_.get(), n, momentum);
+  GTOPK_CUDA_LAUNCH_CHECK();
+  return Status::Ok();
 }
 
 int DeviceCount() {

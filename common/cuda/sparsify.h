@@ -166,6 +166,37 @@ class Sparsifier {
   std::unique_ptr<Impl> impl_;
 };
 
+// Sparse updates of dense device vectors, for the worker's device step
+// (worker/client_cuda.cc): the (index, value) lists come from host memory
+// (the selection and the pulled global top-k are on the host anyway; only
+// they cross), the dense vectors never leave the device. Indices must be
+// unique and < n (the caller validates them; the kernels skip others).
+// Float operations are the CPU rule's (common/optimizer.cc), one each, so
+// device and host replicas stay bit-identical. Asynchronous on `stream`;
+// host arrays may be reused when a call returns. Not thread-safe.
+class SparseUpdater {
+ public:
+  // dst[idx[j]] = val[j].
+  Status Set(float* dst, uint64_t n, const uint32_t* idx, const float* val,
+             uint64_t count, cudaStream_t stream);
+  // dst[idx[j]] = dst[idx[j]] - val[j].
+  Status Subtract(float* dst, uint64_t n, const uint32_t* idx,
+                  const float* val, uint64_t count, cudaStream_t stream);
+  // Global momentum (MomentumMode::kGlobal) over all n entries, with
+  // update_i = val[j] at i = idx[j] and +0.0 elsewhere:
+  //   v = momentum * velocity[i] + update_i;  velocity[i] = v;  params[i] -= v
+  Status GlobalMomentum(float* params, float* velocity, uint64_t n,
+                        float momentum, const uint32_t* idx, const float* val,
+                        uint64_t count, cudaStream_t stream);
+
+ private:
+  Status Upload(const uint32_t* idx, const float* val, uint64_t count,
+                cudaStream_t stream);
+  DeviceBuffer<uint32_t> idx_;
+  DeviceBuffer<float> val_;
+  DeviceBuffer<float> dense_;  // GlobalMomentum's update vector
+};
+
 // Number of CUDA devices (0 when the driver or a device is missing; never
 // an error), for tests and tools that skip without a GPU.
 int DeviceCount();
