@@ -182,7 +182,8 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ uint32_t hist[kBins];
   for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
   __syncthreads();
-  float sum = 0.0f, sumsq = 0.0f;
+  // Double sums: squares of |u| > ~1e19 would overflow float.
+  double sum = 0.0, sumsq = 0.0;
   const uint64_t stride = uint64_t{gridDim.x} * kThreads;
   for (uint64_t g4 = uint64_t{blockIdx.x} * kThreads + threadIdx.x;
        g4 * 4 < a.n; g4 += stride) {
@@ -233,17 +234,16 @@ __global__ void __launch_bounds__(kThreads)
     }
     for (int j = 0; j < valid; ++j) {
       atomicAdd(&hist[Key(u[j]) >> 20], 1u);
-      sum += u[j];
-      const float sq = u[j] * u[j];
-      sumsq += sq;
+      const double x = u[j];
+      sum += x;
+      sumsq += x * x;
     }
   }
   using Reduce = cub::BlockReduce<double, kThreads>;
   __shared__ typename Reduce::TempStorage reduce_storage;
-  const double block_sum = Reduce(reduce_storage).Sum(static_cast<double>(sum));
+  const double block_sum = Reduce(reduce_storage).Sum(sum);
   __syncthreads();
-  const double block_sumsq =
-      Reduce(reduce_storage).Sum(static_cast<double>(sumsq));
+  const double block_sumsq = Reduce(reduce_storage).Sum(sumsq);
   if (threadIdx.x == 0) {
     atomicAdd(&a.st->sum, block_sum);
     atomicAdd(&a.st->sumsq, block_sumsq);
