@@ -67,18 +67,19 @@ absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
   if (mode_ == Mode::kDense) {
     // Dense mode sends u itself: it has to reach the host.
     std::vector<float> host_grad(n), host_params(n);
-    GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(cudaMemcpyAsync(
-        host_grad.data(), gradient, n * sizeof(float), cudaMemcpyDeviceToHost,
-        stream)));
-    GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(cudaMemcpyAsync(
-        host_params.data(), params, n * sizeof(float), cudaMemcpyDeviceToHost,
-        stream)));
+    GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(
+        cudaMemcpyAsync(host_grad.data(), gradient, n * sizeof(float),
+                        cudaMemcpyDeviceToHost, stream)));
+    GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(
+        cudaMemcpyAsync(host_params.data(), params, n * sizeof(float),
+                        cudaMemcpyDeviceToHost, stream)));
     GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(cudaStreamSynchronize(stream)));
-    absl::StatusOr<StepStats> stats = Step(host_grad, absl::MakeSpan(host_params));
+    absl::StatusOr<StepStats> stats =
+        Step(host_grad, absl::MakeSpan(host_params));
     if (!stats.ok()) return stats;
-    GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(cudaMemcpyAsync(
-        params, host_params.data(), n * sizeof(float), cudaMemcpyHostToDevice,
-        stream)));
+    GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(
+        cudaMemcpyAsync(params, host_params.data(), n * sizeof(float),
+                        cudaMemcpyHostToDevice, stream)));
     GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(cudaStreamSynchronize(stream)));
     return stats;
   }
@@ -94,29 +95,29 @@ absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
     absl::StatusOr<std::unique_ptr<cuda::CudaSelector>> sel =
         cuda::CudaSelector::Create(selector_->name(), so, n);
     if (!sel.ok()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "Step (device): selector \"", selector_->name(),
-          "\" has no GPU version or the GPU is unusable: ",
-          sel.status().message()));
+      return absl::FailedPreconditionError(
+          absl::StrCat("Step (device): selector \"", selector_->name(),
+                       "\" has no GPU version or the GPU is unusable: ",
+                       sel.status().message()));
     }
     d->selector = *std::move(sel);
     for (int b = 0; b < 2; ++b) {
       GTOPK_RETURN_IF_ERROR(Cuda(d->residual[b].Allocate(n)));
       if (dgc_momentum) GTOPK_RETURN_IF_ERROR(Cuda(d->velocity[b].Allocate(n)));
     }
-    GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(cudaMemcpyAsync(
-        d->residual[0].get(), feedback_.residual().data(), n * sizeof(float),
-        cudaMemcpyHostToDevice, stream)));
+    GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(
+        cudaMemcpyAsync(d->residual[0].get(), feedback_.residual().data(),
+                        n * sizeof(float), cudaMemcpyHostToDevice, stream)));
     if (dgc_momentum) {
-      GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(cudaMemcpyAsync(
-          d->velocity[0].get(), velocity_.data(), n * sizeof(float),
-          cudaMemcpyHostToDevice, stream)));
+      GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(
+          cudaMemcpyAsync(d->velocity[0].get(), velocity_.data(),
+                          n * sizeof(float), cudaMemcpyHostToDevice, stream)));
     }
     if (global_momentum) {
       GTOPK_RETURN_IF_ERROR(Cuda(d->global_velocity.Allocate(n)));
-      GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(cudaMemcpyAsync(
-          d->global_velocity.get(), global_velocity_.data(), n * sizeof(float),
-          cudaMemcpyHostToDevice, stream)));
+      GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(
+          cudaMemcpyAsync(d->global_velocity.get(), global_velocity_.data(),
+                          n * sizeof(float), cudaMemcpyHostToDevice, stream)));
     }
     GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(cudaStreamSynchronize(stream)));
     device_ = std::move(d);
@@ -147,10 +148,9 @@ absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
   t = absl::Now();
   float* u = d.residual[next].get();
   SparseVector sent;
-  absl::Status st = d.selector->SelectDevice(u, n, stats.k,
-                                             static_cast<uint64_t>(step),
-                                             stream, /*zero_selected=*/true,
-                                             &sent);
+  absl::Status st =
+      d.selector->SelectDevice(u, n, stats.k, static_cast<uint64_t>(step),
+                               stream, /*zero_selected=*/true, &sent);
   if (!st.ok()) {
     // Nothing committed: the state is as before this call.
     if (st.code() == absl::StatusCode::kInvalidArgument) {
@@ -171,9 +171,8 @@ absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
     marked[j] = sent.values[j] - received.values[j];
     if (!std::isfinite(marked[j])) {
       // Restore u and commit it (the host Step's contract: u stays).
-      GTOPK_RETURN_IF_ERROR(Cuda(d.updater.Set(u, n, sent.indices.data(),
-                                               sent.values.data(), sent.size(),
-                                               stream)));
+      GTOPK_RETURN_IF_ERROR(Cuda(d.updater.Set(
+          u, n, sent.indices.data(), sent.values.data(), sent.size(), stream)));
       GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(cudaStreamSynchronize(stream)));
       d.current = next;
       return absl::InvalidArgumentError(absl::StrCat(
@@ -182,9 +181,8 @@ absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
     lossy |= cpu::MagnitudeKey(marked[j]) != 0;
   }
   if (lossy) {
-    GTOPK_RETURN_IF_ERROR(Cuda(d.updater.Set(u, n, sent.indices.data(),
-                                             marked.data(), sent.size(),
-                                             stream)));
+    GTOPK_RETURN_IF_ERROR(Cuda(d.updater.Set(
+        u, n, sent.indices.data(), marked.data(), sent.size(), stream)));
   }
   d.current = next;  // residual = u - recv, velocity updated: committed
   stats.select = absl::Now() - t;
@@ -200,7 +198,8 @@ absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
                                           back.data(), sent.size(), stream);
     if (restored.ok()) {
       const cudaError_t e = cudaStreamSynchronize(stream);
-      if (e != cudaSuccess) restored = cuda::CudaError(e, "sync", __FILE__, __LINE__);
+      if (e != cudaSuccess)
+        restored = cuda::CudaError(e, "sync", __FILE__, __LINE__);
     }
     if (!restored.ok()) {
       return absl::InternalError(absl::StrCat(status.ToString(),
@@ -226,7 +225,9 @@ absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
     slice.values.assign(sent.values.begin() + (lo - sent.indices.begin()),
                         sent.values.begin() + (hi - sent.indices.begin()));
     st = EncodeSparse(slice, n, codec_, pushes[s].mutable_sparse());
-    if (!st.ok()) return fail(absl::Status(st.code(), absl::StrCat(ShardName(s), ": ", st.message())));
+    if (!st.ok())
+      return fail(absl::Status(st.code(),
+                               absl::StrCat(ShardName(s), ": ", st.message())));
     stats.bytes_sent[s] = pushes[s].ByteSizeLong();
   }
   stats.encode = absl::Now() - t;
@@ -240,12 +241,12 @@ absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
     const v1::ShardSpec& shard = cluster_.shards(static_cast<int>(s));
     const v1::Pull& pull = pulls[s];
     stats.bytes_received[s] = pull.ByteSizeLong();
-    stats.server_merge = std::max(
-        stats.server_merge,
-        absl::Microseconds(static_cast<int64_t>(pull.merge_us())));
-    stats.server_select = std::max(
-        stats.server_select,
-        absl::Microseconds(static_cast<int64_t>(pull.select_us())));
+    stats.server_merge =
+        std::max(stats.server_merge,
+                 absl::Microseconds(static_cast<int64_t>(pull.merge_us())));
+    stats.server_select =
+        std::max(stats.server_select,
+                 absl::Microseconds(static_cast<int64_t>(pull.select_us())));
     absl::Status bad;
     SparseVector part;
     if (pull.step() != step || pull.shard_id() != shard.shard_id()) {
@@ -254,16 +255,17 @@ absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
                                              ", expected step ", step));
     } else if (absl::Status dec = DecodeSparse(pull.sparse(), n, &part);
                !dec.ok()) {
-      bad = absl::InternalError(absl::StrCat("undecodable pull: ", dec.message()));
+      bad = absl::InternalError(
+          absl::StrCat("undecodable pull: ", dec.message()));
     } else if (!part.empty() && (part.indices.front() < shard.begin() ||
                                  part.indices.back() >= shard.end())) {
-      bad = absl::InternalError(absl::StrCat("pull has indices outside [",
-                                             shard.begin(), ", ", shard.end(),
-                                             ")"));
+      bad = absl::InternalError(absl::StrCat(
+          "pull has indices outside [", shard.begin(), ", ", shard.end(), ")"));
     }
     if (!bad.ok()) {
       CloseStreams();
-      return fail(absl::Status(bad.code(), absl::StrCat(ShardName(s), ": ", bad.message())));
+      return fail(absl::Status(
+          bad.code(), absl::StrCat(ShardName(s), ": ", bad.message())));
     }
     global.indices.insert(global.indices.end(), part.indices.begin(),
                           part.indices.end());
@@ -290,15 +292,14 @@ absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
     }
   }
   if (mode_ == Mode::kGtopk) {
-    GTOPK_RETURN_IF_ERROR(Cuda(d.updater.Set(u, n, back_idx.data(),
-                                             back_val.data(), back_idx.size(),
-                                             stream)));
+    GTOPK_RETURN_IF_ERROR(Cuda(d.updater.Set(
+        u, n, back_idx.data(), back_val.data(), back_idx.size(), stream)));
   }
   if (dgc_momentum && rule_.options().momentum_factor_masking) {
     const std::vector<float> zeros(mask_idx.size(), 0.0f);
-    GTOPK_RETURN_IF_ERROR(Cuda(d.updater.Set(d.velocity[d.current].get(), n,
-                                             mask_idx.data(), zeros.data(),
-                                             mask_idx.size(), stream)));
+    GTOPK_RETURN_IF_ERROR(
+        Cuda(d.updater.Set(d.velocity[d.current].get(), n, mask_idx.data(),
+                           zeros.data(), mask_idx.size(), stream)));
   }
   const float p = static_cast<float>(P);
   std::vector<float> update(global.size());
@@ -308,10 +309,9 @@ absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
         params, d.global_velocity.get(), n, rule_.options().momentum,
         global.indices.data(), update.data(), global.size(), stream)));
   } else {
-    GTOPK_RETURN_IF_ERROR(Cuda(d.updater.Subtract(params, n,
-                                                  global.indices.data(),
-                                                  update.data(), global.size(),
-                                                  stream)));
+    GTOPK_RETURN_IF_ERROR(
+        Cuda(d.updater.Subtract(params, n, global.indices.data(), update.data(),
+                                global.size(), stream)));
   }
   GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(cudaStreamSynchronize(stream)));
   stats.apply = absl::Now() - t;

@@ -217,24 +217,24 @@ TorchTimings ReadTorch(const std::string& path) {
 
 // ---------------------------------------------------------------------------
 
-#define CHECK_CUDA(call)                                                    \
-  do {                                                                      \
-    const cudaError_t e_ = (call);                                          \
-    if (e_ != cudaSuccess) {                                                \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,    \
-                   cudaGetErrorString(e_));                                 \
-      std::exit(4);                                                         \
-    }                                                                       \
+#define CHECK_CUDA(call)                                                 \
+  do {                                                                   \
+    const cudaError_t e_ = (call);                                       \
+    if (e_ != cudaSuccess) {                                             \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, \
+                   cudaGetErrorString(e_));                              \
+      std::exit(4);                                                      \
+    }                                                                    \
   } while (0)
 
-#define CHECK_OK(expr)                                                     \
-  do {                                                                     \
-    const Status s_ = (expr);                                              \
-    if (!s_.ok()) {                                                        \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr,   \
-                   s_.message.c_str());                                    \
-      std::exit(4);                                                        \
-    }                                                                      \
+#define CHECK_OK(expr)                                                   \
+  do {                                                                   \
+    const Status s_ = (expr);                                            \
+    if (!s_.ok()) {                                                      \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, \
+                   s_.message.c_str());                                  \
+      std::exit(4);                                                      \
+    }                                                                    \
   } while (0)
 
 inline uint32_t KeyOf(float x) {
@@ -254,7 +254,8 @@ std::vector<float> NormalInput(uint64_t n, uint64_t seed) {
   std::vector<float> x(n);
   const uint64_t chunk = uint64_t{1} << 20;
   const uint64_t chunks = (n + chunk - 1) / chunk;
-  const unsigned threads = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
+  const unsigned threads =
+      std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
   std::vector<std::thread> pool;
   for (unsigned t = 0; t < threads; ++t) {
     pool.emplace_back([&, t] {
@@ -328,7 +329,7 @@ std::string CheckSelection(const std::string& method,
                            const Selection& sel,
                            const std::vector<uint32_t>& reference) {
   const uint64_t n = u.size();
-  const Method m = method == "exact" ? Method::kExact
+  const Method m = method == "exact"       ? Method::kExact
                    : method == "gaussiank" ? Method::kGaussianK
                                            : Method::kDgc;
   std::ostringstream err;
@@ -452,7 +453,8 @@ int main(int argc, char** argv) {
                 [] {}, &s);
         copy_us[n] = Median(s);
       }
-      // The update's result with zero residual/velocity: u' = 0 + lr*(0*0 + (g + 0)).
+      // The update's result with zero residual/velocity: u' = 0 + lr*(0*0 + (g
+      // + 0)).
       const float lr = 0.5f;
       std::vector<float> updated(n);
       for (uint64_t i = 0; i < n; ++i) {
@@ -471,9 +473,9 @@ int main(int argc, char** argv) {
         ReferenceTopK(updated, k, &reference_updated);
         for (const char* method : {"exact", "gaussiank", "dgc"}) {
           SelectParams p;
-          p.method = std::string(method) == "exact" ? Method::kExact
+          p.method = std::string(method) == "exact"       ? Method::kExact
                      : std::string(method) == "gaussiank" ? Method::kGaussianK
-                                                         : Method::kDgc;
+                                                          : Method::kDgc;
           p.k = k;
           p.seed = o.seed;
           p.zero_selected = true;
@@ -551,19 +553,23 @@ int main(int argc, char** argv) {
                                  reference_updated);
           }
           if (!bad.empty()) {
-            failures.push_back(std::string(method) + "+update n=" +
-                               std::to_string(n) + " density=" + Num(density) +
-                               ": " + bad);
+            failures.push_back(std::string(method) +
+                               "+update n=" + std::to_string(n) +
+                               " density=" + Num(density) + ": " + bad);
           }
           s.clear();
-          time_us([&] { reset(); update(); },
-                  [&] { CHECK_OK(sp->Select(d_residual.get(), n, p, stream)); },
-                  [&] {
-                    Selection t;
-                    CHECK_OK(sp->Wait(stream, &t));
-                    count = t.count;
-                  },
-                  &s);
+          time_us(
+              [&] {
+                reset();
+                update();
+              },
+              [&] { CHECK_OK(sp->Select(d_residual.get(), n, p, stream)); },
+              [&] {
+                Selection t;
+                CHECK_OK(sp->Wait(stream, &t));
+                count = t.count;
+              },
+              &s);
           rows.push_back({n, density, k, std::string(method) + "_after_update",
                           Median(s), *std::min_element(s.begin(), s.end()),
                           count});
@@ -582,19 +588,19 @@ int main(int argc, char** argv) {
           }
         }
       }
-      const double secs = std::chrono::duration<double>(
-                              std::chrono::steady_clock::now() - t0)
-                              .count();
+      const double secs =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+              .count();
       std::fprintf(stderr, "device_check: n=%llu done in %.1f s\n",
                    static_cast<unsigned long long>(n), secs);
     }
     CHECK_CUDA(cudaStreamDestroy(stream));
   } else {
-    std::fprintf(stderr,
-                 "device_check: no CUDA device (%s); writing a JSON without "
-                 "measurements\n",
-                 dev_err == cudaSuccess ? "0 devices"
-                                        : cudaGetErrorString(dev_err));
+    std::fprintf(
+        stderr,
+        "device_check: no CUDA device (%s); writing a JSON without "
+        "measurements\n",
+        dev_err == cudaSuccess ? "0 devices" : cudaGetErrorString(dev_err));
     cudaGetLastError();
   }
 
@@ -612,8 +618,8 @@ int main(int argc, char** argv) {
      << "  \"torch\": {\"available\": " << (torch.available ? "true" : "false")
      << ", \"version\": \"" << JsonEscape(torch.version) << "\", \"note\": \""
      << JsonEscape(torch.note) << "\"},\n"
-     << "  \"correctness\": {\"checks\": " << checks << ", \"failed\": "
-     << failures.size() << ", \"failures\": [";
+     << "  \"correctness\": {\"checks\": " << checks
+     << ", \"failed\": " << failures.size() << ", \"failures\": [";
   for (size_t i = 0; i < failures.size(); ++i) {
     js << (i ? ", " : "") << "\"" << JsonEscape(failures[i]) << "\"";
   }
@@ -641,7 +647,8 @@ int main(int argc, char** argv) {
                 std::isfinite(one_read) ? Num(us / one_read).c_str() : "-",
                 std::isfinite(torch_us) ? Num(us / torch_us).c_str() : "-");
   };
-  for (const Row& r : rows) emit(r.n, r.density, r.k, r.method, r.us, r.min_us, r.count);
+  for (const Row& r : rows)
+    emit(r.n, r.density, r.k, r.method, r.us, r.min_us, r.count);
   for (const auto& entry : torch.topk_us) {
     const uint64_t n = entry.first.first;
     const double density = entry.first.second / 1e6;

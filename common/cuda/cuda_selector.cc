@@ -18,14 +18,12 @@ absl::StatusOr<Method> ParseMethod(absl::string_view name) {
   if (name == "exact") return Method::kExact;
   if (name == "gaussiank") return Method::kGaussianK;
   if (name == "dgc") return Method::kDgc;
-  return absl::InvalidArgumentError(
-      absl::StrCat("no CUDA selector \"", name,
-                   "\"; known: exact, gaussiank, dgc"));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "no CUDA selector \"", name, "\"; known: exact, gaussiank, dgc"));
 }
 
 absl::StatusOr<std::unique_ptr<CudaSelector>> CudaSelector::Create(
-    absl::string_view name, const SelectorOptions& options,
-    uint64_t capacity) {
+    absl::string_view name, const SelectorOptions& options, uint64_t capacity) {
   GTOPK_ASSIGN_OR_RETURN(const Method method, ParseMethod(name));
   GTOPK_RETURN_IF_ERROR(ValidateSelectorOptions(options));
   std::unique_ptr<Sparsifier> sparsifier;
@@ -52,8 +50,8 @@ absl::Status CudaSelector::Select(absl::Span<const float> u, uint64_t k,
       cudaMemcpy(staging_.get(), u.data(), u.size() * sizeof(float),
                  cudaMemcpyHostToDevice);
   if (copied != cudaSuccess) {
-    return ToAbslStatus(CudaError(copied, "cudaMemcpy(staging, u)", __FILE__,
-                                  __LINE__));
+    return ToAbslStatus(
+        CudaError(copied, "cudaMemcpy(staging, u)", __FILE__, __LINE__));
   }
   return SelectDevice(staging_.get(), u.size(), k, step, /*stream=*/nullptr,
                       /*zero_selected=*/false, out);

@@ -73,7 +73,8 @@ class CudaSelector final : public Selector {
  private:
   CudaSelector(Method method, const SelectorOptions& options,
                std::unique_ptr<Sparsifier> sparsifier)
-      : method_(method), options_(options),
+      : method_(method),
+        options_(options),
         sparsifier_(std::move(sparsifier)) {}
   absl::Status EnsureCapacity(uint64_t n);
 

@@ -70,9 +70,9 @@ inline Status CudaError(cudaError_t error, const char* call, const char* file,
   } while (false)
 
 // Propagates a non-OK gtopk::cuda::Status.
-#define GTOPK_CUDA_RETURN_IF_NOT_OK(expr)                \
-  do {                                                   \
-    ::gtopk::cuda::Status gtopk_cuda_status_ = (expr);   \
+#define GTOPK_CUDA_RETURN_IF_NOT_OK(expr)                    \
+  do {                                                       \
+    ::gtopk::cuda::Status gtopk_cuda_status_ = (expr);       \
     if (!gtopk_cuda_status_.ok()) return gtopk_cuda_status_; \
   } while (false)
 
@@ -87,7 +87,8 @@ class DeviceBuffer {
   DeviceBuffer() = default;
   ~DeviceBuffer() { Reset(); }
   DeviceBuffer(DeviceBuffer&& o) noexcept
-      : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+      : data_(std::exchange(o.data_, nullptr)),
+        size_(std::exchange(o.size_, 0)) {}
   DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
     if (this != &o) {
       Reset();
@@ -130,7 +131,8 @@ class PinnedBuffer {
   PinnedBuffer() = default;
   ~PinnedBuffer() { Reset(); }
   PinnedBuffer(PinnedBuffer&& o) noexcept
-      : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+      : data_(std::exchange(o.data_, nullptr)),
+        size_(std::exchange(o.size_, 0)) {}
   PinnedBuffer& operator=(PinnedBuffer&& o) noexcept {
     if (this != &o) {
       Reset();

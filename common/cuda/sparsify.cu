@@ -15,17 +15,16 @@
 //
 // Built with --fmad=false (common/CMakeLists.txt, bench/cuda/device_check.sh)
 // so that the residual update rounds like the CPU rule (-ffp-contract=off).
-#include "common/cuda/sparsify.h"
-
-#include <cub/block/block_reduce.cuh>
-#include <cub/block/block_scan.cuh>
-
 #include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstring>
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
 #include <string>
 #include <utility>
+
+#include "common/cuda/sparsify.h"
 
 namespace gtopk {
 namespace cuda {
@@ -60,8 +59,7 @@ __device__ inline uint32_t Key(float x) {
 __device__ inline uint32_t Key(uint32_t key) { return key; }
 
 // Does `key` share the digits above `level` with `prefix`?
-__device__ inline bool MatchesPrefix(uint32_t key, uint32_t prefix,
-                                     int level) {
+__device__ inline bool MatchesPrefix(uint32_t key, uint32_t prefix, int level) {
   const int high = LevelShift(level) + LevelBits(level);
   return high >= 31 || (key >> high) == (prefix >> high);
 }
@@ -80,8 +78,8 @@ struct DeviceState {
   ull num_selected;    // output count of the final compaction
   ull count_at_least;  // CountAtLeastKernel's result
   ull first_non_finite;
-  double sum;    // sum of u (histogram pass)
-  double sumsq;  // sum of u^2
+  double sum;        // sum of u (histogram pass)
+  double sumsq;      // sum of u^2
   double threshold;  // gaussiank: threshold where the planner stopped
   uint32_t prefix;
   uint32_t min_key;  // compaction threshold: keep key >= min_key
@@ -177,8 +175,7 @@ __device__ inline float UpdateOne(float g, float p, float v, float r,
 // The first radix histogram (digit 0 of |u|) and the sums of u; with
 // kUpdate it first computes u = residual + lr*v and writes it.
 template <bool kUpdate>
-__global__ void __launch_bounds__(kThreads)
-    HistogramKernel(HistArgs a) {
+__global__ void __launch_bounds__(kThreads) HistogramKernel(HistArgs a) {
   __shared__ uint32_t hist[kBins];
   for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
   __syncthreads();
@@ -196,9 +193,10 @@ __global__ void __launch_bounds__(kThreads)
         const float4 p = a.params != nullptr
                              ? *reinterpret_cast<const float4*>(a.params + i)
                              : make_float4(0.f, 0.f, 0.f, 0.f);
-        const float4 v = a.momentum_correction
-                             ? *reinterpret_cast<const float4*>(a.velocity_in + i)
-                             : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float4 v =
+            a.momentum_correction
+                ? *reinterpret_cast<const float4*>(a.velocity_in + i)
+                : make_float4(0.f, 0.f, 0.f, 0.f);
         const float4 r = *reinterpret_cast<const float4*>(a.residual_in + i);
         float4 vo;
         u[0] = UpdateOne(g.x, p.x, v.x, r.x, a, &vo.x);
@@ -327,7 +325,8 @@ __global__ void __launch_bounds__(kThreads)
   const uint32_t prefix = st->prefix;
   const int lane = threadIdx.x & 31;
   const uint32_t lanes_below = (1u << lane) - 1u;
-  const uint64_t warp = uint64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
+  const uint64_t warp =
+      uint64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
   const uint64_t begin = warp * chunk;
   const uint64_t end = begin + chunk < n ? begin + chunk : n;
   uint32_t* out = regions + begin;
@@ -410,8 +409,8 @@ __global__ void __launch_bounds__(kScanThreads)
 // the values read from u; zero: u[i] = +0.0 after reading. hist_level >= 0:
 // histogram of that digit over the gathered keys matching state's prefix.
 __global__ void __launch_bounds__(kThreads)
-    GatherKernel(float* u, const uint32_t* __restrict__ regions,
-                 uint64_t chunk, const uint32_t* __restrict__ counts,
+    GatherKernel(float* u, const uint32_t* __restrict__ regions, uint64_t chunk,
+                 const uint32_t* __restrict__ counts,
                  const ull* __restrict__ offsets, int num_warps,
                  uint32_t* __restrict__ out_idx, float* __restrict__ out_val,
                  int zero, DeviceState* st, ull* hist_out, int hist_level) {
@@ -468,8 +467,8 @@ __global__ void __launch_bounds__(kThreads)
   const uint64_t length = d_len != nullptr ? *d_len : len;
   const uint32_t prefix = st->prefix;
   if (!skip) {
-    for (uint64_t i = uint64_t{blockIdx.x} * kThreads + threadIdx.x;
-         i < length; i += uint64_t{gridDim.x} * kThreads) {
+    for (uint64_t i = uint64_t{blockIdx.x} * kThreads + threadIdx.x; i < length;
+         i += uint64_t{gridDim.x} * kThreads) {
       const uint32_t key = Key(data[i]);
       if (MatchesPrefix(key, prefix, level)) {
         atomicAdd(&hist[Digit(key, level)], 1u);
@@ -514,7 +513,8 @@ __global__ void __launch_bounds__(kThreads)
     CountFinalKernel(const float* __restrict__ values, DeviceState* st,
                      FinalRule rule, uint32_t* greater, uint32_t* equal) {
   const int lane = threadIdx.x & 31;
-  const uint64_t warp = uint64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
+  const uint64_t warp =
+      uint64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
   uint32_t gt = 0, eq = 0;
   if (st->error == 0) {
     uint32_t t;
@@ -582,7 +582,8 @@ __global__ void __launch_bounds__(kThreads)
   if (st->error != 0) return;  // uniform
   const int lane = threadIdx.x & 31;
   const uint32_t lanes_below = (1u << lane) - 1u;
-  const uint64_t warp = uint64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
+  const uint64_t warp =
+      uint64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
   uint32_t t;
   ull ties;
   FinalThreshold(st, rule, &t, &ties);
@@ -823,15 +824,15 @@ Status SparseUpdater::Upload(const uint32_t* idx, const float* val,
   if (idx_.size() < count) {
     // Buffers in flight on `stream` must not be freed under it.
     GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-    GTOPK_CUDA_RETURN_IF_NOT_OK(idx_.Allocate(std::max<uint64_t>(count, 2 * idx_.size())));
+    GTOPK_CUDA_RETURN_IF_NOT_OK(
+        idx_.Allocate(std::max<uint64_t>(count, 2 * idx_.size())));
     GTOPK_CUDA_RETURN_IF_NOT_OK(val_.Allocate(idx_.size()));
   }
   GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(idx_.get(), idx,
                                              count * sizeof(uint32_t),
                                              cudaMemcpyHostToDevice, stream));
-  GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(val_.get(), val,
-                                             count * sizeof(float),
-                                             cudaMemcpyHostToDevice, stream));
+  GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+      val_.get(), val, count * sizeof(float), cudaMemcpyHostToDevice, stream));
   return Status::Ok();
 }
 
@@ -840,7 +841,8 @@ Status SparseUpdater::Set(float* dst, uint64_t n, const uint32_t* idx,
                           cudaStream_t stream) {
   if (count == 0) return Status::Ok();
   GTOPK_CUDA_RETURN_IF_NOT_OK(Upload(idx, val, count, stream));
-  const int blocks = static_cast<int>(std::min<uint64_t>((count + 255) / 256, 4096));
+  const int blocks =
+      static_cast<int>(std::min<uint64_t>((count + 255) / 256, 4096));
   ScatterKernel<<<blocks, 256, 0, stream>>>(dst, n, idx_.get(), val_.get(),
                                             count, 0);
   GTOPK_CUDA_LAUNCH_CHECK();
@@ -852,17 +854,18 @@ Status SparseUpdater::Subtract(float* dst, uint64_t n, const uint32_t* idx,
                                cudaStream_t stream) {
   if (count == 0) return Status::Ok();
   GTOPK_CUDA_RETURN_IF_NOT_OK(Upload(idx, val, count, stream));
-  const int blocks = static_cast<int>(std::min<uint64_t>((count + 255) / 256, 4096));
+  const int blocks =
+      static_cast<int>(std::min<uint64_t>((count + 255) / 256, 4096));
   ScatterKernel<<<blocks, 256, 0, stream>>>(dst, n, idx_.get(), val_.get(),
                                             count, 1);
   GTOPK_CUDA_LAUNCH_CHECK();
   return Status::Ok();
 }
 
-Status SparseUpdater::GlobalMomentum(float* params, float* velocity,
-                                     uint64_t n, float momentum,
-                                     const uint32_t* idx, const float* val,
-                                     uint64_t count, cudaStream_t stream) {
+Status SparseUpdater::GlobalMomentum(float* params, float* velocity, uint64_t n,
+                                     float momentum, const uint32_t* idx,
+                                     const float* val, uint64_t count,
+                                     cudaStream_t stream) {
   if (n == 0) return Status::Ok();
   if (dense_.size() < n) {
     GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
@@ -872,12 +875,14 @@ Status SparseUpdater::GlobalMomentum(float* params, float* velocity,
       cudaMemsetAsync(dense_.get(), 0, n * sizeof(float), stream));  // +0.0
   if (count > 0) {
     GTOPK_CUDA_RETURN_IF_NOT_OK(Upload(idx, val, count, stream));
-    const int blocks = static_cast<int>(std::min<uint64_t>((count + 255) / 256, 4096));
+    const int blocks =
+        static_cast<int>(std::min<uint64_t>((count + 255) / 256, 4096));
     ScatterKernel<<<blocks, 256, 0, stream>>>(dense_.get(), n, idx_.get(),
                                               val_.get(), count, 0);
     GTOPK_CUDA_LAUNCH_CHECK();
   }
-  const int blocks = static_cast<int>(std::min<uint64_t>((n + 1023) / 1024, 8192));
+  const int blocks =
+      static_cast<int>(std::min<uint64_t>((n + 1023) / 1024, 8192));
   GlobalMomentumKernel<<<blocks, 256, 0, stream>>>(params, velocity,
                                                    dense_.get(), n, momentum);
   GTOPK_CUDA_LAUNCH_CHECK();
@@ -930,7 +935,8 @@ struct Sparsifier::Impl {
   SelectInfo info;
 
   void CollectLayout(uint64_t n) {
-    uint64_t blocks = (n + uint64_t{kThreads} * 16 - 1) / (uint64_t{kThreads} * 16);
+    uint64_t blocks =
+        (n + uint64_t{kThreads} * 16 - 1) / (uint64_t{kThreads} * 16);
     blocks = std::max<uint64_t>(1, std::min<uint64_t>(blocks, max_blocks));
     collect_blocks = static_cast<int>(blocks);
     collect_warps = collect_blocks * kWarpsPerBlock;
@@ -939,16 +945,16 @@ struct Sparsifier::Impl {
   }
 
   int CandidateBlocks(uint64_t expected) const {
-    uint64_t blocks = (expected + uint64_t{kThreads} * 4 - 1) / (uint64_t{kThreads} * 4);
+    uint64_t blocks =
+        (expected + uint64_t{kThreads} * 4 - 1) / (uint64_t{kThreads} * 4);
     return static_cast<int>(
         std::max<uint64_t>(1, std::min<uint64_t>(blocks, max_blocks)));
   }
 
   Status Init(ull need, bool zero_hist0, bool keep_sums, bool keep_candidates,
               cudaStream_t stream) {
-    InitKernel<<<1, kScanThreads, 0, stream>>>(st, hist0, hist1, hist2, need,
-                                               zero_hist0, keep_sums,
-                                               keep_candidates);
+    InitKernel<<<1, kScanThreads, 0, stream>>>(
+        st, hist0, hist1, hist2, need, zero_hist0, keep_sums, keep_candidates);
     GTOPK_CUDA_LAUNCH_CHECK();
     return Status::Ok();
   }
@@ -966,7 +972,8 @@ struct Sparsifier::Impl {
   }
 
   int HistBlocks(uint64_t n) const {
-    uint64_t blocks = (n + uint64_t{kThreads} * 16 - 1) / (uint64_t{kThreads} * 16);
+    uint64_t blocks =
+        (n + uint64_t{kThreads} * 16 - 1) / (uint64_t{kThreads} * 16);
     return static_cast<int>(
         std::max<uint64_t>(1, std::min<uint64_t>(blocks, max_blocks)));
   }
@@ -989,15 +996,14 @@ struct Sparsifier::Impl {
   }
 
   Status Scan(int find_level, const ull* hist, cudaStream_t stream) {
-    ScanKernel<<<1, kScanThreads, 0, stream>>>(counts_a.get(), collect_warps,
-                                               offsets_a.get(), st, hist,
-                                               find_level);
+    ScanKernel<<<1, kScanThreads, 0, stream>>>(
+        counts_a.get(), collect_warps, offsets_a.get(), st, hist, find_level);
     GTOPK_CUDA_LAUNCH_CHECK();
     return Status::Ok();
   }
 
-  Status Gather(float* u, bool to_output, bool zero, int hist_level,
-                ull* hist, cudaStream_t stream) {
+  Status Gather(float* u, bool to_output, bool zero, int hist_level, ull* hist,
+                cudaStream_t stream) {
     GatherKernel<<<collect_blocks, kThreads, 0, stream>>>(
         u, regions.get(), collect_chunk, counts_a.get(), offsets_a.get(),
         collect_warps, to_output ? out_idx.get() : cand_idx.get(),
@@ -1021,8 +1027,8 @@ struct Sparsifier::Impl {
         cand_val.get(), st, rule, counts_b.get(), counts_a.get());
     GTOPK_CUDA_LAUNCH_CHECK();
     ScanFinalKernel<<<1, kScanThreads, 0, stream>>>(
-        counts_b.get(), counts_a.get(), warps, offsets_a.get(),
-        offsets_b.get(), st, rule);
+        counts_b.get(), counts_a.get(), warps, offsets_a.get(), offsets_b.get(),
+        st, rule);
     GTOPK_CUDA_LAUNCH_CHECK();
     WriteFinalKernel<<<blocks, kThreads, 0, stream>>>(
         cand_idx.get(), cand_val.get(), st, rule, offsets_a.get(),
@@ -1075,7 +1081,8 @@ struct Sparsifier::Impl {
   }
 
   Status EnsurePinned(uint64_t count, cudaStream_t stream) {
-    if (host_idx.size() >= count && host_val.size() >= count) return Status::Ok();
+    if (host_idx.size() >= count && host_val.size() >= count)
+      return Status::Ok();
     GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     const uint64_t size = std::max<uint64_t>(count, 2 * host_idx.size());
     GTOPK_CUDA_RETURN_IF_NOT_OK(host_idx.Allocate(size));
@@ -1089,9 +1096,9 @@ struct Sparsifier::Impl {
       GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
           host_idx.get(), out_idx.get(), count * sizeof(uint32_t),
           cudaMemcpyDeviceToHost, stream));
-      GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-          host_val.get(), out_val.get(), count * sizeof(float),
-          cudaMemcpyDeviceToHost, stream));
+      GTOPK_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(host_val.get(), out_val.get(), count * sizeof(float),
+                          cudaMemcpyDeviceToHost, stream));
     }
     GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_state.get(), st,
                                                sizeof(DeviceState),
@@ -1137,11 +1144,11 @@ Status Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
   bool fallback = s.fallback != 0;
   int adjustments = s.adjustments;
   double t = s.threshold;
-  uint32_t key = s.min_key;        // the threshold being tried
-  uint32_t cand_key = s.min_key;   // the candidates hold key >= cand_key
+  uint32_t key = s.min_key;       // the threshold being tried
+  uint32_t cand_key = s.min_key;  // the candidates hold key >= cand_key
   uint64_t cand_count = s.num_candidates;
-  uint64_t count = cand_count;     // survivors of `key`
-  bool gathered = false;           // candidates in cand_idx/cand_val
+  uint64_t count = cand_count;  // survivors of `key`
+  bool gathered = false;        // candidates in cand_idx/cand_val
   while (!fallback) {
     if (count >= lo && count <= hi) {
       if (key == cand_key) {
@@ -1165,11 +1172,12 @@ Status Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
     if (key >= cand_key) {
       // Raising the threshold: count among the candidates.
       if (!gathered) {
-        GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, -1, nullptr, stream));
+        GTOPK_CUDA_RETURN_IF_NOT_OK(
+            Gather(u, false, false, -1, nullptr, stream));
         gathered = true;
       }
-      GTOPK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(&st->count_at_least, 0,
-                                                 sizeof(ull), stream));
+      GTOPK_CUDA_RETURN_IF_ERROR(
+          cudaMemsetAsync(&st->count_at_least, 0, sizeof(ull), stream));
       CountAtLeastKernel<<<CandidateBlocks(cand_count), kThreads, 0, stream>>>(
           cand_val.get(), st, key);
       GTOPK_CUDA_LAUNCH_CHECK();
@@ -1318,10 +1326,10 @@ Status Sparsifier::Accumulate(const float* grad, const float* params,
                               cudaStream_t stream) {
   Impl& m = *impl_;
   if (n == 0 || n > m.capacity) {
-    return Status::Error(StatusCode::kInvalidArgument,
-                         "Accumulate: n = " + std::to_string(n) +
-                             " must be in [1, capacity = " +
-                             std::to_string(m.capacity) + "]");
+    return Status::Error(
+        StatusCode::kInvalidArgument,
+        "Accumulate: n = " + std::to_string(n) +
+            " must be in [1, capacity = " + std::to_string(m.capacity) + "]");
   }
   if (grad == nullptr || residual_in == nullptr || residual_out == nullptr ||
       (up.momentum_correction &&
@@ -1397,8 +1405,7 @@ Status Sparsifier::Select(float* u, uint64_t n, const SelectParams& p,
   m.info.used_update_histogram = reuse && p.method != Method::kDgc;
   m.pending_error = false;
   m.check_selected = false;
-  GTOPK_CUDA_RETURN_IF_NOT_OK(
-      m.EnsurePinned(MaxCount(p.method, p.k), stream));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(m.EnsurePinned(MaxCount(p.method, p.k), stream));
   m.pending = true;  // from here on Wait must be called
   m.pending_u = u;
   m.pending_n = n;
@@ -1434,8 +1441,8 @@ Status Sparsifier::Wait(cudaStream_t stream, Selection* out) {
   const DeviceState s = *m.host_state.get();
   if ((s.error & kErrorNonFinite) != 0) {
     // Find the first position for the message (rare path, one more pass).
-    GTOPK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(&m.st->first_non_finite, 0xff,
-                                               sizeof(ull), stream));
+    GTOPK_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(&m.st->first_non_finite, 0xff, sizeof(ull), stream));
     FirstNonFiniteKernel<<<m.HistBlocks(m.pending_n), kThreads, 0, stream>>>(
         m.pending_u, m.pending_n, m.st);
     GTOPK_CUDA_LAUNCH_CHECK();
@@ -1446,9 +1453,8 @@ Status Sparsifier::Wait(cudaStream_t stream, Selection* out) {
     GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     float value = 0.0f;
     if (pos < m.pending_n) {
-      GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpy(&value, m.pending_u + pos,
-                                            sizeof(float),
-                                            cudaMemcpyDeviceToHost));
+      GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpy(
+          &value, m.pending_u + pos, sizeof(float), cudaMemcpyDeviceToHost));
     }
     return Status::Error(StatusCode::kInvalidArgument,
                          "selector input has a non-finite value (" +
@@ -1461,11 +1467,10 @@ Status Sparsifier::Wait(cudaStream_t stream, Selection* out) {
                              std::to_string(s.error) + ")");
   }
   if (m.check_selected && s.num_selected != m.pending_count) {
-    return Status::Error(StatusCode::kInternal,
-                         "selection produced " +
-                             std::to_string(s.num_selected) +
-                             " pairs, expected " +
-                             std::to_string(m.pending_count));
+    return Status::Error(
+        StatusCode::kInternal,
+        "selection produced " + std::to_string(s.num_selected) +
+            " pairs, expected " + std::to_string(m.pending_count));
   }
   m.info.count = m.pending_count;
   if (m.info.candidates == 0) m.info.candidates = s.num_candidates;

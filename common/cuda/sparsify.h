@@ -57,17 +57,17 @@ const char* MethodName(Method method);
 //   momentum_correction: v = momentum * velocity + g;  residual += lr * v
 //   otherwise:           residual += lr * g
 struct UpdateParams {
-  float lr = 0.1f;              // this step's learning rate, > 0
-  float momentum = 0.9f;        // in [0, 1); used with momentum_correction
-  float weight_decay = 0.0f;    // >= 0
+  float lr = 0.1f;                  // this step's learning rate, > 0
+  float momentum = 0.9f;            // in [0, 1); used with momentum_correction
+  float weight_decay = 0.0f;        // >= 0
   bool momentum_correction = true;  // DGC momentum correction
 };
 
 struct SelectParams {
   Method method = Method::kExact;
-  uint64_t k = 1;      // target count, 1 <= k <= n
-  uint64_t step = 0;   // training step (dgc's sample stream)
-  uint64_t seed = 0;   // dgc's seed
+  uint64_t k = 1;                     // target count, 1 <= k <= n
+  uint64_t step = 0;                  // training step (dgc's sample stream)
+  uint64_t seed = 0;                  // dgc's seed
   double dgc_sample_fraction = 0.01;  // in [0.01, 1]
   int gaussiank_max_adjustments = 4;  // in [1, 16]
   // Set u[i] = +0.0 on the device for every selected i.
@@ -82,11 +82,12 @@ uint64_t MaxCount(Method method, uint64_t k);
 
 // What the last selection did (valid after Wait).
 struct SelectInfo {
-  uint64_t count = 0;        // pairs selected
-  uint64_t candidates = 0;   // entries kept by the compaction pass over u
-  int adjustments = 0;       // gaussiank threshold adjustments
-  bool fell_back = false;    // gaussiank/dgc ended with the exact top-k
-  bool used_update_histogram = false;  // the first histogram came from Accumulate
+  uint64_t count = 0;       // pairs selected
+  uint64_t candidates = 0;  // entries kept by the compaction pass over u
+  int adjustments = 0;      // gaussiank threshold adjustments
+  bool fell_back = false;   // gaussiank/dgc ended with the exact top-k
+  bool used_update_histogram =
+      false;  // the first histogram came from Accumulate
 };
 
 // The selected pairs in pinned host memory, sorted by index; valid until the
@@ -180,8 +181,8 @@ class SparseUpdater {
   Status Set(float* dst, uint64_t n, const uint32_t* idx, const float* val,
              uint64_t count, cudaStream_t stream);
   // dst[idx[j]] = dst[idx[j]] - val[j].
-  Status Subtract(float* dst, uint64_t n, const uint32_t* idx,
-                  const float* val, uint64_t count, cudaStream_t stream);
+  Status Subtract(float* dst, uint64_t n, const uint32_t* idx, const float* val,
+                  uint64_t count, cudaStream_t stream);
   // Global momentum (MomentumMode::kGlobal) over all n entries, with
   // update_i = val[j] at i = idx[j] and +0.0 elsewhere:
   //   v = momentum * velocity[i] + update_i;  velocity[i] = v;  params[i] -= v

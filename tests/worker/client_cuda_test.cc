@@ -145,8 +145,10 @@ class ClientCudaTest : public ::testing::TestWithParam<Case> {
 };
 
 TEST_P(ClientCudaTest, DeviceWorkerMatchesHostWorkersBitForBit) {
-  const std::vector<std::vector<float>> host = RunCluster(GetParam(), {false, false});
-  const std::vector<std::vector<float>> mixed = RunCluster(GetParam(), {false, true});
+  const std::vector<std::vector<float>> host =
+      RunCluster(GetParam(), {false, false});
+  const std::vector<std::vector<float>> mixed =
+      RunCluster(GetParam(), {false, true});
   ASSERT_EQ(host.size(), kWorkers + 1u);
   ASSERT_EQ(mixed.size(), kWorkers + 1u);
   for (int r = 0; r <= kWorkers; ++r) {
@@ -160,15 +162,14 @@ TEST_P(ClientCudaTest, DeviceWorkerMatchesHostWorkersBitForBit) {
 
 INSTANTIATE_TEST_SUITE_P(
     Modes, ClientCudaTest,
-    ::testing::Values(
-        Case{"exact", MomentumMode::kDgcCorrection, AggregationMode::kGtopk,
-             ValueCodec::kFp32},
-        Case{"exact", MomentumMode::kGlobal, AggregationMode::kGtopk,
-             ValueCodec::kBf16},
-        Case{"exact", MomentumMode::kNone, AggregationMode::kTopk,
-             ValueCodec::kFp16},
-        Case{"exact", MomentumMode::kDgcCorrection, AggregationMode::kDense,
-             ValueCodec::kFp32}),
+    ::testing::Values(Case{"exact", MomentumMode::kDgcCorrection,
+                           AggregationMode::kGtopk, ValueCodec::kFp32},
+                      Case{"exact", MomentumMode::kGlobal,
+                           AggregationMode::kGtopk, ValueCodec::kBf16},
+                      Case{"exact", MomentumMode::kNone, AggregationMode::kTopk,
+                           ValueCodec::kFp16},
+                      Case{"exact", MomentumMode::kDgcCorrection,
+                           AggregationMode::kDense, ValueCodec::kFp32}),
     [](const ::testing::TestParamInfo<Case>& info) {
       return absl::StrCat("case", info.index);
     });

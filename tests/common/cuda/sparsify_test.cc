@@ -1,6 +1,8 @@
 // GPU selectors against the CPU reference (tests/testing/reference.h) on
 // fresh seeded inputs. Skips, with the reason, when no CUDA device is
 // present (CTest label `gpu`).
+#include "common/cuda/sparsify.h"
+
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -14,7 +16,6 @@
 
 #include "common/cpu/topk.h"
 #include "common/cuda/cuda_selector.h"
-#include "common/cuda/sparsify.h"
 #include "common/optimizer.h"
 #include "common/testing/status_matchers.h"
 #include "gtest/gtest.h"
@@ -146,8 +147,8 @@ INSTANTIATE_TEST_SUITE_P(
                           Distribution::kSpike),
         // n = 1, odd sizes around the 128-entry warp step and the block
         // size, and one above a million.
-        ::testing::Values(size_t{1}, size_t{1000}, size_t{4099},
-                          size_t{100003}, size_t{(1 << 20) + 7}),
+        ::testing::Values(size_t{1}, size_t{1000}, size_t{4099}, size_t{100003},
+                          size_t{(1 << 20) + 7}),
         ::testing::Values(0.001, 0.01, 0.3)),
     [](const ::testing::TestParamInfo<Case>& info) {
       const double d = std::get<2>(info.param);
@@ -159,7 +160,8 @@ INSTANTIATE_TEST_SUITE_P(
 TEST_F(GpuTest, ExactForEveryKOfASmallInput) {
   const size_t n = 257;
   const std::vector<float> u = MakeInput(Distribution::kFewLevels, n, 5);
-  GTOPK_ASSERT_OK_AND_ASSIGN(auto selector, CudaSelector::Create("exact", {}, n));
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                             CudaSelector::Create("exact", {}, n));
   for (uint64_t k = 1; k <= n; ++k) {
     SparseVector got;
     GTOPK_ASSERT_OK(selector->Select(u, k, 0, &got));
@@ -173,17 +175,18 @@ TEST_F(GpuTest, FusedUpdateMatchesTheCpuRuleBitForBitAndFeedsSelection) {
   o.lr = 0.05f;
   o.momentum = 0.9f;
   o.weight_decay = 1e-4f;
-  GTOPK_ASSERT_OK_AND_ASSIGN(const OptimizerRule rule, OptimizerRule::Create(o));
+  GTOPK_ASSERT_OK_AND_ASSIGN(const OptimizerRule rule,
+                             OptimizerRule::Create(o));
   const std::vector<float> grad = MakeInput(Distribution::kHeavyTailed, n, 1);
   const std::vector<float> params = MakeInput(Distribution::kNormal, n, 2);
   std::vector<float> velocity = MakeInput(Distribution::kNormal, n, 3);
   std::vector<float> residual = MakeInput(Distribution::kManyZeros, n, 4);
   DeviceVector d_grad(grad), d_params(params), d_velocity(velocity),
       d_residual(residual);
-  GTOPK_ASSERT_OK(rule.AccumulateLocal(0, grad, params,
-                                       absl::MakeSpan(velocity),
-                                       absl::MakeSpan(residual)));
-  GTOPK_ASSERT_OK_AND_ASSIGN(auto selector, CudaSelector::Create("exact", {}, n));
+  GTOPK_ASSERT_OK(rule.AccumulateLocal(
+      0, grad, params, absl::MakeSpan(velocity), absl::MakeSpan(residual)));
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                             CudaSelector::Create("exact", {}, n));
   UpdateParams up;
   up.lr = rule.LrAt(0);
   up.momentum = o.momentum;
@@ -191,8 +194,8 @@ TEST_F(GpuTest, FusedUpdateMatchesTheCpuRuleBitForBitAndFeedsSelection) {
   up.momentum_correction = true;
   GTOPK_ASSERT_OK(ToAbslStatus(selector->sparsifier()->Accumulate(
       d_grad.buffer.get(), d_params.buffer.get(), d_velocity.buffer.get(),
-      d_velocity.buffer.get(), d_residual.buffer.get(),
-      d_residual.buffer.get(), n, up, nullptr)));
+      d_velocity.buffer.get(), d_residual.buffer.get(), d_residual.buffer.get(),
+      n, up, nullptr)));
   const std::vector<float> gpu_velocity = d_velocity.ToHost(n);
   const std::vector<float> gpu_residual = d_residual.ToHost(n);
   for (size_t i = 0; i < n; ++i) {
@@ -214,13 +217,14 @@ TEST_F(GpuTest, NonFiniteInputIsInvalidArgumentAndChangesNothing) {
     std::vector<float> u = MakeInput(Distribution::kNormal, n, 9);
     u[1234] = std::numeric_limits<float>::quiet_NaN();
     u[4000] = std::numeric_limits<float>::infinity();
-    GTOPK_ASSERT_OK_AND_ASSIGN(auto selector, CudaSelector::Create(name, {}, n));
+    GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                               CudaSelector::Create(name, {}, n));
     DeviceVector d(u);
     SparseVector got;
-    EXPECT_THAT(selector->SelectDevice(d.buffer.get(), n, 50, 0, nullptr, true,
-                                       &got),
-                StatusIs(absl::StatusCode::kInvalidArgument,
-                         HasSubstr("non-finite value (nan) at position 1234")));
+    EXPECT_THAT(
+        selector->SelectDevice(d.buffer.get(), n, 50, 0, nullptr, true, &got),
+        StatusIs(absl::StatusCode::kInvalidArgument,
+                 HasSubstr("non-finite value (nan) at position 1234")));
     EXPECT_TRUE(got.empty());
     const std::vector<float> after = d.ToHost(n);
     for (size_t i = 0; i < n; ++i) {
@@ -230,7 +234,8 @@ TEST_F(GpuTest, NonFiniteInputIsInvalidArgumentAndChangesNothing) {
 }
 
 TEST_F(GpuTest, BadArgumentsAreRejected) {
-  GTOPK_ASSERT_OK_AND_ASSIGN(auto selector, CudaSelector::Create("exact", {}, 10));
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                             CudaSelector::Create("exact", {}, 10));
   SparseVector got;
   const std::vector<float> u(10, 1.0f);
   EXPECT_THAT(selector->Select(u, 0, 0, &got),
