@@ -29,6 +29,7 @@
 #include <map>
 #include <memory>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -217,24 +218,28 @@ TorchTimings ReadTorch(const std::string& path) {
 
 // ---------------------------------------------------------------------------
 
-#define CHECK_CUDA(call)                                                 \
-  do {                                                                   \
-    const cudaError_t e_ = (call);                                       \
-    if (e_ != cudaSuccess) {                                             \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, \
-                   cudaGetErrorString(e_));                              \
-      std::exit(4);                                                      \
-    }                                                                    \
+// A failed CUDA call or selector status: recorded as a failure of the
+// (n, density, method) being run, so a fault still leaves a JSON behind.
+struct Fatal : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+#define CHECK_CUDA(call)                                                   \
+  do {                                                                     \
+    const cudaError_t e_ = (call);                                         \
+    if (e_ != cudaSuccess) {                                               \
+      throw Fatal(std::string(__FILE__) + ":" + std::to_string(__LINE__) + \
+                  ": " + #call + ": " + cudaGetErrorString(e_));           \
+    }                                                                      \
   } while (0)
 
-#define CHECK_OK(expr)                                                   \
-  do {                                                                   \
-    const Status s_ = (expr);                                            \
-    if (!s_.ok()) {                                                      \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, \
-                   s_.message.c_str());                                  \
-      std::exit(4);                                                      \
-    }                                                                    \
+#define CHECK_OK(expr)                                                     \
+  do {                                                                     \
+    const Status s_ = (expr);                                              \
+    if (!s_.ok()) {                                                        \
+      throw Fatal(std::string(__FILE__) + ":" + std::to_string(__LINE__) + \
+                  ": " + #expr + ": " + s_.message);                       \
+    }                                                                      \
   } while (0)
 
 inline uint32_t KeyOf(float x) {
@@ -396,8 +401,7 @@ int main(int argc, char** argv) {
   std::string gpu = "none";
   if (dev_err == cudaSuccess && devices > 0) {
     cudaDeviceProp prop;
-    CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-    gpu = prop.name;
+    if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess) gpu = prop.name;
   }
   std::vector<Row> rows;
   std::vector<std::string> failures;
@@ -405,196 +409,229 @@ int main(int argc, char** argv) {
   int checks = 0;
 
   if (devices > 0) {
-    cudaStream_t stream;
-    CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    cudaEvent_t start, stop;
-    CHECK_CUDA(cudaEventCreate(&start));
-    CHECK_CUDA(cudaEventCreate(&stop));
-    const uint64_t max_n = *std::max_element(o.sizes.begin(), o.sizes.end());
-    std::unique_ptr<Sparsifier> sp;
-    CHECK_OK(Sparsifier::Create(max_n, &sp));
-    DeviceBuffer<float> d_pristine, d_u, d_velocity, d_residual;
-    CHECK_OK(d_pristine.Allocate(max_n));
-    CHECK_OK(d_u.Allocate(max_n));
-    CHECK_OK(d_velocity.Allocate(max_n));
-    CHECK_OK(d_residual.Allocate(max_n));
+    try {
+      cudaStream_t stream;
+      CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      cudaEvent_t start, stop;
+      CHECK_CUDA(cudaEventCreate(&start));
+      CHECK_CUDA(cudaEventCreate(&stop));
+      const uint64_t max_n = *std::max_element(o.sizes.begin(), o.sizes.end());
+      std::unique_ptr<Sparsifier> sp;
+      CHECK_OK(Sparsifier::Create(max_n, &sp));
+      DeviceBuffer<float> d_pristine, d_u, d_velocity, d_residual;
+      CHECK_OK(d_pristine.Allocate(max_n));
+      CHECK_OK(d_u.Allocate(max_n));
+      CHECK_OK(d_velocity.Allocate(max_n));
+      CHECK_OK(d_residual.Allocate(max_n));
 
-    auto time_us = [&](const std::function<void()>& before,
-                       const std::function<void()>& body,
-                       const std::function<void()>& after,
-                       std::vector<double>* samples) {
-      for (int it = 0; it < o.warmup + o.iters; ++it) {
-        before();
-        CHECK_CUDA(cudaEventRecord(start, stream));
-        body();
-        CHECK_CUDA(cudaEventRecord(stop, stream));
-        after();
-        CHECK_CUDA(cudaEventSynchronize(stop));
-        float ms = 0;
-        CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-        if (it >= o.warmup) samples->push_back(ms * 1000.0);
-      }
-    };
+      auto time_us = [&](const std::function<void()>& before,
+                         const std::function<void()>& body,
+                         const std::function<void()>& after,
+                         std::vector<double>* samples) {
+        for (int it = 0; it < o.warmup + o.iters; ++it) {
+          before();
+          CHECK_CUDA(cudaEventRecord(start, stream));
+          body();
+          CHECK_CUDA(cudaEventRecord(stop, stream));
+          after();
+          CHECK_CUDA(cudaEventSynchronize(stop));
+          float ms = 0;
+          CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+          if (it >= o.warmup) samples->push_back(ms * 1000.0);
+        }
+      };
 
-    for (uint64_t n : o.sizes) {
-      const auto t0 = std::chrono::steady_clock::now();
-      const std::vector<float> u = NormalInput(n, o.seed + n);
-      CHECK_CUDA(cudaMemcpy(d_pristine.get(), u.data(), n * sizeof(float),
-                            cudaMemcpyHostToDevice));
-      // The copy baseline: n floats device to device (read + write).
-      {
-        std::vector<double> s;
-        time_us([] {},
-                [&] {
-                  CHECK_CUDA(cudaMemcpyAsync(d_u.get(), d_pristine.get(),
-                                             n * sizeof(float),
-                                             cudaMemcpyDeviceToDevice, stream));
-                },
-                [] {}, &s);
-        copy_us[n] = Median(s);
-      }
-      // The update's result with zero residual/velocity: u' = 0 + lr*(0*0 + (g
-      // + 0)).
-      const float lr = 0.5f;
-      std::vector<float> updated(n);
-      for (uint64_t i = 0; i < n; ++i) {
-        const float g = u[i] + 0.0f;
-        const float mv = 0.9f * 0.0f;
-        const float v = mv + g;
-        const float lv = lr * v;
-        updated[i] = 0.0f + lv;
-      }
-      std::vector<float> after(n);
-      for (double density : o.densities) {
-        uint64_t k = static_cast<uint64_t>(std::llround(density * n));
-        k = std::max<uint64_t>(1, std::min<uint64_t>(k, n));
-        std::vector<uint32_t> reference, reference_updated;
-        ReferenceTopK(u, k, &reference);
-        ReferenceTopK(updated, k, &reference_updated);
-        for (const char* method : {"exact", "gaussiank", "dgc"}) {
-          SelectParams p;
-          p.method = std::string(method) == "exact"       ? Method::kExact
-                     : std::string(method) == "gaussiank" ? Method::kGaussianK
-                                                          : Method::kDgc;
-          p.k = k;
-          p.seed = o.seed;
-          p.zero_selected = true;
-          // Correctness on a fresh copy.
-          Selection sel;
-          CHECK_CUDA(cudaMemcpyAsync(d_u.get(), d_pristine.get(),
-                                     n * sizeof(float),
-                                     cudaMemcpyDeviceToDevice, stream));
-          CHECK_OK(sp->Select(d_u.get(), n, p, stream));
-          const Status waited = sp->Wait(stream, &sel);
-          ++checks;
-          std::string bad;
-          if (!waited.ok()) {
-            bad = waited.message;
-          } else {
-            CHECK_CUDA(cudaMemcpy(after.data(), d_u.get(), n * sizeof(float),
-                                  cudaMemcpyDeviceToHost));
-            bad = CheckSelection(method, u, after, k, sel, reference);
+      for (uint64_t n : o.sizes) {
+        try {
+          const auto t0 = std::chrono::steady_clock::now();
+          const std::vector<float> u = NormalInput(n, o.seed + n);
+          CHECK_CUDA(cudaMemcpy(d_pristine.get(), u.data(), n * sizeof(float),
+                                cudaMemcpyHostToDevice));
+          // The copy baseline: n floats device to device (read + write).
+          {
+            std::vector<double> s;
+            time_us([] {},
+                    [&] {
+                      CHECK_CUDA(cudaMemcpyAsync(
+                          d_u.get(), d_pristine.get(), n * sizeof(float),
+                          cudaMemcpyDeviceToDevice, stream));
+                    },
+                    [] {}, &s);
+            copy_us[n] = Median(s);
           }
-          if (!bad.empty()) {
-            failures.push_back(std::string(method) + " n=" + std::to_string(n) +
-                               " density=" + Num(density) + ": " + bad);
+          // The update's result with zero residual/velocity: u' = 0 + lr*(0*0 +
+          // (g
+          // + 0)).
+          const float lr = 0.5f;
+          std::vector<float> updated(n);
+          for (uint64_t i = 0; i < n; ++i) {
+            const float g = u[i] + 0.0f;
+            const float mv = 0.9f * 0.0f;
+            const float v = mv + g;
+            const float lv = lr * v;
+            updated[i] = 0.0f + lv;
           }
-          // Timing: from u in device memory to the pairs in pinned host
-          // memory (includes the first histogram pass).
-          std::vector<double> s;
-          uint64_t count = 0;
-          time_us(
-              [&] {
+          std::vector<float> after(n);
+          for (double density : o.densities) {
+            uint64_t k = static_cast<uint64_t>(std::llround(density * n));
+            k = std::max<uint64_t>(1, std::min<uint64_t>(k, n));
+            std::vector<uint32_t> reference, reference_updated;
+            ReferenceTopK(u, k, &reference);
+            ReferenceTopK(updated, k, &reference_updated);
+            for (const char* method : {"exact", "gaussiank", "dgc"}) {
+              std::fprintf(stderr, "device_check: n=%llu density=%g %s\n",
+                           static_cast<unsigned long long>(n), density, method);
+              try {
+                SelectParams p;
+                p.method = std::string(method) == "exact" ? Method::kExact
+                           : std::string(method) == "gaussiank"
+                               ? Method::kGaussianK
+                               : Method::kDgc;
+                p.k = k;
+                p.seed = o.seed;
+                p.zero_selected = true;
+                // Correctness on a fresh copy.
+                Selection sel;
                 CHECK_CUDA(cudaMemcpyAsync(d_u.get(), d_pristine.get(),
                                            n * sizeof(float),
                                            cudaMemcpyDeviceToDevice, stream));
-              },
-              [&] { CHECK_OK(sp->Select(d_u.get(), n, p, stream)); },
-              [&] {
-                Selection t;
-                CHECK_OK(sp->Wait(stream, &t));
-                count = t.count;
-              },
-              &s);
-          rows.push_back({n, density, k, method, Median(s),
-                          *std::min_element(s.begin(), s.end()), count});
-
-          if (p.method == Method::kDgc) continue;  // dgc needs no histogram
-          // After the fused update: the histogram comes with it.
-          UpdateParams up;
-          up.lr = lr;
-          up.momentum = 0.9f;
-          up.momentum_correction = true;
-          auto reset = [&] {
-            CHECK_CUDA(cudaMemsetAsync(d_velocity.get(), 0, n * sizeof(float),
-                                       stream));
-            CHECK_CUDA(cudaMemsetAsync(d_residual.get(), 0, n * sizeof(float),
-                                       stream));
-          };
-          auto update = [&] {
-            CHECK_OK(sp->Accumulate(d_pristine.get(), nullptr, d_velocity.get(),
-                                    d_velocity.get(), d_residual.get(),
-                                    d_residual.get(), n, up, stream));
-          };
-          reset();
-          update();
-          CHECK_OK(sp->Select(d_residual.get(), n, p, stream));
-          const Status w2 = sp->Wait(stream, &sel);
-          ++checks;
-          bad.clear();
-          if (!w2.ok()) {
-            bad = w2.message;
-          } else if (!sel.info.used_update_histogram) {
-            bad = "the update's histogram was not reused";
-          } else {
-            CHECK_CUDA(cudaMemcpy(after.data(), d_residual.get(),
-                                  n * sizeof(float), cudaMemcpyDeviceToHost));
-            bad = CheckSelection(method, updated, after, k, sel,
-                                 reference_updated);
-          }
-          if (!bad.empty()) {
-            failures.push_back(std::string(method) +
-                               "+update n=" + std::to_string(n) +
-                               " density=" + Num(density) + ": " + bad);
-          }
-          s.clear();
-          time_us(
-              [&] {
-                reset();
-                update();
-              },
-              [&] { CHECK_OK(sp->Select(d_residual.get(), n, p, stream)); },
-              [&] {
-                Selection t;
-                CHECK_OK(sp->Wait(stream, &t));
-                count = t.count;
-              },
-              &s);
-          rows.push_back({n, density, k, std::string(method) + "_after_update",
-                          Median(s), *std::min_element(s.begin(), s.end()),
-                          count});
-          if (p.method == Method::kExact) {
-            s.clear();
-            time_us([&] { reset(); }, [&] { update(); },
+                CHECK_OK(sp->Select(d_u.get(), n, p, stream));
+                const Status waited = sp->Wait(stream, &sel);
+                ++checks;
+                std::string bad;
+                if (!waited.ok()) {
+                  bad = waited.message;
+                } else {
+                  CHECK_CUDA(cudaMemcpy(after.data(), d_u.get(),
+                                        n * sizeof(float),
+                                        cudaMemcpyDeviceToHost));
+                  bad = CheckSelection(method, u, after, k, sel, reference);
+                }
+                if (!bad.empty()) {
+                  failures.push_back(std::string(method) +
+                                     " n=" + std::to_string(n) +
+                                     " density=" + Num(density) + ": " + bad);
+                }
+                // Timing: from u in device memory to the pairs in pinned host
+                // memory (includes the first histogram pass).
+                std::vector<double> s;
+                uint64_t count = 0;
+                time_us(
                     [&] {
-                      // Consume the histogram so the next Accumulate is clean.
-                      CHECK_OK(sp->Select(d_residual.get(), n, p, stream));
+                      CHECK_CUDA(cudaMemcpyAsync(
+                          d_u.get(), d_pristine.get(), n * sizeof(float),
+                          cudaMemcpyDeviceToDevice, stream));
+                    },
+                    [&] { CHECK_OK(sp->Select(d_u.get(), n, p, stream)); },
+                    [&] {
                       Selection t;
                       CHECK_OK(sp->Wait(stream, &t));
+                      count = t.count;
                     },
                     &s);
-            rows.push_back({n, density, k, "fused_update", Median(s),
-                            *std::min_element(s.begin(), s.end()), 0});
+                rows.push_back({n, density, k, method, Median(s),
+                                *std::min_element(s.begin(), s.end()), count});
+
+                if (p.method == Method::kDgc)
+                  continue;  // dgc needs no histogram
+                // After the fused update: the histogram comes with it.
+                UpdateParams up;
+                up.lr = lr;
+                up.momentum = 0.9f;
+                up.momentum_correction = true;
+                auto reset = [&] {
+                  CHECK_CUDA(cudaMemsetAsync(d_velocity.get(), 0,
+                                             n * sizeof(float), stream));
+                  CHECK_CUDA(cudaMemsetAsync(d_residual.get(), 0,
+                                             n * sizeof(float), stream));
+                };
+                auto update = [&] {
+                  CHECK_OK(sp->Accumulate(d_pristine.get(), nullptr,
+                                          d_velocity.get(), d_velocity.get(),
+                                          d_residual.get(), d_residual.get(), n,
+                                          up, stream));
+                };
+                reset();
+                update();
+                CHECK_OK(sp->Select(d_residual.get(), n, p, stream));
+                const Status w2 = sp->Wait(stream, &sel);
+                ++checks;
+                bad.clear();
+                if (!w2.ok()) {
+                  bad = w2.message;
+                } else if (!sel.info.used_update_histogram) {
+                  bad = "the update's histogram was not reused";
+                } else {
+                  CHECK_CUDA(cudaMemcpy(after.data(), d_residual.get(),
+                                        n * sizeof(float),
+                                        cudaMemcpyDeviceToHost));
+                  bad = CheckSelection(method, updated, after, k, sel,
+                                       reference_updated);
+                }
+                if (!bad.empty()) {
+                  failures.push_back(std::string(method) +
+                                     "+update n=" + std::to_string(n) +
+                                     " density=" + Num(density) + ": " + bad);
+                }
+                s.clear();
+                time_us(
+                    [&] {
+                      reset();
+                      update();
+                    },
+                    [&] {
+                      CHECK_OK(sp->Select(d_residual.get(), n, p, stream));
+                    },
+                    [&] {
+                      Selection t;
+                      CHECK_OK(sp->Wait(stream, &t));
+                      count = t.count;
+                    },
+                    &s);
+                rows.push_back(
+                    {n, density, k, std::string(method) + "_after_update",
+                     Median(s), *std::min_element(s.begin(), s.end()), count});
+                if (p.method == Method::kExact) {
+                  s.clear();
+                  time_us(
+                      [&] { reset(); }, [&] { update(); },
+                      [&] {
+                        // Consume the histogram so the next Accumulate is
+                        // clean.
+                        CHECK_OK(sp->Select(d_residual.get(), n, p, stream));
+                        Selection t;
+                        CHECK_OK(sp->Wait(stream, &t));
+                      },
+                      &s);
+                  rows.push_back({n, density, k, "fused_update", Median(s),
+                                  *std::min_element(s.begin(), s.end()), 0});
+                }
+              } catch (const Fatal& e) {
+                failures.push_back(
+                    std::string(method) + " n=" + std::to_string(n) +
+                    " density=" + Num(density) + ": " + e.what());
+                std::fprintf(stderr, "device_check: FAILED %s\n", e.what());
+                Selection ignored;
+                sp->Wait(stream,
+                         &ignored);  // clear a pending selection, if any
+              }
+            }
           }
+          const double secs = std::chrono::duration<double>(
+                                  std::chrono::steady_clock::now() - t0)
+                                  .count();
+          std::fprintf(stderr, "device_check: n=%llu done in %.1f s\n",
+                       static_cast<unsigned long long>(n), secs);
+        } catch (const Fatal& e) {
+          failures.push_back("n=" + std::to_string(n) + ": " + e.what());
+          std::fprintf(stderr, "device_check: FAILED %s\n", e.what());
         }
       }
-      const double secs =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-              .count();
-      std::fprintf(stderr, "device_check: n=%llu done in %.1f s\n",
-                   static_cast<unsigned long long>(n), secs);
+      cudaStreamDestroy(stream);
+    } catch (const Fatal& e) {
+      failures.push_back(std::string("set-up: ") + e.what());
+      std::fprintf(stderr, "device_check: FAILED %s\n", e.what());
     }
-    CHECK_CUDA(cudaStreamDestroy(stream));
   } else {
     std::fprintf(
         stderr,
