@@ -6,8 +6,8 @@
 // masking from Lin et al., "Deep Gradient Compression", arXiv:1712.01887).
 //
 // Framework-free: gradients and parameters are flat float buffers of length
-// n in host memory, owned by the caller. (Device memory is added by the CUDA
-// issue behind the same calls.)
+// n, owned by the caller, in host memory or (builds with GTOPK_HAVE_CUDA) in
+// CUDA device memory through the Step overload taking device pointers.
 //
 // Usage:
 //   ClientOptions o;
@@ -39,6 +39,10 @@
 #include "common/sparse_vector.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
 #include "gtopk/v1/gtopk.pb.h"
+
+#if GTOPK_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 namespace gtopk {
 namespace worker {
@@ -179,6 +183,32 @@ class WorkerClient {
   absl::StatusOr<StepStats> Step(absl::Span<const float> gradient,
                                  absl::Span<float> params);
 
+#if GTOPK_HAVE_CUDA
+  // The same step with the gradient and parameters in CUDA device memory
+  // (worker/client_cuda.cc): the fused residual update, the selection and
+  // the residual/momentum bookkeeping run on the GPU (common/cuda/), and
+  // only the selected pairs go to the host (and the pulled global top-k
+  // back), so the dense gradient never crosses. Same arithmetic, so a
+  // device replica stays bit-identical to host replicas.
+  //   gradient  device pointer, n floats, finite; not modified.
+  //   params    device pointer, n floats, updated in place.
+  //   n         must equal the cluster's n.
+  //   stream    the stream the caller's producer of `gradient` used; all
+  //             work is ordered on it, and the call returns after it
+  //             synchronized (params updated).
+  // The residual and momentum state moves to the device at the first call
+  // (residual() then no longer reflects it); use one kind of Step per
+  // client. Dense mode sends the whole accumulated vector by definition:
+  // there the gradient is copied to the host and the host Step runs.
+  // Selectors: exact, gaussiank, dgc (randomk: FAILED_PRECONDITION).
+  // Errors and the failure contract as the host Step's; a non-finite
+  // gradient is INVALID_ARGUMENT with the position, and leaves the device
+  // state unchanged; CUDA errors are INTERNAL/RESOURCE_EXHAUSTED with the
+  // file:line of the failing call.
+  absl::StatusOr<StepStats> Step(const float* gradient, float* params,
+                                 uint64_t n, cudaStream_t stream);
+#endif
+
  private:
   struct ShardConn;
 
@@ -209,6 +239,12 @@ class WorkerClient {
   ErrorFeedback feedback_;
   std::vector<float> velocity_;         // DGC local velocity, length n
   std::vector<float> global_velocity_;  // kGlobal momentum, length n
+#if GTOPK_HAVE_CUDA
+  // The device Step's state (worker/client_cuda.cc); null until its first
+  // call. shared_ptr: the type is complete only in client_cuda.cc.
+  struct DeviceState;
+  std::shared_ptr<DeviceState> device_;
+#endif
   int64_t next_step_ = 0;
   // Set by Exchange: from its start until the last push was written.
   absl::Duration last_push_time_;

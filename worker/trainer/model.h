@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 
@@ -47,6 +48,23 @@ class Model {
   virtual EvalResult Evaluate(absl::Span<const float> images,
                               absl::Span<const int64_t> labels) = 0;
 
+  // CUDA models (MakeTorchModel with cuda = true; --device=cuda): the
+  // parameters the forward pass uses and the flat gradient live in device
+  // memory. params() is then a host copy, used to synchronise with the
+  // servers; UploadParams copies it to the device parameters.
+  virtual bool on_device() const { return false; }
+  virtual absl::Status UploadParams() { return absl::OkStatus(); }
+  // The device parameters -> params() (e.g. for the final checksum).
+  virtual absl::Status DownloadParams() { return absl::OkStatus(); }
+  // The device parameter buffer (n floats, the model's storage) or null.
+  virtual float* device_params() { return nullptr; }
+  // ComputeGradient with the gradient left in device memory:
+  // *device_grad = n floats, valid until the next call. Only the loss
+  // crosses to the host. FAILED_PRECONDITION for a CPU model.
+  virtual absl::StatusOr<float> ComputeGradientOnDevice(
+      absl::Span<const float> images, absl::Span<const int64_t> labels,
+      const float** device_grad);
+
  protected:
   size_t n_ = 0;
 };
@@ -54,14 +72,24 @@ class Model {
 // "mlp" (784-256-10, ReLU) or "cnn" (conv 5x5 32 + max-pool 2, conv 5x5 64 +
 // max-pool 2, fc 1024-256, fc 256-10, ReLU). Initialised like PyTorch's
 // defaults (uniform +-1/sqrt(fan_in)) from torch::manual_seed(seed).
-// `threads`: torch intra-op threads (>= 1).
-// Errors: INVALID_ARGUMENT for another name.
+// `threads`: torch intra-op threads (>= 1). `cuda`: parameters, gradient
+// and the forward/backward passes on CUDA device 0 (the same initial values:
+// they are drawn on the CPU, then copied).
+// Errors: INVALID_ARGUMENT for another name; FAILED_PRECONDITION for cuda
+// without TorchCudaAvailable().
 absl::StatusOr<std::unique_ptr<Model>> MakeTorchModel(const std::string& name,
                                                       uint64_t seed,
-                                                      int threads);
+                                                      int threads,
+                                                      bool cuda = false);
 
 // Whether this libtorch was built with CUDA and sees a device.
 bool TorchCudaAvailable();
+
+inline absl::StatusOr<float> Model::ComputeGradientOnDevice(
+    absl::Span<const float>, absl::Span<const int64_t>, const float**) {
+  return absl::FailedPreconditionError(
+      "ComputeGradientOnDevice: this model is not on a CUDA device");
+}
 
 }  // namespace worker
 }  // namespace gtopk

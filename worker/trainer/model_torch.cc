@@ -29,7 +29,10 @@ class TorchModel final : public Model {
  public:
   enum class Kind { kMlp, kCnn };
 
-  TorchModel(Kind kind, uint64_t seed) : kind_(kind) {
+  TorchModel(Kind kind, uint64_t seed, bool cuda)
+      : kind_(kind),
+        device_(cuda ? torch::Device(torch::kCUDA, 0)
+                     : torch::Device(torch::kCPU)) {
     std::vector<ParamShape> shapes;
     if (kind == Kind::kMlp) {
       shapes = {{{256, kImagePixels}, kImagePixels}, {{256}, kImagePixels},
@@ -57,6 +60,77 @@ class TorchModel final : public Model {
       params_.push_back(t);
       offset += static_cast<size_t>(Numel(s.shape));
     }
+    if (cuda) {
+      // Device storage, with the device parameters as views into it (the
+      // worker client updates it in place through device_params()).
+      const auto opts =
+          torch::TensorOptions().dtype(torch::kFloat32).device(device_);
+      flat_device_ = torch::empty({static_cast<int64_t>(n)}, opts);
+      grad_device_ = torch::zeros({static_cast<int64_t>(n)}, opts);
+      int64_t at = 0;
+      for (torch::Tensor& p : params_) {
+        const int64_t count = p.numel();
+        torch::Tensor view =
+            flat_device_.narrow(0, at, count).view(p.sizes());
+        view.requires_grad_(true);
+        p = view;
+        at += count;
+      }
+      UploadFlat();
+    }
+  }
+
+  bool on_device() const override { return device_.is_cuda(); }
+
+  absl::Status UploadParams() override {
+    if (device_.is_cuda()) UploadFlat();
+    return absl::OkStatus();
+  }
+
+  absl::Status DownloadParams() override {
+    if (device_.is_cuda()) {
+      torch::NoGradGuard no_grad;
+      torch::from_blob(flat_.data(), {static_cast<int64_t>(flat_.size())},
+                       torch::kFloat32)
+          .copy_(flat_device_.to(torch::kCPU));
+    }
+    return absl::OkStatus();
+  }
+
+  float* device_params() override {
+    return device_.is_cuda() ? flat_device_.data_ptr<float>() : nullptr;
+  }
+
+  absl::StatusOr<float> ComputeGradientOnDevice(
+      absl::Span<const float> images, absl::Span<const int64_t> labels,
+      const float** device_grad) override {
+    const int64_t batch = static_cast<int64_t>(labels.size());
+    if (!device_.is_cuda()) {
+      return Model::ComputeGradientOnDevice(images, labels, device_grad);
+    }
+    if (batch == 0 || images.size() != labels.size() * kImagePixels) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ComputeGradientOnDevice: batch of ", labels.size(), " labels, ",
+          images.size(), " pixels"));
+    }
+    for (torch::Tensor& p : params_) p.mutable_grad() = torch::Tensor();
+    torch::Tensor loss = torch::nll_loss(Forward(Input(images, batch)),
+                                         Labels(labels.data(), batch));
+    loss.backward();
+    torch::NoGradGuard no_grad;
+    int64_t at = 0;
+    for (torch::Tensor& p : params_) {
+      const int64_t count = p.numel();
+      torch::Tensor slot = grad_device_.narrow(0, at, count);
+      if (p.grad().defined()) {
+        slot.copy_(p.grad().reshape({count}));
+      } else {
+        slot.zero_();
+      }
+      at += count;
+    }
+    *device_grad = grad_device_.data_ptr<float>();
+    return loss.item<float>();  // synchronises: the gradient is complete
   }
 
   absl::Span<float> params() override { return absl::MakeSpan(flat_); }
@@ -74,8 +148,7 @@ class TorchModel final : public Model {
     }
     for (torch::Tensor& p : params_) p.mutable_grad() = torch::Tensor();
     torch::Tensor x = Input(images, batch);
-    torch::Tensor y = torch::from_blob(const_cast<int64_t*>(labels.data()),
-                                       {batch}, torch::kInt64);
+    torch::Tensor y = Labels(labels.data(), batch);
     torch::Tensor loss = torch::nll_loss(Forward(x), y);
     loss.backward();
     size_t offset = 0;
@@ -85,7 +158,7 @@ class TorchModel final : public Model {
       if (!g.defined()) {
         std::memset(grad.data() + offset, 0, count * sizeof(float));
       } else {
-        g = g.contiguous();
+        g = g.contiguous().to(torch::kCPU);  // no-op on a CPU model
         std::memcpy(grad.data() + offset, g.data_ptr<float>(),
                     count * sizeof(float));
       }
@@ -106,9 +179,7 @@ class TorchModel final : public Model {
       torch::Tensor x = Input(images.subspan(begin * kImagePixels,
                                              count * kImagePixels),
                               count);
-      torch::Tensor y =
-          torch::from_blob(const_cast<int64_t*>(labels.data() + begin),
-                           {count}, torch::kInt64);
+      torch::Tensor y = Labels(labels.data() + begin, count);
       torch::Tensor logp = Forward(x);
       loss_sum += torch::nll_loss(logp, y, {}, at::Reduction::Sum)
                       .item<double>();
@@ -124,9 +195,22 @@ class TorchModel final : public Model {
 
  private:
   torch::Tensor Input(absl::Span<const float> images, int64_t batch) {
-    return torch::from_blob(const_cast<float*>(images.data()),
-                            {batch, 1, kImageSide, kImageSide},
-                            torch::kFloat32);
+    torch::Tensor x = torch::from_blob(const_cast<float*>(images.data()),
+                                       {batch, 1, kImageSide, kImageSide},
+                                       torch::kFloat32);
+    return device_.is_cuda() ? x.to(device_) : x;
+  }
+  torch::Tensor Labels(const int64_t* labels, int64_t count) {
+    torch::Tensor y = torch::from_blob(const_cast<int64_t*>(labels), {count},
+                                       torch::kInt64);
+    return device_.is_cuda() ? y.to(device_) : y;
+  }
+  // flat_ (host) -> the device parameters.
+  void UploadFlat() {
+    torch::NoGradGuard no_grad;
+    flat_device_.copy_(torch::from_blob(flat_.data(),
+                                        {static_cast<int64_t>(flat_.size())},
+                                        torch::kFloat32));
   }
 
   // Log-probabilities, batch x 10.
@@ -147,7 +231,10 @@ class TorchModel final : public Model {
   }
 
   const Kind kind_;
+  const torch::Device device_;
   std::vector<float> flat_;
+  torch::Tensor flat_device_;  // cuda: the parameters' storage
+  torch::Tensor grad_device_;  // cuda: the flat gradient
   std::vector<torch::Tensor> params_;  // views into flat_
 };
 
@@ -155,17 +242,21 @@ class TorchModel final : public Model {
 
 absl::StatusOr<std::unique_ptr<Model>> MakeTorchModel(const std::string& name,
                                                       uint64_t seed,
-                                                      int threads) {
+                                                      int threads, bool cuda) {
   if (threads < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--threads must be >= 1, got ", threads));
   }
   torch::set_num_threads(threads);
+  if (cuda && !torch::cuda::is_available()) {
+    return absl::FailedPreconditionError(
+        "--device=cuda: this libtorch has no CUDA or sees no CUDA device");
+  }
   if (name == "mlp") {
-    return std::unique_ptr<Model>(new TorchModel(TorchModel::Kind::kMlp, seed));
+    return std::unique_ptr<Model>(new TorchModel(TorchModel::Kind::kMlp, seed, cuda));
   }
   if (name == "cnn") {
-    return std::unique_ptr<Model>(new TorchModel(TorchModel::Kind::kCnn, seed));
+    return std::unique_ptr<Model>(new TorchModel(TorchModel::Kind::kCnn, seed, cuda));
   }
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown model \"", name, "\"; expected mlp, cnn or synthetic:N"));

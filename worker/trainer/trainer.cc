@@ -212,6 +212,25 @@ void PrintLine(const std::string& line) {
   std::fflush(stdout);
 }
 
+// One client step: on device memory for a CUDA model (the dense gradient
+// never crosses to the host), else on host memory. torch runs on the legacy
+// default stream, so that is the stream the client orders its work after.
+absl::StatusOr<StepStats> StepOnce(WorkerClient& client, Model& model,
+                                   absl::Span<const float> grad,
+                                   const float* device_grad,
+                                   absl::Span<float> params) {
+#if GTOPK_HAVE_CUDA
+  if (model.on_device()) {
+    return client.Step(device_grad, model.device_params(), model.n(),
+                       /*stream=*/nullptr);
+  }
+#else
+  (void)model;
+  (void)device_grad;
+#endif
+  return client.Step(grad, params);
+}
+
 }  // namespace
 
 uint64_t Fnv1a64(const void* data, size_t bytes) {
@@ -251,11 +270,26 @@ absl::Status ValidateOptions(const TrainerOptions& o) {
         absl::StrCat("--threads must be in [1, 1024], got ", o.threads));
   }
   if (o.device == "cuda") {
+#if GTOPK_HAVE_CUDA
+    if (!TorchCudaAvailable()) {
+      return absl::FailedPreconditionError(
+          "--device=cuda: this build has no CUDA libtorch (Debian's "
+          "libtorch-dev is CPU-only; build against PyTorch's, see "
+          "worker/flags.md) or it sees no CUDA device; use --device=cpu");
+    }
+    if (o.model != "mlp" && o.model != "cnn") {
+      return absl::InvalidArgumentError(
+          "--device=cuda trains --model=mlp or cnn (synthetic:N is a CPU "
+          "communication benchmark)");
+    }
+#else
     return absl::FailedPreconditionError(
         "--device=cuda: this build has no CUDA libtorch (Debian's libtorch-dev "
-        "is CPU-only); use --device=cpu");
+        "is CPU-only) and no CUDA kernels (nvcc was not found); use "
+        "--device=cpu");
+#endif
   }
-  if (o.device != "cpu") {
+  if (o.device != "cpu" && o.device != "cuda") {
     return absl::InvalidArgumentError(
         absl::StrCat("--device must be cpu or cuda, got \"", o.device, "\""));
   }
@@ -281,7 +315,8 @@ absl::Status RunTrainer(const TrainerOptions& o) {
   if (synthetic) {
     model = std::make_unique<SyntheticModel>(synthetic_n, o.seed);
   } else {
-    GTOPK_ASSIGN_OR_RETURN(model, MakeTorchModel(o.model, o.seed, o.threads));
+    GTOPK_ASSIGN_OR_RETURN(model, MakeTorchModel(o.model, o.seed, o.threads,
+                                                 o.device == "cuda"));
   }
   const size_t n = model->n();
   absl::Span<float> params = model->params();
@@ -349,6 +384,8 @@ absl::Status RunTrainer(const TrainerOptions& o) {
 
   GTOPK_ASSIGN_OR_RETURN(const int64_t start_step,
                          client->SynchronizeParameters(params));
+  // --device=cuda: the servers' parameters to the device model.
+  GTOPK_RETURN_IF_ERROR(model->UploadParams());
   const Clock::time_point t_start = Clock::now();
 
   // Rank 0's test set, normalised once.
@@ -371,7 +408,8 @@ absl::Status RunTrainer(const TrainerOptions& o) {
                               done, r.accuracy, r.loss));
   };
 
-  std::vector<float> grad(n, 0.0f);
+  std::vector<float> grad(model->on_device() ? 0 : n, 0.0f);
+  const float* device_grad = nullptr;  // --device=cuda: the model's gradient
   std::vector<float> batch_images(static_cast<size_t>(o.batch_size) *
                                   kImagePixels);
   std::vector<int64_t> batch_labels(static_cast<size_t>(o.batch_size));
@@ -409,9 +447,15 @@ absl::Status RunTrainer(const TrainerOptions& o) {
         for (int i = 0; i < kImagePixels; ++i) dst[i] = Normalise(src[i]);
         batch_labels[b] = train.labels[idx];
       }
-      GTOPK_ASSIGN_OR_RETURN(loss, model->ComputeGradient(batch_images,
-                                                          batch_labels,
-                                                          absl::MakeSpan(grad)));
+      if (model->on_device()) {
+        GTOPK_ASSIGN_OR_RETURN(loss, model->ComputeGradientOnDevice(
+                                         batch_images, batch_labels,
+                                         &device_grad));
+      } else {
+        GTOPK_ASSIGN_OR_RETURN(loss, model->ComputeGradient(
+                                         batch_images, batch_labels,
+                                         absl::MakeSpan(grad)));
+      }
       if (!std::isfinite(loss)) {
         return absl::InternalError(absl::StrCat(
             "loss is ", loss, " at step ", step,
@@ -420,7 +464,8 @@ absl::Status RunTrainer(const TrainerOptions& o) {
     }
     const Clock::time_point t_compute = Clock::now();
     const double compute = std::chrono::duration<double>(t_compute - t0).count();
-    absl::StatusOr<StepStats> stats = client->Step(grad, params);
+    absl::StatusOr<StepStats> stats = StepOnce(*client, *model, grad,
+                                               device_grad, params);
     if (!stats.ok()) {
       return absl::Status(stats.status().code(),
                           absl::StrCat("step ", step, ": ",
@@ -474,6 +519,7 @@ absl::Status RunTrainer(const TrainerOptions& o) {
     p50 = sorted[sorted.size() / 2];
   }
 
+  GTOPK_RETURN_IF_ERROR(model->DownloadParams());  // --device=cuda
   const uint64_t param_checksum = Fnv1a64(params.data(), n * sizeof(float));
   // The servers' parameters after the last step (a download into scratch).
   std::vector<float> scratch(params.begin(), params.end());

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# The CUDA device check (issue 5; see bench/cuda/README.md). Builds the
+# kernels and the checker with nvcc alone (no CMake cache, Abseil, gRPC or
+# Debian packages needed), times torch.topk when torch is importable, then
+# checks correctness and times our selectors. Writes $OUT/cuda_select.json
+# (and torch_topk.json, device_check.log) and prints the table.
+#
+# usage: bench/cuda/device_check.sh [--quick] [device_check flags...]
+#   --quick   n in {1, 1000, 1048583} only (a smoke run, ~1 minute)
+# env: OUT (default build/device_check_out), BUILD_DIR (default
+#   build/device_check), NVCC, PYTHON (default python3), SIZES, DENSITIES,
+#   ITERS (>= 20), WARMUP.
+# Exit: 0 all correct; 1 a correctness failure; 3 no CUDA device;
+#   10 build failed; 11 bad usage; 124 the checker timed out.
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+OUT=${OUT:-$ROOT/build/device_check_out}
+BUILD_DIR=${BUILD_DIR:-$ROOT/build/device_check}
+PYTHON=${PYTHON:-python3}
+SIZES=${SIZES:-1,1000,25557032,138357544}
+DENSITIES=${DENSITIES:-0.0001,0.001,0.01}
+ITERS=${ITERS:-30}
+WARMUP=${WARMUP:-5}
+
+EXTRA=()
+for arg in "$@"; do
+  case "$arg" in
+    --quick) SIZES=1,1000,1048583 ;;
+    -h|--help) sed -n '2,16p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    --*) EXTRA+=("$arg") ;;
+    *) echo "device_check.sh: unknown argument '$arg'" >&2; exit 11 ;;
+  esac
+done
+
+mkdir -p "$OUT" "$BUILD_DIR" || exit 11
+LOG="$OUT/device_check.log"
+: > "$LOG"
+say() { echo "$@" | tee -a "$LOG"; }
+
+NVCC=${NVCC:-$(command -v nvcc || true)}
+[ -z "$NVCC" ] && [ -x /usr/local/cuda/bin/nvcc ] && NVCC=/usr/local/cuda/bin/nvcc
+if [ -z "$NVCC" ]; then
+  say "device_check.sh: nvcc not found (set NVCC or install the CUDA toolkit)"
+  exit 10
+fi
+say "== device_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
+say "nvcc: $NVCC ($("$NVCC" --version | tail -1))"
+command -v nvidia-smi > /dev/null && \
+  timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total \
+    --format=csv,noheader 2>&1 | tee -a "$LOG"
+
+# 1. Build: two translation units in parallel, sm_90 only.
+NVFLAGS=(-std=c++17 -O3 -gencode arch=compute_90,code=sm_90 --fmad=false
+         -Xcompiler=-Wall -I"$ROOT")
+t0=$(date +%s)
+timeout -k 10 240 "$NVCC" "${NVFLAGS[@]}" -c "$ROOT/common/cuda/sparsify.cu" \
+  -o "$BUILD_DIR/sparsify.o" >> "$LOG" 2>&1 &
+p1=$!
+timeout -k 10 240 "$NVCC" "${NVFLAGS[@]}" -c "$ROOT/bench/cuda/device_check.cu" \
+  -o "$BUILD_DIR/device_check.o" >> "$LOG" 2>&1 &
+p2=$!
+wait $p1; r1=$?
+wait $p2; r2=$?
+if [ $r1 -ne 0 ] || [ $r2 -ne 0 ] || ! timeout -k 10 120 "$NVCC" \
+    -gencode arch=compute_90,code=sm_90 "$BUILD_DIR/sparsify.o" \
+    "$BUILD_DIR/device_check.o" -o "$BUILD_DIR/device_check" >> "$LOG" 2>&1; then
+  say "device_check.sh: build failed (rc $r1/$r2); see $LOG"
+  tail -30 "$LOG"
+  exit 10
+fi
+say "build: $(( $(date +%s) - t0 )) s"
+
+# 2. torch.topk and copy baselines (optional: the check runs without).
+TORCH_JSON="$OUT/torch_topk.json"
+rm -f "$TORCH_JSON"
+if command -v "$PYTHON" > /dev/null; then
+  timeout -k 10 150 "$PYTHON" "$ROOT/bench/cuda/torch_topk.py" \
+    --sizes "$SIZES" --densities "$DENSITIES" --iters "$ITERS" \
+    --warmup "$WARMUP" --out "$TORCH_JSON" 2>&1 | tee -a "$LOG"
+  rt=${PIPESTATUS[0]}
+  [ "$rt" -ne 0 ] && say "torch_topk.py exited $rt (timeout: 124); using what it wrote"
+else
+  say "no $PYTHON: torch.topk not measured"
+fi
+if [ ! -s "$TORCH_JSON" ]; then
+  printf '{"available": false, "version": "", "note": "torch_topk.py wrote nothing (see device_check.log)", "rows": []}\n' \
+    > "$TORCH_JSON"
+fi
+
+# 3. Correctness and timings.
+timeout -k 10 300 "$BUILD_DIR/device_check" --sizes="$SIZES" \
+  --densities="$DENSITIES" --iters="$ITERS" --warmup="$WARMUP" \
+  --json="$OUT/cuda_select.json" --torch-json="$TORCH_JSON" \
+  ${EXTRA[@]+"${EXTRA[@]}"} 2>&1 | tee -a "$LOG"
+rc=${PIPESTATUS[0]}
+case $rc in
+  0) say "device_check: all correct; results in $OUT/cuda_select.json" ;;
+  1) say "device_check: CORRECTNESS FAILURES (see above)" ;;
+  3) say "device_check: no CUDA device" ;;
+  124|137) say "device_check: timed out" ; rc=124 ;;
+  *) say "device_check: exited $rc" ;;
+esac
+exit $rc

@@ -1,0 +1,84 @@
+#include "common/cuda/cuda_selector.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace gtopk {
+namespace cuda {
+
+absl::Status ToAbslStatus(const Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.code),
+                      status.message);
+}
+
+absl::StatusOr<Method> ParseMethod(absl::string_view name) {
+  if (name == "exact") return Method::kExact;
+  if (name == "gaussiank") return Method::kGaussianK;
+  if (name == "dgc") return Method::kDgc;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "no CUDA selector \"", name, "\"; known: exact, gaussiank, dgc"));
+}
+
+absl::StatusOr<std::unique_ptr<CudaSelector>> CudaSelector::Create(
+    absl::string_view name, const SelectorOptions& options, uint64_t capacity) {
+  GTOPK_ASSIGN_OR_RETURN(const Method method, ParseMethod(name));
+  GTOPK_RETURN_IF_ERROR(ValidateSelectorOptions(options));
+  std::unique_ptr<Sparsifier> sparsifier;
+  GTOPK_RETURN_IF_ERROR(ToAbslStatus(
+      Sparsifier::Create(std::max<uint64_t>(capacity, 1), &sparsifier)));
+  return std::unique_ptr<CudaSelector>(
+      new CudaSelector(method, options, std::move(sparsifier)));
+}
+
+absl::Status CudaSelector::EnsureCapacity(uint64_t n) {
+  if (n <= sparsifier_->capacity()) return absl::OkStatus();
+  sparsifier_.reset();  // free the old scratch first
+  return ToAbslStatus(Sparsifier::Create(n, &sparsifier_));
+}
+
+absl::Status CudaSelector::Select(absl::Span<const float> u, uint64_t k,
+                                  uint64_t step, SparseVector* out) {
+  out->clear();
+  GTOPK_RETURN_IF_ERROR(ValidateSelectArgs(u.size(), k));
+  if (staging_.size() < u.size()) {
+    GTOPK_RETURN_IF_ERROR(ToAbslStatus(staging_.Allocate(u.size())));
+  }
+  const cudaError_t copied =
+      cudaMemcpy(staging_.get(), u.data(), u.size() * sizeof(float),
+                 cudaMemcpyHostToDevice);
+  if (copied != cudaSuccess) {
+    return ToAbslStatus(
+        CudaError(copied, "cudaMemcpy(staging, u)", __FILE__, __LINE__));
+  }
+  return SelectDevice(staging_.get(), u.size(), k, step, /*stream=*/nullptr,
+                      /*zero_selected=*/false, out);
+}
+
+absl::Status CudaSelector::SelectDevice(float* u, uint64_t n, uint64_t k,
+                                        uint64_t step, cudaStream_t stream,
+                                        bool zero_selected, SparseVector* out) {
+  out->clear();
+  GTOPK_RETURN_IF_ERROR(ValidateSelectArgs(n, k));
+  GTOPK_RETURN_IF_ERROR(EnsureCapacity(n));
+  SelectParams p;
+  p.method = method_;
+  p.k = k;
+  p.step = step;
+  p.seed = options_.seed;
+  p.dgc_sample_fraction = options_.dgc_sample_fraction;
+  p.gaussiank_max_adjustments = options_.gaussiank_max_adjustments;
+  p.zero_selected = zero_selected;
+  GTOPK_RETURN_IF_ERROR(ToAbslStatus(sparsifier_->Select(u, n, p, stream)));
+  Selection selection;
+  GTOPK_RETURN_IF_ERROR(ToAbslStatus(sparsifier_->Wait(stream, &selection)));
+  out->indices.assign(selection.indices, selection.indices + selection.count);
+  out->values.assign(selection.values, selection.values + selection.count);
+  last_info_ = selection.info;
+  return absl::OkStatus();
+}
+
+}  // namespace cuda
+}  // namespace gtopk

@@ -1,0 +1,1485 @@
+// Kernels and host driver of common/cuda/sparsify.h. One translation unit on
+// purpose (build time); see the header for the algorithms.
+//
+// Layout of the passes over u (length n): the grid has W warps
+// (W <= kMaxWarps) and warp w owns the contiguous chunk [w*chunk,
+// (w+1)*chunk) of u, chunk a multiple of 128, read as float4 per lane. A
+// warp compacts the survivors of its chunk in index order with ballots into
+// its own region of `regions_` (capacity chunk, so nothing can overflow)
+// and records their count; one block scans the W counts. The concatenation
+// of the regions in warp order is therefore sorted by index, which gives the
+// stable (lower index first) order without a device-wide sort.
+//
+// Candidate arrays (cand_idx_/cand_val_, length M on the device) use the
+// same warp-chunk scheme with 32 entries per step.
+//
+// Built with --fmad=false (common/CMakeLists.txt, bench/cuda/device_check.sh)
+// so that the residual update rounds like the CPU rule (-ffp-contract=off).
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstring>
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+#include <string>
+#include <utility>
+
+#include "common/cuda/sparsify.h"
+
+namespace gtopk {
+namespace cuda {
+namespace {
+
+using ull = unsigned long long;
+
+constexpr int kThreads = 256;
+constexpr int kWarpsPerBlock = kThreads / 32;
+constexpr int kMaxBlocks = 2048;
+constexpr int kMaxWarps = kMaxBlocks * kWarpsPerBlock;  // 16384
+constexpr int kScanThreads = 1024;
+constexpr int kScanItems = kMaxWarps / kScanThreads;  // 16
+constexpr uint64_t kChunkAlign = 128;                 // 32 lanes x float4
+constexpr uint32_t kNonFiniteKey = 0x7f800000u;
+constexpr int kBins = 2048;  // largest digit: 11 bits
+constexpr uint32_t kFullMask = 0xffffffffu;
+constexpr uint32_t kErrorNonFinite = 1;
+constexpr uint32_t kErrorInternal = 2;
+
+// Radix digits of the 31-bit key: bits 30..20, 19..9, 8..0.
+__host__ __device__ inline int LevelShift(int level) {
+  return level == 0 ? 20 : (level == 1 ? 9 : 0);
+}
+__host__ __device__ inline int LevelBits(int level) {
+  return level == 2 ? 9 : 11;
+}
+
+__device__ inline uint32_t Key(float x) {
+  return __float_as_uint(x) & 0x7fffffffu;
+}
+__device__ inline uint32_t Key(uint32_t key) { return key; }
+
+// Does `key` share the digits above `level` with `prefix`?
+__device__ inline bool MatchesPrefix(uint32_t key, uint32_t prefix, int level) {
+  const int high = LevelShift(level) + LevelBits(level);
+  return high >= 31 || (key >> high) == (prefix >> high);
+}
+__device__ inline uint32_t Digit(uint32_t key, int level) {
+  return (key >> LevelShift(level)) & ((1u << LevelBits(level)) - 1u);
+}
+
+// Selection state in device memory, copied to the host at sync points.
+struct DeviceState {
+  // Radix select: after the three digits, `prefix` is the k-th key T,
+  // `count_greater` counts keys > T and `need` is how many keys == T to
+  // take (ties, lower index first).
+  ull need;
+  ull count_greater;
+  ull num_candidates;  // entries kept by the last compaction (scan total)
+  ull num_selected;    // output count of the final compaction
+  ull count_at_least;  // CountAtLeastKernel's result
+  ull first_non_finite;
+  double sum;        // sum of u (histogram pass)
+  double sumsq;      // sum of u^2
+  double threshold;  // gaussiank: threshold where the planner stopped
+  uint32_t prefix;
+  uint32_t min_key;  // compaction threshold: keep key >= min_key
+  uint32_t error;    // kError* bits
+  int adjustments;   // gaussiank planner
+  int fallback;      // gaussiank planner: go to the exact top-k
+};
+
+// SplitMix64, as common/random.h's MixSeed.
+__host__ __device__ inline ull Mix(ull seed, ull stream) {
+  ull z = seed + 0x9e3779b97f4a7c15ull * (stream + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Smallest key whose value is strictly greater than t (CPU gaussiank's
+// MinKeyAbove, common/cpu/gaussiank_selector.cc).
+__host__ __device__ inline uint32_t MinKeyAbove(double t) {
+  if (t < 0.0) return 0;
+  const float tf = static_cast<float>(t);
+  if (!(tf <= 3.402823466e38f)) return kNonFiniteKey;  // +Inf (t >= 0)
+  uint32_t key;
+#ifdef __CUDA_ARCH__
+  key = __float_as_uint(tf) & 0x7fffffffu;
+#else
+  std::memcpy(&key, &tf, sizeof(key));
+  key &= 0x7fffffffu;
+#endif
+  return static_cast<double>(tf) > t ? key : key + 1;
+}
+
+// ---------------------------------------------------------------------------
+// Kernels
+// ---------------------------------------------------------------------------
+
+// Resets the state; zeroes hist1/hist2 and (zero_hist0) hist0. keep_sums
+// keeps sum/sumsq (from Accumulate), keep_candidates num_candidates.
+__global__ void InitKernel(DeviceState* st, ull* hist0, ull* hist1, ull* hist2,
+                           ull need, int zero_hist0, int keep_sums,
+                           int keep_candidates) {
+  for (int i = threadIdx.x; i < kBins; i += blockDim.x) {
+    if (zero_hist0) hist0[i] = 0;
+    hist1[i] = 0;
+    if (i < 512) hist2[i] = 0;
+  }
+  if (threadIdx.x == 0) {
+    const double sum = st->sum, sumsq = st->sumsq;
+    const ull candidates = st->num_candidates;
+    DeviceState s{};
+    memset(&s, 0, sizeof(s));
+    s.need = need;
+    s.first_non_finite = ~0ull;
+    if (keep_sums) {
+      s.sum = sum;
+      s.sumsq = sumsq;
+    }
+    if (keep_candidates) s.num_candidates = candidates;
+    *st = s;
+  }
+}
+
+struct HistArgs {
+  const float* grad;
+  const float* params;
+  const float* velocity_in;
+  float* velocity_out;
+  const float* residual_in;  // u when not updating
+  float* residual_out;
+  uint64_t n;
+  float lr, momentum, weight_decay;
+  int momentum_correction;
+  int vectorized;  // every pointer 16-byte aligned
+  DeviceState* st;
+  ull* hist0;
+};
+
+// One element of the update: the CPU rule's operations in its order.
+__device__ inline float UpdateOne(float g, float p, float v, float r,
+                                  const HistArgs& a, float* v_out) {
+  const float wdp = a.weight_decay * p;
+  g = g + wdp;
+  float step = g;
+  if (a.momentum_correction) {
+    const float mv = a.momentum * v;
+    step = mv + g;
+    *v_out = step;
+  }
+  const float lv = a.lr * step;
+  return r + lv;
+}
+
+// The first radix histogram (digit 0 of |u|) and the sums of u; with
+// kUpdate it first computes u = residual + lr*v and writes it.
+template <bool kUpdate>
+__global__ void __launch_bounds__(kThreads) HistogramKernel(HistArgs a) {
+  __shared__ uint32_t hist[kBins];
+  for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
+  __syncthreads();
+  // Double sums: squares of |u| > ~1e19 would overflow float.
+  double sum = 0.0, sumsq = 0.0;
+  const uint64_t stride = uint64_t{gridDim.x} * kThreads;
+  for (uint64_t g4 = uint64_t{blockIdx.x} * kThreads + threadIdx.x;
+       g4 * 4 < a.n; g4 += stride) {
+    const uint64_t i = g4 * 4;
+    float u[4];
+    int valid = 4;
+    if (a.vectorized && i + 3 < a.n) {
+      if (kUpdate) {
+        const float4 g = *reinterpret_cast<const float4*>(a.grad + i);
+        const float4 p = a.params != nullptr
+                             ? *reinterpret_cast<const float4*>(a.params + i)
+                             : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float4 v =
+            a.momentum_correction
+                ? *reinterpret_cast<const float4*>(a.velocity_in + i)
+                : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float4 r = *reinterpret_cast<const float4*>(a.residual_in + i);
+        float4 vo;
+        u[0] = UpdateOne(g.x, p.x, v.x, r.x, a, &vo.x);
+        u[1] = UpdateOne(g.y, p.y, v.y, r.y, a, &vo.y);
+        u[2] = UpdateOne(g.z, p.z, v.z, r.z, a, &vo.z);
+        u[3] = UpdateOne(g.w, p.w, v.w, r.w, a, &vo.w);
+        if (a.momentum_correction) {
+          *reinterpret_cast<float4*>(a.velocity_out + i) = vo;
+        }
+        *reinterpret_cast<float4*>(a.residual_out + i) =
+            make_float4(u[0], u[1], u[2], u[3]);
+      } else {
+        const float4 r = *reinterpret_cast<const float4*>(a.residual_in + i);
+        u[0] = r.x;
+        u[1] = r.y;
+        u[2] = r.z;
+        u[3] = r.w;
+      }
+    } else {
+      valid = static_cast<int>(a.n - i < 4 ? a.n - i : 4);
+      for (int j = 0; j < valid; ++j) {
+        if (kUpdate) {
+          float vo = 0.0f;
+          const float p = a.params != nullptr ? a.params[i + j] : 0.0f;
+          const float v = a.momentum_correction ? a.velocity_in[i + j] : 0.0f;
+          u[j] = UpdateOne(a.grad[i + j], p, v, a.residual_in[i + j], a, &vo);
+          if (a.momentum_correction) a.velocity_out[i + j] = vo;
+          a.residual_out[i + j] = u[j];
+        } else {
+          u[j] = a.residual_in[i + j];
+        }
+      }
+    }
+    for (int j = 0; j < valid; ++j) {
+      atomicAdd(&hist[Key(u[j]) >> 20], 1u);
+      const double x = u[j];
+      sum += x;
+      sumsq += x * x;
+    }
+  }
+  using Reduce = cub::BlockReduce<double, kThreads>;
+  __shared__ typename Reduce::TempStorage reduce_storage;
+  const double block_sum = Reduce(reduce_storage).Sum(sum);
+  __syncthreads();
+  const double block_sumsq = Reduce(reduce_storage).Sum(sumsq);
+  if (threadIdx.x == 0) {
+    atomicAdd(&a.st->sum, block_sum);
+    atomicAdd(&a.st->sumsq, block_sumsq);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kBins; i += kThreads) {
+    if (hist[i] != 0) atomicAdd(&a.hist0[i], static_cast<ull>(hist[i]));
+  }
+}
+
+// Finds the digit at `level` that holds the need-th largest key among the
+// keys matching the prefix, from that level's histogram (one block of
+// kScanThreads threads). Level 0 also flags non-finite keys.
+__device__ void FindBinBlock(DeviceState* st, const ull* hist, int level) {
+  using Scan = cub::BlockScan<ull, kScanThreads>;
+  __shared__ typename Scan::TempStorage storage;
+  __shared__ int found;
+  __shared__ int non_finite;
+  const uint32_t error = st->error;
+  const ull need = st->need;
+  if (threadIdx.x == 0) {
+    found = 0;
+    non_finite = 0;
+  }
+  __syncthreads();
+  if (error != 0) return;  // uniform
+  const int bins = 1 << LevelBits(level);
+  ull v[2], before[2];
+  for (int j = 0; j < 2; ++j) {
+    const int p = 2 * static_cast<int>(threadIdx.x) + j;  // reversed bin
+    v[j] = p < bins ? hist[bins - 1 - p] : 0;
+    if (level == 0 && p < bins && bins - 1 - p >= (kNonFiniteKey >> 20) &&
+        v[j] != 0) {
+      non_finite = 1;
+    }
+  }
+  Scan(storage).ExclusiveSum(v, before);  // before[j] = keys in higher bins
+  __syncthreads();
+  if (non_finite) {
+    if (threadIdx.x == 0) atomicOr(&st->error, kErrorNonFinite);
+    return;
+  }
+  for (int j = 0; j < 2; ++j) {
+    const int p = 2 * static_cast<int>(threadIdx.x) + j;
+    if (p < bins && v[j] != 0 && before[j] < need && need <= before[j] + v[j]) {
+      const uint32_t digit = static_cast<uint32_t>(bins - 1 - p);
+      const uint32_t prefix = st->prefix | (digit << LevelShift(level));
+      st->prefix = prefix;
+      st->min_key = prefix;
+      st->count_greater += before[j];
+      st->need = need - before[j];
+      found = 1;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && !found) atomicOr(&st->error, kErrorInternal);
+}
+
+__global__ void __launch_bounds__(kScanThreads)
+    FindBinKernel(DeviceState* st, const ull* hist, int level) {
+  FindBinBlock(st, hist, level);
+}
+
+// Warp-chunked stable compaction of u: every i with key(u[i]) >= min_key
+// (state's min_key, or `host_key` when use_host_key) goes to the warp's
+// region; counts[w] = how many. kHist: histogram of digit 1 of the kept keys
+// that share digit 0 with state's prefix.
+template <bool kHist>
+__global__ void __launch_bounds__(kThreads)
+    CollectKernel(const float* __restrict__ u, uint64_t n, uint64_t chunk,
+                  int vectorized, DeviceState* st, uint32_t host_key,
+                  int use_host_key, uint32_t* __restrict__ regions,
+                  uint32_t* __restrict__ counts, ull* hist1) {
+  __shared__ uint32_t hist[kHist ? kBins : 1];
+  if (kHist) {
+    for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
+    __syncthreads();
+  }
+  const bool skip = st->error != 0 || st->fallback != 0;
+  const uint32_t min_key = use_host_key ? host_key : st->min_key;
+  const uint32_t prefix = st->prefix;
+  const int lane = threadIdx.x & 31;
+  const uint32_t lanes_below = (1u << lane) - 1u;
+  const uint64_t warp =
+      uint64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
+  const uint64_t begin = warp * chunk;
+  const uint64_t end = begin + chunk < n ? begin + chunk : n;
+  uint32_t* out = regions + begin;
+  uint32_t count = 0;
+  bool bad = false;
+  if (!skip) {
+    for (uint64_t base = begin; base < end; base += kChunkAlign) {
+      const uint64_t i = base + 4 * lane;
+      float x[4] = {0.f, 0.f, 0.f, 0.f};
+      bool valid[4];
+      if (vectorized && i + 3 < end) {
+        const float4 v = __ldg(reinterpret_cast<const float4*>(u + i));
+        x[0] = v.x;
+        x[1] = v.y;
+        x[2] = v.z;
+        x[3] = v.w;
+        valid[0] = valid[1] = valid[2] = valid[3] = true;
+      } else {
+        for (int j = 0; j < 4; ++j) {
+          valid[j] = i + j < end;
+          if (valid[j]) x[j] = u[i + j];
+        }
+      }
+      bool keep[4];
+      uint32_t ballots[4];
+      uint32_t any = 0;
+      for (int j = 0; j < 4; ++j) {
+        keep[j] = valid[j] && Key(x[j]) >= min_key;
+        ballots[j] = __ballot_sync(kFullMask, keep[j]);
+        any |= ballots[j];
+      }
+      if (any == 0) continue;  // the common case: nothing kept here
+      uint32_t pos = count;
+      for (int j = 0; j < 4; ++j) pos += __popc(ballots[j] & lanes_below);
+      for (int j = 0; j < 4; ++j) {
+        if (!keep[j]) continue;
+        const uint32_t key = Key(x[j]);
+        out[pos++] = static_cast<uint32_t>(i + j);
+        if (key >= kNonFiniteKey) bad = true;
+        if (kHist && (key >> 20) == (prefix >> 20)) {
+          atomicAdd(&hist[Digit(key, 1)], 1u);
+        }
+      }
+      for (int j = 0; j < 4; ++j) count += __popc(ballots[j]);
+    }
+  }
+  if (bad) atomicOr(&st->error, kErrorNonFinite);
+  if (lane == 0) counts[warp] = count;
+  if (kHist) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < kBins; i += kThreads) {
+      if (hist[i] != 0) atomicAdd(&hist1[i], static_cast<ull>(hist[i]));
+    }
+  }
+}
+
+// Exclusive scan of the W <= kMaxWarps per-warp counts into offsets; total in
+// state->num_candidates. Then, when find_level >= 0, FindBinBlock on `hist`.
+__global__ void __launch_bounds__(kScanThreads)
+    ScanKernel(const uint32_t* counts, int num_warps, ull* offsets,
+               DeviceState* st, const ull* hist, int find_level) {
+  using Scan = cub::BlockScan<ull, kScanThreads>;
+  __shared__ typename Scan::TempStorage storage;
+  ull v[kScanItems], before[kScanItems], total;
+  for (int j = 0; j < kScanItems; ++j) {
+    const int w = static_cast<int>(threadIdx.x) * kScanItems + j;
+    v[j] = w < num_warps ? counts[w] : 0;
+  }
+  Scan(storage).ExclusiveSum(v, before, total);
+  for (int j = 0; j < kScanItems; ++j) {
+    const int w = static_cast<int>(threadIdx.x) * kScanItems + j;
+    if (w < num_warps) offsets[w] = before[j];
+  }
+  if (threadIdx.x == 0) st->num_candidates = total;
+  __syncthreads();
+  if (find_level >= 0) FindBinBlock(st, hist, find_level);
+}
+
+// Concatenates the warps' regions (index order) into out_idx/out_val, with
+// the values read from u; zero: u[i] = +0.0 after reading. hist_level >= 0:
+// histogram of that digit over the gathered keys matching state's prefix.
+__global__ void __launch_bounds__(kThreads)
+    GatherKernel(float* u, const uint32_t* __restrict__ regions, uint64_t chunk,
+                 const uint32_t* __restrict__ counts,
+                 const ull* __restrict__ offsets, int num_warps,
+                 uint32_t* __restrict__ out_idx, float* __restrict__ out_val,
+                 int zero, DeviceState* st, ull* hist_out, int hist_level) {
+  __shared__ uint32_t hist[kBins];
+  const bool with_hist = hist_level >= 0;
+  if (with_hist) {
+    for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
+  }
+  __syncthreads();
+  const bool skip = st->error != 0;
+  const uint32_t prefix = st->prefix;
+  const int lane = threadIdx.x & 31;
+  const int total_warps = static_cast<int>(gridDim.x) * kWarpsPerBlock;
+  if (!skip) {
+    for (int w = static_cast<int>(blockIdx.x) * kWarpsPerBlock +
+                 static_cast<int>(threadIdx.x) / 32;
+         w < num_warps; w += total_warps) {
+      const uint32_t c = counts[w];
+      const ull off = offsets[w];
+      const uint32_t* region = regions + uint64_t(w) * chunk;
+      for (uint32_t j = lane; j < c; j += 32) {
+        const uint32_t idx = region[j];
+        const float v = u[idx];
+        out_idx[off + j] = idx;
+        out_val[off + j] = v;
+        if (zero) u[idx] = 0.0f;
+        if (with_hist) {
+          const uint32_t key = Key(v);
+          if (MatchesPrefix(key, prefix, hist_level)) {
+            atomicAdd(&hist[Digit(key, hist_level)], 1u);
+          }
+        }
+      }
+    }
+  }
+  if (with_hist) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < kBins; i += kThreads) {
+      if (hist[i] != 0) atomicAdd(&hist_out[i], static_cast<ull>(hist[i]));
+    }
+  }
+}
+
+// Histogram of digit `level` over data[0, len) (len = *d_len when given),
+// keys matching state's prefix.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    HistArrayKernel(const T* __restrict__ data, const ull* d_len, uint64_t len,
+                    DeviceState* st, ull* hist_out, int level) {
+  __shared__ uint32_t hist[kBins];
+  for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
+  __syncthreads();
+  const bool skip = st->error != 0;
+  const uint64_t length = d_len != nullptr ? *d_len : len;
+  const uint32_t prefix = st->prefix;
+  if (!skip) {
+    for (uint64_t i = uint64_t{blockIdx.x} * kThreads + threadIdx.x; i < length;
+         i += uint64_t{gridDim.x} * kThreads) {
+      const uint32_t key = Key(data[i]);
+      if (MatchesPrefix(key, prefix, level)) {
+        atomicAdd(&hist[Digit(key, level)], 1u);
+      }
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kBins; i += kThreads) {
+    if (hist[i] != 0) atomicAdd(&hist_out[i], static_cast<ull>(hist[i]));
+  }
+}
+
+// The final threshold: T and how many of the keys == T to take.
+struct FinalRule {
+  int use_host_key;  // T = host_key and take every tie
+  uint32_t host_key;
+};
+
+__device__ inline void FinalThreshold(const DeviceState* st, FinalRule rule,
+                                      uint32_t* t, ull* ties) {
+  if (rule.use_host_key) {
+    *t = rule.host_key;
+    *ties = ~0ull;
+  } else {
+    *t = st->prefix;
+    *ties = st->need;
+  }
+}
+
+// Warp chunk of the candidate array for this launch.
+__device__ inline void CandidateChunk(ull m, uint64_t* begin, uint64_t* end) {
+  const ull warps = ull{gridDim.x} * kWarpsPerBlock;
+  ull chunk = (m + warps - 1) / warps;
+  chunk = (chunk + 31) / 32 * 32;
+  const ull warp = ull{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
+  *begin = warp * chunk < m ? warp * chunk : m;
+  *end = *begin + chunk < m ? *begin + chunk : m;
+}
+
+// Per warp chunk of the candidates: keys > T and keys == T.
+__global__ void __launch_bounds__(kThreads)
+    CountFinalKernel(const float* __restrict__ values, DeviceState* st,
+                     FinalRule rule, uint32_t* greater, uint32_t* equal) {
+  const int lane = threadIdx.x & 31;
+  const uint64_t warp =
+      uint64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
+  uint32_t gt = 0, eq = 0;
+  if (st->error == 0) {
+    uint32_t t;
+    ull ties;
+    FinalThreshold(st, rule, &t, &ties);
+    uint64_t begin, end;
+    CandidateChunk(st->num_candidates, &begin, &end);
+    for (uint64_t base = begin; base < end; base += 32) {
+      const uint64_t i = base + lane;
+      const bool valid = i < end;
+      const uint32_t key = valid ? Key(values[i]) : 0;
+      gt += __popc(__ballot_sync(kFullMask, valid && key > t));
+      eq += __popc(__ballot_sync(kFullMask, valid && key == t));
+    }
+  }
+  if (lane == 0) {
+    greater[warp] = gt;
+    equal[warp] = eq;
+  }
+}
+
+// Output offset of each warp chunk: greater-before + min(ties-before, ties
+// to take); state->num_selected = the output count.
+__global__ void __launch_bounds__(kScanThreads)
+    ScanFinalKernel(const uint32_t* greater, const uint32_t* equal,
+                    int num_warps, ull* out_offsets, ull* ties_before,
+                    DeviceState* st, FinalRule rule) {
+  using Scan = cub::BlockScan<ull, kScanThreads>;
+  __shared__ typename Scan::TempStorage storage;
+  uint32_t t;
+  ull ties;
+  FinalThreshold(st, rule, &t, &ties);
+  ull g[kScanItems], e[kScanItems], g_before[kScanItems], e_before[kScanItems];
+  ull g_total, e_total;
+  for (int j = 0; j < kScanItems; ++j) {
+    const int w = static_cast<int>(threadIdx.x) * kScanItems + j;
+    g[j] = w < num_warps ? greater[w] : 0;
+    e[j] = w < num_warps ? equal[w] : 0;
+  }
+  Scan(storage).ExclusiveSum(g, g_before, g_total);
+  __syncthreads();
+  Scan(storage).ExclusiveSum(e, e_before, e_total);
+  for (int j = 0; j < kScanItems; ++j) {
+    const int w = static_cast<int>(threadIdx.x) * kScanItems + j;
+    if (w < num_warps) {
+      out_offsets[w] = g_before[j] + (e_before[j] < ties ? e_before[j] : ties);
+      ties_before[w] = e_before[j];
+    }
+  }
+  if (threadIdx.x == 0) {
+    st->num_selected =
+        st->error != 0 ? 0 : g_total + (e_total < ties ? e_total : ties);
+  }
+}
+
+// Writes the selected candidates (key > T, or key == T among the first
+// `ties` of them in index order) at their offsets; zero: u[i] = +0.0.
+__global__ void __launch_bounds__(kThreads)
+    WriteFinalKernel(const uint32_t* __restrict__ cand_idx,
+                     const float* __restrict__ cand_val, DeviceState* st,
+                     FinalRule rule, const ull* __restrict__ out_offsets,
+                     const ull* __restrict__ ties_before,
+                     uint32_t* __restrict__ out_idx,
+                     float* __restrict__ out_val, float* u, int zero) {
+  if (st->error != 0) return;  // uniform
+  const int lane = threadIdx.x & 31;
+  const uint32_t lanes_below = (1u << lane) - 1u;
+  const uint64_t warp =
+      uint64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
+  uint32_t t;
+  ull ties;
+  FinalThreshold(st, rule, &t, &ties);
+  uint64_t begin, end;
+  CandidateChunk(st->num_candidates, &begin, &end);
+  ull out = out_offsets[warp];
+  ull tie = ties_before[warp];
+  for (uint64_t base = begin; base < end; base += 32) {
+    const uint64_t i = base + lane;
+    const bool valid = i < end;
+    const float v = valid ? cand_val[i] : 0.0f;
+    const uint32_t key = Key(v);
+    const bool is_tie = valid && key == t;
+    const uint32_t tie_ballot = __ballot_sync(kFullMask, is_tie);
+    const ull rank = tie + __popc(tie_ballot & lanes_below);
+    const bool take = valid && (key > t || (is_tie && rank < ties));
+    const uint32_t take_ballot = __ballot_sync(kFullMask, take);
+    if (take) {
+      const ull pos = out + __popc(take_ballot & lanes_below);
+      const uint32_t idx = cand_idx[i];
+      out_idx[pos] = idx;
+      out_val[pos] = v;
+      if (zero) u[idx] = 0.0f;
+    }
+    out += __popc(take_ballot);
+    tie += __popc(tie_ballot);
+  }
+}
+
+// DGC sample: `runs` runs of 16 consecutive keys at hashed starts in
+// [0, n - 16]; keys to sample[], digit-0 histogram to hist0.
+__global__ void __launch_bounds__(kThreads)
+    SampleKernel(const float* __restrict__ u, uint64_t n, uint64_t runs,
+                 ull seed, uint32_t* __restrict__ sample, ull* hist0) {
+  __shared__ uint32_t hist[kBins];
+  for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
+  __syncthreads();
+  const uint64_t total = runs * 16;
+  for (uint64_t g = uint64_t{blockIdx.x} * kThreads + threadIdx.x; g < total;
+       g += uint64_t{gridDim.x} * kThreads) {
+    const uint64_t run = g / 16;
+    const uint64_t start = __umul64hi(Mix(seed, run), n - 15);
+    const uint32_t key = Key(u[start + (g % 16)]);
+    sample[g] = key;
+    atomicAdd(&hist[key >> 20], 1u);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kBins; i += kThreads) {
+    if (hist[i] != 0) atomicAdd(&hist0[i], static_cast<ull>(hist[i]));
+  }
+}
+
+// Gaussian-k planner (one block): mean/std from the histogram pass's sums,
+// then the CPU selector's adjustment loop as long as the digit-0 histogram
+// decides it (the count for a threshold lies between the counts at the
+// bounds of its bin). Stops at the first threshold the histogram cannot
+// rule out and sets min_key to it; fallback = 1 when the loop ends without.
+__global__ void __launch_bounds__(kScanThreads)
+    GaussPlanKernel(DeviceState* st, const ull* hist0, uint64_t n, double z,
+                    ull lo, ull hi, int max_adjustments) {
+  using Scan = cub::BlockScan<ull, kScanThreads>;
+  __shared__ typename Scan::TempStorage storage;
+  __shared__ ull at_least[kBins + 1];  // keys with digit 0 >= b
+  __shared__ int non_finite;
+  if (threadIdx.x == 0) non_finite = 0;
+  __syncthreads();
+  ull v[2], before[2];
+  for (int j = 0; j < 2; ++j) {
+    const int p = 2 * static_cast<int>(threadIdx.x) + j;
+    const int bin = kBins - 1 - p;
+    v[j] = hist0[bin];
+    if (bin >= static_cast<int>(kNonFiniteKey >> 20) && v[j] != 0) {
+      non_finite = 1;
+    }
+  }
+  Scan(storage).ExclusiveSum(v, before);
+  for (int j = 0; j < 2; ++j) {
+    const int p = 2 * static_cast<int>(threadIdx.x) + j;
+    at_least[kBins - 1 - p] = before[j] + v[j];
+  }
+  if (threadIdx.x == 0) at_least[kBins] = 0;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  if (non_finite) {
+    st->error |= kErrorNonFinite;
+    return;
+  }
+  const double sum = st->sum, sumsq = st->sumsq;
+  const double mean = sum / static_cast<double>(n);
+  const double var =
+      n > 1 ? fmax(0.0, (sumsq - sum * mean) / static_cast<double>(n - 1))
+            : 0.0;
+  double t = mean + z * sqrt(var);
+  for (int adjustment = 0;; ++adjustment) {
+    const uint32_t key = MinKeyAbove(t);
+    const uint32_t bin = key >> 20;
+    const ull upper = at_least[bin];
+    const ull lower = (key & 0xfffffu) == 0 ? upper : at_least[bin + 1];
+    const bool too_few = upper < lo;
+    const bool too_many = lower > hi;
+    if (!too_few && !too_many) {
+      st->min_key = key;
+      st->threshold = t;
+      st->adjustments = adjustment;
+      return;
+    }
+    if (adjustment == max_adjustments) break;
+    t = too_few ? t * 0.5 : t * 1.5;
+    if (t <= 0.0) break;
+  }
+  st->fallback = 1;
+}
+
+// state->count_at_least += #{i < M : key(values[i]) >= min_key}.
+__global__ void __launch_bounds__(kThreads)
+    CountAtLeastKernel(const float* __restrict__ values, DeviceState* st,
+                       uint32_t min_key) {
+  const ull m = st->num_candidates;
+  uint32_t c = 0;
+  for (uint64_t i = uint64_t{blockIdx.x} * kThreads + threadIdx.x; i < m;
+       i += uint64_t{gridDim.x} * kThreads) {
+    c += Key(values[i]) >= min_key;
+  }
+  using Reduce = cub::BlockReduce<uint32_t, kThreads>;
+  __shared__ typename Reduce::TempStorage storage;
+  const uint32_t total = Reduce(storage).Sum(c);
+  if (threadIdx.x == 0 && total != 0) {
+    atomicAdd(&st->count_at_least, static_cast<ull>(total));
+  }
+}
+
+// state->first_non_finite = the lowest i with a NaN/Inf u[i].
+__global__ void FirstNonFiniteKernel(const float* __restrict__ u, uint64_t n,
+                                     DeviceState* st) {
+  for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += uint64_t{gridDim.x} * blockDim.x) {
+    if (Key(u[i]) >= kNonFiniteKey) atomicMin(&st->first_non_finite, ull{i});
+  }
+}
+
+// dst[idx[j]] = val[j] (subtract == 0) or dst[idx[j]] - val[j].
+__global__ void ScatterKernel(float* dst, uint64_t n,
+                              const uint32_t* __restrict__ idx,
+                              const float* __restrict__ val, uint64_t count,
+                              int subtract) {
+  for (uint64_t j = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; j < count;
+       j += uint64_t{gridDim.x} * blockDim.x) {
+    const uint32_t i = idx[j];
+    if (i >= n) continue;
+    if (subtract) {
+      const float d = dst[i];
+      dst[i] = d - val[j];
+    } else {
+      dst[i] = val[j];
+    }
+  }
+}
+
+// v = m * velocity + update; velocity = v; params -= v (dense).
+__global__ void GlobalMomentumKernel(float* params, float* velocity,
+                                     const float* __restrict__ update,
+                                     uint64_t n, float m) {
+  for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += uint64_t{gridDim.x} * blockDim.x) {
+    const float mv = m * velocity[i];
+    const float v = mv + update[i];
+    velocity[i] = v;
+    const float p = params[i];
+    params[i] = p - v;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Host helpers
+// ---------------------------------------------------------------------------
+
+// Phi^-1(p) by bisection on erfc; the same as cpu::NormalQuantile (repeated
+// here because this layer does not link the Abseil-based CPU library).
+double NormalQuantile(double p) {
+  double lo = -40.0, hi = 40.0;
+  for (int i = 0; i < 200 && hi - lo > 1e-15 * (1.0 + std::fabs(lo)); ++i) {
+    const double mid = 0.5 * (lo + hi);
+    if (0.5 * std::erfc(-mid / std::sqrt(2.0)) < p) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return 0.5 * (lo + hi);
+}
+
+bool Aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+std::string FloatText(float x) {
+  if (std::isnan(x)) return "nan";
+  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
+  return std::to_string(x);
+}
+
+#define GTOPK_CUDA_LAUNCH_CHECK() GTOPK_CUDA_RETURN_IF_ERROR(cudaGetLastError())
+
+}  // namespace
+
+const char* MethodName(Method method) {
+  switch (method) {
+    case Method::kExact:
+      return "exact";
+    case Method::kGaussianK:
+      return "gaussiank";
+    case Method::kDgc:
+      return "dgc";
+  }
+  return "unknown";
+}
+
+uint64_t MinCount(Method method, uint64_t k) {
+  const uint64_t lo = (2 * k + 2) / 3, hi = 4 * k / 3;
+  switch (method) {
+    case Method::kExact:
+      return k;
+    case Method::kGaussianK:
+      return lo <= hi ? lo : k;
+    case Method::kDgc:
+      return 1;
+  }
+  return k;
+}
+
+uint64_t MaxCount(Method method, uint64_t k) {
+  const uint64_t lo = (2 * k + 2) / 3, hi = 4 * k / 3;
+  return method == Method::kGaussianK && lo <= hi ? hi : k;
+}
+
+Status SparseUpdater::Upload(const uint32_t* idx, const float* val,
+                             uint64_t count, cudaStream_t stream) {
+  if (idx_.size() < count) {
+    // Buffers in flight on `stream` must not be freed under it.
+    GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    GTOPK_CUDA_RETURN_IF_NOT_OK(
+        idx_.Allocate(std::max<uint64_t>(count, 2 * idx_.size())));
+    GTOPK_CUDA_RETURN_IF_NOT_OK(val_.Allocate(idx_.size()));
+  }
+  GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(idx_.get(), idx,
+                                             count * sizeof(uint32_t),
+                                             cudaMemcpyHostToDevice, stream));
+  GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+      val_.get(), val, count * sizeof(float), cudaMemcpyHostToDevice, stream));
+  return Status::Ok();
+}
+
+Status SparseUpdater::Set(float* dst, uint64_t n, const uint32_t* idx,
+                          const float* val, uint64_t count,
+                          cudaStream_t stream) {
+  if (count == 0) return Status::Ok();
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Upload(idx, val, count, stream));
+  const int blocks =
+      static_cast<int>(std::min<uint64_t>((count + 255) / 256, 4096));
+  ScatterKernel<<<blocks, 256, 0, stream>>>(dst, n, idx_.get(), val_.get(),
+                                            count, 0);
+  GTOPK_CUDA_LAUNCH_CHECK();
+  return Status::Ok();
+}
+
+Status SparseUpdater::Subtract(float* dst, uint64_t n, const uint32_t* idx,
+                               const float* val, uint64_t count,
+                               cudaStream_t stream) {
+  if (count == 0) return Status::Ok();
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Upload(idx, val, count, stream));
+  const int blocks =
+      static_cast<int>(std::min<uint64_t>((count + 255) / 256, 4096));
+  ScatterKernel<<<blocks, 256, 0, stream>>>(dst, n, idx_.get(), val_.get(),
+                                            count, 1);
+  GTOPK_CUDA_LAUNCH_CHECK();
+  return Status::Ok();
+}
+
+Status SparseUpdater::GlobalMomentum(float* params, float* velocity, uint64_t n,
+                                     float momentum, const uint32_t* idx,
+                                     const float* val, uint64_t count,
+                                     cudaStream_t stream) {
+  if (n == 0) return Status::Ok();
+  if (dense_.size() < n) {
+    GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    GTOPK_CUDA_RETURN_IF_NOT_OK(dense_.Allocate(n));
+  }
+  GTOPK_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(dense_.get(), 0, n * sizeof(float), stream));  // +0.0
+  if (count > 0) {
+    GTOPK_CUDA_RETURN_IF_NOT_OK(Upload(idx, val, count, stream));
+    const int blocks =
+        static_cast<int>(std::min<uint64_t>((count + 255) / 256, 4096));
+    ScatterKernel<<<blocks, 256, 0, stream>>>(dense_.get(), n, idx_.get(),
+                                              val_.get(), count, 0);
+    GTOPK_CUDA_LAUNCH_CHECK();
+  }
+  const int blocks =
+      static_cast<int>(std::min<uint64_t>((n + 1023) / 1024, 8192));
+  GlobalMomentumKernel<<<blocks, 256, 0, stream>>>(params, velocity,
+                                                   dense_.get(), n, momentum);
+  GTOPK_CUDA_LAUNCH_CHECK();
+  return Status::Ok();
+}
+
+int DeviceCount() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // clear the error
+    return 0;
+  }
+  return count;
+}
+
+struct Sparsifier::Impl {
+  uint64_t capacity = 0;
+  int max_blocks = 0;  // passes over u: <= kMaxBlocks
+
+  DeviceBuffer<unsigned char> meta;  // DeviceState + hist0/1/2
+  DeviceState* st = nullptr;
+  ull* hist0 = nullptr;
+  ull* hist1 = nullptr;
+  ull* hist2 = nullptr;
+  DeviceBuffer<uint32_t> regions;
+  DeviceBuffer<uint32_t> counts_a, counts_b;
+  DeviceBuffer<ull> offsets_a, offsets_b;
+  DeviceBuffer<uint32_t> cand_idx, out_idx;
+  DeviceBuffer<float> cand_val, out_val;
+  PinnedBuffer<uint32_t> host_idx;
+  PinnedBuffer<float> host_val;
+  PinnedBuffer<DeviceState> host_state;
+
+  // Accumulate's histogram, valid for (hist_u, hist_n) until a Select.
+  const float* hist_u = nullptr;
+  uint64_t hist_n = 0;
+
+  // Layout of the last compaction over u.
+  int collect_blocks = 0;
+  int collect_warps = 0;
+  uint64_t collect_chunk = 0;
+
+  // The pending selection.
+  bool pending = false;
+  float* pending_u = nullptr;
+  uint64_t pending_n = 0;
+  uint64_t pending_count = 0;
+  bool check_selected = false;  // state.num_selected must equal the count
+  bool pending_error = false;   // the host state already shows an error
+  SelectInfo info;
+
+  void CollectLayout(uint64_t n) {
+    uint64_t blocks =
+        (n + uint64_t{kThreads} * 16 - 1) / (uint64_t{kThreads} * 16);
+    blocks = std::max<uint64_t>(1, std::min<uint64_t>(blocks, max_blocks));
+    collect_blocks = static_cast<int>(blocks);
+    collect_warps = collect_blocks * kWarpsPerBlock;
+    uint64_t chunk = (n + collect_warps - 1) / collect_warps;
+    collect_chunk = (chunk + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
+  }
+
+  int CandidateBlocks(uint64_t expected) const {
+    uint64_t blocks =
+        (expected + uint64_t{kThreads} * 4 - 1) / (uint64_t{kThreads} * 4);
+    return static_cast<int>(
+        std::max<uint64_t>(1, std::min<uint64_t>(blocks, max_blocks)));
+  }
+
+  Status Init(ull need, bool zero_hist0, bool keep_sums, bool keep_candidates,
+              cudaStream_t stream) {
+    InitKernel<<<1, kScanThreads, 0, stream>>>(
+        st, hist0, hist1, hist2, need, zero_hist0, keep_sums, keep_candidates);
+    GTOPK_CUDA_LAUNCH_CHECK();
+    return Status::Ok();
+  }
+
+  Status Histogram(const float* u, uint64_t n, cudaStream_t stream) {
+    HistArgs a{};
+    a.residual_in = u;
+    a.n = n;
+    a.vectorized = Aligned16(u);
+    a.st = st;
+    a.hist0 = hist0;
+    HistogramKernel<false><<<HistBlocks(n), kThreads, 0, stream>>>(a);
+    GTOPK_CUDA_LAUNCH_CHECK();
+    return Status::Ok();
+  }
+
+  int HistBlocks(uint64_t n) const {
+    uint64_t blocks =
+        (n + uint64_t{kThreads} * 16 - 1) / (uint64_t{kThreads} * 16);
+    return static_cast<int>(
+        std::max<uint64_t>(1, std::min<uint64_t>(blocks, max_blocks)));
+  }
+
+  Status Collect(const float* u, uint64_t n, bool with_hist, bool host_key,
+                 uint32_t key, cudaStream_t stream) {
+    CollectLayout(n);
+    const int vec = Aligned16(u);
+    if (with_hist) {
+      CollectKernel<true><<<collect_blocks, kThreads, 0, stream>>>(
+          u, n, collect_chunk, vec, st, key, host_key, regions.get(),
+          counts_a.get(), hist1);
+    } else {
+      CollectKernel<false><<<collect_blocks, kThreads, 0, stream>>>(
+          u, n, collect_chunk, vec, st, key, host_key, regions.get(),
+          counts_a.get(), nullptr);
+    }
+    GTOPK_CUDA_LAUNCH_CHECK();
+    return Status::Ok();
+  }
+
+  Status Scan(int find_level, const ull* hist, cudaStream_t stream) {
+    ScanKernel<<<1, kScanThreads, 0, stream>>>(
+        counts_a.get(), collect_warps, offsets_a.get(), st, hist, find_level);
+    GTOPK_CUDA_LAUNCH_CHECK();
+    return Status::Ok();
+  }
+
+  Status Gather(float* u, bool to_output, bool zero, int hist_level, ull* hist,
+                cudaStream_t stream) {
+    GatherKernel<<<collect_blocks, kThreads, 0, stream>>>(
+        u, regions.get(), collect_chunk, counts_a.get(), offsets_a.get(),
+        collect_warps, to_output ? out_idx.get() : cand_idx.get(),
+        to_output ? out_val.get() : cand_val.get(), zero, st, hist, hist_level);
+    GTOPK_CUDA_LAUNCH_CHECK();
+    return Status::Ok();
+  }
+
+  Status FindBin(const ull* hist, int level, cudaStream_t stream) {
+    FindBinKernel<<<1, kScanThreads, 0, stream>>>(st, hist, level);
+    GTOPK_CUDA_LAUNCH_CHECK();
+    return Status::Ok();
+  }
+
+  // Stable compaction of the candidate arrays by FinalRule into out_*.
+  Status Final(FinalRule rule, float* u, bool zero, uint64_t expected,
+               cudaStream_t stream) {
+    const int blocks = CandidateBlocks(expected);
+    const int warps = blocks * kWarpsPerBlock;
+    CountFinalKernel<<<blocks, kThreads, 0, stream>>>(
+        cand_val.get(), st, rule, counts_b.get(), counts_a.get());
+    GTOPK_CUDA_LAUNCH_CHECK();
+    ScanFinalKernel<<<1, kScanThreads, 0, stream>>>(
+        counts_b.get(), counts_a.get(), warps, offsets_a.get(), offsets_b.get(),
+        st, rule);
+    GTOPK_CUDA_LAUNCH_CHECK();
+    WriteFinalKernel<<<blocks, kThreads, 0, stream>>>(
+        cand_idx.get(), cand_val.get(), st, rule, offsets_a.get(),
+        offsets_b.get(), out_idx.get(), out_val.get(), u, zero);
+    GTOPK_CUDA_LAUNCH_CHECK();
+    return Status::Ok();
+  }
+
+  // Exact top-k of the candidate arrays (M = state's num_candidates >= k,
+  // containing the top-k of u) by a three-digit radix select over them.
+  Status CandidateExact(float* u, uint64_t k, bool zero, uint64_t expected_m,
+                        cudaStream_t stream) {
+    GTOPK_CUDA_RETURN_IF_NOT_OK(Init(k, /*zero_hist0=*/true, false,
+                                     /*keep_candidates=*/true, stream));
+    ull* hists[3] = {hist0, hist1, hist2};
+    const int blocks = CandidateBlocks(expected_m);
+    for (int level = 0; level < 3; ++level) {
+      HistArrayKernel<float><<<blocks, kThreads, 0, stream>>>(
+          cand_val.get(), &st->num_candidates, 0, st, hists[level], level);
+      GTOPK_CUDA_LAUNCH_CHECK();
+      GTOPK_CUDA_RETURN_IF_NOT_OK(FindBin(hists[level], level, stream));
+    }
+    hist_u = nullptr;
+    return Final(FinalRule{0, 0}, u, zero, expected_m, stream);
+  }
+
+  // Exact top-k of u; reuse_hist0: hist0 already holds u's digit-0 counts.
+  Status ExactFromU(float* u, uint64_t n, uint64_t k, bool zero,
+                    bool reuse_hist0, cudaStream_t stream) {
+    GTOPK_CUDA_RETURN_IF_NOT_OK(
+        Init(k, !reuse_hist0, reuse_hist0, false, stream));
+    if (!reuse_hist0) GTOPK_CUDA_RETURN_IF_NOT_OK(Histogram(u, n, stream));
+    GTOPK_CUDA_RETURN_IF_NOT_OK(FindBin(hist0, 0, stream));
+    GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, true, false, 0, stream));
+    GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(1, hist1, stream));
+    GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, 2, hist2, stream));
+    GTOPK_CUDA_RETURN_IF_NOT_OK(FindBin(hist2, 2, stream));
+    // Candidates: about k plus the k-th key's digit-0 bin.
+    return Final(FinalRule{0, 0}, u, zero, 2 * k, stream);
+  }
+
+  // Copies the state to the host and waits for it.
+  Status ReadState(cudaStream_t stream, DeviceState* out) {
+    GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_state.get(), st,
+                                               sizeof(DeviceState),
+                                               cudaMemcpyDeviceToHost, stream));
+    GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    *out = *host_state.get();
+    return Status::Ok();
+  }
+
+  Status EnsurePinned(uint64_t count, cudaStream_t stream) {
+    if (host_idx.size() >= count && host_val.size() >= count)
+      return Status::Ok();
+    GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    const uint64_t size = std::max<uint64_t>(count, 2 * host_idx.size());
+    GTOPK_CUDA_RETURN_IF_NOT_OK(host_idx.Allocate(size));
+    GTOPK_CUDA_RETURN_IF_NOT_OK(host_val.Allocate(size));
+    return Status::Ok();
+  }
+
+  // Enqueues the copies of `count` output pairs and of the state.
+  Status CopyOut(uint64_t count, cudaStream_t stream) {
+    if (count > 0) {
+      GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+          host_idx.get(), out_idx.get(), count * sizeof(uint32_t),
+          cudaMemcpyDeviceToHost, stream));
+      GTOPK_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(host_val.get(), out_val.get(), count * sizeof(float),
+                          cudaMemcpyDeviceToHost, stream));
+    }
+    GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_state.get(), st,
+                                               sizeof(DeviceState),
+                                               cudaMemcpyDeviceToHost, stream));
+    pending_count = count;
+    return Status::Ok();
+  }
+
+  Status SelectGaussianK(float* u, uint64_t n, const SelectParams& p,
+                         bool reuse, cudaStream_t stream);
+  Status SelectDgc(float* u, uint64_t n, const SelectParams& p, bool reuse,
+                   cudaStream_t stream);
+};
+
+Status Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
+                                         const SelectParams& p, bool reuse,
+                                         cudaStream_t stream) {
+  const uint64_t k = p.k;
+  const uint64_t lo = MinCount(Method::kGaussianK, k);
+  const uint64_t hi = MaxCount(Method::kGaussianK, k);
+  const bool zero = p.zero_selected;
+  info.fell_back = true;
+  if (k == n || lo == hi) {
+    GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, reuse, stream));
+    check_selected = true;
+    return CopyOut(k, stream);
+  }
+  const double density = static_cast<double>(k) / static_cast<double>(n);
+  const double z = NormalQuantile(1.0 - density / 2.0);
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Init(k, !reuse, reuse, false, stream));
+  if (!reuse) GTOPK_CUDA_RETURN_IF_NOT_OK(Histogram(u, n, stream));
+  GaussPlanKernel<<<1, kScanThreads, 0, stream>>>(st, hist0, n, z, lo, hi,
+                                                  p.gaussiank_max_adjustments);
+  GTOPK_CUDA_LAUNCH_CHECK();
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, false, false, 0, stream));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(-1, nullptr, stream));
+  DeviceState s{};
+  GTOPK_CUDA_RETURN_IF_NOT_OK(ReadState(stream, &s));
+  if (s.error != 0) {
+    pending_error = true;
+    return CopyOut(0, stream);
+  }
+  bool fallback = s.fallback != 0;
+  int adjustments = s.adjustments;
+  double t = s.threshold;
+  uint32_t key = s.min_key;       // the threshold being tried
+  uint32_t cand_key = s.min_key;  // the candidates hold key >= cand_key
+  uint64_t cand_count = s.num_candidates;
+  uint64_t count = cand_count;  // survivors of `key`
+  bool gathered = false;        // candidates in cand_idx/cand_val
+  while (!fallback) {
+    if (count >= lo && count <= hi) {
+      if (key == cand_key) {
+        GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, -1, nullptr, stream));
+        check_selected = false;
+      } else {
+        GTOPK_CUDA_RETURN_IF_NOT_OK(
+            Final(FinalRule{1, key}, u, zero, cand_count, stream));
+        check_selected = true;
+      }
+      info.fell_back = false;
+      info.adjustments = adjustments;
+      info.candidates = cand_count;
+      return CopyOut(count, stream);
+    }
+    if (adjustments == p.gaussiank_max_adjustments) break;
+    t = count < lo ? t * 0.5 : t * 1.5;
+    if (t <= 0.0) break;
+    ++adjustments;
+    key = MinKeyAbove(t);
+    if (key >= cand_key) {
+      // Raising the threshold: count among the candidates.
+      if (!gathered) {
+        GTOPK_CUDA_RETURN_IF_NOT_OK(
+            Gather(u, false, false, -1, nullptr, stream));
+        gathered = true;
+      }
+      GTOPK_CUDA_RETURN_IF_ERROR(
+          cudaMemsetAsync(&st->count_at_least, 0, sizeof(ull), stream));
+      CountAtLeastKernel<<<CandidateBlocks(cand_count), kThreads, 0, stream>>>(
+          cand_val.get(), st, key);
+      GTOPK_CUDA_LAUNCH_CHECK();
+      GTOPK_CUDA_RETURN_IF_NOT_OK(ReadState(stream, &s));
+      count = s.count_at_least;
+    } else {
+      // Lowering it: one more compaction pass over u.
+      GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, false, true, key, stream));
+      GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(-1, nullptr, stream));
+      GTOPK_CUDA_RETURN_IF_NOT_OK(ReadState(stream, &s));
+      if (s.error != 0) {
+        pending_error = true;
+        return CopyOut(0, stream);
+      }
+      cand_key = key;
+      cand_count = s.num_candidates;
+      count = cand_count;
+      gathered = false;
+    }
+  }
+  // Outside the range after the adjustments: the exact top-k, from the
+  // candidates when they hold at least k entries, else from u.
+  info.adjustments = adjustments;
+  info.fell_back = true;
+  check_selected = true;
+  if (!fallback && cand_count >= k) {
+    if (!gathered) {
+      GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, -1, nullptr, stream));
+    }
+    GTOPK_CUDA_RETURN_IF_NOT_OK(CandidateExact(u, k, zero, cand_count, stream));
+  } else {
+    // hist0 still describes u (nothing was written to u).
+    GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, true, stream));
+  }
+  return CopyOut(k, stream);
+}
+
+Status Sparsifier::Impl::SelectDgc(float* u, uint64_t n, const SelectParams& p,
+                                   bool reuse, cudaStream_t stream) {
+  const uint64_t k = p.k;
+  const bool zero = p.zero_selected;
+  constexpr uint64_t kRunLength = 16;
+  const uint64_t wanted = static_cast<uint64_t>(
+      std::ceil(p.dgc_sample_fraction * static_cast<double>(n)));
+  const uint64_t runs = (wanted + kRunLength - 1) / kRunLength;
+  // As on the CPU: a sample as large as the input means the exact top-k.
+  if (k == n || runs * kRunLength * 2 >= n) {
+    GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, reuse, stream));
+    check_selected = true;
+    return CopyOut(k, stream);
+  }
+  const uint64_t sample_size = runs * kRunLength;
+  const uint64_t sample_k = std::max<uint64_t>(
+      1, static_cast<uint64_t>(std::ceil(static_cast<double>(sample_size) *
+                                         static_cast<double>(k) /
+                                         static_cast<double>(n))));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Init(sample_k, true, false, false, stream));
+  hist_u = nullptr;
+  // The sample's keys live in cand_idx until the compaction below.
+  const int sample_blocks = CandidateBlocks(sample_size);
+  SampleKernel<<<sample_blocks, kThreads, 0, stream>>>(
+      u, n, runs, Mix(p.seed, p.step), cand_idx.get(), hist0);
+  GTOPK_CUDA_LAUNCH_CHECK();
+  GTOPK_CUDA_RETURN_IF_NOT_OK(FindBin(hist0, 0, stream));
+  for (int level = 1; level < 3; ++level) {
+    ull* hist = level == 1 ? hist1 : hist2;
+    HistArrayKernel<uint32_t><<<sample_blocks, kThreads, 0, stream>>>(
+        cand_idx.get(), nullptr, sample_size, st, hist, level);
+    GTOPK_CUDA_LAUNCH_CHECK();
+    GTOPK_CUDA_RETURN_IF_NOT_OK(FindBin(hist, level, stream));
+  }
+  // min_key is now the sample's sample_k-th largest key.
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, false, false, 0, stream));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(-1, nullptr, stream));
+  DeviceState s{};
+  GTOPK_CUDA_RETURN_IF_NOT_OK(ReadState(stream, &s));
+  if (s.error != 0) {
+    pending_error = true;
+    return CopyOut(0, stream);
+  }
+  info.candidates = s.num_candidates;
+  if (s.num_candidates <= k) {
+    GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, -1, nullptr, stream));
+    check_selected = false;
+    return CopyOut(s.num_candidates, stream);
+  }
+  // More than k survive: the exact top k among them.
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, -1, nullptr, stream));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(
+      CandidateExact(u, k, zero, s.num_candidates, stream));
+  check_selected = true;
+  return CopyOut(k, stream);
+}
+
+Sparsifier::Sparsifier(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Sparsifier::~Sparsifier() = default;
+
+uint64_t Sparsifier::capacity() const { return impl_->capacity; }
+const uint32_t* Sparsifier::device_indices() const {
+  return impl_->out_idx.get();
+}
+const float* Sparsifier::device_values() const { return impl_->out_val.get(); }
+
+Status Sparsifier::Create(uint64_t capacity, std::unique_ptr<Sparsifier>* out) {
+  if (capacity == 0 || capacity > (uint64_t{1} << 32)) {
+    return Status::Error(StatusCode::kInvalidArgument,
+                         "Sparsifier capacity must be in [1, 2^32], got " +
+                             std::to_string(capacity));
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->capacity = capacity;
+  int device = 0, sms = 0;
+  GTOPK_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  GTOPK_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  impl->max_blocks = std::max(1, std::min(kMaxBlocks, sms * 8));
+  const size_t meta_bytes =
+      sizeof(DeviceState) + (2 * kBins + 512) * sizeof(ull) + 64;
+  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->meta.Allocate(meta_bytes));
+  GTOPK_CUDA_RETURN_IF_ERROR(cudaMemset(impl->meta.get(), 0, meta_bytes));
+  unsigned char* base = impl->meta.get();
+  impl->st = reinterpret_cast<DeviceState*>(base);
+  const size_t hist_offset = (sizeof(DeviceState) + 63) / 64 * 64;
+  impl->hist0 = reinterpret_cast<ull*>(base + hist_offset);
+  impl->hist1 = impl->hist0 + kBins;
+  impl->hist2 = impl->hist1 + kBins;
+  GTOPK_CUDA_RETURN_IF_NOT_OK(
+      impl->regions.Allocate(capacity + kChunkAlign * kMaxWarps));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->counts_a.Allocate(kMaxWarps));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->counts_b.Allocate(kMaxWarps));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->offsets_a.Allocate(kMaxWarps));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->offsets_b.Allocate(kMaxWarps));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->cand_idx.Allocate(capacity));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->cand_val.Allocate(capacity));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->out_idx.Allocate(capacity));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->out_val.Allocate(capacity));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->host_state.Allocate(1));
+  out->reset(new Sparsifier(std::move(impl)));
+  return Status::Ok();
+}
+
+Status Sparsifier::Accumulate(const float* grad, const float* params,
+                              const float* velocity_in, float* velocity_out,
+                              const float* residual_in, float* residual_out,
+                              uint64_t n, const UpdateParams& up,
+                              cudaStream_t stream) {
+  Impl& m = *impl_;
+  if (n == 0 || n > m.capacity) {
+    return Status::Error(
+        StatusCode::kInvalidArgument,
+        "Accumulate: n = " + std::to_string(n) +
+            " must be in [1, capacity = " + std::to_string(m.capacity) + "]");
+  }
+  if (grad == nullptr || residual_in == nullptr || residual_out == nullptr ||
+      (up.momentum_correction &&
+       (velocity_in == nullptr || velocity_out == nullptr)) ||
+      (params == nullptr && up.weight_decay != 0.0f)) {
+    return Status::Error(StatusCode::kInvalidArgument,
+                         "Accumulate: a required device pointer is null");
+  }
+  if (!(up.lr > 0.0f) || !std::isfinite(up.lr) || !(up.momentum >= 0.0f) ||
+      !(up.momentum < 1.0f) || !(up.weight_decay >= 0.0f) ||
+      !std::isfinite(up.weight_decay)) {
+    return Status::Error(StatusCode::kInvalidArgument,
+                         "Accumulate: need lr > 0, momentum in [0, 1), "
+                         "weight_decay >= 0, all finite");
+  }
+  if (m.pending) {
+    return Status::Error(StatusCode::kFailedPrecondition,
+                         "Accumulate: Wait for the pending Select first");
+  }
+  GTOPK_CUDA_RETURN_IF_NOT_OK(m.Init(0, true, false, false, stream));
+  HistArgs a{};
+  a.grad = grad;
+  a.params = params;
+  a.velocity_in = velocity_in;
+  a.velocity_out = velocity_out;
+  a.residual_in = residual_in;
+  a.residual_out = residual_out;
+  a.n = n;
+  a.lr = up.lr;
+  a.momentum = up.momentum;
+  a.weight_decay = up.weight_decay;
+  a.momentum_correction = up.momentum_correction;
+  a.vectorized = Aligned16(grad) && Aligned16(residual_in) &&
+                 Aligned16(residual_out) &&
+                 (params == nullptr || Aligned16(params)) &&
+                 (!up.momentum_correction ||
+                  (Aligned16(velocity_in) && Aligned16(velocity_out)));
+  a.st = m.st;
+  a.hist0 = m.hist0;
+  HistogramKernel<true><<<m.HistBlocks(n), kThreads, 0, stream>>>(a);
+  GTOPK_CUDA_LAUNCH_CHECK();
+  m.hist_u = residual_out;
+  m.hist_n = n;
+  return Status::Ok();
+}
+
+Status Sparsifier::Select(float* u, uint64_t n, const SelectParams& p,
+                          cudaStream_t stream) {
+  Impl& m = *impl_;
+  if (m.pending) {
+    return Status::Error(StatusCode::kFailedPrecondition,
+                         "Select: Wait for the pending Select first");
+  }
+  if (u == nullptr || n == 0 || n > m.capacity) {
+    return Status::Error(StatusCode::kInvalidArgument,
+                         "Select: n = " + std::to_string(n) +
+                             " must be in [1, capacity = " +
+                             std::to_string(m.capacity) + "] (u non-null)");
+  }
+  if (p.k == 0 || p.k > n) {
+    return Status::Error(StatusCode::kInvalidArgument,
+                         "Select: k = " + std::to_string(p.k) +
+                             " must be in [1, n = " + std::to_string(n) + "]");
+  }
+  if (!(p.dgc_sample_fraction >= 0.01 && p.dgc_sample_fraction <= 1.0) ||
+      p.gaussiank_max_adjustments < 1 || p.gaussiank_max_adjustments > 16) {
+    return Status::Error(StatusCode::kInvalidArgument,
+                         "Select: dgc_sample_fraction must be in [0.01, 1] "
+                         "and gaussiank_max_adjustments in [1, 16]");
+  }
+  const bool reuse = m.hist_u == u && m.hist_n == n;
+  m.info = SelectInfo();
+  m.info.used_update_histogram = reuse && p.method != Method::kDgc;
+  m.pending_error = false;
+  m.check_selected = false;
+  GTOPK_CUDA_RETURN_IF_NOT_OK(m.EnsurePinned(MaxCount(p.method, p.k), stream));
+  m.pending = true;  // from here on Wait must be called
+  m.pending_u = u;
+  m.pending_n = n;
+  Status status;
+  switch (p.method) {
+    case Method::kExact:
+      status = m.ExactFromU(u, n, p.k, p.zero_selected, reuse, stream);
+      if (status.ok()) {
+        m.check_selected = true;
+        status = m.CopyOut(p.k, stream);
+      }
+      break;
+    case Method::kGaussianK:
+      status = m.SelectGaussianK(u, n, p, reuse, stream);
+      break;
+    case Method::kDgc:
+      status = m.SelectDgc(u, n, p, reuse, stream);
+      break;
+  }
+  m.hist_u = nullptr;  // u changes (zeroing) or the histogram was reused
+  if (!status.ok()) m.pending = false;
+  return status;
+}
+
+Status Sparsifier::Wait(cudaStream_t stream, Selection* out) {
+  Impl& m = *impl_;
+  if (!m.pending) {
+    return Status::Error(StatusCode::kFailedPrecondition,
+                         "Wait: no pending Select");
+  }
+  m.pending = false;
+  GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  const DeviceState s = *m.host_state.get();
+  if ((s.error & kErrorNonFinite) != 0) {
+    // Find the first position for the message (rare path, one more pass).
+    GTOPK_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(&m.st->first_non_finite, 0xff, sizeof(ull), stream));
+    FirstNonFiniteKernel<<<m.HistBlocks(m.pending_n), kThreads, 0, stream>>>(
+        m.pending_u, m.pending_n, m.st);
+    GTOPK_CUDA_LAUNCH_CHECK();
+    ull pos = 0;
+    GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&pos, &m.st->first_non_finite,
+                                               sizeof(ull),
+                                               cudaMemcpyDeviceToHost, stream));
+    GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    float value = 0.0f;
+    if (pos < m.pending_n) {
+      GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpy(
+          &value, m.pending_u + pos, sizeof(float), cudaMemcpyDeviceToHost));
+    }
+    return Status::Error(StatusCode::kInvalidArgument,
+                         "selector input has a non-finite value (" +
+                             FloatText(value) + ") at position " +
+                             std::to_string(pos));
+  }
+  if (s.error != 0 || m.pending_error) {
+    return Status::Error(StatusCode::kInternal,
+                         "selection failed an internal check (error bits " +
+                             std::to_string(s.error) + ")");
+  }
+  if (m.check_selected && s.num_selected != m.pending_count) {
+    return Status::Error(
+        StatusCode::kInternal,
+        "selection produced " + std::to_string(s.num_selected) +
+            " pairs, expected " + std::to_string(m.pending_count));
+  }
+  m.info.count = m.pending_count;
+  if (m.info.candidates == 0) m.info.candidates = s.num_candidates;
+  out->indices = m.host_idx.get();
+  out->values = m.host_val.get();
+  out->count = m.pending_count;
+  out->info = m.info;
+  return Status::Ok();
+}
+
+}  // namespace cuda
+}  // namespace gtopk

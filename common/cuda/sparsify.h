@@ -1,0 +1,208 @@
+// GPU sparsification core: the fused residual update and the exact,
+// Gaussian-k and DGC selectors on device memory. Host-only header without
+// Abseil (see cuda_status.h); common/cuda/cuda_selector.h adapts it to the
+// Selector interface of common/selector.h.
+//
+// Magnitudes are compared through their 31-bit key (the float's bits with the
+// sign cleared), exactly like common/cpu/topk.h, so ties, -0.0 and denormals
+// behave as on the CPU and the exact selector's output equals the CPU
+// `exact`'s bit for bit.
+//
+// Algorithms:
+//  * exact: radix threshold selection on the key bits in three digits
+//    (11/11/9 bits), after AIR top-k (Zhang et al., "Parallel Top-K
+//    Algorithms on GPU: A Comprehensive Study and New Methods", SC'23): the
+//    first histogram comes with the residual update (or one read of u), one
+//    more pass over u keeps the entries of the k-th key's top digit as
+//    index-ordered candidates and histograms their second digit; the third
+//    digit and the final, stable tie-break compaction (lower index first) run
+//    over the candidates only.
+//  * gaussiank (Shi et al., arXiv:1911.08772): threshold mean + z*std from the
+//    same pass's sums, the CPU selector's adjustment rule (x0.5 when too
+//    few, x1.5 when too many, count contract [ceil(2k/3), floor(4k/3)])
+//    decided on the first-digit histogram when that is conclusive, then one
+//    compaction pass; exact top-k when the adjustments do not reach the range.
+//  * dgc (Lin et al., arXiv:1712.01887): a sample of random 16-value runs
+//    (counter-based hash of (seed, step, run)), its exact
+//    ceil(k*sample/n)-th largest key as threshold by radix select, one
+//    compaction pass keeping key >= threshold; more than k survivors are
+//    trimmed to the exact top-k among them. Returns 1..k entries.
+//
+// Output: (index, value) pairs sorted by index, values copied bit-exactly,
+// only those pairs copied to the host, into pinned buffers, asynchronously on
+// the caller's stream; optionally the selected residual entries are set to
+// +0.0 on the device (what ErrorFeedback::MarkSent does for a lossless codec).
+#ifndef GTOPK_COMMON_CUDA_SPARSIFY_H_
+#define GTOPK_COMMON_CUDA_SPARSIFY_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "common/cuda/cuda_status.h"
+
+namespace gtopk {
+namespace cuda {
+
+enum class Method { kExact, kGaussianK, kDgc };
+
+// "exact", "gaussiank", "dgc".
+const char* MethodName(Method method);
+
+// The worker-side update of common/optimizer.h (OptimizerRule::
+// AccumulateLocal), same float operations in the same order (the .cu is
+// built with --fmad=false):
+//   g = grad + weight_decay * params
+//   momentum_correction: v = momentum * velocity + g;  residual += lr * v
+//   otherwise:           residual += lr * g
+struct UpdateParams {
+  float lr = 0.1f;                  // this step's learning rate, > 0
+  float momentum = 0.9f;            // in [0, 1); used with momentum_correction
+  float weight_decay = 0.0f;        // >= 0
+  bool momentum_correction = true;  // DGC momentum correction
+};
+
+struct SelectParams {
+  Method method = Method::kExact;
+  uint64_t k = 1;                     // target count, 1 <= k <= n
+  uint64_t step = 0;                  // training step (dgc's sample stream)
+  uint64_t seed = 0;                  // dgc's seed
+  double dgc_sample_fraction = 0.01;  // in [0.01, 1]
+  int gaussiank_max_adjustments = 4;  // in [1, 16]
+  // Set u[i] = +0.0 on the device for every selected i.
+  bool zero_selected = true;
+};
+
+// Smallest and largest count each method returns for k (the CPU selectors'
+// contracts: exact k; gaussiank [ceil(2k/3), floor(4k/3)], k when that range
+// is empty; dgc [1, k]).
+uint64_t MinCount(Method method, uint64_t k);
+uint64_t MaxCount(Method method, uint64_t k);
+
+// What the last selection did (valid after Wait).
+struct SelectInfo {
+  uint64_t count = 0;       // pairs selected
+  uint64_t candidates = 0;  // entries kept by the compaction pass over u
+  int adjustments = 0;      // gaussiank threshold adjustments
+  bool fell_back = false;   // gaussiank/dgc ended with the exact top-k
+  bool used_update_histogram =
+      false;  // the first histogram came from Accumulate
+};
+
+// The selected pairs in pinned host memory, sorted by index; valid until the
+// next Select on the same Sparsifier.
+struct Selection {
+  const uint32_t* indices = nullptr;
+  const float* values = nullptr;
+  uint64_t count = 0;
+  SelectInfo info;
+};
+
+// Owns the device scratch of one selector (20 bytes per entry of capacity
+// plus about 1 MiB) and the pinned output buffers.
+//
+// Thread-safety: none; one instance per stream/thread. Calls are ordered:
+// [Accumulate] -> Select -> Wait -> [Accumulate] -> Select -> Wait ...
+// All pointers are device pointers on the current device unless named host.
+class Sparsifier {
+ public:
+  // Allocates scratch for inputs of up to `capacity` entries
+  // (1 <= capacity <= 2^32). INVALID_ARGUMENT for a bad capacity,
+  // RESOURCE_EXHAUSTED when device memory runs out, INTERNAL for other CUDA
+  // errors (no device, ...).
+  static Status Create(uint64_t capacity, std::unique_ptr<Sparsifier>* out);
+
+  ~Sparsifier();
+  Sparsifier(const Sparsifier&) = delete;
+  Sparsifier& operator=(const Sparsifier&) = delete;
+
+  uint64_t capacity() const;
+
+  // Fused residual update (see UpdateParams) that also builds the first
+  // radix histogram and the sums of u = residual_out, so that a following
+  // Select(residual_out, n, ...) starts without reading u again.
+  //   grad, params: length n (params may be null when weight_decay == 0:
+  //   then g = grad + 0.0f); velocity_in/out: length n, used with
+  //   momentum_correction (may alias each other); residual_in/out: length n
+  //   (may alias). Non-aliased outputs let a caller commit atomically (keep
+  //   the inputs on error).
+  // Asynchronous on `stream`. A non-finite u (from a non-finite gradient or
+  // an overflow) is reported by the next Select's Wait. INVALID_ARGUMENT for
+  // n == 0, n > capacity or bad params; INTERNAL for a CUDA error.
+  Status Accumulate(const float* grad, const float* params,
+                    const float* velocity_in, float* velocity_out,
+                    const float* residual_in, float* residual_out, uint64_t n,
+                    const UpdateParams& params_update, cudaStream_t stream);
+
+  // Enqueues the selection of about k entries of u (length n) on `stream`
+  // and the asynchronous copy of the selected pairs to pinned host memory.
+  // exact never blocks the host; gaussiank and dgc synchronize `stream` once
+  // (their count is data-dependent and sizes the copy), more only on their
+  // rare adjustment/fallback paths. Call Wait before reading the result or
+  // calling Select again.
+  // Reuses Accumulate's histogram when u == its residual_out and n matches
+  // and no Select ran since (u must not have been modified in between).
+  // INVALID_ARGUMENT for n == 0, n > capacity, k == 0, k > n or bad params
+  // (nothing enqueued); INTERNAL for a CUDA error.
+  Status Select(float* u, uint64_t n, const SelectParams& params,
+                cudaStream_t stream);
+
+  // Waits for the last Select (synchronizes `stream`) and returns its pairs.
+  // INVALID_ARGUMENT when u held a NaN/Inf ("selector input has a
+  // non-finite value (<v>) at position <i>", the first position; nothing was
+  // zeroed then); FAILED_PRECONDITION without a pending Select; INTERNAL
+  // for a CUDA error or a broken internal invariant.
+  Status Wait(cudaStream_t stream, Selection* out);
+
+  // Device copies of the last selection's indices/values (count =
+  // Selection::count), valid until the next Select; for device-side
+  // consumers such as the worker's residual and momentum updates.
+  const uint32_t* device_indices() const;
+  const float* device_values() const;
+
+ private:
+  struct Impl;
+  explicit Sparsifier(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Sparse updates of dense device vectors, for the worker's device step
+// (worker/client_cuda.cc): the (index, value) lists come from host memory
+// (the selection and the pulled global top-k are on the host anyway; only
+// they cross), the dense vectors never leave the device. Indices must be
+// unique and < n (the caller validates them; the kernels skip others).
+// Float operations are the CPU rule's (common/optimizer.cc), one each, so
+// device and host replicas stay bit-identical. Asynchronous on `stream`;
+// host arrays may be reused when a call returns. Not thread-safe.
+class SparseUpdater {
+ public:
+  // dst[idx[j]] = val[j].
+  Status Set(float* dst, uint64_t n, const uint32_t* idx, const float* val,
+             uint64_t count, cudaStream_t stream);
+  // dst[idx[j]] = dst[idx[j]] - val[j].
+  Status Subtract(float* dst, uint64_t n, const uint32_t* idx, const float* val,
+                  uint64_t count, cudaStream_t stream);
+  // Global momentum (MomentumMode::kGlobal) over all n entries, with
+  // update_i = val[j] at i = idx[j] and +0.0 elsewhere:
+  //   v = momentum * velocity[i] + update_i;  velocity[i] = v;  params[i] -= v
+  Status GlobalMomentum(float* params, float* velocity, uint64_t n,
+                        float momentum, const uint32_t* idx, const float* val,
+                        uint64_t count, cudaStream_t stream);
+
+ private:
+  Status Upload(const uint32_t* idx, const float* val, uint64_t count,
+                cudaStream_t stream);
+  DeviceBuffer<uint32_t> idx_;
+  DeviceBuffer<float> val_;
+  DeviceBuffer<float> dense_;  // GlobalMomentum's update vector
+};
+
+// Number of CUDA devices (0 when the driver or a device is missing; never
+// an error), for tests and tools that skip without a GPU.
+int DeviceCount();
+
+}  // namespace cuda
+}  // namespace gtopk
+
+#endif  // GTOPK_COMMON_CUDA_SPARSIFY_H_

@@ -1,0 +1,256 @@
+// GPU selectors against the CPU reference (tests/testing/reference.h) on
+// fresh seeded inputs. Skips, with the reason, when no CUDA device is
+// present (CTest label `gpu`).
+#include "common/cuda/sparsify.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common/cpu/topk.h"
+#include "common/cuda/cuda_selector.h"
+#include "common/optimizer.h"
+#include "common/testing/status_matchers.h"
+#include "gtest/gtest.h"
+#include "tests/testing/reference.h"
+
+namespace gtopk {
+namespace cuda {
+namespace {
+
+using ::gtopk::testing::Distribution;
+using ::gtopk::testing::DistributionName;
+using ::gtopk::testing::FloatBits;
+using ::gtopk::testing::MakeInput;
+using ::gtopk::testing::ReferenceTopK;
+using ::gtopk::testing::StatusIs;
+using ::testing::HasSubstr;
+
+class GpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+// A device copy of a host vector, freed at scope exit.
+struct DeviceVector {
+  DeviceBuffer<float> buffer;
+  explicit DeviceVector(const std::vector<float>& host) {
+    EXPECT_TRUE(buffer.Allocate(std::max<size_t>(host.size(), 1)).ok());
+    EXPECT_EQ(cudaMemcpy(buffer.get(), host.data(), host.size() * sizeof(float),
+                         cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+  std::vector<float> ToHost(size_t n) const {
+    std::vector<float> host(n);
+    EXPECT_EQ(cudaMemcpy(host.data(), buffer.get(), n * sizeof(float),
+                         cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    return host;
+  }
+};
+
+void ExpectSameBits(const SparseVector& got, const SparseVector& want) {
+  ASSERT_EQ(got.indices, want.indices);
+  ASSERT_EQ(got.values.size(), want.values.size());
+  for (size_t j = 0; j < got.values.size(); ++j) {
+    ASSERT_EQ(FloatBits(got.values[j]), FloatBits(want.values[j]))
+        << "position " << j << " index " << got.indices[j];
+  }
+}
+
+// Valid sparse output of u whose selected magnitudes are all >= every
+// unselected one (what a threshold selection yields).
+void ExpectThresholdSelection(const std::vector<float>& u,
+                              const SparseVector& got) {
+  ASSERT_TRUE(ValidateSparseVector(got, u.size()).ok());
+  std::vector<bool> chosen(u.size(), false);
+  uint32_t min_chosen = UINT32_MAX, max_other = 0;
+  for (size_t j = 0; j < got.size(); ++j) {
+    ASSERT_EQ(FloatBits(got.values[j]), FloatBits(u[got.indices[j]]));
+    chosen[got.indices[j]] = true;
+    min_chosen = std::min(min_chosen, cpu::MagnitudeKey(got.values[j]));
+  }
+  for (size_t i = 0; i < u.size(); ++i) {
+    if (!chosen[i]) max_other = std::max(max_other, cpu::MagnitudeKey(u[i]));
+  }
+  if (!got.empty() && got.size() < u.size()) {
+    EXPECT_GE(min_chosen, max_other);
+  }
+}
+
+using Case = std::tuple<Distribution, size_t, double>;
+
+class GpuSelectTest : public GpuTest,
+                      public ::testing::WithParamInterface<Case> {};
+
+TEST_P(GpuSelectTest, ExactEqualsReferenceAndZeroesTheResidual) {
+  const auto [dist, n, density] = GetParam();
+  const std::vector<float> u = MakeInput(dist, n, /*seed=*/n * 7 + 1);
+  GTOPK_ASSERT_OK_AND_ASSIGN(const uint64_t k, KFromDensity(density, n));
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                             CudaSelector::Create("exact", {}, n));
+  DeviceVector d(u);
+  SparseVector got;
+  GTOPK_ASSERT_OK(selector->SelectDevice(d.buffer.get(), n, k, 0, nullptr,
+                                         /*zero_selected=*/true, &got));
+  const SparseVector want = ReferenceTopK(u, k);
+  ExpectSameBits(got, want);
+  // The selected residual entries are +0.0, the others untouched.
+  std::vector<float> expected = u;
+  for (uint32_t i : want.indices) expected[i] = 0.0f;
+  const std::vector<float> after = d.ToHost(n);
+  for (size_t i = 0; i < n; ++i) {
+    ASSERT_EQ(FloatBits(after[i]), FloatBits(expected[i])) << "index " << i;
+  }
+}
+
+TEST_P(GpuSelectTest, GaussianKAndDgcKeepTheirCountContracts) {
+  const auto [dist, n, density] = GetParam();
+  const std::vector<float> u = MakeInput(dist, n, /*seed=*/n * 11 + 3);
+  GTOPK_ASSERT_OK_AND_ASSIGN(const uint64_t k, KFromDensity(density, n));
+  for (const char* name : {"gaussiank", "dgc"}) {
+    SCOPED_TRACE(name);
+    SelectorOptions options;
+    options.seed = 42;
+    GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                               CudaSelector::Create(name, options, n));
+    for (uint64_t step = 0; step < 3; ++step) {
+      SparseVector got;
+      GTOPK_ASSERT_OK(selector->Select(u, k, step, &got));
+      EXPECT_GE(got.size(), selector->MinCount(k));
+      EXPECT_LE(got.size(), selector->MaxCount(k));
+      ExpectThresholdSelection(u, got);
+      if (selector->last_info().fell_back) {
+        // The exact fallback is the exact top-k.
+        ExpectSameBits(got, ReferenceTopK(u, k));
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Inputs, GpuSelectTest,
+    ::testing::Combine(
+        ::testing::Values(Distribution::kNormal, Distribution::kHeavyTailed,
+                          Distribution::kManyZeros, Distribution::kAllZeros,
+                          Distribution::kAllEqual, Distribution::kFewLevels,
+                          Distribution::kDenormals, Distribution::kAscending,
+                          Distribution::kSpike),
+        // n = 1, odd sizes around the 128-entry warp step and the block
+        // size, and one above a million.
+        ::testing::Values(size_t{1}, size_t{1000}, size_t{4099}, size_t{100003},
+                          size_t{(1 << 20) + 7}),
+        ::testing::Values(0.001, 0.01, 0.3)),
+    [](const ::testing::TestParamInfo<Case>& info) {
+      const double d = std::get<2>(info.param);
+      return DistributionName(std::get<0>(info.param)) + "_n" +
+             std::to_string(std::get<1>(info.param)) + "_d" +
+             std::to_string(static_cast<int>(d * 10000));
+    });
+
+TEST_F(GpuTest, ExactForEveryKOfASmallInput) {
+  const size_t n = 257;
+  const std::vector<float> u = MakeInput(Distribution::kFewLevels, n, 5);
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                             CudaSelector::Create("exact", {}, n));
+  for (uint64_t k = 1; k <= n; ++k) {
+    SparseVector got;
+    GTOPK_ASSERT_OK(selector->Select(u, k, 0, &got));
+    ExpectSameBits(got, ReferenceTopK(u, k));
+  }
+}
+
+TEST_F(GpuTest, FusedUpdateMatchesTheCpuRuleBitForBitAndFeedsSelection) {
+  const size_t n = 300007;
+  OptimizerOptions o;
+  o.lr = 0.05f;
+  o.momentum = 0.9f;
+  o.weight_decay = 1e-4f;
+  GTOPK_ASSERT_OK_AND_ASSIGN(const OptimizerRule rule,
+                             OptimizerRule::Create(o));
+  const std::vector<float> grad = MakeInput(Distribution::kHeavyTailed, n, 1);
+  const std::vector<float> params = MakeInput(Distribution::kNormal, n, 2);
+  std::vector<float> velocity = MakeInput(Distribution::kNormal, n, 3);
+  std::vector<float> residual = MakeInput(Distribution::kManyZeros, n, 4);
+  DeviceVector d_grad(grad), d_params(params), d_velocity(velocity),
+      d_residual(residual);
+  GTOPK_ASSERT_OK(rule.AccumulateLocal(
+      0, grad, params, absl::MakeSpan(velocity), absl::MakeSpan(residual)));
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                             CudaSelector::Create("exact", {}, n));
+  UpdateParams up;
+  up.lr = rule.LrAt(0);
+  up.momentum = o.momentum;
+  up.weight_decay = o.weight_decay;
+  up.momentum_correction = true;
+  GTOPK_ASSERT_OK(ToAbslStatus(selector->sparsifier()->Accumulate(
+      d_grad.buffer.get(), d_params.buffer.get(), d_velocity.buffer.get(),
+      d_velocity.buffer.get(), d_residual.buffer.get(), d_residual.buffer.get(),
+      n, up, nullptr)));
+  const std::vector<float> gpu_velocity = d_velocity.ToHost(n);
+  const std::vector<float> gpu_residual = d_residual.ToHost(n);
+  for (size_t i = 0; i < n; ++i) {
+    ASSERT_EQ(FloatBits(gpu_velocity[i]), FloatBits(velocity[i])) << i;
+    ASSERT_EQ(FloatBits(gpu_residual[i]), FloatBits(residual[i])) << i;
+  }
+  const uint64_t k = 300;
+  SparseVector got;
+  GTOPK_ASSERT_OK(selector->SelectDevice(d_residual.buffer.get(), n, k, 0,
+                                         nullptr, true, &got));
+  EXPECT_TRUE(selector->last_info().used_update_histogram);
+  ExpectSameBits(got, ReferenceTopK(residual, k));
+}
+
+TEST_F(GpuTest, NonFiniteInputIsInvalidArgumentAndChangesNothing) {
+  const size_t n = 5000;
+  for (const char* name : {"exact", "gaussiank", "dgc"}) {
+    SCOPED_TRACE(name);
+    std::vector<float> u = MakeInput(Distribution::kNormal, n, 9);
+    u[1234] = std::numeric_limits<float>::quiet_NaN();
+    u[4000] = std::numeric_limits<float>::infinity();
+    GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                               CudaSelector::Create(name, {}, n));
+    DeviceVector d(u);
+    SparseVector got;
+    EXPECT_THAT(
+        selector->SelectDevice(d.buffer.get(), n, 50, 0, nullptr, true, &got),
+        StatusIs(absl::StatusCode::kInvalidArgument,
+                 HasSubstr("non-finite value (nan) at position 1234")));
+    EXPECT_TRUE(got.empty());
+    const std::vector<float> after = d.ToHost(n);
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_EQ(FloatBits(after[i]), FloatBits(u[i])) << i;
+    }
+  }
+}
+
+TEST_F(GpuTest, BadArgumentsAreRejected) {
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                             CudaSelector::Create("exact", {}, 10));
+  SparseVector got;
+  const std::vector<float> u(10, 1.0f);
+  EXPECT_THAT(selector->Select(u, 0, 0, &got),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(selector->Select(u, 11, 0, &got),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(CudaSelector::Create("randomk", {}, 10).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("no CUDA selector")));
+  // The capacity grows with n.
+  const std::vector<float> big = MakeInput(Distribution::kNormal, 5000, 1);
+  GTOPK_ASSERT_OK(selector->Select(big, 7, 0, &got));
+  ExpectSameBits(got, ReferenceTopK(big, 7));
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace gtopk

@@ -1,0 +1,178 @@
+// The worker client's device-memory Step against its host Step: a cluster
+// where one worker runs on the GPU must end with parameters bit-identical to
+// the same cluster with every worker on the host (same gradients), and the
+// device replica must equal the host replica and the servers after every
+// run. Skips without a CUDA device (CTest label `gpu`).
+#include <cuda_runtime_api.h>
+
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/cuda/sparsify.h"
+#include "common/testing/status_matchers.h"
+#include "gtest/gtest.h"
+#include "server/local_cluster.h"
+#include "server/service.h"
+#include "worker/client.h"
+
+namespace gtopk {
+namespace {
+
+using server::AggregationMode;
+using worker::ClientOptions;
+using worker::WorkerClient;
+
+constexpr uint64_t kN = 20011;
+constexpr int kWorkers = 2;
+constexpr int kSteps = 5;
+
+struct Case {
+  std::string selector;
+  MomentumMode momentum;
+  AggregationMode mode;
+  ValueCodec value_codec;
+};
+
+std::vector<float> Gradient(int step, int worker) {
+  std::mt19937_64 rng(1000 * step + worker);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> g(kN);
+  for (float& x : g) x = normal(rng);
+  return g;
+}
+
+std::vector<float> InitialParams() {
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<float> u(-0.1f, 0.1f);
+  std::vector<float> p(kN);
+  for (float& x : p) x = u(rng);
+  return p;
+}
+
+// Runs kSteps on a fresh 2-shard cluster; worker w uses the device Step
+// when on_device[w]. Returns every worker's final parameters and the
+// servers'.
+std::vector<std::vector<float>> RunCluster(const Case& c,
+                                           std::vector<bool> on_device) {
+  server::ServerConfig s;
+  s.num_workers = kWorkers;
+  s.mode = c.mode;
+  s.selector = c.selector;
+  s.selector_seed = 42;
+  s.value_codec = c.value_codec;
+  s.optimizer.lr = 0.1f;
+  s.optimizer.momentum = 0.9f;
+  s.optimizer.momentum_mode = c.momentum;
+  s.optimizer.density = 0.01;
+  s.optimizer.weight_decay = 1e-3f;
+  s.step_timeout = absl::Seconds(20);
+  auto cluster_or = server::LocalCluster::Start(s, 2);
+  EXPECT_TRUE(cluster_or.ok()) << cluster_or.status();
+  if (!cluster_or.ok()) return {};
+  server::LocalCluster& cluster = **cluster_or;
+  std::vector<std::vector<float>> params(kWorkers);
+  std::vector<absl::Status> status(kWorkers);
+  std::vector<std::thread> threads;
+  for (int w = 0; w < kWorkers; ++w) {
+    threads.emplace_back([&, w] {
+      ClientOptions o;
+      o.leader_address = cluster.leader();
+      o.requested_rank = w;
+      o.n = kN;
+      auto client = WorkerClient::Connect(o);
+      if (!client.ok()) {
+        status[w] = client.status();
+        return;
+      }
+      params[w] = w == 0 ? InitialParams() : std::vector<float>(kN, 0.0f);
+      auto start = (*client)->SynchronizeParameters(absl::MakeSpan(params[w]));
+      if (!start.ok()) {
+        status[w] = start.status();
+        return;
+      }
+      float* d_grad = nullptr;
+      float* d_params = nullptr;
+      if (on_device[w]) {
+        cudaMalloc(reinterpret_cast<void**>(&d_grad), kN * sizeof(float));
+        cudaMalloc(reinterpret_cast<void**>(&d_params), kN * sizeof(float));
+        cudaMemcpy(d_params, params[w].data(), kN * sizeof(float),
+                   cudaMemcpyHostToDevice);
+      }
+      for (int step = 0; step < kSteps && status[w].ok(); ++step) {
+        const std::vector<float> g = Gradient(step, w);
+        if (on_device[w]) {
+          cudaMemcpy(d_grad, g.data(), kN * sizeof(float),
+                     cudaMemcpyHostToDevice);
+          status[w] = (*client)->Step(d_grad, d_params, kN, nullptr).status();
+        } else {
+          status[w] = (*client)->Step(g, absl::MakeSpan(params[w])).status();
+        }
+      }
+      if (on_device[w]) {
+        cudaMemcpy(params[w].data(), d_params, kN * sizeof(float),
+                   cudaMemcpyDeviceToHost);
+        cudaFree(d_grad);
+        cudaFree(d_params);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int w = 0; w < kWorkers; ++w) {
+    EXPECT_TRUE(status[w].ok()) << "worker " << w << ": " << status[w];
+  }
+  auto server_params = cluster.ServerParams(kN);
+  EXPECT_TRUE(server_params.ok()) << server_params.status();
+  if (server_params.ok()) params.push_back(server_params->first);
+  return params;
+}
+
+bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() &&
+         std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+class ClientCudaTest : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+TEST_P(ClientCudaTest, DeviceWorkerMatchesHostWorkersBitForBit) {
+  const std::vector<std::vector<float>> host =
+      RunCluster(GetParam(), {false, false});
+  const std::vector<std::vector<float>> mixed =
+      RunCluster(GetParam(), {false, true});
+  ASSERT_EQ(host.size(), kWorkers + 1u);
+  ASSERT_EQ(mixed.size(), kWorkers + 1u);
+  for (int r = 0; r <= kWorkers; ++r) {
+    EXPECT_TRUE(BitEqual(mixed[r], host[r]))
+        << (r == kWorkers ? std::string("servers")
+                          : absl::StrCat("replica ", r))
+        << " differs when worker 1 runs on the device";
+    EXPECT_TRUE(BitEqual(mixed[r], mixed[0])) << "replica " << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Modes, ClientCudaTest,
+    ::testing::Values(Case{"exact", MomentumMode::kDgcCorrection,
+                           AggregationMode::kGtopk, ValueCodec::kFp32},
+                      Case{"exact", MomentumMode::kGlobal,
+                           AggregationMode::kGtopk, ValueCodec::kBf16},
+                      Case{"exact", MomentumMode::kNone, AggregationMode::kTopk,
+                           ValueCodec::kFp16},
+                      Case{"exact", MomentumMode::kDgcCorrection,
+                           AggregationMode::kDense, ValueCodec::kFp32}),
+    [](const ::testing::TestParamInfo<Case>& info) {
+      return absl::StrCat("case", info.index);
+    });
+
+}  // namespace
+}  // namespace gtopk
