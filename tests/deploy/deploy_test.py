@@ -24,6 +24,11 @@ One ctest test per class (label `deploy`), e.g.
                     in deploy/validate/package-lock.json); the validator
                     rejects broken copies
   PromtoolTest      `promtool check config` on every deploy/prometheus/*.yml
+  DockerfileTest    the images without an engine: Debian bases, every source
+                    folder CMake needs is copied, the targets exist, the
+                    runtime stages' packages (and their dependencies) own
+                    every library the built binaries load, non-root user
+                    10001 as in the manifests, ports, HEALTHCHECK
   FlagsTest         every flag the images, compose, Kubernetes and the
                     launcher pass exists in the built binaries (--helpfull)
                     and `--help` of both entrypoints exits 0
@@ -769,6 +774,219 @@ def dockerfile_flags(path):
         if m:
             used.append(json.loads(m.group(1)))
     return used
+
+
+def dockerfile_stages(path):
+    """{stage: {"from": image or stage, "packages": [apt-get installed],
+    "lines": [instructions]}} of a Dockerfile (continuations joined)."""
+    with open(path) as f:
+        text = re.sub(r"\\\n", " ", f.read())
+    stages = {"global": {"from": None, "packages": [], "lines": []}}
+    current = "global"  # ARGs before the first FROM
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = re.match(r"FROM\s+(\S+)(?:\s+AS\s+(\S+))?", line, re.I)
+        if m:
+            current = m.group(2) or "stage%d" % len(stages)
+            stages[current] = {"from": m.group(1), "packages": [],
+                               "lines": []}
+            continue
+        stages[current]["lines"].append(line)
+        for seg in re.findall(r"apt-get install\s+(.*?)(?:&&|$)", line):
+            stages[current]["packages"] += [t for t in seg.split()
+                                            if not t.startswith("-")]
+    return stages
+
+
+_dpkg_db = {}
+
+
+def dpkg_db():
+    """{package: (depends, provides)} of the installed packages, and the
+    map virtual name -> providers; one dpkg-query call."""
+    if not _dpkg_db:
+        r = run(["dpkg-query", "-W", "-f=${Package}\t${Status}\t${Depends}, "
+                 "${Pre-Depends}\t${Provides}\n"])
+        pkgs, provides = {}, {}
+
+        def names(field):
+            out = []
+            for alt in field.split(","):
+                for name in alt.split("|"):
+                    name = re.sub(r"\(.*?\)|:any", "", name).strip()
+                    if name:
+                        out.append(name)
+            return out
+
+        for line in r.stdout.splitlines():
+            name, status, deps, prov = (line.split("\t") + ["", "", ""])[:4]
+            if "install ok installed" not in status:
+                continue
+            pkgs[name] = names(deps)
+            for v in names(prov):
+                provides.setdefault(v, []).append(name)
+        _dpkg_db["pkgs"], _dpkg_db["provides"] = pkgs, provides
+    return _dpkg_db["pkgs"], _dpkg_db["provides"]
+
+
+def installed_closure(packages):
+    """The packages plus everything they depend on, transitively, among the
+    packages installed here (dpkg's Depends and Pre-Depends; any installed
+    alternative or provider counts)."""
+    pkgs, provides = dpkg_db()
+    seen = set()
+    todo = list(packages)
+    while todo:
+        name = todo.pop()
+        for pkg in [name] + provides.get(name, []):
+            if pkg in pkgs and pkg not in seen:
+                seen.add(pkg)
+                todo.extend(pkgs[pkg])
+    return seen
+
+
+def library_owners(binary):
+    """Debian packages owning the shared libraries `binary` loads
+    ({package: library})."""
+    r = run(["ldd", binary])
+    libs = re.findall(r"=>\s+(/\S+)", r.stdout)
+    candidates = {}
+    for lib in libs:
+        real = os.path.realpath(lib)
+        paths = {lib, real}
+        for p in list(paths):  # merged /usr: dpkg may know either spelling
+            if p.startswith("/usr/lib/"):
+                paths.add(p[len("/usr"):])
+            elif p.startswith("/lib/"):
+                paths.add("/usr" + p)
+        candidates[lib] = paths
+    every = sorted(set().union(*candidates.values())) if candidates else []
+    q = run(["dpkg", "-S"] + every)
+    owner_of = {}
+    for line in q.stdout.splitlines():
+        pkg, _, path = line.partition(": ")
+        owner_of[path.strip()] = pkg.split(":")[0].split(",")[0].strip()
+    owners = {}
+    for lib, paths in candidates.items():
+        found = [owner_of[p] for p in paths if p in owner_of]
+        if not found:
+            raise AssertionError("%s: %s belongs to no Debian package" % (
+                binary, lib))
+        owners[found[0]] = lib
+    return owners
+
+
+class DockerfileTest(unittest.TestCase):
+    """What can be checked of the images without a Docker engine."""
+
+    def setUp(self):
+        self.cpu = dockerfile_stages(os.path.join(DEPLOY, "docker",
+                                                  "Dockerfile"))
+        self.cuda = dockerfile_stages(os.path.join(DEPLOY, "docker",
+                                                   "Dockerfile.cuda"))
+
+    def packages(self, stages, stage):
+        pkgs = []
+        while stage in stages:
+            pkgs += stages[stage]["packages"]
+            stage = stages[stage]["from"]
+        return pkgs
+
+    def test_bases_and_stages(self):
+        self.assertTrue(self.cpu["build"]["from"].startswith("debian:"))
+        self.assertEqual(self.cpu["runtime-base"]["from"],
+                         "debian:${DEBIAN_RELEASE}-slim")
+        self.assertIn("DEBIAN_RELEASE=bookworm", open(os.path.join(
+            DEPLOY, "docker", "Dockerfile")).read())
+        self.assertTrue(self.cuda["build"]["from"].startswith("nvidia/cuda:"))
+        self.assertTrue(self.cuda["worker"]["from"].startswith("nvidia/cuda:"))
+        cuda_build = " ".join(self.cuda["build"]["lines"])
+        self.assertIn("-DGTOPK_CUDA=ON", cuda_build)
+
+    def test_images_run_as_the_non_root_user_of_the_manifests(self):
+        for stages, stage in ((self.cpu, "server"), (self.cpu, "worker"),
+                              (self.cuda, "worker")):
+            users = []
+            s = stage
+            while s in stages:
+                users = [l.split()[1] for l in stages[s]["lines"]
+                         if l.startswith("USER ")] or users
+                if users:
+                    break
+                s = stages[s]["from"]
+            self.assertEqual(users[-1], "10001:10001", stage)
+        for overlay in OVERLAYS:
+            _, objs = render(overlay)
+            for kind in ("StatefulSet", "Job"):
+                for o in find(objs, kind):
+                    psc = o["spec"]["template"]["spec"]["securityContext"]
+                    self.assertEqual((psc["runAsUser"], psc["runAsGroup"]),
+                                     (10001, 10001))
+
+    def test_sources_and_targets_exist(self):
+        with open(os.path.join(ROOT, "CMakeLists.txt")) as f:
+            subdirs = set(re.findall(r"^add_subdirectory\((\w+)\)", f.read(),
+                                     re.M))
+        targets = set()
+        for cm in glob.glob(os.path.join(ROOT, "*", "CMakeLists.txt")):
+            with open(cm) as f:
+                targets |= set(re.findall(r"add_executable\((\w+)", f.read()))
+        for name, stages in (("Dockerfile", self.cpu),
+                             ("Dockerfile.cuda", self.cuda)):
+            build = " ".join(stages["build"]["lines"])
+            copied = set(re.findall(r"COPY (\w+) \1", build))
+            self.assertEqual(copied, subdirs, "%s copies %s; CMake needs %s"
+                             % (name, sorted(copied), sorted(subdirs)))
+            self.assertIn("-DGTOPK_BUILD_TESTS=OFF", build)
+            self.assertIn("-DGTOPK_BUILD_BENCH=OFF", build)
+            built = re.findall(r"--target ([\w ]+?) (?:&&|$)", build)
+            self.assertTrue(built, name)
+            for t in " ".join(built).split():
+                self.assertIn(t, targets, "%s builds unknown target %s" % (
+                    name, t))
+
+    def test_build_packages_are_the_projects(self):
+        with open(os.path.join(ROOT, "Makefile")) as f:
+            m = re.search(r"^DEB_PACKAGES :=(.*?)\n\n", f.read(), re.M | re.S)
+        make = set(m.group(1).replace("\\", " ").split())
+        self.assertTrue(set(self.cpu["build"]["packages"]) <= make,
+                        set(self.cpu["build"]["packages"]) - make)
+
+    def test_runtime_stages_provide_every_library(self):
+        """Each library the built binaries load is owned by a package the
+        runtime stage installs or one they depend on (or by the slim base:
+        the Essential packages and apt), as resolved on this Debian 12."""
+        r = run(["dpkg-query", "-W", "-f=${Package} ${Essential}\n"])
+        essential = [l.split()[0] for l in r.stdout.splitlines()
+                     if l.endswith(" yes")]
+        base = installed_closure(essential + ["apt"])
+        for stage, binary in (("server", SERVER_BIN), ("worker", WORKER_BIN)):
+            with self.subTest(stage=stage):
+                self.assertTrue(os.access(binary, os.X_OK), binary)
+                pkgs = self.packages(self.cpu, stage)
+                provided = installed_closure(pkgs) | base
+                missing = {p: lib for p, lib in
+                           library_owners(binary).items()
+                           if p not in provided}
+                self.assertEqual(missing, {}, "the %s image lacks the "
+                                 "packages of these libraries" % stage)
+        self.assertIn("dataset-fashion-mnist",
+                      self.packages(self.cpu, "worker"))
+        self.assertNotIn("libtorch1.13", self.packages(self.cpu, "server"))
+
+    def test_health_checks_and_ports(self):
+        def lines(stages, stage, prefix):
+            return [l for l in stages[stage]["lines"] if l.startswith(prefix)]
+        self.assertEqual(lines(self.cpu, "server", "EXPOSE"),
+                         ["EXPOSE %d %d" % (GRPC_PORT, SERVER_METRICS_PORT)])
+        self.assertEqual(lines(self.cpu, "worker", "EXPOSE"),
+                         ["EXPOSE %d" % WORKER_METRICS_PORT])
+        hc = lines(self.cpu, "server", "HEALTHCHECK")
+        self.assertEqual(len(hc), 1)
+        self.assertIn('["gtopk-server", "--health-check=127.0.0.1:%d"]'
+                      % GRPC_PORT, hc[0])
 
 
 class FlagsTest(unittest.TestCase):
