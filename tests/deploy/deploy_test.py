@@ -81,7 +81,7 @@ WORKER_LOCAL_FLAGS = {"server", "rank", "summary_json", "metrics_port",
 INSTALL_HINT = {
     "docker-compose": "apt-get install docker-compose (or `make deps`)",
     "promtool": "apt-get install prometheus (or `make deps`)",
-    "kubectl": ("install kubectl >= 1.27 (kustomize v5): e.g. from the "
+    "kubectl": ("install kubectl >= 1.22 (kustomize >= v4.1): e.g. from the "
                 "Kubernetes apt repository, see "
                 "https://kubernetes.io/docs/tasks/tools/install-kubectl-linux/; "
                 "Debian 12's kubernetes-client (1.20) is too old"),
@@ -169,6 +169,18 @@ def render(overlay):
     """kubectl kustomize deploy/k8s/overlays/OVERLAY -> (path, objects)."""
     if overlay not in _render_cache:
         exe = need("kubectl")
+        if "kustomize" not in _render_cache:
+            v = run([exe, "version", "--client", "-o", "json"])
+            try:
+                kv = json.loads(v.stdout).get("kustomizeVersion", "")
+            except ValueError:
+                kv = ""
+            m = re.match(r"v(\d+)\.(\d+)", kv)
+            if not m or (int(m.group(1)), int(m.group(2))) < (4, 1):
+                raise AssertionError("kubectl's kustomize is %r; the "
+                                     "manifests need >= v4.1: %s" % (
+                                         kv, INSTALL_HINT["kubectl"]))
+            _render_cache["kustomize"] = kv
         r = run([exe, "kustomize", os.path.join(DEPLOY, "k8s", "overlays",
                                                 overlay)])
         if r.returncode != 0:
