@@ -30,8 +30,10 @@ One ctest test per class (label `deploy`), e.g.
                     every library the built binaries load, non-root user
                     10001 as in the manifests, ports, HEALTHCHECK
   FlagsTest         every flag the images, compose, Kubernetes and the
-                    launcher pass exists in the built binaries (--helpfull)
-                    and `--help` of both entrypoints exits 0
+                    launcher pass exists in the built binaries (--helpfull),
+                    both entrypoints print their usage, and two shards
+                    started with the compose flags (addresses moved to
+                    loopback) answer SERVING and stop cleanly
   ConsistencyTest   compose, Kubernetes and the launcher (--config
                     deploy/cluster.env) pass the same flags with the same
                     values; the Makefile's demo defaults equal cluster.env;
@@ -48,9 +50,12 @@ import os
 import re
 import shlex
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 import yaml
@@ -1053,6 +1058,69 @@ class FlagsTest(unittest.TestCase):
             for flag in flag_dict(argv):
                 self.assertIn(flag, known[binary], "%s passes --%s, which "
                               "%s does not define" % (where, flag, binary))
+
+
+    def test_shards_serve_with_the_deployed_flags(self):
+        """The compose shards' flags, only the addresses and the checkpoint
+        directory moved to loopback and a temporary directory: both shards
+        start, answer SERVING, and exit 0 on SIGTERM. (The
+        fixed --metrics-port is left out, as a parallel test may hold it;
+        test_every_flag_used_exists checks that it exists.)"""
+        self.assertTrue(os.access(SERVER_BIN, os.X_OK), SERVER_BIN)
+        services = compose_config()["services"]
+        S = int(read_env()["GTOPK_SHARDS"])
+        socks = []
+        for _ in range(S):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            socks.append(sock)
+        addrs = ["127.0.0.1:%d" % sock.getsockname()[1] for sock in socks]
+        for sock in socks:
+            sock.close()
+        procs = []
+        with tempfile.TemporaryDirectory() as tmp:
+            ckpt = os.path.join(tmp, "ckpt")
+            os.mkdir(ckpt)
+
+            def log(s):
+                with open(os.path.join(tmp, "shard-%d.log" % s)) as f:
+                    return f.read()
+
+            try:
+                for s in range(S):
+                    f = flag_dict(compose_command(services["shard-%d" % s]))
+                    f.pop("metrics_port", None)
+                    f.update(listen=addrs[s], peers=",".join(addrs),
+                             checkpoint_dir=ckpt)
+                    argv = [SERVER_BIN] + ["--%s=%s" % kv for kv in f.items()]
+                    with open(os.path.join(tmp, "shard-%d.log" % s), "w") as out:
+                        procs.append(subprocess.Popen(
+                            argv, stdin=subprocess.DEVNULL, stdout=out,
+                            stderr=subprocess.STDOUT))
+                for s, proc in enumerate(procs):
+                    deadline = time.monotonic() + 20
+                    while True:
+                        if proc.poll() is not None:
+                            self.fail("shard %d exited (%d): %s" % (
+                                s, proc.returncode, log(s)))
+                        r = run([SERVER_BIN, "--health-check=" + addrs[s]],
+                                timeout=10)
+                        if r.returncode == 0:
+                            self.assertIn("SERVING", r.stdout)
+                            break
+                        if time.monotonic() > deadline:
+                            self.fail("shard %d not SERVING: %s" % (s, log(s)))
+                        time.sleep(0.1)
+                for proc in procs:
+                    proc.send_signal(signal.SIGTERM)
+                for s, proc in enumerate(procs):
+                    proc.wait(timeout=30)
+                    self.assertEqual(proc.returncode, 0, log(s))
+            finally:
+                for proc in procs:
+                    if proc.poll() is None:
+                        proc.kill()
+                        proc.wait()
 
 
 class ConsistencyTest(unittest.TestCase):
