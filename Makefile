@@ -28,7 +28,7 @@ DEB_PACKAGES := build-essential cmake ninja-build pkg-config \
 	libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev zlib1g-dev \
 	libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc \
 	libtorch-dev dataset-fashion-mnist python3 \
-	docker-compose prometheus python3-yaml
+	libcpp-httplib-dev prometheus docker-compose python3-yaml
 
 # Commands the deployment tests (ctest label deploy) need, with the Debian
 # package that provides each when it is missing. npm is checked as a command:
@@ -36,6 +36,7 @@ DEB_PACKAGES := build-essential cmake ninja-build pkg-config \
 # npm package) brings its own npm. kubectl is not in Debian 12 in a usable
 # version: the test says how to install it.
 DEB_COMMANDS := npm:npm
+
 # `make demo` defaults: P workers, S shards, about 5 minutes on 2 cores
 # (measured: README, "make demo"). DGC's own warm-up ("dgc": four epochs)
 # is too long for a 6-epoch run; one epoch at density 0.01 is used instead.

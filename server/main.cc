@@ -26,6 +26,9 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "common/codec.h"
+#include "common/metrics/exposer.h"
+#include "common/metrics/metrics.h"
+#include "common/metrics/process_collector.h"
 #include "common/optimizer.h"
 #include "common/status_macros.h"
 #include "server/service.h"
@@ -65,6 +68,8 @@ ABSL_FLAG(int64_t, steps_per_epoch, 0,
           "steps per epoch (> 0 when --density-warmup is set)");
 ABSL_FLAG(uint64_t, max_message_bytes, uint64_t{64} << 20,
           "gRPC send/receive limit in bytes");
+ABSL_FLAG(int64_t, metrics_port, 0,
+          "serve Prometheus GET /metrics on 0.0.0.0:<port> (0: off)");
 ABSL_FLAG(std::string, health_check, "",
           "client mode: check grpc.health.v1 at this host:port and exit");
 
@@ -162,6 +167,8 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
       o.density_warmup.push_back(d);
     }
   }
+  GTOPK_RETURN_IF_ERROR(
+      InRange("metrics-port", absl::GetFlag(FLAGS_metrics_port), 0, 65535));
   GTOPK_RETURN_IF_ERROR(gtopk::server::ValidateServerConfig(c));
   return c;
 }
@@ -204,6 +211,28 @@ int main(int argc, char** argv) {
     return 2;
   }
   const uint32_t shard_id = config->shard_id;
+  // Metrics first: a port that cannot be bound fails before the shard runs.
+  const int64_t metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  std::shared_ptr<gtopk::metrics::Registry> registry;
+  std::shared_ptr<gtopk::metrics::ProcessCollector> process_metrics;
+  std::unique_ptr<gtopk::metrics::Exposer> exposer;
+  if (metrics_port > 0) {
+    registry = std::make_shared<gtopk::metrics::Registry>();
+    gtopk::metrics::RegisterBuildInfo(*registry, "gtopk-server");
+    process_metrics = std::make_shared<gtopk::metrics::ProcessCollector>();
+    absl::StatusOr<std::unique_ptr<gtopk::metrics::Exposer>> started =
+        gtopk::metrics::Exposer::Start(absl::StrCat("0.0.0.0:", metrics_port));
+    if (!started.ok()) {
+      std::fprintf(stderr, "gtopk-server: --metrics-port=%lld: %s\n",
+                   static_cast<long long>(metrics_port),
+                   started.status().ToString().c_str());
+      return 2;
+    }
+    exposer = *std::move(started);
+    exposer->RegisterCollectable(registry);
+    exposer->RegisterCollectable(process_metrics);
+    config->metrics_registry = registry;
+  }
   absl::StatusOr<std::unique_ptr<gtopk::server::AggregatorServer>> server =
       gtopk::server::AggregatorServer::Start(*std::move(config),
                                              absl::GetFlag(FLAGS_listen));
@@ -213,6 +242,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   std::printf("listening on %s\n", (*server)->address().c_str());
+  if (exposer != nullptr) {
+    std::printf("metrics on 0.0.0.0:%d\n", exposer->port());
+  }
   std::fflush(stdout);
 
   int signal_number = 0;

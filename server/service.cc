@@ -11,6 +11,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
 #include "common/selector.h"
@@ -164,7 +165,11 @@ absl::Status ValidateServerConfig(const ServerConfig& c) {
 // AggregatorService
 
 AggregatorService::AggregatorService(ServerConfig config)
-    : config_(std::move(config)) {
+    : config_(std::move(config)),
+      metrics_registry_(config_.metrics_registry != nullptr
+                            ? config_.metrics_registry
+                            : std::make_shared<metrics::Registry>()),
+      metrics_(std::make_unique<ServerMetrics>(*metrics_registry_)) {
   rank_given_.assign(config_.num_workers, false);
   if (is_leader()) {
     coordinator_ = std::make_unique<ThresholdCoordinator>(config_.num_shards);
@@ -240,7 +245,9 @@ absl::Status AggregatorService::WriteCheckpointNow() {
     return absl::OkStatus();  // no parameters yet: nothing to keep
   }
   GTOPK_RETURN_IF_ERROR(snapshot.status());
-  return WriteCheckpoint(config_.checkpoint_dir, *snapshot);
+  GTOPK_RETURN_IF_ERROR(WriteCheckpoint(config_.checkpoint_dir, *snapshot));
+  metrics_->CheckpointWritten();
+  return absl::OkStatus();
 }
 
 void AggregatorService::BeginShutdown() {
@@ -504,6 +511,8 @@ grpc::Status AggregatorService::InitParams(
     return absl::OkStatus();
   };
   while (reader->Read(&chunk)) {
+    metrics_->received_init_bytes().Increment(
+        static_cast<double>(chunk.ByteSizeLong()));
     if (chunk.worker() != 0) {
       return ToGrpcStatus(absl::PermissionDeniedError(absl::StrCat(
           "only worker 0 initialises the parameters; got a chunk from worker ",
@@ -638,6 +647,8 @@ grpc::Status AggregatorService::DownloadParams(
       return grpc::Status(grpc::StatusCode::CANCELLED,
                           "the worker went away during DownloadParams");
     }
+    metrics_->sent_download_bytes().Increment(
+        static_cast<double>(chunk.ByteSizeLong()));
     offset += count;
   } while (offset < values.size());
   return grpc::Status::OK;
@@ -648,11 +659,13 @@ absl::StatusOr<WorkerPush> AggregatorService::DecodePush(const v1::Push& push,
   const std::string who =
       absl::StrCat("worker ", push.worker(), " step ", push.step(), ": ");
   if (push.shard_id() != config_.shard_id) {
+    metrics_->Rejected(RejectReason::kWrongShard);
     return absl::InvalidArgumentError(
         absl::StrCat(who, "push for shard ", push.shard_id(),
                      " was sent to shard ", config_.shard_id));
   }
   if (push.worker() >= config_.num_workers) {
+    metrics_->Rejected(RejectReason::kUnknownWorker);
     return absl::InvalidArgumentError(
         absl::StrCat("unknown worker rank ", push.worker(),
                      "; the cluster has ", config_.num_workers, " workers"));
@@ -662,6 +675,7 @@ absl::StatusOr<WorkerPush> AggregatorService::DecodePush(const v1::Push& push,
   out.worker = push.worker();
   if (config_.mode == AggregationMode::kDense) {
     if (!push.sparse().empty()) {
+      metrics_->Rejected(RejectReason::kWrongMode);
       return absl::InvalidArgumentError(
           absl::StrCat(who, "sparse bytes sent in dense mode"));
     }
@@ -669,17 +683,20 @@ absl::StatusOr<WorkerPush> AggregatorService::DecodePush(const v1::Push& push,
     return out;
   }
   if (push.dense_size() > 0) {
+    metrics_->Rejected(RejectReason::kWrongMode);
     return absl::InvalidArgumentError(
         absl::StrCat(who, "dense values sent in ",
                      AggregationModeName(config_.mode), " mode"));
   }
   absl::StatusOr<CodecSpec> spec = PeekCodecSpec(push.sparse());
   if (!spec.ok()) {
+    metrics_->Rejected(RejectReason::kCorrupt);
     return absl::InvalidArgumentError(
         absl::StrCat(who, "corrupt sparse push: ", spec.status().message()));
   }
   if (spec->index != config_.index_codec ||
       spec->value != config_.value_codec) {
+    metrics_->Rejected(RejectReason::kWrongCodec);
     return absl::InvalidArgumentError(absl::StrCat(
         who, "wrong codec: the push uses ", IndexCodecName(spec->index), "/",
         ValueCodecName(spec->value), ", the cluster uses ",
@@ -688,6 +705,7 @@ absl::StatusOr<WorkerPush> AggregatorService::DecodePush(const v1::Push& push,
   }
   absl::Status decoded = DecodeSparse(push.sparse(), n, &out.sparse);
   if (!decoded.ok()) {
+    metrics_->Rejected(RejectReason::kCorrupt);
     return absl::InvalidArgumentError(
         absl::StrCat(who, "bad sparse push: ", decoded.message()));
   }
@@ -700,7 +718,14 @@ grpc::Status AggregatorService::PushPull(
   ShardAggregator* aggregator = nullptr;
   int64_t stream_worker = -1;  // the rank of the first push: one per stream
   v1::Push push;
+  metrics_->connected_workers().Increment();
+  struct Disconnect {
+    ServerMetrics* metrics;
+    ~Disconnect() { metrics->connected_workers().Decrement(); }
+  } disconnect{metrics_.get()};
   while (stream->Read(&push)) {
+    metrics_->received_push_bytes().Increment(
+        static_cast<double>(push.ByteSizeLong()));
     if (stream_worker < 0) stream_worker = push.worker();
     if (push.worker() != stream_worker && aggregator != nullptr) {
       const absl::Status mixed = absl::InvalidArgumentError(
@@ -708,6 +733,7 @@ grpc::Status AggregatorService::PushPull(
                        " on the PushPull stream of "
                        "worker ",
                        stream_worker, " (one stream per worker and shard)"));
+      metrics_->Rejected(RejectReason::kMixedStream);
       aggregator->RejectPush(push.step(), static_cast<uint32_t>(stream_worker),
                              mixed);
       return ToGrpcStatus(mixed);
@@ -728,8 +754,18 @@ grpc::Status AggregatorService::PushPull(
     absl::StatusOr<std::shared_ptr<const RoundResult>> result =
         aggregator->Submit(*std::move(decoded),
                            absl::Now() + config_.step_timeout);
-    if (!result.ok()) return ToGrpcStatus(result.status());
+    if (!result.ok()) {
+      // Submit's own rejections of this push (not a round failed by others).
+      if (absl::IsInvalidArgument(result.status())) {
+        metrics_->Rejected(RejectReason::kInvalid);
+      } else if (absl::IsFailedPrecondition(result.status()) &&
+                 absl::StrContains(result.status().message(), "step ")) {
+        metrics_->Rejected(RejectReason::kWrongStep);
+      }
+      return ToGrpcStatus(result.status());
+    }
     const RoundResult& r = **result;
+    metrics_->RoundCompleted(r);
     v1::Pull pull;
     pull.set_step(r.step);
     pull.set_merge_us(
@@ -757,6 +793,7 @@ grpc::Status AggregatorService::PushPull(
           absl::StrCat("worker ", push.worker(),
                        " went away before its pull of step ", r.step));
     }
+    metrics_->sent_pull_bytes().Increment(static_cast<double>(bytes));
   }
   return grpc::Status::OK;
 }
@@ -817,6 +854,11 @@ absl::StatusOr<std::unique_ptr<AggregatorServer>> AggregatorServer::Start(
   builder.SetMaxReceiveMessageSize(limit);
   builder.SetMaxSendMessageSize(limit);
   builder.RegisterService(server->service_.get());
+  std::vector<std::unique_ptr<
+      grpc::experimental::ServerInterceptorFactoryInterface>>
+      interceptors;
+  interceptors.push_back(server->service_->metrics().MakeInterceptorFactory());
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
     server->shut_down_ = true;

@@ -20,12 +20,14 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/codec.h"
+#include "common/metrics/metrics.h"
 #include "common/optimizer.h"
 #include "grpcpp/server.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
 #include "gtopk/v1/gtopk.pb.h"
 #include "server/commit.h"
 #include "server/grpc_threshold_exchange.h"
+#include "server/server_metrics.h"
 #include "server/shard_aggregator.h"
 #include "server/threshold.h"
 
@@ -75,6 +77,9 @@ struct ServerConfig {
   // Write a checkpoint after every step whose next step is a multiple of
   // this (>= 0); 0: only on graceful shutdown. Needs checkpoint_dir.
   int64_t checkpoint_every = 0;
+  // Where the shard registers its metrics (docs/metrics.md, "Server"); null:
+  // a private registry nobody scrapes. Shared with the metrics exposer.
+  std::shared_ptr<metrics::Registry> metrics_registry;
 };
 
 // OK, or INVALID_ARGUMENT naming the first bad field and its value.
@@ -136,6 +141,9 @@ class AggregatorService final : public v1::Aggregator::Service {
   // entry is empty (AggregatorServer sets it to the bound address).
   void SetOwnAddress(const std::string& address);
 
+  // This shard's metrics (thread-safe, lock-free updates).
+  ServerMetrics& metrics() { return *metrics_; }
+
   // The first step this shard has not applied; -1 while it has no
   // aggregator (n unknown yet).
   int64_t next_step() const;
@@ -195,6 +203,8 @@ class AggregatorService final : public v1::Aggregator::Service {
   absl::StatusOr<WorkerPush> DecodePush(const v1::Push& push, uint64_t n) const;
 
   const ServerConfig config_;
+  std::shared_ptr<metrics::Registry> metrics_registry_;
+  std::unique_ptr<ServerMetrics> metrics_;
   // Shard 0 only: the per-step threshold rendezvous and the leader's own way
   // to it.
   std::unique_ptr<ThresholdCoordinator> coordinator_;

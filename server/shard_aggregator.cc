@@ -278,7 +278,7 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
     std::vector<WorkerPush> pushes = std::move(round->pushes);
     mu_.Unlock();
     absl::StatusOr<std::shared_ptr<const RoundResult>> result =
-        Compute(pushes, round->step, deadline);
+        Compute(pushes, round->step, round->opened, deadline);
     if (result.ok() && commit_ != nullptr && options_.num_shards > 1) {
       // Apply only once every shard has computed this step.
       absl::Status vote = commit_->Vote(round->step, options_.shard_id, deadline);
@@ -349,10 +349,13 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
 }
 
 absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Compute(
-    std::vector<WorkerPush>& pushes, int64_t step, absl::Time deadline) {
+    std::vector<WorkerPush>& pushes, int64_t step, absl::Time opened,
+    absl::Time deadline) {
   auto result = std::make_shared<RoundResult>();
   result->step = step;
   const absl::Time merge_start = absl::Now();
+  result->opened = opened;
+  result->wait_time = merge_start - opened;
   if (options_.mode == AggregationMode::kDense) {
     // Rank order, starting from worker 0's values (as SparseSum does).
     result->dense_sum = pushes[0].dense;

@@ -82,6 +82,10 @@ struct RoundResult {
   // including the threshold exchange).
   absl::Duration merge_time;
   absl::Duration select_time;
+  // When the round's first push arrived, and how long the round then waited
+  // for its last one (the slowest worker); for the server's metrics.
+  absl::Time opened;
+  absl::Duration wait_time;
 };
 
 // A shard: owns the parameters of [begin, end), runs one synchronous round
@@ -175,6 +179,7 @@ class ShardAggregator {
  private:
   struct Round {
     int64_t step = 0;
+    absl::Time opened = absl::Now();  // the first push's arrival
     std::vector<bool> arrived;
     std::vector<WorkerPush> pushes;
     uint32_t count = 0;
@@ -192,7 +197,7 @@ class ShardAggregator {
   // completed it; Submit applies the result). Consumes the pushes' sparse
   // vectors. Returns the result or the failure.
   absl::StatusOr<std::shared_ptr<const RoundResult>> Compute(
-      std::vector<WorkerPush>& pushes, int64_t step,
+      std::vector<WorkerPush>& pushes, int64_t step, absl::Time opened,
       absl::Time deadline);
   void FailRoundLocked(const std::shared_ptr<Round>& round,
                        absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

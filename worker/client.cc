@@ -398,6 +398,8 @@ absl::Status WorkerClient::Exchange(int64_t step,
   std::vector<bool> done(S, false);
   absl::Mutex mu;
   size_t finished = 0;
+  const absl::Time exchange_start = absl::Now();
+  absl::Time last_written = exchange_start;  // guarded by mu
 
   for (auto& c : shards_) {
     if (c->stream == nullptr) {
@@ -433,6 +435,10 @@ absl::Status WorkerClient::Exchange(int64_t step,
         }
         c.stream = c.stub->PushPull(c.context.get());
         written = c.stream->Write(pushes[s]);
+      }
+      if (written) {
+        absl::MutexLock lock(&mu);
+        last_written = std::max(last_written, absl::Now());
       }
       const bool ok = written && c.stream->Read(&(*pulls)[s]);
       if (!ok) {
@@ -481,6 +487,7 @@ absl::Status WorkerClient::Exchange(int64_t step,
     }
   }
   for (auto& t : threads) t.join();
+  last_push_time_ = last_written - exchange_start;
 
   std::vector<std::string> messages;
   absl::StatusCode code = absl::StatusCode::kOk;
@@ -644,6 +651,8 @@ absl::StatusOr<StepStats> WorkerClient::Step(absl::Span<const float> gradient,
     }
   }
   stats.push_wait = absl::Now() - t;
+  stats.push = std::min(last_push_time_, stats.push_wait);
+  stats.wait = stats.push_wait - stats.push;
 
   t = absl::Now();
   if (mode_ == Mode::kDense) {

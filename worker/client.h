@@ -75,6 +75,10 @@ struct StepStats {
   absl::Duration select;      // local top-k (+ codec round trip, MarkSent)
   absl::Duration encode;      // slicing and encoding the S pushes
   absl::Duration push_wait;   // pushes out until the last pull decoded
+  // push_wait split: until the last push was written to its stream, and
+  // from then until the last pull was decoded (the servers' round).
+  absl::Duration push;
+  absl::Duration wait;
   absl::Duration apply;       // put-back, masking, parameter update
   // Server side, the slowest shard's (from the pulls): sum of the P pushes,
   // and selection (gtopk exact: with the leader's threshold exchange).
@@ -206,6 +210,8 @@ class WorkerClient {
   std::vector<float> velocity_;         // DGC local velocity, length n
   std::vector<float> global_velocity_;  // kGlobal momentum, length n
   int64_t next_step_ = 0;
+  // Set by Exchange: from its start until the last push was written.
+  absl::Duration last_push_time_;
 };
 
 }  // namespace worker

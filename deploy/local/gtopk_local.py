@@ -23,6 +23,14 @@ What it does, in order:
      SIGKILL after a grace period) and writes runs/NAME/summary.json, merging
      the workers' summaries.
 
+Metrics: every server and worker gets a free --metrics-port (GET /metrics,
+docs/metrics.md; the addresses are in runs/NAME/pids.json). When
+`prometheus` (Debian package) is on PATH (or --prometheus=on), the launcher
+also starts a Prometheus on a free loopback port with a generated scrape
+config covering every process (jobs gtopk-server and gtopk-worker, file
+runs/NAME/prometheus.yml), keeps its data in runs/NAME/prometheus/, prints
+its URL, and stops it with the rest.
+
 Every child runs in its own process group (and gets SIGKILL if the launcher
 itself dies, via PR_SET_PDEATHSIG); groups are stopped on success, failure,
 SIGINT/SIGTERM/SIGHUP (exit 130) and at interpreter exit, so no process
@@ -403,6 +411,16 @@ def parse_args(argv):
                    help="seconds between SIGTERM and SIGKILL when stopping")
     p.add_argument("--timeout", type=float, default=0,
                    help="fail the run after this many seconds (0: none)")
+    p.add_argument("--prometheus", default="auto",
+                   choices=["auto", "on", "off"],
+                   help="start Prometheus scraping every process: auto = "
+                   "when `prometheus` is on PATH (default)")
+    p.add_argument("--prometheus-bin", default="prometheus",
+                   help="the Prometheus server binary (default: from PATH)")
+    p.add_argument("--prometheus-port", type=int, default=0,
+                   help="Prometheus web port on 127.0.0.1 (0: a free port)")
+    p.add_argument("--scrape-interval", default="5s",
+                   help="Prometheus scrape interval (Prometheus duration)")
     env_values = {}
     if known.config:
         try:
@@ -424,6 +442,11 @@ def parse_args(argv):
             errors.append("--%s must be >= 1" % flag.replace("_", "-"))
     if not 0 < args.density <= 1:
         errors.append("--density must be in (0, 1]")
+    if not 0 <= args.prometheus_port <= 65535:
+        errors.append("--prometheus-port must be in [0, 65535]")
+    if not re.fullmatch(r"[0-9]+(ms|s|m)", args.scrape_interval):
+        errors.append("--scrape-interval must be a duration such as 5s or "
+                      "500ms")
     if args.checkpoint_every is not None and args.checkpoint_every < 0:
         errors.append("--checkpoint-every must be >= 0")
     if "GTOPK_STEPS_PER_EPOCH" in env_values and not errors:
@@ -459,10 +482,15 @@ class Launcher:
         self.train_samples = train
         self.steps_per_epoch = train // args.workers // args.batch_size
         self.addresses = []
+        self.server_metrics = []  # host:port of each server's /metrics
+        self.worker_metrics = []  # host:port of each worker's /metrics
+        self.prometheus = None    # Child, when started
+        self.prometheus_url = None
 
     @property
     def children(self):
-        return self.servers + self.workers
+        return self.servers + self.workers + (
+            [self.prometheus] if self.prometheus else [])
 
     # -- set-up -------------------------------------------------------------
 
@@ -474,6 +502,11 @@ class Launcher:
                         "build it with `make build` (needs libtorch-dev)")
                 raise UsageError("%s binary %s not found or not executable; %s"
                                  % (what, path, hint))
+        if self.args.prometheus == "on" and not shutil.which(
+                self.args.prometheus_bin):
+            raise UsageError("--prometheus=on but %s is not on PATH (Debian: "
+                             "apt-get install prometheus)"
+                             % self.args.prometheus_bin)
         if self.steps_per_epoch < 1:
             raise UsageError(
                 "steps per epoch = floor(%d / %d / %d) = 0: use fewer workers, "
@@ -518,6 +551,7 @@ class Launcher:
             "--steps-per-epoch=%d" % self.steps_per_epoch,
             "--step-timeout=%s" % a.step_timeout,
             "--checkpoint-dir=%s" % os.path.join(self.run_dir, "ckpt"),
+            "--metrics-port=%s" % self.server_metrics[shard].rsplit(":", 1)[1],
         ]
         if a.density_warmup:
             argv.append("--density-warmup=%s" % a.density_warmup)
@@ -550,6 +584,7 @@ class Launcher:
             "--density=%r" % a.density,
             "--lr=%r" % a.lr,
             "--momentum=%r" % a.momentum,
+            "--metrics-port=%s" % self.worker_metrics[rank].rsplit(":", 1)[1],
         ]
         if a.index_codec:
             argv.append("--index-codec=%s" % a.index_codec)
@@ -570,14 +605,22 @@ class Launcher:
             json.dump({"launcher": os.getpid(),
                        "servers": [c.pid for c in self.servers],
                        "workers": [c.pid for c in self.workers],
-                       "addresses": self.addresses}, f)
+                       "addresses": self.addresses,
+                       "server_metrics": self.server_metrics,
+                       "worker_metrics": self.worker_metrics,
+                       "prometheus": self.prometheus.pid
+                       if self.prometheus else None,
+                       "prometheus_url": self.prometheus_url}, f)
             f.write("\n")
         os.replace(tmp, path)
 
     def start_servers(self, attempts=3):
         for attempt in range(1, attempts + 1):
-            ports = pick_free_ports(self.args.shards)
-            self.addresses = ["%s:%d" % (LOOPBACK, p) for p in ports]
+            S = self.args.shards
+            ports = pick_free_ports(2 * S)
+            self.addresses = ["%s:%d" % (LOOPBACK, p) for p in ports[:S]]
+            self.server_metrics = ["%s:%d" % (LOOPBACK, p)
+                                   for p in ports[S:]]
             self.servers = [
                 Child("server", s, self.server_argv(s, self.addresses),
                       os.path.join(self.run_dir, "server-%d.log" % s))
@@ -627,6 +670,8 @@ class Launcher:
             time.sleep(0.1)
 
     def start_workers(self):
+        self.worker_metrics = ["%s:%d" % (LOOPBACK, p)
+                               for p in pick_free_ports(self.args.workers)]
         for w in range(self.args.workers):
             c = Child("worker", w, self.worker_argv(w),
                       os.path.join(self.run_dir, "worker-%d.log" % w))
@@ -635,6 +680,54 @@ class Launcher:
         self.write_pids()
         log("%d worker(s) started; logs in %s" % (len(self.workers),
                                                   self.run_dir))
+
+    def prometheus_config(self):
+        """The scrape config: one job per process kind, every process a
+        target (instance = its loopback host:port), labelled with its
+        shard or rank."""
+        def job(name, targets, label):
+            lines = ["  - job_name: %s" % name, "    static_configs:"]
+            for i, t in enumerate(targets):
+                lines += ["      - targets: ['%s']" % t,
+                          "        labels: {%s: '%d'}" % (label, i)]
+            return lines
+        a = self.args
+        lines = ["# Generated by deploy/local/gtopk_local.py for run %s."
+                 % a.name,
+                 "global:",
+                 "  scrape_interval: %s" % a.scrape_interval,
+                 "  scrape_timeout: %s" % a.scrape_interval,
+                 "  evaluation_interval: %s" % a.scrape_interval,
+                 "scrape_configs:"]
+        lines += job("gtopk-server", self.server_metrics, "shard")
+        lines += job("gtopk-worker", self.worker_metrics, "rank")
+        return "\n".join(lines) + "\n"
+
+    def start_prometheus(self):
+        a = self.args
+        if a.prometheus == "off" or (
+                a.prometheus == "auto" and not shutil.which(a.prometheus_bin)):
+            return
+        config = os.path.join(self.run_dir, "prometheus.yml")
+        with open(config, "w") as f:
+            f.write(self.prometheus_config())
+        data = os.path.join(self.run_dir, "prometheus")
+        os.makedirs(data, exist_ok=True)
+        port = a.prometheus_port or pick_free_ports(1)[0]
+        listen = "%s:%d" % (LOOPBACK, port)
+        self.prometheus = Child("prometheus", 0, [
+            shutil.which(a.prometheus_bin) or a.prometheus_bin,
+            "--config.file=%s" % config,
+            "--storage.tsdb.path=%s" % data,
+            "--web.listen-address=%s" % listen,
+            "--storage.tsdb.retention.time=7d",
+        ], os.path.join(self.run_dir, "prometheus.log"))
+        self.prometheus.start()
+        self.prometheus_url = "http://%s" % listen
+        self.write_pids()
+        log("prometheus on %s (scraping %d server(s) and %d worker(s) every "
+            "%s; data in %s)" % (self.prometheus_url, len(self.servers),
+                                 len(self.workers), a.scrape_interval, data))
 
     # -- running ------------------------------------------------------------
 
@@ -653,6 +746,14 @@ class Launcher:
                 if code is not None:
                     failed.append((c, "exited before the workers finished (%s)"
                                    % describe_exit(code)))
+            if self.prometheus is not None and \
+                    self.prometheus.poll() is not None and \
+                    not getattr(self, "_prometheus_reported", False):
+                # Monitoring is not the job: say so, keep training.
+                self._prometheus_reported = True
+                log(self.failure_text(self.prometheus, "exited (%s); training "
+                                      "continues without it" % describe_exit(
+                                          self.prometheus.poll())))
             done = 0
             for c in self.workers:
                 code = c.poll()
@@ -818,8 +919,13 @@ class Launcher:
                ", at most %d steps" % a.steps if a.steps else ""))
         self.start_servers()
         self.start_workers()
+        log("metrics: servers %s, workers %s" % (
+            ",".join(self.server_metrics), ",".join(self.worker_metrics)))
+        self.start_prometheus()
         self.monitor()
         codes = self.stop_servers()
+        if self.prometheus is not None:
+            stop_children([self.prometheus], self.args.grace)
         summary, path = self.summarize(codes)
         self.print_summary(summary, path)
         bad = {i: c for i, c in codes.items() if c != 0}

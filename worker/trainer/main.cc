@@ -22,6 +22,9 @@
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/metrics/exposer.h"
+#include "common/metrics/metrics.h"
+#include "common/metrics/process_collector.h"
 #include "worker/trainer/idx_reader.h"
 #include "worker/trainer/trainer.h"
 
@@ -45,6 +48,8 @@ ABSL_FLAG(int64_t, compute_ms, 0,
           "synthetic only: sleep this many ms per step to emulate compute");
 ABSL_FLAG(std::string, summary_json, "", "write this rank's summary here");
 ABSL_FLAG(std::string, device, "cpu", "cpu | cuda");
+ABSL_FLAG(int64_t, metrics_port, 0,
+          "serve Prometheus GET /metrics on 0.0.0.0:<port> (0: off)");
 ABSL_FLAG(int64_t, rpc_timeout_s, 60,
           "deadline of Join and parameter download RPCs, seconds");
 // Consistency checks against the servers' cluster spec (empty: no check).
@@ -124,6 +129,31 @@ absl::Status Run() {
           "momentum", absl::GetFlag(FLAGS_momentum), &o.momentum);
       !s.ok()) {
     return s;
+  }
+  // Metrics: validated and bound before joining, so a bad port fails fast.
+  const int64_t metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  if (metrics_port < 0 || metrics_port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--metrics-port must be in [0, 65535] (0: off), got ", metrics_port));
+  }
+  std::shared_ptr<gtopk::metrics::ProcessCollector> process_metrics;
+  std::unique_ptr<gtopk::metrics::Exposer> exposer;
+  if (metrics_port > 0) {
+    o.metrics_registry = std::make_shared<gtopk::metrics::Registry>();
+    gtopk::metrics::RegisterBuildInfo(*o.metrics_registry, "gtopk-worker");
+    process_metrics = std::make_shared<gtopk::metrics::ProcessCollector>();
+    absl::StatusOr<std::unique_ptr<gtopk::metrics::Exposer>> started =
+        gtopk::metrics::Exposer::Start(absl::StrCat("0.0.0.0:", metrics_port));
+    if (!started.ok()) {
+      return absl::Status(started.status().code(),
+                          absl::StrCat("--metrics-port=", metrics_port, ": ",
+                                       started.status().message()));
+    }
+    exposer = *std::move(started);
+    exposer->RegisterCollectable(o.metrics_registry);
+    exposer->RegisterCollectable(process_metrics);
+    std::printf("metrics on 0.0.0.0:%d\n", exposer->port());
+    std::fflush(stdout);
   }
   return gtopk::worker::RunTrainer(o);
 }

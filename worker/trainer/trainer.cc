@@ -26,6 +26,7 @@
 #include "worker/client.h"
 #include "worker/trainer/idx_reader.h"
 #include "worker/trainer/model.h"
+#include "worker/worker_metrics.h"
 
 namespace gtopk {
 namespace worker {
@@ -292,6 +293,12 @@ absl::Status RunTrainer(const TrainerOptions& o) {
   GTOPK_RETURN_IF_ERROR(CheckCluster(o, cluster));
   const uint32_t rank = client->rank();
   const uint32_t workers = cluster.num_workers();
+  std::unique_ptr<WorkerMetrics> metrics;
+  if (o.metrics_registry != nullptr) {
+    metrics = std::make_unique<WorkerMetrics>(
+        *o.metrics_registry, rank,
+        static_cast<uint32_t>(cluster.shards_size()), n);
+  }
   const bool leader_rank = rank == 0;
 
   int64_t steps_per_epoch;
@@ -338,6 +345,7 @@ absl::Status RunTrainer(const TrainerOptions& o) {
     last_eval = done;
     const EvalResult r = model->Evaluate(test_images, test.labels);
     test_accuracy = r.accuracy;
+    if (metrics != nullptr) metrics->RecordTestAccuracy(r.accuracy);
     PrintLine(absl::StrFormat("eval step %d test_accuracy %.4f test_loss %.4f",
                               done, r.accuracy, r.loss));
   };
@@ -387,6 +395,7 @@ absl::Status RunTrainer(const TrainerOptions& o) {
             " (diverged; lower the servers' --lr)"));
       }
     }
+    const Clock::time_point t_compute = Clock::now();
     absl::StatusOr<StepStats> stats = client->Step(grad, params);
     if (!stats.ok()) {
       return absl::Status(stats.status().code(),
@@ -394,6 +403,10 @@ absl::Status RunTrainer(const TrainerOptions& o) {
                                        stats.status().message()));
     }
     const double seconds = SecondsSince(t0);
+    if (metrics != nullptr) {
+      metrics->RecordStep(*stats, absl::FromChrono(t_compute - t0),
+                          absl::Seconds(seconds), loss);
+    }
     step_seconds.push_back(seconds);
     losses.push_back(loss);
     uint64_t sent = 0, received = 0;

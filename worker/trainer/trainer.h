@@ -7,11 +7,13 @@
 #define GTOPK_WORKER_TRAINER_TRAINER_H_
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "common/metrics/metrics.h"
 
 namespace gtopk {
 namespace worker {
@@ -34,6 +36,9 @@ struct TrainerOptions {
   std::string summary_json;
   std::string device = "cpu";
   absl::Duration rpc_timeout = absl::Seconds(60);
+  // Where the worker registers its metrics (docs/metrics.md, "Worker"),
+  // shared with main()'s exposer (--metrics-port); null: no metrics.
+  std::shared_ptr<metrics::Registry> metrics_registry;
 
   // Consistency checks against the servers' cluster spec (unset: no check).
   std::optional<std::string> mode, selector, index_codec, value_codec;

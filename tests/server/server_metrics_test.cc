@@ -1,0 +1,194 @@
+// The server's and worker's metrics against independent counts: the
+// workers' own StepStats (bytes, pairs, steps), rejections provoked on
+// purpose, and the exposition of a real in-process cluster.
+#include <map>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/metrics/metrics.h"
+#include "common/metrics/text_serializer.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "gtopk/v1/gtopk.grpc.pb.h"
+#include "server/local_cluster.h"
+#include "server/service.h"
+#include "worker/client.h"
+#include "worker/worker_metrics.h"
+
+namespace gtopk {
+namespace {
+
+// Series line "name{labels} value" -> value, from the text format.
+std::map<std::string, double> ParseSamples(const std::string& text) {
+  std::map<std::string, double> out;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    const size_t space = line.rfind(' ');
+    out[line.substr(0, space)] = std::stod(line.substr(space + 1));
+  }
+  return out;
+}
+
+TEST(ServerMetricsTest, CountsMatchTheWorkersOwnStats) {
+  constexpr uint64_t kN = 2000;
+  constexpr int kWorkers = 2, kSteps = 6;
+  auto registry = std::make_shared<metrics::Registry>();
+  server::ServerConfig config;
+  config.num_workers = kWorkers;
+  config.optimizer.density = 0.01;
+  config.step_timeout = absl::Seconds(20);
+  config.metrics_registry = registry;
+  auto cluster_or = server::LocalCluster::Start(config, 1);
+  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+  server::LocalCluster& cluster = **cluster_or;
+
+  std::vector<std::unique_ptr<worker::WorkerClient>> clients(kWorkers);
+  for (int w = 0; w < kWorkers; ++w) {
+    worker::ClientOptions o;
+    o.leader_address = cluster.leader();
+    o.requested_rank = w;
+    o.n = kN;
+    o.rpc_timeout = absl::Seconds(20);
+    auto client = worker::WorkerClient::Connect(o);
+    ASSERT_TRUE(client.ok()) << client.status();
+    clients[w] = *std::move(client);
+  }
+  std::vector<std::vector<worker::StepStats>> stats(kWorkers);
+  std::vector<absl::Status> status(kWorkers);
+  std::vector<std::thread> threads;
+  for (int w = 0; w < kWorkers; ++w) {
+    threads.emplace_back([&, w] {
+      std::vector<float> params(kN, 0.5f);
+      auto start = clients[w]->SynchronizeParameters(absl::MakeSpan(params));
+      if (!start.ok()) {
+        status[w] = start.status();
+        return;
+      }
+      std::mt19937 rng(w);
+      std::normal_distribution<float> normal;
+      std::vector<float> grad(kN);
+      for (int s = 0; s < kSteps; ++s) {
+        for (float& g : grad) g = normal(rng);
+        auto st = clients[w]->Step(grad, absl::MakeSpan(params));
+        if (!st.ok()) {
+          status[w] = st.status();
+          return;
+        }
+        stats[w].push_back(*st);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int w = 0; w < kWorkers; ++w) ASSERT_TRUE(status[w].ok()) << status[w];
+
+  // A push for another shard: rejected as wrong_shard, INVALID_ARGUMENT.
+  {
+    auto stub = v1::Aggregator::NewStub(grpc::CreateChannel(
+        cluster.leader(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    auto stream = stub->PushPull(&ctx);
+    v1::Push push;
+    push.set_step(kSteps);
+    push.set_worker(0);
+    push.set_shard_id(7);
+    ASSERT_TRUE(stream->Write(push));
+    stream->WritesDone();
+    v1::Pull pull;
+    EXPECT_FALSE(stream->Read(&pull));
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+
+  double sent = 0, received = 0, selected = 0;
+  for (int w = 0; w < kWorkers; ++w) {
+    for (const worker::StepStats& s : stats[w]) {
+      for (uint64_t b : s.bytes_sent) sent += static_cast<double>(b);
+      for (uint64_t b : s.bytes_received) received += static_cast<double>(b);
+    }
+  }
+  for (const worker::StepStats& s : stats[0]) selected += s.received_pairs;
+
+  auto samples = ParseSamples(metrics::SerializeText(registry->Collect()));
+  // The push bytes of the rejected message are counted as received too.
+  v1::Push rejected;
+  rejected.set_step(kSteps);
+  rejected.set_shard_id(7);
+  EXPECT_EQ(samples["gtopk_server_received_bytes_total{method=\"PushPull\"}"],
+            sent + static_cast<double>(rejected.ByteSizeLong()));
+  EXPECT_EQ(samples["gtopk_server_sent_bytes_total{method=\"PushPull\"}"], received);
+  EXPECT_GT(samples["gtopk_server_received_bytes_total{method=\"InitParams\"}"], 4.0 * kN);
+  EXPECT_GT(samples["gtopk_server_sent_bytes_total{method=\"DownloadParams\"}"], 4.0 * kN);
+  EXPECT_EQ(samples["gtopk_server_rounds_total"], kSteps);
+  EXPECT_EQ(samples["gtopk_server_step"], kSteps);
+  EXPECT_EQ(samples["gtopk_server_selected_pairs_total"], selected);
+  EXPECT_EQ(samples["gtopk_server_round_duration_seconds_count"], kSteps);
+  EXPECT_EQ(samples["gtopk_server_slowest_worker_wait_seconds_count"], kSteps);
+  EXPECT_EQ(samples["gtopk_server_merge_duration_seconds_count"], kSteps);
+  EXPECT_EQ(samples["gtopk_server_threshold_duration_seconds_count"], kSteps);
+  EXPECT_EQ(samples["gtopk_server_round_duration_seconds_bucket{le=\"+Inf\"}"], kSteps);
+  EXPECT_EQ(samples["gtopk_server_rejected_messages_total{reason=\"wrong_shard\"}"], 1);
+  EXPECT_EQ(samples["gtopk_server_rejected_messages_total{reason=\"invalid\"}"], 0);
+  EXPECT_EQ(samples["gtopk_server_rpc_errors_total{code=\"INVALID_ARGUMENT\"}"], 1);
+  EXPECT_EQ(samples.count("gtopk_server_rpc_errors_total{code=\"DATA_LOSS\"}"), 1u);
+  EXPECT_EQ(samples.count("gtopk_server_checkpoint_age_seconds"), 0u);  // none written
+  // The two workers' streams are still open.
+  EXPECT_EQ(samples["gtopk_server_connected_workers"], kWorkers);
+  clients.clear();
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < deadline &&
+         ParseSamples(metrics::SerializeText(registry->Collect()))
+                 ["gtopk_server_connected_workers"] != 0) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(ParseSamples(metrics::SerializeText(registry->Collect()))
+                ["gtopk_server_connected_workers"],
+            0);
+}
+
+TEST(WorkerMetricsTest, RecordsAStepAsGiven) {
+  metrics::Registry registry;
+  worker::WorkerMetrics m(registry, /*rank=*/3, /*num_shards=*/2, /*n=*/1000);
+  worker::StepStats s;
+  s.step = 41;
+  s.k = 10;
+  s.bytes_sent = {100, 50};
+  s.bytes_received = {80, 40};
+  s.accumulate = absl::Milliseconds(1);
+  s.select = absl::Milliseconds(2);
+  s.encode = absl::Microseconds(500);
+  s.push = absl::Milliseconds(3);
+  s.wait = absl::Milliseconds(40);
+  s.apply = absl::Milliseconds(1);
+  m.RecordStep(s, absl::Milliseconds(20), absl::Milliseconds(70), 0.75);
+  m.RecordStep(s, absl::Milliseconds(20), absl::Milliseconds(70), 0.5);
+  auto samples = ParseSamples(metrics::SerializeText(registry.Collect()));
+  EXPECT_EQ(samples["gtopk_worker_sent_bytes_total{shard=\"0\"}"], 200);
+  EXPECT_EQ(samples["gtopk_worker_sent_bytes_total{shard=\"1\"}"], 100);
+  EXPECT_EQ(samples["gtopk_worker_received_bytes_total{shard=\"1\"}"], 80);
+  EXPECT_EQ(samples["gtopk_worker_dense_equivalent_bytes_total"], 8000);
+  EXPECT_EQ(samples["gtopk_worker_density"], 0.01);
+  EXPECT_EQ(samples["gtopk_worker_loss"], 0.5);
+  EXPECT_EQ(samples["gtopk_worker_step"], 42);
+  EXPECT_EQ(samples["gtopk_worker_rank"], 3);
+  EXPECT_EQ(samples["gtopk_worker_step_duration_seconds_count"], 2);
+  EXPECT_EQ(samples["gtopk_worker_step_duration_seconds_bucket{le=\"0.05\"}"], 0);
+  EXPECT_EQ(samples["gtopk_worker_step_duration_seconds_bucket{le=\"0.1\"}"], 2);
+  EXPECT_EQ(samples["gtopk_worker_phase_duration_seconds_sum{phase=\"wait\"}"], 0.08);
+  EXPECT_EQ(samples["gtopk_worker_phase_duration_seconds_sum{phase=\"compute\"}"], 0.04);
+  EXPECT_EQ(samples["gtopk_worker_phase_duration_seconds_bucket{phase=\"push\",le=\"0.0025\"}"], 0);
+  EXPECT_EQ(samples["gtopk_worker_phase_duration_seconds_bucket{phase=\"push\",le=\"0.005\"}"], 2);
+  EXPECT_EQ(samples.count("gtopk_worker_test_accuracy"), 0u);  // not evaluated
+  m.RecordTestAccuracy(0.875);
+  samples = ParseSamples(metrics::SerializeText(registry.Collect()));
+  EXPECT_EQ(samples["gtopk_worker_test_accuracy"], 0.875);
+}
+
+}  // namespace
+}  // namespace gtopk

@@ -1,0 +1,52 @@
+// The metrics one gtopk worker exports (docs/metrics.md, "Worker"), created
+// up front in a metrics::Registry so that recording a step is lock-free.
+#ifndef GTOPK_WORKER_WORKER_METRICS_H_
+#define GTOPK_WORKER_WORKER_METRICS_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "common/metrics/metrics.h"
+#include "worker/client.h"
+
+namespace gtopk {
+namespace worker {
+
+// Thread-safety: every method is thread-safe (lock-free updates).
+class WorkerMetrics {
+ public:
+  // Registers the worker families in `registry` (which must outlive this
+  // object) for a cluster of `num_shards` shards and n = `n` parameters;
+  // creates every shard and phase series with value 0.
+  WorkerMetrics(metrics::Registry& registry, uint32_t rank,
+                uint32_t num_shards, uint64_t n);
+
+  // Records one applied step: bytes per shard (stats.bytes_sent/received,
+  // indexed by shard id), the dense-equivalent bytes (4 n), the phases
+  // (`compute` given here, the others from `stats`), the whole step, the
+  // density k/n, the loss of the step's batch, and the step counter.
+  void RecordStep(const StepStats& stats, absl::Duration compute,
+                  absl::Duration step, double loss);
+  // Records a test-set evaluation (accuracy in [0, 1]).
+  void RecordTestAccuracy(double accuracy);
+
+ private:
+  enum Phase { kCompute, kAccumulate, kSelect, kEncode, kPush, kWait, kApply,
+               kNumPhases };
+  const uint64_t n_;
+  std::vector<metrics::Counter*> sent_;
+  std::vector<metrics::Counter*> received_;
+  metrics::Counter* dense_equivalent_;
+  metrics::Histogram* step_duration_;
+  metrics::Histogram* phases_[kNumPhases];
+  metrics::Gauge* density_;
+  metrics::Gauge* loss_;
+  metrics::Family<metrics::Gauge>* test_accuracy_;
+  metrics::Gauge* step_;
+};
+
+}  // namespace worker
+}  // namespace gtopk
+
+#endif  // GTOPK_WORKER_WORKER_METRICS_H_
