@@ -57,6 +57,7 @@ import sys
 import tempfile
 import time
 import unittest
+import urllib.request
 
 import yaml
 
@@ -75,6 +76,10 @@ GRPC_PORT = 50051
 SERVER_METRICS_PORT = 9400
 WORKER_METRICS_PORT = 9401
 FASHION_MNIST_TRAIN = 60000
+# Where dashboards/provisioning's file provider reads the dashboards.
+GRAFANA_DASHBOARDS = "/var/lib/grafana/dashboards/gtopk"
+# The Prometheus jobs the dashboards and docs/metrics.md expect.
+SERVER_JOB, WORKER_JOB = "gtopk-server", "gtopk-worker"
 
 # Flags whose values differ per deployment by nature (addresses, paths,
 # identities); every other flag must be identical everywhere.
@@ -258,6 +263,10 @@ def launcher_argv(extra=()):
     launcher = gtopk_local.Launcher(args, [])
     launcher.addresses = ["127.0.0.1:%d" % (40000 + s)
                           for s in range(args.shards)]
+    launcher.server_metrics = ["127.0.0.1:%d" % (41000 + s)
+                               for s in range(args.shards)]
+    launcher.worker_metrics = ["127.0.0.1:%d" % (42000 + w)
+                               for w in range(args.workers)]
     return (launcher.server_argv(0, launcher.addresses)[1:],
             launcher.worker_argv(0)[1:])
 
@@ -416,13 +425,15 @@ class ComposeTest(unittest.TestCase):
                          os.path.join(DEPLOY, "prometheus", "compose.yml"))
         with open(cfg_path) as f:
             cfg = yaml.safe_load(f)
-        targets = {t for job in cfg["scrape_configs"]
+        targets = {(job["job_name"], t) for job in cfg["scrape_configs"]
                    for sc in job.get("static_configs", [])
                    for t in sc["targets"]}
         for s in range(self.S):
-            self.assertIn("shard-%d:%d" % (s, SERVER_METRICS_PORT), targets)
+            self.assertIn((SERVER_JOB, "shard-%d:%d" % (s, SERVER_METRICS_PORT)),
+                          targets)
         for w in range(self.P):
-            self.assertIn("worker-%d:%d" % (w, WORKER_METRICS_PORT), targets)
+            self.assertIn((WORKER_JOB, "worker-%d:%d" % (w, WORKER_METRICS_PORT)),
+                          targets)
 
     def test_grafana_gets_the_dashboards_and_provisioning(self):
         mounts = self._mounts("grafana")
@@ -431,7 +442,7 @@ class ComposeTest(unittest.TestCase):
             mounts.get("/etc/grafana/provisioning", "")),
             os.path.join(dash_root, "provisioning"))
         self.assertEqual(os.path.realpath(
-            mounts.get("/var/lib/grafana/dashboards", "")), dash_root)
+            mounts.get(GRAFANA_DASHBOARDS, "")), dash_root)
         self.assertIn("3000:3000", [str(p) if not isinstance(p, dict) else
                                     "%s:%s" % (p["published"], p["target"])
                                     for p in self.services["grafana"]["ports"]])
@@ -442,7 +453,7 @@ class ComposeTest(unittest.TestCase):
                 doc = yaml.safe_load(f) or {}
             for p in doc.get("providers", []):
                 self.assertEqual(p.get("options", {}).get("path"),
-                                 "/var/lib/grafana/dashboards", path)
+                                 GRAFANA_DASHBOARDS, path)
             for d in doc.get("datasources", []):
                 if d.get("type") == "prometheus":
                     self.assertEqual(d.get("url"), "http://prometheus:9090",
@@ -533,11 +544,15 @@ class KustomizeTest(unittest.TestCase):
         self.assertTrue(sm_sel)
         self.assertEqual([e["port"] for e in sm["spec"]["endpoints"]],
                          ["metrics"])
+        self.assertEqual(sm["spec"]["endpoints"][0]["relabelings"],
+                         [{"targetLabel": "job", "replacement": SERVER_JOB}])
         pm = one(objs, "PodMonitor", "gtopk-worker")
         self.assertEqual(pm["spec"]["selector"]["matchLabels"],
                          job["spec"]["template"]["metadata"]["labels"])
         self.assertEqual([e["port"] for e in pm["spec"]["podMetricsEndpoints"]],
                          ["metrics"])
+        self.assertEqual(pm["spec"]["podMetricsEndpoints"][0]["relabelings"],
+                         [{"targetLabel": "job", "replacement": WORKER_JOB}])
 
         self.check_dashboards(objs)
         self.check_network_policy(objs, sts, job)
@@ -1059,22 +1074,21 @@ class FlagsTest(unittest.TestCase):
                 self.assertIn(flag, known[binary], "%s passes --%s, which "
                               "%s does not define" % (where, flag, binary))
 
-
     def test_shards_serve_with_the_deployed_flags(self):
-        """The compose shards' flags, only the addresses and the checkpoint
-        directory moved to loopback and a temporary directory: both shards
-        start, answer SERVING, and exit 0 on SIGTERM. (The
-        fixed --metrics-port is left out, as a parallel test may hold it;
-        test_every_flag_used_exists checks that it exists.)"""
+        """The compose shards' flags, only the addresses, the metrics ports
+        and the checkpoint directory moved to free loopback ports and a
+        temporary directory: every shard starts, answers SERVING, serves
+        /metrics, and exits 0 on SIGTERM."""
         self.assertTrue(os.access(SERVER_BIN, os.X_OK), SERVER_BIN)
         services = compose_config()["services"]
         S = int(read_env()["GTOPK_SHARDS"])
         socks = []
-        for _ in range(S):
+        for _ in range(2 * S):
             sock = socket.socket()
             sock.bind(("127.0.0.1", 0))
             socks.append(sock)
-        addrs = ["127.0.0.1:%d" % sock.getsockname()[1] for sock in socks]
+        addrs = ["127.0.0.1:%d" % sock.getsockname()[1] for sock in socks[:S]]
+        metrics = [sock.getsockname()[1] for sock in socks[S:]]
         for sock in socks:
             sock.close()
         procs = []
@@ -1089,9 +1103,8 @@ class FlagsTest(unittest.TestCase):
             try:
                 for s in range(S):
                     f = flag_dict(compose_command(services["shard-%d" % s]))
-                    f.pop("metrics_port", None)
                     f.update(listen=addrs[s], peers=",".join(addrs),
-                             checkpoint_dir=ckpt)
+                             checkpoint_dir=ckpt, metrics_port=metrics[s])
                     argv = [SERVER_BIN] + ["--%s=%s" % kv for kv in f.items()]
                     with open(os.path.join(tmp, "shard-%d.log" % s), "w") as out:
                         procs.append(subprocess.Popen(
@@ -1111,6 +1124,10 @@ class FlagsTest(unittest.TestCase):
                         if time.monotonic() > deadline:
                             self.fail("shard %d not SERVING: %s" % (s, log(s)))
                         time.sleep(0.1)
+                    url = "http://127.0.0.1:%d/metrics" % metrics[s]
+                    with urllib.request.urlopen(url, timeout=10) as resp:
+                        body = resp.read().decode()
+                    self.assertIn("gtopk_build_info", body)
                 for proc in procs:
                     proc.send_signal(signal.SIGTERM)
                 for s, proc in enumerate(procs):
