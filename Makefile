@@ -9,6 +9,8 @@
 #                bench/results/lowbw.json and lowbw.png. LOWBW_ARGS: extra
 #                flags, e.g. LOWBW_ARGS="--rate 100mbit --workers 2,4"
 #   make format  clang-format the sources in place (needs clang-format)
+#   make deploy-sync  refresh deploy/k8s/base/generated/ from deploy/cluster.env
+#                and dashboards/*.json (kustomize reads no file outside its root)
 #   make demo    deps + build + a local cluster training Fashion-MNIST with
 #                gTop-k (deploy/local/gtopk_local.py); logs and
 #                runs/$(NAME)/summary.json
@@ -31,7 +33,15 @@ DEB_PACKAGES := build-essential cmake ninja-build pkg-config \
 	libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc \
 	libtorch-dev dataset-fashion-mnist python3 \
 	libcpp-httplib-dev prometheus \
-	python3-torch gnuplot-nox iproute2
+	python3-torch gnuplot-nox iproute2 \
+	docker-compose python3-yaml
+
+# Commands the deployment tests (ctest label deploy) need, with the Debian
+# package that provides each when it is missing. npm is checked as a command:
+# Node.js from another source (e.g. NodeSource, which conflicts with Debian's
+# npm package) brings its own npm. kubectl is not in Debian 12 in a usable
+# version: the test says how to install it.
+DEB_COMMANDS := npm:npm
 
 # `make demo` defaults: P workers, S shards, about 5 minutes on 2 cores
 # (measured: README, "make demo"). DGC's own warm-up ("dgc": four epochs)
@@ -55,7 +65,7 @@ NAME           ?= demo
 DEMO_ARGS      ?=
 LOWBW_ARGS     ?=
 
-.PHONY: all deps build test bench bench-lowbw demo format clean
+.PHONY: all deps build test bench bench-lowbw demo format clean deploy-sync
 
 all: build
 
@@ -63,6 +73,9 @@ deps:
 	@missing=""; \
 	for p in $(DEB_PACKAGES); do \
 	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	for pc in $(DEB_COMMANDS); do \
+	  command -v $${pc%%:*} >/dev/null 2>&1 || missing="$$missing $${pc#*:}"; \
 	done; \
 	if [ -z "$$missing" ]; then echo "deps: all Debian packages present"; exit 0; fi; \
 	if [ "$$(id -u)" != 0 ]; then \
@@ -106,7 +119,7 @@ bench-lowbw:
 # deps and build first (in that order, also under -j), then the launcher.
 demo: deps
 	@$(MAKE) --no-print-directory build
-	python3 deploy/local/gtopk_local.py --name $(NAME) \
+	python3 deploy/local/gtopk_local.py --config deploy/cluster.env --name $(NAME) \
 	  --workers $(WORKERS) --shards $(SHARDS) --model $(MODEL) \
 	  --mode $(MODE) --selection $(SELECTION) --density $(DENSITY) \
 	  $(if $(strip $(DENSITY_WARMUP)),--density-warmup $(DENSITY_WARMUP)) \
@@ -114,6 +127,9 @@ demo: deps
 	  --batch-size $(BATCH) --lr $(LR) --momentum $(MOMENTUM) \
 	  --momentum-mode $(MOMENTUM_MODE) --seed $(SEED) \
 	  --build-dir $(BUILD_DIR) --runs-dir runs $(DEMO_ARGS)
+
+deploy-sync:
+	python3 deploy/sync_generated.py
 
 format:
 	find common server worker tests bench -name '*.h' -o -name '*.cc' -o -name '*.cu' 2>/dev/null | xargs clang-format -i

@@ -283,11 +283,83 @@ class ProgressPrinter:
 # The launcher
 
 
+# deploy/cluster.env variable -> (launcher option dest, type). The same file
+# configures deploy/docker-compose.yml and deploy/k8s (README, "Deploying").
+# GTOPK_STEPS_PER_EPOCH is checked, not taken: the launcher derives
+# steps_per_epoch from the data, the worker count and the batch size.
+CLUSTER_ENV_KEYS = {
+    "GTOPK_WORKERS": ("workers", int),
+    "GTOPK_SHARDS": ("shards", int),
+    "GTOPK_MODE": ("mode", str),
+    "GTOPK_SELECTION": ("selection", str),
+    "GTOPK_SELECTOR": ("selector", str),
+    "GTOPK_DENSITY": ("density", float),
+    "GTOPK_DENSITY_WARMUP": ("density_warmup", str),
+    "GTOPK_STEPS_PER_EPOCH": (None, int),
+    "GTOPK_LR": ("lr", float),
+    "GTOPK_MOMENTUM": ("momentum", float),
+    "GTOPK_MOMENTUM_MODE": ("momentum_mode", str),
+    "GTOPK_SEED": ("seed", int),
+    "GTOPK_STEP_TIMEOUT": ("step_timeout", str),
+    "GTOPK_CHECKPOINT_EVERY": ("checkpoint_every", int),
+    "GTOPK_MODEL": ("model", str),
+    "GTOPK_EPOCHS": ("epochs", int),
+    "GTOPK_BATCH_SIZE": ("batch_size", int),
+    "GTOPK_THREADS": ("threads", int),
+}
+
+
+def read_cluster_env(path):
+    """Reads a cluster.env file (KEY=VALUE lines, # comments) into
+    {variable: string}. Raises ValueError naming the file and line for a
+    malformed line, an unknown GTOPK_ variable or a repeated one."""
+    values = {}
+    with open(path) as f:
+        for lineno, raw in enumerate(f, 1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, sep, value = line.partition("=")
+            if not sep or not re.fullmatch(r"[A-Z_][A-Z0-9_]*", key):
+                raise ValueError("%s:%d: not KEY=VALUE: %r" % (path, lineno, line))
+            if key not in CLUSTER_ENV_KEYS:
+                raise ValueError("%s:%d: unknown variable %s (known: %s)" % (
+                    path, lineno, key, ", ".join(sorted(CLUSTER_ENV_KEYS))))
+            if key in values:
+                raise ValueError("%s:%d: %s set twice" % (path, lineno, key))
+            values[key] = value
+    return values
+
+
+def config_defaults(path):
+    """Option defaults from a cluster.env file; ValueError on a bad file or
+    a value of the wrong type."""
+    values = read_cluster_env(path)
+    defaults = {}
+    for key, value in values.items():
+        dest, kind = CLUSTER_ENV_KEYS[key]
+        try:
+            typed = kind(value)
+        except ValueError:
+            raise ValueError("%s: %s=%r is not %s" % (
+                path, key, value, kind.__name__)) from None
+        if dest is not None:
+            defaults[dest] = typed
+    return defaults, values
+
+
 def parse_args(argv):
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
     p = argparse.ArgumentParser(
         prog="gtopk_local.py",
         description="Run a local gTop-k cluster (S servers, P workers) on "
         "127.0.0.1; logs and summaries in RUNS_DIR/NAME/.")
+    p.add_argument("--config", default=None, metavar="CLUSTER_ENV",
+                   help="take the defaults of the cluster options from this "
+                   "file (deploy/cluster.env, shared with docker-compose and "
+                   "Kubernetes); flags given on the command line win")
     p.add_argument("--name", default="demo",
                    help="run name: files go to RUNS_DIR/NAME/ (emptied first)")
     p.add_argument("--workers", type=int, default=4, help="P")
@@ -330,6 +402,9 @@ def parse_args(argv):
     p.add_argument("--runs-dir", default="runs")
     p.add_argument("--step-timeout", default="60s",
                    help="servers' --step-timeout (Abseil duration)")
+    p.add_argument("--checkpoint-every", type=int, default=None,
+                   help="servers' --checkpoint-every (default: the "
+                   "servers' default, only on shutdown)")
     p.add_argument("--ready-timeout", type=float, default=30.0,
                    help="seconds to wait for each server to be SERVING")
     p.add_argument("--grace", type=float, default=15.0,
@@ -346,6 +421,13 @@ def parse_args(argv):
                    help="Prometheus web port on 127.0.0.1 (0: a free port)")
     p.add_argument("--scrape-interval", default="5s",
                    help="Prometheus scrape interval (Prometheus duration)")
+    env_values = {}
+    if known.config:
+        try:
+            defaults, env_values = config_defaults(known.config)
+        except (OSError, ValueError) as e:
+            p.error("--config: %s" % e)
+        p.set_defaults(**defaults)
     args = p.parse_args(argv)
 
     errors = []
@@ -365,6 +447,17 @@ def parse_args(argv):
     if not re.fullmatch(r"[0-9]+(ms|s|m)", args.scrape_interval):
         errors.append("--scrape-interval must be a duration such as 5s or "
                       "500ms")
+    if args.checkpoint_every is not None and args.checkpoint_every < 0:
+        errors.append("--checkpoint-every must be >= 0")
+    if "GTOPK_STEPS_PER_EPOCH" in env_values and not errors:
+        train = args.train_limit or FASHION_MNIST_TRAIN_SAMPLES
+        derived = train // args.workers // args.batch_size
+        given = int(env_values["GTOPK_STEPS_PER_EPOCH"])
+        if given != derived:
+            log("note: %s has GTOPK_STEPS_PER_EPOCH=%d; this run uses "
+                "floor(%d / %d / %d) = %d" % (known.config, given, train,
+                                              args.workers, args.batch_size,
+                                              derived))
     if errors:
         p.error("; ".join(errors))
     return args
@@ -462,6 +555,8 @@ class Launcher:
         ]
         if a.density_warmup:
             argv.append("--density-warmup=%s" % a.density_warmup)
+        if a.checkpoint_every is not None:
+            argv.append("--checkpoint-every=%d" % a.checkpoint_every)
         if a.weight_decay is not None:
             argv.append("--weight-decay=%r" % a.weight_decay)
         if a.index_codec:

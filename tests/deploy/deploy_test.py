@@ -1,0 +1,1243 @@
+#!/usr/bin/env python3
+"""Offline validation of the deployments: deploy/docker-compose.yml,
+deploy/k8s (kustomize base + overlays), deploy/prometheus, the Dockerfiles
+and deploy/cluster.env. No Docker engine or Kubernetes cluster is needed;
+the real tools render and check what they can offline.
+
+One ctest test per class (label `deploy`), e.g.
+  python3 tests/deploy/deploy_test.py ComposeTest
+
+  GeneratedTest     deploy/k8s/base/generated/ equals its sources
+                    (deploy/sync_generated.py --check), and the check fails
+                    on a stale copy
+  ComposeTest       `docker-compose config -q` (Debian's docker-compose) with
+                    no warning; the topology: S shards, P workers,
+                    Prometheus, Grafana, health checks, depends_on
+                    service_healthy, Grafana's provisioning mounts
+  KustomizeTest     `kubectl kustomize` renders every overlay; StatefulSet,
+                    headless Service, PDB, Indexed Job, ConfigMaps,
+                    NetworkPolicy semantics, monitors, annotations, GPU
+                    requests
+  SchemaTest        every rendered object against the Kubernetes and
+                    Prometheus Operator schemas, unknown fields, container
+                    rules (deploy/validate/validate.mjs, npm packages locked
+                    in deploy/validate/package-lock.json); the validator
+                    rejects broken copies
+  PromtoolTest      `promtool check config` on every deploy/prometheus/*.yml
+  DockerfileTest    the images without an engine: Debian bases, every source
+                    folder CMake needs is copied, the targets exist, the
+                    runtime stages' packages (and their dependencies) own
+                    every library the built binaries load, non-root user
+                    10001 as in the manifests, ports, HEALTHCHECK
+  FlagsTest         every flag the images, compose, Kubernetes and the
+                    launcher pass exists in the built binaries (--helpfull),
+                    both entrypoints print their usage, and two shards
+                    started with the compose flags (addresses moved to
+                    loopback) answer SERVING and stop cleanly
+  ConsistencyTest   compose, Kubernetes and the launcher (--config
+                    deploy/cluster.env) pass the same flags with the same
+                    values; the Makefile's demo defaults equal cluster.env;
+                    README documents every variable
+
+Environment: GTOPK_BUILD_DIR (ctest sets it; default build/).
+"""
+
+import atexit
+import copy
+import glob
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+import urllib.request
+
+import yaml
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+DEPLOY = os.path.join(ROOT, "deploy")
+BUILD_DIR = os.path.abspath(os.environ.get("GTOPK_BUILD_DIR",
+                                           os.path.join(ROOT, "build")))
+SERVER_BIN = os.path.join(BUILD_DIR, "server", "gtopk-server")
+WORKER_BIN = os.path.join(BUILD_DIR, "worker", "gtopk-worker")
+VALIDATE_DIR = os.path.join(BUILD_DIR, "deploy-validate")
+OVERLAYS = sorted(os.path.basename(p) for p in
+                  glob.glob(os.path.join(DEPLOY, "k8s", "overlays", "*"))
+                  if os.path.isfile(os.path.join(p, "kustomization.yaml")))
+GRPC_PORT = 50051
+SERVER_METRICS_PORT = 9400
+WORKER_METRICS_PORT = 9401
+FASHION_MNIST_TRAIN = 60000
+# Where dashboards/provisioning's file provider reads the dashboards.
+GRAFANA_DASHBOARDS = "/var/lib/grafana/dashboards/gtopk"
+# The Prometheus jobs the dashboards and docs/metrics.md expect.
+SERVER_JOB, WORKER_JOB = "gtopk-server", "gtopk-worker"
+
+# Flags whose values differ per deployment by nature (addresses, paths,
+# identities); every other flag must be identical everywhere.
+SERVER_LOCAL_FLAGS = {"listen", "shard_id", "peers", "checkpoint_dir",
+                      "metrics_port"}
+WORKER_LOCAL_FLAGS = {"server", "rank", "summary_json", "metrics_port",
+                      "data_dir"}
+
+INSTALL_HINT = {
+    "docker-compose": "apt-get install docker-compose (or `make deps`)",
+    "promtool": "apt-get install prometheus (or `make deps`)",
+    "kubectl": ("install kubectl >= 1.22 (kustomize >= v4.1): e.g. from the "
+                "Kubernetes apt repository, see "
+                "https://kubernetes.io/docs/tasks/tools/install-kubectl-linux/; "
+                "Debian 12's kubernetes-client (1.20) is too old"),
+    "node": "apt-get install npm (or `make deps`)",
+}
+
+
+def need(tool):
+    path = shutil.which(tool)
+    if path is None:
+        raise AssertionError("`%s` not found: %s" % (tool, INSTALL_HINT[tool]))
+    return path
+
+
+def run(cmd, **kw):
+    return subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True, **kw)
+
+
+def read_env(path=os.path.join(DEPLOY, "cluster.env")):
+    values = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line and not line.startswith("#"):
+                k, _, v = line.partition("=")
+                values[k] = v
+    return values
+
+
+def flag_dict(argv):
+    """['--a-b=1', '--c'] -> {'a_b': '1', 'c': None}; names normalised to
+    underscores (Abseil accepts both spellings)."""
+    out = {}
+    for a in argv:
+        if not a.startswith("--"):
+            raise AssertionError("not a --flag=value argument: %r" % a)
+        name, sep, value = a[2:].partition("=")
+        name = name.replace("-", "_")
+        if name in out:
+            raise AssertionError("flag --%s given twice in %s" % (name, argv))
+        out[name] = value if sep else None
+    return out
+
+
+def same_value(a, b):
+    if a == b:
+        return True
+    try:
+        return float(a) == float(b)
+    except (TypeError, ValueError):
+        return False
+
+
+_compose_cache = {}
+
+
+def compose_config():
+    """The compose file as docker-compose resolves it (variables from
+    deploy/.env substituted)."""
+    if "cfg" not in _compose_cache:
+        exe = need("docker-compose")
+        r = run([exe, "--project-directory", DEPLOY, "-f",
+                 os.path.join(DEPLOY, "docker-compose.yml"), "config"])
+        if r.returncode != 0:
+            raise AssertionError("docker-compose config failed:\n" + r.stderr)
+        _compose_cache["cfg"] = yaml.safe_load(r.stdout)
+    return _compose_cache["cfg"]
+
+
+_render_cache = {}
+_tmp = []
+
+
+def _rendered_dir():
+    """A directory of this process (ctest runs the classes in parallel),
+    removed at exit."""
+    if not _tmp:
+        _tmp.append(tempfile.mkdtemp(prefix="gtopk-deploy-rendered-"))
+        atexit.register(shutil.rmtree, _tmp[0], True)
+    return _tmp[0]
+
+
+def render(overlay):
+    """kubectl kustomize deploy/k8s/overlays/OVERLAY -> (path, objects)."""
+    if overlay not in _render_cache:
+        exe = need("kubectl")
+        if "kustomize" not in _render_cache:
+            v = run([exe, "version", "--client", "-o", "json"])
+            try:
+                kv = json.loads(v.stdout).get("kustomizeVersion", "")
+            except ValueError:
+                kv = ""
+            m = re.match(r"v(\d+)\.(\d+)", kv)
+            if not m or (int(m.group(1)), int(m.group(2))) < (4, 1):
+                raise AssertionError("kubectl's kustomize is %r; the "
+                                     "manifests need >= v4.1: %s" % (
+                                         kv, INSTALL_HINT["kubectl"]))
+            _render_cache["kustomize"] = kv
+        r = run([exe, "kustomize", os.path.join(DEPLOY, "k8s", "overlays",
+                                                overlay)])
+        if r.returncode != 0:
+            raise AssertionError("kubectl kustomize overlays/%s failed:\n%s"
+                                 % (overlay, r.stderr))
+        path = os.path.join(_rendered_dir(), overlay + ".yaml")
+        with open(path, "w") as f:
+            f.write(r.stdout)
+        objs = [o for o in yaml.safe_load_all(r.stdout) if o]
+        _render_cache[overlay] = (path, objs)
+    return _render_cache[overlay]
+
+
+def find(objs, kind, name=None, prefix=None):
+    found = [o for o in objs if o["kind"] == kind and
+             (name is None or o["metadata"]["name"] == name) and
+             (prefix is None or o["metadata"]["name"].startswith(prefix))]
+    return found
+
+
+def one(objs, kind, name=None, prefix=None):
+    found = find(objs, kind, name, prefix)
+    if len(found) != 1:
+        raise AssertionError("expected one %s %s, found %d" % (
+            kind, name or prefix or "", len(found)))
+    return found[0]
+
+
+def container(obj, name):
+    for c in obj["spec"]["template"]["spec"]["containers"]:
+        if c["name"] == name:
+            return c
+    raise AssertionError("%s has no container %s" % (obj["metadata"]["name"],
+                                                     name))
+
+
+def k8s_args(objs, obj, cname):
+    """The container's args with $(VAR) expanded from its env and the
+    ConfigMaps of its envFrom (as the kubelet does); downward-API variables
+    become placeholders <fieldPath>."""
+    c = container(obj, cname)
+    env = {}
+    for src in c.get("envFrom", []):
+        cm = one(objs, "ConfigMap", src["configMapRef"]["name"])
+        env.update(cm.get("data", {}))
+    for e in c.get("env", []):
+        if "value" in e:
+            env[e["name"]] = e["value"]
+        else:
+            env[e["name"]] = "<%s>" % e["valueFrom"]["fieldRef"]["fieldPath"]
+    out = []
+    for a in c.get("args", []):
+        def sub(m):
+            if m.group(1) not in env:
+                raise AssertionError("%s/%s: $(%s) in %r is not defined" % (
+                    obj["metadata"]["name"], cname, m.group(1), a))
+            return env[m.group(1)]
+        out.append(re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", sub, a))
+    return out
+
+
+def launcher_argv(extra=()):
+    sys.path.insert(0, os.path.join(DEPLOY, "local"))
+    try:
+        import gtopk_local
+    finally:
+        sys.path.pop(0)
+    args = gtopk_local.parse_args(
+        ["--config", os.path.join(DEPLOY, "cluster.env")] + list(extra))
+    launcher = gtopk_local.Launcher(args, [])
+    launcher.addresses = ["127.0.0.1:%d" % (40000 + s)
+                          for s in range(args.shards)]
+    launcher.server_metrics = ["127.0.0.1:%d" % (41000 + s)
+                               for s in range(args.shards)]
+    launcher.worker_metrics = ["127.0.0.1:%d" % (42000 + w)
+                               for w in range(args.workers)]
+    return (launcher.server_argv(0, launcher.addresses)[1:],
+            launcher.worker_argv(0)[1:])
+
+
+def compose_command(svc):
+    cmd = svc.get("command", [])
+    return shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
+
+
+def binary_flags(binary):
+    """Flag names (underscore spelling) the binary accepts, from --helpfull
+    (Abseil lists them per source file: ours and its own, such as
+    --help)."""
+    if not os.access(binary, os.X_OK):
+        raise AssertionError("%s not built: run `make build` (gtopk-worker "
+                             "needs libtorch-dev)" % binary)
+    r = run([binary, "--helpfull"])
+    text = r.stdout + r.stderr
+    flags = set()
+    for line in text.splitlines():
+        m = re.match(r"\s+--([A-Za-z0-9_]+) ", line)
+        if m:
+            flags.add(m.group(1))
+    if not flags:
+        raise AssertionError("no flags parsed from `%s --helpfull`:\n%s" % (
+            binary, text[:2000]))
+    # Abseil's usage flags are not listed by --helpfull itself.
+    return flags | {"help", "helpfull", "helpshort", "version"}
+
+
+# ---------------------------------------------------------------------------
+
+
+class GeneratedTest(unittest.TestCase):
+    SCRIPT = os.path.join(DEPLOY, "sync_generated.py")
+
+    def test_generated_copies_are_in_sync(self):
+        r = run([sys.executable, self.SCRIPT, "--check"])
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+
+    def test_check_detects_a_stale_copy_and_sync_repairs_it(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            os.makedirs(os.path.join(tmp, "deploy", "k8s", "base"))
+            os.makedirs(os.path.join(tmp, "dashboards"))
+            shutil.copy(self.SCRIPT, os.path.join(tmp, "deploy"))
+            shutil.copy(os.path.join(DEPLOY, "cluster.env"),
+                        os.path.join(tmp, "deploy"))
+            shutil.copytree(os.path.join(DEPLOY, "k8s", "base", "generated"),
+                            os.path.join(tmp, "deploy", "k8s", "base",
+                                         "generated"))
+            with open(os.path.join(tmp, "dashboards", "new.json"), "w") as f:
+                f.write('{"title": "new"}\n')
+            with open(os.path.join(tmp, "deploy", "cluster.env"), "a") as f:
+                f.write("GTOPK_EXTRA=1\n")
+            script = os.path.join(tmp, "deploy", "sync_generated.py")
+            r = run([sys.executable, script, "--check"])
+            self.assertEqual(r.returncode, 1, r.stdout)
+            self.assertIn("generated/cluster.env: differs", r.stdout)
+            self.assertIn("generated/dashboards/new.json: missing", r.stdout)
+            self.assertIn("make deploy-sync", r.stdout)
+            self.assertEqual(run([sys.executable, script]).returncode, 0)
+            r = run([sys.executable, script, "--check"])
+            self.assertEqual(r.returncode, 0, r.stdout)
+            with open(os.path.join(tmp, "deploy", "k8s", "base", "generated",
+                                   "kustomization.yaml")) as f:
+                k = yaml.safe_load(f)
+            gens = {g["name"]: g for g in k["configMapGenerator"]}
+            self.assertEqual(gens["gtopk-grafana-dashboards"]["files"],
+                             ["dashboards/new.json"])
+            # A removed dashboard is removed from the copy too.
+            os.remove(os.path.join(tmp, "dashboards", "new.json"))
+            self.assertEqual(run([sys.executable, script]).returncode, 0)
+            self.assertFalse(os.path.exists(os.path.join(
+                tmp, "deploy", "k8s", "base", "generated", "dashboards",
+                "new.json")))
+
+
+class ComposeTest(unittest.TestCase):
+    def setUp(self):
+        self.env = read_env()
+        self.S = int(self.env["GTOPK_SHARDS"])
+        self.P = int(self.env["GTOPK_WORKERS"])
+        self.services = compose_config()["services"]
+
+    def test_config_quiet_is_clean(self):
+        exe = need("docker-compose")
+        r = run([exe, "config", "-q"], cwd=DEPLOY)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        # Warnings (e.g. "variable is not set") fail too.
+        self.assertEqual(r.stderr.strip(), "")
+
+    def test_services_are_the_topology(self):
+        want = ({"shard-%d" % s for s in range(self.S)} |
+                {"worker-%d" % w for w in range(self.P)} |
+                {"prometheus", "grafana"})
+        self.assertEqual(set(self.services), want,
+                         "compose services vs GTOPK_SHARDS=%d GTOPK_WORKERS=%d"
+                         % (self.S, self.P))
+
+    def test_every_service_has_a_health_check(self):
+        for name, svc in self.services.items():
+            hc = svc.get("healthcheck", {})
+            self.assertTrue(hc.get("test"), "%s has no healthcheck" % name)
+            self.assertFalse(hc.get("disable", False), name)
+        for s in range(self.S):
+            self.assertEqual(
+                self.services["shard-%d" % s]["healthcheck"]["test"],
+                ["CMD", "gtopk-server", "--health-check=127.0.0.1:%d" %
+                 GRPC_PORT])
+
+    def test_depends_on_waits_for_healthy(self):
+        def deps(name):
+            d = self.services[name].get("depends_on", {})
+            self.assertIsInstance(d, dict, "%s: depends_on needs conditions"
+                                  % name)
+            return {k: v.get("condition") for k, v in d.items()}
+        shards = {"shard-%d" % s: "service_healthy" for s in range(self.S)}
+        for w in range(self.P):
+            self.assertEqual(deps("worker-%d" % w), shards)
+        for s in range(1, self.S):
+            self.assertEqual(deps("shard-%d" % s),
+                             {"shard-0": "service_healthy"})
+        self.assertEqual(deps("grafana"), {"prometheus": "service_healthy"})
+
+    def test_shard_and_worker_identities(self):
+        peers = ",".join("shard-%d:%d" % (s, GRPC_PORT) for s in range(self.S))
+        for s in range(self.S):
+            svc = self.services["shard-%d" % s]
+            f = flag_dict(compose_command(svc))
+            self.assertEqual(f["shard_id"], str(s))
+            self.assertEqual(f["peers"], peers)
+            self.assertEqual(f["listen"], "0.0.0.0:%d" % GRPC_PORT)
+            self.assertEqual(f["metrics_port"], str(SERVER_METRICS_PORT))
+            self.assertIn(f["checkpoint_dir"], self._mounts("shard-%d" % s),
+                          "shard-%d: no volume at its --checkpoint-dir" % s)
+        for w in range(self.P):
+            f = flag_dict(compose_command(self.services["worker-%d" % w]))
+            self.assertEqual(f["rank"], str(w))
+            self.assertEqual(f["server"], "shard-0:%d" % GRPC_PORT)
+            self.assertEqual(f["metrics_port"], str(WORKER_METRICS_PORT))
+
+    def _mounts(self, name):
+        out = {}
+        for v in self.services[name].get("volumes", []):
+            if isinstance(v, str):
+                parts = v.split(":")
+                out[parts[1]] = parts[0]
+            else:
+                out[v["target"]] = v.get("source")
+        return out
+
+    def test_prometheus_scrapes_every_process(self):
+        mounts = self._mounts("prometheus")
+        cfg_path = mounts.get("/etc/prometheus/prometheus.yml")
+        self.assertEqual(os.path.realpath(cfg_path or ""),
+                         os.path.join(DEPLOY, "prometheus", "compose.yml"))
+        with open(cfg_path) as f:
+            cfg = yaml.safe_load(f)
+        targets = {(job["job_name"], t) for job in cfg["scrape_configs"]
+                   for sc in job.get("static_configs", [])
+                   for t in sc["targets"]}
+        for s in range(self.S):
+            self.assertIn((SERVER_JOB, "shard-%d:%d" % (s, SERVER_METRICS_PORT)),
+                          targets)
+        for w in range(self.P):
+            self.assertIn((WORKER_JOB, "worker-%d:%d" % (w, WORKER_METRICS_PORT)),
+                          targets)
+
+    def test_grafana_gets_the_dashboards_and_provisioning(self):
+        mounts = self._mounts("grafana")
+        dash_root = os.path.join(ROOT, "dashboards")
+        self.assertEqual(os.path.realpath(
+            mounts.get("/etc/grafana/provisioning", "")),
+            os.path.join(dash_root, "provisioning"))
+        self.assertEqual(os.path.realpath(
+            mounts.get(GRAFANA_DASHBOARDS, "")), dash_root)
+        self.assertIn("3000:3000", [str(p) if not isinstance(p, dict) else
+                                    "%s:%s" % (p["published"], p["target"])
+                                    for p in self.services["grafana"]["ports"]])
+        # Whatever provisioning exists must point at these mounts.
+        for path in glob.glob(os.path.join(dash_root, "provisioning", "**",
+                                           "*.y*ml"), recursive=True):
+            with open(path) as f:
+                doc = yaml.safe_load(f) or {}
+            for p in doc.get("providers", []):
+                self.assertEqual(p.get("options", {}).get("path"),
+                                 GRAFANA_DASHBOARDS, path)
+            for d in doc.get("datasources", []):
+                if d.get("type") == "prometheus":
+                    self.assertEqual(d.get("url"), "http://prometheus:9090",
+                                     path)
+
+
+class KustomizeTest(unittest.TestCase):
+    def setUp(self):
+        self.env = read_env()
+        self.S = int(self.env["GTOPK_SHARDS"])
+        self.P = int(self.env["GTOPK_WORKERS"])
+
+    def test_overlays_exist(self):
+        self.assertEqual(OVERLAYS, ["cpu", "gpu"])
+
+    def test_every_overlay_renders_the_cluster(self):
+        for overlay in OVERLAYS:
+            with self.subTest(overlay=overlay):
+                _, objs = render(overlay)
+                self.check_cluster(objs)
+
+    def check_cluster(self, objs):
+        ns = {o["metadata"].get("namespace") for o in objs
+              if o["kind"] != "Namespace"}
+        self.assertEqual(ns, {"gtopk"})
+        namespace = one(objs, "Namespace", "gtopk")
+        self.assertEqual(namespace["metadata"]["labels"][
+            "pod-security.kubernetes.io/enforce"], "restricted")
+
+        cm = one(objs, "ConfigMap", prefix="gtopk-cluster-")
+        self.assertEqual(cm["data"], self.env)
+
+        svc = one(objs, "Service", "gtopk-shard")
+        self.assertEqual(svc["spec"]["clusterIP"], "None")
+        self.assertIs(svc["spec"]["publishNotReadyAddresses"], True)
+        self.assertEqual({p["name"]: p["port"] for p in svc["spec"]["ports"]},
+                         {"grpc": GRPC_PORT, "metrics": SERVER_METRICS_PORT})
+
+        sts = one(objs, "StatefulSet", "gtopk-shard")
+        spec = sts["spec"]
+        self.assertEqual(spec["serviceName"], "gtopk-shard")
+        self.assertEqual(spec["podManagementPolicy"], "Parallel")
+        self.assertEqual(spec["replicas"], self.S, "replicas != GTOPK_SHARDS")
+        sel = spec["selector"]["matchLabels"]
+        self.assertEqual(svc["spec"]["selector"], sel)
+        shard = container(sts, "shard")
+        f = flag_dict(k8s_args(objs, sts, "shard"))
+        self.assertEqual(f["shard_id"],
+                         "<metadata.labels['apps.kubernetes.io/pod-index']>")
+        self.assertEqual(f["peers"], ",".join(
+            "gtopk-shard-%d.gtopk-shard.<metadata.namespace>.svc:%d"
+            % (s, GRPC_PORT) for s in range(self.S)))
+        claims = [t["metadata"]["name"] for t in spec["volumeClaimTemplates"]]
+        mounts = {m["mountPath"]: m["name"] for m in shard["volumeMounts"]}
+        self.assertIn(mounts.get(f["checkpoint_dir"]), claims,
+                      "--checkpoint-dir is not on the claimed volume")
+        self.assertEqual(f["metrics_port"], str(SERVER_METRICS_PORT))
+
+        pdb = one(objs, "PodDisruptionBudget", "gtopk-shard")
+        self.assertEqual(pdb["spec"]["selector"]["matchLabels"], sel)
+
+        job = one(objs, "Job", "gtopk-worker")
+        self.assertEqual(job["spec"]["completionMode"], "Indexed")
+        self.assertEqual(job["spec"]["completions"], self.P)
+        self.assertEqual(job["spec"]["parallelism"], self.P)
+        wf = flag_dict(k8s_args(objs, job, "worker"))
+        self.assertEqual(wf["rank"], "-1")  # = $JOB_COMPLETION_INDEX
+        self.assertEqual(wf["server"],
+                         "gtopk-shard-0.gtopk-shard.<metadata.namespace>.svc:%d"
+                         % GRPC_PORT)
+        self.assertEqual(wf["metrics_port"], str(WORKER_METRICS_PORT))
+
+        # Scrape annotations and monitors point at the metrics ports.
+        for obj, cname, port in ((sts, "shard", SERVER_METRICS_PORT),
+                                 (job, "worker", WORKER_METRICS_PORT)):
+            ann = obj["spec"]["template"]["metadata"]["annotations"]
+            self.assertEqual(ann["prometheus.io/scrape"], "true")
+            self.assertEqual(ann["prometheus.io/port"], str(port))
+            self.assertEqual(ann["prometheus.io/path"], "/metrics")
+            ports = {p["name"]: p["containerPort"]
+                     for p in container(obj, cname)["ports"]}
+            self.assertEqual(ports["metrics"], port)
+        sm = one(objs, "ServiceMonitor", "gtopk-shard")
+        sm_sel = sm["spec"]["selector"]["matchLabels"]
+        self.assertEqual(sm_sel, {k: v for k, v in
+                                  svc["metadata"]["labels"].items()
+                                  if k in sm_sel})
+        self.assertTrue(sm_sel)
+        self.assertEqual([e["port"] for e in sm["spec"]["endpoints"]],
+                         ["metrics"])
+        self.assertEqual(sm["spec"]["endpoints"][0]["relabelings"],
+                         [{"targetLabel": "job", "replacement": SERVER_JOB}])
+        pm = one(objs, "PodMonitor", "gtopk-worker")
+        self.assertEqual(pm["spec"]["selector"]["matchLabels"],
+                         job["spec"]["template"]["metadata"]["labels"])
+        self.assertEqual([e["port"] for e in pm["spec"]["podMetricsEndpoints"]],
+                         ["metrics"])
+        self.assertEqual(pm["spec"]["podMetricsEndpoints"][0]["relabelings"],
+                         [{"targetLabel": "job", "replacement": WORKER_JOB}])
+
+        self.check_dashboards(objs)
+        self.check_network_policy(objs, sts, job)
+
+    def check_dashboards(self, objs):
+        want = {}
+        for path in sorted(glob.glob(os.path.join(ROOT, "dashboards",
+                                                  "*.json"))):
+            with open(path) as f:
+                want[os.path.basename(path)] = f.read()
+        found = find(objs, "ConfigMap", "gtopk-grafana-dashboards")
+        if not want:
+            self.assertEqual(found, [])
+            return
+        self.assertEqual(len(found), 1, "no dashboards ConfigMap")
+        self.assertEqual(found[0]["data"], want)
+        self.assertEqual(found[0]["metadata"]["labels"]["grafana_dashboard"],
+                         "1")
+
+    def check_network_policy(self, objs, sts, job):
+        """Evaluates the policies for the pairs that matter: what may reach
+        a shard or a worker, and where they may connect."""
+        pols = find(objs, "NetworkPolicy")
+        shard_labels = sts["spec"]["template"]["metadata"]["labels"]
+        worker_labels = job["spec"]["template"]["metadata"]["labels"]
+        prom = ("monitoring", {"app.kubernetes.io/name": "prometheus"})
+        other = ("gtopk", {"app.kubernetes.io/name": "something-else"})
+        dns = ("kube-system", {"k8s-app": "kube-dns"})
+        outside = ("default", {"app": "client"})
+
+        def matches(selector, labels):
+            return all(labels.get(k) == v for k, v in
+                       (selector or {}).get("matchLabels", {}).items())
+
+        def peer_ok(peer, ns, labels, own_ns="gtopk"):
+            if "ipBlock" in peer:
+                return False
+            if "namespaceSelector" in peer:
+                ns_labels = {"kubernetes.io/metadata.name": ns}
+                if not matches(peer["namespaceSelector"], ns_labels):
+                    return False
+            elif ns != own_ns:
+                return False
+            return matches(peer.get("podSelector", {}), labels)
+
+        def allowed(direction, pod_labels, peer_ns, peer_labels, port):
+            selecting = [p for p in pols
+                         if direction.capitalize() in p["spec"]["policyTypes"]
+                         and matches(p["spec"]["podSelector"], pod_labels)]
+            self.assertTrue(selecting, "%s of %s is not restricted" % (
+                direction, pod_labels))
+            for p in selecting:
+                for rule in p["spec"].get(direction, []):
+                    peers = rule.get("from" if direction == "ingress"
+                                     else "to")
+                    ports = rule.get("ports")
+                    if peers is not None and not any(
+                            peer_ok(x, peer_ns, peer_labels) for x in peers):
+                        continue
+                    if ports is not None and not any(
+                            x.get("port") == port for x in ports):
+                        continue
+                    return True
+            return False
+
+        gtopk = lambda labels: ("gtopk", labels)  # noqa: E731
+        ingress_cases = [
+            (shard_labels, gtopk(worker_labels), GRPC_PORT, True),
+            (shard_labels, gtopk(shard_labels), GRPC_PORT, True),
+            (shard_labels, prom, SERVER_METRICS_PORT, True),
+            (shard_labels, prom, GRPC_PORT, False),
+            (shard_labels, gtopk(worker_labels), SERVER_METRICS_PORT, False),
+            (shard_labels, other, GRPC_PORT, False),
+            (shard_labels, outside, GRPC_PORT, False),
+            (worker_labels, prom, WORKER_METRICS_PORT, True),
+            (worker_labels, gtopk(shard_labels), WORKER_METRICS_PORT, False),
+            (worker_labels, outside, WORKER_METRICS_PORT, False),
+        ]
+        for pod, (ns, labels), port, want in ingress_cases:
+            self.assertEqual(allowed("ingress", pod, ns, labels, port), want,
+                             "ingress to %s from %s/%s port %d" % (
+                                 pod, ns, labels, port))
+        egress_cases = [
+            (worker_labels, gtopk(shard_labels), GRPC_PORT, True),
+            (shard_labels, gtopk(shard_labels), GRPC_PORT, True),
+            (worker_labels, dns, 53, True),
+            (worker_labels, gtopk(shard_labels), SERVER_METRICS_PORT, False),
+            (worker_labels, outside, 443, False),
+            (shard_labels, gtopk(worker_labels), WORKER_METRICS_PORT, False),
+        ]
+        for pod, (ns, labels), port, want in egress_cases:
+            self.assertEqual(allowed("egress", pod, ns, labels, port), want,
+                             "egress from %s to %s/%s port %d" % (
+                                 pod, ns, labels, port))
+        # Any other pod of the namespace: denied both ways.
+        self.assertFalse(allowed("ingress", {"x": "y"}, "gtopk",
+                                 worker_labels, GRPC_PORT))
+        self.assertFalse(allowed("egress", {"x": "y"}, "gtopk", shard_labels,
+                                 GRPC_PORT))
+
+    def test_gpu_overlay_requests_gpus_and_cpu_does_not(self):
+        _, cpu = render("cpu")
+        _, gpu = render("gpu")
+        for objs, want in ((cpu, None), (gpu, 1)):
+            res = container(one(objs, "Job", "gtopk-worker"),
+                            "worker")["resources"]
+            self.assertEqual(res["requests"].get("nvidia.com/gpu"), want)
+            self.assertEqual(res["limits"].get("nvidia.com/gpu"), want)
+            shard_res = container(one(objs, "StatefulSet", "gtopk-shard"),
+                                  "shard")["resources"]
+            self.assertNotIn("nvidia.com/gpu", shard_res["limits"])
+        self.assertTrue(container(one(gpu, "Job", "gtopk-worker"), "worker")
+                        ["image"].startswith("gtopk-worker-cuda:"))
+
+
+class SchemaTest(unittest.TestCase):
+    def validate(self, paths):
+        node = need("node")
+        if not os.path.isfile(os.path.join(VALIDATE_DIR, "node_modules",
+                                           ".gtopk-lock-sha256")):
+            raise AssertionError(
+                "validator packages not installed in %s: run "
+                "`python3 tests/deploy/npm_setup.py %s` (ctest's fixture "
+                "deploy_npm_setup does)" % (VALIDATE_DIR, BUILD_DIR))
+        return run([node, "validate.mjs"] + list(paths), cwd=VALIDATE_DIR)
+
+    def test_rendered_overlays_pass(self):
+        paths = [render(o)[0] for o in OVERLAYS]
+        r = self.validate(paths)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn("schemas, fields and container rules OK", r.stdout)
+
+    def test_broken_copies_are_rejected(self):
+        """The validator is not a rubber stamp: each break of a rendered
+        object is reported."""
+        _, objs = render("cpu")
+        sts = one(objs, "StatefulSet", "gtopk-shard")
+        sm = one(objs, "ServiceMonitor", "gtopk-shard")
+        job = one(objs, "Job", "gtopk-worker")
+
+        def shard_c(o):
+            return o["spec"]["template"]["spec"]["containers"][0]
+
+        cases = []
+
+        def case(name, base, mutate, expect):
+            o = copy.deepcopy(base)
+            mutate(o)
+            cases.append((name, o, expect))
+
+        case("unknown container field", sts,
+             lambda o: shard_c(o).update(resourcez={}), "'\"resourcez\"'")
+        case("unknown nested field", sts,
+             lambda o: shard_c(o)["startupProbe"]["grpc"].update(prot=1),
+             "'\"prot\"'")
+        case("unknown monitor field", sm,
+             lambda o: o["spec"]["endpoints"][0].update(prt="metrics"),
+             "'\"prt\"'")
+        case("wrong type", sts,
+             lambda o: o["spec"].update(replicas="2"),
+             "replicas must be integer")
+        case("missing required", job,
+             lambda o: o["spec"]["template"]["spec"].pop("containers"),
+             "must have required property containers")
+        case("no liveness probe", sts,
+             lambda o: shard_c(o).pop("livenessProbe"), "no livenessProbe")
+        case("tcp probe on the grpc port", sts,
+             lambda o: shard_c(o).update(
+                 readinessProbe={"tcpSocket": {"port": GRPC_PORT}}),
+             "readinessProbe must be a grpc probe")
+        case("no memory limit", job,
+             lambda o: shard_c(o)["resources"]["limits"].pop("memory"),
+             "no resources.limits.memory")
+        case("capabilities kept", job,
+             lambda o: shard_c(o)["securityContext"].update(
+                 capabilities={"drop": ["NET_RAW"]}),
+             "capabilities.drop lacks ALL")
+        case("writable root", sts,
+             lambda o: shard_c(o)["securityContext"].update(
+                 readOnlyRootFilesystem=False),
+             "readOnlyRootFilesystem is not true")
+        case("privilege escalation", sts,
+             lambda o: shard_c(o)["securityContext"].pop(
+                 "allowPrivilegeEscalation"),
+             "allowPrivilegeEscalation is not false")
+        case("unconfined seccomp", job,
+             lambda o: (shard_c(o)["securityContext"].update(
+                 seccompProfile={"type": "Unconfined"})),
+             "seccompProfile.type is not RuntimeDefault")
+        case("unknown kind", sm, lambda o: o.update(kind="ServiceMonitr"),
+             "no schema for apiVersion")
+
+        # One validator run over every case (tsc starts once); each case is
+        # its own file and its problems are reported under its name.
+        with tempfile.TemporaryDirectory() as tmp:
+            paths = []
+            for i, (name, obj, _) in enumerate(cases):
+                paths.append(os.path.join(tmp, "case%d.yaml" % i))
+                with open(paths[-1], "w") as f:
+                    json.dump(obj, f)  # JSON is YAML
+            r = self.validate(paths)
+        self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
+        for path, (name, _, expect) in zip(paths, cases):
+            with self.subTest(case=name):
+                lines = [l for l in r.stderr.splitlines()
+                         if l.startswith(path + ":")]
+                self.assertTrue(any(expect in l for l in lines),
+                                "%s: %r not among %s" % (name, expect, lines))
+
+
+class PromtoolTest(unittest.TestCase):
+    def test_every_prometheus_config_checks(self):
+        exe = need("promtool")
+        configs = sorted(glob.glob(os.path.join(DEPLOY, "prometheus",
+                                                "*.yml")))
+        self.assertTrue(configs)
+        for path in configs:
+            r = run([exe, "check", "config", path])
+            self.assertEqual(r.returncode, 0, "%s:\n%s%s" % (
+                path, r.stdout, r.stderr))
+            self.assertIn("SUCCESS", r.stdout + r.stderr)
+
+    def test_promtool_rejects_an_unknown_field(self):
+        exe = need("promtool")
+        with tempfile.NamedTemporaryFile("w", suffix=".yml") as f:
+            f.write("scrape_configs:\n  - job_name: x\n    static_cfgs: []\n")
+            f.flush()
+            self.assertNotEqual(run([exe, "check", "config",
+                                     f.name]).returncode, 0)
+
+
+def dockerfile_flags(path):
+    """(binary -> [argv]) from the exec-form ENTRYPOINT/CMD/HEALTHCHECK lines
+    of a Dockerfile, per stage."""
+    with open(path) as f:
+        text = re.sub(r"\\\n", " ", f.read())
+    used = []
+    entry = None
+    for line in text.splitlines():
+        line = line.strip()
+        m = re.match(r"FROM\s", line)
+        if m:
+            entry = None
+        m = re.match(r"ENTRYPOINT\s+(\[.*\])", line)
+        if m:
+            entry = json.loads(m.group(1))
+        m = re.match(r"CMD\s+(\[.*\])", line)
+        if m and entry:
+            used.append(entry + json.loads(m.group(1)))
+        m = re.match(r"HEALTHCHECK\s.*CMD\s+(\[.*\])", line)
+        if m:
+            used.append(json.loads(m.group(1)))
+    return used
+
+
+def dockerfile_stages(path):
+    """{stage: {"from": image or stage, "packages": [apt-get installed],
+    "lines": [instructions]}} of a Dockerfile (continuations joined)."""
+    with open(path) as f:
+        text = re.sub(r"\\\n", " ", f.read())
+    stages = {"global": {"from": None, "packages": [], "lines": []}}
+    current = "global"  # ARGs before the first FROM
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = re.match(r"FROM\s+(\S+)(?:\s+AS\s+(\S+))?", line, re.I)
+        if m:
+            current = m.group(2) or "stage%d" % len(stages)
+            stages[current] = {"from": m.group(1), "packages": [],
+                               "lines": []}
+            continue
+        stages[current]["lines"].append(line)
+        for seg in re.findall(r"apt-get install\s+(.*?)(?:&&|$)", line):
+            stages[current]["packages"] += [t for t in seg.split()
+                                            if not t.startswith("-")]
+    return stages
+
+
+_dpkg_db = {}
+
+
+def dpkg_db():
+    """{package: (depends, provides)} of the installed packages, and the
+    map virtual name -> providers; one dpkg-query call."""
+    if not _dpkg_db:
+        r = run(["dpkg-query", "-W", "-f=${Package}\t${Status}\t${Depends}, "
+                 "${Pre-Depends}\t${Provides}\n"])
+        pkgs, provides = {}, {}
+
+        def names(field):
+            out = []
+            for alt in field.split(","):
+                for name in alt.split("|"):
+                    name = re.sub(r"\(.*?\)|:any", "", name).strip()
+                    if name:
+                        out.append(name)
+            return out
+
+        for line in r.stdout.splitlines():
+            name, status, deps, prov = (line.split("\t") + ["", "", ""])[:4]
+            if "install ok installed" not in status:
+                continue
+            pkgs[name] = names(deps)
+            for v in names(prov):
+                provides.setdefault(v, []).append(name)
+        _dpkg_db["pkgs"], _dpkg_db["provides"] = pkgs, provides
+    return _dpkg_db["pkgs"], _dpkg_db["provides"]
+
+
+def installed_closure(packages):
+    """The packages plus everything they depend on, transitively, among the
+    packages installed here (dpkg's Depends and Pre-Depends; any installed
+    alternative or provider counts)."""
+    pkgs, provides = dpkg_db()
+    seen = set()
+    todo = list(packages)
+    while todo:
+        name = todo.pop()
+        for pkg in [name] + provides.get(name, []):
+            if pkg in pkgs and pkg not in seen:
+                seen.add(pkg)
+                todo.extend(pkgs[pkg])
+    return seen
+
+
+def library_owners(binary):
+    """Debian packages owning the shared libraries `binary` loads
+    ({package: library})."""
+    r = run(["ldd", binary])
+    libs = re.findall(r"=>\s+(/\S+)", r.stdout)
+    candidates = {}
+    for lib in libs:
+        real = os.path.realpath(lib)
+        paths = {lib, real}
+        for p in list(paths):  # merged /usr: dpkg may know either spelling
+            if p.startswith("/usr/lib/"):
+                paths.add(p[len("/usr"):])
+            elif p.startswith("/lib/"):
+                paths.add("/usr" + p)
+        candidates[lib] = paths
+    every = sorted(set().union(*candidates.values())) if candidates else []
+    q = run(["dpkg", "-S"] + every)
+    owner_of = {}
+    for line in q.stdout.splitlines():
+        pkg, _, path = line.partition(": ")
+        owner_of[path.strip()] = pkg.split(":")[0].split(",")[0].strip()
+    owners = {}
+    for lib, paths in candidates.items():
+        found = [owner_of[p] for p in paths if p in owner_of]
+        if not found:
+            raise AssertionError("%s: %s belongs to no Debian package" % (
+                binary, lib))
+        owners[found[0]] = lib
+    return owners
+
+
+class DockerfileTest(unittest.TestCase):
+    """What can be checked of the images without a Docker engine."""
+
+    def setUp(self):
+        self.cpu = dockerfile_stages(os.path.join(DEPLOY, "docker",
+                                                  "Dockerfile"))
+        self.cuda = dockerfile_stages(os.path.join(DEPLOY, "docker",
+                                                   "Dockerfile.cuda"))
+
+    def packages(self, stages, stage):
+        pkgs = []
+        while stage in stages:
+            pkgs += stages[stage]["packages"]
+            stage = stages[stage]["from"]
+        return pkgs
+
+    def test_bases_and_stages(self):
+        self.assertTrue(self.cpu["build"]["from"].startswith("debian:"))
+        self.assertEqual(self.cpu["runtime-base"]["from"],
+                         "debian:${DEBIAN_RELEASE}-slim")
+        self.assertIn("DEBIAN_RELEASE=bookworm", open(os.path.join(
+            DEPLOY, "docker", "Dockerfile")).read())
+        self.assertTrue(self.cuda["build"]["from"].startswith("nvidia/cuda:"))
+        self.assertTrue(self.cuda["worker"]["from"].startswith("nvidia/cuda:"))
+        cuda_build = " ".join(self.cuda["build"]["lines"])
+        self.assertIn("-DGTOPK_CUDA=ON", cuda_build)
+
+    def test_images_run_as_the_non_root_user_of_the_manifests(self):
+        for stages, stage in ((self.cpu, "server"), (self.cpu, "worker"),
+                              (self.cuda, "worker")):
+            users = []
+            s = stage
+            while s in stages:
+                users = [l.split()[1] for l in stages[s]["lines"]
+                         if l.startswith("USER ")] or users
+                if users:
+                    break
+                s = stages[s]["from"]
+            self.assertEqual(users[-1], "10001:10001", stage)
+        for overlay in OVERLAYS:
+            _, objs = render(overlay)
+            for kind in ("StatefulSet", "Job"):
+                for o in find(objs, kind):
+                    psc = o["spec"]["template"]["spec"]["securityContext"]
+                    self.assertEqual((psc["runAsUser"], psc["runAsGroup"]),
+                                     (10001, 10001))
+
+    def test_sources_and_targets_exist(self):
+        with open(os.path.join(ROOT, "CMakeLists.txt")) as f:
+            subdirs = set(re.findall(r"^add_subdirectory\((\w+)\)", f.read(),
+                                     re.M))
+        targets = set()
+        for cm in glob.glob(os.path.join(ROOT, "*", "CMakeLists.txt")):
+            with open(cm) as f:
+                targets |= set(re.findall(r"add_executable\((\w+)", f.read()))
+        for name, stages in (("Dockerfile", self.cpu),
+                             ("Dockerfile.cuda", self.cuda)):
+            build = " ".join(stages["build"]["lines"])
+            copied = set(re.findall(r"COPY (\w+) \1", build))
+            self.assertEqual(copied, subdirs, "%s copies %s; CMake needs %s"
+                             % (name, sorted(copied), sorted(subdirs)))
+            self.assertIn("-DGTOPK_BUILD_TESTS=OFF", build)
+            self.assertIn("-DGTOPK_BUILD_BENCH=OFF", build)
+            built = re.findall(r"--target ([\w ]+?) (?:&&|$)", build)
+            self.assertTrue(built, name)
+            for t in " ".join(built).split():
+                self.assertIn(t, targets, "%s builds unknown target %s" % (
+                    name, t))
+
+    def test_build_packages_are_the_projects(self):
+        with open(os.path.join(ROOT, "Makefile")) as f:
+            m = re.search(r"^DEB_PACKAGES :=(.*?)\n\n", f.read(), re.M | re.S)
+        make = set(m.group(1).replace("\\", " ").split())
+        self.assertTrue(set(self.cpu["build"]["packages"]) <= make,
+                        set(self.cpu["build"]["packages"]) - make)
+
+    def test_runtime_stages_provide_every_library(self):
+        """Each library the built binaries load is owned by a package the
+        runtime stage installs or one they depend on (or by the slim base:
+        the Essential packages and apt), as resolved on this Debian 12."""
+        r = run(["dpkg-query", "-W", "-f=${Package} ${Essential}\n"])
+        essential = [l.split()[0] for l in r.stdout.splitlines()
+                     if l.endswith(" yes")]
+        base = installed_closure(essential + ["apt"])
+        for stage, binary in (("server", SERVER_BIN), ("worker", WORKER_BIN)):
+            with self.subTest(stage=stage):
+                self.assertTrue(os.access(binary, os.X_OK), binary)
+                pkgs = self.packages(self.cpu, stage)
+                provided = installed_closure(pkgs) | base
+                missing = {p: lib for p, lib in
+                           library_owners(binary).items()
+                           if p not in provided}
+                self.assertEqual(missing, {}, "the %s image lacks the "
+                                 "packages of these libraries" % stage)
+        self.assertIn("dataset-fashion-mnist",
+                      self.packages(self.cpu, "worker"))
+        self.assertNotIn("libtorch1.13", self.packages(self.cpu, "server"))
+
+    def test_health_checks_and_ports(self):
+        def lines(stages, stage, prefix):
+            return [l for l in stages[stage]["lines"] if l.startswith(prefix)]
+        self.assertEqual(lines(self.cpu, "server", "EXPOSE"),
+                         ["EXPOSE %d %d" % (GRPC_PORT, SERVER_METRICS_PORT)])
+        self.assertEqual(lines(self.cpu, "worker", "EXPOSE"),
+                         ["EXPOSE %d" % WORKER_METRICS_PORT])
+        hc = lines(self.cpu, "server", "HEALTHCHECK")
+        self.assertEqual(len(hc), 1)
+        self.assertIn('["gtopk-server", "--health-check=127.0.0.1:%d"]'
+                      % GRPC_PORT, hc[0])
+
+
+class FlagsTest(unittest.TestCase):
+    def test_entrypoints_help(self):
+        """Both image entrypoints run and print Abseil's usage. Abseil
+        20220623 ends --help and --helpfull with exit code 1."""
+        for binary in (SERVER_BIN, WORKER_BIN):
+            self.assertTrue(os.access(binary, os.X_OK),
+                            "%s not built (make build; the worker needs "
+                            "libtorch-dev)" % binary)
+            for flag in ("--help", "--helpfull"):
+                r = run([binary, flag], timeout=30)
+                self.assertIn(r.returncode, (0, 1), r.stdout + r.stderr)
+                self.assertRegex(r.stdout + r.stderr,
+                                 r"Try --helpfull|Flags from")
+            self.assertIn("Flags from", run([binary, "--helpfull"]).stdout)
+
+    def test_every_flag_used_exists(self):
+        known = {"gtopk-server": binary_flags(SERVER_BIN),
+                 "gtopk-worker": binary_flags(WORKER_BIN)}
+        uses = []  # (where, binary, argv)
+        for name, svc in compose_config()["services"].items():
+            image = svc.get("image", "")
+            for binary in known:
+                if image.startswith(binary + ":"):
+                    uses.append(("compose %s" % name, binary,
+                                 compose_command(svc)))
+            test = svc.get("healthcheck", {}).get("test", [])
+            if len(test) > 1 and test[1] in known:
+                uses.append(("compose %s healthcheck" % name, test[1],
+                             test[2:]))
+        for overlay in OVERLAYS:
+            _, objs = render(overlay)
+            for kind, name, cname, binary in (
+                    ("StatefulSet", "gtopk-shard", "shard", "gtopk-server"),
+                    ("Job", "gtopk-worker", "worker", "gtopk-worker")):
+                obj = one(objs, kind, name)
+                self.assertIn(binary, container(obj, cname)["image"].replace(
+                    "gtopk-worker-cuda", "gtopk-worker"))
+                uses.append(("k8s %s %s" % (overlay, name), binary,
+                             k8s_args(objs, obj, cname)))
+        for df in glob.glob(os.path.join(DEPLOY, "docker", "Dockerfile*")):
+            for argv in dockerfile_flags(df):
+                if argv[0] in known:
+                    uses.append((os.path.relpath(df, ROOT), argv[0],
+                                 argv[1:]))
+        server, worker = launcher_argv()
+        uses.append(("gtopk_local.py --config", "gtopk-server", server))
+        uses.append(("gtopk_local.py --config", "gtopk-worker", worker))
+        self.assertGreaterEqual(len(uses), 10)
+        for where, binary, argv in uses:
+            for flag in flag_dict(argv):
+                self.assertIn(flag, known[binary], "%s passes --%s, which "
+                              "%s does not define" % (where, flag, binary))
+
+    def test_shards_serve_with_the_deployed_flags(self):
+        """The compose shards' flags, only the addresses, the metrics ports
+        and the checkpoint directory moved to free loopback ports and a
+        temporary directory: every shard starts, answers SERVING, serves
+        /metrics, and exits 0 on SIGTERM."""
+        self.assertTrue(os.access(SERVER_BIN, os.X_OK), SERVER_BIN)
+        services = compose_config()["services"]
+        S = int(read_env()["GTOPK_SHARDS"])
+        socks = []
+        for _ in range(2 * S):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            socks.append(sock)
+        addrs = ["127.0.0.1:%d" % sock.getsockname()[1] for sock in socks[:S]]
+        metrics = [sock.getsockname()[1] for sock in socks[S:]]
+        for sock in socks:
+            sock.close()
+        procs = []
+        with tempfile.TemporaryDirectory() as tmp:
+            ckpt = os.path.join(tmp, "ckpt")
+            os.mkdir(ckpt)
+
+            def log(s):
+                with open(os.path.join(tmp, "shard-%d.log" % s)) as f:
+                    return f.read()
+
+            try:
+                for s in range(S):
+                    f = flag_dict(compose_command(services["shard-%d" % s]))
+                    f.update(listen=addrs[s], peers=",".join(addrs),
+                             checkpoint_dir=ckpt, metrics_port=metrics[s])
+                    argv = [SERVER_BIN] + ["--%s=%s" % kv for kv in f.items()]
+                    with open(os.path.join(tmp, "shard-%d.log" % s), "w") as out:
+                        procs.append(subprocess.Popen(
+                            argv, stdin=subprocess.DEVNULL, stdout=out,
+                            stderr=subprocess.STDOUT))
+                for s, proc in enumerate(procs):
+                    deadline = time.monotonic() + 20
+                    while True:
+                        if proc.poll() is not None:
+                            self.fail("shard %d exited (%d): %s" % (
+                                s, proc.returncode, log(s)))
+                        r = run([SERVER_BIN, "--health-check=" + addrs[s]],
+                                timeout=10)
+                        if r.returncode == 0:
+                            self.assertIn("SERVING", r.stdout)
+                            break
+                        if time.monotonic() > deadline:
+                            self.fail("shard %d not SERVING: %s" % (s, log(s)))
+                        time.sleep(0.1)
+                    url = "http://127.0.0.1:%d/metrics" % metrics[s]
+                    with urllib.request.urlopen(url, timeout=10) as resp:
+                        body = resp.read().decode()
+                    self.assertIn("gtopk_build_info", body)
+                for proc in procs:
+                    proc.send_signal(signal.SIGTERM)
+                for s, proc in enumerate(procs):
+                    proc.wait(timeout=30)
+                    self.assertEqual(proc.returncode, 0, log(s))
+            finally:
+                for proc in procs:
+                    if proc.poll() is None:
+                        proc.kill()
+                        proc.wait()
+
+
+class ConsistencyTest(unittest.TestCase):
+    def setUp(self):
+        self.env = read_env()
+
+    def compare(self, what, a_name, a, b_name, b, local):
+        a = {k: v for k, v in flag_dict(a).items()
+             if k not in local and v not in ("", None)}
+        b = {k: v for k, v in flag_dict(b).items()
+             if k not in local and v not in ("", None)}
+        self.assertEqual(set(a), set(b), "%s flags: %s vs %s" % (
+            what, a_name, b_name))
+        for k in a:
+            self.assertTrue(same_value(a[k], b[k]), "%s --%s: %s has %r, %s "
+                            "has %r" % (what, k, a_name, a[k], b_name, b[k]))
+
+    def test_compose_kubernetes_and_launcher_pass_the_same_flags(self):
+        services = compose_config()["services"]
+        l_server, l_worker = launcher_argv()
+        servers = {"launcher": l_server,
+                   "compose": compose_command(services["shard-0"])}
+        workers = {"launcher": l_worker,
+                   "compose": compose_command(services["worker-0"])}
+        for overlay in OVERLAYS:
+            _, objs = render(overlay)
+            servers["k8s " + overlay] = k8s_args(
+                objs, one(objs, "StatefulSet", "gtopk-shard"), "shard")
+            workers["k8s " + overlay] = k8s_args(
+                objs, one(objs, "Job", "gtopk-worker"), "worker")
+        for group, local, what in ((servers, SERVER_LOCAL_FLAGS, "server"),
+                                   (workers, WORKER_LOCAL_FLAGS, "worker")):
+            for name, argv in group.items():
+                self.compare(what, "launcher", group["launcher"], name, argv,
+                             local)
+        # And they carry cluster.env's values.
+        f = flag_dict(servers["compose"])
+        self.assertEqual(f["workers"], self.env["GTOPK_WORKERS"])
+        self.assertEqual(f["num_shards"], self.env["GTOPK_SHARDS"])
+        self.assertEqual(f["density"], self.env["GTOPK_DENSITY"])
+
+    def test_steps_per_epoch_is_the_workers_epoch(self):
+        self.assertEqual(int(self.env["GTOPK_STEPS_PER_EPOCH"]),
+                         FASHION_MNIST_TRAIN // int(self.env["GTOPK_WORKERS"])
+                         // int(self.env["GTOPK_BATCH_SIZE"]))
+
+    def test_every_variable_is_used_by_the_launcher(self):
+        sys.path.insert(0, os.path.join(DEPLOY, "local"))
+        try:
+            import gtopk_local
+        finally:
+            sys.path.pop(0)
+        self.assertEqual(set(self.env), set(gtopk_local.CLUSTER_ENV_KEYS))
+
+    def test_launcher_config_rejects_bad_files(self):
+        launcher = os.path.join(DEPLOY, "local", "gtopk_local.py")
+        with tempfile.TemporaryDirectory() as tmp:
+            for text, expect in (
+                    ("GTOPK_WORKRS=4\n", "unknown variable GTOPK_WORKRS"),
+                    ("GTOPK_WORKERS=four\n", "GTOPK_WORKERS='four' is not int"),
+                    ("GTOPK_LR=0.1\nGTOPK_LR=0.2\n", "GTOPK_LR set twice"),
+                    ("just words\n", "not KEY=VALUE")):
+                path = os.path.join(tmp, "c.env")
+                with open(path, "w") as f:
+                    f.write(text)
+                r = run([sys.executable, launcher, "--config", path])
+                self.assertEqual(r.returncode, 2, r.stderr)
+                self.assertIn(expect, r.stderr)
+
+    def test_launcher_flags_override_the_config(self):
+        server, worker = launcher_argv(["--workers", "8", "--lr", "0.2"])
+        self.assertEqual(flag_dict(server)["workers"], "8")
+        self.assertEqual(flag_dict(server)["lr"], "0.2")
+        self.assertEqual(flag_dict(worker)["lr"], "0.2")
+        self.assertEqual(flag_dict(server)["steps_per_epoch"],
+                         str(FASHION_MNIST_TRAIN // 8 //
+                             int(self.env["GTOPK_BATCH_SIZE"])))
+
+    def test_make_demo_defaults_equal_cluster_env(self):
+        names = {"WORKERS": "GTOPK_WORKERS", "SHARDS": "GTOPK_SHARDS",
+                 "MODEL": "GTOPK_MODEL", "MODE": "GTOPK_MODE",
+                 "SELECTION": "GTOPK_SELECTION", "DENSITY": "GTOPK_DENSITY",
+                 "DENSITY_WARMUP": "GTOPK_DENSITY_WARMUP",
+                 "SELECTOR": "GTOPK_SELECTOR", "EPOCHS": "GTOPK_EPOCHS",
+                 "BATCH": "GTOPK_BATCH_SIZE", "LR": "GTOPK_LR",
+                 "MOMENTUM": "GTOPK_MOMENTUM",
+                 "MOMENTUM_MODE": "GTOPK_MOMENTUM_MODE", "SEED": "GTOPK_SEED"}
+        with open(os.path.join(ROOT, "Makefile")) as f:
+            make = dict(re.findall(r"^([A-Z_]+)\s*\?=[ \t]*(.*?)\s*$", f.read(),
+                                   re.M))
+        for var, key in names.items():
+            self.assertEqual(make.get(var), self.env[key],
+                             "Makefile %s vs cluster.env %s" % (var, key))
+
+    def test_readme_documents_every_variable(self):
+        with open(os.path.join(ROOT, "README.md")) as f:
+            readme = f.read()
+        for key in self.env:
+            self.assertIn("`%s`" % key, readme)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
