@@ -389,6 +389,38 @@ absl::StatusOr<int64_t> WorkerClient::SynchronizeParameters(
   return step;
 }
 
+absl::StatusOr<int64_t> WorkerClient::Recover(absl::Span<float> params) {
+  if (params.size() != cluster_.n()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Recover: params has ", params.size(), " values; n = ", cluster_.n()));
+  }
+  CloseStreams();
+  const std::string where = absl::StrCat(ShardName(0), ": Recover");
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(
+      absl::Now() + options_.rpc_timeout +
+      absl::Milliseconds(cluster_.step_timeout_ms())));
+  v1::RecoverRequest request;
+  request.set_worker(rank_);
+  request.set_failed_step(next_step_);
+  v1::RecoverResponse response;
+  const absl::Status st =
+      FromGrpc(shards_[0]->stub->Recover(&context, request, &response));
+  if (!st.ok()) return Prefixed(st, where);
+  if (response.next_step() < 0) {
+    return absl::InternalError(absl::StrCat(where, ": negative step ",
+                                            response.next_step()));
+  }
+  if (response.next_step() == next_step_) return next_step_;
+  GTOPK_ASSIGN_OR_RETURN(const int64_t step, SynchronizeParameters(params));
+  if (step != response.next_step()) {
+    return absl::AbortedError(absl::StrCat(
+        "Recover: the leader reported step ", response.next_step(),
+        " but the shards served step ", step, "; try again"));
+  }
+  return step;
+}
+
 absl::Status WorkerClient::Exchange(int64_t step,
                                     const std::vector<v1::Push>& pushes,
                                     std::vector<v1::Pull>* pulls) {
@@ -398,6 +430,7 @@ absl::Status WorkerClient::Exchange(int64_t step,
   std::vector<bool> done(S, false);
   absl::Mutex mu;
   size_t finished = 0;
+  size_t failed = 0;
 
   for (auto& c : shards_) {
     if (c->stream == nullptr) {
@@ -457,6 +490,7 @@ absl::Status WorkerClient::Exchange(int64_t step,
         }
       }
       absl::MutexLock lock(&mu);
+      if (!result.ok()) ++failed;
       results[s] = std::move(result);
       done[s] = true;
       ++finished;
@@ -467,18 +501,31 @@ absl::Status WorkerClient::Exchange(int64_t step,
       absl::Milliseconds(cluster_.step_timeout_ms()) +
       options_.step_watchdog_margin;
   std::vector<bool> timed_out(S, false);
+  // Shards cancelled because another shard already failed the step: a step
+  // that failed on one shard cannot be committed on any (the commit vote),
+  // so waiting for the others would only delay the caller's retry or
+  // recovery until their step timeout.
+  std::vector<bool> cut_short(S, false);
   {
     absl::MutexLock lock(&mu);
+    auto all_done_or_failed = [&] { return finished == S || failed > 0; };
     auto all_done = [&] { return finished == S; };
-    if (!mu.AwaitWithTimeout(absl::Condition(&all_done), budget)) {
+    if (!mu.AwaitWithTimeout(absl::Condition(&all_done_or_failed), budget)) {
       for (size_t s = 0; s < S; ++s) {
         if (!done[s]) {
           timed_out[s] = true;
           shards_[s]->context->TryCancel();
         }
       }
-      mu.Await(absl::Condition(&all_done));  // prompt after the cancel
+    } else if (finished < S) {
+      for (size_t s = 0; s < S; ++s) {
+        if (!done[s]) {
+          cut_short[s] = true;
+          shards_[s]->context->TryCancel();
+        }
+      }
     }
+    mu.Await(absl::Condition(&all_done));  // prompt after the cancel
   }
   for (auto& t : threads) t.join();
 
@@ -492,11 +539,16 @@ absl::Status WorkerClient::Exchange(int64_t step,
           " (step timeout ", cluster_.step_timeout_ms(), "ms + margin); ",
           "stream cancelled"));
     }
-    if (st.ok()) continue;
+    if (st.ok() || cut_short[s]) continue;
     if (code == absl::StatusCode::kOk) code = st.code();
     messages.push_back(absl::StrCat(ShardName(s), ": ", st.message()));
   }
-  if (code == absl::StatusCode::kOk) return absl::OkStatus();
+  if (code == absl::StatusCode::kOk) {
+    bool any_cut = false;
+    for (size_t s = 0; s < S; ++s) any_cut |= cut_short[s] && !results[s].ok();
+    if (!any_cut) return absl::OkStatus();
+    code = absl::StatusCode::kInternal;  // unreachable: a failure cut it
+  }
   CloseStreams();
   return absl::Status(code, absl::StrJoin(messages, "; "));
 }
