@@ -34,6 +34,9 @@ struct TrainerOptions {
   std::string summary_json;
   std::string device = "cpu";
   absl::Duration rpc_timeout = absl::Seconds(60);
+  // Recovery attempts (WorkerClient::Recover) after a failed step before
+  // giving up, in [0, 100]; reset by every successful step.
+  int step_retries = 3;
 
   // Consistency checks against the servers' cluster spec (unset: no check).
   std::optional<std::string> mode, selector, index_codec, value_codec;
