@@ -58,7 +58,12 @@ absl::Status CommitCoordinator::Vote(int64_t step, uint32_t shard,
                      ": shard must be < ", num_shards_, " and step >= 0"));
   }
   absl::MutexLock lock(&mu_);
-  if (!fenced_.ok()) return fenced_;
+  if (!fenced_.ok()) {
+    // A repeated vote for a step committed before the fence is still OK.
+    auto it = steps_.find(step);
+    if (it != steps_.end() && it->second->committed) return absl::OkStatus();
+    return fenced_;
+  }
   if (steps_.size() >= retained_steps_ && step < steps_.begin()->first) {
     return absl::FailedPreconditionError(
         absl::StrCat("commit vote for step ", step, " from shard ", shard,
