@@ -1009,6 +1009,8 @@ absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverCluster(
         }
         grpc::ClientContext ctx;
         ctx.set_deadline(absl::ToChronoTime(deadline));
+        // A shard that is restarting is waited for (up to the deadline).
+        ctx.set_wait_for_ready(true);
         v1::ShardState state;
         const grpc::Status st =
             peer_stubs_[s]->GetShardState(&ctx, v1::ShardStateRequest(), &state);
@@ -1102,6 +1104,7 @@ absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverCluster(
         }
         grpc::ClientContext ctx;
         ctx.set_deadline(absl::ToChronoTime(deadline));
+        ctx.set_wait_for_ready(true);
         v1::RollbackRequest request;
         request.set_shard_id(s);
         request.set_step(target);

@@ -323,8 +323,16 @@ absl::Status RunTrainer(const TrainerOptions& o) {
                  static_cast<long long>(steps_per_epoch));
   }
 
-  GTOPK_ASSIGN_OR_RETURN(const int64_t start_step,
-                         client->SynchronizeParameters(params));
+  absl::StatusOr<int64_t> synced = client->SynchronizeParameters(params);
+  if (absl::IsFailedPrecondition(synced.status()) && o.step_retries > 0) {
+    // The shards are at different steps (one restarted behind while no
+    // worker was stepping): let the leader bring them together first.
+    std::fprintf(stderr, "rank %u: %s; recovering\n", rank,
+                 synced.status().ToString().c_str());
+    GTOPK_RETURN_IF_ERROR(client->Recover(params).status());
+    synced = client->SynchronizeParameters(params);
+  }
+  GTOPK_ASSIGN_OR_RETURN(const int64_t start_step, synced);
   const Clock::time_point t_start = Clock::now();
 
   // Rank 0's test set, normalised once.
