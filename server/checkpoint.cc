@@ -15,10 +15,10 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "absl/types/span.h"
 #include "common/status_macros.h"
 
@@ -531,8 +531,8 @@ absl::StatusOr<std::vector<int64_t>> HistorySteps(const std::string& dir,
       continue;
     }
     int64_t step = -1;
-    if (!name.empty() && name.find_first_not_of("0123456789") ==
-                             absl::string_view::npos &&
+    if (!name.empty() &&
+        name.find_first_not_of("0123456789") == absl::string_view::npos &&
         absl::SimpleAtoi(name, &step) && step >= 0) {
       steps.push_back(step);
     }
@@ -548,8 +548,7 @@ absl::StatusOr<std::vector<int64_t>> HistorySteps(const std::string& dir,
 // existing `to` (hard link to a temp name, then rename).
 absl::Status LinkReplacing(const std::string& dir, uint32_t shard_id,
                            const std::string& from, const std::string& to) {
-  const std::string tmp =
-      absl::StrCat(dir, "/", TempPrefix(shard_id), "link");
+  const std::string tmp = absl::StrCat(dir, "/", TempPrefix(shard_id), "link");
   ::unlink(tmp.c_str());
   if (::link(from.c_str(), tmp.c_str()) != 0) {
     return ErrnoStatus(errno, absl::StrCat("link ", from, " to"), tmp);
@@ -576,9 +575,9 @@ absl::Status RetainCheckpoint(const std::string& dir, uint32_t shard_id,
         "RetainCheckpoint: keep must be >= 1 and step >= 0, got keep ", keep,
         ", step ", step));
   }
-  GTOPK_RETURN_IF_ERROR(LinkReplacing(dir, shard_id,
-                                      CheckpointPath(dir, shard_id),
-                                      CheckpointHistoryPath(dir, shard_id, step)));
+  GTOPK_RETURN_IF_ERROR(
+      LinkReplacing(dir, shard_id, CheckpointPath(dir, shard_id),
+                    CheckpointHistoryPath(dir, shard_id, step)));
   GTOPK_ASSIGN_OR_RETURN(std::vector<int64_t> steps,
                          HistorySteps(dir, shard_id));
   for (size_t i = 0; i + static_cast<size_t>(keep) < steps.size(); ++i) {
@@ -587,8 +586,8 @@ absl::Status RetainCheckpoint(const std::string& dir, uint32_t shard_id,
   return FsyncDir(dir);
 }
 
-absl::StatusOr<std::vector<int64_t>> ListCheckpointSteps(
-    const std::string& dir, uint32_t shard_id) {
+absl::StatusOr<std::vector<int64_t>> ListCheckpointSteps(const std::string& dir,
+                                                         uint32_t shard_id) {
   return HistorySteps(dir, shard_id);
 }
 
@@ -598,9 +597,9 @@ absl::StatusOr<ShardCheckpoint> ReadCheckpointAt(const std::string& dir,
   const std::string path = CheckpointHistoryPath(dir, shard_id, step);
   absl::StatusOr<ShardCheckpoint> c = ReadCheckpointFile(path, shard_id);
   if (absl::IsNotFound(c.status())) {
-    return absl::NotFoundError(absl::StrCat(
-        "shard ", shard_id, " retains no checkpoint of step ", step, " in ",
-        dir));
+    return absl::NotFoundError(absl::StrCat("shard ", shard_id,
+                                            " retains no checkpoint of step ",
+                                            step, " in ", dir));
   }
   GTOPK_RETURN_IF_ERROR(c.status());
   if (c->next_step != step) {
@@ -610,8 +609,8 @@ absl::StatusOr<ShardCheckpoint> ReadCheckpointAt(const std::string& dir,
   return c;
 }
 
-absl::Status DiscardCheckpointsAfter(const std::string& dir,
-                                     uint32_t shard_id, int64_t step) {
+absl::Status DiscardCheckpointsAfter(const std::string& dir, uint32_t shard_id,
+                                     int64_t step) {
   GTOPK_ASSIGN_OR_RETURN(std::vector<int64_t> steps,
                          HistorySteps(dir, shard_id));
   bool removed = false;
@@ -632,9 +631,9 @@ absl::Status RewindCheckpoints(const std::string& dir, uint32_t shard_id,
   struct stat st;
   if (::stat(entry.c_str(), &st) != 0) {
     if (errno == ENOENT) {
-      return absl::NotFoundError(absl::StrCat(
-          "shard ", shard_id, " retains no checkpoint of step ", step, " in ",
-          dir));
+      return absl::NotFoundError(absl::StrCat("shard ", shard_id,
+                                              " retains no checkpoint of step ",
+                                              step, " in ", dir));
     }
     return ErrnoStatus(errno, "stat", entry);
   }

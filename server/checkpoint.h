@@ -156,8 +156,8 @@ absl::Status RetainCheckpoint(const std::string& dir, uint32_t shard_id,
 
 // The steps of the shard's history entries in `dir`, ascending (empty when
 // none). Errors: the directory cannot be listed (errno-derived).
-absl::StatusOr<std::vector<int64_t>> ListCheckpointSteps(
-    const std::string& dir, uint32_t shard_id);
+absl::StatusOr<std::vector<int64_t>> ListCheckpointSteps(const std::string& dir,
+                                                         uint32_t shard_id);
 
 // Reads and verifies the history entry of `step`. Errors: NOT_FOUND when the
 // shard retains no such entry; ReadCheckpoint's errors; DATA_LOSS when the
@@ -168,8 +168,8 @@ absl::StatusOr<ShardCheckpoint> ReadCheckpointAt(const std::string& dir,
 
 // Removes the history entries newer than `step` (fsyncs `dir` when any).
 // Errors: errno-derived, naming the path.
-absl::Status DiscardCheckpointsAfter(const std::string& dir,
-                                     uint32_t shard_id, int64_t step);
+absl::Status DiscardCheckpointsAfter(const std::string& dir, uint32_t shard_id,
+                                     int64_t step);
 
 // After a rollback to `step`: makes its history entry the current checkpoint
 // (atomically, durably), then removes the newer entries. Errors: NOT_FOUND

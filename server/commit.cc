@@ -18,8 +18,8 @@ CommitCoordinator::CommitCoordinator(uint32_t num_shards, int retained_steps)
 
 void CommitCoordinator::Fence(const absl::Status& reason) {
   absl::MutexLock lock(&mu_);
-  fenced_ = reason.ok() ? absl::AbortedError("the leader is recovering")
-                        : reason;
+  fenced_ =
+      reason.ok() ? absl::AbortedError("the leader is recovering") : reason;
   for (auto it = steps_.begin(); it != steps_.end();) {
     if (!it->second->committed && it->second->aborted.ok()) {
       it->second->aborted = fenced_;
@@ -41,8 +41,8 @@ void CommitCoordinator::ForgetFrom(int64_t step) {
   for (auto it = steps_.lower_bound(step); it != steps_.end();) {
     if (!it->second->committed && it->second->aborted.ok()) {
       it->second->aborted = absl::AbortedError(absl::StrCat(
-          "step ", it->first, " not committed: the cluster rolled back to step ",
-          step));
+          "step ", it->first,
+          " not committed: the cluster rolled back to step ", step));
     }
     it = steps_.erase(it);
   }

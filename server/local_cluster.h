@@ -110,7 +110,8 @@ class LocalCluster {
   // port is released).
   absl::Status RestartShard(size_t s, bool write_checkpoint,
                             const std::function<void()>& while_down = {}) {
-    servers_[s]->Shutdown(absl::Milliseconds(200), write_checkpoint)
+    servers_[s]
+        ->Shutdown(absl::Milliseconds(200), write_checkpoint)
         .IgnoreError();
     servers_[s].reset();
     if (while_down) while_down();

@@ -4,9 +4,9 @@
 
 #include <algorithm>
 #include <climits>
-#include <iterator>
 #include <cmath>
 #include <cstdio>
+#include <iterator>
 #include <thread>
 #include <utility>
 
@@ -793,9 +793,9 @@ grpc::Status AggregatorService::ExchangeThreshold(
   const absl::Time deadline =
       std::min(absl::Now() + config_.step_timeout,
                ContextDeadline(context) - kLeaderDeadlineSlack);
-  absl::StatusOr<ThresholdResponse> answer = coordinator_->Submit(
-      FromProto(*request), deadline,
-      [context] { return context->IsCancelled(); });
+  absl::StatusOr<ThresholdResponse> answer =
+      coordinator_->Submit(FromProto(*request), deadline,
+                           [context] { return context->IsCancelled(); });
   if (!answer.ok()) return ToGrpcStatus(answer.status());
   *response = ToProto(*answer);
   return grpc::Status::OK;
@@ -812,9 +812,9 @@ grpc::Status AggregatorService::CommitStep(grpc::ServerContext* context,
   const absl::Time deadline =
       std::min(absl::Now() + config_.step_timeout,
                ContextDeadline(context) - kLeaderDeadlineSlack);
-  return ToGrpcStatus(commit_coordinator_->Vote(
-      request->step(), request->shard_id(), deadline,
-      [context] { return context->IsCancelled(); }));
+  return ToGrpcStatus(
+      commit_coordinator_->Vote(request->step(), request->shard_id(), deadline,
+                                [context] { return context->IsCancelled(); }));
 }
 
 // ---------------------------------------------------------------------------
@@ -872,9 +872,11 @@ absl::StatusOr<int64_t> AggregatorService::LocalRollback(int64_t step) {
     GTOPK_RETURN_IF_ERROR(aggregator->Rollback(step, nullptr, reason));
   } else {
     if (config_.checkpoint_dir.empty()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          shard, " is at step ", previous, " and keeps no checkpoints (no "
-          "--checkpoint-dir); cannot roll back to step ", step));
+      return absl::FailedPreconditionError(
+          absl::StrCat(shard, " is at step ", previous,
+                       " and keeps no checkpoints (no "
+                       "--checkpoint-dir); cannot roll back to step ",
+                       step));
     }
     absl::StatusOr<ShardCheckpoint> checkpoint =
         ReadCheckpointAt(config_.checkpoint_dir, config_.shard_id, step);
@@ -893,17 +895,18 @@ absl::StatusOr<int64_t> AggregatorService::LocalRollback(int64_t step) {
         ListCheckpointSteps(config_.checkpoint_dir, config_.shard_id);
     GTOPK_RETURN_IF_ERROR(steps.status());
     if (std::find(steps->begin(), steps->end(), step) != steps->end()) {
-      GTOPK_RETURN_IF_ERROR(RewindCheckpoints(config_.checkpoint_dir,
-                                              config_.shard_id, step));
+      GTOPK_RETURN_IF_ERROR(
+          RewindCheckpoints(config_.checkpoint_dir, config_.shard_id, step));
     } else {
-      GTOPK_RETURN_IF_ERROR(DiscardCheckpointsAfter(
-          config_.checkpoint_dir, config_.shard_id, step));
+      GTOPK_RETURN_IF_ERROR(DiscardCheckpointsAfter(config_.checkpoint_dir,
+                                                    config_.shard_id, step));
     }
   }
   if (step != previous) {
-    std::fprintf(stderr, "gtopk-server shard %u: rolled back from step %lld "
-                 "to step %lld\n", config_.shard_id,
-                 static_cast<long long>(previous),
+    std::fprintf(stderr,
+                 "gtopk-server shard %u: rolled back from step %lld "
+                 "to step %lld\n",
+                 config_.shard_id, static_cast<long long>(previous),
                  static_cast<long long>(step));
   }
   return previous;
@@ -912,8 +915,7 @@ absl::StatusOr<int64_t> AggregatorService::LocalRollback(int64_t step) {
 grpc::Status AggregatorService::GetShardState(
     grpc::ServerContext* context, const v1::ShardStateRequest* /*request*/,
     v1::ShardState* response) {
-  absl::StatusOr<v1::ShardState> state =
-      LocalShardState(WaitDeadline(context));
+  absl::StatusOr<v1::ShardState> state = LocalShardState(WaitDeadline(context));
   if (!state.ok()) return ToGrpcStatus(state.status());
   *response = *std::move(state);
   return grpc::Status::OK;
@@ -938,18 +940,16 @@ namespace {
 // "shard 1 (host:port): message", code kept.
 absl::Status FromShard(const grpc::Status& status, uint32_t shard,
                        const std::string& address, const char* rpc) {
-  return absl::Status(
-      static_cast<absl::StatusCode>(status.error_code()),
-      absl::StrCat("shard ", shard, " (", address, ") ", rpc, ": ",
-                   status.error_message()));
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      absl::StrCat("shard ", shard, " (", address, ") ", rpc,
+                                   ": ", status.error_message()));
 }
 
 std::string DescribeStates(const std::vector<v1::ShardState>& states) {
   std::vector<std::string> parts;
   for (const v1::ShardState& st : states) {
     parts.push_back(absl::StrCat(
-        "shard ", st.shard_id(), " at step ", st.next_step(),
-        " (checkpoints: ",
+        "shard ", st.shard_id(), " at step ", st.next_step(), " (checkpoints: ",
         st.checkpoint_steps().empty()
             ? std::string("none")
             : absl::StrJoin(st.checkpoint_steps(), ", "),
@@ -963,9 +963,9 @@ std::string DescribeStates(const std::vector<v1::ShardState>& states) {
 absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverCluster(
     absl::Time deadline) {
   if (!is_leader()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "shard ", config_.shard_id, " is not the leader; Recover goes to ",
-        config_.peers[0]));
+    return absl::FailedPreconditionError(
+        absl::StrCat("shard ", config_.shard_id,
+                     " is not the leader; Recover goes to ", config_.peers[0]));
   }
   {
     absl::MutexLock lock(&recover_mu_);
@@ -1012,14 +1012,14 @@ absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverCluster(
         // A shard that is restarting is waited for (up to the deadline).
         ctx.set_wait_for_ready(true);
         v1::ShardState state;
-        const grpc::Status st =
-            peer_stubs_[s]->GetShardState(&ctx, v1::ShardStateRequest(), &state);
+        const grpc::Status st = peer_stubs_[s]->GetShardState(
+            &ctx, v1::ShardStateRequest(), &state);
         if (!st.ok()) {
           states[s] = FromShard(st, s, config_.peers[s], "GetShardState");
         } else if (state.shard_id() != s) {
-          states[s] = absl::FailedPreconditionError(absl::StrCat(
-              "the server at ", config_.peers[s], " is shard ",
-              state.shard_id(), ", not shard ", s));
+          states[s] = absl::FailedPreconditionError(
+              absl::StrCat("the server at ", config_.peers[s], " is shard ",
+                           state.shard_id(), ", not shard ", s));
         } else {
           states[s] = std::move(state);
         }
@@ -1036,8 +1036,8 @@ absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverCluster(
     }
     if (!states[s]->initialized()) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "Recover: shard ", s, " (", config_.peers[s].empty() ? std::string("leader") : config_.peers[s],
-          ") has no parameters (restarted without a checkpoint?); the "
+          "Recover: shard ", s,
+          " has no parameters (restarted without a checkpoint?); the "
           "cluster cannot continue"));
     }
     known.push_back(*states[s]);
@@ -1111,7 +1111,8 @@ absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverCluster(
         v1::RollbackResponse reply;
         const grpc::Status st =
             peer_stubs_[s]->RollbackShard(&ctx, request, &reply);
-        if (!st.ok()) rolled[s] = FromShard(st, s, config_.peers[s], "RollbackShard");
+        if (!st.ok())
+          rolled[s] = FromShard(st, s, config_.peers[s], "RollbackShard");
       });
     }
     for (auto& t : threads) t.join();
@@ -1127,9 +1128,9 @@ absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverCluster(
     // Shards that did roll back are at `target`, the others where they
     // were: they still disagree, so no step can be committed, and the next
     // Recover completes the rollback.
-    return absl::Status(code, absl::StrCat("Recover: rollback to step ",
-                                           target, " incomplete: ",
-                                           absl::StrJoin(errors, "; ")));
+    return absl::Status(
+        code, absl::StrCat("Recover: rollback to step ", target,
+                           " incomplete: ", absl::StrJoin(errors, "; ")));
   }
   response.set_next_step(target);
   response.set_rolled_back(true);

@@ -427,9 +427,9 @@ absl::StatusOr<int64_t> ShardAggregator::SettledNextStep(
   while (pending_ != nullptr && pending_->computing) {
     if (cv_.WaitWithDeadline(&mu_, deadline) && pending_ != nullptr &&
         pending_->computing) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "shard ", options_.shard_id, " is still computing step ",
-          pending_->step));
+      return absl::DeadlineExceededError(
+          absl::StrCat("shard ", options_.shard_id, " is still computing step ",
+                       pending_->step));
     }
   }
   return next_step_;
@@ -439,18 +439,18 @@ absl::Status ShardAggregator::Rollback(int64_t step,
                                        const ShardCheckpoint* checkpoint,
                                        const absl::Status& reason) {
   if (checkpoint != nullptr) {
-    GTOPK_RETURN_IF_ERROR(ValidateCheckpointFor(
-        *checkpoint, options_.shard_id, options_.num_shards, options_.n,
-        begin_, end_));
+    GTOPK_RETURN_IF_ERROR(ValidateCheckpointFor(*checkpoint, options_.shard_id,
+                                                options_.num_shards, options_.n,
+                                                begin_, end_));
     const bool global =
         options_.optimizer.momentum_mode == MomentumMode::kGlobal;
     if (checkpoint->next_step != step ||
         (global &&
          checkpoint->global_velocity.size() != checkpoint->params.size())) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "shard ", options_.shard_id, ": checkpoint of step ",
-          checkpoint->next_step, " cannot restore step ", step,
-          global ? " (or it lacks the global velocity)" : ""));
+      return absl::FailedPreconditionError(
+          absl::StrCat("shard ", options_.shard_id, ": checkpoint of step ",
+                       checkpoint->next_step, " cannot restore step ", step,
+                       global ? " (or it lacks the global velocity)" : ""));
     }
   }
   absl::MutexLock lock(&mu_);
@@ -459,23 +459,23 @@ absl::Status ShardAggregator::Rollback(int64_t step,
         "shard ", options_.shard_id, " has no parameters to roll back"));
   }
   if (checkpoint == nullptr && step != next_step_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "shard ", options_.shard_id, " is at step ", next_step_,
-        " and has no checkpoint of step ", step));
+    return absl::FailedPreconditionError(
+        absl::StrCat("shard ", options_.shard_id, " is at step ", next_step_,
+                     " and has no checkpoint of step ", step));
   }
   if (pending_ != nullptr) {
-    FailRoundLocked(pending_, absl::AbortedError(absl::StrCat(
-                                  "step ", pending_->step, " abandoned on shard ",
-                                  options_.shard_id, ": ", reason.message())));
+    FailRoundLocked(pending_,
+                    absl::AbortedError(absl::StrCat(
+                        "step ", pending_->step, " abandoned on shard ",
+                        options_.shard_id, ": ", reason.message())));
   }
   last_.reset();
   ++epoch_;
   if (checkpoint != nullptr) {
     params_ = checkpoint->params;
-    global_velocity_ =
-        options_.optimizer.momentum_mode == MomentumMode::kGlobal
-            ? checkpoint->global_velocity
-            : std::vector<float>();
+    global_velocity_ = options_.optimizer.momentum_mode == MomentumMode::kGlobal
+                           ? checkpoint->global_velocity
+                           : std::vector<float>();
     next_step_ = checkpoint->next_step;
   }
   cv_.SignalAll();

@@ -413,8 +413,8 @@ void ThresholdCoordinator::CompleteRoundLocked(StepState* state,
 
 void ThresholdCoordinator::Fence(const absl::Status& reason) {
   absl::MutexLock lock(&mu_);
-  fenced_ = reason.ok() ? absl::AbortedError("the leader is recovering")
-                        : reason;
+  fenced_ =
+      reason.ok() ? absl::AbortedError("the leader is recovering") : reason;
   for (auto& [step, state] : steps_) {
     for (uint32_t level = 0; level < kThresholdLevels; ++level) {
       Round& r = state->rounds[level];
@@ -583,17 +583,16 @@ absl::StatusOr<ThresholdResponse> ThresholdCoordinator::Submit(
   while (round.phase == Round::Phase::kCollecting) {
     // With a cancellation check, wake up every poll interval to look at it.
     changed_.WaitWithDeadline(
-        &mu_, cancelled ? std::min(deadline, absl::Now() + kCancelPoll)
-                        : deadline);
-    if (round.phase == Round::Phase::kCollecting && cancelled &&
-        cancelled()) {
+        &mu_,
+        cancelled ? std::min(deadline, absl::Now() + kCancelPoll) : deadline);
+    if (round.phase == Round::Phase::kCollecting && cancelled && cancelled()) {
       FailRoundLocked(
           &round, shard,
           absl::CancelledError(absl::StrCat(round_name, ": shard ", shard,
                                             "'s request was cancelled")),
-          absl::AbortedError(absl::StrCat(
-              round_name, ": shard ", shard,
-              " went away (its request was cancelled)")));
+          absl::AbortedError(
+              absl::StrCat(round_name, ": shard ", shard,
+                           " went away (its request was cancelled)")));
       break;
     }
     if (round.phase == Round::Phase::kCollecting && absl::Now() >= deadline) {

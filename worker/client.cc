@@ -397,9 +397,9 @@ absl::StatusOr<int64_t> WorkerClient::Recover(absl::Span<float> params) {
   CloseStreams();
   const std::string where = absl::StrCat(ShardName(0), ": Recover");
   grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(
-      absl::Now() + options_.rpc_timeout +
-      absl::Milliseconds(cluster_.step_timeout_ms())));
+  context.set_deadline(
+      absl::ToChronoTime(absl::Now() + options_.rpc_timeout +
+                         absl::Milliseconds(cluster_.step_timeout_ms())));
   v1::RecoverRequest request;
   request.set_worker(rank_);
   request.set_failed_step(next_step_);
@@ -408,15 +408,15 @@ absl::StatusOr<int64_t> WorkerClient::Recover(absl::Span<float> params) {
       FromGrpc(shards_[0]->stub->Recover(&context, request, &response));
   if (!st.ok()) return Prefixed(st, where);
   if (response.next_step() < 0) {
-    return absl::InternalError(absl::StrCat(where, ": negative step ",
-                                            response.next_step()));
+    return absl::InternalError(
+        absl::StrCat(where, ": negative step ", response.next_step()));
   }
   if (response.next_step() == next_step_) return next_step_;
   GTOPK_ASSIGN_OR_RETURN(const int64_t step, SynchronizeParameters(params));
   if (step != response.next_step()) {
-    return absl::AbortedError(absl::StrCat(
-        "Recover: the leader reported step ", response.next_step(),
-        " but the shards served step ", step, "; try again"));
+    return absl::AbortedError(
+        absl::StrCat("Recover: the leader reported step ", response.next_step(),
+                     " but the shards served step ", step, "; try again"));
   }
   return step;
 }

@@ -319,13 +319,13 @@ TEST(ProcessTest, TrainersRecoverWhenARestartedShardIsBehind) {
   ASSERT_TRUE(shard1.Start(server_args(1)));
   std::vector<pid_t> pids;
   for (int w = 0; w < workers; ++w) {
-    pids.push_back(Spawn(
-        GTOPK_WORKER_BINARY,
-        {absl::StrCat("--server=", peers[0]), absl::StrCat("--rank=", w),
-         "--model=synthetic:3001", "--steps=20", "--compute-ms=100",
-         "--step-retries=10", "--rpc-timeout-s=20",
-         absl::StrCat("--summary-json=", dir, "/worker-", w, ".json")},
-        absl::StrCat(dir, "/worker-", w, ".log")));
+    pids.push_back(
+        Spawn(GTOPK_WORKER_BINARY,
+              {absl::StrCat("--server=", peers[0]), absl::StrCat("--rank=", w),
+               "--model=synthetic:3001", "--steps=20", "--compute-ms=100",
+               "--step-retries=10", "--rpc-timeout-s=20",
+               absl::StrCat("--summary-json=", dir, "/worker-", w, ".json")},
+              absl::StrCat(dir, "/worker-", w, ".log")));
   }
   // Kill shard 1 once rank 0 reports step 7 done (checkpoint at step 5).
   const std::string log0 = dir + "/worker-0.log";
@@ -347,7 +347,8 @@ TEST(ProcessTest, TrainersRecoverWhenARestartedShardIsBehind) {
   }
   const std::string log = ReadAllText(log0);
   EXPECT_NE(log.find("continuing from step 5"), std::string::npos)
-      << "no rollback to the checkpoint of step 5:\n" << log;
+      << "no rollback to the checkpoint of step 5:\n"
+      << log;
   std::vector<std::string> checksums;
   for (int w = 0; w < workers; ++w) {
     const std::string json =

@@ -44,10 +44,10 @@ namespace gtopk {
 namespace {
 
 using ::gtopk::testing::StatusIs;
-using ::testing::AllOf;
-using ::testing::HasSubstr;
 using server::AggregationMode;
 using server::LocalCluster;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
 using worker::ClientOptions;
 using worker::WorkerClient;
 
@@ -190,9 +190,8 @@ class Reference {
         GTOPK_EXPECT_OK(
             rule_.MaskMomentum(sent[w], global, absl::MakeSpan(velocity_[w])));
       }
-      GTOPK_EXPECT_OK(rule_.ApplyAggregated(global, 0, P,
-                                            absl::MakeSpan(params_),
-                                            absl::MakeSpan(global_v_)));
+      GTOPK_EXPECT_OK(rule_.ApplyAggregated(
+          global, 0, P, absl::MakeSpan(params_), absl::MakeSpan(global_v_)));
     }
     saved_[step + 1] = {params_, global_v_};
   }
@@ -278,7 +277,8 @@ class Workers {
   void Synchronize(const std::vector<float>& initial) {
     Parallel([&](int w) -> absl::Status {
       params_[w] = w == 0 ? initial : std::vector<float>(kN, 0.0f);
-      return clients_[w]->SynchronizeParameters(absl::MakeSpan(params_[w]))
+      return clients_[w]
+          ->SynchronizeParameters(absl::MakeSpan(params_[w]))
           .status();
     });
   }
@@ -403,15 +403,16 @@ TEST_P(BehindShardTest, ClusterRollsBackToTheCommonCheckpointAndContinues) {
 
 INSTANTIATE_TEST_SUITE_P(
     Modes, BehindShardTest,
-    ::testing::Values(
-        Case{"gtopk_dgc_S2_follower_behind", AggregationMode::kGtopk,
-             MomentumMode::kDgcCorrection, 3, 2, 1},
-        Case{"gtopk_global_S3_leader_behind", AggregationMode::kGtopk,
-             MomentumMode::kGlobal, 2, 3, 0},
-        Case{"topk_none_S2", AggregationMode::kTopk, MomentumMode::kNone, 2,
-             2, 1},
-        Case{"dense_dgc_S2", AggregationMode::kDense,
-             MomentumMode::kDgcCorrection, 2, 2, 1}),
+    ::testing::Values(Case{"gtopk_dgc_S2_follower_behind",
+                           AggregationMode::kGtopk,
+                           MomentumMode::kDgcCorrection, 3, 2, 1},
+                      Case{"gtopk_global_S3_leader_behind",
+                           AggregationMode::kGtopk, MomentumMode::kGlobal, 2, 3,
+                           0},
+                      Case{"topk_none_S2", AggregationMode::kTopk,
+                           MomentumMode::kNone, 2, 2, 1},
+                      Case{"dense_dgc_S2", AggregationMode::kDense,
+                           MomentumMode::kDgcCorrection, 2, 2, 1}),
     [](const auto& info) { return info.param.name; });
 
 TEST(RecoveryTest, NoCommonCheckpointFailsClearlyAndChangesNothing) {
@@ -444,9 +445,8 @@ TEST(RecoveryTest, NoCommonCheckpointFailsClearlyAndChangesNothing) {
   for (int w = 0; w < 2; ++w) {
     WorkerClient& client = workers.client(w);
     auto step = client.Step(Gradient(4, w), absl::MakeSpan(workers.params(w)));
-    EXPECT_THAT(step.status(),
-                StatusIs(absl::StatusCode::kFailedPrecondition,
-                         HasSubstr("ahead of shard 1")));
+    EXPECT_THAT(step.status(), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                        HasSubstr("ahead of shard 1")));
     const absl::Time start = absl::Now();
     auto resumed = client.Recover(absl::MakeSpan(workers.params(w)));
     EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "within the deadline";

@@ -230,8 +230,8 @@ class CheckpointTest : public ::testing::Test {
 
 TEST_F(CheckpointTest, HistoryRetainsTheNewestReadsByStepAndRewinds) {
   for (int64_t step : {3, 6, 9}) {
-    GTOPK_ASSERT_OK(WriteCheckpoint(dir_, Make(1, 2, 10, 5, 10, step, true,
-                                               static_cast<uint32_t>(step))));
+    GTOPK_ASSERT_OK(WriteCheckpoint(
+        dir_, Make(1, 2, 10, 5, 10, step, true, static_cast<uint32_t>(step))));
     GTOPK_ASSERT_OK(RetainCheckpoint(dir_, 1, step, /*keep=*/2));
   }
   GTOPK_ASSERT_OK_AND_ASSIGN(std::vector<int64_t> steps,
@@ -252,8 +252,7 @@ TEST_F(CheckpointTest, HistoryRetainsTheNewestReadsByStepAndRewinds) {
   GTOPK_ASSERT_OK(RewindCheckpoints(dir_, 1, 6));
   GTOPK_ASSERT_OK_AND_ASSIGN(ShardCheckpoint current, ReadCheckpoint(dir_, 1));
   ExpectSame(current, at6);
-  EXPECT_THAT(ListDir(),
-              ElementsAre("shard-1.ckpt", "shard-1.step-6.ckpt"));
+  EXPECT_THAT(ListDir(), ElementsAre("shard-1.ckpt", "shard-1.step-6.ckpt"));
   EXPECT_THAT(RewindCheckpoints(dir_, 1, 3),
               StatusIs(absl::StatusCode::kNotFound));
   GTOPK_EXPECT_OK(DiscardCheckpointsAfter(dir_, 1, 5));

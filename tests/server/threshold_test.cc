@@ -26,9 +26,9 @@
 #include "common/merge.h"
 #include "common/random.h"
 #include "common/testing/status_matchers.h"
-#include "server/commit.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/commit.h"
 #include "tests/testing/reference.h"
 
 namespace gtopk {
@@ -822,9 +822,9 @@ TEST(ThresholdCoordinatorTest, ForgottenStepsAreExchangedAfresh) {
   ThresholdCoordinator coordinator(1);
   // Step 3 finished with one histogram; a different one is a bad retry...
   GTOPK_ASSERT_OK(coordinator.Submit(Req(3, 0, 2, 0, {{9, 2}}), Later()));
-  EXPECT_THAT(coordinator.Submit(Req(3, 0, 2, 0, {{7, 2}}), Later()),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("retry differs")));
+  EXPECT_THAT(
+      coordinator.Submit(Req(3, 0, 2, 0, {{7, 2}}), Later()),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("retry differs")));
   // ...until the cluster rolls back to step 2: then step 3 is new.
   coordinator.ForgetFrom(2);
   GTOPK_EXPECT_OK(coordinator.Submit(Req(3, 0, 2, 0, {{7, 2}}), Later()));
@@ -849,8 +849,8 @@ TEST(ThresholdCoordinatorTest, CancelledRequestFailsTheRoundForEveryShard) {
   t1.join();
   EXPECT_LT(absl::Now() - start, absl::Seconds(2));
   EXPECT_THAT(r1, StatusIs(absl::StatusCode::kCancelled));
-  EXPECT_THAT(r0, StatusIs(absl::StatusCode::kAborted,
-                           HasSubstr("shard 1 went away")));
+  EXPECT_THAT(
+      r0, StatusIs(absl::StatusCode::kAborted, HasSubstr("shard 1 went away")));
 }
 
 TEST(CommitCoordinatorTest, CancelledVoteFenceAndForget) {
@@ -882,17 +882,17 @@ TEST(CommitCoordinatorTest, CancelledVoteFenceAndForget) {
   absl::SleepFor(absl::Milliseconds(50));
   commit.Fence(absl::AbortedError("recovering"));
   t3.join();
-  EXPECT_THAT(other, StatusIs(absl::StatusCode::kAborted,
-                              HasSubstr("recovering")));
+  EXPECT_THAT(other,
+              StatusIs(absl::StatusCode::kAborted, HasSubstr("recovering")));
   EXPECT_THAT(commit.Vote(2, 1, Later()),
               StatusIs(absl::StatusCode::kAborted, HasSubstr("recovering")));
   GTOPK_EXPECT_OK(commit.Vote(1, 0, Later()));  // committed before the fence
   commit.Unfence();
   // Forgetting step 1 makes it a new vote: one shard alone times out.
   commit.ForgetFrom(1);
-  EXPECT_THAT(commit.Vote(1, 0, absl::Now() + absl::Milliseconds(50)),
-              StatusIs(absl::StatusCode::kDeadlineExceeded,
-                       HasSubstr("shard(s) 1")));
+  EXPECT_THAT(
+      commit.Vote(1, 0, absl::Now() + absl::Milliseconds(50)),
+      StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("shard(s) 1")));
 }
 
 // --- Driver error handling --------------------------------------------------

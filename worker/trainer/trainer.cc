@@ -426,13 +426,13 @@ absl::Status RunTrainer(const TrainerOptions& o) {
             (code == absl::StatusCode::kFailedPrecondition && !from_recover);
         if (!retryable || failures >= o.step_retries) {
           return absl::Status(
-              code, absl::StrCat("step ", step, ": ",
-                                 from_recover ? "recovery failed: " : "",
-                                 failure.message(),
-                                 failures > 0
-                                     ? absl::StrCat(" (after ", failures,
-                                                    " recovery attempt(s))")
-                                     : ""));
+              code,
+              absl::StrCat("step ", step, ": ",
+                           from_recover ? "recovery failed: " : "",
+                           failure.message(),
+                           failures > 0 ? absl::StrCat(" (after ", failures,
+                                                       " recovery attempt(s))")
+                                        : ""));
         }
         ++failures;
         std::fprintf(stderr,
