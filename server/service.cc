@@ -915,7 +915,13 @@ absl::StatusOr<int64_t> AggregatorService::LocalRollback(int64_t step) {
 grpc::Status AggregatorService::GetShardState(
     grpc::ServerContext* context, const v1::ShardStateRequest* /*request*/,
     v1::ShardState* response) {
-  absl::StatusOr<v1::ShardState> state = LocalShardState(WaitDeadline(context));
+  // In slices, so that a cancelled call (the leader went away) ends it.
+  const absl::Time deadline = WaitDeadline(context);
+  absl::StatusOr<v1::ShardState> state;
+  do {
+    state = LocalShardState(std::min(deadline, absl::Now() + kPollInterval));
+  } while (absl::IsDeadlineExceeded(state.status()) && absl::Now() < deadline &&
+           !context->IsCancelled());
   if (!state.ok()) return ToGrpcStatus(state.status());
   *response = *std::move(state);
   return grpc::Status::OK;

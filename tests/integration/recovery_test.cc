@@ -500,6 +500,62 @@ TEST(RecoveryTest, RecoverWhenShardsAgreeChangesNothing) {
   EXPECT_TRUE(BitEqual(workers.params(0), workers.params(1)));
 }
 
+TEST(RecoveryTest, ShardStateAndRollbackValidateTheirInput) {
+  TempDir dir;
+  Case c;
+  c.workers = 1;
+  auto cluster_or = LocalCluster::Start(MakeConfig(c, dir.path()), 2);
+  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+  LocalCluster& cluster = **cluster_or;
+  Workers workers(&cluster, 1);
+  workers.Synchronize(Normal(kSeed));
+  workers.RunUntil(4);  // checkpoint after step 2 (next step 3)
+  auto stub = v1::Aggregator::NewStub(grpc::CreateChannel(
+      cluster.peers()[1], grpc::InsecureChannelCredentials()));
+  auto call = [&](auto method, const auto& request, auto* response) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    return (stub.get()->*method)(&ctx, request, response);
+  };
+  v1::ShardState state;
+  ASSERT_TRUE(call(&v1::Aggregator::Stub::GetShardState,
+                   v1::ShardStateRequest(), &state)
+                  .ok());
+  EXPECT_EQ(state.shard_id(), 1u);
+  EXPECT_TRUE(state.initialized());
+  EXPECT_EQ(state.next_step(), 4);
+  EXPECT_EQ(std::vector<int64_t>(state.checkpoint_steps().begin(),
+                                 state.checkpoint_steps().end()),
+            std::vector<int64_t>{3});
+  v1::RollbackRequest request;
+  v1::RollbackResponse response;
+  request.set_shard_id(0);  // the wrong shard
+  request.set_step(3);
+  grpc::Status st =
+      call(&v1::Aggregator::Stub::RollbackShard, request, &response);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("sent to shard 1"));
+  request.set_shard_id(1);
+  request.set_step(-1);
+  st = call(&v1::Aggregator::Stub::RollbackShard, request, &response);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  request.set_step(2);  // not retained
+  st = call(&v1::Aggregator::Stub::RollbackShard, request, &response);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(st.error_message(),
+              AllOf(HasSubstr("at step 4"), HasSubstr("step 2")));
+  EXPECT_EQ(cluster.shard(1).service()->next_step(), 4) << "changed anyway";
+  // Recover rejects an unknown rank.
+  auto leader = v1::Aggregator::NewStub(grpc::CreateChannel(
+      cluster.leader(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  v1::RecoverRequest bad;
+  bad.set_worker(7);
+  v1::RecoverResponse answer;
+  EXPECT_EQ(leader->Recover(&ctx, bad, &answer).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+}
+
 // Leader waits end when the waiting shard's RPC is cancelled: the others
 // waiting in the same round hear of it at once, not at the step timeout.
 TEST(LeaderWaitTest, CancelledCommitVoteEndsTheRoundForEveryShard) {
