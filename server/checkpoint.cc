@@ -544,6 +544,30 @@ absl::StatusOr<std::vector<int64_t>> HistorySteps(const std::string& dir,
   return steps;
 }
 
+// Copies `from` to a new file `to` and fsyncs it.
+absl::Status CopyFileDurably(const std::string& from, const std::string& to) {
+  const int in_fd = ::open(from.c_str(), O_RDONLY | O_CLOEXEC);
+  if (in_fd < 0) return ErrnoStatus(errno, "open", from);
+  Fd in(in_fd);
+  const int out_fd =
+      ::open(to.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (out_fd < 0) return ErrnoStatus(errno, "create", to);
+  Fd out(out_fd);
+  std::vector<unsigned char> buf(kChunkBytes);
+  while (true) {
+    const ssize_t got = ::read(in.get(), buf.data(), buf.size());
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, "read", from);
+    }
+    if (got == 0) break;
+    GTOPK_RETURN_IF_ERROR(
+        WriteAll(out.get(), buf.data(), static_cast<size_t>(got), to));
+  }
+  if (::fsync(out.get()) != 0) return ErrnoStatus(errno, "fsync", to);
+  return out.Close(to);
+}
+
 // Gives the file `from` the additional name `to`, atomically replacing an
 // existing `to` (hard link to a temp name, then rename).
 absl::Status LinkReplacing(const std::string& dir, uint32_t shard_id,
@@ -551,7 +575,13 @@ absl::Status LinkReplacing(const std::string& dir, uint32_t shard_id,
   const std::string tmp = absl::StrCat(dir, "/", TempPrefix(shard_id), "link");
   ::unlink(tmp.c_str());
   if (::link(from.c_str(), tmp.c_str()) != 0) {
-    return ErrnoStatus(errno, absl::StrCat("link ", from, " to"), tmp);
+    const int err = errno;
+    if (err != EPERM && err != ENOTSUP && err != EOPNOTSUPP && err != EXDEV &&
+        err != EMLINK) {
+      return ErrnoStatus(err, absl::StrCat("link ", from, " to"), tmp);
+    }
+    // No hard links on this file system: copy (and fsync) instead.
+    GTOPK_RETURN_IF_ERROR(CopyFileDurably(from, tmp));
   }
   if (::rename(tmp.c_str(), to.c_str()) != 0) {
     const int err = errno;

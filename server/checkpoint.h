@@ -134,7 +134,8 @@ absl::StatusOr<ShardCheckpoint> ReadCheckpointFile(const std::string& path,
 // Besides `shard-<id>.ckpt` (the newest checkpoint, what a restart restores),
 // a shard keeps its last few checkpoints as `shard-<id>.step-<next_step>.ckpt`
 // in the same directory: hard links to the same files, so retaining costs no
-// extra writes. After a restart, the leader may roll every shard back to a
+// extra writes (on a file system without hard links they are copies). Disk
+// use: `keep` checkpoint files per shard. After a restart, the leader may roll every shard back to a
 // step they all retain (server/service.h, Recover). Invariant kept by the
 // server: no entry is newer than the shard's state in memory, and after a
 // rollback no entry is newer than the step rolled back to (the abandoned
