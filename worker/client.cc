@@ -33,6 +33,10 @@ struct WorkerClient::ShardConn {
 
 namespace {
 
+// After one shard failed a step, how long the others may still report
+// their own errors before their streams are cancelled.
+constexpr absl::Duration kFailureGrace = absl::Milliseconds(250);
+
 // gRPC's default message limit; every chunked transfer stays below it.
 constexpr uint64_t kDefaultMessageBytes = uint64_t{4} << 20;
 
@@ -510,14 +514,21 @@ absl::Status WorkerClient::Exchange(int64_t step,
     absl::MutexLock lock(&mu);
     auto all_done_or_failed = [&] { return finished == S || failed > 0; };
     auto all_done = [&] { return finished == S; };
-    if (!mu.AwaitWithTimeout(absl::Condition(&all_done_or_failed), budget)) {
+    const absl::Time watchdog = absl::Now() + budget;
+    if (!mu.AwaitWithDeadline(absl::Condition(&all_done_or_failed), watchdog)) {
       for (size_t s = 0; s < S; ++s) {
         if (!done[s]) {
           timed_out[s] = true;
           shards_[s]->context->TryCancel();
         }
       }
-    } else if (finished < S) {
+    } else if (finished < S &&
+               !mu.AwaitWithDeadline(
+                   absl::Condition(&all_done),
+                   std::min(watchdog, absl::Now() + kFailureGrace))) {
+      // A short grace first: shards failing at about the same time (e.g.
+      // all at the step deadline) still report their own, often more
+      // telling, errors.
       for (size_t s = 0; s < S; ++s) {
         if (!done[s]) {
           cut_short[s] = true;
