@@ -164,8 +164,8 @@ class WorkerClient {
   // Blocks until every shard answered, at most the cluster's step timeout
   // plus options.step_watchdog_margin after the pushes start; a stalled
   // shard is cancelled and named. Once one shard fails the step, the other
-  // shards' streams are cancelled at once (the step cannot be committed
-  // anywhere) and the error names the shard(s) that failed.
+  // shards' streams are cancelled 250 ms later (the step cannot be
+  // committed anywhere) and the error names the shard(s) that failed.
   // On error nothing is applied to `params`, the step counter is unchanged,
   // and the residual still holds everything accumulated (including this
   // gradient's contribution), so the caller may call Step again with its
