@@ -14,9 +14,11 @@
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "absl/types/span.h"
 #include "common/status_macros.h"
 
@@ -336,7 +338,11 @@ absl::Status WriteCheckpoint(const std::string& dir, const ShardCheckpoint& c) {
 
 absl::StatusOr<ShardCheckpoint> ReadCheckpoint(const std::string& dir,
                                                uint32_t shard_id) {
-  const std::string path = CheckpointPath(dir, shard_id);
+  return ReadCheckpointFile(CheckpointPath(dir, shard_id), shard_id);
+}
+
+absl::StatusOr<ShardCheckpoint> ReadCheckpointFile(const std::string& path,
+                                                   uint32_t shard_id) {
   const int raw_fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (raw_fd < 0) {
     if (errno == ENOENT) {
@@ -498,6 +504,176 @@ absl::Status ValidateCheckpointFor(const ShardCheckpoint& c, uint32_t shard_id,
         absl::StrCat("malformed checkpoint: ", s.message()));
   }
   return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// History (crash recovery).
+
+namespace {
+
+std::string HistoryPrefix(uint32_t shard_id) {
+  return absl::StrCat("shard-", shard_id, ".step-");
+}
+
+// The steps of `dir`'s history entries of `shard_id`, ascending. Names that
+// do not parse (e.g. a user's copy) are ignored.
+absl::StatusOr<std::vector<int64_t>> HistorySteps(const std::string& dir,
+                                                  uint32_t shard_id) {
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return ErrnoStatus(errno, "open dir", dir);
+  const std::string prefix = HistoryPrefix(shard_id);
+  std::vector<int64_t> steps;
+  errno = 0;
+  while (const struct dirent* e = ::readdir(d)) {
+    absl::string_view name(e->d_name);
+    if (!absl::ConsumePrefix(&name, prefix) ||
+        !absl::ConsumeSuffix(&name, ".ckpt")) {
+      continue;
+    }
+    int64_t step = -1;
+    if (!name.empty() &&
+        name.find_first_not_of("0123456789") == absl::string_view::npos &&
+        absl::SimpleAtoi(name, &step) && step >= 0) {
+      steps.push_back(step);
+    }
+  }
+  const int read_errno = errno;
+  ::closedir(d);
+  if (read_errno != 0) return ErrnoStatus(read_errno, "list dir", dir);
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+// Copies `from` to a new file `to` and fsyncs it.
+absl::Status CopyFileDurably(const std::string& from, const std::string& to) {
+  const int in_fd = ::open(from.c_str(), O_RDONLY | O_CLOEXEC);
+  if (in_fd < 0) return ErrnoStatus(errno, "open", from);
+  Fd in(in_fd);
+  const int out_fd =
+      ::open(to.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (out_fd < 0) return ErrnoStatus(errno, "create", to);
+  Fd out(out_fd);
+  std::vector<unsigned char> buf(kChunkBytes);
+  while (true) {
+    const ssize_t got = ::read(in.get(), buf.data(), buf.size());
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, "read", from);
+    }
+    if (got == 0) break;
+    GTOPK_RETURN_IF_ERROR(
+        WriteAll(out.get(), buf.data(), static_cast<size_t>(got), to));
+  }
+  if (::fsync(out.get()) != 0) return ErrnoStatus(errno, "fsync", to);
+  return out.Close(to);
+}
+
+// Gives the file `from` the additional name `to`, atomically replacing an
+// existing `to` (hard link to a temp name, then rename).
+absl::Status LinkReplacing(const std::string& dir, uint32_t shard_id,
+                           const std::string& from, const std::string& to) {
+  const std::string tmp = absl::StrCat(dir, "/", TempPrefix(shard_id), "link");
+  ::unlink(tmp.c_str());
+  if (::link(from.c_str(), tmp.c_str()) != 0) {
+    const int err = errno;
+    if (err != EPERM && err != ENOTSUP && err != EOPNOTSUPP && err != EXDEV &&
+        err != EMLINK) {
+      return ErrnoStatus(err, absl::StrCat("link ", from, " to"), tmp);
+    }
+    // No hard links on this file system: copy (and fsync) instead.
+    GTOPK_RETURN_IF_ERROR(CopyFileDurably(from, tmp));
+  }
+  if (::rename(tmp.c_str(), to.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    return ErrnoStatus(err, absl::StrCat("rename ", tmp, " to"), to);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string CheckpointHistoryPath(const std::string& dir, uint32_t shard_id,
+                                  int64_t step) {
+  return absl::StrCat(dir, "/", HistoryPrefix(shard_id), step, ".ckpt");
+}
+
+absl::Status RetainCheckpoint(const std::string& dir, uint32_t shard_id,
+                              int64_t step, int keep) {
+  if (keep < 1 || step < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "RetainCheckpoint: keep must be >= 1 and step >= 0, got keep ", keep,
+        ", step ", step));
+  }
+  GTOPK_RETURN_IF_ERROR(
+      LinkReplacing(dir, shard_id, CheckpointPath(dir, shard_id),
+                    CheckpointHistoryPath(dir, shard_id, step)));
+  GTOPK_ASSIGN_OR_RETURN(std::vector<int64_t> steps,
+                         HistorySteps(dir, shard_id));
+  for (size_t i = 0; i + static_cast<size_t>(keep) < steps.size(); ++i) {
+    ::unlink(CheckpointHistoryPath(dir, shard_id, steps[i]).c_str());
+  }
+  return FsyncDir(dir);
+}
+
+absl::StatusOr<std::vector<int64_t>> ListCheckpointSteps(const std::string& dir,
+                                                         uint32_t shard_id) {
+  return HistorySteps(dir, shard_id);
+}
+
+absl::StatusOr<ShardCheckpoint> ReadCheckpointAt(const std::string& dir,
+                                                 uint32_t shard_id,
+                                                 int64_t step) {
+  const std::string path = CheckpointHistoryPath(dir, shard_id, step);
+  absl::StatusOr<ShardCheckpoint> c = ReadCheckpointFile(path, shard_id);
+  if (absl::IsNotFound(c.status())) {
+    return absl::NotFoundError(absl::StrCat("shard ", shard_id,
+                                            " retains no checkpoint of step ",
+                                            step, " in ", dir));
+  }
+  GTOPK_RETURN_IF_ERROR(c.status());
+  if (c->next_step != step) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", path, " holds step ",
+                                            c->next_step, ", not ", step));
+  }
+  return c;
+}
+
+absl::Status DiscardCheckpointsAfter(const std::string& dir, uint32_t shard_id,
+                                     int64_t step) {
+  GTOPK_ASSIGN_OR_RETURN(std::vector<int64_t> steps,
+                         HistorySteps(dir, shard_id));
+  bool removed = false;
+  for (int64_t s : steps) {
+    if (s <= step) continue;
+    const std::string path = CheckpointHistoryPath(dir, shard_id, s);
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+      return ErrnoStatus(errno, "unlink", path);
+    }
+    removed = true;
+  }
+  return removed ? FsyncDir(dir) : absl::OkStatus();
+}
+
+absl::Status RewindCheckpoints(const std::string& dir, uint32_t shard_id,
+                               int64_t step) {
+  const std::string entry = CheckpointHistoryPath(dir, shard_id, step);
+  struct stat st;
+  if (::stat(entry.c_str(), &st) != 0) {
+    if (errno == ENOENT) {
+      return absl::NotFoundError(absl::StrCat("shard ", shard_id,
+                                              " retains no checkpoint of step ",
+                                              step, " in ", dir));
+    }
+    return ErrnoStatus(errno, "stat", entry);
+  }
+  // First the current checkpoint (what a restart restores), durably; then
+  // the newer entries. A crash in between leaves newer entries only, which
+  // the next start discards (they are newer than the restored step).
+  GTOPK_RETURN_IF_ERROR(
+      LinkReplacing(dir, shard_id, entry, CheckpointPath(dir, shard_id)));
+  GTOPK_RETURN_IF_ERROR(FsyncDir(dir));
+  return DiscardCheckpointsAfter(dir, shard_id, step);
 }
 
 }  // namespace server

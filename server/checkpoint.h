@@ -123,6 +123,61 @@ absl::Status WriteCheckpoint(const std::string& dir, const ShardCheckpoint& c);
 absl::StatusOr<ShardCheckpoint> ReadCheckpoint(const std::string& dir,
                                                uint32_t shard_id);
 
+// Reads and verifies the checkpoint file at `path` (any name) as
+// ReadCheckpoint does; NOT_FOUND when there is no such file.
+absl::StatusOr<ShardCheckpoint> ReadCheckpointFile(const std::string& path,
+                                                   uint32_t shard_id);
+
+// ---------------------------------------------------------------------------
+// Checkpoint history, for crash recovery (docs/recovery.md).
+//
+// Besides `shard-<id>.ckpt` (the newest checkpoint, what a restart restores),
+// a shard keeps its last few checkpoints as `shard-<id>.step-<next_step>.ckpt`
+// in the same directory: hard links to the same files, so retaining costs no
+// extra writes (on a file system without hard links they are copies). Disk
+// use: `keep` checkpoint files per shard. After a restart, the leader may roll every shard back to a
+// step they all retain (server/service.h, Recover). Invariant kept by the
+// server: no entry is newer than the shard's state in memory, and after a
+// rollback no entry is newer than the step rolled back to (the abandoned
+// steps would otherwise be mistaken for the cluster's new ones).
+// Thread-safety as for the functions above: one writer per shard.
+
+// "<dir>/shard-<id>.step-<step>.ckpt".
+std::string CheckpointHistoryPath(const std::string& dir, uint32_t shard_id,
+                                  int64_t step);
+
+// Records the current checkpoint (CheckpointPath, just written, holding
+// `step`) as the history entry of `step` (replacing one of the same step),
+// then removes the oldest entries beyond `keep` (>= 1) and fsyncs `dir`.
+// Errors: INVALID_ARGUMENT for keep < 1 or step < 0; errno-derived statuses
+// (e.g. NOT_FOUND when there is no current checkpoint, or a file system
+// without hard links), naming the operation and path.
+absl::Status RetainCheckpoint(const std::string& dir, uint32_t shard_id,
+                              int64_t step, int keep);
+
+// The steps of the shard's history entries in `dir`, ascending (empty when
+// none). Errors: the directory cannot be listed (errno-derived).
+absl::StatusOr<std::vector<int64_t>> ListCheckpointSteps(const std::string& dir,
+                                                         uint32_t shard_id);
+
+// Reads and verifies the history entry of `step`. Errors: NOT_FOUND when the
+// shard retains no such entry; ReadCheckpoint's errors; DATA_LOSS when the
+// file holds another step.
+absl::StatusOr<ShardCheckpoint> ReadCheckpointAt(const std::string& dir,
+                                                 uint32_t shard_id,
+                                                 int64_t step);
+
+// Removes the history entries newer than `step` (fsyncs `dir` when any).
+// Errors: errno-derived, naming the path.
+absl::Status DiscardCheckpointsAfter(const std::string& dir, uint32_t shard_id,
+                                     int64_t step);
+
+// After a rollback to `step`: makes its history entry the current checkpoint
+// (atomically, durably), then removes the newer entries. Errors: NOT_FOUND
+// when no entry of `step` is retained (nothing changed); errno-derived.
+absl::Status RewindCheckpoints(const std::string& dir, uint32_t shard_id,
+                               int64_t step);
+
 // Checks that a restored checkpoint belongs to this cluster layout: the same
 // shard id, number of shards, n and range. Call it after ReadCheckpoint,
 // before using the restored state.

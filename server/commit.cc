@@ -8,19 +8,62 @@
 
 namespace gtopk {
 namespace server {
+namespace {
+constexpr absl::Duration kCancelPollInterval = absl::Milliseconds(50);
+}  // namespace
 
 CommitCoordinator::CommitCoordinator(uint32_t num_shards, int retained_steps)
     : num_shards_(num_shards),
       retained_steps_(static_cast<size_t>(std::max(1, retained_steps))) {}
 
+void CommitCoordinator::Fence(const absl::Status& reason) {
+  absl::MutexLock lock(&mu_);
+  fenced_ =
+      reason.ok() ? absl::AbortedError("the leader is recovering") : reason;
+  for (auto it = steps_.begin(); it != steps_.end();) {
+    if (!it->second->committed && it->second->aborted.ok()) {
+      it->second->aborted = fenced_;
+      it = steps_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  changed_.SignalAll();
+}
+
+void CommitCoordinator::Unfence() {
+  absl::MutexLock lock(&mu_);
+  fenced_ = absl::OkStatus();
+}
+
+void CommitCoordinator::ForgetFrom(int64_t step) {
+  absl::MutexLock lock(&mu_);
+  for (auto it = steps_.lower_bound(step); it != steps_.end();) {
+    if (!it->second->committed && it->second->aborted.ok()) {
+      it->second->aborted = absl::AbortedError(absl::StrCat(
+          "step ", it->first,
+          " not committed: the cluster rolled back to step ", step));
+    }
+    it = steps_.erase(it);
+  }
+  changed_.SignalAll();
+}
+
 absl::Status CommitCoordinator::Vote(int64_t step, uint32_t shard,
-                                     absl::Time deadline) {
+                                     absl::Time deadline,
+                                     const std::function<bool()>& cancelled) {
   if (shard >= num_shards_ || step < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("commit vote from shard ", shard, " for step ", step,
                      ": shard must be < ", num_shards_, " and step >= 0"));
   }
   absl::MutexLock lock(&mu_);
+  if (!fenced_.ok()) {
+    // A repeated vote for a step committed before the fence is still OK.
+    auto it = steps_.find(step);
+    if (it != steps_.end() && it->second->committed) return absl::OkStatus();
+    return fenced_;
+  }
   if (steps_.size() >= retained_steps_ && step < steps_.begin()->first) {
     return absl::FailedPreconditionError(
         absl::StrCat("commit vote for step ", step, " from shard ", shard,
@@ -44,8 +87,23 @@ absl::Status CommitCoordinator::Vote(int64_t step, uint32_t shard,
     }
   }
   while (!attempt->committed && attempt->aborted.ok()) {
-    if (changed_.WaitWithDeadline(&mu_, deadline) && !attempt->committed &&
-        attempt->aborted.ok()) {
+    // With a cancellation check, wake up every poll interval to look at it.
+    const absl::Time wake =
+        cancelled ? std::min(deadline, absl::Now() + kCancelPollInterval)
+                  : deadline;
+    changed_.WaitWithDeadline(&mu_, wake);
+    if (attempt->committed || !attempt->aborted.ok()) break;
+    if (cancelled && cancelled()) {
+      attempt->aborted = absl::AbortedError(absl::StrCat(
+          "step ", step, " not committed: the commit vote of shard ", shard,
+          " was cancelled (the shard went away)"));
+      auto it = steps_.find(step);
+      if (it != steps_.end() && it->second == attempt) steps_.erase(it);
+      changed_.SignalAll();
+      return absl::CancelledError(absl::StrCat(
+          "commit vote of shard ", shard, " for step ", step, " cancelled"));
+    }
+    if (absl::Now() >= deadline) {
       std::vector<uint32_t> missing;
       for (uint32_t s = 0; s < num_shards_; ++s) {
         if (!attempt->voted[s]) missing.push_back(s);

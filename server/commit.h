@@ -7,6 +7,7 @@
 #define GTOPK_SERVER_COMMIT_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <vector>
@@ -37,7 +38,24 @@ class CommitCoordinator {
   //                      the step starts a fresh vote; other shards waiting
   //                      on it get ABORTED.
   //   FAILED_PRECONDITION the step is older than the retained ones.
-  absl::Status Vote(int64_t step, uint32_t shard, absl::Time deadline);
+  //   CANCELLED          `cancelled` returned true while waiting (the
+  //                      voter's RPC was cancelled: the shard went away);
+  //                      the attempt is discarded as for a deadline, other
+  //                      shards waiting on it get ABORTED naming the shard.
+  //   ABORTED            the leader is recovering (Fence) or rolled back
+  //                      past the step (ForgetFrom).
+  // `cancelled` (may be empty) is polled every 50 ms while waiting.
+  absl::Status Vote(int64_t step, uint32_t shard, absl::Time deadline,
+                    const std::function<bool()>& cancelled = {});
+
+  // Crash recovery (server/service.h, Recover). While fenced, every vote
+  // fails with `reason` (ABORTED) and no step is committed; votes waiting
+  // now fail at once. Steps committed before the fence stay committed.
+  void Fence(const absl::Status& reason);
+  void Unfence();
+  // Forgets every step >= `step` (committed or not; waiters get ABORTED),
+  // so that the steps the cluster rolled back are voted on afresh.
+  void ForgetFrom(int64_t step);
 
  private:
   struct Attempt {
@@ -51,6 +69,7 @@ class CommitCoordinator {
   absl::Mutex mu_;
   absl::CondVar changed_;
   std::map<int64_t, std::shared_ptr<Attempt>> steps_ ABSL_GUARDED_BY(mu_);
+  absl::Status fenced_ ABSL_GUARDED_BY(mu_);  // not OK while fenced
 };
 
 // How a shard reaches the leader's CommitCoordinator.

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,6 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
@@ -78,6 +80,7 @@ class LocalCluster {
           last = srv.status();
         } else {
           cluster->servers_.push_back(*std::move(srv));
+          cluster->configs_.push_back(c);
         }
       }
       if (last.ok()) {
@@ -89,13 +92,42 @@ class LocalCluster {
   }
 
   ~LocalCluster() {
-    for (auto& s : servers_) s->Shutdown(absl::Milliseconds(200)).IgnoreError();
+    for (auto& s : servers_) {
+      if (s != nullptr) s->Shutdown(absl::Milliseconds(200)).IgnoreError();
+    }
   }
 
   const std::string& leader() const { return peers_[0]; }
   const std::vector<std::string>& peers() const { return peers_; }
   AggregatorServer& shard(size_t s) { return *servers_[s]; }
   size_t size() const { return servers_.size(); }
+
+  // Stops shard `s` and starts it again on the same address with the same
+  // configuration, restoring its checkpoint if it has one. With
+  // `write_checkpoint` false no final checkpoint is written: a crash.
+  // `while_down` (may be empty) runs between the two, e.g. to replace the
+  // shard's checkpoint files. Errors: Start's (after a few tries while the
+  // port is released).
+  absl::Status RestartShard(size_t s, bool write_checkpoint,
+                            const std::function<void()>& while_down = {}) {
+    servers_[s]
+        ->Shutdown(absl::Milliseconds(200), write_checkpoint)
+        .IgnoreError();
+    servers_[s].reset();
+    if (while_down) while_down();
+    absl::Status last;
+    for (int attempt = 0; attempt < 20; ++attempt) {
+      auto srv = AggregatorServer::Start(configs_[s], peers_[s]);
+      if (srv.ok()) {
+        servers_[s] = *std::move(srv);
+        return absl::OkStatus();
+      }
+      last = srv.status();
+      if (!absl::IsUnavailable(last)) break;
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    return last;
+  }
 
   // Downloads every shard's parameters (as worker `rank`) into a vector of
   // length n, and the step every shard reports (-1 if they disagree).
@@ -134,6 +166,7 @@ class LocalCluster {
   LocalCluster() = default;
   std::vector<std::string> peers_;
   std::vector<std::unique_ptr<AggregatorServer>> servers_;
+  std::vector<ServerConfig> configs_;  // by shard, as started
 };
 
 }  // namespace server

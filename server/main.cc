@@ -47,6 +47,8 @@ ABSL_FLAG(std::string, checkpoint_dir, "",
           "directory for this shard's checkpoint (empty: none)");
 ABSL_FLAG(int64_t, checkpoint_every, 0,
           "checkpoint every N steps (0: only on shutdown)");
+ABSL_FLAG(int, checkpoint_keep, 2,
+          "checkpoints retained per shard for crash recovery rollbacks");
 ABSL_FLAG(std::string, mode, "gtopk", "gtopk | topk | dense");
 ABSL_FLAG(std::string, selection, "exact", "exact | quota (gtopk mode)");
 ABSL_FLAG(std::string, selector, "exact",
@@ -120,6 +122,7 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.step_timeout = absl::GetFlag(FLAGS_step_timeout);
   c.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   c.checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);
+  c.checkpoint_keep = absl::GetFlag(FLAGS_checkpoint_keep);
   c.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   c.selector = absl::GetFlag(FLAGS_selector);
   c.selector_seed = absl::GetFlag(FLAGS_seed);

@@ -6,6 +6,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdio>
+#include <iterator>
 #include <thread>
 #include <utility>
 
@@ -150,6 +151,11 @@ absl::Status ValidateServerConfig(const ServerConfig& c) {
     return absl::InvalidArgumentError(absl::StrCat(
         "checkpoint_every must be >= 0, got ", c.checkpoint_every));
   }
+  if (c.checkpoint_keep < 1 || c.checkpoint_keep > 1000) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "checkpoint_keep (--checkpoint-keep) must be in [1, 1000], got ",
+        c.checkpoint_keep));
+  }
   if (c.checkpoint_every > 0 && c.checkpoint_dir.empty()) {
     return absl::InvalidArgumentError(
         "checkpoint_every > 0 needs a checkpoint_dir");
@@ -177,6 +183,11 @@ AggregatorService::AggregatorService(ServerConfig config)
     commit_coordinator_ =
         std::make_unique<CommitCoordinator>(config_.num_shards);
     commit_ = std::make_unique<LocalCommitExchange>(commit_coordinator_.get());
+    peer_stubs_.resize(config_.num_shards);
+    for (uint32_t s = 1; s < config_.num_shards; ++s) {
+      peer_stubs_[s] = v1::Aggregator::NewStub(
+          CreateLimitedChannel(config_.peers[s], config_.max_message_bytes));
+    }
   } else {
     leader_channel_ =
         CreateLimitedChannel(config_.peers[0], config_.max_message_bytes);
@@ -210,6 +221,14 @@ absl::StatusOr<std::unique_ptr<AggregatorService>> AggregatorService::Create(
       GTOPK_RETURN_IF_ERROR(service->CreateAggregatorLocked(checkpoint->n));
       GTOPK_RETURN_IF_ERROR(service->aggregator_->Restore(*checkpoint));
       service->n_ = checkpoint->n;
+      // Retained checkpoints newer than the restored one are left over from
+      // a crash during a rollback: they belong to abandoned steps. The
+      // restored one joins the history (it may predate it).
+      GTOPK_RETURN_IF_ERROR(DiscardCheckpointsAfter(
+          c.checkpoint_dir, c.shard_id, checkpoint->next_step));
+      GTOPK_RETURN_IF_ERROR(RetainCheckpoint(c.checkpoint_dir, c.shard_id,
+                                             checkpoint->next_step,
+                                             c.checkpoint_keep));
     } else if (!absl::IsNotFound(checkpoint.status())) {
       return checkpoint.status();
     }
@@ -247,7 +266,8 @@ absl::Status AggregatorService::WriteCheckpointNow() {
   GTOPK_RETURN_IF_ERROR(snapshot.status());
   GTOPK_RETURN_IF_ERROR(WriteCheckpoint(config_.checkpoint_dir, *snapshot));
   metrics_->CheckpointWritten();
-  return absl::OkStatus();
+  return RetainCheckpoint(config_.checkpoint_dir, config_.shard_id,
+                          snapshot->next_step, config_.checkpoint_keep);
 }
 
 void AggregatorService::BeginShutdown() {
@@ -810,7 +830,8 @@ grpc::Status AggregatorService::ExchangeThreshold(
       std::min(absl::Now() + config_.step_timeout,
                ContextDeadline(context) - kLeaderDeadlineSlack);
   absl::StatusOr<ThresholdResponse> answer =
-      coordinator_->Submit(FromProto(*request), deadline);
+      coordinator_->Submit(FromProto(*request), deadline,
+                           [context] { return context->IsCancelled(); });
   if (!answer.ok()) return ToGrpcStatus(answer.status());
   *response = ToProto(*answer);
   return grpc::Status::OK;
@@ -827,8 +848,352 @@ grpc::Status AggregatorService::CommitStep(grpc::ServerContext* context,
   const absl::Time deadline =
       std::min(absl::Now() + config_.step_timeout,
                ContextDeadline(context) - kLeaderDeadlineSlack);
-  return ToGrpcStatus(commit_coordinator_->Vote(request->step(),
-                                                request->shard_id(), deadline));
+  return ToGrpcStatus(
+      commit_coordinator_->Vote(request->step(), request->shard_id(), deadline,
+                                [context] { return context->IsCancelled(); }));
+}
+
+// ---------------------------------------------------------------------------
+// Crash recovery (docs/recovery.md)
+
+absl::StatusOr<v1::ShardState> AggregatorService::LocalShardState(
+    absl::Time deadline) {
+  v1::ShardState state;
+  state.set_shard_id(config_.shard_id);
+  ShardAggregator* aggregator;
+  {
+    absl::MutexLock lock(&mu_);
+    aggregator = aggregator_.get();
+  }
+  if (aggregator == nullptr) return state;  // no parameters: not initialised
+  absl::StatusOr<int64_t> next = aggregator->SettledNextStep(deadline);
+  if (absl::IsFailedPrecondition(next.status())) return state;
+  GTOPK_RETURN_IF_ERROR(next.status());
+  state.set_initialized(true);
+  state.set_next_step(*next);
+  if (!config_.checkpoint_dir.empty()) {
+    absl::MutexLock lock(&checkpoint_mu_);
+    GTOPK_ASSIGN_OR_RETURN(
+        std::vector<int64_t> steps,
+        ListCheckpointSteps(config_.checkpoint_dir, config_.shard_id));
+    for (int64_t s : steps) {
+      if (s <= *next) state.add_checkpoint_steps(s);
+    }
+  }
+  return state;
+}
+
+absl::StatusOr<int64_t> AggregatorService::LocalRollback(int64_t step) {
+  const std::string shard = absl::StrCat("shard ", config_.shard_id);
+  if (step < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(shard, ": cannot roll back to negative step ", step));
+  }
+  ShardAggregator* aggregator;
+  {
+    absl::MutexLock lock(&mu_);
+    aggregator = aggregator_.get();
+  }
+  if (aggregator == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(shard, " has no parameters to roll back"));
+  }
+  // Serialised with checkpoint writes: the history must not gain an entry
+  // of an abandoned step while it is rewound.
+  absl::MutexLock lock(&checkpoint_mu_);
+  const int64_t previous = aggregator->next_step();
+  const absl::Status reason = absl::AbortedError(
+      absl::StrCat("the cluster rolled back to step ", step));
+  if (step == previous) {
+    GTOPK_RETURN_IF_ERROR(aggregator->Rollback(step, nullptr, reason));
+  } else {
+    if (config_.checkpoint_dir.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(shard, " is at step ", previous,
+                       " and keeps no checkpoints (no "
+                       "--checkpoint-dir); cannot roll back to step ",
+                       step));
+    }
+    absl::StatusOr<ShardCheckpoint> checkpoint =
+        ReadCheckpointAt(config_.checkpoint_dir, config_.shard_id, step);
+    if (absl::IsNotFound(checkpoint.status())) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(shard, " is at step ", previous, ": ",
+                       checkpoint.status().message()));
+    }
+    GTOPK_RETURN_IF_ERROR(checkpoint.status());
+    GTOPK_RETURN_IF_ERROR(aggregator->Rollback(step, &*checkpoint, reason));
+  }
+  if (!config_.checkpoint_dir.empty()) {
+    // The memory state is `step` now; make the disk agree (entries of the
+    // abandoned steps would otherwise come back after a restart).
+    absl::StatusOr<std::vector<int64_t>> steps =
+        ListCheckpointSteps(config_.checkpoint_dir, config_.shard_id);
+    GTOPK_RETURN_IF_ERROR(steps.status());
+    if (std::find(steps->begin(), steps->end(), step) != steps->end()) {
+      GTOPK_RETURN_IF_ERROR(
+          RewindCheckpoints(config_.checkpoint_dir, config_.shard_id, step));
+    } else {
+      GTOPK_RETURN_IF_ERROR(DiscardCheckpointsAfter(config_.checkpoint_dir,
+                                                    config_.shard_id, step));
+    }
+  }
+  if (step != previous) {
+    std::fprintf(stderr,
+                 "gtopk-server shard %u: rolled back from step %lld "
+                 "to step %lld\n",
+                 config_.shard_id, static_cast<long long>(previous),
+                 static_cast<long long>(step));
+  }
+  return previous;
+}
+
+grpc::Status AggregatorService::GetShardState(
+    grpc::ServerContext* context, const v1::ShardStateRequest* /*request*/,
+    v1::ShardState* response) {
+  // In slices, so that a cancelled call (the leader went away) ends it.
+  const absl::Time deadline = WaitDeadline(context);
+  absl::StatusOr<v1::ShardState> state;
+  do {
+    state = LocalShardState(std::min(deadline, absl::Now() + kPollInterval));
+  } while (absl::IsDeadlineExceeded(state.status()) && absl::Now() < deadline &&
+           !context->IsCancelled());
+  if (!state.ok()) return ToGrpcStatus(state.status());
+  *response = *std::move(state);
+  return grpc::Status::OK;
+}
+
+grpc::Status AggregatorService::RollbackShard(
+    grpc::ServerContext* /*context*/, const v1::RollbackRequest* request,
+    v1::RollbackResponse* response) {
+  if (request->shard_id() != config_.shard_id) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("rollback for shard ", request->shard_id(),
+                     " was sent to shard ", config_.shard_id)));
+  }
+  absl::StatusOr<int64_t> previous = LocalRollback(request->step());
+  if (!previous.ok()) return ToGrpcStatus(previous.status());
+  response->set_previous_next_step(*previous);
+  return grpc::Status::OK;
+}
+
+namespace {
+
+// "shard 1 (host:port): message", code kept.
+absl::Status FromShard(const grpc::Status& status, uint32_t shard,
+                       const std::string& address, const char* rpc) {
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      absl::StrCat("shard ", shard, " (", address, ") ", rpc,
+                                   ": ", status.error_message()));
+}
+
+std::string DescribeStates(const std::vector<v1::ShardState>& states) {
+  std::vector<std::string> parts;
+  for (const v1::ShardState& st : states) {
+    parts.push_back(absl::StrCat(
+        "shard ", st.shard_id(), " at step ", st.next_step(), " (checkpoints: ",
+        st.checkpoint_steps().empty()
+            ? std::string("none")
+            : absl::StrJoin(st.checkpoint_steps(), ", "),
+        ")"));
+  }
+  return absl::StrJoin(parts, "; ");
+}
+
+}  // namespace
+
+absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverCluster(
+    absl::Time deadline) {
+  if (!is_leader()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("shard ", config_.shard_id,
+                     " is not the leader; Recover goes to ", config_.peers[0]));
+  }
+  {
+    absl::MutexLock lock(&recover_mu_);
+    auto free = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(recover_mu_) {
+      return !recovering_;
+    };
+    if (!recover_mu_.AwaitWithDeadline(absl::Condition(&free), deadline)) {
+      return absl::DeadlineExceededError(
+          "Recover: another recovery is still running on the leader");
+    }
+    recovering_ = true;
+  }
+  // Fence the commit vote and the threshold exchange: no step can be
+  // committed while the shards' states are read, and rounds being computed
+  // fail quickly instead of waiting for a shard that will not come.
+  const absl::Status fence =
+      absl::AbortedError("the leader is recovering the cluster");
+  commit_coordinator_->Fence(fence);
+  coordinator_->Fence(fence);
+  struct Unfence {
+    AggregatorService* self;
+    ~Unfence() {
+      self->coordinator_->Unfence();
+      self->commit_coordinator_->Unfence();
+      absl::MutexLock lock(&self->recover_mu_);
+      self->recovering_ = false;
+    }
+  } unfence{this};
+
+  const uint32_t S = config_.num_shards;
+  // Every shard's state, in parallel (each call bounded by `deadline`).
+  std::vector<absl::StatusOr<v1::ShardState>> states(
+      S, absl::UnknownError("not asked"));
+  {
+    std::vector<std::thread> threads;
+    for (uint32_t s = 0; s < S; ++s) {
+      threads.emplace_back([&, s] {
+        if (s == 0) {
+          states[s] = LocalShardState(deadline);
+          return;
+        }
+        grpc::ClientContext ctx;
+        ctx.set_deadline(absl::ToChronoTime(deadline));
+        // A shard that is restarting is waited for (up to the deadline).
+        ctx.set_wait_for_ready(true);
+        v1::ShardState state;
+        const grpc::Status st = peer_stubs_[s]->GetShardState(
+            &ctx, v1::ShardStateRequest(), &state);
+        if (!st.ok()) {
+          states[s] = FromShard(st, s, config_.peers[s], "GetShardState");
+        } else if (state.shard_id() != s) {
+          states[s] = absl::FailedPreconditionError(
+              absl::StrCat("the server at ", config_.peers[s], " is shard ",
+                           state.shard_id(), ", not shard ", s));
+        } else {
+          states[s] = std::move(state);
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  std::vector<v1::ShardState> known;
+  std::vector<std::string> errors;
+  for (uint32_t s = 0; s < S; ++s) {
+    if (!states[s].ok()) {
+      errors.push_back(std::string(states[s].status().message()));
+      continue;
+    }
+    if (!states[s]->initialized()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "Recover: shard ", s,
+          " has no parameters (restarted without a checkpoint?); the "
+          "cluster cannot continue"));
+    }
+    known.push_back(*states[s]);
+  }
+  if (!errors.empty()) {
+    return absl::Status(states[0].ok() ? absl::StatusCode::kUnavailable
+                                       : states[0].status().code(),
+                        absl::StrCat("Recover: cannot read every shard's "
+                                     "state: ",
+                                     absl::StrJoin(errors, "; ")));
+  }
+  v1::RecoverResponse response;
+  bool agree = true;
+  for (const v1::ShardState& st : known) {
+    response.add_previous_steps(st.next_step());
+    agree &= st.next_step() == known[0].next_step();
+  }
+  if (agree) {
+    response.set_next_step(known[0].next_step());
+    return response;
+  }
+  // The newest step every shard can restore: its current step or a
+  // retained checkpoint.
+  std::vector<int64_t> common;
+  for (size_t i = 0; i < known.size(); ++i) {
+    std::vector<int64_t> mine(known[i].checkpoint_steps().begin(),
+                              known[i].checkpoint_steps().end());
+    mine.push_back(known[i].next_step());
+    std::sort(mine.begin(), mine.end());
+    mine.erase(std::unique(mine.begin(), mine.end()), mine.end());
+    if (i == 0) {
+      common = mine;
+    } else {
+      std::vector<int64_t> both;
+      std::set_intersection(common.begin(), common.end(), mine.begin(),
+                            mine.end(), std::back_inserter(both));
+      common = std::move(both);
+    }
+  }
+  if (common.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "Recover: the shards are at different steps and retain no common "
+        "checkpoint to roll back to: ",
+        DescribeStates(known),
+        ". Restart every shard from checkpoints of one step (or raise "
+        "--checkpoint-keep)"));
+  }
+  const int64_t target = common.back();
+  std::fprintf(stderr,
+               "gtopk-server leader: shards disagree (%s); rolling back to "
+               "step %lld\n",
+               DescribeStates(known).c_str(), static_cast<long long>(target));
+  // Steps >= target are voted on and exchanged afresh.
+  commit_coordinator_->ForgetFrom(target);
+  coordinator_->ForgetFrom(target);
+  std::vector<absl::Status> rolled(S);
+  {
+    std::vector<std::thread> threads;
+    for (uint32_t s = 0; s < S; ++s) {
+      threads.emplace_back([&, s] {
+        if (s == 0) {
+          rolled[s] = LocalRollback(target).status();
+          return;
+        }
+        grpc::ClientContext ctx;
+        ctx.set_deadline(absl::ToChronoTime(deadline));
+        ctx.set_wait_for_ready(true);
+        v1::RollbackRequest request;
+        request.set_shard_id(s);
+        request.set_step(target);
+        v1::RollbackResponse reply;
+        const grpc::Status st =
+            peer_stubs_[s]->RollbackShard(&ctx, request, &reply);
+        if (!st.ok())
+          rolled[s] = FromShard(st, s, config_.peers[s], "RollbackShard");
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  errors.clear();
+  absl::StatusCode code = absl::StatusCode::kOk;
+  for (uint32_t s = 0; s < S; ++s) {
+    if (rolled[s].ok()) continue;
+    if (code == absl::StatusCode::kOk) code = rolled[s].code();
+    errors.push_back(std::string(rolled[s].message()));
+  }
+  if (!errors.empty()) {
+    // Shards that did roll back are at `target`, the others where they
+    // were: they still disagree, so no step can be committed, and the next
+    // Recover completes the rollback.
+    return absl::Status(
+        code, absl::StrCat("Recover: rollback to step ", target,
+                           " incomplete: ", absl::StrJoin(errors, "; ")));
+  }
+  response.set_next_step(target);
+  response.set_rolled_back(true);
+  return response;
+}
+
+grpc::Status AggregatorService::Recover(grpc::ServerContext* context,
+                                        const v1::RecoverRequest* request,
+                                        v1::RecoverResponse* response) {
+  if (request->worker() >= config_.num_workers) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("unknown worker rank ", request->worker(),
+                     "; the cluster has ", config_.num_workers, " workers")));
+  }
+  const absl::Time deadline =
+      std::min(absl::Now() + config_.step_timeout,
+               ContextDeadline(context) - kLeaderDeadlineSlack);
+  absl::StatusOr<v1::RecoverResponse> answer = RecoverCluster(deadline);
+  if (!answer.ok()) return ToGrpcStatus(answer.status());
+  *response = *std::move(answer);
+  return grpc::Status::OK;
 }
 
 // ---------------------------------------------------------------------------
@@ -879,7 +1244,8 @@ AggregatorServer::~AggregatorServer() {
   if (!shut_down_) Shutdown(absl::ZeroDuration()).IgnoreError();
 }
 
-absl::Status AggregatorServer::Shutdown(absl::Duration grace) {
+absl::Status AggregatorServer::Shutdown(absl::Duration grace,
+                                        bool write_checkpoint) {
   if (shut_down_ || server_ == nullptr) return absl::OkStatus();
   shut_down_ = true;
   if (grpc::HealthCheckServiceInterface* health =
@@ -900,6 +1266,7 @@ absl::Status AggregatorServer::Shutdown(absl::Duration grace) {
   closer.join();
   service_->BeginShutdown();
   server_->Wait();
+  if (!write_checkpoint) return absl::OkStatus();
   return service_->WriteCheckpointNow();
 }
 

@@ -80,6 +80,11 @@ struct ServerConfig {
   // Where the shard registers its metrics (docs/metrics.md, "Server"); null:
   // a private registry nobody scrapes. Shared with the metrics exposer.
   std::shared_ptr<metrics::Registry> metrics_registry;
+  // How many checkpoints (the newest) this shard retains as
+  // shard-<id>.step-<N>.ckpt for crash recovery (docs/recovery.md), >= 1.
+  // 2 lets a shard killed before writing its newest checkpoint be caught up
+  // with: the others can roll back one checkpoint.
+  int checkpoint_keep = 2;
 };
 
 // OK, or INVALID_ARGUMENT naming the first bad field and its value.
@@ -117,7 +122,11 @@ absl::Status ValidateServerConfig(const ServerConfig& config);
 //                   DEADLINE_EXCEEDED naming missing workers,
 //                   FAILED_PRECONDITION for a wrong step, ...). A Pull
 //                   larger than max_message_bytes: RESOURCE_EXHAUSTED.
-//   ExchangeThreshold  leader only (FAILED_PRECONDITION otherwise).
+//   ExchangeThreshold, CommitStep  leader only (FAILED_PRECONDITION
+//                   otherwise); the wait ends early, failing the round for
+//                   every shard, when the calling shard's RPC is cancelled.
+//   GetShardState, RollbackShard, Recover  crash recovery, see the proto
+//                   and docs/recovery.md; Recover is leader only.
 //
 // A non-leader creates its ShardAggregator lazily, on the first InitParams,
 // DownloadParams or PushPull, by asking the leader for the cluster spec
@@ -179,6 +188,22 @@ class AggregatorService final : public v1::Aggregator::Service {
   grpc::Status ExchangeThreshold(grpc::ServerContext* context,
                                  const v1::ThresholdRequest* request,
                                  v1::ThresholdResponse* response) override;
+  grpc::Status GetShardState(grpc::ServerContext* context,
+                             const v1::ShardStateRequest* request,
+                             v1::ShardState* response) override;
+  grpc::Status RollbackShard(grpc::ServerContext* context,
+                             const v1::RollbackRequest* request,
+                             v1::RollbackResponse* response) override;
+  grpc::Status Recover(grpc::ServerContext* context,
+                       const v1::RecoverRequest* request,
+                       v1::RecoverResponse* response) override;
+
+  // The leader's recovery (what Recover does), callable in-process. Errors
+  // as for the Recover RPC. Leader only (FAILED_PRECONDITION otherwise).
+  absl::StatusOr<v1::RecoverResponse> RecoverCluster(absl::Time deadline);
+  // This shard's side of GetShardState / RollbackShard.
+  absl::StatusOr<v1::ShardState> LocalShardState(absl::Time deadline);
+  absl::StatusOr<int64_t> LocalRollback(int64_t step);
 
  private:
   explicit AggregatorService(ServerConfig config);
@@ -227,6 +252,12 @@ class AggregatorService final : public v1::Aggregator::Service {
   // Created once, never replaced: the pointer may be used without mu_.
   std::unique_ptr<ShardAggregator> aggregator_ ABSL_GUARDED_BY(mu_);
 
+  // The leader's stubs to every shard (index 0 unused), for Recover.
+  std::vector<std::unique_ptr<v1::Aggregator::Stub>> peer_stubs_;
+  // One Recover at a time (callers wait up to their deadline).
+  absl::Mutex recover_mu_;
+  bool recovering_ ABSL_GUARDED_BY(recover_mu_) = false;
+
   absl::Mutex checkpoint_mu_;  // one checkpoint writer at a time
   // DownloadParams copies the shard's range per call; at most
   // kMaxConcurrentDownloads copies exist at once (the others wait, bounded
@@ -255,8 +286,9 @@ class AggregatorServer {
   // running ones finish until now + grace; then fail what still waits
   // (AggregatorService::BeginShutdown) and cancel the rest; finally write
   // the checkpoint (after the last applied step). Returns the checkpoint's
-  // status. Idempotent.
-  absl::Status Shutdown(absl::Duration grace);
+  // status. Idempotent. `write_checkpoint` = false skips the checkpoint
+  // (tests use it to stand for a crash).
+  absl::Status Shutdown(absl::Duration grace, bool write_checkpoint = true);
 
  private:
   AggregatorServer() = default;

@@ -275,6 +275,7 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
   }  // else: a retry; wait for the same round
   if (round->count == options_.num_workers && !round->computing) {
     round->computing = true;
+    const uint64_t epoch = epoch_;
     std::vector<WorkerPush> pushes = std::move(round->pushes);
     mu_.Unlock();
     absl::StatusOr<std::shared_ptr<const RoundResult>> result =
@@ -285,6 +286,11 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
       if (!vote.ok()) result = vote;
     }
     mu_.Lock();
+    if (epoch != epoch_) {
+      // Rolled back while computing: Rollback failed the round already; the
+      // result belongs to an abandoned step and must not be applied.
+      return round->status;
+    }
     absl::Status status = result.status();
     if (status.ok()) {
       const RoundResult& r = **result;
@@ -412,6 +418,71 @@ void ShardAggregator::Close(const absl::Status& reason) {
     FailRoundLocked(pending_, closed_);
   }
   cv_.SignalAll();
+}
+
+absl::StatusOr<int64_t> ShardAggregator::SettledNextStep(
+    absl::Time deadline) const {
+  absl::MutexLock lock(&mu_);
+  if (!initialized_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("shard ", options_.shard_id, " has no parameters"));
+  }
+  while (pending_ != nullptr && pending_->computing) {
+    if (cv_.WaitWithDeadline(&mu_, deadline) && pending_ != nullptr &&
+        pending_->computing) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("shard ", options_.shard_id, " is still computing step ",
+                       pending_->step));
+    }
+  }
+  return next_step_;
+}
+
+absl::Status ShardAggregator::Rollback(int64_t step,
+                                       const ShardCheckpoint* checkpoint,
+                                       const absl::Status& reason) {
+  if (checkpoint != nullptr) {
+    GTOPK_RETURN_IF_ERROR(ValidateCheckpointFor(*checkpoint, options_.shard_id,
+                                                options_.num_shards, options_.n,
+                                                begin_, end_));
+    const bool global =
+        options_.optimizer.momentum_mode == MomentumMode::kGlobal;
+    if (checkpoint->next_step != step ||
+        (global &&
+         checkpoint->global_velocity.size() != checkpoint->params.size())) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("shard ", options_.shard_id, ": checkpoint of step ",
+                       checkpoint->next_step, " cannot restore step ", step,
+                       global ? " (or it lacks the global velocity)" : ""));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  if (!initialized_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "shard ", options_.shard_id, " has no parameters to roll back"));
+  }
+  if (checkpoint == nullptr && step != next_step_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("shard ", options_.shard_id, " is at step ", next_step_,
+                     " and has no checkpoint of step ", step));
+  }
+  if (pending_ != nullptr) {
+    FailRoundLocked(pending_,
+                    absl::AbortedError(absl::StrCat(
+                        "step ", pending_->step, " abandoned on shard ",
+                        options_.shard_id, ": ", reason.message())));
+  }
+  last_.reset();
+  ++epoch_;
+  if (checkpoint != nullptr) {
+    params_ = checkpoint->params;
+    global_velocity_ = options_.optimizer.momentum_mode == MomentumMode::kGlobal
+                           ? checkpoint->global_velocity
+                           : std::vector<float>();
+    next_step_ = checkpoint->next_step;
+  }
+  cv_.SignalAll();
+  return absl::OkStatus();
 }
 
 absl::StatusOr<ShardCheckpoint> ShardAggregator::Snapshot() const {

@@ -169,6 +169,24 @@ class ShardAggregator {
   // works). Thread-safe, does not block; later calls are no-ops.
   void Close(const absl::Status& reason);
 
+  // Crash recovery (docs/recovery.md). Waits (up to `deadline`:
+  // DEADLINE_EXCEEDED) until no round is being computed -- a computing round
+  // either applies or fails, so the answer does not change under the caller
+  // unless new pushes arrive -- and returns the next step.
+  // FAILED_PRECONDITION when the shard has no parameters.
+  absl::StatusOr<int64_t> SettledNextStep(absl::Time deadline) const;
+
+  // Rolls the shard back to `step`: the pending round (also one being
+  // computed: its result is discarded, never applied) fails with ABORTED
+  // `reason`, the retry cache is dropped, and the state becomes
+  // `checkpoint` (which must hold `step`, of this layout), or stays as it
+  // is when `checkpoint` is null and `step` is the current next step.
+  // Errors (nothing changed): FAILED_PRECONDITION when `checkpoint` is null
+  // and step != next_step(), before initialisation, or for a checkpoint of
+  // another layout or step. Thread-safe, does not block on rounds.
+  absl::Status Rollback(int64_t step, const ShardCheckpoint* checkpoint,
+                        const absl::Status& reason);
+
   // A consistent copy of the state for a checkpoint (FAILED_PRECONDITION
   // before initialisation).
   absl::StatusOr<ShardCheckpoint> Snapshot() const;
@@ -221,6 +239,9 @@ class ShardAggregator {
   std::shared_ptr<Round> last_ ABSL_GUARDED_BY(mu_);  // last finished OK
   std::function<void(int64_t)> on_step_applied_ ABSL_GUARDED_BY(mu_);
   absl::Status closed_ ABSL_GUARDED_BY(mu_);  // not OK after Close
+  // Incremented by Rollback: a round computed across a rollback is not
+  // applied.
+  uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace server

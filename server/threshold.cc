@@ -23,6 +23,8 @@ constexpr uint32_t kNonFiniteBucket = cpu::kNonFiniteKey >> 20;
 // A shard addresses at most 2^32 indices, so it holds at most that many
 // entries; this also keeps the sum over shards far from overflowing.
 constexpr uint64_t kMaxShardEntries = kMaxDenseLength;
+// How often a wait with a cancellation check looks at it.
+constexpr absl::Duration kCancelPoll = absl::Milliseconds(50);
 
 std::string RoundName(int64_t step, uint32_t level) {
   return absl::StrCat("step ", step, " level ", level);
@@ -409,8 +411,49 @@ void ThresholdCoordinator::CompleteRoundLocked(StepState* state,
   changed_.SignalAll();
 }
 
+void ThresholdCoordinator::Fence(const absl::Status& reason) {
+  absl::MutexLock lock(&mu_);
+  fenced_ =
+      reason.ok() ? absl::AbortedError("the leader is recovering") : reason;
+  for (auto& [step, state] : steps_) {
+    for (uint32_t level = 0; level < kThresholdLevels; ++level) {
+      Round& r = state->rounds[level];
+      if (r.phase == Round::Phase::kCollecting) {
+        FailRoundLocked(&r, -1, fenced_, fenced_);
+      }
+    }
+  }
+  changed_.SignalAll();
+}
+
+void ThresholdCoordinator::Unfence() {
+  absl::MutexLock lock(&mu_);
+  fenced_ = absl::OkStatus();
+}
+
+void ThresholdCoordinator::ForgetFrom(int64_t step) {
+  absl::MutexLock lock(&mu_);
+  const absl::Status aborted = absl::AbortedError(absl::StrCat(
+      "threshold exchange abandoned: the cluster rolled back to step ", step));
+  for (auto it = steps_.lower_bound(step); it != steps_.end();) {
+    for (uint32_t level = 0; level < kThresholdLevels; ++level) {
+      Round& r = it->second->rounds[level];
+      if (r.phase == Round::Phase::kCollecting) {
+        FailRoundLocked(&r, -1, aborted, aborted);
+      }
+    }
+    it = steps_.erase(it);
+  }
+  if (has_evicted_ && evicted_through_ >= step) {
+    has_evicted_ = step > 0;
+    evicted_through_ = step - 1;
+  }
+  changed_.SignalAll();
+}
+
 absl::StatusOr<ThresholdResponse> ThresholdCoordinator::Submit(
-    const ThresholdRequest& request, absl::Time deadline) {
+    const ThresholdRequest& request, absl::Time deadline,
+    const std::function<bool()>& cancelled) {
   const uint32_t shard = request.shard_id;
   const uint32_t level = request.level;
   // Faults that cannot be pinned on a participant of a round: only this call
@@ -437,6 +480,7 @@ absl::StatusOr<ThresholdResponse> ThresholdCoordinator::Submit(
   const std::string round_name = RoundName(request.step, level);
 
   absl::MutexLock lock(&mu_);
+  if (!fenced_.ok()) return fenced_;
   GTOPK_ASSIGN_OR_RETURN(std::shared_ptr<StepState> state,
                          FindOrCreateStepLocked(request.step));
   if (level == 0) {
@@ -537,7 +581,20 @@ absl::StatusOr<ThresholdResponse> ThresholdCoordinator::Submit(
   }
 
   while (round.phase == Round::Phase::kCollecting) {
-    changed_.WaitWithDeadline(&mu_, deadline);
+    // With a cancellation check, wake up every poll interval to look at it.
+    changed_.WaitWithDeadline(
+        &mu_,
+        cancelled ? std::min(deadline, absl::Now() + kCancelPoll) : deadline);
+    if (round.phase == Round::Phase::kCollecting && cancelled && cancelled()) {
+      FailRoundLocked(
+          &round, shard,
+          absl::CancelledError(absl::StrCat(round_name, ": shard ", shard,
+                                            "'s request was cancelled")),
+          absl::AbortedError(
+              absl::StrCat(round_name, ": shard ", shard,
+                           " went away (its request was cancelled)")));
+      break;
+    }
     if (round.phase == Round::Phase::kCollecting && absl::Now() >= deadline) {
       std::vector<uint32_t> missing;
       for (uint32_t s = 0; s < num_shards_; ++s) {

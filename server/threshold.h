@@ -46,6 +46,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <vector>
@@ -249,9 +250,24 @@ class ThresholdCoordinator {
   // retry with a different k or histogram gets INVALID_ARGUMENT (only that
   // call; the round stands). A retry while the round collects waits with the
   // original. Never aborts on bad input.
-  absl::StatusOr<ThresholdResponse> Submit(const ThresholdRequest& request,
-                                           absl::Time deadline)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  //
+  // `cancelled` (may be empty) is polled every 50 ms while waiting; when it
+  // returns true (the shard's RPC was cancelled: it went away), the round
+  // fails for everyone (ABORTED naming the shard) and this call gets
+  // CANCELLED. While fenced (Fence), every Submit fails with the fence's
+  // status.
+  absl::StatusOr<ThresholdResponse> Submit(
+      const ThresholdRequest& request, absl::Time deadline,
+      const std::function<bool()>& cancelled = {}) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Crash recovery (server/service.h, Recover): while fenced, rounds that
+  // are collecting fail with `reason` (ABORTED) and new requests get it at
+  // once; Unfence lifts it. ForgetFrom drops the state of every step >=
+  // `step` (waiters get ABORTED), so that the steps the cluster rolled back
+  // are exchanged afresh instead of answered as retries.
+  void Fence(const absl::Status& reason) ABSL_LOCKS_EXCLUDED(mu_);
+  void Unfence() ABSL_LOCKS_EXCLUDED(mu_);
+  void ForgetFrom(int64_t step) ABSL_LOCKS_EXCLUDED(mu_);
 
   // How many steps the coordinator currently holds state for
   // (<= max(1, retained_steps)). For tests and metrics.
@@ -281,6 +297,7 @@ class ThresholdCoordinator {
   // Steps <= this were evicted (valid when has_evicted_).
   bool has_evicted_ ABSL_GUARDED_BY(mu_) = false;
   int64_t evicted_through_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status fenced_ ABSL_GUARDED_BY(mu_);  // not OK while fenced
 };
 
 // How a shard reaches the leader's ThresholdCoordinator.

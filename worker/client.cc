@@ -33,6 +33,10 @@ struct WorkerClient::ShardConn {
 
 namespace {
 
+// After one shard failed a step, how long the others may still report
+// their own errors before their streams are cancelled.
+constexpr absl::Duration kFailureGrace = absl::Milliseconds(250);
+
 // gRPC's default message limit; every chunked transfer stays below it.
 constexpr uint64_t kDefaultMessageBytes = uint64_t{4} << 20;
 
@@ -389,6 +393,38 @@ absl::StatusOr<int64_t> WorkerClient::SynchronizeParameters(
   return step;
 }
 
+absl::StatusOr<int64_t> WorkerClient::Recover(absl::Span<float> params) {
+  if (params.size() != cluster_.n()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Recover: params has ", params.size(), " values; n = ", cluster_.n()));
+  }
+  CloseStreams();
+  const std::string where = absl::StrCat(ShardName(0), ": Recover");
+  grpc::ClientContext context;
+  context.set_deadline(
+      absl::ToChronoTime(absl::Now() + options_.rpc_timeout +
+                         absl::Milliseconds(cluster_.step_timeout_ms())));
+  v1::RecoverRequest request;
+  request.set_worker(rank_);
+  request.set_failed_step(next_step_);
+  v1::RecoverResponse response;
+  const absl::Status st =
+      FromGrpc(shards_[0]->stub->Recover(&context, request, &response));
+  if (!st.ok()) return Prefixed(st, where);
+  if (response.next_step() < 0) {
+    return absl::InternalError(
+        absl::StrCat(where, ": negative step ", response.next_step()));
+  }
+  if (response.next_step() == next_step_) return next_step_;
+  GTOPK_ASSIGN_OR_RETURN(const int64_t step, SynchronizeParameters(params));
+  if (step != response.next_step()) {
+    return absl::AbortedError(
+        absl::StrCat("Recover: the leader reported step ", response.next_step(),
+                     " but the shards served step ", step, "; try again"));
+  }
+  return step;
+}
+
 absl::Status WorkerClient::Exchange(int64_t step,
                                     const std::vector<v1::Push>& pushes,
                                     std::vector<v1::Pull>* pulls) {
@@ -400,6 +436,7 @@ absl::Status WorkerClient::Exchange(int64_t step,
   size_t finished = 0;
   const absl::Time exchange_start = absl::Now();
   absl::Time last_written = exchange_start;  // guarded by mu
+  size_t failed = 0;
 
   for (auto& c : shards_) {
     if (c->stream == nullptr) {
@@ -463,6 +500,7 @@ absl::Status WorkerClient::Exchange(int64_t step,
         }
       }
       absl::MutexLock lock(&mu);
+      if (!result.ok()) ++failed;
       results[s] = std::move(result);
       done[s] = true;
       ++finished;
@@ -473,18 +511,38 @@ absl::Status WorkerClient::Exchange(int64_t step,
       absl::Milliseconds(cluster_.step_timeout_ms()) +
       options_.step_watchdog_margin;
   std::vector<bool> timed_out(S, false);
+  // Shards cancelled because another shard already failed the step: a step
+  // that failed on one shard cannot be committed on any (the commit vote),
+  // so waiting for the others would only delay the caller's retry or
+  // recovery until their step timeout.
+  std::vector<bool> cut_short(S, false);
   {
     absl::MutexLock lock(&mu);
+    auto all_done_or_failed = [&] { return finished == S || failed > 0; };
     auto all_done = [&] { return finished == S; };
-    if (!mu.AwaitWithTimeout(absl::Condition(&all_done), budget)) {
+    const absl::Time watchdog = absl::Now() + budget;
+    if (!mu.AwaitWithDeadline(absl::Condition(&all_done_or_failed), watchdog)) {
       for (size_t s = 0; s < S; ++s) {
         if (!done[s]) {
           timed_out[s] = true;
           shards_[s]->context->TryCancel();
         }
       }
-      mu.Await(absl::Condition(&all_done));  // prompt after the cancel
+    } else if (finished < S &&
+               !mu.AwaitWithDeadline(
+                   absl::Condition(&all_done),
+                   std::min(watchdog, absl::Now() + kFailureGrace))) {
+      // A short grace first: shards failing at about the same time (e.g.
+      // all at the step deadline) still report their own, often more
+      // telling, errors.
+      for (size_t s = 0; s < S; ++s) {
+        if (!done[s]) {
+          cut_short[s] = true;
+          shards_[s]->context->TryCancel();
+        }
+      }
     }
+    mu.Await(absl::Condition(&all_done));  // prompt after the cancel
   }
   for (auto& t : threads) t.join();
   last_push_time_ = last_written - exchange_start;
@@ -499,11 +557,16 @@ absl::Status WorkerClient::Exchange(int64_t step,
           " (step timeout ", cluster_.step_timeout_ms(), "ms + margin); ",
           "stream cancelled"));
     }
-    if (st.ok()) continue;
+    if (st.ok() || cut_short[s]) continue;
     if (code == absl::StatusCode::kOk) code = st.code();
     messages.push_back(absl::StrCat(ShardName(s), ": ", st.message()));
   }
-  if (code == absl::StatusCode::kOk) return absl::OkStatus();
+  if (code == absl::StatusCode::kOk) {
+    bool any_cut = false;
+    for (size_t s = 0; s < S; ++s) any_cut |= cut_short[s] && !results[s].ok();
+    if (!any_cut) return absl::OkStatus();
+    code = absl::StatusCode::kInternal;  // unreachable: a failure cut it
+  }
   CloseStreams();
   return absl::Status(code, absl::StrJoin(messages, "; "));
 }

@@ -171,7 +171,9 @@ class WorkerClient {
   // applies the dense sum.
   // Blocks until every shard answered, at most the cluster's step timeout
   // plus options.step_watchdog_margin after the pushes start; a stalled
-  // shard is cancelled and named.
+  // shard is cancelled and named. Once one shard fails the step, the other
+  // shards' streams are cancelled 250 ms later (the step cannot be
+  // committed anywhere) and the error names the shard(s) that failed.
   // On error nothing is applied to `params`, the step counter is unchanged,
   // and the residual still holds everything accumulated (including this
   // gradient's contribution), so the caller may call Step again with its
@@ -208,6 +210,21 @@ class WorkerClient {
   absl::StatusOr<StepStats> Step(const float* gradient, float* params,
                                  uint64_t n, cudaStream_t stream);
 #endif
+  // After a failed Step: asks the leader to bring the shards to one step
+  // (Recover RPC; docs/recovery.md), and returns the step to continue from
+  // (also next_step()). When the shards were rolled back, or are ahead of
+  // this worker (e.g. the step committed but this worker lost a pull),
+  // `params` (length n) are re-downloaded (SynchronizeParameters) so that
+  // they equal the servers' again; otherwise they are untouched (a failed
+  // step applied nothing). The residual and momentum are kept as they are:
+  // a run with a recovery is not bit-identical to one without.
+  // Blocks up to rpc_timeout plus the cluster's step timeout.
+  // Errors: INVALID_ARGUMENT for a wrong length; the leader's status,
+  // prefixed with it: FAILED_PRECONDITION when the shards cannot be brought
+  // to a common step (the message names every shard, its step and its
+  // retained checkpoints) -- do not retry; UNAVAILABLE / DEADLINE_EXCEEDED /
+  // ABORTED -- retry later; SynchronizeParameters' errors.
+  absl::StatusOr<int64_t> Recover(absl::Span<float> params);
 
  private:
   struct ShardConn;

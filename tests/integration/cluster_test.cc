@@ -305,48 +305,59 @@ std::vector<Case> Cases() {
   };
   const Codec codecs[] = {
       {IndexCodec::kRaw, ValueCodec::kFp32, "raw_fp32"},
+      {IndexCodec::kRaw, ValueCodec::kFp16, "raw_fp16"},
+      {IndexCodec::kRaw, ValueCodec::kBf16, "raw_bf16"},
+      {IndexCodec::kDeltaVarint, ValueCodec::kFp32, "varint_fp32"},
+      {IndexCodec::kDeltaVarint, ValueCodec::kFp16, "varint_fp16"},
       {IndexCodec::kDeltaVarint, ValueCodec::kBf16, "varint_bf16"},
+      {IndexCodec::kDeltaBitpack, ValueCodec::kFp32, "bitpack_fp32"},
       {IndexCodec::kDeltaBitpack, ValueCodec::kFp16, "bitpack_fp16"},
+      {IndexCodec::kDeltaBitpack, ValueCodec::kBf16, "bitpack_bf16"},
   };
   const MomentumMode momenta[] = {MomentumMode::kDgcCorrection,
                                   MomentumMode::kNone, MomentumMode::kGlobal};
   std::vector<Case> cases;
   int rotation = 0;
+  // The special cases below rotate through the codec pairs and momentum
+  // modes; the grid covers every codec pair.
   auto add = [&](Case c, const std::string& prefix) {
-    const Codec& codec = codecs[rotation % 3];
+    const Codec& codec = codecs[rotation % 9];
     c.index_codec = codec.index;
     c.value_codec = codec.value;
-    c.momentum = momenta[(rotation / 3) % 3];
+    c.momentum = momenta[rotation % 3];
     ++rotation;
     c.name = absl::StrCat(prefix, "_P", c.workers, "_S", c.shards, "_",
                           codec.name, "_", MomentumModeName(c.momentum));
     cases.push_back(c);
   };
-  for (int p : {1, 2, 3, 5, 8}) {
-    for (uint32_t s : {1u, 2u, 3u}) {
-      Case c;
-      c.workers = p;
-      c.shards = s;
-      add(c, "gtopk_exact");
-    }
-  }
-  for (int p : {2, 5}) {
-    for (uint32_t s : {1u, 2u, 3u}) {
-      Case c;
-      c.workers = p;
-      c.shards = s;
-      c.selection = SelectionKind::kQuota;
-      add(c, "gtopk_quota");
-    }
-  }
-  for (AggregationMode m : {AggregationMode::kTopk, AggregationMode::kDense}) {
-    for (int p : {1, 3, 8}) {
-      for (uint32_t s : {1u, 3u}) {
-        Case c;
-        c.workers = p;
-        c.shards = s;
-        c.mode = m;
-        add(c, server::AggregationModeName(m) == "topk" ? "topk" : "dense");
+  // The full product P x S x mode x index codec x value codec (540 cases,
+  // ~50 ms each on loopback). Dense pushes carry no indices and fp32
+  // values whatever the codecs, so its 9 codec pairs check that the codec
+  // settings do not disturb it. Momentum modes rotate (each (P, S, mode)
+  // sees all three across its codec pairs).
+  struct ModeCase {
+    AggregationMode mode;
+    SelectionKind selection;
+    const char* name;
+  };
+  const ModeCase modes[] = {
+      {AggregationMode::kGtopk, SelectionKind::kExact, "gtopk_exact"},
+      {AggregationMode::kGtopk, SelectionKind::kQuota, "gtopk_quota"},
+      {AggregationMode::kTopk, SelectionKind::kExact, "topk"},
+      {AggregationMode::kDense, SelectionKind::kExact, "dense"},
+  };
+  for (const ModeCase& m : modes) {
+    for (int p : {1, 2, 3, 5, 8}) {
+      for (uint32_t s : {1u, 2u, 3u}) {
+        for (int codec = 0; codec < 9; ++codec) {
+          Case c;
+          c.workers = p;
+          c.shards = s;
+          c.mode = m.mode;
+          c.selection = m.selection;
+          rotation = codec;
+          add(c, m.name);
+        }
       }
     }
   }

@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <string>
@@ -227,6 +228,148 @@ TEST(ProcessTest, RealServersTrainSurviveAKillAndShutDownCleanly) {
   std::string cleanup = "rm -rf " + dir;
   EXPECT_EQ(system(cleanup.c_str()), 0);
 }
+
+#ifdef GTOPK_WORKER_BINARY
+// A child process with stdout and stderr appended to `log`.
+pid_t Spawn(const std::string& binary, const std::vector<std::string>& args,
+            const std::string& log) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    if (fd >= 0) {
+      dup2(fd, STDOUT_FILENO);
+      dup2(fd, STDERR_FILENO);
+      close(fd);
+    }
+    std::vector<std::string> copy = args;
+    std::vector<char*> argv;
+    std::string b = binary;
+    argv.push_back(b.data());
+    for (std::string& a : copy) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(b.c_str(), argv.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+// The exit code, or -1 (after SIGKILL) when it takes longer than `timeout`.
+int WaitExit(pid_t pid, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  int status = 0;
+  while (absl::Now() < deadline) {
+    if (waitpid(pid, &status, WNOHANG) == pid) {
+      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  kill(pid, SIGKILL);
+  waitpid(pid, nullptr, 0);
+  return -1;
+}
+
+std::string ReadAllText(const std::string& path) {
+  std::string out;
+  if (FILE* f = std::fopen(path.c_str(), "r")) {
+    char buf[4096];
+    size_t got;
+    while ((got = std::fread(buf, 1, sizeof(buf), f)) > 0) out.append(buf, got);
+    std::fclose(f);
+  }
+  return out;
+}
+
+// The string value of "key" in a flat JSON object (the trainer's summary).
+std::string JsonValue(const std::string& json, const std::string& key) {
+  const std::string k = "\"" + key + "\": \"";
+  const size_t at = json.find(k);
+  if (at == std::string::npos) return "";
+  const size_t begin = at + k.size();
+  return json.substr(begin, json.find('"', begin) - begin);
+}
+
+// The real gtopk-server and gtopk-worker binaries: shard 1 is SIGKILLed two
+// steps after its last checkpoint and restarted behind the leader; the
+// trainers' failed step goes through Recover, the cluster rolls back to the
+// checkpoint, and both trainers finish (exit 0) with parameters equal to
+// each other's and to the servers'.
+TEST(ProcessTest, TrainersRecoverWhenARestartedShardIsBehind) {
+  const int workers = 2;
+  auto ports = server::PickFreePorts(2);
+  ASSERT_TRUE(ports.ok()) << ports.status();
+  std::vector<std::string> peers;
+  for (int p : *ports) peers.push_back(absl::StrCat("127.0.0.1:", p));
+  char dir_template[] = "/tmp/gtopk_process_recovery_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  auto server_args = [&](int shard) {
+    return std::vector<std::string>{
+        absl::StrCat("--listen=", peers[shard]),
+        absl::StrCat("--shard-id=", shard),
+        "--num-shards=2",
+        absl::StrCat("--workers=", workers),
+        absl::StrCat("--peers=", absl::StrJoin(peers, ",")),
+        "--step-timeout=5s",
+        absl::StrCat("--checkpoint-dir=", dir),
+        "--checkpoint-every=5",
+        "--density=0.01"};
+  };
+  ServerProcess shard0, shard1;
+  ASSERT_TRUE(shard0.Start(server_args(0)));
+  ASSERT_TRUE(shard1.Start(server_args(1)));
+  std::vector<pid_t> pids;
+  for (int w = 0; w < workers; ++w) {
+    pids.push_back(
+        Spawn(GTOPK_WORKER_BINARY,
+              {absl::StrCat("--server=", peers[0]), absl::StrCat("--rank=", w),
+               "--model=synthetic:3001", "--steps=20", "--compute-ms=100",
+               "--step-retries=10", "--rpc-timeout-s=20",
+               absl::StrCat("--summary-json=", dir, "/worker-", w, ".json")},
+              absl::StrCat(dir, "/worker-", w, ".log")));
+  }
+  // Kill shard 1 once rank 0 reports step 7 done (checkpoint at step 5).
+  const std::string log0 = dir + "/worker-0.log";
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < deadline &&
+         ReadAllText(log0).find("step 7/20") == std::string::npos) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_NE(ReadAllText(log0).find("step 7/20"), std::string::npos)
+      << ReadAllText(log0);
+  EXPECT_EQ(shard1.StopWith(SIGKILL, absl::Seconds(10)), 128 + SIGKILL);
+  ServerProcess restarted;
+  ASSERT_TRUE(restarted.Start(server_args(1)));
+
+  for (int w = 0; w < workers; ++w) {
+    EXPECT_EQ(WaitExit(pids[w], absl::Seconds(60)), 0)
+        << "worker " << w << " log:\n"
+        << ReadAllText(absl::StrCat(dir, "/worker-", w, ".log"));
+  }
+  const std::string log = ReadAllText(log0);
+  EXPECT_NE(log.find("continuing from step 5"), std::string::npos)
+      << "no rollback to the checkpoint of step 5:\n"
+      << log;
+  std::vector<std::string> checksums;
+  for (int w = 0; w < workers; ++w) {
+    const std::string json =
+        ReadAllText(absl::StrCat(dir, "/worker-", w, ".json"));
+    const std::string mine = JsonValue(json, "param_checksum");
+    EXPECT_FALSE(mine.empty()) << json;
+    EXPECT_EQ(mine, JsonValue(json, "server_checksum"))
+        << "worker " << w << " differs from the servers";
+    checksums.push_back(mine);
+  }
+  EXPECT_EQ(checksums[0], checksums[1]) << "the replicas differ";
+  EXPECT_EQ(restarted.StopWith(SIGTERM, absl::Seconds(15)), 0);
+  EXPECT_EQ(shard0.StopWith(SIGTERM, absl::Seconds(15)), 0);
+  std::string cleanup = "rm -rf " + dir;
+  EXPECT_EQ(system(cleanup.c_str()), 0);
+}
+#else
+TEST(ProcessTest, TrainersRecoverWhenARestartedShardIsBehind) {
+  GTEST_SKIP() << "gtopk-worker is not built (libtorch-dev missing)";
+}
+#endif
 
 }  // namespace
 }  // namespace gtopk

@@ -226,6 +226,48 @@ class CheckpointTest : public ::testing::Test {
 };
 
 // ---------------------------------------------------------------------------
+// History (crash recovery).
+
+TEST_F(CheckpointTest, HistoryRetainsTheNewestReadsByStepAndRewinds) {
+  for (int64_t step : {3, 6, 9}) {
+    GTOPK_ASSERT_OK(WriteCheckpoint(
+        dir_, Make(1, 2, 10, 5, 10, step, true, static_cast<uint32_t>(step))));
+    GTOPK_ASSERT_OK(RetainCheckpoint(dir_, 1, step, /*keep=*/2));
+  }
+  GTOPK_ASSERT_OK_AND_ASSIGN(std::vector<int64_t> steps,
+                             ListCheckpointSteps(dir_, 1));
+  EXPECT_THAT(steps, ElementsAre(6, 9));
+  EXPECT_THAT(ListDir(), ElementsAre("shard-1.ckpt", "shard-1.step-6.ckpt",
+                                     "shard-1.step-9.ckpt"));
+  GTOPK_ASSERT_OK_AND_ASSIGN(ShardCheckpoint at6, ReadCheckpointAt(dir_, 1, 6));
+  ExpectSame(at6, Make(1, 2, 10, 5, 10, 6, true, 6));
+  EXPECT_THAT(ReadCheckpointAt(dir_, 1, 3),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("step 3")));
+  // Another shard's history is separate.
+  GTOPK_ASSERT_OK_AND_ASSIGN(std::vector<int64_t> none,
+                             ListCheckpointSteps(dir_, 0));
+  EXPECT_THAT(none, IsEmpty());
+
+  // Rewind: step 6 becomes the current checkpoint, step 9 is gone.
+  GTOPK_ASSERT_OK(RewindCheckpoints(dir_, 1, 6));
+  GTOPK_ASSERT_OK_AND_ASSIGN(ShardCheckpoint current, ReadCheckpoint(dir_, 1));
+  ExpectSame(current, at6);
+  EXPECT_THAT(ListDir(), ElementsAre("shard-1.ckpt", "shard-1.step-6.ckpt"));
+  EXPECT_THAT(RewindCheckpoints(dir_, 1, 3),
+              StatusIs(absl::StatusCode::kNotFound));
+  GTOPK_EXPECT_OK(DiscardCheckpointsAfter(dir_, 1, 5));
+  EXPECT_THAT(ListDir(), ElementsAre("shard-1.ckpt"));
+
+  // A history file that holds another step than its name says.
+  WriteBytes(CheckpointHistoryPath(dir_, 1, 7),
+             ReadBytes(CheckpointPath(dir_, 1)));
+  EXPECT_THAT(ReadCheckpointAt(dir_, 1, 7),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("holds step 6")));
+  EXPECT_THAT(RetainCheckpoint(dir_, 1, 6, 0),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+// ---------------------------------------------------------------------------
 // Round trips.
 
 TEST_F(CheckpointTest, RoundTripIsBitExactIncludingSpecialValues) {

@@ -445,6 +445,99 @@ TEST(ShardAggregatorTest, SnapshotRestoreRoundTrip) {
               StatusIs(absl::StatusCode::kFailedPrecondition));
 }
 
+TEST(ShardAggregatorTest, RollbackRestoresACheckpointAndAbortsThePendingRound) {
+  auto shard = SingleShard(2);
+  GTOPK_ASSERT_OK_AND_ASSIGN(ShardCheckpoint at0, shard->Snapshot());
+  std::thread t0([&] {
+    GTOPK_EXPECT_OK(
+        shard->Submit(Push(0, 0, {1, 2}), absl::Now() + absl::Seconds(5)));
+  });
+  GTOPK_ASSERT_OK(
+      shard->Submit(Push(0, 1, {2, 3}), absl::Now() + absl::Seconds(5)));
+  t0.join();
+  ASSERT_EQ(shard->next_step(), 1);
+  absl::StatusOr<std::shared_ptr<const RoundResult>> pending;
+  std::thread t1([&] {
+    pending = shard->Submit(Push(1, 0, {4}), absl::Now() + absl::Seconds(5));
+  });
+  absl::SleepFor(absl::Milliseconds(50));
+  // Wrong step without a checkpoint, or a checkpoint of another step:
+  // refused, nothing changes.
+  EXPECT_THAT(shard->Rollback(0, nullptr, absl::AbortedError("x")),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("is at step 1")));
+  EXPECT_THAT(shard->Rollback(1, &at0, absl::AbortedError("x")),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_EQ(shard->next_step(), 1);
+  GTOPK_ASSERT_OK(shard->Rollback(
+      0, &at0, absl::AbortedError("the cluster rolled back to step 0")));
+  t1.join();
+  EXPECT_THAT(pending, StatusIs(absl::StatusCode::kAborted,
+                                HasSubstr("rolled back to step 0")));
+  EXPECT_EQ(shard->next_step(), 0);
+  EXPECT_EQ(shard->Params(absl::Now())->first, at0.params);
+  // The retry cache went with the rollback: step 0 is a fresh round that
+  // needs both workers again (a lone push times out naming worker 1).
+  EXPECT_THAT(
+      shard->Submit(Push(0, 0, {1}), absl::Now() + absl::Milliseconds(100)),
+      StatusIs(absl::StatusCode::kDeadlineExceeded,
+               HasSubstr("waiting for worker(s) 1")));
+}
+
+// A commit exchange that holds every vote until released.
+class HeldCommit final : public CommitExchange {
+ public:
+  absl::Status Vote(int64_t, uint32_t, absl::Time deadline) override {
+    absl::MutexLock lock(&mu_);
+    ++waiting_;
+    mu_.AwaitWithDeadline(absl::Condition(&released_), deadline);
+    return absl::OkStatus();
+  }
+  void Release() {
+    absl::MutexLock lock(&mu_);
+    released_ = true;
+  }
+  bool Waiting() {
+    absl::MutexLock lock(&mu_);
+    return waiting_ > 0;
+  }
+
+ private:
+  absl::Mutex mu_;
+  bool released_ ABSL_GUARDED_BY(mu_) = false;
+  int waiting_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+TEST(ShardAggregatorTest, RoundComputedAcrossARollbackIsNeverApplied) {
+  ShardOptions o = SmallOptions(1);
+  o.num_shards = 2;  // shard 0 of 2: votes before applying
+  o.selection = SelectionKind::kQuota;
+  HeldCommit commit;
+  auto created = ShardAggregator::Create(o, nullptr, &commit);
+  ASSERT_TRUE(created.ok()) << created.status();
+  ShardAggregator& shard = **created;
+  GTOPK_ASSERT_OK(shard.InitParams(std::vector<float>(50, 1.0f)));
+  absl::StatusOr<std::shared_ptr<const RoundResult>> result;
+  std::thread t([&] {
+    result = shard.Submit(Push(0, 0, {1, 2}), absl::Now() + absl::Seconds(5));
+  });
+  while (!commit.Waiting()) absl::SleepFor(absl::Milliseconds(5));
+  // Computing: the state is not settled yet.
+  EXPECT_THAT(shard.SettledNextStep(absl::Now() + absl::Milliseconds(50)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded,
+                       HasSubstr("still computing step 0")));
+  GTOPK_ASSERT_OK(
+      shard.Rollback(0, nullptr, absl::AbortedError("rolled back")));
+  EXPECT_THAT(shard.SettledNextStep(absl::Now() + absl::Seconds(1)),
+              ::gtopk::testing::IsOk());
+  commit.Release();  // the vote succeeds, but the round was abandoned
+  t.join();
+  EXPECT_THAT(result, StatusIs(absl::StatusCode::kAborted,
+                               HasSubstr("abandoned on shard 0")));
+  EXPECT_EQ(shard.next_step(), 0);
+  EXPECT_EQ(shard.Params(absl::Now())->first, std::vector<float>(50, 1.0f));
+}
+
 }  // namespace
 }  // namespace server
 }  // namespace gtopk

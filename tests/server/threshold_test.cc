@@ -6,6 +6,7 @@
 #include "server/threshold.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -27,6 +28,7 @@
 #include "common/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/commit.h"
 #include "tests/testing/reference.h"
 
 namespace gtopk {
@@ -790,6 +792,107 @@ TEST(ThresholdCoordinatorTest, EvictedStepAbortsItsWaiters) {
   EXPECT_THAT(r0, StatusIs(absl::StatusCode::kAborted,
                            HasSubstr("step 0 level 0: abandoned")));
   EXPECT_LE(coordinator.NumRetainedSteps(), 2u);
+}
+
+TEST(ThresholdCoordinatorTest, FenceAbortsWaitersAndRefusesUntilLifted) {
+  ThresholdCoordinator coordinator(2);
+  absl::StatusOr<ThresholdResponse> r0;
+  std::thread t0([&] {
+    r0 = coordinator.Submit(Req(0, 0, 1, 0, {{1, 1}}), Later());
+  });
+  AwaitSteps(coordinator, 1);
+  coordinator.Fence(absl::AbortedError("the leader is recovering"));
+  t0.join();
+  EXPECT_THAT(r0, StatusIs(absl::StatusCode::kAborted,
+                           HasSubstr("the leader is recovering")));
+  EXPECT_THAT(coordinator.Submit(Req(0, 1, 1, 0, {{1, 1}}), Later()),
+              StatusIs(absl::StatusCode::kAborted,
+                       HasSubstr("the leader is recovering")));
+  coordinator.Unfence();
+  // The step starts afresh and completes.
+  std::thread t1([&] {
+    r0 = coordinator.Submit(Req(0, 0, 1, 0, {{1, 1}}), Later());
+  });
+  GTOPK_EXPECT_OK(coordinator.Submit(Req(0, 1, 1, 0, {{1, 1}}), Later()));
+  t1.join();
+  GTOPK_EXPECT_OK(r0);
+}
+
+TEST(ThresholdCoordinatorTest, ForgottenStepsAreExchangedAfresh) {
+  ThresholdCoordinator coordinator(1);
+  // Step 3 finished with one histogram; a different one is a bad retry...
+  GTOPK_ASSERT_OK(coordinator.Submit(Req(3, 0, 2, 0, {{9, 2}}), Later()));
+  EXPECT_THAT(
+      coordinator.Submit(Req(3, 0, 2, 0, {{7, 2}}), Later()),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("retry differs")));
+  // ...until the cluster rolls back to step 2: then step 3 is new.
+  coordinator.ForgetFrom(2);
+  GTOPK_EXPECT_OK(coordinator.Submit(Req(3, 0, 2, 0, {{7, 2}}), Later()));
+}
+
+TEST(ThresholdCoordinatorTest, CancelledRequestFailsTheRoundForEveryShard) {
+  ThresholdCoordinator coordinator(3);
+  std::atomic<bool> gone{false};
+  absl::StatusOr<ThresholdResponse> r0, r1;
+  const absl::Time start = absl::Now();
+  std::thread t0([&] {
+    r0 = coordinator.Submit(Req(0, 0, 1, 0, {{1, 1}}), Later());
+  });
+  std::thread t1([&] {
+    r1 = coordinator.Submit(Req(0, 1, 1, 0, {{1, 1}}), Later(),
+                            [&gone] { return gone.load(); });
+  });
+  AwaitSteps(coordinator, 1);
+  absl::SleepFor(absl::Milliseconds(100));
+  gone = true;
+  t0.join();
+  t1.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  EXPECT_THAT(r1, StatusIs(absl::StatusCode::kCancelled));
+  EXPECT_THAT(
+      r0, StatusIs(absl::StatusCode::kAborted, HasSubstr("shard 1 went away")));
+}
+
+TEST(CommitCoordinatorTest, CancelledVoteFenceAndForget) {
+  // A cancelled vote ends the other shards' wait at once (shard 2 of 3
+  // never votes).
+  CommitCoordinator three(3);
+  std::atomic<bool> gone{false};
+  absl::Status other, cancelled;
+  std::thread t0([&] { other = three.Vote(0, 0, Later()); });
+  std::thread t1([&] {
+    cancelled = three.Vote(0, 1, Later(), [&gone] { return gone.load(); });
+  });
+  absl::SleepFor(absl::Milliseconds(100));
+  const absl::Time start = absl::Now();
+  gone = true;
+  t0.join();
+  t1.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  EXPECT_THAT(cancelled, StatusIs(absl::StatusCode::kCancelled));
+  EXPECT_THAT(other, StatusIs(absl::StatusCode::kAborted,
+                              HasSubstr("vote of shard 1 was cancelled")));
+  // Fenced: waiting and new votes fail; steps committed before stay so.
+  CommitCoordinator commit(2);
+  std::thread t2([&] { other = commit.Vote(1, 0, Later()); });
+  GTOPK_ASSERT_OK(commit.Vote(1, 1, Later()));
+  t2.join();
+  GTOPK_ASSERT_OK(other);
+  std::thread t3([&] { other = commit.Vote(2, 0, Later()); });
+  absl::SleepFor(absl::Milliseconds(50));
+  commit.Fence(absl::AbortedError("recovering"));
+  t3.join();
+  EXPECT_THAT(other,
+              StatusIs(absl::StatusCode::kAborted, HasSubstr("recovering")));
+  EXPECT_THAT(commit.Vote(2, 1, Later()),
+              StatusIs(absl::StatusCode::kAborted, HasSubstr("recovering")));
+  GTOPK_EXPECT_OK(commit.Vote(1, 0, Later()));  // committed before the fence
+  commit.Unfence();
+  // Forgetting step 1 makes it a new vote: one shard alone times out.
+  commit.ForgetFrom(1);
+  EXPECT_THAT(
+      commit.Vote(1, 0, absl::Now() + absl::Milliseconds(50)),
+      StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("shard(s) 1")));
 }
 
 // --- Driver error handling --------------------------------------------------

@@ -53,6 +53,8 @@ ABSL_FLAG(int64_t, metrics_port, 0,
 ABSL_FLAG(int64_t, rpc_timeout_s, 60,
           "deadline of Join and parameter download RPCs, seconds");
 // Consistency checks against the servers' cluster spec (empty: no check).
+ABSL_FLAG(int, step_retries, 3,
+          "recovery attempts after a failed step before giving up");
 ABSL_FLAG(std::string, mode, "", "check: gtopk | topk | dense");
 ABSL_FLAG(std::string, selector, "", "check: exact | gaussiank | dgc | randomk");
 ABSL_FLAG(std::string, density, "", "check: density k/n");
@@ -112,6 +114,7 @@ absl::Status Run() {
         "--rpc-timeout-s must be in [1, 86400], got ", rpc_timeout_s));
   }
   o.rpc_timeout = absl::Seconds(rpc_timeout_s);
+  o.step_retries = absl::GetFlag(FLAGS_step_retries);
   o.mode = OptionalString(absl::GetFlag(FLAGS_mode));
   o.selector = OptionalString(absl::GetFlag(FLAGS_selector));
   o.index_codec = OptionalString(absl::GetFlag(FLAGS_index_codec));

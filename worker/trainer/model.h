@@ -56,6 +56,10 @@ class Model {
   virtual absl::Status UploadParams() { return absl::OkStatus(); }
   // The device parameters -> params() (e.g. for the final checksum).
   virtual absl::Status DownloadParams() { return absl::OkStatus(); }
+  // Sets the device gradient (the buffer ComputeGradientOnDevice hands out)
+  // to zeros: a retried step adds no new gradient (its gradient is already in
+  // the residual). No-op for CPU models.
+  virtual absl::Status ZeroDeviceGradient() { return absl::OkStatus(); }
   // The device parameter buffer (n floats, the model's storage) or null.
   virtual float* device_params() { return nullptr; }
   // ComputeGradient with the gradient left in device memory:

@@ -97,6 +97,14 @@ class TorchModel final : public Model {
     return absl::OkStatus();
   }
 
+  absl::Status ZeroDeviceGradient() override {
+    if (device_.is_cuda() && grad_device_.defined()) {
+      torch::NoGradGuard no_grad;
+      grad_device_.zero_();
+    }
+    return absl::OkStatus();
+  }
+
   float* device_params() override {
     return device_.is_cuda() ? flat_device_.data_ptr<float>() : nullptr;
   }

@@ -265,6 +265,10 @@ absl::Status ValidateOptions(const TrainerOptions& o) {
         "--steps, --train-limit, --test-limit, --eval-every and --compute-ms "
         "must be >= 0");
   }
+  if (o.step_retries < 0 || o.step_retries > 100) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--step-retries must be in [0, 100], got ", o.step_retries));
+  }
   if (o.threads < 1 || o.threads > 1024) {
     return absl::InvalidArgumentError(
         absl::StrCat("--threads must be in [1, 1024], got ", o.threads));
@@ -382,8 +386,16 @@ absl::Status RunTrainer(const TrainerOptions& o) {
                  static_cast<long long>(steps_per_epoch));
   }
 
-  GTOPK_ASSIGN_OR_RETURN(const int64_t start_step,
-                         client->SynchronizeParameters(params));
+  absl::StatusOr<int64_t> synced = client->SynchronizeParameters(params);
+  if (absl::IsFailedPrecondition(synced.status()) && o.step_retries > 0) {
+    // The shards are at different steps (one restarted behind while no
+    // worker was stepping): let the leader bring them together first.
+    std::fprintf(stderr, "rank %u: %s; recovering\n", rank,
+                 synced.status().ToString().c_str());
+    GTOPK_RETURN_IF_ERROR(client->Recover(params).status());
+    synced = client->SynchronizeParameters(params);
+  }
+  GTOPK_ASSIGN_OR_RETURN(const int64_t start_step, synced);
   // --device=cuda: the servers' parameters to the device model.
   GTOPK_RETURN_IF_ERROR(model->UploadParams());
   const Clock::time_point t_start = Clock::now();
@@ -421,11 +433,22 @@ absl::Status RunTrainer(const TrainerOptions& o) {
   std::vector<float> losses;
   double sent_total = 0, received_total = 0;
 
+  // Failed steps are retried through WorkerClient::Recover
+  // (docs/recovery.md): the leader brings the shards to one step (rolling
+  // them back when a restarted shard is behind) and this worker continues
+  // from there. `failures` counts consecutive failed attempts.
+  int failures = 0;
+  // Retrying the step that failed: its gradient is already in the residual
+  // (Step's contract), so the retry adds none.
+  bool resend_residual = false;
+  float loss = 0;
   for (int64_t step = start_step; step < total_steps; ++step) {
     const Clock::time_point t0 = Clock::now();
     const int64_t epoch = step / steps_per_epoch;
-    float loss = 0;
-    if (synthetic) {
+    if (resend_residual) {
+      std::fill(grad.begin(), grad.end(), 0.0f);
+      GTOPK_RETURN_IF_ERROR(model->ZeroDeviceGradient());
+    } else if (synthetic) {
       SyntheticModel::RandomGradient(o.seed, rank, step, absl::MakeSpan(grad));
       if (o.compute_ms > 0) {
         std::this_thread::sleep_for(std::chrono::milliseconds(o.compute_ms));
@@ -467,10 +490,59 @@ absl::Status RunTrainer(const TrainerOptions& o) {
     absl::StatusOr<StepStats> stats = StepOnce(*client, *model, grad,
                                                device_grad, params);
     if (!stats.ok()) {
-      return absl::Status(stats.status().code(),
-                          absl::StrCat("step ", step, ": ",
-                                       stats.status().message()));
+      absl::Status failure = stats.status();
+      bool from_recover = false;
+      int64_t resumed = -1;
+      while (resumed < 0) {
+        // FAILED_PRECONDITION from a step (a shard at another step) is what
+        // Recover repairs; from Recover it means it cannot.
+        const absl::StatusCode code = failure.code();
+        const bool retryable =
+            code == absl::StatusCode::kAborted ||
+            code == absl::StatusCode::kDeadlineExceeded ||
+            code == absl::StatusCode::kUnavailable ||
+            code == absl::StatusCode::kCancelled ||
+            (code == absl::StatusCode::kFailedPrecondition && !from_recover);
+        if (!retryable || failures >= o.step_retries) {
+          return absl::Status(
+              code,
+              absl::StrCat("step ", step, ": ",
+                           from_recover ? "recovery failed: " : "",
+                           failure.message(),
+                           failures > 0 ? absl::StrCat(" (after ", failures,
+                                                       " recovery attempt(s))")
+                                        : ""));
+        }
+        ++failures;
+        std::fprintf(stderr,
+                     "rank %u: step %lld failed: %s; recovering (attempt %d "
+                     "of %d)\n",
+                     rank, static_cast<long long>(step),
+                     failure.ToString().c_str(), failures, o.step_retries);
+        std::this_thread::sleep_for(std::chrono::milliseconds(
+            std::min(2000, 100 << std::min(failures - 1, 5))));
+        // --device=cuda: the device parameters are the current ones; Recover
+        // works on the host copy (and may re-download it), then back.
+        GTOPK_RETURN_IF_ERROR(model->DownloadParams());
+        absl::StatusOr<int64_t> next = client->Recover(params);
+        if (next.ok()) {
+          GTOPK_RETURN_IF_ERROR(model->UploadParams());
+          resumed = *next;
+        } else {
+          failure = next.status();
+          from_recover = true;
+        }
+      }
+      if (resumed != step) {
+        std::fprintf(stderr, "rank %u: continuing from step %lld\n", rank,
+                     static_cast<long long>(resumed));
+      }
+      resend_residual = resumed == step;
+      step = resumed - 1;  // the loop's ++step
+      continue;
     }
+    failures = 0;
+    resend_residual = false;
     const double seconds = SecondsSince(t0);
     if (metrics != nullptr) {
       metrics->RecordStep(*stats, absl::FromChrono(t_compute - t0),

@@ -39,6 +39,9 @@ struct TrainerOptions {
   // Where the worker registers its metrics (docs/metrics.md, "Worker"),
   // shared with main()'s exposer (--metrics-port); null: no metrics.
   std::shared_ptr<metrics::Registry> metrics_registry;
+  // Recovery attempts (WorkerClient::Recover) after a failed step before
+  // giving up, in [0, 100]; reset by every successful step.
+  int step_retries = 3;
 
   // Consistency checks against the servers' cluster spec (unset: no check).
   std::optional<std::string> mode, selector, index_codec, value_codec;
