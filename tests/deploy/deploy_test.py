@@ -879,6 +879,9 @@ def installed_closure(packages):
     return seen
 
 
+CUDA_TOOLKIT_PREFIX = "/usr/local/cuda"
+
+
 def library_owners(binary):
     """Debian packages owning the shared libraries `binary` loads
     ({package: library})."""
@@ -887,6 +890,12 @@ def library_owners(binary):
     candidates = {}
     for lib in libs:
         real = os.path.realpath(lib)
+        if real.startswith(CUDA_TOOLKIT_PREFIX):
+            # A build tree configured where nvcc exists links the CUDA
+            # runtime; the CPU image builds with -DGTOPK_CUDA=OFF (asserted
+            # in test_cpu_image_builds_without_cuda) and the CUDA image
+            # (Dockerfile.cuda) brings these libraries from its base.
+            continue
         paths = {lib, real}
         for p in list(paths):  # merged /usr: dpkg may know either spelling
             if p.startswith("/usr/lib/"):
@@ -936,6 +945,10 @@ class DockerfileTest(unittest.TestCase):
         self.assertTrue(self.cuda["worker"]["from"].startswith("nvidia/cuda:"))
         cuda_build = " ".join(self.cuda["build"]["lines"])
         self.assertIn("-DGTOPK_CUDA=ON", cuda_build)
+
+    def test_cpu_image_builds_without_cuda(self):
+        # library_owners skips the CUDA toolkit's libraries on that basis.
+        self.assertIn("-DGTOPK_CUDA=OFF", " ".join(self.cpu["build"]["lines"]))
 
     def test_images_run_as_the_non_root_user_of_the_manifests(self):
         for stages, stage in ((self.cpu, "server"), (self.cpu, "worker"),
