@@ -9,6 +9,11 @@
 #include <string>
 #include <vector>
 
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/string_view.h"
+
 namespace gtopk {
 
 // Returns argv with the name part of every "--name[=value]" / "-name"
@@ -27,6 +32,21 @@ inline std::vector<std::string> NormalizeFlagNames(int argc, char** argv) {
     }
   }
   return args;
+}
+
+// Makes `--help` list the program's own flags: Abseil's default shows only
+// flags defined in a file named after the program, and ours are defined in
+// `main_file` (a path suffix of the defining file, e.g. "server/main.cc").
+// `usage` is printed first. Call once, before absl::ParseCommandLine; both
+// arguments must outlive the program (string literals). Not thread-safe.
+inline void SetUpFlagsUsage(const char* usage, const char* main_file) {
+  absl::SetProgramUsageMessage(usage);
+  absl::FlagsUsageConfig config;
+  config.contains_help_flags = [main_file](absl::string_view file) {
+    return absl::EndsWith(file, main_file);
+  };
+  config.contains_helpshort_flags = config.contains_help_flags;
+  absl::SetFlagsUsageConfig(config);
 }
 
 }  // namespace gtopk

@@ -188,6 +188,11 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  gtopk::SetUpFlagsUsage(
+      "One gTop-k aggregator shard (shard 0 is the leader).\n"
+      "Flags are spelled with dashes or underscores; every flag is documented "
+      "in server/flags.md.",
+      "server/main.cc");
   std::vector<std::string> args = gtopk::NormalizeFlagNames(argc, argv);
   std::vector<char*> arg_pointers;
   for (std::string& a : args) arg_pointers.push_back(a.data());

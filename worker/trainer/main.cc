@@ -165,6 +165,11 @@ absl::Status Run() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  gtopk::SetUpFlagsUsage(
+      "One data-parallel worker training with gTop-k "
+      "sparsification.\nFlags are spelled with dashes or underscores; every "
+      "flag is documented in worker/flags.md.",
+      "worker/trainer/main.cc");
   std::vector<std::string> args = gtopk::NormalizeFlagNames(argc, argv);
   std::vector<char*> arg_pointers;
   for (std::string& a : args) arg_pointers.push_back(a.data());
