@@ -425,6 +425,15 @@ absl::StatusOr<int64_t> WorkerClient::Recover(absl::Span<float> params) {
   return step;
 }
 
+absl::StatusOr<StepStats> WorkerClient::BeginStep(uint64_t n) const {
+  StepStats stats;
+  stats.step = next_step_;
+  stats.bytes_sent.assign(shards_.size(), 0);
+  stats.bytes_received.assign(shards_.size(), 0);
+  GTOPK_ASSIGN_OR_RETURN(stats.k, rule_.KAt(next_step_, n));
+  return stats;
+}
+
 absl::Status WorkerClient::Exchange(int64_t step,
                                     const std::vector<v1::Push>& pushes,
                                     std::vector<v1::Pull>* pulls) {
@@ -582,11 +591,7 @@ absl::StatusOr<StepStats> WorkerClient::Step(absl::Span<const float> gradient,
   const size_t S = shards_.size();
   const int P = static_cast<int>(cluster_.num_workers());
   const int64_t step = next_step_;
-  StepStats stats;
-  stats.step = step;
-  stats.bytes_sent.assign(S, 0);
-  stats.bytes_received.assign(S, 0);
-  GTOPK_ASSIGN_OR_RETURN(stats.k, rule_.KAt(step, n));
+  GTOPK_ASSIGN_OR_RETURN(StepStats stats, BeginStep(n));
 
   absl::Time t = absl::Now();
   // Nothing changed when this fails (its contract).

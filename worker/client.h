@@ -234,6 +234,9 @@ class WorkerClient {
                std::unique_ptr<Selector> selector, CodecSpec codec,
                std::vector<std::unique_ptr<ShardConn>> shards);
 
+  // The start of both Step overloads: stats for step next_step_ (k, zeroed
+  // per-shard byte counts). Errors: KAt's.
+  absl::StatusOr<StepStats> BeginStep(uint64_t n) const;
   // Runs one push/pull exchange on every shard concurrently under the step
   // watchdog; fills pulls[s] or returns the combined error (and closes all
   // streams).

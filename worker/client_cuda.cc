@@ -126,11 +126,7 @@ absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
   const size_t S = shards_.size();
   const int P = static_cast<int>(cluster_.num_workers());
   const int64_t step = next_step_;
-  StepStats stats;
-  stats.step = step;
-  stats.bytes_sent.assign(S, 0);
-  stats.bytes_received.assign(S, 0);
-  GTOPK_ASSIGN_OR_RETURN(stats.k, rule_.KAt(step, n));
+  GTOPK_ASSIGN_OR_RETURN(StepStats stats, BeginStep(n));
 
   // u into the other buffer pair; committed once the selection succeeded.
   absl::Time t = absl::Now();

@@ -79,17 +79,33 @@ inline Status CudaError(cudaError_t error, const char* call, const char* file,
 namespace gtopk {
 namespace cuda {
 
-// Device memory for `size()` elements of T (uninitialised), freed on
-// destruction. Move-only. Allocation errors are returned by Allocate.
-template <typename T>
-class DeviceBuffer {
+// How a buffer gets and frees its memory: device memory (cudaMalloc) or
+// page-locked host memory (cudaMallocHost, the target of async copies).
+struct DeviceMemory {
+  static cudaError_t Allocate(void** p, size_t bytes) {
+    return cudaMalloc(p, bytes);
+  }
+  static void Free(void* p) { cudaFree(p); }  // cannot fail usefully here
+};
+struct PinnedMemory {
+  static cudaError_t Allocate(void** p, size_t bytes) {
+    return cudaMallocHost(p, bytes);
+  }
+  static void Free(void* p) { cudaFreeHost(p); }
+};
+
+// `size()` elements of T (uninitialised) in the memory `Memory` gives,
+// freed on destruction. Move-only. Allocation errors are returned by
+// Allocate (RESOURCE_EXHAUSTED when out of memory). Not thread-safe.
+template <typename T, typename Memory>
+class Buffer {
  public:
-  DeviceBuffer() = default;
-  ~DeviceBuffer() { Reset(); }
-  DeviceBuffer(DeviceBuffer&& o) noexcept
+  Buffer() = default;
+  ~Buffer() { Reset(); }
+  Buffer(Buffer&& o) noexcept
       : data_(std::exchange(o.data_, nullptr)),
         size_(std::exchange(o.size_, 0)) {}
-  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+  Buffer& operator=(Buffer&& o) noexcept {
     if (this != &o) {
       Reset();
       data_ = std::exchange(o.data_, nullptr);
@@ -97,21 +113,21 @@ class DeviceBuffer {
     }
     return *this;
   }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
 
   // Frees what was held and allocates `size` elements (none for 0).
   Status Allocate(size_t size) {
     Reset();
     if (size == 0) return Status::Ok();
     void* p = nullptr;
-    GTOPK_CUDA_RETURN_IF_ERROR(cudaMalloc(&p, size * sizeof(T)));
+    GTOPK_CUDA_RETURN_IF_ERROR(Memory::Allocate(&p, size * sizeof(T)));
     data_ = static_cast<T*>(p);
     size_ = size;
     return Status::Ok();
   }
   void Reset() {
-    if (data_ != nullptr) cudaFree(data_);  // cannot fail usefully here
+    if (data_ != nullptr) Memory::Free(data_);
     data_ = nullptr;
     size_ = 0;
   }
@@ -123,48 +139,10 @@ class DeviceBuffer {
   size_t size_ = 0;
 };
 
-// Page-locked host memory for `size()` elements of T, the target of async
-// device-to-host copies. Move-only.
 template <typename T>
-class PinnedBuffer {
- public:
-  PinnedBuffer() = default;
-  ~PinnedBuffer() { Reset(); }
-  PinnedBuffer(PinnedBuffer&& o) noexcept
-      : data_(std::exchange(o.data_, nullptr)),
-        size_(std::exchange(o.size_, 0)) {}
-  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept {
-    if (this != &o) {
-      Reset();
-      data_ = std::exchange(o.data_, nullptr);
-      size_ = std::exchange(o.size_, 0);
-    }
-    return *this;
-  }
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-
-  Status Allocate(size_t size) {
-    Reset();
-    if (size == 0) return Status::Ok();
-    void* p = nullptr;
-    GTOPK_CUDA_RETURN_IF_ERROR(cudaMallocHost(&p, size * sizeof(T)));
-    data_ = static_cast<T*>(p);
-    size_ = size;
-    return Status::Ok();
-  }
-  void Reset() {
-    if (data_ != nullptr) cudaFreeHost(data_);
-    data_ = nullptr;
-    size_ = 0;
-  }
-  T* get() const { return data_; }
-  size_t size() const { return size_; }
-
- private:
-  T* data_ = nullptr;
-  size_t size_ = 0;
-};
+using DeviceBuffer = Buffer<T, DeviceMemory>;
+template <typename T>
+using PinnedBuffer = Buffer<T, PinnedMemory>;
 
 }  // namespace cuda
 }  // namespace gtopk

@@ -836,30 +836,29 @@ Status SparseUpdater::Upload(const uint32_t* idx, const float* val,
   return Status::Ok();
 }
 
-Status SparseUpdater::Set(float* dst, uint64_t n, const uint32_t* idx,
-                          const float* val, uint64_t count,
-                          cudaStream_t stream) {
+Status SparseUpdater::Scatter(float* dst, uint64_t n, const uint32_t* idx,
+                              const float* val, uint64_t count, int subtract,
+                              cudaStream_t stream) {
   if (count == 0) return Status::Ok();
   GTOPK_CUDA_RETURN_IF_NOT_OK(Upload(idx, val, count, stream));
   const int blocks =
       static_cast<int>(std::min<uint64_t>((count + 255) / 256, 4096));
   ScatterKernel<<<blocks, 256, 0, stream>>>(dst, n, idx_.get(), val_.get(),
-                                            count, 0);
+                                            count, subtract);
   GTOPK_CUDA_LAUNCH_CHECK();
   return Status::Ok();
+}
+
+Status SparseUpdater::Set(float* dst, uint64_t n, const uint32_t* idx,
+                          const float* val, uint64_t count,
+                          cudaStream_t stream) {
+  return Scatter(dst, n, idx, val, count, /*subtract=*/0, stream);
 }
 
 Status SparseUpdater::Subtract(float* dst, uint64_t n, const uint32_t* idx,
                                const float* val, uint64_t count,
                                cudaStream_t stream) {
-  if (count == 0) return Status::Ok();
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Upload(idx, val, count, stream));
-  const int blocks =
-      static_cast<int>(std::min<uint64_t>((count + 255) / 256, 4096));
-  ScatterKernel<<<blocks, 256, 0, stream>>>(dst, n, idx_.get(), val_.get(),
-                                            count, 1);
-  GTOPK_CUDA_LAUNCH_CHECK();
-  return Status::Ok();
+  return Scatter(dst, n, idx, val, count, /*subtract=*/1, stream);
 }
 
 Status SparseUpdater::GlobalMomentum(float* params, float* velocity, uint64_t n,

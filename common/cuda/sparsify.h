@@ -193,6 +193,9 @@ class SparseUpdater {
  private:
   Status Upload(const uint32_t* idx, const float* val, uint64_t count,
                 cudaStream_t stream);
+  // Set (subtract = 0) or Subtract (1): upload, then one scatter kernel.
+  Status Scatter(float* dst, uint64_t n, const uint32_t* idx, const float* val,
+                 uint64_t count, int subtract, cudaStream_t stream);
   DeviceBuffer<uint32_t> idx_;
   DeviceBuffer<float> val_;
   DeviceBuffer<float> dense_;  // GlobalMomentum's update vector
