@@ -332,8 +332,14 @@ TEST(ExposerTest, ServesMetricsOverHttp) {
 // answered at once, not after their keep-alive timeout (5 s by default).
 TEST(ExposerTest, KeepAliveScrapersDoNotStarveOthers) {
   auto registry = std::make_shared<Registry>();
-  BuildCounter().Name("served_total").Help("h").Register(*registry).Add({}).Increment(1);
-  absl::StatusOr<std::unique_ptr<Exposer>> exposer = Exposer::Start("127.0.0.1:0");
+  BuildCounter()
+      .Name("served_total")
+      .Help("h")
+      .Register(*registry)
+      .Add({})
+      .Increment(1);
+  absl::StatusOr<std::unique_ptr<Exposer>> exposer =
+      Exposer::Start("127.0.0.1:0");
   ASSERT_TRUE(exposer.ok()) << exposer.status();
   (*exposer)->RegisterCollectable(registry);
   const int port = (*exposer)->port();
