@@ -159,6 +159,10 @@ class LowbwTest(unittest.TestCase):
                 runs[(m, 2)]["communication_seconds_p50"], 0.8 * floor, m)
             self.assertGreaterEqual(
                 runs[(m, 2)]["sent_bytes_per_worker_per_step"], 0.95 * 4 * N, m)
+            # ... and nothing but the gradient is sent: DDP used to also
+            # broadcast its n-float input buffer every step (~1.4 x 4n).
+            self.assertLessEqual(
+                runs[(m, 2)]["sent_bytes_per_worker_per_step"], 1.2 * 4 * N, m)
         self.assertLess(runs[("gtopk", 2)]["sent_bytes_per_worker_per_step"],
                         0.01 * runs[("dense", 2)]["sent_bytes_per_worker_per_step"])
         self.assertLess(runs[("gtopk", 2)]["communication_seconds_p50"],
