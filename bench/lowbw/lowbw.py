@@ -679,10 +679,10 @@ def preflight(a):
     for tool in ("ip", "tc"):
         if not shutil.which(tool):
             return "lowbw: `%s` not found; install iproute2" % tool
+    if a.cleanup:
+        return None  # needs only ip: no plot, no binaries, no torch
     if a.plot and not shutil.which("gnuplot"):
         return "lowbw: gnuplot not found; install gnuplot-nox (or pass --plot '')"
-    if a.cleanup:
-        return None
     for path in ((os.path.join(a.build_dir, "server", "gtopk-server"),
                   os.path.join(a.build_dir, "worker", "gtopk-worker"))
                  if set(a.methods) - {"ddp"} else ()):

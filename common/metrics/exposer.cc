@@ -42,6 +42,13 @@ absl::StatusOr<std::unique_ptr<Exposer>> Exposer::Start(
   });
   server.set_read_timeout(5, 0);
   server.set_write_timeout(5, 0);
+  // One request per connection, and at most 2 s for an idle connection's
+  // request: with httplib's defaults (100 requests, 5 s keep-alive) every
+  // scraper that keeps its connection open (Prometheus does) holds one of
+  // the two threads for 5 s after each scrape, so two of them made any
+  // other scrape wait 5 s, past a 1 s scrape_timeout.
+  server.set_keep_alive_max_count(1);
+  server.set_keep_alive_timeout(2);
   Exposer* self = exposer.get();
   server.Get("/metrics",
              [self](const httplib::Request&, httplib::Response& response) {

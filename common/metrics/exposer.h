@@ -25,8 +25,11 @@ class Exposer {
  public:
   // Listens on `bind_address` = "host:port" (port 0 picks a free port; e.g.
   // "0.0.0.0:9400") and serves GET /metrics (text format 0.0.4) from two
-  // threads of its own. Errors: INVALID_ARGUMENT for an address that is not
-  // host:port with a port in [0, 65535]; UNAVAILABLE when it cannot bind.
+  // threads of its own; one request per connection (Connection: close), so
+  // scrapers that keep connections open cannot hold those threads; an idle
+  // connection holds one for at most 2 s. Errors: INVALID_ARGUMENT for an
+  // address that is not host:port with a port in [0, 65535]; UNAVAILABLE when
+  // it cannot bind.
   static absl::StatusOr<std::unique_ptr<Exposer>> Start(
       const std::string& bind_address);
   // Stops listening and joins the server thread (in-flight scrapes finish).

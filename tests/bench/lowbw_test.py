@@ -159,6 +159,10 @@ class LowbwTest(unittest.TestCase):
                 runs[(m, 2)]["communication_seconds_p50"], 0.8 * floor, m)
             self.assertGreaterEqual(
                 runs[(m, 2)]["sent_bytes_per_worker_per_step"], 0.95 * 4 * N, m)
+            # ... and nothing but the gradient is sent: DDP used to also
+            # broadcast its n-float input buffer every step (~1.4 x 4n).
+            self.assertLessEqual(
+                runs[(m, 2)]["sent_bytes_per_worker_per_step"], 1.2 * 4 * N, m)
         self.assertLess(runs[("gtopk", 2)]["sent_bytes_per_worker_per_step"],
                         0.01 * runs[("dense", 2)]["sent_bytes_per_worker_per_step"])
         self.assertLess(runs[("gtopk", 2)]["communication_seconds_p50"],
@@ -187,6 +191,28 @@ class LowbwTest(unittest.TestCase):
         self.assertIn("fake worker: giving up", out)
         self.assert_nothing_left(p.pid)
         self.assertFalse(os.path.exists(os.path.join(self.tmp, "lowbw.json")))
+
+    def test_cleanup_removes_stale_namespaces_without_gnuplot(self):
+        # A run killed with SIGKILL leaves its namespaces; --cleanup must
+        # remove them with nothing but iproute2 on PATH (it used to demand
+        # gnuplot first and exit 2).
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        stale = "glbw%d-w0" % dead.pid
+        subprocess.run(["ip", "netns", "add", stale], check=True)
+        self.addCleanup(subprocess.run, ["ip", "netns", "del", stale],
+                        stderr=subprocess.DEVNULL)
+        bin_dir = os.path.join(self.tmp, "bin")
+        os.makedirs(bin_dir)
+        for tool in ("ip", "tc"):
+            os.symlink(shutil.which(tool), os.path.join(bin_dir, tool))
+        r = subprocess.run([PYTHON, HARNESS, "--cleanup"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, env=dict(os.environ, PATH=bin_dir),
+                           timeout=60)
+        self.assertEqual(r.returncode, 0, r.stdout)
+        self.assertIn(stale, r.stdout)
+        self.assertEqual(namespaces(stale), [])
 
     def test_sigint_mid_run_cleans_up(self):
         p = self.start(["--workers", "2", "--n", str(N), "--steps", "100000",

@@ -327,6 +327,39 @@ TEST(ExposerTest, ServesMetricsOverHttp) {
   EXPECT_EQ((*exposer)->Scrape(), "");
 }
 
+// Scrapers that keep their connection open (Prometheus does; an HA pair is
+// two of them) must not hold the exposer's two threads: a third scrape is
+// answered at once, not after their keep-alive timeout (5 s by default).
+TEST(ExposerTest, KeepAliveScrapersDoNotStarveOthers) {
+  auto registry = std::make_shared<Registry>();
+  BuildCounter()
+      .Name("served_total")
+      .Help("h")
+      .Register(*registry)
+      .Add({})
+      .Increment(1);
+  absl::StatusOr<std::unique_ptr<Exposer>> exposer =
+      Exposer::Start("127.0.0.1:0");
+  ASSERT_TRUE(exposer.ok()) << exposer.status();
+  (*exposer)->RegisterCollectable(registry);
+  const int port = (*exposer)->port();
+  std::vector<std::unique_ptr<httplib::Client>> holders;
+  for (int i = 0; i < 2; ++i) {
+    holders.push_back(std::make_unique<httplib::Client>("127.0.0.1", port));
+    holders.back()->set_keep_alive(true);
+    auto held = holders.back()->Get("/metrics");
+    ASSERT_TRUE(held);
+    EXPECT_EQ(held->status, 200);
+    // The exposer ends every connection after its response.
+    EXPECT_EQ(held->get_header_value("Connection"), "close");
+  }
+  httplib::Client third("127.0.0.1", port);
+  third.set_read_timeout(3, 0);  // below the 5 s keep-alive wait it replaced
+  auto response = third.Get("/metrics");
+  ASSERT_TRUE(response) << "the third scraper was not served within 3 s";
+  EXPECT_EQ(response->status, 200);
+}
+
 TEST(ExposerTest, RejectsBadAddresses) {
   for (const char* bad : {"", "nohostport", "127.0.0.1:65536", "127.0.0.1:x", ":80"}) {
     EXPECT_EQ(Exposer::Start(bad).status().code(),

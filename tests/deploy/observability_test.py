@@ -7,7 +7,11 @@ processes.
     every panel and query; job/instance variables, and job=~"$job",
     instance=~"$instance" matchers on every selector; $__rate_interval in
     every rate; unit, title and description on every panel; every metric
-    referenced is documented in docs/metrics.md. Also the provisioning files.
+    referenced is documented in docs/metrics.md; with the types documented
+    there: rate() only over counters/histogram series and every counter
+    under a rate(), histogram_quantile over _bucket aggregated by le, and
+    the panel unit matching the base unit (s, Bps, bytes). Also the
+    provisioning files.
   * ClusterMetricsTest (ctest observability_test): runs the local cluster
     (deploy/local/gtopk_local.py, real gtopk-server and gtopk-worker on a
     slice of Fashion-MNIST) with a real Prometheus, checks every process's
@@ -99,6 +103,86 @@ def lint_expr(expr, documented):
     return problems
 
 
+def call_argument(expr, open_paren):
+    """The text between expr[open_paren] == "(" and its matching ")"."""
+    depth = 0
+    for i in range(open_paren, len(expr)):
+        depth += {"(": 1, ")": -1}.get(expr[i], 0)
+        if depth == 0:
+            return expr[open_paren + 1:i]
+    return expr[open_paren + 1:]
+
+
+def lint_semantics(expr, types):
+    """Problems with what an expression computes, given the documented
+    metric types: rates of counters only, every counter under a rate,
+    histogram_quantile over rated _bucket series aggregated by le."""
+    problems = []
+    for a, b in ("()", "[]", "{}"):
+        if expr.count(a) != expr.count(b):
+            problems.append("unbalanced %s%s" % (a, b))
+    for m in METRIC_RE.finditer(expr):
+        name = m.group(1)
+        base = base_metric(name)
+        kind = types.get(name) or types.get(base)
+        if kind is None:
+            continue  # reported as undocumented
+        if kind == "histogram" and name == base:
+            problems.append("histogram %s used without _bucket/_sum/_count"
+                            % name)
+            continue
+        cumulative = kind in ("counter", "histogram")
+        under_rate = re.search(r"\b(rate|irate|increase)\s*\(\s*$",
+                               expr[:m.start()]) is not None
+        if cumulative and not under_rate:
+            problems.append("%s %s is cumulative: wrap it in rate()"
+                            % (kind, name))
+        if not cumulative and under_rate:
+            problems.append("rate() of %s %s: rate is for counters"
+                            % (kind, name))
+    for m in re.finditer(r"\bhistogram_quantile\s*\(", expr):
+        arg = call_argument(expr, m.end() - 1)
+        names = [n.group(1) for n in METRIC_RE.finditer(arg)]
+        if not names or any(not n.endswith("_bucket") for n in names):
+            problems.append("histogram_quantile over %s: needs _bucket "
+                            "series" % (names or "nothing"))
+        if re.search(r"\b(sum|avg|min|max|count)\b", arg) and not \
+                re.search(r"\bby\s*\([^)]*\ble\b", arg):
+            problems.append("histogram_quantile aggregates without "
+                            "'by (..., le)'")
+    return problems
+
+
+BYTES_PER_SECOND_UNITS = ("Bps", "binBps", "decBps")
+BYTES_UNITS = ("bytes", "decbytes")
+
+
+def expected_units(expr, types):
+    """The Grafana units an expression's base unit allows, or None when the
+    lint cannot tell (dimensionless ratios, counts, CPU cores)."""
+    names = [m.group(1) for m in METRIC_RE.finditer(expr)]
+    if not names:
+        return None
+    bases = {base_metric(n) for n in names}
+    if "histogram_quantile" in expr or (
+            "/" in expr and len(bases) == 1 and
+            {n[len(next(iter(bases))):] for n in names} == {"_sum",
+                                                           "_count"}):
+        base = next(iter(bases))
+        return ("s",) if base.endswith("_seconds") else None
+    if "/" in expr or len(bases) != 1:
+        return None
+    base = next(iter(bases))
+    if base.endswith("_bytes_total") and re.search(r"\b(i?rate)\s*\(",
+                                                   expr):
+        return BYTES_PER_SECOND_UNITS
+    if types.get(base) == "gauge" and base.endswith("_seconds"):
+        return ("s",)
+    if types.get(base) == "gauge" and base.endswith("_bytes"):
+        return BYTES_UNITS
+    return None
+
+
 def lint_dashboard(d, documented):
     """Problems of one dashboard (a list of strings; empty = clean)."""
     problems = []
@@ -147,12 +231,24 @@ def lint_dashboard(d, documented):
                 problems.append("%s query %s: empty" % (where, t.get("refId")))
             problems += ["%s query %s: %s" % (where, t.get("refId"), e)
                          for e in lint_expr(expr, documented)]
+            if documented is not None:
+                problems += ["%s query %s: %s" % (where, t.get("refId"), e)
+                             for e in lint_semantics(expr, documented)]
+                units = expected_units(expr, documented)
+                unit = p.get("fieldConfig", {}).get("defaults", {}).get("unit")
+                if units is not None and unit and unit not in units:
+                    problems.append(
+                        "%s query %s: unit %r does not match the query's "
+                        "base unit (one of %s)" % (where, t.get("refId"), unit,
+                                                   ", ".join(units)))
     return problems
 
 
 def documented_metrics():
+    """Metric name -> type (counter, gauge, histogram) from docs/metrics.md."""
     with open(METRICS_DOC) as f:
-        return set(re.findall(r"^\| `([a-z_:]+)` \|", f.read(), re.M))
+        return dict(re.findall(r"^\| `([a-z_:]+)` \| (\w+) \|", f.read(),
+                               re.M))
 
 
 def substitute(expr):
@@ -196,6 +292,54 @@ class DashboardLintTest(unittest.TestCase):
                          "has no instance", "must use [$__rate_interval]",
                          "gtopk_unknown_total is not documented"):
             self.assertIn(expected, problems)
+
+    def test_the_lint_catches_wrong_queries_and_units(self):
+        # Each mutation of the real dashboard makes a panel show something
+        # meaningless while every query still returns series (so the
+        # Prometheus evaluation in ClusterMetricsTest cannot catch it).
+        documented = documented_metrics()
+        with open(os.path.join(ROOT, "dashboards", "gtopk.json")) as f:
+            original = json.load(f)
+        self.assertEqual(lint_dashboard(original, documented), [])
+        m = '{job=~"$job",instance=~"$instance"}'
+        r = "[$__rate_interval]"
+        mutations = [
+            ("Training loss", None, "rate(gtopk_worker_loss%s%s)" % (m, r),
+             "rate() of gauge gtopk_worker_loss"),
+            ("Resident memory", None,
+             "increase(process_resident_memory_bytes%s%s)" % (m, r),
+             "rate() of gauge process_resident_memory_bytes"),
+            ("Bytes/s sent per worker", None,
+             "sum by (instance) (gtopk_worker_sent_bytes_total%s)" % m,
+             "gtopk_worker_sent_bytes_total is cumulative"),
+            ("Step latency p50 / p99", None,
+             "histogram_quantile(0.99, sum by (instance) (rate("
+             "gtopk_worker_step_duration_seconds_bucket%s%s)))" % (m, r),
+             "without 'by (..., le)'"),
+            ("Step latency p50 / p99", None,
+             "histogram_quantile(0.99, sum by (le) (rate("
+             "gtopk_worker_step_duration_seconds_sum%s%s)))" % (m, r),
+             "needs _bucket series"),
+            ("Step latency p50 / p99", None,
+             "histogram_quantile(0.99, sum by (le) ("
+             "gtopk_worker_step_duration_seconds_bucket%s))" % m,
+             "_bucket is cumulative"),
+            ("CPU", None, "rate(process_cpu_seconds_total%s%s" % (m, r),
+             "unbalanced ()"),
+            ("Step latency p50 / p99", "ms", None, "unit 'ms'"),
+            ("Wait for pulls per worker", "percent", None, "unit 'percent'"),
+            ("Bytes/s sent per worker", "bytes", None, "unit 'bytes'"),
+            ("Resident memory", "Bps", None, "unit 'Bps'"),
+        ]
+        for title, unit, expr, expected in mutations:
+            d = json.loads(json.dumps(original))
+            panel = [p for p in panels_of(d) if p["title"] == title][0]
+            if unit is not None:
+                panel["fieldConfig"]["defaults"]["unit"] = unit
+            if expr is not None:
+                panel["targets"][0]["expr"] = expr
+            problems = "\n".join(lint_dashboard(d, documented))
+            self.assertIn(expected, problems, (title, unit, expr))
 
     def test_provisioning_points_at_the_dashboards_datasource(self):
         with open(os.path.join(PROVISIONING, "datasources",
