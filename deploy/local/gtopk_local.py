@@ -55,6 +55,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 
 FASHION_MNIST_TRAIN_SAMPLES = 60000
 LOOPBACK = "127.0.0.1"
@@ -669,9 +670,12 @@ class Launcher:
                         addr, self.args.ready_timeout)))
             time.sleep(0.1)
 
-    def start_workers(self):
+    def pick_worker_metrics_ports(self):
+        """Before Prometheus starts: its scrape config names them."""
         self.worker_metrics = ["%s:%d" % (LOOPBACK, p)
                                for p in pick_free_ports(self.args.workers)]
+
+    def start_workers(self):
         for w in range(self.args.workers):
             c = Child("worker", w, self.worker_argv(w),
                       os.path.join(self.run_dir, "worker-%d.log" % w))
@@ -725,6 +729,12 @@ class Launcher:
         self.prometheus.start()
         self.prometheus_url = "http://%s" % listen
         self.write_pids()
+        if not wait_http_ready(self.prometheus_url + "/-/ready", 15.0,
+                               self.prometheus):
+            log(self.failure_text(self.prometheus, "is not ready at %s after "
+                                  "15 s; training continues without it" %
+                                  self.prometheus_url))
+            return
         log("prometheus on %s (scraping %d server(s) and %d worker(s) every "
             "%s; data in %s)" % (self.prometheus_url, len(self.servers),
                                  len(self.workers), a.scrape_interval, data))
@@ -918,10 +928,13 @@ class Launcher:
                self.steps_per_epoch, a.epochs,
                ", at most %d steps" % a.steps if a.steps else ""))
         self.start_servers()
+        self.pick_worker_metrics_ports()
+        # Prometheus before the workers, so that their first steps are
+        # scraped too.
+        self.start_prometheus()
         self.start_workers()
         log("metrics: servers %s, workers %s" % (
             ",".join(self.server_metrics), ",".join(self.worker_metrics)))
-        self.start_prometheus()
         self.monitor()
         codes = self.stop_servers()
         if self.prometheus is not None:
@@ -950,6 +963,25 @@ class UsageError(Exception):
 def indent(text, prefix="    | "):
     return "\n".join(prefix + line for line in text.splitlines()) or \
         prefix + "(empty log)"
+
+
+def wait_http_ready(url, timeout_s, child):
+    """True once GET url answers 200 within timeout_s; False when the time is
+    up or `child` exited first."""
+    deadline = time.monotonic() + timeout_s
+    # No proxy: the URL is on loopback whatever http_proxy says.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            return False
+        try:
+            with opener.open(url, timeout=1.0) as r:
+                if r.status == 200:
+                    return True
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    return False
 
 
 def main(argv=None):
