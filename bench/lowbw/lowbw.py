@@ -4,7 +4,8 @@ modes) vs PyTorch DistributedDataParallel (gloo), side by side over the same
 rate-limited links. Needs root (network namespaces, tc).
 
   /usr/bin/python3 bench/lowbw/lowbw.py                 # make bench-lowbw
-  /usr/bin/python3 bench/lowbw/lowbw.py --workers 2 --n 1000000 --steps 10
+  /usr/bin/python3 bench/lowbw/lowbw.py --workers 2 --n 1000000 --steps 10 \
+      --out /tmp/lowbw.json --plot /tmp/lowbw.png   # a quick look; keeps bench/results
   /usr/bin/python3 bench/lowbw/lowbw.py --cleanup        # stale namespaces
 
 Network. One network namespace per host: every worker rank (w0..w{P-1}) and
