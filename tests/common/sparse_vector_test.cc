@@ -2,7 +2,9 @@
 
 #include <cmath>
 #include <limits>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/testing/status_matchers.h"
 #include "gtest/gtest.h"
 #include "tests/testing/reference.h"
@@ -59,6 +61,42 @@ TEST(SparseVectorTest, ValidateFiniteNamesPosition) {
                                  "position 3")));
   x.resize(3);
   GTOPK_EXPECT_OK(ValidateFinite(x, "gradient"));
+}
+
+// The blocked scan against a plain loop: every fault kind at positions
+// around the 1024-float blocks, in sizes that are and are not multiples of a
+// block; the first fault is the one named, with its position.
+TEST(SparseVectorTest, ValidateFiniteFindsTheFirstFaultAcrossBlocks) {
+  const float faults[] = {NAN, -NAN, INFINITY, -INFINITY};
+  const float fine[] = {std::numeric_limits<float>::max(),
+                        -std::numeric_limits<float>::max(),
+                        std::numeric_limits<float>::denorm_min(), -0.0f};
+  for (size_t n : {1u, 1023u, 1024u, 1025u, 3000u, 4096u}) {
+    std::vector<float> x(n, 0.5f);
+    for (size_t j = 0; j < n; ++j) x[j] = fine[j % 4];
+    GTOPK_EXPECT_OK(ValidateFinite(x, "v")) << n;
+    for (size_t pos : {size_t{0}, size_t{1}, size_t{1022}, size_t{1023},
+                       size_t{1024}, size_t{2047}, n - 1}) {
+      if (pos >= n) continue;
+      for (float f : faults) {
+        std::vector<float> y = x;
+        y[pos] = f;
+        if (pos + 7 < n) y[pos + 7] = NAN;  // a later fault is not named
+        size_t expected = n;  // the plain reference
+        for (size_t j = 0; j < n; ++j) {
+          if (!std::isfinite(y[j])) {
+            expected = j;
+            break;
+          }
+        }
+        ASSERT_EQ(expected, pos);
+        EXPECT_THAT(ValidateFinite(y, "v"),
+                    StatusIs(absl::StatusCode::kInvalidArgument,
+                             HasSubstr(absl::StrCat("at position ", pos))))
+            << "n " << n << " pos " << pos << " fault " << f;
+      }
+    }
+  }
 }
 
 TEST(SparseVectorTest, EqualityIsBitwise) {
