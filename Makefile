@@ -122,7 +122,7 @@ demo: deps
 	python3 deploy/local/gtopk_local.py --config deploy/cluster.env --name $(NAME) \
 	  --workers $(WORKERS) --shards $(SHARDS) --model $(MODEL) \
 	  --mode $(MODE) --selection $(SELECTION) --density $(DENSITY) \
-	  $(if $(strip $(DENSITY_WARMUP)),--density-warmup $(DENSITY_WARMUP)) \
+	  --density-warmup '$(strip $(DENSITY_WARMUP))' \
 	  --selector $(SELECTOR) --epochs $(EPOCHS) $(if $(strip $(STEPS)),--steps $(STEPS)) \
 	  --batch-size $(BATCH) --lr $(LR) --momentum $(MOMENTUM) \
 	  --momentum-mode $(MOMENTUM_MODE) --seed $(SEED) \

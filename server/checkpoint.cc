@@ -588,6 +588,9 @@ absl::Status LinkReplacing(const std::string& dir, uint32_t shard_id,
     ::unlink(tmp.c_str());
     return ErrnoStatus(err, absl::StrCat("rename ", tmp, " to"), to);
   }
+  // When `to` already was a link to the same file, POSIX rename() does
+  // nothing and succeeds, leaving `tmp` behind: remove it (ENOENT otherwise).
+  ::unlink(tmp.c_str());
   return absl::OkStatus();
 }
 

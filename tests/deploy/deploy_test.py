@@ -1245,6 +1245,32 @@ class ConsistencyTest(unittest.TestCase):
             self.assertEqual(make.get(var), self.env[key],
                              "Makefile %s vs cluster.env %s" % (var, key))
 
+    def test_make_demo_variables_reach_the_launcher(self):
+        # `make demo VAR=value` must reach the servers' flags; an empty
+        # DENSITY_WARMUP means "no warm-up" (README), not cluster.env's.
+        def server_flags(*assignments):
+            r = run(["make", "-n", "--no-print-directory", "-C", ROOT, "demo"]
+                    + list(assignments))
+            self.assertEqual(r.returncode, 0, r.stderr)
+            text = re.sub(r"\\\n", " ", r.stdout)
+            line = [l for l in text.splitlines() if "gtopk_local.py" in l][-1]
+            argv = shlex.split(line)
+            args = argv[argv.index([a for a in argv
+                                    if a.endswith("gtopk_local.py")][0]) + 1:]
+            i = args.index("--config")  # relative to ROOT; launcher_argv's
+            del args[i:i + 2]
+            return flag_dict(launcher_argv(args)[0])
+        self.assertEqual(server_flags().get("density_warmup"),
+                         self.env["GTOPK_DENSITY_WARMUP"])
+        self.assertEqual(server_flags("DENSITY_WARMUP=dgc")["density_warmup"],
+                         "dgc")
+        self.assertNotIn("density_warmup", server_flags("DENSITY_WARMUP="))
+        f = server_flags("WORKERS=3", "SHARDS=3", "MODE=dense",
+                         "DENSITY=0.01", "SELECTOR=gaussiank")
+        self.assertEqual((f["workers"], f["num_shards"], f["mode"],
+                          f["density"], f["selector"]),
+                         ("3", "3", "dense", "0.01", "gaussiank"))
+
     def test_readme_documents_every_variable(self):
         with open(os.path.join(ROOT, "README.md")) as f:
             readme = f.read()

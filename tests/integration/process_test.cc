@@ -365,6 +365,32 @@ TEST(ProcessTest, TrainersRecoverWhenARestartedShardIsBehind) {
   std::string cleanup = "rm -rf " + dir;
   EXPECT_EQ(system(cleanup.c_str()), 0);
 }
+
+// An unwritable --summary-json is reported before the run (not after every
+// step of it): here the leader does not exist and the join would wait its
+// 30 s deadline, so an exit within 10 s naming the flag proves the check
+// comes first.
+TEST(ProcessTest, TrainerRejectsAnUnwritableSummaryBeforeJoining) {
+  char dir_template[] = "/tmp/gtopk_process_summary_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  auto ports = server::PickFreePorts(1);
+  ASSERT_TRUE(ports.ok()) << ports.status();
+  const std::string log = dir + "/worker.log";
+  const pid_t pid =
+      Spawn(GTOPK_WORKER_BINARY,
+            {absl::StrCat("--server=127.0.0.1:", (*ports)[0]),
+             "--model=synthetic:100", "--steps=1", "--rpc-timeout-s=30",
+             absl::StrCat("--summary-json=", dir, "/no-such-dir/worker.json")},
+            log);
+  EXPECT_EQ(WaitExit(pid, absl::Seconds(10)), 1) << ReadAllText(log);
+  EXPECT_NE(ReadAllText(log).find("--summary-json"), std::string::npos)
+      << ReadAllText(log);
+  EXPECT_NE(ReadAllText(log).find("no-such-dir/worker.json"), std::string::npos)
+      << ReadAllText(log);
+  std::string cleanup = "rm -rf " + dir;
+  EXPECT_EQ(system(cleanup.c_str()), 0);
+}
 #else
 TEST(ProcessTest, TrainersRecoverWhenARestartedShardIsBehind) {
   GTEST_SKIP() << "gtopk-worker is not built (libtorch-dev missing)";

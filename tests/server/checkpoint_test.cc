@@ -267,6 +267,23 @@ TEST_F(CheckpointTest, HistoryRetainsTheNewestReadsByStepAndRewinds) {
               StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
+// The restart path: the restored checkpoint is retained again under the step
+// whose history entry is already a hard link to the same file, and a rollback
+// to the step the shard is at links the entry back over the same file. POSIX
+// rename() of two links to one inode does nothing and succeeds, so the temp
+// name must be removed explicitly (a leaked temp link pins an old checkpoint's
+// disk space after the history is pruned).
+TEST_F(CheckpointTest, RetainingOrRewindingOntoTheSameFileLeavesNoTempFile) {
+  GTOPK_ASSERT_OK(WriteCheckpoint(dir_, Make(1, 2, 10, 5, 10, 4, true, 4)));
+  GTOPK_ASSERT_OK(RetainCheckpoint(dir_, 1, 4, /*keep=*/2));
+  GTOPK_ASSERT_OK(RetainCheckpoint(dir_, 1, 4, /*keep=*/2));
+  EXPECT_THAT(ListDir(), ElementsAre("shard-1.ckpt", "shard-1.step-4.ckpt"));
+  GTOPK_ASSERT_OK(RewindCheckpoints(dir_, 1, 4));
+  EXPECT_THAT(ListDir(), ElementsAre("shard-1.ckpt", "shard-1.step-4.ckpt"));
+  GTOPK_ASSERT_OK_AND_ASSIGN(ShardCheckpoint current, ReadCheckpoint(dir_, 1));
+  ExpectSame(current, Make(1, 2, 10, 5, 10, 4, true, 4));
+}
+
 // ---------------------------------------------------------------------------
 // Round trips.
 

@@ -311,6 +311,18 @@ absl::Status ValidateOptions(const TrainerOptions& o) {
 
 absl::Status RunTrainer(const TrainerOptions& o) {
   GTOPK_RETURN_IF_ERROR(ValidateOptions(o));
+  if (!o.summary_json.empty()) {
+    // Fail now, not after the whole run: the summary goes through <path>.tmp.
+    const std::string tmp = o.summary_json + ".tmp";
+    std::FILE* f = std::fopen(tmp.c_str(), "a");
+    if (f == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--summary-json=", o.summary_json, ": cannot write ",
+                       tmp, ": ", std::strerror(errno)));
+    }
+    std::fclose(f);
+    std::remove(tmp.c_str());
+  }
   GTOPK_ASSIGN_OR_RETURN(const uint64_t synthetic_n, SyntheticSize(o.model));
   const bool synthetic = synthetic_n > 0;
 
