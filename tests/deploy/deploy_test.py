@@ -16,8 +16,10 @@ One ctest test per class (label `deploy`), e.g.
                     service_healthy, Grafana's provisioning mounts
   KustomizeTest     `kubectl kustomize` renders every overlay; StatefulSet,
                     headless Service, PDB, Indexed Job, ConfigMaps,
-                    NetworkPolicy semantics, monitors, annotations, GPU
-                    requests
+                    NetworkPolicy semantics, monitors, annotations; the
+                    gpu overlay's workers pass --device=cuda, run the CUDA
+                    image and hold an nvidia.com/gpu limit, the cpu
+                    overlay's none of these
   SchemaTest        every rendered object against the Kubernetes and
                     Prometheus Operator schemas, unknown fields, container
                     rules (deploy/validate/validate.mjs, npm packages locked
@@ -28,7 +30,13 @@ One ctest test per class (label `deploy`), e.g.
                     folder CMake needs is copied, the targets exist, the
                     runtime stages' packages (and their dependencies) own
                     every library the built binaries load, non-root user
-                    10001 as in the manifests, ports, HEALTHCHECK
+                    10001 as in the manifests, ports, HEALTHCHECK;
+                    Dockerfile.cuda builds with -DGTOPK_CUDA=ON and Torch_DIR
+                    at the libtorch of the named context `libtorch`
+                    (nothing downloaded), its runtime stage copies
+                    libtorch's lib/ to the linked path and checks it with
+                    deploy/docker/ldd-check.sh, which is tested on a
+                    program with a library of its own
   FlagsTest         every flag the images, compose, Kubernetes and the
                     launcher pass exists in the built binaries (--helpfull),
                     both entrypoints print their usage, and two shards
@@ -85,8 +93,9 @@ SERVER_JOB, WORKER_JOB = "gtopk-server", "gtopk-worker"
 # identities); every other flag must be identical everywhere.
 SERVER_LOCAL_FLAGS = {"listen", "shard_id", "peers", "checkpoint_dir",
                       "metrics_port"}
+# --device: the hardware the deployment runs on (the gpu overlay: cuda).
 WORKER_LOCAL_FLAGS = {"server", "rank", "summary_json", "metrics_port",
-                      "data_dir"}
+                      "data_dir", "device"}
 
 INSTALL_HINT = {
     "docker-compose": "apt-get install docker-compose (or `make deps`)",
@@ -667,6 +676,43 @@ class KustomizeTest(unittest.TestCase):
         self.assertTrue(container(one(gpu, "Job", "gtopk-worker"), "worker")
                         ["image"].startswith("gtopk-worker-cuda:"))
 
+    def test_gpu_workers_train_with_device_cuda_and_cpu_workers_do_not(self):
+        """A container holding a GPU must use it: every worker container of
+        the gpu overlay passes --device=cuda, runs the CUDA image and has an
+        nvidia.com/gpu limit (= its request, as Kubernetes requires for
+        extended resources); the cpu overlay's pass no --device=cuda (absent
+        or cpu), run the CPU image and hold no GPU; shards never do."""
+        for overlay, gpu in (("cpu", False), ("gpu", True)):
+            _, objs = render(overlay)
+            job = one(objs, "Job", "gtopk-worker")
+            cs = job["spec"]["template"]["spec"]["containers"]
+            workers = [c for c in cs if c["image"].split(":")[0] in
+                       ("gtopk-worker", "gtopk-worker-cuda")]
+            self.assertEqual(len(workers), 1, overlay)
+            for c in workers:
+                where = "%s overlay, container %s" % (overlay, c["name"])
+                device = flag_dict(k8s_args(objs, job, c["name"])).get(
+                    "device", "cpu")
+                limits = c.get("resources", {}).get("limits", {})
+                requests = c.get("resources", {}).get("requests", {})
+                if gpu:
+                    self.assertEqual(device, "cuda", where)
+                    self.assertGreaterEqual(int(limits.get(
+                        "nvidia.com/gpu", 0)), 1, where)
+                    self.assertEqual(requests.get("nvidia.com/gpu"),
+                                     limits["nvidia.com/gpu"], where)
+                    self.assertTrue(c["image"].startswith(
+                        "gtopk-worker-cuda:"), where)
+                else:
+                    self.assertEqual(device, "cpu", where)
+                    self.assertNotIn("nvidia.com/gpu", limits, where)
+                    self.assertNotIn("nvidia.com/gpu", requests, where)
+                    self.assertFalse(c["image"].startswith(
+                        "gtopk-worker-cuda"), where)
+            sts = one(objs, "StatefulSet", "gtopk-shard")
+            self.assertNotIn("device", flag_dict(k8s_args(objs, sts,
+                                                          "shard")))
+
 
 class SchemaTest(unittest.TestCase):
     def validate(self, paths):
@@ -945,6 +991,144 @@ class DockerfileTest(unittest.TestCase):
         self.assertTrue(self.cuda["worker"]["from"].startswith("nvidia/cuda:"))
         cuda_build = " ".join(self.cuda["build"]["lines"])
         self.assertIn("-DGTOPK_CUDA=ON", cuda_build)
+
+    def copies(self, stages, stage):
+        """[(from or None, [sources], dest)] of the stage's COPY lines."""
+        out = []
+        for l in stages[stage]["lines"]:
+            if not l.startswith("COPY "):
+                continue
+            words = l.split()[1:]
+            frm = None
+            opts = [w for w in words if w.startswith("--")]
+            for o in opts:
+                if o.startswith("--from="):
+                    frm = o[len("--from="):]
+            paths = [w for w in words if not w.startswith("--")]
+            out.append((frm, paths[:-1], paths[-1]))
+        return out
+
+    def test_cuda_image_builds_against_the_copied_libtorch(self):
+        """Dockerfile.cuda: the libtorch comes from the named context
+        `libtorch` (a stage of that name, empty by default, that
+        --build-context libtorch=DIR replaces), CMake finds it through
+        Torch_DIR at the copied directory, with the CUDA kernels on; Ubuntu's
+        CPU-only libtorch is not installed; nothing is downloaded."""
+        path = os.path.join(DEPLOY, "docker", "Dockerfile.cuda")
+        with open(path) as f:
+            text = f.read()
+        self.assertEqual(self.cuda["libtorch"]["from"], "scratch")
+        self.assertEqual(self.cuda["libtorch"]["lines"], [])
+        dests = [d for frm, srcs, d in self.copies(self.cuda, "build")
+                 if frm == "libtorch" and srcs == ["/"]]
+        self.assertEqual(len(dests), 1, "the build stage copies the libtorch "
+                         "context once, whole")
+        libtorch = dests[0].rstrip("/")
+        build = " ".join(self.cuda["build"]["lines"])
+        self.assertIn("-DGTOPK_CUDA=ON", build)
+        torch_dirs = re.findall(r"-DTorch_DIR=(\S+)", build)
+        self.assertEqual(torch_dirs, [libtorch + "/share/cmake/Torch"])
+        # The build refuses a missing, CPU-only or old-ABI libtorch.
+        self.assertIn("test -f %s/share/cmake/Torch/TorchConfig.cmake"
+                      % libtorch, build)
+        self.assertIn("%s/lib/libtorch_cuda.so" % libtorch, build)
+        self.assertIn("_GLIBCXX_USE_CXX11_ABI=1", build)
+        for stage in self.cuda:
+            self.assertFalse([p for p in self.cuda[stage]["packages"]
+                              if p.startswith("libtorch")],
+                             "%s installs a distribution libtorch (CPU-only)"
+                             % stage)
+        # No download: no URL, no fetching tool, no ADD (which fetches).
+        code = "\n".join(l for st in self.cuda.values() for l in st["lines"])
+        self.assertNotRegex(text, r"(?i)https?://|ftp://")
+        self.assertNotRegex(code, r"(?m)\b(curl|wget|git clone|pip)\b|^ADD ")
+        self.assertIn("--build-context libtorch=", text)
+
+    def test_cuda_runtime_stage_has_the_libtorch_libraries(self):
+        """The runtime stage copies libtorch's lib/ to the path the build
+        linked against (the binary's RUNPATH) before it checks, with
+        ldd-check.sh, that every library of the installed binary resolves
+        and that libtorch's come from there."""
+        build_dest = [d for frm, srcs, d in self.copies(self.cuda, "build")
+                      if frm == "libtorch"][0].rstrip("/")
+        want_lib = build_dest + "/lib"
+        copies = self.copies(self.cuda, "worker")
+        lib_copies = [i for i, (frm, srcs, d) in enumerate(copies)
+                      if d.rstrip("/") == want_lib and (
+                          (frm == "libtorch" and
+                           [s.strip("/") for s in srcs] == ["lib"]) or
+                          (frm == "build" and
+                           [s.rstrip("/") for s in srcs] == [want_lib]))]
+        self.assertEqual(len(lib_copies), 1, "the worker stage must copy "
+                         "libtorch's lib/ to %s: %s" % (want_lib, copies))
+        binary = [i for i, (frm, srcs, d) in enumerate(copies)
+                  if frm == "build" and srcs == ["/build/worker/gtopk-worker"]]
+        self.assertEqual(len(binary), 1)
+        check = [(i, d) for i, (frm, srcs, d) in enumerate(copies)
+                 if frm is None and srcs == ["deploy/docker/ldd-check.sh"]]
+        self.assertEqual(len(check), 1)
+        check_bin = check[0][1]
+        lines = self.cuda["worker"]["lines"]
+        runs = [l for l in lines if l.startswith("RUN ") and
+                os.path.basename(check_bin) in l]
+        self.assertEqual(len(runs), 1)
+        argv = shlex.split(runs[0][len("RUN "):])
+        self.assertEqual(argv[:2], [os.path.basename(check_bin),
+                                    "/usr/local/bin/gtopk-worker"])
+        for lib in ("libtorch.so", "libtorch_cuda.so", "libc10.so",
+                    "libc10_cuda.so"):
+            self.assertIn("%s=%s" % (lib, want_lib), argv[2:])
+        # The check runs after both copies.
+        copy_lines = [l for l in lines if l.startswith("COPY ")]
+        run_at = lines.index(runs[0])
+        for i in lib_copies + binary + [check[0][0]]:
+            self.assertLess(lines.index(copy_lines[i]), run_at)
+
+    def test_ldd_check_finds_missing_and_misplaced_libraries(self):
+        """deploy/docker/ldd-check.sh against a program linking a library of
+        our own (RUNPATH to its directory): passes while it resolves, fails
+        when it is gone or comes from another directory; passes on the
+        built gtopk-worker."""
+        script = os.path.join(DEPLOY, "docker", "ldd-check.sh")
+        cc = shutil.which("cc") or shutil.which("gcc")
+        self.assertIsNotNone(cc, "a C compiler (build-essential)")
+        with tempfile.TemporaryDirectory() as tmp:
+            libdir = os.path.join(tmp, "opt", "lib")
+            os.makedirs(libdir)
+            with open(os.path.join(tmp, "f.c"), "w") as f:
+                f.write("int gtopk_f(void) { return 7; }\n")
+            with open(os.path.join(tmp, "m.c"), "w") as f:
+                f.write("int gtopk_f(void);\nint main(void) "
+                        "{ return gtopk_f() - 7; }\n")
+            lib = os.path.join(libdir, "libgtopkf.so")
+            exe = os.path.join(tmp, "prog")
+            for argv in ([cc, "-shared", "-fPIC", "-o", lib,
+                          os.path.join(tmp, "f.c")],
+                         [cc, "-o", exe, os.path.join(tmp, "m.c"), "-L",
+                          libdir, "-lgtopkf", "-Wl,-rpath," + libdir]):
+                r = run(argv)
+                self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertEqual(run([exe]).returncode, 0)
+
+            def check(*args):
+                return run(["sh", script, exe] + list(args))
+            r = check("libgtopkf.so=" + libdir)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            r = check("libgtopkf.so=" + tmp)
+            self.assertEqual(r.returncode, 1)
+            self.assertIn("loads libgtopkf.so from %s, not from %s" % (
+                lib, tmp), r.stderr)
+            r = check("libnotthere.so=" + libdir)
+            self.assertEqual(r.returncode, 1)
+            self.assertIn("does not load libnotthere.so", r.stderr)
+            self.assertEqual(check("libgtopkf.so").returncode, 2)
+            os.remove(lib)
+            r = check()
+            self.assertEqual(r.returncode, 1)
+            self.assertIn("libgtopkf.so => not found", r.stderr)
+        self.assertTrue(os.access(WORKER_BIN, os.X_OK), WORKER_BIN)
+        r = run(["sh", script, WORKER_BIN])
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
 
     def test_cpu_image_builds_without_cuda(self):
         # library_owners skips the CUDA toolkit's libraries on that basis.
