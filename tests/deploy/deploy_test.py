@@ -713,6 +713,31 @@ class KustomizeTest(unittest.TestCase):
             self.assertNotIn("device", flag_dict(k8s_args(objs, sts,
                                                           "shard")))
 
+    def test_gpu_workers_cuda_cache_is_writable_and_bounded(self):
+        """The root filesystem is read-only: the CUDA JIT cache of the gpu
+        overlay's workers must lie on one of the pod's emptyDirs, and its
+        maximum size must stay below that emptyDir's sizeLimit (a full
+        emptyDir evicts the pod)."""
+        units = {"Ki": 2 ** 10, "Mi": 2 ** 20, "Gi": 2 ** 30}
+        _, objs = render("gpu")
+        job = one(objs, "Job", "gtopk-worker")
+        spec = job["spec"]["template"]["spec"]
+        c = container(job, "worker")
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        self.assertIn("CUDA_CACHE_PATH", env)
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = [m for m in c["volumeMounts"]
+                  if (env["CUDA_CACHE_PATH"] + "/").startswith(
+                      m["mountPath"].rstrip("/") + "/")]
+        self.assertEqual(len(mounts), 1, env["CUDA_CACHE_PATH"])
+        self.assertFalse(mounts[0].get("readOnly", False))
+        empty = volumes[mounts[0]["name"]].get("emptyDir")
+        self.assertIsNotNone(empty, "the CUDA cache must be on an emptyDir")
+        m = re.fullmatch(r"(\d+)(Ki|Mi|Gi)", empty["sizeLimit"])
+        self.assertTrue(m, empty["sizeLimit"])
+        limit = int(m.group(1)) * units[m.group(2)]
+        self.assertLess(int(env["CUDA_CACHE_MAXSIZE"]), limit)
+
 
 class SchemaTest(unittest.TestCase):
     def validate(self, paths):
