@@ -6,8 +6,10 @@
 #define GTOPK_COMMON_HOST_PORT_H_
 
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -42,6 +44,26 @@ inline absl::Status ValidateHostPort(absl::string_view flag,
   return absl::InvalidArgumentError(
       absl::StrCat("--", flag, " must be host:port with a port in [", min_port,
                    ", 65535], got '", address, "'"));
+}
+
+// The "host:port" a metrics exposer binds for --metrics-host and `port`:
+// an IPv6 address is bracketed ("::" -> "[::]:9400"). INVALID_ARGUMENT
+// naming --metrics-host when the host is empty or malformed.
+inline absl::StatusOr<std::string> MetricsBindAddress(absl::string_view host,
+                                                      int port) {
+  std::string address(host);
+  if (!host.empty() && host.front() != '[' &&
+      host.find(':') != absl::string_view::npos) {
+    address = absl::StrCat("[", host, "]");
+  }
+  absl::StrAppend(&address, ":", port);
+  if (!ValidateHostPort("metrics-host", address, 0).ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--metrics-host must be a host name or an IPv4/IPv6 address "
+        "(e.g. 0.0.0.0, 127.0.0.1, ::), got '",
+        host, "'"));
+  }
+  return address;
 }
 
 }  // namespace gtopk
