@@ -27,10 +27,10 @@ namespace gtopk {
 namespace {
 
 using ::gtopk::testing::StatusIs;
-using ::testing::AllOf;
-using ::testing::HasSubstr;
 using server::AggregatorServer;
 using server::ServerConfig;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
 
 constexpr uint64_t kN = 1000;
 
@@ -201,14 +201,17 @@ TEST(ConfigCheckTest, EverySharedSettingIsCompared) {
        [](ServerConfig& c) { c.index_codec = IndexCodec::kRaw; }},
       {"--value-codec is fp16 here but fp32",
        [](ServerConfig& c) { c.value_codec = ValueCodec::kFp16; }},
-      {"--lr is 0.5 here but 0.1", [](ServerConfig& c) { c.optimizer.lr = 0.5f; }},
+      {"--lr is 0.5 here but 0.1",
+       [](ServerConfig& c) { c.optimizer.lr = 0.5f; }},
       // One float ulp apart: still a difference, and printed as one.
       {"--lr is 0.10000001 here but 0.1",
        [](ServerConfig& c) { c.optimizer.lr = std::nextafter(0.1f, 1.0f); }},
       {"--momentum is 0.5 here but 0.9",
        [](ServerConfig& c) { c.optimizer.momentum = 0.5f; }},
       {"--momentum-mode is none here but dgc",
-       [](ServerConfig& c) { c.optimizer.momentum_mode = MomentumMode::kNone; }},
+       [](ServerConfig& c) {
+         c.optimizer.momentum_mode = MomentumMode::kNone;
+       }},
       {"--momentum-masking is false here but true",
        [](ServerConfig& c) { c.optimizer.momentum_factor_masking = false; }},
       {"--weight-decay is 0.0001 here but 0",
@@ -233,11 +236,12 @@ TEST(ConfigCheckTest, EverySharedSettingIsCompared) {
     ServerConfig own = leader_config;
     own.shard_id = 1;
     c.edit(own);
-    EXPECT_THAT(server::CheckSameClusterSettings(own, leader, 0),
-                StatusIs(absl::StatusCode::kFailedPrecondition,
-                         AllOf(HasSubstr(c.expected),
-                               HasSubstr("shard 1 is configured differently "
-                                         "from the leader, shard 0 (leader:1)"))))
+    EXPECT_THAT(
+        server::CheckSameClusterSettings(own, leader, 0),
+        StatusIs(absl::StatusCode::kFailedPrecondition,
+                 AllOf(HasSubstr(c.expected),
+                       HasSubstr("shard 1 is configured differently "
+                                 "from the leader, shard 0 (leader:1)"))))
         << c.expected;
   }
   ServerConfig same = leader_config;

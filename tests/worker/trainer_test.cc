@@ -72,8 +72,8 @@ TEST(TrainerTest, ValidateOptionsNamesTheFlag) {
     o.server = "127.0.0.1:50051";
     o.model = "synthetic:10";
     c.edit(o);
-    EXPECT_THAT(ValidateOptions(o), StatusIs(absl::StatusCode::kInvalidArgument,
-                                             HasSubstr(c.flag)))
+    EXPECT_THAT(ValidateOptions(o),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.flag)))
         << c.flag;
   }
   TrainerOptions ok;
