@@ -26,6 +26,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "common/codec.h"
+#include "common/host_port.h"
 #include "common/metrics/exposer.h"
 #include "common/metrics/metrics.h"
 #include "common/metrics/process_collector.h"
@@ -71,7 +72,10 @@ ABSL_FLAG(int64_t, steps_per_epoch, 0,
 ABSL_FLAG(uint64_t, max_message_bytes, uint64_t{64} << 20,
           "gRPC send/receive limit in bytes");
 ABSL_FLAG(int64_t, metrics_port, 0,
-          "serve Prometheus GET /metrics on 0.0.0.0:<port> (0: off)");
+          "serve Prometheus GET /metrics on <metrics-host>:<port> (0: off)");
+ABSL_FLAG(std::string, metrics_host, "0.0.0.0",
+          "address the metrics port binds (0.0.0.0: all; 127.0.0.1: "
+          "loopback only)");
 ABSL_FLAG(std::string, health_check, "",
           "client mode: check grpc.health.v1 at this host:port and exit");
 
@@ -172,6 +176,10 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   }
   GTOPK_RETURN_IF_ERROR(
       InRange("metrics-port", absl::GetFlag(FLAGS_metrics_port), 0, 65535));
+  GTOPK_RETURN_IF_ERROR(
+      gtopk::MetricsBindAddress(absl::GetFlag(FLAGS_metrics_host), 0).status());
+  GTOPK_RETURN_IF_ERROR(
+      gtopk::ValidateHostPort("listen", absl::GetFlag(FLAGS_listen), 0));
   GTOPK_RETURN_IF_ERROR(gtopk::server::ValidateServerConfig(c));
   return c;
 }
@@ -201,6 +209,13 @@ int main(int argc, char** argv) {
 
   const std::string health_target = absl::GetFlag(FLAGS_health_check);
   if (!health_target.empty()) {
+    const absl::Status target =
+        gtopk::ValidateHostPort("health-check", health_target, 1);
+    if (!target.ok()) {
+      std::fprintf(stderr, "gtopk-server: invalid flags: %s\n",
+                   std::string(target.message()).c_str());
+      return 2;
+    }
     absl::StatusOr<bool> serving =
         gtopk::server::CheckHealth(health_target, absl::Seconds(5));
     if (!serving.ok()) {
@@ -228,11 +243,14 @@ int main(int argc, char** argv) {
     registry = std::make_shared<gtopk::metrics::Registry>();
     gtopk::metrics::RegisterBuildInfo(*registry, "gtopk-server");
     process_metrics = std::make_shared<gtopk::metrics::ProcessCollector>();
+    const std::string metrics_host = absl::GetFlag(FLAGS_metrics_host);
     absl::StatusOr<std::unique_ptr<gtopk::metrics::Exposer>> started =
-        gtopk::metrics::Exposer::Start(absl::StrCat("0.0.0.0:", metrics_port));
+        gtopk::metrics::Exposer::Start(
+            *gtopk::MetricsBindAddress(metrics_host, metrics_port));
     if (!started.ok()) {
-      std::fprintf(stderr, "gtopk-server: --metrics-port=%lld: %s\n",
-                   static_cast<long long>(metrics_port),
+      std::fprintf(stderr,
+                   "gtopk-server: --metrics-host=%s --metrics-port=%lld: %s\n",
+                   metrics_host.c_str(), static_cast<long long>(metrics_port),
                    started.status().ToString().c_str());
       return 2;
     }
@@ -251,7 +269,10 @@ int main(int argc, char** argv) {
   }
   std::printf("listening on %s\n", (*server)->address().c_str());
   if (exposer != nullptr) {
-    std::printf("metrics on 0.0.0.0:%d\n", exposer->port());
+    std::printf("metrics on %s\n",
+                gtopk::MetricsBindAddress(absl::GetFlag(FLAGS_metrics_host),
+                                          exposer->port())
+                    ->c_str());
   }
   std::fflush(stdout);
 

@@ -6,6 +6,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <iterator>
 #include <thread>
 #include <utility>
@@ -13,8 +14,10 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
+#include "common/host_port.h"
 #include "common/selector.h"
 #include "common/sparse_vector.h"
 #include "common/status_macros.h"
@@ -39,6 +42,9 @@ constexpr absl::Duration kPollInterval = absl::Milliseconds(50);
 constexpr int kMaxConcurrentDownloads = 4;
 // Room for the non-value fields of a ParamsChunk (varints, tags).
 constexpr uint64_t kChunkOverheadBytes = 64;
+// Largest S and P (--num-shards, --workers; server/flags.md).
+constexpr uint32_t kMaxShards = 1u << 16;
+constexpr uint32_t kMaxWorkers = 1u << 16;
 
 int ClampToInt(uint64_t v) {
   return static_cast<int>(
@@ -78,68 +84,115 @@ v1::MomentumMode MomentumToProto(MomentumMode mode) {
   return v1::MOMENTUM_MODE_UNSPECIFIED;
 }
 
-// host:port with a numeric port in [0, 65535] (0: pick a free port).
-bool LooksLikeHostPort(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 >= address.size()) {
-    return false;
+// The flag spellings of the spec's enums (for configuration mismatches).
+std::string ModeFlagValue(v1::Mode mode) {
+  switch (mode) {
+    case v1::MODE_GTOPK:
+      return "gtopk";
+    case v1::MODE_TOPK:
+      return "topk";
+    case v1::MODE_DENSE:
+      return "dense";
+    default:
+      return absl::StrCat("unknown(", static_cast<int>(mode), ")");
   }
-  uint32_t port = 0;
-  return absl::SimpleAtoi(absl::string_view(address).substr(colon + 1),
-                          &port) &&
-         port <= 65535;
+}
+
+std::string SelectionFlagValue(v1::Selection selection) {
+  switch (selection) {
+    case v1::SELECTION_EXACT:
+      return "exact";
+    case v1::SELECTION_QUOTA:
+      return "quota";
+    default:
+      return absl::StrCat("unknown(", static_cast<int>(selection), ")");
+  }
+}
+
+std::string MomentumFlagValue(v1::MomentumMode mode) {
+  switch (mode) {
+    case v1::MOMENTUM_MODE_NONE:
+      return "none";
+    case v1::MOMENTUM_MODE_DGC:
+      return "dgc";
+    case v1::MOMENTUM_MODE_GLOBAL:
+      return "global";
+    default:
+      return absl::StrCat("unknown(", static_cast<int>(mode), ")");
+  }
+}
+
+// The shortest decimal that reads back as exactly `v` (so that values that
+// differ in their last bit print differently, and 0.1f prints as 0.1).
+template <typename T>
+std::string ShortestNumber(T v) {
+  for (int digits = 1; digits <= 17; ++digits) {
+    const std::string text = absl::StrFormat("%.*g", digits, v);
+    if (static_cast<T>(std::strtod(text.c_str(), nullptr)) == v) return text;
+  }
+  return absl::StrFormat("%.17g", v);
 }
 
 }  // namespace
 
 absl::Status ValidateServerConfig(const ServerConfig& c) {
-  if (c.num_shards < 1) {
-    return absl::InvalidArgumentError("num_shards must be >= 1, got 0");
+  if (c.num_shards < 1 || c.num_shards > kMaxShards) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--num-shards must be in [1, ", kMaxShards, "], got ", c.num_shards));
   }
   if (c.shard_id >= c.num_shards) {
     return absl::InvalidArgumentError(
-        absl::StrCat("shard_id must be < num_shards (", c.num_shards, "), got ",
-                     c.shard_id));
+        absl::StrCat("--shard-id must be below --num-shards (", c.num_shards,
+                     "), got ", c.shard_id));
   }
-  if (c.num_workers < 1) {
-    return absl::InvalidArgumentError("num_workers must be >= 1, got 0");
+  if (c.num_workers < 1 || c.num_workers > kMaxWorkers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--workers must be in [1, ", kMaxWorkers, "], got ", c.num_workers));
   }
   if (c.peers.size() != c.num_shards) {
     return absl::InvalidArgumentError(
-        absl::StrCat("peers must list num_shards (", c.num_shards,
+        absl::StrCat("--peers must list --num-shards (", c.num_shards,
                      ") addresses in shard order, got ", c.peers.size()));
   }
   for (uint32_t s = 0; s < c.num_shards; ++s) {
     if (s == c.shard_id && c.peers[s].empty()) continue;
-    if (!LooksLikeHostPort(c.peers[s])) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "peers[", s, "] must be host:port, got '", c.peers[s], "'"));
+    const absl::Status address = ValidateHostPort("peers", c.peers[s], 1);
+    if (!address.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(address.message(), " (entry ", s, ", shard ", s, ")"));
     }
+  }
+  if (c.selection == SelectionKind::kQuota &&
+      c.mode != AggregationMode::kGtopk) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--selection=quota applies to --mode=gtopk only, got --mode=",
+        AggregationModeName(c.mode),
+        " (omit --selection or use --selection=exact)"));
   }
   SelectorRegistry registry;
   GTOPK_RETURN_IF_ERROR(RegisterBuiltinSelectors(&registry));
   const std::vector<std::string> names = registry.Names();
   if (std::find(names.begin(), names.end(), c.selector) == names.end()) {
-    return absl::InvalidArgumentError(absl::StrCat("selector must be one of ",
+    return absl::InvalidArgumentError(absl::StrCat("--selector must be one of ",
                                                    absl::StrJoin(names, ", "),
                                                    "; got '", c.selector, "'"));
   }
   if (IndexCodecName(c.index_codec) == "unknown") {
-    return absl::InvalidArgumentError("index_codec is not a known codec");
+    return absl::InvalidArgumentError("--index-codec is not a known codec");
   }
   if (ValueCodecName(c.value_codec) == "unknown") {
-    return absl::InvalidArgumentError("value_codec is not a known codec");
+    return absl::InvalidArgumentError("--value-codec is not a known codec");
   }
   if (c.step_timeout < absl::Milliseconds(1) ||
       c.step_timeout >= absl::Milliseconds(UINT32_MAX)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "step_timeout (--step-timeout) must be in [1ms, 2^32 ms), got ",
+        "--step-timeout must be in [1ms, 2^32 ms), got ",
         absl::FormatDuration(c.step_timeout)));
   }
   if (c.max_message_bytes < 1024 ||
       c.max_message_bytes > static_cast<uint64_t>(INT_MAX)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("max_message_bytes must be in [1024, 2^31-1], got ",
+        absl::StrCat("--max-message-bytes must be in [1024, 2^31-1], got ",
                      c.max_message_bytes));
   }
   if (c.download_chunk_bytes < kChunkOverheadBytes) {
@@ -149,22 +202,154 @@ absl::Status ValidateServerConfig(const ServerConfig& c) {
   }
   if (c.checkpoint_every < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "checkpoint_every must be >= 0, got ", c.checkpoint_every));
+        "--checkpoint-every must be >= 0, got ", c.checkpoint_every));
   }
   if (c.checkpoint_keep < 1 || c.checkpoint_keep > 1000) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "checkpoint_keep (--checkpoint-keep) must be in [1, 1000], got ",
-        c.checkpoint_keep));
+        "--checkpoint-keep must be in [1, 1000], got ", c.checkpoint_keep));
   }
   if (c.checkpoint_every > 0 && c.checkpoint_dir.empty()) {
     return absl::InvalidArgumentError(
-        "checkpoint_every > 0 needs a checkpoint_dir");
+        "--checkpoint-every > 0 needs --checkpoint-dir");
+  }
+  // The optimizer, by flag (ValidateOptimizerOptions below is the
+  // backstop; its messages name the fields).
+  const OptimizerOptions& o = c.optimizer;
+  if (!(std::isfinite(o.lr) && o.lr > 0.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--lr must be finite and > 0 (as a 32-bit float), got ", o.lr));
+  }
+  if (!(o.momentum >= 0.0f && o.momentum < 1.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--momentum must be in [0, 1) (as a 32-bit float), got ", o.momentum));
+  }
+  if (!(std::isfinite(o.weight_decay) && o.weight_decay >= 0.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--weight-decay must be finite and >= 0, got ", o.weight_decay));
+  }
+  if (o.lr_warmup_steps < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--lr-warmup-steps must be >= 0, got ", o.lr_warmup_steps));
+  }
+  if (!(o.density > 0.0 && o.density <= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--density must be in (0, 1], got ", o.density));
+  }
+  for (size_t e = 0; e < o.density_warmup.size(); ++e) {
+    const double d = o.density_warmup[e];
+    if (!(d > 0.0 && d <= 1.0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--density-warmup: entry ", e,
+                       " must be in (0, 1], got ", d));
+    }
+  }
+  if (o.steps_per_epoch < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--steps-per-epoch must be >= 0, got ", o.steps_per_epoch));
+  }
+  if (!o.density_warmup.empty() && o.steps_per_epoch == 0) {
+    return absl::InvalidArgumentError(
+        "--density-warmup needs --steps-per-epoch > 0");
   }
   absl::Status s = ValidateOptimizerOptions(c.optimizer);
   if (!s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("optimizer: ", s.message()));
   }
   return absl::OkStatus();
+}
+
+v1::ClusterSpec ClusterSettingsSpec(const ServerConfig& config) {
+  v1::ClusterSpec spec;
+  spec.set_num_workers(config.num_workers);
+  spec.set_mode(ModeToProto(config.mode));
+  spec.set_selection(config.selection == SelectionKind::kExact
+                         ? v1::SELECTION_EXACT
+                         : v1::SELECTION_QUOTA);
+  spec.set_selector(config.selector);
+  spec.set_selector_seed(config.selector_seed);
+  spec.set_index_codec(std::string(IndexCodecName(config.index_codec)));
+  spec.set_value_codec(std::string(ValueCodecName(config.value_codec)));
+  const OptimizerOptions& o = config.optimizer;
+  v1::OptimizerSpec* opt = spec.mutable_optimizer();
+  opt->set_lr(o.lr);
+  opt->set_momentum(o.momentum);
+  opt->set_momentum_mode(MomentumToProto(o.momentum_mode));
+  opt->set_momentum_factor_masking(o.momentum_factor_masking);
+  opt->set_weight_decay(o.weight_decay);
+  opt->set_lr_warmup_steps(o.lr_warmup_steps);
+  opt->set_density(o.density);
+  opt->mutable_density_warmup()->Add(o.density_warmup.begin(),
+                                     o.density_warmup.end());
+  opt->set_steps_per_epoch(o.steps_per_epoch);
+  spec.set_step_timeout_ms(
+      static_cast<uint32_t>(absl::ToInt64Milliseconds(config.step_timeout)));
+  spec.set_max_message_bytes(config.max_message_bytes);
+  return spec;
+}
+
+absl::Status CheckSameClusterSettings(const ServerConfig& own,
+                                      const v1::ClusterSpec& leader,
+                                      uint64_t own_n) {
+  const v1::ClusterSpec mine = ClusterSettingsSpec(own);
+  const v1::OptimizerSpec& a = mine.optimizer();
+  const v1::OptimizerSpec& b = leader.optimizer();
+  std::vector<std::string> differences;
+  // `flag`: the gtopk-server flag that sets it; `here` / `there`: this
+  // shard's and the leader's values, as the flag would spell them.
+  auto differ = [&](const char* flag, const std::string& here,
+                    const std::string& there) {
+    if (here == there) return;
+    differences.push_back(absl::StrCat("--", flag, " is ", here, " here but ",
+                                       there, " on the leader"));
+  };
+  auto num = [](auto v) { return ShortestNumber(v); };
+  auto list = [](const google::protobuf::RepeatedField<double>& v) {
+    std::vector<std::string> parts;
+    for (double d : v) parts.push_back(ShortestNumber(d));
+    return parts.empty() ? std::string("empty")
+                         : absl::StrJoin(parts, ",");
+  };
+  differ("workers", absl::StrCat(mine.num_workers()),
+         absl::StrCat(leader.num_workers()));
+  differ("num-shards", absl::StrCat(own.num_shards),
+         absl::StrCat(leader.shards_size()));
+  differ("mode", ModeFlagValue(mine.mode()), ModeFlagValue(leader.mode()));
+  differ("selection", SelectionFlagValue(mine.selection()),
+         SelectionFlagValue(leader.selection()));
+  differ("selector", mine.selector(), leader.selector());
+  differ("seed", absl::StrCat(mine.selector_seed()),
+         absl::StrCat(leader.selector_seed()));
+  differ("index-codec", mine.index_codec(), leader.index_codec());
+  differ("value-codec", mine.value_codec(), leader.value_codec());
+  differ("lr", num(a.lr()), num(b.lr()));
+  differ("momentum", num(a.momentum()), num(b.momentum()));
+  differ("momentum-mode", MomentumFlagValue(a.momentum_mode()),
+         MomentumFlagValue(b.momentum_mode()));
+  differ("momentum-masking", a.momentum_factor_masking() ? "true" : "false",
+         b.momentum_factor_masking() ? "true" : "false");
+  differ("weight-decay", num(a.weight_decay()), num(b.weight_decay()));
+  differ("lr-warmup-steps", absl::StrCat(a.lr_warmup_steps()),
+         absl::StrCat(b.lr_warmup_steps()));
+  differ("density", num(a.density()), num(b.density()));
+  differ("density-warmup", list(a.density_warmup()), list(b.density_warmup()));
+  differ("steps-per-epoch", absl::StrCat(a.steps_per_epoch()),
+         absl::StrCat(b.steps_per_epoch()));
+  differ("step-timeout", absl::StrCat(mine.step_timeout_ms(), "ms"),
+         absl::StrCat(leader.step_timeout_ms(), "ms"));
+  differ("max-message-bytes", absl::StrCat(mine.max_message_bytes()),
+         absl::StrCat(leader.max_message_bytes()));
+  if (own_n != 0 && leader.n() != 0 && own_n != leader.n()) {
+    differences.push_back(absl::StrCat(
+        "the parameter count n is ", own_n,
+        " here (from this shard's checkpoint) but ", leader.n(),
+        " on the leader"));
+  }
+  if (differences.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "shard ", own.shard_id, " is configured differently from the leader, "
+      "shard 0 (", own.peers.empty() ? std::string() : own.peers[0], "): ",
+      absl::StrJoin(differences, "; "),
+      ". Start every shard with the same cluster flags (server/flags.md)"));
 }
 
 // ---------------------------------------------------------------------------
@@ -211,7 +396,7 @@ absl::StatusOr<std::unique_ptr<AggregatorService>> AggregatorService::Create(
     struct stat st;
     if (stat(c.checkpoint_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
       return absl::FailedPreconditionError(
-          absl::StrCat("checkpoint_dir ", c.checkpoint_dir,
+          absl::StrCat("--checkpoint-dir=", c.checkpoint_dir,
                        " is not an existing directory"));
     }
     absl::StatusOr<ShardCheckpoint> checkpoint =
@@ -357,6 +542,22 @@ absl::StatusOr<v1::ClusterSpec> AggregatorService::FetchSpecFromLeader(
   return spec;
 }
 
+absl::Status AggregatorService::CheckLeaderSpec(const v1::ClusterSpec& spec) {
+  uint64_t n;
+  {
+    absl::MutexLock lock(&mu_);
+    n = n_;
+  }
+  absl::Status same = CheckSameClusterSettings(config_, spec, n);
+  if (!same.ok() && !mismatch_logged_.exchange(true)) {
+    // Once: the operator reads it in this shard's log; every caller gets
+    // the status.
+    std::fprintf(stderr, "gtopk-server shard %u: %s\n", config_.shard_id,
+                 std::string(same.message()).c_str());
+  }
+  return same;
+}
+
 absl::StatusOr<ShardAggregator*> AggregatorService::GetAggregator(
     grpc::ServerContext* context, absl::Time deadline) {
   {
@@ -377,23 +578,7 @@ absl::StatusOr<ShardAggregator*> AggregatorService::GetAggregator(
     if (aggregator_ != nullptr) return aggregator_.get();
   }
   GTOPK_ASSIGN_OR_RETURN(v1::ClusterSpec spec, FetchSpecFromLeader(deadline));
-  const std::string leader = config_.peers[0];
-  if (spec.num_workers() != config_.num_workers) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "shard ", config_.shard_id, " is configured for ", config_.num_workers,
-        " workers but leader ", leader, " for ", spec.num_workers()));
-  }
-  if (static_cast<uint32_t>(spec.shards_size()) != config_.num_shards) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "shard ", config_.shard_id, " is configured for ", config_.num_shards,
-        " shards but leader ", leader, " for ", spec.shards_size()));
-  }
-  if (spec.mode() != ModeToProto(config_.mode)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("shard ", config_.shard_id, " runs mode ",
-                     AggregationModeName(config_.mode), " but leader ", leader,
-                     " runs ", v1::Mode_Name(spec.mode())));
-  }
+  GTOPK_RETURN_IF_ERROR(CheckLeaderSpec(spec));
   absl::MutexLock lock(&mu_);
   if (shutting_down_) {
     return absl::UnavailableError(
@@ -405,9 +590,8 @@ absl::StatusOr<ShardAggregator*> AggregatorService::GetAggregator(
 }
 
 v1::ClusterSpec AggregatorService::BuildSpecLocked() const {
-  v1::ClusterSpec spec;
+  v1::ClusterSpec spec = ClusterSettingsSpec(config_);
   spec.set_n(n_);
-  spec.set_num_workers(config_.num_workers);
   for (uint32_t s = 0; s < config_.num_shards; ++s) {
     v1::ShardSpec* shard = spec.add_shards();
     shard->set_shard_id(s);
@@ -418,29 +602,6 @@ v1::ClusterSpec AggregatorService::BuildSpecLocked() const {
     shard->set_begin(range.first);
     shard->set_end(range.second);
   }
-  spec.set_mode(ModeToProto(config_.mode));
-  spec.set_selection(config_.selection == SelectionKind::kExact
-                         ? v1::SELECTION_EXACT
-                         : v1::SELECTION_QUOTA);
-  spec.set_selector(config_.selector);
-  spec.set_selector_seed(config_.selector_seed);
-  spec.set_index_codec(std::string(IndexCodecName(config_.index_codec)));
-  spec.set_value_codec(std::string(ValueCodecName(config_.value_codec)));
-  const OptimizerOptions& o = config_.optimizer;
-  v1::OptimizerSpec* opt = spec.mutable_optimizer();
-  opt->set_lr(o.lr);
-  opt->set_momentum(o.momentum);
-  opt->set_momentum_mode(MomentumToProto(o.momentum_mode));
-  opt->set_momentum_factor_masking(o.momentum_factor_masking);
-  opt->set_weight_decay(o.weight_decay);
-  opt->set_lr_warmup_steps(o.lr_warmup_steps);
-  opt->set_density(o.density);
-  opt->mutable_density_warmup()->Add(o.density_warmup.begin(),
-                                     o.density_warmup.end());
-  opt->set_steps_per_epoch(o.steps_per_epoch);
-  spec.set_step_timeout_ms(
-      static_cast<uint32_t>(absl::ToInt64Milliseconds(config_.step_timeout)));
-  spec.set_max_message_bytes(config_.max_message_bytes);
   spec.set_next_step(aggregator_ != nullptr ? aggregator_->next_step() : 0);
   return spec;
 }
@@ -503,6 +664,10 @@ grpc::Status AggregatorService::GetClusterSpec(
   if (!is_leader()) {
     absl::StatusOr<v1::ClusterSpec> spec = FetchSpecFromLeader(deadline);
     if (!spec.ok()) return ToGrpcStatus(spec.status());
+    // Workers ask every shard at Connect: a shard started with other
+    // settings than the leader refuses here, before any step.
+    const absl::Status same = CheckLeaderSpec(*spec);
+    if (!same.ok()) return ToGrpcStatus(same);
     *response = *std::move(spec);
     return grpc::Status::OK;
   }
@@ -1201,10 +1366,7 @@ grpc::Status AggregatorService::Recover(grpc::ServerContext* context,
 
 absl::StatusOr<std::unique_ptr<AggregatorServer>> AggregatorServer::Start(
     ServerConfig config, const std::string& listen_address) {
-  if (!LooksLikeHostPort(listen_address)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "listen address must be host:port, got '", listen_address, "'"));
-  }
+  GTOPK_RETURN_IF_ERROR(ValidateHostPort("listen", listen_address, 0));
   std::unique_ptr<AggregatorServer> server(new AggregatorServer());
   GTOPK_ASSIGN_OR_RETURN(server->service_,
                          AggregatorService::Create(std::move(config)));

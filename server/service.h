@@ -9,6 +9,7 @@
 #ifndef GTOPK_SERVER_SERVICE_H_
 #define GTOPK_SERVER_SERVICE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -87,8 +88,27 @@ struct ServerConfig {
   int checkpoint_keep = 2;
 };
 
-// OK, or INVALID_ARGUMENT naming the first bad field and its value.
+// OK, or INVALID_ARGUMENT naming the first bad field (by its gtopk-server
+// flag, server/flags.md) and its value.
 absl::Status ValidateServerConfig(const ServerConfig& config);
+
+// The cluster-wide settings of `config` as a cluster spec: every field but
+// n, shards (ranges and addresses) and next_step. What the leader tells
+// workers, and what every shard must agree on.
+v1::ClusterSpec ClusterSettingsSpec(const ServerConfig& config);
+
+// Compares this shard's settings (`own`) with the leader's cluster spec:
+// workers, num-shards, mode, selection, selector, seed, codecs, the whole
+// optimizer (lr, momentum, momentum mode and masking, weight decay, lr
+// warm-up, density, density warm-up, steps per epoch), step timeout and
+// max message bytes, and n when `own_n` != 0 (restored from a checkpoint).
+// OK when all agree; otherwise FAILED_PRECONDITION listing every difference
+// by its flag with both values, e.g. "shard 1 is configured differently
+// from the leader, shard 0 (host:port): --lr is 0.5 here but 0.1 on the
+// leader". Pure; thread-safe.
+absl::Status CheckSameClusterSettings(const ServerConfig& own,
+                                      const v1::ClusterSpec& leader,
+                                      uint64_t own_n);
 
 // The gtopk.v1.Aggregator service of one shard (synchronous gRPC API: each
 // call, and each PushPull stream, runs on its own gRPC thread).
@@ -105,7 +125,10 @@ absl::Status ValidateServerConfig(const ServerConfig& config);
 //                   INVALID_ARGUMENT.
 //   GetClusterSpec  leader: waits until n is known (DEADLINE_EXCEEDED
 //                   otherwise); non-leaders forward to the leader (errors
-//                   name it). The request's fields are ignored.
+//                   name it) and answer FAILED_PRECONDITION when the
+//                   leader's settings differ from their own
+//                   (CheckSameClusterSettings). The request's fields are
+//                   ignored.
 //   InitParams      chunks must come from worker 0 (PERMISSION_DENIED
 //                   otherwise: the caller is well-formed but not allowed to
 //                   initialise), be for this shard, contiguous from begin,
@@ -130,7 +153,8 @@ absl::Status ValidateServerConfig(const ServerConfig& config);
 //
 // A non-leader creates its ShardAggregator lazily, on the first InitParams,
 // DownloadParams or PushPull, by asking the leader for the cluster spec
-// (for n), unless it restored a checkpoint.
+// (for n), unless it restored a checkpoint; a spec whose settings differ
+// from its own fails that call with CheckSameClusterSettings' status.
 //
 // Thread-safety: all methods are thread-safe.
 class AggregatorService final : public v1::Aggregator::Service {
@@ -224,6 +248,9 @@ class AggregatorService final : public v1::Aggregator::Service {
   v1::ClusterSpec BuildSpecLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Non-leaders: the cluster spec from the leader.
   absl::StatusOr<v1::ClusterSpec> FetchSpecFromLeader(absl::Time deadline);
+  // Non-leaders: CheckSameClusterSettings against the leader's `spec`; the
+  // first mismatch is also printed on stderr.
+  absl::Status CheckLeaderSpec(const v1::ClusterSpec& spec);
   // Turns a wire push into a WorkerPush (codec and shard checks, decoding).
   absl::StatusOr<WorkerPush> DecodePush(const v1::Push& push, uint64_t n) const;
 
@@ -249,6 +276,7 @@ class AggregatorService final : public v1::Aggregator::Service {
   uint64_t n_ ABSL_GUARDED_BY(mu_) = 0;  // 0: not known yet
   std::vector<bool> rank_given_ ABSL_GUARDED_BY(mu_);
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<bool> mismatch_logged_{false};  // CheckLeaderSpec's one line
   // Created once, never replaced: the pointer may be used without mu_.
   std::unique_ptr<ShardAggregator> aggregator_ ABSL_GUARDED_BY(mu_);
 

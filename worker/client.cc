@@ -148,6 +148,39 @@ SparseVector Slice(const SparseVector& v, uint64_t begin, uint64_t end) {
   return out;
 }
 
+// Asks every non-leader shard for the cluster spec (GetClusterSpec), so
+// that a shard started with other settings than the leader is found before
+// the first step: the shard compares the leader's spec with its own flags
+// and refuses with FAILED_PRECONDITION naming each differing flag and both
+// values. Waits for shards that are still starting, up to `timeout` in all.
+template <typename Shards>
+absl::Status CheckShardsAgree(const Shards& shards,
+                              const v1::ClusterSpec& leader_spec,
+                              absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  for (size_t s = 1; s < shards.size(); ++s) {
+    const std::string where = absl::StrCat("shard ", shards[s]->id, " (",
+                                           shards[s]->address, ")");
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(deadline));
+    context.set_wait_for_ready(true);
+    v1::ClusterSpec spec;
+    const absl::Status st = FromGrpc(
+        shards[s]->stub->GetClusterSpec(&context, v1::JoinRequest(), &spec));
+    if (!st.ok()) return Prefixed(st, absl::StrCat(where, ": GetClusterSpec"));
+    // The shard forwards the leader's spec: the same cluster.
+    if (spec.n() != leader_spec.n() ||
+        spec.shards_size() != leader_spec.shards_size()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          where, ": its leader's cluster has n = ", spec.n(), " and ",
+          spec.shards_size(), " shards, the leader this worker joined has n = ",
+          leader_spec.n(), " and ", leader_spec.shards_size(),
+          " (is the shard's --peers right?)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 uint64_t WorkerClient::SelectorSeedForRank(uint64_t cluster_seed,
@@ -233,6 +266,7 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
     conn->stub = v1::Aggregator::NewStub(conn->channel);
     shards.push_back(std::move(conn));
   }
+  GTOPK_RETURN_IF_ERROR(CheckShardsAgree(shards, cluster, options.rpc_timeout));
   return std::unique_ptr<WorkerClient>(
       new WorkerClient(options, rank, cluster, std::move(rule),
                        std::move(selector), codec, std::move(shards)));

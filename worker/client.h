@@ -113,11 +113,18 @@ class WorkerClient {
   // rpc_timeout), keeps the returned cluster spec and prepares the channels,
   // optimizer rule, selector and codecs. Does not touch parameters: call
   // SynchronizeParameters next.
+  // Then asks every other shard for the cluster spec (GetClusterSpec; a
+  // shard still starting is waited for, within rpc_timeout): a shard whose
+  // own settings differ from the leader's refuses, so a mixed cluster fails
+  // here, not with diverged parameters after the run.
   // Errors: INVALID_ARGUMENT for bad options or an unusable cluster spec
   // (the field named); the Join's status otherwise (FAILED_PRECONDITION for
   // a parameter-count mismatch or a taken rank, DEADLINE_EXCEEDED /
   // UNAVAILABLE when the leader cannot be reached), prefixed with the
-  // leader's address.
+  // leader's address; FAILED_PRECONDITION "shard s (host:port):
+  // GetClusterSpec: shard s is configured differently from the leader ...:
+  // --lr is 0.5 here but 0.1 on the leader; ..." for a mismatched shard,
+  // or its GetClusterSpec status (DEADLINE_EXCEEDED when unreachable).
   static absl::StatusOr<std::unique_ptr<WorkerClient>> Connect(
       const ClientOptions& options);
 

@@ -21,7 +21,7 @@ which deletes their links); the clean-up is safe to run twice, and
 
 Runs, in one invocation, for every P in --workers and every method in
 --methods (each on a fresh set of processes, the same links):
-  dense, topk, gtopk   gtopk-server --mode=<m> --selection=<--selection> with
+  dense, topk, gtopk   gtopk-server --mode=<m> (gtopk: --selection=<--selection>) with
                        S = --shards shards (default 2), and
                        P gtopk-worker --model=synthetic:<n> --compute-ms=<c>
   ddp                  bench/lowbw/ddp_allreduce.py: torch DDP, gloo, the same
@@ -294,9 +294,11 @@ class Bench:
             argv = [self.server_bin, "--listen=" + peers[s],
                     "--shard-id=%d" % s, "--num-shards=%d" % S,
                     "--workers=%d" % P, "--peers=" + ",".join(peers),
-                    "--mode=" + mode, "--selection=" + a.selection,
+                    "--mode=" + mode,
                     "--density=%r" % a.density, "--step-timeout=600s",
                     "--max-message-bytes=1073741824"]
+            if mode == "gtopk":  # the servers reject it for topk and dense
+                argv.append("--selection=" + a.selection)
             self.procs.start("server %d" % s, t.ns("s%d" % s), argv,
                              os.path.join(self.logdir, "%s-server-%d.log" % (tag, s)))
         deadline = time.monotonic() + 30

@@ -23,8 +23,9 @@ What it does, in order:
      SIGKILL after a grace period) and writes runs/NAME/summary.json, merging
      the workers' summaries.
 
-Metrics: every server and worker gets a free --metrics-port (GET /metrics,
-docs/metrics.md; the addresses are in runs/NAME/pids.json). When
+Metrics: every server and worker gets a free --metrics-port, bound to
+loopback only (--metrics-host=127.0.0.1; GET /metrics, docs/metrics.md; the
+addresses are in runs/NAME/pids.json). When
 `prometheus` (Debian package) is on PATH (or --prometheus=on), the launcher
 also starts a Prometheus on a free loopback port with a generated scrape
 config covering every process (jobs gtopk-server and gtopk-worker, file
@@ -443,6 +444,8 @@ def parse_args(argv):
             errors.append("--%s must be >= 1" % flag.replace("_", "-"))
     if not 0 < args.density <= 1:
         errors.append("--density must be in (0, 1]")
+    if args.selection == "quota" and args.mode != "gtopk":
+        errors.append("--selection=quota applies to --mode=gtopk only")
     if not 0 <= args.prometheus_port <= 65535:
         errors.append("--prometheus-port must be in [0, 65535]")
     if not re.fullmatch(r"[0-9]+(ms|s|m)", args.scrape_interval):
@@ -553,6 +556,8 @@ class Launcher:
             "--step-timeout=%s" % a.step_timeout,
             "--checkpoint-dir=%s" % os.path.join(self.run_dir, "ckpt"),
             "--metrics-port=%s" % self.server_metrics[shard].rsplit(":", 1)[1],
+            # Loopback only: a local run exposes nothing to the network.
+            "--metrics-host=%s" % LOOPBACK,
         ]
         if a.density_warmup:
             argv.append("--density-warmup=%s" % a.density_warmup)
@@ -586,6 +591,7 @@ class Launcher:
             "--lr=%r" % a.lr,
             "--momentum=%r" % a.momentum,
             "--metrics-port=%s" % self.worker_metrics[rank].rsplit(":", 1)[1],
+            "--metrics-host=%s" % LOOPBACK,
         ]
         if a.index_codec:
             argv.append("--index-codec=%s" % a.index_codec)

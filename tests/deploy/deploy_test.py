@@ -90,12 +90,13 @@ GRAFANA_DASHBOARDS = "/var/lib/grafana/dashboards/gtopk"
 SERVER_JOB, WORKER_JOB = "gtopk-server", "gtopk-worker"
 
 # Flags whose values differ per deployment by nature (addresses, paths,
-# identities); every other flag must be identical everywhere.
+# identities); every other flag must be identical everywhere. The launcher
+# binds metrics to loopback (--metrics-host); containers keep 0.0.0.0.
 SERVER_LOCAL_FLAGS = {"listen", "shard_id", "peers", "checkpoint_dir",
-                      "metrics_port"}
+                      "metrics_port", "metrics_host"}
 # --device: the hardware the deployment runs on (the gpu overlay: cuda).
 WORKER_LOCAL_FLAGS = {"server", "rank", "summary_json", "metrics_port",
-                      "data_dir", "device"}
+                      "metrics_host", "data_dir", "device"}
 
 INSTALL_HINT = {
     "docker-compose": "apt-get install docker-compose (or `make deps`)",

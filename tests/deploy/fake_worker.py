@@ -8,7 +8,12 @@ Behaviour from the environment:
   FAKE_STEP_S     seconds per step (default 0.02)
   FAKE_FAIL_RANK  this rank exits 3 after FAKE_FAIL_AT steps
   FAKE_FAIL_AT    (default 5)
-  FAKE_CHECKSUM_SKEW  this rank reports a different param_checksum
+  FAKE_CHECKSUM_SKEW  this rank reports a different param_checksum (and
+                      server_checksum: it agrees with the servers, not with
+                      the other ranks)
+  FAKE_SERVER_SKEW    this rank's param_checksum differs from its
+                      server_checksum: like gtopk-worker, it writes its
+                      summary, then fails (exit 1)
 """
 
 import argparse
@@ -35,6 +40,7 @@ step_s = float(os.environ.get("FAKE_STEP_S", "0.02"))
 fail_rank = int(os.environ.get("FAKE_FAIL_RANK", "-1"))
 fail_at = int(os.environ.get("FAKE_FAIL_AT", "5"))
 skew = int(os.environ.get("FAKE_CHECKSUM_SKEW", "-1"))
+server_skew = int(os.environ.get("FAKE_SERVER_SKEW", "-1"))
 
 n = 1000
 loss = 2.3
@@ -62,5 +68,11 @@ with open(args.summary_json, "w") as f:
         "sent_bytes_per_step": 80.0, "received_bytes_per_step": 80.0,
         "dense_bytes_per_step": 4.0 * n,
         "param_checksum": "abc" if args.rank != skew else "abd",
-        "server_checksum": "abc", "steps_per_epoch": steps,
+        "server_checksum": "abc" if args.rank != skew else "abd",
+        "steps_per_epoch": steps,
     }, f)
+if args.rank == server_skew:
+    print("gtopk-worker: INTERNAL: rank %d's final parameters (checksum abc) "
+          "differ from the servers' (checksum abd, at step %d): the replicas "
+          "diverged" % (args.rank, steps), file=sys.stderr)
+    sys.exit(1)

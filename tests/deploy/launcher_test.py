@@ -161,6 +161,16 @@ class LauncherMechanicsTest(LauncherCase):
         self.assertFalse(self.load("skew", "summary.json")
                          ["replica_checksums_match"])
 
+    def test_worker_differing_from_the_servers_fails_the_run(self):
+        code, out = self.launch("serverskew", *self.COMMON, "--steps", "3",
+                                worker_bin=FAKE_WORKER,
+                                env={"FAKE_SERVER_SKEW": "1"})
+        self.assertEqual(code, 1, out)
+        self.assertRegex(out, r"worker 1 \(pid \d+\) failed \(exit code 1\)")
+        self.assertIn("differ from the servers'", out)
+        self.assertIn("FAILED", out)
+        self.assert_nothing_left("serverskew")
+
     def test_sigint_stops_everything(self):
         p = subprocess.Popen(
             self.argv("int", *self.COMMON, "--steps", "100000",

@@ -225,7 +225,9 @@ TEST(ServiceConfigTest, RejectsBadFieldsByName) {
   c.peers = {"", "not-an-address"};
   EXPECT_THAT(
       ValidateServerConfig(c),
-      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("peers[1]")));
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               AllOf(HasSubstr("--peers"), HasSubstr("entry 1"),
+                     HasSubstr("not-an-address"))));
   c = BaseConfig(2, 2);
   c.peers = {""};
   EXPECT_THAT(ValidateServerConfig(c),
@@ -239,12 +241,32 @@ TEST(ServiceConfigTest, RejectsBadFieldsByName) {
   c.checkpoint_every = 3;
   EXPECT_THAT(ValidateServerConfig(c),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("checkpoint_dir")));
+                       HasSubstr("--checkpoint-dir")));
   c = BaseConfig(1, 1);
   c.step_timeout = absl::ZeroDuration();
   EXPECT_THAT(
       ValidateServerConfig(c),
-      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("step_timeout")));
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--step-timeout")));
+  // Quota selection is a gtopk mode setting: with topk or dense it was
+  // silently ignored.
+  for (AggregationMode mode : {AggregationMode::kTopk, AggregationMode::kDense}) {
+    c = BaseConfig(1, 1);
+    c.mode = mode;
+    c.selection = SelectionKind::kQuota;
+    EXPECT_THAT(ValidateServerConfig(c),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("--selection=quota applies to "
+                                   "--mode=gtopk only")));
+  }
+  c = BaseConfig(1, 1);
+  c.optimizer.steps_per_epoch = -1;
+  EXPECT_THAT(ValidateServerConfig(c),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--steps-per-epoch must be >= 0, got -1")));
+  c = BaseConfig(1, 1);
+  c.optimizer.lr = std::numeric_limits<float>::infinity();
+  EXPECT_THAT(ValidateServerConfig(c),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--lr")));
 }
 
 TEST(ServiceTest, HealthIsServingAfterStart) {

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common/flag_names.h"
+#include "common/host_port.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
@@ -49,7 +50,10 @@ ABSL_FLAG(int64_t, compute_ms, 0,
 ABSL_FLAG(std::string, summary_json, "", "write this rank's summary here");
 ABSL_FLAG(std::string, device, "cpu", "cpu | cuda");
 ABSL_FLAG(int64_t, metrics_port, 0,
-          "serve Prometheus GET /metrics on 0.0.0.0:<port> (0: off)");
+          "serve Prometheus GET /metrics on <metrics-host>:<port> (0: off)");
+ABSL_FLAG(std::string, metrics_host, "0.0.0.0",
+          "address the metrics port binds (0.0.0.0: all; 127.0.0.1: "
+          "loopback only)");
 ABSL_FLAG(int64_t, rpc_timeout_s, 60,
           "deadline of Join and parameter download RPCs, seconds");
 // Consistency checks against the servers' cluster spec (empty: no check).
@@ -133,12 +137,18 @@ absl::Status Run() {
       !s.ok()) {
     return s;
   }
+  // Every flag that needs no cluster, before anything is bound or dialled.
+  if (absl::Status s = gtopk::worker::ValidateOptions(o); !s.ok()) return s;
   // Metrics: validated and bound before joining, so a bad port fails fast.
   const int64_t metrics_port = absl::GetFlag(FLAGS_metrics_port);
   if (metrics_port < 0 || metrics_port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--metrics-port must be in [0, 65535] (0: off), got ", metrics_port));
   }
+  const std::string metrics_host = absl::GetFlag(FLAGS_metrics_host);
+  const absl::StatusOr<std::string> metrics_address =
+      gtopk::MetricsBindAddress(metrics_host, static_cast<int>(metrics_port));
+  if (!metrics_address.ok()) return metrics_address.status();
   std::shared_ptr<gtopk::metrics::ProcessCollector> process_metrics;
   std::unique_ptr<gtopk::metrics::Exposer> exposer;
   if (metrics_port > 0) {
@@ -146,16 +156,20 @@ absl::Status Run() {
     gtopk::metrics::RegisterBuildInfo(*o.metrics_registry, "gtopk-worker");
     process_metrics = std::make_shared<gtopk::metrics::ProcessCollector>();
     absl::StatusOr<std::unique_ptr<gtopk::metrics::Exposer>> started =
-        gtopk::metrics::Exposer::Start(absl::StrCat("0.0.0.0:", metrics_port));
+        gtopk::metrics::Exposer::Start(*metrics_address);
     if (!started.ok()) {
-      return absl::Status(started.status().code(),
-                          absl::StrCat("--metrics-port=", metrics_port, ": ",
-                                       started.status().message()));
+      return absl::Status(
+          started.status().code(),
+          absl::StrCat("--metrics-host=", metrics_host,
+                       " --metrics-port=", metrics_port, ": ",
+                       started.status().message()));
     }
     exposer = *std::move(started);
     exposer->RegisterCollectable(o.metrics_registry);
     exposer->RegisterCollectable(process_metrics);
-    std::printf("metrics on 0.0.0.0:%d\n", exposer->port());
+    std::printf("metrics on %s\n",
+                gtopk::MetricsBindAddress(metrics_host, exposer->port())
+                    ->c_str());
     std::fflush(stdout);
   }
   return gtopk::worker::RunTrainer(o);

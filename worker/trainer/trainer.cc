@@ -19,9 +19,13 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/match.h"
 #include "absl/types/span.h"
+#include "common/codec.h"
+#include "common/host_port.h"
 #include "common/random.h"
+#include "common/selector.h"
 #include "common/status_macros.h"
 #include "worker/client.h"
 #include "worker/trainer/idx_reader.h"
@@ -148,6 +152,50 @@ absl::Status CheckCluster(const TrainerOptions& o, const v1::ClusterSpec& c) {
   return absl::OkStatus();
 }
 
+// The consistency flags' own syntax and ranges (before the join: a typo
+// must not wait for the cluster to be reported).
+absl::Status ValidateConsistencyFlags(const TrainerOptions& o) {
+  if (o.mode && *o.mode != "gtopk" && *o.mode != "topk" && *o.mode != "dense") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--mode must be gtopk, topk or dense, got \"", *o.mode, "\""));
+  }
+  if (o.selector) {
+    SelectorRegistry registry;
+    GTOPK_RETURN_IF_ERROR(RegisterBuiltinSelectors(&registry));
+    const std::vector<std::string> names = registry.Names();
+    if (std::find(names.begin(), names.end(), *o.selector) == names.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--selector must be one of ", absl::StrJoin(names, ", "),
+                       "; got \"", *o.selector, "\""));
+    }
+  }
+  if (o.index_codec) {
+    if (absl::Status s = ParseIndexCodec(*o.index_codec).status(); !s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--index-codec: ", s.message()));
+    }
+  }
+  if (o.value_codec) {
+    if (absl::Status s = ParseValueCodec(*o.value_codec).status(); !s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--value-codec: ", s.message()));
+    }
+  }
+  if (o.density && !(*o.density > 0.0 && *o.density <= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--density must be in (0, 1], got ", *o.density));
+  }
+  if (o.lr && !(std::isfinite(*o.lr) && *o.lr > 0.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--lr must be finite and > 0, got ", *o.lr));
+  }
+  if (o.momentum && !(*o.momentum >= 0.0 && *o.momentum < 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--momentum must be in [0, 1), got ", *o.momentum));
+  }
+  return absl::OkStatus();
+}
+
 // A data split as uint8 pixels plus int64 labels, after --*-limit.
 struct Split {
   std::vector<uint8_t> pixels;
@@ -243,13 +291,26 @@ uint64_t Fnv1a64(const void* data, size_t bytes) {
   return h;
 }
 
+absl::Status CheckReplicaChecksums(uint32_t rank, uint64_t param_checksum,
+                                   uint64_t server_checksum,
+                                   int64_t server_step) {
+  if (param_checksum == server_checksum) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(
+      "rank ", rank, "'s final parameters (checksum ", Hex64(param_checksum),
+      ") differ from the servers' (checksum ", Hex64(server_checksum),
+      ", at step ", server_step,
+      "): the replicas diverged; the run's result is not the servers' "
+      "model (were the shards started with different settings?)"));
+}
+
 absl::Status ValidateOptions(const TrainerOptions& o) {
   if (o.server.empty()) {
     return absl::InvalidArgumentError("--server (leader host:port) is required");
   }
-  if (o.rank < -1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--rank must be >= -1, got ", o.rank));
+  GTOPK_RETURN_IF_ERROR(ValidateHostPort("server", o.server, 1));
+  if (o.rank < -1 || o.rank > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--rank must be in [-1, 65535] (-1: any), got ", o.rank));
   }
   if (o.batch_size < 1 || o.batch_size > 65536) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -259,12 +320,22 @@ absl::Status ValidateOptions(const TrainerOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("--epochs must be >= 1, got ", o.epochs));
   }
-  if (o.steps < 0 || o.train_limit < 0 || o.test_limit < 0 ||
-      o.eval_every < 0 || o.compute_ms < 0) {
+  if (o.epochs > 1000000) {
     return absl::InvalidArgumentError(
-        "--steps, --train-limit, --test-limit, --eval-every and --compute-ms "
-        "must be >= 0");
+        absl::StrCat("--epochs must be at most 1000000, got ", o.epochs));
   }
+  for (const auto& [flag, value] :
+       {std::pair<const char*, int64_t>{"steps", o.steps},
+        {"train-limit", o.train_limit},
+        {"test-limit", o.test_limit},
+        {"eval-every", o.eval_every},
+        {"compute-ms", o.compute_ms}}) {
+    if (value < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, " must be >= 0, got ", value));
+    }
+  }
+  GTOPK_RETURN_IF_ERROR(ValidateConsistencyFlags(o));
   if (o.step_retries < 0 || o.step_retries > 100) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--step-retries must be in [0, 100], got ", o.step_retries));
@@ -611,14 +682,9 @@ absl::Status RunTrainer(const TrainerOptions& o) {
                          client->SynchronizeParameters(absl::MakeSpan(scratch)));
   const uint64_t server_checksum =
       Fnv1a64(scratch.data(), n * sizeof(float));
-  if (server_checksum != param_checksum) {
-    std::fprintf(stderr,
-                 "warning: rank %u's parameters (checksum %s) differ from the "
-                 "servers' (checksum %s, at step %lld)\n",
-                 rank, Hex64(param_checksum).c_str(),
-                 Hex64(server_checksum).c_str(),
-                 static_cast<long long>(server_step));
-  }
+  // Checked after the summary is written (so it can be inspected).
+  const absl::Status replicas_agree = CheckReplicaChecksums(
+      rank, param_checksum, server_checksum, server_step);
 
   if (leader_rank) {
     PrintLine(absl::StrFormat(
@@ -689,7 +755,7 @@ absl::Status RunTrainer(const TrainerOptions& o) {
           std::strerror(errno)));
     }
   }
-  return absl::OkStatus();
+  return replicas_agree;
 }
 
 }  // namespace worker

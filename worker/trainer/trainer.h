@@ -55,6 +55,15 @@ absl::Status ValidateOptions(const TrainerOptions& options);
 // step); the caller prints them and exits 1.
 absl::Status RunTrainer(const TrainerOptions& options);
 
+// The end-of-run replica check: OK when this rank's final parameters
+// (`param_checksum`) equal the servers' (`server_checksum`, downloaded at
+// `server_step`); otherwise INTERNAL naming the rank, both checksums and
+// the step (RunTrainer returns it after writing the summary, so the worker
+// exits 1 and the launcher fails the run).
+absl::Status CheckReplicaChecksums(uint32_t rank, uint64_t param_checksum,
+                                   uint64_t server_checksum,
+                                   int64_t server_step);
+
 // 64-bit FNV-1a over the bytes of `data` (the replica checksums).
 uint64_t Fnv1a64(const void* data, size_t bytes);
 

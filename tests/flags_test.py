@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""Every out-of-range or malformed flag value of gtopk-server and
+gtopk-worker is rejected at start: the process exits non-zero (server 2,
+worker 1) with a message naming the flag, and promptly. The worker's cases
+point --server at a port where nothing listens, with the default 60 s
+--rpc-timeout-s: an exit within the per-case limit proves the check comes
+before the join.
+
+Usage: flags_test.py SERVER_BINARY [WORKER_BINARY]
+"""
+import os
+import socket
+import subprocess
+import sys
+import unittest
+
+SERVER = None
+WORKER = None
+CASE_TIMEOUT_S = 15
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# (flag the message must name, extra arguments)
+SERVER_CASES = [
+    ("--shard-id", ["--shard-id=-1"]),
+    ("--shard-id", ["--shard-id=1"]),
+    ("--num-shards", ["--num-shards=0"]),
+    ("--num-shards", ["--num-shards=65537"]),
+    ("--workers", ["--workers=0"]),
+    ("--workers", ["--workers=65537"]),
+    ("--peers", ["--num-shards=2", "--peers=,nonsense"]),
+    ("--peers", ["--num-shards=2", "--peers=,host:port"]),
+    ("--peers", ["--num-shards=2", "--peers=,127.0.0.1:0"]),
+    ("--peers", ["--num-shards=2", "--peers=127.0.0.1:1"]),
+    ("--listen", ["--listen=nonsense"]),
+    ("--listen", ["--listen=localhost:http"]),
+    ("--listen", ["--listen=:50051"]),
+    ("--listen", ["--listen=127.0.0.1:65536"]),
+    ("--step-timeout", ["--step-timeout=0s"]),
+    ("--step-timeout", ["--step-timeout=-1s"]),
+    ("--step-timeout", ["--step-timeout=1000000h"]),
+    ("--checkpoint-dir", ["--checkpoint-dir=/nonexistent/gtopk-ckpt"]),
+    ("--checkpoint-every", ["--checkpoint-every=-1"]),
+    ("--checkpoint-dir", ["--checkpoint-every=5"]),
+    ("--checkpoint-keep", ["--checkpoint-keep=0"]),
+    ("--checkpoint-keep", ["--checkpoint-keep=1001"]),
+    ("--mode", ["--mode=sparse"]),
+    ("--selection", ["--selection=fast"]),
+    ("--selection", ["--selection=quota", "--mode=topk"]),
+    ("--selection", ["--selection=quota", "--mode=dense"]),
+    ("--selector", ["--selector=top"]),
+    ("--index-codec", ["--index-codec=zip"]),
+    ("--value-codec", ["--value-codec=fp8"]),
+    ("--lr", ["--lr=0"]),
+    ("--lr", ["--lr=-0.1"]),
+    ("--lr", ["--lr=nan"]),
+    ("--lr", ["--lr=inf"]),
+    ("--lr", ["--lr=1e39"]),  # finite as a double, inf as the float used
+    ("--momentum", ["--momentum=1"]),
+    ("--momentum", ["--momentum=-0.1"]),
+    ("--momentum", ["--momentum=nan"]),
+    ("--momentum-mode", ["--momentum-mode=adam"]),
+    ("--weight-decay", ["--weight-decay=-1"]),
+    ("--weight-decay", ["--weight-decay=nan"]),
+    ("--lr-warmup-steps", ["--lr-warmup-steps=-1"]),
+    ("--density", ["--density=0"]),
+    ("--density", ["--density=1.5"]),
+    ("--density", ["--density=nan"]),
+    ("--density-warmup", ["--density-warmup=0.5,abc",
+                          "--steps-per-epoch=10"]),
+    ("--density-warmup", ["--density-warmup=0.5,2", "--steps-per-epoch=10"]),
+    ("--density-warmup", ["--density-warmup=0", "--steps-per-epoch=10"]),
+    ("--steps-per-epoch", ["--density-warmup=dgc"]),
+    ("--steps-per-epoch", ["--steps-per-epoch=-1"]),
+    ("--max-message-bytes", ["--max-message-bytes=1023"]),
+    ("--max-message-bytes", ["--max-message-bytes=2147483648"]),
+    ("--metrics-port", ["--metrics-port=-1"]),
+    ("--metrics-port", ["--metrics-port=65536"]),
+    ("--metrics-host", ["--metrics-port=9400", "--metrics-host="]),
+    ("--metrics-host", ["--metrics-port=9400", "--metrics-host=[::1"]),
+    ("--health-check", ["--health-check=nonsense"]),
+    ("--health-check", ["--health-check=127.0.0.1:0"]),
+]
+
+WORKER_CASES = [
+    ("--server", ["--server=nonsense"]),
+    ("--server", ["--server=127.0.0.1"]),
+    ("--server", ["--server=127.0.0.1:port"]),
+    ("--server", ["--server=127.0.0.1:0"]),
+    ("--server", ["--server=:50051"]),
+    ("--server", ["--server=::1:50051"]),  # IPv6 needs brackets
+    ("--rank", ["--rank=-2"]),
+    ("--rank", ["--rank=65536"]),
+    ("--batch-size", ["--batch-size=0"]),
+    ("--batch-size", ["--batch-size=65537"]),
+    ("--epochs", ["--epochs=0"]),
+    ("--epochs", ["--epochs=1000000000000"]),
+    ("--steps", ["--steps=-1"]),
+    ("--train-limit", ["--train-limit=-1"]),
+    ("--test-limit", ["--test-limit=-1"]),
+    ("--eval-every", ["--eval-every=-1"]),
+    ("--compute-ms", ["--compute-ms=-1"]),
+    ("--compute-ms", ["--model=mlp", "--compute-ms=5"]),
+    ("--threads", ["--threads=0"]),
+    ("--threads", ["--threads=1025"]),
+    ("--device", ["--device=tpu"]),
+    ("--model", ["--model=resnet"]),
+    ("--model", ["--model=synthetic:0"]),
+    ("--metrics-port", ["--metrics-port=-1"]),
+    ("--metrics-port", ["--metrics-port=65536"]),
+    ("--metrics-host", ["--metrics-port=9401", "--metrics-host="]),
+    ("--rpc-timeout-s", ["--rpc-timeout-s=0"]),
+    ("--rpc-timeout-s", ["--rpc-timeout-s=86401"]),
+    ("--step-retries", ["--step-retries=-1"]),
+    ("--step-retries", ["--step-retries=101"]),
+    ("--mode", ["--mode=sparse"]),
+    ("--selector", ["--selector=top"]),
+    ("--index-codec", ["--index-codec=zip"]),
+    ("--value-codec", ["--value-codec=fp8"]),
+    ("--density", ["--density=2"]),
+    ("--density", ["--density=0"]),
+    ("--density", ["--density=abc"]),
+    ("--lr", ["--lr=nan"]),
+    ("--lr", ["--lr=0"]),
+    ("--lr", ["--lr=-1"]),
+    ("--momentum", ["--momentum=1"]),
+    ("--momentum", ["--momentum=-0.5"]),
+    ("--summary-json", ["--summary-json=/nonexistent/dir/w.json"]),
+]
+
+
+def run(argv, env=None):
+    full_env = dict(os.environ)
+    full_env.pop("JOB_COMPLETION_INDEX", None)
+    full_env.update(env or {})
+    return subprocess.run(argv, stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=CASE_TIMEOUT_S, env=full_env)
+
+
+class ServerFlagsTest(unittest.TestCase):
+    def test_each_bad_value_exits_2_naming_the_flag(self):
+        for flag, extra in SERVER_CASES:
+            with self.subTest(args=extra):
+                # Port 0: a case that slipped through would still start
+                # (and then time out here) without disturbing anything.
+                r = run([SERVER, "--listen=127.0.0.1:0"] + extra)
+                self.assertEqual(r.returncode, 2, r.stdout)
+                self.assertIn(flag, r.stdout)
+                self.assertNotIn("listening on", r.stdout)
+
+    def test_good_values_start(self):
+        """The control: the base flags alone start a server."""
+        p = subprocess.Popen(
+            [SERVER, "--listen=127.0.0.1:0", "--metrics-host=127.0.0.1",
+             "--metrics-port=%d" % free_port(), "--density-warmup=dgc",
+             "--steps-per-epoch=10"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            line = p.stdout.readline()
+            self.assertIn("listening on 127.0.0.1:", line)
+            self.assertIn("metrics on 127.0.0.1:", p.stdout.readline())
+        finally:
+            p.terminate()
+            p.wait(timeout=30)
+            p.stdout.close()
+
+
+class WorkerFlagsTest(unittest.TestCase):
+    def test_each_bad_value_exits_1_before_joining_naming_the_flag(self):
+        leader = "--server=127.0.0.1:%d" % free_port()  # nothing listens
+        for flag, extra in WORKER_CASES:
+            with self.subTest(args=extra):
+                argv = [WORKER, leader, "--model=synthetic:10"]
+                if any(a.startswith("--model=") for a in extra):
+                    argv.remove("--model=synthetic:10")
+                r = run(argv + extra)
+                self.assertEqual(r.returncode, 1, r.stdout)
+                self.assertIn(flag, r.stdout)
+
+    def test_bad_job_completion_index(self):
+        r = run([WORKER, "--server=127.0.0.1:%d" % free_port(),
+                 "--model=synthetic:10"], env={"JOB_COMPLETION_INDEX": "x"})
+        self.assertEqual(r.returncode, 1, r.stdout)
+        self.assertIn("JOB_COMPLETION_INDEX", r.stdout)
+
+
+if __name__ == "__main__":
+    SERVER = sys.argv[1]
+    WORKER = sys.argv[2] if len(sys.argv) > 2 else None
+    if WORKER is None:
+        del WorkerFlagsTest  # gtopk-worker is not built (no libtorch)
+    unittest.main(argv=[sys.argv[0]], verbosity=2)
