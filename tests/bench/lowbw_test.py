@@ -151,6 +151,17 @@ class LowbwTest(unittest.TestCase):
             self.assertTrue(0 < eff < 1.5, (key, eff))
             if key[0] != "ddp":
                 self.assertTrue(r["replicas_identical"], key)
+                # The last pusher's communication: positive, and within its
+                # step (it is part of it).
+                lp = r["last_pusher_communication_seconds_p50"]
+                self.assertTrue(lp is not None and 0 < lp < r[
+                    "step_seconds_p50"], (key, lp))
+            else:
+                self.assertIsNone(r["last_pusher_communication_seconds_p50"])
+        # The dense pushes of the last pusher alone take the link's time.
+        self.assertGreaterEqual(
+            runs[("dense", 2)]["last_pusher_communication_seconds_p50"],
+            0.8 * 4 * N * 8 / RATE_BITS)
         # The link limit is real: 4n bytes out of a worker (dense push; the
         # ring all-reduce at P = 2 sends 2 x 4n/2) take >= 4n x 8 / rate.
         floor = 4 * N * 8 / RATE_BITS

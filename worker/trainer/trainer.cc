@@ -513,6 +513,11 @@ absl::Status RunTrainer(const TrainerOptions& o) {
   std::vector<double> step_seconds;
   // Per-step phase times for --summary-json "per_step" (bench/lowbw/).
   std::vector<double> compute_seconds, local_seconds, communication_seconds;
+  // Wall-clock (Unix seconds) when this rank's pushes went out and its last
+  // pull was decoded: across ranks (one clock on one machine), the last
+  // pusher's pull_end - push_start is the step's communication without the
+  // wait for slower workers (bench/lowbw/).
+  std::vector<double> push_start_unix, pull_end_unix;
   std::vector<float> losses;
   double sent_total = 0, received_total = 0;
 
@@ -570,6 +575,7 @@ absl::Status RunTrainer(const TrainerOptions& o) {
     }
     const Clock::time_point t_compute = Clock::now();
     const double compute = std::chrono::duration<double>(t_compute - t0).count();
+    const absl::Time step_call = absl::Now();
     absl::StatusOr<StepStats> stats = StepOnce(*client, *model, grad,
                                                device_grad, params);
     if (!stats.ok()) {
@@ -636,6 +642,11 @@ absl::Status RunTrainer(const TrainerOptions& o) {
     local_seconds.push_back(absl::ToDoubleSeconds(
         stats->accumulate + stats->select + stats->encode + stats->apply));
     communication_seconds.push_back(absl::ToDoubleSeconds(stats->push_wait));
+    const absl::Time push_start =
+        step_call + stats->accumulate + stats->select + stats->encode;
+    push_start_unix.push_back(absl::ToUnixMicros(push_start) * 1e-6);
+    pull_end_unix.push_back(absl::ToUnixMicros(push_start + stats->push_wait) *
+                            1e-6);
     losses.push_back(loss);
     uint64_t sent = 0, received = 0;
     for (uint64_t b : stats->bytes_sent) sent += b;
@@ -731,12 +742,23 @@ absl::Status RunTrainer(const TrainerOptions& o) {
       }
       return a + "]";
     };
+    // Microsecond resolution (JsonNumber's 10 digits are whole seconds here).
+    auto unix_series = [](const std::vector<double>& v) {
+      std::string a = "[";
+      for (size_t i = 0; i < v.size(); ++i) {
+        absl::StrAppend(&a, i ? ", " : "", absl::StrFormat("%.6f", v[i]));
+      }
+      return a + "]";
+    };
     field("per_step",
           absl::StrCat("{\"step_seconds\": ", series(step_seconds),
                        ", \"compute_seconds\": ", series(compute_seconds),
                        ", \"local_seconds\": ", series(local_seconds),
                        ", \"communication_seconds\": ",
-                       series(communication_seconds), "}"),
+                       series(communication_seconds),
+                       ", \"push_start_unix\": ", unix_series(push_start_unix),
+                       ", \"pull_end_unix\": ", unix_series(pull_end_unix),
+                       "}"),
           true);
     j += "}\n";
     const std::string tmp = o.summary_json + ".tmp";
