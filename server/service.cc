@@ -1011,15 +1011,34 @@ absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverCluster(
   }
   {
     absl::MutexLock lock(&recover_mu_);
-    auto free = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(recover_mu_) {
-      return !recovering_;
-    };
-    if (!recover_mu_.AwaitWithDeadline(absl::Condition(&free), deadline)) {
-      return absl::DeadlineExceededError(
-          "Recover: another recovery is still running on the leader");
+    if (recovering_) {
+      // Workers failing together call Recover together: join the running
+      // recovery and answer its outcome (e.g. the unreachable shard it
+      // names), rather than start another one after it.
+      const uint64_t generation = recover_generation_;
+      auto finished = [this, generation]()
+                          ABSL_EXCLUSIVE_LOCKS_REQUIRED(recover_mu_) {
+                            return recover_generation_ != generation;
+                          };
+      if (!recover_mu_.AwaitWithDeadline(absl::Condition(&finished),
+                                         deadline + kLeaderDeadlineSlack)) {
+        return absl::DeadlineExceededError(
+            "Recover: another recovery is still running on the leader");
+      }
+      return last_recover_;
     }
     recovering_ = true;
   }
+  absl::StatusOr<v1::RecoverResponse> result = RecoverClusterOnce(deadline);
+  absl::MutexLock lock(&recover_mu_);
+  last_recover_ = result;
+  ++recover_generation_;
+  recovering_ = false;
+  return result;
+}
+
+absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverClusterOnce(
+    absl::Time deadline) {
   // Fence the commit vote and the threshold exchange: no step can be
   // committed while the shards' states are read, and rounds being computed
   // fail quickly instead of waiting for a shard that will not come.
@@ -1032,8 +1051,6 @@ absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverCluster(
     ~Unfence() {
       self->coordinator_->Unfence();
       self->commit_coordinator_->Unfence();
-      absl::MutexLock lock(&self->recover_mu_);
-      self->recovering_ = false;
     }
   } unfence{this};
 

@@ -200,7 +200,11 @@ class AggregatorService final : public v1::Aggregator::Service {
 
   // The leader's recovery (what Recover does), callable in-process. Errors
   // as for the Recover RPC. Leader only (FAILED_PRECONDITION otherwise).
+  // Serialised: a call made while a recovery is running waits for it (up to
+  // `deadline` plus kLeaderDeadlineSlack) and returns its outcome.
   absl::StatusOr<v1::RecoverResponse> RecoverCluster(absl::Time deadline);
+  // One recovery (RecoverCluster holds the recovering_ flag around it).
+  absl::StatusOr<v1::RecoverResponse> RecoverClusterOnce(absl::Time deadline);
   // This shard's side of GetShardState / RollbackShard.
   absl::StatusOr<v1::ShardState> LocalShardState(absl::Time deadline);
   absl::StatusOr<int64_t> LocalRollback(int64_t step);
@@ -257,6 +261,11 @@ class AggregatorService final : public v1::Aggregator::Service {
   // One Recover at a time (callers wait up to their deadline).
   absl::Mutex recover_mu_;
   bool recovering_ ABSL_GUARDED_BY(recover_mu_) = false;
+  // Incremented when a recovery finishes; last_recover_ is its outcome,
+  // answered to the callers that joined it.
+  uint64_t recover_generation_ ABSL_GUARDED_BY(recover_mu_) = 0;
+  absl::StatusOr<v1::RecoverResponse> last_recover_ ABSL_GUARDED_BY(
+      recover_mu_) = absl::UnknownError("no recovery yet");
 
   absl::Mutex checkpoint_mu_;  // one checkpoint writer at a time
   // DownloadParams copies the shard's range per call; at most

@@ -366,6 +366,140 @@ TEST(ProcessTest, TrainersRecoverWhenARestartedShardIsBehind) {
   EXPECT_EQ(system(cleanup.c_str()), 0);
 }
 
+// The servers of a 2-shard cluster on `peers`, checkpointing every 5 steps
+// into `dir`, with a 3 s step timeout.
+std::vector<std::string> RecoveryServerArgs(const std::vector<std::string>& peers,
+                                            int shard, int workers,
+                                            const std::string& dir) {
+  return {absl::StrCat("--listen=", peers[shard]),
+          absl::StrCat("--shard-id=", shard),
+          absl::StrCat("--num-shards=", peers.size()),
+          absl::StrCat("--workers=", workers),
+          absl::StrCat("--peers=", absl::StrJoin(peers, ",")),
+          "--step-timeout=3s",
+          absl::StrCat("--checkpoint-dir=", dir),
+          "--checkpoint-every=5",
+          "--density=0.01"};
+}
+
+// Starts `workers` trainers (default --step-retries) running `steps`
+// synthetic steps against the leader peers[0]; logs in dir/worker-<w>.log.
+std::vector<pid_t> SpawnTrainers(const std::vector<std::string>& peers,
+                                 int workers, int steps,
+                                 const std::string& dir) {
+  std::vector<pid_t> pids;
+  for (int w = 0; w < workers; ++w) {
+    pids.push_back(Spawn(
+        GTOPK_WORKER_BINARY,
+        {absl::StrCat("--server=", peers[0]), absl::StrCat("--rank=", w),
+         "--model=synthetic:3001", absl::StrCat("--steps=", steps),
+         "--compute-ms=100", "--rpc-timeout-s=20",
+         absl::StrCat("--summary-json=", dir, "/worker-", w, ".json")},
+        absl::StrCat(dir, "/worker-", w, ".log")));
+  }
+  return pids;
+}
+
+// Waits (up to 30 s) until rank 0's log shows `line`.
+bool AwaitLog(const std::string& path, const std::string& line) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < deadline) {
+    if (ReadAllText(path).find(line) != std::string::npos) return true;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return false;
+}
+
+// The leader is SIGKILLed mid-run and restarted 3 s later from its
+// checkpoint: with the default --step-retries, every trainer waits for it
+// (Recover waits for an unreachable leader within the recovery window, and
+// channels reconnect within 1 s), the cluster rolls back to the leader's
+// checkpoint, and both trainers finish (exit 0) with the same parameters
+// as each other and the servers.
+TEST(ProcessTest, TrainersSurviveALeaderRestart) {
+  const int workers = 2;
+  auto ports = server::PickFreePorts(2);
+  ASSERT_TRUE(ports.ok()) << ports.status();
+  std::vector<std::string> peers;
+  for (int p : *ports) peers.push_back(absl::StrCat("127.0.0.1:", p));
+  char dir_template[] = "/tmp/gtopk_process_leader_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  ServerProcess shard0, shard1;
+  ASSERT_TRUE(shard0.Start(RecoveryServerArgs(peers, 0, workers, dir)));
+  ASSERT_TRUE(shard1.Start(RecoveryServerArgs(peers, 1, workers, dir)));
+  std::vector<pid_t> pids = SpawnTrainers(peers, workers, 20, dir);
+  const std::string log0 = dir + "/worker-0.log";
+  ASSERT_TRUE(AwaitLog(log0, "step 7/20")) << ReadAllText(log0);
+  EXPECT_EQ(shard0.StopWith(SIGKILL, absl::Seconds(10)), 128 + SIGKILL);
+  absl::SleepFor(absl::Seconds(3));
+  ServerProcess restarted;
+  ASSERT_TRUE(restarted.Start(RecoveryServerArgs(peers, 0, workers, dir)));
+
+  for (int w = 0; w < workers; ++w) {
+    EXPECT_EQ(WaitExit(pids[w], absl::Seconds(60)), 0)
+        << "worker " << w << " log:\n"
+        << ReadAllText(absl::StrCat(dir, "/worker-", w, ".log"));
+  }
+  EXPECT_NE(ReadAllText(log0).find("continuing from step 5"),
+            std::string::npos)
+      << "no rollback to the leader's checkpoint of step 5:\n"
+      << ReadAllText(log0);
+  std::vector<std::string> checksums;
+  for (int w = 0; w < workers; ++w) {
+    const std::string json =
+        ReadAllText(absl::StrCat(dir, "/worker-", w, ".json"));
+    const std::string mine = JsonValue(json, "param_checksum");
+    EXPECT_FALSE(mine.empty()) << json;
+    EXPECT_EQ(mine, JsonValue(json, "server_checksum"))
+        << "worker " << w << " differs from the servers";
+    checksums.push_back(mine);
+  }
+  EXPECT_EQ(checksums[0], checksums[1]) << "the replicas differ";
+  EXPECT_EQ(restarted.StopWith(SIGTERM, absl::Seconds(15)), 0);
+  EXPECT_EQ(shard1.StopWith(SIGTERM, absl::Seconds(15)), 0);
+  std::string cleanup = "rm -rf " + dir;
+  EXPECT_EQ(system(cleanup.c_str()), 0);
+}
+
+// A shard SIGKILLed and not restarted: every trainer exits 1 within the
+// documented bound (its step fails, then the recovery window of 3 step
+// timeouts ends; 3 s each here, so <= 12 s plus slack), and every one's
+// final error names the dead shard, without a repeated "Recover:" prefix.
+TEST(ProcessTest, TrainersNameADeadShardWithinTheRecoveryWindow) {
+  const int workers = 2;
+  auto ports = server::PickFreePorts(2);
+  ASSERT_TRUE(ports.ok()) << ports.status();
+  std::vector<std::string> peers;
+  for (int p : *ports) peers.push_back(absl::StrCat("127.0.0.1:", p));
+  char dir_template[] = "/tmp/gtopk_process_dead_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  ServerProcess shard0, shard1;
+  ASSERT_TRUE(shard0.Start(RecoveryServerArgs(peers, 0, workers, dir)));
+  ASSERT_TRUE(shard1.Start(RecoveryServerArgs(peers, 1, workers, dir)));
+  std::vector<pid_t> pids = SpawnTrainers(peers, workers, 1000, dir);
+  const std::string log0 = dir + "/worker-0.log";
+  ASSERT_TRUE(AwaitLog(log0, "step 3/1000")) << ReadAllText(log0);
+  EXPECT_EQ(shard1.StopWith(SIGKILL, absl::Seconds(10)), 128 + SIGKILL);
+  const absl::Time killed = absl::Now();
+  for (int w = 0; w < workers; ++w) {
+    EXPECT_EQ(WaitExit(pids[w], absl::Seconds(30)), 1);
+    const std::string log = ReadAllText(absl::StrCat(dir, "/worker-", w, ".log"));
+    const size_t last = log.rfind("gtopk-worker: ");
+    ASSERT_NE(last, std::string::npos) << log;
+    const std::string final_error = log.substr(last);
+    EXPECT_NE(final_error.find("shard 1"), std::string::npos)
+        << "worker " << w << "'s final error does not name shard 1: "
+        << final_error;
+    EXPECT_EQ(log.find("Recover: Recover:"), std::string::npos) << log;
+  }
+  EXPECT_LT(absl::Now() - killed, absl::Seconds(12) + absl::Seconds(4));
+  EXPECT_EQ(shard0.StopWith(SIGTERM, absl::Seconds(15)), 0);
+  std::string cleanup = "rm -rf " + dir;
+  EXPECT_EQ(system(cleanup.c_str()), 0);
+}
+
 // An unwritable --summary-json is reported before the run (not after every
 // step of it): here the leader does not exist and the join would wait its
 // 30 s deadline, so an exit within 10 s naming the flag proves the check
