@@ -270,6 +270,24 @@ absl::Status AggregatorService::WriteCheckpointNow() {
                           snapshot->next_step, config_.checkpoint_keep);
 }
 
+void AggregatorService::BeginDrain() {
+  absl::MutexLock lock(&mu_);
+  draining_ = true;
+  if (aggregator_ != nullptr) {
+    aggregator_->BeginDrain(absl::UnavailableError(
+        absl::StrCat("shard ", config_.shard_id, " is shutting down")));
+  }
+}
+
+bool AggregatorService::AwaitDrained(absl::Time deadline) {
+  ShardAggregator* aggregator;
+  {
+    absl::MutexLock lock(&mu_);
+    aggregator = aggregator_.get();
+  }
+  return aggregator == nullptr || aggregator->AwaitNoRound(deadline);
+}
+
 void AggregatorService::BeginShutdown() {
   absl::MutexLock lock(&mu_);
   if (shutting_down_) return;
@@ -314,6 +332,10 @@ absl::Status AggregatorService::CreateAggregatorLocked(uint64_t n) {
                      s.ToString().c_str());
       }
     });
+  }
+  if (draining_) {
+    aggregator->BeginDrain(absl::UnavailableError(
+        absl::StrCat("shard ", config_.shard_id, " is shutting down")));
   }
   aggregator_ = std::move(aggregator);
   cv_.SignalAll();
@@ -466,7 +488,7 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* /*context*/,
         "; -1 for any)")));
   }
   absl::MutexLock lock(&mu_);
-  if (shutting_down_) {
+  if (shutting_down_ || draining_) {
     return ToGrpcStatus(absl::UnavailableError(
         absl::StrCat("shard ", config_.shard_id, " is shutting down")));
   }
@@ -1262,12 +1284,19 @@ AggregatorServer::~AggregatorServer() {
 }
 
 absl::Status AggregatorServer::Shutdown(absl::Duration grace,
-                                        bool write_checkpoint) {
+                                        bool write_checkpoint,
+                                        absl::Duration drain) {
   if (shut_down_ || server_ == nullptr) return absl::OkStatus();
   shut_down_ = true;
   if (grpc::HealthCheckServiceInterface* health =
           server_->GetHealthCheckService()) {
     health->SetServingStatus(false);
+  }
+  if (drain > absl::ZeroDuration()) {
+    // Still listening: health checks see NOT_SERVING, and the round in
+    // progress can complete.
+    service_->BeginDrain();
+    service_->AwaitDrained(absl::Now() + drain);
   }
   const absl::Time deadline = absl::Now() + grace;
   absl::Notification drained;

@@ -162,6 +162,14 @@ class AggregatorService final : public v1::Aggregator::Service {
   // WriteCheckpoint's status. Serialised with the periodic writes.
   absl::Status WriteCheckpointNow();
 
+  // Graceful shutdown's drain (before BeginShutdown): the round in progress
+  // may complete; pushes that would open a new round, and Joins, fail with
+  // UNAVAILABLE "shard s is shutting down". Does not block.
+  void BeginDrain();
+  // Waits until no round is open on this shard, up to `deadline`; true when
+  // none is (also before the first Join). Thread-safe.
+  bool AwaitDrained(absl::Time deadline);
+
   // Graceful shutdown: pending and later steps, downloads and waits fail
   // with UNAVAILABLE "shard s is shutting down", so that no handler stays
   // blocked. Irreversible. Does not block.
@@ -253,6 +261,7 @@ class AggregatorService final : public v1::Aggregator::Service {
   uint64_t n_ ABSL_GUARDED_BY(mu_) = 0;  // 0: not known yet
   std::vector<bool> rank_given_ ABSL_GUARDED_BY(mu_);
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
   // Created once, never replaced: the pointer may be used without mu_.
   std::unique_ptr<ShardAggregator> aggregator_ ABSL_GUARDED_BY(mu_);
 
@@ -297,7 +306,12 @@ class AggregatorServer {
   // the checkpoint (after the last applied step). Returns the checkpoint's
   // status. Idempotent. `write_checkpoint` = false skips the checkpoint
   // (tests use it to stand for a crash).
-  absl::Status Shutdown(absl::Duration grace, bool write_checkpoint = true);
+  // With `drain` > 0, first a drain (AggregatorService::BeginDrain): health
+  // is NOT_SERVING but the server keeps serving until no round is open on
+  // this shard or `drain` has passed, whichever is first; pushes for a new
+  // step get UNAVAILABLE "shard s is shutting down".
+  absl::Status Shutdown(absl::Duration grace, bool write_checkpoint = true,
+                        absl::Duration drain = absl::ZeroDuration());
 
  private:
   AggregatorServer() = default;

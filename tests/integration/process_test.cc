@@ -13,6 +13,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -225,6 +226,97 @@ TEST(ProcessTest, RealServersTrainSurviveAKillAndShutDownCleanly) {
   clients.clear();
   EXPECT_EQ(restarted.StopWith(SIGTERM, absl::Seconds(15)), 0);
   EXPECT_EQ(shard0.StopWith(SIGTERM, absl::Seconds(15)), 0);
+  std::string cleanup = "rm -rf " + dir;
+  EXPECT_EQ(system(cleanup.c_str()), 0);
+}
+
+// SIGTERM with a round in progress: the server keeps listening while it
+// drains (a health check answers NOT_SERVING, not a refused connection), the
+// round completes, the drain ends early (long before --drain-timeout), the
+// server exits 0, and its checkpoint holds the drained step.
+TEST(ProcessTest, SigtermDrainsTheRoundInProgressReportingNotServing) {
+  const uint64_t n = 5003;
+  const int workers = 2;
+  auto ports = server::PickFreePorts(1);
+  ASSERT_TRUE(ports.ok()) << ports.status();
+  const std::string address = absl::StrCat("127.0.0.1:", (*ports)[0]);
+  char dir_template[] = "/tmp/gtopk_process_drain_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  const std::vector<std::string> args = {
+      absl::StrCat("--listen=", address), absl::StrCat("--workers=", workers),
+      "--step-timeout=30s", absl::StrCat("--checkpoint-dir=", dir),
+      "--density=0.01", "--drain-timeout=40s"};
+  auto server = std::make_unique<ServerProcess>();
+  ASSERT_TRUE(server->Start(args));
+  auto connect = [&](int rank) {
+    worker::ClientOptions o;
+    o.leader_address = address;
+    o.requested_rank = rank;
+    o.n = n;
+    return worker::WorkerClient::Connect(o);
+  };
+  std::vector<std::unique_ptr<worker::WorkerClient>> clients;
+  std::vector<std::vector<float>> params(workers, Random(n, 7));
+  for (int w = 0; w < workers; ++w) {
+    auto c = connect(w);
+    ASSERT_TRUE(c.ok()) << c.status();
+    clients.push_back(*std::move(c));
+  }
+  for (int w = 0; w < workers; ++w) {
+    ASSERT_TRUE(clients[w]->SynchronizeParameters(absl::MakeSpan(params[w])).ok());
+  }
+  // Step 0 with both workers, then step 1 with worker 0 only: a round open.
+  {
+    std::thread t([&] {
+      GTOPK_EXPECT_OK(clients[1]->Step(Random(n, 11), absl::MakeSpan(params[1])));
+    });
+    GTOPK_EXPECT_OK(clients[0]->Step(Random(n, 10), absl::MakeSpan(params[0])));
+    t.join();
+  }
+  absl::StatusOr<worker::StepStats> step1_rank0;
+  std::thread rank0([&] {
+    step1_rank0 = clients[0]->Step(Random(n, 20), absl::MakeSpan(params[0]));
+  });
+  absl::SleepFor(absl::Milliseconds(300));  // rank 0's push arrives
+  int exit_code = -2;
+  const absl::Time signalled = absl::Now();
+  std::thread stopper(
+      [&] { exit_code = server->StopWith(SIGTERM, absl::Seconds(60)); });
+  // Draining: still listening, NOT_SERVING.
+  bool not_serving = false;
+  absl::Status last_check;
+  for (int i = 0; i < 100 && !not_serving; ++i) {
+    absl::StatusOr<bool> serving =
+        server::CheckHealth(address, absl::Seconds(1));
+    if (serving.ok() && !*serving) not_serving = true;
+    if (!serving.ok()) last_check = serving.status();
+    if (!not_serving) absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_TRUE(not_serving) << "no NOT_SERVING while draining; last error: "
+                           << last_check;
+  // The round in progress completes during the drain.
+  GTOPK_EXPECT_OK(clients[1]->Step(Random(n, 21), absl::MakeSpan(params[1])));
+  rank0.join();
+  GTOPK_EXPECT_OK(step1_rank0);
+  EXPECT_TRUE(BitEqual(params[0], params[1]));
+  stopper.join();
+  EXPECT_EQ(exit_code, 0);
+  // The drain ended when the round did, not at --drain-timeout.
+  EXPECT_LT(absl::Now() - signalled, absl::Seconds(30));
+  clients.clear();
+
+  // The checkpoint holds step 2 (both steps applied) and the same values.
+  ServerProcess restarted;
+  ASSERT_TRUE(restarted.Start(args));
+  auto c = connect(0);
+  ASSERT_TRUE(c.ok()) << c.status();
+  std::vector<float> downloaded(n, 0.0f);
+  auto next = (*c)->SynchronizeParameters(absl::MakeSpan(downloaded));
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(*next, 2);
+  EXPECT_TRUE(BitEqual(downloaded, params[0]));
+  EXPECT_EQ(restarted.StopWith(SIGTERM, absl::Seconds(15)), 0);
   std::string cleanup = "rm -rf " + dir;
   EXPECT_EQ(system(cleanup.c_str()), 0);
 }
