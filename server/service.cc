@@ -177,6 +177,7 @@ AggregatorService::AggregatorService(ServerConfig config)
                             : std::make_shared<metrics::Registry>()),
       metrics_(std::make_unique<ServerMetrics>(*metrics_registry_)) {
   rank_given_.assign(config_.num_workers, false);
+  live_streams_.resize(config_.num_workers);
   if (is_leader()) {
     coordinator_ = std::make_unique<ThresholdCoordinator>(config_.num_shards);
     exchange_ = std::make_unique<LocalThresholdExchange>(coordinator_.get());
@@ -503,6 +504,17 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* /*context*/,
   uint32_t rank = 0;
   if (requested >= 0) {
     rank = static_cast<uint32_t>(requested);
+    // A worker restarting after a crash has no open stream (its connection
+    // closed with it); one that still has one is another, live worker.
+    for (grpc::ServerContext* stream : live_streams_[rank]) {
+      if (!stream->IsCancelled()) {
+        return ToGrpcStatus(absl::AlreadyExistsError(absl::StrCat(
+            "rank ", rank, " is already taken by a live worker (it has an "
+            "open PushPull stream on shard ", config_.shard_id,
+            "); start this worker with another --rank, or stop the other "
+            "one first")));
+      }
+    }
   } else {
     while (rank < config_.num_workers && rank_given_[rank]) ++rank;
     if (rank == config_.num_workers) {
@@ -762,13 +774,29 @@ grpc::Status AggregatorService::PushPull(
   v1::Push push;
   metrics_->connected_workers().Increment();
   struct Disconnect {
-    ServerMetrics* metrics;
-    ~Disconnect() { metrics->connected_workers().Decrement(); }
-  } disconnect{metrics_.get()};
+    AggregatorService* self;
+    grpc::ServerContext* context;
+    int64_t worker = -1;  // registered in live_streams_
+    ~Disconnect() {
+      if (worker >= 0) {
+        absl::MutexLock lock(&self->mu_);
+        auto& live = self->live_streams_[worker];
+        live.erase(std::find(live.begin(), live.end(), context));
+      }
+      self->metrics_->connected_workers().Decrement();
+    }
+  } disconnect{this, context};
   while (stream->Read(&push)) {
     metrics_->received_push_bytes().Increment(
         static_cast<double>(push.ByteSizeLong()));
-    if (stream_worker < 0) stream_worker = push.worker();
+    if (stream_worker < 0) {
+      stream_worker = push.worker();
+      if (push.worker() < config_.num_workers) {
+        absl::MutexLock lock(&mu_);
+        live_streams_[push.worker()].push_back(context);
+        disconnect.worker = push.worker();
+      }
+    }
     if (push.worker() != stream_worker && aggregator != nullptr) {
       const absl::Status mixed = absl::InvalidArgumentError(
           absl::StrCat("push from worker ", push.worker(),

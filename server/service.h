@@ -101,8 +101,11 @@ absl::Status ValidateServerConfig(const ServerConfig& config);
 //                   unless a checkpoint did; another n -> FAILED_PRECONDITION
 //                   naming both counts. requested_rank: -1 = the lowest rank
 //                   not yet given out (none left: RESOURCE_EXHAUSTED),
-//                   0..P-1 = that rank (re-joins allowed), >= P or < -1 =
-//                   INVALID_ARGUMENT.
+//                   0..P-1 = that rank (a re-join after the rank's worker
+//                   went away is allowed; while it has an open, uncancelled
+//                   PushPull stream here: ALREADY_EXISTS naming the rank),
+//                   >= P or < -1 = INVALID_ARGUMENT. During a drain:
+//                   UNAVAILABLE "shard s is shutting down".
 //   GetClusterSpec  leader: waits until n is known (DEADLINE_EXCEEDED
 //                   otherwise); non-leaders forward to the leader (errors
 //                   name it). The request's fields are ignored.
@@ -260,6 +263,11 @@ class AggregatorService final : public v1::Aggregator::Service {
   std::string own_address_ ABSL_GUARDED_BY(mu_);
   uint64_t n_ ABSL_GUARDED_BY(mu_) = 0;  // 0: not known yet
   std::vector<bool> rank_given_ ABSL_GUARDED_BY(mu_);
+  // Per rank, the contexts of its open PushPull streams on this shard: a
+  // Join for a rank with a stream that is not cancelled is a second worker
+  // with the same rank (ALREADY_EXISTS), not a restart.
+  std::vector<std::vector<grpc::ServerContext*>> live_streams_
+      ABSL_GUARDED_BY(mu_);
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   // Created once, never replaced: the pointer may be used without mu_.
