@@ -281,12 +281,24 @@ void AggregatorService::BeginDrain() {
 }
 
 bool AggregatorService::AwaitDrained(absl::Time deadline) {
-  ShardAggregator* aggregator;
-  {
-    absl::MutexLock lock(&mu_);
-    aggregator = aggregator_.get();
+  // Drained: no round open, and every worker's step stream closed (a worker
+  // whose push was refused with "shutting down" closes its stream; one
+  // between steps is told so at its next push).
+  while (true) {
+    ShardAggregator* aggregator;
+    size_t streams = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      aggregator = aggregator_.get();
+      for (const auto& live : live_streams_) streams += live.size();
+    }
+    const bool no_round =
+        aggregator == nullptr ||
+        aggregator->AwaitNoRound(std::min(deadline, absl::Now() + kPollInterval));
+    if (no_round && streams == 0) return true;
+    if (absl::Now() >= deadline) return false;
+    if (no_round) absl::SleepFor(kPollInterval);
   }
-  return aggregator == nullptr || aggregator->AwaitNoRound(deadline);
 }
 
 void AggregatorService::BeginShutdown() {

@@ -169,8 +169,9 @@ class AggregatorService final : public v1::Aggregator::Service {
   // may complete; pushes that would open a new round, and Joins, fail with
   // UNAVAILABLE "shard s is shutting down". Does not block.
   void BeginDrain();
-  // Waits until no round is open on this shard, up to `deadline`; true when
-  // none is (also before the first Join). Thread-safe.
+  // Waits until no round is open on this shard and no worker's PushPull
+  // stream is open (polled every 50 ms), up to `deadline`; true when so.
+  // Thread-safe.
   bool AwaitDrained(absl::Time deadline);
 
   // Graceful shutdown: pending and later steps, downloads and waits fail
@@ -316,8 +317,9 @@ class AggregatorServer {
   // (tests use it to stand for a crash).
   // With `drain` > 0, first a drain (AggregatorService::BeginDrain): health
   // is NOT_SERVING but the server keeps serving until no round is open on
-  // this shard or `drain` has passed, whichever is first; pushes for a new
-  // step get UNAVAILABLE "shard s is shutting down".
+  // this shard and the workers closed their step streams, or `drain` has
+  // passed, whichever is first; pushes for a new step get UNAVAILABLE
+  // "shard s is shutting down".
   absl::Status Shutdown(absl::Duration grace, bool write_checkpoint = true,
                         absl::Duration drain = absl::ZeroDuration());
 

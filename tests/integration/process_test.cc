@@ -295,11 +295,18 @@ TEST(ProcessTest, SigtermDrainsTheRoundInProgressReportingNotServing) {
   rank0.join();
   GTOPK_EXPECT_OK(step1_rank0);
   EXPECT_TRUE(BitEqual(params[0], params[1]));
+  // The next step is refused, naming the shard, while it drains.
+  EXPECT_THAT(clients[0]->Step(Random(n, 30), absl::MakeSpan(params[0])),
+              gtopk::testing::StatusIs(
+                  absl::StatusCode::kUnavailable,
+                  ::testing::HasSubstr("shard 0 is shutting down")));
+  EXPECT_FALSE(server::CheckHealth(address, absl::Seconds(1)).value_or(true));
+  // The drain ends once the workers closed their streams, not at
+  // --drain-timeout.
+  clients.clear();
   stopper.join();
   EXPECT_EQ(exit_code, 0);
-  // The drain ended when the round did, not at --drain-timeout.
   EXPECT_LT(absl::Now() - signalled, absl::Seconds(30));
-  clients.clear();
 
   // The checkpoint holds step 2 (both steps applied) and the same values.
   ServerProcess restarted;
