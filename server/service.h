@@ -215,13 +215,13 @@ class AggregatorService final : public v1::Aggregator::Service {
   // Serialised: a call made while a recovery is running waits for it (up to
   // `deadline` plus kLeaderDeadlineSlack) and returns its outcome.
   absl::StatusOr<v1::RecoverResponse> RecoverCluster(absl::Time deadline);
-  // One recovery (RecoverCluster holds the recovering_ flag around it).
-  absl::StatusOr<v1::RecoverResponse> RecoverClusterOnce(absl::Time deadline);
   // This shard's side of GetShardState / RollbackShard.
   absl::StatusOr<v1::ShardState> LocalShardState(absl::Time deadline);
   absl::StatusOr<int64_t> LocalRollback(int64_t step);
 
  private:
+  // One recovery (RecoverCluster holds the recovering_ flag around it).
+  absl::StatusOr<v1::RecoverResponse> RecoverClusterOnce(absl::Time deadline);
   explicit AggregatorService(ServerConfig config);
 
   // The deadline of a wait that starts now: now + step_timeout, or the
