@@ -293,8 +293,8 @@ bool AggregatorService::AwaitDrained(absl::Time deadline) {
       for (const auto& live : live_streams_) streams += live.size();
     }
     const bool no_round =
-        aggregator == nullptr ||
-        aggregator->AwaitNoRound(std::min(deadline, absl::Now() + kPollInterval));
+        aggregator == nullptr || aggregator->AwaitNoRound(std::min(
+                                     deadline, absl::Now() + kPollInterval));
     if (no_round && streams == 0) return true;
     if (absl::Now() >= deadline) return false;
     if (no_round) absl::SleepFor(kPollInterval);
@@ -521,8 +521,10 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* /*context*/,
     for (grpc::ServerContext* stream : live_streams_[rank]) {
       if (!stream->IsCancelled()) {
         return ToGrpcStatus(absl::AlreadyExistsError(absl::StrCat(
-            "rank ", rank, " is already taken by a live worker (it has an "
-            "open PushPull stream on shard ", config_.shard_id,
+            "rank ", rank,
+            " is already taken by a live worker (it has an "
+            "open PushPull stream on shard ",
+            config_.shard_id,
             "); start this worker with another --rank, or stop the other "
             "one first")));
       }

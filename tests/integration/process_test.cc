@@ -238,10 +238,12 @@ TEST(ProcessTest, SigtermDrainsTheRoundInProgressReportingNotServing) {
   char dir_template[] = "/tmp/gtopk_process_drain_XXXXXX";
   ASSERT_NE(mkdtemp(dir_template), nullptr);
   const std::string dir = dir_template;
-  const std::vector<std::string> args = {
-      absl::StrCat("--listen=", address), absl::StrCat("--workers=", workers),
-      "--step-timeout=30s", absl::StrCat("--checkpoint-dir=", dir),
-      "--density=0.01", "--drain-timeout=40s"};
+  const std::vector<std::string> args = {absl::StrCat("--listen=", address),
+                                         absl::StrCat("--workers=", workers),
+                                         "--step-timeout=30s",
+                                         absl::StrCat("--checkpoint-dir=", dir),
+                                         "--density=0.01",
+                                         "--drain-timeout=40s"};
   auto server = std::make_unique<ServerProcess>();
   ASSERT_TRUE(server->Start(args));
   auto connect = [&](int rank) {
@@ -259,12 +261,14 @@ TEST(ProcessTest, SigtermDrainsTheRoundInProgressReportingNotServing) {
     clients.push_back(*std::move(c));
   }
   for (int w = 0; w < workers; ++w) {
-    ASSERT_TRUE(clients[w]->SynchronizeParameters(absl::MakeSpan(params[w])).ok());
+    ASSERT_TRUE(
+        clients[w]->SynchronizeParameters(absl::MakeSpan(params[w])).ok());
   }
   // Step 0 with both workers, then step 1 with worker 0 only: a round open.
   {
     std::thread t([&] {
-      GTOPK_EXPECT_OK(clients[1]->Step(Random(n, 11), absl::MakeSpan(params[1])));
+      GTOPK_EXPECT_OK(
+          clients[1]->Step(Random(n, 11), absl::MakeSpan(params[1])));
     });
     GTOPK_EXPECT_OK(clients[0]->Step(Random(n, 10), absl::MakeSpan(params[0])));
     t.join();
@@ -462,9 +466,9 @@ TEST(ProcessTest, TrainersRecoverWhenARestartedShardIsBehind) {
 
 // The servers of a 2-shard cluster on `peers`, checkpointing every 5 steps
 // into `dir`, with a 3 s step timeout.
-std::vector<std::string> RecoveryServerArgs(const std::vector<std::string>& peers,
-                                            int shard, int workers,
-                                            const std::string& dir) {
+std::vector<std::string> RecoveryServerArgs(
+    const std::vector<std::string>& peers, int shard, int workers,
+    const std::string& dir) {
   return {absl::StrCat("--listen=", peers[shard]),
           absl::StrCat("--shard-id=", shard),
           absl::StrCat("--num-shards=", peers.size()),
@@ -483,13 +487,13 @@ std::vector<pid_t> SpawnTrainers(const std::vector<std::string>& peers,
                                  const std::string& dir) {
   std::vector<pid_t> pids;
   for (int w = 0; w < workers; ++w) {
-    pids.push_back(Spawn(
-        GTOPK_WORKER_BINARY,
-        {absl::StrCat("--server=", peers[0]), absl::StrCat("--rank=", w),
-         "--model=synthetic:3001", absl::StrCat("--steps=", steps),
-         "--compute-ms=100", "--rpc-timeout-s=20",
-         absl::StrCat("--summary-json=", dir, "/worker-", w, ".json")},
-        absl::StrCat(dir, "/worker-", w, ".log")));
+    pids.push_back(
+        Spawn(GTOPK_WORKER_BINARY,
+              {absl::StrCat("--server=", peers[0]), absl::StrCat("--rank=", w),
+               "--model=synthetic:3001", absl::StrCat("--steps=", steps),
+               "--compute-ms=100", "--rpc-timeout-s=20",
+               absl::StrCat("--summary-json=", dir, "/worker-", w, ".json")},
+              absl::StrCat(dir, "/worker-", w, ".log")));
   }
   return pids;
 }
@@ -535,8 +539,7 @@ TEST(ProcessTest, TrainersSurviveALeaderRestart) {
         << "worker " << w << " log:\n"
         << ReadAllText(absl::StrCat(dir, "/worker-", w, ".log"));
   }
-  EXPECT_NE(ReadAllText(log0).find("continuing from step 5"),
-            std::string::npos)
+  EXPECT_NE(ReadAllText(log0).find("continuing from step 5"), std::string::npos)
       << "no rollback to the leader's checkpoint of step 5:\n"
       << ReadAllText(log0);
   std::vector<std::string> checksums;
@@ -579,13 +582,14 @@ TEST(ProcessTest, TrainersNameADeadShardWithinTheRecoveryWindow) {
   const absl::Time killed = absl::Now();
   for (int w = 0; w < workers; ++w) {
     EXPECT_EQ(WaitExit(pids[w], absl::Seconds(30)), 1);
-    const std::string log = ReadAllText(absl::StrCat(dir, "/worker-", w, ".log"));
+    const std::string log =
+        ReadAllText(absl::StrCat(dir, "/worker-", w, ".log"));
     const size_t last = log.rfind("gtopk-worker: ");
     ASSERT_NE(last, std::string::npos) << log;
     const std::string final_error = log.substr(last);
     EXPECT_NE(final_error.find("shard 1"), std::string::npos)
-        << "worker " << w << "'s final error does not name shard 1: "
-        << final_error;
+        << "worker " << w
+        << "'s final error does not name shard 1: " << final_error;
     EXPECT_EQ(log.find("Recover: Recover:"), std::string::npos) << log;
   }
   EXPECT_LT(absl::Now() - killed, absl::Seconds(12) + absl::Seconds(4));

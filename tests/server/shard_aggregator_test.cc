@@ -401,7 +401,8 @@ TEST(ShardAggregatorTest, MissingWorkerTimesOutNamingIt) {
 // Graceful shutdown's drain: the round in progress completes and is
 // applied; a push that would open the next round fails with the drain's
 // reason and opens nothing.
-TEST(ShardAggregatorTest, DrainLetsTheRoundInProgressCompleteAndRefusesNewOnes) {
+TEST(ShardAggregatorTest,
+     DrainLetsTheRoundInProgressCompleteAndRefusesNewOnes) {
   auto shard = SingleShard(2);
   EXPECT_TRUE(shard->AwaitNoRound(absl::Now()));
   absl::StatusOr<std::shared_ptr<const RoundResult>> first;
@@ -412,7 +413,8 @@ TEST(ShardAggregatorTest, DrainLetsTheRoundInProgressCompleteAndRefusesNewOnes) 
   // A round is open: the drain waits for it.
   EXPECT_FALSE(shard->AwaitNoRound(absl::Now() + absl::Milliseconds(50)));
   shard->BeginDrain(absl::UnavailableError("shard 0 is shutting down"));
-  GTOPK_EXPECT_OK(shard->Submit(Push(0, 1, {3}), absl::Now() + absl::Seconds(5)));
+  GTOPK_EXPECT_OK(
+      shard->Submit(Push(0, 1, {3}), absl::Now() + absl::Seconds(5)));
   t.join();
   GTOPK_EXPECT_OK(first);
   EXPECT_TRUE(shard->AwaitNoRound(absl::Now() + absl::Seconds(1)));
