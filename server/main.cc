@@ -76,6 +76,9 @@ ABSL_FLAG(int64_t, metrics_port, 0,
 ABSL_FLAG(std::string, metrics_host, "0.0.0.0",
           "address the metrics port binds (0.0.0.0: all; 127.0.0.1: "
           "loopback only)");
+ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(5),
+          "on SIGTERM/SIGINT, keep serving (health NOT_SERVING) until the "
+          "round in progress completes, at most this long");
 ABSL_FLAG(std::string, health_check, "",
           "client mode: check grpc.health.v1 at this host:port and exit");
 
@@ -233,6 +236,15 @@ int main(int argc, char** argv) {
                  std::string(config.status().message()).c_str());
     return 2;
   }
+  const absl::Duration drain_timeout = absl::GetFlag(FLAGS_drain_timeout);
+  if (drain_timeout < absl::ZeroDuration() ||
+      drain_timeout > absl::Hours(1)) {
+    std::fprintf(stderr,
+                 "gtopk-server: invalid flags: --drain-timeout must be in "
+                 "[0, 1h], got %s\n",
+                 absl::FormatDuration(drain_timeout).c_str());
+    return 2;
+  }
   const uint32_t shard_id = config->shard_id;
   // Metrics first: a port that cannot be bound fails before the shard runs.
   const int64_t metrics_port = absl::GetFlag(FLAGS_metrics_port);
@@ -280,7 +292,10 @@ int main(int argc, char** argv) {
   sigwait(&signals, &signal_number);
   std::fprintf(stderr, "gtopk-server shard %u: signal %d, shutting down\n",
                shard_id, signal_number);
-  const absl::Status checkpoint = (*server)->Shutdown(absl::Seconds(5));
+  // Drain (health NOT_SERVING, the round in progress may complete), then
+  // stop with 5 s for running calls (server/flags.md).
+  const absl::Status checkpoint = (*server)->Shutdown(
+      absl::Seconds(5), /*write_checkpoint=*/true, drain_timeout);
   if (!checkpoint.ok()) {
     std::fprintf(stderr, "gtopk-server shard %u: final checkpoint failed: %s\n",
                  shard_id, checkpoint.ToString().c_str());

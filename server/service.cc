@@ -362,6 +362,7 @@ AggregatorService::AggregatorService(ServerConfig config)
                             : std::make_shared<metrics::Registry>()),
       metrics_(std::make_unique<ServerMetrics>(*metrics_registry_)) {
   rank_given_.assign(config_.num_workers, false);
+  live_streams_.resize(config_.num_workers);
   if (is_leader()) {
     coordinator_ = std::make_unique<ThresholdCoordinator>(config_.num_shards);
     exchange_ = std::make_unique<LocalThresholdExchange>(coordinator_.get());
@@ -455,6 +456,36 @@ absl::Status AggregatorService::WriteCheckpointNow() {
                           snapshot->next_step, config_.checkpoint_keep);
 }
 
+void AggregatorService::BeginDrain() {
+  absl::MutexLock lock(&mu_);
+  draining_ = true;
+  if (aggregator_ != nullptr) {
+    aggregator_->BeginDrain(absl::UnavailableError(
+        absl::StrCat("shard ", config_.shard_id, " is shutting down")));
+  }
+}
+
+bool AggregatorService::AwaitDrained(absl::Time deadline) {
+  // Drained: no round open, and every worker's step stream closed (a worker
+  // whose push was refused with "shutting down" closes its stream; one
+  // between steps is told so at its next push).
+  while (true) {
+    ShardAggregator* aggregator;
+    size_t streams = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      aggregator = aggregator_.get();
+      for (const auto& live : live_streams_) streams += live.size();
+    }
+    const bool no_round =
+        aggregator == nullptr || aggregator->AwaitNoRound(std::min(
+                                     deadline, absl::Now() + kPollInterval));
+    if (no_round && streams == 0) return true;
+    if (absl::Now() >= deadline) return false;
+    if (no_round) absl::SleepFor(kPollInterval);
+  }
+}
+
 void AggregatorService::BeginShutdown() {
   absl::MutexLock lock(&mu_);
   if (shutting_down_) return;
@@ -499,6 +530,10 @@ absl::Status AggregatorService::CreateAggregatorLocked(uint64_t n) {
                      s.ToString().c_str());
       }
     });
+  }
+  if (draining_) {
+    aggregator->BeginDrain(absl::UnavailableError(
+        absl::StrCat("shard ", config_.shard_id, " is shutting down")));
   }
   aggregator_ = std::move(aggregator);
   cv_.SignalAll();
@@ -627,7 +662,7 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* /*context*/,
         "; -1 for any)")));
   }
   absl::MutexLock lock(&mu_);
-  if (shutting_down_) {
+  if (shutting_down_ || draining_) {
     return ToGrpcStatus(absl::UnavailableError(
         absl::StrCat("shard ", config_.shard_id, " is shutting down")));
   }
@@ -642,6 +677,19 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* /*context*/,
   uint32_t rank = 0;
   if (requested >= 0) {
     rank = static_cast<uint32_t>(requested);
+    // A worker restarting after a crash has no open stream (its connection
+    // closed with it); one that still has one is another, live worker.
+    for (grpc::ServerContext* stream : live_streams_[rank]) {
+      if (!stream->IsCancelled()) {
+        return ToGrpcStatus(absl::AlreadyExistsError(absl::StrCat(
+            "rank ", rank,
+            " is already taken by a live worker (it has an "
+            "open PushPull stream on shard ",
+            config_.shard_id,
+            "); start this worker with another --rank, or stop the other "
+            "one first")));
+      }
+    }
   } else {
     while (rank < config_.num_workers && rank_given_[rank]) ++rank;
     if (rank == config_.num_workers) {
@@ -905,13 +953,29 @@ grpc::Status AggregatorService::PushPull(
   v1::Push push;
   metrics_->connected_workers().Increment();
   struct Disconnect {
-    ServerMetrics* metrics;
-    ~Disconnect() { metrics->connected_workers().Decrement(); }
-  } disconnect{metrics_.get()};
+    AggregatorService* self;
+    grpc::ServerContext* context;
+    int64_t worker = -1;  // registered in live_streams_
+    ~Disconnect() {
+      if (worker >= 0) {
+        absl::MutexLock lock(&self->mu_);
+        auto& live = self->live_streams_[worker];
+        live.erase(std::find(live.begin(), live.end(), context));
+      }
+      self->metrics_->connected_workers().Decrement();
+    }
+  } disconnect{this, context};
   while (stream->Read(&push)) {
     metrics_->received_push_bytes().Increment(
         static_cast<double>(push.ByteSizeLong()));
-    if (stream_worker < 0) stream_worker = push.worker();
+    if (stream_worker < 0) {
+      stream_worker = push.worker();
+      if (push.worker() < config_.num_workers) {
+        absl::MutexLock lock(&mu_);
+        live_streams_[push.worker()].push_back(context);
+        disconnect.worker = push.worker();
+      }
+    }
     if (push.worker() != stream_worker && aggregator != nullptr) {
       const absl::Status mixed = absl::InvalidArgumentError(
           absl::StrCat("push from worker ", push.worker(),
@@ -1176,15 +1240,34 @@ absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverCluster(
   }
   {
     absl::MutexLock lock(&recover_mu_);
-    auto free = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(recover_mu_) {
-      return !recovering_;
-    };
-    if (!recover_mu_.AwaitWithDeadline(absl::Condition(&free), deadline)) {
-      return absl::DeadlineExceededError(
-          "Recover: another recovery is still running on the leader");
+    if (recovering_) {
+      // Workers failing together call Recover together: join the running
+      // recovery and answer its outcome (e.g. the unreachable shard it
+      // names), rather than start another one after it.
+      const uint64_t generation = recover_generation_;
+      auto finished = [this, generation]()
+                          ABSL_EXCLUSIVE_LOCKS_REQUIRED(recover_mu_) {
+                            return recover_generation_ != generation;
+                          };
+      if (!recover_mu_.AwaitWithDeadline(absl::Condition(&finished),
+                                         deadline + kLeaderDeadlineSlack)) {
+        return absl::DeadlineExceededError(
+            "Recover: another recovery is still running on the leader");
+      }
+      return last_recover_;
     }
     recovering_ = true;
   }
+  absl::StatusOr<v1::RecoverResponse> result = RecoverClusterOnce(deadline);
+  absl::MutexLock lock(&recover_mu_);
+  last_recover_ = result;
+  ++recover_generation_;
+  recovering_ = false;
+  return result;
+}
+
+absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverClusterOnce(
+    absl::Time deadline) {
   // Fence the commit vote and the threshold exchange: no step can be
   // committed while the shards' states are read, and rounds being computed
   // fail quickly instead of waiting for a shard that will not come.
@@ -1197,8 +1280,6 @@ absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverCluster(
     ~Unfence() {
       self->coordinator_->Unfence();
       self->commit_coordinator_->Unfence();
-      absl::MutexLock lock(&self->recover_mu_);
-      self->recovering_ = false;
     }
   } unfence{this};
 
@@ -1407,12 +1488,19 @@ AggregatorServer::~AggregatorServer() {
 }
 
 absl::Status AggregatorServer::Shutdown(absl::Duration grace,
-                                        bool write_checkpoint) {
+                                        bool write_checkpoint,
+                                        absl::Duration drain) {
   if (shut_down_ || server_ == nullptr) return absl::OkStatus();
   shut_down_ = true;
   if (grpc::HealthCheckServiceInterface* health =
           server_->GetHealthCheckService()) {
     health->SetServingStatus(false);
+  }
+  if (drain > absl::ZeroDuration()) {
+    // Still listening: health checks see NOT_SERVING, and the round in
+    // progress can complete.
+    service_->BeginDrain();
+    service_->AwaitDrained(absl::Now() + drain);
   }
   const absl::Time deadline = absl::Now() + grace;
   absl::Notification drained;

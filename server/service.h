@@ -121,8 +121,11 @@ absl::Status CheckSameClusterSettings(const ServerConfig& own,
 //                   unless a checkpoint did; another n -> FAILED_PRECONDITION
 //                   naming both counts. requested_rank: -1 = the lowest rank
 //                   not yet given out (none left: RESOURCE_EXHAUSTED),
-//                   0..P-1 = that rank (re-joins allowed), >= P or < -1 =
-//                   INVALID_ARGUMENT.
+//                   0..P-1 = that rank (a re-join after the rank's worker
+//                   went away is allowed; while it has an open, uncancelled
+//                   PushPull stream here: ALREADY_EXISTS naming the rank),
+//                   >= P or < -1 = INVALID_ARGUMENT. During a drain:
+//                   UNAVAILABLE "shard s is shutting down".
 //   GetClusterSpec  leader: waits until n is known (DEADLINE_EXCEEDED
 //                   otherwise); non-leaders forward to the leader (errors
 //                   name it) and answer FAILED_PRECONDITION when the
@@ -186,6 +189,15 @@ class AggregatorService final : public v1::Aggregator::Service {
   // WriteCheckpoint's status. Serialised with the periodic writes.
   absl::Status WriteCheckpointNow();
 
+  // Graceful shutdown's drain (before BeginShutdown): the round in progress
+  // may complete; pushes that would open a new round, and Joins, fail with
+  // UNAVAILABLE "shard s is shutting down". Does not block.
+  void BeginDrain();
+  // Waits until no round is open on this shard and no worker's PushPull
+  // stream is open (polled every 50 ms), up to `deadline`; true when so.
+  // Thread-safe.
+  bool AwaitDrained(absl::Time deadline);
+
   // Graceful shutdown: pending and later steps, downloads and waits fail
   // with UNAVAILABLE "shard s is shutting down", so that no handler stays
   // blocked. Irreversible. Does not block.
@@ -224,12 +236,16 @@ class AggregatorService final : public v1::Aggregator::Service {
 
   // The leader's recovery (what Recover does), callable in-process. Errors
   // as for the Recover RPC. Leader only (FAILED_PRECONDITION otherwise).
+  // Serialised: a call made while a recovery is running waits for it (up to
+  // `deadline` plus kLeaderDeadlineSlack) and returns its outcome.
   absl::StatusOr<v1::RecoverResponse> RecoverCluster(absl::Time deadline);
   // This shard's side of GetShardState / RollbackShard.
   absl::StatusOr<v1::ShardState> LocalShardState(absl::Time deadline);
   absl::StatusOr<int64_t> LocalRollback(int64_t step);
 
  private:
+  // One recovery (RecoverCluster holds the recovering_ flag around it).
+  absl::StatusOr<v1::RecoverResponse> RecoverClusterOnce(absl::Time deadline);
   explicit AggregatorService(ServerConfig config);
 
   // The deadline of a wait that starts now: now + step_timeout, or the
@@ -275,8 +291,14 @@ class AggregatorService final : public v1::Aggregator::Service {
   std::string own_address_ ABSL_GUARDED_BY(mu_);
   uint64_t n_ ABSL_GUARDED_BY(mu_) = 0;  // 0: not known yet
   std::vector<bool> rank_given_ ABSL_GUARDED_BY(mu_);
+  // Per rank, the contexts of its open PushPull streams on this shard: a
+  // Join for a rank with a stream that is not cancelled is a second worker
+  // with the same rank (ALREADY_EXISTS), not a restart.
+  std::vector<std::vector<grpc::ServerContext*>> live_streams_
+      ABSL_GUARDED_BY(mu_);
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<bool> mismatch_logged_{false};  // CheckLeaderSpec's one line
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
   // Created once, never replaced: the pointer may be used without mu_.
   std::unique_ptr<ShardAggregator> aggregator_ ABSL_GUARDED_BY(mu_);
 
@@ -285,6 +307,11 @@ class AggregatorService final : public v1::Aggregator::Service {
   // One Recover at a time (callers wait up to their deadline).
   absl::Mutex recover_mu_;
   bool recovering_ ABSL_GUARDED_BY(recover_mu_) = false;
+  // Incremented when a recovery finishes; last_recover_ is its outcome,
+  // answered to the callers that joined it.
+  uint64_t recover_generation_ ABSL_GUARDED_BY(recover_mu_) = 0;
+  absl::StatusOr<v1::RecoverResponse> last_recover_ ABSL_GUARDED_BY(
+      recover_mu_) = absl::UnknownError("no recovery yet");
 
   absl::Mutex checkpoint_mu_;  // one checkpoint writer at a time
   // DownloadParams copies the shard's range per call; at most
@@ -316,7 +343,13 @@ class AggregatorServer {
   // the checkpoint (after the last applied step). Returns the checkpoint's
   // status. Idempotent. `write_checkpoint` = false skips the checkpoint
   // (tests use it to stand for a crash).
-  absl::Status Shutdown(absl::Duration grace, bool write_checkpoint = true);
+  // With `drain` > 0, first a drain (AggregatorService::BeginDrain): health
+  // is NOT_SERVING but the server keeps serving until no round is open on
+  // this shard and the workers closed their step streams, or `drain` has
+  // passed, whichever is first; pushes for a new step get UNAVAILABLE
+  // "shard s is shutting down".
+  absl::Status Shutdown(absl::Duration grace, bool write_checkpoint = true,
+                        absl::Duration drain = absl::ZeroDuration());
 
  private:
   AggregatorServer() = default;

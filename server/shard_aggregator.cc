@@ -253,6 +253,7 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
         ", which is at step ", next_step_));
   }
   if (pending_ == nullptr) {
+    if (!draining_.ok()) return draining_;
     pending_ = std::make_shared<Round>();
     pending_->step = push.step;
     pending_->arrived.assign(options_.num_workers, false);
@@ -418,6 +419,22 @@ void ShardAggregator::Close(const absl::Status& reason) {
     FailRoundLocked(pending_, closed_);
   }
   cv_.SignalAll();
+}
+
+void ShardAggregator::BeginDrain(const absl::Status& reason) {
+  absl::MutexLock lock(&mu_);
+  if (!draining_.ok()) return;
+  draining_ = reason.ok() ? absl::UnavailableError(absl::StrCat(
+                                "shard ", options_.shard_id, " is draining"))
+                          : reason;
+}
+
+bool ShardAggregator::AwaitNoRound(absl::Time deadline) const {
+  absl::MutexLock lock(&mu_);
+  while (pending_ != nullptr) {
+    if (cv_.WaitWithDeadline(&mu_, deadline)) return pending_ == nullptr;
+  }
+  return true;
 }
 
 absl::StatusOr<int64_t> ShardAggregator::SettledNextStep(

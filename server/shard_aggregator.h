@@ -169,6 +169,15 @@ class ShardAggregator {
   // works). Thread-safe, does not block; later calls are no-ops.
   void Close(const absl::Status& reason);
 
+  // Graceful shutdown's drain: the round in progress (if any) may still
+  // complete, but a push that would open a new round fails with `reason`
+  // (e.g. UNAVAILABLE "shard 1 is shutting down"). Thread-safe, does not
+  // block; irreversible.
+  void BeginDrain(const absl::Status& reason);
+  // Waits until no round is open (none pending or being computed), up to
+  // `deadline`; true when none is. Thread-safe.
+  bool AwaitNoRound(absl::Time deadline) const;
+
   // Crash recovery (docs/recovery.md). Waits (up to `deadline`:
   // DEADLINE_EXCEEDED) until no round is being computed -- a computing round
   // either applies or fails, so the answer does not change under the caller
@@ -239,6 +248,7 @@ class ShardAggregator {
   std::shared_ptr<Round> last_ ABSL_GUARDED_BY(mu_);  // last finished OK
   std::function<void(int64_t)> on_step_applied_ ABSL_GUARDED_BY(mu_);
   absl::Status closed_ ABSL_GUARDED_BY(mu_);  // not OK after Close
+  absl::Status draining_ ABSL_GUARDED_BY(mu_);  // not OK after BeginDrain
   // Incremented by Rollback: a round computed across a rollback is not
   // applied.
   uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;

@@ -6,6 +6,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
@@ -127,11 +128,21 @@ uint64_t MessageLimit(const v1::ClusterSpec& c) {
   return std::min<uint64_t>(limit, INT_MAX);
 }
 
+// Reconnect backoff of every channel: 100 ms, growing to at most 1 s.
+constexpr int kReconnectBackoffMinMs = 100;
+constexpr int kReconnectBackoffMaxMs = 1000;
+
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
                                            uint64_t max_message_bytes) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(static_cast<int>(max_message_bytes));
   args.SetMaxSendMessageSize(static_cast<int>(max_message_bytes));
+  // Reconnect quickly to a restarted shard or leader: gRPC's default
+  // backoff (1 s growing 1.6x, up to 120 s) would leave a worker waiting
+  // long after the peer is back (docs/recovery.md).
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, kReconnectBackoffMinMs);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, kReconnectBackoffMinMs);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, kReconnectBackoffMaxMs);
   return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
                                    args);
 }
@@ -428,23 +439,42 @@ absl::StatusOr<int64_t> WorkerClient::SynchronizeParameters(
 }
 
 absl::StatusOr<int64_t> WorkerClient::Recover(absl::Span<float> params) {
+  return Recover(params,
+                 absl::Now() + options_.rpc_timeout +
+                     absl::Milliseconds(cluster_.step_timeout_ms()));
+}
+
+absl::StatusOr<int64_t> WorkerClient::Recover(absl::Span<float> params,
+                                              absl::Time deadline) {
   if (params.size() != cluster_.n()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "Recover: params has ", params.size(), " values; n = ", cluster_.n()));
   }
   CloseStreams();
-  const std::string where = absl::StrCat(ShardName(0), ": Recover");
   grpc::ClientContext context;
-  context.set_deadline(
-      absl::ToChronoTime(absl::Now() + options_.rpc_timeout +
-                         absl::Milliseconds(cluster_.step_timeout_ms())));
+  context.set_deadline(absl::ToChronoTime(deadline));
+  // A leader that is down or restarting is waited for (up to the deadline)
+  // instead of failing at once with UNAVAILABLE.
+  context.set_wait_for_ready(true);
   v1::RecoverRequest request;
   request.set_worker(rank_);
   request.set_failed_step(next_step_);
   v1::RecoverResponse response;
   const absl::Status st =
       FromGrpc(shards_[0]->stub->Recover(&context, request, &response));
-  if (!st.ok()) return Prefixed(st, where);
+  if (absl::IsDeadlineExceeded(st) && st.message() == "Deadline Exceeded") {
+    // gRPC's own deadline: the leader never answered.
+    return absl::DeadlineExceededError(absl::StrCat(
+        ShardName(0), ": Recover: no answer from the leader before the "
+        "deadline (it is down, restarting or unreachable)"));
+  }
+  if (!st.ok()) {
+    // The leader's own messages already start with "Recover:".
+    return Prefixed(st, absl::StartsWith(st.message(), "Recover:")
+                            ? ShardName(0)
+                            : absl::StrCat(ShardName(0), ": Recover"));
+  }
+  const std::string where = absl::StrCat(ShardName(0), ": Recover");
   if (response.next_step() < 0) {
     return absl::InternalError(
         absl::StrCat(where, ": negative step ", response.next_step()));

@@ -225,13 +225,18 @@ class WorkerClient {
   // they equal the servers' again; otherwise they are untouched (a failed
   // step applied nothing). The residual and momentum are kept as they are:
   // a run with a recovery is not bit-identical to one without.
-  // Blocks up to rpc_timeout plus the cluster's step timeout.
+  // A leader that cannot be reached (down, restarting) is waited for, up to
+  // the deadline: rpc_timeout plus the cluster's step timeout, or
+  // `deadline` in the second form; reconnection is retried every 100 ms to
+  // 1 s. Blocks until then (plus a parameter download when one is needed).
   // Errors: INVALID_ARGUMENT for a wrong length; the leader's status,
   // prefixed with it: FAILED_PRECONDITION when the shards cannot be brought
   // to a common step (the message names every shard, its step and its
   // retained checkpoints) -- do not retry; UNAVAILABLE / DEADLINE_EXCEEDED /
   // ABORTED -- retry later; SynchronizeParameters' errors.
   absl::StatusOr<int64_t> Recover(absl::Span<float> params);
+  absl::StatusOr<int64_t> Recover(absl::Span<float> params,
+                                  absl::Time deadline);
 
  private:
   struct ShardConn;

@@ -13,6 +13,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -193,16 +194,11 @@ TEST(ProcessTest, RealServersTrainSurviveAKillAndShutDownCleanly) {
   run_steps(0, 3);
   ASSERT_TRUE(BitEqual(params[0], params[1]));
 
+  // The servers' parameters, downloaded by the live client of `rank` (a
+  // second Join of a rank with a live stream is refused).
   auto download = [&](int rank, int64_t expected_step) -> std::vector<float> {
-    worker::ClientOptions o;
-    o.leader_address = peers[0];
-    o.requested_rank = rank;  // a re-join of a live rank is allowed
-    o.n = n;
-    auto c = worker::WorkerClient::Connect(o);
-    EXPECT_TRUE(c.ok()) << c.status();
-    if (!c.ok()) return {};
     std::vector<float> p(n, 0.0f);
-    auto next = (*c)->SynchronizeParameters(absl::MakeSpan(p));
+    auto next = clients[rank]->SynchronizeParameters(absl::MakeSpan(p));
     EXPECT_TRUE(next.ok()) << next.status();
     EXPECT_EQ(next.value_or(-1), expected_step);
     return p;
@@ -225,6 +221,108 @@ TEST(ProcessTest, RealServersTrainSurviveAKillAndShutDownCleanly) {
   clients.clear();
   EXPECT_EQ(restarted.StopWith(SIGTERM, absl::Seconds(15)), 0);
   EXPECT_EQ(shard0.StopWith(SIGTERM, absl::Seconds(15)), 0);
+  std::string cleanup = "rm -rf " + dir;
+  EXPECT_EQ(system(cleanup.c_str()), 0);
+}
+
+// SIGTERM with a round in progress: the server keeps listening while it
+// drains (a health check answers NOT_SERVING, not a refused connection), the
+// round completes, the drain ends early (long before --drain-timeout), the
+// server exits 0, and its checkpoint holds the drained step.
+TEST(ProcessTest, SigtermDrainsTheRoundInProgressReportingNotServing) {
+  const uint64_t n = 5003;
+  const int workers = 2;
+  auto ports = server::PickFreePorts(1);
+  ASSERT_TRUE(ports.ok()) << ports.status();
+  const std::string address = absl::StrCat("127.0.0.1:", (*ports)[0]);
+  char dir_template[] = "/tmp/gtopk_process_drain_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  const std::vector<std::string> args = {absl::StrCat("--listen=", address),
+                                         absl::StrCat("--workers=", workers),
+                                         "--step-timeout=30s",
+                                         absl::StrCat("--checkpoint-dir=", dir),
+                                         "--density=0.01",
+                                         "--drain-timeout=40s"};
+  auto server = std::make_unique<ServerProcess>();
+  ASSERT_TRUE(server->Start(args));
+  auto connect = [&](int rank) {
+    worker::ClientOptions o;
+    o.leader_address = address;
+    o.requested_rank = rank;
+    o.n = n;
+    return worker::WorkerClient::Connect(o);
+  };
+  std::vector<std::unique_ptr<worker::WorkerClient>> clients;
+  std::vector<std::vector<float>> params(workers, Random(n, 7));
+  for (int w = 0; w < workers; ++w) {
+    auto c = connect(w);
+    ASSERT_TRUE(c.ok()) << c.status();
+    clients.push_back(*std::move(c));
+  }
+  for (int w = 0; w < workers; ++w) {
+    ASSERT_TRUE(
+        clients[w]->SynchronizeParameters(absl::MakeSpan(params[w])).ok());
+  }
+  // Step 0 with both workers, then step 1 with worker 0 only: a round open.
+  {
+    std::thread t([&] {
+      GTOPK_EXPECT_OK(
+          clients[1]->Step(Random(n, 11), absl::MakeSpan(params[1])));
+    });
+    GTOPK_EXPECT_OK(clients[0]->Step(Random(n, 10), absl::MakeSpan(params[0])));
+    t.join();
+  }
+  absl::StatusOr<worker::StepStats> step1_rank0;
+  std::thread rank0([&] {
+    step1_rank0 = clients[0]->Step(Random(n, 20), absl::MakeSpan(params[0]));
+  });
+  absl::SleepFor(absl::Milliseconds(300));  // rank 0's push arrives
+  int exit_code = -2;
+  const absl::Time signalled = absl::Now();
+  std::thread stopper(
+      [&] { exit_code = server->StopWith(SIGTERM, absl::Seconds(60)); });
+  // Draining: still listening, NOT_SERVING.
+  bool not_serving = false;
+  absl::Status last_check;
+  for (int i = 0; i < 100 && !not_serving; ++i) {
+    absl::StatusOr<bool> serving =
+        server::CheckHealth(address, absl::Seconds(1));
+    if (serving.ok() && !*serving) not_serving = true;
+    if (!serving.ok()) last_check = serving.status();
+    if (!not_serving) absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_TRUE(not_serving) << "no NOT_SERVING while draining; last error: "
+                           << last_check;
+  // The round in progress completes during the drain.
+  GTOPK_EXPECT_OK(clients[1]->Step(Random(n, 21), absl::MakeSpan(params[1])));
+  rank0.join();
+  GTOPK_EXPECT_OK(step1_rank0);
+  EXPECT_TRUE(BitEqual(params[0], params[1]));
+  // The next step is refused, naming the shard, while it drains.
+  EXPECT_THAT(clients[0]->Step(Random(n, 30), absl::MakeSpan(params[0])),
+              gtopk::testing::StatusIs(
+                  absl::StatusCode::kUnavailable,
+                  ::testing::HasSubstr("shard 0 is shutting down")));
+  EXPECT_FALSE(server::CheckHealth(address, absl::Seconds(1)).value_or(true));
+  // The drain ends once the workers closed their streams, not at
+  // --drain-timeout.
+  clients.clear();
+  stopper.join();
+  EXPECT_EQ(exit_code, 0);
+  EXPECT_LT(absl::Now() - signalled, absl::Seconds(30));
+
+  // The checkpoint holds step 2 (both steps applied) and the same values.
+  ServerProcess restarted;
+  ASSERT_TRUE(restarted.Start(args));
+  auto c = connect(0);
+  ASSERT_TRUE(c.ok()) << c.status();
+  std::vector<float> downloaded(n, 0.0f);
+  auto next = (*c)->SynchronizeParameters(absl::MakeSpan(downloaded));
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(*next, 2);
+  EXPECT_TRUE(BitEqual(downloaded, params[0]));
+  EXPECT_EQ(restarted.StopWith(SIGTERM, absl::Seconds(15)), 0);
   std::string cleanup = "rm -rf " + dir;
   EXPECT_EQ(system(cleanup.c_str()), 0);
 }
@@ -361,6 +459,140 @@ TEST(ProcessTest, TrainersRecoverWhenARestartedShardIsBehind) {
   }
   EXPECT_EQ(checksums[0], checksums[1]) << "the replicas differ";
   EXPECT_EQ(restarted.StopWith(SIGTERM, absl::Seconds(15)), 0);
+  EXPECT_EQ(shard0.StopWith(SIGTERM, absl::Seconds(15)), 0);
+  std::string cleanup = "rm -rf " + dir;
+  EXPECT_EQ(system(cleanup.c_str()), 0);
+}
+
+// The servers of a 2-shard cluster on `peers`, checkpointing every 5 steps
+// into `dir`, with a 3 s step timeout.
+std::vector<std::string> RecoveryServerArgs(
+    const std::vector<std::string>& peers, int shard, int workers,
+    const std::string& dir) {
+  return {absl::StrCat("--listen=", peers[shard]),
+          absl::StrCat("--shard-id=", shard),
+          absl::StrCat("--num-shards=", peers.size()),
+          absl::StrCat("--workers=", workers),
+          absl::StrCat("--peers=", absl::StrJoin(peers, ",")),
+          "--step-timeout=3s",
+          absl::StrCat("--checkpoint-dir=", dir),
+          "--checkpoint-every=5",
+          "--density=0.01"};
+}
+
+// Starts `workers` trainers (default --step-retries) running `steps`
+// synthetic steps against the leader peers[0]; logs in dir/worker-<w>.log.
+std::vector<pid_t> SpawnTrainers(const std::vector<std::string>& peers,
+                                 int workers, int steps,
+                                 const std::string& dir) {
+  std::vector<pid_t> pids;
+  for (int w = 0; w < workers; ++w) {
+    pids.push_back(
+        Spawn(GTOPK_WORKER_BINARY,
+              {absl::StrCat("--server=", peers[0]), absl::StrCat("--rank=", w),
+               "--model=synthetic:3001", absl::StrCat("--steps=", steps),
+               "--compute-ms=100", "--rpc-timeout-s=20",
+               absl::StrCat("--summary-json=", dir, "/worker-", w, ".json")},
+              absl::StrCat(dir, "/worker-", w, ".log")));
+  }
+  return pids;
+}
+
+// Waits (up to 30 s) until rank 0's log shows `line`.
+bool AwaitLog(const std::string& path, const std::string& line) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < deadline) {
+    if (ReadAllText(path).find(line) != std::string::npos) return true;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return false;
+}
+
+// The leader is SIGKILLed mid-run and restarted 3 s later from its
+// checkpoint: with the default --step-retries, every trainer waits for it
+// (Recover waits for an unreachable leader within the recovery window, and
+// channels reconnect within 1 s), the cluster rolls back to the leader's
+// checkpoint, and both trainers finish (exit 0) with the same parameters
+// as each other and the servers.
+TEST(ProcessTest, TrainersSurviveALeaderRestart) {
+  const int workers = 2;
+  auto ports = server::PickFreePorts(2);
+  ASSERT_TRUE(ports.ok()) << ports.status();
+  std::vector<std::string> peers;
+  for (int p : *ports) peers.push_back(absl::StrCat("127.0.0.1:", p));
+  char dir_template[] = "/tmp/gtopk_process_leader_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  ServerProcess shard0, shard1;
+  ASSERT_TRUE(shard0.Start(RecoveryServerArgs(peers, 0, workers, dir)));
+  ASSERT_TRUE(shard1.Start(RecoveryServerArgs(peers, 1, workers, dir)));
+  std::vector<pid_t> pids = SpawnTrainers(peers, workers, 20, dir);
+  const std::string log0 = dir + "/worker-0.log";
+  ASSERT_TRUE(AwaitLog(log0, "step 7/20")) << ReadAllText(log0);
+  EXPECT_EQ(shard0.StopWith(SIGKILL, absl::Seconds(10)), 128 + SIGKILL);
+  absl::SleepFor(absl::Seconds(3));
+  ServerProcess restarted;
+  ASSERT_TRUE(restarted.Start(RecoveryServerArgs(peers, 0, workers, dir)));
+
+  for (int w = 0; w < workers; ++w) {
+    EXPECT_EQ(WaitExit(pids[w], absl::Seconds(60)), 0)
+        << "worker " << w << " log:\n"
+        << ReadAllText(absl::StrCat(dir, "/worker-", w, ".log"));
+  }
+  EXPECT_NE(ReadAllText(log0).find("continuing from step 5"), std::string::npos)
+      << "no rollback to the leader's checkpoint of step 5:\n"
+      << ReadAllText(log0);
+  std::vector<std::string> checksums;
+  for (int w = 0; w < workers; ++w) {
+    const std::string json =
+        ReadAllText(absl::StrCat(dir, "/worker-", w, ".json"));
+    const std::string mine = JsonValue(json, "param_checksum");
+    EXPECT_FALSE(mine.empty()) << json;
+    EXPECT_EQ(mine, JsonValue(json, "server_checksum"))
+        << "worker " << w << " differs from the servers";
+    checksums.push_back(mine);
+  }
+  EXPECT_EQ(checksums[0], checksums[1]) << "the replicas differ";
+  EXPECT_EQ(restarted.StopWith(SIGTERM, absl::Seconds(15)), 0);
+  EXPECT_EQ(shard1.StopWith(SIGTERM, absl::Seconds(15)), 0);
+  std::string cleanup = "rm -rf " + dir;
+  EXPECT_EQ(system(cleanup.c_str()), 0);
+}
+
+// A shard SIGKILLed and not restarted: every trainer exits 1 within the
+// documented bound (its step fails, then the recovery window of 3 step
+// timeouts ends; 3 s each here, so <= 12 s plus slack), and every one's
+// final error names the dead shard, without a repeated "Recover:" prefix.
+TEST(ProcessTest, TrainersNameADeadShardWithinTheRecoveryWindow) {
+  const int workers = 2;
+  auto ports = server::PickFreePorts(2);
+  ASSERT_TRUE(ports.ok()) << ports.status();
+  std::vector<std::string> peers;
+  for (int p : *ports) peers.push_back(absl::StrCat("127.0.0.1:", p));
+  char dir_template[] = "/tmp/gtopk_process_dead_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  ServerProcess shard0, shard1;
+  ASSERT_TRUE(shard0.Start(RecoveryServerArgs(peers, 0, workers, dir)));
+  ASSERT_TRUE(shard1.Start(RecoveryServerArgs(peers, 1, workers, dir)));
+  std::vector<pid_t> pids = SpawnTrainers(peers, workers, 1000, dir);
+  const std::string log0 = dir + "/worker-0.log";
+  ASSERT_TRUE(AwaitLog(log0, "step 3/1000")) << ReadAllText(log0);
+  EXPECT_EQ(shard1.StopWith(SIGKILL, absl::Seconds(10)), 128 + SIGKILL);
+  const absl::Time killed = absl::Now();
+  for (int w = 0; w < workers; ++w) {
+    EXPECT_EQ(WaitExit(pids[w], absl::Seconds(30)), 1);
+    const std::string log =
+        ReadAllText(absl::StrCat(dir, "/worker-", w, ".log"));
+    const size_t last = log.rfind("gtopk-worker: ");
+    ASSERT_NE(last, std::string::npos) << log;
+    const std::string final_error = log.substr(last);
+    EXPECT_NE(final_error.find("shard 1"), std::string::npos)
+        << "worker " << w
+        << "'s final error does not name shard 1: " << final_error;
+    EXPECT_EQ(log.find("Recover: Recover:"), std::string::npos) << log;
+  }
+  EXPECT_LT(absl::Now() - killed, absl::Seconds(12) + absl::Seconds(4));
   EXPECT_EQ(shard0.StopWith(SIGTERM, absl::Seconds(15)), 0);
   std::string cleanup = "rm -rf " + dir;
   EXPECT_EQ(system(cleanup.c_str()), 0);

@@ -500,6 +500,41 @@ TEST(RecoveryTest, RecoverWhenShardsAgreeChangesNothing) {
   EXPECT_TRUE(BitEqual(workers.params(0), workers.params(1)));
 }
 
+// Workers failing together call Recover together: callers arriving while a
+// recovery runs join it and get its outcome -- here the error naming the
+// shard that is down -- instead of "another recovery is still running".
+TEST(RecoveryTest, ConcurrentRecoverCallsShareTheOutcomeNamingTheDeadShard) {
+  TempDir dir;
+  Case c;
+  c.workers = 2;
+  auto cluster_or = LocalCluster::Start(MakeConfig(c, dir.path()), 2);
+  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+  LocalCluster& cluster = **cluster_or;
+  Workers workers(&cluster, 2);
+  workers.Synchronize(Normal(kSeed));
+  workers.RunUntil(2);
+  GTOPK_ASSERT_OK(cluster.shard(1).Shutdown(absl::ZeroDuration(), false));
+  server::AggregatorService* leader = cluster.shard(0).service();
+  const absl::Time deadline = absl::Now() + absl::Seconds(1);
+  std::vector<absl::StatusOr<v1::RecoverResponse>> results(
+      3, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 3; ++i) {
+    threads.emplace_back([&, i] {
+      absl::SleepFor(absl::Milliseconds(100 * i));
+      results[i] = leader->RecoverCluster(deadline);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_FALSE(results[i].ok()) << "caller " << i;
+    EXPECT_THAT(results[i].status().message(),
+                AllOf(HasSubstr("shard 1 ("), HasSubstr("GetShardState"),
+                      Not(HasSubstr("another recovery"))))
+        << "caller " << i;
+  }
+}
+
 TEST(RecoveryTest, ShardStateAndRollbackValidateTheirInput) {
   TempDir dir;
   Case c;

@@ -704,6 +704,44 @@ TEST(ServiceTest, CancelledWorkerMidStepGivesDeadlineExceededNamingIt) {
   EXPECT_EQ(cluster.servers[0]->service()->next_step(), 1);
 }
 
+// A Join for a rank whose worker has an open PushPull stream is a second
+// worker with the same rank: ALREADY_EXISTS naming it. Once that stream is
+// gone (the worker crashed), the rank can be joined again.
+TEST(ServiceTest, JoinOfARankWithALiveStreamIsRejected) {
+  ServerConfig config = BaseConfig(1, 2);
+  config.step_timeout = absl::Seconds(30);
+  GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(config));
+  const uint64_t n = 8;
+  ASSERT_TRUE(Join(cluster.stub(0), 0, n).ok());
+  ASSERT_TRUE(Join(cluster.stub(0), 1, n).ok());
+  ASSERT_TRUE(
+      InitParams(cluster.stub(0), 0, 0, 0, std::vector<float>(n, 1.0f), 8)
+          .ok());
+  const std::string push = Encode(SparseVector{{1}, {0.5f}}, n, CodecSpec());
+  // Rank 1's worker pushes step 0 and waits for rank 0.
+  auto ctx1 = std::make_unique<grpc::ClientContext>();
+  ctx1->set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+  auto s1 = cluster.stub(0)->PushPull(ctx1.get());
+  ASSERT_TRUE(s1->Write(MakePush(0, 1, 0, push)));
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_THAT(Join(cluster.stub(0), 1, n),
+              StatusIs(absl::StatusCode::kAlreadyExists,
+                       AllOf(HasSubstr("rank 1 is already taken"),
+                             HasSubstr("live worker"))));
+  GTOPK_EXPECT_OK(Join(cluster.stub(0), 0, n));  // rank 0 has no stream
+  // The worker of rank 1 goes away: its rank can be joined again.
+  ctx1->TryCancel();
+  (void)s1->Finish();
+  s1.reset();
+  ctx1.reset();
+  absl::Status rejoin = absl::UnknownError("not tried");
+  for (int i = 0; i < 100 && !rejoin.ok(); ++i) {
+    rejoin = Join(cluster.stub(0), 1, n).status();
+    if (!rejoin.ok()) absl::SleepFor(absl::Milliseconds(20));
+  }
+  GTOPK_EXPECT_OK(rejoin);
+}
+
 TEST(ServiceTest, ShutdownEndsWaitingStepsAndWritesCheckpoint) {
   char dir_template[] = "/tmp/gtopk_service_test_XXXXXX";
   const char* dir = mkdtemp(dir_template);

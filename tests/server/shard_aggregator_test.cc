@@ -398,6 +398,36 @@ TEST(ShardAggregatorTest, MissingWorkerTimesOutNamingIt) {
   EXPECT_EQ(shard->next_step(), 0);
 }
 
+// Graceful shutdown's drain: the round in progress completes and is
+// applied; a push that would open the next round fails with the drain's
+// reason and opens nothing.
+TEST(ShardAggregatorTest,
+     DrainLetsTheRoundInProgressCompleteAndRefusesNewOnes) {
+  auto shard = SingleShard(2);
+  EXPECT_TRUE(shard->AwaitNoRound(absl::Now()));
+  absl::StatusOr<std::shared_ptr<const RoundResult>> first;
+  std::thread t([&] {
+    first = shard->Submit(Push(0, 0, {1, 2}), absl::Now() + absl::Seconds(5));
+  });
+  absl::SleepFor(absl::Milliseconds(50));
+  // A round is open: the drain waits for it.
+  EXPECT_FALSE(shard->AwaitNoRound(absl::Now() + absl::Milliseconds(50)));
+  shard->BeginDrain(absl::UnavailableError("shard 0 is shutting down"));
+  GTOPK_EXPECT_OK(
+      shard->Submit(Push(0, 1, {3}), absl::Now() + absl::Seconds(5)));
+  t.join();
+  GTOPK_EXPECT_OK(first);
+  EXPECT_TRUE(shard->AwaitNoRound(absl::Now() + absl::Seconds(1)));
+  EXPECT_EQ(shard->next_step(), 1);
+  EXPECT_THAT(shard->Submit(Push(1, 0, {1}), absl::Now() + absl::Seconds(5)),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       HasSubstr("shard 0 is shutting down")));
+  EXPECT_TRUE(shard->AwaitNoRound(absl::Now()));
+  EXPECT_EQ(shard->next_step(), 1);
+  // A retry of the applied step is still answered from the cache.
+  GTOPK_EXPECT_OK(shard->Submit(Push(0, 0, {1, 2}), absl::Now()));
+}
+
 TEST(ShardAggregatorTest, RetryOfACompletedStepGetsTheSameResult) {
   auto shard = SingleShard(1);
   auto first = shard->Submit(Push(0, 0, {4, 9}), absl::Now() + absl::Seconds(5));

@@ -58,7 +58,7 @@ ABSL_FLAG(int64_t, rpc_timeout_s, 60,
           "deadline of Join and parameter download RPCs, seconds");
 // Consistency checks against the servers' cluster spec (empty: no check).
 ABSL_FLAG(int, step_retries, 3,
-          "recovery attempts after a failed step before giving up");
+          "failed steps in a row recovered and retried before giving up");
 ABSL_FLAG(std::string, mode, "", "check: gtopk | topk | dense");
 ABSL_FLAG(std::string, selector, "", "check: exact | gaussiank | dgc | randomk");
 ABSL_FLAG(std::string, density, "", "check: density k/n");

@@ -21,6 +21,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/match.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/codec.h"
 #include "common/host_port.h"
@@ -35,6 +37,11 @@
 namespace gtopk {
 namespace worker {
 namespace {
+
+// How long a worker keeps trying to recover one failed step (Recover calls,
+// waiting for an unreachable leader), in step timeouts (the servers'
+// --step-timeout); worker/flags.md, docs/recovery.md.
+constexpr int kRecoveryWindowSteps = 3;
 
 using Clock = std::chrono::steady_clock;
 
@@ -526,6 +533,10 @@ absl::Status RunTrainer(const TrainerOptions& o) {
   // them back when a restarted shard is behind) and this worker continues
   // from there. `failures` counts consecutive failed attempts.
   int failures = 0;
+  const absl::Duration recovery_window =
+      kRecoveryWindowSteps * absl::Milliseconds(cluster.step_timeout_ms());
+  const absl::Duration recover_call_time =
+      absl::Milliseconds(cluster.step_timeout_ms()) + absl::Seconds(1);
   // Retrying the step that failed: its gradient is already in the residual
   // (Step's contract), so the retry adds none.
   bool resend_residual = false;
@@ -579,9 +590,15 @@ absl::Status RunTrainer(const TrainerOptions& o) {
     absl::StatusOr<StepStats> stats = StepOnce(*client, *model, grad,
                                                device_grad, params);
     if (!stats.ok()) {
+      // --step-retries counts failed steps in a row; each failed step gets
+      // a recovery window of kRecoveryWindowSteps step timeouts in which
+      // Recover is retried, waiting for a leader that is down or restarting
+      // (docs/recovery.md).
       absl::Status failure = stats.status();
       bool from_recover = false;
       int64_t resumed = -1;
+      int recover_calls = 0;
+      const absl::Time window_end = absl::Now() + recovery_window;
       while (resumed < 0) {
         // FAILED_PRECONDITION from a step (a shard at another step) is what
         // Recover repairs; from Recover it means it cannot.
@@ -592,28 +609,41 @@ absl::Status RunTrainer(const TrainerOptions& o) {
             code == absl::StatusCode::kUnavailable ||
             code == absl::StatusCode::kCancelled ||
             (code == absl::StatusCode::kFailedPrecondition && !from_recover);
-        if (!retryable || failures >= o.step_retries) {
+        // No new Recover call unless it can get the leader's full answer
+        // (the leader waits up to one step timeout for the shards).
+        const bool window_over =
+            from_recover && window_end - absl::Now() < recover_call_time;
+        if (!retryable || failures >= o.step_retries || window_over) {
+          std::string why;
+          if (window_over) {
+            why = absl::StrCat(" (no recovery within the ",
+                               absl::FormatDuration(recovery_window),
+                               " recovery window, ", recover_calls,
+                               " Recover call(s))");
+          } else if (failures > 0) {
+            why = absl::StrCat(" (after ", failures, " recovery attempt(s))");
+          }
           return absl::Status(
-              code,
-              absl::StrCat("step ", step, ": ",
-                           from_recover ? "recovery failed: " : "",
-                           failure.message(),
-                           failures > 0 ? absl::StrCat(" (after ", failures,
-                                                       " recovery attempt(s))")
-                                        : ""));
+              code, absl::StrCat("step ", step, ": ",
+                                 from_recover ? "recovery failed: " : "",
+                                 failure.message(), why));
         }
-        ++failures;
+        if (!from_recover) ++failures;
         std::fprintf(stderr,
-                     "rank %u: step %lld failed: %s; recovering (attempt %d "
-                     "of %d)\n",
+                     "rank %u: step %lld failed: %s; recovering (retry %d of "
+                     "%d, Recover call %d)\n",
                      rank, static_cast<long long>(step),
-                     failure.ToString().c_str(), failures, o.step_retries);
-        std::this_thread::sleep_for(std::chrono::milliseconds(
-            std::min(2000, 100 << std::min(failures - 1, 5))));
+                     failure.ToString().c_str(), failures, o.step_retries,
+                     recover_calls + 1);
+        absl::SleepFor(std::min(
+            absl::Milliseconds(100 << std::min(recover_calls, 4)),
+            std::max(absl::ZeroDuration(), window_end - absl::Now())));
+        ++recover_calls;
         // --device=cuda: the device parameters are the current ones; Recover
         // works on the host copy (and may re-download it), then back.
         GTOPK_RETURN_IF_ERROR(model->DownloadParams());
-        absl::StatusOr<int64_t> next = client->Recover(params);
+        absl::StatusOr<int64_t> next = client->Recover(
+            params, std::max(window_end, absl::Now() + recover_call_time));
         if (next.ok()) {
           GTOPK_RETURN_IF_ERROR(model->UploadParams());
           resumed = *next;

@@ -39,8 +39,9 @@ struct TrainerOptions {
   // Where the worker registers its metrics (docs/metrics.md, "Worker"),
   // shared with main()'s exposer (--metrics-port); null: no metrics.
   std::shared_ptr<metrics::Registry> metrics_registry;
-  // Recovery attempts (WorkerClient::Recover) after a failed step before
-  // giving up, in [0, 100]; reset by every successful step.
+  // Failed steps in a row that are recovered (WorkerClient::Recover) and
+  // retried before giving up, in [0, 100]; reset by every successful step.
+  // Each failed step's Recover calls are retried for 3 step timeouts.
   int step_retries = 3;
 
   // Consistency checks against the servers' cluster spec (unset: no check).
