@@ -12,7 +12,9 @@
 #include <utility>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -86,16 +88,12 @@ v1::MomentumMode MomentumToProto(MomentumMode mode) {
 
 // The flag spellings of the spec's enums (for configuration mismatches).
 std::string ModeFlagValue(v1::Mode mode) {
-  switch (mode) {
-    case v1::MODE_GTOPK:
-      return "gtopk";
-    case v1::MODE_TOPK:
-      return "topk";
-    case v1::MODE_DENSE:
-      return "dense";
-    default:
-      return absl::StrCat("unknown(", static_cast<int>(mode), ")");
+  // The generated enum names (MODE_GTOPK, ...) without the prefix.
+  const std::string& name = v1::Mode_Name(mode);
+  if (mode == v1::MODE_UNSPECIFIED || name.empty()) {
+    return absl::StrCat("unknown(", static_cast<int>(mode), ")");
   }
+  return absl::AsciiStrToLower(absl::StripPrefix(name, "MODE_"));
 }
 
 std::string SelectionFlagValue(v1::Selection selection) {

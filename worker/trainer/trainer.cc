@@ -17,7 +17,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/match.h"
@@ -108,16 +110,12 @@ absl::StatusOr<uint64_t> SyntheticSize(const std::string& model) {
 }
 
 std::string ModeName(v1::Mode mode) {
-  switch (mode) {
-    case v1::MODE_GTOPK:
-      return "gtopk";
-    case v1::MODE_TOPK:
-      return "topk";
-    case v1::MODE_DENSE:
-      return "dense";
-    default:
-      return absl::StrCat("unspecified(", static_cast<int>(mode), ")");
+  // The generated enum names (MODE_GTOPK, ...) without the prefix.
+  const std::string& name = v1::Mode_Name(mode);
+  if (mode == v1::MODE_UNSPECIFIED || name.empty()) {
+    return absl::StrCat("unspecified(", static_cast<int>(mode), ")");
   }
+  return absl::AsciiStrToLower(absl::StripPrefix(name, "MODE_"));
 }
 
 absl::Status Mismatch(const char* flag, const std::string& mine,
