@@ -21,6 +21,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "common/testing/status_matchers.h"
 #include "gtest/gtest.h"
@@ -121,6 +122,29 @@ bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
          std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
+// The flags of shard `shard` of a cluster on `peers` (all shards, in order)
+// with `workers` workers: checkpoints in `dir` every `checkpoint_every`
+// steps, density 0.01, then `extra`.
+std::vector<std::string> ServerArgs(const std::vector<std::string>& peers,
+                                    int shard, int workers,
+                                    const std::string& dir,
+                                    absl::string_view step_timeout,
+                                    int checkpoint_every,
+                                    std::vector<std::string> extra = {}) {
+  std::vector<std::string> args = {
+      absl::StrCat("--listen=", peers[shard]),
+      absl::StrCat("--shard-id=", shard),
+      absl::StrCat("--num-shards=", peers.size()),
+      absl::StrCat("--workers=", workers),
+      absl::StrCat("--peers=", absl::StrJoin(peers, ",")),
+      absl::StrCat("--step-timeout=", step_timeout),
+      absl::StrCat("--checkpoint-dir=", dir),
+      absl::StrCat("--checkpoint-every=", checkpoint_every),
+      "--density=0.01"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
 TEST(ProcessTest, RealServersTrainSurviveAKillAndShutDownCleanly) {
   const uint64_t n = 20011;
   const int workers = 2;
@@ -132,18 +156,8 @@ TEST(ProcessTest, RealServersTrainSurviveAKillAndShutDownCleanly) {
   ASSERT_NE(mkdtemp(dir_template), nullptr);
   const std::string dir = dir_template;
   auto args = [&](int shard) {
-    return std::vector<std::string>{
-        absl::StrCat("--listen=", peers[shard]),
-        absl::StrCat("--shard-id=", shard),
-        "--num-shards=2",
-        absl::StrCat("--workers=", workers),
-        absl::StrCat("--peers=", absl::StrJoin(peers, ",")),
-        "--step-timeout=10s",
-        absl::StrCat("--checkpoint-dir=", dir),
-        "--checkpoint-every=1",
-        "--density=0.01",
-        "--index-codec=delta-bitpack",
-        "--value-codec=bf16"};
+    return ServerArgs(peers, shard, workers, dir, "10s", 1,
+                      {"--index-codec=delta-bitpack", "--value-codec=bf16"});
   };
   ServerProcess shard0, shard1;
   ASSERT_TRUE(shard0.Start(args(0)));
@@ -401,16 +415,7 @@ TEST(ProcessTest, TrainersRecoverWhenARestartedShardIsBehind) {
   ASSERT_NE(mkdtemp(dir_template), nullptr);
   const std::string dir = dir_template;
   auto server_args = [&](int shard) {
-    return std::vector<std::string>{
-        absl::StrCat("--listen=", peers[shard]),
-        absl::StrCat("--shard-id=", shard),
-        "--num-shards=2",
-        absl::StrCat("--workers=", workers),
-        absl::StrCat("--peers=", absl::StrJoin(peers, ",")),
-        "--step-timeout=5s",
-        absl::StrCat("--checkpoint-dir=", dir),
-        "--checkpoint-every=5",
-        "--density=0.01"};
+    return ServerArgs(peers, shard, workers, dir, "5s", 5);
   };
   ServerProcess shard0, shard1;
   ASSERT_TRUE(shard0.Start(server_args(0)));
@@ -464,20 +469,12 @@ TEST(ProcessTest, TrainersRecoverWhenARestartedShardIsBehind) {
   EXPECT_EQ(system(cleanup.c_str()), 0);
 }
 
-// The servers of a 2-shard cluster on `peers`, checkpointing every 5 steps
-// into `dir`, with a 3 s step timeout.
+// The servers of the recovery tests: checkpoints every 5 steps into `dir`,
+// a 3 s step timeout.
 std::vector<std::string> RecoveryServerArgs(
     const std::vector<std::string>& peers, int shard, int workers,
     const std::string& dir) {
-  return {absl::StrCat("--listen=", peers[shard]),
-          absl::StrCat("--shard-id=", shard),
-          absl::StrCat("--num-shards=", peers.size()),
-          absl::StrCat("--workers=", workers),
-          absl::StrCat("--peers=", absl::StrJoin(peers, ",")),
-          "--step-timeout=3s",
-          absl::StrCat("--checkpoint-dir=", dir),
-          "--checkpoint-every=5",
-          "--density=0.01"};
+  return ServerArgs(peers, shard, workers, dir, "3s", 5);
 }
 
 // Starts `workers` trainers (default --step-retries) running `steps`
