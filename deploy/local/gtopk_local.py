@@ -743,7 +743,7 @@ class Launcher:
             return
         log("prometheus on %s (scraping %d server(s) and %d worker(s) every "
             "%s; data in %s)" % (self.prometheus_url, len(self.servers),
-                                 len(self.workers), a.scrape_interval, data))
+                                 len(self.worker_metrics), a.scrape_interval, data))
 
     # -- running ------------------------------------------------------------
 
