@@ -28,7 +28,7 @@ JOBS       ?= $(shell nproc)
 CMAKE_ARGS ?=
 
 # Debian 12 packages the build and tests need.
-DEB_PACKAGES := build-essential cmake ninja-build pkg-config \
+DEB_PACKAGES := build-essential cmake ninja-build pkg-config libboost-context-dev \
 	libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev zlib1g-dev \
 	libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc \
 	libtorch-dev dataset-fashion-mnist python3 \

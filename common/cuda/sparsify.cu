@@ -24,6 +24,7 @@
 #include <string>
 #include <utility>
 
+#include "common/cuda/launch.h"
 #include "common/cuda/sparsify.h"
 
 namespace gtopk {
@@ -273,7 +274,7 @@ __device__ void FindBinBlock(DeviceState* st, const ull* hist, int level) {
   for (int j = 0; j < 2; ++j) {
     const int p = 2 * static_cast<int>(threadIdx.x) + j;  // reversed bin
     v[j] = p < bins ? hist[bins - 1 - p] : 0;
-    if (level == 0 && p < bins && bins - 1 - p >= (kNonFiniteKey >> 20) &&
+    if (level == 0 && p < bins && bins - 1 - p >= static_cast<int>(kNonFiniteKey >> 20) &&
         v[j] != 0) {
       non_finite = 1;
     }
@@ -843,7 +844,7 @@ Status SparseUpdater::Scatter(float* dst, uint64_t n, const uint32_t* idx,
   GTOPK_CUDA_RETURN_IF_NOT_OK(Upload(idx, val, count, stream));
   const int blocks =
       static_cast<int>(std::min<uint64_t>((count + 255) / 256, 4096));
-  ScatterKernel<<<blocks, 256, 0, stream>>>(dst, n, idx_.get(), val_.get(),
+  GTOPK_LAUNCH(ScatterKernel, blocks, 256, stream)(dst, n, idx_.get(), val_.get(),
                                             count, subtract);
   GTOPK_CUDA_LAUNCH_CHECK();
   return Status::Ok();
@@ -876,13 +877,13 @@ Status SparseUpdater::GlobalMomentum(float* params, float* velocity, uint64_t n,
     GTOPK_CUDA_RETURN_IF_NOT_OK(Upload(idx, val, count, stream));
     const int blocks =
         static_cast<int>(std::min<uint64_t>((count + 255) / 256, 4096));
-    ScatterKernel<<<blocks, 256, 0, stream>>>(dense_.get(), n, idx_.get(),
+    GTOPK_LAUNCH(ScatterKernel, blocks, 256, stream)(dense_.get(), n, idx_.get(),
                                               val_.get(), count, 0);
     GTOPK_CUDA_LAUNCH_CHECK();
   }
   const int blocks =
       static_cast<int>(std::min<uint64_t>((n + 1023) / 1024, 8192));
-  GlobalMomentumKernel<<<blocks, 256, 0, stream>>>(params, velocity,
+  GTOPK_LAUNCH(GlobalMomentumKernel, blocks, 256, stream)(params, velocity,
                                                    dense_.get(), n, momentum);
   GTOPK_CUDA_LAUNCH_CHECK();
   return Status::Ok();
@@ -952,7 +953,7 @@ struct Sparsifier::Impl {
 
   Status Init(ull need, bool zero_hist0, bool keep_sums, bool keep_candidates,
               cudaStream_t stream) {
-    InitKernel<<<1, kScanThreads, 0, stream>>>(
+    GTOPK_LAUNCH(InitKernel, 1, kScanThreads, stream)(
         st, hist0, hist1, hist2, need, zero_hist0, keep_sums, keep_candidates);
     GTOPK_CUDA_LAUNCH_CHECK();
     return Status::Ok();
@@ -965,7 +966,7 @@ struct Sparsifier::Impl {
     a.vectorized = Aligned16(u);
     a.st = st;
     a.hist0 = hist0;
-    HistogramKernel<false><<<HistBlocks(n), kThreads, 0, stream>>>(a);
+    GTOPK_LAUNCH(HistogramKernel<false>, HistBlocks(n), kThreads, stream)(a);
     GTOPK_CUDA_LAUNCH_CHECK();
     return Status::Ok();
   }
@@ -982,11 +983,11 @@ struct Sparsifier::Impl {
     CollectLayout(n);
     const int vec = Aligned16(u);
     if (with_hist) {
-      CollectKernel<true><<<collect_blocks, kThreads, 0, stream>>>(
+      GTOPK_LAUNCH(CollectKernel<true>, collect_blocks, kThreads, stream)(
           u, n, collect_chunk, vec, st, key, host_key, regions.get(),
           counts_a.get(), hist1);
     } else {
-      CollectKernel<false><<<collect_blocks, kThreads, 0, stream>>>(
+      GTOPK_LAUNCH(CollectKernel<false>, collect_blocks, kThreads, stream)(
           u, n, collect_chunk, vec, st, key, host_key, regions.get(),
           counts_a.get(), nullptr);
     }
@@ -995,7 +996,7 @@ struct Sparsifier::Impl {
   }
 
   Status Scan(int find_level, const ull* hist, cudaStream_t stream) {
-    ScanKernel<<<1, kScanThreads, 0, stream>>>(
+    GTOPK_LAUNCH(ScanKernel, 1, kScanThreads, stream)(
         counts_a.get(), collect_warps, offsets_a.get(), st, hist, find_level);
     GTOPK_CUDA_LAUNCH_CHECK();
     return Status::Ok();
@@ -1003,7 +1004,7 @@ struct Sparsifier::Impl {
 
   Status Gather(float* u, bool to_output, bool zero, int hist_level, ull* hist,
                 cudaStream_t stream) {
-    GatherKernel<<<collect_blocks, kThreads, 0, stream>>>(
+    GTOPK_LAUNCH(GatherKernel, collect_blocks, kThreads, stream)(
         u, regions.get(), collect_chunk, counts_a.get(), offsets_a.get(),
         collect_warps, to_output ? out_idx.get() : cand_idx.get(),
         to_output ? out_val.get() : cand_val.get(), zero, st, hist, hist_level);
@@ -1012,7 +1013,7 @@ struct Sparsifier::Impl {
   }
 
   Status FindBin(const ull* hist, int level, cudaStream_t stream) {
-    FindBinKernel<<<1, kScanThreads, 0, stream>>>(st, hist, level);
+    GTOPK_LAUNCH(FindBinKernel, 1, kScanThreads, stream)(st, hist, level);
     GTOPK_CUDA_LAUNCH_CHECK();
     return Status::Ok();
   }
@@ -1022,14 +1023,14 @@ struct Sparsifier::Impl {
                cudaStream_t stream) {
     const int blocks = CandidateBlocks(expected);
     const int warps = blocks * kWarpsPerBlock;
-    CountFinalKernel<<<blocks, kThreads, 0, stream>>>(
+    GTOPK_LAUNCH(CountFinalKernel, blocks, kThreads, stream)(
         cand_val.get(), st, rule, counts_b.get(), counts_a.get());
     GTOPK_CUDA_LAUNCH_CHECK();
-    ScanFinalKernel<<<1, kScanThreads, 0, stream>>>(
+    GTOPK_LAUNCH(ScanFinalKernel, 1, kScanThreads, stream)(
         counts_b.get(), counts_a.get(), warps, offsets_a.get(), offsets_b.get(),
         st, rule);
     GTOPK_CUDA_LAUNCH_CHECK();
-    WriteFinalKernel<<<blocks, kThreads, 0, stream>>>(
+    GTOPK_LAUNCH(WriteFinalKernel, blocks, kThreads, stream)(
         cand_idx.get(), cand_val.get(), st, rule, offsets_a.get(),
         offsets_b.get(), out_idx.get(), out_val.get(), u, zero);
     GTOPK_CUDA_LAUNCH_CHECK();
@@ -1045,7 +1046,7 @@ struct Sparsifier::Impl {
     ull* hists[3] = {hist0, hist1, hist2};
     const int blocks = CandidateBlocks(expected_m);
     for (int level = 0; level < 3; ++level) {
-      HistArrayKernel<float><<<blocks, kThreads, 0, stream>>>(
+      GTOPK_LAUNCH(HistArrayKernel<float>, blocks, kThreads, stream)(
           cand_val.get(), &st->num_candidates, 0, st, hists[level], level);
       GTOPK_CUDA_LAUNCH_CHECK();
       GTOPK_CUDA_RETURN_IF_NOT_OK(FindBin(hists[level], level, stream));
@@ -1129,7 +1130,7 @@ Status Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
   const double z = NormalQuantile(1.0 - density / 2.0);
   GTOPK_CUDA_RETURN_IF_NOT_OK(Init(k, !reuse, reuse, false, stream));
   if (!reuse) GTOPK_CUDA_RETURN_IF_NOT_OK(Histogram(u, n, stream));
-  GaussPlanKernel<<<1, kScanThreads, 0, stream>>>(st, hist0, n, z, lo, hi,
+  GTOPK_LAUNCH(GaussPlanKernel, 1, kScanThreads, stream)(st, hist0, n, z, lo, hi,
                                                   p.gaussiank_max_adjustments);
   GTOPK_CUDA_LAUNCH_CHECK();
   GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, false, false, 0, stream));
@@ -1177,7 +1178,7 @@ Status Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
       }
       GTOPK_CUDA_RETURN_IF_ERROR(
           cudaMemsetAsync(&st->count_at_least, 0, sizeof(ull), stream));
-      CountAtLeastKernel<<<CandidateBlocks(cand_count), kThreads, 0, stream>>>(
+      GTOPK_LAUNCH(CountAtLeastKernel, CandidateBlocks(cand_count), kThreads, stream)(
           cand_val.get(), st, key);
       GTOPK_CUDA_LAUNCH_CHECK();
       GTOPK_CUDA_RETURN_IF_NOT_OK(ReadState(stream, &s));
@@ -1237,13 +1238,13 @@ Status Sparsifier::Impl::SelectDgc(float* u, uint64_t n, const SelectParams& p,
   hist_u = nullptr;
   // The sample's keys live in cand_idx until the compaction below.
   const int sample_blocks = CandidateBlocks(sample_size);
-  SampleKernel<<<sample_blocks, kThreads, 0, stream>>>(
+  GTOPK_LAUNCH(SampleKernel, sample_blocks, kThreads, stream)(
       u, n, runs, Mix(p.seed, p.step), cand_idx.get(), hist0);
   GTOPK_CUDA_LAUNCH_CHECK();
   GTOPK_CUDA_RETURN_IF_NOT_OK(FindBin(hist0, 0, stream));
   for (int level = 1; level < 3; ++level) {
     ull* hist = level == 1 ? hist1 : hist2;
-    HistArrayKernel<uint32_t><<<sample_blocks, kThreads, 0, stream>>>(
+    GTOPK_LAUNCH(HistArrayKernel<uint32_t>, sample_blocks, kThreads, stream)(
         cand_idx.get(), nullptr, sample_size, st, hist, level);
     GTOPK_CUDA_LAUNCH_CHECK();
     GTOPK_CUDA_RETURN_IF_NOT_OK(FindBin(hist, level, stream));
@@ -1368,7 +1369,7 @@ Status Sparsifier::Accumulate(const float* grad, const float* params,
                   (Aligned16(velocity_in) && Aligned16(velocity_out)));
   a.st = m.st;
   a.hist0 = m.hist0;
-  HistogramKernel<true><<<m.HistBlocks(n), kThreads, 0, stream>>>(a);
+  GTOPK_LAUNCH(HistogramKernel<true>, m.HistBlocks(n), kThreads, stream)(a);
   GTOPK_CUDA_LAUNCH_CHECK();
   m.hist_u = residual_out;
   m.hist_n = n;
@@ -1442,7 +1443,7 @@ Status Sparsifier::Wait(cudaStream_t stream, Selection* out) {
     // Find the first position for the message (rare path, one more pass).
     GTOPK_CUDA_RETURN_IF_ERROR(
         cudaMemsetAsync(&m.st->first_non_finite, 0xff, sizeof(ull), stream));
-    FirstNonFiniteKernel<<<m.HistBlocks(m.pending_n), kThreads, 0, stream>>>(
+    GTOPK_LAUNCH(FirstNonFiniteKernel, m.HistBlocks(m.pending_n), kThreads, stream)(
         m.pending_u, m.pending_n, m.st);
     GTOPK_CUDA_LAUNCH_CHECK();
     ull pos = 0;

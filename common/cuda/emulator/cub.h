@@ -1,0 +1,119 @@
+// cub::BlockScan and cub::BlockReduce for the CUDA emulator
+// (common/cuda/emulator/emulator.h): the members common/cuda/ uses, with
+// CUB's contracts (CCCL's cub/block/block_scan.cuh, block_reduce.cuh):
+// TempStorage lives in __shared__ memory and needs a __syncthreads() before
+// it is reused (the emulator keeps the per-thread partials in it, so a
+// missing barrier corrupts a result under some thread order); the block
+// size must equal the template argument; BlockReduce's result is defined in
+// thread 0 only (the other threads get a poison value here).
+#ifndef GTOPK_COMMON_CUDA_EMULATOR_CUB_H_
+#define GTOPK_COMMON_CUDA_EMULATOR_CUB_H_
+
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "common/cuda/emulator/emulator.h"
+
+namespace cub {
+
+template <typename T, int BLOCK_DIM_X, int... kIgnored>
+class BlockScan {
+ public:
+  struct TempStorage {
+    T partial[BLOCK_DIM_X];
+  };
+
+  explicit BlockScan(TempStorage& storage) : storage_(storage) {
+    gtopk::cuda_emu::CheckBlockSize("cub::BlockScan", BLOCK_DIM_X);
+  }
+
+  template <int N>
+  void ExclusiveSum(T (&input)[N], T (&output)[N], T& aggregate) {
+    T mine{};
+    for (int j = 0; j < N; ++j) mine += input[j];
+    T before = Exchange(mine, &aggregate);
+    for (int j = 0; j < N; ++j) {
+      const T x = input[j];  // input and output may alias
+      output[j] = before;
+      before += x;
+    }
+  }
+  template <int N>
+  void ExclusiveSum(T (&input)[N], T (&output)[N]) {
+    T aggregate;
+    ExclusiveSum(input, output, aggregate);
+  }
+  void ExclusiveSum(T input, T& output, T& aggregate) {
+    output = Exchange(input, &aggregate);
+  }
+  void ExclusiveSum(T input, T& output) {
+    T aggregate;
+    ExclusiveSum(input, output, aggregate);
+  }
+  void InclusiveSum(T input, T& output, T& aggregate) {
+    output = Exchange(input, &aggregate) + input;
+  }
+  void InclusiveSum(T input, T& output) {
+    T aggregate;
+    InclusiveSum(input, output, aggregate);
+  }
+
+ private:
+  // Deposits this thread's partial, meets the block, and returns the sum of
+  // the lower threads' partials (*total: all of them).
+  T Exchange(T mine, T* total) {
+    const unsigned t = gtopk::cuda_emu::ThreadInBlock();
+    storage_.partial[t] = mine;
+    gtopk::cuda_emu::BlockBarrier(__FILE__, __LINE__);
+    T before{}, all{};
+    for (int i = 0; i < BLOCK_DIM_X; ++i) {
+      if (static_cast<unsigned>(i) < t) before += storage_.partial[i];
+      all += storage_.partial[i];
+    }
+    *total = all;
+    return before;
+  }
+
+  TempStorage& storage_;
+};
+
+template <typename T, int BLOCK_DIM_X, int... kIgnored>
+class BlockReduce {
+ public:
+  struct TempStorage {
+    T partial[BLOCK_DIM_X];
+  };
+
+  explicit BlockReduce(TempStorage& storage) : storage_(storage) {
+    gtopk::cuda_emu::CheckBlockSize("cub::BlockReduce", BLOCK_DIM_X);
+  }
+
+  // The block's sum in thread 0; undefined (a poison value) elsewhere.
+  T Sum(T input) {
+    const unsigned t = gtopk::cuda_emu::ThreadInBlock();
+    storage_.partial[t] = input;
+    gtopk::cuda_emu::BlockBarrier(__FILE__, __LINE__);
+    if (t != 0) return Poison();
+    T sum{};
+    for (int i = 0; i < BLOCK_DIM_X; ++i) sum += storage_.partial[i];
+    return sum;
+  }
+
+ private:
+  static T Poison() {
+    if constexpr (std::is_floating_point_v<T>) {
+      return std::numeric_limits<T>::quiet_NaN();
+    } else {
+      T value;
+      std::memset(&value, 0xa5, sizeof(value));
+      return value;
+    }
+  }
+
+  TempStorage& storage_;
+};
+
+}  // namespace cub
+
+#endif  // GTOPK_COMMON_CUDA_EMULATOR_CUB_H_

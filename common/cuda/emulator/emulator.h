@@ -1,0 +1,326 @@
+// A CPU emulation of the part of the CUDA runtime and execution model that
+// common/cuda/ uses, so that the kernels run, and are tested against the CPU
+// reference, on machines without a GPU (CI). Test tooling: nothing in a
+// production binary links it.
+//
+// How it runs a kernel: every thread of a block is a fiber (Boost.Context);
+// a thread runs until its next __syncthreads(), __ballot_sync() or block
+// collective (cub::BlockScan/BlockReduce), then the next thread runs. A
+// barrier opens when every thread of the block that has not exited reached
+// it (from the same source line), a ballot when every lane of its mask did.
+// Blocks run one after another. That is the CUDA model with the scheduling
+// freedom used one way; GTOPK_CUDA_EMU_ORDER=reverse|shuffle changes the
+// order of threads between sync points and of blocks, so an unsynchronised
+// shared-memory access or an inter-block order dependency shows up as a
+// different result between runs.
+//
+// What it checks (each fails the process with a message naming the kernel,
+// block and thread): divergent __syncthreads (threads waiting at different
+// lines), a ballot whose mask names a lane that exited, a deadlock, a
+// BlockScan/BlockReduce used with another block size than its template
+// argument, a read or write past either end of a cudaMalloc/cudaMallocHost
+// allocation (guard pages; SIGSEGV handler names the allocation), a kernel
+// pointer argument that is not device or pinned memory, launch
+// configurations CUDA rejects (cudaErrorInvalidConfiguration, as the real
+// runtime reports it). Device memory starts as 0xff bytes (NaN floats), so
+// reading what nothing wrote is visible. Work on streams is deferred until
+// the host synchronises (all streams in one FIFO, a legal CUDA order), so
+// reading pinned results before cudaStreamSynchronize reads stale data, as
+// on a GPU; copies from/to pageable memory behave as CUDA documents (the
+// stream is drained first and the copy is done before the call returns).
+//
+// Settings: GTOPK_CUDA_EMU="key=value ..." with order = forward (default) |
+// reverse | shuffle, seed (shuffle seed, default 1), sms (multiprocessor
+// count reported, default 132 as an H200; it sets the selectors' grid
+// sizes), memory_bytes (device memory, default 4 GiB; cudaMalloc beyond it
+// returns cudaErrorMemoryAllocation). A bad setting aborts with a message.
+//
+// Thread-safety: every runtime call takes one process-wide lock; kernels run
+// on the host thread that synchronises, one at a time (one device).
+// Not emulated: warp-synchronous code without __*_sync intrinsics, memory
+// ordering between blocks of one launch, shared memory's undefined contents
+// at block start (__shared__ variables are function statics here), timing.
+#ifndef GTOPK_COMMON_CUDA_EMULATOR_EMULATOR_H_
+#define GTOPK_COMMON_CUDA_EMULATOR_EMULATOR_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#define GTOPK_CUDA_EMULATOR 1
+
+// ---------------------------------------------------------------------------
+// Qualifiers and built-in types
+// ---------------------------------------------------------------------------
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+
+struct uint3 {
+  unsigned int x, y, z;
+};
+struct dim3 {
+  unsigned int x, y, z;
+  constexpr dim3(unsigned int vx = 1, unsigned int vy = 1, unsigned int vz = 1)
+      : x(vx), y(vy), z(vz) {}
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+inline float4 make_float4(float x, float y, float z, float w) {
+  return float4{x, y, z, w};
+}
+
+// The executing thread's coordinates (set by the scheduler before it resumes
+// a thread).
+extern uint3 threadIdx;
+extern uint3 blockIdx;
+extern dim3 blockDim;
+extern dim3 gridDim;
+
+// ---------------------------------------------------------------------------
+// Runtime API types and functions (the subset used; CUDA's numbers)
+// ---------------------------------------------------------------------------
+enum cudaError_t {
+  cudaSuccess = 0,
+  cudaErrorInvalidValue = 1,
+  cudaErrorMemoryAllocation = 2,
+  cudaErrorInvalidConfiguration = 9,
+  cudaErrorInvalidDevicePointer = 17,
+  cudaErrorInvalidMemcpyDirection = 21,
+  cudaErrorNoDevice = 100,
+  cudaErrorInvalidDevice = 101,
+  cudaErrorInvalidResourceHandle = 400,
+  cudaErrorNotReady = 600,
+  cudaErrorLaunchFailure = 719,
+};
+using cudaError = cudaError_t;
+
+enum cudaMemcpyKind {
+  cudaMemcpyHostToHost = 0,
+  cudaMemcpyHostToDevice = 1,
+  cudaMemcpyDeviceToHost = 2,
+  cudaMemcpyDeviceToDevice = 3,
+  cudaMemcpyDefault = 4,
+};
+
+enum cudaDeviceAttr {
+  cudaDevAttrMaxThreadsPerBlock = 1,
+  cudaDevAttrMultiProcessorCount = 16,
+};
+
+constexpr unsigned int cudaStreamDefault = 0x0;
+constexpr unsigned int cudaStreamNonBlocking = 0x1;
+
+struct CUstream_st;
+using cudaStream_t = CUstream_st*;
+struct CUevent_st;
+using cudaEvent_t = CUevent_st*;
+
+struct cudaDeviceProp {
+  char name[256];
+  size_t totalGlobalMem;
+  int multiProcessorCount;
+  int maxThreadsPerBlock;
+  int warpSize;
+  int major;
+  int minor;
+};
+
+cudaError_t cudaGetDeviceCount(int* count);
+cudaError_t cudaGetDevice(int* device);
+cudaError_t cudaSetDevice(int device);
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device);
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device);
+cudaError_t cudaDeviceSynchronize();
+cudaError_t cudaGetLastError();
+cudaError_t cudaPeekAtLastError();
+const char* cudaGetErrorName(cudaError_t error);
+const char* cudaGetErrorString(cudaError_t error);
+
+cudaError_t cudaMalloc(void** ptr, size_t bytes);
+cudaError_t cudaFree(void* ptr);
+cudaError_t cudaMallocHost(void** ptr, size_t bytes);
+cudaError_t cudaFreeHost(void* ptr);
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes,
+                       cudaMemcpyKind kind);
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes,
+                            cudaMemcpyKind kind, cudaStream_t stream = nullptr);
+cudaError_t cudaMemset(void* ptr, int value, size_t bytes);
+cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes,
+                            cudaStream_t stream = nullptr);
+
+cudaError_t cudaStreamCreate(cudaStream_t* stream);
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int flags);
+cudaError_t cudaStreamDestroy(cudaStream_t stream);
+cudaError_t cudaStreamSynchronize(cudaStream_t stream);
+
+cudaError_t cudaEventCreate(cudaEvent_t* event);
+cudaError_t cudaEventDestroy(cudaEvent_t event);
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream = nullptr);
+cudaError_t cudaEventSynchronize(cudaEvent_t event);
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start,
+                                 cudaEvent_t end);
+
+// ---------------------------------------------------------------------------
+// Device intrinsics
+// ---------------------------------------------------------------------------
+inline unsigned int __float_as_uint(float x) {
+  unsigned int u;
+  std::memcpy(&u, &x, sizeof(u));
+  return u;
+}
+inline float __uint_as_float(unsigned int u) {
+  float x;
+  std::memcpy(&x, &u, sizeof(x));
+  return x;
+}
+inline int __popc(unsigned int x) { return __builtin_popcount(x); }
+inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+inline unsigned long long __umul64hi(unsigned long long a,
+                                     unsigned long long b) {
+  return static_cast<unsigned long long>(
+      (static_cast<unsigned __int128>(a) * b) >> 64);
+}
+template <typename T>
+inline T __ldg(const T* p) {
+  return *p;
+}
+
+unsigned int __ballot_sync(unsigned int mask, int predicate);
+// __syncthreads() with the calling line, so divergent barriers are caught.
+void __gtopk_emu_syncthreads(const char* file, int line);
+#define __syncthreads() __gtopk_emu_syncthreads(__FILE__, __LINE__)
+
+// Atomics: threads of the emulator never run at the same time, so these are
+// plain read-modify-writes returning the old value, as CUDA's do. The value
+// converts to the address's type, as with CUDA's overloads.
+namespace gtopk {
+namespace cuda_emu {
+template <typename T>
+struct Identity {
+  using type = T;
+};
+}  // namespace cuda_emu
+}  // namespace gtopk
+#define GTOPK_EMU_VALUE(T) typename ::gtopk::cuda_emu::Identity<T>::type
+template <typename T>
+inline T atomicAdd(T* address, GTOPK_EMU_VALUE(T) value) {
+  const T old = *address;
+  *address = old + value;
+  return old;
+}
+template <typename T>
+inline T atomicOr(T* address, GTOPK_EMU_VALUE(T) value) {
+  const T old = *address;
+  *address = old | value;
+  return old;
+}
+template <typename T>
+inline T atomicAnd(T* address, GTOPK_EMU_VALUE(T) value) {
+  const T old = *address;
+  *address = old & value;
+  return old;
+}
+template <typename T>
+inline T atomicMin(T* address, GTOPK_EMU_VALUE(T) value) {
+  const T old = *address;
+  *address = value < old ? value : old;
+  return old;
+}
+template <typename T>
+inline T atomicMax(T* address, GTOPK_EMU_VALUE(T) value) {
+  const T old = *address;
+  *address = value > old ? value : old;
+  return old;
+}
+
+namespace gtopk {
+namespace cuda_emu {
+
+// Fails the process with `message` and where the emulator was (kernel,
+// block, thread); used for what would be undefined behaviour or a hang on a
+// GPU.
+[[noreturn]] void Fail(const char* format, ...)
+    __attribute__((format(printf, 1, 2)));
+
+// Block collectives (cub emulation): thread t deposits `bytes` at
+// storage + t*bytes, all threads meet, each reads what it needs. The caller
+// keeps CUB's rule: a __syncthreads() before the storage is reused.
+void CheckBlockSize(const char* what, int template_threads);
+void BlockBarrier(const char* file, int line);
+// The calling thread's index in its block (Fail outside a kernel).
+unsigned ThreadInBlock();
+
+// Whether `p` (non-null) lies in device or pinned memory the emulator
+// allocated.
+bool IsDeviceAccessible(const void* p);
+
+// Queues a grid on `stream`: `block_body` runs once per thread of every block.
+cudaError_t LaunchGrid(const char* name, dim3 grid, dim3 block,
+                       cudaStream_t stream, std::function<void()> body);
+
+template <typename T>
+void CheckPointerArg(const char* name, int index, const T& value) {
+  if constexpr (std::is_pointer_v<T>) {
+    if (value != nullptr && !IsDeviceAccessible(value)) {
+      Fail("launch of %s: argument %d (%p) is not device or pinned memory",
+           name, index, static_cast<const void*>(value));
+    }
+  }
+}
+
+// Kernel<<<grid, block, 0, stream>>>(args...) as Launcher(...)(args...).
+template <typename... P>
+class Launcher {
+ public:
+  Launcher(const char* name, void (*kernel)(P...), dim3 grid, dim3 block,
+           cudaStream_t stream)
+      : name_(name), kernel_(kernel), grid_(grid), block_(block),
+        stream_(stream) {}
+
+  template <typename... A>
+  void operator()(A&&... args) const {
+    static_assert(sizeof...(A) == sizeof...(P), "wrong kernel argument count");
+    // Arguments are copied at launch, as CUDA does.
+    std::tuple<std::decay_t<P>...> params(std::forward<A>(args)...);
+    std::apply(
+        [this](const auto&... p) {
+          int index = 0;
+          (CheckPointerArg(name_, index++, p), ...);
+        },
+        params);
+    void (*kernel)(P...) = kernel_;
+    LaunchGrid(name_, grid_, block_, stream_,
+               [kernel, params]() { std::apply(kernel, params); });
+  }
+
+ private:
+  const char* name_;
+  void (*kernel_)(P...);
+  dim3 grid_, block_;
+  cudaStream_t stream_;
+};
+
+template <typename... P>
+Launcher<P...> MakeLauncher(const char* name, void (*kernel)(P...), dim3 grid,
+                            dim3 block, cudaStream_t stream) {
+  return Launcher<P...>(name, kernel, grid, block, stream);
+}
+
+// Test hooks: the number of kernel launches run so far (all streams), and
+// the scheduling order in force ("forward", "reverse" or "shuffle").
+uint64_t KernelsRun();
+const char* Order();
+
+}  // namespace cuda_emu
+}  // namespace gtopk
+
+#endif  // GTOPK_COMMON_CUDA_EMULATOR_EMULATOR_H_
