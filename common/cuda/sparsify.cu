@@ -35,10 +35,15 @@ using ull = unsigned long long;
 
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
-constexpr int kMaxBlocks = 2048;
-constexpr int kMaxWarps = kMaxBlocks * kWarpsPerBlock;  // 16384
+// 1024 blocks of 256 threads: 97 % of one full wave on an H200 (132 SMs x 8).
+constexpr int kMaxBlocks = 1024;
+constexpr int kMaxWarps = kMaxBlocks * kWarpsPerBlock;  // 8192
 constexpr int kScanThreads = 1024;
-constexpr int kScanItems = kMaxWarps / kScanThreads;  // 16
+// The one-block scans over per-warp counts hold kItems (1, 2, 4 or 8:
+// the fewest covering the warps) per thread: 16 spilled to local memory
+// under the 64-register cap of 1024-thread blocks (ptxas -v: 1.5 KB per
+// thread for ScanFinalKernel), a cost paid on every selection.
+constexpr int kMaxScanItems = kMaxWarps / kScanThreads;  // 8
 constexpr uint64_t kChunkAlign = 128;                 // 32 lanes x float4
 constexpr uint32_t kNonFiniteKey = 0x7f800000u;
 constexpr int kBins = 2048;  // largest digit: 11 bits
@@ -257,7 +262,7 @@ __global__ void __launch_bounds__(kThreads) HistogramKernel(HistArgs a) {
 // keys matching the prefix, from that level's histogram (one block of
 // kScanThreads threads). Level 0 also flags non-finite keys.
 __device__ void FindBinBlock(DeviceState* st, const ull* hist, int level) {
-  using Scan = cub::BlockScan<ull, kScanThreads>;
+  using Scan = cub::BlockScan<ull, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ typename Scan::TempStorage storage;
   __shared__ int found;
   __shared__ int non_finite;
@@ -386,19 +391,20 @@ __global__ void __launch_bounds__(kThreads)
 
 // Exclusive scan of the W <= kMaxWarps per-warp counts into offsets; total in
 // state->num_candidates. Then, when find_level >= 0, FindBinBlock on `hist`.
+template <int kItems>
 __global__ void __launch_bounds__(kScanThreads)
     ScanKernel(const uint32_t* counts, int num_warps, ull* offsets,
                DeviceState* st, const ull* hist, int find_level) {
-  using Scan = cub::BlockScan<ull, kScanThreads>;
+  using Scan = cub::BlockScan<ull, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ typename Scan::TempStorage storage;
-  ull v[kScanItems], before[kScanItems], total;
-  for (int j = 0; j < kScanItems; ++j) {
-    const int w = static_cast<int>(threadIdx.x) * kScanItems + j;
+  ull v[kItems], before[kItems], total;
+  for (int j = 0; j < kItems; ++j) {
+    const int w = static_cast<int>(threadIdx.x) * kItems + j;
     v[j] = w < num_warps ? counts[w] : 0;
   }
   Scan(storage).ExclusiveSum(v, before, total);
-  for (int j = 0; j < kScanItems; ++j) {
-    const int w = static_cast<int>(threadIdx.x) * kScanItems + j;
+  for (int j = 0; j < kItems; ++j) {
+    const int w = static_cast<int>(threadIdx.x) * kItems + j;
     if (w < num_warps) offsets[w] = before[j];
   }
   if (threadIdx.x == 0) st->num_candidates = total;
@@ -538,31 +544,41 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Output offset of each warp chunk: greater-before + min(ties-before, ties
-// to take); state->num_selected = the output count.
+// to take); state->num_selected = the output count. The two scans run one
+// after the other (the first's results parked in out_offsets, re-read by
+// the thread that wrote them) so that only one array pair is live.
+template <int kItems>
 __global__ void __launch_bounds__(kScanThreads)
     ScanFinalKernel(const uint32_t* greater, const uint32_t* equal,
                     int num_warps, ull* out_offsets, ull* ties_before,
                     DeviceState* st, FinalRule rule) {
-  using Scan = cub::BlockScan<ull, kScanThreads>;
+  using Scan = cub::BlockScan<ull, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ typename Scan::TempStorage storage;
   uint32_t t;
   ull ties;
   FinalThreshold(st, rule, &t, &ties);
-  ull g[kScanItems], e[kScanItems], g_before[kScanItems], e_before[kScanItems];
+  ull v[kItems], before[kItems];
   ull g_total, e_total;
-  for (int j = 0; j < kScanItems; ++j) {
-    const int w = static_cast<int>(threadIdx.x) * kScanItems + j;
-    g[j] = w < num_warps ? greater[w] : 0;
-    e[j] = w < num_warps ? equal[w] : 0;
+  for (int j = 0; j < kItems; ++j) {
+    const int w = static_cast<int>(threadIdx.x) * kItems + j;
+    v[j] = w < num_warps ? greater[w] : 0;
   }
-  Scan(storage).ExclusiveSum(g, g_before, g_total);
+  Scan(storage).ExclusiveSum(v, before, g_total);
+  for (int j = 0; j < kItems; ++j) {
+    const int w = static_cast<int>(threadIdx.x) * kItems + j;
+    if (w < num_warps) out_offsets[w] = before[j];
+  }
   __syncthreads();
-  Scan(storage).ExclusiveSum(e, e_before, e_total);
-  for (int j = 0; j < kScanItems; ++j) {
-    const int w = static_cast<int>(threadIdx.x) * kScanItems + j;
+  for (int j = 0; j < kItems; ++j) {
+    const int w = static_cast<int>(threadIdx.x) * kItems + j;
+    v[j] = w < num_warps ? equal[w] : 0;
+  }
+  Scan(storage).ExclusiveSum(v, before, e_total);
+  for (int j = 0; j < kItems; ++j) {
+    const int w = static_cast<int>(threadIdx.x) * kItems + j;
     if (w < num_warps) {
-      out_offsets[w] = g_before[j] + (e_before[j] < ties ? e_before[j] : ties);
-      ties_before[w] = e_before[j];
+      out_offsets[w] += before[j] < ties ? before[j] : ties;
+      ties_before[w] = before[j];
     }
   }
   if (threadIdx.x == 0) {
@@ -645,7 +661,7 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kScanThreads)
     GaussPlanKernel(DeviceState* st, const ull* hist0, uint64_t n, double z,
                     ull lo, ull hi, int max_adjustments) {
-  using Scan = cub::BlockScan<ull, kScanThreads>;
+  using Scan = cub::BlockScan<ull, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ typename Scan::TempStorage storage;
   __shared__ ull at_least[kBins + 1];  // keys with digit 0 >= b
   __shared__ int non_finite;
@@ -774,6 +790,14 @@ double NormalQuantile(double p) {
     }
   }
   return 0.5 * (lo + hi);
+}
+
+// Items per thread of the one-block scans over `warps` counts: the fewest
+// of 1, 2, 4, 8 with items * kScanThreads >= warps.
+int ScanItems(int warps) {
+  int items = 1;
+  while (items < kMaxScanItems && items * kScanThreads < warps) items *= 2;
+  return items;
 }
 
 bool Aligned16(const void* p) {
@@ -996,8 +1020,26 @@ struct Sparsifier::Impl {
   }
 
   Status Scan(int find_level, const ull* hist, cudaStream_t stream) {
-    GTOPK_LAUNCH(ScanKernel, 1, kScanThreads, stream)(
-        counts_a.get(), collect_warps, offsets_a.get(), st, hist, find_level);
+    const uint32_t* counts = counts_a.get();
+    ull* offsets = offsets_a.get();
+    switch (ScanItems(collect_warps)) {
+      case 1:
+        GTOPK_LAUNCH(ScanKernel<1>, 1, kScanThreads, stream)(
+            counts, collect_warps, offsets, st, hist, find_level);
+        break;
+      case 2:
+        GTOPK_LAUNCH(ScanKernel<2>, 1, kScanThreads, stream)(
+            counts, collect_warps, offsets, st, hist, find_level);
+        break;
+      case 4:
+        GTOPK_LAUNCH(ScanKernel<4>, 1, kScanThreads, stream)(
+            counts, collect_warps, offsets, st, hist, find_level);
+        break;
+      default:
+        GTOPK_LAUNCH(ScanKernel<kMaxScanItems>, 1, kScanThreads, stream)(
+            counts, collect_warps, offsets, st, hist, find_level);
+        break;
+    }
     GTOPK_CUDA_LAUNCH_CHECK();
     return Status::Ok();
   }
@@ -1026,9 +1068,28 @@ struct Sparsifier::Impl {
     GTOPK_LAUNCH(CountFinalKernel, blocks, kThreads, stream)(
         cand_val.get(), st, rule, counts_b.get(), counts_a.get());
     GTOPK_CUDA_LAUNCH_CHECK();
-    GTOPK_LAUNCH(ScanFinalKernel, 1, kScanThreads, stream)(
-        counts_b.get(), counts_a.get(), warps, offsets_a.get(), offsets_b.get(),
-        st, rule);
+    const uint32_t* greater = counts_b.get();
+    const uint32_t* equal = counts_a.get();
+    ull* out_offsets = offsets_a.get();
+    ull* ties_before = offsets_b.get();
+    switch (ScanItems(warps)) {
+      case 1:
+        GTOPK_LAUNCH(ScanFinalKernel<1>, 1, kScanThreads, stream)(
+            greater, equal, warps, out_offsets, ties_before, st, rule);
+        break;
+      case 2:
+        GTOPK_LAUNCH(ScanFinalKernel<2>, 1, kScanThreads, stream)(
+            greater, equal, warps, out_offsets, ties_before, st, rule);
+        break;
+      case 4:
+        GTOPK_LAUNCH(ScanFinalKernel<4>, 1, kScanThreads, stream)(
+            greater, equal, warps, out_offsets, ties_before, st, rule);
+        break;
+      default:
+        GTOPK_LAUNCH(ScanFinalKernel<kMaxScanItems>, 1, kScanThreads, stream)(
+            greater, equal, warps, out_offsets, ties_before, st, rule);
+        break;
+    }
     GTOPK_CUDA_LAUNCH_CHECK();
     GTOPK_LAUNCH(WriteFinalKernel, blocks, kThreads, stream)(
         cand_idx.get(), cand_val.get(), st, rule, offsets_a.get(),

@@ -17,8 +17,25 @@
 
 namespace cub {
 
-template <typename T, int BLOCK_DIM_X, int... kIgnored>
+// CUB's algorithm choices; the emulator computes the same sums for each.
+enum BlockScanAlgorithm {
+  BLOCK_SCAN_RAKING,
+  BLOCK_SCAN_RAKING_MEMOIZE,
+  BLOCK_SCAN_WARP_SCANS,
+};
+enum BlockReduceAlgorithm {
+  BLOCK_REDUCE_RAKING_COMMUTATIVE_ONLY,
+  BLOCK_REDUCE_RAKING,
+  BLOCK_REDUCE_WARP_REDUCTIONS,
+};
+
+template <typename T, int BLOCK_DIM_X,
+          BlockScanAlgorithm ALGORITHM = BLOCK_SCAN_RAKING, int BLOCK_DIM_Y = 1,
+          int BLOCK_DIM_Z = 1, int LEGACY_PTX_ARCH = 0>
 class BlockScan {
+  static_assert(BLOCK_DIM_Y == 1 && BLOCK_DIM_Z == 1,
+                "the emulator runs 1-D blocks");
+
  public:
   struct TempStorage {
     T partial[BLOCK_DIM_X];
@@ -78,8 +95,13 @@ class BlockScan {
   TempStorage& storage_;
 };
 
-template <typename T, int BLOCK_DIM_X, int... kIgnored>
+template <typename T, int BLOCK_DIM_X,
+          BlockReduceAlgorithm ALGORITHM = BLOCK_REDUCE_WARP_REDUCTIONS,
+          int BLOCK_DIM_Y = 1, int BLOCK_DIM_Z = 1, int LEGACY_PTX_ARCH = 0>
 class BlockReduce {
+  static_assert(BLOCK_DIM_Y == 1 && BLOCK_DIM_Z == 1,
+                "the emulator runs 1-D blocks");
+
  public:
   struct TempStorage {
     T partial[BLOCK_DIM_X];

@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "common/cpu/topk.h"
@@ -156,6 +157,39 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(std::get<1>(info.param)) + "_d" +
              std::to_string(static_cast<int>(d * 10000));
     });
+
+// Large grids: on an H200-sized grid (132 SMs: up to 1024 blocks) the
+// one-block scans take 1, 2, 4 or 8 per-warp counts per thread; n just
+// under 512 blocks of 4096 entries gives 4 for the scan over u, densities
+// 0.05 / 0.1 / 0.3 give 2 / 4 / 8 for the candidate scan, and n above 1024
+// blocks gives 8 for the scan over u.
+TEST_F(GpuTest, LargeGridsMatchTheReference) {
+  const std::vector<std::pair<size_t, std::vector<double>>> cases = {
+      {size_t{2} * 1024 * 1024 - 4099, {0.001, 0.05, 0.1, 0.3}},
+      {size_t{4} * 1024 * 1024 + 4099, {0.001}}};
+  for (const auto& [n, densities] : cases) {
+    const std::vector<float> u = MakeInput(Distribution::kNormal, n, n);
+    for (const double density : densities) {
+      SCOPED_TRACE(::testing::Message() << "n " << n << " density " << density);
+      GTOPK_ASSERT_OK_AND_ASSIGN(const uint64_t k, KFromDensity(density, n));
+      const SparseVector want = ReferenceTopK(u, k);
+      for (const char* name : {"exact", "gaussiank", "dgc"}) {
+        SCOPED_TRACE(name);
+        GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                                   CudaSelector::Create(name, {}, n));
+        SparseVector got;
+        GTOPK_ASSERT_OK(selector->Select(u, k, 0, &got));
+        if (std::string(name) == "exact" || selector->last_info().fell_back) {
+          ExpectSameBits(got, want);
+        } else {
+          EXPECT_GE(got.size(), selector->MinCount(k));
+          EXPECT_LE(got.size(), selector->MaxCount(k));
+          ExpectThresholdSelection(u, got);
+        }
+      }
+    }
+  }
+}
 
 TEST_F(GpuTest, ExactForEveryKOfASmallInput) {
   const size_t n = 257;
