@@ -92,6 +92,7 @@ struct DeviceState {
   uint32_t error;    // kError* bits
   int adjustments;   // gaussiank planner
   int fallback;      // gaussiank planner: go to the exact top-k
+  int accepted;      // the compaction's count is in the method's range
 };
 
 // SplitMix64, as common/random.h's MixSeed.
@@ -390,11 +391,14 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Exclusive scan of the W <= kMaxWarps per-warp counts into offsets; total in
-// state->num_candidates. Then, when find_level >= 0, FindBinBlock on `hist`.
+// state->num_candidates; state->accepted = total in [accept_lo, accept_hi]
+// (and no error or planner fallback). Then, when find_level >= 0,
+// FindBinBlock on `hist`.
 template <int kItems>
 __global__ void __launch_bounds__(kScanThreads)
     ScanKernel(const uint32_t* counts, int num_warps, ull* offsets,
-               DeviceState* st, const ull* hist, int find_level) {
+               DeviceState* st, const ull* hist, int find_level,
+               ull accept_lo, ull accept_hi) {
   using Scan = cub::BlockScan<ull, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ typename Scan::TempStorage storage;
   ull v[kItems], before[kItems], total;
@@ -407,7 +411,11 @@ __global__ void __launch_bounds__(kScanThreads)
     const int w = static_cast<int>(threadIdx.x) * kItems + j;
     if (w < num_warps) offsets[w] = before[j];
   }
-  if (threadIdx.x == 0) st->num_candidates = total;
+  if (threadIdx.x == 0) {
+    st->num_candidates = total;
+    st->accepted = st->error == 0 && st->fallback == 0 && total >= accept_lo &&
+                   total <= accept_hi;
+  }
   __syncthreads();
   if (find_level >= 0) FindBinBlock(st, hist, find_level);
 }
@@ -415,19 +423,21 @@ __global__ void __launch_bounds__(kScanThreads)
 // Concatenates the warps' regions (index order) into out_idx/out_val, with
 // the values read from u; zero: u[i] = +0.0 after reading. hist_level >= 0:
 // histogram of that digit over the gathered keys matching state's prefix.
+// if_accepted: nothing unless state->accepted.
 __global__ void __launch_bounds__(kThreads)
     GatherKernel(float* u, const uint32_t* __restrict__ regions, uint64_t chunk,
                  const uint32_t* __restrict__ counts,
                  const ull* __restrict__ offsets, int num_warps,
                  uint32_t* __restrict__ out_idx, float* __restrict__ out_val,
-                 int zero, DeviceState* st, ull* hist_out, int hist_level) {
+                 int zero, DeviceState* st, ull* hist_out, int hist_level,
+                 int if_accepted) {
   __shared__ uint32_t hist[kBins];
   const bool with_hist = hist_level >= 0;
   if (with_hist) {
     for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
   }
   __syncthreads();
-  const bool skip = st->error != 0;
+  const bool skip = st->error != 0 || (if_accepted && !st->accepted);
   const uint32_t prefix = st->prefix;
   const int lane = threadIdx.x & 31;
   const int total_warps = static_cast<int>(gridDim.x) * kWarpsPerBlock;
@@ -957,6 +967,11 @@ struct Sparsifier::Impl {
   bool check_selected = false;  // state.num_selected must equal the count
   bool pending_error = false;   // the host state already shows an error
   SelectInfo info;
+  // gaussiank/dgc enqueue the usual case only (no host round trip); when
+  // the device did not accept the compaction's count, Wait continues here.
+  enum class Continuation { kNone, kGaussianK, kDgc };
+  Continuation continuation = Continuation::kNone;
+  SelectParams pending_params;
 
   void CollectLayout(uint64_t n) {
     uint64_t blocks =
@@ -1019,25 +1034,32 @@ struct Sparsifier::Impl {
     return Status::Ok();
   }
 
-  Status Scan(int find_level, const ull* hist, cudaStream_t stream) {
+  // accept_lo/hi: the count range that lets the selection finish without
+  // the host (state->accepted).
+  Status Scan(int find_level, const ull* hist, cudaStream_t stream,
+              ull accept_lo = 1, ull accept_hi = 0) {
     const uint32_t* counts = counts_a.get();
     ull* offsets = offsets_a.get();
     switch (ScanItems(collect_warps)) {
       case 1:
         GTOPK_LAUNCH(ScanKernel<1>, 1, kScanThreads, stream)(
-            counts, collect_warps, offsets, st, hist, find_level);
+            counts, collect_warps, offsets, st, hist, find_level, accept_lo,
+            accept_hi);
         break;
       case 2:
         GTOPK_LAUNCH(ScanKernel<2>, 1, kScanThreads, stream)(
-            counts, collect_warps, offsets, st, hist, find_level);
+            counts, collect_warps, offsets, st, hist, find_level, accept_lo,
+            accept_hi);
         break;
       case 4:
         GTOPK_LAUNCH(ScanKernel<4>, 1, kScanThreads, stream)(
-            counts, collect_warps, offsets, st, hist, find_level);
+            counts, collect_warps, offsets, st, hist, find_level, accept_lo,
+            accept_hi);
         break;
       default:
         GTOPK_LAUNCH(ScanKernel<kMaxScanItems>, 1, kScanThreads, stream)(
-            counts, collect_warps, offsets, st, hist, find_level);
+            counts, collect_warps, offsets, st, hist, find_level, accept_lo,
+            accept_hi);
         break;
     }
     GTOPK_CUDA_LAUNCH_CHECK();
@@ -1045,11 +1067,12 @@ struct Sparsifier::Impl {
   }
 
   Status Gather(float* u, bool to_output, bool zero, int hist_level, ull* hist,
-                cudaStream_t stream) {
+                cudaStream_t stream, bool if_accepted = false) {
     GTOPK_LAUNCH(GatherKernel, collect_blocks, kThreads, stream)(
         u, regions.get(), collect_chunk, counts_a.get(), offsets_a.get(),
         collect_warps, to_output ? out_idx.get() : cand_idx.get(),
-        to_output ? out_val.get() : cand_val.get(), zero, st, hist, hist_level);
+        to_output ? out_val.get() : cand_val.get(), zero, st, hist, hist_level,
+        if_accepted);
     GTOPK_CUDA_LAUNCH_CHECK();
     return Status::Ok();
   }
@@ -1172,6 +1195,10 @@ struct Sparsifier::Impl {
                          bool reuse, cudaStream_t stream);
   Status SelectDgc(float* u, uint64_t n, const SelectParams& p, bool reuse,
                    cudaStream_t stream);
+  // The rest of a selection whose count the device did not accept, from the
+  // state `s` read after the fast path (u = pending_u, p = pending_params).
+  Status ContinueGaussianK(const DeviceState& s, cudaStream_t stream);
+  Status ContinueDgc(const DeviceState& s, cudaStream_t stream);
 };
 
 Status Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
@@ -1191,17 +1218,32 @@ Status Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
   const double z = NormalQuantile(1.0 - density / 2.0);
   GTOPK_CUDA_RETURN_IF_NOT_OK(Init(k, !reuse, reuse, false, stream));
   if (!reuse) GTOPK_CUDA_RETURN_IF_NOT_OK(Histogram(u, n, stream));
-  GTOPK_LAUNCH(GaussPlanKernel, 1, kScanThreads, stream)(st, hist0, n, z, lo, hi,
-                                                  p.gaussiank_max_adjustments);
+  GTOPK_LAUNCH(GaussPlanKernel, 1, kScanThreads, stream)(
+      st, hist0, n, z, lo, hi, p.gaussiank_max_adjustments);
   GTOPK_CUDA_LAUNCH_CHECK();
   GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, false, false, 0, stream));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(-1, nullptr, stream));
-  DeviceState s{};
-  GTOPK_CUDA_RETURN_IF_NOT_OK(ReadState(stream, &s));
-  if (s.error != 0) {
-    pending_error = true;
-    return CopyOut(0, stream);
-  }
+  // The usual case, with no host round trip: the planned threshold's count
+  // is in [lo, hi], the device accepts it and gathers the survivors into
+  // the output, and all hi possible pairs are copied. Otherwise Wait
+  // continues with the adjustments (ContinueGaussianK).
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(-1, nullptr, stream, lo, hi));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, -1, nullptr, stream,
+                                     /*if_accepted=*/true));
+  continuation = Continuation::kGaussianK;
+  info.fell_back = false;
+  return CopyOut(hi, stream);
+}
+
+Status Sparsifier::Impl::ContinueGaussianK(const DeviceState& state,
+                                           cudaStream_t stream) {
+  float* u = pending_u;
+  const uint64_t n = pending_n;
+  const SelectParams& p = pending_params;
+  const uint64_t k = p.k;
+  const uint64_t lo = MinCount(Method::kGaussianK, k);
+  const uint64_t hi = MaxCount(Method::kGaussianK, k);
+  const bool zero = p.zero_selected;
+  DeviceState s = state;
   bool fallback = s.fallback != 0;
   int adjustments = s.adjustments;
   double t = s.threshold;
@@ -1310,15 +1352,23 @@ Status Sparsifier::Impl::SelectDgc(float* u, uint64_t n, const SelectParams& p,
     GTOPK_CUDA_LAUNCH_CHECK();
     GTOPK_CUDA_RETURN_IF_NOT_OK(FindBin(hist, level, stream));
   }
-  // min_key is now the sample's sample_k-th largest key.
+  // min_key is now the sample's sample_k-th largest key. The usual case,
+  // with no host round trip: at most k survive, the device accepts them and
+  // gathers them into the output, and all k possible pairs are copied.
+  // More than k: Wait trims them to the exact top-k (ContinueDgc).
   GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, false, false, 0, stream));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(-1, nullptr, stream));
-  DeviceState s{};
-  GTOPK_CUDA_RETURN_IF_NOT_OK(ReadState(stream, &s));
-  if (s.error != 0) {
-    pending_error = true;
-    return CopyOut(0, stream);
-  }
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(-1, nullptr, stream, 1, k));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, -1, nullptr, stream,
+                                     /*if_accepted=*/true));
+  continuation = Continuation::kDgc;
+  return CopyOut(k, stream);
+}
+
+Status Sparsifier::Impl::ContinueDgc(const DeviceState& s,
+                                     cudaStream_t stream) {
+  float* u = pending_u;
+  const uint64_t k = pending_params.k;
+  const bool zero = pending_params.zero_selected;
   info.candidates = s.num_candidates;
   if (s.num_candidates <= k) {
     GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, -1, nullptr, stream));
@@ -1470,6 +1520,8 @@ Status Sparsifier::Select(float* u, uint64_t n, const SelectParams& p,
   m.pending = true;  // from here on Wait must be called
   m.pending_u = u;
   m.pending_n = n;
+  m.pending_params = p;
+  m.continuation = Impl::Continuation::kNone;
   Status status;
   switch (p.method) {
     case Method::kExact:
@@ -1499,7 +1551,27 @@ Status Sparsifier::Wait(cudaStream_t stream, Selection* out) {
   }
   m.pending = false;
   GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-  const DeviceState s = *m.host_state.get();
+  DeviceState s = *m.host_state.get();
+  const Impl::Continuation continuation = m.continuation;
+  m.continuation = Impl::Continuation::kNone;
+  if (continuation != Impl::Continuation::kNone && s.error == 0) {
+    if (s.accepted) {
+      // The fast path's gather is the selection.
+      m.pending_count = s.num_candidates;
+      m.info.candidates = s.num_candidates;
+      m.info.fast_path = true;
+      if (continuation == Impl::Continuation::kGaussianK) {
+        m.info.adjustments = s.adjustments;
+      }
+    } else {
+      GTOPK_CUDA_RETURN_IF_NOT_OK(
+          continuation == Impl::Continuation::kGaussianK
+              ? m.ContinueGaussianK(s, stream)
+              : m.ContinueDgc(s, stream));
+      GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+      s = *m.host_state.get();
+    }
+  }
   if ((s.error & kErrorNonFinite) != 0) {
     // Find the first position for the message (rare path, one more pass).
     GTOPK_CUDA_RETURN_IF_ERROR(

@@ -22,11 +22,16 @@
 //    few, x1.5 when too many, count contract [ceil(2k/3), floor(4k/3)])
 //    decided on the first-digit histogram when that is conclusive, then one
 //    compaction pass; exact top-k when the adjustments do not reach the range.
+//    When the compaction's count is in range (the usual case) the device
+//    accepts it and the selection is enqueued whole, with no host round trip
+//    (SelectInfo::fast_path); otherwise Wait continues the adjustments.
 //  * dgc (Lin et al., arXiv:1712.01887): a sample of random 16-value runs
 //    (counter-based hash of (seed, step, run)), its exact
 //    ceil(k*sample/n)-th largest key as threshold by radix select, one
 //    compaction pass keeping key >= threshold; more than k survivors are
-//    trimmed to the exact top-k among them. Returns 1..k entries.
+//    trimmed to the exact top-k among them (in Wait, after a host round
+//    trip; at most k: no round trip, SelectInfo::fast_path). Returns 1..k
+//    entries.
 //
 // Output: (index, value) pairs sorted by index, values copied bit-exactly,
 // only those pairs copied to the host, into pinned buffers, asynchronously on
@@ -88,6 +93,10 @@ struct SelectInfo {
   bool fell_back = false;   // gaussiank/dgc ended with the exact top-k
   bool used_update_histogram =
       false;  // the first histogram came from Accumulate
+  // gaussiank/dgc: the device accepted the first compaction's count (in
+  // [MinCount, MaxCount]), so the selection ran without a host round trip;
+  // otherwise Wait finished it (more passes, host synchronisations).
+  bool fast_path = false;
 };
 
 // The selected pairs in pinned host memory, sorted by index; valid until the
@@ -137,10 +146,10 @@ class Sparsifier {
 
   // Enqueues the selection of about k entries of u (length n) on `stream`
   // and the asynchronous copy of the selected pairs to pinned host memory.
-  // exact never blocks the host; gaussiank and dgc synchronize `stream` once
-  // (their count is data-dependent and sizes the copy), more only on their
-  // rare adjustment/fallback paths. Call Wait before reading the result or
-  // calling Select again.
+  // Never blocks the host: exact and the fast paths of gaussiank/dgc are
+  // enqueued whole (those copy all MaxCount possible pairs, since their
+  // count is data-dependent); their other paths run in Wait. Call Wait
+  // before reading the result or calling Select again.
   // Reuses Accumulate's histogram when u == its residual_out and n matches
   // and no Select ran since (u must not have been modified in between).
   // INVALID_ARGUMENT for n == 0, n > capacity, k == 0, k > n or bad params
@@ -148,7 +157,9 @@ class Sparsifier {
   Status Select(float* u, uint64_t n, const SelectParams& params,
                 cudaStream_t stream);
 
-  // Waits for the last Select (synchronizes `stream`) and returns its pairs.
+  // Waits for the last Select (synchronizes `stream`) and returns its pairs;
+  // finishes a gaussiank/dgc selection the device did not accept (more
+  // work on `stream`, more synchronizations).
   // INVALID_ARGUMENT when u held a NaN/Inf ("selector input has a
   // non-finite value (<v>) at position <i>", the first position; nothing was
   // zeroed then); FAILED_PRECONDITION without a pending Select; INTERNAL

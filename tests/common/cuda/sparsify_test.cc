@@ -191,6 +191,51 @@ TEST_F(GpuTest, LargeGridsMatchTheReference) {
   }
 }
 
+// gaussiank/dgc finish on the device when the first compaction's count is
+// in range, and on the host otherwise; both give valid selections. On
+// normal data Gaussian-k's first threshold fits; DGC's sampled threshold
+// leaves at most k survivors on some steps and more on others.
+TEST_F(GpuTest, FastPathAndHostContinuationBothSelectCorrectly) {
+  const size_t n = 100003;
+  const uint64_t k = 1000;
+  const std::vector<float> normal = MakeInput(Distribution::kNormal, n, 21);
+  const std::vector<float> spike = MakeInput(Distribution::kSpike, n, 22);
+  SelectorOptions options;
+  options.seed = 5;
+  int fast[2] = {0, 0}, slow[2] = {0, 0};
+  for (int m = 0; m < 2; ++m) {
+    const char* name = m == 0 ? "gaussiank" : "dgc";
+    SCOPED_TRACE(name);
+    GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                               CudaSelector::Create(name, options, n));
+    for (const std::vector<float>* u : {&normal, &spike}) {
+      for (uint64_t step = 0; step < 8; ++step) {
+        DeviceVector d(*u);
+        SparseVector got;
+        GTOPK_ASSERT_OK(selector->SelectDevice(d.buffer.get(), n, k, step,
+                                               nullptr, true, &got));
+        EXPECT_GE(got.size(), selector->MinCount(k));
+        EXPECT_LE(got.size(), selector->MaxCount(k));
+        ExpectThresholdSelection(*u, got);
+        // Exactly the selected residual entries are zeroed.
+        std::vector<float> expected = *u;
+        for (uint32_t i : got.indices) expected[i] = 0.0f;
+        const std::vector<float> after = d.ToHost(n);
+        for (size_t i = 0; i < n; ++i) {
+          ASSERT_EQ(FloatBits(after[i]), FloatBits(expected[i])) << i;
+        }
+        (selector->last_info().fast_path ? fast : slow)[m]++;
+        if (m == 0 && u == &normal) {
+          EXPECT_TRUE(selector->last_info().fast_path) << "step " << step;
+        }
+      }
+    }
+  }
+  EXPECT_GT(slow[0], 0) << "gaussiank never continued on the host";
+  EXPECT_GT(fast[1], 0) << "dgc never finished on the device";
+  EXPECT_GT(slow[1], 0) << "dgc never continued on the host";
+}
+
 TEST_F(GpuTest, ExactForEveryKOfASmallInput) {
   const size_t n = 257;
   const std::vector<float> u = MakeInput(Distribution::kFewLevels, n, 5);
