@@ -3,14 +3,21 @@
 # kernels and the checker with nvcc alone (no CMake cache, Abseil, gRPC or
 # Debian packages needed), times torch.topk when torch is importable, then
 # checks correctness and times our selectors. Writes $OUT/cuda_select.json
-# (and torch_topk.json, device_check.log) and prints the table.
+# (and torch_topk.json, device_check.log) and prints the table. Then, where
+# the tools work (Firecracker machines: see ../.library/device), runs the
+# checker under compute-sanitizer (memcheck, racecheck, synccheck) on small
+# sizes and under ncu for per-kernel times at n = 25,557,032.
 #
 # usage: bench/cuda/device_check.sh [--quick] [device_check flags...]
 #   --quick   n in {1, 1000, 1048583} only (a smoke run, ~1 minute)
 # env: OUT (default build/device_check_out), BUILD_DIR (default
 #   build/device_check), NVCC, PYTHON (default python3), SIZES, DENSITIES,
-#   ITERS (>= 20), WARMUP.
-# Exit: 0 all correct; 1 a correctness failure; 3 no CUDA device;
+#   ITERS (>= 20), WARMUP, SANITIZE (1: run step 4, default), PROFILE (1:
+#   run step 5, default), BUDGET (seconds, default 420: steps 4 and 5 are
+#   skipped once the run is past what leaves them time; a device lease is
+#   short).
+# Exit: 0 all correct; 1 a correctness failure (or a sanitizer error);
+#   3 no CUDA device;
 #   10 build failed; 11 bad usage; 124 the checker timed out.
 set -uo pipefail
 
@@ -22,12 +29,17 @@ SIZES=${SIZES:-1,1000,25557032,138357544}
 DENSITIES=${DENSITIES:-0.0001,0.001,0.01}
 ITERS=${ITERS:-30}
 WARMUP=${WARMUP:-5}
+SANITIZE=${SANITIZE:-1}
+PROFILE=${PROFILE:-1}
+BUDGET=${BUDGET:-420}
+# Time left for an optional step that may take $1 seconds?
+time_for() { [ $(( SECONDS + $1 )) -le "$BUDGET" ]; }
 
 EXTRA=()
 for arg in "$@"; do
   case "$arg" in
     --quick) SIZES=1,1000,1048583 ;;
-    -h|--help) sed -n '2,16p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "${BASH_SOURCE[0]}"; exit 0 ;;
     --*) EXTRA+=("$arg") ;;
     *) echo "device_check.sh: unknown argument '$arg'" >&2; exit 11 ;;
   esac
@@ -97,8 +109,62 @@ rc=${PIPESTATUS[0]}
 case $rc in
   0) say "device_check: all correct; results in $OUT/cuda_select.json" ;;
   1) say "device_check: CORRECTNESS FAILURES (see above)" ;;
-  3) say "device_check: no CUDA device" ;;
+  3) say "device_check: no CUDA device"; exit 3 ;;
   124|137) say "device_check: timed out" ; rc=124 ;;
   *) say "device_check: exited $rc" ;;
 esac
+
+# A tool next to nvcc or on PATH.
+cuda_tool() {
+  local t
+  t=$(command -v "$1" 2> /dev/null) || t="$(dirname "$NVCC")/$1"
+  [ -x "$t" ] && echo "$t"
+}
+SMALL=(--sizes=1000,100003 --densities=0.001,0.3 --iters=20 --warmup=1)
+
+# 4. compute-sanitizer on small sizes: out-of-bounds and misaligned
+# accesses, shared-memory races, barrier misuse (each tool's errors fail
+# the run; a tool that cannot run here is reported and skipped).
+SAN=$(cuda_tool compute-sanitizer)
+if [ "$SANITIZE" = 1 ] && [ -n "$SAN" ]; then
+  for tool in memcheck racecheck synccheck; do
+    if ! time_for 90; then
+      say "compute-sanitizer $tool: skipped (${SECONDS} s of BUDGET=$BUDGET used)"
+      continue
+    fi
+    timeout -k 10 90 "$SAN" --tool "$tool" --error-exitcode 99 \
+      "$BUILD_DIR/device_check" "${SMALL[@]}" \
+      --json="$OUT/sanitizer_$tool.json" > "$OUT/sanitizer_$tool.log" 2>&1
+    rs=$?
+    summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" \
+      "$OUT/sanitizer_$tool.log" | tail -1)
+    case $rs in
+      0) say "compute-sanitizer $tool: clean ($summary)" ;;
+      99) say "compute-sanitizer $tool: ERRORS ($summary; see sanitizer_$tool.log)"
+          [ "$rc" -eq 0 ] && rc=1 ;;
+      *) say "compute-sanitizer $tool: did not complete (exit $rs; see sanitizer_$tool.log)" ;;
+    esac
+  done
+elif [ "$SANITIZE" = 1 ]; then
+  say "compute-sanitizer not found: step 4 skipped"
+fi
+
+# 5. Per-kernel device times (ncu, clocks left as they are) for one size.
+NCU=$(cuda_tool ncu)
+if [ "$PROFILE" = 1 ] && [ -n "$NCU" ] && ! time_for 120; then
+  say "ncu: skipped (${SECONDS} s of BUDGET=$BUDGET used)"
+elif [ "$PROFILE" = 1 ] && [ -n "$NCU" ]; then
+  timeout -k 10 120 "$NCU" --clock-control none --metrics gpu__time_duration.sum \
+    --print-summary per-kernel --csv --log-file "$OUT/ncu_kernels.csv" \
+    "$BUILD_DIR/device_check" --sizes=25557032 --densities=0.001 --iters=20 \
+    --warmup=1 --json="$OUT/ncu_run.json" > "$OUT/ncu.log" 2>&1
+  rn=$?
+  if [ $rn -eq 0 ]; then
+    say "ncu: per-kernel times in $OUT/ncu_kernels.csv"
+  else
+    say "ncu: did not complete (exit $rn; see ncu.log)"
+  fi
+elif [ "$PROFILE" = 1 ]; then
+  say "ncu not found: step 5 skipped"
+fi
 exit $rc
