@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <memory>
+#include <ostream>
 #include <random>
 #include <string>
 #include <thread>
@@ -14,11 +15,14 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/codec.h"
 #include "common/cuda/sparsify.h"
+#include "common/optimizer.h"
 #include "common/testing/status_matchers.h"
 #include "gtest/gtest.h"
 #include "server/local_cluster.h"
 #include "server/service.h"
+#include "server/shard_aggregator.h"
 #include "worker/client.h"
 
 namespace gtopk {
@@ -38,6 +42,16 @@ struct Case {
   AggregationMode mode;
   ValueCodec value_codec;
 };
+
+// selector_momentum_mode_codec: the test name, and what gtest prints for
+// the parameter (its default is the struct's bytes, pointers included,
+// which gave CTest a different test name on every build).
+std::string CaseName(const Case& c) {
+  return absl::StrCat(c.selector, "_", MomentumModeName(c.momentum), "_",
+                      server::AggregationModeName(c.mode), "_",
+                      ValueCodecName(c.value_codec));
+}
+void PrintTo(const Case& c, std::ostream* os) { *os << CaseName(c); }
 
 std::vector<float> Gradient(int step, int worker) {
   std::mt19937_64 rng(1000 * step + worker);
@@ -171,7 +185,35 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"exact", MomentumMode::kDgcCorrection,
                            AggregationMode::kDense, ValueCodec::kFp32}),
     [](const ::testing::TestParamInfo<Case>& info) {
-      return absl::StrCat("case", info.index);
+      return CaseName(info.param);
+    });
+
+// gaussiank and dgc select other (in-contract) sets on the GPU than on the
+// CPU, so the mixed cluster cannot equal the all-host one; every replica
+// and the servers must still hold the same parameters after each run.
+class ClientCudaApproxTest : public ClientCudaTest {};
+
+TEST_P(ClientCudaApproxTest, DeviceWorkerKeepsReplicasIdentical) {
+  const std::vector<std::vector<float>> mixed =
+      RunCluster(GetParam(), {false, true});
+  ASSERT_EQ(mixed.size(), kWorkers + 1u);
+  for (int r = 1; r <= kWorkers; ++r) {
+    EXPECT_TRUE(BitEqual(mixed[r], mixed[0]))
+        << (r == kWorkers ? std::string("servers")
+                          : absl::StrCat("replica ", r))
+        << " differs from replica 0";
+  }
+  EXPECT_FALSE(BitEqual(mixed[0], InitialParams())) << "nothing was applied";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Modes, ClientCudaApproxTest,
+    ::testing::Values(Case{"gaussiank", MomentumMode::kDgcCorrection,
+                           AggregationMode::kGtopk, ValueCodec::kFp32},
+                      Case{"dgc", MomentumMode::kGlobal,
+                           AggregationMode::kTopk, ValueCodec::kBf16}),
+    [](const ::testing::TestParamInfo<Case>& info) {
+      return CaseName(info.param);
     });
 
 }  // namespace
