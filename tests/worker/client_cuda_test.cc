@@ -14,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/codec.h"
 #include "common/cuda/sparsify.h"
@@ -110,29 +111,48 @@ std::vector<std::vector<float>> RunCluster(const Case& c,
         status[w] = start.status();
         return;
       }
-      float* d_grad = nullptr;
-      float* d_params = nullptr;
+      // Device buffers as cuda::DeviceBuffer (freed on every path); a
+      // failed CUDA call is this worker's error.
+      cuda::DeviceBuffer<float> d_grad, d_params;
+      auto cuda_ok = [&](cudaError_t e, const char* what) {
+        if (e != cudaSuccess && status[w].ok()) {
+          status[w] = absl::InternalError(
+              absl::StrCat(what, ": ", cudaGetErrorString(e)));
+        }
+        return status[w].ok();
+      };
       if (on_device[w]) {
-        cudaMalloc(reinterpret_cast<void**>(&d_grad), kN * sizeof(float));
-        cudaMalloc(reinterpret_cast<void**>(&d_params), kN * sizeof(float));
-        cudaMemcpy(d_params, params[w].data(), kN * sizeof(float),
-                   cudaMemcpyHostToDevice);
+        const cuda::Status a = d_grad.Allocate(kN);
+        const cuda::Status b = d_params.Allocate(kN);
+        if (!a.ok() || !b.ok()) {
+          status[w] = absl::InternalError(a.ok() ? b.message : a.message);
+          return;
+        }
+        if (!cuda_ok(cudaMemcpy(d_params.get(), params[w].data(),
+                                kN * sizeof(float), cudaMemcpyHostToDevice),
+                     "params to device")) {
+          return;
+        }
       }
       for (int step = 0; step < kSteps && status[w].ok(); ++step) {
         const std::vector<float> g = Gradient(step, w);
         if (on_device[w]) {
-          cudaMemcpy(d_grad, g.data(), kN * sizeof(float),
-                     cudaMemcpyHostToDevice);
-          status[w] = (*client)->Step(d_grad, d_params, kN, nullptr).status();
+          if (!cuda_ok(cudaMemcpy(d_grad.get(), g.data(), kN * sizeof(float),
+                                  cudaMemcpyHostToDevice),
+                       "gradient to device")) {
+            break;
+          }
+          status[w] = (*client)
+                          ->Step(d_grad.get(), d_params.get(), kN, nullptr)
+                          .status();
         } else {
           status[w] = (*client)->Step(g, absl::MakeSpan(params[w])).status();
         }
       }
-      if (on_device[w]) {
-        cudaMemcpy(params[w].data(), d_params, kN * sizeof(float),
-                   cudaMemcpyDeviceToHost);
-        cudaFree(d_grad);
-        cudaFree(d_params);
+      if (on_device[w] && status[w].ok()) {
+        cuda_ok(cudaMemcpy(params[w].data(), d_params.get(), kN * sizeof(float),
+                           cudaMemcpyDeviceToHost),
+                "params to host");
       }
     });
   }
@@ -210,8 +230,8 @@ INSTANTIATE_TEST_SUITE_P(
     Modes, ClientCudaApproxTest,
     ::testing::Values(Case{"gaussiank", MomentumMode::kDgcCorrection,
                            AggregationMode::kGtopk, ValueCodec::kFp32},
-                      Case{"dgc", MomentumMode::kGlobal,
-                           AggregationMode::kTopk, ValueCodec::kBf16}),
+                      Case{"dgc", MomentumMode::kGlobal, AggregationMode::kTopk,
+                           ValueCodec::kBf16}),
     [](const ::testing::TestParamInfo<Case>& info) {
       return CaseName(info.param);
     });
