@@ -5,8 +5,9 @@ where a device exists): argument handling, torch-timings merge, JSON output.
 With --emulated (the binary is cuda_device_check_emu, the same program on the
 CUDA emulator) it also runs the correctness checks for real on small sizes
 and validates every JSON row against an independent reading of the
-contracts, runs --check-only, and checks that a device failure (emulated
-device memory too small) gives exit 1 and a JSON naming the failure.
+contracts, runs --check-only (also with threads and blocks shuffled on 2
+multiprocessors), and checks that a device failure (emulated device memory
+too small) gives exit 1 and a JSON naming the failure.
 
 usage: device_check_test.py [--emulated] <device_check binary>
 """
@@ -132,6 +133,23 @@ def emulated_checks(binary, tmp, failures):
                 or doc["correctness"]["failed"] != 0:
             failures.append("--check-only: rows %r, correctness %r" %
                             (doc["rows"], doc["correctness"]))
+    # The checks again with threads and blocks shuffled on 2 multiprocessors
+    # (16 blocks at most: the capped grids and longer grid-stride loops).
+    out = os.path.join(tmp, "shuffled.json")
+    env = dict(os.environ, GTOPK_CUDA_EMU="order=shuffle seed=7 sms=2")
+    r = subprocess.run([binary, "--sizes=" + ",".join(map(str, SIZES)),
+                        "--densities=" + ",".join(map(str, DENSITIES)),
+                        "--check-only", "--json=" + out],
+                       capture_output=True, text=True, timeout=120, env=env)
+    want_checks = CHECKS_PER_DENSITY * len(SIZES) * len(DENSITIES)
+    if r.returncode != 0 or not os.path.exists(out):
+        failures.append("shuffled: rc %d: %s %s" % (r.returncode,
+                                                    r.stdout[-2000:],
+                                                    r.stderr[-500:]))
+    else:
+        c = json.load(open(out))["correctness"]
+        if c["checks"] != want_checks or c["failed"] != 0:
+            failures.append("shuffled: correctness %r" % c)
     # A device failure: 1.5 MB of emulated device memory cannot hold the
     # selector's scratch for n = 100003 (20 bytes per entry + 1 MiB).
     out = os.path.join(tmp, "oom.json")
