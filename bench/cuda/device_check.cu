@@ -449,8 +449,15 @@ int main(int argc, char** argv) {
         try {
           const auto t0 = std::chrono::steady_clock::now();
           const std::vector<float> u = NormalInput(n, o.seed + n);
-          CHECK_CUDA(cudaMemcpy(d_pristine.get(), u.data(), n * sizeof(float),
-                                cudaMemcpyHostToDevice));
+          // On `stream`, not with cudaMemcpy: that runs on the legacy default
+          // stream, which a cudaStreamNonBlocking stream does not wait for,
+          // and a pageable host-to-device cudaMemcpy may return before its
+          // last DMA lands (CUDA's "API synchronization behavior"), so the
+          // copies from d_pristine below could read a stale tail.
+          CHECK_CUDA(cudaMemcpyAsync(d_pristine.get(), u.data(),
+                                     n * sizeof(float), cudaMemcpyHostToDevice,
+                                     stream));
+          CHECK_CUDA(cudaStreamSynchronize(stream));
           // The copy baseline: n floats device to device (read + write).
           if (!o.check_only) {
             std::vector<double> s;

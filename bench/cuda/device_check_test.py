@@ -176,7 +176,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         # Bad arguments: usage, exit 2, no JSON.
         for bad in (["--sizes=0"], ["--iters=5"], ["--densities=1.5"],
-                    ["--bogus"], ["--sizes=1,x"]):
+                    ["--bogus"], ["--sizes=1,x"], ["--check-only=1"]):
             r = run(binary, *bad, "--json=" + os.path.join(tmp, "bad.json"))
             if r.returncode != 2 or "usage" not in r.stderr:
                 failures.append("%s: rc %d, stderr %r" % (bad, r.returncode,
