@@ -2,7 +2,10 @@
 // where one worker runs on the GPU must end with parameters bit-identical to
 // the same cluster with every worker on the host (same gradients), and the
 // device replica must equal the host replica and the servers after every
-// run. Skips without a CUDA device (CTest label `gpu`).
+// run (for gaussiank/dgc, which select other sets on the GPU: the replicas
+// and servers must still agree). Built twice: against CUDA (CTest label
+// `gpu`; skips without a device) and against the CUDA emulator
+// (worker_client_cuda_emu_test, every build).
 #include <cuda_runtime_api.h>
 
 #include <cstring>
