@@ -11,9 +11,9 @@
 //     (every selected |u| >= every unselected |u|) and zero exactly those;
 //     the fused update must equal the CPU rule's arithmetic and its
 //     histogram-reusing selection the reference on the updated u;
-//  2. times each selector with CUDA events (median of --iters after
-//     --warmup), a device-to-device copy of the same bytes (one read = half
-//     of it) and, from --torch-json, torch.topk(g.abs(), k);
+//  2. unless --check-only, times each selector with CUDA events (median of
+//     --iters after --warmup), a device-to-device copy of the same bytes
+//     (one read = half of it) and, from --torch-json, torch.topk(g.abs(), k);
 //  3. writes --json and prints a table.
 // Exit status: 0 all correct, 1 a correctness failure, 2 usage, 3 no device.
 #include <cuda_runtime_api.h>
@@ -57,6 +57,7 @@ struct Options {
   std::string command;
   uint64_t seed = 1;
   bool no_device_ok = false;  // --allow-no-device: exit 0 without a GPU
+  bool check_only = false;    // --check-only: correctness, no timing rows
 };
 
 bool ParseList(const std::string& text, std::vector<double>* out) {
@@ -76,7 +77,8 @@ void Usage() {
   std::fprintf(stderr,
                "usage: device_check [--sizes=N,N,...] [--densities=D,...] "
                "[--iters=I>=20] [--warmup=W] [--json=PATH] "
-               "[--torch-json=PATH] [--seed=S] [--allow-no-device]\n");
+               "[--torch-json=PATH] [--seed=S] [--allow-no-device] "
+               "[--check-only]\n");
 }
 
 bool ParseArgs(int argc, char** argv, Options* o) {
@@ -115,6 +117,8 @@ bool ParseArgs(int argc, char** argv, Options* o) {
       o->seed = std::strtoull(value.c_str(), nullptr, 10);
     } else if (key == "--allow-no-device" && value.empty()) {
       o->no_device_ok = true;
+    } else if (key == "--check-only" && value.empty()) {
+      o->check_only = true;
     } else {
       std::fprintf(stderr, "device_check: bad argument '%s'\n", a.c_str());
       return false;
@@ -445,10 +449,17 @@ int main(int argc, char** argv) {
         try {
           const auto t0 = std::chrono::steady_clock::now();
           const std::vector<float> u = NormalInput(n, o.seed + n);
-          CHECK_CUDA(cudaMemcpy(d_pristine.get(), u.data(), n * sizeof(float),
-                                cudaMemcpyHostToDevice));
+          // On `stream`, not with cudaMemcpy: that runs on the legacy default
+          // stream, which a cudaStreamNonBlocking stream does not wait for,
+          // and a pageable host-to-device cudaMemcpy may return before its
+          // last DMA lands (CUDA's "API synchronization behavior"), so the
+          // copies from d_pristine below could read a stale tail.
+          CHECK_CUDA(cudaMemcpyAsync(d_pristine.get(), u.data(),
+                                     n * sizeof(float), cudaMemcpyHostToDevice,
+                                     stream));
+          CHECK_CUDA(cudaStreamSynchronize(stream));
           // The copy baseline: n floats device to device (read + write).
-          {
+          if (!o.check_only) {
             std::vector<double> s;
             time_us([] {},
                     [&] {
@@ -516,21 +527,24 @@ int main(int argc, char** argv) {
                 // memory (includes the first histogram pass).
                 std::vector<double> s;
                 uint64_t count = 0;
-                time_us(
-                    [&] {
-                      CHECK_CUDA(cudaMemcpyAsync(
-                          d_u.get(), d_pristine.get(), n * sizeof(float),
-                          cudaMemcpyDeviceToDevice, stream));
-                    },
-                    [&] { CHECK_OK(sp->Select(d_u.get(), n, p, stream)); },
-                    [&] {
-                      Selection t;
-                      CHECK_OK(sp->Wait(stream, &t));
-                      count = t.count;
-                    },
-                    &s);
-                rows.push_back({n, density, k, method, Median(s),
-                                *std::min_element(s.begin(), s.end()), count});
+                if (!o.check_only) {
+                  time_us(
+                      [&] {
+                        CHECK_CUDA(cudaMemcpyAsync(
+                            d_u.get(), d_pristine.get(), n * sizeof(float),
+                            cudaMemcpyDeviceToDevice, stream));
+                      },
+                      [&] { CHECK_OK(sp->Select(d_u.get(), n, p, stream)); },
+                      [&] {
+                        Selection t;
+                        CHECK_OK(sp->Wait(stream, &t));
+                        count = t.count;
+                      },
+                      &s);
+                  rows.push_back({n, density, k, method, Median(s),
+                                  *std::min_element(s.begin(), s.end()),
+                                  count});
+                }
 
                 if (p.method == Method::kDgc)
                   continue;  // dgc needs no histogram
@@ -573,6 +587,7 @@ int main(int argc, char** argv) {
                                      "+update n=" + std::to_string(n) +
                                      " density=" + Num(density) + ": " + bad);
                 }
+                if (o.check_only) continue;
                 s.clear();
                 time_us(
                     [&] {

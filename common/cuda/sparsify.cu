@@ -1409,6 +1409,10 @@ Status Sparsifier::Create(uint64_t capacity, std::unique_ptr<Sparsifier>* out) {
       sizeof(DeviceState) + (2 * kBins + 512) * sizeof(ull) + 64;
   GTOPK_CUDA_RETURN_IF_NOT_OK(impl->meta.Allocate(meta_bytes));
   GTOPK_CUDA_RETURN_IF_ERROR(cudaMemset(impl->meta.get(), 0, meta_bytes));
+  // cudaMemset is asynchronous on the default stream, which a caller's
+  // cudaStreamNonBlocking stream does not wait for: finish it here, or the
+  // first InitKernel on that stream could run before it and be zeroed.
+  GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(nullptr));
   unsigned char* base = impl->meta.get();
   impl->st = reinterpret_cast<DeviceState*>(base);
   const size_t hist_offset = (sizeof(DeviceState) + 63) / 64 * 64;

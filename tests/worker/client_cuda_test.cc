@@ -2,23 +2,31 @@
 // where one worker runs on the GPU must end with parameters bit-identical to
 // the same cluster with every worker on the host (same gradients), and the
 // device replica must equal the host replica and the servers after every
-// run. Skips without a CUDA device (CTest label `gpu`).
+// run (for gaussiank/dgc, which select other sets on the GPU: the replicas
+// and servers must still agree). Built twice: against CUDA (CTest label
+// `gpu`; skips without a device) and against the CUDA emulator
+// (worker_client_cuda_emu_test, every build).
 #include <cuda_runtime_api.h>
 
 #include <cstring>
 #include <memory>
+#include <ostream>
 #include <random>
 #include <string>
 #include <thread>
 #include <tuple>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/codec.h"
 #include "common/cuda/sparsify.h"
+#include "common/optimizer.h"
 #include "common/testing/status_matchers.h"
 #include "gtest/gtest.h"
 #include "server/local_cluster.h"
 #include "server/service.h"
+#include "server/shard_aggregator.h"
 #include "worker/client.h"
 
 namespace gtopk {
@@ -38,6 +46,16 @@ struct Case {
   AggregationMode mode;
   ValueCodec value_codec;
 };
+
+// selector_momentum_mode_codec: the test name, and what gtest prints for
+// the parameter (its default is the struct's bytes, pointers included,
+// which gave CTest a different test name on every build).
+std::string CaseName(const Case& c) {
+  return absl::StrCat(c.selector, "_", MomentumModeName(c.momentum), "_",
+                      server::AggregationModeName(c.mode), "_",
+                      ValueCodecName(c.value_codec));
+}
+void PrintTo(const Case& c, std::ostream* os) { *os << CaseName(c); }
 
 std::vector<float> Gradient(int step, int worker) {
   std::mt19937_64 rng(1000 * step + worker);
@@ -96,29 +114,48 @@ std::vector<std::vector<float>> RunCluster(const Case& c,
         status[w] = start.status();
         return;
       }
-      float* d_grad = nullptr;
-      float* d_params = nullptr;
+      // Device buffers as cuda::DeviceBuffer (freed on every path); a
+      // failed CUDA call is this worker's error.
+      cuda::DeviceBuffer<float> d_grad, d_params;
+      auto cuda_ok = [&](cudaError_t e, const char* what) {
+        if (e != cudaSuccess && status[w].ok()) {
+          status[w] = absl::InternalError(
+              absl::StrCat(what, ": ", cudaGetErrorString(e)));
+        }
+        return status[w].ok();
+      };
       if (on_device[w]) {
-        cudaMalloc(reinterpret_cast<void**>(&d_grad), kN * sizeof(float));
-        cudaMalloc(reinterpret_cast<void**>(&d_params), kN * sizeof(float));
-        cudaMemcpy(d_params, params[w].data(), kN * sizeof(float),
-                   cudaMemcpyHostToDevice);
+        const cuda::Status a = d_grad.Allocate(kN);
+        const cuda::Status b = d_params.Allocate(kN);
+        if (!a.ok() || !b.ok()) {
+          status[w] = absl::InternalError(a.ok() ? b.message : a.message);
+          return;
+        }
+        if (!cuda_ok(cudaMemcpy(d_params.get(), params[w].data(),
+                                kN * sizeof(float), cudaMemcpyHostToDevice),
+                     "params to device")) {
+          return;
+        }
       }
       for (int step = 0; step < kSteps && status[w].ok(); ++step) {
         const std::vector<float> g = Gradient(step, w);
         if (on_device[w]) {
-          cudaMemcpy(d_grad, g.data(), kN * sizeof(float),
-                     cudaMemcpyHostToDevice);
-          status[w] = (*client)->Step(d_grad, d_params, kN, nullptr).status();
+          if (!cuda_ok(cudaMemcpy(d_grad.get(), g.data(), kN * sizeof(float),
+                                  cudaMemcpyHostToDevice),
+                       "gradient to device")) {
+            break;
+          }
+          status[w] = (*client)
+                          ->Step(d_grad.get(), d_params.get(), kN, nullptr)
+                          .status();
         } else {
           status[w] = (*client)->Step(g, absl::MakeSpan(params[w])).status();
         }
       }
-      if (on_device[w]) {
-        cudaMemcpy(params[w].data(), d_params, kN * sizeof(float),
-                   cudaMemcpyDeviceToHost);
-        cudaFree(d_grad);
-        cudaFree(d_params);
+      if (on_device[w] && status[w].ok()) {
+        cuda_ok(cudaMemcpy(params[w].data(), d_params.get(), kN * sizeof(float),
+                           cudaMemcpyDeviceToHost),
+                "params to host");
       }
     });
   }
@@ -171,7 +208,35 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"exact", MomentumMode::kDgcCorrection,
                            AggregationMode::kDense, ValueCodec::kFp32}),
     [](const ::testing::TestParamInfo<Case>& info) {
-      return absl::StrCat("case", info.index);
+      return CaseName(info.param);
+    });
+
+// gaussiank and dgc select other (in-contract) sets on the GPU than on the
+// CPU, so the mixed cluster cannot equal the all-host one; every replica
+// and the servers must still hold the same parameters after each run.
+class ClientCudaApproxTest : public ClientCudaTest {};
+
+TEST_P(ClientCudaApproxTest, DeviceWorkerKeepsReplicasIdentical) {
+  const std::vector<std::vector<float>> mixed =
+      RunCluster(GetParam(), {false, true});
+  ASSERT_EQ(mixed.size(), kWorkers + 1u);
+  for (int r = 1; r <= kWorkers; ++r) {
+    EXPECT_TRUE(BitEqual(mixed[r], mixed[0]))
+        << (r == kWorkers ? std::string("servers")
+                          : absl::StrCat("replica ", r))
+        << " differs from replica 0";
+  }
+  EXPECT_FALSE(BitEqual(mixed[0], InitialParams())) << "nothing was applied";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Modes, ClientCudaApproxTest,
+    ::testing::Values(Case{"gaussiank", MomentumMode::kDgcCorrection,
+                           AggregationMode::kGtopk, ValueCodec::kFp32},
+                      Case{"dgc", MomentumMode::kGlobal, AggregationMode::kTopk,
+                           ValueCodec::kBf16}),
+    [](const ::testing::TestParamInfo<Case>& info) {
+      return CaseName(info.param);
     });
 
 }  // namespace
