@@ -324,6 +324,12 @@ struct Row {
   double us;
   double min_us;
   uint64_t count;
+  // Host wall time from Select to Wait's return (median; NAN when not
+  // measured): includes what Wait finishes and the synchronisation.
+  double wall_us = NAN;
+  // gaussiank/dgc: share of the timed selections that took the fast path
+  // (no host round trip); NAN for the others.
+  double fast_path = NAN;
 };
 
 double Median(std::vector<double> v) {
@@ -428,20 +434,33 @@ int main(int argc, char** argv) {
       CHECK_OK(d_velocity.Allocate(max_n));
       CHECK_OK(d_residual.Allocate(max_n));
 
+      // CUDA events around body() (the device work it enqueues); with
+      // `wall`, also the host time from body() to the end of after(), the
+      // stream drained first so that before()'s work is not counted.
       auto time_us = [&](const std::function<void()>& before,
                          const std::function<void()>& body,
                          const std::function<void()>& after,
-                         std::vector<double>* samples) {
+                         std::vector<double>* samples,
+                         std::vector<double>* wall = nullptr) {
         for (int it = 0; it < o.warmup + o.iters; ++it) {
           before();
+          if (wall != nullptr) CHECK_CUDA(cudaStreamSynchronize(stream));
+          const auto w0 = std::chrono::steady_clock::now();
           CHECK_CUDA(cudaEventRecord(start, stream));
           body();
           CHECK_CUDA(cudaEventRecord(stop, stream));
           after();
+          const auto w1 = std::chrono::steady_clock::now();
           CHECK_CUDA(cudaEventSynchronize(stop));
           float ms = 0;
           CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-          if (it >= o.warmup) samples->push_back(ms * 1000.0);
+          if (it >= o.warmup) {
+            samples->push_back(ms * 1000.0);
+            if (wall != nullptr) {
+              wall->push_back(
+                  std::chrono::duration<double, std::micro>(w1 - w0).count());
+            }
+          }
         }
       };
 
@@ -525,8 +544,20 @@ int main(int argc, char** argv) {
                 }
                 // Timing: from u in device memory to the pairs in pinned host
                 // memory (includes the first histogram pass).
-                std::vector<double> s;
+                // gaussiank/dgc: `us` covers their fast path; what Wait
+                // finishes otherwise is only in wall_us (fast_path says how
+                // often that was needed).
+                std::vector<double> s, wall;
                 uint64_t count = 0;
+                int fast = 0, timed = 0;
+                const bool has_fast_path = p.method != Method::kExact;
+                auto wait_selection = [&] {
+                  Selection t;
+                  CHECK_OK(sp->Wait(stream, &t));
+                  count = t.count;
+                  fast += t.info.fast_path ? 1 : 0;
+                  ++timed;
+                };
                 if (!o.check_only) {
                   time_us(
                       [&] {
@@ -534,16 +565,18 @@ int main(int argc, char** argv) {
                             d_u.get(), d_pristine.get(), n * sizeof(float),
                             cudaMemcpyDeviceToDevice, stream));
                       },
-                      [&] { CHECK_OK(sp->Select(d_u.get(), n, p, stream)); },
                       [&] {
-                        Selection t;
-                        CHECK_OK(sp->Wait(stream, &t));
-                        count = t.count;
+                        // A new step each time, as in training (dgc's
+                        // sample, hence its path, depends on it).
+                        ++p.step;
+                        CHECK_OK(sp->Select(d_u.get(), n, p, stream));
                       },
-                      &s);
-                  rows.push_back({n, density, k, method, Median(s),
-                                  *std::min_element(s.begin(), s.end()),
-                                  count});
+                      wait_selection, &s, &wall);
+                  Row row{n, density, k, method, Median(s),
+                          *std::min_element(s.begin(), s.end()), count};
+                  row.wall_us = Median(wall);
+                  if (has_fast_path) row.fast_path = double(fast) / timed;
+                  rows.push_back(row);
                 }
 
                 if (p.method == Method::kDgc)
@@ -589,23 +622,25 @@ int main(int argc, char** argv) {
                 }
                 if (o.check_only) continue;
                 s.clear();
+                wall.clear();
+                fast = timed = 0;
                 time_us(
                     [&] {
                       reset();
                       update();
                     },
                     [&] {
+                      ++p.step;
                       CHECK_OK(sp->Select(d_residual.get(), n, p, stream));
                     },
-                    [&] {
-                      Selection t;
-                      CHECK_OK(sp->Wait(stream, &t));
-                      count = t.count;
-                    },
-                    &s);
-                rows.push_back(
-                    {n, density, k, std::string(method) + "_after_update",
-                     Median(s), *std::min_element(s.begin(), s.end()), count});
+                    wait_selection, &s, &wall);
+                Row row{n,         density,
+                        k,         std::string(method) + "_after_update",
+                        Median(s), *std::min_element(s.begin(), s.end()),
+                        count};
+                row.wall_us = Median(wall);
+                if (has_fast_path) row.fast_path = double(fast) / timed;
+                rows.push_back(row);
                 if (p.method == Method::kExact) {
                   s.clear();
                   time_us(
@@ -676,12 +711,13 @@ int main(int argc, char** argv) {
     js << (i ? ", " : "") << "\"" << JsonEscape(failures[i]) << "\"";
   }
   js << "]},\n  \"rows\": [";
-  std::printf("%12s %9s %24s %10s %12s %12s\n", "n", "density", "method", "us",
-              "x one-read", "x torch.topk");
+  std::printf("%12s %9s %24s %10s %10s %5s %12s %12s\n", "n", "density",
+              "method", "us", "wall us", "fast", "x one-read", "x torch.topk");
   bool first = true;
   auto emit = [&](uint64_t n, double density, uint64_t k,
                   const std::string& method, double us, double min_us,
-                  uint64_t count) {
+                  uint64_t count, double wall_us = NAN,
+                  double fast_path = NAN) {
     const double one_read = copy_us.count(n) ? copy_us[n] / 2.0 : NAN;
     const auto it = torch.topk_us.find({n, DensityKey(density)});
     const double torch_us = it == torch.topk_us.end() ? NAN : it->second;
@@ -689,18 +725,23 @@ int main(int argc, char** argv) {
        << ", \"density\": " << Num(density) << ", \"k\": " << k
        << ", \"method\": \"" << method << "\", \"us\": " << Num(us)
        << ", \"min_us\": " << Num(min_us) << ", \"count\": " << count
+       << ", \"wall_us\": " << Num(wall_us)
+       << ", \"fast_path_fraction\": " << Num(fast_path)
        << ", \"one_read_us\": " << Num(one_read)
        << ", \"x_one_read\": " << Num(us / one_read)
        << ", \"torch_topk_us\": " << Num(torch_us)
        << ", \"x_torch_topk\": " << Num(us / torch_us) << "}";
     first = false;
-    std::printf("%12llu %9g %24s %10.1f %12s %12s\n",
+    std::printf("%12llu %9g %24s %10.1f %10s %5s %12s %12s\n",
                 static_cast<unsigned long long>(n), density, method.c_str(), us,
+                std::isfinite(wall_us) ? Num(wall_us).c_str() : "-",
+                std::isfinite(fast_path) ? Num(fast_path).c_str() : "-",
                 std::isfinite(one_read) ? Num(us / one_read).c_str() : "-",
                 std::isfinite(torch_us) ? Num(us / torch_us).c_str() : "-");
   };
   for (const Row& r : rows)
-    emit(r.n, r.density, r.k, r.method, r.us, r.min_us, r.count);
+    emit(r.n, r.density, r.k, r.method, r.us, r.min_us, r.count, r.wall_us,
+         r.fast_path);
   for (const auto& entry : torch.topk_us) {
     const uint64_t n = entry.first.first;
     const double density = entry.first.second / 1e6;

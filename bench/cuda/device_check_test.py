@@ -105,6 +105,21 @@ def check_real_run(doc, stdout, failures):
                 if r["torch_topk_us"] is not None:
                     failures.append("%s: torch timing without --torch-json" %
                                     where)
+                # Selections carry the host wall time; gaussiank/dgc the
+                # share of fast-path (device-decided) selections.
+                base = m.replace("_after_update", "")
+                timed = base in ("exact", "gaussiank", "dgc")
+                wall = r.get("wall_us")
+                if timed != (isinstance(wall, (int, float)) and wall > 0):
+                    failures.append("%s: wall_us %r" % (where, wall))
+                fast = r.get("fast_path_fraction")
+                if base in ("gaussiank", "dgc"):
+                    if not (isinstance(fast, (int, float)) and 0 <= fast <= 1):
+                        failures.append("%s: fast_path_fraction %r" %
+                                        (where, fast))
+                elif fast is not None:
+                    failures.append("%s: fast_path_fraction %r for a method "
+                                    "without one" % (where, fast))
 
 
 def emulated_checks(binary, tmp, failures):
