@@ -14,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/cpu/selectors.h"
 #include "common/cpu/topk.h"
 #include "common/cuda/cuda_selector.h"
 #include "common/optimizer.h"
@@ -208,6 +209,39 @@ TEST_F(GpuTest, FusedUpdateMatchesTheCpuRuleBitForBitAndFeedsSelection) {
                                          nullptr, true, &got));
   EXPECT_TRUE(selector->last_info().used_update_histogram);
   ExpectSameBits(got, ReferenceTopK(residual, k));
+}
+
+// Gaussian-k's threshold is mean + z*std of u (arXiv:1911.08772): on normal
+// data, where no adjustment is needed, the selection is exactly the |u_i|
+// above the threshold computed here in long double. The count contract alone
+// would not notice wrong sums (the planner adjusts a bad threshold into
+// range), so this checks the mean and variance the kernels reduce.
+TEST_F(GpuTest, GaussianKThresholdIsMeanPlusZTimesStd) {
+  const size_t n = 100003;
+  const uint64_t k = 1000;
+  const std::vector<float> u = MakeInput(Distribution::kNormal, n, 21);
+  long double sum = 0.0L;
+  for (float x : u) sum += x;
+  const long double mean = sum / n;
+  long double ss = 0.0L;
+  for (float x : u) ss += (x - mean) * (x - mean);
+  const long double sd = std::sqrt(ss / (n - 1));
+  const double z = cpu::NormalQuantile(1.0 - static_cast<double>(k) / n / 2.0);
+  const double t = static_cast<double>(mean + z * sd);
+  std::vector<uint32_t> want;
+  for (size_t i = 0; i < n; ++i) {
+    // No value so close to t that rounding of the sums could decide it.
+    ASSERT_GT(std::fabs(std::fabs(static_cast<double>(u[i])) - t), 1e-6 * t)
+        << i;
+    if (std::fabs(u[i]) > t) want.push_back(static_cast<uint32_t>(i));
+  }
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                             CudaSelector::Create("gaussiank", {}, n));
+  SparseVector got;
+  GTOPK_ASSERT_OK(selector->Select(u, k, 0, &got));
+  ASSERT_FALSE(selector->last_info().fell_back);
+  ASSERT_EQ(selector->last_info().adjustments, 0);
+  EXPECT_EQ(got.indices, want);
 }
 
 TEST_F(GpuTest, NonFiniteInputIsInvalidArgumentAndChangesNothing) {
