@@ -170,6 +170,28 @@ TEST_F(GpuTest, ExactForEveryKOfASmallInput) {
   }
 }
 
+// Magnitudes that differ only in the last radix digit (bits 8..0), each of
+// its 512 values four times, so the level-2 histogram decides every k; one
+// selector for all k, so a histogram bin left over from the previous
+// selection changes the result (device memory is only zeroed at creation).
+TEST_F(GpuTest, RepeatedSelectionsOnOneSelectorResetEveryHistogramBin) {
+  const size_t n = 4 * 512;
+  std::vector<float> u(n);
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t bits = FloatBits(1.0f) | static_cast<uint32_t>(i * 37 % 512);
+    std::memcpy(&u[i], &bits, sizeof(bits));
+    if (i % 2 == 1) u[i] = -u[i];
+  }
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                             CudaSelector::Create("exact", {}, n));
+  for (uint64_t k : {1, 4, 5, 10, 100, 1000, 2047, 3, 9}) {
+    SCOPED_TRACE(k);
+    SparseVector got;
+    GTOPK_ASSERT_OK(selector->Select(u, k, 0, &got));
+    ExpectSameBits(got, ReferenceTopK(u, k));
+  }
+}
+
 TEST_F(GpuTest, FusedUpdateMatchesTheCpuRuleBitForBitAndFeedsSelection) {
   const size_t n = 300007;
   OptimizerOptions o;
