@@ -158,6 +158,41 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(static_cast<int>(d * 10000));
     });
 
+// zero_selected with the threshold selectors: the selected entries of the
+// residual become +0.0 and nothing else changes, whichever path (threshold
+// survivors gathered directly, or an exact pass over them) made the selection.
+TEST_F(GpuTest, GaussianKAndDgcZeroExactlyTheSelectedResidualEntries) {
+  const size_t n = 100003;
+  for (const char* name : {"gaussiank", "dgc"}) {
+    for (Distribution dist : {Distribution::kNormal, Distribution::kHeavyTailed,
+                              Distribution::kFewLevels}) {
+      for (double density : {0.001, 0.01}) {
+        SCOPED_TRACE(std::string(name) + " " + DistributionName(dist) + " " +
+                     std::to_string(density));
+        const std::vector<float> u = MakeInput(dist, n, /*seed=*/n + 5);
+        GTOPK_ASSERT_OK_AND_ASSIGN(const uint64_t k, KFromDensity(density, n));
+        SelectorOptions options;
+        options.seed = 3;
+        GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                                   CudaSelector::Create(name, options, n));
+        DeviceVector d(u);
+        SparseVector got;
+        GTOPK_ASSERT_OK(selector->SelectDevice(d.buffer.get(), n, k, 0,
+                                               nullptr, /*zero_selected=*/true,
+                                               &got));
+        ASSERT_FALSE(got.empty());
+        ExpectThresholdSelection(u, got);
+        std::vector<float> expected = u;
+        for (uint32_t i : got.indices) expected[i] = 0.0f;
+        const std::vector<float> after = d.ToHost(n);
+        for (size_t i = 0; i < n; ++i) {
+          ASSERT_EQ(FloatBits(after[i]), FloatBits(expected[i])) << "index " << i;
+        }
+      }
+    }
+  }
+}
+
 TEST_F(GpuTest, ExactForEveryKOfASmallInput) {
   const size_t n = 257;
   const std::vector<float> u = MakeInput(Distribution::kFewLevels, n, 5);
