@@ -301,6 +301,59 @@ TEST_F(GpuTest, GaussianKThresholdIsMeanPlusZTimesStd) {
   EXPECT_EQ(got.indices, want);
 }
 
+// SparseUpdater against plain loops, bit for bit: Set, Subtract, then global
+// momentum (v = m*velocity + update; velocity = v; params -= v, with update
+// +0.0 off the index list).
+TEST_F(GpuTest, SparseUpdaterMatchesPlainLoops) {
+  const size_t n = 70001;
+  std::vector<float> params = MakeInput(Distribution::kNormal, n, 31);
+  std::vector<float> velocity = MakeInput(Distribution::kNormal, n, 32);
+  const std::vector<float> source = MakeInput(Distribution::kHeavyTailed, n, 33);
+  std::vector<uint32_t> idx;
+  std::vector<float> val, sub;
+  for (uint32_t i = 3; i < n; i += 7) idx.push_back(i);
+  idx.push_back(static_cast<uint32_t>(n - 1));
+  for (uint32_t i : idx) {
+    val.push_back(source[i]);
+    sub.push_back(source[i] * 0.25f + 1.0f);
+  }
+  DeviceVector d_params(params), d_velocity(velocity);
+  auto expect_equal = [](const std::vector<float>& got,
+                         const std::vector<float>& want, const char* what) {
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_EQ(FloatBits(got[i]), FloatBits(want[i])) << what << " " << i;
+    }
+  };
+  SparseUpdater updater;
+  GTOPK_ASSERT_OK(ToAbslStatus(updater.Set(d_params.buffer.get(), n,
+                                           idx.data(), val.data(), idx.size(),
+                                           nullptr)));
+  for (size_t j = 0; j < idx.size(); ++j) params[idx[j]] = val[j];
+  expect_equal(d_params.ToHost(n), params, "set");
+  GTOPK_ASSERT_OK(ToAbslStatus(updater.Subtract(d_params.buffer.get(), n,
+                                                idx.data(), sub.data(),
+                                                idx.size(), nullptr)));
+  for (size_t j = 0; j < idx.size(); ++j) {
+    params[idx[j]] = params[idx[j]] - sub[j];
+  }
+  expect_equal(d_params.ToHost(n), params, "subtract");
+  const float m = 0.9f;
+  GTOPK_ASSERT_OK(ToAbslStatus(updater.GlobalMomentum(
+      d_params.buffer.get(), d_velocity.buffer.get(), n, m, idx.data(),
+      sub.data(), idx.size(), nullptr)));
+  std::vector<float> update(n, 0.0f);
+  for (size_t j = 0; j < idx.size(); ++j) update[idx[j]] = sub[j];
+  for (size_t i = 0; i < n; ++i) {
+    const float mv = m * velocity[i];
+    const float v = mv + update[i];
+    velocity[i] = v;
+    params[i] = params[i] - v;
+  }
+  expect_equal(d_velocity.ToHost(n), velocity, "velocity");
+  expect_equal(d_params.ToHost(n), params, "params");
+}
+
 TEST_F(GpuTest, NonFiniteInputIsInvalidArgumentAndChangesNothing) {
   const size_t n = 5000;
   for (const char* name : {"exact", "gaussiank", "dgc"}) {
