@@ -45,8 +45,9 @@ struct Settings {
 };
 
 // GTOPK_CUDA_EMU="order=reverse sms=2 ...": space-separated key=value.
-const Settings& GetSettings() {
-  static const Settings settings = [] {
+// Mutable only through SetOrderForTesting.
+Settings& MutableSettings() {
+  static Settings settings = [] {
     Settings s;
     const char* env = std::getenv("GTOPK_CUDA_EMU");
     std::string text = env != nullptr ? env : "";
@@ -87,6 +88,7 @@ const Settings& GetSettings() {
   }();
   return settings;
 }
+const Settings& GetSettings() { return MutableSettings(); }
 
 // ---------------------------------------------------------------------------
 // Global state (guarded by Mutex())
@@ -106,7 +108,7 @@ struct Allocation {
 
 struct State {
   std::map<uintptr_t, Allocation> allocations;  // by user address
-  std::deque<std::pair<void*, size_t>> quarantine;  // freed, PROT_NONE
+  std::deque<std::pair<uintptr_t, Allocation>> quarantine;  // freed, PROT_NONE
   size_t device_bytes = 0;
   uint64_t serial = 0;
   std::deque<std::function<void()>> queue;  // every stream, in order
@@ -246,6 +248,21 @@ void DescribeAddress(uintptr_t a, char* out, size_t size) {
       best = &alloc;
       best_start = start;
       best_distance = distance;
+    }
+  }
+  // Inside a freed allocation (still PROT_NONE in the quarantine)?
+  for (const auto& [start, freed] : s.quarantine) {
+    const uintptr_t base = reinterpret_cast<uintptr_t>(freed.map_base);
+    if (a >= base && a < base + freed.map_bytes &&
+        (best == nullptr || best_distance != 0)) {
+      std::snprintf(out, size,
+                    "%lld bytes from the start of freed %s allocation #%llu "
+                    "[%p, +%zu): use after free",
+                    static_cast<long long>(a - start),
+                    freed.pinned ? "pinned" : "device",
+                    static_cast<unsigned long long>(freed.serial),
+                    reinterpret_cast<void*>(start), freed.bytes);
+      return;
     }
   }
   if (best == nullptr || best_distance > (1 << 20)) {
@@ -462,6 +479,8 @@ void RunBlock(const std::function<void()>& body, int n) {
   g_run.threads = nullptr;
 }
 
+void CheckSlack(uintptr_t start, const Allocation& a, const char* when);
+
 void RunGrid(const char* name, dim3 grid, dim3 block,
              const std::function<void()>& body) {
   InstallSegvHandler();
@@ -474,6 +493,11 @@ void RunGrid(const char* name, dim3 grid, dim3 block,
     RunBlock(body, static_cast<int>(block.x));
   }
   g_run.kernel = nullptr;
+  char when[256];
+  std::snprintf(when, sizeof(when), "after kernel %s", name);
+  for (const auto& [start, alloc] : S().allocations) {
+    CheckSlack(start, alloc, when);
+  }
   ++S().kernels_run;
 }
 
@@ -507,6 +531,26 @@ bool IsPinned(const void* p, size_t bytes) {
   return a != nullptr && a->pinned;
 }
 
+constexpr unsigned char kSlackCanary = 0xc5;
+
+// Fails when something wrote into the page-rounding slack in front of the
+// allocation at `start` (a write before its start that the guard page could
+// not catch).
+void CheckSlack(uintptr_t start, const Allocation& a, const char* when) {
+  const auto* slack =
+      reinterpret_cast<const unsigned char*>(a.map_base) + PageSize();
+  const auto* user = reinterpret_cast<const unsigned char*>(start);
+  for (const unsigned char* p = slack; p < user; ++p) {
+    if (*p != kSlackCanary) {
+      Fail("write %lld bytes before the start of %s allocation #%llu "
+           "[%p, +%zu) (found %s)",
+           static_cast<long long>(user - p), a.pinned ? "pinned" : "device",
+           static_cast<unsigned long long>(a.serial),
+           reinterpret_cast<const void*>(start), a.bytes, when);
+    }
+  }
+}
+
 cudaError_t Allocate(void** ptr, size_t bytes, bool pinned) {
   if (ptr == nullptr) return SetError(cudaErrorInvalidValue);
   *ptr = nullptr;
@@ -528,6 +572,9 @@ cudaError_t Allocate(void** ptr, size_t bytes, bool pinned) {
   // touches the guard page behind it.
   char* user = b + page + data - (bytes + 15) / 16 * 16;
   std::memset(user, 0xff, bytes);  // what nothing wrote reads as NaN
+  // The slack in front of the buffer cannot be a guard page; a canary there
+  // catches writes before the start (checked after each kernel and at free).
+  std::memset(b + page, kSlackCanary, static_cast<size_t>(user - (b + page)));
   Allocation a;
   a.bytes = bytes;
   a.pinned = pinned;
@@ -554,14 +601,17 @@ cudaError_t FreeAllocation(void* ptr, bool pinned) {
                            : cudaErrorInvalidDevicePointer);
   }
   const Allocation a = it->second;
+  const uintptr_t it_start = it->first;
+  CheckSlack(it_start, a, "at free");
   s.allocations.erase(it);
   if (!pinned) s.device_bytes -= a.bytes;
   // Use after free faults: keep the range inaccessible for a while.
   mprotect(a.map_base, a.map_bytes, PROT_NONE);
   madvise(a.map_base, a.map_bytes, MADV_DONTNEED);
-  s.quarantine.emplace_back(a.map_base, a.map_bytes);
+  s.quarantine.emplace_back(it_start, a);
   if (s.quarantine.size() > 256) {
-    munmap(s.quarantine.front().first, s.quarantine.front().second);
+    munmap(s.quarantine.front().second.map_base,
+           s.quarantine.front().second.map_bytes);
     s.quarantine.pop_front();
   }
   return cudaSuccess;
@@ -665,6 +715,20 @@ cudaError_t LaunchGrid(const char* name, dim3 grid, dim3 block,
 uint64_t KernelsRun() {
   std::lock_guard<std::mutex> lock(Mutex());
   return S().kernels_run;
+}
+
+void SetOrderForTesting(const char* order) {
+  std::lock_guard<std::mutex> lock(Mutex());
+  const std::string o = order;
+  if (o == "forward") {
+    MutableSettings().order = OrderKind::kForward;
+  } else if (o == "reverse") {
+    MutableSettings().order = OrderKind::kReverse;
+  } else if (o == "shuffle") {
+    MutableSettings().order = OrderKind::kShuffle;
+  } else {
+    Fail("SetOrderForTesting: unknown order '%s'", order);
+  }
 }
 
 const char* Order() {

@@ -18,8 +18,14 @@
 // block and thread): divergent __syncthreads (threads waiting at different
 // lines), a ballot whose mask names a lane that exited, a deadlock, a
 // BlockScan/BlockReduce used with another block size than its template
-// argument, a read or write past either end of a cudaMalloc/cudaMallocHost
-// allocation (guard pages; SIGSEGV handler names the allocation), a kernel
+// argument, a read or write past the end of a cudaMalloc/cudaMallocHost
+// allocation (a guard page right behind the 16-byte-rounded end; the SIGSEGV
+// handler names the allocation), a read or write before its start that
+// leaves the allocation's page-rounding slack (a guard page; the start is on
+// it when the size is a multiple of 4096 bytes), a write into that slack
+// (a canary, checked after every kernel and at free; a read there is not
+// caught), use after cudaFree (freed ranges stay inaccessible for the next
+// 256 frees; the message says "use after free"), a kernel
 // pointer argument that is not device or pinned memory, launch
 // configurations CUDA rejects (cudaErrorInvalidConfiguration, as the real
 // runtime reports it). Device memory starts as 0xff bytes (NaN floats), so
@@ -319,6 +325,11 @@ Launcher<P...> MakeLauncher(const char* name, void (*kernel)(P...), dim3 grid,
 // the scheduling order in force ("forward", "reverse" or "shuffle").
 uint64_t KernelsRun();
 const char* Order();
+// Test-only: replaces the order of GTOPK_CUDA_EMU for the launches that run
+// from now on ("forward", "reverse" or "shuffle"; anything else fails), so
+// one test process can run a kernel under two orders. Not for production
+// code or the selector tests, which take the order from the environment.
+void SetOrderForTesting(const char* order);
 
 }  // namespace cuda_emu
 }  // namespace gtopk

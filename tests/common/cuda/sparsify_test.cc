@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/cpu/selectors.h"
 #include "common/cpu/topk.h"
 #include "common/cuda/cuda_selector.h"
 #include "common/optimizer.h"
@@ -236,12 +237,69 @@ TEST_F(GpuTest, FastPathAndHostContinuationBothSelectCorrectly) {
   EXPECT_GT(slow[1], 0) << "dgc never continued on the host";
 }
 
+// zero_selected with the threshold selectors: the selected entries of the
+// residual become +0.0 and nothing else changes, whichever path (threshold
+// survivors gathered directly, or an exact pass over them) made the selection.
+TEST_F(GpuTest, GaussianKAndDgcZeroExactlyTheSelectedResidualEntries) {
+  const size_t n = 100003;
+  for (const char* name : {"gaussiank", "dgc"}) {
+    for (Distribution dist : {Distribution::kNormal, Distribution::kHeavyTailed,
+                              Distribution::kFewLevels}) {
+      for (double density : {0.001, 0.01}) {
+        SCOPED_TRACE(std::string(name) + " " + DistributionName(dist) + " " +
+                     std::to_string(density));
+        const std::vector<float> u = MakeInput(dist, n, /*seed=*/n + 5);
+        GTOPK_ASSERT_OK_AND_ASSIGN(const uint64_t k, KFromDensity(density, n));
+        SelectorOptions options;
+        options.seed = 3;
+        GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                                   CudaSelector::Create(name, options, n));
+        DeviceVector d(u);
+        SparseVector got;
+        GTOPK_ASSERT_OK(selector->SelectDevice(d.buffer.get(), n, k, 0,
+                                               nullptr, /*zero_selected=*/true,
+                                               &got));
+        ASSERT_FALSE(got.empty());
+        ExpectThresholdSelection(u, got);
+        std::vector<float> expected = u;
+        for (uint32_t i : got.indices) expected[i] = 0.0f;
+        const std::vector<float> after = d.ToHost(n);
+        for (size_t i = 0; i < n; ++i) {
+          ASSERT_EQ(FloatBits(after[i]), FloatBits(expected[i])) << "index " << i;
+        }
+      }
+    }
+  }
+}
+
 TEST_F(GpuTest, ExactForEveryKOfASmallInput) {
   const size_t n = 257;
   const std::vector<float> u = MakeInput(Distribution::kFewLevels, n, 5);
   GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
                              CudaSelector::Create("exact", {}, n));
   for (uint64_t k = 1; k <= n; ++k) {
+    SparseVector got;
+    GTOPK_ASSERT_OK(selector->Select(u, k, 0, &got));
+    ExpectSameBits(got, ReferenceTopK(u, k));
+  }
+}
+
+// Magnitudes that differ only in the last radix digit (bits 8..0), each of
+// its 512 values four times, so the level-2 histogram decides every k; one
+// selector for all k, so a histogram bin left over from the previous
+// selection changes the result (device memory is only zeroed at creation).
+TEST_F(GpuTest, RepeatedSelectionsOnOneSelectorResetEveryHistogramBin) {
+  const size_t n = 4 * 512;
+  std::vector<float> u(n);
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t bits = FloatBits(1.0f) | static_cast<uint32_t>(i * 37 % 512);
+    std::memcpy(&u[i], &bits, sizeof(bits));
+    if (i % 2 == 1) u[i] = -u[i];
+  }
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                             CudaSelector::Create("exact", {}, n));
+  for (uint64_t k : {1, 4, 5, 10, 100, 1000, 2047, 3, 9}) {
+    SCOPED_TRACE(k);
     SparseVector got;
     GTOPK_ASSERT_OK(selector->Select(u, k, 0, &got));
     ExpectSameBits(got, ReferenceTopK(u, k));
@@ -287,6 +345,92 @@ TEST_F(GpuTest, FusedUpdateMatchesTheCpuRuleBitForBitAndFeedsSelection) {
                                          nullptr, true, &got));
   EXPECT_TRUE(selector->last_info().used_update_histogram);
   ExpectSameBits(got, ReferenceTopK(residual, k));
+}
+
+// Gaussian-k's threshold is mean + z*std of u (arXiv:1911.08772): on normal
+// data, where no adjustment is needed, the selection is exactly the |u_i|
+// above the threshold computed here in long double. The count contract alone
+// would not notice wrong sums (the planner adjusts a bad threshold into
+// range), so this checks the mean and variance the kernels reduce.
+TEST_F(GpuTest, GaussianKThresholdIsMeanPlusZTimesStd) {
+  const size_t n = 100003;
+  const uint64_t k = 1000;
+  const std::vector<float> u = MakeInput(Distribution::kNormal, n, 21);
+  long double sum = 0.0L;
+  for (float x : u) sum += x;
+  const long double mean = sum / n;
+  long double ss = 0.0L;
+  for (float x : u) ss += (x - mean) * (x - mean);
+  const long double sd = std::sqrt(ss / (n - 1));
+  const double z = cpu::NormalQuantile(1.0 - static_cast<double>(k) / n / 2.0);
+  const double t = static_cast<double>(mean + z * sd);
+  std::vector<uint32_t> want;
+  for (size_t i = 0; i < n; ++i) {
+    // No value so close to t that rounding of the sums could decide it.
+    ASSERT_GT(std::fabs(std::fabs(static_cast<double>(u[i])) - t), 1e-6 * t)
+        << i;
+    if (std::fabs(u[i]) > t) want.push_back(static_cast<uint32_t>(i));
+  }
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                             CudaSelector::Create("gaussiank", {}, n));
+  SparseVector got;
+  GTOPK_ASSERT_OK(selector->Select(u, k, 0, &got));
+  ASSERT_FALSE(selector->last_info().fell_back);
+  ASSERT_EQ(selector->last_info().adjustments, 0);
+  EXPECT_EQ(got.indices, want);
+}
+
+// SparseUpdater against plain loops, bit for bit: Set, Subtract, then global
+// momentum (v = m*velocity + update; velocity = v; params -= v, with update
+// +0.0 off the index list).
+TEST_F(GpuTest, SparseUpdaterMatchesPlainLoops) {
+  const size_t n = 70001;
+  std::vector<float> params = MakeInput(Distribution::kNormal, n, 31);
+  std::vector<float> velocity = MakeInput(Distribution::kNormal, n, 32);
+  const std::vector<float> source = MakeInput(Distribution::kHeavyTailed, n, 33);
+  std::vector<uint32_t> idx;
+  std::vector<float> val, sub;
+  for (uint32_t i = 3; i < n; i += 7) idx.push_back(i);
+  idx.push_back(static_cast<uint32_t>(n - 1));
+  for (uint32_t i : idx) {
+    val.push_back(source[i]);
+    sub.push_back(source[i] * 0.25f + 1.0f);
+  }
+  DeviceVector d_params(params), d_velocity(velocity);
+  auto expect_equal = [](const std::vector<float>& got,
+                         const std::vector<float>& want, const char* what) {
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_EQ(FloatBits(got[i]), FloatBits(want[i])) << what << " " << i;
+    }
+  };
+  SparseUpdater updater;
+  GTOPK_ASSERT_OK(ToAbslStatus(updater.Set(d_params.buffer.get(), n,
+                                           idx.data(), val.data(), idx.size(),
+                                           nullptr)));
+  for (size_t j = 0; j < idx.size(); ++j) params[idx[j]] = val[j];
+  expect_equal(d_params.ToHost(n), params, "set");
+  GTOPK_ASSERT_OK(ToAbslStatus(updater.Subtract(d_params.buffer.get(), n,
+                                                idx.data(), sub.data(),
+                                                idx.size(), nullptr)));
+  for (size_t j = 0; j < idx.size(); ++j) {
+    params[idx[j]] = params[idx[j]] - sub[j];
+  }
+  expect_equal(d_params.ToHost(n), params, "subtract");
+  const float m = 0.9f;
+  GTOPK_ASSERT_OK(ToAbslStatus(updater.GlobalMomentum(
+      d_params.buffer.get(), d_velocity.buffer.get(), n, m, idx.data(),
+      sub.data(), idx.size(), nullptr)));
+  std::vector<float> update(n, 0.0f);
+  for (size_t j = 0; j < idx.size(); ++j) update[idx[j]] = sub[j];
+  for (size_t i = 0; i < n; ++i) {
+    const float mv = m * velocity[i];
+    const float v = mv + update[i];
+    velocity[i] = v;
+    params[i] = params[i] - v;
+  }
+  expect_equal(d_velocity.ToHost(n), velocity, "velocity");
+  expect_equal(d_params.ToHost(n), params, "params");
 }
 
 TEST_F(GpuTest, NonFiniteInputIsInvalidArgumentAndChangesNothing) {
