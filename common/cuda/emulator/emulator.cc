@@ -21,6 +21,16 @@
 #include <string>
 #include <vector>
 
+struct CUstream_st {
+  unsigned int flags = 0;
+};
+struct CUevent_st {
+  bool recorded = false;
+  bool done = false;
+  uint64_t seq = 0;  // the record operation's
+  std::chrono::steady_clock::time_point time;
+};
+
 uint3 threadIdx{0, 0, 0};
 uint3 blockIdx{0, 0, 0};
 dim3 blockDim{1, 1, 1};
@@ -111,7 +121,14 @@ struct State {
   std::deque<std::pair<uintptr_t, Allocation>> quarantine;  // freed, PROT_NONE
   size_t device_bytes = 0;
   uint64_t serial = 0;
-  std::deque<std::function<void()>> queue;  // every stream, in order
+  // Work on streams not yet run, in enqueue order (see RunThrough).
+  struct Op {
+    cudaStream_t stream;
+    uint64_t seq;
+    std::function<void()> fn;
+  };
+  std::deque<Op> queue;
+  uint64_t next_seq = 0;
   std::set<CUstream_st*> streams;
   std::set<CUevent_st*> events;
   cudaError_t last_error = cudaSuccess;
@@ -501,13 +518,71 @@ void RunGrid(const char* name, dim3 grid, dim3 block,
   ++S().kernels_run;
 }
 
-// Runs everything queued (the caller holds Mutex()).
+// Stream work runs as late as CUDA allows: only when the host waits for it
+// (a synchronisation, a blocking copy) and then only what that wait needs,
+// so a missing dependency between streams reads stale or poisoned memory
+// as it can on a GPU. Dependencies: program order within a stream, and the
+// legacy default stream (nullptr) against every blocking stream (created
+// without cudaStreamNonBlocking) in both directions. The caller of these
+// holds Mutex().
+uint64_t Enqueue(cudaStream_t stream, std::function<void()> fn) {
+  State& s = S();
+  const uint64_t seq = ++s.next_seq;
+  s.queue.push_back(State::Op{stream, seq, std::move(fn)});
+  return seq;
+}
+
+bool Blocking(cudaStream_t stream) {
+  return stream != nullptr && (stream->flags & cudaStreamNonBlocking) == 0;
+}
+
+// Runs the queued operation `seq` (nothing if it already ran) and the
+// queued operations it depends on, in enqueue order.
+void RunThrough(uint64_t seq) {
+  State& s = S();
+  size_t last = 0;
+  while (last < s.queue.size() && s.queue[last].seq != seq) ++last;
+  if (last == s.queue.size()) return;
+  std::vector<char> needed(last + 1, 0);
+  needed[last] = 1;
+  std::set<cudaStream_t> streams{s.queue[last].stream};
+  bool legacy = s.queue[last].stream == nullptr;
+  bool blocking = Blocking(s.queue[last].stream);
+  for (size_t j = last; j-- > 0;) {
+    const cudaStream_t stream = s.queue[j].stream;
+    if (streams.count(stream) != 0 || (legacy && Blocking(stream)) ||
+        (blocking && stream == nullptr)) {
+      needed[j] = 1;
+      streams.insert(stream);
+      legacy = legacy || stream == nullptr;
+      blocking = blocking || Blocking(stream);
+    }
+  }
+  std::vector<State::Op> run;
+  std::deque<State::Op> rest;
+  for (size_t i = 0; i < s.queue.size(); ++i) {
+    if (i <= last && needed[i]) {
+      run.push_back(std::move(s.queue[i]));
+    } else {
+      rest.push_back(std::move(s.queue[i]));
+    }
+  }
+  s.queue = std::move(rest);
+  for (State::Op& op : run) op.fn();
+}
+
+// Everything enqueued on `stream` so far, with what it depends on.
+void SyncStream(cudaStream_t stream) {
+  RunThrough(Enqueue(stream, [] {}));
+}
+
+// Everything queued (cudaDeviceSynchronize, cudaFree).
 void Drain() {
   State& s = S();
   while (!s.queue.empty()) {
-    std::function<void()> op = std::move(s.queue.front());
+    State::Op op = std::move(s.queue.front());
     s.queue.pop_front();
-    op();
+    op.fn();
   }
 }
 
@@ -706,7 +781,7 @@ cudaError_t LaunchGrid(const char* name, dim3 grid, dim3 block,
   if (grid.y != 1 || grid.z != 1 || block.y != 1 || block.z != 1) {
     Fail("launch of %s: the emulator runs 1-D grids and blocks only", name);
   }
-  S().queue.emplace_back([name, grid, block, body = std::move(body)]() {
+  Enqueue(stream, [name, grid, block, body = std::move(body)]() {
     RunGrid(name, grid, block, body);
   });
   return cudaSuccess;
@@ -775,15 +850,6 @@ void __gtopk_emu_syncthreads(const char* file, int line) {
 // ---------------------------------------------------------------------------
 using gtopk::cuda_emu::Mutex;
 using gtopk::cuda_emu::S;
-
-struct CUstream_st {
-  unsigned int flags = 0;
-};
-struct CUevent_st {
-  bool recorded = false;
-  bool done = false;
-  std::chrono::steady_clock::time_point time;
-};
 
 cudaError_t cudaGetDeviceCount(int* count) {
   if (count == nullptr) return cudaErrorInvalidValue;
@@ -926,13 +992,62 @@ cudaError_t cudaFreeHost(void* ptr) {
   return gtopk::cuda_emu::FreeAllocation(ptr, /*pinned=*/true);
 }
 
+namespace gtopk {
+namespace cuda_emu {
+namespace {
+
+// A copy on `stream` with CUDA's host-side behaviour (CUDA runtime API,
+// "API synchronization behavior"): from pageable host memory the stream is
+// synchronised and the source staged before the call returns, the DMA to
+// the device may still be pending; to pageable host memory the call returns
+// once the copy is done; device-to-device, and to or from pinned memory in
+// the Async form, nothing waits. `sync`: the cudaMemcpy form (legacy
+// stream; pinned-to-device is synchronous there too).
+void Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
+          cudaStream_t stream, bool sync) {
+  if (bytes == 0) return;
+  switch (kind) {
+    case cudaMemcpyHostToHost:
+      SyncStream(stream);
+      std::memmove(dst, src, bytes);
+      return;
+    case cudaMemcpyHostToDevice:
+      if (!IsPinned(src, bytes)) {
+        SyncStream(stream);
+        auto staged = std::make_shared<std::vector<char>>(
+            static_cast<const char*>(src), static_cast<const char*>(src) + bytes);
+        Enqueue(stream, [dst, staged]() {
+          std::memcpy(dst, staged->data(), staged->size());
+        });
+        return;
+      }
+      break;
+    case cudaMemcpyDeviceToHost:
+      if (!IsPinned(dst, bytes)) {
+        RunThrough(Enqueue(stream, [dst, src, bytes]() {
+          std::memmove(dst, src, bytes);
+        }));
+        return;
+      }
+      break;
+    default:
+      break;
+  }
+  const uint64_t seq =
+      Enqueue(stream, [dst, src, bytes]() { std::memmove(dst, src, bytes); });
+  if (sync && kind != cudaMemcpyDeviceToDevice) RunThrough(seq);
+}
+
+}  // namespace
+}  // namespace cuda_emu
+}  // namespace gtopk
+
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes,
                        cudaMemcpyKind kind) {
   std::lock_guard<std::mutex> lock(Mutex());
   const cudaError_t e = gtopk::cuda_emu::CheckCopy(dst, src, bytes, &kind);
   if (e != cudaSuccess) return e;
-  gtopk::cuda_emu::Drain();
-  if (bytes != 0) std::memmove(dst, src, bytes);
+  gtopk::cuda_emu::Copy(dst, src, bytes, kind, nullptr, /*sync=*/true);
   return cudaSuccess;
 }
 
@@ -943,33 +1058,15 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes,
     return gtopk::cuda_emu::SetError(cudaErrorInvalidResourceHandle);
   }
   const cudaError_t e = gtopk::cuda_emu::CheckCopy(dst, src, bytes, &kind);
-  if (e != cudaSuccess || bytes == 0) return e;
-  // Pageable host memory: CUDA drains the stream and finishes (D2H) or
-  // stages (H2D) the copy before returning.
-  const bool pageable =
-      (kind == cudaMemcpyHostToDevice && !gtopk::cuda_emu::IsPinned(src, bytes)) ||
-      (kind == cudaMemcpyDeviceToHost && !gtopk::cuda_emu::IsPinned(dst, bytes)) ||
-      kind == cudaMemcpyHostToHost;
-  if (pageable) {
-    gtopk::cuda_emu::Drain();
-    std::memmove(dst, src, bytes);
-    return cudaSuccess;
-  }
-  S().queue.emplace_back([dst, src, bytes]() { std::memmove(dst, src, bytes); });
+  if (e != cudaSuccess) return e;
+  gtopk::cuda_emu::Copy(dst, src, bytes, kind, stream, /*sync=*/false);
   return cudaSuccess;
 }
 
+// cudaMemset is asynchronous to the host for device memory (legacy
+// stream), like cudaMemsetAsync.
 cudaError_t cudaMemset(void* ptr, int value, size_t bytes) {
-  std::lock_guard<std::mutex> lock(Mutex());
-  if (bytes == 0) return cudaSuccess;
-  if (!gtopk::cuda_emu::InDevice(ptr, bytes, false)) {
-    std::fprintf(stderr, "gtopk CUDA emulator: cudaMemset(%p, %zu bytes): not "
-                 "a device range\n", ptr, bytes);
-    return gtopk::cuda_emu::SetError(cudaErrorInvalidValue);
-  }
-  gtopk::cuda_emu::Drain();
-  std::memset(ptr, value, bytes);
-  return cudaSuccess;
+  return cudaMemsetAsync(ptr, value, bytes, nullptr);
 }
 
 cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes,
@@ -980,12 +1077,12 @@ cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes,
   }
   if (bytes == 0) return cudaSuccess;
   if (!gtopk::cuda_emu::InDevice(ptr, bytes, false)) {
-    std::fprintf(stderr, "gtopk CUDA emulator: cudaMemsetAsync(%p, %zu "
-                 "bytes): not a device range\n", ptr, bytes);
+    std::fprintf(stderr, "gtopk CUDA emulator: cudaMemset(%p, %zu bytes): "
+                 "not a device range\n", ptr, bytes);
     return gtopk::cuda_emu::SetError(cudaErrorInvalidValue);
   }
-  S().queue.emplace_back(
-      [ptr, value, bytes]() { std::memset(ptr, value, bytes); });
+  gtopk::cuda_emu::Enqueue(
+      stream, [ptr, value, bytes]() { std::memset(ptr, value, bytes); });
   return cudaSuccess;
 }
 
@@ -1009,7 +1106,8 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   if (stream == nullptr || S().streams.erase(stream) == 0) {
     return gtopk::cuda_emu::SetError(cudaErrorInvalidResourceHandle);
   }
-  gtopk::cuda_emu::Drain();
+  // CUDA releases it once its work is done; nothing queued may outlive it.
+  gtopk::cuda_emu::SyncStream(stream);
   delete stream;
   return cudaSuccess;
 }
@@ -1019,7 +1117,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   if (!gtopk::cuda_emu::ValidStream(stream)) {
     return gtopk::cuda_emu::SetError(cudaErrorInvalidResourceHandle);
   }
-  gtopk::cuda_emu::Drain();
+  gtopk::cuda_emu::SyncStream(stream);
   return cudaSuccess;
 }
 
@@ -1036,7 +1134,7 @@ cudaError_t cudaEventDestroy(cudaEvent_t event) {
   if (S().events.erase(event) == 0) {
     return gtopk::cuda_emu::SetError(cudaErrorInvalidResourceHandle);
   }
-  gtopk::cuda_emu::Drain();
+  if (event->recorded) gtopk::cuda_emu::RunThrough(event->seq);
   delete event;
   return cudaSuccess;
 }
@@ -1048,7 +1146,7 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   }
   event->recorded = true;
   event->done = false;
-  S().queue.emplace_back([event]() {
+  event->seq = gtopk::cuda_emu::Enqueue(stream, [event]() {
     event->time = std::chrono::steady_clock::now();
     event->done = true;
   });
@@ -1060,7 +1158,7 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   if (S().events.count(event) == 0) {
     return gtopk::cuda_emu::SetError(cudaErrorInvalidResourceHandle);
   }
-  gtopk::cuda_emu::Drain();
+  if (event->recorded) gtopk::cuda_emu::RunThrough(event->seq);
   return cudaSuccess;
 }
 

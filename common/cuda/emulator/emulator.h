@@ -29,11 +29,16 @@
 // pointer argument that is not device or pinned memory, launch
 // configurations CUDA rejects (cudaErrorInvalidConfiguration, as the real
 // runtime reports it). Device memory starts as 0xff bytes (NaN floats), so
-// reading what nothing wrote is visible. Work on streams is deferred until
-// the host synchronises (all streams in one FIFO, a legal CUDA order), so
-// reading pinned results before cudaStreamSynchronize reads stale data, as
-// on a GPU; copies from/to pageable memory behave as CUDA documents (the
-// stream is drained first and the copy is done before the call returns).
+// reading what nothing wrote is visible. Work on streams runs as late as
+// CUDA allows: when the host waits for it, and then only what that wait
+// depends on (program order in a stream; the legacy default stream against
+// blocking streams; nothing between a cudaStreamNonBlocking stream and the
+// others). So reading pinned results before cudaStreamSynchronize reads
+// stale data, and a kernel on a non-blocking stream runs before an earlier
+// cudaMemset or pageable cudaMemcpy on the default stream, as either can on
+// a GPU. Copies behave as CUDA's "API synchronization behavior" documents
+// (from pageable memory: staged before the call returns, DMA pending; to
+// pageable memory: done on return; cudaMemset: asynchronous).
 //
 // Settings: GTOPK_CUDA_EMU="key=value ..." with order = forward (default) |
 // reverse | shuffle, seed (shuffle seed, default 1), sms (multiprocessor

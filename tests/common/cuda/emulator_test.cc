@@ -11,6 +11,7 @@
 #include <stdlib.h>
 
 #include <cstdint>
+#include <cstring>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 #include <string>
@@ -149,6 +150,10 @@ __global__ void WrongScanSizeKernel(uint32_t* out) {
 
 __global__ void FillKernel(float* p, int n) {
   for (int i = threadIdx.x; i < n; i += blockDim.x) p[i] = i + 1.0f;
+}
+
+__global__ void CopyKernel(const float* src, float* dst, int n) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
 }
 
 // ---------------------------------------------------------------------------
@@ -477,6 +482,57 @@ TEST(EmulatorTest, AsyncCopyToPageableMemoryIsDoneOnReturn) {
   for (int i = 0; i < 8; ++i) EXPECT_EQ(host[i], i + 1.0f) << i;
   EXPECT_EQ(cudaFree(d), cudaSuccess);
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
+// Work on the legacy default stream (cudaMemset, a cudaMemcpy from pageable
+// memory) is not ordered before a kernel on a cudaStreamNonBlocking stream:
+// the emulator runs it only when something waits for it, so the kernel
+// reads the memory as it was (0xff bytes). A blocking stream, or a
+// synchronisation of the legacy stream first, orders it.
+TEST(EmulatorTest, LegacyStreamWorkIsOrderedOnlyBeforeBlockingStreams) {
+  for (const unsigned int flags : {cudaStreamNonBlocking, cudaStreamDefault}) {
+    for (const bool memset : {true, false}) {
+      SCOPED_TRACE(::testing::Message()
+                   << (flags == cudaStreamNonBlocking ? "non-blocking"
+                                                      : "blocking")
+                   << (memset ? " cudaMemset" : " cudaMemcpy"));
+      cudaStream_t stream;
+      ASSERT_EQ(cudaStreamCreateWithFlags(&stream, flags), cudaSuccess);
+      float* d = DeviceArray<float>(8);
+      float* pinned = nullptr;
+      ASSERT_EQ(cudaMallocHost(reinterpret_cast<void**>(&pinned),
+                               8 * sizeof(float)),
+                cudaSuccess);
+      const std::vector<float> twos(8, 2.0f);
+      if (memset) {
+        ASSERT_EQ(cudaMemset(d, 0, 8 * sizeof(float)), cudaSuccess);
+      } else {
+        ASSERT_EQ(cudaMemcpy(d, twos.data(), 8 * sizeof(float),
+                             cudaMemcpyHostToDevice),
+                  cudaSuccess);
+      }
+      GTOPK_LAUNCH(CopyKernel, 1, 32, stream)(d, pinned, 8);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      const float want = memset ? 0.0f : 2.0f;
+      for (int i = 0; i < 8; ++i) {
+        if (flags == cudaStreamNonBlocking) {
+          uint32_t bits;
+          std::memcpy(&bits, &pinned[i], sizeof(bits));
+          EXPECT_EQ(bits, 0xffffffffu) << i;
+        } else {
+          EXPECT_EQ(pinned[i], want) << i;
+        }
+      }
+      // Waiting for the legacy stream first orders it for any stream.
+      ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
+      GTOPK_LAUNCH(CopyKernel, 1, 32, stream)(d, pinned, 8);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      for (int i = 0; i < 8; ++i) EXPECT_EQ(pinned[i], want) << i;
+      EXPECT_EQ(cudaFreeHost(pinned), cudaSuccess);
+      EXPECT_EQ(cudaFree(d), cudaSuccess);
+      EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+    }
+  }
 }
 
 TEST(EmulatorTest, EventsMeasureANonNegativeElapsedTime) {
