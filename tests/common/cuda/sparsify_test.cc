@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -378,6 +379,132 @@ TEST_F(GpuTest, GaussianKThresholdIsMeanPlusZTimesStd) {
   ASSERT_FALSE(selector->last_info().fell_back);
   ASSERT_EQ(selector->last_info().adjustments, 0);
   EXPECT_EQ(got.indices, want);
+}
+
+// Gaussian-k raising its threshold on the host (ContinueGaussianK): the
+// first threshold t0 = mean + z*std leaves more than MaxCount(k) survivors,
+// but they lie in t0's digit-0 histogram bin, so the planner cannot rule t0
+// out and the fast path is refused; t1 = 1.5*t0 is then counted among the
+// gathered candidates. Entries sit exactly at the smallest float above t1
+// (and at its neighbours, so whichever float the device's t1 picks holds
+// some), so a survivor count that missed those ties (key > instead of >=)
+// would disagree with the compaction at t1 or move the threshold. The
+// reference is the CPU rule in plain loops, with t0 in long double:
+// #{|u| > t0} > MaxCount, #{|u| > t1} in range, selection {i : |u_i| > t1}.
+TEST_F(GpuTest, GaussianKRaisedThresholdCountsTiesAtItsKey) {
+  const size_t n = 10000;
+  const uint64_t k = 100;
+  const uint64_t lo = 67, hi = 133;  // ceil(2k/3), floor(4k/3)
+  const double z = cpu::NormalQuantile(1.0 - static_cast<double>(k) / n / 2.0);
+  // The smallest float strictly above t (t >= 0).
+  const auto min_float_above = [](long double t) {
+    float f = static_cast<float>(t);
+    if (static_cast<long double>(f) <= t) {
+      f = std::nextafter(f, std::numeric_limits<float>::infinity());
+    }
+    return f;
+  };
+  const auto threshold = [&](const std::vector<float>& u) {
+    long double sum = 0.0L;
+    for (float x : u) sum += x;
+    const long double mean = sum / n;
+    long double ss = 0.0L;
+    for (float x : u) ss += (x - mean) * (x - mean);
+    return mean + z * std::sqrt(ss / (n - 1));
+  };
+  // 80 entries in [4.5, 5.3), above t1 (~3.88); 100 in [2.70, 2.74), above
+  // t0 (~2.59) in its digit-0 bin [2.5, 2.75); two entries at each of the
+  // seven floats around the smallest float above t1 (which lies 2.5e-8 of
+  // t1 above it, the float below 3.6e-8 under it: far beyond the rounding
+  // of any device's sums); the rest spread over [-1.49, 1.49]. Groups
+  // interleaved over the index range, signs mixed.
+  const auto build = [&](float tie) {
+    std::vector<float> u(n);
+    std::vector<float> big;
+    for (int j = 0; j < 80; ++j) big.push_back(4.5f + 0.01f * j);
+    for (int j = 0; j < 100; ++j) big.push_back(2.70f + 0.0004f * j);
+    for (int d = -3; d <= 3; ++d) {
+      float f = tie;
+      for (int s = 0; s < std::abs(d); ++s) {
+        f = std::nextafter(f, d < 0 ? 0.0f : 10.0f);
+      }
+      big.push_back(f);
+      big.push_back(f);
+    }
+    const size_t stride = n / big.size();
+    size_t b = 0, bulk = 0;
+    for (size_t i = 0; i < n; ++i) {
+      float x;
+      if (i % stride == 7 && b < big.size()) {
+        x = big[b++];
+      } else {
+        x = 1.49f * (static_cast<float>(bulk % 4096) + 0.5f) / 4096.0f;
+        ++bulk;
+      }
+      u[i] = (i * 7 + i / 3) % 2 == 0 ? x : -x;
+    }
+    return u;
+  };
+  // The ties depend on t1, which depends (weakly) on the ties: iterate.
+  float tie = 3.9f;
+  std::vector<float> u;
+  long double t0 = 0.0L;
+  for (int iteration = 0; iteration < 4; ++iteration) {
+    u = build(tie);
+    t0 = threshold(u);
+    const float next = min_float_above(1.5L * t0);
+    if (next == tie) break;
+    tie = next;
+  }
+  const long double t1 = 1.5L * t0;
+  ASSERT_EQ(min_float_above(t1), tie) << "the ties did not settle";
+  // Decided beyond the rounding of any device's sums: no |u_i| near t0, and
+  // t1 not near a float (both within 1e-9 relative pick the same float).
+  ASSERT_EQ(min_float_above(t1 * (1.0L - 1e-9L)),
+            min_float_above(t1 * (1.0L + 1e-9L)));
+  uint64_t count0 = 0, count1 = 0, ties = 0, at_bin_top = 0;
+  std::vector<uint32_t> want;
+  for (size_t i = 0; i < n; ++i) {
+    const long double a = std::fabs(u[i]);
+    ASSERT_GT(std::fabs(a - t0), 1e-9L * t0) << i;
+    count0 += a > t0;
+    at_bin_top += a >= 2.75L;
+    ties += std::fabs(u[i]) == tie;
+    if (a > t1) {
+      ++count1;
+      want.push_back(static_cast<uint32_t>(i));
+    }
+  }
+  ASSERT_GE(t0, 2.5L);  // t0 in the digit-0 bin [2.5, 2.75) ...
+  ASSERT_LT(t0, 2.70L);
+  ASSERT_LE(at_bin_top, hi);  // ... whose bounds the planner cannot decide
+  ASSERT_GT(count0, hi);      // too many survivors: raise to t1
+  ASSERT_GE(count1, lo);
+  ASSERT_LE(count1, hi);
+  ASSERT_EQ(ties, 2u);
+  ASSERT_GE(count1 - ties, lo);  // without the ties still in range
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                             CudaSelector::Create("gaussiank", {}, n));
+  ASSERT_EQ(selector->MinCount(k), lo);
+  ASSERT_EQ(selector->MaxCount(k), hi);
+  DeviceVector d(u);
+  SparseVector got;
+  GTOPK_ASSERT_OK(selector->SelectDevice(d.buffer.get(), n, k, 0, nullptr,
+                                         /*zero_selected=*/true, &got));
+  EXPECT_FALSE(selector->last_info().fast_path);
+  EXPECT_FALSE(selector->last_info().fell_back);
+  EXPECT_EQ(selector->last_info().adjustments, 1);
+  EXPECT_EQ(selector->last_info().candidates, count0);
+  ASSERT_EQ(got.indices, want);
+  std::vector<float> expected = u;
+  for (size_t j = 0; j < got.size(); ++j) {
+    ASSERT_EQ(FloatBits(got.values[j]), FloatBits(u[want[j]])) << j;
+    expected[want[j]] = 0.0f;
+  }
+  const std::vector<float> after = d.ToHost(n);
+  for (size_t i = 0; i < n; ++i) {
+    ASSERT_EQ(FloatBits(after[i]), FloatBits(expected[i])) << "index " << i;
+  }
 }
 
 // SparseUpdater against plain loops, bit for bit: Set, Subtract, then global
