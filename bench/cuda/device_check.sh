@@ -120,7 +120,8 @@ cuda_tool() {
   t=$(command -v "$1" 2> /dev/null) || t="$(dirname "$NVCC")/$1"
   [ -x "$t" ] && echo "$t"
 }
-SMALL=(--sizes=1000,100003 --densities=0.001,0.3 --iters=20 --warmup=1)
+# Correctness runs only (--check-only): every launch is instrumented.
+SMALL=(--sizes=1000,100003 --densities=0.001,0.3 --check-only)
 
 # 4. compute-sanitizer on small sizes: out-of-bounds and misaligned
 # accesses, shared-memory races, barrier misuse (each tool's errors fail
@@ -154,10 +155,14 @@ NCU=$(cuda_tool ncu)
 if [ "$PROFILE" = 1 ] && [ -n "$NCU" ] && ! time_for 120; then
   say "ncu: skipped (${SECONDS} s of BUDGET=$BUDGET used)"
 elif [ "$PROFILE" = 1 ] && [ -n "$NCU" ]; then
-  timeout -k 10 120 "$NCU" --clock-control none --metrics gpu__time_duration.sum \
+  # Every kernel of one checked selection per method (--check-only), with
+  # the caches as the program leaves them (--cache-control none: u is
+  # larger than L2 anyway; the small kernels would otherwise start cold).
+  timeout -k 10 120 "$NCU" --clock-control none --cache-control none \
+    --metrics gpu__time_duration.sum --launch-count 400 \
     --print-summary per-kernel --csv --log-file "$OUT/ncu_kernels.csv" \
-    "$BUILD_DIR/device_check" --sizes=25557032 --densities=0.001 --iters=20 \
-    --warmup=1 --json="$OUT/ncu_run.json" > "$OUT/ncu.log" 2>&1
+    "$BUILD_DIR/device_check" --sizes=25557032 --densities=0.001 --check-only \
+    --json="$OUT/ncu_run.json" > "$OUT/ncu.log" 2>&1
   rn=$?
   if [ $rn -eq 0 ]; then
     say "ncu: per-kernel times in $OUT/ncu_kernels.csv"
@@ -167,4 +172,4 @@ elif [ "$PROFILE" = 1 ] && [ -n "$NCU" ]; then
 elif [ "$PROFILE" = 1 ]; then
   say "ncu not found: step 5 skipped"
 fi
-exit $rc
+exit "$rc"

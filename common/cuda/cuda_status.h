@@ -43,9 +43,14 @@ struct Status {
 };
 
 // "<file>:<line>: <call>: <cudaErrorName>: <cudaGetErrorString>". Out of
-// memory is RESOURCE_EXHAUSTED, everything else INTERNAL.
+// memory is RESOURCE_EXHAUSTED, everything else INTERNAL. Clears CUDA's
+// last-error state.
 inline Status CudaError(cudaError_t error, const char* call, const char* file,
                         int line) {
+  // The runtime also records the error as its "last error", which the next
+  // launch check (cudaGetLastError) would report again: reset it (a sticky
+  // error survives and keeps failing, as it should).
+  cudaGetLastError();
   std::string message = std::string(file) + ":" + std::to_string(line) + ": " +
                         call + ": " + cudaGetErrorName(error) + ": " +
                         cudaGetErrorString(error);

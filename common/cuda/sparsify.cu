@@ -822,6 +822,11 @@ std::string FloatText(float x) {
 
 #define GTOPK_CUDA_LAUNCH_CHECK() GTOPK_CUDA_RETURN_IF_ERROR(cudaGetLastError())
 
+// Public entry points launch kernels and check them with cudaGetLastError,
+// which also returns a (non-sticky) error an unrelated earlier runtime call
+// left behind: discard that first, it is not this call's.
+void DiscardStaleError() { cudaGetLastError(); }
+
 }  // namespace
 
 const char* MethodName(Method method) {
@@ -874,6 +879,7 @@ Status SparseUpdater::Upload(const uint32_t* idx, const float* val,
 Status SparseUpdater::Scatter(float* dst, uint64_t n, const uint32_t* idx,
                               const float* val, uint64_t count, int subtract,
                               cudaStream_t stream) {
+  DiscardStaleError();
   if (count == 0) return Status::Ok();
   GTOPK_CUDA_RETURN_IF_NOT_OK(Upload(idx, val, count, stream));
   const int blocks =
@@ -900,6 +906,7 @@ Status SparseUpdater::GlobalMomentum(float* params, float* velocity, uint64_t n,
                                      float momentum, const uint32_t* idx,
                                      const float* val, uint64_t count,
                                      cudaStream_t stream) {
+  DiscardStaleError();
   if (n == 0) return Status::Ok();
   if (dense_.size() < n) {
     GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
@@ -935,6 +942,9 @@ int DeviceCount() {
 struct Sparsifier::Impl {
   uint64_t capacity = 0;
   int max_blocks = 0;  // passes over u: <= kMaxBlocks
+  // The fused update's grid: one wave of HistogramKernel<true>, which holds
+  // more registers than the other passes (fewer blocks fit per SM).
+  int update_blocks = 0;
 
   DeviceBuffer<unsigned char> meta;  // DeviceState + hist0/1/2
   DeviceState* st = nullptr;
@@ -1231,7 +1241,8 @@ Status Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
                                      /*if_accepted=*/true));
   continuation = Continuation::kGaussianK;
   info.fell_back = false;
-  return CopyOut(hi, stream);
+  // hi = floor(4k/3) can exceed n (density > 3/4): never more than n pairs.
+  return CopyOut(std::min<uint64_t>(hi, n), stream);
 }
 
 Status Sparsifier::Impl::ContinueGaussianK(const DeviceState& state,
@@ -1405,6 +1416,11 @@ Status Sparsifier::Create(uint64_t capacity, std::unique_ptr<Sparsifier>* out) {
   GTOPK_CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   impl->max_blocks = std::max(1, std::min(kMaxBlocks, sms * 8));
+  int per_sm = 0;
+  GTOPK_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &per_sm, HistogramKernel<true>, kThreads, 0));
+  impl->update_blocks =
+      std::max(1, std::min(impl->max_blocks, sms * std::max(1, per_sm)));
   const size_t meta_bytes =
       sizeof(DeviceState) + (2 * kBins + 512) * sizeof(ull) + 64;
   GTOPK_CUDA_RETURN_IF_NOT_OK(impl->meta.Allocate(meta_bytes));
@@ -1439,6 +1455,7 @@ Status Sparsifier::Accumulate(const float* grad, const float* params,
                               const float* residual_in, float* residual_out,
                               uint64_t n, const UpdateParams& up,
                               cudaStream_t stream) {
+  DiscardStaleError();
   Impl& m = *impl_;
   if (n == 0 || n > m.capacity) {
     return Status::Error(
@@ -1484,7 +1501,8 @@ Status Sparsifier::Accumulate(const float* grad, const float* params,
                   (Aligned16(velocity_in) && Aligned16(velocity_out)));
   a.st = m.st;
   a.hist0 = m.hist0;
-  GTOPK_LAUNCH(HistogramKernel<true>, m.HistBlocks(n), kThreads, stream)(a);
+  GTOPK_LAUNCH(HistogramKernel<true>, std::min(m.HistBlocks(n), m.update_blocks),
+               kThreads, stream)(a);
   GTOPK_CUDA_LAUNCH_CHECK();
   m.hist_u = residual_out;
   m.hist_n = n;
@@ -1493,6 +1511,7 @@ Status Sparsifier::Accumulate(const float* grad, const float* params,
 
 Status Sparsifier::Select(float* u, uint64_t n, const SelectParams& p,
                           cudaStream_t stream) {
+  DiscardStaleError();
   Impl& m = *impl_;
   if (m.pending) {
     return Status::Error(StatusCode::kFailedPrecondition,
@@ -1548,6 +1567,7 @@ Status Sparsifier::Select(float* u, uint64_t n, const SelectParams& p,
 }
 
 Status Sparsifier::Wait(cudaStream_t stream, Selection* out) {
+  DiscardStaleError();
   Impl& m = *impl_;
   if (!m.pending) {
     return Status::Error(StatusCode::kFailedPrecondition,

@@ -111,6 +111,14 @@ struct Selection {
 // Owns the device scratch of one selector (20 bytes per entry of capacity
 // plus about 1 MiB) and the pinned output buffers.
 //
+// Errors: CUDA failures are INTERNAL with file:line and CUDA's error name
+// (RESOURCE_EXHAUSTED for out of memory). A non-sticky error an unrelated
+// earlier runtime call left in CUDA's last-error state is discarded on entry
+// to Accumulate/Select/Wait (it is not theirs); a sticky one (a device
+// fault) fails every call, as it does CUDA's. After an INTERNAL error the
+// residual may hold a partial update (the worker keeps its previous
+// residual until a step succeeds).
+//
 // Thread-safety: none; one instance per stream/thread. Calls are ordered:
 // [Accumulate] -> Select -> Wait -> [Accumulate] -> Select -> Wait ...
 // All pointers are device pointers on the current device unless named host.

@@ -45,11 +45,15 @@ class BlockScan {
     gtopk::cuda_emu::CheckBlockSize("cub::BlockScan", BLOCK_DIM_X);
   }
 
+  // Each member takes the caller's call site (default arguments), which
+  // names the barrier the block meets at.
   template <int N>
-  void ExclusiveSum(T (&input)[N], T (&output)[N], T& aggregate) {
+  void ExclusiveSum(T (&input)[N], T (&output)[N], T& aggregate,
+                    const char* file = __builtin_FILE(),
+                    int line = __builtin_LINE()) {
     T mine{};
     for (int j = 0; j < N; ++j) mine += input[j];
-    T before = Exchange(mine, &aggregate);
+    T before = Exchange(mine, &aggregate, file, line);
     for (int j = 0; j < N; ++j) {
       const T x = input[j];  // input and output may alias
       output[j] = before;
@@ -57,32 +61,40 @@ class BlockScan {
     }
   }
   template <int N>
-  void ExclusiveSum(T (&input)[N], T (&output)[N]) {
+  void ExclusiveSum(T (&input)[N], T (&output)[N],
+                    const char* file = __builtin_FILE(),
+                    int line = __builtin_LINE()) {
     T aggregate;
-    ExclusiveSum(input, output, aggregate);
+    ExclusiveSum(input, output, aggregate, file, line);
   }
-  void ExclusiveSum(T input, T& output, T& aggregate) {
-    output = Exchange(input, &aggregate);
+  void ExclusiveSum(T input, T& output, T& aggregate,
+                    const char* file = __builtin_FILE(),
+                    int line = __builtin_LINE()) {
+    output = Exchange(input, &aggregate, file, line);
   }
-  void ExclusiveSum(T input, T& output) {
+  void ExclusiveSum(T input, T& output, const char* file = __builtin_FILE(),
+                    int line = __builtin_LINE()) {
     T aggregate;
-    ExclusiveSum(input, output, aggregate);
+    ExclusiveSum(input, output, aggregate, file, line);
   }
-  void InclusiveSum(T input, T& output, T& aggregate) {
-    output = Exchange(input, &aggregate) + input;
+  void InclusiveSum(T input, T& output, T& aggregate,
+                    const char* file = __builtin_FILE(),
+                    int line = __builtin_LINE()) {
+    output = Exchange(input, &aggregate, file, line) + input;
   }
-  void InclusiveSum(T input, T& output) {
+  void InclusiveSum(T input, T& output, const char* file = __builtin_FILE(),
+                    int line = __builtin_LINE()) {
     T aggregate;
-    InclusiveSum(input, output, aggregate);
+    InclusiveSum(input, output, aggregate, file, line);
   }
 
  private:
   // Deposits this thread's partial, meets the block, and returns the sum of
   // the lower threads' partials (*total: all of them).
-  T Exchange(T mine, T* total) {
+  T Exchange(T mine, T* total, const char* file, int line) {
     const unsigned t = gtopk::cuda_emu::ThreadInBlock();
     storage_.partial[t] = mine;
-    gtopk::cuda_emu::BlockBarrier(__FILE__, __LINE__);
+    gtopk::cuda_emu::CollectiveBarrier("cub::BlockScan", file, line);
     T before{}, all{};
     for (int i = 0; i < BLOCK_DIM_X; ++i) {
       if (static_cast<unsigned>(i) < t) before += storage_.partial[i];
@@ -112,10 +124,11 @@ class BlockReduce {
   }
 
   // The block's sum in thread 0; undefined (a poison value) elsewhere.
-  T Sum(T input) {
+  T Sum(T input, const char* file = __builtin_FILE(),
+        int line = __builtin_LINE()) {
     const unsigned t = gtopk::cuda_emu::ThreadInBlock();
     storage_.partial[t] = input;
-    gtopk::cuda_emu::BlockBarrier(__FILE__, __LINE__);
+    gtopk::cuda_emu::CollectiveBarrier("cub::BlockReduce", file, line);
     if (t != 0) return Poison();
     T sum{};
     for (int i = 0; i < BLOCK_DIM_X; ++i) sum += storage_.partial[i];

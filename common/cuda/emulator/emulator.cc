@@ -173,6 +173,7 @@ struct Thread {
   Wait wait = Wait::kRunnable;
   const char* file = nullptr;  // barrier site
   int line = 0;
+  bool collective = false;  // the barrier is a cub block collective's
   unsigned mask = 0;  // ballot
   int vote = 0;
   unsigned result = 0;
@@ -398,6 +399,17 @@ bool Release(std::vector<Thread>& threads) {
              "%d at %s:%d",
              t.file, t.line, static_cast<int>(first_barrier - &threads[0]),
              first_barrier->file, first_barrier->line);
+      }
+    }
+    if (exited > 0 && first_barrier->collective) {
+      // CUB's block collectives need every thread of the block: an exited
+      // thread's partial would be read unwritten.
+      for (int i = 0; i < n; ++i) {
+        if (threads[i].wait == Wait::kExited) {
+          Fail("block collective at %s:%d reached while thread %d has "
+               "exited",
+               first_barrier->file, first_barrier->line, i);
+        }
       }
     }
     for (Thread& t : threads) {
@@ -760,6 +772,16 @@ void BlockBarrier(const char* file, int line) {
   me.wait = Wait::kBarrier;
   me.file = file;
   me.line = line;
+  me.collective = false;
+  Suspend(me);
+}
+
+void CollectiveBarrier(const char* what, const char* file, int line) {
+  Thread& me = Me(what);
+  me.wait = Wait::kBarrier;
+  me.file = file;
+  me.line = line;
+  me.collective = true;
   Suspend(me);
 }
 
@@ -997,12 +1019,14 @@ namespace cuda_emu {
 namespace {
 
 // A copy on `stream` with CUDA's host-side behaviour (CUDA runtime API,
-// "API synchronization behavior"): from pageable host memory the stream is
-// synchronised and the source staged before the call returns, the DMA to
-// the device may still be pending; to pageable host memory the call returns
-// once the copy is done; device-to-device, and to or from pinned memory in
-// the Async form, nothing waits. `sync`: the cudaMemcpy form (legacy
-// stream; pinned-to-device is synchronous there too).
+// "API synchronization behavior"): from pageable host memory the source is
+// staged before the call returns and the DMA to the device may still be
+// pending (cudaMemcpy also synchronises the stream first; the Async form
+// only may, and here does not, which leaves earlier work as late as
+// possible); to pageable host memory the call returns once the copy is
+// done; device-to-device, and to or from pinned memory in the Async form,
+// nothing waits. `sync`: the cudaMemcpy form (legacy stream; pinned-to-
+// device is synchronous there too).
 void Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
           cudaStream_t stream, bool sync) {
   if (bytes == 0) return;
@@ -1013,7 +1037,7 @@ void Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
       return;
     case cudaMemcpyHostToDevice:
       if (!IsPinned(src, bytes)) {
-        SyncStream(stream);
+        if (sync) SyncStream(stream);
         auto staged = std::make_shared<std::vector<char>>(
             static_cast<const char*>(src), static_cast<const char*>(src) + bytes);
         Enqueue(stream, [dst, staged]() {

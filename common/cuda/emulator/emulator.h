@@ -18,7 +18,8 @@
 // block and thread): divergent __syncthreads (threads waiting at different
 // lines), a ballot whose mask names a lane that exited, a deadlock, a
 // BlockScan/BlockReduce used with another block size than its template
-// argument, a read or write past the end of a cudaMalloc/cudaMallocHost
+// argument or reached while a thread of the block has exited (each
+// collective call site is its own barrier), a read or write past the end of a cudaMalloc/cudaMallocHost
 // allocation (a guard page right behind the 16-byte-rounded end; the SIGSEGV
 // handler names the allocation), a read or write before its start that
 // leaves the allocation's page-rounding slack (a guard page; the start is on
@@ -26,7 +27,8 @@
 // (a canary, checked after every kernel and at free; a read there is not
 // caught), use after cudaFree (freed ranges stay inaccessible for the next
 // 256 frees; the message says "use after free"), a kernel
-// pointer argument that is not device or pinned memory, launch
+// pointer argument that is not device or pinned memory (top-level pointer
+// arguments only: pointers inside a struct argument are not checked), launch
 // configurations CUDA rejects (cudaErrorInvalidConfiguration, as the real
 // runtime reports it). Device memory starts as 0xff bytes (NaN floats), so
 // reading what nothing wrote is visible. Work on streams runs as late as
@@ -173,6 +175,19 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int flags);
 cudaError_t cudaStreamDestroy(cudaStream_t stream);
 cudaError_t cudaStreamSynchronize(cudaStream_t stream);
 
+// Blocks of `block_size` threads resident per multiprocessor: 2048 threads'
+// worth (an H100/H200 SM), at most 32 blocks; registers are not modelled.
+template <typename Kernel>
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+    int* blocks, Kernel, int block_size, size_t dynamic_shared_bytes) {
+  if (blocks == nullptr || block_size <= 0 || block_size > 1024 ||
+      dynamic_shared_bytes != 0) {
+    return cudaErrorInvalidValue;
+  }
+  *blocks = 2048 / block_size < 32 ? 2048 / block_size : 32;
+  return cudaSuccess;
+}
+
 cudaError_t cudaEventCreate(cudaEvent_t* event);
 cudaError_t cudaEventDestroy(cudaEvent_t event);
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream = nullptr);
@@ -267,6 +282,10 @@ namespace cuda_emu {
 // keeps CUB's rule: a __syncthreads() before the storage is reused.
 void CheckBlockSize(const char* what, int template_threads);
 void BlockBarrier(const char* file, int line);
+// A cub collective's barrier, identified by the caller's call site (so two
+// different collectives reached divergently do not meet); fails when a
+// thread of the block has exited.
+void CollectiveBarrier(const char* what, const char* file, int line);
 // The calling thread's index in its block (Fail outside a kernel).
 unsigned ThreadInBlock();
 

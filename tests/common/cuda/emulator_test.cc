@@ -148,6 +148,15 @@ __global__ void WrongScanSizeKernel(uint32_t* out) {
   out[threadIdx.x] = before;
 }
 
+// Thread 0 leaves before a block reduction the others enter.
+__global__ void CollectiveWithExitedThreadKernel(double* out) {
+  using Reduce = cub::BlockReduce<double, 64>;
+  __shared__ typename Reduce::TempStorage storage;
+  if (threadIdx.x == 0) return;
+  const double sum = Reduce(storage).Sum(1.0);
+  if (threadIdx.x == 1) out[0] = sum;
+}
+
 __global__ void FillKernel(float* p, int n) {
   for (int i = threadIdx.x; i < n; i += blockDim.x) p[i] = i + 1.0f;
 }
@@ -591,6 +600,17 @@ TEST_F(EmulatorDeathTest, Deadlock) {
       },
       "deadlock: no barrier or ballot can complete: thread 0 at a ballot; "
       "thread 1 at .*emulator_test.cc");
+}
+
+TEST_F(EmulatorDeathTest, BlockCollectiveWithAnExitedThread) {
+  EXPECT_DEATH(
+      {
+        double* d = DeviceArray<double>(1);
+        GTOPK_LAUNCH(CollectiveWithExitedThreadKernel, 1, 64, nullptr)(d);
+        cudaDeviceSynchronize();
+      },
+      "block collective at .*emulator_test.cc:[0-9]+ reached while thread 0 "
+      "has exited");
 }
 
 TEST_F(EmulatorDeathTest, BlockScanInABlockOfTheWrongSize) {

@@ -289,6 +289,44 @@ TEST_F(GpuTest, ExactForEveryKOfASmallInput) {
 // its 512 values four times, so the level-2 histogram decides every k; one
 // selector for all k, so a histogram bin left over from the previous
 // selection changes the result (device memory is only zeroed at creation).
+// gaussiank and dgc at every k of a small input, up to k = n: their count
+// contracts and threshold property hold on every path, including densities
+// above 3/4 where Gaussian-k's upper count bound floor(4k/3) exceeds n.
+TEST_F(GpuTest, GaussianKAndDgcForEveryKOfASmallInput) {
+  const size_t n = 257;
+  const std::vector<float> u = MakeInput(Distribution::kNormal, n, 6);
+  for (const char* name : {"gaussiank", "dgc"}) {
+    SCOPED_TRACE(name);
+    GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                               CudaSelector::Create(name, {}, n));
+    for (uint64_t k = 1; k <= n; ++k) {
+      SCOPED_TRACE(::testing::Message() << "k " << k);
+      SparseVector got;
+      GTOPK_ASSERT_OK(selector->Select(u, k, k, &got));
+      EXPECT_GE(got.size(), selector->MinCount(k));
+      EXPECT_LE(got.size(), std::min<uint64_t>(selector->MaxCount(k), n));
+      ExpectThresholdSelection(u, got);
+      if (selector->last_info().fell_back) {
+        ExpectSameBits(got, ReferenceTopK(u, k));
+      }
+    }
+  }
+}
+
+// A failed runtime call elsewhere leaves an error in CUDA's last-error state;
+// the selector's launch checks must not report it as their own.
+TEST_F(GpuTest, AnUnrelatedFailedCudaCallDoesNotFailTheNextSelection) {
+  const size_t n = 4099;
+  const std::vector<float> u = MakeInput(Distribution::kNormal, n, 8);
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                             CudaSelector::Create("exact", {}, n));
+  void* p = nullptr;
+  ASSERT_NE(cudaMalloc(&p, size_t{1} << 50), cudaSuccess);  // 1 PiB
+  SparseVector got;
+  GTOPK_ASSERT_OK(selector->Select(u, 41, 0, &got));
+  ExpectSameBits(got, ReferenceTopK(u, 41));
+}
+
 TEST_F(GpuTest, RepeatedSelectionsOnOneSelectorResetEveryHistogramBin) {
   const size_t n = 4 * 512;
   std::vector<float> u(n);
