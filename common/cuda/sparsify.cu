@@ -84,8 +84,7 @@ struct DeviceState {
   ull num_selected;    // output count of the final compaction
   ull count_at_least;  // CountAtLeastKernel's result
   ull first_non_finite;
-  double sum;        // sum of u (histogram pass)
-  double sumsq;      // sum of u^2
+  int sum_blocks;    // blocks of the histogram pass with partial sums
   double threshold;  // gaussiank: threshold where the planner stopped
   uint32_t prefix;
   uint32_t min_key;  // compaction threshold: keep key >= min_key
@@ -134,16 +133,13 @@ __global__ void InitKernel(DeviceState* st, ull* hist0, ull* hist1, ull* hist2,
     if (i < 512) hist2[i] = 0;
   }
   if (threadIdx.x == 0) {
-    const double sum = st->sum, sumsq = st->sumsq;
+    const int sum_blocks = st->sum_blocks;
     const ull candidates = st->num_candidates;
     DeviceState s{};
     memset(&s, 0, sizeof(s));
     s.need = need;
     s.first_non_finite = ~0ull;
-    if (keep_sums) {
-      s.sum = sum;
-      s.sumsq = sumsq;
-    }
+    if (keep_sums) s.sum_blocks = sum_blocks;
     if (keep_candidates) s.num_candidates = candidates;
     *st = s;
   }
@@ -162,6 +158,7 @@ struct HistArgs {
   int vectorized;  // every pointer 16-byte aligned
   DeviceState* st;
   ull* hist0;
+  double* partials;  // [2 * block] = sum of u, [2 * block + 1] = sum of u^2
 };
 
 // One element of the update: the CPU rule's operations in its order.
@@ -249,9 +246,12 @@ __global__ void __launch_bounds__(kThreads) HistogramKernel(HistArgs a) {
   const double block_sum = Reduce(reduce_storage).Sum(sum);
   __syncthreads();
   const double block_sumsq = Reduce(reduce_storage).Sum(sumsq);
+  // Per-block partials, summed in a fixed order by GaussPlanKernel: double
+  // atomics would make Gaussian-k's threshold depend on block timing.
   if (threadIdx.x == 0) {
-    atomicAdd(&a.st->sum, block_sum);
-    atomicAdd(&a.st->sumsq, block_sumsq);
+    a.partials[2 * blockIdx.x] = block_sum;
+    a.partials[2 * blockIdx.x + 1] = block_sumsq;
+    if (blockIdx.x == 0) a.st->sum_blocks = static_cast<int>(gridDim.x);
   }
   __syncthreads();
   for (int i = threadIdx.x; i < kBins; i += kThreads) {
@@ -669,8 +669,9 @@ __global__ void __launch_bounds__(kThreads)
 // bounds of its bin). Stops at the first threshold the histogram cannot
 // rule out and sets min_key to it; fallback = 1 when the loop ends without.
 __global__ void __launch_bounds__(kScanThreads)
-    GaussPlanKernel(DeviceState* st, const ull* hist0, uint64_t n, double z,
-                    ull lo, ull hi, int max_adjustments) {
+    GaussPlanKernel(DeviceState* st, const ull* hist0, const double* partials,
+                    uint64_t n, double z, ull lo, ull hi, int max_adjustments) {
+  static_assert(kMaxBlocks <= kScanThreads, "one partial sum per thread");
   using Scan = cub::BlockScan<ull, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ typename Scan::TempStorage storage;
   __shared__ ull at_least[kBins + 1];  // keys with digit 0 >= b
@@ -692,13 +693,22 @@ __global__ void __launch_bounds__(kScanThreads)
     at_least[kBins - 1 - p] = before[j] + v[j];
   }
   if (threadIdx.x == 0) at_least[kBins] = 0;
+  // The histogram pass's per-block sums, in a fixed order (valid in thread
+  // 0): the same input gives the same threshold on every run.
+  using Reduce = cub::BlockReduce<double, kScanThreads>;
+  __shared__ typename Reduce::TempStorage reduce_storage;
+  const int b = static_cast<int>(threadIdx.x);
+  const bool mine = b < st->sum_blocks;
+  const double sum = Reduce(reduce_storage).Sum(mine ? partials[2 * b] : 0.0);
+  __syncthreads();
+  const double sumsq =
+      Reduce(reduce_storage).Sum(mine ? partials[2 * b + 1] : 0.0);
   __syncthreads();
   if (threadIdx.x != 0) return;
   if (non_finite) {
     st->error |= kErrorNonFinite;
     return;
   }
-  const double sum = st->sum, sumsq = st->sumsq;
   const double mean = sum / static_cast<double>(n);
   const double var =
       n > 1 ? fmax(0.0, (sumsq - sum * mean) / static_cast<double>(n - 1))
@@ -951,6 +961,7 @@ struct Sparsifier::Impl {
   ull* hist0 = nullptr;
   ull* hist1 = nullptr;
   ull* hist2 = nullptr;
+  double* partials = nullptr;  // 2 * kMaxBlocks: the histogram pass's sums
   DeviceBuffer<uint32_t> regions;
   DeviceBuffer<uint32_t> counts_a, counts_b;
   DeviceBuffer<ull> offsets_a, offsets_b;
@@ -1015,6 +1026,7 @@ struct Sparsifier::Impl {
     a.vectorized = Aligned16(u);
     a.st = st;
     a.hist0 = hist0;
+    a.partials = partials;
     GTOPK_LAUNCH(HistogramKernel<false>, HistBlocks(n), kThreads, stream)(a);
     GTOPK_CUDA_LAUNCH_CHECK();
     return Status::Ok();
@@ -1229,7 +1241,7 @@ Status Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
   GTOPK_CUDA_RETURN_IF_NOT_OK(Init(k, !reuse, reuse, false, stream));
   if (!reuse) GTOPK_CUDA_RETURN_IF_NOT_OK(Histogram(u, n, stream));
   GTOPK_LAUNCH(GaussPlanKernel, 1, kScanThreads, stream)(
-      st, hist0, n, z, lo, hi, p.gaussiank_max_adjustments);
+      st, hist0, partials, n, z, lo, hi, p.gaussiank_max_adjustments);
   GTOPK_CUDA_LAUNCH_CHECK();
   GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, false, false, 0, stream));
   // The usual case, with no host round trip: the planned threshold's count
@@ -1422,7 +1434,8 @@ Status Sparsifier::Create(uint64_t capacity, std::unique_ptr<Sparsifier>* out) {
   impl->update_blocks =
       std::max(1, std::min(impl->max_blocks, sms * std::max(1, per_sm)));
   const size_t meta_bytes =
-      sizeof(DeviceState) + (2 * kBins + 512) * sizeof(ull) + 64;
+      sizeof(DeviceState) + (2 * kBins + 512) * sizeof(ull) + 64 +
+      2 * kMaxBlocks * sizeof(double);
   GTOPK_CUDA_RETURN_IF_NOT_OK(impl->meta.Allocate(meta_bytes));
   GTOPK_CUDA_RETURN_IF_ERROR(cudaMemset(impl->meta.get(), 0, meta_bytes));
   // cudaMemset is asynchronous on the default stream, which a caller's
@@ -1435,6 +1448,7 @@ Status Sparsifier::Create(uint64_t capacity, std::unique_ptr<Sparsifier>* out) {
   impl->hist0 = reinterpret_cast<ull*>(base + hist_offset);
   impl->hist1 = impl->hist0 + kBins;
   impl->hist2 = impl->hist1 + kBins;
+  impl->partials = reinterpret_cast<double*>(impl->hist2 + 512);
   GTOPK_CUDA_RETURN_IF_NOT_OK(
       impl->regions.Allocate(capacity + kChunkAlign * kMaxWarps));
   GTOPK_CUDA_RETURN_IF_NOT_OK(impl->counts_a.Allocate(kMaxWarps));
@@ -1501,6 +1515,7 @@ Status Sparsifier::Accumulate(const float* grad, const float* params,
                   (Aligned16(velocity_in) && Aligned16(velocity_out)));
   a.st = m.st;
   a.hist0 = m.hist0;
+  a.partials = m.partials;
   GTOPK_LAUNCH(HistogramKernel<true>, std::min(m.HistBlocks(n), m.update_blocks),
                kThreads, stream)(a);
   GTOPK_CUDA_LAUNCH_CHECK();

@@ -327,6 +327,26 @@ TEST_F(GpuTest, AnUnrelatedFailedCudaCallDoesNotFailTheNextSelection) {
   ExpectSameBits(got, ReferenceTopK(u, 41));
 }
 
+// Same input, same selection, every run: Gaussian-k's mean and std come
+// from per-block partial sums added in a fixed order (not double atomics,
+// whose order follows block timing on a GPU).
+TEST_F(GpuTest, GaussianKIsDeterministicAcrossRuns) {
+  const size_t n = (1 << 20) + 7;
+  const std::vector<float> u = MakeInput(Distribution::kHeavyTailed, n, 31);
+  SparseVector first;
+  for (int run = 0; run < 3; ++run) {
+    GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                               CudaSelector::Create("gaussiank", {}, n));
+    SparseVector got;
+    GTOPK_ASSERT_OK(selector->Select(u, 1049, 0, &got));
+    if (run == 0) {
+      first = got;
+    } else {
+      ExpectSameBits(got, first);
+    }
+  }
+}
+
 TEST_F(GpuTest, RepeatedSelectionsOnOneSelectorResetEveryHistogramBin) {
   const size_t n = 4 * 512;
   std::vector<float> u(n);
