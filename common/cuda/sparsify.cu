@@ -123,7 +123,8 @@ __host__ __device__ inline uint32_t MinKeyAbove(double t) {
 // ---------------------------------------------------------------------------
 
 // Resets the state; zeroes hist1/hist2 and (zero_hist0) hist0. keep_sums
-// keeps sum/sumsq (from Accumulate), keep_candidates num_candidates.
+// keeps sum_blocks (Accumulate's per-block partial sums stay valid),
+// keep_candidates num_candidates.
 __global__ void InitKernel(DeviceState* st, ull* hist0, ull* hist1, ull* hist2,
                            ull need, int zero_hist0, int keep_sums,
                            int keep_candidates) {
@@ -1027,7 +1028,11 @@ struct Sparsifier::Impl {
     a.st = st;
     a.hist0 = hist0;
     a.partials = partials;
-    GTOPK_LAUNCH(HistogramKernel<false>, HistBlocks(n), kThreads, stream)(a);
+    // The fused update's grid: the same partition of u into per-block sums,
+    // so Gaussian-k's threshold is the same whether or not Select reuses
+    // Accumulate's histogram.
+    GTOPK_LAUNCH(HistogramKernel<false>, std::min(HistBlocks(n), update_blocks),
+                 kThreads, stream)(a);
     GTOPK_CUDA_LAUNCH_CHECK();
     return Status::Ok();
   }
@@ -1246,7 +1251,7 @@ Status Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
   GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, false, false, 0, stream));
   // The usual case, with no host round trip: the planned threshold's count
   // is in [lo, hi], the device accepts it and gathers the survivors into
-  // the output, and all hi possible pairs are copied. Otherwise Wait
+  // the output, and all min(hi, n) possible pairs are copied. Otherwise Wait
   // continues with the adjustments (ContinueGaussianK).
   GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(-1, nullptr, stream, lo, hi));
   GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, -1, nullptr, stream,

@@ -155,7 +155,7 @@ class Sparsifier {
   // Enqueues the selection of about k entries of u (length n) on `stream`
   // and the asynchronous copy of the selected pairs to pinned host memory.
   // Never blocks the host: exact and the fast paths of gaussiank/dgc are
-  // enqueued whole (those copy all MaxCount possible pairs, since their
+  // enqueued whole (those copy all min(MaxCount, n) possible pairs, since their
   // count is data-dependent); their other paths run in Wait. Call Wait
   // before reading the result or calling Select again.
   // Reuses Accumulate's histogram when u == its residual_out and n matches

@@ -27,7 +27,8 @@ struct CUstream_st {
 struct CUevent_st {
   bool recorded = false;
   bool done = false;
-  uint64_t seq = 0;  // the record operation's
+  uint64_t seq = 0;  // the latest record operation's
+  uint64_t generation = 0;  // records so far; only the latest one counts
   std::chrono::steady_clock::time_point time;
 };
 
@@ -52,6 +53,7 @@ struct Settings {
   uint64_t seed = 1;
   int sms = 132;
   size_t memory_bytes = size_t{4} << 30;
+  int blocks_per_sm = 0;  // occupancy answer; 0: 2048 threads' worth
 };
 
 // GTOPK_CUDA_EMU="order=reverse sms=2 ...": space-separated key=value.
@@ -86,10 +88,14 @@ Settings& MutableSettings() {
         s.sms = static_cast<int>(number);
       } else if (key == "memory_bytes" && is_number) {
         s.memory_bytes = static_cast<size_t>(number);
+      } else if (key == "blocks_per_sm" && is_number && number >= 1 &&
+                 number <= 32) {
+        s.blocks_per_sm = static_cast<int>(number);
       } else {
         std::fprintf(stderr,
                      "GTOPK_CUDA_EMU: bad setting '%s' (want order=forward|"
-                     "reverse|shuffle, seed=N, sms=1..1024, memory_bytes=N)\n",
+                     "reverse|shuffle, seed=N, sms=1..1024, memory_bytes=N, "
+                     "blocks_per_sm=1..32)\n",
                      item.c_str());
         std::abort();
       }
@@ -131,10 +137,12 @@ struct State {
   uint64_t next_seq = 0;
   std::set<CUstream_st*> streams;
   std::set<CUevent_st*> events;
-  cudaError_t last_error = cudaSuccess;
   uint64_t kernels_run = 0;
   std::mt19937_64 rng{1};
 };
+
+// CUDA's last error is per host thread.
+thread_local cudaError_t t_last_error = cudaSuccess;
 
 State& S() {
   static State* state = [] {
@@ -599,7 +607,7 @@ void Drain() {
 }
 
 cudaError_t SetError(cudaError_t e) {
-  if (e != cudaSuccess) S().last_error = e;
+  if (e != cudaSuccess) t_last_error = e;
   return e;
 }
 
@@ -873,6 +881,12 @@ void __gtopk_emu_syncthreads(const char* file, int line) {
 using gtopk::cuda_emu::Mutex;
 using gtopk::cuda_emu::S;
 
+int __gtopk_emu_blocks_per_sm(int block_size) {
+  const int configured = gtopk::cuda_emu::GetSettings().blocks_per_sm;
+  if (configured > 0) return configured;
+  return 2048 / block_size < 32 ? 2048 / block_size : 32;
+}
+
 cudaError_t cudaGetDeviceCount(int* count) {
   if (count == nullptr) return cudaErrorInvalidValue;
   *count = 1;
@@ -928,14 +942,14 @@ cudaError_t cudaDeviceSynchronize() {
 
 cudaError_t cudaGetLastError() {
   std::lock_guard<std::mutex> lock(Mutex());
-  const cudaError_t e = S().last_error;
-  S().last_error = cudaSuccess;
+  const cudaError_t e = gtopk::cuda_emu::t_last_error;
+  gtopk::cuda_emu::t_last_error = cudaSuccess;
   return e;
 }
 
 cudaError_t cudaPeekAtLastError() {
   std::lock_guard<std::mutex> lock(Mutex());
-  return S().last_error;
+  return gtopk::cuda_emu::t_last_error;
 }
 
 const char* cudaGetErrorName(cudaError_t error) {
@@ -1158,7 +1172,9 @@ cudaError_t cudaEventDestroy(cudaEvent_t event) {
   if (S().events.erase(event) == 0) {
     return gtopk::cuda_emu::SetError(cudaErrorInvalidResourceHandle);
   }
-  if (event->recorded) gtopk::cuda_emu::RunThrough(event->seq);
+  // Every record still queued (an earlier one may be on another stream)
+  // refers to the event.
+  gtopk::cuda_emu::Drain();
   delete event;
   return cudaSuccess;
 }
@@ -1170,7 +1186,9 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   }
   event->recorded = true;
   event->done = false;
-  event->seq = gtopk::cuda_emu::Enqueue(stream, [event]() {
+  const uint64_t generation = ++event->generation;
+  event->seq = gtopk::cuda_emu::Enqueue(stream, [event, generation]() {
+    if (event->generation != generation) return;  // re-recorded since
     event->time = std::chrono::steady_clock::now();
     event->done = true;
   });

@@ -46,7 +46,9 @@
 // reverse | shuffle, seed (shuffle seed, default 1), sms (multiprocessor
 // count reported, default 132 as an H200; it sets the selectors' grid
 // sizes), memory_bytes (device memory, default 4 GiB; cudaMalloc beyond it
-// returns cudaErrorMemoryAllocation). A bad setting aborts with a message.
+// returns cudaErrorMemoryAllocation), blocks_per_sm (what
+// cudaOccupancyMaxActiveBlocksPerMultiprocessor answers; default 2048
+// threads' worth). A bad setting aborts with a message.
 //
 // Thread-safety: every runtime call takes one process-wide lock; kernels run
 // on the host thread that synchronises, one at a time (one device).
@@ -177,6 +179,9 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream);
 
 // Blocks of `block_size` threads resident per multiprocessor: 2048 threads'
 // worth (an H100/H200 SM), at most 32 blocks; registers are not modelled.
+// (GTOPK_CUDA_EMU's blocks_per_sm overrides it, e.g. 5 for a kernel that
+// holds 47 registers on an H200).
+int __gtopk_emu_blocks_per_sm(int block_size);
 template <typename Kernel>
 cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(
     int* blocks, Kernel, int block_size, size_t dynamic_shared_bytes) {
@@ -184,7 +189,7 @@ cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(
       dynamic_shared_bytes != 0) {
     return cudaErrorInvalidValue;
   }
-  *blocks = 2048 / block_size < 32 ? 2048 / block_size : 32;
+  *blocks = __gtopk_emu_blocks_per_sm(block_size);
   return cudaSuccess;
 }
 

@@ -345,6 +345,28 @@ TEST_F(GpuTest, GaussianKIsDeterministicAcrossRuns) {
       ExpectSameBits(got, first);
     }
   }
+  // The same u made by the fused update (residual 0 + 1 * gradient) and
+  // selected from its histogram: the same sums, hence the same selection.
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                             CudaSelector::Create("gaussiank", {}, n));
+  DeviceVector grad(u), residual(std::vector<float>(n, 0.0f));
+  UpdateParams up;
+  up.lr = 1.0f;
+  up.momentum = 0.0f;
+  up.weight_decay = 0.0f;
+  up.momentum_correction = false;
+  GTOPK_ASSERT_OK(ToAbslStatus(selector->sparsifier()->Accumulate(
+      grad.buffer.get(), nullptr, nullptr, nullptr, residual.buffer.get(),
+      residual.buffer.get(), n, up, nullptr)));
+  SparseVector fused;
+  GTOPK_ASSERT_OK(selector->SelectDevice(residual.buffer.get(), n, 1049, 0,
+                                         nullptr, false, &fused));
+  EXPECT_TRUE(selector->last_info().used_update_histogram);
+  EXPECT_EQ(fused.indices, first.indices);
+  ASSERT_EQ(fused.values.size(), first.values.size());
+  for (size_t j = 0; j < fused.values.size(); ++j) {
+    EXPECT_EQ(fused.values[j], first.values[j]) << j;  // -0.0 becomes +0.0
+  }
 }
 
 TEST_F(GpuTest, RepeatedSelectionsOnOneSelectorResetEveryHistogramBin) {
