@@ -27,20 +27,6 @@ uint64_t CountAtLeast(absl::Span<const float> values, uint32_t min_key) {
 
 }  // namespace
 
-double NormalQuantile(double p) {
-  // Phi(x) = erfc(-x / sqrt(2)) / 2 is increasing; bisect on [-40, 40].
-  double lo = -40.0, hi = 40.0;
-  for (int i = 0; i < 200 && hi - lo > 1e-15 * (1.0 + std::fabs(lo)); ++i) {
-    const double mid = 0.5 * (lo + hi);
-    if (0.5 * std::erfc(-mid / std::sqrt(2.0)) < p) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
-  return 0.5 * (lo + hi);
-}
-
 uint64_t GaussianKSelector::MinCount(uint64_t k) const {
   const uint64_t lo = (2 * k + 2) / 3;  // ceil(2k/3)
   const uint64_t hi = 4 * k / 3;        // floor(4k/3)

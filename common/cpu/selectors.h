@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common/cpu/topk.h"
+#include "common/normal_quantile.h"
 #include "common/selector.h"
 
 namespace gtopk {
@@ -103,9 +104,8 @@ class RandomKSelector final : public Selector {
   std::vector<uint32_t> picked_;
 };
 
-// Phi^-1(p) for p in (0, 1): the standard normal quantile, by bisection on
-// std::erfc to double precision (deterministic, no tables).
-double NormalQuantile(double p);
+// Phi^-1(p) (common/normal_quantile.h).
+using ::gtopk::NormalQuantile;
 
 }  // namespace cpu
 }  // namespace gtopk

@@ -22,10 +22,12 @@
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "common/cuda/launch.h"
 #include "common/cuda/sparsify.h"
+#include "common/normal_quantile.h"
 
 namespace gtopk {
 namespace cuda {
@@ -798,27 +800,32 @@ __global__ void GlobalMomentumKernel(float* params, float* velocity,
 // Host helpers
 // ---------------------------------------------------------------------------
 
-// Phi^-1(p) by bisection on erfc; the same as cpu::NormalQuantile (repeated
-// here because this layer does not link the Abseil-based CPU library).
-double NormalQuantile(double p) {
-  double lo = -40.0, hi = 40.0;
-  for (int i = 0; i < 200 && hi - lo > 1e-15 * (1.0 + std::fabs(lo)); ++i) {
-    const double mid = 0.5 * (lo + hi);
-    if (0.5 * std::erfc(-mid / std::sqrt(2.0)) < p) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
-  return 0.5 * (lo + hi);
-}
-
 // Items per thread of the one-block scans over `warps` counts: the fewest
 // of 1, 2, 4, 8 with items * kScanThreads >= warps.
 int ScanItems(int warps) {
   int items = 1;
   while (items < kMaxScanItems && items * kScanThreads < warps) items *= 2;
   return items;
+}
+
+// f(std::integral_constant<int, ScanItems(warps)>{}): launches the scan
+// kernel instantiation for that many items per thread.
+template <typename F>
+void WithScanItems(int warps, F&& f) {
+  switch (ScanItems(warps)) {
+    case 1:
+      f(std::integral_constant<int, 1>{});
+      break;
+    case 2:
+      f(std::integral_constant<int, 2>{});
+      break;
+    case 4:
+      f(std::integral_constant<int, 4>{});
+      break;
+    default:
+      f(std::integral_constant<int, kMaxScanItems>{});
+      break;
+  }
 }
 
 bool Aligned16(const void* p) {
@@ -1067,28 +1074,11 @@ struct Sparsifier::Impl {
               ull accept_lo = 1, ull accept_hi = 0) {
     const uint32_t* counts = counts_a.get();
     ull* offsets = offsets_a.get();
-    switch (ScanItems(collect_warps)) {
-      case 1:
-        GTOPK_LAUNCH(ScanKernel<1>, 1, kScanThreads, stream)(
-            counts, collect_warps, offsets, st, hist, find_level, accept_lo,
-            accept_hi);
-        break;
-      case 2:
-        GTOPK_LAUNCH(ScanKernel<2>, 1, kScanThreads, stream)(
-            counts, collect_warps, offsets, st, hist, find_level, accept_lo,
-            accept_hi);
-        break;
-      case 4:
-        GTOPK_LAUNCH(ScanKernel<4>, 1, kScanThreads, stream)(
-            counts, collect_warps, offsets, st, hist, find_level, accept_lo,
-            accept_hi);
-        break;
-      default:
-        GTOPK_LAUNCH(ScanKernel<kMaxScanItems>, 1, kScanThreads, stream)(
-            counts, collect_warps, offsets, st, hist, find_level, accept_lo,
-            accept_hi);
-        break;
-    }
+    WithScanItems(collect_warps, [&](auto items) {
+      GTOPK_LAUNCH(ScanKernel<decltype(items)::value>, 1, kScanThreads,
+                   stream)(counts, collect_warps, offsets, st, hist,
+                           find_level, accept_lo, accept_hi);
+    });
     GTOPK_CUDA_LAUNCH_CHECK();
     return Status::Ok();
   }
@@ -1122,24 +1112,11 @@ struct Sparsifier::Impl {
     const uint32_t* equal = counts_a.get();
     ull* out_offsets = offsets_a.get();
     ull* ties_before = offsets_b.get();
-    switch (ScanItems(warps)) {
-      case 1:
-        GTOPK_LAUNCH(ScanFinalKernel<1>, 1, kScanThreads, stream)(
-            greater, equal, warps, out_offsets, ties_before, st, rule);
-        break;
-      case 2:
-        GTOPK_LAUNCH(ScanFinalKernel<2>, 1, kScanThreads, stream)(
-            greater, equal, warps, out_offsets, ties_before, st, rule);
-        break;
-      case 4:
-        GTOPK_LAUNCH(ScanFinalKernel<4>, 1, kScanThreads, stream)(
-            greater, equal, warps, out_offsets, ties_before, st, rule);
-        break;
-      default:
-        GTOPK_LAUNCH(ScanFinalKernel<kMaxScanItems>, 1, kScanThreads, stream)(
-            greater, equal, warps, out_offsets, ties_before, st, rule);
-        break;
-    }
+    WithScanItems(warps, [&](auto items) {
+      GTOPK_LAUNCH(ScanFinalKernel<decltype(items)::value>, 1, kScanThreads,
+                   stream)(greater, equal, warps, out_offsets, ties_before, st,
+                           rule);
+    });
     GTOPK_CUDA_LAUNCH_CHECK();
     GTOPK_LAUNCH(WriteFinalKernel, blocks, kThreads, stream)(
         cand_idx.get(), cand_val.get(), st, rule, offsets_a.get(),

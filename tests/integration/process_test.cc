@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -145,16 +146,36 @@ std::vector<std::string> ServerArgs(const std::vector<std::string>& peers,
   return args;
 }
 
+// `count` loopback addresses on free ports (fewer, with a test failure,
+// when none could be picked).
+std::vector<std::string> LoopbackPeers(int count) {
+  std::vector<std::string> peers;
+  auto ports = server::PickFreePorts(count);
+  EXPECT_TRUE(ports.ok()) << ports.status();
+  if (ports.ok()) {
+    for (int p : *ports) peers.push_back(absl::StrCat("127.0.0.1:", p));
+  }
+  return peers;
+}
+
+// A fresh directory /tmp/gtopk_process_<name>_XXXXXX for a test's
+// checkpoints, logs and summaries (empty, with a test failure, on error).
+std::string MakeTempDir(const std::string& name) {
+  std::string path = "/tmp/gtopk_process_" + name + "_XXXXXX";
+  if (mkdtemp(path.data()) == nullptr) {
+    ADD_FAILURE() << "mkdtemp " << path << ": " << std::strerror(errno);
+    return "";
+  }
+  return path;
+}
+
 TEST(ProcessTest, RealServersTrainSurviveAKillAndShutDownCleanly) {
   const uint64_t n = 20011;
   const int workers = 2;
-  auto ports = server::PickFreePorts(2);
-  ASSERT_TRUE(ports.ok()) << ports.status();
-  std::vector<std::string> peers;
-  for (int p : *ports) peers.push_back(absl::StrCat("127.0.0.1:", p));
-  char dir_template[] = "/tmp/gtopk_process_test_XXXXXX";
-  ASSERT_NE(mkdtemp(dir_template), nullptr);
-  const std::string dir = dir_template;
+  const std::vector<std::string> peers = LoopbackPeers(2);
+  ASSERT_EQ(peers.size(), 2u);
+  const std::string dir = MakeTempDir("test");
+  ASSERT_FALSE(dir.empty());
   auto args = [&](int shard) {
     return ServerArgs(peers, shard, workers, dir, "10s", 1,
                       {"--index-codec=delta-bitpack", "--value-codec=bf16"});
@@ -246,12 +267,11 @@ TEST(ProcessTest, RealServersTrainSurviveAKillAndShutDownCleanly) {
 TEST(ProcessTest, SigtermDrainsTheRoundInProgressReportingNotServing) {
   const uint64_t n = 5003;
   const int workers = 2;
-  auto ports = server::PickFreePorts(1);
-  ASSERT_TRUE(ports.ok()) << ports.status();
-  const std::string address = absl::StrCat("127.0.0.1:", (*ports)[0]);
-  char dir_template[] = "/tmp/gtopk_process_drain_XXXXXX";
-  ASSERT_NE(mkdtemp(dir_template), nullptr);
-  const std::string dir = dir_template;
+  const std::vector<std::string> peers = LoopbackPeers(1);
+  ASSERT_EQ(peers.size(), 1u);
+  const std::string& address = peers[0];
+  const std::string dir = MakeTempDir("drain");
+  ASSERT_FALSE(dir.empty());
   const std::vector<std::string> args = {absl::StrCat("--listen=", address),
                                          absl::StrCat("--workers=", workers),
                                          "--step-timeout=30s",
@@ -407,13 +427,10 @@ std::string JsonValue(const std::string& json, const std::string& key) {
 // each other's and to the servers'.
 TEST(ProcessTest, TrainersRecoverWhenARestartedShardIsBehind) {
   const int workers = 2;
-  auto ports = server::PickFreePorts(2);
-  ASSERT_TRUE(ports.ok()) << ports.status();
-  std::vector<std::string> peers;
-  for (int p : *ports) peers.push_back(absl::StrCat("127.0.0.1:", p));
-  char dir_template[] = "/tmp/gtopk_process_recovery_XXXXXX";
-  ASSERT_NE(mkdtemp(dir_template), nullptr);
-  const std::string dir = dir_template;
+  const std::vector<std::string> peers = LoopbackPeers(2);
+  ASSERT_EQ(peers.size(), 2u);
+  const std::string dir = MakeTempDir("recovery");
+  ASSERT_FALSE(dir.empty());
   auto server_args = [&](int shard) {
     return ServerArgs(peers, shard, workers, dir, "5s", 5);
   };
@@ -513,13 +530,10 @@ bool AwaitLog(const std::string& path, const std::string& line) {
 // as each other and the servers.
 TEST(ProcessTest, TrainersSurviveALeaderRestart) {
   const int workers = 2;
-  auto ports = server::PickFreePorts(2);
-  ASSERT_TRUE(ports.ok()) << ports.status();
-  std::vector<std::string> peers;
-  for (int p : *ports) peers.push_back(absl::StrCat("127.0.0.1:", p));
-  char dir_template[] = "/tmp/gtopk_process_leader_XXXXXX";
-  ASSERT_NE(mkdtemp(dir_template), nullptr);
-  const std::string dir = dir_template;
+  const std::vector<std::string> peers = LoopbackPeers(2);
+  ASSERT_EQ(peers.size(), 2u);
+  const std::string dir = MakeTempDir("leader");
+  ASSERT_FALSE(dir.empty());
   ServerProcess shard0, shard1;
   ASSERT_TRUE(shard0.Start(RecoveryServerArgs(peers, 0, workers, dir)));
   ASSERT_TRUE(shard1.Start(RecoveryServerArgs(peers, 1, workers, dir)));
@@ -562,13 +576,10 @@ TEST(ProcessTest, TrainersSurviveALeaderRestart) {
 // final error names the dead shard, without a repeated "Recover:" prefix.
 TEST(ProcessTest, TrainersNameADeadShardWithinTheRecoveryWindow) {
   const int workers = 2;
-  auto ports = server::PickFreePorts(2);
-  ASSERT_TRUE(ports.ok()) << ports.status();
-  std::vector<std::string> peers;
-  for (int p : *ports) peers.push_back(absl::StrCat("127.0.0.1:", p));
-  char dir_template[] = "/tmp/gtopk_process_dead_XXXXXX";
-  ASSERT_NE(mkdtemp(dir_template), nullptr);
-  const std::string dir = dir_template;
+  const std::vector<std::string> peers = LoopbackPeers(2);
+  ASSERT_EQ(peers.size(), 2u);
+  const std::string dir = MakeTempDir("dead");
+  ASSERT_FALSE(dir.empty());
   ServerProcess shard0, shard1;
   ASSERT_TRUE(shard0.Start(RecoveryServerArgs(peers, 0, workers, dir)));
   ASSERT_TRUE(shard1.Start(RecoveryServerArgs(peers, 1, workers, dir)));
@@ -600,15 +611,14 @@ TEST(ProcessTest, TrainersNameADeadShardWithinTheRecoveryWindow) {
 // 30 s deadline, so an exit within 10 s naming the flag proves the check
 // comes first.
 TEST(ProcessTest, TrainerRejectsAnUnwritableSummaryBeforeJoining) {
-  char dir_template[] = "/tmp/gtopk_process_summary_XXXXXX";
-  ASSERT_NE(mkdtemp(dir_template), nullptr);
-  const std::string dir = dir_template;
-  auto ports = server::PickFreePorts(1);
-  ASSERT_TRUE(ports.ok()) << ports.status();
+  const std::string dir = MakeTempDir("summary");
+  ASSERT_FALSE(dir.empty());
+  const std::vector<std::string> peers = LoopbackPeers(1);
+  ASSERT_EQ(peers.size(), 1u);
   const std::string log = dir + "/worker.log";
   const pid_t pid =
       Spawn(GTOPK_WORKER_BINARY,
-            {absl::StrCat("--server=127.0.0.1:", (*ports)[0]),
+            {absl::StrCat("--server=", peers[0]),
              "--model=synthetic:100", "--steps=1", "--rpc-timeout-s=30",
              absl::StrCat("--summary-json=", dir, "/no-such-dir/worker.json")},
             log);

@@ -61,6 +61,18 @@ struct DeviceVector {
   }
 };
 
+// The device residual `d` after a selection over `u` that zeroed
+// `selected`: +0.0 there, every other entry bit-identical to u.
+void ExpectZeroedExactly(const DeviceVector& d, const std::vector<float>& u,
+                         const std::vector<uint32_t>& selected) {
+  std::vector<float> expected = u;
+  for (uint32_t i : selected) expected[i] = 0.0f;
+  const std::vector<float> after = d.ToHost(u.size());
+  for (size_t i = 0; i < u.size(); ++i) {
+    ASSERT_EQ(FloatBits(after[i]), FloatBits(expected[i])) << "index " << i;
+  }
+}
+
 void ExpectSameBits(const SparseVector& got, const SparseVector& want) {
   ASSERT_EQ(got.indices, want.indices);
   ASSERT_EQ(got.values.size(), want.values.size());
@@ -108,12 +120,7 @@ TEST_P(GpuSelectTest, ExactEqualsReferenceAndZeroesTheResidual) {
   const SparseVector want = ReferenceTopK(u, k);
   ExpectSameBits(got, want);
   // The selected residual entries are +0.0, the others untouched.
-  std::vector<float> expected = u;
-  for (uint32_t i : want.indices) expected[i] = 0.0f;
-  const std::vector<float> after = d.ToHost(n);
-  for (size_t i = 0; i < n; ++i) {
-    ASSERT_EQ(FloatBits(after[i]), FloatBits(expected[i])) << "index " << i;
-  }
+  ExpectZeroedExactly(d, u, want.indices);
 }
 
 TEST_P(GpuSelectTest, GaussianKAndDgcKeepTheirCountContracts) {
@@ -219,13 +226,7 @@ TEST_F(GpuTest, FastPathAndHostContinuationBothSelectCorrectly) {
         EXPECT_GE(got.size(), selector->MinCount(k));
         EXPECT_LE(got.size(), selector->MaxCount(k));
         ExpectThresholdSelection(*u, got);
-        // Exactly the selected residual entries are zeroed.
-        std::vector<float> expected = *u;
-        for (uint32_t i : got.indices) expected[i] = 0.0f;
-        const std::vector<float> after = d.ToHost(n);
-        for (size_t i = 0; i < n; ++i) {
-          ASSERT_EQ(FloatBits(after[i]), FloatBits(expected[i])) << i;
-        }
+        ASSERT_NO_FATAL_FAILURE(ExpectZeroedExactly(d, *u, got.indices));
         (selector->last_info().fast_path ? fast : slow)[m]++;
         if (m == 0 && u == &normal) {
           EXPECT_TRUE(selector->last_info().fast_path) << "step " << step;
@@ -262,12 +263,7 @@ TEST_F(GpuTest, GaussianKAndDgcZeroExactlyTheSelectedResidualEntries) {
                                                &got));
         ASSERT_FALSE(got.empty());
         ExpectThresholdSelection(u, got);
-        std::vector<float> expected = u;
-        for (uint32_t i : got.indices) expected[i] = 0.0f;
-        const std::vector<float> after = d.ToHost(n);
-        for (size_t i = 0; i < n; ++i) {
-          ASSERT_EQ(FloatBits(after[i]), FloatBits(expected[i])) << "index " << i;
-        }
+        ASSERT_NO_FATAL_FAILURE(ExpectZeroedExactly(d, u, got.indices));
       }
     }
   }
@@ -576,15 +572,10 @@ TEST_F(GpuTest, GaussianKRaisedThresholdCountsTiesAtItsKey) {
   EXPECT_EQ(selector->last_info().adjustments, 1);
   EXPECT_EQ(selector->last_info().candidates, count0);
   ASSERT_EQ(got.indices, want);
-  std::vector<float> expected = u;
   for (size_t j = 0; j < got.size(); ++j) {
     ASSERT_EQ(FloatBits(got.values[j]), FloatBits(u[want[j]])) << j;
-    expected[want[j]] = 0.0f;
   }
-  const std::vector<float> after = d.ToHost(n);
-  for (size_t i = 0; i < n; ++i) {
-    ASSERT_EQ(FloatBits(after[i]), FloatBits(expected[i])) << "index " << i;
-  }
+  ExpectZeroedExactly(d, u, want);
 }
 
 // SparseUpdater against plain loops, bit for bit: Set, Subtract, then global
@@ -656,10 +647,7 @@ TEST_F(GpuTest, NonFiniteInputIsInvalidArgumentAndChangesNothing) {
         StatusIs(absl::StatusCode::kInvalidArgument,
                  HasSubstr("non-finite value (nan) at position 1234")));
     EXPECT_TRUE(got.empty());
-    const std::vector<float> after = d.ToHost(n);
-    for (size_t i = 0; i < n; ++i) {
-      ASSERT_EQ(FloatBits(after[i]), FloatBits(u[i])) << i;
-    }
+    ASSERT_NO_FATAL_FAILURE(ExpectZeroedExactly(d, u, {}));
   }
 }
 
