@@ -100,6 +100,20 @@ Settings& MutableSettings() {
         std::abort();
       }
     }
+    if (!text.empty()) {
+      // Say once which schedule ran, so a log shows the settings applied.
+      std::fprintf(stderr,
+                   "gtopk CUDA emulator: order=%s seed=%llu sms=%d "
+                   "memory_bytes=%zu blocks_per_sm=%s (GTOPK_CUDA_EMU=\"%s\")\n",
+                   s.order == OrderKind::kForward
+                       ? "forward"
+                       : (s.order == OrderKind::kReverse ? "reverse" : "shuffle"),
+                   static_cast<unsigned long long>(s.seed), s.sms,
+                   s.memory_bytes,
+                   s.blocks_per_sm > 0 ? std::to_string(s.blocks_per_sm).c_str()
+                                       : "2048-threads-worth",
+                   text.c_str());
+    }
     return s;
   }();
   return settings;
