@@ -49,9 +49,27 @@ void CommitCoordinator::ForgetFrom(int64_t step) {
   changed_.SignalAll();
 }
 
+bool CommitCoordinator::Abort(int64_t step, const absl::Status& reason,
+                              uint64_t epoch) {
+  absl::MutexLock lock(&mu_);
+  auto it = steps_.find(step);
+  if (it != steps_.end()) {
+    if (it->second->committed) return false;
+    if (it->second->aborted.ok()) it->second->aborted = reason;
+    steps_.erase(it);
+  }
+  Tombstone& tomb = aborted_[step];
+  if (epoch >= tomb.epoch) tomb = Tombstone{reason, epoch};
+  // Bounded: only the newest few steps matter (older ones are not voted on).
+  while (aborted_.size() > retained_steps_) aborted_.erase(aborted_.begin());
+  changed_.SignalAll();
+  return true;
+}
+
 absl::Status CommitCoordinator::Vote(int64_t step, uint32_t shard,
                                      absl::Time deadline,
-                                     const std::function<bool()>& cancelled) {
+                                     const std::function<bool()>& cancelled,
+                                     uint64_t epoch) {
   if (shard >= num_shards_ || step < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("commit vote from shard ", shard, " for step ", step,
@@ -63,6 +81,10 @@ absl::Status CommitCoordinator::Vote(int64_t step, uint32_t shard,
     auto it = steps_.find(step);
     if (it != steps_.end() && it->second->committed) return absl::OkStatus();
     return fenced_;
+  }
+  if (auto dead = aborted_.find(step);
+      dead != aborted_.end() && epoch < dead->second.epoch) {
+    return dead->second.reason;  // a vote of the failed attempt
   }
   if (steps_.size() >= retained_steps_ && step < steps_.begin()->first) {
     return absl::FailedPreconditionError(

@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/epoch.h"
 
 namespace gtopk {
 namespace server {
@@ -44,9 +45,14 @@ class CommitCoordinator {
   //                      shards waiting on it get ABORTED naming the shard.
   //   ABORTED            the leader is recovering (Fence) or rolled back
   //                      past the step (ForgetFrom).
+  //   ABORTED            also: the step failed on some shard (Abort) and
+  //                      `epoch` (the smallest attempt epoch of the
+  //                      voter's round, common/epoch.h) is older than that
+  //                      failure: the vote belongs to the failed attempt.
   // `cancelled` (may be empty) is polled every 50 ms while waiting.
   absl::Status Vote(int64_t step, uint32_t shard, absl::Time deadline,
-                    const std::function<bool()>& cancelled = {});
+                    const std::function<bool()>& cancelled = {},
+                    uint64_t epoch = kNewestEpoch);
 
   // Crash recovery (server/service.h, Recover). While fenced, every vote
   // fails with `reason` (ABORTED) and no step is committed; votes waiting
@@ -56,6 +62,14 @@ class CommitCoordinator {
   // Forgets every step >= `step` (committed or not; waiters get ABORTED),
   // so that the steps the cluster rolled back are voted on afresh.
   void ForgetFrom(int64_t step);
+
+  // Fail fast (AbortStep RPC): the step failed on some shard; `epoch` is
+  // the failure's attempt epoch. Voters waiting now get `reason` (ABORTED),
+  // and later votes for `step` with an older epoch get it at once -- a
+  // shard still computing the failed attempt must not open a new one that
+  // the workers' retry would then join. No effect on a committed step
+  // (returns false); true otherwise.
+  bool Abort(int64_t step, const absl::Status& reason, uint64_t epoch);
 
  private:
   struct Attempt {
@@ -70,6 +84,12 @@ class CommitCoordinator {
   absl::CondVar changed_;
   std::map<int64_t, std::shared_ptr<Attempt>> steps_ ABSL_GUARDED_BY(mu_);
   absl::Status fenced_ ABSL_GUARDED_BY(mu_);  // not OK while fenced
+  // Abort()ed steps: the reason, and the epoch votes must reach.
+  struct Tombstone {
+    absl::Status reason;
+    uint64_t epoch = 0;
+  };
+  std::map<int64_t, Tombstone> aborted_ ABSL_GUARDED_BY(mu_);
 };
 
 // How a shard reaches the leader's CommitCoordinator.
@@ -77,8 +97,8 @@ class CommitExchange {
  public:
   virtual ~CommitExchange() = default;
   // Same contract as CommitCoordinator::Vote (plus transport errors).
-  virtual absl::Status Vote(int64_t step, uint32_t shard,
-                            absl::Time deadline) = 0;
+  virtual absl::Status Vote(int64_t step, uint32_t shard, absl::Time deadline,
+                            uint64_t epoch) = 0;
 };
 
 // In-process exchange (the leader itself, tests).
@@ -86,9 +106,9 @@ class LocalCommitExchange final : public CommitExchange {
  public:
   explicit LocalCommitExchange(CommitCoordinator* coordinator)
       : coordinator_(coordinator) {}
-  absl::Status Vote(int64_t step, uint32_t shard,
-                    absl::Time deadline) override {
-    return coordinator_->Vote(step, shard, deadline);
+  absl::Status Vote(int64_t step, uint32_t shard, absl::Time deadline,
+                    uint64_t epoch) override {
+    return coordinator_->Vote(step, shard, deadline, {}, epoch);
   }
 
  private:

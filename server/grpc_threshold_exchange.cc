@@ -49,6 +49,7 @@ v1::ThresholdRequest ToProto(const ThresholdRequest& request) {
   p.set_level(request.level);
   p.mutable_histogram()->Add(request.histogram.begin(),
                              request.histogram.end());
+  p.set_epoch(request.epoch);
   return p;
 }
 
@@ -59,6 +60,7 @@ ThresholdRequest FromProto(const v1::ThresholdRequest& p) {
   r.k = p.k();
   r.level = p.level();
   r.histogram.assign(p.histogram().begin(), p.histogram().end());
+  r.epoch = p.epoch();
   return r;
 }
 
@@ -125,12 +127,13 @@ GrpcCommitExchange::GrpcCommitExchange(std::shared_ptr<grpc::Channel> channel,
       stub_(v1::Aggregator::NewStub(std::move(channel))) {}
 
 absl::Status GrpcCommitExchange::Vote(int64_t step, uint32_t shard,
-                                      absl::Time deadline) {
+                                      absl::Time deadline, uint64_t epoch) {
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(deadline + kLeaderDeadlineSlack));
   v1::CommitRequest request;
   request.set_step(step);
   request.set_shard_id(shard);
+  request.set_epoch(epoch);
   v1::CommitResponse response;
   const grpc::Status status = stub_->CommitStep(&context, request, &response);
   return FromLeader(status, leader_address_, "CommitStep");

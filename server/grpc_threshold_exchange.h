@@ -77,8 +77,8 @@ class GrpcCommitExchange final : public CommitExchange {
  public:
   GrpcCommitExchange(std::shared_ptr<grpc::Channel> channel,
                      std::string leader_address);
-  absl::Status Vote(int64_t step, uint32_t shard,
-                    absl::Time deadline) override;
+  absl::Status Vote(int64_t step, uint32_t shard, absl::Time deadline,
+                    uint64_t epoch) override;
 
  private:
   const std::string leader_address_;

@@ -514,6 +514,10 @@ absl::Status AggregatorService::CreateAggregatorLocked(uint64_t n) {
   GTOPK_ASSIGN_OR_RETURN(
       std::unique_ptr<ShardAggregator> aggregator,
       ShardAggregator::Create(options, exchange_.get(), commit_.get()));
+  aggregator->SetStepFailedCallback(
+      [this](int64_t step, const absl::Status& reason) {
+        OnLocalStepFailed(step, reason);
+      });
   if (config_.checkpoint_every > 0) {
     const int64_t every = config_.checkpoint_every;
     aggregator->SetStepAppliedCallback([this, every](int64_t next_step) {
@@ -699,6 +703,7 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* /*context*/,
   }
   rank_given_[rank] = true;
   response->set_rank(rank);
+  response->set_epoch(epoch_.load());
   *response->mutable_cluster() = BuildSpecLocked();
   return grpc::Status::OK;
 }
@@ -904,6 +909,7 @@ absl::StatusOr<WorkerPush> AggregatorService::DecodePush(const v1::Push& push,
   WorkerPush out;
   out.step = push.step();
   out.worker = push.worker();
+  out.epoch = push.epoch();
   if (config_.mode == AggregationMode::kDense) {
     if (!push.sparse().empty()) {
       metrics_->Rejected(RejectReason::kWrongMode);
@@ -1002,6 +1008,12 @@ grpc::Status AggregatorService::PushPull(
         aggregator->Submit(*std::move(decoded),
                            absl::Now() + config_.step_timeout);
     if (!result.ok()) {
+      // The failed attempt's epoch, when the leader numbered it: the
+      // worker's next push of the step is then a retry, not a leftover.
+      if (const uint64_t epoch = aggregator->AbortEpoch(push.step());
+          epoch > 0) {
+        context->AddTrailingMetadata(kEpochMetadataKey, absl::StrCat(epoch));
+      }
       // Submit's own rejections of this push (not a round failed by others).
       if (absl::IsInvalidArgument(result.status())) {
         metrics_->Rejected(RejectReason::kInvalid);
@@ -1077,14 +1089,15 @@ grpc::Status AggregatorService::CommitStep(grpc::ServerContext* context,
                ContextDeadline(context) - kLeaderDeadlineSlack);
   return ToGrpcStatus(
       commit_coordinator_->Vote(request->step(), request->shard_id(), deadline,
-                                [context] { return context->IsCancelled(); }));
+                                [context] { return context->IsCancelled(); },
+                                request->epoch()));
 }
 
 // ---------------------------------------------------------------------------
 // Crash recovery (docs/recovery.md)
 
 absl::StatusOr<v1::ShardState> AggregatorService::LocalShardState(
-    absl::Time deadline) {
+    absl::Time deadline, bool settle) {
   v1::ShardState state;
   state.set_shard_id(config_.shard_id);
   ShardAggregator* aggregator;
@@ -1093,7 +1106,8 @@ absl::StatusOr<v1::ShardState> AggregatorService::LocalShardState(
     aggregator = aggregator_.get();
   }
   if (aggregator == nullptr) return state;  // no parameters: not initialised
-  absl::StatusOr<int64_t> next = aggregator->SettledNextStep(deadline);
+  absl::StatusOr<int64_t> next =
+      aggregator->SettledNextStep(deadline, settle);
   if (absl::IsFailedPrecondition(next.status())) return state;
   GTOPK_RETURN_IF_ERROR(next.status());
   state.set_initialized(true);
@@ -1175,14 +1189,125 @@ absl::StatusOr<int64_t> AggregatorService::LocalRollback(int64_t step) {
   return previous;
 }
 
+// ---------------------------------------------------------------------------
+// Fail fast across shards (AbortStep)
+
+namespace {
+// Longest an AbortStep message may take (it is advice: a shard that misses
+// it still fails its round at its own step deadline).
+constexpr absl::Duration kAbortStepTimeout = absl::Seconds(5);
+}  // namespace
+
+void AggregatorService::OnLocalStepFailed(int64_t step,
+                                          const absl::Status& reason) {
+  // Called under the aggregator's lock: only queue the work.
+  if (config_.num_shards == 1) return;  // nobody else to tell
+  std::string why(reason.message());
+  if (is_leader()) {
+    notifier_.Post([this, step, why] { LeaderAbortStep(step, 0, why); });
+    return;
+  }
+  notifier_.Post([this, step, why] {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(
+        absl::Now() + std::min(config_.step_timeout, kAbortStepTimeout)));
+    v1::AbortStepRequest request;
+    request.set_step(step);
+    request.set_shard_id(config_.shard_id);
+    request.set_reason(why);
+    v1::AbortStepResponse response;
+    const grpc::Status st = leader_stub_->AbortStep(&context, request,
+                                                    &response);
+    if (!st.ok()) {
+      // Best effort: the other shards then fail the step at their deadline.
+      std::fprintf(stderr,
+                   "gtopk-server shard %u: telling leader %s that step %lld "
+                   "failed here: %s\n",
+                   config_.shard_id, config_.peers[0].c_str(),
+                   static_cast<long long>(step), st.error_message().c_str());
+    }
+  });
+}
+
+void AggregatorService::LeaderAbortStep(int64_t step, uint32_t origin,
+                                        const std::string& reason) {
+  const uint32_t S = config_.num_shards;
+  if (!is_leader() || S == 1) return;
+  const absl::Status aborted = absl::AbortedError(absl::StrCat(
+      "step ", step, " failed on shard ", origin, ": ", reason,
+      " (the worker retries the step after Recover)"));
+  // A committed step cannot have failed anywhere: a stale message.
+  const uint64_t epoch = ++epoch_;
+  if (!commit_coordinator_->Abort(step, aborted, epoch)) return;
+  coordinator_->Abort(step, aborted, epoch);
+  ShardAggregator* aggregator;
+  {
+    absl::MutexLock lock(&mu_);
+    aggregator = aggregator_.get();
+  }
+  if (aggregator != nullptr) aggregator->AbortStep(step, aborted, epoch);
+  // Every other shard, the origin too (it then refuses the failed attempt's
+  // late pushes as well).
+  notifier_.Post([this, step, origin, reason, S, epoch] {
+    std::vector<std::thread> threads;
+    for (uint32_t s = 1; s < S; ++s) {
+      threads.emplace_back([this, s, step, origin, epoch, &reason] {
+        grpc::ClientContext context;
+        context.set_deadline(absl::ToChronoTime(
+            absl::Now() + std::min(config_.step_timeout, kAbortStepTimeout)));
+        v1::AbortStepRequest request;
+        request.set_step(step);
+        request.set_shard_id(origin);
+        request.set_reason(reason);
+        request.set_epoch(epoch);
+        v1::AbortStepResponse response;
+        // Best effort (a shard that is down has no round to fail).
+        peer_stubs_[s]->AbortStep(&context, request, &response).IgnoreError();
+      });
+    }
+    for (auto& t : threads) t.join();
+  });
+}
+
+grpc::Status AggregatorService::AbortStep(grpc::ServerContext* /*context*/,
+                                          const v1::AbortStepRequest* request,
+                                          v1::AbortStepResponse* /*response*/) {
+  if (request->step() < 0 || request->shard_id() >= config_.num_shards) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+        "AbortStep: step ", request->step(), " must be >= 0 and shard_id ",
+        request->shard_id(), " below --num-shards (", config_.num_shards,
+        ")")));
+  }
+  if (is_leader()) {
+    LeaderAbortStep(request->step(), request->shard_id(), request->reason());
+    return grpc::Status::OK;
+  }
+  ShardAggregator* aggregator;
+  {
+    absl::MutexLock lock(&mu_);
+    aggregator = aggregator_.get();
+  }
+  if (aggregator != nullptr) {
+    aggregator->AbortStep(
+        request->step(),
+        absl::AbortedError(absl::StrCat(
+            "step ", request->step(), " failed on shard ",
+            request->shard_id(), ": ", request->reason(),
+            " (the worker retries the step after Recover)")),
+        request->epoch());
+  }
+  return grpc::Status::OK;
+}
+
 grpc::Status AggregatorService::GetShardState(
-    grpc::ServerContext* context, const v1::ShardStateRequest* /*request*/,
+    grpc::ServerContext* context, const v1::ShardStateRequest* request,
     v1::ShardState* response) {
   // In slices, so that a cancelled call (the leader went away) ends it.
   const absl::Time deadline = WaitDeadline(context);
   absl::StatusOr<v1::ShardState> state;
   do {
-    state = LocalShardState(std::min(deadline, absl::Now() + kPollInterval));
+    state = LocalShardState(std::min(deadline, absl::Now() + kPollInterval),
+                            !request->without_settling());
   } while (absl::IsDeadlineExceeded(state.status()) && absl::Now() < deadline &&
            !context->IsCancelled());
   if (!state.ok()) return ToGrpcStatus(state.status());
@@ -1257,6 +1382,9 @@ absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverCluster(
     recovering_ = true;
   }
   absl::StatusOr<v1::RecoverResponse> result = RecoverClusterOnce(deadline);
+  // The workers push their retry with the epoch of every failure heard of
+  // so far (the AbortStep messages were flushed first).
+  if (result.ok()) result->set_epoch(epoch_.load());
   absl::MutexLock lock(&recover_mu_);
   last_recover_ = result;
   ++recover_generation_;
@@ -1264,8 +1392,77 @@ absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverCluster(
   return result;
 }
 
+std::vector<absl::StatusOr<v1::ShardState>> AggregatorService::ReadShardStates(
+    absl::Time deadline, bool settle) {
+  const uint32_t S = config_.num_shards;
+  std::vector<absl::StatusOr<v1::ShardState>> states(
+      S, absl::UnknownError("not asked"));
+  std::vector<std::thread> threads;
+  for (uint32_t s = 0; s < S; ++s) {
+    threads.emplace_back([&, s] {
+      if (s == 0) {
+        states[s] = LocalShardState(deadline, settle);
+        return;
+      }
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(deadline));
+      // A shard that is restarting is waited for (up to the deadline).
+      ctx.set_wait_for_ready(true);
+      v1::ShardState state;
+      v1::ShardStateRequest request;
+      request.set_without_settling(!settle);
+      const grpc::Status st =
+          peer_stubs_[s]->GetShardState(&ctx, request, &state);
+      if (!st.ok()) {
+        states[s] = FromShard(st, s, config_.peers[s], "GetShardState");
+      } else if (state.shard_id() != s) {
+        states[s] = absl::FailedPreconditionError(
+            absl::StrCat("the server at ", config_.peers[s], " is shard ",
+                         state.shard_id(), ", not shard ", s));
+      } else {
+        states[s] = std::move(state);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return states;
+}
+
 absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverClusterOnce(
     absl::Time deadline) {
+  // The AbortStep messages of failures so far reach every shard first, so
+  // that the workers' retries after this recovery meet no stale round.
+  notifier_.Flush(std::min(deadline, absl::Now() + kAbortStepTimeout));
+  // First without a fence: when every shard is at the same step (workers
+  // that were paused, a step that timed out, a shard restarted from a
+  // checkpoint of the current step), there is nothing to repair, and a
+  // fence would abort the rounds that workers who recovered earlier are
+  // already running (concurrent Recover calls then abort each other's
+  // retries). Shards answer at once, also while computing a round: that
+  // round may be waiting for the very worker that is recovering (its push
+  // to another shard is missing), so waiting for it would only time out --
+  // and a fence would abort it, and the next worker's Recover the retry
+  // after it. A step being computed is not applied yet, and commits on
+  // every shard or on none, so equal next steps are a safe answer.
+  {
+    const absl::Time quick = std::min(
+        deadline, absl::Now() + std::max(config_.step_timeout / 4,
+                                         absl::Milliseconds(200)));
+    std::vector<absl::StatusOr<v1::ShardState>> states =
+        ReadShardStates(quick, /*settle=*/false);
+    bool agree = true;
+    for (const auto& st : states) {
+      agree = agree && st.ok() && st->initialized() &&
+              st->next_step() == states[0]->next_step();
+    }
+    if (agree) {
+      v1::RecoverResponse response;
+      for (const auto& st : states) response.add_previous_steps(st->next_step());
+      response.set_next_step(states[0]->next_step());
+      // The workers' next attempt of a failed step may vote again.
+      return response;
+    }
+  }
   // Fence the commit vote and the threshold exchange: no step can be
   // committed while the shards' states are read, and rounds being computed
   // fail quickly instead of waiting for a shard that will not come.
@@ -1283,36 +1480,8 @@ absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverClusterOnce(
 
   const uint32_t S = config_.num_shards;
   // Every shard's state, in parallel (each call bounded by `deadline`).
-  std::vector<absl::StatusOr<v1::ShardState>> states(
-      S, absl::UnknownError("not asked"));
-  {
-    std::vector<std::thread> threads;
-    for (uint32_t s = 0; s < S; ++s) {
-      threads.emplace_back([&, s] {
-        if (s == 0) {
-          states[s] = LocalShardState(deadline);
-          return;
-        }
-        grpc::ClientContext ctx;
-        ctx.set_deadline(absl::ToChronoTime(deadline));
-        // A shard that is restarting is waited for (up to the deadline).
-        ctx.set_wait_for_ready(true);
-        v1::ShardState state;
-        const grpc::Status st = peer_stubs_[s]->GetShardState(
-            &ctx, v1::ShardStateRequest(), &state);
-        if (!st.ok()) {
-          states[s] = FromShard(st, s, config_.peers[s], "GetShardState");
-        } else if (state.shard_id() != s) {
-          states[s] = absl::FailedPreconditionError(
-              absl::StrCat("the server at ", config_.peers[s], " is shard ",
-                           state.shard_id(), ", not shard ", s));
-        } else {
-          states[s] = std::move(state);
-        }
-      });
-    }
-    for (auto& t : threads) t.join();
-  }
+  std::vector<absl::StatusOr<v1::ShardState>> states =
+      ReadShardStates(deadline, /*settle=*/true);
   std::vector<v1::ShardState> known;
   std::vector<std::string> errors;
   for (uint32_t s = 0; s < S; ++s) {

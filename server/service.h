@@ -30,6 +30,7 @@
 #include "server/grpc_threshold_exchange.h"
 #include "server/server_metrics.h"
 #include "server/shard_aggregator.h"
+#include "server/task_queue.h"
 #include "server/threshold.h"
 
 namespace gtopk {
@@ -152,7 +153,16 @@ absl::Status CheckSameClusterSettings(const ServerConfig& own,
 //                   otherwise); the wait ends early, failing the round for
 //                   every shard, when the calling shard's RPC is cancelled.
 //   GetShardState, RollbackShard, Recover  crash recovery, see the proto
-//                   and docs/recovery.md; Recover is leader only.
+//                   and docs/recovery.md; Recover is leader only, and
+//                   fences only when the shards disagree.
+//   AbortStep       fail fast (docs/recovery.md, "Failed steps"): a shard
+//                   whose round failed for a reason of its own tells the
+//                   leader, which numbers the failure (attempt epoch,
+//                   common/epoch.h), aborts the step's vote and exchange and
+//                   tells every shard; pushes, votes and threshold requests
+//                   of the failed attempt (older epochs) are refused with
+//                   its ABORTED status. A PushPull stream that failed a step
+//                   carries the epoch as trailing metadata "gtopk-epoch".
 //
 // A non-leader creates its ShardAggregator lazily, on the first InitParams,
 // DownloadParams or PushPull, by asking the leader for the cluster spec
@@ -233,6 +243,9 @@ class AggregatorService final : public v1::Aggregator::Service {
   grpc::Status Recover(grpc::ServerContext* context,
                        const v1::RecoverRequest* request,
                        v1::RecoverResponse* response) override;
+  grpc::Status AbortStep(grpc::ServerContext* context,
+                         const v1::AbortStepRequest* request,
+                         v1::AbortStepResponse* response) override;
 
   // The leader's recovery (what Recover does), callable in-process. Errors
   // as for the Recover RPC. Leader only (FAILED_PRECONDITION otherwise).
@@ -240,8 +253,16 @@ class AggregatorService final : public v1::Aggregator::Service {
   // `deadline` plus kLeaderDeadlineSlack) and returns its outcome.
   absl::StatusOr<v1::RecoverResponse> RecoverCluster(absl::Time deadline);
   // This shard's side of GetShardState / RollbackShard.
-  absl::StatusOr<v1::ShardState> LocalShardState(absl::Time deadline);
+  // `settle`: wait (up to `deadline`) until no round is being computed;
+  // otherwise answer at once (GetShardState's without_settling).
+  absl::StatusOr<v1::ShardState> LocalShardState(absl::Time deadline,
+                                                 bool settle = true);
   absl::StatusOr<int64_t> LocalRollback(int64_t step);
+  // Fail fast, the leader's side of AbortStep: `step` failed on shard
+  // `origin` for `reason`. Aborts the step's commit vote and threshold
+  // exchange and tells every other shard (asynchronously). Leader only.
+  void LeaderAbortStep(int64_t step, uint32_t origin,
+                       const std::string& reason);
 
  private:
   // One recovery (RecoverCluster holds the recovering_ flag around it).
@@ -267,6 +288,14 @@ class AggregatorService final : public v1::Aggregator::Service {
   // Non-leaders: CheckSameClusterSettings against the leader's `spec`; the
   // first mismatch is also printed on stderr.
   absl::Status CheckLeaderSpec(const v1::ClusterSpec& spec);
+  // The aggregator's step-failed callback: tells the leader (or, on the
+  // leader, the other shards) without blocking the caller.
+  void OnLocalStepFailed(int64_t step, const absl::Status& reason);
+  // Reads every shard's state (GetShardState), each call bounded by
+  // `deadline`; slot s is shard s's state or the error naming it.
+  // `settle` as for LocalShardState.
+  std::vector<absl::StatusOr<v1::ShardState>> ReadShardStates(
+      absl::Time deadline, bool settle);
   // Turns a wire push into a WorkerPush (codec and shard checks, decoding).
   absl::StatusOr<WorkerPush> DecodePush(const v1::Push& push, uint64_t n) const;
 
@@ -319,6 +348,15 @@ class AggregatorService final : public v1::Aggregator::Service {
   // by their deadline), so clients cannot exhaust the server's memory.
   absl::Mutex download_mu_;
   int active_downloads_ ABSL_GUARDED_BY(download_mu_) = 0;
+
+  // The leader's attempt epoch (common/epoch.h): incremented by every step
+  // failure it hears of; starts at its start time in microseconds.
+  std::atomic<uint64_t> epoch_{
+      static_cast<uint64_t>(absl::ToUnixMicros(absl::Now()))};
+
+  // Fire-and-forget AbortStep messages. Last: destroyed first, before the
+  // stubs and the aggregator its tasks use.
+  TaskQueue notifier_;
 };
 
 // A running gtopk-server: the service plus a grpc::Server with the message

@@ -208,12 +208,53 @@ void ShardAggregator::FailStepLocked(int64_t step, uint32_t /*worker*/,
   // late arrivals of an old failure instead made retries after a partial
   // push -- a worker that died after pushing to some shards -- fail again
   // and again on alternating shards.)
-  if (step != next_step_ || pending_ == nullptr || pending_->computing) {
-    return;
-  }
+  if (step != next_step_) return;
+  // The other shards fail their rounds of the step too (fail fast), even
+  // when no round is open here yet: the culprit's step cannot complete.
+  NotifyStepFailedLocked(step, reason);
+  if (pending_ == nullptr || pending_->computing) return;
   FailRoundLocked(pending_, absl::AbortedError(absl::StrCat(
                                 "step ", step, " failed on shard ",
                                 options_.shard_id, ": ", reason.message())));
+}
+
+void ShardAggregator::NotifyStepFailedLocked(int64_t step,
+                                             const absl::Status& reason) {
+  if (on_step_failed_) on_step_failed_(step, reason);
+}
+
+void ShardAggregator::SetStepFailedCallback(
+    std::function<void(int64_t, const absl::Status&)> callback) {
+  absl::MutexLock lock(&mu_);
+  on_step_failed_ = std::move(callback);
+}
+
+uint64_t ShardAggregator::AbortEpoch(int64_t step) const {
+  absl::MutexLock lock(&mu_);
+  auto it = aborted_.find(step);
+  return it == aborted_.end() ? 0 : it->second.first;
+}
+
+void ShardAggregator::AbortStep(int64_t step, const absl::Status& reason,
+                                uint64_t epoch) {
+  absl::MutexLock lock(&mu_);
+  if (step < next_step_) return;  // applied: the message is stale
+  auto& tomb = aborted_[step];
+  if (epoch >= tomb.first) tomb = {epoch, reason};
+  while (aborted_.size() > 4) aborted_.erase(aborted_.begin());
+  if (pending_ == nullptr || pending_->step != step) return;
+  if (pending_->computing) {
+    if (pending_->epoch < epoch && pending_->aborted.ok()) {
+      pending_->aborted = reason;
+    }
+    return;
+  }
+  for (uint32_t w = 0; w < options_.num_workers; ++w) {
+    if (pending_->arrived[w] && pending_->pushes[w].epoch < epoch) {
+      FailRoundLocked(pending_, reason);
+      return;
+    }
+  }
 }
 
 void ShardAggregator::RejectPush(int64_t step, uint32_t worker,
@@ -252,8 +293,18 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
         "step ", push.step, " is ahead of shard ", options_.shard_id,
         ", which is at step ", next_step_));
   }
+  if (auto dead = aborted_.find(push.step);
+      dead != aborted_.end() && push.epoch < dead->second.first) {
+    // A push of the attempt that failed (the worker has not recovered
+    // since): it must not join, or complete, the retry's round.
+    return dead->second.second;
+  }
   if (pending_ == nullptr) {
-    if (!draining_.ok()) return draining_;
+    if (!draining_.ok()) {
+      // This shard will not run the step: the others need not wait for it.
+      NotifyStepFailedLocked(push.step, draining_);
+      return draining_;
+    }
     pending_ = std::make_shared<Round>();
     pending_->step = push.step;
     pending_->arrived.assign(options_.num_workers, false);
@@ -264,36 +315,48 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
     round->arrived[w] = true;
     round->pushes[w] = std::move(push);
     ++round->count;
-  } else if (!round->computing &&
-             (round->pushes[w].sparse != push.sparse ||
-              round->pushes[w].dense != push.dense)) {
-    // A retry must repeat the push; other content for the same (step,
-    // worker) is rejected (the round keeps the first push).
-    return absl::InvalidArgumentError(absl::StrCat(
-        "worker ", w, " step ", push.step,
-        ": a second, different push for the same step on shard ",
-        options_.shard_id));
-  }  // else: a retry; wait for the same round
+  } else if (!round->computing) {
+    // The worker pushes the step again: it saw the step fail elsewhere and
+    // retries, with what its residual holds now (more than before: a
+    // failed attempt puts everything back). The newest push is its
+    // contribution, so the round equals a fresh round of the retry.
+    round->pushes[w] = std::move(push);
+  }  // else: being computed; a retry waits for the same round
   if (round->count == options_.num_workers && !round->computing) {
     round->computing = true;
-    const uint64_t epoch = epoch_;
+    const uint64_t generation = rollback_generation_;
+    for (const WorkerPush& p : round->pushes) {
+      round->epoch = std::min(round->epoch, p.epoch);
+    }
     std::vector<WorkerPush> pushes = std::move(round->pushes);
     mu_.Unlock();
     absl::StatusOr<std::shared_ptr<const RoundResult>> result =
-        Compute(pushes, round->step, round->opened, deadline);
+        Compute(pushes, round->step, round->opened, deadline, round->epoch);
+    // A failure of this shard's own computation is news to the others; an
+    // ABORTED one came from the leader (the exchange was fenced or failed
+    // by another shard).
+    bool failed_here = !result.ok() && !absl::IsAborted(result.status());
+    if (result.ok()) {
+      absl::MutexLock check(&mu_);
+      // The leader said the step failed elsewhere (AbortStep) while this
+      // shard computed it: do not vote for it.
+      if (!round->aborted.ok()) result = round->aborted;
+    }
     if (result.ok() && commit_ != nullptr && options_.num_shards > 1) {
       // Apply only once every shard has computed this step.
-      absl::Status vote = commit_->Vote(round->step, options_.shard_id, deadline);
+      absl::Status vote = commit_->Vote(round->step, options_.shard_id,
+                                        deadline, round->epoch);
       if (!vote.ok()) result = vote;
     }
     mu_.Lock();
-    if (epoch != epoch_) {
+    if (generation != rollback_generation_) {
       // Rolled back while computing: Rollback failed the round already; the
       // result belongs to an abandoned step and must not be applied.
       return round->status;
     }
     absl::Status status = result.status();
     if (status.ok()) {
+      failed_here = true;  // if the apply fails, that is this shard's news
       const RoundResult& r = **result;
       status = options_.mode == AggregationMode::kDense
                    ? rule_.ApplyAggregatedDense(
@@ -307,6 +370,7 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
                          absl::MakeSpan(global_velocity_));
     }
     if (!status.ok()) {
+      if (failed_here) NotifyStepFailedLocked(round->step, status);
       FailRoundLocked(round, absl::Status(status.code(),
                                           absl::StrCat("step ", round->step,
                                                        " failed on shard ",
@@ -332,6 +396,7 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
   }
   while (!round->finished) {
     if (!closed_.ok() && !round->computing) {
+      NotifyStepFailedLocked(round->step, closed_);
       FailRoundLocked(round, closed_);
       break;
     }
@@ -342,11 +407,11 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
       for (uint32_t r = 0; r < options_.num_workers; ++r) {
         if (!round->arrived[r]) missing.push_back(r);
       }
-      FailRoundLocked(
-          round, absl::DeadlineExceededError(absl::StrCat(
-                     "step ", round->step, " timed out on shard ",
-                     options_.shard_id, " waiting for worker(s) ",
-                     absl::StrJoin(missing, ", "))));
+      const absl::Status late = absl::DeadlineExceededError(absl::StrCat(
+          "step ", round->step, " timed out on shard ", options_.shard_id,
+          " waiting for worker(s) ", absl::StrJoin(missing, ", ")));
+      NotifyStepFailedLocked(round->step, late);
+      FailRoundLocked(round, late);
     }
     // While a round is computing, its computing caller is bounded by its own
     // deadline; keep waiting for it.
@@ -357,7 +422,7 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
 
 absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Compute(
     std::vector<WorkerPush>& pushes, int64_t step, absl::Time opened,
-    absl::Time deadline) {
+    absl::Time deadline, uint64_t epoch) {
   auto result = std::make_shared<RoundResult>();
   result->step = step;
   const absl::Time merge_start = absl::Now();
@@ -399,7 +464,8 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Compute(
   } else {
     GTOPK_RETURN_IF_ERROR(DistributedExactTopK(sum, k, step,
                                                options_.shard_id, exchange_,
-                                               deadline, &result->selected));
+                                               deadline, &result->selected,
+                                               epoch));
   }
   result->select_time = absl::Now() - select_start;
   GTOPK_RETURN_IF_ERROR(EncodeSparse(
@@ -437,14 +503,14 @@ bool ShardAggregator::AwaitNoRound(absl::Time deadline) const {
   return true;
 }
 
-absl::StatusOr<int64_t> ShardAggregator::SettledNextStep(
-    absl::Time deadline) const {
+absl::StatusOr<int64_t> ShardAggregator::SettledNextStep(absl::Time deadline,
+                                                         bool settle) const {
   absl::MutexLock lock(&mu_);
   if (!initialized_) {
     return absl::FailedPreconditionError(
         absl::StrCat("shard ", options_.shard_id, " has no parameters"));
   }
-  while (pending_ != nullptr && pending_->computing) {
+  while (settle && pending_ != nullptr && pending_->computing) {
     if (cv_.WaitWithDeadline(&mu_, deadline) && pending_ != nullptr &&
         pending_->computing) {
       return absl::DeadlineExceededError(
@@ -490,7 +556,7 @@ absl::Status ShardAggregator::Rollback(int64_t step,
                         options_.shard_id, ": ", reason.message())));
   }
   last_.reset();
-  ++epoch_;
+  ++rollback_generation_;
   if (checkpoint != nullptr) {
     params_ = checkpoint->params;
     global_velocity_ = options_.optimizer.momentum_mode == MomentumMode::kGlobal

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -20,6 +21,7 @@
 #include "common/sparse_vector.h"
 #include "server/checkpoint.h"
 #include "server/commit.h"
+#include "common/epoch.h"
 #include "server/threshold.h"
 
 namespace gtopk {
@@ -66,6 +68,8 @@ struct WorkerPush {
   SparseVector sparse;
   // dense: exactly end - begin values.
   std::vector<float> dense;
+  // The attempt epoch the worker last heard (common/epoch.h).
+  uint64_t epoch = kNewestEpoch;
 };
 
 // The outcome of one round, shared by every worker's call.
@@ -100,9 +104,13 @@ struct RoundResult {
 // INVALID_ARGUMENT and the round with ABORTED for every worker waiting in it;
 // a round that misses its deadline fails for everyone with DEADLINE_EXCEEDED
 // naming the missing workers. A failed round changes no parameter and the
-// same step can be retried: pushes arriving after a failure form a new round. A repeated push for a (step, worker) that is
-// part of the pending round, or of the last completed one, is a retry: it
-// gets that round's result (its content is ignored).
+// same step can be retried: pushes arriving after a failure form a new round.
+// A second push for a (step, worker) in the pending round replaces the
+// first while the round still collects (the worker's retry after a failure
+// it saw elsewhere: its residual now holds more, so the push differs by
+// design); once the round is being computed, or for the last completed
+// round, a repeated push is a retry and gets that round's result (its
+// content is ignored).
 class ShardAggregator {
  public:
   // `exchange` is used for gtopk + exact with S > 1 and must outlive the
@@ -161,6 +169,31 @@ class ShardAggregator {
   // to write a checkpoint every N steps. Set before the first Submit.
   void SetStepAppliedCallback(std::function<void(int64_t next_step)> callback);
 
+  // Called when a step fails on this shard for a reason that arose here (a
+  // bad push, a push that cannot open a round while draining, the step
+  // deadline, a local error while computing, shutdown) -- not when the
+  // leader or another shard failed it (ABORTED from the commit vote or the
+  // threshold exchange, AbortStep) -- so that the service can tell the
+  // other shards at once (fail fast, the AbortStep RPC). Called with an
+  // internal lock held: it must not block or call into this aggregator.
+  // Set before the first Submit.
+  void SetStepFailedCallback(
+      std::function<void(int64_t step, const absl::Status& reason)> callback);
+
+  // The leader says `step` failed (AbortStep) at attempt epoch `epoch`
+  // (common/epoch.h): a pending round of `step` holding a push older than
+  // `epoch` fails with `reason` (ABORTED) and its pushes are discarded; such
+  // a round being computed is not voted for or applied (it fails with
+  // `reason`); later pushes of `step` older than `epoch` get `reason` at
+  // once (they belong to the failed attempt; the workers' retry, pushed
+  // with the epoch Recover returned, is not refused). Other steps: no
+  // effect. Does not block; thread-safe.
+  void AbortStep(int64_t step, const absl::Status& reason, uint64_t epoch);
+  // The epoch of `step`'s last AbortStep, 0 when none: a worker whose push
+  // was refused or whose round failed learns it (the service sends it as
+  // trailing metadata), so that its next push of the step is a retry.
+  uint64_t AbortEpoch(int64_t step) const;
+
   // Stops the shard for good (graceful shutdown): fails the pending round
   // (unless a caller is already computing it; that one finishes within its
   // own deadline) and every later Submit and Params call with `reason`
@@ -183,7 +216,10 @@ class ShardAggregator {
   // either applies or fails, so the answer does not change under the caller
   // unless new pushes arrive -- and returns the next step.
   // FAILED_PRECONDITION when the shard has no parameters.
-  absl::StatusOr<int64_t> SettledNextStep(absl::Time deadline) const;
+  // With `settle` false it answers at once: the next step, even while a
+  // round of it is being computed.
+  absl::StatusOr<int64_t> SettledNextStep(absl::Time deadline,
+                                          bool settle = true) const;
 
   // Rolls the shard back to `step`: the pending round (also one being
   // computed: its result is discarded, never applied) fails with ABORTED
@@ -211,6 +247,10 @@ class ShardAggregator {
     std::vector<WorkerPush> pushes;
     uint32_t count = 0;
     bool computing = false;  // a caller is merging/selecting
+    // Set by AbortStep while computing: the round must not be voted for.
+    absl::Status aborted;
+    // While computing: the smallest epoch among its pushes.
+    uint64_t epoch = kNewestEpoch;
     bool finished = false;
     absl::Status status;  // set when finished
     std::shared_ptr<const RoundResult> result;
@@ -225,11 +265,14 @@ class ShardAggregator {
   // vectors. Returns the result or the failure.
   absl::StatusOr<std::shared_ptr<const RoundResult>> Compute(
       std::vector<WorkerPush>& pushes, int64_t step, absl::Time opened,
-      absl::Time deadline);
+      absl::Time deadline, uint64_t epoch);
   void FailRoundLocked(const std::shared_ptr<Round>& round,
                        absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailStepLocked(int64_t step, uint32_t worker,
                       const absl::Status& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tells on_step_failed_ (if set) that `step` failed here.
+  void NotifyStepFailedLocked(int64_t step, const absl::Status& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ShardOptions options_;
@@ -247,11 +290,17 @@ class ShardAggregator {
   std::shared_ptr<Round> pending_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<Round> last_ ABSL_GUARDED_BY(mu_);  // last finished OK
   std::function<void(int64_t)> on_step_applied_ ABSL_GUARDED_BY(mu_);
+  std::function<void(int64_t, const absl::Status&)> on_step_failed_
+      ABSL_GUARDED_BY(mu_);
   absl::Status closed_ ABSL_GUARDED_BY(mu_);  // not OK after Close
   absl::Status draining_ ABSL_GUARDED_BY(mu_);  // not OK after BeginDrain
+  // AbortStep's refusals, by step (only steps >= next_step_ matter): the
+  // failure's epoch and reason.
+  std::map<int64_t, std::pair<uint64_t, absl::Status>> aborted_
+      ABSL_GUARDED_BY(mu_);
   // Incremented by Rollback: a round computed across a rollback is not
   // applied.
-  uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t rollback_generation_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace server

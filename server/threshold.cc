@@ -451,6 +451,25 @@ void ThresholdCoordinator::ForgetFrom(int64_t step) {
   changed_.SignalAll();
 }
 
+void ThresholdCoordinator::Abort(int64_t step, const absl::Status& reason,
+                                 uint64_t epoch) {
+  absl::MutexLock lock(&mu_);
+  auto it = steps_.find(step);
+  if (it != steps_.end()) {
+    for (uint32_t level = 0; level < kThresholdLevels; ++level) {
+      Round& r = it->second->rounds[level];
+      if (r.phase == Round::Phase::kCollecting) {
+        FailRoundLocked(&r, -1, reason, reason);
+      }
+    }
+    steps_.erase(it);
+  }
+  auto& tomb = aborted_[step];
+  if (epoch >= tomb.second) tomb = {reason, epoch};
+  while (aborted_.size() > retained_steps_) aborted_.erase(aborted_.begin());
+  changed_.SignalAll();
+}
+
 absl::StatusOr<ThresholdResponse> ThresholdCoordinator::Submit(
     const ThresholdRequest& request, absl::Time deadline,
     const std::function<bool()>& cancelled) {
@@ -481,15 +500,28 @@ absl::StatusOr<ThresholdResponse> ThresholdCoordinator::Submit(
 
   absl::MutexLock lock(&mu_);
   if (!fenced_.ok()) return fenced_;
+  if (auto dead = aborted_.find(request.step);
+      dead != aborted_.end() && request.epoch < dead->second.second) {
+    return dead->second.first;  // a request of the failed attempt
+  }
   GTOPK_ASSIGN_OR_RETURN(std::shared_ptr<StepState> state,
                          FindOrCreateStepLocked(request.step));
   if (level == 0) {
     // A level-0 request for a step whose exchange failed is a new attempt
     // of that step (the workers retry a failed step on every shard): start
-    // it afresh. Waiters of the failed attempt keep their own state.
+    // it afresh. Waiters of the failed attempt keep their own state. So is
+    // one that differs from the request that completed level 0: the step
+    // completed its exchange but failed later (e.g. its commit vote was
+    // fenced by a recovery), and the retry's pushes differ.
     bool failed = false;
     for (uint32_t l = 0; l < kThresholdLevels; ++l) {
       failed |= state->rounds[l].phase == Round::Phase::kFailed;
+    }
+    const Round& first = state->rounds[0];
+    if (first.phase == Round::Phase::kComplete &&
+        (first.ks[shard] != request.k ||
+         first.fingerprints[shard] != Fingerprint(request.histogram))) {
+      failed = true;
     }
     if (failed) {
       auto fresh = std::make_shared<StepState>();
@@ -622,7 +654,8 @@ absl::StatusOr<ThresholdResponse> LocalThresholdExchange::Exchange(
 absl::Status DistributedExactTopK(const SparseVector& shard_sum, uint64_t k,
                                   int64_t step, uint32_t shard_id,
                                   ThresholdExchange* exchange,
-                                  absl::Time deadline, SparseVector* selected) {
+                                  absl::Time deadline, SparseVector* selected,
+                                  uint64_t epoch) {
   if (selected == nullptr) {
     return absl::InvalidArgumentError("DistributedExactTopK: selected is null");
   }
@@ -651,6 +684,7 @@ absl::Status DistributedExactTopK(const SparseVector& shard_sum, uint64_t k,
     request.k = k;
     request.level = level;
     request.histogram = KeyHistogram(values, level, prefix);
+    request.epoch = epoch;
     absl::StatusOr<ThresholdResponse> response =
         exchange->Exchange(request, deadline);
     if (!response.ok()) {

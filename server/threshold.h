@@ -57,6 +57,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "common/epoch.h"
 #include "common/sparse_vector.h"
 
 namespace gtopk {
@@ -83,6 +84,10 @@ struct ThresholdRequest {
   // of bits 8..0 over the entries whose bits 30..9 equal the level-0 and
   // level-1 buckets. See KeyHistogram.
   std::vector<uint64_t> histogram;
+  // The attempt epoch of the sender's round (common/epoch.h): a request
+  // older than the step's last failure (ThresholdCoordinator::Abort) is
+  // refused with ABORTED.
+  uint64_t epoch = kNewestEpoch;
 
   friend bool operator==(const ThresholdRequest& a, const ThresholdRequest& b);
 };
@@ -269,6 +274,14 @@ class ThresholdCoordinator {
   void Unfence() ABSL_LOCKS_EXCLUDED(mu_);
   void ForgetFrom(int64_t step) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Fail fast (AbortStep RPC): `step` failed on some shard, at attempt
+  // epoch `epoch`. Its rounds that are collecting fail with `reason`
+  // (ABORTED), its state is dropped, and later requests for it with an
+  // older epoch get `reason` at once -- a shard still computing the failed
+  // attempt must not start an exchange that the retry would then join.
+  void Abort(int64_t step, const absl::Status& reason, uint64_t epoch)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   // How many steps the coordinator currently holds state for
   // (<= max(1, retained_steps)). For tests and metrics.
   size_t NumRetainedSteps() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -298,6 +311,9 @@ class ThresholdCoordinator {
   bool has_evicted_ ABSL_GUARDED_BY(mu_) = false;
   int64_t evicted_through_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status fenced_ ABSL_GUARDED_BY(mu_);  // not OK while fenced
+  // Abort()ed steps: the reason, and until when requests are refused.
+  std::map<int64_t, std::pair<absl::Status, uint64_t>> aborted_
+      ABSL_GUARDED_BY(mu_);
 };
 
 // How a shard reaches the leader's ThresholdCoordinator.
@@ -356,10 +372,12 @@ class LocalThresholdExchange final : public ThresholdExchange {
 // level and shard ("threshold exchange step 7 level 1 (shard 2): ...");
 // INTERNAL when the leader's response contradicts the request or this shard's
 // data (wrong step or level, bucket out of range, more ties than entries).
+// `epoch`: the attempt epoch of the shard's round, sent in every request.
 absl::Status DistributedExactTopK(const SparseVector& shard_sum, uint64_t k,
                                   int64_t step, uint32_t shard_id,
                                   ThresholdExchange* exchange,
-                                  absl::Time deadline, SparseVector* selected);
+                                  absl::Time deadline, SparseVector* selected,
+                                  uint64_t epoch = kNewestEpoch);
 
 }  // namespace server
 }  // namespace gtopk

@@ -7,9 +7,11 @@
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "common/epoch.h"
 #include "common/random.h"
 #include "common/status_macros.h"
 #include "grpcpp/grpcpp.h"
@@ -278,9 +280,11 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
     shards.push_back(std::move(conn));
   }
   GTOPK_RETURN_IF_ERROR(CheckShardsAgree(shards, cluster, options.rpc_timeout));
-  return std::unique_ptr<WorkerClient>(
+  auto client = std::unique_ptr<WorkerClient>(
       new WorkerClient(options, rank, cluster, std::move(rule),
                        std::move(selector), codec, std::move(shards)));
+  client->epoch_ = response.epoch();
+  return client;
 }
 
 WorkerClient::WorkerClient(const ClientOptions& options, uint32_t rank,
@@ -475,6 +479,7 @@ absl::StatusOr<int64_t> WorkerClient::Recover(absl::Span<float> params,
                             : absl::StrCat(ShardName(0), ": Recover"));
   }
   const std::string where = absl::StrCat(ShardName(0), ": Recover");
+  epoch_ = std::max(epoch_, response.epoch());
   if (response.next_step() < 0) {
     return absl::InternalError(
         absl::StrCat(where, ": negative step ", response.next_step()));
@@ -510,6 +515,7 @@ absl::Status WorkerClient::Exchange(int64_t step,
   const absl::Time exchange_start = absl::Now();
   absl::Time last_written = exchange_start;  // guarded by mu
   size_t failed = 0;
+  uint64_t learned_epoch = 0;  // guarded by mu
 
   for (auto& c : shards_) {
     if (c->stream == nullptr) {
@@ -559,6 +565,18 @@ absl::Status WorkerClient::Exchange(int64_t step,
         }
         const grpc::Status st = c.stream->Finish();
         c.broken = true;
+        // The shard numbers a failed attempt (common/epoch.h): this worker's
+        // next push of the step is a retry of it.
+        const auto& trailers = c.context->GetServerTrailingMetadata();
+        if (auto it = trailers.find(kEpochMetadataKey); it != trailers.end()) {
+          uint64_t epoch = 0;
+          if (absl::SimpleAtoi(absl::string_view(it->second.data(),
+                                                 it->second.size()),
+                               &epoch)) {
+            absl::MutexLock lock(&mu);
+            learned_epoch = std::max(learned_epoch, epoch);
+          }
+        }
         result = st.ok() ? absl::UnavailableError(absl::StrCat(
                                "stream closed by the server during step ",
                                step))
@@ -619,6 +637,7 @@ absl::Status WorkerClient::Exchange(int64_t step,
   }
   for (auto& t : threads) t.join();
   last_push_time_ = last_written - exchange_start;
+  epoch_ = std::max(epoch_, learned_epoch);
 
   std::vector<std::string> messages;
   absl::StatusCode code = absl::StatusCode::kOk;
@@ -684,6 +703,7 @@ absl::StatusOr<StepStats> WorkerClient::Step(absl::Span<const float> gradient,
   for (size_t s = 0; s < S; ++s) {
     pushes[s].set_step(step);
     pushes[s].set_worker(rank_);
+    pushes[s].set_epoch(epoch_);
     pushes[s].set_shard_id(shards_[s]->id);
   }
   if (mode_ == Mode::kDense) {

@@ -278,6 +278,10 @@ class WorkerClient {
   std::shared_ptr<DeviceState> device_;
 #endif
   int64_t next_step_ = 0;
+  // The leader's attempt epoch as last heard (Join, Recover), sent in every
+  // push: a push older than its step's last failure is refused (ABORTED),
+  // so a retry made after Recover never mixes with the failed attempt.
+  uint64_t epoch_ = 0;
   // Set by Exchange: from its start until the last push was written.
   absl::Duration last_push_time_;
 };

@@ -212,6 +212,7 @@ absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
     const v1::ShardSpec& shard = cluster_.shards(static_cast<int>(s));
     pushes[s].set_step(step);
     pushes[s].set_worker(rank_);
+    pushes[s].set_epoch(epoch_);
     pushes[s].set_shard_id(shard.shard_id());
     const auto lo = std::lower_bound(sent.indices.begin(), sent.indices.end(),
                                      shard.begin());

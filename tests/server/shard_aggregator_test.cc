@@ -367,21 +367,108 @@ TEST(ShardAggregatorTest, EveryKindOfBadPushIsRejected) {
   EXPECT_EQ(shard->next_step(), 0);
 }
 
-TEST(ShardAggregatorTest, DifferentSecondPushForTheSameStepIsRejected) {
+// A worker that saw its step fail elsewhere retries it after Recover with
+// what its residual holds now, which differs from its first push by design.
+// While the round collects, the newest push is the worker's contribution:
+// the round equals a fresh round of the retry. (It was refused with
+// INVALID_ARGUMENT, which workers do not retry: the run ended.)
+TEST(ShardAggregatorTest, SecondPushForTheSameStepReplacesTheFirst) {
   auto shard = SingleShard(2);
-  absl::StatusOr<std::shared_ptr<const RoundResult>> first;
-  std::thread t([&] {
+  absl::StatusOr<std::shared_ptr<const RoundResult>> first, second;
+  std::thread t1([&] {
     first = shard->Submit(Push(0, 0, {1, 2}), absl::Now() + absl::Seconds(5));
   });
   absl::SleepFor(absl::Milliseconds(50));
-  EXPECT_THAT(shard->Submit(Push(0, 0, {3}), absl::Now() + absl::Seconds(5)),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("a second, different push")));
+  std::thread t2([&] {
+    second = shard->Submit(Push(0, 0, {3}), absl::Now() + absl::Seconds(5));
+  });
+  absl::SleepFor(absl::Milliseconds(50));
   GTOPK_EXPECT_OK(shard->Submit(Push(0, 1, {4}), absl::Now() + absl::Seconds(5)));
-  t.join();
+  t1.join();
+  t2.join();
   GTOPK_ASSERT_OK(first);
-  // The round used the first push: indices 1, 2 and 4 were selected.
-  EXPECT_EQ((*first)->selected.indices, (std::vector<uint32_t>{1, 2, 4}));
+  GTOPK_ASSERT_OK(second);
+  // The round used the second push: indices 3 and 4, with their values.
+  EXPECT_EQ((*second)->selected.indices, (std::vector<uint32_t>{3, 4}));
+  EXPECT_EQ((*second)->selected.values, (std::vector<float>{3.5f, 4.5f}));
+  EXPECT_EQ(*first, *second);  // one round, one result
+  EXPECT_EQ(shard->next_step(), 1);
+}
+
+WorkerPush EpochPush(int64_t step, uint32_t worker, std::vector<uint32_t> idx,
+                     uint64_t epoch) {
+  WorkerPush p = Push(step, worker, std::move(idx));
+  p.epoch = epoch;
+  return p;
+}
+
+// Fail fast (AbortStep from the leader): the pending round holding a push
+// of the failed attempt fails at once with the reason; the failed attempt's
+// late pushes are refused; the retry (pushed with the newer epoch Recover
+// returned) forms a fresh round and completes.
+TEST(ShardAggregatorTest, AbortStepFailsTheAttemptAndKeepsTheRetry) {
+  auto shard = SingleShard(2);
+  const absl::Status reason =
+      absl::AbortedError("step 0 failed on shard 1: bad push");
+  absl::StatusOr<std::shared_ptr<const RoundResult>> waiting;
+  const absl::Time start = absl::Now();
+  std::thread t([&] {
+    waiting = shard->Submit(EpochPush(0, 0, {1}, 5),
+                            absl::Now() + absl::Seconds(20));
+  });
+  absl::SleepFor(absl::Milliseconds(50));
+  shard->AbortStep(0, reason, 6);
+  t.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));  // not the deadline
+  EXPECT_THAT(waiting, StatusIs(absl::StatusCode::kAborted,
+                                HasSubstr("failed on shard 1")));
+  // Worker 1 has not recovered yet: its push of the failed attempt.
+  EXPECT_THAT(shard->Submit(EpochPush(0, 1, {2}, 5),
+                            absl::Now() + absl::Seconds(5)),
+              StatusIs(absl::StatusCode::kAborted, HasSubstr("bad push")));
+  // The retry, after Recover (epoch 6).
+  absl::StatusOr<std::shared_ptr<const RoundResult>> retry0;
+  std::thread t0([&] {
+    retry0 = shard->Submit(EpochPush(0, 0, {7}, 6),
+                           absl::Now() + absl::Seconds(5));
+  });
+  GTOPK_ASSERT_OK_AND_ASSIGN(
+      auto retry1,
+      shard->Submit(EpochPush(0, 1, {8}, 6), absl::Now() + absl::Seconds(5)));
+  t0.join();
+  GTOPK_ASSERT_OK(retry0);
+  EXPECT_EQ(retry1->selected.indices, (std::vector<uint32_t>{7, 8}));
+  EXPECT_EQ(shard->next_step(), 1);
+  // A stale AbortStep of an applied step changes nothing.
+  shard->AbortStep(0, reason, 7);
+  EXPECT_EQ(shard->next_step(), 1);
+}
+
+// The step-failed callback (what tells the other shards, fail fast) fires
+// for failures that arise on this shard -- a bad push, also when it opens
+// no round; the step deadline -- and not for AbortStep (news from the
+// leader, which must not echo back).
+TEST(ShardAggregatorTest, StepFailedCallbackReportsLocalFailuresOnly) {
+  auto shard = SingleShard(2);
+  absl::Mutex mu;
+  std::vector<std::pair<int64_t, absl::StatusCode>> seen;
+  shard->SetStepFailedCallback([&](int64_t step, const absl::Status& why) {
+    absl::MutexLock lock(&mu);
+    seen.emplace_back(step, why.code());
+  });
+  WorkerPush bad = Push(0, 0, {200});  // outside the shard's range
+  EXPECT_THAT(shard->Submit(bad, absl::Now() + absl::Seconds(1)),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(
+      shard->Submit(Push(0, 1, {1}), absl::Now() + absl::Milliseconds(100)),
+      StatusIs(absl::StatusCode::kDeadlineExceeded));
+  shard->AbortStep(0, absl::AbortedError("elsewhere"), 9);
+  absl::MutexLock lock(&mu);
+  ASSERT_EQ(seen.size(), 2u);
+  EXPECT_EQ(seen[0], std::make_pair(int64_t{0},
+                                    absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(seen[1], std::make_pair(int64_t{0},
+                                    absl::StatusCode::kDeadlineExceeded));
 }
 
 TEST(ShardAggregatorTest, MissingWorkerTimesOutNamingIt) {
@@ -517,7 +604,8 @@ TEST(ShardAggregatorTest, RollbackRestoresACheckpointAndAbortsThePendingRound) {
 // A commit exchange that holds every vote until released.
 class HeldCommit final : public CommitExchange {
  public:
-  absl::Status Vote(int64_t, uint32_t, absl::Time deadline) override {
+  absl::Status Vote(int64_t, uint32_t, absl::Time deadline,
+                    uint64_t) override {
     absl::MutexLock lock(&mu_);
     ++waiting_;
     mu_.AwaitWithDeadline(absl::Condition(&released_), deadline);

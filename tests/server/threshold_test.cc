@@ -603,18 +603,61 @@ TEST(ThresholdCoordinatorTest, RetriesAreIdempotent) {
   GTOPK_ASSERT_OK_AND_ASSIGN(ThresholdResponse again,
                              coordinator.Submit(a, absl::Now()));
   EXPECT_EQ(again, *r0);
-  // A "retry" with other content fails only itself; the round stands.
-  ThresholdRequest changed = a;
-  changed.histogram[5] = 1;
-  EXPECT_THAT(
-      coordinator.Submit(changed, Later()),
-      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("retry differs")));
-  ThresholdRequest other_k = b;
-  other_k.k = 4;
-  EXPECT_THAT(coordinator.Submit(other_k, Later()),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("shard 1: retry differs")));
-  EXPECT_THAT(coordinator.Submit(b, Later()), ::gtopk::testing::IsOk());
+  // (A level-0 request with other content is a new attempt of the step:
+  // LevelZeroRequestThatDiffersStartsANewAttempt.)
+}
+
+// The step's exchange completed, but the step failed later (its commit vote
+// was fenced by a recovery, or timed out): the workers' retry pushes differ,
+// so the shards' level-0 requests differ from the completed ones. They are
+// a new attempt of the step, exchanged afresh -- not a bad retry (which
+// failed the retry with INVALID_ARGUMENT, and the workers gave up).
+TEST(ThresholdCoordinatorTest, LevelZeroRequestThatDiffersStartsANewAttempt) {
+  ThresholdCoordinator coordinator(1);
+  GTOPK_ASSERT_OK_AND_ASSIGN(
+      ThresholdResponse first,
+      coordinator.Submit(Req(3, 0, 1, 0, {{9, 1}, {7, 1}}), Later()));
+  EXPECT_EQ(first.bucket, 9u);
+  GTOPK_ASSERT_OK_AND_ASSIGN(
+      ThresholdResponse second,
+      coordinator.Submit(Req(3, 0, 1, 0, {{5, 1}, {3, 1}}), Later()));
+  EXPECT_EQ(second.bucket, 5u);  // the new attempt's answer, not the old
+  // An identical request is still a retry of the (new) completed round.
+  GTOPK_ASSERT_OK_AND_ASSIGN(
+      ThresholdResponse again,
+      coordinator.Submit(Req(3, 0, 1, 0, {{5, 1}, {3, 1}}), absl::Now()));
+  EXPECT_EQ(again, second);
+}
+
+// Fail fast (AbortStep): once the leader aborted a step at an epoch, the
+// failed attempt's requests (older epochs) are refused at once, waiters get
+// the reason, and the retry (epoch >= the failure's) is exchanged afresh.
+TEST(ThresholdCoordinatorTest, AbortRefusesTheFailedAttemptOnly) {
+  ThresholdCoordinator coordinator(2);
+  ThresholdRequest old0 = Req(5, 0, 1, 0, {{9, 1}});
+  old0.epoch = 10;
+  absl::StatusOr<ThresholdResponse> waiting;
+  std::thread t([&] { waiting = coordinator.Submit(old0, Later()); });
+  AwaitSteps(coordinator, 1);
+  coordinator.Abort(5, absl::AbortedError("step 5 failed on shard 1: bad"),
+                    11);
+  t.join();
+  EXPECT_THAT(waiting, StatusIs(absl::StatusCode::kAborted,
+                                HasSubstr("failed on shard 1")));
+  ThresholdRequest late1 = Req(5, 1, 1, 0, {{9, 1}});
+  late1.epoch = 10;  // shard 1 still computing the failed attempt
+  EXPECT_THAT(coordinator.Submit(late1, Later()),
+              StatusIs(absl::StatusCode::kAborted));
+  ThresholdRequest retry0 = Req(5, 0, 1, 0, {{4, 1}});
+  ThresholdRequest retry1 = Req(5, 1, 1, 0, {{3, 1}});
+  retry0.epoch = retry1.epoch = 11;
+  absl::StatusOr<ThresholdResponse> r0;
+  std::thread t0([&] { r0 = coordinator.Submit(retry0, Later()); });
+  GTOPK_ASSERT_OK_AND_ASSIGN(ThresholdResponse r1,
+                             coordinator.Submit(retry1, Later()));
+  t0.join();
+  GTOPK_ASSERT_OK(r0);
+  EXPECT_EQ(r1.bucket, 4u);
 }
 
 TEST(ThresholdCoordinatorTest, WrongHistogramSizeFailsTheRoundForEveryone) {
@@ -820,12 +863,8 @@ TEST(ThresholdCoordinatorTest, FenceAbortsWaitersAndRefusesUntilLifted) {
 
 TEST(ThresholdCoordinatorTest, ForgottenStepsAreExchangedAfresh) {
   ThresholdCoordinator coordinator(1);
-  // Step 3 finished with one histogram; a different one is a bad retry...
+  // Step 3 finished; when the cluster rolls back to step 2, step 3 is new.
   GTOPK_ASSERT_OK(coordinator.Submit(Req(3, 0, 2, 0, {{9, 2}}), Later()));
-  EXPECT_THAT(
-      coordinator.Submit(Req(3, 0, 2, 0, {{7, 2}}), Later()),
-      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("retry differs")));
-  // ...until the cluster rolls back to step 2: then step 3 is new.
   coordinator.ForgetFrom(2);
   GTOPK_EXPECT_OK(coordinator.Submit(Req(3, 0, 2, 0, {{7, 2}}), Later()));
 }
@@ -851,6 +890,38 @@ TEST(ThresholdCoordinatorTest, CancelledRequestFailsTheRoundForEveryShard) {
   EXPECT_THAT(r1, StatusIs(absl::StatusCode::kCancelled));
   EXPECT_THAT(
       r0, StatusIs(absl::StatusCode::kAborted, HasSubstr("shard 1 went away")));
+}
+
+// Fail fast (AbortStep): an aborted step ends the waiting votes at once with
+// the reason; a late vote of the failed attempt (older epoch: a shard that
+// was still computing it) is refused instead of opening an attempt that the
+// retry would join; the retry's votes (the failure's epoch) commit; a
+// committed step cannot be aborted.
+TEST(CommitCoordinatorTest, AbortEndsTheAttemptAndRefusesItsLateVotes) {
+  CommitCoordinator commit(3);
+  const absl::Status reason =
+      absl::AbortedError("step 4 failed on shard 2: bad push");
+  absl::Status waiting;
+  const absl::Time start = absl::Now();
+  std::thread t0([&] { waiting = commit.Vote(4, 0, Later(), {}, 10); });
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_TRUE(commit.Abort(4, reason, 11));
+  t0.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  EXPECT_THAT(waiting, StatusIs(absl::StatusCode::kAborted,
+                                HasSubstr("failed on shard 2")));
+  EXPECT_THAT(commit.Vote(4, 1, Later(), {}, 10),
+              StatusIs(absl::StatusCode::kAborted, HasSubstr("bad push")));
+  absl::Status v0, v1;
+  std::thread a([&] { v0 = commit.Vote(4, 0, Later(), {}, 11); });
+  std::thread b([&] { v1 = commit.Vote(4, 1, Later(), {}, 12); });
+  GTOPK_EXPECT_OK(commit.Vote(4, 2, Later(), {}, 11));
+  a.join();
+  b.join();
+  GTOPK_EXPECT_OK(v0);
+  GTOPK_EXPECT_OK(v1);
+  EXPECT_FALSE(commit.Abort(4, reason, 13));  // committed: a stale message
+  GTOPK_EXPECT_OK(commit.Vote(4, 1, Later(), {}, 12));
 }
 
 TEST(CommitCoordinatorTest, CancelledVoteFenceAndForget) {

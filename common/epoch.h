@@ -1,0 +1,28 @@
+// Attempt epochs (fail fast, docs/recovery.md "Failed steps"): the leader
+// numbers every step failure it hears of (AbortStep) with a new, larger
+// epoch. Workers push with the epoch they last heard (Join, Recover), shards
+// vote and exchange thresholds with the smallest epoch among their round's
+// pushes, and anything of a step older than the step's last failure is
+// refused with ABORTED: an old attempt can neither join nor complete a
+// retry. Epochs start at the leader's start time in microseconds since the
+// Unix epoch, so a restarted leader's epochs are larger than its
+// predecessor's (clocks permitting).
+#ifndef GTOPK_COMMON_EPOCH_H_
+#define GTOPK_COMMON_EPOCH_H_
+
+#include <cstdint>
+
+namespace gtopk {
+
+// "Newer than any failure": what in-process callers that do not take part
+// in fail-fast (tests, tools) pass; never refused.
+inline constexpr uint64_t kNewestEpoch = ~uint64_t{0};
+
+// Trailing metadata of a PushPull stream that failed a step: the decimal
+// epoch of the step's last failure on that shard, when it has one. A worker
+// pushes its next attempt with it (the client library does).
+inline constexpr char kEpochMetadataKey[] = "gtopk-epoch";
+
+}  // namespace gtopk
+
+#endif  // GTOPK_COMMON_EPOCH_H_
