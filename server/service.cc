@@ -1568,6 +1568,11 @@ absl::Status AggregatorServer::Shutdown(absl::Duration grace,
 absl::StatusOr<bool> CheckHealth(const std::string& address,
                                  absl::Duration timeout,
                                  const std::string& service) {
+  if (service.size() >= 128) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "health service name of ", service.size(),
+        " bytes; at most 127 are supported"));
+  }
   grpc::GenericStub stub(
       grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   grpc::ClientContext context;
@@ -1575,7 +1580,7 @@ absl::StatusOr<bool> CheckHealth(const std::string& address,
   // grpc.health.v1.HealthCheckRequest{string service = 1}: no bytes for
   // "", else tag 0x0a, the length (one byte: names are short) and the name.
   std::string request_bytes;
-  if (!service.empty() && service.size() < 128) {
+  if (!service.empty()) {
     request_bytes.push_back('\x0a');
     request_bytes.push_back(static_cast<char>(service.size()));
     request_bytes += service;

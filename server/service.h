@@ -390,8 +390,8 @@ class AggregatorServer {
 // call's status (e.g. UNAVAILABLE, DEADLINE_EXCEEDED after `timeout`),
 // INTERNAL for an unparseable response. Uses a generic stub, so no health
 // proto is needed.
-// `service` names another health service (e.g. kCheckpointHealthService,
-// shorter than 128 bytes); an unknown one is NOT_FOUND.
+// `service` names another health service (e.g. kCheckpointHealthService;
+// INVALID_ARGUMENT when 128 bytes or longer); an unknown one is NOT_FOUND.
 absl::StatusOr<bool> CheckHealth(const std::string& address,
                                  absl::Duration timeout,
                                  const std::string& service = "");
