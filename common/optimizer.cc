@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -9,6 +10,25 @@
 #include "common/status_macros.h"
 
 namespace gtopk {
+namespace {
+
+// Branch-free: true for +-Inf and NaN.
+inline bool NonFinite(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return (bits & 0x7f800000u) == 0x7f800000u;
+}
+
+// The error of a step whose update cannot be applied: FAILED_PRECONDITION
+// (the update and the arguments are well-formed; the state plus this update
+// would leave the finite range).
+absl::Status NotFinite(absl::string_view what, uint64_t index, float result,
+                       absl::string_view how) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      what, "[", index, "] would become ", result, ": ", how));
+}
+
+}  // namespace
 
 absl::string_view MomentumModeName(MomentumMode mode) {
   switch (mode) {
@@ -125,6 +145,66 @@ absl::Status OptimizerRule::AccumulateLocal(int64_t step,
   const float lr = LrAt(step);
   const float wd = options_.weight_decay;
   const float m = options_.momentum;
+  // Check pass: the values the update pass below would store, computed the
+  // same way (so the verdict is exact), nothing stored. A non-finite
+  // velocity or residual already there, or an overflow, shows as a
+  // non-finite result. Branch-free so that it vectorises.
+  bool bad = false;
+  if (dgc) {
+    for (size_t i = 0; i < n; ++i) {
+      const float g = grad[i] + wd * params[i];
+      const float v = m * velocity[i] + g;
+      bad |= NonFinite(v) | NonFinite(residual[i] + lr * v);
+    }
+  } else {
+    for (size_t i = 0; i < n; ++i) {
+      const float g = grad[i] + wd * params[i];
+      bad |= NonFinite(residual[i] + lr * g);
+    }
+  }
+  if (bad) {
+    for (size_t i = 0; i < n; ++i) {
+      if (NonFinite(residual[i]) || (dgc && NonFinite(velocity[i]))) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "AccumulateLocal: the ", NonFinite(residual[i]) ? "residual" :
+            "velocity", " holds a non-finite value at position ", i, " (",
+            NonFinite(residual[i]) ? residual[i] : velocity[i], ")"));
+      }
+      const float g = grad[i] + wd * params[i];
+      const std::string gradient =
+          wd != 0.0f ? absl::StrCat("gradient ", grad[i], " + weight decay ",
+                                    wd, " * parameter ", params[i])
+                     : absl::StrCat("gradient ", grad[i]);
+      if (dgc) {
+        const float v = m * velocity[i] + g;
+        if (NonFinite(v)) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "AccumulateLocal: the velocity at position ", i,
+              " would overflow to ", v, ": momentum ", m, " * velocity ",
+              velocity[i], " + ", gradient,
+              "; nothing was changed (the gradient is too large: lower "
+              "--lr or clip the gradients)"));
+        }
+        const float r = residual[i] + lr * v;
+        if (NonFinite(r)) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "AccumulateLocal: the residual at position ", i,
+              " would overflow to ", r, ": residual ", residual[i], " + lr ",
+              lr, " * velocity ", v, "; nothing was changed (the gradient is "
+              "too large: lower --lr or clip the gradients)"));
+        }
+      } else {
+        const float r = residual[i] + lr * g;
+        if (NonFinite(r)) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "AccumulateLocal: the residual at position ", i,
+              " would overflow to ", r, ": residual ", residual[i], " + lr ",
+              lr, " * (", gradient, "); nothing was changed (the gradient is "
+              "too large: lower --lr or clip the gradients)"));
+        }
+      }
+    }
+  }
   // Separate statements, and the build passes -ffp-contract=off (top-level
   // CMakeLists.txt): no compiler may fuse these into FMAs, whose different
   // rounding would make replicas built with other flags diverge.
@@ -170,14 +250,17 @@ absl::Status OptimizerRule::MaskMomentum(const SparseVector& sent,
   return absl::OkStatus();
 }
 
-absl::Status OptimizerRule::ApplyAggregated(
-    const SparseVector& aggregated, uint64_t offset, int num_workers,
-    absl::Span<float> params, absl::Span<float> global_velocity) const {
+namespace {
+
+absl::Status ValidateAggregated(const SparseVector& aggregated,
+                                uint64_t offset, int num_workers,
+                                size_t params_size, size_t velocity_size,
+                                bool global) {
   if (num_workers < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("num_workers must be >= 1, got ", num_workers));
   }
-  const uint64_t end = offset + params.size();
+  const uint64_t end = offset + params_size;
   GTOPK_RETURN_IF_ERROR(ValidateSparseVector(aggregated, kMaxDenseLength));
   if (!aggregated.empty() && (aggregated.indices.front() < offset ||
                               aggregated.indices.back() >= end)) {
@@ -186,12 +269,117 @@ absl::Status OptimizerRule::ApplyAggregated(
         aggregated.indices.back(), "] fall outside the parameter range [",
         offset, ", ", end, ")"));
   }
-  const bool global = options_.momentum_mode == MomentumMode::kGlobal;
-  if (global && global_velocity.size() != params.size()) {
+  if (global && velocity_size != params_size) {
     return absl::InvalidArgumentError(
-        absl::StrCat("global velocity has ", global_velocity.size(),
-                     " entries, expected ", params.size()));
+        absl::StrCat("global velocity has ", velocity_size,
+                     " entries, expected ", params_size));
   }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateAggregatedDense(absl::Span<const float> sum,
+                                     int num_workers, size_t params_size,
+                                     size_t velocity_size, bool global) {
+  if (num_workers < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_workers must be >= 1, got ", num_workers));
+  }
+  if (sum.size() != params_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "dense sum has ", sum.size(), " entries, parameters ", params_size));
+  }
+  if (global && velocity_size != params_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("global velocity has ", velocity_size,
+                     " entries, expected ", params_size));
+  }
+  return ValidateFinite(sum, "dense sum");
+}
+
+// The message for position i of a global-momentum update that is not
+// finite: v = m * V + update, params -= v.
+absl::Status GlobalNotFinite(uint64_t index, float m, float velocity,
+                             float update, float param,
+                             absl::string_view update_how) {
+  const float v = m * velocity + update;
+  if (NonFinite(v)) {
+    return NotFinite(
+        "global velocity", index, v,
+        absl::StrCat("momentum ", m, " * velocity ", velocity, " + update ",
+                     update, update_how));
+  }
+  return NotFinite("params", index, param - v,
+                   absl::StrCat(param, " - velocity ", v, " (momentum ", m,
+                                " * velocity ", velocity, " + update ", update,
+                                update_how, ")"));
+}
+
+}  // namespace
+
+absl::Status OptimizerRule::CheckAggregated(
+    const SparseVector& aggregated, uint64_t offset, int num_workers,
+    absl::Span<const float> params,
+    absl::Span<const float> global_velocity) const {
+  const bool global = options_.momentum_mode == MomentumMode::kGlobal;
+  GTOPK_RETURN_IF_ERROR(ValidateAggregated(aggregated, offset, num_workers,
+                                           params.size(),
+                                           global_velocity.size(), global));
+  const float p = static_cast<float>(num_workers);
+  auto how = [&](size_t j) {
+    return absl::StrCat(" (aggregated ", aggregated.values[j], " / ",
+                        num_workers, " workers)");
+  };
+  if (!global) {
+    for (size_t j = 0; j < aggregated.size(); ++j) {
+      const float update = aggregated.values[j] / p;
+      const float param = params[aggregated.indices[j] - offset];
+      const float result = param - update;
+      if (NonFinite(result)) {
+        return NotFinite("params", aggregated.indices[j], result,
+                         absl::StrCat(param, " - ", update, how(j)));
+      }
+    }
+    return absl::OkStatus();
+  }
+  const float m = options_.momentum;
+  // Same loop as ApplyAggregated's, branch-free, nothing stored.
+  bool bad = false;
+  size_t j = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    float update = 0.0f;
+    if (j < aggregated.size() && aggregated.indices[j] - offset == i) {
+      update = aggregated.values[j] / p;
+      ++j;
+    }
+    const float v = m * global_velocity[i] + update;
+    bad |= NonFinite(v) | NonFinite(params[i] - v);
+  }
+  if (!bad) return absl::OkStatus();
+  j = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    float update = 0.0f;
+    std::string update_how;
+    if (j < aggregated.size() && aggregated.indices[j] - offset == i) {
+      update = aggregated.values[j] / p;
+      update_how = how(j);
+      ++j;
+    }
+    const float v = m * global_velocity[i] + update;
+    if (NonFinite(v) || NonFinite(params[i] - v)) {
+      return GlobalNotFinite(offset + i, m, global_velocity[i], update,
+                             params[i], update_how);
+    }
+  }
+  return absl::InternalError("CheckAggregated: inconsistent passes");
+}
+
+absl::Status OptimizerRule::ApplyAggregated(
+    const SparseVector& aggregated, uint64_t offset, int num_workers,
+    absl::Span<float> params, absl::Span<float> global_velocity) const {
+  // Validates the arguments and that every stored value stays finite.
+  GTOPK_RETURN_IF_ERROR(CheckAggregated(aggregated, offset, num_workers,
+                                        params, global_velocity));
+  const bool global = options_.momentum_mode == MomentumMode::kGlobal;
   const float p = static_cast<float>(num_workers);
   if (!global) {
     for (size_t j = 0; j < aggregated.size(); ++j) {
@@ -215,24 +403,55 @@ absl::Status OptimizerRule::ApplyAggregated(
   return absl::OkStatus();
 }
 
+absl::Status OptimizerRule::CheckAggregatedDense(
+    absl::Span<const float> sum, int num_workers, uint64_t offset,
+    absl::Span<const float> params,
+    absl::Span<const float> global_velocity) const {
+  const bool global = options_.momentum_mode == MomentumMode::kGlobal;
+  GTOPK_RETURN_IF_ERROR(ValidateAggregatedDense(
+      sum, num_workers, params.size(), global_velocity.size(), global));
+  const float p = static_cast<float>(num_workers);
+  const float m = options_.momentum;
+  bool bad = false;
+  if (!global) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      const float update = sum[i] / p;
+      bad |= NonFinite(params[i] - update);
+    }
+  } else {
+    for (size_t i = 0; i < params.size(); ++i) {
+      const float update = sum[i] / p;
+      const float v = m * global_velocity[i] + update;
+      bad |= NonFinite(v) | NonFinite(params[i] - v);
+    }
+  }
+  if (!bad) return absl::OkStatus();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const float update = sum[i] / p;
+    const std::string how =
+        absl::StrCat(" (sum ", sum[i], " / ", num_workers, " workers)");
+    if (!global) {
+      if (NonFinite(params[i] - update)) {
+        return NotFinite("params", offset + i, params[i] - update,
+                         absl::StrCat(params[i], " - ", update, how));
+      }
+      continue;
+    }
+    const float v = m * global_velocity[i] + update;
+    if (NonFinite(v) || NonFinite(params[i] - v)) {
+      return GlobalNotFinite(offset + i, m, global_velocity[i], update,
+                             params[i], how);
+    }
+  }
+  return absl::InternalError("CheckAggregatedDense: inconsistent passes");
+}
+
 absl::Status OptimizerRule::ApplyAggregatedDense(
     absl::Span<const float> sum, int num_workers, absl::Span<float> params,
     absl::Span<float> global_velocity) const {
-  if (num_workers < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("num_workers must be >= 1, got ", num_workers));
-  }
-  if (sum.size() != params.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "dense sum has ", sum.size(), " entries, parameters ", params.size()));
-  }
+  GTOPK_RETURN_IF_ERROR(CheckAggregatedDense(sum, num_workers, /*offset=*/0,
+                                             params, global_velocity));
   const bool global = options_.momentum_mode == MomentumMode::kGlobal;
-  if (global && global_velocity.size() != params.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("global velocity has ", global_velocity.size(),
-                     " entries, expected ", params.size()));
-  }
-  GTOPK_RETURN_IF_ERROR(ValidateFinite(sum, "dense sum"));
   const float p = static_cast<float>(num_workers);
   if (!global) {
     for (size_t i = 0; i < params.size(); ++i) {

@@ -91,8 +91,10 @@ class OptimizerRule {
   // After this, `residual` is u, what the selector picks from.
   // INVALID_ARGUMENT on a length mismatch, a negative step, a non-finite
   // gradient or (with weight decay) non-finite parameters, position named;
-  // nothing is modified then. A residual that overflows to +-Inf (|u| beyond
-  // FLT_MAX) is reported by the selector that reads it next.
+  // also when any value this call would store (the velocity, or the
+  // residual u) would overflow to +-Inf, e.g. a gradient so large that
+  // |u| > FLT_MAX: the message names the position and the values. Nothing is
+  // modified on any error (a check pass computes the same values first).
   absl::Status AccumulateLocal(int64_t step, absl::Span<const float> grad,
                                absl::Span<const float> params,
                                absl::Span<float> velocity,
@@ -114,20 +116,46 @@ class OptimizerRule {
   //   kGlobal: for every i in the range, V = m*V + (aggregated_i / P, or 0);
   //            params -= V   (global_velocity has params.size() entries).
   // INVALID_ARGUMENT for num_workers < 1, an invalid `aggregated`, an index
-  // outside the range or a global_velocity of the wrong size; nothing is
-  // modified then.
+  // outside the range or a global_velocity of the wrong size;
+  // FAILED_PRECONDITION when the update would make a parameter or a velocity
+  // entry non-finite (CheckAggregated's message); nothing is modified then.
   absl::Status ApplyAggregated(const SparseVector& aggregated, uint64_t offset,
                                int num_workers, absl::Span<float> params,
                                absl::Span<float> global_velocity) const;
+
+  // Would ApplyAggregated with these arguments leave every parameter (and,
+  // kGlobal, every global velocity entry) finite? Computes exactly the
+  // values ApplyAggregated would store -- the same float operations in the
+  // same order -- and stores nothing, so a caller may check, then decide
+  // (e.g. a shard's cross-shard commit vote), then apply, and the verdict
+  // holds for the apply bit for bit. Errors: ApplyAggregated's
+  // INVALID_ARGUMENTs; FAILED_PRECONDITION naming the first offending flat
+  // index (offset + position) with the old value, the update and the
+  // non-finite result, e.g. "params[3] would become -inf: -3e+38 - 1.5e+38
+  // (aggregated 3e+38 / 2 workers)". Cost: O(|aggregated|) without global
+  // momentum, one pass over the range with it.
+  absl::Status CheckAggregated(const SparseVector& aggregated, uint64_t offset,
+                               int num_workers,
+                               absl::Span<const float> params,
+                               absl::Span<const float> global_velocity) const;
 
   // Dense S-SGD variant of ApplyAggregated: `sum` holds the sum over the P
   // workers for every parameter of the range (sum.size() == params.size()).
   // Same arithmetic as ApplyAggregated with every index selected.
   // INVALID_ARGUMENT for num_workers < 1, mismatched sizes or a non-finite
-  // sum (position named); nothing is modified then.
+  // sum (position named); FAILED_PRECONDITION as CheckAggregatedDense;
+  // nothing is modified then.
   absl::Status ApplyAggregatedDense(absl::Span<const float> sum,
                                     int num_workers, absl::Span<float> params,
                                     absl::Span<float> global_velocity) const;
+
+  // CheckAggregated for ApplyAggregatedDense (offset: the flat index of
+  // params[0], used in messages only). Same errors as ApplyAggregatedDense,
+  // nothing stored. Cost: one pass over the range.
+  absl::Status CheckAggregatedDense(absl::Span<const float> sum,
+                                    int num_workers, uint64_t offset,
+                                    absl::Span<const float> params,
+                                    absl::Span<const float> global_velocity) const;
 
  private:
   explicit OptimizerRule(OptimizerOptions options)

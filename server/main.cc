@@ -297,8 +297,14 @@ int main(int argc, char** argv) {
   const absl::Status checkpoint = (*server)->Shutdown(
       absl::Seconds(5), /*write_checkpoint=*/true, drain_timeout);
   if (!checkpoint.ok()) {
-    std::fprintf(stderr, "gtopk-server shard %u: final checkpoint failed: %s\n",
+    // Exit 3, not 0: the state of the last applied steps is not on disk
+    // (server/flags.md). The previous checkpoint, if any, is intact.
+    std::fprintf(stderr,
+                 "gtopk-server shard %u: final checkpoint failed: %s; "
+                 "exiting with code 3 (a restart restores the previous "
+                 "checkpoint)\n",
                  shard_id, checkpoint.ToString().c_str());
+    return 3;
   }
   return 0;
 }

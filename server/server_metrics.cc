@@ -171,6 +171,14 @@ ServerMetrics::ServerMetrics(metrics::Registry& registry) {
   for (size_t c = 1; c < rpc_errors_.size(); ++c) {
     rpc_errors_[c] = &errors.Add({{"code", kStatusCodeNames[c]}});
   }
+  checkpoint_failures_ =
+      &BuildCounter()
+           .Name("gtopk_server_checkpoint_failures_total")
+           .Help("Checkpoint writes of this shard that failed (periodic, "
+                 "initial or final); the previous checkpoint stays the one "
+                 "a restart restores.")
+           .Register(registry)
+           .Add({});
   checkpoint_age_ = std::make_shared<CheckpointAge>();
   registry.RegisterCollectable(checkpoint_age_);
 }
@@ -206,6 +214,12 @@ void ServerMetrics::RoundCompleted(const RoundResult& r) {
 }
 
 void ServerMetrics::CheckpointWritten() { checkpoint_age_->Written(); }
+
+void ServerMetrics::CheckpointFailed() { checkpoint_failures_->Increment(); }
+
+double ServerMetrics::checkpoint_failures() const {
+  return checkpoint_failures_->Value();
+}
 
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>
 ServerMetrics::MakeInterceptorFactory() {

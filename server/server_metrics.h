@@ -56,6 +56,10 @@ class ServerMetrics {
   // The shard wrote its checkpoint now (gtopk_server_checkpoint_age_seconds
   // counts from here).
   void CheckpointWritten();
+  // A checkpoint write failed (gtopk_server_checkpoint_failures_total).
+  void CheckpointFailed();
+  // The failures counted so far (for tests and logs).
+  double checkpoint_failures() const;
 
   // A gRPC interceptor factory that calls RpcFinished for every call of the
   // server (add it with ServerBuilder::experimental().SetInterceptorCreators).
@@ -81,6 +85,7 @@ class ServerMetrics {
       rejected_;
   // Indexed by grpc::StatusCode (1..16).
   std::array<metrics::Counter*, 17> rpc_errors_{};
+  metrics::Counter* checkpoint_failures_;
   std::shared_ptr<CheckpointAge> checkpoint_age_;
   std::atomic<int64_t> last_round_step_{-1};
 };

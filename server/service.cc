@@ -447,11 +447,46 @@ absl::Status AggregatorService::WriteCheckpointNow() {
   if (absl::IsFailedPrecondition(snapshot.status())) {
     return absl::OkStatus();  // no parameters yet: nothing to keep
   }
-  GTOPK_RETURN_IF_ERROR(snapshot.status());
-  GTOPK_RETURN_IF_ERROR(WriteCheckpoint(config_.checkpoint_dir, *snapshot));
-  metrics_->CheckpointWritten();
-  return RetainCheckpoint(config_.checkpoint_dir, config_.shard_id,
-                          snapshot->next_step, config_.checkpoint_keep);
+  absl::Status status = snapshot.status();
+  // WriteCheckpoint replaces the current checkpoint only by renaming a
+  // complete, fsynced temp file over it: on failure the previous one stays
+  // what a restart restores, and the history keeps its entries.
+  if (status.ok()) status = WriteCheckpoint(config_.checkpoint_dir, *snapshot);
+  if (status.ok()) {
+    metrics_->CheckpointWritten();
+    status = RetainCheckpoint(config_.checkpoint_dir, config_.shard_id,
+                              snapshot->next_step, config_.checkpoint_keep);
+  }
+  const bool ok = status.ok();
+  if (!ok) {
+    metrics_->CheckpointFailed();
+    std::fprintf(
+        stderr,
+        "gtopk-server shard %u: checkpoint of step %lld in %s FAILED (%.0f "
+        "failure(s) so far): %s; the previous checkpoint stays the one a "
+        "restart restores, and health service \"%s\" is NOT_SERVING until "
+        "a checkpoint succeeds\n",
+        config_.shard_id,
+        snapshot.ok() ? static_cast<long long>(snapshot->next_step) : -1LL,
+        config_.checkpoint_dir.c_str(), metrics_->checkpoint_failures(),
+        status.ToString().c_str(), kCheckpointHealthService);
+  }
+  if (ok && !checkpoint_ok_) {
+    std::fprintf(stderr,
+                 "gtopk-server shard %u: checkpoint of step %lld written; "
+                 "checkpoints work again\n",
+                 config_.shard_id, static_cast<long long>(snapshot->next_step));
+  }
+  checkpoint_ok_ = ok;
+  if (checkpoint_health_) checkpoint_health_(ok);
+  return status;
+}
+
+void AggregatorService::SetCheckpointHealthListener(
+    std::function<void(bool ok)> listener) {
+  absl::MutexLock lock(&checkpoint_mu_);
+  checkpoint_health_ = std::move(listener);
+  if (checkpoint_health_) checkpoint_health_(checkpoint_ok_);
 }
 
 void AggregatorService::BeginDrain() {
@@ -522,15 +557,9 @@ absl::Status AggregatorService::CreateAggregatorLocked(uint64_t n) {
     const int64_t every = config_.checkpoint_every;
     aggregator->SetStepAppliedCallback([this, every](int64_t next_step) {
       if (next_step % every != 0) return;
-      const absl::Status s = WriteCheckpointNow();
-      if (!s.ok()) {
-        // The step stands; only its durability is late. Say so loudly.
-        std::fprintf(stderr,
-                     "gtopk-server shard %u: checkpoint at step %lld "
-                     "failed: %s\n",
-                     config_.shard_id, static_cast<long long>(next_step),
-                     s.ToString().c_str());
-      }
+      // The step stands; only its durability is late. WriteCheckpointNow
+      // reports a failure loudly (log, metric, health).
+      WriteCheckpointNow().IgnoreError();
     });
   }
   if (draining_) {
@@ -802,6 +831,14 @@ grpc::Status AggregatorService::InitParams(
   }
   absl::StatusOr<bool> taken = aggregator->InitParams(values);
   if (!taken.ok()) return ToGrpcStatus(taken.status());
+  if (*taken && config_.checkpoint_every > 0) {
+    // The initial state (next step 0) is a checkpoint like any step's: a
+    // shard restarted before its first periodic checkpoint (or one whose
+    // later writes failed) restores it instead of coming back without
+    // parameters. A failure is reported like every checkpoint failure
+    // (metric, log, health); the parameters are taken either way.
+    WriteCheckpointNow().IgnoreError();
+  }
   response->set_initialized_now(*taken);
   return grpc::Status::OK;
 }
@@ -1646,6 +1683,10 @@ absl::StatusOr<std::unique_ptr<AggregatorServer>> AggregatorServer::Start(
   if (grpc::HealthCheckServiceInterface* health =
           server->server_->GetHealthCheckService()) {
     health->SetServingStatus(true);
+    // SERVING until a checkpoint write fails, again once one succeeds.
+    server->service_->SetCheckpointHealthListener([health](bool ok) {
+      health->SetServingStatus(kCheckpointHealthService, ok);
+    });
   }
   return server;
 }
@@ -1683,6 +1724,9 @@ absl::Status AggregatorServer::Shutdown(absl::Duration grace,
   closer.join();
   service_->BeginShutdown();
   server_->Wait();
+  // The health service goes with the server; the final checkpoint's outcome
+  // is the return value (gtopk-server's exit code).
+  service_->SetCheckpointHealthListener(nullptr);
   if (!write_checkpoint) return absl::OkStatus();
   return service_->WriteCheckpointNow();
 }
@@ -1691,14 +1735,27 @@ absl::Status AggregatorServer::Shutdown(absl::Duration grace,
 // Health check client
 
 absl::StatusOr<bool> CheckHealth(const std::string& address,
-                                 absl::Duration timeout) {
+                                 absl::Duration timeout,
+                                 const std::string& service) {
+  if (service.size() >= 128) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "health service name of ", service.size(),
+        " bytes; at most 127 are supported"));
+  }
   grpc::GenericStub stub(
       grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-  // grpc.health.v1.HealthCheckRequest{service: ""} serialises to no bytes.
-  grpc::Slice empty_slice(std::string{});
-  grpc::ByteBuffer request(&empty_slice, 1);
+  // grpc.health.v1.HealthCheckRequest{string service = 1}: no bytes for
+  // "", else tag 0x0a, the length (one byte: names are short) and the name.
+  std::string request_bytes;
+  if (!service.empty()) {
+    request_bytes.push_back('\x0a');
+    request_bytes.push_back(static_cast<char>(service.size()));
+    request_bytes += service;
+  }
+  grpc::Slice request_slice(request_bytes);
+  grpc::ByteBuffer request(&request_slice, 1);
   grpc::ByteBuffer response;
   grpc::Status status;
   absl::Notification done;

@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -170,6 +171,14 @@ absl::Status CheckSameClusterSettings(const ServerConfig& own,
 // from its own fails that call with CheckSameClusterSettings' status.
 //
 // Thread-safety: all methods are thread-safe.
+// The grpc.health.v1 service name (besides "", the whole server) that
+// reports this shard's checkpoints: SERVING while the last checkpoint write
+// succeeded (or none was attempted), NOT_SERVING after a failed one. The
+// server stays SERVING for "": a shard whose checkpoints fail still holds
+// the cluster's only copy of its parameters in memory, and a liveness or
+// readiness probe that restarted it would lose them (server/flags.md).
+inline constexpr char kCheckpointHealthService[] = "gtopk.checkpoint";
+
 class AggregatorService final : public v1::Aggregator::Service {
  public:
   // Validates `config`; with a checkpoint_dir, restores this shard's
@@ -196,8 +205,20 @@ class AggregatorService final : public v1::Aggregator::Service {
 
   // Writes this shard's checkpoint now. OK without a checkpoint_dir or
   // before the shard has parameters (nothing to write); otherwise
-  // WriteCheckpoint's status. Serialised with the periodic writes.
+  // WriteCheckpoint's (then RetainCheckpoint's) status. Serialised with the
+  // periodic writes. A failure leaves the previous checkpoint in place (what
+  // a restart restores) and is reported loudly: one line on stderr, the
+  // metric gtopk_server_checkpoint_failures_total, and the health listener
+  // (grpc.health service kCheckpointHealthService NOT_SERVING) until a
+  // later write succeeds.
   absl::Status WriteCheckpointNow();
+
+  // Called with the outcome of every checkpoint write (true: written), and
+  // once at once with the current state (true before any write); null
+  // detaches. AggregatorServer points it at grpc.health's
+  // kCheckpointHealthService. Called with the checkpoint lock held: it
+  // must not call back into this service.
+  void SetCheckpointHealthListener(std::function<void(bool ok)> listener);
 
   // Graceful shutdown's drain (before BeginShutdown): the round in progress
   // may complete; pushes that would open a new round, and Joins, fail with
@@ -343,6 +364,10 @@ class AggregatorService final : public v1::Aggregator::Service {
       recover_mu_) = absl::UnknownError("no recovery yet");
 
   absl::Mutex checkpoint_mu_;  // one checkpoint writer at a time
+  // False while the last checkpoint write failed.
+  bool checkpoint_ok_ ABSL_GUARDED_BY(checkpoint_mu_) = true;
+  std::function<void(bool)> checkpoint_health_ ABSL_GUARDED_BY(
+      checkpoint_mu_);
   // DownloadParams copies the shard's range per call; at most
   // kMaxConcurrentDownloads copies exist at once (the others wait, bounded
   // by their deadline), so clients cannot exhaust the server's memory.
@@ -403,8 +428,11 @@ class AggregatorServer {
 // call's status (e.g. UNAVAILABLE, DEADLINE_EXCEEDED after `timeout`),
 // INTERNAL for an unparseable response. Uses a generic stub, so no health
 // proto is needed.
+// `service` names another health service (e.g. kCheckpointHealthService;
+// INVALID_ARGUMENT when 128 bytes or longer); an unknown one is NOT_FOUND.
 absl::StatusOr<bool> CheckHealth(const std::string& address,
-                                 absl::Duration timeout);
+                                 absl::Duration timeout,
+                                 const std::string& service = "");
 
 }  // namespace server
 }  // namespace gtopk

@@ -337,6 +337,16 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
     // by another shard).
     bool failed_here = !result.ok() && !absl::IsAborted(result.status());
     if (result.ok()) {
+      // Before the vote: a shard whose update would not stay finite does not
+      // vote, so no shard applies the step (the apply below then stores
+      // exactly the values checked here), and it tells the others.
+      const absl::Status finite = CheckUpdateFinite(**result);
+      if (!finite.ok()) {
+        result = finite;
+        failed_here = true;
+      }
+    }
+    if (result.ok()) {
       absl::MutexLock check(&mu_);
       // The leader said the step failed elsewhere (AbortStep) while this
       // shard computed it: do not vote for it.
@@ -420,6 +430,29 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
   return round->result;
 }
 
+absl::Status ShardAggregator::CheckUpdateFinite(const RoundResult& r) const {
+  absl::Status status;
+  {
+    absl::MutexLock lock(&mu_);
+    status = options_.mode == AggregationMode::kDense
+                 ? rule_.CheckAggregatedDense(
+                       r.dense_sum, static_cast<int>(options_.num_workers),
+                       begin_, params_, global_velocity_)
+                 : rule_.CheckAggregated(r.selected, begin_,
+                                         static_cast<int>(options_.num_workers),
+                                         params_, global_velocity_);
+  }
+  if (status.ok() || !absl::IsFailedPrecondition(status)) return status;
+  return StepNotFinite(status.message());
+}
+
+absl::Status ShardAggregator::StepNotFinite(absl::string_view what) const {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "the update is not finite: ", what,
+      "; the step is refused on every shard, nothing was applied (lower "
+      "--lr, or clip the gradients)"));
+}
+
 absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Compute(
     std::vector<WorkerPush>& pushes, int64_t step, absl::Time opened,
     absl::Time deadline, uint64_t epoch) {
@@ -436,7 +469,12 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Compute(
         result->dense_sum[i] += pushes[w].dense[i];
       }
     }
-    GTOPK_RETURN_IF_ERROR(ValidateFinite(result->dense_sum, "dense sum"));
+    // The pushes are finite (ValidatePush); their sum may still overflow.
+    if (absl::Status s = ValidateFinite(result->dense_sum, "dense sum");
+        !s.ok()) {
+      return StepNotFinite(absl::StrCat(
+          "the sum of the workers' pushes overflows: ", s.message()));
+    }
     result->merge_time = absl::Now() - merge_start;
     return result;
   }
@@ -445,7 +483,12 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Compute(
   // The pushes are consumed: move, not copy, P sparse vectors per step.
   for (WorkerPush& p : pushes) inputs.push_back(std::move(p.sparse));
   SparseVector sum;
-  GTOPK_RETURN_IF_ERROR(SparseSum(inputs, options_.n, &sum));
+  // The pushes were validated (ValidatePush), so the only error left is a
+  // sum of finite values that overflows.
+  if (absl::Status s = SparseSum(inputs, options_.n, &sum); !s.ok()) {
+    return StepNotFinite(
+        absl::StrCat("the sum of the workers' pushes (", s.message(), ")"));
+  }
   const absl::Time select_start = absl::Now();
   result->merge_time = select_start - merge_start;
   GTOPK_ASSIGN_OR_RETURN(const uint64_t k, rule_.KAt(step, options_.n));

@@ -152,7 +152,11 @@ class ShardAggregator {
   // Contributes `push` to the round of push.step and waits for its result.
   // Errors: INVALID_ARGUMENT (bad push: rank, range, order, lengths,
   // non-finite, mode mismatch), FAILED_PRECONDITION (no parameters yet; a
-  // step that is neither the current one nor a retry of the last one),
+  // step that is neither the current one nor a retry of the last one; for
+  // every worker of the round, a step whose update is not finite -- the sum
+  // of the pushes overflows, or a parameter or global velocity entry would
+  // become +-Inf -- checked before the commit vote, so that the step is
+  // applied on no shard; the message names the index and the values),
   // ABORTED (another worker's push failed the round), DEADLINE_EXCEEDED
   // (missing workers named), or the threshold exchange's error.
   absl::StatusOr<std::shared_ptr<const RoundResult>> Submit(
@@ -266,6 +270,15 @@ class ShardAggregator {
   absl::StatusOr<std::shared_ptr<const RoundResult>> Compute(
       std::vector<WorkerPush>& pushes, int64_t step, absl::Time opened,
       absl::Time deadline, uint64_t epoch);
+  // Would applying `result` keep every parameter and global velocity entry
+  // finite? OptimizerRule::CheckAggregated(Dense) on the current state
+  // (takes mu_ briefly; nothing changes). FAILED_PRECONDITION (via
+  // StepNotFinite) naming the index and values when not.
+  absl::Status CheckUpdateFinite(const RoundResult& result) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // FAILED_PRECONDITION for a step that cannot be applied because `what`
+  // (a sum, a parameter or a velocity) would not be finite.
+  absl::Status StepNotFinite(absl::string_view what) const;
   void FailRoundLocked(const std::shared_ptr<Round>& round,
                        absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailStepLocked(int64_t step, uint32_t worker,

@@ -807,6 +807,30 @@ absl::StatusOr<StepStats> WorkerClient::Step(absl::Span<const float> gradient,
   stats.wait = stats.push_wait - stats.push;
 
   t = absl::Now();
+  // The servers refused any step whose update would not stay finite, and
+  // this replica holds their bits, so this check passes unless the replica
+  // diverged; it runs before anything changes so that no state is half
+  // updated then (the entries sent go back to the residual).
+  {
+    absl::Status finite;
+    if (mode_ == Mode::kDense) {
+      for (size_t s = 0; s < S && finite.ok(); ++s) {
+        const uint64_t begin = shards_[s]->begin;
+        const uint64_t len = shards_[s]->end - begin;
+        finite = rule_.CheckAggregatedDense(
+            pulls[s].dense(), P, begin, params.subspan(begin, len),
+            absl::MakeConstSpan(global_velocity_).subspan(begin, len));
+      }
+    } else {
+      finite = rule_.CheckAggregated(global, 0, P, params, global_velocity_);
+    }
+    if (!finite.ok()) {
+      return fail(absl::InternalError(absl::StrCat(
+          "step ", step, ": the servers' update cannot be applied to this "
+          "replica (its parameters differ from the servers'): ",
+          finite.message())));
+    }
+  }
   if (mode_ == Mode::kDense) {
     for (size_t s = 0; s < S; ++s) {
       const uint64_t begin = shards_[s]->begin;

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -296,6 +297,177 @@ TEST(OptimizerTest, OptionsAreValidated) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("known: none, dgc, global")));
   EXPECT_EQ(*ParseMomentumMode("global"), MomentumMode::kGlobal);
+}
+
+// --- Results that would leave the finite range (issue 13, part 3) ---------
+
+constexpr float kHuge = 3e38f;
+
+TEST(OptimizerFiniteTest, AccumulateLocalOverflowChangesNothing) {
+  // Each case: a finite gradient (and finite state) whose accumulation would
+  // overflow the residual or the DGC velocity. Before the fix the residual
+  // (and velocity) became +-Inf and only the next selector noticed.
+  struct Case {
+    MomentumMode mode;
+    float lr, momentum, weight_decay;
+    float grad, param, velocity, residual;
+    const char* expect;
+  };
+  const Case cases[] = {
+      {MomentumMode::kNone, 1.0f, 0.9f, 0.0f, kHuge, 1.0f, 0.0f, kHuge,
+       "residual at position 2 would overflow to inf"},
+      {MomentumMode::kGlobal, 1.0f, 0.9f, 0.0f, -kHuge, 1.0f, 0.0f, -kHuge,
+       "residual at position 2 would overflow to -inf"},
+      {MomentumMode::kDgcCorrection, 1.0f, 0.9f, 0.0f, kHuge, 1.0f, kHuge,
+       0.0f, "velocity at position 2 would overflow to inf"},
+      {MomentumMode::kDgcCorrection, 1.0f, 0.0f, 0.0f, kHuge, 1.0f, 0.0f,
+       kHuge, "residual at position 2 would overflow to inf"},
+      // lr * v overflows although v is finite.
+      {MomentumMode::kNone, 10.0f, 0.9f, 0.0f, kHuge, 1.0f, 0.0f, 0.0f,
+       "residual at position 2 would overflow"},
+      // The weight-decay term overflows the gradient.
+      {MomentumMode::kNone, 0.1f, 0.9f, 10.0f, 1.0f, kHuge, 0.0f, 0.0f,
+       "weight decay 10 * parameter 3e+38"},
+  };
+  for (const Case& c : cases) {
+    OptimizerOptions o;
+    o.lr = c.lr;
+    o.momentum = c.momentum;
+    o.momentum_mode = c.mode;
+    o.weight_decay = c.weight_decay;
+    const OptimizerRule rule = MakeRule(o);
+    std::vector<float> grad(5, 1.0f), params(5, 0.5f), velocity(5, 0.25f),
+        residual(5, 0.125f);
+    grad[2] = c.grad;
+    params[2] = c.param;
+    velocity[2] = c.velocity;
+    residual[2] = c.residual;
+    const auto velocity0 = velocity, residual0 = residual;
+    EXPECT_THAT(rule.AccumulateLocal(0, grad, params, absl::MakeSpan(velocity),
+                                     absl::MakeSpan(residual)),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr(c.expect)))
+        << MomentumModeName(c.mode);
+    EXPECT_TRUE(BitEqual(velocity, velocity0));
+    EXPECT_TRUE(BitEqual(residual, residual0));
+  }
+  // A non-finite residual already there is the state's fault.
+  const OptimizerRule rule = MakeRule(OptimizerOptions{});
+  std::vector<float> grad(3, 1.0f), params(3, 1.0f), velocity(3, 0.0f),
+      residual(3, 0.0f);
+  residual[1] = std::numeric_limits<float>::infinity();
+  EXPECT_THAT(rule.AccumulateLocal(0, grad, params, absl::MakeSpan(velocity),
+                                   absl::MakeSpan(residual)),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("residual holds a non-finite value at "
+                                 "position 1")));
+  EXPECT_EQ(velocity, std::vector<float>(3, 0.0f));
+}
+
+TEST(OptimizerFiniteTest, ApplyAggregatedOverflowIsRefusedAndChangesNothing) {
+  for (MomentumMode mode : {MomentumMode::kNone, MomentumMode::kDgcCorrection,
+                            MomentumMode::kGlobal}) {
+    SCOPED_TRACE(MomentumModeName(mode));
+    OptimizerOptions o;
+    o.momentum_mode = mode;
+    const OptimizerRule rule = MakeRule(o);
+    const bool global = mode == MomentumMode::kGlobal;
+    // Range [10, 15); index 13 at position 3.
+    std::vector<float> params(5, 1.0f), velocity(global ? 5 : 0, 0.0f);
+    params[3] = -kHuge;
+    const auto params0 = params, velocity0 = velocity;
+    SparseVector agg;
+    agg.push_back(11, 1.0f);
+    agg.push_back(13, 0.6e38f);  // / P = 2: -3e38 - 0.3e38 is finite
+    GTOPK_EXPECT_OK(rule.CheckAggregated(agg, 10, 2, params, velocity));
+    agg.values[1] = 3.2e38f;  // / 2 = 1.6e38: -3e38 - 1.6e38 = -inf
+    const auto expect = StatusIs(absl::StatusCode::kFailedPrecondition,
+                                 HasSubstr("params[13] would become -inf"));
+    EXPECT_THAT(rule.CheckAggregated(agg, 10, 2, params, velocity), expect);
+    EXPECT_THAT(rule.ApplyAggregated(agg, 10, 2, absl::MakeSpan(params),
+                                     absl::MakeSpan(velocity)),
+                expect);
+    EXPECT_TRUE(BitEqual(params, params0));
+    EXPECT_TRUE(BitEqual(velocity, velocity0));
+    // Dense: the same sum at every position of the range.
+    std::vector<float> sum(5, 0.0f);
+    sum[1] = 1.0f;
+    sum[3] = 3.2e38f;
+    EXPECT_THAT(rule.CheckAggregatedDense(sum, 2, 10, params, velocity),
+                expect);
+    EXPECT_THAT(rule.ApplyAggregatedDense(sum, 2, absl::MakeSpan(params),
+                                          absl::MakeSpan(velocity)),
+                StatusIs(absl::StatusCode::kFailedPrecondition,
+                         HasSubstr("params[3] would become -inf")));
+    EXPECT_TRUE(BitEqual(params, params0));
+    EXPECT_TRUE(BitEqual(velocity, velocity0));
+  }
+}
+
+TEST(OptimizerFiniteTest, GlobalVelocityOverflowIsRefused) {
+  // One worker: V = 0.9 * 3e38 + 1e38 = 3.7e38 = inf although params (here
+  // +3e38) minus a finite V would have stayed finite, and the update itself
+  // is finite. Applies to entries outside the selection too (V decays
+  // everywhere), so a check over the selection alone would miss it.
+  OptimizerOptions o;
+  o.momentum_mode = MomentumMode::kGlobal;
+  o.momentum = 0.9f;
+  const OptimizerRule rule = MakeRule(o);
+  std::vector<float> params(4, 0.0f), velocity(4, 0.0f);
+  velocity[2] = kHuge;
+  params[2] = kHuge;
+  SparseVector agg;
+  agg.push_back(2, 1e38f);
+  EXPECT_THAT(
+      rule.CheckAggregated(agg, 0, 1, params, velocity),
+      StatusIs(absl::StatusCode::kFailedPrecondition,
+               HasSubstr("global velocity[2] would become inf: momentum 0.9 "
+                         "* velocity 3e+38 + update 1e+38")));
+  // Outside the selection: params[1] = -3e38 with V = 1e38 decaying to
+  // 0.9e38: params[1] - V = -3.9e38 = -inf.
+  velocity[2] = 0.0f;
+  params[1] = -kHuge;
+  velocity[1] = 1e38f;
+  const auto params0 = params, velocity0 = velocity;
+  EXPECT_THAT(rule.ApplyAggregated(agg, 0, 1, absl::MakeSpan(params),
+                                   absl::MakeSpan(velocity)),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("params[1] would become -inf")));
+  EXPECT_TRUE(BitEqual(params, params0));
+  EXPECT_TRUE(BitEqual(velocity, velocity0));
+}
+
+TEST(OptimizerFiniteTest, CheckThenApplyIsBitIdenticalToApplyForFiniteSteps) {
+  // The check does not change results: many random finite steps give the
+  // same bits as the formulas (ApplyAggregatedMatchesReference covers the
+  // formulas; here: check OK whenever the result is finite).
+  for (MomentumMode mode : {MomentumMode::kNone, MomentumMode::kGlobal}) {
+    OptimizerOptions o;
+    o.momentum_mode = mode;
+    const OptimizerRule rule = MakeRule(o);
+    auto params = Random(300, 7, 1e37f);
+    std::vector<float> velocity(300, 0.0f);
+    for (int step = 0; step < 20; ++step) {
+      const auto dense = Random(300, 100 + step, 1e37f);
+      SparseVector agg;
+      for (uint32_t i = 0; i < 300; i += 7) agg.push_back(i, dense[i]);
+      const auto p0 = params, v0 = velocity;
+      const absl::Status check = rule.CheckAggregated(agg, 0, 3, params,
+                                                      velocity);
+      const absl::Status apply = rule.ApplyAggregated(
+          agg, 0, 3, absl::MakeSpan(params), absl::MakeSpan(velocity));
+      EXPECT_EQ(check, apply);
+      bool finite = true;
+      for (float x : params) finite &= std::isfinite(x);
+      for (float x : velocity) finite &= std::isfinite(x);
+      EXPECT_TRUE(finite);
+      if (!apply.ok()) {
+        EXPECT_TRUE(BitEqual(params, p0));
+        EXPECT_TRUE(BitEqual(velocity, v0));
+        break;
+      }
+    }
+  }
 }
 
 }  // namespace

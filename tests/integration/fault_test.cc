@@ -2,11 +2,13 @@
 // middle of a step (pushed to one shard of two, then gone) makes the others
 // fail within the step deadline with an error naming it, without applying
 // anything; a slow worker within the deadline does not fail the step.
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -290,6 +292,101 @@ TEST(FaultTest, RestartedWorkerRejoinsBitIdenticalWithGlobalMomentum) {
   EXPECT_TRUE(BitEqual(server->first, params[0]));
   EXPECT_EQ(server->second, 6);
 }
+
+// --- A step whose update would not stay finite (issue 13, part 3) ---------
+
+// (momentum mode, S). n = 20, P = 2, lr = 1, k = 2, momentum none: rank 0
+// initialises params[bad] = -3e38 and both workers' gradients are 1.5e38
+// there (and 1 at another index, on the other shard when S = 2): the update
+// 3e38 / 2 would make params[bad] -inf at step 0. Global momentum: params[bad]
+// = -1e38, step 0 (V = 1.5e38, params -2.5e38) applies, step 1 (V = 2.85e38)
+// would make params[bad] -inf. The bad index is on the last shard, so with
+// S = 2 the leader's shard computes a finite update and must still not apply
+// it. Before the fix the step returned OK and every replica held -inf.
+class NonFiniteStepTest
+    : public ::testing::TestWithParam<std::tuple<MomentumMode, int>> {};
+
+TEST_P(NonFiniteStepTest, IsRefusedOnEveryShardAndEveryWorker) {
+  const auto [momentum, num_shards] = GetParam();
+  constexpr uint64_t n = 20;
+  const uint32_t bad = num_shards == 1 ? 3 : 13;
+  const uint32_t other = num_shards == 1 ? 7 : 4;
+  const bool global = momentum == MomentumMode::kGlobal;
+  server::ServerConfig config = Config(2, absl::Seconds(1));
+  config.optimizer.lr = 1.0f;
+  config.optimizer.density = 0.1;  // k = 2
+  config.optimizer.momentum_mode = momentum;
+  auto cluster_or = LocalCluster::Start(config, num_shards);
+  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+  LocalCluster& cluster = **cluster_or;
+  std::vector<std::unique_ptr<WorkerClient>> clients;
+  for (int w = 0; w < 2; ++w) {
+    ClientOptions o;
+    o.leader_address = cluster.leader();
+    o.requested_rank = w;
+    o.n = n;
+    o.rpc_timeout = absl::Seconds(10);
+    o.step_watchdog_margin = absl::Milliseconds(500);
+    auto c = WorkerClient::Connect(o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    clients.push_back(*std::move(c));
+  }
+  std::vector<float> init(n, 0.5f);
+  init[bad] = global ? -1e38f : -3e38f;
+  const int refused_step = global ? 1 : 0;
+  std::vector<std::vector<float>> params(2);
+  std::vector<absl::Status> status(2);
+  std::vector<std::vector<float>> before(2);
+  std::vector<std::thread> threads;
+  for (int w = 0; w < 2; ++w) {
+    threads.emplace_back([&, w] {
+      params[w] = w == 0 ? init : std::vector<float>(n, 0.0f);
+      auto sync = clients[w]->SynchronizeParameters(absl::MakeSpan(params[w]));
+      if (!sync.ok()) {
+        status[w] = sync.status();
+        return;
+      }
+      std::vector<float> grad(n, 0.0f);
+      grad[bad] = 1.5e38f;
+      grad[other] = 1.0f;
+      for (int step = 0; step <= refused_step && status[w].ok(); ++step) {
+        before[w] = params[w];
+        status[w] = clients[w]->Step(grad, absl::MakeSpan(params[w])).status();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int w = 0; w < 2; ++w) {
+    SCOPED_TRACE(w);
+    EXPECT_THAT(status[w],
+                StatusIs(absl::StatusCode::kFailedPrecondition,
+                         AllOf(HasSubstr(absl::StrCat("step ", refused_step,
+                                                      " failed on shard ",
+                                                      num_shards - 1)),
+                               HasSubstr(absl::StrCat("params[", bad,
+                                                      "] would become -inf")))));
+    EXPECT_TRUE(BitEqual(params[w], before[w]));  // nothing applied
+    EXPECT_EQ(clients[w]->next_step(), refused_step);
+  }
+  // The other shard's vote waits up to the step timeout; give it that long
+  // to (wrongly) apply before reading the servers' state.
+  absl::SleepFor(absl::Milliseconds(1500));
+  auto server = cluster.ServerParams(n);
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_EQ(server->second, refused_step);
+  EXPECT_TRUE(BitEqual(server->first, before[0]));
+  for (float x : server->first) EXPECT_TRUE(std::isfinite(x));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Issue13, NonFiniteStepTest,
+    ::testing::Combine(::testing::Values(MomentumMode::kNone,
+                                         MomentumMode::kGlobal),
+                       ::testing::Values(1, 2)),
+    [](const ::testing::TestParamInfo<std::tuple<MomentumMode, int>>& info) {
+      return absl::StrCat(MomentumModeName(std::get<0>(info.param)), "_S",
+                          std::get<1>(info.param));
+    });
 
 }  // namespace
 }  // namespace gtopk

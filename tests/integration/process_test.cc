@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <random>
 #include <string>
@@ -455,6 +456,67 @@ TEST(ProcessTest, TrainersRecoverWhenARestartedShardIsBehind) {
   GTEST_SKIP() << "gtopk-worker is not built (libtorch-dev missing)";
 }
 #endif
+
+// A checkpoint that cannot be written (issue 13, part 3): the checkpoint
+// directory is replaced by a regular file while the shard runs (a cause
+// that works for root too, unlike a read-only directory). Periodic writes
+// fail loudly (health service "gtopk.checkpoint" NOT_SERVING while the
+// server stays SERVING), the final checkpoint on SIGTERM fails, and
+// gtopk-server exits 3 instead of 0. Once the directory is back, a restart
+// restores the last good checkpoint. Before the fix: exit 0, and no health
+// service.
+TEST(ProcessTest, FailedFinalCheckpointExitsNonZeroAndKeepsTheLastGoodOne) {
+  const uint64_t n = 1000;
+  const std::vector<std::string> peers = LoopbackPeers(1);
+  ASSERT_EQ(peers.size(), 1u);
+  const std::string& address = peers[0];
+  const std::string dir = MakeTempDir("ckptfail");
+  ASSERT_FALSE(dir.empty());
+  const std::string aside = dir + ".aside";
+  const std::vector<std::string> args = {
+      absl::StrCat("--listen=", address), "--workers=1", "--step-timeout=10s",
+      absl::StrCat("--checkpoint-dir=", dir), "--checkpoint-every=1",
+      "--density=0.01", "--drain-timeout=0s"};
+  auto server = std::make_unique<ServerProcess>();
+  ASSERT_TRUE(server->Start(args));
+  worker::ClientOptions o;
+  o.leader_address = address;
+  o.n = n;
+  std::vector<float> params = Random(n, 3);
+  std::vector<float> good;
+  {
+    auto client = worker::WorkerClient::Connect(o);
+    ASSERT_TRUE(client.ok()) << client.status();
+    ASSERT_TRUE((*client)->SynchronizeParameters(absl::MakeSpan(params)).ok());
+    GTOPK_ASSERT_OK((*client)->Step(Random(n, 4), absl::MakeSpan(params)));
+    good = params;  // checkpoint of step 1 written
+    ASSERT_EQ(std::rename(dir.c_str(), aside.c_str()), 0);
+    { std::ofstream file(dir); file << "not a directory\n"; }
+    GTOPK_ASSERT_OK((*client)->Step(Random(n, 5), absl::MakeSpan(params)));
+    // The step stands; its checkpoint failed: reported, not hidden.
+    auto checkpoints = server::CheckHealth(address, absl::Seconds(2),
+                                           server::kCheckpointHealthService);
+    ASSERT_TRUE(checkpoints.ok()) << checkpoints.status();
+    EXPECT_FALSE(*checkpoints);
+    EXPECT_TRUE(server::CheckHealth(address, absl::Seconds(2)).value_or(false));
+  }
+  EXPECT_EQ(server->StopWith(SIGTERM, absl::Seconds(30)), 3);
+  ASSERT_EQ(std::remove(dir.c_str()), 0);
+  ASSERT_EQ(std::rename(aside.c_str(), dir.c_str()), 0);
+  ServerProcess restarted;
+  ASSERT_TRUE(restarted.Start(args));
+  auto client = worker::WorkerClient::Connect(o);
+  ASSERT_TRUE(client.ok()) << client.status();
+  std::vector<float> downloaded(n, 0.0f);
+  auto next = (*client)->SynchronizeParameters(absl::MakeSpan(downloaded));
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(*next, 1);
+  EXPECT_TRUE(BitEqual(downloaded, good));
+  client->reset();
+  EXPECT_EQ(restarted.StopWith(SIGTERM, absl::Seconds(15)), 0);
+  std::string cleanup = "rm -rf " + dir;
+  EXPECT_EQ(system(cleanup.c_str()), 0);
+}
 
 }  // namespace
 }  // namespace gtopk

@@ -471,6 +471,70 @@ TEST(RecoveryTest, NoCommonCheckpointFailsClearlyAndChangesNothing) {
             std::vector<int64_t>{4});
 }
 
+// Issue 13, part 3: checkpoints that cannot be written. The directory is
+// replaced by a regular file right after the parameters were initialised
+// (a cause that works for root too), for the steps 0..2 with
+// --checkpoint-every=1: every write fails, counted
+// (gtopk_server_checkpoint_failures_total) and shown by the health service
+// "gtopk.checkpoint" (NOT_SERVING) while the server stays SERVING. Shard 1
+// then crashes and restarts with the directory back: it restores the last
+// good checkpoint -- the initial state, step 0 -- and the cluster rolls back
+// to it and continues. Before the fix no checkpoint of the initial state
+// existed, so the restarted shard came back without parameters and Recover
+// could only fail ("restarted without a checkpoint").
+TEST(RecoveryTest, FailedCheckpointsAreLoudAndTheLastGoodOneIsRestorable) {
+  TempDir dir;
+  ASSERT_FALSE(dir.path().empty());
+  Case c;
+  c.workers = 2;
+  server::ServerConfig config = MakeConfig(c, dir.path());
+  config.checkpoint_every = 1;
+  auto cluster_or = LocalCluster::Start(config, 2);
+  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+  LocalCluster& cluster = **cluster_or;
+  Workers workers(&cluster, 2);
+  const std::vector<float> initial = Normal(kSeed);
+  workers.Synchronize(initial);
+  for (uint32_t s = 0; s < 2; ++s) {
+    auto at0 = server::ReadCheckpoint(dir.path(), s);
+    ASSERT_TRUE(at0.ok()) << "no checkpoint of the initial state: "
+                          << at0.status();
+    EXPECT_EQ(at0->next_step, 0);
+  }
+  const std::string aside = dir.path() + ".aside";
+  ASSERT_EQ(std::rename(dir.path().c_str(), aside.c_str()), 0);
+  { std::ofstream file(dir.path()); file << "not a directory\n"; }
+  workers.RunUntil(3);  // the steps stand; their checkpoints fail
+  for (uint32_t s = 0; s < 2; ++s) {
+    SCOPED_TRACE(absl::StrCat("shard ", s));
+    EXPECT_EQ(cluster.shard(s).service()->metrics().checkpoint_failures(), 3);
+    auto checkpoints =
+        server::CheckHealth(cluster.peers()[s], absl::Seconds(2),
+                            server::kCheckpointHealthService);
+    ASSERT_TRUE(checkpoints.ok()) << checkpoints.status();
+    EXPECT_FALSE(*checkpoints);
+    EXPECT_TRUE(
+        server::CheckHealth(cluster.peers()[s], absl::Seconds(2)).value_or(false));
+  }
+  GTOPK_ASSERT_OK(cluster.RestartShard(1, /*write_checkpoint=*/false, [&] {
+    ASSERT_EQ(std::remove(dir.path().c_str()), 0);
+    ASSERT_EQ(std::rename(aside.c_str(), dir.path().c_str()), 0);
+  }));
+  ASSERT_EQ(cluster.shard(1).service()->next_step(), 0)
+      << "shard 1 did not restore its last good checkpoint";
+  // The cluster rolls back to step 0 (both shards retain it) and goes on;
+  // the first successful write makes shard 0's checkpoints healthy again.
+  workers.RunUntil(4);
+  EXPECT_TRUE(server::CheckHealth(cluster.peers()[0], absl::Seconds(2),
+                                  server::kCheckpointHealthService)
+                  .value_or(false));
+  EXPECT_TRUE(BitEqual(workers.params(0), workers.params(1)));
+  auto server = cluster.ServerParams(kN);
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_EQ(server->second, 4);
+  EXPECT_TRUE(BitEqual(server->first, workers.params(0)));
+}
+
 TEST(RecoveryTest, RecoverWhenShardsAgreeChangesNothing) {
   TempDir dir;
   Case c;
@@ -559,9 +623,11 @@ TEST(RecoveryTest, ShardStateAndRollbackValidateTheirInput) {
   EXPECT_EQ(state.shard_id(), 1u);
   EXPECT_TRUE(state.initialized());
   EXPECT_EQ(state.next_step(), 4);
+  // The initial state (step 0) is a checkpoint too (written when the
+  // parameters were initialised).
   EXPECT_EQ(std::vector<int64_t>(state.checkpoint_steps().begin(),
                                  state.checkpoint_steps().end()),
-            std::vector<int64_t>{3});
+            (std::vector<int64_t>{0, 3}));
   v1::RollbackRequest request;
   v1::RollbackResponse response;
   request.set_shard_id(0);  // the wrong shard

@@ -138,6 +138,9 @@ TEST(ServerMetricsTest, CountsMatchTheWorkersOwnStats) {
   EXPECT_EQ(samples["gtopk_server_rpc_errors_total{code=\"INVALID_ARGUMENT\"}"], 1);
   EXPECT_EQ(samples.count("gtopk_server_rpc_errors_total{code=\"DATA_LOSS\"}"), 1u);
   EXPECT_EQ(samples.count("gtopk_server_checkpoint_age_seconds"), 0u);  // none written
+  // Present from the start (no checkpoint dir: never fails).
+  EXPECT_EQ(samples.count("gtopk_server_checkpoint_failures_total"), 1u);
+  EXPECT_EQ(samples["gtopk_server_checkpoint_failures_total"], 0);
   // The two workers' streams are still open.
   EXPECT_EQ(samples["gtopk_server_connected_workers"], kWorkers);
   clients.clear();

@@ -17,13 +17,17 @@
 #include "common/selector.h"
 #include "common/testing/status_matchers.h"
 #include "gtest/gtest.h"
+#include "server/commit.h"
 #include "server/threshold.h"
+#include "tests/testing/reference.h"
 
 namespace gtopk {
 namespace server {
 namespace {
 
+using ::gtopk::testing::MakeSparse;
 using ::gtopk::testing::StatusIs;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 struct Cluster {
@@ -654,6 +658,222 @@ TEST(ShardAggregatorTest, RoundComputedAcrossARollbackIsNeverApplied) {
                                HasSubstr("abandoned on shard 0")));
   EXPECT_EQ(shard.next_step(), 0);
   EXPECT_EQ(shard.Params(absl::Now())->first, std::vector<float>(50, 1.0f));
+}
+
+// --- Updates that would leave the finite range (issue 13, part 3) ----------
+
+// Submits `pushes[w]` for every worker w concurrently to `shard` and returns
+// each worker's result.
+std::vector<absl::StatusOr<std::shared_ptr<const RoundResult>>> SubmitAll(
+    ShardAggregator& shard, std::vector<WorkerPush> pushes,
+    absl::Duration timeout = absl::Seconds(5)) {
+  std::vector<absl::StatusOr<std::shared_ptr<const RoundResult>>> out(
+      pushes.size(), absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  const absl::Time deadline = absl::Now() + timeout;
+  for (size_t w = 0; w < pushes.size(); ++w) {
+    threads.emplace_back(
+        [&, w] { out[w] = shard.Submit(std::move(pushes[w]), deadline); });
+  }
+  for (auto& t : threads) t.join();
+  return out;
+}
+
+WorkerPush PushOf(int64_t step, uint32_t worker, SparseVector v) {
+  WorkerPush p;
+  p.step = step;
+  p.worker = worker;
+  p.sparse = std::move(v);
+  return p;
+}
+
+std::unique_ptr<ShardAggregator> FiniteTestShard(MomentumMode momentum,
+                                                 std::vector<float> init,
+                                                 AggregationMode mode =
+                                                     AggregationMode::kGtopk) {
+  ShardOptions o;
+  o.n = init.size();
+  o.num_workers = 2;
+  o.mode = mode;
+  o.optimizer.density = 0.1;  // k = 2 of 20
+  o.optimizer.momentum_mode = momentum;
+  o.step_timeout = absl::Seconds(5);
+  auto shard = ShardAggregator::Create(o, nullptr);
+  EXPECT_TRUE(shard.ok()) << shard.status();
+  EXPECT_TRUE((*shard)->InitParams(init).ok());
+  return *std::move(shard);
+}
+
+// The issue's reproduction: one shard, two workers, n = 20, no momentum;
+// params[3] = -3e38 and both workers push {3: 1.5e38}: the update
+// 3e38 / 2 = 1.5e38 would make params[3] = -4.5e38 = -inf. Before the fix
+// the step returned OK and the shard held -inf.
+TEST(ShardFiniteTest, UpdateThatWouldMakeAParameterInfiniteIsRefused) {
+  std::vector<float> init(20, 1.0f);
+  init[3] = -3e38f;
+  auto shard = FiniteTestShard(MomentumMode::kNone, init);
+  auto results = SubmitAll(*shard, {PushOf(0, 0, MakeSparse({3}, {1.5e38f})),
+                                    PushOf(0, 1, MakeSparse({3}, {1.5e38f}))});
+  for (const auto& r : results) {
+    EXPECT_THAT(r, StatusIs(absl::StatusCode::kFailedPrecondition,
+                            AllOf(HasSubstr("step 0 failed on shard 0"),
+                                  HasSubstr("params[3] would become -inf"),
+                                  HasSubstr("-3e+38 - 1.5e+38"),
+                                  HasSubstr("nothing was applied"))));
+  }
+  EXPECT_EQ(shard->next_step(), 0);
+  auto state = shard->GetState(absl::Now() + absl::Seconds(1));
+  GTOPK_ASSERT_OK(state);
+  EXPECT_TRUE(BitEqual(state->params, init));
+  // Refusing is not a broken shard: a finite step afterwards completes.
+  results = SubmitAll(*shard, {PushOf(0, 0, MakeSparse({3}, {-1e38f})),
+                               PushOf(0, 1, MakeSparse({5}, {2.0f}))});
+  GTOPK_EXPECT_OK(results[0]);
+  GTOPK_EXPECT_OK(results[1]);
+  EXPECT_EQ(shard->next_step(), 1);
+}
+
+// Global momentum: V = 0.9 V + A/P, params -= V. Step 0 (V = 1.5e38,
+// params[3] = -1e38 - 1.5e38 = -2.5e38) is finite and applied; step 1 with
+// the same pushes makes V = 2.85e38 and params[3] = -5.35e38 = -inf:
+// refused, and neither the parameters nor the velocity change.
+TEST(ShardFiniteTest, GlobalMomentumUpdateThatWouldOverflowIsRefused) {
+  std::vector<float> init(20, 1.0f);
+  init[3] = -1e38f;
+  auto shard = FiniteTestShard(MomentumMode::kGlobal, init);
+  auto pushes = [](int64_t step) {
+    return std::vector<WorkerPush>{PushOf(step, 0, MakeSparse({3}, {1.5e38f})),
+                                   PushOf(step, 1, MakeSparse({3}, {1.5e38f}))};
+  };
+  auto results = SubmitAll(*shard, pushes(0));
+  GTOPK_ASSERT_OK(results[0]);
+  GTOPK_ASSERT_OK(results[1]);
+  auto after0 = shard->GetState(absl::Now() + absl::Seconds(1));
+  GTOPK_ASSERT_OK(after0);
+  EXPECT_EQ(after0->global_velocity[3], 1.5e38f);
+  results = SubmitAll(*shard, pushes(1));
+  for (const auto& r : results) {
+    EXPECT_THAT(r, StatusIs(absl::StatusCode::kFailedPrecondition,
+                            AllOf(HasSubstr("step 1 failed on shard 0"),
+                                  HasSubstr("params[3] would become -inf"))));
+  }
+  EXPECT_EQ(shard->next_step(), 1);
+  auto after1 = shard->GetState(absl::Now() + absl::Seconds(1));
+  GTOPK_ASSERT_OK(after1);
+  EXPECT_TRUE(BitEqual(after1->params, after0->params));
+  EXPECT_TRUE(BitEqual(after1->global_velocity, after0->global_velocity));
+}
+
+// Finite pushes whose sum overflows (1e38 + 3e38 > FLT_MAX): the step cannot
+// be applied for anyone, with the same code as an overflowing parameter
+// (before the fix: INVALID_ARGUMENT, as if one worker's push were bad).
+TEST(ShardFiniteTest, SumOfFinitePushesThatOverflowsIsRefused) {
+  std::vector<float> init(20, 1.0f);
+  auto shard = FiniteTestShard(MomentumMode::kNone, init);
+  auto results = SubmitAll(*shard, {PushOf(0, 0, MakeSparse({7}, {1e38f})),
+                                    PushOf(0, 1, MakeSparse({7}, {3e38f}))});
+  for (const auto& r : results) {
+    EXPECT_THAT(r, StatusIs(absl::StatusCode::kFailedPrecondition,
+                            AllOf(HasSubstr("sum of the workers' pushes"),
+                                  HasSubstr("index 7"))));
+  }
+  EXPECT_EQ(shard->next_step(), 0);
+  auto dense = FiniteTestShard(MomentumMode::kNone, init,
+                               AggregationMode::kDense);
+  std::vector<WorkerPush> pushes(2);
+  for (uint32_t w = 0; w < 2; ++w) {
+    pushes[w].worker = w;
+    pushes[w].dense.assign(20, 0.0f);
+    pushes[w].dense[7] = w == 0 ? 1e38f : 3e38f;
+  }
+  results = SubmitAll(*dense, pushes);
+  for (const auto& r : results) {
+    EXPECT_THAT(r, StatusIs(absl::StatusCode::kFailedPrecondition,
+                            AllOf(HasSubstr("sum of the workers' pushes"),
+                                  HasSubstr("position 7"))));
+  }
+  EXPECT_EQ(dense->next_step(), 0);
+}
+
+// Dense mode: a finite sum whose update overflows a parameter.
+TEST(ShardFiniteTest, DenseUpdateThatWouldMakeAParameterInfiniteIsRefused) {
+  std::vector<float> init(20, 1.0f);
+  init[3] = -3e38f;
+  auto shard = FiniteTestShard(MomentumMode::kNone, init,
+                               AggregationMode::kDense);
+  std::vector<WorkerPush> pushes(2);
+  for (uint32_t w = 0; w < 2; ++w) {
+    pushes[w].worker = w;
+    pushes[w].dense.assign(20, 0.5f);
+    pushes[w].dense[3] = 1.5e38f;
+  }
+  auto results = SubmitAll(*shard, pushes);
+  for (const auto& r : results) {
+    EXPECT_THAT(r, StatusIs(absl::StatusCode::kFailedPrecondition,
+                            HasSubstr("params[3] would become -inf")));
+  }
+  EXPECT_EQ(shard->next_step(), 0);
+  EXPECT_TRUE(BitEqual(shard->GetState(absl::Now())->params, init));
+}
+
+// S = 2 behind a real commit vote: shard 1's update would overflow, shard
+// 0's is fine. Shard 1 must not vote, so shard 0 must not apply the step
+// either (its vote fails at the deadline); before the fix both applied and
+// shard 1 held -inf.
+TEST(ShardFiniteTest, NoShardAppliesAStepAnotherShardFoundNonFinite) {
+  for (MomentumMode momentum : {MomentumMode::kNone, MomentumMode::kGlobal}) {
+    SCOPED_TRACE(MomentumModeName(momentum));
+    CommitCoordinator coordinator(2);
+    LocalCommitExchange commit(&coordinator);
+    ThresholdCoordinator thresholds(2);
+    LocalThresholdExchange exchange(&thresholds);
+    std::vector<float> init(20, 1.0f);
+    init[13] = -3e38f;
+    std::vector<std::unique_ptr<ShardAggregator>> shards;
+    for (uint32_t s = 0; s < 2; ++s) {
+      ShardOptions o;
+      o.shard_id = s;
+      o.num_shards = 2;
+      o.n = 20;
+      o.num_workers = 2;
+      o.optimizer.density = 0.1;  // k = 2: indices 3 and 13
+      o.optimizer.momentum_mode = momentum;
+      o.step_timeout = absl::Seconds(5);
+      auto shard = ShardAggregator::Create(o, &exchange, &commit);
+      ASSERT_TRUE(shard.ok()) << shard.status();
+      GTOPK_ASSERT_OK((*shard)->InitParams(absl::MakeSpan(init).subspan(
+          (*shard)->begin(), (*shard)->end() - (*shard)->begin())));
+      shards.push_back(*std::move(shard));
+    }
+    std::vector<std::vector<absl::StatusOr<std::shared_ptr<const RoundResult>>>>
+        results(2);
+    std::vector<std::thread> threads;
+    for (uint32_t s = 0; s < 2; ++s) {
+      threads.emplace_back([&, s] {
+        const uint32_t index = s == 0 ? 3 : 13;
+        results[s] = SubmitAll(
+            *shards[s], {PushOf(0, 0, MakeSparse({index}, {1.5e38f})),
+                         PushOf(0, 1, MakeSparse({index}, {1.5e38f}))},
+            absl::Seconds(1));
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (const auto& r : results[1]) {
+      EXPECT_THAT(r, StatusIs(absl::StatusCode::kFailedPrecondition,
+                              AllOf(HasSubstr("step 0 failed on shard 1"),
+                                    HasSubstr("params[13] would become -inf"))));
+    }
+    for (const auto& r : results[0]) EXPECT_FALSE(r.ok());
+    for (uint32_t s = 0; s < 2; ++s) {
+      EXPECT_EQ(shards[s]->next_step(), 0);
+      auto state = shards[s]->GetState(absl::Now());
+      GTOPK_ASSERT_OK(state);
+      const size_t begin = shards[s]->begin();
+      EXPECT_TRUE(BitEqual(
+          state->params,
+          absl::MakeSpan(init).subspan(begin, shards[s]->end() - begin)));
+    }
+  }
 }
 
 }  // namespace
