@@ -23,6 +23,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "common/metrics/exposer.h"
 #include "common/metrics/metrics.h"
 #include "common/metrics/process_collector.h"
@@ -56,9 +57,14 @@ ABSL_FLAG(std::string, metrics_host, "0.0.0.0",
           "loopback only)");
 ABSL_FLAG(int64_t, rpc_timeout_s, 60,
           "deadline of Join and parameter download RPCs, seconds");
+ABSL_FLAG(std::optional<absl::Duration>, recovery_timeout, std::nullopt,
+          "how long a failed step is recovered and retried, from its first "
+          "failure (0: exit on the first failure; unset: 4 x the servers' "
+          "--step-timeout)");
+ABSL_FLAG(absl::Duration, testing_final_check_delay, absl::ZeroDuration(),
+          "testing only: sleep this long after the last step, before the "
+          "final parameter check");
 // Consistency checks against the servers' cluster spec (empty: no check).
-ABSL_FLAG(int, step_retries, 3,
-          "failed steps in a row recovered and retried before giving up");
 ABSL_FLAG(std::string, mode, "", "check: gtopk | topk | dense");
 ABSL_FLAG(std::string, selector, "", "check: exact | gaussiank | dgc | randomk");
 ABSL_FLAG(std::string, density, "", "check: density k/n");
@@ -118,7 +124,8 @@ absl::Status Run() {
         "--rpc-timeout-s must be in [1, 86400], got ", rpc_timeout_s));
   }
   o.rpc_timeout = absl::Seconds(rpc_timeout_s);
-  o.step_retries = absl::GetFlag(FLAGS_step_retries);
+  o.recovery_timeout = absl::GetFlag(FLAGS_recovery_timeout);
+  o.final_check_delay = absl::GetFlag(FLAGS_testing_final_check_delay);
   o.mode = OptionalString(absl::GetFlag(FLAGS_mode));
   o.selector = OptionalString(absl::GetFlag(FLAGS_selector));
   o.index_codec = OptionalString(absl::GetFlag(FLAGS_index_codec));
