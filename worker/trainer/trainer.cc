@@ -683,159 +683,161 @@ absl::Status RunTrainer(const TrainerOptions& o) {
   // Training, then the final check against the servers; back to training
   // when the servers were rolled back after this worker's last step.
   for (;;) {
-  for (; step < total_steps; ++step) {
-    const Clock::time_point t0 = Clock::now();
-    const int64_t epoch = step / steps_per_epoch;
-    if (resend_residual) {
-      std::fill(grad.begin(), grad.end(), 0.0f);
-      GTOPK_RETURN_IF_ERROR(model->ZeroDeviceGradient());
-    } else if (synthetic) {
-      SyntheticModel::RandomGradient(o.seed, rank, step, absl::MakeSpan(grad));
-      if (o.compute_ms > 0) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(o.compute_ms));
-      }
-    } else {
-      if (epoch != perm_epoch) {
-        perm = EpochPermutation(train.size(), o.seed, epoch);
-        perm_epoch = epoch;
-      }
-      const size_t per_rank =
-          static_cast<size_t>(steps_per_epoch) * o.batch_size;
-      const size_t base = rank * per_rank +
-                          static_cast<size_t>(step % steps_per_epoch) *
-                              o.batch_size;
-      for (int64_t b = 0; b < o.batch_size; ++b) {
-        const uint32_t idx = perm[base + b];
-        const uint8_t* src = train.pixels.data() + size_t{idx} * kImagePixels;
-        float* dst = batch_images.data() + b * kImagePixels;
-        for (int i = 0; i < kImagePixels; ++i) dst[i] = Normalise(src[i]);
-        batch_labels[b] = train.labels[idx];
-      }
-      if (model->on_device()) {
-        GTOPK_ASSIGN_OR_RETURN(loss, model->ComputeGradientOnDevice(
-                                         batch_images, batch_labels,
-                                         &device_grad));
+    for (; step < total_steps; ++step) {
+      const Clock::time_point t0 = Clock::now();
+      const int64_t epoch = step / steps_per_epoch;
+      if (resend_residual) {
+        std::fill(grad.begin(), grad.end(), 0.0f);
+        GTOPK_RETURN_IF_ERROR(model->ZeroDeviceGradient());
+      } else if (synthetic) {
+        SyntheticModel::RandomGradient(o.seed, rank, step,
+                                       absl::MakeSpan(grad));
+        if (o.compute_ms > 0) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(o.compute_ms));
+        }
       } else {
-        GTOPK_ASSIGN_OR_RETURN(loss, model->ComputeGradient(
-                                         batch_images, batch_labels,
-                                         absl::MakeSpan(grad)));
+        if (epoch != perm_epoch) {
+          perm = EpochPermutation(train.size(), o.seed, epoch);
+          perm_epoch = epoch;
+        }
+        const size_t per_rank =
+            static_cast<size_t>(steps_per_epoch) * o.batch_size;
+        const size_t base =
+            rank * per_rank +
+            static_cast<size_t>(step % steps_per_epoch) * o.batch_size;
+        for (int64_t b = 0; b < o.batch_size; ++b) {
+          const uint32_t idx = perm[base + b];
+          const uint8_t* src = train.pixels.data() + size_t{idx} * kImagePixels;
+          float* dst = batch_images.data() + b * kImagePixels;
+          for (int i = 0; i < kImagePixels; ++i) dst[i] = Normalise(src[i]);
+          batch_labels[b] = train.labels[idx];
+        }
+        if (model->on_device()) {
+          GTOPK_ASSIGN_OR_RETURN(
+              loss, model->ComputeGradientOnDevice(batch_images, batch_labels,
+                                                   &device_grad));
+        } else {
+          GTOPK_ASSIGN_OR_RETURN(
+              loss, model->ComputeGradient(batch_images, batch_labels,
+                                           absl::MakeSpan(grad)));
+        }
+        if (!std::isfinite(loss)) {
+          return absl::InternalError(
+              absl::StrCat("loss is ", loss, " at step ", step,
+                           " (diverged; lower the servers' --lr)"));
+        }
       }
-      if (!std::isfinite(loss)) {
-        return absl::InternalError(absl::StrCat(
-            "loss is ", loss, " at step ", step,
-            " (diverged; lower the servers' --lr)"));
+      const Clock::time_point t_compute = Clock::now();
+      const double compute =
+          std::chrono::duration<double>(t_compute - t0).count();
+      const absl::Time step_call = absl::Now();
+      absl::StatusOr<StepStats> stats =
+          StepOnce(*client, *model, grad, device_grad, params);
+      if (!stats.ok()) {
+        GTOPK_ASSIGN_OR_RETURN(
+            const int64_t resumed,
+            recovery.AfterFailure(stats.status(), absl::StrCat("step ", step)));
+        if (resumed != step) {
+          std::fprintf(stderr, "rank %u: continuing from step %lld\n", rank,
+                       static_cast<long long>(resumed));
+        }
+        resend_residual = resumed == step;
+        step = resumed - 1;  // the loop's ++step
+        continue;
+      }
+      recovery.Succeeded();
+      resend_residual = false;
+      const double seconds = SecondsSince(t0);
+      if (metrics != nullptr) {
+        metrics->RecordStep(*stats, absl::FromChrono(t_compute - t0),
+                            absl::Seconds(seconds), loss);
+      }
+      step_seconds.push_back(seconds);
+      compute_seconds.push_back(compute);
+      local_seconds.push_back(absl::ToDoubleSeconds(
+          stats->accumulate + stats->select + stats->encode + stats->apply));
+      communication_seconds.push_back(absl::ToDoubleSeconds(stats->push_wait));
+      const absl::Time push_start =
+          step_call + stats->accumulate + stats->select + stats->encode;
+      push_start_unix.push_back(absl::ToUnixMicros(push_start) * 1e-6);
+      pull_end_unix.push_back(
+          absl::ToUnixMicros(push_start + stats->push_wait) * 1e-6);
+      losses.push_back(loss);
+      uint64_t sent = 0, received = 0;
+      for (uint64_t b : stats->bytes_sent) sent += b;
+      for (uint64_t b : stats->bytes_received) received += b;
+      sent_total += static_cast<double>(sent);
+      received_total += static_cast<double>(received);
+      const int64_t done = step + 1;
+      if (leader_rank) {
+        const double samples_per_second =
+            seconds > 0 ? static_cast<double>(workers) * o.batch_size / seconds
+                        : 0.0;
+        PrintLine(absl::StrFormat(
+            "step %d/%d epoch %d loss %.4f samples/s %.0f sent_bytes %d "
+            "step_ms %.1f",
+            done, total_steps, epoch + 1, loss, samples_per_second, sent,
+            seconds * 1e3));
+      }
+      if (done % steps_per_epoch == 0 ||
+          (o.eval_every > 0 && done % o.eval_every == 0)) {
+        evaluate(done);
       }
     }
-    const Clock::time_point t_compute = Clock::now();
-    const double compute = std::chrono::duration<double>(t_compute - t0).count();
-    const absl::Time step_call = absl::Now();
-    absl::StatusOr<StepStats> stats = StepOnce(*client, *model, grad,
-                                               device_grad, params);
-    if (!stats.ok()) {
-      GTOPK_ASSIGN_OR_RETURN(
-          const int64_t resumed,
-          recovery.AfterFailure(stats.status(), absl::StrCat("step ", step)));
-      if (resumed != step) {
-        std::fprintf(stderr, "rank %u: continuing from step %lld\n", rank,
-                     static_cast<long long>(resumed));
+    evaluate(total_steps);
+    wall_seconds = SecondsSince(t_start);
+    if (o.final_check_delay > absl::ZeroDuration()) {
+      absl::SleepFor(o.final_check_delay);  // --testing-final-check-delay
+    }
+
+    // The final check: the servers' parameters after the last step (a
+    // download into scratch), waited for and recovered like a step. When a
+    // recovery rolled the shards back after this worker's last step, their
+    // parameters are older than this run's: go back and run the missing
+    // steps instead of comparing.
+    GTOPK_RETURN_IF_ERROR(model->DownloadParams());  // --device=cuda
+    param_checksum = Fnv1a64(params.data(), n * sizeof(float));
+    std::vector<float> scratch(params.begin(), params.end());
+    int64_t resume = -1;
+    for (;;) {
+      std::copy(params.begin(), params.end(), scratch.begin());
+      absl::StatusOr<int64_t> synced =
+          client->SynchronizeParameters(absl::MakeSpan(scratch));
+      if (synced.ok() && *synced < total_steps) {
+        // Every shard agrees on an older step: its parameters are the ones
+        // to continue from.
+        std::copy(scratch.begin(), scratch.end(), params.begin());
+        GTOPK_RETURN_IF_ERROR(model->UploadParams());
+        resume = *synced;
+        break;
       }
-      resend_residual = resumed == step;
-      step = resumed - 1;  // the loop's ++step
+      if (synced.ok()) {
+        server_step = *synced;
+        break;
+      }
+      GTOPK_ASSIGN_OR_RETURN(
+          const int64_t next,
+          recovery.AfterFailure(synced.status(), "the final parameter check"));
+      if (next < total_steps) {
+        resume = next;  // Recover re-downloaded the parameters
+        break;
+      }
+      // The servers are (still, or again) at the end: check once more.
+    }
+    if (resume >= 0) {
+      std::fprintf(stderr,
+                   "rank %u: the servers were rolled back to step %lld after "
+                   "this worker's last step; continuing from step %lld\n",
+                   rank, static_cast<long long>(resume),
+                   static_cast<long long>(resume));
+      step = resume;
+      resend_residual = false;
+      last_eval = -1;  // evaluate the re-run's final parameters
       continue;
     }
     recovery.Succeeded();
-    resend_residual = false;
-    const double seconds = SecondsSince(t0);
-    if (metrics != nullptr) {
-      metrics->RecordStep(*stats, absl::FromChrono(t_compute - t0),
-                          absl::Seconds(seconds), loss);
-    }
-    step_seconds.push_back(seconds);
-    compute_seconds.push_back(compute);
-    local_seconds.push_back(absl::ToDoubleSeconds(
-        stats->accumulate + stats->select + stats->encode + stats->apply));
-    communication_seconds.push_back(absl::ToDoubleSeconds(stats->push_wait));
-    const absl::Time push_start =
-        step_call + stats->accumulate + stats->select + stats->encode;
-    push_start_unix.push_back(absl::ToUnixMicros(push_start) * 1e-6);
-    pull_end_unix.push_back(absl::ToUnixMicros(push_start + stats->push_wait) *
-                            1e-6);
-    losses.push_back(loss);
-    uint64_t sent = 0, received = 0;
-    for (uint64_t b : stats->bytes_sent) sent += b;
-    for (uint64_t b : stats->bytes_received) received += b;
-    sent_total += static_cast<double>(sent);
-    received_total += static_cast<double>(received);
-    const int64_t done = step + 1;
-    if (leader_rank) {
-      const double samples_per_second =
-          seconds > 0 ? static_cast<double>(workers) * o.batch_size / seconds
-                      : 0.0;
-      PrintLine(absl::StrFormat(
-          "step %d/%d epoch %d loss %.4f samples/s %.0f sent_bytes %d "
-          "step_ms %.1f",
-          done, total_steps, epoch + 1, loss, samples_per_second, sent,
-          seconds * 1e3));
-    }
-    if (done % steps_per_epoch == 0 ||
-        (o.eval_every > 0 && done % o.eval_every == 0)) {
-      evaluate(done);
-    }
-  }
-  evaluate(total_steps);
-  wall_seconds = SecondsSince(t_start);
-  if (o.final_check_delay > absl::ZeroDuration()) {
-    absl::SleepFor(o.final_check_delay);  // --testing-final-check-delay
-  }
-
-  // The final check: the servers' parameters after the last step (a
-  // download into scratch), waited for and recovered like a step. When a
-  // recovery rolled the shards back after this worker's last step, their
-  // parameters are older than this run's: go back and run the missing
-  // steps instead of comparing.
-  GTOPK_RETURN_IF_ERROR(model->DownloadParams());  // --device=cuda
-  param_checksum = Fnv1a64(params.data(), n * sizeof(float));
-  std::vector<float> scratch(params.begin(), params.end());
-  int64_t resume = -1;
-  for (;;) {
-    std::copy(params.begin(), params.end(), scratch.begin());
-    absl::StatusOr<int64_t> synced =
-        client->SynchronizeParameters(absl::MakeSpan(scratch));
-    if (synced.ok() && *synced < total_steps) {
-      // Every shard agrees on an older step: its parameters are the ones
-      // to continue from.
-      std::copy(scratch.begin(), scratch.end(), params.begin());
-      GTOPK_RETURN_IF_ERROR(model->UploadParams());
-      resume = *synced;
-      break;
-    }
-    if (synced.ok()) {
-      server_step = *synced;
-      break;
-    }
-    GTOPK_ASSIGN_OR_RETURN(
-        const int64_t next,
-        recovery.AfterFailure(synced.status(), "the final parameter check"));
-    if (next < total_steps) {
-      resume = next;  // Recover re-downloaded the parameters
-      break;
-    }
-    // The servers are (still, or again) at the end: check once more.
-  }
-  if (resume >= 0) {
-    std::fprintf(stderr,
-                 "rank %u: the servers were rolled back to step %lld after "
-                 "this worker's last step; continuing from step %lld\n",
-                 rank, static_cast<long long>(resume),
-                 static_cast<long long>(resume));
-    step = resume;
-    resend_residual = false;
-    last_eval = -1;  // evaluate the re-run's final parameters
-    continue;
-  }
-  recovery.Succeeded();
-  server_checksum = Fnv1a64(scratch.data(), n * sizeof(float));
-  break;
+    server_checksum = Fnv1a64(scratch.data(), n * sizeof(float));
+    break;
   }  // training and the final check
 
   // Final loss: mean of this rank's last 20 steps.
