@@ -27,6 +27,7 @@
 #include "common/metrics/exposer.h"
 #include "common/metrics/metrics.h"
 #include "common/metrics/process_collector.h"
+#include "worker/trainer/cpu_isa.h"
 #include "worker/trainer/idx_reader.h"
 #include "worker/trainer/trainer.h"
 
@@ -46,6 +47,10 @@ ABSL_FLAG(int64_t, eval_every, 0,
           "also evaluate every N steps (0: after each epoch and at the end)");
 ABSL_FLAG(uint64_t, seed, 1, "seed of initialisation and shuffles");
 ABSL_FLAG(int, threads, 1, "torch intra-op threads");
+ABSL_FLAG(std::string, cpu_isa, "portable",
+          "portable: pin libtorch's CPU kernels (AVX2) so that results are "
+          "bit-identical on any x86-64 CPU with AVX2; native: let libtorch "
+          "choose for this CPU");
 ABSL_FLAG(int64_t, compute_ms, 0,
           "synthetic only: sleep this many ms per step to emulate compute");
 ABSL_FLAG(std::string, summary_json, "", "write this rank's summary here");
@@ -115,6 +120,7 @@ absl::Status Run() {
   o.eval_every = absl::GetFlag(FLAGS_eval_every);
   o.seed = absl::GetFlag(FLAGS_seed);
   o.threads = absl::GetFlag(FLAGS_threads);
+  o.cpu_isa = absl::GetFlag(FLAGS_cpu_isa);
   o.compute_ms = absl::GetFlag(FLAGS_compute_ms);
   o.summary_json = absl::GetFlag(FLAGS_summary_json);
   o.device = absl::GetFlag(FLAGS_device);
@@ -196,7 +202,14 @@ int main(int argc, char** argv) {
   for (std::string& a : args) arg_pointers.push_back(a.data());
   absl::ParseCommandLine(static_cast<int>(arg_pointers.size()),
                          arg_pointers.data());
-  const absl::Status status = Run();
+  // Before anything touches torch (the pins are read at first use).
+  std::string cpu_note;
+  absl::Status status = gtopk::worker::ApplyCpuIsa(
+      absl::GetFlag(FLAGS_cpu_isa), argv, &cpu_note);
+  if (status.ok()) {
+    std::fprintf(stderr, "gtopk-worker: %s\n", cpu_note.c_str());
+    status = Run();
+  }
   if (!status.ok()) {
     std::fprintf(stderr, "gtopk-worker: %s\n", status.ToString().c_str());
     return 1;

@@ -884,6 +884,8 @@ absl::Status RunTrainer(const TrainerOptions& o) {
     field("start_step", absl::StrCat(start_step), false);
     field("steps_per_epoch", absl::StrCat(steps_per_epoch), false);
     field("batch_size", absl::StrCat(o.batch_size), false);
+    field("threads", absl::StrCat(o.threads), false);
+    field("cpu_isa", JsonString(o.cpu_isa), false);
     field("final_loss", JsonNumber(final_loss), false);
     field("test_accuracy",
           leader_rank ? JsonNumber(test_accuracy) : std::string("null"), false);

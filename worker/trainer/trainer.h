@@ -32,6 +32,9 @@ struct TrainerOptions {
   int64_t eval_every = 0;   // 0: only after each epoch and at the end
   uint64_t seed = 1;
   int threads = 1;
+  // --cpu-isa, applied by main() before the trainer runs (cpu_isa.h);
+  // recorded in the summary.
+  std::string cpu_isa = "portable";
   int64_t compute_ms = 0;   // synthetic only
   std::string summary_json;
   std::string device = "cpu";
