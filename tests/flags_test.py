@@ -121,6 +121,7 @@ WORKER_CASES = [
     ("--recovery-timeout", ["--recovery-timeout=inf"]),
     ("recovery_timeout", ["--recovery-timeout=3"]),
     ("--testing-final-check-delay", ["--testing-final-check-delay=-1s"]),
+    ("--cpu-isa", ["--cpu-isa=avx512"]),
     ("--mode", ["--mode=sparse"]),
     ("--selector", ["--selector=top"]),
     ("--index-codec", ["--index-codec=zip"]),

@@ -503,9 +503,12 @@ std::vector<pid_t> SpawnTrainers(const std::vector<std::string>& peers,
   std::vector<pid_t> pids;
   for (int w = 0; w < workers; ++w) {
     std::vector<std::string> args = {
-        absl::StrCat("--server=", peers[0]), absl::StrCat("--rank=", w),
-        "--model=synthetic:3001", absl::StrCat("--steps=", steps),
-        "--compute-ms=100", "--rpc-timeout-s=20",
+        absl::StrCat("--server=", peers[0]),
+        absl::StrCat("--rank=", w),
+        "--model=synthetic:3001",
+        absl::StrCat("--steps=", steps),
+        "--compute-ms=100",
+        "--rpc-timeout-s=20",
         absl::StrCat("--summary-json=", dir, "/worker-", w, ".json")};
     args.insert(args.end(), extra.begin(), extra.end());
     pids.push_back(Spawn(GTOPK_WORKER_BINARY, args,
@@ -687,9 +690,8 @@ TEST_P(FinalCheckTest, FinalCheckRecoversFromAShardRestartedAtTheEnd) {
 INSTANTIATE_TEST_SUITE_P(Signals, FinalCheckTest,
                          ::testing::Values(SIGTERM, SIGKILL),
                          [](const ::testing::TestParamInfo<int>& info) {
-                           return std::string(info.param == SIGTERM
-                                                  ? "Sigterm"
-                                                  : "Sigkill");
+                           return std::string(
+                               info.param == SIGTERM ? "Sigterm" : "Sigkill");
                          });
 
 // An unwritable --summary-json is reported before the run (not after every

@@ -227,9 +227,9 @@ TEST(TrainerTest, RetriesAreBoundedByTimeNotByACount) {
   EXPECT_NE(log.find("since the first failure"), std::string::npos) << log;
 
   const std::string json = ReadFile(summary);
-  const std::string mine = absl::StrFormat(
-      "\"param_checksum\": \"%016x\"",
-      Fnv1a64(params.data(), params.size() * sizeof(float)));
+  const std::string mine =
+      absl::StrFormat("\"param_checksum\": \"%016x\"",
+                      Fnv1a64(params.data(), params.size() * sizeof(float)));
   EXPECT_NE(json.find(mine), std::string::npos)
       << "rank 0's parameters differ from rank 1's (" << mine << "):\n"
       << json;

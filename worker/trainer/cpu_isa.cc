@@ -44,8 +44,9 @@ absl::Status ApplyCpuIsa(const std::string& isa, char** argv,
                          std::string* note) {
   if (isa == "native") {
     if (note != nullptr) {
-      *note = "--cpu-isa=native: libtorch chooses the CPU kernels for this "
-              "machine (results may differ on another CPU)";
+      *note =
+          "--cpu-isa=native: libtorch chooses the CPU kernels for this "
+          "machine (results may differ on another CPU)";
     }
     return absl::OkStatus();
   }

@@ -204,8 +204,8 @@ int main(int argc, char** argv) {
                          arg_pointers.data());
   // Before anything touches torch (the pins are read at first use).
   std::string cpu_note;
-  absl::Status status = gtopk::worker::ApplyCpuIsa(
-      absl::GetFlag(FLAGS_cpu_isa), argv, &cpu_note);
+  absl::Status status =
+      gtopk::worker::ApplyCpuIsa(absl::GetFlag(FLAGS_cpu_isa), argv, &cpu_note);
   if (status.ok()) {
     std::fprintf(stderr, "gtopk-worker: %s\n", cpu_note.c_str());
     status = Run();

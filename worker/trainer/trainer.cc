@@ -344,7 +344,9 @@ class Recovery {
       const bool out_of_time = deadline - absl::Now() < recover_call_time_;
       if (!retryable || out_of_time) {
         std::string why;
-        if (retryable) {
+        if (retryable && budget_ <= absl::ZeroDuration()) {
+          why = " (--recovery-timeout=0: no recovery)";
+        } else if (retryable) {
           why = absl::StrCat(" (no recovery within --recovery-timeout=",
                              absl::FormatDuration(budget_), ": ",
                              Seconds(elapsed), " since the first failure, ",
@@ -354,22 +356,21 @@ class Recovery {
                              recover_calls_, " Recover call(s))");
         }
         return absl::Status(
-            code, absl::StrCat(what, ": ",
-                               from_recover ? "recovery failed: " : "",
-                               failure.message(), why));
+            code,
+            absl::StrCat(what, ": ", from_recover ? "recovery failed: " : "",
+                         failure.message(), why));
       }
       std::fprintf(stderr,
                    "rank %u: %s failed: %s; recovering (%s since the first "
                    "failure, %s left, Recover call %d)\n",
                    rank_, what.c_str(), failure.ToString().c_str(),
                    Seconds(elapsed).c_str(),
-                   Seconds(deadline - absl::Now()).c_str(),
-                   recover_calls_ + 1);
+                   Seconds(deadline - absl::Now()).c_str(), recover_calls_ + 1);
       // Backoff 100 ms doubling to 1.6 s, leaving a Recover call its time.
-      absl::SleepFor(std::min(
-          absl::Milliseconds(100 << std::min(recover_calls_, 4)),
-          std::max(absl::ZeroDuration(),
-                   deadline - recover_call_time_ - absl::Now())));
+      absl::SleepFor(
+          std::min(absl::Milliseconds(100 << std::min(recover_calls_, 4)),
+                   std::max(absl::ZeroDuration(),
+                            deadline - recover_call_time_ - absl::Now())));
       ++recover_calls_;
       // --device=cuda: the device parameters are the current ones; Recover
       // works on the host copy (and may re-download it), then back.
@@ -474,9 +475,9 @@ absl::Status ValidateOptions(const TrainerOptions& o) {
   }
   if (o.final_check_delay < absl::ZeroDuration() ||
       o.final_check_delay > absl::Hours(1)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--testing-final-check-delay must be in [0, 1h], got ",
-        absl::FormatDuration(o.final_check_delay)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--testing-final-check-delay must be in [0, 1h], got ",
+                     absl::FormatDuration(o.final_check_delay)));
   }
   if (o.threads < 1 || o.threads > 1024) {
     return absl::InvalidArgumentError(
