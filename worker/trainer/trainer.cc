@@ -619,12 +619,18 @@ absl::Status RunTrainer(const TrainerOptions& o) {
                     EffectiveRecoveryTimeout(o, step_timeout), step_timeout);
   // The shards may be at different steps (one restarted behind while no
   // worker was stepping), or one may be restarting: recover, then download.
+  // Other errors end the run as they are (e.g. DEADLINE_EXCEEDED: the
+  // download already waited --rpc-timeout-s for rank 0 to initialise).
   int64_t start_step = -1;
   for (;;) {
     absl::StatusOr<int64_t> synced = client->SynchronizeParameters(params);
     if (synced.ok()) {
       start_step = *synced;
       break;
+    }
+    if (!absl::IsFailedPrecondition(synced.status()) &&
+        !absl::IsUnavailable(synced.status())) {
+      return synced.status();
     }
     GTOPK_RETURN_IF_ERROR(
         recovery.AfterFailure(synced.status(), "the initial parameter download")

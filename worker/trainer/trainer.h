@@ -44,10 +44,11 @@ struct TrainerOptions {
   std::shared_ptr<metrics::Registry> metrics_registry;
   // How long a worker keeps recovering (WorkerClient::Recover) and
   // retrying a step that failed, from the step's first failure; reset by
-  // every successful step. Also bounds recovering the initial and the final
-  // parameter download. nullopt: 4 x the servers' step timeout; zero: the
-  // first failure ends the run; otherwise in [0, 24 h], and when > 0 at
-  // least one step timeout + 1 s (the time one Recover call may take).
+  // every successful step. Also bounds recovering the final parameter check
+  // and the initial parameter download. nullopt: 4 x the servers' step
+  // timeout; zero: the first failure ends the run; otherwise in [0, 24 h],
+  // and when > 0 at least one step timeout + 1 s (the time one Recover call
+  // may take).
   std::optional<absl::Duration> recovery_timeout;
   // Testing only (--testing-final-check-delay): sleep this long after the
   // last step, before the final parameter check, so that a test can
