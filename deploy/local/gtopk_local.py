@@ -396,6 +396,11 @@ def parse_args(argv):
     p.add_argument("--data-dir", default=None)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per worker (default 1)")
+    p.add_argument("--cpu-isa", choices=["portable", "native"], default=None,
+                   help="workers' --cpu-isa (default: theirs, portable: "
+                   "libtorch's CPU kernels pinned to AVX2, so the results "
+                   "are bit-identical on any x86-64 CPU with AVX2; native: "
+                   "libtorch chooses for this CPU)")
     p.add_argument("--build-dir", default="build")
     p.add_argument("--server-bin", default=None,
                    help="default BUILD_DIR/server/gtopk-server")
@@ -597,6 +602,8 @@ class Launcher:
             argv.append("--index-codec=%s" % a.index_codec)
         if a.value_codec:
             argv.append("--value-codec=%s" % a.value_codec)
+        if a.cpu_isa:
+            argv.append("--cpu-isa=%s" % a.cpu_isa)
         for flag in ("steps", "train_limit", "test_limit", "eval_every"):
             v = getattr(a, flag)
             if v is not None:

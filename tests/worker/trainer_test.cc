@@ -1,17 +1,33 @@
-// gtopk-worker's trainer without a cluster: the end-of-run replica check
-// (a rank whose final parameters differ from the servers' fails the run)
-// and the flag checks that must come before the join.
+// gtopk-worker's trainer: without a cluster, the end-of-run replica check
+// (a rank whose final parameters differ from the servers' fails the run),
+// the flag checks that must come before the join and the recovery budget;
+// with an in-process cluster, retries bounded by time, not by a count.
 #include "worker/trainer/trainer.h"
 
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <fstream>
 #include <functional>
+#include <memory>
+#include <random>
+#include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/local_cluster.h"
+#include "worker/client.h"
 
 namespace gtopk {
 namespace worker {
@@ -66,6 +82,16 @@ TEST(TrainerTest, ValidateOptionsNamesTheFlag) {
       {"--test-limit", [](TrainerOptions& o) { o.test_limit = -1; }},
       {"--eval-every", [](TrainerOptions& o) { o.eval_every = -1; }},
       {"--compute-ms", [](TrainerOptions& o) { o.compute_ms = -1; }},
+      {"--recovery-timeout",
+       [](TrainerOptions& o) { o.recovery_timeout = absl::Seconds(-1); }},
+      {"--recovery-timeout",
+       [](TrainerOptions& o) { o.recovery_timeout = absl::Hours(25); }},
+      {"--recovery-timeout",
+       [](TrainerOptions& o) {
+         o.recovery_timeout = absl::InfiniteDuration();
+       }},
+      {"--testing-final-check-delay",
+       [](TrainerOptions& o) { o.final_check_delay = absl::Seconds(-1); }},
   };
   for (const Case& c : cases) {
     TrainerOptions o;
@@ -89,6 +115,131 @@ TEST(TrainerTest, ValidateOptionsNamesTheFlag) {
   GTOPK_EXPECT_OK(ValidateOptions(ok));
   ok.server = "[::1]:50051";
   GTOPK_EXPECT_OK(ValidateOptions(ok));
+}
+
+TEST(TrainerTest, RecoveryTimeoutDefaultsToFourStepTimeouts) {
+  TrainerOptions o;
+  EXPECT_EQ(EffectiveRecoveryTimeout(o, absl::Seconds(5)), absl::Seconds(20));
+  o.recovery_timeout = absl::ZeroDuration();
+  EXPECT_EQ(EffectiveRecoveryTimeout(o, absl::Seconds(5)),
+            absl::ZeroDuration());
+  o.recovery_timeout = absl::Minutes(3);
+  EXPECT_EQ(EffectiveRecoveryTimeout(o, absl::Seconds(5)), absl::Minutes(3));
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+size_t CountOf(const std::string& text, const std::string& what) {
+  size_t count = 0;
+  for (size_t at = text.find(what); at != std::string::npos;
+       at = text.find(what, at + 1)) {
+    ++count;
+  }
+  return count;
+}
+
+// Issue 13, part 1: a trainer whose step fails again and again for longer
+// than a count of retries allowed (the old --step-retries=3 ended the run
+// at the 4th failure in a row, about 2 s here) keeps recovering while its
+// time budget lasts, and finishes once the cluster can step again: here
+// the other worker (rank 1, a WorkerClient of the test) does not push for
+// 5 s, so every attempt of the trainer's step 0 fails with
+// DEADLINE_EXCEEDED after the 400 ms step timeout. The final parameters
+// equal rank 1's and the servers'.
+TEST(TrainerTest, RetriesAreBoundedByTimeNotByACount) {
+  constexpr uint64_t kN = 1000;
+  constexpr int kSteps = 4;
+  server::ServerConfig config;
+  config.num_workers = 2;
+  config.optimizer.density = 0.05;
+  config.optimizer.momentum = 0.0f;  // a retry's push is the first one's
+  config.step_timeout = absl::Milliseconds(400);
+  auto cluster_or = server::LocalCluster::Start(config, 1);
+  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+  server::LocalCluster& cluster = **cluster_or;
+
+  char dir_template[] = "/tmp/gtopk_trainer_test_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string summary = std::string(dir_template) + "/rank0.json";
+
+  TrainerOptions o;
+  o.server = cluster.leader();
+  o.rank = 0;
+  o.model = "synthetic:" + std::to_string(kN);
+  o.steps = kSteps;
+  o.rpc_timeout = absl::Seconds(20);
+  o.recovery_timeout = absl::Seconds(30);
+  o.summary_json = summary;
+  ::testing::internal::CaptureStderr();
+  absl::Status trainer_status;
+  const absl::Time start = absl::Now();
+  std::atomic<bool> trainer_done{false};
+  std::thread trainer([&] {
+    trainer_status = RunTrainer(o);
+    trainer_done = true;
+  });
+
+  ClientOptions co;
+  co.leader_address = cluster.leader();
+  co.requested_rank = 1;
+  co.n = kN;
+  absl::StatusOr<std::unique_ptr<WorkerClient>> client =
+      WorkerClient::Connect(co);
+  std::vector<float> params(kN, 0.0f);
+  absl::Status rank1 = client.status();
+  if (rank1.ok()) {
+    rank1 = (*client)->SynchronizeParameters(absl::MakeSpan(params)).status();
+  }
+  // Rank 1 stalls, then steps, retrying each failed step (a zero gradient:
+  // the first attempt's is in the residual) until the test's deadline.
+  absl::SleepFor(absl::Seconds(5));
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  const absl::Time deadline = absl::Now() + absl::Seconds(40);
+  for (int step = 0; rank1.ok() && step < kSteps; ++step) {
+    std::vector<float> grad(kN);
+    for (float& g : grad) g = uniform(rng);
+    for (;;) {
+      absl::StatusOr<StepStats> stats =
+          (*client)->Step(grad, absl::MakeSpan(params));
+      if (stats.ok()) break;
+      // A trainer that gave up leaves rank 1 nobody to step with.
+      if (absl::Now() > deadline || trainer_done) {
+        rank1 = stats.status();
+        break;
+      }
+      std::fill(grad.begin(), grad.end(), 0.0f);
+    }
+  }
+  trainer.join();
+  const absl::Duration took = absl::Now() - start;
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  GTOPK_ASSERT_OK(rank1);
+  GTOPK_EXPECT_OK(trainer_status) << log;
+  // More failures in a row than the old count allowed, all of step 0.
+  EXPECT_GE(CountOf(log, "rank 0: step 0 failed"), 4u) << log;
+  EXPECT_GE(took, absl::Seconds(5));
+  EXPECT_NE(log.find("since the first failure"), std::string::npos) << log;
+
+  const std::string json = ReadFile(summary);
+  const std::string mine =
+      absl::StrFormat("\"param_checksum\": \"%016x\"",
+                      Fnv1a64(params.data(), params.size() * sizeof(float)));
+  EXPECT_NE(json.find(mine), std::string::npos)
+      << "rank 0's parameters differ from rank 1's (" << mine << "):\n"
+      << json;
+  auto servers = cluster.ServerParams(kN);
+  ASSERT_TRUE(servers.ok()) << servers.status();
+  EXPECT_EQ(servers->second, kSteps);
+  EXPECT_EQ(Fnv1a64(servers->first.data(), kN * sizeof(float)),
+            Fnv1a64(params.data(), kN * sizeof(float)));
+  std::remove(summary.c_str());
+  rmdir(dir_template);
 }
 
 }  // namespace

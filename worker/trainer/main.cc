@@ -23,9 +23,11 @@
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "common/metrics/exposer.h"
 #include "common/metrics/metrics.h"
 #include "common/metrics/process_collector.h"
+#include "worker/trainer/cpu_isa.h"
 #include "worker/trainer/idx_reader.h"
 #include "worker/trainer/trainer.h"
 
@@ -45,6 +47,10 @@ ABSL_FLAG(int64_t, eval_every, 0,
           "also evaluate every N steps (0: after each epoch and at the end)");
 ABSL_FLAG(uint64_t, seed, 1, "seed of initialisation and shuffles");
 ABSL_FLAG(int, threads, 1, "torch intra-op threads");
+ABSL_FLAG(std::string, cpu_isa, "portable",
+          "portable: pin libtorch's CPU kernels (AVX2) so that results are "
+          "bit-identical on any x86-64 CPU with AVX2; native: let libtorch "
+          "choose for this CPU");
 ABSL_FLAG(int64_t, compute_ms, 0,
           "synthetic only: sleep this many ms per step to emulate compute");
 ABSL_FLAG(std::string, summary_json, "", "write this rank's summary here");
@@ -56,9 +62,14 @@ ABSL_FLAG(std::string, metrics_host, "0.0.0.0",
           "loopback only)");
 ABSL_FLAG(int64_t, rpc_timeout_s, 60,
           "deadline of Join and parameter download RPCs, seconds");
+ABSL_FLAG(std::optional<absl::Duration>, recovery_timeout, std::nullopt,
+          "how long a failed step is recovered and retried, from its first "
+          "failure (0: exit on the first failure; unset: 4 x the servers' "
+          "--step-timeout)");
+ABSL_FLAG(absl::Duration, testing_final_check_delay, absl::ZeroDuration(),
+          "testing only: sleep this long after the last step, before the "
+          "final parameter check");
 // Consistency checks against the servers' cluster spec (empty: no check).
-ABSL_FLAG(int, step_retries, 3,
-          "failed steps in a row recovered and retried before giving up");
 ABSL_FLAG(std::string, mode, "", "check: gtopk | topk | dense");
 ABSL_FLAG(std::string, selector, "", "check: exact | gaussiank | dgc | randomk");
 ABSL_FLAG(std::string, density, "", "check: density k/n");
@@ -109,6 +120,7 @@ absl::Status Run() {
   o.eval_every = absl::GetFlag(FLAGS_eval_every);
   o.seed = absl::GetFlag(FLAGS_seed);
   o.threads = absl::GetFlag(FLAGS_threads);
+  o.cpu_isa = absl::GetFlag(FLAGS_cpu_isa);
   o.compute_ms = absl::GetFlag(FLAGS_compute_ms);
   o.summary_json = absl::GetFlag(FLAGS_summary_json);
   o.device = absl::GetFlag(FLAGS_device);
@@ -118,7 +130,8 @@ absl::Status Run() {
         "--rpc-timeout-s must be in [1, 86400], got ", rpc_timeout_s));
   }
   o.rpc_timeout = absl::Seconds(rpc_timeout_s);
-  o.step_retries = absl::GetFlag(FLAGS_step_retries);
+  o.recovery_timeout = absl::GetFlag(FLAGS_recovery_timeout);
+  o.final_check_delay = absl::GetFlag(FLAGS_testing_final_check_delay);
   o.mode = OptionalString(absl::GetFlag(FLAGS_mode));
   o.selector = OptionalString(absl::GetFlag(FLAGS_selector));
   o.index_codec = OptionalString(absl::GetFlag(FLAGS_index_codec));
@@ -189,7 +202,14 @@ int main(int argc, char** argv) {
   for (std::string& a : args) arg_pointers.push_back(a.data());
   absl::ParseCommandLine(static_cast<int>(arg_pointers.size()),
                          arg_pointers.data());
-  const absl::Status status = Run();
+  // Before anything touches torch (the pins are read at first use).
+  std::string cpu_note;
+  absl::Status status =
+      gtopk::worker::ApplyCpuIsa(absl::GetFlag(FLAGS_cpu_isa), argv, &cpu_note);
+  if (status.ok()) {
+    std::fprintf(stderr, "gtopk-worker: %s\n", cpu_note.c_str());
+    status = Run();
+  }
   if (!status.ok()) {
     std::fprintf(stderr, "gtopk-worker: %s\n", status.ToString().c_str());
     return 1;

@@ -40,10 +40,12 @@ namespace gtopk {
 namespace worker {
 namespace {
 
-// How long a worker keeps trying to recover one failed step (Recover calls,
-// waiting for an unreachable leader), in step timeouts (the servers'
-// --step-timeout); worker/flags.md, docs/recovery.md.
-constexpr int kRecoveryWindowSteps = 3;
+// The default recovery time budget (--recovery-timeout), in the servers'
+// step timeouts: a failed step's peers notice within one, the leader's
+// Recover waits up to one for a restarting shard, and two are left for
+// retried steps that fail again (e.g. while every worker rejoins after all
+// of them were paused). worker/flags.md, docs/recovery.md.
+constexpr int kDefaultRecoverySteps = 4;
 
 using Clock = std::chrono::steady_clock;
 
@@ -284,7 +286,129 @@ absl::StatusOr<StepStats> StepOnce(WorkerClient& client, Model& model,
   return client.Step(grad, params);
 }
 
+// The time-bounded recovery of a failed step (or parameter download):
+// after the first failure, Recover is called (with backoff) and the caller
+// retries, until the budget from that first failure is spent. Counts no
+// attempts: concurrent workers that make each other's retries fail cannot
+// use it up faster than the clock. Not thread-safe (one per trainer).
+class Recovery {
+ public:
+  // `budget`: EffectiveRecoveryTimeout; `step_timeout`: the servers'.
+  Recovery(WorkerClient& client, Model& model, absl::Span<float> params,
+           uint32_t rank, absl::Duration budget, absl::Duration step_timeout)
+      : client_(client),
+        model_(model),
+        params_(params),
+        rank_(rank),
+        budget_(budget),
+        recover_call_time_(step_timeout + absl::Seconds(1)) {}
+
+  // The last attempt succeeded: the next failure starts a new budget.
+  void Succeeded() { failing_ = false; }
+
+  // After `failure` of `what` ("step 12", "the final parameter check"):
+  // calls Recover until it answers, within the budget, and returns the step
+  // to continue from (params re-downloaded when the shards were rolled
+  // back, as Recover does). Retryable: ABORTED, DEADLINE_EXCEEDED,
+  // UNAVAILABLE, CANCELLED, and FAILED_PRECONDITION from `failure` (shards
+  // at different steps, which Recover repairs) but not from Recover itself
+  // (no common step). Returns the error that ends the run: `failure` (or
+  // Recover's) with its code, prefixed with `what`, when it is not
+  // retryable or no Recover call fits in the budget any more (the message
+  // then says how long the worker tried).
+  absl::StatusOr<int64_t> AfterFailure(absl::Status failure,
+                                       const std::string& what) {
+    const absl::Time now = absl::Now();
+    if (!failing_) {
+      failing_ = true;
+      first_failure_ = now;
+      recover_calls_ = 0;
+    }
+    // A budget > 0 always leaves room for one Recover call.
+    const absl::Time deadline =
+        first_failure_ + (budget_ > absl::ZeroDuration()
+                              ? std::max(budget_, recover_call_time_)
+                              : absl::ZeroDuration());
+    bool from_recover = false;
+    for (;;) {
+      const absl::StatusCode code = failure.code();
+      const bool retryable =
+          code == absl::StatusCode::kAborted ||
+          code == absl::StatusCode::kDeadlineExceeded ||
+          code == absl::StatusCode::kUnavailable ||
+          code == absl::StatusCode::kCancelled ||
+          (code == absl::StatusCode::kFailedPrecondition && !from_recover);
+      const absl::Duration elapsed = absl::Now() - first_failure_;
+      // No Recover call unless it can get the leader's full answer (the
+      // leader waits up to one step timeout for the shards).
+      const bool out_of_time = deadline - absl::Now() < recover_call_time_;
+      if (!retryable || out_of_time) {
+        std::string why;
+        if (retryable && budget_ <= absl::ZeroDuration()) {
+          why = " (--recovery-timeout=0: no recovery)";
+        } else if (retryable) {
+          why = absl::StrCat(" (no recovery within --recovery-timeout=",
+                             absl::FormatDuration(budget_), ": ",
+                             Seconds(elapsed), " since the first failure, ",
+                             recover_calls_, " Recover call(s))");
+        } else if (recover_calls_ > 0) {
+          why = absl::StrCat(" (after ", Seconds(elapsed), " and ",
+                             recover_calls_, " Recover call(s))");
+        }
+        return absl::Status(
+            code,
+            absl::StrCat(what, ": ", from_recover ? "recovery failed: " : "",
+                         failure.message(), why));
+      }
+      std::fprintf(stderr,
+                   "rank %u: %s failed: %s; recovering (%s since the first "
+                   "failure, %s left, Recover call %d)\n",
+                   rank_, what.c_str(), failure.ToString().c_str(),
+                   Seconds(elapsed).c_str(),
+                   Seconds(deadline - absl::Now()).c_str(), recover_calls_ + 1);
+      // Backoff 100 ms doubling to 1.6 s, leaving a Recover call its time.
+      absl::SleepFor(
+          std::min(absl::Milliseconds(100 << std::min(recover_calls_, 4)),
+                   std::max(absl::ZeroDuration(),
+                            deadline - recover_call_time_ - absl::Now())));
+      ++recover_calls_;
+      // --device=cuda: the device parameters are the current ones; Recover
+      // works on the host copy (and may re-download it), then back.
+      GTOPK_RETURN_IF_ERROR(model_.DownloadParams());
+      absl::StatusOr<int64_t> next = client_.Recover(
+          params_, std::max(deadline, absl::Now() + recover_call_time_));
+      if (next.ok()) {
+        GTOPK_RETURN_IF_ERROR(model_.UploadParams());
+        return *next;
+      }
+      failure = next.status();
+      from_recover = true;
+    }
+  }
+
+ private:
+  static std::string Seconds(absl::Duration d) {
+    return absl::StrFormat("%.1f s", absl::ToDoubleSeconds(d));
+  }
+
+  WorkerClient& client_;
+  Model& model_;
+  absl::Span<float> params_;
+  const uint32_t rank_;
+  const absl::Duration budget_;
+  const absl::Duration recover_call_time_;
+  bool failing_ = false;
+  absl::Time first_failure_;
+  int recover_calls_ = 0;
+};
+
 }  // namespace
+
+absl::Duration EffectiveRecoveryTimeout(const TrainerOptions& o,
+                                        absl::Duration step_timeout) {
+  if (o.recovery_timeout.has_value()) return *o.recovery_timeout;
+  return kDefaultRecoverySteps * step_timeout;
+}
 
 uint64_t Fnv1a64(const void* data, size_t bytes) {
   const auto* p = static_cast<const uint8_t*>(data);
@@ -341,9 +465,19 @@ absl::Status ValidateOptions(const TrainerOptions& o) {
     }
   }
   GTOPK_RETURN_IF_ERROR(ValidateConsistencyFlags(o));
-  if (o.step_retries < 0 || o.step_retries > 100) {
+  if (o.recovery_timeout.has_value() &&
+      (*o.recovery_timeout < absl::ZeroDuration() ||
+       *o.recovery_timeout > absl::Hours(24))) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--step-retries must be in [0, 100], got ", o.step_retries));
+        "--recovery-timeout must be in [0, 24h] (0: exit on the first failed "
+        "step; unset: 4 x the servers' --step-timeout), got ",
+        absl::FormatDuration(*o.recovery_timeout)));
+  }
+  if (o.final_check_delay < absl::ZeroDuration() ||
+      o.final_check_delay > absl::Hours(1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--testing-final-check-delay must be in [0, 1h], got ",
+                     absl::FormatDuration(o.final_check_delay)));
   }
   if (o.threads < 1 || o.threads > 1024) {
     return absl::InvalidArgumentError(
@@ -474,16 +608,35 @@ absl::Status RunTrainer(const TrainerOptions& o) {
                  static_cast<long long>(steps_per_epoch));
   }
 
-  absl::StatusOr<int64_t> synced = client->SynchronizeParameters(params);
-  if (absl::IsFailedPrecondition(synced.status()) && o.step_retries > 0) {
-    // The shards are at different steps (one restarted behind while no
-    // worker was stepping): let the leader bring them together first.
-    std::fprintf(stderr, "rank %u: %s; recovering\n", rank,
-                 synced.status().ToString().c_str());
-    GTOPK_RETURN_IF_ERROR(client->Recover(params).status());
-    synced = client->SynchronizeParameters(params);
+  // Failed steps and parameter downloads are recovered through
+  // WorkerClient::Recover (docs/recovery.md) within --recovery-timeout of
+  // their first failure: the leader brings the shards to one step (rolling
+  // them back when a restarted shard is behind) and this worker continues
+  // from there.
+  const absl::Duration step_timeout =
+      absl::Milliseconds(cluster.step_timeout_ms());
+  Recovery recovery(*client, *model, params, rank,
+                    EffectiveRecoveryTimeout(o, step_timeout), step_timeout);
+  // The shards may be at different steps (one restarted behind while no
+  // worker was stepping), or one may be restarting: recover, then download.
+  // Other errors end the run as they are (e.g. DEADLINE_EXCEEDED: the
+  // download already waited --rpc-timeout-s for rank 0 to initialise).
+  int64_t start_step = -1;
+  for (;;) {
+    absl::StatusOr<int64_t> synced = client->SynchronizeParameters(params);
+    if (synced.ok()) {
+      start_step = *synced;
+      break;
+    }
+    if (!absl::IsFailedPrecondition(synced.status()) &&
+        !absl::IsUnavailable(synced.status())) {
+      return synced.status();
+    }
+    GTOPK_RETURN_IF_ERROR(
+        recovery.AfterFailure(synced.status(), "the initial parameter download")
+            .status());
   }
-  GTOPK_ASSIGN_OR_RETURN(const int64_t start_step, synced);
+  recovery.Succeeded();
   // --device=cuda: the servers' parameters to the device model.
   GTOPK_RETURN_IF_ERROR(model->UploadParams());
   const Clock::time_point t_start = Clock::now();
@@ -526,179 +679,173 @@ absl::Status RunTrainer(const TrainerOptions& o) {
   std::vector<float> losses;
   double sent_total = 0, received_total = 0;
 
-  // Failed steps are retried through WorkerClient::Recover
-  // (docs/recovery.md): the leader brings the shards to one step (rolling
-  // them back when a restarted shard is behind) and this worker continues
-  // from there. `failures` counts consecutive failed attempts.
-  int failures = 0;
-  const absl::Duration recovery_window =
-      kRecoveryWindowSteps * absl::Milliseconds(cluster.step_timeout_ms());
-  const absl::Duration recover_call_time =
-      absl::Milliseconds(cluster.step_timeout_ms()) + absl::Seconds(1);
   // Retrying the step that failed: its gradient is already in the residual
   // (Step's contract), so the retry adds none.
   bool resend_residual = false;
   float loss = 0;
-  for (int64_t step = start_step; step < total_steps; ++step) {
-    const Clock::time_point t0 = Clock::now();
-    const int64_t epoch = step / steps_per_epoch;
-    if (resend_residual) {
-      std::fill(grad.begin(), grad.end(), 0.0f);
-      GTOPK_RETURN_IF_ERROR(model->ZeroDeviceGradient());
-    } else if (synthetic) {
-      SyntheticModel::RandomGradient(o.seed, rank, step, absl::MakeSpan(grad));
-      if (o.compute_ms > 0) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(o.compute_ms));
-      }
-    } else {
-      if (epoch != perm_epoch) {
-        perm = EpochPermutation(train.size(), o.seed, epoch);
-        perm_epoch = epoch;
-      }
-      const size_t per_rank =
-          static_cast<size_t>(steps_per_epoch) * o.batch_size;
-      const size_t base = rank * per_rank +
-                          static_cast<size_t>(step % steps_per_epoch) *
-                              o.batch_size;
-      for (int64_t b = 0; b < o.batch_size; ++b) {
-        const uint32_t idx = perm[base + b];
-        const uint8_t* src = train.pixels.data() + size_t{idx} * kImagePixels;
-        float* dst = batch_images.data() + b * kImagePixels;
-        for (int i = 0; i < kImagePixels; ++i) dst[i] = Normalise(src[i]);
-        batch_labels[b] = train.labels[idx];
-      }
-      if (model->on_device()) {
-        GTOPK_ASSIGN_OR_RETURN(loss, model->ComputeGradientOnDevice(
-                                         batch_images, batch_labels,
-                                         &device_grad));
+  double wall_seconds = 0;
+  uint64_t param_checksum = 0, server_checksum = 0;
+  int64_t server_step = -1;
+  int64_t step = start_step;
+  // Training, then the final check against the servers; back to training
+  // when the servers were rolled back after this worker's last step.
+  for (;;) {
+    for (; step < total_steps; ++step) {
+      const Clock::time_point t0 = Clock::now();
+      const int64_t epoch = step / steps_per_epoch;
+      if (resend_residual) {
+        std::fill(grad.begin(), grad.end(), 0.0f);
+        GTOPK_RETURN_IF_ERROR(model->ZeroDeviceGradient());
+      } else if (synthetic) {
+        SyntheticModel::RandomGradient(o.seed, rank, step,
+                                       absl::MakeSpan(grad));
+        if (o.compute_ms > 0) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(o.compute_ms));
+        }
       } else {
-        GTOPK_ASSIGN_OR_RETURN(loss, model->ComputeGradient(
-                                         batch_images, batch_labels,
-                                         absl::MakeSpan(grad)));
+        if (epoch != perm_epoch) {
+          perm = EpochPermutation(train.size(), o.seed, epoch);
+          perm_epoch = epoch;
+        }
+        const size_t per_rank =
+            static_cast<size_t>(steps_per_epoch) * o.batch_size;
+        const size_t base =
+            rank * per_rank +
+            static_cast<size_t>(step % steps_per_epoch) * o.batch_size;
+        for (int64_t b = 0; b < o.batch_size; ++b) {
+          const uint32_t idx = perm[base + b];
+          const uint8_t* src = train.pixels.data() + size_t{idx} * kImagePixels;
+          float* dst = batch_images.data() + b * kImagePixels;
+          for (int i = 0; i < kImagePixels; ++i) dst[i] = Normalise(src[i]);
+          batch_labels[b] = train.labels[idx];
+        }
+        if (model->on_device()) {
+          GTOPK_ASSIGN_OR_RETURN(
+              loss, model->ComputeGradientOnDevice(batch_images, batch_labels,
+                                                   &device_grad));
+        } else {
+          GTOPK_ASSIGN_OR_RETURN(
+              loss, model->ComputeGradient(batch_images, batch_labels,
+                                           absl::MakeSpan(grad)));
+        }
+        if (!std::isfinite(loss)) {
+          return absl::InternalError(
+              absl::StrCat("loss is ", loss, " at step ", step,
+                           " (diverged; lower the servers' --lr)"));
+        }
       }
-      if (!std::isfinite(loss)) {
-        return absl::InternalError(absl::StrCat(
-            "loss is ", loss, " at step ", step,
-            " (diverged; lower the servers' --lr)"));
+      const Clock::time_point t_compute = Clock::now();
+      const double compute =
+          std::chrono::duration<double>(t_compute - t0).count();
+      const absl::Time step_call = absl::Now();
+      absl::StatusOr<StepStats> stats =
+          StepOnce(*client, *model, grad, device_grad, params);
+      if (!stats.ok()) {
+        GTOPK_ASSIGN_OR_RETURN(
+            const int64_t resumed,
+            recovery.AfterFailure(stats.status(), absl::StrCat("step ", step)));
+        if (resumed != step) {
+          std::fprintf(stderr, "rank %u: continuing from step %lld\n", rank,
+                       static_cast<long long>(resumed));
+        }
+        resend_residual = resumed == step;
+        step = resumed - 1;  // the loop's ++step
+        continue;
+      }
+      recovery.Succeeded();
+      resend_residual = false;
+      const double seconds = SecondsSince(t0);
+      if (metrics != nullptr) {
+        metrics->RecordStep(*stats, absl::FromChrono(t_compute - t0),
+                            absl::Seconds(seconds), loss);
+      }
+      step_seconds.push_back(seconds);
+      compute_seconds.push_back(compute);
+      local_seconds.push_back(absl::ToDoubleSeconds(
+          stats->accumulate + stats->select + stats->encode + stats->apply));
+      communication_seconds.push_back(absl::ToDoubleSeconds(stats->push_wait));
+      const absl::Time push_start =
+          step_call + stats->accumulate + stats->select + stats->encode;
+      push_start_unix.push_back(absl::ToUnixMicros(push_start) * 1e-6);
+      pull_end_unix.push_back(
+          absl::ToUnixMicros(push_start + stats->push_wait) * 1e-6);
+      losses.push_back(loss);
+      uint64_t sent = 0, received = 0;
+      for (uint64_t b : stats->bytes_sent) sent += b;
+      for (uint64_t b : stats->bytes_received) received += b;
+      sent_total += static_cast<double>(sent);
+      received_total += static_cast<double>(received);
+      const int64_t done = step + 1;
+      if (leader_rank) {
+        const double samples_per_second =
+            seconds > 0 ? static_cast<double>(workers) * o.batch_size / seconds
+                        : 0.0;
+        PrintLine(absl::StrFormat(
+            "step %d/%d epoch %d loss %.4f samples/s %.0f sent_bytes %d "
+            "step_ms %.1f",
+            done, total_steps, epoch + 1, loss, samples_per_second, sent,
+            seconds * 1e3));
+      }
+      if (done % steps_per_epoch == 0 ||
+          (o.eval_every > 0 && done % o.eval_every == 0)) {
+        evaluate(done);
       }
     }
-    const Clock::time_point t_compute = Clock::now();
-    const double compute = std::chrono::duration<double>(t_compute - t0).count();
-    const absl::Time step_call = absl::Now();
-    absl::StatusOr<StepStats> stats = StepOnce(*client, *model, grad,
-                                               device_grad, params);
-    if (!stats.ok()) {
-      // --step-retries counts failed steps in a row; each failed step gets
-      // a recovery window of kRecoveryWindowSteps step timeouts in which
-      // Recover is retried, waiting for a leader that is down or restarting
-      // (docs/recovery.md).
-      absl::Status failure = stats.status();
-      bool from_recover = false;
-      int64_t resumed = -1;
-      int recover_calls = 0;
-      const absl::Time window_end = absl::Now() + recovery_window;
-      while (resumed < 0) {
-        // FAILED_PRECONDITION from a step (a shard at another step) is what
-        // Recover repairs; from Recover it means it cannot.
-        const absl::StatusCode code = failure.code();
-        const bool retryable =
-            code == absl::StatusCode::kAborted ||
-            code == absl::StatusCode::kDeadlineExceeded ||
-            code == absl::StatusCode::kUnavailable ||
-            code == absl::StatusCode::kCancelled ||
-            (code == absl::StatusCode::kFailedPrecondition && !from_recover);
-        // No new Recover call unless it can get the leader's full answer
-        // (the leader waits up to one step timeout for the shards).
-        const bool window_over =
-            from_recover && window_end - absl::Now() < recover_call_time;
-        if (!retryable || failures >= o.step_retries || window_over) {
-          std::string why;
-          if (window_over) {
-            why = absl::StrCat(" (no recovery within the ",
-                               absl::FormatDuration(recovery_window),
-                               " recovery window, ", recover_calls,
-                               " Recover call(s))");
-          } else if (failures > 0) {
-            why = absl::StrCat(" (after ", failures, " recovery attempt(s))");
-          }
-          return absl::Status(
-              code, absl::StrCat("step ", step, ": ",
-                                 from_recover ? "recovery failed: " : "",
-                                 failure.message(), why));
-        }
-        if (!from_recover) ++failures;
-        std::fprintf(stderr,
-                     "rank %u: step %lld failed: %s; recovering (retry %d of "
-                     "%d, Recover call %d)\n",
-                     rank, static_cast<long long>(step),
-                     failure.ToString().c_str(), failures, o.step_retries,
-                     recover_calls + 1);
-        absl::SleepFor(std::min(
-            absl::Milliseconds(100 << std::min(recover_calls, 4)),
-            std::max(absl::ZeroDuration(), window_end - absl::Now())));
-        ++recover_calls;
-        // --device=cuda: the device parameters are the current ones; Recover
-        // works on the host copy (and may re-download it), then back.
-        GTOPK_RETURN_IF_ERROR(model->DownloadParams());
-        absl::StatusOr<int64_t> next = client->Recover(
-            params, std::max(window_end, absl::Now() + recover_call_time));
-        if (next.ok()) {
-          GTOPK_RETURN_IF_ERROR(model->UploadParams());
-          resumed = *next;
-        } else {
-          failure = next.status();
-          from_recover = true;
-        }
+    evaluate(total_steps);
+    wall_seconds = SecondsSince(t_start);
+    if (o.final_check_delay > absl::ZeroDuration()) {
+      absl::SleepFor(o.final_check_delay);  // --testing-final-check-delay
+    }
+
+    // The final check: the servers' parameters after the last step (a
+    // download into scratch), waited for and recovered like a step. When a
+    // recovery rolled the shards back after this worker's last step, their
+    // parameters are older than this run's: go back and run the missing
+    // steps instead of comparing.
+    GTOPK_RETURN_IF_ERROR(model->DownloadParams());  // --device=cuda
+    param_checksum = Fnv1a64(params.data(), n * sizeof(float));
+    std::vector<float> scratch(params.begin(), params.end());
+    int64_t resume = -1;
+    for (;;) {
+      std::copy(params.begin(), params.end(), scratch.begin());
+      absl::StatusOr<int64_t> synced =
+          client->SynchronizeParameters(absl::MakeSpan(scratch));
+      if (synced.ok() && *synced < total_steps) {
+        // Every shard agrees on an older step: its parameters are the ones
+        // to continue from.
+        std::copy(scratch.begin(), scratch.end(), params.begin());
+        GTOPK_RETURN_IF_ERROR(model->UploadParams());
+        resume = *synced;
+        break;
       }
-      if (resumed != step) {
-        std::fprintf(stderr, "rank %u: continuing from step %lld\n", rank,
-                     static_cast<long long>(resumed));
+      if (synced.ok()) {
+        server_step = *synced;
+        break;
       }
-      resend_residual = resumed == step;
-      step = resumed - 1;  // the loop's ++step
+      GTOPK_ASSIGN_OR_RETURN(
+          const int64_t next,
+          recovery.AfterFailure(synced.status(), "the final parameter check"));
+      if (next < total_steps) {
+        resume = next;  // Recover re-downloaded the parameters
+        break;
+      }
+      // The servers are (still, or again) at the end: check once more.
+    }
+    if (resume >= 0) {
+      std::fprintf(stderr,
+                   "rank %u: the servers were rolled back to step %lld after "
+                   "this worker's last step; continuing from step %lld\n",
+                   rank, static_cast<long long>(resume),
+                   static_cast<long long>(resume));
+      step = resume;
+      resend_residual = false;
+      last_eval = -1;  // evaluate the re-run's final parameters
       continue;
     }
-    failures = 0;
-    resend_residual = false;
-    const double seconds = SecondsSince(t0);
-    if (metrics != nullptr) {
-      metrics->RecordStep(*stats, absl::FromChrono(t_compute - t0),
-                          absl::Seconds(seconds), loss);
-    }
-    step_seconds.push_back(seconds);
-    compute_seconds.push_back(compute);
-    local_seconds.push_back(absl::ToDoubleSeconds(
-        stats->accumulate + stats->select + stats->encode + stats->apply));
-    communication_seconds.push_back(absl::ToDoubleSeconds(stats->push_wait));
-    const absl::Time push_start =
-        step_call + stats->accumulate + stats->select + stats->encode;
-    push_start_unix.push_back(absl::ToUnixMicros(push_start) * 1e-6);
-    pull_end_unix.push_back(absl::ToUnixMicros(push_start + stats->push_wait) *
-                            1e-6);
-    losses.push_back(loss);
-    uint64_t sent = 0, received = 0;
-    for (uint64_t b : stats->bytes_sent) sent += b;
-    for (uint64_t b : stats->bytes_received) received += b;
-    sent_total += static_cast<double>(sent);
-    received_total += static_cast<double>(received);
-    const int64_t done = step + 1;
-    if (leader_rank) {
-      const double samples_per_second =
-          seconds > 0 ? static_cast<double>(workers) * o.batch_size / seconds
-                      : 0.0;
-      PrintLine(absl::StrFormat(
-          "step %d/%d epoch %d loss %.4f samples/s %.0f sent_bytes %d "
-          "step_ms %.1f",
-          done, total_steps, epoch + 1, loss, samples_per_second, sent,
-          seconds * 1e3));
-    }
-    if (done % steps_per_epoch == 0 ||
-        (o.eval_every > 0 && done % o.eval_every == 0)) {
-      evaluate(done);
-    }
-  }
-  evaluate(total_steps);
-  const double wall_seconds = SecondsSince(t_start);
+    recovery.Succeeded();
+    server_checksum = Fnv1a64(scratch.data(), n * sizeof(float));
+    break;
+  }  // training and the final check
 
   // Final loss: mean of this rank's last 20 steps.
   double final_loss = std::nan("");
@@ -712,15 +859,6 @@ absl::Status RunTrainer(const TrainerOptions& o) {
     std::sort(sorted.begin(), sorted.end());
     p50 = sorted[sorted.size() / 2];
   }
-
-  GTOPK_RETURN_IF_ERROR(model->DownloadParams());  // --device=cuda
-  const uint64_t param_checksum = Fnv1a64(params.data(), n * sizeof(float));
-  // The servers' parameters after the last step (a download into scratch).
-  std::vector<float> scratch(params.begin(), params.end());
-  GTOPK_ASSIGN_OR_RETURN(const int64_t server_step,
-                         client->SynchronizeParameters(absl::MakeSpan(scratch)));
-  const uint64_t server_checksum =
-      Fnv1a64(scratch.data(), n * sizeof(float));
   // Checked after the summary is written (so it can be inspected).
   const absl::Status replicas_agree = CheckReplicaChecksums(
       rank, param_checksum, server_checksum, server_step);
@@ -753,6 +891,8 @@ absl::Status RunTrainer(const TrainerOptions& o) {
     field("start_step", absl::StrCat(start_step), false);
     field("steps_per_epoch", absl::StrCat(steps_per_epoch), false);
     field("batch_size", absl::StrCat(o.batch_size), false);
+    field("threads", absl::StrCat(o.threads), false);
+    field("cpu_isa", JsonString(o.cpu_isa), false);
     field("final_loss", JsonNumber(final_loss), false);
     field("test_accuracy",
           leader_rank ? JsonNumber(test_accuracy) : std::string("null"), false);

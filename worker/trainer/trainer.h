@@ -32,6 +32,9 @@ struct TrainerOptions {
   int64_t eval_every = 0;   // 0: only after each epoch and at the end
   uint64_t seed = 1;
   int threads = 1;
+  // --cpu-isa, applied by main() before the trainer runs (cpu_isa.h);
+  // recorded in the summary.
+  std::string cpu_isa = "portable";
   int64_t compute_ms = 0;   // synthetic only
   std::string summary_json;
   std::string device = "cpu";
@@ -39,10 +42,18 @@ struct TrainerOptions {
   // Where the worker registers its metrics (docs/metrics.md, "Worker"),
   // shared with main()'s exposer (--metrics-port); null: no metrics.
   std::shared_ptr<metrics::Registry> metrics_registry;
-  // Failed steps in a row that are recovered (WorkerClient::Recover) and
-  // retried before giving up, in [0, 100]; reset by every successful step.
-  // Each failed step's Recover calls are retried for 3 step timeouts.
-  int step_retries = 3;
+  // How long a worker keeps recovering (WorkerClient::Recover) and
+  // retrying a step that failed, from the step's first failure; reset by
+  // every successful step. Also bounds recovering the final parameter check
+  // and the initial parameter download. nullopt: 4 x the servers' step
+  // timeout; zero: the first failure ends the run; otherwise in [0, 24 h],
+  // and when > 0 at least one step timeout + 1 s (the time one Recover call
+  // may take).
+  std::optional<absl::Duration> recovery_timeout;
+  // Testing only (--testing-final-check-delay): sleep this long after the
+  // last step, before the final parameter check, so that a test can
+  // restart a shard at that point; in [0, 1 h].
+  absl::Duration final_check_delay = absl::ZeroDuration();
 
   // Consistency checks against the servers' cluster spec (unset: no check).
   std::optional<std::string> mode, selector, index_codec, value_codec;
@@ -51,6 +62,12 @@ struct TrainerOptions {
 
 // Checks the options that need no cluster (INVALID_ARGUMENT naming the flag).
 absl::Status ValidateOptions(const TrainerOptions& options);
+
+// The recovery time budget in force: options.recovery_timeout, or 4 x
+// `step_timeout` (the servers' --step-timeout) when unset; a budget > 0 is
+// at least one step timeout + 1 s.
+absl::Duration EffectiveRecoveryTimeout(const TrainerOptions& options,
+                                        absl::Duration step_timeout);
 
 // Runs the whole training. Errors name their cause (the flag, file, shard or
 // step); the caller prints them and exits 1.
