@@ -650,7 +650,14 @@ absl::Status WorkerClient::Exchange(int64_t step,
           "stream cancelled"));
     }
     if (st.ok() || cut_short[s]) continue;
-    if (code == absl::StatusCode::kOk) code = st.code();
+    // The step's cause, not its echo: ABORTED means "failed elsewhere"
+    // (another shard, another worker), so any other code a shard reports
+    // (e.g. FAILED_PRECONDITION for an update that would not be finite, on
+    // the shard where it happened) is the step's code.
+    if (code == absl::StatusCode::kOk ||
+        (code == absl::StatusCode::kAborted && !absl::IsAborted(st))) {
+      code = st.code();
+    }
     messages.push_back(absl::StrCat(ShardName(s), ": ", st.message()));
   }
   if (code == absl::StatusCode::kOk) {

@@ -304,7 +304,10 @@ class Recovery {
         recover_call_time_(step_timeout + absl::Seconds(1)) {}
 
   // The last attempt succeeded: the next failure starts a new budget.
-  void Succeeded() { failing_ = false; }
+  void Succeeded() {
+    failing_ = false;
+    precondition_recovered_ = false;
+  }
 
   // After `failure` of `what` ("step 12", "the final parameter check"):
   // calls Recover until it answers, within the budget, and returns the step
@@ -330,14 +333,25 @@ class Recovery {
                               ? std::max(budget_, recover_call_time_)
                               : absl::ZeroDuration());
     bool from_recover = false;
+    const bool step_precondition =
+        failure.code() == absl::StatusCode::kFailedPrecondition;
     for (;;) {
       const absl::StatusCode code = failure.code();
+      // FAILED_PRECONDITION from a step means shards at different steps
+      // once: one Recover brings them together. The same code again after
+      // that is a state no retry changes (a step whose update would not be
+      // finite, a configuration that differs): end the run with it now
+      // rather than at the end of the budget.
+      const bool precondition_again =
+          code == absl::StatusCode::kFailedPrecondition && !from_recover &&
+          precondition_recovered_;
       const bool retryable =
           code == absl::StatusCode::kAborted ||
           code == absl::StatusCode::kDeadlineExceeded ||
           code == absl::StatusCode::kUnavailable ||
           code == absl::StatusCode::kCancelled ||
-          (code == absl::StatusCode::kFailedPrecondition && !from_recover);
+          (code == absl::StatusCode::kFailedPrecondition && !from_recover &&
+           !precondition_again);
       const absl::Duration elapsed = absl::Now() - first_failure_;
       // No Recover call unless it can get the leader's full answer (the
       // leader waits up to one step timeout for the shards).
@@ -351,6 +365,9 @@ class Recovery {
                              absl::FormatDuration(budget_), ": ",
                              Seconds(elapsed), " since the first failure, ",
                              recover_calls_, " Recover call(s))");
+        } else if (precondition_again) {
+          why = absl::StrCat(" (again after a recovery: not a step mismatch; ",
+                             Seconds(elapsed), " since the first failure)");
         } else if (recover_calls_ > 0) {
           why = absl::StrCat(" (after ", Seconds(elapsed), " and ",
                              recover_calls_, " Recover call(s))");
@@ -379,6 +396,7 @@ class Recovery {
           params_, std::max(deadline, absl::Now() + recover_call_time_));
       if (next.ok()) {
         GTOPK_RETURN_IF_ERROR(model_.UploadParams());
+        if (step_precondition) precondition_recovered_ = true;
         return *next;
       }
       failure = next.status();
@@ -398,6 +416,9 @@ class Recovery {
   const absl::Duration budget_;
   const absl::Duration recover_call_time_;
   bool failing_ = false;
+  // A FAILED_PRECONDITION step failure was followed by a successful Recover
+  // (since the last successful step).
+  bool precondition_recovered_ = false;
   absl::Time first_failure_;
   int recover_calls_ = 0;
 };
