@@ -106,7 +106,10 @@ struct StepStats {
 // answered (ABORTED: another worker's push failed the step;
 // INVALID_ARGUMENT: this worker's push was rejected; DEADLINE_EXCEEDED: a
 // missing worker or a stalled shard; UNAVAILABLE: a shard cannot be
-// reached), and the message prefixed with the shard's id and address.
+// reached; FAILED_PRECONDITION: a shard's or the leader's cluster settings
+// differ, or the leader no longer knows this rank -- Recover re-registers
+// it; PERMISSION_DENIED: another worker joined this rank since), and the
+// message prefixed with the shard's id and address.
 class WorkerClient {
  public:
   // Joins the cluster through options.leader_address (blocks up to
@@ -116,7 +119,15 @@ class WorkerClient {
   // Then asks every other shard for the cluster spec (GetClusterSpec; a
   // shard still starting is waited for, within rpc_timeout): a shard whose
   // own settings differ from the leader's refuses, so a mixed cluster fails
-  // here, not with diverged parameters after the run.
+  // here, not with diverged parameters after the run. Finally opens the
+  // step stream to the leader with this worker's rank and member token in
+  // its metadata, so the rank is alive (a second Join of it: ALREADY_EXISTS)
+  // from here on, not only from the first push. Every push, InitParams
+  // chunk and Recover carries the member token and the cluster fingerprint
+  // (ClusterSpec.cluster_fingerprint); a step refused for another
+  // fingerprint fails with FAILED_PRECONDITION, and its message lists every
+  // setting in which the leader's current spec differs from the one this
+  // worker joined with, when it does.
   // Errors: INVALID_ARGUMENT for bad options or an unusable cluster spec
   // (the field named); the Join's status otherwise (FAILED_PRECONDITION for
   // a parameter-count mismatch or a taken rank, DEADLINE_EXCEEDED /

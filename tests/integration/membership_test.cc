@@ -155,10 +155,12 @@ std::vector<float> ReferenceRun(int steps) {
 }
 
 // A rank that never joined pushes (with a made-up token, and with none) on
-// both shards: refused, not aggregated; the legitimate round completes and
-// equals the run without the intruder. Before: the push was aggregated as
+// both shards: refused. Then, while the two real workers run step 0, an
+// intruder pushes as rank 1 with a made-up token on both shards, first:
+// refused alone, not aggregated; the legitimate rounds complete and equal
+// the run without the intruder. Before: the intruder's push was taken as
 // rank 1's, and the real rank 1's push of that step was then refused as "a
-// second, different push".
+// second, different push" (or the intruder's values were aggregated).
 TEST(MembershipTest, RankThatNeverJoinedIsRefusedAndNotAggregated) {
   auto cluster = StartCluster();
   ASSERT_NE(cluster, nullptr);
@@ -166,16 +168,16 @@ TEST(MembershipTest, RankThatNeverJoinedIsRefusedAndNotAggregated) {
   const v1::ClusterSpec spec = first->cluster();
   const uint64_t fp = spec.cluster_fingerprint();
   for (uint32_t s = 0; s < 2; ++s) {
-    EXPECT_THAT(RawPush(spec, s, 0, 1, 0x1234567, fp, absl::Seconds(2)),
+    EXPECT_THAT(RawPush(spec, s, 0, 1, 0x1234567, fp, absl::Seconds(1)),
                 StatusIs(absl::StatusCode::kFailedPrecondition,
                          HasSubstr("rank 1 has not joined")))
         << "shard " << s;
-    EXPECT_THAT(RawPush(spec, s, 0, 1, 0, fp, absl::Seconds(2)),
+    EXPECT_THAT(RawPush(spec, s, 0, 1, 0, fp, absl::Seconds(1)),
                 StatusIs(absl::StatusCode::kPermissionDenied,
                          HasSubstr("rank 1: no member token")))
         << "shard " << s;
   }
-  // Rank 1 joins for real; the round of step 0 (and 1) completes.
+  // Rank 1 joins for real.
   std::vector<std::unique_ptr<worker::WorkerClient>> clients;
   clients.push_back(std::move(first));
   GTOPK_ASSERT_OK_AND_ASSIGN(auto second, ConnectAs(*cluster, 1));
@@ -185,10 +187,26 @@ TEST(MembershipTest, RankThatNeverJoinedIsRefusedAndNotAggregated) {
     GTOPK_ASSERT_OK(
         clients[w]->SynchronizeParameters(absl::MakeSpan(params[w])).status());
   }
-  for (int s = 0; s < 2; ++s) {
-    for (const absl::Status& st : StepAll(clients, params, s)) {
-      GTOPK_ASSERT_OK(st);
-    }
+  // The intruder pushes first and waits for its pull (up to 3 s).
+  std::vector<absl::Status> intruder(2, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (uint32_t s = 0; s < 2; ++s) {
+    threads.emplace_back([&, s] {
+      intruder[s] = RawPush(spec, s, 0, 1, 0xBAD70CE, fp, absl::Seconds(3));
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(300));
+  const std::vector<absl::Status> step0 = StepAll(clients, params, 0);
+  for (auto& t : threads) t.join();
+  for (uint32_t s = 0; s < 2; ++s) {
+    EXPECT_THAT(intruder[s],
+                StatusIs(absl::StatusCode::kPermissionDenied,
+                         HasSubstr("rank 1 is held by another worker")))
+        << "shard " << s;
+  }
+  for (const absl::Status& st : step0) GTOPK_ASSERT_OK(st);
+  for (const absl::Status& st : StepAll(clients, params, 1)) {
+    GTOPK_ASSERT_OK(st);
   }
   EXPECT_TRUE(BitEqual(params[0], params[1]));
   EXPECT_TRUE(BitEqual(params[0], ReferenceRun(2)))
