@@ -446,6 +446,9 @@ bool AggregatorService::AwaitDrained(absl::Time deadline) {
       absl::MutexLock lock(&mu_);
       aggregator = aggregator_.get();
       for (const auto& live : live_streams_) streams += live.size();
+      // Streams opened at a worker's Connect that never pushed: the worker
+      // learns of the shutdown at its first push or connection attempt.
+      streams -= static_cast<size_t>(idle_streams_);
     }
     const bool no_round =
         aggregator == nullptr || aggregator->AwaitNoRound(std::min(
@@ -1089,11 +1092,13 @@ grpc::Status AggregatorService::PushPull(
     AggregatorService* self;
     grpc::ServerContext* context;
     int64_t worker = -1;  // registered in live_streams_
+    bool idle = false;    // counted in idle_streams_ (no push yet)
     ~Disconnect() {
       if (worker >= 0) {
         absl::MutexLock lock(&self->mu_);
         auto& live = self->live_streams_[worker];
         live.erase(std::find(live.begin(), live.end(), context));
+        if (idle) --self->idle_streams_;
       }
       self->metrics_->connected_workers().Decrement();
     }
@@ -1110,12 +1115,19 @@ grpc::Status AggregatorService::PushPull(
     // not only from its first push.
     uint64_t rank = 0, token = 0;
     if (MetadataNumber(context, kRankMetadata, &rank) &&
-        MetadataNumber(context, kTokenMetadata, &token) &&
-        rank < config_.num_workers) {
-      absl::MutexLock lock(&mu_);
-      if (CheckMemberTokenLocked(static_cast<uint32_t>(rank), token).ok()) {
-        register_stream(static_cast<uint32_t>(rank));
+        MetadataNumber(context, kTokenMetadata, &token)) {
+      if (rank < config_.num_workers) {
+        absl::MutexLock lock(&mu_);
+        if (CheckMemberTokenLocked(static_cast<uint32_t>(rank), token).ok()) {
+          register_stream(static_cast<uint32_t>(rank));
+          // Until its first push it does not hold up a drain.
+          ++idle_streams_;
+          disconnect.idle = true;
+        }
       }
+      // Tells the worker (WorkerClient waits for it at Connect) that the
+      // rank is registered: a Join after this sees it alive.
+      stream->SendInitialMetadata();
     }
   }
   while (stream->Read(&push)) {
@@ -1169,9 +1181,13 @@ grpc::Status AggregatorService::PushPull(
         }
       }
       if (!identity.ok()) return ToGrpcStatus(identity);
-      if (stream_worker < 0) {
+      if (stream_worker < 0 || disconnect.idle) {
         absl::MutexLock lock(&mu_);
-        register_stream(push.worker());
+        if (stream_worker < 0) register_stream(push.worker());
+        if (disconnect.idle) {
+          --idle_streams_;
+          disconnect.idle = false;
+        }
       }
     }
     absl::StatusOr<WorkerPush> decoded =

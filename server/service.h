@@ -145,10 +145,14 @@ absl::Status CheckSameClusterSettings(const ServerConfig& own,
 //   DownloadParams  worker < P; waits until initialised, then streams chunks
 //                   of at most download_chunk_bytes, each with step = next
 //                   step. An empty range yields one empty chunk.
-//   PushPull        per Push: shard_id and worker checked, codecs must be
-//                   the cluster's, bytes must decode (all INVALID_ARGUMENT,
-//                   and the step fails for every worker); then
-//                   ShardAggregator::Submit. The stream ends with the first
+//   PushPull        per Push: first who sends it -- worker < P
+//                   (INVALID_ARGUMENT), the cluster fingerprint
+//                   (FAILED_PRECONDITION), the rank's member token
+//                   (PERMISSION_DENIED / FAILED_PRECONDITION, see below);
+//                   such a push is refused alone and ends only its stream.
+//                   Then shard_id checked, codecs must be the cluster's,
+//                   bytes must decode (all INVALID_ARGUMENT, and the step
+//                   fails for every worker); then ShardAggregator::Submit. The stream ends with the first
 //                   error (the step's status: INVALID_ARGUMENT, ABORTED,
 //                   DEADLINE_EXCEEDED naming missing workers,
 //                   FAILED_PRECONDITION for a wrong step, ...). A Pull
@@ -221,7 +225,9 @@ class AggregatorService final : public v1::Aggregator::Service {
   // UNAVAILABLE "shard s is shutting down". Does not block.
   void BeginDrain();
   // Waits until no round is open on this shard and no worker's PushPull
-  // stream is open (polled every 50 ms), up to `deadline`; true when so.
+  // stream that has pushed is open (polled every 50 ms), up to `deadline`;
+  // true when so. (A stream a worker opened at Connect and never pushed on
+  // is not waited for.)
   // Thread-safe.
   bool AwaitDrained(absl::Time deadline);
 
@@ -364,6 +370,9 @@ class AggregatorService final : public v1::Aggregator::Service {
   // with the same rank (ALREADY_EXISTS), not a restart.
   std::vector<std::vector<grpc::ServerContext*>> live_streams_
       ABSL_GUARDED_BY(mu_);
+  // How many of live_streams_ were registered from their call's metadata
+  // and have not pushed yet (AwaitDrained does not wait for them).
+  int idle_streams_ ABSL_GUARDED_BY(mu_) = 0;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<bool> mismatch_logged_{false};  // CheckLeaderSpec's one line
   bool draining_ ABSL_GUARDED_BY(mu_) = false;

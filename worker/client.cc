@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "common/cluster_spec.h"
 #include "common/random.h"
 #include "common/status_macros.h"
@@ -329,9 +330,23 @@ void WorkerClient::OpenLeaderStream() {
   if (c.stream != nullptr) return;
   c.context = NewStreamContext();
   c.broken = false;
-  // Sends the call's metadata now (the leader registers the rank); the
-  // first push follows at the first Step.
+  // Sends the call's metadata now; the first push follows at the first
+  // Step.
   c.stream = c.stub->PushPull(c.context.get());
+  // The leader answers with its initial metadata once it has registered
+  // the rank, so that a Join after Connect returns sees the rank alive.
+  // Bounded: a leader that does not answer in rpc_timeout gets the stream
+  // cancelled, and Step opens a fresh one.
+  absl::Notification registered;
+  grpc::ClientReaderWriter<v1::Push, v1::Pull>* stream = c.stream.get();
+  std::thread waiter([stream, &registered] {
+    stream->WaitForInitialMetadata();
+    registered.Notify();
+  });
+  if (!registered.WaitForNotificationWithTimeout(options_.rpc_timeout)) {
+    c.context->TryCancel();
+  }
+  waiter.join();
 }
 
 void WorkerClient::StampPushes(std::vector<v1::Push>* pushes) const {
@@ -534,16 +549,14 @@ absl::StatusOr<int64_t> WorkerClient::Recover(absl::Span<float> params,
                          ? ShardName(0)
                          : absl::StrCat(ShardName(0), ": Recover")));
   }
-  // Keep the rank alive on the leader until the next step's push.
-  struct Reopen {
-    WorkerClient* self;
-    ~Reopen() { self->OpenLeaderStream(); }
-  } reopen{this};
   const std::string where = absl::StrCat(ShardName(0), ": Recover");
   if (response.next_step() < 0) {
     return absl::InternalError(
         absl::StrCat(where, ": negative step ", response.next_step()));
   }
+  // The leader answered: keep the rank alive on it until the next step's
+  // push (a Join of the rank meanwhile gets ALREADY_EXISTS).
+  OpenLeaderStream();
   if (response.next_step() == next_step_) return next_step_;
   GTOPK_ASSIGN_OR_RETURN(const int64_t step, SynchronizeParameters(params));
   if (step != response.next_step()) {
