@@ -113,8 +113,10 @@ absl::StatusOr<ThresholdResponse> GrpcThresholdExchange::Exchange(
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(deadline + kLeaderDeadlineSlack));
   v1::ThresholdResponse response;
+  v1::ThresholdRequest wire = ToProto(request);
+  wire.set_cluster_fingerprint(fingerprint_.load());
   const grpc::Status status =
-      stub_->ExchangeThreshold(&context, ToProto(request), &response);
+      stub_->ExchangeThreshold(&context, wire, &response);
   if (!status.ok()) {
     return FromLeader(status, leader_address_, "ExchangeThreshold");
   }
@@ -134,6 +136,7 @@ absl::Status GrpcCommitExchange::Vote(int64_t step, uint32_t shard,
   request.set_step(step);
   request.set_shard_id(shard);
   request.set_epoch(epoch);
+  request.set_cluster_fingerprint(fingerprint_.load());
   v1::CommitResponse response;
   const grpc::Status status = stub_->CommitStep(&context, request, &response);
   return FromLeader(status, leader_address_, "CommitStep");

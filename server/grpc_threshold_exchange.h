@@ -4,6 +4,7 @@
 #ifndef GTOPK_SERVER_GRPC_THRESHOLD_EXCHANGE_H_
 #define GTOPK_SERVER_GRPC_THRESHOLD_EXCHANGE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -67,9 +68,16 @@ class GrpcThresholdExchange final : public ThresholdExchange {
   absl::StatusOr<ThresholdResponse> Exchange(const ThresholdRequest& request,
                                              absl::Time deadline) override;
 
+  // The cluster fingerprint every request carries (ThresholdRequest.
+  // cluster_fingerprint); set once the shard knows n. Thread-safe.
+  void SetClusterFingerprint(uint64_t fingerprint) {
+    fingerprint_.store(fingerprint);
+  }
+
  private:
   const std::string leader_address_;
   const std::unique_ptr<v1::Aggregator::Stub> stub_;
+  std::atomic<uint64_t> fingerprint_{0};
 };
 
 // A CommitExchange over gRPC to the leader's CommitStep. Thread-safe.
@@ -80,9 +88,16 @@ class GrpcCommitExchange final : public CommitExchange {
   absl::Status Vote(int64_t step, uint32_t shard, absl::Time deadline,
                     uint64_t epoch) override;
 
+  // The cluster fingerprint every vote carries (CommitRequest.
+  // cluster_fingerprint); set once the shard knows n. Thread-safe.
+  void SetClusterFingerprint(uint64_t fingerprint) {
+    fingerprint_.store(fingerprint);
+  }
+
  private:
   const std::string leader_address_;
   const std::unique_ptr<v1::Aggregator::Stub> stub_;
+  std::atomic<uint64_t> fingerprint_{0};
 };
 
 }  // namespace server

@@ -106,15 +106,20 @@ class LocalCluster {
   // configuration, restoring its checkpoint if it has one. With
   // `write_checkpoint` false no final checkpoint is written: a crash.
   // `while_down` (may be empty) runs between the two, e.g. to replace the
-  // shard's checkpoint files. Errors: Start's (after a few tries while the
+  // shard's checkpoint files. `edit` (may be empty) changes the shard's
+  // configuration for this and later restarts (e.g. an operator restarting
+  // it with another --lr). Errors: Start's (after a few tries while the
   // port is released).
-  absl::Status RestartShard(size_t s, bool write_checkpoint,
-                            const std::function<void()>& while_down = {}) {
+  absl::Status RestartShard(
+      size_t s, bool write_checkpoint,
+      const std::function<void()>& while_down = {},
+      const std::function<void(ServerConfig&)>& edit = {}) {
     servers_[s]
         ->Shutdown(absl::Milliseconds(200), write_checkpoint)
         .IgnoreError();
     servers_[s].reset();
     if (while_down) while_down();
+    if (edit) edit(configs_[s]);
     absl::Status last;
     for (int attempt = 0; attempt < 20; ++attempt) {
       auto srv = AggregatorServer::Start(configs_[s], peers_[s]);

@@ -65,6 +65,8 @@ const char* RejectReasonName(RejectReason reason) {
     case RejectReason::kInvalid: return "invalid";
     case RejectReason::kWrongStep: return "wrong_step";
     case RejectReason::kMixedStream: return "mixed_stream";
+    case RejectReason::kWrongCluster: return "wrong_cluster";
+    case RejectReason::kNotMember: return "not_member";
     case RejectReason::kCount: break;
   }
   return "unknown";

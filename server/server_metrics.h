@@ -28,6 +28,8 @@ enum class RejectReason {
   kInvalid,        // "invalid": rejected by ShardAggregator::Submit
   kWrongStep,      // "wrong_step": neither the current step nor a retry
   kMixedStream,    // "mixed_stream": another rank on a worker's stream
+  kWrongCluster,   // "wrong_cluster": another cluster fingerprint
+  kNotMember,      // "not_member": no or another holder's member token
   kCount
 };
 const char* RejectReasonName(RejectReason reason);

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iterator>
+#include <random>
 #include <thread>
 #include <utility>
 
@@ -19,6 +20,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
+#include "common/cluster_spec.h"
 #include "common/host_port.h"
 #include "common/selector.h"
 #include "common/sparse_vector.h"
@@ -86,49 +88,34 @@ v1::MomentumMode MomentumToProto(MomentumMode mode) {
   return v1::MOMENTUM_MODE_UNSPECIFIED;
 }
 
-// The flag spellings of the spec's enums (for configuration mismatches).
-std::string ModeFlagValue(v1::Mode mode) {
-  // The generated enum names (MODE_GTOPK, ...) without the prefix.
-  const std::string& name = v1::Mode_Name(mode);
-  if (mode == v1::MODE_UNSPECIFIED || name.empty()) {
-    return absl::StrCat("unknown(", static_cast<int>(mode), ")");
+// gRPC metadata of a PushPull call naming its rank and member token
+// (decimal), so that the leader counts the rank alive from the call's start.
+constexpr char kRankMetadata[] = "gtopk-rank";
+constexpr char kTokenMetadata[] = "gtopk-member-token";
+// In every fingerprint refusal's message; non-leaders look for it in a
+// leader call's status (ExplainLeaderRefusal).
+constexpr char kFingerprintMarker[] = "cluster fingerprint";
+
+// A fresh member token: 64 random bits from the OS source, never 0. Not
+// model state, so not seeded (runs stay bit-identical without it).
+uint64_t NewMemberToken() {
+  static std::random_device device;
+  uint64_t token = 0;
+  while (token == 0) {
+    token = (uint64_t{device()} << 32) ^ uint64_t{device()};
   }
-  return absl::AsciiStrToLower(absl::StripPrefix(name, "MODE_"));
+  return token;
 }
 
-std::string SelectionFlagValue(v1::Selection selection) {
-  switch (selection) {
-    case v1::SELECTION_EXACT:
-      return "exact";
-    case v1::SELECTION_QUOTA:
-      return "quota";
-    default:
-      return absl::StrCat("unknown(", static_cast<int>(selection), ")");
-  }
-}
-
-std::string MomentumFlagValue(v1::MomentumMode mode) {
-  switch (mode) {
-    case v1::MOMENTUM_MODE_NONE:
-      return "none";
-    case v1::MOMENTUM_MODE_DGC:
-      return "dgc";
-    case v1::MOMENTUM_MODE_GLOBAL:
-      return "global";
-    default:
-      return absl::StrCat("unknown(", static_cast<int>(mode), ")");
-  }
-}
-
-// The shortest decimal that reads back as exactly `v` (so that values that
-// differ in their last bit print differently, and 0.1f prints as 0.1).
-template <typename T>
-std::string ShortestNumber(T v) {
-  for (int digits = 1; digits <= 17; ++digits) {
-    const std::string text = absl::StrFormat("%.*g", digits, v);
-    if (static_cast<T>(std::strtod(text.c_str(), nullptr)) == v) return text;
-  }
-  return absl::StrFormat("%.17g", v);
+// The metadata value `key` of `context` parsed as an unsigned decimal;
+// false when absent or malformed.
+bool MetadataNumber(const grpc::ServerContext* context, const char* key,
+                    uint64_t* out) {
+  const auto& metadata = context->client_metadata();
+  const auto it = metadata.find(key);
+  if (it == metadata.end()) return false;
+  return absl::SimpleAtoi(
+      absl::string_view(it->second.data(), it->second.size()), out);
 }
 
 }  // namespace
@@ -285,57 +272,37 @@ v1::ClusterSpec ClusterSettingsSpec(const ServerConfig& config) {
   return spec;
 }
 
+v1::ClusterSpec CanonicalClusterSpec(const ServerConfig& config, uint64_t n) {
+  v1::ClusterSpec spec = ClusterSettingsSpec(config);
+  spec.set_n(n);
+  for (uint32_t s = 0; s < config.num_shards; ++s) {
+    v1::ShardSpec* shard = spec.add_shards();
+    shard->set_shard_id(s);
+    const auto range = ShardRange(n, config.num_shards, s);
+    shard->set_begin(range.first);
+    shard->set_end(range.second);
+  }
+  spec.set_cluster_fingerprint(ClusterFingerprint(spec));
+  return spec;
+}
+
 absl::Status CheckSameClusterSettings(const ServerConfig& own,
                                       const v1::ClusterSpec& leader,
                                       uint64_t own_n) {
-  const v1::ClusterSpec mine = ClusterSettingsSpec(own);
-  const v1::OptimizerSpec& a = mine.optimizer();
-  const v1::OptimizerSpec& b = leader.optimizer();
-  std::vector<std::string> differences;
-  // `flag`: the gtopk-server flag that sets it; `here` / `there`: this
-  // shard's and the leader's values, as the flag would spell them.
-  auto differ = [&](const char* flag, const std::string& here,
-                    const std::string& there) {
-    if (here == there) return;
-    differences.push_back(absl::StrCat("--", flag, " is ", here, " here but ",
-                                       there, " on the leader"));
-  };
-  auto num = [](auto v) { return ShortestNumber(v); };
-  auto list = [](const google::protobuf::RepeatedField<double>& v) {
-    std::vector<std::string> parts;
-    for (double d : v) parts.push_back(ShortestNumber(d));
-    return parts.empty() ? std::string("empty")
-                         : absl::StrJoin(parts, ",");
-  };
-  differ("workers", absl::StrCat(mine.num_workers()),
-         absl::StrCat(leader.num_workers()));
-  differ("num-shards", absl::StrCat(own.num_shards),
-         absl::StrCat(leader.shards_size()));
-  differ("mode", ModeFlagValue(mine.mode()), ModeFlagValue(leader.mode()));
-  differ("selection", SelectionFlagValue(mine.selection()),
-         SelectionFlagValue(leader.selection()));
-  differ("selector", mine.selector(), leader.selector());
-  differ("seed", absl::StrCat(mine.selector_seed()),
-         absl::StrCat(leader.selector_seed()));
-  differ("index-codec", mine.index_codec(), leader.index_codec());
-  differ("value-codec", mine.value_codec(), leader.value_codec());
-  differ("lr", num(a.lr()), num(b.lr()));
-  differ("momentum", num(a.momentum()), num(b.momentum()));
-  differ("momentum-mode", MomentumFlagValue(a.momentum_mode()),
-         MomentumFlagValue(b.momentum_mode()));
-  differ("momentum-masking", a.momentum_factor_masking() ? "true" : "false",
-         b.momentum_factor_masking() ? "true" : "false");
-  differ("weight-decay", num(a.weight_decay()), num(b.weight_decay()));
-  differ("lr-warmup-steps", absl::StrCat(a.lr_warmup_steps()),
-         absl::StrCat(b.lr_warmup_steps()));
-  differ("density", num(a.density()), num(b.density()));
-  differ("density-warmup", list(a.density_warmup()), list(b.density_warmup()));
-  differ("steps-per-epoch", absl::StrCat(a.steps_per_epoch()),
-         absl::StrCat(b.steps_per_epoch()));
-  differ("step-timeout", absl::StrCat(mine.step_timeout_ms(), "ms"),
-         absl::StrCat(leader.step_timeout_ms(), "ms"));
-  differ("max-message-bytes", absl::StrCat(mine.max_message_bytes()),
-         absl::StrCat(leader.max_message_bytes()));
+  v1::ClusterSpec mine = ClusterSettingsSpec(own);
+  // S and the settings here; n is compared below with its origin named,
+  // and the ranges follow from n and S.
+  if (static_cast<uint32_t>(leader.shards_size()) == own.num_shards) {
+    *mine.mutable_shards() = leader.shards();
+  } else {
+    for (uint32_t s = 0; s < own.num_shards; ++s) {
+      mine.add_shards()->set_shard_id(s);
+    }
+  }
+  v1::ClusterSpec theirs = leader;
+  theirs.set_n(0);
+  std::vector<std::string> differences =
+      ClusterSpecDifferences(mine, theirs, "on the leader");
   if (own_n != 0 && leader.n() != 0 && own_n != leader.n()) {
     differences.push_back(absl::StrCat(
         "the parameter count n is ", own_n,
@@ -360,6 +327,7 @@ AggregatorService::AggregatorService(ServerConfig config)
                             : std::make_shared<metrics::Registry>()),
       metrics_(std::make_unique<ServerMetrics>(*metrics_registry_)) {
   rank_given_.assign(config_.num_workers, false);
+  member_token_.assign(config_.num_workers, 0);
   live_streams_.resize(config_.num_workers);
   if (is_leader()) {
     coordinator_ = std::make_unique<ThresholdCoordinator>(config_.num_shards);
@@ -376,10 +344,14 @@ AggregatorService::AggregatorService(ServerConfig config)
     leader_channel_ =
         CreateLimitedChannel(config_.peers[0], config_.max_message_bytes);
     leader_stub_ = v1::Aggregator::NewStub(leader_channel_);
-    exchange_ = std::make_unique<GrpcThresholdExchange>(leader_channel_,
-                                                        config_.peers[0]);
-    commit_ =
+    auto exchange = std::make_unique<GrpcThresholdExchange>(leader_channel_,
+                                                            config_.peers[0]);
+    auto commit =
         std::make_unique<GrpcCommitExchange>(leader_channel_, config_.peers[0]);
+    grpc_exchange_ = exchange.get();
+    grpc_commit_ = commit.get();
+    exchange_ = std::move(exchange);
+    commit_ = std::move(commit);
   }
 }
 
@@ -509,6 +481,9 @@ bool AggregatorService::AwaitDrained(absl::Time deadline) {
       absl::MutexLock lock(&mu_);
       aggregator = aggregator_.get();
       for (const auto& live : live_streams_) streams += live.size();
+      // Streams opened at a worker's Connect that never pushed: the worker
+      // learns of the shutdown at its first push or connection attempt.
+      streams -= static_cast<size_t>(idle_streams_);
     }
     const bool no_round =
         aggregator == nullptr || aggregator->AwaitNoRound(std::min(
@@ -549,6 +524,11 @@ absl::Status AggregatorService::CreateAggregatorLocked(uint64_t n) {
   GTOPK_ASSIGN_OR_RETURN(
       std::unique_ptr<ShardAggregator> aggregator,
       ShardAggregator::Create(options, exchange_.get(), commit_.get()));
+  const uint64_t fingerprint =
+      CanonicalClusterSpec(config_, n).cluster_fingerprint();
+  fingerprint_.store(fingerprint);
+  if (grpc_exchange_ != nullptr) grpc_exchange_->SetClusterFingerprint(fingerprint);
+  if (grpc_commit_ != nullptr) grpc_commit_->SetClusterFingerprint(fingerprint);
   aggregator->SetStepFailedCallback(
       [this](int64_t step, const absl::Status& reason) {
         OnLocalStepFailed(step, reason);
@@ -628,7 +608,11 @@ absl::StatusOr<ShardAggregator*> AggregatorService::GetAggregator(
     grpc::ServerContext* context, absl::Time deadline) {
   {
     absl::MutexLock lock(&mu_);
-    if (aggregator_ != nullptr) return aggregator_.get();
+    // A non-leader serves only once its settings agree with the leader's,
+    // also when it restored a checkpoint (a restart with other flags).
+    if (aggregator_ != nullptr && (is_leader() || verified_.load())) {
+      return aggregator_.get();
+    }
     if (shutting_down_) {
       return absl::UnavailableError(
           absl::StrCat("shard ", config_.shard_id, " is shutting down"));
@@ -641,7 +625,7 @@ absl::StatusOr<ShardAggregator*> AggregatorService::GetAggregator(
   absl::MutexLock create(&create_mu_);
   {
     absl::MutexLock lock(&mu_);
-    if (aggregator_ != nullptr) return aggregator_.get();
+    if (aggregator_ != nullptr && verified_.load()) return aggregator_.get();
   }
   GTOPK_ASSIGN_OR_RETURN(v1::ClusterSpec spec, FetchSpecFromLeader(deadline));
   GTOPK_RETURN_IF_ERROR(CheckLeaderSpec(spec));
@@ -650,9 +634,131 @@ absl::StatusOr<ShardAggregator*> AggregatorService::GetAggregator(
     return absl::UnavailableError(
         absl::StrCat("shard ", config_.shard_id, " is shutting down"));
   }
-  GTOPK_RETURN_IF_ERROR(CreateAggregatorLocked(spec.n()));
-  n_ = spec.n();
+  if (aggregator_ == nullptr) {
+    GTOPK_RETURN_IF_ERROR(CreateAggregatorLocked(spec.n()));
+    n_ = spec.n();
+  }
+  // Belt and braces: CheckLeaderSpec compares every setting by name; the
+  // fingerprints must then agree too.
+  if (spec.cluster_fingerprint() != 0 &&
+      spec.cluster_fingerprint() != fingerprint_.load()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "shard ", config_.shard_id, "'s ", kFingerprintMarker, " ",
+        FingerprintText(fingerprint_.load()), " differs from the leader's ",
+        FingerprintText(spec.cluster_fingerprint()),
+        " although every compared setting agrees"));
+  }
+  verified_.store(true);
   return aggregator_.get();
+}
+
+absl::Status AggregatorService::CheckFingerprint(uint64_t fingerprint,
+                                                 const std::string& who,
+                                                 absl::Time deadline) {
+  const uint64_t own = fingerprint_.load();
+  if (own != 0 && fingerprint == own) return absl::OkStatus();
+  if (!is_leader()) {
+    // Is it this shard that differs from the leader? Then name the flags.
+    absl::StatusOr<v1::ClusterSpec> spec = FetchSpecFromLeader(deadline);
+    if (spec.ok()) {
+      const absl::Status same = CheckLeaderSpec(*spec);
+      if (!same.ok()) {
+        verified_.store(false);
+        return absl::FailedPreconditionError(
+            absl::StrCat(who, "refused: ", same.message()));
+      }
+    }
+  }
+  if (fingerprint == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        who, "carries no ", kFingerprintMarker,
+        " (ClusterSpec.cluster_fingerprint); this shard's is ",
+        FingerprintText(own), ". Update the client"));
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      who, "was made for ", kFingerprintMarker, " ",
+      FingerprintText(fingerprint), " but shard ", config_.shard_id,
+      "'s cluster is ", FingerprintText(own),
+      own == 0 ? " (unknown: no parameter count yet)" : "",
+      ": the sender joined a cluster with other settings (a shard or the "
+      "leader restarted with other flags since, or another cluster); "
+      "nothing was applied"));
+}
+
+absl::Status AggregatorService::ExplainLeaderRefusal(const absl::Status& status,
+                                                     absl::Time deadline) {
+  if (is_leader() || !absl::IsFailedPrecondition(status) ||
+      !absl::StrContains(status.message(), kFingerprintMarker)) {
+    return status;
+  }
+  verified_.store(false);
+  absl::StatusOr<v1::ClusterSpec> spec = FetchSpecFromLeader(deadline);
+  if (!spec.ok()) return status;
+  const absl::Status same = CheckLeaderSpec(*spec);
+  if (same.ok()) return status;
+  return absl::FailedPreconditionError(
+      absl::StrCat(same.message(), " (", status.message(), ")"));
+}
+
+absl::Status AggregatorService::CheckMemberTokenLocked(uint32_t worker,
+                                                       uint64_t token) const {
+  if (worker >= config_.num_workers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown worker rank ", worker, "; the cluster has ",
+                     config_.num_workers, " workers"));
+  }
+  if (token == 0) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "rank ", worker, ": no member token (JoinResponse.member_token); only "
+        "the worker that joined as rank ", worker, " may act as it"));
+  }
+  const uint64_t current = member_token_[worker];
+  if (current == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", worker, " has not joined leader shard 0 (never, or not since "
+        "the leader restarted): Join first; a worker that held the rank "
+        "re-registers it with Recover"));
+  }
+  if (token != current) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "rank ", worker, " is held by another worker: this member token is "
+        "not the rank's current one (a later Join of rank ", worker,
+        " replaced it, or it was never granted)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AggregatorService::CheckMemberToken(uint32_t worker,
+                                                 uint64_t token,
+                                                 absl::Time deadline) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (is_leader() || worker >= config_.num_workers || token == 0) {
+      return CheckMemberTokenLocked(worker, token);
+    }
+    if (member_token_[worker] == token) return absl::OkStatus();
+  }
+  // A token this shard has not seen for the rank: ask the leader.
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(deadline));
+  v1::MemberCheckRequest request;
+  request.set_worker(worker);
+  request.set_member_token(token);
+  request.set_cluster_fingerprint(fingerprint_.load());
+  v1::MemberCheckResponse response;
+  const grpc::Status status =
+      leader_stub_->CheckMember(&context, request, &response);
+  if (!status.ok()) {
+    const absl::Status st = absl::Status(
+        static_cast<absl::StatusCode>(status.error_code()),
+        absl::StrCat("leader ", config_.peers[0],
+                     " (CheckMember): ", status.error_message()));
+    return ExplainLeaderRefusal(st, deadline);
+  }
+  absl::MutexLock lock(&mu_);
+  // The leader confirmed it: it supersedes the rank's earlier token here.
+  member_token_[worker] = token;
+  return absl::OkStatus();
 }
 
 v1::ClusterSpec AggregatorService::BuildSpecLocked() const {
@@ -669,6 +775,7 @@ v1::ClusterSpec AggregatorService::BuildSpecLocked() const {
     shard->set_end(range.second);
   }
   spec.set_next_step(aggregator_ != nullptr ? aggregator_->next_step() : 0);
+  spec.set_cluster_fingerprint(fingerprint_.load());
   return spec;
 }
 
@@ -731,6 +838,9 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* /*context*/,
     }
   }
   rank_given_[rank] = true;
+  // A new token per grant: the rank's earlier holder (gone) is superseded.
+  member_token_[rank] = NewMemberToken();
+  response->set_member_token(member_token_[rank]);
   response->set_rank(rank);
   response->set_epoch(epoch_.load());
   *response->mutable_cluster() = BuildSpecLocked();
@@ -765,6 +875,7 @@ grpc::Status AggregatorService::InitParams(
   ShardAggregator* aggregator = nullptr;
   std::vector<float> values;
   uint64_t begin = 0, end = 0, next = 0;
+  bool identity_checked = false;  // rank 0's token and the fingerprint
   v1::ParamsChunk chunk;
   auto get_aggregator = [&]() -> absl::Status {
     GTOPK_ASSIGN_OR_RETURN(aggregator,
@@ -791,6 +902,19 @@ grpc::Status AggregatorService::InitParams(
     if (aggregator == nullptr) {
       const absl::Status s = get_aggregator();
       if (!s.ok()) return ToGrpcStatus(s);
+    }
+    if (!identity_checked) {
+      // Only rank 0's holder initialises; from the cluster it joined.
+      const absl::Time deadline = WaitDeadline(context);
+      if (chunk.cluster_fingerprint() != 0) {
+        const absl::Status same = CheckFingerprint(
+            chunk.cluster_fingerprint(), "InitParams from worker 0 ", deadline);
+        if (!same.ok()) return ToGrpcStatus(same);
+      }
+      const absl::Status member =
+          CheckMemberToken(0, chunk.member_token(), deadline);
+      if (!member.ok()) return ToGrpcStatus(member);
+      identity_checked = true;
     }
     const uint64_t offset = chunk.offset();
     const uint64_t count = static_cast<uint64_t>(chunk.values_size());
@@ -824,6 +948,11 @@ grpc::Status AggregatorService::InitParams(
     const absl::Status s = get_aggregator();
     if (!s.ok()) return ToGrpcStatus(s);
   }
+  if (!identity_checked) {
+    return ToGrpcStatus(absl::PermissionDeniedError(
+        "InitParams without chunks carries no member token; only rank 0's "
+        "holder initialises the parameters"));
+  }
   if (next != end) {
     return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
         "parameter chunks cover [", begin, ", ", next, ") but shard ", shard,
@@ -855,6 +984,13 @@ grpc::Status AggregatorService::DownloadParams(
   absl::StatusOr<ShardAggregator*> aggregator =
       GetAggregator(context, deadline);
   if (!aggregator.ok()) return ToGrpcStatus(aggregator.status());
+  if (request->cluster_fingerprint() != 0) {
+    const absl::Status same = CheckFingerprint(
+        request->cluster_fingerprint(),
+        absl::StrCat("DownloadParams from worker ", request->worker(), " "),
+        deadline);
+    if (!same.ok()) return ToGrpcStatus(same);
+  }
   {
     absl::MutexLock lock(&download_mu_);
     auto has_slot = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(download_mu_) {
@@ -990,34 +1126,58 @@ grpc::Status AggregatorService::PushPull(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::Pull, v1::Push>* stream) {
   ShardAggregator* aggregator = nullptr;
-  int64_t stream_worker = -1;  // the rank of the first push: one per stream
+  // The rank this stream acts for: set by a verified identity (the call's
+  // metadata on the leader, else the first accepted push); one per stream.
+  int64_t stream_worker = -1;
   v1::Push push;
   metrics_->connected_workers().Increment();
   struct Disconnect {
     AggregatorService* self;
     grpc::ServerContext* context;
     int64_t worker = -1;  // registered in live_streams_
+    bool idle = false;    // counted in idle_streams_ (no push yet)
     ~Disconnect() {
       if (worker >= 0) {
         absl::MutexLock lock(&self->mu_);
         auto& live = self->live_streams_[worker];
         live.erase(std::find(live.begin(), live.end(), context));
+        if (idle) --self->idle_streams_;
       }
       self->metrics_->connected_workers().Decrement();
     }
   } disconnect{this, context};
+  auto register_stream = [&](uint32_t worker)
+                             ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    stream_worker = worker;
+    live_streams_[worker].push_back(context);
+    disconnect.worker = worker;
+  };
+  if (is_leader()) {
+    // A worker opens its leader stream right after Join, with its identity
+    // in the metadata: the rank is alive (Join: ALREADY_EXISTS) from now,
+    // not only from its first push.
+    uint64_t rank = 0, token = 0;
+    if (MetadataNumber(context, kRankMetadata, &rank) &&
+        MetadataNumber(context, kTokenMetadata, &token)) {
+      if (rank < config_.num_workers) {
+        absl::MutexLock lock(&mu_);
+        if (CheckMemberTokenLocked(static_cast<uint32_t>(rank), token).ok()) {
+          register_stream(static_cast<uint32_t>(rank));
+          // Until its first push it does not hold up a drain.
+          ++idle_streams_;
+          disconnect.idle = true;
+        }
+      }
+      // Tells the worker (WorkerClient waits for it at Connect) that the
+      // rank is registered: a Join after this sees it alive.
+      stream->SendInitialMetadata();
+    }
+  }
   while (stream->Read(&push)) {
     metrics_->received_push_bytes().Increment(
         static_cast<double>(push.ByteSizeLong()));
-    if (stream_worker < 0) {
-      stream_worker = push.worker();
-      if (push.worker() < config_.num_workers) {
-        absl::MutexLock lock(&mu_);
-        live_streams_[push.worker()].push_back(context);
-        disconnect.worker = push.worker();
-      }
-    }
-    if (push.worker() != stream_worker && aggregator != nullptr) {
+    if (stream_worker >= 0 && push.worker() != stream_worker &&
+        aggregator != nullptr) {
       const absl::Status mixed = absl::InvalidArgumentError(
           absl::StrCat("push from worker ", push.worker(),
                        " on the PushPull stream of "
@@ -1028,11 +1188,50 @@ grpc::Status AggregatorService::PushPull(
                              mixed);
       return ToGrpcStatus(mixed);
     }
-    if (aggregator == nullptr) {
+    if (push.worker() >= config_.num_workers) {
+      // Not a member of the round: refused alone.
+      metrics_->Rejected(RejectReason::kUnknownWorker);
+      return ToGrpcStatus(absl::InvalidArgumentError(
+          absl::StrCat("unknown worker rank ", push.worker(),
+                       "; the cluster has ", config_.num_workers, " workers")));
+    }
+    if (aggregator == nullptr || (!is_leader() && !verified_.load())) {
       absl::StatusOr<ShardAggregator*> a =
           GetAggregator(context, WaitDeadline(context));
       if (!a.ok()) return ToGrpcStatus(a.status());
       aggregator = *a;
+    }
+    {
+      // Identity before anything is decoded: a push from another cluster's
+      // configuration or from a worker that does not hold the rank is
+      // refused alone; it neither joins nor fails the round.
+      const std::string who =
+          absl::StrCat("worker ", push.worker(), " step ", push.step(), ": ");
+      const absl::Time deadline = WaitDeadline(context);
+      absl::Status identity =
+          CheckFingerprint(push.cluster_fingerprint(), who, deadline);
+      if (!identity.ok()) {
+        metrics_->Rejected(RejectReason::kWrongCluster);
+      } else {
+        identity = CheckMemberToken(push.worker(), push.member_token(),
+                                    deadline);
+        if (!identity.ok()) {
+          metrics_->Rejected(RejectReason::kNotMember);
+          if (!absl::StartsWith(identity.message(), "leader ")) {
+            identity = absl::Status(identity.code(),
+                                    absl::StrCat(who, identity.message()));
+          }
+        }
+      }
+      if (!identity.ok()) return ToGrpcStatus(identity);
+      if (stream_worker < 0 || disconnect.idle) {
+        absl::MutexLock lock(&mu_);
+        if (stream_worker < 0) register_stream(push.worker());
+        if (disconnect.idle) {
+          --idle_streams_;
+          disconnect.idle = false;
+        }
+      }
     }
     absl::StatusOr<WorkerPush> decoded =
         DecodePush(push, aggregator->options().n);
@@ -1058,7 +1257,10 @@ grpc::Status AggregatorService::PushPull(
                  absl::StrContains(result.status().message(), "step ")) {
         metrics_->Rejected(RejectReason::kWrongStep);
       }
-      return ToGrpcStatus(result.status());
+      // The leader refused this shard's fingerprint (a vote or the
+      // threshold exchange): name the flags that differ.
+      return ToGrpcStatus(
+          ExplainLeaderRefusal(result.status(), WaitDeadline(context)));
     }
     const RoundResult& r = **result;
     metrics_->RoundCompleted(r);
@@ -1102,6 +1304,14 @@ grpc::Status AggregatorService::ExchangeThreshold(
         "shard ", config_.shard_id,
         " is not the leader; ExchangeThreshold goes to ", config_.peers[0])));
   }
+  {
+    const absl::Status same = CheckFingerprint(
+        request->cluster_fingerprint(),
+        absl::StrCat("ExchangeThreshold from shard ", request->shard_id(),
+                     " for step ", request->step(), " "),
+        absl::Now());
+    if (!same.ok()) return ToGrpcStatus(same);
+  }
   const absl::Time deadline =
       std::min(absl::Now() + config_.step_timeout,
                ContextDeadline(context) - kLeaderDeadlineSlack);
@@ -1121,6 +1331,14 @@ grpc::Status AggregatorService::CommitStep(grpc::ServerContext* context,
         "shard ", config_.shard_id, " is not the leader; CommitStep goes to ",
         config_.peers[0])));
   }
+  {
+    const absl::Status same = CheckFingerprint(
+        request->cluster_fingerprint(),
+        absl::StrCat("CommitStep from shard ", request->shard_id(),
+                     " for step ", request->step(), " "),
+        absl::Now());
+    if (!same.ok()) return ToGrpcStatus(same);
+  }
   const absl::Time deadline =
       std::min(absl::Now() + config_.step_timeout,
                ContextDeadline(context) - kLeaderDeadlineSlack);
@@ -1137,6 +1355,7 @@ absl::StatusOr<v1::ShardState> AggregatorService::LocalShardState(
     absl::Time deadline, bool settle) {
   v1::ShardState state;
   state.set_shard_id(config_.shard_id);
+  state.set_cluster_fingerprint(fingerprint_.load());
   ShardAggregator* aggregator;
   {
     absl::MutexLock lock(&mu_);
@@ -1341,6 +1560,12 @@ grpc::Status AggregatorService::GetShardState(
     v1::ShardState* response) {
   // In slices, so that a cancelled call (the leader went away) ends it.
   const absl::Time deadline = WaitDeadline(context);
+  if (request->cluster_fingerprint() != 0 && fingerprint_.load() != 0) {
+    const absl::Status same = CheckFingerprint(
+        request->cluster_fingerprint(), "GetShardState from the leader ",
+        deadline);
+    if (!same.ok()) return ToGrpcStatus(same);
+  }
   absl::StatusOr<v1::ShardState> state;
   do {
     state = LocalShardState(std::min(deadline, absl::Now() + kPollInterval),
@@ -1353,12 +1578,18 @@ grpc::Status AggregatorService::GetShardState(
 }
 
 grpc::Status AggregatorService::RollbackShard(
-    grpc::ServerContext* /*context*/, const v1::RollbackRequest* request,
+    grpc::ServerContext* context, const v1::RollbackRequest* request,
     v1::RollbackResponse* response) {
   if (request->shard_id() != config_.shard_id) {
     return ToGrpcStatus(absl::InvalidArgumentError(
         absl::StrCat("rollback for shard ", request->shard_id(),
                      " was sent to shard ", config_.shard_id)));
+  }
+  if (request->cluster_fingerprint() != 0 && fingerprint_.load() != 0) {
+    const absl::Status same =
+        CheckFingerprint(request->cluster_fingerprint(),
+                         "RollbackShard from the leader ", WaitDeadline(context));
+    if (!same.ok()) return ToGrpcStatus(same);
   }
   absl::StatusOr<int64_t> previous = LocalRollback(request->step());
   if (!previous.ok()) return ToGrpcStatus(previous.status());
@@ -1447,6 +1678,7 @@ std::vector<absl::StatusOr<v1::ShardState>> AggregatorService::ReadShardStates(
       ctx.set_wait_for_ready(true);
       v1::ShardState state;
       v1::ShardStateRequest request;
+      request.set_cluster_fingerprint(fingerprint_.load());
       request.set_without_settling(!settle);
       const grpc::Status st =
           peer_stubs_[s]->GetShardState(&ctx, request, &state);
@@ -1535,8 +1767,17 @@ absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverClusterOnce(
     known.push_back(*states[s]);
   }
   if (!errors.empty()) {
-    return absl::Status(states[0].ok() ? absl::StatusCode::kUnavailable
-                                       : states[0].status().code(),
+    // A shard configured differently (FAILED_PRECONDITION naming the
+    // flags) is not a shard that a retry can reach: keep its code, so that
+    // the workers stop at once with the named flags.
+    absl::StatusCode code = states[0].ok() ? absl::StatusCode::kUnavailable
+                                           : states[0].status().code();
+    for (const auto& st : states) {
+      if (absl::IsFailedPrecondition(st.status())) {
+        code = absl::StatusCode::kFailedPrecondition;
+      }
+    }
+    return absl::Status(code,
                         absl::StrCat("Recover: cannot read every shard's "
                                      "state: ",
                                      absl::StrJoin(errors, "; ")));
@@ -1600,6 +1841,7 @@ absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverClusterOnce(
         v1::RollbackRequest request;
         request.set_shard_id(s);
         request.set_step(target);
+        request.set_cluster_fingerprint(fingerprint_.load());
         v1::RollbackResponse reply;
         const grpc::Status st =
             peer_stubs_[s]->RollbackShard(&ctx, request, &reply);
@@ -1637,6 +1879,28 @@ grpc::Status AggregatorService::Recover(grpc::ServerContext* context,
         absl::StrCat("unknown worker rank ", request->worker(),
                      "; the cluster has ", config_.num_workers, " workers")));
   }
+  if (is_leader()) {
+    const absl::Status same = CheckFingerprint(
+        request->cluster_fingerprint(),
+        absl::StrCat("Recover from worker ", request->worker(), " "),
+        absl::Now());
+    if (!same.ok()) return ToGrpcStatus(same);
+    absl::MutexLock lock(&mu_);
+    const uint32_t w = request->worker();
+    const uint64_t token = request->member_token();
+    if (token != 0 && member_token_[w] == 0) {
+      // No holder since this leader started (it restarted): the worker
+      // that held the rank re-enters with its token, as a Join of the rank
+      // would.
+      member_token_[w] = token;
+      rank_given_[w] = true;
+    }
+    const absl::Status member = CheckMemberTokenLocked(w, token);
+    if (!member.ok()) {
+      return ToGrpcStatus(absl::Status(
+          member.code(), absl::StrCat("Recover: ", member.message())));
+    }
+  }
   const absl::Time deadline =
       std::min(absl::Now() + config_.step_timeout,
                ContextDeadline(context) - kLeaderDeadlineSlack);
@@ -1644,6 +1908,24 @@ grpc::Status AggregatorService::Recover(grpc::ServerContext* context,
   if (!answer.ok()) return ToGrpcStatus(answer.status());
   *response = *std::move(answer);
   return grpc::Status::OK;
+}
+
+grpc::Status AggregatorService::CheckMember(
+    grpc::ServerContext* /*context*/, const v1::MemberCheckRequest* request,
+    v1::MemberCheckResponse* /*response*/) {
+  if (!is_leader()) {
+    return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
+        "shard ", config_.shard_id, " is not the leader; CheckMember goes to ",
+        config_.peers[0])));
+  }
+  const absl::Status same = CheckFingerprint(
+      request->cluster_fingerprint(),
+      absl::StrCat("CheckMember for rank ", request->worker(), " "),
+      absl::Now());
+  if (!same.ok()) return ToGrpcStatus(same);
+  absl::MutexLock lock(&mu_);
+  return ToGrpcStatus(
+      CheckMemberTokenLocked(request->worker(), request->member_token()));
 }
 
 // ---------------------------------------------------------------------------

@@ -99,6 +99,11 @@ absl::Status ValidateServerConfig(const ServerConfig& config);
 // workers, and what every shard must agree on.
 v1::ClusterSpec ClusterSettingsSpec(const ServerConfig& config);
 
+// The spec whose ClusterFingerprint (common/cluster_spec.h) is the cluster's
+// identity: ClusterSettingsSpec plus n and the S shard ranges for `n`
+// (no addresses, next_step 0), with cluster_fingerprint filled in.
+v1::ClusterSpec CanonicalClusterSpec(const ServerConfig& config, uint64_t n);
+
 // Compares this shard's settings (`own`) with the leader's cluster spec:
 // workers, num-shards, mode, selection, selector, seed, codecs, the whole
 // optimizer (lr, momentum, momentum mode and masking, weight decay, lr
@@ -142,10 +147,14 @@ absl::Status CheckSameClusterSettings(const ServerConfig& own,
 //   DownloadParams  worker < P; waits until initialised, then streams chunks
 //                   of at most download_chunk_bytes, each with step = next
 //                   step. An empty range yields one empty chunk.
-//   PushPull        per Push: shard_id and worker checked, codecs must be
-//                   the cluster's, bytes must decode (all INVALID_ARGUMENT,
-//                   and the step fails for every worker); then
-//                   ShardAggregator::Submit. The stream ends with the first
+//   PushPull        per Push: first who sends it -- worker < P
+//                   (INVALID_ARGUMENT), the cluster fingerprint
+//                   (FAILED_PRECONDITION), the rank's member token
+//                   (PERMISSION_DENIED / FAILED_PRECONDITION, see below);
+//                   such a push is refused alone and ends only its stream.
+//                   Then shard_id checked, codecs must be the cluster's,
+//                   bytes must decode (all INVALID_ARGUMENT, and the step
+//                   fails for every worker); then ShardAggregator::Submit. The stream ends with the first
 //                   error (the step's status: INVALID_ARGUMENT, ABORTED,
 //                   DEADLINE_EXCEEDED naming missing workers,
 //                   FAILED_PRECONDITION for a wrong step, ...). A Pull
@@ -164,11 +173,33 @@ absl::Status CheckSameClusterSettings(const ServerConfig& own,
 //                   of the failed attempt (older epochs) are refused with
 //                   its ABORTED status. A PushPull stream that failed a step
 //                   carries the epoch as trailing metadata "gtopk-epoch".
+//   CheckMember     leader only: is a token rank r's current member token.
 //
-// A non-leader creates its ShardAggregator lazily, on the first InitParams,
-// DownloadParams or PushPull, by asking the leader for the cluster spec
-// (for n), unless it restored a checkpoint; a spec whose settings differ
-// from its own fails that call with CheckSameClusterSettings' status.
+// Cluster identity (docs/errors.md): the shard's cluster fingerprint is
+// ClusterFingerprint(CanonicalClusterSpec(config, n)), known once n is.
+// Every Push, CommitStep/ExchangeThreshold vote, recovery call and CheckMember
+// carries the sender's; another one is FAILED_PRECONDITION before anything
+// is applied, and a refused push neither joins nor fails the round. Where
+// the shard can, the message names every differing flag with both values
+// (CheckSameClusterSettings against the leader's spec).
+//
+// Rank ownership: Join hands out a random member token per grant; every push
+// (and InitParams, Recover) must carry rank's current token. The leader
+// checks its own table; the other shards cache one token per rank and ask
+// the leader (CheckMember) when a push carries another, so a re-join's new
+// token supersedes the old one on a shard at the new holder's first push
+// there (and the old token is refused by the leader at once). Missing or
+// another holder's token: PERMISSION_DENIED; a rank with no holder:
+// FAILED_PRECONDITION. A PushPull call whose metadata carries gtopk-rank and
+// gtopk-member-token (valid on the leader) makes the rank alive for Join's
+// ALREADY_EXISTS check from the call's start, before its first push.
+//
+// A non-leader verifies its settings against the leader's spec before it
+// serves InitParams, DownloadParams or PushPull: lazily creating its
+// ShardAggregator (asking the leader for n), and also when it restored a
+// checkpoint, and again after the leader refused its fingerprint; a spec
+// whose settings differ fails that call with CheckSameClusterSettings'
+// status.
 //
 // Thread-safety: all methods are thread-safe.
 // The grpc.health.v1 service name (besides "", the whole server) that
@@ -225,7 +256,9 @@ class AggregatorService final : public v1::Aggregator::Service {
   // UNAVAILABLE "shard s is shutting down". Does not block.
   void BeginDrain();
   // Waits until no round is open on this shard and no worker's PushPull
-  // stream is open (polled every 50 ms), up to `deadline`; true when so.
+  // stream that has pushed is open (polled every 50 ms), up to `deadline`;
+  // true when so. (A stream a worker opened at Connect and never pushed on
+  // is not waited for.)
   // Thread-safe.
   bool AwaitDrained(absl::Time deadline);
 
@@ -267,6 +300,12 @@ class AggregatorService final : public v1::Aggregator::Service {
   grpc::Status AbortStep(grpc::ServerContext* context,
                          const v1::AbortStepRequest* request,
                          v1::AbortStepResponse* response) override;
+  grpc::Status CheckMember(grpc::ServerContext* context,
+                           const v1::MemberCheckRequest* request,
+                           v1::MemberCheckResponse* response) override;
+
+  // This shard's cluster fingerprint; 0 while n is not known.
+  uint64_t cluster_fingerprint() const { return fingerprint_.load(); }
 
   // The leader's recovery (what Recover does), callable in-process. Errors
   // as for the Recover RPC. Leader only (FAILED_PRECONDITION otherwise).
@@ -317,6 +356,27 @@ class AggregatorService final : public v1::Aggregator::Service {
   // `settle` as for LocalShardState.
   std::vector<absl::StatusOr<v1::ShardState>> ReadShardStates(
       absl::Time deadline, bool settle);
+  // OK when `fingerprint` is this shard's. Otherwise FAILED_PRECONDITION
+  // prefixed with `who`: naming the differing flags when this non-leader's
+  // settings differ from the leader's, else saying the sender's cluster
+  // has other settings (both fingerprints).
+  absl::Status CheckFingerprint(uint64_t fingerprint, const std::string& who,
+                                absl::Time deadline);
+  // Non-leaders: after the leader refused this shard's fingerprint (a
+  // FAILED_PRECONDITION naming "cluster fingerprint" from a leader call),
+  // re-verify against the leader's spec; returns the named mismatch, or
+  // `status` unchanged.
+  absl::Status ExplainLeaderRefusal(const absl::Status& status,
+                                    absl::Time deadline);
+  // Whether `token` is rank `worker`'s current member token (leader: its
+  // table; others: the cache, else CheckMember on the leader). OK, or
+  // PERMISSION_DENIED / FAILED_PRECONDITION / the leader's transport error,
+  // naming the rank.
+  absl::Status CheckMemberToken(uint32_t worker, uint64_t token,
+                                absl::Time deadline);
+  // The leader's side of CheckMemberToken.
+  absl::Status CheckMemberTokenLocked(uint32_t worker, uint64_t token) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Turns a wire push into a WorkerPush (codec and shard checks, decoding).
   absl::StatusOr<WorkerPush> DecodePush(const v1::Push& push, uint64_t n) const;
 
@@ -341,11 +401,28 @@ class AggregatorService final : public v1::Aggregator::Service {
   std::string own_address_ ABSL_GUARDED_BY(mu_);
   uint64_t n_ ABSL_GUARDED_BY(mu_) = 0;  // 0: not known yet
   std::vector<bool> rank_given_ ABSL_GUARDED_BY(mu_);
+  // Per rank, the member token: on the leader the current grant (0: none
+  // since this process started), elsewhere the last token the leader
+  // confirmed (0: none yet).
+  std::vector<uint64_t> member_token_ ABSL_GUARDED_BY(mu_);
+  // ClusterFingerprint of this shard's settings with its n; 0 until n is
+  // known (set with the aggregator, never changed after).
+  std::atomic<uint64_t> fingerprint_{0};
+  // Non-leaders: the leader's spec was compared with this shard's settings
+  // and agreed; cleared when the leader refuses this shard's fingerprint.
+  std::atomic<bool> verified_{false};
+  // Non-leaders: the gRPC exchanges to the leader (owned by exchange_ and
+  // commit_), told the fingerprint once it is known.
+  GrpcThresholdExchange* grpc_exchange_ = nullptr;
+  GrpcCommitExchange* grpc_commit_ = nullptr;
   // Per rank, the contexts of its open PushPull streams on this shard: a
   // Join for a rank with a stream that is not cancelled is a second worker
   // with the same rank (ALREADY_EXISTS), not a restart.
   std::vector<std::vector<grpc::ServerContext*>> live_streams_
       ABSL_GUARDED_BY(mu_);
+  // How many of live_streams_ were registered from their call's metadata
+  // and have not pushed yet (AwaitDrained does not wait for them).
+  int idle_streams_ ABSL_GUARDED_BY(mu_) = 0;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<bool> mismatch_logged_{false};  // CheckLeaderSpec's one line
   bool draining_ ABSL_GUARDED_BY(mu_) = false;

@@ -11,6 +11,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "common/cluster_spec.h"
 #include "common/epoch.h"
 #include "common/random.h"
 #include "common/status_macros.h"
@@ -280,19 +282,22 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
     shards.push_back(std::move(conn));
   }
   GTOPK_RETURN_IF_ERROR(CheckShardsAgree(shards, cluster, options.rpc_timeout));
-  auto client = std::unique_ptr<WorkerClient>(
-      new WorkerClient(options, rank, cluster, std::move(rule),
-                       std::move(selector), codec, std::move(shards)));
+  std::unique_ptr<WorkerClient> client(new WorkerClient(
+      options, rank, response.member_token(), cluster, std::move(rule),
+      std::move(selector), codec, std::move(shards)));
   client->epoch_ = response.epoch();
+  client->OpenLeaderStream();
   return client;
 }
 
 WorkerClient::WorkerClient(const ClientOptions& options, uint32_t rank,
-                           v1::ClusterSpec cluster, OptimizerRule rule,
+                           uint64_t member_token, v1::ClusterSpec cluster,
+                           OptimizerRule rule,
                            std::unique_ptr<Selector> selector, CodecSpec codec,
                            std::vector<std::unique_ptr<ShardConn>> shards)
     : options_(options),
       rank_(rank),
+      member_token_(member_token),
       cluster_(std::move(cluster)),
       rule_(std::move(rule)),
       selector_(std::move(selector)),
@@ -311,6 +316,69 @@ WorkerClient::~WorkerClient() { CloseStreams(); }
 std::string WorkerClient::ShardName(size_t s) const {
   return absl::StrCat("shard ", shards_[s]->id, " (", shards_[s]->address,
                       ")");
+}
+
+std::unique_ptr<grpc::ClientContext> WorkerClient::NewStreamContext() const {
+  auto context = std::make_unique<grpc::ClientContext>();
+  // Wait (bounded by the step watchdog) for a reconnecting channel instead
+  // of failing at once, e.g. while a shard restarts.
+  context->set_wait_for_ready(true);
+  context->AddMetadata("gtopk-rank", absl::StrCat(rank_));
+  context->AddMetadata("gtopk-member-token", absl::StrCat(member_token_));
+  return context;
+}
+
+void WorkerClient::OpenLeaderStream() {
+  ShardConn& c = *shards_[0];
+  if (c.stream != nullptr) return;
+  c.context = NewStreamContext();
+  c.broken = false;
+  // Sends the call's metadata now; the first push follows at the first
+  // Step.
+  c.stream = c.stub->PushPull(c.context.get());
+  // The leader answers with its initial metadata once it has registered
+  // the rank, so that a Join after Connect returns sees the rank alive.
+  // Bounded: a leader that does not answer in rpc_timeout gets the stream
+  // cancelled, and Step opens a fresh one.
+  absl::Notification registered;
+  grpc::ClientReaderWriter<v1::Push, v1::Pull>* stream = c.stream.get();
+  std::thread waiter([stream, &registered] {
+    stream->WaitForInitialMetadata();
+    registered.Notify();
+  });
+  if (!registered.WaitForNotificationWithTimeout(options_.rpc_timeout)) {
+    c.context->TryCancel();
+  }
+  waiter.join();
+}
+
+void WorkerClient::StampPushes(std::vector<v1::Push>* pushes) const {
+  for (v1::Push& p : *pushes) {
+    p.set_member_token(member_token_);
+    p.set_cluster_fingerprint(cluster_.cluster_fingerprint());
+  }
+}
+
+absl::Status WorkerClient::ExplainFingerprintRefusal(
+    const absl::Status& status) {
+  if (!absl::IsFailedPrecondition(status) ||
+      !absl::StrContains(status.message(), "cluster fingerprint")) {
+    return status;
+  }
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+  v1::ClusterSpec leader;
+  if (!shards_[0]->stub->GetClusterSpec(&context, v1::JoinRequest(), &leader)
+           .ok()) {
+    return status;
+  }
+  const std::vector<std::string> differences =
+      ClusterSpecDifferences(cluster_, leader, "on the leader now");
+  if (differences.empty()) return status;
+  return absl::FailedPreconditionError(absl::StrCat(
+      status.message(), "; the leader's settings differ from those this worker "
+      "joined with (\"here\"): ", absl::StrJoin(differences, "; "),
+      ". Restart the workers (or the leader with the old flags)"));
 }
 
 void WorkerClient::CloseStreams() {
@@ -352,6 +420,8 @@ absl::StatusOr<int64_t> WorkerClient::SynchronizeParameters(
         const uint64_t len = std::min(chunk_floats, c.end - offset);
         v1::ParamsChunk chunk;
         chunk.set_worker(rank_);
+        chunk.set_member_token(member_token_);
+        chunk.set_cluster_fingerprint(cluster_.cluster_fingerprint());
         chunk.set_shard_id(c.id);
         chunk.set_offset(offset);
         chunk.mutable_values()->Resize(static_cast<int>(len), 0.0f);
@@ -377,6 +447,7 @@ absl::StatusOr<int64_t> WorkerClient::SynchronizeParameters(
     context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
     v1::DownloadParamsRequest request;
     request.set_worker(rank_);
+    request.set_cluster_fingerprint(cluster_.cluster_fingerprint());
     auto reader = c.stub->DownloadParams(&context, request);
     v1::ParamsChunk chunk;
     uint64_t offset = c.begin;
@@ -463,6 +534,8 @@ absl::StatusOr<int64_t> WorkerClient::Recover(absl::Span<float> params,
   v1::RecoverRequest request;
   request.set_worker(rank_);
   request.set_failed_step(next_step_);
+  request.set_member_token(member_token_);
+  request.set_cluster_fingerprint(cluster_.cluster_fingerprint());
   v1::RecoverResponse response;
   const absl::Status st =
       FromGrpc(shards_[0]->stub->Recover(&context, request, &response));
@@ -474,9 +547,10 @@ absl::StatusOr<int64_t> WorkerClient::Recover(absl::Span<float> params,
   }
   if (!st.ok()) {
     // The leader's own messages already start with "Recover:".
-    return Prefixed(st, absl::StartsWith(st.message(), "Recover:")
-                            ? ShardName(0)
-                            : absl::StrCat(ShardName(0), ": Recover"));
+    return ExplainFingerprintRefusal(
+        Prefixed(st, absl::StartsWith(st.message(), "Recover:")
+                         ? ShardName(0)
+                         : absl::StrCat(ShardName(0), ": Recover")));
   }
   const std::string where = absl::StrCat(ShardName(0), ": Recover");
   epoch_ = std::max(epoch_, response.epoch());
@@ -484,6 +558,9 @@ absl::StatusOr<int64_t> WorkerClient::Recover(absl::Span<float> params,
     return absl::InternalError(
         absl::StrCat(where, ": negative step ", response.next_step()));
   }
+  // The leader answered: keep the rank alive on it until the next step's
+  // push (a Join of the rank meanwhile gets ALREADY_EXISTS).
+  OpenLeaderStream();
   if (response.next_step() == next_step_) return next_step_;
   GTOPK_ASSIGN_OR_RETURN(const int64_t step, SynchronizeParameters(params));
   if (step != response.next_step()) {
@@ -519,10 +596,7 @@ absl::Status WorkerClient::Exchange(int64_t step,
 
   for (auto& c : shards_) {
     if (c->stream == nullptr) {
-      c->context = std::make_unique<grpc::ClientContext>();
-      // Wait (bounded by the step watchdog) for a reconnecting channel
-      // instead of failing at once, e.g. while a shard restarts.
-      c->context->set_wait_for_ready(true);
+      c->context = NewStreamContext();
       c->broken = false;
     }
   }
@@ -546,8 +620,7 @@ absl::Status WorkerClient::Exchange(int64_t step,
         {
           absl::MutexLock lock(&mu);  // the watchdog cancels under mu
           c.stream.reset();
-          c.context = std::make_unique<grpc::ClientContext>();
-          c.context->set_wait_for_ready(true);
+          c.context = NewStreamContext();
         }
         c.stream = c.stub->PushPull(c.context.get());
         written = c.stream->Write(pushes[s]);
@@ -667,7 +740,8 @@ absl::Status WorkerClient::Exchange(int64_t step,
     code = absl::StatusCode::kInternal;  // unreachable: a failure cut it
   }
   CloseStreams();
-  return absl::Status(code, absl::StrJoin(messages, "; "));
+  return ExplainFingerprintRefusal(
+      absl::Status(code, absl::StrJoin(messages, "; ")));
 }
 
 absl::StatusOr<StepStats> WorkerClient::Step(absl::Span<const float> gradient,
@@ -749,6 +823,7 @@ absl::StatusOr<StepStats> WorkerClient::Step(absl::Span<const float> gradient,
     }
     stats.encode = absl::Now() - t;
   }
+  StampPushes(&pushes);
   for (size_t s = 0; s < S; ++s) stats.bytes_sent[s] = pushes[s].ByteSizeLong();
 
   // Push to every shard, then await every pull.

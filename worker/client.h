@@ -106,7 +106,10 @@ struct StepStats {
 // answered (ABORTED: another worker's push failed the step;
 // INVALID_ARGUMENT: this worker's push was rejected; DEADLINE_EXCEEDED: a
 // missing worker or a stalled shard; UNAVAILABLE: a shard cannot be
-// reached), and the message prefixed with the shard's id and address.
+// reached; FAILED_PRECONDITION: a shard's or the leader's cluster settings
+// differ, or the leader no longer knows this rank -- Recover re-registers
+// it; PERMISSION_DENIED: another worker joined this rank since), and the
+// message prefixed with the shard's id and address.
 class WorkerClient {
  public:
   // Joins the cluster through options.leader_address (blocks up to
@@ -116,7 +119,15 @@ class WorkerClient {
   // Then asks every other shard for the cluster spec (GetClusterSpec; a
   // shard still starting is waited for, within rpc_timeout): a shard whose
   // own settings differ from the leader's refuses, so a mixed cluster fails
-  // here, not with diverged parameters after the run.
+  // here, not with diverged parameters after the run. Finally opens the
+  // step stream to the leader with this worker's rank and member token in
+  // its metadata, so the rank is alive (a second Join of it: ALREADY_EXISTS)
+  // from here on, not only from the first push. Every push, InitParams
+  // chunk and Recover carries the member token and the cluster fingerprint
+  // (ClusterSpec.cluster_fingerprint); a step refused for another
+  // fingerprint fails with FAILED_PRECONDITION, and its message lists every
+  // setting in which the leader's current spec differs from the one this
+  // worker joined with, when it does.
   // Errors: INVALID_ARGUMENT for bad options or an unusable cluster spec
   // (the field named); the Join's status otherwise (FAILED_PRECONDITION for
   // a parameter-count mismatch or a taken rank, DEADLINE_EXCEEDED /
@@ -137,6 +148,9 @@ class WorkerClient {
 
   // This worker's rank, 0..P-1.
   uint32_t rank() const { return rank_; }
+  // The member token Join granted for rank() (sent with every push,
+  // InitParams chunk and Recover; see the proto's JoinResponse).
+  uint64_t member_token() const { return member_token_; }
   // The cluster spec from Join (fixed for the cluster's life, except
   // next_step, which is the value at Join time).
   const v1::ClusterSpec& cluster() const { return cluster_; }
@@ -242,7 +256,8 @@ class WorkerClient {
   struct ShardConn;
 
   WorkerClient(const ClientOptions& options, uint32_t rank,
-               v1::ClusterSpec cluster, OptimizerRule rule,
+               uint64_t member_token, v1::ClusterSpec cluster,
+               OptimizerRule rule,
                std::unique_ptr<Selector> selector, CodecSpec codec,
                std::vector<std::unique_ptr<ShardConn>> shards);
 
@@ -256,11 +271,28 @@ class WorkerClient {
                         std::vector<v1::Pull>* pulls);
   // Cancels and finishes every open stream.
   void CloseStreams();
+  // A context for a PushPull call to shard `s`: wait for ready, and this
+  // worker's rank and member token in the metadata (gtopk-rank,
+  // gtopk-member-token), so the leader counts the rank alive from the
+  // call's start.
+  std::unique_ptr<grpc::ClientContext> NewStreamContext() const;
+  // Opens the PushPull stream to the leader when it is closed, before any
+  // push: from Connect and after Recover, so that the rank stays alive on
+  // the leader between Join and the first step (a second Join of it gets
+  // ALREADY_EXISTS). Best effort: a stream that fails is reopened by Step.
+  void OpenLeaderStream();
+  // Fills every push's member token and cluster fingerprint.
+  void StampPushes(std::vector<v1::Push>* pushes) const;
+  // A step's FAILED_PRECONDITION about the cluster fingerprint: asks the
+  // leader for its spec and adds every setting in which it differs from the
+  // spec this worker joined with; other statuses unchanged.
+  absl::Status ExplainFingerprintRefusal(const absl::Status& status);
   // "shard 1 (host:port)".
   std::string ShardName(size_t s) const;
 
   const ClientOptions options_;
   const uint32_t rank_;
+  const uint64_t member_token_;
   const v1::ClusterSpec cluster_;
   const OptimizerRule rule_;
   std::unique_ptr<Selector> selector_;

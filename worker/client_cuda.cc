@@ -208,6 +208,7 @@ absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
 
   t = absl::Now();
   std::vector<v1::Push> pushes(S);
+  StampPushes(&pushes);  // member token and cluster fingerprint
   for (size_t s = 0; s < S; ++s) {
     const v1::ShardSpec& shard = cluster_.shards(static_cast<int>(s));
     pushes[s].set_step(step);

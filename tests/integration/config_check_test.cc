@@ -4,11 +4,17 @@
 // FAILED_PRECONDITION naming the flag, both values and the shards, before
 // any step runs. In-process shards on loopback (real gRPC), real
 // WorkerClients.
+#include <dirent.h>
+#include <stdlib.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -28,6 +34,7 @@ namespace {
 
 using ::gtopk::testing::StatusIs;
 using server::AggregatorServer;
+using server::LocalCluster;
 using server::ServerConfig;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
@@ -252,6 +259,202 @@ TEST(ConfigCheckTest, EverySharedSettingIsCompared) {
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("n is 1001 here (from this shard's "
                                  "checkpoint) but 1000 on the leader")));
+}
+
+// ---------------------------------------------------------------------------
+// Configuration drift after a restart (issue 13, part 2): a shard restarted
+// with other cluster flags while restoring its checkpoint must not serve
+// the running workers. Before, it restored its checkpoint, skipped the
+// comparison with the leader and served: the shards diverged (or, with
+// --workers=3, the workers waited for a worker 2 and the flag was never
+// named).
+
+// A temporary checkpoint directory, removed with its files.
+class TempDir {
+ public:
+  TempDir() {
+    char t[] = "/tmp/gtopk_config_check_XXXXXX";
+    path_ = mkdtemp(t) != nullptr ? t : "";
+  }
+  ~TempDir() {
+    if (path_.empty()) return;
+    if (DIR* d = opendir(path_.c_str())) {
+      while (const dirent* e = readdir(d)) {
+        if (e->d_name[0] != '.') unlink((path_ + "/" + e->d_name).c_str());
+      }
+      closedir(d);
+    }
+    rmdir(path_.c_str());
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() &&
+         std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// Two workers on a two-shard cluster with global momentum, checkpointing
+// every step (the issue's repro).
+class DriftTest : public ::testing::Test {
+ protected:
+  static constexpr int kWorkers = 2;
+
+  void SetUp() override {
+    ASSERT_FALSE(dir_.path().empty());
+    ServerConfig c;
+    c.num_workers = kWorkers;
+    c.optimizer.momentum_mode = MomentumMode::kGlobal;
+    c.optimizer.momentum = 0.9f;
+    c.optimizer.density = 0.05;
+    c.step_timeout = absl::Seconds(3);
+    c.checkpoint_dir = dir_.path();
+    c.checkpoint_every = 1;
+    auto cluster = LocalCluster::Start(c, 2);
+    ASSERT_TRUE(cluster.ok()) << cluster.status();
+    cluster_ = *std::move(cluster);
+    for (int w = 0; w < kWorkers; ++w) {
+      worker::ClientOptions o;
+      o.leader_address = cluster_->leader();
+      o.requested_rank = w;
+      o.n = kN;
+      o.rpc_timeout = absl::Seconds(10);
+      o.step_watchdog_margin = absl::Seconds(1);
+      auto client = worker::WorkerClient::Connect(o);
+      ASSERT_TRUE(client.ok()) << client.status();
+      clients_.push_back(*std::move(client));
+      params_.emplace_back(kN, 0.25f);
+    }
+    for (int w = 0; w < kWorkers; ++w) {
+      auto step =
+          clients_[w]->SynchronizeParameters(absl::MakeSpan(params_[w]));
+      ASSERT_TRUE(step.ok()) << step.status();
+    }
+  }
+
+  // One step on every worker at once; their statuses.
+  std::vector<absl::Status> StepAll(int seed) {
+    std::vector<absl::Status> status(kWorkers);
+    std::vector<std::thread> threads;
+    for (int w = 0; w < kWorkers; ++w) {
+      threads.emplace_back([&, w] {
+        std::vector<float> grad(kN);
+        for (uint64_t i = 0; i < kN; ++i) {
+          grad[i] = static_cast<float>((i * 7 + w * 13 + seed * 31) % 23) -
+                    11.0f;
+        }
+        status[w] =
+            clients_[w]->Step(grad, absl::MakeSpan(params_[w])).status();
+      });
+    }
+    for (auto& t : threads) t.join();
+    return status;
+  }
+
+  // A few good steps, then shard `s` restarted (SIGTERM-like: it writes its
+  // checkpoint) with `edit` applied to its flags; the next step must fail on
+  // every worker with FAILED_PRECONDITION containing `expected`, and
+  // nothing may be applied anywhere.
+  void ExpectRestartWithRefused(size_t s,
+                                const std::function<void(ServerConfig&)>& edit,
+                                const std::vector<std::string>& expected) {
+    for (int step = 0; step < 3; ++step) {
+      for (const absl::Status& st : StepAll(step)) GTOPK_ASSERT_OK(st);
+    }
+    GTOPK_ASSERT_OK(cluster_->RestartShard(s, /*write_checkpoint=*/true, {},
+                                           edit));
+    // (A misconfigured shard refuses downloads too, so the servers' state
+    // is read through next_step; the replicas equal the servers before.)
+    ASSERT_EQ(cluster_->shard(s).service()->next_step(), 3);
+    const std::vector<std::vector<float>> worker_before = params_;
+
+    const std::vector<absl::Status> status = StepAll(3);
+    for (int w = 0; w < kWorkers; ++w) {
+      EXPECT_THAT(status[w],
+                  StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::_))
+          << "worker " << w;
+      for (const std::string& e : expected) {
+        EXPECT_THAT(std::string(status[w].message()), HasSubstr(e))
+            << "worker " << w;
+      }
+      // Nothing applied on the workers' side.
+      EXPECT_EQ(clients_[w]->next_step(), 3) << "worker " << w;
+      EXPECT_TRUE(BitEqual(params_[w], worker_before[w])) << "worker " << w;
+    }
+    // Nor on the servers (no shard applied step 3).
+    EXPECT_EQ(cluster_->shard(0).service()->next_step(), 3);
+    EXPECT_EQ(cluster_->shard(1).service()->next_step(), 3);
+  }
+
+  TempDir dir_;
+  std::unique_ptr<LocalCluster> cluster_;
+  std::vector<std::unique_ptr<worker::WorkerClient>> clients_;
+  std::vector<std::vector<float>> params_;
+};
+
+TEST_F(DriftTest, ShardRestartedWithOtherMomentumIsRefusedNamingIt) {
+  ExpectRestartWithRefused(
+      1, [](ServerConfig& c) { c.optimizer.momentum = 0.5f; },
+      {"shard 1 is configured differently from the leader",
+       "--momentum is 0.5 here but 0.9 on the leader"});
+}
+
+TEST_F(DriftTest, ShardRestartedWithOtherLrIsRefusedNamingIt) {
+  ExpectRestartWithRefused(
+      1, [](ServerConfig& c) { c.optimizer.lr = 0.2f; },
+      {"--lr is 0.2 here but 0.1 on the leader"});
+}
+
+// Before: the workers waited for a worker 2 that never comes
+// (DEADLINE_EXCEEDED), and --workers was never named.
+TEST_F(DriftTest, ShardRestartedWithOtherWorkerCountIsRefusedNamingIt) {
+  ExpectRestartWithRefused(
+      1, [](ServerConfig& c) { c.num_workers = 3; },
+      {"--workers is 3 here but 2 on the leader"});
+}
+
+// The leader restarted with other flags: its own refusal of the workers'
+// pushes (another fingerprint) is explained by the workers against the
+// leader's new spec, and shard 1 refuses its commit vote's answer.
+TEST_F(DriftTest, LeaderRestartedWithOtherLrIsRefusedNamingIt) {
+  ExpectRestartWithRefused(
+      0, [](ServerConfig& c) { c.optimizer.lr = 0.2f; },
+      {"cluster fingerprint", "--lr is 0.1 here but 0.2 on the leader"});
+}
+
+// A push made for another cluster configuration (another fingerprint) from
+// a worker that does hold its rank is refused alone: the round of the
+// legitimate pushes is not failed by it, and completes.
+TEST_F(DriftTest, PushWithAnotherFingerprintIsRefusedAlone) {
+  for (const absl::Status& st : StepAll(0)) GTOPK_ASSERT_OK(st);
+  auto stub = v1::Aggregator::NewStub(grpc::CreateChannel(
+      cluster_->peers()[1], grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  auto stream = stub->PushPull(&ctx);
+  v1::Push push;
+  push.set_step(1);
+  push.set_worker(1);
+  push.set_shard_id(1);
+  push.set_member_token(clients_[1]->member_token());
+  push.set_cluster_fingerprint(clients_[1]->cluster().cluster_fingerprint() ^
+                               1);
+  ASSERT_TRUE(stream->Write(push));
+  v1::Pull pull;
+  EXPECT_FALSE(stream->Read(&pull));
+  const grpc::Status st = stream->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(st.error_message(), HasSubstr("cluster fingerprint"));
+  // The real step 1 of both workers completes.
+  for (const absl::Status& s : StepAll(1)) GTOPK_EXPECT_OK(s);
+  EXPECT_TRUE(BitEqual(params_[0], params_[1]));
+  auto server = cluster_->ServerParams(kN);
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_EQ(server->second, 2);
+  EXPECT_TRUE(BitEqual(server->first, params_[0]));
 }
 
 }  // namespace

@@ -122,6 +122,9 @@ TEST_P(PartialPushTest, WorkerDisconnectingMidStepFailsTheOthersNamingIt) {
     push.set_step(0);
     push.set_worker(2);
     push.set_shard_id(0);
+    // As worker 2's client would (its identity), so the push is accepted.
+    push.set_member_token(clients[2]->member_token());
+    push.set_cluster_fingerprint(spec.cluster_fingerprint());
     SparseVector one;
     one.push_back(static_cast<uint32_t>(spec.shards(0).begin()), 0.5f);
     GTOPK_ASSERT_OK(EncodeSparse(one, kN,

@@ -26,6 +26,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "common/testing/status_matchers.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/local_cluster.h"
 #include "tests/testing/process_util.h"
@@ -132,6 +133,90 @@ TEST(ProcessTest, RealServersTrainSurviveAKillAndShutDownCleanly) {
   EXPECT_TRUE(BitEqual(download(1, 5), params[0]));
 
   // Graceful shutdown: SIGTERM -> exit 0.
+  clients.clear();
+  EXPECT_EQ(restarted.StopWith(SIGTERM, absl::Seconds(15)), 0);
+  EXPECT_EQ(shard0.StopWith(SIGTERM, absl::Seconds(15)), 0);
+  std::string cleanup = "rm -rf " + dir;
+  EXPECT_EQ(system(cleanup.c_str()), 0);
+}
+
+// The issue's repro with the real binary (issue 13, part 2): a shard
+// SIGTERMed and restarted with --momentum=0.5 while restoring its
+// checkpoint must not serve the running workers; their next step fails with
+// FAILED_PRECONDITION naming the flag and both values, nothing applied.
+// Before, the restarted shard served and the shards diverged.
+TEST(ProcessTest, ShardRestartedWithOtherMomentumIsRefused) {
+  using ::gtopk::testing::StatusIs;
+  using ::testing::HasSubstr;
+  const uint64_t n = 5003;
+  const int workers = 2;
+  const std::vector<std::string> peers = LoopbackPeers(2);
+  ASSERT_EQ(peers.size(), 2u);
+  const std::string dir = MakeTempDir("drift");
+  ASSERT_FALSE(dir.empty());
+  auto args = [&](int shard, const char* momentum) {
+    // A short drain: the idle workers' open streams would hold SIGTERM up
+    // to the drain timeout.
+    return ServerArgs(peers, shard, workers, dir, "5s", 1,
+                      {"--momentum-mode=global", momentum,
+                       "--drain-timeout=1s"});
+  };
+  ServerProcess shard0, shard1;
+  ASSERT_TRUE(shard0.Start(args(0, "--momentum=0.9")));
+  ASSERT_TRUE(shard1.Start(args(1, "--momentum=0.9")));
+  std::vector<std::unique_ptr<worker::WorkerClient>> clients(workers);
+  std::vector<std::vector<float>> params(workers, Random(n, 3));
+  for (int w = 0; w < workers; ++w) {
+    worker::ClientOptions o;
+    o.leader_address = peers[0];
+    o.requested_rank = w;
+    o.n = n;
+    auto c = worker::WorkerClient::Connect(o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    clients[w] = *std::move(c);
+  }
+  for (int w = 0; w < workers; ++w) {
+    ASSERT_TRUE(clients[w]->SynchronizeParameters(absl::MakeSpan(params[w])).ok());
+  }
+  auto step_all = [&](int step) {
+    std::vector<absl::Status> status(workers);
+    std::vector<std::thread> threads;
+    for (int w = 0; w < workers; ++w) {
+      threads.emplace_back([&, w] {
+        status[w] = clients[w]
+                        ->Step(Random(n, 100 * step + w),
+                               absl::MakeSpan(params[w]))
+                        .status();
+      });
+    }
+    for (auto& t : threads) t.join();
+    return status;
+  };
+  for (int step = 0; step < 3; ++step) {
+    for (const absl::Status& st : step_all(step)) GTOPK_ASSERT_OK(st);
+  }
+  EXPECT_EQ(shard1.StopWith(SIGTERM, absl::Seconds(15)), 0);
+  ServerProcess restarted;
+  ASSERT_TRUE(restarted.Start(args(1, "--momentum=0.5")));
+  const std::vector<std::vector<float>> before = params;
+  std::vector<absl::Status> status = step_all(3);
+  for (int w = 0; w < workers; ++w) {
+    // A stream to the stopped shard 1 that was still open may fail this
+    // attempt with UNAVAILABLE first (the client reopens it next time).
+    if (absl::IsUnavailable(status[w])) {
+      status[w] = clients[w]
+                      ->Step(Random(n, 300 + w), absl::MakeSpan(params[w]))
+                      .status();
+    }
+    EXPECT_THAT(status[w], StatusIs(absl::StatusCode::kFailedPrecondition,
+                                    HasSubstr("--momentum is 0.5 here but 0.9 "
+                                              "on the leader")))
+        << "worker " << w;
+  }
+  for (int w = 0; w < workers; ++w) {
+    EXPECT_EQ(clients[w]->next_step(), 3);
+    EXPECT_TRUE(BitEqual(params[w], before[w])) << "worker " << w;
+  }
   clients.clear();
   EXPECT_EQ(restarted.StopWith(SIGTERM, absl::Seconds(15)), 0);
   EXPECT_EQ(shard0.StopWith(SIGTERM, absl::Seconds(15)), 0);

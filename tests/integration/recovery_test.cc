@@ -657,6 +657,19 @@ TEST(RecoveryTest, ShardStateAndRollbackValidateTheirInput) {
             grpc::StatusCode::INVALID_ARGUMENT);
 }
 
+// Joins one worker (any rank, n = 64) and returns the cluster fingerprint
+// the leader handed out (0 on failure).
+uint64_t JoinedFingerprint(v1::Aggregator::Stub& leader) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  v1::JoinRequest request;
+  request.set_requested_rank(-1);
+  request.set_n(64);
+  v1::JoinResponse response;
+  if (!leader.Join(&ctx, request, &response).ok()) return 0;
+  return response.cluster().cluster_fingerprint();
+}
+
 // Leader waits end when the waiting shard's RPC is cancelled: the others
 // waiting in the same round hear of it at once, not at the step timeout.
 TEST(LeaderWaitTest, CancelledCommitVoteEndsTheRoundForEveryShard) {
@@ -669,6 +682,10 @@ TEST(LeaderWaitTest, CancelledCommitVoteEndsTheRoundForEveryShard) {
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
   auto stub = v1::Aggregator::NewStub(grpc::CreateChannel(
       (*cluster_or)->leader(), grpc::InsecureChannelCredentials()));
+  // A Join fixes n, so the leader has a cluster fingerprint; the shards'
+  // calls below carry it, as a shard's own calls do.
+  const uint64_t fingerprint = JoinedFingerprint(*stub);
+  ASSERT_NE(fingerprint, 0u);
   grpc::ClientContext cancelled_ctx, other_ctx;
   for (auto* ctx : {&cancelled_ctx, &other_ctx}) {
     ctx->set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
@@ -679,6 +696,7 @@ TEST(LeaderWaitTest, CancelledCommitVoteEndsTheRoundForEveryShard) {
     v1::CommitRequest request;
     request.set_step(0);
     request.set_shard_id(2);
+    request.set_cluster_fingerprint(fingerprint);
     v1::CommitResponse response;
     const absl::Time start = absl::Now();
     other_status = stub->CommitStep(&other_ctx, request, &response);
@@ -688,6 +706,7 @@ TEST(LeaderWaitTest, CancelledCommitVoteEndsTheRoundForEveryShard) {
     v1::CommitRequest request;
     request.set_step(0);
     request.set_shard_id(1);
+    request.set_cluster_fingerprint(fingerprint);
     v1::CommitResponse response;
     stub->CommitStep(&cancelled_ctx, request, &response).IgnoreError();
   });
@@ -711,8 +730,13 @@ TEST(LeaderWaitTest, CancelledThresholdRequestEndsTheRoundForEveryShard) {
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
   auto stub = v1::Aggregator::NewStub(grpc::CreateChannel(
       (*cluster_or)->leader(), grpc::InsecureChannelCredentials()));
-  auto request_for = [](uint32_t shard) {
+  // A Join fixes n, so the leader has a cluster fingerprint; the shards'
+  // calls below carry it, as a shard's own calls do.
+  const uint64_t fingerprint = JoinedFingerprint(*stub);
+  ASSERT_NE(fingerprint, 0u);
+  auto request_for = [fingerprint](uint32_t shard) {
     v1::ThresholdRequest r;
+    r.set_cluster_fingerprint(fingerprint);
     r.set_step(0);
     r.set_shard_id(shard);
     r.set_k(1);

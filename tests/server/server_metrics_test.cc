@@ -99,6 +99,9 @@ TEST(ServerMetricsTest, CountsMatchTheWorkersOwnStats) {
     push.set_step(kSteps);
     push.set_worker(0);
     push.set_shard_id(7);
+    // Worker 0's identity: a member's malformed push, not a stranger's.
+    push.set_member_token(clients[0]->member_token());
+    push.set_cluster_fingerprint(clients[0]->cluster().cluster_fingerprint());
     ASSERT_TRUE(stream->Write(push));
     stream->WritesDone();
     v1::Pull pull;
@@ -120,6 +123,8 @@ TEST(ServerMetricsTest, CountsMatchTheWorkersOwnStats) {
   v1::Push rejected;
   rejected.set_step(kSteps);
   rejected.set_shard_id(7);
+  rejected.set_member_token(clients[0]->member_token());
+  rejected.set_cluster_fingerprint(clients[0]->cluster().cluster_fingerprint());
   EXPECT_EQ(samples["gtopk_server_received_bytes_total{method=\"PushPull\"}"],
             sent + static_cast<double>(rejected.ByteSizeLong()));
   EXPECT_EQ(samples["gtopk_server_sent_bytes_total{method=\"PushPull\"}"], received);

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -66,7 +67,21 @@ struct Cluster {
   v1::Aggregator::Stub* stub(size_t s) { return stubs[s].get(); }
 };
 
+// The identities the leader handed out in this test (Join below): per rank
+// the member token, and the cluster fingerprint. MakePush and InitParams
+// stamp them, as the worker client does, so the tests below exercise the
+// same checks a real worker passes.
+struct Identities {
+  std::map<uint32_t, uint64_t> token;
+  uint64_t fingerprint = 0;
+};
+Identities& Members() {
+  static Identities* identities = new Identities();
+  return *identities;
+}
+
 absl::StatusOr<Cluster> StartCluster(ServerConfig config) {
+  Members() = Identities();
   Cluster cluster;
   const uint32_t S = config.num_shards;
   std::vector<std::string> listen(S, "127.0.0.1:0");
@@ -103,6 +118,8 @@ absl::StatusOr<v1::JoinResponse> Join(v1::Aggregator::Stub* stub, int rank,
   v1::JoinResponse response;
   const grpc::Status s = stub->Join(&ctx, request, &response);
   if (!s.ok()) return FromGrpcStatus(s);
+  Members().token[response.rank()] = response.member_token();
+  Members().fingerprint = response.cluster().cluster_fingerprint();
   return response;
 }
 
@@ -118,6 +135,8 @@ absl::StatusOr<bool> InitParams(v1::Aggregator::Stub* stub, uint32_t worker,
   for (size_t i = 0; i < values.size(); i += chunk) {
     v1::ParamsChunk c;
     c.set_worker(worker);
+    c.set_member_token(Members().token[worker]);
+    c.set_cluster_fingerprint(Members().fingerprint);
     c.set_shard_id(shard);
     c.set_offset(offset + i);
     for (size_t j = i; j < std::min(values.size(), i + chunk); ++j) {
@@ -182,6 +201,8 @@ v1::Push MakePush(int64_t step, uint32_t worker, uint32_t shard,
   v1::Push p;
   p.set_step(step);
   p.set_worker(worker);
+  p.set_member_token(Members().token[worker]);
+  p.set_cluster_fingerprint(Members().fingerprint);
   p.set_shard_id(shard);
   p.set_sparse(std::move(sparse));
   return p;
@@ -514,6 +535,7 @@ class BadInputTest : public ::testing::Test {
     ASSERT_TRUE(cluster.ok()) << cluster.status();
     cluster_ = *std::move(cluster);
     ASSERT_TRUE(Join(stub(), 0, kN).ok());
+    ASSERT_TRUE(Join(stub(), 1, kN).ok());
     for (uint64_t i = 0; i < kN; ++i) params_.push_back(1.0f + i);
     ASSERT_TRUE(InitParams(stub(), 0, 0, 0, params_, 5).ok());
   }
@@ -672,6 +694,7 @@ TEST(ServiceTest, CancelledWorkerMidStepGivesDeadlineExceededNamingIt) {
   GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(config));
   const uint64_t n = 8;
   ASSERT_TRUE(Join(cluster.stub(0), 0, n).ok());
+  ASSERT_TRUE(Join(cluster.stub(0), 1, n).ok());
   ASSERT_TRUE(
       InitParams(cluster.stub(0), 0, 0, 0, std::vector<float>(n, 1.0f), 8)
           .ok());

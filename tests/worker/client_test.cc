@@ -69,6 +69,9 @@ class FakeShard final : public v1::Aggregator::Service {
   grpc::Status PushPull(
       grpc::ServerContext* context,
       grpc::ServerReaderWriter<v1::Pull, v1::Push>* stream) override {
+    // As the real leader does for a worker's identified stream: the client
+    // waits for it at Connect.
+    stream->SendInitialMetadata();
     v1::Push push;
     while (stream->Read(&push)) {
       ++pushes;

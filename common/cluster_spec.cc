@@ -1,0 +1,205 @@
+#include "common/cluster_spec.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
+
+namespace gtopk {
+namespace {
+
+// FNV-1a 64 (Fowler, Noll, Vo): offset basis and prime.
+constexpr uint64_t kFnvOffset = 0xcbf29ce484222325ull;
+constexpr uint64_t kFnvPrime = 0x100000001b3ull;
+
+class Fnv1a {
+ public:
+  void Add(absl::string_view key, absl::string_view value) {
+    Bytes(key);
+    Bytes("=");
+    Bytes(value);
+    Bytes("\n");
+  }
+  void Add(absl::string_view key, uint64_t value) {
+    Add(key, absl::StrCat(value));
+  }
+  void Add(absl::string_view key, int64_t value) {
+    Add(key, absl::StrCat(value));
+  }
+  void AddFloat(absl::string_view key, float value) {
+    uint32_t bits;
+    std::memcpy(&bits, &value, sizeof(bits));
+    Add(key, absl::StrFormat("%08x", bits));
+  }
+  void AddDouble(absl::string_view key, double value) {
+    uint64_t bits;
+    std::memcpy(&bits, &value, sizeof(bits));
+    Add(key, absl::StrFormat("%016x", bits));
+  }
+  uint64_t hash() const { return hash_; }
+
+ private:
+  void Bytes(absl::string_view s) {
+    for (const char c : s) {
+      hash_ ^= static_cast<uint8_t>(c);
+      hash_ *= kFnvPrime;
+    }
+  }
+  uint64_t hash_ = kFnvOffset;
+};
+
+// The flag spellings of the spec's enums.
+std::string ModeFlagValue(v1::Mode mode) {
+  const std::string& name = v1::Mode_Name(mode);
+  if (mode == v1::MODE_UNSPECIFIED || name.empty()) {
+    return absl::StrCat("unknown(", static_cast<int>(mode), ")");
+  }
+  return absl::AsciiStrToLower(absl::StripPrefix(name, "MODE_"));
+}
+
+std::string SelectionFlagValue(v1::Selection selection) {
+  switch (selection) {
+    case v1::SELECTION_EXACT:
+      return "exact";
+    case v1::SELECTION_QUOTA:
+      return "quota";
+    default:
+      return absl::StrCat("unknown(", static_cast<int>(selection), ")");
+  }
+}
+
+std::string MomentumFlagValue(v1::MomentumMode mode) {
+  switch (mode) {
+    case v1::MOMENTUM_MODE_NONE:
+      return "none";
+    case v1::MOMENTUM_MODE_DGC:
+      return "dgc";
+    case v1::MOMENTUM_MODE_GLOBAL:
+      return "global";
+    default:
+      return absl::StrCat("unknown(", static_cast<int>(mode), ")");
+  }
+}
+
+// The shortest decimal that reads back as exactly `v` (so that values that
+// differ in their last bit print differently, and 0.1f prints as 0.1).
+template <typename T>
+std::string ShortestNumber(T v) {
+  for (int digits = 1; digits <= 17; ++digits) {
+    const std::string text = absl::StrFormat("%.*g", digits, v);
+    if (static_cast<T>(std::strtod(text.c_str(), nullptr)) == v) return text;
+  }
+  return absl::StrFormat("%.17g", v);
+}
+
+}  // namespace
+
+uint64_t ClusterFingerprint(const v1::ClusterSpec& spec) {
+  Fnv1a h;
+  h.Add("version", "gtopk.cluster.v1");
+  h.Add("n", uint64_t{spec.n()});
+  h.Add("workers", uint64_t{spec.num_workers()});
+  h.Add("shards", static_cast<uint64_t>(spec.shards_size()));
+  for (const v1::ShardSpec& s : spec.shards()) {
+    h.Add("shard", absl::StrCat(s.shard_id(), ":", s.begin(), "-", s.end()));
+  }
+  h.Add("mode", static_cast<int64_t>(spec.mode()));
+  h.Add("selection", static_cast<int64_t>(spec.selection()));
+  h.Add("selector", spec.selector());
+  h.Add("seed", uint64_t{spec.selector_seed()});
+  h.Add("index_codec", spec.index_codec());
+  h.Add("value_codec", spec.value_codec());
+  const v1::OptimizerSpec& o = spec.optimizer();
+  h.AddFloat("lr", o.lr());
+  h.AddFloat("momentum", o.momentum());
+  h.Add("momentum_mode", static_cast<int64_t>(o.momentum_mode()));
+  h.Add("momentum_masking", uint64_t{o.momentum_factor_masking() ? 1u : 0u});
+  h.AddFloat("weight_decay", o.weight_decay());
+  h.Add("lr_warmup_steps", int64_t{o.lr_warmup_steps()});
+  h.AddDouble("density", o.density());
+  h.Add("density_warmup", static_cast<uint64_t>(o.density_warmup_size()));
+  for (const double d : o.density_warmup()) h.AddDouble("density_warmup", d);
+  h.Add("steps_per_epoch", int64_t{o.steps_per_epoch()});
+  h.Add("step_timeout_ms", uint64_t{spec.step_timeout_ms()});
+  h.Add("max_message_bytes", uint64_t{spec.max_message_bytes()});
+  const uint64_t hash = h.hash();
+  return hash == 0 ? 1 : hash;  // 0 is "absent" on the wire
+}
+
+std::string FingerprintText(uint64_t fingerprint) {
+  return absl::StrFormat("0x%016x", fingerprint);
+}
+
+std::vector<std::string> ClusterSpecDifferences(const v1::ClusterSpec& here,
+                                                const v1::ClusterSpec& there,
+                                                absl::string_view there_name) {
+  std::vector<std::string> differences;
+  const v1::OptimizerSpec& a = here.optimizer();
+  const v1::OptimizerSpec& b = there.optimizer();
+  // `flag`: the gtopk-server flag that sets it; values as the flag would
+  // spell them.
+  auto differ = [&](const char* flag, const std::string& mine,
+                    const std::string& theirs) {
+    if (mine == theirs) return;
+    differences.push_back(absl::StrCat("--", flag, " is ", mine, " here but ",
+                                       theirs, " ", there_name));
+  };
+  auto num = [](auto v) { return ShortestNumber(v); };
+  auto list = [](const google::protobuf::RepeatedField<double>& v) {
+    std::vector<std::string> parts;
+    for (double d : v) parts.push_back(ShortestNumber(d));
+    return parts.empty() ? std::string("empty") : absl::StrJoin(parts, ",");
+  };
+  differ("workers", absl::StrCat(here.num_workers()),
+         absl::StrCat(there.num_workers()));
+  differ("num-shards", absl::StrCat(here.shards_size()),
+         absl::StrCat(there.shards_size()));
+  differ("mode", ModeFlagValue(here.mode()), ModeFlagValue(there.mode()));
+  differ("selection", SelectionFlagValue(here.selection()),
+         SelectionFlagValue(there.selection()));
+  differ("selector", here.selector(), there.selector());
+  differ("seed", absl::StrCat(here.selector_seed()),
+         absl::StrCat(there.selector_seed()));
+  differ("index-codec", here.index_codec(), there.index_codec());
+  differ("value-codec", here.value_codec(), there.value_codec());
+  differ("lr", num(a.lr()), num(b.lr()));
+  differ("momentum", num(a.momentum()), num(b.momentum()));
+  differ("momentum-mode", MomentumFlagValue(a.momentum_mode()),
+         MomentumFlagValue(b.momentum_mode()));
+  differ("momentum-masking", a.momentum_factor_masking() ? "true" : "false",
+         b.momentum_factor_masking() ? "true" : "false");
+  differ("weight-decay", num(a.weight_decay()), num(b.weight_decay()));
+  differ("lr-warmup-steps", absl::StrCat(a.lr_warmup_steps()),
+         absl::StrCat(b.lr_warmup_steps()));
+  differ("density", num(a.density()), num(b.density()));
+  differ("density-warmup", list(a.density_warmup()), list(b.density_warmup()));
+  differ("steps-per-epoch", absl::StrCat(a.steps_per_epoch()),
+         absl::StrCat(b.steps_per_epoch()));
+  differ("step-timeout", absl::StrCat(here.step_timeout_ms(), "ms"),
+         absl::StrCat(there.step_timeout_ms(), "ms"));
+  differ("max-message-bytes", absl::StrCat(here.max_message_bytes()),
+         absl::StrCat(there.max_message_bytes()));
+  if (here.n() != 0 && there.n() != 0 && here.n() != there.n()) {
+    differences.push_back(absl::StrCat("the parameter count n is ", here.n(),
+                                       " here but ", there.n(), " ",
+                                       there_name));
+  } else if (here.n() == there.n() &&
+             here.shards_size() == there.shards_size()) {
+    for (int s = 0; s < here.shards_size(); ++s) {
+      const v1::ShardSpec& x = here.shards(s);
+      const v1::ShardSpec& y = there.shards(s);
+      if (x.begin() != y.begin() || x.end() != y.end()) {
+        differences.push_back(absl::StrCat(
+            "shard ", s, "'s range is [", x.begin(), ", ", x.end(),
+            ") here but [", y.begin(), ", ", y.end(), ") ", there_name));
+      }
+    }
+  }
+  return differences;
+}
+
+}  // namespace gtopk

@@ -1,0 +1,51 @@
+// The cluster spec's identity and comparison, one place for server and
+// worker: the cluster fingerprint carried in every message of a cluster's
+// life (proto ClusterSpec.cluster_fingerprint), and the flag-by-flag
+// description of how two specs' settings differ.
+#ifndef GTOPK_COMMON_CLUSTER_SPEC_H_
+#define GTOPK_COMMON_CLUSTER_SPEC_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/strings/string_view.h"
+#include "gtopk/v1/gtopk.pb.h"
+
+namespace gtopk {
+
+// The fingerprint of `spec`'s cluster-wide settings: FNV-1a 64 over a
+// canonical text, written field by field in a fixed order (version tag
+// "gtopk.cluster.v1"; integers in decimal; floats and doubles as the hex of
+// their bit patterns, so values one ulp apart differ; density_warmup with its
+// length). Covers n, num_workers, S = shards_size() and every shard's
+// (shard_id, begin, end), mode, selection, selector, selector_seed,
+// index_codec, value_codec, every OptimizerSpec field, step_timeout_ms and
+// max_message_bytes. Not covered: the shards' addresses (per-process
+// --peers spellings may differ), next_step and cluster_fingerprint itself.
+// Deliberately NOT proto SerializeAsString: that is not canonical (map and
+// unknown-field order, packed vs unpacked encodings), and this must be
+// stable across builds and versions. Never 0 (0 means "absent" on the
+// wire). Pure; thread-safe.
+uint64_t ClusterFingerprint(const v1::ClusterSpec& spec);
+
+// Every cluster-wide setting in which `here` and `there` differ, each as
+// "--<flag> is <here value> here but <there value> <there_name>" (e.g.
+// "--lr is 0.5 here but 0.1 on the leader"), in a fixed order: workers,
+// num-shards (shards_size()), mode, selection, selector, seed, index-codec,
+// value-codec, lr, momentum, momentum-mode, momentum-masking, weight-decay,
+// lr-warmup-steps, density, density-warmup, steps-per-epoch, step-timeout,
+// max-message-bytes; then n when both are non-zero ("the parameter count n
+// is ..."), and shard ranges when S and n agree but a range differs.
+// Numbers print as the shortest decimal that reads back exactly. Empty when
+// all agree. Pure; thread-safe.
+std::vector<std::string> ClusterSpecDifferences(const v1::ClusterSpec& here,
+                                                const v1::ClusterSpec& there,
+                                                absl::string_view there_name);
+
+// The fingerprint as printed in messages: "0x" and 16 hex digits.
+std::string FingerprintText(uint64_t fingerprint);
+
+}  // namespace gtopk
+
+#endif  // GTOPK_COMMON_CLUSTER_SPEC_H_

@@ -1,0 +1,348 @@
+// Rank ownership (issue 13, part 4): only the worker that joined as rank r
+// may push, initialise or recover as r. Join hands out a member token per
+// grant; every shard checks it on every push (non-leaders through the
+// leader's CheckMember); a refused push neither joins nor fails the round of
+// the legitimate workers; a rank is alive from its worker's Connect (its
+// leader stream is opened with its identity), so a second claimant gets
+// ALREADY_EXISTS even before the first push; a worker that died can be
+// replaced at once, and the old token is refused from then on. In-process
+// shards on loopback (real gRPC), real WorkerClients, raw stubs as
+// intruders.
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/codec.h"
+#include "common/sparse_vector.h"
+#include "common/status_macros.h"
+#include "common/testing/status_matchers.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "gtopk/v1/gtopk.grpc.pb.h"
+#include "server/local_cluster.h"
+#include "server/service.h"
+#include "worker/client.h"
+
+namespace gtopk {
+namespace {
+
+using ::gtopk::testing::StatusIs;
+using server::LocalCluster;
+using server::ServerConfig;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+constexpr uint64_t kN = 400;
+constexpr int kWorkers = 2;
+
+absl::Status FromGrpc(const grpc::Status& s) {
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      s.error_message());
+}
+
+bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() &&
+         std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+std::unique_ptr<LocalCluster> StartCluster() {
+  ServerConfig c;
+  c.num_workers = kWorkers;
+  c.optimizer.density = 0.05;
+  c.step_timeout = absl::Seconds(5);
+  auto cluster = LocalCluster::Start(c, 2);
+  EXPECT_TRUE(cluster.ok()) << cluster.status();
+  return cluster.ok() ? *std::move(cluster) : nullptr;
+}
+
+absl::StatusOr<std::unique_ptr<worker::WorkerClient>> ConnectAs(
+    const LocalCluster& cluster, int rank) {
+  worker::ClientOptions o;
+  o.leader_address = cluster.leader();
+  o.requested_rank = rank;
+  o.n = kN;
+  o.rpc_timeout = absl::Seconds(10);
+  o.step_watchdog_margin = absl::Seconds(1);
+  return worker::WorkerClient::Connect(o);
+}
+
+std::vector<float> Gradient(int worker, int step) {
+  std::vector<float> g(kN);
+  for (uint64_t i = 0; i < kN; ++i) {
+    g[i] = static_cast<float>((i * 5 + worker * 11 + step * 3) % 17) - 8.0f;
+  }
+  return g;
+}
+
+// Steps every client once, concurrently; their statuses.
+std::vector<absl::Status> StepAll(
+    std::vector<std::unique_ptr<worker::WorkerClient>>& clients,
+    std::vector<std::vector<float>>& params, int step) {
+  std::vector<absl::Status> status(clients.size());
+  std::vector<std::thread> threads;
+  for (size_t w = 0; w < clients.size(); ++w) {
+    threads.emplace_back([&, w] {
+      status[w] = clients[w]
+                      ->Step(Gradient(static_cast<int>(w), step),
+                             absl::MakeSpan(params[w]))
+                      .status();
+    });
+  }
+  for (auto& t : threads) t.join();
+  return status;
+}
+
+// One raw push of one entry of shard `shard`'s range as rank `worker` with
+// `token` (fingerprint: `fingerprint`); the stream's status (a pull: OK).
+absl::Status RawPush(const v1::ClusterSpec& spec, uint32_t shard,
+                     int64_t step, uint32_t worker, uint64_t token,
+                     uint64_t fingerprint, absl::Duration timeout) {
+  auto stub = v1::Aggregator::NewStub(grpc::CreateChannel(
+      spec.shards(shard).address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  auto stream = stub->PushPull(&ctx);
+  v1::Push push;
+  push.set_step(step);
+  push.set_worker(worker);
+  push.set_shard_id(shard);
+  push.set_member_token(token);
+  push.set_cluster_fingerprint(fingerprint);
+  SparseVector one;
+  // A large value, so that it would surely be selected if aggregated.
+  one.push_back(static_cast<uint32_t>(spec.shards(shard).begin()), 1000.0f);
+  CodecSpec codec{*ParseIndexCodec(spec.index_codec()),
+                  *ParseValueCodec(spec.value_codec())};
+  if (!EncodeSparse(one, kN, codec, push.mutable_sparse()).ok()) {
+    return absl::InternalError("encode");
+  }
+  stream->Write(push);
+  v1::Pull pull;
+  const bool got = stream->Read(&pull);
+  stream->WritesDone();
+  const grpc::Status st = stream->Finish();
+  if (!st.ok()) return FromGrpc(st);
+  return got ? absl::OkStatus() : absl::InternalError("no pull");
+}
+
+// Runs `steps` steps of two honest workers on a fresh cluster: the
+// reference the runs with intruders must equal bit for bit.
+std::vector<float> ReferenceRun(int steps) {
+  auto cluster = StartCluster();
+  std::vector<std::unique_ptr<worker::WorkerClient>> clients;
+  std::vector<std::vector<float>> params(kWorkers, std::vector<float>(kN, 0.5f));
+  for (int w = 0; w < kWorkers; ++w) {
+    auto c = ConnectAs(*cluster, w);
+    EXPECT_TRUE(c.ok()) << c.status();
+    if (!c.ok()) return {};
+    clients.push_back(*std::move(c));
+  }
+  for (int w = 0; w < kWorkers; ++w) {
+    EXPECT_TRUE(clients[w]->SynchronizeParameters(absl::MakeSpan(params[w])).ok());
+  }
+  for (int s = 0; s < steps; ++s) {
+    for (const absl::Status& st : StepAll(clients, params, s)) {
+      EXPECT_TRUE(st.ok()) << st;
+    }
+  }
+  return params[0];
+}
+
+// A rank that never joined pushes (with a made-up token, and with none) on
+// both shards: refused. Then, while the two real workers run step 0, an
+// intruder pushes as rank 1 with a made-up token on both shards, first:
+// refused alone, not aggregated; the legitimate rounds complete and equal
+// the run without the intruder. Before: the intruder's push was taken as
+// rank 1's, and the real rank 1's push of that step was then refused as "a
+// second, different push" (or the intruder's values were aggregated).
+TEST(MembershipTest, RankThatNeverJoinedIsRefusedAndNotAggregated) {
+  auto cluster = StartCluster();
+  ASSERT_NE(cluster, nullptr);
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto first, ConnectAs(*cluster, 0));
+  const v1::ClusterSpec spec = first->cluster();
+  const uint64_t fp = spec.cluster_fingerprint();
+  for (uint32_t s = 0; s < 2; ++s) {
+    EXPECT_THAT(RawPush(spec, s, 0, 1, 0x1234567, fp, absl::Seconds(1)),
+                StatusIs(absl::StatusCode::kFailedPrecondition,
+                         HasSubstr("rank 1 has not joined")))
+        << "shard " << s;
+    EXPECT_THAT(RawPush(spec, s, 0, 1, 0, fp, absl::Seconds(1)),
+                StatusIs(absl::StatusCode::kPermissionDenied,
+                         HasSubstr("rank 1: no member token")))
+        << "shard " << s;
+  }
+  // Rank 1 joins for real.
+  std::vector<std::unique_ptr<worker::WorkerClient>> clients;
+  clients.push_back(std::move(first));
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto second, ConnectAs(*cluster, 1));
+  clients.push_back(std::move(second));
+  std::vector<std::vector<float>> params(kWorkers, std::vector<float>(kN, 0.5f));
+  for (int w = 0; w < kWorkers; ++w) {
+    GTOPK_ASSERT_OK(
+        clients[w]->SynchronizeParameters(absl::MakeSpan(params[w])).status());
+  }
+  // The intruder pushes first and waits for its pull (up to 3 s).
+  std::vector<absl::Status> intruder(2, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (uint32_t s = 0; s < 2; ++s) {
+    threads.emplace_back([&, s] {
+      intruder[s] = RawPush(spec, s, 0, 1, 0xBAD70CE, fp, absl::Seconds(3));
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(300));
+  const std::vector<absl::Status> step0 = StepAll(clients, params, 0);
+  for (auto& t : threads) t.join();
+  for (uint32_t s = 0; s < 2; ++s) {
+    EXPECT_THAT(intruder[s],
+                StatusIs(absl::StatusCode::kPermissionDenied,
+                         HasSubstr("rank 1 is held by another worker")))
+        << "shard " << s;
+  }
+  for (const absl::Status& st : step0) GTOPK_ASSERT_OK(st);
+  for (const absl::Status& st : StepAll(clients, params, 1)) {
+    GTOPK_ASSERT_OK(st);
+  }
+  EXPECT_TRUE(BitEqual(params[0], params[1]));
+  EXPECT_TRUE(BitEqual(params[0], ReferenceRun(2)))
+      << "the intruder's push was aggregated";
+}
+
+// A rank's worker has connected (Join, and its leader stream is open) but
+// has not pushed yet: a second Join of that rank is ALREADY_EXISTS. Before:
+// granted, as the rank counted alive only from its first push.
+TEST(MembershipTest, SecondJoinBeforeTheFirstPushIsAlreadyExists) {
+  auto cluster = StartCluster();
+  ASSERT_NE(cluster, nullptr);
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto holder, ConnectAs(*cluster, 1));
+  EXPECT_THAT(ConnectAs(*cluster, 1).status(),
+              StatusIs(absl::StatusCode::kAlreadyExists,
+                       HasSubstr("rank 1 is already taken")));
+  // Also after SynchronizeParameters (still no push), and over a raw Join.
+  auto stub = v1::Aggregator::NewStub(grpc::CreateChannel(
+      cluster->leader(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  v1::JoinRequest request;
+  request.set_requested_rank(1);
+  request.set_n(kN);
+  v1::JoinResponse response;
+  EXPECT_EQ(stub->Join(&ctx, request, &response).error_code(),
+            grpc::StatusCode::ALREADY_EXISTS);
+}
+
+// The worker of rank 1 dies (its connections close, as with kill -9); a new
+// worker re-joins rank 1 at once and the two workers step; the dead
+// worker's token is refused from then on, on the leader and on shard 1
+// (superseded there by the new holder's first push).
+TEST(MembershipTest, RestartedWorkerRejoinsAndTheOldTokenIsRefused) {
+  auto cluster = StartCluster();
+  ASSERT_NE(cluster, nullptr);
+  std::vector<std::unique_ptr<worker::WorkerClient>> clients(kWorkers);
+  std::vector<std::vector<float>> params(kWorkers, std::vector<float>(kN, 0.5f));
+  for (int w = 0; w < kWorkers; ++w) {
+    GTOPK_ASSERT_OK_AND_ASSIGN(clients[w], ConnectAs(*cluster, w));
+  }
+  for (int w = 0; w < kWorkers; ++w) {
+    GTOPK_ASSERT_OK(
+        clients[w]->SynchronizeParameters(absl::MakeSpan(params[w])).status());
+  }
+  for (const absl::Status& st : StepAll(clients, params, 0)) {
+    GTOPK_ASSERT_OK(st);
+  }
+  const uint64_t old_token = clients[1]->member_token();
+  const v1::ClusterSpec spec = clients[1]->cluster();
+  clients[1].reset();  // dies: every stream of it is cancelled
+
+  absl::StatusOr<std::unique_ptr<worker::WorkerClient>> again =
+      absl::UnknownError("not tried");
+  const absl::Time start = absl::Now();
+  while (!again.ok() && absl::Now() - start < absl::Seconds(5)) {
+    again = ConnectAs(*cluster, 1);
+    if (!again.ok()) absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << "re-join not prompt";
+  clients[1] = *std::move(again);
+  EXPECT_NE(clients[1]->member_token(), old_token);
+  GTOPK_ASSERT_OK(
+      clients[1]->SynchronizeParameters(absl::MakeSpan(params[1])).status());
+  for (const absl::Status& st : StepAll(clients, params, 1)) {
+    GTOPK_ASSERT_OK(st);
+  }
+  EXPECT_TRUE(BitEqual(params[0], params[1]));
+  for (uint32_t s = 0; s < 2; ++s) {
+    EXPECT_THAT(RawPush(spec, s, 2, 1, old_token, spec.cluster_fingerprint(),
+                        absl::Seconds(2)),
+                StatusIs(absl::StatusCode::kPermissionDenied,
+                         AllOf(HasSubstr("rank 1"),
+                               HasSubstr("held by another worker"))))
+        << "shard " << s;
+  }
+  // The refused pushes did not touch step 2: it completes.
+  for (const absl::Status& st : StepAll(clients, params, 2)) {
+    GTOPK_ASSERT_OK(st);
+  }
+}
+
+// Every other call that names a rank: InitParams only from rank 0's holder
+// (a token of another rank, or none: PERMISSION_DENIED); Recover only with
+// the rank's token. DownloadParams needs no identity (the parameters are
+// the cluster's, not a rank's).
+TEST(MembershipTest, InitParamsAndRecoverNeedTheRanksToken) {
+  auto cluster = StartCluster();
+  ASSERT_NE(cluster, nullptr);
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto rank0, ConnectAs(*cluster, 0));
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto rank1, ConnectAs(*cluster, 1));
+  const v1::ClusterSpec spec = rank0->cluster();
+  for (uint32_t s = 0; s < 2; ++s) {
+    for (uint64_t token : {uint64_t{0}, rank1->member_token()}) {
+      auto stub = v1::Aggregator::NewStub(grpc::CreateChannel(
+          spec.shards(s).address(), grpc::InsecureChannelCredentials()));
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+      v1::InitParamsResponse response;
+      auto writer = stub->InitParams(&ctx, &response);
+      v1::ParamsChunk chunk;
+      chunk.set_worker(0);
+      chunk.set_member_token(token);
+      chunk.set_shard_id(s);
+      chunk.set_offset(spec.shards(s).begin());
+      for (uint64_t i = spec.shards(s).begin(); i < spec.shards(s).end(); ++i) {
+        chunk.add_values(9.0f);
+      }
+      writer->Write(chunk);
+      writer->WritesDone();
+      EXPECT_EQ(writer->Finish().error_code(),
+                grpc::StatusCode::PERMISSION_DENIED)
+          << "shard " << s << " token " << token;
+    }
+  }
+  // The real rank 0 initialises: its values, not the intruder's 9s.
+  std::vector<float> params(kN, 0.5f);
+  GTOPK_ASSERT_OK(rank0->SynchronizeParameters(absl::MakeSpan(params)).status());
+  EXPECT_EQ(params, std::vector<float>(kN, 0.5f));
+
+  auto leader = v1::Aggregator::NewStub(grpc::CreateChannel(
+      cluster->leader(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  v1::RecoverRequest request;
+  request.set_worker(1);
+  request.set_member_token(rank0->member_token());
+  request.set_cluster_fingerprint(spec.cluster_fingerprint());
+  v1::RecoverResponse answer;
+  const grpc::Status st = leader->Recover(&ctx, request, &answer);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(st.error_message(), HasSubstr("rank 1"));
+  // The holder's Recover is fine.
+  GTOPK_EXPECT_OK(rank1->Recover(absl::MakeSpan(params)).status());
+}
+
+}  // namespace
+}  // namespace gtopk
