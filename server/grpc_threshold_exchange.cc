@@ -13,10 +13,20 @@
 namespace gtopk {
 namespace server {
 
+std::string BoundedStatusMessage(absl::string_view message) {
+  if (message.size() <= kMaxStatusMessageBytes) return std::string(message);
+  // The head says what failed, the tail often the cause; keep both.
+  constexpr size_t kTail = 256;
+  const size_t head = kMaxStatusMessageBytes - kTail - 64;
+  return absl::StrCat(message.substr(0, head), " ... [",
+                      message.size() - head - kTail, " bytes elided] ... ",
+                      message.substr(message.size() - kTail));
+}
+
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
-                      std::string(status.message()));
+                      BoundedStatusMessage(status.message()));
 }
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {

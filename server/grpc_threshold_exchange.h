@@ -5,12 +5,14 @@
 #define GTOPK_SERVER_GRPC_THRESHOLD_EXCHANGE_H_
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
 #include "gtopk/v1/gtopk.pb.h"
@@ -22,8 +24,22 @@
 namespace gtopk {
 namespace server {
 
+// Longest status message sent over the wire, in bytes. gRPC carries the
+// message in the trailers, and a client refuses trailers over its metadata
+// limit (8 KiB by default) with RESOURCE_EXHAUSTED -- which a worker does
+// not retry -- so a long message (a step timeout naming thousands of
+// missing workers, a forwarded AbortStep reason) must not reach the wire
+// whole.
+inline constexpr size_t kMaxStatusMessageBytes = 2048;
+
+// `message` when it fits kMaxStatusMessageBytes; otherwise its head and
+// tail with the number of bytes elided between them (at most
+// kMaxStatusMessageBytes in all).
+std::string BoundedStatusMessage(absl::string_view message);
+
 // absl::Status -> grpc::Status, the one conversion at the server's edge: the
-// same code (the numeric values of both enums agree) and the same message.
+// same code (the numeric values of both enums agree) and the same message,
+// bounded by kMaxStatusMessageBytes (BoundedStatusMessage).
 grpc::Status ToGrpcStatus(const absl::Status& status);
 // grpc::Status -> absl::Status, same code and message (for calls to peers).
 absl::Status FromGrpcStatus(const grpc::Status& status);

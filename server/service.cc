@@ -1452,13 +1452,16 @@ namespace {
 // Longest an AbortStep message may take (it is advice: a shard that misses
 // it still fails its round at its own step deadline).
 constexpr absl::Duration kAbortStepTimeout = absl::Seconds(5);
+// Longest AbortStep reason kept (it is forwarded into every shard's status).
+constexpr size_t kMaxAbortReasonBytes = 1024;
 }  // namespace
 
 void AggregatorService::OnLocalStepFailed(int64_t step,
                                           const absl::Status& reason) {
   // Called under the aggregator's lock: only queue the work.
   if (config_.num_shards == 1) return;  // nobody else to tell
-  std::string why(reason.message());
+  std::string why = BoundedStatusMessage(reason.message());
+  if (why.size() > kMaxAbortReasonBytes) why.resize(kMaxAbortReasonBytes);
   if (is_leader()) {
     notifier_.Post([this, step, why] { LeaderAbortStep(step, 0, why); });
     return;
@@ -1534,8 +1537,25 @@ grpc::Status AggregatorService::AbortStep(grpc::ServerContext* /*context*/,
         request->shard_id(), " below --num-shards (", config_.num_shards,
         ")")));
   }
+  // Epochs start at the leader's start time in microseconds and grow by one
+  // per failure (common/epoch.h): one a day or more ahead of this clock is
+  // not a leader's, and would make every later push "newer than any
+  // failure" for good.
+  const uint64_t now_us = static_cast<uint64_t>(absl::ToUnixMicros(absl::Now()));
+  if (!is_leader() &&
+      request->epoch() > now_us + uint64_t{86400} * 1000 * 1000) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+        "AbortStep: epoch ", request->epoch(),
+        " is more than a day ahead of this shard's clock (", now_us,
+        " us since the Unix epoch)")));
+  }
+  // The reason travels on to every worker of the step: keep it short.
+  const std::string reason = request->reason().size() > kMaxAbortReasonBytes
+                                 ? BoundedStatusMessage(request->reason())
+                                       .substr(0, kMaxAbortReasonBytes)
+                                 : request->reason();
   if (is_leader()) {
-    LeaderAbortStep(request->step(), request->shard_id(), request->reason());
+    LeaderAbortStep(request->step(), request->shard_id(), reason);
     return grpc::Status::OK;
   }
   ShardAggregator* aggregator;
@@ -1548,7 +1568,7 @@ grpc::Status AggregatorService::AbortStep(grpc::ServerContext* /*context*/,
         request->step(),
         absl::AbortedError(absl::StrCat(
             "step ", request->step(), " failed on shard ",
-            request->shard_id(), ": ", request->reason(),
+            request->shard_id(), ": ", reason,
             " (the worker retries the step after Recover)")),
         request->epoch());
   }

@@ -279,8 +279,12 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
     return valid;
   }
   if (push.step < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "worker ", w, ": step ", push.step, " is negative"));
+    // A bad push like any other: the worker's round of the current step
+    // cannot complete, so it fails for everyone, on every shard.
+    const absl::Status negative = absl::InvalidArgumentError(
+        absl::StrCat("worker ", w, ": step ", push.step, " is negative"));
+    FailStepLocked(next_step_, w, negative);
+    return negative;
   }
   if (push.step < next_step_) {
     if (last_ != nullptr && last_->step == push.step) return last_->result;

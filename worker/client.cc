@@ -643,9 +643,15 @@ absl::Status WorkerClient::Exchange(int64_t step,
         const auto& trailers = c.context->GetServerTrailingMetadata();
         if (auto it = trailers.find(kEpochMetadataKey); it != trailers.end()) {
           uint64_t epoch = 0;
+          // Epochs start at the leader's start time in microseconds
+          // (common/epoch.h); one a day ahead of this clock is not real.
+          const uint64_t plausible =
+              static_cast<uint64_t>(absl::ToUnixMicros(absl::Now())) +
+              uint64_t{86400} * 1000 * 1000;
           if (absl::SimpleAtoi(absl::string_view(it->second.data(),
                                                  it->second.size()),
-                               &epoch)) {
+                               &epoch) &&
+              epoch <= plausible) {
             absl::MutexLock lock(&mu);
             learned_epoch = std::max(learned_epoch, epoch);
           }

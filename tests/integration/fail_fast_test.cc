@@ -59,18 +59,26 @@ std::unique_ptr<WorkerClient> Join(const server::LocalCluster& cluster,
   return c.ok() ? *std::move(c) : nullptr;
 }
 
+enum class Bad { kGarbage, kNegativeStep };
+
 // Worker `rank`'s step-0 pushes by hand: a valid one (index `begin` of the
-// shard's range, value 0.5) or undecodable bytes.
-v1::Push HandPush(const v1::ClusterSpec& spec, uint32_t rank, uint32_t shard,
-                  bool valid) {
+// shard's range, value 0.5), or a bad one of kind `bad`: undecodable bytes,
+// or a valid vector for step -1.
+v1::Push HandPush(const v1::ClusterSpec& spec, uint64_t member_token,
+                  uint32_t rank, uint32_t shard, bool valid,
+                  Bad bad = Bad::kGarbage) {
   v1::Push push;
   push.set_step(0);
   push.set_worker(rank);
   push.set_shard_id(shard);
-  if (!valid) {
+  // The joined worker's identity: a push without it is refused alone.
+  push.set_member_token(member_token);
+  push.set_cluster_fingerprint(spec.cluster_fingerprint());
+  if (!valid && bad == Bad::kGarbage) {
     push.set_sparse("not an encoded sparse vector");
     return push;
   }
+  if (!valid) push.set_step(-1);
   SparseVector one;
   one.push_back(static_cast<uint32_t>(spec.shards(shard).begin()), 0.5f);
   EXPECT_TRUE(EncodeSparse(one, kN,
@@ -87,6 +95,7 @@ struct Case {
   // The bad push reaches shard 0 before the good worker pushes (no round is
   // open there yet), or after.
   bool bad_first;
+  Bad bad = Bad::kGarbage;
 };
 
 class FailFastTest : public ::testing::TestWithParam<Case> {};
@@ -137,10 +146,12 @@ TEST_P(FailFastTest, BadPushOnOneShardFailsTheStepOnEveryShardPromptly) {
     contexts.push_back(std::make_unique<grpc::ClientContext>());
     streams.push_back(stubs[s]->PushPull(contexts[s].get()));
   }
-  ASSERT_TRUE(streams[1]->Write(HandPush(spec, 0, 1, true)));
+  const uint64_t token0 = clients[0]->member_token();
+  ASSERT_TRUE(streams[1]->Write(HandPush(spec, token0, 0, 1, true)));
   absl::SleepFor(absl::Milliseconds(100));
   auto bad = [&] {
-    ASSERT_TRUE(streams[0]->Write(HandPush(spec, 0, 0, false)));
+    ASSERT_TRUE(
+        streams[0]->Write(HandPush(spec, token0, 0, 0, false, GetParam().bad)));
   };
   if (GetParam().bad_first) {
     bad();
@@ -208,6 +219,80 @@ TEST_P(FailFastTest, BadPushOnOneShardFailsTheStepOnEveryShardPromptly) {
   EXPECT_TRUE(BitEqual(server->first, params[0]));
 }
 
+// A status travels in gRPC's trailers, which a client refuses over its
+// metadata limit (8 KiB) with RESOURCE_EXHAUSTED -- not retried, so every
+// worker ended. Found with a step timeout naming 1999 missing workers, and
+// with a 100 KB AbortStep reason; both must reach the worker as their own
+// (retryable) code with a bounded message.
+TEST(LongStatusTest, StepTimeoutNamingThousandsOfWorkersStaysRetryable) {
+  server::ServerConfig config;
+  config.num_workers = 2000;
+  config.optimizer.density = 0.01;
+  config.step_timeout = absl::Seconds(1);
+  auto cluster = server::LocalCluster::Start(config, 1);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  std::unique_ptr<WorkerClient> client = Join(**cluster, 0);
+  ASSERT_NE(client, nullptr);
+  std::vector<float> params = Seeded(1);
+  GTOPK_ASSERT_OK(client->SynchronizeParameters(absl::MakeSpan(params)));
+  const absl::Status step =
+      client->Step(Seeded(2), absl::MakeSpan(params)).status();
+  EXPECT_THAT(step, StatusIs(absl::StatusCode::kDeadlineExceeded,
+                             HasSubstr("waiting for worker(s) 1, 2, 3")));
+  EXPECT_LT(step.message().size(), 4096u);
+}
+
+TEST(LongStatusTest, HugeAbortStepReasonReachesWorkersBounded) {
+  server::ServerConfig config;
+  config.num_workers = 2;
+  config.optimizer.density = 0.01;
+  config.step_timeout = kStepTimeout;
+  auto cluster_or = server::LocalCluster::Start(config, 2);
+  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+  server::LocalCluster& cluster = **cluster_or;
+  std::vector<std::unique_ptr<WorkerClient>> clients;
+  for (int w = 0; w < 2; ++w) {
+    clients.push_back(Join(cluster, w));
+    ASSERT_NE(clients.back(), nullptr);
+  }
+  std::vector<std::vector<float>> params(2);
+  {
+    std::vector<std::thread> threads;
+    for (int w = 0; w < 2; ++w) {
+      threads.emplace_back([&, w] {
+        params[w] = Seeded(1);
+        GTOPK_EXPECT_OK(
+            clients[w]->SynchronizeParameters(absl::MakeSpan(params[w])));
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  absl::Status stepped;
+  absl::Duration took;
+  std::thread step([&] {  // worker 0 never pushes: the step waits
+    const absl::Time start = absl::Now();
+    stepped =
+        clients[1]->Step(Seeded(101), absl::MakeSpan(params[1])).status();
+    took = absl::Now() - start;
+  });
+  absl::SleepFor(absl::Milliseconds(300));
+  auto leader = v1::Aggregator::NewStub(grpc::CreateChannel(
+      cluster.leader(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  v1::AbortStepRequest request;
+  request.set_step(0);
+  request.set_shard_id(1);
+  request.set_reason(std::string(100000, 'R'));
+  v1::AbortStepResponse response;
+  EXPECT_TRUE(leader->AbortStep(&ctx, request, &response).ok());
+  step.join();
+  EXPECT_THAT(stepped, StatusIs(absl::StatusCode::kAborted,
+                                HasSubstr("failed on shard 1: RRRR")));
+  EXPECT_LT(stepped.message().size(), 8192u);
+  EXPECT_LT(took, kPrompt);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Modes, FailFastTest,
     ::testing::Values(
@@ -218,11 +303,20 @@ INSTANTIATE_TEST_SUITE_P(
         Case{server::AggregationMode::kGtopk, server::SelectionKind::kQuota,
              false},
         Case{server::AggregationMode::kTopk, server::SelectionKind::kExact,
-             true}),
+             true},
+        // A push for a negative step (it returned before failing the round:
+        // the others waited for their step timeout).
+        Case{server::AggregationMode::kGtopk, server::SelectionKind::kExact,
+             false, Bad::kNegativeStep},
+        Case{server::AggregationMode::kGtopk, server::SelectionKind::kQuota,
+             true, Bad::kNegativeStep}),
     [](const auto& info) {
       return absl::StrCat(server::AggregationModeName(info.param.mode), "_",
                           server::SelectionKindName(info.param.selection),
-                          info.param.bad_first ? "_bad_first" : "_bad_last");
+                          info.param.bad_first ? "_bad_first" : "_bad_last",
+                          info.param.bad == Bad::kNegativeStep
+                              ? "_negative_step"
+                              : "");
     });
 
 }  // namespace
