@@ -242,6 +242,85 @@ TEST(TrainerTest, RetriesAreBoundedByTimeNotByACount) {
   rmdir(dir_template);
 }
 
+// FAILED_PRECONDITION from a step means "shards at different steps" once:
+// one Recover repairs that. The same code again after a successful Recover
+// is a state no retry changes -- here a step whose update would overflow
+// the parameters to -inf, refused by the servers every time -- and must end
+// the run at once with the servers' message, not after --recovery-timeout
+// (60 s here) of identical failures.
+TEST(TrainerTest, RepeatedFailedPreconditionEndsTheRunAtOnce) {
+  constexpr uint64_t kN = 1000;
+  server::ServerConfig config;
+  config.num_workers = 2;
+  config.optimizer.density = 0.05;
+  config.optimizer.lr = 1.0f;
+  config.optimizer.momentum = 0.0f;
+  config.optimizer.momentum_mode = MomentumMode::kNone;
+  config.step_timeout = absl::Seconds(5);
+  auto cluster_or = server::LocalCluster::Start(config, 1);
+  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+  server::LocalCluster& cluster = **cluster_or;
+
+  // The test's worker is rank 0: parameters near -FLT_MAX, and a gradient
+  // that pushes them past it.
+  ClientOptions co;
+  co.leader_address = cluster.leader();
+  co.requested_rank = 0;
+  co.n = kN;
+  absl::StatusOr<std::unique_ptr<WorkerClient>> client =
+      WorkerClient::Connect(co);
+  GTOPK_ASSERT_OK(client.status());
+  std::vector<float> params(kN, -3.3e38f);
+  GTOPK_ASSERT_OK((*client)->SynchronizeParameters(absl::MakeSpan(params)));
+
+  TrainerOptions o;
+  o.server = cluster.leader();
+  o.rank = 1;
+  o.model = "synthetic:" + std::to_string(kN);
+  o.steps = 3;
+  o.rpc_timeout = absl::Seconds(20);
+  o.recovery_timeout = absl::Seconds(60);
+  ::testing::internal::CaptureStderr();
+  absl::Status trainer_status;
+  std::atomic<bool> trainer_done{false};
+  const absl::Time start = absl::Now();
+  std::thread trainer([&] {
+    trainer_status = RunTrainer(o);
+    trainer_done = true;
+  });
+  std::vector<float> grad(kN, 2.0e38f);
+  const absl::Time deadline = absl::Now() + absl::Seconds(50);
+  absl::Status rank0;  // the last FAILED_PRECONDITION rank 0 saw
+  while (!trainer_done && absl::Now() < deadline) {
+    const absl::Status st =
+        (*client)->Step(grad, absl::MakeSpan(params)).status();
+    std::fill(grad.begin(), grad.end(), 0.0f);  // the residual keeps it
+    if (st.ok()) {
+      rank0 = st;
+      break;
+    }
+    if (absl::IsFailedPrecondition(st)) {
+      rank0 = st;
+      (void)(*client)->Recover(absl::MakeSpan(params));
+    }
+  }
+  trainer.join();
+  const absl::Duration took = absl::Now() - start;
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_THAT(rank0, StatusIs(absl::StatusCode::kFailedPrecondition,
+                              HasSubstr("not finite")));
+  EXPECT_THAT(trainer_status,
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("not finite"),
+                             HasSubstr("again after a recovery"))))
+      << log;
+  EXPECT_LT(took, absl::Seconds(30)) << log;  // not the 60 s budget
+  // Nothing was applied anywhere.
+  auto servers = cluster.ServerParams(kN);
+  ASSERT_TRUE(servers.ok()) << servers.status();
+  EXPECT_EQ(servers->second, 0);
+}
+
 }  // namespace
 }  // namespace worker
 }  // namespace gtopk
