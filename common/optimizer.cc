@@ -379,6 +379,14 @@ absl::Status OptimizerRule::ApplyAggregated(
   // Validates the arguments and that every stored value stays finite.
   GTOPK_RETURN_IF_ERROR(CheckAggregated(aggregated, offset, num_workers,
                                         params, global_velocity));
+  StoreAggregated(aggregated, offset, num_workers, params, global_velocity);
+  return absl::OkStatus();
+}
+
+void OptimizerRule::StoreAggregated(const SparseVector& aggregated,
+                                    uint64_t offset, int num_workers,
+                                    absl::Span<float> params,
+                                    absl::Span<float> global_velocity) const {
   const bool global = options_.momentum_mode == MomentumMode::kGlobal;
   const float p = static_cast<float>(num_workers);
   if (!global) {
@@ -386,7 +394,7 @@ absl::Status OptimizerRule::ApplyAggregated(
       const float update = aggregated.values[j] / p;
       params[aggregated.indices[j] - offset] -= update;
     }
-    return absl::OkStatus();
+    return;
   }
   const float m = options_.momentum;
   size_t j = 0;
@@ -400,7 +408,6 @@ absl::Status OptimizerRule::ApplyAggregated(
     global_velocity[i] = v;
     params[i] -= v;
   }
-  return absl::OkStatus();
 }
 
 absl::Status OptimizerRule::CheckAggregatedDense(
@@ -451,6 +458,13 @@ absl::Status OptimizerRule::ApplyAggregatedDense(
     absl::Span<float> global_velocity) const {
   GTOPK_RETURN_IF_ERROR(CheckAggregatedDense(sum, num_workers, /*offset=*/0,
                                              params, global_velocity));
+  StoreAggregatedDense(sum, num_workers, params, global_velocity);
+  return absl::OkStatus();
+}
+
+void OptimizerRule::StoreAggregatedDense(
+    absl::Span<const float> sum, int num_workers, absl::Span<float> params,
+    absl::Span<float> global_velocity) const {
   const bool global = options_.momentum_mode == MomentumMode::kGlobal;
   const float p = static_cast<float>(num_workers);
   if (!global) {
@@ -458,7 +472,7 @@ absl::Status OptimizerRule::ApplyAggregatedDense(
       const float update = sum[i] / p;
       params[i] -= update;
     }
-    return absl::OkStatus();
+    return;
   }
   const float m = options_.momentum;
   for (size_t i = 0; i < params.size(); ++i) {
@@ -467,7 +481,6 @@ absl::Status OptimizerRule::ApplyAggregatedDense(
     global_velocity[i] = v;
     params[i] -= v;
   }
-  return absl::OkStatus();
 }
 
 }  // namespace gtopk

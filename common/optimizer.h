@@ -157,6 +157,21 @@ class OptimizerRule {
                                     absl::Span<const float> params,
                                     absl::Span<const float> global_velocity) const;
 
+  // The stores of ApplyAggregated / ApplyAggregatedDense without their
+  // check, for a caller that must check before something else (a shard
+  // before its commit vote, a worker before its residual bookkeeping) and
+  // so would otherwise pass over the range twice. Precondition: the
+  // matching Check returned OK for the same arguments, and params and
+  // global_velocity have not changed since; then the result is bit for bit
+  // ApplyAggregated's. Otherwise non-finite values may be stored. No errors
+  // are detected; nothing is validated.
+  void StoreAggregated(const SparseVector& aggregated, uint64_t offset,
+                       int num_workers, absl::Span<float> params,
+                       absl::Span<float> global_velocity) const;
+  void StoreAggregatedDense(absl::Span<const float> sum, int num_workers,
+                            absl::Span<float> params,
+                            absl::Span<float> global_velocity) const;
+
  private:
   explicit OptimizerRule(OptimizerOptions options)
       : options_(std::move(options)) {}

@@ -370,18 +370,20 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
     }
     absl::Status status = result.status();
     if (status.ok()) {
-      failed_here = true;  // if the apply fails, that is this shard's news
+      // CheckUpdateFinite passed on this state before the vote; only a
+      // rollback changes params_ meanwhile, and that returned above.
       const RoundResult& r = **result;
-      status = options_.mode == AggregationMode::kDense
-                   ? rule_.ApplyAggregatedDense(
-                         r.dense_sum, static_cast<int>(options_.num_workers),
-                         absl::MakeSpan(params_),
-                         absl::MakeSpan(global_velocity_))
-                   : rule_.ApplyAggregated(
-                         r.selected, begin_,
-                         static_cast<int>(options_.num_workers),
-                         absl::MakeSpan(params_),
-                         absl::MakeSpan(global_velocity_));
+      if (options_.mode == AggregationMode::kDense) {
+        rule_.StoreAggregatedDense(r.dense_sum,
+                                   static_cast<int>(options_.num_workers),
+                                   absl::MakeSpan(params_),
+                                   absl::MakeSpan(global_velocity_));
+      } else {
+        rule_.StoreAggregated(r.selected, begin_,
+                              static_cast<int>(options_.num_workers),
+                              absl::MakeSpan(params_),
+                              absl::MakeSpan(global_velocity_));
+      }
     }
     if (!status.ok()) {
       if (failed_here) NotifyStepFailedLocked(round->step, status);

@@ -923,9 +923,10 @@ absl::StatusOr<StepStats> WorkerClient::Step(absl::Span<const float> gradient,
     for (size_t s = 0; s < S; ++s) {
       const uint64_t begin = shards_[s]->begin;
       const uint64_t len = shards_[s]->end - begin;
-      GTOPK_RETURN_IF_ERROR(rule_.ApplyAggregatedDense(
+      // Checked above (CheckAggregatedDense), nothing changed since.
+      rule_.StoreAggregatedDense(
           pulls[s].dense(), P, params.subspan(begin, len),
-          absl::MakeSpan(global_velocity_).subspan(begin, len)));
+          absl::MakeSpan(global_velocity_).subspan(begin, len));
     }
     // Everything accumulated was applied.
     std::fill(feedback_.mutable_residual().begin(),
@@ -936,8 +937,10 @@ absl::StatusOr<StepStats> WorkerClient::Step(absl::Span<const float> gradient,
     }
     GTOPK_RETURN_IF_ERROR(
         rule_.MaskMomentum(sent, global, absl::MakeSpan(velocity_)));
-    GTOPK_RETURN_IF_ERROR(rule_.ApplyAggregated(global, 0, P, params,
-                                                absl::MakeSpan(global_velocity_)));
+    // Checked above (CheckAggregated); PutBack and MaskMomentum touch
+    // neither params nor the global velocity.
+    rule_.StoreAggregated(global, 0, P, params,
+                          absl::MakeSpan(global_velocity_));
   }
   stats.apply = absl::Now() - t;
   ++next_step_;

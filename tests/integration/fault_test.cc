@@ -19,6 +19,7 @@
 #include "gtest/gtest.h"
 #include "server/service.h"
 #include "server/local_cluster.h"
+#include "tests/testing/joined_workers.h"
 #include "worker/client.h"
 
 namespace gtopk {
@@ -80,23 +81,11 @@ TEST_P(PartialPushTest, WorkerDisconnectingMidStepFailsTheOthersNamingIt) {
   auto cluster_or = server::LocalCluster::Start(config, 2);
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
   server::LocalCluster& cluster = **cluster_or;
-  std::vector<std::unique_ptr<WorkerClient>> clients;
-  for (int w = 0; w < 3; ++w) {
-    clients.push_back(Join(cluster, w));
-    ASSERT_NE(clients.back(), nullptr);
-  }
-  std::vector<std::vector<float>> params(3);
-  {
-    std::vector<std::thread> threads;
-    for (int w = 0; w < 3; ++w) {
-      threads.emplace_back([&, w] {
-        params[w] = w == 0 ? Seeded(1) : std::vector<float>(kN, 0.0f);
-        GTOPK_EXPECT_OK(
-            clients[w]->SynchronizeParameters(absl::MakeSpan(params[w])));
-      });
-    }
-    for (auto& t : threads) t.join();
-  }
+  GTOPK_ASSERT_OK_AND_ASSIGN(
+      testing_cluster::JoinedWorkers joined,
+      testing_cluster::JoinAndSynchronize(cluster, 3, Seeded(1)));
+  auto& clients = joined.clients;
+  auto& params = joined.params;
   const std::vector<float> before = params[0];
 
   // Workers 0 and 1 step normally.
