@@ -12,6 +12,9 @@
 
 #include <cstdint>
 
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
 namespace gtopk {
 
 // "Newer than any failure": what in-process callers that do not take part
@@ -22,6 +25,16 @@ inline constexpr uint64_t kNewestEpoch = ~uint64_t{0};
 // epoch of the step's last failure on that shard, when it has one. A worker
 // pushes its next attempt with it (the client library does).
 inline constexpr char kEpochMetadataKey[] = "gtopk-epoch";
+
+// Whether `epoch` can be a leader's: epochs start at its start time in
+// microseconds and grow by one per failure, so one more than a day ahead of
+// `now` is not (it would make every later push "newer than any failure"
+// for good). Shards refuse such an AbortStep; workers ignore such a
+// trailer.
+inline bool IsPlausibleEpoch(uint64_t epoch, absl::Time now = absl::Now()) {
+  const uint64_t now_us = static_cast<uint64_t>(absl::ToUnixMicros(now));
+  return epoch <= now_us + uint64_t{86400} * 1000 * 1000;
+}
 
 }  // namespace gtopk
 

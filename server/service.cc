@@ -1537,16 +1537,13 @@ grpc::Status AggregatorService::AbortStep(grpc::ServerContext* /*context*/,
         request->shard_id(), " below --num-shards (", config_.num_shards,
         ")")));
   }
-  // Epochs start at the leader's start time in microseconds and grow by one
-  // per failure (common/epoch.h): one a day or more ahead of this clock is
-  // not a leader's, and would make every later push "newer than any
-  // failure" for good.
-  const uint64_t now_us = static_cast<uint64_t>(absl::ToUnixMicros(absl::Now()));
-  if (!is_leader() &&
-      request->epoch() > now_us + uint64_t{86400} * 1000 * 1000) {
+  // A far-future epoch is not a leader's (IsPlausibleEpoch).
+  const absl::Time now = absl::Now();
+  if (!is_leader() && !IsPlausibleEpoch(request->epoch(), now)) {
     return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
         "AbortStep: epoch ", request->epoch(),
-        " is more than a day ahead of this shard's clock (", now_us,
+        " is more than a day ahead of this shard's clock (",
+        absl::ToUnixMicros(now),
         " us since the Unix epoch)")));
   }
   // The reason travels on to every worker of the step: keep it short.

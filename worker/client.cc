@@ -644,14 +644,11 @@ absl::Status WorkerClient::Exchange(int64_t step,
         if (auto it = trailers.find(kEpochMetadataKey); it != trailers.end()) {
           uint64_t epoch = 0;
           // Epochs start at the leader's start time in microseconds
-          // (common/epoch.h); one a day ahead of this clock is not real.
-          const uint64_t plausible =
-              static_cast<uint64_t>(absl::ToUnixMicros(absl::Now())) +
-              uint64_t{86400} * 1000 * 1000;
+          // (common/epoch.h): a far-future one is ignored.
           if (absl::SimpleAtoi(absl::string_view(it->second.data(),
                                                  it->second.size()),
                                &epoch) &&
-              epoch <= plausible) {
+              IsPlausibleEpoch(epoch)) {
             absl::MutexLock lock(&mu);
             learned_epoch = std::max(learned_epoch, epoch);
           }

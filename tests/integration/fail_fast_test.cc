@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/codec.h"
+#include "common/epoch.h"
 #include "common/testing/status_matchers.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -268,6 +269,38 @@ TEST(LongStatusTest, HugeAbortStepReasonReachesWorkersBounded) {
                                 HasSubstr("failed on shard 1: RRRR")));
   EXPECT_LT(stepped.message().size(), 8192u);
   EXPECT_LT(took, kPrompt);
+}
+
+// An AbortStep epoch far in the future (found: 2^64 - 1 sent to a shard)
+// would make every later push "newer than any failure" and switch the
+// failed-attempt checks off for the rest of the run: shards refuse it.
+TEST(AbortStepInputTest, FarFutureEpochIsRefusedByAShard) {
+  server::ServerConfig config;
+  config.num_workers = 1;
+  config.optimizer.density = 0.01;
+  config.step_timeout = absl::Seconds(5);
+  auto cluster = server::LocalCluster::Start(config, 2);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  auto shard1 = v1::Aggregator::NewStub(grpc::CreateChannel(
+      (*cluster)->peers()[1], grpc::InsecureChannelCredentials()));
+  for (const uint64_t epoch : {~uint64_t{0},
+                               static_cast<uint64_t>(absl::ToUnixMicros(
+                                   absl::Now() + absl::Hours(48)))}) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    v1::AbortStepRequest request;
+    request.set_step(0);
+    request.set_shard_id(0);
+    request.set_epoch(epoch);
+    v1::AbortStepResponse response;
+    const grpc::Status st = shard1->AbortStep(&ctx, request, &response);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << epoch;
+    EXPECT_NE(st.error_message().find("more than a day ahead"),
+              std::string::npos)
+        << st.error_message();
+  }
+  EXPECT_TRUE(IsPlausibleEpoch(
+      static_cast<uint64_t>(absl::ToUnixMicros(absl::Now())) + 1000));
 }
 
 INSTANTIATE_TEST_SUITE_P(
