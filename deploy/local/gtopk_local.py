@@ -207,10 +207,11 @@ def pick_free_ports(count):
 
 
 def human_bytes(b):
+    # Decimal units, as the README's figures (4.3 KB = 4300 bytes).
     for unit in ("B", "KB", "MB", "GB"):
-        if abs(b) < 1024 or unit == "GB":
+        if abs(b) < 1000 or unit == "GB":
             return ("%.0f %s" if unit == "B" else "%.1f %s") % (b, unit)
-        b /= 1024.0
+        b /= 1000.0
     return "%g" % b  # pragma: no cover
 
 
@@ -926,6 +927,11 @@ class Launcher:
         lines.append("  wall time       %.1f s" % s["wall_seconds"])
         lines.append("  replicas identical (workers and servers): %s" % (
             "yes" if s["replica_checksums_match"] else "NO"))
+        checksums = set(s.get("param_checksums") or []) | set(
+            s.get("server_checksums") or [])
+        if s["replica_checksums_match"] and len(checksums) == 1:
+            # What the README's figures quote, to compare runs at a glance.
+            lines.append("  parameter checksum  %s" % checksums.pop())
         lines.append("  summary         %s" % path)
         print("\n".join(lines))
         sys.stdout.flush()
