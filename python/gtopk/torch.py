@@ -1,0 +1,740 @@
+"""gtopk for PyTorch: :class:`DistributedOptimizer`, an optimizer that makes
+each training step one gTop-k step of a gtopk cluster.
+
+gTop-k S-SGD (Shi et al., "A Distributed Synchronous SGD Algorithm with
+Global Top-k Sparsification for Low Bandwidth Networks", ICDCS 2019,
+arXiv:1901.04359): every worker sends only the k largest entries of its
+accumulated gradient (the rest stays in its residual, error feedback),
+sharded ``gtopk-server`` processes keep only the global top-k of the sum,
+and every worker applies that same sparse update, so the replicas stay
+bit-identical. Momentum correction, momentum factor masking and density
+warm-up are those of Deep Gradient Compression (Lin et al., ICLR 2018,
+arXiv:1712.01887). The step itself runs in the C++ worker client
+(``gtopk._gtopk``); this module only arranges the parameters and gradients
+in flat buffers around it.
+"""
+
+import math
+import os
+import time
+import warnings
+
+import numpy as np
+import torch
+
+import gtopk
+from gtopk import errors
+
+__all__ = ["DistributedOptimizer"]
+
+_F32 = np.float32
+
+
+def _env_int(names):
+    """(name, int value) of the first of `names` set in the environment, or
+    (None, None). ValueError naming the variable when it is not an int."""
+    for name in names:
+        raw = os.environ.get(name)
+        if raw is None or raw.strip() == "":
+            continue
+        try:
+            return name, int(raw)
+        except ValueError:
+            raise ValueError("%s=%r is not an integer" % (name, raw)) from None
+    return None, None
+
+
+def _same_f32(a, b):
+    return _F32(a) == _F32(b)
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """SGD through a gtopk cluster: ``step()`` is one synchronous gTop-k step.
+
+    Use it in place of ``torch.optim.SGD``; constructing it joins the
+    cluster::
+
+        import gtopk.torch
+        opt = gtopk.torch.DistributedOptimizer(model.parameters(), lr=0.05,
+                                               momentum=0.9)
+        for x, y in loader:
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+
+    **Construction** (blocks until joined and synchronised, at most about
+    ``rpc_timeout`` seconds per RPC):
+
+    1. Every parameter of every group, in order of appearance, is copied into
+       one contiguous float32 buffer of n elements (:meth:`flat_parameters`)
+       and each ``p.data`` becomes a view of its slice (as DeepSpeed's and
+       Apex's flat buffers do). Gradients are gathered into a second flat
+       buffer; after the first step each ``p.grad`` is a view of its slice,
+       so ``backward()`` accumulates in place and the gathering copies
+       nothing. All parameters must be float32 and on one device: the CPU,
+       or one CUDA device (then the client's device step is used: the dense
+       gradient never leaves the GPU; needs ``gtopk.has_cuda``).
+    2. It joins the cluster at ``leader`` as ``rank`` (the cluster's n must
+       be this n: a mismatch is :class:`gtopk.FailedPrecondition`), checks
+       every setting given here against the servers' cluster spec, and
+       downloads the servers' parameters into the buffer (rank 0 first
+       offers its own values as the initial ones), so every replica starts
+       equal to the servers. Do not change the parameters yourself after
+       this (e.g. ``model.load_state_dict`` after construction): replicas
+       would differ; load the model *before* constructing the optimizer, or
+       call :meth:`load_state_dict` (which downloads them again).
+
+    **The servers own the optimizer's configuration.** Mode, selector,
+    density (and its warm-up), learning rate, momentum, momentum mode and
+    weight decay are ``gtopk-server`` flags; the arguments of the same names
+    here are *checks*: a value that differs from the cluster's raises
+    :class:`gtopk.FailedPrecondition` with the same message as
+    ``gtopk-worker``'s flags (``"lr=0.1 but the servers' cluster spec has lr
+    0.05 (configure the servers and workers alike)"``). Arguments left
+    ``None`` take the cluster's values (``param_groups[i]["lr"]`` and
+    ``["momentum"]`` are then the cluster's).
+
+    **Learning-rate schedules are not supported**: the learning rate is
+    fixed by the servers' ``--lr`` (every replica and every shard apply the
+    same rule; ``--lr-warmup-steps`` gives a linear warm-up, and density
+    warm-up is ``--density-warmup``). A ``torch.optim.lr_scheduler``
+    scheduler that leaves ``lr`` unchanged keeps working (constructing one is
+    fine), but when one *changes* ``param_groups[i]["lr"]`` (or anything
+    changes ``["momentum"]``) away from the cluster's value, the next
+    :meth:`step` raises :class:`gtopk.FailedPrecondition` naming both
+    values, before anything is sent. Values are compared as float32.
+
+    **Failures and recovery.** A failed step raises the :class:`gtopk.Error`
+    subclass of its status code, with the server's message (naming the shard
+    or worker that failed). Nothing was applied to the parameters; the
+    gradient is kept in the residual, so retrying the same step sends a zero
+    gradient (whatever ``.grad`` holds then), as ``gtopk-worker`` does. The
+    recovery loop::
+
+        while True:
+            try:
+                opt.step()
+                break
+            except gtopk.RETRYABLE:   # Aborted, DeadlineExceeded, Unavailable
+                opt.recover()
+
+    :meth:`recover` asks the leader to bring the shards to one step and
+    returns the step to continue from (``opt.next_step``). When the servers
+    were rolled back (a shard restarted from an older checkpoint) that step
+    is earlier than the failed one, the parameters were downloaded again,
+    and a training script should recompute the gradient of that step (the
+    example ``examples/pytorch/train_fashion_mnist.py`` does). Other errors
+    (:class:`gtopk.InvalidArgument`, :class:`gtopk.PermissionDenied`, ...)
+    are not retryable.
+
+    **Checkpoints.** :meth:`state_dict` adds this worker's own gtopk state --
+    the step, the error-feedback residual and the (DGC) local velocity, as
+    CPU tensors -- under the key ``"gtopk"``, so ``torch.save(opt.state_dict(),
+    path)`` checkpoints everything a resumed run needs besides the servers'
+    parameters (the servers checkpoint those themselves). The state is per
+    rank: every rank saves and loads its own file. :meth:`load_state_dict`
+    needs the servers at the checkpoint's step.
+
+    **Statistics and metrics.** :attr:`stats` is the last step's statistics
+    (bytes per shard, phase times in seconds; see :meth:`step`). With
+    ``metrics_port`` set, the worker's Prometheus metrics (the same as
+    ``gtopk-worker``'s, docs/metrics.md) are served on it, and every
+    successful step is recorded (compute time: from the end of the previous
+    ``step()``; loss: the closure's, or ``step(loss=...)``). Pass
+    ``record_step_metrics=False`` to record the steps yourself with
+    :meth:`record_metrics`.
+
+    **Thread-safety**: not thread-safe; use it from one thread. Blocking
+    calls release the GIL, and Ctrl-C interrupts them within a second with
+    ``KeyboardInterrupt`` (nothing applied; the step may be retried).
+
+    Args:
+      params: an iterable of tensors or of param-group dicts, as for any
+        torch optimizer (every parameter is trained by the servers' rule;
+        per-group ``lr``/``momentum`` must equal the cluster's).
+      lr, momentum: checks against the cluster (see above); ``None``: take
+        the cluster's.
+      leader: ``host:port`` of the leader shard; default ``$GTOPK_LEADER``,
+        then ``$GTOPK_SERVER``. Missing: ``ValueError``.
+      rank: rank to take, ``0..P-1``; default ``$RANK`` (torchrun), then
+        ``$JOB_COMPLETION_INDEX`` (Kubernetes indexed Jobs), else ``-1``: any
+        free rank the leader hands out.
+      world_size: checked against the cluster's number of workers P; default
+        ``$WORLD_SIZE`` when set. A mismatch is
+        :class:`gtopk.FailedPrecondition`.
+      mode, selector, density, momentum_mode, weight_decay, index_codec,
+        value_codec: checks against the cluster (``None``: no check).
+      rpc_timeout: seconds, the deadline of the join and of each parameter
+        upload/download RPC.
+      metrics_port: serve Prometheus metrics on this port (``0``: off);
+        default ``$GTOPK_METRICS_PORT``, else off. ``metrics_host``: the
+        address it binds.
+      recovery_timeout: seconds; the default timeout of :meth:`recover`
+        (``None``: the client's, the RPC timeout plus the servers' step
+        timeout), and the budget for recovering a failed initial parameter
+        download (``None``: 4 x the servers' step timeout, as gtopk-worker).
+      step_watchdog_margin: seconds a step may wait beyond the servers' step
+        timeout before a stalled shard is cancelled.
+      record_step_metrics: record every successful step in the metrics
+        (when ``metrics_port`` is on).
+
+    Raises (construction): ``ValueError`` / ``TypeError`` for bad arguments
+    (before joining); :class:`gtopk.Unimplemented` for CUDA parameters in a
+    build without CUDA; the join's and the download's :class:`gtopk.Error`
+    (:class:`gtopk.FailedPrecondition` for an n or settings mismatch,
+    :class:`gtopk.AlreadyExists` for a rank taken by a live worker,
+    :class:`gtopk.DeadlineExceeded` / :class:`gtopk.Unavailable` when the
+    leader cannot be reached).
+    """
+
+    def __init__(self, params, lr=None, momentum=None, *, leader=None,
+                 rank=None, world_size=None, mode=None, selector=None,
+                 density=None, momentum_mode=None, weight_decay=None,
+                 index_codec=None, value_codec=None, rpc_timeout=30.0,
+                 metrics_port=None, metrics_host="0.0.0.0",
+                 recovery_timeout=None, step_watchdog_margin=2.0,
+                 record_step_metrics=True):
+        self._client = None
+        self._frozen = False
+        # -- arguments and environment (no RPC yet) ------------------------
+        if leader is None:
+            leader = os.environ.get("GTOPK_LEADER") or \
+                os.environ.get("GTOPK_SERVER")
+        if not leader:
+            raise ValueError(
+                "gtopk: no leader address: pass leader='host:port' or set "
+                "GTOPK_LEADER (or GTOPK_SERVER) to the leader shard's "
+                "host:port")
+        if rank is None:
+            _, rank = _env_int(("RANK", "JOB_COMPLETION_INDEX"))
+            if rank is None:
+                rank = -1
+        rank = int(rank)
+        if rank < -1:
+            raise ValueError("gtopk: rank must be >= 0, or -1 for any free "
+                             "rank; got %d" % rank)
+        world_size_from = "world_size"
+        if world_size is None:
+            world_size_from, world_size = _env_int(("WORLD_SIZE",))
+        if world_size is not None:
+            world_size = int(world_size)
+            if world_size < 1:
+                raise ValueError("gtopk: %s must be >= 1, got %d" % (
+                    world_size_from, world_size))
+        if metrics_port is None:
+            _, metrics_port = _env_int(("GTOPK_METRICS_PORT",))
+            if metrics_port is None:
+                metrics_port = 0
+        metrics_port = int(metrics_port)
+        if not 0 <= metrics_port <= 65535:
+            raise ValueError("gtopk: metrics_port must be in [0, 65535] "
+                             "(0: off), got %d" % metrics_port)
+        if not (rpc_timeout > 0 and math.isfinite(rpc_timeout)):
+            raise ValueError("gtopk: rpc_timeout must be > 0 seconds, got %r"
+                             % (rpc_timeout,))
+        if recovery_timeout is not None and not recovery_timeout >= 0:
+            raise ValueError("gtopk: recovery_timeout must be >= 0 seconds "
+                             "or None, got %r" % (recovery_timeout,))
+        for name, value in (("lr", lr), ("momentum", momentum),
+                            ("density", density),
+                            ("weight_decay", weight_decay)):
+            if value is not None and not isinstance(value, (int, float)):
+                raise TypeError("gtopk: %s must be a number or None, got %r"
+                                % (name, value))
+        self._recovery_timeout = recovery_timeout
+        self._record_step_metrics = bool(record_step_metrics)
+
+        # torch's bookkeeping: param_groups (lr/momentum filled in from the
+        # cluster below when not given).
+        super().__init__(params, {"lr": lr, "momentum": momentum})
+
+        # -- the flat buffers ----------------------------------------------
+        plist = [p for g in self.param_groups for p in g["params"]]
+        if not plist:
+            raise ValueError("gtopk: no parameters to optimize")
+        device = plist[0].device
+        for i, p in enumerate(plist):
+            if p.dtype != torch.float32:
+                raise TypeError(
+                    "gtopk: parameter %d (shape %s) is %s; gtopk trains "
+                    "float32 parameters only (model.float())"
+                    % (i, tuple(p.shape), p.dtype))
+            if p.device != device:
+                raise ValueError(
+                    "gtopk: parameters on different devices (%s and %s); "
+                    "put the whole model on one device" % (device, p.device))
+            if p.is_sparse:
+                raise TypeError("gtopk: parameter %d is a sparse tensor" % i)
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError("gtopk: parameters on %s; gtopk supports the "
+                             "CPU and CUDA devices" % device)
+        self._cuda = device.type == "cuda"
+        if self._cuda and not gtopk.has_cuda:
+            raise errors.Unimplemented(
+                "the model is on %s but this gtopk build has no CUDA step "
+                "(gtopk.has_cuda is False: built without nvcc/CUDA); "
+                "rebuild gtopk with CUDA or train on the CPU" % device)
+        self._device = device
+        self._params = plist
+        self._slices = []  # (offset, numel) per parameter
+        n = 0
+        for p in plist:
+            self._slices.append((n, p.numel()))
+            n += p.numel()
+        self._n = n
+        with torch.no_grad():
+            flat = torch.empty(n, dtype=torch.float32, device=device)
+            for p, (off, cnt) in zip(plist, self._slices):
+                flat[off:off + cnt].copy_(p.detach().reshape(-1))
+            for p, (off, cnt) in zip(plist, self._slices):
+                p.data = flat[off:off + cnt].view(p.shape)
+        self._flat = flat
+        self._flat_grad = torch.zeros(n, dtype=torch.float32, device=device)
+        self._zero_grad_buf = None  # allocated at the first retried step
+
+        # -- join, check, synchronise -----------------------------------------
+        self._client = gtopk.Client(
+            str(leader), n, rank, rpc_timeout=float(rpc_timeout),
+            step_watchdog_margin=float(step_watchdog_margin),
+            metrics_port=metrics_port, metrics_host=str(metrics_host))
+        try:
+            self._cluster = dict(self._client.cluster())
+            c = self._cluster
+            if world_size is not None and world_size != c["num_workers"]:
+                raise errors.FailedPrecondition(
+                    "%s=%d but the servers' cluster spec has num_workers %d "
+                    "(start the servers with --workers=%d, or run %d "
+                    "workers)" % (
+                        "WORLD_SIZE" if world_size_from == "WORLD_SIZE"
+                        else "world_size", world_size, c["num_workers"],
+                        world_size, c["num_workers"]))
+            self._client.check_settings(
+                mode=mode, selector=selector, density=density, lr=lr,
+                momentum=momentum, momentum_mode=momentum_mode,
+                index_codec=index_codec, value_codec=value_codec)
+            if weight_decay is not None and not math.isclose(
+                    float(weight_decay), float(c["weight_decay"]),
+                    rel_tol=1e-6, abs_tol=1e-6 if weight_decay == 0 else 0):
+                raise errors.FailedPrecondition(
+                    "weight_decay=%s but the servers' cluster spec has "
+                    "weight_decay %s (configure the servers and workers "
+                    "alike)" % (weight_decay, c["weight_decay"]))
+            # Per-group values (a param-group dict may name its own).
+            for i, group in enumerate(self.param_groups):
+                for key in ("lr", "momentum"):
+                    if group.get(key) is None:
+                        group[key] = float(c[key])
+                    elif not _same_f32(group[key], c[key]):
+                        self._client.check_settings(**{key: group[key]})
+                        raise errors.FailedPrecondition(
+                            "param_groups[%d][%r] is %s but the servers' "
+                            "cluster spec has %s %s (configure the servers "
+                            "and workers alike)" % (i, key, group[key], key,
+                                                    c[key]))
+                group.setdefault("weight_decay", float(c["weight_decay"]))
+            self.defaults["lr"] = float(c["lr"])
+            self.defaults["momentum"] = float(c["momentum"])
+            self._synchronize_initial()
+        except BaseException:
+            self._client.close()
+            raise
+        self._stats = None
+        self._retry_step = None    # the step that failed (residual holds it)
+        self._last_step_end = time.perf_counter()
+        self._frozen = True
+
+    # -- construction helpers ------------------------------------------------
+
+    def _budget(self):
+        if self._recovery_timeout is not None:
+            return float(self._recovery_timeout)
+        return 4.0 * self._cluster.get("step_timeout_ms", 30000) / 1000.0
+
+    def _synchronize_initial(self):
+        """synchronize_parameters, recovering (as gtopk-worker does) when the
+        shards are at different steps (FAILED_PRECONDITION) or one is
+        restarting (UNAVAILABLE), within the recovery budget."""
+        deadline = time.monotonic() + self._budget()
+        backoff = 0.1
+        while True:
+            try:
+                return self._with_host_params(
+                    self._client.synchronize_parameters)
+            except (errors.FailedPrecondition, errors.Unavailable):
+                if time.monotonic() + backoff > deadline:
+                    raise
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 1.6)
+            try:
+                left = max(1.0, deadline - time.monotonic())
+                self._with_host_params(
+                    lambda buf: self._client.recover(buf, left))
+            except errors.RETRYABLE:
+                if time.monotonic() > deadline:
+                    raise
+
+    def _with_host_params(self, fn):
+        """fn(float32 numpy view of the parameters): in place on the CPU; on
+        a CUDA model through a host copy, copied back afterwards (also when
+        fn raises: it may have written part of the buffer)."""
+        if not self._cuda:
+            return fn(self._flat.numpy())
+        host = self._flat.detach().to("cpu", copy=True)
+        try:
+            return fn(host.numpy())
+        finally:
+            with torch.no_grad():
+                self._flat.copy_(host)
+
+    def add_param_group(self, param_group):
+        """Only at construction: the flat buffer and the cluster's n are fixed
+        once joined (raises ``ValueError`` afterwards)."""
+        if getattr(self, "_frozen", False):
+            raise ValueError(
+                "gtopk: add_param_group after construction is not supported "
+                "(the parameters form one flat buffer of the cluster's n); "
+                "pass every parameter to the constructor")
+        super().add_param_group(param_group)
+
+    # -- properties ----------------------------------------------------------
+
+    @property
+    def client(self):
+        """The underlying :class:`gtopk.Client` (for what this class does not
+        wrap; do not step it directly)."""
+        return self._client
+
+    @property
+    def rank(self):
+        """This worker's rank, 0..P-1."""
+        return self._client.rank
+
+    @property
+    def world_size(self):
+        """P, the cluster's number of workers."""
+        return self._client.num_workers
+
+    @property
+    def num_shards(self):
+        """S, the cluster's number of server shards."""
+        return self._client.num_shards
+
+    @property
+    def n(self):
+        """The number of parameters (elements of the flat buffer)."""
+        return self._n
+
+    @property
+    def next_step(self):
+        """The step the next :meth:`step` runs (numbered from 0; after a
+        restart or rollback, the servers' step)."""
+        return self._client.next_step
+
+    @property
+    def cluster(self):
+        """The cluster spec as a dict (a copy; see ``gtopk.Client.cluster``:
+        n, num_workers, mode, selection, selector, lr, momentum,
+        momentum_mode, density, density_warmup, steps_per_epoch,
+        step_timeout_ms, shards, ...; its next_step is the value at join)."""
+        return dict(self._cluster)
+
+    @property
+    def stats(self):
+        """The last successful step's statistics (a dict; None before the
+        first): step, k, sent_pairs, received_pairs, bytes_sent and
+        bytes_received (lists, per shard, serialized bytes), and the phase
+        times in seconds: accumulate_seconds, select_seconds,
+        encode_seconds, push_seconds, wait_seconds, apply_seconds,
+        server_merge_seconds, server_select_seconds."""
+        return self._stats
+
+    @property
+    def metrics_port(self):
+        """The port the worker metrics are served on (0: off)."""
+        return self._client.metrics_port
+
+    @property
+    def device(self):
+        """The device of the parameters (cpu or cuda:i)."""
+        return self._device
+
+    def flat_parameters(self):
+        """The flat float32 parameter buffer (n elements; every parameter is
+        a view of a slice of it). Read it (e.g. ``gtopk.checksum(
+        opt.flat_parameters().cpu().numpy())``); do not write it."""
+        return self._flat
+
+    # -- the step ------------------------------------------------------------
+
+    def _check_hyperparameters(self):
+        c = self._cluster
+        for i, group in enumerate(self.param_groups):
+            for key, flag in (("lr", "--lr"), ("momentum", "--momentum")):
+                value = group.get(key)
+                if value is None or not _same_f32(value, c[key]):
+                    extra = ""
+                    if key == "lr":
+                        extra = (" (and --lr-warmup-steps gives a linear "
+                                 "warm-up); per-step learning-rate "
+                                 "schedules (a torch.optim.lr_scheduler that "
+                                 "changes the lr) are not supported: set the "
+                                 "servers' --lr/--lr-warmup-steps instead")
+                    raise errors.FailedPrecondition(
+                        "param_groups[%d][%r] is %r but the cluster's %s is "
+                        "%r: the %s is fixed by the servers' %s, applied "
+                        "alike by every replica and shard%s" % (
+                            i, key, value, key, float(c[key]),
+                            "learning rate" if key == "lr" else "momentum",
+                            flag, extra))
+
+    def _gather_gradients(self):
+        """p.grad -> the flat gradient buffer (None: zeros); leaves each
+        p.grad a view of its slice, so the next backward accumulates there."""
+        fg = self._flat_grad
+        ptr0 = fg.data_ptr()
+        with torch.no_grad():
+            for p, (off, cnt) in zip(self._params, self._slices):
+                slot = fg[off:off + cnt]
+                g = p.grad
+                if g is None:
+                    slot.zero_()
+                    continue
+                if (g.data_ptr() == ptr0 + 4 * off and g.is_contiguous()
+                        and g.dtype == torch.float32 and g.device == fg.device
+                        and g.shape == p.shape):
+                    continue  # already the view: backward wrote in place
+                if g.is_sparse:
+                    g = g.to_dense()
+                slot.copy_(g.reshape(-1))
+                p.grad = slot.view(p.shape)
+
+    def step(self, closure=None, *, loss=None):
+        """One gTop-k step (DESIGN.md "One step"): gathers the gradients,
+        sends this worker's local top-k, and applies the global update to the
+        parameters in place (the same update on every replica and shard).
+
+        Args:
+          closure: optional; re-evaluates the model and returns the loss
+            (run under ``torch.enable_grad()`` before the step).
+          loss: optional, keyword-only; this step's loss for the metrics
+            (``gtopk_worker_loss``) when no closure gives it.
+
+        Returns the closure's loss (None without a closure).
+
+        Blocks until every shard answered: at most the servers' step timeout
+        plus ``step_watchdog_margin``. Stores the step's statistics in
+        :attr:`stats`. A parameter whose ``.grad`` is None contributes a
+        zero gradient.
+
+        Raises :class:`gtopk.Error` subclasses: see the class docstring
+        (nothing applied; retry after :meth:`recover` for
+        :data:`gtopk.RETRYABLE`); :class:`gtopk.FailedPrecondition` when lr or
+        momentum were changed (no step); :class:`gtopk.InvalidArgument` for a
+        non-finite gradient.
+        """
+        result = None
+        if closure is not None:
+            with torch.enable_grad():
+                result = closure()
+        self._check_open()
+        self._check_hyperparameters()
+        t0 = time.perf_counter()
+        compute = t0 - self._last_step_end
+        client = self._client
+        if self._retry_step is not None and \
+                self._retry_step == client.next_step:
+            # The failed attempt's gradient is already in the residual
+            # (worker/client.h, Step's failure contract): send nothing new.
+            if self._zero_grad_buf is None:
+                self._zero_grad_buf = torch.zeros_like(self._flat_grad)
+            grad = self._zero_grad_buf
+        else:
+            self._gather_gradients()
+            grad = self._flat_grad
+        self._retry_step = None
+        try:
+            if self._cuda:
+                if not gtopk.has_cuda:  # checked at construction too
+                    raise errors.Unimplemented(
+                        "this gtopk build has no CUDA step")
+                with torch.cuda.device(self._device):
+                    stream = torch.cuda.current_stream(self._device)
+                    stats = client.step_cuda(
+                        grad.data_ptr(), self._flat.data_ptr(), self._n,
+                        stream.cuda_stream)
+            else:
+                stats = client.step(grad.numpy(), self._flat.numpy())
+        except (errors.InvalidArgument, errors.Unimplemented):
+            raise  # refused before anything was accumulated
+        except (errors.Error, KeyboardInterrupt):
+            # Accumulated into the residual: a retry of this step sends zero.
+            self._retry_step = client.next_step
+            raise
+        now = time.perf_counter()
+        self._stats = stats
+        if self._record_step_metrics and client.metrics_port:
+            if loss is None and result is not None:
+                loss = result
+            if loss is None:
+                loss_value = float("nan")
+            else:
+                loss_value = float(loss.detach().item()
+                                   if torch.is_tensor(loss) else loss)
+            client.record_metrics(compute, compute + (now - t0), loss_value)
+        self._last_step_end = now
+        return result
+
+    def recover(self, timeout=None):
+        """After a failed :meth:`step`: asks the leader to bring the shards to
+        one step and returns the step to continue from (also
+        :attr:`next_step`). When the servers were rolled back, or are ahead
+        of this worker, the parameters are downloaded again (so they equal
+        the servers'); otherwise they are untouched.
+
+        Args:
+          timeout: seconds to wait for a leader that is down or restarting;
+            default the constructor's ``recovery_timeout``, else the
+            client's (RPC timeout + the servers' step timeout).
+
+        Blocks up to the timeout (plus a parameter download).
+
+        Raises :class:`gtopk.FailedPrecondition` when the shards cannot be
+        brought to a common step (the message names every shard's step and
+        checkpoints; do not retry); :class:`gtopk.Unavailable`,
+        :class:`gtopk.DeadlineExceeded`, :class:`gtopk.Aborted`: retry
+        later.
+        """
+        self._check_open()
+        if timeout is None:
+            timeout = self._recovery_timeout
+        failed = self._retry_step
+        nxt = self._with_host_params(
+            lambda buf: self._client.recover(buf, timeout))
+        if failed is None or nxt != failed:
+            # Rolled back (or ahead): the next step() starts afresh from
+            # .grad, which the script recomputes for that step.
+            self._retry_step = None
+        return nxt
+
+    # -- checkpoints ---------------------------------------------------------
+
+    def state_dict(self):
+        """torch's optimizer state dict plus ``"gtopk"``: ``{"step": int,
+        "residual": float32 tensor [n], "velocity": float32 tensor [n],
+        "rank": int, "n": int, "cluster_fingerprint": str}`` (CPU tensors,
+        copies). Per rank: save one per worker."""
+        self._check_open()
+        sd = super().state_dict()
+        st = self._client.state()
+        sd["gtopk"] = {
+            "step": int(st["step"]),
+            "residual": torch.from_numpy(np.array(st["residual"], _F32,
+                                                  copy=False)),
+            "velocity": torch.from_numpy(np.array(st["velocity"], _F32,
+                                                  copy=False)),
+            "rank": self.rank,
+            "n": self._n,
+            "cluster_fingerprint": self._cluster.get("cluster_fingerprint"),
+        }
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """Restores a :meth:`state_dict` of the same rank, taken at the step
+        the servers are at now (e.g. servers restarted from their checkpoint
+        of that step), then downloads the servers' parameters again so this
+        replica equals them (the model's own loaded values are replaced by
+        the servers', which are the authoritative ones).
+
+        Raises ``ValueError`` for a dict without ``"gtopk"``;
+        :class:`gtopk.FailedPrecondition` for another rank's, n's or step's
+        state; :class:`gtopk.InvalidArgument` for a wrong length or a
+        non-finite value (nothing changed).
+        """
+        self._check_open()
+        if "gtopk" not in state_dict:
+            raise ValueError(
+                "gtopk: this state dict has no 'gtopk' entry: it is not from "
+                "gtopk.torch.DistributedOptimizer.state_dict()")
+        sd = dict(state_dict)
+        g = sd.pop("gtopk")
+        if int(g.get("n", self._n)) != self._n:
+            raise errors.FailedPrecondition(
+                "the checkpoint's gtopk state has n=%d but this model has "
+                "n=%d" % (int(g["n"]), self._n))
+        if "rank" in g and int(g["rank"]) != self.rank:
+            raise errors.FailedPrecondition(
+                "the checkpoint holds rank %d's gtopk state (its residual and "
+                "velocity) but this worker is rank %d: every rank saves and "
+                "loads its own optimizer state (e.g. torch.save("
+                "opt.state_dict(), f'opt-rank{opt.rank}.pt')) and joins as "
+                "the same rank (rank=..., $RANK)" % (int(g["rank"]),
+                                                     self.rank))
+        fp = g.get("cluster_fingerprint")
+        if fp and fp != self._cluster.get("cluster_fingerprint"):
+            warnings.warn(
+                "gtopk: the checkpoint was saved in a cluster configured "
+                "differently (fingerprint %s, now %s)" % (
+                    fp, self._cluster.get("cluster_fingerprint")))
+        step = int(g["step"])
+        # The servers' parameters first (this replica must equal them) and
+        # their step, which the state must belong to.
+        servers_step = self._with_host_params(
+            self._client.synchronize_parameters)
+        if step != servers_step:
+            raise errors.FailedPrecondition(
+                "the servers are at step %d but the checkpoint is from step "
+                "%d: restore the servers from their checkpoint of step %d "
+                "(gtopk-server --checkpoint-dir) or load the optimizer state "
+                "saved at step %d" % (servers_step, step, step, servers_step))
+
+        def host(t):
+            t = t.detach().to("cpu", torch.float32).contiguous() \
+                if torch.is_tensor(t) else torch.as_tensor(t, torch.float32)
+            return t.numpy()
+        self._client.load_state(step, host(g["residual"]),
+                                host(g["velocity"]))
+        super().load_state_dict(sd)
+        # torch restored the saved lr/momentum; a checkpoint from another
+        # cluster configuration shows at the next step().
+        self._retry_step = None
+
+    # -- metrics -------------------------------------------------------------
+
+    def record_metrics(self, compute_seconds, step_seconds, loss):
+        """Records the last step in the worker metrics (with
+        ``record_step_metrics=False``): compute time and whole step time in
+        seconds, and the batch's loss. No-op when metrics are off."""
+        self._check_open()
+        self._client.record_metrics(float(compute_seconds),
+                                    float(step_seconds), float(loss))
+
+    def record_test_accuracy(self, accuracy):
+        """Sets ``gtopk_worker_test_accuracy`` (in [0, 1]). No-op when
+        metrics are off."""
+        self._check_open()
+        self._client.record_test_accuracy(float(accuracy))
+
+    # -- life cycle ----------------------------------------------------------
+
+    def _check_open(self):
+        if self._client is None:
+            raise errors.FailedPrecondition(
+                "the gtopk optimizer is closed")
+
+    def close(self):
+        """Leaves the cluster's streams (cancels any in flight). The optimizer
+        is unusable afterwards; idempotent."""
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __getstate__(self):
+        raise TypeError("gtopk.torch.DistributedOptimizer cannot be pickled "
+                        "(it holds a cluster connection); save state_dict()")
