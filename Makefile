@@ -13,14 +13,18 @@
 #                and dashboards/*.json (kustomize reads no file outside its root)
 #   make demo    deps + build + a local cluster training Fashion-MNIST with
 #                gTop-k (deploy/local/gtopk_local.py); logs and
-#                runs/$(NAME)/summary.json
+#                runs/$(NAME)/summary.json. WORKER=python: the workers are
+#                the PyTorch example examples/pytorch/train_fashion_mnist.py
+#                on the gtopk Python package (built with `make python`)
 #
 # Variables: BUILD_DIR (build), BUILD_TYPE (Release), JOBS (nproc),
 # CMAKE_ARGS (extra -D options, e.g. -DGTOPK_SANITIZE=address).
 # Demo variables (defaults below): WORKERS SHARDS MODEL MODE SELECTION DENSITY
 # DENSITY_WARMUP SELECTOR EPOCHS STEPS BATCH LR MOMENTUM MOMENTUM_MODE SEED
-# NAME DEMO_ARGS (extra launcher flags), e.g.
+# NAME WORKER (cpp: gtopk-worker; python: the PyTorch example) DEMO_ARGS
+# (extra launcher flags), e.g.
 #   make demo WORKERS=8 SHARDS=3 MODE=dense DENSITY=0.01 EPOCHS=3 MODEL=mlp SELECTOR=gaussiank
+#   make demo WORKER=python
 
 BUILD_DIR  ?= build
 BUILD_TYPE ?= Release
@@ -62,6 +66,7 @@ MOMENTUM       ?= 0.9
 MOMENTUM_MODE  ?= dgc
 SEED           ?= 1
 NAME           ?= demo
+WORKER         ?= cpp
 DEMO_ARGS      ?=
 LOWBW_ARGS     ?=
 
@@ -119,7 +124,9 @@ bench-lowbw:
 # deps and build first (in that order, also under -j), then the launcher.
 demo: deps
 	@$(MAKE) --no-print-directory build
+	$(if $(filter python,$(WORKER)),@$(MAKE) --no-print-directory python)
 	python3 deploy/local/gtopk_local.py --config deploy/cluster.env --name $(NAME) \
+	  --worker $(WORKER) \
 	  --workers $(WORKERS) --shards $(SHARDS) --model $(MODEL) \
 	  --mode $(MODE) --selection $(SELECTION) --density $(DENSITY) \
 	  --density-warmup '$(strip $(DENSITY_WARMUP))' \

@@ -6,6 +6,13 @@ trainers as processes on loopback (127.0.0.1 only), on free ports.
       --mode gtopk --selection exact --density 0.001 --selector exact \
       --epochs 1 --batch-size 32 --lr 0.1
 
+--worker python runs P copies of the PyTorch example
+(examples/pytorch/train_fashion_mnist.py, the gtopk Python package: build it
+with `make python`) instead of gtopk-worker, with the same flags, under an
+interpreter that has torch (default /usr/bin/python3, Debian's
+python3-torch) and PYTHONPATH=BUILD_DIR/python; everything else (servers,
+progress, logs, runs/NAME/summary.json) is the same.
+
 What it does, in order:
   1. computes steps_per_epoch = floor(train_samples / P / batch_size)
      (train_samples = 60000, the Fashion-MNIST training set, or --train-limit);
@@ -59,6 +66,15 @@ import time
 import urllib.request
 
 FASHION_MNIST_TRAIN_SAMPLES = 60000
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+PYTHON_WORKER_SCRIPT = "train_fashion_mnist.py"
+DEFAULT_PYTHON_WORKER = os.path.join(REPO_ROOT, "examples", "pytorch",
+                                     PYTHON_WORKER_SCRIPT)
+# Debian's python3-torch belongs to /usr/bin/python3 (a python3 first on
+# PATH may be another interpreter without torch).
+DEFAULT_WORKER_PYTHON = "/usr/bin/python3" if os.access(
+    "/usr/bin/python3", os.X_OK) else sys.executable
 LOOPBACK = "127.0.0.1"
 TAIL_LINES = 20
 PROGRESS_RE = re.compile(r"^(step|eval|done) ")
@@ -104,11 +120,12 @@ def _child_setup():
 class Child:
     """One server or worker process, in its own process group."""
 
-    def __init__(self, kind, index, argv, log_path):
+    def __init__(self, kind, index, argv, log_path, env=None):
         self.kind = kind
         self.index = index
         self.argv = argv
         self.log_path = log_path
+        self.env = env
         self.proc = None
 
     @property
@@ -126,7 +143,7 @@ class Child:
             self.proc = subprocess.Popen(
                 self.argv, stdin=subprocess.DEVNULL, stdout=out,
                 stderr=subprocess.STDOUT, preexec_fn=_child_setup,
-                close_fds=True)
+                close_fds=True, env=self.env)
 
     def poll(self):
         return self.proc.poll() if self.proc else None
@@ -232,9 +249,10 @@ def _pid_alive(pid):
 def _gtopk_pid(pid):
     try:
         with open("/proc/%d/cmdline" % pid, "rb") as f:
-            return b"gtopk-" in f.read()
+            cmd = f.read()
     except OSError:
         return False
+    return b"gtopk-" in cmd or PYTHON_WORKER_SCRIPT.encode() in cmd
 
 
 class ProgressPrinter:
@@ -407,6 +425,16 @@ def parse_args(argv):
                    help="default BUILD_DIR/server/gtopk-server")
     p.add_argument("--worker-bin", default=None,
                    help="default BUILD_DIR/worker/gtopk-worker")
+    p.add_argument("--worker", default="cpp", choices=["cpp", "python"],
+                   help="cpp: gtopk-worker (default); python: the PyTorch "
+                   "example (--python-worker) on the gtopk Python package "
+                   "(`make python`), with the same flags")
+    p.add_argument("--python", default=DEFAULT_WORKER_PYTHON,
+                   help="--worker=python: the interpreter, one that has "
+                   "torch (default %(default)s)")
+    p.add_argument("--python-worker", default=DEFAULT_PYTHON_WORKER,
+                   help="--worker=python: the training script (default "
+                   "examples/pytorch/%s)" % PYTHON_WORKER_SCRIPT)
     p.add_argument("--runs-dir", default="runs")
     p.add_argument("--step-timeout", default="60s",
                    help="servers' --step-timeout (Abseil duration)")
@@ -452,6 +480,9 @@ def parse_args(argv):
         errors.append("--density must be in (0, 1]")
     if args.selection == "quota" and args.mode != "gtopk":
         errors.append("--selection=quota applies to --mode=gtopk only")
+    if args.worker == "python" and args.model not in ("cnn", "mlp"):
+        errors.append("--worker=python trains --model=cnn or mlp (the "
+                      "example's models), not %s" % args.model)
     if not 0 <= args.prometheus_port <= 65535:
         errors.append("--prometheus-port must be in [0, 65535]")
     if not re.fullmatch(r"[0-9]+(ms|s|m)", args.scrape_interval):
@@ -488,6 +519,7 @@ class Launcher:
             args.server_bin or os.path.join(build, "server", "gtopk-server"))
         self.worker_bin = os.path.abspath(
             args.worker_bin or os.path.join(build, "worker", "gtopk-worker"))
+        self.python_path = os.path.abspath(os.path.join(build, "python"))
         train = args.train_limit or FASHION_MNIST_TRAIN_SAMPLES
         self.train_samples = train
         self.steps_per_epoch = train // args.workers // args.batch_size
@@ -505,13 +537,17 @@ class Launcher:
     # -- set-up -------------------------------------------------------------
 
     def check(self):
-        for what, path in (("server", self.server_bin),
-                           ("worker", self.worker_bin)):
+        binaries = [("server", self.server_bin)]
+        if self.args.worker == "cpp":
+            binaries.append(("worker", self.worker_bin))
+        for what, path in binaries:
             if not os.access(path, os.X_OK):
                 hint = ("build it with `make build`" if what == "server" else
                         "build it with `make build` (needs libtorch-dev)")
                 raise UsageError("%s binary %s not found or not executable; %s"
                                  % (what, path, hint))
+        if self.args.worker == "python":
+            self.check_python_worker()
         if self.args.prometheus == "on" and not shutil.which(
                 self.args.prometheus_bin):
             raise UsageError("--prometheus=on but %s is not on PATH (Debian: "
@@ -522,6 +558,51 @@ class Launcher:
                 "steps per epoch = floor(%d / %d / %d) = 0: use fewer workers, "
                 "a smaller batch or a larger --train-limit"
                 % (self.train_samples, self.args.workers, self.args.batch_size))
+
+    def worker_env(self):
+        """The workers' environment: --worker=python finds the gtopk
+        package in BUILD_DIR/python first."""
+        if self.args.worker != "python":
+            return None
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [self.python_path] + ([env["PYTHONPATH"]]
+                                  if env.get("PYTHONPATH") else []))
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def check_python_worker(self):
+        """--worker=python: the script, the interpreter, and that it imports
+        torch and the built gtopk package (one short subprocess)."""
+        a = self.args
+        if not os.path.isfile(a.python_worker):
+            raise UsageError("--python-worker %s not found" % a.python_worker)
+        python = shutil.which(a.python) or a.python
+        if not os.access(python, os.X_OK):
+            raise UsageError("--python %s not found or not executable"
+                             % a.python)
+        a.python = python
+        probe = ("import sys\n"
+                 "try:\n import torch, numpy\n"
+                 "except ImportError as e:\n"
+                 " sys.exit('torch/numpy: %s (Debian: apt-get install "
+                 "python3-torch; or --python=an interpreter with torch)' % e)\n"
+                 "import gtopk\n")
+        try:
+            r = subprocess.run([python, "-c", probe], env=self.worker_env(),
+                               stdin=subprocess.DEVNULL,
+                               stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, timeout=120,
+                               text=True)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise UsageError("--python %s: cannot run it: %s" % (python, e))
+        if r.returncode != 0:
+            lines = r.stdout.strip().splitlines()
+            raise UsageError(
+                "--worker=python: %s cannot import torch and the gtopk "
+                "package from %s; build it with `make python`:\n%s" % (
+                    python, self.python_path,
+                    "\n".join("    | " + l for l in lines[-8:])))
 
     def prepare_run_dir(self):
         pids = os.path.join(self.run_dir, "pids.json")
@@ -579,8 +660,10 @@ class Launcher:
 
     def worker_argv(self, rank):
         a = self.args
-        argv = [
-            self.worker_bin,
+        # --worker=python: the example takes gtopk-worker's flags.
+        program = [self.worker_bin] if a.worker == "cpp" else [
+            a.python, os.path.abspath(a.python_worker)]
+        argv = program + [
             "--server=%s" % self.addresses[0],
             "--rank=%d" % rank,
             "--model=%s" % a.model,
@@ -692,7 +775,8 @@ class Launcher:
     def start_workers(self):
         for w in range(self.args.workers):
             c = Child("worker", w, self.worker_argv(w),
-                      os.path.join(self.run_dir, "worker-%d.log" % w))
+                      os.path.join(self.run_dir, "worker-%d.log" % w),
+                      env=self.worker_env())
             self.workers.append(c)
             c.start()
         self.write_pids()
@@ -853,6 +937,7 @@ class Launcher:
             "workers": a.workers,
             "shards": a.shards,
             "model": r0.get("model", a.model),
+            "worker": a.worker,
             "n": r0.get("n"),
             "density": a.density,
             "density_warmup": a.density_warmup,
@@ -942,10 +1027,12 @@ class Launcher:
         self.check()
         self.prepare_run_dir()
         a = self.args
-        log("run %s: %s, P=%d, S=%d, model %s, %d steps/epoch x %d epoch(s)%s"
+        log("run %s: %s, P=%d, S=%d, model %s, %d steps/epoch x %d epoch(s)%s%s"
             % (a.name, a.mode, a.workers, a.shards, a.model,
                self.steps_per_epoch, a.epochs,
-               ", at most %d steps" % a.steps if a.steps else ""))
+               ", at most %d steps" % a.steps if a.steps else "",
+               "; Python workers: %s %s" % (a.python, a.python_worker)
+               if a.worker == "python" else ""))
         self.start_servers()
         self.pick_worker_metrics_ports()
         # Prometheus before the workers, so that their first steps are

@@ -11,6 +11,11 @@ Two groups:
     SIGKILL mid-run. Skipped (with the reason) when gtopk-worker was not
     built, which happens when libtorch-dev is missing - except under CI
     (env CI=true), where that is a failure.
+  * PythonWorkerTest: --worker=python, the PyTorch example
+    (examples/pytorch/train_fashion_mnist.py) on the gtopk Python package,
+    trains the same slice bit-identically to gtopk-worker. Skipped like
+    TrainingTest when the package (BUILD_DIR/python) or torch for
+    /usr/bin/python3 is missing.
 
 The build directory comes from GTOPK_BUILD_DIR (ctest sets it), else build/.
 """
@@ -34,6 +39,30 @@ BUILD_DIR = os.path.abspath(os.environ.get("GTOPK_BUILD_DIR",
 SERVER_BIN = os.path.join(BUILD_DIR, "server", "gtopk-server")
 WORKER_BIN = os.path.join(BUILD_DIR, "worker", "gtopk-worker")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+PYTHON_PACKAGE = os.path.join(BUILD_DIR, "python", "gtopk")
+WORKER_PYTHON = "/usr/bin/python3"  # Debian's, with python3-torch
+
+
+def python_worker_missing():
+    """Why --worker=python cannot run here (None when it can)."""
+    if not os.access(WORKER_BIN, os.X_OK):
+        return "gtopk-worker not built at %s" % WORKER_BIN
+    if not os.path.isdir(PYTHON_PACKAGE) or not any(
+            f.startswith("_gtopk") and f.endswith(".so")
+            for f in os.listdir(PYTHON_PACKAGE)):
+        return "the gtopk Python package is not built in %s (make python)" \
+            % PYTHON_PACKAGE
+    if subprocess.run([WORKER_PYTHON, "-c", "import torch"],
+                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                      ).returncode != 0:
+        return "%s cannot import torch (python3-torch)" % WORKER_PYTHON
+    return None
+
+
+try:
+    PYTHON_WORKER_MISSING = python_worker_missing()
+except OSError as e:  # no /usr/bin/python3
+    PYTHON_WORKER_MISSING = str(e)
 STEP_RE = re.compile(r"^step (\d+)/(\d+) epoch (\d+) loss (\S+)", re.M)
 
 
@@ -351,6 +380,59 @@ class TrainingTest(LauncherCase):
         self.assertIn("last lines of", out)
         self.assertIn("--rank=1", out)  # the tail of worker-1.log
         self.assert_nothing_left("kill")
+
+
+@unittest.skipIf(PYTHON_WORKER_MISSING is not None and not IN_CI,
+                 "--worker=python: %s" % PYTHON_WORKER_MISSING)
+class PythonWorkerTest(LauncherCase):
+    """--worker=python: the PyTorch example instead of gtopk-worker."""
+
+    def setUp(self):
+        super().setUp()
+        self.assertIsNone(PYTHON_WORKER_MISSING,
+                          "CI is set but --worker=python cannot run")
+
+    def test_python_workers_train_like_gtopk_worker(self):
+        # The example's CNN has gtopk-worker's architecture, initialisation,
+        # data order and normalisation, and --cpu-isa=portable pins the same
+        # kernels in the same libtorch: the two kinds of worker must end
+        # bit-identical, with the same progress lines.
+        common = ("--model", "cnn", "--train-limit", "1280", "--test-limit",
+                  "300", "--workers", "2", "--shards", "2", "--steps", "12",
+                  "--density", "0.01", "--seed", "5")
+        summaries, lines = {}, {}
+        for worker in ("cpp", "python"):
+            code, out = self.launch(worker, *common, "--worker", worker)
+            self.assertEqual(code, 0, out)
+            self.assertIn("step 12/12", out)
+            s = self.load(worker, "summary.json")
+            self.assertTrue(s["replica_checksums_match"], s)
+            self.assertEqual(s["worker"], worker)
+            summaries[worker] = s
+            with open(os.path.join(self.run_dir(worker),
+                                   "worker-0.log")) as f:
+                lines[worker] = [
+                    re.sub(r" (samples/s|step_ms|wall_seconds) \S+", "", l)
+                    for l in f.read().splitlines()
+                    if re.match(r"(step|eval|done) ", l)]
+            self.assert_nothing_left(worker)
+        cpp, py = summaries["cpp"], summaries["python"]
+        self.assertEqual(py["param_checksums"], cpp["param_checksums"])
+        self.assertEqual(py["test_accuracy"], cpp["test_accuracy"])
+        self.assertEqual(lines["python"], lines["cpp"])
+        self.assertEqual(len(lines["python"]), 12 + 2)  # steps, eval, done
+        # The same summary keys (the example adds "worker": "python").
+        for c, p in zip(cpp["per_rank"], py["per_rank"]):
+            self.assertEqual(set(p) - {"worker"}, set(c))
+            self.assertEqual(set(p["per_step"]), set(c["per_step"]))
+            self.assertEqual(p["sent_bytes_per_step"],
+                             c["sent_bytes_per_step"])
+
+    def test_python_worker_refuses_synthetic(self):
+        code, out = self.launch("syn", "--worker", "python", "--model",
+                                "synthetic:100")
+        self.assertEqual(code, 2, out)
+        self.assertIn("--worker=python trains --model=cnn or mlp", out)
 
 
 if __name__ == "__main__":
