@@ -48,6 +48,12 @@ def _same_f32(a, b):
     return _F32(a) == _F32(b)
 
 
+def _f32_float(x):
+    """x as the float32 it is used as, written shortest (0.05, not
+    0.05000000074505806): the servers keep lr and momentum as float32."""
+    return float(str(_F32(x)))
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """SGD through a gtopk cluster: ``step()`` is one synchronous gTop-k step.
 
@@ -304,7 +310,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 raise errors.FailedPrecondition(
                     "%s=%d but the servers' cluster spec has num_workers %d "
                     "(start the servers with --workers=%d, or run %d "
-                    "workers)" % (
+                    "worker(s))" % (
                         "WORLD_SIZE" if world_size_from == "WORLD_SIZE"
                         else "world_size", world_size, c["num_workers"],
                         world_size, c["num_workers"]))
@@ -323,17 +329,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for i, group in enumerate(self.param_groups):
                 for key in ("lr", "momentum"):
                     if group.get(key) is None:
-                        group[key] = float(c[key])
+                        group[key] = _f32_float(c[key])
                     elif not _same_f32(group[key], c[key]):
                         self._client.check_settings(**{key: group[key]})
                         raise errors.FailedPrecondition(
                             "param_groups[%d][%r] is %s but the servers' "
                             "cluster spec has %s %s (configure the servers "
                             "and workers alike)" % (i, key, group[key], key,
-                                                    c[key]))
-                group.setdefault("weight_decay", float(c["weight_decay"]))
-            self.defaults["lr"] = float(c["lr"])
-            self.defaults["momentum"] = float(c["momentum"])
+                                                    _f32_float(c[key])))
+                group.setdefault("weight_decay", _f32_float(c["weight_decay"]))
+            self.defaults["lr"] = _f32_float(c["lr"])
+            self.defaults["momentum"] = _f32_float(c["momentum"])
             self._synchronize_initial()
         except BaseException:
             self._client.close()
@@ -469,23 +475,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _check_hyperparameters(self):
         c = self._cluster
         for i, group in enumerate(self.param_groups):
-            for key, flag in (("lr", "--lr"), ("momentum", "--momentum")):
+            for key in ("lr", "momentum"):
                 value = group.get(key)
                 if value is None or not _same_f32(value, c[key]):
-                    extra = ""
                     if key == "lr":
-                        extra = (" (and --lr-warmup-steps gives a linear "
-                                 "warm-up); per-step learning-rate "
-                                 "schedules (a torch.optim.lr_scheduler that "
-                                 "changes the lr) are not supported: set the "
-                                 "servers' --lr/--lr-warmup-steps instead")
+                        what = (
+                            "the learning rate is fixed by the servers' --lr "
+                            "(every replica and shard applies the same rule; "
+                            "--lr-warmup-steps gives a linear warm-up). "
+                            "Per-step learning-rate schedules (a "
+                            "torch.optim.lr_scheduler that changes the lr) "
+                            "are not supported: set the servers' --lr and "
+                            "--lr-warmup-steps instead, or use a scheduler "
+                            "that leaves the lr unchanged")
+                    else:
+                        what = (
+                            "the momentum is fixed by the servers' "
+                            "--momentum (every replica and shard applies "
+                            "the same rule); changing it is not supported")
                     raise errors.FailedPrecondition(
                         "param_groups[%d][%r] is %r but the cluster's %s is "
-                        "%r: the %s is fixed by the servers' %s, applied "
-                        "alike by every replica and shard%s" % (
-                            i, key, value, key, float(c[key]),
-                            "learning rate" if key == "lr" else "momentum",
-                            flag, extra))
+                        "%r: %s" % (i, key, value, key, _f32_float(c[key]),
+                                    what))
 
     def _gather_gradients(self):
         """p.grad -> the flat gradient buffer (None: zeros); leaves each
