@@ -3,6 +3,10 @@
 #   make deps    install the Debian packages the build needs (apt-get, as root)
 #   make build   Release build in build/
 #   make test    deps + build + every test (ctest); non-zero on any failure
+#   make python  deps + the Python package (gtopk, gtopk.torch) in
+#                BUILD_DIR/python: PYTHONPATH=BUILD_DIR/python /usr/bin/python3
+#   make python-install  make python, then install the package into
+#                /usr/local/lib/python3.X/dist-packages (as root)
 #   make bench   run the benchmarks, write bench/results/*.json
 #   make bench-lowbw  (root) gTop-k vs Top-k vs dense vs PyTorch DDP over
 #                1 Gbit/s links in network namespaces (bench/lowbw/);
@@ -37,7 +41,8 @@ DEB_PACKAGES := build-essential cmake ninja-build pkg-config libboost-context-de
 	libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc \
 	libtorch-dev dataset-fashion-mnist python3 \
 	libcpp-httplib-dev prometheus \
-	python3-torch gnuplot-nox iproute2 \
+	python3-torch python3-numpy python3-dev pybind11-dev python3-pybind11 \
+	gnuplot-nox iproute2 \
 	docker-compose python3-yaml
 
 # Commands the deployment tests (ctest label deploy) need, with the Debian
@@ -70,7 +75,7 @@ WORKER         ?= cpp
 DEMO_ARGS      ?=
 LOWBW_ARGS     ?=
 
-.PHONY: all deps build test bench bench-lowbw demo format clean deploy-sync
+.PHONY: python python-install all deps build test bench bench-lowbw demo format clean deploy-sync
 
 all: build
 
@@ -100,9 +105,20 @@ build:
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 
 test: deps
-	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DGTOPK_WERROR=ON $(CMAKE_ARGS)
+	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DGTOPK_WERROR=ON -DGTOPK_PYTHON=ON $(CMAKE_ARGS)
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS) --timeout 600
+
+# The Python package for Debian's /usr/bin/python3 (README, "Python and
+# PyTorch"): the extension gtopk._gtopk and the modules of python/gtopk.
+python: deps
+	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DGTOPK_PYTHON=ON $(CMAKE_ARGS)
+	cmake --build $(BUILD_DIR) -j $(JOBS) --target gtopk_python
+	@echo "python: built $(BUILD_DIR)/python/gtopk; use it with"
+	@echo "  PYTHONPATH=$(abspath $(BUILD_DIR))/python /usr/bin/python3 -c 'import gtopk'"
+
+python-install: python
+	cmake --install $(BUILD_DIR) --component python
 
 bench: build
 	mkdir -p bench/results

@@ -1,5 +1,7 @@
 #include "common/cluster_spec.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
@@ -52,7 +54,19 @@ class Fnv1a {
   uint64_t hash_ = kFnvOffset;
 };
 
-// The flag spellings of the spec's enums.
+// The shortest decimal that reads back as exactly `v` (so that values that
+// differ in their last bit print differently, and 0.1f prints as 0.1).
+template <typename T>
+std::string ShortestNumber(T v) {
+  for (int digits = 1; digits <= 17; ++digits) {
+    const std::string text = absl::StrFormat("%.*g", digits, v);
+    if (static_cast<T>(std::strtod(text.c_str(), nullptr)) == v) return text;
+  }
+  return absl::StrFormat("%.17g", v);
+}
+
+}  // namespace
+
 std::string ModeFlagValue(v1::Mode mode) {
   const std::string& name = v1::Mode_Name(mode);
   if (mode == v1::MODE_UNSPECIFIED || name.empty()) {
@@ -85,19 +99,6 @@ std::string MomentumFlagValue(v1::MomentumMode mode) {
   }
 }
 
-// The shortest decimal that reads back as exactly `v` (so that values that
-// differ in their last bit print differently, and 0.1f prints as 0.1).
-template <typename T>
-std::string ShortestNumber(T v) {
-  for (int digits = 1; digits <= 17; ++digits) {
-    const std::string text = absl::StrFormat("%.*g", digits, v);
-    if (static_cast<T>(std::strtod(text.c_str(), nullptr)) == v) return text;
-  }
-  return absl::StrFormat("%.17g", v);
-}
-
-}  // namespace
-
 uint64_t ClusterFingerprint(const v1::ClusterSpec& spec) {
   Fnv1a h;
   h.Add("version", "gtopk.cluster.v1");
@@ -128,6 +129,66 @@ uint64_t ClusterFingerprint(const v1::ClusterSpec& spec) {
   h.Add("max_message_bytes", uint64_t{spec.max_message_bytes()});
   const uint64_t hash = h.hash();
   return hash == 0 ? 1 : hash;  // 0 is "absent" on the wire
+}
+
+namespace {
+
+absl::Status Mismatch(absl::string_view prefix, absl::string_view name,
+                      absl::string_view mine, absl::string_view servers) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      prefix, name, "=", mine, " but the servers' cluster spec has ", name,
+      " ", servers, " (configure the servers and workers alike)"));
+}
+
+bool Close(double a, double b) {
+  return std::fabs(a - b) <= 1e-6 * std::max(1.0, std::fabs(a));
+}
+
+}  // namespace
+
+absl::Status CheckExpectedSettings(const ExpectedSettings& e,
+                                   const v1::ClusterSpec& c,
+                                   absl::string_view prefix) {
+  if (e.mode && *e.mode != ModeFlagValue(c.mode())) {
+    return Mismatch(prefix, "mode", *e.mode, ModeFlagValue(c.mode()));
+  }
+  if (e.selection && *e.selection != SelectionFlagValue(c.selection())) {
+    return Mismatch(prefix, "selection", *e.selection,
+                    SelectionFlagValue(c.selection()));
+  }
+  if (e.selector && *e.selector != c.selector()) {
+    return Mismatch(prefix, "selector", *e.selector, c.selector());
+  }
+  if (e.index_codec && *e.index_codec != c.index_codec()) {
+    return Mismatch(prefix, "index-codec", *e.index_codec, c.index_codec());
+  }
+  if (e.value_codec && *e.value_codec != c.value_codec()) {
+    return Mismatch(prefix, "value-codec", *e.value_codec, c.value_codec());
+  }
+  if (e.density && !Close(*e.density, c.optimizer().density())) {
+    return Mismatch(prefix, "density", absl::StrCat(*e.density),
+                    absl::StrCat(c.optimizer().density()));
+  }
+  if (e.lr && !Close(*e.lr, c.optimizer().lr())) {
+    return Mismatch(prefix, "lr", absl::StrCat(*e.lr),
+                    absl::StrCat(c.optimizer().lr()));
+  }
+  if (e.momentum && !Close(*e.momentum, c.optimizer().momentum())) {
+    return Mismatch(prefix, "momentum", absl::StrCat(*e.momentum),
+                    absl::StrCat(c.optimizer().momentum()));
+  }
+  if (e.momentum_mode) {
+    // UNSPECIFIED is the documented default: DGC momentum correction.
+    const v1::MomentumMode mode =
+        c.optimizer().momentum_mode() == v1::MOMENTUM_MODE_UNSPECIFIED
+            ? v1::MOMENTUM_MODE_DGC
+            : c.optimizer().momentum_mode();
+    if (*e.momentum_mode != MomentumFlagValue(mode)) {
+      return Mismatch(prefix, "momentum-mode", *e.momentum_mode,
+                      MomentumFlagValue(mode));
+    }
+  }
+  return absl::OkStatus();
 }
 
 std::string FingerprintText(uint64_t fingerprint) {

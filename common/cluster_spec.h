@@ -6,8 +6,11 @@
 #define GTOPK_COMMON_CLUSTER_SPEC_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include "absl/status/status.h"
 
 #include "absl/strings/string_view.h"
 #include "gtopk/v1/gtopk.pb.h"
@@ -42,6 +45,32 @@ uint64_t ClusterFingerprint(const v1::ClusterSpec& spec);
 std::vector<std::string> ClusterSpecDifferences(const v1::ClusterSpec& here,
                                                 const v1::ClusterSpec& there,
                                                 absl::string_view there_name);
+
+// The flag spellings of the spec's enums: "gtopk" | "topk" | "dense";
+// "exact" | "quota"; "none" | "dgc" | "global"; anything else as
+// "unspecified(N)" / "unknown(N)". Pure.
+std::string ModeFlagValue(v1::Mode mode);
+std::string SelectionFlagValue(v1::Selection selection);
+std::string MomentumFlagValue(v1::MomentumMode mode);
+
+// Settings a worker expects of the cluster (gtopk-worker's consistency
+// flags, the Python optimizer's arguments); unset fields are not checked.
+// Strings in flag spelling (ModeFlagValue etc.).
+struct ExpectedSettings {
+  std::optional<std::string> mode, selection, selector, index_codec,
+      value_codec, momentum_mode;
+  std::optional<double> density, lr, momentum;
+};
+
+// OK when every set field of `expected` matches `spec` (numbers within a
+// relative 1e-6; an unspecified momentum mode is "dgc", the documented
+// default); otherwise FAILED_PRECONDITION for the first that differs:
+// "<prefix>lr=0.1 but the servers' cluster spec has lr 0.05 (configure the
+// servers and workers alike)" (prefix "--" for flags, "" for keyword
+// arguments). Pure; thread-safe.
+absl::Status CheckExpectedSettings(const ExpectedSettings& expected,
+                                   const v1::ClusterSpec& spec,
+                                   absl::string_view prefix);
 
 // The fingerprint as printed in messages: "0x" and 16 hex digits.
 std::string FingerprintText(uint64_t fingerprint);

@@ -31,6 +31,9 @@ struct WorkerClient::ShardConn {
   std::unique_ptr<v1::Aggregator::Stub> stub;
   // Open stream (both null when closed). The context outlives the stream.
   std::unique_ptr<grpc::ClientContext> context;
+  // The context's registration with ClientOptions::cancellation; declared
+  // after it so that it ends first.
+  std::unique_ptr<Cancellation::Scope> cancel_scope;
   std::unique_ptr<grpc::ClientReaderWriter<v1::Push, v1::Pull>> stream;
   // Set by the step thread when the stream ended (it must be reopened).
   bool broken = false;
@@ -171,7 +174,8 @@ SparseVector Slice(const SparseVector& v, uint64_t begin, uint64_t end) {
 template <typename Shards>
 absl::Status CheckShardsAgree(const Shards& shards,
                               const v1::ClusterSpec& leader_spec,
-                              absl::Duration timeout) {
+                              absl::Duration timeout,
+                              Cancellation* cancellation) {
   const absl::Time deadline = absl::Now() + timeout;
   for (size_t s = 1; s < shards.size(); ++s) {
     const std::string where = absl::StrCat("shard ", shards[s]->id, " (",
@@ -179,6 +183,7 @@ absl::Status CheckShardsAgree(const Shards& shards,
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(deadline));
     context.set_wait_for_ready(true);
+    Cancellation::Scope cancel_scope(cancellation, &context);
     v1::ClusterSpec spec;
     const absl::Status st = FromGrpc(
         shards[s]->stub->GetClusterSpec(&context, v1::JoinRequest(), &spec));
@@ -236,6 +241,7 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
     context.set_deadline(absl::ToChronoTime(absl::Now() + options.rpc_timeout));
     // A worker may start before the leader: wait for it up to the deadline.
     context.set_wait_for_ready(true);
+    Cancellation::Scope cancel_scope(options.cancellation.get(), &context);
     const absl::Status s = FromGrpc(stub->Join(&context, request, &response));
     if (!s.ok()) return Prefixed(s, absl::StrCat(leader, ": Join"));
   }
@@ -281,7 +287,8 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
     conn->stub = v1::Aggregator::NewStub(conn->channel);
     shards.push_back(std::move(conn));
   }
-  GTOPK_RETURN_IF_ERROR(CheckShardsAgree(shards, cluster, options.rpc_timeout));
+  GTOPK_RETURN_IF_ERROR(CheckShardsAgree(shards, cluster, options.rpc_timeout,
+                                         options.cancellation.get()));
   std::unique_ptr<WorkerClient> client(new WorkerClient(
       options, rank, response.member_token(), cluster, std::move(rule),
       std::move(selector), codec, std::move(shards)));
@@ -328,10 +335,22 @@ std::unique_ptr<grpc::ClientContext> WorkerClient::NewStreamContext() const {
   return context;
 }
 
+void WorkerClient::SetStreamContext(ShardConn& c) const {
+  c.cancel_scope.reset();
+  c.context = NewStreamContext();
+  c.cancel_scope = std::make_unique<Cancellation::Scope>(
+      options_.cancellation.get(), c.context.get());
+}
+
+void WorkerClient::ClearStreamContext(ShardConn& c) {
+  c.cancel_scope.reset();
+  c.context.reset();
+}
+
 void WorkerClient::OpenLeaderStream() {
   ShardConn& c = *shards_[0];
   if (c.stream != nullptr) return;
-  c.context = NewStreamContext();
+  SetStreamContext(c);
   c.broken = false;
   // Sends the call's metadata now; the first push follows at the first
   // Step.
@@ -367,6 +386,7 @@ absl::Status WorkerClient::ExplainFingerprintRefusal(
   }
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+  Cancellation::Scope cancel_scope(options_.cancellation.get(), &context);
   v1::ClusterSpec leader;
   if (!shards_[0]->stub->GetClusterSpec(&context, v1::JoinRequest(), &leader)
            .ok()) {
@@ -388,7 +408,7 @@ void WorkerClient::CloseStreams() {
       c->stream->Finish().IgnoreError();
     }
     c->stream.reset();
-    c->context.reset();
+    ClearStreamContext(*c);
     c->broken = false;
   }
 }
@@ -413,6 +433,7 @@ absl::StatusOr<int64_t> WorkerClient::SynchronizeParameters(
       grpc::ClientContext context;
       context.set_deadline(
           absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+      Cancellation::Scope cancel_scope(options_.cancellation.get(), &context);
       v1::InitParamsResponse response;
       auto writer = c.stub->InitParams(&context, &response);
       uint64_t offset = c.begin;
@@ -445,6 +466,7 @@ absl::StatusOr<int64_t> WorkerClient::SynchronizeParameters(
     const std::string where = absl::StrCat(ShardName(s), ": DownloadParams");
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+    Cancellation::Scope cancel_scope(options_.cancellation.get(), &context);
     v1::DownloadParamsRequest request;
     request.set_worker(rank_);
     request.set_cluster_fingerprint(cluster_.cluster_fingerprint());
@@ -513,6 +535,44 @@ absl::StatusOr<int64_t> WorkerClient::SynchronizeParameters(
   return step;
 }
 
+absl::StatusOr<WorkerState> WorkerClient::ExportState() {
+#if GTOPK_HAVE_CUDA
+  GTOPK_RETURN_IF_ERROR(CopyDeviceStateToHost());
+#endif
+  WorkerState state;
+  state.next_step = next_step_;
+  state.residual.assign(feedback_.residual().begin(),
+                        feedback_.residual().end());
+  state.velocity = velocity_;
+  return state;
+}
+
+absl::Status WorkerClient::ImportState(const WorkerState& state) {
+  const uint64_t n = cluster_.n();
+  if (state.residual.size() != n || state.velocity.size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ImportState: residual has ", state.residual.size(),
+        " values and velocity ", state.velocity.size(), "; n = ", n));
+  }
+  GTOPK_RETURN_IF_ERROR(ValidateFinite(state.residual, "ImportState: residual"));
+  GTOPK_RETURN_IF_ERROR(ValidateFinite(state.velocity, "ImportState: velocity"));
+  if (state.next_step != next_step_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "ImportState: the servers are at step ", next_step_,
+        " but the state is from step ", state.next_step,
+        " (restore the servers' checkpoint of the same step, or start the "
+        "worker state afresh)"));
+  }
+  std::copy(state.residual.begin(), state.residual.end(),
+            feedback_.mutable_residual().begin());
+  velocity_ = state.velocity;
+#if GTOPK_HAVE_CUDA
+  // The next device Step uploads the imported state.
+  device_.reset();
+#endif
+  return absl::OkStatus();
+}
+
 absl::StatusOr<int64_t> WorkerClient::Recover(absl::Span<float> params) {
   return Recover(params,
                  absl::Now() + options_.rpc_timeout +
@@ -531,6 +591,7 @@ absl::StatusOr<int64_t> WorkerClient::Recover(absl::Span<float> params,
   // A leader that is down or restarting is waited for (up to the deadline)
   // instead of failing at once with UNAVAILABLE.
   context.set_wait_for_ready(true);
+  Cancellation::Scope cancel_scope(options_.cancellation.get(), &context);
   v1::RecoverRequest request;
   request.set_worker(rank_);
   request.set_failed_step(next_step_);
@@ -596,7 +657,7 @@ absl::Status WorkerClient::Exchange(int64_t step,
 
   for (auto& c : shards_) {
     if (c->stream == nullptr) {
-      c->context = NewStreamContext();
+      SetStreamContext(*c);
       c->broken = false;
     }
   }
@@ -620,7 +681,7 @@ absl::Status WorkerClient::Exchange(int64_t step,
         {
           absl::MutexLock lock(&mu);  // the watchdog cancels under mu
           c.stream.reset();
-          c.context = NewStreamContext();
+          SetStreamContext(c);
         }
         c.stream = c.stub->PushPull(c.context.get());
         written = c.stream->Write(pushes[s]);

@@ -39,6 +39,7 @@
 #include "common/sparse_vector.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
 #include "gtopk/v1/gtopk.pb.h"
+#include "worker/cancellation.h"
 
 #if GTOPK_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -64,6 +65,22 @@ struct ClientOptions {
   // pushes started is cancelled. The margin lets the servers' own
   // (better-informed) DEADLINE_EXCEEDED arrive first. >= 0.
   absl::Duration step_watchdog_margin = absl::Seconds(2);
+  // Optional: every RPC of Connect and of the client it returns registers
+  // here, so that another thread can cancel the blocking call in progress
+  // (Cancellation::Cancel; the call returns CANCELLED under its failure
+  // contract). Shared: the caller keeps it to cancel and Reset it.
+  std::shared_ptr<Cancellation> cancellation;
+};
+
+// A worker's own optimizer state, for checkpoints (ExportState /
+// ImportState): what a run needs, beside the servers' parameters, to
+// continue bit-identically.
+struct WorkerState {
+  int64_t next_step = 0;        // the step Step() runs next
+  std::vector<float> residual;  // error-feedback residual, length n
+  // DGC local velocity (momentum correction), length n; all zero in the
+  // other momentum modes.
+  std::vector<float> velocity;
 };
 
 // What one successful Step did. Durations are wall-clock.
@@ -160,6 +177,23 @@ class WorkerClient {
   // but has not had applied. For diagnostics and tests; valid until the
   // next non-const call.
   absl::Span<const float> residual() const { return feedback_.residual(); }
+
+  // A copy of this worker's residual, local velocity and next step (from
+  // the GPU when the device Step holds them). The global velocity
+  // (MomentumMode::kGlobal) is not included: the servers keep it and
+  // SynchronizeParameters downloads it.
+  // Errors: INTERNAL with file:line when a device copy fails.
+  absl::StatusOr<WorkerState> ExportState();
+  // Replaces the residual and local velocity with `state`'s (for a run
+  // resumed from a checkpoint, after SynchronizeParameters).
+  // state.next_step must equal next_step(): the state belongs to the step
+  // the servers are at, or continuing would not be the run that was saved.
+  // Errors: INVALID_ARGUMENT for a length other than n or a non-finite value
+  // (the position named); FAILED_PRECONDITION for another step ("the
+  // servers are at step X, the state is from step Y"). Nothing changes on
+  // error. With the device Step in use, the device copy is dropped and the
+  // next device Step uploads the imported state.
+  absl::Status ImportState(const WorkerState& state);
 
   // The selector seed a worker of `rank` uses for the cluster's
   // selector_seed, so that workers' randomized selectors differ while every
@@ -271,6 +305,10 @@ class WorkerClient {
                         std::vector<v1::Pull>* pulls);
   // Cancels and finishes every open stream.
   void CloseStreams();
+  // Opens a fresh stream context on `c` (registered with
+  // options_.cancellation), and drops one.
+  void SetStreamContext(ShardConn& c) const;
+  static void ClearStreamContext(ShardConn& c);
   // A context for a PushPull call to shard `s`: wait for ready, and this
   // worker's rank and member token in the metadata (gtopk-rank,
   // gtopk-member-token), so the leader counts the rank alive from the
@@ -308,6 +346,9 @@ class WorkerClient {
   // call. shared_ptr: the type is complete only in client_cuda.cc.
   struct DeviceState;
   std::shared_ptr<DeviceState> device_;
+  // Copies the device residual and local velocity into feedback_ and
+  // velocity_ (ExportState). Errors: INTERNAL with file:line.
+  absl::Status CopyDeviceStateToHost();
 #endif
   int64_t next_step_ = 0;
   // The leader's attempt epoch as last heard (Join, Recover), sent in every

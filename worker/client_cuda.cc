@@ -56,6 +56,21 @@ float PutBackSum(float residual, float received) {
 
 }  // namespace
 
+absl::Status WorkerClient::CopyDeviceStateToHost() {
+  if (device_ == nullptr) return absl::OkStatus();
+  DeviceState& d = *device_;
+  const uint64_t n = cluster_.n();
+  GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(cudaMemcpy(
+      feedback_.mutable_residual().data(), d.residual[d.current].get(),
+      n * sizeof(float), cudaMemcpyDeviceToHost)));
+  if (rule_.options().momentum_mode == MomentumMode::kDgcCorrection) {
+    GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(
+        cudaMemcpy(velocity_.data(), d.velocity[d.current].get(),
+                   n * sizeof(float), cudaMemcpyDeviceToHost)));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
                                              float* params, uint64_t n,
                                              cudaStream_t stream) {

@@ -282,6 +282,63 @@ TEST_F(ClientFakeTest, WrongLengthsAreRejectedBeforeAnything) {
   EXPECT_EQ(fake_.pushes.load(), 0);
 }
 
+// ExportState/ImportState: a client restored from another's state after
+// the same steps continues exactly as the original does (same pushes, same
+// parameters), because residual and step are the whole worker state here
+// (no momentum).
+TEST_F(ClientFakeTest, ImportedStateContinuesBitIdentically) {
+  Connect();
+  std::vector<float> params(kN, 0.0f);
+  ASSERT_TRUE(client_->Step(Ramp(1.0f), absl::MakeSpan(params)).ok());
+  GTOPK_ASSERT_OK_AND_ASSIGN(WorkerState saved, client_->ExportState());
+  EXPECT_EQ(saved.next_step, 1);
+  ASSERT_EQ(saved.residual.size(), kN);
+  // The residual keeps what was not sent: the 90 smallest entries.
+  EXPECT_EQ(saved.residual[0], 1.0f);
+  EXPECT_EQ(saved.residual[95], 0.0f);
+  std::vector<float> params_b = params;
+  ASSERT_TRUE(client_->Step(Ramp(0.5f), absl::MakeSpan(params)).ok());
+
+  // A second client (the fake serves any number), moved to step 1 by a
+  // step of its own, then given the saved state.
+  std::unique_ptr<WorkerClient> original = std::move(client_);
+  Connect();
+  std::vector<float> scratch(kN, 0.0f);
+  ASSERT_TRUE(client_->Step(Ramp(3.0f), absl::MakeSpan(scratch)).ok());
+  GTOPK_ASSERT_OK(client_->ImportState(saved));
+  ASSERT_TRUE(client_->Step(Ramp(0.5f), absl::MakeSpan(params_b)).ok());
+  EXPECT_EQ(std::memcmp(params.data(), params_b.data(), kN * sizeof(float)),
+            0);
+  GTOPK_ASSERT_OK_AND_ASSIGN(WorkerState a, original->ExportState());
+  GTOPK_ASSERT_OK_AND_ASSIGN(WorkerState b, client_->ExportState());
+  EXPECT_EQ(a.residual, b.residual);
+  EXPECT_EQ(a.next_step, b.next_step);
+}
+
+TEST_F(ClientFakeTest, ImportStateRejectsBadStateAndChangesNothing) {
+  Connect();
+  GTOPK_ASSERT_OK_AND_ASSIGN(WorkerState good, client_->ExportState());
+  WorkerState bad = good;
+  bad.residual.pop_back();
+  EXPECT_THAT(client_->ImportState(bad),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("residual has 99 values")));
+  bad = good;
+  bad.velocity[7] = INFINITY;
+  EXPECT_THAT(client_->ImportState(bad),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("velocity")));
+  bad = good;
+  bad.residual[0] = 5.0f;
+  bad.next_step = 4;
+  EXPECT_THAT(client_->ImportState(bad),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("servers are at step 0 but the state is "
+                                 "from step 4")));
+  GTOPK_ASSERT_OK_AND_ASSIGN(WorkerState after, client_->ExportState());
+  EXPECT_EQ(after.residual, good.residual);  // nothing changed
+}
+
 }  // namespace
 }  // namespace worker
 }  // namespace gtopk

@@ -26,6 +26,8 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "common/checksum.h"
+#include "common/cluster_spec.h"
 #include "common/codec.h"
 #include "common/host_port.h"
 #include "common/random.h"
@@ -111,52 +113,18 @@ absl::StatusOr<uint64_t> SyntheticSize(const std::string& model) {
   return n;
 }
 
-std::string ModeName(v1::Mode mode) {
-  // The generated enum names (MODE_GTOPK, ...) without the prefix.
-  const std::string& name = v1::Mode_Name(mode);
-  if (mode == v1::MODE_UNSPECIFIED || name.empty()) {
-    return absl::StrCat("unspecified(", static_cast<int>(mode), ")");
-  }
-  return absl::AsciiStrToLower(absl::StripPrefix(name, "MODE_"));
-}
-
-absl::Status Mismatch(const char* flag, const std::string& mine,
-                      const std::string& servers) {
-  return absl::FailedPreconditionError(absl::StrCat(
-      "--", flag, "=", mine, " but the servers' cluster spec has ", flag, " ",
-      servers, " (configure the servers and workers alike)"));
-}
-
-bool Close(double a, double b) {
-  return std::fabs(a - b) <= 1e-6 * std::max(1.0, std::fabs(a));
-}
-
-// The optional consistency flags against the cluster spec.
+// The optional consistency flags against the cluster spec (the check the
+// Python optimizer makes too: common/cluster_spec.h).
 absl::Status CheckCluster(const TrainerOptions& o, const v1::ClusterSpec& c) {
-  if (o.mode && *o.mode != ModeName(c.mode())) {
-    return Mismatch("mode", *o.mode, ModeName(c.mode()));
-  }
-  if (o.selector && *o.selector != c.selector()) {
-    return Mismatch("selector", *o.selector, c.selector());
-  }
-  if (o.index_codec && *o.index_codec != c.index_codec()) {
-    return Mismatch("index-codec", *o.index_codec, c.index_codec());
-  }
-  if (o.value_codec && *o.value_codec != c.value_codec()) {
-    return Mismatch("value-codec", *o.value_codec, c.value_codec());
-  }
-  if (o.density && !Close(*o.density, c.optimizer().density())) {
-    return Mismatch("density", absl::StrCat(*o.density),
-                    absl::StrCat(c.optimizer().density()));
-  }
-  if (o.lr && !Close(*o.lr, c.optimizer().lr())) {
-    return Mismatch("lr", absl::StrCat(*o.lr), absl::StrCat(c.optimizer().lr()));
-  }
-  if (o.momentum && !Close(*o.momentum, c.optimizer().momentum())) {
-    return Mismatch("momentum", absl::StrCat(*o.momentum),
-                    absl::StrCat(c.optimizer().momentum()));
-  }
-  return absl::OkStatus();
+  ExpectedSettings e;
+  e.mode = o.mode;
+  e.selector = o.selector;
+  e.index_codec = o.index_codec;
+  e.value_codec = o.value_codec;
+  e.density = o.density;
+  e.lr = o.lr;
+  e.momentum = o.momentum;
+  return CheckExpectedSettings(e, c, "--");
 }
 
 // The consistency flags' own syntax and ranges (before the join: a typo
@@ -239,7 +207,7 @@ std::vector<uint32_t> EpochPermutation(size_t count, uint64_t seed,
   return perm;
 }
 
-std::string Hex64(uint64_t v) { return absl::StrFormat("%016x", v); }
+std::string Hex64(uint64_t v) { return ChecksumText(v); }
 
 std::string JsonNumber(double v) {
   if (!std::isfinite(v)) return "null";
@@ -429,16 +397,6 @@ absl::Duration EffectiveRecoveryTimeout(const TrainerOptions& o,
                                         absl::Duration step_timeout) {
   if (o.recovery_timeout.has_value()) return *o.recovery_timeout;
   return kDefaultRecoverySteps * step_timeout;
-}
-
-uint64_t Fnv1a64(const void* data, size_t bytes) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (size_t i = 0; i < bytes; ++i) {
-    h ^= p[i];
-    h *= 0x100000001b3ull;
-  }
-  return h;
 }
 
 absl::Status CheckReplicaChecksums(uint32_t rank, uint64_t param_checksum,
@@ -900,7 +858,7 @@ absl::Status RunTrainer(const TrainerOptions& o) {
     field("rank", absl::StrCat(rank), false);
     field("model", JsonString(o.model), false);
     field("n", absl::StrCat(n), false);
-    field("mode", JsonString(ModeName(cluster.mode())), false);
+    field("mode", JsonString(ModeFlagValue(cluster.mode())), false);
     field("selector", JsonString(cluster.selector()), false);
     field("density", JsonNumber(cluster.optimizer().density()), false);
     field("workers", absl::StrCat(workers), false);

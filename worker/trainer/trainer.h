@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "common/checksum.h"  // Fnv1a64: the replica checksums
 #include "common/metrics/metrics.h"
 
 namespace gtopk {
@@ -82,8 +83,6 @@ absl::Status CheckReplicaChecksums(uint32_t rank, uint64_t param_checksum,
                                    uint64_t server_checksum,
                                    int64_t server_step);
 
-// 64-bit FNV-1a over the bytes of `data` (the replica checksums).
-uint64_t Fnv1a64(const void* data, size_t bytes);
 
 }  // namespace worker
 }  // namespace gtopk

@@ -1,0 +1,33 @@
+// The replica checksum: how gtopk-worker, the Python package and the
+// launcher tell that every replica and the servers hold the same bits.
+#ifndef GTOPK_COMMON_CHECKSUM_H_
+#define GTOPK_COMMON_CHECKSUM_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "absl/strings/str_format.h"
+
+namespace gtopk {
+
+// 64-bit FNV-1a (Fowler, Noll, Vo) over `bytes` bytes at `data` (for
+// parameters: n floats' bytes in memory order). Pure; thread-safe.
+inline uint64_t Fnv1a64(const void* data, size_t bytes) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (size_t i = 0; i < bytes; ++i) {
+    h ^= p[i];
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+// A checksum as the summaries print it: 16 lowercase hex digits, no "0x".
+inline std::string ChecksumText(uint64_t checksum) {
+  return absl::StrFormat("%016x", checksum);
+}
+
+}  // namespace gtopk
+
+#endif  // GTOPK_COMMON_CHECKSUM_H_
