@@ -113,9 +113,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     **Failures and recovery.** A failed step raises the :class:`gtopk.Error`
     subclass of its status code, with the server's message (naming the shard
     or worker that failed). Nothing was applied to the parameters; the
-    gradient is kept in the residual, so retrying the same step sends a zero
-    gradient (whatever ``.grad`` holds then), as ``gtopk-worker`` does. The
-    recovery loop::
+    gradient is kept in the residual, so the next step() sends a zero
+    gradient when it is the same step again (whatever ``.grad`` holds then),
+    as ``gtopk-worker`` does, or when no gradient was recomputed since the
+    failure. The recovery loop::
 
         while True:
             try:
@@ -129,7 +130,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     were rolled back (a shard restarted from an older checkpoint) that step
     is earlier than the failed one, the parameters were downloaded again,
     and a training script should recompute the gradient of that step (the
-    example ``examples/pytorch/train_fashion_mnist.py`` does). Other errors
+    example ``examples/pytorch/train_fashion_mnist.py`` does; without it the
+    step only sends what the residual holds). Other errors
     (:class:`gtopk.InvalidArgument`, :class:`gtopk.PermissionDenied`, ...)
     are not retryable.
 
@@ -345,7 +347,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._client.close()
             raise
         self._stats = None
-        self._retry_step = None    # the step that failed (residual holds it)
+        # After a failed step (its gradient is in the residual): the step
+        # that failed and the gradients as they were (_grad_signature).
+        self._retry_step = None
+        self._failed_grads = None
         self._last_step_end = time.perf_counter()
         self._frozen = True
 
@@ -498,6 +503,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         "%r: %s" % (i, key, value, key, _f32_float(c[key]),
                                     what))
 
+    def _grad_signature(self):
+        """Each parameter's .grad and its version counter: equal to an
+        earlier signature only when no gradient was recomputed, zeroed or
+        replaced since (holds the tensors, so no id is reused)."""
+        return [(g, g._version) if g is not None else None
+                for g in (p.grad for p in self._params)]
+
+    def _same_grads(self, a, b):
+        return a is not None and b is not None and len(a) == len(b) and all(
+            (x is None and y is None) or (x is not None and y is not None
+                                          and x[0] is y[0] and x[1] == y[1])
+            for x, y in zip(a, b))
+
     def _gather_gradients(self):
         """p.grad -> the flat gradient buffer (None: zeros); leaves each
         p.grad a view of its slice, so the next backward accumulates there."""
@@ -552,10 +570,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         t0 = time.perf_counter()
         compute = t0 - self._last_step_end
         client = self._client
-        if self._retry_step is not None and \
-                self._retry_step == client.next_step:
+        if self._retry_step is not None and (
+                self._retry_step == client.next_step
+                or self._same_grads(self._grad_signature(),
+                                    self._failed_grads)):
             # The failed attempt's gradient is already in the residual
-            # (worker/client.h, Step's failure contract): send nothing new.
+            # (worker/client.h, Step's failure contract): the same step
+            # again, or another one (after a rollback) with the gradients
+            # untouched since, sends nothing new.
             if self._zero_grad_buf is None:
                 self._zero_grad_buf = torch.zeros_like(self._flat_grad)
             grad = self._zero_grad_buf
@@ -563,6 +585,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._gather_gradients()
             grad = self._flat_grad
         self._retry_step = None
+        self._failed_grads = None
         try:
             if self._cuda:
                 if not gtopk.has_cuda:  # checked at construction too
@@ -578,8 +601,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         except (errors.InvalidArgument, errors.Unimplemented):
             raise  # refused before anything was accumulated
         except (errors.Error, KeyboardInterrupt):
-            # Accumulated into the residual: a retry of this step sends zero.
+            # Accumulated into the residual: a retry sends zero (see above).
             self._retry_step = client.next_step
+            self._failed_grads = self._grad_signature()
             raise
         now = time.perf_counter()
         self._stats = stats
@@ -600,7 +624,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         one step and returns the step to continue from (also
         :attr:`next_step`). When the servers were rolled back, or are ahead
         of this worker, the parameters are downloaded again (so they equal
-        the servers'); otherwise they are untouched.
+        the servers'); otherwise they are untouched. The loop::
+
+            while True:
+                try:
+                    opt.step()
+                    break
+                except gtopk.RETRYABLE:
+                    opt.recover()
+
+        (a retry of the same step sends no new gradient: the failed
+        attempt's is in the residual). When the returned step is earlier
+        than the failed one, recompute the gradient for that step before
+        stepping again.
 
         Args:
           timeout: seconds to wait for a leader that is down or restarting;
@@ -618,14 +654,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._check_open()
         if timeout is None:
             timeout = self._recovery_timeout
-        failed = self._retry_step
-        nxt = self._with_host_params(
+        return self._with_host_params(
             lambda buf: self._client.recover(buf, timeout))
-        if failed is None or nxt != failed:
-            # Rolled back (or ahead): the next step() starts afresh from
-            # .grad, which the script recomputes for that step.
-            self._retry_step = None
-        return nxt
 
     # -- checkpoints ---------------------------------------------------------
 
@@ -662,6 +692,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         non-finite value (nothing changed).
         """
         self._check_open()
+        self._failed_grads = None
         if "gtopk" not in state_dict:
             raise ValueError(
                 "gtopk: this state dict has no 'gtopk' entry: it is not from "
