@@ -13,7 +13,11 @@ One ctest test per class (label `deploy`), e.g.
   ComposeTest       `docker-compose config -q` (Debian's docker-compose) with
                     no warning; the topology: S shards, P workers,
                     Prometheus, Grafana, health checks, depends_on
-                    service_healthy, Grafana's provisioning mounts
+                    service_healthy, Grafana's provisioning mounts; the
+                    PyTorch variant (-f docker-compose.python.yml) replaces
+                    exactly worker-N's image, build target and command
+                    (the example in the image, worker-N's flags), nothing
+                    else
   KustomizeTest     `kubectl kustomize` renders every overlay; StatefulSet,
                     headless Service, PDB, Indexed Job, ConfigMaps,
                     NetworkPolicy semantics, monitors, annotations; the
@@ -36,15 +40,26 @@ One ctest test per class (label `deploy`), e.g.
                     (nothing downloaded), its runtime stage copies
                     libtorch's lib/ to the linked path and checks it with
                     deploy/docker/ldd-check.sh, which is tested on a
-                    program with a library of its own
+                    program with a library of its own; the python-worker
+                    stage: FROM the worker, python3/python3-torch/
+                    python3-numpy, the gtopk package installed (cmake
+                    --install --component python, as here) where
+                    /usr/bin/python3 finds it, the example where compose
+                    runs it, ENTRYPOINT python3; every package a stage
+                    installs is a Debian 12 package, every COPY source
+                    exists in the build context
   FlagsTest         every flag the images, compose, Kubernetes and the
-                    launcher pass exists in the built binaries (--helpfull),
-                    both entrypoints print their usage, and two shards
+                    launcher pass exists in the built binaries (--helpfull)
+                    or, for the Python workers, in the example's argparse
+                    (examples/pytorch/train_fashion_mnist.py --help), which
+                    also parses the compose Python workers' values; the
+                    entrypoints print their usage, and two shards
                     started with the compose flags (addresses moved to
                     loopback) answer SERVING and stop cleanly
-  ConsistencyTest   compose, Kubernetes and the launcher (--config
-                    deploy/cluster.env) pass the same flags with the same
-                    values; the Makefile's demo defaults equal cluster.env;
+  ConsistencyTest   compose (both variants), Kubernetes and the launcher
+                    (--config deploy/cluster.env, --worker cpp and python)
+                    pass the same flags with the same values; the
+                    Makefile's demo defaults equal cluster.env;
                     README documents every variable
 
 Environment: GTOPK_BUILD_DIR (ctest sets it; default build/).
@@ -52,6 +67,7 @@ Environment: GTOPK_BUILD_DIR (ctest sets it; default build/).
 
 import atexit
 import copy
+import fnmatch
 import glob
 import json
 import os
@@ -77,6 +93,15 @@ BUILD_DIR = os.path.abspath(os.environ.get("GTOPK_BUILD_DIR",
 SERVER_BIN = os.path.join(BUILD_DIR, "server", "gtopk-server")
 WORKER_BIN = os.path.join(BUILD_DIR, "worker", "gtopk-worker")
 VALIDATE_DIR = os.path.join(BUILD_DIR, "deploy-validate")
+# The Python package as `make python` builds it (PYTHONPATH=BUILD_DIR/python).
+PYTHON_BUILD_DIR = os.path.join(BUILD_DIR, "python")
+SYSTEM_PYTHON = "/usr/bin/python3"  # Debian's, the images' python3
+# The PyTorch example, in the repository and in the python-worker image.
+EXAMPLE = os.path.join(ROOT, "examples", "pytorch", "train_fashion_mnist.py")
+EXAMPLE_IN_IMAGE = "/opt/gtopk/examples/train_fashion_mnist.py"
+COMPOSE_FILE = os.path.join(DEPLOY, "docker-compose.yml")
+# The PyTorch-workers variant: an override file merged over COMPOSE_FILE.
+PYTHON_COMPOSE_FILE = os.path.join(DEPLOY, "docker-compose.python.yml")
 OVERLAYS = sorted(os.path.basename(p) for p in
                   glob.glob(os.path.join(DEPLOY, "k8s", "overlays", "*"))
                   if os.path.isfile(os.path.join(p, "kustomization.yaml")))
@@ -159,17 +184,25 @@ def same_value(a, b):
 _compose_cache = {}
 
 
-def compose_config():
-    """The compose file as docker-compose resolves it (variables from
+def compose_files(python=False):
+    """docker-compose's -f options: the compose file, and with python=True
+    the PyTorch-workers override merged over it."""
+    files = [COMPOSE_FILE] + ([PYTHON_COMPOSE_FILE] if python else [])
+    return [a for f in files for a in ("-f", f)]
+
+
+def compose_config(python=False):
+    """The compose file (with python=True: merged with
+    docker-compose.python.yml) as docker-compose resolves it (variables from
     deploy/.env substituted)."""
-    if "cfg" not in _compose_cache:
+    if python not in _compose_cache:
         exe = need("docker-compose")
-        r = run([exe, "--project-directory", DEPLOY, "-f",
-                 os.path.join(DEPLOY, "docker-compose.yml"), "config"])
+        r = run([exe, "--project-directory", DEPLOY] + compose_files(python)
+                + ["config"])
         if r.returncode != 0:
             raise AssertionError("docker-compose config failed:\n" + r.stderr)
-        _compose_cache["cfg"] = yaml.safe_load(r.stdout)
-    return _compose_cache["cfg"]
+        _compose_cache[python] = yaml.safe_load(r.stdout)
+    return _compose_cache[python]
 
 
 _render_cache = {}
@@ -286,6 +319,38 @@ def compose_command(svc):
     return shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
 
 
+def example_env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [PYTHON_BUILD_DIR] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH")
+                              else []))
+    for name in ("GTOPK_LEADER", "GTOPK_SERVER", "GTOPK_METRICS_PORT",
+                 "RANK", "WORLD_SIZE", "JOB_COMPLETION_INDEX"):
+        env.pop(name, None)
+    return env
+
+
+_example_flags = []
+
+
+def example_flags():
+    """Flag names (underscore spelling) the PyTorch example accepts, from
+    its argparse --help."""
+    if not _example_flags:
+        r = run([SYSTEM_PYTHON, EXAMPLE, "--help"], env=example_env(),
+                timeout=60)
+        if r.returncode != 0:
+            raise AssertionError("%s --help failed (%d):\n%s" % (
+                EXAMPLE, r.returncode, r.stdout + r.stderr))
+        flags = {m.replace("-", "_") for m in
+                 re.findall(r"(?<![\w-])--([a-z0-9][a-z0-9-]*)", r.stdout)}
+        if len(flags) < 10:
+            raise AssertionError("no flags parsed from `%s --help`:\n%s" % (
+                EXAMPLE, r.stdout[:2000]))
+        _example_flags.append(flags)
+    return _example_flags[0]
+
+
 def binary_flags(binary):
     """Flag names (underscore spelling) the binary accepts, from --helpfull
     (Abseil lists them per source file: ours and its own, such as
@@ -367,6 +432,58 @@ class ComposeTest(unittest.TestCase):
         self.assertEqual(r.returncode, 0, r.stderr)
         # Warnings (e.g. "variable is not set") fail too.
         self.assertEqual(r.stderr.strip(), "")
+
+    def test_python_variant_config_quiet_is_clean(self):
+        exe = need("docker-compose")
+        r = run([exe] + compose_files(python=True) + ["config", "-q"],
+                cwd=DEPLOY)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stderr.strip(), "")
+
+    def test_python_variant_replaces_exactly_the_workers(self):
+        """docker-compose.python.yml overrides worker-0..P-1 and nothing
+        else: the merged file has the same services; each worker-N runs the
+        python-worker image with the example (where the Dockerfile puts it)
+        and worker-N's flags and values, and keeps its health check,
+        depends_on, volumes, hostname and restart policy. So the Python
+        workers take the same ranks instead of fighting for them, and
+        Prometheus (worker-N:9401) and the dashboards work unchanged."""
+        with open(PYTHON_COMPOSE_FILE) as f:
+            raw = yaml.safe_load(f)
+        self.assertEqual(set(raw["services"]),
+                         {"worker-%d" % w for w in range(self.P)},
+                         "docker-compose.python.yml vs GTOPK_WORKERS=%d"
+                         % self.P)
+        merged = compose_config(python=True)["services"]
+        self.assertEqual(set(merged), set(self.services))
+        changed = {"image", "build", "command"}
+
+        def rest(svc):
+            # docker-compose lists merged volumes in another order.
+            return {k: sorted(map(str, v)) if k == "volumes" else v
+                    for k, v in svc.items() if k not in changed}
+        for name, svc in self.services.items():
+            if not name.startswith("worker-"):
+                self.assertEqual(rest(merged[name]), rest(svc), name)
+                for k in changed:
+                    self.assertEqual(merged[name].get(k), svc.get(k), name)
+                continue
+            py = merged[name]
+            self.assertEqual(rest(py), rest(svc), name)
+            self.assertTrue(py["image"].startswith("gtopk-python-worker:"),
+                            name)
+            self.assertEqual(py["image"].split(":")[1],
+                             svc["image"].split(":")[1], "same version tag")
+            self.assertEqual(py["build"]["target"], "python-worker")
+            self.assertEqual(py["build"]["context"], svc["build"]["context"])
+            self.assertEqual(py["build"]["dockerfile"],
+                             svc["build"]["dockerfile"])
+            cmd = compose_command(py)
+            self.assertEqual(cmd[0], EXAMPLE_IN_IMAGE, name)
+            self.assertEqual(flag_dict(cmd[1:]),
+                             flag_dict(compose_command(svc)),
+                             "%s: the Python worker must pass the C++ "
+                             "worker's flags and values" % name)
 
     def test_services_are_the_topology(self):
         want = ({"shard-%d" % s for s in range(self.S)} |
@@ -991,6 +1108,16 @@ def library_owners(binary):
     return owners
 
 
+def python_extension():
+    """The built extension gtopk._gtopk (`make python`)."""
+    found = glob.glob(os.path.join(PYTHON_BUILD_DIR, "gtopk", "_gtopk*.so"))
+    if len(found) != 1:
+        raise AssertionError("%s/gtopk/_gtopk*.so not built: run `make "
+                             "python` (pybind11-dev, python3-dev)"
+                             % PYTHON_BUILD_DIR)
+    return found[0]
+
+
 class DockerfileTest(unittest.TestCase):
     """What can be checked of the images without a Docker engine."""
 
@@ -1156,12 +1283,165 @@ class DockerfileTest(unittest.TestCase):
         r = run(["sh", script, WORKER_BIN])
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
 
+    def instruction(self, stages, stage, keyword):
+        """The stage's last KEYWORD instruction as exec-form JSON (None
+        when it has none)."""
+        found = [l for l in stages[stage]["lines"]
+                 if l.startswith(keyword + " ")]
+        return json.loads(found[-1][len(keyword) + 1:]) if found else None
+
+    def test_python_worker_stage(self):
+        """Target python-worker: FROM the worker stage (the libtorch layers
+        shared, the dataset there), Debian's python3/python3-torch/
+        python3-numpy without recommends, the example where compose runs
+        it, ENTRYPOINT python3 with the example's --help as the default
+        command, the state directories of runtime-base, GTOPK_METRICS_PORT
+        = the health-checked port; the server and worker stages untouched
+        by it (their entrypoints)."""
+        st = self.cpu["python-worker"]
+        self.assertEqual(st["from"], "worker")
+        self.assertTrue({"python3", "python3-torch", "python3-numpy"} <=
+                        set(st["packages"]), st["packages"])
+        self.assertEqual(self.instruction(self.cpu, "python-worker",
+                                          "ENTRYPOINT"), ["python3"])
+        self.assertEqual(self.instruction(self.cpu, "python-worker", "CMD"),
+                         [EXAMPLE_IN_IMAGE, "--help"])
+        self.assertEqual(self.instruction(self.cpu, "worker", "ENTRYPOINT"),
+                         ["gtopk-worker"])
+        self.assertEqual(self.instruction(self.cpu, "server", "ENTRYPOINT"),
+                         ["gtopk-server"])
+        copies = self.copies(self.cpu, "python-worker")
+        self.assertIn((None, [os.path.relpath(EXAMPLE, ROOT)],
+                       EXAMPLE_IN_IMAGE), copies)
+        env = " ".join(l for l in st["lines"] if l.startswith("ENV "))
+        self.assertIn("GTOPK_METRICS_PORT=%d" % WORKER_METRICS_PORT, env)
+        self.assertIn("PYTHONUNBUFFERED=1", env)  # progress in docker logs
+        # Built-in checks: the package imports, the example runs.
+        runs = " ".join(l for l in st["lines"] if l.startswith("RUN "))
+        self.assertIn("import gtopk, gtopk.torch", runs)
+        self.assertIn("python3 %s --help" % EXAMPLE_IN_IMAGE, runs)
+        # The state directories (and the user) come from runtime-base.
+        base = " ".join(self.cpu["runtime-base"]["lines"])
+        for d in ("/var/lib/gtopk/checkpoints", "/var/lib/gtopk/run"):
+            self.assertIn(d, base)
+
+    def test_python_package_lands_on_the_default_sys_path(self):
+        """The build stage installs the package as `make python-install`
+        does (cmake --install --component python) under a DESTDIR, and the
+        python-worker stage copies that tree to where /usr/bin/python3
+        looks without PYTHONPATH. Reproduced here with this build tree:
+        the same install into a temporary DESTDIR, the stage's COPY applied
+        to the paths, and the result imported."""
+        build = " ".join(self.cpu["build"]["lines"])
+        self.assertIn("-DGTOPK_PYTHON=ON", build)
+        self.assertRegex(build, r"--target [\w ]*\bgtopk_python\b")
+        m = re.search(r"DESTDIR=(\S+) cmake --install /build "
+                      r"--component python", build)
+        self.assertTrue(m, "the build stage installs the python component "
+                        "under a DESTDIR")
+        destdir = m.group(1).rstrip("/")
+        copies = [(srcs, d) for frm, srcs, d in
+                  self.copies(self.cpu, "python-worker") if frm == "build"]
+        self.assertEqual(len(copies), 1, copies)
+        (src,), dest = copies[0]
+        self.assertTrue(src.startswith(destdir + "/"), src)
+        python_extension()  # the build tree has the package
+        with tempfile.TemporaryDirectory() as tmp:
+            env = dict(os.environ, DESTDIR=tmp)
+            r = run(["cmake", "--install", BUILD_DIR, "--component",
+                     "python"], env=env)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            inits = glob.glob(os.path.join(tmp, "**", "gtopk", "__init__.py"),
+                              recursive=True)
+            self.assertEqual(len(inits), 1, inits)
+            pkg = os.path.dirname(inits[0])
+            self.assertTrue(glob.glob(os.path.join(pkg, "_gtopk*.so")), pkg)
+            # The path the package has in the image: DESTDIR-relative path,
+            # through the COPY's source -> destination.
+            in_build = destdir + "/" + os.path.relpath(pkg, tmp)
+            src_dir = src.rstrip("/") + "/"
+            self.assertTrue(in_build.startswith(src_dir), (in_build, src))
+            in_image = dest.rstrip("/") + "/" + in_build[len(src_dir):]
+            r = run([SYSTEM_PYTHON, "-c",
+                     "import json, sys; print(json.dumps(sys.path))"],
+                    env={k: v for k, v in os.environ.items()
+                         if k != "PYTHONPATH"})
+            default_path = json.loads(r.stdout)
+            self.assertIn(os.path.dirname(in_image), default_path,
+                          "the image's gtopk package %s is not on the "
+                          "default sys.path of %s" % (in_image, SYSTEM_PYTHON))
+            # compileall's glob in the stage matches it.
+            runs = " ".join(l for l in self.cpu["python-worker"]["lines"]
+                            if l.startswith("RUN "))
+            globs = re.findall(r"compileall -q (\S+)", runs)
+            self.assertEqual(len(globs), 1)
+            self.assertTrue(fnmatch.fnmatch(in_image, globs[0]),
+                            (in_image, globs[0]))
+            # And the installed copy is a working package.
+            env = dict(os.environ, PYTHONPATH=os.path.dirname(pkg))
+            r = run([SYSTEM_PYTHON, "-c",
+                     "import gtopk; print(gtopk.__file__)"],
+                    env=env, cwd=tmp, timeout=60)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertEqual(r.stdout.strip(), inits[0])
+
+    def test_every_copy_source_exists(self):
+        """Every COPY from the build context names a path that exists in
+        the repository and that .dockerignore does not exclude."""
+        with open(os.path.join(ROOT, ".dockerignore")) as f:
+            ignored = [l.strip().rstrip("/") for l in f
+                       if l.strip() and not l.startswith("#")]
+        for name, stages in (("Dockerfile", self.cpu),
+                             ("Dockerfile.cuda", self.cuda)):
+            for stage in stages:
+                for frm, srcs, _ in self.copies(stages, stage):
+                    if frm is not None:
+                        continue
+                    for src in srcs:
+                        where = "%s stage %s: COPY %s" % (name, stage, src)
+                        self.assertTrue(os.path.exists(os.path.join(ROOT,
+                                                                    src)),
+                                        where)
+                        parts = src.strip("/").split("/")
+                        for pat in ignored:
+                            if pat.startswith("**/"):  # at any depth
+                                hit = any(fnmatch.fnmatch(p, pat[3:])
+                                          for p in parts)
+                            else:  # from the context's root
+                                hit = any(fnmatch.fnmatch(
+                                    "/".join(parts[:i + 1]), pat)
+                                    for i in range(len(parts)))
+                            self.assertFalse(hit, "%s is excluded by "
+                                             ".dockerignore (%s)" % (where,
+                                                                     pat))
+
+    def test_every_package_is_a_debian_package(self):
+        """Every package a stage of the Debian Dockerfile installs exists in
+        Debian 12 (installed here, or known to apt), and apt installs no
+        recommends (python3-torch would pull in libtorch-dev and
+        build-essential)."""
+        r = run(["dpkg-query", "-W", "-f=${Package}\n"])
+        installed = set(r.stdout.split())
+        for stage, st in self.cpu.items():
+            for line in st["lines"]:
+                if "apt-get install" in line:
+                    self.assertIn("--no-install-recommends", line, stage)
+            for pkg in st["packages"]:
+                if pkg in installed:
+                    continue
+                r = run(["apt-cache", "show", "--no-all-versions", pkg])
+                self.assertTrue(r.returncode == 0 and r.stdout.strip(),
+                                "%s stage installs %s, which is neither "
+                                "installed here nor known to apt" % (stage,
+                                                                      pkg))
+
     def test_cpu_image_builds_without_cuda(self):
         # library_owners skips the CUDA toolkit's libraries on that basis.
         self.assertIn("-DGTOPK_CUDA=OFF", " ".join(self.cpu["build"]["lines"]))
 
     def test_images_run_as_the_non_root_user_of_the_manifests(self):
         for stages, stage in ((self.cpu, "server"), (self.cpu, "worker"),
+                              (self.cpu, "python-worker"),
                               (self.cuda, "worker")):
             users = []
             s = stage
@@ -1181,19 +1461,31 @@ class DockerfileTest(unittest.TestCase):
                                      (10001, 10001))
 
     def test_sources_and_targets_exist(self):
+        """The build stages copy every folder CMake adds (python/ when the
+        stage configures -DGTOPK_PYTHON=ON; tests/ and bench/ are off) and
+        build targets that exist."""
         with open(os.path.join(ROOT, "CMakeLists.txt")) as f:
-            subdirs = set(re.findall(r"^add_subdirectory\((\w+)\)", f.read(),
+            top = f.read()
+        subdirs = set(re.findall(r"^add_subdirectory\((\w+)\)", top, re.M))
+        conditional = set(re.findall(r"^\s+add_subdirectory\((\w+)\)", top,
                                      re.M))
+        self.assertIn("python", conditional)
         targets = set()
         for cm in glob.glob(os.path.join(ROOT, "*", "CMakeLists.txt")):
             with open(cm) as f:
-                targets |= set(re.findall(r"add_executable\((\w+)", f.read()))
+                targets |= set(re.findall(
+                    r"(?:add_executable|pybind11_add_module)\((\w+)",
+                    f.read()))
+        self.assertIn("gtopk_python", targets)
         for name, stages in (("Dockerfile", self.cpu),
                              ("Dockerfile.cuda", self.cuda)):
             build = " ".join(stages["build"]["lines"])
             copied = set(re.findall(r"COPY (\w+) \1", build))
-            self.assertEqual(copied, subdirs, "%s copies %s; CMake needs %s"
-                             % (name, sorted(copied), sorted(subdirs)))
+            want = set(subdirs)
+            if "-DGTOPK_PYTHON=ON" in build:
+                want.add("python")
+            self.assertEqual(copied, want, "%s copies %s; CMake needs %s"
+                             % (name, sorted(copied), sorted(want)))
             self.assertIn("-DGTOPK_BUILD_TESTS=OFF", build)
             self.assertIn("-DGTOPK_BUILD_BENCH=OFF", build)
             built = re.findall(r"--target ([\w ]+?) (?:&&|$)", build)
@@ -1217,9 +1509,12 @@ class DockerfileTest(unittest.TestCase):
         essential = [l.split()[0] for l in r.stdout.splitlines()
                      if l.endswith(" yes")]
         base = installed_closure(essential + ["apt"])
-        for stage, binary in (("server", SERVER_BIN), ("worker", WORKER_BIN)):
-            with self.subTest(stage=stage):
-                self.assertTrue(os.access(binary, os.X_OK), binary)
+        extension = python_extension()
+        for stage, binary in (("server", SERVER_BIN), ("worker", WORKER_BIN),
+                              ("python-worker", WORKER_BIN),
+                              ("python-worker", extension)):
+            with self.subTest(stage=stage, binary=os.path.basename(binary)):
+                self.assertTrue(os.path.isfile(binary), binary)
                 pkgs = self.packages(self.cpu, stage)
                 provided = installed_closure(pkgs) | base
                 missing = {p: lib for p, lib in
@@ -1230,6 +1525,12 @@ class DockerfileTest(unittest.TestCase):
         self.assertIn("dataset-fashion-mnist",
                       self.packages(self.cpu, "worker"))
         self.assertNotIn("libtorch1.13", self.packages(self.cpu, "server"))
+        # The example's and gtopk.torch's imports (python3-torch depends on
+        # python3-numpy; named anyway, the extension uses it directly).
+        py = installed_closure(self.packages(self.cpu, "python-worker"))
+        for pkg in ("python3", "python3-torch", "python3-numpy",
+                    "dataset-fashion-mnist", "libtorch1.13"):
+            self.assertIn(pkg, py)
 
     def test_health_checks_and_ports(self):
         def lines(stages, stage, prefix):
@@ -1242,6 +1543,14 @@ class DockerfileTest(unittest.TestCase):
         self.assertEqual(len(hc), 1)
         self.assertIn('["gtopk-server", "--health-check=127.0.0.1:%d"]'
                       % GRPC_PORT, hc[0])
+        # The Python worker: the C++ worker's port and health check (the
+        # metrics endpoint), stated in its own stage.
+        self.assertEqual(lines(self.cpu, "python-worker", "EXPOSE"),
+                         ["EXPOSE %d" % WORKER_METRICS_PORT])
+        whc = lines(self.cpu, "worker", "HEALTHCHECK")
+        self.assertEqual(len(whc), 1)
+        self.assertIn("/dev/tcp/127.0.0.1/%d" % WORKER_METRICS_PORT, whc[0])
+        self.assertEqual(lines(self.cpu, "python-worker", "HEALTHCHECK"), whc)
 
 
 class FlagsTest(unittest.TestCase):
@@ -1258,21 +1567,39 @@ class FlagsTest(unittest.TestCase):
                 self.assertRegex(r.stdout + r.stderr,
                                  r"Try --helpfull|Flags from")
             self.assertIn("Flags from", run([binary, "--helpfull"]).stdout)
+        # The python-worker image's default command: the example's usage.
+        r = run([SYSTEM_PYTHON, EXAMPLE, "--help"], env=example_env(),
+                timeout=60)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn("usage:", r.stdout)
 
     def test_every_flag_used_exists(self):
+        # "example": the PyTorch example's argparse flags (gtopk-worker's
+        # names), for the python-worker image and `--worker python`.
         known = {"gtopk-server": binary_flags(SERVER_BIN),
-                 "gtopk-worker": binary_flags(WORKER_BIN)}
+                 "gtopk-worker": binary_flags(WORKER_BIN),
+                 "example": example_flags()}
         uses = []  # (where, binary, argv)
-        for name, svc in compose_config()["services"].items():
-            image = svc.get("image", "")
-            for binary in known:
-                if image.startswith(binary + ":"):
-                    uses.append(("compose %s" % name, binary,
-                                 compose_command(svc)))
-            test = svc.get("healthcheck", {}).get("test", [])
-            if len(test) > 1 and test[1] in known:
-                uses.append(("compose %s healthcheck" % name, test[1],
-                             test[2:]))
+        python_workers = 0
+        for variant in (False, True):
+            for name, svc in compose_config(variant)["services"].items():
+                where = "compose%s %s" % (" (python)" if variant else "",
+                                          name)
+                image = svc.get("image", "")
+                for binary in ("gtopk-server", "gtopk-worker"):
+                    if image.startswith(binary + ":"):
+                        uses.append((where, binary, compose_command(svc)))
+                if image.startswith("gtopk-python-worker:"):
+                    cmd = compose_command(svc)
+                    self.assertEqual(cmd[0], EXAMPLE_IN_IMAGE, where)
+                    uses.append((where, "example", cmd[1:]))
+                    python_workers += 1
+                test = svc.get("healthcheck", {}).get("test", [])
+                if len(test) > 1 and test[1] in known:
+                    uses.append(("%s healthcheck" % where, test[1],
+                                 test[2:]))
+        self.assertEqual(python_workers,
+                         int(read_env()["GTOPK_WORKERS"]))
         for overlay in OVERLAYS:
             _, objs = render(overlay)
             for kind, name, cname, binary in (
@@ -1288,14 +1615,44 @@ class FlagsTest(unittest.TestCase):
                 if argv[0] in known:
                     uses.append((os.path.relpath(df, ROOT), argv[0],
                                  argv[1:]))
+                elif argv[:2] == ["python3", EXAMPLE_IN_IMAGE]:
+                    uses.append((os.path.relpath(df, ROOT), "example",
+                                 argv[2:]))
         server, worker = launcher_argv()
         uses.append(("gtopk_local.py --config", "gtopk-server", server))
         uses.append(("gtopk_local.py --config", "gtopk-worker", worker))
+        _, py_worker = launcher_argv(["--worker", "python"])
+        self.assertEqual(os.path.basename(py_worker[0]),
+                         os.path.basename(EXAMPLE))
+        uses.append(("gtopk_local.py --worker python", "example",
+                     py_worker[1:]))
         self.assertGreaterEqual(len(uses), 10)
         for where, binary, argv in uses:
             for flag in flag_dict(argv):
                 self.assertIn(flag, known[binary], "%s passes --%s, which "
                               "%s does not define" % (where, flag, binary))
+
+    def test_example_parses_the_compose_python_workers_flags(self):
+        """The values too (argparse types and choices, the script's own
+        checks): the example run with worker-0's command of the Python
+        variant gets past its flags and fails only where this machine is
+        not the container, at the data directory (moved to one that does
+        not exist; the summary to a temporary directory), before any
+        connection."""
+        svc = compose_config(python=True)["services"]["worker-0"]
+        f = flag_dict(compose_command(svc)[1:])
+        with tempfile.TemporaryDirectory() as tmp:
+            missing = os.path.join(tmp, "no-data")
+            f.update(data_dir=missing,
+                     summary_json=os.path.join(tmp, "worker-0.json"))
+            argv = ["--%s=%s" % (k.replace("_", "-"), v) if v is not None
+                    else "--" + k.replace("_", "-") for k, v in f.items()]
+            r = run([SYSTEM_PYTHON, EXAMPLE] + argv, env=example_env(),
+                    timeout=120)
+        out = r.stdout + r.stderr
+        self.assertNotIn("usage:", out)
+        self.assertEqual(r.returncode, 1, out)
+        self.assertIn("NOT_FOUND: %s" % missing, out)
 
     def test_shards_serve_with_the_deployed_flags(self):
         """The compose shards' flags, only the addresses, the metrics ports
@@ -1383,8 +1740,13 @@ class ConsistencyTest(unittest.TestCase):
         l_server, l_worker = launcher_argv()
         servers = {"launcher": l_server,
                    "compose": compose_command(services["shard-0"])}
+        _, l_py_worker = launcher_argv(["--worker", "python"])
         workers = {"launcher": l_worker,
-                   "compose": compose_command(services["worker-0"])}
+                   "compose": compose_command(services["worker-0"]),
+                   # The Python workers: the example's path, then the flags.
+                   "launcher --worker python": l_py_worker[1:],
+                   "compose python": compose_command(compose_config(
+                       python=True)["services"]["worker-0"])[1:]}
         for overlay in OVERLAYS:
             _, objs = render(overlay)
             servers["k8s " + overlay] = k8s_args(
