@@ -352,17 +352,17 @@ void WorkerClient::OpenLeaderStream() {
   if (c.stream != nullptr) return;
   SetStreamContext(c);
   c.broken = false;
-  // Sends the call's metadata now; the first push follows at the first
-  // Step.
-  c.stream = c.stub->PushPull(c.context.get());
-  // The leader answers with its initial metadata once it has registered
-  // the rank, so that a Join after Connect returns sees the rank alive.
-  // Bounded: a leader that does not answer in rpc_timeout gets the stream
-  // cancelled, and Step opens a fresh one.
+  // Opening the stream sends the call's metadata; the first push follows at
+  // the first Step. The leader answers with its initial metadata once it
+  // has registered the rank, so that a Join after Connect returns sees the
+  // rank alive. Both on the waiter thread, bounded: opening a
+  // wait-for-ready stream to a leader that just went down blocks until the
+  // call is cancelled, so a leader that does not answer in rpc_timeout gets
+  // the stream cancelled, and Step opens a fresh one.
   absl::Notification registered;
-  grpc::ClientReaderWriter<v1::Push, v1::Pull>* stream = c.stream.get();
-  std::thread waiter([stream, &registered] {
-    stream->WaitForInitialMetadata();
+  std::thread waiter([&c, &registered] {
+    c.stream = c.stub->PushPull(c.context.get());
+    c.stream->WaitForInitialMetadata();
     registered.Notify();
   });
   if (!registered.WaitForNotificationWithTimeout(options_.rpc_timeout)) {
@@ -654,6 +654,10 @@ absl::Status WorkerClient::Exchange(int64_t step,
   absl::Time last_written = exchange_start;  // guarded by mu
   size_t failed = 0;
   uint64_t learned_epoch = 0;  // guarded by mu
+  // Shards whose stream the watchdog has cancelled (guarded by mu): a
+  // stream reopened for them after that must start cancelled, or opening it
+  // (wait-for-ready, no deadline) would block on a dead shard for ever.
+  std::vector<bool> cancelled(S, false);
 
   for (auto& c : shards_) {
     if (c->stream == nullptr) {
@@ -682,6 +686,9 @@ absl::Status WorkerClient::Exchange(int64_t step,
           absl::MutexLock lock(&mu);  // the watchdog cancels under mu
           c.stream.reset();
           SetStreamContext(c);
+          // Cancelling a context before its call starts cancels the call
+          // when it starts (grpc::ClientContext::TryCancel).
+          if (cancelled[s]) c.context->TryCancel();
         }
         c.stream = c.stub->PushPull(c.context.get());
         written = c.stream->Write(pushes[s]);
@@ -753,6 +760,7 @@ absl::Status WorkerClient::Exchange(int64_t step,
       for (size_t s = 0; s < S; ++s) {
         if (!done[s]) {
           timed_out[s] = true;
+          cancelled[s] = true;
           shards_[s]->context->TryCancel();
         }
       }
@@ -766,6 +774,7 @@ absl::Status WorkerClient::Exchange(int64_t step,
       for (size_t s = 0; s < S; ++s) {
         if (!done[s]) {
           cut_short[s] = true;
+          cancelled[s] = true;
           shards_[s]->context->TryCancel();
         }
       }

@@ -3,12 +3,14 @@
 // under its failure contract, and a Reset source lets later calls run.
 #include "worker/cancellation.h"
 
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/testing/status_matchers.h"
 #include "grpcpp/grpcpp.h"
@@ -176,6 +178,55 @@ TEST(CancellationTest, StepWaitingForAPeerReturnsCancelledAndAppliesNothing) {
                           kN * sizeof(float)),
               0);
     EXPECT_NE(joined.params[0][3], before[3]);  // the kept gradient applied
+  }
+}
+
+// The step watchdog is a cancellation too: a shard that dies between steps
+// (its old stream broken, so the step reopens one, and opening a
+// wait-for-ready stream to a dead shard blocks until cancelled) must still
+// fail the step within step timeout + margin. Before the fix a stream
+// reopened after the watchdog had fired was never cancelled: the step hung
+// for ever, about one time in five (found by the Python package's tests).
+TEST(WatchdogTest, StepAfterAShardDiedFailsWithinTheWatchdog) {
+  constexpr int kRuns = 6;
+  for (int run = 0; run < kRuns; ++run) {
+    SCOPED_TRACE(run);
+    server::ServerConfig config;
+    config.num_workers = 1;
+    config.optimizer.density = 0.01;
+    config.optimizer.lr = 0.1f;
+    config.step_timeout = absl::Seconds(1);
+    auto cluster_or = server::LocalCluster::Start(config, 2);
+    ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+    GTOPK_ASSERT_OK_AND_ASSIGN(
+        testing_cluster::JoinedWorkers joined,
+        testing_cluster::JoinAndSynchronize(**cluster_or, 1,
+                                            std::vector<float>(kN, 0.0f)));
+    WorkerClient& client = *joined.clients[0];
+    std::vector<float> gradient(kN, 1.0f);
+    // Half the runs with both streams open (a step done), half without.
+    if (run % 2 == 1) {
+      GTOPK_ASSERT_OK(
+          client.Step(gradient, absl::MakeSpan(joined.params[0])).status());
+    }
+    GTOPK_ASSERT_OK((*cluster_or)->shard(1).Shutdown(absl::ZeroDuration()));
+    const absl::Time start = absl::Now();
+    absl::Notification finished;
+    absl::StatusOr<worker::StepStats> stats;
+    std::thread stepper([&] {
+      stats = client.Step(gradient, absl::MakeSpan(joined.params[0]));
+      finished.Notify();
+    });
+    // Watchdog: 1 s + the 500 ms margin; generous slack for a busy machine.
+    const bool returned =
+        finished.WaitForNotificationWithTimeout(absl::Seconds(15));
+    if (!returned) {
+      ADD_FAILURE() << "Step still blocked 15 s after shard 1 died";
+      std::_Exit(1);  // the thread cannot be joined
+    }
+    stepper.join();
+    EXPECT_FALSE(stats.ok());
+    EXPECT_LT(absl::Now() - start, absl::Seconds(15));
   }
 }
 
