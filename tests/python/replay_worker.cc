@@ -5,12 +5,12 @@
 //
 //   gtopk_replay_worker --leader=HOST:PORT --rank=R --n=N
 //       --gradients=FILE --steps=T [--params=FILE] --out=FILE
-//       [--timing-json=FILE]
+//       [--timing_json=FILE]
 //
 // FILE formats: raw little-endian float32. --gradients holds K >= 1 rows of
 // n values; step t uses row t mod K. --params (n values) are rank 0's
 // initial parameters (default zeros). --out receives the final parameters
-// (n values). --timing-json gets {"step_seconds": [...]} (wall time of each
+// (n values). --timing_json gets {"step_seconds": [...]} (wall time of each
 // WorkerClient::Step call). Exit 0, or 1 with the error on stderr.
 #include <chrono>
 #include <cstdio>
