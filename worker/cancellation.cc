@@ -23,6 +23,12 @@ bool Cancellation::cancelled() const {
   return cancelled_;
 }
 
+bool Cancellation::SleepUnlessCancelled(absl::Duration duration) {
+  absl::MutexLock lock(&mu_);
+  mu_.AwaitWithTimeout(absl::Condition(&cancelled_), duration);
+  return cancelled_;
+}
+
 size_t Cancellation::registered() const {
   absl::MutexLock lock(&mu_);
   return contexts_.size();

@@ -9,6 +9,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 
 namespace grpc {
 class ClientContext;
@@ -41,6 +42,9 @@ class Cancellation {
   // cancelled.
   void Reset() ABSL_LOCKS_EXCLUDED(mu_);
   bool cancelled() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Sleeps `duration`, or less when Cancel() comes first; returns whether
+  // the source is cancelled (a retry loop's cancellable backoff).
+  bool SleepUnlessCancelled(absl::Duration duration) ABSL_LOCKS_EXCLUDED(mu_);
   // Calls registered now (for tests).
   size_t registered() const ABSL_LOCKS_EXCLUDED(mu_);
 

@@ -586,20 +586,36 @@ absl::StatusOr<int64_t> WorkerClient::Recover(absl::Span<float> params,
         "Recover: params has ", params.size(), " values; n = ", cluster_.n()));
   }
   CloseStreams();
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(deadline));
-  // A leader that is down or restarting is waited for (up to the deadline)
-  // instead of failing at once with UNAVAILABLE.
-  context.set_wait_for_ready(true);
-  Cancellation::Scope cancel_scope(options_.cancellation.get(), &context);
   v1::RecoverRequest request;
   request.set_worker(rank_);
   request.set_failed_step(next_step_);
   request.set_member_token(member_token_);
   request.set_cluster_fingerprint(cluster_.cluster_fingerprint());
   v1::RecoverResponse response;
-  const absl::Status st =
-      FromGrpc(shards_[0]->stub->Recover(&context, request, &response));
+  absl::Status st;
+  // A leader that is down or restarting is waited for (up to the deadline)
+  // instead of failing at once with UNAVAILABLE: wait-for-ready covers a
+  // channel known to be down, and the retries below a call sent on a
+  // connection that died under it ("Socket closed", the first call after
+  // the leader was killed) or a leader that answered UNAVAILABLE.
+  absl::Duration backoff = absl::Milliseconds(kReconnectBackoffMinMs);
+  for (;;) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(deadline));
+    context.set_wait_for_ready(true);
+    Cancellation::Scope cancel_scope(options_.cancellation.get(), &context);
+    response.Clear();
+    st = FromGrpc(shards_[0]->stub->Recover(&context, request, &response));
+    if (!absl::IsUnavailable(st) || absl::Now() + backoff >= deadline) break;
+    if (options_.cancellation != nullptr
+            ? options_.cancellation->SleepUnlessCancelled(backoff)
+            : (absl::SleepFor(backoff), false)) {
+      return absl::CancelledError(
+          absl::StrCat(ShardName(0), ": Recover: cancelled (after: ",
+                       st.message(), ")"));
+    }
+    backoff = std::min(2 * backoff, absl::Milliseconds(kReconnectBackoffMaxMs));
+  }
   if (absl::IsDeadlineExceeded(st) && st.message() == "Deadline Exceeded") {
     // gRPC's own deadline: the leader never answered.
     return absl::DeadlineExceededError(absl::StrCat(

@@ -475,6 +475,52 @@ class RecoverTest(ClusterTest):
         self.assertBitIdentical(server, p, "servers vs rank 0")
 
 
+    def test_recover_waits_for_a_killed_leader(self):
+        """recover() waits for a leader that is down, up to its timeout,
+        and succeeds when it comes back in time. Before the fix the first
+        call after the leader was killed failed at once with Unavailable
+        ("Socket closed": it went out on the dead connection), so the
+        documented loop (recover() outside the try) gave up."""
+        ckpt = os.path.join(self.dir, "ckpt")
+        os.mkdir(ckpt)
+        srv = self.start_servers(1, 2, mode="gtopk", step_timeout="1s",
+                                 checkpoint_dir=ckpt, checkpoint_every=1)
+        c = gtopk.Client(srv.leader, N, rank=0, rpc_timeout=RPC_TIMEOUT)
+        self.addCleanup(c.close)
+        p = initial_params()
+        c.synchronize_parameters(p)
+        with self.assertRaises(gtopk.DeadlineExceeded):
+            c.step(gradients(0)[0], p)
+        srv.stop()  # SIGKILL: the connection dies under the client
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        with self.assertRaises((gtopk.DeadlineExceeded, gtopk.Unavailable)):
+            c.recover(p, 2.0)
+        self.assertGreater(time.monotonic() - t0, 1.5)  # it waited
+        # The leader comes back (from its checkpoint, same address) while
+        # recover() waits: it succeeds.
+        result = {}
+
+        def recover():
+            try:
+                result["step"] = c.recover(p, 20.0)
+            except gtopk.Error as e:  # pragma: no cover - reported below
+                result["error"] = e
+        t = threading.Thread(target=recover, daemon=True)
+        t.start()
+        time.sleep(1.0)
+        restarted = cu.Servers(1, 2, self.dir, name="restarted",
+                               **srv.flags)
+        restarted.addresses = list(srv.addresses)
+        restarted.procs = [cu.Proc(restarted.argv(0), os.path.join(
+            self.dir, "restarted.log"))]
+        self.servers.append(restarted)
+        restarted._wait_listening(30)
+        t.join(JOIN_TIMEOUT)
+        self.assertFalse(t.is_alive())
+        self.assertEqual(result.get("step"), 0, result)
+
+
 class StateRoundTripTest(ClusterTest):
 
     def run_steps(self, c, p, first, last):

@@ -230,5 +230,51 @@ TEST(WatchdogTest, StepAfterAShardDiedFailsWithinTheWatchdog) {
   }
 }
 
+// Recover while the leader is down waits for it (its contract), also when
+// the first call goes out on the connection that died under it: before the
+// fix that call failed at once with UNAVAILABLE "Socket closed" (wait-for-
+// ready covers only a channel known to be down), so a recovery loop gave up
+// while the leader was restarting (found by the Python package's tests).
+TEST(RecoverTest, RecoverWaitsForARestartingLeader) {
+  server::ServerConfig config;
+  config.num_workers = 2;
+  config.optimizer.density = 0.01;
+  config.optimizer.lr = 0.1f;
+  config.step_timeout = absl::Seconds(1);
+  // The restarted leader continues from its checkpoint.
+  char dir_template[] = "/tmp/gtopk_recover_waits_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  config.checkpoint_dir = dir_template;
+  auto cluster_or = server::LocalCluster::Start(config, 1);
+  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+  GTOPK_ASSERT_OK_AND_ASSIGN(
+      testing_cluster::JoinedWorkers joined,
+      testing_cluster::JoinAndSynchronize(**cluster_or, 2,
+                                          std::vector<float>(kN, 0.5f)));
+  // Worker 0 steps alone: DEADLINE_EXCEEDED after the step timeout.
+  std::vector<float> gradient(kN, 1.0f);
+  EXPECT_FALSE(
+      joined.clients[0]->Step(gradient, absl::MakeSpan(joined.params[0]))
+          .ok());
+  absl::StatusOr<int64_t> recovered;
+  absl::Duration took;
+  std::thread recoverer;
+  GTOPK_ASSERT_OK((*cluster_or)->RestartShard(
+      0, /*write_checkpoint=*/true, [&] {
+        // The leader is down: Recover starts now and must wait for it.
+        recoverer = std::thread([&] {
+          const absl::Time start = absl::Now();
+          recovered = joined.clients[0]->Recover(
+              absl::MakeSpan(joined.params[0]), start + absl::Seconds(20));
+          took = absl::Now() - start;
+        });
+        absl::SleepFor(absl::Seconds(1));
+      }));
+  recoverer.join();
+  EXPECT_TRUE(recovered.ok()) << recovered.status();
+  EXPECT_GE(took, absl::Milliseconds(500));  // it waited for the restart
+  EXPECT_LT(took, absl::Seconds(15));
+}
+
 }  // namespace
 }  // namespace gtopk
