@@ -379,10 +379,9 @@ class Client {
     worker::WorkerState s = ValueOrRaise(c.ExportState());
     py::dict d;
     d["step"] = s.next_step;
-    d["residual"] = py::array_t<float>(static_cast<py::ssize_t>(s.residual.size()),
-                                       s.residual.data());
-    d["velocity"] = py::array_t<float>(static_cast<py::ssize_t>(s.velocity.size()),
-                                       s.velocity.data());
+    const auto size = static_cast<py::ssize_t>(s.residual.size());
+    d["residual"] = py::array_t<float>(size, s.residual.data());
+    d["velocity"] = py::array_t<float>(size, s.velocity.data());
     return d;
   }
 

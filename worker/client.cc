@@ -554,8 +554,10 @@ absl::Status WorkerClient::ImportState(const WorkerState& state) {
         "ImportState: residual has ", state.residual.size(),
         " values and velocity ", state.velocity.size(), "; n = ", n));
   }
-  GTOPK_RETURN_IF_ERROR(ValidateFinite(state.residual, "ImportState: residual"));
-  GTOPK_RETURN_IF_ERROR(ValidateFinite(state.velocity, "ImportState: velocity"));
+  GTOPK_RETURN_IF_ERROR(
+      ValidateFinite(state.residual, "ImportState: residual"));
+  GTOPK_RETURN_IF_ERROR(
+      ValidateFinite(state.velocity, "ImportState: velocity"));
   if (state.next_step != next_step_) {
     return absl::FailedPreconditionError(absl::StrCat(
         "ImportState: the servers are at step ", next_step_,
@@ -597,7 +599,7 @@ absl::StatusOr<int64_t> WorkerClient::Recover(absl::Span<float> params,
   // instead of failing at once with UNAVAILABLE: wait-for-ready covers a
   // channel known to be down, and the retries below a call sent on a
   // connection that died under it ("Socket closed", the first call after
-  // the leader was killed) or a leader that answered UNAVAILABLE.
+  // the leader was killed) or a leader shutting down.
   absl::Duration backoff = absl::Milliseconds(kReconnectBackoffMinMs);
   for (;;) {
     grpc::ClientContext context;
@@ -606,7 +608,13 @@ absl::StatusOr<int64_t> WorkerClient::Recover(absl::Span<float> params,
     Cancellation::Scope cancel_scope(options_.cancellation.get(), &context);
     response.Clear();
     st = FromGrpc(shards_[0]->stub->Recover(&context, request, &response));
-    if (!absl::IsUnavailable(st) || absl::Now() + backoff >= deadline) break;
+    // The leader's own UNAVAILABLE answers (about other shards) start with
+    // "Recover:" and go back to the caller, whose retry budget decides.
+    if (!absl::IsUnavailable(st) ||
+        absl::StartsWith(st.message(), "Recover:") ||
+        absl::Now() + backoff >= deadline) {
+      break;
+    }
     if (options_.cancellation != nullptr
             ? options_.cancellation->SleepUnlessCancelled(backoff)
             : (absl::SleepFor(backoff), false)) {
