@@ -234,6 +234,52 @@ class StepTest(ClusterCase):
         self.assertEqual(set(in_threads(P, raw)), checksums)
 
 
+class MetricsTest(ClusterCase):
+    def test_worker_metrics_served_and_recorded(self):
+        """metrics_port: the worker families of docs/metrics.md ("Worker"),
+        the process metrics and gtopk_build_info{program="gtopk-python"},
+        with each successful step recorded (bytes, step counter, loss)."""
+        import re
+        import urllib.request
+        srv = self.start(1, 1)
+        model, unused = make_model()
+        port = cu.free_ports(1)[0]
+        opt = self.optimizer(srv, params_of(model, unused), rank=0,
+                             metrics_port=port, metrics_host="127.0.0.1")
+        try:
+            self.assertEqual(opt.metrics_port, port)
+            steps = 3
+            for t in range(steps):
+                opt.zero_grad()
+                loss = loss_of(model, 0, t)
+                loss.backward()
+                opt.step(loss=loss)
+            with urllib.request.urlopen(
+                    "http://127.0.0.1:%d/metrics" % port, timeout=10) as r:
+                text = r.read().decode()
+
+            def value(pattern):
+                m = re.search(r"^%s (\S+)$" % pattern, text, re.MULTILINE)
+                self.assertIsNotNone(m, "%s not in:\n%s" % (pattern, text))
+                return float(m.group(1))
+            self.assertEqual(value(r"gtopk_worker_step"), steps)
+            self.assertAlmostEqual(value(r"gtopk_worker_loss"),
+                                   float(loss.item()), places=5)
+            sent = value(r'gtopk_worker_sent_bytes_total\{shard="0"\}')
+            self.assertGreater(sent, 0)
+            n = opt.n
+            self.assertEqual(
+                value(r"gtopk_worker_dense_equivalent_bytes_total"),
+                4 * n * steps)
+            self.assertLess(sent, 4 * n * steps)
+            self.assertEqual(
+                value(r"gtopk_worker_step_duration_seconds_count"), steps)
+            self.assertIn('program="gtopk-python"', text)
+            self.assertRegex(text, r"(?m)^process_cpu_seconds_total ")
+        finally:
+            opt.close()
+
+
 class StateDictTest(ClusterCase):
     def resume(self, momentum_mode):
         P, S, total, half = 2, 2, 8, 4
