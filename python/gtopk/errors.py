@@ -24,11 +24,14 @@ and their meaning in gtopk are those of ``worker/client.h``:
 ``RETRYABLE`` is the tuple of classes a recovery loop retries after
 ``recover()``::
 
+    deadline = time.monotonic() + 120   # the recovery budget
     while True:
         try:
             opt.step()
             break
         except gtopk.RETRYABLE:
+            if time.monotonic() > deadline:
+                raise   # e.g. a peer that never returns
             opt.recover()
 
 Standard library only: importable without the compiled extension (which

@@ -19,8 +19,18 @@ import os
 import time
 import warnings
 
-import numpy as np
-import torch
+import numbers
+import sys
+
+try:
+    import numpy as np
+    import torch
+except ImportError as _e:  # not Debian's python3-torch interpreter
+    raise ImportError(
+        "gtopk.torch: cannot import %s with %s: gtopk.torch needs PyTorch "
+        "and NumPy for this interpreter -- on Debian, python3-torch with "
+        "/usr/bin/python3 (a pyenv or venv python3 does not see Debian's "
+        "packages)" % (_e.name or "torch/numpy", sys.executable)) from _e
 
 import gtopk
 from gtopk import errors
@@ -42,6 +52,29 @@ def _env_int(names):
         except ValueError:
             raise ValueError("%s=%r is not an integer" % (name, raw)) from None
     return None, None
+
+
+#: The longest timeout accepted (the extension's limit): one year.
+_MAX_SECONDS = 86400.0 * 365
+
+
+def _is_real(x):
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_seconds(name, value, allow_zero=False):
+    """TypeError / ValueError naming `name` unless `value` is a number of
+    seconds in (0, one year] ([0, ...] with allow_zero)."""
+    if not _is_real(value):
+        raise TypeError("gtopk: %s must be a number of seconds, got %r of "
+                        "type %s" % (name, value, type(value).__name__))
+    v = float(value)
+    low_ok = v >= 0 if allow_zero else v > 0
+    if not (low_ok and v <= _MAX_SECONDS):
+        raise ValueError("gtopk: %s must be %s 0 and at most one year "
+                         "(%d s) of seconds, got %r" % (
+                             name, ">=" if allow_zero else ">",
+                             _MAX_SECONDS, value))
 
 
 def _same_f32(a, b):
@@ -118,12 +151,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
     as ``gtopk-worker`` does, or when no gradient was recomputed since the
     failure. The recovery loop::
 
+        deadline = time.monotonic() + 120   # the recovery budget
         while True:
             try:
                 opt.step()
                 break
             except gtopk.RETRYABLE:   # Aborted, DeadlineExceeded, Unavailable
-                opt.recover()
+                if time.monotonic() > deadline:
+                    raise             # e.g. a peer that never comes back
+                opt.recover()         # waits for a restarting shard/leader
 
     :meth:`recover` asks the leader to bring the shards to one step and
     returns the step to continue from (``opt.next_step``). When the servers
@@ -237,18 +273,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not 0 <= metrics_port <= 65535:
             raise ValueError("gtopk: metrics_port must be in [0, 65535] "
                              "(0: off), got %d" % metrics_port)
-        if not (rpc_timeout > 0 and math.isfinite(rpc_timeout)):
-            raise ValueError("gtopk: rpc_timeout must be > 0 seconds, got %r"
-                             % (rpc_timeout,))
-        if recovery_timeout is not None and not recovery_timeout >= 0:
-            raise ValueError("gtopk: recovery_timeout must be >= 0 seconds "
-                             "or None, got %r" % (recovery_timeout,))
+        _check_seconds("rpc_timeout", rpc_timeout)
+        if recovery_timeout is not None:
+            _check_seconds("recovery_timeout", recovery_timeout)
+        _check_seconds("step_watchdog_margin", step_watchdog_margin,
+                       allow_zero=True)
         for name, value in (("lr", lr), ("momentum", momentum),
                             ("density", density),
                             ("weight_decay", weight_decay)):
-            if value is not None and not isinstance(value, (int, float)):
-                raise TypeError("gtopk: %s must be a number or None, got %r"
-                                % (name, value))
+            if value is not None and not _is_real(value):
+                raise TypeError(
+                    "gtopk: %s must be a real number (int, float or a NumPy "
+                    "float) or None, got %r of type %s"
+                    % (name, value, type(value).__name__))
         self._recovery_timeout = recovery_timeout
         self._record_step_metrics = bool(record_step_metrics)
 
@@ -339,6 +376,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                             "cluster spec has %s %s (configure the servers "
                             "and workers alike)" % (i, key, group[key], key,
                                                     _f32_float(c[key])))
+                self._check_group_options(i, group)
                 group.setdefault("weight_decay", _f32_float(c["weight_decay"]))
             self.defaults["lr"] = _f32_float(c["lr"])
             self.defaults["momentum"] = _f32_float(c["momentum"])
@@ -418,17 +456,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def rank(self):
         """This worker's rank, 0..P-1."""
-        return self._client.rank
+        return self._open_client().rank
 
     @property
     def world_size(self):
         """P, the cluster's number of workers."""
-        return self._client.num_workers
+        return self._open_client().num_workers
 
     @property
     def num_shards(self):
         """S, the cluster's number of server shards."""
-        return self._client.num_shards
+        return self._open_client().num_shards
 
     @property
     def n(self):
@@ -439,7 +477,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def next_step(self):
         """The step the next :meth:`step` runs (numbered from 0; after a
         restart or rollback, the servers' step)."""
-        return self._client.next_step
+        return self._open_client().next_step
 
     @property
     def cluster(self):
@@ -462,7 +500,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def metrics_port(self):
         """The port the worker metrics are served on (0: off)."""
-        return self._client.metrics_port
+        return self._open_client().metrics_port
 
     @property
     def device(self):
@@ -477,9 +515,50 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- the step ------------------------------------------------------------
 
+    def _check_group_options(self, i, group):
+        """A param group's own SGD options the servers do not apply are
+        refused (FailedPrecondition), not silently ignored."""
+        c = self._cluster
+        wd = group.get("weight_decay")
+        if wd is not None and not _same_f32(wd, c["weight_decay"]):
+            raise errors.FailedPrecondition(
+                "param_groups[%d]['weight_decay'] is %r but the servers' "
+                "cluster spec has weight_decay %r: weight decay is the "
+                "servers' --weight-decay, one value for every parameter "
+                "(per-group values are not supported)"
+                % (i, wd, _f32_float(c["weight_decay"])))
+        if group.get("nesterov"):
+            raise errors.FailedPrecondition(
+                "param_groups[%d]['nesterov'] is True: gtopk applies the "
+                "servers' momentum rule (--momentum-mode), not Nesterov "
+                "momentum" % i)
+        if group.get("dampening", 0) not in (0, 0.0):
+            raise errors.FailedPrecondition(
+                "param_groups[%d]['dampening'] is %r: gtopk's momentum has "
+                "no dampening (0 only)" % (i, group["dampening"]))
+
+    def _check_views(self):
+        """Every parameter must still be the view of its slice of the flat
+        buffer that construction made it; otherwise the servers' update
+        would no longer reach the model."""
+        base = self._flat.data_ptr()
+        for i, (p, (off, cnt)) in enumerate(zip(self._params, self._slices)):
+            if p.data_ptr() != base + 4 * off or p.device != self._device \
+                    or p.dtype != torch.float32:
+                raise errors.FailedPrecondition(
+                    "parameter %d (shape %s) is no longer a view of the "
+                    "optimizer's flat buffer: it was replaced, moved or "
+                    "converted after the optimizer was constructed (e.g. "
+                    "model.to(), .double()/.float(), load_state_dict with "
+                    "assign); updates would not reach the model. Construct "
+                    "the optimizer after moving the model, and change "
+                    "parameters in place (param.data.copy_)"
+                    % (i, tuple(p.shape)))
+
     def _check_hyperparameters(self):
         c = self._cluster
         for i, group in enumerate(self.param_groups):
+            self._check_group_options(i, group)
             for key in ("lr", "momentum"):
                 value = group.get(key)
                 if value is None or not _same_f32(value, c[key]):
@@ -567,6 +646,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 result = closure()
         self._check_open()
         self._check_hyperparameters()
+        self._check_views()
         t0 = time.perf_counter()
         compute = t0 - self._last_step_end
         client = self._client
@@ -626,11 +706,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         of this worker, the parameters are downloaded again (so they equal
         the servers'); otherwise they are untouched. The loop::
 
+            deadline = time.monotonic() + 120   # the recovery budget
             while True:
                 try:
                     opt.step()
                     break
                 except gtopk.RETRYABLE:
+                    if time.monotonic() > deadline:
+                        raise   # e.g. a peer that never returns
                     opt.recover()
 
         (a retry of the same step sends no new gradient: the failed
@@ -654,6 +737,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._check_open()
         if timeout is None:
             timeout = self._recovery_timeout
+        else:
+            _check_seconds("timeout", timeout)
         return self._with_host_params(
             lambda buf: self._client.recover(buf, timeout))
 
@@ -762,6 +847,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._client is None:
             raise errors.FailedPrecondition(
                 "the gtopk optimizer is closed")
+
+    def _open_client(self):
+        self._check_open()
+        return self._client
 
     def close(self):
         """Leaves the cluster's streams (cancels any in flight). The optimizer

@@ -234,6 +234,76 @@ class StepTest(ClusterCase):
         self.assertEqual(set(in_threads(P, raw)), checksums)
 
 
+class NewUserInputTest(ClusterCase):
+    """What a tester found by using the package as a new user would: each
+    used to be silently ignored or to fail with an unclear message."""
+
+    def test_group_options_the_servers_do_not_apply_are_refused(self):
+        srv = self.start(1, 1)  # --weight-decay 0
+        cases = [({"weight_decay": 0.1}, "weight_decay'] is 0.1"),
+                 ({"nesterov": True}, "'nesterov'] is True"),
+                 ({"dampening": 0.5}, "'dampening'] is 0.5")]
+        for extra, message in cases:
+            with self.subTest(extra=extra):
+                model, _ = make_model(extra=False)
+                groups = [dict({"params": model[0].parameters()}, **extra),
+                          {"params": model[2].parameters()}]
+                with self.assertRaises(gtopk.FailedPrecondition) as cm:
+                    self.optimizer(srv, groups, rank=0)
+                self.assertIn(message, cm.exception.message)
+
+    def test_a_parameter_replaced_after_construction_is_refused(self):
+        srv = self.start(1, 1)
+        model, _ = make_model(extra=False)
+        opt = self.optimizer(srv, model.parameters(), rank=0)
+        self.addCleanup(opt.close)
+        loss_of(model, 0, 0).backward()
+        opt.step()
+        model.double()
+        model.float()  # new tensors: no longer views of the flat buffer
+        opt.zero_grad()
+        loss_of(model, 0, 1).backward()
+        with self.assertRaises(gtopk.FailedPrecondition) as cm:
+            opt.step()
+        self.assertIn("no longer a view", cm.exception.message)
+        self.assertEqual(opt.next_step, 1)  # nothing was sent
+
+    def test_properties_after_close_and_argument_types(self):
+        srv = self.start(1, 1)
+        model, _ = make_model(extra=False)
+        # A NumPy float is a number (it was refused as "not a number").
+        opt = self.optimizer(srv, model.parameters(), rank=0,
+                             lr=np.float32(0.1))
+        opt.close()
+        for name in ("rank", "world_size", "num_shards", "next_step",
+                     "metrics_port"):
+            with self.subTest(name=name):
+                with self.assertRaisesRegex(gtopk.FailedPrecondition,
+                                            "closed"):
+                    getattr(opt, name)
+        bad = [({"rpc_timeout": 1e9}, ValueError, "at most one year"),
+               ({"rpc_timeout": "5"}, TypeError, "number of seconds"),
+               ({"recovery_timeout": 0}, ValueError, "recovery_timeout"),
+               ({"step_watchdog_margin": -1}, ValueError,
+                "step_watchdog_margin"),
+               ({"lr": "0.1"}, TypeError, "real number")]
+        for kw, error, message in bad:
+            with self.subTest(kw=kw):
+                with self.assertRaisesRegex(error, message):
+                    self.optimizer(srv, make_model()[0].parameters(), **kw)
+
+    def test_import_without_torch_names_the_interpreter(self):
+        import subprocess
+        code = ("import sys; sys.modules['numpy'] = None\n"
+                "try:\n    import gtopk.torch\n"
+                "except ImportError as e:\n    print(e)\n")
+        r = subprocess.run([sys.executable, "-c", code],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, env=cu.python_env(), timeout=60)
+        self.assertIn("python3-torch with /usr/bin/python3", r.stdout)
+        self.assertIn(sys.executable, r.stdout)
+
+
 class MetricsTest(ClusterCase):
     def test_worker_metrics_served_and_recorded(self):
         """metrics_port: the worker families of docs/metrics.md ("Worker"),
