@@ -17,7 +17,6 @@ tests/python/binding_test.py  (ctest -R python_binding_test).
 """
 
 import os
-import shutil
 import sys
 import tempfile
 import threading
@@ -90,7 +89,7 @@ def first_difference(a, b):
                b[i:i + 1].view(np.float32)[0], b[i]))
 
 
-class ClusterTest(unittest.TestCase):
+class ClusterTest(cu.KeepLogsOnFailure, unittest.TestCase):
     """Temp dir per test; every server stopped at the end."""
 
     def setUp(self):
@@ -106,16 +105,6 @@ class ClusterTest(unittest.TestCase):
             p.kill()
         for s in self.servers:
             s.stop()
-
-    def run(self, result=None):
-        # Removes the temp dir, or keeps it (logs) when the test failed.
-        before = len(result.failures) + len(result.errors) if result else 0
-        out = super().run(result)
-        if result and len(result.failures) + len(result.errors) > before:
-            sys.stderr.write("logs kept in %s\n" % self.dir)
-        else:
-            shutil.rmtree(self.dir, ignore_errors=True)
-        return out
 
     def start_servers(self, num_shards, workers, **flags):
         flags.setdefault("density", DENSITY)

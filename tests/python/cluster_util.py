@@ -12,6 +12,7 @@ Standard library only.
 import ctypes
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -243,3 +244,17 @@ def wait_all(procs, timeout, what="worker"):
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+class KeepLogsOnFailure:
+    """unittest.TestCase mixin: removes the test's temp dir `self.dir`
+    after a passing test, keeps it (and says where) after a failing one."""
+
+    def run(self, result=None):
+        before = len(result.failures) + len(result.errors) if result else 0
+        out = super().run(result)
+        if result and len(result.failures) + len(result.errors) > before:
+            sys.stderr.write("logs kept in %s\n" % self.dir)
+        else:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        return out

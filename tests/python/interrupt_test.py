@@ -26,7 +26,6 @@ tests/python/interrupt_test.py  (ctest -R python_interrupt_test).
 import json
 import os
 import queue
-import shutil
 import signal
 import subprocess
 import sys
@@ -103,7 +102,7 @@ class Child:
         self.log.close()
 
 
-class InterruptTest(unittest.TestCase):
+class InterruptTest(cu.KeepLogsOnFailure, unittest.TestCase):
 
     def setUp(self):
         self.dir = tempfile.mkdtemp(prefix="gtopk_int_")
@@ -113,15 +112,6 @@ class InterruptTest(unittest.TestCase):
     def _stop_all(self):
         for x in reversed(self.to_stop):
             x.kill() if isinstance(x, Child) else x.stop()
-
-    def run(self, result=None):
-        before = len(result.failures) + len(result.errors) if result else 0
-        out = super().run(result)
-        if result and len(result.failures) + len(result.errors) > before:
-            sys.stderr.write("logs kept in %s\n" % self.dir)
-        else:
-            shutil.rmtree(self.dir, ignore_errors=True)
-        return out
 
     def servers(self, step_timeout):
         s = cu.Servers(1, 2, self.dir, mode="gtopk", density=0.01,
