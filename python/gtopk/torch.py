@@ -294,6 +294,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "momentum": momentum})
 
         # -- the flat buffers ----------------------------------------------
+        # A parameter listed twice in a group (torch only warns) would get
+        # two slices, its gradient counted twice: keep its first place.
+        for g in self.param_groups:
+            seen = set()
+            g["params"] = [p for p in g["params"]
+                           if id(p) not in seen and not seen.add(id(p))]
         plist = [p for g in self.param_groups for p in g["params"]]
         if not plist:
             raise ValueError("gtopk: no parameters to optimize")

@@ -292,6 +292,25 @@ class NewUserInputTest(ClusterCase):
                 with self.assertRaisesRegex(error, message):
                     self.optimizer(srv, make_model()[0].parameters(), **kw)
 
+    def test_a_parameter_listed_twice_counts_once(self):
+        """A parameter listed twice (torch only warns) got two slices of
+        the flat buffer and its gradient twice: n was too large and the
+        replicas trained another model than the servers' spec."""
+        import warnings
+        srv = self.start(1, 1)
+        model, _ = make_model(extra=False)
+        params = list(model.parameters())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's duplicate warning
+            opt = self.optimizer(srv, params + [params[0]], rank=0)
+        self.addCleanup(opt.close)
+        self.assertEqual(opt.n, sum(p.numel() for p in params))
+        loss_of(model, 0, 0).backward()
+        opt.step()
+        self.assertEqual(
+            gtopk.checksum(opt.flat_parameters().numpy()),
+            self.server_checksum(opt))
+
     def test_import_without_torch_names_the_interpreter(self):
         import subprocess
         code = ("import sys; sys.modules['numpy'] = None\n"
