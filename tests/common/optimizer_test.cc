@@ -8,6 +8,7 @@
 
 #include "common/testing/status_matchers.h"
 #include "gtest/gtest.h"
+#include "tests/testing/reference.h"
 
 namespace gtopk {
 namespace {
@@ -23,10 +24,7 @@ std::vector<float> Random(size_t n, uint64_t seed, float scale = 1.0f) {
   return x;
 }
 
-bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() &&
-         std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
+using ::gtopk::testing::BitEqual;
 
 OptimizerRule MakeRule(const OptimizerOptions& o) {
   auto rule = OptimizerRule::Create(o);

@@ -19,8 +19,9 @@
 #include "common/selector.h"
 #include "common/testing/status_matchers.h"
 #include "gtest/gtest.h"
-#include "server/service.h"
 #include "server/local_cluster.h"
+#include "server/service.h"
+#include "tests/testing/reference.h"
 #include "worker/client.h"
 
 namespace gtopk {
@@ -95,10 +96,7 @@ server::ServerConfig MakeConfig(const Case& c) {
   return s;
 }
 
-bool BitEqual(absl::Span<const float> a, absl::Span<const float> b) {
-  return a.size() == b.size() &&
-         std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
+using ::gtopk::testing::BitEqual;
 
 // The single-process simulation: every worker's state and the global
 // selection, step by step.

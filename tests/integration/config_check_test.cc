@@ -27,6 +27,8 @@
 #include "gtopk/v1/gtopk.grpc.pb.h"
 #include "server/local_cluster.h"
 #include "server/service.h"
+#include "tests/testing/reference.h"
+#include "tests/testing/temp_dir.h"
 #include "worker/client.h"
 
 namespace gtopk {
@@ -269,33 +271,9 @@ TEST(ConfigCheckTest, EverySharedSettingIsCompared) {
 // --workers=3, the workers waited for a worker 2 and the flag was never
 // named).
 
-// A temporary checkpoint directory, removed with its files.
-class TempDir {
- public:
-  TempDir() {
-    char t[] = "/tmp/gtopk_config_check_XXXXXX";
-    path_ = mkdtemp(t) != nullptr ? t : "";
-  }
-  ~TempDir() {
-    if (path_.empty()) return;
-    if (DIR* d = opendir(path_.c_str())) {
-      while (const dirent* e = readdir(d)) {
-        if (e->d_name[0] != '.') unlink((path_ + "/" + e->d_name).c_str());
-      }
-      closedir(d);
-    }
-    rmdir(path_.c_str());
-  }
-  const std::string& path() const { return path_; }
+using ::gtopk::testing::TempDir;
 
- private:
-  std::string path_;
-};
-
-bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() &&
-         std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
+using ::gtopk::testing::BitEqual;
 
 // Two workers on a two-shard cluster with global momentum, checkpointing
 // every step (the repro).
@@ -389,7 +367,7 @@ class DriftTest : public ::testing::Test {
     EXPECT_EQ(cluster_->shard(1).service()->next_step(), 3);
   }
 
-  TempDir dir_;
+  TempDir dir_{"config_check"};
   std::unique_ptr<LocalCluster> cluster_;
   std::vector<std::unique_ptr<worker::WorkerClient>> clients_;
   std::vector<std::vector<float>> params_;

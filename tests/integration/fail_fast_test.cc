@@ -20,6 +20,7 @@
 #include "server/local_cluster.h"
 #include "server/service.h"
 #include "tests/testing/joined_workers.h"
+#include "tests/testing/reference.h"
 #include "worker/client.h"
 
 namespace gtopk {
@@ -44,10 +45,7 @@ std::vector<float> Seeded(uint64_t seed) {
   return v;
 }
 
-bool BitEqual(absl::Span<const float> a, absl::Span<const float> b) {
-  return a.size() == b.size() &&
-         std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
+using ::gtopk::testing::BitEqual;
 
 std::unique_ptr<WorkerClient> Join(const server::LocalCluster& cluster,
                                    int rank) {

@@ -17,9 +17,10 @@
 #include "common/testing/status_matchers.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "server/service.h"
 #include "server/local_cluster.h"
+#include "server/service.h"
 #include "tests/testing/joined_workers.h"
+#include "tests/testing/reference.h"
 #include "worker/client.h"
 
 namespace gtopk {
@@ -63,10 +64,7 @@ std::vector<float> Seeded(uint64_t seed) {
   return v;
 }
 
-bool BitEqual(absl::Span<const float> a, absl::Span<const float> b) {
-  return a.size() == b.size() &&
-         std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
+using ::gtopk::testing::BitEqual;
 
 // (mode, selection): exact selection couples the shards through the
 // threshold exchange; quota and topk rely on the commit vote alone.

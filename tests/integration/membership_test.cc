@@ -27,6 +27,7 @@
 #include "gtopk/v1/gtopk.grpc.pb.h"
 #include "server/local_cluster.h"
 #include "server/service.h"
+#include "tests/testing/reference.h"
 #include "worker/client.h"
 
 namespace gtopk {
@@ -46,10 +47,7 @@ absl::Status FromGrpc(const grpc::Status& s) {
                       s.error_message());
 }
 
-bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() &&
-         std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
+using ::gtopk::testing::BitEqual;
 
 std::unique_ptr<LocalCluster> StartCluster() {
   ServerConfig c;

@@ -38,6 +38,8 @@
 #include "server/checkpoint.h"
 #include "server/local_cluster.h"
 #include "server/service.h"
+#include "tests/testing/reference.h"
+#include "tests/testing/temp_dir.h"
 #include "worker/client.h"
 
 namespace gtopk {
@@ -67,33 +69,9 @@ std::vector<float> Gradient(int64_t step, int worker) {
   return Normal(1000003 * static_cast<uint64_t>(step) + 7 * worker + 1);
 }
 
-bool BitEqual(absl::Span<const float> a, absl::Span<const float> b) {
-  return a.size() == b.size() &&
-         std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
+using ::gtopk::testing::BitEqual;
 
-// A temporary checkpoint directory, removed with its files.
-class TempDir {
- public:
-  TempDir() {
-    char t[] = "/tmp/gtopk_recovery_test_XXXXXX";
-    path_ = mkdtemp(t) != nullptr ? t : "";
-  }
-  ~TempDir() {
-    if (path_.empty()) return;
-    if (DIR* d = opendir(path_.c_str())) {
-      while (const dirent* e = readdir(d)) {
-        if (e->d_name[0] != '.') unlink((path_ + "/" + e->d_name).c_str());
-      }
-      closedir(d);
-    }
-    rmdir(path_.c_str());
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using ::gtopk::testing::TempDir;
 
 bool CopyFile(const std::string& from, const std::string& to) {
   std::ifstream in(from, std::ios::binary);
@@ -329,7 +307,7 @@ class BehindShardTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(BehindShardTest, ClusterRollsBackToTheCommonCheckpointAndContinues) {
   const Case& c = GetParam();
-  TempDir dir;
+  TempDir dir("recovery_test");
   ASSERT_FALSE(dir.path().empty());
   auto cluster_or = LocalCluster::Start(MakeConfig(c, dir.path()), c.shards);
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
@@ -416,7 +394,7 @@ INSTANTIATE_TEST_SUITE_P(
     [](const auto& info) { return info.param.name; });
 
 TEST(RecoveryTest, NoCommonCheckpointFailsClearlyAndChangesNothing) {
-  TempDir dir;
+  TempDir dir("recovery_test");
   ASSERT_FALSE(dir.path().empty());
   Case c;
   c.workers = 2;
@@ -483,7 +461,7 @@ TEST(RecoveryTest, NoCommonCheckpointFailsClearlyAndChangesNothing) {
 // existed, so the restarted shard came back without parameters and Recover
 // could only fail ("restarted without a checkpoint").
 TEST(RecoveryTest, FailedCheckpointsAreLoudAndTheLastGoodOneIsRestorable) {
-  TempDir dir;
+  TempDir dir("recovery_test");
   ASSERT_FALSE(dir.path().empty());
   Case c;
   c.workers = 2;
@@ -536,7 +514,7 @@ TEST(RecoveryTest, FailedCheckpointsAreLoudAndTheLastGoodOneIsRestorable) {
 }
 
 TEST(RecoveryTest, RecoverWhenShardsAgreeChangesNothing) {
-  TempDir dir;
+  TempDir dir("recovery_test");
   Case c;
   c.workers = 2;
   auto cluster_or = LocalCluster::Start(MakeConfig(c, dir.path()), 2);
@@ -568,7 +546,7 @@ TEST(RecoveryTest, RecoverWhenShardsAgreeChangesNothing) {
 // recovery runs join it and get its outcome -- here the error naming the
 // shard that is down -- instead of "another recovery is still running".
 TEST(RecoveryTest, ConcurrentRecoverCallsShareTheOutcomeNamingTheDeadShard) {
-  TempDir dir;
+  TempDir dir("recovery_test");
   Case c;
   c.workers = 2;
   auto cluster_or = LocalCluster::Start(MakeConfig(c, dir.path()), 2);
@@ -600,7 +578,7 @@ TEST(RecoveryTest, ConcurrentRecoverCallsShareTheOutcomeNamingTheDeadShard) {
 }
 
 TEST(RecoveryTest, ShardStateAndRollbackValidateTheirInput) {
-  TempDir dir;
+  TempDir dir("recovery_test");
   Case c;
   c.workers = 1;
   auto cluster_or = LocalCluster::Start(MakeConfig(c, dir.path()), 2);

@@ -61,10 +61,7 @@ SparseVector Slice(const SparseVector& v, uint64_t begin, uint64_t end) {
   return out;
 }
 
-bool BitEqual(absl::Span<const float> a, absl::Span<const float> b) {
-  return a.size() == b.size() &&
-         std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
+using ::gtopk::testing::BitEqual;
 
 // mode, selection, workers, shards
 using Param = std::tuple<AggregationMode, SelectionKind, int, int>;

@@ -24,6 +24,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "server/local_cluster.h"
+#include "tests/testing/reference.h"
 
 #ifndef GTOPK_SERVER_BINARY
 #error "GTOPK_SERVER_BINARY must name the gtopk-server executable"
@@ -115,10 +116,7 @@ inline std::vector<float> Random(size_t n, uint64_t seed) {
   return x;
 }
 
-inline bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() &&
-         std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
+using ::gtopk::testing::BitEqual;  // tests/testing/reference.h
 
 // The flags of shard `shard` of a cluster on `peers` (all shards, in order)
 // with `workers` workers: checkpoints in `dir` every `checkpoint_every`

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/types/span.h"
 #include "common/sparse_vector.h"
 
 namespace gtopk {
@@ -33,6 +34,13 @@ inline uint32_t FloatBits(float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof(bits));
   return bits;
+}
+
+// Whether `a` and `b` hold the same floats bit for bit (so -0.0 differs
+// from +0.0): what "replicas are identical" means throughout the tests.
+inline bool BitEqual(absl::Span<const float> a, absl::Span<const float> b) {
+  return a.size() == b.size() &&
+         std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 // Top-k by |value| with ties broken by lower index, by a full stable sort;

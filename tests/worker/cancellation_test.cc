@@ -18,6 +18,7 @@
 #include "server/local_cluster.h"
 #include "server/service.h"
 #include "tests/testing/joined_workers.h"
+#include "tests/testing/temp_dir.h"
 #include "worker/client.h"
 
 namespace gtopk {
@@ -242,9 +243,9 @@ TEST(RecoverTest, RecoverWaitsForARestartingLeader) {
   config.optimizer.lr = 0.1f;
   config.step_timeout = absl::Seconds(1);
   // The restarted leader continues from its checkpoint.
-  char dir_template[] = "/tmp/gtopk_recover_waits_XXXXXX";
-  ASSERT_NE(mkdtemp(dir_template), nullptr);
-  config.checkpoint_dir = dir_template;
+  const testing::TempDir dir("recover_waits");
+  ASSERT_FALSE(dir.path().empty());
+  config.checkpoint_dir = dir.path();
   auto cluster_or = server::LocalCluster::Start(config, 1);
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
   GTOPK_ASSERT_OK_AND_ASSIGN(

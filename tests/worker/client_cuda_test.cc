@@ -27,6 +27,7 @@
 #include "server/local_cluster.h"
 #include "server/service.h"
 #include "server/shard_aggregator.h"
+#include "tests/testing/reference.h"
 #include "worker/client.h"
 
 namespace gtopk {
@@ -169,10 +170,7 @@ std::vector<std::vector<float>> RunCluster(const Case& c,
   return params;
 }
 
-bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() &&
-         std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
+using ::gtopk::testing::BitEqual;
 
 class ClientCudaTest : public ::testing::TestWithParam<Case> {
  protected:
