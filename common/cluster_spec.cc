@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/strip.h"
 
 namespace gtopk {
@@ -133,10 +134,15 @@ uint64_t ClusterFingerprint(const v1::ClusterSpec& spec) {
 
 namespace {
 
+// `name` in flag spelling ("index-codec"); as a keyword argument (empty
+// prefix) with underscores ("index_codec").
 absl::Status Mismatch(absl::string_view prefix, absl::string_view name,
                       absl::string_view mine, absl::string_view servers) {
+  const std::string shown =
+      prefix.empty() ? absl::StrReplaceAll(name, {{"-", "_"}})
+                     : std::string(name);
   return absl::FailedPreconditionError(absl::StrCat(
-      prefix, name, "=", mine, " but the servers' cluster spec has ", name,
+      prefix, shown, "=", mine, " but the servers' cluster spec has ", shown,
       " ", servers, " (configure the servers and workers alike)"));
 }
 
@@ -176,6 +182,14 @@ absl::Status CheckExpectedSettings(const ExpectedSettings& e,
   if (e.momentum && !Close(*e.momentum, c.optimizer().momentum())) {
     return Mismatch(prefix, "momentum", absl::StrCat(*e.momentum),
                     absl::StrCat(c.optimizer().momentum()));
+  }
+  // Relative: weight decays are small (1e-4), and 0 means "none".
+  if (e.weight_decay &&
+      std::fabs(*e.weight_decay - c.optimizer().weight_decay()) >
+          1e-6 * std::max(std::fabs(*e.weight_decay),
+                          std::fabs(double{c.optimizer().weight_decay()}))) {
+    return Mismatch(prefix, "weight-decay", absl::StrCat(*e.weight_decay),
+                    absl::StrCat(c.optimizer().weight_decay()));
   }
   if (e.momentum_mode) {
     // UNSPECIFIED is the documented default: DGC momentum correction.

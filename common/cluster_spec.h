@@ -59,7 +59,7 @@ std::string MomentumFlagValue(v1::MomentumMode mode);
 struct ExpectedSettings {
   std::optional<std::string> mode, selection, selector, index_codec,
       value_codec, momentum_mode;
-  std::optional<double> density, lr, momentum;
+  std::optional<double> density, lr, momentum, weight_decay;
 };
 
 // OK when every set field of `expected` matches `spec` (numbers within a
@@ -67,7 +67,8 @@ struct ExpectedSettings {
 // default); otherwise FAILED_PRECONDITION for the first that differs:
 // "<prefix>lr=0.1 but the servers' cluster spec has lr 0.05 (configure the
 // servers and workers alike)" (prefix "--" for flags, "" for keyword
-// arguments). Pure; thread-safe.
+// arguments, then named with underscores: "weight_decay=0.1 but ...").
+// Pure; thread-safe.
 absl::Status CheckExpectedSettings(const ExpectedSettings& expected,
                                    const v1::ClusterSpec& spec,
                                    absl::string_view prefix);

@@ -296,6 +296,7 @@ class Client {
                      std::optional<double> density, std::optional<double> lr,
                      std::optional<double> momentum,
                      std::optional<std::string> momentum_mode,
+                     std::optional<double> weight_decay,
                      std::optional<std::string> index_codec,
                      std::optional<std::string> value_codec) {
     ExpectedSettings e;
@@ -306,6 +307,7 @@ class Client {
     e.lr = lr;
     e.momentum = momentum;
     e.momentum_mode = std::move(momentum_mode);
+    e.weight_decay = weight_decay;
     e.index_codec = std::move(index_codec);
     e.value_codec = std::move(value_codec);
     OkOrRaise(CheckExpectedSettings(e, Get().cluster(), ""));
@@ -522,6 +524,7 @@ FailedPrecondition).)doc")
            py::arg("selector") = py::none(), py::arg("density") = py::none(),
            py::arg("lr") = py::none(), py::arg("momentum") = py::none(),
            py::arg("momentum_mode") = py::none(),
+           py::arg("weight_decay") = py::none(),
            py::arg("index_codec") = py::none(),
            py::arg("value_codec") = py::none(),
            "Raises FailedPrecondition naming the first given setting the "

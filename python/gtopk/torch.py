@@ -362,14 +362,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._client.check_settings(
                 mode=mode, selector=selector, density=density, lr=lr,
                 momentum=momentum, momentum_mode=momentum_mode,
-                index_codec=index_codec, value_codec=value_codec)
-            if weight_decay is not None and not math.isclose(
-                    float(weight_decay), float(c["weight_decay"]),
-                    rel_tol=1e-6, abs_tol=1e-6 if weight_decay == 0 else 0):
-                raise errors.FailedPrecondition(
-                    "weight_decay=%s but the servers' cluster spec has "
-                    "weight_decay %s (configure the servers and workers "
-                    "alike)" % (weight_decay, c["weight_decay"]))
+                weight_decay=weight_decay, index_codec=index_codec,
+                value_codec=value_codec)
             # Per-group values (a param-group dict may name its own).
             for i, group in enumerate(self.param_groups):
                 for key in ("lr", "momentum"):

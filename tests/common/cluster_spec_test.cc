@@ -123,5 +123,82 @@ TEST(ClusterSpecDifferencesTest, NamesEachFlagWithBothValues) {
                           "--momentum is 0.5 here but 0.9 on the leader"));
 }
 
+// The settings check gtopk-worker's flags and the Python optimizer's
+// arguments share: every field, in both spellings, against a plain
+// statement of the expected message.
+TEST(CheckExpectedSettingsTest, EachSettingNamedInFlagAndKeywordSpelling) {
+  const v1::ClusterSpec c = Base();  // weight decay 0, momentum mode global
+  EXPECT_TRUE(CheckExpectedSettings(ExpectedSettings(), c, "--").ok());
+  ExpectedSettings all;
+  all.mode = "gtopk";
+  all.selection = "exact";
+  all.selector = "exact";
+  all.index_codec = "delta-varint";
+  all.value_codec = "fp32";
+  all.momentum_mode = "global";
+  all.density = 0.001;
+  all.lr = 0.1;  // the float 0.1f as a double: within 1e-6
+  all.momentum = 0.9;
+  all.weight_decay = 0.0;
+  EXPECT_TRUE(CheckExpectedSettings(all, c, "--").ok());
+
+  struct Case {
+    std::function<void(ExpectedSettings&)> set;
+    std::string flag_message;     // with prefix "--"
+    std::string keyword_message;  // with prefix ""
+  };
+  const std::vector<Case> cases = {
+      {[](ExpectedSettings& e) { e.mode = "dense"; },
+       "--mode=dense but the servers' cluster spec has mode gtopk",
+       "mode=dense but the servers' cluster spec has mode gtopk"},
+      {[](ExpectedSettings& e) { e.selection = "quota"; },
+       "--selection=quota but the servers' cluster spec has selection exact",
+       "selection=quota but the servers' cluster spec has selection exact"},
+      {[](ExpectedSettings& e) { e.index_codec = "raw"; },
+       "--index-codec=raw but the servers' cluster spec has index-codec "
+       "delta-varint",
+       "index_codec=raw but the servers' cluster spec has index_codec "
+       "delta-varint"},
+      {[](ExpectedSettings& e) { e.momentum_mode = "dgc"; },
+       "--momentum-mode=dgc but the servers' cluster spec has momentum-mode "
+       "global",
+       "momentum_mode=dgc but the servers' cluster spec has momentum_mode "
+       "global"},
+      {[](ExpectedSettings& e) { e.lr = 0.2; },
+       "--lr=0.2 but the servers' cluster spec has lr 0.1",
+       "lr=0.2 but the servers' cluster spec has lr 0.1"},
+      {[](ExpectedSettings& e) { e.weight_decay = 1e-4; },
+       "--weight-decay=0.0001 but the servers' cluster spec has weight-decay 0",
+       "weight_decay=0.0001 but the servers' cluster spec has weight_decay 0"},
+      // Zero against a tiny non-zero is a difference, not a rounding.
+      {[](ExpectedSettings& e) { e.weight_decay = 1e-9; },
+       "--weight-decay=1e-09 but", "weight_decay=1e-09 but"},
+  };
+  for (const Case& k : cases) {
+    ExpectedSettings e = all;
+    k.set(e);
+    const absl::Status flag = CheckExpectedSettings(e, c, "--");
+    EXPECT_EQ(flag.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(flag.message()),
+                ::testing::StartsWith(k.flag_message));
+    EXPECT_THAT(std::string(CheckExpectedSettings(e, c, "").message()),
+                ::testing::StartsWith(k.keyword_message));
+  }
+
+  // An unspecified momentum mode is the documented default, DGC.
+  v1::ClusterSpec unspecified = c;
+  unspecified.mutable_optimizer()->set_momentum_mode(
+      v1::MOMENTUM_MODE_UNSPECIFIED);
+  ExpectedSettings dgc;
+  dgc.momentum_mode = "dgc";
+  EXPECT_TRUE(CheckExpectedSettings(dgc, unspecified, "").ok());
+  // A small non-zero weight decay is compared within 1e-6 relative.
+  v1::ClusterSpec decayed = c;
+  decayed.mutable_optimizer()->set_weight_decay(1e-4f);
+  ExpectedSettings wd;
+  wd.weight_decay = 1e-4;
+  EXPECT_TRUE(CheckExpectedSettings(wd, decayed, "").ok());
+}
+
 }  // namespace
 }  // namespace gtopk
