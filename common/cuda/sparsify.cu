@@ -94,6 +94,17 @@ struct DeviceState {
   int adjustments;   // gaussiank planner
   int fallback;      // gaussiank planner: go to the exact top-k
   int accepted;      // the compaction's count is in the method's range
+  // Exact top-k's plan, decided on the device after each digit (see
+  // FindBinDecideKernel): `levels_done` digits of the k-th key are known;
+  // `bin_count` is how many keys the last chosen bin holds; `compact` = the
+  // keys >= min_key are few enough to compact now; `from_u` = all three
+  // digits came from passes over u and the final compaction reads u itself
+  // (too many keys share the k-th key for a candidate copy to pay).
+  ull bin_count;
+  int levels_done;
+  int u_passes;  // histogram passes over u whose digit FindBinDecide used
+  int compact;
+  int from_u;
 };
 
 // SplitMix64, as common/random.h's MixSeed.
@@ -303,6 +314,7 @@ __device__ void FindBinBlock(DeviceState* st, const ull* hist, int level) {
       st->min_key = prefix;
       st->count_greater += before[j];
       st->need = need - before[j];
+      st->bin_count = v[j];
       found = 1;
     }
   }
@@ -315,21 +327,117 @@ __global__ void __launch_bounds__(kScanThreads)
   FindBinBlock(st, hist, level);
 }
 
+// The histogram of digit `level` in `hists` (hist0, hist1, hist2 are
+// contiguous, kBins apart).
+__device__ inline ull* LevelHist(ull* hists, int level) {
+  return hists + level * kBins;
+}
+__device__ inline const ull* LevelHist(const ull* hists, int level) {
+  return hists + level * kBins;
+}
+
+// FindBinBlock for the next undecided digit (state's levels_done), when one
+// is left; then levels_done + 1.
+__device__ void FindNextBinBlock(DeviceState* st, const ull* hists) {
+  const int level = st->levels_done;  // read by every thread before writes
+  __syncthreads();
+  if (level >= 3) return;  // uniform
+  FindBinBlock(st, LevelHist(hists, level), level);
+  __syncthreads();
+  if (threadIdx.x == 0) st->levels_done = level + 1;
+}
+
+__global__ void __launch_bounds__(kScanThreads)
+    FindNextBinKernel(DeviceState* st, const ull* hists) {
+  FindNextBinBlock(st, hists);
+}
+
+// Exact top-k's plan after the digit `level` from a pass over u: nothing
+// once the compaction was decided. Otherwise FindBinBlock, then: the keys
+// >= the new min_key (count_greater + bin_count) are at most `compact_cap`:
+// compact u at that key next (the remaining digits come from the
+// candidates); else, after the last digit, the final compaction reads u
+// (from_u); else one more histogram pass over u decides the next digit.
+// The number of passes over u therefore depends on how the keys spread
+// over the digits, never on how many keys one bin holds.
+__global__ void __launch_bounds__(kScanThreads)
+    FindBinDecideKernel(DeviceState* st, const ull* hists, int level,
+                        ull compact_cap) {
+  const int skip = st->compact | st->from_u;  // read before any write
+  __syncthreads();
+  if (skip) return;  // uniform
+  FindBinBlock(st, LevelHist(hists, level), level);
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  st->levels_done = level + 1;
+  st->u_passes = level + 1;
+  if (st->error != 0) return;
+  if (st->count_greater + st->bin_count <= compact_cap) {
+    st->compact = 1;
+  } else if (level == 2) {
+    st->from_u = 1;
+  }
+}
+
+// Histogram of digit `level` over u, keys matching state's prefix; nothing
+// once the compaction was decided (state's compact) or after an error.
+__global__ void __launch_bounds__(kThreads)
+    HistLevelKernel(const float* __restrict__ u, uint64_t n, int vectorized,
+                    DeviceState* st, ull* hists, int level) {
+  if (st->compact != 0 || st->error != 0) return;  // uniform
+  __shared__ uint32_t hist[kBins];
+  for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
+  __syncthreads();
+  const uint32_t prefix = st->prefix;
+  const uint64_t stride = uint64_t{gridDim.x} * kThreads;
+  for (uint64_t g4 = uint64_t{blockIdx.x} * kThreads + threadIdx.x; g4 * 4 < n;
+       g4 += stride) {
+    const uint64_t i = g4 * 4;
+    float x[4];
+    int valid = 4;
+    if (vectorized && i + 3 < n) {
+      const float4 v = __ldg(reinterpret_cast<const float4*>(u + i));
+      x[0] = v.x;
+      x[1] = v.y;
+      x[2] = v.z;
+      x[3] = v.w;
+    } else {
+      valid = static_cast<int>(n - i < 4 ? n - i : 4);
+      for (int j = 0; j < valid; ++j) x[j] = u[i + j];
+    }
+    for (int j = 0; j < valid; ++j) {
+      const uint32_t key = Key(x[j]);
+      if (MatchesPrefix(key, prefix, level)) {
+        atomicAdd(&hist[Digit(key, level)], 1u);
+      }
+    }
+  }
+  __syncthreads();
+  ull* out = LevelHist(hists, level);
+  for (int i = threadIdx.x; i < kBins; i += kThreads) {
+    if (hist[i] != 0) atomicAdd(&out[i], static_cast<ull>(hist[i]));
+  }
+}
+
 // Warp-chunked stable compaction of u: every i with key(u[i]) >= min_key
 // (state's min_key, or `host_key` when use_host_key) goes to the warp's
-// region; counts[w] = how many. kHist: histogram of digit 1 of the kept keys
-// that share digit 0 with state's prefix.
+// region; counts[w] = how many. kHist: histogram of the next undecided digit
+// (state's levels_done, if < 3) of the kept keys matching state's prefix,
+// into that digit's histogram in `hists`. Nothing when the exact plan reads
+// u in its final pass (state's from_u).
 template <bool kHist>
 __global__ void __launch_bounds__(kThreads)
     CollectKernel(const float* __restrict__ u, uint64_t n, uint64_t chunk,
                   int vectorized, DeviceState* st, uint32_t host_key,
                   int use_host_key, uint32_t* __restrict__ regions,
-                  uint32_t* __restrict__ counts, ull* hist1) {
+                  uint32_t* __restrict__ counts, ull* hists) {
   __shared__ uint32_t hist[kHist ? kBins : 1];
   if (kHist) {
     for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
     __syncthreads();
   }
+  if (st->from_u != 0) return;  // uniform; counts are not read then
+  const int level = kHist ? st->levels_done : 3;
   const bool skip = st->error != 0 || st->fallback != 0;
   const uint32_t min_key = use_host_key ? host_key : st->min_key;
   const uint32_t prefix = st->prefix;
@@ -376,8 +484,8 @@ __global__ void __launch_bounds__(kThreads)
         const uint32_t key = Key(x[j]);
         out[pos++] = static_cast<uint32_t>(i + j);
         if (key >= kNonFiniteKey) bad = true;
-        if (kHist && (key >> 20) == (prefix >> 20)) {
-          atomicAdd(&hist[Digit(key, 1)], 1u);
+        if (kHist && level < 3 && MatchesPrefix(key, prefix, level)) {
+          atomicAdd(&hist[Digit(key, level)], 1u);
         }
       }
       for (int j = 0; j < 4; ++j) count += __popc(ballots[j]);
@@ -385,25 +493,27 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (bad) atomicOr(&st->error, kErrorNonFinite);
   if (lane == 0) counts[warp] = count;
-  if (kHist) {
+  if (kHist && level < 3) {
     __syncthreads();
+    ull* out = LevelHist(hists, level);
     for (int i = threadIdx.x; i < kBins; i += kThreads) {
-      if (hist[i] != 0) atomicAdd(&hist1[i], static_cast<ull>(hist[i]));
+      if (hist[i] != 0) atomicAdd(&out[i], static_cast<ull>(hist[i]));
     }
   }
 }
 
 // Exclusive scan of the W <= kMaxWarps per-warp counts into offsets; total in
 // state->num_candidates; state->accepted = total in [accept_lo, accept_hi]
-// (and no error or planner fallback). Then, when find_level >= 0,
-// FindBinBlock on `hist`.
+// (and no error or planner fallback). Then, when find_next, FindNextBinBlock
+// on `hists`. Nothing when the exact plan reads u (state's from_u).
 template <int kItems>
 __global__ void __launch_bounds__(kScanThreads)
     ScanKernel(const uint32_t* counts, int num_warps, ull* offsets,
-               DeviceState* st, const ull* hist, int find_level,
+               DeviceState* st, const ull* hists, int find_next,
                ull accept_lo, ull accept_hi) {
   using Scan = cub::BlockScan<ull, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ typename Scan::TempStorage storage;
+  if (st->from_u != 0) return;  // uniform
   ull v[kItems], before[kItems], total;
   for (int j = 0; j < kItems; ++j) {
     const int w = static_cast<int>(threadIdx.x) * kItems + j;
@@ -420,21 +530,25 @@ __global__ void __launch_bounds__(kScanThreads)
                    total <= accept_hi;
   }
   __syncthreads();
-  if (find_level >= 0) FindBinBlock(st, hist, find_level);
+  if (find_next) FindNextBinBlock(st, hists);
 }
 
 // Concatenates the warps' regions (index order) into out_idx/out_val, with
-// the values read from u; zero: u[i] = +0.0 after reading. hist_level >= 0:
-// histogram of that digit over the gathered keys matching state's prefix.
-// if_accepted: nothing unless state->accepted.
+// the values read from u; zero: u[i] = +0.0 after reading. next_hist: the
+// histogram of the next undecided digit (state's levels_done, if < 3) over
+// the gathered keys matching state's prefix, into that digit's histogram in
+// `hists`. if_accepted: nothing unless state->accepted. Nothing when the
+// exact plan reads u (state's from_u).
 __global__ void __launch_bounds__(kThreads)
     GatherKernel(float* u, const uint32_t* __restrict__ regions, uint64_t chunk,
                  const uint32_t* __restrict__ counts,
                  const ull* __restrict__ offsets, int num_warps,
                  uint32_t* __restrict__ out_idx, float* __restrict__ out_val,
-                 int zero, DeviceState* st, ull* hist_out, int hist_level,
+                 int zero, DeviceState* st, ull* hists, int next_hist,
                  int if_accepted) {
   __shared__ uint32_t hist[kBins];
+  if (st->from_u != 0) return;  // uniform
+  const int hist_level = next_hist && st->levels_done < 3 ? st->levels_done : -1;
   const bool with_hist = hist_level >= 0;
   if (with_hist) {
     for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
@@ -468,8 +582,9 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (with_hist) {
     __syncthreads();
+    ull* out = LevelHist(hists, hist_level);
     for (int i = threadIdx.x; i < kBins; i += kThreads) {
-      if (hist[i] != 0) atomicAdd(&hist_out[i], static_cast<ull>(hist[i]));
+      if (hist[i] != 0) atomicAdd(&out[i], static_cast<ull>(hist[i]));
     }
   }
 }
@@ -528,10 +643,26 @@ __device__ inline void CandidateChunk(ull m, uint64_t* begin, uint64_t* end) {
   *end = *begin + chunk < m ? *begin + chunk : m;
 }
 
-// Per warp chunk of the candidates: keys > T and keys == T.
+// The final compaction's source: u itself (index i) when the exact plan
+// reads u (state's from_u), else the candidate arrays.
+struct FinalSource {
+  const float* values;
+  const uint32_t* indices;  // null: the index is the position
+  ull length;
+};
+__device__ inline FinalSource GetFinalSource(const DeviceState* st,
+                                             const float* u, uint64_t n,
+                                             const float* cand_val,
+                                             const uint32_t* cand_idx) {
+  if (st->from_u != 0) return FinalSource{u, nullptr, n};
+  return FinalSource{cand_val, cand_idx, st->num_candidates};
+}
+
+// Per warp chunk of the final source: keys > T and keys == T.
 __global__ void __launch_bounds__(kThreads)
-    CountFinalKernel(const float* __restrict__ values, DeviceState* st,
-                     FinalRule rule, uint32_t* greater, uint32_t* equal) {
+    CountFinalKernel(const float* cand_val, const float* u, uint64_t n,
+                     DeviceState* st, FinalRule rule, uint32_t* greater,
+                     uint32_t* equal) {
   const int lane = threadIdx.x & 31;
   const uint64_t warp =
       uint64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
@@ -540,12 +671,13 @@ __global__ void __launch_bounds__(kThreads)
     uint32_t t;
     ull ties;
     FinalThreshold(st, rule, &t, &ties);
+    const FinalSource src = GetFinalSource(st, u, n, cand_val, nullptr);
     uint64_t begin, end;
-    CandidateChunk(st->num_candidates, &begin, &end);
+    CandidateChunk(src.length, &begin, &end);
     for (uint64_t base = begin; base < end; base += 32) {
       const uint64_t i = base + lane;
       const bool valid = i < end;
-      const uint32_t key = valid ? Key(values[i]) : 0;
+      const uint32_t key = valid ? Key(src.values[i]) : 0;
       gt += __popc(__ballot_sync(kFullMask, valid && key > t));
       eq += __popc(__ballot_sync(kFullMask, valid && key == t));
     }
@@ -603,8 +735,8 @@ __global__ void __launch_bounds__(kScanThreads)
 // Writes the selected candidates (key > T, or key == T among the first
 // `ties` of them in index order) at their offsets; zero: u[i] = +0.0.
 __global__ void __launch_bounds__(kThreads)
-    WriteFinalKernel(const uint32_t* __restrict__ cand_idx,
-                     const float* __restrict__ cand_val, DeviceState* st,
+    WriteFinalKernel(const uint32_t* cand_idx, const float* cand_val,
+                     uint64_t n, DeviceState* st,
                      FinalRule rule, const ull* __restrict__ out_offsets,
                      const ull* __restrict__ ties_before,
                      uint32_t* __restrict__ out_idx,
@@ -617,14 +749,15 @@ __global__ void __launch_bounds__(kThreads)
   uint32_t t;
   ull ties;
   FinalThreshold(st, rule, &t, &ties);
+  const FinalSource src = GetFinalSource(st, u, n, cand_val, cand_idx);
   uint64_t begin, end;
-  CandidateChunk(st->num_candidates, &begin, &end);
+  CandidateChunk(src.length, &begin, &end);
   ull out = out_offsets[warp];
   ull tie = ties_before[warp];
   for (uint64_t base = begin; base < end; base += 32) {
     const uint64_t i = base + lane;
     const bool valid = i < end;
-    const float v = valid ? cand_val[i] : 0.0f;
+    const float v = valid ? src.values[i] : 0.0f;
     const uint32_t key = Key(v);
     const bool is_tie = valid && key == t;
     const uint32_t tie_ballot = __ballot_sync(kFullMask, is_tie);
@@ -633,7 +766,8 @@ __global__ void __launch_bounds__(kThreads)
     const uint32_t take_ballot = __ballot_sync(kFullMask, take);
     if (take) {
       const ull pos = out + __popc(take_ballot & lanes_below);
-      const uint32_t idx = cand_idx[i];
+      const uint32_t idx =
+          src.indices != nullptr ? src.indices[i] : static_cast<uint32_t>(i);
       out_idx[pos] = idx;
       out_val[pos] = v;
       if (zero) u[idx] = 0.0f;
@@ -1058,7 +1192,7 @@ struct Sparsifier::Impl {
     if (with_hist) {
       GTOPK_LAUNCH(CollectKernel<true>, collect_blocks, kThreads, stream)(
           u, n, collect_chunk, vec, st, key, host_key, regions.get(),
-          counts_a.get(), hist1);
+          counts_a.get(), hist0);
     } else {
       GTOPK_LAUNCH(CollectKernel<false>, collect_blocks, kThreads, stream)(
           u, n, collect_chunk, vec, st, key, host_key, regions.get(),
@@ -1069,27 +1203,29 @@ struct Sparsifier::Impl {
   }
 
   // accept_lo/hi: the count range that lets the selection finish without
-  // the host (state->accepted).
-  Status Scan(int find_level, const ull* hist, cudaStream_t stream,
-              ull accept_lo = 1, ull accept_hi = 0) {
+  // the host (state->accepted). find_next: then the next undecided digit of
+  // the exact plan from its histogram.
+  Status Scan(bool find_next, cudaStream_t stream, ull accept_lo = 1,
+              ull accept_hi = 0) {
     const uint32_t* counts = counts_a.get();
     ull* offsets = offsets_a.get();
     WithScanItems(collect_warps, [&](auto items) {
       GTOPK_LAUNCH(ScanKernel<decltype(items)::value>, 1, kScanThreads,
-                   stream)(counts, collect_warps, offsets, st, hist,
-                           find_level, accept_lo, accept_hi);
+                   stream)(counts, collect_warps, offsets, st, hist0,
+                           find_next ? 1 : 0, accept_lo, accept_hi);
     });
     GTOPK_CUDA_LAUNCH_CHECK();
     return Status::Ok();
   }
 
-  Status Gather(float* u, bool to_output, bool zero, int hist_level, ull* hist,
+  // next_hist: the histogram of the exact plan's next undecided digit.
+  Status Gather(float* u, bool to_output, bool zero, bool next_hist,
                 cudaStream_t stream, bool if_accepted = false) {
     GTOPK_LAUNCH(GatherKernel, collect_blocks, kThreads, stream)(
         u, regions.get(), collect_chunk, counts_a.get(), offsets_a.get(),
         collect_warps, to_output ? out_idx.get() : cand_idx.get(),
-        to_output ? out_val.get() : cand_val.get(), zero, st, hist, hist_level,
-        if_accepted);
+        to_output ? out_val.get() : cand_val.get(), zero, st, hist0,
+        next_hist ? 1 : 0, if_accepted);
     GTOPK_CUDA_LAUNCH_CHECK();
     return Status::Ok();
   }
@@ -1100,13 +1236,13 @@ struct Sparsifier::Impl {
     return Status::Ok();
   }
 
-  // Stable compaction of the candidate arrays by FinalRule into out_*.
-  Status Final(FinalRule rule, float* u, bool zero, uint64_t expected,
+  // Stable compaction of the candidate arrays (or of u itself, when the
+  // exact plan says from_u) by FinalRule into out_*, on `blocks` blocks.
+  Status Final(FinalRule rule, float* u, uint64_t n, bool zero, int blocks,
                cudaStream_t stream) {
-    const int blocks = CandidateBlocks(expected);
     const int warps = blocks * kWarpsPerBlock;
     GTOPK_LAUNCH(CountFinalKernel, blocks, kThreads, stream)(
-        cand_val.get(), st, rule, counts_b.get(), counts_a.get());
+        cand_val.get(), u, n, st, rule, counts_b.get(), counts_a.get());
     GTOPK_CUDA_LAUNCH_CHECK();
     const uint32_t* greater = counts_b.get();
     const uint32_t* equal = counts_a.get();
@@ -1119,7 +1255,7 @@ struct Sparsifier::Impl {
     });
     GTOPK_CUDA_LAUNCH_CHECK();
     GTOPK_LAUNCH(WriteFinalKernel, blocks, kThreads, stream)(
-        cand_idx.get(), cand_val.get(), st, rule, offsets_a.get(),
+        cand_idx.get(), cand_val.get(), n, st, rule, offsets_a.get(),
         offsets_b.get(), out_idx.get(), out_val.get(), u, zero);
     GTOPK_CUDA_LAUNCH_CHECK();
     return Status::Ok();
@@ -1127,35 +1263,69 @@ struct Sparsifier::Impl {
 
   // Exact top-k of the candidate arrays (M = state's num_candidates >= k,
   // containing the top-k of u) by a three-digit radix select over them.
-  Status CandidateExact(float* u, uint64_t k, bool zero, uint64_t expected_m,
+  // M is known on the device only: every pass runs on the full grid.
+  Status CandidateExact(float* u, uint64_t n, uint64_t k, bool zero,
                         cudaStream_t stream) {
     GTOPK_CUDA_RETURN_IF_NOT_OK(Init(k, /*zero_hist0=*/true, false,
                                      /*keep_candidates=*/true, stream));
     ull* hists[3] = {hist0, hist1, hist2};
-    const int blocks = CandidateBlocks(expected_m);
     for (int level = 0; level < 3; ++level) {
-      GTOPK_LAUNCH(HistArrayKernel<float>, blocks, kThreads, stream)(
+      GTOPK_LAUNCH(HistArrayKernel<float>, max_blocks, kThreads, stream)(
           cand_val.get(), &st->num_candidates, 0, st, hists[level], level);
       GTOPK_CUDA_LAUNCH_CHECK();
       GTOPK_CUDA_RETURN_IF_NOT_OK(FindBin(hists[level], level, stream));
     }
     hist_u = nullptr;
-    return Final(FinalRule{0, 0}, u, zero, expected_m, stream);
+    return Final(FinalRule{0, 0}, u, n, zero, max_blocks, stream);
   }
 
   // Exact top-k of u; reuse_hist0: hist0 already holds u's digit-0 counts.
+  //
+  // The plan is decided on the device, digit by digit
+  // (FindBinDecideKernel), so that the work is bounded on every input:
+  // when the keys >= the k-th key's bin are at most compact_cap (normal
+  // data: about k plus one bin), u is compacted to them at once and the
+  // remaining digits come from the candidates (two passes over u in all);
+  // when one bin holds more (a narrow band of magnitudes sharing their high
+  // bits, ties at the k-th key), another histogram pass over u decides the
+  // next digit instead, and after the last digit the final stable
+  // compaction reads u itself (at most five passes over u, never a copy of
+  // most of u). The host enqueues the same kernels either way; those of the
+  // path not taken return at once.
   Status ExactFromU(float* u, uint64_t n, uint64_t k, bool zero,
                     bool reuse_hist0, cudaStream_t stream) {
     GTOPK_CUDA_RETURN_IF_NOT_OK(
         Init(k, !reuse_hist0, reuse_hist0, false, stream));
     if (!reuse_hist0) GTOPK_CUDA_RETURN_IF_NOT_OK(Histogram(u, n, stream));
-    GTOPK_CUDA_RETURN_IF_NOT_OK(FindBin(hist0, 0, stream));
+    const ull cap = CompactCap(n);
+    const int vec = Aligned16(u);
+    const int blocks = HistBlocks(n);
+    GTOPK_CUDA_RETURN_IF_NOT_OK(Decide(0, cap, stream));
+    for (int level = 1; level < 3; ++level) {
+      GTOPK_LAUNCH(HistLevelKernel, blocks, kThreads, stream)(
+          u, n, vec, st, hist0, level);
+      GTOPK_CUDA_LAUNCH_CHECK();
+      GTOPK_CUDA_RETURN_IF_NOT_OK(Decide(level, cap, stream));
+    }
     GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, true, false, 0, stream));
-    GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(1, hist1, stream));
-    GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, 2, hist2, stream));
-    GTOPK_CUDA_RETURN_IF_NOT_OK(FindBin(hist2, 2, stream));
-    // Candidates: about k plus the k-th key's digit-0 bin.
-    return Final(FinalRule{0, 0}, u, zero, 2 * k, stream);
+    GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(/*find_next=*/true, stream));
+    GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, true, stream));
+    GTOPK_LAUNCH(FindNextBinKernel, 1, kScanThreads, stream)(st, hist0);
+    GTOPK_CUDA_LAUNCH_CHECK();
+    return Final(FinalRule{0, 0}, u, n, zero, max_blocks, stream);
+  }
+
+  // Keys >= the chosen bin that the exact plan compacts at once (n / 8:
+  // writing, gathering and compacting M candidates costs about 24 M bytes
+  // of traffic against 4 n for one more pass over u, and the other passes
+  // it saves).
+  static ull CompactCap(uint64_t n) { return std::max<ull>(1, n / 8); }
+
+  Status Decide(int level, ull cap, cudaStream_t stream) {
+    GTOPK_LAUNCH(FindBinDecideKernel, 1, kScanThreads, stream)(st, hist0,
+                                                               level, cap);
+    GTOPK_CUDA_LAUNCH_CHECK();
+    return Status::Ok();
   }
 
   // Copies the state to the host and waits for it.
@@ -1230,8 +1400,8 @@ Status Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
   // is in [lo, hi], the device accepts it and gathers the survivors into
   // the output, and all min(hi, n) possible pairs are copied. Otherwise Wait
   // continues with the adjustments (ContinueGaussianK).
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(-1, nullptr, stream, lo, hi));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, -1, nullptr, stream,
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(false, stream, lo, hi));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, false, stream,
                                      /*if_accepted=*/true));
   continuation = Continuation::kGaussianK;
   info.fell_back = false;
@@ -1260,11 +1430,12 @@ Status Sparsifier::Impl::ContinueGaussianK(const DeviceState& state,
   while (!fallback) {
     if (count >= lo && count <= hi) {
       if (key == cand_key) {
-        GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, -1, nullptr, stream));
+        GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, false, stream));
         check_selected = false;
       } else {
-        GTOPK_CUDA_RETURN_IF_NOT_OK(
-            Final(FinalRule{1, key}, u, zero, cand_count, stream));
+        GTOPK_CUDA_RETURN_IF_NOT_OK(Final(FinalRule{1, key}, u, n, zero,
+                                          CandidateBlocks(cand_count),
+                                          stream));
         check_selected = true;
       }
       info.fell_back = false;
@@ -1281,7 +1452,7 @@ Status Sparsifier::Impl::ContinueGaussianK(const DeviceState& state,
       // Raising the threshold: count among the candidates.
       if (!gathered) {
         GTOPK_CUDA_RETURN_IF_NOT_OK(
-            Gather(u, false, false, -1, nullptr, stream));
+            Gather(u, false, false, false, stream));
         gathered = true;
       }
       GTOPK_CUDA_RETURN_IF_ERROR(
@@ -1294,7 +1465,7 @@ Status Sparsifier::Impl::ContinueGaussianK(const DeviceState& state,
     } else {
       // Lowering it: one more compaction pass over u.
       GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, false, true, key, stream));
-      GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(-1, nullptr, stream));
+      GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(false, stream));
       GTOPK_CUDA_RETURN_IF_NOT_OK(ReadState(stream, &s));
       if (s.error != 0) {
         pending_error = true;
@@ -1307,15 +1478,16 @@ Status Sparsifier::Impl::ContinueGaussianK(const DeviceState& state,
     }
   }
   // Outside the range after the adjustments: the exact top-k, from the
-  // candidates when they hold at least k entries, else from u.
+  // candidates when they hold at least k entries and are few enough to be
+  // worth it (CompactCap), else from u.
   info.adjustments = adjustments;
   info.fell_back = true;
   check_selected = true;
-  if (!fallback && cand_count >= k) {
+  if (!fallback && cand_count >= k && cand_count <= CompactCap(n)) {
     if (!gathered) {
-      GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, -1, nullptr, stream));
+      GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, false, stream));
     }
-    GTOPK_CUDA_RETURN_IF_NOT_OK(CandidateExact(u, k, zero, cand_count, stream));
+    GTOPK_CUDA_RETURN_IF_NOT_OK(CandidateExact(u, n, k, zero, stream));
   } else {
     // hist0 still describes u (nothing was written to u).
     GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, true, stream));
@@ -1362,8 +1534,8 @@ Status Sparsifier::Impl::SelectDgc(float* u, uint64_t n, const SelectParams& p,
   // gathers them into the output, and all k possible pairs are copied.
   // More than k: Wait trims them to the exact top-k (ContinueDgc).
   GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, false, false, 0, stream));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(-1, nullptr, stream, 1, k));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, -1, nullptr, stream,
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(false, stream, 1, k));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, false, stream,
                                      /*if_accepted=*/true));
   continuation = Continuation::kDgc;
   return CopyOut(k, stream);
@@ -1372,18 +1544,25 @@ Status Sparsifier::Impl::SelectDgc(float* u, uint64_t n, const SelectParams& p,
 Status Sparsifier::Impl::ContinueDgc(const DeviceState& s,
                                      cudaStream_t stream) {
   float* u = pending_u;
+  const uint64_t n = pending_n;
   const uint64_t k = pending_params.k;
   const bool zero = pending_params.zero_selected;
   info.candidates = s.num_candidates;
   if (s.num_candidates <= k) {
-    GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, -1, nullptr, stream));
+    GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, false, stream));
     check_selected = false;
     return CopyOut(s.num_candidates, stream);
   }
-  // More than k survive: the exact top k among them.
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, -1, nullptr, stream));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(
-      CandidateExact(u, k, zero, s.num_candidates, stream));
+  // More than k survive: the exact top k among them, or of u when they are
+  // most of u (ties at the sample's threshold): copying them all would cost
+  // more than the exact selection's passes over u.
+  if (s.num_candidates > CompactCap(n)) {
+    GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, false, stream));
+    check_selected = true;
+    return CopyOut(k, stream);
+  }
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, false, stream));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(CandidateExact(u, n, k, zero, stream));
   check_selected = true;
   return CopyOut(k, stream);
 }
@@ -1628,6 +1807,8 @@ Status Sparsifier::Wait(cudaStream_t stream, Selection* out) {
   }
   m.info.count = m.pending_count;
   if (m.info.candidates == 0) m.info.candidates = s.num_candidates;
+  m.info.exact_digit_passes = s.u_passes;
+  m.info.exact_final_from_u = s.from_u != 0;
   out->indices = m.host_idx.get();
   out->values = m.host_val.get();
   out->count = m.pending_count;

@@ -12,11 +12,18 @@
 //  * exact: radix threshold selection on the key bits in three digits
 //    (11/11/9 bits), after AIR top-k (Zhang et al., "Parallel Top-K
 //    Algorithms on GPU: A Comprehensive Study and New Methods", SC'23): the
-//    first histogram comes with the residual update (or one read of u), one
-//    more pass over u keeps the entries of the k-th key's top digit as
-//    index-ordered candidates and histograms their second digit; the third
-//    digit and the final, stable tie-break compaction (lower index first) run
-//    over the candidates only.
+//    first histogram comes with the residual update (or one read of u). The
+//    plan is then decided on the device after each digit, so that the work
+//    is bounded whatever the data: when the keys at or above the k-th key's
+//    bin are at most n/8 (normal data: about k plus one bin), one more pass
+//    over u keeps them as index-ordered candidates and histograms their next
+//    digit, and the remaining digits and the final, stable tie-break
+//    compaction (lower index first) run over the candidates only; when one
+//    bin holds more (magnitudes in a narrow band sharing their high bits,
+//    ties at the k-th key), another histogram pass over u decides the next
+//    digit first, and when even the k-th key itself is shared by more than
+//    n/8 entries the final compaction reads u directly. At most five reads
+//    of u in all, never a copy of most of u (SelectInfo says which path).
 //  * gaussiank (Shi et al., arXiv:1911.08772): threshold mean + z*std from the
 //    same pass's sums, the CPU selector's adjustment rule (x0.5 when too
 //    few, x1.5 when too many, count contract [ceil(2k/3), floor(4k/3)])
@@ -97,6 +104,14 @@ struct SelectInfo {
   // [MinCount, MaxCount]), so the selection ran without a host round trip;
   // otherwise Wait finished it (more passes, host synchronisations).
   bool fast_path = false;
+  // The exact top-k's plan over u (exact, and the exact fallback of
+  // gaussiank/dgc when it ran from u; 0/false otherwise): the histogram
+  // passes over u that decided a digit of the k-th key (1 to 3; 1 on
+  // normal data, more when the keys near the k-th share their high bits),
+  // and whether the final compaction read u itself (most of u ties with or
+  // shares the k-th key's digits) instead of a candidate copy.
+  int exact_digit_passes = 0;
+  bool exact_final_from_u = false;
 };
 
 // The selected pairs in pinned host memory, sorted by index; valid until the

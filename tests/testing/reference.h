@@ -69,6 +69,13 @@ enum class Distribution {
   kDenormals,  // subnormal magnitudes only
   kAscending,  // sorted ramp: the largest values all at the end
   kSpike,      // small noise plus one block of large values
+  // The adversarial inputs of issue 15, on which a radix select's digits
+  // decide late or never:
+  kNarrowBand,    // |x| uniform in [1.0, 1.0005), random signs: every key
+                  // shares its top digit (and most of its second)
+  kTies,          // +-1.0, every 1000th entry 2.0: ties at the k-th key
+  kLaplaceZeros,  // Laplace(0, 1) with 30% exact zeros (a third of them -0.0)
+  kOutliers,      // normal body with a few huge outliers (|x| ~ 1e30)
 };
 
 inline std::vector<Distribution> AllDistributions() {
@@ -76,7 +83,9 @@ inline std::vector<Distribution> AllDistributions() {
           Distribution::kManyZeros, Distribution::kAllZeros,
           Distribution::kAllEqual,  Distribution::kFewLevels,
           Distribution::kDenormals, Distribution::kAscending,
-          Distribution::kSpike};
+          Distribution::kSpike,     Distribution::kNarrowBand,
+          Distribution::kTies,      Distribution::kLaplaceZeros,
+          Distribution::kOutliers};
 }
 
 inline std::string DistributionName(Distribution d) {
@@ -99,6 +108,14 @@ inline std::string DistributionName(Distribution d) {
       return "ascending";
     case Distribution::kSpike:
       return "spike";
+    case Distribution::kNarrowBand:
+      return "narrow_band";
+    case Distribution::kTies:
+      return "ties";
+    case Distribution::kLaplaceZeros:
+      return "laplace_zeros";
+    case Distribution::kOutliers:
+      return "outliers";
   }
   return "unknown";
 }
@@ -139,6 +156,27 @@ inline std::vector<float> MakeInput(Distribution d, size_t n, uint64_t seed) {
       case Distribution::kSpike:
         x[i] = normal(rng) * 1e-3f;
         if (i >= n / 3 && i < n / 3 + n / 50 + 1) x[i] = 10.0f + normal(rng);
+        break;
+      case Distribution::kNarrowBand:
+        x[i] = (unit(rng) < 0.5f ? -1.0f : 1.0f) * (1.0f + 0.0005f * unit(rng));
+        break;
+      case Distribution::kTies:
+        x[i] = i % 1000 == 999 ? 2.0f : (unit(rng) < 0.5f ? -1.0f : 1.0f);
+        break;
+      case Distribution::kLaplaceZeros: {
+        const float r = unit(rng);
+        if (r < 0.3f) {
+          x[i] = r < 0.1f ? -0.0f : 0.0f;
+        } else {
+          // Laplace(0, 1) by inversion of an exponential with a random sign.
+          const float e = -std::log1p(-unit(rng) * 0.999999f);
+          x[i] = unit(rng) < 0.5f ? -e : e;
+        }
+        break;
+      }
+      case Distribution::kOutliers:
+        x[i] = normal(rng);
+        if (i % 65537 == 12345) x[i] = 1e30f * (1.0f + unit(rng));
         break;
     }
   }

@@ -167,6 +167,63 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(static_cast<int>(d * 10000));
     });
 
+// The adversarial inputs of issue 15 at the densities of its targets: every
+// path of the exact plan (compaction after one, two or three digits, the
+// final compaction over u) and the gaussiank/dgc continuations that fall
+// back to it.
+INSTANTIATE_TEST_SUITE_P(
+    Adversarial, GpuSelectTest,
+    ::testing::Combine(
+        ::testing::Values(Distribution::kNarrowBand, Distribution::kTies,
+                          Distribution::kLaplaceZeros, Distribution::kOutliers),
+        ::testing::Values(size_t{1}, size_t{1000}, size_t{4099},
+                          size_t{100003}),
+        ::testing::Values(0.0001, 0.001, 0.01, 0.3)),
+    [](const ::testing::TestParamInfo<Case>& info) {
+      const double d = std::get<2>(info.param);
+      return DistributionName(std::get<0>(info.param)) + "_n" +
+             std::to_string(std::get<1>(info.param)) + "_d" +
+             std::to_string(static_cast<int>(d * 10000));
+    });
+
+// The exact plan follows the data, and each path equals the reference: on
+// normal data one histogram pass over u decides the top digit and the rest
+// runs on candidates; on a narrow band (every key shares its top digit) more
+// passes over u decide the lower digits before any copy; with ties at the
+// k-th key (more than n/8 keys equal to it) the final compaction reads u.
+TEST_F(GpuTest, ExactPlanFollowsTheDataAndEveryPathIsExact) {
+  const size_t n = 100003;
+  struct Expect {
+    Distribution dist;
+    double density;
+    int min_passes, max_passes;
+    bool from_u;
+  };
+  const Expect cases[] = {
+      {Distribution::kNormal, 0.001, 1, 1, false},
+      {Distribution::kNarrowBand, 0.001, 2, 3, false},
+      {Distribution::kTies, 0.01, 3, 3, true},
+      {Distribution::kAllEqual, 0.001, 3, 3, true},
+  };
+  for (const Expect& c : cases) {
+    SCOPED_TRACE(DistributionName(c.dist));
+    const std::vector<float> u = MakeInput(c.dist, n, 77);
+    GTOPK_ASSERT_OK_AND_ASSIGN(const uint64_t k, KFromDensity(c.density, n));
+    GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                               CudaSelector::Create("exact", {}, n));
+    DeviceVector d(u);
+    SparseVector got;
+    GTOPK_ASSERT_OK(selector->SelectDevice(d.buffer.get(), n, k, 0, nullptr,
+                                           /*zero_selected=*/true, &got));
+    const SparseVector want = ReferenceTopK(u, k);
+    ExpectSameBits(got, want);
+    ExpectZeroedExactly(d, u, want.indices);
+    EXPECT_GE(selector->last_info().exact_digit_passes, c.min_passes);
+    EXPECT_LE(selector->last_info().exact_digit_passes, c.max_passes);
+    EXPECT_EQ(selector->last_info().exact_final_from_u, c.from_u);
+  }
+}
+
 // Large grids: on an H200-sized grid (132 SMs: up to 1024 blocks) the
 // one-block scans take 1, 2, 4 or 8 per-warp counts per thread; n just
 // under 512 blocks of 4096 entries gives 4 for the scan over u, densities
