@@ -1263,20 +1263,21 @@ struct Sparsifier::Impl {
 
   // Exact top-k of the candidate arrays (M = state's num_candidates >= k,
   // containing the top-k of u) by a three-digit radix select over them.
-  // M is known on the device only: every pass runs on the full grid.
+  // M is known on the device only: every pass runs on the grid for M = n.
   Status CandidateExact(float* u, uint64_t n, uint64_t k, bool zero,
                         cudaStream_t stream) {
     GTOPK_CUDA_RETURN_IF_NOT_OK(Init(k, /*zero_hist0=*/true, false,
                                      /*keep_candidates=*/true, stream));
     ull* hists[3] = {hist0, hist1, hist2};
+    const int blocks = CandidateBlocks(n);
     for (int level = 0; level < 3; ++level) {
-      GTOPK_LAUNCH(HistArrayKernel<float>, max_blocks, kThreads, stream)(
+      GTOPK_LAUNCH(HistArrayKernel<float>, blocks, kThreads, stream)(
           cand_val.get(), &st->num_candidates, 0, st, hists[level], level);
       GTOPK_CUDA_LAUNCH_CHECK();
       GTOPK_CUDA_RETURN_IF_NOT_OK(FindBin(hists[level], level, stream));
     }
     hist_u = nullptr;
-    return Final(FinalRule{0, 0}, u, n, zero, max_blocks, stream);
+    return Final(FinalRule{0, 0}, u, n, zero, blocks, stream);
   }
 
   // Exact top-k of u; reuse_hist0: hist0 already holds u's digit-0 counts.
@@ -1312,7 +1313,8 @@ struct Sparsifier::Impl {
     GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, true, stream));
     GTOPK_LAUNCH(FindNextBinKernel, 1, kScanThreads, stream)(st, hist0);
     GTOPK_CUDA_LAUNCH_CHECK();
-    return Final(FinalRule{0, 0}, u, n, zero, max_blocks, stream);
+    // The final source holds at most n entries (u itself, or candidates).
+    return Final(FinalRule{0, 0}, u, n, zero, CandidateBlocks(n), stream);
   }
 
   // Keys >= the chosen bin that the exact plan compacts at once (n / 8:
