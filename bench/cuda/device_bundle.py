@@ -192,9 +192,10 @@ def rewrite_pc(path, drop_private):
         lines = f.read().splitlines()
     out = []
     for line in lines:
-        if line.startswith("prefix="):
-            line = "prefix=${pcfiledir}/../../.."
-        elif drop_private and line.startswith("Requires.private:"):
+        # Debian writes /usr into prefix= and, in some files, into libdir=
+        # and includedir= too (re2.pc, absl_*.pc): every one of them.
+        line = re.sub(r"^(\w+)=/usr(?=/|$)", r"\1=${pcfiledir}/../../..", line)
+        if drop_private and line.startswith("Requires.private:"):
             continue
         out.append(line)
     with open(path, "w") as f:
