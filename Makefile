@@ -12,6 +12,14 @@
 #                1 Gbit/s links in network namespaces (bench/lowbw/);
 #                bench/results/lowbw.json and lowbw.png. LOWBW_ARGS: extra
 #                flags, e.g. LOWBW_ARGS="--rate 100mbit --workers 2,4"
+#   make device-bundle  pack what the GPU machine lacks into
+#                BUILD_DIR/device_bundle/ (bench/cuda/device_bundle.txt: static
+#                gRPC, Abseil, re2, c-ares, cpp-httplib, the generated proto
+#                sources, Fashion-MNIST); then on the device, with that folder
+#                carried: bash bench/cuda/e2e_device.sh (bench/cuda/README.md)
+#   make device-bundle-check  (root) build gtopk-server, gtopk-worker and the
+#                gpu tests from the bundle alone, the system's gRPC/Abseil/...
+#                hidden in a private mount namespace, then a loopback run
 #   make format  clang-format the sources in place (needs clang-format)
 #   make deploy-sync  refresh deploy/k8s/base/generated/ from deploy/cluster.env
 #                and dashboards/*.json (kustomize reads no file outside its root)
@@ -75,7 +83,8 @@ WORKER         ?= cpp
 DEMO_ARGS      ?=
 LOWBW_ARGS     ?=
 
-.PHONY: python python-install all deps build test bench bench-lowbw demo format clean deploy-sync
+.PHONY: python python-install all deps build test bench bench-lowbw demo format clean deploy-sync \
+	device-bundle device-bundle-check
 
 all: build
 
@@ -150,6 +159,16 @@ demo: deps
 	  --batch-size $(BATCH) --lr $(LR) --momentum $(MOMENTUM) \
 	  --momentum-mode $(MOMENTUM_MODE) --seed $(SEED) \
 	  --build-dir $(BUILD_DIR) --runs-dir runs $(DEMO_ARGS)
+
+# The GPU machine has no gRPC C++, Abseil, cpp-httplib or Fashion-MNIST:
+# this packs them from this machine's Debian packages (bench/cuda/README.md,
+# "The whole worker on the device").
+device-bundle: deps
+	python3 bench/cuda/device_bundle.py pack --out $(BUILD_DIR)/device_bundle
+
+device-bundle-check: device-bundle
+	BUNDLE=$(BUILD_DIR)/device_bundle BUILD_DIR=$(BUILD_DIR)/bundle_check JOBS=$(JOBS) \
+	  bench/cuda/bundle_check.sh
 
 deploy-sync:
 	python3 deploy/sync_generated.py

@@ -14,6 +14,7 @@
 //     PutBackSum(u_i - recv_i, recv_i), computed on the host from values it
 //     already has), momentum factor masking and the parameter update as
 //     sparse scatters (or the dense global-momentum kernel).
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <utility>
@@ -287,6 +288,8 @@ absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
     stats.received_pairs += part.size();
   }
   stats.push_wait = absl::Now() - t;
+  stats.push = std::min(last_push_time_, stats.push_wait);
+  stats.wait = stats.push_wait - stats.push;
 
   // Apply: put-back, momentum masking, parameter update (one merge walk of
   // the sorted index lists gives sent \ global and sent ∩ global).

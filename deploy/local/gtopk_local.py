@@ -415,6 +415,10 @@ def parse_args(argv):
     p.add_argument("--data-dir", default=None)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per worker (default 1)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="workers' --device (default: theirs, cpu); cuda: "
+                   "every worker on CUDA device 0 (a build against a CUDA "
+                   "libtorch, worker/flags.md)")
     p.add_argument("--cpu-isa", choices=["portable", "native"], default=None,
                    help="workers' --cpu-isa (default: theirs, portable: "
                    "libtorch's CPU kernels pinned to AVX2, so the results "
@@ -688,6 +692,8 @@ class Launcher:
             argv.append("--value-codec=%s" % a.value_codec)
         if a.cpu_isa:
             argv.append("--cpu-isa=%s" % a.cpu_isa)
+        if a.device:
+            argv.append("--device=%s" % a.device)
         for flag in ("steps", "train_limit", "test_limit", "eval_every"):
             v = getattr(a, flag)
             if v is not None:

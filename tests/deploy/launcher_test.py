@@ -305,12 +305,39 @@ class TrainingTest(LauncherCase):
             self.assertEqual(w["steps_per_epoch"], 60000 // 2 // 32)
             self.assertEqual(len(w["per_step"]["step_seconds"]), 12)
             self.assertEqual(len(w["per_step"]["communication_seconds"]), 12)
+            # The client's phases (for the GPU step profile, issue 16):
+            # one number per step, and local_seconds is their sum.
+            per = w["per_step"]
+            for phase in ("accumulate", "select", "encode", "push", "wait",
+                          "apply"):
+                self.assertEqual(len(per[phase + "_seconds"]), 12, phase)
+            for i in range(12):
+                self.assertAlmostEqual(
+                    per["local_seconds"][i],
+                    per["accumulate_seconds"][i] + per["select_seconds"][i]
+                    + per["encode_seconds"][i] + per["apply_seconds"][i],
+                    delta=1e-6)
+                self.assertLessEqual(per["push_seconds"][i] +
+                                     per["wait_seconds"][i],
+                                     per["communication_seconds"][i] + 1e-6)
             # Warm-up density 0.5 for the whole run: k = 500 of n = 1000.
             self.assertGreaterEqual(w["sent_bytes_per_step"], 500 * 4)
             with open(os.path.join(self.run_dir("synthetic"),
                                    "worker-%d.log" % rank)) as f:
                 self.assertNotIn("differs from", f.read())
         self.assert_nothing_left("synthetic")
+
+    def test_device_reaches_the_workers(self):
+        # --device is passed to every worker: with Debian's CPU-only
+        # libtorch, --device=cuda (also for synthetic:N) fails at the
+        # worker's start, naming why, and fails the run.
+        code, out = self.launch("device", "--model", "synthetic:1000",
+                                "--workers", "1", "--shards", "1", "--steps",
+                                "2", "--device", "cuda")
+        self.assertEqual(code, 1, out)
+        self.assertIn("FAILED_PRECONDITION", out)
+        self.assertIn("--device=cuda", out)
+        self.assert_nothing_left("device")
 
     def test_cpu_isa_portable_pins_the_kernels(self):
         # Issue 13, part 7: libtorch picks CPU kernels by the CPU it finds

@@ -68,6 +68,12 @@ class Model {
   virtual absl::StatusOr<float> ComputeGradientOnDevice(
       absl::Span<const float> images, absl::Span<const int64_t> labels,
       const float** device_grad);
+  // A gradient made on the host (synthetic:N) copied to the device gradient
+  // buffer (n floats; returned, valid until the next call). Returns when the
+  // copy is complete. FAILED_PRECONDITION for a CPU model; INVALID_ARGUMENT
+  // when grad.size() != n.
+  virtual absl::StatusOr<const float*> UploadGradient(
+      absl::Span<const float> grad);
 
  protected:
   size_t n_ = 0;
@@ -86,6 +92,15 @@ absl::StatusOr<std::unique_ptr<Model>> MakeTorchModel(const std::string& name,
                                                       int threads,
                                                       bool cuda = false);
 
+// `synthetic:N` with --device=cuda: `host` (the synthetic model, whose
+// params() are the initial values and stay the host copy) with its
+// parameters and gradient mirrored in CUDA device 0's memory, so the worker
+// client runs its device Step on them; the host makes each step's gradient
+// and UploadGradient copies it over (its time counts as compute).
+// FAILED_PRECONDITION without TorchCudaAvailable().
+absl::StatusOr<std::unique_ptr<Model>> MakeTorchDeviceMirror(
+    std::unique_ptr<Model> host);
+
 // Whether this libtorch was built with CUDA and sees a device.
 bool TorchCudaAvailable();
 
@@ -93,6 +108,12 @@ inline absl::StatusOr<float> Model::ComputeGradientOnDevice(
     absl::Span<const float>, absl::Span<const int64_t>, const float**) {
   return absl::FailedPreconditionError(
       "ComputeGradientOnDevice: this model is not on a CUDA device");
+}
+
+inline absl::StatusOr<const float*> Model::UploadGradient(
+    absl::Span<const float>) {
+  return absl::FailedPreconditionError(
+      "UploadGradient: this model is not on a CUDA device");
 }
 
 }  // namespace worker

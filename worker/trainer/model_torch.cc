@@ -246,7 +246,78 @@ class TorchModel final : public Model {
   std::vector<torch::Tensor> params_;  // views into flat_
 };
 
+// MakeTorchDeviceMirror: a host model's parameters and gradient in device
+// memory. torch's copies run on the current (legacy default) stream and
+// wait for it, as the worker client's device Step expects.
+class DeviceMirrorModel final : public Model {
+ public:
+  explicit DeviceMirrorModel(std::unique_ptr<Model> host)
+      : host_(std::move(host)) {
+    n_ = host_->n();
+    const auto opts = torch::TensorOptions()
+                          .dtype(torch::kFloat32)
+                          .device(torch::Device(torch::kCUDA, 0));
+    flat_device_ = torch::empty({static_cast<int64_t>(n_)}, opts);
+    grad_device_ = torch::zeros({static_cast<int64_t>(n_)}, opts);
+    (void)UploadParams();
+  }
+
+  absl::Span<float> params() override { return host_->params(); }
+  absl::StatusOr<float> ComputeGradient(absl::Span<const float> images,
+                                        absl::Span<const int64_t> labels,
+                                        absl::Span<float> grad) override {
+    return host_->ComputeGradient(images, labels, grad);
+  }
+  EvalResult Evaluate(absl::Span<const float> images,
+                      absl::Span<const int64_t> labels) override {
+    return host_->Evaluate(images, labels);
+  }
+  bool on_device() const override { return true; }
+  absl::Status UploadParams() override {
+    flat_device_.copy_(HostView(host_->params()));
+    return absl::OkStatus();
+  }
+  absl::Status DownloadParams() override {
+    HostView(host_->params()).copy_(flat_device_);
+    return absl::OkStatus();
+  }
+  absl::Status ZeroDeviceGradient() override {
+    grad_device_.zero_();
+    return absl::OkStatus();
+  }
+  float* device_params() override { return flat_device_.data_ptr<float>(); }
+  absl::StatusOr<const float*> UploadGradient(
+      absl::Span<const float> grad) override {
+    if (grad.size() != n_) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "UploadGradient: gradient of ", grad.size(), " (n = ", n_, ")"));
+    }
+    grad_device_.copy_(
+        HostView(absl::Span<float>(const_cast<float*>(grad.data()), n_)));
+    return grad_device_.data_ptr<float>();
+  }
+
+ private:
+  static torch::Tensor HostView(absl::Span<float> v) {
+    return torch::from_blob(v.data(), {static_cast<int64_t>(v.size())},
+                            torch::kFloat32);
+  }
+
+  std::unique_ptr<Model> host_;
+  torch::Tensor flat_device_;
+  torch::Tensor grad_device_;
+};
+
 }  // namespace
+
+absl::StatusOr<std::unique_ptr<Model>> MakeTorchDeviceMirror(
+    std::unique_ptr<Model> host) {
+  if (!torch::cuda::is_available()) {
+    return absl::FailedPreconditionError(
+        "--device=cuda: this libtorch has no CUDA or sees no CUDA device");
+  }
+  return std::unique_ptr<Model>(new DeviceMirrorModel(std::move(host)));
+}
 
 absl::StatusOr<std::unique_ptr<Model>> MakeTorchModel(const std::string& name,
                                                       uint64_t seed,

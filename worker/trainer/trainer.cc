@@ -470,11 +470,6 @@ absl::Status ValidateOptions(const TrainerOptions& o) {
           "libtorch-dev is CPU-only; build against PyTorch's, see "
           "worker/flags.md) or it sees no CUDA device; use --device=cpu");
     }
-    if (o.model != "mlp" && o.model != "cnn") {
-      return absl::InvalidArgumentError(
-          "--device=cuda trains --model=mlp or cnn (synthetic:N is a CPU "
-          "communication benchmark)");
-    }
 #else
     return absl::FailedPreconditionError(
         "--device=cuda: this build has no CUDA libtorch (Debian's libtorch-dev "
@@ -519,6 +514,11 @@ absl::Status RunTrainer(const TrainerOptions& o) {
   std::unique_ptr<Model> model;
   if (synthetic) {
     model = std::make_unique<SyntheticModel>(synthetic_n, o.seed);
+    if (o.device == "cuda") {
+      // The host makes the gradient, the device Step uses it (see
+      // MakeTorchDeviceMirror): the worker's GPU path on a model of any n.
+      GTOPK_ASSIGN_OR_RETURN(model, MakeTorchDeviceMirror(std::move(model)));
+    }
   } else {
     GTOPK_ASSIGN_OR_RETURN(model, MakeTorchModel(o.model, o.seed, o.threads,
                                                  o.device == "cuda"));
@@ -640,7 +640,9 @@ absl::Status RunTrainer(const TrainerOptions& o) {
                               done, r.accuracy, r.loss));
   };
 
-  std::vector<float> grad(model->on_device() ? 0 : n, 0.0f);
+  // The host gradient: every CPU model's, and synthetic:N's on the device
+  // too (made on the host, then uploaded).
+  std::vector<float> grad(model->on_device() && !synthetic ? 0 : n, 0.0f);
   const float* device_grad = nullptr;  // --device=cuda: the model's gradient
   std::vector<float> batch_images(static_cast<size_t>(o.batch_size) *
                                   kImagePixels);
@@ -650,6 +652,10 @@ absl::Status RunTrainer(const TrainerOptions& o) {
   std::vector<double> step_seconds;
   // Per-step phase times for --summary-json "per_step" (bench/lowbw/).
   std::vector<double> compute_seconds, local_seconds, communication_seconds;
+  // StepStats' phases, for the GPU worker's step profile
+  // (bench/cuda/e2e_device.sh).
+  std::vector<double> accumulate_seconds, select_seconds, encode_seconds,
+      push_seconds, wait_seconds, apply_seconds;
   // Wall-clock (Unix seconds) when this rank's pushes went out and its last
   // pull was decoded: across ranks (one clock on one machine), the last
   // pusher's pull_end - push_start is the step's communication without the
@@ -713,6 +719,9 @@ absl::Status RunTrainer(const TrainerOptions& o) {
                            " (diverged; lower the servers' --lr)"));
         }
       }
+      if (synthetic && model->on_device()) {
+        GTOPK_ASSIGN_OR_RETURN(device_grad, model->UploadGradient(grad));
+      }
       const Clock::time_point t_compute = Clock::now();
       const double compute =
           std::chrono::duration<double>(t_compute - t0).count();
@@ -743,6 +752,12 @@ absl::Status RunTrainer(const TrainerOptions& o) {
       local_seconds.push_back(absl::ToDoubleSeconds(
           stats->accumulate + stats->select + stats->encode + stats->apply));
       communication_seconds.push_back(absl::ToDoubleSeconds(stats->push_wait));
+      accumulate_seconds.push_back(absl::ToDoubleSeconds(stats->accumulate));
+      select_seconds.push_back(absl::ToDoubleSeconds(stats->select));
+      encode_seconds.push_back(absl::ToDoubleSeconds(stats->encode));
+      push_seconds.push_back(absl::ToDoubleSeconds(stats->push));
+      wait_seconds.push_back(absl::ToDoubleSeconds(stats->wait));
+      apply_seconds.push_back(absl::ToDoubleSeconds(stats->apply));
       const absl::Time push_start =
           step_call + stats->accumulate + stats->select + stats->encode;
       push_start_unix.push_back(absl::ToUnixMicros(push_start) * 1e-6);
@@ -903,6 +918,13 @@ absl::Status RunTrainer(const TrainerOptions& o) {
                        ", \"local_seconds\": ", series(local_seconds),
                        ", \"communication_seconds\": ",
                        series(communication_seconds),
+                       ", \"accumulate_seconds\": ",
+                       series(accumulate_seconds),
+                       ", \"select_seconds\": ", series(select_seconds),
+                       ", \"encode_seconds\": ", series(encode_seconds),
+                       ", \"push_seconds\": ", series(push_seconds),
+                       ", \"wait_seconds\": ", series(wait_seconds),
+                       ", \"apply_seconds\": ", series(apply_seconds),
                        ", \"push_start_unix\": ", unix_series(push_start_unix),
                        ", \"pull_end_unix\": ", unix_series(pull_end_unix),
                        "}"),

@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# Proves the device bundle on this machine (`make device-bundle-check`;
+# bench/cuda/README.md, "The whole worker on the device"): in a private
+# mount namespace, overlays hide every system file the bundle stands in for
+# (`device_bundle.py system-paths`: the gRPC, Abseil, re2, c-ares and
+# cpp-httplib headers, libraries of every variant, CMake and pkg-config
+# files, grpc_cpp_plugin; plus every libgrpc*/libgpr*/libupb*/libre2*/
+# libcares*/libaddress_sorting*/libabsl_* file), so they are absent, not
+# empty. Then, from the bundle alone (-DGTOPK_DEVICE_BUNDLE), it configures
+# with CUDA on, builds gtopk-server, gtopk-worker (against Debian's CPU
+# libtorch here) and the gpu-labelled tests (their CUDA objects compile
+# here; they cannot run), checks that no hidden library was linked, and
+# runs S=2 shards and P=2 workers on loopback for a few steps of
+# synthetic:100000 with the device run's launcher (deploy/local/
+# gtopk_local.py), requiring equal replica checksums. The device's own
+# packages (protobuf 3.21, GTest, Boost, zlib, OpenSSL) stay visible: the
+# device has them too.
+#
+# usage: bench/cuda/bundle_check.sh      (as root: it needs unshare -m and
+#        overlay mounts; `make device-bundle` first)
+# env: BUNDLE (default build/device_bundle), BUILD_DIR (default
+#   build/bundle_check; its CMake cache is kept between runs), JOBS
+#   (default nproc), BUILD_TIMEOUT (seconds, default 1500).
+# Exit: 0 the bundle builds and runs; 1 the smoke run failed; 2 not root or
+#   no unshare/overlay; 3 no bundle; 10 configure or build failed; 12 a
+#   hidden file is still visible or a hidden library was linked;
+#   124 a step timed out.
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$ROOT" || exit 2
+BUNDLE=${BUNDLE:-build/device_bundle}
+BUILD_DIR=${BUILD_DIR:-build/bundle_check}
+JOBS=${JOBS:-$(nproc)}
+BUILD_TIMEOUT=${BUILD_TIMEOUT:-1500}
+PY=python3
+
+if [ "${GTOPK_BUNDLE_CHECK_INNER:-}" != 1 ]; then
+  if [ "$(id -u)" != 0 ] || ! command -v unshare > /dev/null; then
+    echo "bundle_check.sh: needs root and unshare (a private mount namespace)" >&2
+    exit 2
+  fi
+  if [ ! -f "$BUNDLE/MANIFEST.json" ]; then
+    echo "bundle_check.sh: no bundle at $BUNDLE (make device-bundle)" >&2
+    exit 3
+  fi
+  GTOPK_BUNDLE_CHECK_INNER=1 exec unshare -m --propagation private "$0" "$@"
+fi
+
+t_start=$SECONDS
+say() { echo "bundle-check: $*"; }
+
+# 1. Hide: one overlay per root, a whiteout (char 0:0) per hidden entry.
+ROOTS=(/usr/include /usr/lib/x86_64-linux-gnu /usr/bin)
+EXTRA=(libgrpc* libgpr* libupb* libre2* libcares* libaddress_sorting* libabsl_*)
+mapfile -t HIDE < <(
+  "$PY" bench/cuda/device_bundle.py system-paths "$BUNDLE"
+  for g in "${EXTRA[@]}"; do compgen -G "/usr/lib/x86_64-linux-gnu/$g"; done
+)
+[ "${#HIDE[@]}" -gt 0 ] || { say "nothing to hide?"; exit 12; }
+TMP=$(mktemp -d) && mount -t tmpfs tmpfs "$TMP" || exit 2
+for r in "${ROOTS[@]}"; do
+  d="$TMP/${r//\//_}"
+  mkdir -p "$d/upper" "$d/work"
+done
+for p in "${HIDE[@]}"; do
+  for r in "${ROOTS[@]}"; do
+    case "$p" in
+      "$r"/*)
+        w="$TMP/${r//\//_}/upper/${p#"$r"/}"
+        mkdir -p "${w%/*}" && { [ -e "$w" ] || mknod "$w" c 0 0; } || exit 2
+        break ;;
+    esac
+  done
+done
+for r in "${ROOTS[@]}"; do
+  d="$TMP/${r//\//_}"
+  mount -t overlay overlay -o "lowerdir=$r,upperdir=$d/upper,workdir=$d/work" "$r" ||
+    { say "overlay mount on $r failed"; exit 2; }
+done
+for p in "${HIDE[@]}"; do
+  if [ -e "$p" ] || [ -L "$p" ]; then say "still visible: $p"; exit 12; fi
+done
+say "${#HIDE[@]} system paths hidden (e.g. /usr/include/grpcpp, libgrpc++.a, libabsl_base.so, grpc_cpp_plugin)"
+
+# 2. Configure and build from the bundle. CUDA on: the worker's device
+# Step and the gpu tests compile here, as on the device.
+TARGETS=(gtopk_server gtopk_worker cuda_sparsify_test worker_client_cuda_test)
+t0=$SECONDS
+rm -f "$BUILD_DIR/CMakeCache.txt"  # found afresh (the objects stay)
+if ! timeout -k 10 300 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DGTOPK_DEVICE_BUNDLE="$BUNDLE" -DGTOPK_CUDA=ON -DGTOPK_PYTHON=OFF \
+    -DGTOPK_BUILD_BENCH=OFF -DGTOPK_WERROR=ON > "$BUILD_DIR.configure.log" 2>&1; then
+  tail -30 "$BUILD_DIR.configure.log"
+  say "configure failed (log: $BUILD_DIR.configure.log)"; exit 10
+fi
+grep -E "^gRPC_DIR|^absl_DIR" "$BUILD_DIR/CMakeCache.txt"
+if ! grep -q "^gRPC_DIR:PATH=.*device_deps" "$BUILD_DIR/CMakeCache.txt"; then
+  say "gRPC was not found in the bundle"; exit 12
+fi
+timeout -k 10 "$BUILD_TIMEOUT" cmake --build "$BUILD_DIR" -j "$JOBS" --target "${TARGETS[@]}"
+rc=$?
+if [ $rc -ne 0 ]; then
+  say "build failed (exit $rc)"; [ $rc -eq 124 ] && exit 124; exit 10
+fi
+say "configure + build: $(( SECONDS - t0 )) s"
+
+# 3. Nothing hidden got linked: the bundle's libraries are static (the
+# shared cpp-httplib comes from the bundle's folder).
+for b in "$BUILD_DIR/server/gtopk-server" "$BUILD_DIR/worker/gtopk-worker"; do
+  if ldd "$b" | grep -E "libgrpc|libgpr|libabsl|libupb|libre2|libcares|not found"; then
+    say "$b links a hidden or missing library"; exit 12
+  fi
+done
+ldd "$BUILD_DIR/worker/gtopk-worker" | grep -E "httplib|brotli"
+
+# 4. A loopback smoke run: S=2, P=2, synthetic, a few steps.
+t0=$SECONDS
+timeout -k 10 180 "$PY" deploy/local/gtopk_local.py --name bundle_check \
+  --build-dir "$BUILD_DIR" --runs-dir "$BUILD_DIR/runs" --workers 2 --shards 2 \
+  --model synthetic:100000 --steps 5 --density 0.01 --prometheus off \
+  --timeout 150 > "$BUILD_DIR.smoke.log" 2>&1
+rc=$?
+tail -12 "$BUILD_DIR.smoke.log"
+if [ $rc -ne 0 ]; then
+  say "smoke run failed (exit $rc; logs in $BUILD_DIR/runs/bundle_check)"
+  [ $rc -eq 124 ] && exit 124; exit 1
+fi
+"$PY" - "$BUILD_DIR/runs/bundle_check/summary.json" <<'EOF' || exit 1
+import json, sys
+s = json.load(open(sys.argv[1]))
+assert s["replica_checksums_match"], s["param_checksums"]
+assert s["steps"] == 5 and s["workers"] == 2 and s["shards"] == 2, s
+print("bundle-check: smoke run: %d steps, P=%d S=%d, checksums %s, %d bytes/worker/step"
+      % (s["steps"], s["workers"], s["shards"], s["param_checksums"][0],
+         s["sent_bytes_per_worker_per_step"]))
+EOF
+say "smoke run: $(( SECONDS - t0 )) s; all: $(( SECONDS - t_start )) s"
+exit 0
