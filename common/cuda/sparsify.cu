@@ -24,6 +24,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "common/cuda/launch.h"
 #include "common/cuda/sparsify.h"
@@ -1122,6 +1123,45 @@ struct Sparsifier::Impl {
   int collect_warps = 0;
   uint64_t collect_chunk = 0;
 
+  // Captured selections (set_use_graphs): the graph and the host-side
+  // state the capture left, restored on replay.
+  struct GraphKey {
+    Method method;
+    const float* u;
+    uint64_t n, k;
+    bool zero, reuse;
+    int max_adjustments;
+    bool operator==(const GraphKey& o) const {
+      return method == o.method && u == o.u && n == o.n && k == o.k &&
+             zero == o.zero && reuse == o.reuse &&
+             max_adjustments == o.max_adjustments;
+    }
+  };
+  struct HostSnapshot {
+    SelectInfo info;
+    bool check_selected = false;
+    int continuation = 0;
+    uint64_t pending_count = 0;
+    int collect_blocks = 0, collect_warps = 0;
+    uint64_t collect_chunk = 0;
+  };
+  struct CachedGraph {
+    GraphKey key;
+    cudaGraphExec_t exec = nullptr;
+    HostSnapshot snapshot;
+    uint64_t last_used = 0;
+  };
+  static constexpr size_t kMaxGraphs = 8;
+  bool use_graphs = true;
+  std::vector<CachedGraph> graphs;
+  uint64_t graph_clock = 0;
+
+  void ClearGraphs() {
+    for (CachedGraph& g : graphs) cudaGraphExecDestroy(g.exec);
+    graphs.clear();
+  }
+  ~Impl() { ClearGraphs(); }
+
   // The pending selection.
   bool pending = false;
   float* pending_u = nullptr;
@@ -1344,6 +1384,7 @@ struct Sparsifier::Impl {
     if (host_idx.size() >= count && host_val.size() >= count)
       return Status::Ok();
     GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    ClearGraphs();  // their copies target the buffers being replaced
     const uint64_t size = std::max<uint64_t>(count, 2 * host_idx.size());
     GTOPK_CUDA_RETURN_IF_NOT_OK(host_idx.Allocate(size));
     GTOPK_CUDA_RETURN_IF_NOT_OK(host_val.Allocate(size));
@@ -1367,6 +1408,12 @@ struct Sparsifier::Impl {
     return Status::Ok();
   }
 
+  // Enqueues the selection (Select's work after validation).
+  Status Enqueue(float* u, uint64_t n, const SelectParams& p, bool reuse,
+                 cudaStream_t stream);
+  // Enqueue through the graph cache (see Sparsifier::set_use_graphs).
+  Status EnqueueWithGraph(float* u, uint64_t n, const SelectParams& p,
+                          bool reuse, cudaStream_t stream);
   Status SelectGaussianK(float* u, uint64_t n, const SelectParams& p,
                          bool reuse, cudaStream_t stream);
   Status SelectDgc(float* u, uint64_t n, const SelectParams& p, bool reuse,
@@ -1569,7 +1616,104 @@ Status Sparsifier::Impl::ContinueDgc(const DeviceState& s,
   return CopyOut(k, stream);
 }
 
+Status Sparsifier::Impl::Enqueue(float* u, uint64_t n, const SelectParams& p,
+                                 bool reuse, cudaStream_t stream) {
+  switch (p.method) {
+    case Method::kExact: {
+      GTOPK_CUDA_RETURN_IF_NOT_OK(
+          ExactFromU(u, n, p.k, p.zero_selected, reuse, stream));
+      check_selected = true;
+      return CopyOut(p.k, stream);
+    }
+    case Method::kGaussianK:
+      return SelectGaussianK(u, n, p, reuse, stream);
+    case Method::kDgc:
+      return SelectDgc(u, n, p, reuse, stream);
+  }
+  return Status::Error(StatusCode::kInternal, "Select: unknown method");
+}
+
+Status Sparsifier::Impl::EnqueueWithGraph(float* u, uint64_t n,
+                                          const SelectParams& p, bool reuse,
+                                          cudaStream_t stream) {
+  const GraphKey key{p.method, u,     n,
+                     p.k,      p.zero_selected, reuse,
+                     p.gaussiank_max_adjustments};
+  for (CachedGraph& g : graphs) {
+    if (!(g.key == key)) continue;
+    GTOPK_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(g.exec, stream));
+    g.last_used = ++graph_clock;
+    const bool used_update_histogram = info.used_update_histogram;
+    info = g.snapshot.info;
+    info.used_update_histogram = used_update_histogram;
+    info.graph_replay = true;
+    check_selected = g.snapshot.check_selected;
+    continuation = static_cast<Continuation>(g.snapshot.continuation);
+    pending_count = g.snapshot.pending_count;
+    collect_blocks = g.snapshot.collect_blocks;
+    collect_warps = g.snapshot.collect_warps;
+    collect_chunk = g.snapshot.collect_chunk;
+    return Status::Ok();
+  }
+  // Capture what Enqueue would enqueue; on any refusal, graphs go off and
+  // the selection is enqueued directly (nothing captured ever ran).
+  if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) !=
+      cudaSuccess) {
+    cudaGetLastError();
+    use_graphs = false;
+    return Enqueue(u, n, p, reuse, stream);
+  }
+  const Status captured = Enqueue(u, n, p, reuse, stream);
+  cudaGraph_t graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+  cudaGraphExec_t exec = nullptr;
+  const bool instantiated =
+      captured.ok() && ended == cudaSuccess && graph != nullptr &&
+      cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  if (!instantiated) {
+    cudaGetLastError();
+    if (exec != nullptr) cudaGraphExecDestroy(exec);
+    if (!captured.ok()) return captured;
+    use_graphs = false;
+    SelectInfo fresh;
+    fresh.used_update_histogram = info.used_update_histogram;
+    info = fresh;
+    check_selected = false;
+    continuation = Continuation::kNone;
+    return Enqueue(u, n, p, reuse, stream);
+  }
+  CachedGraph entry;
+  entry.key = key;
+  entry.exec = exec;
+  entry.snapshot.info = info;
+  entry.snapshot.check_selected = check_selected;
+  entry.snapshot.continuation = static_cast<int>(continuation);
+  entry.snapshot.pending_count = pending_count;
+  entry.snapshot.collect_blocks = collect_blocks;
+  entry.snapshot.collect_warps = collect_warps;
+  entry.snapshot.collect_chunk = collect_chunk;
+  entry.last_used = ++graph_clock;
+  if (graphs.size() >= kMaxGraphs) {
+    auto oldest = std::min_element(
+        graphs.begin(), graphs.end(),
+        [](const CachedGraph& a, const CachedGraph& b) {
+          return a.last_used < b.last_used;
+        });
+    cudaGraphExecDestroy(oldest->exec);
+    graphs.erase(oldest);
+  }
+  graphs.push_back(entry);
+  GTOPK_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, stream));
+  return Status::Ok();
+}
+
 Sparsifier::Sparsifier(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+void Sparsifier::set_use_graphs(bool use) {
+  impl_->use_graphs = use;
+  if (!use) impl_->ClearGraphs();
+}
 Sparsifier::~Sparsifier() = default;
 
 uint64_t Sparsifier::capacity() const { return impl_->capacity; }
@@ -1723,22 +1867,10 @@ Status Sparsifier::Select(float* u, uint64_t n, const SelectParams& p,
   m.pending_n = n;
   m.pending_params = p;
   m.continuation = Impl::Continuation::kNone;
-  Status status;
-  switch (p.method) {
-    case Method::kExact:
-      status = m.ExactFromU(u, n, p.k, p.zero_selected, reuse, stream);
-      if (status.ok()) {
-        m.check_selected = true;
-        status = m.CopyOut(p.k, stream);
-      }
-      break;
-    case Method::kGaussianK:
-      status = m.SelectGaussianK(u, n, p, reuse, stream);
-      break;
-    case Method::kDgc:
-      status = m.SelectDgc(u, n, p, reuse, stream);
-      break;
-  }
+  const Status status =
+      m.use_graphs && stream != nullptr && p.method != Method::kDgc
+          ? m.EnqueueWithGraph(u, n, p, reuse, stream)
+          : m.Enqueue(u, n, p, reuse, stream);
   m.hist_u = nullptr;  // u changes (zeroing) or the histogram was reused
   if (!status.ok()) m.pending = false;
   return status;

@@ -112,6 +112,10 @@ struct SelectInfo {
   // shares the k-th key's digits) instead of a candidate copy.
   int exact_digit_passes = 0;
   bool exact_final_from_u = false;
+  // Select enqueued a replay of the CUDA graph it captured for the same
+  // (method, u, n, k, zeroing, histogram reuse) earlier: one launch
+  // instead of a dozen (see Sparsifier::set_use_graphs).
+  bool graph_replay = false;
 };
 
 // The selected pairs in pinned host memory, sorted by index; valid until the
@@ -179,6 +183,19 @@ class Sparsifier {
   // (nothing enqueued); INTERNAL for a CUDA error.
   Status Select(float* u, uint64_t n, const SelectParams& params,
                 cudaStream_t stream);
+
+  // CUDA graphs (on by default): Select of exact and gaussiank on a stream
+  // other than the legacy default one captures what it enqueues into a
+  // graph the first time it sees a (method, u, n, k, zero_selected,
+  // histogram reuse, gaussiank_max_adjustments) and replays that graph
+  // after (SelectInfo::graph_replay): the selection is a chain of a dozen
+  // small kernels whose launch gaps dominate on small tensors. Up to 8
+  // graphs are kept (least recently used dropped); growing the pinned
+  // output buffers drops them all. dgc is never captured (its sample
+  // changes every step). A capture the runtime refuses turns graphs off for
+  // this Sparsifier and the selection is enqueued directly. Not
+  // thread-safe; call between a Wait and the next Select.
+  void set_use_graphs(bool use);
 
   // Waits for the last Select (synchronizes `stream`) and returns its pairs;
   // finishes a gaussiank/dgc selection the device did not accept (more

@@ -23,6 +23,17 @@
 
 struct CUstream_st {
   unsigned int flags = 0;
+  // Stream capture (cudaStreamBeginCapture): the recorded work, and
+  // whether a refused call invalidated the capture.
+  bool capturing = false;
+  bool capture_invalidated = false;
+  std::vector<std::function<void()>> captured;
+};
+struct CUgraph_st {
+  std::vector<std::function<void()>> ops;
+};
+struct CUgraphExec_st {
+  std::vector<std::function<void()>> ops;
 };
 struct CUevent_st {
   bool recorded = false;
@@ -561,6 +572,10 @@ void RunGrid(const char* name, dim3 grid, dim3 block,
 // holds Mutex().
 uint64_t Enqueue(cudaStream_t stream, std::function<void()> fn) {
   State& s = S();
+  if (stream != nullptr && stream->capturing) {
+    stream->captured.push_back(std::move(fn));
+    return 0;  // recorded, not queued: nothing to run through
+  }
   const uint64_t seq = ++s.next_seq;
   s.queue.push_back(State::Op{stream, seq, std::move(fn)});
   return seq;
@@ -988,6 +1003,10 @@ const char* cudaGetErrorName(cudaError_t error) {
       return "cudaErrorInvalidResourceHandle";
     case cudaErrorNotReady:
       return "cudaErrorNotReady";
+    case cudaErrorStreamCaptureUnsupported:
+      return "cudaErrorStreamCaptureUnsupported";
+    case cudaErrorStreamCaptureInvalidated:
+      return "cudaErrorStreamCaptureInvalidated";
     case cudaErrorLaunchFailure:
       return "cudaErrorLaunchFailure";
   }
@@ -1016,6 +1035,10 @@ const char* cudaGetErrorString(cudaError_t error) {
       return "invalid resource handle";
     case cudaErrorNotReady:
       return "device not ready";
+    case cudaErrorStreamCaptureUnsupported:
+      return "operation not permitted when stream is capturing";
+    case cudaErrorStreamCaptureInvalidated:
+      return "operation failed due to a previous error during capture";
     case cudaErrorLaunchFailure:
       return "unspecified launch failure";
   }
@@ -1111,6 +1134,17 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes,
   }
   const cudaError_t e = gtopk::cuda_emu::CheckCopy(dst, src, bytes, &kind);
   if (e != cudaSuccess) return e;
+  if (stream != nullptr && stream->capturing && bytes > 0 &&
+      ((kind == cudaMemcpyDeviceToHost &&
+        !gtopk::cuda_emu::IsPinned(dst, bytes)) ||
+       (kind == cudaMemcpyHostToDevice &&
+        !gtopk::cuda_emu::IsPinned(src, bytes)) ||
+       kind == cudaMemcpyHostToHost)) {
+    // Pageable host memory: the copy would have to finish (or be staged)
+    // at the call, which a captured graph cannot do.
+    stream->capture_invalidated = true;
+    return gtopk::cuda_emu::SetError(cudaErrorStreamCaptureUnsupported);
+  }
   gtopk::cuda_emu::Copy(dst, src, bytes, kind, stream, /*sync=*/false);
   return cudaSuccess;
 }
@@ -1168,6 +1202,10 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(Mutex());
   if (!gtopk::cuda_emu::ValidStream(stream)) {
     return gtopk::cuda_emu::SetError(cudaErrorInvalidResourceHandle);
+  }
+  if (stream != nullptr && stream->capturing) {
+    stream->capture_invalidated = true;
+    return gtopk::cuda_emu::SetError(cudaErrorStreamCaptureUnsupported);
   }
   gtopk::cuda_emu::SyncStream(stream);
   return cudaSuccess;
@@ -1228,5 +1266,79 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start,
   if (!start->done || !end->done) return cudaErrorNotReady;
   *ms = std::chrono::duration<float, std::milli>(end->time - start->time)
             .count();
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamBeginCapture(cudaStream_t stream,
+                                   cudaStreamCaptureMode mode) {
+  std::lock_guard<std::mutex> lock(Mutex());
+  if (!gtopk::cuda_emu::ValidStream(stream)) {
+    return gtopk::cuda_emu::SetError(cudaErrorInvalidResourceHandle);
+  }
+  if (mode != cudaStreamCaptureModeGlobal &&
+      mode != cudaStreamCaptureModeThreadLocal &&
+      mode != cudaStreamCaptureModeRelaxed) {
+    return gtopk::cuda_emu::SetError(cudaErrorInvalidValue);
+  }
+  if (stream == nullptr) {  // the legacy default stream cannot capture
+    return gtopk::cuda_emu::SetError(cudaErrorStreamCaptureUnsupported);
+  }
+  if (stream->capturing) return gtopk::cuda_emu::SetError(cudaErrorInvalidValue);
+  stream->capturing = true;
+  stream->capture_invalidated = false;
+  stream->captured.clear();
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph) {
+  std::lock_guard<std::mutex> lock(Mutex());
+  if (graph == nullptr) return gtopk::cuda_emu::SetError(cudaErrorInvalidValue);
+  if (stream == nullptr || !gtopk::cuda_emu::ValidStream(stream) ||
+      !stream->capturing) {
+    return gtopk::cuda_emu::SetError(cudaErrorInvalidValue);
+  }
+  stream->capturing = false;
+  std::vector<std::function<void()>> ops = std::move(stream->captured);
+  stream->captured.clear();
+  if (stream->capture_invalidated) {
+    *graph = nullptr;
+    return gtopk::cuda_emu::SetError(cudaErrorStreamCaptureInvalidated);
+  }
+  *graph = new CUgraph_st{std::move(ops)};
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph,
+                                 unsigned long long flags) {
+  std::lock_guard<std::mutex> lock(Mutex());
+  if (exec == nullptr || graph == nullptr || flags != 0) {
+    return gtopk::cuda_emu::SetError(cudaErrorInvalidValue);
+  }
+  *exec = new CUgraphExec_st{graph->ops};
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(Mutex());
+  if (exec == nullptr) return gtopk::cuda_emu::SetError(cudaErrorInvalidValue);
+  if (!gtopk::cuda_emu::ValidStream(stream)) {
+    return gtopk::cuda_emu::SetError(cudaErrorInvalidResourceHandle);
+  }
+  for (const auto& op : exec->ops) gtopk::cuda_emu::Enqueue(stream, op);
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+  std::lock_guard<std::mutex> lock(Mutex());
+  if (graph == nullptr) return gtopk::cuda_emu::SetError(cudaErrorInvalidValue);
+  delete graph;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  std::lock_guard<std::mutex> lock(Mutex());
+  if (exec == nullptr) return gtopk::cuda_emu::SetError(cudaErrorInvalidValue);
+  // Launched copies of its work are queued by value; they may still run.
+  delete exec;
   return cudaSuccess;
 }

@@ -114,6 +114,8 @@ enum cudaError_t {
   cudaErrorInvalidDevice = 101,
   cudaErrorInvalidResourceHandle = 400,
   cudaErrorNotReady = 600,
+  cudaErrorStreamCaptureUnsupported = 900,
+  cudaErrorStreamCaptureInvalidated = 901,
   cudaErrorLaunchFailure = 719,
 };
 using cudaError = cudaError_t;
@@ -176,6 +178,34 @@ cudaError_t cudaStreamCreate(cudaStream_t* stream);
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int flags);
 cudaError_t cudaStreamDestroy(cudaStream_t stream);
 cudaError_t cudaStreamSynchronize(cudaStream_t stream);
+
+// CUDA graphs by stream capture (the subset used): between
+// cudaStreamBeginCapture and cudaStreamEndCapture, work enqueued on the
+// stream (kernels, async copies and memsets) is recorded instead of queued,
+// with its arguments as they were at the call; cudaGraphLaunch enqueues the
+// recorded work again, in order, on any stream. As on a GPU, capture on the
+// legacy default stream is refused (cudaErrorStreamCaptureUnsupported), and
+// a synchronising call on the capturing stream (cudaStreamSynchronize, a
+// copy that must finish before it returns) fails with
+// cudaErrorStreamCaptureUnsupported and invalidates the capture
+// (cudaStreamEndCapture then returns cudaErrorStreamCaptureInvalidated).
+enum cudaStreamCaptureMode {
+  cudaStreamCaptureModeGlobal = 0,
+  cudaStreamCaptureModeThreadLocal = 1,
+  cudaStreamCaptureModeRelaxed = 2,
+};
+struct CUgraph_st;
+using cudaGraph_t = CUgraph_st*;
+struct CUgraphExec_st;
+using cudaGraphExec_t = CUgraphExec_st*;
+cudaError_t cudaStreamBeginCapture(cudaStream_t stream,
+                                   cudaStreamCaptureMode mode);
+cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph);
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph,
+                                 unsigned long long flags = 0);
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream);
+cudaError_t cudaGraphDestroy(cudaGraph_t graph);
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec);
 
 // Blocks of `block_size` threads resident per multiprocessor: 2048 threads'
 // worth (an H100/H200 SM), at most 32 blocks; registers are not modelled.

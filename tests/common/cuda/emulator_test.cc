@@ -479,6 +479,61 @@ TEST(EmulatorTest, KernelWritesToPinnedMemoryShowAfterStreamSynchronize) {
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
+// Stream capture records work instead of running it; each launch of the
+// instantiated graph runs it again, with the arguments of the capture; the
+// legacy stream cannot capture and a synchronisation invalidates a capture.
+TEST(EmulatorTest, CapturedGraphReplaysItsWorkWithCaptureTimeArguments) {
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
+            cudaSuccess);
+  float* a = DeviceArray<float>(8);
+  float* b = DeviceArray<float>(8);
+  float* pinned = nullptr;
+  ASSERT_EQ(cudaMallocHost(reinterpret_cast<void**>(&pinned),
+                           8 * sizeof(float)),
+            cudaSuccess);
+  for (int i = 0; i < 8; ++i) pinned[i] = -1.0f;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal),
+            cudaSuccess);
+  int n = 8;
+  GTOPK_LAUNCH(FillKernel, 1, 32, stream)(a, n);
+  GTOPK_LAUNCH(CopyKernel, 1, 32, stream)(a, b, n);
+  ASSERT_EQ(cudaMemcpyAsync(pinned, b, 8 * sizeof(float),
+                            cudaMemcpyDeviceToHost, stream),
+            cudaSuccess);
+  n = 3;  // arguments are taken at the call, as for a launch
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(pinned[i], -1.0f) << "captured " << i;
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  ASSERT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  for (int launch = 0; launch < 2; ++launch) {
+    for (int i = 0; i < 8; ++i) pinned[i] = -1.0f;
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    for (int i = 0; i < 8; ++i) EXPECT_EQ(pinned[i], i + 1.0f) << i;
+  }
+  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+  // The legacy default stream cannot capture.
+  EXPECT_EQ(cudaStreamBeginCapture(nullptr, cudaStreamCaptureModeThreadLocal),
+            cudaErrorStreamCaptureUnsupported);
+  cudaGetLastError();
+  // A synchronisation during capture is refused and invalidates it.
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal),
+            cudaSuccess);
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaErrorStreamCaptureUnsupported);
+  EXPECT_EQ(cudaStreamEndCapture(stream, &graph),
+            cudaErrorStreamCaptureInvalidated);
+  EXPECT_EQ(graph, nullptr);
+  cudaGetLastError();
+  EXPECT_EQ(cudaFreeHost(pinned), cudaSuccess);
+  EXPECT_EQ(cudaFree(a), cudaSuccess);
+  EXPECT_EQ(cudaFree(b), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
 TEST(EmulatorTest, AsyncCopyToPageableMemoryIsDoneOnReturn) {
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);

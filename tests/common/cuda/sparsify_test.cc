@@ -224,6 +224,100 @@ TEST_F(GpuTest, ExactPlanFollowsTheDataAndEveryPathIsExact) {
   }
 }
 
+// Select through the Sparsifier on a created stream (graphs apply) and Wait:
+// the pairs, the info, and the residual left in `d`.
+struct Selected {
+  SparseVector pairs;
+  SelectInfo info;
+};
+Selected SelectOnStream(Sparsifier* sp, DeviceVector* d, uint64_t n,
+                        const SelectParams& p, cudaStream_t stream) {
+  Selected out;
+  EXPECT_TRUE(sp->Select(d->buffer.get(), n, p, stream).ok());
+  Selection sel;
+  const Status waited = sp->Wait(stream, &sel);
+  EXPECT_TRUE(waited.ok()) << waited.message;
+  if (!waited.ok()) return out;
+  for (uint64_t j = 0; j < sel.count; ++j) {
+    out.pairs.push_back(sel.indices[j], sel.values[j]);
+  }
+  out.info = sel.info;
+  return out;
+}
+
+// CUDA graphs: the first Select of a (method, u, n, k, ...) captures, the
+// next ones replay, and every replay selects what a direct enqueue selects
+// (exact: the reference, bit for bit; gaussiank: the same pairs as a
+// Sparsifier with graphs off), on inputs whose plans differ (the plan is
+// decided on the device, so one graph serves every input). A new k or a
+// regrown pinned buffer gets a new capture, never a stale graph (the
+// emulator fails on a copy into freed pinned memory).
+TEST_F(GpuTest, GraphReplaysSelectLikeDirectEnqueue) {
+  const size_t n = 100003;
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
+            cudaSuccess);
+  std::unique_ptr<Sparsifier> graphed, direct;
+  ASSERT_TRUE(Sparsifier::Create(n, &graphed).ok());
+  ASSERT_TRUE(Sparsifier::Create(n, &direct).ok());
+  direct->set_use_graphs(false);
+  const Distribution inputs[] = {Distribution::kNormal,
+                                 Distribution::kNarrowBand, Distribution::kTies,
+                                 Distribution::kNormal};
+  for (Method method : {Method::kExact, Method::kGaussianK}) {
+    SCOPED_TRACE(MethodName(method));
+    for (uint64_t k : {uint64_t{100}, uint64_t{1000}, uint64_t{100}}) {
+      SCOPED_TRACE(k);
+      SelectParams p;
+      p.method = method;
+      p.k = k;
+      p.zero_selected = true;
+      // One device buffer per (method, k) run: the graph is keyed on it.
+      DeviceVector d(std::vector<float>(n, 0.0f));
+      int replays = 0;
+      for (size_t i = 0; i < std::size(inputs); ++i) {
+        SCOPED_TRACE(DistributionName(inputs[i]));
+        const std::vector<float> u = MakeInput(inputs[i], n, 300 + i);
+        ASSERT_EQ(cudaMemcpy(d.buffer.get(), u.data(), n * sizeof(float),
+                             cudaMemcpyHostToDevice),
+                  cudaSuccess);
+        // The copy ran on the legacy default stream, which the non-blocking
+        // `stream` does not wait for.
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const Selected got = SelectOnStream(graphed.get(), &d, n, p, stream);
+        replays += got.info.graph_replay ? 1 : 0;
+        if (i == 0) {
+          EXPECT_FALSE(got.info.graph_replay);
+        }
+        DeviceVector d2(u);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const Selected want = SelectOnStream(direct.get(), &d2, n, p, stream);
+        EXPECT_FALSE(want.info.graph_replay);
+        ExpectSameBits(got.pairs, want.pairs);
+        EXPECT_EQ(got.info.fast_path, want.info.fast_path);
+        EXPECT_EQ(got.info.exact_digit_passes, want.info.exact_digit_passes);
+        ASSERT_NO_FATAL_FAILURE(ExpectZeroedExactly(d, u, got.pairs.indices));
+        if (method == Method::kExact) {
+          ExpectSameBits(got.pairs, ReferenceTopK(u, k));
+        }
+      }
+      // Every Select after the first of this (u, k) replayed, except after
+      // the pinned buffers grew (k = 1000 after 100: a new capture).
+      EXPECT_GE(replays, static_cast<int>(std::size(inputs)) - 1);
+    }
+  }
+  // The legacy default stream cannot capture: a direct enqueue, correct.
+  const std::vector<float> u = MakeInput(Distribution::kNormal, n, 9);
+  DeviceVector d(u);
+  SelectParams p;
+  p.k = 77;
+  p.zero_selected = true;
+  const Selected legacy = SelectOnStream(graphed.get(), &d, n, p, nullptr);
+  EXPECT_FALSE(legacy.info.graph_replay);
+  ExpectSameBits(legacy.pairs, ReferenceTopK(u, 77));
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
 // Large grids: on an H200-sized grid (132 SMs: up to 1024 blocks) the
 // one-block scans take 1, 2, 4 or 8 per-warp counts per thread; n just
 // under 512 blocks of 4096 entries gives 4 for the scan over u, densities
