@@ -55,7 +55,7 @@ EXTRA=()
 for arg in "$@"; do
   case "$arg" in
     --quick) SIZES=1,1000,1048583 ;;
-    -h|--help) sed -n '2,25p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}"; exit 0 ;;
     --*) EXTRA+=("$arg") ;;
     *) echo "device_check.sh: unknown argument '$arg'" >&2; exit 11 ;;
   esac
