@@ -1,12 +1,12 @@
-// The CUDA device check (issue 5), built by bench/cuda/device_check.sh with
-// nvcc alone (no Abseil, gRPC or GoogleTest on the GPU machine).
+// The CUDA device check (issues 5 and 15), built by bench/cuda/device_check.sh
+// with nvcc alone (no Abseil, gRPC or GoogleTest on the GPU machine).
 //
-// For every n and density it
-//  1. checks the GPU selectors against a plain CPU reference on normal
-//     inputs: `exact` must equal the reference top-k bit for bit (same
-//     indices, same value bits, ties to the lower index) and zero exactly the
-//     selected residual entries; gaussiank/dgc must keep their count
-//     contracts ([ceil(2k/3), floor(4k/3)] or k; [1, k]), return valid
+// For every input kind (--inputs; outermost loop), n and density it
+//  1. checks the GPU selectors against a plain CPU reference: `exact` must
+//     equal the reference top-k bit for bit (same indices, same value bits,
+//     ties to the lower index) and zero exactly the selected residual
+//     entries; gaussiank/dgc must keep their count contracts
+//     ([ceil(2k/3), floor(4k/3)] or k; [1, k]), return valid
 //     (index-ascending, value-exact) pairs that form a threshold set
 //     (every selected |u| >= every unselected |u|) and zero exactly those;
 //     the fused update must equal the CPU rule's arithmetic and its
@@ -14,8 +14,15 @@
 //  2. unless --check-only, times each selector with CUDA events (median of
 //     --iters after --warmup), a device-to-device copy of the same bytes
 //     (one read = half of it) and, from --torch-json, torch.topk(g.abs(), k);
-//  3. writes --json and prints a table.
-// Exit status: 0 all correct, 1 a correctness failure, 2 usage, 3 no device.
+//  3. prints one table per input and writes --json, each row with its time
+//     relative to the normal input's (x_normal);
+//  4. reports issue 15's targets (met / missed / not measured) from the rows
+//     and the checks: stdout, and the JSON's "targets".
+// --budget-s: no new (input, n) block starts once it would likely end past
+// that many seconds; what is left is listed as skipped (a device lease is
+// short, and a JSON with most rows beats none).
+// Exit status: 0 all correct, 1 a correctness failure, 2 usage, 3 no device
+// (missed targets and skipped blocks do not change it).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -32,8 +39,10 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
+#include "bench/cuda/device_check_inputs.h"
 #include "common/cuda/cuda_status.h"
 #include "common/cuda/sparsify.h"
 
@@ -46,10 +55,14 @@ using gtopk::cuda::SelectParams;
 using gtopk::cuda::Sparsifier;
 using gtopk::cuda::Status;
 using gtopk::cuda::UpdateParams;
+using gtopk::device_check::ForChunks;
+using gtopk::device_check::InputNames;
+using gtopk::device_check::KeyOf;
 
 struct Options {
-  std::vector<uint64_t> sizes = {1, 1000, 25557032, 138357544};
+  std::vector<uint64_t> sizes = {1, 1000, 1000003, 25557032, 138357544};
   std::vector<double> densities = {0.0001, 0.001, 0.01};
+  std::vector<std::string> inputs = InputNames();  // outermost loop, in order
   int iters = 30;
   int warmup = 5;
   std::string json = "cuda_select.json";
@@ -58,6 +71,7 @@ struct Options {
   uint64_t seed = 1;
   bool no_device_ok = false;  // --allow-no-device: exit 0 without a GPU
   bool check_only = false;    // --check-only: correctness, no timing rows
+  double budget_s = 0;        // --budget-s: no new block past it; 0 = none
 };
 
 bool ParseList(const std::string& text, std::vector<double>* out) {
@@ -78,7 +92,13 @@ void Usage() {
                "usage: device_check [--sizes=N,N,...] [--densities=D,...] "
                "[--iters=I>=20] [--warmup=W] [--json=PATH] "
                "[--torch-json=PATH] [--seed=S] [--allow-no-device] "
-               "[--check-only]\n");
+               "[--check-only] [--inputs=NAME,...] [--budget-s=S]\n"
+               "inputs (default all, in this order):");
+  for (const std::string& name : InputNames()) {
+    std::fprintf(stderr, "\n  %-14s %s", name.c_str(),
+                 gtopk::device_check::InputDefinition(name).c_str());
+  }
+  std::fprintf(stderr, "\n");
 }
 
 bool ParseArgs(int argc, char** argv, Options* o) {
@@ -119,6 +139,25 @@ bool ParseArgs(int argc, char** argv, Options* o) {
       o->no_device_ok = true;
     } else if (key == "--check-only" && value.empty()) {
       o->check_only = true;
+    } else if (key == "--inputs" && !value.empty()) {
+      o->inputs.clear();
+      std::stringstream ss(value);
+      std::string item;
+      while (std::getline(ss, item, ',')) {
+        if (!gtopk::device_check::IsInputName(item) ||
+            std::find(o->inputs.begin(), o->inputs.end(), item) !=
+                o->inputs.end()) {
+          std::fprintf(stderr, "device_check: unknown or repeated input '%s'\n",
+                       item.c_str());
+          return false;
+        }
+        o->inputs.push_back(item);
+      }
+      if (o->inputs.empty()) return false;
+    } else if (key == "--budget-s" && !value.empty()) {
+      char* end = nullptr;
+      o->budget_s = std::strtod(value.c_str(), &end);
+      if (*end != '\0' || !(o->budget_s >= 0)) return false;
     } else {
       std::fprintf(stderr, "device_check: bad argument '%s'\n", a.c_str());
       return false;
@@ -246,77 +285,14 @@ struct Fatal : std::runtime_error {
     }                                                                      \
   } while (0)
 
-inline uint32_t KeyOf(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, 4);
-  return b & 0x7fffffffu;
-}
 inline uint32_t BitsOf(float x) {
   uint32_t b;
   std::memcpy(&b, &x, 4);
   return b;
 }
 
-// Seeded normal floats, generated in parallel chunks (deterministic for a
-// seed whatever the thread count).
-std::vector<float> NormalInput(uint64_t n, uint64_t seed) {
-  std::vector<float> x(n);
-  const uint64_t chunk = uint64_t{1} << 20;
-  const uint64_t chunks = (n + chunk - 1) / chunk;
-  const unsigned threads =
-      std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
-  std::vector<std::thread> pool;
-  for (unsigned t = 0; t < threads; ++t) {
-    pool.emplace_back([&, t] {
-      for (uint64_t c = t; c < chunks; c += threads) {
-        uint64_t s = seed * 0x9e3779b97f4a7c15ull + c + 1;
-        auto next = [&s] {  // SplitMix64
-          uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-          z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-          z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-          return z ^ (z >> 31);
-        };
-        const uint64_t end = std::min(n, (c + 1) * chunk);
-        for (uint64_t i = c * chunk; i < end; i += 2) {
-          const double u1 = ((next() >> 11) + 1.0) * (1.0 / 9007199254740993.0);
-          const double u2 = (next() >> 11) * (1.0 / 9007199254740992.0);
-          const double r = std::sqrt(-2.0 * std::log(u1));
-          x[i] = static_cast<float>(r * std::cos(6.283185307179586 * u2));
-          if (i + 1 < end) {
-            x[i + 1] = static_cast<float>(r * std::sin(6.283185307179586 * u2));
-          }
-        }
-      }
-    });
-  }
-  for (auto& th : pool) th.join();
-  return x;
-}
-
-// The reference: the k-th largest key T by nth_element, then in index order
-// every key > T and the first (k - #{key > T}) keys == T.
-void ReferenceTopK(const std::vector<float>& u, uint64_t k,
-                   std::vector<uint32_t>* idx) {
-  std::vector<uint32_t> keys(u.size());
-  for (size_t i = 0; i < u.size(); ++i) keys[i] = KeyOf(u[i]);
-  std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(),
-                   std::greater<uint32_t>());
-  const uint32_t t = keys[k - 1];
-  uint64_t greater = 0;
-  for (float v : u) greater += KeyOf(v) > t;
-  uint64_t ties = k - greater;
-  idx->clear();
-  idx->reserve(k);
-  for (size_t i = 0; i < u.size(); ++i) {
-    const uint32_t key = KeyOf(u[i]);
-    if (key > t || (key == t && ties > 0)) {
-      if (key == t) --ties;
-      idx->push_back(static_cast<uint32_t>(i));
-    }
-  }
-}
-
 struct Row {
+  std::string input;  // InputNames(); "" for the baselines (torch, d2d)
   uint64_t n;
   double density;
   uint64_t k;
@@ -330,7 +306,15 @@ struct Row {
   // gaussiank/dgc: share of the timed selections that took the fast path
   // (no host round trip); NAN for the others.
   double fast_path = NAN;
+  // exact rows: SelectInfo's plan of the last timed selection (the digit
+  // passes over u, whether the final compaction read u); -1 for the others.
+  int digit_passes = -1;
+  int final_from_u = -1;
 };
+
+// What this row is compared on (x_normal, the targets): the host wall time
+// where measured (selections), else the CUDA-event time (fused_update).
+double Figure(const Row& r) { return std::isfinite(r.wall_us) ? r.wall_us : r.us; }
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -369,15 +353,33 @@ std::string CheckSelection(const std::string& method,
     chosen[i] = 1;
     min_chosen = std::min(min_chosen, KeyOf(u[i]));
   }
+  // The residual and the unselected maximum, in parallel chunks; the first
+  // bad index over all chunks is the one reported.
+  const uint64_t chunks = (n + gtopk::device_check::kChunk - 1) /
+                          gtopk::device_check::kChunk;
+  std::vector<uint64_t> first_bad(chunks, n);
+  std::vector<uint32_t> chunk_max(chunks, 0);
+  ForChunks(n, [&](uint64_t c, uint64_t b, uint64_t e) {
+    uint32_t mx = 0;
+    for (uint64_t i = b; i < e; ++i) {
+      const uint32_t want = chosen[i] ? 0u : BitsOf(u[i]);
+      if (BitsOf(after[i]) != want) {
+        first_bad[c] = i;
+        return;
+      }
+      if (!chosen[i]) mx = std::max(mx, KeyOf(u[i]));
+    }
+    chunk_max[c] = mx;
+  });
   uint32_t max_other = 0;
-  for (uint64_t i = 0; i < n; ++i) {
-    const uint32_t want = chosen[i] ? 0u : BitsOf(u[i]);
-    if (BitsOf(after[i]) != want) {
+  for (uint64_t c = 0; c < chunks; ++c) {
+    if (first_bad[c] != n) {
+      const uint64_t i = first_bad[c];
       err << "residual at index " << i << " is not "
           << (chosen[i] ? "+0.0 (selected)" : "unchanged");
       return err.str();
     }
-    if (!chosen[i]) max_other = std::max(max_other, KeyOf(u[i]));
+    max_other = std::max(max_other, chunk_max[c]);
   }
   if (sel.count < n && min_chosen < max_other) {
     err << "not a threshold set: selected key " << min_chosen
@@ -397,6 +399,169 @@ std::string CheckSelection(const std::string& method,
   return "";
 }
 
+// Gaussian-k's count contract per input, from the correctness checks.
+struct GaussianKChecks {
+  int checks = 0;
+  int count_failures = 0;  // count outside [ceil(2k/3), floor(4k/3)]
+  int other_failures = 0;  // another check failed, or the run faulted
+};
+
+// One of issue 15's targets: met = 1, missed = 0, not measured = -1.
+struct Target {
+  std::string name;
+  double figure_us = NAN;
+  double limit_us = NAN;
+  int met = -1;
+  std::string detail;
+  std::string figure_text, limit_text;  // printed; default: the numbers
+};
+
+bool SameDensity(double a, double b) { return DensityKey(a) == DensityKey(b); }
+
+const Row* FindRow(const std::vector<Row>& rows, const std::string& input,
+                   uint64_t n, double density, const std::string& method) {
+  for (const Row& r : rows) {
+    if (r.input == input && r.n == n && SameDensity(r.density, density) &&
+        r.method == method) {
+      return &r;
+    }
+  }
+  return nullptr;
+}
+
+std::string Where(const Row& r) {
+  std::ostringstream w;
+  w << r.input << " n=" << r.n << " density=" << Num(r.density) << " "
+    << r.method;
+  return w.str();
+}
+
+// The targets of issue 15 (H200): see bench/cuda/README.md.
+std::vector<Target> ComputeTargets(
+    const std::vector<Row>& rows, const std::map<uint64_t, double>& copy_us,
+    const std::vector<std::string>& inputs,
+    const std::map<std::string, GaussianKChecks>& gauss) {
+  std::vector<Target> out;
+  // (a) n = 25,557,032, density 0.001, normal input.
+  const uint64_t kMid = 25557032, kLarge = 138357544;
+  struct {
+    const char* method;
+    double limit;
+    bool wall;
+  } const mid[] = {{"exact", 60, false},
+                   {"exact_after_update", 40, false},
+                   {"gaussiank", 35, true},
+                   {"dgc", 35, true}};
+  for (const auto& m : mid) {
+    Target t;
+    t.name = std::string(m.method) + (m.wall ? "_wall" : "") +
+             "_n25557032_d0.001";
+    t.limit_us = m.limit;
+    const Row* r = FindRow(rows, "normal", kMid, 0.001, m.method);
+    t.detail = std::string("normal input, ") +
+               (m.wall ? "host wall time to the pairs in pinned memory"
+                       : "CUDA events");
+    if (r != nullptr) {
+      t.figure_us = m.wall ? r->wall_us : r->us;
+      if (std::isfinite(t.figure_us)) t.met = t.figure_us <= t.limit_us;
+    }
+    out.push_back(t);
+  }
+  // (b) any input: every method within 2x its normal-input figure at the
+  // same n and density, densities 1e-4, 1e-3, 1e-2.
+  for (const std::string& input : inputs) {
+    if (input == "normal") continue;
+    Target t;
+    t.name = "any_input_" + input;
+    double worst = -1;
+    for (const Row& r : rows) {
+      if (r.input != input ||
+          !(SameDensity(r.density, 1e-4) || SameDensity(r.density, 1e-3) ||
+            SameDensity(r.density, 1e-2))) {
+        continue;
+      }
+      const Row* base = FindRow(rows, "normal", r.n, r.density, r.method);
+      if (base == nullptr || !(Figure(*base) > 0)) continue;
+      const double ratio = Figure(r) / Figure(*base);
+      if (ratio > worst) {
+        worst = ratio;
+        t.figure_us = Figure(r);
+        t.limit_us = 2 * Figure(*base);
+        t.detail = "worst x_normal " + Num(ratio) + " at " + Where(r);
+      }
+    }
+    if (worst >= 0) {
+      t.met = worst <= 2.0;
+    } else {
+      t.detail = "no row of this input with a normal-input row to compare";
+    }
+    out.push_back(t);
+  }
+  // (c) n <= 1,000,000: every method, every input, <= 15 us.
+  {
+    Target t;
+    t.name = "small_n_le_1000000";
+    t.limit_us = 15;
+    for (const Row& r : rows) {
+      if (r.n > 1000000) continue;
+      if (!std::isfinite(t.figure_us) || Figure(r) > t.figure_us) {
+        t.figure_us = Figure(r);
+        t.detail = "worst row: " + Where(r) + " (wall where measured)";
+      }
+    }
+    if (std::isfinite(t.figure_us)) {
+      t.met = t.figure_us <= t.limit_us;
+    } else {
+      t.detail = "no row with n <= 1,000,000";
+    }
+    out.push_back(t);
+  }
+  // (d) n = 138,357,544, density 0.001: exact <= 2.5 one reads.
+  {
+    Target t;
+    t.name = "exact_n138357544_d0.001_vs_read";
+    const Row* r = FindRow(rows, "normal", kLarge, 0.001, "exact");
+    const auto copy = copy_us.find(kLarge);
+    t.detail = "normal input, CUDA events; limit 2.5 x one read (d2d copy / 2)";
+    if (r != nullptr && copy != copy_us.end()) {
+      t.figure_us = r->us;
+      t.limit_us = 2.5 * copy->second / 2;
+      t.met = t.figure_us <= t.limit_us;
+    }
+    out.push_back(t);
+  }
+  // (e) Gaussian-k's count contract on every input.
+  {
+    Target t;
+    t.name = "gaussiank_count_contract";
+    int checks = 0, failed = 0;
+    std::string per_input;
+    for (const std::string& input : inputs) {
+      const auto it = gauss.find(input);
+      if (it == gauss.end()) continue;
+      const GaussianKChecks& g = it->second;
+      checks += g.checks;
+      failed += g.count_failures + g.other_failures;
+      per_input += (per_input.empty() ? "" : ", ") + input + " " +
+                   std::to_string(g.count_failures) + "+" +
+                   std::to_string(g.other_failures) + " of " +
+                   std::to_string(g.checks);
+    }
+    if (checks > 0) t.met = failed == 0;
+    t.figure_text = std::to_string(failed) + " of " + std::to_string(checks) +
+                    " checks failed";
+    t.limit_text = "0";
+    t.detail = "count outside [ceil(2k/3), floor(4k/3)] + other failures, "
+               "per input: " + (per_input.empty() ? "none run" : per_input);
+    out.push_back(t);
+  }
+  return out;
+}
+
+const char* TargetStatus(const Target& t) {
+  return t.met < 0 ? "not measured" : t.met ? "met" : "missed";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -414,9 +579,16 @@ int main(int argc, char** argv) {
     if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess) gpu = prop.name;
   }
   std::vector<Row> rows;
-  std::vector<std::string> failures;
+  std::vector<std::string> failures, skipped;
   std::map<uint64_t, double> copy_us;
+  std::map<std::string, GaussianKChecks> gauss;
   int checks = 0;
+  const auto run_start = std::chrono::steady_clock::now();
+  auto elapsed_s = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                         run_start)
+        .count();
+  };
 
   if (devices > 0) {
     try {
@@ -464,217 +636,264 @@ int main(int argc, char** argv) {
         }
       };
 
-      for (uint64_t n : o.sizes) {
-        try {
-          const auto t0 = std::chrono::steady_clock::now();
-          const std::vector<float> u = NormalInput(n, o.seed + n);
-          // On `stream`, not with cudaMemcpy: that runs on the legacy default
-          // stream, which a cudaStreamNonBlocking stream does not wait for,
-          // and a pageable host-to-device cudaMemcpy may return before its
-          // last DMA lands (CUDA's "API synchronization behavior"), so the
-          // copies from d_pristine below could read a stale tail.
-          CHECK_CUDA(cudaMemcpyAsync(d_pristine.get(), u.data(),
-                                     n * sizeof(float), cudaMemcpyHostToDevice,
-                                     stream));
-          CHECK_CUDA(cudaStreamSynchronize(stream));
-          // The copy baseline: n floats device to device (read + write).
-          if (!o.check_only) {
-            std::vector<double> s;
-            time_us([] {},
-                    [&] {
-                      CHECK_CUDA(cudaMemcpyAsync(
-                          d_u.get(), d_pristine.get(), n * sizeof(float),
-                          cudaMemcpyDeviceToDevice, stream));
-                    },
-                    [] {}, &s);
-            copy_us[n] = Median(s);
+      // The longest (input, n) block so far per n: the estimate of the next
+      // one's time, for --budget-s.
+      std::map<uint64_t, double> block_s;
+      for (const std::string& input : o.inputs) {
+        GaussianKChecks& gk = gauss[input];
+        for (uint64_t n : o.sizes) {
+          const double used = elapsed_s();
+          if (o.budget_s > 0 && used + block_s[n] > o.budget_s) {
+            skipped.push_back(input + " n=" + std::to_string(n));
+            std::fprintf(stderr,
+                         "device_check: %s n=%llu skipped (%.0f s used, "
+                         "about %.0f s more needed, --budget-s=%g)\n",
+                         input.c_str(), static_cast<unsigned long long>(n),
+                         used, block_s[n], o.budget_s);
+            continue;
           }
-          // The update's result with zero residual/velocity: u' = 0 + lr*(0*0 +
-          // (g
-          // + 0)).
-          const float lr = 0.5f;
-          std::vector<float> updated(n);
-          for (uint64_t i = 0; i < n; ++i) {
-            const float g = u[i] + 0.0f;
-            const float mv = 0.9f * 0.0f;
-            const float v = mv + g;
-            const float lv = lr * v;
-            updated[i] = 0.0f + lv;
-          }
-          std::vector<float> after(n);
-          for (double density : o.densities) {
-            uint64_t k = static_cast<uint64_t>(std::llround(density * n));
-            k = std::max<uint64_t>(1, std::min<uint64_t>(k, n));
-            std::vector<uint32_t> reference, reference_updated;
-            ReferenceTopK(u, k, &reference);
-            ReferenceTopK(updated, k, &reference_updated);
-            for (const char* method : {"exact", "gaussiank", "dgc"}) {
-              std::fprintf(stderr, "device_check: n=%llu density=%g %s\n",
-                           static_cast<unsigned long long>(n), density, method);
-              try {
-                SelectParams p;
-                p.method = std::string(method) == "exact" ? Method::kExact
-                           : std::string(method) == "gaussiank"
-                               ? Method::kGaussianK
-                               : Method::kDgc;
-                p.k = k;
-                p.seed = o.seed;
-                p.zero_selected = true;
-                // Correctness on a fresh copy.
-                Selection sel;
-                CHECK_CUDA(cudaMemcpyAsync(d_u.get(), d_pristine.get(),
-                                           n * sizeof(float),
-                                           cudaMemcpyDeviceToDevice, stream));
-                CHECK_OK(sp->Select(d_u.get(), n, p, stream));
-                const Status waited = sp->Wait(stream, &sel);
-                ++checks;
-                std::string bad;
-                if (!waited.ok()) {
-                  bad = waited.message;
-                } else {
-                  CHECK_CUDA(cudaMemcpy(after.data(), d_u.get(),
-                                        n * sizeof(float),
-                                        cudaMemcpyDeviceToHost));
-                  bad = CheckSelection(method, u, after, k, sel, reference);
-                }
-                if (!bad.empty()) {
-                  failures.push_back(std::string(method) +
-                                     " n=" + std::to_string(n) +
-                                     " density=" + Num(density) + ": " + bad);
-                }
-                // Timing: from u in device memory to the pairs in pinned host
-                // memory (includes the first histogram pass).
-                // gaussiank/dgc: `us` covers their fast path; what Wait
-                // finishes otherwise is only in wall_us (fast_path says how
-                // often that was needed).
-                std::vector<double> s, wall;
-                uint64_t count = 0;
-                int fast = 0, timed = 0;
-                const bool has_fast_path = p.method != Method::kExact;
-                auto wait_selection = [&] {
-                  Selection t;
-                  CHECK_OK(sp->Wait(stream, &t));
-                  count = t.count;
-                  fast += t.info.fast_path ? 1 : 0;
-                  ++timed;
-                };
-                if (!o.check_only) {
-                  time_us(
+          try {
+            const auto t0 = std::chrono::steady_clock::now();
+            const std::vector<float> u =
+                gtopk::device_check::MakeCheckInput(input, n, o.seed + n);
+            // On `stream`, not with cudaMemcpy: that runs on the legacy
+            // default stream, which a cudaStreamNonBlocking stream does not
+            // wait for, and a pageable host-to-device cudaMemcpy may return
+            // before its last DMA lands (CUDA's "API synchronization
+            // behavior"), so the copies from d_pristine below could read a
+            // stale tail.
+            CHECK_CUDA(cudaMemcpyAsync(d_pristine.get(), u.data(),
+                                       n * sizeof(float),
+                                       cudaMemcpyHostToDevice, stream));
+            CHECK_CUDA(cudaStreamSynchronize(stream));
+            // The copy baseline: n floats device to device (read + write),
+            // once per n (it does not depend on the values).
+            if (!o.check_only && copy_us.count(n) == 0) {
+              std::vector<double> s;
+              time_us([] {},
                       [&] {
                         CHECK_CUDA(cudaMemcpyAsync(
                             d_u.get(), d_pristine.get(), n * sizeof(float),
                             cudaMemcpyDeviceToDevice, stream));
                       },
+                      [] {}, &s);
+              copy_us[n] = Median(s);
+            }
+            // The update's result with zero residual/velocity:
+            // u' = 0 + lr * (0 * 0 + (g + 0)).
+            const float lr = 0.5f;
+            std::vector<float> updated(n);
+            ForChunks(n, [&](uint64_t, uint64_t b, uint64_t e) {
+              for (uint64_t i = b; i < e; ++i) {
+                const float g = u[i] + 0.0f;
+                const float mv = 0.9f * 0.0f;
+                const float v = mv + g;
+                const float lv = lr * v;
+                updated[i] = 0.0f + lv;
+              }
+            });
+            std::vector<uint64_t> ks;
+            for (double density : o.densities) {
+              const uint64_t k = static_cast<uint64_t>(std::llround(density * n));
+              ks.push_back(std::max<uint64_t>(1, std::min<uint64_t>(k, n)));
+            }
+            std::vector<std::vector<uint32_t>> references, references_updated;
+            gtopk::device_check::ReferenceTopKs(u, ks, &references);
+            gtopk::device_check::ReferenceTopKs(updated, ks,
+                                                &references_updated);
+            std::vector<float> after(n);
+            for (size_t di = 0; di < o.densities.size(); ++di) {
+              const double density = o.densities[di];
+              const uint64_t k = ks[di];
+              const std::vector<uint32_t>& reference = references[di];
+              const std::vector<uint32_t>& reference_updated =
+                  references_updated[di];
+              for (const char* method : {"exact", "gaussiank", "dgc"}) {
+                std::fprintf(stderr, "device_check: %s n=%llu density=%g %s\n",
+                             input.c_str(), static_cast<unsigned long long>(n),
+                             density, method);
+                // "narrow_band exact+update n=1000 density=0.01: ".
+                auto name_of = [&](const char* suffix) {
+                  return input + " " + method + suffix + " n=" +
+                         std::to_string(n) + " density=" + Num(density) + ": ";
+                };
+                const bool is_gaussiank = std::string(method) == "gaussiank";
+                auto record = [&](const std::string& bad) {
+                  if (is_gaussiank) {
+                    ++gk.checks;
+                    if (!bad.empty()) {
+                      ++(bad.rfind("count ", 0) == 0 ? gk.count_failures
+                                                     : gk.other_failures);
+                    }
+                  }
+                };
+                try {
+                  SelectParams p;
+                  p.method = std::string(method) == "exact" ? Method::kExact
+                             : is_gaussiank                 ? Method::kGaussianK
+                                                            : Method::kDgc;
+                  p.k = k;
+                  p.seed = o.seed;
+                  p.zero_selected = true;
+                  // Correctness on a fresh copy.
+                  Selection sel;
+                  CHECK_CUDA(cudaMemcpyAsync(d_u.get(), d_pristine.get(),
+                                             n * sizeof(float),
+                                             cudaMemcpyDeviceToDevice, stream));
+                  CHECK_OK(sp->Select(d_u.get(), n, p, stream));
+                  const Status waited = sp->Wait(stream, &sel);
+                  ++checks;
+                  std::string bad;
+                  if (!waited.ok()) {
+                    bad = waited.message;
+                  } else {
+                    CHECK_CUDA(cudaMemcpy(after.data(), d_u.get(),
+                                          n * sizeof(float),
+                                          cudaMemcpyDeviceToHost));
+                    bad = CheckSelection(method, u, after, k, sel, reference);
+                  }
+                  record(bad);
+                  if (!bad.empty()) failures.push_back(name_of("") + bad);
+                  // Timing: from u in device memory to the pairs in pinned
+                  // host memory (includes the first histogram pass).
+                  // gaussiank/dgc: `us` covers their fast path; what Wait
+                  // finishes otherwise is only in wall_us (fast_path says
+                  // how often that was needed).
+                  std::vector<double> s, wall;
+                  uint64_t count = 0;
+                  int fast = 0, timed = 0;
+                  gtopk::cuda::SelectInfo last_info;
+                  const bool has_fast_path = p.method != Method::kExact;
+                  auto wait_selection = [&] {
+                    Selection t;
+                    CHECK_OK(sp->Wait(stream, &t));
+                    count = t.count;
+                    fast += t.info.fast_path ? 1 : 0;
+                    last_info = t.info;
+                    ++timed;
+                  };
+                  auto make_row = [&](const std::string& name) {
+                    Row row{input,     n,
+                            density,   k,
+                            name,      Median(s),
+                            *std::min_element(s.begin(), s.end()),
+                            count};
+                    row.wall_us = Median(wall);
+                    if (has_fast_path) row.fast_path = double(fast) / timed;
+                    if (p.method == Method::kExact) {
+                      row.digit_passes = last_info.exact_digit_passes;
+                      row.final_from_u = last_info.exact_final_from_u ? 1 : 0;
+                    }
+                    return row;
+                  };
+                  if (!o.check_only) {
+                    time_us(
+                        [&] {
+                          CHECK_CUDA(cudaMemcpyAsync(
+                              d_u.get(), d_pristine.get(), n * sizeof(float),
+                              cudaMemcpyDeviceToDevice, stream));
+                        },
+                        [&] {
+                          // A new step each time, as in training (dgc's
+                          // sample, hence its path, depends on it).
+                          ++p.step;
+                          CHECK_OK(sp->Select(d_u.get(), n, p, stream));
+                        },
+                        wait_selection, &s, &wall);
+                    rows.push_back(make_row(method));
+                  }
+
+                  if (p.method == Method::kDgc)
+                    continue;  // dgc needs no histogram
+                  // After the fused update: the histogram comes with it.
+                  UpdateParams up;
+                  up.lr = lr;
+                  up.momentum = 0.9f;
+                  up.momentum_correction = true;
+                  auto reset = [&] {
+                    CHECK_CUDA(cudaMemsetAsync(d_velocity.get(), 0,
+                                               n * sizeof(float), stream));
+                    CHECK_CUDA(cudaMemsetAsync(d_residual.get(), 0,
+                                               n * sizeof(float), stream));
+                  };
+                  auto update = [&] {
+                    CHECK_OK(sp->Accumulate(d_pristine.get(), nullptr,
+                                            d_velocity.get(), d_velocity.get(),
+                                            d_residual.get(), d_residual.get(),
+                                            n, up, stream));
+                  };
+                  reset();
+                  update();
+                  CHECK_OK(sp->Select(d_residual.get(), n, p, stream));
+                  const Status w2 = sp->Wait(stream, &sel);
+                  ++checks;
+                  bad.clear();
+                  if (!w2.ok()) {
+                    bad = w2.message;
+                  } else if (!sel.info.used_update_histogram) {
+                    bad = "the update's histogram was not reused";
+                  } else {
+                    CHECK_CUDA(cudaMemcpy(after.data(), d_residual.get(),
+                                          n * sizeof(float),
+                                          cudaMemcpyDeviceToHost));
+                    bad = CheckSelection(method, updated, after, k, sel,
+                                         reference_updated);
+                  }
+                  record(bad);
+                  if (!bad.empty()) failures.push_back(name_of("+update") + bad);
+                  if (o.check_only) continue;
+                  s.clear();
+                  wall.clear();
+                  fast = timed = 0;
+                  time_us(
                       [&] {
-                        // A new step each time, as in training (dgc's
-                        // sample, hence its path, depends on it).
+                        reset();
+                        update();
+                      },
+                      [&] {
                         ++p.step;
-                        CHECK_OK(sp->Select(d_u.get(), n, p, stream));
+                        CHECK_OK(sp->Select(d_residual.get(), n, p, stream));
                       },
                       wait_selection, &s, &wall);
-                  Row row{n, density, k, method, Median(s),
-                          *std::min_element(s.begin(), s.end()), count};
-                  row.wall_us = Median(wall);
-                  if (has_fast_path) row.fast_path = double(fast) / timed;
-                  rows.push_back(row);
+                  rows.push_back(make_row(std::string(method) + "_after_update"));
+                  if (p.method == Method::kExact) {
+                    s.clear();
+                    time_us(
+                        [&] { reset(); }, [&] { update(); },
+                        [&] {
+                          // Consume the histogram so the next Accumulate is
+                          // clean.
+                          CHECK_OK(sp->Select(d_residual.get(), n, p, stream));
+                          Selection t;
+                          CHECK_OK(sp->Wait(stream, &t));
+                        },
+                        &s);
+                    rows.push_back({input, n, density, k, "fused_update",
+                                    Median(s),
+                                    *std::min_element(s.begin(), s.end()), 0});
+                  }
+                } catch (const Fatal& e) {
+                  if (is_gaussiank) ++gk.other_failures;
+                  failures.push_back(name_of("") + e.what());
+                  std::fprintf(stderr, "device_check: FAILED %s\n", e.what());
+                  Selection ignored;
+                  sp->Wait(stream,
+                           &ignored);  // clear a pending selection, if any
                 }
-
-                if (p.method == Method::kDgc)
-                  continue;  // dgc needs no histogram
-                // After the fused update: the histogram comes with it.
-                UpdateParams up;
-                up.lr = lr;
-                up.momentum = 0.9f;
-                up.momentum_correction = true;
-                auto reset = [&] {
-                  CHECK_CUDA(cudaMemsetAsync(d_velocity.get(), 0,
-                                             n * sizeof(float), stream));
-                  CHECK_CUDA(cudaMemsetAsync(d_residual.get(), 0,
-                                             n * sizeof(float), stream));
-                };
-                auto update = [&] {
-                  CHECK_OK(sp->Accumulate(d_pristine.get(), nullptr,
-                                          d_velocity.get(), d_velocity.get(),
-                                          d_residual.get(), d_residual.get(), n,
-                                          up, stream));
-                };
-                reset();
-                update();
-                CHECK_OK(sp->Select(d_residual.get(), n, p, stream));
-                const Status w2 = sp->Wait(stream, &sel);
-                ++checks;
-                bad.clear();
-                if (!w2.ok()) {
-                  bad = w2.message;
-                } else if (!sel.info.used_update_histogram) {
-                  bad = "the update's histogram was not reused";
-                } else {
-                  CHECK_CUDA(cudaMemcpy(after.data(), d_residual.get(),
-                                        n * sizeof(float),
-                                        cudaMemcpyDeviceToHost));
-                  bad = CheckSelection(method, updated, after, k, sel,
-                                       reference_updated);
-                }
-                if (!bad.empty()) {
-                  failures.push_back(std::string(method) +
-                                     "+update n=" + std::to_string(n) +
-                                     " density=" + Num(density) + ": " + bad);
-                }
-                if (o.check_only) continue;
-                s.clear();
-                wall.clear();
-                fast = timed = 0;
-                time_us(
-                    [&] {
-                      reset();
-                      update();
-                    },
-                    [&] {
-                      ++p.step;
-                      CHECK_OK(sp->Select(d_residual.get(), n, p, stream));
-                    },
-                    wait_selection, &s, &wall);
-                Row row{n,         density,
-                        k,         std::string(method) + "_after_update",
-                        Median(s), *std::min_element(s.begin(), s.end()),
-                        count};
-                row.wall_us = Median(wall);
-                if (has_fast_path) row.fast_path = double(fast) / timed;
-                rows.push_back(row);
-                if (p.method == Method::kExact) {
-                  s.clear();
-                  time_us(
-                      [&] { reset(); }, [&] { update(); },
-                      [&] {
-                        // Consume the histogram so the next Accumulate is
-                        // clean.
-                        CHECK_OK(sp->Select(d_residual.get(), n, p, stream));
-                        Selection t;
-                        CHECK_OK(sp->Wait(stream, &t));
-                      },
-                      &s);
-                  rows.push_back({n, density, k, "fused_update", Median(s),
-                                  *std::min_element(s.begin(), s.end()), 0});
-                }
-              } catch (const Fatal& e) {
-                failures.push_back(
-                    std::string(method) + " n=" + std::to_string(n) +
-                    " density=" + Num(density) + ": " + e.what());
-                std::fprintf(stderr, "device_check: FAILED %s\n", e.what());
-                Selection ignored;
-                sp->Wait(stream,
-                         &ignored);  // clear a pending selection, if any
               }
             }
+            const double secs = std::chrono::duration<double>(
+                                    std::chrono::steady_clock::now() - t0)
+                                    .count();
+            block_s[n] = std::max(block_s[n], secs);
+            std::fprintf(stderr, "device_check: %s n=%llu done in %.1f s\n",
+                         input.c_str(), static_cast<unsigned long long>(n),
+                         secs);
+          } catch (const Fatal& e) {
+            failures.push_back(input + " n=" + std::to_string(n) + ": " +
+                               e.what());
+            std::fprintf(stderr, "device_check: FAILED %s\n", e.what());
           }
-          const double secs = std::chrono::duration<double>(
-                                  std::chrono::steady_clock::now() - t0)
-                                  .count();
-          std::fprintf(stderr, "device_check: n=%llu done in %.1f s\n",
-                       static_cast<unsigned long long>(n), secs);
-        } catch (const Fatal& e) {
-          failures.push_back("n=" + std::to_string(n) + ": " + e.what());
-          std::fprintf(stderr, "device_check: FAILED %s\n", e.what());
         }
       }
       cudaStreamDestroy(stream);
@@ -691,17 +910,43 @@ int main(int argc, char** argv) {
     cudaGetLastError();
   }
 
-  // Table and JSON.
+  // The normal input's figure per (n, density, method): x_normal's base.
+  std::map<std::tuple<uint64_t, long long, std::string>, double> normal_figure;
+  for (const Row& r : rows) {
+    if (r.input == "normal") {
+      normal_figure[std::make_tuple(r.n, DensityKey(r.density), r.method)] =
+          Figure(r);
+    }
+  }
+  auto x_normal = [&](const Row& r) -> double {
+    if (r.input.empty()) return NAN;
+    const auto it =
+        normal_figure.find(std::make_tuple(r.n, DensityKey(r.density), r.method));
+    return it == normal_figure.end() ? NAN : Figure(r) / it->second;
+  };
+  const std::vector<Target> targets =
+      devices > 0 ? ComputeTargets(rows, copy_us, o.inputs, gauss)
+                  : std::vector<Target>{};
+
+  // Tables and JSON.
   std::ostringstream js;
   js << "{\n  \"command\": \"" << JsonEscape(o.command) << "\",\n"
      << "  \"gpu\": \"" << JsonEscape(gpu) << "\",\n"
      << "  \"device_present\": " << (devices > 0 ? "true" : "false") << ",\n"
      << "  \"iters\": " << o.iters << ",\n  \"warmup\": " << o.warmup << ",\n"
-     << "  \"input\": \"normal(0,1) fp32, seeded\",\n"
+     << "  \"inputs\": [";
+  for (size_t i = 0; i < o.inputs.size(); ++i) {
+    js << (i ? ", " : "") << "{\"name\": \"" << o.inputs[i]
+       << "\", \"definition\": \""
+       << JsonEscape(gtopk::device_check::InputDefinition(o.inputs[i]))
+       << "\"}";
+  }
+  js << "],\n  \"seed\": " << o.seed << ",\n"
      << "  \"timing\": \"CUDA events, median; selectors: u in device memory "
         "to (index, value) pairs in pinned host memory, residual zeroed; "
         "*_after_update: selection only, histogram from the fused update; "
-        "one_read_us = d2d copy of n floats / 2\",\n"
+        "one_read_us = d2d copy of n floats / 2; x_normal = (wall_us, else "
+        "us) / the same on the normal input\",\n"
      << "  \"torch\": {\"available\": " << (torch.available ? "true" : "false")
      << ", \"version\": \"" << JsonEscape(torch.version) << "\", \"note\": \""
      << JsonEscape(torch.note) << "\"},\n"
@@ -710,46 +955,87 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < failures.size(); ++i) {
     js << (i ? ", " : "") << "\"" << JsonEscape(failures[i]) << "\"";
   }
-  js << "]},\n  \"rows\": [";
-  std::printf("%12s %9s %24s %10s %10s %5s %12s %12s\n", "n", "density",
-              "method", "us", "wall us", "fast", "x one-read", "x torch.topk");
+  js << "]},\n  \"budget_s\": " << Num(o.budget_s) << ",\n  \"skipped\": [";
+  for (size_t i = 0; i < skipped.size(); ++i) {
+    js << (i ? ", " : "") << "\"" << JsonEscape(skipped[i]) << "\"";
+  }
+  js << "],\n  \"rows\": [";
   bool first = true;
-  auto emit = [&](uint64_t n, double density, uint64_t k,
-                  const std::string& method, double us, double min_us,
-                  uint64_t count, double wall_us = NAN,
-                  double fast_path = NAN) {
-    const double one_read = copy_us.count(n) ? copy_us[n] / 2.0 : NAN;
-    const auto it = torch.topk_us.find({n, DensityKey(density)});
-    const double torch_us = it == torch.topk_us.end() ? NAN : it->second;
-    js << (first ? "" : ",") << "\n    {\"n\": " << n
-       << ", \"density\": " << Num(density) << ", \"k\": " << k
-       << ", \"method\": \"" << method << "\", \"us\": " << Num(us)
-       << ", \"min_us\": " << Num(min_us) << ", \"count\": " << count
-       << ", \"wall_us\": " << Num(wall_us)
-       << ", \"fast_path_fraction\": " << Num(fast_path)
-       << ", \"one_read_us\": " << Num(one_read)
-       << ", \"x_one_read\": " << Num(us / one_read)
-       << ", \"torch_topk_us\": " << Num(torch_us)
-       << ", \"x_torch_topk\": " << Num(us / torch_us) << "}";
-    first = false;
-    std::printf("%12llu %9g %24s %10.1f %10s %5s %12s %12s\n",
-                static_cast<unsigned long long>(n), density, method.c_str(), us,
-                std::isfinite(wall_us) ? Num(wall_us).c_str() : "-",
-                std::isfinite(fast_path) ? Num(fast_path).c_str() : "-",
-                std::isfinite(one_read) ? Num(us / one_read).c_str() : "-",
-                std::isfinite(torch_us) ? Num(us / torch_us).c_str() : "-");
+  auto header = [](const std::string& title) {
+    std::printf("\n== %s\n%12s %9s %24s %10s %10s %5s %10s %10s %9s %5s\n",
+                title.c_str(), "n", "density", "method", "us", "wall us",
+                "fast", "x one-read", "x torch", "x normal", "plan");
   };
-  for (const Row& r : rows)
-    emit(r.n, r.density, r.k, r.method, r.us, r.min_us, r.count, r.wall_us,
-         r.fast_path);
+  auto emit = [&](const Row& r) {
+    const double one_read = copy_us.count(r.n) ? copy_us[r.n] / 2.0 : NAN;
+    const auto it = torch.topk_us.find({r.n, DensityKey(r.density)});
+    const double torch_us = it == torch.topk_us.end() ? NAN : it->second;
+    const double xn = x_normal(r);
+    js << (first ? "" : ",") << "\n    {\"input\": "
+       << (r.input.empty() ? "null" : "\"" + r.input + "\"")
+       << ", \"n\": " << r.n << ", \"density\": " << Num(r.density)
+       << ", \"k\": " << r.k << ", \"method\": \"" << r.method
+       << "\", \"us\": " << Num(r.us) << ", \"min_us\": " << Num(r.min_us)
+       << ", \"count\": " << r.count << ", \"wall_us\": " << Num(r.wall_us)
+       << ", \"fast_path_fraction\": " << Num(r.fast_path)
+       << ", \"one_read_us\": " << Num(one_read)
+       << ", \"x_one_read\": " << Num(r.us / one_read)
+       << ", \"torch_topk_us\": " << Num(torch_us)
+       << ", \"x_torch_topk\": " << Num(r.us / torch_us)
+       << ", \"x_normal\": " << Num(xn) << ", \"digit_passes\": "
+       << (r.digit_passes < 0 ? "null" : std::to_string(r.digit_passes))
+       << ", \"final_from_u\": "
+       << (r.final_from_u < 0 ? "null" : r.final_from_u ? "true" : "false")
+       << "}";
+    first = false;
+    std::string plan = "-";
+    if (r.digit_passes >= 0) {
+      plan = std::to_string(r.digit_passes) + (r.final_from_u ? ",u" : "");
+    }
+    std::printf("%12llu %9g %24s %10.1f %10s %5s %10s %10s %9s %5s\n",
+                static_cast<unsigned long long>(r.n), r.density,
+                r.method.c_str(), r.us,
+                std::isfinite(r.wall_us) ? Num(r.wall_us).c_str() : "-",
+                std::isfinite(r.fast_path) ? Num(r.fast_path).c_str() : "-",
+                std::isfinite(one_read) ? Num(r.us / one_read).c_str() : "-",
+                std::isfinite(torch_us) ? Num(r.us / torch_us).c_str() : "-",
+                std::isfinite(xn) ? Num(xn).c_str() : "-", plan.c_str());
+  };
+  for (const std::string& input : o.inputs) {
+    bool any = false;
+    for (const Row& r : rows) {
+      if (r.input != input) continue;
+      if (!any) {
+        header("input " + input + ": " +
+               gtopk::device_check::InputDefinition(input));
+        any = true;
+      }
+      emit(r);
+    }
+  }
+  bool baseline_header = false;
+  auto baseline = [&](const Row& r) {
+    if (!baseline_header) header("baselines (torch.topk on torch.randn; d2d copy)");
+    baseline_header = true;
+    emit(r);
+  };
   for (const auto& entry : torch.topk_us) {
     const uint64_t n = entry.first.first;
     const double density = entry.first.second / 1e6;
     uint64_t k = std::max<uint64_t>(1, std::llround(density * n));
-    emit(n, density, k, "torch.topk(abs)", entry.second, NAN, k);
+    baseline({"", n, density, k, "torch.topk(abs)", entry.second, NAN, k});
   }
   for (const auto& entry : copy_us) {
-    emit(entry.first, 0, 0, "d2d_copy", entry.second, NAN, 0);
+    baseline({"", entry.first, 0, 0, "d2d_copy", entry.second, NAN, 0});
+  }
+  js << "\n  ],\n  \"targets\": [";
+  for (size_t i = 0; i < targets.size(); ++i) {
+    const Target& t = targets[i];
+    js << (i ? "," : "") << "\n    {\"name\": \"" << t.name
+       << "\", \"figure_us\": " << Num(t.figure_us)
+       << ", \"limit_us\": " << Num(t.limit_us) << ", \"met\": "
+       << (t.met < 0 ? "null" : t.met ? "true" : "false")
+       << ", \"detail\": \"" << JsonEscape(t.detail) << "\"}";
   }
   js << "\n  ]\n}\n";
   std::ofstream out(o.json);
@@ -759,12 +1045,28 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "device_check: cannot write %s\n", o.json.c_str());
     return 2;
   }
-  std::printf("wrote %s\n", o.json.c_str());
+  std::printf("\nwrote %s\n", o.json.c_str());
   if (!torch.available) {
     std::printf("torch.topk: not measured (%s)\n", torch.note.c_str());
   }
   if (devices == 0) return o.no_device_ok ? 0 : 3;
+  for (const std::string& sk : skipped) {
+    std::printf("NOT RUN (--budget-s=%g): %s\n", o.budget_s, sk.c_str());
+  }
   std::printf("correctness: %d checks, %zu failed\n", checks, failures.size());
   for (const std::string& f : failures) std::printf("  FAIL %s\n", f.c_str());
+  for (const Target& t : targets) {
+    const std::string figure = !t.figure_text.empty() ? t.figure_text
+                               : std::isfinite(t.figure_us)
+                                   ? Num(t.figure_us) + " us"
+                                   : "-";
+    const std::string limit = !t.limit_text.empty() ? t.limit_text
+                              : std::isfinite(t.limit_us)
+                                  ? Num(t.limit_us) + " us"
+                                  : "-";
+    std::printf("target %s: %s (%s vs %s); %s\n", t.name.c_str(),
+                TargetStatus(t), figure.c_str(), limit.c_str(),
+                t.detail.c_str());
+  }
   return failures.empty() ? 0 : 1;
 }

@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
-# The CUDA device check (issue 5; see bench/cuda/README.md). Builds the
-# kernels and the checker with nvcc alone (no CMake cache, Abseil, gRPC or
-# Debian packages needed), times torch.topk when torch is importable, then
-# checks correctness and times our selectors. Writes $OUT/cuda_select.json
-# (and torch_topk.json, device_check.log) and prints the table. Then, where
-# the tools work (Firecracker machines: see ../.library/device), runs the
-# checker under compute-sanitizer (memcheck, racecheck, synccheck) on small
-# sizes and under ncu for per-kernel times at n = 25,557,032.
+# The CUDA device check (issues 5 and 15; see bench/cuda/README.md). Builds
+# the kernels and the checker with nvcc alone (no CMake cache, Abseil, gRPC
+# or Debian packages needed), times torch.topk when torch is importable, then
+# checks correctness and times our selectors on every input kind. Writes
+# $OUT/cuda_select.json (and torch_topk.json, device_check.log) and prints
+# one table per input and a line per issue-15 target. Then, where the tools
+# work (Firecracker machines: see ../.library/device), runs the checker under
+# compute-sanitizer (memcheck, racecheck, synccheck) on small sizes and three
+# inputs, and under ncu for per-kernel times at n = 25,557,032.
 #
 # usage: bench/cuda/device_check.sh [--quick] [device_check flags...]
-#   --quick   n in {1, 1000, 1048583} only (a smoke run, ~1 minute)
+#   --quick   n in {1, 1000, 1048583} only (a smoke run, under a minute)
 # env: OUT (default build/device_check_out), BUILD_DIR (default
 #   build/device_check), NVCC, PYTHON (default python3), SIZES, DENSITIES,
-#   ITERS (>= 20), WARMUP, SANITIZE (1: run step 4, default), PROFILE (1:
-#   run step 5, default), BUDGET (seconds, default 420: steps 4 and 5 are
-#   skipped once the run is past what leaves them time; a device lease is
+#   INPUTS (default all six), ITERS (>= 20), WARMUP, SANITIZE (1: run step
+#   4, default), PROFILE (1: run step 5, default), BUDGET (seconds for the
+#   whole run, build included, default 300: every step's timeout is cut to
+#   what is left, the checker stops starting (input, n) blocks in time, and
+#   steps 4 and 5 are skipped when they no longer fit; a device lease is
 #   short).
 # Exit: 0 all correct; 1 a correctness failure (or a sanitizer error);
 #   3 no CUDA device;
@@ -25,21 +28,34 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 OUT=${OUT:-$ROOT/build/device_check_out}
 BUILD_DIR=${BUILD_DIR:-$ROOT/build/device_check}
 PYTHON=${PYTHON:-python3}
-SIZES=${SIZES:-1,1000,25557032,138357544}
+SIZES=${SIZES:-1,1000,1000003,25557032,138357544}
 DENSITIES=${DENSITIES:-0.0001,0.001,0.01}
+INPUTS=${INPUTS:-normal,narrow_band,ties,laplace_zeros,all_equal,outliers}
 ITERS=${ITERS:-30}
 WARMUP=${WARMUP:-5}
 SANITIZE=${SANITIZE:-1}
 PROFILE=${PROFILE:-1}
-BUDGET=${BUDGET:-420}
+BUDGET=${BUDGET:-300}
+# Per-step caps (seconds); each is also cut to what is left of BUDGET.
+BUILD_S=120 TORCH_S=60 CHECK_S=170 SAN_S=45 NCU_S=60
+# min(cap $1, what is left less timeout's 10 s kill grace), at least 1
+# (timeout 0 would mean no limit).
+cap() {
+  local l=$(( BUDGET - SECONDS - 10 ))
+  [ "$l" -lt 1 ] && l=1
+  [ "$l" -lt "$1" ] && echo "$l" || echo "$1"
+}
 # Time left for an optional step that may take $1 seconds?
 time_for() { [ $(( SECONDS + $1 )) -le "$BUDGET" ]; }
+# "step: <name> <seconds> s" in the log: what the next budget is made of.
+step_start=0
+step_done() { say "step: $1 $(( SECONDS - step_start )) s (run at ${SECONDS} s of BUDGET=$BUDGET)"; step_start=$SECONDS; }
 
 EXTRA=()
 for arg in "$@"; do
   case "$arg" in
     --quick) SIZES=1,1000,1048583 ;;
-    -h|--help) sed -n '2,21p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}"; exit 0 ;;
     --*) EXTRA+=("$arg") ;;
     *) echo "device_check.sh: unknown argument '$arg'" >&2; exit 11 ;;
   esac
@@ -66,15 +82,16 @@ command -v nvidia-smi > /dev/null && \
 NVFLAGS=(-std=c++17 -O3 -gencode arch=compute_90,code=sm_90 --fmad=false
          -Xcompiler=-Wall -I"$ROOT")
 t0=$(date +%s)
-timeout -k 10 240 "$NVCC" "${NVFLAGS[@]}" -c "$ROOT/common/cuda/sparsify.cu" \
+BT=$(cap $BUILD_S)
+timeout -k 10 "$BT" "$NVCC" "${NVFLAGS[@]}" -c "$ROOT/common/cuda/sparsify.cu" \
   -o "$BUILD_DIR/sparsify.o" >> "$LOG" 2>&1 &
 p1=$!
-timeout -k 10 240 "$NVCC" "${NVFLAGS[@]}" -c "$ROOT/bench/cuda/device_check.cu" \
+timeout -k 10 "$BT" "$NVCC" "${NVFLAGS[@]}" -c "$ROOT/bench/cuda/device_check.cu" \
   -o "$BUILD_DIR/device_check.o" >> "$LOG" 2>&1 &
 p2=$!
 wait $p1; r1=$?
 wait $p2; r2=$?
-if [ $r1 -ne 0 ] || [ $r2 -ne 0 ] || ! timeout -k 10 120 "$NVCC" \
+if [ $r1 -ne 0 ] || [ $r2 -ne 0 ] || ! timeout -k 10 "$(cap 60)" "$NVCC" \
     -gencode arch=compute_90,code=sm_90 "$BUILD_DIR/sparsify.o" \
     "$BUILD_DIR/device_check.o" -o "$BUILD_DIR/device_check" >> "$LOG" 2>&1; then
   say "device_check.sh: build failed (rc $r1/$r2); see $LOG"
@@ -82,12 +99,15 @@ if [ $r1 -ne 0 ] || [ $r2 -ne 0 ] || ! timeout -k 10 120 "$NVCC" \
   exit 10
 fi
 say "build: $(( $(date +%s) - t0 )) s"
+step_done build
 
 # 2. torch.topk and copy baselines (optional: the check runs without).
 TORCH_JSON="$OUT/torch_topk.json"
 rm -f "$TORCH_JSON"
-if command -v "$PYTHON" > /dev/null; then
-  timeout -k 10 150 "$PYTHON" "$ROOT/bench/cuda/torch_topk.py" \
+if ! time_for 60; then
+  say "torch_topk.py: skipped (${SECONDS} s of BUDGET=$BUDGET used)"
+elif command -v "$PYTHON" > /dev/null; then
+  timeout -k 10 "$(cap $TORCH_S)" "$PYTHON" "$ROOT/bench/cuda/torch_topk.py" \
     --sizes "$SIZES" --densities "$DENSITIES" --iters "$ITERS" \
     --warmup "$WARMUP" --out "$TORCH_JSON" 2>&1 | tee -a "$LOG"
   rt=${PIPESTATUS[0]}
@@ -100,9 +120,16 @@ if [ ! -s "$TORCH_JSON" ]; then
     > "$TORCH_JSON"
 fi
 
-# 3. Correctness and timings.
-timeout -k 10 300 "$BUILD_DIR/device_check" --sizes="$SIZES" \
-  --densities="$DENSITIES" --iters="$ITERS" --warmup="$WARMUP" \
+step_done torch
+
+# 3. Correctness and timings, every input. The checker starts no (input, n)
+# block that would end past --budget-s (it lists those as skipped and writes
+# its JSON); the timeout behind it covers the block in flight.
+CT=$(cap $CHECK_S)
+CB=$(( CT > 60 ? CT - 30 : CT / 2 ))
+timeout -k 10 "$CT" "$BUILD_DIR/device_check" --sizes="$SIZES" \
+  --densities="$DENSITIES" --inputs="$INPUTS" --iters="$ITERS" \
+  --warmup="$WARMUP" --budget-s="$CB" \
   --json="$OUT/cuda_select.json" --torch-json="$TORCH_JSON" \
   ${EXTRA[@]+"${EXTRA[@]}"} 2>&1 | tee -a "$LOG"
 rc=${PIPESTATUS[0]}
@@ -113,6 +140,7 @@ case $rc in
   124|137) say "device_check: timed out" ; rc=124 ;;
   *) say "device_check: exited $rc" ;;
 esac
+step_done check
 
 # A tool next to nvcc or on PATH.
 cuda_tool() {
@@ -120,20 +148,23 @@ cuda_tool() {
   t=$(command -v "$1" 2> /dev/null) || t="$(dirname "$NVCC")/$1"
   [ -x "$t" ] && echo "$t"
 }
-# Correctness runs only (--check-only): every launch is instrumented.
-SMALL=(--sizes=1000,100003 --densities=0.001,0.3 --check-only)
+# Correctness runs only (--check-only): every launch is instrumented. Normal
+# input and two on which the exact selector's digits decide late (more
+# histogram passes, the final compaction from u).
+SMALL=(--sizes=1000,100003 --densities=0.001,0.3 --check-only
+       --inputs=normal,narrow_band,ties)
 
-# 4. compute-sanitizer on small sizes: out-of-bounds and misaligned
+# 4. compute-sanitizer on small sizes and three inputs: out-of-bounds and misaligned
 # accesses, shared-memory races, barrier misuse (each tool's errors fail
 # the run; a tool that cannot run here is reported and skipped).
 SAN=$(cuda_tool compute-sanitizer)
 if [ "$SANITIZE" = 1 ] && [ -n "$SAN" ]; then
   for tool in memcheck racecheck synccheck; do
-    if ! time_for 90; then
+    if ! time_for $SAN_S; then
       say "compute-sanitizer $tool: skipped (${SECONDS} s of BUDGET=$BUDGET used)"
       continue
     fi
-    timeout -k 10 90 "$SAN" --tool "$tool" --error-exitcode 99 \
+    timeout -k 10 "$SAN_S" "$SAN" --tool "$tool" --error-exitcode 99 \
       "$BUILD_DIR/device_check" "${SMALL[@]}" \
       --json="$OUT/sanitizer_$tool.json" > "$OUT/sanitizer_$tool.log" 2>&1
     rs=$?
@@ -145,6 +176,7 @@ if [ "$SANITIZE" = 1 ] && [ -n "$SAN" ]; then
           [ "$rc" -eq 0 ] && rc=1 ;;
       *) say "compute-sanitizer $tool: did not complete (exit $rs; see sanitizer_$tool.log)" ;;
     esac
+    step_done "sanitizer $tool"
   done
 elif [ "$SANITIZE" = 1 ]; then
   say "compute-sanitizer not found: step 4 skipped"
@@ -152,18 +184,20 @@ fi
 
 # 5. Per-kernel device times (ncu, clocks left as they are) for one size.
 NCU=$(cuda_tool ncu)
-if [ "$PROFILE" = 1 ] && [ -n "$NCU" ] && ! time_for 120; then
+if [ "$PROFILE" = 1 ] && [ -n "$NCU" ] && ! time_for $NCU_S; then
   say "ncu: skipped (${SECONDS} s of BUDGET=$BUDGET used)"
 elif [ "$PROFILE" = 1 ] && [ -n "$NCU" ]; then
   # Every kernel of one checked selection per method (--check-only), with
   # the caches as the program leaves them (--cache-control none: u is
   # larger than L2 anyway; the small kernels would otherwise start cold).
-  timeout -k 10 120 "$NCU" --clock-control none --cache-control none \
+  timeout -k 10 "$NCU_S" "$NCU" --clock-control none --cache-control none \
     --metrics gpu__time_duration.sum --launch-count 400 \
     --print-summary per-kernel --csv --log-file "$OUT/ncu_kernels.csv" \
     "$BUILD_DIR/device_check" --sizes=25557032 --densities=0.001 --check-only \
+    --inputs=normal \
     --json="$OUT/ncu_run.json" > "$OUT/ncu.log" 2>&1
   rn=$?
+  step_done ncu
   if [ $rn -eq 0 ]; then
     say "ncu: per-kernel times in $OUT/ncu_kernels.csv"
   else
@@ -172,4 +206,5 @@ elif [ "$PROFILE" = 1 ] && [ -n "$NCU" ]; then
 elif [ "$PROFILE" = 1 ]; then
   say "ncu not found: step 5 skipped"
 fi
+say "device_check.sh: done in ${SECONDS} s (BUDGET=$BUDGET)"
 exit "$rc"

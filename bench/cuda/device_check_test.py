@@ -3,11 +3,14 @@
 where a device exists): argument handling, torch-timings merge, JSON output.
 
 With --emulated (the binary is cuda_device_check_emu, the same program on the
-CUDA emulator) it also runs the correctness checks for real on small sizes
-and validates every JSON row against an independent reading of the
-contracts, runs --check-only (also with threads and blocks shuffled on 2
-multiprocessors), and checks that a device failure (emulated device memory
-too small) gives exit 1 and a JSON naming the failure.
+CUDA emulator) it also runs the correctness checks for real on every input
+kind at small sizes (--check-only on an H200-sized grid, and with threads and
+blocks shuffled on 2 multiprocessors), a timed run of every input on a
+2-multiprocessor grid (the emulator is slow: a 1024-thread block is 1024
+fibers) whose JSON rows, x_normal figures and targets it validates against
+an independent reading of the contracts, and checks that a device failure
+(emulated device memory too small) gives exit 1 and a JSON naming the
+failure.
 
 usage: device_check_test.py [--emulated] <device_check binary>
 """
@@ -20,15 +23,32 @@ import tempfile
 
 SIZES = (1, 1000, 100003)
 DENSITIES = (0.0001, 0.001, 0.01)
-# Rows per (n, density) and how many correctness checks each method does.
+INPUTS = ("normal", "narrow_band", "ties", "laplace_zeros", "all_equal",
+          "outliers")
+# The timed run (2 multiprocessors): every input at one n, two densities.
+TIMED_SIZES = (1000,)
+TIMED_DENSITIES = (0.001, 0.01)
+# Rows per (input, n, density) and how many correctness checks each does.
 METHODS = ("exact", "exact_after_update", "fused_update", "gaussiank",
            "gaussiank_after_update", "dgc")
 CHECKS_PER_DENSITY = 5  # exact, exact+update, gaussiank, gaussiank+update, dgc
+GAUSSIANK_CHECKS_PER_DENSITY = 2  # gaussiank, gaussiank+update
+# Issue 15's targets by name; those measured only at n = 25,557,032 or
+# 138,357,544 (not measured on small sizes).
+BIG_N_TARGETS = ("exact_n25557032_d0.001", "exact_after_update_n25557032_d0.001",
+                 "gaussiank_wall_n25557032_d0.001", "dgc_wall_n25557032_d0.001",
+                 "exact_n138357544_d0.001_vs_read")
+ALL_TARGETS = BIG_N_TARGETS + tuple(
+    "any_input_" + i for i in INPUTS if i != "normal") + (
+        "small_n_le_1000000", "gaussiank_count_contract")
 
 
-def run(binary, *args):
+def run(binary, *args, emu=None):
+    env = dict(os.environ)
+    if emu is not None:
+        env["GTOPK_CUDA_EMU"] = emu
     return subprocess.run([binary, *args], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env=env)
 
 
 def expected_k(n, density):
@@ -48,115 +68,213 @@ def count_range(method, k):
     return 0, 0  # fused_update, d2d_copy: no selection
 
 
-def check_real_run(doc, stdout, failures):
-    """The JSON of the small emulated run: every row, within contracts."""
-    if not doc.get("device_present") or "emulator" not in doc.get("gpu", ""):
-        failures.append("emulated run: device %r, gpu %r" %
-                        (doc.get("device_present"), doc.get("gpu")))
-    want_checks = CHECKS_PER_DENSITY * len(SIZES) * len(DENSITIES)
-    c = doc.get("correctness", {})
-    if c.get("checks") != want_checks or c.get("failed") != 0 or \
-            c.get("failures"):
-        failures.append("correctness %r, want %d checks, 0 failed" %
-                        (c, want_checks))
-    if "correctness: %d checks, 0 failed" % want_checks not in stdout:
-        failures.append("summary line missing: %r" % stdout[-300:])
-    rows = doc.get("rows", [])
+def figure(r):
+    """What x_normal and the targets compare: wall_us, else us."""
+    return r["wall_us"] if r["wall_us"] is not None else r["us"]
+
+
+def close(a, b):
+    # The JSON prints 6 significant digits.
+    return abs(a - b) <= 1e-4 * max(abs(a), abs(b)) + 1e-9
+
+
+def check_rows(doc, failures):
+    """Every row of the timed run: present once, within its contracts."""
+    rows = [r for r in doc.get("rows", []) if r.get("input") is not None]
     seen = {}
     for r in rows:
-        key = (r["n"], r["density"], r["method"])
+        key = (r["input"], r["n"], r["density"], r["method"])
         if key in seen:
             failures.append("duplicate row %r" % (key,))
         seen[key] = r
-    copies = {r["n"]: r for r in rows if r["method"] == "d2d_copy"}
-    want_rows = len(SIZES) * (len(DENSITIES) * len(METHODS) + 1)
-    if len(rows) != want_rows:
-        failures.append("%d rows, want %d" % (len(rows), want_rows))
-    for n in SIZES:
-        if n not in copies or copies[n]["k"] != 0 or \
-                copies[n]["count"] != 0 or copies[n]["density"] != 0:
-            failures.append("d2d_copy row for n=%d: %r" % (n, copies.get(n)))
+    copies = {r["n"]: r for r in doc.get("rows", [])
+              if r["method"] == "d2d_copy"}
+    want = len(INPUTS) * len(TIMED_SIZES) * len(TIMED_DENSITIES) * len(METHODS)
+    if len(rows) != want:
+        failures.append("%d input rows, want %d" % (len(rows), want))
+    if [i["name"] for i in doc.get("inputs", [])] != list(INPUTS):
+        failures.append("inputs %r" % doc.get("inputs"))
+    for n in TIMED_SIZES:
+        c = copies.get(n)
+        if c is None or c["k"] != 0 or c["count"] != 0 or \
+                c["density"] != 0 or c["input"] is not None or \
+                c["x_normal"] is not None:
+            failures.append("d2d_copy row for n=%d: %r" % (n, c))
             continue
-        one_read = copies[n]["us"] / 2
-        for d in DENSITIES:
-            k = expected_k(n, d)
-            for m in METHODS:
-                r = seen.get((n, d, m))
-                if r is None:
-                    failures.append("no %s row for n=%d density=%g" % (m, n, d))
+        one_read = c["us"] / 2
+        for inp in INPUTS:
+            for d in TIMED_DENSITIES:
+                k = expected_k(n, d)
+                for m in METHODS:
+                    r = seen.get((inp, n, d, m))
+                    where = "%s %s n=%d density=%g" % (inp, m, n, d)
+                    if r is None:
+                        failures.append("no row " + where)
+                        continue
+                    check_row(r, seen[("normal", n, d, m)], k, one_read,
+                              where, failures)
+
+
+def check_row(r, normal, k, one_read, where, failures):
+    m = r["method"]
+    lo, hi = count_range(m, k)
+    if r["k"] != k:
+        failures.append("%s: k %r, want %d" % (where, r["k"], k))
+    if not lo <= r["count"] <= hi:
+        failures.append("%s: count %d outside [%d, %d]" %
+                        (where, r["count"], lo, hi))
+    us, min_us = r["us"], r["min_us"]
+    if not (isinstance(us, (int, float)) and
+            isinstance(min_us, (int, float)) and 0 <= min_us <= us):
+        failures.append("%s: us %r min_us %r" % (where, us, min_us))
+    if r["one_read_us"] is None or \
+            abs(r["one_read_us"] - one_read) > 1e-3 * one_read + 1e-2:
+        failures.append("%s: one_read_us %r, d2d copy / 2 = %r" %
+                        (where, r["one_read_us"], one_read))
+    if r["torch_topk_us"] is not None:
+        failures.append("%s: torch timing without --torch-json" % where)
+    # Selections carry the host wall time; gaussiank/dgc the share of
+    # fast-path (device-decided) selections.
+    base = m.replace("_after_update", "")
+    wall = r.get("wall_us")
+    if (base in ("exact", "gaussiank", "dgc")) != \
+            (isinstance(wall, (int, float)) and wall > 0):
+        failures.append("%s: wall_us %r" % (where, wall))
+    fast = r.get("fast_path_fraction")
+    if base in ("gaussiank", "dgc"):
+        if not (isinstance(fast, (int, float)) and 0 <= fast <= 1):
+            failures.append("%s: fast_path_fraction %r" % (where, fast))
+    elif fast is not None:
+        failures.append("%s: fast_path_fraction %r for a method without one"
+                        % (where, fast))
+    # x_normal: this row's figure over the normal row's (1 on normal).
+    xn = r.get("x_normal")
+    if not isinstance(xn, (int, float)) or \
+            not close(xn, figure(r) / figure(normal)) or \
+            (r["input"] == "normal" and xn != 1):
+        failures.append("%s: x_normal %r, figure %r / normal %r" %
+                        (where, xn, figure(r), figure(normal)))
+    # The exact plan of the last timed selection, on exact rows only.
+    passes, from_u = r.get("digit_passes", "absent"), \
+        r.get("final_from_u", "absent")
+    if base == "exact":
+        if not (isinstance(passes, int) and 0 <= passes <= 3 and
+                (passes >= 1 or m != "exact")) or \
+                not isinstance(from_u, bool):
+            failures.append("%s: digit_passes %r final_from_u %r" %
+                            (where, passes, from_u))
+    elif passes is not None or from_u is not None:
+        failures.append("%s: digit_passes %r final_from_u %r on a method "
+                        "without an exact plan" % (where, passes, from_u))
+
+
+def check_targets(doc, stdout, gaussiank_checks, timed, failures):
+    """The targets array against the rows, and their summary lines."""
+    targets = {t["name"]: t for t in doc.get("targets", [])}
+    if sorted(targets) != sorted(ALL_TARGETS):
+        failures.append("targets %r, want %r" % (sorted(targets),
+                                                  sorted(ALL_TARGETS)))
+        return
+    rows = [r for r in doc["rows"] if r.get("input") is not None]
+    by_key = {(r["input"], r["n"], r["density"], r["method"]): r
+              for r in rows}
+    expect = {name: (None, None) for name in ALL_TARGETS}  # (met, figure)
+    if timed:
+        for inp in INPUTS[1:]:
+            worst, fig = None, None
+            for r in rows:
+                if r["input"] != inp or r["density"] not in DENSITIES:
                     continue
-                lo, hi = count_range(m, k)
-                where = "%s n=%d density=%g" % (m, n, d)
-                if r["k"] != k:
-                    failures.append("%s: k %r, want %d" % (where, r["k"], k))
-                if not lo <= r["count"] <= hi:
-                    failures.append("%s: count %d outside [%d, %d]" %
-                                    (where, r["count"], lo, hi))
-                us, min_us = r["us"], r["min_us"]
-                if not (isinstance(us, (int, float)) and
-                        isinstance(min_us, (int, float)) and
-                        0 <= min_us <= us):
-                    failures.append("%s: us %r min_us %r" % (where, us,
-                                                             min_us))
-                if r["one_read_us"] is None or \
-                        abs(r["one_read_us"] - one_read) > 1e-3 * one_read + 1e-2:
-                    failures.append("%s: one_read_us %r, d2d copy / 2 = %r" %
-                                    (where, r["one_read_us"], one_read))
-                if r["torch_topk_us"] is not None:
-                    failures.append("%s: torch timing without --torch-json" %
-                                    where)
-                # Selections carry the host wall time; gaussiank/dgc the
-                # share of fast-path (device-decided) selections.
-                base = m.replace("_after_update", "")
-                timed = base in ("exact", "gaussiank", "dgc")
-                wall = r.get("wall_us")
-                if timed != (isinstance(wall, (int, float)) and wall > 0):
-                    failures.append("%s: wall_us %r" % (where, wall))
-                fast = r.get("fast_path_fraction")
-                if base in ("gaussiank", "dgc"):
-                    if not (isinstance(fast, (int, float)) and 0 <= fast <= 1):
-                        failures.append("%s: fast_path_fraction %r" %
-                                        (where, fast))
-                elif fast is not None:
-                    failures.append("%s: fast_path_fraction %r for a method "
-                                    "without one" % (where, fast))
+                ratio = figure(r) / figure(
+                    by_key[("normal", r["n"], r["density"], r["method"])])
+                if worst is None or ratio > worst:
+                    worst, fig = ratio, figure(r)
+            expect["any_input_" + inp] = (worst <= 2, fig)
+        small = max(figure(r) for r in rows if r["n"] <= 1000000)
+        expect["small_n_le_1000000"] = (small <= 15, small)
+    expect["gaussiank_count_contract"] = (True, None)
+    for name, (met, fig) in expect.items():
+        t = targets[name]
+        if t["met"] is not met:
+            failures.append("target %s: met %r, want %r" % (name, t["met"],
+                                                            met))
+        if fig is None and t["figure_us"] is not None or \
+                fig is not None and (t["figure_us"] is None or
+                                     not close(t["figure_us"], fig)):
+            failures.append("target %s: figure_us %r, want %r" %
+                            (name, t["figure_us"], fig))
+        status = {True: "met", False: "missed", None: "not measured"}[met]
+        if "target %s: %s (" % (name, status) not in stdout:
+            failures.append("no summary line 'target %s: %s'" % (name,
+                                                                status))
+    want = "0 of %d checks failed" % gaussiank_checks
+    if want not in targets["gaussiank_count_contract"]["detail"] and \
+            want not in stdout:
+        failures.append("gaussiank_count_contract: %r, want %r" %
+                        (targets["gaussiank_count_contract"], want))
 
 
 def emulated_checks(binary, tmp, failures):
-    # The real run on small sizes.
-    out = os.path.join(tmp, "emu.json")
-    r = run(binary, "--sizes=" + ",".join(map(str, SIZES)),
-            "--densities=" + ",".join(map(str, DENSITIES)), "--iters=20",
-            "--warmup=2", "--json=" + out)
-    if r.returncode != 0:
-        failures.append("emulated run: rc %d: %s %s" %
-                        (r.returncode, r.stdout[-2000:], r.stderr[-2000:]))
-    if not os.path.exists(out):
-        failures.append("emulated run wrote no JSON")
-    else:
-        check_real_run(json.load(open(out)), r.stdout, failures)
-    # --check-only: the same checks, no timing rows.
+    # Every input's correctness checks on an H200-sized grid, in order.
     out = os.path.join(tmp, "check_only.json")
-    r = run(binary, "--sizes=1000", "--densities=0.01", "--check-only",
+    r = run(binary, "--sizes=" + ",".join(map(str, SIZES)),
+            "--densities=" + ",".join(map(str, DENSITIES)), "--check-only",
             "--json=" + out)
+    want_checks = CHECKS_PER_DENSITY * len(SIZES) * len(DENSITIES) * \
+        len(INPUTS)
     if r.returncode != 0 or not os.path.exists(out):
-        failures.append("--check-only: rc %d: %s" % (r.returncode,
-                                                     r.stderr[-500:]))
+        failures.append("--check-only: rc %d: %s %s" %
+                        (r.returncode, r.stdout[-2000:], r.stderr[-500:]))
     else:
         doc = json.load(open(out))
-        if doc["rows"] or doc["correctness"]["checks"] != CHECKS_PER_DENSITY \
-                or doc["correctness"]["failed"] != 0:
-            failures.append("--check-only: rows %r, correctness %r" %
-                            (doc["rows"], doc["correctness"]))
+        c = doc["correctness"]
+        if doc["rows"] or c["checks"] != want_checks or c["failed"] != 0 or \
+                c["failures"]:
+            failures.append("--check-only: rows %r, correctness %r, want %d "
+                            "checks" % (doc["rows"][:2], c, want_checks))
+        if "correctness: %d checks, 0 failed" % want_checks not in r.stdout:
+            failures.append("summary line missing: %r" % r.stdout[-300:])
+        # No timing: every timing target is "not measured".
+        check_targets(doc, r.stdout, GAUSSIANK_CHECKS_PER_DENSITY *
+                      len(SIZES) * len(DENSITIES) * len(INPUTS), False,
+                      failures)
+    # The timed run: every input, on 2 multiprocessors (in order).
+    out = os.path.join(tmp, "emu.json")
+    r = run(binary, "--sizes=" + ",".join(map(str, TIMED_SIZES)),
+            "--densities=" + ",".join(map(str, TIMED_DENSITIES)),
+            "--iters=20", "--warmup=1", "--json=" + out, emu="sms=2")
+    if r.returncode != 0 or not os.path.exists(out):
+        failures.append("emulated run: rc %d: %s %s" %
+                        (r.returncode, r.stdout[-2000:], r.stderr[-2000:]))
+    else:
+        doc = json.load(open(out))
+        if not doc.get("device_present") or \
+                "emulator" not in doc.get("gpu", ""):
+            failures.append("emulated run: device %r, gpu %r" %
+                            (doc.get("device_present"), doc.get("gpu")))
+        c = doc["correctness"]
+        want = CHECKS_PER_DENSITY * len(TIMED_SIZES) * \
+            len(TIMED_DENSITIES) * len(INPUTS)
+        if c["checks"] != want or c["failed"] != 0:
+            failures.append("emulated run: correctness %r, want %d" %
+                            (c, want))
+        check_rows(doc, failures)
+        check_targets(doc, r.stdout, GAUSSIANK_CHECKS_PER_DENSITY *
+                      len(TIMED_SIZES) * len(TIMED_DENSITIES) * len(INPUTS),
+                      True, failures)
+        for inp in INPUTS:
+            if "== input %s: " % inp not in r.stdout:
+                failures.append("no table for input %s" % inp)
     # The checks again with threads and blocks shuffled on 2 multiprocessors
     # (16 blocks at most: the capped grids and longer grid-stride loops).
     out = os.path.join(tmp, "shuffled.json")
-    env = dict(os.environ, GTOPK_CUDA_EMU="order=shuffle seed=7 sms=2")
-    r = subprocess.run([binary, "--sizes=" + ",".join(map(str, SIZES)),
-                        "--densities=" + ",".join(map(str, DENSITIES)),
-                        "--check-only", "--json=" + out],
-                       capture_output=True, text=True, timeout=120, env=env)
-    want_checks = CHECKS_PER_DENSITY * len(SIZES) * len(DENSITIES)
+    shuffled_inputs = ("normal", "narrow_band", "ties", "all_equal")
+    r = run(binary, "--sizes=" + ",".join(map(str, SIZES)),
+            "--densities=" + ",".join(map(str, DENSITIES)),
+            "--inputs=" + ",".join(shuffled_inputs), "--check-only",
+            "--json=" + out, emu="order=shuffle seed=7 sms=2")
+    want_checks = CHECKS_PER_DENSITY * len(SIZES) * len(DENSITIES) * \
+        len(shuffled_inputs)
     if r.returncode != 0 or not os.path.exists(out):
         failures.append("shuffled: rc %d: %s %s" % (r.returncode,
                                                     r.stdout[-2000:],
@@ -165,13 +283,27 @@ def emulated_checks(binary, tmp, failures):
         c = json.load(open(out))["correctness"]
         if c["checks"] != want_checks or c["failed"] != 0:
             failures.append("shuffled: correctness %r" % c)
+    # --budget-s: no block starts past the budget; each is listed as skipped
+    # (and the exit status still means correctness: 0).
+    out = os.path.join(tmp, "budget.json")
+    r = run(binary, "--sizes=1000,1", "--densities=0.01", "--check-only",
+            "--inputs=normal,ties", "--budget-s=0.000001", "--json=" + out)
+    skipped = ["normal n=1000", "normal n=1", "ties n=1000", "ties n=1"]
+    if r.returncode != 0 or not os.path.exists(out):
+        failures.append("--budget-s: rc %d: %s" % (r.returncode,
+                                                   r.stderr[-500:]))
+    else:
+        doc = json.load(open(out))
+        if doc["skipped"] != skipped or doc["correctness"]["checks"] != 0 or \
+                "NOT RUN (--budget-s=1e-06): ties n=1" not in r.stdout:
+            failures.append("--budget-s: skipped %r, correctness %r, %r" %
+                            (doc["skipped"], doc["correctness"],
+                             r.stdout[-500:]))
     # A device failure: 1.5 MB of emulated device memory cannot hold the
     # selector's scratch for n = 100003 (20 bytes per entry + 1 MiB).
     out = os.path.join(tmp, "oom.json")
-    env = dict(os.environ, GTOPK_CUDA_EMU="memory_bytes=1500000")
-    r = subprocess.run([binary, "--sizes=100003", "--densities=0.01",
-                        "--json=" + out], capture_output=True, text=True,
-                       timeout=120, env=env)
+    r = run(binary, "--sizes=100003", "--densities=0.01", "--json=" + out,
+            emu="memory_bytes=1500000")
     if r.returncode != 1 or not os.path.exists(out):
         failures.append("out of device memory: rc %d (want 1): %s" %
                         (r.returncode, r.stderr[-500:]))
@@ -191,7 +323,9 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         # Bad arguments: usage, exit 2, no JSON.
         for bad in (["--sizes=0"], ["--iters=5"], ["--densities=1.5"],
-                    ["--bogus"], ["--sizes=1,x"], ["--check-only=1"]):
+                    ["--bogus"], ["--sizes=1,x"], ["--check-only=1"],
+                    ["--inputs=normal,bogus"], ["--inputs=ties,ties"],
+                    ["--inputs="], ["--budget-s=-1"]):
             r = run(binary, *bad, "--json=" + os.path.join(tmp, "bad.json"))
             if r.returncode != 2 or "usage" not in r.stderr:
                 failures.append("%s: rc %d, stderr %r" % (bad, r.returncode,
@@ -207,14 +341,16 @@ def main():
         out = os.path.join(tmp, "out.json")
         r = run(binary, "--allow-no-device", "--sizes=1000",
                 "--densities=0.01", "--iters=20", "--warmup=2",
-                "--torch-json=" + torch, "--json=" + out)
+                "--inputs=normal", "--torch-json=" + torch, "--json=" + out,
+                emu="sms=2")
         if r.returncode != 0:
             failures.append("run: rc %d: %s %s" % (r.returncode, r.stdout,
                                                    r.stderr))
         else:
             doc = json.load(open(out))
             for key in ("command", "gpu", "device_present", "torch",
-                        "correctness", "rows"):
+                        "correctness", "inputs", "skipped", "rows",
+                        "targets"):
                 if key not in doc:
                     failures.append("JSON lacks %r" % key)
             torch_rows = [x for x in doc.get("rows", [])
