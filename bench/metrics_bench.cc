@@ -37,8 +37,8 @@ namespace {
 
 // The registry of the metrics library measured: the only lines that differ
 // between the "before" and "after" runs of bench/results/metrics_*.json.
-using MetricsRegistry = metrics::Registry;
-constexpr char kMetricsLibrary[] = "common/metrics (in-house)";
+using MetricsRegistry = prometheus::Registry;
+constexpr char kMetricsLibrary[] = "prometheus-cpp 1.0.1 (Debian)";
 
 constexpr uint32_t kShards = 2;
 constexpr uint64_t kN = 25557032;  // ResNet-50
