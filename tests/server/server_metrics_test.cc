@@ -124,6 +124,15 @@ TEST(ServerMetricsTest, CountsMatchTheWorkersOwnStats) {
   }
   for (const worker::StepStats& s : stats[0]) selected += s.received_pairs;
 
+  // A shard counts a pull's bytes once stream->Write returned, which can be
+  // after the worker already has it: wait (bounded) for the last counts.
+  const absl::Time settle = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < settle &&
+         ParseSamples(Scrape(*registry))
+                 ["gtopk_server_sent_bytes_total{method=\"PushPull\"}"] <
+             received) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
   auto samples = ParseSamples(Scrape(*registry));
   // The push bytes of the rejected message are counted as received too.
   v1::Push rejected;
