@@ -48,7 +48,7 @@ DEB_PACKAGES := build-essential cmake ninja-build pkg-config libboost-context-de
 	libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev zlib1g-dev \
 	libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc \
 	libtorch-dev dataset-fashion-mnist python3 \
-	libcpp-httplib-dev prometheus \
+	prometheus-cpp-dev prometheus \
 	python3-torch python3-numpy python3-dev pybind11-dev python3-pybind11 \
 	gnuplot-nox iproute2 \
 	docker-compose python3-yaml

@@ -37,7 +37,6 @@
 #include "common/cluster_spec.h"
 #include "common/host_port.h"
 #include "common/metrics/exposer.h"
-#include "common/metrics/metrics.h"
 #include "common/metrics/process_collector.h"
 #include "worker/cancellation.h"
 #include "worker/client.h"
@@ -252,11 +251,11 @@ class Client {
     if (metrics_port > 0) {
       const std::string address =
           ValueOrRaise(MetricsBindAddress(metrics_host, metrics_port));
-      registry_ = std::make_shared<metrics::Registry>();
+      registry_ = std::make_shared<prometheus::Registry>();
       metrics::RegisterBuildInfo(*registry_, "gtopk-python");
       process_metrics_ = std::make_shared<metrics::ProcessCollector>();
-      absl::StatusOr<std::unique_ptr<metrics::Exposer>> started =
-          metrics::Exposer::Start(address);
+      absl::StatusOr<std::unique_ptr<prometheus::Exposer>> started =
+          metrics::StartExposer(address);
       if (!started.ok()) {
         Raise(absl::Status(started.status().code(),
                            absl::StrCat("metrics_host=", metrics_host,
@@ -287,7 +286,9 @@ class Client {
   int num_shards() { return Get().cluster().shards_size(); }
   uint64_t n() { return Get().cluster().n(); }
   int64_t next_step() { return Get().next_step(); }
-  int metrics_port() const { return exposer_ ? exposer_->port() : 0; }
+  int metrics_port() const {
+    return exposer_ ? metrics::BoundPort(*exposer_) : 0;
+  }
   py::dict cluster() { return ClusterDict(Get().cluster()); }
 
   void CheckSettings(std::optional<std::string> mode,
@@ -451,9 +452,9 @@ class Client {
 
   std::mutex mu_;
   std::shared_ptr<Cancellation> cancellation_;
-  std::shared_ptr<metrics::Registry> registry_;
+  std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<metrics::ProcessCollector> process_metrics_;
-  std::unique_ptr<metrics::Exposer> exposer_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
   std::unique_ptr<WorkerClient> client_;
   std::unique_ptr<worker::WorkerMetrics> metrics_;
   std::optional<StepStats> last_;

@@ -28,7 +28,6 @@
 #include "common/codec.h"
 #include "common/host_port.h"
 #include "common/metrics/exposer.h"
-#include "common/metrics/metrics.h"
 #include "common/metrics/process_collector.h"
 #include "common/optimizer.h"
 #include "common/status_macros.h"
@@ -248,16 +247,16 @@ int main(int argc, char** argv) {
   const uint32_t shard_id = config->shard_id;
   // Metrics first: a port that cannot be bound fails before the shard runs.
   const int64_t metrics_port = absl::GetFlag(FLAGS_metrics_port);
-  std::shared_ptr<gtopk::metrics::Registry> registry;
+  std::shared_ptr<prometheus::Registry> registry;
   std::shared_ptr<gtopk::metrics::ProcessCollector> process_metrics;
-  std::unique_ptr<gtopk::metrics::Exposer> exposer;
+  std::unique_ptr<prometheus::Exposer> exposer;
   if (metrics_port > 0) {
-    registry = std::make_shared<gtopk::metrics::Registry>();
+    registry = std::make_shared<prometheus::Registry>();
     gtopk::metrics::RegisterBuildInfo(*registry, "gtopk-server");
     process_metrics = std::make_shared<gtopk::metrics::ProcessCollector>();
     const std::string metrics_host = absl::GetFlag(FLAGS_metrics_host);
-    absl::StatusOr<std::unique_ptr<gtopk::metrics::Exposer>> started =
-        gtopk::metrics::Exposer::Start(
+    absl::StatusOr<std::unique_ptr<prometheus::Exposer>> started =
+        gtopk::metrics::StartExposer(
             *gtopk::MetricsBindAddress(metrics_host, metrics_port));
     if (!started.ok()) {
       std::fprintf(stderr,
@@ -281,9 +280,11 @@ int main(int argc, char** argv) {
   }
   std::printf("listening on %s\n", (*server)->address().c_str());
   if (exposer != nullptr) {
+    exposer->RegisterCollectable(
+        (*server)->service()->metrics().checkpoint_age());
     std::printf("metrics on %s\n",
                 gtopk::MetricsBindAddress(absl::GetFlag(FLAGS_metrics_host),
-                                          exposer->port())
+                                          gtopk::metrics::BoundPort(*exposer))
                     ->c_str());
   }
   std::fflush(stdout);

@@ -7,15 +7,17 @@
 #include <vector>
 
 #include "grpcpp/support/interceptor.h"
+#include "prometheus/client_metric.h"
+#include "prometheus/metric_family.h"
 
 namespace gtopk {
 namespace server {
 namespace {
 
-using metrics::BuildCounter;
-using metrics::BuildGauge;
-using metrics::BuildHistogram;
 using metrics::DurationBuckets;
+using prometheus::BuildCounter;
+using prometheus::BuildGauge;
+using prometheus::BuildHistogram;
 
 const char* const kStatusCodeNames[17] = {
     "OK",        "CANCELLED",          "UNKNOWN",           "INVALID_ARGUMENT",
@@ -74,21 +76,22 @@ const char* RejectReasonName(RejectReason reason) {
 
 // gtopk_server_checkpoint_age_seconds, computed at scrape time; absent until
 // the first checkpoint.
-class ServerMetrics::CheckpointAge final : public metrics::Collectable {
+class ServerMetrics::CheckpointAge final : public prometheus::Collectable {
  public:
   void Written() {
     last_.store(absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()),
                 std::memory_order_relaxed);
   }
-  std::vector<metrics::MetricFamily> Collect() const override {
+  std::vector<prometheus::MetricFamily> Collect() const override {
     const double last = last_.load(std::memory_order_relaxed);
     if (std::isnan(last)) return {};
-    metrics::MetricFamily f;
+    prometheus::MetricFamily f;
     f.name = "gtopk_server_checkpoint_age_seconds";
     f.help = "Seconds since this shard last wrote its checkpoint successfully.";
-    f.type = metrics::MetricType::kGauge;
-    metrics::ClientMetric m;
-    m.value = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()) - last;
+    f.type = prometheus::MetricType::Gauge;
+    prometheus::ClientMetric m;
+    m.gauge.value =
+        absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()) - last;
     f.metric.push_back(m);
     return {f};
   }
@@ -97,7 +100,7 @@ class ServerMetrics::CheckpointAge final : public metrics::Collectable {
   std::atomic<double> last_{std::numeric_limits<double>::quiet_NaN()};
 };
 
-ServerMetrics::ServerMetrics(metrics::Registry& registry) {
+ServerMetrics::ServerMetrics(prometheus::Registry& registry) {
   auto& received = BuildCounter()
                        .Name("gtopk_server_received_bytes_total")
                        .Help("Serialized request message bytes received, by "
@@ -182,7 +185,6 @@ ServerMetrics::ServerMetrics(metrics::Registry& registry) {
            .Register(registry)
            .Add({});
   checkpoint_age_ = std::make_shared<CheckpointAge>();
-  registry.RegisterCollectable(checkpoint_age_);
 }
 
 ServerMetrics::~ServerMetrics() = default;
@@ -216,6 +218,10 @@ void ServerMetrics::RoundCompleted(const RoundResult& r) {
 }
 
 void ServerMetrics::CheckpointWritten() { checkpoint_age_->Written(); }
+
+std::shared_ptr<prometheus::Collectable> ServerMetrics::checkpoint_age() const {
+  return checkpoint_age_;
+}
 
 void ServerMetrics::CheckpointFailed() { checkpoint_failures_->Increment(); }
 

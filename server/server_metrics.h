@@ -1,6 +1,7 @@
 // The metrics one gtopk-server exports (docs/metrics.md, "Server"), created
-// up front in a metrics::Registry so that the gRPC handlers only touch
-// lock-free counters, gauges and histograms.
+// up front in a prometheus::Registry so that the gRPC handlers only touch
+// handles looked up once: lock-free counters and gauges, histograms with an
+// uncontended per-histogram mutex (common/metrics/metrics.h).
 #ifndef GTOPK_SERVER_SERVER_METRICS_H_
 #define GTOPK_SERVER_SERVER_METRICS_H_
 
@@ -34,20 +35,23 @@ enum class RejectReason {
 };
 const char* RejectReasonName(RejectReason reason);
 
-// Thread-safety: every method is thread-safe and lock-free, except the
-// constructor (which registers the families).
+// Thread-safety: every method is thread-safe; none takes a lock shared with
+// other series or with a scrape beyond the histograms' own (RoundCompleted,
+// once per round), except the constructor (which registers the families).
 class ServerMetrics {
  public:
   // Registers every server family in `registry` (which must outlive this
-  // object) and creates every known label set with value 0.
-  explicit ServerMetrics(metrics::Registry& registry);
+  // object) and creates every known label set with value 0. Throws
+  // std::invalid_argument (prometheus-cpp) only if `registry` already holds
+  // one of these names with another type: a programmer error.
+  explicit ServerMetrics(prometheus::Registry& registry);
   ~ServerMetrics();
 
-  metrics::Counter& received_push_bytes() { return *received_push_; }
-  metrics::Counter& received_init_bytes() { return *received_init_; }
-  metrics::Counter& sent_pull_bytes() { return *sent_pull_; }
-  metrics::Counter& sent_download_bytes() { return *sent_download_; }
-  metrics::Gauge& connected_workers() { return *connected_workers_; }
+  prometheus::Counter& received_push_bytes() { return *received_push_; }
+  prometheus::Counter& received_init_bytes() { return *received_init_; }
+  prometheus::Counter& sent_pull_bytes() { return *sent_pull_; }
+  prometheus::Counter& sent_download_bytes() { return *sent_download_; }
+  prometheus::Gauge& connected_workers() { return *connected_workers_; }
 
   void Rejected(RejectReason reason);
   // Counts a finished RPC whose status is not OK.
@@ -63,6 +67,13 @@ class ServerMetrics {
   // The failures counted so far (for tests and logs).
   double checkpoint_failures() const;
 
+  // gtopk_server_checkpoint_age_seconds, computed at scrape time (absent
+  // until the first checkpoint): prometheus::Registry holds only its own
+  // families, so whoever serves the registry registers this collectable
+  // beside it (prometheus::Exposer::RegisterCollectable holds it weakly; it
+  // lives as long as this object).
+  std::shared_ptr<prometheus::Collectable> checkpoint_age() const;
+
   // A gRPC interceptor factory that calls RpcFinished for every call of the
   // server (add it with ServerBuilder::experimental().SetInterceptorCreators).
   std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>
@@ -71,23 +82,23 @@ class ServerMetrics {
  private:
   class CheckpointAge;
 
-  metrics::Counter* received_push_;
-  metrics::Counter* received_init_;
-  metrics::Counter* sent_pull_;
-  metrics::Counter* sent_download_;
-  metrics::Histogram* round_duration_;
-  metrics::Histogram* slowest_wait_;
-  metrics::Histogram* merge_duration_;
-  metrics::Histogram* threshold_duration_;
-  metrics::Counter* selected_pairs_;
-  metrics::Counter* rounds_;
-  metrics::Gauge* step_;
-  metrics::Gauge* connected_workers_;
-  std::array<metrics::Counter*, static_cast<size_t>(RejectReason::kCount)>
+  prometheus::Counter* received_push_;
+  prometheus::Counter* received_init_;
+  prometheus::Counter* sent_pull_;
+  prometheus::Counter* sent_download_;
+  prometheus::Histogram* round_duration_;
+  prometheus::Histogram* slowest_wait_;
+  prometheus::Histogram* merge_duration_;
+  prometheus::Histogram* threshold_duration_;
+  prometheus::Counter* selected_pairs_;
+  prometheus::Counter* rounds_;
+  prometheus::Gauge* step_;
+  prometheus::Gauge* connected_workers_;
+  std::array<prometheus::Counter*, static_cast<size_t>(RejectReason::kCount)>
       rejected_;
   // Indexed by grpc::StatusCode (1..16).
-  std::array<metrics::Counter*, 17> rpc_errors_{};
-  metrics::Counter* checkpoint_failures_;
+  std::array<prometheus::Counter*, 17> rpc_errors_{};
+  prometheus::Counter* checkpoint_failures_;
   std::shared_ptr<CheckpointAge> checkpoint_age_;
   std::atomic<int64_t> last_round_step_{-1};
 };

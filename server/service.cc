@@ -324,7 +324,7 @@ AggregatorService::AggregatorService(ServerConfig config)
     : config_(std::move(config)),
       metrics_registry_(config_.metrics_registry != nullptr
                             ? config_.metrics_registry
-                            : std::make_shared<metrics::Registry>()),
+                            : std::make_shared<prometheus::Registry>()),
       metrics_(std::make_unique<ServerMetrics>(*metrics_registry_)) {
   rank_given_.assign(config_.num_workers, false);
   member_token_.assign(config_.num_workers, 0);

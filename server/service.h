@@ -81,8 +81,9 @@ struct ServerConfig {
   // this (>= 0); 0: only on graceful shutdown. Needs checkpoint_dir.
   int64_t checkpoint_every = 0;
   // Where the shard registers its metrics (docs/metrics.md, "Server"); null:
-  // a private registry nobody scrapes. Shared with the metrics exposer.
-  std::shared_ptr<metrics::Registry> metrics_registry;
+  // a private registry nobody scrapes. Shared with the metrics exposer, which
+  // also serves ServerMetrics::checkpoint_age() (not held by the registry).
+  std::shared_ptr<prometheus::Registry> metrics_registry;
   // How many checkpoints (the newest) this shard retains as
   // shard-<id>.step-<N>.ckpt for crash recovery (docs/recovery.md), >= 1.
   // 2 lets a shard killed before writing its newest checkpoint be caught up
@@ -381,7 +382,7 @@ class AggregatorService final : public v1::Aggregator::Service {
   absl::StatusOr<WorkerPush> DecodePush(const v1::Push& push, uint64_t n) const;
 
   const ServerConfig config_;
-  std::shared_ptr<metrics::Registry> metrics_registry_;
+  std::shared_ptr<prometheus::Registry> metrics_registry_;
   std::unique_ptr<ServerMetrics> metrics_;
   // Shard 0 only: the per-step threshold rendezvous and the leader's own way
   // to it.

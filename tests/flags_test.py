@@ -8,6 +8,7 @@ before the join.
 
 Usage: flags_test.py SERVER_BINARY [WORKER_BINARY]
 """
+import contextlib
 import os
 import socket
 import subprocess
@@ -23,6 +24,15 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def taken_port():
+    """A loopback port another socket listens on while the block runs."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        yield s.getsockname()[1]
 
 
 # (flag the message must name, extra arguments)
@@ -174,6 +184,19 @@ class ServerFlagsTest(unittest.TestCase):
             p.wait(timeout=30)
             p.stdout.close()
 
+    def test_a_taken_metrics_port_exits_2_naming_the_address(self):
+        """prometheus-cpp's exposer throws when it cannot bind; the server
+        turns that into a clear error at start, before the shard runs."""
+        with taken_port() as port:
+            r = run([SERVER, "--listen=127.0.0.1:0", "--metrics-host=127.0.0.1",
+                     "--metrics-port=%d" % port])
+        self.assertEqual(r.returncode, 2, r.stdout)
+        self.assertIn("--metrics-port=%d" % port, r.stdout)
+        self.assertIn("UNAVAILABLE: cannot listen on 127.0.0.1:%d" % port,
+                      r.stdout)
+        self.assertNotIn("listening on", r.stdout)
+        self.assertNotIn("terminate called", r.stdout)
+
 
 class WorkerFlagsTest(unittest.TestCase):
     def test_each_bad_value_exits_1_before_joining_naming_the_flag(self):
@@ -186,6 +209,16 @@ class WorkerFlagsTest(unittest.TestCase):
                 r = run(argv + extra)
                 self.assertEqual(r.returncode, 1, r.stdout)
                 self.assertIn(flag, r.stdout)
+
+    def test_a_taken_metrics_port_exits_1_before_joining(self):
+        with taken_port() as port:
+            r = run([WORKER, "--server=127.0.0.1:%d" % free_port(),
+                     "--model=synthetic:10", "--metrics-host=127.0.0.1",
+                     "--metrics-port=%d" % port])
+        self.assertEqual(r.returncode, 1, r.stdout)
+        self.assertIn("--metrics-port=%d" % port, r.stdout)
+        self.assertIn("cannot listen on 127.0.0.1:%d" % port, r.stdout)
+        self.assertNotIn("terminate called", r.stdout)
 
     def test_bad_job_completion_index(self):
         r = run([WORKER, "--server=127.0.0.1:%d" % free_port(),

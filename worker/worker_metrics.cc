@@ -5,11 +5,11 @@
 namespace gtopk {
 namespace worker {
 
-using metrics::BuildCounter;
-using metrics::BuildGauge;
-using metrics::BuildHistogram;
+using prometheus::BuildCounter;
+using prometheus::BuildGauge;
+using prometheus::BuildHistogram;
 
-WorkerMetrics::WorkerMetrics(metrics::Registry& registry, uint32_t rank,
+WorkerMetrics::WorkerMetrics(prometheus::Registry& registry, uint32_t rank,
                              uint32_t num_shards, uint64_t n)
     : n_(n) {
   auto& sent = BuildCounter()

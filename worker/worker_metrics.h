@@ -1,5 +1,6 @@
 // The metrics one gtopk worker exports (docs/metrics.md, "Worker"), created
-// up front in a metrics::Registry so that recording a step is lock-free.
+// up front in a prometheus::Registry so that recording a step only touches
+// handles looked up once (no Family::Add, no registry lock per step).
 #ifndef GTOPK_WORKER_WORKER_METRICS_H_
 #define GTOPK_WORKER_WORKER_METRICS_H_
 
@@ -13,13 +14,18 @@
 namespace gtopk {
 namespace worker {
 
-// Thread-safety: every method is thread-safe (lock-free updates).
+// Thread-safety: every method is thread-safe. RecordStep updates counters and
+// gauges lock-free and takes each histogram's own mutex once (uncontended:
+// one trainer thread records steps); RecordTestAccuracy takes the family's
+// mutex (once per evaluation).
 class WorkerMetrics {
  public:
   // Registers the worker families in `registry` (which must outlive this
   // object) for a cluster of `num_shards` shards and n = `n` parameters;
-  // creates every shard and phase series with value 0.
-  WorkerMetrics(metrics::Registry& registry, uint32_t rank,
+  // creates every shard and phase series with value 0. Throws
+  // std::invalid_argument (prometheus-cpp) only if `registry` already holds
+  // one of these names with another type: a programmer error.
+  WorkerMetrics(prometheus::Registry& registry, uint32_t rank,
                 uint32_t num_shards, uint64_t n);
 
   // Records one applied step: bytes per shard (stats.bytes_sent/received,
@@ -35,15 +41,15 @@ class WorkerMetrics {
   enum Phase { kCompute, kAccumulate, kSelect, kEncode, kPush, kWait, kApply,
                kNumPhases };
   const uint64_t n_;
-  std::vector<metrics::Counter*> sent_;
-  std::vector<metrics::Counter*> received_;
-  metrics::Counter* dense_equivalent_;
-  metrics::Histogram* step_duration_;
-  metrics::Histogram* phases_[kNumPhases];
-  metrics::Gauge* density_;
-  metrics::Gauge* loss_;
-  metrics::Family<metrics::Gauge>* test_accuracy_;
-  metrics::Gauge* step_;
+  std::vector<prometheus::Counter*> sent_;
+  std::vector<prometheus::Counter*> received_;
+  prometheus::Counter* dense_equivalent_;
+  prometheus::Histogram* step_duration_;
+  prometheus::Histogram* phases_[kNumPhases];
+  prometheus::Gauge* density_;
+  prometheus::Gauge* loss_;
+  prometheus::Family<prometheus::Gauge>* test_accuracy_;
+  prometheus::Gauge* step_;
 };
 
 }  // namespace worker

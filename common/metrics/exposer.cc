@@ -1,27 +1,68 @@
 #include "common/metrics/exposer.h"
 
-#include <httplib.h>
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
-#include <chrono>
 #include <cstdint>
+#include <exception>
+#include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "common/metrics/text_serializer.h"
 
 namespace gtopk {
 namespace metrics {
+namespace {
 
-Exposer::Exposer() : server_(std::make_unique<httplib::Server>()) {}
+// `host` as a numeric address civetweb's listening_ports accepts ("1.2.3.4"
+// or "[::1]"); host names resolved with getaddrinfo. Empty on failure.
+std::string NumericHost(const std::string& host) {
+  in_addr v4{};
+  in6_addr v6{};
+  if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return host;
+  if (inet_pton(AF_INET6, host.c_str(), &v6) == 1) return "[" + host + "]";
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), nullptr, &hints, &found) != 0 ||
+      found == nullptr) {
+    return "";
+  }
+  char text[INET6_ADDRSTRLEN] = {};
+  std::string out;
+  if (found->ai_family == AF_INET &&
+      inet_ntop(AF_INET,
+                &reinterpret_cast<sockaddr_in*>(found->ai_addr)->sin_addr,
+                text, sizeof text) != nullptr) {
+    out = text;
+  } else if (found->ai_family == AF_INET6 &&
+             inet_ntop(AF_INET6,
+                       &reinterpret_cast<sockaddr_in6*>(found->ai_addr)
+                            ->sin6_addr,
+                       text, sizeof text) != nullptr) {
+    out = absl::StrCat("[", text, "]");
+  }
+  freeaddrinfo(found);
+  return out;
+}
 
-absl::StatusOr<std::unique_ptr<Exposer>> Exposer::Start(
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartExposer(
     const std::string& bind_address) {
   const size_t colon = bind_address.rfind(':');
+  const absl::string_view digits =
+      colon == std::string::npos
+          ? absl::string_view()
+          : absl::string_view(bind_address).substr(colon + 1);
   uint32_t port = 0;
-  if (colon == std::string::npos || colon == 0 ||
-      !absl::SimpleAtoi(absl::string_view(bind_address).substr(colon + 1),
-                        &port) ||
-      port > 65535) {
+  if (colon == std::string::npos || colon == 0 || digits.empty() ||
+      digits.find_first_not_of("0123456789") != absl::string_view::npos ||
+      !absl::SimpleAtoi(digits, &port) || port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat(
         "metrics address must be host:port with a port in [0, 65535], got '",
         bind_address, "'"));
@@ -30,78 +71,37 @@ absl::StatusOr<std::unique_ptr<Exposer>> Exposer::Start(
   if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
     host = host.substr(1, host.size() - 2);
   }
-  std::unique_ptr<Exposer> exposer(new Exposer());
-  httplib::Server& server = *exposer->server_;
-  // Two threads are plenty for a scrape every few seconds.
-  server.new_task_queue = [] { return new httplib::ThreadPool(2); };
-  // SO_REUSEADDR only: httplib's default also sets SO_REUSEPORT, which would
-  // let a second process silently share the port instead of failing.
-  server.set_socket_options([](socket_t sock) {
-    int yes = 1;
-    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-  });
-  server.set_read_timeout(5, 0);
-  server.set_write_timeout(5, 0);
-  // One request per connection, and at most 2 s for an idle connection's
-  // request: with httplib's defaults (100 requests, 5 s keep-alive) every
-  // scraper that keeps its connection open (Prometheus does) holds one of
-  // the two threads for 5 s after each scrape, so two of them made any
-  // other scrape wait 5 s, past a 1 s scrape_timeout.
-  server.set_keep_alive_max_count(1);
-  server.set_keep_alive_timeout(2);
-  Exposer* self = exposer.get();
-  server.Get("/metrics",
-             [self](const httplib::Request&, httplib::Response& response) {
-               response.set_content(self->Scrape(), kTextContentType);
-             });
-  if (port == 0) {
-    const int bound = server.bind_to_any_port(host);
-    if (bound <= 0) {
-      return absl::UnavailableError(
-          absl::StrCat("cannot listen on ", bind_address, " for metrics"));
-    }
-    exposer->port_ = bound;
-  } else {
-    if (!server.bind_to_port(host, static_cast<int>(port))) {
-      return absl::UnavailableError(absl::StrCat(
-          "cannot listen on ", bind_address,
-          " for metrics (port in use, or not an address of this host)"));
-    }
-    exposer->port_ = static_cast<int>(port);
+  const std::string numeric = NumericHost(host);
+  if (numeric.empty()) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", bind_address,
+                     " for metrics: cannot resolve '", host, "'"));
   }
-  exposer->thread_ = std::thread([self] { self->server_->listen_after_bind(); });
-  // stop() is a no-op until the loop runs: wait for it (bounded), so that
-  // the destructor always ends the thread.
-  for (int i = 0; i < 5000 && !server.is_running(); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  // civetweb's options (prometheus-cpp passes them through). Keep-alive off:
+  // civetweb then answers every request with "Connection: close", so a
+  // scraper that keeps its connection open (Prometheus does; an HA pair is
+  // two of them) never holds one of the two threads between scrapes.
+  std::vector<std::string> options = {
+      "listening_ports", absl::StrCat(numeric, ":", port),
+      "num_threads", absl::StrCat(kExposerThreads),
+      "enable_keep_alive", "no",
+      "request_timeout_ms", absl::StrCat(kExposerRequestTimeoutMs),
+  };
+  try {
+    return std::make_unique<prometheus::Exposer>(std::move(options));
+  } catch (const std::exception& e) {
+    // CivetServer throws CivetException ("null context when constructing
+    // CivetServer. Possible problem binding to port.").
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on ", bind_address,
+        " for metrics (port in use, or not an address of this host): ",
+        e.what()));
   }
-  return exposer;
 }
 
-Exposer::~Exposer() {
-  server_->stop();
-  if (thread_.joinable()) thread_.join();
-}
-
-void Exposer::RegisterCollectable(
-    const std::weak_ptr<Collectable>& collectable) {
-  std::lock_guard<std::mutex> lock(mu_);
-  collectables_.push_back(collectable);
-}
-
-std::string Exposer::Scrape() const {
-  std::vector<std::shared_ptr<Collectable>> live;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& weak : collectables_) {
-      if (auto c = weak.lock()) live.push_back(std::move(c));
-    }
-  }
-  std::vector<MetricFamily> families;
-  for (const auto& c : live) {
-    for (MetricFamily& f : c->Collect()) families.push_back(std::move(f));
-  }
-  return SerializeText(families);
+int BoundPort(prometheus::Exposer& exposer) {
+  const std::vector<int> ports = exposer.GetListeningPorts();
+  return ports.empty() ? 0 : ports.front();
 }
 
 }  // namespace metrics

@@ -1,59 +1,49 @@
-// HTTP GET /metrics for a process (prometheus-cpp's Exposer), served by
-// cpp-httplib (Debian: libcpp-httplib-dev) on its own threads: scrapes never
-// run on, or wait for, gRPC threads; they read the metrics' atomics and take
-// only the short per-family locks described in common/metrics/metrics.h.
+// Starting prometheus-cpp's HTTP exposer (GET /metrics, served by civetweb
+// on threads of its own: scrapes never run on, or wait for, gRPC threads)
+// with gtopk's settings and errors as absl::Status: prometheus::Exposer's
+// constructor throws when it cannot listen, and an exception must not
+// escape a gtopk process's start-up (or the Python binding) as a crash.
 #ifndef GTOPK_COMMON_METRICS_EXPOSER_H_
 #define GTOPK_COMMON_METRICS_EXPOSER_H_
 
+#include <prometheus/exposer.h>
+
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
-#include <vector>
 
 #include "absl/status/statusor.h"
-#include "common/metrics/metrics.h"
-
-namespace httplib {
-class Server;
-}
 
 namespace gtopk {
 namespace metrics {
 
-class Exposer {
- public:
-  // Listens on `bind_address` = "host:port" (port 0 picks a free port; e.g.
-  // "0.0.0.0:9400") and serves GET /metrics (text format 0.0.4) from two
-  // threads of its own; one request per connection (Connection: close), so
-  // scrapers that keep connections open cannot hold those threads; an idle
-  // connection holds one for at most 2 s. Errors: INVALID_ARGUMENT for an
-  // address that is not host:port with a port in [0, 65535]; UNAVAILABLE when
-  // it cannot bind.
-  static absl::StatusOr<std::unique_ptr<Exposer>> Start(
-      const std::string& bind_address);
-  // Stops listening and joins the server thread (in-flight scrapes finish).
-  ~Exposer();
+// Threads serving /metrics; two are plenty for a scrape every few seconds.
+inline constexpr int kExposerThreads = 2;
+// How long a connection may take to send its request (and how long a slow
+// client may hold one of the kExposerThreads) before it is closed.
+inline constexpr int kExposerRequestTimeoutMs = 2000;
 
-  // Adds `collectable` to what GET /metrics serializes (in registration
-  // order). Held weakly: a collectable that was destroyed is skipped.
-  void RegisterCollectable(const std::weak_ptr<Collectable>& collectable);
+// Listens on `bind_address` = "host:port" ("0.0.0.0:9400", "[::]:9400",
+// "localhost:9400": a host name is resolved once, to its first address; port
+// 0 picks a free port, see BoundPort) and serves GET /metrics in the text
+// format 0.0.4 from kExposerThreads threads of civetweb. Every response
+// closes its connection (no keep-alive), and a connection that sends no
+// request within kExposerRequestTimeoutMs is closed, so scrapers that keep
+// connections open, or idle ones, cannot hold the threads and starve other
+// scrapers. Register what to serve with RegisterCollectable (held weakly:
+// the caller keeps the shared_ptr; a destroyed one is skipped). Besides
+// those, /metrics always carries prometheus-cpp's own exposer_* families
+// (docs/metrics.md).
+//
+// Errors (nothing is thrown): INVALID_ARGUMENT for an address that is not
+// host:port with a port in [0, 65535]; UNAVAILABLE naming the address when
+// the host cannot be resolved or the port cannot be bound (in use, or not an
+// address of this host). Thread-safe. The returned exposer stops listening
+// and joins its threads when destroyed.
+absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartExposer(
+    const std::string& bind_address);
 
-  // The bound port (the chosen one when 0 was asked for).
-  std::vector<int> GetListeningPorts() const { return {port_}; }
-  int port() const { return port_; }
-
-  // What GET /metrics returns now.
-  std::string Scrape() const;
-
- private:
-  Exposer();
-  std::unique_ptr<httplib::Server> server_;
-  std::thread thread_;
-  int port_ = 0;
-  mutable std::mutex mu_;
-  std::vector<std::weak_ptr<Collectable>> collectables_;
-};
+// The port `exposer` listens on (the chosen one when 0 was asked for).
+int BoundPort(prometheus::Exposer& exposer);
 
 }  // namespace metrics
 }  // namespace gtopk

@@ -11,7 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/metrics/metrics.h"
-#include "common/metrics/text_serializer.h"
+#include "prometheus/text_serializer.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
@@ -23,7 +23,13 @@
 namespace gtopk {
 namespace {
 
-// Series line "name{labels} value" -> value, from the text format.
+// The text format of `c`, as the exposer serves it.
+std::string Scrape(const prometheus::Collectable& c) {
+  return prometheus::TextSerializer().Serialize(c.Collect());
+}
+
+// Series line "name{labels} value" -> value, from the text format. Labels
+// are written sorted by name (prometheus::Labels is a std::map).
 std::map<std::string, double> ParseSamples(const std::string& text) {
   std::map<std::string, double> out;
   std::istringstream in(text);
@@ -39,7 +45,7 @@ std::map<std::string, double> ParseSamples(const std::string& text) {
 TEST(ServerMetricsTest, CountsMatchTheWorkersOwnStats) {
   constexpr uint64_t kN = 2000;
   constexpr int kWorkers = 2, kSteps = 6;
-  auto registry = std::make_shared<metrics::Registry>();
+  auto registry = std::make_shared<prometheus::Registry>();
   server::ServerConfig config;
   config.num_workers = kWorkers;
   config.optimizer.density = 0.01;
@@ -118,7 +124,16 @@ TEST(ServerMetricsTest, CountsMatchTheWorkersOwnStats) {
   }
   for (const worker::StepStats& s : stats[0]) selected += s.received_pairs;
 
-  auto samples = ParseSamples(metrics::SerializeText(registry->Collect()));
+  // A shard counts a pull's bytes once stream->Write returned, which can be
+  // after the worker already has it: wait (bounded) for the last counts.
+  const absl::Time settle = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < settle &&
+         ParseSamples(Scrape(*registry))
+                 ["gtopk_server_sent_bytes_total{method=\"PushPull\"}"] <
+             received) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  auto samples = ParseSamples(Scrape(*registry));
   // The push bytes of the rejected message are counted as received too.
   v1::Push rejected;
   rejected.set_step(kSteps);
@@ -142,7 +157,9 @@ TEST(ServerMetricsTest, CountsMatchTheWorkersOwnStats) {
   EXPECT_EQ(samples["gtopk_server_rejected_messages_total{reason=\"invalid\"}"], 0);
   EXPECT_EQ(samples["gtopk_server_rpc_errors_total{code=\"INVALID_ARGUMENT\"}"], 1);
   EXPECT_EQ(samples.count("gtopk_server_rpc_errors_total{code=\"DATA_LOSS\"}"), 1u);
-  EXPECT_EQ(samples.count("gtopk_server_checkpoint_age_seconds"), 0u);  // none written
+  // None written: the scrape-time collectable has nothing to say.
+  EXPECT_EQ(samples.count("gtopk_server_checkpoint_age_seconds"), 0u);
+  EXPECT_TRUE(cluster.shard(0).service()->metrics().checkpoint_age()->Collect().empty());
   // Present from the start (no checkpoint dir: never fails).
   EXPECT_EQ(samples.count("gtopk_server_checkpoint_failures_total"), 1u);
   EXPECT_EQ(samples["gtopk_server_checkpoint_failures_total"], 0);
@@ -151,17 +168,17 @@ TEST(ServerMetricsTest, CountsMatchTheWorkersOwnStats) {
   clients.clear();
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   while (absl::Now() < deadline &&
-         ParseSamples(metrics::SerializeText(registry->Collect()))
+         ParseSamples(Scrape(*registry))
                  ["gtopk_server_connected_workers"] != 0) {
     absl::SleepFor(absl::Milliseconds(20));
   }
-  EXPECT_EQ(ParseSamples(metrics::SerializeText(registry->Collect()))
+  EXPECT_EQ(ParseSamples(Scrape(*registry))
                 ["gtopk_server_connected_workers"],
             0);
 }
 
 TEST(WorkerMetricsTest, RecordsAStepAsGiven) {
-  metrics::Registry registry;
+  prometheus::Registry registry;
   worker::WorkerMetrics m(registry, /*rank=*/3, /*num_shards=*/2, /*n=*/1000);
   worker::StepStats s;
   s.step = 41;
@@ -176,7 +193,7 @@ TEST(WorkerMetricsTest, RecordsAStepAsGiven) {
   s.apply = absl::Milliseconds(1);
   m.RecordStep(s, absl::Milliseconds(20), absl::Milliseconds(70), 0.75);
   m.RecordStep(s, absl::Milliseconds(20), absl::Milliseconds(70), 0.5);
-  auto samples = ParseSamples(metrics::SerializeText(registry.Collect()));
+  auto samples = ParseSamples(Scrape(registry));
   EXPECT_EQ(samples["gtopk_worker_sent_bytes_total{shard=\"0\"}"], 200);
   EXPECT_EQ(samples["gtopk_worker_sent_bytes_total{shard=\"1\"}"], 100);
   EXPECT_EQ(samples["gtopk_worker_received_bytes_total{shard=\"1\"}"], 80);
@@ -194,8 +211,33 @@ TEST(WorkerMetricsTest, RecordsAStepAsGiven) {
   EXPECT_EQ(samples["gtopk_worker_phase_duration_seconds_bucket{phase=\"push\",le=\"0.005\"}"], 2);
   EXPECT_EQ(samples.count("gtopk_worker_test_accuracy"), 0u);  // not evaluated
   m.RecordTestAccuracy(0.875);
-  samples = ParseSamples(metrics::SerializeText(registry.Collect()));
+  samples = ParseSamples(Scrape(registry));
   EXPECT_EQ(samples["gtopk_worker_test_accuracy"], 0.875);
+}
+
+// gtopk_server_checkpoint_age_seconds: absent until a checkpoint is written,
+// then the seconds since, growing between scrapes; served beside the
+// registry (a prometheus::Registry holds only its own families).
+TEST(ServerMetricsTest, CheckpointAgeCountsFromTheLastWrite) {
+  prometheus::Registry registry;
+  server::ServerMetrics m(registry);
+  EXPECT_EQ(Scrape(*m.checkpoint_age()), "");
+  EXPECT_EQ(ParseSamples(Scrape(registry)).count(
+                "gtopk_server_checkpoint_age_seconds"),
+            0u);
+  m.CheckpointWritten();
+  const std::string text = Scrape(*m.checkpoint_age());
+  EXPECT_NE(text.find("# TYPE gtopk_server_checkpoint_age_seconds gauge\n"),
+            std::string::npos)
+      << text;
+  const double first =
+      ParseSamples(text)["gtopk_server_checkpoint_age_seconds"];
+  EXPECT_GE(first, 0);
+  EXPECT_LT(first, 5);
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_GE(ParseSamples(Scrape(*m.checkpoint_age()))
+                ["gtopk_server_checkpoint_age_seconds"],
+            first + 0.04);
 }
 
 }  // namespace

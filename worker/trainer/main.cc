@@ -25,7 +25,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/metrics/exposer.h"
-#include "common/metrics/metrics.h"
 #include "common/metrics/process_collector.h"
 #include "worker/trainer/cpu_isa.h"
 #include "worker/trainer/idx_reader.h"
@@ -163,13 +162,13 @@ absl::Status Run() {
       gtopk::MetricsBindAddress(metrics_host, static_cast<int>(metrics_port));
   if (!metrics_address.ok()) return metrics_address.status();
   std::shared_ptr<gtopk::metrics::ProcessCollector> process_metrics;
-  std::unique_ptr<gtopk::metrics::Exposer> exposer;
+  std::unique_ptr<prometheus::Exposer> exposer;
   if (metrics_port > 0) {
-    o.metrics_registry = std::make_shared<gtopk::metrics::Registry>();
+    o.metrics_registry = std::make_shared<prometheus::Registry>();
     gtopk::metrics::RegisterBuildInfo(*o.metrics_registry, "gtopk-worker");
     process_metrics = std::make_shared<gtopk::metrics::ProcessCollector>();
-    absl::StatusOr<std::unique_ptr<gtopk::metrics::Exposer>> started =
-        gtopk::metrics::Exposer::Start(*metrics_address);
+    absl::StatusOr<std::unique_ptr<prometheus::Exposer>> started =
+        gtopk::metrics::StartExposer(*metrics_address);
     if (!started.ok()) {
       return absl::Status(
           started.status().code(),
@@ -181,7 +180,8 @@ absl::Status Run() {
     exposer->RegisterCollectable(o.metrics_registry);
     exposer->RegisterCollectable(process_metrics);
     std::printf("metrics on %s\n",
-                gtopk::MetricsBindAddress(metrics_host, exposer->port())
+                gtopk::MetricsBindAddress(metrics_host,
+                                          gtopk::metrics::BoundPort(*exposer))
                     ->c_str());
     std::fflush(stdout);
   }

@@ -42,7 +42,7 @@ struct TrainerOptions {
   absl::Duration rpc_timeout = absl::Seconds(60);
   // Where the worker registers its metrics (docs/metrics.md, "Worker"),
   // shared with main()'s exposer (--metrics-port); null: no metrics.
-  std::shared_ptr<metrics::Registry> metrics_registry;
+  std::shared_ptr<prometheus::Registry> metrics_registry;
   // How long a worker keeps recovering (WorkerClient::Recover) and
   // retrying a step that failed, from the step's first failure; reset by
   // every successful step. Also bounds recovering the final parameter check
