@@ -2,19 +2,21 @@
 # Proves the device bundle on this machine (`make device-bundle-check`;
 # bench/cuda/README.md, "The whole worker on the device"): in a private
 # mount namespace, overlays hide every system file the bundle stands in for
-# (`device_bundle.py system-paths`: the gRPC, Abseil, re2, c-ares and
-# cpp-httplib headers, libraries of every variant, CMake and pkg-config
-# files, grpc_cpp_plugin; plus every libgrpc*/libgpr*/libupb*/libre2*/
-# libcares*/libaddress_sorting*/libabsl_* file), so they are absent, not
-# empty. Then, from the bundle alone (-DGTOPK_DEVICE_BUNDLE), it configures
-# with CUDA on, builds gtopk-server, gtopk-worker (against Debian's CPU
-# libtorch here) and the gpu-labelled tests (their CUDA objects compile
-# here; they cannot run), checks that no hidden library was linked, and
-# runs S=2 shards and P=2 workers on loopback for a few steps of
-# synthetic:100000 with the device run's launcher (deploy/local/
-# gtopk_local.py), requiring equal replica checksums. The device's own
-# packages (protobuf 3.21, GTest, Boost, zlib, OpenSSL) stay visible: the
-# device has them too.
+# (`device_bundle.py system-paths`: the gRPC, Abseil, re2, c-ares,
+# prometheus-cpp and civetweb headers, libraries of every variant, CMake and
+# pkg-config files, grpc_cpp_plugin; plus every libgrpc*/libgpr*/libupb*/
+# libre2*/libcares*/libaddress_sorting*/libabsl_*/libprometheus-cpp*/
+# libcivetweb* file), so they are absent, not empty. Then, from the bundle
+# alone (-DGTOPK_DEVICE_BUNDLE), it configures with CUDA on, builds
+# gtopk-server, gtopk-worker (against Debian's CPU libtorch here) and the
+# gpu-labelled tests (their CUDA objects compile here; they cannot run),
+# checks that no hidden library was linked and that prometheus-cpp and
+# civetweb load from the bundle (LD_LIBRARY_PATH on its unpacked folder, as
+# bench/cuda/e2e_device.sh sets it on the device), and runs S=2 shards and
+# P=2 workers on loopback for a few steps of synthetic:100000 with the
+# device run's launcher (deploy/local/gtopk_local.py), requiring equal
+# replica checksums. The device's own packages (protobuf 3.21, GTest,
+# Boost, zlib, OpenSSL) stay visible: the device has them too.
 #
 # usage: bench/cuda/bundle_check.sh      (as root: it needs unshare -m and
 #        overlay mounts; `make device-bundle` first)
@@ -52,7 +54,8 @@ say() { echo "bundle-check: $*"; }
 
 # 1. Hide: one overlay per root, a whiteout (char 0:0) per hidden entry.
 ROOTS=(/usr/include /usr/lib/x86_64-linux-gnu /usr/bin)
-EXTRA=(libgrpc* libgpr* libupb* libre2* libcares* libaddress_sorting* libabsl_*)
+EXTRA=(libgrpc* libgpr* libupb* libre2* libcares* libaddress_sorting* libabsl_*
+       libprometheus-cpp* libcivetweb*)
 mapfile -t HIDE < <(
   "$PY" bench/cuda/device_bundle.py system-paths "$BUNDLE"
   for g in "${EXTRA[@]}"; do compgen -G "/usr/lib/x86_64-linux-gnu/$g"; done
@@ -81,11 +84,19 @@ done
 for p in "${HIDE[@]}"; do
   if [ -e "$p" ] || [ -L "$p" ]; then say "still visible: $p"; exit 12; fi
 done
-say "${#HIDE[@]} system paths hidden (e.g. /usr/include/grpcpp, libgrpc++.a, libabsl_base.so, grpc_cpp_plugin)"
+say "${#HIDE[@]} system paths hidden (e.g. /usr/include/grpcpp, libgrpc++.a, libabsl_base.so, grpc_cpp_plugin,
+  /usr/include/prometheus, libprometheus-cpp-pull.so.1.0, libcivetweb.so.1)"
 
 # 2. Configure and build from the bundle. CUDA on: the worker's device
 # Step and the gpu tests compile here, as on the device.
 TARGETS=(gtopk_server gtopk_worker cuda_sparsify_test worker_client_cuda_test)
+# The bundle's shared libraries (prometheus-cpp core and pull, civetweb;
+# CMake unpacks them there) for everything that runs, from the build's test
+# discovery on: the binaries' RUNPATH finds prometheus-cpp, but not what
+# libprometheus-cpp-pull.so itself needs (civetweb). As on the device.
+case "$BUILD_DIR" in /*) DEPS_LIB=$BUILD_DIR ;; *) DEPS_LIB=$ROOT/$BUILD_DIR ;; esac
+DEPS_LIB=$DEPS_LIB/device_deps/prefix/lib/x86_64-linux-gnu
+export LD_LIBRARY_PATH="$DEPS_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 t0=$SECONDS
 rm -f "$BUILD_DIR/CMakeCache.txt"  # found afresh (the objects stay)
 if ! timeout -k 10 300 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
@@ -94,10 +105,12 @@ if ! timeout -k 10 300 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Re
   tail -30 "$BUILD_DIR.configure.log"
   say "configure failed (log: $BUILD_DIR.configure.log)"; exit 10
 fi
-grep -E "^gRPC_DIR|^absl_DIR" "$BUILD_DIR/CMakeCache.txt"
-if ! grep -q "^gRPC_DIR:PATH=.*device_deps" "$BUILD_DIR/CMakeCache.txt"; then
-  say "gRPC was not found in the bundle"; exit 12
-fi
+grep -E "^(gRPC|absl|prometheus-cpp|civetweb)_DIR" "$BUILD_DIR/CMakeCache.txt"
+for pkg in gRPC prometheus-cpp civetweb; do
+  if ! grep -q "^${pkg}_DIR:PATH=.*device_deps" "$BUILD_DIR/CMakeCache.txt"; then
+    say "$pkg was not found in the bundle"; exit 12
+  fi
+done
 timeout -k 10 "$BUILD_TIMEOUT" cmake --build "$BUILD_DIR" -j "$JOBS" --target "${TARGETS[@]}"
 rc=$?
 if [ $rc -ne 0 ]; then
@@ -105,14 +118,23 @@ if [ $rc -ne 0 ]; then
 fi
 say "configure + build: $(( SECONDS - t0 )) s"
 
-# 3. Nothing hidden got linked: the bundle's libraries are static (the
-# shared cpp-httplib comes from the bundle's folder).
+# 3. Nothing hidden got linked: gRPC, Abseil, re2, c-ares are static; the
+# shared prometheus-cpp (core, pull) and civetweb (and civetweb-cpp) load
+# from the bundle's folder, each of the four, and from nowhere else.
 for b in "$BUILD_DIR/server/gtopk-server" "$BUILD_DIR/worker/gtopk-worker"; do
-  if ldd "$b" | grep -E "libgrpc|libgpr|libabsl|libupb|libre2|libcares|not found"; then
+  deps=$(ldd "$b" 2>&1)
+  if grep -E "libgrpc|libgpr|libabsl|libupb|libre2|libcares|not found" <<< "$deps"; then
     say "$b links a hidden or missing library"; exit 12
   fi
+  for lib in libprometheus-cpp-core.so.1.0 libprometheus-cpp-pull.so.1.0 libcivetweb.so.1 \
+      libcivetweb-cpp.so.1; do
+    line=$(grep -F "$lib =>" <<< "$deps" | sed 's/^[[:space:]]*//')
+    case "$line" in
+      *"=> $DEPS_LIB/$lib "*) echo "  ${b##*/}: $line" ;;
+      *) say "${b##*/}: $lib not from the bundle: '${line:-not needed}'"; exit 12 ;;
+    esac
+  done
 done
-ldd "$BUILD_DIR/worker/gtopk-worker" | grep -E "httplib|brotli"
 
 # 4. A loopback smoke run: S=2, P=2, synthetic, a few steps.
 t0=$SECONDS
