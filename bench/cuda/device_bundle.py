@@ -82,11 +82,11 @@ def parse_list(path):
     return entries
 
 
-def project_uses(name):
-    """Whether a CMakeLists.txt of the project finds package `name`."""
+def project_uses(name, root=ROOT):
+    """Whether a CMakeLists.txt under `root` (the project) finds package `name`."""
     pat = re.compile(r"(find_package\(\s*" + re.escape(name) + r"[\s)]|pkg_check_modules\([^)]*\b"
                      + re.escape(name) + r"\b)", re.IGNORECASE)
-    for dirpath, dirnames, filenames in os.walk(ROOT):
+    for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in ("build", "node_modules")
                        and not d.startswith("build-")]
         if "CMakeLists.txt" in filenames:

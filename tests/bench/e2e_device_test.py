@@ -9,8 +9,10 @@
   missed by the right figures, CPU/GPU ratios, replicas that differ
   flagged, ctest failures and skipped steps reported.
 - bench/cuda/device_bundle.py: the package list parses (and a bad line is
-  an error naming it), `when=` follows the project's CMake files, and the
-  CMake rewrite turns a Debian SHARED import into a STATIC one at the .a.
+  an error naming it), `when=` follows the project's CMake files
+  (find_package and pkg_check_modules, build folders skipped) and every
+  conditional line is one the build uses today, and the CMake rewrite turns
+  a Debian SHARED import into a STATIC one at the .a.
 """
 
 import importlib.util
@@ -163,8 +165,21 @@ class BundleListTest(unittest.TestCase):
         by_name = {e["package"]: e for e in entries}
         self.assertEqual(by_name["libgrpc++-dev"]["kind"], "static")
         self.assertIn("absl_*", by_name["libabsl-dev"]["libs"])
-        self.assertEqual(by_name["prometheus-cpp-dev"]["when"], "prometheus-cpp")
+        # prometheus-cpp (core, pull) and civetweb: shared (Debian has no .a),
+        # packed while the build finds prometheus-cpp.
+        for pkg in ("prometheus-cpp-dev", "libcivetweb-dev"):
+            self.assertEqual(by_name[pkg]["kind"], "shared", pkg)
+            self.assertEqual(by_name[pkg]["when"], "prometheus-cpp", pkg)
         self.assertEqual(by_name["dataset-fashion-mnist"]["kind"], "data")
+
+    def test_every_conditional_entry_is_packed_today(self):
+        # A when= that no CMakeLists.txt finds is a dead line: the list should
+        # say what the bundle carries (cpp-httplib was dropped, not kept
+        # conditional, when issue 17 ended its use).
+        for e in self.mod.parse_list(self.mod.LIST):
+            if e["when"]:
+                self.assertTrue(self.mod.project_uses(e["when"]),
+                                "%s: when=%s, which no CMakeLists.txt finds" % (e["package"], e["when"]))
 
     def test_bad_line_is_named(self):
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
@@ -177,8 +192,24 @@ class BundleListTest(unittest.TestCase):
 
     def test_when_follows_the_cmake_files(self):
         self.assertTrue(self.mod.project_uses("absl"))
-        self.assertTrue(self.mod.project_uses("cpp-httplib"))  # pkg_check_modules
+        self.assertTrue(self.mod.project_uses("prometheus-cpp"))  # find_package(prometheus-cpp CONFIG ...)
+        self.assertFalse(self.mod.project_uses("cpp-httplib"))  # gone with issue 17
         self.assertFalse(self.mod.project_uses("no-such-package-xyz"))
+
+    def test_when_reads_both_forms_and_skips_build_folders(self):
+        with tempfile.TemporaryDirectory() as root:
+            os.makedirs(os.path.join(root, "sub"))
+            os.makedirs(os.path.join(root, "build", "x"))
+            with open(os.path.join(root, "CMakeLists.txt"), "w") as f:
+                f.write("find_package(foo-cpp CONFIG REQUIRED)\nadd_subdirectory(sub)\n")
+            with open(os.path.join(root, "sub", "CMakeLists.txt"), "w") as f:
+                f.write("pkg_check_modules(BAR REQUIRED IMPORTED_TARGET bar-lib>=1.0)\n")
+            with open(os.path.join(root, "build", "x", "CMakeLists.txt"), "w") as f:
+                f.write("find_package(baz)\n")
+            self.assertTrue(self.mod.project_uses("foo-cpp", root))
+            self.assertFalse(self.mod.project_uses("foo", root))  # a prefix is not the package
+            self.assertTrue(self.mod.project_uses("bar-lib", root))  # pkg_check_modules
+            self.assertFalse(self.mod.project_uses("baz", root))  # under build/
 
     def test_cmake_rewrite_imports_the_static_library(self):
         with tempfile.TemporaryDirectory() as prefix:
