@@ -14,12 +14,14 @@
 #                flags, e.g. LOWBW_ARGS="--rate 100mbit --workers 2,4"
 #   make device-bundle  pack what the GPU machine lacks into
 #                BUILD_DIR/device_bundle/ (bench/cuda/device_bundle.txt: static
-#                gRPC, Abseil, re2, c-ares, cpp-httplib, the generated proto
-#                sources, Fashion-MNIST); then on the device, with that folder
-#                carried: bash bench/cuda/e2e_device.sh (bench/cuda/README.md)
+#                gRPC, Abseil, re2, c-ares; shared prometheus-cpp and civetweb;
+#                the generated proto sources, Fashion-MNIST); then on the
+#                device, with that folder carried: bash
+#                bench/cuda/e2e_device.sh (bench/cuda/README.md)
 #   make device-bundle-check  (root) build gtopk-server, gtopk-worker and the
-#                gpu tests from the bundle alone, the system's gRPC/Abseil/...
-#                hidden in a private mount namespace, then a loopback run
+#                gpu tests from the bundle alone, the system's gRPC/Abseil/
+#                prometheus-cpp/... hidden in a private mount namespace, then
+#                a loopback run
 #   make format  clang-format the sources in place (needs clang-format)
 #   make deploy-sync  refresh deploy/k8s/base/generated/ from deploy/cluster.env
 #                and dashboards/*.json (kustomize reads no file outside its root)
@@ -160,7 +162,7 @@ demo: deps
 	  --momentum-mode $(MOMENTUM_MODE) --seed $(SEED) \
 	  --build-dir $(BUILD_DIR) --runs-dir runs $(DEMO_ARGS)
 
-# The GPU machine has no gRPC C++, Abseil, cpp-httplib or Fashion-MNIST:
+# The GPU machine has no gRPC C++, Abseil, prometheus-cpp or Fashion-MNIST:
 # this packs them from this machine's Debian packages (bench/cuda/README.md,
 # "The whole worker on the device").
 device-bundle: deps

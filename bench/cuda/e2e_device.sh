@@ -110,8 +110,10 @@ if [ ! -f "$BUNDLE/MANIFEST.json" ]; then
 fi
 
 # 1. Configure and build from the bundle, against the device's CUDA torch.
-# The bundle's shared libraries (cpp-httplib and its brotli; CMake unpacks
-# them there) for everything that runs, from the build's test discovery on.
+# The bundle's shared libraries (prometheus-cpp core and pull, civetweb;
+# CMake unpacks them there) for everything that runs, from the build's test
+# discovery on: the binaries' RUNPATH finds prometheus-cpp but not civetweb,
+# which only libprometheus-cpp-pull.so needs.
 case "$BUILD_DIR" in /*) DEPS_LIB=$BUILD_DIR ;; *) DEPS_LIB=$ROOT/$BUILD_DIR ;; esac
 export LD_LIBRARY_PATH="$DEPS_LIB/device_deps/prefix/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 TORCH_PREFIX=$(timeout 60 "$TORCH_PYTHON" -c \
