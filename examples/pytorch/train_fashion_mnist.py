@@ -607,6 +607,9 @@ def train(args, opt, model, device, train_x, train_y, test_x, test_y):
     perm, perm_epoch = None, -1
     step_seconds, compute_seconds, local_seconds = [], [], []
     communication_seconds, push_start_unix, pull_end_unix = [], [], []
+    # The client's phases per step, as gtopk-worker's summary has them.
+    phases = ("accumulate", "select", "encode", "push", "wait", "apply")
+    phase_seconds = {name: [] for name in phases}
     losses = []
     sent_total = received_total = 0
     loss_value = 0.0
@@ -658,6 +661,8 @@ def train(args, opt, model, device, train_x, train_y, test_x, test_y):
             local_seconds.append(st["accumulate_seconds"]
                                  + st["select_seconds"]
                                  + st["encode_seconds"] + st["apply_seconds"])
+            for name in phases:
+                phase_seconds[name].append(st[name + "_seconds"])
             push_wait = st["push_seconds"] + st["wait_seconds"]
             communication_seconds.append(push_wait)
             push_start = step_call + st["accumulate_seconds"] + \
@@ -764,6 +769,9 @@ def train(args, opt, model, device, train_x, train_y, test_x, test_y):
                 "local_seconds": [json_number(v) for v in local_seconds],
                 "communication_seconds": [json_number(v) for v in
                                           communication_seconds],
+                **{name + "_seconds": [json_number(v) for v in
+                                       phase_seconds[name]]
+                   for name in phases},
                 "push_start_unix": [round(t, 6) for t in push_start_unix],
                 "pull_end_unix": [round(t, 6) for t in pull_end_unix],
             },
