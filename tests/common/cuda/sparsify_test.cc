@@ -176,9 +176,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(
         ::testing::Values(Distribution::kNarrowBand, Distribution::kTies,
                           Distribution::kLaplaceZeros, Distribution::kOutliers),
-        ::testing::Values(size_t{1}, size_t{1000}, size_t{4099},
-                          size_t{100003}),
-        ::testing::Values(0.0001, 0.001, 0.01, 0.3)),
+        ::testing::Values(size_t{1}, size_t{4099}, size_t{100003}),
+        ::testing::Values(0.0001, 0.01, 0.3)),
     [](const ::testing::TestParamInfo<Case>& info) {
       const double d = std::get<2>(info.param);
       return DistributionName(std::get<0>(info.param)) + "_n" +
