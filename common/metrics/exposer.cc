@@ -1,6 +1,7 @@
 #include "common/metrics/exposer.h"
 
 #include <arpa/inet.h>
+#include <civetweb.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -17,15 +18,23 @@ namespace gtopk {
 namespace metrics {
 namespace {
 
-// `host` as a numeric address civetweb's listening_ports accepts ("1.2.3.4"
-// or "[::1]"); host names resolved with getaddrinfo. Empty on failure.
-std::string NumericHost(const std::string& host) {
-  in_addr v4{};
+// civetweb's feature bit for IPv6 (civetweb.h, mg_check_feature).
+constexpr unsigned kCivetwebIpv6 = 8;
+
+bool IsIpv6Literal(const std::string& host) {
   in6_addr v6{};
+  return inet_pton(AF_INET6, host.c_str(), &v6) == 1;
+}
+
+// `host` as a numeric address civetweb's listening_ports accepts ("1.2.3.4"
+// or "[::1]"); host names resolved with getaddrinfo (IPv4 only when
+// `ipv6` is false). Empty on failure.
+std::string NumericHost(const std::string& host, bool ipv6) {
+  in_addr v4{};
   if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return host;
-  if (inet_pton(AF_INET6, host.c_str(), &v6) == 1) return "[" + host + "]";
+  if (IsIpv6Literal(host)) return "[" + host + "]";
   addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
+  hints.ai_family = ipv6 ? AF_UNSPEC : AF_INET;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* found = nullptr;
   if (getaddrinfo(host.c_str(), nullptr, &hints, &found) != 0 ||
@@ -71,7 +80,15 @@ absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartExposer(
   if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
     host = host.substr(1, host.size() - 2);
   }
-  const std::string numeric = NumericHost(host);
+  const bool ipv6 = ExposerSupportsIpv6();
+  if (!ipv6 && IsIpv6Literal(host)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "metrics address '", bind_address,
+        "' is IPv6, but the metrics HTTP server (civetweb, as Debian 12 "
+        "builds it) has no IPv6 support: give an IPv4 address (0.0.0.0 for "
+        "every interface) or a host name with an IPv4 address"));
+  }
+  const std::string numeric = NumericHost(host, ipv6);
   if (numeric.empty()) {
     return absl::UnavailableError(
         absl::StrCat("cannot listen on ", bind_address,
@@ -98,6 +115,8 @@ absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartExposer(
         e.what()));
   }
 }
+
+bool ExposerSupportsIpv6() { return mg_check_feature(kCivetwebIpv6) != 0; }
 
 int BoundPort(prometheus::Exposer& exposer) {
   const std::vector<int> ports = exposer.GetListeningPorts();
