@@ -21,7 +21,10 @@
 // --budget-s: no new (input, n) block starts once it would likely end past
 // that many seconds; what is left is listed as skipped (a device lease is
 // short, and a JSON with most rows beats none).
-// Exit status: 0 all correct, 1 a correctness failure, 2 usage, 3 no device
+// Arguments: device_check_args.h (every number parsed whole and
+// range-checked; --validate-only checks them and --json, then exits).
+// Exit status: 0 all correct, 1 a correctness failure, 2 a bad argument or
+// an unwritable --json (found before anything runs), 3 no device
 // (missed targets and skipped blocks do not change it).
 #include <cuda_runtime_api.h>
 
@@ -42,6 +45,7 @@
 #include <tuple>
 #include <vector>
 
+#include "bench/cuda/device_check_args.h"
 #include "bench/cuda/device_check_inputs.h"
 #include "common/cuda/cuda_status.h"
 #include "common/cuda/sparsify.h"
@@ -59,112 +63,7 @@ using gtopk::device_check::ForChunks;
 using gtopk::device_check::InputNames;
 using gtopk::device_check::KeyOf;
 
-struct Options {
-  std::vector<uint64_t> sizes = {1, 1000, 1000003, 25557032, 138357544};
-  std::vector<double> densities = {0.0001, 0.001, 0.01};
-  std::vector<std::string> inputs = InputNames();  // outermost loop, in order
-  int iters = 30;
-  int warmup = 5;
-  std::string json = "cuda_select.json";
-  std::string torch_json;  // optional torch.topk/copy timings
-  std::string command;
-  uint64_t seed = 1;
-  bool no_device_ok = false;  // --allow-no-device: exit 0 without a GPU
-  bool check_only = false;    // --check-only: correctness, no timing rows
-  double budget_s = 0;        // --budget-s: no new block past it; 0 = none
-};
-
-bool ParseList(const std::string& text, std::vector<double>* out) {
-  out->clear();
-  std::stringstream ss(text);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    char* end = nullptr;
-    const double v = std::strtod(item.c_str(), &end);
-    if (item.empty() || *end != '\0') return false;
-    out->push_back(v);
-  }
-  return !out->empty();
-}
-
-void Usage() {
-  std::fprintf(stderr,
-               "usage: device_check [--sizes=N,N,...] [--densities=D,...] "
-               "[--iters=I>=20] [--warmup=W] [--json=PATH] "
-               "[--torch-json=PATH] [--seed=S] [--allow-no-device] "
-               "[--check-only] [--inputs=NAME,...] [--budget-s=S]\n"
-               "inputs (default all, in this order):");
-  for (const std::string& name : InputNames()) {
-    std::fprintf(stderr, "\n  %-14s %s", name.c_str(),
-                 gtopk::device_check::InputDefinition(name).c_str());
-  }
-  std::fprintf(stderr, "\n");
-}
-
-bool ParseArgs(int argc, char** argv, Options* o) {
-  for (int i = 0; i < argc; ++i) {
-    if (i > 0) o->command += " ";
-    o->command += argv[i];
-  }
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    const size_t eq = a.find('=');
-    const std::string key = a.substr(0, eq);
-    const std::string value = eq == std::string::npos ? "" : a.substr(eq + 1);
-    std::vector<double> list;
-    if (key == "--sizes" && ParseList(value, &list)) {
-      o->sizes.clear();
-      for (double v : list) {
-        if (!(v >= 1 && v <= 4294967296.0) || v != std::floor(v)) return false;
-        o->sizes.push_back(static_cast<uint64_t>(v));
-      }
-    } else if (key == "--densities" && ParseList(value, &list)) {
-      for (double v : list) {
-        if (!(v > 0 && v <= 1)) return false;
-      }
-      o->densities = list;
-    } else if (key == "--iters" && !value.empty()) {
-      o->iters = std::atoi(value.c_str());
-      if (o->iters < 20 || o->iters > 10000) return false;
-    } else if (key == "--warmup" && !value.empty()) {
-      o->warmup = std::atoi(value.c_str());
-      if (o->warmup < 1 || o->warmup > 1000) return false;
-    } else if (key == "--json" && !value.empty()) {
-      o->json = value;
-    } else if (key == "--torch-json") {
-      o->torch_json = value;
-    } else if (key == "--seed" && !value.empty()) {
-      o->seed = std::strtoull(value.c_str(), nullptr, 10);
-    } else if (key == "--allow-no-device" && value.empty()) {
-      o->no_device_ok = true;
-    } else if (key == "--check-only" && value.empty()) {
-      o->check_only = true;
-    } else if (key == "--inputs" && !value.empty()) {
-      o->inputs.clear();
-      std::stringstream ss(value);
-      std::string item;
-      while (std::getline(ss, item, ',')) {
-        if (!gtopk::device_check::IsInputName(item) ||
-            std::find(o->inputs.begin(), o->inputs.end(), item) !=
-                o->inputs.end()) {
-          std::fprintf(stderr, "device_check: unknown or repeated input '%s'\n",
-                       item.c_str());
-          return false;
-        }
-        o->inputs.push_back(item);
-      }
-      if (o->inputs.empty()) return false;
-    } else if (key == "--budget-s" && !value.empty()) {
-      char* end = nullptr;
-      o->budget_s = std::strtod(value.c_str(), &end);
-      if (*end != '\0' || !(o->budget_s >= 0)) return false;
-    } else {
-      std::fprintf(stderr, "device_check: bad argument '%s'\n", a.c_str());
-      return false;
-    }
-  }
-  return true;
-}
+using gtopk::device_check::Options;
 
 std::string JsonEscape(const std::string& s) {
   std::string out;
@@ -565,11 +464,13 @@ const char* TargetStatus(const Target& t) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Bad arguments and an unwritable --json end the run here (exit 2, the
+  // reason on stderr), before any check: see device_check_args.h.
   Options o;
-  if (!ParseArgs(argc, argv, &o)) {
-    Usage();
-    return 2;
+  if (const int rc = gtopk::device_check::ValidateArgs(argc, argv, &o)) {
+    return rc;
   }
+  if (o.validate_only) return 0;
   const TorchTimings torch = ReadTorch(o.torch_json);
   int devices = 0;
   const cudaError_t dev_err = cudaGetDeviceCount(&devices);

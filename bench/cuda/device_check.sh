@@ -19,9 +19,17 @@
 #   what is left, the checker stops starting (input, n) blocks in time, and
 #   steps 4 and 5 are skipped when they no longer fit; a device lease is
 #   short).
-# Exit: 0 all correct; 1 a correctness failure (or a sanitizer error);
-#   3 no CUDA device;
-#   10 build failed; 11 bad usage; 124 the checker timed out.
+# Flags and settings are checked before anything is built: the checker's own
+# argument parser (device_check_args.h, compiled alone with the host C++
+# compiler in about a second) runs on the checker's whole command line
+# (--validate-only), and BUDGET, SANITIZE and PROFILE are checked here; a bad
+# one is named and the script exits 11 at once.
+# Exit: 0 all correct; 1 a correctness failure, a sanitizer error, or the
+#   checker ended otherwise (crashed: its status is in the log);
+#   3 no CUDA device; 10 nvcc or a host C++ compiler missing, or the build
+#   failed; 11 bad usage (an unknown flag, a bad flag value or setting, an
+#   OUT or BUILD_DIR that cannot be written), found before the build;
+#   124 the checker timed out.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -51,20 +59,50 @@ time_for() { [ $(( SECONDS + $1 )) -le "$BUDGET" ]; }
 step_start=0
 step_done() { say "step: $1 $(( SECONDS - step_start )) s (run at ${SECONDS} s of BUDGET=$BUDGET)"; step_start=$SECONDS; }
 
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; }
+bad_usage() { echo "device_check.sh: $*" >&2; echo "(--help for usage)" >&2; exit 11; }
+
 EXTRA=()
 for arg in "$@"; do
   case "$arg" in
     --quick) SIZES=1,1000,1048583 ;;
-    -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) usage; exit 0 ;;
     --*) EXTRA+=("$arg") ;;
-    *) echo "device_check.sh: unknown argument '$arg'" >&2; exit 11 ;;
+    *) bad_usage "bad argument '$arg': not a flag" ;;
   esac
 done
+[[ "$BUDGET" =~ ^[0-9]{1,6}$ ]] && [ "$BUDGET" -ge 1 ] || \
+  bad_usage "bad setting BUDGET='$BUDGET': want whole seconds, 1..999999"
+for v in SANITIZE PROFILE; do
+  [[ "${!v}" =~ ^[01]$ ]] || bad_usage "bad setting $v='${!v}': want 0 or 1"
+done
 
-mkdir -p "$OUT" "$BUILD_DIR" || exit 11
+mkdir -p "$OUT" "$BUILD_DIR" || bad_usage "cannot create OUT=$OUT or BUILD_DIR=$BUILD_DIR"
 LOG="$OUT/device_check.log"
-: > "$LOG"
+: > "$LOG" || bad_usage "cannot write $LOG"
 say() { echo "$@" | tee -a "$LOG"; }
+
+# The checker's command line (step 3; --budget-s is added there), checked
+# now by its own parser compiled alone, before the minute-long nvcc build.
+TORCH_JSON="$OUT/torch_topk.json"
+CHECK_ARGS=(--sizes="$SIZES" --densities="$DENSITIES" --inputs="$INPUTS"
+            --iters="$ITERS" --warmup="$WARMUP" --json="$OUT/cuda_select.json"
+            --torch-json="$TORCH_JSON" ${EXTRA[@]+"${EXTRA[@]}"})
+HOST_CXX=${CXX:-$(command -v c++ || command -v g++ || command -v clang++ || true)}
+if [ -z "$HOST_CXX" ]; then
+  say "device_check.sh: no host C++ compiler (c++, g++ or clang++; nvcc needs one too)"
+  exit 10
+fi
+if ! "$HOST_CXX" -std=c++17 -O0 -I"$ROOT" "$ROOT/bench/cuda/device_check_args.cc" \
+    -o "$BUILD_DIR/device_check_args" >> "$LOG" 2>&1; then
+  say "device_check.sh: building the argument check with $HOST_CXX failed; see $LOG"
+  exit 10
+fi
+if ! "$BUILD_DIR/device_check_args" --validate-only "${CHECK_ARGS[@]}" 2> "$OUT/usage.txt"; then
+  cat "$OUT/usage.txt" >> "$LOG"
+  bad_usage "$(head -1 "$OUT/usage.txt") (from SIZES/DENSITIES/INPUTS/ITERS/WARMUP or a flag; nothing built)"
+fi
+rm -f "$OUT/usage.txt"
 
 NVCC=${NVCC:-$(command -v nvcc || true)}
 [ -z "$NVCC" ] && [ -x /usr/local/cuda/bin/nvcc ] && NVCC=/usr/local/cuda/bin/nvcc
@@ -102,7 +140,6 @@ say "build: $(( $(date +%s) - t0 )) s"
 step_done build
 
 # 2. torch.topk and copy baselines (optional: the check runs without).
-TORCH_JSON="$OUT/torch_topk.json"
 rm -f "$TORCH_JSON"
 if ! time_for 60; then
   say "torch_topk.py: skipped (${SECONDS} s of BUDGET=$BUDGET used)"
@@ -127,18 +164,16 @@ step_done torch
 # its JSON); the timeout behind it covers the block in flight.
 CT=$(cap $CHECK_S)
 CB=$(( CT > 60 ? CT - 30 : CT / 2 ))
-timeout -k 10 "$CT" "$BUILD_DIR/device_check" --sizes="$SIZES" \
-  --densities="$DENSITIES" --inputs="$INPUTS" --iters="$ITERS" \
-  --warmup="$WARMUP" --budget-s="$CB" \
-  --json="$OUT/cuda_select.json" --torch-json="$TORCH_JSON" \
-  ${EXTRA[@]+"${EXTRA[@]}"} 2>&1 | tee -a "$LOG"
+timeout -k 10 "$CT" "$BUILD_DIR/device_check" --budget-s="$CB" \
+  "${CHECK_ARGS[@]}" 2>&1 | tee -a "$LOG"
 rc=${PIPESTATUS[0]}
 case $rc in
   0) say "device_check: all correct; results in $OUT/cuda_select.json" ;;
   1) say "device_check: CORRECTNESS FAILURES (see above)" ;;
+  2) say "device_check: refused its arguments (see above)"; exit 11 ;;
   3) say "device_check: no CUDA device"; exit 3 ;;
   124|137) say "device_check: timed out" ; rc=124 ;;
-  *) say "device_check: exited $rc" ;;
+  *) say "device_check: exited $rc (counted as a failure: exit 1)"; rc=1 ;;
 esac
 step_done check
 

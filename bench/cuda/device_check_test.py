@@ -10,7 +10,10 @@ blocks shuffled on 2 multiprocessors), a timed run of every input on a
 fibers) whose JSON rows, x_normal figures and targets it validates against
 an independent reading of the contracts, and checks that a device failure
 (emulated device memory too small) gives exit 1 and a JSON naming the
-failure.
+failure. Both modes check that every bad argument (a number not whole or out
+of range, an unknown flag, an unwritable --json) exits 2 at once naming it;
+with --emulated also that bench/cuda/device_check.sh refuses bad flags and
+settings with exit 11 before it builds anything.
 
 usage: device_check_test.py [--emulated] <device_check binary>
 """
@@ -315,6 +318,106 @@ def emulated_checks(binary, tmp, failures):
                             (c, r.stdout[-500:]))
 
 
+# Every number is parsed whole and range-checked: each of these exits 2 at
+# once, naming the argument and why, before any check runs.
+BAD_VALUES = (
+    "--seed=x", "--seed=12abc", "--seed=-1", "--seed=", "--seed= 7",
+    "--seed=18446744073709551616", "--iters=20x", "--iters=5",
+    "--iters=1e2", "--iters=99999999999999999999", "--warmup=-1",
+    "--warmup=0", "--warmup=2.5", "--sizes=0", "--sizes=1.5",
+    "--sizes=99999999999999999999", "--sizes=1,x", "--sizes=1,,2",
+    "--sizes=+5", "--densities=2", "--densities=0", "--densities=nan",
+    "--densities=inf", "--densities=0.1x", "--densities=0.1,", "--budget-s=-1",
+    "--budget-s=abc", "--budget-s=nan", "--budget-s=inf", "--budget-s=",
+    "--json=", "--bogus", "--check-only=1")
+
+
+def argument_checks(binary, tmp, failures):
+    out = os.path.join(tmp, "arg.json")
+    for bad in BAD_VALUES:
+        r = run(binary, "--sizes=1", "--densities=0.01", "--check-only",
+                "--inputs=normal", "--json=" + out, bad)
+        first = r.stderr.split("\n", 1)[0]
+        if r.returncode != 2 or r.stdout or \
+                not first.startswith("device_check: bad argument '%s': " %
+                                     bad) or \
+                len(first) <= len("device_check: bad argument '%s': " % bad) \
+                or "usage" not in r.stderr:
+            failures.append("%s: rc %d (want 2), stdout %r, stderr %r" %
+                            (bad, r.returncode, r.stdout[-200:],
+                             r.stderr[:300]))
+    if os.path.exists(out):
+        failures.append("a JSON was written for a bad value")
+    # The largest values that fit are taken.
+    r = run(binary, "--validate-only", "--seed=18446744073709551615",
+            "--sizes=4294967296", "--iters=10000", "--warmup=1000",
+            "--densities=1,0.5e-3", "--budget-s=0", "--json=" + out)
+    if r.returncode != 0 or r.stdout or os.path.exists(out):
+        failures.append("--validate-only on good values: rc %d %r %r, JSON "
+                        "written: %s" % (r.returncode, r.stdout, r.stderr,
+                                         os.path.exists(out)))
+    # --validate-only: arguments only, nothing run or written.
+    r = run(binary, "--validate-only", "--seed=12abc")
+    if r.returncode != 2 or "'--seed=12abc'" not in r.stderr:
+        failures.append("--validate-only --seed=12abc: rc %d %r" %
+                        (r.returncode, r.stderr[:200]))
+    # A --json that cannot be written: exit 2 before any check runs.
+    for path in ("/nonexistent/x.json", tmp):
+        r = run(binary, "--sizes=1", "--densities=0.01", "--check-only",
+                "--inputs=normal", "--json=" + path)
+        if r.returncode != 2 or r.stdout or \
+                ("cannot write '%s'" % path) not in r.stderr:
+            failures.append("--json=%s: rc %d (want 2 at once), stdout %r, "
+                            "stderr %r" % (path, r.returncode,
+                                           r.stdout[-200:], r.stderr[:300]))
+
+
+def script_checks(tmp, failures):
+    """device_check.sh refuses bad flags and settings (exit 11, the reason
+    given) before it builds anything: a fake nvcc that records its calls
+    must never run."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                          "device_check.sh")
+    nvcc = os.path.join(tmp, "fake-nvcc")
+    called = os.path.join(tmp, "nvcc-called")
+    with open(nvcc, "w") as f:
+        f.write("#!/bin/sh\necho \"$@\" >> %s\nexit 1\n" % called)
+    os.chmod(nvcc, 0o755)
+    cases = (
+        (["--bogus"], {}, "'--bogus'"),
+        (["--sizes=0"], {}, "'--sizes=0'"),
+        (["--seed=12abc"], {}, "'--seed=12abc'"),
+        (["--quick", "--iters=5"], {}, "'--iters=5'"),
+        (["-x"], {}, "'-x'"),
+        ([], {"SIZES": "0"}, "--sizes=0"),
+        ([], {"DENSITIES": "nan"}, "--densities=nan"),
+        ([], {"ITERS": "20x"}, "--iters=20x"),
+        ([], {"BUDGET": "abc"}, "BUDGET"),
+        ([], {"SANITIZE": "yes"}, "SANITIZE"),
+    )
+    for args, extra_env, named in cases:
+        build = os.path.join(tmp, "script_build")
+        env = dict(os.environ, OUT=os.path.join(tmp, "script_out"),
+                   BUILD_DIR=build, NVCC=nvcc, **extra_env)
+        r = subprocess.run(["bash", script] + args, capture_output=True,
+                           text=True, timeout=120, env=env)
+        where = "device_check.sh %s %r" % (" ".join(args), extra_env)
+        if r.returncode != 11 or named not in r.stdout + r.stderr:
+            failures.append("%s: rc %d (want 11, naming %s): %r %r" %
+                            (where, r.returncode, named, r.stdout[-400:],
+                             r.stderr[-400:]))
+        if os.path.exists(called):
+            failures.append("%s: nvcc ran before the flags were checked: %r"
+                            % (where, open(called).read()[:200]))
+            os.unlink(called)
+    r = subprocess.run(["bash", script, "--help"], capture_output=True,
+                       text=True, timeout=60)
+    if r.returncode != 0 or "usage" not in r.stdout or \
+            "11 bad usage" not in r.stdout:
+        failures.append("device_check.sh --help: rc %d %r" %
+                        (r.returncode, r.stdout[-300:]))
+
+
 def main():
     args = sys.argv[1:]
     emulated = "--emulated" in args
@@ -332,6 +435,9 @@ def main():
                                                           r.stderr[-200:]))
         if os.path.exists(os.path.join(tmp, "bad.json")):
             failures.append("a JSON was written for bad arguments")
+        argument_checks(binary, tmp, failures)
+        if emulated:  # the script's checks do not depend on the binary
+            script_checks(tmp, failures)
         # torch timings are merged into the rows.
         torch = os.path.join(tmp, "torch.json")
         with open(torch, "w") as f:

@@ -18,17 +18,21 @@
 # runs.json (the launcher's summaries, per-step series included): 5 files;
 # prints one line per target (met/missed with the figure).
 #
-# usage: bash bench/cuda/e2e_device.sh
+# usage: bash bench/cuda/e2e_device.sh [--help]
 # env: OUT (default build/e2e_out), BUNDLE (default build/device_bundle),
 #   BUILD_DIR (default build/e2e_device), JOBS (default nproc), BUDGET
 #   (seconds for everything, default 360), TORCH_PYTHON (default
 #   /opt/torch/.venv/bin/python, else python3: the interpreter whose torch
 #   gives the CMake prefix), NVIDIA_SMI (default from PATH), N (25557032),
 #   DENSITY (0.001), STEPS (30 timed), WARMUP (5), WORKERS (4), SHARDS (2).
-# Exit: 0 everything ran and passed; 1 a failure (a gpu test, a run, or
-#   replicas that differ); 3 no CUDA device (e2e.json says why; nothing
-#   built); 10 configure or build failed; 11 no bundle or bad usage;
+# Exit: 0 everything ran and passed (--help: the usage); 1 a failure (a gpu
+#   test, a run, or replicas that differ); 3 no CUDA device (nothing built;
+#   the reason says what nvidia-smi did: not installed, failed with a status,
+#   printed nothing); 10 configure or build failed; 11 no bundle, or bad
+#   usage (an argument, or a setting above that is not a number in range);
 #   124 a step timed out or the budget left steps out (the rest still ran).
+#   Every exit but --help and an OUT that cannot be created writes e2e.json,
+#   with `exit_status` and, for an early exit, `reason`.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -49,17 +53,41 @@ if [ -z "${TORCH_PYTHON:-}" ]; then
   TORCH_PYTHON=/opt/torch/.venv/bin/python
   [ -x "$TORCH_PYTHON" ] || TORCH_PYTHON=python3
 fi
-[ "$#" -eq 0 ] || { sed -n '2,30p' "${BASH_SOURCE[0]}"; exit 11; }
+PYTHON=python3
+command -v python3 > /dev/null || PYTHON=/usr/bin/python3
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; }
 
-mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 11
+# Arguments and settings: a bad one is bad usage (exit 11, e2e.json says
+# which), found before anything runs.
+USAGE_ERROR=
+for arg in "$@"; do
+  case "$arg" in
+    -h|--help) usage; exit 0 ;;
+    *) USAGE_ERROR="bad argument '$arg' (the script takes none; settings are env variables)"; break ;;
+  esac
+done
+if [ -z "$USAGE_ERROR" ]; then
+  for v in BUDGET N STEPS WORKERS SHARDS JOBS WARMUP; do
+    lo=1; [ "$v" = WARMUP ] && lo=0
+    if ! [[ "${!v}" =~ ^[0-9]{1,10}$ ]] || [ "${!v}" -lt "$lo" ]; then
+      USAGE_ERROR="bad setting $v='${!v}': want a whole number >= $lo"; break
+    fi
+  done
+fi
+if [ -z "$USAGE_ERROR" ] && ! "$PYTHON" -c 'import sys; d=float(sys.argv[1]); sys.exit(not (0 < d <= 1))' \
+    "$DENSITY" 2> /dev/null; then
+  USAGE_ERROR="bad setting DENSITY='$DENSITY': want a number in (0, 1]"
+fi
+
+if ! mkdir -p "$OUT" || ! OUT=$(cd "$OUT" && pwd); then
+  echo "e2e: cannot create OUT=$OUT: no e2e.json written" >&2
+  exit 11
+fi
 LOG="$OUT/e2e.log"
 STEPS_LOG="$OUT/steps.jsonl"
 : > "$LOG"
 : > "$STEPS_LOG"
 say() { echo "e2e: $*" | tee -a "$LOG"; }
-json_str() { "$PYTHON" -c 'import json,sys; print(json.dumps(sys.argv[1]))' "$1"; }
-PYTHON=python3
-command -v python3 > /dev/null || PYTHON=/usr/bin/python3
 RC=0
 worse() { [ "$1" -ne 0 ] && { [ "$RC" -eq 0 ] || [ "$RC" -eq 124 ]; } && RC=$1; return 0; }
 # Time left for a step that may take $1 seconds?
@@ -86,27 +114,69 @@ step() {
 COMMIT=$(git rev-parse HEAD 2> /dev/null || true)
 BUNDLE_COMMIT=$("$PYTHON" -c 'import json,sys; print(json.load(open(sys.argv[1]))["commit"])' \
   "$BUNDLE/MANIFEST.json" 2> /dev/null || true)
-meta() {  # the e2e.json fields that are not run figures
-  printf '{"issue": 16, "commit": %s, "bundle_commit": %s, "gpu": %s, "date": %s, "command": "bash bench/cuda/e2e_device.sh", "budget_seconds": %d, "n": %d, "density": %s, "workers": %d, "shards": %d, "timed_steps": %d, "warmup_steps": %d, "available": %s, "reason": %s}' \
-    "$(json_str "$COMMIT")" "$(json_str "$BUNDLE_COMMIT")" "$(json_str "${GPU:-}")" \
-    "$(json_str "$(date -u +%FT%TZ)")" "$BUDGET" "$N" "$DENSITY" "$WORKERS" "$SHARDS" \
-    "$STEPS" "$WARMUP" "$1" "$(json_str "$2")"
+# The e2e.json fields that are not run figures: meta AVAILABLE REASON EXIT,
+# AVAILABLE true, false or null (a CUDA device found, none, not looked for).
+# Settings that are not numbers (bad usage) are kept as strings.
+meta() {
+  "$PYTHON" - "$1" "$2" "$3" "$COMMIT" "$BUNDLE_COMMIT" "${GPU:-}" "$BUDGET" "$N" \
+    "$DENSITY" "$WORKERS" "$SHARDS" "$STEPS" "$WARMUP" <<'EOF'
+import datetime, json, sys
+a = sys.argv[1:]
+def num(s, kind):
+    try:
+        return kind(s)
+    except ValueError:
+        return s
+names = ["budget_seconds", "n", "density", "workers", "shards", "timed_steps", "warmup_steps"]
+m = {"issue": 16, "commit": a[3], "bundle_commit": a[4], "gpu": a[5],
+     "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+     "command": "bash bench/cuda/e2e_device.sh"}
+for name, value in zip(names, a[6:]):
+    m[name] = num(value, float if name == "density" else int)
+m.update(available=json.loads(a[0]), reason=a[1], exit_status=int(a[2]))
+print(json.dumps(m))
+EOF
 }
-
-# 0. A CUDA device, or nothing to do (exit 3, e2e.json says why).
-GPU=$(timeout 20 "$NVIDIA_SMI" --query-gpu=name,driver_version,memory.total \
-  --format=csv,noheader 2> /dev/null | head -1)
-if [ -z "$GPU" ]; then
-  reason="no CUDA device: '$NVIDIA_SMI --query-gpu=name' printed nothing"
-  say "$reason"
-  "$PYTHON" bench/cuda/e2e_summary.py --meta "$(meta false "$reason")" \
+# finish RC AVAILABLE REASON: an early exit, e2e.json written first.
+finish() {
+  say "$3"
+  "$PYTHON" bench/cuda/e2e_summary.py --meta "$(meta "$2" "$3" "$1")" \
     --steps-log "$STEPS_LOG" --out "$OUT/e2e.json" > /dev/null
-  exit 3
+  exit "$1"
+}
+if [ -n "$USAGE_ERROR" ]; then
+  echo "e2e: $USAGE_ERROR (--help for usage)" >&2
+  finish 11 null "bad usage: $USAGE_ERROR; nothing ran"
 fi
+
+# 0. A CUDA device, or nothing to do (exit 3, e2e.json says what nvidia-smi
+# did: not installed, failed, printed nothing).
+SMI_ARGS=(--query-gpu=name,driver_version,memory.total --format=csv,noheader)
+SMI_CMD="$NVIDIA_SMI ${SMI_ARGS[*]}"
+GPU=
+if ! command -v "$NVIDIA_SMI" > /dev/null 2>&1; then
+  reason="no CUDA device: nvidia-smi not installed ('$NVIDIA_SMI' not found on PATH or not executable; NVIDIA_SMI overrides)"
+else
+  smi_err=$(mktemp)
+  smi_out=$(timeout 20 "$NVIDIA_SMI" "${SMI_ARGS[@]}" 2> "$smi_err")
+  smi_rc=$?
+  GPU=$(printf '%s\n' "$smi_out" | head -1)
+  err=$(head -1 "$smi_err")
+  rm -f "$smi_err"
+  if [ $smi_rc -eq 124 ]; then
+    reason="no CUDA device: '$SMI_CMD' timed out after 20 s"
+    GPU=
+  elif [ $smi_rc -ne 0 ]; then
+    reason="no CUDA device: '$SMI_CMD' failed with status $smi_rc${err:+: $err}"
+    GPU=
+  elif [ -z "$GPU" ]; then
+    reason="no CUDA device: '$SMI_CMD' printed nothing${err:+ (stderr: $err)}"
+  fi
+fi
+[ -z "$GPU" ] && finish 3 false "$reason"
 say "GPU: $GPU; commit ${COMMIT:-?} (bundle from ${BUNDLE_COMMIT:-?})"
 if [ ! -f "$BUNDLE/MANIFEST.json" ]; then
-  say "no bundle at $BUNDLE: run 'make device-bundle' here and carry build/device_bundle"
-  exit 11
+  finish 11 true "no bundle at $BUNDLE: run 'make device-bundle' here and carry build/device_bundle"
 fi
 
 # 1. Configure and build from the bundle, against the device's CUDA torch.
@@ -131,10 +201,7 @@ if [ $rc -eq 0 ]; then
 fi
 if [ $rc -ne 0 ] || [ ! -x "$BUILD_DIR/worker/gtopk-worker" ]; then
   tail -40 "$LOG"
-  say "configure/build failed (exit $rc): nothing ran"
-  "$PYTHON" bench/cuda/e2e_summary.py --meta "$(meta true "build failed")" \
-    --steps-log "$STEPS_LOG" --out "$OUT/e2e.json"
-  exit 10
+  finish 10 true "configure/build failed (exit $rc): nothing ran"
 fi
 # 2. The GPU tests.
 step ctest_gpu 120 ctest --test-dir "$BUILD_DIR" -L gpu --output-on-failure \
@@ -178,16 +245,26 @@ fi
 cluster cpu gaussiank 60
 
 # 5. e2e.json and the target lines.
-"$PYTHON" bench/cuda/e2e_summary.py --meta "$(meta true "")" \
+"$PYTHON" bench/cuda/e2e_summary.py --meta "$(meta true "" 0)" \
   ${RUNS[@]+"${RUNS[@]}"} --warmup "$WARMUP" --junit "$OUT/ctest_gpu.xml" \
   --steps-log "$STEPS_LOG" --out "$OUT/e2e.json" --runs-out "$OUT/runs.json" | tee -a "$LOG"
 "$PYTHON" - "$OUT/e2e.json" <<'EOF' || worse 1
 import json, sys
 r = json.load(open(sys.argv[1]))
-bad = [k for k, v in r["runs"].items() if not v["replicas_identical"]]
-if bad or not r["ctest_gpu_passed"]:
+# false fails; null (not run: skipped for time, exit 124 already) does not.
+bad = [k for k, v in r["runs"].items() if v["replicas_identical"] is False]
+if bad or r["ctest_gpu_passed"] is False:
     print("e2e: FAILED: replicas differ in %s; ctest -L gpu passed: %s" % (bad, r["ctest_gpu_passed"]))
     sys.exit(1)
+EOF
+"$PYTHON" - "$OUT/e2e.json" "$RC" <<'EOF'
+import json, os, sys
+r = json.load(open(sys.argv[1]))
+r["exit_status"] = int(sys.argv[2])
+with open(sys.argv[1] + ".tmp", "w") as f:
+    json.dump(r, f, indent=1)
+    f.write("\n")
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
 EOF
 say "done in ${SECONDS} s (exit $RC); $OUT/e2e.json"
 exit "$RC"

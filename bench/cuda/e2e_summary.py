@@ -27,7 +27,10 @@ rank's median (`*_us_max_rank`), in microseconds:
                      work: everything but the gradient and the network)
   step               the whole step
 plus sent/received bytes per worker per step, the replicas' checksums and
-whether they agree. Targets (issue 16): update_select_to_host <= 250 us and
+whether they agree (null when unknown). Verdicts over what did not run are
+null, not false: replicas_identical_all without runs (or with a run that
+gave no verdict and none that differ), ctest_gpu_passed when ctest did not
+run (false when it ran and left no JUnit file). Targets (issue 16): update_select_to_host <= 250 us and
 worker_overhead <= 1000 us for cuda_exact; each gets a line in "targets"
 (met/missed with the figure) and on stdout.
 
@@ -89,7 +92,9 @@ def summarize_run(summary, warmup):
         "sent_bytes_per_worker_per_step": summary.get("sent_bytes_per_worker_per_step"),
         "received_bytes_per_worker_per_step": summary.get("received_bytes_per_worker_per_step"),
         "dense_bytes_per_worker_per_step": summary.get("dense_bytes_per_worker_per_step"),
-        "replicas_identical": bool(summary.get("replica_checksums_match")),
+        # null when the launcher gave no verdict (not checked is not "differ")
+        "replicas_identical": (summary.get("replica_checksums_match")
+                               if isinstance(summary.get("replica_checksums_match"), bool) else None),
         "param_checksums": summary.get("param_checksums"),
         "server_checksums": summary.get("server_checksums"),
         "test_accuracy": summary.get("test_accuracy"),
@@ -99,6 +104,16 @@ def summarize_run(summary, warmup):
         run[phase + "_us"] = round(median(medians) * 1e6, 1)
         run[phase + "_us_max_rank"] = round(max(medians) * 1e6, 1)
     return run
+
+
+def all_of(verdicts):
+    """True if every verdict is True, False if any is False, else None (no
+    verdicts, or some unknown): what did not run is not a failure."""
+    if any(v is False for v in verdicts):
+        return False
+    if verdicts and all(v is True for v in verdicts):
+        return True
+    return None
 
 
 def read_junit(path):
@@ -169,9 +184,15 @@ def main(argv):
                 "update_select_to_host": round(c["update_select_to_host_us"] / g["update_select_to_host_us"], 2),
             }
     result["targets"] = targets
-    result["replicas_identical_all"] = bool(runs) and all(r["replicas_identical"] for r in runs.values())
+    result["replicas_identical_all"] = all_of([r["replicas_identical"] for r in runs.values()])
     ct = result["ctest_gpu"]
-    result["ctest_gpu_passed"] = bool(ct) and ct["tests"] > 0 and not ct["failed"]
+    if ct:
+        result["ctest_gpu_passed"] = ct["tests"] > 0 and not ct["failed"]
+    else:
+        # No JUnit file: ctest failed if it ran (crashed or timed out before
+        # writing one), else it did not run, which is not a failure: null.
+        ran = any(s.get("step") == "ctest_gpu" and not s.get("skipped") for s in steps)
+        result["ctest_gpu_passed"] = False if ran else None
     with open(a.out + ".tmp", "w") as f:
         json.dump(result, f, indent=1)
         f.write("\n")
@@ -185,7 +206,7 @@ def main(argv):
         print("run %-14s step %s us, update+select+to-host %s us, overhead %s us, %s B/worker/step, "
               "replicas %s" % (key, r.get("step_us"), r.get("update_select_to_host_us"),
                                r.get("worker_overhead_us"), r.get("sent_bytes_per_worker_per_step"),
-                               "identical" if r["replicas_identical"] else "DIFFER"))
+                               {True: "identical", False: "DIFFER"}.get(r["replicas_identical"], "unknown")))
     if ct:
         print("ctest -L gpu: %d passed, %d failed, %d skipped" % (ct["passed"], len(ct["failed"]), ct["skipped"]))
     for s in result["skipped"]:

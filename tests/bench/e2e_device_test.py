@@ -3,11 +3,15 @@
 
 - The device scripts parse (bash -n).
 - bench/cuda/e2e_device.sh without a CUDA device: exit 3 at once, nothing
-  built, and an e2e.json that is valid JSON saying why.
+  built, and an e2e.json saying what nvidia-smi really did (not installed,
+  failed with a status, printed nothing), with what did not run null, not
+  false; every other early exit (no bundle, bad usage or setting) also
+  writes e2e.json with the reason; --help prints the usage and exits 0.
 - bench/cuda/e2e_summary.py on canned launcher summaries: warm-up steps
   dropped, per-phase medians over steps then ranks, the two targets met or
   missed by the right figures, CPU/GPU ratios, replicas that differ
-  flagged, ctest failures and skipped steps reported.
+  flagged, ctest failures and skipped steps reported, what did not run
+  (ctest, replica checks) null rather than false.
 - bench/cuda/device_bundle.py: the package list parses (and a bad line is
   an error naming it), `when=` follows the project's CMake files
   (find_package and pkg_check_modules, build folders skipped) and every
@@ -61,26 +65,123 @@ class ScriptsTest(unittest.TestCase):
             r = subprocess.run(["bash", "-n", os.path.join(CUDA, script)], capture_output=True, text=True)
             self.assertEqual(r.returncode, 0, script + ": " + r.stderr)
 
+    QUERY = "--query-gpu=name,driver_version,memory.total --format=csv,noheader"
+
+    def run_script(self, d, args=(), nvidia_smi=None, **env_extra):
+        """e2e_device.sh with OUT, BUILD_DIR and BUNDLE in d; nvidia_smi: the
+        body of a fake nvidia-smi script in d (None: a path that does not
+        exist). Returns (CompletedProcess, e2e.json or None)."""
+        smi = os.path.join(d, "no-nvidia-smi")
+        if nvidia_smi is not None:
+            smi = os.path.join(d, "nvidia-smi")
+            with open(smi, "w") as f:
+                f.write("#!/bin/sh\n" + nvidia_smi)
+            os.chmod(smi, 0o755)
+        env = dict(os.environ, OUT=os.path.join(d, "out"), BUILD_DIR=os.path.join(d, "build"),
+                   BUNDLE=os.path.join(d, "no-bundle"), NVIDIA_SMI=smi, **env_extra)
+        r = subprocess.run(["bash", os.path.join(CUDA, "e2e_device.sh")] + list(args), cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=60)
+        self.assertFalse(os.path.exists(os.path.join(d, "build")), "built: " + r.stdout)
+        path = os.path.join(d, "out", "e2e.json")
+        if not os.path.exists(path):
+            return r, None
+        with open(path) as f:
+            return r, json.load(f)
+
+    def assert_nothing_ran(self, result):
+        self.assertEqual(result["runs"], {})
+        self.assertEqual({t["status"] for t in result["targets"]}, {"not measured"})
+        # Not run is not a failure: null, not false.
+        self.assertIsNone(result["replicas_identical_all"])
+        self.assertIsNone(result["ctest_gpu_passed"])
+        self.assertIsNone(result["ctest_gpu"])
+
     def test_no_gpu_exits_3_with_reason(self):
         with tempfile.TemporaryDirectory() as d:
-            env = dict(os.environ, OUT=os.path.join(d, "out"), BUILD_DIR=os.path.join(d, "build"),
-                       NVIDIA_SMI=os.path.join(d, "no-nvidia-smi"))
-            r = subprocess.run(["bash", os.path.join(CUDA, "e2e_device.sh")], cwd=ROOT, env=env,
-                               capture_output=True, text=True, timeout=60)
+            r, result = self.run_script(d)
             self.assertEqual(r.returncode, 3, r.stdout + r.stderr)
             self.assertIn("no CUDA device", r.stdout)
-            self.assertFalse(os.path.exists(os.path.join(d, "build")), "built without a GPU")
-            with open(os.path.join(d, "out", "e2e.json")) as f:
-                result = json.load(f)
+            self.assertIsNotNone(result, "no e2e.json")
             self.assertIs(result["available"], False)
             self.assertIn("no CUDA device", result["reason"])
-            self.assertEqual(result["runs"], {})
-            self.assertEqual({t["status"] for t in result["targets"]}, {"not measured"})
+            self.assertIn("not installed", result["reason"])
+            self.assertIn(os.path.join(d, "no-nvidia-smi"), result["reason"])
+            self.assertNotIn("printed nothing", result["reason"])
+            self.assert_nothing_ran(result)
+
+    def test_no_gpu_reason_says_what_nvidia_smi_did(self):
+        cases = (("echo 'NVIDIA-SMI has failed: no driver' >&2; exit 9\n",
+                  ["failed with status 9", "NVIDIA-SMI has failed: no driver"]),
+                 ("exit 0\n", ["printed nothing"]))
+        for body, wants in cases:
+            with tempfile.TemporaryDirectory() as d:
+                r, result = self.run_script(d, nvidia_smi=body)
+                self.assertEqual(r.returncode, 3, r.stdout + r.stderr)
+                self.assertIsNotNone(result, "no e2e.json")
+                self.assertIs(result["available"], False)
+                # The real command, whole.
+                self.assertIn(os.path.join(d, "nvidia-smi") + " " + self.QUERY, result["reason"])
+                for want in wants:
+                    self.assertIn(want, result["reason"])
+                self.assert_nothing_ran(result)
+
+    def test_no_bundle_exits_11_with_e2e_json(self):
+        with tempfile.TemporaryDirectory() as d:
+            r, result = self.run_script(d, nvidia_smi="echo 'NVIDIA H200, 570.1, 143771 MiB'\n")
+            self.assertEqual(r.returncode, 11, r.stdout + r.stderr)
+            self.assertIsNotNone(result, "no e2e.json for exit 11 (no bundle)")
+            self.assertIs(result["available"], True)
+            self.assertEqual(result["gpu"], "NVIDIA H200, 570.1, 143771 MiB")
+            self.assertIn("no bundle", result["reason"])
+            self.assertEqual(result["exit_status"], 11)
+            self.assert_nothing_ran(result)
+
+    def test_build_failure_writes_e2e_json(self):
+        # A bundle that is only a manifest: configure fails (exit 10), e2e.json says so.
+        with tempfile.TemporaryDirectory() as d:
+            os.makedirs(os.path.join(d, "bundle"))
+            with open(os.path.join(d, "bundle", "MANIFEST.json"), "w") as f:
+                json.dump({"commit": "abc123"}, f)
+            smi = os.path.join(d, "nvidia-smi")
+            with open(smi, "w") as f:
+                f.write("#!/bin/sh\necho 'NVIDIA H200, 570.1, 143771 MiB'\n")
+            os.chmod(smi, 0o755)
+            env = dict(os.environ, OUT=os.path.join(d, "out"), BUILD_DIR=os.path.join(d, "build"),
+                       BUNDLE=os.path.join(d, "bundle"), NVIDIA_SMI=smi, TORCH_PYTHON="false")
+            r = subprocess.run(["bash", os.path.join(CUDA, "e2e_device.sh")], cwd=ROOT, env=env,
+                               capture_output=True, text=True, timeout=100)
+            self.assertEqual(r.returncode, 10, r.stdout + r.stderr)
+            with open(os.path.join(d, "out", "e2e.json")) as f:
+                result = json.load(f)
+            self.assertIs(result["available"], True)
+            self.assertEqual(result["bundle_commit"], "abc123")
+            self.assertIn("build failed", result["reason"])
+            self.assertEqual(result["exit_status"], 10)
+            self.assertEqual([s["step"] for s in result["steps"]], ["configure"])
+            self.assert_nothing_ran(result)
 
     def test_arguments_are_refused(self):
-        r = subprocess.run(["bash", os.path.join(CUDA, "e2e_device.sh"), "--fast"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=60)
-        self.assertEqual(r.returncode, 11)
+        for args, env, named in ((["--fast"], {}, "'--fast'"), ([], {"BUDGET": "abc"}, "BUDGET"),
+                                 ([], {"WORKERS": "0"}, "WORKERS"), ([], {"DENSITY": "1.5"}, "DENSITY"),
+                                 ([], {"STEPS": "3x"}, "STEPS")):
+            with tempfile.TemporaryDirectory() as d:
+                r, result = self.run_script(d, args, **env)
+                self.assertEqual(r.returncode, 11, r.stdout + r.stderr)
+                self.assertIn(named, r.stderr)
+                self.assertIsNotNone(result, "no e2e.json for bad usage %r %r" % (args, env))
+                self.assertIsNone(result["available"])  # not looked for
+                self.assertIn("bad usage", result["reason"])
+                self.assertIn(named, result["reason"])
+                self.assertEqual(result["exit_status"], 11)
+                self.assert_nothing_ran(result)
+
+    def test_help_prints_usage(self):
+        with tempfile.TemporaryDirectory() as d:
+            r, result = self.run_script(d, ["--help"])
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("usage: bash bench/cuda/e2e_device.sh", r.stdout)
+            self.assertRegex(r.stdout, r"11 no bundle, or bad\s+usage")
+            self.assertIsNone(result)  # --help runs nothing
 
 
 class SummaryTest(unittest.TestCase):
@@ -153,7 +254,33 @@ class SummaryTest(unittest.TestCase):
         self.assertFalse(result["runs"]["cuda_exact"]["replicas_identical"])
         self.assertFalse(result["replicas_identical_all"])
         self.assertIsNone(result["ctest_gpu"])
+        self.assertIsNone(result["ctest_gpu_passed"])  # ctest did not run: unknown, not failed
         self.assertIn("DIFFER", stdout)
+
+    def test_not_run_is_null_not_false(self):
+        result, stdout = self.run_summary({})
+        self.assertIsNone(result["replicas_identical_all"])
+        self.assertIsNone(result["ctest_gpu_passed"])
+        self.assertNotIn("cpu_over_gpu", result)
+        # ctest ran but left no JUnit file (it crashed or timed out): failed.
+        result, _ = self.run_summary({}, steps=[{"step": "ctest_gpu", "rc": 124, "seconds": 120}])
+        self.assertIs(result["ctest_gpu_passed"], False)
+        # ctest skipped for time: not run.
+        result, _ = self.run_summary({}, steps=[{"step": "ctest_gpu", "skipped": True, "why": "budget"}])
+        self.assertIsNone(result["ctest_gpu_passed"])
+        # A run whose summary lacks the checksum verdict: unknown, and so is the whole.
+        us = 1e-6
+        run = launcher_summary([rank("aa", 0.05, 10 * us, 200 * us, 20 * us, 30 * us, 900 * us, 40 * us)])
+        del run["replica_checksums_match"]
+        result, stdout = self.run_summary({"cuda_exact": run})
+        self.assertIsNone(result["runs"]["cuda_exact"]["replicas_identical"])
+        self.assertIsNone(result["replicas_identical_all"])
+        self.assertIn("replicas unknown", stdout)
+        # One run that differs makes the whole false even next to an unknown one.
+        other = launcher_summary([rank("aa", 0.05, 10 * us, 200 * us, 20 * us, 30 * us, 900 * us, 40 * us)],
+                                 match=False)
+        result, _ = self.run_summary({"cuda_exact": run, "cpu_exact": other})
+        self.assertIs(result["replicas_identical_all"], False)
 
 
 class BundleListTest(unittest.TestCase):
