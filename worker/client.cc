@@ -464,59 +464,85 @@ absl::StatusOr<int64_t> WorkerClient::SynchronizeParameters(
   for (size_t s = 0; s < shards_.size(); ++s) {
     ShardConn& c = *shards_[s];
     const std::string where = absl::StrCat(ShardName(s), ": DownloadParams");
-    grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
-    Cancellation::Scope cancel_scope(options_.cancellation.get(), &context);
-    v1::DownloadParamsRequest request;
-    request.set_worker(rank_);
-    request.set_cluster_fingerprint(cluster_.cluster_fingerprint());
-    auto reader = c.stub->DownloadParams(&context, request);
-    v1::ParamsChunk chunk;
+    // A read: a call that failed with UNAVAILABLE (sent on a connection that
+    // died under it, "Connection reset by peer" or "Socket closed", the
+    // first call after the shard was killed and restarted; or the shard down
+    // or shutting down) is sent again, waiting for the shard to be ready,
+    // with backoff, until the deadline. Every attempt rewrites the whole
+    // range, so a partial earlier one leaves nothing behind.
+    const absl::Time deadline = absl::Now() + options_.rpc_timeout;
+    absl::Duration backoff = absl::Milliseconds(kReconnectBackoffMinMs);
     uint64_t offset = c.begin;
     int64_t shard_step = -1;
-    absl::Status bad;
-    while (reader->Read(&chunk)) {
-      if (!bad.ok()) continue;  // drain before Finish
-      if (chunk.shard_id() != c.id || chunk.offset() != offset ||
-          static_cast<uint64_t>(chunk.values_size()) > c.end - offset ||
-          (shard_step >= 0 && chunk.step() != shard_step) || chunk.step() < 0) {
-        bad = absl::InternalError(absl::StrCat(
-            where, ": malformed chunk (shard ", chunk.shard_id(), ", offset ",
-            chunk.offset(), ", ", chunk.values_size(), " values, step ",
-            chunk.step(), "); expected offset ", offset, " in [", c.begin,
-            ", ", c.end, ")"));
-        context.TryCancel();
-        continue;
+    for (int attempt = 0;; ++attempt) {
+      grpc::ClientContext context;
+      context.set_deadline(absl::ToChronoTime(deadline));
+      if (attempt > 0) context.set_wait_for_ready(true);
+      Cancellation::Scope cancel_scope(options_.cancellation.get(), &context);
+      v1::DownloadParamsRequest request;
+      request.set_worker(rank_);
+      request.set_cluster_fingerprint(cluster_.cluster_fingerprint());
+      auto reader = c.stub->DownloadParams(&context, request);
+      v1::ParamsChunk chunk;
+      offset = c.begin;
+      shard_step = -1;
+      absl::Status bad;
+      while (reader->Read(&chunk)) {
+        if (!bad.ok()) continue;  // drain before Finish
+        if (chunk.shard_id() != c.id || chunk.offset() != offset ||
+            static_cast<uint64_t>(chunk.values_size()) > c.end - offset ||
+            (shard_step >= 0 && chunk.step() != shard_step) ||
+            chunk.step() < 0) {
+          bad = absl::InternalError(absl::StrCat(
+              where, ": malformed chunk (shard ", chunk.shard_id(), ", offset ",
+              chunk.offset(), ", ", chunk.values_size(), " values, step ",
+              chunk.step(), "); expected offset ", offset, " in [", c.begin,
+              ", ", c.end, ")"));
+          context.TryCancel();
+          continue;
+        }
+        if (chunk.global_velocity_size() != 0 &&
+            chunk.global_velocity_size() != chunk.values_size()) {
+          bad = absl::InternalError(absl::StrCat(
+              where, ": chunk at offset ", chunk.offset(), " has ",
+              chunk.values_size(), " values but ", chunk.global_velocity_size(),
+              " global velocity entries"));
+          context.TryCancel();
+          continue;
+        }
+        shard_step = chunk.step();
+        if (chunk.values_size() > 0) {
+          std::memcpy(params.data() + offset, chunk.values().data(),
+                      chunk.values_size() * sizeof(float));
+        }
+        // Global momentum: continue with the servers' V, so a joining or
+        // restarted replica applies the same updates as everyone else.
+        if (chunk.global_velocity_size() > 0) {
+          std::memcpy(global_velocity_.data() + offset,
+                      chunk.global_velocity().data(),
+                      chunk.global_velocity_size() * sizeof(float));
+        }
+        offset += chunk.values_size();
       }
-      if (chunk.global_velocity_size() != 0 &&
-          chunk.global_velocity_size() != chunk.values_size()) {
-        bad = absl::InternalError(absl::StrCat(
-            where, ": chunk at offset ", chunk.offset(), " has ",
-            chunk.values_size(), " values but ", chunk.global_velocity_size(),
-            " global velocity entries"));
-        context.TryCancel();
-        continue;
+      const absl::Status st = FromGrpc(reader->Finish());
+      GTOPK_RETURN_IF_ERROR(bad);
+      if (st.ok()) break;
+      if (!absl::IsUnavailable(st) || absl::Now() + backoff >= deadline) {
+        return Prefixed(st, where);
       }
-      shard_step = chunk.step();
-      if (chunk.values_size() > 0) {
-        std::memcpy(params.data() + offset, chunk.values().data(),
-                    chunk.values_size() * sizeof(float));
+      if (options_.cancellation != nullptr
+              ? options_.cancellation->SleepUnlessCancelled(backoff)
+              : (absl::SleepFor(backoff), false)) {
+        return absl::CancelledError(
+            absl::StrCat(where, ": cancelled (after: ", st.message(), ")"));
       }
-      // Global momentum: continue with the servers' V, so a joining or
-      // restarted replica applies the same updates as everyone else.
-      if (chunk.global_velocity_size() > 0) {
-        std::memcpy(global_velocity_.data() + offset,
-                    chunk.global_velocity().data(),
-                    chunk.global_velocity_size() * sizeof(float));
-      }
-      offset += chunk.values_size();
+      backoff =
+          std::min(2 * backoff, absl::Milliseconds(kReconnectBackoffMaxMs));
     }
-    const absl::Status st = FromGrpc(reader->Finish());
-    GTOPK_RETURN_IF_ERROR(bad);
-    if (!st.ok()) return Prefixed(st, where);
     if (offset != c.end) {
-      return absl::InternalError(absl::StrCat(
-          where, ": stream ended at index ", offset, ", range ends at ", c.end));
+      return absl::InternalError(absl::StrCat(where, ": stream ended at index ",
+                                              offset, ", range ends at ",
+                                              c.end));
     }
     if (shard_step < 0) continue;  // an empty range may send no chunk
     if (step >= 0 && shard_step != step) {
