@@ -24,6 +24,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/codec.h"
+#include "common/grpc_edge.h"
 #include "common/merge.h"
 #include "common/optimizer.h"
 #include "common/sparse_vector.h"
@@ -34,7 +35,6 @@
 #include "gtest/gtest.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
 #include "server/checkpoint.h"
-#include "server/grpc_threshold_exchange.h"
 #include "server/local_cluster.h"
 #include "tests/testing/reference.h"
 
