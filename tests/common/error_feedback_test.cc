@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "common/random.h"
-#include "common/testing/status_matchers.h"
+#include "tests/testing/status_matchers.h"
 #include "common/topk.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

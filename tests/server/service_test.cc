@@ -29,13 +29,13 @@
 #include "common/optimizer.h"
 #include "common/sparse_vector.h"
 #include "common/status_macros.h"
-#include "common/testing/status_matchers.h"
+#include "tests/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
 #include "server/checkpoint.h"
-#include "server/local_cluster.h"
+#include "tests/testing/local_cluster.h"
 #include "tests/testing/reference.h"
 
 namespace gtopk {

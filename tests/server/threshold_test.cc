@@ -24,7 +24,7 @@
 #include "absl/time/time.h"
 #include "common/merge.h"
 #include "common/random.h"
-#include "common/testing/status_matchers.h"
+#include "tests/testing/status_matchers.h"
 #include "common/topk.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
