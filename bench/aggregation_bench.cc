@@ -30,7 +30,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "server/local_cluster.h"
+#include "tests/testing/local_cluster.h"
 #include "worker/client.h"
 
 ABSL_FLAG(uint64_t, n, 25557032, "parameters (ResNet-50: 25,557,032)");

@@ -5,7 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "common/cpu/topk.h"
+#include "common/topk.h"
 
 namespace gtopk {
 namespace {

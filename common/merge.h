@@ -15,8 +15,8 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
-#include "common/cpu/topk.h"
 #include "common/sparse_vector.h"
+#include "common/topk.h"
 
 namespace gtopk {
 

@@ -1,55 +1,12 @@
 #include "server/grpc_threshold_exchange.h"
 
-#include <algorithm>
-#include <climits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "grpcpp/client_context.h"
-#include "grpcpp/create_channel.h"
-#include "grpcpp/security/credentials.h"
-#include "grpcpp/support/channel_arguments.h"
 
 namespace gtopk {
 namespace server {
-
-std::string BoundedStatusMessage(absl::string_view message) {
-  if (message.size() <= kMaxStatusMessageBytes) return std::string(message);
-  // The head says what failed, the tail often the cause; keep both.
-  constexpr size_t kTail = 256;
-  const size_t head = kMaxStatusMessageBytes - kTail - 64;
-  return absl::StrCat(message.substr(0, head), " ... [",
-                      message.size() - head - kTail, " bytes elided] ... ",
-                      message.substr(message.size() - kTail));
-}
-
-grpc::Status ToGrpcStatus(const absl::Status& status) {
-  if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
-                      BoundedStatusMessage(status.message()));
-}
-
-absl::Status FromGrpcStatus(const grpc::Status& status) {
-  if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                      status.error_message());
-}
-
-std::shared_ptr<grpc::Channel> CreateLimitedChannel(
-    const std::string& address, uint64_t max_message_bytes) {
-  grpc::ChannelArguments args;
-  const int limit = static_cast<int>(
-      std::min<uint64_t>(max_message_bytes, static_cast<uint64_t>(INT_MAX)));
-  args.SetMaxReceiveMessageSize(limit);
-  args.SetMaxSendMessageSize(limit);
-  // Reconnect quickly to a restarted leader or shard (100 ms growing to at
-  // most 1 s; gRPC's default starts at 1 s and grows to 120 s).
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
-                                   args);
-}
 
 v1::ThresholdRequest ToProto(const ThresholdRequest& request) {
   v1::ThresholdRequest p;

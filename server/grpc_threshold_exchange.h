@@ -1,18 +1,17 @@
-// The gRPC edge of the aggregator shard: status conversion, channels with
-// explicit message-size limits, and the ThresholdExchange that reaches the
-// leader's ThresholdCoordinator over gRPC (server/threshold.h).
+// The shard's gRPC clients of the leader: the ThresholdExchange that reaches
+// the leader's ThresholdCoordinator over gRPC (server/threshold.h) and the
+// CommitExchange that reaches its CommitStep (server/commit.h). Status
+// conversion and channels are common/grpc_edge.h.
 #ifndef GTOPK_SERVER_GRPC_THRESHOLD_EXCHANGE_H_
 #define GTOPK_SERVER_GRPC_THRESHOLD_EXCHANGE_H_
 
 #include <atomic>
-#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
 #include "gtopk/v1/gtopk.pb.h"
@@ -23,34 +22,6 @@
 
 namespace gtopk {
 namespace server {
-
-// Longest status message sent over the wire, in bytes. gRPC carries the
-// message in the trailers, and a client refuses trailers over its metadata
-// limit (8 KiB by default) with RESOURCE_EXHAUSTED -- which a worker does
-// not retry -- so a long message (a step timeout naming thousands of
-// missing workers, a forwarded AbortStep reason) must not reach the wire
-// whole.
-inline constexpr size_t kMaxStatusMessageBytes = 2048;
-
-// `message` when it fits kMaxStatusMessageBytes; otherwise its head and
-// tail with the number of bytes elided between them (at most
-// kMaxStatusMessageBytes in all).
-std::string BoundedStatusMessage(absl::string_view message);
-
-// absl::Status -> grpc::Status, the one conversion at the server's edge: the
-// same code (the numeric values of both enums agree) and the same message,
-// bounded by kMaxStatusMessageBytes (BoundedStatusMessage).
-grpc::Status ToGrpcStatus(const absl::Status& status);
-// grpc::Status -> absl::Status, same code and message (for calls to peers).
-absl::Status FromGrpcStatus(const grpc::Status& status);
-
-// An insecure channel to `address` (host:port) whose send and receive limits
-// are raised (or lowered) explicitly to `max_message_bytes` (clamped to
-// INT_MAX), so messages above gRPC's 4 MB default pass when configured.
-// The channel connects lazily, on the first call, and reconnects after a
-// failure every 100 ms growing to at most 1 s (not gRPC's 1 s to 120 s).
-std::shared_ptr<grpc::Channel> CreateLimitedChannel(const std::string& address,
-                                                    uint64_t max_message_bytes);
 
 // Field-by-field conversions between server/threshold.h and gtopk.v1.
 v1::ThresholdRequest ToProto(const ThresholdRequest& request);

@@ -21,6 +21,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
 #include "common/cluster_spec.h"
+#include "common/grpc_edge.h"
 #include "common/host_port.h"
 #include "common/selector.h"
 #include "common/sparse_vector.h"

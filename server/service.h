@@ -4,7 +4,7 @@
 // and a small server wrapper used by gtopk-server's main() and by tests.
 //
 // Status codes follow docs/errors.md; every handler converts its
-// absl::Status with ToGrpcStatus (server/grpc_threshold_exchange.h), so the
+// absl::Status with ToGrpcStatus (common/grpc_edge.h), so the
 // code and message a worker sees are the ones produced here or in the core.
 #ifndef GTOPK_SERVER_SERVICE_H_
 #define GTOPK_SERVER_SERVICE_H_

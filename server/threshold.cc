@@ -7,8 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "common/cpu/topk.h"
 #include "common/status_macros.h"
+#include "common/topk.h"
 
 namespace gtopk {
 namespace server {

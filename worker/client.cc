@@ -14,6 +14,7 @@
 #include "absl/synchronization/notification.h"
 #include "common/cluster_spec.h"
 #include "common/epoch.h"
+#include "common/grpc_edge.h"
 #include "common/random.h"
 #include "common/status_macros.h"
 #include "grpcpp/grpcpp.h"
@@ -47,12 +48,6 @@ constexpr absl::Duration kFailureGrace = absl::Milliseconds(250);
 
 // gRPC's default message limit; every chunked transfer stays below it.
 constexpr uint64_t kDefaultMessageBytes = uint64_t{4} << 20;
-
-absl::Status FromGrpc(const grpc::Status& s) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
-                      s.error_message());
-}
 
 // Same code, message prefixed with `where`.
 absl::Status Prefixed(const absl::Status& s, absl::string_view where) {
@@ -135,25 +130,6 @@ uint64_t MessageLimit(const v1::ClusterSpec& c) {
   return std::min<uint64_t>(limit, INT_MAX);
 }
 
-// Reconnect backoff of every channel: 100 ms, growing to at most 1 s.
-constexpr int kReconnectBackoffMinMs = 100;
-constexpr int kReconnectBackoffMaxMs = 1000;
-
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
-                                           uint64_t max_message_bytes) {
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(static_cast<int>(max_message_bytes));
-  args.SetMaxSendMessageSize(static_cast<int>(max_message_bytes));
-  // Reconnect quickly to a restarted shard or leader: gRPC's default
-  // backoff (1 s growing 1.6x, up to 120 s) would leave a worker waiting
-  // long after the peer is back (docs/recovery.md).
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, kReconnectBackoffMinMs);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, kReconnectBackoffMinMs);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, kReconnectBackoffMaxMs);
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
-                                   args);
-}
-
 // The entries of `v` with index in [begin, end).
 SparseVector Slice(const SparseVector& v, uint64_t begin, uint64_t end) {
   const auto lo = std::lower_bound(v.indices.begin(), v.indices.end(), begin);
@@ -185,7 +161,7 @@ absl::Status CheckShardsAgree(const Shards& shards,
     context.set_wait_for_ready(true);
     Cancellation::Scope cancel_scope(cancellation, &context);
     v1::ClusterSpec spec;
-    const absl::Status st = FromGrpc(
+    const absl::Status st = FromGrpcStatus(
         shards[s]->stub->GetClusterSpec(&context, v1::JoinRequest(), &spec));
     if (!st.ok()) return Prefixed(st, absl::StrCat(where, ": GetClusterSpec"));
     // The shard forwards the leader's spec: the same cluster.
@@ -235,14 +211,16 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
   request.set_n(options.n);
   v1::JoinResponse response;
   {
-    auto channel = MakeChannel(options.leader_address, kDefaultMessageBytes);
+    auto channel =
+        CreateLimitedChannel(options.leader_address, kDefaultMessageBytes);
     auto stub = v1::Aggregator::NewStub(channel);
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + options.rpc_timeout));
     // A worker may start before the leader: wait for it up to the deadline.
     context.set_wait_for_ready(true);
     Cancellation::Scope cancel_scope(options.cancellation.get(), &context);
-    const absl::Status s = FromGrpc(stub->Join(&context, request, &response));
+    const absl::Status s =
+        FromGrpcStatus(stub->Join(&context, request, &response));
     if (!s.ok()) return Prefixed(s, absl::StrCat(leader, ": Join"));
   }
   const v1::ClusterSpec& cluster = response.cluster();
@@ -283,7 +261,7 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
     conn->address = sh.address();
     conn->begin = sh.begin();
     conn->end = sh.end();
-    conn->channel = MakeChannel(sh.address(), limit);
+    conn->channel = CreateLimitedChannel(sh.address(), limit);
     conn->stub = v1::Aggregator::NewStub(conn->channel);
     shards.push_back(std::move(conn));
   }
@@ -454,7 +432,7 @@ absl::StatusOr<int64_t> WorkerClient::SynchronizeParameters(
         offset += len;
       } while (offset < c.end);
       writer->WritesDone();
-      const absl::Status st = FromGrpc(writer->Finish());
+      const absl::Status st = FromGrpcStatus(writer->Finish());
       if (!st.ok()) return Prefixed(st, absl::StrCat(ShardName(s), ": InitParams"));
     }
   }
@@ -471,7 +449,7 @@ absl::StatusOr<int64_t> WorkerClient::SynchronizeParameters(
     // with backoff, until the deadline. Every attempt rewrites the whole
     // range, so a partial earlier one leaves nothing behind.
     const absl::Time deadline = absl::Now() + options_.rpc_timeout;
-    absl::Duration backoff = absl::Milliseconds(kReconnectBackoffMinMs);
+    absl::Duration backoff = kReconnectBackoffMin;
     uint64_t offset = c.begin;
     int64_t shard_step = -1;
     for (int attempt = 0;; ++attempt) {
@@ -524,7 +502,7 @@ absl::StatusOr<int64_t> WorkerClient::SynchronizeParameters(
         }
         offset += chunk.values_size();
       }
-      const absl::Status st = FromGrpc(reader->Finish());
+      const absl::Status st = FromGrpcStatus(reader->Finish());
       GTOPK_RETURN_IF_ERROR(bad);
       if (st.ok()) break;
       if (!absl::IsUnavailable(st) || absl::Now() + backoff >= deadline) {
@@ -536,8 +514,7 @@ absl::StatusOr<int64_t> WorkerClient::SynchronizeParameters(
         return absl::CancelledError(
             absl::StrCat(where, ": cancelled (after: ", st.message(), ")"));
       }
-      backoff =
-          std::min(2 * backoff, absl::Milliseconds(kReconnectBackoffMaxMs));
+      backoff = std::min(2 * backoff, kReconnectBackoffMax);
     }
     if (offset != c.end) {
       return absl::InternalError(absl::StrCat(where, ": stream ended at index ",
@@ -626,14 +603,15 @@ absl::StatusOr<int64_t> WorkerClient::Recover(absl::Span<float> params,
   // channel known to be down, and the retries below a call sent on a
   // connection that died under it ("Socket closed", the first call after
   // the leader was killed) or a leader shutting down.
-  absl::Duration backoff = absl::Milliseconds(kReconnectBackoffMinMs);
+  absl::Duration backoff = kReconnectBackoffMin;
   for (;;) {
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(deadline));
     context.set_wait_for_ready(true);
     Cancellation::Scope cancel_scope(options_.cancellation.get(), &context);
     response.Clear();
-    st = FromGrpc(shards_[0]->stub->Recover(&context, request, &response));
+    st =
+        FromGrpcStatus(shards_[0]->stub->Recover(&context, request, &response));
     // The leader's own UNAVAILABLE answers (about other shards) start with
     // "Recover:" and go back to the caller, whose retry budget decides.
     if (!absl::IsUnavailable(st) ||
@@ -648,7 +626,7 @@ absl::StatusOr<int64_t> WorkerClient::Recover(absl::Span<float> params,
           absl::StrCat(ShardName(0), ": Recover: cancelled (after: ",
                        st.message(), ")"));
     }
-    backoff = std::min(2 * backoff, absl::Milliseconds(kReconnectBackoffMaxMs));
+    backoff = std::min(2 * backoff, kReconnectBackoffMax);
   }
   if (absl::IsDeadlineExceeded(st) && st.message() == "Deadline Exceeded") {
     // gRPC's own deadline: the leader never answered.
@@ -771,10 +749,10 @@ absl::Status WorkerClient::Exchange(int64_t step,
             learned_epoch = std::max(learned_epoch, epoch);
           }
         }
-        result = st.ok() ? absl::UnavailableError(absl::StrCat(
-                               "stream closed by the server during step ",
-                               step))
-                         : FromGrpc(st);
+        result = st.ok()
+                     ? absl::UnavailableError(absl::StrCat(
+                           "stream closed by the server during step ", step))
+                     : FromGrpcStatus(st);
         if (absl::IsResourceExhausted(result)) {
           result = absl::ResourceExhaustedError(absl::StrCat(
               result.message(),

@@ -20,10 +20,10 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "common/cpu/topk.h"
 #include "common/cuda/cuda_selector.h"
 #include "common/cuda/sparsify.h"
 #include "common/status_macros.h"
+#include "common/topk.h"
 #include "worker/client.h"
 
 namespace gtopk {

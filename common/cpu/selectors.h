@@ -7,9 +7,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "common/cpu/topk.h"
 #include "common/normal_quantile.h"
 #include "common/selector.h"
+#include "common/topk.h"
 
 namespace gtopk {
 namespace cpu {

@@ -1,6 +1,6 @@
 // GTOPK_LAUNCH(kernel, grid, block, stream)(args...): a kernel launch,
 // `kernel<<<grid, block, 0, stream>>>(args...)` under nvcc and the same
-// launch through the CPU emulator (common/cuda/emulator/emulator.h) when
+// launch through the CPU emulator (tests/testing/cuda_emulator/emulator.h) when
 // that is the <cuda_runtime_api.h> in use. As with <<<>>>, errors are read
 // with cudaGetLastError() afterwards.
 #ifndef GTOPK_COMMON_CUDA_LAUNCH_H_

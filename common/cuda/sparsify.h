@@ -4,7 +4,7 @@
 // Selector interface of common/selector.h.
 //
 // Magnitudes are compared through their 31-bit key (the float's bits with the
-// sign cleared), exactly like common/cpu/topk.h, so ties, -0.0 and denormals
+// sign cleared), exactly like common/topk.h, so ties, -0.0 and denormals
 // behave as on the CPU and the exact selector's output equals the CPU
 // `exact`'s bit for bit.
 //

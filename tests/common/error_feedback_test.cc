@@ -9,9 +9,9 @@
 #include <tuple>
 #include <vector>
 
-#include "common/cpu/topk.h"
 #include "common/random.h"
-#include "common/testing/status_matchers.h"
+#include "tests/testing/status_matchers.h"
+#include "common/topk.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/reference.h"

@@ -17,7 +17,7 @@
 #include "common/merge.h"
 #include "common/optimizer.h"
 #include "common/selector.h"
-#include "common/testing/status_matchers.h"
+#include "tests/testing/status_matchers.h"
 #include "gtest/gtest.h"
 
 namespace gtopk {

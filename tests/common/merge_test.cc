@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "common/random.h"
-#include "common/testing/status_matchers.h"
+#include "tests/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/reference.h"

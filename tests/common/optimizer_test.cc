@@ -6,7 +6,7 @@
 #include <random>
 #include <vector>
 
-#include "common/testing/status_matchers.h"
+#include "tests/testing/status_matchers.h"
 #include "gtest/gtest.h"
 #include "tests/testing/reference.h"
 

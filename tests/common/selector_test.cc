@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "common/cpu/selectors.h"
-#include "common/cpu/topk.h"
-#include "common/testing/status_matchers.h"
+#include "tests/testing/status_matchers.h"
+#include "common/topk.h"
 #include "gtest/gtest.h"
 #include "tests/testing/reference.h"
 

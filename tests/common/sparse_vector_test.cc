@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/testing/status_matchers.h"
+#include "tests/testing/status_matchers.h"
 #include "gtest/gtest.h"
 #include "tests/testing/reference.h"
 

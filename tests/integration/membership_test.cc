@@ -18,14 +18,15 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/codec.h"
+#include "common/grpc_edge.h"
 #include "common/sparse_vector.h"
 #include "common/status_macros.h"
-#include "common/testing/status_matchers.h"
+#include "tests/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
-#include "server/local_cluster.h"
+#include "tests/testing/local_cluster.h"
 #include "server/service.h"
 #include "tests/testing/reference.h"
 #include "worker/client.h"
@@ -41,11 +42,6 @@ using ::testing::HasSubstr;
 
 constexpr uint64_t kN = 400;
 constexpr int kWorkers = 2;
-
-absl::Status FromGrpc(const grpc::Status& s) {
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
-                      s.error_message());
-}
 
 using ::gtopk::testing::BitEqual;
 
@@ -125,7 +121,7 @@ absl::Status RawPush(const v1::ClusterSpec& spec, uint32_t shard,
   const bool got = stream->Read(&pull);
   stream->WritesDone();
   const grpc::Status st = stream->Finish();
-  if (!st.ok()) return FromGrpc(st);
+  if (!st.ok()) return FromGrpcStatus(st);
   return got ? absl::OkStatus() : absl::InternalError("no pull");
 }
 

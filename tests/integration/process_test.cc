@@ -25,10 +25,10 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
-#include "common/testing/status_matchers.h"
+#include "tests/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/local_cluster.h"
+#include "tests/testing/local_cluster.h"
 #include "tests/testing/process_util.h"
 #include "worker/client.h"
 

@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/testing/status_matchers.h"
+#include "tests/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

@@ -15,7 +15,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
-#include "server/local_cluster.h"
+#include "tests/testing/local_cluster.h"
 #include "server/service.h"
 #include "worker/client.h"
 #include "worker/worker_metrics.h"

@@ -15,7 +15,7 @@
 #include "common/error_feedback.h"
 #include "common/merge.h"
 #include "common/selector.h"
-#include "common/testing/status_matchers.h"
+#include "tests/testing/status_matchers.h"
 #include "gtest/gtest.h"
 #include "server/commit.h"
 #include "server/threshold.h"

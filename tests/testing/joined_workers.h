@@ -15,7 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "server/local_cluster.h"
+#include "tests/testing/local_cluster.h"
 #include "worker/client.h"
 
 namespace gtopk {

@@ -23,7 +23,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
-#include "server/local_cluster.h"
+#include "tests/testing/local_cluster.h"
 #include "tests/testing/reference.h"
 
 #ifndef GTOPK_SERVER_BINARY

@@ -12,10 +12,10 @@
 
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
-#include "common/testing/status_matchers.h"
+#include "tests/testing/status_matchers.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "server/local_cluster.h"
+#include "tests/testing/local_cluster.h"
 #include "server/service.h"
 #include "tests/testing/joined_workers.h"
 #include "tests/testing/temp_dir.h"

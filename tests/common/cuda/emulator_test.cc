@@ -1,11 +1,11 @@
-// The CUDA emulator (common/cuda/emulator/emulator.h) on small kernels of its
+// The CUDA emulator (tests/testing/cuda_emulator/emulator.h) on small kernels of its
 // own: what it computes (thread coordinates, block scans and reductions,
 // ballots, atomics, grid-stride loops) against plain serial loops, that each
 // check it documents fails the process with its message (death tests), the
 // errors it returns as the CUDA runtime does, its stream semantics, and that
 // a shared-memory race gives an order-dependent result. Correct under every
 // GTOPK_CUDA_EMU order (ctest also runs it shuffled).
-#include "common/cuda/emulator/emulator.h"
+#include "tests/testing/cuda_emulator/emulator.h"
 
 #include <cuda_runtime_api.h>
 #include <stdlib.h>

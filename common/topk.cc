@@ -1,4 +1,4 @@
-#include "common/cpu/topk.h"
+#include "common/topk.h"
 
 #include <algorithm>
 #include <array>

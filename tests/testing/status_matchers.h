@@ -1,7 +1,7 @@
 // GoogleTest matchers and assertions for absl::Status / absl::StatusOr.
 // Debian's Abseil 20220623 ships none, so they are defined once, here.
-#ifndef GTOPK_COMMON_TESTING_STATUS_MATCHERS_H_
-#define GTOPK_COMMON_TESTING_STATUS_MATCHERS_H_
+#ifndef GTOPK_TESTS_TESTING_STATUS_MATCHERS_H_
+#define GTOPK_TESTS_TESTING_STATUS_MATCHERS_H_
 
 #include <ostream>
 #include <string>
@@ -64,4 +64,4 @@ MATCHER_P(StatusIs, code,
   ASSERT_TRUE(statusor.ok()) << statusor.status();            \
   lhs = *std::move(statusor)
 
-#endif  // GTOPK_COMMON_TESTING_STATUS_MATCHERS_H_
+#endif  // GTOPK_TESTS_TESTING_STATUS_MATCHERS_H_

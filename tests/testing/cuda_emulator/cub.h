@@ -1,19 +1,19 @@
 // cub::BlockScan and cub::BlockReduce for the CUDA emulator
-// (common/cuda/emulator/emulator.h): the members common/cuda/ uses, with
+// (tests/testing/cuda_emulator/emulator.h): the members common/cuda/ uses, with
 // CUB's contracts (CCCL's cub/block/block_scan.cuh, block_reduce.cuh):
 // TempStorage lives in __shared__ memory and needs a __syncthreads() before
 // it is reused (the emulator keeps the per-thread partials in it, so a
 // missing barrier corrupts a result under some thread order); the block
 // size must equal the template argument; BlockReduce's result is defined in
 // thread 0 only (the other threads get a poison value here).
-#ifndef GTOPK_COMMON_CUDA_EMULATOR_CUB_H_
-#define GTOPK_COMMON_CUDA_EMULATOR_CUB_H_
+#ifndef GTOPK_TESTS_TESTING_CUDA_EMULATOR_CUB_H_
+#define GTOPK_TESTS_TESTING_CUDA_EMULATOR_CUB_H_
 
 #include <cstring>
 #include <limits>
 #include <type_traits>
 
-#include "common/cuda/emulator/emulator.h"
+#include "tests/testing/cuda_emulator/emulator.h"
 
 namespace cub {
 
@@ -151,4 +151,4 @@ class BlockReduce {
 
 }  // namespace cub
 
-#endif  // GTOPK_COMMON_CUDA_EMULATOR_CUB_H_
+#endif  // GTOPK_TESTS_TESTING_CUDA_EMULATOR_CUB_H_

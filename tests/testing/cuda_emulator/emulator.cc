@@ -1,5 +1,5 @@
 // The CUDA emulator's runtime and scheduler (see emulator.h).
-#include "common/cuda/emulator/emulator.h"
+#include "tests/testing/cuda_emulator/emulator.h"
 
 #include <signal.h>
 #include <sys/mman.h>

@@ -6,8 +6,8 @@
 // value, so |a| < |b| iff key(a) < key(b); keys >= 0x7f800000 are Inf/NaN.
 // Working on keys makes every comparison exact and the tie-break
 // (lower index wins) well defined, also for -0.0, denormals and equal values.
-#ifndef GTOPK_COMMON_CPU_TOPK_H_
-#define GTOPK_COMMON_CPU_TOPK_H_
+#ifndef GTOPK_COMMON_TOPK_H_
+#define GTOPK_COMMON_TOPK_H_
 
 #include <cstdint>
 #include <cstring>
@@ -117,4 +117,4 @@ void CompactTopK(absl::Span<const float> u, uint32_t kth_key,
 }  // namespace cpu
 }  // namespace gtopk
 
-#endif  // GTOPK_COMMON_CPU_TOPK_H_
+#endif  // GTOPK_COMMON_TOPK_H_

@@ -55,8 +55,8 @@
 // Not emulated: warp-synchronous code without __*_sync intrinsics, memory
 // ordering between blocks of one launch, shared memory's undefined contents
 // at block start (__shared__ variables are function statics here), timing.
-#ifndef GTOPK_COMMON_CUDA_EMULATOR_EMULATOR_H_
-#define GTOPK_COMMON_CUDA_EMULATOR_EMULATOR_H_
+#ifndef GTOPK_TESTS_TESTING_CUDA_EMULATOR_EMULATOR_H_
+#define GTOPK_TESTS_TESTING_CUDA_EMULATOR_EMULATOR_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -393,4 +393,4 @@ void SetOrderForTesting(const char* order);
 }  // namespace cuda_emu
 }  // namespace gtopk
 
-#endif  // GTOPK_COMMON_CUDA_EMULATOR_EMULATOR_H_
+#endif  // GTOPK_TESTS_TESTING_CUDA_EMULATOR_EMULATOR_H_

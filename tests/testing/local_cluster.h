@@ -1,7 +1,7 @@
 // An in-process gtopk cluster for tests and benchmarks: S AggregatorServers on
 // loopback (real gRPC) and helpers to read the servers' parameters back.
-#ifndef GTOPK_SERVER_LOCAL_CLUSTER_H_
-#define GTOPK_SERVER_LOCAL_CLUSTER_H_
+#ifndef GTOPK_TESTS_TESTING_LOCAL_CLUSTER_H_
+#define GTOPK_TESTS_TESTING_LOCAL_CLUSTER_H_
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -177,4 +177,4 @@ class LocalCluster {
 }  // namespace server
 }  // namespace gtopk
 
-#endif  // GTOPK_SERVER_LOCAL_CLUSTER_H_
+#endif  // GTOPK_TESTS_TESTING_LOCAL_CLUSTER_H_
