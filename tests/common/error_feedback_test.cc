@@ -10,11 +10,11 @@
 #include <vector>
 
 #include "common/random.h"
-#include "tests/testing/status_matchers.h"
 #include "common/topk.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/reference.h"
+#include "tests/testing/status_matchers.h"
 
 namespace gtopk {
 namespace {

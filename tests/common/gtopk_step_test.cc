@@ -17,8 +17,8 @@
 #include "common/merge.h"
 #include "common/optimizer.h"
 #include "common/selector.h"
-#include "tests/testing/status_matchers.h"
 #include "gtest/gtest.h"
+#include "tests/testing/status_matchers.h"
 
 namespace gtopk {
 namespace {

@@ -6,9 +6,9 @@
 #include <random>
 #include <vector>
 
-#include "tests/testing/status_matchers.h"
 #include "gtest/gtest.h"
 #include "tests/testing/reference.h"
+#include "tests/testing/status_matchers.h"
 
 namespace gtopk {
 namespace {

@@ -11,10 +11,10 @@
 #include <vector>
 
 #include "common/cpu/selectors.h"
-#include "tests/testing/status_matchers.h"
 #include "common/topk.h"
 #include "gtest/gtest.h"
 #include "tests/testing/reference.h"
+#include "tests/testing/status_matchers.h"
 
 namespace gtopk {
 namespace {

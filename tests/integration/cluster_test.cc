@@ -17,11 +17,11 @@
 #include "common/merge.h"
 #include "common/optimizer.h"
 #include "common/selector.h"
-#include "tests/testing/status_matchers.h"
 #include "gtest/gtest.h"
-#include "tests/testing/local_cluster.h"
 #include "server/service.h"
+#include "tests/testing/local_cluster.h"
 #include "tests/testing/reference.h"
+#include "tests/testing/status_matchers.h"
 #include "worker/client.h"
 
 namespace gtopk {

@@ -14,13 +14,13 @@
 #include "absl/time/clock.h"
 #include "common/codec.h"
 #include "common/epoch.h"
-#include "tests/testing/status_matchers.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "tests/testing/local_cluster.h"
 #include "server/service.h"
 #include "tests/testing/joined_workers.h"
+#include "tests/testing/local_cluster.h"
 #include "tests/testing/reference.h"
+#include "tests/testing/status_matchers.h"
 #include "worker/client.h"
 
 namespace gtopk {

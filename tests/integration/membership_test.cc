@@ -21,14 +21,14 @@
 #include "common/grpc_edge.h"
 #include "common/sparse_vector.h"
 #include "common/status_macros.h"
-#include "tests/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
-#include "tests/testing/local_cluster.h"
 #include "server/service.h"
+#include "tests/testing/local_cluster.h"
 #include "tests/testing/reference.h"
+#include "tests/testing/status_matchers.h"
 #include "worker/client.h"
 
 namespace gtopk {

@@ -25,11 +25,11 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
-#include "tests/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/local_cluster.h"
 #include "tests/testing/process_util.h"
+#include "tests/testing/status_matchers.h"
 #include "worker/client.h"
 
 #ifndef GTOPK_SERVER_BINARY

@@ -25,9 +25,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "tests/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/status_matchers.h"
 
 // ---------------------------------------------------------------------------
 // Allocation watch: this binary replaces the global operator new so that tests

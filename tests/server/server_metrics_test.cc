@@ -11,12 +11,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/metrics/metrics.h"
-#include "prometheus/text_serializer.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
-#include "tests/testing/local_cluster.h"
+#include "prometheus/text_serializer.h"
 #include "server/service.h"
+#include "tests/testing/local_cluster.h"
 #include "worker/client.h"
 #include "worker/worker_metrics.h"
 

@@ -29,7 +29,6 @@
 #include "common/optimizer.h"
 #include "common/sparse_vector.h"
 #include "common/status_macros.h"
-#include "tests/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
@@ -37,6 +36,7 @@
 #include "server/checkpoint.h"
 #include "tests/testing/local_cluster.h"
 #include "tests/testing/reference.h"
+#include "tests/testing/status_matchers.h"
 
 namespace gtopk {
 namespace server {

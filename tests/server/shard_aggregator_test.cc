@@ -15,11 +15,11 @@
 #include "common/error_feedback.h"
 #include "common/merge.h"
 #include "common/selector.h"
-#include "tests/testing/status_matchers.h"
 #include "gtest/gtest.h"
 #include "server/commit.h"
 #include "server/threshold.h"
 #include "tests/testing/reference.h"
+#include "tests/testing/status_matchers.h"
 
 namespace gtopk {
 namespace server {

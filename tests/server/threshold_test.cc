@@ -24,12 +24,12 @@
 #include "absl/time/time.h"
 #include "common/merge.h"
 #include "common/random.h"
-#include "tests/testing/status_matchers.h"
 #include "common/topk.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/commit.h"
 #include "tests/testing/reference.h"
+#include "tests/testing/status_matchers.h"
 
 namespace gtopk {
 namespace server {

@@ -12,12 +12,12 @@
 
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
-#include "tests/testing/status_matchers.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "tests/testing/local_cluster.h"
 #include "server/service.h"
 #include "tests/testing/joined_workers.h"
+#include "tests/testing/local_cluster.h"
+#include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 #include "worker/client.h"
 

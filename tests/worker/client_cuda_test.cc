@@ -22,12 +22,12 @@
 #include "common/codec.h"
 #include "common/cuda/sparsify.h"
 #include "common/optimizer.h"
-#include "tests/testing/status_matchers.h"
 #include "gtest/gtest.h"
-#include "tests/testing/local_cluster.h"
 #include "server/service.h"
 #include "server/shard_aggregator.h"
+#include "tests/testing/local_cluster.h"
 #include "tests/testing/reference.h"
+#include "tests/testing/status_matchers.h"
 #include "worker/client.h"
 
 namespace gtopk {

@@ -14,9 +14,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/codec.h"
-#include "tests/testing/status_matchers.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "tests/testing/status_matchers.h"
 
 namespace gtopk {
 namespace worker {

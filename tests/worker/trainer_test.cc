@@ -23,10 +23,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "tests/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/local_cluster.h"
+#include "tests/testing/status_matchers.h"
 #include "worker/client.h"
 
 namespace gtopk {

@@ -19,10 +19,10 @@
 #include "common/cpu/selectors.h"
 #include "common/cuda/cuda_selector.h"
 #include "common/optimizer.h"
-#include "tests/testing/status_matchers.h"
 #include "common/topk.h"
 #include "gtest/gtest.h"
 #include "tests/testing/reference.h"
+#include "tests/testing/status_matchers.h"
 
 namespace gtopk {
 namespace cuda {
