@@ -460,23 +460,36 @@ TEST(ExposerTest, ServesMetricsOverHttp) {
   EXPECT_THAT(response.body, Not(HasSubstr("served_total")));
 }
 
+// An exposer on a free loopback port serving one counter, served_total 1.
+struct ServingCounter {
+  std::shared_ptr<prometheus::Registry> registry =
+      std::make_shared<prometheus::Registry>();
+  std::unique_ptr<prometheus::Exposer> exposer;
+  int port = 0;
+  void Start() {
+    prometheus::BuildCounter()
+        .Name("served_total")
+        .Help("h")
+        .Register(*registry)
+        .Add({})
+        .Increment(1);
+    absl::StatusOr<std::unique_ptr<prometheus::Exposer>> started =
+        StartExposer("127.0.0.1:0");
+    ASSERT_TRUE(started.ok()) << started.status();
+    exposer = *std::move(started);
+    exposer->RegisterCollectable(registry);
+    port = BoundPort(*exposer);
+  }
+};
+
 // Scrapers that keep their connection open (Prometheus does; an HA pair is
 // two of them) and connections that send nothing must not hold the
 // exposer's two threads: a scrape after them is answered, and well within a
 // 3 s scrape timeout.
 TEST(ExposerTest, KeepAliveAndIdleConnectionsDoNotStarveOthers) {
-  auto registry = std::make_shared<prometheus::Registry>();
-  prometheus::BuildCounter()
-      .Name("served_total")
-      .Help("h")
-      .Register(*registry)
-      .Add({})
-      .Increment(1);
-  absl::StatusOr<std::unique_ptr<prometheus::Exposer>> exposer =
-      StartExposer("127.0.0.1:0");
-  ASSERT_TRUE(exposer.ok()) << exposer.status();
-  (*exposer)->RegisterCollectable(registry);
-  const int port = BoundPort(**exposer);
+  ServingCounter serving;
+  ASSERT_NO_FATAL_FAILURE(serving.Start());
+  const int port = serving.port;
   std::vector<int> held;
   for (int i = 0; i < kExposerThreads; ++i) {
     const int fd = Connect(port, 10);
@@ -553,18 +566,9 @@ TEST(ExposerTest, BindsHostNamesAndIpv6WhereTheServerHasIt) {
 // scrape. With 2 threads and a 2 s request timeout it was served after
 // 20 s (a Kubernetes probe times out at 5 s, a Prometheus scrape at 10 s).
 TEST(ExposerTest, ManyIdleConnectionsDelayAScrapeLittle) {
-  auto registry = std::make_shared<prometheus::Registry>();
-  prometheus::BuildCounter()
-      .Name("served_total")
-      .Help("h")
-      .Register(*registry)
-      .Add({})
-      .Increment(1);
-  absl::StatusOr<std::unique_ptr<prometheus::Exposer>> exposer =
-      StartExposer("127.0.0.1:0");
-  ASSERT_TRUE(exposer.ok()) << exposer.status();
-  (*exposer)->RegisterCollectable(registry);
-  const int port = BoundPort(**exposer);
+  ServingCounter serving;
+  ASSERT_NO_FATAL_FAILURE(serving.Start());
+  const int port = serving.port;
   std::vector<int> idle;
   for (int i = 0; i < 20; ++i) {
     idle.push_back(Connect(port, 10));
