@@ -45,8 +45,8 @@ absl::Status ValidateSelectorOptions(const SelectorOptions& options);
 //         SelectorOptions::seed).
 //   out   replaced by the selection: indices strictly ascending, values
 //         copied bit-exactly from u (-0.0 stays -0.0). How many entries is
-//         each selector's contract (see its class comment); `Contract()`
-//         states it as [min_count(k), max_count(k)].
+//         each selector's contract (see its class comment); MinCount(k)
+//         and MaxCount(k) state it as the range [MinCount(k), MaxCount(k)].
 // Errors (out is left empty): INVALID_ARGUMENT when k == 0, k > n, n == 0,
 // n > 2^32, or u holds a NaN/Inf (the message names the first position).
 //
