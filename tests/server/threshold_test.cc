@@ -27,7 +27,6 @@
 #include "common/topk.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/commit.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/status_matchers.h"
 
@@ -890,80 +889,6 @@ TEST(ThresholdCoordinatorTest, CancelledRequestFailsTheRoundForEveryShard) {
   EXPECT_THAT(r1, StatusIs(absl::StatusCode::kCancelled));
   EXPECT_THAT(
       r0, StatusIs(absl::StatusCode::kAborted, HasSubstr("shard 1 went away")));
-}
-
-// Fail fast (AbortStep): an aborted step ends the waiting votes at once with
-// the reason; a late vote of the failed attempt (older epoch: a shard that
-// was still computing it) is refused instead of opening an attempt that the
-// retry would join; the retry's votes (the failure's epoch) commit; a
-// committed step cannot be aborted.
-TEST(CommitCoordinatorTest, AbortEndsTheAttemptAndRefusesItsLateVotes) {
-  CommitCoordinator commit(3);
-  const absl::Status reason =
-      absl::AbortedError("step 4 failed on shard 2: bad push");
-  absl::Status waiting;
-  const absl::Time start = absl::Now();
-  std::thread t0([&] { waiting = commit.Vote(4, 0, Later(), {}, 10); });
-  absl::SleepFor(absl::Milliseconds(100));
-  EXPECT_TRUE(commit.Abort(4, reason, 11));
-  t0.join();
-  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
-  EXPECT_THAT(waiting, StatusIs(absl::StatusCode::kAborted,
-                                HasSubstr("failed on shard 2")));
-  EXPECT_THAT(commit.Vote(4, 1, Later(), {}, 10),
-              StatusIs(absl::StatusCode::kAborted, HasSubstr("bad push")));
-  absl::Status v0, v1;
-  std::thread a([&] { v0 = commit.Vote(4, 0, Later(), {}, 11); });
-  std::thread b([&] { v1 = commit.Vote(4, 1, Later(), {}, 12); });
-  GTOPK_EXPECT_OK(commit.Vote(4, 2, Later(), {}, 11));
-  a.join();
-  b.join();
-  GTOPK_EXPECT_OK(v0);
-  GTOPK_EXPECT_OK(v1);
-  EXPECT_FALSE(commit.Abort(4, reason, 13));  // committed: a stale message
-  GTOPK_EXPECT_OK(commit.Vote(4, 1, Later(), {}, 12));
-}
-
-TEST(CommitCoordinatorTest, CancelledVoteFenceAndForget) {
-  // A cancelled vote ends the other shards' wait at once (shard 2 of 3
-  // never votes).
-  CommitCoordinator three(3);
-  std::atomic<bool> gone{false};
-  absl::Status other, cancelled;
-  std::thread t0([&] { other = three.Vote(0, 0, Later()); });
-  std::thread t1([&] {
-    cancelled = three.Vote(0, 1, Later(), [&gone] { return gone.load(); });
-  });
-  absl::SleepFor(absl::Milliseconds(100));
-  const absl::Time start = absl::Now();
-  gone = true;
-  t0.join();
-  t1.join();
-  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
-  EXPECT_THAT(cancelled, StatusIs(absl::StatusCode::kCancelled));
-  EXPECT_THAT(other, StatusIs(absl::StatusCode::kAborted,
-                              HasSubstr("vote of shard 1 was cancelled")));
-  // Fenced: waiting and new votes fail; steps committed before stay so.
-  CommitCoordinator commit(2);
-  std::thread t2([&] { other = commit.Vote(1, 0, Later()); });
-  GTOPK_ASSERT_OK(commit.Vote(1, 1, Later()));
-  t2.join();
-  GTOPK_ASSERT_OK(other);
-  std::thread t3([&] { other = commit.Vote(2, 0, Later()); });
-  absl::SleepFor(absl::Milliseconds(50));
-  commit.Fence(absl::AbortedError("recovering"));
-  t3.join();
-  EXPECT_THAT(other,
-              StatusIs(absl::StatusCode::kAborted, HasSubstr("recovering")));
-  EXPECT_THAT(commit.Vote(2, 1, Later()),
-              StatusIs(absl::StatusCode::kAborted, HasSubstr("recovering")));
-  GTOPK_EXPECT_OK(commit.Vote(1, 0, Later()));  // committed before the fence
-  commit.Unfence();
-  // Forgetting step 1 makes it a new vote: one shard alone times out.
-  commit.ForgetFrom(1);
-  EXPECT_THAT(
-      commit.Vote(1, 0, absl::Now() + absl::Milliseconds(50)),
-      StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("shard(s) 1")));
 }
 
 // --- Driver error handling --------------------------------------------------
