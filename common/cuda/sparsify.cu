@@ -1156,6 +1156,29 @@ struct Sparsifier::Impl {
   std::vector<CachedGraph> graphs;
   uint64_t graph_clock = 0;
 
+  // The host-side state a selection's enqueue leaves (info, what Wait
+  // checks and continues, the compaction layout), saved with its graph and
+  // restored when the graph is replayed instead.
+  HostSnapshot Snapshot() const {
+    HostSnapshot s;
+    s.info = info;
+    s.check_selected = check_selected;
+    s.continuation = static_cast<int>(continuation);
+    s.pending_count = pending_count;
+    s.collect_blocks = collect_blocks;
+    s.collect_warps = collect_warps;
+    s.collect_chunk = collect_chunk;
+    return s;
+  }
+  void Restore(const HostSnapshot& s) {
+    check_selected = s.check_selected;
+    continuation = static_cast<Continuation>(s.continuation);
+    pending_count = s.pending_count;
+    collect_blocks = s.collect_blocks;
+    collect_warps = s.collect_warps;
+    collect_chunk = s.collect_chunk;
+  }
+
   void ClearGraphs() {
     for (CachedGraph& g : graphs) cudaGraphExecDestroy(g.exec);
     graphs.clear();
@@ -1647,12 +1670,7 @@ Status Sparsifier::Impl::EnqueueWithGraph(float* u, uint64_t n,
     info = g.snapshot.info;
     info.used_update_histogram = used_update_histogram;
     info.graph_replay = true;
-    check_selected = g.snapshot.check_selected;
-    continuation = static_cast<Continuation>(g.snapshot.continuation);
-    pending_count = g.snapshot.pending_count;
-    collect_blocks = g.snapshot.collect_blocks;
-    collect_warps = g.snapshot.collect_warps;
-    collect_chunk = g.snapshot.collect_chunk;
+    Restore(g.snapshot);
     return Status::Ok();
   }
   // Capture what Enqueue would enqueue; on any refusal, graphs go off and
@@ -1686,13 +1704,7 @@ Status Sparsifier::Impl::EnqueueWithGraph(float* u, uint64_t n,
   CachedGraph entry;
   entry.key = key;
   entry.exec = exec;
-  entry.snapshot.info = info;
-  entry.snapshot.check_selected = check_selected;
-  entry.snapshot.continuation = static_cast<int>(continuation);
-  entry.snapshot.pending_count = pending_count;
-  entry.snapshot.collect_blocks = collect_blocks;
-  entry.snapshot.collect_warps = collect_warps;
-  entry.snapshot.collect_chunk = collect_chunk;
+  entry.snapshot = Snapshot();
   entry.last_used = ++graph_clock;
   if (graphs.size() >= kMaxGraphs) {
     auto oldest = std::min_element(
