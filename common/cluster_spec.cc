@@ -68,36 +68,82 @@ std::string ShortestNumber(T v) {
 
 }  // namespace
 
-std::string ModeFlagValue(v1::Mode mode) {
-  const std::string& name = v1::Mode_Name(mode);
-  if (mode == v1::MODE_UNSPECIFIED || name.empty()) {
-    return absl::StrCat("unknown(", static_cast<int>(mode), ")");
+v1::Mode ToProto(AggregationMode mode) {
+  switch (mode) {
+    case AggregationMode::kGtopk: return v1::MODE_GTOPK;
+    case AggregationMode::kTopk: return v1::MODE_TOPK;
+    case AggregationMode::kDense: return v1::MODE_DENSE;
   }
-  return absl::AsciiStrToLower(absl::StripPrefix(name, "MODE_"));
+  return v1::MODE_UNSPECIFIED;
+}
+
+v1::Selection ToProto(SelectionKind kind) {
+  switch (kind) {
+    case SelectionKind::kThreshold: return v1::SELECTION_THRESHOLD;
+    case SelectionKind::kQuota: return v1::SELECTION_QUOTA;
+  }
+  return v1::SELECTION_UNSPECIFIED;
+}
+
+v1::MomentumMode ToProto(MomentumMode mode) {
+  switch (mode) {
+    case MomentumMode::kNone: return v1::MOMENTUM_MODE_NONE;
+    case MomentumMode::kDgcCorrection: return v1::MOMENTUM_MODE_DGC;
+    case MomentumMode::kGlobal: return v1::MOMENTUM_MODE_GLOBAL;
+  }
+  return v1::MOMENTUM_MODE_UNSPECIFIED;
+}
+
+absl::StatusOr<AggregationMode> AggregationModeFromProto(v1::Mode mode) {
+  switch (mode) {
+    case v1::MODE_GTOPK: return AggregationMode::kGtopk;
+    case v1::MODE_TOPK: return AggregationMode::kTopk;
+    case v1::MODE_DENSE: return AggregationMode::kDense;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cluster spec: unknown mode ", static_cast<int>(mode)));
+  }
+}
+
+absl::StatusOr<SelectionKind> SelectionKindFromProto(v1::Selection selection) {
+  switch (selection) {
+    case v1::SELECTION_THRESHOLD: return SelectionKind::kThreshold;
+    case v1::SELECTION_QUOTA: return SelectionKind::kQuota;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cluster spec: unknown selection ", static_cast<int>(selection)));
+  }
+}
+
+absl::StatusOr<MomentumMode> MomentumModeFromProto(v1::MomentumMode mode) {
+  switch (mode) {
+    case v1::MOMENTUM_MODE_NONE: return MomentumMode::kNone;
+    case v1::MOMENTUM_MODE_UNSPECIFIED:  // the documented default
+    case v1::MOMENTUM_MODE_DGC: return MomentumMode::kDgcCorrection;
+    case v1::MOMENTUM_MODE_GLOBAL: return MomentumMode::kGlobal;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cluster spec: unknown momentum mode ", static_cast<int>(mode)));
+  }
+}
+
+std::string ModeFlagValue(v1::Mode mode) {
+  const absl::StatusOr<AggregationMode> m = AggregationModeFromProto(mode);
+  return m.ok() ? std::string(AggregationModeName(*m))
+                : absl::StrCat("unknown(", static_cast<int>(mode), ")");
 }
 
 std::string SelectionFlagValue(v1::Selection selection) {
-  switch (selection) {
-    case v1::SELECTION_EXACT:
-      return "exact";
-    case v1::SELECTION_QUOTA:
-      return "quota";
-    default:
-      return absl::StrCat("unknown(", static_cast<int>(selection), ")");
-  }
+  const absl::StatusOr<SelectionKind> s = SelectionKindFromProto(selection);
+  return s.ok() ? std::string(SelectionKindName(*s))
+                : absl::StrCat("unknown(", static_cast<int>(selection), ")");
 }
 
 std::string MomentumFlagValue(v1::MomentumMode mode) {
-  switch (mode) {
-    case v1::MOMENTUM_MODE_NONE:
-      return "none";
-    case v1::MOMENTUM_MODE_DGC:
-      return "dgc";
-    case v1::MOMENTUM_MODE_GLOBAL:
-      return "global";
-    default:
-      return absl::StrCat("unknown(", static_cast<int>(mode), ")");
-  }
+  const absl::StatusOr<MomentumMode> m = MomentumModeFromProto(mode);
+  return m.ok() && mode != v1::MOMENTUM_MODE_UNSPECIFIED
+             ? std::string(MomentumModeName(*m))
+                : absl::StrCat("unknown(", static_cast<int>(mode), ")");
 }
 
 uint64_t ClusterFingerprint(const v1::ClusterSpec& spec) {
@@ -146,6 +192,14 @@ absl::Status Mismatch(absl::string_view prefix, absl::string_view name,
       " ", servers, " (configure the servers and workers alike)"));
 }
 
+// The canonical spelling of a mode name (an alias such as "exact" becomes
+// "threshold"); an unknown name stays as it is, so that it mismatches.
+template <typename Parse, typename Name>
+std::string Canonical(const std::string& name, Parse parse, Name name_of) {
+  const auto parsed = parse(name);
+  return parsed.ok() ? std::string(name_of(*parsed)) : name;
+}
+
 bool Close(double a, double b) {
   return std::fabs(a - b) <= 1e-6 * std::max(1.0, std::fabs(a));
 }
@@ -155,10 +209,13 @@ bool Close(double a, double b) {
 absl::Status CheckExpectedSettings(const ExpectedSettings& e,
                                    const v1::ClusterSpec& c,
                                    absl::string_view prefix) {
-  if (e.mode && *e.mode != ModeFlagValue(c.mode())) {
+  if (e.mode && Canonical(*e.mode, ParseAggregationMode, AggregationModeName) !=
+                    ModeFlagValue(c.mode())) {
     return Mismatch(prefix, "mode", *e.mode, ModeFlagValue(c.mode()));
   }
-  if (e.selection && *e.selection != SelectionFlagValue(c.selection())) {
+  if (e.selection &&
+      Canonical(*e.selection, ParseSelectionKind, SelectionKindName) !=
+          SelectionFlagValue(c.selection())) {
     return Mismatch(prefix, "selection", *e.selection,
                     SelectionFlagValue(c.selection()));
   }
@@ -197,7 +254,8 @@ absl::Status CheckExpectedSettings(const ExpectedSettings& e,
         c.optimizer().momentum_mode() == v1::MOMENTUM_MODE_UNSPECIFIED
             ? v1::MOMENTUM_MODE_DGC
             : c.optimizer().momentum_mode();
-    if (*e.momentum_mode != MomentumFlagValue(mode)) {
+    if (Canonical(*e.momentum_mode, ParseMomentumMode, MomentumModeName) !=
+        MomentumFlagValue(mode)) {
       return Mismatch(prefix, "momentum-mode", *e.momentum_mode,
                       MomentumFlagValue(mode));
     }

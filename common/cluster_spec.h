@@ -11,8 +11,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
-
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/cluster_modes.h"
 #include "gtopk/v1/gtopk.pb.h"
 
 namespace gtopk {
@@ -46,9 +47,21 @@ std::vector<std::string> ClusterSpecDifferences(const v1::ClusterSpec& here,
                                                 const v1::ClusterSpec& there,
                                                 absl::string_view there_name);
 
-// The flag spellings of the spec's enums: "gtopk" | "topk" | "dense";
-// "exact" | "quota"; "none" | "dgc" | "global"; anything else as
-// "unspecified(N)" / "unknown(N)". Pure.
+// The wire enums <-> the cluster's modes (common/cluster_modes.h). ToProto
+// is total. The FromProto functions return INVALID_ARGUMENT ("cluster spec:
+// unknown mode 7") for a value outside the enum and for UNSPECIFIED, except
+// MomentumModeFromProto, which reads UNSPECIFIED as the documented default,
+// DGC momentum correction. Pure; thread-safe.
+v1::Mode ToProto(AggregationMode mode);
+v1::Selection ToProto(SelectionKind kind);
+v1::MomentumMode ToProto(MomentumMode mode);
+absl::StatusOr<AggregationMode> AggregationModeFromProto(v1::Mode mode);
+absl::StatusOr<SelectionKind> SelectionKindFromProto(v1::Selection selection);
+absl::StatusOr<MomentumMode> MomentumModeFromProto(v1::MomentumMode mode);
+
+// The flag spellings of the spec's enums (AggregationModeName etc.):
+// "gtopk" | "topk" | "dense"; "threshold" | "quota"; "none" | "dgc" |
+// "global"; anything else, UNSPECIFIED included, as "unknown(N)". Pure.
 std::string ModeFlagValue(v1::Mode mode);
 std::string SelectionFlagValue(v1::Selection selection);
 std::string MomentumFlagValue(v1::MomentumMode mode);
@@ -64,7 +77,8 @@ struct ExpectedSettings {
 
 // OK when every set field of `expected` matches `spec` (numbers within a
 // relative 1e-6; an unspecified momentum mode is "dgc", the documented
-// default); otherwise FAILED_PRECONDITION for the first that differs:
+// default; a mode, selection or momentum mode compares by meaning, so the
+// alias "exact" matches "threshold"); otherwise FAILED_PRECONDITION for the first that differs:
 // "<prefix>lr=0.1 but the servers' cluster spec has lr 0.05 (configure the
 // servers and workers alike)" (prefix "--" for flags, "" for keyword
 // arguments, then named with underscores: "weight_decay=0.1 but ...").

@@ -30,27 +30,6 @@ absl::Status NotFinite(absl::string_view what, uint64_t index, float result,
 
 }  // namespace
 
-absl::string_view MomentumModeName(MomentumMode mode) {
-  switch (mode) {
-    case MomentumMode::kNone:
-      return "none";
-    case MomentumMode::kDgcCorrection:
-      return "dgc";
-    case MomentumMode::kGlobal:
-      return "global";
-  }
-  return "unknown";
-}
-
-absl::StatusOr<MomentumMode> ParseMomentumMode(absl::string_view name) {
-  for (MomentumMode m : {MomentumMode::kNone, MomentumMode::kDgcCorrection,
-                         MomentumMode::kGlobal}) {
-    if (name == MomentumModeName(m)) return m;
-  }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown momentum mode \"", name, "\"; known: none, dgc, global"));
-}
-
 std::vector<double> DgcDensityWarmup() {
   return {0.25, 0.0625, 0.015625, 0.004};
 }

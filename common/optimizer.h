@@ -12,29 +12,10 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "common/cluster_modes.h"  // MomentumMode
 #include "common/sparse_vector.h"
 
 namespace gtopk {
-
-// Where momentum lives.
-enum class MomentumMode {
-  // No momentum: u = residual + lr * g.
-  kNone,
-  // DGC momentum correction (Lin et al., ICLR 2018, arXiv:1712.01887, Sec.
-  // 3.2): each worker keeps a local velocity v = m*v + g and accumulates
-  // u = residual + lr*v, so sparsification does not lose momentum. The
-  // default.
-  kDgcCorrection,
-  // Global momentum after aggregation, as in the authors' gTop-k code (Shi et
-  // al., ICDCS 2019): workers accumulate u = residual + lr*g; every replica
-  // keeps V = m*V + A/P over the dense vector and applies params -= V.
-  kGlobal,
-};
-
-// "none", "dgc", "global".
-absl::string_view MomentumModeName(MomentumMode mode);
-// INVALID_ARGUMENT for an unknown name (the message lists the known ones).
-absl::StatusOr<MomentumMode> ParseMomentumMode(absl::string_view name);
 
 // DGC's density warm-up (arXiv:1712.01887, Sec. 3.4): densities for the
 // first four epochs, 0.25 -> 0.0625 -> 0.015625 -> 0.004, then the target.

@@ -249,7 +249,7 @@ v1::ClusterSpec ClusterSettingsSpec(const ServerConfig& config) {
   spec.set_num_workers(config.num_workers);
   spec.set_mode(ModeToProto(config.mode));
   spec.set_selection(config.selection == SelectionKind::kExact
-                         ? v1::SELECTION_EXACT
+                         ? v1::SELECTION_THRESHOLD
                          : v1::SELECTION_QUOTA);
   spec.set_selector(config.selector);
   spec.set_selector_seed(config.selector_seed);

@@ -15,8 +15,10 @@
 #ifndef GTOPK_VERSION
 #define GTOPK_VERSION "unknown"
 #endif
-#ifndef GTOPK_WITH_CUDA
-#define GTOPK_WITH_CUDA 0
+// 1 in builds with the CUDA kernels (CMake's GTOPK_HAVE_CUDA), for the
+// build-info metric's "cuda" label.
+#ifndef GTOPK_HAVE_CUDA
+#define GTOPK_HAVE_CUDA 0
 #endif
 
 namespace gtopk {
@@ -148,7 +150,7 @@ void RegisterBuildInfo(prometheus::Registry& registry,
       .Register(registry)
       .Add({{"version", GTOPK_VERSION},
             {"program", program},
-            {"cuda", GTOPK_WITH_CUDA ? "true" : "false"}})
+            {"cuda", GTOPK_HAVE_CUDA ? "true" : "false"}})
       .Set(1);
 }
 

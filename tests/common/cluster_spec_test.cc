@@ -31,7 +31,7 @@ v1::ClusterSpec Base() {
     sh->set_end((s + 1) * 500);
   }
   c.set_mode(v1::MODE_GTOPK);
-  c.set_selection(v1::SELECTION_EXACT);
+  c.set_selection(v1::SELECTION_THRESHOLD);
   c.set_selector("exact");
   c.set_selector_seed(0);
   c.set_index_codec("delta-varint");
@@ -131,7 +131,7 @@ TEST(CheckExpectedSettingsTest, EachSettingNamedInFlagAndKeywordSpelling) {
   EXPECT_TRUE(CheckExpectedSettings(ExpectedSettings(), c, "--").ok());
   ExpectedSettings all;
   all.mode = "gtopk";
-  all.selection = "exact";
+  all.selection = "exact";  // the old spelling of "threshold"
   all.selector = "exact";
   all.index_codec = "delta-varint";
   all.value_codec = "fp32";
@@ -152,8 +152,10 @@ TEST(CheckExpectedSettingsTest, EachSettingNamedInFlagAndKeywordSpelling) {
        "--mode=dense but the servers' cluster spec has mode gtopk",
        "mode=dense but the servers' cluster spec has mode gtopk"},
       {[](ExpectedSettings& e) { e.selection = "quota"; },
-       "--selection=quota but the servers' cluster spec has selection exact",
-       "selection=quota but the servers' cluster spec has selection exact"},
+       "--selection=quota but the servers' cluster spec has selection "
+       "threshold",
+       "selection=quota but the servers' cluster spec has selection "
+       "threshold"},
       {[](ExpectedSettings& e) { e.index_codec = "raw"; },
        "--index-codec=raw but the servers' cluster spec has index-codec "
        "delta-varint",
@@ -198,6 +200,92 @@ TEST(CheckExpectedSettingsTest, EachSettingNamedInFlagAndKeywordSpelling) {
   ExpectedSettings wd;
   wd.weight_decay = 1e-4;
   EXPECT_TRUE(CheckExpectedSettings(wd, decayed, "").ok());
+}
+
+// The cluster's modes (common/cluster_modes.h) and their wire enums: every
+// enumerator against a table written out here, both directions.
+TEST(ClusterModesTest, NamesParsesAndProtoRoundTrip) {
+  struct ModeRow {
+    AggregationMode mode;
+    const char* name;
+    v1::Mode proto;
+  };
+  for (const ModeRow& r : {ModeRow{AggregationMode::kGtopk, "gtopk", v1::MODE_GTOPK},
+                           ModeRow{AggregationMode::kTopk, "topk", v1::MODE_TOPK},
+                           ModeRow{AggregationMode::kDense, "dense", v1::MODE_DENSE}}) {
+    EXPECT_EQ(AggregationModeName(r.mode), r.name);
+    EXPECT_EQ(*ParseAggregationMode(r.name), r.mode);
+    EXPECT_EQ(ToProto(r.mode), r.proto);
+    EXPECT_EQ(*AggregationModeFromProto(r.proto), r.mode);
+    EXPECT_EQ(ModeFlagValue(r.proto), r.name);
+  }
+  struct SelectionRow {
+    SelectionKind kind;
+    const char* name;
+    v1::Selection proto;
+  };
+  for (const SelectionRow& r :
+       {SelectionRow{SelectionKind::kThreshold, "threshold", v1::SELECTION_THRESHOLD},
+        SelectionRow{SelectionKind::kQuota, "quota", v1::SELECTION_QUOTA}}) {
+    EXPECT_EQ(SelectionKindName(r.kind), r.name);
+    EXPECT_EQ(*ParseSelectionKind(r.name), r.kind);
+    EXPECT_EQ(ToProto(r.kind), r.proto);
+    EXPECT_EQ(*SelectionKindFromProto(r.proto), r.kind);
+    EXPECT_EQ(SelectionFlagValue(r.proto), r.name);
+  }
+  // The old spelling and the old proto name still mean the same selection.
+  EXPECT_EQ(*ParseSelectionKind("exact"), SelectionKind::kThreshold);
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  EXPECT_EQ(static_cast<int>(v1::SELECTION_EXACT),
+            static_cast<int>(v1::SELECTION_THRESHOLD));
+#pragma GCC diagnostic pop
+  struct MomentumRow {
+    MomentumMode mode;
+    const char* name;
+    v1::MomentumMode proto;
+  };
+  for (const MomentumRow& r :
+       {MomentumRow{MomentumMode::kNone, "none", v1::MOMENTUM_MODE_NONE},
+        MomentumRow{MomentumMode::kDgcCorrection, "dgc", v1::MOMENTUM_MODE_DGC},
+        MomentumRow{MomentumMode::kGlobal, "global", v1::MOMENTUM_MODE_GLOBAL}}) {
+    EXPECT_EQ(MomentumModeName(r.mode), r.name);
+    EXPECT_EQ(*ParseMomentumMode(r.name), r.mode);
+    EXPECT_EQ(ToProto(r.mode), r.proto);
+    EXPECT_EQ(*MomentumModeFromProto(r.proto), r.mode);
+    EXPECT_EQ(MomentumFlagValue(r.proto), r.name);
+  }
+  // UNSPECIFIED momentum is the documented default when read; printed as
+  // what it is.
+  EXPECT_EQ(*MomentumModeFromProto(v1::MOMENTUM_MODE_UNSPECIFIED),
+            MomentumMode::kDgcCorrection);
+  EXPECT_EQ(MomentumFlagValue(v1::MOMENTUM_MODE_UNSPECIFIED), "unknown(0)");
+}
+
+TEST(ClusterModesTest, UnknownNamesAndValuesAreInvalidArgument) {
+  const absl::StatusOr<AggregationMode> mode = ParseAggregationMode("sparse");
+  EXPECT_EQ(mode.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(mode.status().message(),
+            "unknown mode \"sparse\"; known: gtopk, topk, dense");
+  EXPECT_EQ(ParseSelectionKind("global").status().message(),
+            "unknown selection \"global\"; known: threshold, quota");
+  EXPECT_EQ(ParseMomentumMode("nesterov").status().message(),
+            "unknown momentum mode \"nesterov\"; known: none, dgc, global");
+  EXPECT_EQ(ParseAggregationMode("").status().code(),
+            absl::StatusCode::kInvalidArgument);
+
+  EXPECT_EQ(AggregationModeFromProto(v1::MODE_UNSPECIFIED).status().message(),
+            "cluster spec: unknown mode 0");
+  EXPECT_EQ(AggregationModeFromProto(static_cast<v1::Mode>(7)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(SelectionKindFromProto(v1::SELECTION_UNSPECIFIED).status().message(),
+            "cluster spec: unknown selection 0");
+  EXPECT_EQ(MomentumModeFromProto(static_cast<v1::MomentumMode>(9))
+                .status()
+                .message(),
+            "cluster spec: unknown momentum mode 9");
+  EXPECT_EQ(ModeFlagValue(static_cast<v1::Mode>(7)), "unknown(7)");
+  EXPECT_EQ(SelectionFlagValue(v1::SELECTION_UNSPECIFIED), "unknown(0)");
 }
 
 }  // namespace

@@ -201,7 +201,7 @@ TEST(ConfigCheckTest, EverySharedSettingIsCompared) {
        }},
       {"--mode is topk here but gtopk",
        [](ServerConfig& c) { c.mode = server::AggregationMode::kTopk; }},
-      {"--selection is quota here but exact",
+      {"--selection is quota here but threshold",
        [](ServerConfig& c) { c.selection = server::SelectionKind::kQuota; }},
       {"--selector is dgc here but exact",
        [](ServerConfig& c) { c.selector = "dgc"; }},

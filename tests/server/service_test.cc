@@ -325,7 +325,7 @@ TEST(ServiceTest, JoinAssignsRanksAndChecksN) {
   EXPECT_EQ(spec.shards(1).begin(), 5u);
   EXPECT_EQ(spec.shards(1).end(), 10u);
   EXPECT_EQ(spec.mode(), v1::MODE_GTOPK);
-  EXPECT_EQ(spec.selection(), v1::SELECTION_EXACT);
+  EXPECT_EQ(spec.selection(), v1::SELECTION_THRESHOLD);
   EXPECT_EQ(spec.index_codec(), "delta-varint");
   EXPECT_EQ(spec.value_codec(), "fp32");
   EXPECT_EQ(spec.step_timeout_ms(), 2000u);

@@ -50,7 +50,7 @@ class FakeShard final : public v1::Aggregator::Service {
     s->set_begin(0);
     s->set_end(kN);
     c->set_mode(v1::MODE_GTOPK);
-    c->set_selection(v1::SELECTION_EXACT);
+    c->set_selection(v1::SELECTION_THRESHOLD);
     c->set_selector("exact");
     c->set_index_codec("delta-varint");
     c->set_value_codec("fp32");
