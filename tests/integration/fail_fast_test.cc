@@ -16,7 +16,7 @@
 #include "common/epoch.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "server/service.h"
+#include "server/server_config.h"
 #include "tests/testing/joined_workers.h"
 #include "tests/testing/local_cluster.h"
 #include "tests/testing/reference.h"

@@ -27,6 +27,7 @@
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/aggregator_server.h"
 #include "tests/testing/local_cluster.h"
 #include "tests/testing/process_util.h"
 #include "tests/testing/status_matchers.h"

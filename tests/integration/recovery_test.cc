@@ -35,6 +35,8 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "server/checkpoint.h"
+#include "server/aggregator_server.h"
+#include "server/server_config.h"
 #include "server/service.h"
 #include "tests/testing/local_cluster.h"
 #include "tests/testing/reference.h"

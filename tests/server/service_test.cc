@@ -1,5 +1,7 @@
 // AggregatorService over real gRPC on loopback: in-process servers
 // (AggregatorServer on 127.0.0.1, port 0), raw gtopk.v1 stubs as workers.
+#include "server/aggregator_server.h"
+#include "server/server_config.h"
 #include "server/service.h"
 
 #include <arpa/inet.h>
