@@ -1,13 +1,14 @@
 // AggregatorService's crash recovery and fail fast (docs/recovery.md): a
 // shard's own state and rollback (LocalShardState, LocalRollback and their
 // RPCs GetShardState, RollbackShard), the leader's Recover (RecoverCluster:
-// read every shard's state, choose the target, roll every shard back to
-// it), and AbortStep, by
+// read every shard's state, choose the target with ChooseRecoveryTarget,
+// server/recovery_target.h, roll every shard back to it), and AbortStep, by
 // which a step that failed on one shard fails on every shard. The class is
 // declared in server/service.h; its RPC handlers for training are in
 // server/service.cc.
 #include <algorithm>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -20,6 +21,7 @@
 #include "common/status_macros.h"
 #include "grpcpp/client_context.h"
 #include "server/checkpoint.h"
+#include "server/recovery_target.h"
 #include "server/service.h"
 #include "server/service_internal.h"
 
@@ -28,6 +30,33 @@ namespace server {
 
 using internal::ContextDeadline;
 using internal::kPollInterval;
+
+namespace {
+
+// Longest an AbortStep message may take (it is advice: a shard that misses
+// it still fails its round at its own step deadline).
+constexpr absl::Duration kAbortStepTimeout = absl::Seconds(5);
+// Longest AbortStep reason kept (it is forwarded into every shard's status).
+constexpr size_t kMaxAbortReasonBytes = 1024;
+
+// "shard 1 (host:port): message", code kept.
+absl::Status FromShard(const grpc::Status& status, uint32_t shard,
+                       const std::string& address, const char* rpc) {
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      absl::StrCat("shard ", shard, " (", address, ") ", rpc,
+                                   ": ", status.error_message()));
+}
+
+// The answer to Recover for `plan` (the epoch is RecoverCluster's).
+v1::RecoverResponse ResponseFor(const RecoveryPlan& plan) {
+  v1::RecoverResponse response;
+  for (int64_t step : plan.previous_steps) response.add_previous_steps(step);
+  response.set_next_step(plan.target_step);
+  response.set_rolled_back(plan.rollback);
+  return response;
+}
+
+}  // namespace
 
 // ---------------------------------------------------------------------------
 // Crash recovery (docs/recovery.md)
@@ -128,14 +157,6 @@ absl::StatusOr<int64_t> AggregatorService::LocalRollback(int64_t step) {
 
 // ---------------------------------------------------------------------------
 // Fail fast across shards (AbortStep)
-
-namespace {
-// Longest an AbortStep message may take (it is advice: a shard that misses
-// it still fails its round at its own step deadline).
-constexpr absl::Duration kAbortStepTimeout = absl::Seconds(5);
-// Longest AbortStep reason kept (it is forwarded into every shard's status).
-constexpr size_t kMaxAbortReasonBytes = 1024;
-}  // namespace
 
 void AggregatorService::OnLocalStepFailed(int64_t step,
                                           const absl::Status& reason) {
@@ -295,31 +316,6 @@ grpc::Status AggregatorService::RollbackShard(
   return grpc::Status::OK;
 }
 
-namespace {
-
-// "shard 1 (host:port): message", code kept.
-absl::Status FromShard(const grpc::Status& status, uint32_t shard,
-                       const std::string& address, const char* rpc) {
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                      absl::StrCat("shard ", shard, " (", address, ") ", rpc,
-                                   ": ", status.error_message()));
-}
-
-std::string DescribeStates(const std::vector<v1::ShardState>& states) {
-  std::vector<std::string> parts;
-  for (const v1::ShardState& st : states) {
-    parts.push_back(absl::StrCat(
-        "shard ", st.shard_id(), " at step ", st.next_step(), " (checkpoints: ",
-        st.checkpoint_steps().empty()
-            ? std::string("none")
-            : absl::StrJoin(st.checkpoint_steps(), ", "),
-        ")"));
-  }
-  return absl::StrJoin(parts, "; ");
-}
-
-}  // namespace
-
 absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverCluster(
     absl::Time deadline) {
   if (!is_leader()) {
@@ -395,135 +391,34 @@ std::vector<absl::StatusOr<v1::ShardState>> AggregatorService::ReadShardStates(
   return states;
 }
 
-absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverClusterOnce(
+std::optional<v1::RecoverResponse> AggregatorService::AgreedWithoutFence(
     absl::Time deadline) {
-  // The AbortStep messages of failures so far reach every shard first, so
-  // that the workers' retries after this recovery meet no stale round.
-  notifier_.Flush(std::min(deadline, absl::Now() + kAbortStepTimeout));
-  // First without a fence: when every shard is at the same step (workers
-  // that were paused, a step that timed out, a shard restarted from a
-  // checkpoint of the current step), there is nothing to repair, and a
-  // fence would abort the rounds that workers who recovered earlier are
-  // already running (concurrent Recover calls then abort each other's
-  // retries). Shards answer at once, also while computing a round: that
-  // round may be waiting for the very worker that is recovering (its push
-  // to another shard is missing), so waiting for it would only time out --
-  // and a fence would abort it, and the next worker's Recover the retry
-  // after it. A step being computed is not applied yet, and commits on
-  // every shard or on none, so equal next steps are a safe answer.
-  {
-    const absl::Time quick = std::min(
-        deadline, absl::Now() + std::max(config_.step_timeout / 4,
-                                         absl::Milliseconds(200)));
-    std::vector<absl::StatusOr<v1::ShardState>> states =
-        ReadShardStates(quick, /*settle=*/false);
-    bool agree = true;
-    for (const auto& st : states) {
-      agree = agree && st.ok() && st->initialized() &&
-              st->next_step() == states[0]->next_step();
-    }
-    if (agree) {
-      v1::RecoverResponse response;
-      for (const auto& st : states) response.add_previous_steps(st->next_step());
-      response.set_next_step(states[0]->next_step());
-      // The workers' next attempt of a failed step may vote again.
-      return response;
-    }
-  }
-  // Fence the commit vote and the threshold exchange: no step can be
-  // committed while the shards' states are read, and rounds being computed
-  // fail quickly instead of waiting for a shard that will not come.
-  const absl::Status fence =
-      absl::AbortedError("the leader is recovering the cluster");
-  commit_coordinator_->Fence(fence);
-  coordinator_->Fence(fence);
-  struct Unfence {
-    AggregatorService* self;
-    ~Unfence() {
-      self->coordinator_->Unfence();
-      self->commit_coordinator_->Unfence();
-    }
-  } unfence{this};
+  // When every shard is at the same step (workers that were paused, a step
+  // that timed out, a shard restarted from a checkpoint of the current
+  // step), there is nothing to repair, and a fence would abort the rounds
+  // that workers who recovered earlier are already running (concurrent
+  // Recover calls then abort each other's retries). Shards answer at once,
+  // also while computing a round: that round may be waiting for the very
+  // worker that is recovering (its push to another shard is missing), so
+  // waiting for it would only time out -- and a fence would abort it, and
+  // the next worker's Recover the retry after it. A step being computed is
+  // not applied yet, and commits on every shard or on none, so equal next
+  // steps are a safe answer.
+  const absl::Time quick = std::min(
+      deadline, absl::Now() + std::max(config_.step_timeout / 4,
+                                       absl::Milliseconds(200)));
+  const absl::StatusOr<RecoveryPlan> plan =
+      ChooseRecoveryTarget(ReadShardStates(quick, /*settle=*/false));
+  // Anything but agreement (an unreadable shard, one without parameters,
+  // different steps) is looked at again behind the fence.
+  if (!plan.ok() || plan->rollback) return std::nullopt;
+  // The workers' next attempt of a failed step may vote again.
+  return ResponseFor(*plan);
+}
 
+absl::Status AggregatorService::RollBackShardsTo(int64_t target,
+                                                 absl::Time deadline) {
   const uint32_t S = config_.num_shards;
-  // Every shard's state, in parallel (each call bounded by `deadline`).
-  std::vector<absl::StatusOr<v1::ShardState>> states =
-      ReadShardStates(deadline, /*settle=*/true);
-  std::vector<v1::ShardState> known;
-  std::vector<std::string> errors;
-  for (uint32_t s = 0; s < S; ++s) {
-    if (!states[s].ok()) {
-      errors.push_back(std::string(states[s].status().message()));
-      continue;
-    }
-    if (!states[s]->initialized()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "Recover: shard ", s,
-          " has no parameters (restarted without a checkpoint?); the "
-          "cluster cannot continue"));
-    }
-    known.push_back(*states[s]);
-  }
-  if (!errors.empty()) {
-    // A shard configured differently (FAILED_PRECONDITION naming the
-    // flags) is not a shard that a retry can reach: keep its code, so that
-    // the workers stop at once with the named flags.
-    absl::StatusCode code = states[0].ok() ? absl::StatusCode::kUnavailable
-                                           : states[0].status().code();
-    for (const auto& st : states) {
-      if (absl::IsFailedPrecondition(st.status())) {
-        code = absl::StatusCode::kFailedPrecondition;
-      }
-    }
-    return absl::Status(code,
-                        absl::StrCat("Recover: cannot read every shard's "
-                                     "state: ",
-                                     absl::StrJoin(errors, "; ")));
-  }
-  v1::RecoverResponse response;
-  bool agree = true;
-  for (const v1::ShardState& st : known) {
-    response.add_previous_steps(st.next_step());
-    agree &= st.next_step() == known[0].next_step();
-  }
-  if (agree) {
-    response.set_next_step(known[0].next_step());
-    return response;
-  }
-  // The newest step every shard can restore: its current step or a
-  // retained checkpoint.
-  std::vector<int64_t> common;
-  for (size_t i = 0; i < known.size(); ++i) {
-    std::vector<int64_t> mine(known[i].checkpoint_steps().begin(),
-                              known[i].checkpoint_steps().end());
-    mine.push_back(known[i].next_step());
-    std::sort(mine.begin(), mine.end());
-    mine.erase(std::unique(mine.begin(), mine.end()), mine.end());
-    if (i == 0) {
-      common = mine;
-    } else {
-      std::vector<int64_t> both;
-      std::set_intersection(common.begin(), common.end(), mine.begin(),
-                            mine.end(), std::back_inserter(both));
-      common = std::move(both);
-    }
-  }
-  if (common.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "Recover: the shards are at different steps and retain no common "
-        "checkpoint to roll back to: ",
-        DescribeStates(known),
-        ". Restart every shard from checkpoints of one step (or raise "
-        "--checkpoint-keep)"));
-  }
-  const int64_t target = common.back();
-  std::fprintf(stderr,
-               "gtopk-server leader: shards disagree (%s); rolling back to "
-               "step %lld\n",
-               DescribeStates(known).c_str(), static_cast<long long>(target));
-  // Steps >= target are voted on and exchanged afresh.
-  commit_coordinator_->ForgetFrom(target);
-  coordinator_->ForgetFrom(target);
   std::vector<absl::Status> rolled(S);
   {
     std::vector<std::thread> threads;
@@ -549,24 +444,61 @@ absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverClusterOnce(
     }
     for (auto& t : threads) t.join();
   }
-  errors.clear();
+  std::vector<std::string> errors;
   absl::StatusCode code = absl::StatusCode::kOk;
   for (uint32_t s = 0; s < S; ++s) {
     if (rolled[s].ok()) continue;
     if (code == absl::StatusCode::kOk) code = rolled[s].code();
     errors.push_back(std::string(rolled[s].message()));
   }
-  if (!errors.empty()) {
-    // Shards that did roll back are at `target`, the others where they
-    // were: they still disagree, so no step can be committed, and the next
-    // Recover completes the rollback.
-    return absl::Status(
-        code, absl::StrCat("Recover: rollback to step ", target,
-                           " incomplete: ", absl::StrJoin(errors, "; ")));
+  if (errors.empty()) return absl::OkStatus();
+  // Shards that did roll back are at `target`, the others where they were:
+  // they still disagree, so no step can be committed, and the next Recover
+  // completes the rollback.
+  return absl::Status(
+      code, absl::StrCat("Recover: rollback to step ", target,
+                         " incomplete: ", absl::StrJoin(errors, "; ")));
+}
+
+absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverClusterOnce(
+    absl::Time deadline) {
+  // The AbortStep messages of failures so far reach every shard first, so
+  // that the workers' retries after this recovery meet no stale round.
+  notifier_.Flush(std::min(deadline, absl::Now() + kAbortStepTimeout));
+  if (std::optional<v1::RecoverResponse> agreed =
+          AgreedWithoutFence(deadline)) {
+    return *std::move(agreed);
   }
-  response.set_next_step(target);
-  response.set_rolled_back(true);
-  return response;
+  // Fence the commit vote and the threshold exchange: no step can be
+  // committed while the shards' states are read, and rounds being computed
+  // fail quickly instead of waiting for a shard that will not come.
+  const absl::Status fence =
+      absl::AbortedError("the leader is recovering the cluster");
+  commit_coordinator_->Fence(fence);
+  coordinator_->Fence(fence);
+  struct Unfence {
+    AggregatorService* self;
+    ~Unfence() {
+      self->coordinator_->Unfence();
+      self->commit_coordinator_->Unfence();
+    }
+  } unfence{this};
+
+  // Every shard's state, in parallel (each call bounded by `deadline`).
+  GTOPK_ASSIGN_OR_RETURN(
+      const RecoveryPlan plan,
+      ChooseRecoveryTarget(ReadShardStates(deadline, /*settle=*/true)));
+  if (!plan.rollback) return ResponseFor(plan);
+  std::fprintf(stderr,
+               "gtopk-server leader: shards disagree (%s); rolling back to "
+               "step %lld\n",
+               plan.shard_states.c_str(),
+               static_cast<long long>(plan.target_step));
+  // Steps >= target are voted on and exchanged afresh.
+  commit_coordinator_->ForgetFrom(plan.target_step);
+  coordinator_->ForgetFrom(plan.target_step);
+  GTOPK_RETURN_IF_ERROR(RollBackShardsTo(plan.target_step, deadline));
+  return ResponseFor(plan);
 }
 
 grpc::Status AggregatorService::Recover(grpc::ServerContext* context,

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -250,8 +251,19 @@ class AggregatorService final : public v1::Aggregator::Service {
                        const std::string& reason);
 
  private:
-  // One recovery (RecoverCluster holds the recovering_ flag around it).
+  // One recovery (RecoverCluster holds the recovering_ flag around it):
+  // flush AbortStep, AgreedWithoutFence, else fence, ChooseRecoveryTarget
+  // (server/recovery_target.h) and RollBackShardsTo.
   absl::StatusOr<v1::RecoverResponse> RecoverClusterOnce(absl::Time deadline);
+  // Reads every shard's state without a fence and without waiting for
+  // rounds being computed (up to a quarter step timeout, at least 200 ms,
+  // within `deadline`); the answer to Recover when every shard has
+  // parameters and all are at the same step, nullopt otherwise.
+  std::optional<v1::RecoverResponse> AgreedWithoutFence(absl::Time deadline);
+  // Rolls every shard back to `target` (LocalRollback here, RollbackShard on
+  // the others, in parallel, each bounded by `deadline`). OK, or the first
+  // failure's code with every failure's message, naming the shards.
+  absl::Status RollBackShardsTo(int64_t target, absl::Time deadline);
   explicit AggregatorService(ServerConfig config);
 
   // The deadline of a wait that starts now: now + step_timeout, or the
