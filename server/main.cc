@@ -31,7 +31,8 @@
 #include "common/metrics/process_collector.h"
 #include "common/optimizer.h"
 #include "common/status_macros.h"
-#include "server/service.h"
+#include "server/aggregator_server.h"
+#include "server/server_config.h"
 #include "server/shard_aggregator.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051",

@@ -1,7 +1,11 @@
 // The aggregator shard as a gRPC service (gtopk.v1.Aggregator): adapts
 // ShardAggregator (server/shard_aggregator.h) to the wire, plus the leader's
-// rendezvous (Join, cluster spec) and threshold coordinator, checkpointing,
-// and a small server wrapper used by gtopk-server's main() and by tests.
+// rendezvous (Join, cluster spec), threshold coordinator and commit vote,
+// checkpointing, and crash recovery. Its configuration is ServerConfig
+// (server/server_config.h); the grpc::Server around it, used by
+// gtopk-server's main() and by tests, is AggregatorServer
+// (server/aggregator_server.h). The handlers are implemented in
+// server/service.cc, recovery and fail fast in server/recovery.cc.
 //
 // Status codes follow docs/errors.md; every handler converts its
 // absl::Status with ToGrpcStatus (common/grpc_edge.h), so the
@@ -13,6 +17,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -24,11 +29,11 @@
 #include "common/codec.h"
 #include "common/metrics/metrics.h"
 #include "common/optimizer.h"
-#include "grpcpp/server.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
 #include "gtopk/v1/gtopk.pb.h"
 #include "server/commit.h"
 #include "server/grpc_threshold_exchange.h"
+#include "server/server_config.h"
 #include "server/server_metrics.h"
 #include "server/shard_aggregator.h"
 #include "server/task_queue.h"
@@ -37,86 +42,13 @@
 namespace gtopk {
 namespace server {
 
-// Everything one gtopk-server process needs; filled from flags in main()
-// (server/flags.md documents each flag) or directly by tests.
-struct ServerConfig {
-  // This shard, 0..num_shards-1; shard 0 is the leader.
-  uint32_t shard_id = 0;
-  // S >= 1 shards in the cluster.
-  uint32_t num_shards = 1;
-  // P >= 1 workers (ranks 0..P-1).
-  uint32_t num_workers = 1;
-  // S host:port addresses in shard order; peers[0] is the leader, which
-  // non-leaders dial. The leader puts them into the cluster spec for the
-  // workers. The own entry may be empty: the server's bound address is used.
-  std::vector<std::string> peers;
-  AggregationMode mode = AggregationMode::kGtopk;
-  SelectionKind selection = SelectionKind::kExact;
-  // Workers' local selector, told to them in the cluster spec: a name
-  // registered by RegisterBuiltinSelectors (exact, gaussiank, dgc, randomk).
-  std::string selector = "exact";
-  // Seed of the workers' randomised selectors (cluster spec).
-  uint64_t selector_seed = 0;
-  // Codecs the workers must push with (gtopk/topk); pulls use index_codec
-  // with fp32 values.
-  IndexCodec index_codec = IndexCodec::kDeltaVarint;
-  ValueCodec value_codec = ValueCodec::kFp32;
-  // The optimizer rule shared by workers and servers (validated).
-  OptimizerOptions optimizer;
-  // Deadline of every wait: a step's pushes, the threshold exchange, the
-  // cluster spec (n), initialisation before a download. In (0, 2^32 ms).
-  absl::Duration step_timeout = absl::Seconds(30);
-  // gRPC send and receive limit of the server and of its channels to the
-  // leader, in bytes, in [1024, 2^31 - 1]. A larger message fails with
-  // RESOURCE_EXHAUSTED.
-  uint64_t max_message_bytes = uint64_t{64} << 20;
-  // Largest DownloadParams chunk, in bytes (>= 64; the effective size is
-  // also capped by max_message_bytes). The default stays below gRPC's 4 MB
-  // default so that clients with default limits can download.
-  uint64_t download_chunk_bytes = uint64_t{1} << 20;
-  // Directory of this shard's checkpoint (shard-<id>.ckpt); empty: no
-  // checkpoints. Must exist.
-  std::string checkpoint_dir;
-  // Write a checkpoint after every step whose next step is a multiple of
-  // this (>= 0); 0: only on graceful shutdown. Needs checkpoint_dir.
-  int64_t checkpoint_every = 0;
-  // Where the shard registers its metrics (docs/metrics.md, "Server"); null:
-  // a private registry nobody scrapes. Shared with the metrics exposer, which
-  // also serves ServerMetrics::checkpoint_age() (not held by the registry).
-  std::shared_ptr<prometheus::Registry> metrics_registry;
-  // How many checkpoints (the newest) this shard retains as
-  // shard-<id>.step-<N>.ckpt for crash recovery (docs/recovery.md), >= 1.
-  // 2 lets a shard killed before writing its newest checkpoint be caught up
-  // with: the others can roll back one checkpoint.
-  int checkpoint_keep = 2;
-};
-
-// OK, or INVALID_ARGUMENT naming the first bad field (by its gtopk-server
-// flag, server/flags.md) and its value.
-absl::Status ValidateServerConfig(const ServerConfig& config);
-
-// The cluster-wide settings of `config` as a cluster spec: every field but
-// n, shards (ranges and addresses) and next_step. What the leader tells
-// workers, and what every shard must agree on.
-v1::ClusterSpec ClusterSettingsSpec(const ServerConfig& config);
-
-// The spec whose ClusterFingerprint (common/cluster_spec.h) is the cluster's
-// identity: ClusterSettingsSpec plus n and the S shard ranges for `n`
-// (no addresses, next_step 0), with cluster_fingerprint filled in.
-v1::ClusterSpec CanonicalClusterSpec(const ServerConfig& config, uint64_t n);
-
-// Compares this shard's settings (`own`) with the leader's cluster spec:
-// workers, num-shards, mode, selection, selector, seed, codecs, the whole
-// optimizer (lr, momentum, momentum mode and masking, weight decay, lr
-// warm-up, density, density warm-up, steps per epoch), step timeout and
-// max message bytes, and n when `own_n` != 0 (restored from a checkpoint).
-// OK when all agree; otherwise FAILED_PRECONDITION listing every difference
-// by its flag with both values, e.g. "shard 1 is configured differently
-// from the leader, shard 0 (host:port): --lr is 0.5 here but 0.1 on the
-// leader". Pure; thread-safe.
-absl::Status CheckSameClusterSettings(const ServerConfig& own,
-                                      const v1::ClusterSpec& leader,
-                                      uint64_t own_n);
+// The grpc.health.v1 service name (besides "", the whole server) that
+// reports this shard's checkpoints: SERVING while the last checkpoint write
+// succeeded (or none was attempted), NOT_SERVING after a failed one. The
+// server stays SERVING for "": a shard whose checkpoints fail still holds
+// the cluster's only copy of its parameters in memory, and a liveness or
+// readiness probe that restarted it would lose them (server/flags.md).
+inline constexpr char kCheckpointHealthService[] = "gtopk.checkpoint";
 
 // The gtopk.v1.Aggregator service of one shard (synchronous gRPC API: each
 // call, and each PushPull stream, runs on its own gRPC thread).
@@ -203,13 +135,6 @@ absl::Status CheckSameClusterSettings(const ServerConfig& own,
 // status.
 //
 // Thread-safety: all methods are thread-safe.
-// The grpc.health.v1 service name (besides "", the whole server) that
-// reports this shard's checkpoints: SERVING while the last checkpoint write
-// succeeded (or none was attempted), NOT_SERVING after a failed one. The
-// server stays SERVING for "": a shard whose checkpoints fail still holds
-// the cluster's only copy of its parameters in memory, and a liveness or
-// readiness probe that restarted it would lose them (server/flags.md).
-inline constexpr char kCheckpointHealthService[] = "gtopk.checkpoint";
 
 class AggregatorService final : public v1::Aggregator::Service {
  public:
@@ -326,8 +251,19 @@ class AggregatorService final : public v1::Aggregator::Service {
                        const std::string& reason);
 
  private:
-  // One recovery (RecoverCluster holds the recovering_ flag around it).
+  // One recovery (RecoverCluster holds the recovering_ flag around it):
+  // flush AbortStep, AgreedWithoutFence, else fence, ChooseRecoveryTarget
+  // (server/recovery_target.h) and RollBackShardsTo.
   absl::StatusOr<v1::RecoverResponse> RecoverClusterOnce(absl::Time deadline);
+  // Reads every shard's state without a fence and without waiting for
+  // rounds being computed (up to a quarter step timeout, at least 200 ms,
+  // within `deadline`); the answer to Recover when every shard has
+  // parameters and all are at the same step, nullopt otherwise.
+  std::optional<v1::RecoverResponse> AgreedWithoutFence(absl::Time deadline);
+  // Rolls every shard back to `target` (LocalRollback here, RollbackShard on
+  // the others, in parallel, each bounded by `deadline`). OK, or the first
+  // failure's code with every failure's message, naming the shards.
+  absl::Status RollBackShardsTo(int64_t target, absl::Time deadline);
   explicit AggregatorService(ServerConfig config);
 
   // The deadline of a wait that starts now: now + step_timeout, or the
@@ -461,56 +397,6 @@ class AggregatorService final : public v1::Aggregator::Service {
   // stubs and the aggregator its tasks use.
   TaskQueue notifier_;
 };
-
-// A running gtopk-server: the service plus a grpc::Server with the message
-// limits raised to max_message_bytes and grpc.health.v1 enabled (SERVING
-// once started).
-class AggregatorServer {
- public:
-  // Listens on `listen_address` (host:port; port 0 picks a free port).
-  // Errors: Create's, UNAVAILABLE when the address cannot be bound.
-  static absl::StatusOr<std::unique_ptr<AggregatorServer>> Start(
-      ServerConfig config, const std::string& listen_address);
-  ~AggregatorServer();  // Shutdown(0) unless already shut down
-
-  // "host:port" with the port actually bound.
-  const std::string& address() const { return address_; }
-  int port() const { return port_; }
-  AggregatorService* service() { return service_.get(); }
-
-  // Graceful shutdown: health NOT_SERVING; stop accepting calls and let
-  // running ones finish until now + grace; then fail what still waits
-  // (AggregatorService::BeginShutdown) and cancel the rest; finally write
-  // the checkpoint (after the last applied step). Returns the checkpoint's
-  // status. Idempotent. `write_checkpoint` = false skips the checkpoint
-  // (tests use it to stand for a crash).
-  // With `drain` > 0, first a drain (AggregatorService::BeginDrain): health
-  // is NOT_SERVING but the server keeps serving until no round is open on
-  // this shard and the workers closed their step streams, or `drain` has
-  // passed, whichever is first; pushes for a new step get UNAVAILABLE
-  // "shard s is shutting down".
-  absl::Status Shutdown(absl::Duration grace, bool write_checkpoint = true,
-                        absl::Duration drain = absl::ZeroDuration());
-
- private:
-  AggregatorServer() = default;
-  std::unique_ptr<AggregatorService> service_;
-  std::unique_ptr<grpc::Server> server_;
-  std::string address_;
-  int port_ = 0;
-  bool shut_down_ = false;
-};
-
-// grpc.health.v1.Health/Check for service "" at `address`: true when the
-// server answers SERVING, false for any other serving status. Errors: the
-// call's status (e.g. UNAVAILABLE, DEADLINE_EXCEEDED after `timeout`),
-// INTERNAL for an unparseable response. Uses a generic stub, so no health
-// proto is needed.
-// `service` names another health service (e.g. kCheckpointHealthService;
-// INVALID_ARGUMENT when 128 bytes or longer); an unknown one is NOT_FOUND.
-absl::StatusOr<bool> CheckHealth(const std::string& address,
-                                 absl::Duration timeout,
-                                 const std::string& service = "");
 
 }  // namespace server
 }  // namespace gtopk

@@ -18,7 +18,7 @@
 #include "common/optimizer.h"
 #include "common/selector.h"
 #include "gtest/gtest.h"
-#include "server/service.h"
+#include "server/server_config.h"
 #include "tests/testing/local_cluster.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/status_matchers.h"

@@ -5,7 +5,6 @@
 // fresh attempt that completes, and every replica equals the servers.
 #include <cstring>
 #include <memory>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -16,7 +15,7 @@
 #include "common/epoch.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "server/service.h"
+#include "server/server_config.h"
 #include "tests/testing/joined_workers.h"
 #include "tests/testing/local_cluster.h"
 #include "tests/testing/reference.h"
@@ -38,11 +37,7 @@ constexpr absl::Duration kStepTimeout = absl::Seconds(20);
 constexpr absl::Duration kPrompt = absl::Seconds(4);
 
 std::vector<float> Seeded(uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal;
-  std::vector<float> v(kN);
-  for (float& x : v) x = normal(rng);
-  return v;
+  return ::gtopk::testing::NormalVector(kN, seed);
 }
 
 using ::gtopk::testing::BitEqual;

@@ -5,7 +5,6 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
-#include <random>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -16,7 +15,7 @@
 #include "common/codec.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "server/service.h"
+#include "server/server_config.h"
 #include "tests/testing/joined_workers.h"
 #include "tests/testing/local_cluster.h"
 #include "tests/testing/reference.h"
@@ -57,11 +56,7 @@ std::unique_ptr<WorkerClient> Join(const server::LocalCluster& cluster, int rank
 }
 
 std::vector<float> Seeded(uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal;
-  std::vector<float> v(kN);
-  for (float& x : v) x = normal(rng);
-  return v;
+  return ::gtopk::testing::NormalVector(kN, seed);
 }
 
 using ::gtopk::testing::BitEqual;

@@ -25,7 +25,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
-#include "server/service.h"
+#include "server/server_config.h"
 #include "tests/testing/local_cluster.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/status_matchers.h"

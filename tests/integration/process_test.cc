@@ -16,7 +16,6 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -27,8 +26,10 @@
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/aggregator_server.h"
 #include "tests/testing/local_cluster.h"
 #include "tests/testing/process_util.h"
+#include "tests/testing/reference.h"
 #include "tests/testing/status_matchers.h"
 #include "worker/client.h"
 
@@ -38,16 +39,16 @@
 
 namespace gtopk {
 namespace {
-using ::gtopk::testing_process::ServerProcess;
-using ::gtopk::testing_process::Random;
+using ::gtopk::testing::NormalVector;
 using ::gtopk::testing_process::BitEqual;
-using ::gtopk::testing_process::ServerArgs;
+using ::gtopk::testing_process::JsonValue;
 using ::gtopk::testing_process::LoopbackPeers;
 using ::gtopk::testing_process::MakeTempDir;
+using ::gtopk::testing_process::ReadAllText;
+using ::gtopk::testing_process::ServerArgs;
+using ::gtopk::testing_process::ServerProcess;
 using ::gtopk::testing_process::Spawn;
 using ::gtopk::testing_process::WaitExit;
-using ::gtopk::testing_process::ReadAllText;
-using ::gtopk::testing_process::JsonValue;
 
 TEST(ProcessTest, RealServersTrainSurviveAKillAndShutDownCleanly) {
   const uint64_t n = 20011;
@@ -73,7 +74,8 @@ TEST(ProcessTest, RealServersTrainSurviveAKillAndShutDownCleanly) {
     for (int w = 0; w < workers; ++w) {
       threads.emplace_back([&, w] {
         for (int step = from; step < to; ++step) {
-          auto stats = clients[w]->Step(Random(n, 100 * step + w), absl::MakeSpan(params[w]));
+          auto stats = clients[w]->Step(NormalVector(n, 100 * step + w),
+                                        absl::MakeSpan(params[w]));
           if (!stats.ok()) {
             status[w] = stats.status();
             return;
@@ -95,7 +97,8 @@ TEST(ProcessTest, RealServersTrainSurviveAKillAndShutDownCleanly) {
         auto c = worker::WorkerClient::Connect(o);
         ASSERT_TRUE(c.ok()) << c.status();
         clients[w] = *std::move(c);
-        params[w] = Random(n, 7);  // rank 0's values initialise the shards
+        // Rank 0's values initialise the shards.
+        params[w] = NormalVector(n, 7);
         if (w == 1) std::fill(params[w].begin(), params[w].end(), 0.0f);
         auto next = clients[w]->SynchronizeParameters(absl::MakeSpan(params[w]));
         ASSERT_TRUE(next.ok()) << next.status();
@@ -176,7 +179,7 @@ TEST(ProcessTest, ShardRestartedWithOtherMomentumIsRefused) {
   ASSERT_TRUE(shard0.Start(args(0, "--momentum=0.9")));
   ASSERT_TRUE(shard1.Start(args(1, "--momentum=0.9")));
   std::vector<std::unique_ptr<worker::WorkerClient>> clients(workers);
-  std::vector<std::vector<float>> params(workers, Random(n, 3));
+  std::vector<std::vector<float>> params(workers, NormalVector(n, 3));
   for (int w = 0; w < workers; ++w) {
     worker::ClientOptions o;
     o.leader_address = peers[0];
@@ -195,7 +198,7 @@ TEST(ProcessTest, ShardRestartedWithOtherMomentumIsRefused) {
     for (int w = 0; w < workers; ++w) {
       threads.emplace_back([&, w] {
         status[w] = clients[w]
-                        ->Step(Random(n, 100 * step + w),
+                        ->Step(NormalVector(n, 100 * step + w),
                                absl::MakeSpan(params[w]))
                         .status();
       });
@@ -215,9 +218,10 @@ TEST(ProcessTest, ShardRestartedWithOtherMomentumIsRefused) {
     // A stream to the stopped shard 1 that was still open may fail this
     // attempt with UNAVAILABLE first (the client reopens it next time).
     if (absl::IsUnavailable(status[w])) {
-      status[w] = clients[w]
-                      ->Step(Random(n, 300 + w), absl::MakeSpan(params[w]))
-                      .status();
+      status[w] =
+          clients[w]
+              ->Step(NormalVector(n, 300 + w), absl::MakeSpan(params[w]))
+              .status();
     }
     EXPECT_THAT(status[w], StatusIs(absl::StatusCode::kFailedPrecondition,
                                     HasSubstr("--momentum is 0.5 here but 0.9 "
@@ -263,7 +267,7 @@ TEST(ProcessTest, SigtermDrainsTheRoundInProgressReportingNotServing) {
     return worker::WorkerClient::Connect(o);
   };
   std::vector<std::unique_ptr<worker::WorkerClient>> clients;
-  std::vector<std::vector<float>> params(workers, Random(n, 7));
+  std::vector<std::vector<float>> params(workers, NormalVector(n, 7));
   for (int w = 0; w < workers; ++w) {
     auto c = connect(w);
     ASSERT_TRUE(c.ok()) << c.status();
@@ -277,14 +281,16 @@ TEST(ProcessTest, SigtermDrainsTheRoundInProgressReportingNotServing) {
   {
     std::thread t([&] {
       GTOPK_EXPECT_OK(
-          clients[1]->Step(Random(n, 11), absl::MakeSpan(params[1])));
+          clients[1]->Step(NormalVector(n, 11), absl::MakeSpan(params[1])));
     });
-    GTOPK_EXPECT_OK(clients[0]->Step(Random(n, 10), absl::MakeSpan(params[0])));
+    GTOPK_EXPECT_OK(
+        clients[0]->Step(NormalVector(n, 10), absl::MakeSpan(params[0])));
     t.join();
   }
   absl::StatusOr<worker::StepStats> step1_rank0;
   std::thread rank0([&] {
-    step1_rank0 = clients[0]->Step(Random(n, 20), absl::MakeSpan(params[0]));
+    step1_rank0 =
+        clients[0]->Step(NormalVector(n, 20), absl::MakeSpan(params[0]));
   });
   absl::SleepFor(absl::Milliseconds(300));  // rank 0's push arrives
   int exit_code = -2;
@@ -304,12 +310,13 @@ TEST(ProcessTest, SigtermDrainsTheRoundInProgressReportingNotServing) {
   EXPECT_TRUE(not_serving) << "no NOT_SERVING while draining; last error: "
                            << last_check;
   // The round in progress completes during the drain.
-  GTOPK_EXPECT_OK(clients[1]->Step(Random(n, 21), absl::MakeSpan(params[1])));
+  GTOPK_EXPECT_OK(
+      clients[1]->Step(NormalVector(n, 21), absl::MakeSpan(params[1])));
   rank0.join();
   GTOPK_EXPECT_OK(step1_rank0);
   EXPECT_TRUE(BitEqual(params[0], params[1]));
   // The next step is refused, naming the shard, while it drains.
-  EXPECT_THAT(clients[0]->Step(Random(n, 30), absl::MakeSpan(params[0])),
+  EXPECT_THAT(clients[0]->Step(NormalVector(n, 30), absl::MakeSpan(params[0])),
               gtopk::testing::StatusIs(
                   absl::StatusCode::kUnavailable,
                   ::testing::HasSubstr("shard 0 is shutting down")));
@@ -666,17 +673,19 @@ TEST(ProcessTest, FailedFinalCheckpointExitsNonZeroAndKeepsTheLastGoodOne) {
   worker::ClientOptions o;
   o.leader_address = address;
   o.n = n;
-  std::vector<float> params = Random(n, 3);
+  std::vector<float> params = NormalVector(n, 3);
   std::vector<float> good;
   {
     auto client = worker::WorkerClient::Connect(o);
     ASSERT_TRUE(client.ok()) << client.status();
     ASSERT_TRUE((*client)->SynchronizeParameters(absl::MakeSpan(params)).ok());
-    GTOPK_ASSERT_OK((*client)->Step(Random(n, 4), absl::MakeSpan(params)));
+    GTOPK_ASSERT_OK(
+        (*client)->Step(NormalVector(n, 4), absl::MakeSpan(params)));
     good = params;  // checkpoint of step 1 written
     ASSERT_EQ(std::rename(dir.c_str(), aside.c_str()), 0);
     { std::ofstream file(dir); file << "not a directory\n"; }
-    GTOPK_ASSERT_OK((*client)->Step(Random(n, 5), absl::MakeSpan(params)));
+    GTOPK_ASSERT_OK(
+        (*client)->Step(NormalVector(n, 5), absl::MakeSpan(params)));
     // The step stands; its checkpoint failed: reported, not hidden.
     auto checkpoints = server::CheckHealth(address, absl::Seconds(2),
                                            server::kCheckpointHealthService);

@@ -19,7 +19,6 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <random>
 #include <string>
 #include <thread>
 #include <utility>
@@ -34,7 +33,9 @@
 #include "common/selector.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "server/aggregator_server.h"
 #include "server/checkpoint.h"
+#include "server/server_config.h"
 #include "server/service.h"
 #include "tests/testing/local_cluster.h"
 #include "tests/testing/reference.h"
@@ -58,11 +59,7 @@ constexpr uint64_t kSeed = 17;
 const CodecSpec kCodec{IndexCodec::kDeltaVarint, ValueCodec::kFp16};
 
 std::vector<float> Normal(uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal;
-  std::vector<float> v(kN);
-  for (float& x : v) x = normal(rng);
-  return v;
+  return ::gtopk::testing::NormalVector(kN, seed);
 }
 
 std::vector<float> Gradient(int64_t step, int worker) {

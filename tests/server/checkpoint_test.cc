@@ -27,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/reference.h"
 #include "tests/testing/status_matchers.h"
 
 // ---------------------------------------------------------------------------
@@ -62,6 +63,8 @@ namespace gtopk {
 namespace server {
 namespace {
 
+using ::gtopk::testing::BitEqual;
+using ::gtopk::testing::FloatBits;
 using ::gtopk::testing::StatusIs;
 using ::testing::AllOf;
 using ::testing::ElementsAre;
@@ -121,17 +124,6 @@ void FixCrc(std::string& file) {
   Put32(file, file.size() - kTrailer, Crc32(file, file.size() - kTrailer));
 }
 
-uint32_t Bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, sizeof(b));
-  return b;
-}
-std::vector<uint32_t> Bits(const std::vector<float>& v) {
-  std::vector<uint32_t> out(v.size());
-  std::transform(v.begin(), v.end(), out.begin(),
-                 [](float f) { return Bits(f); });
-  return out;
-}
 float FromBits(uint32_t b) {
   float f;
   std::memcpy(&f, &b, sizeof(f));
@@ -169,8 +161,8 @@ void ExpectSame(const ShardCheckpoint& got, const ShardCheckpoint& want) {
   EXPECT_EQ(got.end, want.end);
   EXPECT_EQ(got.next_step, want.next_step);
   // Bit patterns, so -0.0 vs 0.0 and denormals are told apart.
-  EXPECT_TRUE(Bits(got.params) == Bits(want.params)) << "params differ";
-  EXPECT_TRUE(Bits(got.global_velocity) == Bits(want.global_velocity))
+  EXPECT_TRUE(BitEqual(got.params, want.params)) << "params differ";
+  EXPECT_TRUE(BitEqual(got.global_velocity, want.global_velocity))
       << "global_velocity differs";
 }
 
@@ -369,10 +361,10 @@ TEST_F(CheckpointTest, FileLayoutMatchesTheDocumentation) {
   EXPECT_EQ(Get64(f, 48), 5u);   // next_step
   EXPECT_EQ(Get64(f, 56), 2u);   // params count
   EXPECT_EQ(Get64(f, 64), 2u);   // velocity count
-  EXPECT_EQ(Get32(f, 72), Bits(1.0f));
+  EXPECT_EQ(Get32(f, 72), FloatBits(1.0f));
   EXPECT_EQ(Get32(f, 76), 0x80000000u);
-  EXPECT_EQ(Get32(f, 80), Bits(2.0f));
-  EXPECT_EQ(Get32(f, 84), Bits(0.5f));
+  EXPECT_EQ(Get32(f, 80), FloatBits(2.0f));
+  EXPECT_EQ(Get32(f, 84), FloatBits(0.5f));
   EXPECT_EQ(Get32(f, 88), Crc32(f, 88));
 }
 

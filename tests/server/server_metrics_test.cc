@@ -15,7 +15,7 @@
 #include "gtest/gtest.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
 #include "prometheus/text_serializer.h"
-#include "server/service.h"
+#include "server/server_config.h"
 #include "tests/testing/local_cluster.h"
 #include "worker/client.h"
 #include "worker/worker_metrics.h"

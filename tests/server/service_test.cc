@@ -33,10 +33,13 @@
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
+#include "server/aggregator_server.h"
 #include "server/checkpoint.h"
+#include "server/server_config.h"
 #include "tests/testing/local_cluster.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/status_matchers.h"
+#include "tests/testing/temp_dir.h"
 
 namespace gtopk {
 namespace server {
@@ -44,6 +47,7 @@ namespace {
 
 using ::gtopk::testing::FloatBits;
 using ::gtopk::testing::StatusIs;
+using ::gtopk::testing::TempDir;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
@@ -233,12 +237,6 @@ std::string RawMessage(const std::vector<uint32_t>& indices,
   return out;
 }
 
-std::vector<uint32_t> Bits(const std::vector<float>& v) {
-  std::vector<uint32_t> out;
-  for (float x : v) out.push_back(FloatBits(x));
-  return out;
-}
-
 // ---------------------------------------------------------------------------
 
 TEST(ServiceConfigTest, RejectsBadFieldsByName) {
@@ -382,7 +380,7 @@ TEST(ServiceTest, InitAndDownloadAcrossTwoShardsInChunks) {
     EXPECT_EQ(d.offset, join.cluster().shards(s).begin());
     all.insert(all.end(), d.values.begin(), d.values.end());
   }
-  EXPECT_EQ(Bits(all), Bits(params));
+  EXPECT_EQ(FloatBits(all), FloatBits(params));
 
   // Chunk faults, each named.
   EXPECT_THAT(InitParams(cluster.stub(1), 0, 0, 10, {1.0f}, 1),
@@ -501,7 +499,8 @@ TEST(ServiceTest, OneGtopkStepMatchesReference) {
       }
     }
     EXPECT_EQ(got.indices, expected.indices) << "worker " << w;
-    EXPECT_EQ(Bits(got.values), Bits(expected.values)) << "worker " << w;
+    EXPECT_EQ(FloatBits(got.values), FloatBits(expected.values))
+        << "worker " << w;
   }
 
   // The servers applied the shared optimizer rule.
@@ -516,7 +515,7 @@ TEST(ServiceTest, OneGtopkStepMatchesReference) {
     EXPECT_EQ(d.step, 1);
     all.insert(all.end(), d.values.begin(), d.values.end());
   }
-  EXPECT_EQ(Bits(all), Bits(want));
+  EXPECT_EQ(FloatBits(all), FloatBits(want));
 }
 
 // ---------------------------------------------------------------------------
@@ -547,7 +546,7 @@ class BadInputTest : public ::testing::Test {
     absl::StatusOr<Downloaded> d = Download(stub());
     ASSERT_TRUE(d.ok()) << d.status();
     EXPECT_EQ(d->step, 0);
-    EXPECT_EQ(Bits(d->values), Bits(params_));
+    EXPECT_EQ(FloatBits(d->values), FloatBits(params_));
     EXPECT_EQ(cluster_.servers[0]->service()->next_step(), 0);
   }
 
@@ -766,9 +765,9 @@ TEST(ServiceTest, JoinOfARankWithALiveStreamIsRejected) {
 }
 
 TEST(ServiceTest, ShutdownEndsWaitingStepsAndWritesCheckpoint) {
-  char dir_template[] = "/tmp/gtopk_service_test_XXXXXX";
-  const char* dir = mkdtemp(dir_template);
-  ASSERT_NE(dir, nullptr);
+  const TempDir tmp("service_test");
+  ASSERT_FALSE(tmp.path().empty());
+  const char* dir = tmp.path().c_str();
   ServerConfig config = BaseConfig(1, 2);
   config.step_timeout = absl::Seconds(30);  // far beyond the test's bound
   config.checkpoint_dir = dir;              // checkpoint_every 0: on shutdown
@@ -800,14 +799,12 @@ TEST(ServiceTest, ShutdownEndsWaitingStepsAndWritesCheckpoint) {
   GTOPK_ASSERT_OK_AND_ASSIGN(ShardCheckpoint c, ReadCheckpoint(dir, 0));
   EXPECT_EQ(c.next_step, 0);
   EXPECT_EQ(c.params, std::vector<float>(n, 2.0f));
-  std::remove(CheckpointPath(dir, 0).c_str());
-  rmdir(dir);
 }
 
 TEST(ServiceTest, CheckpointRestartServesSameParameters) {
-  char dir_template[] = "/tmp/gtopk_service_test_XXXXXX";
-  const char* dir = mkdtemp(dir_template);
-  ASSERT_NE(dir, nullptr);
+  const TempDir tmp("service_test");
+  ASSERT_FALSE(tmp.path().empty());
+  const char* dir = tmp.path().c_str();
   ServerConfig config = BaseConfig(1, 1);
   config.checkpoint_dir = dir;
   config.checkpoint_every = 1;
@@ -831,21 +828,19 @@ TEST(ServiceTest, CheckpointRestartServesSameParameters) {
     EXPECT_EQ(c.next_step, 1);
     GTOPK_ASSERT_OK_AND_ASSIGN(before, Download(cluster.stub(0)));
     EXPECT_EQ(before.step, 1);
-    EXPECT_NE(Bits(before.values), Bits(params));
+    EXPECT_NE(FloatBits(before.values), FloatBits(params));
   }
   GTOPK_ASSERT_OK_AND_ASSIGN(Cluster restarted, StartCluster(config));
   // No Join needed: the checkpoint carries n.
   GTOPK_ASSERT_OK_AND_ASSIGN(Downloaded after, Download(restarted.stub(0)));
   EXPECT_EQ(after.step, 1);
-  EXPECT_EQ(Bits(after.values), Bits(before.values));
+  EXPECT_EQ(FloatBits(after.values), FloatBits(before.values));
   GTOPK_ASSERT_OK_AND_ASSIGN(v1::JoinResponse join,
                              Join(restarted.stub(0), 0, n));
   EXPECT_EQ(join.cluster().next_step(), 1);
   EXPECT_THAT(
       Join(restarted.stub(0), 0, n + 1),
       StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("n = 12")));
-  std::remove(CheckpointPath(dir, 0).c_str());
-  rmdir(dir);
 }
 
 }  // namespace

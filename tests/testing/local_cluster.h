@@ -21,7 +21,8 @@
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
-#include "server/service.h"
+#include "server/aggregator_server.h"
+#include "server/server_config.h"
 
 namespace gtopk {
 namespace server {

@@ -14,7 +14,6 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -107,14 +106,6 @@ class ServerProcess {
   pid_t pid_ = -1;
   int out_ = -1;
 };
-
-inline std::vector<float> Random(size_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal;
-  std::vector<float> x(n);
-  for (float& v : x) v = normal(rng);
-  return x;
-}
 
 using ::gtopk::testing::BitEqual;  // tests/testing/reference.h
 

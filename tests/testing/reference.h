@@ -36,6 +36,25 @@ inline uint32_t FloatBits(float x) {
   return bits;
 }
 
+// FloatBits of every entry: EXPECT_EQ(FloatBits(a), FloatBits(b)) compares
+// bit for bit and, unlike BitEqual, shows where the vectors differ.
+inline std::vector<uint32_t> FloatBits(absl::Span<const float> v) {
+  std::vector<uint32_t> bits(v.size());
+  for (size_t i = 0; i < v.size(); ++i) bits[i] = FloatBits(v[i]);
+  return bits;
+}
+
+// `n` draws of N(0, 1) as floats from std::mt19937_64 seeded with `seed`:
+// the seeded gradients and parameters of the integration tests (the same
+// values as MakeInput(Distribution::kNormal, n, seed)).
+inline std::vector<float> NormalVector(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(n);
+  for (float& v : x) v = normal(rng);
+  return x;
+}
+
 // Whether `a` and `b` hold the same floats bit for bit (so -0.0 differs
 // from +0.0): what "replicas are identical" means throughout the tests.
 inline bool BitEqual(absl::Span<const float> a, absl::Span<const float> b) {

@@ -1,0 +1,75 @@
+// A running gtopk-server shard: AggregatorServer, the AggregatorService
+// (server/service.h) inside a grpc::Server with raised message limits and
+// grpc.health.v1, its graceful shutdown (drain, grace, final checkpoint);
+// and CheckHealth, the client of grpc.health.v1 that gtopk-server's
+// --health-check and the tests use.
+#ifndef GTOPK_SERVER_AGGREGATOR_SERVER_H_
+#define GTOPK_SERVER_AGGREGATOR_SERVER_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpcpp/server.h"
+#include "server/server_config.h"
+#include "server/service.h"
+
+namespace gtopk {
+namespace server {
+
+// A running gtopk-server: the service plus a grpc::Server with the message
+// limits raised to max_message_bytes and grpc.health.v1 enabled (SERVING
+// once started).
+class AggregatorServer {
+ public:
+  // Listens on `listen_address` (host:port; port 0 picks a free port).
+  // Errors: Create's, UNAVAILABLE when the address cannot be bound.
+  static absl::StatusOr<std::unique_ptr<AggregatorServer>> Start(
+      ServerConfig config, const std::string& listen_address);
+  ~AggregatorServer();  // Shutdown(0) unless already shut down
+
+  // "host:port" with the port actually bound.
+  const std::string& address() const { return address_; }
+  int port() const { return port_; }
+  AggregatorService* service() { return service_.get(); }
+
+  // Graceful shutdown: health NOT_SERVING; stop accepting calls and let
+  // running ones finish until now + grace; then fail what still waits
+  // (AggregatorService::BeginShutdown) and cancel the rest; finally write
+  // the checkpoint (after the last applied step). Returns the checkpoint's
+  // status. Idempotent. `write_checkpoint` = false skips the checkpoint
+  // (tests use it to stand for a crash).
+  // With `drain` > 0, first a drain (AggregatorService::BeginDrain): health
+  // is NOT_SERVING but the server keeps serving until no round is open on
+  // this shard and the workers closed their step streams, or `drain` has
+  // passed, whichever is first; pushes for a new step get UNAVAILABLE
+  // "shard s is shutting down".
+  absl::Status Shutdown(absl::Duration grace, bool write_checkpoint = true,
+                        absl::Duration drain = absl::ZeroDuration());
+
+ private:
+  AggregatorServer() = default;
+  std::unique_ptr<AggregatorService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string address_;
+  int port_ = 0;
+  bool shut_down_ = false;
+};
+
+// grpc.health.v1.Health/Check for service "" at `address`: true when the
+// server answers SERVING, false for any other serving status. Errors: the
+// call's status (e.g. UNAVAILABLE, DEADLINE_EXCEEDED after `timeout`),
+// INTERNAL for an unparseable response. Uses a generic stub, so no health
+// proto is needed.
+// `service` names another health service (e.g. kCheckpointHealthService;
+// INVALID_ARGUMENT when 128 bytes or longer); an unknown one is NOT_FOUND.
+absl::StatusOr<bool> CheckHealth(const std::string& address,
+                                 absl::Duration timeout,
+                                 const std::string& service = "");
+
+}  // namespace server
+}  // namespace gtopk
+
+#endif  // GTOPK_SERVER_AGGREGATOR_SERVER_H_

@@ -1,0 +1,544 @@
+// AggregatorService's crash recovery and fail fast (docs/recovery.md): a
+// shard's own state and rollback (LocalShardState, LocalRollback and their
+// RPCs GetShardState, RollbackShard), the leader's Recover (RecoverCluster:
+// read every shard's state, choose the target with ChooseRecoveryTarget,
+// server/recovery_target.h, roll every shard back to it), and AbortStep, by
+// which a step that failed on one shard fails on every shard. The class is
+// declared in server/service.h; its RPC handlers for training are in
+// server/service.cc.
+#include <algorithm>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/epoch.h"
+#include "common/grpc_edge.h"
+#include "common/status_macros.h"
+#include "grpcpp/client_context.h"
+#include "server/checkpoint.h"
+#include "server/recovery_target.h"
+#include "server/service.h"
+#include "server/service_internal.h"
+
+namespace gtopk {
+namespace server {
+
+using internal::ContextDeadline;
+using internal::kPollInterval;
+
+namespace {
+
+// Longest an AbortStep message may take (it is advice: a shard that misses
+// it still fails its round at its own step deadline).
+constexpr absl::Duration kAbortStepTimeout = absl::Seconds(5);
+// Longest AbortStep reason kept (it is forwarded into every shard's status).
+constexpr size_t kMaxAbortReasonBytes = 1024;
+
+// "shard 1 (host:port): message", code kept.
+absl::Status FromShard(const grpc::Status& status, uint32_t shard,
+                       const std::string& address, const char* rpc) {
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      absl::StrCat("shard ", shard, " (", address, ") ", rpc,
+                                   ": ", status.error_message()));
+}
+
+// The answer to Recover for `plan` (the epoch is RecoverCluster's).
+v1::RecoverResponse ResponseFor(const RecoveryPlan& plan) {
+  v1::RecoverResponse response;
+  for (int64_t step : plan.previous_steps) response.add_previous_steps(step);
+  response.set_next_step(plan.target_step);
+  response.set_rolled_back(plan.rollback);
+  return response;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Crash recovery (docs/recovery.md)
+
+absl::StatusOr<v1::ShardState> AggregatorService::LocalShardState(
+    absl::Time deadline, bool settle) {
+  v1::ShardState state;
+  state.set_shard_id(config_.shard_id);
+  state.set_cluster_fingerprint(fingerprint_.load());
+  ShardAggregator* aggregator;
+  {
+    absl::MutexLock lock(&mu_);
+    aggregator = aggregator_.get();
+  }
+  if (aggregator == nullptr) return state;  // no parameters: not initialised
+  absl::StatusOr<int64_t> next =
+      aggregator->SettledNextStep(deadline, settle);
+  if (absl::IsFailedPrecondition(next.status())) return state;
+  GTOPK_RETURN_IF_ERROR(next.status());
+  state.set_initialized(true);
+  state.set_next_step(*next);
+  if (!config_.checkpoint_dir.empty()) {
+    absl::MutexLock lock(&checkpoint_mu_);
+    GTOPK_ASSIGN_OR_RETURN(
+        std::vector<int64_t> steps,
+        ListCheckpointSteps(config_.checkpoint_dir, config_.shard_id));
+    for (int64_t s : steps) {
+      if (s <= *next) state.add_checkpoint_steps(s);
+    }
+  }
+  return state;
+}
+
+absl::StatusOr<int64_t> AggregatorService::LocalRollback(int64_t step) {
+  const std::string shard = absl::StrCat("shard ", config_.shard_id);
+  if (step < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(shard, ": cannot roll back to negative step ", step));
+  }
+  ShardAggregator* aggregator;
+  {
+    absl::MutexLock lock(&mu_);
+    aggregator = aggregator_.get();
+  }
+  if (aggregator == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(shard, " has no parameters to roll back"));
+  }
+  // Serialised with checkpoint writes: the history must not gain an entry
+  // of an abandoned step while it is rewound.
+  absl::MutexLock lock(&checkpoint_mu_);
+  const int64_t previous = aggregator->next_step();
+  const absl::Status reason = absl::AbortedError(
+      absl::StrCat("the cluster rolled back to step ", step));
+  if (step == previous) {
+    GTOPK_RETURN_IF_ERROR(aggregator->Rollback(step, nullptr, reason));
+  } else {
+    if (config_.checkpoint_dir.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(shard, " is at step ", previous,
+                       " and keeps no checkpoints (no "
+                       "--checkpoint-dir); cannot roll back to step ",
+                       step));
+    }
+    absl::StatusOr<ShardCheckpoint> checkpoint =
+        ReadCheckpointAt(config_.checkpoint_dir, config_.shard_id, step);
+    if (absl::IsNotFound(checkpoint.status())) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(shard, " is at step ", previous, ": ",
+                       checkpoint.status().message()));
+    }
+    GTOPK_RETURN_IF_ERROR(checkpoint.status());
+    GTOPK_RETURN_IF_ERROR(aggregator->Rollback(step, &*checkpoint, reason));
+  }
+  if (!config_.checkpoint_dir.empty()) {
+    // The memory state is `step` now; make the disk agree (entries of the
+    // abandoned steps would otherwise come back after a restart).
+    absl::StatusOr<std::vector<int64_t>> steps =
+        ListCheckpointSteps(config_.checkpoint_dir, config_.shard_id);
+    GTOPK_RETURN_IF_ERROR(steps.status());
+    if (std::find(steps->begin(), steps->end(), step) != steps->end()) {
+      GTOPK_RETURN_IF_ERROR(
+          RewindCheckpoints(config_.checkpoint_dir, config_.shard_id, step));
+    } else {
+      GTOPK_RETURN_IF_ERROR(DiscardCheckpointsAfter(config_.checkpoint_dir,
+                                                    config_.shard_id, step));
+    }
+  }
+  if (step != previous) {
+    std::fprintf(stderr,
+                 "gtopk-server shard %u: rolled back from step %lld "
+                 "to step %lld\n",
+                 config_.shard_id, static_cast<long long>(previous),
+                 static_cast<long long>(step));
+  }
+  return previous;
+}
+
+// ---------------------------------------------------------------------------
+// Fail fast across shards (AbortStep)
+
+void AggregatorService::OnLocalStepFailed(int64_t step,
+                                          const absl::Status& reason) {
+  // Called under the aggregator's lock: only queue the work.
+  if (config_.num_shards == 1) return;  // nobody else to tell
+  std::string why = BoundedStatusMessage(reason.message());
+  if (why.size() > kMaxAbortReasonBytes) why.resize(kMaxAbortReasonBytes);
+  if (is_leader()) {
+    notifier_.Post([this, step, why] { LeaderAbortStep(step, 0, why); });
+    return;
+  }
+  notifier_.Post([this, step, why] {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(
+        absl::Now() + std::min(config_.step_timeout, kAbortStepTimeout)));
+    v1::AbortStepRequest request;
+    request.set_step(step);
+    request.set_shard_id(config_.shard_id);
+    request.set_reason(why);
+    v1::AbortStepResponse response;
+    const grpc::Status st = leader_stub_->AbortStep(&context, request,
+                                                    &response);
+    if (!st.ok()) {
+      // Best effort: the other shards then fail the step at their deadline.
+      std::fprintf(stderr,
+                   "gtopk-server shard %u: telling leader %s that step %lld "
+                   "failed here: %s\n",
+                   config_.shard_id, config_.peers[0].c_str(),
+                   static_cast<long long>(step), st.error_message().c_str());
+    }
+  });
+}
+
+void AggregatorService::LeaderAbortStep(int64_t step, uint32_t origin,
+                                        const std::string& reason) {
+  const uint32_t S = config_.num_shards;
+  if (!is_leader() || S == 1) return;
+  const absl::Status aborted = absl::AbortedError(absl::StrCat(
+      "step ", step, " failed on shard ", origin, ": ", reason,
+      " (the worker retries the step after Recover)"));
+  // A committed step cannot have failed anywhere: a stale message.
+  const uint64_t epoch = ++epoch_;
+  if (!commit_coordinator_->Abort(step, aborted, epoch)) return;
+  coordinator_->Abort(step, aborted, epoch);
+  ShardAggregator* aggregator;
+  {
+    absl::MutexLock lock(&mu_);
+    aggregator = aggregator_.get();
+  }
+  if (aggregator != nullptr) aggregator->AbortStep(step, aborted, epoch);
+  // Every other shard, the origin too (it then refuses the failed attempt's
+  // late pushes as well).
+  notifier_.Post([this, step, origin, reason, S, epoch] {
+    std::vector<std::thread> threads;
+    for (uint32_t s = 1; s < S; ++s) {
+      threads.emplace_back([this, s, step, origin, epoch, &reason] {
+        grpc::ClientContext context;
+        context.set_deadline(absl::ToChronoTime(
+            absl::Now() + std::min(config_.step_timeout, kAbortStepTimeout)));
+        v1::AbortStepRequest request;
+        request.set_step(step);
+        request.set_shard_id(origin);
+        request.set_reason(reason);
+        request.set_epoch(epoch);
+        v1::AbortStepResponse response;
+        // Best effort (a shard that is down has no round to fail).
+        peer_stubs_[s]->AbortStep(&context, request, &response).IgnoreError();
+      });
+    }
+    for (auto& t : threads) t.join();
+  });
+}
+
+grpc::Status AggregatorService::AbortStep(grpc::ServerContext* /*context*/,
+                                          const v1::AbortStepRequest* request,
+                                          v1::AbortStepResponse* /*response*/) {
+  if (request->step() < 0 || request->shard_id() >= config_.num_shards) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+        "AbortStep: step ", request->step(), " must be >= 0 and shard_id ",
+        request->shard_id(), " below --num-shards (", config_.num_shards,
+        ")")));
+  }
+  // A far-future epoch is not a leader's (IsPlausibleEpoch).
+  const absl::Time now = absl::Now();
+  if (!is_leader() && !IsPlausibleEpoch(request->epoch(), now)) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+        "AbortStep: epoch ", request->epoch(),
+        " is more than a day ahead of this shard's clock (",
+        absl::ToUnixMicros(now),
+        " us since the Unix epoch)")));
+  }
+  // The reason travels on to every worker of the step: keep it short.
+  const std::string reason = request->reason().size() > kMaxAbortReasonBytes
+                                 ? BoundedStatusMessage(request->reason())
+                                       .substr(0, kMaxAbortReasonBytes)
+                                 : request->reason();
+  if (is_leader()) {
+    LeaderAbortStep(request->step(), request->shard_id(), reason);
+    return grpc::Status::OK;
+  }
+  ShardAggregator* aggregator;
+  {
+    absl::MutexLock lock(&mu_);
+    aggregator = aggregator_.get();
+  }
+  if (aggregator != nullptr) {
+    aggregator->AbortStep(
+        request->step(),
+        absl::AbortedError(absl::StrCat(
+            "step ", request->step(), " failed on shard ",
+            request->shard_id(), ": ", reason,
+            " (the worker retries the step after Recover)")),
+        request->epoch());
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status AggregatorService::GetShardState(
+    grpc::ServerContext* context, const v1::ShardStateRequest* request,
+    v1::ShardState* response) {
+  // In slices, so that a cancelled call (the leader went away) ends it.
+  const absl::Time deadline = WaitDeadline(context);
+  if (request->cluster_fingerprint() != 0 && fingerprint_.load() != 0) {
+    const absl::Status same = CheckFingerprint(
+        request->cluster_fingerprint(), "GetShardState from the leader ",
+        deadline);
+    if (!same.ok()) return ToGrpcStatus(same);
+  }
+  absl::StatusOr<v1::ShardState> state;
+  do {
+    state = LocalShardState(std::min(deadline, absl::Now() + kPollInterval),
+                            !request->without_settling());
+  } while (absl::IsDeadlineExceeded(state.status()) && absl::Now() < deadline &&
+           !context->IsCancelled());
+  if (!state.ok()) return ToGrpcStatus(state.status());
+  *response = *std::move(state);
+  return grpc::Status::OK;
+}
+
+grpc::Status AggregatorService::RollbackShard(
+    grpc::ServerContext* context, const v1::RollbackRequest* request,
+    v1::RollbackResponse* response) {
+  if (request->shard_id() != config_.shard_id) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("rollback for shard ", request->shard_id(),
+                     " was sent to shard ", config_.shard_id)));
+  }
+  if (request->cluster_fingerprint() != 0 && fingerprint_.load() != 0) {
+    const absl::Status same =
+        CheckFingerprint(request->cluster_fingerprint(),
+                         "RollbackShard from the leader ", WaitDeadline(context));
+    if (!same.ok()) return ToGrpcStatus(same);
+  }
+  absl::StatusOr<int64_t> previous = LocalRollback(request->step());
+  if (!previous.ok()) return ToGrpcStatus(previous.status());
+  response->set_previous_next_step(*previous);
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverCluster(
+    absl::Time deadline) {
+  if (!is_leader()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("shard ", config_.shard_id,
+                     " is not the leader; Recover goes to ", config_.peers[0]));
+  }
+  {
+    absl::MutexLock lock(&recover_mu_);
+    if (recovering_) {
+      // Workers failing together call Recover together: join the running
+      // recovery and answer its outcome (e.g. the unreachable shard it
+      // names), rather than start another one after it.
+      const uint64_t generation = recover_generation_;
+      auto finished = [this, generation]()
+                          ABSL_EXCLUSIVE_LOCKS_REQUIRED(recover_mu_) {
+                            return recover_generation_ != generation;
+                          };
+      if (!recover_mu_.AwaitWithDeadline(absl::Condition(&finished),
+                                         deadline + kLeaderDeadlineSlack)) {
+        return absl::DeadlineExceededError(
+            "Recover: another recovery is still running on the leader");
+      }
+      return last_recover_;
+    }
+    recovering_ = true;
+  }
+  absl::StatusOr<v1::RecoverResponse> result = RecoverClusterOnce(deadline);
+  // The workers push their retry with the epoch of every failure heard of
+  // so far (the AbortStep messages were flushed first).
+  if (result.ok()) result->set_epoch(epoch_.load());
+  absl::MutexLock lock(&recover_mu_);
+  last_recover_ = result;
+  ++recover_generation_;
+  recovering_ = false;
+  return result;
+}
+
+std::vector<absl::StatusOr<v1::ShardState>> AggregatorService::ReadShardStates(
+    absl::Time deadline, bool settle) {
+  const uint32_t S = config_.num_shards;
+  std::vector<absl::StatusOr<v1::ShardState>> states(
+      S, absl::UnknownError("not asked"));
+  std::vector<std::thread> threads;
+  for (uint32_t s = 0; s < S; ++s) {
+    threads.emplace_back([&, s] {
+      if (s == 0) {
+        states[s] = LocalShardState(deadline, settle);
+        return;
+      }
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(deadline));
+      // A shard that is restarting is waited for (up to the deadline).
+      ctx.set_wait_for_ready(true);
+      v1::ShardState state;
+      v1::ShardStateRequest request;
+      request.set_cluster_fingerprint(fingerprint_.load());
+      request.set_without_settling(!settle);
+      const grpc::Status st =
+          peer_stubs_[s]->GetShardState(&ctx, request, &state);
+      if (!st.ok()) {
+        states[s] = FromShard(st, s, config_.peers[s], "GetShardState");
+      } else if (state.shard_id() != s) {
+        states[s] = absl::FailedPreconditionError(
+            absl::StrCat("the server at ", config_.peers[s], " is shard ",
+                         state.shard_id(), ", not shard ", s));
+      } else {
+        states[s] = std::move(state);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return states;
+}
+
+std::optional<v1::RecoverResponse> AggregatorService::AgreedWithoutFence(
+    absl::Time deadline) {
+  // When every shard is at the same step (workers that were paused, a step
+  // that timed out, a shard restarted from a checkpoint of the current
+  // step), there is nothing to repair, and a fence would abort the rounds
+  // that workers who recovered earlier are already running (concurrent
+  // Recover calls then abort each other's retries). Shards answer at once,
+  // also while computing a round: that round may be waiting for the very
+  // worker that is recovering (its push to another shard is missing), so
+  // waiting for it would only time out -- and a fence would abort it, and
+  // the next worker's Recover the retry after it. A step being computed is
+  // not applied yet, and commits on every shard or on none, so equal next
+  // steps are a safe answer.
+  const absl::Time quick = std::min(
+      deadline, absl::Now() + std::max(config_.step_timeout / 4,
+                                       absl::Milliseconds(200)));
+  const absl::StatusOr<RecoveryPlan> plan =
+      ChooseRecoveryTarget(ReadShardStates(quick, /*settle=*/false));
+  // Anything but agreement (an unreadable shard, one without parameters,
+  // different steps) is looked at again behind the fence.
+  if (!plan.ok() || plan->rollback) return std::nullopt;
+  // The workers' next attempt of a failed step may vote again.
+  return ResponseFor(*plan);
+}
+
+absl::Status AggregatorService::RollBackShardsTo(int64_t target,
+                                                 absl::Time deadline) {
+  const uint32_t S = config_.num_shards;
+  std::vector<absl::Status> rolled(S);
+  {
+    std::vector<std::thread> threads;
+    for (uint32_t s = 0; s < S; ++s) {
+      threads.emplace_back([&, s] {
+        if (s == 0) {
+          rolled[s] = LocalRollback(target).status();
+          return;
+        }
+        grpc::ClientContext ctx;
+        ctx.set_deadline(absl::ToChronoTime(deadline));
+        ctx.set_wait_for_ready(true);
+        v1::RollbackRequest request;
+        request.set_shard_id(s);
+        request.set_step(target);
+        request.set_cluster_fingerprint(fingerprint_.load());
+        v1::RollbackResponse reply;
+        const grpc::Status st =
+            peer_stubs_[s]->RollbackShard(&ctx, request, &reply);
+        if (!st.ok())
+          rolled[s] = FromShard(st, s, config_.peers[s], "RollbackShard");
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  std::vector<std::string> errors;
+  absl::StatusCode code = absl::StatusCode::kOk;
+  for (uint32_t s = 0; s < S; ++s) {
+    if (rolled[s].ok()) continue;
+    if (code == absl::StatusCode::kOk) code = rolled[s].code();
+    errors.push_back(std::string(rolled[s].message()));
+  }
+  if (errors.empty()) return absl::OkStatus();
+  // Shards that did roll back are at `target`, the others where they were:
+  // they still disagree, so no step can be committed, and the next Recover
+  // completes the rollback.
+  return absl::Status(
+      code, absl::StrCat("Recover: rollback to step ", target,
+                         " incomplete: ", absl::StrJoin(errors, "; ")));
+}
+
+absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverClusterOnce(
+    absl::Time deadline) {
+  // The AbortStep messages of failures so far reach every shard first, so
+  // that the workers' retries after this recovery meet no stale round.
+  notifier_.Flush(std::min(deadline, absl::Now() + kAbortStepTimeout));
+  if (std::optional<v1::RecoverResponse> agreed =
+          AgreedWithoutFence(deadline)) {
+    return *std::move(agreed);
+  }
+  // Fence the commit vote and the threshold exchange: no step can be
+  // committed while the shards' states are read, and rounds being computed
+  // fail quickly instead of waiting for a shard that will not come.
+  const absl::Status fence =
+      absl::AbortedError("the leader is recovering the cluster");
+  commit_coordinator_->Fence(fence);
+  coordinator_->Fence(fence);
+  struct Unfence {
+    AggregatorService* self;
+    ~Unfence() {
+      self->coordinator_->Unfence();
+      self->commit_coordinator_->Unfence();
+    }
+  } unfence{this};
+
+  // Every shard's state, in parallel (each call bounded by `deadline`).
+  GTOPK_ASSIGN_OR_RETURN(
+      const RecoveryPlan plan,
+      ChooseRecoveryTarget(ReadShardStates(deadline, /*settle=*/true)));
+  if (!plan.rollback) return ResponseFor(plan);
+  std::fprintf(stderr,
+               "gtopk-server leader: shards disagree (%s); rolling back to "
+               "step %lld\n",
+               plan.shard_states.c_str(),
+               static_cast<long long>(plan.target_step));
+  // Steps >= target are voted on and exchanged afresh.
+  commit_coordinator_->ForgetFrom(plan.target_step);
+  coordinator_->ForgetFrom(plan.target_step);
+  GTOPK_RETURN_IF_ERROR(RollBackShardsTo(plan.target_step, deadline));
+  return ResponseFor(plan);
+}
+
+grpc::Status AggregatorService::Recover(grpc::ServerContext* context,
+                                        const v1::RecoverRequest* request,
+                                        v1::RecoverResponse* response) {
+  if (request->worker() >= config_.num_workers) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("unknown worker rank ", request->worker(),
+                     "; the cluster has ", config_.num_workers, " workers")));
+  }
+  if (is_leader()) {
+    const absl::Status same = CheckFingerprint(
+        request->cluster_fingerprint(),
+        absl::StrCat("Recover from worker ", request->worker(), " "),
+        absl::Now());
+    if (!same.ok()) return ToGrpcStatus(same);
+    absl::MutexLock lock(&mu_);
+    const uint32_t w = request->worker();
+    const uint64_t token = request->member_token();
+    if (token != 0 && member_token_[w] == 0) {
+      // No holder since this leader started (it restarted): the worker
+      // that held the rank re-enters with its token, as a Join of the rank
+      // would.
+      member_token_[w] = token;
+      rank_given_[w] = true;
+    }
+    const absl::Status member = CheckMemberTokenLocked(w, token);
+    if (!member.ok()) {
+      return ToGrpcStatus(absl::Status(
+          member.code(), absl::StrCat("Recover: ", member.message())));
+    }
+  }
+  const absl::Time deadline =
+      std::min(absl::Now() + config_.step_timeout,
+               ContextDeadline(context) - kLeaderDeadlineSlack);
+  absl::StatusOr<v1::RecoverResponse> answer = RecoverCluster(deadline);
+  if (!answer.ok()) return ToGrpcStatus(answer.status());
+  *response = *std::move(answer);
+  return grpc::Status::OK;
+}
+
+}  // namespace server
+}  // namespace gtopk

@@ -1,0 +1,251 @@
+// ServerConfig's validation and the cluster spec made from it
+// (server/server_config.h): ValidateServerConfig, ClusterSettingsSpec,
+// CanonicalClusterSpec, CheckSameClusterSettings.
+#include "server/server_config.h"
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/cluster_spec.h"
+#include "common/host_port.h"
+#include "common/selector.h"
+#include "common/status_macros.h"
+
+namespace gtopk {
+namespace server {
+namespace {
+
+// Largest S and P (--num-shards, --workers; server/flags.md).
+constexpr uint32_t kMaxShards = 1u << 16;
+constexpr uint32_t kMaxWorkers = 1u << 16;
+
+v1::Mode ModeToProto(AggregationMode mode) {
+  switch (mode) {
+    case AggregationMode::kGtopk:
+      return v1::MODE_GTOPK;
+    case AggregationMode::kTopk:
+      return v1::MODE_TOPK;
+    case AggregationMode::kDense:
+      return v1::MODE_DENSE;
+  }
+  return v1::MODE_UNSPECIFIED;
+}
+
+v1::MomentumMode MomentumToProto(MomentumMode mode) {
+  switch (mode) {
+    case MomentumMode::kNone:
+      return v1::MOMENTUM_MODE_NONE;
+    case MomentumMode::kDgcCorrection:
+      return v1::MOMENTUM_MODE_DGC;
+    case MomentumMode::kGlobal:
+      return v1::MOMENTUM_MODE_GLOBAL;
+  }
+  return v1::MOMENTUM_MODE_UNSPECIFIED;
+}
+
+}  // namespace
+
+absl::Status ValidateServerConfig(const ServerConfig& c) {
+  if (c.num_shards < 1 || c.num_shards > kMaxShards) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--num-shards must be in [1, ", kMaxShards, "], got ", c.num_shards));
+  }
+  if (c.shard_id >= c.num_shards) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--shard-id must be below --num-shards (", c.num_shards,
+                     "), got ", c.shard_id));
+  }
+  if (c.num_workers < 1 || c.num_workers > kMaxWorkers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--workers must be in [1, ", kMaxWorkers, "], got ", c.num_workers));
+  }
+  if (c.peers.size() != c.num_shards) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--peers must list --num-shards (", c.num_shards,
+                     ") addresses in shard order, got ", c.peers.size()));
+  }
+  for (uint32_t s = 0; s < c.num_shards; ++s) {
+    if (s == c.shard_id && c.peers[s].empty()) continue;
+    const absl::Status address = ValidateHostPort("peers", c.peers[s], 1);
+    if (!address.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(address.message(), " (entry ", s, ", shard ", s, ")"));
+    }
+  }
+  if (c.selection == SelectionKind::kQuota &&
+      c.mode != AggregationMode::kGtopk) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--selection=quota applies to --mode=gtopk only, got --mode=",
+        AggregationModeName(c.mode),
+        " (omit --selection or use --selection=exact)"));
+  }
+  SelectorRegistry registry;
+  GTOPK_RETURN_IF_ERROR(RegisterBuiltinSelectors(&registry));
+  const std::vector<std::string> names = registry.Names();
+  if (std::find(names.begin(), names.end(), c.selector) == names.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("--selector must be one of ",
+                                                   absl::StrJoin(names, ", "),
+                                                   "; got '", c.selector, "'"));
+  }
+  if (IndexCodecName(c.index_codec) == "unknown") {
+    return absl::InvalidArgumentError("--index-codec is not a known codec");
+  }
+  if (ValueCodecName(c.value_codec) == "unknown") {
+    return absl::InvalidArgumentError("--value-codec is not a known codec");
+  }
+  if (c.step_timeout < absl::Milliseconds(1) ||
+      c.step_timeout >= absl::Milliseconds(UINT32_MAX)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--step-timeout must be in [1ms, 2^32 ms), got ",
+        absl::FormatDuration(c.step_timeout)));
+  }
+  if (c.max_message_bytes < 1024 ||
+      c.max_message_bytes > static_cast<uint64_t>(INT_MAX)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-message-bytes must be in [1024, 2^31-1], got ",
+                     c.max_message_bytes));
+  }
+  if (c.download_chunk_bytes < kChunkOverheadBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("download_chunk_bytes must be >= ", kChunkOverheadBytes,
+                     ", got ", c.download_chunk_bytes));
+  }
+  if (c.checkpoint_every < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--checkpoint-every must be >= 0, got ", c.checkpoint_every));
+  }
+  if (c.checkpoint_keep < 1 || c.checkpoint_keep > 1000) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--checkpoint-keep must be in [1, 1000], got ", c.checkpoint_keep));
+  }
+  if (c.checkpoint_every > 0 && c.checkpoint_dir.empty()) {
+    return absl::InvalidArgumentError(
+        "--checkpoint-every > 0 needs --checkpoint-dir");
+  }
+  // The optimizer, by flag (ValidateOptimizerOptions below is the
+  // backstop; its messages name the fields).
+  const OptimizerOptions& o = c.optimizer;
+  if (!(std::isfinite(o.lr) && o.lr > 0.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--lr must be finite and > 0 (as a 32-bit float), got ", o.lr));
+  }
+  if (!(o.momentum >= 0.0f && o.momentum < 1.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--momentum must be in [0, 1) (as a 32-bit float), got ", o.momentum));
+  }
+  if (!(std::isfinite(o.weight_decay) && o.weight_decay >= 0.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--weight-decay must be finite and >= 0, got ", o.weight_decay));
+  }
+  if (o.lr_warmup_steps < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--lr-warmup-steps must be >= 0, got ", o.lr_warmup_steps));
+  }
+  if (!(o.density > 0.0 && o.density <= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--density must be in (0, 1], got ", o.density));
+  }
+  for (size_t e = 0; e < o.density_warmup.size(); ++e) {
+    const double d = o.density_warmup[e];
+    if (!(d > 0.0 && d <= 1.0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--density-warmup: entry ", e,
+                       " must be in (0, 1], got ", d));
+    }
+  }
+  if (o.steps_per_epoch < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--steps-per-epoch must be >= 0, got ", o.steps_per_epoch));
+  }
+  if (!o.density_warmup.empty() && o.steps_per_epoch == 0) {
+    return absl::InvalidArgumentError(
+        "--density-warmup needs --steps-per-epoch > 0");
+  }
+  absl::Status s = ValidateOptimizerOptions(c.optimizer);
+  if (!s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("optimizer: ", s.message()));
+  }
+  return absl::OkStatus();
+}
+
+v1::ClusterSpec ClusterSettingsSpec(const ServerConfig& config) {
+  v1::ClusterSpec spec;
+  spec.set_num_workers(config.num_workers);
+  spec.set_mode(ModeToProto(config.mode));
+  spec.set_selection(config.selection == SelectionKind::kExact
+                         ? v1::SELECTION_THRESHOLD
+                         : v1::SELECTION_QUOTA);
+  spec.set_selector(config.selector);
+  spec.set_selector_seed(config.selector_seed);
+  spec.set_index_codec(std::string(IndexCodecName(config.index_codec)));
+  spec.set_value_codec(std::string(ValueCodecName(config.value_codec)));
+  const OptimizerOptions& o = config.optimizer;
+  v1::OptimizerSpec* opt = spec.mutable_optimizer();
+  opt->set_lr(o.lr);
+  opt->set_momentum(o.momentum);
+  opt->set_momentum_mode(MomentumToProto(o.momentum_mode));
+  opt->set_momentum_factor_masking(o.momentum_factor_masking);
+  opt->set_weight_decay(o.weight_decay);
+  opt->set_lr_warmup_steps(o.lr_warmup_steps);
+  opt->set_density(o.density);
+  opt->mutable_density_warmup()->Add(o.density_warmup.begin(),
+                                     o.density_warmup.end());
+  opt->set_steps_per_epoch(o.steps_per_epoch);
+  spec.set_step_timeout_ms(
+      static_cast<uint32_t>(absl::ToInt64Milliseconds(config.step_timeout)));
+  spec.set_max_message_bytes(config.max_message_bytes);
+  return spec;
+}
+
+v1::ClusterSpec CanonicalClusterSpec(const ServerConfig& config, uint64_t n) {
+  v1::ClusterSpec spec = ClusterSettingsSpec(config);
+  spec.set_n(n);
+  for (uint32_t s = 0; s < config.num_shards; ++s) {
+    v1::ShardSpec* shard = spec.add_shards();
+    shard->set_shard_id(s);
+    const auto range = ShardRange(n, config.num_shards, s);
+    shard->set_begin(range.first);
+    shard->set_end(range.second);
+  }
+  spec.set_cluster_fingerprint(ClusterFingerprint(spec));
+  return spec;
+}
+
+absl::Status CheckSameClusterSettings(const ServerConfig& own,
+                                      const v1::ClusterSpec& leader,
+                                      uint64_t own_n) {
+  v1::ClusterSpec mine = ClusterSettingsSpec(own);
+  // S and the settings here; n is compared below with its origin named,
+  // and the ranges follow from n and S.
+  if (static_cast<uint32_t>(leader.shards_size()) == own.num_shards) {
+    *mine.mutable_shards() = leader.shards();
+  } else {
+    for (uint32_t s = 0; s < own.num_shards; ++s) {
+      mine.add_shards()->set_shard_id(s);
+    }
+  }
+  v1::ClusterSpec theirs = leader;
+  theirs.set_n(0);
+  std::vector<std::string> differences =
+      ClusterSpecDifferences(mine, theirs, "on the leader");
+  if (own_n != 0 && leader.n() != 0 && own_n != leader.n()) {
+    differences.push_back(absl::StrCat(
+        "the parameter count n is ", own_n,
+        " here (from this shard's checkpoint) but ", leader.n(),
+        " on the leader"));
+  }
+  if (differences.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "shard ", own.shard_id, " is configured differently from the leader, "
+      "shard 0 (", own.peers.empty() ? std::string() : own.peers[0], "): ",
+      absl::StrJoin(differences, "; "),
+      ". Start every shard with the same cluster flags (server/flags.md)"));
+}
+
+}  // namespace server
+}  // namespace gtopk

@@ -1,0 +1,118 @@
+// The configuration of one gtopk-server shard and the cluster identity
+// derived from it: ServerConfig (what main() fills from the flags of
+// server/flags.md, or a test directly), ValidateServerConfig, the cluster
+// spec the settings make (ClusterSettingsSpec, CanonicalClusterSpec, whose
+// fingerprint is the cluster's identity) and the setting-by-setting check of
+// a shard's settings against the leader's (CheckSameClusterSettings).
+// Pure functions, no gRPC calls; the service that uses them is in
+// server/service.h.
+#ifndef GTOPK_SERVER_SERVER_CONFIG_H_
+#define GTOPK_SERVER_SERVER_CONFIG_H_
+
+#include <prometheus/registry.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "common/codec.h"
+#include "common/optimizer.h"
+#include "gtopk/v1/gtopk.pb.h"
+#include "server/shard_aggregator.h"
+
+namespace gtopk {
+namespace server {
+
+// Room for the non-value fields of a ParamsChunk (varints, tags), in bytes:
+// the smallest ServerConfig::download_chunk_bytes, and what DownloadParams
+// keeps free in every chunk.
+inline constexpr uint64_t kChunkOverheadBytes = 64;
+
+// Everything one gtopk-server process needs; filled from flags in main()
+// (server/flags.md documents each flag) or directly by tests.
+struct ServerConfig {
+  // This shard, 0..num_shards-1; shard 0 is the leader.
+  uint32_t shard_id = 0;
+  // S >= 1 shards in the cluster.
+  uint32_t num_shards = 1;
+  // P >= 1 workers (ranks 0..P-1).
+  uint32_t num_workers = 1;
+  // S host:port addresses in shard order; peers[0] is the leader, which
+  // non-leaders dial. The leader puts them into the cluster spec for the
+  // workers. The own entry may be empty: the server's bound address is used.
+  std::vector<std::string> peers;
+  AggregationMode mode = AggregationMode::kGtopk;
+  SelectionKind selection = SelectionKind::kExact;
+  // Workers' local selector, told to them in the cluster spec: a name
+  // registered by RegisterBuiltinSelectors (exact, gaussiank, dgc, randomk).
+  std::string selector = "exact";
+  // Seed of the workers' randomised selectors (cluster spec).
+  uint64_t selector_seed = 0;
+  // Codecs the workers must push with (gtopk/topk); pulls use index_codec
+  // with fp32 values.
+  IndexCodec index_codec = IndexCodec::kDeltaVarint;
+  ValueCodec value_codec = ValueCodec::kFp32;
+  // The optimizer rule shared by workers and servers (validated).
+  OptimizerOptions optimizer;
+  // Deadline of every wait: a step's pushes, the threshold exchange, the
+  // cluster spec (n), initialisation before a download. In (0, 2^32 ms).
+  absl::Duration step_timeout = absl::Seconds(30);
+  // gRPC send and receive limit of the server and of its channels to the
+  // leader, in bytes, in [1024, 2^31 - 1]. A larger message fails with
+  // RESOURCE_EXHAUSTED.
+  uint64_t max_message_bytes = uint64_t{64} << 20;
+  // Largest DownloadParams chunk, in bytes (>= 64; the effective size is
+  // also capped by max_message_bytes). The default stays below gRPC's 4 MB
+  // default so that clients with default limits can download.
+  uint64_t download_chunk_bytes = uint64_t{1} << 20;
+  // Directory of this shard's checkpoint (shard-<id>.ckpt); empty: no
+  // checkpoints. Must exist.
+  std::string checkpoint_dir;
+  // Write a checkpoint after every step whose next step is a multiple of
+  // this (>= 0); 0: only on graceful shutdown. Needs checkpoint_dir.
+  int64_t checkpoint_every = 0;
+  // Where the shard registers its metrics (docs/metrics.md, "Server"); null:
+  // a private registry nobody scrapes. Shared with the metrics exposer, which
+  // also serves ServerMetrics::checkpoint_age() (not held by the registry).
+  std::shared_ptr<prometheus::Registry> metrics_registry;
+  // How many checkpoints (the newest) this shard retains as
+  // shard-<id>.step-<N>.ckpt for crash recovery (docs/recovery.md), >= 1.
+  // 2 lets a shard killed before writing its newest checkpoint be caught up
+  // with: the others can roll back one checkpoint.
+  int checkpoint_keep = 2;
+};
+
+// OK, or INVALID_ARGUMENT naming the first bad field (by its gtopk-server
+// flag, server/flags.md) and its value.
+absl::Status ValidateServerConfig(const ServerConfig& config);
+
+// The cluster-wide settings of `config` as a cluster spec: every field but
+// n, shards (ranges and addresses) and next_step. What the leader tells
+// workers, and what every shard must agree on.
+v1::ClusterSpec ClusterSettingsSpec(const ServerConfig& config);
+
+// The spec whose ClusterFingerprint (common/cluster_spec.h) is the cluster's
+// identity: ClusterSettingsSpec plus n and the S shard ranges for `n`
+// (no addresses, next_step 0), with cluster_fingerprint filled in.
+v1::ClusterSpec CanonicalClusterSpec(const ServerConfig& config, uint64_t n);
+
+// Compares this shard's settings (`own`) with the leader's cluster spec:
+// workers, num-shards, mode, selection, selector, seed, codecs, the whole
+// optimizer (lr, momentum, momentum mode and masking, weight decay, lr
+// warm-up, density, density warm-up, steps per epoch), step timeout and
+// max message bytes, and n when `own_n` != 0 (restored from a checkpoint).
+// OK when all agree; otherwise FAILED_PRECONDITION listing every difference
+// by its flag with both values, e.g. "shard 1 is configured differently
+// from the leader, shard 0 (host:port): --lr is 0.5 here but 0.1 on the
+// leader". Pure; thread-safe.
+absl::Status CheckSameClusterSettings(const ServerConfig& own,
+                                      const v1::ClusterSpec& leader,
+                                      uint64_t own_n);
+
+}  // namespace server
+}  // namespace gtopk
+
+#endif  // GTOPK_SERVER_SERVER_CONFIG_H_

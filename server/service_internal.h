@@ -1,0 +1,34 @@
+// Helpers shared by the .cc files of AggregatorService (server/service.cc,
+// the RPC handlers; server/recovery.cc, fail fast and crash recovery). Not
+// an API: nothing outside server/ includes it.
+#ifndef GTOPK_SERVER_SERVICE_INTERNAL_H_
+#define GTOPK_SERVER_SERVICE_INTERNAL_H_
+
+#include <chrono>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "grpcpp/server_context.h"
+
+namespace gtopk {
+namespace server {
+namespace internal {
+
+// How often waits wake up to look for a cancelled call or a shutdown.
+inline constexpr absl::Duration kPollInterval = absl::Milliseconds(50);
+
+// The deadline of `context`'s call; InfiniteFuture for none (or no context).
+inline absl::Time ContextDeadline(const grpc::ServerContext* context) {
+  if (context == nullptr) return absl::InfiniteFuture();
+  const auto deadline = context->deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) {
+    return absl::InfiniteFuture();
+  }
+  return absl::FromChrono(deadline);
+}
+
+}  // namespace internal
+}  // namespace server
+}  // namespace gtopk
+
+#endif  // GTOPK_SERVER_SERVICE_INTERNAL_H_
