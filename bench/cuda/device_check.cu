@@ -335,14 +335,13 @@ std::string Where(const Row& r) {
   return w.str();
 }
 
-// The targets of issue 15 (H200): see bench/cuda/README.md.
-std::vector<Target> ComputeTargets(
-    const std::vector<Row>& rows, const std::map<uint64_t, double>& copy_us,
-    const std::vector<std::string>& inputs,
-    const std::map<std::string, GaussianKChecks>& gauss) {
-  std::vector<Target> out;
-  // (a) n = 25,557,032, density 0.001, normal input.
-  const uint64_t kMid = 25557032, kLarge = 138357544;
+// The sizes issue 15's targets name.
+constexpr uint64_t kMidN = 25557032, kLargeN = 138357544;
+
+// (a) n = 25,557,032, density 0.001, normal input: each method's time (CUDA
+// events, or host wall time for gaussiank/dgc) within its limit.
+void AddMidSizeTargets(const std::vector<Row>& rows,
+                       std::vector<Target>* out) {
   struct {
     const char* method;
     double limit;
@@ -356,7 +355,7 @@ std::vector<Target> ComputeTargets(
     t.name = std::string(m.method) + (m.wall ? "_wall" : "") +
              "_n25557032_d0.001";
     t.limit_us = m.limit;
-    const Row* r = FindRow(rows, "normal", kMid, 0.001, m.method);
+    const Row* r = FindRow(rows, "normal", kMidN, 0.001, m.method);
     t.detail = std::string("normal input, ") +
                (m.wall ? "host wall time to the pairs in pinned memory"
                        : "CUDA events");
@@ -364,96 +363,118 @@ std::vector<Target> ComputeTargets(
       t.figure_us = m.wall ? r->wall_us : r->us;
       if (std::isfinite(t.figure_us)) t.met = t.figure_us <= t.limit_us;
     }
-    out.push_back(t);
+    out->push_back(t);
   }
-  // (b) any input: every method within 2x its normal-input figure at the
-  // same n and density, densities 1e-4, 1e-3, 1e-2.
+}
+
+// (b) any input: every method within 2x its normal-input figure at the
+// same n and density, densities 1e-4, 1e-3, 1e-2.
+Target AnyInputTarget(const std::vector<Row>& rows, const std::string& input) {
+  Target t;
+  t.name = "any_input_" + input;
+  double worst = -1;
+  for (const Row& r : rows) {
+    if (r.input != input ||
+        !(SameDensity(r.density, 1e-4) || SameDensity(r.density, 1e-3) ||
+          SameDensity(r.density, 1e-2))) {
+      continue;
+    }
+    const Row* base = FindRow(rows, "normal", r.n, r.density, r.method);
+    if (base == nullptr || !(Figure(*base) > 0)) continue;
+    const double ratio = Figure(r) / Figure(*base);
+    if (ratio > worst) {
+      worst = ratio;
+      t.figure_us = Figure(r);
+      t.limit_us = 2 * Figure(*base);
+      t.detail = "worst x_normal " + Num(ratio) + " at " + Where(r);
+    }
+  }
+  if (worst >= 0) {
+    t.met = worst <= 2.0;
+  } else {
+    t.detail = "no row of this input with a normal-input row to compare";
+  }
+  return t;
+}
+
+// (c) n <= 1,000,000: every method, every input, <= 15 us.
+Target SmallNTarget(const std::vector<Row>& rows) {
+  Target t;
+  t.name = "small_n_le_1000000";
+  t.limit_us = 15;
+  for (const Row& r : rows) {
+    if (r.n > 1000000) continue;
+    if (!std::isfinite(t.figure_us) || Figure(r) > t.figure_us) {
+      t.figure_us = Figure(r);
+      t.detail = "worst row: " + Where(r) + " (wall where measured)";
+    }
+  }
+  if (std::isfinite(t.figure_us)) {
+    t.met = t.figure_us <= t.limit_us;
+  } else {
+    t.detail = "no row with n <= 1,000,000";
+  }
+  return t;
+}
+
+// (d) n = 138,357,544, density 0.001: exact <= 2.5 one reads.
+Target ExactVsReadTarget(const std::vector<Row>& rows,
+                         const std::map<uint64_t, double>& copy_us) {
+  Target t;
+  t.name = "exact_n138357544_d0.001_vs_read";
+  const Row* r = FindRow(rows, "normal", kLargeN, 0.001, "exact");
+  const auto copy = copy_us.find(kLargeN);
+  t.detail = "normal input, CUDA events; limit 2.5 x one read (d2d copy / 2)";
+  if (r != nullptr && copy != copy_us.end()) {
+    t.figure_us = r->us;
+    t.limit_us = 2.5 * copy->second / 2;
+    t.met = t.figure_us <= t.limit_us;
+  }
+  return t;
+}
+
+// (e) Gaussian-k's count contract on every input.
+Target GaussianKCountTarget(
+    const std::vector<std::string>& inputs,
+    const std::map<std::string, GaussianKChecks>& gauss) {
+  Target t;
+  t.name = "gaussiank_count_contract";
+  int checks = 0, failed = 0;
+  std::string per_input;
   for (const std::string& input : inputs) {
-    if (input == "normal") continue;
-    Target t;
-    t.name = "any_input_" + input;
-    double worst = -1;
-    for (const Row& r : rows) {
-      if (r.input != input ||
-          !(SameDensity(r.density, 1e-4) || SameDensity(r.density, 1e-3) ||
-            SameDensity(r.density, 1e-2))) {
-        continue;
-      }
-      const Row* base = FindRow(rows, "normal", r.n, r.density, r.method);
-      if (base == nullptr || !(Figure(*base) > 0)) continue;
-      const double ratio = Figure(r) / Figure(*base);
-      if (ratio > worst) {
-        worst = ratio;
-        t.figure_us = Figure(r);
-        t.limit_us = 2 * Figure(*base);
-        t.detail = "worst x_normal " + Num(ratio) + " at " + Where(r);
-      }
-    }
-    if (worst >= 0) {
-      t.met = worst <= 2.0;
-    } else {
-      t.detail = "no row of this input with a normal-input row to compare";
-    }
-    out.push_back(t);
+    const auto it = gauss.find(input);
+    if (it == gauss.end()) continue;
+    const GaussianKChecks& g = it->second;
+    checks += g.checks;
+    failed += g.count_failures + g.other_failures;
+    per_input += (per_input.empty() ? "" : ", ") + input + " " +
+                 std::to_string(g.count_failures) + "+" +
+                 std::to_string(g.other_failures) + " of " +
+                 std::to_string(g.checks);
   }
-  // (c) n <= 1,000,000: every method, every input, <= 15 us.
-  {
-    Target t;
-    t.name = "small_n_le_1000000";
-    t.limit_us = 15;
-    for (const Row& r : rows) {
-      if (r.n > 1000000) continue;
-      if (!std::isfinite(t.figure_us) || Figure(r) > t.figure_us) {
-        t.figure_us = Figure(r);
-        t.detail = "worst row: " + Where(r) + " (wall where measured)";
-      }
-    }
-    if (std::isfinite(t.figure_us)) {
-      t.met = t.figure_us <= t.limit_us;
-    } else {
-      t.detail = "no row with n <= 1,000,000";
-    }
-    out.push_back(t);
+  if (checks > 0) t.met = failed == 0;
+  t.figure_text = std::to_string(failed) + " of " + std::to_string(checks) +
+                  " checks failed";
+  t.limit_text = "0";
+  t.detail = "count outside [ceil(2k/3), floor(4k/3)] + other failures, "
+             "per input: " + (per_input.empty() ? "none run" : per_input);
+  return t;
+}
+
+// The targets of issue 15 (H200), in the order (a) to (e): see
+// bench/cuda/README.md.
+std::vector<Target> ComputeTargets(
+    const std::vector<Row>& rows, const std::map<uint64_t, double>& copy_us,
+    const std::vector<std::string>& inputs,
+    const std::map<std::string, GaussianKChecks>& gauss) {
+  std::vector<Target> out;
+  AddMidSizeTargets(rows, &out);
+  for (const std::string& input : inputs) {
+    if (input != "normal") out.push_back(AnyInputTarget(rows, input));
   }
-  // (d) n = 138,357,544, density 0.001: exact <= 2.5 one reads.
-  {
-    Target t;
-    t.name = "exact_n138357544_d0.001_vs_read";
-    const Row* r = FindRow(rows, "normal", kLarge, 0.001, "exact");
-    const auto copy = copy_us.find(kLarge);
-    t.detail = "normal input, CUDA events; limit 2.5 x one read (d2d copy / 2)";
-    if (r != nullptr && copy != copy_us.end()) {
-      t.figure_us = r->us;
-      t.limit_us = 2.5 * copy->second / 2;
-      t.met = t.figure_us <= t.limit_us;
-    }
-    out.push_back(t);
-  }
-  // (e) Gaussian-k's count contract on every input.
-  {
-    Target t;
-    t.name = "gaussiank_count_contract";
-    int checks = 0, failed = 0;
-    std::string per_input;
-    for (const std::string& input : inputs) {
-      const auto it = gauss.find(input);
-      if (it == gauss.end()) continue;
-      const GaussianKChecks& g = it->second;
-      checks += g.checks;
-      failed += g.count_failures + g.other_failures;
-      per_input += (per_input.empty() ? "" : ", ") + input + " " +
-                   std::to_string(g.count_failures) + "+" +
-                   std::to_string(g.other_failures) + " of " +
-                   std::to_string(g.checks);
-    }
-    if (checks > 0) t.met = failed == 0;
-    t.figure_text = std::to_string(failed) + " of " + std::to_string(checks) +
-                    " checks failed";
-    t.limit_text = "0";
-    t.detail = "count outside [ceil(2k/3), floor(4k/3)] + other failures, "
-               "per input: " + (per_input.empty() ? "none run" : per_input);
-    out.push_back(t);
-  }
+  out.push_back(SmallNTarget(rows));
+  out.push_back(ExactVsReadTarget(rows, copy_us));
+  out.push_back(GaussianKCountTarget(inputs, gauss));
   return out;
 }
 
