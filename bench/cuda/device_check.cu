@@ -335,14 +335,13 @@ std::string Where(const Row& r) {
   return w.str();
 }
 
-// The targets of issue 15 (H200): see bench/cuda/README.md.
-std::vector<Target> ComputeTargets(
-    const std::vector<Row>& rows, const std::map<uint64_t, double>& copy_us,
-    const std::vector<std::string>& inputs,
-    const std::map<std::string, GaussianKChecks>& gauss) {
-  std::vector<Target> out;
-  // (a) n = 25,557,032, density 0.001, normal input.
-  const uint64_t kMid = 25557032, kLarge = 138357544;
+// The sizes issue 15's targets name.
+constexpr uint64_t kMidN = 25557032, kLargeN = 138357544;
+
+// (a) n = 25,557,032, density 0.001, normal input: each method's time (CUDA
+// events, or host wall time for gaussiank/dgc) within its limit.
+void AddMidSizeTargets(const std::vector<Row>& rows,
+                       std::vector<Target>* out) {
   struct {
     const char* method;
     double limit;
@@ -356,7 +355,7 @@ std::vector<Target> ComputeTargets(
     t.name = std::string(m.method) + (m.wall ? "_wall" : "") +
              "_n25557032_d0.001";
     t.limit_us = m.limit;
-    const Row* r = FindRow(rows, "normal", kMid, 0.001, m.method);
+    const Row* r = FindRow(rows, "normal", kMidN, 0.001, m.method);
     t.detail = std::string("normal input, ") +
                (m.wall ? "host wall time to the pairs in pinned memory"
                        : "CUDA events");
@@ -364,101 +363,768 @@ std::vector<Target> ComputeTargets(
       t.figure_us = m.wall ? r->wall_us : r->us;
       if (std::isfinite(t.figure_us)) t.met = t.figure_us <= t.limit_us;
     }
-    out.push_back(t);
+    out->push_back(t);
   }
-  // (b) any input: every method within 2x its normal-input figure at the
-  // same n and density, densities 1e-4, 1e-3, 1e-2.
+}
+
+// (b) any input: every method within 2x its normal-input figure at the
+// same n and density, densities 1e-4, 1e-3, 1e-2.
+Target AnyInputTarget(const std::vector<Row>& rows, const std::string& input) {
+  Target t;
+  t.name = "any_input_" + input;
+  double worst = -1;
+  for (const Row& r : rows) {
+    if (r.input != input ||
+        !(SameDensity(r.density, 1e-4) || SameDensity(r.density, 1e-3) ||
+          SameDensity(r.density, 1e-2))) {
+      continue;
+    }
+    const Row* base = FindRow(rows, "normal", r.n, r.density, r.method);
+    if (base == nullptr || !(Figure(*base) > 0)) continue;
+    const double ratio = Figure(r) / Figure(*base);
+    if (ratio > worst) {
+      worst = ratio;
+      t.figure_us = Figure(r);
+      t.limit_us = 2 * Figure(*base);
+      t.detail = "worst x_normal " + Num(ratio) + " at " + Where(r);
+    }
+  }
+  if (worst >= 0) {
+    t.met = worst <= 2.0;
+  } else {
+    t.detail = "no row of this input with a normal-input row to compare";
+  }
+  return t;
+}
+
+// (c) n <= 1,000,000: every method, every input, <= 15 us.
+Target SmallNTarget(const std::vector<Row>& rows) {
+  Target t;
+  t.name = "small_n_le_1000000";
+  t.limit_us = 15;
+  for (const Row& r : rows) {
+    if (r.n > 1000000) continue;
+    if (!std::isfinite(t.figure_us) || Figure(r) > t.figure_us) {
+      t.figure_us = Figure(r);
+      t.detail = "worst row: " + Where(r) + " (wall where measured)";
+    }
+  }
+  if (std::isfinite(t.figure_us)) {
+    t.met = t.figure_us <= t.limit_us;
+  } else {
+    t.detail = "no row with n <= 1,000,000";
+  }
+  return t;
+}
+
+// (d) n = 138,357,544, density 0.001: exact <= 2.5 one reads.
+Target ExactVsReadTarget(const std::vector<Row>& rows,
+                         const std::map<uint64_t, double>& copy_us) {
+  Target t;
+  t.name = "exact_n138357544_d0.001_vs_read";
+  const Row* r = FindRow(rows, "normal", kLargeN, 0.001, "exact");
+  const auto copy = copy_us.find(kLargeN);
+  t.detail = "normal input, CUDA events; limit 2.5 x one read (d2d copy / 2)";
+  if (r != nullptr && copy != copy_us.end()) {
+    t.figure_us = r->us;
+    t.limit_us = 2.5 * copy->second / 2;
+    t.met = t.figure_us <= t.limit_us;
+  }
+  return t;
+}
+
+// (e) Gaussian-k's count contract on every input.
+Target GaussianKCountTarget(
+    const std::vector<std::string>& inputs,
+    const std::map<std::string, GaussianKChecks>& gauss) {
+  Target t;
+  t.name = "gaussiank_count_contract";
+  int checks = 0, failed = 0;
+  std::string per_input;
   for (const std::string& input : inputs) {
-    if (input == "normal") continue;
-    Target t;
-    t.name = "any_input_" + input;
-    double worst = -1;
-    for (const Row& r : rows) {
-      if (r.input != input ||
-          !(SameDensity(r.density, 1e-4) || SameDensity(r.density, 1e-3) ||
-            SameDensity(r.density, 1e-2))) {
-        continue;
-      }
-      const Row* base = FindRow(rows, "normal", r.n, r.density, r.method);
-      if (base == nullptr || !(Figure(*base) > 0)) continue;
-      const double ratio = Figure(r) / Figure(*base);
-      if (ratio > worst) {
-        worst = ratio;
-        t.figure_us = Figure(r);
-        t.limit_us = 2 * Figure(*base);
-        t.detail = "worst x_normal " + Num(ratio) + " at " + Where(r);
-      }
-    }
-    if (worst >= 0) {
-      t.met = worst <= 2.0;
-    } else {
-      t.detail = "no row of this input with a normal-input row to compare";
-    }
-    out.push_back(t);
+    const auto it = gauss.find(input);
+    if (it == gauss.end()) continue;
+    const GaussianKChecks& g = it->second;
+    checks += g.checks;
+    failed += g.count_failures + g.other_failures;
+    per_input += (per_input.empty() ? "" : ", ") + input + " " +
+                 std::to_string(g.count_failures) + "+" +
+                 std::to_string(g.other_failures) + " of " +
+                 std::to_string(g.checks);
   }
-  // (c) n <= 1,000,000: every method, every input, <= 15 us.
-  {
-    Target t;
-    t.name = "small_n_le_1000000";
-    t.limit_us = 15;
-    for (const Row& r : rows) {
-      if (r.n > 1000000) continue;
-      if (!std::isfinite(t.figure_us) || Figure(r) > t.figure_us) {
-        t.figure_us = Figure(r);
-        t.detail = "worst row: " + Where(r) + " (wall where measured)";
-      }
-    }
-    if (std::isfinite(t.figure_us)) {
-      t.met = t.figure_us <= t.limit_us;
-    } else {
-      t.detail = "no row with n <= 1,000,000";
-    }
-    out.push_back(t);
+  if (checks > 0) t.met = failed == 0;
+  t.figure_text = std::to_string(failed) + " of " + std::to_string(checks) +
+                  " checks failed";
+  t.limit_text = "0";
+  t.detail = "count outside [ceil(2k/3), floor(4k/3)] + other failures, "
+             "per input: " + (per_input.empty() ? "none run" : per_input);
+  return t;
+}
+
+// The targets of issue 15 (H200), in the order (a) to (e): see
+// bench/cuda/README.md.
+std::vector<Target> ComputeTargets(
+    const std::vector<Row>& rows, const std::map<uint64_t, double>& copy_us,
+    const std::vector<std::string>& inputs,
+    const std::map<std::string, GaussianKChecks>& gauss) {
+  std::vector<Target> out;
+  AddMidSizeTargets(rows, &out);
+  for (const std::string& input : inputs) {
+    if (input != "normal") out.push_back(AnyInputTarget(rows, input));
   }
-  // (d) n = 138,357,544, density 0.001: exact <= 2.5 one reads.
-  {
-    Target t;
-    t.name = "exact_n138357544_d0.001_vs_read";
-    const Row* r = FindRow(rows, "normal", kLarge, 0.001, "exact");
-    const auto copy = copy_us.find(kLarge);
-    t.detail = "normal input, CUDA events; limit 2.5 x one read (d2d copy / 2)";
-    if (r != nullptr && copy != copy_us.end()) {
-      t.figure_us = r->us;
-      t.limit_us = 2.5 * copy->second / 2;
-      t.met = t.figure_us <= t.limit_us;
-    }
-    out.push_back(t);
-  }
-  // (e) Gaussian-k's count contract on every input.
-  {
-    Target t;
-    t.name = "gaussiank_count_contract";
-    int checks = 0, failed = 0;
-    std::string per_input;
-    for (const std::string& input : inputs) {
-      const auto it = gauss.find(input);
-      if (it == gauss.end()) continue;
-      const GaussianKChecks& g = it->second;
-      checks += g.checks;
-      failed += g.count_failures + g.other_failures;
-      per_input += (per_input.empty() ? "" : ", ") + input + " " +
-                   std::to_string(g.count_failures) + "+" +
-                   std::to_string(g.other_failures) + " of " +
-                   std::to_string(g.checks);
-    }
-    if (checks > 0) t.met = failed == 0;
-    t.figure_text = std::to_string(failed) + " of " + std::to_string(checks) +
-                    " checks failed";
-    t.limit_text = "0";
-    t.detail = "count outside [ceil(2k/3), floor(4k/3)] + other failures, "
-               "per input: " + (per_input.empty() ? "none run" : per_input);
-    out.push_back(t);
-  }
+  out.push_back(SmallNTarget(rows));
+  out.push_back(ExactVsReadTarget(rows, copy_us));
+  out.push_back(GaussianKCountTarget(inputs, gauss));
   return out;
 }
 
 const char* TargetStatus(const Target& t) {
   return t.met < 0 ? "not measured" : t.met ? "met" : "missed";
+}
+
+
+// ---------------------------------------------------------------------------
+// The checks and timings on the device.
+
+// What the run found: the tables, the JSON, the targets and the exit status
+// are made of it.
+struct Results {
+  std::vector<Row> rows;
+  std::vector<std::string> failures;
+  std::vector<std::string> skipped;  // (input, n) blocks --budget-s left out
+  std::map<uint64_t, double> copy_us;  // d2d copy of n floats, per n
+  std::map<std::string, GaussianKChecks> gauss;  // per input
+  int checks = 0;
+};
+
+// The learning rate of the fused update's check (its u' = lr * g).
+constexpr float kUpdateLr = 0.5f;
+
+// One (input, n) block: the input on the host (and in d_pristine), its
+// value after the fused update, and per density k and the references.
+struct Block {
+  std::string input;
+  uint64_t n = 0;
+  std::vector<float> u;
+  std::vector<float> updated;
+  std::vector<uint64_t> ks;  // per --densities entry
+  std::vector<std::vector<uint32_t>> references, references_updated;
+};
+
+// One method on one density of a block.
+struct MethodCase {
+  const Block& block;
+  const char* method;  // "exact", "gaussiank" or "dgc"
+  double density;
+  uint64_t k;
+  const std::vector<uint32_t>& reference;
+  const std::vector<uint32_t>& reference_updated;
+  GaussianKChecks& gk;  // the block's input's
+
+  bool is_gaussiank() const { return std::string(method) == "gaussiank"; }
+
+  // "narrow_band exact+update n=1000 density=0.01: ".
+  std::string Name(const char* suffix) const {
+    return block.input + " " + method + suffix + " n=" +
+           std::to_string(block.n) + " density=" + Num(density) + ": ";
+  }
+
+  // Counts a Gaussian-k check (`bad`: "" or what failed) for its target.
+  void Record(const std::string& bad) const {
+    if (is_gaussiank()) {
+      ++gk.checks;
+      if (!bad.empty()) {
+        ++(bad.rfind("count ", 0) == 0 ? gk.count_failures
+                                       : gk.other_failures);
+      }
+    }
+  }
+};
+
+// The checker on device 0: one stream, one Sparsifier and four buffers of
+// the largest n, reused by every block. The constructor throws Fatal when
+// the set-up fails.
+class DeviceChecker {
+ public:
+  DeviceChecker(const Options& o,
+                std::chrono::steady_clock::time_point run_start,
+                Results* results)
+      : o_(o), run_start_(run_start), results_(*results) {
+    CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    CHECK_CUDA(cudaEventCreate(&start));
+    CHECK_CUDA(cudaEventCreate(&stop));
+    const uint64_t max_n = *std::max_element(o.sizes.begin(), o.sizes.end());
+    CHECK_OK(Sparsifier::Create(max_n, &sp));
+    CHECK_OK(d_pristine.Allocate(max_n));
+    CHECK_OK(d_u.Allocate(max_n));
+    CHECK_OK(d_velocity.Allocate(max_n));
+    CHECK_OK(d_residual.Allocate(max_n));
+  }
+
+  // Every input (outermost) and size, each (input, n) block started only
+  // when it would likely end within --budget-s; then the stream is
+  // destroyed.
+  void Run() {
+    for (const std::string& input : o_.inputs) {
+      results_.gauss[input];  // the input's Gaussian-k entry, even if skipped
+      for (uint64_t n : o_.sizes) {
+        const double used = ElapsedS();
+        if (o_.budget_s > 0 && used + block_s_[n] > o_.budget_s) {
+          results_.skipped.push_back(input + " n=" + std::to_string(n));
+          std::fprintf(stderr,
+                       "device_check: %s n=%llu skipped (%.0f s used, "
+                       "about %.0f s more needed, --budget-s=%g)\n",
+                       input.c_str(), static_cast<unsigned long long>(n),
+                       used, block_s_[n], o_.budget_s);
+          continue;
+        }
+        RunBlock(input, n);
+      }
+    }
+    cudaStreamDestroy(stream);
+  }
+
+ private:
+  double ElapsedS() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                         run_start_)
+        .count();
+  }
+
+  // CUDA events around body() (the device work it enqueues); with
+  // `wall`, also the host time from body() to the end of after(), the
+  // stream drained first so that before()'s work is not counted.
+  void TimeUs(const std::function<void()>& before,
+              const std::function<void()>& body,
+              const std::function<void()>& after, std::vector<double>* samples,
+              std::vector<double>* wall = nullptr) {
+    for (int it = 0; it < o_.warmup + o_.iters; ++it) {
+      before();
+      if (wall != nullptr) CHECK_CUDA(cudaStreamSynchronize(stream));
+      const auto w0 = std::chrono::steady_clock::now();
+      CHECK_CUDA(cudaEventRecord(start, stream));
+      body();
+      CHECK_CUDA(cudaEventRecord(stop, stream));
+      after();
+      const auto w1 = std::chrono::steady_clock::now();
+      CHECK_CUDA(cudaEventSynchronize(stop));
+      float ms = 0;
+      CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+      if (it >= o_.warmup) {
+        samples->push_back(ms * 1000.0);
+        if (wall != nullptr) {
+          wall->push_back(
+              std::chrono::duration<double, std::micro>(w1 - w0).count());
+        }
+      }
+    }
+  }
+
+  // Checks and times every density and method on one input and n; a fault
+  // outside a method is recorded as the block's failure.
+  void RunBlock(const std::string& input, uint64_t n) {
+    try {
+      const auto t0 = std::chrono::steady_clock::now();
+      const Block block = PrepareBlock(input, n);
+      GaussianKChecks& gk = results_.gauss[input];
+      for (size_t di = 0; di < o_.densities.size(); ++di) {
+        for (const char* method : {"exact", "gaussiank", "dgc"}) {
+          RunMethod({block, method, o_.densities[di], block.ks[di],
+                     block.references[di], block.references_updated[di], gk});
+        }
+      }
+      const double secs = std::chrono::duration<double>(
+                              std::chrono::steady_clock::now() - t0)
+                              .count();
+      block_s_[n] = std::max(block_s_[n], secs);
+      std::fprintf(stderr, "device_check: %s n=%llu done in %.1f s\n",
+                   input.c_str(), static_cast<unsigned long long>(n), secs);
+    } catch (const Fatal& e) {
+      results_.failures.push_back(input + " n=" + std::to_string(n) + ": " +
+                                  e.what());
+      std::fprintf(stderr, "device_check: FAILED %s\n", e.what());
+    }
+  }
+
+  // The block's input to d_pristine, the copy baseline of its n (once per
+  // n), the update's result and the CPU references for every density.
+  Block PrepareBlock(const std::string& input, uint64_t n) {
+    Block b;
+    b.input = input;
+    b.n = n;
+    b.u = gtopk::device_check::MakeCheckInput(input, n, o_.seed + n);
+    const std::vector<float>& u = b.u;
+    // On `stream`, not with cudaMemcpy: that runs on the legacy
+    // default stream, which a cudaStreamNonBlocking stream does not
+    // wait for, and a pageable host-to-device cudaMemcpy may return
+    // before its last DMA lands (CUDA's "API synchronization
+    // behavior"), so the copies from d_pristine below could read a
+    // stale tail.
+    CHECK_CUDA(cudaMemcpyAsync(d_pristine.get(), u.data(), n * sizeof(float),
+                               cudaMemcpyHostToDevice, stream));
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    // The copy baseline: n floats device to device (read + write),
+    // once per n (it does not depend on the values).
+    if (!o_.check_only && results_.copy_us.count(n) == 0) {
+      std::vector<double> s;
+      TimeUs([] {},
+             [&] {
+               CHECK_CUDA(cudaMemcpyAsync(d_u.get(), d_pristine.get(),
+                                          n * sizeof(float),
+                                          cudaMemcpyDeviceToDevice, stream));
+             },
+             [] {}, &s);
+      results_.copy_us[n] = Median(s);
+    }
+    // The update's result with zero residual/velocity:
+    // u' = 0 + lr * (0 * 0 + (g + 0)).
+    const float lr = kUpdateLr;
+    b.updated.resize(n);
+    std::vector<float>& updated = b.updated;
+    ForChunks(n, [&](uint64_t, uint64_t begin, uint64_t end) {
+      for (uint64_t i = begin; i < end; ++i) {
+        const float g = u[i] + 0.0f;
+        const float mv = 0.9f * 0.0f;
+        const float v = mv + g;
+        const float lv = lr * v;
+        updated[i] = 0.0f + lv;
+      }
+    });
+    for (double density : o_.densities) {
+      const uint64_t k = static_cast<uint64_t>(std::llround(density * n));
+      b.ks.push_back(std::max<uint64_t>(1, std::min<uint64_t>(k, n)));
+    }
+    gtopk::device_check::ReferenceTopKs(u, b.ks, &b.references);
+    gtopk::device_check::ReferenceTopKs(updated, b.ks, &b.references_updated);
+    after.resize(n);
+    return b;
+  }
+
+  // One method at one density: the correctness check on a fresh copy and,
+  // unless --check-only, its timing; then (exact, gaussiank) the same after
+  // the fused update, whose histogram the selection reuses, and (exact) the
+  // fused update's own time. A fault is recorded as this case's failure.
+  void RunMethod(const MethodCase& c) {
+    std::fprintf(stderr, "device_check: %s n=%llu density=%g %s\n",
+                 c.block.input.c_str(),
+                 static_cast<unsigned long long>(c.block.n), c.density,
+                 c.method);
+    try {
+      SelectParams p;
+      p.method = std::string(c.method) == "exact" ? Method::kExact
+                 : c.is_gaussiank()               ? Method::kGaussianK
+                                                  : Method::kDgc;
+      p.k = c.k;
+      p.seed = o_.seed;
+      p.zero_selected = true;
+      CheckFreshSelection(c, p);
+      if (!o_.check_only) TimeFreshSelection(c, p);
+      if (p.method == Method::kDgc) return;  // dgc needs no histogram
+      CheckSelectionAfterUpdate(c, p);
+      if (o_.check_only) return;
+      TimeSelectionAfterUpdate(c, p);
+      if (p.method == Method::kExact) TimeFusedUpdate(c, p);
+    } catch (const Fatal& e) {
+      if (c.is_gaussiank()) ++c.gk.other_failures;
+      results_.failures.push_back(c.Name("") + e.what());
+      std::fprintf(stderr, "device_check: FAILED %s\n", e.what());
+      Selection ignored;
+      sp->Wait(stream, &ignored);  // clear a pending selection, if any
+    }
+  }
+
+  // Correctness on a fresh copy of the input.
+  void CheckFreshSelection(const MethodCase& c, const SelectParams& p) {
+    const uint64_t n = c.block.n;
+    Selection sel;
+    CHECK_CUDA(cudaMemcpyAsync(d_u.get(), d_pristine.get(),
+                               n * sizeof(float), cudaMemcpyDeviceToDevice,
+                               stream));
+    CHECK_OK(sp->Select(d_u.get(), n, p, stream));
+    const Status waited = sp->Wait(stream, &sel);
+    ++results_.checks;
+    std::string bad;
+    if (!waited.ok()) {
+      bad = waited.message;
+    } else {
+      CHECK_CUDA(cudaMemcpy(after.data(), d_u.get(), n * sizeof(float),
+                            cudaMemcpyDeviceToHost));
+      bad = CheckSelection(c.method, c.block.u, after, c.k, sel,
+                           c.reference);
+    }
+    c.Record(bad);
+    if (!bad.empty()) results_.failures.push_back(c.Name("") + bad);
+  }
+
+  // Times one selection per iteration: prepare() (not timed), then
+  // select() enqueues it and Wait returns the pairs. The row `name`:
+  // CUDA-event and host wall times, the fast-path share (gaussiank, dgc)
+  // and the last selection's plan (exact).
+  Row TimeSelection(const MethodCase& c, const SelectParams& p,
+                    const std::string& name,
+                    const std::function<void()>& prepare,
+                    const std::function<void()>& select) {
+    std::vector<double> s, wall;
+    uint64_t count = 0;
+    int fast = 0, timed = 0;
+    gtopk::cuda::SelectInfo last_info;
+    auto wait_selection = [&] {
+      Selection t;
+      CHECK_OK(sp->Wait(stream, &t));
+      count = t.count;
+      fast += t.info.fast_path ? 1 : 0;
+      last_info = t.info;
+      ++timed;
+    };
+    TimeUs(prepare, select, wait_selection, &s, &wall);
+    Row row{c.block.input, c.block.n, c.density, c.k, name, Median(s),
+            *std::min_element(s.begin(), s.end()), count};
+    row.wall_us = Median(wall);
+    if (p.method != Method::kExact) row.fast_path = double(fast) / timed;
+    if (p.method == Method::kExact) {
+      row.digit_passes = last_info.exact_digit_passes;
+      row.final_from_u = last_info.exact_final_from_u ? 1 : 0;
+    }
+    return row;
+  }
+
+  // From u in device memory to the pairs in pinned host memory (includes
+  // the first histogram pass). gaussiank/dgc: `us` covers their fast path;
+  // what Wait finishes otherwise is only in wall_us (fast_path says how
+  // often that was needed).
+  void TimeFreshSelection(const MethodCase& c, SelectParams& p) {
+    const uint64_t n = c.block.n;
+    results_.rows.push_back(TimeSelection(
+        c, p, c.method,
+        [&] {
+          CHECK_CUDA(cudaMemcpyAsync(d_u.get(), d_pristine.get(),
+                                     n * sizeof(float),
+                                     cudaMemcpyDeviceToDevice, stream));
+        },
+        [&] {
+          // A new step each time, as in training (dgc's sample, hence its
+          // path, depends on it).
+          ++p.step;
+          CHECK_OK(sp->Select(d_u.get(), n, p, stream));
+        }));
+  }
+
+  // Zero velocity and residual: the fused update's starting state.
+  void ResetUpdateState(uint64_t n) {
+    CHECK_CUDA(cudaMemsetAsync(d_velocity.get(), 0, n * sizeof(float),
+                               stream));
+    CHECK_CUDA(cudaMemsetAsync(d_residual.get(), 0, n * sizeof(float),
+                               stream));
+  }
+
+  // The fused update of the input into the residual (momentum 0.9 with
+  // correction, lr kUpdateLr); it leaves the histogram for the selection.
+  void EnqueueUpdate(uint64_t n) {
+    UpdateParams up;
+    up.lr = kUpdateLr;
+    up.momentum = 0.9f;
+    up.momentum_correction = true;
+    CHECK_OK(sp->Accumulate(d_pristine.get(), nullptr, d_velocity.get(),
+                             d_velocity.get(), d_residual.get(),
+                             d_residual.get(), n, up, stream));
+  }
+
+  // Correctness after the fused update: the selection must reuse the
+  // update's histogram and equal the reference on the updated u.
+  void CheckSelectionAfterUpdate(const MethodCase& c, const SelectParams& p) {
+    const uint64_t n = c.block.n;
+    ResetUpdateState(n);
+    EnqueueUpdate(n);
+    CHECK_OK(sp->Select(d_residual.get(), n, p, stream));
+    Selection sel;
+    const Status w2 = sp->Wait(stream, &sel);
+    ++results_.checks;
+    std::string bad;
+    if (!w2.ok()) {
+      bad = w2.message;
+    } else if (!sel.info.used_update_histogram) {
+      bad = "the update's histogram was not reused";
+    } else {
+      CHECK_CUDA(cudaMemcpy(after.data(), d_residual.get(),
+                            n * sizeof(float), cudaMemcpyDeviceToHost));
+      bad = CheckSelection(c.method, c.block.updated, after, c.k, sel,
+                           c.reference_updated);
+    }
+    c.Record(bad);
+    if (!bad.empty()) results_.failures.push_back(c.Name("+update") + bad);
+  }
+
+  // The selection alone, its histogram from the fused update (the
+  // `<method>_after_update` row).
+  void TimeSelectionAfterUpdate(const MethodCase& c, SelectParams& p) {
+    const uint64_t n = c.block.n;
+    results_.rows.push_back(TimeSelection(
+        c, p, std::string(c.method) + "_after_update",
+        [&] {
+          ResetUpdateState(n);
+          EnqueueUpdate(n);
+        },
+        [&] {
+          ++p.step;
+          CHECK_OK(sp->Select(d_residual.get(), n, p, stream));
+        }));
+  }
+
+  // The fused update's own CUDA-event time (the `fused_update` row).
+  void TimeFusedUpdate(const MethodCase& c, const SelectParams& p) {
+    const uint64_t n = c.block.n;
+    std::vector<double> s;
+    TimeUs([&] { ResetUpdateState(n); }, [&] { EnqueueUpdate(n); },
+           [&] {
+             // Consume the histogram so the next Accumulate is clean.
+             CHECK_OK(sp->Select(d_residual.get(), n, p, stream));
+             Selection t;
+             CHECK_OK(sp->Wait(stream, &t));
+           },
+           &s);
+    results_.rows.push_back({c.block.input, n, c.density, c.k, "fused_update",
+                             Median(s), *std::min_element(s.begin(), s.end()),
+                             0});
+  }
+
+  const Options& o_;
+  const std::chrono::steady_clock::time_point run_start_;
+  Results& results_;
+  // The device state, named without the trailing underscore on purpose:
+  // CHECK_CUDA and CHECK_OK quote the checked expression in the failures
+  // (stderr and the JSON), and these are the names those messages have
+  // always shown.
+  cudaStream_t stream;
+  cudaEvent_t start, stop;
+  std::unique_ptr<Sparsifier> sp;
+  DeviceBuffer<float> d_pristine, d_u, d_velocity, d_residual;
+  std::vector<float> after;  // a selection's residual, copied back
+  // The longest (input, n) block so far per n: the estimate of the next
+  // one's time, for --budget-s.
+  std::map<uint64_t, double> block_s_;
+};
+
+// Runs every check and timing on device 0 into *results; a set-up fault is
+// recorded as a failure.
+void RunOnDevice(const Options& o,
+                 std::chrono::steady_clock::time_point run_start,
+                 Results* results) {
+  try {
+    DeviceChecker checker(o, run_start, results);
+    checker.Run();
+  } catch (const Fatal& e) {
+    results->failures.push_back(std::string("set-up: ") + e.what());
+    std::fprintf(stderr, "device_check: FAILED %s\n", e.what());
+  }
+}
+
+// ---------------------------------------------------------------------------
+// The tables and the JSON.
+
+// The normal input's figure per (n, density, method): x_normal's base.
+using NormalFigures =
+    std::map<std::tuple<uint64_t, long long, std::string>, double>;
+
+NormalFigures NormalInputFigures(const std::vector<Row>& rows) {
+  NormalFigures normal_figure;
+  for (const Row& r : rows) {
+    if (r.input == "normal") {
+      normal_figure[std::make_tuple(r.n, DensityKey(r.density), r.method)] =
+          Figure(r);
+    }
+  }
+  return normal_figure;
+}
+
+// What a row is compared with.
+struct Ratios {
+  double one_read;  // one read of n floats (d2d copy / 2), us; NAN: none
+  double torch_us;  // torch.topk at (n, density), us; NAN: none
+  double x_normal;  // Figure(r) / the normal input's; NAN: none
+};
+
+Ratios RatiosOf(const Row& r, const std::map<uint64_t, double>& copy_us,
+                const TorchTimings& torch, const NormalFigures& normal) {
+  Ratios x;
+  const auto copy = copy_us.find(r.n);
+  x.one_read = copy != copy_us.end() ? copy->second / 2.0 : NAN;
+  const auto it = torch.topk_us.find({r.n, DensityKey(r.density)});
+  x.torch_us = it == torch.topk_us.end() ? NAN : it->second;
+  x.x_normal = NAN;
+  if (!r.input.empty()) {
+    const auto base =
+        normal.find(std::make_tuple(r.n, DensityKey(r.density), r.method));
+    if (base != normal.end()) x.x_normal = Figure(r) / base->second;
+  }
+  return x;
+}
+
+// One table: its title and rows, in output order.
+struct Table {
+  std::string title;
+  std::vector<Row> rows;
+};
+
+// One table per input that has rows (in --inputs order), then the baselines
+// (torch.topk, the d2d copy) when there are any.
+std::vector<Table> OutputTables(const Options& o, const Results& results,
+                                const TorchTimings& torch) {
+  std::vector<Table> tables;
+  for (const std::string& input : o.inputs) {
+    Table t;
+    t.title = "input " + input + ": " +
+              gtopk::device_check::InputDefinition(input);
+    for (const Row& r : results.rows) {
+      if (r.input == input) t.rows.push_back(r);
+    }
+    if (!t.rows.empty()) tables.push_back(std::move(t));
+  }
+  Table baselines;
+  baselines.title = "baselines (torch.topk on torch.randn; d2d copy)";
+  for (const auto& entry : torch.topk_us) {
+    const uint64_t n = entry.first.first;
+    const double density = entry.first.second / 1e6;
+    uint64_t k = std::max<uint64_t>(1, std::llround(density * n));
+    baselines.rows.push_back(
+        {"", n, density, k, "torch.topk(abs)", entry.second, NAN, k});
+  }
+  for (const auto& entry : results.copy_us) {
+    baselines.rows.push_back(
+        {"", entry.first, 0, 0, "d2d_copy", entry.second, NAN, 0});
+  }
+  if (!baselines.rows.empty()) tables.push_back(std::move(baselines));
+  return tables;
+}
+
+void PrintTable(const Table& table, const Results& results,
+                const TorchTimings& torch, const NormalFigures& normal) {
+  std::printf("\n== %s\n%12s %9s %24s %10s %10s %5s %10s %10s %9s %5s\n",
+              table.title.c_str(), "n", "density", "method", "us", "wall us",
+              "fast", "x one-read", "x torch", "x normal", "plan");
+  for (const Row& r : table.rows) {
+    const Ratios x = RatiosOf(r, results.copy_us, torch, normal);
+    std::string plan = "-";
+    if (r.digit_passes >= 0) {
+      plan = std::to_string(r.digit_passes) + (r.final_from_u ? ",u" : "");
+    }
+    std::printf("%12llu %9g %24s %10.1f %10s %5s %10s %10s %9s %5s\n",
+                static_cast<unsigned long long>(r.n), r.density,
+                r.method.c_str(), r.us,
+                std::isfinite(r.wall_us) ? Num(r.wall_us).c_str() : "-",
+                std::isfinite(r.fast_path) ? Num(r.fast_path).c_str() : "-",
+                std::isfinite(x.one_read) ? Num(r.us / x.one_read).c_str()
+                                          : "-",
+                std::isfinite(x.torch_us) ? Num(r.us / x.torch_us).c_str()
+                                          : "-",
+                std::isfinite(x.x_normal) ? Num(x.x_normal).c_str() : "-",
+                plan.c_str());
+  }
+}
+
+std::string JsonRow(const Row& r, const Ratios& x) {
+  std::ostringstream js;
+  js << "{\"input\": " << (r.input.empty() ? "null" : "\"" + r.input + "\"")
+     << ", \"n\": " << r.n << ", \"density\": " << Num(r.density)
+     << ", \"k\": " << r.k << ", \"method\": \"" << r.method
+     << "\", \"us\": " << Num(r.us) << ", \"min_us\": " << Num(r.min_us)
+     << ", \"count\": " << r.count << ", \"wall_us\": " << Num(r.wall_us)
+     << ", \"fast_path_fraction\": " << Num(r.fast_path)
+     << ", \"one_read_us\": " << Num(x.one_read)
+     << ", \"x_one_read\": " << Num(r.us / x.one_read)
+     << ", \"torch_topk_us\": " << Num(x.torch_us)
+     << ", \"x_torch_topk\": " << Num(r.us / x.torch_us)
+     << ", \"x_normal\": " << Num(x.x_normal) << ", \"digit_passes\": "
+     << (r.digit_passes < 0 ? "null" : std::to_string(r.digit_passes))
+     << ", \"final_from_u\": "
+     << (r.final_from_u < 0 ? "null" : r.final_from_u ? "true" : "false")
+     << "}";
+  return js.str();
+}
+
+// The --json document (bench/cuda/README.md): the run's settings, the
+// correctness summary, every table's rows in order, and the targets.
+std::string JsonReport(const Options& o, const std::string& gpu,
+                       bool device_present, const TorchTimings& torch,
+                       const Results& results, const std::vector<Table>& tables,
+                       const NormalFigures& normal,
+                       const std::vector<Target>& targets) {
+  std::ostringstream js;
+  js << "{\n  \"command\": \"" << JsonEscape(o.command) << "\",\n"
+     << "  \"gpu\": \"" << JsonEscape(gpu) << "\",\n"
+     << "  \"device_present\": " << (device_present ? "true" : "false")
+     << ",\n"
+     << "  \"iters\": " << o.iters << ",\n  \"warmup\": " << o.warmup << ",\n"
+     << "  \"inputs\": [";
+  for (size_t i = 0; i < o.inputs.size(); ++i) {
+    js << (i ? ", " : "") << "{\"name\": \"" << o.inputs[i]
+       << "\", \"definition\": \""
+       << JsonEscape(gtopk::device_check::InputDefinition(o.inputs[i]))
+       << "\"}";
+  }
+  js << "],\n  \"seed\": " << o.seed << ",\n"
+     << "  \"timing\": \"CUDA events, median; selectors: u in device memory "
+        "to (index, value) pairs in pinned host memory, residual zeroed; "
+        "*_after_update: selection only, histogram from the fused update; "
+        "one_read_us = d2d copy of n floats / 2; x_normal = (wall_us, else "
+        "us) / the same on the normal input\",\n"
+     << "  \"torch\": {\"available\": " << (torch.available ? "true" : "false")
+     << ", \"version\": \"" << JsonEscape(torch.version) << "\", \"note\": \""
+     << JsonEscape(torch.note) << "\"},\n"
+     << "  \"correctness\": {\"checks\": " << results.checks
+     << ", \"failed\": " << results.failures.size() << ", \"failures\": [";
+  for (size_t i = 0; i < results.failures.size(); ++i) {
+    js << (i ? ", " : "") << "\"" << JsonEscape(results.failures[i]) << "\"";
+  }
+  js << "]},\n  \"budget_s\": " << Num(o.budget_s) << ",\n  \"skipped\": [";
+  for (size_t i = 0; i < results.skipped.size(); ++i) {
+    js << (i ? ", " : "") << "\"" << JsonEscape(results.skipped[i]) << "\"";
+  }
+  js << "],\n  \"rows\": [";
+  bool first = true;
+  for (const Table& table : tables) {
+    for (const Row& r : table.rows) {
+      js << (first ? "" : ",") << "\n    "
+         << JsonRow(r, RatiosOf(r, results.copy_us, torch, normal));
+      first = false;
+    }
+  }
+  js << "\n  ],\n  \"targets\": [";
+  for (size_t i = 0; i < targets.size(); ++i) {
+    const Target& t = targets[i];
+    js << (i ? "," : "") << "\n    {\"name\": \"" << t.name
+       << "\", \"figure_us\": " << Num(t.figure_us)
+       << ", \"limit_us\": " << Num(t.limit_us) << ", \"met\": "
+       << (t.met < 0 ? "null" : t.met ? "true" : "false")
+       << ", \"detail\": \"" << JsonEscape(t.detail) << "\"}";
+  }
+  js << "\n  ]\n}\n";
+  return js.str();
+}
+
+// The verdict on stdout: blocks not run, correctness, and every target.
+void PrintVerdict(const Options& o, const Results& results,
+                  const std::vector<Target>& targets) {
+  for (const std::string& sk : results.skipped) {
+    std::printf("NOT RUN (--budget-s=%g): %s\n", o.budget_s, sk.c_str());
+  }
+  std::printf("correctness: %d checks, %zu failed\n", results.checks,
+              results.failures.size());
+  for (const std::string& f : results.failures) {
+    std::printf("  FAIL %s\n", f.c_str());
+  }
+  for (const Target& t : targets) {
+    const std::string figure = !t.figure_text.empty() ? t.figure_text
+                               : std::isfinite(t.figure_us)
+                                   ? Num(t.figure_us) + " us"
+                                   : "-";
+    const std::string limit = !t.limit_text.empty() ? t.limit_text
+                              : std::isfinite(t.limit_us)
+                                  ? Num(t.limit_us) + " us"
+                                  : "-";
+    std::printf("target %s: %s (%s vs %s); %s\n", t.name.c_str(),
+                TargetStatus(t), figure.c_str(), limit.c_str(),
+                t.detail.c_str());
+  }
 }
 
 }  // namespace
@@ -479,329 +1145,11 @@ int main(int argc, char** argv) {
     cudaDeviceProp prop;
     if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess) gpu = prop.name;
   }
-  std::vector<Row> rows;
-  std::vector<std::string> failures, skipped;
-  std::map<uint64_t, double> copy_us;
-  std::map<std::string, GaussianKChecks> gauss;
-  int checks = 0;
+
+  Results results;
   const auto run_start = std::chrono::steady_clock::now();
-  auto elapsed_s = [&] {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() -
-                                         run_start)
-        .count();
-  };
-
   if (devices > 0) {
-    try {
-      cudaStream_t stream;
-      CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-      cudaEvent_t start, stop;
-      CHECK_CUDA(cudaEventCreate(&start));
-      CHECK_CUDA(cudaEventCreate(&stop));
-      const uint64_t max_n = *std::max_element(o.sizes.begin(), o.sizes.end());
-      std::unique_ptr<Sparsifier> sp;
-      CHECK_OK(Sparsifier::Create(max_n, &sp));
-      DeviceBuffer<float> d_pristine, d_u, d_velocity, d_residual;
-      CHECK_OK(d_pristine.Allocate(max_n));
-      CHECK_OK(d_u.Allocate(max_n));
-      CHECK_OK(d_velocity.Allocate(max_n));
-      CHECK_OK(d_residual.Allocate(max_n));
-
-      // CUDA events around body() (the device work it enqueues); with
-      // `wall`, also the host time from body() to the end of after(), the
-      // stream drained first so that before()'s work is not counted.
-      auto time_us = [&](const std::function<void()>& before,
-                         const std::function<void()>& body,
-                         const std::function<void()>& after,
-                         std::vector<double>* samples,
-                         std::vector<double>* wall = nullptr) {
-        for (int it = 0; it < o.warmup + o.iters; ++it) {
-          before();
-          if (wall != nullptr) CHECK_CUDA(cudaStreamSynchronize(stream));
-          const auto w0 = std::chrono::steady_clock::now();
-          CHECK_CUDA(cudaEventRecord(start, stream));
-          body();
-          CHECK_CUDA(cudaEventRecord(stop, stream));
-          after();
-          const auto w1 = std::chrono::steady_clock::now();
-          CHECK_CUDA(cudaEventSynchronize(stop));
-          float ms = 0;
-          CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-          if (it >= o.warmup) {
-            samples->push_back(ms * 1000.0);
-            if (wall != nullptr) {
-              wall->push_back(
-                  std::chrono::duration<double, std::micro>(w1 - w0).count());
-            }
-          }
-        }
-      };
-
-      // The longest (input, n) block so far per n: the estimate of the next
-      // one's time, for --budget-s.
-      std::map<uint64_t, double> block_s;
-      for (const std::string& input : o.inputs) {
-        GaussianKChecks& gk = gauss[input];
-        for (uint64_t n : o.sizes) {
-          const double used = elapsed_s();
-          if (o.budget_s > 0 && used + block_s[n] > o.budget_s) {
-            skipped.push_back(input + " n=" + std::to_string(n));
-            std::fprintf(stderr,
-                         "device_check: %s n=%llu skipped (%.0f s used, "
-                         "about %.0f s more needed, --budget-s=%g)\n",
-                         input.c_str(), static_cast<unsigned long long>(n),
-                         used, block_s[n], o.budget_s);
-            continue;
-          }
-          try {
-            const auto t0 = std::chrono::steady_clock::now();
-            const std::vector<float> u =
-                gtopk::device_check::MakeCheckInput(input, n, o.seed + n);
-            // On `stream`, not with cudaMemcpy: that runs on the legacy
-            // default stream, which a cudaStreamNonBlocking stream does not
-            // wait for, and a pageable host-to-device cudaMemcpy may return
-            // before its last DMA lands (CUDA's "API synchronization
-            // behavior"), so the copies from d_pristine below could read a
-            // stale tail.
-            CHECK_CUDA(cudaMemcpyAsync(d_pristine.get(), u.data(),
-                                       n * sizeof(float),
-                                       cudaMemcpyHostToDevice, stream));
-            CHECK_CUDA(cudaStreamSynchronize(stream));
-            // The copy baseline: n floats device to device (read + write),
-            // once per n (it does not depend on the values).
-            if (!o.check_only && copy_us.count(n) == 0) {
-              std::vector<double> s;
-              time_us([] {},
-                      [&] {
-                        CHECK_CUDA(cudaMemcpyAsync(
-                            d_u.get(), d_pristine.get(), n * sizeof(float),
-                            cudaMemcpyDeviceToDevice, stream));
-                      },
-                      [] {}, &s);
-              copy_us[n] = Median(s);
-            }
-            // The update's result with zero residual/velocity:
-            // u' = 0 + lr * (0 * 0 + (g + 0)).
-            const float lr = 0.5f;
-            std::vector<float> updated(n);
-            ForChunks(n, [&](uint64_t, uint64_t b, uint64_t e) {
-              for (uint64_t i = b; i < e; ++i) {
-                const float g = u[i] + 0.0f;
-                const float mv = 0.9f * 0.0f;
-                const float v = mv + g;
-                const float lv = lr * v;
-                updated[i] = 0.0f + lv;
-              }
-            });
-            std::vector<uint64_t> ks;
-            for (double density : o.densities) {
-              const uint64_t k = static_cast<uint64_t>(std::llround(density * n));
-              ks.push_back(std::max<uint64_t>(1, std::min<uint64_t>(k, n)));
-            }
-            std::vector<std::vector<uint32_t>> references, references_updated;
-            gtopk::device_check::ReferenceTopKs(u, ks, &references);
-            gtopk::device_check::ReferenceTopKs(updated, ks,
-                                                &references_updated);
-            std::vector<float> after(n);
-            for (size_t di = 0; di < o.densities.size(); ++di) {
-              const double density = o.densities[di];
-              const uint64_t k = ks[di];
-              const std::vector<uint32_t>& reference = references[di];
-              const std::vector<uint32_t>& reference_updated =
-                  references_updated[di];
-              for (const char* method : {"exact", "gaussiank", "dgc"}) {
-                std::fprintf(stderr, "device_check: %s n=%llu density=%g %s\n",
-                             input.c_str(), static_cast<unsigned long long>(n),
-                             density, method);
-                // "narrow_band exact+update n=1000 density=0.01: ".
-                auto name_of = [&](const char* suffix) {
-                  return input + " " + method + suffix + " n=" +
-                         std::to_string(n) + " density=" + Num(density) + ": ";
-                };
-                const bool is_gaussiank = std::string(method) == "gaussiank";
-                auto record = [&](const std::string& bad) {
-                  if (is_gaussiank) {
-                    ++gk.checks;
-                    if (!bad.empty()) {
-                      ++(bad.rfind("count ", 0) == 0 ? gk.count_failures
-                                                     : gk.other_failures);
-                    }
-                  }
-                };
-                try {
-                  SelectParams p;
-                  p.method = std::string(method) == "exact" ? Method::kExact
-                             : is_gaussiank                 ? Method::kGaussianK
-                                                            : Method::kDgc;
-                  p.k = k;
-                  p.seed = o.seed;
-                  p.zero_selected = true;
-                  // Correctness on a fresh copy.
-                  Selection sel;
-                  CHECK_CUDA(cudaMemcpyAsync(d_u.get(), d_pristine.get(),
-                                             n * sizeof(float),
-                                             cudaMemcpyDeviceToDevice, stream));
-                  CHECK_OK(sp->Select(d_u.get(), n, p, stream));
-                  const Status waited = sp->Wait(stream, &sel);
-                  ++checks;
-                  std::string bad;
-                  if (!waited.ok()) {
-                    bad = waited.message;
-                  } else {
-                    CHECK_CUDA(cudaMemcpy(after.data(), d_u.get(),
-                                          n * sizeof(float),
-                                          cudaMemcpyDeviceToHost));
-                    bad = CheckSelection(method, u, after, k, sel, reference);
-                  }
-                  record(bad);
-                  if (!bad.empty()) failures.push_back(name_of("") + bad);
-                  // Timing: from u in device memory to the pairs in pinned
-                  // host memory (includes the first histogram pass).
-                  // gaussiank/dgc: `us` covers their fast path; what Wait
-                  // finishes otherwise is only in wall_us (fast_path says
-                  // how often that was needed).
-                  std::vector<double> s, wall;
-                  uint64_t count = 0;
-                  int fast = 0, timed = 0;
-                  gtopk::cuda::SelectInfo last_info;
-                  const bool has_fast_path = p.method != Method::kExact;
-                  auto wait_selection = [&] {
-                    Selection t;
-                    CHECK_OK(sp->Wait(stream, &t));
-                    count = t.count;
-                    fast += t.info.fast_path ? 1 : 0;
-                    last_info = t.info;
-                    ++timed;
-                  };
-                  auto make_row = [&](const std::string& name) {
-                    Row row{input,     n,
-                            density,   k,
-                            name,      Median(s),
-                            *std::min_element(s.begin(), s.end()),
-                            count};
-                    row.wall_us = Median(wall);
-                    if (has_fast_path) row.fast_path = double(fast) / timed;
-                    if (p.method == Method::kExact) {
-                      row.digit_passes = last_info.exact_digit_passes;
-                      row.final_from_u = last_info.exact_final_from_u ? 1 : 0;
-                    }
-                    return row;
-                  };
-                  if (!o.check_only) {
-                    time_us(
-                        [&] {
-                          CHECK_CUDA(cudaMemcpyAsync(
-                              d_u.get(), d_pristine.get(), n * sizeof(float),
-                              cudaMemcpyDeviceToDevice, stream));
-                        },
-                        [&] {
-                          // A new step each time, as in training (dgc's
-                          // sample, hence its path, depends on it).
-                          ++p.step;
-                          CHECK_OK(sp->Select(d_u.get(), n, p, stream));
-                        },
-                        wait_selection, &s, &wall);
-                    rows.push_back(make_row(method));
-                  }
-
-                  if (p.method == Method::kDgc)
-                    continue;  // dgc needs no histogram
-                  // After the fused update: the histogram comes with it.
-                  UpdateParams up;
-                  up.lr = lr;
-                  up.momentum = 0.9f;
-                  up.momentum_correction = true;
-                  auto reset = [&] {
-                    CHECK_CUDA(cudaMemsetAsync(d_velocity.get(), 0,
-                                               n * sizeof(float), stream));
-                    CHECK_CUDA(cudaMemsetAsync(d_residual.get(), 0,
-                                               n * sizeof(float), stream));
-                  };
-                  auto update = [&] {
-                    CHECK_OK(sp->Accumulate(d_pristine.get(), nullptr,
-                                            d_velocity.get(), d_velocity.get(),
-                                            d_residual.get(), d_residual.get(),
-                                            n, up, stream));
-                  };
-                  reset();
-                  update();
-                  CHECK_OK(sp->Select(d_residual.get(), n, p, stream));
-                  const Status w2 = sp->Wait(stream, &sel);
-                  ++checks;
-                  bad.clear();
-                  if (!w2.ok()) {
-                    bad = w2.message;
-                  } else if (!sel.info.used_update_histogram) {
-                    bad = "the update's histogram was not reused";
-                  } else {
-                    CHECK_CUDA(cudaMemcpy(after.data(), d_residual.get(),
-                                          n * sizeof(float),
-                                          cudaMemcpyDeviceToHost));
-                    bad = CheckSelection(method, updated, after, k, sel,
-                                         reference_updated);
-                  }
-                  record(bad);
-                  if (!bad.empty()) failures.push_back(name_of("+update") + bad);
-                  if (o.check_only) continue;
-                  s.clear();
-                  wall.clear();
-                  fast = timed = 0;
-                  time_us(
-                      [&] {
-                        reset();
-                        update();
-                      },
-                      [&] {
-                        ++p.step;
-                        CHECK_OK(sp->Select(d_residual.get(), n, p, stream));
-                      },
-                      wait_selection, &s, &wall);
-                  rows.push_back(make_row(std::string(method) + "_after_update"));
-                  if (p.method == Method::kExact) {
-                    s.clear();
-                    time_us(
-                        [&] { reset(); }, [&] { update(); },
-                        [&] {
-                          // Consume the histogram so the next Accumulate is
-                          // clean.
-                          CHECK_OK(sp->Select(d_residual.get(), n, p, stream));
-                          Selection t;
-                          CHECK_OK(sp->Wait(stream, &t));
-                        },
-                        &s);
-                    rows.push_back({input, n, density, k, "fused_update",
-                                    Median(s),
-                                    *std::min_element(s.begin(), s.end()), 0});
-                  }
-                } catch (const Fatal& e) {
-                  if (is_gaussiank) ++gk.other_failures;
-                  failures.push_back(name_of("") + e.what());
-                  std::fprintf(stderr, "device_check: FAILED %s\n", e.what());
-                  Selection ignored;
-                  sp->Wait(stream,
-                           &ignored);  // clear a pending selection, if any
-                }
-              }
-            }
-            const double secs = std::chrono::duration<double>(
-                                    std::chrono::steady_clock::now() - t0)
-                                    .count();
-            block_s[n] = std::max(block_s[n], secs);
-            std::fprintf(stderr, "device_check: %s n=%llu done in %.1f s\n",
-                         input.c_str(), static_cast<unsigned long long>(n),
-                         secs);
-          } catch (const Fatal& e) {
-            failures.push_back(input + " n=" + std::to_string(n) + ": " +
-                               e.what());
-            std::fprintf(stderr, "device_check: FAILED %s\n", e.what());
-          }
-        }
-      }
-      cudaStreamDestroy(stream);
-    } catch (const Fatal& e) {
-      failures.push_back(std::string("set-up: ") + e.what());
-      std::fprintf(stderr, "device_check: FAILED %s\n", e.what());
-    }
+    RunOnDevice(o, run_start, &results);
   } else {
     std::fprintf(
         stderr,
@@ -811,136 +1159,19 @@ int main(int argc, char** argv) {
     cudaGetLastError();
   }
 
-  // The normal input's figure per (n, density, method): x_normal's base.
-  std::map<std::tuple<uint64_t, long long, std::string>, double> normal_figure;
-  for (const Row& r : rows) {
-    if (r.input == "normal") {
-      normal_figure[std::make_tuple(r.n, DensityKey(r.density), r.method)] =
-          Figure(r);
-    }
-  }
-  auto x_normal = [&](const Row& r) -> double {
-    if (r.input.empty()) return NAN;
-    const auto it =
-        normal_figure.find(std::make_tuple(r.n, DensityKey(r.density), r.method));
-    return it == normal_figure.end() ? NAN : Figure(r) / it->second;
-  };
+  const NormalFigures normal = NormalInputFigures(results.rows);
   const std::vector<Target> targets =
-      devices > 0 ? ComputeTargets(rows, copy_us, o.inputs, gauss)
-                  : std::vector<Target>{};
-
-  // Tables and JSON.
-  std::ostringstream js;
-  js << "{\n  \"command\": \"" << JsonEscape(o.command) << "\",\n"
-     << "  \"gpu\": \"" << JsonEscape(gpu) << "\",\n"
-     << "  \"device_present\": " << (devices > 0 ? "true" : "false") << ",\n"
-     << "  \"iters\": " << o.iters << ",\n  \"warmup\": " << o.warmup << ",\n"
-     << "  \"inputs\": [";
-  for (size_t i = 0; i < o.inputs.size(); ++i) {
-    js << (i ? ", " : "") << "{\"name\": \"" << o.inputs[i]
-       << "\", \"definition\": \""
-       << JsonEscape(gtopk::device_check::InputDefinition(o.inputs[i]))
-       << "\"}";
+      devices > 0
+          ? ComputeTargets(results.rows, results.copy_us, o.inputs,
+                           results.gauss)
+          : std::vector<Target>{};
+  const std::vector<Table> tables = OutputTables(o, results, torch);
+  for (const Table& table : tables) {
+    PrintTable(table, results, torch, normal);
   }
-  js << "],\n  \"seed\": " << o.seed << ",\n"
-     << "  \"timing\": \"CUDA events, median; selectors: u in device memory "
-        "to (index, value) pairs in pinned host memory, residual zeroed; "
-        "*_after_update: selection only, histogram from the fused update; "
-        "one_read_us = d2d copy of n floats / 2; x_normal = (wall_us, else "
-        "us) / the same on the normal input\",\n"
-     << "  \"torch\": {\"available\": " << (torch.available ? "true" : "false")
-     << ", \"version\": \"" << JsonEscape(torch.version) << "\", \"note\": \""
-     << JsonEscape(torch.note) << "\"},\n"
-     << "  \"correctness\": {\"checks\": " << checks
-     << ", \"failed\": " << failures.size() << ", \"failures\": [";
-  for (size_t i = 0; i < failures.size(); ++i) {
-    js << (i ? ", " : "") << "\"" << JsonEscape(failures[i]) << "\"";
-  }
-  js << "]},\n  \"budget_s\": " << Num(o.budget_s) << ",\n  \"skipped\": [";
-  for (size_t i = 0; i < skipped.size(); ++i) {
-    js << (i ? ", " : "") << "\"" << JsonEscape(skipped[i]) << "\"";
-  }
-  js << "],\n  \"rows\": [";
-  bool first = true;
-  auto header = [](const std::string& title) {
-    std::printf("\n== %s\n%12s %9s %24s %10s %10s %5s %10s %10s %9s %5s\n",
-                title.c_str(), "n", "density", "method", "us", "wall us",
-                "fast", "x one-read", "x torch", "x normal", "plan");
-  };
-  auto emit = [&](const Row& r) {
-    const double one_read = copy_us.count(r.n) ? copy_us[r.n] / 2.0 : NAN;
-    const auto it = torch.topk_us.find({r.n, DensityKey(r.density)});
-    const double torch_us = it == torch.topk_us.end() ? NAN : it->second;
-    const double xn = x_normal(r);
-    js << (first ? "" : ",") << "\n    {\"input\": "
-       << (r.input.empty() ? "null" : "\"" + r.input + "\"")
-       << ", \"n\": " << r.n << ", \"density\": " << Num(r.density)
-       << ", \"k\": " << r.k << ", \"method\": \"" << r.method
-       << "\", \"us\": " << Num(r.us) << ", \"min_us\": " << Num(r.min_us)
-       << ", \"count\": " << r.count << ", \"wall_us\": " << Num(r.wall_us)
-       << ", \"fast_path_fraction\": " << Num(r.fast_path)
-       << ", \"one_read_us\": " << Num(one_read)
-       << ", \"x_one_read\": " << Num(r.us / one_read)
-       << ", \"torch_topk_us\": " << Num(torch_us)
-       << ", \"x_torch_topk\": " << Num(r.us / torch_us)
-       << ", \"x_normal\": " << Num(xn) << ", \"digit_passes\": "
-       << (r.digit_passes < 0 ? "null" : std::to_string(r.digit_passes))
-       << ", \"final_from_u\": "
-       << (r.final_from_u < 0 ? "null" : r.final_from_u ? "true" : "false")
-       << "}";
-    first = false;
-    std::string plan = "-";
-    if (r.digit_passes >= 0) {
-      plan = std::to_string(r.digit_passes) + (r.final_from_u ? ",u" : "");
-    }
-    std::printf("%12llu %9g %24s %10.1f %10s %5s %10s %10s %9s %5s\n",
-                static_cast<unsigned long long>(r.n), r.density,
-                r.method.c_str(), r.us,
-                std::isfinite(r.wall_us) ? Num(r.wall_us).c_str() : "-",
-                std::isfinite(r.fast_path) ? Num(r.fast_path).c_str() : "-",
-                std::isfinite(one_read) ? Num(r.us / one_read).c_str() : "-",
-                std::isfinite(torch_us) ? Num(r.us / torch_us).c_str() : "-",
-                std::isfinite(xn) ? Num(xn).c_str() : "-", plan.c_str());
-  };
-  for (const std::string& input : o.inputs) {
-    bool any = false;
-    for (const Row& r : rows) {
-      if (r.input != input) continue;
-      if (!any) {
-        header("input " + input + ": " +
-               gtopk::device_check::InputDefinition(input));
-        any = true;
-      }
-      emit(r);
-    }
-  }
-  bool baseline_header = false;
-  auto baseline = [&](const Row& r) {
-    if (!baseline_header) header("baselines (torch.topk on torch.randn; d2d copy)");
-    baseline_header = true;
-    emit(r);
-  };
-  for (const auto& entry : torch.topk_us) {
-    const uint64_t n = entry.first.first;
-    const double density = entry.first.second / 1e6;
-    uint64_t k = std::max<uint64_t>(1, std::llround(density * n));
-    baseline({"", n, density, k, "torch.topk(abs)", entry.second, NAN, k});
-  }
-  for (const auto& entry : copy_us) {
-    baseline({"", entry.first, 0, 0, "d2d_copy", entry.second, NAN, 0});
-  }
-  js << "\n  ],\n  \"targets\": [";
-  for (size_t i = 0; i < targets.size(); ++i) {
-    const Target& t = targets[i];
-    js << (i ? "," : "") << "\n    {\"name\": \"" << t.name
-       << "\", \"figure_us\": " << Num(t.figure_us)
-       << ", \"limit_us\": " << Num(t.limit_us) << ", \"met\": "
-       << (t.met < 0 ? "null" : t.met ? "true" : "false")
-       << ", \"detail\": \"" << JsonEscape(t.detail) << "\"}";
-  }
-  js << "\n  ]\n}\n";
   std::ofstream out(o.json);
-  out << js.str();
+  out << JsonReport(o, gpu, devices > 0, torch, results, tables, normal,
+                    targets);
   out.close();
   if (!out) {
     std::fprintf(stderr, "device_check: cannot write %s\n", o.json.c_str());
@@ -951,23 +1182,6 @@ int main(int argc, char** argv) {
     std::printf("torch.topk: not measured (%s)\n", torch.note.c_str());
   }
   if (devices == 0) return o.no_device_ok ? 0 : 3;
-  for (const std::string& sk : skipped) {
-    std::printf("NOT RUN (--budget-s=%g): %s\n", o.budget_s, sk.c_str());
-  }
-  std::printf("correctness: %d checks, %zu failed\n", checks, failures.size());
-  for (const std::string& f : failures) std::printf("  FAIL %s\n", f.c_str());
-  for (const Target& t : targets) {
-    const std::string figure = !t.figure_text.empty() ? t.figure_text
-                               : std::isfinite(t.figure_us)
-                                   ? Num(t.figure_us) + " us"
-                                   : "-";
-    const std::string limit = !t.limit_text.empty() ? t.limit_text
-                              : std::isfinite(t.limit_us)
-                                  ? Num(t.limit_us) + " us"
-                                  : "-";
-    std::printf("target %s: %s (%s vs %s); %s\n", t.name.c_str(),
-                TargetStatus(t), figure.c_str(), limit.c_str(),
-                t.detail.c_str());
-  }
-  return failures.empty() ? 0 : 1;
+  PrintVerdict(o, results, targets);
+  return results.failures.empty() ? 0 : 1;
 }

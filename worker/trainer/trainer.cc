@@ -391,6 +391,623 @@ class Recovery {
   int recover_calls_ = 0;
 };
 
+
+// --- The steps of a training run, in the order RunTrainer takes them. ---
+
+// --summary-json is written through <path>.tmp at the end of the run: fail
+// now, not after the whole run, when that file cannot be written.
+absl::Status CheckSummaryWritable(const std::string& summary_json) {
+  if (summary_json.empty()) return absl::OkStatus();
+  const std::string tmp = summary_json + ".tmp";
+  std::FILE* f = std::fopen(tmp.c_str(), "a");
+  if (f == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--summary-json=", summary_json, ": cannot write ", tmp,
+                     ": ", std::strerror(errno)));
+  }
+  std::fclose(f);
+  std::remove(tmp.c_str());
+  return absl::OkStatus();
+}
+
+// The model of --model (`synthetic_n` > 0: synthetic:N) on --device.
+absl::StatusOr<std::unique_ptr<Model>> MakeModel(const TrainerOptions& o,
+                                                 uint64_t synthetic_n) {
+  if (synthetic_n == 0) {
+    return MakeTorchModel(o.model, o.seed, o.threads, o.device == "cuda");
+  }
+  std::unique_ptr<Model> model =
+      std::make_unique<SyntheticModel>(synthetic_n, o.seed);
+  if (o.device == "cuda") {
+    // The host makes the gradient, the device Step uses it (see
+    // MakeTorchDeviceMirror): the worker's GPU path on a model of any n.
+    return MakeTorchDeviceMirror(std::move(model));
+  }
+  return model;
+}
+
+// Fashion-MNIST's training and test splits after --train-limit and
+// --test-limit (both empty for synthetic:N, which has no data).
+struct Data {
+  Split train, test;
+};
+
+absl::StatusOr<Data> LoadData(const TrainerOptions& o, bool synthetic) {
+  Data data;
+  if (synthetic) return data;
+  const FashionMnistFiles files = FashionMnistPaths(o.data_dir);
+  GTOPK_ASSIGN_OR_RETURN(
+      data.train,
+      LoadSplit(files.train_images, files.train_labels, o.train_limit));
+  GTOPK_ASSIGN_OR_RETURN(
+      data.test, LoadSplit(files.test_images, files.test_labels, o.test_limit));
+  return data;
+}
+
+// This worker's place in the cluster, from the join.
+struct Membership {
+  std::unique_ptr<WorkerClient> client;
+  uint32_t rank = 0;
+  uint32_t workers = 0;  // P
+  bool leader_rank = false;  // rank 0: evaluates and prints the progress
+  std::unique_ptr<WorkerMetrics> metrics;  // null without a registry
+};
+
+// Joins the cluster at --server as a worker of `n` parameters, checks the
+// consistency flags against its spec, and registers the worker's metrics.
+absl::StatusOr<Membership> JoinCluster(const TrainerOptions& o, size_t n) {
+  ClientOptions co;
+  co.leader_address = o.server;
+  co.requested_rank = o.rank;
+  co.n = n;
+  co.rpc_timeout = o.rpc_timeout;
+  Membership m;
+  GTOPK_ASSIGN_OR_RETURN(m.client, WorkerClient::Connect(co));
+  const v1::ClusterSpec& cluster = m.client->cluster();
+  GTOPK_RETURN_IF_ERROR(CheckCluster(o, cluster));
+  m.rank = m.client->rank();
+  m.workers = cluster.num_workers();
+  if (o.metrics_registry != nullptr) {
+    m.metrics = std::make_unique<WorkerMetrics>(
+        *o.metrics_registry, m.rank,
+        static_cast<uint32_t>(cluster.shards_size()), n);
+  }
+  m.leader_rank = m.rank == 0;
+  return m;
+}
+
+// How long the run is, in steps.
+struct RunLength {
+  int64_t steps_per_epoch = 0;
+  int64_t total_steps = 0;
+};
+
+// The epoch length (this rank's share of the training set in batches, or
+// for synthetic:N the servers' epoch) and the run's length (--epochs,
+// capped by --steps); warns on rank 0 when the servers' density warm-up
+// counts in epochs of another length.
+absl::StatusOr<RunLength> PlanRunLength(const TrainerOptions& o,
+                                        const v1::ClusterSpec& cluster,
+                                        bool synthetic, size_t train_size,
+                                        uint32_t workers, bool leader_rank) {
+  RunLength length;
+  if (synthetic) {
+    // No data, so no data epoch: the servers' epoch length when they set one
+    // (their --density-warmup counts in it), else 100. --steps is the run
+    // length; it used to be the epoch length too, which made a warm-up
+    // epoch span the whole run and disagree with the servers.
+    length.steps_per_epoch = cluster.optimizer().steps_per_epoch() > 0
+                                 ? cluster.optimizer().steps_per_epoch()
+                                 : 100;
+  } else {
+    length.steps_per_epoch =
+        static_cast<int64_t>(train_size) / workers / o.batch_size;
+    if (length.steps_per_epoch < 1) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "training set of ", train_size, " samples is too small for ",
+          workers, " workers x --batch-size=", o.batch_size));
+    }
+  }
+  length.total_steps = o.epochs * length.steps_per_epoch;
+  if (o.steps > 0) {
+    length.total_steps =
+        synthetic ? o.steps : std::min(length.total_steps, o.steps);
+  }
+  if (!cluster.optimizer().density_warmup().empty() &&
+      cluster.optimizer().steps_per_epoch() != length.steps_per_epoch &&
+      leader_rank) {
+    std::fprintf(stderr,
+                 "warning: the servers' --steps-per-epoch=%lld differs from "
+                 "this worker's %lld steps per epoch; density warm-up epochs "
+                 "will not match data epochs\n",
+                 static_cast<long long>(cluster.optimizer().steps_per_epoch()),
+                 static_cast<long long>(length.steps_per_epoch));
+  }
+  return length;
+}
+
+// The servers' parameters into `params` (and, --device=cuda, the device
+// model); returns the step they are at, where this run starts. The shards
+// may be at different steps (one restarted behind while no worker was
+// stepping), or one may be restarting: recover, then download. Other
+// errors end the run as they are (e.g. DEADLINE_EXCEEDED: the download
+// already waited --rpc-timeout-s for rank 0 to initialise).
+absl::StatusOr<int64_t> DownloadInitialParameters(WorkerClient& client,
+                                                  Recovery& recovery,
+                                                  Model& model,
+                                                  absl::Span<float> params) {
+  int64_t start_step = -1;
+  for (;;) {
+    absl::StatusOr<int64_t> synced = client.SynchronizeParameters(params);
+    if (synced.ok()) {
+      start_step = *synced;
+      break;
+    }
+    if (!absl::IsFailedPrecondition(synced.status()) &&
+        !absl::IsUnavailable(synced.status())) {
+      return synced.status();
+    }
+    GTOPK_RETURN_IF_ERROR(
+        recovery.AfterFailure(synced.status(), "the initial parameter download")
+            .status());
+  }
+  recovery.Succeeded();
+  // --device=cuda: the servers' parameters to the device model.
+  GTOPK_RETURN_IF_ERROR(model.UploadParams());
+  return start_step;
+}
+
+// Rank 0's evaluation on the test set (normalised once), at most once per
+// step count; a no-op on other ranks and for synthetic:N.
+class Evaluator {
+ public:
+  Evaluator(Model& model, const Split& test, bool enabled,
+            WorkerMetrics* metrics)
+      : model_(model), test_(test), enabled_(enabled), metrics_(metrics) {
+    if (!enabled_) return;
+    test_images_.resize(test.pixels.size());
+    for (size_t i = 0; i < test.pixels.size(); ++i) {
+      test_images_[i] = Normalise(test.pixels[i]);
+    }
+  }
+
+  // Evaluates the parameters after `done` steps, unless they were
+  // evaluated at that count already; prints the "eval" line.
+  void Evaluate(int64_t done) {
+    if (!enabled_ || done == last_eval_) return;
+    last_eval_ = done;
+    const EvalResult r = model_.Evaluate(test_images_, test_.labels);
+    test_accuracy_ = r.accuracy;
+    if (metrics_ != nullptr) metrics_->RecordTestAccuracy(r.accuracy);
+    PrintLine(absl::StrFormat("eval step %d test_accuracy %.4f test_loss %.4f",
+                              done, r.accuracy, r.loss));
+  }
+
+  // Steps are re-run: evaluate the re-run's final parameters too.
+  void ForgetLastEvaluation() { last_eval_ = -1; }
+
+  // The last evaluation's accuracy; NaN before the first.
+  double test_accuracy() const { return test_accuracy_; }
+
+ private:
+  Model& model_;
+  const Split& test_;
+  const bool enabled_;
+  WorkerMetrics* const metrics_;
+  std::vector<float> test_images_;
+  double test_accuracy_ = std::nan("");
+  int64_t last_eval_ = -1;
+};
+
+// Each step's gradient: this rank's batch of the epoch's permutation
+// through the model, synthetic:N's seeded random one, or zeros for a
+// retried step. Keeps the last batch's loss (a retried or synthetic step
+// computes none).
+class GradientSource {
+ public:
+  GradientSource(const TrainerOptions& o, Model& model, const Split& train,
+                 bool synthetic, uint32_t rank, int64_t steps_per_epoch)
+      : o_(o),
+        model_(model),
+        train_(train),
+        synthetic_(synthetic),
+        rank_(rank),
+        steps_per_epoch_(steps_per_epoch),
+        // The host gradient: every CPU model's, and synthetic:N's on the
+        // device too (made on the host, then uploaded).
+        grad_(model.on_device() && !synthetic ? 0 : model.n(), 0.0f),
+        batch_images_(static_cast<size_t>(o.batch_size) * kImagePixels),
+        batch_labels_(static_cast<size_t>(o.batch_size)) {}
+
+  // Makes the gradient of `step` (in `epoch`); `resend_residual`: the step
+  // is retried, its gradient is already in the residual (Step's contract),
+  // so the retry adds none. INTERNAL when the loss is not finite.
+  absl::Status Compute(int64_t step, int64_t epoch, bool resend_residual) {
+    if (resend_residual) {
+      std::fill(grad_.begin(), grad_.end(), 0.0f);
+      GTOPK_RETURN_IF_ERROR(model_.ZeroDeviceGradient());
+    } else if (synthetic_) {
+      SyntheticModel::RandomGradient(o_.seed, rank_, step,
+                                     absl::MakeSpan(grad_));
+      if (o_.compute_ms > 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(o_.compute_ms));
+      }
+    } else {
+      FillBatch(step, epoch);
+      if (model_.on_device()) {
+        GTOPK_ASSIGN_OR_RETURN(
+            loss_, model_.ComputeGradientOnDevice(batch_images_, batch_labels_,
+                                                  &device_grad_));
+      } else {
+        GTOPK_ASSIGN_OR_RETURN(
+            loss_, model_.ComputeGradient(batch_images_, batch_labels_,
+                                          absl::MakeSpan(grad_)));
+      }
+      if (!std::isfinite(loss_)) {
+        return absl::InternalError(
+            absl::StrCat("loss is ", loss_, " at step ", step,
+                         " (diverged; lower the servers' --lr)"));
+      }
+    }
+    if (synthetic_ && model_.on_device()) {
+      GTOPK_ASSIGN_OR_RETURN(device_grad_, model_.UploadGradient(grad_));
+    }
+    return absl::OkStatus();
+  }
+
+  // The host gradient (empty for a CUDA torch model).
+  absl::Span<const float> grad() const { return grad_; }
+  // --device=cuda: the model's device gradient; null before the first step.
+  const float* device_grad() const { return device_grad_; }
+  // The last computed batch's loss (0 before the first, and synthetic:N's).
+  float loss() const { return loss_; }
+
+ private:
+  // This rank's `step` batch, normalised: a contiguous slice of the
+  // epoch's permutation, one per rank.
+  void FillBatch(int64_t step, int64_t epoch) {
+    if (epoch != perm_epoch_) {
+      perm_ = EpochPermutation(train_.size(), o_.seed, epoch);
+      perm_epoch_ = epoch;
+    }
+    const size_t per_rank =
+        static_cast<size_t>(steps_per_epoch_) * o_.batch_size;
+    const size_t base =
+        rank_ * per_rank +
+        static_cast<size_t>(step % steps_per_epoch_) * o_.batch_size;
+    for (int64_t b = 0; b < o_.batch_size; ++b) {
+      const uint32_t idx = perm_[base + b];
+      const uint8_t* src = train_.pixels.data() + size_t{idx} * kImagePixels;
+      float* dst = batch_images_.data() + b * kImagePixels;
+      for (int i = 0; i < kImagePixels; ++i) dst[i] = Normalise(src[i]);
+      batch_labels_[b] = train_.labels[idx];
+    }
+  }
+
+  const TrainerOptions& o_;
+  Model& model_;
+  const Split& train_;
+  const bool synthetic_;
+  const uint32_t rank_;
+  const int64_t steps_per_epoch_;
+  std::vector<float> grad_;
+  const float* device_grad_ = nullptr;
+  std::vector<float> batch_images_;
+  std::vector<int64_t> batch_labels_;
+  std::vector<uint32_t> perm_;
+  int64_t perm_epoch_ = -1;
+  float loss_ = 0;
+};
+
+uint64_t SumBytes(const std::vector<uint64_t>& per_shard) {
+  uint64_t total = 0;
+  for (uint64_t b : per_shard) total += b;
+  return total;
+}
+
+// What every successful step measured, for --summary-json.
+struct StepLog {
+  std::vector<double> step_seconds;
+  // Per-step phase times for --summary-json "per_step" (bench/lowbw/).
+  std::vector<double> compute_seconds, local_seconds, communication_seconds;
+  // StepStats' phases, for the GPU worker's step profile
+  // (bench/cuda/e2e_device.sh).
+  std::vector<double> accumulate_seconds, select_seconds, encode_seconds,
+      push_seconds, wait_seconds, apply_seconds;
+  // Wall-clock (Unix seconds) when this rank's pushes went out and its last
+  // pull was decoded: across ranks (one clock on one machine), the last
+  // pusher's pull_end - push_start is the step's communication without the
+  // wait for slower workers (bench/lowbw/).
+  std::vector<double> push_start_unix, pull_end_unix;
+  std::vector<float> losses;
+  double sent_total = 0, received_total = 0;
+
+  // One step: `seconds` in all, `compute` of them making the gradient, the
+  // client's Step called at `step_call`.
+  void Record(const StepStats& stats, double seconds, double compute,
+              absl::Time step_call, float loss) {
+    step_seconds.push_back(seconds);
+    compute_seconds.push_back(compute);
+    local_seconds.push_back(absl::ToDoubleSeconds(
+        stats.accumulate + stats.select + stats.encode + stats.apply));
+    communication_seconds.push_back(absl::ToDoubleSeconds(stats.push_wait));
+    accumulate_seconds.push_back(absl::ToDoubleSeconds(stats.accumulate));
+    select_seconds.push_back(absl::ToDoubleSeconds(stats.select));
+    encode_seconds.push_back(absl::ToDoubleSeconds(stats.encode));
+    push_seconds.push_back(absl::ToDoubleSeconds(stats.push));
+    wait_seconds.push_back(absl::ToDoubleSeconds(stats.wait));
+    apply_seconds.push_back(absl::ToDoubleSeconds(stats.apply));
+    const absl::Time push_start =
+        step_call + stats.accumulate + stats.select + stats.encode;
+    push_start_unix.push_back(absl::ToUnixMicros(push_start) * 1e-6);
+    pull_end_unix.push_back(
+        absl::ToUnixMicros(push_start + stats.push_wait) * 1e-6);
+    losses.push_back(loss);
+    sent_total += static_cast<double>(SumBytes(stats.bytes_sent));
+    received_total += static_cast<double>(SumBytes(stats.bytes_received));
+  }
+
+  // The mean loss of this rank's last 20 steps; NaN for none.
+  double FinalLoss() const {
+    if (losses.empty()) return std::nan("");
+    const size_t m = std::min<size_t>(20, losses.size());
+    return std::accumulate(losses.end() - m, losses.end(), 0.0) / m;
+  }
+
+  // The median step time; NaN for none.
+  double StepSecondsP50() const {
+    if (step_seconds.empty()) return std::nan("");
+    std::vector<double> sorted = step_seconds;
+    std::sort(sorted.begin(), sorted.end());
+    return sorted[sorted.size() / 2];
+  }
+};
+
+// What the steps of a run share once the worker has joined.
+struct Run {
+  const TrainerOptions& o;
+  Model& model;
+  absl::Span<float> params;  // the model's flat parameters (host)
+  WorkerClient& client;
+  WorkerMetrics* metrics;  // null: no metrics
+  uint32_t rank;
+  uint32_t workers;
+  bool leader_rank;
+  bool synthetic;
+  RunLength length;
+
+  const v1::ClusterSpec& cluster() const { return client.cluster(); }
+};
+
+// Runs steps [first_step, total_steps): the gradient, the client's Step
+// (a failed one recovered and retried, or continued from the step the
+// servers were brought to), the progress line and the evaluations.
+absl::Status TrainSteps(const Run& run, int64_t first_step,
+                        Recovery& recovery, GradientSource& gradients,
+                        Evaluator& evaluator, StepLog& log) {
+  const TrainerOptions& o = run.o;
+  const int64_t steps_per_epoch = run.length.steps_per_epoch;
+  const int64_t total_steps = run.length.total_steps;
+  // Retrying the step that failed: its gradient is already in the residual
+  // (Step's contract), so the retry adds none.
+  bool resend_residual = false;
+  for (int64_t step = first_step; step < total_steps; ++step) {
+    const Clock::time_point t0 = Clock::now();
+    const int64_t epoch = step / steps_per_epoch;
+    GTOPK_RETURN_IF_ERROR(gradients.Compute(step, epoch, resend_residual));
+    const Clock::time_point t_compute = Clock::now();
+    const double compute =
+        std::chrono::duration<double>(t_compute - t0).count();
+    const absl::Time step_call = absl::Now();
+    absl::StatusOr<StepStats> stats =
+        StepOnce(run.client, run.model, gradients.grad(),
+                 gradients.device_grad(), run.params);
+    if (!stats.ok()) {
+      GTOPK_ASSIGN_OR_RETURN(
+          const int64_t resumed,
+          recovery.AfterFailure(stats.status(), absl::StrCat("step ", step)));
+      if (resumed != step) {
+        std::fprintf(stderr, "rank %u: continuing from step %lld\n", run.rank,
+                     static_cast<long long>(resumed));
+      }
+      resend_residual = resumed == step;
+      step = resumed - 1;  // the loop's ++step
+      continue;
+    }
+    recovery.Succeeded();
+    resend_residual = false;
+    const double seconds = SecondsSince(t0);
+    const float loss = gradients.loss();
+    if (run.metrics != nullptr) {
+      run.metrics->RecordStep(*stats, absl::FromChrono(t_compute - t0),
+                              absl::Seconds(seconds), loss);
+    }
+    log.Record(*stats, seconds, compute, step_call, loss);
+    const int64_t done = step + 1;
+    if (run.leader_rank) {
+      const double samples_per_second =
+          seconds > 0
+              ? static_cast<double>(run.workers) * o.batch_size / seconds
+              : 0.0;
+      PrintLine(absl::StrFormat(
+          "step %d/%d epoch %d loss %.4f samples/s %.0f sent_bytes %d "
+          "step_ms %.1f",
+          done, total_steps, epoch + 1, loss, samples_per_second,
+          SumBytes(stats->bytes_sent), seconds * 1e3));
+    }
+    if (done % steps_per_epoch == 0 ||
+        (o.eval_every > 0 && done % o.eval_every == 0)) {
+      evaluator.Evaluate(done);
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The end-of-run comparison with the servers' parameters.
+struct FinalCheck {
+  // >= 0: the servers are at this older step (a recovery rolled them back
+  // after this worker's last step; params hold theirs): train from there.
+  int64_t resume = -1;
+  // Otherwise: this rank's and the servers' parameter checksums, and the
+  // step the servers' were downloaded at.
+  uint64_t param_checksum = 0;
+  uint64_t server_checksum = 0;
+  int64_t server_step = -1;
+};
+
+// The final check: the servers' parameters after the last step (a download
+// into scratch), waited for and recovered like a step. When a recovery
+// rolled the shards back after this worker's last step, their parameters
+// are older than this run's: the result says where to resume instead of
+// comparing.
+absl::StatusOr<FinalCheck> CheckFinalParameters(const Run& run,
+                                                Recovery& recovery) {
+  const absl::Span<float> params = run.params;
+  const size_t n = run.model.n();
+  const int64_t total_steps = run.length.total_steps;
+  FinalCheck check;
+  GTOPK_RETURN_IF_ERROR(run.model.DownloadParams());  // --device=cuda
+  check.param_checksum = Fnv1a64(params.data(), n * sizeof(float));
+  std::vector<float> scratch(params.begin(), params.end());
+  for (;;) {
+    std::copy(params.begin(), params.end(), scratch.begin());
+    absl::StatusOr<int64_t> synced =
+        run.client.SynchronizeParameters(absl::MakeSpan(scratch));
+    if (synced.ok() && *synced < total_steps) {
+      // Every shard agrees on an older step: its parameters are the ones
+      // to continue from.
+      std::copy(scratch.begin(), scratch.end(), params.begin());
+      GTOPK_RETURN_IF_ERROR(run.model.UploadParams());
+      check.resume = *synced;
+      return check;
+    }
+    if (synced.ok()) {
+      check.server_step = *synced;
+      break;
+    }
+    GTOPK_ASSIGN_OR_RETURN(
+        const int64_t next,
+        recovery.AfterFailure(synced.status(), "the final parameter check"));
+    if (next < total_steps) {
+      check.resume = next;  // Recover re-downloaded the parameters
+      return check;
+    }
+    // The servers are (still, or again) at the end: check once more.
+  }
+  recovery.Succeeded();
+  check.server_checksum = Fnv1a64(scratch.data(), n * sizeof(float));
+  return check;
+}
+
+// The run's outcome, for the "done" line and --summary-json.
+struct Outcome {
+  int64_t start_step = -1;
+  double test_accuracy = std::nan("");
+  double final_loss = std::nan("");  // mean of the last 20 steps' losses
+  double wall_seconds = 0;
+  FinalCheck check;
+};
+
+std::string JsonSeries(const std::vector<double>& v) {
+  std::string a = "[";
+  for (size_t i = 0; i < v.size(); ++i) {
+    absl::StrAppend(&a, i ? ", " : "", JsonNumber(v[i]));
+  }
+  return a + "]";
+}
+
+// Microsecond resolution (JsonNumber's 10 digits are whole seconds here).
+std::string JsonUnixSeries(const std::vector<double>& v) {
+  std::string a = "[";
+  for (size_t i = 0; i < v.size(); ++i) {
+    absl::StrAppend(&a, i ? ", " : "", absl::StrFormat("%.6f", v[i]));
+  }
+  return a + "]";
+}
+
+// --summary-json's document (worker/flags.md).
+std::string SummaryJson(const Run& run, const Outcome& r, const StepLog& log) {
+  const TrainerOptions& o = run.o;
+  const v1::ClusterSpec& cluster = run.cluster();
+  const size_t n = run.model.n();
+  const size_t steps_run = log.step_seconds.size();
+  const double per = steps_run > 0 ? 1.0 / steps_run : std::nan("");
+  std::string j = "{\n";
+  auto field = [&j](const char* key, const std::string& value, bool last) {
+    absl::StrAppend(&j, "  \"", key, "\": ", value, last ? "\n" : ",\n");
+  };
+  field("rank", absl::StrCat(run.rank), false);
+  field("model", JsonString(o.model), false);
+  field("n", absl::StrCat(n), false);
+  field("mode", JsonString(ModeFlagValue(cluster.mode())), false);
+  field("selector", JsonString(cluster.selector()), false);
+  field("density", JsonNumber(cluster.optimizer().density()), false);
+  field("workers", absl::StrCat(run.workers), false);
+  field("shards", absl::StrCat(cluster.shards_size()), false);
+  field("epochs",
+        JsonNumber(static_cast<double>(run.length.total_steps) /
+                   run.length.steps_per_epoch),
+        false);
+  field("steps", absl::StrCat(run.length.total_steps), false);
+  field("start_step", absl::StrCat(r.start_step), false);
+  field("steps_per_epoch", absl::StrCat(run.length.steps_per_epoch), false);
+  field("batch_size", absl::StrCat(o.batch_size), false);
+  field("threads", absl::StrCat(o.threads), false);
+  field("cpu_isa", JsonString(o.cpu_isa), false);
+  field("final_loss", JsonNumber(r.final_loss), false);
+  field("test_accuracy",
+        run.leader_rank ? JsonNumber(r.test_accuracy) : std::string("null"),
+        false);
+  field("wall_seconds", JsonNumber(r.wall_seconds), false);
+  field("step_seconds_p50", JsonNumber(log.StepSecondsP50()), false);
+  field("sent_bytes_per_step", JsonNumber(log.sent_total * per), false);
+  field("received_bytes_per_step", JsonNumber(log.received_total * per),
+        false);
+  field("dense_bytes_per_step", absl::StrCat(uint64_t{4} * n), false);
+  field("param_checksum", JsonString(Hex64(r.check.param_checksum)), false);
+  field("server_checksum", JsonString(Hex64(r.check.server_checksum)), false);
+  field("per_step",
+        absl::StrCat(
+            "{\"step_seconds\": ", JsonSeries(log.step_seconds),
+            ", \"compute_seconds\": ", JsonSeries(log.compute_seconds),
+            ", \"local_seconds\": ", JsonSeries(log.local_seconds),
+            ", \"communication_seconds\": ",
+            JsonSeries(log.communication_seconds),
+            ", \"accumulate_seconds\": ", JsonSeries(log.accumulate_seconds),
+            ", \"select_seconds\": ", JsonSeries(log.select_seconds),
+            ", \"encode_seconds\": ", JsonSeries(log.encode_seconds),
+            ", \"push_seconds\": ", JsonSeries(log.push_seconds),
+            ", \"wait_seconds\": ", JsonSeries(log.wait_seconds),
+            ", \"apply_seconds\": ", JsonSeries(log.apply_seconds),
+            ", \"push_start_unix\": ", JsonUnixSeries(log.push_start_unix),
+            ", \"pull_end_unix\": ", JsonUnixSeries(log.pull_end_unix), "}"),
+        true);
+  j += "}\n";
+  return j;
+}
+
+// Writes `text` to --summary-json through <path>.tmp and a rename, so a
+// reader never sees half a summary.
+absl::Status WriteSummary(const std::string& summary_json,
+                          const std::string& text) {
+  const std::string tmp = summary_json + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out << text;
+    out.flush();
+    if (!out) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("--summary-json: cannot write ", tmp));
+    }
+  }
+  if (std::rename(tmp.c_str(), summary_json.c_str()) != 0) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "--summary-json: cannot rename ", tmp, " to ", summary_json, ": ",
+        std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Duration EffectiveRecoveryTimeout(const TrainerOptions& o,
@@ -495,97 +1112,30 @@ absl::Status ValidateOptions(const TrainerOptions& o) {
 
 absl::Status RunTrainer(const TrainerOptions& o) {
   GTOPK_RETURN_IF_ERROR(ValidateOptions(o));
-  if (!o.summary_json.empty()) {
-    // Fail now, not after the whole run: the summary goes through <path>.tmp.
-    const std::string tmp = o.summary_json + ".tmp";
-    std::FILE* f = std::fopen(tmp.c_str(), "a");
-    if (f == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--summary-json=", o.summary_json, ": cannot write ",
-                       tmp, ": ", std::strerror(errno)));
-    }
-    std::fclose(f);
-    std::remove(tmp.c_str());
-  }
+  GTOPK_RETURN_IF_ERROR(CheckSummaryWritable(o.summary_json));
   GTOPK_ASSIGN_OR_RETURN(const uint64_t synthetic_n, SyntheticSize(o.model));
   const bool synthetic = synthetic_n > 0;
 
   // Model first (n), then the data, so local errors come before the join.
-  std::unique_ptr<Model> model;
-  if (synthetic) {
-    model = std::make_unique<SyntheticModel>(synthetic_n, o.seed);
-    if (o.device == "cuda") {
-      // The host makes the gradient, the device Step uses it (see
-      // MakeTorchDeviceMirror): the worker's GPU path on a model of any n.
-      GTOPK_ASSIGN_OR_RETURN(model, MakeTorchDeviceMirror(std::move(model)));
-    }
-  } else {
-    GTOPK_ASSIGN_OR_RETURN(model, MakeTorchModel(o.model, o.seed, o.threads,
-                                                 o.device == "cuda"));
-  }
-  const size_t n = model->n();
-  absl::Span<float> params = model->params();
-
-  Split train, test;
-  if (!synthetic) {
-    const FashionMnistFiles files = FashionMnistPaths(o.data_dir);
-    GTOPK_ASSIGN_OR_RETURN(
-        train, LoadSplit(files.train_images, files.train_labels, o.train_limit));
-    GTOPK_ASSIGN_OR_RETURN(
-        test, LoadSplit(files.test_images, files.test_labels, o.test_limit));
-  }
-
-  ClientOptions co;
-  co.leader_address = o.server;
-  co.requested_rank = o.rank;
-  co.n = n;
-  co.rpc_timeout = o.rpc_timeout;
-  GTOPK_ASSIGN_OR_RETURN(std::unique_ptr<WorkerClient> client,
-                         WorkerClient::Connect(co));
-  const v1::ClusterSpec& cluster = client->cluster();
-  GTOPK_RETURN_IF_ERROR(CheckCluster(o, cluster));
-  const uint32_t rank = client->rank();
-  const uint32_t workers = cluster.num_workers();
-  std::unique_ptr<WorkerMetrics> metrics;
-  if (o.metrics_registry != nullptr) {
-    metrics = std::make_unique<WorkerMetrics>(
-        *o.metrics_registry, rank,
-        static_cast<uint32_t>(cluster.shards_size()), n);
-  }
-  const bool leader_rank = rank == 0;
-
-  int64_t steps_per_epoch;
-  if (synthetic) {
-    // No data, so no data epoch: the servers' epoch length when they set one
-    // (their --density-warmup counts in it), else 100. --steps is the run
-    // length; it used to be the epoch length too, which made a warm-up
-    // epoch span the whole run and disagree with the servers.
-    steps_per_epoch = cluster.optimizer().steps_per_epoch() > 0
-                          ? cluster.optimizer().steps_per_epoch()
-                          : 100;
-  } else {
-    steps_per_epoch = static_cast<int64_t>(train.size()) / workers /
-                      o.batch_size;
-    if (steps_per_epoch < 1) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "training set of ", train.size(), " samples is too small for ",
-          workers, " workers x --batch-size=", o.batch_size));
-    }
-  }
-  int64_t total_steps = o.epochs * steps_per_epoch;
-  if (o.steps > 0) {
-    total_steps = synthetic ? o.steps : std::min(total_steps, o.steps);
-  }
-  if (!cluster.optimizer().density_warmup().empty() &&
-      cluster.optimizer().steps_per_epoch() != steps_per_epoch &&
-      leader_rank) {
-    std::fprintf(stderr,
-                 "warning: the servers' --steps-per-epoch=%lld differs from "
-                 "this worker's %lld steps per epoch; density warm-up epochs "
-                 "will not match data epochs\n",
-                 static_cast<long long>(cluster.optimizer().steps_per_epoch()),
-                 static_cast<long long>(steps_per_epoch));
-  }
+  GTOPK_ASSIGN_OR_RETURN(std::unique_ptr<Model> model,
+                         MakeModel(o, synthetic_n));
+  GTOPK_ASSIGN_OR_RETURN(const Data data, LoadData(o, synthetic));
+  GTOPK_ASSIGN_OR_RETURN(Membership member, JoinCluster(o, model->n()));
+  const v1::ClusterSpec& cluster = member.client->cluster();
+  GTOPK_ASSIGN_OR_RETURN(
+      const RunLength length,
+      PlanRunLength(o, cluster, synthetic, data.train.size(), member.workers,
+                    member.leader_rank));
+  const Run run{o,
+                *model,
+                model->params(),
+                *member.client,
+                member.metrics.get(),
+                member.rank,
+                member.workers,
+                member.leader_rank,
+                synthetic,
+                length};
 
   // Failed steps and parameter downloads are recovered through
   // WorkerClient::Recover (docs/recovery.md) within --recovery-timeout of
@@ -594,357 +1144,56 @@ absl::Status RunTrainer(const TrainerOptions& o) {
   // from there.
   const absl::Duration step_timeout =
       absl::Milliseconds(cluster.step_timeout_ms());
-  Recovery recovery(*client, *model, params, rank,
+  Recovery recovery(run.client, run.model, run.params, run.rank,
                     EffectiveRecoveryTimeout(o, step_timeout), step_timeout);
-  // The shards may be at different steps (one restarted behind while no
-  // worker was stepping), or one may be restarting: recover, then download.
-  // Other errors end the run as they are (e.g. DEADLINE_EXCEEDED: the
-  // download already waited --rpc-timeout-s for rank 0 to initialise).
-  int64_t start_step = -1;
-  for (;;) {
-    absl::StatusOr<int64_t> synced = client->SynchronizeParameters(params);
-    if (synced.ok()) {
-      start_step = *synced;
-      break;
-    }
-    if (!absl::IsFailedPrecondition(synced.status()) &&
-        !absl::IsUnavailable(synced.status())) {
-      return synced.status();
-    }
-    GTOPK_RETURN_IF_ERROR(
-        recovery.AfterFailure(synced.status(), "the initial parameter download")
-            .status());
-  }
-  recovery.Succeeded();
-  // --device=cuda: the servers' parameters to the device model.
-  GTOPK_RETURN_IF_ERROR(model->UploadParams());
+  Outcome outcome;
+  GTOPK_ASSIGN_OR_RETURN(
+      outcome.start_step,
+      DownloadInitialParameters(run.client, recovery, run.model, run.params));
   const Clock::time_point t_start = Clock::now();
 
-  // Rank 0's test set, normalised once.
-  std::vector<float> test_images;
-  if (leader_rank && !synthetic) {
-    test_images.resize(test.pixels.size());
-    for (size_t i = 0; i < test.pixels.size(); ++i) {
-      test_images[i] = Normalise(test.pixels[i]);
-    }
-  }
-  double test_accuracy = std::nan("");
-  int64_t last_eval = -1;
-  auto evaluate = [&](int64_t done) {
-    if (!leader_rank || synthetic || done == last_eval) return;
-    last_eval = done;
-    const EvalResult r = model->Evaluate(test_images, test.labels);
-    test_accuracy = r.accuracy;
-    if (metrics != nullptr) metrics->RecordTestAccuracy(r.accuracy);
-    PrintLine(absl::StrFormat("eval step %d test_accuracy %.4f test_loss %.4f",
-                              done, r.accuracy, r.loss));
-  };
-
-  // The host gradient: every CPU model's, and synthetic:N's on the device
-  // too (made on the host, then uploaded).
-  std::vector<float> grad(model->on_device() && !synthetic ? 0 : n, 0.0f);
-  const float* device_grad = nullptr;  // --device=cuda: the model's gradient
-  std::vector<float> batch_images(static_cast<size_t>(o.batch_size) *
-                                  kImagePixels);
-  std::vector<int64_t> batch_labels(static_cast<size_t>(o.batch_size));
-  std::vector<uint32_t> perm;
-  int64_t perm_epoch = -1;
-  std::vector<double> step_seconds;
-  // Per-step phase times for --summary-json "per_step" (bench/lowbw/).
-  std::vector<double> compute_seconds, local_seconds, communication_seconds;
-  // StepStats' phases, for the GPU worker's step profile
-  // (bench/cuda/e2e_device.sh).
-  std::vector<double> accumulate_seconds, select_seconds, encode_seconds,
-      push_seconds, wait_seconds, apply_seconds;
-  // Wall-clock (Unix seconds) when this rank's pushes went out and its last
-  // pull was decoded: across ranks (one clock on one machine), the last
-  // pusher's pull_end - push_start is the step's communication without the
-  // wait for slower workers (bench/lowbw/).
-  std::vector<double> push_start_unix, pull_end_unix;
-  std::vector<float> losses;
-  double sent_total = 0, received_total = 0;
-
-  // Retrying the step that failed: its gradient is already in the residual
-  // (Step's contract), so the retry adds none.
-  bool resend_residual = false;
-  float loss = 0;
-  double wall_seconds = 0;
-  uint64_t param_checksum = 0, server_checksum = 0;
-  int64_t server_step = -1;
-  int64_t step = start_step;
+  Evaluator evaluator(run.model, data.test, run.leader_rank && !synthetic,
+                      run.metrics);
+  GradientSource gradients(o, run.model, data.train, synthetic, run.rank,
+                           length.steps_per_epoch);
+  StepLog log;
   // Training, then the final check against the servers; back to training
   // when the servers were rolled back after this worker's last step.
+  int64_t step = outcome.start_step;
   for (;;) {
-    for (; step < total_steps; ++step) {
-      const Clock::time_point t0 = Clock::now();
-      const int64_t epoch = step / steps_per_epoch;
-      if (resend_residual) {
-        std::fill(grad.begin(), grad.end(), 0.0f);
-        GTOPK_RETURN_IF_ERROR(model->ZeroDeviceGradient());
-      } else if (synthetic) {
-        SyntheticModel::RandomGradient(o.seed, rank, step,
-                                       absl::MakeSpan(grad));
-        if (o.compute_ms > 0) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(o.compute_ms));
-        }
-      } else {
-        if (epoch != perm_epoch) {
-          perm = EpochPermutation(train.size(), o.seed, epoch);
-          perm_epoch = epoch;
-        }
-        const size_t per_rank =
-            static_cast<size_t>(steps_per_epoch) * o.batch_size;
-        const size_t base =
-            rank * per_rank +
-            static_cast<size_t>(step % steps_per_epoch) * o.batch_size;
-        for (int64_t b = 0; b < o.batch_size; ++b) {
-          const uint32_t idx = perm[base + b];
-          const uint8_t* src = train.pixels.data() + size_t{idx} * kImagePixels;
-          float* dst = batch_images.data() + b * kImagePixels;
-          for (int i = 0; i < kImagePixels; ++i) dst[i] = Normalise(src[i]);
-          batch_labels[b] = train.labels[idx];
-        }
-        if (model->on_device()) {
-          GTOPK_ASSIGN_OR_RETURN(
-              loss, model->ComputeGradientOnDevice(batch_images, batch_labels,
-                                                   &device_grad));
-        } else {
-          GTOPK_ASSIGN_OR_RETURN(
-              loss, model->ComputeGradient(batch_images, batch_labels,
-                                           absl::MakeSpan(grad)));
-        }
-        if (!std::isfinite(loss)) {
-          return absl::InternalError(
-              absl::StrCat("loss is ", loss, " at step ", step,
-                           " (diverged; lower the servers' --lr)"));
-        }
-      }
-      if (synthetic && model->on_device()) {
-        GTOPK_ASSIGN_OR_RETURN(device_grad, model->UploadGradient(grad));
-      }
-      const Clock::time_point t_compute = Clock::now();
-      const double compute =
-          std::chrono::duration<double>(t_compute - t0).count();
-      const absl::Time step_call = absl::Now();
-      absl::StatusOr<StepStats> stats =
-          StepOnce(*client, *model, grad, device_grad, params);
-      if (!stats.ok()) {
-        GTOPK_ASSIGN_OR_RETURN(
-            const int64_t resumed,
-            recovery.AfterFailure(stats.status(), absl::StrCat("step ", step)));
-        if (resumed != step) {
-          std::fprintf(stderr, "rank %u: continuing from step %lld\n", rank,
-                       static_cast<long long>(resumed));
-        }
-        resend_residual = resumed == step;
-        step = resumed - 1;  // the loop's ++step
-        continue;
-      }
-      recovery.Succeeded();
-      resend_residual = false;
-      const double seconds = SecondsSince(t0);
-      if (metrics != nullptr) {
-        metrics->RecordStep(*stats, absl::FromChrono(t_compute - t0),
-                            absl::Seconds(seconds), loss);
-      }
-      step_seconds.push_back(seconds);
-      compute_seconds.push_back(compute);
-      local_seconds.push_back(absl::ToDoubleSeconds(
-          stats->accumulate + stats->select + stats->encode + stats->apply));
-      communication_seconds.push_back(absl::ToDoubleSeconds(stats->push_wait));
-      accumulate_seconds.push_back(absl::ToDoubleSeconds(stats->accumulate));
-      select_seconds.push_back(absl::ToDoubleSeconds(stats->select));
-      encode_seconds.push_back(absl::ToDoubleSeconds(stats->encode));
-      push_seconds.push_back(absl::ToDoubleSeconds(stats->push));
-      wait_seconds.push_back(absl::ToDoubleSeconds(stats->wait));
-      apply_seconds.push_back(absl::ToDoubleSeconds(stats->apply));
-      const absl::Time push_start =
-          step_call + stats->accumulate + stats->select + stats->encode;
-      push_start_unix.push_back(absl::ToUnixMicros(push_start) * 1e-6);
-      pull_end_unix.push_back(
-          absl::ToUnixMicros(push_start + stats->push_wait) * 1e-6);
-      losses.push_back(loss);
-      uint64_t sent = 0, received = 0;
-      for (uint64_t b : stats->bytes_sent) sent += b;
-      for (uint64_t b : stats->bytes_received) received += b;
-      sent_total += static_cast<double>(sent);
-      received_total += static_cast<double>(received);
-      const int64_t done = step + 1;
-      if (leader_rank) {
-        const double samples_per_second =
-            seconds > 0 ? static_cast<double>(workers) * o.batch_size / seconds
-                        : 0.0;
-        PrintLine(absl::StrFormat(
-            "step %d/%d epoch %d loss %.4f samples/s %.0f sent_bytes %d "
-            "step_ms %.1f",
-            done, total_steps, epoch + 1, loss, samples_per_second, sent,
-            seconds * 1e3));
-      }
-      if (done % steps_per_epoch == 0 ||
-          (o.eval_every > 0 && done % o.eval_every == 0)) {
-        evaluate(done);
-      }
-    }
-    evaluate(total_steps);
-    wall_seconds = SecondsSince(t_start);
+    GTOPK_RETURN_IF_ERROR(
+        TrainSteps(run, step, recovery, gradients, evaluator, log));
+    evaluator.Evaluate(length.total_steps);
+    outcome.wall_seconds = SecondsSince(t_start);
     if (o.final_check_delay > absl::ZeroDuration()) {
       absl::SleepFor(o.final_check_delay);  // --testing-final-check-delay
     }
-
-    // The final check: the servers' parameters after the last step (a
-    // download into scratch), waited for and recovered like a step. When a
-    // recovery rolled the shards back after this worker's last step, their
-    // parameters are older than this run's: go back and run the missing
-    // steps instead of comparing.
-    GTOPK_RETURN_IF_ERROR(model->DownloadParams());  // --device=cuda
-    param_checksum = Fnv1a64(params.data(), n * sizeof(float));
-    std::vector<float> scratch(params.begin(), params.end());
-    int64_t resume = -1;
-    for (;;) {
-      std::copy(params.begin(), params.end(), scratch.begin());
-      absl::StatusOr<int64_t> synced =
-          client->SynchronizeParameters(absl::MakeSpan(scratch));
-      if (synced.ok() && *synced < total_steps) {
-        // Every shard agrees on an older step: its parameters are the ones
-        // to continue from.
-        std::copy(scratch.begin(), scratch.end(), params.begin());
-        GTOPK_RETURN_IF_ERROR(model->UploadParams());
-        resume = *synced;
-        break;
-      }
-      if (synced.ok()) {
-        server_step = *synced;
-        break;
-      }
-      GTOPK_ASSIGN_OR_RETURN(
-          const int64_t next,
-          recovery.AfterFailure(synced.status(), "the final parameter check"));
-      if (next < total_steps) {
-        resume = next;  // Recover re-downloaded the parameters
-        break;
-      }
-      // The servers are (still, or again) at the end: check once more.
-    }
-    if (resume >= 0) {
-      std::fprintf(stderr,
-                   "rank %u: the servers were rolled back to step %lld after "
-                   "this worker's last step; continuing from step %lld\n",
-                   rank, static_cast<long long>(resume),
-                   static_cast<long long>(resume));
-      step = resume;
-      resend_residual = false;
-      last_eval = -1;  // evaluate the re-run's final parameters
-      continue;
-    }
-    recovery.Succeeded();
-    server_checksum = Fnv1a64(scratch.data(), n * sizeof(float));
-    break;
-  }  // training and the final check
-
-  // Final loss: mean of this rank's last 20 steps.
-  double final_loss = std::nan("");
-  if (!losses.empty() && !synthetic) {
-    const size_t m = std::min<size_t>(20, losses.size());
-    final_loss = std::accumulate(losses.end() - m, losses.end(), 0.0) / m;
+    GTOPK_ASSIGN_OR_RETURN(outcome.check, CheckFinalParameters(run, recovery));
+    if (outcome.check.resume < 0) break;
+    std::fprintf(stderr,
+                 "rank %u: the servers were rolled back to step %lld after "
+                 "this worker's last step; continuing from step %lld\n",
+                 run.rank, static_cast<long long>(outcome.check.resume),
+                 static_cast<long long>(outcome.check.resume));
+    step = outcome.check.resume;
+    evaluator.ForgetLastEvaluation();  // evaluate the re-run's final params
   }
-  double p50 = std::nan("");
-  if (!step_seconds.empty()) {
-    std::vector<double> sorted = step_seconds;
-    std::sort(sorted.begin(), sorted.end());
-    p50 = sorted[sorted.size() / 2];
-  }
+
+  outcome.test_accuracy = evaluator.test_accuracy();
+  outcome.final_loss = synthetic ? std::nan("") : log.FinalLoss();
   // Checked after the summary is written (so it can be inspected).
   const absl::Status replicas_agree = CheckReplicaChecksums(
-      rank, param_checksum, server_checksum, server_step);
-
-  if (leader_rank) {
+      run.rank, outcome.check.param_checksum, outcome.check.server_checksum,
+      outcome.check.server_step);
+  if (run.leader_rank) {
     PrintLine(absl::StrFormat(
         "done steps %d test_accuracy %.4f final_loss %.4f wall_seconds %.1f",
-        total_steps, test_accuracy, final_loss, wall_seconds));
+        length.total_steps, outcome.test_accuracy, outcome.final_loss,
+        outcome.wall_seconds));
   }
-
   if (!o.summary_json.empty()) {
-    const size_t steps_run = step_seconds.size();
-    const double per = steps_run > 0 ? 1.0 / steps_run : std::nan("");
-    std::string j = "{\n";
-    auto field = [&j](const char* key, const std::string& value, bool last) {
-      absl::StrAppend(&j, "  \"", key, "\": ", value, last ? "\n" : ",\n");
-    };
-    field("rank", absl::StrCat(rank), false);
-    field("model", JsonString(o.model), false);
-    field("n", absl::StrCat(n), false);
-    field("mode", JsonString(ModeFlagValue(cluster.mode())), false);
-    field("selector", JsonString(cluster.selector()), false);
-    field("density", JsonNumber(cluster.optimizer().density()), false);
-    field("workers", absl::StrCat(workers), false);
-    field("shards", absl::StrCat(cluster.shards_size()), false);
-    field("epochs",
-          JsonNumber(static_cast<double>(total_steps) / steps_per_epoch),
-          false);
-    field("steps", absl::StrCat(total_steps), false);
-    field("start_step", absl::StrCat(start_step), false);
-    field("steps_per_epoch", absl::StrCat(steps_per_epoch), false);
-    field("batch_size", absl::StrCat(o.batch_size), false);
-    field("threads", absl::StrCat(o.threads), false);
-    field("cpu_isa", JsonString(o.cpu_isa), false);
-    field("final_loss", JsonNumber(final_loss), false);
-    field("test_accuracy",
-          leader_rank ? JsonNumber(test_accuracy) : std::string("null"), false);
-    field("wall_seconds", JsonNumber(wall_seconds), false);
-    field("step_seconds_p50", JsonNumber(p50), false);
-    field("sent_bytes_per_step", JsonNumber(sent_total * per), false);
-    field("received_bytes_per_step", JsonNumber(received_total * per), false);
-    field("dense_bytes_per_step", absl::StrCat(uint64_t{4} * n), false);
-    field("param_checksum", JsonString(Hex64(param_checksum)), false);
-    field("server_checksum", JsonString(Hex64(server_checksum)), false);
-    auto series = [](const std::vector<double>& v) {
-      std::string a = "[";
-      for (size_t i = 0; i < v.size(); ++i) {
-        absl::StrAppend(&a, i ? ", " : "", JsonNumber(v[i]));
-      }
-      return a + "]";
-    };
-    // Microsecond resolution (JsonNumber's 10 digits are whole seconds here).
-    auto unix_series = [](const std::vector<double>& v) {
-      std::string a = "[";
-      for (size_t i = 0; i < v.size(); ++i) {
-        absl::StrAppend(&a, i ? ", " : "", absl::StrFormat("%.6f", v[i]));
-      }
-      return a + "]";
-    };
-    field("per_step",
-          absl::StrCat("{\"step_seconds\": ", series(step_seconds),
-                       ", \"compute_seconds\": ", series(compute_seconds),
-                       ", \"local_seconds\": ", series(local_seconds),
-                       ", \"communication_seconds\": ",
-                       series(communication_seconds),
-                       ", \"accumulate_seconds\": ",
-                       series(accumulate_seconds),
-                       ", \"select_seconds\": ", series(select_seconds),
-                       ", \"encode_seconds\": ", series(encode_seconds),
-                       ", \"push_seconds\": ", series(push_seconds),
-                       ", \"wait_seconds\": ", series(wait_seconds),
-                       ", \"apply_seconds\": ", series(apply_seconds),
-                       ", \"push_start_unix\": ", unix_series(push_start_unix),
-                       ", \"pull_end_unix\": ", unix_series(pull_end_unix),
-                       "}"),
-          true);
-    j += "}\n";
-    const std::string tmp = o.summary_json + ".tmp";
-    {
-      std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-      out << j;
-      out.flush();
-      if (!out) {
-        return absl::PermissionDeniedError(
-            absl::StrCat("--summary-json: cannot write ", tmp));
-      }
-    }
-    if (std::rename(tmp.c_str(), o.summary_json.c_str()) != 0) {
-      return absl::PermissionDeniedError(absl::StrCat(
-          "--summary-json: cannot rename ", tmp, " to ", o.summary_json, ": ",
-          std::strerror(errno)));
-    }
+    GTOPK_RETURN_IF_ERROR(
+        WriteSummary(o.summary_json, SummaryJson(run, outcome, log)));
   }
   return replicas_agree;
 }
