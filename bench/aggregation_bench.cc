@@ -86,7 +86,7 @@ ModeResult RunMode(const std::string& mode_name) {
   const int shards = absl::GetFlag(FLAGS_shards);
   const int steps = absl::GetFlag(FLAGS_steps);
   server::ServerConfig config;
-  auto mode = server::ParseAggregationMode(mode_name);
+  auto mode = ParseAggregationMode(mode_name);
   if (!mode.ok()) {
     result.error = std::string(mode.status().message());
     return result;

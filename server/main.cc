@@ -51,7 +51,9 @@ ABSL_FLAG(int64_t, checkpoint_every, 0,
 ABSL_FLAG(int, checkpoint_keep, 2,
           "checkpoints retained per shard for crash recovery rollbacks");
 ABSL_FLAG(std::string, mode, "gtopk", "gtopk | topk | dense");
-ABSL_FLAG(std::string, selection, "exact", "exact | quota (gtopk mode)");
+ABSL_FLAG(std::string, selection, "threshold",
+          "threshold | quota (gtopk mode; \"exact\" is the old name of "
+          "threshold)");
 ABSL_FLAG(std::string, selector, "exact",
           "workers' local selector: exact | gaussiank | dgc | randomk");
 ABSL_FLAG(uint64_t, seed, 0, "seed of the workers' randomised selectors");
@@ -134,11 +136,11 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.selector = absl::GetFlag(FLAGS_selector);
   c.selector_seed = absl::GetFlag(FLAGS_seed);
 
-  auto mode = gtopk::server::ParseAggregationMode(absl::GetFlag(FLAGS_mode));
+  auto mode = gtopk::ParseAggregationMode(absl::GetFlag(FLAGS_mode));
   if (!mode.ok()) return FlagError("mode", mode.status());
   c.mode = *mode;
   auto selection =
-      gtopk::server::ParseSelectionKind(absl::GetFlag(FLAGS_selection));
+      gtopk::ParseSelectionKind(absl::GetFlag(FLAGS_selection));
   if (!selection.ok()) return FlagError("selection", selection.status());
   c.selection = *selection;
   auto index_codec = gtopk::ParseIndexCodec(absl::GetFlag(FLAGS_index_codec));

@@ -24,30 +24,6 @@ namespace {
 constexpr uint32_t kMaxShards = 1u << 16;
 constexpr uint32_t kMaxWorkers = 1u << 16;
 
-v1::Mode ModeToProto(AggregationMode mode) {
-  switch (mode) {
-    case AggregationMode::kGtopk:
-      return v1::MODE_GTOPK;
-    case AggregationMode::kTopk:
-      return v1::MODE_TOPK;
-    case AggregationMode::kDense:
-      return v1::MODE_DENSE;
-  }
-  return v1::MODE_UNSPECIFIED;
-}
-
-v1::MomentumMode MomentumToProto(MomentumMode mode) {
-  switch (mode) {
-    case MomentumMode::kNone:
-      return v1::MOMENTUM_MODE_NONE;
-    case MomentumMode::kDgcCorrection:
-      return v1::MOMENTUM_MODE_DGC;
-    case MomentumMode::kGlobal:
-      return v1::MOMENTUM_MODE_GLOBAL;
-  }
-  return v1::MOMENTUM_MODE_UNSPECIFIED;
-}
-
 }  // namespace
 
 absl::Status ValidateServerConfig(const ServerConfig& c) {
@@ -82,7 +58,7 @@ absl::Status ValidateServerConfig(const ServerConfig& c) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--selection=quota applies to --mode=gtopk only, got --mode=",
         AggregationModeName(c.mode),
-        " (omit --selection or use --selection=exact)"));
+        " (omit --selection or use --selection=threshold)"));
   }
   SelectorRegistry registry;
   GTOPK_RETURN_IF_ERROR(RegisterBuiltinSelectors(&registry));
@@ -176,10 +152,8 @@ absl::Status ValidateServerConfig(const ServerConfig& c) {
 v1::ClusterSpec ClusterSettingsSpec(const ServerConfig& config) {
   v1::ClusterSpec spec;
   spec.set_num_workers(config.num_workers);
-  spec.set_mode(ModeToProto(config.mode));
-  spec.set_selection(config.selection == SelectionKind::kExact
-                         ? v1::SELECTION_THRESHOLD
-                         : v1::SELECTION_QUOTA);
+  spec.set_mode(ToProto(config.mode));
+  spec.set_selection(ToProto(config.selection));
   spec.set_selector(config.selector);
   spec.set_selector_seed(config.selector_seed);
   spec.set_index_codec(std::string(IndexCodecName(config.index_codec)));
@@ -188,7 +162,7 @@ v1::ClusterSpec ClusterSettingsSpec(const ServerConfig& config) {
   v1::OptimizerSpec* opt = spec.mutable_optimizer();
   opt->set_lr(o.lr);
   opt->set_momentum(o.momentum);
-  opt->set_momentum_mode(MomentumToProto(o.momentum_mode));
+  opt->set_momentum_mode(ToProto(o.momentum_mode));
   opt->set_momentum_factor_masking(o.momentum_factor_masking);
   opt->set_weight_decay(o.weight_decay);
   opt->set_lr_warmup_steps(o.lr_warmup_steps);

@@ -45,7 +45,7 @@ struct ServerConfig {
   // workers. The own entry may be empty: the server's bound address is used.
   std::vector<std::string> peers;
   AggregationMode mode = AggregationMode::kGtopk;
-  SelectionKind selection = SelectionKind::kExact;
+  SelectionKind selection = SelectionKind::kThreshold;
   // Workers' local selector, told to them in the cluster spec: a name
   // registered by RegisterBuiltinSelectors (exact, gaussiank, dgc, randomk).
   std::string selector = "exact";

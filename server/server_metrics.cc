@@ -136,7 +136,7 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry) {
   threshold_duration_ =
       &BuildHistogram()
            .Name("gtopk_server_threshold_duration_seconds")
-           .Help("Per round, the selection of the global top-k (gtopk exact: "
+           .Help("Per round, the selection of the global top-k (gtopk threshold: "
                  "with the threshold exchange with the leader).")
            .Register(registry)
            .Add({}, DurationBuckets());

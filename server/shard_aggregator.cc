@@ -12,35 +12,6 @@
 namespace gtopk {
 namespace server {
 
-absl::string_view AggregationModeName(AggregationMode mode) {
-  switch (mode) {
-    case AggregationMode::kGtopk: return "gtopk";
-    case AggregationMode::kTopk: return "topk";
-    case AggregationMode::kDense: return "dense";
-  }
-  return "unknown";
-}
-
-absl::StatusOr<AggregationMode> ParseAggregationMode(absl::string_view name) {
-  for (AggregationMode m : {AggregationMode::kGtopk, AggregationMode::kTopk,
-                            AggregationMode::kDense}) {
-    if (name == AggregationModeName(m)) return m;
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown mode \"", name, "\"; known: gtopk, topk, dense"));
-}
-
-absl::string_view SelectionKindName(SelectionKind kind) {
-  return kind == SelectionKind::kExact ? "exact" : "quota";
-}
-
-absl::StatusOr<SelectionKind> ParseSelectionKind(absl::string_view name) {
-  if (name == "exact") return SelectionKind::kExact;
-  if (name == "quota") return SelectionKind::kQuota;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown selection \"", name, "\"; known: exact, quota"));
-}
-
 std::pair<uint64_t, uint64_t> ShardRange(uint64_t n, uint32_t num_shards,
                                          uint32_t shard_id) {
   // n <= 2^32 and S < 2^32, so the products fit in 64 bits.
@@ -74,7 +45,7 @@ absl::StatusOr<std::unique_ptr<ShardAggregator>> ShardAggregator::Create(
     CommitExchange* commit) {
   GTOPK_RETURN_IF_ERROR(ValidateShardOptions(options));
   if (options.mode == AggregationMode::kGtopk &&
-      options.selection == SelectionKind::kExact && options.num_shards > 1 &&
+      options.selection == SelectionKind::kThreshold && options.num_shards > 1 &&
       exchange == nullptr) {
     return absl::InvalidArgumentError(
         "gtopk + exact with more than one shard needs a threshold exchange");

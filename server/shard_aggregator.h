@@ -17,6 +17,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/codec.h"
+#include "common/cluster_modes.h"  // AggregationMode, SelectionKind
 #include "common/optimizer.h"
 #include "common/sparse_vector.h"
 #include "server/checkpoint.h"
@@ -26,16 +27,6 @@
 
 namespace gtopk {
 namespace server {
-
-// What the servers return each step (proto gtopk.v1.Mode).
-enum class AggregationMode { kGtopk, kTopk, kDense };
-// How gtopk mode picks the global top-k across shards (proto Selection).
-enum class SelectionKind { kExact, kQuota };
-
-absl::string_view AggregationModeName(AggregationMode mode);  // gtopk|topk|dense
-absl::StatusOr<AggregationMode> ParseAggregationMode(absl::string_view name);
-absl::string_view SelectionKindName(SelectionKind kind);  // exact|quota
-absl::StatusOr<SelectionKind> ParseSelectionKind(absl::string_view name);
 
 // Contiguous, near-equal split of [0, n) into S ranges: shard s owns
 // [s*n/S, (s+1)*n/S). Precondition: S >= 1.
@@ -48,7 +39,7 @@ struct ShardOptions {
   uint64_t n = 0;           // parameter count, 1..2^32
   uint32_t num_workers = 1;  // P >= 1
   AggregationMode mode = AggregationMode::kGtopk;
-  SelectionKind selection = SelectionKind::kExact;
+  SelectionKind selection = SelectionKind::kThreshold;
   // Index codec of the pulls (values always go out as fp32, so replicas and
   // servers apply identical bits).
   IndexCodec pull_index_codec = IndexCodec::kDeltaVarint;
@@ -82,7 +73,7 @@ struct RoundResult {
   std::vector<float> dense_sum;
   // `selected` encoded once for all workers (pull_index_codec + fp32).
   std::string encoded;
-  // Wall time of the sum of the pushes and of the selection (gtopk exact:
+  // Wall time of the sum of the pushes and of the selection (gtopk threshold:
   // including the threshold exchange).
   absl::Duration merge_time;
   absl::Duration select_time;

@@ -634,8 +634,8 @@ def parse_args(argv):
                     help="comma list of P (default 2,4,8)")
     ap.add_argument("--shards", type=int, default=2,
                     help="S, gtopk-server shards, each on its own link (2)")
-    ap.add_argument("--selection", choices=("exact", "quota"),
-                    default="exact",
+    ap.add_argument("--selection", choices=("threshold", "quota", "exact"),
+                    default="threshold",
                     help="gtopk selection across shards (server/flags.md; "
                     "quota has no shard-leader threshold exchange)")
     ap.add_argument("--n", type=int, default=25557032,

@@ -386,7 +386,7 @@ def main(argv=None):
                     help="cpp/python alternations per config")
     ap.add_argument("--shards", type=int, default=1)
     ap.add_argument("--mode", default="gtopk")
-    ap.add_argument("--selection", default="exact")
+    ap.add_argument("--selection", default="threshold")
     ap.add_argument("--density", type=float, default=0.001)
     ap.add_argument("--kinds", default="cpp,optimizer,client",
                     help="what to time, alternating: cpp (the C++ client), "

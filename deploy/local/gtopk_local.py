@@ -3,7 +3,7 @@
 trainers as processes on loopback (127.0.0.1 only), on free ports.
 
   deploy/local/gtopk_local.py --name demo --workers 4 --shards 2 --model cnn \
-      --mode gtopk --selection exact --density 0.001 --selector exact \
+      --mode gtopk --selection threshold --density 0.001 --selector exact \
       --epochs 1 --batch-size 32 --lr 0.1
 
 --worker python runs P copies of the PyTorch example
@@ -388,7 +388,9 @@ def parse_args(argv):
     p.add_argument("--model", default="cnn",
                    help="mlp | cnn | synthetic:N")
     p.add_argument("--mode", default="gtopk", choices=["gtopk", "topk", "dense"])
-    p.add_argument("--selection", default="exact", choices=["exact", "quota"])
+    p.add_argument("--selection", default="threshold",
+                   choices=["threshold", "quota", "exact"],
+                   help="exact: the old name of threshold")
     p.add_argument("--density", type=float, default=0.001)
     p.add_argument("--density-warmup", default="",
                    help="per-epoch warm-up densities (comma list) or 'dgc'; "

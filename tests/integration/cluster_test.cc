@@ -26,9 +26,6 @@
 
 namespace gtopk {
 namespace {
-
-using server::AggregationMode;
-using server::SelectionKind;
 using server::LocalCluster;
 using worker::ClientOptions;
 using worker::StepStats;
@@ -39,7 +36,7 @@ struct Case {
   int workers = 2;
   uint32_t shards = 2;
   AggregationMode mode = AggregationMode::kGtopk;
-  SelectionKind selection = SelectionKind::kExact;
+  SelectionKind selection = SelectionKind::kThreshold;
   IndexCodec index_codec = IndexCodec::kRaw;
   ValueCodec value_codec = ValueCodec::kFp32;
   MomentumMode momentum = MomentumMode::kDgcCorrection;
@@ -167,7 +164,7 @@ Oracle Simulate(const Case& c, const std::vector<uint64_t>& bounds) {
     SparseVector global;
     if (c.mode == AggregationMode::kTopk) {
       EXPECT_THAT(SparseSum(received, n, &global), testing::IsOk());
-    } else if (c.selection == SelectionKind::kExact) {
+    } else if (c.selection == SelectionKind::kThreshold) {
       EXPECT_THAT(ReferenceGtopkStep(received, n, k, &global), testing::IsOk());
     } else {
       for (size_t s = 0; s + 1 < bounds.size(); ++s) {
@@ -339,10 +336,10 @@ std::vector<Case> Cases() {
     const char* name;
   };
   const ModeCase modes[] = {
-      {AggregationMode::kGtopk, SelectionKind::kExact, "gtopk_exact"},
+      {AggregationMode::kGtopk, SelectionKind::kThreshold, "gtopk_exact"},
       {AggregationMode::kGtopk, SelectionKind::kQuota, "gtopk_quota"},
-      {AggregationMode::kTopk, SelectionKind::kExact, "topk"},
-      {AggregationMode::kDense, SelectionKind::kExact, "dense"},
+      {AggregationMode::kTopk, SelectionKind::kThreshold, "topk"},
+      {AggregationMode::kDense, SelectionKind::kThreshold, "dense"},
   };
   for (const ModeCase& m : modes) {
     for (int p : {1, 2, 3, 5, 8}) {
@@ -369,14 +366,14 @@ std::vector<Case> Cases() {
     add(c, "density1");
   }
   // A tiny model: n smaller than S*P*k, shards of one or two entries.
-  for (SelectionKind sel : {SelectionKind::kExact, SelectionKind::kQuota}) {
+  for (SelectionKind sel : {SelectionKind::kThreshold, SelectionKind::kQuota}) {
     Case c;
     c.workers = 5;
     c.shards = 3;
     c.n = 5;
     c.density = 0.4;
     c.selection = sel;
-    add(c, sel == SelectionKind::kExact ? "tiny_exact" : "tiny_quota");
+    add(c, sel == SelectionKind::kThreshold ? "tiny_exact" : "tiny_quota");
   }
   // Zero gradients everywhere at one step (pushes of zeros; with no momentum
   // and fresh residuals at step 0, all-zero values).
@@ -389,13 +386,13 @@ std::vector<Case> Cases() {
     add(c, "zero_grad");
   }
   // The last shard's range receives nothing (its pushes are empty).
-  for (SelectionKind sel : {SelectionKind::kExact, SelectionKind::kQuota}) {
+  for (SelectionKind sel : {SelectionKind::kThreshold, SelectionKind::kQuota}) {
     Case c;
     c.workers = 3;
     c.shards = 3;
     c.starve_last_shard = true;
     c.selection = sel;
-    add(c, sel == SelectionKind::kExact ? "starved_exact" : "starved_quota");
+    add(c, sel == SelectionKind::kThreshold ? "starved_exact" : "starved_quota");
   }
   // Randomized selectors: the per-rank seeds must match the simulation.
   for (const char* sel : {"randomk", "dgc", "gaussiank"}) {

@@ -201,9 +201,9 @@ TEST(ConfigCheckTest, EverySharedSettingIsCompared) {
          c.peers.push_back("shard2:3");
        }},
       {"--mode is topk here but gtopk",
-       [](ServerConfig& c) { c.mode = server::AggregationMode::kTopk; }},
+       [](ServerConfig& c) { c.mode = AggregationMode::kTopk; }},
       {"--selection is quota here but threshold",
-       [](ServerConfig& c) { c.selection = server::SelectionKind::kQuota; }},
+       [](ServerConfig& c) { c.selection = SelectionKind::kQuota; }},
       {"--selector is dgc here but exact",
        [](ServerConfig& c) { c.selector = "dgc"; }},
       {"--seed is 7 here but 0", [](ServerConfig& c) { c.selector_seed = 7; }},

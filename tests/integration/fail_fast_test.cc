@@ -85,8 +85,8 @@ v1::Push HandPush(const v1::ClusterSpec& spec, uint64_t member_token,
 }
 
 struct Case {
-  server::AggregationMode mode;
-  server::SelectionKind selection;
+  AggregationMode mode;
+  SelectionKind selection;
   // The bad push reaches shard 0 before the good worker pushes (no round is
   // open there yet), or after.
   bool bad_first;
@@ -299,23 +299,23 @@ TEST(AbortStepInputTest, FarFutureEpochIsRefusedByAShard) {
 INSTANTIATE_TEST_SUITE_P(
     Modes, FailFastTest,
     ::testing::Values(
-        Case{server::AggregationMode::kGtopk, server::SelectionKind::kExact,
+        Case{AggregationMode::kGtopk, SelectionKind::kThreshold,
              false},
-        Case{server::AggregationMode::kGtopk, server::SelectionKind::kExact,
+        Case{AggregationMode::kGtopk, SelectionKind::kThreshold,
              true},
-        Case{server::AggregationMode::kGtopk, server::SelectionKind::kQuota,
+        Case{AggregationMode::kGtopk, SelectionKind::kQuota,
              false},
-        Case{server::AggregationMode::kTopk, server::SelectionKind::kExact,
+        Case{AggregationMode::kTopk, SelectionKind::kThreshold,
              true},
         // A push for a negative step (it returned before failing the round:
         // the others waited for their step timeout).
-        Case{server::AggregationMode::kGtopk, server::SelectionKind::kExact,
+        Case{AggregationMode::kGtopk, SelectionKind::kThreshold,
              false, Bad::kNegativeStep},
-        Case{server::AggregationMode::kGtopk, server::SelectionKind::kQuota,
+        Case{AggregationMode::kGtopk, SelectionKind::kQuota,
              true, Bad::kNegativeStep}),
     [](const auto& info) {
-      return absl::StrCat(server::AggregationModeName(info.param.mode), "_",
-                          server::SelectionKindName(info.param.selection),
+      return absl::StrCat(AggregationModeName(info.param.mode), "_",
+                          SelectionKindName(info.param.selection),
                           info.param.bad_first ? "_bad_first" : "_bad_last",
                           info.param.bad == Bad::kNegativeStep
                               ? "_negative_step"

@@ -65,7 +65,7 @@ using ::gtopk::testing::BitEqual;
 // threshold exchange; quota and topk rely on the commit vote alone.
 class PartialPushTest
     : public ::testing::TestWithParam<
-          std::pair<server::AggregationMode, server::SelectionKind>> {};
+          std::pair<AggregationMode, SelectionKind>> {};
 
 TEST_P(PartialPushTest, WorkerDisconnectingMidStepFailsTheOthersNamingIt) {
   server::ServerConfig config = Config(3, absl::Seconds(1));
@@ -174,15 +174,15 @@ TEST_P(PartialPushTest, WorkerDisconnectingMidStepFailsTheOthersNamingIt) {
 INSTANTIATE_TEST_SUITE_P(
     Modes, PartialPushTest,
     ::testing::Values(
-        std::make_pair(server::AggregationMode::kGtopk,
-                       server::SelectionKind::kExact),
-        std::make_pair(server::AggregationMode::kGtopk,
-                       server::SelectionKind::kQuota),
-        std::make_pair(server::AggregationMode::kTopk,
-                       server::SelectionKind::kExact)),
+        std::make_pair(AggregationMode::kGtopk,
+                       SelectionKind::kThreshold),
+        std::make_pair(AggregationMode::kGtopk,
+                       SelectionKind::kQuota),
+        std::make_pair(AggregationMode::kTopk,
+                       SelectionKind::kThreshold)),
     [](const auto& info) {
-      return absl::StrCat(server::AggregationModeName(info.param.first), "_",
-                          server::SelectionKindName(info.param.second));
+      return absl::StrCat(AggregationModeName(info.param.first), "_",
+                          SelectionKindName(info.param.second));
     });
 
 TEST(FaultTest, SlowWorkerWithinTheDeadlineCompletesTheStep) {

@@ -47,7 +47,6 @@ namespace gtopk {
 namespace {
 
 using ::gtopk::testing::StatusIs;
-using server::AggregationMode;
 using server::LocalCluster;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
@@ -92,7 +91,7 @@ server::ServerConfig MakeConfig(const Case& c, const std::string& dir) {
   server::ServerConfig s;
   s.num_workers = c.workers;
   s.mode = c.mode;
-  s.selection = server::SelectionKind::kExact;
+  s.selection = SelectionKind::kThreshold;
   s.selector_seed = kSeed;
   s.index_codec = kCodec.index;
   s.value_codec = kCodec.value;

@@ -159,7 +159,7 @@ TEST_P(ShardClusterTest, MatchesSingleProcessReference) {
       }
     } else if (mode == AggregationMode::kTopk) {
       GTOPK_ASSERT_OK(SparseSum(pushed, n, &expected));
-    } else if (selection == SelectionKind::kExact) {
+    } else if (selection == SelectionKind::kThreshold) {
       GTOPK_ASSERT_OK(ReferenceGtopkStep(pushed, n, k, &expected));
     } else {
       for (auto& shard : cluster.shards) {
@@ -244,7 +244,7 @@ std::string Name(const ::testing::TestParamInfo<Param>& info) {
 INSTANTIATE_TEST_SUITE_P(
     Gtopk, ShardClusterTest,
     ::testing::Combine(::testing::Values(AggregationMode::kGtopk),
-                       ::testing::Values(SelectionKind::kExact,
+                       ::testing::Values(SelectionKind::kThreshold,
                                          SelectionKind::kQuota),
                        ::testing::Values(1, 2, 3, 5, 8),
                        ::testing::Values(1, 2, 3)),
@@ -253,7 +253,7 @@ INSTANTIATE_TEST_SUITE_P(
     Baselines, ShardClusterTest,
     ::testing::Combine(::testing::Values(AggregationMode::kTopk,
                                          AggregationMode::kDense),
-                       ::testing::Values(SelectionKind::kExact),
+                       ::testing::Values(SelectionKind::kThreshold),
                        ::testing::Values(1, 3, 8), ::testing::Values(1, 3)),
     Name);
 

@@ -102,8 +102,8 @@ TEST(CancellationTest, ConnectWaitingForAMissingLeaderReturnsCancelled) {
 // applied, the residual holding the gradient, and the step counter
 // unchanged. After Reset both workers step normally.
 TEST(CancellationTest, StepWaitingForAPeerReturnsCancelledAndAppliesNothing) {
-  for (const server::AggregationMode mode :
-       {server::AggregationMode::kGtopk, server::AggregationMode::kDense}) {
+  for (const AggregationMode mode :
+       {AggregationMode::kGtopk, AggregationMode::kDense}) {
     SCOPED_TRACE(static_cast<int>(mode));
     server::ServerConfig config;
     config.num_workers = 2;

@@ -32,8 +32,6 @@
 
 namespace gtopk {
 namespace {
-
-using server::AggregationMode;
 using worker::ClientOptions;
 using worker::WorkerClient;
 
@@ -53,7 +51,7 @@ struct Case {
 // which gave CTest a different test name on every build).
 std::string CaseName(const Case& c) {
   return absl::StrCat(c.selector, "_", MomentumModeName(c.momentum), "_",
-                      server::AggregationModeName(c.mode), "_",
+                      AggregationModeName(c.mode), "_",
                       ValueCodecName(c.value_codec));
 }
 void PrintTo(const Case& c, std::ostream* os) { *os << CaseName(c); }
