@@ -18,6 +18,7 @@
 #include "common/random.h"
 #include "common/status_macros.h"
 #include "grpcpp/grpcpp.h"
+#include "worker/device_step.h"
 
 namespace gtopk {
 namespace worker {
@@ -349,13 +350,6 @@ void WorkerClient::OpenLeaderStream() {
   waiter.join();
 }
 
-void WorkerClient::StampPushes(std::vector<v1::Push>* pushes) const {
-  for (v1::Push& p : *pushes) {
-    p.set_member_token(member_token_);
-    p.set_cluster_fingerprint(cluster_.cluster_fingerprint());
-  }
-}
-
 absl::Status WorkerClient::ExplainFingerprintRefusal(
     const absl::Status& status) {
   if (!absl::IsFailedPrecondition(status) ||
@@ -539,9 +533,10 @@ absl::StatusOr<int64_t> WorkerClient::SynchronizeParameters(
 }
 
 absl::StatusOr<WorkerState> WorkerClient::ExportState() {
-#if GTOPK_HAVE_CUDA
-  GTOPK_RETURN_IF_ERROR(CopyDeviceStateToHost());
-#endif
+  if (device_ != nullptr) {
+    GTOPK_RETURN_IF_ERROR(device_->CopyStateToHost(feedback_.mutable_residual(),
+                                                   absl::MakeSpan(velocity_)));
+  }
   WorkerState state;
   state.next_step = next_step_;
   state.residual.assign(feedback_.residual().begin(),
@@ -571,10 +566,8 @@ absl::Status WorkerClient::ImportState(const WorkerState& state) {
   std::copy(state.residual.begin(), state.residual.end(),
             feedback_.mutable_residual().begin());
   velocity_ = state.velocity;
-#if GTOPK_HAVE_CUDA
   // The next device Step uploads the imported state.
   device_.reset();
-#endif
   return absl::OkStatus();
 }
 
@@ -660,6 +653,40 @@ absl::StatusOr<int64_t> WorkerClient::Recover(absl::Span<float> params,
   return step;
 }
 
+// --- One step --------------------------------------------------------------
+
+namespace {
+
+// Dense mode: the pull of a shard of `len` entries has len finite values.
+absl::Status CheckDensePull(const v1::Pull& pull, uint64_t len) {
+  if (static_cast<uint64_t>(pull.dense_size()) != len) {
+    return absl::InternalError(absl::StrCat(
+        "dense pull has ", pull.dense_size(), " values, range has ", len));
+  }
+  const absl::Status finite = ValidateFinite(pull.dense(), "dense pull");
+  if (!finite.ok()) return absl::InternalError(finite.message());
+  return absl::OkStatus();
+}
+
+// The sparse pull of the shard owning [begin, end) of the n entries.
+absl::StatusOr<SparseVector> DecodeSparsePull(const v1::Pull& pull, uint64_t n,
+                                              uint64_t begin, uint64_t end) {
+  SparseVector part;
+  const absl::Status st = DecodeSparse(pull.sparse(), n, &part);
+  if (!st.ok()) {
+    return absl::InternalError(
+        absl::StrCat("undecodable pull: ", st.message()));
+  }
+  if (!part.empty() &&
+      (part.indices.front() < begin || part.indices.back() >= end)) {
+    return absl::InternalError(
+        absl::StrCat("pull has indices outside [", begin, ", ", end, ")"));
+  }
+  return part;
+}
+
+}  // namespace
+
 absl::StatusOr<StepStats> WorkerClient::BeginStep(uint64_t n) const {
   StepStats stats;
   stats.step = next_step_;
@@ -669,24 +696,395 @@ absl::StatusOr<StepStats> WorkerClient::BeginStep(uint64_t n) const {
   return stats;
 }
 
-absl::Status WorkerClient::Exchange(int64_t step,
-                                    const std::vector<v1::Push>& pushes,
-                                    std::vector<v1::Pull>* pulls) {
+absl::StatusOr<StepStats> WorkerClient::Step(absl::Span<const float> gradient,
+                                             absl::Span<float> params) {
+  const uint64_t n = cluster_.n();
+  if (gradient.size() != n || params.size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Step: gradient has ", gradient.size(), " values and params ",
+        params.size(), "; n = ", n));
+  }
+  GTOPK_ASSIGN_OR_RETURN(StepStats stats, BeginStep(n));
+
+  const absl::Time t = absl::Now();
+  // Nothing changed when this fails (its contract).
+  GTOPK_RETURN_IF_ERROR(rule_.AccumulateLocal(stats.step, gradient, params,
+                                              absl::MakeSpan(velocity_),
+                                              feedback_.mutable_residual()));
+  stats.accumulate = absl::Now() - t;
+
+  // From here on the residual holds u; a failure must leave it there.
+  GTOPK_RETURN_IF_ERROR(mode_ == Mode::kDense
+                            ? DenseStepOnHost(params, &stats)
+                            : SparseStepOnHost(params, &stats));
+  ++next_step_;
+  return stats;
+}
+
+absl::Status WorkerClient::DenseStepOnHost(absl::Span<float> params,
+                                           StepStats* stats) {
+  const int64_t step = stats->step;
+  const std::vector<v1::Push> pushes = DensePushes(step, stats);
+  std::vector<v1::Pull> pulls;
+  GTOPK_RETURN_IF_ERROR(
+      PushAndDecodePulls(step, pushes, &pulls, stats).status());
+
+  const absl::Time t = absl::Now();
+  GTOPK_RETURN_IF_ERROR(
+      CheckServersUpdate(step, pulls, SparseVector(), params));
+  const int P = static_cast<int>(cluster_.num_workers());
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    const uint64_t begin = shards_[s]->begin;
+    const uint64_t len = shards_[s]->end - begin;
+    // Checked above (CheckServersUpdate), nothing changed since.
+    rule_.StoreAggregatedDense(
+        pulls[s].dense(), P, params.subspan(begin, len),
+        absl::MakeSpan(global_velocity_).subspan(begin, len));
+  }
+  // Everything accumulated was applied.
+  std::fill(feedback_.mutable_residual().begin(),
+            feedback_.mutable_residual().end(), 0.0f);
+  stats->apply = absl::Now() - t;
+  return absl::OkStatus();
+}
+
+absl::Status WorkerClient::SparseStepOnHost(absl::Span<float> params,
+                                            StepStats* stats) {
+  const int64_t step = stats->step;
+  absl::Time t = absl::Now();
+  SparseVector sent;
+  GTOPK_RETURN_IF_ERROR(selector_->Select(feedback_.residual(), stats->k,
+                                          static_cast<uint64_t>(step), &sent));
+  SparseVector received = sent;
+  QuantizeValues(codec_.value, absl::MakeSpan(received.values));
+  GTOPK_RETURN_IF_ERROR(feedback_.MarkSent(sent, received));
+  stats->select = absl::Now() - t;
+  stats->sent_pairs = sent.size();
+
+  // From here a failure puts every sent entry back:
+  // residual[i] = fl(fl(u - recv) + recv).
+  auto fail = [&](const absl::Status& status) -> absl::Status {
+    const absl::Status restored = feedback_.PutBack(received, SparseVector());
+    if (!restored.ok()) {
+      return absl::InternalError(absl::StrCat(
+          status.ToString(),
+          "; and restoring the residual failed: ", restored.ToString()));
+    }
+    return status;
+  };
+  absl::StatusOr<std::vector<v1::Push>> pushes =
+      EncodePushes(step, sent, stats);
+  if (!pushes.ok()) return fail(pushes.status());
+  std::vector<v1::Pull> pulls;
+  absl::StatusOr<SparseVector> global =
+      PushAndDecodePulls(step, *pushes, &pulls, stats);
+  if (!global.ok()) return fail(global.status());
+
+  t = absl::Now();
+  if (absl::Status st = CheckServersUpdate(step, pulls, *global, params);
+      !st.ok()) {
+    return fail(st);
+  }
+  if (mode_ == Mode::kGtopk) {
+    GTOPK_RETURN_IF_ERROR(feedback_.PutBack(received, *global));
+  }
+  GTOPK_RETURN_IF_ERROR(
+      rule_.MaskMomentum(sent, *global, absl::MakeSpan(velocity_)));
+  // Checked above (CheckServersUpdate); PutBack and MaskMomentum touch
+  // neither params nor the global velocity.
+  rule_.StoreAggregated(*global, 0, static_cast<int>(cluster_.num_workers()),
+                        params, absl::MakeSpan(global_velocity_));
+  stats->apply = absl::Now() - t;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
+                                             float* params, uint64_t n,
+                                             CUstream_st* stream) {
+  if (n != cluster_.n() || gradient == nullptr || params == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Step (device): n = ", n, " (cluster n = ", cluster_.n(),
+        "), gradient and params must be non-null device pointers"));
+  }
+  if (mode_ == Mode::kDense) {
+    // Dense mode sends u itself: it has to reach the host.
+    absl::StatusOr<StepStats> stats;
+    GTOPK_RETURN_IF_ERROR(
+        DeviceStep::RunOnHostCopies(gradient, params, n, stream,
+                                    [&](absl::Span<const float> host_gradient,
+                                        absl::Span<float> host_params) {
+                                      stats = Step(host_gradient, host_params);
+                                      return stats.status();
+                                    }));
+    return stats;
+  }
+  if (device_ == nullptr) {
+    // First device step: move the host state to the device.
+    GTOPK_ASSIGN_OR_RETURN(
+        device_,
+        DeviceStep::Create(selector_->name(),
+                           SelectorSeedForRank(cluster_.selector_seed(), rank_),
+                           rule_.options(), n, feedback_.residual(), velocity_,
+                           global_velocity_, stream));
+  }
+  GTOPK_ASSIGN_OR_RETURN(StepStats stats, BeginStep(n));
+  GTOPK_RETURN_IF_ERROR(SparseStepOnDevice(gradient, params, stream, &stats));
+  ++next_step_;
+  return stats;
+}
+
+absl::Status WorkerClient::SparseStepOnDevice(const float* gradient,
+                                              float* params,
+                                              CUstream_st* stream,
+                                              StepStats* stats) {
+  const int64_t step = stats->step;
+  absl::Time t = absl::Now();
+  // u into the spare device buffers; committed once the selection succeeded.
+  GTOPK_RETURN_IF_ERROR(
+      device_->Accumulate(gradient, params, rule_.LrAt(step), stream));
+  stats->accumulate = absl::Now() - t;
+
+  t = absl::Now();
+  GTOPK_ASSIGN_OR_RETURN(const DeviceStep::Sent sent,
+                         device_->Select(stats->k, step, codec_.value, stream));
+  stats->select = absl::Now() - t;
+  stats->sent_pairs = sent.sent.size();
+
+  // From here a failure puts every sent value back (residual holds u).
+  auto fail = [&](const absl::Status& status) {
+    return device_->PutBackAll(sent, status, stream);
+  };
+  absl::StatusOr<std::vector<v1::Push>> pushes =
+      EncodePushes(step, sent.sent, stats);
+  if (!pushes.ok()) return fail(pushes.status());
+  std::vector<v1::Pull> pulls;
+  absl::StatusOr<SparseVector> global =
+      PushAndDecodePulls(step, *pushes, &pulls, stats);
+  if (!global.ok()) return fail(global.status());
+
+  t = absl::Now();
+  GTOPK_RETURN_IF_ERROR(device_->Apply(sent, *global, mode_ == Mode::kGtopk,
+                                       cluster_.num_workers(), params, stream));
+  stats->apply = absl::Now() - t;
+  return absl::OkStatus();
+}
+
+std::vector<v1::Push> WorkerClient::NewPushes(int64_t step) const {
+  std::vector<v1::Push> pushes(shards_.size());
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    pushes[s].set_step(step);
+    pushes[s].set_worker(rank_);
+    pushes[s].set_epoch(epoch_);
+    pushes[s].set_shard_id(shards_[s]->id);
+    pushes[s].set_member_token(member_token_);
+    pushes[s].set_cluster_fingerprint(cluster_.cluster_fingerprint());
+  }
+  return pushes;
+}
+
+absl::StatusOr<std::vector<v1::Push>> WorkerClient::EncodePushes(
+    int64_t step, const SparseVector& sent, StepStats* stats) const {
+  const absl::Time t = absl::Now();
+  std::vector<v1::Push> pushes = NewPushes(step);
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    const SparseVector slice = Slice(sent, shards_[s]->begin, shards_[s]->end);
+    const absl::Status st =
+        EncodeSparse(slice, cluster_.n(), codec_, pushes[s].mutable_sparse());
+    if (!st.ok()) return Prefixed(st, ShardName(s));
+    stats->bytes_sent[s] = pushes[s].ByteSizeLong();
+  }
+  stats->encode = absl::Now() - t;
+  return pushes;
+}
+
+std::vector<v1::Push> WorkerClient::DensePushes(int64_t step,
+                                                StepStats* stats) const {
+  const absl::Time t = absl::Now();
+  std::vector<v1::Push> pushes = NewPushes(step);
+  const absl::Span<const float> u = feedback_.residual();
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    const uint64_t len = shards_[s]->end - shards_[s]->begin;
+    auto* dense = pushes[s].mutable_dense();
+    dense->Resize(static_cast<int>(len), 0.0f);
+    if (len > 0) {
+      std::memcpy(dense->mutable_data(), u.data() + shards_[s]->begin,
+                  len * sizeof(float));
+    }
+    stats->bytes_sent[s] = pushes[s].ByteSizeLong();
+  }
+  stats->sent_pairs = cluster_.n();
+  stats->encode = absl::Now() - t;
+  return pushes;
+}
+
+absl::StatusOr<SparseVector> WorkerClient::PushAndDecodePulls(
+    int64_t step, const std::vector<v1::Push>& pushes,
+    std::vector<v1::Pull>* pulls, StepStats* stats) {
+  const absl::Time t = absl::Now();
+  absl::Duration push_time;
+  GTOPK_RETURN_IF_ERROR(PushPullRound(step, pushes, pulls, &push_time));
+  GTOPK_ASSIGN_OR_RETURN(SparseVector global, DecodePulls(step, *pulls, stats));
+  stats->push_wait = absl::Now() - t;
+  stats->push = std::min(push_time, stats->push_wait);
+  stats->wait = stats->push_wait - stats->push;
+  return global;
+}
+
+absl::StatusOr<SparseVector> WorkerClient::DecodePulls(
+    int64_t step, const std::vector<v1::Pull>& pulls, StepStats* stats) {
+  SparseVector global;
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    const ShardConn& c = *shards_[s];
+    const v1::Pull& pull = pulls[s];
+    stats->bytes_received[s] = pull.ByteSizeLong();
+    stats->server_merge =
+        std::max(stats->server_merge,
+                 absl::Microseconds(static_cast<int64_t>(pull.merge_us())));
+    stats->server_select =
+        std::max(stats->server_select,
+                 absl::Microseconds(static_cast<int64_t>(pull.select_us())));
+    absl::Status bad;
+    if (pull.step() != step || pull.shard_id() != c.id) {
+      bad = absl::InternalError(absl::StrCat(
+          "pull is for step ", pull.step(), " shard ", pull.shard_id(),
+          ", expected step ", step));
+    } else if (mode_ == Mode::kDense) {
+      bad = CheckDensePull(pull, c.end - c.begin);
+      stats->received_pairs += pull.dense_size();
+    } else if (absl::StatusOr<SparseVector> part =
+                   DecodeSparsePull(pull, cluster_.n(), c.begin, c.end);
+               !part.ok()) {
+      bad = part.status();
+    } else {
+      // Shards are in index order, so the union stays sorted.
+      global.indices.insert(global.indices.end(), part->indices.begin(),
+                            part->indices.end());
+      global.values.insert(global.values.end(), part->values.begin(),
+                           part->values.end());
+      stats->received_pairs += part->size();
+    }
+    if (!bad.ok()) {
+      CloseStreams();
+      return Prefixed(bad, ShardName(s));
+    }
+  }
+  return global;
+}
+
+absl::Status WorkerClient::CheckServersUpdate(
+    int64_t step, const std::vector<v1::Pull>& pulls,
+    const SparseVector& global, absl::Span<const float> params) const {
+  // The servers refused any step whose update would not stay finite, and
+  // this replica holds their bits, so this check passes unless the replica
+  // diverged; it runs before anything changes so that no state is half
+  // updated then (the entries sent go back to the residual).
+  const int P = static_cast<int>(cluster_.num_workers());
+  absl::Status finite;
+  if (mode_ == Mode::kDense) {
+    for (size_t s = 0; s < shards_.size() && finite.ok(); ++s) {
+      const uint64_t begin = shards_[s]->begin;
+      const uint64_t len = shards_[s]->end - begin;
+      finite = rule_.CheckAggregatedDense(
+          pulls[s].dense(), P, begin, params.subspan(begin, len),
+          absl::MakeConstSpan(global_velocity_).subspan(begin, len));
+    }
+  } else {
+    finite = rule_.CheckAggregated(global, 0, P, params, global_velocity_);
+  }
+  if (finite.ok()) return finite;
+  return absl::InternalError(
+      absl::StrCat("step ", step,
+                   ": the servers' update cannot be applied to this "
+                   "replica (its parameters differ from the servers'): ",
+                   finite.message()));
+}
+
+// --- The push/pull round ---------------------------------------------------
+
+// One PushPullRound's state, shared by the shards' threads and the thread
+// that waits for them. Fields marked (mu) are guarded by mu; the others are
+// written only by the waiting thread, and read after the threads joined.
+struct WorkerClient::Round {
+  Round(size_t num_shards, absl::Duration watchdog_budget)
+      : budget(watchdog_budget),
+        results(num_shards),
+        done(num_shards, false),
+        cancelled(num_shards, false),
+        timed_out(num_shards, false),
+        cut_short(num_shards, false) {}
+
+  // The step watchdog: the cluster's step timeout plus
+  // ClientOptions::step_watchdog_margin.
+  const absl::Duration budget;
+  const absl::Time start = absl::Now();
+  absl::Mutex mu;
+  absl::Time last_written = start;    // (mu) when the last push was written
+  std::vector<absl::Status> results;  // (mu) each shard's outcome
+  std::vector<bool> done;             // (mu) results[s] is final
+  size_t finished = 0;                // (mu) shards done
+  size_t failed = 0;                  // (mu) shards done with an error
+  uint64_t learned_epoch = 0;         // (mu) from failed streams' trailers
+  // Shards whose stream the watchdog has cancelled (mu): a stream reopened
+  // for them after that must start cancelled, or opening it
+  // (wait-for-ready, no deadline) would block on a dead shard for ever.
+  std::vector<bool> cancelled;
+  // Shards cancelled at the watchdog deadline.
+  std::vector<bool> timed_out;
+  // Shards cancelled because another shard already failed the step: a step
+  // that failed on one shard cannot be committed on any (the commit vote),
+  // so waiting for the others would only delay the caller's retry or
+  // recovery until their step timeout.
+  std::vector<bool> cut_short;
+};
+
+namespace {
+
+// The attempt epoch a shard sent in a failed stream's trailers
+// (common/epoch.h), or 0 when there is none. Epochs start at the leader's
+// start time in microseconds: a far-future one is ignored.
+uint64_t EpochFromTrailers(const grpc::ClientContext& context) {
+  const auto& trailers = context.GetServerTrailingMetadata();
+  const auto it = trailers.find(kEpochMetadataKey);
+  if (it == trailers.end()) return 0;
+  uint64_t epoch = 0;
+  if (!absl::SimpleAtoi(absl::string_view(it->second.data(), it->second.size()),
+                        &epoch) ||
+      !IsPlausibleEpoch(epoch)) {
+    return 0;
+  }
+  return epoch;
+}
+
+// The status of a stream that ended without its pull: the server's, or
+// UNAVAILABLE when it closed the stream with OK; RESOURCE_EXHAUSTED says
+// which limit to raise.
+absl::Status StreamFailure(const grpc::Status& st, int64_t step,
+                           uint64_t max_message_bytes) {
+  absl::Status result =
+      st.ok() ? absl::UnavailableError(absl::StrCat(
+                    "stream closed by the server during step ", step))
+              : FromGrpcStatus(st);
+  if (absl::IsResourceExhausted(result)) {
+    result = absl::ResourceExhaustedError(absl::StrCat(
+        result.message(),
+        " (a push or pull exceeds the cluster's max_message_bytes = ",
+        max_message_bytes,
+        "; raise the servers' --max-message-bytes, or use more shards "
+        "or a lower density)"));
+  }
+  return result;
+}
+
+}  // namespace
+
+absl::Status WorkerClient::PushPullRound(int64_t step,
+                                         const std::vector<v1::Push>& pushes,
+                                         std::vector<v1::Pull>* pulls,
+                                         absl::Duration* push_time) {
   const size_t S = shards_.size();
   pulls->assign(S, v1::Pull());
-  std::vector<absl::Status> results(S);
-  std::vector<bool> done(S, false);
-  absl::Mutex mu;
-  size_t finished = 0;
-  const absl::Time exchange_start = absl::Now();
-  absl::Time last_written = exchange_start;  // guarded by mu
-  size_t failed = 0;
-  uint64_t learned_epoch = 0;  // guarded by mu
-  // Shards whose stream the watchdog has cancelled (guarded by mu): a
-  // stream reopened for them after that must start cancelled, or opening it
-  // (wait-for-ready, no deadline) would block on a dead shard for ever.
-  std::vector<bool> cancelled(S, false);
-
+  Round round(S, absl::Milliseconds(cluster_.step_timeout_ms()) +
+                     options_.step_watchdog_margin);
   for (auto& c : shards_) {
     if (c->stream == nullptr) {
       SetStreamContext(*c);
@@ -697,133 +1095,120 @@ absl::Status WorkerClient::Exchange(int64_t step,
   threads.reserve(S);
   for (size_t s = 0; s < S; ++s) {
     threads.emplace_back([&, s] {
-      ShardConn& c = *shards_[s];
-      absl::Status result;
-      if (c.stream == nullptr) c.stream = c.stub->PushPull(c.context.get());
-      bool written = c.stream->Write(pushes[s]);
-      if (!written) {
-        // The stream died before this push got through (e.g. the shard
-        // restarted since the last step): finish it and push once more on a
-        // fresh stream. Safe: a shard takes one push per (step, worker) and
-        // treats a repeat as a retry.
-        v1::Pull ignored;
-        while (c.stream->Read(&ignored)) {
-        }
-        c.stream->Finish().IgnoreError();
-        {
-          absl::MutexLock lock(&mu);  // the watchdog cancels under mu
-          c.stream.reset();
-          SetStreamContext(c);
-          // Cancelling a context before its call starts cancels the call
-          // when it starts (grpc::ClientContext::TryCancel).
-          if (cancelled[s]) c.context->TryCancel();
-        }
-        c.stream = c.stub->PushPull(c.context.get());
-        written = c.stream->Write(pushes[s]);
-      }
-      if (written) {
-        absl::MutexLock lock(&mu);
-        last_written = std::max(last_written, absl::Now());
-      }
-      const bool ok = written && c.stream->Read(&(*pulls)[s]);
-      if (!ok) {
-        // Finish needs every incoming message read; after a failed Read
-        // there are none left.
-        v1::Pull ignored;
-        while (!written && c.stream->Read(&ignored)) {
-        }
-        const grpc::Status st = c.stream->Finish();
-        c.broken = true;
-        // The shard numbers a failed attempt (common/epoch.h): this worker's
-        // next push of the step is a retry of it.
-        const auto& trailers = c.context->GetServerTrailingMetadata();
-        if (auto it = trailers.find(kEpochMetadataKey); it != trailers.end()) {
-          uint64_t epoch = 0;
-          // Epochs start at the leader's start time in microseconds
-          // (common/epoch.h): a far-future one is ignored.
-          if (absl::SimpleAtoi(absl::string_view(it->second.data(),
-                                                 it->second.size()),
-                               &epoch) &&
-              IsPlausibleEpoch(epoch)) {
-            absl::MutexLock lock(&mu);
-            learned_epoch = std::max(learned_epoch, epoch);
-          }
-        }
-        result = st.ok()
-                     ? absl::UnavailableError(absl::StrCat(
-                           "stream closed by the server during step ", step))
-                     : FromGrpcStatus(st);
-        if (absl::IsResourceExhausted(result)) {
-          result = absl::ResourceExhaustedError(absl::StrCat(
-              result.message(),
-              " (a push or pull exceeds the cluster's max_message_bytes = ",
-              cluster_.max_message_bytes(),
-              "; raise the servers' --max-message-bytes, or use more shards "
-              "or a lower density)"));
-        }
-      }
-      absl::MutexLock lock(&mu);
-      if (!result.ok()) ++failed;
-      results[s] = std::move(result);
-      done[s] = true;
-      ++finished;
+      absl::Status result =
+          PushPullOnShard(s, step, pushes[s], &(*pulls)[s], round);
+      absl::MutexLock lock(&round.mu);
+      if (!result.ok()) ++round.failed;
+      round.results[s] = std::move(result);
+      round.done[s] = true;
+      ++round.finished;
     });
   }
+  AwaitShards(round);
+  for (auto& t : threads) t.join();
+  *push_time = round.last_written - round.start;
+  epoch_ = std::max(epoch_, round.learned_epoch);
 
-  const absl::Duration budget =
-      absl::Milliseconds(cluster_.step_timeout_ms()) +
-      options_.step_watchdog_margin;
-  std::vector<bool> timed_out(S, false);
-  // Shards cancelled because another shard already failed the step: a step
-  // that failed on one shard cannot be committed on any (the commit vote),
-  // so waiting for the others would only delay the caller's retry or
-  // recovery until their step timeout.
-  std::vector<bool> cut_short(S, false);
-  {
-    absl::MutexLock lock(&mu);
-    auto all_done_or_failed = [&] { return finished == S || failed > 0; };
-    auto all_done = [&] { return finished == S; };
-    const absl::Time watchdog = absl::Now() + budget;
-    if (!mu.AwaitWithDeadline(absl::Condition(&all_done_or_failed), watchdog)) {
-      for (size_t s = 0; s < S; ++s) {
-        if (!done[s]) {
-          timed_out[s] = true;
-          cancelled[s] = true;
-          shards_[s]->context->TryCancel();
-        }
-      }
-    } else if (finished < S &&
-               !mu.AwaitWithDeadline(
-                   absl::Condition(&all_done),
-                   std::min(watchdog, absl::Now() + kFailureGrace))) {
-      // A short grace first: shards failing at about the same time (e.g.
-      // all at the step deadline) still report their own, often more
-      // telling, errors.
-      for (size_t s = 0; s < S; ++s) {
-        if (!done[s]) {
-          cut_short[s] = true;
-          cancelled[s] = true;
-          shards_[s]->context->TryCancel();
-        }
+  const absl::Status status = RoundStatus(step, round);
+  if (status.ok()) return status;
+  CloseStreams();
+  return ExplainFingerprintRefusal(status);
+}
+
+absl::Status WorkerClient::PushPullOnShard(size_t s, int64_t step,
+                                           const v1::Push& push, v1::Pull* pull,
+                                           Round& round) {
+  ShardConn& c = *shards_[s];
+  if (c.stream == nullptr) c.stream = c.stub->PushPull(c.context.get());
+  bool written = c.stream->Write(push);
+  if (!written) {
+    // The stream died before this push got through (e.g. the shard
+    // restarted since the last step): finish it and push once more on a
+    // fresh stream. Safe: a shard takes one push per (step, worker) and
+    // treats a repeat as a retry.
+    v1::Pull ignored;
+    while (c.stream->Read(&ignored)) {
+    }
+    c.stream->Finish().IgnoreError();
+    {
+      absl::MutexLock lock(&round.mu);  // the watchdog cancels under mu
+      c.stream.reset();
+      SetStreamContext(c);
+      // Cancelling a context before its call starts cancels the call
+      // when it starts (grpc::ClientContext::TryCancel).
+      if (round.cancelled[s]) c.context->TryCancel();
+    }
+    c.stream = c.stub->PushPull(c.context.get());
+    written = c.stream->Write(push);
+  }
+  if (written) {
+    absl::MutexLock lock(&round.mu);
+    round.last_written = std::max(round.last_written, absl::Now());
+  }
+  if (written && c.stream->Read(pull)) return absl::OkStatus();
+
+  // Finish needs every incoming message read; after a failed Read there
+  // are none left.
+  v1::Pull ignored;
+  while (!written && c.stream->Read(&ignored)) {
+  }
+  const grpc::Status st = c.stream->Finish();
+  c.broken = true;
+  // The shard numbers a failed attempt (common/epoch.h): this worker's
+  // next push of the step is a retry of it.
+  if (const uint64_t epoch = EpochFromTrailers(*c.context); epoch != 0) {
+    absl::MutexLock lock(&round.mu);
+    round.learned_epoch = std::max(round.learned_epoch, epoch);
+  }
+  return StreamFailure(st, step, cluster_.max_message_bytes());
+}
+
+void WorkerClient::AwaitShards(Round& round) const {
+  const size_t S = shards_.size();
+  absl::MutexLock lock(&round.mu);
+  // Cancels every shard still out, marking it in `why`.
+  auto cancel_unfinished = [&](std::vector<bool>& why) {
+    for (size_t s = 0; s < S; ++s) {
+      if (!round.done[s]) {
+        why[s] = true;
+        round.cancelled[s] = true;
+        shards_[s]->context->TryCancel();
       }
     }
-    mu.Await(absl::Condition(&all_done));  // prompt after the cancel
+  };
+  auto all_done_or_failed = [&] {
+    return round.finished == S || round.failed > 0;
+  };
+  auto all_done = [&] { return round.finished == S; };
+  const absl::Time watchdog = absl::Now() + round.budget;
+  if (!round.mu.AwaitWithDeadline(absl::Condition(&all_done_or_failed),
+                                  watchdog)) {
+    cancel_unfinished(round.timed_out);
+  } else if (round.finished < S &&
+             !round.mu.AwaitWithDeadline(
+                 absl::Condition(&all_done),
+                 std::min(watchdog, absl::Now() + kFailureGrace))) {
+    // A short grace first: shards failing at about the same time (e.g.
+    // all at the step deadline) still report their own, often more
+    // telling, errors.
+    cancel_unfinished(round.cut_short);
   }
-  for (auto& t : threads) t.join();
-  last_push_time_ = last_written - exchange_start;
-  epoch_ = std::max(epoch_, learned_epoch);
+  round.mu.Await(absl::Condition(&all_done));  // prompt after the cancel
+}
 
+absl::Status WorkerClient::RoundStatus(int64_t step, const Round& round) const {
+  const size_t S = shards_.size();
   std::vector<std::string> messages;
   absl::StatusCode code = absl::StatusCode::kOk;
   for (size_t s = 0; s < S; ++s) {
-    absl::Status st = results[s];
-    if (timed_out[s]) {
+    absl::Status st = round.results[s];
+    if (round.timed_out[s]) {
       st = absl::DeadlineExceededError(absl::StrCat(
-          "no pull for step ", step, " within ", absl::FormatDuration(budget),
-          " (step timeout ", cluster_.step_timeout_ms(), "ms + margin); ",
-          "stream cancelled"));
+          "no pull for step ", step, " within ",
+          absl::FormatDuration(round.budget), " (step timeout ",
+          cluster_.step_timeout_ms(), "ms + margin); ", "stream cancelled"));
     }
-    if (st.ok() || cut_short[s]) continue;
+    if (st.ok() || round.cut_short[s]) continue;
     // The step's cause, not its echo: ABORTED means "failed elsewhere"
     // (another shard, another worker), so any other code a shard reports
     // (e.g. FAILED_PRECONDITION for an update that would not be finite, on
@@ -836,210 +1221,13 @@ absl::Status WorkerClient::Exchange(int64_t step,
   }
   if (code == absl::StatusCode::kOk) {
     bool any_cut = false;
-    for (size_t s = 0; s < S; ++s) any_cut |= cut_short[s] && !results[s].ok();
+    for (size_t s = 0; s < S; ++s) {
+      any_cut |= round.cut_short[s] && !round.results[s].ok();
+    }
     if (!any_cut) return absl::OkStatus();
     code = absl::StatusCode::kInternal;  // unreachable: a failure cut it
   }
-  CloseStreams();
-  return ExplainFingerprintRefusal(
-      absl::Status(code, absl::StrJoin(messages, "; ")));
-}
-
-absl::StatusOr<StepStats> WorkerClient::Step(absl::Span<const float> gradient,
-                                             absl::Span<float> params) {
-  const uint64_t n = cluster_.n();
-  if (gradient.size() != n || params.size() != n) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "Step: gradient has ", gradient.size(), " values and params ",
-        params.size(), "; n = ", n));
-  }
-  const size_t S = shards_.size();
-  const int P = static_cast<int>(cluster_.num_workers());
-  const int64_t step = next_step_;
-  GTOPK_ASSIGN_OR_RETURN(StepStats stats, BeginStep(n));
-
-  absl::Time t = absl::Now();
-  // Nothing changed when this fails (its contract).
-  GTOPK_RETURN_IF_ERROR(rule_.AccumulateLocal(
-      step, gradient, params, absl::MakeSpan(velocity_),
-      feedback_.mutable_residual()));
-  stats.accumulate = absl::Now() - t;
-
-  // From here on the residual holds u; a failure must leave it there.
-  SparseVector sent, received;
-  bool marked = false;
-  auto fail = [&](absl::Status status) -> absl::Status {
-    if (marked) {
-      // Every sent entry goes back: residual[i] = fl(fl(u - recv) + recv).
-      const absl::Status restored = feedback_.PutBack(received, SparseVector());
-      if (!restored.ok()) {
-        return absl::InternalError(absl::StrCat(
-            status.ToString(), "; and restoring the residual failed: ",
-            restored.ToString()));
-      }
-    }
-    return status;
-  };
-
-  std::vector<v1::Push> pushes(S);
-  for (size_t s = 0; s < S; ++s) {
-    pushes[s].set_step(step);
-    pushes[s].set_worker(rank_);
-    pushes[s].set_epoch(epoch_);
-    pushes[s].set_shard_id(shards_[s]->id);
-  }
-  if (mode_ == Mode::kDense) {
-    t = absl::Now();
-    const absl::Span<const float> u = feedback_.residual();
-    for (size_t s = 0; s < S; ++s) {
-      const uint64_t len = shards_[s]->end - shards_[s]->begin;
-      auto* dense = pushes[s].mutable_dense();
-      dense->Resize(static_cast<int>(len), 0.0f);
-      if (len > 0) {
-        std::memcpy(dense->mutable_data(), u.data() + shards_[s]->begin,
-                    len * sizeof(float));
-      }
-    }
-    stats.sent_pairs = n;
-    stats.encode = absl::Now() - t;
-  } else {
-    t = absl::Now();
-    absl::Status st = selector_->Select(feedback_.residual(), stats.k,
-                                        static_cast<uint64_t>(step), &sent);
-    if (!st.ok()) return fail(st);
-    received = sent;
-    QuantizeValues(codec_.value, absl::MakeSpan(received.values));
-    st = feedback_.MarkSent(sent, received);
-    if (!st.ok()) return fail(st);
-    marked = true;
-    stats.select = absl::Now() - t;
-    stats.sent_pairs = sent.size();
-
-    t = absl::Now();
-    for (size_t s = 0; s < S; ++s) {
-      const SparseVector slice =
-          Slice(sent, shards_[s]->begin, shards_[s]->end);
-      st = EncodeSparse(slice, n, codec_, pushes[s].mutable_sparse());
-      if (!st.ok()) return fail(Prefixed(st, ShardName(s)));
-    }
-    stats.encode = absl::Now() - t;
-  }
-  StampPushes(&pushes);
-  for (size_t s = 0; s < S; ++s) stats.bytes_sent[s] = pushes[s].ByteSizeLong();
-
-  // Push to every shard, then await every pull.
-  t = absl::Now();
-  std::vector<v1::Pull> pulls;
-  {
-    const absl::Status st = Exchange(step, pushes, &pulls);
-    if (!st.ok()) return fail(st);
-  }
-  // Validate and decode everything before changing any state.
-  SparseVector global;
-  for (size_t s = 0; s < S; ++s) {
-    const ShardConn& c = *shards_[s];
-    const v1::Pull& pull = pulls[s];
-    stats.bytes_received[s] = pull.ByteSizeLong();
-    stats.server_merge = std::max(
-        stats.server_merge, absl::Microseconds(static_cast<int64_t>(pull.merge_us())));
-    stats.server_select = std::max(
-        stats.server_select, absl::Microseconds(static_cast<int64_t>(pull.select_us())));
-    absl::Status bad;
-    if (pull.step() != step || pull.shard_id() != c.id) {
-      bad = absl::InternalError(absl::StrCat(
-          "pull is for step ", pull.step(), " shard ", pull.shard_id(),
-          ", expected step ", step));
-    } else if (mode_ == Mode::kDense) {
-      if (static_cast<uint64_t>(pull.dense_size()) != c.end - c.begin) {
-        bad = absl::InternalError(absl::StrCat("dense pull has ",
-                                               pull.dense_size(),
-                                               " values, range has ",
-                                               c.end - c.begin));
-      } else {
-        bad = ValidateFinite(pull.dense(), "dense pull");
-        if (!bad.ok()) bad = absl::InternalError(bad.message());
-      }
-      stats.received_pairs += pull.dense_size();
-    } else {
-      SparseVector part;
-      bad = DecodeSparse(pull.sparse(), n, &part);
-      if (!bad.ok()) {
-        bad = absl::InternalError(absl::StrCat("undecodable pull: ",
-                                               bad.message()));
-      } else if (!part.empty() &&
-                 (part.indices.front() < c.begin ||
-                  part.indices.back() >= c.end)) {
-        bad = absl::InternalError(absl::StrCat(
-            "pull has indices outside [", c.begin, ", ", c.end, ")"));
-      } else {
-        // Shards are in index order, so the union stays sorted.
-        global.indices.insert(global.indices.end(), part.indices.begin(),
-                              part.indices.end());
-        global.values.insert(global.values.end(), part.values.begin(),
-                             part.values.end());
-        stats.received_pairs += part.size();
-      }
-    }
-    if (!bad.ok()) {
-      CloseStreams();
-      return fail(Prefixed(bad, ShardName(s)));
-    }
-  }
-  stats.push_wait = absl::Now() - t;
-  stats.push = std::min(last_push_time_, stats.push_wait);
-  stats.wait = stats.push_wait - stats.push;
-
-  t = absl::Now();
-  // The servers refused any step whose update would not stay finite, and
-  // this replica holds their bits, so this check passes unless the replica
-  // diverged; it runs before anything changes so that no state is half
-  // updated then (the entries sent go back to the residual).
-  {
-    absl::Status finite;
-    if (mode_ == Mode::kDense) {
-      for (size_t s = 0; s < S && finite.ok(); ++s) {
-        const uint64_t begin = shards_[s]->begin;
-        const uint64_t len = shards_[s]->end - begin;
-        finite = rule_.CheckAggregatedDense(
-            pulls[s].dense(), P, begin, params.subspan(begin, len),
-            absl::MakeConstSpan(global_velocity_).subspan(begin, len));
-      }
-    } else {
-      finite = rule_.CheckAggregated(global, 0, P, params, global_velocity_);
-    }
-    if (!finite.ok()) {
-      return fail(absl::InternalError(absl::StrCat(
-          "step ", step, ": the servers' update cannot be applied to this "
-          "replica (its parameters differ from the servers'): ",
-          finite.message())));
-    }
-  }
-  if (mode_ == Mode::kDense) {
-    for (size_t s = 0; s < S; ++s) {
-      const uint64_t begin = shards_[s]->begin;
-      const uint64_t len = shards_[s]->end - begin;
-      // Checked above (CheckAggregatedDense), nothing changed since.
-      rule_.StoreAggregatedDense(
-          pulls[s].dense(), P, params.subspan(begin, len),
-          absl::MakeSpan(global_velocity_).subspan(begin, len));
-    }
-    // Everything accumulated was applied.
-    std::fill(feedback_.mutable_residual().begin(),
-              feedback_.mutable_residual().end(), 0.0f);
-  } else {
-    if (mode_ == Mode::kGtopk) {
-      GTOPK_RETURN_IF_ERROR(feedback_.PutBack(received, global));
-    }
-    GTOPK_RETURN_IF_ERROR(
-        rule_.MaskMomentum(sent, global, absl::MakeSpan(velocity_)));
-    // Checked above (CheckAggregated); PutBack and MaskMomentum touch
-    // neither params nor the global velocity.
-    rule_.StoreAggregated(global, 0, P, params,
-                          absl::MakeSpan(global_velocity_));
-  }
-  stats.apply = absl::Now() - t;
-  ++next_step_;
-  return stats;
+  return absl::Status(code, absl::StrJoin(messages, "; "));
 }
 
 }  // namespace worker
