@@ -296,8 +296,8 @@ class WorkerClient {
                                   absl::Time deadline);
 
  private:
-  struct ShardConn;
-  struct Round;  // one PushPullRound's shared state (client.cc)
+  struct ShardConn;  // worker/client_internal.h
+  struct Round;      // one PushPullRound's shared state (push_pull_round.cc)
 
   WorkerClient(const ClientOptions& options, uint32_t rank,
                uint64_t member_token, v1::ClusterSpec cluster,
@@ -375,7 +375,7 @@ class WorkerClient {
   absl::Status PushPullOnShard(size_t s, int64_t step, const v1::Push& push,
                                v1::Pull* pull, Round& round);
   // Waits for every shard's thread; cancels the shards still out at the
-  // watchdog deadline, or kFailureGrace after the first failure.
+  // watchdog deadline, or kFailureGrace (250 ms) after the first failure.
   void AwaitShards(Round& round) const;
   // The round's outcome from its shards' results: OK, or the step's cause
   // (its code; every failed shard named).

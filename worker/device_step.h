@@ -3,7 +3,7 @@
 // step's phases that touch it (Shi et al., arXiv:1901.04359, with the
 // selection near one pass over memory as arXiv:2209.08497 asks; momentum
 // correction and masking from DGC, arXiv:1712.01887). The pushes, pulls and
-// their decoding are the host Step's (worker/client.cc); this class only
+// their decoding are the host Step's (worker/client_step.cc); this class only
 // runs what happens on the GPU before and after them.
 //
 // Per step, on `stream`:
