@@ -139,6 +139,32 @@ absl::Status CheckShardsAgree(const Shards& shards,
   return absl::OkStatus();
 }
 
+// One chunk of the DownloadParams stream of shard `shard_id`, which owns
+// [begin, end): expected at `offset`
+// and, after the first chunk (shard_step >= 0), for the same step.
+// Errors: INTERNAL naming the chunk, prefixed with `where`.
+absl::Status CheckParamsChunk(const v1::ParamsChunk& chunk, uint32_t shard_id,
+                              uint64_t begin, uint64_t end, uint64_t offset,
+                              int64_t shard_step, absl::string_view where) {
+  if (chunk.shard_id() != shard_id || chunk.offset() != offset ||
+      static_cast<uint64_t>(chunk.values_size()) > end - offset ||
+      (shard_step >= 0 && chunk.step() != shard_step) || chunk.step() < 0) {
+    return absl::InternalError(
+        absl::StrCat(where, ": malformed chunk (shard ", chunk.shard_id(),
+                     ", offset ", chunk.offset(), ", ", chunk.values_size(),
+                     " values, step ", chunk.step(), "); expected offset ",
+                     offset, " in [", begin, ", ", end, ")"));
+  }
+  if (chunk.global_velocity_size() != 0 &&
+      chunk.global_velocity_size() != chunk.values_size()) {
+    return absl::InternalError(
+        absl::StrCat(where, ": chunk at offset ", chunk.offset(), " has ",
+                     chunk.values_size(), " values but ",
+                     chunk.global_velocity_size(), " global velocity entries"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 uint64_t WorkerClient::SelectorSeedForRank(uint64_t cluster_seed,
@@ -354,128 +380,18 @@ absl::StatusOr<int64_t> WorkerClient::SynchronizeParameters(
         "SynchronizeParameters: params has ", params.size(), " values, n = ",
         n));
   }
-  const uint64_t limit = std::min(MessageLimit(cluster_), kDefaultMessageBytes);
-  // Room for the chunk's other fields and framing.
-  const uint64_t budget = limit > 2048 ? limit - 1024 : limit / 2;
-  const uint64_t chunk_floats = std::max<uint64_t>(1, budget / sizeof(float));
-
   if (rank_ == 0) {
     GTOPK_RETURN_IF_ERROR(ValidateFinite(params, "params"));
     for (size_t s = 0; s < shards_.size(); ++s) {
-      ShardConn& c = *shards_[s];
-      grpc::ClientContext context;
-      context.set_deadline(
-          absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
-      Cancellation::Scope cancel_scope(options_.cancellation.get(), &context);
-      v1::InitParamsResponse response;
-      auto writer = c.stub->InitParams(&context, &response);
-      uint64_t offset = c.begin;
-      do {  // at least one chunk, so an empty range still reports back
-        const uint64_t len = std::min(chunk_floats, c.end - offset);
-        v1::ParamsChunk chunk;
-        chunk.set_worker(rank_);
-        chunk.set_member_token(member_token_);
-        chunk.set_cluster_fingerprint(cluster_.cluster_fingerprint());
-        chunk.set_shard_id(c.id);
-        chunk.set_offset(offset);
-        chunk.mutable_values()->Resize(static_cast<int>(len), 0.0f);
-        if (len > 0) {
-          std::memcpy(chunk.mutable_values()->mutable_data(),
-                      params.data() + offset, len * sizeof(float));
-        }
-        if (!writer->Write(chunk)) break;  // Finish() has the reason
-        offset += len;
-      } while (offset < c.end);
-      writer->WritesDone();
-      const absl::Status st = FromGrpcStatus(writer->Finish());
-      if (!st.ok()) return Prefixed(st, absl::StrCat(ShardName(s), ": InitParams"));
+      GTOPK_RETURN_IF_ERROR(OfferInitialParams(s, params));
     }
   }
 
   int64_t step = -1;
   size_t step_shard = 0;
   for (size_t s = 0; s < shards_.size(); ++s) {
-    ShardConn& c = *shards_[s];
-    const std::string where = absl::StrCat(ShardName(s), ": DownloadParams");
-    // A read: a call that failed with UNAVAILABLE (sent on a connection that
-    // died under it, "Connection reset by peer" or "Socket closed", the
-    // first call after the shard was killed and restarted; or the shard down
-    // or shutting down) is sent again, waiting for the shard to be ready,
-    // with backoff, until the deadline. Every attempt rewrites the whole
-    // range, so a partial earlier one leaves nothing behind.
-    const absl::Time deadline = absl::Now() + options_.rpc_timeout;
-    absl::Duration backoff = kReconnectBackoffMin;
-    uint64_t offset = c.begin;
-    int64_t shard_step = -1;
-    for (int attempt = 0;; ++attempt) {
-      grpc::ClientContext context;
-      context.set_deadline(absl::ToChronoTime(deadline));
-      if (attempt > 0) context.set_wait_for_ready(true);
-      Cancellation::Scope cancel_scope(options_.cancellation.get(), &context);
-      v1::DownloadParamsRequest request;
-      request.set_worker(rank_);
-      request.set_cluster_fingerprint(cluster_.cluster_fingerprint());
-      auto reader = c.stub->DownloadParams(&context, request);
-      v1::ParamsChunk chunk;
-      offset = c.begin;
-      shard_step = -1;
-      absl::Status bad;
-      while (reader->Read(&chunk)) {
-        if (!bad.ok()) continue;  // drain before Finish
-        if (chunk.shard_id() != c.id || chunk.offset() != offset ||
-            static_cast<uint64_t>(chunk.values_size()) > c.end - offset ||
-            (shard_step >= 0 && chunk.step() != shard_step) ||
-            chunk.step() < 0) {
-          bad = absl::InternalError(absl::StrCat(
-              where, ": malformed chunk (shard ", chunk.shard_id(), ", offset ",
-              chunk.offset(), ", ", chunk.values_size(), " values, step ",
-              chunk.step(), "); expected offset ", offset, " in [", c.begin,
-              ", ", c.end, ")"));
-          context.TryCancel();
-          continue;
-        }
-        if (chunk.global_velocity_size() != 0 &&
-            chunk.global_velocity_size() != chunk.values_size()) {
-          bad = absl::InternalError(absl::StrCat(
-              where, ": chunk at offset ", chunk.offset(), " has ",
-              chunk.values_size(), " values but ", chunk.global_velocity_size(),
-              " global velocity entries"));
-          context.TryCancel();
-          continue;
-        }
-        shard_step = chunk.step();
-        if (chunk.values_size() > 0) {
-          std::memcpy(params.data() + offset, chunk.values().data(),
-                      chunk.values_size() * sizeof(float));
-        }
-        // Global momentum: continue with the servers' V, so a joining or
-        // restarted replica applies the same updates as everyone else.
-        if (chunk.global_velocity_size() > 0) {
-          std::memcpy(global_velocity_.data() + offset,
-                      chunk.global_velocity().data(),
-                      chunk.global_velocity_size() * sizeof(float));
-        }
-        offset += chunk.values_size();
-      }
-      const absl::Status st = FromGrpcStatus(reader->Finish());
-      GTOPK_RETURN_IF_ERROR(bad);
-      if (st.ok()) break;
-      if (!absl::IsUnavailable(st) || absl::Now() + backoff >= deadline) {
-        return Prefixed(st, where);
-      }
-      if (options_.cancellation != nullptr
-              ? options_.cancellation->SleepUnlessCancelled(backoff)
-              : (absl::SleepFor(backoff), false)) {
-        return absl::CancelledError(
-            absl::StrCat(where, ": cancelled (after: ", st.message(), ")"));
-      }
-      backoff = std::min(2 * backoff, kReconnectBackoffMax);
-    }
-    if (offset != c.end) {
-      return absl::InternalError(absl::StrCat(where, ": stream ended at index ",
-                                              offset, ", range ends at ",
-                                              c.end));
-    }
+    GTOPK_ASSIGN_OR_RETURN(const int64_t shard_step,
+                           DownloadShardParams(s, params));
     if (shard_step < 0) continue;  // an empty range may send no chunk
     if (step >= 0 && shard_step != step) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -491,6 +407,112 @@ absl::StatusOr<int64_t> WorkerClient::SynchronizeParameters(
   }
   next_step_ = step;
   return step;
+}
+
+absl::Status WorkerClient::OfferInitialParams(size_t s,
+                                              absl::Span<const float> params) {
+  const uint64_t limit = std::min(MessageLimit(cluster_), kDefaultMessageBytes);
+  // Room for the chunk's other fields and framing.
+  const uint64_t budget = limit > 2048 ? limit - 1024 : limit / 2;
+  const uint64_t chunk_floats = std::max<uint64_t>(1, budget / sizeof(float));
+
+  ShardConn& c = *shards_[s];
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+  Cancellation::Scope cancel_scope(options_.cancellation.get(), &context);
+  v1::InitParamsResponse response;
+  auto writer = c.stub->InitParams(&context, &response);
+  uint64_t offset = c.begin;
+  do {  // at least one chunk, so an empty range still reports back
+    const uint64_t len = std::min(chunk_floats, c.end - offset);
+    v1::ParamsChunk chunk;
+    chunk.set_worker(rank_);
+    chunk.set_member_token(member_token_);
+    chunk.set_cluster_fingerprint(cluster_.cluster_fingerprint());
+    chunk.set_shard_id(c.id);
+    chunk.set_offset(offset);
+    chunk.mutable_values()->Resize(static_cast<int>(len), 0.0f);
+    if (len > 0) {
+      std::memcpy(chunk.mutable_values()->mutable_data(),
+                  params.data() + offset, len * sizeof(float));
+    }
+    if (!writer->Write(chunk)) break;  // Finish() has the reason
+    offset += len;
+  } while (offset < c.end);
+  writer->WritesDone();
+  const absl::Status st = FromGrpcStatus(writer->Finish());
+  if (!st.ok()) return Prefixed(st, absl::StrCat(ShardName(s), ": InitParams"));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> WorkerClient::DownloadShardParams(
+    size_t s, absl::Span<float> params) {
+  const ShardConn& c = *shards_[s];
+  const std::string where = absl::StrCat(ShardName(s), ": DownloadParams");
+  // A read: a call that failed with UNAVAILABLE (sent on a connection that
+  // died under it, "Connection reset by peer" or "Socket closed", the
+  // first call after the shard was killed and restarted; or the shard down
+  // or shutting down) is sent again, waiting for the shard to be ready,
+  // with backoff, until the deadline. Every attempt rewrites the whole
+  // range, so a partial earlier one leaves nothing behind.
+  const absl::Time deadline = absl::Now() + options_.rpc_timeout;
+  absl::Duration backoff = kReconnectBackoffMin;
+  for (int attempt = 0;; ++attempt) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(deadline));
+    if (attempt > 0) context.set_wait_for_ready(true);
+    Cancellation::Scope cancel_scope(options_.cancellation.get(), &context);
+    v1::DownloadParamsRequest request;
+    request.set_worker(rank_);
+    request.set_cluster_fingerprint(cluster_.cluster_fingerprint());
+    auto reader = c.stub->DownloadParams(&context, request);
+    v1::ParamsChunk chunk;
+    uint64_t offset = c.begin;
+    int64_t shard_step = -1;
+    absl::Status bad;
+    while (reader->Read(&chunk)) {
+      if (!bad.ok()) continue;  // drain before Finish
+      bad = CheckParamsChunk(chunk, c.id, c.begin, c.end, offset, shard_step,
+                             where);
+      if (!bad.ok()) {
+        context.TryCancel();
+        continue;
+      }
+      shard_step = chunk.step();
+      if (chunk.values_size() > 0) {
+        std::memcpy(params.data() + offset, chunk.values().data(),
+                    chunk.values_size() * sizeof(float));
+      }
+      // Global momentum: continue with the servers' V, so a joining or
+      // restarted replica applies the same updates as everyone else.
+      if (chunk.global_velocity_size() > 0) {
+        std::memcpy(global_velocity_.data() + offset,
+                    chunk.global_velocity().data(),
+                    chunk.global_velocity_size() * sizeof(float));
+      }
+      offset += chunk.values_size();
+    }
+    const absl::Status st = FromGrpcStatus(reader->Finish());
+    GTOPK_RETURN_IF_ERROR(bad);
+    if (st.ok()) {
+      if (offset != c.end) {
+        return absl::InternalError(
+            absl::StrCat(where, ": stream ended at index ", offset,
+                         ", range ends at ", c.end));
+      }
+      return shard_step;
+    }
+    if (!absl::IsUnavailable(st) || absl::Now() + backoff >= deadline) {
+      return Prefixed(st, where);
+    }
+    if (options_.cancellation != nullptr
+            ? options_.cancellation->SleepUnlessCancelled(backoff)
+            : (absl::SleepFor(backoff), false)) {
+      return absl::CancelledError(
+          absl::StrCat(where, ": cancelled (after: ", st.message(), ")"));
+    }
+    backoff = std::min(2 * backoff, kReconnectBackoffMax);
+  }
 }
 
 absl::StatusOr<WorkerState> WorkerClient::ExportState() {

@@ -381,6 +381,20 @@ class WorkerClient {
   // (its code; every failed shard named).
   absl::Status RoundStatus(int64_t step, const Round& round) const;
 
+  // SynchronizeParameters' parts, for shard s.
+  //
+  // Rank 0's offer of params[begin_s, end_s) (InitParams, in chunks below
+  // 4 MB and max_message_bytes). Errors: the RPC's status prefixed with
+  // "shard s (host:port): InitParams".
+  absl::Status OfferInitialParams(size_t s, absl::Span<const float> params);
+  // Downloads the shard's range into `params` (and into the global velocity
+  // when the shard sends it), retrying UNAVAILABLE until rpc_timeout.
+  // Returns the shard's step, or -1 when its empty range sent no chunk.
+  // Errors: INTERNAL for a malformed chunk or a short stream; the RPC's
+  // status; CANCELLED; each prefixed "shard s (host:port): DownloadParams".
+  absl::StatusOr<int64_t> DownloadShardParams(size_t s,
+                                              absl::Span<float> params);
+
   // Cancels and finishes every open stream.
   void CloseStreams();
   // Opens a fresh stream context on `c` (registered with
