@@ -1,3 +1,6 @@
+// WorkerClient (worker/client.h): joining the cluster, the shards' streams,
+// parameter synchronisation, the worker's state and recovery. One step is in
+// worker/client_step.cc, its pushes and pulls in worker/push_pull_round.cc.
 #include "worker/client.h"
 
 #include <algorithm>
@@ -7,52 +10,23 @@
 #include <utility>
 
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/cluster_spec.h"
-#include "common/epoch.h"
 #include "common/grpc_edge.h"
 #include "common/random.h"
 #include "common/status_macros.h"
 #include "grpcpp/grpcpp.h"
+#include "worker/client_internal.h"
+#include "worker/device_step.h"
 
 namespace gtopk {
 namespace worker {
-
-// One shard: its channel and, between steps, its open PushPull stream.
-struct WorkerClient::ShardConn {
-  uint32_t id = 0;
-  std::string address;
-  uint64_t begin = 0;
-  uint64_t end = 0;
-  std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<v1::Aggregator::Stub> stub;
-  // Open stream (both null when closed). The context outlives the stream.
-  std::unique_ptr<grpc::ClientContext> context;
-  // The context's registration with ClientOptions::cancellation; declared
-  // after it so that it ends first.
-  std::unique_ptr<Cancellation::Scope> cancel_scope;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::Push, v1::Pull>> stream;
-  // Set by the step thread when the stream ended (it must be reopened).
-  bool broken = false;
-};
-
 namespace {
-
-// After one shard failed a step, how long the others may still report
-// their own errors before their streams are cancelled.
-constexpr absl::Duration kFailureGrace = absl::Milliseconds(250);
 
 // gRPC's default message limit; every chunked transfer stays below it.
 constexpr uint64_t kDefaultMessageBytes = uint64_t{4} << 20;
-
-// Same code, message prefixed with `where`.
-absl::Status Prefixed(const absl::Status& s, absl::string_view where) {
-  return absl::Status(s.code(), absl::StrCat(where, ": ", s.message()));
-}
 
 absl::StatusOr<OptimizerOptions> OptimizerFromSpec(const v1::OptimizerSpec& s) {
   OptimizerOptions o;
@@ -130,18 +104,6 @@ uint64_t MessageLimit(const v1::ClusterSpec& c) {
   return std::min<uint64_t>(limit, INT_MAX);
 }
 
-// The entries of `v` with index in [begin, end).
-SparseVector Slice(const SparseVector& v, uint64_t begin, uint64_t end) {
-  const auto lo = std::lower_bound(v.indices.begin(), v.indices.end(), begin);
-  const auto hi = std::lower_bound(lo, v.indices.end(), end);
-  const size_t a = lo - v.indices.begin();
-  const size_t b = hi - v.indices.begin();
-  SparseVector out;
-  out.indices.assign(v.indices.begin() + a, v.indices.begin() + b);
-  out.values.assign(v.values.begin() + a, v.values.begin() + b);
-  return out;
-}
-
 // Asks every non-leader shard for the cluster spec (GetClusterSpec), so
 // that a shard started with other settings than the leader is found before
 // the first step: the shard compares the leader's spec with its own flags
@@ -173,6 +135,32 @@ absl::Status CheckShardsAgree(const Shards& shards,
           leader_spec.n(), " and ", leader_spec.shards_size(),
           " (is the shard's --peers right?)"));
     }
+  }
+  return absl::OkStatus();
+}
+
+// One chunk of the DownloadParams stream of shard `shard_id`, which owns
+// [begin, end): expected at `offset`
+// and, after the first chunk (shard_step >= 0), for the same step.
+// Errors: INTERNAL naming the chunk, prefixed with `where`.
+absl::Status CheckParamsChunk(const v1::ParamsChunk& chunk, uint32_t shard_id,
+                              uint64_t begin, uint64_t end, uint64_t offset,
+                              int64_t shard_step, absl::string_view where) {
+  if (chunk.shard_id() != shard_id || chunk.offset() != offset ||
+      static_cast<uint64_t>(chunk.values_size()) > end - offset ||
+      (shard_step >= 0 && chunk.step() != shard_step) || chunk.step() < 0) {
+    return absl::InternalError(
+        absl::StrCat(where, ": malformed chunk (shard ", chunk.shard_id(),
+                     ", offset ", chunk.offset(), ", ", chunk.values_size(),
+                     " values, step ", chunk.step(), "); expected offset ",
+                     offset, " in [", begin, ", ", end, ")"));
+  }
+  if (chunk.global_velocity_size() != 0 &&
+      chunk.global_velocity_size() != chunk.values_size()) {
+    return absl::InternalError(
+        absl::StrCat(where, ": chunk at offset ", chunk.offset(), " has ",
+                     chunk.values_size(), " values but ",
+                     chunk.global_velocity_size(), " global velocity entries"));
   }
   return absl::OkStatus();
 }
@@ -349,13 +337,6 @@ void WorkerClient::OpenLeaderStream() {
   waiter.join();
 }
 
-void WorkerClient::StampPushes(std::vector<v1::Push>* pushes) const {
-  for (v1::Push& p : *pushes) {
-    p.set_member_token(member_token_);
-    p.set_cluster_fingerprint(cluster_.cluster_fingerprint());
-  }
-}
-
 absl::Status WorkerClient::ExplainFingerprintRefusal(
     const absl::Status& status) {
   if (!absl::IsFailedPrecondition(status) ||
@@ -399,128 +380,18 @@ absl::StatusOr<int64_t> WorkerClient::SynchronizeParameters(
         "SynchronizeParameters: params has ", params.size(), " values, n = ",
         n));
   }
-  const uint64_t limit = std::min(MessageLimit(cluster_), kDefaultMessageBytes);
-  // Room for the chunk's other fields and framing.
-  const uint64_t budget = limit > 2048 ? limit - 1024 : limit / 2;
-  const uint64_t chunk_floats = std::max<uint64_t>(1, budget / sizeof(float));
-
   if (rank_ == 0) {
     GTOPK_RETURN_IF_ERROR(ValidateFinite(params, "params"));
     for (size_t s = 0; s < shards_.size(); ++s) {
-      ShardConn& c = *shards_[s];
-      grpc::ClientContext context;
-      context.set_deadline(
-          absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
-      Cancellation::Scope cancel_scope(options_.cancellation.get(), &context);
-      v1::InitParamsResponse response;
-      auto writer = c.stub->InitParams(&context, &response);
-      uint64_t offset = c.begin;
-      do {  // at least one chunk, so an empty range still reports back
-        const uint64_t len = std::min(chunk_floats, c.end - offset);
-        v1::ParamsChunk chunk;
-        chunk.set_worker(rank_);
-        chunk.set_member_token(member_token_);
-        chunk.set_cluster_fingerprint(cluster_.cluster_fingerprint());
-        chunk.set_shard_id(c.id);
-        chunk.set_offset(offset);
-        chunk.mutable_values()->Resize(static_cast<int>(len), 0.0f);
-        if (len > 0) {
-          std::memcpy(chunk.mutable_values()->mutable_data(),
-                      params.data() + offset, len * sizeof(float));
-        }
-        if (!writer->Write(chunk)) break;  // Finish() has the reason
-        offset += len;
-      } while (offset < c.end);
-      writer->WritesDone();
-      const absl::Status st = FromGrpcStatus(writer->Finish());
-      if (!st.ok()) return Prefixed(st, absl::StrCat(ShardName(s), ": InitParams"));
+      GTOPK_RETURN_IF_ERROR(OfferInitialParams(s, params));
     }
   }
 
   int64_t step = -1;
   size_t step_shard = 0;
   for (size_t s = 0; s < shards_.size(); ++s) {
-    ShardConn& c = *shards_[s];
-    const std::string where = absl::StrCat(ShardName(s), ": DownloadParams");
-    // A read: a call that failed with UNAVAILABLE (sent on a connection that
-    // died under it, "Connection reset by peer" or "Socket closed", the
-    // first call after the shard was killed and restarted; or the shard down
-    // or shutting down) is sent again, waiting for the shard to be ready,
-    // with backoff, until the deadline. Every attempt rewrites the whole
-    // range, so a partial earlier one leaves nothing behind.
-    const absl::Time deadline = absl::Now() + options_.rpc_timeout;
-    absl::Duration backoff = kReconnectBackoffMin;
-    uint64_t offset = c.begin;
-    int64_t shard_step = -1;
-    for (int attempt = 0;; ++attempt) {
-      grpc::ClientContext context;
-      context.set_deadline(absl::ToChronoTime(deadline));
-      if (attempt > 0) context.set_wait_for_ready(true);
-      Cancellation::Scope cancel_scope(options_.cancellation.get(), &context);
-      v1::DownloadParamsRequest request;
-      request.set_worker(rank_);
-      request.set_cluster_fingerprint(cluster_.cluster_fingerprint());
-      auto reader = c.stub->DownloadParams(&context, request);
-      v1::ParamsChunk chunk;
-      offset = c.begin;
-      shard_step = -1;
-      absl::Status bad;
-      while (reader->Read(&chunk)) {
-        if (!bad.ok()) continue;  // drain before Finish
-        if (chunk.shard_id() != c.id || chunk.offset() != offset ||
-            static_cast<uint64_t>(chunk.values_size()) > c.end - offset ||
-            (shard_step >= 0 && chunk.step() != shard_step) ||
-            chunk.step() < 0) {
-          bad = absl::InternalError(absl::StrCat(
-              where, ": malformed chunk (shard ", chunk.shard_id(), ", offset ",
-              chunk.offset(), ", ", chunk.values_size(), " values, step ",
-              chunk.step(), "); expected offset ", offset, " in [", c.begin,
-              ", ", c.end, ")"));
-          context.TryCancel();
-          continue;
-        }
-        if (chunk.global_velocity_size() != 0 &&
-            chunk.global_velocity_size() != chunk.values_size()) {
-          bad = absl::InternalError(absl::StrCat(
-              where, ": chunk at offset ", chunk.offset(), " has ",
-              chunk.values_size(), " values but ", chunk.global_velocity_size(),
-              " global velocity entries"));
-          context.TryCancel();
-          continue;
-        }
-        shard_step = chunk.step();
-        if (chunk.values_size() > 0) {
-          std::memcpy(params.data() + offset, chunk.values().data(),
-                      chunk.values_size() * sizeof(float));
-        }
-        // Global momentum: continue with the servers' V, so a joining or
-        // restarted replica applies the same updates as everyone else.
-        if (chunk.global_velocity_size() > 0) {
-          std::memcpy(global_velocity_.data() + offset,
-                      chunk.global_velocity().data(),
-                      chunk.global_velocity_size() * sizeof(float));
-        }
-        offset += chunk.values_size();
-      }
-      const absl::Status st = FromGrpcStatus(reader->Finish());
-      GTOPK_RETURN_IF_ERROR(bad);
-      if (st.ok()) break;
-      if (!absl::IsUnavailable(st) || absl::Now() + backoff >= deadline) {
-        return Prefixed(st, where);
-      }
-      if (options_.cancellation != nullptr
-              ? options_.cancellation->SleepUnlessCancelled(backoff)
-              : (absl::SleepFor(backoff), false)) {
-        return absl::CancelledError(
-            absl::StrCat(where, ": cancelled (after: ", st.message(), ")"));
-      }
-      backoff = std::min(2 * backoff, kReconnectBackoffMax);
-    }
-    if (offset != c.end) {
-      return absl::InternalError(absl::StrCat(where, ": stream ended at index ",
-                                              offset, ", range ends at ",
-                                              c.end));
-    }
+    GTOPK_ASSIGN_OR_RETURN(const int64_t shard_step,
+                           DownloadShardParams(s, params));
     if (shard_step < 0) continue;  // an empty range may send no chunk
     if (step >= 0 && shard_step != step) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -538,10 +409,117 @@ absl::StatusOr<int64_t> WorkerClient::SynchronizeParameters(
   return step;
 }
 
+absl::Status WorkerClient::OfferInitialParams(size_t s,
+                                              absl::Span<const float> params) {
+  const uint64_t limit = std::min(MessageLimit(cluster_), kDefaultMessageBytes);
+  // Room for the chunk's other fields and framing.
+  const uint64_t budget = limit > 2048 ? limit - 1024 : limit / 2;
+  const uint64_t chunk_floats = std::max<uint64_t>(1, budget / sizeof(float));
+
+  ShardConn& c = *shards_[s];
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+  Cancellation::Scope cancel_scope(options_.cancellation.get(), &context);
+  v1::InitParamsResponse response;
+  auto writer = c.stub->InitParams(&context, &response);
+  uint64_t offset = c.begin;
+  do {  // at least one chunk, so an empty range still reports back
+    const uint64_t len = std::min(chunk_floats, c.end - offset);
+    v1::ParamsChunk chunk;
+    chunk.set_worker(rank_);
+    chunk.set_member_token(member_token_);
+    chunk.set_cluster_fingerprint(cluster_.cluster_fingerprint());
+    chunk.set_shard_id(c.id);
+    chunk.set_offset(offset);
+    chunk.mutable_values()->Resize(static_cast<int>(len), 0.0f);
+    if (len > 0) {
+      std::memcpy(chunk.mutable_values()->mutable_data(),
+                  params.data() + offset, len * sizeof(float));
+    }
+    if (!writer->Write(chunk)) break;  // Finish() has the reason
+    offset += len;
+  } while (offset < c.end);
+  writer->WritesDone();
+  const absl::Status st = FromGrpcStatus(writer->Finish());
+  if (!st.ok()) return Prefixed(st, absl::StrCat(ShardName(s), ": InitParams"));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> WorkerClient::DownloadShardParams(
+    size_t s, absl::Span<float> params) {
+  const ShardConn& c = *shards_[s];
+  const std::string where = absl::StrCat(ShardName(s), ": DownloadParams");
+  // A read: a call that failed with UNAVAILABLE (sent on a connection that
+  // died under it, "Connection reset by peer" or "Socket closed", the
+  // first call after the shard was killed and restarted; or the shard down
+  // or shutting down) is sent again, waiting for the shard to be ready,
+  // with backoff, until the deadline. Every attempt rewrites the whole
+  // range, so a partial earlier one leaves nothing behind.
+  const absl::Time deadline = absl::Now() + options_.rpc_timeout;
+  absl::Duration backoff = kReconnectBackoffMin;
+  for (int attempt = 0;; ++attempt) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(deadline));
+    if (attempt > 0) context.set_wait_for_ready(true);
+    Cancellation::Scope cancel_scope(options_.cancellation.get(), &context);
+    v1::DownloadParamsRequest request;
+    request.set_worker(rank_);
+    request.set_cluster_fingerprint(cluster_.cluster_fingerprint());
+    auto reader = c.stub->DownloadParams(&context, request);
+    v1::ParamsChunk chunk;
+    uint64_t offset = c.begin;
+    int64_t shard_step = -1;
+    absl::Status bad;
+    while (reader->Read(&chunk)) {
+      if (!bad.ok()) continue;  // drain before Finish
+      bad = CheckParamsChunk(chunk, c.id, c.begin, c.end, offset, shard_step,
+                             where);
+      if (!bad.ok()) {
+        context.TryCancel();
+        continue;
+      }
+      shard_step = chunk.step();
+      if (chunk.values_size() > 0) {
+        std::memcpy(params.data() + offset, chunk.values().data(),
+                    chunk.values_size() * sizeof(float));
+      }
+      // Global momentum: continue with the servers' V, so a joining or
+      // restarted replica applies the same updates as everyone else.
+      if (chunk.global_velocity_size() > 0) {
+        std::memcpy(global_velocity_.data() + offset,
+                    chunk.global_velocity().data(),
+                    chunk.global_velocity_size() * sizeof(float));
+      }
+      offset += chunk.values_size();
+    }
+    const absl::Status st = FromGrpcStatus(reader->Finish());
+    GTOPK_RETURN_IF_ERROR(bad);
+    if (st.ok()) {
+      if (offset != c.end) {
+        return absl::InternalError(
+            absl::StrCat(where, ": stream ended at index ", offset,
+                         ", range ends at ", c.end));
+      }
+      return shard_step;
+    }
+    if (!absl::IsUnavailable(st) || absl::Now() + backoff >= deadline) {
+      return Prefixed(st, where);
+    }
+    if (options_.cancellation != nullptr
+            ? options_.cancellation->SleepUnlessCancelled(backoff)
+            : (absl::SleepFor(backoff), false)) {
+      return absl::CancelledError(
+          absl::StrCat(where, ": cancelled (after: ", st.message(), ")"));
+    }
+    backoff = std::min(2 * backoff, kReconnectBackoffMax);
+  }
+}
+
 absl::StatusOr<WorkerState> WorkerClient::ExportState() {
-#if GTOPK_HAVE_CUDA
-  GTOPK_RETURN_IF_ERROR(CopyDeviceStateToHost());
-#endif
+  if (device_ != nullptr) {
+    GTOPK_RETURN_IF_ERROR(device_->CopyStateToHost(feedback_.mutable_residual(),
+                                                   absl::MakeSpan(velocity_)));
+  }
   WorkerState state;
   state.next_step = next_step_;
   state.residual.assign(feedback_.residual().begin(),
@@ -571,10 +549,8 @@ absl::Status WorkerClient::ImportState(const WorkerState& state) {
   std::copy(state.residual.begin(), state.residual.end(),
             feedback_.mutable_residual().begin());
   velocity_ = state.velocity;
-#if GTOPK_HAVE_CUDA
   // The next device Step uploads the imported state.
   device_.reset();
-#endif
   return absl::OkStatus();
 }
 
@@ -658,388 +634,6 @@ absl::StatusOr<int64_t> WorkerClient::Recover(absl::Span<float> params,
                      " but the shards served step ", step, "; try again"));
   }
   return step;
-}
-
-absl::StatusOr<StepStats> WorkerClient::BeginStep(uint64_t n) const {
-  StepStats stats;
-  stats.step = next_step_;
-  stats.bytes_sent.assign(shards_.size(), 0);
-  stats.bytes_received.assign(shards_.size(), 0);
-  GTOPK_ASSIGN_OR_RETURN(stats.k, rule_.KAt(next_step_, n));
-  return stats;
-}
-
-absl::Status WorkerClient::Exchange(int64_t step,
-                                    const std::vector<v1::Push>& pushes,
-                                    std::vector<v1::Pull>* pulls) {
-  const size_t S = shards_.size();
-  pulls->assign(S, v1::Pull());
-  std::vector<absl::Status> results(S);
-  std::vector<bool> done(S, false);
-  absl::Mutex mu;
-  size_t finished = 0;
-  const absl::Time exchange_start = absl::Now();
-  absl::Time last_written = exchange_start;  // guarded by mu
-  size_t failed = 0;
-  uint64_t learned_epoch = 0;  // guarded by mu
-  // Shards whose stream the watchdog has cancelled (guarded by mu): a
-  // stream reopened for them after that must start cancelled, or opening it
-  // (wait-for-ready, no deadline) would block on a dead shard for ever.
-  std::vector<bool> cancelled(S, false);
-
-  for (auto& c : shards_) {
-    if (c->stream == nullptr) {
-      SetStreamContext(*c);
-      c->broken = false;
-    }
-  }
-  std::vector<std::thread> threads;
-  threads.reserve(S);
-  for (size_t s = 0; s < S; ++s) {
-    threads.emplace_back([&, s] {
-      ShardConn& c = *shards_[s];
-      absl::Status result;
-      if (c.stream == nullptr) c.stream = c.stub->PushPull(c.context.get());
-      bool written = c.stream->Write(pushes[s]);
-      if (!written) {
-        // The stream died before this push got through (e.g. the shard
-        // restarted since the last step): finish it and push once more on a
-        // fresh stream. Safe: a shard takes one push per (step, worker) and
-        // treats a repeat as a retry.
-        v1::Pull ignored;
-        while (c.stream->Read(&ignored)) {
-        }
-        c.stream->Finish().IgnoreError();
-        {
-          absl::MutexLock lock(&mu);  // the watchdog cancels under mu
-          c.stream.reset();
-          SetStreamContext(c);
-          // Cancelling a context before its call starts cancels the call
-          // when it starts (grpc::ClientContext::TryCancel).
-          if (cancelled[s]) c.context->TryCancel();
-        }
-        c.stream = c.stub->PushPull(c.context.get());
-        written = c.stream->Write(pushes[s]);
-      }
-      if (written) {
-        absl::MutexLock lock(&mu);
-        last_written = std::max(last_written, absl::Now());
-      }
-      const bool ok = written && c.stream->Read(&(*pulls)[s]);
-      if (!ok) {
-        // Finish needs every incoming message read; after a failed Read
-        // there are none left.
-        v1::Pull ignored;
-        while (!written && c.stream->Read(&ignored)) {
-        }
-        const grpc::Status st = c.stream->Finish();
-        c.broken = true;
-        // The shard numbers a failed attempt (common/epoch.h): this worker's
-        // next push of the step is a retry of it.
-        const auto& trailers = c.context->GetServerTrailingMetadata();
-        if (auto it = trailers.find(kEpochMetadataKey); it != trailers.end()) {
-          uint64_t epoch = 0;
-          // Epochs start at the leader's start time in microseconds
-          // (common/epoch.h): a far-future one is ignored.
-          if (absl::SimpleAtoi(absl::string_view(it->second.data(),
-                                                 it->second.size()),
-                               &epoch) &&
-              IsPlausibleEpoch(epoch)) {
-            absl::MutexLock lock(&mu);
-            learned_epoch = std::max(learned_epoch, epoch);
-          }
-        }
-        result = st.ok()
-                     ? absl::UnavailableError(absl::StrCat(
-                           "stream closed by the server during step ", step))
-                     : FromGrpcStatus(st);
-        if (absl::IsResourceExhausted(result)) {
-          result = absl::ResourceExhaustedError(absl::StrCat(
-              result.message(),
-              " (a push or pull exceeds the cluster's max_message_bytes = ",
-              cluster_.max_message_bytes(),
-              "; raise the servers' --max-message-bytes, or use more shards "
-              "or a lower density)"));
-        }
-      }
-      absl::MutexLock lock(&mu);
-      if (!result.ok()) ++failed;
-      results[s] = std::move(result);
-      done[s] = true;
-      ++finished;
-    });
-  }
-
-  const absl::Duration budget =
-      absl::Milliseconds(cluster_.step_timeout_ms()) +
-      options_.step_watchdog_margin;
-  std::vector<bool> timed_out(S, false);
-  // Shards cancelled because another shard already failed the step: a step
-  // that failed on one shard cannot be committed on any (the commit vote),
-  // so waiting for the others would only delay the caller's retry or
-  // recovery until their step timeout.
-  std::vector<bool> cut_short(S, false);
-  {
-    absl::MutexLock lock(&mu);
-    auto all_done_or_failed = [&] { return finished == S || failed > 0; };
-    auto all_done = [&] { return finished == S; };
-    const absl::Time watchdog = absl::Now() + budget;
-    if (!mu.AwaitWithDeadline(absl::Condition(&all_done_or_failed), watchdog)) {
-      for (size_t s = 0; s < S; ++s) {
-        if (!done[s]) {
-          timed_out[s] = true;
-          cancelled[s] = true;
-          shards_[s]->context->TryCancel();
-        }
-      }
-    } else if (finished < S &&
-               !mu.AwaitWithDeadline(
-                   absl::Condition(&all_done),
-                   std::min(watchdog, absl::Now() + kFailureGrace))) {
-      // A short grace first: shards failing at about the same time (e.g.
-      // all at the step deadline) still report their own, often more
-      // telling, errors.
-      for (size_t s = 0; s < S; ++s) {
-        if (!done[s]) {
-          cut_short[s] = true;
-          cancelled[s] = true;
-          shards_[s]->context->TryCancel();
-        }
-      }
-    }
-    mu.Await(absl::Condition(&all_done));  // prompt after the cancel
-  }
-  for (auto& t : threads) t.join();
-  last_push_time_ = last_written - exchange_start;
-  epoch_ = std::max(epoch_, learned_epoch);
-
-  std::vector<std::string> messages;
-  absl::StatusCode code = absl::StatusCode::kOk;
-  for (size_t s = 0; s < S; ++s) {
-    absl::Status st = results[s];
-    if (timed_out[s]) {
-      st = absl::DeadlineExceededError(absl::StrCat(
-          "no pull for step ", step, " within ", absl::FormatDuration(budget),
-          " (step timeout ", cluster_.step_timeout_ms(), "ms + margin); ",
-          "stream cancelled"));
-    }
-    if (st.ok() || cut_short[s]) continue;
-    // The step's cause, not its echo: ABORTED means "failed elsewhere"
-    // (another shard, another worker), so any other code a shard reports
-    // (e.g. FAILED_PRECONDITION for an update that would not be finite, on
-    // the shard where it happened) is the step's code.
-    if (code == absl::StatusCode::kOk ||
-        (code == absl::StatusCode::kAborted && !absl::IsAborted(st))) {
-      code = st.code();
-    }
-    messages.push_back(absl::StrCat(ShardName(s), ": ", st.message()));
-  }
-  if (code == absl::StatusCode::kOk) {
-    bool any_cut = false;
-    for (size_t s = 0; s < S; ++s) any_cut |= cut_short[s] && !results[s].ok();
-    if (!any_cut) return absl::OkStatus();
-    code = absl::StatusCode::kInternal;  // unreachable: a failure cut it
-  }
-  CloseStreams();
-  return ExplainFingerprintRefusal(
-      absl::Status(code, absl::StrJoin(messages, "; ")));
-}
-
-absl::StatusOr<StepStats> WorkerClient::Step(absl::Span<const float> gradient,
-                                             absl::Span<float> params) {
-  const uint64_t n = cluster_.n();
-  if (gradient.size() != n || params.size() != n) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "Step: gradient has ", gradient.size(), " values and params ",
-        params.size(), "; n = ", n));
-  }
-  const size_t S = shards_.size();
-  const int P = static_cast<int>(cluster_.num_workers());
-  const int64_t step = next_step_;
-  GTOPK_ASSIGN_OR_RETURN(StepStats stats, BeginStep(n));
-
-  absl::Time t = absl::Now();
-  // Nothing changed when this fails (its contract).
-  GTOPK_RETURN_IF_ERROR(rule_.AccumulateLocal(
-      step, gradient, params, absl::MakeSpan(velocity_),
-      feedback_.mutable_residual()));
-  stats.accumulate = absl::Now() - t;
-
-  // From here on the residual holds u; a failure must leave it there.
-  SparseVector sent, received;
-  bool marked = false;
-  auto fail = [&](absl::Status status) -> absl::Status {
-    if (marked) {
-      // Every sent entry goes back: residual[i] = fl(fl(u - recv) + recv).
-      const absl::Status restored = feedback_.PutBack(received, SparseVector());
-      if (!restored.ok()) {
-        return absl::InternalError(absl::StrCat(
-            status.ToString(), "; and restoring the residual failed: ",
-            restored.ToString()));
-      }
-    }
-    return status;
-  };
-
-  std::vector<v1::Push> pushes(S);
-  for (size_t s = 0; s < S; ++s) {
-    pushes[s].set_step(step);
-    pushes[s].set_worker(rank_);
-    pushes[s].set_epoch(epoch_);
-    pushes[s].set_shard_id(shards_[s]->id);
-  }
-  if (mode_ == Mode::kDense) {
-    t = absl::Now();
-    const absl::Span<const float> u = feedback_.residual();
-    for (size_t s = 0; s < S; ++s) {
-      const uint64_t len = shards_[s]->end - shards_[s]->begin;
-      auto* dense = pushes[s].mutable_dense();
-      dense->Resize(static_cast<int>(len), 0.0f);
-      if (len > 0) {
-        std::memcpy(dense->mutable_data(), u.data() + shards_[s]->begin,
-                    len * sizeof(float));
-      }
-    }
-    stats.sent_pairs = n;
-    stats.encode = absl::Now() - t;
-  } else {
-    t = absl::Now();
-    absl::Status st = selector_->Select(feedback_.residual(), stats.k,
-                                        static_cast<uint64_t>(step), &sent);
-    if (!st.ok()) return fail(st);
-    received = sent;
-    QuantizeValues(codec_.value, absl::MakeSpan(received.values));
-    st = feedback_.MarkSent(sent, received);
-    if (!st.ok()) return fail(st);
-    marked = true;
-    stats.select = absl::Now() - t;
-    stats.sent_pairs = sent.size();
-
-    t = absl::Now();
-    for (size_t s = 0; s < S; ++s) {
-      const SparseVector slice =
-          Slice(sent, shards_[s]->begin, shards_[s]->end);
-      st = EncodeSparse(slice, n, codec_, pushes[s].mutable_sparse());
-      if (!st.ok()) return fail(Prefixed(st, ShardName(s)));
-    }
-    stats.encode = absl::Now() - t;
-  }
-  StampPushes(&pushes);
-  for (size_t s = 0; s < S; ++s) stats.bytes_sent[s] = pushes[s].ByteSizeLong();
-
-  // Push to every shard, then await every pull.
-  t = absl::Now();
-  std::vector<v1::Pull> pulls;
-  {
-    const absl::Status st = Exchange(step, pushes, &pulls);
-    if (!st.ok()) return fail(st);
-  }
-  // Validate and decode everything before changing any state.
-  SparseVector global;
-  for (size_t s = 0; s < S; ++s) {
-    const ShardConn& c = *shards_[s];
-    const v1::Pull& pull = pulls[s];
-    stats.bytes_received[s] = pull.ByteSizeLong();
-    stats.server_merge = std::max(
-        stats.server_merge, absl::Microseconds(static_cast<int64_t>(pull.merge_us())));
-    stats.server_select = std::max(
-        stats.server_select, absl::Microseconds(static_cast<int64_t>(pull.select_us())));
-    absl::Status bad;
-    if (pull.step() != step || pull.shard_id() != c.id) {
-      bad = absl::InternalError(absl::StrCat(
-          "pull is for step ", pull.step(), " shard ", pull.shard_id(),
-          ", expected step ", step));
-    } else if (mode_ == Mode::kDense) {
-      if (static_cast<uint64_t>(pull.dense_size()) != c.end - c.begin) {
-        bad = absl::InternalError(absl::StrCat("dense pull has ",
-                                               pull.dense_size(),
-                                               " values, range has ",
-                                               c.end - c.begin));
-      } else {
-        bad = ValidateFinite(pull.dense(), "dense pull");
-        if (!bad.ok()) bad = absl::InternalError(bad.message());
-      }
-      stats.received_pairs += pull.dense_size();
-    } else {
-      SparseVector part;
-      bad = DecodeSparse(pull.sparse(), n, &part);
-      if (!bad.ok()) {
-        bad = absl::InternalError(absl::StrCat("undecodable pull: ",
-                                               bad.message()));
-      } else if (!part.empty() &&
-                 (part.indices.front() < c.begin ||
-                  part.indices.back() >= c.end)) {
-        bad = absl::InternalError(absl::StrCat(
-            "pull has indices outside [", c.begin, ", ", c.end, ")"));
-      } else {
-        // Shards are in index order, so the union stays sorted.
-        global.indices.insert(global.indices.end(), part.indices.begin(),
-                              part.indices.end());
-        global.values.insert(global.values.end(), part.values.begin(),
-                             part.values.end());
-        stats.received_pairs += part.size();
-      }
-    }
-    if (!bad.ok()) {
-      CloseStreams();
-      return fail(Prefixed(bad, ShardName(s)));
-    }
-  }
-  stats.push_wait = absl::Now() - t;
-  stats.push = std::min(last_push_time_, stats.push_wait);
-  stats.wait = stats.push_wait - stats.push;
-
-  t = absl::Now();
-  // The servers refused any step whose update would not stay finite, and
-  // this replica holds their bits, so this check passes unless the replica
-  // diverged; it runs before anything changes so that no state is half
-  // updated then (the entries sent go back to the residual).
-  {
-    absl::Status finite;
-    if (mode_ == Mode::kDense) {
-      for (size_t s = 0; s < S && finite.ok(); ++s) {
-        const uint64_t begin = shards_[s]->begin;
-        const uint64_t len = shards_[s]->end - begin;
-        finite = rule_.CheckAggregatedDense(
-            pulls[s].dense(), P, begin, params.subspan(begin, len),
-            absl::MakeConstSpan(global_velocity_).subspan(begin, len));
-      }
-    } else {
-      finite = rule_.CheckAggregated(global, 0, P, params, global_velocity_);
-    }
-    if (!finite.ok()) {
-      return fail(absl::InternalError(absl::StrCat(
-          "step ", step, ": the servers' update cannot be applied to this "
-          "replica (its parameters differ from the servers'): ",
-          finite.message())));
-    }
-  }
-  if (mode_ == Mode::kDense) {
-    for (size_t s = 0; s < S; ++s) {
-      const uint64_t begin = shards_[s]->begin;
-      const uint64_t len = shards_[s]->end - begin;
-      // Checked above (CheckAggregatedDense), nothing changed since.
-      rule_.StoreAggregatedDense(
-          pulls[s].dense(), P, params.subspan(begin, len),
-          absl::MakeSpan(global_velocity_).subspan(begin, len));
-    }
-    // Everything accumulated was applied.
-    std::fill(feedback_.mutable_residual().begin(),
-              feedback_.mutable_residual().end(), 0.0f);
-  } else {
-    if (mode_ == Mode::kGtopk) {
-      GTOPK_RETURN_IF_ERROR(feedback_.PutBack(received, global));
-    }
-    GTOPK_RETURN_IF_ERROR(
-        rule_.MaskMomentum(sent, global, absl::MakeSpan(velocity_)));
-    // Checked above (CheckAggregated); PutBack and MaskMomentum touch
-    // neither params nor the global velocity.
-    rule_.StoreAggregated(global, 0, P, params,
-                          absl::MakeSpan(global_velocity_));
-  }
-  stats.apply = absl::Now() - t;
-  ++next_step_;
-  return stats;
 }
 
 }  // namespace worker

@@ -42,11 +42,18 @@
 #include "worker/cancellation.h"
 
 #if GTOPK_HAVE_CUDA
+// For callers that name cudaStream_t (python/_gtopk.cc); nothing below
+// depends on it, so WorkerClient is the same in every build.
 #include <cuda_runtime_api.h>
 #endif
 
+// CUDA's stream handle: cudaStream_t is CUstream_st* (worker/device_step.h).
+struct CUstream_st;
+
 namespace gtopk {
 namespace worker {
+
+class DeviceStep;  // worker/device_step.h
 
 // How a worker reaches the cluster. Every field is validated by Connect.
 struct ClientOptions {
@@ -240,9 +247,8 @@ class WorkerClient {
   absl::StatusOr<StepStats> Step(absl::Span<const float> gradient,
                                  absl::Span<float> params);
 
-#if GTOPK_HAVE_CUDA
   // The same step with the gradient and parameters in CUDA device memory
-  // (worker/client_cuda.cc): the fused residual update, the selection and
+  // (worker/device_step.h): the fused residual update, the selection and
   // the residual/momentum bookkeeping run on the GPU (common/cuda/), and
   // only the selected pairs go to the host (and the pulled global top-k
   // back), so the dense gradient never crosses. Same arithmetic, so a
@@ -250,21 +256,24 @@ class WorkerClient {
   //   gradient  device pointer, n floats, finite; not modified.
   //   params    device pointer, n floats, updated in place.
   //   n         must equal the cluster's n.
-  //   stream    the stream the caller's producer of `gradient` used; all
-  //             work is ordered on it, and the call returns after it
-  //             synchronized (params updated).
+  //   stream    a cudaStream_t: the stream the caller's producer of
+  //             `gradient` used; all work is ordered on it, and the call
+  //             returns after it synchronized (params updated).
   // The residual and momentum state moves to the device at the first call
   // (residual() then no longer reflects it); use one kind of Step per
   // client. Dense mode sends the whole accumulated vector by definition:
   // there the gradient is copied to the host and the host Step runs.
   // Selectors: exact, gaussiank, dgc (randomk: FAILED_PRECONDITION).
+  // Declared in every build; a build without CUDA (GTOPK_HAVE_CUDA off)
+  // answers FAILED_PRECONDITION "... built without CUDA ..." after the
+  // argument check.
   // Errors and the failure contract as the host Step's; a non-finite
   // gradient is INVALID_ARGUMENT with the position, and leaves the device
   // state unchanged; CUDA errors are INTERNAL/RESOURCE_EXHAUSTED with the
   // file:line of the failing call.
   absl::StatusOr<StepStats> Step(const float* gradient, float* params,
-                                 uint64_t n, cudaStream_t stream);
-#endif
+                                 uint64_t n, CUstream_st* stream);
+
   // After a failed Step: asks the leader to bring the shards to one step
   // (Recover RPC; docs/recovery.md), and returns the step to continue from
   // (also next_step()). When the shards were rolled back, or are ahead of
@@ -287,7 +296,8 @@ class WorkerClient {
                                   absl::Time deadline);
 
  private:
-  struct ShardConn;
+  struct ShardConn;  // worker/client_internal.h
+  struct Round;      // one PushPullRound's shared state (push_pull_round.cc)
 
   WorkerClient(const ClientOptions& options, uint32_t rank,
                uint64_t member_token, v1::ClusterSpec cluster,
@@ -295,14 +305,96 @@ class WorkerClient {
                std::unique_ptr<Selector> selector, CodecSpec codec,
                std::vector<std::unique_ptr<ShardConn>> shards);
 
+  // The phases of a step, shared by both Step overloads. Each takes the
+  // step's stats (from BeginStep; stats.step is the step) and fills its part.
+  //
   // The start of both Step overloads: stats for step next_step_ (k, zeroed
   // per-shard byte counts). Errors: KAt's.
   absl::StatusOr<StepStats> BeginStep(uint64_t n) const;
-  // Runs one push/pull exchange on every shard concurrently under the step
-  // watchdog; fills pulls[s] or returns the combined error (and closes all
-  // streams).
-  absl::Status Exchange(int64_t step, const std::vector<v1::Push>& pushes,
-                        std::vector<v1::Pull>* pulls);
+  // The host Step after AccumulateLocal (the residual holds u), in mode
+  // dense and in the sparse modes: pushes, round, check, apply. On error
+  // the residual holds u again and nothing else changed.
+  absl::Status DenseStepOnHost(absl::Span<float> params, StepStats* stats);
+  absl::Status SparseStepOnHost(absl::Span<float> params, StepStats* stats);
+  // The device Step's sparse modes, from Accumulate to Apply (device_ set).
+  // Same failure contract, on the device state.
+  absl::Status SparseStepOnDevice(const float* gradient, float* params,
+                                  CUstream_st* stream, StepStats* stats);
+  // The step's S pushes with everything but the payload: step, rank,
+  // epoch, shard id, member token and cluster fingerprint.
+  std::vector<v1::Push> NewPushes(int64_t step) const;
+  // Pushes carrying `sent` (indices ascending) cut at the shard boundaries
+  // and encoded with the cluster's codec; sets stats->encode, bytes_sent.
+  // Errors: EncodeSparse's, prefixed with the shard.
+  absl::StatusOr<std::vector<v1::Push>> EncodePushes(int64_t step,
+                                                     const SparseVector& sent,
+                                                     StepStats* stats) const;
+  // Dense mode: pushes carrying the residual (u) cut at the shard
+  // boundaries; sets stats->sent_pairs (n), encode, bytes_sent.
+  std::vector<v1::Push> DensePushes(int64_t step, StepStats* stats) const;
+  // PushPullRound, then DecodePulls: the pulls in `pulls` (size S) and,
+  // outside dense mode, the global top-k G they carry. Sets
+  // stats->push_wait, push, wait and DecodePulls' fields. Errors:
+  // PushPullRound's and DecodePulls'.
+  absl::StatusOr<SparseVector> PushAndDecodePulls(
+      int64_t step, const std::vector<v1::Push>& pushes,
+      std::vector<v1::Pull>* pulls, StepStats* stats);
+  // Validates every pull of the step before any state changes (step and
+  // shard id; dense: length and finite values; sparse: decodable, indices
+  // inside the shard's range) and returns the union of the sparse pulls,
+  // the pulled global top-k G (indices ascending: shards are in index
+  // order; empty in dense mode). Sets stats->bytes_received,
+  // received_pairs, server_merge, server_select.
+  // Errors: INTERNAL prefixed with the shard; the streams are closed then.
+  absl::StatusOr<SparseVector> DecodePulls(int64_t step,
+                                           const std::vector<v1::Pull>& pulls,
+                                           StepStats* stats);
+  // Whether the servers' update (`pulls` in dense mode, `global` otherwise)
+  // applies to `params` and the global velocity with finite results; it
+  // does unless this replica diverged from the servers.
+  // Errors: INTERNAL "step s: the servers' update cannot be applied to this
+  // replica ...".
+  absl::Status CheckServersUpdate(int64_t step,
+                                  const std::vector<v1::Pull>& pulls,
+                                  const SparseVector& global,
+                                  absl::Span<const float> params) const;
+
+  // The push/pull round of a step (PushPullRound) and its parts.
+  //
+  // Writes pushes[s] on shard s's PushPull stream and reads its pull, on
+  // every shard concurrently under the step watchdog; fills (*pulls)[s] and
+  // *push_time (from its start until the last push was written), or returns
+  // the combined error (and closes all streams). Learns the leader's epoch
+  // from failed streams.
+  absl::Status PushPullRound(int64_t step, const std::vector<v1::Push>& pushes,
+                             std::vector<v1::Pull>* pulls,
+                             absl::Duration* push_time);
+  // One shard's part of the round, on its own thread: write (once more on
+  // a fresh stream when the open one died), read. The stream's status on
+  // failure (its trailers' epoch recorded in `round`).
+  absl::Status PushPullOnShard(size_t s, int64_t step, const v1::Push& push,
+                               v1::Pull* pull, Round& round);
+  // Waits for every shard's thread; cancels the shards still out at the
+  // watchdog deadline, or kFailureGrace (250 ms) after the first failure.
+  void AwaitShards(Round& round) const;
+  // The round's outcome from its shards' results: OK, or the step's cause
+  // (its code; every failed shard named).
+  absl::Status RoundStatus(int64_t step, const Round& round) const;
+
+  // SynchronizeParameters' parts, for shard s.
+  //
+  // Rank 0's offer of params[begin_s, end_s) (InitParams, in chunks below
+  // 4 MB and max_message_bytes). Errors: the RPC's status prefixed with
+  // "shard s (host:port): InitParams".
+  absl::Status OfferInitialParams(size_t s, absl::Span<const float> params);
+  // Downloads the shard's range into `params` (and into the global velocity
+  // when the shard sends it), retrying UNAVAILABLE until rpc_timeout.
+  // Returns the shard's step, or -1 when its empty range sent no chunk.
+  // Errors: INTERNAL for a malformed chunk or a short stream; the RPC's
+  // status; CANCELLED; each prefixed "shard s (host:port): DownloadParams".
+  absl::StatusOr<int64_t> DownloadShardParams(size_t s,
+                                              absl::Span<float> params);
+
   // Cancels and finishes every open stream.
   void CloseStreams();
   // Opens a fresh stream context on `c` (registered with
@@ -319,8 +411,6 @@ class WorkerClient {
   // the leader between Join and the first step (a second Join of it gets
   // ALREADY_EXISTS). Best effort: a stream that fails is reopened by Step.
   void OpenLeaderStream();
-  // Fills every push's member token and cluster fingerprint.
-  void StampPushes(std::vector<v1::Push>* pushes) const;
   // A step's FAILED_PRECONDITION about the cluster fingerprint: asks the
   // leader for its spec and adds every setting in which it differs from the
   // spec this worker joined with; other statuses unchanged.
@@ -341,22 +431,15 @@ class WorkerClient {
   ErrorFeedback feedback_;
   std::vector<float> velocity_;         // DGC local velocity, length n
   std::vector<float> global_velocity_;  // kGlobal momentum, length n
-#if GTOPK_HAVE_CUDA
-  // The device Step's state (worker/client_cuda.cc); null until its first
-  // call. shared_ptr: the type is complete only in client_cuda.cc.
-  struct DeviceState;
-  std::shared_ptr<DeviceState> device_;
-  // Copies the device residual and local velocity into feedback_ and
-  // velocity_ (ExportState). Errors: INTERNAL with file:line.
-  absl::Status CopyDeviceStateToHost();
-#endif
+  // The device Step's state (worker/device_step.h); null until its first
+  // call, and after ImportState. In every build (always null without CUDA),
+  // so the layout does not depend on GTOPK_HAVE_CUDA.
+  std::unique_ptr<DeviceStep> device_;
   int64_t next_step_ = 0;
   // The leader's attempt epoch as last heard (Join, Recover), sent in every
   // push: a push older than its step's last failure is refused (ABORTED),
   // so a retry made after Recover never mixes with the failed attempt.
   uint64_t epoch_ = 0;
-  // Set by Exchange: from its start until the last push was written.
-  absl::Duration last_push_time_;
 };
 
 }  // namespace worker

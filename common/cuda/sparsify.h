@@ -219,7 +219,7 @@ class Sparsifier {
 };
 
 // Sparse updates of dense device vectors, for the worker's device step
-// (worker/client_cuda.cc): the (index, value) lists come from host memory
+// (worker/device_step.cc): the (index, value) lists come from host memory
 // (the selection and the pulled global top-k are on the host anyway; only
 // they cross), the dense vectors never leave the device. Indices must be
 // unique and < n (the caller validates them; the kernels skip others).

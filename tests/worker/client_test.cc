@@ -282,6 +282,31 @@ TEST_F(ClientFakeTest, WrongLengthsAreRejectedBeforeAnything) {
   EXPECT_EQ(fake_.pushes.load(), 0);
 }
 
+// The device Step is declared in every build (WorkerClient's layout does
+// not depend on GTOPK_HAVE_CUDA); without CUDA it checks its arguments,
+// then answers FAILED_PRECONDITION and changes nothing. (With CUDA it runs:
+// tests/worker/client_cuda_test.cc.)
+#if !GTOPK_HAVE_CUDA
+TEST_F(ClientFakeTest, DeviceStepWithoutCudaIsFailedPrecondition) {
+  Connect();
+  std::vector<float> params(kN, 0.0f);
+  const std::vector<float> g = Ramp(1.0f);
+  EXPECT_THAT(client_->Step(g.data(), params.data(), kN - 1, nullptr).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("Step (device): n = 99")));
+  // Host pointers: nothing may read them in a build without CUDA.
+  EXPECT_THAT(client_->Step(g.data(), params.data(), kN, nullptr).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("built without CUDA")));
+  EXPECT_EQ(params, std::vector<float>(kN, 0.0f));
+  EXPECT_EQ(client_->next_step(), 0);
+  EXPECT_EQ(fake_.pushes.load(), 0);
+  // The host Step still works, from the untouched state.
+  GTOPK_ASSERT_OK(client_->Step(g, absl::MakeSpan(params)));
+  EXPECT_EQ(client_->next_step(), 1);
+}
+#endif
+
 // ExportState/ImportState: a client restored from another's state after
 // the same steps continues exactly as the original does (same pushes, same
 // parameters), because residual and step are the whole worker state here

@@ -1,0 +1,379 @@
+// WorkerClient's two Step overloads (worker/client.h) and the phases they
+// share: the host Step runs everything on the host; the device Step runs
+// the GPU phases through DeviceStep (worker/device_step.h) and the rest
+// here. The pushes go out and the pulls come back in PushPullRound
+// (worker/push_pull_round.cc).
+#include <algorithm>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/codec.h"
+#include "common/status_macros.h"
+#include "worker/client.h"
+#include "worker/client_internal.h"
+#include "worker/device_step.h"
+
+namespace gtopk {
+namespace worker {
+
+namespace {
+
+// The entries of `v` with index in [begin, end).
+SparseVector Slice(const SparseVector& v, uint64_t begin, uint64_t end) {
+  const auto lo = std::lower_bound(v.indices.begin(), v.indices.end(), begin);
+  const auto hi = std::lower_bound(lo, v.indices.end(), end);
+  const size_t a = lo - v.indices.begin();
+  const size_t b = hi - v.indices.begin();
+  SparseVector out;
+  out.indices.assign(v.indices.begin() + a, v.indices.begin() + b);
+  out.values.assign(v.values.begin() + a, v.values.begin() + b);
+  return out;
+}
+
+// Dense mode: the pull of a shard of `len` entries has len finite values.
+absl::Status CheckDensePull(const v1::Pull& pull, uint64_t len) {
+  if (static_cast<uint64_t>(pull.dense_size()) != len) {
+    return absl::InternalError(absl::StrCat(
+        "dense pull has ", pull.dense_size(), " values, range has ", len));
+  }
+  const absl::Status finite = ValidateFinite(pull.dense(), "dense pull");
+  if (!finite.ok()) return absl::InternalError(finite.message());
+  return absl::OkStatus();
+}
+
+// The sparse pull of the shard owning [begin, end) of the n entries.
+absl::StatusOr<SparseVector> DecodeSparsePull(const v1::Pull& pull, uint64_t n,
+                                              uint64_t begin, uint64_t end) {
+  SparseVector part;
+  const absl::Status st = DecodeSparse(pull.sparse(), n, &part);
+  if (!st.ok()) {
+    return absl::InternalError(
+        absl::StrCat("undecodable pull: ", st.message()));
+  }
+  if (!part.empty() &&
+      (part.indices.front() < begin || part.indices.back() >= end)) {
+    return absl::InternalError(
+        absl::StrCat("pull has indices outside [", begin, ", ", end, ")"));
+  }
+  return part;
+}
+
+}  // namespace
+
+absl::StatusOr<StepStats> WorkerClient::BeginStep(uint64_t n) const {
+  StepStats stats;
+  stats.step = next_step_;
+  stats.bytes_sent.assign(shards_.size(), 0);
+  stats.bytes_received.assign(shards_.size(), 0);
+  GTOPK_ASSIGN_OR_RETURN(stats.k, rule_.KAt(next_step_, n));
+  return stats;
+}
+
+absl::StatusOr<StepStats> WorkerClient::Step(absl::Span<const float> gradient,
+                                             absl::Span<float> params) {
+  const uint64_t n = cluster_.n();
+  if (gradient.size() != n || params.size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Step: gradient has ", gradient.size(), " values and params ",
+        params.size(), "; n = ", n));
+  }
+  GTOPK_ASSIGN_OR_RETURN(StepStats stats, BeginStep(n));
+
+  const absl::Time t = absl::Now();
+  // Nothing changed when this fails (its contract).
+  GTOPK_RETURN_IF_ERROR(rule_.AccumulateLocal(stats.step, gradient, params,
+                                              absl::MakeSpan(velocity_),
+                                              feedback_.mutable_residual()));
+  stats.accumulate = absl::Now() - t;
+
+  // From here on the residual holds u; a failure must leave it there.
+  GTOPK_RETURN_IF_ERROR(mode_ == Mode::kDense
+                            ? DenseStepOnHost(params, &stats)
+                            : SparseStepOnHost(params, &stats));
+  ++next_step_;
+  return stats;
+}
+
+absl::Status WorkerClient::DenseStepOnHost(absl::Span<float> params,
+                                           StepStats* stats) {
+  const int64_t step = stats->step;
+  const std::vector<v1::Push> pushes = DensePushes(step, stats);
+  std::vector<v1::Pull> pulls;
+  GTOPK_RETURN_IF_ERROR(
+      PushAndDecodePulls(step, pushes, &pulls, stats).status());
+
+  const absl::Time t = absl::Now();
+  GTOPK_RETURN_IF_ERROR(
+      CheckServersUpdate(step, pulls, SparseVector(), params));
+  const int P = static_cast<int>(cluster_.num_workers());
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    const uint64_t begin = shards_[s]->begin;
+    const uint64_t len = shards_[s]->end - begin;
+    // Checked above (CheckServersUpdate), nothing changed since.
+    rule_.StoreAggregatedDense(
+        pulls[s].dense(), P, params.subspan(begin, len),
+        absl::MakeSpan(global_velocity_).subspan(begin, len));
+  }
+  // Everything accumulated was applied.
+  std::fill(feedback_.mutable_residual().begin(),
+            feedback_.mutable_residual().end(), 0.0f);
+  stats->apply = absl::Now() - t;
+  return absl::OkStatus();
+}
+
+absl::Status WorkerClient::SparseStepOnHost(absl::Span<float> params,
+                                            StepStats* stats) {
+  const int64_t step = stats->step;
+  absl::Time t = absl::Now();
+  SparseVector sent;
+  GTOPK_RETURN_IF_ERROR(selector_->Select(feedback_.residual(), stats->k,
+                                          static_cast<uint64_t>(step), &sent));
+  SparseVector received = sent;
+  QuantizeValues(codec_.value, absl::MakeSpan(received.values));
+  GTOPK_RETURN_IF_ERROR(feedback_.MarkSent(sent, received));
+  stats->select = absl::Now() - t;
+  stats->sent_pairs = sent.size();
+
+  // From here a failure puts every sent entry back:
+  // residual[i] = fl(fl(u - recv) + recv).
+  auto fail = [&](const absl::Status& status) -> absl::Status {
+    const absl::Status restored = feedback_.PutBack(received, SparseVector());
+    if (!restored.ok()) {
+      return absl::InternalError(absl::StrCat(
+          status.ToString(),
+          "; and restoring the residual failed: ", restored.ToString()));
+    }
+    return status;
+  };
+  absl::StatusOr<std::vector<v1::Push>> pushes =
+      EncodePushes(step, sent, stats);
+  if (!pushes.ok()) return fail(pushes.status());
+  std::vector<v1::Pull> pulls;
+  absl::StatusOr<SparseVector> global =
+      PushAndDecodePulls(step, *pushes, &pulls, stats);
+  if (!global.ok()) return fail(global.status());
+
+  t = absl::Now();
+  if (absl::Status st = CheckServersUpdate(step, pulls, *global, params);
+      !st.ok()) {
+    return fail(st);
+  }
+  if (mode_ == Mode::kGtopk) {
+    GTOPK_RETURN_IF_ERROR(feedback_.PutBack(received, *global));
+  }
+  GTOPK_RETURN_IF_ERROR(
+      rule_.MaskMomentum(sent, *global, absl::MakeSpan(velocity_)));
+  // Checked above (CheckServersUpdate); PutBack and MaskMomentum touch
+  // neither params nor the global velocity.
+  rule_.StoreAggregated(*global, 0, static_cast<int>(cluster_.num_workers()),
+                        params, absl::MakeSpan(global_velocity_));
+  stats->apply = absl::Now() - t;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
+                                             float* params, uint64_t n,
+                                             CUstream_st* stream) {
+  if (n != cluster_.n() || gradient == nullptr || params == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Step (device): n = ", n, " (cluster n = ", cluster_.n(),
+        "), gradient and params must be non-null device pointers"));
+  }
+  if (mode_ == Mode::kDense) {
+    // Dense mode sends u itself: it has to reach the host.
+    absl::StatusOr<StepStats> stats;
+    GTOPK_RETURN_IF_ERROR(
+        DeviceStep::RunOnHostCopies(gradient, params, n, stream,
+                                    [&](absl::Span<const float> host_gradient,
+                                        absl::Span<float> host_params) {
+                                      stats = Step(host_gradient, host_params);
+                                      return stats.status();
+                                    }));
+    return stats;
+  }
+  if (device_ == nullptr) {
+    // First device step: move the host state to the device.
+    GTOPK_ASSIGN_OR_RETURN(
+        device_,
+        DeviceStep::Create(selector_->name(),
+                           SelectorSeedForRank(cluster_.selector_seed(), rank_),
+                           rule_.options(), n, feedback_.residual(), velocity_,
+                           global_velocity_, stream));
+  }
+  GTOPK_ASSIGN_OR_RETURN(StepStats stats, BeginStep(n));
+  GTOPK_RETURN_IF_ERROR(SparseStepOnDevice(gradient, params, stream, &stats));
+  ++next_step_;
+  return stats;
+}
+
+absl::Status WorkerClient::SparseStepOnDevice(const float* gradient,
+                                              float* params,
+                                              CUstream_st* stream,
+                                              StepStats* stats) {
+  const int64_t step = stats->step;
+  absl::Time t = absl::Now();
+  // u into the spare device buffers; committed once the selection succeeded.
+  GTOPK_RETURN_IF_ERROR(
+      device_->Accumulate(gradient, params, rule_.LrAt(step), stream));
+  stats->accumulate = absl::Now() - t;
+
+  t = absl::Now();
+  GTOPK_ASSIGN_OR_RETURN(const DeviceStep::Sent sent,
+                         device_->Select(stats->k, step, codec_.value, stream));
+  stats->select = absl::Now() - t;
+  stats->sent_pairs = sent.sent.size();
+
+  // From here a failure puts every sent value back (residual holds u).
+  auto fail = [&](const absl::Status& status) {
+    return device_->PutBackAll(sent, status, stream);
+  };
+  absl::StatusOr<std::vector<v1::Push>> pushes =
+      EncodePushes(step, sent.sent, stats);
+  if (!pushes.ok()) return fail(pushes.status());
+  std::vector<v1::Pull> pulls;
+  absl::StatusOr<SparseVector> global =
+      PushAndDecodePulls(step, *pushes, &pulls, stats);
+  if (!global.ok()) return fail(global.status());
+
+  t = absl::Now();
+  GTOPK_RETURN_IF_ERROR(device_->Apply(sent, *global, mode_ == Mode::kGtopk,
+                                       cluster_.num_workers(), params, stream));
+  stats->apply = absl::Now() - t;
+  return absl::OkStatus();
+}
+
+std::vector<v1::Push> WorkerClient::NewPushes(int64_t step) const {
+  std::vector<v1::Push> pushes(shards_.size());
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    pushes[s].set_step(step);
+    pushes[s].set_worker(rank_);
+    pushes[s].set_epoch(epoch_);
+    pushes[s].set_shard_id(shards_[s]->id);
+    pushes[s].set_member_token(member_token_);
+    pushes[s].set_cluster_fingerprint(cluster_.cluster_fingerprint());
+  }
+  return pushes;
+}
+
+absl::StatusOr<std::vector<v1::Push>> WorkerClient::EncodePushes(
+    int64_t step, const SparseVector& sent, StepStats* stats) const {
+  const absl::Time t = absl::Now();
+  std::vector<v1::Push> pushes = NewPushes(step);
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    const SparseVector slice = Slice(sent, shards_[s]->begin, shards_[s]->end);
+    const absl::Status st =
+        EncodeSparse(slice, cluster_.n(), codec_, pushes[s].mutable_sparse());
+    if (!st.ok()) return Prefixed(st, ShardName(s));
+    stats->bytes_sent[s] = pushes[s].ByteSizeLong();
+  }
+  stats->encode = absl::Now() - t;
+  return pushes;
+}
+
+std::vector<v1::Push> WorkerClient::DensePushes(int64_t step,
+                                                StepStats* stats) const {
+  const absl::Time t = absl::Now();
+  std::vector<v1::Push> pushes = NewPushes(step);
+  const absl::Span<const float> u = feedback_.residual();
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    const uint64_t len = shards_[s]->end - shards_[s]->begin;
+    auto* dense = pushes[s].mutable_dense();
+    dense->Resize(static_cast<int>(len), 0.0f);
+    if (len > 0) {
+      std::memcpy(dense->mutable_data(), u.data() + shards_[s]->begin,
+                  len * sizeof(float));
+    }
+    stats->bytes_sent[s] = pushes[s].ByteSizeLong();
+  }
+  stats->sent_pairs = cluster_.n();
+  stats->encode = absl::Now() - t;
+  return pushes;
+}
+
+absl::StatusOr<SparseVector> WorkerClient::PushAndDecodePulls(
+    int64_t step, const std::vector<v1::Push>& pushes,
+    std::vector<v1::Pull>* pulls, StepStats* stats) {
+  const absl::Time t = absl::Now();
+  absl::Duration push_time;
+  GTOPK_RETURN_IF_ERROR(PushPullRound(step, pushes, pulls, &push_time));
+  GTOPK_ASSIGN_OR_RETURN(SparseVector global, DecodePulls(step, *pulls, stats));
+  stats->push_wait = absl::Now() - t;
+  stats->push = std::min(push_time, stats->push_wait);
+  stats->wait = stats->push_wait - stats->push;
+  return global;
+}
+
+absl::StatusOr<SparseVector> WorkerClient::DecodePulls(
+    int64_t step, const std::vector<v1::Pull>& pulls, StepStats* stats) {
+  SparseVector global;
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    const ShardConn& c = *shards_[s];
+    const v1::Pull& pull = pulls[s];
+    stats->bytes_received[s] = pull.ByteSizeLong();
+    stats->server_merge =
+        std::max(stats->server_merge,
+                 absl::Microseconds(static_cast<int64_t>(pull.merge_us())));
+    stats->server_select =
+        std::max(stats->server_select,
+                 absl::Microseconds(static_cast<int64_t>(pull.select_us())));
+    absl::Status bad;
+    if (pull.step() != step || pull.shard_id() != c.id) {
+      bad = absl::InternalError(absl::StrCat(
+          "pull is for step ", pull.step(), " shard ", pull.shard_id(),
+          ", expected step ", step));
+    } else if (mode_ == Mode::kDense) {
+      bad = CheckDensePull(pull, c.end - c.begin);
+      stats->received_pairs += pull.dense_size();
+    } else if (absl::StatusOr<SparseVector> part =
+                   DecodeSparsePull(pull, cluster_.n(), c.begin, c.end);
+               !part.ok()) {
+      bad = part.status();
+    } else {
+      // Shards are in index order, so the union stays sorted.
+      global.indices.insert(global.indices.end(), part->indices.begin(),
+                            part->indices.end());
+      global.values.insert(global.values.end(), part->values.begin(),
+                           part->values.end());
+      stats->received_pairs += part->size();
+    }
+    if (!bad.ok()) {
+      CloseStreams();
+      return Prefixed(bad, ShardName(s));
+    }
+  }
+  return global;
+}
+
+absl::Status WorkerClient::CheckServersUpdate(
+    int64_t step, const std::vector<v1::Pull>& pulls,
+    const SparseVector& global, absl::Span<const float> params) const {
+  // The servers refused any step whose update would not stay finite, and
+  // this replica holds their bits, so this check passes unless the replica
+  // diverged; it runs before anything changes so that no state is half
+  // updated then (the entries sent go back to the residual).
+  const int P = static_cast<int>(cluster_.num_workers());
+  absl::Status finite;
+  if (mode_ == Mode::kDense) {
+    for (size_t s = 0; s < shards_.size() && finite.ok(); ++s) {
+      const uint64_t begin = shards_[s]->begin;
+      const uint64_t len = shards_[s]->end - begin;
+      finite = rule_.CheckAggregatedDense(
+          pulls[s].dense(), P, begin, params.subspan(begin, len),
+          absl::MakeConstSpan(global_velocity_).subspan(begin, len));
+    }
+  } else {
+    finite = rule_.CheckAggregated(global, 0, P, params, global_velocity_);
+  }
+  if (finite.ok()) return finite;
+  return absl::InternalError(
+      absl::StrCat("step ", step,
+                   ": the servers' update cannot be applied to this "
+                   "replica (its parameters differ from the servers'): ",
+                   finite.message()));
+}
+
+}  // namespace worker
+}  // namespace gtopk

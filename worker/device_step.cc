@@ -1,0 +1,315 @@
+// DeviceStep on CUDA (or the CUDA emulator, tests/testing/): built with
+// GTOPK_HAVE_CUDA, in place of worker/device_step_none.cc. The phases and
+// their order are in worker/device_step.h.
+#include "worker/device_step.h"
+
+#include <cmath>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/cuda/cuda_selector.h"
+#include "common/cuda/sparsify.h"
+#include "common/status_macros.h"
+#include "common/topk.h"
+
+namespace gtopk {
+namespace worker {
+namespace {
+
+absl::Status Cuda(const cuda::Status& s) { return cuda::ToAbslStatus(s); }
+
+absl::Status CudaCall(cudaError_t e, const char* call, const char* file,
+                      int line) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  return cuda::ToAbslStatus(cuda::CudaError(e, call, file, line));
+}
+#define GTOPK_CUDA_ABSL(call) CudaCall((call), #call, __FILE__, __LINE__)
+
+// residual + received where a zero residual gives received's bits
+// (ErrorFeedback::PutBack's rule).
+float PutBackSum(float residual, float received) {
+  return cpu::MagnitudeKey(residual) == 0 ? received : residual + received;
+}
+
+// Sent entries split by the pulled global top-k (one merge walk of the two
+// sorted index lists): sent \ global with the value to put back, and
+// sent ∩ global, whose velocity momentum factor masking zeroes.
+struct SentSplit {
+  std::vector<uint32_t> back_idx;
+  std::vector<float> back_val;
+  std::vector<uint32_t> mask_idx;
+};
+
+SentSplit SplitSent(const DeviceStep::Sent& s, const SparseVector& global) {
+  SentSplit out;
+  size_t g = 0;
+  for (size_t j = 0; j < s.sent.size(); ++j) {
+    const uint32_t i = s.sent.indices[j];
+    while (g < global.size() && global.indices[g] < i) ++g;
+    if (g < global.size() && global.indices[g] == i) {
+      out.mask_idx.push_back(i);
+    } else {
+      out.back_idx.push_back(i);
+      out.back_val.push_back(PutBackSum(s.marked[j], s.received.values[j]));
+    }
+  }
+  return out;
+}
+
+class CudaDeviceStep final : public DeviceStep {
+ public:
+  CudaDeviceStep(const OptimizerOptions& optimizer, uint64_t n)
+      : n_(n),
+        momentum_(optimizer.momentum),
+        weight_decay_(optimizer.weight_decay),
+        dgc_momentum_(optimizer.momentum_mode == MomentumMode::kDgcCorrection),
+        global_momentum_(optimizer.momentum_mode == MomentumMode::kGlobal),
+        masking_(optimizer.momentum_factor_masking) {}
+
+  // Create's allocations and uploads.
+  absl::Status Init(std::unique_ptr<cuda::CudaSelector> selector,
+                    absl::Span<const float> residual,
+                    absl::Span<const float> velocity,
+                    absl::Span<const float> global_velocity,
+                    cudaStream_t stream);
+
+  absl::Status Accumulate(const float* gradient, const float* params, float lr,
+                          cudaStream_t stream) override;
+  absl::StatusOr<Sent> Select(uint64_t k, int64_t step, ValueCodec value_codec,
+                              cudaStream_t stream) override;
+  absl::Status PutBackAll(const Sent& sent, const absl::Status& status,
+                          cudaStream_t stream) override;
+  absl::Status Apply(const Sent& sent, const SparseVector& global,
+                     bool put_back, uint32_t num_workers, float* params,
+                     cudaStream_t stream) override;
+  absl::Status CopyStateToHost(absl::Span<float> residual,
+                               absl::Span<float> velocity) override;
+
+ private:
+  // MarkSent on the host values of `sent` (u_i - recv_i), written to u on
+  // the device when the codec is lossy; then commits the spare buffers.
+  absl::Status MarkSent(Sent& sent, cudaStream_t stream);
+  // The residual (u, once Select committed it).
+  float* u() { return residual_[current_].get(); }
+
+  const uint64_t n_;
+  const float momentum_;
+  const float weight_decay_;
+  const bool dgc_momentum_;
+  const bool global_momentum_;
+  const bool masking_;
+  std::unique_ptr<cuda::CudaSelector> selector_;
+  cuda::DeviceBuffer<float> residual_[2];
+  cuda::DeviceBuffer<float> velocity_[2];  // DGC momentum only
+  int current_ = 0;  // residual_[current_], velocity_[current_] hold the state
+  cuda::DeviceBuffer<float> global_velocity_;  // kGlobal momentum only
+  cuda::SparseUpdater updater_;
+};
+
+absl::Status CudaDeviceStep::Init(std::unique_ptr<cuda::CudaSelector> selector,
+                                  absl::Span<const float> residual,
+                                  absl::Span<const float> velocity,
+                                  absl::Span<const float> global_velocity,
+                                  cudaStream_t stream) {
+  const uint64_t n = n_;
+  selector_ = std::move(selector);
+  for (int b = 0; b < 2; ++b) {
+    GTOPK_RETURN_IF_ERROR(Cuda(residual_[b].Allocate(n)));
+    if (dgc_momentum_) GTOPK_RETURN_IF_ERROR(Cuda(velocity_[b].Allocate(n)));
+  }
+  GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(
+      cudaMemcpyAsync(residual_[0].get(), residual.data(), n * sizeof(float),
+                      cudaMemcpyHostToDevice, stream)));
+  if (dgc_momentum_) {
+    GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(
+        cudaMemcpyAsync(velocity_[0].get(), velocity.data(), n * sizeof(float),
+                        cudaMemcpyHostToDevice, stream)));
+  }
+  if (global_momentum_) {
+    GTOPK_RETURN_IF_ERROR(Cuda(global_velocity_.Allocate(n)));
+    GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(
+        cudaMemcpyAsync(global_velocity_.get(), global_velocity.data(),
+                        n * sizeof(float), cudaMemcpyHostToDevice, stream)));
+  }
+  return GTOPK_CUDA_ABSL(cudaStreamSynchronize(stream));
+}
+
+absl::Status CudaDeviceStep::Accumulate(const float* gradient,
+                                        const float* params, float lr,
+                                        cudaStream_t stream) {
+  const int cur = current_, next = 1 - current_;
+  cuda::UpdateParams up;
+  up.lr = lr;
+  up.momentum = momentum_;
+  up.weight_decay = weight_decay_;
+  up.momentum_correction = dgc_momentum_;
+  return Cuda(selector_->sparsifier()->Accumulate(
+      gradient, params, velocity_[cur].get(), velocity_[next].get(),
+      residual_[cur].get(), residual_[next].get(), n_, up, stream));
+}
+
+absl::StatusOr<DeviceStep::Sent> CudaDeviceStep::Select(uint64_t k,
+                                                        int64_t step,
+                                                        ValueCodec value_codec,
+                                                        cudaStream_t stream) {
+  // u is in the spare buffer until MarkSent commits it.
+  float* u = residual_[1 - current_].get();
+  Sent s;
+  const absl::Status st =
+      selector_->SelectDevice(u, n_, k, static_cast<uint64_t>(step), stream,
+                              /*zero_selected=*/true, &s.sent);
+  if (!st.ok()) {
+    // Nothing committed: the state is as before this call.
+    if (st.code() == absl::StatusCode::kInvalidArgument) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "Step (device): the gradient (or residual + lr * gradient) is not "
+          "finite: ",
+          st.message()));
+    }
+    return st;
+  }
+  s.received = s.sent;
+  QuantizeValues(value_codec, absl::MakeSpan(s.received.values));
+  GTOPK_RETURN_IF_ERROR(MarkSent(s, stream));
+  return s;
+}
+
+absl::Status CudaDeviceStep::MarkSent(Sent& s, cudaStream_t stream) {
+  const int next = 1 - current_;
+  float* u = residual_[next].get();
+  // MarkSent: residual_i = u_i - recv_i; the device holds +0.0 there, which
+  // is that value for a lossless codec.
+  s.marked.resize(s.sent.size());
+  bool lossy = false;
+  for (size_t j = 0; j < s.sent.size(); ++j) {
+    s.marked[j] = s.sent.values[j] - s.received.values[j];
+    if (!std::isfinite(s.marked[j])) {
+      // Restore u and commit it (the host Step's contract: u stays).
+      GTOPK_RETURN_IF_ERROR(
+          Cuda(updater_.Set(u, n_, s.sent.indices.data(), s.sent.values.data(),
+                            s.sent.size(), stream)));
+      GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(cudaStreamSynchronize(stream)));
+      current_ = next;
+      return absl::InvalidArgumentError(absl::StrCat(
+          "MarkSent: u - received overflows at index ", s.sent.indices[j]));
+    }
+    lossy |= cpu::MagnitudeKey(s.marked[j]) != 0;
+  }
+  if (lossy) {
+    GTOPK_RETURN_IF_ERROR(Cuda(updater_.Set(
+        u, n_, s.sent.indices.data(), s.marked.data(), s.sent.size(), stream)));
+  }
+  current_ = next;  // residual = u - recv, velocity updated: committed
+  return absl::OkStatus();
+}
+
+absl::Status CudaDeviceStep::PutBackAll(const Sent& s,
+                                        const absl::Status& status,
+                                        cudaStream_t stream) {
+  std::vector<float> back(s.sent.size());
+  for (size_t j = 0; j < s.sent.size(); ++j) {
+    back[j] = PutBackSum(s.marked[j], s.received.values[j]);
+  }
+  cuda::Status restored = updater_.Set(u(), n_, s.sent.indices.data(),
+                                       back.data(), s.sent.size(), stream);
+  if (restored.ok()) {
+    const cudaError_t e = cudaStreamSynchronize(stream);
+    if (e != cudaSuccess)
+      restored = cuda::CudaError(e, "sync", __FILE__, __LINE__);
+  }
+  if (!restored.ok()) {
+    return absl::InternalError(absl::StrCat(status.ToString(),
+                                            "; and restoring the residual "
+                                            "failed: ",
+                                            restored.message));
+  }
+  return status;
+}
+
+absl::Status CudaDeviceStep::Apply(const Sent& s, const SparseVector& global,
+                                   bool put_back, uint32_t num_workers,
+                                   float* params, cudaStream_t stream) {
+  const SentSplit split = SplitSent(s, global);
+  if (put_back) {
+    GTOPK_RETURN_IF_ERROR(
+        Cuda(updater_.Set(u(), n_, split.back_idx.data(), split.back_val.data(),
+                          split.back_idx.size(), stream)));
+  }
+  if (dgc_momentum_ && masking_) {
+    const std::vector<float> zeros(split.mask_idx.size(), 0.0f);
+    GTOPK_RETURN_IF_ERROR(
+        Cuda(updater_.Set(velocity_[current_].get(), n_, split.mask_idx.data(),
+                          zeros.data(), split.mask_idx.size(), stream)));
+  }
+  const float p = static_cast<float>(num_workers);
+  std::vector<float> update(global.size());
+  for (size_t j = 0; j < global.size(); ++j) update[j] = global.values[j] / p;
+  if (global_momentum_) {
+    GTOPK_RETURN_IF_ERROR(Cuda(updater_.GlobalMomentum(
+        params, global_velocity_.get(), n_, momentum_, global.indices.data(),
+        update.data(), global.size(), stream)));
+  } else {
+    GTOPK_RETURN_IF_ERROR(
+        Cuda(updater_.Subtract(params, n_, global.indices.data(), update.data(),
+                               global.size(), stream)));
+  }
+  return GTOPK_CUDA_ABSL(cudaStreamSynchronize(stream));
+}
+
+absl::Status CudaDeviceStep::CopyStateToHost(absl::Span<float> residual,
+                                             absl::Span<float> velocity) {
+  GTOPK_RETURN_IF_ERROR(
+      GTOPK_CUDA_ABSL(cudaMemcpy(residual.data(), residual_[current_].get(),
+                                 n_ * sizeof(float), cudaMemcpyDeviceToHost)));
+  if (dgc_momentum_) {
+    GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(
+        cudaMemcpy(velocity.data(), velocity_[current_].get(),
+                   n_ * sizeof(float), cudaMemcpyDeviceToHost)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DeviceStep>> DeviceStep::Create(
+    absl::string_view selector, uint64_t selector_seed,
+    const OptimizerOptions& optimizer, uint64_t n,
+    absl::Span<const float> residual, absl::Span<const float> velocity,
+    absl::Span<const float> global_velocity, cudaStream_t stream) {
+  SelectorOptions so;
+  so.seed = selector_seed;
+  absl::StatusOr<std::unique_ptr<cuda::CudaSelector>> sel =
+      cuda::CudaSelector::Create(selector, so, n);
+  if (!sel.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("Step (device): selector \"", selector,
+                     "\" has no GPU version or the GPU is unusable: ",
+                     sel.status().message()));
+  }
+  auto d = std::make_unique<CudaDeviceStep>(optimizer, n);
+  GTOPK_RETURN_IF_ERROR(
+      d->Init(*std::move(sel), residual, velocity, global_velocity, stream));
+  return d;
+}
+
+absl::Status DeviceStep::RunOnHostCopies(
+    const float* gradient, float* params, uint64_t n, cudaStream_t stream,
+    absl::FunctionRef<absl::Status(absl::Span<const float>, absl::Span<float>)>
+        host_step) {
+  std::vector<float> host_grad(n), host_params(n);
+  GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(
+      cudaMemcpyAsync(host_grad.data(), gradient, n * sizeof(float),
+                      cudaMemcpyDeviceToHost, stream)));
+  GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(
+      cudaMemcpyAsync(host_params.data(), params, n * sizeof(float),
+                      cudaMemcpyDeviceToHost, stream)));
+  GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(cudaStreamSynchronize(stream)));
+  GTOPK_RETURN_IF_ERROR(host_step(host_grad, absl::MakeSpan(host_params)));
+  GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(
+      cudaMemcpyAsync(params, host_params.data(), n * sizeof(float),
+                      cudaMemcpyHostToDevice, stream)));
+  return GTOPK_CUDA_ABSL(cudaStreamSynchronize(stream));
+}
+
+}  // namespace worker
+}  // namespace gtopk
