@@ -32,22 +32,8 @@ absl::StatusOr<OptimizerOptions> OptimizerFromSpec(const v1::OptimizerSpec& s) {
   OptimizerOptions o;
   o.lr = s.lr();
   o.momentum = s.momentum();
-  switch (s.momentum_mode()) {
-    case v1::MOMENTUM_MODE_NONE:
-      o.momentum_mode = MomentumMode::kNone;
-      break;
-    case v1::MOMENTUM_MODE_UNSPECIFIED:  // the documented default
-    case v1::MOMENTUM_MODE_DGC:
-      o.momentum_mode = MomentumMode::kDgcCorrection;
-      break;
-    case v1::MOMENTUM_MODE_GLOBAL:
-      o.momentum_mode = MomentumMode::kGlobal;
-      break;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("cluster spec: unknown momentum mode ",
-                       static_cast<int>(s.momentum_mode())));
-  }
+  GTOPK_ASSIGN_OR_RETURN(o.momentum_mode,
+                         MomentumModeFromProto(s.momentum_mode()));
   o.momentum_factor_masking = s.momentum_factor_masking();
   o.weight_decay = s.weight_decay();
   o.lr_warmup_steps = s.lr_warmup_steps();
@@ -234,8 +220,7 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
   CodecSpec codec;
   GTOPK_ASSIGN_OR_RETURN(codec.index, ParseIndexCodec(cluster.index_codec()));
   GTOPK_ASSIGN_OR_RETURN(codec.value, ParseValueCodec(cluster.value_codec()));
-  if (cluster.mode() != v1::MODE_GTOPK && cluster.mode() != v1::MODE_TOPK &&
-      cluster.mode() != v1::MODE_DENSE) {
+  if (!AggregationModeFromProto(cluster.mode()).ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat(leader, ": cluster spec has no valid mode (",
                      static_cast<int>(cluster.mode()), ")"));
@@ -276,9 +261,9 @@ WorkerClient::WorkerClient(const ClientOptions& options, uint32_t rank,
       selector_(std::move(selector)),
       codec_(codec),
       shards_(std::move(shards)),
-      mode_(cluster_.mode() == v1::MODE_GTOPK  ? Mode::kGtopk
-            : cluster_.mode() == v1::MODE_TOPK ? Mode::kTopk
-                                               : Mode::kDense),
+      // Connect checked the mode.
+      mode_(AggregationModeFromProto(cluster_.mode())
+                .value_or(AggregationMode::kDense)),
       feedback_(cluster_.n()),
       velocity_(cluster_.n(), 0.0f),
       global_velocity_(cluster_.n(), 0.0f),

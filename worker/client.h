@@ -32,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "common/cluster_modes.h"
 #include "common/codec.h"
 #include "common/error_feedback.h"
 #include "common/optimizer.h"
@@ -426,7 +427,7 @@ class WorkerClient {
   std::unique_ptr<Selector> selector_;
   const CodecSpec codec_;
   std::vector<std::unique_ptr<ShardConn>> shards_;
-  enum class Mode { kGtopk, kTopk, kDense } mode_;
+  const AggregationMode mode_;  // from the cluster spec
 
   ErrorFeedback feedback_;
   std::vector<float> velocity_;         // DGC local velocity, length n

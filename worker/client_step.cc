@@ -90,7 +90,7 @@ absl::StatusOr<StepStats> WorkerClient::Step(absl::Span<const float> gradient,
   stats.accumulate = absl::Now() - t;
 
   // From here on the residual holds u; a failure must leave it there.
-  GTOPK_RETURN_IF_ERROR(mode_ == Mode::kDense
+  GTOPK_RETURN_IF_ERROR(mode_ == AggregationMode::kDense
                             ? DenseStepOnHost(params, &stats)
                             : SparseStepOnHost(params, &stats));
   ++next_step_;
@@ -161,7 +161,7 @@ absl::Status WorkerClient::SparseStepOnHost(absl::Span<float> params,
       !st.ok()) {
     return fail(st);
   }
-  if (mode_ == Mode::kGtopk) {
+  if (mode_ == AggregationMode::kGtopk) {
     GTOPK_RETURN_IF_ERROR(feedback_.PutBack(received, *global));
   }
   GTOPK_RETURN_IF_ERROR(
@@ -182,7 +182,7 @@ absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
         "Step (device): n = ", n, " (cluster n = ", cluster_.n(),
         "), gradient and params must be non-null device pointers"));
   }
-  if (mode_ == Mode::kDense) {
+  if (mode_ == AggregationMode::kDense) {
     // Dense mode sends u itself: it has to reach the host.
     absl::StatusOr<StepStats> stats;
     GTOPK_RETURN_IF_ERROR(
@@ -239,7 +239,8 @@ absl::Status WorkerClient::SparseStepOnDevice(const float* gradient,
   if (!global.ok()) return fail(global.status());
 
   t = absl::Now();
-  GTOPK_RETURN_IF_ERROR(device_->Apply(sent, *global, mode_ == Mode::kGtopk,
+  GTOPK_RETURN_IF_ERROR(device_->Apply(sent, *global,
+                                       mode_ == AggregationMode::kGtopk,
                                        cluster_.num_workers(), params, stream));
   stats->apply = absl::Now() - t;
   return absl::OkStatus();
@@ -324,7 +325,7 @@ absl::StatusOr<SparseVector> WorkerClient::DecodePulls(
       bad = absl::InternalError(absl::StrCat(
           "pull is for step ", pull.step(), " shard ", pull.shard_id(),
           ", expected step ", step));
-    } else if (mode_ == Mode::kDense) {
+    } else if (mode_ == AggregationMode::kDense) {
       bad = CheckDensePull(pull, c.end - c.begin);
       stats->received_pairs += pull.dense_size();
     } else if (absl::StatusOr<SparseVector> part =
@@ -356,7 +357,7 @@ absl::Status WorkerClient::CheckServersUpdate(
   // updated then (the entries sent go back to the residual).
   const int P = static_cast<int>(cluster_.num_workers());
   absl::Status finite;
-  if (mode_ == Mode::kDense) {
+  if (mode_ == AggregationMode::kDense) {
     for (size_t s = 0; s < shards_.size() && finite.ok(); ++s) {
       const uint64_t begin = shards_[s]->begin;
       const uint64_t len = shards_[s]->end - begin;

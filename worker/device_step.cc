@@ -16,7 +16,7 @@ namespace gtopk {
 namespace worker {
 namespace {
 
-absl::Status Cuda(const cuda::Status& s) { return cuda::ToAbslStatus(s); }
+absl::Status Cuda(const cuda::KernelStatus& s) { return cuda::ToAbslStatus(s); }
 
 absl::Status CudaCall(cudaError_t e, const char* call, const char* file,
                       int line) {
@@ -210,8 +210,8 @@ absl::Status CudaDeviceStep::PutBackAll(const Sent& s,
   for (size_t j = 0; j < s.sent.size(); ++j) {
     back[j] = PutBackSum(s.marked[j], s.received.values[j]);
   }
-  cuda::Status restored = updater_.Set(u(), n_, s.sent.indices.data(),
-                                       back.data(), s.sent.size(), stream);
+  cuda::KernelStatus restored = updater_.Set(
+      u(), n_, s.sent.indices.data(), back.data(), s.sent.size(), stream);
   if (restored.ok()) {
     const cudaError_t e = cudaStreamSynchronize(stream);
     if (e != cudaSuccess)

@@ -53,11 +53,11 @@
 namespace {
 
 using gtopk::cuda::DeviceBuffer;
+using gtopk::cuda::KernelStatus;
 using gtopk::cuda::Method;
-using gtopk::cuda::Selection;
+using gtopk::cuda::SelectedPairs;
 using gtopk::cuda::SelectParams;
 using gtopk::cuda::Sparsifier;
-using gtopk::cuda::Status;
 using gtopk::cuda::UpdateParams;
 using gtopk::device_check::ForChunks;
 using gtopk::device_check::InputNames;
@@ -177,7 +177,7 @@ struct Fatal : std::runtime_error {
 
 #define CHECK_OK(expr)                                                     \
   do {                                                                     \
-    const Status s_ = (expr);                                              \
+    const KernelStatus s_ = (expr);                                        \
     if (!s_.ok()) {                                                        \
       throw Fatal(std::string(__FILE__) + ":" + std::to_string(__LINE__) + \
                   ": " + #expr + ": " + s_.message);                       \
@@ -224,7 +224,7 @@ double Median(std::vector<double> v) {
 std::string CheckSelection(const std::string& method,
                            const std::vector<float>& u,
                            const std::vector<float>& after, uint64_t k,
-                           const Selection& sel,
+                           const SelectedPairs& sel,
                            const std::vector<uint32_t>& reference) {
   const uint64_t n = u.size();
   const Method m = method == "exact"       ? Method::kExact
@@ -728,7 +728,7 @@ class DeviceChecker {
       if (c.is_gaussiank()) ++c.gk.other_failures;
       results_.failures.push_back(c.Name("") + e.what());
       std::fprintf(stderr, "device_check: FAILED %s\n", e.what());
-      Selection ignored;
+      SelectedPairs ignored;
       sp->Wait(stream, &ignored);  // clear a pending selection, if any
     }
   }
@@ -736,12 +736,12 @@ class DeviceChecker {
   // Correctness on a fresh copy of the input.
   void CheckFreshSelection(const MethodCase& c, const SelectParams& p) {
     const uint64_t n = c.block.n;
-    Selection sel;
+    SelectedPairs sel;
     CHECK_CUDA(cudaMemcpyAsync(d_u.get(), d_pristine.get(),
                                n * sizeof(float), cudaMemcpyDeviceToDevice,
                                stream));
     CHECK_OK(sp->Select(d_u.get(), n, p, stream));
-    const Status waited = sp->Wait(stream, &sel);
+    const KernelStatus waited = sp->Wait(stream, &sel);
     ++results_.checks;
     std::string bad;
     if (!waited.ok()) {
@@ -769,7 +769,7 @@ class DeviceChecker {
     int fast = 0, timed = 0;
     gtopk::cuda::SelectInfo last_info;
     auto wait_selection = [&] {
-      Selection t;
+      SelectedPairs t;
       CHECK_OK(sp->Wait(stream, &t));
       count = t.count;
       fast += t.info.fast_path ? 1 : 0;
@@ -836,8 +836,8 @@ class DeviceChecker {
     ResetUpdateState(n);
     EnqueueUpdate(n);
     CHECK_OK(sp->Select(d_residual.get(), n, p, stream));
-    Selection sel;
-    const Status w2 = sp->Wait(stream, &sel);
+    SelectedPairs sel;
+    const KernelStatus w2 = sp->Wait(stream, &sel);
     ++results_.checks;
     std::string bad;
     if (!w2.ok()) {
@@ -878,7 +878,7 @@ class DeviceChecker {
            [&] {
              // Consume the histogram so the next Accumulate is clean.
              CHECK_OK(sp->Select(d_residual.get(), n, p, stream));
-             Selection t;
+             SelectedPairs t;
              CHECK_OK(sp->Wait(stream, &t));
            },
            &s);

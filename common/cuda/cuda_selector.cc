@@ -8,7 +8,7 @@
 namespace gtopk {
 namespace cuda {
 
-absl::Status ToAbslStatus(const Status& status) {
+absl::Status ToAbslStatus(const KernelStatus& status) {
   if (status.ok()) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(status.code),
                       status.message);
@@ -72,7 +72,7 @@ absl::Status CudaSelector::SelectDevice(float* u, uint64_t n, uint64_t k,
   p.gaussiank_max_adjustments = options_.gaussiank_max_adjustments;
   p.zero_selected = zero_selected;
   GTOPK_RETURN_IF_ERROR(ToAbslStatus(sparsifier_->Select(u, n, p, stream)));
-  Selection selection;
+  SelectedPairs selection;
   GTOPK_RETURN_IF_ERROR(ToAbslStatus(sparsifier_->Wait(stream, &selection)));
   out->indices.assign(selection.indices, selection.indices + selection.count);
   out->values.assign(selection.values, selection.values + selection.count);

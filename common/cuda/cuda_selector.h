@@ -22,7 +22,7 @@ namespace gtopk {
 namespace cuda {
 
 // The same code and message as an absl::Status.
-absl::Status ToAbslStatus(const Status& status);
+absl::Status ToAbslStatus(const KernelStatus& status);
 
 // "exact", "gaussiank" or "dgc" -> Method; INVALID_ARGUMENT otherwise
 // (randomk has no GPU version: it reads k entries and needs no selection).

@@ -1,10 +1,10 @@
-// Status and RAII buffers of the CUDA kernel core (common/cuda/). This layer
-// has no Abseil dependency, so that bench/cuda/device_check.sh can build it
-// with nvcc alone; common/cuda/cuda_selector.h converts to absl::Status.
+// KernelStatus and RAII buffers of the CUDA kernel core (common/cuda/). This
+// layer has no Abseil dependency, so that bench/cuda/device_check.sh can build
+// it with nvcc alone; common/cuda/cuda_selector.h converts to absl::Status.
 //
 // Every CUDA runtime call is checked with GTOPK_CUDA_RETURN_IF_ERROR, which
-// returns a Status carrying file:line, the call, and CUDA's error name and
-// string (NCCL's checks.h style: errors are returned, never aborted on).
+// returns a KernelStatus carrying file:line, the call, and CUDA's error name
+// and string (NCCL's checks.h style: errors are returned, never aborted on).
 #ifndef GTOPK_COMMON_CUDA_CUDA_STATUS_H_
 #define GTOPK_COMMON_CUDA_CUDA_STATUS_H_
 
@@ -19,7 +19,7 @@ namespace cuda {
 
 // The subset of absl::StatusCode the kernels report, with Abseil's numbers
 // so the adapter is a cast.
-enum class StatusCode : int {
+enum class KernelStatusCode : int {
   kOk = 0,
   kInvalidArgument = 3,
   kResourceExhausted = 8,
@@ -28,14 +28,14 @@ enum class StatusCode : int {
 };
 
 // An error code and a message; default-constructed is OK.
-struct Status {
-  StatusCode code = StatusCode::kOk;
+struct KernelStatus {
+  KernelStatusCode code = KernelStatusCode::kOk;
   std::string message;
 
-  bool ok() const { return code == StatusCode::kOk; }
-  static Status Ok() { return Status(); }
-  static Status Error(StatusCode code, std::string message) {
-    Status s;
+  bool ok() const { return code == KernelStatusCode::kOk; }
+  static KernelStatus Ok() { return KernelStatus(); }
+  static KernelStatus Error(KernelStatusCode code, std::string message) {
+    KernelStatus s;
     s.code = code;
     s.message = std::move(message);
     return s;
@@ -45,8 +45,8 @@ struct Status {
 // "<file>:<line>: <call>: <cudaErrorName>: <cudaGetErrorString>". Out of
 // memory is RESOURCE_EXHAUSTED, everything else INTERNAL. Clears CUDA's
 // last-error state.
-inline Status CudaError(cudaError_t error, const char* call, const char* file,
-                        int line) {
+inline KernelStatus CudaError(cudaError_t error, const char* call,
+                              const char* file, int line) {
   // The runtime also records the error as its "last error", which the next
   // launch check (cudaGetLastError) would report again: reset it (a sticky
   // error survives and keeps failing, as it should).
@@ -54,17 +54,17 @@ inline Status CudaError(cudaError_t error, const char* call, const char* file,
   std::string message = std::string(file) + ":" + std::to_string(line) + ": " +
                         call + ": " + cudaGetErrorName(error) + ": " +
                         cudaGetErrorString(error);
-  return Status::Error(error == cudaErrorMemoryAllocation
-                           ? StatusCode::kResourceExhausted
-                           : StatusCode::kInternal,
-                       std::move(message));
+  return KernelStatus::Error(error == cudaErrorMemoryAllocation
+                                 ? KernelStatusCode::kResourceExhausted
+                                 : KernelStatusCode::kInternal,
+                             std::move(message));
 }
 
 }  // namespace cuda
 }  // namespace gtopk
 
-// Evaluates a CUDA runtime call; returns a Status from the enclosing function
-// (which must return gtopk::cuda::Status) when it fails.
+// Evaluates a CUDA runtime call; returns a KernelStatus from the enclosing
+// function (which must return gtopk::cuda::KernelStatus) when it fails.
 #define GTOPK_CUDA_RETURN_IF_ERROR(call)                                  \
   do {                                                                    \
     const cudaError_t gtopk_cuda_error_ = (call);                         \
@@ -74,10 +74,10 @@ inline Status CudaError(cudaError_t error, const char* call, const char* file,
     }                                                                     \
   } while (false)
 
-// Propagates a non-OK gtopk::cuda::Status.
+// Propagates a non-OK gtopk::cuda::KernelStatus.
 #define GTOPK_CUDA_RETURN_IF_NOT_OK(expr)                    \
   do {                                                       \
-    ::gtopk::cuda::Status gtopk_cuda_status_ = (expr);       \
+    ::gtopk::cuda::KernelStatus gtopk_cuda_status_ = (expr); \
     if (!gtopk_cuda_status_.ok()) return gtopk_cuda_status_; \
   } while (false)
 
@@ -122,14 +122,14 @@ class Buffer {
   Buffer& operator=(const Buffer&) = delete;
 
   // Frees what was held and allocates `size` elements (none for 0).
-  Status Allocate(size_t size) {
+  KernelStatus Allocate(size_t size) {
     Reset();
-    if (size == 0) return Status::Ok();
+    if (size == 0) return KernelStatus::Ok();
     void* p = nullptr;
     GTOPK_CUDA_RETURN_IF_ERROR(Memory::Allocate(&p, size * sizeof(T)));
     data_ = static_cast<T*>(p);
     size_ = size;
-    return Status::Ok();
+    return KernelStatus::Ok();
   }
   void Reset() {
     if (data_ != nullptr) Memory::Free(data_);

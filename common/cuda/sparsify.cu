@@ -1012,8 +1012,8 @@ uint64_t MaxCount(Method method, uint64_t k) {
   return method == Method::kGaussianK && lo <= hi ? hi : k;
 }
 
-Status SparseUpdater::Upload(const uint32_t* idx, const float* val,
-                             uint64_t count, cudaStream_t stream) {
+KernelStatus SparseUpdater::Upload(const uint32_t* idx, const float* val,
+                                   uint64_t count, cudaStream_t stream) {
   if (idx_.size() < count) {
     // Buffers in flight on `stream` must not be freed under it.
     GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
@@ -1026,41 +1026,42 @@ Status SparseUpdater::Upload(const uint32_t* idx, const float* val,
                                              cudaMemcpyHostToDevice, stream));
   GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
       val_.get(), val, count * sizeof(float), cudaMemcpyHostToDevice, stream));
-  return Status::Ok();
+  return KernelStatus::Ok();
 }
 
-Status SparseUpdater::Scatter(float* dst, uint64_t n, const uint32_t* idx,
-                              const float* val, uint64_t count, int subtract,
-                              cudaStream_t stream) {
+KernelStatus SparseUpdater::Scatter(float* dst, uint64_t n, const uint32_t* idx,
+                                    const float* val, uint64_t count,
+                                    int subtract, cudaStream_t stream) {
   DiscardStaleError();
-  if (count == 0) return Status::Ok();
+  if (count == 0) return KernelStatus::Ok();
   GTOPK_CUDA_RETURN_IF_NOT_OK(Upload(idx, val, count, stream));
   const int blocks =
       static_cast<int>(std::min<uint64_t>((count + 255) / 256, 4096));
   GTOPK_LAUNCH(ScatterKernel, blocks, 256, stream)(dst, n, idx_.get(), val_.get(),
                                             count, subtract);
   GTOPK_CUDA_LAUNCH_CHECK();
-  return Status::Ok();
+  return KernelStatus::Ok();
 }
 
-Status SparseUpdater::Set(float* dst, uint64_t n, const uint32_t* idx,
-                          const float* val, uint64_t count,
-                          cudaStream_t stream) {
+KernelStatus SparseUpdater::Set(float* dst, uint64_t n, const uint32_t* idx,
+                                const float* val, uint64_t count,
+                                cudaStream_t stream) {
   return Scatter(dst, n, idx, val, count, /*subtract=*/0, stream);
 }
 
-Status SparseUpdater::Subtract(float* dst, uint64_t n, const uint32_t* idx,
-                               const float* val, uint64_t count,
-                               cudaStream_t stream) {
+KernelStatus SparseUpdater::Subtract(float* dst, uint64_t n,
+                                     const uint32_t* idx, const float* val,
+                                     uint64_t count, cudaStream_t stream) {
   return Scatter(dst, n, idx, val, count, /*subtract=*/1, stream);
 }
 
-Status SparseUpdater::GlobalMomentum(float* params, float* velocity, uint64_t n,
-                                     float momentum, const uint32_t* idx,
-                                     const float* val, uint64_t count,
-                                     cudaStream_t stream) {
+KernelStatus SparseUpdater::GlobalMomentum(float* params, float* velocity,
+                                           uint64_t n, float momentum,
+                                           const uint32_t* idx,
+                                           const float* val, uint64_t count,
+                                           cudaStream_t stream) {
   DiscardStaleError();
-  if (n == 0) return Status::Ok();
+  if (n == 0) return KernelStatus::Ok();
   if (dense_.size() < n) {
     GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     GTOPK_CUDA_RETURN_IF_NOT_OK(dense_.Allocate(n));
@@ -1080,7 +1081,7 @@ Status SparseUpdater::GlobalMomentum(float* params, float* velocity, uint64_t n,
   GTOPK_LAUNCH(GlobalMomentumKernel, blocks, 256, stream)(params, velocity,
                                                    dense_.get(), n, momentum);
   GTOPK_CUDA_LAUNCH_CHECK();
-  return Status::Ok();
+  return KernelStatus::Ok();
 }
 
 int DeviceCount() {
@@ -1216,15 +1217,15 @@ struct Sparsifier::Impl {
         std::max<uint64_t>(1, std::min<uint64_t>(blocks, max_blocks)));
   }
 
-  Status Init(ull need, bool zero_hist0, bool keep_sums, bool keep_candidates,
-              cudaStream_t stream) {
+  KernelStatus Init(ull need, bool zero_hist0, bool keep_sums,
+                    bool keep_candidates, cudaStream_t stream) {
     GTOPK_LAUNCH(InitKernel, 1, kScanThreads, stream)(
         st, hist0, hist1, hist2, need, zero_hist0, keep_sums, keep_candidates);
     GTOPK_CUDA_LAUNCH_CHECK();
-    return Status::Ok();
+    return KernelStatus::Ok();
   }
 
-  Status Histogram(const float* u, uint64_t n, cudaStream_t stream) {
+  KernelStatus Histogram(const float* u, uint64_t n, cudaStream_t stream) {
     HistArgs a{};
     a.residual_in = u;
     a.n = n;
@@ -1238,7 +1239,7 @@ struct Sparsifier::Impl {
     GTOPK_LAUNCH(HistogramKernel<false>, std::min(HistBlocks(n), update_blocks),
                  kThreads, stream)(a);
     GTOPK_CUDA_LAUNCH_CHECK();
-    return Status::Ok();
+    return KernelStatus::Ok();
   }
 
   int HistBlocks(uint64_t n) const {
@@ -1248,8 +1249,8 @@ struct Sparsifier::Impl {
         std::max<uint64_t>(1, std::min<uint64_t>(blocks, max_blocks)));
   }
 
-  Status Collect(const float* u, uint64_t n, bool with_hist, bool host_key,
-                 uint32_t key, cudaStream_t stream) {
+  KernelStatus Collect(const float* u, uint64_t n, bool with_hist,
+                       bool host_key, uint32_t key, cudaStream_t stream) {
     CollectLayout(n);
     const int vec = Aligned16(u);
     if (with_hist) {
@@ -1262,14 +1263,14 @@ struct Sparsifier::Impl {
           counts_a.get(), nullptr);
     }
     GTOPK_CUDA_LAUNCH_CHECK();
-    return Status::Ok();
+    return KernelStatus::Ok();
   }
 
   // accept_lo/hi: the count range that lets the selection finish without
   // the host (state->accepted). find_next: then the next undecided digit of
   // the exact plan from its histogram.
-  Status Scan(bool find_next, cudaStream_t stream, ull accept_lo = 1,
-              ull accept_hi = 0) {
+  KernelStatus Scan(bool find_next, cudaStream_t stream, ull accept_lo = 1,
+                    ull accept_hi = 0) {
     const uint32_t* counts = counts_a.get();
     ull* offsets = offsets_a.get();
     WithScanItems(collect_warps, [&](auto items) {
@@ -1278,31 +1279,31 @@ struct Sparsifier::Impl {
                            find_next ? 1 : 0, accept_lo, accept_hi);
     });
     GTOPK_CUDA_LAUNCH_CHECK();
-    return Status::Ok();
+    return KernelStatus::Ok();
   }
 
   // next_hist: the histogram of the exact plan's next undecided digit.
-  Status Gather(float* u, bool to_output, bool zero, bool next_hist,
-                cudaStream_t stream, bool if_accepted = false) {
+  KernelStatus Gather(float* u, bool to_output, bool zero, bool next_hist,
+                      cudaStream_t stream, bool if_accepted = false) {
     GTOPK_LAUNCH(GatherKernel, collect_blocks, kThreads, stream)(
         u, regions.get(), collect_chunk, counts_a.get(), offsets_a.get(),
         collect_warps, to_output ? out_idx.get() : cand_idx.get(),
         to_output ? out_val.get() : cand_val.get(), zero, st, hist0,
         next_hist ? 1 : 0, if_accepted);
     GTOPK_CUDA_LAUNCH_CHECK();
-    return Status::Ok();
+    return KernelStatus::Ok();
   }
 
-  Status FindBin(const ull* hist, int level, cudaStream_t stream) {
+  KernelStatus FindBin(const ull* hist, int level, cudaStream_t stream) {
     GTOPK_LAUNCH(FindBinKernel, 1, kScanThreads, stream)(st, hist, level);
     GTOPK_CUDA_LAUNCH_CHECK();
-    return Status::Ok();
+    return KernelStatus::Ok();
   }
 
   // Stable compaction of the candidate arrays (or of u itself, when the
   // exact plan says from_u) by FinalRule into out_*, on `blocks` blocks.
-  Status Final(FinalRule rule, float* u, uint64_t n, bool zero, int blocks,
-               cudaStream_t stream) {
+  KernelStatus Final(FinalRule rule, float* u, uint64_t n, bool zero,
+                     int blocks, cudaStream_t stream) {
     const int warps = blocks * kWarpsPerBlock;
     GTOPK_LAUNCH(CountFinalKernel, blocks, kThreads, stream)(
         cand_val.get(), u, n, st, rule, counts_b.get(), counts_a.get());
@@ -1321,14 +1322,14 @@ struct Sparsifier::Impl {
         cand_idx.get(), cand_val.get(), n, st, rule, offsets_a.get(),
         offsets_b.get(), out_idx.get(), out_val.get(), u, zero);
     GTOPK_CUDA_LAUNCH_CHECK();
-    return Status::Ok();
+    return KernelStatus::Ok();
   }
 
   // Exact top-k of the candidate arrays (M = state's num_candidates >= k,
   // containing the top-k of u) by a three-digit radix select over them.
   // M is known on the device only: every pass runs on the grid for M = n.
-  Status CandidateExact(float* u, uint64_t n, uint64_t k, bool zero,
-                        cudaStream_t stream) {
+  KernelStatus CandidateExact(float* u, uint64_t n, uint64_t k, bool zero,
+                              cudaStream_t stream) {
     GTOPK_CUDA_RETURN_IF_NOT_OK(Init(k, /*zero_hist0=*/true, false,
                                      /*keep_candidates=*/true, stream));
     ull* hists[3] = {hist0, hist1, hist2};
@@ -1356,8 +1357,8 @@ struct Sparsifier::Impl {
   // compaction reads u itself (at most five passes over u, never a copy of
   // most of u). The host enqueues the same kernels either way; those of the
   // path not taken return at once.
-  Status ExactFromU(float* u, uint64_t n, uint64_t k, bool zero,
-                    bool reuse_hist0, cudaStream_t stream) {
+  KernelStatus ExactFromU(float* u, uint64_t n, uint64_t k, bool zero,
+                          bool reuse_hist0, cudaStream_t stream) {
     GTOPK_CUDA_RETURN_IF_NOT_OK(
         Init(k, !reuse_hist0, reuse_hist0, false, stream));
     if (!reuse_hist0) GTOPK_CUDA_RETURN_IF_NOT_OK(Histogram(u, n, stream));
@@ -1386,36 +1387,36 @@ struct Sparsifier::Impl {
   // it saves).
   static ull CompactCap(uint64_t n) { return std::max<ull>(1, n / 8); }
 
-  Status Decide(int level, ull cap, cudaStream_t stream) {
+  KernelStatus Decide(int level, ull cap, cudaStream_t stream) {
     GTOPK_LAUNCH(FindBinDecideKernel, 1, kScanThreads, stream)(st, hist0,
                                                                level, cap);
     GTOPK_CUDA_LAUNCH_CHECK();
-    return Status::Ok();
+    return KernelStatus::Ok();
   }
 
   // Copies the state to the host and waits for it.
-  Status ReadState(cudaStream_t stream, DeviceState* out) {
+  KernelStatus ReadState(cudaStream_t stream, DeviceState* out) {
     GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_state.get(), st,
                                                sizeof(DeviceState),
                                                cudaMemcpyDeviceToHost, stream));
     GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     *out = *host_state.get();
-    return Status::Ok();
+    return KernelStatus::Ok();
   }
 
-  Status EnsurePinned(uint64_t count, cudaStream_t stream) {
+  KernelStatus EnsurePinned(uint64_t count, cudaStream_t stream) {
     if (host_idx.size() >= count && host_val.size() >= count)
-      return Status::Ok();
+      return KernelStatus::Ok();
     GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     ClearGraphs();  // their copies target the buffers being replaced
     const uint64_t size = std::max<uint64_t>(count, 2 * host_idx.size());
     GTOPK_CUDA_RETURN_IF_NOT_OK(host_idx.Allocate(size));
     GTOPK_CUDA_RETURN_IF_NOT_OK(host_val.Allocate(size));
-    return Status::Ok();
+    return KernelStatus::Ok();
   }
 
   // Enqueues the copies of `count` output pairs and of the state.
-  Status CopyOut(uint64_t count, cudaStream_t stream) {
+  KernelStatus CopyOut(uint64_t count, cudaStream_t stream) {
     if (count > 0) {
       GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
           host_idx.get(), out_idx.get(), count * sizeof(uint32_t),
@@ -1428,28 +1429,29 @@ struct Sparsifier::Impl {
                                                sizeof(DeviceState),
                                                cudaMemcpyDeviceToHost, stream));
     pending_count = count;
-    return Status::Ok();
+    return KernelStatus::Ok();
   }
 
   // Enqueues the selection (Select's work after validation).
-  Status Enqueue(float* u, uint64_t n, const SelectParams& p, bool reuse,
-                 cudaStream_t stream);
+  KernelStatus Enqueue(float* u, uint64_t n, const SelectParams& p, bool reuse,
+                       cudaStream_t stream);
   // Enqueue through the graph cache (see Sparsifier::set_use_graphs).
-  Status EnqueueWithGraph(float* u, uint64_t n, const SelectParams& p,
-                          bool reuse, cudaStream_t stream);
-  Status SelectGaussianK(float* u, uint64_t n, const SelectParams& p,
+  KernelStatus EnqueueWithGraph(float* u, uint64_t n, const SelectParams& p,
+                                bool reuse, cudaStream_t stream);
+  KernelStatus SelectGaussianK(float* u, uint64_t n, const SelectParams& p,
+                               bool reuse, cudaStream_t stream);
+  KernelStatus SelectDgc(float* u, uint64_t n, const SelectParams& p,
                          bool reuse, cudaStream_t stream);
-  Status SelectDgc(float* u, uint64_t n, const SelectParams& p, bool reuse,
-                   cudaStream_t stream);
   // The rest of a selection whose count the device did not accept, from the
   // state `s` read after the fast path (u = pending_u, p = pending_params).
-  Status ContinueGaussianK(const DeviceState& s, cudaStream_t stream);
-  Status ContinueDgc(const DeviceState& s, cudaStream_t stream);
+  KernelStatus ContinueGaussianK(const DeviceState& s, cudaStream_t stream);
+  KernelStatus ContinueDgc(const DeviceState& s, cudaStream_t stream);
 };
 
-Status Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
-                                         const SelectParams& p, bool reuse,
-                                         cudaStream_t stream) {
+KernelStatus Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
+                                               const SelectParams& p,
+                                               bool reuse,
+                                               cudaStream_t stream) {
   const uint64_t k = p.k;
   const uint64_t lo = MinCount(Method::kGaussianK, k);
   const uint64_t hi = MaxCount(Method::kGaussianK, k);
@@ -1481,8 +1483,8 @@ Status Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
   return CopyOut(std::min<uint64_t>(hi, n), stream);
 }
 
-Status Sparsifier::Impl::ContinueGaussianK(const DeviceState& state,
-                                           cudaStream_t stream) {
+KernelStatus Sparsifier::Impl::ContinueGaussianK(const DeviceState& state,
+                                                 cudaStream_t stream) {
   float* u = pending_u;
   const uint64_t n = pending_n;
   const SelectParams& p = pending_params;
@@ -1567,8 +1569,9 @@ Status Sparsifier::Impl::ContinueGaussianK(const DeviceState& state,
   return CopyOut(k, stream);
 }
 
-Status Sparsifier::Impl::SelectDgc(float* u, uint64_t n, const SelectParams& p,
-                                   bool reuse, cudaStream_t stream) {
+KernelStatus Sparsifier::Impl::SelectDgc(float* u, uint64_t n,
+                                         const SelectParams& p, bool reuse,
+                                         cudaStream_t stream) {
   const uint64_t k = p.k;
   const bool zero = p.zero_selected;
   constexpr uint64_t kRunLength = 16;
@@ -1613,8 +1616,8 @@ Status Sparsifier::Impl::SelectDgc(float* u, uint64_t n, const SelectParams& p,
   return CopyOut(k, stream);
 }
 
-Status Sparsifier::Impl::ContinueDgc(const DeviceState& s,
-                                     cudaStream_t stream) {
+KernelStatus Sparsifier::Impl::ContinueDgc(const DeviceState& s,
+                                           cudaStream_t stream) {
   float* u = pending_u;
   const uint64_t n = pending_n;
   const uint64_t k = pending_params.k;
@@ -1639,8 +1642,9 @@ Status Sparsifier::Impl::ContinueDgc(const DeviceState& s,
   return CopyOut(k, stream);
 }
 
-Status Sparsifier::Impl::Enqueue(float* u, uint64_t n, const SelectParams& p,
-                                 bool reuse, cudaStream_t stream) {
+KernelStatus Sparsifier::Impl::Enqueue(float* u, uint64_t n,
+                                       const SelectParams& p, bool reuse,
+                                       cudaStream_t stream) {
   switch (p.method) {
     case Method::kExact: {
       GTOPK_CUDA_RETURN_IF_NOT_OK(
@@ -1653,12 +1657,14 @@ Status Sparsifier::Impl::Enqueue(float* u, uint64_t n, const SelectParams& p,
     case Method::kDgc:
       return SelectDgc(u, n, p, reuse, stream);
   }
-  return Status::Error(StatusCode::kInternal, "Select: unknown method");
+  return KernelStatus::Error(KernelStatusCode::kInternal,
+                             "Select: unknown method");
 }
 
-Status Sparsifier::Impl::EnqueueWithGraph(float* u, uint64_t n,
-                                          const SelectParams& p, bool reuse,
-                                          cudaStream_t stream) {
+KernelStatus Sparsifier::Impl::EnqueueWithGraph(float* u, uint64_t n,
+                                                const SelectParams& p,
+                                                bool reuse,
+                                                cudaStream_t stream) {
   const GraphKey key{p.method, u,     n,
                      p.k,      p.zero_selected, reuse,
                      p.gaussiank_max_adjustments};
@@ -1671,7 +1677,7 @@ Status Sparsifier::Impl::EnqueueWithGraph(float* u, uint64_t n,
     info.used_update_histogram = used_update_histogram;
     info.graph_replay = true;
     Restore(g.snapshot);
-    return Status::Ok();
+    return KernelStatus::Ok();
   }
   // Capture what Enqueue would enqueue; on any refusal, graphs go off and
   // the selection is enqueued directly (nothing captured ever ran).
@@ -1681,7 +1687,7 @@ Status Sparsifier::Impl::EnqueueWithGraph(float* u, uint64_t n,
     use_graphs = false;
     return Enqueue(u, n, p, reuse, stream);
   }
-  const Status captured = Enqueue(u, n, p, reuse, stream);
+  const KernelStatus captured = Enqueue(u, n, p, reuse, stream);
   cudaGraph_t graph = nullptr;
   const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
   cudaGraphExec_t exec = nullptr;
@@ -1717,7 +1723,7 @@ Status Sparsifier::Impl::EnqueueWithGraph(float* u, uint64_t n,
   }
   graphs.push_back(entry);
   GTOPK_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, stream));
-  return Status::Ok();
+  return KernelStatus::Ok();
 }
 
 Sparsifier::Sparsifier(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -1734,11 +1740,13 @@ const uint32_t* Sparsifier::device_indices() const {
 }
 const float* Sparsifier::device_values() const { return impl_->out_val.get(); }
 
-Status Sparsifier::Create(uint64_t capacity, std::unique_ptr<Sparsifier>* out) {
+KernelStatus Sparsifier::Create(uint64_t capacity,
+                                std::unique_ptr<Sparsifier>* out) {
   if (capacity == 0 || capacity > (uint64_t{1} << 32)) {
-    return Status::Error(StatusCode::kInvalidArgument,
-                         "Sparsifier capacity must be in [1, 2^32], got " +
-                             std::to_string(capacity));
+    return KernelStatus::Error(
+        KernelStatusCode::kInvalidArgument,
+        "Sparsifier capacity must be in [1, 2^32], got " +
+            std::to_string(capacity));
   }
   auto impl = std::make_unique<Impl>();
   impl->capacity = capacity;
@@ -1780,19 +1788,18 @@ Status Sparsifier::Create(uint64_t capacity, std::unique_ptr<Sparsifier>* out) {
   GTOPK_CUDA_RETURN_IF_NOT_OK(impl->out_val.Allocate(capacity));
   GTOPK_CUDA_RETURN_IF_NOT_OK(impl->host_state.Allocate(1));
   out->reset(new Sparsifier(std::move(impl)));
-  return Status::Ok();
+  return KernelStatus::Ok();
 }
 
-Status Sparsifier::Accumulate(const float* grad, const float* params,
-                              const float* velocity_in, float* velocity_out,
-                              const float* residual_in, float* residual_out,
-                              uint64_t n, const UpdateParams& up,
-                              cudaStream_t stream) {
+KernelStatus Sparsifier::Accumulate(
+    const float* grad, const float* params, const float* velocity_in,
+    float* velocity_out, const float* residual_in, float* residual_out,
+    uint64_t n, const UpdateParams& up, cudaStream_t stream) {
   DiscardStaleError();
   Impl& m = *impl_;
   if (n == 0 || n > m.capacity) {
-    return Status::Error(
-        StatusCode::kInvalidArgument,
+    return KernelStatus::Error(
+        KernelStatusCode::kInvalidArgument,
         "Accumulate: n = " + std::to_string(n) +
             " must be in [1, capacity = " + std::to_string(m.capacity) + "]");
   }
@@ -1800,19 +1807,19 @@ Status Sparsifier::Accumulate(const float* grad, const float* params,
       (up.momentum_correction &&
        (velocity_in == nullptr || velocity_out == nullptr)) ||
       (params == nullptr && up.weight_decay != 0.0f)) {
-    return Status::Error(StatusCode::kInvalidArgument,
-                         "Accumulate: a required device pointer is null");
+    return KernelStatus::Error(KernelStatusCode::kInvalidArgument,
+                               "Accumulate: a required device pointer is null");
   }
   if (!(up.lr > 0.0f) || !std::isfinite(up.lr) || !(up.momentum >= 0.0f) ||
       !(up.momentum < 1.0f) || !(up.weight_decay >= 0.0f) ||
       !std::isfinite(up.weight_decay)) {
-    return Status::Error(StatusCode::kInvalidArgument,
-                         "Accumulate: need lr > 0, momentum in [0, 1), "
-                         "weight_decay >= 0, all finite");
+    return KernelStatus::Error(KernelStatusCode::kInvalidArgument,
+                               "Accumulate: need lr > 0, momentum in [0, 1), "
+                               "weight_decay >= 0, all finite");
   }
   if (m.pending) {
-    return Status::Error(StatusCode::kFailedPrecondition,
-                         "Accumulate: Wait for the pending Select first");
+    return KernelStatus::Error(KernelStatusCode::kFailedPrecondition,
+                               "Accumulate: Wait for the pending Select first");
   }
   GTOPK_CUDA_RETURN_IF_NOT_OK(m.Init(0, true, false, false, stream));
   HistArgs a{};
@@ -1840,33 +1847,35 @@ Status Sparsifier::Accumulate(const float* grad, const float* params,
   GTOPK_CUDA_LAUNCH_CHECK();
   m.hist_u = residual_out;
   m.hist_n = n;
-  return Status::Ok();
+  return KernelStatus::Ok();
 }
 
-Status Sparsifier::Select(float* u, uint64_t n, const SelectParams& p,
-                          cudaStream_t stream) {
+KernelStatus Sparsifier::Select(float* u, uint64_t n, const SelectParams& p,
+                                cudaStream_t stream) {
   DiscardStaleError();
   Impl& m = *impl_;
   if (m.pending) {
-    return Status::Error(StatusCode::kFailedPrecondition,
-                         "Select: Wait for the pending Select first");
+    return KernelStatus::Error(KernelStatusCode::kFailedPrecondition,
+                               "Select: Wait for the pending Select first");
   }
   if (u == nullptr || n == 0 || n > m.capacity) {
-    return Status::Error(StatusCode::kInvalidArgument,
-                         "Select: n = " + std::to_string(n) +
-                             " must be in [1, capacity = " +
-                             std::to_string(m.capacity) + "] (u non-null)");
+    return KernelStatus::Error(
+        KernelStatusCode::kInvalidArgument,
+        "Select: n = " + std::to_string(n) + " must be in [1, capacity = " +
+            std::to_string(m.capacity) + "] (u non-null)");
   }
   if (p.k == 0 || p.k > n) {
-    return Status::Error(StatusCode::kInvalidArgument,
-                         "Select: k = " + std::to_string(p.k) +
-                             " must be in [1, n = " + std::to_string(n) + "]");
+    return KernelStatus::Error(KernelStatusCode::kInvalidArgument,
+                               "Select: k = " + std::to_string(p.k) +
+                                   " must be in [1, n = " + std::to_string(n) +
+                                   "]");
   }
   if (!(p.dgc_sample_fraction >= 0.01 && p.dgc_sample_fraction <= 1.0) ||
       p.gaussiank_max_adjustments < 1 || p.gaussiank_max_adjustments > 16) {
-    return Status::Error(StatusCode::kInvalidArgument,
-                         "Select: dgc_sample_fraction must be in [0.01, 1] "
-                         "and gaussiank_max_adjustments in [1, 16]");
+    return KernelStatus::Error(
+        KernelStatusCode::kInvalidArgument,
+        "Select: dgc_sample_fraction must be in [0.01, 1] "
+        "and gaussiank_max_adjustments in [1, 16]");
   }
   const bool reuse = m.hist_u == u && m.hist_n == n;
   m.info = SelectInfo();
@@ -1879,7 +1888,7 @@ Status Sparsifier::Select(float* u, uint64_t n, const SelectParams& p,
   m.pending_n = n;
   m.pending_params = p;
   m.continuation = Impl::Continuation::kNone;
-  const Status status =
+  const KernelStatus status =
       m.use_graphs && stream != nullptr && p.method != Method::kDgc
           ? m.EnqueueWithGraph(u, n, p, reuse, stream)
           : m.Enqueue(u, n, p, reuse, stream);
@@ -1888,12 +1897,12 @@ Status Sparsifier::Select(float* u, uint64_t n, const SelectParams& p,
   return status;
 }
 
-Status Sparsifier::Wait(cudaStream_t stream, Selection* out) {
+KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
   DiscardStaleError();
   Impl& m = *impl_;
   if (!m.pending) {
-    return Status::Error(StatusCode::kFailedPrecondition,
-                         "Wait: no pending Select");
+    return KernelStatus::Error(KernelStatusCode::kFailedPrecondition,
+                               "Wait: no pending Select");
   }
   m.pending = false;
   GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
@@ -1935,19 +1944,20 @@ Status Sparsifier::Wait(cudaStream_t stream, Selection* out) {
       GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpy(
           &value, m.pending_u + pos, sizeof(float), cudaMemcpyDeviceToHost));
     }
-    return Status::Error(StatusCode::kInvalidArgument,
-                         "selector input has a non-finite value (" +
-                             FloatText(value) + ") at position " +
-                             std::to_string(pos));
+    return KernelStatus::Error(KernelStatusCode::kInvalidArgument,
+                               "selector input has a non-finite value (" +
+                                   FloatText(value) + ") at position " +
+                                   std::to_string(pos));
   }
   if (s.error != 0 || m.pending_error) {
-    return Status::Error(StatusCode::kInternal,
-                         "selection failed an internal check (error bits " +
-                             std::to_string(s.error) + ")");
+    return KernelStatus::Error(
+        KernelStatusCode::kInternal,
+        "selection failed an internal check (error bits " +
+            std::to_string(s.error) + ")");
   }
   if (m.check_selected && s.num_selected != m.pending_count) {
-    return Status::Error(
-        StatusCode::kInternal,
+    return KernelStatus::Error(
+        KernelStatusCode::kInternal,
         "selection produced " + std::to_string(s.num_selected) +
             " pairs, expected " + std::to_string(m.pending_count));
   }
@@ -1959,7 +1969,7 @@ Status Sparsifier::Wait(cudaStream_t stream, Selection* out) {
   out->values = m.host_val.get();
   out->count = m.pending_count;
   out->info = m.info;
-  return Status::Ok();
+  return KernelStatus::Ok();
 }
 
 }  // namespace cuda

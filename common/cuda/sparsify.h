@@ -120,7 +120,7 @@ struct SelectInfo {
 
 // The selected pairs in pinned host memory, sorted by index; valid until the
 // next Select on the same Sparsifier.
-struct Selection {
+struct SelectedPairs {
   const uint32_t* indices = nullptr;
   const float* values = nullptr;
   uint64_t count = 0;
@@ -147,7 +147,8 @@ class Sparsifier {
   // (1 <= capacity <= 2^32). INVALID_ARGUMENT for a bad capacity,
   // RESOURCE_EXHAUSTED when device memory runs out, INTERNAL for other CUDA
   // errors (no device, ...).
-  static Status Create(uint64_t capacity, std::unique_ptr<Sparsifier>* out);
+  static KernelStatus Create(uint64_t capacity,
+                             std::unique_ptr<Sparsifier>* out);
 
   ~Sparsifier();
   Sparsifier(const Sparsifier&) = delete;
@@ -166,10 +167,11 @@ class Sparsifier {
   // Asynchronous on `stream`. A non-finite u (from a non-finite gradient or
   // an overflow) is reported by the next Select's Wait. INVALID_ARGUMENT for
   // n == 0, n > capacity or bad params; INTERNAL for a CUDA error.
-  Status Accumulate(const float* grad, const float* params,
-                    const float* velocity_in, float* velocity_out,
-                    const float* residual_in, float* residual_out, uint64_t n,
-                    const UpdateParams& params_update, cudaStream_t stream);
+  KernelStatus Accumulate(const float* grad, const float* params,
+                          const float* velocity_in, float* velocity_out,
+                          const float* residual_in, float* residual_out,
+                          uint64_t n, const UpdateParams& params_update,
+                          cudaStream_t stream);
 
   // Enqueues the selection of about k entries of u (length n) on `stream`
   // and the asynchronous copy of the selected pairs to pinned host memory.
@@ -181,8 +183,8 @@ class Sparsifier {
   // and no Select ran since (u must not have been modified in between).
   // INVALID_ARGUMENT for n == 0, n > capacity, k == 0, k > n or bad params
   // (nothing enqueued); INTERNAL for a CUDA error.
-  Status Select(float* u, uint64_t n, const SelectParams& params,
-                cudaStream_t stream);
+  KernelStatus Select(float* u, uint64_t n, const SelectParams& params,
+                      cudaStream_t stream);
 
   // CUDA graphs (on by default): Select of exact and gaussiank on a stream
   // other than the legacy default one captures what it enqueues into a
@@ -204,10 +206,10 @@ class Sparsifier {
   // non-finite value (<v>) at position <i>", the first position; nothing was
   // zeroed then); FAILED_PRECONDITION without a pending Select; INTERNAL
   // for a CUDA error or a broken internal invariant.
-  Status Wait(cudaStream_t stream, Selection* out);
+  KernelStatus Wait(cudaStream_t stream, SelectedPairs* out);
 
   // Device copies of the last selection's indices/values (count =
-  // Selection::count), valid until the next Select; for device-side
+  // SelectedPairs::count), valid until the next Select; for device-side
   // consumers such as the worker's residual and momentum updates.
   const uint32_t* device_indices() const;
   const float* device_values() const;
@@ -229,24 +231,26 @@ class Sparsifier {
 class SparseUpdater {
  public:
   // dst[idx[j]] = val[j].
-  Status Set(float* dst, uint64_t n, const uint32_t* idx, const float* val,
-             uint64_t count, cudaStream_t stream);
+  KernelStatus Set(float* dst, uint64_t n, const uint32_t* idx,
+                   const float* val, uint64_t count, cudaStream_t stream);
   // dst[idx[j]] = dst[idx[j]] - val[j].
-  Status Subtract(float* dst, uint64_t n, const uint32_t* idx, const float* val,
-                  uint64_t count, cudaStream_t stream);
+  KernelStatus Subtract(float* dst, uint64_t n, const uint32_t* idx,
+                        const float* val, uint64_t count, cudaStream_t stream);
   // Global momentum (MomentumMode::kGlobal) over all n entries, with
   // update_i = val[j] at i = idx[j] and +0.0 elsewhere:
   //   v = momentum * velocity[i] + update_i;  velocity[i] = v;  params[i] -= v
-  Status GlobalMomentum(float* params, float* velocity, uint64_t n,
-                        float momentum, const uint32_t* idx, const float* val,
-                        uint64_t count, cudaStream_t stream);
+  KernelStatus GlobalMomentum(float* params, float* velocity, uint64_t n,
+                              float momentum, const uint32_t* idx,
+                              const float* val, uint64_t count,
+                              cudaStream_t stream);
 
  private:
-  Status Upload(const uint32_t* idx, const float* val, uint64_t count,
-                cudaStream_t stream);
+  KernelStatus Upload(const uint32_t* idx, const float* val, uint64_t count,
+                      cudaStream_t stream);
   // Set (subtract = 0) or Subtract (1): upload, then one scatter kernel.
-  Status Scatter(float* dst, uint64_t n, const uint32_t* idx, const float* val,
-                 uint64_t count, int subtract, cudaStream_t stream);
+  KernelStatus Scatter(float* dst, uint64_t n, const uint32_t* idx,
+                       const float* val, uint64_t count, int subtract,
+                       cudaStream_t stream);
   DeviceBuffer<uint32_t> idx_;
   DeviceBuffer<float> val_;
   DeviceBuffer<float> dense_;  // GlobalMomentum's update vector

@@ -124,8 +124,8 @@ std::vector<std::vector<float>> RunCluster(const Case& c,
         return status[w].ok();
       };
       if (on_device[w]) {
-        const cuda::Status a = d_grad.Allocate(kN);
-        const cuda::Status b = d_params.Allocate(kN);
+        const cuda::KernelStatus a = d_grad.Allocate(kN);
+        const cuda::KernelStatus b = d_params.Allocate(kN);
         if (!a.ok() || !b.ok()) {
           status[w] = absl::InternalError(a.ok() ? b.message : a.message);
           return;

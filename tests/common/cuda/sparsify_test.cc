@@ -233,8 +233,8 @@ Selected SelectOnStream(Sparsifier* sp, DeviceVector* d, uint64_t n,
                         const SelectParams& p, cudaStream_t stream) {
   Selected out;
   EXPECT_TRUE(sp->Select(d->buffer.get(), n, p, stream).ok());
-  Selection sel;
-  const Status waited = sp->Wait(stream, &sel);
+  SelectedPairs sel;
+  const KernelStatus waited = sp->Wait(stream, &sel);
   EXPECT_TRUE(waited.ok()) << waited.message;
   if (!waited.ok()) return out;
   for (uint64_t j = 0; j < sel.count; ++j) {
