@@ -93,18 +93,18 @@ class CommitCoordinator {
 };
 
 // How a shard reaches the leader's CommitCoordinator.
-class CommitExchange {
+class CommitVoter {
  public:
-  virtual ~CommitExchange() = default;
+  virtual ~CommitVoter() = default;
   // Same contract as CommitCoordinator::Vote (plus transport errors).
   virtual absl::Status Vote(int64_t step, uint32_t shard, absl::Time deadline,
                             uint64_t epoch) = 0;
 };
 
-// In-process exchange (the leader itself, tests).
-class LocalCommitExchange final : public CommitExchange {
+// In-process voter (the leader itself, tests).
+class LocalCommitVoter final : public CommitVoter {
  public:
-  explicit LocalCommitExchange(CommitCoordinator* coordinator)
+  explicit LocalCommitVoter(CommitCoordinator* coordinator)
       : coordinator_(coordinator) {}
   absl::Status Vote(int64_t step, uint32_t shard, absl::Time deadline,
                     uint64_t epoch) override {

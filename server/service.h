@@ -4,8 +4,9 @@
 // checkpointing, and crash recovery. Its configuration is ServerConfig
 // (server/server_config.h); the grpc::Server around it, used by
 // gtopk-server's main() and by tests, is AggregatorServer
-// (server/aggregator_server.h). The handlers are implemented in
-// server/service.cc, recovery and fail fast in server/recovery.cc.
+// (server/aggregator_server.h). The training handlers are implemented in
+// server/service.cc, membership and identity checks in server/membership.cc,
+// recovery and fail fast in server/recovery.cc.
 //
 // Status codes follow docs/errors.md; every handler converts its
 // absl::Status with ToGrpcStatus (common/grpc_edge.h), so the
@@ -32,7 +33,7 @@
 #include "gtopk/v1/gtopk.grpc.pb.h"
 #include "gtopk/v1/gtopk.pb.h"
 #include "server/commit.h"
-#include "server/grpc_threshold_exchange.h"
+#include "server/leader_client.h"
 #include "server/server_config.h"
 #include "server/server_metrics.h"
 #include "server/shard_aggregator.h"
@@ -324,7 +325,7 @@ class AggregatorService final : public v1::Aggregator::Service {
   // to it.
   std::unique_ptr<ThresholdCoordinator> coordinator_;
   std::unique_ptr<CommitCoordinator> commit_coordinator_;  // leader only
-  std::unique_ptr<CommitExchange> commit_;
+  std::unique_ptr<CommitVoter> commit_;
   // Shards 1..S-1: the channel to the leader (cluster spec, threshold).
   std::shared_ptr<grpc::Channel> leader_channel_;
   std::unique_ptr<v1::Aggregator::Stub> leader_stub_;
@@ -351,7 +352,7 @@ class AggregatorService final : public v1::Aggregator::Service {
   // Non-leaders: the gRPC exchanges to the leader (owned by exchange_ and
   // commit_), told the fingerprint once it is known.
   GrpcThresholdExchange* grpc_exchange_ = nullptr;
-  GrpcCommitExchange* grpc_commit_ = nullptr;
+  GrpcCommitVoter* grpc_commit_ = nullptr;
   // Per rank, the contexts of its open PushPull streams on this shard: a
   // Join for a rank with a stream that is not cancelled is a second worker
   // with the same rank (ALREADY_EXISTS), not a restart.

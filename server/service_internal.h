@@ -1,5 +1,6 @@
 // Helpers shared by the .cc files of AggregatorService (server/service.cc,
-// the RPC handlers; server/recovery.cc, fail fast and crash recovery). Not
+// the training handlers; server/membership.cc, membership and identity
+// checks; server/recovery.cc, fail fast and crash recovery). Not
 // an API: nothing outside server/ includes it.
 #ifndef GTOPK_SERVER_SERVICE_INTERNAL_H_
 #define GTOPK_SERVER_SERVICE_INTERNAL_H_
@@ -13,6 +14,10 @@
 namespace gtopk {
 namespace server {
 namespace internal {
+
+// In every fingerprint refusal's message; non-leaders look for it in a
+// leader call's status (ExplainLeaderRefusal).
+inline constexpr char kFingerprintMarker[] = "cluster fingerprint";
 
 // How often waits wake up to look for a cancelled call or a shutdown.
 inline constexpr absl::Duration kPollInterval = absl::Milliseconds(50);

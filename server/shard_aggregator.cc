@@ -42,7 +42,7 @@ absl::Status ValidateShardOptions(const ShardOptions& o) {
 
 absl::StatusOr<std::unique_ptr<ShardAggregator>> ShardAggregator::Create(
     const ShardOptions& options, ThresholdExchange* exchange,
-    CommitExchange* commit) {
+    CommitVoter* commit) {
   GTOPK_RETURN_IF_ERROR(ValidateShardOptions(options));
   if (options.mode == AggregationMode::kGtopk &&
       options.selection == SelectionKind::kThreshold && options.num_shards > 1 &&
@@ -59,7 +59,7 @@ absl::StatusOr<std::unique_ptr<ShardAggregator>> ShardAggregator::Create(
 ShardAggregator::ShardAggregator(const ShardOptions& options,
                                  OptimizerRule rule,
                                  ThresholdExchange* exchange,
-                                 CommitExchange* commit)
+                                 CommitVoter* commit)
     : options_(options),
       rule_(std::move(rule)),
       exchange_(exchange),

@@ -111,7 +111,7 @@ class ShardAggregator {
   // server/commit.h); a step not committed is failed, not applied.
   static absl::StatusOr<std::unique_ptr<ShardAggregator>> Create(
       const ShardOptions& options, ThresholdExchange* exchange,
-      CommitExchange* commit = nullptr);
+      CommitVoter* commit = nullptr);
 
   const ShardOptions& options() const { return options_; }
   uint64_t begin() const { return begin_; }
@@ -252,7 +252,7 @@ class ShardAggregator {
   };
 
   ShardAggregator(const ShardOptions& options, OptimizerRule rule,
-                  ThresholdExchange* exchange, CommitExchange* commit);
+                  ThresholdExchange* exchange, CommitVoter* commit);
 
   absl::Status ValidatePush(const WorkerPush& push) const;
   // Sums and selects the round (called without mu_ held, by the caller that
@@ -282,7 +282,7 @@ class ShardAggregator {
   const ShardOptions options_;
   const OptimizerRule rule_;
   ThresholdExchange* const exchange_;
-  CommitExchange* const commit_;
+  CommitVoter* const commit_;
   const uint64_t begin_, end_;
 
   mutable absl::Mutex mu_;

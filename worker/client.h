@@ -340,6 +340,12 @@ class WorkerClient {
   absl::StatusOr<SparseVector> PushAndDecodePulls(
       int64_t step, const std::vector<v1::Push>& pushes,
       std::vector<v1::Pull>* pulls, StepStats* stats);
+  // A sparse step's round trip, shared by the host and device steps:
+  // EncodePushes(sent), then PushAndDecodePulls. Errors: theirs.
+  absl::StatusOr<SparseVector> SparseRoundTrip(int64_t step,
+                                               const SparseVector& sent,
+                                               std::vector<v1::Pull>* pulls,
+                                               StepStats* stats);
   // Validates every pull of the step before any state changes (step and
   // shard id; dense: length and finite values; sparse: decodable, indices
   // inside the shard's range) and returns the union of the sparse pulls,

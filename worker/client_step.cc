@@ -148,12 +148,9 @@ absl::Status WorkerClient::SparseStepOnHost(absl::Span<float> params,
     }
     return status;
   };
-  absl::StatusOr<std::vector<v1::Push>> pushes =
-      EncodePushes(step, sent, stats);
-  if (!pushes.ok()) return fail(pushes.status());
   std::vector<v1::Pull> pulls;
   absl::StatusOr<SparseVector> global =
-      PushAndDecodePulls(step, *pushes, &pulls, stats);
+      SparseRoundTrip(step, sent, &pulls, stats);
   if (!global.ok()) return fail(global.status());
 
   t = absl::Now();
@@ -230,12 +227,9 @@ absl::Status WorkerClient::SparseStepOnDevice(const float* gradient,
   auto fail = [&](const absl::Status& status) {
     return device_->PutBackAll(sent, status, stream);
   };
-  absl::StatusOr<std::vector<v1::Push>> pushes =
-      EncodePushes(step, sent.sent, stats);
-  if (!pushes.ok()) return fail(pushes.status());
   std::vector<v1::Pull> pulls;
   absl::StatusOr<SparseVector> global =
-      PushAndDecodePulls(step, *pushes, &pulls, stats);
+      SparseRoundTrip(step, sent.sent, &pulls, stats);
   if (!global.ok()) return fail(global.status());
 
   t = absl::Now();
@@ -292,6 +286,14 @@ std::vector<v1::Push> WorkerClient::DensePushes(int64_t step,
   stats->sent_pairs = cluster_.n();
   stats->encode = absl::Now() - t;
   return pushes;
+}
+
+absl::StatusOr<SparseVector> WorkerClient::SparseRoundTrip(
+    int64_t step, const SparseVector& sent, std::vector<v1::Pull>* pulls,
+    StepStats* stats) {
+  GTOPK_ASSIGN_OR_RETURN(const std::vector<v1::Push> pushes,
+                         EncodePushes(step, sent, stats));
+  return PushAndDecodePulls(step, pushes, pulls, stats);
 }
 
 absl::StatusOr<SparseVector> WorkerClient::PushAndDecodePulls(

@@ -602,8 +602,8 @@ TEST(ShardAggregatorTest, RollbackRestoresACheckpointAndAbortsThePendingRound) {
                HasSubstr("waiting for worker(s) 1")));
 }
 
-// A commit exchange that holds every vote until released.
-class HeldCommit final : public CommitExchange {
+// A commit voter that holds every vote until released.
+class HeldCommit final : public CommitVoter {
  public:
   absl::Status Vote(int64_t, uint32_t, absl::Time deadline,
                     uint64_t) override {
@@ -821,7 +821,7 @@ TEST(ShardFiniteTest, NoShardAppliesAStepAnotherShardFoundNonFinite) {
   for (MomentumMode momentum : {MomentumMode::kNone, MomentumMode::kGlobal}) {
     SCOPED_TRACE(MomentumModeName(momentum));
     CommitCoordinator coordinator(2);
-    LocalCommitExchange commit(&coordinator);
+    LocalCommitVoter commit(&coordinator);
     ThresholdCoordinator thresholds(2);
     LocalThresholdExchange exchange(&thresholds);
     std::vector<float> init(20, 1.0f);

@@ -36,6 +36,8 @@
 #include "worker/client.h"
 #include "worker/trainer/idx_reader.h"
 #include "worker/trainer/model.h"
+#include "worker/trainer/recovery.h"
+#include "worker/trainer/synthetic_model.h"
 #include "worker/worker_metrics.h"
 
 namespace gtopk {
@@ -54,50 +56,6 @@ using Clock = std::chrono::steady_clock;
 double SecondsSince(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
-
-// `synthetic:N`: no data; a seeded random gradient of N floats per step.
-class SyntheticModel final : public Model {
- public:
-  SyntheticModel(size_t n, uint64_t seed) {
-    n_ = n;
-    flat_.resize(n);
-    std::mt19937_64 rng(MixSeed(seed, 0x5e7));
-    for (float& v : flat_) v = (UniformFloat(rng) - 0.5f) * 0.2f;
-  }
-  absl::Span<float> params() override { return absl::MakeSpan(flat_); }
-  absl::StatusOr<float> ComputeGradient(absl::Span<const float>,
-                                        absl::Span<const int64_t>,
-                                        absl::Span<float>) override {
-    return absl::UnimplementedError("synthetic model has no data");
-  }
-  EvalResult Evaluate(absl::Span<const float>,
-                      absl::Span<const int64_t>) override {
-    return {};
-  }
-  // Uniform in [-1, 1) with 24 random bits, seeded per (seed, rank, step):
-  // a counter-based SplitMix64 stream, two values per 64-bit word. A
-  // vectorisable pass over n (an mt19937_64 per value cost 5x more), so
-  // that --compute-ms, not this, is the emulated compute.
-  static void RandomGradient(uint64_t seed, uint32_t rank, int64_t step,
-                             absl::Span<float> grad) {
-    const uint64_t base =
-        MixSeed(MixSeed(seed, rank), static_cast<uint64_t>(step));
-    constexpr float kScale = 2.0f / 16777216.0f;  // 2^-23: 24 bits -> [0, 2)
-    const size_t n = grad.size();
-    for (size_t i = 0; i + 1 < n; i += 2) {
-      const uint64_t z = MixSeed(base, i / 2);
-      grad[i] = static_cast<float>(z >> 40) * kScale - 1.0f;
-      grad[i + 1] = static_cast<float>((z >> 8) & 0xffffff) * kScale - 1.0f;
-    }
-    if (n % 2 == 1) {
-      grad[n - 1] =
-          static_cast<float>(MixSeed(base, n / 2) >> 40) * kScale - 1.0f;
-    }
-  }
-
- private:
-  std::vector<float> flat_;
-};
 
 // Parses "synthetic:N" (1 <= N <= 2^32); nullopt when `model` is not
 // synthetic.
@@ -253,144 +211,6 @@ absl::StatusOr<StepStats> StepOnce(WorkerClient& client, Model& model,
 #endif
   return client.Step(grad, params);
 }
-
-// The time-bounded recovery of a failed step (or parameter download):
-// after the first failure, Recover is called (with backoff) and the caller
-// retries, until the budget from that first failure is spent. Counts no
-// attempts: concurrent workers that make each other's retries fail cannot
-// use it up faster than the clock. Not thread-safe (one per trainer).
-class Recovery {
- public:
-  // `budget`: EffectiveRecoveryTimeout; `step_timeout`: the servers'.
-  Recovery(WorkerClient& client, Model& model, absl::Span<float> params,
-           uint32_t rank, absl::Duration budget, absl::Duration step_timeout)
-      : client_(client),
-        model_(model),
-        params_(params),
-        rank_(rank),
-        budget_(budget),
-        recover_call_time_(step_timeout + absl::Seconds(1)) {}
-
-  // The last attempt succeeded: the next failure starts a new budget.
-  void Succeeded() {
-    failing_ = false;
-    precondition_recovered_ = false;
-  }
-
-  // After `failure` of `what` ("step 12", "the final parameter check"):
-  // calls Recover until it answers, within the budget, and returns the step
-  // to continue from (params re-downloaded when the shards were rolled
-  // back, as Recover does). Retryable: ABORTED, DEADLINE_EXCEEDED,
-  // UNAVAILABLE, CANCELLED, and FAILED_PRECONDITION from `failure` (shards
-  // at different steps, which Recover repairs) but not from Recover itself
-  // (no common step). Returns the error that ends the run: `failure` (or
-  // Recover's) with its code, prefixed with `what`, when it is not
-  // retryable or no Recover call fits in the budget any more (the message
-  // then says how long the worker tried).
-  absl::StatusOr<int64_t> AfterFailure(absl::Status failure,
-                                       const std::string& what) {
-    const absl::Time now = absl::Now();
-    if (!failing_) {
-      failing_ = true;
-      first_failure_ = now;
-      recover_calls_ = 0;
-    }
-    // A budget > 0 always leaves room for one Recover call.
-    const absl::Time deadline =
-        first_failure_ + (budget_ > absl::ZeroDuration()
-                              ? std::max(budget_, recover_call_time_)
-                              : absl::ZeroDuration());
-    bool from_recover = false;
-    const bool step_precondition =
-        failure.code() == absl::StatusCode::kFailedPrecondition;
-    for (;;) {
-      const absl::StatusCode code = failure.code();
-      // FAILED_PRECONDITION from a step means shards at different steps
-      // once: one Recover brings them together. The same code again after
-      // that is a state no retry changes (a step whose update would not be
-      // finite, a configuration that differs): end the run with it now
-      // rather than at the end of the budget.
-      const bool precondition_again =
-          code == absl::StatusCode::kFailedPrecondition && !from_recover &&
-          precondition_recovered_;
-      const bool retryable =
-          code == absl::StatusCode::kAborted ||
-          code == absl::StatusCode::kDeadlineExceeded ||
-          code == absl::StatusCode::kUnavailable ||
-          code == absl::StatusCode::kCancelled ||
-          (code == absl::StatusCode::kFailedPrecondition && !from_recover &&
-           !precondition_again);
-      const absl::Duration elapsed = absl::Now() - first_failure_;
-      // No Recover call unless it can get the leader's full answer (the
-      // leader waits up to one step timeout for the shards).
-      const bool out_of_time = deadline - absl::Now() < recover_call_time_;
-      if (!retryable || out_of_time) {
-        std::string why;
-        if (retryable && budget_ <= absl::ZeroDuration()) {
-          why = " (--recovery-timeout=0: no recovery)";
-        } else if (retryable) {
-          why = absl::StrCat(" (no recovery within --recovery-timeout=",
-                             absl::FormatDuration(budget_), ": ",
-                             Seconds(elapsed), " since the first failure, ",
-                             recover_calls_, " Recover call(s))");
-        } else if (precondition_again) {
-          why = absl::StrCat(" (again after a recovery: not a step mismatch; ",
-                             Seconds(elapsed), " since the first failure)");
-        } else if (recover_calls_ > 0) {
-          why = absl::StrCat(" (after ", Seconds(elapsed), " and ",
-                             recover_calls_, " Recover call(s))");
-        }
-        return absl::Status(
-            code,
-            absl::StrCat(what, ": ", from_recover ? "recovery failed: " : "",
-                         failure.message(), why));
-      }
-      std::fprintf(stderr,
-                   "rank %u: %s failed: %s; recovering (%s since the first "
-                   "failure, %s left, Recover call %d)\n",
-                   rank_, what.c_str(), failure.ToString().c_str(),
-                   Seconds(elapsed).c_str(),
-                   Seconds(deadline - absl::Now()).c_str(), recover_calls_ + 1);
-      // Backoff 100 ms doubling to 1.6 s, leaving a Recover call its time.
-      absl::SleepFor(
-          std::min(absl::Milliseconds(100 << std::min(recover_calls_, 4)),
-                   std::max(absl::ZeroDuration(),
-                            deadline - recover_call_time_ - absl::Now())));
-      ++recover_calls_;
-      // --device=cuda: the device parameters are the current ones; Recover
-      // works on the host copy (and may re-download it), then back.
-      GTOPK_RETURN_IF_ERROR(model_.DownloadParams());
-      absl::StatusOr<int64_t> next = client_.Recover(
-          params_, std::max(deadline, absl::Now() + recover_call_time_));
-      if (next.ok()) {
-        GTOPK_RETURN_IF_ERROR(model_.UploadParams());
-        if (step_precondition) precondition_recovered_ = true;
-        return *next;
-      }
-      failure = next.status();
-      from_recover = true;
-    }
-  }
-
- private:
-  static std::string Seconds(absl::Duration d) {
-    return absl::StrFormat("%.1f s", absl::ToDoubleSeconds(d));
-  }
-
-  WorkerClient& client_;
-  Model& model_;
-  absl::Span<float> params_;
-  const uint32_t rank_;
-  const absl::Duration budget_;
-  const absl::Duration recover_call_time_;
-  bool failing_ = false;
-  // A FAILED_PRECONDITION step failure was followed by a successful Recover
-  // (since the last successful step).
-  bool precondition_recovered_ = false;
-  absl::Time first_failure_;
-  int recover_calls_ = 0;
-};
-
 
 // --- The steps of a training run, in the order RunTrainer takes them. ---
 

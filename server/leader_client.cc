@@ -1,4 +1,4 @@
-#include "server/grpc_threshold_exchange.h"
+#include "server/leader_client.h"
 
 #include <utility>
 
@@ -90,12 +90,12 @@ absl::StatusOr<ThresholdResponse> GrpcThresholdExchange::Exchange(
   return FromProto(response);
 }
 
-GrpcCommitExchange::GrpcCommitExchange(std::shared_ptr<grpc::Channel> channel,
+GrpcCommitVoter::GrpcCommitVoter(std::shared_ptr<grpc::Channel> channel,
                                        std::string leader_address)
     : leader_address_(std::move(leader_address)),
       stub_(v1::Aggregator::NewStub(std::move(channel))) {}
 
-absl::Status GrpcCommitExchange::Vote(int64_t step, uint32_t shard,
+absl::Status GrpcCommitVoter::Vote(int64_t step, uint32_t shard,
                                       absl::Time deadline, uint64_t epoch) {
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(deadline + kLeaderDeadlineSlack));

@@ -1,9 +1,9 @@
 // The shard's gRPC clients of the leader: the ThresholdExchange that reaches
 // the leader's ThresholdCoordinator over gRPC (server/threshold.h) and the
-// CommitExchange that reaches its CommitStep (server/commit.h). Status
+// CommitVoter that reaches its CommitStep (server/commit.h). Status
 // conversion and channels are common/grpc_edge.h.
-#ifndef GTOPK_SERVER_GRPC_THRESHOLD_EXCHANGE_H_
-#define GTOPK_SERVER_GRPC_THRESHOLD_EXCHANGE_H_
+#ifndef GTOPK_SERVER_LEADER_CLIENT_H_
+#define GTOPK_SERVER_LEADER_CLIENT_H_
 
 #include <atomic>
 #include <cstdint>
@@ -67,10 +67,10 @@ class GrpcThresholdExchange final : public ThresholdExchange {
   std::atomic<uint64_t> fingerprint_{0};
 };
 
-// A CommitExchange over gRPC to the leader's CommitStep. Thread-safe.
-class GrpcCommitExchange final : public CommitExchange {
+// A CommitVoter over gRPC to the leader's CommitStep. Thread-safe.
+class GrpcCommitVoter final : public CommitVoter {
  public:
-  GrpcCommitExchange(std::shared_ptr<grpc::Channel> channel,
+  GrpcCommitVoter(std::shared_ptr<grpc::Channel> channel,
                      std::string leader_address);
   absl::Status Vote(int64_t step, uint32_t shard, absl::Time deadline,
                     uint64_t epoch) override;
@@ -90,4 +90,4 @@ class GrpcCommitExchange final : public CommitExchange {
 }  // namespace server
 }  // namespace gtopk
 
-#endif  // GTOPK_SERVER_GRPC_THRESHOLD_EXCHANGE_H_
+#endif  // GTOPK_SERVER_LEADER_CLIENT_H_

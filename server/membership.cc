@@ -1,0 +1,275 @@
+// AggregatorService (server/service.h), membership: who may take part in
+// the cluster. The RPCs Join (a rank and its member token), GetClusterSpec
+// and CheckMember, and the checks every other handler runs through: the
+// cluster fingerprint (CheckFingerprint, ExplainLeaderRefusal) and rank
+// ownership (CheckMemberToken). The training handlers are in
+// server/service.cc.
+#include <cstdint>
+#include <random>
+#include <string>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/cluster_spec.h"
+#include "common/grpc_edge.h"
+#include "common/status_macros.h"
+#include "server/service.h"
+#include "server/service_internal.h"
+
+namespace gtopk {
+namespace server {
+
+using internal::kFingerprintMarker;
+
+namespace {
+
+// A fresh member token: 64 random bits from the OS source, never 0. Not
+// model state, so not seeded (runs stay bit-identical without it).
+uint64_t NewMemberToken() {
+  static std::random_device device;
+  uint64_t token = 0;
+  while (token == 0) {
+    token = (uint64_t{device()} << 32) ^ uint64_t{device()};
+  }
+  return token;
+}
+
+}  // namespace
+
+absl::Status AggregatorService::CheckFingerprint(uint64_t fingerprint,
+                                                 const std::string& who,
+                                                 absl::Time deadline) {
+  const uint64_t own = fingerprint_.load();
+  if (own != 0 && fingerprint == own) return absl::OkStatus();
+  if (!is_leader()) {
+    // Is it this shard that differs from the leader? Then name the flags.
+    absl::StatusOr<v1::ClusterSpec> spec = FetchSpecFromLeader(deadline);
+    if (spec.ok()) {
+      const absl::Status same = CheckLeaderSpec(*spec);
+      if (!same.ok()) {
+        verified_.store(false);
+        return absl::FailedPreconditionError(
+            absl::StrCat(who, "refused: ", same.message()));
+      }
+    }
+  }
+  if (fingerprint == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        who, "carries no ", kFingerprintMarker,
+        " (ClusterSpec.cluster_fingerprint); this shard's is ",
+        FingerprintText(own), ". Update the client"));
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      who, "was made for ", kFingerprintMarker, " ",
+      FingerprintText(fingerprint), " but shard ", config_.shard_id,
+      "'s cluster is ", FingerprintText(own),
+      own == 0 ? " (unknown: no parameter count yet)" : "",
+      ": the sender joined a cluster with other settings (a shard or the "
+      "leader restarted with other flags since, or another cluster); "
+      "nothing was applied"));
+}
+
+absl::Status AggregatorService::ExplainLeaderRefusal(const absl::Status& status,
+                                                     absl::Time deadline) {
+  if (is_leader() || !absl::IsFailedPrecondition(status) ||
+      !absl::StrContains(status.message(), kFingerprintMarker)) {
+    return status;
+  }
+  verified_.store(false);
+  absl::StatusOr<v1::ClusterSpec> spec = FetchSpecFromLeader(deadline);
+  if (!spec.ok()) return status;
+  const absl::Status same = CheckLeaderSpec(*spec);
+  if (same.ok()) return status;
+  return absl::FailedPreconditionError(
+      absl::StrCat(same.message(), " (", status.message(), ")"));
+}
+
+absl::Status AggregatorService::CheckMemberTokenLocked(uint32_t worker,
+                                                       uint64_t token) const {
+  if (worker >= config_.num_workers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown worker rank ", worker, "; the cluster has ",
+                     config_.num_workers, " workers"));
+  }
+  if (token == 0) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "rank ", worker, ": no member token (JoinResponse.member_token); only "
+        "the worker that joined as rank ", worker, " may act as it"));
+  }
+  const uint64_t current = member_token_[worker];
+  if (current == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", worker, " has not joined leader shard 0 (never, or not since "
+        "the leader restarted): Join first; a worker that held the rank "
+        "re-registers it with Recover"));
+  }
+  if (token != current) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "rank ", worker, " is held by another worker: this member token is "
+        "not the rank's current one (a later Join of rank ", worker,
+        " replaced it, or it was never granted)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AggregatorService::CheckMemberToken(uint32_t worker,
+                                                 uint64_t token,
+                                                 absl::Time deadline) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (is_leader() || worker >= config_.num_workers || token == 0) {
+      return CheckMemberTokenLocked(worker, token);
+    }
+    if (member_token_[worker] == token) return absl::OkStatus();
+  }
+  // A token this shard has not seen for the rank: ask the leader.
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(deadline));
+  v1::MemberCheckRequest request;
+  request.set_worker(worker);
+  request.set_member_token(token);
+  request.set_cluster_fingerprint(fingerprint_.load());
+  v1::MemberCheckResponse response;
+  const grpc::Status status =
+      leader_stub_->CheckMember(&context, request, &response);
+  if (!status.ok()) {
+    const absl::Status st = absl::Status(
+        static_cast<absl::StatusCode>(status.error_code()),
+        absl::StrCat("leader ", config_.peers[0],
+                     " (CheckMember): ", status.error_message()));
+    return ExplainLeaderRefusal(st, deadline);
+  }
+  absl::MutexLock lock(&mu_);
+  // The leader confirmed it: it supersedes the rank's earlier token here.
+  member_token_[worker] = token;
+  return absl::OkStatus();
+}
+
+v1::ClusterSpec AggregatorService::BuildSpecLocked() const {
+  v1::ClusterSpec spec = ClusterSettingsSpec(config_);
+  spec.set_n(n_);
+  for (uint32_t s = 0; s < config_.num_shards; ++s) {
+    v1::ShardSpec* shard = spec.add_shards();
+    shard->set_shard_id(s);
+    shard->set_address(s == config_.shard_id && config_.peers[s].empty()
+                           ? own_address_
+                           : config_.peers[s]);
+    const auto range = ShardRange(n_, config_.num_shards, s);
+    shard->set_begin(range.first);
+    shard->set_end(range.second);
+  }
+  spec.set_next_step(aggregator_ != nullptr ? aggregator_->next_step() : 0);
+  spec.set_cluster_fingerprint(fingerprint_.load());
+  return spec;
+}
+
+grpc::Status AggregatorService::Join(grpc::ServerContext* /*context*/,
+                                     const v1::JoinRequest* request,
+                                     v1::JoinResponse* response) {
+  if (!is_leader()) {
+    return ToGrpcStatus(absl::FailedPreconditionError(
+        absl::StrCat("shard ", config_.shard_id, " is not the leader; join ",
+                     config_.peers[0])));
+  }
+  const uint64_t n = request->n();
+  if (n < 1 || n > kMaxDenseLength) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("n must be in [1, 2^32], got ", n)));
+  }
+  const int64_t requested = request->requested_rank();
+  if (requested < -1 || requested >= int64_t{config_.num_workers}) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+        "requested_rank ", requested, " is out of range: the cluster has ",
+        config_.num_workers, " workers (ranks 0..", config_.num_workers - 1,
+        "; -1 for any)")));
+  }
+  absl::MutexLock lock(&mu_);
+  if (shutting_down_ || draining_) {
+    return ToGrpcStatus(absl::UnavailableError(
+        absl::StrCat("shard ", config_.shard_id, " is shutting down")));
+  }
+  if (n_ == 0) {
+    const absl::Status created = CreateAggregatorLocked(n);
+    if (!created.ok()) return ToGrpcStatus(created);
+    n_ = n;
+  } else if (n != n_) {
+    return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
+        "the worker has n = ", n, " parameters but the cluster has n = ", n_)));
+  }
+  uint32_t rank = 0;
+  if (requested >= 0) {
+    rank = static_cast<uint32_t>(requested);
+    // A worker restarting after a crash has no open stream (its connection
+    // closed with it); one that still has one is another, live worker.
+    for (grpc::ServerContext* stream : live_streams_[rank]) {
+      if (!stream->IsCancelled()) {
+        return ToGrpcStatus(absl::AlreadyExistsError(absl::StrCat(
+            "rank ", rank,
+            " is already taken by a live worker (it has an "
+            "open PushPull stream on shard ",
+            config_.shard_id,
+            "); start this worker with another --rank, or stop the other "
+            "one first")));
+      }
+    }
+  } else {
+    while (rank < config_.num_workers && rank_given_[rank]) ++rank;
+    if (rank == config_.num_workers) {
+      return ToGrpcStatus(absl::ResourceExhaustedError(
+          absl::StrCat("all ", config_.num_workers,
+                       " ranks are taken; ask for a rank explicitly to "
+                       "re-join")));
+    }
+  }
+  rank_given_[rank] = true;
+  // A new token per grant: the rank's earlier holder (gone) is superseded.
+  member_token_[rank] = NewMemberToken();
+  response->set_member_token(member_token_[rank]);
+  response->set_rank(rank);
+  response->set_epoch(epoch_.load());
+  *response->mutable_cluster() = BuildSpecLocked();
+  return grpc::Status::OK;
+}
+
+grpc::Status AggregatorService::GetClusterSpec(
+    grpc::ServerContext* context, const v1::JoinRequest* /*request*/,
+    v1::ClusterSpec* response) {
+  const absl::Time deadline = WaitDeadline(context);
+  if (!is_leader()) {
+    absl::StatusOr<v1::ClusterSpec> spec = FetchSpecFromLeader(deadline);
+    if (!spec.ok()) return ToGrpcStatus(spec.status());
+    // Workers ask every shard at Connect: a shard started with other
+    // settings than the leader refuses here, before any step.
+    const absl::Status same = CheckLeaderSpec(*spec);
+    if (!same.ok()) return ToGrpcStatus(same);
+    *response = *std::move(spec);
+    return grpc::Status::OK;
+  }
+  absl::MutexLock lock(&mu_);
+  const absl::Status ready = AwaitClusterLocked(context, deadline);
+  if (!ready.ok()) return ToGrpcStatus(ready);
+  *response = BuildSpecLocked();
+  return grpc::Status::OK;
+}
+
+
+grpc::Status AggregatorService::CheckMember(
+    grpc::ServerContext* /*context*/, const v1::MemberCheckRequest* request,
+    v1::MemberCheckResponse* /*response*/) {
+  if (!is_leader()) {
+    return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
+        "shard ", config_.shard_id, " is not the leader; CheckMember goes to ",
+        config_.peers[0])));
+  }
+  const absl::Status same = CheckFingerprint(
+      request->cluster_fingerprint(),
+      absl::StrCat("CheckMember for rank ", request->worker(), " "),
+      absl::Now());
+  if (!same.ok()) return ToGrpcStatus(same);
+  absl::MutexLock lock(&mu_);
+  return ToGrpcStatus(
+      CheckMemberTokenLocked(request->worker(), request->member_token()));
+}
+
+}  // namespace server
+}  // namespace gtopk
