@@ -86,7 +86,7 @@ DEMO_ARGS      ?=
 LOWBW_ARGS     ?=
 
 .PHONY: python python-install all deps build test bench bench-lowbw demo format clean deploy-sync \
-	device-bundle device-bundle-check
+	device-bundle device-bundle-check compose-test
 
 all: build
 
@@ -171,6 +171,18 @@ device-bundle: deps
 device-bundle-check: device-bundle
 	BUNDLE=$(BUILD_DIR)/device_bundle BUILD_DIR=$(BUILD_DIR)/bundle_check JOBS=$(JOBS) \
 	  bench/cuda/bundle_check.sh
+
+# The docker-compose cluster run for real (issue 21; as root): builds the
+# images from deploy/docker/Dockerfile and runs the cluster on host
+# networking. COMPOSE_FORM=small: 1 shard + 1 worker; full: 2 + 4.
+# COMPOSE_CPUSET limits the image builds to those cores (docker build
+# --cpuset-cpus), e.g. 1 on a shared machine.
+COMPOSE_FORM   ?= small
+COMPOSE_CPUSET ?=
+COMPOSE_ARGS   ?=
+compose-test:
+	python3 tests/deploy/compose/compose_test.py --form=$(COMPOSE_FORM) \
+	  --cpuset=$(COMPOSE_CPUSET) $(COMPOSE_ARGS)
 
 deploy-sync:
 	python3 deploy/sync_generated.py

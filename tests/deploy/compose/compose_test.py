@@ -1,0 +1,312 @@
+#!/usr/bin/env python3
+"""The docker-compose cluster, run for real (issue 21).
+
+Builds the gtopk-server and gtopk-worker images from deploy/docker/Dockerfile
+(unchanged) and runs deploy/docker-compose.yml with the test-only override
+tests/deploy/compose/docker-compose.test.yml (host networking, every service
+on its own 127.0.0.1 port), then checks, against the running containers:
+
+  small form (--form=small): shard-0 + worker-0 (S = 1, P = 1);
+  full form  (--form=full):  shard-0..1 + worker-0..3 (S = 2, P = 4).
+
+  * every shard reports healthy through the HEALTHCHECK (gtopk-server
+    --health-check, grpc.health.v1);
+  * the workers train --model=synthetic:N for --steps steps and exit 0, and
+    all summaries' param_checksum and server_checksum are equal;
+  * the images run as the non-root user 10001:10001 and their binaries'
+    libraries resolve (deploy/docker/ldd-check.sh inside the image);
+  * `docker-compose down -v` leaves no container, network or volume of the
+    project behind.
+
+Engine preparation (what a fresh Debian 12 machine needs): docker.io and
+debootstrap are apt-installed when missing; dockerd is started when not
+running and stopped at the end if this test started it; debian:bookworm
+(and debian:bookworm-slim, the same image tagged twice) is made with
+`debootstrap --variant=minbase bookworm` + `docker import` when missing.
+Builds use the legacy builder (no registry for BuildKit's dockerfile
+frontend) with --network=host; --cpuset-cpus limits the build's cores.
+
+Run as root:  make compose-test  (or python3 tests/deploy/compose/compose_test.py --form=small)
+Prints one `time <step> <seconds>` line per step.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+DEPLOY = os.path.join(ROOT, "deploy")
+OVERRIDE = os.path.join(ROOT, "tests", "deploy", "compose", "docker-compose.test.yml")
+PROJECT = "gtopkct"
+SERVER_IMAGE = "gtopk-server:0.1.0"
+WORKER_IMAGE = "gtopk-worker:0.1.0"
+USER = "10001:10001"
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+def run(cmd, check=True, capture=False, env=None, cwd=None):
+    log("+ " + " ".join(cmd))
+    r = subprocess.run(cmd, check=False, text=True, env=env, cwd=cwd,
+                       stdout=subprocess.PIPE if capture else None,
+                       stderr=subprocess.STDOUT if capture else None)
+    if check and r.returncode != 0:
+        raise SystemExit(f"FAIL: {' '.join(cmd)} exited {r.returncode}"
+                         + (f":\n{r.stdout}" if capture else ""))
+    return r
+
+
+class Timer:
+    def __init__(self):
+        self.times = []
+
+    def step(self, name, fn, *args):
+        t0 = time.monotonic()
+        result = fn(*args)
+        dt = time.monotonic() - t0
+        self.times.append((name, dt))
+        log(f"time {name} {dt:.1f}")
+        return result
+
+
+def docker_ok():
+    return subprocess.run(["docker", "info"], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL).returncode == 0
+
+
+def install_packages():
+    missing = [p for p, c in (("docker.io", "dockerd"), ("debootstrap", "debootstrap"),
+                              ("docker-compose", "docker-compose"))
+               if shutil.which(c) is None]
+    if missing:
+        run(["apt-get", "install", "-y", "--no-install-recommends"] + missing)
+
+
+def start_dockerd(logdir):
+    """Starts dockerd when `docker info` fails; returns the Popen or None."""
+    if docker_ok():
+        return None
+    logf = open(os.path.join(logdir, "dockerd.log"), "w")
+    proc = subprocess.Popen(["dockerd"], stdout=logf, stderr=subprocess.STDOUT)
+    for _ in range(120):
+        if docker_ok():
+            return proc
+        if proc.poll() is not None:
+            raise SystemExit(f"FAIL: dockerd exited {proc.returncode}; see {logf.name}")
+        time.sleep(0.5)
+    raise SystemExit("FAIL: dockerd did not answer within 60 s")
+
+
+def image_exists(ref):
+    return subprocess.run(["docker", "image", "inspect", ref], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL).returncode == 0
+
+
+def import_base_image(workdir):
+    if image_exists("debian:bookworm"):
+        if not image_exists("debian:bookworm-slim"):
+            run(["docker", "tag", "debian:bookworm", "debian:bookworm-slim"])
+        return
+    rootfs = os.path.join(workdir, "rootfs")
+    run(["debootstrap", "--variant=minbase", "bookworm", rootfs])
+    tar = subprocess.Popen(["tar", "-C", rootfs, "-c", "."], stdout=subprocess.PIPE)
+    subprocess.run(["docker", "import", "-", "debian:bookworm"], stdin=tar.stdout, check=True)
+    tar.wait()
+    shutil.rmtree(rootfs)
+    # The Dockerfile's runtime stages start from bookworm-slim; minbase is
+    # about as small, so the same import serves as both.
+    run(["docker", "tag", "debian:bookworm", "debian:bookworm-slim"])
+
+
+def build_image(target, tag, cpuset):
+    env = dict(os.environ, DOCKER_BUILDKIT="0")
+    cmd = ["docker", "build", "--network=host", "-f", "deploy/docker/Dockerfile",
+           "--target", target, "-t", tag]
+    if cpuset:
+        cmd += ["--cpuset-cpus", cpuset]
+    run(cmd + ["."], env=env, cwd=ROOT)
+
+
+def image_size_mb(ref):
+    out = run(["docker", "image", "inspect", "-f", "{{.Size}}", ref], capture=True).stdout
+    return int(out.strip()) / 1e6
+
+
+def check_image(ref, binary):
+    user = run(["docker", "image", "inspect", "-f", "{{.Config.User}}", ref],
+               capture=True).stdout.strip()
+    if user != USER:
+        raise SystemExit(f"FAIL: {ref} runs as {user!r}, want {USER}")
+    uid = run(["docker", "run", "--rm", "--network=none", "--entrypoint", "id", ref, "-u"],
+              capture=True).stdout.strip()
+    if uid != "10001":
+        raise SystemExit(f"FAIL: {ref}: id -u is {uid!r}")
+    # ldd-check.sh from the source tree, mounted read-only (it is not in the image).
+    run(["docker", "run", "--rm", "--network=none", "-v",
+         os.path.join(DEPLOY, "docker", "ldd-check.sh") + ":/ldd-check.sh:ro",
+         "--entrypoint", "sh", ref, "/ldd-check.sh", binary])
+    log(f"image {ref} {image_size_mb(ref):.0f} MB user {user} ldd ok")
+
+
+def compose_env(args, shards, workers):
+    base = args.port_base
+    env = dict(os.environ)
+    env.update({
+        "GTOPK_SHARDS": str(shards), "GTOPK_WORKERS": str(workers),
+        "GTOPK_MODEL": f"synthetic:{args.n}",
+        "CT_STEPS": str(args.steps), "CT_COMPUTE_MS": str(args.compute_ms),
+    })
+    for s in range(2):
+        env[f"CT_S{s}_GRPC"] = str(base + s)
+        env[f"CT_S{s}_METRICS"] = str(base + 10 + s)
+    for w in range(4):
+        env[f"CT_W{w}_METRICS"] = str(base + 20 + w)
+    env["CT_PEERS"] = ",".join(f"127.0.0.1:{base + s}" for s in range(shards))
+    env["CT_PROMETHEUS"] = str(base + 30)
+    return env
+
+
+def compose(env, *cmd, check=True, capture=False):
+    return run(["docker-compose", "-p", PROJECT, "-f", "docker-compose.yml", "-f", OVERRIDE]
+               + list(cmd), check=check, capture=capture, env=env, cwd=DEPLOY)
+
+
+def container_id(env, service):
+    return compose(env, "ps", "-q", service, capture=True).stdout.strip()
+
+
+def inspect(cid, fmt):
+    return run(["docker", "inspect", "-f", fmt, cid], capture=True).stdout.strip()
+
+
+def wait_healthy(env, services, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    pending = list(services)
+    while pending:
+        for s in list(pending):
+            cid = container_id(env, s)
+            if cid and inspect(cid, "{{.State.Health.Status}}") == "healthy":
+                pending.remove(s)
+        if time.monotonic() > deadline:
+            raise SystemExit(f"FAIL: not healthy within {timeout_s} s: {pending}")
+        if pending:
+            time.sleep(1)
+
+
+def wait_exited(env, services, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    codes = {}
+    while len(codes) < len(services):
+        for s in services:
+            if s in codes:
+                continue
+            cid = container_id(env, s)
+            if cid and inspect(cid, "{{.State.Status}}") == "exited":
+                codes[s] = int(inspect(cid, "{{.State.ExitCode}}"))
+        if time.monotonic() > deadline:
+            raise SystemExit(f"FAIL: still running after {timeout_s} s: "
+                             f"{[s for s in services if s not in codes]}")
+        time.sleep(1)
+    return codes
+
+
+def read_summaries(env, workers, workdir):
+    sums = []
+    cid = container_id(env, "worker-0")
+    for w in range(workers):
+        dst = os.path.join(workdir, f"worker-{w}.json")
+        run(["docker", "cp", f"{cid}:/var/lib/gtopk/run/worker-{w}.json", dst])
+        with open(dst) as f:
+            sums.append(json.load(f))
+    return sums
+
+
+def leftovers():
+    out = []
+    for kind in ("container", "network", "volume"):
+        cmd = ["docker", kind, "ls", "-q", "--filter", f"label=com.docker.compose.project={PROJECT}"]
+        if kind == "container":
+            cmd = ["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}"]
+        ids = run(cmd, capture=True).stdout.split()
+        out += [f"{kind} {i}" for i in ids]
+    return out
+
+
+def run_cluster(args, timer, workdir):
+    shards, workers = (1, 1) if args.form == "small" else (2, 4)
+    env = compose_env(args, shards, workers)
+    shard_svcs = [f"shard-{s}" for s in range(shards)]
+    worker_svcs = [f"worker-{w}" for w in range(workers)]
+    compose(env, "down", "-v", "--remove-orphans", check=False)
+    try:
+        timer.step("compose-up-shards", compose, env, "up", "-d", "--no-build", "--no-deps",
+                   *shard_svcs)
+        timer.step("shards-healthy", wait_healthy, env, shard_svcs, 60)
+        timer.step("compose-up-workers", compose, env, "up", "-d", "--no-build", "--no-deps",
+                   *worker_svcs)
+        codes = timer.step("train", wait_exited, env, worker_svcs, args.train_timeout)
+        if any(codes.values()):
+            compose(env, "logs", "--tail=30", check=False)
+            raise SystemExit(f"FAIL: worker exit codes {codes}")
+        sums = read_summaries(env, workers, workdir)
+        pc = {s["param_checksum"] for s in sums}
+        sc = {s["server_checksum"] for s in sums}
+        if len(pc) != 1 or pc != sc:
+            raise SystemExit(f"FAIL: checksums differ: param {pc} server {sc}")
+        log(f"workers exit 0, {len(sums)} summaries, checksum {pc.pop()}")
+    finally:
+        timer.step("compose-down", compose, env, "down", "-v", "--remove-orphans")
+    left = leftovers()
+    if left:
+        raise SystemExit(f"FAIL: left behind after down: {left}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--form", choices=("small", "full"), default="small")
+    p.add_argument("--cpuset", default=os.environ.get("GTOPK_COMPOSE_CPUSET", ""),
+                   help="docker build --cpuset-cpus (e.g. 1); empty: all cores")
+    p.add_argument("--no-build", action="store_true", help="use the existing images")
+    p.add_argument("--port-base", type=int, default=25050,
+                   help="127.0.0.1 ports: shards base+s, shard metrics base+10+s, "
+                        "worker metrics base+20+w, Prometheus base+30")
+    p.add_argument("--n", type=int, default=100000, help="synthetic:N gradient size")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--compute-ms", type=int, default=0)
+    p.add_argument("--train-timeout", type=int, default=300)
+    args = p.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("compose_test: run as root (dockerd, apt-get)")
+
+    timer = Timer()
+    t0 = time.monotonic()
+    workdir = tempfile.mkdtemp(prefix="gtopk-compose-")
+    dockerd = None
+    try:
+        timer.step("install", install_packages)
+        dockerd = timer.step("dockerd", start_dockerd, workdir)
+        timer.step("base-image", import_base_image, workdir)
+        if not args.no_build:
+            timer.step("build-server", build_image, "server", SERVER_IMAGE, args.cpuset)
+            timer.step("build-worker", build_image, "worker", WORKER_IMAGE, args.cpuset)
+        check_image(SERVER_IMAGE, "/usr/local/bin/gtopk-server")
+        check_image(WORKER_IMAGE, "/usr/local/bin/gtopk-worker")
+        run_cluster(args, timer, workdir)
+    finally:
+        if dockerd is not None:
+            dockerd.terminate()
+            dockerd.wait(timeout=60)
+        shutil.rmtree(workdir, ignore_errors=True)
+    log(f"time total {time.monotonic() - t0:.1f}")
+    log("PASS compose_test " + args.form)
+
+
+if __name__ == "__main__":
+    main()
