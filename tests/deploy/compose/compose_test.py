@@ -46,6 +46,9 @@ PROJECT = "gtopkct"
 SERVER_IMAGE = "gtopk-server:0.1.0"
 WORKER_IMAGE = "gtopk-worker:0.1.0"
 USER = "10001:10001"
+# deploy/docker-compose.yml names this image; no registry here, so the full
+# form builds a stand-in from Debian's prometheus package (the same 2.42.0).
+PROMETHEUS_IMAGE = "prom/prometheus:v2.42.0"
 
 
 def log(msg):
@@ -132,6 +135,58 @@ def build_image(target, tag, cpuset):
     if cpuset:
         cmd += ["--cpuset-cpus", cpuset]
     run(cmd + ["."], env=env, cwd=ROOT)
+
+
+def build_prometheus(cpuset):
+    if image_exists(PROMETHEUS_IMAGE):
+        return
+    cmd = ["docker", "build", "--network=host", "-f",
+           os.path.join(ROOT, "tests", "deploy", "compose", "Dockerfile.prometheus"),
+           "-t", PROMETHEUS_IMAGE]
+    if cpuset:
+        cmd += ["--cpuset-cpus", cpuset]
+    run(cmd + [os.path.join(ROOT, "tests", "deploy", "compose")],
+        env=dict(os.environ, DOCKER_BUILDKIT="0"))
+
+
+def write_prometheus_config(env, shards, workers, path):
+    """deploy/prometheus/compose.yml's jobs with the 127.0.0.1 ports."""
+    lines = ["global:", "  scrape_interval: 2s", "scrape_configs:",
+             "  - job_name: gtopk-server", "    static_configs:"]
+    for s in range(shards):
+        lines += [f"      - targets: ['127.0.0.1:{env[f'CT_S{s}_METRICS']}']",
+                  f"        labels: {{shard: '{s}'}}"]
+    lines += ["  - job_name: gtopk-worker", "    static_configs:"]
+    for w in range(workers):
+        lines += [f"      - targets: ['127.0.0.1:{env[f'CT_W{w}_METRICS']}']",
+                  f"        labels: {{rank: '{w}'}}"]
+    lines += ["  - job_name: prometheus", "    static_configs:",
+              f"      - targets: ['127.0.0.1:{env['CT_PROMETHEUS']}']"]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.chmod(path, 0o644)
+
+
+def prometheus_get(env, path):
+    import urllib.request
+    url = f"http://127.0.0.1:{env['CT_PROMETHEUS']}{path}"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.load(r)
+
+
+def wait_targets_up(env, want, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            targets = prometheus_get(env, "/api/v1/targets")["data"]["activeTargets"]
+            up = [t for t in targets if t["health"] == "up"]
+            if len(up) == want:
+                return
+        except OSError as e:
+            targets = str(e)
+        if time.monotonic() > deadline:
+            raise SystemExit(f"FAIL: Prometheus targets not all up: {targets}")
+        time.sleep(1)
 
 
 def image_size_mb(ref):
@@ -244,13 +299,23 @@ def run_cluster(args, timer, workdir):
     env = compose_env(args, shards, workers)
     shard_svcs = [f"shard-{s}" for s in range(shards)]
     worker_svcs = [f"worker-{w}" for w in range(workers)]
+    env["CT_PROMETHEUS_CONFIG"] = os.path.join(workdir, "prometheus.yml")
+    write_prometheus_config(env, shards, workers, env["CT_PROMETHEUS_CONFIG"])
     compose(env, "down", "-v", "--remove-orphans", check=False)
     try:
         timer.step("compose-up-shards", compose, env, "up", "-d", "--no-build", "--no-deps",
                    *shard_svcs)
         timer.step("shards-healthy", wait_healthy, env, shard_svcs, 60)
+        if args.form == "full":
+            compose(env, "up", "-d", "--no-build", "--no-deps", "prometheus")
         timer.step("compose-up-workers", compose, env, "up", "-d", "--no-build", "--no-deps",
                    *worker_svcs)
+        if args.form == "full":
+            # While the workers train: every shard, worker and Prometheus itself.
+            timer.step("targets-up", wait_targets_up, env, shards + workers + 1, 60)
+            q = prometheus_get(env, "/api/v1/query?query=gtopk_build_info")
+            if not q["data"]["result"]:
+                raise SystemExit(f"FAIL: query gtopk_build_info returned no series: {q}")
         codes = timer.step("train", wait_exited, env, worker_svcs, args.train_timeout)
         if any(codes.values()):
             compose(env, "logs", "--tail=30", check=False)
@@ -279,7 +344,8 @@ def main():
                         "worker metrics base+20+w, Prometheus base+30")
     p.add_argument("--n", type=int, default=100000, help="synthetic:N gradient size")
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--compute-ms", type=int, default=0)
+    p.add_argument("--compute-ms", type=int, default=50,
+                   help="synthetic compute per step: keeps the run long enough to scrape")
     p.add_argument("--train-timeout", type=int, default=300)
     args = p.parse_args()
     if os.geteuid() != 0:
@@ -296,6 +362,8 @@ def main():
         if not args.no_build:
             timer.step("build-server", build_image, "server", SERVER_IMAGE, args.cpuset)
             timer.step("build-worker", build_image, "worker", WORKER_IMAGE, args.cpuset)
+        if args.form == "full":
+            timer.step("build-prometheus", build_prometheus, args.cpuset)
         check_image(SERVER_IMAGE, "/usr/local/bin/gtopk-server")
         check_image(WORKER_IMAGE, "/usr/local/bin/gtopk-worker")
         run_cluster(args, timer, workdir)
