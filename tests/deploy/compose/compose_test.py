@@ -272,6 +272,25 @@ def wait_exited(env, services, timeout_s):
     return codes
 
 
+def kill_and_recover(env, service, after_s):
+    """SIGKILLs the shard's process from the host (a crash: `docker kill`
+    counts as a manual stop, which no restart policy undoes) and waits for
+    `restart: on-failure` to bring it back healthy."""
+    time.sleep(after_s)
+    cid = container_id(env, service)
+    pid = inspect(cid, "{{.State.Pid}}")
+    restarts = int(inspect(cid, "{{.RestartCount}}"))
+    run(["kill", "-9", pid])
+    deadline = time.monotonic() + 90
+    while True:
+        if (int(inspect(cid, "{{.RestartCount}}")) > restarts
+                and inspect(cid, "{{.State.Health.Status}}") == "healthy"):
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"FAIL: {service} not restarted and healthy 90 s after kill -9")
+        time.sleep(1)
+
+
 def read_summaries(env, workers, workdir):
     sums = []
     cid = container_id(env, "worker-0")
@@ -316,6 +335,8 @@ def run_cluster(args, timer, workdir):
             q = prometheus_get(env, "/api/v1/query?query=gtopk_build_info")
             if not q["data"]["result"]:
                 raise SystemExit(f"FAIL: query gtopk_build_info returned no series: {q}")
+        if args.form == "full" and args.kill_after > 0:
+            timer.step("kill-shard-recover", kill_and_recover, env, "shard-1", args.kill_after)
         codes = timer.step("train", wait_exited, env, worker_svcs, args.train_timeout)
         if any(codes.values()):
             compose(env, "logs", "--tail=30", check=False)
@@ -346,6 +367,8 @@ def main():
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--compute-ms", type=int, default=50,
                    help="synthetic compute per step: keeps the run long enough to scrape")
+    p.add_argument("--kill-after", type=float, default=5,
+                   help="full form: kill -9 shard-1 this many seconds into training; 0: no kill")
     p.add_argument("--train-timeout", type=int, default=300)
     args = p.parse_args()
     if os.geteuid() != 0:
