@@ -228,8 +228,27 @@ def compose_env(args, shards, workers):
     return env
 
 
+def render(env, path):
+    """The merged base + override, without `ports` on host-network services.
+
+    Debian's docker-compose (1.29, docker-py) refuses `ports` with
+    network_mode: host ("host" network_mode is incompatible with
+    port_bindings), and a v1 override cannot remove a list the base file sets
+    (v2's `!reset` can), so the test runs the rendered file."""
+    import yaml
+    out = run(["docker-compose", "-p", PROJECT, "-f", "docker-compose.yml", "-f", OVERRIDE,
+               "config"], capture=True, env=env, cwd=DEPLOY).stdout
+    cfg = yaml.safe_load(out)
+    for svc in cfg["services"].values():
+        if svc.get("network_mode") == "host":
+            svc.pop("ports", None)
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    env["CT_RENDERED"] = path
+
+
 def compose(env, *cmd, check=True, capture=False):
-    return run(["docker-compose", "-p", PROJECT, "-f", "docker-compose.yml", "-f", OVERRIDE]
+    return run(["docker-compose", "-p", PROJECT, "-f", env["CT_RENDERED"]]
                + list(cmd), check=check, capture=capture, env=env, cwd=DEPLOY)
 
 
@@ -320,6 +339,7 @@ def run_cluster(args, timer, workdir):
     worker_svcs = [f"worker-{w}" for w in range(workers)]
     env["CT_PROMETHEUS_CONFIG"] = os.path.join(workdir, "prometheus.yml")
     write_prometheus_config(env, shards, workers, env["CT_PROMETHEUS_CONFIG"])
+    render(env, os.path.join(workdir, "compose.rendered.yml"))
     compose(env, "down", "-v", "--remove-orphans", check=False)
     try:
         timer.step("compose-up-shards", compose, env, "up", "-d", "--no-build", "--no-deps",
