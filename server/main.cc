@@ -290,6 +290,17 @@ int main(int argc, char** argv) {
                                           gtopk::metrics::BoundPort(*exposer))
                     ->c_str());
   }
+  // What a restart came back with: the operator's (and the compose test's)
+  // evidence that the checkpoint volume was read.
+  const int64_t restored_step = (*server)->service()->next_step();
+  if (restored_step >= 0) {
+    std::printf("restored checkpoint from %s: next step %lld\n",
+                (*server)->service()->config().checkpoint_dir.c_str(),
+                static_cast<long long>(restored_step));
+  } else if (!(*server)->service()->config().checkpoint_dir.empty()) {
+    std::printf("no checkpoint in %s: starting empty\n",
+                (*server)->service()->config().checkpoint_dir.c_str());
+  }
   std::fflush(stdout);
 
   int signal_number = 0;

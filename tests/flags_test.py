@@ -18,6 +18,9 @@ import unittest
 SERVER = None
 WORKER = None
 CASE_TIMEOUT_S = 15
+# Set in __main__ before the tests run (skipIf reads it at class creation,
+# so it is computed from argv here).
+WORKER_MISSING = len(sys.argv) <= 2
 
 
 def free_port():
@@ -196,6 +199,45 @@ class ServerFlagsTest(unittest.TestCase):
                       r.stdout)
         self.assertNotIn("listening on", r.stdout)
         self.assertNotIn("terminate called", r.stdout)
+
+
+class CheckpointStartLineTest(unittest.TestCase):
+    """The line after `listening on` says what a start came back with
+    (server/flags.md, --checkpoint-dir): the operator's evidence that a
+    restarted shard read its checkpoint volume (the compose test relies on
+    it)."""
+
+    def start(self, ckpt):
+        p = subprocess.Popen(
+            [SERVER, "--listen=127.0.0.1:0", "--checkpoint-dir=" + ckpt,
+             "--checkpoint-every=1", "--steps-per-epoch=10"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        listening = p.stdout.readline()
+        self.assertIn("listening on 127.0.0.1:", listening)
+        return p, listening.split("listening on ")[1].strip(), p.stdout.readline()
+
+    def stop(self, p):
+        p.terminate()
+        p.wait(timeout=30)
+        p.stdout.close()
+
+    @unittest.skipIf(WORKER_MISSING, "gtopk-worker is not built (no libtorch)")
+    def test_empty_then_restored_after_a_run(self):
+        import tempfile
+        with tempfile.TemporaryDirectory() as ckpt:
+            p, address, line = self.start(ckpt)
+            try:
+                self.assertEqual(line, "no checkpoint in %s: starting empty\n" % ckpt)
+                r = run([WORKER, "--server=" + address, "--model=synthetic:1000",
+                         "--steps=3", "--compute-ms=0"])
+                self.assertEqual(r.returncode, 0, r.stdout)
+            finally:
+                self.stop(p)
+            p, _, line = self.start(ckpt)
+            try:
+                self.assertEqual(line, "restored checkpoint from %s: next step 3\n" % ckpt)
+            finally:
+                self.stop(p)
 
 
 class WorkerFlagsTest(unittest.TestCase):

@@ -15,6 +15,10 @@ on its own 127.0.0.1 port), then checks, against the running containers:
     all summaries' param_checksum and server_checksum are equal;
   * the images run as the non-root user 10001:10001 and their binaries'
     libraries resolve (deploy/docker/ldd-check.sh inside the image);
+  * full form: shard-1's process is SIGKILLed while the workers train and
+    `restart: on-failure` brings it back healthy from its checkpoint volume;
+    every worker pushed steps before and after the kill, at least one logged
+    the recovery, and all still end with equal checksums;
   * `docker-compose down -v` leaves no container, network or volume of the
     project behind.
 
@@ -291,23 +295,60 @@ def wait_exited(env, services, timeout_s):
     return codes
 
 
-def kill_and_recover(env, service, after_s):
+def kill_and_recover(env, service, after_s, workers):
     """SIGKILLs the shard's process from the host (a crash: `docker kill`
     counts as a manual stop, which no restart policy undoes) and waits for
-    `restart: on-failure` to bring it back healthy."""
+    `restart: on-failure` to bring it back healthy. Returns the kill's Unix
+    time (the containers share the host's clock), for check_mid_training."""
     time.sleep(after_s)
+    running = [w for w in workers
+               if inspect(container_id(env, w), "{{.State.Status}}") == "running"]
+    if running != list(workers):
+        raise SystemExit(f"FAIL: workers not all training at the kill: running {running}")
     cid = container_id(env, service)
     pid = inspect(cid, "{{.State.Pid}}")
     restarts = int(inspect(cid, "{{.RestartCount}}"))
+    kill_unix = time.time()
     run(["kill", "-9", pid])
     deadline = time.monotonic() + 90
     while True:
         if (int(inspect(cid, "{{.RestartCount}}")) > restarts
                 and inspect(cid, "{{.State.Health.Status}}") == "healthy"):
-            return
+            return kill_unix
         if time.monotonic() > deadline:
             raise SystemExit(f"FAIL: {service} not restarted and healthy 90 s after kill -9")
         time.sleep(1)
+
+
+def check_mid_training(env, service, workers, sums, kill_unix):
+    """The kill landed inside training, shown by the processes themselves,
+    not by the test's timing: every worker has steps that pushed before the
+    kill and steps that pushed after it (its summary's per-step
+    push_start_unix), at least one worker logged a failed step it recovered
+    from (worker/trainer/recovery.cc), and the restarted shard restored its
+    checkpoint from the volume (server/main.cc's start line)."""
+    for s in sums:
+        starts = s["per_step"]["push_start_unix"]
+        before = sum(1 for t in starts if t < kill_unix)
+        after = sum(1 for t in starts if t > kill_unix)
+        if before == 0 or after == 0:
+            raise SystemExit(f"FAIL: rank {s['rank']}: {before} steps before the kill, "
+                             f"{after} after: the kill did not land mid-training")
+        log(f"rank {s['rank']}: {before} steps pushed before the kill, {after} after")
+    recovered = []
+    for w in workers:
+        out = run(["docker", "logs", container_id(env, w)], capture=True).stdout
+        if "failed" in out and "recovering" in out:
+            recovered.append(w)
+            line = next(l for l in out.splitlines() if "recovering" in l)
+            log(f"{w}: {line.strip()}")
+    if not recovered:
+        raise SystemExit("FAIL: no worker logged a recovery after the shard was killed")
+    out = run(["docker", "logs", container_id(env, service)], capture=True).stdout
+    restored = [l for l in out.splitlines() if l.startswith("restored checkpoint from ")]
+    if not restored:
+        raise SystemExit(f"FAIL: restarted {service} did not restore a checkpoint:\n{out}")
+    log(f"{service}: {restored[-1]}")
 
 
 def read_summaries(env, workers, workdir):
@@ -355,8 +396,10 @@ def run_cluster(args, timer, workdir):
             q = prometheus_get(env, "/api/v1/query?query=gtopk_build_info")
             if not q["data"]["result"]:
                 raise SystemExit(f"FAIL: query gtopk_build_info returned no series: {q}")
+        kill_unix = None
         if args.form == "full" and args.kill_after > 0:
-            timer.step("kill-shard-recover", kill_and_recover, env, "shard-1", args.kill_after)
+            kill_unix = timer.step("kill-shard-recover", kill_and_recover, env, "shard-1",
+                                   args.kill_after, worker_svcs)
         codes = timer.step("train", wait_exited, env, worker_svcs, args.train_timeout)
         if any(codes.values()):
             compose(env, "logs", "--tail=30", check=False)
@@ -367,6 +410,8 @@ def run_cluster(args, timer, workdir):
         if len(pc) != 1 or pc != sc:
             raise SystemExit(f"FAIL: checksums differ: param {pc} server {sc}")
         log(f"workers exit 0, {len(sums)} summaries, checksum {pc.pop()}")
+        if kill_unix is not None:
+            check_mid_training(env, "shard-1", worker_svcs, sums, kill_unix)
     finally:
         timer.step("compose-down", compose, env, "down", "-v", "--remove-orphans")
     left = leftovers()
