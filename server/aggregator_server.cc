@@ -17,6 +17,7 @@
 #include "common/transport_security.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
+#include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/credentials.h"
@@ -28,6 +29,27 @@
 namespace gtopk {
 namespace server {
 namespace {
+
+// Every method of the health-only port but grpc.health.v1 (which gRPC's
+// default health service answers before a generic service is asked):
+// UNIMPLEMENTED, so the plaintext port reveals nothing else. Its presence
+// also gives that server the callback queue gRPC needs to start.
+class HealthOnlyFallback final : public grpc::CallbackGenericService {
+ public:
+  grpc::ServerGenericBidiReactor* CreateReactor(
+      grpc::GenericCallbackServerContext* /*context*/) override {
+    class Refuse final : public grpc::ServerGenericBidiReactor {
+     public:
+      Refuse() {
+        Finish(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                            "this is the plaintext health port: only "
+                            "grpc.health.v1 is served here"));
+      }
+      void OnDone() override { delete this; }
+    };
+    return new Refuse();
+  }
+};
 
 int ClampToInt(uint64_t v) {
   return static_cast<int>(
@@ -77,7 +99,11 @@ absl::StatusOr<std::unique_ptr<AggregatorServer>> AggregatorServer::Start(
   if (!health_listen_address.empty()) {
     // A second server with no service of ours: gRPC's default health
     // service only, so the plaintext port reveals nothing else.
+    server->health_fallback_ =
+        std::make_unique<HealthOnlyFallback>();
     grpc::ServerBuilder health_builder;
+    health_builder.RegisterCallbackGenericService(
+        server->health_fallback_.get());
     health_builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     health_builder.AddListeningPort(health_listen_address,
                                     grpc::InsecureServerCredentials(),

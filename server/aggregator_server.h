@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/server.h"
 #include "server/server_config.h"
 #include "server/service.h"
@@ -61,6 +62,9 @@ class AggregatorServer {
   AggregatorServer() = default;
   std::unique_ptr<AggregatorService> service_;
   std::unique_ptr<grpc::Server> server_;
+  // Answers UNIMPLEMENTED for everything but health on the health port;
+  // declared first so that it outlives health_server_.
+  std::unique_ptr<grpc::CallbackGenericService> health_fallback_;
   // Plaintext grpc.health.v1 only (--health-listen); null when not asked.
   std::unique_ptr<grpc::Server> health_server_;
   int health_port_ = 0;
