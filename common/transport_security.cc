@@ -220,14 +220,15 @@ TransportSecurity::Load(const TransportSecurityOptions& o, SecurityRole role) {
     }
   } else {
     const bool need_identity = o.tls == TlsMode::kMutual || server;
-    const bool need_ca = o.tls == TlsMode::kMutual || !server;
     if (need_identity && (o.cert_file.empty() || o.key_file.empty())) {
       return absl::InvalidArgumentError(
           absl::StrCat("--tls=", TlsModeName(o.tls),
                        " needs --tls-cert and --tls-key (this process's "
                        "certificate and private key, PEM)"));
     }
-    if (need_ca && o.ca_file.empty()) {
+    // A server needs the CA too: it dials the leader (and the leader the
+    // shards) and must verify their certificates.
+    if (o.ca_file.empty()) {
       return absl::InvalidArgumentError(
           absl::StrCat("--tls=", TlsModeName(o.tls),
                        " needs --tls-ca (the PEM CA bundle that peers' "

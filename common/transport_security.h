@@ -57,7 +57,7 @@ struct TransportSecurityOptions {
   std::string cert_file;
   std::string key_file;
   // PEM CA bundle (--tls-ca) that peers' certificates must chain to:
-  // required for kServer on a client and for kMutual.
+  // required whenever TLS is on (a server also dials the other shards).
   std::string ca_file;
   // File holding the workers' shared token (--token-file); empty: none.
   std::string token_file;

@@ -422,6 +422,7 @@ class TokenTest : public TransportSecurityTest {
     o.tls = TlsMode::kServer;
     o.cert_file = c.Path("shard-0.crt");
     o.key_file = c.Path("shard-0.key");
+    o.ca_file = c.Path("ca.crt");
     o.token_file = c.Path("token");
     o.shard_token_file = c.Path("shard-token");
     config.security = LoadOrDie(o, SecurityRole::kServer);
