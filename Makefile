@@ -48,7 +48,7 @@ CMAKE_ARGS ?=
 # Debian 12 packages the build and tests need.
 DEB_PACKAGES := build-essential cmake ninja-build pkg-config libboost-context-dev \
 	libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev zlib1g-dev \
-	libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc \
+	libgrpc++-dev libssl-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc \
 	libtorch-dev dataset-fashion-mnist python3 \
 	prometheus-cpp-dev prometheus \
 	python3-torch python3-numpy python3-dev pybind11-dev python3-pybind11 \

@@ -163,9 +163,16 @@ v1::ClusterSpec AggregatorService::BuildSpecLocked() const {
   return spec;
 }
 
-grpc::Status AggregatorService::Join(grpc::ServerContext* /*context*/,
+grpc::Status AggregatorService::Join(grpc::ServerContext* context,
                                      const v1::JoinRequest* request,
                                      v1::JoinResponse* response) {
+  {
+    // A certificate that names a rank joins as that rank only (also for
+    // "any rank", -1: ask for it explicitly).
+    absl::StatusOr<Caller> allowed = access_->AllowWorker(
+        *context, "Join", int64_t{request->requested_rank()});
+    if (!allowed.ok()) return ToGrpcStatus(allowed.status());
+  }
   if (!is_leader()) {
     return ToGrpcStatus(absl::FailedPreconditionError(
         absl::StrCat("shard ", config_.shard_id, " is not the leader; join ",
@@ -234,6 +241,12 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* /*context*/,
 grpc::Status AggregatorService::GetClusterSpec(
     grpc::ServerContext* context, const v1::JoinRequest* /*request*/,
     v1::ClusterSpec* response) {
+  {
+    // Workers at Connect, and the other shards (FetchSpecFromLeader).
+    absl::StatusOr<Caller> allowed = access_->AllowWorker(
+        *context, "GetClusterSpec", std::nullopt, /*shard_ok=*/true);
+    if (!allowed.ok()) return ToGrpcStatus(allowed.status());
+  }
   const absl::Time deadline = WaitDeadline(context);
   if (!is_leader()) {
     absl::StatusOr<v1::ClusterSpec> spec = FetchSpecFromLeader(deadline);
@@ -254,8 +267,13 @@ grpc::Status AggregatorService::GetClusterSpec(
 
 
 grpc::Status AggregatorService::CheckMember(
-    grpc::ServerContext* /*context*/, const v1::MemberCheckRequest* request,
+    grpc::ServerContext* context, const v1::MemberCheckRequest* request,
     v1::MemberCheckResponse* /*response*/) {
+  {
+    const absl::Status allowed =
+        access_->AllowShard(*context, "CheckMember", std::nullopt);
+    if (!allowed.ok()) return ToGrpcStatus(allowed);
+  }
   if (!is_leader()) {
     return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
         "shard ", config_.shard_id, " is not the leader; CheckMember goes to ",

@@ -230,9 +230,17 @@ void AggregatorService::LeaderAbortStep(int64_t step, uint32_t origin,
   });
 }
 
-grpc::Status AggregatorService::AbortStep(grpc::ServerContext* /*context*/,
+grpc::Status AggregatorService::AbortStep(grpc::ServerContext* context,
                                           const v1::AbortStepRequest* request,
                                           v1::AbortStepResponse* /*response*/) {
+  {
+    // Shard -> leader: the caller is the shard where the step failed;
+    // leader -> shard: the caller is the leader.
+    const absl::Status allowed = access_->AllowShard(
+        *context, "AbortStep",
+        is_leader() ? request->shard_id() : uint32_t{0});
+    if (!allowed.ok()) return ToGrpcStatus(allowed);
+  }
   if (request->step() < 0 || request->shard_id() >= config_.num_shards) {
     return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
         "AbortStep: step ", request->step(), " must be >= 0 and shard_id ",
@@ -277,6 +285,11 @@ grpc::Status AggregatorService::AbortStep(grpc::ServerContext* /*context*/,
 grpc::Status AggregatorService::GetShardState(
     grpc::ServerContext* context, const v1::ShardStateRequest* request,
     v1::ShardState* response) {
+  {
+    const absl::Status allowed =
+        access_->AllowShard(*context, "GetShardState", uint32_t{0});
+    if (!allowed.ok()) return ToGrpcStatus(allowed);
+  }
   // In slices, so that a cancelled call (the leader went away) ends it.
   const absl::Time deadline = WaitDeadline(context);
   if (request->cluster_fingerprint() != 0 && fingerprint_.load() != 0) {
@@ -299,6 +312,11 @@ grpc::Status AggregatorService::GetShardState(
 grpc::Status AggregatorService::RollbackShard(
     grpc::ServerContext* context, const v1::RollbackRequest* request,
     v1::RollbackResponse* response) {
+  {
+    const absl::Status allowed =
+        access_->AllowShard(*context, "RollbackShard", uint32_t{0});
+    if (!allowed.ok()) return ToGrpcStatus(allowed);
+  }
   if (request->shard_id() != config_.shard_id) {
     return ToGrpcStatus(absl::InvalidArgumentError(
         absl::StrCat("rollback for shard ", request->shard_id(),
@@ -504,6 +522,11 @@ absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverClusterOnce(
 grpc::Status AggregatorService::Recover(grpc::ServerContext* context,
                                         const v1::RecoverRequest* request,
                                         v1::RecoverResponse* response) {
+  {
+    absl::StatusOr<Caller> allowed = access_->AllowWorker(
+        *context, "Recover", int64_t{request->worker()});
+    if (!allowed.ok()) return ToGrpcStatus(allowed.status());
+  }
   if (request->worker() >= config_.num_workers) {
     return ToGrpcStatus(absl::InvalidArgumentError(
         absl::StrCat("unknown worker rank ", request->worker(),

@@ -20,6 +20,7 @@
 #include "absl/time/time.h"
 #include "common/codec.h"
 #include "common/optimizer.h"
+#include "common/transport_security.h"
 #include "gtopk/v1/gtopk.pb.h"
 #include "server/shard_aggregator.h"
 
@@ -83,6 +84,11 @@ struct ServerConfig {
   // 2 lets a shard killed before writing its newest checkpoint be caught up
   // with: the others can roll back one checkpoint.
   int checkpoint_keep = 2;
+  // Transport security (docs/security.md; --tls and the certificate and
+  // token flags): the server's credentials, the credentials and token of
+  // its channels to the other shards, and who may call what
+  // (server/access.h). Null: plaintext, everyone may call everything.
+  std::shared_ptr<const TransportSecurity> security;
 };
 
 // OK, or INVALID_ARGUMENT naming the first bad field (by its gtopk-server

@@ -64,7 +64,9 @@ AggregatorService::AggregatorService(ServerConfig config)
       metrics_registry_(config_.metrics_registry != nullptr
                             ? config_.metrics_registry
                             : std::make_shared<prometheus::Registry>()),
-      metrics_(std::make_unique<ServerMetrics>(*metrics_registry_)) {
+      metrics_(std::make_unique<ServerMetrics>(*metrics_registry_)),
+      access_(std::make_unique<AccessControl>(config_.security,
+                                              *metrics_registry_)) {
   rank_given_.assign(config_.num_workers, false);
   member_token_.assign(config_.num_workers, 0);
   live_streams_.resize(config_.num_workers);
@@ -77,11 +79,13 @@ AggregatorService::AggregatorService(ServerConfig config)
     peer_stubs_.resize(config_.num_shards);
     for (uint32_t s = 1; s < config_.num_shards; ++s) {
       peer_stubs_[s] = v1::Aggregator::NewStub(
-          CreateLimitedChannel(config_.peers[s], config_.max_message_bytes));
+          CreateLimitedChannel(config_.peers[s], config_.max_message_bytes,
+                               config_.security));
     }
   } else {
     leader_channel_ =
-        CreateLimitedChannel(config_.peers[0], config_.max_message_bytes);
+        CreateLimitedChannel(config_.peers[0], config_.max_message_bytes,
+                             config_.security);
     leader_stub_ = v1::Aggregator::NewStub(leader_channel_);
     auto exchange = std::make_unique<GrpcThresholdExchange>(leader_channel_,
                                                             config_.peers[0]);
@@ -394,6 +398,13 @@ absl::StatusOr<ShardAggregator*> AggregatorService::GetAggregator(
 grpc::Status AggregatorService::InitParams(
     grpc::ServerContext* context, grpc::ServerReader<v1::ParamsChunk>* reader,
     v1::InitParamsResponse* response) {
+  {
+    // Only rank 0 initialises: a certificate restricted to another rank is
+    // refused before any chunk is read.
+    absl::StatusOr<Caller> allowed =
+        access_->AllowWorker(*context, "InitParams", int64_t{0});
+    if (!allowed.ok()) return ToGrpcStatus(allowed.status());
+  }
   const uint32_t shard = config_.shard_id;
   ShardAggregator* aggregator = nullptr;
   std::vector<float> values;
@@ -498,6 +509,12 @@ grpc::Status AggregatorService::InitParams(
 grpc::Status AggregatorService::DownloadParams(
     grpc::ServerContext* context, const v1::DownloadParamsRequest* request,
     grpc::ServerWriter<v1::ParamsChunk>* writer) {
+  {
+    // The parameters are the model: workers (any rank) and shards only.
+    absl::StatusOr<Caller> allowed = access_->AllowWorker(
+        *context, "DownloadParams", std::nullopt, /*shard_ok=*/true);
+    if (!allowed.ok()) return ToGrpcStatus(allowed.status());
+  }
   if (request->worker() >= config_.num_workers) {
     return ToGrpcStatus(absl::InvalidArgumentError(
         absl::StrCat("unknown worker rank ", request->worker(),
@@ -648,6 +665,9 @@ absl::StatusOr<WorkerPush> AggregatorService::DecodePush(const v1::Push& push,
 grpc::Status AggregatorService::PushPull(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::Pull, v1::Push>* stream) {
+  absl::StatusOr<Caller> caller =
+      access_->AllowWorker(*context, "PushPull", std::nullopt);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
   ShardAggregator* aggregator = nullptr;
   // The rank this stream acts for: set by a verified identity (the call's
   // metadata on the leader, else the first accepted push); one per stream.
@@ -682,7 +702,9 @@ grpc::Status AggregatorService::PushPull(
     uint64_t rank = 0, token = 0;
     if (MetadataNumber(context, kRankMetadata, &rank) &&
         MetadataNumber(context, kTokenMetadata, &token)) {
-      if (rank < config_.num_workers) {
+      if (rank < config_.num_workers &&
+          access_->CheckRank(*caller, "PushPull", static_cast<int64_t>(rank))
+              .ok()) {
         absl::MutexLock lock(&mu_);
         if (CheckMemberTokenLocked(static_cast<uint32_t>(rank), token).ok()) {
           register_stream(static_cast<uint32_t>(rank));
@@ -699,6 +721,13 @@ grpc::Status AggregatorService::PushPull(
   while (stream->Read(&push)) {
     metrics_->received_push_bytes().Increment(
         static_cast<double>(push.ByteSizeLong()));
+    {
+      // A certificate that names a rank pushes as that rank only; refused
+      // alone, like a push without its member token.
+      const absl::Status same =
+          access_->CheckRank(*caller, "PushPull", push.worker());
+      if (!same.ok()) return ToGrpcStatus(same);
+    }
     if (stream_worker >= 0 && push.worker() != stream_worker &&
         aggregator != nullptr) {
       const absl::Status mixed = absl::InvalidArgumentError(
@@ -822,6 +851,11 @@ grpc::Status AggregatorService::PushPull(
 grpc::Status AggregatorService::ExchangeThreshold(
     grpc::ServerContext* context, const v1::ThresholdRequest* request,
     v1::ThresholdResponse* response) {
+  {
+    const absl::Status allowed = access_->AllowShard(
+        *context, "ExchangeThreshold", request->shard_id());
+    if (!allowed.ok()) return ToGrpcStatus(allowed);
+  }
   if (!is_leader()) {
     return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
         "shard ", config_.shard_id,
@@ -849,6 +883,11 @@ grpc::Status AggregatorService::ExchangeThreshold(
 grpc::Status AggregatorService::CommitStep(grpc::ServerContext* context,
                                            const v1::CommitRequest* request,
                                            v1::CommitResponse* /*response*/) {
+  {
+    const absl::Status allowed =
+        access_->AllowShard(*context, "CommitStep", request->shard_id());
+    if (!allowed.ok()) return ToGrpcStatus(allowed);
+  }
   if (!is_leader()) {
     return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
         "shard ", config_.shard_id, " is not the leader; CommitStep goes to ",

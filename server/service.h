@@ -32,6 +32,7 @@
 #include "common/optimizer.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
 #include "gtopk/v1/gtopk.pb.h"
+#include "server/access.h"
 #include "server/commit.h"
 #include "server/leader_client.h"
 #include "server/server_config.h"
@@ -321,6 +322,8 @@ class AggregatorService final : public v1::Aggregator::Service {
   const ServerConfig config_;
   std::shared_ptr<prometheus::Registry> metrics_registry_;
   std::unique_ptr<ServerMetrics> metrics_;
+  // Authentication and authorization of every handler (server/access.h).
+  std::unique_ptr<AccessControl> access_;
   // Shard 0 only: the per-step threshold rendezvous and the leader's own way
   // to it.
   std::unique_ptr<ThresholdCoordinator> coordinator_;

@@ -186,7 +186,8 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
   v1::JoinResponse response;
   {
     auto channel =
-        CreateLimitedChannel(options.leader_address, kDefaultMessageBytes);
+        CreateLimitedChannel(options.leader_address, kDefaultMessageBytes,
+                             options.security);
     auto stub = v1::Aggregator::NewStub(channel);
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + options.rpc_timeout));
@@ -234,7 +235,8 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
     conn->address = sh.address();
     conn->begin = sh.begin();
     conn->end = sh.end();
-    conn->channel = CreateLimitedChannel(sh.address(), limit);
+    conn->channel = CreateLimitedChannel(sh.address(), limit,
+                                         options.security);
     conn->stub = v1::Aggregator::NewStub(conn->channel);
     shards.push_back(std::move(conn));
   }

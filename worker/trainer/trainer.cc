@@ -281,6 +281,7 @@ absl::StatusOr<Membership> JoinCluster(const TrainerOptions& o, size_t n) {
   co.requested_rank = o.rank;
   co.n = n;
   co.rpc_timeout = o.rpc_timeout;
+  co.security = o.security;
   Membership m;
   GTOPK_ASSIGN_OR_RETURN(m.client, WorkerClient::Connect(co));
   const v1::ClusterSpec& cluster = m.client->cluster();
