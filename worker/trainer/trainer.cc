@@ -436,6 +436,9 @@ class GradientSource {
         // The host gradient: every CPU model's, and synthetic:N's on the
         // device too (made on the host, then uploaded).
         grad_(model.on_device() && !synthetic ? 0 : model.n(), 0.0f),
+        synthetic_gradient_(synthetic ? std::make_unique<SyntheticGradient>(
+                                            model.n(), o.seed)
+                                      : nullptr),
         batch_images_(static_cast<size_t>(o.batch_size) * kImagePixels),
         batch_labels_(static_cast<size_t>(o.batch_size)) {}
 
@@ -447,8 +450,7 @@ class GradientSource {
       std::fill(grad_.begin(), grad_.end(), 0.0f);
       GTOPK_RETURN_IF_ERROR(model_.ZeroDeviceGradient());
     } else if (synthetic_) {
-      SyntheticModel::RandomGradient(o_.seed, rank_, step,
-                                     absl::MakeSpan(grad_));
+      synthetic_gradient_->Fill(rank_, step, absl::MakeSpan(grad_));
       if (o_.compute_ms > 0) {
         std::this_thread::sleep_for(std::chrono::milliseconds(o_.compute_ms));
       }
@@ -511,6 +513,8 @@ class GradientSource {
   const uint32_t rank_;
   const int64_t steps_per_epoch_;
   std::vector<float> grad_;
+  // synthetic:N's generator (its pool is made once); null otherwise.
+  std::unique_ptr<SyntheticGradient> synthetic_gradient_;
   const float* device_grad_ = nullptr;
   std::vector<float> batch_images_;
   std::vector<int64_t> batch_labels_;
