@@ -40,6 +40,10 @@ def merge(out, command):
             runs.append(run)
         if r.get("baseline_single_worker_seconds"):
             baselines[rate] = r["baseline_single_worker_seconds"]
+    for rate in {run["rate"] for run in runs}:  # compute only: any rate's
+        if rate not in baselines and baselines:
+            baselines[rate] = dict(next(iter(baselines.values())),
+                                   measured_at=next(iter(baselines)))
         machines.append(dict(r["machine"], part=os.path.relpath(p, ROOT),
                              date_utc=r["date_utc"],
                              wall_seconds=r["wall_seconds"],
@@ -112,6 +116,9 @@ def main(argv):
     ap.add_argument("--rates", default="1gbit,10gbit")
     ap.add_argument("--shards", default="1,2,4")
     ap.add_argument("--workers", default="2,4,8")
+    ap.add_argument("--dense-workers", default="2",
+                    help="P list for dense (each step moves 4n per worker; "
+                    "'' for none)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--build-dir", default=os.path.join(ROOT, "build"))
@@ -125,26 +132,31 @@ def main(argv):
     if not a.merge_only:
         os.makedirs(PARTS, exist_ok=True)
         for rate in a.rates.split(","):
-            for s in (int(x) for x in a.shards.split(",")):
-                out = part_path(rate, s)
-                if a.skip_existing and os.path.exists(out):
-                    continue
-                first = s == int(a.shards.split(",")[0])
-                methods = "dense,topk,gtopk" + (",ddp" if first else "")
-                argv2 = [sys.executable, os.path.join(HERE, "lowbw.py"),
-                         "--build-dir", a.build_dir, "--rate", rate,
-                         "--shards", str(s), "--workers", a.workers,
-                         "--methods", methods, "--steps", str(a.steps),
-                         "--warmup", str(a.warmup), "--no-cpu-share",
-                         "--out", out, "--plot", ""]
-                if not first:
-                    argv2.append("--no-baseline")
-                print("grid: %s" % " ".join(argv2), flush=True)
-                rc = subprocess.run(argv2).returncode
-                if rc != 0:
-                    print("grid: part %s-s%d failed (%d); going on" % (
-                        rate, s, rc), flush=True)
-                merge(a.out, command)  # after every part: partial results kept
+            for i, s in enumerate(int(x) for x in a.shards.split(",")):
+                # DDP and the P = 1 baselines do not depend on S: once per
+                # rate. Dense only at --dense-workers (slow on 2 cores).
+                parts = [("", "topk,gtopk" + (",ddp" if i == 0 else ""),
+                          a.workers, i == 0)]
+                if a.dense_workers:
+                    parts.append(("-dense", "dense", a.dense_workers, False))
+                for suffix, methods, workers, baseline in parts:
+                    out = part_path(rate, s)[:-5] + suffix + ".json"
+                    if a.skip_existing and os.path.exists(out):
+                        continue
+                    argv2 = [sys.executable, os.path.join(HERE, "lowbw.py"),
+                             "--build-dir", a.build_dir, "--rate", rate,
+                             "--shards", str(s), "--workers", workers,
+                             "--methods", methods, "--steps", str(a.steps),
+                             "--warmup", str(a.warmup), "--no-cpu-share",
+                             "--out", out, "--plot", ""]
+                    if not baseline:
+                        argv2.append("--no-baseline")
+                    print("grid: %s" % " ".join(argv2), flush=True)
+                    rc = subprocess.run(argv2).returncode
+                    if rc != 0:
+                        print("grid: part %s failed (%d); going on" % (
+                            out, rc), flush=True)
+                    merge(a.out, command)  # after every part: partial results
     doc = merge(a.out, command)
     print(doc["table_markdown"])
     return 0
