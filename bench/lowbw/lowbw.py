@@ -234,10 +234,13 @@ def tail(path, lines=15):
         return "(no log)"
 
 
-def wait_for(procs, waited, deadline, what):
+def wait_for(procs, waited, deadline, what, sample=None):
     """Waits until every Popen in `waited` exits 0; any non-zero exit, or any
-    other child exiting, or the deadline, raises RunFailed."""
+    other child exiting, or the deadline, raises RunFailed. `sample`, if
+    given, is called on every poll (every 50 ms)."""
     while True:
+        if sample:
+            sample()
         done = True
         for name, p, log in procs.items:
             rc = p.poll()
@@ -267,6 +270,37 @@ def proc_cpu_seconds(pid):
         return None
     # fields[0] is the state (field 3); utime and stime are fields 14, 15.
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def timed_shard_cpu(summaries, samples, warmup):
+    """Each shard's CPU seconds per timed step: its CPU time (sampled every
+    50 ms, interpolated) between the end of the last warm-up step and the
+    end of the last step (the latest pull_end over ranks), divided by the
+    steps in between. None without timestamps or samples."""
+    if not samples or not all("pull_end_unix" in s["per_step"]
+                              for s in summaries):
+        return None
+    ends = [max(s["per_step"]["pull_end_unix"][i] for s in summaries)
+            for i in range(min(len(s["per_step"]["pull_end_unix"])
+                               for s in summaries))]
+    if warmup < 1 or len(ends) <= warmup:
+        return None
+    t0, t1, steps = ends[warmup - 1], ends[-1], len(ends) - warmup
+
+    def at(t, j):
+        pts = [(ts, v[j]) for ts, v in samples if v[j] is not None]
+        for (ta, va), (tb, vb) in zip(pts, pts[1:]):
+            if ta <= t <= tb:
+                return va + (vb - va) * (t - ta) / (tb - ta) if tb > ta else va
+        return None
+
+    out = []
+    for j in range(len(samples[0][1])):
+        a, b = at(t0, j), at(t1, j)
+        if a is None or b is None:
+            return None
+        out.append(round((b - a) / steps, 5))
+    return out
 
 
 def summary_cpu_seconds(s):
@@ -361,11 +395,22 @@ class Bench:
             workers.append(self.procs.start(
                 "worker %d" % w, t.ns("w%d" % w), argv,
                 os.path.join(self.logdir, "%s-worker-%d.log" % (tag, w))))
-        wait_for(self.procs, workers, time.monotonic() + a.run_timeout_s, tag)
+        # The shards' CPU time, sampled every 50 ms with the time, so the
+        # timed steps' share can be cut out of the whole run's.
+        shard_pids = [p.pid for name, p, _ in self.procs.items
+                      if name.startswith("server")]
+        samples = []
+
+        def sample():
+            samples.append((time.time(),
+                            [proc_cpu_seconds(pid) for pid in shard_pids]))
+
+        wait_for(self.procs, workers, time.monotonic() + a.run_timeout_s, tag,
+                 sample)
+        sample()
         # The shards are still up (they serve until killed): their CPU
         # time over the whole run, start-up included.
-        shard_cpu = [proc_cpu_seconds(p.pid) for name, p, _ in
-                     self.procs.items if name.startswith("server")]
+        shard_cpu = samples[-1][1]
         self.procs.kill_all()
         summaries = []
         for out in outs:
@@ -380,6 +425,7 @@ class Bench:
                 s["received_bytes_per_step"] for s in summaries),
             "replicas_identical": len(checks) == 1,
             "shard_cpu_seconds": shard_cpu,
+            "shard_cpu_samples": samples,
             "bytes_source": "gtopk-worker summary (serialized messages)",
         }
         return summaries, extra
@@ -446,6 +492,10 @@ class Bench:
         if r.get("shard_cpu_seconds") and None not in r["shard_cpu_seconds"]:
             r["shard_cpu_seconds_per_step"] = [
                 round(c / steps_all, 4) for c in r["shard_cpu_seconds"]]
+        samples = r.pop("shard_cpu_samples", None)
+        timed = timed_shard_cpu(summaries, samples, self.a.warmup)
+        if timed:
+            r["shard_cpu_seconds_per_timed_step"] = timed
         self.log("  %-5s P=%d %-9s step %8.1f ms  compute %7.1f  local %7.1f  "
                  "comm %8.1f ms%s  (%.0f s)" % (
                      method, P, r["rate"], r["step_seconds_p50"] * 1e3,
@@ -898,6 +948,11 @@ def main(argv):
                                                "timed steps",
             "worker_cpu_seconds": "each worker's CPU seconds (user + system) "
                                   "over its whole run (getrusage)",
+            "shard_cpu_seconds_per_timed_step": "each shard's CPU seconds "
+                                                "per timed step (sampled "
+                                                "every 50 ms, between the "
+                                                "ends of the last warm-up "
+                                                "and the last step)",
             "shard_cpu_seconds": "each shard's CPU seconds (user + system, "
                                  "/proc/<pid>/stat) over its whole run, "
                                  "start-up included; _per_step divides by "

@@ -260,7 +260,31 @@ def testbed_link(rate, c):
                 line=max(line, min(nominal, measured)))
 
 
-def validate(lowbw, c):
+CPU_KEYS = ("encode_per_pair", "decode_per_pair", "sparse_topk_per_entry",
+            "apply_per_pair", "dense_add_per_element",
+            "dense_codec_per_element", "message_overhead", "message_cpu")
+
+
+def scale_cpu(c, f):
+    """The costs with every CPU figure times `f` (f = 1: unchanged): the
+    measured runs share 2 cores with other work, so each process gets
+    about cores / load of a core."""
+    s = dict(c)
+    for key in CPU_KEYS:
+        s[key] = c[key] * f
+    s["merge_per_pair"] = lambda P, m=c["merge_per_pair"]: m(P) * f
+    s["threshold_exchange"] = lambda S, t=c["threshold_exchange"]: t(S) * f
+    return s
+
+
+def validate(lowbw, c, cores=None):
+    """Per measured run: the model's communication time beside the
+    measured one; also with the CPU costs scaled by the run's contention
+    max(1, load / cores) (the load average before the run)."""
+    if cores is None:
+        m = lowbw.get("machine")
+        m = m[0] if isinstance(m, list) and m else (m or {})
+        cores = m.get("cores") or os.cpu_count()
     rows = []
     for r in lowbw["runs"]:
         if r.get("baseline") or r["method"] not in VALIDATED:
@@ -278,6 +302,10 @@ def validate(lowbw, c):
         if not measured:
             continue
         err = pred["comm"] / measured - 1
+        f = max(1.0, (r.get("load_average_1m_before") or 0) / cores)
+        contended = FUNCS[VALIDATED[r["method"]]](
+            cfg["n"], P, S, link, scale_cpu(c, f), density=cfg["density"])
+        err_c = contended["comm"] / measured - 1
         rows.append({
             "method": r["method"], "rate": rate, "workers": P,
             "shards": r.get("shards"),
@@ -288,6 +316,10 @@ def validate(lowbw, c):
                 r["communication_seconds_p50"], 5),
             "predicted_communication_seconds": round(pred["comm"], 5),
             "error": round(err, 3), "within_25_percent": abs(err) <= 0.25,
+            "contention_factor": round(f, 2),
+            "predicted_contended_communication_seconds": round(
+                contended["comm"], 5),
+            "error_contended": round(err_c, 3),
             "load_average_1m_before": r.get("load_average_1m_before"),
             "worker_cpu_seconds_per_step_p50":
                 r.get("worker_cpu_seconds_per_step_p50"),
@@ -372,7 +404,7 @@ def capacity(c, density=0.001):
 
 def plot(preds, path, key, ylabel, model="resnet50", logy=True):
     tmp = tempfile.mkdtemp(prefix="gtopk-model-plot-")
-    script = ['set terminal pngcairo size 1500,480 font "sans,10"',
+    script = ['set terminal pngcairo size 1500,480 font "sans,10" noenhanced',
               "set output '%s'" % path,
               "set multiplot layout 1,3 title 'model: %s (n = %d), %s'" % (
                   model, MODELS[model][0], ylabel),
@@ -404,16 +436,22 @@ def plot(preds, path, key, ylabel, model="resnet50", logy=True):
 
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lowbw", default=os.path.join(ROOT, "bench", "results",
-                                                    "lowbw.json"))
+    ap.add_argument("--lowbw", default=",".join(
+        os.path.join(ROOT, "bench", "results", f) for f in
+        ("lowbw_2026-11-30_idle.json", "lowbw.json")),
+        help="comma list of lowbw results to validate against")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
                                                   "scale_model.json"))
     ap.add_argument("--no-plots", dest="plots", action="store_false")
     a = ap.parse_args(argv)
     c = costs_mod.load_costs()
-    with open(a.lowbw) as f:
-        lowbw = json.load(f)
-    val = validate(lowbw, c)
+    val = []
+    for path in a.lowbw.split(","):
+        with open(path) as f:
+            lowbw = json.load(f)
+        for row in validate(lowbw, c):
+            row["source"] = os.path.relpath(path, ROOT)
+            val.append(row)
     preds = predictions(c)
     doc = {"command": "bench/model/scale_model.py " + " ".join(argv),
            "inputs": costs_mod.describe(c),
@@ -429,7 +467,8 @@ def main(argv):
                "links: bandwidth per direction, full duplex, one NIC per "
                "worker and per shard, shared by all their streams",
                "topk_ps/gtopk_ps union sizes for independent random top-k's"],
-           "validation": {"against": os.path.relpath(a.lowbw, ROOT),
+           "validation": {"against": [os.path.relpath(p, ROOT)
+                                      for p in a.lowbw.split(",")],
                           "rows": val,
                           "within_25_percent": sum(r["within_25_percent"]
                                                    for r in val),
@@ -455,13 +494,19 @@ def main(argv):
 
 
 def markdown_validation(rows):
-    lines = ["| method | rate | S | P | measured comm | predicted | error |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| method | rate | S | P | measured comm | predicted | error | "
+             "load / cores | predicted, CPU x load/cores | error |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append("| %s | %s | %s | %d | %.1f ms | %.1f ms | %+.0f %% |" % (
-            r["method"], r["rate"], r["shards"] or "-", r["workers"],
-            r["measured_communication_seconds"] * 1e3,
-            r["predicted_communication_seconds"] * 1e3, r["error"] * 100))
+        lines.append("| %s | %s | %s | %d | %.1f ms | %.1f ms | %+.0f %% | "
+                     "%.1f | %.1f ms | %+.0f %% |" % (
+                         r["method"], r["rate"], r["shards"] or "-",
+                         r["workers"],
+                         r["measured_communication_seconds"] * 1e3,
+                         r["predicted_communication_seconds"] * 1e3,
+                         r["error"] * 100, r["contention_factor"],
+                         r["predicted_contended_communication_seconds"] * 1e3,
+                         r["error_contended"] * 100))
     return "\n".join(lines)
 
 
