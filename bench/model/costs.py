@@ -104,6 +104,15 @@ def load_costs(results=None):
     src["threshold_exchange"] = ("overhead.json S2 - S1 for S = 2; + one message_cpu "
                                  "per further shard at the leader")
 
+    fit = shard_cpu_per_worker(c)
+    if fit:
+        c["message_cpu"], c["shard_cpu_fit"] = fit
+        src["message_cpu"] = ("lowbw.json gtopk runs: each shard's CPU seconds "
+                              "per timed step (user + system, /proc) fitted "
+                              "a + b P per S; b minus the modelled merge and "
+                              "decode of k/S pairs, halved (a push and a pull "
+                              "per worker)")
+
     try:
         cu = json.load(open(CUDA))
         rows = {(r["n"], r["method"]): r["us"] for r in cu["rows"]
@@ -132,6 +141,42 @@ def load_costs(results=None):
     c["prediction_latency"] = PREDICTION_LATENCY_S
     c["_sources"] = src
     return c
+
+
+def shard_cpu_per_worker(c, name="lowbw.json"):
+    """The shard's CPU per message, from the measured shard CPU time of the
+    gtopk runs in bench/results/lowbw.json (CPU seconds, unlike wall times,
+    barely change with the machine's load). None when there are not two P
+    for some S."""
+    try:
+        lowbw = _load(name)
+    except OSError:
+        return None
+    n, rho = lowbw["config"]["n"], lowbw["config"]["density"]
+    by_s = {}
+    for r in lowbw["runs"]:
+        t = r.get("shard_cpu_seconds_per_timed_step")
+        if r["method"] != "gtopk" or not t or r.get("baseline"):
+            continue
+        S = max(1, r.get("shards") or 1)
+        by_s.setdefault(S, []).append((r["workers"], sum(t) / len(t)))
+    per_msg, fits = [], {}
+    for S, pts in by_s.items():
+        if len({P for P, _ in pts}) < 2:
+            continue
+        mx = sum(P for P, _ in pts) / len(pts)
+        my = sum(y for _, y in pts) / len(pts)
+        b = sum((P - mx) * (y - my) for P, y in pts) / \
+            sum((P - mx) ** 2 for P, _ in pts)
+        ks = rho * n / S
+        Pm = max(P for P, _ in pts)
+        m = (b - ks * (c["merge_per_pair"](Pm) + c["decode_per_pair"])) / 2
+        fits[str(S)] = {"points": pts, "slope_seconds_per_worker": b,
+                        "message_cpu": m}
+        per_msg.append(m)
+    if not per_msg:
+        return None
+    return max(1e-6, sum(per_msg) / len(per_msg)), fits
 
 
 def describe(c):

@@ -116,6 +116,9 @@ def gtopk_ps(n, P, S, link, c, density=0.001, shard_link=None):
     fixed = 2 * (link.latency + c["message_overhead"])
     shard_cpu = merge + select + apply_ + 2 * P * c["message_cpu"]
     comm = fixed + push + pull + thr + decode + merge + select + apply_
+    # A shard handles every worker's push and pull (2P messages) whatever
+    # S is, on one core (an assumption): its CPU can bound the step.
+    comm = max(comm, fixed + shard_cpu + thr)
     return {"comm": comm, "push": push, "pull": pull, "shard_cpu": shard_cpu,
             "threshold": thr, "sent": k * b, "received": k * b,
             "shard_nic_in": P * ks * b, "shard_nic_out": P * ks * b}
@@ -136,6 +139,7 @@ def topk_ps(n, P, S, link, c, density=0.001, shard_link=None):
     fixed = 2 * (link.latency + c["message_overhead"])
     shard_cpu = merge + enc + 2 * P * c["message_cpu"]
     comm = fixed + push + merge + enc + pull + decode
+    comm = max(comm, fixed + shard_cpu)
     return {"comm": comm, "push": push, "pull": pull, "shard_cpu": shard_cpu,
             "sent": k * b, "received": S * us * b,
             "shard_nic_in": P * ks * b, "shard_nic_out": P * us * b}
@@ -153,6 +157,7 @@ def dense_ps(n, P, S, link, c, density=None, shard_link=None):
     shard_cpu = merge + P * (n / S) * c["dense_codec_per_element"] \
         + 2 * P * c["message_cpu"]
     comm = fixed + push + merge + pull + codec
+    comm = max(comm, fixed + shard_cpu)
     return {"comm": comm, "push": push, "pull": pull, "shard_cpu": shard_cpu,
             "sent": up, "received": up, "shard_nic_in": P * up / S,
             "shard_nic_out": P * up / S}

@@ -170,6 +170,30 @@ class RealCostsTest(unittest.TestCase):
                                 for s in times if s < S))
 
 
+class ShardCpuFitTest(unittest.TestCase):
+    def test_per_message_cpu_from_measured_shard_cpu(self):
+        # Shard CPU per step 10 ms at P = 2, 14 ms at P = 4: 2 ms per
+        # worker; with merge and decode free that is a push and a pull:
+        # 1 ms per message.
+        import json
+        import tempfile
+        d = tempfile.mkdtemp()
+        run = lambda P, t: {"method": "gtopk", "workers": P, "shards": 1,
+                            "shard_cpu_seconds_per_timed_step": [t]}
+        with open(os.path.join(d, "lowbw.json"), "w") as f:
+            json.dump({"config": {"n": 1000000, "density": 0.001},
+                       "runs": [run(2, 0.010), run(4, 0.014),
+                                dict(run(4, 9.0), method="topk")]}, f)
+        old = costs.RESULTS
+        costs.RESULTS = d
+        try:
+            m, fits = costs.shard_cpu_per_worker(zero_costs())
+        finally:
+            costs.RESULTS = old
+        self.assertAlmostEqual(m, 0.001)
+        self.assertAlmostEqual(fits["1"]["slope_seconds_per_worker"], 0.002)
+
+
 class ValidationTest(unittest.TestCase):
     def test_error_per_run(self):
         c = zero_costs(link_check={"1gbit": 1.0, "unlimited": 2.0})
