@@ -62,7 +62,7 @@ class SyntheticModel final : public Model {
 // (Fill is const).
 class SyntheticGradient {
  public:
-  static constexpr size_t kBlock = 1024;      // floats per perturbed block
+  static constexpr size_t kBlock = 1024;        // floats per perturbed block
   static constexpr size_t kPoolSize = 1 << 20;  // 4 MiB: stays in cache
 
   SyntheticGradient(size_t n, uint64_t seed)

@@ -1,16 +1,17 @@
 #include "worker/trainer/trainer.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <ctime>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <memory>
 #include <numeric>
 #include <random>
-#include <sys/resource.h>
-#include <ctime>
 #include <string>
 #include <thread>
 #include <utility>

@@ -27,10 +27,9 @@ std::vector<float> Make(const SyntheticGradient& g, size_t n, uint32_t rank,
 std::set<size_t> TopK(const std::vector<float>& v, size_t k) {
   std::vector<size_t> idx(v.size());
   std::iota(idx.begin(), idx.end(), 0);
-  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
-                    [&](size_t a, size_t b) {
-                      return std::fabs(v[a]) > std::fabs(v[b]);
-                    });
+  std::partial_sort(
+      idx.begin(), idx.begin() + k, idx.end(),
+      [&](size_t a, size_t b) { return std::fabs(v[a]) > std::fabs(v[b]); });
   return {idx.begin(), idx.begin() + k};
 }
 
@@ -57,7 +56,8 @@ TEST(SyntheticGradientTest, ValuesLookLikeAGradient) {
   const double sd = std::sqrt(sq / kN);
   EXPECT_GT(sd, 0.5);
   EXPECT_LT(sd, 1.5);
-  // Irwin-Hall of four 16-bit uniforms, scaled to unit variance: |x| <= sqrt(12).
+  // Irwin-Hall of four 16-bit uniforms, scaled to unit variance: |x| <=
+  // sqrt(12).
   for (float x : v) ASSERT_LE(std::fabs(x), 3.4642 * 1.5);
   // Consecutive blocks are not copies of one another.
   EXPECT_FALSE(std::equal(v.begin(), v.begin() + SyntheticGradient::kBlock,
