@@ -125,6 +125,8 @@ def main(argv):
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
                                                   "lowbw.json"))
     ap.add_argument("--merge-only", action="store_true")
+    ap.add_argument("--no-baselines", dest="baselines", action="store_false",
+                    help="no P = 1 runs (merge takes another rate's)")
     ap.add_argument("--skip-existing", action="store_true",
                     help="keep parts already measured")
     a = ap.parse_args(argv)
@@ -136,7 +138,7 @@ def main(argv):
                 # DDP and the P = 1 baselines do not depend on S: once per
                 # rate. Dense only at --dense-workers (slow on 2 cores).
                 parts = [("", "topk,gtopk" + (",ddp" if i == 0 else ""),
-                          a.workers, i == 0)]
+                          a.workers, i == 0 and a.baselines)]
                 if a.dense_workers:
                     parts.append(("-dense", "dense", a.dense_workers, False))
                 for suffix, methods, workers, baseline in parts:
