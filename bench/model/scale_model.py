@@ -114,10 +114,12 @@ def gtopk_ps(n, P, S, link, c, density=0.001, shard_link=None):
     pull = max(sl.time(P * ks * b), link.time(k * b))
     decode = k * c["decode_per_pair"]
     fixed = 2 * (link.latency + c["message_overhead"])
-    shard_cpu = merge + select + apply_ + 2 * P * c["message_cpu"]
+    shard_cpu = merge + select + apply_ + \
+        2 * P * c["message_cpu"] / c.get("shard_cores", 1)
     comm = fixed + push + pull + thr + decode + merge + select + apply_
     # A shard handles every worker's push and pull (2P messages) whatever
-    # S is, on one core (an assumption): its CPU can bound the step.
+    # S is, spread over shard_cores cores (default 1: one core, as
+    # measured): its CPU can bound the step.
     comm = max(comm, fixed + shard_cpu + thr)
     return {"comm": comm, "push": push, "pull": pull, "shard_cpu": shard_cpu,
             "threshold": thr, "sent": k * b, "received": k * b,
@@ -137,7 +139,7 @@ def topk_ps(n, P, S, link, c, density=0.001, shard_link=None):
     pull = max(sl.time(P * us * b), link.time(S * us * b))
     decode = S * us * (c["decode_per_pair"] + c["apply_per_pair"])
     fixed = 2 * (link.latency + c["message_overhead"])
-    shard_cpu = merge + enc + 2 * P * c["message_cpu"]
+    shard_cpu = merge + enc + 2 * P * c["message_cpu"] / c.get("shard_cores", 1)
     comm = fixed + push + merge + enc + pull + decode
     comm = max(comm, fixed + shard_cpu)
     return {"comm": comm, "push": push, "pull": pull, "shard_cpu": shard_cpu,
@@ -155,7 +157,7 @@ def dense_ps(n, P, S, link, c, density=None, shard_link=None):
     pull = max(sl.time(P * up / S), link.time(up))
     fixed = 2 * (link.latency + c["message_overhead"])
     shard_cpu = merge + P * (n / S) * c["dense_codec_per_element"] \
-        + 2 * P * c["message_cpu"]
+        + 2 * P * c["message_cpu"] / c.get("shard_cores", 1)
     comm = fixed + push + merge + pull + codec
     comm = max(comm, fixed + shard_cpu)
     return {"comm": comm, "push": push, "pull": pull, "shard_cpu": shard_cpu,
@@ -454,6 +456,9 @@ def main(argv):
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
                                                   "scale_model.json"))
     ap.add_argument("--no-plots", dest="plots", action="store_false")
+    ap.add_argument("--shard-cores", type=int, default=1,
+                    help="cores a shard spreads its per-message work over in "
+                    "the predictions (default 1; the validation always 1)")
     a = ap.parse_args(argv)
     c = costs_mod.load_costs()
     val = []
@@ -463,7 +468,8 @@ def main(argv):
         for row in validate(lowbw, c):
             row["source"] = os.path.relpath(path, ROOT)
             val.append(row)
-    preds = predictions(c)
+    cp = dict(c, shard_cores=a.shard_cores)
+    preds = predictions(cp)
     doc = {"command": "bench/model/scale_model.py " + " ".join(argv),
            "inputs": costs_mod.describe(c),
            "assumed_compute_seconds": {m: v[1] for m, v in MODELS.items()},
@@ -484,8 +490,10 @@ def main(argv):
                           "within_25_percent": sum(r["within_25_percent"]
                                                    for r in val),
                           "of": len(val)},
-           "headline_P32_1gbit": headline(c),
-           "capacity": capacity(c),
+           "shard_cores": a.shard_cores,
+           "headline_P32_1gbit": headline(cp),
+           "capacity": capacity(cp),
+           "capacity_8_core_shards": capacity(dict(c, shard_cores=8)),
            "predictions": preds}
     with open(a.out + ".tmp", "w") as f:
         json.dump(doc, f, indent=1)
@@ -501,7 +509,9 @@ def main(argv):
                  model)
     doc["markdown"] = {"validation": markdown_validation(val),
                        "headline": markdown_headline(doc["headline_P32_1gbit"]),
-                       "capacity": markdown_capacity(doc["capacity"])}
+                       "capacity": markdown_capacity(doc["capacity"]),
+                       "capacity_8_core_shards": markdown_capacity(
+                           doc["capacity_8_core_shards"])}
     with open(a.out + ".tmp", "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")
