@@ -12,6 +12,11 @@
 #                1 Gbit/s links in network namespaces (bench/lowbw/);
 #                bench/results/lowbw.json and lowbw.png. LOWBW_ARGS: extra
 #                flags, e.g. LOWBW_ARGS="--rate 100mbit --workers 2,4"
+#   make bench-lowbw-grid  (root) the issue-20 grid: lowbw per rate and
+#                shard count (bench/lowbw/grid.py), merged into lowbw.json
+#   make bench-model  the performance model (bench/model/): validation,
+#                predictions, shard counts; bench/results/scale_model.json
+#                and scale_model_*.png (no root, no build)
 #   make device-bundle  pack what the GPU machine lacks into
 #                BUILD_DIR/device_bundle/ (bench/cuda/device_bundle.txt: static
 #                gRPC, Abseil, re2, c-ares; shared prometheus-cpp and civetweb;
@@ -85,7 +90,7 @@ WORKER         ?= cpp
 DEMO_ARGS      ?=
 LOWBW_ARGS     ?=
 
-.PHONY: python python-install all deps build test bench bench-lowbw demo format clean deploy-sync \
+.PHONY: python python-install all deps build test bench bench-lowbw bench-lowbw-grid bench-model demo format clean deploy-sync \
 	device-bundle device-bundle-check compose-test
 
 all: build
@@ -147,6 +152,18 @@ bench-lowbw:
 	@$(MAKE) --no-print-directory deps
 	@$(MAKE) --no-print-directory build
 	/usr/bin/python3 bench/lowbw/lowbw.py --build-dir $(BUILD_DIR) $(LOWBW_ARGS)
+
+bench-lowbw-grid:
+	@if [ "$$(id -u)" != 0 ]; then \
+	  echo "bench-lowbw-grid: needs root: sudo make bench-lowbw-grid"; \
+	  exit 2; fi
+	@$(MAKE) --no-print-directory deps
+	@$(MAKE) --no-print-directory build
+	/usr/bin/python3 bench/lowbw/grid.py --build-dir $(BUILD_DIR) $(LOWBW_ARGS)
+
+# Stdlib only (numpy not needed); gnuplot for the plots, as bench-lowbw.
+bench-model:
+	/usr/bin/python3 bench/model/scale_model.py
 
 # deps and build first (in that order, also under -j), then the launcher.
 demo: deps
