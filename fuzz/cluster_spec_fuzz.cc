@@ -124,7 +124,9 @@ void CheckExpected(const gtopk::v1::ClusterSpec& a) {
   ExpectedSettings e;
   e.mode = ModeFlagValue(a.mode());
   e.selection = SelectionFlagValue(a.selection());
-  e.momentum_mode = MomentumFlagValue(a.optimizer().momentum_mode());
+  // As a worker spells it: UNSPECIFIED means DGC (the documented default),
+  // which a worker writes "dgc", not "unknown(0)".
+  e.momentum_mode = std::string(MomentumModeName(o->momentum_mode));
   e.selector = a.selector();
   e.index_codec = a.index_codec();
   e.value_codec = a.value_codec();
