@@ -202,21 +202,9 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   o.lr_warmup_steps = absl::GetFlag(FLAGS_lr_warmup_steps);
   o.density = absl::GetFlag(FLAGS_density);
   o.steps_per_epoch = absl::GetFlag(FLAGS_steps_per_epoch);
-  const std::string warmup = absl::GetFlag(FLAGS_density_warmup);
-  if (warmup == "dgc") {
-    o.density_warmup = gtopk::DgcDensityWarmup();
-  } else if (!warmup.empty()) {
-    for (absl::string_view piece : absl::StrSplit(warmup, ',')) {
-      double d = 0;
-      if (!absl::SimpleAtod(piece, &d)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("--density-warmup: '", piece,
-                         "' is not a number (expected a comma list of "
-                         "densities, or 'dgc')"));
-      }
-      o.density_warmup.push_back(d);
-    }
-  }
+  GTOPK_ASSIGN_OR_RETURN(o.density_warmup,
+                         gtopk::server::ParseDensityWarmupFlag(
+                             absl::GetFlag(FLAGS_density_warmup)));
   GTOPK_RETURN_IF_ERROR(
       InRange("metrics-port", absl::GetFlag(FLAGS_metrics_port), 0, 65535));
   GTOPK_RETURN_IF_ERROR(

@@ -17,6 +17,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "common/codec.h"
 #include "common/optimizer.h"
@@ -94,6 +96,13 @@ struct ServerConfig {
 // OK, or INVALID_ARGUMENT naming the first bad field (by its gtopk-server
 // flag, server/flags.md) and its value.
 absl::Status ValidateServerConfig(const ServerConfig& config);
+
+// The value of gtopk-server's --density-warmup: "" (none: empty), "dgc"
+// (DgcDensityWarmup()) or a comma list of numbers, one density per epoch
+// (absl::SimpleAtod each; the range is ValidateServerConfig's business).
+// INVALID_ARGUMENT naming the piece that is not a number. Pure.
+absl::StatusOr<std::vector<double>> ParseDensityWarmupFlag(
+    absl::string_view value);
 
 // The cluster-wide settings of `config` as a cluster spec: every field but
 // n, shards (ranges and addresses) and next_step. What the leader tells

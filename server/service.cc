@@ -24,6 +24,7 @@
 #include "common/status_macros.h"
 #include "grpcpp/client_context.h"
 #include "server/checkpoint.h"
+#include "server/request_checks.h"
 #include "server/service_internal.h"
 
 namespace gtopk {
@@ -423,15 +424,9 @@ grpc::Status AggregatorService::InitParams(
   while (reader->Read(&chunk)) {
     metrics_->received_init_bytes().Increment(
         static_cast<double>(chunk.ByteSizeLong()));
-    if (chunk.worker() != 0) {
-      return ToGrpcStatus(absl::PermissionDeniedError(absl::StrCat(
-          "only worker 0 initialises the parameters; got a chunk from worker ",
-          chunk.worker())));
-    }
-    if (chunk.shard_id() != shard) {
-      return ToGrpcStatus(absl::InvalidArgumentError(
-          absl::StrCat("parameter chunk for shard ", chunk.shard_id(),
-                       " was sent to shard ", shard)));
+    if (const absl::Status sender = CheckInitChunkSender(chunk, shard);
+        !sender.ok()) {
+      return ToGrpcStatus(sender);
     }
     if (aggregator == nullptr) {
       const absl::Status s = get_aggregator();
@@ -450,30 +445,13 @@ grpc::Status AggregatorService::InitParams(
       if (!member.ok()) return ToGrpcStatus(member);
       identity_checked = true;
     }
-    const uint64_t offset = chunk.offset();
-    const uint64_t count = static_cast<uint64_t>(chunk.values_size());
-    if (offset != next) {
-      return ToGrpcStatus(absl::InvalidArgumentError(
-          absl::StrCat("parameter chunk at offset ", offset, " ",
-                       offset < next ? "overlaps" : "leaves a gap after",
-                       " the values received so far: expected offset ", next,
-                       " (shard ", shard, " owns [", begin, ", ", end, "))")));
-    }
-    if (count > end - offset) {
-      return ToGrpcStatus(absl::InvalidArgumentError(
-          absl::StrCat("parameter chunk [", offset, ", ", offset + count,
-                       ") runs past the end of shard ", shard, "'s range [",
-                       begin, ", ", end, ")")));
-    }
-    for (uint64_t j = 0; j < count; ++j) {
-      if (!std::isfinite(chunk.values(static_cast<int>(j)))) {
-        return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-            "initial parameter at index ", offset + j, " is not finite (",
-            chunk.values(static_cast<int>(j)), ")")));
-      }
+    if (const absl::Status range =
+            CheckInitChunkRange(chunk, shard, begin, end, next);
+        !range.ok()) {
+      return ToGrpcStatus(range);
     }
     values.insert(values.end(), chunk.values().begin(), chunk.values().end());
-    next = offset + count;
+    next += static_cast<uint64_t>(chunk.values_size());
   }
   if (context->IsCancelled()) {
     return grpc::Status(grpc::StatusCode::CANCELLED, "InitParams cancelled");
@@ -605,61 +583,11 @@ grpc::Status AggregatorService::DownloadParams(
 
 absl::StatusOr<WorkerPush> AggregatorService::DecodePush(const v1::Push& push,
                                                          uint64_t n) const {
-  const std::string who =
-      absl::StrCat("worker ", push.worker(), " step ", push.step(), ": ");
-  if (push.shard_id() != config_.shard_id) {
-    metrics_->Rejected(RejectReason::kWrongShard);
-    return absl::InvalidArgumentError(
-        absl::StrCat(who, "push for shard ", push.shard_id(),
-                     " was sent to shard ", config_.shard_id));
-  }
-  if (push.worker() >= config_.num_workers) {
-    metrics_->Rejected(RejectReason::kUnknownWorker);
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown worker rank ", push.worker(),
-                     "; the cluster has ", config_.num_workers, " workers"));
-  }
-  WorkerPush out;
-  out.step = push.step();
-  out.worker = push.worker();
-  out.epoch = push.epoch();
-  if (config_.mode == AggregationMode::kDense) {
-    if (!push.sparse().empty()) {
-      metrics_->Rejected(RejectReason::kWrongMode);
-      return absl::InvalidArgumentError(
-          absl::StrCat(who, "sparse bytes sent in dense mode"));
-    }
-    out.dense.assign(push.dense().begin(), push.dense().end());
-    return out;
-  }
-  if (push.dense_size() > 0) {
-    metrics_->Rejected(RejectReason::kWrongMode);
-    return absl::InvalidArgumentError(
-        absl::StrCat(who, "dense values sent in ",
-                     AggregationModeName(config_.mode), " mode"));
-  }
-  absl::StatusOr<CodecSpec> spec = PeekCodecSpec(push.sparse());
-  if (!spec.ok()) {
-    metrics_->Rejected(RejectReason::kCorrupt);
-    return absl::InvalidArgumentError(
-        absl::StrCat(who, "corrupt sparse push: ", spec.status().message()));
-  }
-  if (spec->index != config_.index_codec ||
-      spec->value != config_.value_codec) {
-    metrics_->Rejected(RejectReason::kWrongCodec);
-    return absl::InvalidArgumentError(absl::StrCat(
-        who, "wrong codec: the push uses ", IndexCodecName(spec->index), "/",
-        ValueCodecName(spec->value), ", the cluster uses ",
-        IndexCodecName(config_.index_codec), "/",
-        ValueCodecName(config_.value_codec)));
-  }
-  absl::Status decoded = DecodeSparse(push.sparse(), n, &out.sparse);
-  if (!decoded.ok()) {
-    metrics_->Rejected(RejectReason::kCorrupt);
-    return absl::InvalidArgumentError(
-        absl::StrCat(who, "bad sparse push: ", decoded.message()));
-  }
-  return out;
+  RejectReason reason = RejectReason::kInvalid;
+  absl::StatusOr<WorkerPush> decoded =
+      DecodeWirePush(push, config_, n, &reason);
+  if (!decoded.ok()) metrics_->Rejected(reason);
+  return decoded;
 }
 
 grpc::Status AggregatorService::PushPull(
