@@ -158,6 +158,19 @@ class LowbwTest(unittest.TestCase):
                     "step_seconds_p50"], (key, lp))
             else:
                 self.assertIsNone(r["last_pusher_communication_seconds_p50"])
+            # CPU time beside wall time (issue 20): a process cannot use
+            # more CPU in a step than the machine's cores over that step.
+            cpu = r["worker_cpu_seconds_per_step_p50"]
+            self.assertTrue(0 < cpu <= os.cpu_count() * r["step_seconds_p50"]
+                            * 1.5, (key, cpu))
+            self.assertTrue(all(c and c > 0 for c in r["worker_cpu_seconds"]),
+                            key)
+            self.assertGreaterEqual(r["load_average_1m_after"], 0, key)
+            if key[0] != "ddp":
+                # Every shard ran and was measured before it was killed.
+                self.assertEqual(len(r["shard_cpu_seconds"]), 2, key)
+                self.assertTrue(all(c is not None and c > 0
+                                    for c in r["shard_cpu_seconds"]), key)
         # The dense pushes of the last pusher alone take the link's time.
         self.assertGreaterEqual(
             runs[("dense", 2)]["last_pusher_communication_seconds_p50"],
