@@ -117,11 +117,16 @@ SERVER_JOB, WORKER_JOB = "gtopk-server", "gtopk-worker"
 # Flags whose values differ per deployment by nature (addresses, paths,
 # identities); every other flag must be identical everywhere. The launcher
 # binds metrics to loopback (--metrics-host); containers keep 0.0.0.0.
+# Transport security (docs/security.md) is the deployment's choice, not a
+# cluster setting: the launcher runs mutual TLS with its own throwaway
+# certificates, compose and k8s add it by an override / component.
+SECURITY_FLAGS = {"tls", "tls_cert", "tls_key", "tls_ca", "token_file",
+                  "shard_token_file", "health_listen"}
 SERVER_LOCAL_FLAGS = {"listen", "shard_id", "peers", "checkpoint_dir",
-                      "metrics_port", "metrics_host"}
+                      "metrics_port", "metrics_host"} | SECURITY_FLAGS
 # --device: the hardware the deployment runs on (the gpu overlay: cuda).
 WORKER_LOCAL_FLAGS = {"server", "rank", "summary_json", "metrics_port",
-                      "metrics_host", "data_dir", "device"}
+                      "metrics_host", "data_dir", "device"} | SECURITY_FLAGS
 
 INSTALL_HINT = {
     "docker-compose": "apt-get install docker-compose (or `make deps`)",
