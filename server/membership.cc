@@ -163,9 +163,10 @@ v1::ClusterSpec AggregatorService::BuildSpecLocked() const {
   return spec;
 }
 
-grpc::Status AggregatorService::Join(grpc::ServerContext* /*context*/,
+grpc::Status AggregatorService::Join(grpc::ServerContext* context,
                                      const v1::JoinRequest* request,
                                      v1::JoinResponse* response) {
+  GTOPK_ADMIT_CALL(admission, AdmitCall(context, "Join"));
   if (!is_leader()) {
     return ToGrpcStatus(absl::FailedPreconditionError(
         absl::StrCat("shard ", config_.shard_id, " is not the leader; join ",
@@ -234,6 +235,7 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* /*context*/,
 grpc::Status AggregatorService::GetClusterSpec(
     grpc::ServerContext* context, const v1::JoinRequest* /*request*/,
     v1::ClusterSpec* response) {
+  GTOPK_ADMIT_CALL(admission, AdmitCall(context, "GetClusterSpec"));
   const absl::Time deadline = WaitDeadline(context);
   if (!is_leader()) {
     absl::StatusOr<v1::ClusterSpec> spec = FetchSpecFromLeader(deadline);
@@ -254,8 +256,9 @@ grpc::Status AggregatorService::GetClusterSpec(
 
 
 grpc::Status AggregatorService::CheckMember(
-    grpc::ServerContext* /*context*/, const v1::MemberCheckRequest* request,
+    grpc::ServerContext* context, const v1::MemberCheckRequest* request,
     v1::MemberCheckResponse* /*response*/) {
+  GTOPK_ADMIT_CALL(admission, AdmitCall(context, "CheckMember"));
   if (!is_leader()) {
     return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
         "shard ", config_.shard_id, " is not the leader; CheckMember goes to ",

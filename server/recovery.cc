@@ -230,9 +230,11 @@ void AggregatorService::LeaderAbortStep(int64_t step, uint32_t origin,
   });
 }
 
-grpc::Status AggregatorService::AbortStep(grpc::ServerContext* /*context*/,
+grpc::Status AggregatorService::AbortStep(grpc::ServerContext* context,
                                           const v1::AbortStepRequest* request,
                                           v1::AbortStepResponse* /*response*/) {
+  GTOPK_ADMIT_CALL(admission, AdmitCall(context, "AbortStep",
+                                        ShardPeer(context, request->shard_id())));
   if (request->step() < 0 || request->shard_id() >= config_.num_shards) {
     return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
         "AbortStep: step ", request->step(), " must be >= 0 and shard_id ",
@@ -277,6 +279,8 @@ grpc::Status AggregatorService::AbortStep(grpc::ServerContext* /*context*/,
 grpc::Status AggregatorService::GetShardState(
     grpc::ServerContext* context, const v1::ShardStateRequest* request,
     v1::ShardState* response) {
+  GTOPK_ADMIT_CALL(admission,
+                   AdmitCall(context, "GetShardState", CallPeerShard(0)));
   // In slices, so that a cancelled call (the leader went away) ends it.
   const absl::Time deadline = WaitDeadline(context);
   if (request->cluster_fingerprint() != 0 && fingerprint_.load() != 0) {
@@ -299,6 +303,8 @@ grpc::Status AggregatorService::GetShardState(
 grpc::Status AggregatorService::RollbackShard(
     grpc::ServerContext* context, const v1::RollbackRequest* request,
     v1::RollbackResponse* response) {
+  GTOPK_ADMIT_CALL(admission,
+                   AdmitCall(context, "RollbackShard", CallPeerShard(0)));
   if (request->shard_id() != config_.shard_id) {
     return ToGrpcStatus(absl::InvalidArgumentError(
         absl::StrCat("rollback for shard ", request->shard_id(),
@@ -504,6 +510,10 @@ absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverClusterOnce(
 grpc::Status AggregatorService::Recover(grpc::ServerContext* context,
                                         const v1::RecoverRequest* request,
                                         v1::RecoverResponse* response) {
+  GTOPK_ADMIT_CALL(admission,
+                   AdmitCall(context, "Recover",
+                             RankPeer(context, request->worker(),
+                                      request->member_token())));
   if (request->worker() >= config_.num_workers) {
     return ToGrpcStatus(absl::InvalidArgumentError(
         absl::StrCat("unknown worker rank ", request->worker(),

@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/cluster_spec.h"
 #include "common/grpc_edge.h"
+#include "common/selector.h"
 #include "common/sparse_vector.h"
 #include "common/status_macros.h"
 #include "grpcpp/client_context.h"
@@ -64,7 +65,8 @@ AggregatorService::AggregatorService(ServerConfig config)
       metrics_registry_(config_.metrics_registry != nullptr
                             ? config_.metrics_registry
                             : std::make_shared<prometheus::Registry>()),
-      metrics_(std::make_unique<ServerMetrics>(*metrics_registry_)) {
+      metrics_(std::make_unique<ServerMetrics>(*metrics_registry_)),
+      limiter_(config_.shard_id, EffectiveCallLimits(config_)) {
   rank_given_.assign(config_.num_workers, false);
   member_token_.assign(config_.num_workers, 0);
   live_streams_.resize(config_.num_workers);
@@ -129,6 +131,36 @@ absl::StatusOr<std::unique_ptr<AggregatorService>> AggregatorService::Create(
     }
   }
   return service;
+}
+
+absl::StatusOr<CallLimiter::Admission> AggregatorService::AdmitCall(
+    const grpc::ServerContext* context, absl::string_view method,
+    std::string peer) {
+  if (peer.empty()) peer = CallPeerHost(context->peer());
+  LimitBound bound = LimitBound::kConcurrentCalls;
+  absl::StatusOr<CallLimiter::Admission> admission =
+      limiter_.Admit(peer, method, &bound);
+  if (!admission.ok()) metrics_->LimitRejected(bound);
+  return admission;
+}
+
+std::string AggregatorService::RankPeer(const grpc::ServerContext* context,
+                                        uint64_t rank, uint64_t token) const {
+  if (rank < config_.num_workers && token != 0) {
+    absl::MutexLock lock(&mu_);
+    if (member_token_[rank] == token) {
+      return CallPeerRank(static_cast<uint32_t>(rank));
+    }
+  }
+  return CallPeerHost(context->peer());
+}
+
+std::string AggregatorService::ShardPeer(const grpc::ServerContext* context,
+                                         uint64_t shard) const {
+  if (shard < config_.num_shards) {
+    return CallPeerShard(static_cast<uint32_t>(shard));
+  }
+  return CallPeerHost(context->peer());
 }
 
 void AggregatorService::SetOwnAddress(const std::string& address) {
@@ -260,6 +292,16 @@ absl::Status AggregatorService::CreateAggregatorLocked(uint64_t n) {
   options.pull_index_codec = config_.index_codec;
   options.optimizer = config_.optimizer;
   options.step_timeout = config_.step_timeout;
+  {
+    // The bound on a push's pairs follows the workers' selector (e.g.
+    // gaussiank returns up to 4k/3). MaxCount is pure arithmetic.
+    GTOPK_ASSIGN_OR_RETURN(std::unique_ptr<Selector> selector,
+                           CreateSelector(config_.selector));
+    std::shared_ptr<const Selector> shared = std::move(selector);
+    options.max_pairs_for_k = [shared](uint64_t k) {
+      return shared->MaxCount(k);
+    };
+  }
   GTOPK_ASSIGN_OR_RETURN(
       std::unique_ptr<ShardAggregator> aggregator,
       ShardAggregator::Create(options, exchange_.get(), commit_.get()));
@@ -394,6 +436,7 @@ absl::StatusOr<ShardAggregator*> AggregatorService::GetAggregator(
 grpc::Status AggregatorService::InitParams(
     grpc::ServerContext* context, grpc::ServerReader<v1::ParamsChunk>* reader,
     v1::InitParamsResponse* response) {
+  GTOPK_ADMIT_CALL(admission, AdmitCall(context, "InitParams"));
   const uint32_t shard = config_.shard_id;
   ShardAggregator* aggregator = nullptr;
   std::vector<float> values;
@@ -498,6 +541,7 @@ grpc::Status AggregatorService::InitParams(
 grpc::Status AggregatorService::DownloadParams(
     grpc::ServerContext* context, const v1::DownloadParamsRequest* request,
     grpc::ServerWriter<v1::ParamsChunk>* writer) {
+  GTOPK_ADMIT_CALL(admission, AdmitCall(context, "DownloadParams"));
   if (request->worker() >= config_.num_workers) {
     return ToGrpcStatus(absl::InvalidArgumentError(
         absl::StrCat("unknown worker rank ", request->worker(),
@@ -586,8 +630,9 @@ grpc::Status AggregatorService::DownloadParams(
   return grpc::Status::OK;
 }
 
-absl::StatusOr<WorkerPush> AggregatorService::DecodePush(const v1::Push& push,
-                                                         uint64_t n) const {
+absl::StatusOr<WorkerPush> AggregatorService::DecodePush(
+    const v1::Push& push, const ShardAggregator& aggregator) const {
+  const uint64_t n = aggregator.options().n;
   const std::string who =
       absl::StrCat("worker ", push.worker(), " step ", push.step(), ": ");
   if (push.shard_id() != config_.shard_id) {
@@ -636,6 +681,17 @@ absl::StatusOr<WorkerPush> AggregatorService::DecodePush(const v1::Push& push,
         IndexCodecName(config_.index_codec), "/",
         ValueCodecName(config_.value_codec)));
   }
+  // Memory per step: refuse a push claiming more pairs than k allows before
+  // decoding allocates for them.
+  {
+    absl::StatusOr<uint64_t> claimed = PeekSparseCount(push.sparse());
+    const uint64_t most = aggregator.MaxPushPairs(push.step());
+    if (claimed.ok() && *claimed > most) {
+      metrics_->LimitRejected(LimitBound::kPushPairs);
+      return aggregator.PushPairsExhausted(push.worker(), push.step(),
+                                           *claimed, most);
+    }
+  }
   absl::Status decoded = DecodeSparse(push.sparse(), n, &out.sparse);
   if (!decoded.ok()) {
     metrics_->Rejected(RejectReason::kCorrupt);
@@ -648,6 +704,16 @@ absl::StatusOr<WorkerPush> AggregatorService::DecodePush(const v1::Push& push,
 grpc::Status AggregatorService::PushPull(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::Pull, v1::Push>* stream) {
+  // A worker's stream names its rank and member token in the metadata: it
+  // counts against the rank's own bound, not its host's.
+  uint64_t meta_rank = 0, meta_token = 0;
+  const bool has_identity = MetadataNumber(context, kRankMetadata, &meta_rank) &&
+                            MetadataNumber(context, kTokenMetadata, &meta_token);
+  GTOPK_ADMIT_CALL(admission,
+                   AdmitCall(context, "PushPull",
+                             has_identity
+                                 ? RankPeer(context, meta_rank, meta_token)
+                                 : std::string()));
   ShardAggregator* aggregator = nullptr;
   // The rank this stream acts for: set by a verified identity (the call's
   // metadata on the leader, else the first accepted push); one per stream.
@@ -757,7 +823,7 @@ grpc::Status AggregatorService::PushPull(
       }
     }
     absl::StatusOr<WorkerPush> decoded =
-        DecodePush(push, aggregator->options().n);
+        DecodePush(push, *aggregator);
     if (!decoded.ok()) {
       // Fail the round for everyone, as a bad push inside Submit would.
       aggregator->RejectPush(push.step(), push.worker(), decoded.status());
@@ -774,7 +840,9 @@ grpc::Status AggregatorService::PushPull(
         context->AddTrailingMetadata(kEpochMetadataKey, absl::StrCat(epoch));
       }
       // Submit's own rejections of this push (not a round failed by others).
-      if (absl::IsInvalidArgument(result.status())) {
+      if (absl::IsResourceExhausted(result.status())) {
+        metrics_->LimitRejected(LimitBound::kPushPairs);
+      } else if (absl::IsInvalidArgument(result.status())) {
         metrics_->Rejected(RejectReason::kInvalid);
       } else if (absl::IsFailedPrecondition(result.status()) &&
                  absl::StrContains(result.status().message(), "step ")) {
@@ -822,6 +890,9 @@ grpc::Status AggregatorService::PushPull(
 grpc::Status AggregatorService::ExchangeThreshold(
     grpc::ServerContext* context, const v1::ThresholdRequest* request,
     v1::ThresholdResponse* response) {
+  GTOPK_ADMIT_CALL(admission,
+                   AdmitCall(context, "ExchangeThreshold",
+                             ShardPeer(context, request->shard_id())));
   if (!is_leader()) {
     return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
         "shard ", config_.shard_id,
@@ -849,6 +920,8 @@ grpc::Status AggregatorService::ExchangeThreshold(
 grpc::Status AggregatorService::CommitStep(grpc::ServerContext* context,
                                            const v1::CommitRequest* request,
                                            v1::CommitResponse* /*response*/) {
+  GTOPK_ADMIT_CALL(admission, AdmitCall(context, "CommitStep",
+                                        ShardPeer(context, request->shard_id())));
   if (!is_leader()) {
     return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
         "shard ", config_.shard_id, " is not the leader; CommitStep goes to ",
