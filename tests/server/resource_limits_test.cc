@@ -304,8 +304,8 @@ std::unique_ptr<IdleStream> OpenIdle(v1::Aggregator::Stub* stub) {
   return s;
 }
 
-// The status an idle stream ended with (cancelling it when still open
-// after `wait`).
+// The status an idle stream ended with (it must have ended, or have been
+// cancelled).
 absl::Status Outcome(IdleStream& s) {
   s.stream->WritesDone();
   return FromGrpcStatus(s.stream->Finish());
@@ -336,6 +336,9 @@ TEST(ResourceLimitsGrpcTest, ServerBoundRefusesStreamsAndCallsThenRecovers) {
   ServerConfig config;
   config.num_workers = 2;
   config.max_concurrent_calls = 3;
+  // Otherwise the connection's stream limit (the same 3 by default) would
+  // make the fourth stream wait in the client instead of reaching the bound.
+  config.max_streams_per_connection = 100;
   OneServer s = Start(config);
   std::vector<std::unique_ptr<IdleStream>> idle;
   for (int i = 0; i < 3; ++i) idle.push_back(OpenIdle(s.stub.get()));
@@ -356,7 +359,10 @@ TEST(ResourceLimitsGrpcTest, ServerBoundRefusesStreamsAndCallsThenRecovers) {
   (void)Outcome(*idle[0]);
   ASSERT_TRUE(WaitInFlight(*s.server, 2));
   GTOPK_EXPECT_OK(Join(s.stub.get(), -1).status());
-  for (size_t i = 1; i < idle.size(); ++i) idle[i]->context.TryCancel();
+  for (size_t i = 1; i < idle.size(); ++i) {
+    idle[i]->context.TryCancel();
+    (void)Outcome(*idle[i]);
+  }
 }
 
 TEST(ResourceLimitsGrpcTest, PeerBoundLeavesAWorkerWithItsTokenServed) {
@@ -403,7 +409,12 @@ TEST(ResourceLimitsGrpcTest, PeerBoundLeavesAWorkerWithItsTokenServed) {
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstr("--max-calls-per-peer=2")));
   ctx.TryCancel();
-  for (auto& i : idle) i->context.TryCancel();
+  worker->WritesDone();
+  (void)worker->Finish();
+  for (auto& i : idle) {
+    i->context.TryCancel();
+    (void)Outcome(*i);
+  }
 }
 
 }  // namespace
