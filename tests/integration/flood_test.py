@@ -44,14 +44,14 @@ WORKER = os.path.join(BUILD, "worker", "gtopk-worker")
 FLOOD = os.path.join(BUILD, "tests", "gtopk_flood_client")
 
 N = 200_000          # synthetic:N parameters
-STEPS = 60           # steps per run
-COMPUTE_MS = 100     # emulated compute per step: the run lasts > 6 s
+STEPS = 40           # steps per run
+COMPUTE_MS = 100     # emulated compute per step: the run outlasts the flood
 STREAMS = 1000       # hostile streams
 CONNECTIONS = 20     # ... over this many connections
 HOLD_S = 4           # how long the hostile client holds admitted streams
 # The stated bound on the leader's peak RSS under the flood (measured:
 # docs/resource-limits.md).
-FLOOD_RSS_LIMIT_MIB = 160
+FLOOD_RSS_LIMIT_MIB = 64
 
 
 def free_ports(count):
@@ -92,14 +92,15 @@ class Cluster:
     def __init__(self, work, name):
         self.work = work
         self.name = name
-        self.servers, self.workers = [], []
+        self.servers, self.workers, self.logs = [], [], []
         ports = free_ports(4)
         self.grpc_ports, self.metrics_ports = ports[:2], ports[2:]
         self.peers = ",".join("127.0.0.1:%d" % p for p in self.grpc_ports)
 
     def log(self, what):
-        return open(os.path.join(self.work, "%s-%s.log" % (self.name, what)),
-                    "w")
+        f = open(os.path.join(self.work, "%s-%s.log" % (self.name, what)), "w")
+        self.logs.append(f)
+        return f
 
     def start(self):
         for s in range(2):
@@ -153,6 +154,8 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        for f in self.logs:
+            f.close()
         return hwm
 
     def summaries(self):
@@ -241,25 +244,10 @@ class FloodTest(unittest.TestCase):
 
         streams = flooded["flood"]["streams"]
         joins = flooded["flood"]["joins"]
-        # Every hostile stream was refused at once or admitted and held
-        # until the client cancelled it; none hung until its deadline.
         codes = streams["codes"]
-        self.assertEqual(set(codes) - {"RESOURCE_EXHAUSTED", "CANCELLED"},
-                         set(), streams)
-        self.assertEqual(codes.get("CANCELLED", 0), streams["admitted"])
-        self.assertGreater(codes.get("RESOURCE_EXHAUSTED", 0), 900, streams)
-        self.assertIn("--max-calls-per-peer",
-                      streams["messages"]["RESOURCE_EXHAUSTED"])
-        self.assertLess(streams["slowest_refusal_ms"], 5000, streams)
-        # Joins: every rank is taken, so each is refused (no rank left, or a
-        # bound); none hangs.
-        self.assertEqual(set(joins["codes"]), {"RESOURCE_EXHAUSTED"}, joins)
-        self.assertLess(joins["slowest_refusal_ms"], 5000, joins)
         refused = metric(flooded["metrics"],
                          "gtopk_server_limit_rejections_total",
                          '{bound="calls_per_peer"}')
-        self.assertGreaterEqual(refused, codes["RESOURCE_EXHAUSTED"])
-
         leader_mib = flooded["hwm_kib"][0] / 1024
         figures = {
             "P": 2, "S": 2, "n": N, "steps": STEPS,
@@ -276,6 +264,20 @@ class FloodTest(unittest.TestCase):
             "limit_rejections_calls_per_peer": refused,
         }
         print("flood figures: " + json.dumps(figures, sort_keys=True))
+        # Every hostile stream was refused at once or admitted and held
+        # until the client cancelled it; none hung until its deadline.
+        self.assertEqual(set(codes) - {"RESOURCE_EXHAUSTED", "CANCELLED"},
+                         set(), streams)
+        self.assertEqual(codes.get("CANCELLED", 0), streams["admitted"])
+        self.assertGreater(codes.get("RESOURCE_EXHAUSTED", 0), 900, streams)
+        self.assertIn("--max-calls-per-peer",
+                      streams["messages"]["RESOURCE_EXHAUSTED"])
+        self.assertLess(streams["slowest_refusal_ms"], 5000, streams)
+        # Joins: every rank is taken, so each is refused (no rank left, or a
+        # bound); none hangs.
+        self.assertEqual(set(joins["codes"]), {"RESOURCE_EXHAUSTED"}, joins)
+        self.assertLess(joins["slowest_refusal_ms"], 5000, joins)
+        self.assertGreaterEqual(refused, codes["RESOURCE_EXHAUSTED"])
         self.assertLess(leader_mib, FLOOD_RSS_LIMIT_MIB, figures)
 
 
