@@ -207,9 +207,11 @@ class FloodTest(unittest.TestCase):
                 ]
                 for t in threads:
                     t.start()
-            codes = c.wait_workers(timeout=120)
             for t in threads:
                 t.join(timeout=60)
+            # Where training was when the flood ended (it must still run).
+            flood_end_step = c.leader_step()
+            codes = c.wait_workers(timeout=120)
             metrics = scrape(c.metrics_ports[0])
         finally:
             hwm = c.stop()
@@ -218,6 +220,7 @@ class FloodTest(unittest.TestCase):
                "seconds": time.monotonic() - started, "metrics": metrics}
         if flood:
             out["flood_step"] = flood_step
+            out["flood_end_step"] = flood_end_step
             out["flood"] = {}
             for key, (rc, stdout, stderr) in results.items():
                 self.assertEqual(rc, 0, "%s client: %s" % (key, stderr))
@@ -253,6 +256,7 @@ class FloodTest(unittest.TestCase):
             "P": 2, "S": 2, "n": N, "steps": STEPS,
             "steps_completed": [s["steps"] for s in flooded["summaries"]],
             "flood_started_at_step": flooded["flood_step"],
+            "flood_ended_at_step": flooded["flood_end_step"],
             "checksum": flooded["summaries"][0]["param_checksum"],
             "baseline_leader_vmhwm_mib": round(base["hwm_kib"][0] / 1024, 1),
             "flood_leader_vmhwm_mib": round(leader_mib, 1),
@@ -279,6 +283,9 @@ class FloodTest(unittest.TestCase):
         self.assertLess(joins["slowest_refusal_ms"], 5000, joins)
         self.assertGreaterEqual(refused, codes["RESOURCE_EXHAUSTED"])
         self.assertLess(leader_mib, FLOOD_RSS_LIMIT_MIB, figures)
+        # The flood overlapped training: steps were still to come when the
+        # hostile clients stopped.
+        self.assertLess(flooded["flood_end_step"], STEPS, figures)
 
 
 if __name__ == "__main__":
