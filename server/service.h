@@ -110,6 +110,16 @@ inline constexpr char kCheckpointHealthService[] = "gtopk.checkpoint";
 //                   carries the epoch as trailing metadata "gtopk-epoch".
 //   CheckMember     leader only: is a token rank r's current member token.
 //
+// Resource bounds (docs/resource-limits.md): every RPC above is first
+// admitted against --max-concurrent-calls and --max-calls-per-peer
+// (AdmitCall; the peer is the rank whose member token a PushPull or Recover
+// carries, the shard a vote or exchange names, else the client host); over
+// either: RESOURCE_EXHAUSTED naming the flag, before anything is read or
+// applied. A push whose header claims more pairs than
+// ShardAggregator::MaxPushPairs (k from the density, the selector's most
+// per k) is RESOURCE_EXHAUSTED before it is decoded, and fails the step for
+// every worker like any bad push.
+//
 // Cluster identity (docs/errors.md): the shard's cluster fingerprint is
 // ClusterFingerprint(CanonicalClusterSpec(config, n)), known once n is.
 // Every Push, CommitStep/ExchangeThreshold vote, recovery call and CheckMember
