@@ -12,6 +12,11 @@
 #                1 Gbit/s links in network namespaces (bench/lowbw/);
 #                bench/results/lowbw.json and lowbw.png. LOWBW_ARGS: extra
 #                flags, e.g. LOWBW_ARGS="--rate 100mbit --workers 2,4"
+#   make bench-lowbw-grid  (root) the issue-20 grid: lowbw per rate and
+#                shard count (bench/lowbw/grid.py), merged into lowbw.json
+#   make bench-model  the performance model (bench/model/): validation,
+#                predictions, shard counts; bench/results/scale_model.json
+#                and scale_model_*.png (no root, no build)
 #   make device-bundle  pack what the GPU machine lacks into
 #                BUILD_DIR/device_bundle/ (bench/cuda/device_bundle.txt: static
 #                gRPC, Abseil, re2, c-ares; shared prometheus-cpp and civetweb;
@@ -22,6 +27,14 @@
 #                gpu tests from the bundle alone, the system's gRPC/Abseil/
 #                prometheus-cpp/... hidden in a private mount namespace, then
 #                a loopback run
+#   make fuzz-smoke  build the libFuzzer harnesses (clang-14, GTOPK_FUZZ=ON, in
+#                FUZZ_BUILD_DIR) and run each briefly (FUZZ_SMOKE_SECONDS, at
+#                most FUZZ_SMOKE_RUNS executions); fails on any crash, leak or
+#                sanitizer report (docs/fuzzing.md). Installs clang-14 and
+#                libclang-rt-14-dev when missing (as root)
+#   make fuzz    the same, each harness FUZZ_SECONDS (300); new corpus items in
+#                FUZZ_BUILD_DIR/fuzz-scratch, figures in FUZZ_RESULTS
+#                (bench/results/fuzz.json)
 #   make format  clang-format the sources in place (needs clang-format)
 #   make deploy-sync  refresh deploy/k8s/base/generated/ from deploy/cluster.env
 #                and dashboards/*.json (kustomize reads no file outside its root)
@@ -48,7 +61,7 @@ CMAKE_ARGS ?=
 # Debian 12 packages the build and tests need.
 DEB_PACKAGES := build-essential cmake ninja-build pkg-config libboost-context-dev \
 	libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev zlib1g-dev \
-	libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc \
+	libgrpc++-dev libssl-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc \
 	libtorch-dev dataset-fashion-mnist python3 \
 	prometheus-cpp-dev prometheus \
 	python3-torch python3-numpy python3-dev pybind11-dev python3-pybind11 \
@@ -85,8 +98,8 @@ WORKER         ?= cpp
 DEMO_ARGS      ?=
 LOWBW_ARGS     ?=
 
-.PHONY: python python-install all deps build test bench bench-lowbw demo format clean deploy-sync \
-	device-bundle device-bundle-check compose-test
+.PHONY: python python-install all deps build test bench bench-lowbw bench-lowbw-grid bench-model demo format clean deploy-sync \
+	device-bundle device-bundle-check compose-test fuzz fuzz-smoke fuzz-build fuzz-deps
 
 all: build
 
@@ -148,6 +161,18 @@ bench-lowbw:
 	@$(MAKE) --no-print-directory build
 	/usr/bin/python3 bench/lowbw/lowbw.py --build-dir $(BUILD_DIR) $(LOWBW_ARGS)
 
+bench-lowbw-grid:
+	@if [ "$$(id -u)" != 0 ]; then \
+	  echo "bench-lowbw-grid: needs root: sudo make bench-lowbw-grid"; \
+	  exit 2; fi
+	@$(MAKE) --no-print-directory deps
+	@$(MAKE) --no-print-directory build
+	/usr/bin/python3 bench/lowbw/grid.py --build-dir $(BUILD_DIR) $(LOWBW_ARGS)
+
+# Stdlib only (numpy not needed); gnuplot for the plots, as bench-lowbw.
+bench-model:
+	/usr/bin/python3 bench/model/scale_model.py
+
 # deps and build first (in that order, also under -j), then the launcher.
 demo: deps
 	@$(MAKE) --no-print-directory build
@@ -183,6 +208,47 @@ COMPOSE_ARGS   ?=
 compose-test:
 	python3 tests/deploy/compose/compose_test.py --form=$(COMPOSE_FORM) \
 	  --cpuset=$(COMPOSE_CPUSET) $(COMPOSE_ARGS)
+
+# Fuzzing (issue 19, docs/fuzzing.md): clang's libFuzzer on every parser of
+# untrusted bytes. A build folder of its own (clang, sanitizers); only the
+# harnesses and what they link are built.
+FUZZ_BUILD_DIR     ?= build-fuzz
+FUZZ_SECONDS       ?= 300
+FUZZ_SMOKE_SECONDS ?= 10
+FUZZ_SMOKE_RUNS    ?= 200000
+FUZZ_RESULTS       ?= bench/results/fuzz.json
+FUZZ_ARGS          ?=
+FUZZ_DEB_PACKAGES  := clang-14 libclang-rt-14-dev
+
+fuzz-deps: deps
+	@missing=""; \
+	for p in $(FUZZ_DEB_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" != 0 ]; then \
+	  echo "fuzz: missing Debian packages (clang and its libFuzzer runtime):$$missing"; \
+	  echo "fuzz: run 'sudo make fuzz-deps' or: sudo apt-get install -y$$missing"; exit 1; \
+	fi; \
+	echo "fuzz: installing$$missing"; \
+	export DEBIAN_FRONTEND=noninteractive; \
+	apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing
+
+fuzz-build: fuzz-deps
+	CC=clang-14 CXX=clang++-14 cmake -S . -B $(FUZZ_BUILD_DIR) -G Ninja \
+	  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGTOPK_FUZZ=ON -DGTOPK_BUILD_TESTS=OFF \
+	  -DGTOPK_BUILD_BENCH=OFF -DGTOPK_PYTHON=OFF -DGTOPK_CUDA=OFF
+	cmake --build $(FUZZ_BUILD_DIR) -j $(JOBS) --target gtopk_fuzzers
+
+fuzz-smoke: fuzz-build
+	python3 fuzz/run_fuzzers.py --smoke --build-dir $(FUZZ_BUILD_DIR) \
+	  --scratch $(FUZZ_BUILD_DIR)/fuzz-scratch-smoke \
+	  --seconds $(FUZZ_SMOKE_SECONDS) --runs $(FUZZ_SMOKE_RUNS) $(FUZZ_ARGS)
+
+fuzz: fuzz-build
+	python3 fuzz/run_fuzzers.py --build-dir $(FUZZ_BUILD_DIR) \
+	  --scratch $(FUZZ_BUILD_DIR)/fuzz-scratch --seconds $(FUZZ_SECONDS) \
+	  --results $(FUZZ_RESULTS) $(FUZZ_ARGS)
 
 deploy-sync:
 	python3 deploy/sync_generated.py

@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/strip.h"
+#include "common/status_macros.h"
 
 namespace gtopk {
 namespace {
@@ -333,6 +334,60 @@ std::vector<std::string> ClusterSpecDifferences(const v1::ClusterSpec& here,
     }
   }
   return differences;
+}
+
+absl::StatusOr<OptimizerOptions> OptimizerFromSpec(const v1::OptimizerSpec& s) {
+  OptimizerOptions o;
+  o.lr = s.lr();
+  o.momentum = s.momentum();
+  GTOPK_ASSIGN_OR_RETURN(o.momentum_mode,
+                         MomentumModeFromProto(s.momentum_mode()));
+  o.momentum_factor_masking = s.momentum_factor_masking();
+  o.weight_decay = s.weight_decay();
+  o.lr_warmup_steps = s.lr_warmup_steps();
+  o.density = s.density();
+  o.density_warmup.assign(s.density_warmup().begin(),
+                          s.density_warmup().end());
+  o.steps_per_epoch = s.steps_per_epoch();
+  return o;
+}
+
+absl::Status ValidateWorkerClusterSpec(const v1::ClusterSpec& c, uint64_t n,
+                                       uint32_t rank) {
+  if (c.n() != n) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cluster spec: cluster has n = ", c.n(), ", this worker has ", n));
+  }
+  if (c.num_workers() < 1 || rank >= c.num_workers()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cluster spec: rank ", rank, " not below P = ",
+                     c.num_workers()));
+  }
+  if (c.shards_size() < 1) {
+    return absl::InvalidArgumentError("cluster spec: no shards");
+  }
+  uint64_t expected_begin = 0;
+  for (int s = 0; s < c.shards_size(); ++s) {
+    const v1::ShardSpec& sh = c.shards(s);
+    if (sh.shard_id() != static_cast<uint32_t>(s) || sh.address().empty() ||
+        sh.begin() != expected_begin || sh.end() < sh.begin() ||
+        sh.end() > n) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cluster spec: shard at position ", s, " (id ", sh.shard_id(),
+          ", address \"", sh.address(), "\", range [", sh.begin(), ", ",
+          sh.end(), ")) does not continue the tiling of [0, ", n,
+          ") at ", expected_begin));
+    }
+    expected_begin = sh.end();
+  }
+  if (expected_begin != n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cluster spec: shard ranges end at ", expected_begin, ", not n = ", n));
+  }
+  if (c.step_timeout_ms() == 0) {
+    return absl::InvalidArgumentError("cluster spec: step_timeout_ms is 0");
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace gtopk

@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/cluster_modes.h"
+#include "common/optimizer.h"
 #include "gtopk/v1/gtopk.pb.h"
 
 namespace gtopk {
@@ -86,6 +87,24 @@ struct ExpectedSettings {
 absl::Status CheckExpectedSettings(const ExpectedSettings& expected,
                                    const v1::ClusterSpec& spec,
                                    absl::string_view prefix);
+
+// What a worker relies on in the cluster spec the leader answers to its Join
+// (untrusted bytes from the network, checked before any is used): c.n() ==
+// `n` (else FAILED_PRECONDITION naming both counts); P = num_workers >= 1
+// and `rank` < P; at least one shard; shard s at position s has shard_id s,
+// a non-empty address and the range [begin, end) that continues the tiling
+// of [0, n) (begin == previous end, begin <= end <= n), the last ending at
+// n; step_timeout_ms > 0. Otherwise INVALID_ARGUMENT "cluster spec: ..."
+// naming the fault. On OK, every shard's range is inside [0, n), so the
+// worker may index its n-length buffers with it. Pure; thread-safe.
+absl::Status ValidateWorkerClusterSpec(const v1::ClusterSpec& c, uint64_t n,
+                                       uint32_t rank);
+
+// The optimizer settings of a cluster spec as OptimizerOptions (field by
+// field; an unspecified momentum mode is DGC, the documented default).
+// INVALID_ARGUMENT for a momentum mode outside the enum. The values are not
+// validated here: OptimizerRule::Create does that. Pure; thread-safe.
+absl::StatusOr<OptimizerOptions> OptimizerFromSpec(const v1::OptimizerSpec& s);
 
 // The fingerprint as printed in messages: "0x" and 16 hex digits.
 std::string FingerprintText(uint64_t fingerprint);

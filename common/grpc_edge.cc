@@ -4,6 +4,7 @@
 #include <climits>
 
 #include "absl/strings/str_cat.h"
+#include "common/transport_security.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 
@@ -48,9 +49,10 @@ grpc::ChannelArguments LimitedChannelArguments(uint64_t max_message_bytes) {
 }
 
 std::shared_ptr<grpc::Channel> CreateLimitedChannel(
-    const std::string& address, uint64_t max_message_bytes) {
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
-                                   LimitedChannelArguments(max_message_bytes));
+    const std::string& address, uint64_t max_message_bytes,
+    const std::shared_ptr<const TransportSecurity>& security) {
+  return CreateSecureChannel(address, LimitedChannelArguments(max_message_bytes),
+                             security);
 }
 
 }  // namespace gtopk

@@ -63,7 +63,7 @@ inline constexpr absl::Duration kReconnectBackoffMax = absl::Milliseconds(1000);
 // so that tests can read the arguments back.
 grpc::ChannelArguments LimitedChannelArguments(uint64_t max_message_bytes);
 
-// An insecure channel to `address` (host:port) with LimitedChannelArguments(
+// A channel to `address` (host:port) with LimitedChannelArguments(
 // max_message_bytes): messages up to that size pass in both directions, also
 // above gRPC's 4 MB default when configured. The channel connects lazily, on
 // the first call, and reconnects after a failure every 100 ms growing to at
@@ -71,8 +71,14 @@ grpc::ChannelArguments LimitedChannelArguments(uint64_t max_message_bytes);
 // UNAVAILABLE on the first call. The caller shares ownership of the channel
 // (grpc::Channel is thread-safe; stubs made from it may be used from any
 // thread).
-std::shared_ptr<grpc::Channel> CreateLimitedChannel(const std::string& address,
-                                                    uint64_t max_message_bytes);
+//
+// With `security` (common/transport_security.h; null: plaintext) the channel
+// uses its credentials (TLS, mTLS) and sends its outgoing token on every
+// call.
+class TransportSecurity;
+std::shared_ptr<grpc::Channel> CreateLimitedChannel(
+    const std::string& address, uint64_t max_message_bytes,
+    const std::shared_ptr<const TransportSecurity>& security = nullptr);
 
 }  // namespace gtopk
 

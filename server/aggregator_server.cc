@@ -14,8 +14,10 @@
 #include "absl/synchronization/notification.h"
 #include "common/host_port.h"
 #include "common/status_macros.h"
+#include "common/transport_security.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
+#include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/credentials.h"
@@ -28,6 +30,27 @@ namespace gtopk {
 namespace server {
 namespace {
 
+// Every method of the health-only port but grpc.health.v1 (which gRPC's
+// default health service answers before a generic service is asked):
+// UNIMPLEMENTED, so the plaintext port reveals nothing else. Its presence
+// also gives that server the callback queue gRPC needs to start.
+class HealthOnlyFallback final : public grpc::CallbackGenericService {
+ public:
+  grpc::ServerGenericBidiReactor* CreateReactor(
+      grpc::GenericCallbackServerContext* /*context*/) override {
+    class Refuse final : public grpc::ServerGenericBidiReactor {
+     public:
+      Refuse() {
+        Finish(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                            "this is the plaintext health port: only "
+                            "grpc.health.v1 is served here"));
+      }
+      void OnDone() override { delete this; }
+    };
+    return new Refuse();
+  }
+};
+
 int ClampToInt(uint64_t v) {
   return static_cast<int>(
       std::min<uint64_t>(v, static_cast<uint64_t>(INT_MAX)));
@@ -36,8 +59,13 @@ int ClampToInt(uint64_t v) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<AggregatorServer>> AggregatorServer::Start(
-    ServerConfig config, const std::string& listen_address) {
+    ServerConfig config, const std::string& listen_address,
+    const std::string& health_listen_address) {
   GTOPK_RETURN_IF_ERROR(ValidateHostPort("listen", listen_address, 0));
+  if (!health_listen_address.empty()) {
+    GTOPK_RETURN_IF_ERROR(
+        ValidateHostPort("health-listen", health_listen_address, 0));
+  }
   std::unique_ptr<AggregatorServer> server(new AggregatorServer());
   GTOPK_ASSIGN_OR_RETURN(server->service_,
                          AggregatorService::Create(std::move(config)));
@@ -47,7 +75,12 @@ absl::StatusOr<std::unique_ptr<AggregatorServer>> AggregatorServer::Start(
   // No SO_REUSEPORT: a second server on the same address must fail to
   // start instead of silently sharing the port's connections.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.AddListeningPort(listen_address, grpc::InsecureServerCredentials(),
+  const std::shared_ptr<const TransportSecurity>& security =
+      server->service_->config().security;
+  builder.AddListeningPort(listen_address,
+                           security != nullptr
+                               ? security->ServerCredentials()
+                               : grpc::InsecureServerCredentials(),
                            &server->port_);
   builder.SetMaxReceiveMessageSize(limit);
   builder.SetMaxSendMessageSize(limit);
@@ -74,15 +107,44 @@ absl::StatusOr<std::unique_ptr<AggregatorServer>> AggregatorServer::Start(
     return absl::UnavailableError(
         absl::StrCat("cannot listen on ", listen_address));
   }
+  if (!health_listen_address.empty()) {
+    // A second server with no service of ours: gRPC's default health
+    // service only, so the plaintext port reveals nothing else.
+    server->health_fallback_ =
+        std::make_unique<HealthOnlyFallback>();
+    grpc::ServerBuilder health_builder;
+    health_builder.RegisterCallbackGenericService(
+        server->health_fallback_.get());
+    health_builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    health_builder.AddListeningPort(health_listen_address,
+                                    grpc::InsecureServerCredentials(),
+                                    &server->health_port_);
+    server->health_server_ = health_builder.BuildAndStart();
+    if (server->health_server_ == nullptr || server->health_port_ == 0) {
+      server->health_server_.reset();
+      server->Shutdown(absl::ZeroDuration(), /*write_checkpoint=*/false)
+          .IgnoreError();
+      return absl::UnavailableError(absl::StrCat(
+          "cannot listen on --health-listen=", health_listen_address));
+    }
+  }
   server->address_ = absl::StrCat(
       listen_address.substr(0, listen_address.rfind(':')), ":", server->port_);
   server->service_->SetOwnAddress(server->address_);
   if (grpc::HealthCheckServiceInterface* health =
           server->server_->GetHealthCheckService()) {
+    grpc::HealthCheckServiceInterface* mirror =
+        server->health_server_ != nullptr
+            ? server->health_server_->GetHealthCheckService()
+            : nullptr;
     health->SetServingStatus(true);
+    if (mirror != nullptr) mirror->SetServingStatus(true);
     // SERVING until a checkpoint write fails, again once one succeeds.
-    server->service_->SetCheckpointHealthListener([health](bool ok) {
+    server->service_->SetCheckpointHealthListener([health, mirror](bool ok) {
       health->SetServingStatus(kCheckpointHealthService, ok);
+      if (mirror != nullptr) {
+        mirror->SetServingStatus(kCheckpointHealthService, ok);
+      }
     });
   }
   return server;
@@ -100,6 +162,12 @@ absl::Status AggregatorServer::Shutdown(absl::Duration grace,
   if (grpc::HealthCheckServiceInterface* health =
           server_->GetHealthCheckService()) {
     health->SetServingStatus(false);
+  }
+  if (health_server_ != nullptr) {
+    if (grpc::HealthCheckServiceInterface* health =
+            health_server_->GetHealthCheckService()) {
+      health->SetServingStatus(false);
+    }
   }
   if (drain > absl::ZeroDuration()) {
     // Still listening: health checks see NOT_SERVING, and the round in
@@ -121,6 +189,10 @@ absl::Status AggregatorServer::Shutdown(absl::Duration grace,
   closer.join();
   service_->BeginShutdown();
   server_->Wait();
+  if (health_server_ != nullptr) {
+    health_server_->Shutdown(absl::ToChronoTime(absl::Now()));
+    health_server_->Wait();
+  }
   // The health service goes with the server; the final checkpoint's outcome
   // is the return value (gtopk-server's exit code).
   service_->SetCheckpointHealthListener(nullptr);
@@ -133,14 +205,16 @@ absl::Status AggregatorServer::Shutdown(absl::Duration grace,
 
 absl::StatusOr<bool> CheckHealth(const std::string& address,
                                  absl::Duration timeout,
-                                 const std::string& service) {
+                                 const std::string& service,
+                                 const std::shared_ptr<const TransportSecurity>&
+                                     security) {
   if (service.size() >= 128) {
     return absl::InvalidArgumentError(absl::StrCat(
         "health service name of ", service.size(),
         " bytes; at most 127 are supported"));
   }
   grpc::GenericStub stub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+      CreateSecureChannel(address, grpc::ChannelArguments(), security));
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   // grpc.health.v1.HealthCheckRequest{string service = 1}: no bytes for

@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/server.h"
 #include "server/server_config.h"
 #include "server/service.h"
@@ -24,15 +25,23 @@ namespace server {
 // once started).
 class AggregatorServer {
  public:
-  // Listens on `listen_address` (host:port; port 0 picks a free port).
-  // Errors: Create's, UNAVAILABLE when the address cannot be bound.
+  // Listens on `listen_address` (host:port; port 0 picks a free port) with
+  // config.security's server credentials (plaintext when null). With a
+  // non-empty `health_listen_address`, also serves grpc.health.v1 -- and
+  // nothing else -- in plaintext there (--health-listen: probes that cannot
+  // present a client certificate; docs/security.md); its statuses follow
+  // the main port's.
+  // Errors: Create's, UNAVAILABLE when an address cannot be bound.
   static absl::StatusOr<std::unique_ptr<AggregatorServer>> Start(
-      ServerConfig config, const std::string& listen_address);
+      ServerConfig config, const std::string& listen_address,
+      const std::string& health_listen_address = "");
   ~AggregatorServer();  // Shutdown(0) unless already shut down
 
   // "host:port" with the port actually bound.
   const std::string& address() const { return address_; }
   int port() const { return port_; }
+  // The health-only port (0 without a health listen address).
+  int health_port() const { return health_port_; }
   AggregatorService* service() { return service_.get(); }
 
   // Graceful shutdown: health NOT_SERVING; stop accepting calls and let
@@ -53,6 +62,12 @@ class AggregatorServer {
   AggregatorServer() = default;
   std::unique_ptr<AggregatorService> service_;
   std::unique_ptr<grpc::Server> server_;
+  // Answers UNIMPLEMENTED for everything but health on the health port;
+  // declared first so that it outlives health_server_.
+  std::unique_ptr<grpc::CallbackGenericService> health_fallback_;
+  // Plaintext grpc.health.v1 only (--health-listen); null when not asked.
+  std::unique_ptr<grpc::Server> health_server_;
+  int health_port_ = 0;
   std::string address_;
   int port_ = 0;
   bool shut_down_ = false;
@@ -65,9 +80,12 @@ class AggregatorServer {
 // proto is needed.
 // `service` names another health service (e.g. kCheckpointHealthService;
 // INVALID_ARGUMENT when 128 bytes or longer); an unknown one is NOT_FOUND.
-absl::StatusOr<bool> CheckHealth(const std::string& address,
-                                 absl::Duration timeout,
-                                 const std::string& service = "");
+// `security`: the credentials to present (e.g. mutual TLS on the main
+// port); null: plaintext (the --health-listen port, or a plaintext server).
+absl::StatusOr<bool> CheckHealth(
+    const std::string& address, absl::Duration timeout,
+    const std::string& service = "",
+    const std::shared_ptr<const TransportSecurity>& security = nullptr);
 
 }  // namespace server
 }  // namespace gtopk

@@ -31,6 +31,7 @@
 #include "common/metrics/process_collector.h"
 #include "common/optimizer.h"
 #include "common/status_macros.h"
+#include "common/transport_security.h"
 #include "server/aggregator_server.h"
 #include "server/server_config.h"
 #include "server/shard_aggregator.h"
@@ -91,7 +92,25 @@ ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(5),
           "on SIGTERM/SIGINT, keep serving (health NOT_SERVING) until the "
           "round in progress completes, at most this long");
 ABSL_FLAG(std::string, health_check, "",
-          "client mode: check grpc.health.v1 at this host:port and exit");
+          "client mode: check grpc.health.v1 at this host:port and exit "
+          "(with the --tls flags when that port requires them)");
+ABSL_FLAG(std::string, health_listen, "",
+          "also serve grpc.health.v1 only, in plaintext, on this host:port "
+          "(probes that cannot present a client certificate; empty: off)");
+// Transport security (docs/security.md).
+ABSL_FLAG(std::string, tls, "off",
+          "off | server | mutual: plaintext (a WARNING at start), TLS, or "
+          "mutual TLS on every gRPC hop");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate (chain) of this shard; CN gtopk-shard-<id>");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA bundle that clients' and peers' certificates chain to");
+ABSL_FLAG(std::string, token_file, "",
+          "file holding the workers' shared token (the secret itself is "
+          "never a flag); needs --shard-token-file");
+ABSL_FLAG(std::string, shard_token_file, "",
+          "file holding the shards' token, for the shard-to-shard RPCs");
 
 namespace {
 
@@ -103,6 +122,25 @@ absl::Status InRange(const char* flag, int64_t value, int64_t lo, int64_t hi) {
         "--", flag, " must be in [", lo, ", ", hi, "], got ", value));
   }
   return absl::OkStatus();
+}
+
+// The --tls, certificate and token flags, loaded and checked.
+absl::StatusOr<std::shared_ptr<const gtopk::TransportSecurity>>
+SecurityFromFlags() {
+  gtopk::TransportSecurityOptions o;
+  absl::StatusOr<gtopk::TlsMode> mode =
+      gtopk::ParseTlsMode(absl::GetFlag(FLAGS_tls));
+  if (!mode.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls: ", mode.status().message()));
+  }
+  o.tls = *mode;
+  o.cert_file = absl::GetFlag(FLAGS_tls_cert);
+  o.key_file = absl::GetFlag(FLAGS_tls_key);
+  o.ca_file = absl::GetFlag(FLAGS_tls_ca);
+  o.token_file = absl::GetFlag(FLAGS_token_file);
+  o.shard_token_file = absl::GetFlag(FLAGS_shard_token_file);
+  return gtopk::TransportSecurity::Load(o, gtopk::SecurityRole::kServer);
 }
 
 // Prefixes a parse error with the flag's name.
@@ -177,21 +215,9 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   o.lr_warmup_steps = absl::GetFlag(FLAGS_lr_warmup_steps);
   o.density = absl::GetFlag(FLAGS_density);
   o.steps_per_epoch = absl::GetFlag(FLAGS_steps_per_epoch);
-  const std::string warmup = absl::GetFlag(FLAGS_density_warmup);
-  if (warmup == "dgc") {
-    o.density_warmup = gtopk::DgcDensityWarmup();
-  } else if (!warmup.empty()) {
-    for (absl::string_view piece : absl::StrSplit(warmup, ',')) {
-      double d = 0;
-      if (!absl::SimpleAtod(piece, &d)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("--density-warmup: '", piece,
-                         "' is not a number (expected a comma list of "
-                         "densities, or 'dgc')"));
-      }
-      o.density_warmup.push_back(d);
-    }
-  }
+  GTOPK_ASSIGN_OR_RETURN(o.density_warmup,
+                         gtopk::server::ParseDensityWarmupFlag(
+                             absl::GetFlag(FLAGS_density_warmup)));
   GTOPK_RETURN_IF_ERROR(
       InRange("metrics-port", absl::GetFlag(FLAGS_metrics_port), 0, 65535));
   GTOPK_RETURN_IF_ERROR(
@@ -234,8 +260,15 @@ int main(int argc, char** argv) {
                    std::string(target.message()).c_str());
       return 2;
     }
-    absl::StatusOr<bool> serving =
-        gtopk::server::CheckHealth(health_target, absl::Seconds(5));
+    absl::StatusOr<std::shared_ptr<const gtopk::TransportSecurity>> security =
+        SecurityFromFlags();
+    if (!security.ok()) {
+      std::fprintf(stderr, "gtopk-server: invalid flags: %s\n",
+                   std::string(security.status().message()).c_str());
+      return 2;
+    }
+    absl::StatusOr<bool> serving = gtopk::server::CheckHealth(
+        health_target, absl::Seconds(5), "", *security);
     if (!serving.ok()) {
       std::fprintf(stderr, "gtopk-server: %s\n",
                    serving.status().ToString().c_str());
@@ -250,6 +283,26 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "gtopk-server: invalid flags: %s\n",
                  std::string(config.status().message()).c_str());
     return 2;
+  }
+  {
+    absl::StatusOr<std::shared_ptr<const gtopk::TransportSecurity>> security =
+        SecurityFromFlags();
+    if (!security.ok()) {
+      std::fprintf(stderr, "gtopk-server: invalid flags: %s\n",
+                   std::string(security.status().message()).c_str());
+      return 2;
+    }
+    config->security = *std::move(security);
+  }
+  const std::string health_listen = absl::GetFlag(FLAGS_health_listen);
+  if (!health_listen.empty()) {
+    const absl::Status valid =
+        gtopk::ValidateHostPort("health-listen", health_listen, 0);
+    if (!valid.ok()) {
+      std::fprintf(stderr, "gtopk-server: invalid flags: %s\n",
+                   std::string(valid.message()).c_str());
+      return 2;
+    }
   }
   const absl::Duration drain_timeout = absl::GetFlag(FLAGS_drain_timeout);
   if (drain_timeout < absl::ZeroDuration() ||
@@ -287,14 +340,19 @@ int main(int argc, char** argv) {
     config->metrics_registry = registry;
   }
   absl::StatusOr<std::unique_ptr<gtopk::server::AggregatorServer>> server =
-      gtopk::server::AggregatorServer::Start(*std::move(config),
-                                             absl::GetFlag(FLAGS_listen));
+      gtopk::server::AggregatorServer::Start(
+          *std::move(config), absl::GetFlag(FLAGS_listen), health_listen);
   if (!server.ok()) {
     std::fprintf(stderr, "gtopk-server: cannot start shard %u: %s\n",
                  shard_id, server.status().ToString().c_str());
     return 2;
   }
   std::printf("listening on %s\n", (*server)->address().c_str());
+  if ((*server)->health_port() != 0) {
+    std::printf("health on %s:%d (plaintext, grpc.health.v1 only)\n",
+                health_listen.substr(0, health_listen.rfind(':')).c_str(),
+                (*server)->health_port());
+  }
   if (exposer != nullptr) {
     exposer->RegisterCollectable(
         (*server)->service()->metrics().checkpoint_age());
@@ -315,6 +373,17 @@ int main(int argc, char** argv) {
                 (*server)->service()->config().checkpoint_dir.c_str());
   }
   std::fflush(stdout);
+  // After the start lines above (scripts read them first): the security
+  // settings, and the WARNING when plaintext was chosen.
+  const std::shared_ptr<const gtopk::TransportSecurity>& security =
+      (*server)->service()->config().security;
+  std::fprintf(stderr, "gtopk-server shard %u: %s\n", shard_id,
+               security->Describe().c_str());
+  const std::string warning = security->Warning();
+  if (!warning.empty()) {
+    std::fprintf(stderr, "gtopk-server shard %u: %s\n", shard_id,
+                 warning.c_str());
+  }
 
   int signal_number = 0;
   sigwait(&signals, &signal_number);

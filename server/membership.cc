@@ -167,6 +167,13 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* context,
                                      const v1::JoinRequest* request,
                                      v1::JoinResponse* response) {
   GTOPK_ADMIT_CALL(admission, AdmitCall(context, "Join"));
+  {
+    // A certificate that names a rank joins as that rank only (also for
+    // "any rank", -1: ask for it explicitly).
+    absl::StatusOr<Caller> allowed = access_->AllowWorker(
+        *context, "Join", int64_t{request->requested_rank()});
+    if (!allowed.ok()) return ToGrpcStatus(allowed.status());
+  }
   if (!is_leader()) {
     return ToGrpcStatus(absl::FailedPreconditionError(
         absl::StrCat("shard ", config_.shard_id, " is not the leader; join ",
@@ -236,6 +243,12 @@ grpc::Status AggregatorService::GetClusterSpec(
     grpc::ServerContext* context, const v1::JoinRequest* /*request*/,
     v1::ClusterSpec* response) {
   GTOPK_ADMIT_CALL(admission, AdmitCall(context, "GetClusterSpec"));
+  {
+    // Workers at Connect, and the other shards (FetchSpecFromLeader).
+    absl::StatusOr<Caller> allowed = access_->AllowWorker(
+        *context, "GetClusterSpec", std::nullopt, /*shard_ok=*/true);
+    if (!allowed.ok()) return ToGrpcStatus(allowed.status());
+  }
   const absl::Time deadline = WaitDeadline(context);
   if (!is_leader()) {
     absl::StatusOr<v1::ClusterSpec> spec = FetchSpecFromLeader(deadline);
@@ -259,6 +272,11 @@ grpc::Status AggregatorService::CheckMember(
     grpc::ServerContext* context, const v1::MemberCheckRequest* request,
     v1::MemberCheckResponse* /*response*/) {
   GTOPK_ADMIT_CALL(admission, AdmitCall(context, "CheckMember"));
+  {
+    const absl::Status allowed =
+        access_->AllowShard(*context, "CheckMember", std::nullopt);
+    if (!allowed.ok()) return ToGrpcStatus(allowed);
+  }
   if (!is_leader()) {
     return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
         "shard ", config_.shard_id, " is not the leader; CheckMember goes to ",

@@ -235,6 +235,14 @@ grpc::Status AggregatorService::AbortStep(grpc::ServerContext* context,
                                           v1::AbortStepResponse* /*response*/) {
   GTOPK_ADMIT_CALL(admission, AdmitCall(context, "AbortStep",
                                         ShardPeer(context, request->shard_id())));
+  {
+    // Shard -> leader: the caller is the shard where the step failed;
+    // leader -> shard: the caller is the leader.
+    const absl::Status allowed = access_->AllowShard(
+        *context, "AbortStep",
+        is_leader() ? request->shard_id() : uint32_t{0});
+    if (!allowed.ok()) return ToGrpcStatus(allowed);
+  }
   if (request->step() < 0 || request->shard_id() >= config_.num_shards) {
     return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
         "AbortStep: step ", request->step(), " must be >= 0 and shard_id ",
@@ -281,6 +289,11 @@ grpc::Status AggregatorService::GetShardState(
     v1::ShardState* response) {
   GTOPK_ADMIT_CALL(admission,
                    AdmitCall(context, "GetShardState", CallPeerShard(0)));
+  {
+    const absl::Status allowed =
+        access_->AllowShard(*context, "GetShardState", uint32_t{0});
+    if (!allowed.ok()) return ToGrpcStatus(allowed);
+  }
   // In slices, so that a cancelled call (the leader went away) ends it.
   const absl::Time deadline = WaitDeadline(context);
   if (request->cluster_fingerprint() != 0 && fingerprint_.load() != 0) {
@@ -305,6 +318,11 @@ grpc::Status AggregatorService::RollbackShard(
     v1::RollbackResponse* response) {
   GTOPK_ADMIT_CALL(admission,
                    AdmitCall(context, "RollbackShard", CallPeerShard(0)));
+  {
+    const absl::Status allowed =
+        access_->AllowShard(*context, "RollbackShard", uint32_t{0});
+    if (!allowed.ok()) return ToGrpcStatus(allowed);
+  }
   if (request->shard_id() != config_.shard_id) {
     return ToGrpcStatus(absl::InvalidArgumentError(
         absl::StrCat("rollback for shard ", request->shard_id(),
@@ -514,6 +532,11 @@ grpc::Status AggregatorService::Recover(grpc::ServerContext* context,
                    AdmitCall(context, "Recover",
                              RankPeer(context, request->worker(),
                                       request->member_token())));
+  {
+    absl::StatusOr<Caller> allowed = access_->AllowWorker(
+        *context, "Recover", int64_t{request->worker()});
+    if (!allowed.ok()) return ToGrpcStatus(allowed.status());
+  }
   if (request->worker() >= config_.num_workers) {
     return ToGrpcStatus(absl::InvalidArgumentError(
         absl::StrCat("unknown worker rank ", request->worker(),

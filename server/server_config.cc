@@ -10,8 +10,10 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "common/cluster_spec.h"
 #include "common/host_port.h"
 #include "common/selector.h"
@@ -180,6 +182,24 @@ absl::Status ValidateServerConfig(const ServerConfig& c) {
     return absl::InvalidArgumentError(absl::StrCat("optimizer: ", s.message()));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<double>> ParseDensityWarmupFlag(
+    absl::string_view value) {
+  if (value == "dgc") return DgcDensityWarmup();
+  std::vector<double> warmup;
+  if (value.empty()) return warmup;
+  for (absl::string_view piece : absl::StrSplit(value, ',')) {
+    double d = 0;
+    if (!absl::SimpleAtod(piece, &d)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--density-warmup: '", piece,
+                       "' is not a number (expected a comma list of "
+                       "densities, or 'dgc')"));
+    }
+    warmup.push_back(d);
+  }
+  return warmup;
 }
 
 v1::ClusterSpec ClusterSettingsSpec(const ServerConfig& config) {

@@ -17,9 +17,12 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "common/codec.h"
 #include "common/optimizer.h"
+#include "common/transport_security.h"
 #include "gtopk/v1/gtopk.pb.h"
 #include "server/call_limits.h"
 #include "server/shard_aggregator.h"
@@ -95,6 +98,11 @@ struct ServerConfig {
   // (GRPC_ARG_MAX_CONCURRENT_STREAMS), in [0, 2^20]
   // (--max-streams-per-connection).
   int64_t max_streams_per_connection = 0;
+  // Transport security (docs/security.md; --tls and the certificate and
+  // token flags): the server's credentials, the credentials and token of
+  // its channels to the other shards, and who may call what
+  // (server/access.h). Null: plaintext, everyone may call everything.
+  std::shared_ptr<const TransportSecurity> security;
 };
 
 // The most any of the resource bounds above may be set to.
@@ -116,6 +124,13 @@ int64_t EffectiveStreamsPerConnection(const ServerConfig& config);
 // OK, or INVALID_ARGUMENT naming the first bad field (by its gtopk-server
 // flag, server/flags.md) and its value.
 absl::Status ValidateServerConfig(const ServerConfig& config);
+
+// The value of gtopk-server's --density-warmup: "" (none: empty), "dgc"
+// (DgcDensityWarmup()) or a comma list of numbers, one density per epoch
+// (absl::SimpleAtod each; the range is ValidateServerConfig's business).
+// INVALID_ARGUMENT naming the piece that is not a number. Pure.
+absl::StatusOr<std::vector<double>> ParseDensityWarmupFlag(
+    absl::string_view value);
 
 // The cluster-wide settings of `config` as a cluster spec: every field but
 // n, shards (ranges and addresses) and next_step. What the leader tells

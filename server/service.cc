@@ -25,6 +25,7 @@
 #include "common/status_macros.h"
 #include "grpcpp/client_context.h"
 #include "server/checkpoint.h"
+#include "server/request_checks.h"
 #include "server/service_internal.h"
 
 namespace gtopk {
@@ -66,7 +67,9 @@ AggregatorService::AggregatorService(ServerConfig config)
                             ? config_.metrics_registry
                             : std::make_shared<prometheus::Registry>()),
       metrics_(std::make_unique<ServerMetrics>(*metrics_registry_)),
-      limiter_(config_.shard_id, EffectiveCallLimits(config_)) {
+      limiter_(config_.shard_id, EffectiveCallLimits(config_)),
+      access_(std::make_unique<AccessControl>(config_.security,
+                                              *metrics_registry_)) {
   rank_given_.assign(config_.num_workers, false);
   member_token_.assign(config_.num_workers, 0);
   live_streams_.resize(config_.num_workers);
@@ -79,11 +82,13 @@ AggregatorService::AggregatorService(ServerConfig config)
     peer_stubs_.resize(config_.num_shards);
     for (uint32_t s = 1; s < config_.num_shards; ++s) {
       peer_stubs_[s] = v1::Aggregator::NewStub(
-          CreateLimitedChannel(config_.peers[s], config_.max_message_bytes));
+          CreateLimitedChannel(config_.peers[s], config_.max_message_bytes,
+                               config_.security));
     }
   } else {
     leader_channel_ =
-        CreateLimitedChannel(config_.peers[0], config_.max_message_bytes);
+        CreateLimitedChannel(config_.peers[0], config_.max_message_bytes,
+                             config_.security);
     leader_stub_ = v1::Aggregator::NewStub(leader_channel_);
     auto exchange = std::make_unique<GrpcThresholdExchange>(leader_channel_,
                                                             config_.peers[0]);
@@ -437,6 +442,13 @@ grpc::Status AggregatorService::InitParams(
     grpc::ServerContext* context, grpc::ServerReader<v1::ParamsChunk>* reader,
     v1::InitParamsResponse* response) {
   GTOPK_ADMIT_CALL(admission, AdmitCall(context, "InitParams"));
+  {
+    // Only rank 0 initialises: a certificate restricted to another rank is
+    // refused before any chunk is read.
+    absl::StatusOr<Caller> allowed =
+        access_->AllowWorker(*context, "InitParams", int64_t{0});
+    if (!allowed.ok()) return ToGrpcStatus(allowed.status());
+  }
   const uint32_t shard = config_.shard_id;
   ShardAggregator* aggregator = nullptr;
   std::vector<float> values;
@@ -455,15 +467,9 @@ grpc::Status AggregatorService::InitParams(
   while (reader->Read(&chunk)) {
     metrics_->received_init_bytes().Increment(
         static_cast<double>(chunk.ByteSizeLong()));
-    if (chunk.worker() != 0) {
-      return ToGrpcStatus(absl::PermissionDeniedError(absl::StrCat(
-          "only worker 0 initialises the parameters; got a chunk from worker ",
-          chunk.worker())));
-    }
-    if (chunk.shard_id() != shard) {
-      return ToGrpcStatus(absl::InvalidArgumentError(
-          absl::StrCat("parameter chunk for shard ", chunk.shard_id(),
-                       " was sent to shard ", shard)));
+    if (const absl::Status sender = CheckInitChunkSender(chunk, shard);
+        !sender.ok()) {
+      return ToGrpcStatus(sender);
     }
     if (aggregator == nullptr) {
       const absl::Status s = get_aggregator();
@@ -482,30 +488,13 @@ grpc::Status AggregatorService::InitParams(
       if (!member.ok()) return ToGrpcStatus(member);
       identity_checked = true;
     }
-    const uint64_t offset = chunk.offset();
-    const uint64_t count = static_cast<uint64_t>(chunk.values_size());
-    if (offset != next) {
-      return ToGrpcStatus(absl::InvalidArgumentError(
-          absl::StrCat("parameter chunk at offset ", offset, " ",
-                       offset < next ? "overlaps" : "leaves a gap after",
-                       " the values received so far: expected offset ", next,
-                       " (shard ", shard, " owns [", begin, ", ", end, "))")));
-    }
-    if (count > end - offset) {
-      return ToGrpcStatus(absl::InvalidArgumentError(
-          absl::StrCat("parameter chunk [", offset, ", ", offset + count,
-                       ") runs past the end of shard ", shard, "'s range [",
-                       begin, ", ", end, ")")));
-    }
-    for (uint64_t j = 0; j < count; ++j) {
-      if (!std::isfinite(chunk.values(static_cast<int>(j)))) {
-        return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-            "initial parameter at index ", offset + j, " is not finite (",
-            chunk.values(static_cast<int>(j)), ")")));
-      }
+    if (const absl::Status range =
+            CheckInitChunkRange(chunk, shard, begin, end, next);
+        !range.ok()) {
+      return ToGrpcStatus(range);
     }
     values.insert(values.end(), chunk.values().begin(), chunk.values().end());
-    next = offset + count;
+    next += static_cast<uint64_t>(chunk.values_size());
   }
   if (context->IsCancelled()) {
     return grpc::Status(grpc::StatusCode::CANCELLED, "InitParams cancelled");
@@ -542,6 +531,12 @@ grpc::Status AggregatorService::DownloadParams(
     grpc::ServerContext* context, const v1::DownloadParamsRequest* request,
     grpc::ServerWriter<v1::ParamsChunk>* writer) {
   GTOPK_ADMIT_CALL(admission, AdmitCall(context, "DownloadParams"));
+  {
+    // The parameters are the model: workers (any rank) and shards only.
+    absl::StatusOr<Caller> allowed = access_->AllowWorker(
+        *context, "DownloadParams", std::nullopt, /*shard_ok=*/true);
+    if (!allowed.ok()) return ToGrpcStatus(allowed.status());
+  }
   if (request->worker() >= config_.num_workers) {
     return ToGrpcStatus(absl::InvalidArgumentError(
         absl::StrCat("unknown worker rank ", request->worker(),
@@ -632,58 +627,10 @@ grpc::Status AggregatorService::DownloadParams(
 
 absl::StatusOr<WorkerPush> AggregatorService::DecodePush(
     const v1::Push& push, const ShardAggregator& aggregator) const {
-  const uint64_t n = aggregator.options().n;
-  const std::string who =
-      absl::StrCat("worker ", push.worker(), " step ", push.step(), ": ");
-  if (push.shard_id() != config_.shard_id) {
-    metrics_->Rejected(RejectReason::kWrongShard);
-    return absl::InvalidArgumentError(
-        absl::StrCat(who, "push for shard ", push.shard_id(),
-                     " was sent to shard ", config_.shard_id));
-  }
-  if (push.worker() >= config_.num_workers) {
-    metrics_->Rejected(RejectReason::kUnknownWorker);
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown worker rank ", push.worker(),
-                     "; the cluster has ", config_.num_workers, " workers"));
-  }
-  WorkerPush out;
-  out.step = push.step();
-  out.worker = push.worker();
-  out.epoch = push.epoch();
-  if (config_.mode == AggregationMode::kDense) {
-    if (!push.sparse().empty()) {
-      metrics_->Rejected(RejectReason::kWrongMode);
-      return absl::InvalidArgumentError(
-          absl::StrCat(who, "sparse bytes sent in dense mode"));
-    }
-    out.dense.assign(push.dense().begin(), push.dense().end());
-    return out;
-  }
-  if (push.dense_size() > 0) {
-    metrics_->Rejected(RejectReason::kWrongMode);
-    return absl::InvalidArgumentError(
-        absl::StrCat(who, "dense values sent in ",
-                     AggregationModeName(config_.mode), " mode"));
-  }
-  absl::StatusOr<CodecSpec> spec = PeekCodecSpec(push.sparse());
-  if (!spec.ok()) {
-    metrics_->Rejected(RejectReason::kCorrupt);
-    return absl::InvalidArgumentError(
-        absl::StrCat(who, "corrupt sparse push: ", spec.status().message()));
-  }
-  if (spec->index != config_.index_codec ||
-      spec->value != config_.value_codec) {
-    metrics_->Rejected(RejectReason::kWrongCodec);
-    return absl::InvalidArgumentError(absl::StrCat(
-        who, "wrong codec: the push uses ", IndexCodecName(spec->index), "/",
-        ValueCodecName(spec->value), ", the cluster uses ",
-        IndexCodecName(config_.index_codec), "/",
-        ValueCodecName(config_.value_codec)));
-  }
   // Memory per step: refuse a push claiming more pairs than k allows before
   // decoding allocates for them.
-  {
+  if (config_.mode != AggregationMode::kDense &&
+      push.shard_id() == config_.shard_id) {
     absl::StatusOr<uint64_t> claimed = PeekSparseCount(push.sparse());
     const uint64_t most = aggregator.MaxPushPairs(push.step());
     if (claimed.ok() && *claimed > most) {
@@ -692,13 +639,11 @@ absl::StatusOr<WorkerPush> AggregatorService::DecodePush(
                                            *claimed, most);
     }
   }
-  absl::Status decoded = DecodeSparse(push.sparse(), n, &out.sparse);
-  if (!decoded.ok()) {
-    metrics_->Rejected(RejectReason::kCorrupt);
-    return absl::InvalidArgumentError(
-        absl::StrCat(who, "bad sparse push: ", decoded.message()));
-  }
-  return out;
+  RejectReason reason = RejectReason::kInvalid;
+  absl::StatusOr<WorkerPush> decoded =
+      DecodeWirePush(push, config_, aggregator.options().n, &reason);
+  if (!decoded.ok()) metrics_->Rejected(reason);
+  return decoded;
 }
 
 grpc::Status AggregatorService::PushPull(
@@ -714,6 +659,9 @@ grpc::Status AggregatorService::PushPull(
                              has_identity
                                  ? RankPeer(context, meta_rank, meta_token)
                                  : std::string()));
+  absl::StatusOr<Caller> caller =
+      access_->AllowWorker(*context, "PushPull", std::nullopt);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
   ShardAggregator* aggregator = nullptr;
   // The rank this stream acts for: set by a verified identity (the call's
   // metadata on the leader, else the first accepted push); one per stream.
@@ -748,7 +696,9 @@ grpc::Status AggregatorService::PushPull(
     uint64_t rank = 0, token = 0;
     if (MetadataNumber(context, kRankMetadata, &rank) &&
         MetadataNumber(context, kTokenMetadata, &token)) {
-      if (rank < config_.num_workers) {
+      if (rank < config_.num_workers &&
+          access_->CheckRank(*caller, "PushPull", static_cast<int64_t>(rank))
+              .ok()) {
         absl::MutexLock lock(&mu_);
         if (CheckMemberTokenLocked(static_cast<uint32_t>(rank), token).ok()) {
           register_stream(static_cast<uint32_t>(rank));
@@ -765,6 +715,13 @@ grpc::Status AggregatorService::PushPull(
   while (stream->Read(&push)) {
     metrics_->received_push_bytes().Increment(
         static_cast<double>(push.ByteSizeLong()));
+    {
+      // A certificate that names a rank pushes as that rank only; refused
+      // alone, like a push without its member token.
+      const absl::Status same =
+          access_->CheckRank(*caller, "PushPull", push.worker());
+      if (!same.ok()) return ToGrpcStatus(same);
+    }
     if (stream_worker >= 0 && push.worker() != stream_worker &&
         aggregator != nullptr) {
       const absl::Status mixed = absl::InvalidArgumentError(
@@ -893,6 +850,11 @@ grpc::Status AggregatorService::ExchangeThreshold(
   GTOPK_ADMIT_CALL(admission,
                    AdmitCall(context, "ExchangeThreshold",
                              ShardPeer(context, request->shard_id())));
+  {
+    const absl::Status allowed = access_->AllowShard(
+        *context, "ExchangeThreshold", request->shard_id());
+    if (!allowed.ok()) return ToGrpcStatus(allowed);
+  }
   if (!is_leader()) {
     return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
         "shard ", config_.shard_id,
@@ -922,6 +884,11 @@ grpc::Status AggregatorService::CommitStep(grpc::ServerContext* context,
                                            v1::CommitResponse* /*response*/) {
   GTOPK_ADMIT_CALL(admission, AdmitCall(context, "CommitStep",
                                         ShardPeer(context, request->shard_id())));
+  {
+    const absl::Status allowed =
+        access_->AllowShard(*context, "CommitStep", request->shard_id());
+    if (!allowed.ok()) return ToGrpcStatus(allowed);
+  }
   if (!is_leader()) {
     return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
         "shard ", config_.shard_id, " is not the leader; CommitStep goes to ",

@@ -33,6 +33,7 @@
 #include "gtopk/v1/gtopk.grpc.pb.h"
 #include "gtopk/v1/gtopk.pb.h"
 #include "server/call_limits.h"
+#include "server/access.h"
 #include "server/commit.h"
 #include "server/leader_client.h"
 #include "server/server_config.h"
@@ -357,6 +358,8 @@ class AggregatorService final : public v1::Aggregator::Service {
   std::unique_ptr<ServerMetrics> metrics_;
   // Calls in flight, in all and per peer (EffectiveCallLimits(config_)).
   CallLimiter limiter_;
+  // Authentication and authorization of every handler (server/access.h).
+  std::unique_ptr<AccessControl> access_;
   // Shard 0 only: the per-step threshold rendezvous and the leader's own way
   // to it.
   std::unique_ptr<ThresholdCoordinator> coordinator_;

@@ -28,62 +28,6 @@ namespace {
 // gRPC's default message limit; every chunked transfer stays below it.
 constexpr uint64_t kDefaultMessageBytes = uint64_t{4} << 20;
 
-absl::StatusOr<OptimizerOptions> OptimizerFromSpec(const v1::OptimizerSpec& s) {
-  OptimizerOptions o;
-  o.lr = s.lr();
-  o.momentum = s.momentum();
-  GTOPK_ASSIGN_OR_RETURN(o.momentum_mode,
-                         MomentumModeFromProto(s.momentum_mode()));
-  o.momentum_factor_masking = s.momentum_factor_masking();
-  o.weight_decay = s.weight_decay();
-  o.lr_warmup_steps = s.lr_warmup_steps();
-  o.density = s.density();
-  o.density_warmup.assign(s.density_warmup().begin(),
-                          s.density_warmup().end());
-  o.steps_per_epoch = s.steps_per_epoch();
-  return o;
-}
-
-// Checks what the client relies on: n, rank, shards tiling [0, n) in id
-// order, a step timeout.
-absl::Status ValidateCluster(const v1::ClusterSpec& c, uint64_t n,
-                             uint32_t rank) {
-  if (c.n() != n) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "cluster spec: cluster has n = ", c.n(), ", this worker has ", n));
-  }
-  if (c.num_workers() < 1 || rank >= c.num_workers()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cluster spec: rank ", rank, " not below P = ",
-                     c.num_workers()));
-  }
-  if (c.shards_size() < 1) {
-    return absl::InvalidArgumentError("cluster spec: no shards");
-  }
-  uint64_t expected_begin = 0;
-  for (int s = 0; s < c.shards_size(); ++s) {
-    const v1::ShardSpec& sh = c.shards(s);
-    if (sh.shard_id() != static_cast<uint32_t>(s) || sh.address().empty() ||
-        sh.begin() != expected_begin || sh.end() < sh.begin() ||
-        sh.end() > n) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "cluster spec: shard at position ", s, " (id ", sh.shard_id(),
-          ", address \"", sh.address(), "\", range [", sh.begin(), ", ",
-          sh.end(), ")) does not continue the tiling of [0, ", n,
-          ") at ", expected_begin));
-    }
-    expected_begin = sh.end();
-  }
-  if (expected_begin != n) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cluster spec: shard ranges end at ", expected_begin, ", not n = ", n));
-  }
-  if (c.step_timeout_ms() == 0) {
-    return absl::InvalidArgumentError("cluster spec: step_timeout_ms is 0");
-  }
-  return absl::OkStatus();
-}
-
 uint64_t MessageLimit(const v1::ClusterSpec& c) {
   const uint64_t limit =
       c.max_message_bytes() == 0 ? kDefaultMessageBytes : c.max_message_bytes();
@@ -186,7 +130,8 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
   v1::JoinResponse response;
   {
     auto channel =
-        CreateLimitedChannel(options.leader_address, kDefaultMessageBytes);
+        CreateLimitedChannel(options.leader_address, kDefaultMessageBytes,
+                             options.security);
     auto stub = v1::Aggregator::NewStub(channel);
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + options.rpc_timeout));
@@ -200,7 +145,7 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
   const v1::ClusterSpec& cluster = response.cluster();
   const uint32_t rank = response.rank();
   {
-    const absl::Status s = ValidateCluster(cluster, options.n, rank);
+    const absl::Status s = ValidateWorkerClusterSpec(cluster, options.n, rank);
     if (!s.ok()) return Prefixed(s, leader);
   }
   if (options.requested_rank >= 0 &&
@@ -234,7 +179,8 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
     conn->address = sh.address();
     conn->begin = sh.begin();
     conn->end = sh.end();
-    conn->channel = CreateLimitedChannel(sh.address(), limit);
+    conn->channel = CreateLimitedChannel(sh.address(), limit,
+                                         options.security);
     conn->stub = v1::Aggregator::NewStub(conn->channel);
     shards.push_back(std::move(conn));
   }

@@ -13,8 +13,9 @@ Communication time per step = backward time minus the median backward time
 without the all-reduce (the same step under `ddp.no_sync()`, measured on
 --local-steps steps before the timed ones).
 
-Writes --out: {"rank", "world_size", "n", "per_step": {"step_seconds",
-"compute_seconds", "local_seconds", "communication_seconds"}} (seconds, one
+Writes --out: {"rank", "world_size", "n", "cpu_user_seconds",
+"cpu_system_seconds", "per_step": {"step_seconds", "compute_seconds",
+"local_seconds", "communication_seconds", "cpu_seconds"}} (seconds, one
 number per timed step, the same keys as `gtopk-worker --summary-json`).
 Exit 0 on success, 1 on any error (printed).
 """
@@ -22,6 +23,7 @@ Exit 0 on success, 1 on any error (printed).
 import argparse
 import datetime
 import json
+import resource
 import os
 import statistics
 import sys
@@ -103,9 +105,11 @@ def main():
     dist.barrier()
     tx0, rx0 = wire_bytes()
     per = {"step_seconds": [], "compute_seconds": [], "local_seconds": [],
-           "communication_seconds": []}
+           "communication_seconds": [], "cpu_seconds": []}
     for _ in range(a.steps):
+        cpu0 = time.process_time()
         total, compute, backward, update = step(True)
+        per["cpu_seconds"].append(time.process_time() - cpu0)
         per["step_seconds"].append(total)
         per["compute_seconds"].append(compute + min(backward, local_backward))
         per["local_seconds"].append(update)
@@ -113,6 +117,7 @@ def main():
     tx1, rx1 = wire_bytes()
     dist.barrier()
     dist.destroy_process_group()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     tmp = a.out + ".tmp"
     with open(tmp, "w") as f:
         json.dump({"rank": a.rank, "world_size": a.world_size, "n": a.n,
@@ -124,6 +129,10 @@ def main():
                        (tx1 - tx0) / a.steps if tx0 is not None else None,
                    "wire_received_bytes_per_step":
                        (rx1 - rx0) / a.steps if rx0 is not None else None,
+                   # This process's CPU time over the whole run (user,
+                   # system; all threads incl. gloo's), like gtopk-worker's.
+                   "cpu_user_seconds": usage.ru_utime,
+                   "cpu_system_seconds": usage.ru_stime,
                    "per_step": per}, f)
     os.replace(tmp, a.out)
     return 0

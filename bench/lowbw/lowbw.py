@@ -234,10 +234,13 @@ def tail(path, lines=15):
         return "(no log)"
 
 
-def wait_for(procs, waited, deadline, what):
+def wait_for(procs, waited, deadline, what, sample=None):
     """Waits until every Popen in `waited` exits 0; any non-zero exit, or any
-    other child exiting, or the deadline, raises RunFailed."""
+    other child exiting, or the deadline, raises RunFailed. `sample`, if
+    given, is called on every poll (every 50 ms)."""
     while True:
+        if sample:
+            sample()
         done = True
         for name, p, log in procs.items:
             rc = p.poll()
@@ -255,6 +258,57 @@ def wait_for(procs, waited, deadline, what):
         if time.monotonic() > deadline:
             raise RunFailed("%s: not done after its time limit" % what)
         time.sleep(0.05)
+
+
+def proc_cpu_seconds(pid):
+    """User + system CPU seconds of a live process, from /proc/<pid>/stat;
+    None when it is gone."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    # fields[0] is the state (field 3); utime and stime are fields 14, 15.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def timed_shard_cpu(summaries, samples, warmup):
+    """Each shard's CPU seconds per timed step: its CPU time (sampled every
+    50 ms, interpolated) between the end of the last warm-up step and the
+    end of the last step (the latest pull_end over ranks), divided by the
+    steps in between. None without timestamps or samples."""
+    if not samples or not all("pull_end_unix" in s["per_step"]
+                              for s in summaries):
+        return None
+    ends = [max(s["per_step"]["pull_end_unix"][i] for s in summaries)
+            for i in range(min(len(s["per_step"]["pull_end_unix"])
+                               for s in summaries))]
+    if warmup < 1 or len(ends) <= warmup:
+        return None
+    t0, t1, steps = ends[warmup - 1], ends[-1], len(ends) - warmup
+
+    def at(t, j):
+        pts = [(ts, v[j]) for ts, v in samples if v[j] is not None]
+        for (ta, va), (tb, vb) in zip(pts, pts[1:]):
+            if ta <= t <= tb:
+                return va + (vb - va) * (t - ta) / (tb - ta) if tb > ta else va
+        return None
+
+    out = []
+    for j in range(len(samples[0][1])):
+        a, b = at(t0, j), at(t1, j)
+        if a is None or b is None:
+            return None
+        out.append(round((b - a) / steps, 5))
+    return out
+
+
+def summary_cpu_seconds(s):
+    """A worker's whole-run CPU seconds (user + system) from its summary;
+    None for summaries without them."""
+    if "cpu_user_seconds" not in s:
+        return None
+    return (s["cpu_user_seconds"] or 0) + (s["cpu_system_seconds"] or 0)
 
 
 def median_of_steps(summaries, key, warmup):
@@ -341,7 +395,22 @@ class Bench:
             workers.append(self.procs.start(
                 "worker %d" % w, t.ns("w%d" % w), argv,
                 os.path.join(self.logdir, "%s-worker-%d.log" % (tag, w))))
-        wait_for(self.procs, workers, time.monotonic() + a.run_timeout_s, tag)
+        # The shards' CPU time, sampled every 50 ms with the time, so the
+        # timed steps' share can be cut out of the whole run's.
+        shard_pids = [p.pid for name, p, _ in self.procs.items
+                      if name.startswith("server")]
+        samples = []
+
+        def sample():
+            samples.append((time.time(),
+                            [proc_cpu_seconds(pid) for pid in shard_pids]))
+
+        wait_for(self.procs, workers, time.monotonic() + a.run_timeout_s, tag,
+                 sample)
+        sample()
+        # The shards are still up (they serve until killed): their CPU
+        # time over the whole run, start-up included.
+        shard_cpu = samples[-1][1]
         self.procs.kill_all()
         summaries = []
         for out in outs:
@@ -355,6 +424,8 @@ class Bench:
             "received_bytes_per_worker_per_step": statistics.fmean(
                 s["received_bytes_per_step"] for s in summaries),
             "replicas_identical": len(checks) == 1,
+            "shard_cpu_seconds": shard_cpu,
+            "shard_cpu_samples": samples,
             "bytes_source": "gtopk-worker summary (serialized messages)",
         }
         return summaries, extra
@@ -410,6 +481,21 @@ class Bench:
         r.update(extra)
         r["run_wall_seconds"] = round(time.monotonic() - t0, 2)
         r["load_average_1m_before"] = load[0]
+        r["load_average_1m_after"] = os.getloadavg()[0]
+        # CPU time beside wall time, so contention is visible (issue 20).
+        if all("cpu_seconds" in s["per_step"] for s in summaries):
+            r["worker_cpu_seconds_per_step_p50"] = median_of_steps(
+                summaries, "cpu_seconds", self.a.warmup)[0]
+        cpus = [summary_cpu_seconds(s) for s in summaries]
+        r["worker_cpu_seconds"] = cpus
+        steps_all = self.a.warmup + self.a.steps
+        if r.get("shard_cpu_seconds") and None not in r["shard_cpu_seconds"]:
+            r["shard_cpu_seconds_per_step"] = [
+                round(c / steps_all, 4) for c in r["shard_cpu_seconds"]]
+        samples = r.pop("shard_cpu_samples", None)
+        timed = timed_shard_cpu(summaries, samples, self.a.warmup)
+        if timed:
+            r["shard_cpu_seconds_per_timed_step"] = timed
         self.log("  %-5s P=%d %-9s step %8.1f ms  compute %7.1f  local %7.1f  "
                  "comm %8.1f ms%s  (%.0f s)" % (
                      method, P, r["rate"], r["step_seconds_p50"] * 1e3,
@@ -420,6 +506,11 @@ class Bench:
                      else " (last pusher %.1f)" %
                      (r["last_pusher_communication_seconds_p50"] * 1e3),
                      r["run_wall_seconds"]))
+        self.log("        cpu/step: worker %s, shards %s; load %.1f -> %.1f" % (
+            "%.1f ms" % (r["worker_cpu_seconds_per_step_p50"] * 1e3)
+            if "worker_cpu_seconds_per_step_p50" in r else "-",
+            r.get("shard_cpu_seconds_per_step", "-"),
+            r["load_average_1m_before"], r["load_average_1m_after"]))
         return r
 
     def log(self, msg):
@@ -850,6 +941,25 @@ def main(argv):
             "unlimited_step_seconds_p50": "the same run without the tc limit "
                                           "(CPU and memory share)",
             "link_share_of_step": "1 - unlimited / limited step time",
+            "worker_cpu_seconds_per_step_p50": "a worker process's CPU time "
+                                               "(user + system, all threads) "
+                                               "per step: per step the mean "
+                                               "over ranks, median over the "
+                                               "timed steps",
+            "worker_cpu_seconds": "each worker's CPU seconds (user + system) "
+                                  "over its whole run (getrusage)",
+            "shard_cpu_seconds_per_timed_step": "each shard's CPU seconds "
+                                                "per timed step (sampled "
+                                                "every 50 ms, between the "
+                                                "ends of the last warm-up "
+                                                "and the last step)",
+            "shard_cpu_seconds": "each shard's CPU seconds (user + system, "
+                                 "/proc/<pid>/stat) over its whole run, "
+                                 "start-up included; _per_step divides by "
+                                 "warm-up + timed steps",
+            "load_average_1m_before/after": "the machine's 1-minute load "
+                                            "average around the run (other "
+                                            "work shares the cores)",
         },
         "baseline_single_worker_seconds": baseline,
         "runs": runs,

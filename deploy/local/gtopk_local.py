@@ -442,6 +442,13 @@ def parse_args(argv):
                    help="--worker=python: the training script (default "
                    "examples/pytorch/%s)" % PYTHON_WORKER_SCRIPT)
     p.add_argument("--runs-dir", default="runs")
+    p.add_argument("--tls", choices=["mutual", "off"], default=None,
+                   help="mutual: a throwaway CA and certificates "
+                   "(deploy/tls/make-certs.sh) in runs/NAME/tls/ and mutual "
+                   "TLS on every hop; off: plaintext (the processes print a "
+                   "WARNING). Default: mutual with --worker=cpp, off with "
+                   "--worker=python (the Python package has no TLS options "
+                   "yet)")
     p.add_argument("--step-timeout", default="60s",
                    help="servers' --step-timeout (Abseil duration)")
     p.add_argument("--checkpoint-every", type=int, default=None,
@@ -534,6 +541,9 @@ class Launcher:
         self.worker_metrics = []  # host:port of each worker's /metrics
         self.prometheus = None    # Child, when started
         self.prometheus_url = None
+        # Transport security (docs/security.md): certificates in tls_dir.
+        self.tls = args.tls or ("mutual" if args.worker == "cpp" else "off")
+        self.tls_dir = os.path.join(self.run_dir, "tls")
 
     @property
     def children(self):
@@ -543,6 +553,9 @@ class Launcher:
     # -- set-up -------------------------------------------------------------
 
     def check(self):
+        if self.tls == "mutual" and self.args.worker == "python":
+            raise UsageError("--tls=mutual needs --worker=cpp: the Python "
+                             "package has no TLS options yet; pass --tls=off")
         binaries = [("server", self.server_bin)]
         if self.args.worker == "cpp":
             binaries.append(("worker", self.worker_bin))
@@ -564,6 +577,35 @@ class Launcher:
                 "steps per epoch = floor(%d / %d / %d) = 0: use fewer workers, "
                 "a smaller batch or a larger --train-limit"
                 % (self.train_samples, self.args.workers, self.args.batch_size))
+
+    def tls_flags(self, who):
+        """--tls flags for a process whose certificate is tls/WHO.{crt,key}
+        (shard-<s>, worker-<r>)."""
+        if self.tls == "off":
+            return ["--tls=off"]
+        return ["--tls=mutual",
+                "--tls-cert=%s" % os.path.join(self.tls_dir, who + ".crt"),
+                "--tls-key=%s" % os.path.join(self.tls_dir, who + ".key"),
+                "--tls-ca=%s" % os.path.join(self.tls_dir, "ca.crt")]
+
+    def make_certs(self):
+        """--tls=mutual: a throwaway CA and one certificate per shard and
+        rank, made by deploy/tls/make-certs.sh into runs/NAME/tls/."""
+        if self.tls == "off":
+            return
+        script = os.path.join(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))), "tls", "make-certs.sh")
+        try:
+            r = subprocess.run(["sh", script, self.tls_dir,
+                                str(self.args.shards), str(self.args.workers)],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, timeout=120,
+                               text=True)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise UsageError("--tls=mutual: %s failed: %s" % (script, e))
+        if r.returncode != 0:
+            raise UsageError("--tls=mutual: %s failed (is the openssl CLI "
+                             "installed?):\n%s" % (script, r.stdout))
 
     def worker_env(self):
         """The workers' environment: --worker=python finds the gtopk
@@ -662,6 +704,7 @@ class Launcher:
             argv.append("--index-codec=%s" % a.index_codec)
         if a.value_codec:
             argv.append("--value-codec=%s" % a.value_codec)
+        argv += self.tls_flags("shard-%d" % shard)
         return argv
 
     def worker_argv(self, rank):
@@ -702,6 +745,8 @@ class Launcher:
                 argv.append("--%s=%d" % (flag.replace("_", "-"), v))
         if a.data_dir:
             argv.append("--data-dir=%s" % os.path.abspath(a.data_dir))
+        if a.worker == "cpp":
+            argv += self.tls_flags("worker-%d" % rank)
         return argv
 
     def write_pids(self):
@@ -762,7 +807,8 @@ class Launcher:
                     c, "exited during start-up (%s)" % describe_exit(code)))
             try:
                 r = subprocess.run(
-                    [self.server_bin, "--health-check=%s" % addr],
+                    [self.server_bin, "--health-check=%s" % addr] +
+                    self.tls_flags("shard-%d" % c.index),
                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT, timeout=10)
                 if r.returncode == 0:
@@ -1034,9 +1080,11 @@ class Launcher:
     def run(self):
         self.check()
         self.prepare_run_dir()
+        self.make_certs()
         a = self.args
-        log("run %s: %s, P=%d, S=%d, model %s, %d steps/epoch x %d epoch(s)%s%s"
-            % (a.name, a.mode, a.workers, a.shards, a.model,
+        log("run %s: %s, P=%d, S=%d, model %s, tls %s, %d steps/epoch x "
+            "%d epoch(s)%s%s"
+            % (a.name, a.mode, a.workers, a.shards, a.model, self.tls,
                self.steps_per_epoch, a.epochs,
                ", at most %d steps" % a.steps if a.steps else "",
                "; Python workers: %s %s" % (a.python, a.python_worker)

@@ -26,6 +26,7 @@
 #include "absl/time/time.h"
 #include "common/metrics/exposer.h"
 #include "common/metrics/process_collector.h"
+#include "common/transport_security.h"
 #include "worker/trainer/cpu_isa.h"
 #include "worker/trainer/idx_reader.h"
 #include "worker/trainer/trainer.h"
@@ -69,6 +70,18 @@ ABSL_FLAG(absl::Duration, testing_final_check_delay, absl::ZeroDuration(),
           "testing only: sleep this long after the last step, before the "
           "final parameter check");
 // Consistency checks against the servers' cluster spec (empty: no check).
+// Transport security (docs/security.md).
+ABSL_FLAG(std::string, tls, "off",
+          "off | server | mutual: plaintext (a WARNING at start), TLS, or "
+          "mutual TLS to the shards");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate (chain) of this worker; CN gtopk-worker or "
+          "gtopk-worker-<rank>");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA bundle that the shards' certificates chain to");
+ABSL_FLAG(std::string, token_file, "",
+          "file holding the workers' shared token (never the token itself)");
 ABSL_FLAG(std::string, mode, "", "check: gtopk | topk | dense");
 ABSL_FLAG(std::string, selector, "", "check: exact | gaussiank | dgc | randomk");
 ABSL_FLAG(std::string, density, "", "check: density k/n");
@@ -148,6 +161,28 @@ absl::Status Run() {
           "momentum", absl::GetFlag(FLAGS_momentum), &o.momentum);
       !s.ok()) {
     return s;
+  }
+  {
+    gtopk::TransportSecurityOptions so;
+    absl::StatusOr<gtopk::TlsMode> tls =
+        gtopk::ParseTlsMode(absl::GetFlag(FLAGS_tls));
+    if (!tls.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--tls: ", tls.status().message()));
+    }
+    so.tls = *tls;
+    so.cert_file = absl::GetFlag(FLAGS_tls_cert);
+    so.key_file = absl::GetFlag(FLAGS_tls_key);
+    so.ca_file = absl::GetFlag(FLAGS_tls_ca);
+    so.token_file = absl::GetFlag(FLAGS_token_file);
+    absl::StatusOr<std::shared_ptr<const gtopk::TransportSecurity>> security =
+        gtopk::TransportSecurity::Load(so, gtopk::SecurityRole::kWorker);
+    if (!security.ok()) return security.status();
+    o.security = *std::move(security);
+    const std::string warning = o.security->Warning();
+    if (!warning.empty()) {
+      std::fprintf(stderr, "gtopk-worker: %s\n", warning.c_str());
+    }
   }
   // Every flag that needs no cluster, before anything is bound or dialled.
   if (absl::Status s = gtopk::worker::ValidateOptions(o); !s.ok()) return s;

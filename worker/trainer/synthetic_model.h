@@ -1,5 +1,5 @@
 // The trainer's `--model=synthetic:N` (worker/flags.md): no data, a seeded
-// random gradient of N floats per step, for benchmarks and device runs that
+// gradient of N floats per step, for benchmarks and device runs that
 // measure the exchange rather than a model.
 #ifndef GTOPK_WORKER_TRAINER_SYNTHETIC_MODEL_H_
 #define GTOPK_WORKER_TRAINER_SYNTHETIC_MODEL_H_
@@ -14,6 +14,7 @@
 #include "absl/types/span.h"
 #include "common/random.h"
 #include "worker/trainer/model.h"
+#include "worker/trainer/synthetic_gradient.h"
 
 namespace gtopk {
 namespace worker {
@@ -36,26 +37,6 @@ class SyntheticModel final : public Model {
   EvalResult Evaluate(absl::Span<const float>,
                       absl::Span<const int64_t>) override {
     return {};
-  }
-  // Uniform in [-1, 1) with 24 random bits, seeded per (seed, rank, step):
-  // a counter-based SplitMix64 stream, two values per 64-bit word. A
-  // vectorisable pass over n (an mt19937_64 per value cost 5x more), so
-  // that --compute-ms, not this, is the emulated compute.
-  static void RandomGradient(uint64_t seed, uint32_t rank, int64_t step,
-                             absl::Span<float> grad) {
-    const uint64_t base =
-        MixSeed(MixSeed(seed, rank), static_cast<uint64_t>(step));
-    constexpr float kScale = 2.0f / 16777216.0f;  // 2^-23: 24 bits -> [0, 2)
-    const size_t n = grad.size();
-    for (size_t i = 0; i + 1 < n; i += 2) {
-      const uint64_t z = MixSeed(base, i / 2);
-      grad[i] = static_cast<float>(z >> 40) * kScale - 1.0f;
-      grad[i + 1] = static_cast<float>((z >> 8) & 0xffffff) * kScale - 1.0f;
-    }
-    if (n % 2 == 1) {
-      grad[n - 1] =
-          static_cast<float>(MixSeed(base, n / 2) >> 40) * kScale - 1.0f;
-    }
   }
 
  private:

@@ -1,8 +1,11 @@
 #include "worker/trainer/trainer.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <ctime>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -281,6 +284,7 @@ absl::StatusOr<Membership> JoinCluster(const TrainerOptions& o, size_t n) {
   co.requested_rank = o.rank;
   co.n = n;
   co.rpc_timeout = o.rpc_timeout;
+  co.security = o.security;
   Membership m;
   GTOPK_ASSIGN_OR_RETURN(m.client, WorkerClient::Connect(co));
   const v1::ClusterSpec& cluster = m.client->cluster();
@@ -436,6 +440,9 @@ class GradientSource {
         // The host gradient: every CPU model's, and synthetic:N's on the
         // device too (made on the host, then uploaded).
         grad_(model.on_device() && !synthetic ? 0 : model.n(), 0.0f),
+        synthetic_gradient_(synthetic ? std::make_unique<SyntheticGradient>(
+                                            model.n(), o.seed)
+                                      : nullptr),
         batch_images_(static_cast<size_t>(o.batch_size) * kImagePixels),
         batch_labels_(static_cast<size_t>(o.batch_size)) {}
 
@@ -447,8 +454,7 @@ class GradientSource {
       std::fill(grad_.begin(), grad_.end(), 0.0f);
       GTOPK_RETURN_IF_ERROR(model_.ZeroDeviceGradient());
     } else if (synthetic_) {
-      SyntheticModel::RandomGradient(o_.seed, rank_, step,
-                                     absl::MakeSpan(grad_));
+      synthetic_gradient_->Fill(rank_, step, absl::MakeSpan(grad_));
       if (o_.compute_ms > 0) {
         std::this_thread::sleep_for(std::chrono::milliseconds(o_.compute_ms));
       }
@@ -511,6 +517,8 @@ class GradientSource {
   const uint32_t rank_;
   const int64_t steps_per_epoch_;
   std::vector<float> grad_;
+  // synthetic:N's generator (its pool is made once); null otherwise.
+  std::unique_ptr<SyntheticGradient> synthetic_gradient_;
   const float* device_grad_ = nullptr;
   std::vector<float> batch_images_;
   std::vector<int64_t> batch_labels_;
@@ -523,6 +531,21 @@ uint64_t SumBytes(const std::vector<uint64_t>& per_shard) {
   uint64_t total = 0;
   for (uint64_t b : per_shard) total += b;
   return total;
+}
+
+// CPU time (user + system) of this process's threads so far, seconds.
+double ProcessCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + ts.tv_nsec * 1e-9;
+}
+
+// This process's CPU time so far from getrusage: {user, system} seconds.
+std::pair<double, double> ProcessUserSystemSeconds() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  auto sec = [](const timeval& t) { return t.tv_sec + t.tv_usec * 1e-6; };
+  return {sec(ru.ru_utime), sec(ru.ru_stime)};
 }
 
 // What every successful step measured, for --summary-json.
@@ -539,14 +562,19 @@ struct StepLog {
   // pusher's pull_end - push_start is the step's communication without the
   // wait for slower workers (bench/lowbw/).
   std::vector<double> push_start_unix, pull_end_unix;
+  // This process's CPU time (user + system, all threads) during the step,
+  // beside its wall time: on a shared machine, cpu < step shows contention
+  // or waiting (issue 20).
+  std::vector<double> cpu_seconds;
   std::vector<float> losses;
   double sent_total = 0, received_total = 0;
 
   // One step: `seconds` in all, `compute` of them making the gradient, the
   // client's Step called at `step_call`.
   void Record(const StepStats& stats, double seconds, double compute,
-              absl::Time step_call, float loss) {
+              double cpu, absl::Time step_call, float loss) {
     step_seconds.push_back(seconds);
+    cpu_seconds.push_back(cpu);
     compute_seconds.push_back(compute);
     local_seconds.push_back(absl::ToDoubleSeconds(
         stats.accumulate + stats.select + stats.encode + stats.apply));
@@ -613,6 +641,7 @@ absl::Status TrainSteps(const Run& run, int64_t first_step,
   bool resend_residual = false;
   for (int64_t step = first_step; step < total_steps; ++step) {
     const Clock::time_point t0 = Clock::now();
+    const double cpu0 = ProcessCpuSeconds();
     const int64_t epoch = step / steps_per_epoch;
     GTOPK_RETURN_IF_ERROR(gradients.Compute(step, epoch, resend_residual));
     const Clock::time_point t_compute = Clock::now();
@@ -642,7 +671,8 @@ absl::Status TrainSteps(const Run& run, int64_t first_step,
       run.metrics->RecordStep(*stats, absl::FromChrono(t_compute - t0),
                               absl::Seconds(seconds), loss);
     }
-    log.Record(*stats, seconds, compute, step_call, loss);
+    log.Record(*stats, seconds, compute, ProcessCpuSeconds() - cpu0, step_call,
+               loss);
     const int64_t done = step + 1;
     if (run.leader_rank) {
       const double samples_per_second =
@@ -779,6 +809,9 @@ std::string SummaryJson(const Run& run, const Outcome& r, const StepLog& log) {
         run.leader_rank ? JsonNumber(r.test_accuracy) : std::string("null"),
         false);
   field("wall_seconds", JsonNumber(r.wall_seconds), false);
+  const auto [cpu_user, cpu_system] = ProcessUserSystemSeconds();
+  field("cpu_user_seconds", JsonNumber(cpu_user), false);
+  field("cpu_system_seconds", JsonNumber(cpu_system), false);
   field("step_seconds_p50", JsonNumber(log.StepSecondsP50()), false);
   field("sent_bytes_per_step", JsonNumber(log.sent_total * per), false);
   field("received_bytes_per_step", JsonNumber(log.received_total * per),
@@ -791,6 +824,7 @@ std::string SummaryJson(const Run& run, const Outcome& r, const StepLog& log) {
             "{\"step_seconds\": ", JsonSeries(log.step_seconds),
             ", \"compute_seconds\": ", JsonSeries(log.compute_seconds),
             ", \"local_seconds\": ", JsonSeries(log.local_seconds),
+            ", \"cpu_seconds\": ", JsonSeries(log.cpu_seconds),
             ", \"communication_seconds\": ",
             JsonSeries(log.communication_seconds),
             ", \"accumulate_seconds\": ", JsonSeries(log.accumulate_seconds),

@@ -15,6 +15,7 @@
 #include "absl/time/time.h"
 #include "common/checksum.h"  // Fnv1a64: the replica checksums
 #include "common/metrics/metrics.h"
+#include "common/transport_security.h"
 
 namespace gtopk {
 namespace worker {
@@ -58,6 +59,9 @@ struct TrainerOptions {
 
   // Consistency checks against the servers' cluster spec (unset: no check).
   std::optional<std::string> mode, selector, index_codec, value_codec;
+  // Transport security (--tls, --tls-cert/key/ca, --token-file; loaded and
+  // checked by main()). Null: plaintext.
+  std::shared_ptr<const TransportSecurity> security;
   std::optional<double> density, lr, momentum;
 };
 
