@@ -44,7 +44,7 @@ WORKER = os.path.join(BUILD, "worker", "gtopk-worker")
 FLOOD = os.path.join(BUILD, "tests", "gtopk_flood_client")
 
 N = 200_000          # synthetic:N parameters
-STEPS = 40           # steps per run
+STEPS = 80           # steps per run
 COMPUTE_MS = 100     # emulated compute per step: the run outlasts the flood
 STREAMS = 1000       # hostile streams
 CONNECTIONS = 20     # ... over this many connections
