@@ -966,4 +966,16 @@ absl::StatusOr<CodecSpec> PeekCodecSpec(absl::string_view bytes) {
   return ParseFixedHeader(bytes);
 }
 
+absl::StatusOr<uint64_t> PeekSparseCount(absl::string_view bytes) {
+  absl::StatusOr<CodecSpec> spec = ParseFixedHeader(bytes);
+  if (!spec.ok()) return spec.status();
+  const uint8_t* begin = reinterpret_cast<const uint8_t*>(bytes.data());
+  Reader r{begin, begin + kFixedHeaderBytes, begin + bytes.size()};
+  uint32_t count = 0;
+  const size_t count_offset = r.offset();
+  const VarintResult vr = ReadVarint(&r.p, r.end, &count);
+  if (vr != VarintResult::kOk) return VarintError(vr, count_offset, "count");
+  return uint64_t{count};
+}
+
 }  // namespace gtopk

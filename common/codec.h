@@ -148,6 +148,14 @@ absl::Status DecodeSparse(absl::string_view bytes, uint64_t n,
 // header, an unknown format version or an unknown codec id.
 absl::StatusOr<CodecSpec> PeekCodecSpec(absl::string_view bytes);
 
+// The pair count an encoded message claims (the header's count varint),
+// without decoding or allocating: lets a receiver refuse a message that
+// claims more pairs than it accepts before DecodeSparse allocates for them.
+// INVALID_ARGUMENT for what PeekCodecSpec refuses and for a truncated,
+// over-long or overflowing count varint. The claim is not checked against
+// the rest of the bytes (DecodeSparse does that).
+absl::StatusOr<uint64_t> PeekSparseCount(absl::string_view bytes);
+
 }  // namespace gtopk
 
 #endif  // GTOPK_COMMON_CODEC_H_

@@ -84,6 +84,17 @@ absl::StatusOr<std::unique_ptr<AggregatorServer>> AggregatorServer::Start(
                            &server->port_);
   builder.SetMaxReceiveMessageSize(limit);
   builder.SetMaxSendMessageSize(limit);
+  // Resource bounds (docs/resource-limits.md): HTTP/2 streams per client
+  // connection. gRPC's threads (each call of the synchronous API holds one
+  // while it runs) follow the calls AggregatorService admits; they are not
+  // capped with a grpc::ResourceQuota: with one (SetMaxThreads), gRPC 1.51
+  // timed out the 16 MiB download that follows cancelled ones in
+  // service_test's ConcurrentDownloadsAreBounded; refused calls return at
+  // once, so the threads held are the admitted calls'.
+  builder.AddChannelArgument(
+      GRPC_ARG_MAX_CONCURRENT_STREAMS,
+      static_cast<int>(
+          EffectiveStreamsPerConnection(server->service_->config())));
   builder.RegisterService(server->service_.get());
   std::vector<std::unique_ptr<
       grpc::experimental::ServerInterceptorFactoryInterface>>

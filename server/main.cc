@@ -74,6 +74,15 @@ ABSL_FLAG(int64_t, steps_per_epoch, 0,
           "steps per epoch (> 0 when --density-warmup is set)");
 ABSL_FLAG(uint64_t, max_message_bytes, uint64_t{64} << 20,
           "gRPC send/receive limit in bytes");
+// Resource bounds (docs/resource-limits.md); 0 = computed from P and S.
+ABSL_FLAG(int64_t, max_concurrent_calls, 0,
+          "calls (streams included) in flight on this server; 0: 4P+8S+64");
+ABSL_FLAG(int64_t, max_calls_per_peer, 0,
+          "calls in flight from one peer (rank, shard or client host); "
+          "0: P+4S+16");
+ABSL_FLAG(int64_t, max_streams_per_connection, 0,
+          "HTTP/2 streams per client connection; 0: the effective "
+          "--max-concurrent-calls");
 ABSL_FLAG(int64_t, metrics_port, 0,
           "serve Prometheus GET /metrics on <metrics-host>:<port> (0: off)");
 ABSL_FLAG(std::string, metrics_host, "0.0.0.0",
@@ -171,6 +180,10 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);
   c.checkpoint_keep = absl::GetFlag(FLAGS_checkpoint_keep);
   c.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  c.max_concurrent_calls = absl::GetFlag(FLAGS_max_concurrent_calls);
+  c.max_calls_per_peer = absl::GetFlag(FLAGS_max_calls_per_peer);
+  c.max_streams_per_connection =
+      absl::GetFlag(FLAGS_max_streams_per_connection);
   c.selector = absl::GetFlag(FLAGS_selector);
   c.selector_seed = absl::GetFlag(FLAGS_seed);
 

@@ -166,6 +166,7 @@ v1::ClusterSpec AggregatorService::BuildSpecLocked() const {
 grpc::Status AggregatorService::Join(grpc::ServerContext* context,
                                      const v1::JoinRequest* request,
                                      v1::JoinResponse* response) {
+  GTOPK_ADMIT_CALL(admission, AdmitCall(context, "Join"));
   {
     // A certificate that names a rank joins as that rank only (also for
     // "any rank", -1: ask for it explicitly).
@@ -241,6 +242,7 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* context,
 grpc::Status AggregatorService::GetClusterSpec(
     grpc::ServerContext* context, const v1::JoinRequest* /*request*/,
     v1::ClusterSpec* response) {
+  GTOPK_ADMIT_CALL(admission, AdmitCall(context, "GetClusterSpec"));
   {
     // Workers at Connect, and the other shards (FetchSpecFromLeader).
     absl::StatusOr<Caller> allowed = access_->AllowWorker(
@@ -269,6 +271,7 @@ grpc::Status AggregatorService::GetClusterSpec(
 grpc::Status AggregatorService::CheckMember(
     grpc::ServerContext* context, const v1::MemberCheckRequest* request,
     v1::MemberCheckResponse* /*response*/) {
+  GTOPK_ADMIT_CALL(admission, AdmitCall(context, "CheckMember"));
   {
     const absl::Status allowed =
         access_->AllowShard(*context, "CheckMember", std::nullopt);

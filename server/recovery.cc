@@ -233,6 +233,8 @@ void AggregatorService::LeaderAbortStep(int64_t step, uint32_t origin,
 grpc::Status AggregatorService::AbortStep(grpc::ServerContext* context,
                                           const v1::AbortStepRequest* request,
                                           v1::AbortStepResponse* /*response*/) {
+  GTOPK_ADMIT_CALL(admission, AdmitCall(context, "AbortStep",
+                                        ShardPeer(context, request->shard_id())));
   {
     // Shard -> leader: the caller is the shard where the step failed;
     // leader -> shard: the caller is the leader.
@@ -285,6 +287,8 @@ grpc::Status AggregatorService::AbortStep(grpc::ServerContext* context,
 grpc::Status AggregatorService::GetShardState(
     grpc::ServerContext* context, const v1::ShardStateRequest* request,
     v1::ShardState* response) {
+  GTOPK_ADMIT_CALL(admission,
+                   AdmitCall(context, "GetShardState", CallPeerShard(0)));
   {
     const absl::Status allowed =
         access_->AllowShard(*context, "GetShardState", uint32_t{0});
@@ -312,6 +316,8 @@ grpc::Status AggregatorService::GetShardState(
 grpc::Status AggregatorService::RollbackShard(
     grpc::ServerContext* context, const v1::RollbackRequest* request,
     v1::RollbackResponse* response) {
+  GTOPK_ADMIT_CALL(admission,
+                   AdmitCall(context, "RollbackShard", CallPeerShard(0)));
   {
     const absl::Status allowed =
         access_->AllowShard(*context, "RollbackShard", uint32_t{0});
@@ -522,6 +528,10 @@ absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverClusterOnce(
 grpc::Status AggregatorService::Recover(grpc::ServerContext* context,
                                         const v1::RecoverRequest* request,
                                         v1::RecoverResponse* response) {
+  GTOPK_ADMIT_CALL(admission,
+                   AdmitCall(context, "Recover",
+                             RankPeer(context, request->worker(),
+                                      request->member_token())));
   {
     absl::StatusOr<Caller> allowed = access_->AllowWorker(
         *context, "Recover", int64_t{request->worker()});

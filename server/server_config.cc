@@ -7,6 +7,7 @@
 #include <climits>
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -27,6 +28,26 @@ constexpr uint32_t kMaxShards = 1u << 16;
 constexpr uint32_t kMaxWorkers = 1u << 16;
 
 }  // namespace
+
+CallLimits EffectiveCallLimits(const ServerConfig& c) {
+  const int64_t p = c.num_workers, s = c.num_shards;
+  CallLimits limits;
+  limits.max_concurrent_calls =
+      c.max_concurrent_calls > 0
+          ? c.max_concurrent_calls
+          : std::min<int64_t>(4 * p + 8 * s + 64, kMaxCallLimit);
+  limits.max_calls_per_peer =
+      c.max_calls_per_peer > 0
+          ? c.max_calls_per_peer
+          : std::min<int64_t>(p + 4 * s + 16, kMaxCallLimit);
+  return limits;
+}
+
+int64_t EffectiveStreamsPerConnection(const ServerConfig& c) {
+  return c.max_streams_per_connection > 0
+             ? c.max_streams_per_connection
+             : EffectiveCallLimits(c).max_concurrent_calls;
+}
 
 absl::Status ValidateServerConfig(const ServerConfig& c) {
   if (c.num_shards < 1 || c.num_shards > kMaxShards) {
@@ -96,6 +117,18 @@ absl::Status ValidateServerConfig(const ServerConfig& c) {
   if (c.checkpoint_every < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--checkpoint-every must be >= 0, got ", c.checkpoint_every));
+  }
+  for (const auto& [flag, value] :
+       {std::pair<const char*, int64_t>{"--max-concurrent-calls",
+                                        c.max_concurrent_calls},
+        {"--max-calls-per-peer", c.max_calls_per_peer},
+        {"--max-streams-per-connection", c.max_streams_per_connection}}) {
+    if (value < 0 || value > kMaxCallLimit) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(flag, " must be in [0, ", kMaxCallLimit,
+                       "] (0: computed from --workers and --num-shards), got ",
+                       value));
+    }
   }
   if (c.checkpoint_keep < 1 || c.checkpoint_keep > 1000) {
     return absl::InvalidArgumentError(absl::StrCat(

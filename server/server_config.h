@@ -24,6 +24,7 @@
 #include "common/optimizer.h"
 #include "common/transport_security.h"
 #include "gtopk/v1/gtopk.pb.h"
+#include "server/call_limits.h"
 #include "server/shard_aggregator.h"
 
 namespace gtopk {
@@ -86,12 +87,39 @@ struct ServerConfig {
   // 2 lets a shard killed before writing its newest checkpoint be caught up
   // with: the others can roll back one checkpoint.
   int checkpoint_keep = 2;
+  // Resource bounds (docs/resource-limits.md); 0 = computed from P and S by
+  // EffectiveCallLimits. Calls of the Aggregator service in flight on this
+  // server, streams included, in [0, 2^20] (--max-concurrent-calls).
+  int64_t max_concurrent_calls = 0;
+  // Calls in flight from one peer (a rank holding its member token, a shard,
+  // else one client host), in [0, 2^20] (--max-calls-per-peer).
+  int64_t max_calls_per_peer = 0;
+  // HTTP/2 streams one client connection may have open at once
+  // (GRPC_ARG_MAX_CONCURRENT_STREAMS), in [0, 2^20]
+  // (--max-streams-per-connection).
+  int64_t max_streams_per_connection = 0;
   // Transport security (docs/security.md; --tls and the certificate and
   // token flags): the server's credentials, the credentials and token of
   // its channels to the other shards, and who may call what
   // (server/access.h). Null: plaintext, everyone may call everything.
   std::shared_ptr<const TransportSecurity> security;
 };
+
+// The most any of the resource bounds above may be set to.
+inline constexpr int64_t kMaxCallLimit = int64_t{1} << 20;
+
+// The resource bounds `config` asks for, with 0 replaced by the computed
+// defaults (P workers, S shards): max_concurrent_calls 4P + 8S + 64 (every
+// worker's step stream, a reconnect overlapping it, its unary calls, and the
+// shards' votes, exchanges and recovery calls, with room to spare);
+// max_calls_per_peer P + 4S + 16 (every worker on one host calling Join,
+// GetClusterSpec or DownloadParams at once, plus the shards' calls).
+// Capped at kMaxCallLimit. Pure.
+CallLimits EffectiveCallLimits(const ServerConfig& config);
+// max_streams_per_connection with 0 replaced by the effective
+// max_concurrent_calls (one connection may carry a whole in-process
+// cluster's calls).
+int64_t EffectiveStreamsPerConnection(const ServerConfig& config);
 
 // OK, or INVALID_ARGUMENT naming the first bad field (by its gtopk-server
 // flag, server/flags.md) and its value.

@@ -169,6 +169,16 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry) {
     rejected_[r] =
         &rejected.Add({{"reason", RejectReasonName(static_cast<RejectReason>(r))}});
   }
+  auto& limits =
+      BuildCounter()
+          .Name("gtopk_server_limit_rejections_total")
+          .Help("Calls and pushes refused with RESOURCE_EXHAUSTED by a "
+                "resource bound, by bound (docs/resource-limits.md).")
+          .Register(registry);
+  for (size_t b = 0; b < limit_rejections_.size(); ++b) {
+    limit_rejections_[b] = &limits.Add(
+        {{"bound", LimitBoundName(static_cast<LimitBound>(b))}});
+  }
   auto& errors = BuildCounter()
                      .Name("gtopk_server_rpc_errors_total")
                      .Help("RPCs that ended with a non-OK gRPC status, by code.")
@@ -192,6 +202,16 @@ ServerMetrics::~ServerMetrics() = default;
 void ServerMetrics::Rejected(RejectReason reason) {
   const size_t r = static_cast<size_t>(reason);
   if (r < rejected_.size()) rejected_[r]->Increment();
+}
+
+void ServerMetrics::LimitRejected(LimitBound bound) {
+  const size_t b = static_cast<size_t>(bound);
+  if (b < limit_rejections_.size()) limit_rejections_[b]->Increment();
+}
+
+double ServerMetrics::limit_rejections(LimitBound bound) const {
+  const size_t b = static_cast<size_t>(bound);
+  return b < limit_rejections_.size() ? limit_rejections_[b]->Value() : 0;
 }
 
 void ServerMetrics::RpcFinished(grpc::StatusCode code) {

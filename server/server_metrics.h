@@ -13,6 +13,7 @@
 #include "absl/time/time.h"
 #include "common/metrics/metrics.h"
 #include "grpcpp/support/server_interceptor.h"
+#include "server/call_limits.h"
 #include "server/shard_aggregator.h"
 
 namespace gtopk {
@@ -54,6 +55,11 @@ class ServerMetrics {
   prometheus::Gauge& connected_workers() { return *connected_workers_; }
 
   void Rejected(RejectReason reason);
+  // A call or push refused by a resource bound
+  // (gtopk_server_limit_rejections_total{bound}, docs/resource-limits.md).
+  void LimitRejected(LimitBound bound);
+  // The count so far for `bound` (for tests and logs).
+  double limit_rejections(LimitBound bound) const;
   // Counts a finished RPC whose status is not OK.
   void RpcFinished(grpc::StatusCode code);
   // Records a completed round once (the first of its P callers to get here;
@@ -96,6 +102,8 @@ class ServerMetrics {
   prometheus::Gauge* connected_workers_;
   std::array<prometheus::Counter*, static_cast<size_t>(RejectReason::kCount)>
       rejected_;
+  std::array<prometheus::Counter*, static_cast<size_t>(LimitBound::kCount)>
+      limit_rejections_;
   // Indexed by grpc::StatusCode (1..16).
   std::array<prometheus::Counter*, 17> rpc_errors_{};
   prometheus::Counter* checkpoint_failures_;

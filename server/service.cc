@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/cluster_spec.h"
 #include "common/grpc_edge.h"
+#include "common/selector.h"
 #include "common/sparse_vector.h"
 #include "common/status_macros.h"
 #include "grpcpp/client_context.h"
@@ -66,6 +67,7 @@ AggregatorService::AggregatorService(ServerConfig config)
                             ? config_.metrics_registry
                             : std::make_shared<prometheus::Registry>()),
       metrics_(std::make_unique<ServerMetrics>(*metrics_registry_)),
+      limiter_(config_.shard_id, EffectiveCallLimits(config_)),
       access_(std::make_unique<AccessControl>(config_.security,
                                               *metrics_registry_)) {
   rank_given_.assign(config_.num_workers, false);
@@ -134,6 +136,36 @@ absl::StatusOr<std::unique_ptr<AggregatorService>> AggregatorService::Create(
     }
   }
   return service;
+}
+
+absl::StatusOr<CallLimiter::Admission> AggregatorService::AdmitCall(
+    const grpc::ServerContext* context, absl::string_view method,
+    std::string peer) {
+  if (peer.empty()) peer = CallPeerHost(context->peer());
+  LimitBound bound = LimitBound::kConcurrentCalls;
+  absl::StatusOr<CallLimiter::Admission> admission =
+      limiter_.Admit(peer, method, &bound);
+  if (!admission.ok()) metrics_->LimitRejected(bound);
+  return admission;
+}
+
+std::string AggregatorService::RankPeer(const grpc::ServerContext* context,
+                                        uint64_t rank, uint64_t token) const {
+  if (rank < config_.num_workers && token != 0) {
+    absl::MutexLock lock(&mu_);
+    if (member_token_[rank] == token) {
+      return CallPeerRank(static_cast<uint32_t>(rank));
+    }
+  }
+  return CallPeerHost(context->peer());
+}
+
+std::string AggregatorService::ShardPeer(const grpc::ServerContext* context,
+                                         uint64_t shard) const {
+  if (shard < config_.num_shards) {
+    return CallPeerShard(static_cast<uint32_t>(shard));
+  }
+  return CallPeerHost(context->peer());
 }
 
 void AggregatorService::SetOwnAddress(const std::string& address) {
@@ -265,6 +297,16 @@ absl::Status AggregatorService::CreateAggregatorLocked(uint64_t n) {
   options.pull_index_codec = config_.index_codec;
   options.optimizer = config_.optimizer;
   options.step_timeout = config_.step_timeout;
+  {
+    // The bound on a push's pairs follows the workers' selector (e.g.
+    // gaussiank returns up to 4k/3). MaxCount is pure arithmetic.
+    GTOPK_ASSIGN_OR_RETURN(std::unique_ptr<Selector> selector,
+                           CreateSelector(config_.selector));
+    std::shared_ptr<const Selector> shared = std::move(selector);
+    options.max_pairs_for_k = [shared](uint64_t k) {
+      return shared->MaxCount(k);
+    };
+  }
   GTOPK_ASSIGN_OR_RETURN(
       std::unique_ptr<ShardAggregator> aggregator,
       ShardAggregator::Create(options, exchange_.get(), commit_.get()));
@@ -399,6 +441,7 @@ absl::StatusOr<ShardAggregator*> AggregatorService::GetAggregator(
 grpc::Status AggregatorService::InitParams(
     grpc::ServerContext* context, grpc::ServerReader<v1::ParamsChunk>* reader,
     v1::InitParamsResponse* response) {
+  GTOPK_ADMIT_CALL(admission, AdmitCall(context, "InitParams"));
   {
     // Only rank 0 initialises: a certificate restricted to another rank is
     // refused before any chunk is read.
@@ -487,6 +530,7 @@ grpc::Status AggregatorService::InitParams(
 grpc::Status AggregatorService::DownloadParams(
     grpc::ServerContext* context, const v1::DownloadParamsRequest* request,
     grpc::ServerWriter<v1::ParamsChunk>* writer) {
+  GTOPK_ADMIT_CALL(admission, AdmitCall(context, "DownloadParams"));
   {
     // The parameters are the model: workers (any rank) and shards only.
     absl::StatusOr<Caller> allowed = access_->AllowWorker(
@@ -581,11 +625,23 @@ grpc::Status AggregatorService::DownloadParams(
   return grpc::Status::OK;
 }
 
-absl::StatusOr<WorkerPush> AggregatorService::DecodePush(const v1::Push& push,
-                                                         uint64_t n) const {
+absl::StatusOr<WorkerPush> AggregatorService::DecodePush(
+    const v1::Push& push, const ShardAggregator& aggregator) const {
+  // Memory per step: refuse a push claiming more pairs than k allows before
+  // decoding allocates for them.
+  if (config_.mode != AggregationMode::kDense &&
+      push.shard_id() == config_.shard_id) {
+    absl::StatusOr<uint64_t> claimed = PeekSparseCount(push.sparse());
+    const uint64_t most = aggregator.MaxPushPairs(push.step());
+    if (claimed.ok() && *claimed > most) {
+      metrics_->LimitRejected(LimitBound::kPushPairs);
+      return aggregator.PushPairsExhausted(push.worker(), push.step(),
+                                           *claimed, most);
+    }
+  }
   RejectReason reason = RejectReason::kInvalid;
   absl::StatusOr<WorkerPush> decoded =
-      DecodeWirePush(push, config_, n, &reason);
+      DecodeWirePush(push, config_, aggregator.options().n, &reason);
   if (!decoded.ok()) metrics_->Rejected(reason);
   return decoded;
 }
@@ -593,6 +649,16 @@ absl::StatusOr<WorkerPush> AggregatorService::DecodePush(const v1::Push& push,
 grpc::Status AggregatorService::PushPull(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::Pull, v1::Push>* stream) {
+  // A worker's stream names its rank and member token in the metadata: it
+  // counts against the rank's own bound, not its host's.
+  uint64_t meta_rank = 0, meta_token = 0;
+  const bool has_identity = MetadataNumber(context, kRankMetadata, &meta_rank) &&
+                            MetadataNumber(context, kTokenMetadata, &meta_token);
+  GTOPK_ADMIT_CALL(admission,
+                   AdmitCall(context, "PushPull",
+                             has_identity
+                                 ? RankPeer(context, meta_rank, meta_token)
+                                 : std::string()));
   absl::StatusOr<Caller> caller =
       access_->AllowWorker(*context, "PushPull", std::nullopt);
   if (!caller.ok()) return ToGrpcStatus(caller.status());
@@ -714,7 +780,7 @@ grpc::Status AggregatorService::PushPull(
       }
     }
     absl::StatusOr<WorkerPush> decoded =
-        DecodePush(push, aggregator->options().n);
+        DecodePush(push, *aggregator);
     if (!decoded.ok()) {
       // Fail the round for everyone, as a bad push inside Submit would.
       aggregator->RejectPush(push.step(), push.worker(), decoded.status());
@@ -731,7 +797,9 @@ grpc::Status AggregatorService::PushPull(
         context->AddTrailingMetadata(kEpochMetadataKey, absl::StrCat(epoch));
       }
       // Submit's own rejections of this push (not a round failed by others).
-      if (absl::IsInvalidArgument(result.status())) {
+      if (absl::IsResourceExhausted(result.status())) {
+        metrics_->LimitRejected(LimitBound::kPushPairs);
+      } else if (absl::IsInvalidArgument(result.status())) {
         metrics_->Rejected(RejectReason::kInvalid);
       } else if (absl::IsFailedPrecondition(result.status()) &&
                  absl::StrContains(result.status().message(), "step ")) {
@@ -779,6 +847,9 @@ grpc::Status AggregatorService::PushPull(
 grpc::Status AggregatorService::ExchangeThreshold(
     grpc::ServerContext* context, const v1::ThresholdRequest* request,
     v1::ThresholdResponse* response) {
+  GTOPK_ADMIT_CALL(admission,
+                   AdmitCall(context, "ExchangeThreshold",
+                             ShardPeer(context, request->shard_id())));
   {
     const absl::Status allowed = access_->AllowShard(
         *context, "ExchangeThreshold", request->shard_id());
@@ -811,6 +882,8 @@ grpc::Status AggregatorService::ExchangeThreshold(
 grpc::Status AggregatorService::CommitStep(grpc::ServerContext* context,
                                            const v1::CommitRequest* request,
                                            v1::CommitResponse* /*response*/) {
+  GTOPK_ADMIT_CALL(admission, AdmitCall(context, "CommitStep",
+                                        ShardPeer(context, request->shard_id())));
   {
     const absl::Status allowed =
         access_->AllowShard(*context, "CommitStep", request->shard_id());

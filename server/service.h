@@ -32,6 +32,7 @@
 #include "common/optimizer.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
 #include "gtopk/v1/gtopk.pb.h"
+#include "server/call_limits.h"
 #include "server/access.h"
 #include "server/commit.h"
 #include "server/leader_client.h"
@@ -110,6 +111,16 @@ inline constexpr char kCheckpointHealthService[] = "gtopk.checkpoint";
 //                   carries the epoch as trailing metadata "gtopk-epoch".
 //   CheckMember     leader only: is a token rank r's current member token.
 //
+// Resource bounds (docs/resource-limits.md): every RPC above is first
+// admitted against --max-concurrent-calls and --max-calls-per-peer
+// (AdmitCall; the peer is the rank whose member token a PushPull or Recover
+// carries, the shard a vote or exchange names, else the client host); over
+// either: RESOURCE_EXHAUSTED naming the flag, before anything is read or
+// applied. A push whose header claims more pairs than
+// ShardAggregator::MaxPushPairs (k from the density, the selector's most
+// per k) is RESOURCE_EXHAUSTED before it is decoded, and fails the step for
+// every worker like any bad push.
+//
 // Cluster identity (docs/errors.md): the shard's cluster fingerprint is
 // ClusterFingerprint(CanonicalClusterSpec(config, n)), known once n is.
 // Every Push, CommitStep/ExchangeThreshold vote, recovery call and CheckMember
@@ -157,6 +168,17 @@ class AggregatorService final : public v1::Aggregator::Service {
 
   // This shard's metrics (thread-safe, lock-free updates).
   ServerMetrics& metrics() { return *metrics_; }
+
+  // Admission control (server/call_limits.h, docs/resource-limits.md):
+  // every handler holds one Admission for its whole call. `peer`: the
+  // caller's identity as CallPeerRank/CallPeerShard name it; empty: the
+  // client host (CallPeerHost of context->peer()). Over a bound:
+  // RESOURCE_EXHAUSTED naming the bound and its flag, counted in
+  // gtopk_server_limit_rejections_total. Never blocks. Thread-safe.
+  absl::StatusOr<CallLimiter::Admission> AdmitCall(
+      const grpc::ServerContext* context, absl::string_view method,
+      std::string peer = "");
+  const CallLimiter& call_limiter() const { return limiter_; }
 
   // The first step this shard has not applied; -1 while it has no
   // aggregator (n unknown yet).
@@ -316,12 +338,26 @@ class AggregatorService final : public v1::Aggregator::Service {
   // The leader's side of CheckMemberToken.
   absl::Status CheckMemberTokenLocked(uint32_t worker, uint64_t token) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Turns a wire push into a WorkerPush (codec and shard checks, decoding).
-  absl::StatusOr<WorkerPush> DecodePush(const v1::Push& push, uint64_t n) const;
+  // The peer key of a call that names rank `rank` with `token`: the rank
+  // when `token` is its current member token as this shard knows it (its
+  // table or cache; no remote call), else the client host.
+  std::string RankPeer(const grpc::ServerContext* context, uint64_t rank,
+                       uint64_t token) const;
+  // The peer key of a call from shard `shard` (as its request says): the
+  // shard when it is one of the cluster's, else the client host.
+  std::string ShardPeer(const grpc::ServerContext* context,
+                        uint64_t shard) const;
+  // Turns a wire push into a WorkerPush (codec and shard checks, decoding;
+  // RESOURCE_EXHAUSTED before decoding a push that claims more pairs than
+  // aggregator.MaxPushPairs allows).
+  absl::StatusOr<WorkerPush> DecodePush(const v1::Push& push,
+                                        const ShardAggregator& aggregator) const;
 
   const ServerConfig config_;
   std::shared_ptr<prometheus::Registry> metrics_registry_;
   std::unique_ptr<ServerMetrics> metrics_;
+  // Calls in flight, in all and per peer (EffectiveCallLimits(config_)).
+  CallLimiter limiter_;
   // Authentication and authorization of every handler (server/access.h).
   std::unique_ptr<AccessControl> access_;
   // Shard 0 only: the per-step threshold rendezvous and the leader's own way

@@ -32,6 +32,12 @@ inline absl::Time ContextDeadline(const grpc::ServerContext* context) {
   return absl::FromChrono(deadline);
 }
 
+// Admits the call (AggregatorService::AdmitCall) into `admission`, which the
+// handler keeps until it returns, or returns its RESOURCE_EXHAUSTED status.
+#define GTOPK_ADMIT_CALL(admission, expr)                  \
+  auto admission = (expr);                                 \
+  if (!admission.ok()) return ::gtopk::ToGrpcStatus(admission.status())
+
 }  // namespace internal
 }  // namespace server
 }  // namespace gtopk

@@ -121,6 +121,27 @@ int64_t ShardAggregator::next_step() const {
   return next_step_;
 }
 
+uint64_t ShardAggregator::MaxPushPairs(int64_t step) const {
+  absl::StatusOr<uint64_t> k = rule_.KAt(std::max<int64_t>(step, 0), options_.n);
+  // KAt fails only for options Create already validated; be generous.
+  const uint64_t target = k.ok() ? *k : options_.n;
+  const uint64_t most =
+      options_.max_pairs_for_k ? options_.max_pairs_for_k(target) : target;
+  return std::min<uint64_t>(end_ - begin_, std::max(most, target));
+}
+
+absl::Status ShardAggregator::PushPairsExhausted(uint32_t worker, int64_t step,
+                                                 uint64_t pairs,
+                                                 uint64_t most) const {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "worker ", worker, " step ", step, ": push of ", pairs,
+      " pairs refused: shard ", options_.shard_id, " accepts at most ", most,
+      " pairs per worker and step (the bound on memory per step: k at this "
+      "step from --density/--density-warmup and --selector's most per k, "
+      "within the shard's range of ", end_ - begin_,
+      "; docs/resource-limits.md)"));
+}
+
 absl::Status ShardAggregator::ValidatePush(const WorkerPush& push) const {
   if (push.worker >= options_.num_workers) {
     return absl::InvalidArgumentError(
@@ -147,6 +168,11 @@ absl::Status ShardAggregator::ValidatePush(const WorkerPush& push) const {
     return absl::InvalidArgumentError(absl::StrCat(
         who, "dense values sent in ", AggregationModeName(options_.mode),
         " mode"));
+  }
+  if (const uint64_t most = MaxPushPairs(push.step);
+      push.sparse.size() > most) {
+    return PushPairsExhausted(push.worker, push.step, push.sparse.size(),
+                              most);
   }
   absl::Status s = ValidateSparseVector(push.sparse, options_.n);
   if (!s.ok()) return absl::InvalidArgumentError(who + std::string(s.message()));

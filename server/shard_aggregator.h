@@ -46,6 +46,10 @@ struct ShardOptions {
   OptimizerOptions optimizer;
   // Longest a round waits for the pushes and the threshold exchange.
   absl::Duration step_timeout = absl::Seconds(30);
+  // The most pairs the workers' selector returns for a target k
+  // (Selector::MaxCount of the cluster's --selector, e.g. 4k/3 for
+  // gaussiank); null: k (exact top-k). Bounds a push (MaxPushPairs).
+  std::function<uint64_t(uint64_t k)> max_pairs_for_k;
 };
 
 // INVALID_ARGUMENT naming the first bad field, or OK.
@@ -140,9 +144,23 @@ class ShardAggregator {
   // The first step not yet applied.
   int64_t next_step() const;
 
+  // Memory per step (docs/resource-limits.md): the most pairs one worker's
+  // sparse push of `step` may carry on this shard, min(end - begin,
+  // max_pairs_for_k(k)) with k = the optimizer's KAt(step, n) (density and
+  // density warm-up). So a round holds at most P x MaxPushPairs pairs: one
+  // push per worker (a repeated push replaces the first) and only the
+  // current step (later steps are refused, never queued). Pure.
+  uint64_t MaxPushPairs(int64_t step) const;
+  // The RESOURCE_EXHAUSTED status for a push of `pairs` > `most`
+  // (MaxPushPairs), naming the bound and the flags it comes from. Pure.
+  absl::Status PushPairsExhausted(uint32_t worker, int64_t step,
+                                  uint64_t pairs, uint64_t most) const;
+
   // Contributes `push` to the round of push.step and waits for its result.
   // Errors: INVALID_ARGUMENT (bad push: rank, range, order, lengths,
-  // non-finite, mode mismatch), FAILED_PRECONDITION (no parameters yet; a
+  // non-finite, mode mismatch), RESOURCE_EXHAUSTED (a sparse push of more
+  // than MaxPushPairs(step) pairs; like a bad push it fails the round for
+  // every worker, none of it applied), FAILED_PRECONDITION (no parameters yet; a
   // step that is neither the current one nor a retry of the last one; for
   // every worker of the round, a step whose update is not finite -- the sum
   // of the pushes overflows, or a parameter or global velocity entry would

@@ -452,13 +452,15 @@ TEST(ServiceTest, OneGtopkStepMatchesReference) {
         InitParams(cluster.stub(s), 0, s, ranges[s].first, range, 7).ok());
   }
 
-  // Seeded local top-k's that overlap, so the sum has shared indices.
+  // Seeded local top-k's that overlap, so the sum has shared indices; 8
+  // pairs per shard (k = 8), as many as a shard accepts from one worker
+  // (docs/resource-limits.md).
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<SparseVector> pushes(2);
   for (uint32_t w = 0; w < 2; ++w) {
     for (uint32_t i = 0; i < n; ++i) {
-      if ((i + w) % 3 != 0) pushes[w].push_back(i, normal(rng));
+      if ((i + w) % 3 != 0 && i % 20 < 12) pushes[w].push_back(i, normal(rng));
     }
   }
   const CodecSpec codec;  // the cluster's: delta-varint + fp32
