@@ -50,6 +50,7 @@ import gzip
 import json
 import math
 import os
+import resource
 import struct
 import sys
 import time
@@ -607,6 +608,9 @@ def train(args, opt, model, device, train_x, train_y, test_x, test_y):
     perm, perm_epoch = None, -1
     step_seconds, compute_seconds, local_seconds = [], [], []
     communication_seconds, push_start_unix, pull_end_unix = [], [], []
+    # This process's CPU time (user + system, all threads) per step, beside
+    # its wall time, as gtopk-worker's summary has it (issue 20).
+    cpu_seconds = []
     # The client's phases per step, as gtopk-worker's summary has them.
     phases = ("accumulate", "select", "encode", "push", "wait", "apply")
     phase_seconds = {name: [] for name in phases}
@@ -618,6 +622,7 @@ def train(args, opt, model, device, train_x, train_y, test_x, test_y):
     while True:  # training, then the final check against the servers
         while step < total_steps:
             t0 = time.monotonic()
+            cpu0 = time.process_time()
             epoch = step // steps_per_epoch
             if not retry:
                 if epoch != perm_epoch:
@@ -657,6 +662,7 @@ def train(args, opt, model, device, train_x, train_y, test_x, test_y):
             compute = t_compute - t0
             opt.record_metrics(compute, seconds, loss_value)
             step_seconds.append(seconds)
+            cpu_seconds.append(time.process_time() - cpu0)
             compute_seconds.append(compute)
             local_seconds.append(st["accumulate_seconds"]
                                  + st["select_seconds"]
@@ -737,6 +743,7 @@ def train(args, opt, model, device, train_x, train_y, test_x, test_y):
     if args.summary_json:
         runs = len(step_seconds)
         per = 1.0 / runs if runs else float("nan")
+        usage = resource.getrusage(resource.RUSAGE_SELF)
         summary = {
             "rank": rank,
             "model": args.model,
@@ -757,6 +764,8 @@ def train(args, opt, model, device, train_x, train_y, test_x, test_y):
             "test_accuracy": json_number(state["test_accuracy"])
             if leader_rank else None,
             "wall_seconds": json_number(wall_seconds),
+            "cpu_user_seconds": json_number(usage.ru_utime),
+            "cpu_system_seconds": json_number(usage.ru_stime),
             "step_seconds_p50": json_number(p50),
             "sent_bytes_per_step": json_number(sent_total * per),
             "received_bytes_per_step": json_number(received_total * per),
@@ -767,6 +776,7 @@ def train(args, opt, model, device, train_x, train_y, test_x, test_y):
                 "step_seconds": [json_number(v) for v in step_seconds],
                 "compute_seconds": [json_number(v) for v in compute_seconds],
                 "local_seconds": [json_number(v) for v in local_seconds],
+                "cpu_seconds": [json_number(v) for v in cpu_seconds],
                 "communication_seconds": [json_number(v) for v in
                                           communication_seconds],
                 **{name + "_seconds": [json_number(v) for v in
