@@ -40,16 +40,17 @@ def merge(out, command):
             runs.append(run)
         if r.get("baseline_single_worker_seconds"):
             baselines[rate] = r["baseline_single_worker_seconds"]
-    for rate in {run["rate"] for run in runs}:  # compute only: any rate's
-        if rate not in baselines and baselines:
-            baselines[rate] = dict(next(iter(baselines.values())),
-                                   measured_at=next(iter(baselines)))
+        # One entry per part: where, when, at which commit and load.
         machines.append(dict(r["machine"], part=os.path.relpath(p, ROOT),
                              date_utc=r["date_utc"],
                              wall_seconds=r["wall_seconds"],
                              git_commit=r["git_commit"],
                              command=r["command"]))
         configs.append(c)
+    for rate in {run["rate"] for run in runs}:  # compute only: any rate's
+        if rate not in baselines and baselines:
+            baselines[rate] = dict(next(iter(baselines.values())),
+                                   measured_at=next(iter(baselines)))
     eff = {}
     for run in runs:
         b = baselines.get(run["rate"], {})
