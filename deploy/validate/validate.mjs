@@ -143,11 +143,18 @@ function podSpecOf(o) {
 function checkContainer(where, c, pod) {
   const bad = (msg) => problems.push(`${where}: container ${c.name}: ${msg}`);
   const grpcPort = (c.ports ?? []).find((p) => p.name === "grpc");
+  // Under mutual TLS the kubelet's probes (no client certificate) use the
+  // plaintext health-only port: a port named "health" that the container
+  // serves with --health-listen=HOST:PORT (docs/security.md).
+  const healthPort = (c.ports ?? []).find((p) => p.name === "health");
+  const healthServed = healthPort && (c.args ?? []).some((a) =>
+    a.startsWith("--health-listen=") && a.endsWith(`:${healthPort.containerPort}`));
+  const probePort = healthServed ? healthPort.containerPort : grpcPort?.containerPort;
   for (const probe of ["startupProbe", "readinessProbe", "livenessProbe"]) {
     const p = c[probe];
     if (!p) { bad(`no ${probe}`); continue; }
-    if (grpcPort && !(p.grpc && (p.grpc.port === grpcPort.containerPort))) {
-      bad(`${probe} must be a grpc probe on port ${grpcPort.containerPort} (grpc.health.v1)`);
+    if (grpcPort && !(p.grpc && (p.grpc.port === probePort))) {
+      bad(`${probe} must be a grpc probe on port ${probePort} (grpc.health.v1${healthServed ? ", the --health-listen port" : ""})`);
     }
   }
   for (const kind of ["requests", "limits"]) {

@@ -957,6 +957,198 @@ class SchemaTest(unittest.TestCase):
                                 "%s: %r not among %s" % (name, expect, lines))
 
 
+K8S_EXAMPLES = sorted(
+    os.path.basename(p) for p in
+    glob.glob(os.path.join(DEPLOY, "k8s", "examples", "*"))
+    if os.path.isfile(os.path.join(p, "kustomization.yaml")))
+TLS_MOUNT = "/etc/gtopk/tls"
+
+
+def render_example(name):
+    """kubectl kustomize deploy/k8s/examples/NAME -> (path, objects)."""
+    key = "examples/" + name
+    if key not in _render_cache:
+        render("cpu")  # checks kubectl's kustomize version once
+        r = run([need("kubectl"), "kustomize",
+                 os.path.join(DEPLOY, "k8s", "examples", name)])
+        if r.returncode != 0:
+            raise AssertionError("kubectl kustomize examples/%s failed:\n%s"
+                                 % (name, r.stderr))
+        path = os.path.join(_rendered_dir(), "example-%s.yaml" % name)
+        with open(path, "w") as f:
+            f.write(r.stdout)
+        _render_cache[key] = (path, [o for o in yaml.safe_load_all(r.stdout)
+                                     if o])
+    return _render_cache[key]
+
+
+class TlsExamplesTest(unittest.TestCase):
+    """deploy/k8s/examples/{mtls,cert-manager} (docs/security.md,
+    "Kubernetes"): the cpu overlay with the mtls component, and with
+    cert-manager issuing the certificates. Rendered offline like the
+    overlays; every file a --tls flag names must be in the mounted volume,
+    every Secret it comes from made by the one-shot step or a Certificate."""
+
+    def setUp(self):
+        self.S = int(read_env()["GTOPK_SHARDS"])
+
+    def test_examples_exist(self):
+        self.assertEqual(K8S_EXAMPLES, ["cert-manager", "mtls"])
+
+    def tls_args(self, c):
+        args = c.get("args", [])
+        flags = [a for a in args if a.startswith("--tls=")]
+        self.assertEqual(flags, ["--tls=mutual"], args)
+        return {a.split("=", 1)[0]: a.split("=", 1)[1] for a in args
+                if a.startswith(("--tls-", "--health-listen="))}
+
+    def mounted_files(self, obj, c, secrets):
+        """The file names the container's TLS volume provides, per source
+        Secret (secrets[name] = its keys, None: any key, a generic Secret
+        made by kubectl --from-file)."""
+        mounts = [m for m in c.get("volumeMounts", [])
+                  if m["mountPath"] == TLS_MOUNT]
+        self.assertEqual(len(mounts), 1, c.get("volumeMounts"))
+        self.assertTrue(mounts[0].get("readOnly"), mounts[0])
+        vols = [v for v in obj["spec"]["template"]["spec"]["volumes"]
+                if v["name"] == mounts[0]["name"]]
+        self.assertEqual(len(vols), 1)
+        v = vols[0]
+        sources = ([{"secret": dict(src["secret"], secretName=src["secret"][
+            "name"])} for src in v["projected"]["sources"]]
+                   if "projected" in v else [v])
+        files = {}
+        for src in sources:
+            sec = src["secret"]
+            self.assertIn(sec["secretName"], secrets, sec)
+            items = sec.get("items")
+            if items is None:
+                files[sec["secretName"]] = None
+            else:
+                keys = secrets[sec["secretName"]]
+                for it in items:
+                    if keys is not None:
+                        self.assertIn(it["key"], keys, it)
+                    files.setdefault(sec["secretName"], set()).add(it["path"])
+        return files
+
+    def check_example(self, name, secrets):
+        _, objs = render_example(name)
+        sts = one(objs, "StatefulSet", "gtopk-shard")
+        job = one(objs, "Job", "gtopk-worker")
+        shard = sts["spec"]["template"]["spec"]["containers"][0]
+        worker = job["spec"]["template"]["spec"]["containers"][0]
+        sa = self.tls_args(shard)
+        self.assertEqual(sa, {
+            "--tls-cert": TLS_MOUNT + "/shard-$(SHARD_ID).crt",
+            "--tls-key": TLS_MOUNT + "/shard-$(SHARD_ID).key",
+            "--tls-ca": TLS_MOUNT + "/ca.crt",
+            "--health-listen": "0.0.0.0:50052"})
+        # The kubelet's grpc probes present no certificate: the plaintext
+        # health-only port.
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            self.assertEqual(shard[probe]["grpc"]["port"], 50052, probe)
+        self.assertIn(50052, [p["containerPort"] for p in shard["ports"]])
+        wa = self.tls_args(worker)
+        self.assertEqual(wa, {"--tls-cert": TLS_MOUNT + "/worker.crt",
+                              "--tls-key": TLS_MOUNT + "/worker.key",
+                              "--tls-ca": TLS_MOUNT + "/ca.crt"})
+        # Every file the flags name is provided, for every shard id.
+        need_shard = {"ca.crt"} | {"shard-%d.%s" % (i, ext)
+                                   for i in range(self.S)
+                                   for ext in ("crt", "key")}
+        for obj, c, want in ((sts, shard, need_shard),
+                             (job, worker, {"ca.crt", "worker.crt",
+                                            "worker.key"})):
+            files = self.mounted_files(obj, c, secrets)
+            if None in files.values():
+                continue  # a generic Secret: its keys are the docs' files
+            self.assertEqual(set().union(*files.values()), want, files)
+        return objs
+
+    def test_mtls_mounts_the_one_shot_secrets(self):
+        objs = self.check_example("mtls", {"gtopk-tls-shards": None,
+                                           "gtopk-tls-workers": None})
+        self.assertEqual(find(objs, "Certificate"), [])
+        # The one-shot step in docs/security.md makes exactly these Secrets
+        # with these files.
+        with open(os.path.join(ROOT, "docs", "security.md")) as f:
+            doc = f.read()
+        for i in range(self.S):
+            for ext in ("crt", "key"):
+                self.assertIn("--from-file=tls/shard-%d.%s" % (i, ext), doc)
+        for f_ in ("ca.crt", "worker.crt", "worker.key"):
+            self.assertIn("--from-file=tls/" + f_, doc)
+
+    def test_cert_manager_issues_every_mounted_secret(self):
+        _, objs = render_example("cert-manager")
+        certs = {c["spec"]["secretName"]: c
+                 for c in find(objs, "Certificate")}
+        issuers = {i["metadata"]["name"]: i for i in find(objs, "Issuer")}
+        # cert-manager writes tls.crt, tls.key and ca.crt into each Secret.
+        self.check_example("cert-manager", {
+            name: {"tls.crt", "tls.key", "ca.crt"} for name in certs})
+        sts = one(objs, "StatefulSet", "gtopk-shard")
+        svc = sts["spec"]["serviceName"]
+        vol = [v for v in sts["spec"]["template"]["spec"]["volumes"]
+               if "projected" in v][0]
+        for src in vol["projected"]["sources"]:
+            cert = certs[src["secret"]["name"]]["spec"]
+            paths = {it["path"] for it in src["secret"]["items"]}
+            shard_files = [p for p in paths if p.startswith("shard-")]
+            self.assertTrue(shard_files, paths)
+            sid = int(shard_files[0].split("-")[1].split(".")[0])
+            # The CN is the role the server checks; the SANs what the
+            # shards are dialled at (the headless Service's pod names).
+            self.assertEqual(cert["commonName"], "gtopk-shard-%d" % sid)
+            self.assertIn("gtopk-shard-%d.%s.gtopk.svc" % (sid, svc),
+                          cert["dnsNames"])
+            self.assertEqual(set(cert["usages"]),
+                             {"server auth", "client auth"})
+        worker = [c["spec"] for c in certs.values()
+                  if c["spec"].get("commonName") == "gtopk-worker"]
+        self.assertEqual(len(worker), 1)
+        self.assertEqual(worker[0]["usages"], ["client auth"])
+        # Every certificate chains to one CA issued by the self-signed root.
+        for c in certs.values():
+            ref = c["spec"]["issuerRef"]
+            self.assertEqual(ref["kind"], "Issuer")
+            self.assertIn(ref["name"], issuers)
+        ca_issuer = issuers["gtopk-ca"]["spec"]["ca"]["secretName"]
+        self.assertTrue(certs[ca_issuer]["spec"]["isCA"])
+
+    def test_examples_pass_the_validator(self):
+        # The validator has no cert-manager schemas: its objects are
+        # checked above; everything else goes through it as the overlays.
+        paths = []
+        for name in K8S_EXAMPLES:
+            _, objs = render_example(name)
+            path = os.path.join(_rendered_dir(),
+                                "example-%s-core.yaml" % name)
+            with open(path, "w") as f:
+                yaml.safe_dump_all(
+                    [o for o in objs if not o["apiVersion"].startswith(
+                        "cert-manager.io/")], f)
+            paths.append(path)
+        r = SchemaTest.validate(self, paths)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn("schemas, fields and container rules OK", r.stdout)
+        # Not a rubber stamp: probes on port 50052 when nothing serves the
+        # health-only port there (--health-listen dropped) are reported.
+        _, objs = render_example("mtls")
+        sts = copy.deepcopy(one(objs, "StatefulSet", "gtopk-shard"))
+        c = sts["spec"]["template"]["spec"]["containers"][0]
+        c["args"] = [a for a in c["args"]
+                     if not a.startswith("--health-listen=")]
+        path = os.path.join(_rendered_dir(), "example-broken.yaml")
+        with open(path, "w") as f:
+            json.dump(sts, f)
+        r = SchemaTest.validate(self, [path])
+        self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
+        self.assertIn("readinessProbe must be a grpc probe on port %d"
+                      % GRPC_PORT, r.stderr)
+
+
 class PromtoolTest(unittest.TestCase):
     def test_every_prometheus_config_checks(self):
         exe = need("promtool")
