@@ -38,6 +38,7 @@
 #include "common/host_port.h"
 #include "common/metrics/exposer.h"
 #include "common/metrics/process_collector.h"
+#include "common/transport_security.h"
 #include "worker/cancellation.h"
 #include "worker/client.h"
 #include "worker/worker_metrics.h"
@@ -233,9 +234,39 @@ class Client {
  public:
   Client(const std::string& leader, uint64_t n, int rank, double rpc_timeout,
          double step_watchdog_margin, int metrics_port,
-         const std::string& metrics_host)
+         const std::string& metrics_host, const std::string& tls,
+         const std::string& tls_cert, const std::string& tls_key,
+         const std::string& tls_ca, const std::string& token_file)
       : cancellation_(std::make_shared<Cancellation>()) {
     worker::ClientOptions o;
+    // Transport security first (docs/security.md): a bad file is a clear
+    // error before anything is bound or dialled; plaintext only when asked.
+    {
+      if (tls.empty()) {
+        Raise(absl::InvalidArgumentError(
+            "tls is required: 'mutual' (with tls_cert, tls_key, tls_ca), "
+            "'server' (with tls_ca), or 'off' for plaintext on a trusted "
+            "network (docs/security.md)"));
+      }
+      TransportSecurityOptions so;
+      absl::StatusOr<TlsMode> mode = ParseTlsMode(tls);
+      if (!mode.ok()) {
+        Raise(absl::InvalidArgumentError(
+            absl::StrCat("tls: ", mode.status().message())));
+      }
+      so.tls = *mode;
+      so.cert_file = tls_cert;
+      so.key_file = tls_key;
+      so.ca_file = tls_ca;
+      so.token_file = token_file;
+      o.security = ValueOrRaise(
+          TransportSecurity::Load(so, SecurityRole::kWorker));
+      const std::string warning = o.security->Warning();
+      if (!warning.empty()) {
+        py::print(absl::StrCat("gtopk: ", warning),
+                  py::arg("file") = py::module_::import("sys").attr("stderr"));
+      }
+    }
     o.leader_address = leader;
     o.n = n;
     o.requested_rank = rank;
@@ -500,17 +531,32 @@ gtopk.errors.Error subclasses carrying the status code and the servers'
 message. Not thread-safe: one call at a time (a concurrent call raises
 FailedPrecondition).)doc")
       .def(py::init<const std::string&, uint64_t, int, double, double, int,
-                    const std::string&>(),
+                    const std::string&, const std::string&,
+                    const std::string&, const std::string&,
+                    const std::string&, const std::string&>(),
            py::arg("leader"), py::arg("n"), py::arg("rank") = -1,
            py::arg("rpc_timeout") = 30.0,
            py::arg("step_watchdog_margin") = 2.0, py::arg("metrics_port") = 0,
-           py::arg("metrics_host") = "0.0.0.0",
+           py::arg("metrics_host") = "0.0.0.0", py::kw_only(),
+           py::arg("tls"), py::arg("tls_cert") = "", py::arg("tls_key") = "",
+           py::arg("tls_ca") = "", py::arg("token_file") = "",
            "Joins the cluster at `leader` (host:port) with n parameters and "
            "the requested rank (-1: any). Blocks up to rpc_timeout seconds "
            "per RPC. metrics_port > 0 serves the worker metrics "
-           "(docs/metrics.md) there. Raises FailedPrecondition for another "
-           "n or a taken rank, DeadlineExceeded/Unavailable when the leader "
-           "cannot be reached, InvalidArgument for bad arguments.")
+           "(docs/metrics.md) there. Transport security (docs/security.md), "
+           "as gtopk-worker's flags: tls is required, 'mutual' (tls_cert, "
+           "tls_key: this worker's PEM certificate, CN gtopk-worker or "
+           "gtopk-worker-<rank>, and key; tls_ca: the PEM CA bundle the "
+           "shards' certificates chain to), 'server' (tls_ca) or 'off' "
+           "(plaintext: a WARNING on stderr); token_file: a file holding "
+           "the workers' shared token (never the token itself). The files "
+           "are read once, here. Raises InvalidArgument for bad arguments "
+           "or security files (unreadable, not PEM, expired, key not "
+           "matching, not signed by tls_ca), FailedPrecondition for "
+           "another n or a taken rank, DeadlineExceeded/Unavailable when "
+           "the leader cannot be reached (also when the TLS handshake is "
+           "refused), Unauthenticated/PermissionDenied when the servers "
+           "refuse the credentials.")
       .def_property_readonly("rank", &Client::rank)
       .def_property_readonly("num_workers", &Client::num_workers)
       .def_property_readonly("num_shards", &Client::num_shards)

@@ -105,7 +105,8 @@ def worker_main(a):
         final = opt.flat_parameters().numpy().copy()
         opt.close()
     else:
-        c = gtopk.Client(a.leader, n, rank=a.rank, rpc_timeout=120.0)
+        c = gtopk.Client(a.leader, n, rank=a.rank, rpc_timeout=120.0,
+                         tls="off")
         p = init.numpy().copy()
         g = grad.numpy()
         c.synchronize_parameters(p)

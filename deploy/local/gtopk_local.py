@@ -446,9 +446,7 @@ def parse_args(argv):
                    help="mutual: a throwaway CA and certificates "
                    "(deploy/tls/make-certs.sh) in runs/NAME/tls/ and mutual "
                    "TLS on every hop; off: plaintext (the processes print a "
-                   "WARNING). Default: mutual with --worker=cpp, off with "
-                   "--worker=python (the Python package has no TLS options "
-                   "yet)")
+                   "WARNING). Default: mutual")
     p.add_argument("--step-timeout", default="60s",
                    help="servers' --step-timeout (Abseil duration)")
     p.add_argument("--checkpoint-every", type=int, default=None,
@@ -542,7 +540,7 @@ class Launcher:
         self.prometheus = None    # Child, when started
         self.prometheus_url = None
         # Transport security (docs/security.md): certificates in tls_dir.
-        self.tls = args.tls or ("mutual" if args.worker == "cpp" else "off")
+        self.tls = args.tls or "mutual"
         self.tls_dir = os.path.join(self.run_dir, "tls")
 
     @property
@@ -553,9 +551,6 @@ class Launcher:
     # -- set-up -------------------------------------------------------------
 
     def check(self):
-        if self.tls == "mutual" and self.args.worker == "python":
-            raise UsageError("--tls=mutual needs --worker=cpp: the Python "
-                             "package has no TLS options yet; pass --tls=off")
         binaries = [("server", self.server_bin)]
         if self.args.worker == "cpp":
             binaries.append(("worker", self.worker_bin))
@@ -745,8 +740,8 @@ class Launcher:
                 argv.append("--%s=%d" % (flag.replace("_", "-"), v))
         if a.data_dir:
             argv.append("--data-dir=%s" % os.path.abspath(a.data_dir))
-        if a.worker == "cpp":
-            argv += self.tls_flags("worker-%d" % rank)
+        # The example takes gtopk-worker's --tls flags too.
+        argv += self.tls_flags("worker-%d" % rank)
         return argv
 
     def write_pids(self):
@@ -992,6 +987,7 @@ class Launcher:
             "shards": a.shards,
             "model": r0.get("model", a.model),
             "worker": a.worker,
+            "tls": self.tls,
             "n": r0.get("n"),
             "density": a.density,
             "density_warmup": a.density_warmup,

@@ -38,7 +38,10 @@ downloaded.
 Environment (when the flags are not given): ``GTOPK_LEADER`` (or
 ``GTOPK_SERVER``) for ``--server``; ``RANK`` or ``JOB_COMPLETION_INDEX`` for
 ``--rank``; ``WORLD_SIZE`` is checked against the cluster;
-``GTOPK_METRICS_PORT`` for ``--metrics-port``.
+``GTOPK_METRICS_PORT`` for ``--metrics-port``; ``GTOPK_TLS``,
+``GTOPK_TLS_CERT``, ``GTOPK_TLS_KEY``, ``GTOPK_TLS_CA`` and
+``GTOPK_TOKEN_FILE`` for the transport-security flags (as gtopk-worker's,
+docs/security.md; ``--tls`` or ``GTOPK_TLS`` is required).
 
 Exit status: 0 on success; 1 on an error (printed as ``CODE: message`` on
 stderr), including final parameters that differ from the servers'; 2 for
@@ -127,6 +130,21 @@ def parse_args(argv):
                    help="serve the worker metrics on this port (0: off; "
                    "default $GTOPK_METRICS_PORT, else off)")
     p.add_argument("--metrics-host", default="0.0.0.0")
+    # Transport security (docs/security.md), as gtopk-worker's flags.
+    p.add_argument("--tls", default=None, choices=["off", "server", "mutual"],
+                   help="required (or $GTOPK_TLS): mutual TLS, TLS, or off "
+                   "(plaintext on a trusted network, with a WARNING)")
+    p.add_argument("--tls-cert", default=None,
+                   help="PEM certificate of this worker (CN gtopk-worker or "
+                   "gtopk-worker-<rank>); default $GTOPK_TLS_CERT")
+    p.add_argument("--tls-key", default=None,
+                   help="PEM key of --tls-cert; default $GTOPK_TLS_KEY")
+    p.add_argument("--tls-ca", default=None,
+                   help="PEM CA bundle of the shards' certificates; default "
+                   "$GTOPK_TLS_CA")
+    p.add_argument("--token-file", default=None,
+                   help="file holding the workers' shared token (never the "
+                   "token itself); default $GTOPK_TOKEN_FILE")
     p.add_argument("--rpc-timeout-s", type=float, default=60,
                    help="deadline of the join and of each parameter RPC")
     p.add_argument("--recovery-timeout", type=float, default=None,
@@ -533,7 +551,9 @@ def run(args, cpu_note):
         momentum_mode=args.momentum_mode, index_codec=args.index_codec,
         value_codec=args.value_codec, rpc_timeout=args.rpc_timeout_s,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-        recovery_timeout=args.recovery_timeout,
+        recovery_timeout=args.recovery_timeout, tls=args.tls,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+        token_file=args.token_file,
         record_step_metrics=False)  # recorded below, with the compute time
     with opt:
         return train(args, opt, model, device, train_x, train_y, test_x,

@@ -6,8 +6,10 @@ client (``worker/client.h``) plus, in :mod:`gtopk.torch`, a PyTorch
 optimizer that makes one training step one gTop-k step::
 
     import gtopk.torch
-    opt = gtopk.torch.DistributedOptimizer(model.parameters(), lr=0.05,
-                                           momentum=0.9)   # joins the cluster
+    opt = gtopk.torch.DistributedOptimizer(    # joins the cluster
+        model.parameters(), lr=0.05, momentum=0.9,
+        tls="mutual", tls_cert="worker.crt", tls_key="worker.key",
+        tls_ca="ca.crt")         # or GTOPK_TLS=... (docs/security.md)
     for x, y in loader:
         opt.zero_grad()
         loss_fn(model(x), y).backward()

@@ -221,6 +221,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         timeout before a stalled shard is cancelled.
       record_step_metrics: record every successful step in the metrics
         (when ``metrics_port`` is on).
+      tls: transport security (docs/security.md), as gtopk-worker's
+        ``--tls``: ``"mutual"`` (mTLS: ``tls_cert``/``tls_key`` are this
+        worker's PEM certificate, CN ``gtopk-worker`` or
+        ``gtopk-worker-<rank>``, and key; ``tls_ca`` the PEM CA bundle the
+        shards' certificates chain to), ``"server"`` (TLS, ``tls_ca``) or
+        ``"off"`` (plaintext, for a trusted network only: a WARNING on
+        stderr). Required: default ``$GTOPK_TLS``; neither given is a
+        ``ValueError`` (plaintext only when said explicitly).
+      tls_cert, tls_key, tls_ca, token_file: file paths; default
+        ``$GTOPK_TLS_CERT``, ``$GTOPK_TLS_KEY``, ``$GTOPK_TLS_CA``,
+        ``$GTOPK_TOKEN_FILE``. ``token_file`` holds the workers' shared token
+        (the secret itself is never an argument or an environment value).
 
     Raises (construction): ``ValueError`` / ``TypeError`` for bad arguments
     (before joining); :class:`gtopk.Unimplemented` for CUDA parameters in a
@@ -237,7 +249,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  index_codec=None, value_codec=None, rpc_timeout=30.0,
                  metrics_port=None, metrics_host="0.0.0.0",
                  recovery_timeout=None, step_watchdog_margin=2.0,
-                 record_step_metrics=True):
+                 record_step_metrics=True, tls=None, tls_cert=None,
+                 tls_key=None, tls_ca=None, token_file=None):
         self._client = None
         self._frozen = False
         # -- arguments and environment (no RPC yet) ------------------------
@@ -249,6 +262,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "gtopk: no leader address: pass leader='host:port' or set "
                 "GTOPK_LEADER (or GTOPK_SERVER) to the leader shard's "
                 "host:port")
+        security = {}
+        for name, value, env in (("tls", tls, "GTOPK_TLS"),
+                                 ("tls_cert", tls_cert, "GTOPK_TLS_CERT"),
+                                 ("tls_key", tls_key, "GTOPK_TLS_KEY"),
+                                 ("tls_ca", tls_ca, "GTOPK_TLS_CA"),
+                                 ("token_file", token_file,
+                                  "GTOPK_TOKEN_FILE")):
+            if value is None:
+                value = os.environ.get(env, "")
+            if not isinstance(value, (str, os.PathLike)):
+                raise TypeError("gtopk: %s must be a string or path, got %r"
+                                % (name, value))
+            security[name] = os.fspath(value)
+        if not security["tls"]:
+            raise ValueError(
+                "gtopk: tls is required: pass tls='mutual' (with tls_cert, "
+                "tls_key, tls_ca), tls='server' (with tls_ca) or tls='off' "
+                "for plaintext on a trusted network, or set GTOPK_TLS "
+                "(docs/security.md)")
+        if security["tls"] not in ("off", "server", "mutual"):
+            raise ValueError("gtopk: tls must be 'off', 'server' or "
+                             "'mutual', got %r" % security["tls"])
         if rank is None:
             _, rank = _env_int(("RANK", "JOB_COMPLETION_INDEX"))
             if rank is None:
@@ -347,7 +382,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._client = gtopk.Client(
             str(leader), n, rank, rpc_timeout=float(rpc_timeout),
             step_watchdog_margin=float(step_watchdog_margin),
-            metrics_port=metrics_port, metrics_host=str(metrics_host))
+            metrics_port=metrics_port, metrics_host=str(metrics_host),
+            **security)
         try:
             self._cluster = dict(self._client.cluster())
             c = self._cluster

@@ -435,6 +435,11 @@ class PythonWorkerTest(LauncherCase):
             s = self.load(worker, "summary.json")
             self.assertTrue(s["replica_checksums_match"], s)
             self.assertEqual(s["worker"], worker)
+            # Both kinds of worker over mutual TLS (the default).
+            self.assertEqual(s["tls"], "mutual")
+            with open(os.path.join(self.run_dir(worker),
+                                   "worker-0.log")) as f:
+                self.assertNotIn("WARNING: --tls=off", f.read())
             summaries[worker] = s
             with open(os.path.join(self.run_dir(worker),
                                    "worker-0.log")) as f:

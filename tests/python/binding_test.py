@@ -121,7 +121,8 @@ class ClusterTest(cu.KeepLogsOnFailure, unittest.TestCase):
     def server_params(self, leader, n=N, rank=0):
         """The servers' parameters: a download by a fresh client that
         re-joins as `rank` (its worker is gone)."""
-        c = gtopk.Client(leader, n, rank=rank, rpc_timeout=RPC_TIMEOUT)
+        c = gtopk.Client(leader, n, rank=rank, rpc_timeout=RPC_TIMEOUT,
+                         tls="off")
         try:
             scratch = np.zeros(n, np.float32)
             step = c.synchronize_parameters(scratch)
@@ -134,7 +135,8 @@ class ClusterTest(cu.KeepLogsOnFailure, unittest.TestCase):
     def python_worker(self, leader, rank, grads, steps, out, errors,
                       n=N):
         try:
-            c = gtopk.Client(leader, n, rank=rank, rpc_timeout=RPC_TIMEOUT)
+            c = gtopk.Client(leader, n, rank=rank, rpc_timeout=RPC_TIMEOUT,
+                             tls="off")
             try:
                 p = initial_params(n) if rank == 0 else np.zeros(n,
                                                                 np.float32)
@@ -290,11 +292,12 @@ class ErrorTest(ClusterTest):
 
     def test_wrong_n(self):
         srv = self.start_servers(1, 2, mode="gtopk")
-        a = gtopk.Client(srv.leader, N, rank=0, rpc_timeout=RPC_TIMEOUT)
+        a = gtopk.Client(srv.leader, N, rank=0, rpc_timeout=RPC_TIMEOUT,
+                         tls="off")
         try:
             with self.assertRaises(gtopk.FailedPrecondition) as cm:
                 gtopk.Client(srv.leader, N - 1, rank=1,
-                             rpc_timeout=RPC_TIMEOUT)
+                             rpc_timeout=RPC_TIMEOUT, tls="off")
             self.assertError(cm, gtopk.FailedPrecondition,
                              gtopk.StatusCode.FAILED_PRECONDITION,
                              "n = %d" % (N - 1), "n = %d" % N)
@@ -305,7 +308,8 @@ class ErrorTest(ClusterTest):
         port = cu.free_ports(1)[0]
         t0 = time.monotonic()
         with self.assertRaises(gtopk.Error) as cm:
-            gtopk.Client("%s:%d" % (cu.LOOPBACK, port), N, rpc_timeout=1.0)
+            gtopk.Client("%s:%d" % (cu.LOOPBACK, port), N, rpc_timeout=1.0,
+                         tls="off")
         elapsed = time.monotonic() - t0
         self.assertIsInstance(cm.exception,
                               (gtopk.DeadlineExceeded, gtopk.Unavailable))
@@ -316,7 +320,8 @@ class ErrorTest(ClusterTest):
         self.assertLess(elapsed, 3.0, "rpc_timeout=1 s but %.1f s" % elapsed)
 
     def joined(self, srv, rank=0, n=N):
-        c = gtopk.Client(srv.leader, n, rank=rank, rpc_timeout=RPC_TIMEOUT)
+        c = gtopk.Client(srv.leader, n, rank=rank, rpc_timeout=RPC_TIMEOUT,
+                         tls="off")
         self.addCleanup(c.close)
         p = initial_params(n) if rank == 0 else np.zeros(n, np.float32)
         c.synchronize_parameters(p)
@@ -428,11 +433,90 @@ class ErrorTest(ClusterTest):
         c.close()  # twice is fine
 
 
+class TlsTest(ClusterTest):
+    """The Python client's transport security (docs/security.md) against
+    real shards over loopback: mutual TLS accepted, the wrong certificate,
+    a plaintext client and a bad file refused with a clear error and no
+    hang."""
+
+    def setUp(self):
+        super().setUp()
+        self.tls = cu.make_certs(os.path.join(self.dir, "tls"), 1, 2)
+
+    def files(self, who, tls=None):
+        d = tls or self.tls
+        return dict(tls="mutual", tls_cert=os.path.join(d, who + ".crt"),
+                    tls_key=os.path.join(d, who + ".key"),
+                    tls_ca=os.path.join(d, "ca.crt"))
+
+    def test_mutual_tls_trains_and_refuses_others(self):
+        srv = self.start_servers(1, 2, mode="gtopk", tls_dir=self.tls)
+        c = gtopk.Client(srv.leader, N, rank=0, rpc_timeout=RPC_TIMEOUT,
+                         **self.files("worker-0"))
+        self.addCleanup(c.close)
+        self.assertEqual(c.rank, 0)
+        params = np.zeros(N, dtype=np.float32)
+        self.assertEqual(c.synchronize_parameters(params), 0)
+        # A certificate pinned to rank 1 cannot join as rank 0: refused by
+        # the server, nothing joined.
+        with self.assertRaises(gtopk.PermissionDenied) as cm:
+            gtopk.Client(srv.leader, N, rank=0, rpc_timeout=5.0,
+                         **self.files("worker-1"))
+        self.assertIn("gtopk-worker-1", cm.exception.message)
+        # Another cluster's certificates (another CA, trusted by the
+        # client): the handshake fails, quickly.
+        other = cu.make_certs(os.path.join(self.dir, "other"), 1, 2)
+        for kwargs in (self.files("worker-1", tls=other),
+                       dict(tls="off")):
+            t0 = time.monotonic()
+            with self.assertRaises(gtopk.Error) as cm:
+                gtopk.Client(srv.leader, N, rank=1, rpc_timeout=2.0,
+                             **kwargs)
+            self.assertIn(cm.exception.code,
+                          (gtopk.StatusCode.UNAVAILABLE,
+                           gtopk.StatusCode.DEADLINE_EXCEEDED), kwargs)
+            self.assertLess(time.monotonic() - t0, 10.0, kwargs)
+        # The legitimate worker still steps with rank 1's certificate.
+        c1 = gtopk.Client(srv.leader, N, rank=1, rpc_timeout=RPC_TIMEOUT,
+                          **self.files("worker-1"))
+        self.addCleanup(c1.close)
+        self.assertEqual(c1.rank, 1)
+
+    def test_arguments_checked_before_dialling(self):
+        port = cu.free_ports(1)[0]  # nothing listens: no dial may happen
+        leader = "%s:%d" % (cu.LOOPBACK, port)
+        with self.assertRaises(TypeError):  # tls is a required keyword
+            gtopk.Client(leader, N)
+        cases = [
+            (dict(tls=""), "tls is required"),
+            (dict(tls="plain"), "plain"),
+            (dict(self.files("worker-0"),
+                  tls_cert=os.path.join(self.dir, "missing.crt")),
+             "missing.crt"),
+            (dict(self.files("worker-0"),
+                  tls_key=os.path.join(self.tls, "worker-1.key")),
+             "tls-key"),
+            (dict(tls="off", tls_ca=os.path.join(self.tls, "ca.crt")),
+             "--tls=off"),
+        ]
+        # A certificate that does not chain to tls_ca: refused at load.
+        other = cu.make_certs(os.path.join(self.dir, "other"), 1, 1)
+        cases.append((dict(self.files("worker-0", tls=other),
+                           tls_ca=os.path.join(self.tls, "ca.crt")),
+                      "worker-0.crt"))
+        for kwargs, fragment in cases:
+            with self.assertRaises(gtopk.InvalidArgument,
+                                   msg=str(kwargs)) as cm:
+                gtopk.Client(leader, N, rpc_timeout=1.0, **kwargs)
+            self.assertIn(fragment, cm.exception.message, kwargs)
+
+
 class RecoverTest(ClusterTest):
 
     def test_recover_after_missing_peer(self):
         srv = self.start_servers(1, 2, mode="gtopk", step_timeout="2s")
-        c = gtopk.Client(srv.leader, N, rank=0, rpc_timeout=RPC_TIMEOUT)
+        c = gtopk.Client(srv.leader, N, rank=0, rpc_timeout=RPC_TIMEOUT,
+                         tls="off")
         self.addCleanup(c.close)
         p = initial_params()
         self.assertEqual(c.synchronize_parameters(p), 0)
@@ -474,7 +558,8 @@ class RecoverTest(ClusterTest):
         os.mkdir(ckpt)
         srv = self.start_servers(1, 2, mode="gtopk", step_timeout="1s",
                                  checkpoint_dir=ckpt, checkpoint_every=1)
-        c = gtopk.Client(srv.leader, N, rank=0, rpc_timeout=RPC_TIMEOUT)
+        c = gtopk.Client(srv.leader, N, rank=0, rpc_timeout=RPC_TIMEOUT,
+                         tls="off")
         self.addCleanup(c.close)
         p = initial_params()
         c.synchronize_parameters(p)
@@ -521,7 +606,8 @@ class StateRoundTripTest(ClusterTest):
         flags = dict(mode="gtopk", momentum_mode="dgc")
         # Uninterrupted: 6 steps.
         srv = self.start_servers(1, 1, **flags)
-        c = gtopk.Client(srv.leader, N, rank=0, rpc_timeout=RPC_TIMEOUT)
+        c = gtopk.Client(srv.leader, N, rank=0, rpc_timeout=RPC_TIMEOUT,
+                         tls="off")
         p_ref = initial_params()
         c.synchronize_parameters(p_ref)
         self.run_steps(c, p_ref, 0, 6)
@@ -530,7 +616,8 @@ class StateRoundTripTest(ClusterTest):
         srv.stop()
         # Interrupted after 3: state, close, join again, load, 3 more.
         srv = self.start_servers(1, 1, **flags)
-        c = gtopk.Client(srv.leader, N, rank=0, rpc_timeout=RPC_TIMEOUT)
+        c = gtopk.Client(srv.leader, N, rank=0, rpc_timeout=RPC_TIMEOUT,
+                         tls="off")
         p = initial_params()
         c.synchronize_parameters(p)
         self.run_steps(c, p, 0, 3)
@@ -539,7 +626,8 @@ class StateRoundTripTest(ClusterTest):
         self.assertTrue(np.any(saved["residual"]))
         self.assertTrue(np.any(saved["velocity"]))
         c.close()
-        c = gtopk.Client(srv.leader, N, rank=0, rpc_timeout=RPC_TIMEOUT)
+        c = gtopk.Client(srv.leader, N, rank=0, rpc_timeout=RPC_TIMEOUT,
+                         tls="off")
         self.addCleanup(c.close)
         q = np.zeros(N, np.float32)
         self.assertEqual(c.synchronize_parameters(q), 3)
@@ -559,13 +647,15 @@ class StateRoundTripTest(ClusterTest):
                                 "final velocity")
         # Without the state the run differs (the test can tell).
         srv2 = self.start_servers(1, 1, **flags)
-        c2 = gtopk.Client(srv2.leader, N, rank=0, rpc_timeout=RPC_TIMEOUT)
+        c2 = gtopk.Client(srv2.leader, N, rank=0, rpc_timeout=RPC_TIMEOUT,
+                          tls="off")
         self.addCleanup(c2.close)
         p2 = initial_params()
         c2.synchronize_parameters(p2)
         self.run_steps(c2, p2, 0, 3)
         c2.close()
-        c2 = gtopk.Client(srv2.leader, N, rank=0, rpc_timeout=RPC_TIMEOUT)
+        c2 = gtopk.Client(srv2.leader, N, rank=0, rpc_timeout=RPC_TIMEOUT,
+                          tls="off")
         self.addCleanup(c2.close)
         c2.synchronize_parameters(p2)
         self.run_steps(c2, p2, 3, 6)

@@ -3,7 +3,7 @@ and worker subprocesses on loopback, each in its own process group, always
 killed (SIGKILL to the group) when the test is done.
 
     with Servers(num_shards=2, workers=3, log_dir=d, mode="gtopk") as srv:
-        client = gtopk.Client(srv.leader, n, rank=0)
+        client = gtopk.Client(srv.leader, n, rank=0, tls="off")
 
 Paths: GTOPK_BUILD_DIR (set by ctest) or <repo>/build.
 Standard library only.
@@ -127,11 +127,17 @@ class Servers:
     flags: cluster flags as keyword arguments, underscores for dashes
     (mode="gtopk", selection="quota", density=0.01, step_timeout="30s",
     momentum_mode="dgc", ...). Every shard gets the same ones.
+    tls_dir: a directory made by deploy/tls/make-certs.sh: every shard runs
+    with --tls=mutual and its own certificate (shard-<s>.crt); None: the
+    shards run with --tls=off (plaintext, said explicitly) unless the flags
+    name --tls.
     """
 
     DEFAULTS = {"step_timeout": "30s", "drain_timeout": "0s", "seed": 1}
 
-    def __init__(self, num_shards, workers, log_dir, name="srv", **flags):
+    def __init__(self, num_shards, workers, log_dir, name="srv",
+                 tls_dir=None, **flags):
+        self.tls_dir = tls_dir
         self.num_shards = num_shards
         self.workers = workers
         self.log_dir = log_dir
@@ -154,6 +160,15 @@ class Servers:
              "--peers=%s" % ",".join(self.addresses)]
         for k, v in sorted(self.flags.items()):
             a.append("--%s=%s" % (k.replace("_", "-"), v))
+        if self.tls_dir:
+            a += ["--tls=mutual",
+                  "--tls-cert=%s" % os.path.join(self.tls_dir,
+                                                 "shard-%d.crt" % shard),
+                  "--tls-key=%s" % os.path.join(self.tls_dir,
+                                                "shard-%d.key" % shard),
+                  "--tls-ca=%s" % os.path.join(self.tls_dir, "ca.crt")]
+        elif "tls" not in self.flags:
+            a.append("--tls=off")
         return a
 
     def start(self, attempts=3, ready_timeout=30.0):
@@ -209,6 +224,16 @@ class Servers:
     def __exit__(self, *exc):
         self.stop()
         return False
+
+
+def make_certs(out_dir, shards, workers):
+    """Throwaway CA and certificates (deploy/tls/make-certs.sh, openssl CLI)
+    in out_dir: ca.crt, shard-<s>.{crt,key}, worker-<r>.{crt,key},
+    worker.{crt,key}, token, shard-token. Returns out_dir."""
+    subprocess.run(["sh", os.path.join(REPO, "deploy", "tls", "make-certs.sh"),
+                    out_dir, str(shards), str(workers)], check=True,
+                   stdout=subprocess.DEVNULL, timeout=120)
+    return out_dir
 
 
 def replay_argv(leader, rank, n, gradients, steps, out, params=None,

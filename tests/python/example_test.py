@@ -39,14 +39,23 @@ class EnvironmentTest(unittest.TestCase):
     def test_two_ranks_from_the_environment(self):
         tmp = tempfile.mkdtemp(prefix="gtopk_example_")
         try:
+            # Mutual TLS, as `make demo` runs: the worker's security flags
+            # from the environment (GTOPK_TLS*), as a Kubernetes Job sets.
+            tls = cu.make_certs(os.path.join(tmp, "tls"), 2, 2)
             with cu.Servers(num_shards=2, workers=2, log_dir=tmp,
-                            mode="gtopk", density=0.01, lr=0.05,
+                            tls_dir=tls, mode="gtopk", density=0.01, lr=0.05,
                             momentum=0.9, steps_per_epoch=20) as srv:
                 procs = []
                 for rank in range(2):
                     env = cu.python_env()
                     env["GTOPK_LEADER"] = srv.leader
                     env["WORLD_SIZE"] = "2"
+                    env["GTOPK_TLS"] = "mutual"
+                    env["GTOPK_TLS_CERT"] = os.path.join(
+                        tls, "worker-%d.crt" % rank)
+                    env["GTOPK_TLS_KEY"] = os.path.join(
+                        tls, "worker-%d.key" % rank)
+                    env["GTOPK_TLS_CA"] = os.path.join(tls, "ca.crt")
                     # Rank 0 as torchrun names it, rank 1 as an indexed
                     # Kubernetes Job does.
                     env.pop("RANK", None)

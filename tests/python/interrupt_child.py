@@ -79,10 +79,11 @@ def main():
     p0 = p.copy()
     if case == "join":
         def call():
-            return gtopk.Client(leader, n, rank=0, rpc_timeout=60.0)
+            return gtopk.Client(leader, n, rank=0, rpc_timeout=60.0, tls="off")
     else:
         rank = 1 if case == "download" else 0
-        client = gtopk.Client(leader, n, rank=rank, rpc_timeout=60.0)
+        client = gtopk.Client(leader, n, rank=rank, rpc_timeout=60.0,
+                              tls="off")
         if case == "download":
             def call():
                 return client.synchronize_parameters(p)

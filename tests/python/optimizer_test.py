@@ -115,7 +115,7 @@ class ClusterCase(unittest.TestCase):
     def optimizer(self, srv, params, **kw):
         kw.setdefault("rpc_timeout", RPC_TIMEOUT)
         return gtopk.torch.DistributedOptimizer(params, leader=srv.leader,
-                                                **kw)
+                                                tls="off", **kw)
 
     def server_checksum(self, opt):
         scratch = opt.flat_parameters().detach().clone()
@@ -177,12 +177,44 @@ class FlatBufferTest(ClusterCase):
         with self.assertRaisesRegex(TypeError, "float32"):
             gtopk.torch.DistributedOptimizer(
                 [torch.nn.Parameter(torch.ones(3, dtype=torch.float64))],
-                leader="127.0.0.1:1")
+                leader="127.0.0.1:1", tls="off")
         env = {k: os.environ.pop(k) for k in ("GTOPK_LEADER", "GTOPK_SERVER")
                if k in os.environ}
         self.addCleanup(os.environ.update, env)
         with self.assertRaisesRegex(ValueError, "GTOPK_LEADER"):
             gtopk.torch.DistributedOptimizer(make_model()[0].parameters())
+
+
+    def test_tls_required_and_read_from_the_environment(self):
+        keys = ("GTOPK_TLS", "GTOPK_TLS_CERT", "GTOPK_TLS_KEY",
+                "GTOPK_TLS_CA", "GTOPK_TOKEN_FILE")
+        saved = {k: os.environ.pop(k) for k in keys if k in os.environ}
+
+        def restore():
+            for k in keys:
+                os.environ.pop(k, None)
+            os.environ.update(saved)
+        self.addCleanup(restore)
+        params = make_model()[0].parameters
+        # Plaintext only when said: neither tls= nor GTOPK_TLS is an error
+        # before anything is dialled.
+        with self.assertRaisesRegex(ValueError, "tls is required"):
+            gtopk.torch.DistributedOptimizer(params(), leader="127.0.0.1:1")
+        with self.assertRaisesRegex(ValueError, "'plain'"):
+            gtopk.torch.DistributedOptimizer(params(), leader="127.0.0.1:1",
+                                             tls="plain")
+        with self.assertRaisesRegex(TypeError, "tls_ca"):
+            gtopk.torch.DistributedOptimizer(params(), leader="127.0.0.1:1",
+                                             tls="mutual", tls_ca=3)
+        # The environment is read: its files are checked (a missing file
+        # named in the error), still before dialling.
+        os.environ.update(GTOPK_TLS="mutual",
+                          GTOPK_TLS_CERT="/nonexistent/worker.crt",
+                          GTOPK_TLS_KEY="/nonexistent/worker.key",
+                          GTOPK_TLS_CA="/nonexistent/ca.crt")
+        with self.assertRaises(gtopk.InvalidArgument) as cm:
+            gtopk.torch.DistributedOptimizer(params(), leader="127.0.0.1:1")
+        self.assertIn("/nonexistent/", cm.exception.message)
 
 
 class StepTest(ClusterCase):
@@ -222,7 +254,7 @@ class StepTest(ClusterCase):
 
         def raw(r):
             c = gtopk.Client(srv.leader, init.size, r,
-                             rpc_timeout=RPC_TIMEOUT)
+                             rpc_timeout=RPC_TIMEOUT, tls="off")
             try:
                 params = init.copy()
                 c.synchronize_parameters(params)
@@ -518,7 +550,8 @@ class ScheduleAndErrorsTest(ClusterCase):
         self.addCleanup(first.close)
         os.environ.update(GTOPK_LEADER=srv.leader, RANK="1", WORLD_SIZE="2")
         opt = gtopk.torch.DistributedOptimizer(make_model()[0].parameters(),
-                                               rpc_timeout=RPC_TIMEOUT)
+                                               rpc_timeout=RPC_TIMEOUT,
+                                               tls="off")
         self.addCleanup(opt.close)
         self.assertEqual((opt.rank, opt.world_size), (1, 2))
 
