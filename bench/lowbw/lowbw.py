@@ -367,7 +367,8 @@ class Bench:
                     "--workers=%d" % P, "--peers=" + ",".join(peers),
                     "--mode=" + mode,
                     "--density=%r" % a.density, "--step-timeout=600s",
-                    "--max-message-bytes=1073741824"]
+                    "--max-message-bytes=1073741824",
+                    "--tls=off"]  # plaintext, as the DDP baseline's gloo
             if mode == "gtopk":  # the servers reject it for topk and dense
                 argv.append("--selection=" + a.selection)
             self.procs.start("server %d" % s, t.ns("s%d" % s), argv,
@@ -375,7 +376,7 @@ class Bench:
         deadline = time.monotonic() + 30
         while True:
             rc = sh(["ip", "netns", "exec", t.ns("s0"), self.server_bin,
-                     "--health-check=" + peers[0]], check=False)
+                     "--health-check=" + peers[0], "--tls=off"], check=False)
             if rc == 0:
                 break
             wait_for(self.procs, [], time.monotonic() + 1, tag)  # any exit?
@@ -391,7 +392,8 @@ class Bench:
                     "--compute-ms=%d" % a.compute_ms,
                     "--steps=%d" % (a.warmup + a.steps), "--seed=1",
                     "--rpc-timeout-s=600", "--mode=" + mode,
-                    "--density=%r" % a.density, "--summary-json=" + out]
+                    "--density=%r" % a.density, "--summary-json=" + out,
+                    "--tls=off"]
             workers.append(self.procs.start(
                 "worker %d" % w, t.ns("w%d" % w), argv,
                 os.path.join(self.logdir, "%s-worker-%d.log" % (tag, w))))

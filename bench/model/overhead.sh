@@ -17,13 +17,13 @@ for S in 1 2; do
   for s in $(seq 0 $((S - 1))); do
     "$B/server/gtopk-server" --listen=127.0.0.1:$((56200 + s)) --shard-id=$s \
       --num-shards=$S --peers="$PEERS" --workers=2 --density=0.001 \
-      --mode=gtopk > "$TMP/s$S-$s.log" 2>&1 &
+      --mode=gtopk --tls=off > "$TMP/s$S-$s.log" 2>&1 &
   done
   sleep 1.5
   W=()
   for r in 0 1; do
     "$B/worker/gtopk-worker" --server=127.0.0.1:56200 --rank=$r \
-      --model=synthetic:100000 --steps=60 --seed=1 \
+      --model=synthetic:100000 --steps=60 --seed=1 --tls=off \
       --summary-json="$TMP/s$S-w$r.json" > "$TMP/s$S-w$r.log" 2>&1 &
     W+=($!)
   done

@@ -507,7 +507,7 @@ class ComposeTest(unittest.TestCase):
             self.assertEqual(
                 self.services["shard-%d" % s]["healthcheck"]["test"],
                 ["CMD", "gtopk-server", "--health-check=127.0.0.1:%d" %
-                 GRPC_PORT])
+                 GRPC_PORT, "--tls=off"])
 
     def test_depends_on_waits_for_healthy(self):
         def deps(name):
@@ -1738,8 +1738,8 @@ class DockerfileTest(unittest.TestCase):
                          ["EXPOSE %d" % WORKER_METRICS_PORT])
         hc = lines(self.cpu, "server", "HEALTHCHECK")
         self.assertEqual(len(hc), 1)
-        self.assertIn('["gtopk-server", "--health-check=127.0.0.1:%d"]'
-                      % GRPC_PORT, hc[0])
+        self.assertIn('["gtopk-server", "--health-check=127.0.0.1:%d", '
+                      '"--tls=off"]' % GRPC_PORT, hc[0])
         # The Python worker: the C++ worker's port and health check (the
         # metrics endpoint), stated in its own stage.
         self.assertEqual(lines(self.cpu, "python-worker", "EXPOSE"),
@@ -1893,8 +1893,8 @@ class FlagsTest(unittest.TestCase):
                         if proc.poll() is not None:
                             self.fail("shard %d exited (%d): %s" % (
                                 s, proc.returncode, log(s)))
-                        r = run([SERVER_BIN, "--health-check=" + addrs[s]],
-                                timeout=10)
+                        r = run([SERVER_BIN, "--health-check=" + addrs[s],
+                                 "--tls=off"], timeout=10)
                         if r.returncode == 0:
                             self.assertIn("SERVING", r.stdout)
                             break

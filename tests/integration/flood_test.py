@@ -109,12 +109,13 @@ class Cluster:
                  "--shard-id=%d" % s, "--num-shards=2", "--workers=2",
                  "--peers=" + self.peers, "--density=0.01", "--seed=7",
                  "--step-timeout=20s", "--metrics-host=127.0.0.1",
-                 "--metrics-port=%d" % self.metrics_ports[s]],
+                 "--metrics-port=%d" % self.metrics_ports[s], "--tls=off"],
                 stdout=self.log("server-%d" % s), stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 20
         for s in range(2):
             while subprocess.run(
-                    [SERVER, "--health-check=127.0.0.1:%d" % self.grpc_ports[s]],
+                    [SERVER, "--health-check=127.0.0.1:%d" % self.grpc_ports[s],
+                     "--tls=off"],
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL).returncode != 0:
                 if time.monotonic() > deadline:
@@ -125,7 +126,7 @@ class Cluster:
                 [WORKER, "--server=127.0.0.1:%d" % self.grpc_ports[0],
                  "--rank=%d" % r, "--model=synthetic:%d" % N,
                  "--steps=%d" % STEPS, "--compute-ms=%d" % COMPUTE_MS,
-                 "--summary-json=" + self.summary_path(r)],
+                 "--summary-json=" + self.summary_path(r), "--tls=off"],
                 stdout=self.log("worker-%d" % r), stderr=subprocess.STDOUT))
 
     def summary_path(self, rank):

@@ -256,7 +256,8 @@ TEST(ProcessTest, SigtermDrainsTheRoundInProgressReportingNotServing) {
                                          "--step-timeout=30s",
                                          absl::StrCat("--checkpoint-dir=", dir),
                                          "--density=0.01",
-                                         "--drain-timeout=40s"};
+                                         "--drain-timeout=40s",
+                                         "--tls=off"};
   auto server = std::make_unique<ServerProcess>();
   ASSERT_TRUE(server->Start(args));
   auto connect = [&](int rank) {
@@ -367,7 +368,7 @@ TEST(ProcessTest, TrainersRecoverWhenARestartedShardIsBehind) {
         Spawn(GTOPK_WORKER_BINARY,
               {absl::StrCat("--server=", peers[0]), absl::StrCat("--rank=", w),
                "--model=synthetic:3001", "--steps=20", "--compute-ms=100",
-               "--rpc-timeout-s=20",
+               "--rpc-timeout-s=20", "--tls=off",
                absl::StrCat("--summary-json=", dir, "/worker-", w, ".json")},
               absl::StrCat(dir, "/worker-", w, ".log")));
   }
@@ -433,6 +434,7 @@ std::vector<pid_t> SpawnTrainers(const std::vector<std::string>& peers,
         absl::StrCat("--steps=", steps),
         "--compute-ms=100",
         "--rpc-timeout-s=20",
+        "--tls=off",
         absl::StrCat("--summary-json=", dir, "/worker-", w, ".json")};
     args.insert(args.end(), extra.begin(), extra.end());
     pids.push_back(Spawn(GTOPK_WORKER_BINARY, args,
@@ -632,6 +634,7 @@ TEST(ProcessTest, TrainerRejectsAnUnwritableSummaryBeforeJoining) {
       Spawn(GTOPK_WORKER_BINARY,
             {absl::StrCat("--server=", peers[0]),
              "--model=synthetic:100", "--steps=1", "--rpc-timeout-s=30",
+             "--tls=off",
              absl::StrCat("--summary-json=", dir, "/no-such-dir/worker.json")},
             log);
   EXPECT_EQ(WaitExit(pid, absl::Seconds(10)), 1) << ReadAllText(log);
@@ -667,7 +670,7 @@ TEST(ProcessTest, FailedFinalCheckpointExitsNonZeroAndKeepsTheLastGoodOne) {
   const std::vector<std::string> args = {
       absl::StrCat("--listen=", address), "--workers=1", "--step-timeout=10s",
       absl::StrCat("--checkpoint-dir=", dir), "--checkpoint-every=1",
-      "--density=0.01", "--drain-timeout=0s"};
+      "--density=0.01", "--drain-timeout=0s", "--tls=off"};
   auto server = std::make_unique<ServerProcess>();
   ASSERT_TRUE(server->Start(args));
   worker::ClientOptions o;

@@ -96,7 +96,7 @@ bool RunOnce(const LoopCase& c, uint64_t seed, int run) {
         GTOPK_WORKER_BINARY,
         {absl::StrCat("--server=", peers[0]), absl::StrCat("--rank=", w),
          "--model=synthetic:3001", absl::StrCat("--steps=", kSteps),
-         "--compute-ms=20", "--rpc-timeout-s=20",
+         "--compute-ms=20", "--rpc-timeout-s=20", "--tls=off",
          absl::StrCat("--summary-json=", dir, "/worker-", w, ".json")},
         absl::StrCat(dir, "/worker-", w, ".log")));
   }

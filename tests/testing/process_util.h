@@ -111,7 +111,8 @@ using ::gtopk::testing::BitEqual;  // tests/testing/reference.h
 
 // The flags of shard `shard` of a cluster on `peers` (all shards, in order)
 // with `workers` workers: checkpoints in `dir` every `checkpoint_every`
-// steps, density 0.01, then `extra`.
+// steps, density 0.01, plaintext (--tls=off, said explicitly: --tls is
+// required), then `extra`.
 inline std::vector<std::string> ServerArgs(const std::vector<std::string>& peers,
                                     int shard, int workers,
                                     const std::string& dir,
@@ -127,7 +128,8 @@ inline std::vector<std::string> ServerArgs(const std::vector<std::string>& peers
       absl::StrCat("--step-timeout=", step_timeout),
       absl::StrCat("--checkpoint-dir=", dir),
       absl::StrCat("--checkpoint-every=", checkpoint_every),
-      "--density=0.01"};
+      "--density=0.01",
+      "--tls=off"};
   args.insert(args.end(), extra.begin(), extra.end());
   return args;
 }
