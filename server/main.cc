@@ -31,6 +31,7 @@
 #include "common/metrics/process_collector.h"
 #include "common/optimizer.h"
 #include "common/status_macros.h"
+#include "common/tls_flag.h"
 #include "common/transport_security.h"
 #include "server/aggregator_server.h"
 #include "server/server_config.h"
@@ -93,14 +94,16 @@ ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(5),
           "round in progress completes, at most this long");
 ABSL_FLAG(std::string, health_check, "",
           "client mode: check grpc.health.v1 at this host:port and exit "
-          "(with the --tls flags when that port requires them)");
+          "(--tls is required here too: --tls=off for a plaintext port such "
+          "as --health-listen's, the --tls flags when the port needs them)");
 ABSL_FLAG(std::string, health_listen, "",
           "also serve grpc.health.v1 only, in plaintext, on this host:port "
           "(probes that cannot present a client certificate; empty: off)");
 // Transport security (docs/security.md).
-ABSL_FLAG(std::string, tls, "off",
-          "off | server | mutual: plaintext (a WARNING at start), TLS, or "
-          "mutual TLS on every gRPC hop");
+ABSL_FLAG(std::string, tls, "",
+          "required, no default: off | server | mutual: plaintext on a "
+          "trusted network only (a WARNING at start), TLS, or mutual TLS on "
+          "every gRPC hop");
 ABSL_FLAG(std::string, tls_cert, "",
           "PEM certificate (chain) of this shard; CN gtopk-shard-<id>");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert");
@@ -129,11 +132,8 @@ absl::StatusOr<std::shared_ptr<const gtopk::TransportSecurity>>
 SecurityFromFlags() {
   gtopk::TransportSecurityOptions o;
   absl::StatusOr<gtopk::TlsMode> mode =
-      gtopk::ParseTlsMode(absl::GetFlag(FLAGS_tls));
-  if (!mode.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--tls: ", mode.status().message()));
-  }
+      gtopk::ParseTlsFlag(absl::GetFlag(FLAGS_tls));
+  if (!mode.ok()) return mode.status();
   o.tls = *mode;
   o.cert_file = absl::GetFlag(FLAGS_tls_cert);
   o.key_file = absl::GetFlag(FLAGS_tls_key);

@@ -4,7 +4,9 @@ gtopk-worker is rejected at start: the process exits non-zero (server 2,
 worker 1) with a message naming the flag, and promptly. The worker's cases
 point --server at a port where nothing listens, with the default 60 s
 --rpc-timeout-s: an exit within the per-case limit proves the check comes
-before the join.
+before the join. --tls has no default (docs/security.md): every case says
+--tls=off, and a process started without --tls exits the same way, naming
+--tls and its choices.
 
 Usage: flags_test.py SERVER_BINARY [WORKER_BINARY]
 """
@@ -154,6 +156,11 @@ WORKER_CASES = [
     ("--summary-json", ["--summary-json=/nonexistent/dir/w.json"]),
 ]
 
+# What a process started without --tls says (common/tls_flag.h).
+TLS_REQUIRED = ("--tls is required: --tls=mutual (with --tls-cert/--tls-key/"
+                "--tls-ca), --tls=server, or --tls=off for plaintext on a "
+                "trusted network (docs/security.md)")
+
 
 def run(argv, env=None):
     full_env = dict(os.environ)
@@ -170,15 +177,42 @@ class ServerFlagsTest(unittest.TestCase):
             with self.subTest(args=extra):
                 # Port 0: a case that slipped through would still start
                 # (and then time out here) without disturbing anything.
-                r = run([SERVER, "--listen=127.0.0.1:0"] + extra)
+                r = run([SERVER, "--listen=127.0.0.1:0", "--tls=off"] + extra)
                 self.assertEqual(r.returncode, 2, r.stdout)
                 self.assertIn(flag, r.stdout)
                 self.assertNotIn("listening on", r.stdout)
 
+    def test_without_tls_exits_2_naming_the_choices(self):
+        """--tls has no default: plaintext only when said (docs/security.md).
+        Also in --health-check's client mode."""
+        for argv in ([SERVER, "--listen=127.0.0.1:0"],
+                     [SERVER, "--listen=127.0.0.1:0", "--tls="],
+                     [SERVER, "--health-check=127.0.0.1:%d" % free_port()]):
+            with self.subTest(argv=argv[1:]):
+                r = run(argv)
+                self.assertEqual(r.returncode, 2, r.stdout)
+                self.assertIn(TLS_REQUIRED, r.stdout)
+                self.assertNotIn("listening on", r.stdout)
+
+    def test_tls_off_starts_with_the_warning(self):
+        p = subprocess.Popen([SERVER, "--listen=127.0.0.1:0", "--tls=off"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+        try:
+            self.assertIn("listening on 127.0.0.1:", p.stdout.readline())
+            self.assertIn("tls=off", p.stdout.readline())
+            self.assertIn("WARNING: --tls=off: plaintext and unauthenticated",
+                          p.stdout.readline())
+        finally:
+            p.terminate()
+            p.wait(timeout=30)
+            p.stdout.close()
+
     def test_good_values_start(self):
         """The control: the base flags alone start a server."""
         p = subprocess.Popen(
-            [SERVER, "--listen=127.0.0.1:0", "--metrics-host=127.0.0.1",
+            [SERVER, "--listen=127.0.0.1:0", "--tls=off",
+             "--metrics-host=127.0.0.1",
              "--metrics-port=%d" % free_port(), "--density-warmup=dgc",
              "--steps-per-epoch=10"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -195,8 +229,8 @@ class ServerFlagsTest(unittest.TestCase):
         """prometheus-cpp's exposer throws when it cannot bind; the server
         turns that into a clear error at start, before the shard runs."""
         with taken_port() as port:
-            r = run([SERVER, "--listen=127.0.0.1:0", "--metrics-host=127.0.0.1",
-                     "--metrics-port=%d" % port])
+            r = run([SERVER, "--listen=127.0.0.1:0", "--tls=off",
+                     "--metrics-host=127.0.0.1", "--metrics-port=%d" % port])
         self.assertEqual(r.returncode, 2, r.stdout)
         self.assertIn("--metrics-port=%d" % port, r.stdout)
         self.assertIn("UNAVAILABLE: cannot listen on 127.0.0.1:%d" % port,
@@ -213,7 +247,8 @@ class CheckpointStartLineTest(unittest.TestCase):
 
     def start(self, ckpt):
         p = subprocess.Popen(
-            [SERVER, "--listen=127.0.0.1:0", "--checkpoint-dir=" + ckpt,
+            [SERVER, "--listen=127.0.0.1:0", "--tls=off",
+             "--checkpoint-dir=" + ckpt,
              "--checkpoint-every=1", "--steps-per-epoch=10"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         listening = p.stdout.readline()
@@ -232,8 +267,9 @@ class CheckpointStartLineTest(unittest.TestCase):
             p, address, line = self.start(ckpt)
             try:
                 self.assertEqual(line, "no checkpoint in %s: starting empty\n" % ckpt)
-                r = run([WORKER, "--server=" + address, "--model=synthetic:1000",
-                         "--steps=3", "--compute-ms=0"])
+                r = run([WORKER, "--server=" + address, "--tls=off",
+                         "--model=synthetic:1000", "--steps=3",
+                         "--compute-ms=0"])
                 self.assertEqual(r.returncode, 0, r.stdout)
             finally:
                 self.stop(p)
@@ -245,11 +281,29 @@ class CheckpointStartLineTest(unittest.TestCase):
 
 
 class WorkerFlagsTest(unittest.TestCase):
+    def test_without_tls_exits_1_naming_the_choices(self):
+        for extra in ([], ["--tls="]):
+            with self.subTest(args=extra):
+                r = run([WORKER, "--server=127.0.0.1:%d" % free_port(),
+                         "--model=synthetic:10"] + extra)
+                self.assertEqual(r.returncode, 1, r.stdout)
+                self.assertIn(TLS_REQUIRED, r.stdout)
+
+    def test_tls_off_prints_the_warning(self):
+        """Nothing listens: the join fails after --rpc-timeout-s, and the
+        WARNING came first."""
+        r = run([WORKER, "--server=127.0.0.1:%d" % free_port(), "--tls=off",
+                 "--model=synthetic:10", "--rpc-timeout-s=1"])
+        self.assertEqual(r.returncode, 1, r.stdout)
+        self.assertIn("gtopk-worker: WARNING: --tls=off: plaintext and "
+                      "unauthenticated", r.stdout)
+        self.assertNotIn("--tls is required", r.stdout)
+
     def test_each_bad_value_exits_1_before_joining_naming_the_flag(self):
         leader = "--server=127.0.0.1:%d" % free_port()  # nothing listens
         for flag, extra in WORKER_CASES:
             with self.subTest(args=extra):
-                argv = [WORKER, leader, "--model=synthetic:10"]
+                argv = [WORKER, leader, "--tls=off", "--model=synthetic:10"]
                 if any(a.startswith("--model=") for a in extra):
                     argv.remove("--model=synthetic:10")
                 r = run(argv + extra)
@@ -259,7 +313,8 @@ class WorkerFlagsTest(unittest.TestCase):
     def test_a_taken_metrics_port_exits_1_before_joining(self):
         with taken_port() as port:
             r = run([WORKER, "--server=127.0.0.1:%d" % free_port(),
-                     "--model=synthetic:10", "--metrics-host=127.0.0.1",
+                     "--tls=off", "--model=synthetic:10",
+                     "--metrics-host=127.0.0.1",
                      "--metrics-port=%d" % port])
         self.assertEqual(r.returncode, 1, r.stdout)
         self.assertIn("--metrics-port=%d" % port, r.stdout)
@@ -267,7 +322,7 @@ class WorkerFlagsTest(unittest.TestCase):
         self.assertNotIn("terminate called", r.stdout)
 
     def test_bad_job_completion_index(self):
-        r = run([WORKER, "--server=127.0.0.1:%d" % free_port(),
+        r = run([WORKER, "--server=127.0.0.1:%d" % free_port(), "--tls=off",
                  "--model=synthetic:10"], env={"JOB_COMPLETION_INDEX": "x"})
         self.assertEqual(r.returncode, 1, r.stdout)
         self.assertIn("JOB_COMPLETION_INDEX", r.stdout)

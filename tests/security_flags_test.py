@@ -4,7 +4,9 @@ certificates made by deploy/tls/make-certs.sh; a server with --tls=mutual and
 --health-listen answers `--health-check` on the plaintext health port without
 credentials and on the main port only with a certificate; a check without one
 fails promptly (no hang); bad certificate flags exit 2 naming the flag and
-file before anything listens; --tls=off prints the WARNING line.
+file before anything listens; --tls=off prints the WARNING line. --tls has
+no default: every command here says which mode it means (flags_test.py
+checks the exit without it).
 
 Usage: security_flags_test.py SERVER_BINARY
 """
@@ -66,7 +68,7 @@ class SecurityFlagsTest(unittest.TestCase):
                           p.stdout.readline())
             self.assertIn("tls=mutual", p.stdout.readline())
             # The plaintext health port: no credentials needed.
-            r = run(["--health-check=127.0.0.1:%d" % health])
+            r = run(["--health-check=127.0.0.1:%d" % health, "--tls=off"])
             self.assertEqual(r.returncode, 0, r.stdout)
             self.assertEqual(r.stdout.strip(), "SERVING")
             # The main port with a shard certificate (what a HEALTHCHECK
@@ -76,7 +78,7 @@ class SecurityFlagsTest(unittest.TestCase):
             self.assertEqual(r.stdout.strip(), "SERVING")
             # Without one: refused by the handshake, promptly (5 s deadline).
             start = time.monotonic()
-            r = run(["--health-check=127.0.0.1:%d" % port])
+            r = run(["--health-check=127.0.0.1:%d" % port, "--tls=off"])
             self.assertEqual(r.returncode, 1, r.stdout)
             self.assertIn("UNAVAILABLE", r.stdout)
             self.assertLess(time.monotonic() - start, 10)
@@ -98,11 +100,12 @@ class SecurityFlagsTest(unittest.TestCase):
              "--tls-cert=/nonexistent.crt: cannot be read"),
             (["--tls=mutual"], "--tls=mutual needs --tls-cert and --tls-key"),
             (["--tls=maybe"], "--tls: unknown TLS mode 'maybe'"),
-            (["--tls-cert=" + self.c("shard-0.crt")],
+            (["--tls=off", "--tls-cert=" + self.c("shard-0.crt")],
              "--tls-cert is set but --tls=off"),
-            (["--token-file=" + self.c("token")],
+            (["--tls-cert=" + self.c("shard-0.crt")], "--tls is required"),
+            (["--tls=off", "--token-file=" + self.c("token")],
              "--token-file needs --shard-token-file"),
-            (["--health-listen=nonsense"], "health-listen"),
+            (["--tls=off", "--health-listen=nonsense"], "health-listen"),
         ]
         for args, message in cases:
             with self.subTest(args=args):
@@ -112,7 +115,7 @@ class SecurityFlagsTest(unittest.TestCase):
                 self.assertNotIn("listening on", r.stdout)
 
     def test_plaintext_prints_the_warning(self):
-        p = subprocess.Popen([SERVER, "--listen=127.0.0.1:0"],
+        p = subprocess.Popen([SERVER, "--listen=127.0.0.1:0", "--tls=off"],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
         try:

@@ -26,6 +26,7 @@
 #include "absl/time/time.h"
 #include "common/metrics/exposer.h"
 #include "common/metrics/process_collector.h"
+#include "common/tls_flag.h"
 #include "common/transport_security.h"
 #include "worker/trainer/cpu_isa.h"
 #include "worker/trainer/idx_reader.h"
@@ -71,9 +72,10 @@ ABSL_FLAG(absl::Duration, testing_final_check_delay, absl::ZeroDuration(),
           "final parameter check");
 // Consistency checks against the servers' cluster spec (empty: no check).
 // Transport security (docs/security.md).
-ABSL_FLAG(std::string, tls, "off",
-          "off | server | mutual: plaintext (a WARNING at start), TLS, or "
-          "mutual TLS to the shards");
+ABSL_FLAG(std::string, tls, "",
+          "required, no default: off | server | mutual: plaintext on a "
+          "trusted network only (a WARNING at start), TLS, or mutual TLS to "
+          "the shards");
 ABSL_FLAG(std::string, tls_cert, "",
           "PEM certificate (chain) of this worker; CN gtopk-worker or "
           "gtopk-worker-<rank>");
@@ -165,11 +167,8 @@ absl::Status Run() {
   {
     gtopk::TransportSecurityOptions so;
     absl::StatusOr<gtopk::TlsMode> tls =
-        gtopk::ParseTlsMode(absl::GetFlag(FLAGS_tls));
-    if (!tls.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--tls: ", tls.status().message()));
-    }
+        gtopk::ParseTlsFlag(absl::GetFlag(FLAGS_tls));
+    if (!tls.ok()) return tls.status();
     so.tls = *tls;
     so.cert_file = absl::GetFlag(FLAGS_tls_cert);
     so.key_file = absl::GetFlag(FLAGS_tls_key);
