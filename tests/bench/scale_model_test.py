@@ -32,6 +32,56 @@ def zero_costs(**over):
 LINK = sm.Link(1000.0)  # 1000 bytes/s each way: bytes read as milliseconds
 
 
+class GridMergeTest(unittest.TestCase):
+    """bench/lowbw/grid.py's merge: one machine entry per part (each part's
+    command, commit and load), every part's runs with their rate."""
+
+    def test_every_part_is_listed_once(self):
+        import json
+        import tempfile
+        sys.path.insert(0, os.path.join(ROOT, "bench", "lowbw"))
+        import grid  # noqa: E402
+        tmp = tempfile.mkdtemp(prefix="gtopk_grid_")
+        parts = os.path.join(tmp, "lowbw_grid")
+        os.makedirs(parts)
+
+        def part(name, rate, shards, load, runs):
+            with open(os.path.join(parts, name + ".json"), "w") as f:
+                json.dump({"command": "lowbw.py " + name, "git_commit": name,
+                           "date_utc": "d", "wall_seconds": 1.0,
+                           "machine": {"load_before": load},
+                           "config": {"rate_per_link_each_direction": rate,
+                                      "shards": shards, "workers": [2],
+                                      "methods": ["gtopk"], "n": 10,
+                                      "density": 0.1},
+                           "baseline_single_worker_seconds": {},
+                           "runs": runs}, f)
+
+        run = {"method": "gtopk", "workers": 2, "shards": 1,
+               "step_seconds_p50": 0.2, "compute_seconds_p50": 0.1,
+               "local_seconds_p50": 0.05, "communication_seconds_p50": 0.05,
+               "load_average_1m_before": 1.0,
+               "sent_bytes_per_worker_per_step": 1,
+               "received_bytes_per_worker_per_step": 1}
+        part("1gbit-s1", "1gbit", 1, "1.0", [dict(run)])
+        part("1gbit-s2", "1gbit", 2, "2.0", [dict(run, shards=2)])
+        part("10gbit-s1", "10gbit", 1, "3.0", [dict(run)])
+        old = (grid.PARTS, grid.ROOT)
+        grid.PARTS, grid.ROOT = parts, tmp
+        try:
+            doc = grid.merge(os.path.join(tmp, "lowbw.json"), "test")
+        finally:
+            grid.PARTS, grid.ROOT = old
+        self.assertEqual(sorted(doc["parts"]), sorted(
+            os.path.join("lowbw_grid", n + ".json")
+            for n in ("1gbit-s1", "1gbit-s2", "10gbit-s1")))
+        self.assertEqual(sorted(m["load_before"] for m in doc["machine"]),
+                         ["1.0", "2.0", "3.0"])
+        self.assertEqual(doc["config"]["shards"], [1, 2])
+        self.assertEqual(sorted(r["rate"] for r in doc["runs"]),
+                         ["10gbit", "1gbit", "1gbit"])
+
+
 class RingTest(unittest.TestCase):
     def test_bytes_are_two_p_minus_one_over_p_n(self):
         for P in (2, 3, 4, 8, 64):
