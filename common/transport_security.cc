@@ -11,6 +11,7 @@
 #include <openssl/x509_vfy.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <utility>
@@ -34,14 +35,27 @@ absl::Status FlagFileError(const char* flag, const std::string& path,
       absl::StrCat("--", flag, "=", path, ": ", what));
 }
 
+// Largest certificate, key, CA bundle or token file read (1 MiB; a CA
+// bundle of every public root is about 200 KB): a device such as /dev/zero
+// given by mistake is an error, not an unbounded read.
+constexpr std::streamsize kMaxFlagFileBytes = 1 << 20;
+
 absl::StatusOr<std::string> ReadFlagFile(const char* flag,
                                          const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    return FlagFileError(flag, path, "is a directory, not a file");
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) return FlagFileError(flag, path, "cannot be read");
-  std::ostringstream bytes;
-  bytes << in.rdbuf();
+  std::string s(static_cast<size_t>(kMaxFlagFileBytes) + 1, '\0');
+  in.read(s.data(), kMaxFlagFileBytes + 1);
   if (in.bad()) return FlagFileError(flag, path, "read error");
-  std::string s = bytes.str();
+  s.resize(static_cast<size_t>(in.gcount()));
+  if (s.size() > static_cast<size_t>(kMaxFlagFileBytes)) {
+    return FlagFileError(flag, path, "larger than 1 MiB: not a PEM file or "
+                                     "token");
+  }
   if (s.empty()) return FlagFileError(flag, path, "file is empty");
   return s;
 }

@@ -128,8 +128,11 @@ absl::Status InRange(const char* flag, int64_t value, int64_t lo, int64_t hi) {
 }
 
 // The --tls, certificate and token flags, loaded and checked.
+// role kWorker: the --health-check client mode, which only dials (a
+// certificate only under --tls=mutual; tokens are not sent: the health
+// service is never checked).
 absl::StatusOr<std::shared_ptr<const gtopk::TransportSecurity>>
-SecurityFromFlags() {
+SecurityFromFlags(gtopk::SecurityRole role = gtopk::SecurityRole::kServer) {
   gtopk::TransportSecurityOptions o;
   absl::StatusOr<gtopk::TlsMode> mode =
       gtopk::ParseTlsFlag(absl::GetFlag(FLAGS_tls));
@@ -140,7 +143,11 @@ SecurityFromFlags() {
   o.ca_file = absl::GetFlag(FLAGS_tls_ca);
   o.token_file = absl::GetFlag(FLAGS_token_file);
   o.shard_token_file = absl::GetFlag(FLAGS_shard_token_file);
-  return gtopk::TransportSecurity::Load(o, gtopk::SecurityRole::kServer);
+  if (role == gtopk::SecurityRole::kWorker) {
+    o.token_file.clear();
+    o.shard_token_file.clear();
+  }
+  return gtopk::TransportSecurity::Load(o, role);
 }
 
 // Prefixes a parse error with the flag's name.
@@ -261,7 +268,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     absl::StatusOr<std::shared_ptr<const gtopk::TransportSecurity>> security =
-        SecurityFromFlags();
+        SecurityFromFlags(gtopk::SecurityRole::kWorker);
     if (!security.ok()) {
       std::fprintf(stderr, "gtopk-server: invalid flags: %s\n",
                    std::string(security.status().message()).c_str());

@@ -106,6 +106,14 @@ class SecurityFlagsTest(unittest.TestCase):
             (["--tls=off", "--token-file=" + self.c("token")],
              "--token-file needs --shard-token-file"),
             (["--tls=off", "--health-listen=nonsense"], "health-listen"),
+            # Devices and directories are refused, not read without bound.
+            (["--tls=server", "--tls-cert=" + self.c("shard-0.crt"),
+              "--tls-key=" + self.c("shard-0.key"), "--tls-ca=/dev/zero"],
+             "--tls-ca=/dev/zero: larger than 1 MiB"),
+            (["--tls=server", "--tls-cert=" + self.c("shard-0.crt"),
+              "--tls-key=" + self.c("shard-0.key"),
+              "--tls-ca=" + self.certs],
+             "--tls-ca=%s: is a directory" % self.certs),
         ]
         for args, message in cases:
             with self.subTest(args=args):
@@ -113,6 +121,31 @@ class SecurityFlagsTest(unittest.TestCase):
                 self.assertEqual(r.returncode, 2, r.stdout)
                 self.assertIn(message, r.stdout)
                 self.assertNotIn("listening on", r.stdout)
+
+    def test_health_check_of_a_tls_server_needs_only_the_ca(self):
+        # --tls=server with tokens: an operator holding the CA bundle (no
+        # certificate of their own) checks the main port; the check is a
+        # client, like a worker.
+        port = free_port()
+        p = subprocess.Popen(
+            [SERVER, "--listen=127.0.0.1:%d" % port, "--tls=server",
+             "--tls-cert=" + self.c("shard-0.crt"),
+             "--tls-key=" + self.c("shard-0.key"),
+             "--tls-ca=" + self.c("ca.crt"),
+             "--token-file=" + self.c("token"),
+             "--shard-token-file=" + self.c("shard-token")],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            self.assertIn("listening on 127.0.0.1:%d" % port,
+                          p.stdout.readline())
+            r = run(["--health-check=127.0.0.1:%d" % port, "--tls=server",
+                     "--tls-ca=" + self.c("ca.crt")])
+            self.assertEqual(r.returncode, 0, r.stdout)
+            self.assertEqual(r.stdout.strip(), "SERVING")
+        finally:
+            p.terminate()
+            p.wait(timeout=30)
+            p.stdout.close()
 
     def test_plaintext_prints_the_warning(self):
         p = subprocess.Popen([SERVER, "--listen=127.0.0.1:0", "--tls=off"],

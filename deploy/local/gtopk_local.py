@@ -608,6 +608,12 @@ class Launcher:
         if self.args.worker != "python":
             return None
         env = dict(os.environ)
+        # The workers' security is the launcher's --tls flags, never what
+        # the caller's environment happens to hold (the example reads these
+        # when a flag is not given: a stray GTOPK_TOKEN_FILE would be sent).
+        for k in ("GTOPK_TLS", "GTOPK_TLS_CERT", "GTOPK_TLS_KEY",
+                  "GTOPK_TLS_CA", "GTOPK_TOKEN_FILE"):
+            env.pop(k, None)
         env["PYTHONPATH"] = os.pathsep.join(
             [self.python_path] + ([env["PYTHONPATH"]]
                                   if env.get("PYTHONPATH") else []))

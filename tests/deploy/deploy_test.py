@@ -210,6 +210,69 @@ def compose_config(python=False):
     return _compose_cache[python]
 
 
+def compose_merged(*files):
+    """docker-compose config of deploy/FILES merged in that order."""
+    exe = need("docker-compose")
+    args = [a for f in files for a in ("-f", os.path.join(DEPLOY, f))]
+    r = run([exe, "--project-directory", DEPLOY] + args + ["config"])
+    if r.returncode != 0:
+        raise AssertionError("docker-compose config %s failed:\n%s"
+                             % (" ".join(files), r.stderr))
+    return yaml.safe_load(r.stdout)
+
+
+class ComposeTlsTest(unittest.TestCase):
+    """docker-compose.tls.yml (mTLS shards and C++ workers) and, for the
+    PyTorch workers, docker-compose.python-tls.yml merged after it and
+    docker-compose.python.yml (docs/security.md, "Compose"): one --tls, the
+    mutual one, on every shard and worker, each certificate flag naming a
+    file that is mounted, and the Python workers' commands still the
+    example's."""
+
+    def check_tls(self, name, svc):
+        cmd = svc["command"]
+        self.assertEqual([c for c in cmd if c.startswith("--tls=")],
+                         ["--tls=mutual"], name)
+        mounted = {v.split(":")[1] for v in svc.get("volumes", [])
+                   if isinstance(v, str)}
+        mounted |= {v["target"] for v in svc.get("volumes", [])
+                    if isinstance(v, dict)}
+        for c in cmd:
+            if c.startswith(("--tls-cert=", "--tls-key=", "--tls-ca=")):
+                self.assertIn(c.split("=", 1)[1], mounted, (name, c))
+        return cmd
+
+    def test_cpp_workers(self):
+        services = compose_merged("docker-compose.yml",
+                                  "docker-compose.tls.yml")["services"]
+        names = [n for n in services if n.startswith(("shard-", "worker-"))]
+        self.assertTrue(names)
+        for n in names:
+            self.check_tls(n, services[n])
+
+    def test_python_workers(self):
+        services = compose_merged(
+            "docker-compose.yml", "docker-compose.tls.yml",
+            "docker-compose.python.yml",
+            "docker-compose.python-tls.yml")["services"]
+        plain = compose_merged("docker-compose.yml",
+                               "docker-compose.python.yml")["services"]
+        workers = [n for n in services if n.startswith("worker-")]
+        self.assertTrue(workers)
+        for n in services:
+            if n.startswith("shard-"):
+                self.check_tls(n, services[n])
+        for n in workers:
+            cmd = self.check_tls(n, services[n])
+            self.assertEqual(services[n]["image"], plain[n]["image"])
+            # The plaintext variant's command, --tls=off replaced: the two
+            # files stay in step.
+            self.assertEqual(
+                [c for c in cmd if not c.startswith("--tls")],
+                [c for c in plain[n]["command"] if c != "--tls=off"], n)
+            self.assertTrue(cmd[0].endswith("train_fashion_mnist.py"), cmd)
+
+
 _render_cache = {}
 _tmp = []
 
@@ -1079,6 +1142,19 @@ class TlsExamplesTest(unittest.TestCase):
                 self.assertIn("--from-file=tls/shard-%d.%s" % (i, ext), doc)
         for f_ in ("ca.crt", "worker.crt", "worker.key"):
             self.assertIn("--from-file=tls/" + f_, doc)
+
+    def test_every_object_is_in_the_gtopk_namespace(self):
+        # A component's own resources do not get the base's namespace:
+        # cert-manager would write the Secrets where the pods cannot see
+        # them.
+        for name in K8S_EXAMPLES:
+            _, objs = render_example(name)
+            for o in objs:
+                if o["kind"] == "Namespace":
+                    continue
+                with self.subTest(example=name, kind=o["kind"],
+                                  name=o["metadata"]["name"]):
+                    self.assertEqual(o["metadata"].get("namespace"), "gtopk")
 
     def test_cert_manager_issues_every_mounted_secret(self):
         _, objs = render_example("cert-manager")

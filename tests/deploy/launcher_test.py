@@ -428,8 +428,14 @@ class PythonWorkerTest(LauncherCase):
                   "300", "--workers", "2", "--shards", "2", "--steps", "12",
                   "--density", "0.01", "--seed", "5")
         summaries, lines = {}, {}
+        # The caller's GTOPK_TLS* environment must not reach the workers:
+        # their security is the launcher's --tls (a stray token file or
+        # mode would fail or be sent).
+        stray = {"GTOPK_TOKEN_FILE": "/nonexistent/token",
+                 "GTOPK_TLS": "server", "GTOPK_TLS_CA": "/nonexistent/ca"}
         for worker in ("cpp", "python"):
-            code, out = self.launch(worker, *common, "--worker", worker)
+            code, out = self.launch(worker, *common, "--worker", worker,
+                                    env=stray)
             self.assertEqual(code, 0, out)
             self.assertIn("step 12/12", out)
             s = self.load(worker, "summary.json")
