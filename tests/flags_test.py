@@ -194,19 +194,8 @@ class ServerFlagsTest(unittest.TestCase):
                 self.assertIn(TLS_REQUIRED, r.stdout)
                 self.assertNotIn("listening on", r.stdout)
 
-    def test_tls_off_starts_with_the_warning(self):
-        p = subprocess.Popen([SERVER, "--listen=127.0.0.1:0", "--tls=off"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
-        try:
-            self.assertIn("listening on 127.0.0.1:", p.stdout.readline())
-            self.assertIn("tls=off", p.stdout.readline())
-            self.assertIn("WARNING: --tls=off: plaintext and unauthenticated",
-                          p.stdout.readline())
-        finally:
-            p.terminate()
-            p.wait(timeout=30)
-            p.stdout.close()
+    # --tls=off starting with its WARNING: security_flags_test.py's
+    # test_plaintext_prints_the_warning (the same server binary).
 
     def test_good_values_start(self):
         """The control: the base flags alone start a server."""
