@@ -9,10 +9,12 @@
 #include <thread>
 #include <utility>
 
+#include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "common/cluster_spec.h"
 #include "common/grpc_edge.h"
 #include "common/random.h"
@@ -138,8 +140,19 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
     // A worker may start before the leader: wait for it up to the deadline.
     context.set_wait_for_ready(true);
     Cancellation::Scope cancel_scope(options.cancellation.get(), &context);
-    const absl::Status s =
-        FromGrpcStatus(stub->Join(&context, request, &response));
+    absl::Status s = FromGrpcStatus(stub->Join(&context, request, &response));
+    if (absl::IsDeadlineExceeded(s) &&
+        channel->GetState(/*try_to_connect=*/false) != GRPC_CHANNEL_READY) {
+      // wait_for_ready retries a refused connection or a failed TLS
+      // handshake silently until the deadline: say what it may be.
+      s = absl::DeadlineExceededError(absl::StrCat(
+          s.message(), " (no connection to the leader within ",
+          absl::FormatDuration(options.rpc_timeout),
+          ": is it running at this address, and do this worker's TLS "
+          "settings match the servers' (--tls off / server / mutual, the CA "
+          "bundle)? A TLS mismatch fails every handshake until the "
+          "deadline)"));
+    }
     if (!s.ok()) return Prefixed(s, absl::StrCat(leader, ": Join"));
   }
   const v1::ClusterSpec& cluster = response.cluster();
