@@ -15,10 +15,12 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <pybind11/stl/filesystem.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -235,8 +237,10 @@ class Client {
   Client(const std::string& leader, uint64_t n, int rank, double rpc_timeout,
          double step_watchdog_margin, int metrics_port,
          const std::string& metrics_host, const std::string& tls,
-         const std::string& tls_cert, const std::string& tls_key,
-         const std::string& tls_ca, const std::string& token_file)
+         const std::optional<std::filesystem::path>& tls_cert,
+         const std::optional<std::filesystem::path>& tls_key,
+         const std::optional<std::filesystem::path>& tls_ca,
+         const std::optional<std::filesystem::path>& token_file)
       : cancellation_(std::make_shared<Cancellation>()) {
     worker::ClientOptions o;
     // Transport security first (docs/security.md): a bad file is a clear
@@ -255,10 +259,14 @@ class Client {
             absl::StrCat("tls: ", mode.status().message())));
       }
       so.tls = *mode;
-      so.cert_file = tls_cert;
-      so.key_file = tls_key;
-      so.ca_file = tls_ca;
-      so.token_file = token_file;
+      // None: not given (str or os.PathLike otherwise).
+      const auto text = [](const std::optional<std::filesystem::path>& p) {
+        return p.has_value() ? p->string() : std::string();
+      };
+      so.cert_file = text(tls_cert);
+      so.key_file = text(tls_key);
+      so.ca_file = text(tls_ca);
+      so.token_file = text(token_file);
       o.security = ValueOrRaise(
           TransportSecurity::Load(so, SecurityRole::kWorker));
       const std::string warning = o.security->Warning();
@@ -532,14 +540,17 @@ message. Not thread-safe: one call at a time (a concurrent call raises
 FailedPrecondition).)doc")
       .def(py::init<const std::string&, uint64_t, int, double, double, int,
                     const std::string&, const std::string&,
-                    const std::string&, const std::string&,
-                    const std::string&, const std::string&>(),
+                    const std::optional<std::filesystem::path>&,
+                    const std::optional<std::filesystem::path>&,
+                    const std::optional<std::filesystem::path>&,
+                    const std::optional<std::filesystem::path>&>(),
            py::arg("leader"), py::arg("n"), py::arg("rank") = -1,
            py::arg("rpc_timeout") = 30.0,
            py::arg("step_watchdog_margin") = 2.0, py::arg("metrics_port") = 0,
            py::arg("metrics_host") = "0.0.0.0", py::kw_only(),
-           py::arg("tls"), py::arg("tls_cert") = "", py::arg("tls_key") = "",
-           py::arg("tls_ca") = "", py::arg("token_file") = "",
+           py::arg("tls"), py::arg("tls_cert") = py::none(),
+           py::arg("tls_key") = py::none(), py::arg("tls_ca") = py::none(),
+           py::arg("token_file") = py::none(),
            "Joins the cluster at `leader` (host:port) with n parameters and "
            "the requested rank (-1: any). Blocks up to rpc_timeout seconds "
            "per RPC. metrics_port > 0 serves the worker metrics "

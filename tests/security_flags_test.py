@@ -147,6 +147,24 @@ class SecurityFlagsTest(unittest.TestCase):
             p.wait(timeout=30)
             p.stdout.close()
 
+    def test_make_certs_refuses_bad_counts(self):
+        cases = [(["x", "1"], {}, "SHARDS must be a non-negative integer"),
+                 (["1", "2x"], {}, "WORKERS must be a non-negative integer"),
+                 (["-1", "2"], {}, "SHARDS must be a non-negative integer"),
+                 (["", "1"], {}, "SHARDS must be a non-negative integer"),
+                 (["1", "1"], {"GTOPK_CERT_DAYS": "0"},
+                  "GTOPK_CERT_DAYS must be at least 1")]
+        for args, env, message in cases:
+            with self.subTest(args=args, env=env):
+                out = os.path.join(self.tmp.name, "bad")
+                r = subprocess.run(["sh", MAKE_CERTS, out] + args,
+                                   stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True,
+                                   timeout=60, env=dict(os.environ, **env))
+                self.assertEqual(r.returncode, 2, r.stdout)
+                self.assertIn(message, r.stdout)
+                self.assertFalse(os.path.exists(os.path.join(out, "ca.crt")))
+
     def test_plaintext_prints_the_warning(self):
         p = subprocess.Popen([SERVER, "--listen=127.0.0.1:0", "--tls=off"],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -22,6 +22,20 @@ fi
 out=$1 shards=$2 workers=$3
 shift 3
 days=${GTOPK_CERT_DAYS:-30}
+# Counts: 0 or more (0: a CA and tokens only, e.g. a second CA for tests);
+# days: 1 or more.
+for pair in "SHARDS:$shards" "WORKERS:$workers" "GTOPK_CERT_DAYS:$days"; do
+  name=${pair%%:*} value=${pair#*:}
+  case "$value" in
+    ''|*[!0-9]*)
+      echo "$0: $name must be a non-negative integer, got '$value'" >&2
+      exit 2 ;;
+  esac
+done
+if [ "$days" -lt 1 ]; then
+  echo "$0: GTOPK_CERT_DAYS must be at least 1, got '$days'" >&2
+  exit 2
+fi
 mkdir -p "$out"
 umask 077
 san="DNS:localhost,IP:127.0.0.1"

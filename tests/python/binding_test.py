@@ -17,6 +17,7 @@ tests/python/binding_test.py  (ctest -R python_binding_test).
 """
 
 import os
+import pathlib
 import sys
 import tempfile
 import threading
@@ -479,9 +480,11 @@ class TlsTest(ClusterTest):
                 # The retried handshake: the error says what it may be.
                 self.assertIn("TLS settings match", cm.exception.message)
             self.assertLess(time.monotonic() - t0, 10.0, kwargs)
-        # The legitimate worker still steps with rank 1's certificate.
+        # The legitimate worker still joins with rank 1's certificate
+        # (file arguments as os.PathLike too).
         c1 = gtopk.Client(srv.leader, N, rank=1, rpc_timeout=RPC_TIMEOUT,
-                          **self.files("worker-1"))
+                          **{k: (pathlib.Path(v) if k != "tls" else v)
+                             for k, v in self.files("worker-1").items()})
         self.addCleanup(c1.close)
         self.assertEqual(c1.rank, 1)
 
