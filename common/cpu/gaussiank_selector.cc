@@ -86,9 +86,12 @@ absl::Status GaussianKSelector::Select(absl::Span<const float> u, uint64_t k,
     sum += p[i];
     sumsq += static_cast<double>(p[i]) * p[i];
   }
-  // Float lanes overflow for |x| > ~1e19 (squares) before double would; any
-  // non-finite total is re-checked exactly.
-  if (!std::isfinite(sum) || !std::isfinite(sumsq)) {
+  // Float lanes overflow for |x| > ~1e19 (squares) before double would, and
+  // squares of |x| < ~1e-19 fall below float's normal range (denormal
+  // inputs square to 0): a non-finite total, or a mean square under 1e-30
+  // (|x| ~ 1e-15 on average), is recomputed in double.
+  if (!std::isfinite(sum) || !std::isfinite(sumsq) ||
+      sumsq < 1e-30 * static_cast<double>(n)) {
     GTOPK_RETURN_IF_ERROR(ValidateFinite(u, "selector input"));
     sum = sumsq = 0.0;
     for (size_t j = 0; j < n; ++j) {

@@ -53,6 +53,14 @@ constexpr int kBins = 2048;  // largest digit: 11 bits
 constexpr uint32_t kFullMask = 0xffffffffu;
 constexpr uint32_t kErrorNonFinite = 1;
 constexpr uint32_t kErrorInternal = 2;
+// Gaussian-k's device correction (DeviceState::gk_*): at most this many
+// keys counted exactly in the first compaction pass (the default 4
+// adjustments reach at most 14 keys besides the first).
+constexpr int kMaxGaussKeys = 32;
+// gk_mode 0: accepted at the planner's key, or an error or planner fallback.
+constexpr int kGaussCorrect = 1;  // one more compaction at state's min_key
+constexpr int kGaussHost = 2;     // Wait continues the adjustments
+constexpr int kGaussExact = 3;    // they end out of range: the exact top-k
 
 // Radix digits of the 31-bit key: bits 30..20, 19..9, 8..0.
 __host__ __device__ inline int LevelShift(int level) {
@@ -106,6 +114,21 @@ struct DeviceState {
   int u_passes;  // histogram passes over u whose digit FindBinDecide used
   int compact;
   int from_u;
+  // Gaussian-k's correction on the device. GaussPlanKernel lists the keys
+  // whose exact count the adjustments after its stop may need (those the
+  // digit-0 histogram cannot decide), the first compaction pass counts the
+  // keys >= each of them inside its digit-0 bin, and GaussResolve (in the
+  // ScanKernel that totals that pass) replays the CPU rule from the
+  // planner's stop: gk_mode = kGaussCorrect with min_key = the key that
+  // lands in range (one more compaction pass follows), or kGaussHost (the
+  // adjustments end without one: Wait runs the exact top-k, or the listing
+  // overflowed: Wait continues as before).
+  int gk_num_keys;
+  int gk_max_adjustments;
+  int gk_mode;
+  int gk_adjustments;  // adjustments when gk_mode == kGaussCorrect
+  uint32_t gk_keys[kMaxGaussKeys];
+  ull gk_counts[kMaxGaussKeys];  // keys >= gk_keys[r] in its digit-0 bin
 };
 
 // SplitMix64, as common/random.h's MixSeed.
@@ -274,6 +297,129 @@ __global__ void __launch_bounds__(kThreads) HistogramKernel(HistArgs a) {
   }
 }
 
+// What is known of the count of keys >= key, against [lo, hi].
+enum GaussVerdict { kTooFew, kTooMany, kInRange, kUndecided };
+
+__device__ inline int CountVerdict(ull count, ull lo, ull hi) {
+  return count < lo ? kTooFew : (count > hi ? kTooMany : kInRange);
+}
+
+// at_least[b] = keys whose digit 0 is >= b, for b in [0, kBins) (0 above).
+__device__ inline ull AtLeastBin(const ull* at_least, uint32_t bin) {
+  return bin < static_cast<uint32_t>(kBins) ? at_least[bin] : 0;
+}
+
+// The verdict the digit-0 histogram allows for `key`: its count lies
+// between the counts at the bounds of its bin.
+__device__ inline int HistVerdict(const ull* at_least, uint32_t key, ull lo,
+                                  ull hi) {
+  const uint32_t bin = key >> 20;
+  const ull upper = AtLeastBin(at_least, bin);
+  const ull lower = (key & 0xfffffu) == 0 ? upper : AtLeastBin(at_least, bin + 1);
+  if (upper < lo) return kTooFew;
+  if (lower > hi) return kTooMany;
+  if (lower >= lo && upper <= hi) return kInRange;
+  return kUndecided;
+}
+
+// Gaussian-k after the planner's stop at `first` (threshold t, `remaining`
+// adjustments left): lists in state's gk_keys every other key the CPU rule
+// can reach from there whose count the histogram leaves undecided, so that
+// the compaction at `first` counts them exactly. From a threshold the rule
+// moves to t*0.5 or t*1.5; the keys reachable in d more adjustments are
+// those of t * 0.5^a * 1.5^b with a + b = d (at most 153 for 16), each
+// visited once; a decided verdict follows its one branch, an undecided one
+// both. Keys beyond max_keys (<= kMaxGaussKeys) are not listed
+// (GaussResolve then leaves the rest to the host). One thread; `value` and
+// `reached` are kGaussSide^2 scratch entries (shared memory: as local
+// arrays they would reserve local memory for every resident thread).
+constexpr int kGaussSide = 17;  // adjustments left <= 16
+__device__ void ListGaussKeys(DeviceState* st, const ull* at_least, double t,
+                              uint32_t first, int remaining, ull lo, ull hi,
+                              int max_keys, double* value, bool* reached) {
+  constexpr int kSide = kGaussSide;
+  for (int i = 0; i < kSide * kSide; ++i) reached[i] = false;
+  reached[0] = true;
+  value[0] = t;
+  int listed = 0;
+  for (int d = 0; d <= remaining; ++d) {
+    for (int a = 0; a <= d; ++a) {
+      const int node = a * kSide + (d - a);
+      if (!reached[node]) continue;
+      const double v = value[node];
+      if (d > 0 && v <= 0.0) continue;  // the rule stops (exact top-k)
+      const uint32_t key = d == 0 ? first : MinKeyAbove(v);
+      const int verdict =
+          d == 0 ? kUndecided : HistVerdict(at_least, key, lo, hi);
+      if (verdict == kInRange) continue;
+      if (verdict == kUndecided && key != first) {
+        bool known = false;
+        for (int r = 0; r < listed; ++r) known |= st->gk_keys[r] == key;
+        if (!known && listed < max_keys) st->gk_keys[listed++] = key;
+      }
+      if (d == remaining) continue;
+      if (verdict != kTooMany && !reached[node + kSide]) {
+        reached[node + kSide] = true;
+        value[node + kSide] = v * 0.5;
+      }
+      if (verdict != kTooFew && !reached[node + 1]) {
+        reached[node + 1] = true;
+        value[node + 1] = v * 1.5;
+      }
+    }
+  }
+  st->gk_num_keys = listed;
+}
+
+// Gaussian-k's correction (thread 0 of the ScanKernel that totals the
+// compaction at the planner's key): replays the CPU rule from there, with
+// the exact count at that key, the listed keys' exact counts and the
+// histogram's verdicts elsewhere. gk_mode = kGaussCorrect and min_key = the
+// key whose count is in range; kGaussExact with gk_adjustments when the
+// rule ends without one (the exact top-k); kGaussHost when it meets a key
+// it has no count for (the listing overflowed); unchanged (0) when the
+// first count was accepted or after an error or a planner fallback.
+__device__ void GaussResolve(DeviceState* st, const ull* at_least, ull lo,
+                             ull hi) {
+  if (st->error != 0 || st->fallback != 0 || st->accepted != 0) return;
+  st->gk_mode = kGaussHost;
+  const uint32_t first = st->min_key;
+  const ull first_count = st->num_candidates;
+  double t = st->threshold;
+  int adjustments = st->adjustments;
+  uint32_t key = first;
+  for (;;) {
+    int verdict;
+    if (key == first) {
+      verdict = CountVerdict(first_count, lo, hi);
+    } else {
+      verdict = HistVerdict(at_least, key, lo, hi);
+      for (int r = 0; verdict == kUndecided && r < st->gk_num_keys; ++r) {
+        if (st->gk_keys[r] == key) {
+          verdict = CountVerdict(
+              AtLeastBin(at_least, (key >> 20) + 1) + st->gk_counts[r], lo, hi);
+        }
+      }
+    }
+    if (verdict == kInRange) {
+      st->gk_mode = kGaussCorrect;
+      st->min_key = key;
+      st->gk_adjustments = adjustments;
+      return;
+    }
+    if (verdict == kUndecided) return;  // not listed: the host continues
+    const bool last = adjustments == st->gk_max_adjustments;
+    if (!last) t = verdict == kTooFew ? t * 0.5 : t * 1.5;
+    if (last || t <= 0.0) {
+      st->gk_mode = kGaussExact;
+      st->gk_adjustments = adjustments;
+      return;
+    }
+    ++adjustments;
+    key = MinKeyAbove(t);
+  }
+}
+
 // Finds the digit at `level` that holds the need-th largest key among the
 // keys matching the prefix, from that level's histogram (one block of
 // kScanThreads threads). Level 0 also flags non-finite keys.
@@ -424,20 +570,47 @@ __global__ void __launch_bounds__(kThreads)
 // (state's min_key, or `host_key` when use_host_key) goes to the warp's
 // region; counts[w] = how many. kHist: histogram of the next undecided digit
 // (state's levels_done, if < 3) of the kept keys matching state's prefix,
-// into that digit's histogram in `hists`. Nothing when the exact plan reads
-// u in its final pass (state's from_u).
-template <bool kHist>
+// into that digit's histogram in `hists`. kCountKeys: also adds to state's
+// gk_counts[r] the keys >= gk_keys[r] in that key's digit-0 bin (kept or
+// not; Gaussian-k's correction). Nothing when the exact plan reads u in its
+// final pass (state's from_u), or when gate != 0 and state's gk_mode is not
+// gate.
+template <bool kHist, bool kCountKeys>
 __global__ void __launch_bounds__(kThreads)
     CollectKernel(const float* __restrict__ u, uint64_t n, uint64_t chunk,
                   int vectorized, DeviceState* st, uint32_t host_key,
                   int use_host_key, uint32_t* __restrict__ regions,
-                  uint32_t* __restrict__ counts, ull* hists) {
+                  uint32_t* __restrict__ counts, ull* hists, int gate) {
+  if (gate != 0 && st->gk_mode != gate) return;  // uniform
   __shared__ uint32_t hist[kHist ? kBins : 1];
   if (kHist) {
     for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
     __syncthreads();
   }
   if (st->from_u != 0) return;  // uniform; counts are not read then
+  // kCountKeys: the listed keys, a bitmap of their digit-0 bins, and
+  // per-warp counts (written by each warp's lane 0 only).
+  __shared__ uint32_t key_list[kCountKeys ? kMaxGaussKeys : 1];
+  __shared__ uint32_t key_bins[kCountKeys ? kBins / 32 : 1];
+  __shared__ uint32_t
+      key_counts[kCountKeys ? kWarpsPerBlock * kMaxGaussKeys : 1];
+  const int num_keys = kCountKeys ? st->gk_num_keys : 0;
+  if (kCountKeys) {
+    for (int i = threadIdx.x; i < kBins / 32; i += kThreads) key_bins[i] = 0;
+    for (int i = threadIdx.x; i < kWarpsPerBlock * kMaxGaussKeys;
+         i += kThreads) {
+      key_counts[i] = 0;
+    }
+    __syncthreads();
+    for (int r = threadIdx.x; r < num_keys; r += kThreads) {
+      const uint32_t key = st->gk_keys[r];
+      key_list[r] = key;
+      atomicOr(&key_bins[(key >> 20) / 32], 1u << ((key >> 20) % 32));
+    }
+    __syncthreads();
+  }
+  uint32_t* my_key_counts =
+      key_counts + (kCountKeys ? (threadIdx.x / 32) * kMaxGaussKeys : 0);
   const int level = kHist ? st->levels_done : 3;
   const bool skip = st->error != 0 || st->fallback != 0;
   const uint32_t min_key = use_host_key ? host_key : st->min_key;
@@ -469,6 +642,28 @@ __global__ void __launch_bounds__(kThreads)
           if (valid[j]) x[j] = u[i + j];
         }
       }
+      if (kCountKeys && num_keys > 0) {
+        bool listed[4];
+        uint32_t any_listed = 0;
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t bin = Key(x[j]) >> 20;
+          listed[j] = valid[j] && ((key_bins[bin / 32] >> (bin % 32)) & 1u);
+          any_listed |= __ballot_sync(kFullMask, listed[j]);
+        }
+        if (any_listed != 0) {
+          for (int r = 0; r < num_keys; ++r) {
+            const uint32_t listed_key = key_list[r];
+            uint32_t c = 0;
+            for (int j = 0; j < 4; ++j) {
+              const uint32_t key = Key(x[j]);
+              c += __popc(__ballot_sync(
+                  kFullMask, listed[j] && key >= listed_key &&
+                                 (key >> 20) == (listed_key >> 20)));
+            }
+            if (lane == 0) my_key_counts[r] += c;
+          }
+        }
+      }
       bool keep[4];
       uint32_t ballots[4];
       uint32_t any = 0;
@@ -494,6 +689,16 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (bad) atomicOr(&st->error, kErrorNonFinite);
   if (lane == 0) counts[warp] = count;
+  if (kCountKeys && num_keys > 0) {
+    __syncthreads();
+    for (int r = threadIdx.x; r < num_keys; r += kThreads) {
+      ull total = 0;
+      for (int w = 0; w < kWarpsPerBlock; ++w) {
+        total += key_counts[w * kMaxGaussKeys + r];
+      }
+      if (total != 0) atomicAdd(&st->gk_counts[r], total);
+    }
+  }
   if (kHist && level < 3) {
     __syncthreads();
     ull* out = LevelHist(hists, level);
@@ -506,14 +711,17 @@ __global__ void __launch_bounds__(kThreads)
 // Exclusive scan of the W <= kMaxWarps per-warp counts into offsets; total in
 // state->num_candidates; state->accepted = total in [accept_lo, accept_hi]
 // (and no error or planner fallback). Then, when find_next, FindNextBinBlock
-// on `hists`. Nothing when the exact plan reads u (state's from_u).
+// on `hists`; when at_least is given, Gaussian-k's GaussResolve with
+// [accept_lo, accept_hi]. Nothing when the exact plan reads u (state's
+// from_u), or when gate != 0 and state's gk_mode is not gate.
 template <int kItems>
 __global__ void __launch_bounds__(kScanThreads)
     ScanKernel(const uint32_t* counts, int num_warps, ull* offsets,
                DeviceState* st, const ull* hists, int find_next,
-               ull accept_lo, ull accept_hi) {
+               ull accept_lo, ull accept_hi, int gate, const ull* at_least) {
   using Scan = cub::BlockScan<ull, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ typename Scan::TempStorage storage;
+  if (gate != 0 && st->gk_mode != gate) return;  // uniform
   if (st->from_u != 0) return;  // uniform
   ull v[kItems], before[kItems], total;
   for (int j = 0; j < kItems; ++j) {
@@ -529,6 +737,7 @@ __global__ void __launch_bounds__(kScanThreads)
     st->num_candidates = total;
     st->accepted = st->error == 0 && st->fallback == 0 && total >= accept_lo &&
                    total <= accept_hi;
+    if (at_least != nullptr) GaussResolve(st, at_least, accept_lo, accept_hi);
   }
   __syncthreads();
   if (find_next) FindNextBinBlock(st, hists);
@@ -806,13 +1015,19 @@ __global__ void __launch_bounds__(kThreads)
 // decides it (the count for a threshold lies between the counts at the
 // bounds of its bin). Stops at the first threshold the histogram cannot
 // rule out and sets min_key to it; fallback = 1 when the loop ends without.
+// At a stop the histogram cannot call in range, it lists the keys the
+// correction may need (ListGaussKeys). Writes the histogram's at_least
+// counts to at_least_out (kBins entries) for GaussResolve.
 __global__ void __launch_bounds__(kScanThreads)
     GaussPlanKernel(DeviceState* st, const ull* hist0, const double* partials,
-                    uint64_t n, double z, ull lo, ull hi, int max_adjustments) {
+                    uint64_t n, double z, ull lo, ull hi, int max_adjustments,
+                    ull* at_least_out, int max_keys) {
   static_assert(kMaxBlocks <= kScanThreads, "one partial sum per thread");
   using Scan = cub::BlockScan<ull, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ typename Scan::TempStorage storage;
   __shared__ ull at_least[kBins + 1];  // keys with digit 0 >= b
+  __shared__ double list_value[kGaussSide * kGaussSide];
+  __shared__ bool list_reached[kGaussSide * kGaussSide];
   __shared__ int non_finite;
   if (threadIdx.x == 0) non_finite = 0;
   __syncthreads();
@@ -829,6 +1044,7 @@ __global__ void __launch_bounds__(kScanThreads)
   for (int j = 0; j < 2; ++j) {
     const int p = 2 * static_cast<int>(threadIdx.x) + j;
     at_least[kBins - 1 - p] = before[j] + v[j];
+    at_least_out[kBins - 1 - p] = before[j] + v[j];
   }
   if (threadIdx.x == 0) at_least[kBins] = 0;
   // The histogram pass's per-block sums, in a fixed order (valid in thread
@@ -852,17 +1068,20 @@ __global__ void __launch_bounds__(kScanThreads)
       n > 1 ? fmax(0.0, (sumsq - sum * mean) / static_cast<double>(n - 1))
             : 0.0;
   double t = mean + z * sqrt(var);
+  st->gk_max_adjustments = max_adjustments;
   for (int adjustment = 0;; ++adjustment) {
     const uint32_t key = MinKeyAbove(t);
-    const uint32_t bin = key >> 20;
-    const ull upper = at_least[bin];
-    const ull lower = (key & 0xfffffu) == 0 ? upper : at_least[bin + 1];
-    const bool too_few = upper < lo;
-    const bool too_many = lower > hi;
+    const int verdict = HistVerdict(at_least, key, lo, hi);
+    const bool too_few = verdict == kTooFew;
+    const bool too_many = verdict == kTooMany;
     if (!too_few && !too_many) {
       st->min_key = key;
       st->threshold = t;
       st->adjustments = adjustment;
+      if (verdict == kUndecided) {
+        ListGaussKeys(st, at_least, t, key, max_adjustments - adjustment, lo,
+                      hi, max_keys, list_value, list_reached);
+      }
       return;
     }
     if (adjustment == max_adjustments) break;
@@ -1154,6 +1373,7 @@ struct Sparsifier::Impl {
   };
   static constexpr size_t kMaxGraphs = 8;
   bool use_graphs = true;
+  int gauss_key_limit = kMaxGaussKeys;  // set_gaussiank_key_limit_for_testing
   std::vector<CachedGraph> graphs;
   uint64_t graph_clock = 0;
 
@@ -1249,34 +1469,45 @@ struct Sparsifier::Impl {
         std::max<uint64_t>(1, std::min<uint64_t>(blocks, max_blocks)));
   }
 
+  // How a compaction or scan takes part in Gaussian-k's correction.
+  enum class GaussRole {
+    kNone,     // not part of it
+    kFirst,    // Collect counts the listed keys; Scan resolves
+    kCorrect,  // runs only when the device corrects (gk_mode kGaussCorrect)
+  };
+
   KernelStatus Collect(const float* u, uint64_t n, bool with_hist,
-                       bool host_key, uint32_t key, cudaStream_t stream) {
+                       bool host_key, uint32_t key, cudaStream_t stream,
+                       GaussRole role = GaussRole::kNone) {
     CollectLayout(n);
     const int vec = Aligned16(u);
-    if (with_hist) {
-      GTOPK_LAUNCH(CollectKernel<true>, collect_blocks, kThreads, stream)(
-          u, n, collect_chunk, vec, st, key, host_key, regions.get(),
-          counts_a.get(), hist0);
-    } else {
-      GTOPK_LAUNCH(CollectKernel<false>, collect_blocks, kThreads, stream)(
-          u, n, collect_chunk, vec, st, key, host_key, regions.get(),
-          counts_a.get(), nullptr);
-    }
+    const int gate = role == GaussRole::kCorrect ? kGaussCorrect : 0;
+    // A pointer: the instantiations' commas would split the macro argument.
+    auto* collect = with_hist                  ? &CollectKernel<true, false>
+                    : role == GaussRole::kFirst ? &CollectKernel<false, true>
+                                                : &CollectKernel<false, false>;
+    GTOPK_LAUNCH(collect, collect_blocks, kThreads, stream)(
+        u, n, collect_chunk, vec, st, key, host_key, regions.get(),
+        counts_a.get(), with_hist ? hist0 : nullptr, gate);
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
   }
 
   // accept_lo/hi: the count range that lets the selection finish without
   // the host (state->accepted). find_next: then the next undecided digit of
-  // the exact plan from its histogram.
+  // the exact plan from its histogram. role kFirst: then GaussResolve (the
+  // planner's at_least counts are in hist1).
   KernelStatus Scan(bool find_next, cudaStream_t stream, ull accept_lo = 1,
-                    ull accept_hi = 0) {
+                    ull accept_hi = 0, GaussRole role = GaussRole::kNone) {
     const uint32_t* counts = counts_a.get();
     ull* offsets = offsets_a.get();
+    const int gate = role == GaussRole::kCorrect ? kGaussCorrect : 0;
+    const ull* at_least = role == GaussRole::kFirst ? hist1 : nullptr;
     WithScanItems(collect_warps, [&](auto items) {
       GTOPK_LAUNCH(ScanKernel<decltype(items)::value>, 1, kScanThreads,
                    stream)(counts, collect_warps, offsets, st, hist0,
-                           find_next ? 1 : 0, accept_lo, accept_hi);
+                           find_next ? 1 : 0, accept_lo, accept_hi, gate,
+                           at_least);
     });
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
@@ -1467,14 +1698,25 @@ KernelStatus Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
   GTOPK_CUDA_RETURN_IF_NOT_OK(Init(k, !reuse, reuse, false, stream));
   if (!reuse) GTOPK_CUDA_RETURN_IF_NOT_OK(Histogram(u, n, stream));
   GTOPK_LAUNCH(GaussPlanKernel, 1, kScanThreads, stream)(
-      st, hist0, partials, n, z, lo, hi, p.gaussiank_max_adjustments);
+      st, hist0, partials, n, z, lo, hi, p.gaussiank_max_adjustments, hist1,
+      gauss_key_limit);
   GTOPK_CUDA_LAUNCH_CHECK();
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, false, false, 0, stream));
-  // The usual case, with no host round trip: the planned threshold's count
-  // is in [lo, hi], the device accepts it and gathers the survivors into
-  // the output, and all min(hi, n) possible pairs are copied. Otherwise Wait
-  // continues with the adjustments (ContinueGaussianK).
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(false, stream, lo, hi));
+  // No host round trip: the compaction at the planned threshold counts the
+  // keys the later adjustments may need, and its scan accepts the count
+  // when it is in [lo, hi] (the usual case) or else replays the adjustments
+  // on the device (GaussResolve). A corrected threshold costs one more
+  // compaction pass (skipped otherwise, like everything gated on the
+  // device's state). The survivors are then gathered into the output, and
+  // all min(hi, n) possible pairs are copied. When the adjustments end
+  // without a count in range, Wait finishes with the exact top-k
+  // (ContinueGaussianK).
+  GTOPK_CUDA_RETURN_IF_NOT_OK(
+      Collect(u, n, false, false, 0, stream, GaussRole::kFirst));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(false, stream, lo, hi, GaussRole::kFirst));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(
+      Collect(u, n, false, false, 0, stream, GaussRole::kCorrect));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(
+      Scan(false, stream, lo, hi, GaussRole::kCorrect));
   GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, false, stream,
                                      /*if_accepted=*/true));
   continuation = Continuation::kGaussianK;
@@ -1493,15 +1735,18 @@ KernelStatus Sparsifier::Impl::ContinueGaussianK(const DeviceState& state,
   const uint64_t hi = MaxCount(Method::kGaussianK, k);
   const bool zero = p.zero_selected;
   DeviceState s = state;
+  // The device's replay already ended out of range: straight to the exact
+  // top-k below.
+  const bool replayed = s.gk_mode == kGaussExact;
   bool fallback = s.fallback != 0;
-  int adjustments = s.adjustments;
+  int adjustments = replayed ? s.gk_adjustments : s.adjustments;
   double t = s.threshold;
   uint32_t key = s.min_key;       // the threshold being tried
   uint32_t cand_key = s.min_key;  // the candidates hold key >= cand_key
   uint64_t cand_count = s.num_candidates;
   uint64_t count = cand_count;  // survivors of `key`
   bool gathered = false;        // candidates in cand_idx/cand_val
-  while (!fallback) {
+  while (!fallback && !replayed) {
     if (count >= lo && count <= hi) {
       if (key == cand_key) {
         GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, false, stream));
@@ -1732,6 +1977,11 @@ void Sparsifier::set_use_graphs(bool use) {
   impl_->use_graphs = use;
   if (!use) impl_->ClearGraphs();
 }
+void Sparsifier::set_gaussiank_key_limit_for_testing(int limit) {
+  impl_->gauss_key_limit = std::max(0, std::min(limit, kMaxGaussKeys));
+  impl_->ClearGraphs();  // they captured the old limit
+}
+
 Sparsifier::~Sparsifier() = default;
 
 uint64_t Sparsifier::capacity() const { return impl_->capacity; }
@@ -1910,14 +2160,28 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
   const Impl::Continuation continuation = m.continuation;
   m.continuation = Impl::Continuation::kNone;
   if (continuation != Impl::Continuation::kNone && s.error == 0) {
+    const bool corrected = continuation == Impl::Continuation::kGaussianK &&
+                           s.gk_mode == kGaussCorrect;
     if (s.accepted) {
       // The fast path's gather is the selection.
       m.pending_count = s.num_candidates;
       m.info.candidates = s.num_candidates;
       m.info.fast_path = true;
+      m.info.corrected_on_device = corrected;
       if (continuation == Impl::Continuation::kGaussianK) {
-        m.info.adjustments = s.adjustments;
+        m.info.adjustments = corrected ? s.gk_adjustments : s.adjustments;
       }
+    } else if (corrected) {
+      // GaussResolve found the count in range from exact counts; the
+      // compaction at that key disagreeing is a broken invariant.
+      return KernelStatus::Error(
+          KernelStatusCode::kInternal,
+          "gaussiank device correction kept " +
+              std::to_string(s.num_candidates) + " entries, outside [" +
+              std::to_string(MinCount(Method::kGaussianK, m.pending_params.k)) +
+              ", " +
+              std::to_string(MaxCount(Method::kGaussianK, m.pending_params.k)) +
+              "]");
     } else {
       GTOPK_CUDA_RETURN_IF_NOT_OK(
           continuation == Impl::Continuation::kGaussianK

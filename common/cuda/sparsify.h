@@ -29,9 +29,15 @@
 //    few, x1.5 when too many, count contract [ceil(2k/3), floor(4k/3)])
 //    decided on the first-digit histogram when that is conclusive, then one
 //    compaction pass; exact top-k when the adjustments do not reach the range.
-//    When the compaction's count is in range (the usual case) the device
-//    accepts it and the selection is enqueued whole, with no host round trip
-//    (SelectInfo::fast_path); otherwise Wait continues the adjustments.
+//    The selection is enqueued whole, with no host round trip
+//    (SelectInfo::fast_path): when the compaction's count is in range (the
+//    usual case) the device accepts it; when it is not, the same pass has
+//    also counted exactly every key the later adjustments can reach that
+//    the histogram leaves undecided, so the device replays the rule to the
+//    key whose count is in range and compacts once more at that key
+//    (SelectInfo::corrected_on_device): at most one more pass over u, on
+//    any input. Only the exact fallback (no adjustment lands in range, e.g.
+//    every entry equal) continues in Wait, after a host round trip.
 //  * dgc (Lin et al., arXiv:1712.01887): a sample of random 16-value runs
 //    (counter-based hash of (seed, step, run)), its exact
 //    ceil(k*sample/n)-th largest key as threshold by radix select, one
@@ -100,10 +106,14 @@ struct SelectInfo {
   bool fell_back = false;   // gaussiank/dgc ended with the exact top-k
   bool used_update_histogram =
       false;  // the first histogram came from Accumulate
-  // gaussiank/dgc: the device accepted the first compaction's count (in
+  // gaussiank/dgc: the device accepted the compaction's count (in
   // [MinCount, MaxCount]), so the selection ran without a host round trip;
   // otherwise Wait finished it (more passes, host synchronisations).
   bool fast_path = false;
+  // gaussiank: the first threshold's count was out of range and the device
+  // adjusted it (adjustments says how often) and compacted once more at the
+  // adjusted threshold, still without a host round trip (fast_path).
+  bool corrected_on_device = false;
   // The exact top-k's plan over u (exact, and the exact fallback of
   // gaussiank/dgc when it ran from u; 0/false otherwise): the histogram
   // passes over u that decided a digit of the k-th key (1 to 3; 1 on
@@ -198,6 +208,12 @@ class Sparsifier {
   // this Sparsifier and the selection is enqueued directly. Not
   // thread-safe; call between a Wait and the next Select.
   void set_use_graphs(bool use);
+
+  // Tests only: list at most `limit` (clamped to [0, 32]) keys for
+  // Gaussian-k's device correction, so that a correction needing more is
+  // left to Wait's host continuation (0: every correction that needs an
+  // exact count besides the first is). Drops the captured graphs.
+  void set_gaussiank_key_limit_for_testing(int limit);
 
   // Waits for the last Select (synchronizes `stream`) and returns its pairs;
   // finishes a gaussiank/dgc selection the device did not accept (more

@@ -257,6 +257,39 @@ TEST(GaussianKTest, AdjustsThresholdIntoRangeOnHeavyTails) {
   }
 }
 
+// Tiny residuals (denormals, |x| ~ 1e-42): their squares underflow in
+// float, so a float-lane sum of squares would give std 0 and the threshold
+// the mean. The threshold must be mean + z*std of the values themselves:
+// the selection equals the rule computed in long double in plain loops
+// (first threshold, no adjustment needed at this density).
+TEST(GaussianKTest, TinyValuesKeepTheirStandardDeviation) {
+  const size_t n = 4099;
+  const std::vector<float> u = MakeInput(Distribution::kDenormals, n, 4116);
+  const uint64_t k = 41;
+  long double sum = 0.0L;
+  for (float x : u) sum += x;
+  const long double mean = sum / n;
+  long double ss = 0.0L;
+  for (float x : u) ss += (x - mean) * (x - mean);
+  const long double t =
+      mean + cpu::NormalQuantile(1.0 - static_cast<double>(k) / n / 2.0) *
+                 std::sqrt(ss / (n - 1));
+  SparseVector want;
+  for (size_t i = 0; i < n; ++i) {
+    if (std::fabs(static_cast<long double>(u[i])) > t) {
+      want.indices.push_back(static_cast<uint32_t>(i));
+      want.values.push_back(u[i]);
+    }
+  }
+  ASSERT_GE(want.size(), (2 * k + 2) / 3);
+  ASSERT_LE(want.size(), 4 * k / 3);
+  cpu::GaussianKSelector selector(SelectorOptions{});
+  SparseVector out;
+  GTOPK_ASSERT_OK(selector.Select(u, k, 0, &out));
+  EXPECT_EQ(selector.last_adjustments(), 0);
+  EXPECT_EQ(out, want);
+}
+
 TEST(GaussianKTest, NormalDataNeedsNoAdjustment) {
   const size_t n = 1 << 20;
   const std::vector<float> u = MakeInput(Distribution::kNormal, n, 6);

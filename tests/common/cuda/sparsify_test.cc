@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -19,6 +20,7 @@
 #include "common/cpu/selectors.h"
 #include "common/cuda/cuda_selector.h"
 #include "common/optimizer.h"
+#include "common/selector.h"
 #include "common/topk.h"
 #include "gtest/gtest.h"
 #include "tests/testing/reference.h"
@@ -294,6 +296,9 @@ TEST_F(GpuTest, GraphReplaysSelectLikeDirectEnqueue) {
         EXPECT_FALSE(want.info.graph_replay);
         ExpectSameBits(got.pairs, want.pairs);
         EXPECT_EQ(got.info.fast_path, want.info.fast_path);
+        EXPECT_EQ(got.info.corrected_on_device,
+                  want.info.corrected_on_device);
+        EXPECT_EQ(got.info.adjustments, want.info.adjustments);
         EXPECT_EQ(got.info.exact_digit_passes, want.info.exact_digit_passes);
         ASSERT_NO_FATAL_FAILURE(ExpectZeroedExactly(d, u, got.pairs.indices));
         if (method == Method::kExact) {
@@ -350,9 +355,10 @@ TEST_F(GpuTest, LargeGridsMatchTheReference) {
   }
 }
 
-// gaussiank/dgc finish on the device when the first compaction's count is
-// in range, and on the host otherwise; both give valid selections. On
-// normal data Gaussian-k's first threshold fits; DGC's sampled threshold
+// gaussiank/dgc finish on the device when the compaction's count is in
+// range, and on the host otherwise; both give valid selections. On normal
+// data Gaussian-k's first threshold fits; on the spike no adjustment lands
+// in range and the exact fallback runs from Wait; DGC's sampled threshold
 // leaves at most k survivors on some steps and more on others.
 TEST_F(GpuTest, FastPathAndHostContinuationBothSelectCorrectly) {
   const size_t n = 100003;
@@ -607,14 +613,16 @@ TEST_F(GpuTest, GaussianKThresholdIsMeanPlusZTimesStd) {
   EXPECT_EQ(got.indices, want);
 }
 
-// Gaussian-k raising its threshold on the host (ContinueGaussianK): the
-// first threshold t0 = mean + z*std leaves more than MaxCount(k) survivors,
-// but they lie in t0's digit-0 histogram bin, so the planner cannot rule t0
-// out and the fast path is refused; t1 = 1.5*t0 is then counted among the
-// gathered candidates. Entries sit exactly at the smallest float above t1
-// (and at its neighbours, so whichever float the device's t1 picks holds
-// some), so a survivor count that missed those ties (key > instead of >=)
-// would disagree with the compaction at t1 or move the threshold. The
+// Gaussian-k raising its threshold on the device (GaussResolve): the first
+// threshold t0 = mean + z*std leaves more than MaxCount(k) survivors, but
+// they lie in t0's digit-0 histogram bin, so the planner cannot rule t0 out
+// and the first count is refused; t1 = 1.5*t0, whose bin the histogram
+// cannot decide either, was counted exactly in the same pass, and the
+// device compacts once more at t1's key. Entries sit exactly at the
+// smallest float above t1 (and at its neighbours, so whichever float the
+// device's t1 picks holds some), so a count that missed those ties (key >
+// instead of >=) would disagree with the compaction at t1 (an INTERNAL
+// error) or move the threshold. The
 // reference is the CPU rule in plain loops, with t0 in long double:
 // #{|u| > t0} > MaxCount, #{|u| > t1} in range, selection {i : |u_i| > t1}.
 TEST_F(GpuTest, GaussianKRaisedThresholdCountsTiesAtItsKey) {
@@ -717,15 +725,293 @@ TEST_F(GpuTest, GaussianKRaisedThresholdCountsTiesAtItsKey) {
   SparseVector got;
   GTOPK_ASSERT_OK(selector->SelectDevice(d.buffer.get(), n, k, 0, nullptr,
                                          /*zero_selected=*/true, &got));
-  EXPECT_FALSE(selector->last_info().fast_path);
+  // Corrected on the device: one more compaction at t1's key, no host
+  // round trip.
+  EXPECT_TRUE(selector->last_info().fast_path);
+  EXPECT_TRUE(selector->last_info().corrected_on_device);
   EXPECT_FALSE(selector->last_info().fell_back);
   EXPECT_EQ(selector->last_info().adjustments, 1);
-  EXPECT_EQ(selector->last_info().candidates, count0);
+  EXPECT_EQ(selector->last_info().candidates, count1);
   ASSERT_EQ(got.indices, want);
   for (size_t j = 0; j < got.size(); ++j) {
     ASSERT_EQ(FloatBits(got.values[j]), FloatBits(u[want[j]])) << j;
   }
   ExpectZeroedExactly(d, u, want);
+}
+
+// The CPU Gaussian-k rule (arXiv:1911.08772, common/cpu/gaussiank_
+// selector.cc) in plain loops: t = mean + z*std of u in long double, scaled
+// by `scale`; while the count #{i : |u_i| > t} is outside [ceil(2k/3),
+// floor(4k/3)], t *= 0.5 (too few) or 1.5 (too many), at most
+// max_adjustments times and while t > 0; then the exact top-k (at once when
+// the range holds one count).
+struct PlainGaussianK {
+  bool fell_back = false;
+  int adjustments = 0;
+  uint64_t first_count = 0;     // survivors of the first threshold
+  std::vector<uint32_t> indices;  // {i : |u_i| > t} when !fell_back
+  bool operator==(const PlainGaussianK& o) const {
+    return fell_back == o.fell_back && adjustments == o.adjustments &&
+           indices == o.indices;
+  }
+};
+
+PlainGaussianK RunPlainGaussianK(const std::vector<float>& u, uint64_t k,
+                                 int max_adjustments, long double scale) {
+  PlainGaussianK out;
+  const size_t n = u.size();
+  const uint64_t lo = (2 * k + 2) / 3, hi = 4 * k / 3;
+  if (k == n || lo >= hi) {  // no range to adjust into: the exact top-k
+    out.fell_back = true;
+    return out;
+  }
+  long double sum = 0.0L;
+  for (float x : u) sum += x;
+  const long double mean = sum / n;
+  long double ss = 0.0L;
+  for (float x : u) ss += (x - mean) * (x - mean);
+  const double z = cpu::NormalQuantile(
+      1.0 - static_cast<double>(k) / static_cast<double>(n) / 2.0);
+  double t = static_cast<double>(
+      (mean + z * std::sqrt(n > 1 ? ss / (n - 1) : 0.0L)) * scale);
+  const auto count_above = [&](double threshold) {
+    uint64_t c = 0;
+    for (float x : u) c += static_cast<double>(std::fabs(x)) > threshold;
+    return c;
+  };
+  out.first_count = count_above(t);
+  for (int adjustment = 0;; ++adjustment) {
+    const uint64_t count = count_above(t);
+    if (count >= lo && count <= hi) {
+      out.adjustments = adjustment;
+      for (size_t i = 0; i < n; ++i) {
+        if (static_cast<double>(std::fabs(u[i])) > t) {
+          out.indices.push_back(static_cast<uint32_t>(i));
+        }
+      }
+      return out;
+    }
+    if (adjustment == max_adjustments) break;
+    t = count < lo ? t * 0.5 : t * 1.5;
+    if (t <= 0.0) break;
+  }
+  out.fell_back = true;
+  return out;
+}
+
+// Gaussian-k on the device against the plain rule and the CPU selector, on
+// every input kind, several densities and adjustment budgets: the same
+// pairs bit for bit, the same adjustment count, the exact top-k where the
+// rule falls back. When the first compaction's count is out of range the
+// device corrects the threshold itself (one more pass, no host round trip:
+// fast_path and corrected_on_device). Cases whose first threshold sits
+// within 1e-5 of deciding differently are not compared (the device's double
+// sums and the CPU's float lanes, off by up to ~1e-6, round unlike long
+// double); they must be rare.
+TEST_F(GpuTest, GaussianKFollowsTheCpuRuleOnEveryInput) {
+  int compared = 0, unsettled = 0, corrected = 0, lowered = 0, raised = 0,
+      multi_step = 0, fell_back = 0;
+  for (Distribution dist :
+       {Distribution::kNormal, Distribution::kHeavyTailed,
+        Distribution::kManyZeros, Distribution::kAllZeros,
+        Distribution::kAllEqual, Distribution::kFewLevels,
+        Distribution::kDenormals, Distribution::kAscending,
+        Distribution::kSpike, Distribution::kNarrowBand, Distribution::kTies,
+        Distribution::kLaplaceZeros, Distribution::kOutliers}) {
+    for (size_t n : {size_t{4099}, size_t{100003}}) {
+      const std::vector<float> u = MakeInput(dist, n, /*seed=*/n + 17);
+      for (double density : {0.0001, 0.001, 0.01, 0.3}) {
+        GTOPK_ASSERT_OK_AND_ASSIGN(const uint64_t k, KFromDensity(density, n));
+        for (int max_adjustments : {1, 4, 16}) {
+          SCOPED_TRACE(DistributionName(dist) + " n=" + std::to_string(n) +
+                       " density=" + std::to_string(density) +
+                       " max_adjustments=" + std::to_string(max_adjustments));
+          const PlainGaussianK want =
+              RunPlainGaussianK(u, k, max_adjustments, 1.0L - 1e-5L);
+          if (!(want == RunPlainGaussianK(u, k, max_adjustments,
+                                          1.0L + 1e-5L))) {
+            ++unsettled;
+            continue;
+          }
+          SelectorOptions options;
+          options.gaussiank_max_adjustments = max_adjustments;
+          GTOPK_ASSERT_OK_AND_ASSIGN(
+              auto selector, CudaSelector::Create("gaussiank", options, n));
+          GTOPK_ASSERT_OK_AND_ASSIGN(auto cpu_selector,
+                                     CreateSelector("gaussiank", options));
+          DeviceVector d(u);
+          SparseVector got, cpu_got;
+          GTOPK_ASSERT_OK(selector->SelectDevice(d.buffer.get(), n, k, 0,
+                                                 nullptr, true, &got));
+          GTOPK_ASSERT_OK(cpu_selector->Select(u, k, 0, &cpu_got));
+          const SelectInfo& info = selector->last_info();
+          ++compared;
+          ExpectSameBits(got, cpu_got);
+          ASSERT_NO_FATAL_FAILURE(ExpectZeroedExactly(d, u, got.indices));
+          if (want.fell_back) {
+            ++fell_back;
+            EXPECT_TRUE(info.fell_back);
+            ExpectSameBits(got, ReferenceTopK(u, k));
+            continue;
+          }
+          EXPECT_FALSE(info.fell_back);
+          EXPECT_EQ(got.indices, want.indices);
+          EXPECT_EQ(info.adjustments, want.adjustments);
+          EXPECT_TRUE(info.fast_path) << "a host round trip";
+          multi_step += want.adjustments >= 2;
+          if (info.corrected_on_device) {
+            ++corrected;
+            EXPECT_GE(info.adjustments, 1);
+            (want.indices.size() > want.first_count ? lowered : raised)++;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_LE(unsettled, compared / 50) << "too few cases compared";
+  // Every path was taken: corrections lowering and raising the threshold,
+  // chains of adjustments, and the exact fallback.
+  EXPECT_GT(lowered, 0);
+  EXPECT_GT(raised, 0);
+  EXPECT_GT(multi_step, 0);
+  EXPECT_GT(fell_back, 0);
+  std::printf("compared %d (unsettled %d): corrected %d (lowered %d, raised "
+              "%d), multi-step %d, fell back %d\n",
+              compared, unsettled, corrected, lowered, raised, multi_step,
+              fell_back);
+}
+
+// Gaussian-k lowering its threshold on the device, built so that the
+// correction needs the exact counts of the first compaction pass
+// (n = 10000, k = 100, range [67, 133]; t0 = mean + z*std ~ 2.64, in the
+// digit-0 bin [2.5, 2.75), t1 = t0/2 ~ 1.32 in [1.25, 1.375)):
+//  * lower: 40 entries above t0 and 40 in t0's bin below it, so the
+//    histogram cannot decide t0 and its count, 40, is too few; t1's bin
+//    holds 50 entries below t1, so the histogram cannot decide t1 either
+//    (between 100 and 150): its count, 100, comes from the listed key.
+//  * lower, then raise: the 50 sit above t1 (count 150, too many), and
+//    t2 = 1.5*t1 ~ 1.99 leaves 100 (the histogram decides that one).
+// The rest is +-1.0. Against the rule in plain loops: the same selection
+// and adjustments, fast_path and corrected_on_device, one more compaction
+// (candidates = the count); with no keys listed (the test hook) the host
+// continues and selects the same.
+TEST_F(GpuTest, GaussianKLoweredThresholdIsCorrectedOnTheDevice) {
+  const size_t n = 10000;
+  const uint64_t k = 100;
+  struct Group {
+    int count;
+    float lo, hi;
+  };
+  const auto build = [&](const std::vector<Group>& groups) {
+    std::vector<float> big;
+    for (const Group& g : groups) {
+      for (int j = 0; j < g.count; ++j) {
+        big.push_back(g.lo + (g.hi - g.lo) * static_cast<float>(j) / g.count);
+      }
+    }
+    std::vector<float> u(n, 1.0f);
+    const size_t stride = n / big.size();
+    for (size_t b = 0; b < big.size(); ++b) u[b * stride + 7] = big[b];
+    for (size_t i = 1; i < n; i += 2) u[i] = -u[i];  // mean ~ 0
+    return u;
+  };
+  struct Variant {
+    const char* name;
+    std::vector<Group> groups;
+    int adjustments;
+  };
+  const Variant variants[] = {
+      {"lower", {{40, 3.0f, 3.5f}, {40, 2.5f, 2.55f}, {20, 1.6f, 2.0f},
+                 {50, 1.25f, 1.27f}}, 1},
+      {"lower then raise", {{40, 3.0f, 3.5f}, {40, 2.5f, 2.55f},
+                            {20, 2.2f, 2.4f}, {50, 1.34f, 1.37f}}, 2},
+  };
+  for (const Variant& v : variants) {
+    SCOPED_TRACE(v.name);
+    const std::vector<float> u = build(v.groups);
+    const PlainGaussianK want = RunPlainGaussianK(u, k, 4, 1.0L);
+    ASSERT_TRUE(want == RunPlainGaussianK(u, k, 4, 1.0L - 1e-6L));
+    ASSERT_TRUE(want == RunPlainGaussianK(u, k, 4, 1.0L + 1e-6L));
+    ASSERT_FALSE(want.fell_back);
+    ASSERT_EQ(want.first_count, 40u);  // too few at t0
+    ASSERT_EQ(want.adjustments, v.adjustments);
+    ASSERT_EQ(want.indices.size(), 100u);
+    GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                               CudaSelector::Create("gaussiank", {}, n));
+    DeviceVector d(u);
+    SparseVector got;
+    GTOPK_ASSERT_OK(selector->SelectDevice(d.buffer.get(), n, k, 0, nullptr,
+                                           /*zero_selected=*/true, &got));
+    const SelectInfo& info = selector->last_info();
+    EXPECT_TRUE(info.fast_path);
+    EXPECT_TRUE(info.corrected_on_device);
+    EXPECT_FALSE(info.fell_back);
+    EXPECT_EQ(info.adjustments, v.adjustments);
+    EXPECT_EQ(info.candidates, want.indices.size());
+    ASSERT_EQ(got.indices, want.indices);
+    for (size_t j = 0; j < got.size(); ++j) {
+      ASSERT_EQ(FloatBits(got.values[j]), FloatBits(u[want.indices[j]])) << j;
+    }
+    ExpectZeroedExactly(d, u, want.indices);
+    GTOPK_ASSERT_OK_AND_ASSIGN(auto host,
+                               CudaSelector::Create("gaussiank", {}, n));
+    host->sparsifier()->set_gaussiank_key_limit_for_testing(0);
+    SparseVector host_got;
+    GTOPK_ASSERT_OK(host->Select(u, k, 0, &host_got));
+    EXPECT_FALSE(host->last_info().fast_path);
+    EXPECT_EQ(host->last_info().adjustments, v.adjustments);
+    ExpectSameBits(host_got, got);
+  }
+}
+
+// With no keys listed for the device correction (a test hook), a
+// correction that needs an exact count besides the first continues on the
+// host, which gives the same selections as the device does. The inputs are
+// those GaussianKFollowsTheCpuRuleOnEveryInput finds corrected (same seeds),
+// plus every input kind at the densities of issue 15.
+TEST_F(GpuTest, GaussianKHostContinuationEqualsTheDeviceCorrection) {
+  struct Case {
+    Distribution dist;
+    size_t n;
+    double density;
+  };
+  std::vector<Case> cases = {
+      {Distribution::kManyZeros, 4099, 0.001},
+      {Distribution::kManyZeros, 4099, 0.01},
+      {Distribution::kSpike, 4099, 0.3},
+  };
+  for (Distribution dist :
+       {Distribution::kNormal, Distribution::kFewLevels,
+        Distribution::kNarrowBand, Distribution::kTies,
+        Distribution::kLaplaceZeros, Distribution::kOutliers,
+        Distribution::kHeavyTailed}) {
+    for (double density : {0.001, 0.01}) cases.push_back({dist, 4099, density});
+  }
+  int corrected = 0, host_continued = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(DistributionName(c.dist) + " n=" + std::to_string(c.n) +
+                 " density=" + std::to_string(c.density));
+    const std::vector<float> u = MakeInput(c.dist, c.n, /*seed=*/c.n + 17);
+    GTOPK_ASSERT_OK_AND_ASSIGN(const uint64_t k, KFromDensity(c.density, c.n));
+    SelectorOptions options;
+    options.gaussiank_max_adjustments = 16;
+    GTOPK_ASSERT_OK_AND_ASSIGN(
+        auto device, CudaSelector::Create("gaussiank", options, c.n));
+    GTOPK_ASSERT_OK_AND_ASSIGN(auto host,
+                               CudaSelector::Create("gaussiank", options, c.n));
+    host->sparsifier()->set_gaussiank_key_limit_for_testing(0);
+    SparseVector want, got;
+    GTOPK_ASSERT_OK(device->Select(u, k, 0, &want));
+    GTOPK_ASSERT_OK(host->Select(u, k, 0, &got));
+    ExpectSameBits(got, want);
+    EXPECT_EQ(host->last_info().adjustments, device->last_info().adjustments);
+    EXPECT_EQ(host->last_info().fell_back, device->last_info().fell_back);
+    corrected += device->last_info().corrected_on_device;
+    host_continued +=
+        !host->last_info().fast_path && !host->last_info().fell_back;
+  }
+  EXPECT_GT(corrected, 0) << "the device never corrected";
+  EXPECT_GT(host_continued, 0) << "the host continuation never ran";
 }
 
 // SparseUpdater against plain loops, bit for bit: Set, Subtract, then global
