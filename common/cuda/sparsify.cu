@@ -988,10 +988,13 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // DGC sample: `runs` runs of 16 consecutive keys at hashed starts in
-// [0, n - 16]; keys to sample[], digit-0 histogram to hist0.
+// [0, n - 16] (hash of *seed_ptr and the run); keys to sample[], digit-0
+// histogram to hist0.
 __global__ void __launch_bounds__(kThreads)
     SampleKernel(const float* __restrict__ u, uint64_t n, uint64_t runs,
-                 ull seed, uint32_t* __restrict__ sample, ull* hist0) {
+                 const ull* seed_ptr, uint32_t* __restrict__ sample,
+                 ull* hist0) {
+  const ull seed = *seed_ptr;  // this step's: a graph replays the kernel
   __shared__ uint32_t hist[kBins];
   for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
   __syncthreads();
@@ -1333,6 +1336,10 @@ struct Sparsifier::Impl {
   PinnedBuffer<uint32_t> host_idx;
   PinnedBuffer<float> host_val;
   PinnedBuffer<DeviceState> host_state;
+  // dgc's per-step sample seed, copied host -> device by each selection
+  // (inside its graph: the copy reads the pinned value when it runs).
+  PinnedBuffer<ull> host_seed;
+  DeviceBuffer<ull> seed;
 
   // Accumulate's histogram, valid for (hist_u, hist_n) until a Select.
   const float* hist_u = nullptr;
@@ -1351,10 +1358,12 @@ struct Sparsifier::Impl {
     uint64_t n, k;
     bool zero, reuse;
     int max_adjustments;
+    double dgc_sample_fraction;
     bool operator==(const GraphKey& o) const {
       return method == o.method && u == o.u && n == o.n && k == o.k &&
              zero == o.zero && reuse == o.reuse &&
-             max_adjustments == o.max_adjustments;
+             max_adjustments == o.max_adjustments &&
+             dgc_sample_fraction == o.dgc_sample_fraction;
     }
   };
   struct HostSnapshot {
@@ -1838,8 +1847,13 @@ KernelStatus Sparsifier::Impl::SelectDgc(float* u, uint64_t n,
   hist_u = nullptr;
   // The sample's keys live in cand_idx until the compaction below.
   const int sample_blocks = CandidateBlocks(sample_size);
+  // Through pinned memory (host_seed, written by Select before any enqueue
+  // or replay), so that a captured graph samples this step's runs.
+  GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(seed.get(), host_seed.get(),
+                                             sizeof(ull),
+                                             cudaMemcpyHostToDevice, stream));
   GTOPK_LAUNCH(SampleKernel, sample_blocks, kThreads, stream)(
-      u, n, runs, Mix(p.seed, p.step), cand_idx.get(), hist0);
+      u, n, runs, seed.get(), cand_idx.get(), hist0);
   GTOPK_CUDA_LAUNCH_CHECK();
   GTOPK_CUDA_RETURN_IF_NOT_OK(FindBin(hist0, 0, stream));
   for (int level = 1; level < 3; ++level) {
@@ -1910,9 +1924,10 @@ KernelStatus Sparsifier::Impl::EnqueueWithGraph(float* u, uint64_t n,
                                                 const SelectParams& p,
                                                 bool reuse,
                                                 cudaStream_t stream) {
-  const GraphKey key{p.method, u,     n,
-                     p.k,      p.zero_selected, reuse,
-                     p.gaussiank_max_adjustments};
+  const GraphKey key{p.method,       u,
+                     n,              p.k,
+                     p.zero_selected, reuse,
+                     p.gaussiank_max_adjustments, p.dgc_sample_fraction};
   for (CachedGraph& g : graphs) {
     if (!(g.key == key)) continue;
     GTOPK_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(g.exec, stream));
@@ -2037,6 +2052,8 @@ KernelStatus Sparsifier::Create(uint64_t capacity,
   GTOPK_CUDA_RETURN_IF_NOT_OK(impl->out_idx.Allocate(capacity));
   GTOPK_CUDA_RETURN_IF_NOT_OK(impl->out_val.Allocate(capacity));
   GTOPK_CUDA_RETURN_IF_NOT_OK(impl->host_state.Allocate(1));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->host_seed.Allocate(1));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->seed.Allocate(1));
   out->reset(new Sparsifier(std::move(impl)));
   return KernelStatus::Ok();
 }
@@ -2138,8 +2155,10 @@ KernelStatus Sparsifier::Select(float* u, uint64_t n, const SelectParams& p,
   m.pending_n = n;
   m.pending_params = p;
   m.continuation = Impl::Continuation::kNone;
+  // dgc's sample seed for this step: a replayed graph copies it from here.
+  *m.host_seed.get() = Mix(p.seed, p.step);
   const KernelStatus status =
-      m.use_graphs && stream != nullptr && p.method != Method::kDgc
+      m.use_graphs && stream != nullptr
           ? m.EnqueueWithGraph(u, n, p, reuse, stream)
           : m.Enqueue(u, n, p, reuse, stream);
   m.hist_u = nullptr;  // u changes (zeroing) or the histogram was reused

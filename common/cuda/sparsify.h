@@ -196,15 +196,16 @@ class Sparsifier {
   KernelStatus Select(float* u, uint64_t n, const SelectParams& params,
                       cudaStream_t stream);
 
-  // CUDA graphs (on by default): Select of exact and gaussiank on a stream
-  // other than the legacy default one captures what it enqueues into a
-  // graph the first time it sees a (method, u, n, k, zero_selected,
-  // histogram reuse, gaussiank_max_adjustments) and replays that graph
+  // CUDA graphs (on by default): Select on a stream other than the legacy
+  // default one captures what it enqueues into a graph the first time it
+  // sees a (method, u, n, k, zero_selected, histogram reuse,
+  // gaussiank_max_adjustments, dgc_sample_fraction) and replays that graph
   // after (SelectInfo::graph_replay): the selection is a chain of a dozen
-  // small kernels whose launch gaps dominate on small tensors. Up to 8
-  // graphs are kept (least recently used dropped); growing the pinned
-  // output buffers drops them all. dgc is never captured (its sample
-  // changes every step). A capture the runtime refuses turns graphs off for
+  // small kernels whose launch gaps dominate on small tensors. dgc's
+  // per-step sample seed reaches the graph through a pinned host value
+  // that the graph copies to the device when it runs. Up to 8 graphs are
+  // kept (least recently used dropped); growing the pinned output buffers
+  // drops them all. A capture the runtime refuses turns graphs off for
   // this Sparsifier and the selection is enqueued directly. Not
   // thread-safe; call between a Wait and the next Select.
   void set_use_graphs(bool use);

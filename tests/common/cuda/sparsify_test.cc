@@ -248,9 +248,10 @@ Selected SelectOnStream(Sparsifier* sp, DeviceVector* d, uint64_t n,
 
 // CUDA graphs: the first Select of a (method, u, n, k, ...) captures, the
 // next ones replay, and every replay selects what a direct enqueue selects
-// (exact: the reference, bit for bit; gaussiank: the same pairs as a
-// Sparsifier with graphs off), on inputs whose plans differ (the plan is
-// decided on the device, so one graph serves every input). A new k or a
+// (exact: the reference, bit for bit; gaussiank and dgc: the same pairs as
+// a Sparsifier with graphs off), on inputs whose plans differ (the plan is
+// decided on the device, so one graph serves every input). Each Select is
+// a new step: dgc's replayed graph samples that step's runs. A new k or a
 // regrown pinned buffer gets a new capture, never a stale graph (the
 // emulator fails on a copy into freed pinned memory).
 TEST_F(GpuTest, GraphReplaysSelectLikeDirectEnqueue) {
@@ -265,7 +266,7 @@ TEST_F(GpuTest, GraphReplaysSelectLikeDirectEnqueue) {
   const Distribution inputs[] = {Distribution::kNormal,
                                  Distribution::kNarrowBand, Distribution::kTies,
                                  Distribution::kNormal};
-  for (Method method : {Method::kExact, Method::kGaussianK}) {
+  for (Method method : {Method::kExact, Method::kGaussianK, Method::kDgc}) {
     SCOPED_TRACE(MethodName(method));
     for (uint64_t k : {uint64_t{100}, uint64_t{1000}, uint64_t{100}}) {
       SCOPED_TRACE(k);
@@ -285,6 +286,8 @@ TEST_F(GpuTest, GraphReplaysSelectLikeDirectEnqueue) {
         // The copy ran on the legacy default stream, which the non-blocking
         // `stream` does not wait for.
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        p.step = i;
+        p.seed = 11;
         const Selected got = SelectOnStream(graphed.get(), &d, n, p, stream);
         replays += got.info.graph_replay ? 1 : 0;
         if (i == 0) {
