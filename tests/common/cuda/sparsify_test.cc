@@ -810,7 +810,8 @@ PlainGaussianK RunPlainGaussianK(const std::vector<float>& u, uint64_t k,
 // fast_path and corrected_on_device). Cases whose first threshold sits
 // within 1e-5 of deciding differently are not compared (the device's double
 // sums and the CPU's float lanes, off by up to ~1e-6, round unlike long
-// double); they must be rare.
+// double: dense inputs such as `ascending` at n = 100003 change their
+// count within 1e-5); they must be at most 1 in 20.
 TEST_F(GpuTest, GaussianKFollowsTheCpuRuleOnEveryInput) {
   int compared = 0, unsettled = 0, corrected = 0, lowered = 0, raised = 0,
       multi_step = 0, fell_back = 0;
@@ -823,7 +824,8 @@ TEST_F(GpuTest, GaussianKFollowsTheCpuRuleOnEveryInput) {
         Distribution::kLaplaceZeros, Distribution::kOutliers}) {
     for (size_t n : {size_t{4099}, size_t{100003}}) {
       const std::vector<float> u = MakeInput(dist, n, /*seed=*/n + 17);
-      for (double density : {0.0001, 0.001, 0.01, 0.3}) {
+      // 0.8: floor(4k/3) above n.
+      for (double density : {0.0001, 0.001, 0.01, 0.3, 0.8}) {
         GTOPK_ASSERT_OK_AND_ASSIGN(const uint64_t k, KFromDensity(density, n));
         for (int max_adjustments : {1, 4, 16}) {
           SCOPED_TRACE(DistributionName(dist) + " n=" + std::to_string(n) +
@@ -833,6 +835,9 @@ TEST_F(GpuTest, GaussianKFollowsTheCpuRuleOnEveryInput) {
               RunPlainGaussianK(u, k, max_adjustments, 1.0L - 1e-5L);
           if (!(want == RunPlainGaussianK(u, k, max_adjustments,
                                           1.0L + 1e-5L))) {
+            std::printf("unsettled: %s n=%zu density=%g max_adjustments=%d\n",
+                        DistributionName(dist).c_str(), n, density,
+                        max_adjustments);
             ++unsettled;
             continue;
           }
@@ -871,7 +876,7 @@ TEST_F(GpuTest, GaussianKFollowsTheCpuRuleOnEveryInput) {
       }
     }
   }
-  EXPECT_LE(unsettled, compared / 50) << "too few cases compared";
+  EXPECT_LE(unsettled * 20, compared) << "too few cases compared";
   // Every path was taken: corrections lowering and raising the threshold,
   // chains of adjustments, and the exact fallback.
   EXPECT_GT(lowered, 0);
