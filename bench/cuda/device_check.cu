@@ -205,6 +205,10 @@ struct Row {
   // gaussiank/dgc: share of the timed selections that took the fast path
   // (no host round trip); NAN for the others.
   double fast_path = NAN;
+  // gaussiank: share of the timed selections whose first count was out of
+  // range and that the device corrected (SelectInfo::corrected_on_device;
+  // one more compaction pass); NAN for the others.
+  double corrected = NAN;
   // exact rows: SelectInfo's plan of the last timed selection (the digit
   // passes over u, whether the final compaction read u); -1 for the others.
   int digit_passes = -1;
@@ -766,13 +770,14 @@ class DeviceChecker {
                     const std::function<void()>& select) {
     std::vector<double> s, wall;
     uint64_t count = 0;
-    int fast = 0, timed = 0;
+    int fast = 0, corrected = 0, timed = 0;
     gtopk::cuda::SelectInfo last_info;
     auto wait_selection = [&] {
       SelectedPairs t;
       CHECK_OK(sp->Wait(stream, &t));
       count = t.count;
       fast += t.info.fast_path ? 1 : 0;
+      corrected += t.info.corrected_on_device ? 1 : 0;
       last_info = t.info;
       ++timed;
     };
@@ -781,6 +786,9 @@ class DeviceChecker {
             *std::min_element(s.begin(), s.end()), count};
     row.wall_us = Median(wall);
     if (p.method != Method::kExact) row.fast_path = double(fast) / timed;
+    if (p.method == Method::kGaussianK) {
+      row.corrected = double(corrected) / timed;
+    }
     if (p.method == Method::kExact) {
       row.digit_passes = last_info.exact_digit_passes;
       row.final_from_u = last_info.exact_final_from_u ? 1 : 0;
@@ -1006,6 +1014,8 @@ void PrintTable(const Table& table, const Results& results,
     std::string plan = "-";
     if (r.digit_passes >= 0) {
       plan = std::to_string(r.digit_passes) + (r.final_from_u ? ",u" : "");
+    } else if (std::isfinite(r.corrected)) {
+      plan = "c" + Num(r.corrected);  // share corrected on the device
     }
     std::printf("%12llu %9g %24s %10.1f %10s %5s %10s %10s %9s %5s\n",
                 static_cast<unsigned long long>(r.n), r.density,
@@ -1029,6 +1039,7 @@ std::string JsonRow(const Row& r, const Ratios& x) {
      << "\", \"us\": " << Num(r.us) << ", \"min_us\": " << Num(r.min_us)
      << ", \"count\": " << r.count << ", \"wall_us\": " << Num(r.wall_us)
      << ", \"fast_path_fraction\": " << Num(r.fast_path)
+     << ", \"corrected_fraction\": " << Num(r.corrected)
      << ", \"one_read_us\": " << Num(x.one_read)
      << ", \"x_one_read\": " << Num(r.us / x.one_read)
      << ", \"torch_topk_us\": " << Num(x.torch_us)

@@ -150,6 +150,16 @@ def check_row(r, normal, k, one_read, where, failures):
     elif fast is not None:
         failures.append("%s: fast_path_fraction %r for a method without one"
                         % (where, fast))
+    # gaussiank: the share its device corrected, within its fast path.
+    corrected = r.get("corrected_fraction")
+    if base == "gaussiank":
+        if not (isinstance(corrected, (int, float)) and
+                0 <= corrected <= fast):
+            failures.append("%s: corrected_fraction %r (fast_path_fraction "
+                            "%r)" % (where, corrected, fast))
+    elif corrected is not None:
+        failures.append("%s: corrected_fraction %r for a method without one"
+                        % (where, corrected))
     # x_normal: this row's figure over the normal row's (1 on normal).
     xn = r.get("x_normal")
     if not isinstance(xn, (int, float)) or \

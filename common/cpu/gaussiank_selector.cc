@@ -151,7 +151,10 @@ absl::Status GaussianKSelector::Select(absl::Span<const float> u, uint64_t k,
     threshold = count < lo ? threshold * 0.5 : threshold * 1.5;
     // A non-positive threshold admits every non-zero entry; scaling it can
     // neither lower nor raise the count any more.
-    if (threshold <= 0.0) break;
+    if (threshold <= 0.0) {
+      last_adjustments_ = adjustment;
+      break;
+    }
   }
   // Still outside the range: the exact top-k, from the survivors when they
   // are complete and enough, else from u.

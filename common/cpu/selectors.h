@@ -51,8 +51,9 @@ class GaussianKSelector final : public Selector {
   uint64_t MinCount(uint64_t k) const override;
   uint64_t MaxCount(uint64_t k) const override;
 
-  // What the last successful Select did: how many times it scaled the
-  // threshold, and whether it ended with the exact top-k fallback.
+  // What the last successful Select did: how many scaled thresholds it
+  // tried after the first (at most max_adjustments; where it stopped when
+  // it fell back), and whether it ended with the exact top-k fallback.
   int last_adjustments() const { return last_adjustments_; }
   bool last_fell_back() const { return last_fell_back_; }
 

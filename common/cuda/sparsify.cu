@@ -120,13 +120,13 @@ struct DeviceState {
   // keys >= each of them inside its digit-0 bin, and GaussResolve (in the
   // ScanKernel that totals that pass) replays the CPU rule from the
   // planner's stop: gk_mode = kGaussCorrect with min_key = the key that
-  // lands in range (one more compaction pass follows), or kGaussHost (the
-  // adjustments end without one: Wait runs the exact top-k, or the listing
-  // overflowed: Wait continues as before).
+  // lands in range (one more compaction pass follows), kGaussExact (the
+  // adjustments end without one: Wait runs the exact top-k), or kGaussHost
+  // (the listing overflowed: Wait continues the adjustments).
   int gk_num_keys;
   int gk_max_adjustments;
   int gk_mode;
-  int gk_adjustments;  // adjustments when gk_mode == kGaussCorrect
+  int gk_adjustments;  // with kGaussCorrect and kGaussExact: the rule's count
   uint32_t gk_keys[kMaxGaussKeys];
   ull gk_counts[kMaxGaussKeys];  // keys >= gk_keys[r] in its digit-0 bin
 };
@@ -1087,6 +1087,8 @@ __global__ void __launch_bounds__(kScanThreads)
       }
       return;
     }
+    // The rule ends here (the CPU's count: this adjustment).
+    st->adjustments = adjustment;
     if (adjustment == max_adjustments) break;
     t = too_few ? t * 0.5 : t * 1.5;
     if (t <= 0.0) break;

@@ -794,6 +794,7 @@ PlainGaussianK RunPlainGaussianK(const std::vector<float>& u, uint64_t k,
       }
       return out;
     }
+    out.adjustments = adjustment;  // where the rule stops, if it does here
     if (adjustment == max_adjustments) break;
     t = count < lo ? t * 0.5 : t * 1.5;
     if (t <= 0.0) break;
@@ -804,10 +805,11 @@ PlainGaussianK RunPlainGaussianK(const std::vector<float>& u, uint64_t k,
 
 // Gaussian-k on the device against the plain rule and the CPU selector, on
 // every input kind, several densities and adjustment budgets: the same
-// pairs bit for bit, the same adjustment count, the exact top-k where the
-// rule falls back. When the first compaction's count is out of range the
-// device corrects the threshold itself (one more pass, no host round trip:
-// fast_path and corrected_on_device). Cases whose first threshold sits
+// pairs bit for bit, the same adjustment count (where the rule stopped,
+// when it falls back), the exact top-k where it falls back. When the first
+// compaction's count is out of range the device corrects the threshold
+// itself (one more pass, no host round trip: fast_path and
+// corrected_on_device). Cases whose first threshold sits
 // within 1e-5 of deciding differently are not compared (the device's double
 // sums and the CPU's float lanes, off by up to ~1e-6, round unlike long
 // double: dense inputs such as `ascending` at n = 100003 change their
@@ -856,15 +858,20 @@ TEST_F(GpuTest, GaussianKFollowsTheCpuRuleOnEveryInput) {
           ++compared;
           ExpectSameBits(got, cpu_got);
           ASSERT_NO_FATAL_FAILURE(ExpectZeroedExactly(d, u, got.indices));
+          const auto* cpu_gaussiank =
+              dynamic_cast<const cpu::GaussianKSelector*>(cpu_selector.get());
+          ASSERT_NE(cpu_gaussiank, nullptr);
+          EXPECT_EQ(cpu_gaussiank->last_adjustments(), want.adjustments);
+          EXPECT_EQ(info.adjustments, want.adjustments);
           if (want.fell_back) {
             ++fell_back;
             EXPECT_TRUE(info.fell_back);
+            EXPECT_TRUE(cpu_gaussiank->last_fell_back());
             ExpectSameBits(got, ReferenceTopK(u, k));
             continue;
           }
           EXPECT_FALSE(info.fell_back);
           EXPECT_EQ(got.indices, want.indices);
-          EXPECT_EQ(info.adjustments, want.adjustments);
           EXPECT_TRUE(info.fast_path) << "a host round trip";
           multi_step += want.adjustments >= 2;
           if (info.corrected_on_device) {
