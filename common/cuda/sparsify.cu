@@ -127,9 +127,25 @@ struct DeviceState {
   int gk_max_adjustments;
   int gk_mode;
   int gk_adjustments;  // with kGaussCorrect and kGaussExact: the rule's count
+  // The rule ended out of range (the planner's fallback, or kGaussExact):
+  // 1, with the rule's adjustment count. Kept by InitKernel(keep_gate), so
+  // that the exact top-k's chain, gated on gk_exact, survives its own Init.
+  int gk_exact;
+  int gk_exact_adjustments;
   uint32_t gk_keys[kMaxGaussKeys];
   ull gk_counts[kMaxGaussKeys];  // keys >= gk_keys[r] in its digit-0 bin
 };
+
+// A kernel runs only while *flag == value (flag null: always): how the
+// host enqueues work that the device's state decides on, with no round
+// trip (Gaussian-k's corrected compaction, its exact fallback).
+struct Gate {
+  const int* flag;
+  int value;
+};
+__device__ inline bool Closed(Gate g) {
+  return g.flag != nullptr && *g.flag != g.value;
+}
 
 // SplitMix64, as common/random.h's MixSeed.
 __host__ __device__ inline ull Mix(ull seed, ull stream) {
@@ -161,10 +177,13 @@ __host__ __device__ inline uint32_t MinKeyAbove(double t) {
 
 // Resets the state; zeroes hist1/hist2 and (zero_hist0) hist0. keep_sums
 // keeps sum_blocks (Accumulate's per-block partial sums stay valid),
-// keep_candidates num_candidates.
+// keep_candidates num_candidates, keep_gate gk_exact and
+// gk_exact_adjustments. Nothing when the gate is closed.
 __global__ void InitKernel(DeviceState* st, ull* hist0, ull* hist1, ull* hist2,
                            ull need, int zero_hist0, int keep_sums,
-                           int keep_candidates) {
+                           int keep_candidates, int keep_gate, Gate gate) {
+  if (Closed(gate)) return;  // uniform
+  __syncthreads();  // every thread has read the gate before thread 0 writes
   for (int i = threadIdx.x; i < kBins; i += blockDim.x) {
     if (zero_hist0) hist0[i] = 0;
     hist1[i] = 0;
@@ -173,12 +192,18 @@ __global__ void InitKernel(DeviceState* st, ull* hist0, ull* hist1, ull* hist2,
   if (threadIdx.x == 0) {
     const int sum_blocks = st->sum_blocks;
     const ull candidates = st->num_candidates;
+    const int exact = st->gk_exact;
+    const int exact_adjustments = st->gk_exact_adjustments;
     DeviceState s{};
     memset(&s, 0, sizeof(s));
     s.need = need;
     s.first_non_finite = ~0ull;
     if (keep_sums) s.sum_blocks = sum_blocks;
     if (keep_candidates) s.num_candidates = candidates;
+    if (keep_gate) {
+      s.gk_exact = exact;
+      s.gk_exact_adjustments = exact_adjustments;
+    }
     *st = s;
   }
 }
@@ -413,6 +438,8 @@ __device__ void GaussResolve(DeviceState* st, const ull* at_least, ull lo,
     if (last || t <= 0.0) {
       st->gk_mode = kGaussExact;
       st->gk_adjustments = adjustments;
+      st->gk_exact = 1;
+      st->gk_exact_adjustments = adjustments;
       return;
     }
     ++adjustments;
@@ -495,7 +522,8 @@ __device__ void FindNextBinBlock(DeviceState* st, const ull* hists) {
 }
 
 __global__ void __launch_bounds__(kScanThreads)
-    FindNextBinKernel(DeviceState* st, const ull* hists) {
+    FindNextBinKernel(DeviceState* st, const ull* hists, Gate gate) {
+  if (Closed(gate)) return;  // uniform
   FindNextBinBlock(st, hists);
 }
 
@@ -509,8 +537,8 @@ __global__ void __launch_bounds__(kScanThreads)
 // over the digits, never on how many keys one bin holds.
 __global__ void __launch_bounds__(kScanThreads)
     FindBinDecideKernel(DeviceState* st, const ull* hists, int level,
-                        ull compact_cap) {
-  const int skip = st->compact | st->from_u;  // read before any write
+                        ull compact_cap, Gate gate) {
+  const int skip = Closed(gate) || (st->compact | st->from_u);  // before writes
   __syncthreads();
   if (skip) return;  // uniform
   FindBinBlock(st, LevelHist(hists, level), level);
@@ -530,8 +558,8 @@ __global__ void __launch_bounds__(kScanThreads)
 // once the compaction was decided (state's compact) or after an error.
 __global__ void __launch_bounds__(kThreads)
     HistLevelKernel(const float* __restrict__ u, uint64_t n, int vectorized,
-                    DeviceState* st, ull* hists, int level) {
-  if (st->compact != 0 || st->error != 0) return;  // uniform
+                    DeviceState* st, ull* hists, int level, Gate gate) {
+  if (Closed(gate) || st->compact != 0 || st->error != 0) return;  // uniform
   __shared__ uint32_t hist[kBins];
   for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
   __syncthreads();
@@ -573,15 +601,14 @@ __global__ void __launch_bounds__(kThreads)
 // into that digit's histogram in `hists`. kCountKeys: also adds to state's
 // gk_counts[r] the keys >= gk_keys[r] in that key's digit-0 bin (kept or
 // not; Gaussian-k's correction). Nothing when the exact plan reads u in its
-// final pass (state's from_u), or when gate != 0 and state's gk_mode is not
-// gate.
+// final pass (state's from_u), or when the gate is closed.
 template <bool kHist, bool kCountKeys>
 __global__ void __launch_bounds__(kThreads)
     CollectKernel(const float* __restrict__ u, uint64_t n, uint64_t chunk,
                   int vectorized, DeviceState* st, uint32_t host_key,
                   int use_host_key, uint32_t* __restrict__ regions,
-                  uint32_t* __restrict__ counts, ull* hists, int gate) {
-  if (gate != 0 && st->gk_mode != gate) return;  // uniform
+                  uint32_t* __restrict__ counts, ull* hists, Gate gate) {
+  if (Closed(gate)) return;  // uniform
   __shared__ uint32_t hist[kHist ? kBins : 1];
   if (kHist) {
     for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
@@ -713,15 +740,15 @@ __global__ void __launch_bounds__(kThreads)
 // (and no error or planner fallback). Then, when find_next, FindNextBinBlock
 // on `hists`; when at_least is given, Gaussian-k's GaussResolve with
 // [accept_lo, accept_hi]. Nothing when the exact plan reads u (state's
-// from_u), or when gate != 0 and state's gk_mode is not gate.
+// from_u), or when the gate is closed.
 template <int kItems>
 __global__ void __launch_bounds__(kScanThreads)
     ScanKernel(const uint32_t* counts, int num_warps, ull* offsets,
                DeviceState* st, const ull* hists, int find_next,
-               ull accept_lo, ull accept_hi, int gate, const ull* at_least) {
+               ull accept_lo, ull accept_hi, Gate gate, const ull* at_least) {
   using Scan = cub::BlockScan<ull, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ typename Scan::TempStorage storage;
-  if (gate != 0 && st->gk_mode != gate) return;  // uniform
+  if (Closed(gate)) return;  // uniform
   if (st->from_u != 0) return;  // uniform
   ull v[kItems], before[kItems], total;
   for (int j = 0; j < kItems; ++j) {
@@ -755,9 +782,9 @@ __global__ void __launch_bounds__(kThreads)
                  const ull* __restrict__ offsets, int num_warps,
                  uint32_t* __restrict__ out_idx, float* __restrict__ out_val,
                  int zero, DeviceState* st, ull* hists, int next_hist,
-                 int if_accepted) {
+                 int if_accepted, Gate gate) {
   __shared__ uint32_t hist[kBins];
-  if (st->from_u != 0) return;  // uniform
+  if (Closed(gate) || st->from_u != 0) return;  // uniform
   const int hist_level = next_hist && st->levels_done < 3 ? st->levels_done : -1;
   const bool with_hist = hist_level >= 0;
   if (with_hist) {
@@ -872,7 +899,8 @@ __device__ inline FinalSource GetFinalSource(const DeviceState* st,
 __global__ void __launch_bounds__(kThreads)
     CountFinalKernel(const float* cand_val, const float* u, uint64_t n,
                      DeviceState* st, FinalRule rule, uint32_t* greater,
-                     uint32_t* equal) {
+                     uint32_t* equal, Gate gate) {
+  if (Closed(gate)) return;  // uniform
   const int lane = threadIdx.x & 31;
   const uint64_t warp =
       uint64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
@@ -906,9 +934,10 @@ template <int kItems>
 __global__ void __launch_bounds__(kScanThreads)
     ScanFinalKernel(const uint32_t* greater, const uint32_t* equal,
                     int num_warps, ull* out_offsets, ull* ties_before,
-                    DeviceState* st, FinalRule rule) {
+                    DeviceState* st, FinalRule rule, Gate gate) {
   using Scan = cub::BlockScan<ull, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ typename Scan::TempStorage storage;
+  if (Closed(gate)) return;  // uniform
   uint32_t t;
   ull ties;
   FinalThreshold(st, rule, &t, &ties);
@@ -950,8 +979,9 @@ __global__ void __launch_bounds__(kThreads)
                      FinalRule rule, const ull* __restrict__ out_offsets,
                      const ull* __restrict__ ties_before,
                      uint32_t* __restrict__ out_idx,
-                     float* __restrict__ out_val, float* u, int zero) {
-  if (st->error != 0) return;  // uniform
+                     float* __restrict__ out_val, float* u, int zero,
+                     Gate gate) {
+  if (Closed(gate) || st->error != 0) return;  // uniform
   const int lane = threadIdx.x & 31;
   const uint32_t lanes_below = (1u << lane) - 1u;
   const uint64_t warp =
@@ -1094,6 +1124,8 @@ __global__ void __launch_bounds__(kScanThreads)
     if (t <= 0.0) break;
   }
   st->fallback = 1;
+  st->gk_exact = 1;
+  st->gk_exact_adjustments = st->adjustments;
 }
 
 // state->count_at_least += #{i < M : key(values[i]) >= min_key}.
@@ -1361,17 +1393,20 @@ struct Sparsifier::Impl {
     bool zero, reuse;
     int max_adjustments;
     double dgc_sample_fraction;
+    bool expect_exact;
     bool operator==(const GraphKey& o) const {
       return method == o.method && u == o.u && n == o.n && k == o.k &&
              zero == o.zero && reuse == o.reuse &&
              max_adjustments == o.max_adjustments &&
-             dgc_sample_fraction == o.dgc_sample_fraction;
+             dgc_sample_fraction == o.dgc_sample_fraction &&
+             expect_exact == o.expect_exact;
     }
   };
   struct HostSnapshot {
     SelectInfo info;
     bool check_selected = false;
     int continuation = 0;
+    bool exact_enqueued = false;
     uint64_t pending_count = 0;
     int collect_blocks = 0, collect_warps = 0;
     uint64_t collect_chunk = 0;
@@ -1385,6 +1420,9 @@ struct Sparsifier::Impl {
   static constexpr size_t kMaxGraphs = 8;
   bool use_graphs = true;
   int gauss_key_limit = kMaxGaussKeys;  // set_gaussiank_key_limit_for_testing
+  // gaussiank: the last selection fell back to the exact top-k, so the next
+  // enqueues it too, gated on the device's verdict (SelectGaussianK).
+  bool expect_exact = false;
   std::vector<CachedGraph> graphs;
   uint64_t graph_clock = 0;
 
@@ -1396,6 +1434,7 @@ struct Sparsifier::Impl {
     s.info = info;
     s.check_selected = check_selected;
     s.continuation = static_cast<int>(continuation);
+    s.exact_enqueued = exact_enqueued;
     s.pending_count = pending_count;
     s.collect_blocks = collect_blocks;
     s.collect_warps = collect_warps;
@@ -1405,6 +1444,7 @@ struct Sparsifier::Impl {
   void Restore(const HostSnapshot& s) {
     check_selected = s.check_selected;
     continuation = static_cast<Continuation>(s.continuation);
+    exact_enqueued = s.exact_enqueued;
     pending_count = s.pending_count;
     collect_blocks = s.collect_blocks;
     collect_warps = s.collect_warps;
@@ -1424,6 +1464,7 @@ struct Sparsifier::Impl {
   uint64_t pending_count = 0;
   bool check_selected = false;  // state.num_selected must equal the count
   bool pending_error = false;   // the host state already shows an error
+  bool exact_enqueued = false;  // gaussiank: its gated exact fallback too
   SelectInfo info;
   // gaussiank/dgc enqueue the usual case only (no host round trip); when
   // the device did not accept the compaction's count, Wait continues here.
@@ -1448,10 +1489,27 @@ struct Sparsifier::Impl {
         std::max<uint64_t>(1, std::min<uint64_t>(blocks, max_blocks)));
   }
 
+  // The gate every kernel the helpers below enqueue gets (GatedScope).
+  Gate gate{nullptr, 0};
+
+  // Enqueues gated on (*flag == value) while it lives.
+  struct GatedScope {
+    Impl& m;
+    Gate saved;
+    GatedScope(Impl& impl, const int* flag, int value)
+        : m(impl), saved(impl.gate) {
+      m.gate = Gate{flag, value};
+    }
+    ~GatedScope() { m.gate = saved; }
+  };
+
+  // Inside a gated chain the gate itself (the state's gk_exact) survives.
   KernelStatus Init(ull need, bool zero_hist0, bool keep_sums,
                     bool keep_candidates, cudaStream_t stream) {
+    const int keep_gate = gate.flag != nullptr;
     GTOPK_LAUNCH(InitKernel, 1, kScanThreads, stream)(
-        st, hist0, hist1, hist2, need, zero_hist0, keep_sums, keep_candidates);
+        st, hist0, hist1, hist2, need, zero_hist0, keep_sums, keep_candidates,
+        keep_gate, gate);
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
   }
@@ -1482,9 +1540,8 @@ struct Sparsifier::Impl {
 
   // How a compaction or scan takes part in Gaussian-k's correction.
   enum class GaussRole {
-    kNone,     // not part of it
-    kFirst,    // Collect counts the listed keys; Scan resolves
-    kCorrect,  // runs only when the device corrects (gk_mode kGaussCorrect)
+    kNone,   // not part of it
+    kFirst,  // Collect counts the listed keys; Scan resolves
   };
 
   KernelStatus Collect(const float* u, uint64_t n, bool with_hist,
@@ -1492,7 +1549,6 @@ struct Sparsifier::Impl {
                        GaussRole role = GaussRole::kNone) {
     CollectLayout(n);
     const int vec = Aligned16(u);
-    const int gate = role == GaussRole::kCorrect ? kGaussCorrect : 0;
     // A pointer: the instantiations' commas would split the macro argument.
     auto* collect = with_hist                  ? &CollectKernel<true, false>
                     : role == GaussRole::kFirst ? &CollectKernel<false, true>
@@ -1512,7 +1568,6 @@ struct Sparsifier::Impl {
                     ull accept_hi = 0, GaussRole role = GaussRole::kNone) {
     const uint32_t* counts = counts_a.get();
     ull* offsets = offsets_a.get();
-    const int gate = role == GaussRole::kCorrect ? kGaussCorrect : 0;
     const ull* at_least = role == GaussRole::kFirst ? hist1 : nullptr;
     WithScanItems(collect_warps, [&](auto items) {
       GTOPK_LAUNCH(ScanKernel<decltype(items)::value>, 1, kScanThreads,
@@ -1531,7 +1586,7 @@ struct Sparsifier::Impl {
         u, regions.get(), collect_chunk, counts_a.get(), offsets_a.get(),
         collect_warps, to_output ? out_idx.get() : cand_idx.get(),
         to_output ? out_val.get() : cand_val.get(), zero, st, hist0,
-        next_hist ? 1 : 0, if_accepted);
+        next_hist ? 1 : 0, if_accepted, gate);
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
   }
@@ -1548,7 +1603,7 @@ struct Sparsifier::Impl {
                      int blocks, cudaStream_t stream) {
     const int warps = blocks * kWarpsPerBlock;
     GTOPK_LAUNCH(CountFinalKernel, blocks, kThreads, stream)(
-        cand_val.get(), u, n, st, rule, counts_b.get(), counts_a.get());
+        cand_val.get(), u, n, st, rule, counts_b.get(), counts_a.get(), gate);
     GTOPK_CUDA_LAUNCH_CHECK();
     const uint32_t* greater = counts_b.get();
     const uint32_t* equal = counts_a.get();
@@ -1557,12 +1612,12 @@ struct Sparsifier::Impl {
     WithScanItems(warps, [&](auto items) {
       GTOPK_LAUNCH(ScanFinalKernel<decltype(items)::value>, 1, kScanThreads,
                    stream)(greater, equal, warps, out_offsets, ties_before, st,
-                           rule);
+                           rule, gate);
     });
     GTOPK_CUDA_LAUNCH_CHECK();
     GTOPK_LAUNCH(WriteFinalKernel, blocks, kThreads, stream)(
         cand_idx.get(), cand_val.get(), n, st, rule, offsets_a.get(),
-        offsets_b.get(), out_idx.get(), out_val.get(), u, zero);
+        offsets_b.get(), out_idx.get(), out_val.get(), u, zero, gate);
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
   }
@@ -1610,14 +1665,14 @@ struct Sparsifier::Impl {
     GTOPK_CUDA_RETURN_IF_NOT_OK(Decide(0, cap, stream));
     for (int level = 1; level < 3; ++level) {
       GTOPK_LAUNCH(HistLevelKernel, blocks, kThreads, stream)(
-          u, n, vec, st, hist0, level);
+          u, n, vec, st, hist0, level, gate);
       GTOPK_CUDA_LAUNCH_CHECK();
       GTOPK_CUDA_RETURN_IF_NOT_OK(Decide(level, cap, stream));
     }
     GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, true, false, 0, stream));
     GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(/*find_next=*/true, stream));
     GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, true, stream));
-    GTOPK_LAUNCH(FindNextBinKernel, 1, kScanThreads, stream)(st, hist0);
+    GTOPK_LAUNCH(FindNextBinKernel, 1, kScanThreads, stream)(st, hist0, gate);
     GTOPK_CUDA_LAUNCH_CHECK();
     // The final source holds at most n entries (u itself, or candidates).
     return Final(FinalRule{0, 0}, u, n, zero, CandidateBlocks(n), stream);
@@ -1630,8 +1685,8 @@ struct Sparsifier::Impl {
   static ull CompactCap(uint64_t n) { return std::max<ull>(1, n / 8); }
 
   KernelStatus Decide(int level, ull cap, cudaStream_t stream) {
-    GTOPK_LAUNCH(FindBinDecideKernel, 1, kScanThreads, stream)(st, hist0,
-                                                               level, cap);
+    GTOPK_LAUNCH(FindBinDecideKernel, 1, kScanThreads, stream)(
+        st, hist0, level, cap, gate);
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
   }
@@ -1724,12 +1779,23 @@ KernelStatus Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
   GTOPK_CUDA_RETURN_IF_NOT_OK(
       Collect(u, n, false, false, 0, stream, GaussRole::kFirst));
   GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(false, stream, lo, hi, GaussRole::kFirst));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(
-      Collect(u, n, false, false, 0, stream, GaussRole::kCorrect));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(
-      Scan(false, stream, lo, hi, GaussRole::kCorrect));
+  {
+    GatedScope correcting(*this, &st->gk_mode, kGaussCorrect);
+    GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, false, false, 0, stream));
+    GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(false, stream, lo, hi));
+  }
   GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, false, stream,
                                      /*if_accepted=*/true));
+  // The last gaussiank selection fell back to the exact top-k: residuals
+  // change little from step to step, so this one likely does too. Enqueue
+  // the exact top-k gated on the rule's end (state's gk_exact), and Wait
+  // has nothing left to do when it ran: no host round trip. Otherwise (or
+  // when it was not enqueued) it costs nothing here and Wait continues.
+  if (expect_exact) {
+    GatedScope falling_back(*this, &st->gk_exact, 1);
+    GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, true, stream));
+  }
+  exact_enqueued = expect_exact;
   continuation = Continuation::kGaussianK;
   info.fell_back = false;
   // hi = floor(4k/3) can exceed n (density > 3/4): never more than n pairs.
@@ -1929,7 +1995,8 @@ KernelStatus Sparsifier::Impl::EnqueueWithGraph(float* u, uint64_t n,
   const GraphKey key{p.method,       u,
                      n,              p.k,
                      p.zero_selected, reuse,
-                     p.gaussiank_max_adjustments, p.dgc_sample_fraction};
+                     p.gaussiank_max_adjustments, p.dgc_sample_fraction,
+                     p.method == Method::kGaussianK && expect_exact};
   for (CachedGraph& g : graphs) {
     if (!(g.key == key)) continue;
     GTOPK_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(g.exec, stream));
@@ -2157,6 +2224,7 @@ KernelStatus Sparsifier::Select(float* u, uint64_t n, const SelectParams& p,
   m.pending_n = n;
   m.pending_params = p;
   m.continuation = Impl::Continuation::kNone;
+  m.exact_enqueued = false;
   // dgc's sample seed for this step: a replayed graph copies it from here.
   *m.host_seed.get() = Mix(p.seed, p.step);
   const KernelStatus status =
@@ -2192,6 +2260,14 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
       if (continuation == Impl::Continuation::kGaussianK) {
         m.info.adjustments = corrected ? s.gk_adjustments : s.adjustments;
       }
+    } else if (m.exact_enqueued && s.gk_exact != 0) {
+      // The rule ended out of range and the gated exact top-k ran on the
+      // device (SelectGaussianK's expect_exact).
+      m.pending_count = m.pending_params.k;
+      m.check_selected = true;
+      m.info.fast_path = true;
+      m.info.fell_back = true;
+      m.info.adjustments = s.gk_exact_adjustments;
     } else if (corrected) {
       // GaussResolve found the count in range from exact counts; the
       // compaction at that key disagreeing is a broken invariant.
@@ -2245,6 +2321,9 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
         KernelStatusCode::kInternal,
         "selection produced " + std::to_string(s.num_selected) +
             " pairs, expected " + std::to_string(m.pending_count));
+  }
+  if (continuation == Impl::Continuation::kGaussianK) {
+    m.expect_exact = m.info.fell_back;
   }
   m.info.count = m.pending_count;
   if (m.info.candidates == 0) m.info.candidates = s.num_candidates;

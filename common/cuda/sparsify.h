@@ -36,8 +36,13 @@
 //    the histogram leaves undecided, so the device replays the rule to the
 //    key whose count is in range and compacts once more at that key
 //    (SelectInfo::corrected_on_device): at most one more pass over u, on
-//    any input. Only the exact fallback (no adjustment lands in range, e.g.
-//    every entry equal) continues in Wait, after a host round trip.
+//    any input. When no adjustment lands in range (every entry equal, a
+//    narrow band, ties, a few huge outliers that inflate the std) the rule
+//    ends with the exact top-k: Wait runs it after a host round trip the
+//    first time; a Sparsifier whose last gaussiank selection fell back
+//    enqueues it too, gated on the device's verdict, so that a steady
+//    stream of such inputs needs no round trip (the gated chain does
+//    nothing when the rule lands in range).
 //  * dgc (Lin et al., arXiv:1712.01887): a sample of random 16-value runs
 //    (counter-based hash of (seed, step, run)), its exact
 //    ceil(k*sample/n)-th largest key as threshold by radix select, one
@@ -106,9 +111,11 @@ struct SelectInfo {
   bool fell_back = false;   // gaussiank/dgc ended with the exact top-k
   bool used_update_histogram =
       false;  // the first histogram came from Accumulate
-  // gaussiank/dgc: the device accepted the compaction's count (in
-  // [MinCount, MaxCount]), so the selection ran without a host round trip;
-  // otherwise Wait finished it (more passes, host synchronisations).
+  // gaussiank/dgc: the selection ran without a host round trip: the device
+  // accepted the compaction's count (in [MinCount, MaxCount]), corrected
+  // it (gaussiank), or ran the gated exact fallback (gaussiank, after a
+  // selection that fell back); otherwise Wait finished it (more passes,
+  // host synchronisations).
   bool fast_path = false;
   // gaussiank: the first threshold's count was out of range and the device
   // adjusted it (adjustments says how often) and compacted once more at the

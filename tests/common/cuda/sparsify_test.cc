@@ -309,8 +309,11 @@ TEST_F(GpuTest, GraphReplaysSelectLikeDirectEnqueue) {
         }
       }
       // Every Select after the first of this (u, k) replayed, except after
-      // the pinned buffers grew (k = 1000 after 100: a new capture).
-      EXPECT_GE(replays, static_cast<int>(std::size(inputs)) - 1);
+      // the pinned buffers grew (k = 1000 after 100: a new capture), and
+      // gaussiank's second capture once it expects the exact fallback
+      // (after narrow_band).
+      EXPECT_GE(replays, static_cast<int>(std::size(inputs)) -
+                             (method == Method::kGaussianK ? 2 : 1));
     }
   }
   // The legacy default stream cannot capture: a direct enqueue, correct.
@@ -868,6 +871,29 @@ TEST_F(GpuTest, GaussianKFollowsTheCpuRuleOnEveryInput) {
             EXPECT_TRUE(info.fell_back);
             EXPECT_TRUE(cpu_gaussiank->last_fell_back());
             ExpectSameBits(got, ReferenceTopK(u, k));
+            // Again on the same selector: having fallen back, it enqueues
+            // the exact top-k gated on the device's verdict, which runs
+            // with no host round trip (the k == n and single-count ranges
+            // take the exact path directly, always without one). Except
+            // where the device cannot replay the rule: denormals all share
+            // digit-0 bin 0, every threshold is undecided, and 16
+            // adjustments reach more keys than the 32 listed, so the host
+            // continues the adjustments.
+            DeviceVector again(u);
+            SparseVector got_again;
+            GTOPK_ASSERT_OK(selector->SelectDevice(
+                again.buffer.get(), n, k, 1, nullptr, true, &got_again));
+            ExpectSameBits(got_again, got);
+            ASSERT_NO_FATAL_FAILURE(
+                ExpectZeroedExactly(again, u, got_again.indices));
+            EXPECT_TRUE(selector->last_info().fell_back);
+            EXPECT_EQ(selector->last_info().adjustments, want.adjustments);
+            const uint64_t lo = selector->MinCount(k);
+            if (k != n && lo != selector->MaxCount(k) &&
+                !(dist == Distribution::kDenormals && max_adjustments == 16)) {
+              EXPECT_TRUE(selector->last_info().fast_path)
+                  << "a host round trip";
+            }
             continue;
           }
           EXPECT_FALSE(info.fell_back);
@@ -977,6 +1003,63 @@ TEST_F(GpuTest, GaussianKLoweredThresholdIsCorrectedOnTheDevice) {
     EXPECT_EQ(host->last_info().adjustments, v.adjustments);
     ExpectSameBits(host_got, got);
   }
+}
+
+// The exact fallback follows the last selection: a Sparsifier whose last
+// gaussiank selection fell back enqueues the exact top-k gated on the
+// device's verdict, so a fallback after a fallback needs no host round trip;
+// an input that lands in range after one is still selected by the rule (the
+// gated chain does nothing), and the prediction follows. Checked on a
+// created stream (graphs: one per prediction) and on the legacy stream
+// (direct enqueue), against the reference and a fresh selector each step.
+TEST_F(GpuTest, GaussianKExactFallbackRunsOnTheDeviceAfterAFallback) {
+  const size_t n = 100003;
+  const uint64_t k = 1000;  // ties: 100 entries of 2.0, then n of 1.0
+  const std::vector<float> ties = MakeInput(Distribution::kTies, n, 51);
+  const std::vector<float> normal = MakeInput(Distribution::kNormal, n, 52);
+  const std::vector<float> band = MakeInput(Distribution::kNarrowBand, n, 53);
+  cudaStream_t created = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking),
+            cudaSuccess);
+  for (cudaStream_t stream : {created, static_cast<cudaStream_t>(nullptr)}) {
+    SCOPED_TRACE(stream == nullptr ? "legacy stream" : "created stream");
+    GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                               CudaSelector::Create("gaussiank", {}, n));
+    struct Step {
+      const std::vector<float>* u;
+      bool fell_back, fast_path;
+    };
+    const Step steps[] = {
+        {&ties, true, false},    // first fallback: Wait runs the exact top-k
+        {&ties, true, true},     // predicted: on the device
+        {&band, true, true},     // a fallback on another input: device
+        {&normal, false, true},  // in range: the rule, gated chain idle
+        {&ties, true, false},    // not predicted: Wait again
+        {&ties, true, true},
+    };
+    for (size_t i = 0; i < std::size(steps); ++i) {
+      SCOPED_TRACE("step " + std::to_string(i));
+      const std::vector<float>& u = *steps[i].u;
+      DeviceVector d(u);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      SparseVector got;
+      GTOPK_ASSERT_OK(selector->SelectDevice(d.buffer.get(), n, k, i, stream,
+                                             true, &got));
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const SelectInfo info = selector->last_info();
+      EXPECT_EQ(info.fell_back, steps[i].fell_back);
+      EXPECT_EQ(info.fast_path, steps[i].fast_path);
+      GTOPK_ASSERT_OK_AND_ASSIGN(auto fresh,
+                                 CudaSelector::Create("gaussiank", {}, n));
+      SparseVector want;
+      GTOPK_ASSERT_OK(fresh->Select(u, k, i, &want));
+      ExpectSameBits(got, want);
+      EXPECT_EQ(info.adjustments, fresh->last_info().adjustments);
+      if (steps[i].fell_back) ExpectSameBits(got, ReferenceTopK(u, k));
+      ASSERT_NO_FATAL_FAILURE(ExpectZeroedExactly(d, u, got.indices));
+    }
+  }
+  ASSERT_EQ(cudaStreamDestroy(created), cudaSuccess);
 }
 
 // With no keys listed for the device correction (a test hook), a
