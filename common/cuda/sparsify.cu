@@ -177,8 +177,8 @@ __host__ __device__ inline uint32_t MinKeyAbove(double t) {
 
 // Resets the state; zeroes hist1/hist2 and (zero_hist0) hist0. keep_sums
 // keeps sum_blocks (Accumulate's per-block partial sums stay valid),
-// keep_candidates num_candidates, keep_gate gk_exact and
-// gk_exact_adjustments. Nothing when the gate is closed.
+// keep_candidates num_candidates, keep_gate gk_exact, gk_exact_adjustments
+// and error. Nothing when the gate is closed.
 __global__ void InitKernel(DeviceState* st, ull* hist0, ull* hist1, ull* hist2,
                            ull need, int zero_hist0, int keep_sums,
                            int keep_candidates, int keep_gate, Gate gate) {
@@ -194,15 +194,17 @@ __global__ void InitKernel(DeviceState* st, ull* hist0, ull* hist1, ull* hist2,
     const ull candidates = st->num_candidates;
     const int exact = st->gk_exact;
     const int exact_adjustments = st->gk_exact_adjustments;
+    const uint32_t error = st->error;
     DeviceState s{};
     memset(&s, 0, sizeof(s));
     s.need = need;
     s.first_non_finite = ~0ull;
     if (keep_sums) s.sum_blocks = sum_blocks;
     if (keep_candidates) s.num_candidates = candidates;
-    if (keep_gate) {
+    if (keep_gate) {  // and an error the gated-on chain found before
       s.gk_exact = exact;
       s.gk_exact_adjustments = exact_adjustments;
+      s.error = error;
     }
     *st = s;
   }
@@ -1789,8 +1791,11 @@ KernelStatus Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
   // The last gaussiank selection fell back to the exact top-k: residuals
   // change little from step to step, so this one likely does too. Enqueue
   // the exact top-k gated on the rule's end (state's gk_exact), and Wait
-  // has nothing left to do when it ran: no host round trip. Otherwise (or
-  // when it was not enqueued) it costs nothing here and Wait continues.
+  // has nothing left to do when it ran: no host round trip. When the rule
+  // lands in range instead, its 13 kernels return at once (13 launches, one
+  // step: the prediction follows the outcome). The exact top-k runs from u
+  // here, where Wait's continuation may take it from the first compaction's
+  // survivors: the same pairs, SelectInfo's candidates and plan differ.
   if (expect_exact) {
     GatedScope falling_back(*this, &st->gk_exact, 1);
     GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, true, stream));

@@ -41,8 +41,8 @@
 //    ends with the exact top-k: Wait runs it after a host round trip the
 //    first time; a Sparsifier whose last gaussiank selection fell back
 //    enqueues it too, gated on the device's verdict, so that a steady
-//    stream of such inputs needs no round trip (the gated chain does
-//    nothing when the rule lands in range).
+//    stream of such inputs needs no round trip (when the rule lands in
+//    range instead, the gated chain's kernels return at once).
 //  * dgc (Lin et al., arXiv:1712.01887): a sample of random 16-value runs
 //    (counter-based hash of (seed, step, run)), its exact
 //    ceil(k*sample/n)-th largest key as threshold by radix select, one
