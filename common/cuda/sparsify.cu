@@ -224,6 +224,7 @@ struct HistArgs {
   DeviceState* st;
   ull* hist0;
   double* partials;  // [2 * block] = sum of u, [2 * block + 1] = sum of u^2
+  Gate gate;         // nothing while closed
 };
 
 // One element of the update: the CPU rule's operations in its order.
@@ -245,6 +246,7 @@ __device__ inline float UpdateOne(float g, float p, float v, float r,
 // kUpdate it first computes u = residual + lr*v and writes it.
 template <bool kUpdate>
 __global__ void __launch_bounds__(kThreads) HistogramKernel(HistArgs a) {
+  if (Closed(a.gate)) return;  // uniform
   __shared__ uint32_t hist[kBins];
   for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
   __syncthreads();
@@ -741,13 +743,15 @@ __global__ void __launch_bounds__(kThreads)
 // state->num_candidates; state->accepted = total in [accept_lo, accept_hi]
 // (and no error or planner fallback). Then, when find_next, FindNextBinBlock
 // on `hists`; when at_least is given, Gaussian-k's GaussResolve with
-// [accept_lo, accept_hi]. Nothing when the exact plan reads u (state's
-// from_u), or when the gate is closed.
+// [accept_lo, accept_hi]; when exact_above != 0 and the total is not accepted
+// and above it, state's gk_exact = 1. Nothing when the exact plan reads u
+// (state's from_u), or when the gate is closed.
 template <int kItems>
 __global__ void __launch_bounds__(kScanThreads)
     ScanKernel(const uint32_t* counts, int num_warps, ull* offsets,
                DeviceState* st, const ull* hists, int find_next,
-               ull accept_lo, ull accept_hi, Gate gate, const ull* at_least) {
+               ull accept_lo, ull accept_hi, Gate gate, const ull* at_least,
+               ull exact_above) {
   using Scan = cub::BlockScan<ull, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ typename Scan::TempStorage storage;
   if (Closed(gate)) return;  // uniform
@@ -767,6 +771,12 @@ __global__ void __launch_bounds__(kScanThreads)
     st->accepted = st->error == 0 && st->fallback == 0 && total >= accept_lo &&
                    total <= accept_hi;
     if (at_least != nullptr) GaussResolve(st, at_least, accept_lo, accept_hi);
+    // dgc: more than exact_above survive (most of u ties with the sampled
+    // threshold): the exact top-k from u, gated on gk_exact.
+    if (exact_above != 0 && st->error == 0 && !st->accepted &&
+        total > exact_above) {
+      st->gk_exact = 1;
+    }
   }
   __syncthreads();
   if (find_next) FindNextBinBlock(st, hists);
@@ -1425,6 +1435,10 @@ struct Sparsifier::Impl {
   // gaussiank: the last selection fell back to the exact top-k, so the next
   // enqueues it too, gated on the device's verdict (SelectGaussianK).
   bool expect_exact = false;
+  // dgc: the last selection took the exact top-k from u (more than n/8
+  // survived its sampled threshold), so the next enqueues it too, gated.
+  bool dgc_expect_exact = false;
+  bool took_exact = false;  // the pending selection's, for the prediction
   std::vector<CachedGraph> graphs;
   uint64_t graph_clock = 0;
 
@@ -1524,6 +1538,7 @@ struct Sparsifier::Impl {
     a.st = st;
     a.hist0 = hist0;
     a.partials = partials;
+    a.gate = gate;
     // The fused update's grid: the same partition of u into per-block sums,
     // so Gaussian-k's threshold is the same whether or not Select reuses
     // Accumulate's histogram.
@@ -1567,7 +1582,8 @@ struct Sparsifier::Impl {
   // the exact plan from its histogram. role kFirst: then GaussResolve (the
   // planner's at_least counts are in hist1).
   KernelStatus Scan(bool find_next, cudaStream_t stream, ull accept_lo = 1,
-                    ull accept_hi = 0, GaussRole role = GaussRole::kNone) {
+                    ull accept_hi = 0, GaussRole role = GaussRole::kNone,
+                    ull exact_above = 0) {
     const uint32_t* counts = counts_a.get();
     ull* offsets = offsets_a.get();
     const ull* at_least = role == GaussRole::kFirst ? hist1 : nullptr;
@@ -1575,7 +1591,7 @@ struct Sparsifier::Impl {
       GTOPK_LAUNCH(ScanKernel<decltype(items)::value>, 1, kScanThreads,
                    stream)(counts, collect_warps, offsets, st, hist0,
                            find_next ? 1 : 0, accept_lo, accept_hi, gate,
-                           at_least);
+                           at_least, exact_above);
     });
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
@@ -1941,9 +1957,19 @@ KernelStatus Sparsifier::Impl::SelectDgc(float* u, uint64_t n,
   // gathers them into the output, and all k possible pairs are copied.
   // More than k: Wait trims them to the exact top-k (ContinueDgc).
   GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, false, false, 0, stream));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(false, stream, 1, k));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(
+      Scan(false, stream, 1, k, GaussRole::kNone, CompactCap(n)));
   GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, false, stream,
                                      /*if_accepted=*/true));
+  // As gaussiank's: the last selection took the exact top-k from u (ties at
+  // the sampled threshold), so this one is enqueued too, gated on the
+  // device's count (13 kernels and a histogram pass that return at once
+  // when it is not needed).
+  if (dgc_expect_exact) {
+    GatedScope falling_back(*this, &st->gk_exact, 1);
+    GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, false, stream));
+  }
+  exact_enqueued = dgc_expect_exact;
   continuation = Continuation::kDgc;
   return CopyOut(k, stream);
 }
@@ -1965,6 +1991,7 @@ KernelStatus Sparsifier::Impl::ContinueDgc(const DeviceState& s,
   // more than the exact selection's passes over u.
   if (s.num_candidates > CompactCap(n)) {
     GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, false, stream));
+    took_exact = true;
     check_selected = true;
     return CopyOut(k, stream);
   }
@@ -2001,7 +2028,9 @@ KernelStatus Sparsifier::Impl::EnqueueWithGraph(float* u, uint64_t n,
                      n,              p.k,
                      p.zero_selected, reuse,
                      p.gaussiank_max_adjustments, p.dgc_sample_fraction,
-                     p.method == Method::kGaussianK && expect_exact};
+                     p.method == Method::kGaussianK ? expect_exact
+                     : p.method == Method::kDgc     ? dgc_expect_exact
+                                                    : false};
   for (CachedGraph& g : graphs) {
     if (!(g.key == key)) continue;
     GTOPK_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(g.exec, stream));
@@ -2230,6 +2259,7 @@ KernelStatus Sparsifier::Select(float* u, uint64_t n, const SelectParams& p,
   m.pending_params = p;
   m.continuation = Impl::Continuation::kNone;
   m.exact_enqueued = false;
+  m.took_exact = false;
   // dgc's sample seed for this step: a replayed graph copies it from here.
   *m.host_seed.get() = Mix(p.seed, p.step);
   const KernelStatus status =
@@ -2266,13 +2296,16 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
         m.info.adjustments = corrected ? s.gk_adjustments : s.adjustments;
       }
     } else if (m.exact_enqueued && s.gk_exact != 0) {
-      // The rule ended out of range and the gated exact top-k ran on the
-      // device (SelectGaussianK's expect_exact).
+      // The gated exact top-k ran on the device: gaussiank's rule ended out
+      // of range, or more than n/8 survived dgc's sampled threshold.
       m.pending_count = m.pending_params.k;
       m.check_selected = true;
+      m.took_exact = true;
       m.info.fast_path = true;
-      m.info.fell_back = true;
-      m.info.adjustments = s.gk_exact_adjustments;
+      if (continuation == Impl::Continuation::kGaussianK) {
+        m.info.fell_back = true;
+        m.info.adjustments = s.gk_exact_adjustments;
+      }
     } else if (corrected) {
       // GaussResolve found the count in range from exact counts; the
       // compaction at that key disagreeing is a broken invariant.
@@ -2329,6 +2362,8 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
   }
   if (continuation == Impl::Continuation::kGaussianK) {
     m.expect_exact = m.info.fell_back;
+  } else if (continuation == Impl::Continuation::kDgc) {
+    m.dgc_expect_exact = m.took_exact;
   }
   m.info.count = m.pending_count;
   if (m.info.candidates == 0) m.info.candidates = s.num_candidates;

@@ -48,8 +48,11 @@
 //    ceil(k*sample/n)-th largest key as threshold by radix select, one
 //    compaction pass keeping key >= threshold; more than k survivors are
 //    trimmed to the exact top-k among them (in Wait, after a host round
-//    trip; at most k: no round trip, SelectInfo::fast_path). Returns 1..k
-//    entries.
+//    trip; at most k: no round trip, SelectInfo::fast_path). More than n/8
+//    survivors (ties at the sampled key) take the exact top-k from u
+//    instead; after such a selection the next enqueues that too, gated on
+//    the device's count, so a steady stream of them needs no round trip.
+//    Returns 1..k entries.
 //
 // Output: (index, value) pairs sorted by index, values copied bit-exactly,
 // only those pairs copied to the host, into pinned buffers, asynchronously on
@@ -113,9 +116,9 @@ struct SelectInfo {
       false;  // the first histogram came from Accumulate
   // gaussiank/dgc: the selection ran without a host round trip: the device
   // accepted the compaction's count (in [MinCount, MaxCount]), corrected
-  // it (gaussiank), or ran the gated exact fallback (gaussiank, after a
-  // selection that fell back); otherwise Wait finished it (more passes,
-  // host synchronisations).
+  // it (gaussiank), or ran the gated exact top-k (gaussiank after a
+  // selection that fell back, dgc after one that took it from u);
+  // otherwise Wait finished it (more passes, host synchronisations).
   bool fast_path = false;
   // gaussiank: the first threshold's count was out of range and the device
   // adjusted it (adjustments says how often) and compacted once more at the

@@ -310,10 +310,10 @@ TEST_F(GpuTest, GraphReplaysSelectLikeDirectEnqueue) {
       }
       // Every Select after the first of this (u, k) replayed, except after
       // the pinned buffers grew (k = 1000 after 100: a new capture), and
-      // gaussiank's second capture once it expects the exact fallback
-      // (after narrow_band).
+      // gaussiank's and dgc's second capture once they expect the exact
+      // top-k from u (after narrow_band or ties).
       EXPECT_GE(replays, static_cast<int>(std::size(inputs)) -
-                             (method == Method::kGaussianK ? 2 : 1));
+                             (method == Method::kExact ? 1 : 2));
     }
   }
   // The legacy default stream cannot capture: a direct enqueue, correct.
@@ -1056,6 +1056,61 @@ TEST_F(GpuTest, GaussianKExactFallbackRunsOnTheDeviceAfterAFallback) {
       ExpectSameBits(got, want);
       EXPECT_EQ(info.adjustments, fresh->last_info().adjustments);
       if (steps[i].fell_back) ExpectSameBits(got, ReferenceTopK(u, k));
+      ASSERT_NO_FATAL_FAILURE(ExpectZeroedExactly(d, u, got.indices));
+    }
+  }
+  ASSERT_EQ(cudaStreamDestroy(created), cudaSuccess);
+}
+
+// dgc likewise: when more than n/8 entries survive its sampled threshold
+// (ties: most of u equals the sampled key) it takes the exact top-k from
+// u; after such a step the next enqueues it too, gated on the device's
+// count, with no host round trip. Each step equals a fresh selector's at
+// the same step (same sample) and, where the exact top-k ran, the
+// reference.
+TEST_F(GpuTest, DgcExactFromURunsOnTheDeviceAfterOne) {
+  const size_t n = 100003;
+  const uint64_t k = 1000;
+  const std::vector<float> ties = MakeInput(Distribution::kTies, n, 61);
+  const std::vector<float> equal = MakeInput(Distribution::kAllEqual, n, 62);
+  const std::vector<float> normal = MakeInput(Distribution::kNormal, n, 63);
+  cudaStream_t created = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking),
+            cudaSuccess);
+  for (cudaStream_t stream : {created, static_cast<cudaStream_t>(nullptr)}) {
+    SCOPED_TRACE(stream == nullptr ? "legacy stream" : "created stream");
+    GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                               CudaSelector::Create("dgc", {}, n));
+    struct Step {
+      const std::vector<float>* u;
+      int fast_path;  // -1: either (normal data: the sample decides)
+      bool exact;     // the exact top-k of u
+    };
+    const Step steps[] = {
+        {&ties, 0, true},     // Wait takes the exact top-k from u
+        {&ties, 1, true},     // predicted: on the device
+        {&equal, 1, true},    // another such input: device
+        {&normal, -1, false}, // the sampled threshold; gated chain idle
+        {&ties, -1, true},
+        {&ties, 1, true},
+    };
+    for (size_t i = 0; i < std::size(steps); ++i) {
+      SCOPED_TRACE("step " + std::to_string(i));
+      const std::vector<float>& u = *steps[i].u;
+      DeviceVector d(u);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      SparseVector got;
+      GTOPK_ASSERT_OK(selector->SelectDevice(d.buffer.get(), n, k, i, stream,
+                                             true, &got));
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      if (steps[i].fast_path >= 0) {
+        EXPECT_EQ(selector->last_info().fast_path, steps[i].fast_path == 1);
+      }
+      GTOPK_ASSERT_OK_AND_ASSIGN(auto fresh, CudaSelector::Create("dgc", {}, n));
+      SparseVector want;
+      GTOPK_ASSERT_OK(fresh->Select(u, k, i, &want));
+      ExpectSameBits(got, want);
+      if (steps[i].exact) ExpectSameBits(got, ReferenceTopK(u, k));
       ASSERT_NO_FATAL_FAILURE(ExpectZeroedExactly(d, u, got.indices));
     }
   }
