@@ -134,6 +134,9 @@ struct DeviceState {
   int gk_exact_adjustments;
   uint32_t gk_keys[kMaxGaussKeys];
   ull gk_counts[kMaxGaussKeys];  // keys >= gk_keys[r] in its digit-0 bin
+  // Blocks of the running pass that finished (LastBlockDone); 0 between
+  // kernels: its last block resets it, and so does InitKernel.
+  unsigned int blocks_done;
 };
 
 // A kernel runs only while *flag == value (flag null: always): how the
@@ -146,6 +149,25 @@ struct Gate {
 __device__ inline bool Closed(Gate g) {
   return g.flag != nullptr && *g.flag != g.value;
 }
+
+// The one-block step that follows a histogram pass, run by the pass's last
+// block to finish instead of by a launch of its own (AIR top-k's scheme:
+// one launch less per digit, and no gap between the two).
+enum ThenOp {
+  kThenNone = 0,
+  kThenFindBin,   // FindBinBlock on the digit `level`
+  kThenDecide,    // DecideBlock at `level` with `cap`
+  kThenFindNext,  // FindNextBinBlock
+};
+struct Then {
+  int op;
+  int level;
+  ull cap;
+  const ull* hists;  // hist0 (hist0, hist1, hist2 are contiguous)
+};
+
+// Defined with the one-block steps below.
+__device__ inline void RunThen(DeviceState* st, const Then& then);
 
 // SplitMix64, as common/random.h's MixSeed.
 __host__ __device__ inline ull Mix(ull seed, ull stream) {
@@ -225,6 +247,8 @@ struct HistArgs {
   ull* hist0;
   double* partials;  // [2 * block] = sum of u, [2 * block + 1] = sum of u^2
   Gate gate;         // nothing while closed
+  Then then;         // the last block's step after the pass (RunThen);
+                     // HistogramKernel<false> only
 };
 
 // One element of the update: the CPU rule's operations in its order.
@@ -324,6 +348,8 @@ __global__ void __launch_bounds__(kThreads) HistogramKernel(HistArgs a) {
   for (int i = threadIdx.x; i < kBins; i += kThreads) {
     if (hist[i] != 0) atomicAdd(&a.hist0[i], static_cast<ull>(hist[i]));
   }
+  // Not in the fused update: its registers set its occupancy (one wave).
+  if (!kUpdate) RunThen(a.st, a.then);
 }
 
 // What is known of the count of keys >= key, against [lo, hi].
@@ -453,9 +479,12 @@ __device__ void GaussResolve(DeviceState* st, const ull* at_least, ull lo,
 
 // Finds the digit at `level` that holds the need-th largest key among the
 // keys matching the prefix, from that level's histogram (one block of
-// kScanThreads threads). Level 0 also flags non-finite keys.
+// kBlock threads: a one-block kernel's, or the last block of the pass that
+// built the histogram, which reads it through L2). Level 0 also flags
+// non-finite keys.
+template <int kBlock>
 __device__ void FindBinBlock(DeviceState* st, const ull* hist, int level) {
-  using Scan = cub::BlockScan<ull, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+  using Scan = cub::BlockScan<ull, kBlock, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ typename Scan::TempStorage storage;
   __shared__ int found;
   __shared__ int non_finite;
@@ -468,41 +497,40 @@ __device__ void FindBinBlock(DeviceState* st, const ull* hist, int level) {
   __syncthreads();
   if (error != 0) return;  // uniform
   const int bins = 1 << LevelBits(level);
-  ull v[2], before[2];
-  for (int j = 0; j < 2; ++j) {
-    const int p = 2 * static_cast<int>(threadIdx.x) + j;  // reversed bin
-    v[j] = p < bins ? hist[bins - 1 - p] : 0;
-    if (level == 0 && p < bins && bins - 1 - p >= static_cast<int>(kNonFiniteKey >> 20) &&
-        v[j] != 0) {
+  // The bins from the largest digit down, in tiles of one per thread (few
+  // registers: in a histogram pass's last block they would count against
+  // the whole pass); `above` = keys in the tiles before. The non-finite
+  // digits (>= 0x7f8) lie in the first tile.
+  ull above = 0;
+  for (int base = 0; base < bins; base += kBlock) {
+    const int p = base + static_cast<int>(threadIdx.x);  // reversed bin
+    const ull v = p < bins ? __ldcg(hist + (bins - 1 - p)) : 0;
+    if (level == 0 && p < bins &&
+        bins - 1 - p >= static_cast<int>(kNonFiniteKey >> 20) && v != 0) {
       non_finite = 1;
     }
-  }
-  Scan(storage).ExclusiveSum(v, before);  // before[j] = keys in higher bins
-  __syncthreads();
-  if (non_finite) {
-    if (threadIdx.x == 0) atomicOr(&st->error, kErrorNonFinite);
-    return;
-  }
-  for (int j = 0; j < 2; ++j) {
-    const int p = 2 * static_cast<int>(threadIdx.x) + j;
-    if (p < bins && v[j] != 0 && before[j] < need && need <= before[j] + v[j]) {
+    ull before, total;
+    Scan(storage).ExclusiveSum(v, before, total);  // keys in higher bins
+    __syncthreads();  // non_finite complete; storage free for the next tile
+    if (non_finite) {  // uniform
+      if (threadIdx.x == 0) atomicOr(&st->error, kErrorNonFinite);
+      return;
+    }
+    before += above;
+    if (p < bins && v != 0 && before < need && need <= before + v) {
       const uint32_t digit = static_cast<uint32_t>(bins - 1 - p);
       const uint32_t prefix = st->prefix | (digit << LevelShift(level));
       st->prefix = prefix;
       st->min_key = prefix;
-      st->count_greater += before[j];
-      st->need = need - before[j];
-      st->bin_count = v[j];
+      st->count_greater += before;
+      st->need = need - before;
+      st->bin_count = v;
       found = 1;
     }
+    above += total;
   }
   __syncthreads();
   if (threadIdx.x == 0 && !found) atomicOr(&st->error, kErrorInternal);
-}
-
-__global__ void __launch_bounds__(kScanThreads)
-    FindBinKernel(DeviceState* st, const ull* hist, int level) {
-  FindBinBlock(st, hist, level);
 }
 
 // The histogram of digit `level` in `hists` (hist0, hist1, hist2 are
@@ -516,19 +544,14 @@ __device__ inline const ull* LevelHist(const ull* hists, int level) {
 
 // FindBinBlock for the next undecided digit (state's levels_done), when one
 // is left; then levels_done + 1.
+template <int kBlock>
 __device__ void FindNextBinBlock(DeviceState* st, const ull* hists) {
   const int level = st->levels_done;  // read by every thread before writes
   __syncthreads();
   if (level >= 3) return;  // uniform
-  FindBinBlock(st, LevelHist(hists, level), level);
+  FindBinBlock<kBlock>(st, LevelHist(hists, level), level);
   __syncthreads();
   if (threadIdx.x == 0) st->levels_done = level + 1;
-}
-
-__global__ void __launch_bounds__(kScanThreads)
-    FindNextBinKernel(DeviceState* st, const ull* hists, Gate gate) {
-  if (Closed(gate)) return;  // uniform
-  FindNextBinBlock(st, hists);
 }
 
 // Exact top-k's plan after the digit `level` from a pass over u: nothing
@@ -539,13 +562,13 @@ __global__ void __launch_bounds__(kScanThreads)
 // (from_u); else one more histogram pass over u decides the next digit.
 // The number of passes over u therefore depends on how the keys spread
 // over the digits, never on how many keys one bin holds.
-__global__ void __launch_bounds__(kScanThreads)
-    FindBinDecideKernel(DeviceState* st, const ull* hists, int level,
-                        ull compact_cap, Gate gate) {
-  const int skip = Closed(gate) || (st->compact | st->from_u);  // before writes
+template <int kBlock>
+__device__ void DecideBlock(DeviceState* st, const ull* hists, int level,
+                            ull compact_cap) {
+  const int skip = st->compact | st->from_u;  // read before writes
   __syncthreads();
   if (skip) return;  // uniform
-  FindBinBlock(st, LevelHist(hists, level), level);
+  FindBinBlock<kBlock>(st, LevelHist(hists, level), level);
   __syncthreads();
   if (threadIdx.x != 0) return;
   st->levels_done = level + 1;
@@ -558,19 +581,64 @@ __global__ void __launch_bounds__(kScanThreads)
   }
 }
 
-// Histogram of digit `level` over u, keys matching state's prefix; nothing
-// once the compaction was decided (state's compact) or after an error.
+// DecideBlock on its own (the digit-0 histogram came from the fused update).
+__global__ void __launch_bounds__(kScanThreads)
+    FindBinDecideKernel(DeviceState* st, const ull* hists, int level,
+                        ull compact_cap, Gate gate) {
+  if (Closed(gate)) return;  // uniform
+  DecideBlock<kScanThreads>(st, hists, level, compact_cap);
+}
+
+// True in every thread of the block that finishes the grid's pass last
+// (the count of finished blocks in state's blocks_done, which it resets):
+// every other block's atomics and writes are then visible to it (the fence
+// before counting; reads through L2, __ldcg). Every thread of the block
+// must call it.
+__device__ inline bool LastBlockDone(DeviceState* st) {
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned int before = atomicAdd(&st->blocks_done, 1u);
+    last = before == gridDim.x - 1;
+    if (last) st->blocks_done = 0;
+  }
+  __syncthreads();
+  const bool is_last = last != 0;
+  if (is_last) __threadfence();
+  return is_last;
+}
+
+// The pass's `then`, in its last block (kThreads threads). Every thread of
+// every block that did not return early calls it.
+__device__ inline void RunThen(DeviceState* st, const Then& then) {
+  if (then.op == kThenNone) return;  // uniform
+  if (!LastBlockDone(st)) return;    // uniform in the block
+  if (then.op == kThenFindBin) {
+    FindBinBlock<kThreads>(st, LevelHist(then.hists, then.level), then.level);
+  } else if (then.op == kThenDecide) {
+    DecideBlock<kThreads>(st, then.hists, then.level, then.cap);
+  } else {
+    FindNextBinBlock<kThreads>(st, then.hists);
+  }
+}
+
+// Histogram of digit `level` over u, keys matching state's prefix, then
+// `then` (the plan's DecideBlock at that digit); nothing once the compaction
+// was decided (state's compact), no histogram after an error.
 __global__ void __launch_bounds__(kThreads)
     HistLevelKernel(const float* __restrict__ u, uint64_t n, int vectorized,
-                    DeviceState* st, ull* hists, int level, Gate gate) {
-  if (Closed(gate) || st->compact != 0 || st->error != 0) return;  // uniform
+                    DeviceState* st, ull* hists, int level, Gate gate,
+                    Then then) {
+  if (Closed(gate) || st->compact != 0) return;  // uniform
+  const bool skip = st->error != 0;
   __shared__ uint32_t hist[kBins];
   for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
   __syncthreads();
   const uint32_t prefix = st->prefix;
   const uint64_t stride = uint64_t{gridDim.x} * kThreads;
-  for (uint64_t g4 = uint64_t{blockIdx.x} * kThreads + threadIdx.x; g4 * 4 < n;
-       g4 += stride) {
+  for (uint64_t g4 = uint64_t{blockIdx.x} * kThreads + threadIdx.x;
+       !skip && g4 * 4 < n; g4 += stride) {
     const uint64_t i = g4 * 4;
     float x[4];
     int valid = 4;
@@ -596,6 +664,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = threadIdx.x; i < kBins; i += kThreads) {
     if (hist[i] != 0) atomicAdd(&out[i], static_cast<ull>(hist[i]));
   }
+  RunThen(st, then);
 }
 
 // Warp-chunked stable compaction of u: every i with key(u[i]) >= min_key
@@ -779,22 +848,22 @@ __global__ void __launch_bounds__(kScanThreads)
     }
   }
   __syncthreads();
-  if (find_next) FindNextBinBlock(st, hists);
+  if (find_next) FindNextBinBlock<kScanThreads>(st, hists);
 }
 
 // Concatenates the warps' regions (index order) into out_idx/out_val, with
 // the values read from u; zero: u[i] = +0.0 after reading. next_hist: the
 // histogram of the next undecided digit (state's levels_done, if < 3) over
 // the gathered keys matching state's prefix, into that digit's histogram in
-// `hists`. if_accepted: nothing unless state->accepted. Nothing when the
-// exact plan reads u (state's from_u).
+// `hists`. if_accepted: nothing unless state->accepted. Then `then`.
+// Nothing when the exact plan reads u (state's from_u).
 __global__ void __launch_bounds__(kThreads)
     GatherKernel(float* u, const uint32_t* __restrict__ regions, uint64_t chunk,
                  const uint32_t* __restrict__ counts,
                  const ull* __restrict__ offsets, int num_warps,
                  uint32_t* __restrict__ out_idx, float* __restrict__ out_val,
                  int zero, DeviceState* st, ull* hists, int next_hist,
-                 int if_accepted, Gate gate) {
+                 int if_accepted, Gate gate, Then then) {
   __shared__ uint32_t hist[kBins];
   if (Closed(gate) || st->from_u != 0) return;  // uniform
   const int hist_level = next_hist && st->levels_done < 3 ? st->levels_done : -1;
@@ -836,14 +905,15 @@ __global__ void __launch_bounds__(kThreads)
       if (hist[i] != 0) atomicAdd(&out[i], static_cast<ull>(hist[i]));
     }
   }
+  RunThen(st, then);
 }
 
 // Histogram of digit `level` over data[0, len) (len = *d_len when given),
-// keys matching state's prefix.
+// keys matching state's prefix; then `then`.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     HistArrayKernel(const T* __restrict__ data, const ull* d_len, uint64_t len,
-                    DeviceState* st, ull* hist_out, int level) {
+                    DeviceState* st, ull* hist_out, int level, Then then) {
   __shared__ uint32_t hist[kBins];
   for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
   __syncthreads();
@@ -863,6 +933,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = threadIdx.x; i < kBins; i += kThreads) {
     if (hist[i] != 0) atomicAdd(&hist_out[i], static_cast<ull>(hist[i]));
   }
+  RunThen(st, then);
 }
 
 // The final threshold: T and how many of the keys == T to take.
@@ -1035,7 +1106,7 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     SampleKernel(const float* __restrict__ u, uint64_t n, uint64_t runs,
                  const ull* seed_ptr, uint32_t* __restrict__ sample,
-                 ull* hist0) {
+                 ull* hist0, DeviceState* st, Then then) {
   const ull seed = *seed_ptr;  // this step's: a graph replays the kernel
   __shared__ uint32_t hist[kBins];
   for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
@@ -1053,6 +1124,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = threadIdx.x; i < kBins; i += kThreads) {
     if (hist[i] != 0) atomicAdd(&hist0[i], static_cast<ull>(hist[i]));
   }
+  RunThen(st, then);
 }
 
 // Gaussian-k planner (one block): mean/std from the histogram pass's sums,
@@ -1530,7 +1602,8 @@ struct Sparsifier::Impl {
     return KernelStatus::Ok();
   }
 
-  KernelStatus Histogram(const float* u, uint64_t n, cudaStream_t stream) {
+  KernelStatus Histogram(const float* u, uint64_t n, cudaStream_t stream,
+                         Then then = {}) {
     HistArgs a{};
     a.residual_in = u;
     a.n = n;
@@ -1539,6 +1612,7 @@ struct Sparsifier::Impl {
     a.hist0 = hist0;
     a.partials = partials;
     a.gate = gate;
+    a.then = then;
     // The fused update's grid: the same partition of u into per-block sums,
     // so Gaussian-k's threshold is the same whether or not Select reuses
     // Accumulate's histogram.
@@ -1599,18 +1673,13 @@ struct Sparsifier::Impl {
 
   // next_hist: the histogram of the exact plan's next undecided digit.
   KernelStatus Gather(float* u, bool to_output, bool zero, bool next_hist,
-                      cudaStream_t stream, bool if_accepted = false) {
+                      cudaStream_t stream, bool if_accepted = false,
+                      Then then = {}) {
     GTOPK_LAUNCH(GatherKernel, collect_blocks, kThreads, stream)(
         u, regions.get(), collect_chunk, counts_a.get(), offsets_a.get(),
         collect_warps, to_output ? out_idx.get() : cand_idx.get(),
         to_output ? out_val.get() : cand_val.get(), zero, st, hist0,
-        next_hist ? 1 : 0, if_accepted, gate);
-    GTOPK_CUDA_LAUNCH_CHECK();
-    return KernelStatus::Ok();
-  }
-
-  KernelStatus FindBin(const ull* hist, int level, cudaStream_t stream) {
-    GTOPK_LAUNCH(FindBinKernel, 1, kScanThreads, stream)(st, hist, level);
+        next_hist ? 1 : 0, if_accepted, gate, then);
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
   }
@@ -1651,9 +1720,9 @@ struct Sparsifier::Impl {
     const int blocks = CandidateBlocks(n);
     for (int level = 0; level < 3; ++level) {
       GTOPK_LAUNCH(HistArrayKernel<float>, blocks, kThreads, stream)(
-          cand_val.get(), &st->num_candidates, 0, st, hists[level], level);
+          cand_val.get(), &st->num_candidates, 0, st, hists[level], level,
+          Then{kThenFindBin, level, 0, hist0});
       GTOPK_CUDA_LAUNCH_CHECK();
-      GTOPK_CUDA_RETURN_IF_NOT_OK(FindBin(hists[level], level, stream));
     }
     hist_u = nullptr;
     return Final(FinalRule{0, 0}, u, n, zero, blocks, stream);
@@ -1676,22 +1745,27 @@ struct Sparsifier::Impl {
                           bool reuse_hist0, cudaStream_t stream) {
     GTOPK_CUDA_RETURN_IF_NOT_OK(
         Init(k, !reuse_hist0, reuse_hist0, false, stream));
-    if (!reuse_hist0) GTOPK_CUDA_RETURN_IF_NOT_OK(Histogram(u, n, stream));
     const ull cap = CompactCap(n);
     const int vec = Aligned16(u);
     const int blocks = HistBlocks(n);
-    GTOPK_CUDA_RETURN_IF_NOT_OK(Decide(0, cap, stream));
+    // Each digit's decision runs in the last block of the pass that counted
+    // it (RunThen), except after the fused update's histogram.
+    if (reuse_hist0) {
+      GTOPK_CUDA_RETURN_IF_NOT_OK(Decide(0, cap, stream));
+    } else {
+      GTOPK_CUDA_RETURN_IF_NOT_OK(
+          Histogram(u, n, stream, Then{kThenDecide, 0, cap, hist0}));
+    }
     for (int level = 1; level < 3; ++level) {
       GTOPK_LAUNCH(HistLevelKernel, blocks, kThreads, stream)(
-          u, n, vec, st, hist0, level, gate);
+          u, n, vec, st, hist0, level, gate,
+          Then{kThenDecide, level, cap, hist0});
       GTOPK_CUDA_LAUNCH_CHECK();
-      GTOPK_CUDA_RETURN_IF_NOT_OK(Decide(level, cap, stream));
     }
     GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, true, false, 0, stream));
     GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(/*find_next=*/true, stream));
-    GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, true, stream));
-    GTOPK_LAUNCH(FindNextBinKernel, 1, kScanThreads, stream)(st, hist0, gate);
-    GTOPK_CUDA_LAUNCH_CHECK();
+    GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, true, stream, false,
+                                       Then{kThenFindNext, 0, 0, hist0}));
     // The final source holds at most n entries (u itself, or candidates).
     return Final(FinalRule{0, 0}, u, n, zero, CandidateBlocks(n), stream);
   }
@@ -1942,15 +2016,15 @@ KernelStatus Sparsifier::Impl::SelectDgc(float* u, uint64_t n,
                                              sizeof(ull),
                                              cudaMemcpyHostToDevice, stream));
   GTOPK_LAUNCH(SampleKernel, sample_blocks, kThreads, stream)(
-      u, n, runs, seed.get(), cand_idx.get(), hist0);
+      u, n, runs, seed.get(), cand_idx.get(), hist0, st,
+      Then{kThenFindBin, 0, 0, hist0});
   GTOPK_CUDA_LAUNCH_CHECK();
-  GTOPK_CUDA_RETURN_IF_NOT_OK(FindBin(hist0, 0, stream));
   for (int level = 1; level < 3; ++level) {
     ull* hist = level == 1 ? hist1 : hist2;
     GTOPK_LAUNCH(HistArrayKernel<uint32_t>, sample_blocks, kThreads, stream)(
-        cand_idx.get(), nullptr, sample_size, st, hist, level);
+        cand_idx.get(), nullptr, sample_size, st, hist, level,
+        Then{kThenFindBin, level, 0, hist0});
     GTOPK_CUDA_LAUNCH_CHECK();
-    GTOPK_CUDA_RETURN_IF_NOT_OK(FindBin(hist, level, stream));
   }
   // min_key is now the sample's sample_k-th largest key. The usual case,
   // with no host round trip: at most k survive, the device accepts them and

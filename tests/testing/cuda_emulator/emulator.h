@@ -254,6 +254,14 @@ template <typename T>
 inline T __ldg(const T* p) {
   return *p;
 }
+template <typename T>
+inline T __ldcg(const T* p) {
+  return *p;
+}
+// Blocks run one after another and threads never at the same time, so every
+// write is visible to the threads that run after it: a fence has nothing
+// to order.
+inline void __threadfence() {}
 
 unsigned int __ballot_sync(unsigned int mask, int predicate);
 // __syncthreads() with the calling line, so divergent barriers are caught.
