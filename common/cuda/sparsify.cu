@@ -104,7 +104,7 @@ struct DeviceState {
   int fallback;      // gaussiank planner: go to the exact top-k
   int accepted;      // the compaction's count is in the method's range
   // Exact top-k's plan, decided on the device after each digit (see
-  // FindBinDecideKernel): `levels_done` digits of the k-th key are known;
+  // DecideBlock): `levels_done` digits of the k-th key are known;
   // `bin_count` is how many keys the last chosen bin holds; `compact` = the
   // keys >= min_key are few enough to compact now; `from_u` = all three
   // digits came from passes over u and the final compaction reads u itself
@@ -1730,11 +1730,12 @@ struct Sparsifier::Impl {
 
   // Exact top-k of u; reuse_hist0: hist0 already holds u's digit-0 counts.
   //
-  // The plan is decided on the device, digit by digit
-  // (FindBinDecideKernel), so that the work is bounded on every input:
-  // when the keys >= the k-th key's bin are at most compact_cap (normal
-  // data: about k plus one bin), u is compacted to them at once and the
-  // remaining digits come from the candidates (two passes over u in all);
+  // The plan is decided on the device, digit by digit (DecideBlock, in
+  // the last block of each histogram pass), so that the work is bounded on
+  // every input: when the keys >= the k-th key's bin are at most
+  // compact_cap (normal data: about k plus one bin), u is compacted to them
+  // at once and the remaining digits come from the candidates (two passes
+  // over u in all);
   // when one bin holds more (a narrow band of magnitudes sharing their high
   // bits, ties at the k-th key), another histogram pass over u decides the
   // next digit instead, and after the last digit the final stable
