@@ -163,11 +163,12 @@ struct Then {
   int op;
   int level;
   ull cap;
-  const ull* hists;  // hist0 (hist0, hist1, hist2 are contiguous)
 };
 
-// Defined with the one-block steps below.
-__device__ inline void RunThen(DeviceState* st, const Then& then);
+// Defined with the one-block steps below; `hists` = hist0 (hist0, hist1,
+// hist2 are contiguous).
+__device__ inline void RunThen(DeviceState* st, const ull* hists,
+                               const Then& then);
 
 // SplitMix64, as common/random.h's MixSeed.
 __host__ __device__ inline ull Mix(ull seed, ull stream) {
@@ -349,7 +350,7 @@ __global__ void __launch_bounds__(kThreads) HistogramKernel(HistArgs a) {
     if (hist[i] != 0) atomicAdd(&a.hist0[i], static_cast<ull>(hist[i]));
   }
   // Not in the fused update: its registers set its occupancy (one wave).
-  if (!kUpdate) RunThen(a.st, a.then);
+  if (!kUpdate) RunThen(a.st, a.hist0, a.then);
 }
 
 // What is known of the count of keys >= key, against [lo, hi].
@@ -611,15 +612,16 @@ __device__ inline bool LastBlockDone(DeviceState* st) {
 
 // The pass's `then`, in its last block (kThreads threads). Every thread of
 // every block that did not return early calls it.
-__device__ inline void RunThen(DeviceState* st, const Then& then) {
+__device__ inline void RunThen(DeviceState* st, const ull* hists,
+                               const Then& then) {
   if (then.op == kThenNone) return;  // uniform
   if (!LastBlockDone(st)) return;    // uniform in the block
   if (then.op == kThenFindBin) {
-    FindBinBlock<kThreads>(st, LevelHist(then.hists, then.level), then.level);
+    FindBinBlock<kThreads>(st, LevelHist(hists, then.level), then.level);
   } else if (then.op == kThenDecide) {
-    DecideBlock<kThreads>(st, then.hists, then.level, then.cap);
+    DecideBlock<kThreads>(st, hists, then.level, then.cap);
   } else {
-    FindNextBinBlock<kThreads>(st, then.hists);
+    FindNextBinBlock<kThreads>(st, hists);
   }
 }
 
@@ -664,7 +666,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = threadIdx.x; i < kBins; i += kThreads) {
     if (hist[i] != 0) atomicAdd(&out[i], static_cast<ull>(hist[i]));
   }
-  RunThen(st, then);
+  RunThen(st, hists, then);
 }
 
 // Warp-chunked stable compaction of u: every i with key(u[i]) >= min_key
@@ -905,15 +907,16 @@ __global__ void __launch_bounds__(kThreads)
       if (hist[i] != 0) atomicAdd(&out[i], static_cast<ull>(hist[i]));
     }
   }
-  RunThen(st, then);
+  RunThen(st, hists, then);
 }
 
 // Histogram of digit `level` over data[0, len) (len = *d_len when given),
-// keys matching state's prefix; then `then`.
+// keys matching state's prefix, into that digit's histogram in `hists`;
+// then `then`.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     HistArrayKernel(const T* __restrict__ data, const ull* d_len, uint64_t len,
-                    DeviceState* st, ull* hist_out, int level, Then then) {
+                    DeviceState* st, ull* hists, int level, Then then) {
   __shared__ uint32_t hist[kBins];
   for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
   __syncthreads();
@@ -930,10 +933,11 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   __syncthreads();
+  ull* out = LevelHist(hists, level);
   for (int i = threadIdx.x; i < kBins; i += kThreads) {
-    if (hist[i] != 0) atomicAdd(&hist_out[i], static_cast<ull>(hist[i]));
+    if (hist[i] != 0) atomicAdd(&out[i], static_cast<ull>(hist[i]));
   }
-  RunThen(st, then);
+  RunThen(st, hists, then);
 }
 
 // The final threshold: T and how many of the keys == T to take.
@@ -1124,7 +1128,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = threadIdx.x; i < kBins; i += kThreads) {
     if (hist[i] != 0) atomicAdd(&hist0[i], static_cast<ull>(hist[i]));
   }
-  RunThen(st, then);
+  RunThen(st, hist0, then);
 }
 
 // Gaussian-k planner (one block): mean/std from the histogram pass's sums,
@@ -1716,12 +1720,11 @@ struct Sparsifier::Impl {
                               cudaStream_t stream) {
     GTOPK_CUDA_RETURN_IF_NOT_OK(Init(k, /*zero_hist0=*/true, false,
                                      /*keep_candidates=*/true, stream));
-    ull* hists[3] = {hist0, hist1, hist2};
     const int blocks = CandidateBlocks(n);
     for (int level = 0; level < 3; ++level) {
       GTOPK_LAUNCH(HistArrayKernel<float>, blocks, kThreads, stream)(
-          cand_val.get(), &st->num_candidates, 0, st, hists[level], level,
-          Then{kThenFindBin, level, 0, hist0});
+          cand_val.get(), &st->num_candidates, 0, st, hist0, level,
+          Then{kThenFindBin, level, 0});
       GTOPK_CUDA_LAUNCH_CHECK();
     }
     hist_u = nullptr;
@@ -1755,18 +1758,18 @@ struct Sparsifier::Impl {
       GTOPK_CUDA_RETURN_IF_NOT_OK(Decide(0, cap, stream));
     } else {
       GTOPK_CUDA_RETURN_IF_NOT_OK(
-          Histogram(u, n, stream, Then{kThenDecide, 0, cap, hist0}));
+          Histogram(u, n, stream, Then{kThenDecide, 0, cap}));
     }
     for (int level = 1; level < 3; ++level) {
       GTOPK_LAUNCH(HistLevelKernel, blocks, kThreads, stream)(
           u, n, vec, st, hist0, level, gate,
-          Then{kThenDecide, level, cap, hist0});
+          Then{kThenDecide, level, cap});
       GTOPK_CUDA_LAUNCH_CHECK();
     }
     GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, true, false, 0, stream));
     GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(/*find_next=*/true, stream));
     GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, true, stream, false,
-                                       Then{kThenFindNext, 0, 0, hist0}));
+                                       Then{kThenFindNext, 0, 0}));
     // The final source holds at most n entries (u itself, or candidates).
     return Final(FinalRule{0, 0}, u, n, zero, CandidateBlocks(n), stream);
   }
@@ -2018,13 +2021,12 @@ KernelStatus Sparsifier::Impl::SelectDgc(float* u, uint64_t n,
                                              cudaMemcpyHostToDevice, stream));
   GTOPK_LAUNCH(SampleKernel, sample_blocks, kThreads, stream)(
       u, n, runs, seed.get(), cand_idx.get(), hist0, st,
-      Then{kThenFindBin, 0, 0, hist0});
+      Then{kThenFindBin, 0, 0});
   GTOPK_CUDA_LAUNCH_CHECK();
   for (int level = 1; level < 3; ++level) {
-    ull* hist = level == 1 ? hist1 : hist2;
     GTOPK_LAUNCH(HistArrayKernel<uint32_t>, sample_blocks, kThreads, stream)(
-        cand_idx.get(), nullptr, sample_size, st, hist, level,
-        Then{kThenFindBin, level, 0, hist0});
+        cand_idx.get(), nullptr, sample_size, st, hist0, level,
+        Then{kThenFindBin, level, 0});
     GTOPK_CUDA_LAUNCH_CHECK();
   }
   // min_key is now the sample's sample_k-th largest key. The usual case,
