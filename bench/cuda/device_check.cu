@@ -209,6 +209,10 @@ struct Row {
   // range and that the device corrected (SelectInfo::corrected_on_device;
   // one more compaction pass); NAN for the others.
   double corrected = NAN;
+  // dgc: share of the timed selections whose survivors (more than k) the
+  // device trimmed to the exact top-k (SelectInfo::trimmed_on_device);
+  // NAN for the others.
+  double trimmed = NAN;
   // exact rows: SelectInfo's plan of the last timed selection (the digit
   // passes over u, whether the final compaction read u); -1 for the others.
   int digit_passes = -1;
@@ -770,7 +774,7 @@ class DeviceChecker {
                     const std::function<void()>& select) {
     std::vector<double> s, wall;
     uint64_t count = 0;
-    int fast = 0, corrected = 0, timed = 0;
+    int fast = 0, corrected = 0, trimmed = 0, timed = 0;
     gtopk::cuda::SelectInfo last_info;
     auto wait_selection = [&] {
       SelectedPairs t;
@@ -778,6 +782,7 @@ class DeviceChecker {
       count = t.count;
       fast += t.info.fast_path ? 1 : 0;
       corrected += t.info.corrected_on_device ? 1 : 0;
+      trimmed += t.info.trimmed_on_device ? 1 : 0;
       last_info = t.info;
       ++timed;
     };
@@ -789,6 +794,7 @@ class DeviceChecker {
     if (p.method == Method::kGaussianK) {
       row.corrected = double(corrected) / timed;
     }
+    if (p.method == Method::kDgc) row.trimmed = double(trimmed) / timed;
     if (p.method == Method::kExact) {
       row.digit_passes = last_info.exact_digit_passes;
       row.final_from_u = last_info.exact_final_from_u ? 1 : 0;
@@ -1016,6 +1022,8 @@ void PrintTable(const Table& table, const Results& results,
       plan = std::to_string(r.digit_passes) + (r.final_from_u ? ",u" : "");
     } else if (std::isfinite(r.corrected)) {
       plan = "c" + Num(r.corrected);  // share corrected on the device
+    } else if (std::isfinite(r.trimmed)) {
+      plan = "t" + Num(r.trimmed);  // share trimmed on the device
     }
     std::printf("%12llu %9g %24s %10.1f %10s %5s %10s %10s %9s %5s\n",
                 static_cast<unsigned long long>(r.n), r.density,
@@ -1040,6 +1048,7 @@ std::string JsonRow(const Row& r, const Ratios& x) {
      << ", \"count\": " << r.count << ", \"wall_us\": " << Num(r.wall_us)
      << ", \"fast_path_fraction\": " << Num(r.fast_path)
      << ", \"corrected_fraction\": " << Num(r.corrected)
+     << ", \"trimmed_fraction\": " << Num(r.trimmed)
      << ", \"one_read_us\": " << Num(x.one_read)
      << ", \"x_one_read\": " << Num(r.us / x.one_read)
      << ", \"torch_topk_us\": " << Num(x.torch_us)

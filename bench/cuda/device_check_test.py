@@ -160,6 +160,16 @@ def check_row(r, normal, k, one_read, where, failures):
     elif corrected is not None:
         failures.append("%s: corrected_fraction %r for a method without one"
                         % (where, corrected))
+    # dgc: the share its device trimmed, within its fast path.
+    trimmed = r.get("trimmed_fraction")
+    if base == "dgc":
+        if not (isinstance(trimmed, (int, float)) and
+                0 <= trimmed <= fast):
+            failures.append("%s: trimmed_fraction %r (fast_path_fraction "
+                            "%r)" % (where, trimmed, fast))
+    elif trimmed is not None:
+        failures.append("%s: trimmed_fraction %r for a method without one"
+                        % (where, trimmed))
     # x_normal: this row's figure over the normal row's (1 on normal).
     xn = r.get("x_normal")
     if not isinstance(xn, (int, float)) or \

@@ -50,6 +50,8 @@ constexpr int kMaxScanItems = kMaxWarps / kScanThreads;  // 8
 constexpr uint64_t kChunkAlign = 128;                 // 32 lanes x float4
 constexpr uint32_t kNonFiniteKey = 0x7f800000u;
 constexpr int kBins = 2048;  // largest digit: 11 bits
+// The three digits' histograms, contiguous (LevelHist): 2048 + 2048 + 512.
+constexpr int kHistsSize = 2 * kBins + 512;
 constexpr uint32_t kFullMask = 0xffffffffu;
 constexpr uint32_t kErrorNonFinite = 1;
 constexpr uint32_t kErrorInternal = 2;
@@ -134,6 +136,11 @@ struct DeviceState {
   int gk_exact_adjustments;
   uint32_t gk_keys[kMaxGaussKeys];
   ull gk_counts[kMaxGaussKeys];  // keys >= gk_keys[r] in its digit-0 bin
+  // dgc: more than k (and at most n/8) survived the sampled threshold, so
+  // the device takes the exact top-k among them (ScanKernel sets it and
+  // restarts the radix state on the survivors' histograms, the trim
+  // histograms); the trim's kernels are gated on it.
+  int trim;
   // Blocks of the running pass that finished (LastBlockDone); 0 between
   // kernels: its last block resets it, and so does InitKernel.
   unsigned int blocks_done;
@@ -198,19 +205,26 @@ __host__ __device__ inline uint32_t MinKeyAbove(double t) {
 // Kernels
 // ---------------------------------------------------------------------------
 
-// Resets the state; zeroes hist1/hist2 and (zero_hist0) hist0. keep_sums
+// Resets the state; zeroes hist1/hist2, (zero_hist0) hist0 and the
+// trim histograms when given (kHistsSize entries). keep_sums
 // keeps sum_blocks (Accumulate's per-block partial sums stay valid),
 // keep_candidates num_candidates, keep_gate gk_exact, gk_exact_adjustments
 // and error. Nothing when the gate is closed.
 __global__ void InitKernel(DeviceState* st, ull* hist0, ull* hist1, ull* hist2,
-                           ull need, int zero_hist0, int keep_sums,
-                           int keep_candidates, int keep_gate, Gate gate) {
+                           ull* trim_hists, ull need, int zero_hist0,
+                           int keep_sums, int keep_candidates, int keep_gate,
+                           Gate gate) {
   if (Closed(gate)) return;  // uniform
   __syncthreads();  // every thread has read the gate before thread 0 writes
   for (int i = threadIdx.x; i < kBins; i += blockDim.x) {
     if (zero_hist0) hist0[i] = 0;
     hist1[i] = 0;
     if (i < 512) hist2[i] = 0;
+  }
+  if (trim_hists != nullptr) {
+    for (int i = threadIdx.x; i < kHistsSize; i += blockDim.x) {
+      trim_hists[i] = 0;
+    }
   }
   if (threadIdx.x == 0) {
     const int sum_blocks = st->sum_blocks;
@@ -669,15 +683,26 @@ __global__ void __launch_bounds__(kThreads)
   RunThen(st, hists, then);
 }
 
+// The histogram a compaction pass builds of the keys it keeps, into that
+// digit's histogram in `hists`.
+enum CollectHist {
+  kCollectNoHist = 0,
+  // The next undecided digit (state's levels_done, if < 3) of the kept keys
+  // matching state's prefix (the exact plan).
+  kCollectNextDigit = 1,
+  // Digit 0 of every kept key (dgc's trim; 8 registers fewer than the
+  // above, which would cost the pass occupancy on every dgc step).
+  kCollectDigit0 = 2,
+};
+
 // Warp-chunked stable compaction of u: every i with key(u[i]) >= min_key
 // (state's min_key, or `host_key` when use_host_key) goes to the warp's
-// region; counts[w] = how many. kHist: histogram of the next undecided digit
-// (state's levels_done, if < 3) of the kept keys matching state's prefix,
-// into that digit's histogram in `hists`. kCountKeys: also adds to state's
-// gk_counts[r] the keys >= gk_keys[r] in that key's digit-0 bin (kept or
-// not; Gaussian-k's correction). Nothing when the exact plan reads u in its
-// final pass (state's from_u), or when the gate is closed.
-template <bool kHist, bool kCountKeys>
+// region; counts[w] = how many. kHist: the histogram it builds
+// (CollectHist). kCountKeys: also adds to state's gk_counts[r] the keys >=
+// gk_keys[r] in that key's digit-0 bin (kept or not; Gaussian-k's
+// correction). Nothing when the exact plan reads u in its final pass
+// (state's from_u), or when the gate is closed.
+template <int kHist, bool kCountKeys>
 __global__ void __launch_bounds__(kThreads)
     CollectKernel(const float* __restrict__ u, uint64_t n, uint64_t chunk,
                   int vectorized, DeviceState* st, uint32_t host_key,
@@ -713,7 +738,9 @@ __global__ void __launch_bounds__(kThreads)
   }
   uint32_t* my_key_counts =
       key_counts + (kCountKeys ? (threadIdx.x / 32) * kMaxGaussKeys : 0);
-  const int level = kHist ? st->levels_done : 3;
+  const int level = kHist == kCollectNextDigit ? st->levels_done
+                    : kHist == kCollectDigit0  ? 0
+                                               : 3;
   const bool skip = st->error != 0 || st->fallback != 0;
   const uint32_t min_key = use_host_key ? host_key : st->min_key;
   const uint32_t prefix = st->prefix;
@@ -782,7 +809,8 @@ __global__ void __launch_bounds__(kThreads)
         const uint32_t key = Key(x[j]);
         out[pos++] = static_cast<uint32_t>(i + j);
         if (key >= kNonFiniteKey) bad = true;
-        if (kHist && level < 3 && MatchesPrefix(key, prefix, level)) {
+        if (kHist != kCollectNoHist && level < 3 &&
+            (kHist == kCollectDigit0 || MatchesPrefix(key, prefix, level))) {
           atomicAdd(&hist[Digit(key, level)], 1u);
         }
       }
@@ -801,7 +829,7 @@ __global__ void __launch_bounds__(kThreads)
       if (total != 0) atomicAdd(&st->gk_counts[r], total);
     }
   }
-  if (kHist && level < 3) {
+  if (kHist != kCollectNoHist && level < 3) {
     __syncthreads();
     ull* out = LevelHist(hists, level);
     for (int i = threadIdx.x; i < kBins; i += kThreads) {
@@ -815,14 +843,18 @@ __global__ void __launch_bounds__(kThreads)
 // (and no error or planner fallback). Then, when find_next, FindNextBinBlock
 // on `hists`; when at_least is given, Gaussian-k's GaussResolve with
 // [accept_lo, accept_hi]; when exact_above != 0 and the total is not accepted
-// and above it, state's gk_exact = 1. Nothing when the exact plan reads u
-// (state's from_u), or when the gate is closed.
+// and above it, state's gk_exact = 1. trim (dgc; the compaction counted the
+// survivors' digit 0 into `hists`): a total in (accept_hi, exact_above]
+// sets state's trim and restarts the radix state for the accept_hi-th
+// largest survivor, whose digit 0 FindNextBinBlock then finds on `hists`.
+// Nothing when the exact plan reads u (state's from_u), or when the gate is
+// closed.
 template <int kItems>
 __global__ void __launch_bounds__(kScanThreads)
     ScanKernel(const uint32_t* counts, int num_warps, ull* offsets,
                DeviceState* st, const ull* hists, int find_next,
                ull accept_lo, ull accept_hi, Gate gate, const ull* at_least,
-               ull exact_above) {
+               ull exact_above, int trim) {
   using Scan = cub::BlockScan<ull, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ typename Scan::TempStorage storage;
   if (Closed(gate)) return;  // uniform
@@ -848,33 +880,66 @@ __global__ void __launch_bounds__(kScanThreads)
         total > exact_above) {
       st->gk_exact = 1;
     }
+    // dgc: the exact top-k among the survivors, a radix select over them
+    // from the digit-0 histogram their compaction built.
+    if (trim && st->error == 0 && !st->accepted && total > accept_hi &&
+        (exact_above == 0 || total <= exact_above)) {
+      st->trim = 1;
+      st->need = accept_hi;
+      st->prefix = 0;
+      st->count_greater = 0;
+      st->levels_done = 0;
+    }
   }
   __syncthreads();
-  if (find_next) FindNextBinBlock<kScanThreads>(st, hists);
+  if (find_next || st->trim != 0) FindNextBinBlock<kScanThreads>(st, hists);
 }
+
+// Where GatherKernel writes.
+enum GatherRoute {
+  kGatherAlways = 0,      // to out_*
+  kGatherIfAccepted = 1,  // to out_* if state's accepted, else nothing
+  // dgc: accepted: to out_*, with no histogram and no `then`; trimming
+  // (state's trim): to trim_*, not zeroing (the trim's final compaction
+  // does), with the histogram and `then`; else nothing.
+  kGatherDgc = 2,
+};
 
 // Concatenates the warps' regions (index order) into out_idx/out_val, with
 // the values read from u; zero: u[i] = +0.0 after reading. next_hist: the
 // histogram of the next undecided digit (state's levels_done, if < 3) over
 // the gathered keys matching state's prefix, into that digit's histogram in
-// `hists`. if_accepted: nothing unless state->accepted. Then `then`.
-// Nothing when the exact plan reads u (state's from_u).
+// `hists`. Then `then`. Nothing when the exact plan reads u (state's
+// from_u). `route` (GatherRoute) says where to, as the state decides.
 __global__ void __launch_bounds__(kThreads)
     GatherKernel(float* u, const uint32_t* __restrict__ regions, uint64_t chunk,
                  const uint32_t* __restrict__ counts,
                  const ull* __restrict__ offsets, int num_warps,
                  uint32_t* __restrict__ out_idx, float* __restrict__ out_val,
+                 uint32_t* __restrict__ trim_idx, float* __restrict__ trim_val,
                  int zero, DeviceState* st, ull* hists, int next_hist,
-                 int if_accepted, Gate gate, Then then) {
+                 int route, Gate gate, Then then) {
   __shared__ uint32_t hist[kBins];
   if (Closed(gate) || st->from_u != 0) return;  // uniform
-  const int hist_level = next_hist && st->levels_done < 3 ? st->levels_done : -1;
+  const bool accepted = st->accepted != 0;
+  const bool trimming = route == kGatherDgc && !accepted && st->trim != 0;
+  if (route == kGatherDgc && !trimming) then.op = kThenNone;  // uniform
+  if (trimming) {
+    out_idx = trim_idx;
+    out_val = trim_val;
+    zero = 0;
+  }
+  const int hist_level =
+      next_hist && (route != kGatherDgc || trimming) && st->levels_done < 3
+          ? st->levels_done
+          : -1;
   const bool with_hist = hist_level >= 0;
   if (with_hist) {
     for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
   }
   __syncthreads();
-  const bool skip = st->error != 0 || (if_accepted && !st->accepted);
+  const bool skip = st->error != 0 ||
+                    (route != kGatherAlways && !accepted && !trimming);
   const uint32_t prefix = st->prefix;
   const int lane = threadIdx.x & 31;
   const int total_warps = static_cast<int>(gridDim.x) * kWarpsPerBlock;
@@ -912,11 +977,13 @@ __global__ void __launch_bounds__(kThreads)
 
 // Histogram of digit `level` over data[0, len) (len = *d_len when given),
 // keys matching state's prefix, into that digit's histogram in `hists`;
-// then `then`.
+// then `then`. Nothing when the gate is closed.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     HistArrayKernel(const T* __restrict__ data, const ull* d_len, uint64_t len,
-                    DeviceState* st, ull* hists, int level, Then then) {
+                    DeviceState* st, ull* hists, int level, Gate gate,
+                    Then then) {
+  if (Closed(gate)) return;  // uniform
   __shared__ uint32_t hist[kBins];
   for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
   __syncthreads();
@@ -1450,6 +1517,9 @@ struct Sparsifier::Impl {
   ull* hist1 = nullptr;
   ull* hist2 = nullptr;
   double* partials = nullptr;  // 2 * kMaxBlocks: the histogram pass's sums
+  // dgc's trim: the survivors' three digit histograms (kHistsSize entries),
+  // apart from hist0..2, which hold the sample's.
+  ull* trim_hists = nullptr;
   DeviceBuffer<uint32_t> regions;
   DeviceBuffer<uint32_t> counts_a, counts_b;
   DeviceBuffer<ull> offsets_a, offsets_b;
@@ -1596,12 +1666,14 @@ struct Sparsifier::Impl {
   };
 
   // Inside a gated chain the gate itself (the state's gk_exact) survives.
+  // zero_trim: also the trim histograms.
   KernelStatus Init(ull need, bool zero_hist0, bool keep_sums,
-                    bool keep_candidates, cudaStream_t stream) {
+                    bool keep_candidates, cudaStream_t stream,
+                    bool zero_trim = false) {
     const int keep_gate = gate.flag != nullptr;
     GTOPK_LAUNCH(InitKernel, 1, kScanThreads, stream)(
-        st, hist0, hist1, hist2, need, zero_hist0, keep_sums, keep_candidates,
-        keep_gate, gate);
+        st, hist0, hist1, hist2, zero_trim ? trim_hists : nullptr, need,
+        zero_hist0, keep_sums, keep_candidates, keep_gate, gate);
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
   }
@@ -1639,18 +1711,25 @@ struct Sparsifier::Impl {
     kFirst,  // Collect counts the listed keys; Scan resolves
   };
 
-  KernelStatus Collect(const float* u, uint64_t n, bool with_hist,
+  // with_hist (CollectHist): into `hists` (null: hist0..2).
+  KernelStatus Collect(const float* u, uint64_t n, CollectHist with_hist,
                        bool host_key, uint32_t key, cudaStream_t stream,
-                       GaussRole role = GaussRole::kNone) {
+                       GaussRole role = GaussRole::kNone,
+                       ull* hists = nullptr) {
     CollectLayout(n);
     const int vec = Aligned16(u);
     // A pointer: the instantiations' commas would split the macro argument.
-    auto* collect = with_hist                  ? &CollectKernel<true, false>
-                    : role == GaussRole::kFirst ? &CollectKernel<false, true>
-                                                : &CollectKernel<false, false>;
+    auto* collect =
+        with_hist == kCollectNextDigit ? &CollectKernel<kCollectNextDigit, false>
+        : with_hist == kCollectDigit0  ? &CollectKernel<kCollectDigit0, false>
+        : role == GaussRole::kFirst    ? &CollectKernel<kCollectNoHist, true>
+                                       : &CollectKernel<kCollectNoHist, false>;
     GTOPK_LAUNCH(collect, collect_blocks, kThreads, stream)(
         u, n, collect_chunk, vec, st, key, host_key, regions.get(),
-        counts_a.get(), with_hist ? hist0 : nullptr, gate);
+        counts_a.get(),
+        with_hist != kCollectNoHist ? (hists != nullptr ? hists : hist0)
+                                    : nullptr,
+        gate);
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
   }
@@ -1658,32 +1737,38 @@ struct Sparsifier::Impl {
   // accept_lo/hi: the count range that lets the selection finish without
   // the host (state->accepted). find_next: then the next undecided digit of
   // the exact plan from its histogram. role kFirst: then GaussResolve (the
-  // planner's at_least counts are in hist1).
+  // planner's at_least counts are in hist1). trim: dgc's trim decision
+  // (ScanKernel), on the trim histograms.
   KernelStatus Scan(bool find_next, cudaStream_t stream, ull accept_lo = 1,
                     ull accept_hi = 0, GaussRole role = GaussRole::kNone,
-                    ull exact_above = 0) {
+                    ull exact_above = 0, bool trim = false) {
     const uint32_t* counts = counts_a.get();
     ull* offsets = offsets_a.get();
     const ull* at_least = role == GaussRole::kFirst ? hist1 : nullptr;
     WithScanItems(collect_warps, [&](auto items) {
       GTOPK_LAUNCH(ScanKernel<decltype(items)::value>, 1, kScanThreads,
-                   stream)(counts, collect_warps, offsets, st, hist0,
-                           find_next ? 1 : 0, accept_lo, accept_hi, gate,
-                           at_least, exact_above);
+                   stream)(counts, collect_warps, offsets, st,
+                           trim ? trim_hists : hist0, find_next ? 1 : 0,
+                           accept_lo, accept_hi, gate, at_least, exact_above,
+                           trim ? 1 : 0);
     });
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
   }
 
   // next_hist: the histogram of the exact plan's next undecided digit.
+  // route kGatherDgc: to the output when accepted, else to the candidates
+  // when trimming, with the trim histograms (to_output is ignored).
   KernelStatus Gather(float* u, bool to_output, bool zero, bool next_hist,
-                      cudaStream_t stream, bool if_accepted = false,
-                      Then then = {}) {
+                      cudaStream_t stream,
+                      GatherRoute route = kGatherAlways, Then then = {}) {
+    const bool dgc = route == kGatherDgc;
     GTOPK_LAUNCH(GatherKernel, collect_blocks, kThreads, stream)(
         u, regions.get(), collect_chunk, counts_a.get(), offsets_a.get(),
-        collect_warps, to_output ? out_idx.get() : cand_idx.get(),
-        to_output ? out_val.get() : cand_val.get(), zero, st, hist0,
-        next_hist ? 1 : 0, if_accepted, gate, then);
+        collect_warps, to_output || dgc ? out_idx.get() : cand_idx.get(),
+        to_output || dgc ? out_val.get() : cand_val.get(), cand_idx.get(),
+        cand_val.get(), zero, st, dgc ? trim_hists : hist0, next_hist ? 1 : 0,
+        static_cast<int>(route), gate, then);
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
   }
@@ -1723,7 +1808,7 @@ struct Sparsifier::Impl {
     const int blocks = CandidateBlocks(n);
     for (int level = 0; level < 3; ++level) {
       GTOPK_LAUNCH(HistArrayKernel<float>, blocks, kThreads, stream)(
-          cand_val.get(), &st->num_candidates, 0, st, hist0, level,
+          cand_val.get(), &st->num_candidates, 0, st, hist0, level, gate,
           Then{kThenFindBin, level, 0});
       GTOPK_CUDA_LAUNCH_CHECK();
     }
@@ -1766,9 +1851,10 @@ struct Sparsifier::Impl {
           Then{kThenDecide, level, cap});
       GTOPK_CUDA_LAUNCH_CHECK();
     }
-    GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, true, false, 0, stream));
+    GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, kCollectNextDigit, false, 0, stream));
     GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(/*find_next=*/true, stream));
-    GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, true, stream, false,
+    GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, true, stream,
+                                       kGatherAlways,
                                        Then{kThenFindNext, 0, 0}));
     // The final source holds at most n entries (u itself, or candidates).
     return Final(FinalRule{0, 0}, u, n, zero, CandidateBlocks(n), stream);
@@ -1873,15 +1959,16 @@ KernelStatus Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
   // without a count in range, Wait finishes with the exact top-k
   // (ContinueGaussianK).
   GTOPK_CUDA_RETURN_IF_NOT_OK(
-      Collect(u, n, false, false, 0, stream, GaussRole::kFirst));
+      Collect(u, n, kCollectNoHist, false, 0, stream, GaussRole::kFirst));
   GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(false, stream, lo, hi, GaussRole::kFirst));
   {
     GatedScope correcting(*this, &st->gk_mode, kGaussCorrect);
-    GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, false, false, 0, stream));
+    GTOPK_CUDA_RETURN_IF_NOT_OK(
+        Collect(u, n, kCollectNoHist, false, 0, stream));
     GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(false, stream, lo, hi));
   }
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, false, stream,
-                                     /*if_accepted=*/true));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(
+      Gather(u, true, zero, false, stream, kGatherIfAccepted));
   // The last gaussiank selection fell back to the exact top-k: residuals
   // change little from step to step, so this one likely does too. Enqueue
   // the exact top-k gated on the rule's end (state's gk_exact), and Wait
@@ -1959,7 +2046,7 @@ KernelStatus Sparsifier::Impl::ContinueGaussianK(const DeviceState& state,
       count = s.count_at_least;
     } else {
       // Lowering it: one more compaction pass over u.
-      GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, false, true, key, stream));
+      GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, kCollectNoHist, true, key, stream));
       GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(false, stream));
       GTOPK_CUDA_RETURN_IF_NOT_OK(ReadState(stream, &s));
       if (s.error != 0) {
@@ -2010,7 +2097,8 @@ KernelStatus Sparsifier::Impl::SelectDgc(float* u, uint64_t n,
       1, static_cast<uint64_t>(std::ceil(static_cast<double>(sample_size) *
                                          static_cast<double>(k) /
                                          static_cast<double>(n))));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Init(sample_k, true, false, false, stream));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Init(sample_k, true, false, false, stream,
+                                   /*zero_trim=*/true));
   hist_u = nullptr;
   // The sample's keys live in cand_idx until the compaction below.
   const int sample_blocks = CandidateBlocks(sample_size);
@@ -2025,23 +2113,40 @@ KernelStatus Sparsifier::Impl::SelectDgc(float* u, uint64_t n,
   GTOPK_CUDA_LAUNCH_CHECK();
   for (int level = 1; level < 3; ++level) {
     GTOPK_LAUNCH(HistArrayKernel<uint32_t>, sample_blocks, kThreads, stream)(
-        cand_idx.get(), nullptr, sample_size, st, hist0, level,
+        cand_idx.get(), nullptr, sample_size, st, hist0, level, gate,
         Then{kThenFindBin, level, 0});
     GTOPK_CUDA_LAUNCH_CHECK();
   }
-  // min_key is now the sample's sample_k-th largest key. The usual case,
-  // with no host round trip: at most k survive, the device accepts them and
-  // gathers them into the output, and all k possible pairs are copied.
-  // More than k: Wait trims them to the exact top-k (ContinueDgc).
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, false, false, 0, stream));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(
-      Scan(false, stream, 1, k, GaussRole::kNone, CompactCap(n)));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, false, stream,
-                                     /*if_accepted=*/true));
+  // min_key is now the sample's sample_k-th largest key. No host round
+  // trip whatever the count: at most k survive (the usual case): the
+  // device accepts them and gathers them into the output. More than k (and
+  // at most n/8): the compaction has also counted the survivors' digit 0
+  // (into the trim histograms), the scan sets the state's trim and finds
+  // the k-th survivor's digit 0, the gather copies the survivors to the
+  // candidates and counts their digit 1, and the trim's gated kernels
+  // finish the exact top-k among them (digit 2 and the final stable
+  // compaction; they return at once when nothing is trimmed). All k
+  // possible pairs are copied either way.
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, kCollectDigit0, false, 0, stream,
+                                      GaussRole::kNone, trim_hists));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(false, stream, 1, k, GaussRole::kNone,
+                                   CompactCap(n), /*trim=*/true));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, /*next_hist=*/true,
+                                     stream, kGatherDgc,
+                                     Then{kThenFindNext, 0, 0}));
+  {
+    GatedScope trimming(*this, &st->trim, 1);
+    GTOPK_LAUNCH(HistArrayKernel<float>, CandidateBlocks(n), kThreads, stream)(
+        cand_val.get(), &st->num_candidates, 0, st, trim_hists, 2, gate,
+        Then{kThenFindBin, 2, 0});
+    GTOPK_CUDA_LAUNCH_CHECK();
+    GTOPK_CUDA_RETURN_IF_NOT_OK(
+        Final(FinalRule{0, 0}, u, n, zero, CandidateBlocks(n), stream));
+  }
   // As gaussiank's: the last selection took the exact top-k from u (ties at
   // the sampled threshold), so this one is enqueued too, gated on the
-  // device's count (13 kernels and a histogram pass that return at once
-  // when it is not needed).
+  // device's count (10 kernels that return at once when it is not needed).
+  // More than n/8 survivors without it: Wait does it (ContinueDgc).
   if (dgc_expect_exact) {
     GatedScope falling_back(*this, &st->gk_exact, 1);
     GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, false, stream));
@@ -2058,22 +2163,18 @@ KernelStatus Sparsifier::Impl::ContinueDgc(const DeviceState& s,
   const uint64_t k = pending_params.k;
   const bool zero = pending_params.zero_selected;
   info.candidates = s.num_candidates;
-  if (s.num_candidates <= k) {
-    GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, false, stream));
-    check_selected = false;
-    return CopyOut(s.num_candidates, stream);
+  // The device accepts 1..k survivors and trims up to n/8; more are most
+  // of u (ties at the sample's threshold): the exact top-k from u, whose
+  // passes cost less than copying them all.
+  if (s.num_candidates <= CompactCap(n) || s.num_candidates <= k) {
+    return KernelStatus::Error(
+        KernelStatusCode::kInternal,
+        "dgc: " + std::to_string(s.num_candidates) +
+            " survivors were neither accepted nor trimmed on the device (k = " +
+            std::to_string(k) + ")");
   }
-  // More than k survive: the exact top k among them, or of u when they are
-  // most of u (ties at the sample's threshold): copying them all would cost
-  // more than the exact selection's passes over u.
-  if (s.num_candidates > CompactCap(n)) {
-    GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, false, stream));
-    took_exact = true;
-    check_selected = true;
-    return CopyOut(k, stream);
-  }
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, false, stream));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(CandidateExact(u, n, k, zero, stream));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, false, stream));
+  took_exact = true;
   check_selected = true;
   return CopyOut(k, stream);
 }
@@ -2206,8 +2307,8 @@ KernelStatus Sparsifier::Create(uint64_t capacity,
   impl->update_blocks =
       std::max(1, std::min(impl->max_blocks, sms * std::max(1, per_sm)));
   const size_t meta_bytes =
-      sizeof(DeviceState) + (2 * kBins + 512) * sizeof(ull) + 64 +
-      2 * kMaxBlocks * sizeof(double);
+      sizeof(DeviceState) + kHistsSize * sizeof(ull) + 64 +
+      2 * kMaxBlocks * sizeof(double) + kHistsSize * sizeof(ull);
   GTOPK_CUDA_RETURN_IF_NOT_OK(impl->meta.Allocate(meta_bytes));
   GTOPK_CUDA_RETURN_IF_ERROR(cudaMemset(impl->meta.get(), 0, meta_bytes));
   // cudaMemset is asynchronous on the default stream, which a caller's
@@ -2221,6 +2322,7 @@ KernelStatus Sparsifier::Create(uint64_t capacity,
   impl->hist1 = impl->hist0 + kBins;
   impl->hist2 = impl->hist1 + kBins;
   impl->partials = reinterpret_cast<double*>(impl->hist2 + 512);
+  impl->trim_hists = reinterpret_cast<ull*>(impl->partials + 2 * kMaxBlocks);
   GTOPK_CUDA_RETURN_IF_NOT_OK(
       impl->regions.Allocate(capacity + kChunkAlign * kMaxWarps));
   GTOPK_CUDA_RETURN_IF_NOT_OK(impl->counts_a.Allocate(kMaxWarps));
@@ -2383,6 +2485,13 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
         m.info.fell_back = true;
         m.info.adjustments = s.gk_exact_adjustments;
       }
+    } else if (continuation == Impl::Continuation::kDgc && s.trim != 0) {
+      // More than k survived dgc's sampled threshold: the device took the
+      // exact top-k among them.
+      m.pending_count = m.pending_params.k;
+      m.check_selected = true;
+      m.info.fast_path = true;
+      m.info.trimmed_on_device = true;
     } else if (corrected) {
       // GaussResolve found the count in range from exact counts; the
       // compaction at that key disagreeing is a broken invariant.

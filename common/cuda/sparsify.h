@@ -46,12 +46,15 @@
 //  * dgc (Lin et al., arXiv:1712.01887): a sample of random 16-value runs
 //    (counter-based hash of (seed, step, run)), its exact
 //    ceil(k*sample/n)-th largest key as threshold by radix select, one
-//    compaction pass keeping key >= threshold; more than k survivors are
-//    trimmed to the exact top-k among them (in Wait, after a host round
-//    trip; at most k: no round trip, SelectInfo::fast_path). More than n/8
-//    survivors (ties at the sampled key) take the exact top-k from u
-//    instead; after such a selection the next enqueues that too, gated on
-//    the device's count, so a steady stream of them needs no round trip.
+//    compaction pass keeping key >= threshold. At most k survivors are the
+//    selection; more than k (up to n/8) are trimmed on the device to the
+//    exact top-k among them (SelectInfo::trimmed_on_device: the same
+//    compaction counted their first digit, then a radix select over the
+//    gathered survivors), with no host round trip either way
+//    (SelectInfo::fast_path). More than n/8 survivors (ties at the sampled
+//    key) take the exact top-k from u instead, in Wait the first time;
+//    after such a selection the next enqueues that too, gated on the
+//    device's count, so a steady stream of them needs no round trip.
 //    Returns 1..k entries.
 //
 // Output: (index, value) pairs sorted by index, values copied bit-exactly,
@@ -117,13 +120,17 @@ struct SelectInfo {
   // gaussiank/dgc: the selection ran without a host round trip: the device
   // accepted the compaction's count (in [MinCount, MaxCount]), corrected
   // it (gaussiank), or ran the gated exact top-k (gaussiank after a
-  // selection that fell back, dgc after one that took it from u);
-  // otherwise Wait finished it (more passes, host synchronisations).
+  // selection that fell back, dgc after one that took it from u), or
+  // trimmed it (dgc); otherwise Wait finished it (more passes, host
+  // synchronisations).
   bool fast_path = false;
   // gaussiank: the first threshold's count was out of range and the device
   // adjusted it (adjustments says how often) and compacted once more at the
   // adjusted threshold, still without a host round trip (fast_path).
   bool corrected_on_device = false;
+  // dgc: more than k (at most n/8) survived the sampled threshold and the
+  // device trimmed them to the exact top-k among them (fast_path).
+  bool trimmed_on_device = false;
   // The exact top-k's plan over u (exact, and the exact fallback of
   // gaussiank/dgc when it ran from u; 0/false otherwise): the histogram
   // passes over u that decided a digit of the k-th key (1 to 3; 1 on

@@ -362,11 +362,13 @@ TEST_F(GpuTest, LargeGridsMatchTheReference) {
   }
 }
 
-// gaussiank/dgc finish on the device when the compaction's count is in
-// range, and on the host otherwise; both give valid selections. On normal
-// data Gaussian-k's first threshold fits; on the spike no adjustment lands
-// in range and the exact fallback runs from Wait; DGC's sampled threshold
-// leaves at most k survivors on some steps and more on others.
+// gaussiank finishes on the device when the compaction's count is in
+// range, and on the host otherwise; dgc always on the device here (at most
+// k survivors accepted, more trimmed there); all give valid selections. On
+// normal data Gaussian-k's first threshold fits; on the spike no
+// adjustment lands in range and the exact fallback runs from Wait; DGC's
+// sampled threshold leaves at most k survivors on some steps and more (but
+// fewer than n/8) on others, and those are trimmed to the exact top-k.
 TEST_F(GpuTest, FastPathAndHostContinuationBothSelectCorrectly) {
   const size_t n = 100003;
   const uint64_t k = 1000;
@@ -374,10 +376,10 @@ TEST_F(GpuTest, FastPathAndHostContinuationBothSelectCorrectly) {
   const std::vector<float> spike = MakeInput(Distribution::kSpike, n, 22);
   SelectorOptions options;
   options.seed = 5;
-  int fast[2] = {0, 0}, slow[2] = {0, 0};
-  for (int m = 0; m < 2; ++m) {
-    const char* name = m == 0 ? "gaussiank" : "dgc";
+  int fast = 0, slow = 0, accepted = 0, trimmed = 0;
+  for (const char* name : {"gaussiank", "dgc"}) {
     SCOPED_TRACE(name);
+    const bool dgc = std::string(name) == "dgc";
     GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
                                CudaSelector::Create(name, options, n));
     for (const std::vector<float>* u : {&normal, &spike}) {
@@ -390,16 +392,104 @@ TEST_F(GpuTest, FastPathAndHostContinuationBothSelectCorrectly) {
         EXPECT_LE(got.size(), selector->MaxCount(k));
         ExpectThresholdSelection(*u, got);
         ASSERT_NO_FATAL_FAILURE(ExpectZeroedExactly(d, *u, got.indices));
-        (selector->last_info().fast_path ? fast : slow)[m]++;
-        if (m == 0 && u == &normal) {
-          EXPECT_TRUE(selector->last_info().fast_path) << "step " << step;
+        const SelectInfo info = selector->last_info();
+        if (!dgc) {
+          (info.fast_path ? fast : slow)++;
+          if (u == &normal) {
+            EXPECT_TRUE(info.fast_path) << "step " << step;
+          }
+          EXPECT_FALSE(info.trimmed_on_device);
+          continue;
+        }
+        EXPECT_TRUE(info.fast_path) << "dgc continued on the host, step "
+                                    << step;
+        EXPECT_EQ(info.trimmed_on_device, info.candidates > k);
+        if (info.trimmed_on_device) {
+          ++trimmed;
+          EXPECT_LE(info.candidates, n / 8);
+          ExpectSameBits(got, ReferenceTopK(*u, k));
+        } else {
+          ++accepted;
+          EXPECT_EQ(got.size(), info.candidates);
         }
       }
     }
   }
-  EXPECT_GT(slow[0], 0) << "gaussiank never continued on the host";
-  EXPECT_GT(fast[1], 0) << "dgc never finished on the device";
-  EXPECT_GT(slow[1], 0) << "dgc never continued on the host";
+  EXPECT_GT(fast, 0) << "gaussiank never finished on the device";
+  EXPECT_GT(slow, 0) << "gaussiank never continued on the host";
+  EXPECT_GT(accepted, 0) << "dgc never accepted its survivors";
+  EXPECT_GT(trimmed, 0) << "dgc never trimmed on the device";
+}
+
+// dgc's trim on the device against the reference: whenever more than k
+// (and at most n/8) entries survive the sampled threshold, the selection
+// is the exact top-k of u (lower index first among ties at the k-th key),
+// bit for bit, the selected residual entries are zeroed and nothing else;
+// on inputs with ties at the k-th key (few levels), a narrow band, and
+// grids from one warp up, on a created stream (graphs replayed with a new
+// step's sample) and the legacy stream.
+TEST_F(GpuTest, DgcTrimsToTheExactTopKOnTheDevice) {
+  struct Case {
+    Distribution dist;
+    size_t n;
+    uint64_t k;
+  };
+  const Case cases[] = {
+      {Distribution::kNormal, 100003, 1000},
+      {Distribution::kNormal, 4099, 4},
+      {Distribution::kHeavyTailed, 100003, 100},
+      {Distribution::kFewLevels, 100003, 1000},
+      {Distribution::kNarrowBand, 100003, 100},
+      {Distribution::kLaplaceZeros, 70001, 700},
+      {Distribution::kDenormals, 20011, 20},
+  };
+  cudaStream_t created = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking),
+            cudaSuccess);
+  int trimmed = 0, tied = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(DistributionName(c.dist) + " n=" + std::to_string(c.n) +
+                 " k=" + std::to_string(c.k));
+    const std::vector<float> u = MakeInput(c.dist, c.n, c.n + 71);
+    const SparseVector want = ReferenceTopK(u, c.k);
+    // Ties at the k-th key: the tie-break decides which of them are taken.
+    uint32_t kth_key = ~0u;
+    for (float v : want.values) {
+      kth_key = std::min(kth_key, FloatBits(v) & 0x7fffffffu);
+    }
+    size_t at_kth = 0;
+    for (float v : u) at_kth += (FloatBits(v) & 0x7fffffffu) == kth_key;
+    for (cudaStream_t stream : {created, static_cast<cudaStream_t>(nullptr)}) {
+      SCOPED_TRACE(stream == nullptr ? "legacy stream" : "created stream");
+      SelectorOptions options;
+      options.seed = 9;
+      GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                                 CudaSelector::Create("dgc", options, c.n));
+      for (uint64_t step = 0; step < 6; ++step) {
+        SCOPED_TRACE("step " + std::to_string(step));
+        DeviceVector d(u);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        SparseVector got;
+        GTOPK_ASSERT_OK(selector->SelectDevice(d.buffer.get(), c.n, c.k, step,
+                                               stream, true, &got));
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const SelectInfo info = selector->last_info();
+        ASSERT_NO_FATAL_FAILURE(ExpectZeroedExactly(d, u, got.indices));
+        if (info.candidates <= c.k || info.candidates > c.n / 8) {
+          EXPECT_FALSE(info.trimmed_on_device);
+          continue;
+        }
+        EXPECT_TRUE(info.trimmed_on_device);
+        EXPECT_TRUE(info.fast_path);
+        ExpectSameBits(got, want);
+        ++trimmed;
+        tied += at_kth > 1;
+      }
+    }
+  }
+  ASSERT_EQ(cudaStreamDestroy(created), cudaSuccess);
+  EXPECT_GT(trimmed, 20) << "too few trims to test them";
+  EXPECT_GT(tied, 0) << "no trim with ties at the k-th key";
 }
 
 // zero_selected with the threshold selectors: the selected entries of the
