@@ -12,7 +12,9 @@
 # usage: bench/cuda/device_check.sh [--quick] [device_check flags...]
 #   --quick   n in {1, 1000, 1048583} only (a smoke run, under a minute)
 # env: OUT (default build/device_check_out), BUILD_DIR (default
-#   build/device_check), NVCC, PYTHON (default python3), SIZES, DENSITIES,
+#   build/device_check), NVCC, PYTHON (default: the first of python3 on
+#   PATH and Debian's /usr/bin/python3 whose torch sees a CUDA device, else
+#   the first that imports torch, else python3), SIZES, DENSITIES,
 #   INPUTS (default all six), ITERS (>= 20), WARMUP, SANITIZE (1: run step
 #   4, default), PROFILE (1: run step 5, default), BUDGET (seconds for the
 #   whole run, build included, default 300: every step's timeout is cut to
@@ -35,7 +37,26 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 OUT=${OUT:-$ROOT/build/device_check_out}
 BUILD_DIR=${BUILD_DIR:-$ROOT/build/device_check}
-PYTHON=${PYTHON:-python3}
+# torch.topk's interpreter: a pip torch with CUDA may be on PATH (the
+# device machines), Debian's python3-torch (CPU only) belongs to
+# /usr/bin/python3 while another python3 comes first on PATH (these
+# machines): take the one whose torch can time on the GPU.
+pick_python() {
+  local p with_torch=""
+  for p in python3 /usr/bin/python3; do
+    command -v "$p" > /dev/null || continue
+    if "$p" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
+        > /dev/null 2>&1; then
+      echo "$p"
+      return
+    fi
+    if [ -z "$with_torch" ] && "$p" -c 'import torch' > /dev/null 2>&1; then
+      with_torch=$p
+    fi
+  done
+  echo "${with_torch:-python3}"
+}
+PYTHON=${PYTHON:-$(pick_python)}
 SIZES=${SIZES:-1,1000,1000003,25557032,138357544}
 DENSITIES=${DENSITIES:-0.0001,0.001,0.01}
 INPUTS=${INPUTS:-normal,narrow_band,ties,laplace_zeros,all_equal,outliers}
@@ -112,6 +133,7 @@ if [ -z "$NVCC" ]; then
 fi
 say "== device_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
 say "nvcc: $NVCC ($("$NVCC" --version | tail -1))"
+say "python (torch.topk): $PYTHON"
 command -v nvidia-smi > /dev/null && \
   timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total \
     --format=csv,noheader 2>&1 | tee -a "$LOG"

@@ -41,12 +41,8 @@ constexpr int kWarpsPerBlock = kThreads / 32;
 // 1024 blocks of 256 threads: 97 % of one full wave on an H200 (132 SMs x 8).
 constexpr int kMaxBlocks = 1024;
 constexpr int kMaxWarps = kMaxBlocks * kWarpsPerBlock;  // 8192
+// One-block kernels (Init, the Gaussian-k planner, FindBinDecide).
 constexpr int kScanThreads = 1024;
-// The one-block scans over per-warp counts hold kItems (1, 2, 4 or 8:
-// the fewest covering the warps) per thread: 16 spilled to local memory
-// under the 64-register cap of 1024-thread blocks (ptxas -v: 1.5 KB per
-// thread for ScanFinalKernel), a cost paid on every selection.
-constexpr int kMaxScanItems = kMaxWarps / kScanThreads;  // 8
 constexpr uint64_t kChunkAlign = 128;                 // 32 lanes x float4
 constexpr uint32_t kNonFiniteKey = 0x7f800000u;
 constexpr int kBins = 2048;  // largest digit: 11 bits
@@ -120,7 +116,7 @@ struct DeviceState {
   // whose exact count the adjustments after its stop may need (those the
   // digit-0 histogram cannot decide), the first compaction pass counts the
   // keys >= each of them inside its digit-0 bin, and GaussResolve (in the
-  // ScanKernel that totals that pass) replays the CPU rule from the
+  // last block of that pass, CollectScanBlock) replays the CPU rule from the
   // planner's stop: gk_mode = kGaussCorrect with min_key = the key that
   // lands in range (one more compaction pass follows), kGaussExact (the
   // adjustments end without one: Wait runs the exact top-k), or kGaussHost
@@ -137,7 +133,7 @@ struct DeviceState {
   uint32_t gk_keys[kMaxGaussKeys];
   ull gk_counts[kMaxGaussKeys];  // keys >= gk_keys[r] in its digit-0 bin
   // dgc: more than k (and at most n/8) survived the sampled threshold, so
-  // the device takes the exact top-k among them (ScanKernel sets it and
+  // the device takes the exact top-k among them (CollectScanBlock sets it and
   // restarts the radix state on the survivors' histograms, the trim
   // histograms); the trim's kernels are gated on it.
   int trim;
@@ -441,7 +437,7 @@ __device__ void ListGaussKeys(DeviceState* st, const ull* at_least, double t,
   st->gk_num_keys = listed;
 }
 
-// Gaussian-k's correction (thread 0 of the ScanKernel that totals the
+// Gaussian-k's correction (thread 0 of the last block of the
 // compaction at the planner's key): replays the CPU rule from there, with
 // the exact count at that key, the listed keys' exact counts and the
 // histogram's verdicts elsewhere. gk_mode = kGaussCorrect and min_key = the
@@ -683,6 +679,95 @@ __global__ void __launch_bounds__(kThreads)
   RunThen(st, hists, then);
 }
 
+// Exclusive prefix sums of v[0, count) in place, in tiles of kBlock (v
+// written by the other blocks of the grid: read through L2); returns the
+// total in every thread. One block: a pass's last (LastBlockDone).
+template <int kBlock>
+__device__ ull ScanInPlace(ull* v, int count) {
+  using Scan = cub::BlockScan<ull, kBlock, cub::BLOCK_SCAN_WARP_SCANS>;
+  __shared__ typename Scan::TempStorage storage;
+  ull above = 0;
+  for (int base = 0; base < count; base += kBlock) {
+    const int i = base + static_cast<int>(threadIdx.x);
+    const ull x = i < count ? __ldcg(v + i) : 0;
+    ull before, total;
+    Scan(storage).ExclusiveSum(x, before, total);
+    __syncthreads();  // storage free for the next tile
+    if (i < count) v[i] = above + before;
+    above += total;
+  }
+  return above;
+}
+
+// The sum of the block's per-warp counts `mine` (every thread passes its
+// warp's; lane 0's is used), in every thread.
+__device__ inline ull BlockTotal(uint32_t mine) {
+  __shared__ uint32_t warp_counts[kWarpsPerBlock];
+  __shared__ ull block_total;
+  if ((threadIdx.x & 31) == 0) warp_counts[threadIdx.x / 32] = mine;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    ull t = 0;
+    for (int w = 0; w < kWarpsPerBlock; ++w) t += warp_counts[w];
+    block_total = t;
+  }
+  __syncthreads();
+  return block_total;
+}
+
+// What follows a compaction pass, in its last block (no launch of its own):
+// the exclusive scan of the blocks' kept counts in `block_offsets` (each
+// block writes its count at its index; GatherKernel adds the counts of the
+// warps before it in its block), the total in state's num_candidates, and
+// state's accepted = total in [accept_lo, accept_hi] (and no error or
+// planner fallback). Then: at_least given: Gaussian-k's GaussResolve with
+// [accept_lo, accept_hi]; exact_above != 0 and a total not accepted and
+// above it: state's gk_exact = 1 (dgc: the exact top-k from u); trim (dgc;
+// the pass counted the survivors' digit 0): a total in (accept_hi,
+// exact_above] sets state's trim and restarts the radix state for the
+// accept_hi-th largest survivor; find_next or trim: FindNextBinBlock on the
+// pass's histograms.
+struct CollectScan {
+  ull* block_offsets;   // [grid]: the blocks' counts, then their offsets
+  const ull* at_least;  // GaussResolve's (Gaussian-k's first compaction)
+  ull accept_lo, accept_hi, exact_above;
+  int find_next, trim;
+};
+
+__device__ void CollectScanBlock(DeviceState* st, const ull* hists,
+                                 const CollectScan& s, ull block_total) {
+  if (threadIdx.x == 0) s.block_offsets[blockIdx.x] = block_total;
+  if (!LastBlockDone(st)) return;  // uniform in the block
+  const ull total =
+      ScanInPlace<kThreads>(s.block_offsets, static_cast<int>(gridDim.x));
+  if (threadIdx.x == 0) {
+    st->num_candidates = total;
+    st->accepted = st->error == 0 && st->fallback == 0 &&
+                   total >= s.accept_lo && total <= s.accept_hi;
+    if (s.at_least != nullptr) {
+      GaussResolve(st, s.at_least, s.accept_lo, s.accept_hi);
+    }
+    // dgc: more than exact_above survive (most of u ties with the sampled
+    // threshold): the exact top-k from u, gated on gk_exact.
+    if (s.exact_above != 0 && st->error == 0 && !st->accepted &&
+        total > s.exact_above) {
+      st->gk_exact = 1;
+    }
+    // dgc: the exact top-k among the survivors, a radix select over them
+    // from the digit-0 histogram this pass built.
+    if (s.trim && st->error == 0 && !st->accepted && total > s.accept_hi &&
+        (s.exact_above == 0 || total <= s.exact_above)) {
+      st->trim = 1;
+      st->need = s.accept_hi;
+      st->prefix = 0;
+      st->count_greater = 0;
+      st->levels_done = 0;
+    }
+  }
+  __syncthreads();
+  if (s.find_next || st->trim != 0) FindNextBinBlock<kThreads>(st, hists);
+}
+
 // The histogram a compaction pass builds of the keys it keeps, into that
 // digit's histogram in `hists`.
 enum CollectHist {
@@ -700,14 +785,15 @@ enum CollectHist {
 // region; counts[w] = how many. kHist: the histogram it builds
 // (CollectHist). kCountKeys: also adds to state's gk_counts[r] the keys >=
 // gk_keys[r] in that key's digit-0 bin (kept or not; Gaussian-k's
-// correction). Nothing when the exact plan reads u in its final pass
-// (state's from_u), or when the gate is closed.
+// correction). Then `scan` (CollectScanBlock). Nothing when the exact plan
+// reads u in its final pass (state's from_u), or when the gate is closed.
 template <int kHist, bool kCountKeys>
 __global__ void __launch_bounds__(kThreads)
     CollectKernel(const float* __restrict__ u, uint64_t n, uint64_t chunk,
                   int vectorized, DeviceState* st, uint32_t host_key,
                   int use_host_key, uint32_t* __restrict__ regions,
-                  uint32_t* __restrict__ counts, ull* hists, Gate gate) {
+                  uint32_t* __restrict__ counts, ull* hists, Gate gate,
+                  CollectScan scan) {
   if (Closed(gate)) return;  // uniform
   __shared__ uint32_t hist[kHist ? kBins : 1];
   if (kHist) {
@@ -836,63 +922,7 @@ __global__ void __launch_bounds__(kThreads)
       if (hist[i] != 0) atomicAdd(&out[i], static_cast<ull>(hist[i]));
     }
   }
-}
-
-// Exclusive scan of the W <= kMaxWarps per-warp counts into offsets; total in
-// state->num_candidates; state->accepted = total in [accept_lo, accept_hi]
-// (and no error or planner fallback). Then, when find_next, FindNextBinBlock
-// on `hists`; when at_least is given, Gaussian-k's GaussResolve with
-// [accept_lo, accept_hi]; when exact_above != 0 and the total is not accepted
-// and above it, state's gk_exact = 1. trim (dgc; the compaction counted the
-// survivors' digit 0 into `hists`): a total in (accept_hi, exact_above]
-// sets state's trim and restarts the radix state for the accept_hi-th
-// largest survivor, whose digit 0 FindNextBinBlock then finds on `hists`.
-// Nothing when the exact plan reads u (state's from_u), or when the gate is
-// closed.
-template <int kItems>
-__global__ void __launch_bounds__(kScanThreads)
-    ScanKernel(const uint32_t* counts, int num_warps, ull* offsets,
-               DeviceState* st, const ull* hists, int find_next,
-               ull accept_lo, ull accept_hi, Gate gate, const ull* at_least,
-               ull exact_above, int trim) {
-  using Scan = cub::BlockScan<ull, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
-  __shared__ typename Scan::TempStorage storage;
-  if (Closed(gate)) return;  // uniform
-  if (st->from_u != 0) return;  // uniform
-  ull v[kItems], before[kItems], total;
-  for (int j = 0; j < kItems; ++j) {
-    const int w = static_cast<int>(threadIdx.x) * kItems + j;
-    v[j] = w < num_warps ? counts[w] : 0;
-  }
-  Scan(storage).ExclusiveSum(v, before, total);
-  for (int j = 0; j < kItems; ++j) {
-    const int w = static_cast<int>(threadIdx.x) * kItems + j;
-    if (w < num_warps) offsets[w] = before[j];
-  }
-  if (threadIdx.x == 0) {
-    st->num_candidates = total;
-    st->accepted = st->error == 0 && st->fallback == 0 && total >= accept_lo &&
-                   total <= accept_hi;
-    if (at_least != nullptr) GaussResolve(st, at_least, accept_lo, accept_hi);
-    // dgc: more than exact_above survive (most of u ties with the sampled
-    // threshold): the exact top-k from u, gated on gk_exact.
-    if (exact_above != 0 && st->error == 0 && !st->accepted &&
-        total > exact_above) {
-      st->gk_exact = 1;
-    }
-    // dgc: the exact top-k among the survivors, a radix select over them
-    // from the digit-0 histogram their compaction built.
-    if (trim && st->error == 0 && !st->accepted && total > accept_hi &&
-        (exact_above == 0 || total <= exact_above)) {
-      st->trim = 1;
-      st->need = accept_hi;
-      st->prefix = 0;
-      st->count_greater = 0;
-      st->levels_done = 0;
-    }
-  }
-  __syncthreads();
-  if (find_next || st->trim != 0) FindNextBinBlock<kScanThreads>(st, hists);
+  CollectScanBlock(st, hists, scan, BlockTotal(count));
 }
 
 // Where GatherKernel writes.
@@ -948,7 +978,10 @@ __global__ void __launch_bounds__(kThreads)
                  static_cast<int>(threadIdx.x) / 32;
          w < num_warps; w += total_warps) {
       const uint32_t c = counts[w];
-      const ull off = offsets[w];
+      // The compaction's block offset plus its warps before this one.
+      const int first = w - w % kWarpsPerBlock;
+      ull off = offsets[w / kWarpsPerBlock];
+      for (int j = first; j < w; ++j) off += counts[j];
       const uint32_t* region = regions + uint64_t(w) * chunk;
       for (uint32_t j = lane; j < c; j += 32) {
         const uint32_t idx = region[j];
@@ -1049,20 +1082,26 @@ __device__ inline FinalSource GetFinalSource(const DeviceState* st,
   return FinalSource{cand_val, cand_idx, st->num_candidates};
 }
 
-// Per warp chunk of the final source: keys > T and keys == T.
+// Per warp chunk of the final source: keys > T and keys == T; then, in
+// the last block, the exclusive scans of the blocks' totals of each
+// (block_greater, block_equal: each block writes its totals at its index,
+// WriteFinalKernel adds the warps before it in its block) and
+// state->num_selected = the output count.
 __global__ void __launch_bounds__(kThreads)
     CountFinalKernel(const float* cand_val, const float* u, uint64_t n,
                      DeviceState* st, FinalRule rule, uint32_t* greater,
-                     uint32_t* equal, Gate gate) {
+                     uint32_t* equal, ull* block_greater, ull* block_equal,
+                     Gate gate) {
   if (Closed(gate)) return;  // uniform
   const int lane = threadIdx.x & 31;
   const uint64_t warp =
       uint64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
   uint32_t gt = 0, eq = 0;
-  if (st->error == 0) {
-    uint32_t t;
-    ull ties;
-    FinalThreshold(st, rule, &t, &ties);
+  uint32_t t;
+  ull ties;
+  FinalThreshold(st, rule, &t, &ties);
+  const bool ok = st->error == 0;
+  if (ok) {
     const FinalSource src = GetFinalSource(st, u, n, cand_val, nullptr);
     uint64_t begin, end;
     CandidateChunk(src.length, &begin, &end);
@@ -1078,60 +1117,32 @@ __global__ void __launch_bounds__(kThreads)
     greater[warp] = gt;
     equal[warp] = eq;
   }
-}
-
-// Output offset of each warp chunk: greater-before + min(ties-before, ties
-// to take); state->num_selected = the output count. The two scans run one
-// after the other (the first's results parked in out_offsets, re-read by
-// the thread that wrote them) so that only one array pair is live.
-template <int kItems>
-__global__ void __launch_bounds__(kScanThreads)
-    ScanFinalKernel(const uint32_t* greater, const uint32_t* equal,
-                    int num_warps, ull* out_offsets, ull* ties_before,
-                    DeviceState* st, FinalRule rule, Gate gate) {
-  using Scan = cub::BlockScan<ull, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
-  __shared__ typename Scan::TempStorage storage;
-  if (Closed(gate)) return;  // uniform
-  uint32_t t;
-  ull ties;
-  FinalThreshold(st, rule, &t, &ties);
-  ull v[kItems], before[kItems];
-  ull g_total, e_total;
-  for (int j = 0; j < kItems; ++j) {
-    const int w = static_cast<int>(threadIdx.x) * kItems + j;
-    v[j] = w < num_warps ? greater[w] : 0;
-  }
-  Scan(storage).ExclusiveSum(v, before, g_total);
-  for (int j = 0; j < kItems; ++j) {
-    const int w = static_cast<int>(threadIdx.x) * kItems + j;
-    if (w < num_warps) out_offsets[w] = before[j];
-  }
-  __syncthreads();
-  for (int j = 0; j < kItems; ++j) {
-    const int w = static_cast<int>(threadIdx.x) * kItems + j;
-    v[j] = w < num_warps ? equal[w] : 0;
-  }
-  Scan(storage).ExclusiveSum(v, before, e_total);
-  for (int j = 0; j < kItems; ++j) {
-    const int w = static_cast<int>(threadIdx.x) * kItems + j;
-    if (w < num_warps) {
-      out_offsets[w] += before[j] < ties ? before[j] : ties;
-      ties_before[w] = before[j];
-    }
-  }
+  const ull block_gt = BlockTotal(gt);
+  __syncthreads();  // BlockTotal's shared counts are reused
+  const ull block_eq = BlockTotal(eq);
   if (threadIdx.x == 0) {
-    st->num_selected =
-        st->error != 0 ? 0 : g_total + (e_total < ties ? e_total : ties);
+    block_greater[blockIdx.x] = block_gt;
+    block_equal[blockIdx.x] = block_eq;
+  }
+  if (!LastBlockDone(st)) return;  // uniform in the block
+  const int blocks = static_cast<int>(gridDim.x);
+  const ull g_total = ScanInPlace<kThreads>(block_greater, blocks);
+  const ull e_total = ScanInPlace<kThreads>(block_equal, blocks);
+  if (threadIdx.x == 0) {
+    st->num_selected = ok ? g_total + (e_total < ties ? e_total : ties) : 0;
   }
 }
 
 // Writes the selected candidates (key > T, or key == T among the first
 // `ties` of them in index order) at their offsets; zero: u[i] = +0.0.
+// greater/equal, block_greater/block_equal: CountFinalKernel's (same grid).
 __global__ void __launch_bounds__(kThreads)
     WriteFinalKernel(const uint32_t* cand_idx, const float* cand_val,
-                     uint64_t n, DeviceState* st,
-                     FinalRule rule, const ull* __restrict__ out_offsets,
-                     const ull* __restrict__ ties_before,
+                     uint64_t n, DeviceState* st, FinalRule rule,
+                     const uint32_t* __restrict__ greater,
+                     const uint32_t* __restrict__ equal,
+                     const ull* __restrict__ block_greater,
+                     const ull* __restrict__ block_equal,
                      uint32_t* __restrict__ out_idx,
                      float* __restrict__ out_val, float* u, int zero,
                      Gate gate) {
@@ -1146,8 +1157,15 @@ __global__ void __launch_bounds__(kThreads)
   const FinalSource src = GetFinalSource(st, u, n, cand_val, cand_idx);
   uint64_t begin, end;
   CandidateChunk(src.length, &begin, &end);
-  ull out = out_offsets[warp];
-  ull tie = ties_before[warp];
+  // Keys > T and == T before this warp's chunk: its block's, plus its
+  // block's warps before it; the first `ties` ties are taken.
+  ull greater_before = block_greater[blockIdx.x];
+  ull tie = block_equal[blockIdx.x];
+  for (uint64_t w = warp - threadIdx.x / 32; w < warp; ++w) {
+    greater_before += greater[w];
+    tie += equal[w];
+  }
+  ull out = greater_before + (tie < ties ? tie : ties);
   for (uint64_t base = begin; base < end; base += 32) {
     const uint64_t i = base + lane;
     const bool valid = i < end;
@@ -1345,34 +1363,6 @@ __global__ void GlobalMomentumKernel(float* params, float* velocity,
 // ---------------------------------------------------------------------------
 // Host helpers
 // ---------------------------------------------------------------------------
-
-// Items per thread of the one-block scans over `warps` counts: the fewest
-// of 1, 2, 4, 8 with items * kScanThreads >= warps.
-int ScanItems(int warps) {
-  int items = 1;
-  while (items < kMaxScanItems && items * kScanThreads < warps) items *= 2;
-  return items;
-}
-
-// f(std::integral_constant<int, ScanItems(warps)>{}): launches the scan
-// kernel instantiation for that many items per thread.
-template <typename F>
-void WithScanItems(int warps, F&& f) {
-  switch (ScanItems(warps)) {
-    case 1:
-      f(std::integral_constant<int, 1>{});
-      break;
-    case 2:
-      f(std::integral_constant<int, 2>{});
-      break;
-    case 4:
-      f(std::integral_constant<int, 4>{});
-      break;
-    default:
-      f(std::integral_constant<int, kMaxScanItems>{});
-      break;
-  }
-}
 
 bool Aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
@@ -1708,50 +1698,57 @@ struct Sparsifier::Impl {
   // How a compaction or scan takes part in Gaussian-k's correction.
   enum class GaussRole {
     kNone,   // not part of it
-    kFirst,  // Collect counts the listed keys; Scan resolves
+    kFirst,  // Collect counts the listed keys; its last block resolves
   };
 
-  // with_hist (CollectHist): into `hists` (null: hist0..2).
+  // What the compaction's last block does after the pass
+  // (CollectScanBlock): accept_lo/hi: the count range that lets the
+  // selection finish without the host (state->accepted); role kFirst:
+  // GaussResolve (the planner's at_least counts are in hist1);
+  // exact_above: dgc's exact top-k from u above it; find_next: the next
+  // undecided digit of the exact plan from its histogram (hist0..2); trim:
+  // dgc's trim decision, on the trim histograms.
+  struct ScanOptions {
+    ull accept_lo = 1;
+    ull accept_hi = 0;
+    GaussRole role = GaussRole::kNone;
+    ull exact_above = 0;
+    bool find_next = false;
+    bool trim = false;
+  };
+
+  // Collect with ScanOptions' defaults.
+  KernelStatus Collect(const float* u, uint64_t n, CollectHist with_hist,
+                       bool host_key, uint32_t key, cudaStream_t stream) {
+    return Collect(u, n, with_hist, host_key, key, stream, ScanOptions());
+  }
+
+  // Compaction of u at state's min_key (host_key: at `key`), its histogram
+  // with_hist (CollectHist: into the trim histograms with scan.trim, else
+  // hist0..2), then `scan`. Sets the layout Gather reads.
   KernelStatus Collect(const float* u, uint64_t n, CollectHist with_hist,
                        bool host_key, uint32_t key, cudaStream_t stream,
-                       GaussRole role = GaussRole::kNone,
-                       ull* hists = nullptr) {
+                       const ScanOptions& scan) {
     CollectLayout(n);
     const int vec = Aligned16(u);
+    const bool first = scan.role == GaussRole::kFirst;
     // A pointer: the instantiations' commas would split the macro argument.
     auto* collect =
         with_hist == kCollectNextDigit ? &CollectKernel<kCollectNextDigit, false>
         : with_hist == kCollectDigit0  ? &CollectKernel<kCollectDigit0, false>
-        : role == GaussRole::kFirst    ? &CollectKernel<kCollectNoHist, true>
+        : first                        ? &CollectKernel<kCollectNoHist, true>
                                        : &CollectKernel<kCollectNoHist, false>;
+    CollectScan tail{};
+    tail.block_offsets = offsets_a.get();
+    tail.at_least = first ? hist1 : nullptr;
+    tail.accept_lo = scan.accept_lo;
+    tail.accept_hi = scan.accept_hi;
+    tail.exact_above = scan.exact_above;
+    tail.find_next = scan.find_next ? 1 : 0;
+    tail.trim = scan.trim ? 1 : 0;
     GTOPK_LAUNCH(collect, collect_blocks, kThreads, stream)(
         u, n, collect_chunk, vec, st, key, host_key, regions.get(),
-        counts_a.get(),
-        with_hist != kCollectNoHist ? (hists != nullptr ? hists : hist0)
-                                    : nullptr,
-        gate);
-    GTOPK_CUDA_LAUNCH_CHECK();
-    return KernelStatus::Ok();
-  }
-
-  // accept_lo/hi: the count range that lets the selection finish without
-  // the host (state->accepted). find_next: then the next undecided digit of
-  // the exact plan from its histogram. role kFirst: then GaussResolve (the
-  // planner's at_least counts are in hist1). trim: dgc's trim decision
-  // (ScanKernel), on the trim histograms.
-  KernelStatus Scan(bool find_next, cudaStream_t stream, ull accept_lo = 1,
-                    ull accept_hi = 0, GaussRole role = GaussRole::kNone,
-                    ull exact_above = 0, bool trim = false) {
-    const uint32_t* counts = counts_a.get();
-    ull* offsets = offsets_a.get();
-    const ull* at_least = role == GaussRole::kFirst ? hist1 : nullptr;
-    WithScanItems(collect_warps, [&](auto items) {
-      GTOPK_LAUNCH(ScanKernel<decltype(items)::value>, 1, kScanThreads,
-                   stream)(counts, collect_warps, offsets, st,
-                           trim ? trim_hists : hist0, find_next ? 1 : 0,
-                           accept_lo, accept_hi, gate, at_least, exact_above,
-                           trim ? 1 : 0);
-    });
+        counts_a.get(), scan.trim ? trim_hists : hist0, gate, tail);
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
   }
@@ -1777,23 +1774,14 @@ struct Sparsifier::Impl {
   // exact plan says from_u) by FinalRule into out_*, on `blocks` blocks.
   KernelStatus Final(FinalRule rule, float* u, uint64_t n, bool zero,
                      int blocks, cudaStream_t stream) {
-    const int warps = blocks * kWarpsPerBlock;
     GTOPK_LAUNCH(CountFinalKernel, blocks, kThreads, stream)(
-        cand_val.get(), u, n, st, rule, counts_b.get(), counts_a.get(), gate);
-    GTOPK_CUDA_LAUNCH_CHECK();
-    const uint32_t* greater = counts_b.get();
-    const uint32_t* equal = counts_a.get();
-    ull* out_offsets = offsets_a.get();
-    ull* ties_before = offsets_b.get();
-    WithScanItems(warps, [&](auto items) {
-      GTOPK_LAUNCH(ScanFinalKernel<decltype(items)::value>, 1, kScanThreads,
-                   stream)(greater, equal, warps, out_offsets, ties_before, st,
-                           rule, gate);
-    });
+        cand_val.get(), u, n, st, rule, counts_b.get(), counts_a.get(),
+        offsets_a.get(), offsets_b.get(), gate);
     GTOPK_CUDA_LAUNCH_CHECK();
     GTOPK_LAUNCH(WriteFinalKernel, blocks, kThreads, stream)(
-        cand_idx.get(), cand_val.get(), n, st, rule, offsets_a.get(),
-        offsets_b.get(), out_idx.get(), out_val.get(), u, zero, gate);
+        cand_idx.get(), cand_val.get(), n, st, rule, counts_b.get(),
+        counts_a.get(), offsets_a.get(), offsets_b.get(), out_idx.get(),
+        out_val.get(), u, zero, gate);
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
   }
@@ -1851,8 +1839,10 @@ struct Sparsifier::Impl {
           Then{kThenDecide, level, cap});
       GTOPK_CUDA_LAUNCH_CHECK();
     }
-    GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, kCollectNextDigit, false, 0, stream));
-    GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(/*find_next=*/true, stream));
+    ScanOptions next;
+    next.find_next = true;
+    GTOPK_CUDA_RETURN_IF_NOT_OK(
+        Collect(u, n, kCollectNextDigit, false, 0, stream, next));
     GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, true, stream,
                                        kGatherAlways,
                                        Then{kThenFindNext, 0, 0}));
@@ -1958,14 +1948,17 @@ KernelStatus Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
   // all min(hi, n) possible pairs are copied. When the adjustments end
   // without a count in range, Wait finishes with the exact top-k
   // (ContinueGaussianK).
+  ScanOptions in_range;
+  in_range.accept_lo = lo;
+  in_range.accept_hi = hi;
+  ScanOptions resolve = in_range;
+  resolve.role = GaussRole::kFirst;
   GTOPK_CUDA_RETURN_IF_NOT_OK(
-      Collect(u, n, kCollectNoHist, false, 0, stream, GaussRole::kFirst));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(false, stream, lo, hi, GaussRole::kFirst));
+      Collect(u, n, kCollectNoHist, false, 0, stream, resolve));
   {
     GatedScope correcting(*this, &st->gk_mode, kGaussCorrect);
     GTOPK_CUDA_RETURN_IF_NOT_OK(
-        Collect(u, n, kCollectNoHist, false, 0, stream));
-    GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(false, stream, lo, hi));
+        Collect(u, n, kCollectNoHist, false, 0, stream, in_range));
   }
   GTOPK_CUDA_RETURN_IF_NOT_OK(
       Gather(u, true, zero, false, stream, kGatherIfAccepted));
@@ -1973,7 +1966,7 @@ KernelStatus Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
   // change little from step to step, so this one likely does too. Enqueue
   // the exact top-k gated on the rule's end (state's gk_exact), and Wait
   // has nothing left to do when it ran: no host round trip. When the rule
-  // lands in range instead, its 13 kernels return at once (13 launches, one
+  // lands in range instead, its 8 kernels return at once (8 launches, one
   // step: the prediction follows the outcome). The exact top-k runs from u
   // here, where Wait's continuation may take it from the first compaction's
   // survivors: the same pairs, SelectInfo's candidates and plan differ.
@@ -2046,8 +2039,8 @@ KernelStatus Sparsifier::Impl::ContinueGaussianK(const DeviceState& state,
       count = s.count_at_least;
     } else {
       // Lowering it: one more compaction pass over u.
-      GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, kCollectNoHist, true, key, stream));
-      GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(false, stream));
+      GTOPK_CUDA_RETURN_IF_NOT_OK(
+          Collect(u, n, kCollectNoHist, true, key, stream));
       GTOPK_CUDA_RETURN_IF_NOT_OK(ReadState(stream, &s));
       if (s.error != 0) {
         pending_error = true;
@@ -2127,10 +2120,13 @@ KernelStatus Sparsifier::Impl::SelectDgc(float* u, uint64_t n,
   // finish the exact top-k among them (digit 2 and the final stable
   // compaction; they return at once when nothing is trimmed). All k
   // possible pairs are copied either way.
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, kCollectDigit0, false, 0, stream,
-                                      GaussRole::kNone, trim_hists));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Scan(false, stream, 1, k, GaussRole::kNone,
-                                   CompactCap(n), /*trim=*/true));
+  ScanOptions at_most_k;
+  at_most_k.accept_lo = 1;
+  at_most_k.accept_hi = k;
+  at_most_k.exact_above = CompactCap(n);
+  at_most_k.trim = true;
+  GTOPK_CUDA_RETURN_IF_NOT_OK(
+      Collect(u, n, kCollectDigit0, false, 0, stream, at_most_k));
   GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, /*next_hist=*/true,
                                      stream, kGatherDgc,
                                      Then{kThenFindNext, 0, 0}));
@@ -2145,7 +2141,7 @@ KernelStatus Sparsifier::Impl::SelectDgc(float* u, uint64_t n,
   }
   // As gaussiank's: the last selection took the exact top-k from u (ties at
   // the sampled threshold), so this one is enqueued too, gated on the
-  // device's count (10 kernels that return at once when it is not needed).
+  // device's count (8 kernels that return at once when it is not needed).
   // More than n/8 survivors without it: Wait does it (ContinueDgc).
   if (dgc_expect_exact) {
     GatedScope falling_back(*this, &st->gk_exact, 1);

@@ -329,11 +329,13 @@ TEST_F(GpuTest, GraphReplaysSelectLikeDirectEnqueue) {
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
-// Large grids: on an H200-sized grid (132 SMs: up to 1024 blocks) the
-// one-block scans take 1, 2, 4 or 8 per-warp counts per thread; n just
-// under 512 blocks of 4096 entries gives 4 for the scan over u, densities
-// 0.05 / 0.1 / 0.3 give 2 / 4 / 8 for the candidate scan, and n above 1024
-// blocks gives 8 for the scan over u.
+// Large grids: on an H200-sized grid (132 SMs: up to 1024 blocks) the last
+// block of each compaction pass scans the blocks' counts in tiles of 256
+// (the carry between tiles matters): n just under 512 blocks of 4096
+// entries gives 2 tiles for the compaction of u, n above 1024 blocks gives
+// 4, and the final compaction's grid (n / 1024 blocks, at most 1024) 4.
+// Densities up to 0.3 move the k-th key (and dgc's survivors, trimmed to
+// the exact top-k when more than k).
 TEST_F(GpuTest, LargeGridsMatchTheReference) {
   const std::vector<std::pair<size_t, std::vector<double>>> cases = {
       {size_t{2} * 1024 * 1024 - 4099, {0.001, 0.05, 0.1, 0.3}},
@@ -350,7 +352,8 @@ TEST_F(GpuTest, LargeGridsMatchTheReference) {
                                    CudaSelector::Create(name, {}, n));
         SparseVector got;
         GTOPK_ASSERT_OK(selector->Select(u, k, 0, &got));
-        if (std::string(name) == "exact" || selector->last_info().fell_back) {
+        if (std::string(name) == "exact" || selector->last_info().fell_back ||
+            selector->last_info().trimmed_on_device) {
           ExpectSameBits(got, want);
         } else {
           EXPECT_GE(got.size(), selector->MinCount(k));
