@@ -137,10 +137,18 @@ struct DeviceState {
   // restarts the radix state on the survivors' histograms, the trim
   // histograms); the trim's kernels are gated on it.
   int trim;
+  // dgc's sample seed for this selection (InitKernel copies it from the
+  // pinned host value Select writes, when it runs: a replayed graph gets
+  // this step's).
+  ull seed;
   // Blocks of the running pass that finished (LastBlockDone); 0 between
   // kernels: its last block resets it, and so does InitKernel.
   unsigned int blocks_done;
 };
+
+// The state's slot at the head of the output buffer (Sparsifier::Impl::
+// out), padded so that the indices after it start 64-byte aligned.
+constexpr uint64_t kOutHeader = (sizeof(DeviceState) + 63) / 64 * 64;
 
 // A kernel runs only while *flag == value (flag null: always): how the
 // host enqueues work that the device's state decides on, with no round
@@ -202,14 +210,15 @@ __host__ __device__ inline uint32_t MinKeyAbove(double t) {
 // ---------------------------------------------------------------------------
 
 // Resets the state; zeroes hist1/hist2, (zero_hist0) hist0 and the
-// trim histograms when given (kHistsSize entries). keep_sums
+// trim histograms when given (kHistsSize entries); state's seed = *seed
+// (pinned host memory) when given. keep_sums
 // keeps sum_blocks (Accumulate's per-block partial sums stay valid),
 // keep_candidates num_candidates, keep_gate gk_exact, gk_exact_adjustments
 // and error. Nothing when the gate is closed.
 __global__ void InitKernel(DeviceState* st, ull* hist0, ull* hist1, ull* hist2,
-                           ull* trim_hists, ull need, int zero_hist0,
-                           int keep_sums, int keep_candidates, int keep_gate,
-                           Gate gate) {
+                           ull* trim_hists, const ull* seed, ull need,
+                           int zero_hist0, int keep_sums, int keep_candidates,
+                           int keep_gate, Gate gate) {
   if (Closed(gate)) return;  // uniform
   __syncthreads();  // every thread has read the gate before thread 0 writes
   for (int i = threadIdx.x; i < kBins; i += blockDim.x) {
@@ -232,6 +241,7 @@ __global__ void InitKernel(DeviceState* st, ull* hist0, ull* hist1, ull* hist2,
     memset(&s, 0, sizeof(s));
     s.need = need;
     s.first_non_finite = ~0ull;
+    if (seed != nullptr) s.seed = *seed;
     if (keep_sums) s.sum_blocks = sum_blocks;
     if (keep_candidates) s.num_candidates = candidates;
     if (keep_gate) {  // and an error the gated-on chain found before
@@ -1190,13 +1200,13 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // DGC sample: `runs` runs of 16 consecutive keys at hashed starts in
-// [0, n - 16] (hash of *seed_ptr and the run); keys to sample[], digit-0
+// [0, n - 16] (hash of state's seed and the run); keys to sample[], digit-0
 // histogram to hist0.
 __global__ void __launch_bounds__(kThreads)
     SampleKernel(const float* __restrict__ u, uint64_t n, uint64_t runs,
-                 const ull* seed_ptr, uint32_t* __restrict__ sample,
+                 uint32_t* __restrict__ sample,
                  ull* hist0, DeviceState* st, Then then) {
-  const ull seed = *seed_ptr;  // this step's: a graph replays the kernel
+  const ull seed = st->seed;  // this step's: a graph replays the kernel
   __shared__ uint32_t hist[kBins];
   for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
   __syncthreads();
@@ -1501,8 +1511,8 @@ struct Sparsifier::Impl {
   // more registers than the other passes (fewer blocks fit per SM).
   int update_blocks = 0;
 
-  DeviceBuffer<unsigned char> meta;  // DeviceState + hist0/1/2
-  DeviceState* st = nullptr;
+  DeviceBuffer<unsigned char> meta;  // hist0/1/2, partials, trim histograms
+  DeviceState* st = nullptr;  // the head of `out`
   ull* hist0 = nullptr;
   ull* hist1 = nullptr;
   ull* hist2 = nullptr;
@@ -1513,15 +1523,28 @@ struct Sparsifier::Impl {
   DeviceBuffer<uint32_t> regions;
   DeviceBuffer<uint32_t> counts_a, counts_b;
   DeviceBuffer<ull> offsets_a, offsets_b;
-  DeviceBuffer<uint32_t> cand_idx, out_idx;
-  DeviceBuffer<float> cand_val, out_val;
-  PinnedBuffer<uint32_t> host_idx;
-  PinnedBuffer<float> host_val;
-  PinnedBuffer<DeviceState> host_state;
-  // dgc's per-step sample seed, copied host -> device by each selection
-  // (inside its graph: the copy reads the pinned value when it runs).
+  DeviceBuffer<uint32_t> cand_idx;
+  DeviceBuffer<float> cand_val;
+  // The state, then the selection's indices and values, contiguous, so
+  // that one copy brings all three to the host (`host_out`, same layout):
+  // [DeviceState, padded to kOutHeader][out_stride indices][values].
+  DeviceBuffer<unsigned char> out;
+  PinnedBuffer<unsigned char> host_out;
+  uint64_t out_stride = 0;  // the selection's output slots (BeginOutput)
+  // dgc's per-step sample seed: InitKernel reads it from here when it runs
+  // (a replayed graph reads this step's, which Select writes).
   PinnedBuffer<ull> host_seed;
-  DeviceBuffer<ull> seed;
+
+  uint32_t* out_idx() const {
+    return reinterpret_cast<uint32_t*>(out.get() + kOutHeader);
+  }
+  float* out_val() const {
+    return reinterpret_cast<float*>(out.get() + kOutHeader +
+                                    out_stride * sizeof(uint32_t));
+  }
+  DeviceState* host_state() const {
+    return reinterpret_cast<DeviceState*>(host_out.get());
+  }
 
   // Accumulate's histogram, valid for (hist_u, hist_n) until a Select.
   const float* hist_u = nullptr;
@@ -1556,6 +1579,7 @@ struct Sparsifier::Impl {
     int continuation = 0;
     bool exact_enqueued = false;
     uint64_t pending_count = 0;
+    uint64_t out_stride = 0;
     int collect_blocks = 0, collect_warps = 0;
     uint64_t collect_chunk = 0;
   };
@@ -1588,6 +1612,7 @@ struct Sparsifier::Impl {
     s.continuation = static_cast<int>(continuation);
     s.exact_enqueued = exact_enqueued;
     s.pending_count = pending_count;
+    s.out_stride = out_stride;
     s.collect_blocks = collect_blocks;
     s.collect_warps = collect_warps;
     s.collect_chunk = collect_chunk;
@@ -1598,6 +1623,7 @@ struct Sparsifier::Impl {
     continuation = static_cast<Continuation>(s.continuation);
     exact_enqueued = s.exact_enqueued;
     pending_count = s.pending_count;
+    out_stride = s.out_stride;
     collect_blocks = s.collect_blocks;
     collect_warps = s.collect_warps;
     collect_chunk = s.collect_chunk;
@@ -1656,14 +1682,15 @@ struct Sparsifier::Impl {
   };
 
   // Inside a gated chain the gate itself (the state's gk_exact) survives.
-  // zero_trim: also the trim histograms.
+  // dgc: also zeroes the trim histograms and takes the step's seed.
   KernelStatus Init(ull need, bool zero_hist0, bool keep_sums,
                     bool keep_candidates, cudaStream_t stream,
-                    bool zero_trim = false) {
+                    bool dgc = false) {
     const int keep_gate = gate.flag != nullptr;
     GTOPK_LAUNCH(InitKernel, 1, kScanThreads, stream)(
-        st, hist0, hist1, hist2, zero_trim ? trim_hists : nullptr, need,
-        zero_hist0, keep_sums, keep_candidates, keep_gate, gate);
+        st, hist0, hist1, hist2, dgc ? trim_hists : nullptr,
+        dgc ? host_seed.get() : nullptr, need, zero_hist0, keep_sums,
+        keep_candidates, keep_gate, gate);
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
   }
@@ -1762,8 +1789,8 @@ struct Sparsifier::Impl {
     const bool dgc = route == kGatherDgc;
     GTOPK_LAUNCH(GatherKernel, collect_blocks, kThreads, stream)(
         u, regions.get(), collect_chunk, counts_a.get(), offsets_a.get(),
-        collect_warps, to_output || dgc ? out_idx.get() : cand_idx.get(),
-        to_output || dgc ? out_val.get() : cand_val.get(), cand_idx.get(),
+        collect_warps, to_output || dgc ? out_idx() : cand_idx.get(),
+        to_output || dgc ? out_val() : cand_val.get(), cand_idx.get(),
         cand_val.get(), zero, st, dgc ? trim_hists : hist0, next_hist ? 1 : 0,
         static_cast<int>(route), gate, then);
     GTOPK_CUDA_LAUNCH_CHECK();
@@ -1780,8 +1807,8 @@ struct Sparsifier::Impl {
     GTOPK_CUDA_LAUNCH_CHECK();
     GTOPK_LAUNCH(WriteFinalKernel, blocks, kThreads, stream)(
         cand_idx.get(), cand_val.get(), n, st, rule, counts_b.get(),
-        counts_a.get(), offsets_a.get(), offsets_b.get(), out_idx.get(),
-        out_val.get(), u, zero, gate);
+        counts_a.get(), offsets_a.get(), offsets_b.get(), out_idx(),
+        out_val(), u, zero, gate);
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
   }
@@ -1864,39 +1891,49 @@ struct Sparsifier::Impl {
   }
 
   // Copies the state to the host and waits for it.
-  KernelStatus ReadState(cudaStream_t stream, DeviceState* out) {
-    GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_state.get(), st,
+  KernelStatus ReadState(cudaStream_t stream, DeviceState* state) {
+    GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_state(), st,
                                                sizeof(DeviceState),
                                                cudaMemcpyDeviceToHost, stream));
     GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-    *out = *host_state.get();
+    *state = *host_state();
     return KernelStatus::Ok();
+  }
+
+  static uint64_t OutBytes(uint64_t pairs) {
+    return kOutHeader + pairs * (sizeof(uint32_t) + sizeof(float));
   }
 
   KernelStatus EnsurePinned(uint64_t count, cudaStream_t stream) {
-    if (host_idx.size() >= count && host_val.size() >= count)
-      return KernelStatus::Ok();
+    if (host_out.size() >= OutBytes(count)) return KernelStatus::Ok();
     GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-    ClearGraphs();  // their copies target the buffers being replaced
-    const uint64_t size = std::max<uint64_t>(count, 2 * host_idx.size());
-    GTOPK_CUDA_RETURN_IF_NOT_OK(host_idx.Allocate(size));
-    GTOPK_CUDA_RETURN_IF_NOT_OK(host_val.Allocate(size));
+    ClearGraphs();  // their copies target the buffer being replaced
+    const uint64_t pairs = host_out.size() > kOutHeader
+                               ? (host_out.size() - kOutHeader) / 8
+                               : 0;
+    const uint64_t size =
+        OutBytes(std::max<uint64_t>(count, 2 * pairs));
+    GTOPK_CUDA_RETURN_IF_NOT_OK(host_out.Allocate(size));
     return KernelStatus::Ok();
   }
 
-  // Enqueues the copies of `count` output pairs and of the state.
+  // The selection writes at most `slots` pairs: the layout of `out` (and
+  // of the copy) for the kernels enqueued from here on.
+  void BeginOutput(uint64_t slots) { out_stride = slots; }
+
+  // Enqueues the one copy of the state and the first `count` (<= the
+  // slots) output pairs.
   KernelStatus CopyOut(uint64_t count, cudaStream_t stream) {
-    if (count > 0) {
-      GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-          host_idx.get(), out_idx.get(), count * sizeof(uint32_t),
-          cudaMemcpyDeviceToHost, stream));
-      GTOPK_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(host_val.get(), out_val.get(), count * sizeof(float),
-                          cudaMemcpyDeviceToHost, stream));
+    if (count > out_stride) {
+      return KernelStatus::Error(
+          KernelStatusCode::kInternal,
+          "CopyOut: " + std::to_string(count) + " pairs exceed the " +
+              std::to_string(out_stride) + " output slots");
     }
-    GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_state.get(), st,
-                                               sizeof(DeviceState),
-                                               cudaMemcpyDeviceToHost, stream));
+    const uint64_t bytes =
+        kOutHeader + out_stride * sizeof(uint32_t) + count * sizeof(float);
+    GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        host_out.get(), out.get(), bytes, cudaMemcpyDeviceToHost, stream));
     pending_count = count;
     return KernelStatus::Ok();
   }
@@ -1927,10 +1964,13 @@ KernelStatus Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
   const bool zero = p.zero_selected;
   info.fell_back = true;
   if (k == n || lo == hi) {
+    BeginOutput(k);
     GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, reuse, stream));
     check_selected = true;
     return CopyOut(k, stream);
   }
+  // hi = floor(4k/3) can exceed n (density > 3/4): never more than n pairs.
+  BeginOutput(std::min<uint64_t>(hi, n));
   const double density = static_cast<double>(k) / static_cast<double>(n);
   const double z = NormalQuantile(1.0 - density / 2.0);
   GTOPK_CUDA_RETURN_IF_NOT_OK(Init(k, !reuse, reuse, false, stream));
@@ -1977,7 +2017,6 @@ KernelStatus Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
   exact_enqueued = expect_exact;
   continuation = Continuation::kGaussianK;
   info.fell_back = false;
-  // hi = floor(4k/3) can exceed n (density > 3/4): never more than n pairs.
   return CopyOut(std::min<uint64_t>(hi, n), stream);
 }
 
@@ -2004,6 +2043,7 @@ KernelStatus Sparsifier::Impl::ContinueGaussianK(const DeviceState& state,
   bool gathered = false;        // candidates in cand_idx/cand_val
   while (!fallback && !replayed) {
     if (count >= lo && count <= hi) {
+      BeginOutput(count);
       if (key == cand_key) {
         GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, false, stream));
         check_selected = false;
@@ -2044,6 +2084,7 @@ KernelStatus Sparsifier::Impl::ContinueGaussianK(const DeviceState& state,
       GTOPK_CUDA_RETURN_IF_NOT_OK(ReadState(stream, &s));
       if (s.error != 0) {
         pending_error = true;
+        BeginOutput(0);
         return CopyOut(0, stream);
       }
       cand_key = key;
@@ -2058,6 +2099,7 @@ KernelStatus Sparsifier::Impl::ContinueGaussianK(const DeviceState& state,
   info.adjustments = adjustments;
   info.fell_back = true;
   check_selected = true;
+  BeginOutput(k);
   if (!fallback && cand_count >= k && cand_count <= CompactCap(n)) {
     if (!gathered) {
       GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, false, stream));
@@ -2080,6 +2122,7 @@ KernelStatus Sparsifier::Impl::SelectDgc(float* u, uint64_t n,
       std::ceil(p.dgc_sample_fraction * static_cast<double>(n)));
   const uint64_t runs = (wanted + kRunLength - 1) / kRunLength;
   // As on the CPU: a sample as large as the input means the exact top-k.
+  BeginOutput(k);
   if (k == n || runs * kRunLength * 2 >= n) {
     GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, reuse, stream));
     check_selected = true;
@@ -2091,17 +2134,12 @@ KernelStatus Sparsifier::Impl::SelectDgc(float* u, uint64_t n,
                                          static_cast<double>(k) /
                                          static_cast<double>(n))));
   GTOPK_CUDA_RETURN_IF_NOT_OK(Init(sample_k, true, false, false, stream,
-                                   /*zero_trim=*/true));
+                                   /*dgc=*/true));
   hist_u = nullptr;
   // The sample's keys live in cand_idx until the compaction below.
   const int sample_blocks = CandidateBlocks(sample_size);
-  // Through pinned memory (host_seed, written by Select before any enqueue
-  // or replay), so that a captured graph samples this step's runs.
-  GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(seed.get(), host_seed.get(),
-                                             sizeof(ull),
-                                             cudaMemcpyHostToDevice, stream));
   GTOPK_LAUNCH(SampleKernel, sample_blocks, kThreads, stream)(
-      u, n, runs, seed.get(), cand_idx.get(), hist0, st,
+      u, n, runs, cand_idx.get(), hist0, st,
       Then{kThenFindBin, 0, 0});
   GTOPK_CUDA_LAUNCH_CHECK();
   for (int level = 1; level < 3; ++level) {
@@ -2169,6 +2207,7 @@ KernelStatus Sparsifier::Impl::ContinueDgc(const DeviceState& s,
             " survivors were neither accepted nor trimmed on the device (k = " +
             std::to_string(k) + ")");
   }
+  BeginOutput(k);
   GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, false, stream));
   took_exact = true;
   check_selected = true;
@@ -2180,6 +2219,7 @@ KernelStatus Sparsifier::Impl::Enqueue(float* u, uint64_t n,
                                        cudaStream_t stream) {
   switch (p.method) {
     case Method::kExact: {
+      BeginOutput(p.k);
       GTOPK_CUDA_RETURN_IF_NOT_OK(
           ExactFromU(u, n, p.k, p.zero_selected, reuse, stream));
       check_selected = true;
@@ -2278,9 +2318,9 @@ Sparsifier::~Sparsifier() = default;
 
 uint64_t Sparsifier::capacity() const { return impl_->capacity; }
 const uint32_t* Sparsifier::device_indices() const {
-  return impl_->out_idx.get();
+  return impl_->out_idx();
 }
-const float* Sparsifier::device_values() const { return impl_->out_val.get(); }
+const float* Sparsifier::device_values() const { return impl_->out_val(); }
 
 KernelStatus Sparsifier::Create(uint64_t capacity,
                                 std::unique_ptr<Sparsifier>* out) {
@@ -2302,19 +2342,20 @@ KernelStatus Sparsifier::Create(uint64_t capacity,
       &per_sm, HistogramKernel<true>, kThreads, 0));
   impl->update_blocks =
       std::max(1, std::min(impl->max_blocks, sms * std::max(1, per_sm)));
-  const size_t meta_bytes =
-      sizeof(DeviceState) + kHistsSize * sizeof(ull) + 64 +
-      2 * kMaxBlocks * sizeof(double) + kHistsSize * sizeof(ull);
+  const size_t meta_bytes = kHistsSize * sizeof(ull) +
+                            2 * kMaxBlocks * sizeof(double) +
+                            kHistsSize * sizeof(ull);
   GTOPK_CUDA_RETURN_IF_NOT_OK(impl->meta.Allocate(meta_bytes));
   GTOPK_CUDA_RETURN_IF_ERROR(cudaMemset(impl->meta.get(), 0, meta_bytes));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->out.Allocate(Impl::OutBytes(capacity)));
+  // The state (blocks_done must start at 0).
+  GTOPK_CUDA_RETURN_IF_ERROR(cudaMemset(impl->out.get(), 0, kOutHeader));
   // cudaMemset is asynchronous on the default stream, which a caller's
   // cudaStreamNonBlocking stream does not wait for: finish it here, or the
   // first InitKernel on that stream could run before it and be zeroed.
   GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(nullptr));
-  unsigned char* base = impl->meta.get();
-  impl->st = reinterpret_cast<DeviceState*>(base);
-  const size_t hist_offset = (sizeof(DeviceState) + 63) / 64 * 64;
-  impl->hist0 = reinterpret_cast<ull*>(base + hist_offset);
+  impl->st = reinterpret_cast<DeviceState*>(impl->out.get());
+  impl->hist0 = reinterpret_cast<ull*>(impl->meta.get());
   impl->hist1 = impl->hist0 + kBins;
   impl->hist2 = impl->hist1 + kBins;
   impl->partials = reinterpret_cast<double*>(impl->hist2 + 512);
@@ -2327,11 +2368,8 @@ KernelStatus Sparsifier::Create(uint64_t capacity,
   GTOPK_CUDA_RETURN_IF_NOT_OK(impl->offsets_b.Allocate(kMaxWarps));
   GTOPK_CUDA_RETURN_IF_NOT_OK(impl->cand_idx.Allocate(capacity));
   GTOPK_CUDA_RETURN_IF_NOT_OK(impl->cand_val.Allocate(capacity));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->out_idx.Allocate(capacity));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->out_val.Allocate(capacity));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->host_state.Allocate(1));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->host_out.Allocate(kOutHeader));
   GTOPK_CUDA_RETURN_IF_NOT_OK(impl->host_seed.Allocate(1));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->seed.Allocate(1));
   out->reset(new Sparsifier(std::move(impl)));
   return KernelStatus::Ok();
 }
@@ -2455,7 +2493,7 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
   }
   m.pending = false;
   GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-  DeviceState s = *m.host_state.get();
+  DeviceState s = *m.host_state();
   const Impl::Continuation continuation = m.continuation;
   m.continuation = Impl::Continuation::kNone;
   if (continuation != Impl::Continuation::kNone && s.error == 0) {
@@ -2505,7 +2543,7 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
               ? m.ContinueGaussianK(s, stream)
               : m.ContinueDgc(s, stream));
       GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-      s = *m.host_state.get();
+      s = *m.host_state();
     }
   }
   if ((s.error & kErrorNonFinite) != 0) {
@@ -2551,8 +2589,9 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
   if (m.info.candidates == 0) m.info.candidates = s.num_candidates;
   m.info.exact_digit_passes = s.u_passes;
   m.info.exact_final_from_u = s.from_u != 0;
-  out->indices = m.host_idx.get();
-  out->values = m.host_val.get();
+  out->indices = reinterpret_cast<const uint32_t*>(m.host_out.get() + kOutHeader);
+  out->values = reinterpret_cast<const float*>(
+      m.host_out.get() + kOutHeader + m.out_stride * sizeof(uint32_t));
   out->count = m.pending_count;
   out->info = m.info;
   return KernelStatus::Ok();

@@ -10,8 +10,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
+#include <set>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -21,6 +23,7 @@
 #include "common/cpu/selectors.h"
 #include "common/cuda/cuda_selector.h"
 #include "common/optimizer.h"
+#include "common/random.h"
 #include "common/selector.h"
 #include "common/topk.h"
 #include "gtest/gtest.h"
@@ -245,6 +248,71 @@ Selected SelectOnStream(Sparsifier* sp, DeviceVector* d, uint64_t n,
   }
   out.info = sel.info;
   return out;
+}
+
+// dgc's sample against a plain recomputation: the runs of 16 at
+// MixSeed(MixSeed(seed, step), run) * (n - 15) >> 64 (common/random.h's
+// SplitMix64), the sample's ceil(k * sample / n)-th largest magnitude as
+// threshold, and the survivors (|u| >= it) counted over u. The device must
+// keep exactly that many, step after step, on a created stream (a replayed
+// graph must read each step's seed when it runs) and the legacy stream,
+// with two seeds; accepted survivors are the selection itself.
+TEST_F(GpuTest, DgcSamplesTheRunsOfItsSeedAndStep) {
+  const size_t n = 100003;
+  const uint64_t k = 1000;
+  const double fraction = 0.01;
+  const std::vector<float> u = MakeInput(Distribution::kNormal, n, 81);
+  auto key = [](float x) { return FloatBits(x) & 0x7fffffffu; };
+  const uint64_t runs = (static_cast<uint64_t>(std::ceil(fraction * n)) + 15) / 16;
+  const uint64_t sample_k = static_cast<uint64_t>(
+      std::ceil(static_cast<double>(runs * 16) * k / static_cast<double>(n)));
+  cudaStream_t created = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking),
+            cudaSuccess);
+  std::set<uint64_t> distinct;
+  for (cudaStream_t stream : {created, static_cast<cudaStream_t>(nullptr)}) {
+    SCOPED_TRACE(stream == nullptr ? "legacy stream" : "created stream");
+    std::unique_ptr<Sparsifier> sp;
+    ASSERT_TRUE(Sparsifier::Create(n, &sp).ok());
+    DeviceVector d(u);
+    for (uint64_t seed : {uint64_t{3}, uint64_t{1234567}}) {
+      for (uint64_t step = 0; step < 5; ++step) {
+        SCOPED_TRACE("seed " + std::to_string(seed) + " step " +
+                     std::to_string(step));
+        std::vector<uint32_t> sample;
+        const uint64_t stream_seed = MixSeed(seed, step);
+        for (uint64_t r = 0; r < runs; ++r) {
+          const uint64_t start = static_cast<uint64_t>(
+              (static_cast<unsigned __int128>(MixSeed(stream_seed, r)) *
+               (n - 15)) >> 64);
+          for (uint64_t j = 0; j < 16; ++j) sample.push_back(key(u[start + j]));
+        }
+        std::sort(sample.begin(), sample.end(), std::greater<uint32_t>());
+        const uint32_t threshold = sample[sample_k - 1];
+        uint64_t survivors = 0;
+        for (float x : u) survivors += key(x) >= threshold;
+        SelectParams p;
+        p.method = Method::kDgc;
+        p.k = k;
+        p.seed = seed;
+        p.step = step;
+        p.dgc_sample_fraction = fraction;
+        p.zero_selected = false;  // u stays the same for every step
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const Selected got = SelectOnStream(sp.get(), &d, n, p, stream);
+        EXPECT_EQ(got.info.candidates, survivors);
+        if (survivors <= k) {
+          ASSERT_EQ(got.pairs.size(), survivors);
+          for (size_t j = 0; j < got.pairs.size(); ++j) {
+            EXPECT_GE(key(got.pairs.values[j]), threshold);
+          }
+        }
+        distinct.insert(survivors);
+      }
+    }
+  }
+  ASSERT_EQ(cudaStreamDestroy(created), cudaSuccess);
+  EXPECT_GT(distinct.size(), 3u) << "the steps all sampled alike";
 }
 
 // CUDA graphs: the first Select of a (method, u, n, k, ...) captures, the
