@@ -13,6 +13,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <chrono>
 #include <memory>
 #include <random>
 #include <string>
@@ -412,16 +413,23 @@ TEST(ServiceTest, ConcurrentDownloadsAreBounded) {
                              InitParams(cluster.stub(0), 0, 0, 0,
                                         std::vector<float>(n, 1.0f), 1 << 18));
   EXPECT_TRUE(now);
-  // Four streams that never read hold the four download slots...
+  // Four streams that read one chunk and then no more hold the four
+  // download slots (the server takes a slot before it sends; the first
+  // chunk proves it has one, where a fixed sleep raced the server on a busy
+  // machine)...
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
   std::vector<std::unique_ptr<grpc::ClientReader<v1::ParamsChunk>>> readers;
   v1::DownloadParamsRequest request;
   for (int i = 0; i < 4; ++i) {
     contexts.push_back(std::make_unique<grpc::ClientContext>());
+    contexts.back()->set_deadline(std::chrono::system_clock::now() +
+                                  std::chrono::seconds(60));
     readers.push_back(
         cluster.stub(0)->DownloadParams(contexts.back().get(), request));
+    v1::ParamsChunk first;
+    ASSERT_TRUE(readers.back()->Read(&first))
+        << "download stream " << i << " sent no chunk";
   }
-  absl::SleepFor(absl::Milliseconds(200));
   // ...so a fifth waits for one and gives up at its deadline, with a reason.
   EXPECT_THAT(Download(cluster.stub(0), 0),
               StatusIs(absl::StatusCode::kDeadlineExceeded,
