@@ -130,6 +130,9 @@ struct DeviceState {
   // that the exact top-k's chain, gated on gk_exact, survives its own Init.
   int gk_exact;
   int gk_exact_adjustments;
+  // dgc: the compaction's count when it set gk_exact (its survivors, which
+  // SelectInfo::candidates reports); kept by InitKernel(keep_gate) too.
+  ull gk_exact_candidates;
   uint32_t gk_keys[kMaxGaussKeys];
   ull gk_counts[kMaxGaussKeys];  // keys >= gk_keys[r] in its digit-0 bin
   // dgc: more than k (and at most n/8) survived the sampled threshold, so
@@ -236,6 +239,7 @@ __global__ void InitKernel(DeviceState* st, ull* hist0, ull* hist1, ull* hist2,
     const ull candidates = st->num_candidates;
     const int exact = st->gk_exact;
     const int exact_adjustments = st->gk_exact_adjustments;
+    const ull exact_candidates = st->gk_exact_candidates;
     const uint32_t error = st->error;
     DeviceState s{};
     memset(&s, 0, sizeof(s));
@@ -247,6 +251,7 @@ __global__ void InitKernel(DeviceState* st, ull* hist0, ull* hist1, ull* hist2,
     if (keep_gate) {  // and an error the gated-on chain found before
       s.gk_exact = exact;
       s.gk_exact_adjustments = exact_adjustments;
+      s.gk_exact_candidates = exact_candidates;
       s.error = error;
     }
     *st = s;
@@ -762,6 +767,7 @@ __device__ void CollectScanBlock(DeviceState* st, const ull* hists,
     if (s.exact_above != 0 && st->error == 0 && !st->accepted &&
         total > s.exact_above) {
       st->gk_exact = 1;
+      st->gk_exact_candidates = total;
     }
     // dgc: the exact top-k among the survivors, a radix select over them
     // from the digit-0 histogram this pass built.
@@ -2124,6 +2130,7 @@ KernelStatus Sparsifier::Impl::SelectDgc(float* u, uint64_t n,
   // As on the CPU: a sample as large as the input means the exact top-k.
   BeginOutput(k);
   if (k == n || runs * kRunLength * 2 >= n) {
+    info.fell_back = true;
     GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, reuse, stream));
     check_selected = true;
     return CopyOut(k, stream);
@@ -2210,6 +2217,7 @@ KernelStatus Sparsifier::Impl::ContinueDgc(const DeviceState& s,
   BeginOutput(k);
   GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, false, stream));
   took_exact = true;
+  info.fell_back = true;
   check_selected = true;
   return CopyOut(k, stream);
 }
@@ -2515,9 +2523,11 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
       m.check_selected = true;
       m.took_exact = true;
       m.info.fast_path = true;
+      m.info.fell_back = true;
       if (continuation == Impl::Continuation::kGaussianK) {
-        m.info.fell_back = true;
         m.info.adjustments = s.gk_exact_adjustments;
+      } else {
+        m.info.candidates = s.gk_exact_candidates;  // the survivors
       }
     } else if (continuation == Impl::Continuation::kDgc && s.trim != 0) {
       // More than k survived dgc's sampled threshold: the device took the

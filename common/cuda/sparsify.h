@@ -112,9 +112,14 @@ uint64_t MaxCount(Method method, uint64_t k);
 // What the last selection did (valid after Wait).
 struct SelectInfo {
   uint64_t count = 0;       // pairs selected
-  uint64_t candidates = 0;  // entries kept by the compaction pass over u
+  // Entries kept by the compaction pass over u (dgc: its survivors, also
+  // when it then took the exact top-k from u).
+  uint64_t candidates = 0;
   int adjustments = 0;      // gaussiank threshold adjustments
-  bool fell_back = false;   // gaussiank/dgc ended with the exact top-k
+  // gaussiank: the rule ended out of range and took the exact top-k; dgc:
+  // the exact top-k of u (more than n/8 survivors, or a sample as large as
+  // the input), not the trim among the survivors (trimmed_on_device).
+  bool fell_back = false;
   bool used_update_histogram =
       false;  // the first histogram came from Accumulate
   // gaussiank/dgc: the selection ran without a host round trip: the device

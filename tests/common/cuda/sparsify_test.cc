@@ -1211,6 +1211,12 @@ void ExpectPredictedSequence(const char* method, size_t n, uint64_t k,
       GTOPK_ASSERT_OK(fresh->Select(u, k, i, &want));
       ExpectSameBits(got, want);
       EXPECT_EQ(info.adjustments, fresh->last_info().adjustments);
+      EXPECT_EQ(info.fell_back, fresh->last_info().fell_back);
+      // dgc reports its survivors whichever path took the exact top-k
+      // (gaussiank's candidates follow the path: see SelectGaussianK).
+      if (std::string(method) == "dgc") {
+        EXPECT_EQ(info.candidates, fresh->last_info().candidates);
+      }
       if (steps[i].exact) ExpectSameBits(got, ReferenceTopK(u, k));
       ASSERT_NO_FATAL_FAILURE(ExpectZeroedExactly(d, u, got.indices));
     }
@@ -1251,12 +1257,12 @@ TEST_F(GpuTest, DgcExactFromURunsOnTheDeviceAfterOne) {
   const std::vector<float> equal = MakeInput(Distribution::kAllEqual, n, 62);
   const std::vector<float> normal = MakeInput(Distribution::kNormal, n, 63);
   const PredictedStep steps[] = {
-      {&ties, -1, 0, true},     // Wait takes the exact top-k from u
-      {&ties, -1, 1, true},     // predicted: on the device
-      {&equal, -1, 1, true},    // another such input: device
-      {&normal, -1, -1, false}, // the sampled threshold; gated chain idle
-      {&ties, -1, -1, true},
-      {&ties, -1, 1, true},
+      {&ties, 1, 0, true},     // Wait takes the exact top-k from u
+      {&ties, 1, 1, true},     // predicted: on the device
+      {&equal, 1, 1, true},    // another such input: device
+      {&normal, 0, 1, false},  // accepted or trimmed; gated chain idle
+      {&ties, 1, 0, true},     // not predicted: Wait again
+      {&ties, 1, 1, true},
   };
   ExpectPredictedSequence("dgc", n, k, steps);
 }
