@@ -52,9 +52,11 @@ constexpr uint32_t kFullMask = 0xffffffffu;
 constexpr uint32_t kErrorNonFinite = 1;
 constexpr uint32_t kErrorInternal = 2;
 // Gaussian-k's device correction (DeviceState::gk_*): at most this many
-// keys counted exactly in the first compaction pass (the default 4
-// adjustments reach at most 14 keys besides the first).
-constexpr int kMaxGaussKeys = 32;
+// keys counted exactly in the first compaction pass. The rule reaches at
+// most 153 keys in 16 adjustments (t * 0.5^a * 1.5^b, a + b <= 16; 14
+// besides the first with the default 4), so the listing never overflows
+// and the device replays the rule on every input.
+constexpr int kMaxGaussKeys = 160;
 // gk_mode 0: accepted at the planner's key, or an error or planner fallback.
 constexpr int kGaussCorrect = 1;  // one more compaction at state's min_key
 constexpr int kGaussHost = 2;     // Wait continues the adjustments
@@ -120,7 +122,8 @@ struct DeviceState {
   // planner's stop: gk_mode = kGaussCorrect with min_key = the key that
   // lands in range (one more compaction pass follows), kGaussExact (the
   // adjustments end without one: Wait runs the exact top-k), or kGaussHost
-  // (the listing overflowed: Wait continues the adjustments).
+  // (the listing overflowed, possible only under a key limit the test
+  // hook set: Wait continues the adjustments).
   int gk_num_keys;
   int gk_max_adjustments;
   int gk_mode;
@@ -234,27 +237,39 @@ __global__ void InitKernel(DeviceState* st, ull* hist0, ull* hist1, ull* hist2,
       trim_hists[i] = 0;
     }
   }
+  // What is kept, read (thread 0) before the block zeroes the state.
+  int sum_blocks = 0, exact = 0, exact_adjustments = 0;
+  ull candidates = 0, exact_candidates = 0, step_seed = 0;
+  uint32_t error = 0;
   if (threadIdx.x == 0) {
-    const int sum_blocks = st->sum_blocks;
-    const ull candidates = st->num_candidates;
-    const int exact = st->gk_exact;
-    const int exact_adjustments = st->gk_exact_adjustments;
-    const ull exact_candidates = st->gk_exact_candidates;
-    const uint32_t error = st->error;
-    DeviceState s{};
-    memset(&s, 0, sizeof(s));
-    s.need = need;
-    s.first_non_finite = ~0ull;
-    if (seed != nullptr) s.seed = *seed;
-    if (keep_sums) s.sum_blocks = sum_blocks;
-    if (keep_candidates) s.num_candidates = candidates;
+    sum_blocks = st->sum_blocks;
+    candidates = st->num_candidates;
+    exact = st->gk_exact;
+    exact_adjustments = st->gk_exact_adjustments;
+    exact_candidates = st->gk_exact_candidates;
+    error = st->error;
+    if (seed != nullptr) step_seed = *seed;
+  }
+  __syncthreads();
+  static_assert(sizeof(DeviceState) % sizeof(ull) == 0, "whole words");
+  ull* words = reinterpret_cast<ull*>(st);
+  for (int i = threadIdx.x; i < static_cast<int>(sizeof(DeviceState) / 8);
+       i += blockDim.x) {
+    words[i] = 0;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    st->need = need;
+    st->first_non_finite = ~0ull;
+    st->seed = step_seed;
+    if (keep_sums) st->sum_blocks = sum_blocks;
+    if (keep_candidates) st->num_candidates = candidates;
     if (keep_gate) {  // and an error the gated-on chain found before
-      s.gk_exact = exact;
-      s.gk_exact_adjustments = exact_adjustments;
-      s.gk_exact_candidates = exact_candidates;
-      s.error = error;
+      st->gk_exact = exact;
+      st->gk_exact_adjustments = exact_adjustments;
+      st->gk_exact_candidates = exact_candidates;
+      st->error = error;
     }
-    *st = s;
   }
 }
 
@@ -410,8 +425,9 @@ __device__ inline int HistVerdict(const ull* at_least, uint32_t key, ull lo,
 // moves to t*0.5 or t*1.5; the keys reachable in d more adjustments are
 // those of t * 0.5^a * 1.5^b with a + b = d (at most 153 for 16), each
 // visited once; a decided verdict follows its one branch, an undecided one
-// both. Keys beyond max_keys (<= kMaxGaussKeys) are not listed
-// (GaussResolve then leaves the rest to the host). One thread; `value` and
+// both. Keys beyond max_keys (kMaxGaussKeys, less only through
+// set_gaussiank_key_limit_for_testing) are not listed (GaussResolve then
+// leaves the rest to the host). One thread; `value` and
 // `reached` are kGaussSide^2 scratch entries (shared memory: as local
 // arrays they would reserve local memory for every resident thread).
 constexpr int kGaussSide = 17;  // adjustments left <= 16
