@@ -150,26 +150,18 @@ def check_row(r, normal, k, one_read, where, failures):
     elif fast is not None:
         failures.append("%s: fast_path_fraction %r for a method without one"
                         % (where, fast))
-    # gaussiank: the share its device corrected, within its fast path.
-    corrected = r.get("corrected_fraction")
-    if base == "gaussiank":
-        if not (isinstance(corrected, (int, float)) and
-                0 <= corrected <= fast):
-            failures.append("%s: corrected_fraction %r (fast_path_fraction "
-                            "%r)" % (where, corrected, fast))
-    elif corrected is not None:
-        failures.append("%s: corrected_fraction %r for a method without one"
-                        % (where, corrected))
-    # dgc: the share its device trimmed, within its fast path.
-    trimmed = r.get("trimmed_fraction")
-    if base == "dgc":
-        if not (isinstance(trimmed, (int, float)) and
-                0 <= trimmed <= fast):
-            failures.append("%s: trimmed_fraction %r (fast_path_fraction "
-                            "%r)" % (where, trimmed, fast))
-    elif trimmed is not None:
-        failures.append("%s: trimmed_fraction %r for a method without one"
-                        % (where, trimmed))
+    # The shares of the fast path the device corrected (gaussiank) or
+    # trimmed (dgc): on that method's rows only, within its fast path.
+    for key, owner in (("corrected_fraction", "gaussiank"),
+                       ("trimmed_fraction", "dgc")):
+        share = r.get(key)
+        if base == owner:
+            if not (isinstance(share, (int, float)) and 0 <= share <= fast):
+                failures.append("%s: %s %r (fast_path_fraction %r)" %
+                                (where, key, share, fast))
+        elif share is not None:
+            failures.append("%s: %s %r for a method without one" %
+                            (where, key, share))
     # x_normal: this row's figure over the normal row's (1 on normal).
     xn = r.get("x_normal")
     if not isinstance(xn, (int, float)) or \
