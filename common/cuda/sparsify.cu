@@ -759,10 +759,13 @@ __device__ inline ull BlockTotal(uint32_t mine) {
 // accept_hi-th largest survivor; find_next or trim: FindNextBinBlock on the
 // pass's histograms.
 struct CollectScan {
-  ull* block_offsets;   // [grid]: the blocks' counts, then their offsets
-  const ull* at_least;  // GaussResolve's (Gaussian-k's first compaction)
-  ull accept_lo, accept_hi, exact_above;
-  int find_next, trim;
+  ull* block_offsets = nullptr;   // [grid]: the blocks' counts, then offsets
+  const ull* at_least = nullptr;  // GaussResolve's (the first compaction)
+  ull accept_lo = 1;
+  ull accept_hi = 0;  // accept nothing
+  ull exact_above = 0;
+  int find_next = 0;
+  int trim = 0;
 };
 
 __device__ void CollectScanBlock(DeviceState* st, const ull* hists,
@@ -1750,54 +1753,29 @@ struct Sparsifier::Impl {
     kFirst,  // Collect counts the listed keys; its last block resolves
   };
 
-  // What the compaction's last block does after the pass
-  // (CollectScanBlock): accept_lo/hi: the count range that lets the
-  // selection finish without the host (state->accepted); role kFirst:
-  // GaussResolve (the planner's at_least counts are in hist1);
-  // exact_above: dgc's exact top-k from u above it; find_next: the next
-  // undecided digit of the exact plan from its histogram (hist0..2); trim:
-  // dgc's trim decision, on the trim histograms.
-  struct ScanOptions {
-    ull accept_lo = 1;
-    ull accept_hi = 0;
-    GaussRole role = GaussRole::kNone;
-    ull exact_above = 0;
-    bool find_next = false;
-    bool trim = false;
-  };
-
-  // Collect with ScanOptions' defaults.
-  KernelStatus Collect(const float* u, uint64_t n, CollectHist with_hist,
-                       bool host_key, uint32_t key, cudaStream_t stream) {
-    return Collect(u, n, with_hist, host_key, key, stream, ScanOptions());
-  }
-
   // Compaction of u at state's min_key (host_key: at `key`), its histogram
   // with_hist (CollectHist: into the trim histograms with scan.trim, else
-  // hist0..2), then `scan`. Sets the layout Gather reads.
+  // hist0..2), then `scan` in its last block (CollectScanBlock; this fills
+  // in block_offsets, and at_least = the planner's counts in hist1 for role
+  // kFirst). Sets the layout Gather reads.
   KernelStatus Collect(const float* u, uint64_t n, CollectHist with_hist,
                        bool host_key, uint32_t key, cudaStream_t stream,
-                       const ScanOptions& scan) {
+                       CollectScan scan = CollectScan(),
+                       GaussRole role = GaussRole::kNone) {
     CollectLayout(n);
     const int vec = Aligned16(u);
-    const bool first = scan.role == GaussRole::kFirst;
+    const bool first = role == GaussRole::kFirst;
     // A pointer: the instantiations' commas would split the macro argument.
     auto* collect =
         with_hist == kCollectNextDigit ? &CollectKernel<kCollectNextDigit, false>
         : with_hist == kCollectDigit0  ? &CollectKernel<kCollectDigit0, false>
         : first                        ? &CollectKernel<kCollectNoHist, true>
                                        : &CollectKernel<kCollectNoHist, false>;
-    CollectScan tail{};
-    tail.block_offsets = offsets_a.get();
-    tail.at_least = first ? hist1 : nullptr;
-    tail.accept_lo = scan.accept_lo;
-    tail.accept_hi = scan.accept_hi;
-    tail.exact_above = scan.exact_above;
-    tail.find_next = scan.find_next ? 1 : 0;
-    tail.trim = scan.trim ? 1 : 0;
+    scan.block_offsets = offsets_a.get();
+    scan.at_least = first ? hist1 : nullptr;
     GTOPK_LAUNCH(collect, collect_blocks, kThreads, stream)(
         u, n, collect_chunk, vec, st, key, host_key, regions.get(),
-        counts_a.get(), scan.trim ? trim_hists : hist0, gate, tail);
+        counts_a.get(), scan.trim ? trim_hists : hist0, gate, scan);
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
   }
@@ -1888,8 +1866,8 @@ struct Sparsifier::Impl {
           Then{kThenDecide, level, cap});
       GTOPK_CUDA_LAUNCH_CHECK();
     }
-    ScanOptions next;
-    next.find_next = true;
+    CollectScan next;
+    next.find_next = 1;
     GTOPK_CUDA_RETURN_IF_NOT_OK(
         Collect(u, n, kCollectNextDigit, false, 0, stream, next));
     GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, true, stream,
@@ -2010,13 +1988,11 @@ KernelStatus Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
   // all min(hi, n) possible pairs are copied. When the adjustments end
   // without a count in range, Wait finishes with the exact top-k
   // (ContinueGaussianK).
-  ScanOptions in_range;
+  CollectScan in_range;
   in_range.accept_lo = lo;
   in_range.accept_hi = hi;
-  ScanOptions resolve = in_range;
-  resolve.role = GaussRole::kFirst;
-  GTOPK_CUDA_RETURN_IF_NOT_OK(
-      Collect(u, n, kCollectNoHist, false, 0, stream, resolve));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, kCollectNoHist, false, 0, stream,
+                                      in_range, GaussRole::kFirst));
   {
     GatedScope correcting(*this, &st->gk_mode, kGaussCorrect);
     GTOPK_CUDA_RETURN_IF_NOT_OK(
@@ -2181,11 +2157,11 @@ KernelStatus Sparsifier::Impl::SelectDgc(float* u, uint64_t n,
   // finish the exact top-k among them (digit 2 and the final stable
   // compaction; they return at once when nothing is trimmed). All k
   // possible pairs are copied either way.
-  ScanOptions at_most_k;
+  CollectScan at_most_k;
   at_most_k.accept_lo = 1;
   at_most_k.accept_hi = k;
   at_most_k.exact_above = CompactCap(n);
-  at_most_k.trim = true;
+  at_most_k.trim = 1;
   GTOPK_CUDA_RETURN_IF_NOT_OK(
       Collect(u, n, kCollectDigit0, false, 0, stream, at_most_k));
   GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, /*next_hist=*/true,
