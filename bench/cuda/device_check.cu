@@ -213,6 +213,10 @@ struct Row {
   // device trimmed to the exact top-k (SelectInfo::trimmed_on_device);
   // NAN for the others.
   double trimmed = NAN;
+  // exact rows: share of the timed selections that started from a sample
+  // (SelectInfo::exact_sampled: one compaction pass over u); NAN for the
+  // others.
+  double sampled = NAN;
   // exact rows: SelectInfo's plan of the last timed selection (the digit
   // passes over u, whether the final compaction read u); -1 for the others.
   int digit_passes = -1;
@@ -562,6 +566,10 @@ class DeviceChecker {
     CHECK_CUDA(cudaEventCreate(&start));
     CHECK_CUDA(cudaEventCreate(&stop));
     const uint64_t max_n = *std::max_element(o.sizes.begin(), o.sizes.end());
+    if (o.exact_sample_min_n >= 0) {
+      gtopk::cuda::SetExactSampleMinNForTesting(
+          static_cast<uint64_t>(o.exact_sample_min_n));
+    }
     CHECK_OK(Sparsifier::Create(max_n, &sp));
     CHECK_OK(d_pristine.Allocate(max_n));
     CHECK_OK(d_u.Allocate(max_n));
@@ -774,7 +782,7 @@ class DeviceChecker {
                     const std::function<void()>& select) {
     std::vector<double> s, wall;
     uint64_t count = 0;
-    int fast = 0, corrected = 0, trimmed = 0, timed = 0;
+    int fast = 0, corrected = 0, trimmed = 0, sampled = 0, timed = 0;
     gtopk::cuda::SelectInfo last_info;
     auto wait_selection = [&] {
       SelectedPairs t;
@@ -783,6 +791,7 @@ class DeviceChecker {
       fast += t.info.fast_path ? 1 : 0;
       corrected += t.info.corrected_on_device ? 1 : 0;
       trimmed += t.info.trimmed_on_device ? 1 : 0;
+      sampled += t.info.exact_sampled ? 1 : 0;
       last_info = t.info;
       ++timed;
     };
@@ -796,6 +805,7 @@ class DeviceChecker {
     }
     if (p.method == Method::kDgc) row.trimmed = double(trimmed) / timed;
     if (p.method == Method::kExact) {
+      row.sampled = double(sampled) / timed;
       row.digit_passes = last_info.exact_digit_passes;
       row.final_from_u = last_info.exact_final_from_u ? 1 : 0;
     }
@@ -1018,7 +1028,9 @@ void PrintTable(const Table& table, const Results& results,
   for (const Row& r : table.rows) {
     const Ratios x = RatiosOf(r, results.copy_us, torch, normal);
     std::string plan = "-";
-    if (r.digit_passes >= 0) {
+    if (std::isfinite(r.sampled) && r.sampled > 0) {
+      plan = "s" + Num(r.sampled);  // share started from a sample
+    } else if (r.digit_passes >= 0) {
       plan = std::to_string(r.digit_passes) + (r.final_from_u ? ",u" : "");
     } else if (std::isfinite(r.corrected)) {
       plan = "c" + Num(r.corrected);  // share corrected on the device
@@ -1049,6 +1061,7 @@ std::string JsonRow(const Row& r, const Ratios& x) {
      << ", \"fast_path_fraction\": " << Num(r.fast_path)
      << ", \"corrected_fraction\": " << Num(r.corrected)
      << ", \"trimmed_fraction\": " << Num(r.trimmed)
+     << ", \"sampled_fraction\": " << Num(r.sampled)
      << ", \"one_read_us\": " << Num(x.one_read)
      << ", \"x_one_read\": " << Num(r.us / x.one_read)
      << ", \"torch_topk_us\": " << Num(x.torch_us)

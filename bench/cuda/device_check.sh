@@ -207,9 +207,11 @@ cuda_tool() {
 }
 # Correctness runs only (--check-only): every launch is instrumented. Normal
 # input and two on which the exact selector's digits decide late (more
-# histogram passes, the final compaction from u).
+# histogram passes, the final compaction from u); exact starts from a
+# sample at n = 100003 (the default is n >= 2^22), from a histogram pass
+# at n = 1000.
 SMALL=(--sizes=1000,100003 --densities=0.001,0.3 --check-only
-       --inputs=normal,narrow_band,ties)
+       --inputs=normal,narrow_band,ties --exact-sample-min-n=100000)
 
 # 4. compute-sanitizer on small sizes and three inputs: out-of-bounds and misaligned
 # accesses, shared-memory races, barrier misuse (each tool's errors fail

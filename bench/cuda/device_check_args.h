@@ -39,6 +39,9 @@ struct Options {
   bool check_only = false;     // --check-only: correctness, no timing rows
   bool validate_only = false;  // --validate-only: parse, check --json, exit
   double budget_s = 0;         // --budget-s: no new block past it; 0 = none
+  // --exact-sample-min-n: the smallest n at which exact starts from a
+  // sample (SetExactSampleMinNForTesting); -1 = the selector's default.
+  int64_t exact_sample_min_n = -1;
 };
 
 // Limits of the numeric flags (inclusive).
@@ -179,6 +182,9 @@ inline bool ParseArgs(int argc, char** argv, Options* o, std::string* error) {
         ok = false;
       }
       if (ok) o->budget_s = d;
+    } else if (key == "--exact-sample-min-n") {
+      ok = ParseUint(value, 0, kMaxSize, &u, &why);
+      if (ok) o->exact_sample_min_n = static_cast<int64_t>(u);
     } else if (key == "--json") {
       ok = !value.empty();
       if (!ok) why = "empty path";
@@ -240,12 +246,14 @@ inline void Usage() {
                "[--iters=I] [--warmup=W] [--json=PATH] "
                "[--torch-json=PATH] [--seed=S] [--allow-no-device] "
                "[--check-only] [--inputs=NAME,...] [--budget-s=S] "
-               "[--validate-only]\n"
-               "  N whole, 1..%llu; D in (0, 1]; I %llu..%llu; W %llu..%llu; "
+               "[--validate-only] [--exact-sample-min-n=N]\n"
+               "  N whole, 1..%llu (--exact-sample-min-n: 0..%llu, the "
+               "smallest n at which exact starts from a sample); D in (0, 1]; I %llu..%llu; W %llu..%llu; "
                "S (seed) whole, 0..2^64-1; --budget-s seconds >= 0 (0: none);\n"
                "  --validate-only: check the arguments and that --json can "
                "be written, run nothing (exit 0 or 2)\n"
                "inputs (default all, in this order):",
+               static_cast<unsigned long long>(kMaxSize),
                static_cast<unsigned long long>(kMaxSize),
                static_cast<unsigned long long>(kMinIters),
                static_cast<unsigned long long>(kMaxIters),

@@ -81,8 +81,9 @@ def close(a, b):
     return abs(a - b) <= 1e-4 * max(abs(a), abs(b)) + 1e-9
 
 
-def check_rows(doc, failures):
-    """Every row of the timed run: present once, within its contracts."""
+def check_rows(doc, failures, inputs=INPUTS, sizes=TIMED_SIZES,
+               densities=TIMED_DENSITIES):
+    """Every row of a timed run: present once, within its contracts."""
     rows = [r for r in doc.get("rows", []) if r.get("input") is not None]
     seen = {}
     for r in rows:
@@ -92,12 +93,12 @@ def check_rows(doc, failures):
         seen[key] = r
     copies = {r["n"]: r for r in doc.get("rows", [])
               if r["method"] == "d2d_copy"}
-    want = len(INPUTS) * len(TIMED_SIZES) * len(TIMED_DENSITIES) * len(METHODS)
+    want = len(inputs) * len(sizes) * len(densities) * len(METHODS)
     if len(rows) != want:
         failures.append("%d input rows, want %d" % (len(rows), want))
-    if [i["name"] for i in doc.get("inputs", [])] != list(INPUTS):
+    if [i["name"] for i in doc.get("inputs", [])] != list(inputs):
         failures.append("inputs %r" % doc.get("inputs"))
-    for n in TIMED_SIZES:
+    for n in sizes:
         c = copies.get(n)
         if c is None or c["k"] != 0 or c["count"] != 0 or \
                 c["density"] != 0 or c["input"] is not None or \
@@ -105,8 +106,8 @@ def check_rows(doc, failures):
             failures.append("d2d_copy row for n=%d: %r" % (n, c))
             continue
         one_read = c["us"] / 2
-        for inp in INPUTS:
-            for d in TIMED_DENSITIES:
+        for inp in inputs:
+            for d in densities:
                 k = expected_k(n, d)
                 for m in METHODS:
                     r = seen.get((inp, n, d, m))
@@ -169,12 +170,24 @@ def check_row(r, normal, k, one_read, where, failures):
             (r["input"] == "normal" and xn != 1):
         failures.append("%s: x_normal %r, figure %r / normal %r" %
                         (where, xn, figure(r), figure(normal)))
-    # The exact plan of the last timed selection, on exact rows only.
+    # The share of exact selections that started from a sample, on exact
+    # rows only (never after the update: its histogram is free).
+    sampled = r.get("sampled_fraction", "absent")
+    if base == "exact":
+        if not (isinstance(sampled, (int, float)) and 0 <= sampled <= 1) or \
+                (m != "exact" and sampled != 0):
+            failures.append("%s: sampled_fraction %r" % (where, sampled))
+    elif sampled is not None:
+        failures.append("%s: sampled_fraction %r for a method without one" %
+                        (where, sampled))
+    # The exact plan of the last timed selection, on exact rows only (no
+    # digit pass when it started from a sample).
     passes, from_u = r.get("digit_passes", "absent"), \
         r.get("final_from_u", "absent")
     if base == "exact":
         if not (isinstance(passes, int) and 0 <= passes <= 3 and
-                (passes >= 1 or m != "exact")) or \
+                (passes >= 1 or m != "exact" or
+                 (isinstance(sampled, (int, float)) and sampled > 0))) or \
                 not isinstance(from_u, bool):
             failures.append("%s: digit_passes %r final_from_u %r" %
                             (where, passes, from_u))
@@ -280,14 +293,44 @@ def emulated_checks(binary, tmp, failures):
         for inp in INPUTS:
             if "== input %s: " % inp not in r.stdout:
                 failures.append("no table for input %s" % inp)
+    # Exact from a sample at every n it can (--exact-sample-min-n=0; the
+    # default minimum is 2^22, above what the emulator runs): timed rows on
+    # normal data (every selection from the sample) and on ties (the
+    # sample's bound is the tied key: the plan over u, gated after the
+    # first), both correct.
+    out = os.path.join(tmp, "sampled.json")
+    r = run(binary, "--sizes=100003", "--densities=0.001",
+            "--inputs=normal,ties", "--iters=20", "--warmup=1",
+            "--exact-sample-min-n=0", "--json=" + out, emu="sms=2")
+    if r.returncode != 0 or not os.path.exists(out):
+        failures.append("sampled: rc %d: %s %s" % (r.returncode,
+                                                   r.stdout[-2000:],
+                                                   r.stderr[-500:]))
+    else:
+        doc = json.load(open(out))
+        c = doc["correctness"]
+        if c["checks"] != CHECKS_PER_DENSITY * 2 or c["failed"] != 0:
+            failures.append("sampled: correctness %r" % c)
+        check_rows(doc, failures, ("normal", "ties"), (100003,), (0.001,))
+        share = {r2["input"]: r2["sampled_fraction"] for r2 in doc["rows"]
+                 if r2.get("method") == "exact"}
+        if share != {"normal": 1, "ties": 0}:
+            failures.append("sampled: exact's sampled shares %r, want "
+                            "normal 1, ties 0" % share)
+        if not any(line.split()[-1:] == ["s1"] for line in
+                   r.stdout.splitlines() if " exact " in line):
+            failures.append("sampled: no exact row with plan s1: %r" %
+                            r.stdout[-1500:])
     # The checks again with threads and blocks shuffled on 2 multiprocessors
-    # (16 blocks at most: the capped grids and longer grid-stride loops).
+    # (16 blocks at most: the capped grids and longer grid-stride loops),
+    # exact starting from a sample where it can.
     out = os.path.join(tmp, "shuffled.json")
     shuffled_inputs = ("normal", "narrow_band", "ties", "all_equal")
     r = run(binary, "--sizes=" + ",".join(map(str, SIZES)),
             "--densities=" + ",".join(map(str, DENSITIES)),
             "--inputs=" + ",".join(shuffled_inputs), "--check-only",
-            "--json=" + out, emu="order=shuffle seed=7 sms=2")
+            "--exact-sample-min-n=0", "--json=" + out,
+            emu="order=shuffle seed=7 sms=2")
     want_checks = CHECKS_PER_DENSITY * len(SIZES) * len(DENSITIES) * \
         len(shuffled_inputs)
     if r.returncode != 0 or not os.path.exists(out):
@@ -341,7 +384,8 @@ BAD_VALUES = (
     "--sizes=+5", "--densities=2", "--densities=0", "--densities=nan",
     "--densities=inf", "--densities=0.1x", "--densities=0.1,", "--budget-s=-1",
     "--budget-s=abc", "--budget-s=nan", "--budget-s=inf", "--budget-s=",
-    "--json=", "--bogus", "--check-only=1")
+    "--json=", "--bogus", "--check-only=1", "--exact-sample-min-n=-1",
+    "--exact-sample-min-n=4294967297", "--exact-sample-min-n=")
 
 
 def argument_checks(binary, tmp, failures):

@@ -16,6 +16,7 @@
 // Built with --fmad=false (common/CMakeLists.txt, bench/cuda/device_check.sh)
 // so that the residual update rounds like the CPU rule (-ffp-contract=off).
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstring>
@@ -179,6 +180,10 @@ enum ThenOp {
 struct Then {
   int op;
   int level;
+  // kThenDecide: the compaction cap. kThenFindBin: 0, or a limit (the
+  // exact top-k's sample, after its last digit): more than `cap` keys at or
+  // above the found key set state's gk_exact (the bound would keep too
+  // much of u; the exact plan runs from u instead).
   ull cap;
 };
 
@@ -659,6 +664,13 @@ __device__ inline void RunThen(DeviceState* st, const ull* hists,
   if (!LastBlockDone(st)) return;    // uniform in the block
   if (then.op == kThenFindBin) {
     FindBinBlock<kThreads>(st, LevelHist(hists, then.level), then.level);
+    if (then.cap != 0) {  // uniform
+      __syncthreads();  // the thread that found the bin wrote the counts
+      if (threadIdx.x == 0 && st->error == 0 &&
+          st->count_greater + st->bin_count > then.cap) {
+        st->gk_exact = 1;
+      }
+    }
   } else if (then.op == kThenDecide) {
     DecideBlock<kThreads>(st, hists, then.level, then.cap);
   } else {
@@ -753,7 +765,8 @@ __device__ inline ull BlockTotal(uint32_t mine) {
 // state's accepted = total in [accept_lo, accept_hi] (and no error or
 // planner fallback). Then: at_least given: Gaussian-k's GaussResolve with
 // [accept_lo, accept_hi]; exact_above != 0 and a total not accepted and
-// above it: state's gk_exact = 1 (dgc: the exact top-k from u); trim (dgc;
+// above it, or below exact_below: state's gk_exact = 1 (dgc, and exact
+// from a sample: the exact top-k from u); trim (dgc and exact's sample;
 // the pass counted the survivors' digit 0): a total in (accept_hi,
 // exact_above] sets state's trim and restarts the radix state for the
 // accept_hi-th largest survivor; find_next or trim: FindNextBinBlock on the
@@ -764,6 +777,7 @@ struct CollectScan {
   ull accept_lo = 1;
   ull accept_hi = 0;  // accept nothing
   ull exact_above = 0;
+  ull exact_below = 0;
   int find_next = 0;
   int trim = 0;
 };
@@ -782,9 +796,11 @@ __device__ void CollectScanBlock(DeviceState* st, const ull* hists,
       GaussResolve(st, s.at_least, s.accept_lo, s.accept_hi);
     }
     // dgc: more than exact_above survive (most of u ties with the sampled
-    // threshold): the exact top-k from u, gated on gk_exact.
-    if (s.exact_above != 0 && st->error == 0 && !st->accepted &&
-        total > s.exact_above) {
+    // threshold); exact: that, or fewer than k (the sample missed): the
+    // exact top-k from u, gated on gk_exact.
+    if (st->error == 0 && !st->accepted &&
+        ((s.exact_above != 0 && total > s.exact_above) ||
+         total < s.exact_below)) {
       st->gk_exact = 1;
       st->gk_exact_candidates = total;
     }
@@ -1590,12 +1606,14 @@ struct Sparsifier::Impl {
     int max_adjustments;
     double dgc_sample_fraction;
     bool expect_exact;
+    uint64_t exact_sample_min_n;  // SetExactSampleMinNForTesting's
     bool operator==(const GraphKey& o) const {
       return method == o.method && u == o.u && n == o.n && k == o.k &&
              zero == o.zero && reuse == o.reuse &&
              max_adjustments == o.max_adjustments &&
              dgc_sample_fraction == o.dgc_sample_fraction &&
-             expect_exact == o.expect_exact;
+             expect_exact == o.expect_exact &&
+             exact_sample_min_n == o.exact_sample_min_n;
     }
   };
   struct HostSnapshot {
@@ -1623,6 +1641,10 @@ struct Sparsifier::Impl {
   // dgc: the last selection took the exact top-k from u (more than n/8
   // survived its sampled threshold), so the next enqueues it too, gated.
   bool dgc_expect_exact = false;
+  // exact: the last selection that started from a sample took the plan
+  // over u (the bound kept fewer than k or more than n/8 keys), so the next
+  // enqueues that too, gated.
+  bool exact_expect_from_u = false;
   bool took_exact = false;  // the pending selection's, for the prediction
   std::vector<CachedGraph> graphs;
   uint64_t graph_clock = 0;
@@ -1671,7 +1693,7 @@ struct Sparsifier::Impl {
   SelectInfo info;
   // gaussiank/dgc enqueue the usual case only (no host round trip); when
   // the device did not accept the compaction's count, Wait continues here.
-  enum class Continuation { kNone, kGaussianK, kDgc };
+  enum class Continuation { kNone, kGaussianK, kDgc, kExact };
   Continuation continuation = Continuation::kNone;
   SelectParams pending_params;
 
@@ -1948,11 +1970,73 @@ struct Sparsifier::Impl {
                                bool reuse, cudaStream_t stream);
   KernelStatus SelectDgc(float* u, uint64_t n, const SelectParams& p,
                          bool reuse, cudaStream_t stream);
+  KernelStatus SelectExact(float* u, uint64_t n, const SelectParams& p,
+                           bool reuse, cudaStream_t stream);
+  // dgc's and the exact top-k's sample: state's min_key = the rank-th
+  // largest key of `runs` runs of 16 values of u at hashed starts (this
+  // step's seed). Init (need = rank, the trim histograms zeroed), the
+  // sample's keys into cand_idx with their digit 0, digits 1 and 2 over
+  // them. limit != 0: more than `limit` sample keys at or above that key
+  // set state's gk_exact.
+  KernelStatus SampleThreshold(const float* u, uint64_t n, uint64_t runs,
+                               uint64_t rank, ull limit, cudaStream_t stream);
+  // The trim's last kernels, gated on state's trim (dgc and the exact
+  // top-k's sample, after their compaction and gather): digit 2 of the
+  // survivors gathered into the candidates, then the final stable
+  // compaction into the output.
+  KernelStatus TrimRest(float* u, uint64_t n, bool zero, cudaStream_t stream);
   // The rest of a selection whose count the device did not accept, from the
   // state `s` read after the fast path (u = pending_u, p = pending_params).
   KernelStatus ContinueGaussianK(const DeviceState& s, cudaStream_t stream);
   KernelStatus ContinueDgc(const DeviceState& s, cudaStream_t stream);
+  KernelStatus ContinueExact(cudaStream_t stream);
 };
+
+namespace {
+
+// SetExactSampleMinNForTesting's value.
+std::atomic<uint64_t> exact_sample_min_n{uint64_t{1} << 22};
+
+// The exact top-k's sample for (n, k): `runs` runs of 16 and the rank of
+// its bound; runs = 0: none (n below the minimum, or k too large a share
+// of n for the survivors to stay well under n/8).
+struct ExactSample {
+  uint64_t runs = 0;
+  uint64_t rank = 0;
+};
+ExactSample PlanExactSample(uint64_t n, uint64_t k) {
+  if (n < std::max<uint64_t>(4096, exact_sample_min_n.load())) return {};
+  // About 256 expected sample keys at or above the k-th key, 64Ki keys at
+  // least, n/32 at most (the sample's three digit passes stay small).
+  const double want =
+      256.0 * static_cast<double>(n) / static_cast<double>(k);
+  const uint64_t size = std::min<uint64_t>(
+      n / 32, static_cast<uint64_t>(std::max(65536.0, std::ceil(want))));
+  ExactSample plan;
+  plan.runs = (size + 15) / 16;
+  const uint64_t sample = plan.runs * 16;
+  // Expected sample keys >= the k-th key, and a bound 24 sqrt + 8 above:
+  // 6 standard deviations even if every run of 16 were one value (the
+  // variance of a sum of 16-value clusters), so the bound keeps >= k keys
+  // of u unless the sample is far off.
+  const double expected = std::ceil(static_cast<double>(k) *
+                                    static_cast<double>(sample) /
+                                    static_cast<double>(n));
+  plan.rank = static_cast<uint64_t>(
+      expected + std::ceil(24.0 * std::sqrt(expected)) + 8.0);
+  // The survivors expected at that rank must stay under half the exact
+  // plan's compaction cap (CompactCap, n/8).
+  const double survivors = static_cast<double>(plan.rank) *
+                           static_cast<double>(n) /
+                           static_cast<double>(sample);
+  if (plan.rank > sample ||
+      survivors > static_cast<double>(std::max<uint64_t>(1, n / 8)) / 2) {
+    return {};
+  }
+  return plan;
+}
+
+}  // namespace
 
 KernelStatus Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
                                                const SelectParams& p,
@@ -2132,21 +2216,8 @@ KernelStatus Sparsifier::Impl::SelectDgc(float* u, uint64_t n,
       1, static_cast<uint64_t>(std::ceil(static_cast<double>(sample_size) *
                                          static_cast<double>(k) /
                                          static_cast<double>(n))));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Init(sample_k, true, false, false, stream,
-                                   /*dgc=*/true));
-  hist_u = nullptr;
-  // The sample's keys live in cand_idx until the compaction below.
-  const int sample_blocks = CandidateBlocks(sample_size);
-  GTOPK_LAUNCH(SampleKernel, sample_blocks, kThreads, stream)(
-      u, n, runs, cand_idx.get(), hist0, st,
-      Then{kThenFindBin, 0, 0});
-  GTOPK_CUDA_LAUNCH_CHECK();
-  for (int level = 1; level < 3; ++level) {
-    GTOPK_LAUNCH(HistArrayKernel<uint32_t>, sample_blocks, kThreads, stream)(
-        cand_idx.get(), nullptr, sample_size, st, hist0, level, gate,
-        Then{kThenFindBin, level, 0});
-    GTOPK_CUDA_LAUNCH_CHECK();
-  }
+  GTOPK_CUDA_RETURN_IF_NOT_OK(
+      SampleThreshold(u, n, runs, sample_k, /*limit=*/0, stream));
   // min_key is now the sample's sample_k-th largest key. No host round
   // trip whatever the count: at most k survive (the usual case): the
   // device accepts them and gathers them into the output. More than k (and
@@ -2167,15 +2238,7 @@ KernelStatus Sparsifier::Impl::SelectDgc(float* u, uint64_t n,
   GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, /*next_hist=*/true,
                                      stream, kGatherDgc,
                                      Then{kThenFindNext, 0, 0}));
-  {
-    GatedScope trimming(*this, &st->trim, 1);
-    GTOPK_LAUNCH(HistArrayKernel<float>, CandidateBlocks(n), kThreads, stream)(
-        cand_val.get(), &st->num_candidates, 0, st, trim_hists, 2, gate,
-        Then{kThenFindBin, 2, 0});
-    GTOPK_CUDA_LAUNCH_CHECK();
-    GTOPK_CUDA_RETURN_IF_NOT_OK(
-        Final(FinalRule{0, 0}, u, n, zero, CandidateBlocks(n), stream));
-  }
+  GTOPK_CUDA_RETURN_IF_NOT_OK(TrimRest(u, n, zero, stream));
   // As gaussiank's: the last selection took the exact top-k from u (ties at
   // the sampled threshold), so this one is enqueued too, gated on the
   // device's count (8 kernels that return at once when it is not needed).
@@ -2186,6 +2249,101 @@ KernelStatus Sparsifier::Impl::SelectDgc(float* u, uint64_t n,
   }
   exact_enqueued = dgc_expect_exact;
   continuation = Continuation::kDgc;
+  return CopyOut(k, stream);
+}
+
+KernelStatus Sparsifier::Impl::SampleThreshold(const float* u, uint64_t n,
+                                               uint64_t runs, uint64_t rank,
+                                               ull limit,
+                                               cudaStream_t stream) {
+  const uint64_t sample_size = runs * 16;
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Init(rank, true, false, false, stream,
+                                   /*dgc=*/true));
+  hist_u = nullptr;
+  // The sample's keys live in cand_idx until the compaction that follows.
+  const int sample_blocks = CandidateBlocks(sample_size);
+  GTOPK_LAUNCH(SampleKernel, sample_blocks, kThreads, stream)(
+      u, n, runs, cand_idx.get(), hist0, st, Then{kThenFindBin, 0, 0});
+  GTOPK_CUDA_LAUNCH_CHECK();
+  for (int level = 1; level < 3; ++level) {
+    GTOPK_LAUNCH(HistArrayKernel<uint32_t>, sample_blocks, kThreads, stream)(
+        cand_idx.get(), nullptr, sample_size, st, hist0, level, gate,
+        Then{kThenFindBin, level, level == 2 ? limit : 0});
+    GTOPK_CUDA_LAUNCH_CHECK();
+  }
+  return KernelStatus::Ok();
+}
+
+KernelStatus Sparsifier::Impl::TrimRest(float* u, uint64_t n, bool zero,
+                                        cudaStream_t stream) {
+  GatedScope trimming(*this, &st->trim, 1);
+  GTOPK_LAUNCH(HistArrayKernel<float>, CandidateBlocks(n), kThreads, stream)(
+      cand_val.get(), &st->num_candidates, 0, st, trim_hists, 2, gate,
+      Then{kThenFindBin, 2, 0});
+  GTOPK_CUDA_LAUNCH_CHECK();
+  return Final(FinalRule{0, 0}, u, n, zero, CandidateBlocks(n), stream);
+}
+
+// The exact top-k from a sampled lower bound (see sparsify.h): one
+// compaction pass over u instead of a histogram pass and a compaction.
+KernelStatus Sparsifier::Impl::SelectExact(float* u, uint64_t n,
+                                           const SelectParams& p, bool reuse,
+                                           cudaStream_t stream) {
+  const uint64_t k = p.k;
+  const bool zero = p.zero_selected;
+  BeginOutput(k);
+  // Accumulate's histogram makes the first digit free: the plan over u.
+  const ExactSample plan = reuse ? ExactSample() : PlanExactSample(n, k);
+  if (plan.runs == 0) {
+    GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, reuse, stream));
+    check_selected = true;
+    return CopyOut(k, stream);
+  }
+  // More than 1/8 of the sample at or above its bound: more than n/8 of u
+  // would survive (ties at it); gk_exact skips the compaction.
+  const uint64_t sample_size = plan.runs * 16;
+  GTOPK_CUDA_RETURN_IF_NOT_OK(SampleThreshold(
+      u, n, plan.runs, plan.rank, std::max<uint64_t>(1, sample_size / 8),
+      stream));
+  // Exactly k survivors are the selection; k+1 to n/8 are trimmed to the
+  // exact top-k among them, which is u's (every key >= the k-th survives);
+  // fewer than k (the sample missed) or more than n/8: gk_exact, the plan
+  // over u. No host round trip on the first two.
+  CollectScan exactly_k;
+  exactly_k.accept_lo = k;
+  exactly_k.accept_hi = k;
+  exactly_k.exact_above = CompactCap(n);
+  exactly_k.exact_below = k;
+  exactly_k.trim = 1;
+  {
+    GatedScope sampled(*this, &st->gk_exact, 0);
+    GTOPK_CUDA_RETURN_IF_NOT_OK(
+        Collect(u, n, kCollectDigit0, false, 0, stream, exactly_k));
+  }
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, /*next_hist=*/true,
+                                     stream, kGatherDgc,
+                                     Then{kThenFindNext, 0, 0}));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(TrimRest(u, n, zero, stream));
+  // The last such selection needed the plan over u (ties at the bound,
+  // which persist from step to step): enqueue it too, gated.
+  if (exact_expect_from_u) {
+    GatedScope falling_back(*this, &st->gk_exact, 1);
+    GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, false, stream));
+  }
+  exact_enqueued = exact_expect_from_u;
+  continuation = Continuation::kExact;
+  return CopyOut(k, stream);
+}
+
+KernelStatus Sparsifier::Impl::ContinueExact(cudaStream_t stream) {
+  const uint64_t k = pending_params.k;
+  BeginOutput(k);
+  GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(pending_u, pending_n, k,
+                                         pending_params.zero_selected, false,
+                                         stream));
+  took_exact = true;
+  info.fell_back = true;
+  check_selected = true;
   return CopyOut(k, stream);
 }
 
@@ -2218,13 +2376,8 @@ KernelStatus Sparsifier::Impl::Enqueue(float* u, uint64_t n,
                                        const SelectParams& p, bool reuse,
                                        cudaStream_t stream) {
   switch (p.method) {
-    case Method::kExact: {
-      BeginOutput(p.k);
-      GTOPK_CUDA_RETURN_IF_NOT_OK(
-          ExactFromU(u, n, p.k, p.zero_selected, reuse, stream));
-      check_selected = true;
-      return CopyOut(p.k, stream);
-    }
+    case Method::kExact:
+      return SelectExact(u, n, p, reuse, stream);
     case Method::kGaussianK:
       return SelectGaussianK(u, n, p, reuse, stream);
     case Method::kDgc:
@@ -2244,7 +2397,8 @@ KernelStatus Sparsifier::Impl::EnqueueWithGraph(float* u, uint64_t n,
                      p.gaussiank_max_adjustments, p.dgc_sample_fraction,
                      p.method == Method::kGaussianK ? expect_exact
                      : p.method == Method::kDgc     ? dgc_expect_exact
-                                                    : false};
+                                                    : exact_expect_from_u,
+                     exact_sample_min_n.load()};
   for (CachedGraph& g : graphs) {
     if (!(g.key == key)) continue;
     GTOPK_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(g.exec, stream));
@@ -2505,12 +2659,14 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
       m.info.candidates = s.num_candidates;
       m.info.fast_path = true;
       m.info.corrected_on_device = corrected;
+      m.info.exact_sampled = continuation == Impl::Continuation::kExact;
       if (continuation == Impl::Continuation::kGaussianK) {
         m.info.adjustments = corrected ? s.gk_adjustments : s.adjustments;
       }
     } else if (m.exact_enqueued && s.gk_exact != 0) {
       // The gated exact top-k ran on the device: gaussiank's rule ended out
-      // of range, or more than n/8 survived dgc's sampled threshold.
+      // of range, more than n/8 survived dgc's sampled threshold, or the
+      // exact top-k's sampled bound kept fewer than k or more than n/8.
       m.pending_count = m.pending_params.k;
       m.check_selected = true;
       m.took_exact = true;
@@ -2518,16 +2674,18 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
       m.info.fell_back = true;
       if (continuation == Impl::Continuation::kGaussianK) {
         m.info.adjustments = s.gk_exact_adjustments;
-      } else {
+      } else if (continuation == Impl::Continuation::kDgc) {
         m.info.candidates = s.gk_exact_candidates;  // the survivors
       }
-    } else if (continuation == Impl::Continuation::kDgc && s.trim != 0) {
-      // More than k survived dgc's sampled threshold: the device took the
-      // exact top-k among them.
+    } else if (continuation != Impl::Continuation::kGaussianK &&
+               s.trim != 0) {
+      // More than k survived dgc's sampled threshold (the exact top-k's
+      // sampled bound): the device took the exact top-k among them.
       m.pending_count = m.pending_params.k;
       m.check_selected = true;
       m.info.fast_path = true;
       m.info.trimmed_on_device = true;
+      m.info.exact_sampled = continuation == Impl::Continuation::kExact;
     } else if (corrected) {
       // GaussResolve found the count in range from exact counts; the
       // compaction at that key disagreeing is a broken invariant.
@@ -2541,9 +2699,9 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
               "]");
     } else {
       GTOPK_CUDA_RETURN_IF_NOT_OK(
-          continuation == Impl::Continuation::kGaussianK
-              ? m.ContinueGaussianK(s, stream)
-              : m.ContinueDgc(s, stream));
+          continuation == Impl::Continuation::kGaussianK ? m.ContinueGaussianK(s, stream)
+          : continuation == Impl::Continuation::kDgc     ? m.ContinueDgc(s, stream)
+                                                         : m.ContinueExact(stream));
       GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
       s = *m.host_state();
     }
@@ -2586,6 +2744,8 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
     m.expect_exact = m.info.fell_back;
   } else if (continuation == Impl::Continuation::kDgc) {
     m.dgc_expect_exact = m.took_exact;
+  } else if (continuation == Impl::Continuation::kExact) {
+    m.exact_expect_from_u = m.took_exact;
   }
   m.info.count = m.pending_count;
   if (m.info.candidates == 0) m.info.candidates = s.num_candidates;
@@ -2597,6 +2757,10 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
   out->count = m.pending_count;
   out->info = m.info;
   return KernelStatus::Ok();
+}
+
+uint64_t SetExactSampleMinNForTesting(uint64_t min_n) {
+  return exact_sample_min_n.exchange(min_n);
 }
 
 }  // namespace cuda

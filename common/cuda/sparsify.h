@@ -24,6 +24,22 @@
 //    digit first, and when even the k-th key itself is shared by more than
 //    n/8 entries the final compaction reads u directly. At most five reads
 //    of u in all, never a copy of most of u (SelectInfo says which path).
+//    On a large u without Accumulate's histogram (n >= 2^22 by default),
+//    the first histogram pass is replaced by a sample, as dgc's: a random
+//    sample of 16-value runs (about 256 expected keys at or above the
+//    k-th, at most n/32 keys) gives a lower bound on the k-th key, its
+//    rank raised by 24 sqrt + 8 above the expected one so that at least
+//    k keys of u reach it on any data whose runs are not all alike;
+//    one compaction pass keeps the keys >= it, counting their first digit,
+//    and the exact top-k among those survivors is the exact top-k of u
+//    (every key >= the k-th key survives, in index order), taken on the
+//    device by the same radix select and stable compaction as dgc's trim:
+//    one read of u instead of two (SelectInfo::exact_sampled). When the
+//    sample's bound keeps fewer than k or more than n/8 keys (ties at it,
+//    or a sample that missed), the plan above runs from u instead
+//    (SelectInfo::fell_back), in Wait the first time and gated on the
+//    device after that; a sample whose own keys already say more than
+//    n/8 skips the compaction.
 //  * gaussiank (Shi et al., arXiv:1911.08772): threshold mean + z*std from the
 //    same pass's sums, the CPU selector's adjustment rule (x0.5 when too
 //    few, x1.5 when too many, count contract [ceil(2k/3), floor(4k/3)])
@@ -118,23 +134,31 @@ struct SelectInfo {
   int adjustments = 0;      // gaussiank threshold adjustments
   // gaussiank: the rule ended out of range and took the exact top-k; dgc:
   // the exact top-k of u (more than n/8 survivors, or a sample as large as
-  // the input), not the trim among the survivors (trimmed_on_device).
+  // the input), not the trim among the survivors (trimmed_on_device);
+  // exact: the sampled bound kept fewer than k or more than n/8 keys and
+  // the plan over u ran instead (exact_digit_passes says how).
   bool fell_back = false;
   bool used_update_histogram =
       false;  // the first histogram came from Accumulate
-  // gaussiank/dgc: the selection ran without a host round trip: the device
-  // accepted the compaction's count (in [MinCount, MaxCount]), corrected
-  // it (gaussiank), or ran the gated exact top-k (gaussiank after a
-  // selection that fell back, dgc after one that took it from u), or
-  // trimmed it (dgc); otherwise Wait finished it (more passes, host
-  // synchronisations).
+  // exact: the selection is the exact top-k among the keys >= a sampled
+  // lower bound (one compaction pass over u and no histogram pass; the
+  // candidates are those survivors), accepted when exactly k survived,
+  // else trimmed on the device (trimmed_on_device).
+  bool exact_sampled = false;
+  // gaussiank/dgc, and exact when it started from a sample: the selection
+  // ran without a host round trip: the device accepted the compaction's
+  // count (in [MinCount, MaxCount]), corrected it (gaussiank), or ran the
+  // gated exact top-k (gaussiank after a selection that fell back, dgc and
+  // exact after one that took it from u), or trimmed it (dgc, exact);
+  // otherwise Wait finished it (more passes, host synchronisations).
   bool fast_path = false;
   // gaussiank: the first threshold's count was out of range and the device
   // adjusted it (adjustments says how often) and compacted once more at the
   // adjusted threshold, still without a host round trip (fast_path).
   bool corrected_on_device = false;
-  // dgc: more than k (at most n/8) survived the sampled threshold and the
-  // device trimmed them to the exact top-k among them (fast_path).
+  // dgc (exact_sampled: exact): more than k (at most n/8) survived the
+  // sampled threshold and the device trimmed them to the exact top-k among
+  // them (fast_path).
   bool trimmed_on_device = false;
   // The exact top-k's plan over u (exact, and the exact fallback of
   // gaussiank/dgc when it ran from u; 0/false otherwise): the histogram
@@ -232,7 +256,7 @@ class Sparsifier {
   // thread-safe; call between a Wait and the next Select.
   void set_use_graphs(bool use);
 
-  // Tests only: list at most `limit` (clamped to [0, 32]) keys for
+  // Tests only: list at most `limit` (clamped to [0, 160]) keys for
   // Gaussian-k's device correction, so that a correction needing more is
   // left to Wait's host continuation (0: every correction that needs an
   // exact count besides the first is). Drops the captured graphs.
@@ -294,6 +318,13 @@ class SparseUpdater {
   DeviceBuffer<float> val_;
   DeviceBuffer<float> dense_;  // GlobalMomentum's update vector
 };
+
+// Tests only: the smallest n for which exact (without Accumulate's
+// histogram) starts from a sample instead of a histogram pass (default
+// 2^22; below it the sample's launches cost more than the pass they save;
+// n < 4096 never does). Process-wide, read by each Select; returns the
+// previous value.
+uint64_t SetExactSampleMinNForTesting(uint64_t min_n);
 
 // Number of CUDA devices (0 when the driver or a device is missing; never
 // an error), for tests and tools that skip without a GPU.

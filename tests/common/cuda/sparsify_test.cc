@@ -191,6 +191,96 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(static_cast<int>(d * 10000));
     });
 
+// Sets the smallest n at which exact starts from a sample (a test hook,
+// process-wide) while it lives.
+class ExactSampleFrom {
+ public:
+  explicit ExactSampleFrom(uint64_t min_n)
+      : saved_(SetExactSampleMinNForTesting(min_n)) {}
+  ~ExactSampleFrom() { SetExactSampleMinNForTesting(saved_); }
+  ExactSampleFrom(const ExactSampleFrom&) = delete;
+  ExactSampleFrom& operator=(const ExactSampleFrom&) = delete;
+
+ private:
+  uint64_t saved_;
+};
+
+// The same inputs with exact starting from a sample at every n it can (n
+// >= 4096 and k small enough; the default minimum is 2^22): the sampled
+// bound's survivors trimmed (or accepted) on the device, or the plan over
+// u when the bound kept fewer than k or more than n/8: always the
+// reference, bit for bit, and the residual zeroed exactly there.
+class GpuSampledExactTest : public GpuSelectTest {
+ protected:
+  ExactSampleFrom sample_from_{0};
+};
+
+TEST_P(GpuSampledExactTest, ExactFromASampleEqualsTheReference) {
+  const auto [dist, n, density] = GetParam();
+  const std::vector<float> u = MakeInput(dist, n, /*seed=*/n * 5 + 2);
+  GTOPK_ASSERT_OK_AND_ASSIGN(const uint64_t k, KFromDensity(density, n));
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                             CudaSelector::Create("exact", {}, n));
+  for (uint64_t step = 0; step < 2; ++step) {
+    SCOPED_TRACE(step);
+    DeviceVector d(u);
+    SparseVector got;
+    GTOPK_ASSERT_OK(selector->SelectDevice(d.buffer.get(), n, k, step,
+                                           nullptr, /*zero_selected=*/true,
+                                           &got));
+    const SparseVector want = ReferenceTopK(u, k);
+    ExpectSameBits(got, want);
+    ExpectZeroedExactly(d, u, want.indices);
+    const SelectInfo info = selector->last_info();
+    if (info.exact_sampled) {
+      // The survivors of the bound: at least k, at most n/8.
+      EXPECT_FALSE(info.fell_back);
+      EXPECT_TRUE(info.fast_path);
+      EXPECT_GE(info.candidates, k);
+      EXPECT_LE(info.candidates, std::max<uint64_t>(1, n / 8));
+      EXPECT_EQ(info.trimmed_on_device, info.candidates > k);
+      EXPECT_EQ(info.exact_digit_passes, 0);
+    } else {
+      EXPECT_GE(info.exact_digit_passes, 1);
+    }
+    // Normal data at a small density: the sample's bound always holds.
+    if (dist == Distribution::kNormal && n >= 100000 && density <= 0.01) {
+      EXPECT_TRUE(info.exact_sampled);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Inputs, GpuSampledExactTest,
+    ::testing::Combine(
+        ::testing::Values(Distribution::kNormal, Distribution::kHeavyTailed,
+                          Distribution::kManyZeros, Distribution::kAllZeros,
+                          Distribution::kAllEqual, Distribution::kFewLevels,
+                          Distribution::kDenormals, Distribution::kAscending,
+                          Distribution::kSpike),
+        ::testing::Values(size_t{4099}, size_t{100003}, size_t{(1 << 20) + 7}),
+        ::testing::Values(0.0001, 0.001, 0.01)),
+    [](const ::testing::TestParamInfo<Case>& info) {
+      const double d = std::get<2>(info.param);
+      return DistributionName(std::get<0>(info.param)) + "_n" +
+             std::to_string(std::get<1>(info.param)) + "_d" +
+             std::to_string(static_cast<int>(d * 10000));
+    });
+
+INSTANTIATE_TEST_SUITE_P(
+    Adversarial, GpuSampledExactTest,
+    ::testing::Combine(
+        ::testing::Values(Distribution::kNarrowBand, Distribution::kTies,
+                          Distribution::kLaplaceZeros, Distribution::kOutliers),
+        ::testing::Values(size_t{4099}, size_t{100003}),
+        ::testing::Values(0.0001, 0.001, 0.01)),
+    [](const ::testing::TestParamInfo<Case>& info) {
+      const double d = std::get<2>(info.param);
+      return DistributionName(std::get<0>(info.param)) + "_n" +
+             std::to_string(std::get<1>(info.param)) + "_d" +
+             std::to_string(static_cast<int>(d * 10000));
+    });
+
 // The exact plan follows the data, and each path equals the reference: on
 // normal data one histogram pass over u decides the top digit and the rest
 // runs on candidates; on a narrow band (every key shares its top digit) more
@@ -250,6 +340,21 @@ Selected SelectOnStream(Sparsifier* sp, DeviceVector* d, uint64_t n,
   return out;
 }
 
+// The starts of the sample's runs of 16 for (seed, step) over n entries
+// (dgc's, and the exact top-k's sample): MixSeed(MixSeed(seed, step), run)
+// * (n - 15) >> 64, run = 0 .. runs-1 (common/random.h's SplitMix64).
+std::vector<uint64_t> SampleRunStarts(uint64_t seed, uint64_t step, size_t n,
+                                      uint64_t runs) {
+  std::vector<uint64_t> starts;
+  const uint64_t stream_seed = MixSeed(seed, step);
+  for (uint64_t r = 0; r < runs; ++r) {
+    starts.push_back(static_cast<uint64_t>(
+        (static_cast<unsigned __int128>(MixSeed(stream_seed, r)) * (n - 15)) >>
+        64));
+  }
+  return starts;
+}
+
 // dgc's sample against a plain recomputation: the runs of 16 at
 // MixSeed(MixSeed(seed, step), run) * (n - 15) >> 64 (common/random.h's
 // SplitMix64), the sample's ceil(k * sample / n)-th largest magnitude as
@@ -280,11 +385,7 @@ TEST_F(GpuTest, DgcSamplesTheRunsOfItsSeedAndStep) {
         SCOPED_TRACE("seed " + std::to_string(seed) + " step " +
                      std::to_string(step));
         std::vector<uint32_t> sample;
-        const uint64_t stream_seed = MixSeed(seed, step);
-        for (uint64_t r = 0; r < runs; ++r) {
-          const uint64_t start = static_cast<uint64_t>(
-              (static_cast<unsigned __int128>(MixSeed(stream_seed, r)) *
-               (n - 15)) >> 64);
+        for (uint64_t start : SampleRunStarts(seed, step, n, runs)) {
           for (uint64_t j = 0; j < 16; ++j) sample.push_back(key(u[start + j]));
         }
         std::sort(sample.begin(), sample.end(), std::greater<uint32_t>());
@@ -1263,6 +1364,97 @@ TEST_F(GpuTest, DgcExactFromURunsOnTheDeviceAfterOne) {
       {&ties, 1, 1, true},
   };
   ExpectPredictedSequence("dgc", n, k, steps);
+}
+
+// Inputs built around the exact top-k's sample at (seed 0, step) for n =
+// 100003, k = 1000 (the plan: 196 runs, 3136 keys, the bound at the
+// sample's 176th largest key): `base` scaled to |u| < 1 except where
+// marked. miss: the first 40 runs' positions hold distinct values above
+// 100, so the bound is one of them and fewer than k entries reach it.
+// exactly_k: the first 20 runs' positions (at most 320, at least 176 sample
+// keys, under the 392 = 1/8 of the sample that would skip the compaction)
+// and then positions outside every run, k in all, hold +-7.0: the bound
+// is 7.0 and exactly k entries survive.
+std::vector<float> AroundTheSample(uint64_t step, size_t n, uint64_t k,
+                                   bool exactly_k) {
+  std::vector<float> u = MakeInput(Distribution::kNormal, n, 900 + step);
+  for (float& x : u) x = std::max(-0.9f, std::min(0.9f, x * 0.1f));
+  std::set<uint64_t> marked;
+  float big = 100.0f;
+  for (uint64_t start : SampleRunStarts(0, step, n, exactly_k ? 20 : 40)) {
+    for (uint64_t j = 0; j < 16; ++j) {
+      if (!marked.insert(start + j).second) continue;
+      u[start + j] = exactly_k ? (marked.size() % 2 ? 7.0f : -7.0f) : big;
+      big += 1.0f;
+    }
+  }
+  if (exactly_k) {
+    std::vector<bool> sampled(n, false);
+    for (uint64_t start : SampleRunStarts(0, step, n, 196)) {
+      for (uint64_t j = 0; j < 16; ++j) sampled[start + j] = true;
+    }
+    for (uint64_t i = 0; i < n && marked.size() < k; i += 7) {
+      if (!sampled[i] && marked.insert(i).second) {
+        u[i] = marked.size() % 2 ? 7.0f : -7.0f;
+      }
+    }
+    EXPECT_EQ(marked.size(), k);
+  } else {
+    EXPECT_LT(marked.size(), k);
+  }
+  return u;
+}
+
+// Exact from a sample, step after step: on normal data the bound's
+// survivors are trimmed on the device; ties (the bound is the tied key,
+// and the sample itself shows more than n/8 at or above it, so the
+// compaction is skipped) and a sample that missed (fewer than k survive)
+// take the plan over u, in Wait the first time and gated on the device
+// after one (no round trip); exactly k survivors are accepted as they are.
+TEST_F(GpuTest, ExactFromASampleFollowsItsPrediction) {
+  ExactSampleFrom sample_from(0);
+  const size_t n = 100003;
+  const uint64_t k = 1000;
+  const std::vector<float> normal = MakeInput(Distribution::kNormal, n, 71);
+  const std::vector<float> ties = MakeInput(Distribution::kTies, n, 72);
+  const std::vector<float> miss3 = AroundTheSample(3, n, k, false);
+  const std::vector<float> miss5 = AroundTheSample(5, n, k, false);
+  const std::vector<float> exactly6 = AroundTheSample(6, n, k, true);
+  const PredictedStep steps[] = {
+      {&normal, 0, 1, true},    // 0: trimmed on the device
+      {&ties, 1, 0, true},      // 1: skipped compaction, Wait's plan over u
+      {&ties, 1, 1, true},      // 2: predicted: on the device
+      {&miss3, 1, 1, true},     // 3: the sample missed, still predicted
+      {&normal, 0, 1, true},    // 4: trimmed; the gated chain idle
+      {&miss5, 1, 0, true},     // 5: not predicted: Wait
+      {&exactly6, 0, 1, true},  // 6: exactly k survive: accepted
+  };
+  ExpectPredictedSequence("exact", n, k, steps);
+  // What each step's SelectInfo says, on a fresh selector (legacy stream).
+  struct Expect {
+    const std::vector<float>* u;
+    uint64_t step;
+    bool sampled, trimmed;
+  };
+  const Expect expects[] = {{&normal, 0, true, true},
+                            {&ties, 1, false, false},
+                            {&miss3, 3, false, false},
+                            {&exactly6, 6, true, false}};
+  for (const Expect& e : expects) {
+    SCOPED_TRACE("step " + std::to_string(e.step));
+    GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                               CudaSelector::Create("exact", {}, n));
+    SparseVector got;
+    GTOPK_ASSERT_OK(selector->Select(*e.u, k, e.step, &got));
+    ExpectSameBits(got, ReferenceTopK(*e.u, k));
+    const SelectInfo info = selector->last_info();
+    EXPECT_EQ(info.exact_sampled, e.sampled);
+    EXPECT_EQ(info.trimmed_on_device, e.trimmed);
+    EXPECT_EQ(info.fell_back, !e.sampled);
+    if (e.sampled && !e.trimmed) {
+      EXPECT_EQ(info.candidates, k);
+    }
+  }
 }
 
 // With no keys listed for the device correction (a test hook), a
