@@ -144,6 +144,13 @@ struct DeviceState {
   // restarts the radix state on the survivors' histograms, the trim
   // histograms); the trim's kernels are gated on it.
   int trim;
+  // The exact top-k from a sample (exact's own, or gaussiank's gated
+  // fallback): its bound kept fewer than k or more than n/8 keys, or the
+  // sample's own count said so (then skip_collect too: the compaction
+  // returns at once). The plan over u is gated on exact_from_u; kept by
+  // InitKernel(keep_gate), so that the plan's own Init keeps it.
+  int exact_from_u;
+  int skip_collect;
   // dgc's sample seed for this selection (InitKernel copies it from the
   // pinned host value Select writes, when it runs: a replayed graph gets
   // this step's).
@@ -182,8 +189,8 @@ struct Then {
   int level;
   // kThenDecide: the compaction cap. kThenFindBin: 0, or a limit (the
   // exact top-k's sample, after its last digit): more than `cap` keys at or
-  // above the found key set state's gk_exact (the bound would keep too
-  // much of u; the exact plan runs from u instead).
+  // above the found key set state's exact_from_u and skip_collect (the
+  // bound would keep too much of u; the exact plan runs from u instead).
   ull cap;
 };
 
@@ -224,8 +231,8 @@ __host__ __device__ inline uint32_t MinKeyAbove(double t) {
 // trim histograms when given (kHistsSize entries); state's seed = *seed
 // (pinned host memory) when given. keep_sums
 // keeps sum_blocks (Accumulate's per-block partial sums stay valid),
-// keep_candidates num_candidates, keep_gate gk_exact, gk_exact_adjustments
-// and error. Nothing when the gate is closed.
+// keep_candidates num_candidates, keep_gate gk_exact, gk_exact_adjustments,
+// gk_exact_candidates, exact_from_u and error. Nothing when the gate is closed.
 __global__ void InitKernel(DeviceState* st, ull* hist0, ull* hist1, ull* hist2,
                            ull* trim_hists, const ull* seed, ull need,
                            int zero_hist0, int keep_sums, int keep_candidates,
@@ -243,7 +250,7 @@ __global__ void InitKernel(DeviceState* st, ull* hist0, ull* hist1, ull* hist2,
     }
   }
   // What is kept, read (thread 0) before the block zeroes the state.
-  int sum_blocks = 0, exact = 0, exact_adjustments = 0;
+  int sum_blocks = 0, exact = 0, exact_adjustments = 0, exact_from_u = 0;
   ull candidates = 0, exact_candidates = 0, step_seed = 0;
   uint32_t error = 0;
   if (threadIdx.x == 0) {
@@ -252,6 +259,7 @@ __global__ void InitKernel(DeviceState* st, ull* hist0, ull* hist1, ull* hist2,
     exact = st->gk_exact;
     exact_adjustments = st->gk_exact_adjustments;
     exact_candidates = st->gk_exact_candidates;
+    exact_from_u = st->exact_from_u;
     error = st->error;
     if (seed != nullptr) step_seed = *seed;
   }
@@ -273,6 +281,7 @@ __global__ void InitKernel(DeviceState* st, ull* hist0, ull* hist1, ull* hist2,
       st->gk_exact = exact;
       st->gk_exact_adjustments = exact_adjustments;
       st->gk_exact_candidates = exact_candidates;
+      st->exact_from_u = exact_from_u;
       st->error = error;
     }
   }
@@ -668,7 +677,8 @@ __device__ inline void RunThen(DeviceState* st, const ull* hists,
       __syncthreads();  // the thread that found the bin wrote the counts
       if (threadIdx.x == 0 && st->error == 0 &&
           st->count_greater + st->bin_count > then.cap) {
-        st->gk_exact = 1;
+        st->exact_from_u = 1;
+        st->skip_collect = 1;
       }
     }
   } else if (then.op == kThenDecide) {
@@ -765,8 +775,9 @@ __device__ inline ull BlockTotal(uint32_t mine) {
 // state's accepted = total in [accept_lo, accept_hi] (and no error or
 // planner fallback). Then: at_least given: Gaussian-k's GaussResolve with
 // [accept_lo, accept_hi]; exact_above != 0 and a total not accepted and
-// above it, or below exact_below: state's gk_exact = 1 (dgc, and exact
-// from a sample: the exact top-k from u); trim (dgc and exact's sample;
+// above it, or below exact_below: state's gk_exact = 1 (dgc: the exact
+// top-k from u), or with sampled_exact its exact_from_u = 1 (the exact
+// top-k's sample: the plan over u); trim (dgc and exact's sample;
 // the pass counted the survivors' digit 0): a total in (accept_hi,
 // exact_above] sets state's trim and restarts the radix state for the
 // accept_hi-th largest survivor; find_next or trim: FindNextBinBlock on the
@@ -778,6 +789,7 @@ struct CollectScan {
   ull accept_hi = 0;  // accept nothing
   ull exact_above = 0;
   ull exact_below = 0;
+  int sampled_exact = 0;
   int find_next = 0;
   int trim = 0;
 };
@@ -801,8 +813,12 @@ __device__ void CollectScanBlock(DeviceState* st, const ull* hists,
     if (st->error == 0 && !st->accepted &&
         ((s.exact_above != 0 && total > s.exact_above) ||
          total < s.exact_below)) {
-      st->gk_exact = 1;
-      st->gk_exact_candidates = total;
+      if (s.sampled_exact) {
+        st->exact_from_u = 1;
+      } else {
+        st->gk_exact = 1;
+        st->gk_exact_candidates = total;
+      }
     }
     // dgc: the exact top-k among the survivors, a radix select over them
     // from the digit-0 histogram this pass built.
@@ -837,7 +853,8 @@ enum CollectHist {
 // (CollectHist). kCountKeys: also adds to state's gk_counts[r] the keys >=
 // gk_keys[r] in that key's digit-0 bin (kept or not; Gaussian-k's
 // correction). Then `scan` (CollectScanBlock). Nothing when the exact plan
-// reads u in its final pass (state's from_u), or when the gate is closed.
+// reads u in its final pass (state's from_u), when the exact top-k's sample
+// skips it (skip_collect), or when the gate is closed.
 template <int kHist, bool kCountKeys>
 __global__ void __launch_bounds__(kThreads)
     CollectKernel(const float* __restrict__ u, uint64_t n, uint64_t chunk,
@@ -851,7 +868,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
     __syncthreads();
   }
-  if (st->from_u != 0) return;  // uniform; counts are not read then
+  // Uniform; counts are not read then.
+  if (st->from_u != 0 || st->skip_collect != 0) return;
   // kCountKeys: the listed keys, a bitmap of their digit-0 bins, and
   // per-warp counts (written by each warp's lane 0 only).
   __shared__ uint32_t key_list[kCountKeys ? kMaxGaussKeys : 1];
@@ -1242,11 +1260,12 @@ __global__ void __launch_bounds__(kThreads)
 
 // DGC sample: `runs` runs of 16 consecutive keys at hashed starts in
 // [0, n - 16] (hash of state's seed and the run); keys to sample[], digit-0
-// histogram to hist0.
+// histogram to hist0. Nothing when the gate is closed.
 __global__ void __launch_bounds__(kThreads)
     SampleKernel(const float* __restrict__ u, uint64_t n, uint64_t runs,
                  uint32_t* __restrict__ sample,
-                 ull* hist0, DeviceState* st, Then then) {
+                 ull* hist0, DeviceState* st, Gate gate, Then then) {
+  if (Closed(gate)) return;  // uniform
   const ull seed = st->seed;  // this step's: a graph replays the kernel
   __shared__ uint32_t hist[kBins];
   for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
@@ -1606,6 +1625,7 @@ struct Sparsifier::Impl {
     int max_adjustments;
     double dgc_sample_fraction;
     bool expect_exact;
+    bool expect_from_u;  // exact's, or gaussiank's fallback's, sample missed
     uint64_t exact_sample_min_n;  // SetExactSampleMinNForTesting's
     bool operator==(const GraphKey& o) const {
       return method == o.method && u == o.u && n == o.n && k == o.k &&
@@ -1613,6 +1633,7 @@ struct Sparsifier::Impl {
              max_adjustments == o.max_adjustments &&
              dgc_sample_fraction == o.dgc_sample_fraction &&
              expect_exact == o.expect_exact &&
+             expect_from_u == o.expect_from_u &&
              exact_sample_min_n == o.exact_sample_min_n;
     }
   };
@@ -1621,6 +1642,8 @@ struct Sparsifier::Impl {
     bool check_selected = false;
     int continuation = 0;
     bool exact_enqueued = false;
+    bool sampled_enqueued = false;
+    bool from_u_enqueued = false;
     uint64_t pending_count = 0;
     uint64_t out_stride = 0;
     int collect_blocks = 0, collect_warps = 0;
@@ -1641,10 +1664,11 @@ struct Sparsifier::Impl {
   // dgc: the last selection took the exact top-k from u (more than n/8
   // survived its sampled threshold), so the next enqueues it too, gated.
   bool dgc_expect_exact = false;
-  // exact: the last selection that started from a sample took the plan
-  // over u (the bound kept fewer than k or more than n/8 keys), so the next
-  // enqueues that too, gated.
+  // exact (gaussiank's fallback): the last exact top-k that started from a
+  // sample took the plan over u (the bound kept fewer than k or more than
+  // n/8 keys), so the next enqueues that too, gated.
   bool exact_expect_from_u = false;
+  bool gauss_expect_from_u = false;
   bool took_exact = false;  // the pending selection's, for the prediction
   std::vector<CachedGraph> graphs;
   uint64_t graph_clock = 0;
@@ -1658,6 +1682,8 @@ struct Sparsifier::Impl {
     s.check_selected = check_selected;
     s.continuation = static_cast<int>(continuation);
     s.exact_enqueued = exact_enqueued;
+    s.sampled_enqueued = sampled_enqueued;
+    s.from_u_enqueued = from_u_enqueued;
     s.pending_count = pending_count;
     s.out_stride = out_stride;
     s.collect_blocks = collect_blocks;
@@ -1669,6 +1695,8 @@ struct Sparsifier::Impl {
     check_selected = s.check_selected;
     continuation = static_cast<Continuation>(s.continuation);
     exact_enqueued = s.exact_enqueued;
+    sampled_enqueued = s.sampled_enqueued;
+    from_u_enqueued = s.from_u_enqueued;
     pending_count = s.pending_count;
     out_stride = s.out_stride;
     collect_blocks = s.collect_blocks;
@@ -1690,6 +1718,11 @@ struct Sparsifier::Impl {
   bool check_selected = false;  // state.num_selected must equal the count
   bool pending_error = false;   // the host state already shows an error
   bool exact_enqueued = false;  // gaussiank: its gated exact fallback too
+  // The exact top-k from a sample was enqueued (exact's, or gaussiank's
+  // gated fallback), and after it the plan over u gated on exact_from_u.
+  bool sampled_enqueued = false;
+  bool from_u_enqueued = false;
+  bool sample_missed = false;  // the pending selection's, for the prediction
   SelectInfo info;
   // gaussiank/dgc enqueue the usual case only (no host round trip); when
   // the device did not accept the compaction's count, Wait continues here.
@@ -1972,6 +2005,15 @@ struct Sparsifier::Impl {
                          bool reuse, cudaStream_t stream);
   KernelStatus SelectExact(float* u, uint64_t n, const SelectParams& p,
                            bool reuse, cudaStream_t stream);
+  // The exact top-k of u from the sample `plan` (under the caller's gate):
+  // the sample's bound, the compaction at it, the gather (exactly k
+  // survivors: the output) and the trim (more: their exact top-k); when
+  // from_u_predicted, the plan over u gated on state's exact_from_u (the
+  // bound kept fewer than k or more than n/8). Sets sampled_enqueued and
+  // from_u_enqueued.
+  KernelStatus SampledExact(float* u, uint64_t n, uint64_t k, bool zero,
+                            uint64_t runs, uint64_t rank,
+                            bool from_u_predicted, cudaStream_t stream);
   // dgc's and the exact top-k's sample: state's min_key = the rank-th
   // largest key of `runs` runs of 16 values of u at hashed starts (this
   // step's seed). Init (need = rank, the trim histograms zeroed), the
@@ -2092,9 +2134,20 @@ KernelStatus Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
   // step: the prediction follows the outcome). The exact top-k runs from u
   // here, where Wait's continuation may take it from the first compaction's
   // survivors: the same pairs, SelectInfo's candidates and plan differ.
+  // On a large u that exact top-k starts from a sample (one pass over u,
+  // whatever digits the keys share: the narrow band and the outliers that
+  // end the rule cost one more pass, not up to three), with the plan over
+  // u gated behind it when the last one needed that.
   if (expect_exact) {
     GatedScope falling_back(*this, &st->gk_exact, 1);
-    GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, true, stream));
+    const ExactSample plan = PlanExactSample(n, k);
+    if (plan.runs != 0) {
+      GTOPK_CUDA_RETURN_IF_NOT_OK(SampledExact(u, n, k, zero, plan.runs,
+                                               plan.rank, gauss_expect_from_u,
+                                               stream));
+    } else {
+      GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, true, stream));
+    }
   }
   exact_enqueued = expect_exact;
   continuation = Continuation::kGaussianK;
@@ -2263,7 +2316,7 @@ KernelStatus Sparsifier::Impl::SampleThreshold(const float* u, uint64_t n,
   // The sample's keys live in cand_idx until the compaction that follows.
   const int sample_blocks = CandidateBlocks(sample_size);
   GTOPK_LAUNCH(SampleKernel, sample_blocks, kThreads, stream)(
-      u, n, runs, cand_idx.get(), hist0, st, Then{kThenFindBin, 0, 0});
+      u, n, runs, cand_idx.get(), hist0, st, gate, Then{kThenFindBin, 0, 0});
   GTOPK_CUDA_LAUNCH_CHECK();
   for (int level = 1; level < 3; ++level) {
     GTOPK_LAUNCH(HistArrayKernel<uint32_t>, sample_blocks, kThreads, stream)(
@@ -2299,40 +2352,48 @@ KernelStatus Sparsifier::Impl::SelectExact(float* u, uint64_t n,
     check_selected = true;
     return CopyOut(k, stream);
   }
+  GTOPK_CUDA_RETURN_IF_NOT_OK(SampledExact(u, n, k, zero, plan.runs,
+                                           plan.rank, exact_expect_from_u,
+                                           stream));
+  continuation = Continuation::kExact;
+  return CopyOut(k, stream);
+}
+
+KernelStatus Sparsifier::Impl::SampledExact(float* u, uint64_t n, uint64_t k,
+                                            bool zero, uint64_t runs,
+                                            uint64_t rank,
+                                            bool from_u_predicted,
+                                            cudaStream_t stream) {
   // More than 1/8 of the sample at or above its bound: more than n/8 of u
-  // would survive (ties at it); gk_exact skips the compaction.
-  const uint64_t sample_size = plan.runs * 16;
+  // would survive (ties at it); skip_collect skips the compaction.
   GTOPK_CUDA_RETURN_IF_NOT_OK(SampleThreshold(
-      u, n, plan.runs, plan.rank, std::max<uint64_t>(1, sample_size / 8),
-      stream));
+      u, n, runs, rank, std::max<uint64_t>(1, runs * 16 / 8), stream));
   // Exactly k survivors are the selection; k+1 to n/8 are trimmed to the
   // exact top-k among them, which is u's (every key >= the k-th survives);
-  // fewer than k (the sample missed) or more than n/8: gk_exact, the plan
-  // over u. No host round trip on the first two.
+  // fewer than k (the sample missed) or more than n/8: exact_from_u, the
+  // plan over u. No host round trip on the first two.
   CollectScan exactly_k;
   exactly_k.accept_lo = k;
   exactly_k.accept_hi = k;
   exactly_k.exact_above = CompactCap(n);
   exactly_k.exact_below = k;
+  exactly_k.sampled_exact = 1;
   exactly_k.trim = 1;
-  {
-    GatedScope sampled(*this, &st->gk_exact, 0);
-    GTOPK_CUDA_RETURN_IF_NOT_OK(
-        Collect(u, n, kCollectDigit0, false, 0, stream, exactly_k));
-  }
+  GTOPK_CUDA_RETURN_IF_NOT_OK(
+      Collect(u, n, kCollectDigit0, false, 0, stream, exactly_k));
   GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, /*next_hist=*/true,
                                      stream, kGatherDgc,
                                      Then{kThenFindNext, 0, 0}));
   GTOPK_CUDA_RETURN_IF_NOT_OK(TrimRest(u, n, zero, stream));
   // The last such selection needed the plan over u (ties at the bound,
   // which persist from step to step): enqueue it too, gated.
-  if (exact_expect_from_u) {
-    GatedScope falling_back(*this, &st->gk_exact, 1);
+  if (from_u_predicted) {
+    GatedScope falling_back(*this, &st->exact_from_u, 1);
     GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, false, stream));
   }
-  exact_enqueued = exact_expect_from_u;
-  continuation = Continuation::kExact;
-  return CopyOut(k, stream);
+  sampled_enqueued = true;
+  from_u_enqueued = from_u_predicted;
+  return KernelStatus::Ok();
 }
 
 KernelStatus Sparsifier::Impl::ContinueExact(cudaStream_t stream) {
@@ -2341,7 +2402,7 @@ KernelStatus Sparsifier::Impl::ContinueExact(cudaStream_t stream) {
   GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(pending_u, pending_n, k,
                                          pending_params.zero_selected, false,
                                          stream));
-  took_exact = true;
+  sample_missed = true;
   info.fell_back = true;
   check_selected = true;
   return CopyOut(k, stream);
@@ -2397,7 +2458,10 @@ KernelStatus Sparsifier::Impl::EnqueueWithGraph(float* u, uint64_t n,
                      p.gaussiank_max_adjustments, p.dgc_sample_fraction,
                      p.method == Method::kGaussianK ? expect_exact
                      : p.method == Method::kDgc     ? dgc_expect_exact
-                                                    : exact_expect_from_u,
+                                                    : false,
+                     p.method == Method::kGaussianK ? gauss_expect_from_u
+                     : p.method == Method::kExact   ? exact_expect_from_u
+                                                    : false,
                      exact_sample_min_n.load()};
   for (CachedGraph& g : graphs) {
     if (!(g.key == key)) continue;
@@ -2626,7 +2690,10 @@ KernelStatus Sparsifier::Select(float* u, uint64_t n, const SelectParams& p,
   m.pending_params = p;
   m.continuation = Impl::Continuation::kNone;
   m.exact_enqueued = false;
+  m.sampled_enqueued = false;
+  m.from_u_enqueued = false;
   m.took_exact = false;
+  m.sample_missed = false;
   // dgc's sample seed for this step: a replayed graph copies it from here.
   *m.host_seed.get() = Mix(p.seed, p.step);
   const KernelStatus status =
@@ -2650,42 +2717,71 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
   DeviceState s = *m.host_state();
   const Impl::Continuation continuation = m.continuation;
   m.continuation = Impl::Continuation::kNone;
+  bool ran_sampled = false;  // an exact top-k from a sample ran
   if (continuation != Impl::Continuation::kNone && s.error == 0) {
-    const bool corrected = continuation == Impl::Continuation::kGaussianK &&
-                           s.gk_mode == kGaussCorrect;
-    if (s.accepted) {
+    const bool gauss = continuation == Impl::Continuation::kGaussianK;
+    const bool corrected = gauss && s.gk_mode == kGaussCorrect;
+    // An exact top-k from a sample ran: exact's own, or gaussiank's gated
+    // fallback after its rule ended out of range (gk_exact).
+    const bool sampled =
+        continuation == Impl::Continuation::kExact ||
+        (gauss && m.sampled_enqueued && s.gk_exact != 0);
+    if (sampled) {
+      ran_sampled = true;
+      m.pending_count = m.pending_params.k;
+      if (gauss) {
+        m.info.fell_back = true;
+        m.info.adjustments = s.gk_exact_adjustments;
+      }
+      if (s.accepted || s.trim != 0) {
+        // Exactly k survived its bound (the gather's output), or more
+        // (the device trimmed them to their exact top-k).
+        m.info.fast_path = true;
+        m.info.exact_sampled = true;
+        m.info.trimmed_on_device = s.trim != 0;
+        m.info.candidates = s.num_candidates;
+        m.check_selected = s.trim != 0;
+      } else if (s.exact_from_u != 0 && m.from_u_enqueued) {
+        // The bound failed; the plan over u ran, gated on the device.
+        m.info.fast_path = true;
+        m.info.fell_back = true;
+        m.check_selected = true;
+        m.sample_missed = true;
+      } else {
+        GTOPK_CUDA_RETURN_IF_NOT_OK(m.ContinueExact(stream));
+        GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+        s = *m.host_state();
+      }
+    } else if (s.accepted) {
       // The fast path's gather is the selection.
       m.pending_count = s.num_candidates;
       m.info.candidates = s.num_candidates;
       m.info.fast_path = true;
       m.info.corrected_on_device = corrected;
-      m.info.exact_sampled = continuation == Impl::Continuation::kExact;
-      if (continuation == Impl::Continuation::kGaussianK) {
+      if (gauss) {
         m.info.adjustments = corrected ? s.gk_adjustments : s.adjustments;
       }
     } else if (m.exact_enqueued && s.gk_exact != 0) {
       // The gated exact top-k ran on the device: gaussiank's rule ended out
-      // of range, more than n/8 survived dgc's sampled threshold, or the
-      // exact top-k's sampled bound kept fewer than k or more than n/8.
+      // of range (on a small u), or more than n/8 survived dgc's sampled
+      // threshold.
       m.pending_count = m.pending_params.k;
       m.check_selected = true;
       m.took_exact = true;
       m.info.fast_path = true;
       m.info.fell_back = true;
-      if (continuation == Impl::Continuation::kGaussianK) {
+      if (gauss) {
         m.info.adjustments = s.gk_exact_adjustments;
-      } else if (continuation == Impl::Continuation::kDgc) {
+      } else {
         m.info.candidates = s.gk_exact_candidates;  // the survivors
       }
-    } else if (continuation != Impl::Continuation::kGaussianK &&
-               s.trim != 0) {
-      // More than k survived dgc's sampled threshold (the exact top-k's
-      // sampled bound): the device took the exact top-k among them.
+    } else if (continuation == Impl::Continuation::kDgc && s.trim != 0) {
+      // More than k survived dgc's sampled threshold: the device took the
+      // exact top-k among them.
       m.pending_count = m.pending_params.k;
       m.check_selected = true;
       m.info.fast_path = true;
       m.info.trimmed_on_device = true;
-      m.info.exact_sampled = continuation == Impl::Continuation::kExact;
     } else if (corrected) {
       // GaussResolve found the count in range from exact counts; the
       // compaction at that key disagreeing is a broken invariant.
@@ -2698,10 +2794,8 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
               std::to_string(MaxCount(Method::kGaussianK, m.pending_params.k)) +
               "]");
     } else {
-      GTOPK_CUDA_RETURN_IF_NOT_OK(
-          continuation == Impl::Continuation::kGaussianK ? m.ContinueGaussianK(s, stream)
-          : continuation == Impl::Continuation::kDgc     ? m.ContinueDgc(s, stream)
-                                                         : m.ContinueExact(stream));
+      GTOPK_CUDA_RETURN_IF_NOT_OK(gauss ? m.ContinueGaussianK(s, stream)
+                                        : m.ContinueDgc(s, stream));
       GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
       s = *m.host_state();
     }
@@ -2744,8 +2838,11 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
     m.expect_exact = m.info.fell_back;
   } else if (continuation == Impl::Continuation::kDgc) {
     m.dgc_expect_exact = m.took_exact;
-  } else if (continuation == Impl::Continuation::kExact) {
-    m.exact_expect_from_u = m.took_exact;
+  }
+  if (ran_sampled) {
+    (continuation == Impl::Continuation::kExact ? m.exact_expect_from_u
+                                                : m.gauss_expect_from_u) =
+        m.sample_missed;
   }
   m.info.count = m.pending_count;
   if (m.info.candidates == 0) m.info.candidates = s.num_candidates;

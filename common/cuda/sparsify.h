@@ -58,7 +58,10 @@
 //    first time; a Sparsifier whose last gaussiank selection fell back
 //    enqueues it too, gated on the device's verdict, so that a steady
 //    stream of such inputs needs no round trip (when the rule lands in
-//    range instead, the gated chain's kernels return at once).
+//    range instead, the gated chain's kernels return at once). On a large
+//    u that gated exact top-k starts from a sample, as exact's does (one
+//    more pass over u on the narrow band and the outliers; the plan over u
+//    behind it, gated too, after one whose sample's bound failed).
 //  * dgc (Lin et al., arXiv:1712.01887): a sample of random 16-value runs
 //    (counter-based hash of (seed, step, run)), its exact
 //    ceil(k*sample/n)-th largest key as threshold by radix select, one

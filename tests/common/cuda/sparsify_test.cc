@@ -1272,6 +1272,7 @@ struct PredictedStep {
   const std::vector<float>* u;
   int fell_back, fast_path;
   bool exact;  // the selection is the exact top-k of u
+  int sampled = -1;  // SelectInfo::exact_sampled
 };
 
 // Runs `steps` through one selector per stream (a created stream, where
@@ -1303,6 +1304,9 @@ void ExpectPredictedSequence(const char* method, size_t n, uint64_t k,
       }
       if (steps[i].fast_path >= 0) {
         EXPECT_EQ(info.fast_path, steps[i].fast_path == 1);
+      }
+      if (steps[i].sampled >= 0) {
+        EXPECT_EQ(info.exact_sampled, steps[i].sampled == 1);
       }
       GTOPK_ASSERT_OK_AND_ASSIGN(auto fresh,
                                  CudaSelector::Create(method, {}, n));
@@ -1341,6 +1345,32 @@ TEST_F(GpuTest, GaussianKExactFallbackRunsOnTheDeviceAfterAFallback) {
       {&normal, 0, 1, false},  // in range: the rule, gated chain idle
       {&ties, 1, 0, true},     // not predicted: Wait again
       {&ties, 1, 1, true},
+  };
+  ExpectPredictedSequence("gaussiank", n, k, steps);
+}
+
+// On a large u (here: any u, through the test hook) gaussiank's gated
+// exact fallback starts from a sample too: on the narrow band, where the
+// rule ends out of range, the sample's bound holds and the device trims its
+// survivors (one pass over u); on ties the bound is the tied key and the
+// plan over u follows, from Wait the first time and gated on the device
+// after one. Each step equals a fresh selector's and, where it fell back,
+// the reference.
+TEST_F(GpuTest, GaussianKFallbackStartsFromASampleOnALargeU) {
+  ExactSampleFrom sample_from(0);
+  const size_t n = 100003;
+  const uint64_t k = 1000;
+  const std::vector<float> ties = MakeInput(Distribution::kTies, n, 54);
+  const std::vector<float> normal = MakeInput(Distribution::kNormal, n, 55);
+  const std::vector<float> band = MakeInput(Distribution::kNarrowBand, n, 56);
+  const PredictedStep steps[] = {
+      {&band, 1, 0, true, 0},    // not predicted: Wait's exact top-k
+      {&band, 1, 1, true, 1},    // predicted: from a sample, trimmed
+      {&ties, 1, 0, true, 0},    // the sample's bound fails: Wait
+      {&ties, 1, 1, true, 0},    // both predicted: the plan over u, gated
+      {&band, 1, 1, true, 1},    // from a sample; the gated plan idle
+      {&normal, 0, 1, false, 0}, // in range: the rule, gated chains idle
+      {&ties, 1, 0, true, 0},    // not predicted: Wait again
   };
   ExpectPredictedSequence("gaussiank", n, k, steps);
 }
@@ -1427,7 +1457,7 @@ TEST_F(GpuTest, ExactFromASampleFollowsItsPrediction) {
       {&miss3, 1, 1, true},     // 3: the sample missed, still predicted
       {&normal, 0, 1, true},    // 4: trimmed; the gated chain idle
       {&miss5, 1, 0, true},     // 5: not predicted: Wait
-      {&exactly6, 0, 1, true},  // 6: exactly k survive: accepted
+      {&exactly6, 0, 1, true, 1},  // 6: exactly k survive: accepted
   };
   ExpectPredictedSequence("exact", n, k, steps);
   // What each step's SelectInfo says, on a fresh selector (legacy stream).
