@@ -2025,8 +2025,11 @@ struct Sparsifier::Impl {
   // The trim's last kernels, gated on state's trim (dgc and the exact
   // top-k's sample, after their compaction and gather): digit 2 of the
   // survivors gathered into the candidates, then the final stable
-  // compaction into the output.
-  KernelStatus TrimRest(float* u, uint64_t n, bool zero, cudaStream_t stream);
+  // compaction into the output. Their grid is sized for `expected`
+  // survivors (at most n/8; more only loop longer): a grid for n/8 would
+  // be 1024 mostly idle blocks on a large u, three times per selection.
+  KernelStatus TrimRest(float* u, uint64_t n, bool zero, uint64_t expected,
+                        cudaStream_t stream);
   // The rest of a selection whose count the device did not accept, from the
   // state `s` read after the fast path (u = pending_u, p = pending_params).
   KernelStatus ContinueGaussianK(const DeviceState& s, cudaStream_t stream);
@@ -2291,7 +2294,8 @@ KernelStatus Sparsifier::Impl::SelectDgc(float* u, uint64_t n,
   GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, /*next_hist=*/true,
                                      stream, kGatherDgc,
                                      Then{kThenFindNext, 0, 0}));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(TrimRest(u, n, zero, stream));
+  // dgc's survivors scatter around k (the sample's estimate).
+  GTOPK_CUDA_RETURN_IF_NOT_OK(TrimRest(u, n, zero, 4 * k, stream));
   // As gaussiank's: the last selection took the exact top-k from u (ties at
   // the sampled threshold), so this one is enqueued too, gated on the
   // device's count (8 kernels that return at once when it is not needed).
@@ -2328,13 +2332,15 @@ KernelStatus Sparsifier::Impl::SampleThreshold(const float* u, uint64_t n,
 }
 
 KernelStatus Sparsifier::Impl::TrimRest(float* u, uint64_t n, bool zero,
+                                        uint64_t expected,
                                         cudaStream_t stream) {
   GatedScope trimming(*this, &st->trim, 1);
-  GTOPK_LAUNCH(HistArrayKernel<float>, CandidateBlocks(n), kThreads, stream)(
+  const int blocks = CandidateBlocks(std::min<uint64_t>(expected, n / 8 + 1));
+  GTOPK_LAUNCH(HistArrayKernel<float>, blocks, kThreads, stream)(
       cand_val.get(), &st->num_candidates, 0, st, trim_hists, 2, gate,
       Then{kThenFindBin, 2, 0});
   GTOPK_CUDA_LAUNCH_CHECK();
-  return Final(FinalRule{0, 0}, u, n, zero, CandidateBlocks(n), stream);
+  return Final(FinalRule{0, 0}, u, n, zero, blocks, stream);
 }
 
 // The exact top-k from a sampled lower bound (see sparsify.h): one
@@ -2384,7 +2390,11 @@ KernelStatus Sparsifier::Impl::SampledExact(float* u, uint64_t n, uint64_t k,
   GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, /*next_hist=*/true,
                                      stream, kGatherDgc,
                                      Then{kThenFindNext, 0, 0}));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(TrimRest(u, n, zero, stream));
+  // The survivors expected at the bound's rank, twice over.
+  const uint64_t expected = static_cast<uint64_t>(
+      2.0 * static_cast<double>(rank) * static_cast<double>(n) /
+      static_cast<double>(runs * 16));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(TrimRest(u, n, zero, expected, stream));
   // The last such selection needed the plan over u (ties at the bound,
   // which persist from step to step): enqueue it too, gated.
   if (from_u_predicted) {
