@@ -233,12 +233,32 @@ __host__ __device__ inline uint32_t MinKeyAbove(double t) {
 // keeps sum_blocks (Accumulate's per-block partial sums stay valid),
 // keep_candidates num_candidates, keep_gate gk_exact, gk_exact_adjustments,
 // gk_exact_candidates, exact_from_u and error. Nothing when the gate is closed.
-__global__ void InitKernel(DeviceState* st, ull* hist0, ull* hist1, ull* hist2,
-                           ull* trim_hists, const ull* seed, ull need,
-                           int zero_hist0, int keep_sums, int keep_candidates,
-                           int keep_gate, Gate gate) {
-  if (Closed(gate)) return;  // uniform
+struct InitArgs {
+  int run;  // 0: nothing (a one-block kernel that may start with it)
+  ull* hist0;
+  ull* hist1;
+  ull* hist2;
+  ull* trim_hists;
+  const ull* seed;
+  ull need;
+  int zero_hist0, keep_sums, keep_candidates, keep_gate;
+};
+
+// InitKernel's work, by one whole block (any size), when a.run: also at the
+// start of the one-block kernel that follows Init directly (the planner
+// and the first digit's decision after Accumulate's histogram), one launch
+// less. The block must have read the gate already.
+__device__ void InitBlock(DeviceState* st, const InitArgs& a) {
+  if (!a.run) return;  // uniform
   __syncthreads();  // every thread has read the gate before thread 0 writes
+  ull* hist0 = a.hist0;
+  ull* hist1 = a.hist1;
+  ull* hist2 = a.hist2;
+  ull* trim_hists = a.trim_hists;
+  const ull* seed = a.seed;
+  const ull need = a.need;
+  const int zero_hist0 = a.zero_hist0, keep_sums = a.keep_sums;
+  const int keep_candidates = a.keep_candidates, keep_gate = a.keep_gate;
   for (int i = threadIdx.x; i < kBins; i += blockDim.x) {
     if (zero_hist0) hist0[i] = 0;
     hist1[i] = 0;
@@ -285,6 +305,12 @@ __global__ void InitKernel(DeviceState* st, ull* hist0, ull* hist1, ull* hist2,
       st->error = error;
     }
   }
+  __syncthreads();  // the state is written before the block goes on
+}
+
+__global__ void InitKernel(DeviceState* st, InitArgs a, Gate gate) {
+  if (Closed(gate)) return;  // uniform
+  InitBlock(st, a);
 }
 
 struct HistArgs {
@@ -637,11 +663,13 @@ __device__ void DecideBlock(DeviceState* st, const ull* hists, int level,
   }
 }
 
-// DecideBlock on its own (the digit-0 histogram came from the fused update).
+// DecideBlock on its own (the digit-0 histogram came from the fused
+// update), after InitBlock when init.run.
 __global__ void __launch_bounds__(kScanThreads)
     FindBinDecideKernel(DeviceState* st, const ull* hists, int level,
-                        ull compact_cap, Gate gate) {
+                        ull compact_cap, Gate gate, InitArgs init) {
   if (Closed(gate)) return;  // uniform
+  InitBlock(st, init);
   DecideBlock<kScanThreads>(st, hists, level, compact_cap);
 }
 
@@ -1293,12 +1321,14 @@ __global__ void __launch_bounds__(kThreads)
 // rule out and sets min_key to it; fallback = 1 when the loop ends without.
 // At a stop the histogram cannot call in range, it lists the keys the
 // correction may need (ListGaussKeys). Writes the histogram's at_least
-// counts to at_least_out (kBins entries) for GaussResolve.
+// counts to at_least_out (kBins entries) for GaussResolve. Starts with
+// InitBlock when init.run.
 __global__ void __launch_bounds__(kScanThreads)
     GaussPlanKernel(DeviceState* st, const ull* hist0, const double* partials,
                     uint64_t n, double z, ull lo, ull hi, int max_adjustments,
-                    ull* at_least_out, int max_keys) {
+                    ull* at_least_out, int max_keys, InitArgs init) {
   static_assert(kMaxBlocks <= kScanThreads, "one partial sum per thread");
+  InitBlock(st, init);
   using Scan = cub::BlockScan<ull, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ typename Scan::TempStorage storage;
   __shared__ ull at_least[kBins + 1];  // keys with digit 0 >= b
@@ -1763,14 +1793,27 @@ struct Sparsifier::Impl {
 
   // Inside a gated chain the gate itself (the state's gk_exact) survives.
   // dgc: also zeroes the trim histograms and takes the step's seed.
+  InitArgs InitFor(ull need, bool zero_hist0, bool keep_sums,
+                   bool keep_candidates, bool dgc = false) const {
+    InitArgs a;
+    a.run = 1;
+    a.hist0 = hist0;
+    a.hist1 = hist1;
+    a.hist2 = hist2;
+    a.trim_hists = dgc ? trim_hists : nullptr;
+    a.seed = dgc ? host_seed.get() : nullptr;
+    a.need = need;
+    a.zero_hist0 = zero_hist0;
+    a.keep_sums = keep_sums;
+    a.keep_candidates = keep_candidates;
+    a.keep_gate = gate.flag != nullptr;
+    return a;
+  }
   KernelStatus Init(ull need, bool zero_hist0, bool keep_sums,
                     bool keep_candidates, cudaStream_t stream,
                     bool dgc = false) {
-    const int keep_gate = gate.flag != nullptr;
     GTOPK_LAUNCH(InitKernel, 1, kScanThreads, stream)(
-        st, hist0, hist1, hist2, dgc ? trim_hists : nullptr,
-        dgc ? host_seed.get() : nullptr, need, zero_hist0, keep_sums,
-        keep_candidates, keep_gate, gate);
+        st, InitFor(need, zero_hist0, keep_sums, keep_candidates, dgc), gate);
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
   }
@@ -1902,16 +1945,17 @@ struct Sparsifier::Impl {
   // path not taken return at once.
   KernelStatus ExactFromU(float* u, uint64_t n, uint64_t k, bool zero,
                           bool reuse_hist0, cudaStream_t stream) {
-    GTOPK_CUDA_RETURN_IF_NOT_OK(
-        Init(k, !reuse_hist0, reuse_hist0, false, stream));
     const ull cap = CompactCap(n);
     const int vec = Aligned16(u);
     const int blocks = HistBlocks(n);
     // Each digit's decision runs in the last block of the pass that counted
-    // it (RunThen), except after the fused update's histogram.
+    // it (RunThen), except after the fused update's histogram: then in a
+    // one-block kernel that starts with Init's work.
     if (reuse_hist0) {
-      GTOPK_CUDA_RETURN_IF_NOT_OK(Decide(0, cap, stream));
+      GTOPK_CUDA_RETURN_IF_NOT_OK(
+          Decide(0, cap, stream, InitFor(k, false, true, false)));
     } else {
+      GTOPK_CUDA_RETURN_IF_NOT_OK(Init(k, true, false, false, stream));
       GTOPK_CUDA_RETURN_IF_NOT_OK(
           Histogram(u, n, stream, Then{kThenDecide, 0, cap}));
     }
@@ -1938,9 +1982,10 @@ struct Sparsifier::Impl {
   // it saves).
   static ull CompactCap(uint64_t n) { return std::max<ull>(1, n / 8); }
 
-  KernelStatus Decide(int level, ull cap, cudaStream_t stream) {
+  KernelStatus Decide(int level, ull cap, cudaStream_t stream,
+                      InitArgs init) {
     GTOPK_LAUNCH(FindBinDecideKernel, 1, kScanThreads, stream)(
-        st, hist0, level, cap, gate);
+        st, hist0, level, cap, gate, init);
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
   }
@@ -2102,11 +2147,17 @@ KernelStatus Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
   BeginOutput(std::min<uint64_t>(hi, n));
   const double density = static_cast<double>(k) / static_cast<double>(n);
   const double z = NormalQuantile(1.0 - density / 2.0);
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Init(k, !reuse, reuse, false, stream));
-  if (!reuse) GTOPK_CUDA_RETURN_IF_NOT_OK(Histogram(u, n, stream));
+  // After Accumulate's histogram the planner starts with Init's work.
+  InitArgs init{};
+  if (reuse) {
+    init = InitFor(k, false, true, false);
+  } else {
+    GTOPK_CUDA_RETURN_IF_NOT_OK(Init(k, true, false, false, stream));
+    GTOPK_CUDA_RETURN_IF_NOT_OK(Histogram(u, n, stream));
+  }
   GTOPK_LAUNCH(GaussPlanKernel, 1, kScanThreads, stream)(
       st, hist0, partials, n, z, lo, hi, p.gaussiank_max_adjustments, hist1,
-      gauss_key_limit);
+      gauss_key_limit, init);
   GTOPK_CUDA_LAUNCH_CHECK();
   // No host round trip: the compaction at the planned threshold counts the
   // keys the later adjustments may need, and its scan accepts the count
