@@ -295,9 +295,9 @@ def emulated_checks(binary, tmp, failures):
                 failures.append("no table for input %s" % inp)
     # Exact from a sample at every n it can (--exact-sample-min-n=0; the
     # default minimum is 2^22, above what the emulator runs): timed rows on
-    # normal data (every selection from the sample) and on ties (the
-    # sample's bound is the tied key: the plan over u, gated after the
-    # first), both correct.
+    # normal data and on ties (the sample's bound is the tied key: the keys
+    # above it, with the ties written from u where they are needed), every
+    # selection from the sample, all correct.
     out = os.path.join(tmp, "sampled.json")
     r = run(binary, "--sizes=100003", "--densities=0.001",
             "--inputs=normal,ties", "--iters=20", "--warmup=1",
@@ -314,9 +314,9 @@ def emulated_checks(binary, tmp, failures):
         check_rows(doc, failures, ("normal", "ties"), (100003,), (0.001,))
         share = {r2["input"]: r2["sampled_fraction"] for r2 in doc["rows"]
                  if r2.get("method") == "exact"}
-        if share != {"normal": 1, "ties": 0}:
-            failures.append("sampled: exact's sampled shares %r, want "
-                            "normal 1, ties 0" % share)
+        if share != {"normal": 1, "ties": 1}:
+            failures.append("sampled: exact's sampled shares %r, want 1 "
+                            "on both" % share)
         if not any(line.split()[-1:] == ["s1"] for line in
                    r.stdout.splitlines() if " exact " in line):
             failures.append("sampled: no exact row with plan s1: %r" %

@@ -145,12 +145,18 @@ struct DeviceState {
   // histograms); the trim's kernels are gated on it.
   int trim;
   // The exact top-k from a sample (exact's own, or gaussiank's gated
-  // fallback): its bound kept fewer than k or more than n/8 keys, or the
-  // sample's own count said so (then skip_collect too: the compaction
-  // returns at once). The plan over u is gated on exact_from_u; kept by
+  // fallback). ties_at_bound: more than 1/8 of the sample is at or above
+  // its bound B (min_key), so many keys equal B: the compaction keeps the
+  // keys > B instead and counts those == B per warp. tie_write: fewer than
+  // k keys exceed B and with the ties they reach k, so the k-th key is B:
+  // the final write reads u (from_u) at prefix B with need = k - (keys >
+  // B), on the compaction's warp layout. exact_from_u: neither the
+  // survivors nor the ties give the top-k (fewer than k reach the bound,
+  // or more than n/8 exceed it): the plan over u, gated on it; kept by
   // InitKernel(keep_gate), so that the plan's own Init keeps it.
+  int ties_at_bound;
+  int tie_write;
   int exact_from_u;
-  int skip_collect;
   // dgc's sample seed for this selection (InitKernel copies it from the
   // pinned host value Select writes, when it runs: a replayed graph gets
   // this step's).
@@ -189,8 +195,9 @@ struct Then {
   int level;
   // kThenDecide: the compaction cap. kThenFindBin: 0, or a limit (the
   // exact top-k's sample, after its last digit): more than `cap` keys at or
-  // above the found key set state's exact_from_u and skip_collect (the
-  // bound would keep too much of u; the exact plan runs from u instead).
+  // above the found key set state's ties_at_bound (the bound is a key
+  // shared by much of u: the compaction keeps the keys above it and counts
+  // its ties).
   ull cap;
 };
 
@@ -705,8 +712,7 @@ __device__ inline void RunThen(DeviceState* st, const ull* hists,
       __syncthreads();  // the thread that found the bin wrote the counts
       if (threadIdx.x == 0 && st->error == 0 &&
           st->count_greater + st->bin_count > then.cap) {
-        st->exact_from_u = 1;
-        st->skip_collect = 1;
+        st->ties_at_bound = 1;
       }
     }
   } else if (then.op == kThenDecide) {
@@ -809,9 +815,15 @@ __device__ inline ull BlockTotal(uint32_t mine) {
 // the pass counted the survivors' digit 0): a total in (accept_hi,
 // exact_above] sets state's trim and restarts the radix state for the
 // accept_hi-th largest survivor; find_next or trim: FindNextBinBlock on the
-// pass's histograms.
+// pass's histograms. With state's ties_at_bound (the exact top-k's sample;
+// the pass kept the keys > B = min_key and counted those == B) also the
+// scan of the blocks' tie counts in `block_equal`, and: fewer than k =
+// exact_below survivors that reach k with the ties set state's tie_write
+// (the k-th key is B: prefix B, need = k - survivors, from_u, num_selected
+// = k) instead of exact_from_u.
 struct CollectScan {
   ull* block_offsets = nullptr;   // [grid]: the blocks' counts, then offsets
+  ull* block_equal = nullptr;     // [grid]: with ties, the same for the ties
   const ull* at_least = nullptr;  // GaussResolve's (the first compaction)
   ull accept_lo = 1;
   ull accept_hi = 0;  // accept nothing
@@ -823,11 +835,18 @@ struct CollectScan {
 };
 
 __device__ void CollectScanBlock(DeviceState* st, const ull* hists,
-                                 const CollectScan& s, ull block_total) {
-  if (threadIdx.x == 0) s.block_offsets[blockIdx.x] = block_total;
+                                 const CollectScan& s, ull block_total,
+                                 bool ties, ull block_equal) {
+  if (threadIdx.x == 0) {
+    s.block_offsets[blockIdx.x] = block_total;
+    if (ties) s.block_equal[blockIdx.x] = block_equal;
+  }
   if (!LastBlockDone(st)) return;  // uniform in the block
   const ull total =
       ScanInPlace<kThreads>(s.block_offsets, static_cast<int>(gridDim.x));
+  const ull equal =
+      ties ? ScanInPlace<kThreads>(s.block_equal, static_cast<int>(gridDim.x))
+           : 0;
   if (threadIdx.x == 0) {
     st->num_candidates = total;
     st->accepted = st->error == 0 && st->fallback == 0 &&
@@ -835,10 +854,22 @@ __device__ void CollectScanBlock(DeviceState* st, const ull* hists,
     if (s.at_least != nullptr) {
       GaussResolve(st, s.at_least, s.accept_lo, s.accept_hi);
     }
+    // The exact top-k's sample, ties at its bound B: the k-th key is B when
+    // fewer than k keys exceed it and the ties make up the rest.
+    const bool tie_write = ties && st->error == 0 && !st->accepted &&
+                           total < s.exact_below &&
+                           total + equal >= s.exact_below;
+    if (tie_write) {
+      st->tie_write = 1;
+      st->from_u = 1;
+      st->prefix = st->min_key;
+      st->need = s.exact_below - total;
+      st->num_selected = s.exact_below;
+    }
     // dgc: more than exact_above survive (most of u ties with the sampled
     // threshold); exact: that, or fewer than k (the sample missed): the
     // exact top-k from u, gated on gk_exact.
-    if (st->error == 0 && !st->accepted &&
+    if (st->error == 0 && !st->accepted && !tie_write &&
         ((s.exact_above != 0 && total > s.exact_above) ||
          total < s.exact_below)) {
       if (s.sampled_exact) {
@@ -880,15 +911,18 @@ enum CollectHist {
 // region; counts[w] = how many. kHist: the histogram it builds
 // (CollectHist). kCountKeys: also adds to state's gk_counts[r] the keys >=
 // gk_keys[r] in that key's digit-0 bin (kept or not; Gaussian-k's
-// correction). Then `scan` (CollectScanBlock). Nothing when the exact plan
-// reads u in its final pass (state's from_u), when the exact top-k's sample
-// skips it (skip_collect), or when the gate is closed.
+// correction). kCollectDigit0 with state's ties_at_bound (the exact top-k's
+// sample, whose bound B = min_key is a key much of u shares): keeps the
+// keys > B and counts those == B per warp into equal_counts. Then `scan`
+// (CollectScanBlock). Nothing when the exact plan reads u in its final pass
+// (state's from_u), or when the gate is closed.
 template <int kHist, bool kCountKeys>
 __global__ void __launch_bounds__(kThreads)
     CollectKernel(const float* __restrict__ u, uint64_t n, uint64_t chunk,
                   int vectorized, DeviceState* st, uint32_t host_key,
                   int use_host_key, uint32_t* __restrict__ regions,
-                  uint32_t* __restrict__ counts, ull* hists, Gate gate,
+                  uint32_t* __restrict__ counts,
+                  uint32_t* __restrict__ equal_counts, ull* hists, Gate gate,
                   CollectScan scan) {
   if (Closed(gate)) return;  // uniform
   __shared__ uint32_t hist[kHist ? kBins : 1];
@@ -896,8 +930,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
     __syncthreads();
   }
-  // Uniform; counts are not read then.
-  if (st->from_u != 0 || st->skip_collect != 0) return;
+  if (st->from_u != 0) return;  // uniform; counts are not read then
   // kCountKeys: the listed keys, a bitmap of their digit-0 bins, and
   // per-warp counts (written by each warp's lane 0 only).
   __shared__ uint32_t key_list[kCountKeys ? kMaxGaussKeys : 1];
@@ -925,7 +958,11 @@ __global__ void __launch_bounds__(kThreads)
                     : kHist == kCollectDigit0  ? 0
                                                : 3;
   const bool skip = st->error != 0 || st->fallback != 0;
-  const uint32_t min_key = use_host_key ? host_key : st->min_key;
+  // With ties the bound B is min_key - 1 (registers: the pass must stay at
+  // 32 for full occupancy).
+  const bool ties = kHist == kCollectDigit0 && st->ties_at_bound != 0;
+  const uint32_t min_key =
+      (use_host_key ? host_key : st->min_key) + (ties ? 1u : 0u);
   const uint32_t prefix = st->prefix;
   const int lane = threadIdx.x & 31;
   const uint32_t lanes_below = (1u << lane) - 1u;
@@ -935,6 +972,11 @@ __global__ void __launch_bounds__(kThreads)
   const uint64_t end = begin + chunk < n ? begin + chunk : n;
   uint32_t* out = regions + begin;
   uint32_t count = 0;
+  // With ties: each warp's count of keys == B, kept by its lane 0 in shared
+  // memory (a register live across the loop made the pass spill).
+  __shared__ uint32_t tie_counts[kHist == kCollectDigit0 ? kWarpsPerBlock : 1];
+  uint32_t* my_ties = tie_counts + (kHist == kCollectDigit0 ? threadIdx.x / 32 : 0);
+  if (lane == 0) *my_ties = 0;
   bool bad = false;
   if (!skip) {
     for (uint64_t base = begin; base < end; base += kChunkAlign) {
@@ -984,6 +1026,14 @@ __global__ void __launch_bounds__(kThreads)
         ballots[j] = __ballot_sync(kFullMask, keep[j]);
         any |= ballots[j];
       }
+      if (ties) {  // uniform
+        uint32_t equal = 0;
+        for (int j = 0; j < 4; ++j) {
+          equal += __popc(
+              __ballot_sync(kFullMask, valid[j] && Key(x[j]) + 1u == min_key));
+        }
+        if (lane == 0) *my_ties += equal;
+      }
       if (any == 0) continue;  // the common case: nothing kept here
       uint32_t pos = count;
       for (int j = 0; j < 4; ++j) pos += __popc(ballots[j] & lanes_below);
@@ -1001,7 +1051,10 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   if (bad) atomicOr(&st->error, kErrorNonFinite);
-  if (lane == 0) counts[warp] = count;
+  if (lane == 0) {
+    counts[warp] = count;
+    if (ties) equal_counts[warp] = *my_ties;
+  }
   if (kCountKeys && num_keys > 0) {
     __syncthreads();
     for (int r = threadIdx.x; r < num_keys; r += kThreads) {
@@ -1019,7 +1072,13 @@ __global__ void __launch_bounds__(kThreads)
       if (hist[i] != 0) atomicAdd(&out[i], static_cast<ull>(hist[i]));
     }
   }
-  CollectScanBlock(st, hists, scan, BlockTotal(count));
+  const ull block_total = BlockTotal(count);
+  ull block_equal = 0;
+  if (ties) {  // uniform
+    __syncthreads();  // BlockTotal's shared counts are reused
+    block_equal = BlockTotal(*my_ties);
+  }
+  CollectScanBlock(st, hists, scan, block_total, ties, block_equal);
 }
 
 // Where GatherKernel writes.
@@ -1232,7 +1291,9 @@ __global__ void __launch_bounds__(kThreads)
 
 // Writes the selected candidates (key > T, or key == T among the first
 // `ties` of them in index order) at their offsets; zero: u[i] = +0.0.
-// greater/equal, block_greater/block_equal: CountFinalKernel's (same grid).
+// greater/equal, block_greater/block_equal: CountFinalKernel's (same grid),
+// or with layout_chunk != 0 a CollectKernel's with ties over u (its grid,
+// warp w reading [w * layout_chunk, (w + 1) * layout_chunk)).
 __global__ void __launch_bounds__(kThreads)
     WriteFinalKernel(const uint32_t* cand_idx, const float* cand_val,
                      uint64_t n, DeviceState* st, FinalRule rule,
@@ -1242,7 +1303,7 @@ __global__ void __launch_bounds__(kThreads)
                      const ull* __restrict__ block_equal,
                      uint32_t* __restrict__ out_idx,
                      float* __restrict__ out_val, float* u, int zero,
-                     Gate gate) {
+                     Gate gate, uint64_t layout_chunk) {
   if (Closed(gate) || st->error != 0) return;  // uniform
   const int lane = threadIdx.x & 31;
   const uint32_t lanes_below = (1u << lane) - 1u;
@@ -1253,7 +1314,12 @@ __global__ void __launch_bounds__(kThreads)
   FinalThreshold(st, rule, &t, &ties);
   const FinalSource src = GetFinalSource(st, u, n, cand_val, cand_idx);
   uint64_t begin, end;
-  CandidateChunk(src.length, &begin, &end);
+  if (layout_chunk != 0) {  // the compaction's warp chunks over u
+    begin = warp * layout_chunk < src.length ? warp * layout_chunk : src.length;
+    end = begin + layout_chunk < src.length ? begin + layout_chunk : src.length;
+  } else {
+    CandidateChunk(src.length, &begin, &end);
+  }
   // Keys > T and == T before this warp's chunk: its block's, plus its
   // block's warps before it; the first `ties` ties are taken.
   ull greater_before = block_greater[blockIdx.x];
@@ -1870,10 +1936,12 @@ struct Sparsifier::Impl {
         : first                        ? &CollectKernel<kCollectNoHist, true>
                                        : &CollectKernel<kCollectNoHist, false>;
     scan.block_offsets = offsets_a.get();
+    scan.block_equal = offsets_b.get();
     scan.at_least = first ? hist1 : nullptr;
     GTOPK_LAUNCH(collect, collect_blocks, kThreads, stream)(
         u, n, collect_chunk, vec, st, key, host_key, regions.get(),
-        counts_a.get(), scan.trim ? trim_hists : hist0, gate, scan);
+        counts_a.get(), counts_b.get(), scan.trim ? trim_hists : hist0, gate,
+        scan);
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
   }
@@ -1906,7 +1974,7 @@ struct Sparsifier::Impl {
     GTOPK_LAUNCH(WriteFinalKernel, blocks, kThreads, stream)(
         cand_idx.get(), cand_val.get(), n, st, rule, counts_b.get(),
         counts_a.get(), offsets_a.get(), offsets_b.get(), out_idx(),
-        out_val(), u, zero, gate);
+        out_val(), u, zero, gate, uint64_t{0});
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
   }
@@ -2421,14 +2489,16 @@ KernelStatus Sparsifier::Impl::SampledExact(float* u, uint64_t n, uint64_t k,
                                             uint64_t rank,
                                             bool from_u_predicted,
                                             cudaStream_t stream) {
-  // More than 1/8 of the sample at or above its bound: more than n/8 of u
-  // would survive (ties at it); skip_collect skips the compaction.
+  // More than 1/8 of the sample at or above its bound: ties at it
+  // (ties_at_bound): the compaction keeps the keys above it instead.
   GTOPK_CUDA_RETURN_IF_NOT_OK(SampleThreshold(
       u, n, runs, rank, std::max<uint64_t>(1, runs * 16 / 8), stream));
   // Exactly k survivors are the selection; k+1 to n/8 are trimmed to the
   // exact top-k among them, which is u's (every key >= the k-th survives);
-  // fewer than k (the sample missed) or more than n/8: exact_from_u, the
-  // plan over u. No host round trip on the first two.
+  // with ties at the bound, fewer than k that reach k with the ties are
+  // written from u (tie_write); else fewer than k (the sample missed) or
+  // more than n/8: exact_from_u, the plan over u. No host round trip on
+  // the first three.
   CollectScan exactly_k;
   exactly_k.accept_lo = k;
   exactly_k.accept_hi = k;
@@ -2438,6 +2508,18 @@ KernelStatus Sparsifier::Impl::SampledExact(float* u, uint64_t n, uint64_t k,
   exactly_k.trim = 1;
   GTOPK_CUDA_RETURN_IF_NOT_OK(
       Collect(u, n, kCollectDigit0, false, 0, stream, exactly_k));
+  // Ties at the bound B: the compaction kept the keys > B and counted the
+  // keys == B per warp; when the k-th key is B (tie_write), the final
+  // write reads u on the compaction's layout (keys > B, then the first
+  // need ties in index order). The gather below then returns at once.
+  {
+    GatedScope tie(*this, &st->tie_write, 1);
+    GTOPK_LAUNCH(WriteFinalKernel, collect_blocks, kThreads, stream)(
+        cand_idx.get(), cand_val.get(), n, st, FinalRule{0, 0},
+        counts_a.get(), counts_b.get(), offsets_a.get(), offsets_b.get(),
+        out_idx(), out_val(), u, zero, gate, collect_chunk);
+    GTOPK_CUDA_LAUNCH_CHECK();
+  }
   GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, /*next_hist=*/true,
                                      stream, kGatherDgc,
                                      Then{kThenFindNext, 0, 0}));
@@ -2794,14 +2876,15 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
         m.info.fell_back = true;
         m.info.adjustments = s.gk_exact_adjustments;
       }
-      if (s.accepted || s.trim != 0) {
+      if (s.accepted || s.trim != 0 || s.tie_write != 0) {
         // Exactly k survived its bound (the gather's output), or more
-        // (the device trimmed them to their exact top-k).
+        // (the device trimmed them to their exact top-k), or fewer above a
+        // tied bound and the ties made up the rest (written from u).
         m.info.fast_path = true;
         m.info.exact_sampled = true;
         m.info.trimmed_on_device = s.trim != 0;
         m.info.candidates = s.num_candidates;
-        m.check_selected = s.trim != 0;
+        m.check_selected = s.trim != 0 || s.tie_write != 0;
       } else if (s.exact_from_u != 0 && m.from_u_enqueued) {
         // The bound failed; the plan over u ran, gated on the device.
         m.info.fast_path = true;

@@ -38,8 +38,12 @@
 //    sample's bound keeps fewer than k or more than n/8 keys (ties at it,
 //    or a sample that missed), the plan above runs from u instead
 //    (SelectInfo::fell_back), in Wait the first time and gated on the
-//    device after that; a sample whose own keys already say more than
-//    n/8 skips the compaction.
+//    device after that. When more than 1/8 of the sample is at or above
+//    its bound B (much of u equals B: ties, every value equal), the
+//    compaction keeps the keys > B and counts those == B per warp; if
+//    fewer than k exceed B and the ties make up the rest, the k-th key is
+//    B and one more pass over u writes the keys > B and the first ties in
+//    index order: two passes on those inputs too.
 //  * gaussiank (Shi et al., arXiv:1911.08772): threshold mean + z*std from the
 //    same pass's sums, the CPU selector's adjustment rule (x0.5 when too
 //    few, x1.5 when too many, count contract [ceil(2k/3), floor(4k/3)])
@@ -146,7 +150,10 @@ struct SelectInfo {
   // exact: the selection is the exact top-k among the keys >= a sampled
   // lower bound (one compaction pass over u and no histogram pass; the
   // candidates are those survivors), accepted when exactly k survived,
-  // else trimmed on the device (trimmed_on_device).
+  // else trimmed on the device (trimmed_on_device); or, when much of u
+  // ties at the bound, the keys above it (candidates, fewer than k) and
+  // the first ties in index order, written by a second pass over u
+  // (exact_final_from_u).
   bool exact_sampled = false;
   // gaussiank/dgc, and exact when it started from a sample: the selection
   // ran without a host round trip: the device accepted the compaction's

@@ -233,13 +233,19 @@ TEST_P(GpuSampledExactTest, ExactFromASampleEqualsTheReference) {
     ExpectZeroedExactly(d, u, want.indices);
     const SelectInfo info = selector->last_info();
     if (info.exact_sampled) {
-      // The survivors of the bound: at least k, at most n/8.
       EXPECT_FALSE(info.fell_back);
       EXPECT_TRUE(info.fast_path);
-      EXPECT_GE(info.candidates, k);
-      EXPECT_LE(info.candidates, std::max<uint64_t>(1, n / 8));
-      EXPECT_EQ(info.trimmed_on_device, info.candidates > k);
       EXPECT_EQ(info.exact_digit_passes, 0);
+      if (info.exact_final_from_u) {
+        // Ties at the bound: fewer than k above it, the ties written.
+        EXPECT_LT(info.candidates, k);
+        EXPECT_FALSE(info.trimmed_on_device);
+      } else {
+        // The survivors of the bound: at least k, at most n/8.
+        EXPECT_GE(info.candidates, k);
+        EXPECT_LE(info.candidates, std::max<uint64_t>(1, n / 8));
+        EXPECT_EQ(info.trimmed_on_device, info.candidates > k);
+      }
     } else {
       EXPECT_GE(info.exact_digit_passes, 1);
     }
@@ -258,7 +264,11 @@ INSTANTIATE_TEST_SUITE_P(
                           Distribution::kAllEqual, Distribution::kFewLevels,
                           Distribution::kDenormals, Distribution::kAscending,
                           Distribution::kSpike),
-        ::testing::Values(size_t{4099}, size_t{100003}, size_t{(1 << 20) + 7}),
+        // 40961: the compaction's warp chunk (a multiple of 128) differs
+        // from the final compaction's (of 32), which the write after ties
+        // at the bound must not mix up.
+        ::testing::Values(size_t{4099}, size_t{40961}, size_t{100003},
+                          size_t{(1 << 20) + 7}),
         ::testing::Values(0.0001, 0.001, 0.01)),
     [](const ::testing::TestParamInfo<Case>& info) {
       const double d = std::get<2>(info.param);
@@ -272,8 +282,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(
         ::testing::Values(Distribution::kNarrowBand, Distribution::kTies,
                           Distribution::kLaplaceZeros, Distribution::kOutliers),
-        ::testing::Values(size_t{4099}, size_t{100003}),
-        ::testing::Values(0.0001, 0.001, 0.01)),
+        ::testing::Values(size_t{4099}, size_t{40961}, size_t{100003}),
+        ::testing::Values(0.0001, 0.001, 0.002, 0.01)),
     [](const ::testing::TestParamInfo<Case>& info) {
       const double d = std::get<2>(info.param);
       return DistributionName(std::get<0>(info.param)) + "_n" +
@@ -1349,32 +1359,6 @@ TEST_F(GpuTest, GaussianKExactFallbackRunsOnTheDeviceAfterAFallback) {
   ExpectPredictedSequence("gaussiank", n, k, steps);
 }
 
-// On a large u (here: any u, through the test hook) gaussiank's gated
-// exact fallback starts from a sample too: on the narrow band, where the
-// rule ends out of range, the sample's bound holds and the device trims its
-// survivors (one pass over u); on ties the bound is the tied key and the
-// plan over u follows, from Wait the first time and gated on the device
-// after one. Each step equals a fresh selector's and, where it fell back,
-// the reference.
-TEST_F(GpuTest, GaussianKFallbackStartsFromASampleOnALargeU) {
-  ExactSampleFrom sample_from(0);
-  const size_t n = 100003;
-  const uint64_t k = 1000;
-  const std::vector<float> ties = MakeInput(Distribution::kTies, n, 54);
-  const std::vector<float> normal = MakeInput(Distribution::kNormal, n, 55);
-  const std::vector<float> band = MakeInput(Distribution::kNarrowBand, n, 56);
-  const PredictedStep steps[] = {
-      {&band, 1, 0, true, 0},    // not predicted: Wait's exact top-k
-      {&band, 1, 1, true, 1},    // predicted: from a sample, trimmed
-      {&ties, 1, 0, true, 0},    // the sample's bound fails: Wait
-      {&ties, 1, 1, true, 0},    // both predicted: the plan over u, gated
-      {&band, 1, 1, true, 1},    // from a sample; the gated plan idle
-      {&normal, 0, 1, false, 0}, // in range: the rule, gated chains idle
-      {&ties, 1, 0, true, 0},    // not predicted: Wait again
-  };
-  ExpectPredictedSequence("gaussiank", n, k, steps);
-}
-
 // dgc likewise: when more than n/8 entries survive its sampled threshold
 // (ties: most of u equals the sampled key) it takes the exact top-k from
 // u; after such a step the next enqueues it too, gated on the device's
@@ -1436,40 +1420,46 @@ std::vector<float> AroundTheSample(uint64_t step, size_t n, uint64_t k,
 }
 
 // Exact from a sample, step after step: on normal data the bound's
-// survivors are trimmed on the device; ties (the bound is the tied key,
-// and the sample itself shows more than n/8 at or above it, so the
-// compaction is skipped) and a sample that missed (fewer than k survive)
-// take the plan over u, in Wait the first time and gated on the device
-// after one (no round trip); exactly k survivors are accepted as they are.
+// survivors are trimmed on the device; on ties and all-equal inputs (the
+// bound is the tied key: the sample itself shows more than 1/8 at or above
+// it) the compaction keeps the keys above it and counts its ties, and the
+// k-th key is the bound: a second pass over u writes the selection; a
+// sample that missed (fewer than k survive) takes the plan over u, in Wait
+// the first time and gated on the device after one (no round trip);
+// exactly k survivors are accepted as they are.
 TEST_F(GpuTest, ExactFromASampleFollowsItsPrediction) {
   ExactSampleFrom sample_from(0);
   const size_t n = 100003;
   const uint64_t k = 1000;
   const std::vector<float> normal = MakeInput(Distribution::kNormal, n, 71);
   const std::vector<float> ties = MakeInput(Distribution::kTies, n, 72);
+  const std::vector<float> equal = MakeInput(Distribution::kAllEqual, n, 73);
+  const std::vector<float> miss2 = AroundTheSample(2, n, k, false);
   const std::vector<float> miss3 = AroundTheSample(3, n, k, false);
   const std::vector<float> miss5 = AroundTheSample(5, n, k, false);
   const std::vector<float> exactly6 = AroundTheSample(6, n, k, true);
   const PredictedStep steps[] = {
-      {&normal, 0, 1, true},    // 0: trimmed on the device
-      {&ties, 1, 0, true},      // 1: skipped compaction, Wait's plan over u
-      {&ties, 1, 1, true},      // 2: predicted: on the device
-      {&miss3, 1, 1, true},     // 3: the sample missed, still predicted
-      {&normal, 0, 1, true},    // 4: trimmed; the gated chain idle
-      {&miss5, 1, 0, true},     // 5: not predicted: Wait
+      {&normal, 0, 1, true, 1},    // 0: trimmed on the device
+      {&ties, 0, 1, true, 1},      // 1: ties at the bound: written from u
+      {&miss2, 1, 0, true, 0},     // 2: the sample missed: Wait's plan
+      {&miss3, 1, 1, true, 0},     // 3: predicted: on the device
+      {&normal, 0, 1, true, 1},    // 4: trimmed; the gated plan idle
+      {&miss5, 1, 0, true, 0},     // 5: not predicted: Wait
       {&exactly6, 0, 1, true, 1},  // 6: exactly k survive: accepted
+      {&equal, 0, 1, true, 1},     // 7: every value equal: written from u
   };
   ExpectPredictedSequence("exact", n, k, steps);
   // What each step's SelectInfo says, on a fresh selector (legacy stream).
   struct Expect {
     const std::vector<float>* u;
     uint64_t step;
-    bool sampled, trimmed;
+    bool sampled, trimmed, from_u;
   };
-  const Expect expects[] = {{&normal, 0, true, true},
-                            {&ties, 1, false, false},
-                            {&miss3, 3, false, false},
-                            {&exactly6, 6, true, false}};
+  const Expect expects[] = {{&normal, 0, true, true, false},
+                            {&ties, 1, true, false, true},
+                            {&miss3, 3, false, false, false},
+                            {&exactly6, 6, true, false, false},
+                            {&equal, 7, true, false, true}};
   for (const Expect& e : expects) {
     SCOPED_TRACE("step " + std::to_string(e.step));
     GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
@@ -1481,10 +1471,50 @@ TEST_F(GpuTest, ExactFromASampleFollowsItsPrediction) {
     EXPECT_EQ(info.exact_sampled, e.sampled);
     EXPECT_EQ(info.trimmed_on_device, e.trimmed);
     EXPECT_EQ(info.fell_back, !e.sampled);
-    if (e.sampled && !e.trimmed) {
-      EXPECT_EQ(info.candidates, k);
+    if (e.sampled) {
+      EXPECT_EQ(info.exact_final_from_u, e.from_u);
+      // Survivors: more than k trimmed, exactly k accepted, fewer above a
+      // tied bound.
+      if (e.trimmed) {
+        EXPECT_GT(info.candidates, k);
+      } else if (e.from_u) {
+        EXPECT_LT(info.candidates, k);
+      } else {
+        EXPECT_EQ(info.candidates, k);
+      }
     }
   }
+}
+
+// On a large u (here: any u, through the test hook) gaussiank's gated
+// exact fallback starts from a sample too: on the narrow band, where the
+// rule ends out of range, the sample's bound holds and the device trims its
+// survivors (one pass over u); on ties and all-equal inputs the k-th key
+// is the tied bound and a second pass writes the selection; where the
+// sample misses, the plan over u follows, from Wait the first time and
+// gated on the device after one. Each step equals a fresh selector's and,
+// where it fell back, the reference.
+TEST_F(GpuTest, GaussianKFallbackStartsFromASampleOnALargeU) {
+  ExactSampleFrom sample_from(0);
+  const size_t n = 100003;
+  const uint64_t k = 1000;
+  const std::vector<float> ties = MakeInput(Distribution::kTies, n, 54);
+  const std::vector<float> normal = MakeInput(Distribution::kNormal, n, 55);
+  const std::vector<float> band = MakeInput(Distribution::kNarrowBand, n, 56);
+  const std::vector<float> equal = MakeInput(Distribution::kAllEqual, n, 57);
+  const std::vector<float> miss4 = AroundTheSample(4, n, k, false);
+  const std::vector<float> miss5 = AroundTheSample(5, n, k, false);
+  const PredictedStep steps[] = {
+      {&band, 1, 0, true, 0},     // not predicted: Wait's exact top-k
+      {&band, 1, 1, true, 1},     // predicted: from a sample, trimmed
+      {&ties, 1, 1, true, 1},     // ties at the bound: written from u
+      {&equal, 1, 1, true, 1},    // likewise
+      {&miss4, 1, 0, true, 0},    // the sample missed: Wait's plan over u
+      {&miss5, 1, 1, true, 0},    // predicted: the plan over u, gated
+      {&normal, 0, 1, false, 0},  // in range: the rule, gated chains idle
+      {&ties, 1, 0, true, 0},     // not predicted: Wait again
+  };
+  ExpectPredictedSequence("gaussiank", n, k, steps);
 }
 
 // With no keys listed for the device correction (a test hook), a
