@@ -156,6 +156,7 @@ struct DeviceState {
   // InitKernel(keep_gate), so that the plan's own Init keeps it.
   int ties_at_bound;
   int tie_write;
+  ull tie_count;  // with ties_at_bound: the keys == B
   int exact_from_u;
   // dgc's sample seed for this selection (InitKernel copies it from the
   // pinned host value Select writes, when it runs: a replayed graph gets
@@ -815,12 +816,16 @@ __device__ inline ull BlockTotal(uint32_t mine) {
 // the pass counted the survivors' digit 0): a total in (accept_hi,
 // exact_above] sets state's trim and restarts the radix state for the
 // accept_hi-th largest survivor; find_next or trim: FindNextBinBlock on the
-// pass's histograms. With state's ties_at_bound (the exact top-k's sample;
-// the pass kept the keys > B = min_key and counted those == B) also the
-// scan of the blocks' tie counts in `block_equal`, and: fewer than k =
-// exact_below survivors that reach k with the ties set state's tie_write
-// (the k-th key is B: prefix B, need = k - survivors, from_u, num_selected
-// = k) instead of exact_from_u.
+// pass's histograms. With state's ties_at_bound (the pass kept the keys >
+// B = min_key and counted those == B: exact's sample, dgc's threshold) also
+// the scan of the blocks' tie counts in `block_equal` (total in state's
+// tie_count), and the decision from both counts (k = accept_hi): exact:
+// exactly k above B accepted, more trimmed (at most n/8), fewer that reach
+// k with the ties a tie write, else exact_from_u; dgc (survivors = keys >=
+// B): at most k a tie write of all of them, else at least k above B
+// trimmed (at most n/8, else gk_exact), else a tie write of the top k. A
+// tie write sets state's tie_write, from_u, prefix B, need (the ties to
+// take, lower index first) and num_selected.
 struct CollectScan {
   ull* block_offsets = nullptr;   // [grid]: the blocks' counts, then offsets
   ull* block_equal = nullptr;     // [grid]: with ties, the same for the ties
@@ -847,29 +852,74 @@ __device__ void CollectScanBlock(DeviceState* st, const ull* hists,
   const ull equal =
       ties ? ScanInPlace<kThreads>(s.block_equal, static_cast<int>(gridDim.x))
            : 0;
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == 0 && ties) {
+    // Ties at the sample's bound B (exact's sample, or dgc's threshold):
+    // `total` keys > B were kept and `equal` keys == B counted.
+    st->num_candidates = total;
+    st->tie_count = equal;
+    const ull k = s.accept_hi;
+    ull write_need = 0, write_count = 0;  // a tie write: > B, then ties
+    bool accepted = false, trim = false, from_u = false;
+    if (st->error != 0) {
+      // nothing: Wait reports it
+    } else if (s.sampled_exact) {
+      if (total == k) {
+        accepted = true;  // exactly the top k
+      } else if (total > k) {
+        trim = total <= s.exact_above;  // the top k are all > B
+        from_u = !trim;
+      } else if (total + equal >= k) {  // the k-th key is B
+        write_need = k - total;
+        write_count = k;
+      } else {
+        from_u = true;  // the sample missed
+      }
+    } else if (total == k) {
+      accepted = true;  // dgc: exactly its top k are > B
+    } else if (total + equal <= k) {
+      // dgc: every survivor (key >= B): the keys > B and every tie.
+      write_need = equal;
+      write_count = total + equal;
+    } else if (total >= k) {
+      // dgc: the exact top-k among the survivors, all of them > B.
+      trim = total <= s.exact_above;
+      from_u = !trim;
+    } else {  // dgc: the k-th survivor is B
+      write_need = k - total;
+      write_count = k;
+    }
+    st->accepted = accepted;
+    if (write_count != 0) {
+      st->tie_write = 1;
+      st->from_u = 1;
+      st->prefix = st->min_key;
+      st->need = write_need;
+      st->num_selected = write_count;
+    }
+    if (trim) {
+      st->trim = 1;
+      st->need = k;
+      st->prefix = 0;
+      st->count_greater = 0;
+      st->levels_done = 0;
+    }
+    if (from_u && s.sampled_exact) {
+      st->exact_from_u = 1;
+    } else if (from_u) {
+      st->gk_exact = 1;
+      st->gk_exact_candidates = total + equal;
+    }
+  } else if (threadIdx.x == 0) {
     st->num_candidates = total;
     st->accepted = st->error == 0 && st->fallback == 0 &&
                    total >= s.accept_lo && total <= s.accept_hi;
     if (s.at_least != nullptr) {
       GaussResolve(st, s.at_least, s.accept_lo, s.accept_hi);
     }
-    // The exact top-k's sample, ties at its bound B: the k-th key is B when
-    // fewer than k keys exceed it and the ties make up the rest.
-    const bool tie_write = ties && st->error == 0 && !st->accepted &&
-                           total < s.exact_below &&
-                           total + equal >= s.exact_below;
-    if (tie_write) {
-      st->tie_write = 1;
-      st->from_u = 1;
-      st->prefix = st->min_key;
-      st->need = s.exact_below - total;
-      st->num_selected = s.exact_below;
-    }
     // dgc: more than exact_above survive (most of u ties with the sampled
-    // threshold); exact: that, or fewer than k (the sample missed): the
-    // exact top-k from u, gated on gk_exact.
-    if (st->error == 0 && !st->accepted && !tie_write &&
+    // threshold); exact's sample: that, or fewer than k (it missed): the
+    // exact top-k from u, gated on gk_exact (exact_from_u).
+    if (st->error == 0 && !st->accepted &&
         ((s.exact_above != 0 && total > s.exact_above) ||
          total < s.exact_below)) {
       if (s.sampled_exact) {
@@ -879,8 +929,8 @@ __device__ void CollectScanBlock(DeviceState* st, const ull* hists,
         st->gk_exact_candidates = total;
       }
     }
-    // dgc: the exact top-k among the survivors, a radix select over them
-    // from the digit-0 histogram this pass built.
+    // dgc and exact's sample: the exact top-k among the survivors, a radix
+    // select over them from the digit-0 histogram this pass built.
     if (s.trim && st->error == 0 && !st->accepted && total > s.accept_hi &&
         (s.exact_above == 0 || total <= s.exact_above)) {
       st->trim = 1;
@@ -2143,6 +2193,21 @@ struct Sparsifier::Impl {
   // be 1024 mostly idle blocks on a large u, three times per selection.
   KernelStatus TrimRest(float* u, uint64_t n, bool zero, uint64_t expected,
                         cudaStream_t stream);
+  // Ties at the sample's bound B (exact's, dgc's): the compaction kept the
+  // keys > B and counted the keys == B per warp; when the device decided a
+  // tie write (state's tie_write), the final write reads u on the
+  // compaction's layout: the keys > B, then the first `need` ties in
+  // index order. The gather after it then returns at once (from_u).
+  KernelStatus TieWrite(float* u, uint64_t n, bool zero,
+                        cudaStream_t stream) {
+    GatedScope tie(*this, &st->tie_write, 1);
+    GTOPK_LAUNCH(WriteFinalKernel, collect_blocks, kThreads, stream)(
+        cand_idx.get(), cand_val.get(), n, st,
+        FinalRule{0, 0}, counts_a.get(), counts_b.get(), offsets_a.get(),
+        offsets_b.get(), out_idx(), out_val(), u, zero, gate, collect_chunk);
+    GTOPK_CUDA_LAUNCH_CHECK();
+    return KernelStatus::Ok();
+  }
   // The rest of a selection whose count the device did not accept, from the
   // state `s` read after the fast path (u = pending_u, p = pending_params).
   KernelStatus ContinueGaussianK(const DeviceState& s, cudaStream_t stream);
@@ -2391,8 +2456,10 @@ KernelStatus Sparsifier::Impl::SelectDgc(float* u, uint64_t n,
       1, static_cast<uint64_t>(std::ceil(static_cast<double>(sample_size) *
                                          static_cast<double>(k) /
                                          static_cast<double>(n))));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(
-      SampleThreshold(u, n, runs, sample_k, /*limit=*/0, stream));
+  // More than 1/8 of the sample at or above the threshold B: ties at it
+  // (the compaction keeps the keys > B and counts the ties).
+  GTOPK_CUDA_RETURN_IF_NOT_OK(SampleThreshold(
+      u, n, runs, sample_k, std::max<uint64_t>(1, sample_size / 8), stream));
   // min_key is now the sample's sample_k-th largest key. No host round
   // trip whatever the count: at most k survive (the usual case): the
   // device accepts them and gathers them into the output. More than k (and
@@ -2410,6 +2477,7 @@ KernelStatus Sparsifier::Impl::SelectDgc(float* u, uint64_t n,
   at_most_k.trim = 1;
   GTOPK_CUDA_RETURN_IF_NOT_OK(
       Collect(u, n, kCollectDigit0, false, 0, stream, at_most_k));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(TieWrite(u, n, zero, stream));
   GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, /*next_hist=*/true,
                                      stream, kGatherDgc,
                                      Then{kThenFindNext, 0, 0}));
@@ -2508,18 +2576,7 @@ KernelStatus Sparsifier::Impl::SampledExact(float* u, uint64_t n, uint64_t k,
   exactly_k.trim = 1;
   GTOPK_CUDA_RETURN_IF_NOT_OK(
       Collect(u, n, kCollectDigit0, false, 0, stream, exactly_k));
-  // Ties at the bound B: the compaction kept the keys > B and counted the
-  // keys == B per warp; when the k-th key is B (tie_write), the final
-  // write reads u on the compaction's layout (keys > B, then the first
-  // need ties in index order). The gather below then returns at once.
-  {
-    GatedScope tie(*this, &st->tie_write, 1);
-    GTOPK_LAUNCH(WriteFinalKernel, collect_blocks, kThreads, stream)(
-        cand_idx.get(), cand_val.get(), n, st, FinalRule{0, 0},
-        counts_a.get(), counts_b.get(), offsets_a.get(), offsets_b.get(),
-        out_idx(), out_val(), u, zero, gate, collect_chunk);
-    GTOPK_CUDA_LAUNCH_CHECK();
-  }
+  GTOPK_CUDA_RETURN_IF_NOT_OK(TieWrite(u, n, zero, stream));
   GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, /*next_hist=*/true,
                                      stream, kGatherDgc,
                                      Then{kThenFindNext, 0, 0}));
@@ -2557,7 +2614,8 @@ KernelStatus Sparsifier::Impl::ContinueDgc(const DeviceState& s,
   const uint64_t n = pending_n;
   const uint64_t k = pending_params.k;
   const bool zero = pending_params.zero_selected;
-  info.candidates = s.num_candidates;
+  // The survivors (with ties at the threshold: those above it and the ties).
+  info.candidates = s.num_candidates + (s.ties_at_bound != 0 ? s.tie_count : 0);
   // The device accepts 1..k survivors and trims up to n/8; more are most
   // of u (ties at the sample's threshold): the exact top-k from u, whose
   // passes cost less than copying them all.
@@ -2860,6 +2918,14 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
   DeviceState s = *m.host_state();
   const Impl::Continuation continuation = m.continuation;
   m.continuation = Impl::Continuation::kNone;
+  // dgc with ties at its threshold B, finished on the device: its
+  // survivors are the keys > B (kept) and the ties (counted), and by its
+  // rule more than k and more than n/8 of them mean the exact top-k of u,
+  // which is what the device selected then (the plan over u's state has
+  // these fields reset; its branch below reports them).
+  const bool dgc_ties = continuation == Impl::Continuation::kDgc &&
+                        s.error == 0 && s.ties_at_bound != 0;
+  const uint64_t dgc_survivors = s.num_candidates + s.tie_count;
   bool ran_sampled = false;  // an exact top-k from a sample ran
   if (continuation != Impl::Continuation::kNone && s.error == 0) {
     const bool gauss = continuation == Impl::Continuation::kGaussianK;
@@ -2919,13 +2985,16 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
       } else {
         m.info.candidates = s.gk_exact_candidates;  // the survivors
       }
-    } else if (continuation == Impl::Continuation::kDgc && s.trim != 0) {
+    } else if (continuation == Impl::Continuation::kDgc &&
+               (s.trim != 0 || s.tie_write != 0)) {
       // More than k survived dgc's sampled threshold: the device took the
-      // exact top-k among them.
-      m.pending_count = m.pending_params.k;
+      // exact top-k among them; or, with ties at the threshold B, it wrote
+      // the keys > B and every tie (at most k survivors) or the first ties
+      // up to k.
+      m.pending_count = s.trim != 0 ? m.pending_params.k : s.num_selected;
       m.check_selected = true;
       m.info.fast_path = true;
-      m.info.trimmed_on_device = true;
+      m.info.trimmed_on_device = s.trim != 0;
     } else if (corrected) {
       // GaussResolve found the count in range from exact counts; the
       // compaction at that key disagreeing is a broken invariant.
@@ -2943,6 +3012,11 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
       GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
       s = *m.host_state();
     }
+  }
+  if (dgc_ties) {
+    m.info.candidates = dgc_survivors;
+    m.info.fell_back = dgc_survivors > m.pending_params.k &&
+                       dgc_survivors > Impl::CompactCap(m.pending_n);
   }
   if ((s.error & kErrorNonFinite) != 0) {
     // Find the first position for the message (rare path, one more pass).

@@ -74,11 +74,16 @@
 //    exact top-k among them (SelectInfo::trimmed_on_device: the same
 //    compaction counted their first digit, then a radix select over the
 //    gathered survivors), with no host round trip either way
-//    (SelectInfo::fast_path). More than n/8 survivors (ties at the sampled
-//    key) take the exact top-k from u instead, in Wait the first time;
-//    after such a selection the next enqueues that too, gated on the
-//    device's count, so a steady stream of them needs no round trip.
-//    Returns 1..k entries.
+//    (SelectInfo::fast_path). When more than 1/8 of the sample is at or
+//    above the threshold B (ties at it), the compaction keeps the keys > B
+//    and counts those == B, and the device selects by the same rule from
+//    the two counts: at most k survivors (keys >= B) are written whole by
+//    one more pass over u (the keys > B, then the ties in index order); at
+//    least k above B are trimmed; else the keys > B and the first ties up
+//    to k. More than n/8 survivors that the sample did not show take the
+//    exact top-k from u instead, in Wait the first time; after such a
+//    selection the next enqueues that too, gated on the device's count, so
+//    a steady stream of them needs no round trip. Returns 1..k entries.
 //
 // Output: (index, value) pairs sorted by index, values copied bit-exactly,
 // only those pairs copied to the host, into pinned buffers, asynchronously on

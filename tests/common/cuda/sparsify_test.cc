@@ -205,8 +205,10 @@ class ExactSampleFrom {
   uint64_t saved_;
 };
 
-// The same inputs with exact starting from a sample at every n it can (n
-// >= 4096 and k small enough; the default minimum is 2^22): the sampled
+// The same inputs with exact starting from a sample wherever its plan
+// allows (the hook lifts the default minimum of 2^22; the plan itself
+// needs n above ~16K, so n = 4099 checks that small inputs keep the plan
+// over u, and k small enough for its survivors): the sampled
 // bound's survivors trimmed (or accepted) on the device, or the plan over
 // u when the bound kept fewer than k or more than n/8: always the
 // reference, bit for bit, and the residual zeroed exactly there.
@@ -1359,27 +1361,6 @@ TEST_F(GpuTest, GaussianKExactFallbackRunsOnTheDeviceAfterAFallback) {
   ExpectPredictedSequence("gaussiank", n, k, steps);
 }
 
-// dgc likewise: when more than n/8 entries survive its sampled threshold
-// (ties: most of u equals the sampled key) it takes the exact top-k from
-// u; after such a step the next enqueues it too, gated on the device's
-// count, with no host round trip.
-TEST_F(GpuTest, DgcExactFromURunsOnTheDeviceAfterOne) {
-  const size_t n = 100003;
-  const uint64_t k = 1000;
-  const std::vector<float> ties = MakeInput(Distribution::kTies, n, 61);
-  const std::vector<float> equal = MakeInput(Distribution::kAllEqual, n, 62);
-  const std::vector<float> normal = MakeInput(Distribution::kNormal, n, 63);
-  const PredictedStep steps[] = {
-      {&ties, 1, 0, true},     // Wait takes the exact top-k from u
-      {&ties, 1, 1, true},     // predicted: on the device
-      {&equal, 1, 1, true},    // another such input: device
-      {&normal, 0, 1, false},  // accepted or trimmed; gated chain idle
-      {&ties, 1, 0, true},     // not predicted: Wait again
-      {&ties, 1, 1, true},
-  };
-  ExpectPredictedSequence("dgc", n, k, steps);
-}
-
 // Inputs built around the exact top-k's sample at (seed 0, step) for n =
 // 100003, k = 1000 (the plan: 196 runs, 3136 keys, the bound at the
 // sample's 176th largest key): `base` scaled to |u| < 1 except where
@@ -1515,6 +1496,115 @@ TEST_F(GpuTest, GaussianKFallbackStartsFromASampleOnALargeU) {
       {&ties, 1, 0, true, 0},     // not predicted: Wait again
   };
   ExpectPredictedSequence("gaussiank", n, k, steps);
+}
+
+// dgc's sample hidden from most of u (seed 0, `step`, dgc's default 1 %
+// sample: 63 runs at n = 100003): the sampled positions hold small
+// distinct magnitudes and every other entry a larger distinct one, so the
+// sample's threshold keeps nearly all of u (more than n/8: the exact top-k
+// of u by dgc's rule) while the sample shows no ties at it.
+std::vector<float> HiddenFromDgc(uint64_t step, size_t n) {
+  std::vector<float> u(n);
+  for (size_t i = 0; i < n; ++i) u[i] = 1.0f + 1e-6f * static_cast<float>(i);
+  float small = 0.1f;
+  for (uint64_t start : SampleRunStarts(0, step, n, 63)) {
+    for (uint64_t j = 0; j < 16; ++j) {
+      u[start + j] = (start + j) % 2 ? small : -small;
+      small += 1e-6f;
+    }
+  }
+  return u;
+}
+
+// dgc likewise: when more than n/8 entries survive its sampled threshold
+// and the sample did not show it (a sample that missed the rest of u) it
+// takes the exact top-k from u; after such a step the next enqueues it
+// too, gated on the device's count, with no host round trip. With ties at
+// the threshold (ties, every value equal) the device selects by the rule
+// itself (the keys above the threshold, then the ties in index order).
+TEST_F(GpuTest, DgcExactFromURunsOnTheDeviceAfterOne) {
+  const size_t n = 100003;
+  const uint64_t k = 1000;
+  const std::vector<float> ties = MakeInput(Distribution::kTies, n, 61);
+  const std::vector<float> equal = MakeInput(Distribution::kAllEqual, n, 62);
+  const std::vector<float> normal = MakeInput(Distribution::kNormal, n, 63);
+  const std::vector<float> hidden0 = HiddenFromDgc(0, n);
+  const std::vector<float> hidden1 = HiddenFromDgc(1, n);
+  const std::vector<float> hidden4 = HiddenFromDgc(4, n);
+  const std::vector<float> hidden5 = HiddenFromDgc(5, n);
+  const PredictedStep steps[] = {
+      {&hidden0, 1, 0, true},  // Wait takes the exact top-k from u
+      {&hidden1, 1, 1, true},  // predicted: on the device
+      {&ties, 1, 1, true},     // ties at the threshold: on the device
+      {&normal, 0, 1, false},  // accepted or trimmed; gated chain idle
+      {&hidden4, 1, 0, true},  // not predicted: Wait again
+      {&hidden5, 1, 1, true},
+      {&equal, 1, 1, true},    // every value equal: on the device
+  };
+  ExpectPredictedSequence("dgc", n, k, steps);
+}
+
+// dgc against its rule recomputed in plain loops (the sample's runs, its
+// ceil(k * sample / n)-th largest key as threshold T, the survivors key >=
+// T: at most k of them are the selection, in index order; more, the exact
+// top-k of u), on inputs with ties at T: few levels, ties, every value
+// equal, zeros, two levels, and levels whose survivors are just under k =
+// 30000, at densities where the survivors are fewer and more than k, steps
+// 0..5.
+TEST_F(GpuTest, DgcWithTiesAtItsThresholdFollowsItsRule) {
+  const size_t n = 100003;
+  auto key = [](float x) { return FloatBits(x) & 0x7fffffffu; };
+  // 20 % at 2.0 and 20 % at -1.0; 10 % at 2.0 and 19.5 % at 1.0 (just
+  // under k = 30000 at or above 1.0); the rest small and distinct.
+  std::vector<float> two_levels = MakeInput(Distribution::kNormal, n, 64);
+  std::vector<float> near_k = two_levels;
+  for (size_t i = 0; i < n; ++i) {
+    const float small = 0.01f * two_levels[i];
+    two_levels[i] = i % 5 == 0 ? 2.0f : (i % 5 == 1 ? -1.0f : small);
+    near_k[i] = i % 1000 < 100 ? 2.0f : (i % 1000 < 295 ? 1.0f : small);
+  }
+  const std::vector<std::pair<const char*, std::vector<float>>> inputs = {
+      {"few_levels", MakeInput(Distribution::kFewLevels, n, 65)},
+      {"ties", MakeInput(Distribution::kTies, n, 66)},
+      {"all_equal", MakeInput(Distribution::kAllEqual, n, 67)},
+      {"all_zeros", MakeInput(Distribution::kAllZeros, n, 68)},
+      {"two_levels", two_levels},
+      {"near_k", near_k}};
+  int at_most_k = 0, more_than_k = 0;
+  for (const auto& [name, u] : inputs) {
+    for (uint64_t k : {uint64_t{1000}, uint64_t{30000}, uint64_t{45000}}) {
+      SCOPED_TRACE(::testing::Message() << name << " k " << k);
+      GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                                 CudaSelector::Create("dgc", {}, n));
+      const uint64_t runs = (static_cast<uint64_t>(std::ceil(0.01 * n)) + 15) / 16;
+      const uint64_t sample_k = static_cast<uint64_t>(std::ceil(
+          static_cast<double>(runs * 16) * k / static_cast<double>(n)));
+      for (uint64_t step = 0; step < 6; ++step) {
+        SCOPED_TRACE(step);
+        std::vector<uint32_t> sample;
+        for (uint64_t start : SampleRunStarts(0, step, n, runs)) {
+          for (uint64_t j = 0; j < 16; ++j) sample.push_back(key(u[start + j]));
+        }
+        std::sort(sample.begin(), sample.end(), std::greater<uint32_t>());
+        const uint32_t threshold = sample[sample_k - 1];
+        SparseVector want;
+        for (size_t i = 0; i < n; ++i) {
+          if (key(u[i]) >= threshold) want.push_back(i, u[i]);
+        }
+        const uint64_t survivors = want.size();
+        if (survivors > k) want = ReferenceTopK(u, k);
+        (survivors > k ? more_than_k : at_most_k) += 1;
+        SparseVector got;
+        GTOPK_ASSERT_OK(selector->Select(u, k, step, &got));
+        ExpectSameBits(got, want);
+        EXPECT_EQ(selector->last_info().candidates, survivors);
+        EXPECT_EQ(selector->last_info().fell_back,
+                  survivors > k && survivors > n / 8);
+      }
+    }
+  }
+  EXPECT_GE(at_most_k, 4) << "more than k survived nearly always";
+  EXPECT_GE(more_than_k, 10);
 }
 
 // With no keys listed for the device correction (a test hook), a
