@@ -961,8 +961,8 @@ enum CollectHist {
 // region; counts[w] = how many. kHist: the histogram it builds
 // (CollectHist). kCountKeys: also adds to state's gk_counts[r] the keys >=
 // gk_keys[r] in that key's digit-0 bin (kept or not; Gaussian-k's
-// correction). kCollectDigit0 with state's ties_at_bound (the exact top-k's
-// sample, whose bound B = min_key is a key much of u shares): keeps the
+// correction). kCollectDigit0 with state's ties_at_bound (exact's sample or
+// dgc's threshold B = min_key is a key much of u shares): keeps the
 // keys > B and counts those == B per warp into equal_counts. Then `scan`
 // (CollectScanBlock). Nothing when the exact plan reads u in its final pass
 // (state's from_u), or when the gate is closed.
@@ -2182,7 +2182,8 @@ struct Sparsifier::Impl {
   // step's seed). Init (need = rank, the trim histograms zeroed), the
   // sample's keys into cand_idx with their digit 0, digits 1 and 2 over
   // them. limit != 0: more than `limit` sample keys at or above that key
-  // set state's gk_exact.
+  // set state's ties_at_bound (the compaction then keeps the keys above it
+  // and counts its ties).
   KernelStatus SampleThreshold(const float* u, uint64_t n, uint64_t runs,
                                uint64_t rank, ull limit, cudaStream_t stream);
   // The trim's last kernels, gated on state's trim (dgc and the exact
