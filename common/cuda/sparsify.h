@@ -152,13 +152,13 @@ struct SelectInfo {
   bool fell_back = false;
   bool used_update_histogram =
       false;  // the first histogram came from Accumulate
-  // exact: the selection is the exact top-k among the keys >= a sampled
-  // lower bound (one compaction pass over u and no histogram pass; the
-  // candidates are those survivors), accepted when exactly k survived,
-  // else trimmed on the device (trimmed_on_device); or, when much of u
-  // ties at the bound, the keys above it (candidates, fewer than k) and
-  // the first ties in index order, written by a second pass over u
-  // (exact_final_from_u).
+  // exact (and gaussiank's exact fallback, with fell_back): the selection
+  // is the exact top-k among the keys >= a sampled lower bound (one
+  // compaction pass over u and no histogram pass; the candidates are
+  // those survivors), accepted when exactly k survived, else trimmed on
+  // the device (trimmed_on_device); or, when much of u ties at the bound,
+  // the keys above it (candidates, fewer than k) and the first ties in
+  // index order, written by a second pass over u (exact_final_from_u).
   bool exact_sampled = false;
   // gaussiank/dgc, and exact when it started from a sample: the selection
   // ran without a host round trip: the device accepted the compaction's
@@ -336,8 +336,10 @@ class SparseUpdater {
 
 // Tests only: the smallest n for which exact (without Accumulate's
 // histogram) starts from a sample instead of a histogram pass (default
-// 2^22; below it the sample's launches cost more than the pass they save;
-// n < 4096 never does). Process-wide, read by each Select; returns the
+// 2^22; below it the sample's launches cost more than the pass they save).
+// The sample's own plan needs n above about 16K (a sample of at most n/32
+// keys whose bound keeps at most n/16 survivors), so smaller n keep the
+// histogram plan even at 0. Process-wide, read by each Select; returns the
 // previous value.
 uint64_t SetExactSampleMinNForTesting(uint64_t min_n);
 
