@@ -2214,6 +2214,23 @@ struct Sparsifier::Impl {
   KernelStatus ContinueGaussianK(const DeviceState& s, cudaStream_t stream);
   KernelStatus ContinueDgc(const DeviceState& s, cudaStream_t stream);
   KernelStatus ContinueExact(cudaStream_t stream);
+  // After SampleThreshold (dgc's, the exact top-k's): the compaction at
+  // the sample's key with the decision `scan` (accept, trim, tie write, or
+  // the plan over u), then every follow-up the device may pick, each gated
+  // on its verdict: the tie write, the gather (accepted: to the output;
+  // trimmed: to the candidates) and the trim's kernels on a grid for
+  // `expected` survivors.
+  KernelStatus CompactAtSample(float* u, uint64_t n, bool zero,
+                               const CollectScan& scan, uint64_t expected,
+                               cudaStream_t stream) {
+    GTOPK_CUDA_RETURN_IF_NOT_OK(
+        Collect(u, n, kCollectDigit0, false, 0, stream, scan));
+    GTOPK_CUDA_RETURN_IF_NOT_OK(TieWrite(u, n, zero, stream));
+    GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, /*next_hist=*/true,
+                                       stream, kGatherDgc,
+                                       Then{kThenFindNext, 0, 0}));
+    return TrimRest(u, n, zero, expected, stream);
+  }
 };
 
 namespace {
@@ -2476,14 +2493,9 @@ KernelStatus Sparsifier::Impl::SelectDgc(float* u, uint64_t n,
   at_most_k.accept_hi = k;
   at_most_k.exact_above = CompactCap(n);
   at_most_k.trim = 1;
-  GTOPK_CUDA_RETURN_IF_NOT_OK(
-      Collect(u, n, kCollectDigit0, false, 0, stream, at_most_k));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(TieWrite(u, n, zero, stream));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, /*next_hist=*/true,
-                                     stream, kGatherDgc,
-                                     Then{kThenFindNext, 0, 0}));
   // dgc's survivors scatter around k (the sample's estimate).
-  GTOPK_CUDA_RETURN_IF_NOT_OK(TrimRest(u, n, zero, 4 * k, stream));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(
+      CompactAtSample(u, n, zero, at_most_k, 4 * k, stream));
   // As gaussiank's: the last selection took the exact top-k from u (ties at
   // the sampled threshold), so this one is enqueued too, gated on the
   // device's count (8 kernels that return at once when it is not needed).
@@ -2575,17 +2587,12 @@ KernelStatus Sparsifier::Impl::SampledExact(float* u, uint64_t n, uint64_t k,
   exactly_k.exact_below = k;
   exactly_k.sampled_exact = 1;
   exactly_k.trim = 1;
-  GTOPK_CUDA_RETURN_IF_NOT_OK(
-      Collect(u, n, kCollectDigit0, false, 0, stream, exactly_k));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(TieWrite(u, n, zero, stream));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, /*next_hist=*/true,
-                                     stream, kGatherDgc,
-                                     Then{kThenFindNext, 0, 0}));
   // The survivors expected at the bound's rank, twice over.
   const uint64_t expected = static_cast<uint64_t>(
       2.0 * static_cast<double>(rank) * static_cast<double>(n) /
       static_cast<double>(runs * 16));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(TrimRest(u, n, zero, expected, stream));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(
+      CompactAtSample(u, n, zero, exactly_k, expected, stream));
   // The last such selection needed the plan over u (ties at the bound,
   // which persist from step to step): enqueue it too, gated.
   if (from_u_predicted) {

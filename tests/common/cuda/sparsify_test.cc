@@ -153,25 +153,36 @@ TEST_P(GpuSelectTest, GaussianKAndDgcKeepTheirCountContracts) {
   }
 }
 
+// Test names: <input>_n<n>_d<density in units of 1e-4>.
+std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
+  const double d = std::get<2>(info.param);
+  return DistributionName(std::get<0>(info.param)) + "_n" +
+         std::to_string(std::get<1>(info.param)) + "_d" +
+         std::to_string(static_cast<int>(d * 10000));
+}
+
+// The input kinds of the CPU selectors' tests, and issue 15's adversarial
+// ones.
+const Distribution kInputKinds[] = {
+    Distribution::kNormal,    Distribution::kHeavyTailed,
+    Distribution::kManyZeros, Distribution::kAllZeros,
+    Distribution::kAllEqual,  Distribution::kFewLevels,
+    Distribution::kDenormals, Distribution::kAscending,
+    Distribution::kSpike};
+const Distribution kAdversarialKinds[] = {
+    Distribution::kNarrowBand, Distribution::kTies, Distribution::kLaplaceZeros,
+    Distribution::kOutliers};
+
 INSTANTIATE_TEST_SUITE_P(
     Inputs, GpuSelectTest,
     ::testing::Combine(
-        ::testing::Values(Distribution::kNormal, Distribution::kHeavyTailed,
-                          Distribution::kManyZeros, Distribution::kAllZeros,
-                          Distribution::kAllEqual, Distribution::kFewLevels,
-                          Distribution::kDenormals, Distribution::kAscending,
-                          Distribution::kSpike),
+        ::testing::ValuesIn(kInputKinds),
         // n = 1, odd sizes around the 128-entry warp step and the block
         // size, and one above a million.
         ::testing::Values(size_t{1}, size_t{1000}, size_t{4099}, size_t{100003},
                           size_t{(1 << 20) + 7}),
         ::testing::Values(0.001, 0.01, 0.3)),
-    [](const ::testing::TestParamInfo<Case>& info) {
-      const double d = std::get<2>(info.param);
-      return DistributionName(std::get<0>(info.param)) + "_n" +
-             std::to_string(std::get<1>(info.param)) + "_d" +
-             std::to_string(static_cast<int>(d * 10000));
-    });
+    CaseName);
 
 // The adversarial inputs of issue 15 at the densities of its targets: every
 // path of the exact plan (compaction after one, two or three digits, the
@@ -180,16 +191,10 @@ INSTANTIATE_TEST_SUITE_P(
 INSTANTIATE_TEST_SUITE_P(
     Adversarial, GpuSelectTest,
     ::testing::Combine(
-        ::testing::Values(Distribution::kNarrowBand, Distribution::kTies,
-                          Distribution::kLaplaceZeros, Distribution::kOutliers),
+        ::testing::ValuesIn(kAdversarialKinds),
         ::testing::Values(size_t{1}, size_t{4099}, size_t{100003}),
         ::testing::Values(0.0001, 0.01, 0.3)),
-    [](const ::testing::TestParamInfo<Case>& info) {
-      const double d = std::get<2>(info.param);
-      return DistributionName(std::get<0>(info.param)) + "_n" +
-             std::to_string(std::get<1>(info.param)) + "_d" +
-             std::to_string(static_cast<int>(d * 10000));
-    });
+    CaseName);
 
 // Sets the smallest n at which exact starts from a sample (a test hook,
 // process-wide) while it lives.
@@ -261,37 +266,22 @@ TEST_P(GpuSampledExactTest, ExactFromASampleEqualsTheReference) {
 INSTANTIATE_TEST_SUITE_P(
     Inputs, GpuSampledExactTest,
     ::testing::Combine(
-        ::testing::Values(Distribution::kNormal, Distribution::kHeavyTailed,
-                          Distribution::kManyZeros, Distribution::kAllZeros,
-                          Distribution::kAllEqual, Distribution::kFewLevels,
-                          Distribution::kDenormals, Distribution::kAscending,
-                          Distribution::kSpike),
+        ::testing::ValuesIn(kInputKinds),
         // 40961: the compaction's warp chunk (a multiple of 128) differs
         // from the final compaction's (of 32), which the write after ties
         // at the bound must not mix up.
         ::testing::Values(size_t{4099}, size_t{40961}, size_t{100003},
                           size_t{(1 << 20) + 7}),
         ::testing::Values(0.0001, 0.001, 0.01)),
-    [](const ::testing::TestParamInfo<Case>& info) {
-      const double d = std::get<2>(info.param);
-      return DistributionName(std::get<0>(info.param)) + "_n" +
-             std::to_string(std::get<1>(info.param)) + "_d" +
-             std::to_string(static_cast<int>(d * 10000));
-    });
+    CaseName);
 
 INSTANTIATE_TEST_SUITE_P(
     Adversarial, GpuSampledExactTest,
     ::testing::Combine(
-        ::testing::Values(Distribution::kNarrowBand, Distribution::kTies,
-                          Distribution::kLaplaceZeros, Distribution::kOutliers),
+        ::testing::ValuesIn(kAdversarialKinds),
         ::testing::Values(size_t{4099}, size_t{40961}, size_t{100003}),
         ::testing::Values(0.0001, 0.001, 0.002, 0.01)),
-    [](const ::testing::TestParamInfo<Case>& info) {
-      const double d = std::get<2>(info.param);
-      return DistributionName(std::get<0>(info.param)) + "_n" +
-             std::to_string(std::get<1>(info.param)) + "_d" +
-             std::to_string(static_cast<int>(d * 10000));
-    });
+    CaseName);
 
 // The exact plan follows the data, and each path equals the reference: on
 // normal data one histogram pass over u decides the top digit and the rest
