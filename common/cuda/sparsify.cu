@@ -839,6 +839,17 @@ struct CollectScan {
   int trim = 0;
 };
 
+// The trim: the exact top-k among the kept survivors, a radix select over
+// them restarted from the digit-0 histogram the compaction built (state's
+// trim gates the kernels that finish it). One thread.
+__device__ inline void StartTrim(DeviceState* st, ull k) {
+  st->trim = 1;
+  st->need = k;
+  st->prefix = 0;
+  st->count_greater = 0;
+  st->levels_done = 0;
+}
+
 __device__ void CollectScanBlock(DeviceState* st, const ull* hists,
                                  const CollectScan& s, ull block_total,
                                  bool ties, ull block_equal) {
@@ -896,13 +907,7 @@ __device__ void CollectScanBlock(DeviceState* st, const ull* hists,
       st->need = write_need;
       st->num_selected = write_count;
     }
-    if (trim) {
-      st->trim = 1;
-      st->need = k;
-      st->prefix = 0;
-      st->count_greater = 0;
-      st->levels_done = 0;
-    }
+    if (trim) StartTrim(st, k);
     if (from_u && s.sampled_exact) {
       st->exact_from_u = 1;
     } else if (from_u) {
@@ -933,11 +938,7 @@ __device__ void CollectScanBlock(DeviceState* st, const ull* hists,
     // select over them from the digit-0 histogram this pass built.
     if (s.trim && st->error == 0 && !st->accepted && total > s.accept_hi &&
         (s.exact_above == 0 || total <= s.exact_above)) {
-      st->trim = 1;
-      st->need = s.accept_hi;
-      st->prefix = 0;
-      st->count_greater = 0;
-      st->levels_done = 0;
+      StartTrim(st, s.accept_hi);
     }
   }
   __syncthreads();
@@ -1026,7 +1027,7 @@ __global__ void __launch_bounds__(kThreads)
   // memory (a register live across the loop made the pass spill).
   __shared__ uint32_t tie_counts[kHist == kCollectDigit0 ? kWarpsPerBlock : 1];
   uint32_t* my_ties = tie_counts + (kHist == kCollectDigit0 ? threadIdx.x / 32 : 0);
-  if (lane == 0) *my_ties = 0;
+  if (kHist == kCollectDigit0 && lane == 0) *my_ties = 0;
   bool bad = false;
   if (!skip) {
     for (uint64_t base = begin; base < end; base += kChunkAlign) {
