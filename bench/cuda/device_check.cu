@@ -217,6 +217,10 @@ struct Row {
   // (SelectInfo::exact_sampled: one compaction pass over u); NAN for the
   // others.
   double sampled = NAN;
+  // exact rows: share of the timed selections whose candidates came from
+  // the fused update's compaction (SelectInfo::candidates_from_update: no
+  // pass over u; after the update only); NAN for the others.
+  double from_update = NAN;
   // exact rows: SelectInfo's plan of the last timed selection (the digit
   // passes over u, whether the final compaction read u); -1 for the others.
   int digit_passes = -1;
@@ -782,7 +786,8 @@ class DeviceChecker {
                     const std::function<void()>& select) {
     std::vector<double> s, wall;
     uint64_t count = 0;
-    int fast = 0, corrected = 0, trimmed = 0, sampled = 0, timed = 0;
+    int fast = 0, corrected = 0, trimmed = 0, sampled = 0, from_update = 0,
+        timed = 0;
     gtopk::cuda::SelectInfo last_info;
     auto wait_selection = [&] {
       SelectedPairs t;
@@ -792,6 +797,7 @@ class DeviceChecker {
       corrected += t.info.corrected_on_device ? 1 : 0;
       trimmed += t.info.trimmed_on_device ? 1 : 0;
       sampled += t.info.exact_sampled ? 1 : 0;
+      from_update += t.info.candidates_from_update ? 1 : 0;
       last_info = t.info;
       ++timed;
     };
@@ -806,6 +812,7 @@ class DeviceChecker {
     if (p.method == Method::kDgc) row.trimmed = double(trimmed) / timed;
     if (p.method == Method::kExact) {
       row.sampled = double(sampled) / timed;
+      row.from_update = double(from_update) / timed;
       row.digit_passes = last_info.exact_digit_passes;
       row.final_from_u = last_info.exact_final_from_u ? 1 : 0;
     }
@@ -1030,6 +1037,8 @@ void PrintTable(const Table& table, const Results& results,
     std::string plan = "-";
     if (std::isfinite(r.sampled) && r.sampled > 0) {
       plan = "s" + Num(r.sampled);  // share started from a sample
+    } else if (std::isfinite(r.from_update) && r.from_update > 0) {
+      plan = "p" + Num(r.from_update);  // share from the update's candidates
     } else if (r.digit_passes >= 0) {
       plan = std::to_string(r.digit_passes) + (r.final_from_u ? ",u" : "");
     } else if (std::isfinite(r.corrected)) {
@@ -1062,6 +1071,7 @@ std::string JsonRow(const Row& r, const Ratios& x) {
      << ", \"corrected_fraction\": " << Num(r.corrected)
      << ", \"trimmed_fraction\": " << Num(r.trimmed)
      << ", \"sampled_fraction\": " << Num(r.sampled)
+     << ", \"from_update_fraction\": " << Num(r.from_update)
      << ", \"one_read_us\": " << Num(x.one_read)
      << ", \"x_one_read\": " << Num(r.us / x.one_read)
      << ", \"torch_topk_us\": " << Num(x.torch_us)

@@ -180,6 +180,17 @@ def check_row(r, normal, k, one_read, where, failures):
     elif sampled is not None:
         failures.append("%s: sampled_fraction %r for a method without one" %
                         (where, sampled))
+    # The share of exact selections after the update whose candidates came
+    # from the update's compaction: on exact rows only, 0 without the update.
+    from_update = r.get("from_update_fraction", "absent")
+    if base == "exact":
+        if not (isinstance(from_update, (int, float)) and
+                0 <= from_update <= 1) or (m == "exact" and from_update != 0):
+            failures.append("%s: from_update_fraction %r" %
+                            (where, from_update))
+    elif from_update is not None:
+        failures.append("%s: from_update_fraction %r for a method without "
+                        "one" % (where, from_update))
     # The exact plan of the last timed selection, on exact rows only (no
     # digit pass when it started from a sample).
     passes, from_u = r.get("digit_passes", "absent"), \
@@ -287,6 +298,16 @@ def emulated_checks(binary, tmp, failures):
             failures.append("emulated run: correctness %r, want %d" %
                             (c, want))
         check_rows(doc, failures)
+        # The same u after every update: the predicted bin always holds,
+        # so every timed exact selection after it takes the update's
+        # candidates (plan p1).
+        shares = [r2["from_update_fraction"] for r2 in doc["rows"]
+                  if r2.get("method") == "exact_after_update" and
+                  r2.get("input") == "normal"]
+        if shares != [1] * len(TIMED_DENSITIES):
+            failures.append("emulated run: normal exact_after_update "
+                            "from_update_fraction %r, want 1 on every row"
+                            % shares)
         check_targets(doc, r.stdout, GAUSSIANK_CHECKS_PER_DENSITY *
                       len(TIMED_SIZES) * len(TIMED_DENSITIES) * len(INPUTS),
                       True, failures)

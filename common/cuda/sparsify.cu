@@ -10,6 +10,10 @@
 // of the regions in warp order is therefore sorted by index, which gives the
 // stable (lower index first) order without a device-wide sort.
 //
+// The fused update (HistogramKernel<true>) partitions u the same way, with
+// kUpdateChunks chunks per warp of its one-wave grid, so that the
+// candidates it keeps for the next exact selection are index-ordered too.
+//
 // Candidate arrays (cand_idx_/cand_val_, length M on the device) use the
 // same warp-chunk scheme with 32 entries per step.
 //
@@ -45,6 +49,9 @@ constexpr int kMaxWarps = kMaxBlocks * kWarpsPerBlock;  // 8192
 // One-block kernels (Init, the Gaussian-k planner, FindBinDecide).
 constexpr int kScanThreads = 1024;
 constexpr uint64_t kChunkAlign = 128;                 // 32 lanes x float4
+// Chunks per warp of the histogram pass (HistArgs::chunk): enough that a
+// chunk rounded up to kChunkAlign leaves the warps' shares even.
+constexpr int kUpdateChunks = 4;
 constexpr uint32_t kNonFiniteKey = 0x7f800000u;
 constexpr int kBins = 2048;  // largest digit: 11 bits
 // The three digits' histograms, contiguous (LevelHist): 2048 + 2048 + 512.
@@ -165,6 +172,19 @@ struct DeviceState {
   // Blocks of the running pass that finished (LastBlockDone); 0 between
   // kernels: its last block resets it, and so does InitKernel.
   unsigned int blocks_done;
+  // The exact plan after Accumulate takes its candidates from the fused
+  // update's compaction (see UpdateCandidates): no compaction pass over u.
+  int from_update;
+  // Candidates from the update, kept by InitKernel (they outlive a
+  // selection). update_pred_bin: 1 + the digit-0 bin from which the next
+  // fused update of an n = update_pred_n residual compacts (0: none),
+  // written by the exact plan after Accumulate from the k-th key it found.
+  // update_used_bin/_n: the same for the last fused update, which wrote
+  // them (0: it compacted nothing).
+  ull update_pred_bin;
+  ull update_pred_n;
+  ull update_used_bin;
+  ull update_used_n;
 };
 
 // The state's slot at the head of the output buffer (Sparsifier::Impl::
@@ -235,7 +255,8 @@ __host__ __device__ inline uint32_t MinKeyAbove(double t) {
 // Kernels
 // ---------------------------------------------------------------------------
 
-// Resets the state; zeroes hist1/hist2, (zero_hist0) hist0 and the
+// Resets the state (the update_* fields always survive: the fused
+// update's prediction outlives a selection); zeroes hist1/hist2, (zero_hist0) hist0 and the
 // trim histograms when given (kHistsSize entries); state's seed = *seed
 // (pinned host memory) when given. keep_sums
 // keeps sum_blocks (Accumulate's per-block partial sums stay valid),
@@ -280,8 +301,13 @@ __device__ void InitBlock(DeviceState* st, const InitArgs& a) {
   // What is kept, read (thread 0) before the block zeroes the state.
   int sum_blocks = 0, exact = 0, exact_adjustments = 0, exact_from_u = 0;
   ull candidates = 0, exact_candidates = 0, step_seed = 0;
+  ull pred_bin = 0, pred_n = 0, used_bin = 0, used_n = 0;
   uint32_t error = 0;
   if (threadIdx.x == 0) {
+    pred_bin = st->update_pred_bin;
+    pred_n = st->update_pred_n;
+    used_bin = st->update_used_bin;
+    used_n = st->update_used_n;
     sum_blocks = st->sum_blocks;
     candidates = st->num_candidates;
     exact = st->gk_exact;
@@ -303,6 +329,10 @@ __device__ void InitBlock(DeviceState* st, const InitArgs& a) {
     st->need = need;
     st->first_non_finite = ~0ull;
     st->seed = step_seed;
+    st->update_pred_bin = pred_bin;
+    st->update_pred_n = pred_n;
+    st->update_used_bin = used_bin;
+    st->update_used_n = used_n;
     if (keep_sums) st->sum_blocks = sum_blocks;
     if (keep_candidates) st->num_candidates = candidates;
     if (keep_gate) {  // and an error the gated-on chain found before
@@ -338,6 +368,18 @@ struct HistArgs {
   Gate gate;         // nothing while closed
   Then then;         // the last block's step after the pass (RunThen);
                      // HistogramKernel<false> only
+  // The partition of u (the same with and without the update, so that the
+  // per-block sums are too): `layout_warps` chunks of `chunk` entries (a
+  // multiple of kChunkAlign), chunk c read by warp c % (grid's warps).
+  uint64_t chunk;
+  int layout_warps;  // a multiple of kWarpsPerBlock
+  // HistogramKernel<true>: when state's update_pred_n == n, every i with
+  // key(u[i]) >= (update_pred_bin - 1) << 20 goes to chunk c's region of
+  // `regions` (c * chunk, index order) and counts[c] = how many, for
+  // every c < layout_warps (UpdateCandidates); state's update_used_* say
+  // whether it did.
+  uint32_t* regions;
+  uint32_t* counts;
 };
 
 // One element of the update: the CPU rule's operations in its order.
@@ -356,70 +398,115 @@ __device__ inline float UpdateOne(float g, float p, float v, float r,
 }
 
 // The first radix histogram (digit 0 of |u|) and the sums of u; with
-// kUpdate it first computes u = residual + lr*v and writes it.
+// kUpdate it first computes u = residual + lr*v and writes it, and keeps
+// the update's candidates (HistArgs::regions) when the state predicts a
+// bin for this n.
+// The fused update holds at most 48 registers (5 blocks per SM; 64 unbounded
+// with the compaction, and 40 spills): one wave of it is its grid.
 template <bool kUpdate>
-__global__ void __launch_bounds__(kThreads) HistogramKernel(HistArgs a) {
+__global__ void __launch_bounds__(kThreads, kUpdate ? 5 : 1)
+    HistogramKernel(HistArgs a) {
   if (Closed(a.gate)) return;  // uniform
   __shared__ uint32_t hist[kBins];
   for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
+  // Read by every thread before block 0 writes what it used.
+  const ull pred = kUpdate && a.st->update_pred_n == a.n
+                       ? a.st->update_pred_bin
+                       : 0;
   __syncthreads();
+  if (kUpdate && blockIdx.x == 0 && threadIdx.x == 0) {
+    a.st->update_used_bin = pred;
+    a.st->update_used_n = a.n;
+  }
+  const bool compact = kUpdate && pred != 0;
+  const uint32_t min_key = compact ? static_cast<uint32_t>(pred - 1) << 20 : 0;
+  const int lane = threadIdx.x & 31;
+  const uint32_t lanes_below = (1u << lane) - 1u;
   // Double sums: squares of |u| > ~1e19 would overflow float.
   double sum = 0.0, sumsq = 0.0;
-  const uint64_t stride = uint64_t{gridDim.x} * kThreads;
-  for (uint64_t g4 = uint64_t{blockIdx.x} * kThreads + threadIdx.x;
-       g4 * 4 < a.n; g4 += stride) {
-    const uint64_t i = g4 * 4;
-    float u[4];
-    int valid = 4;
-    if (a.vectorized && i + 3 < a.n) {
-      if (kUpdate) {
-        const float4 g = *reinterpret_cast<const float4*>(a.grad + i);
-        const float4 p = a.params != nullptr
-                             ? *reinterpret_cast<const float4*>(a.params + i)
-                             : make_float4(0.f, 0.f, 0.f, 0.f);
-        const float4 v =
-            a.momentum_correction
-                ? *reinterpret_cast<const float4*>(a.velocity_in + i)
-                : make_float4(0.f, 0.f, 0.f, 0.f);
-        const float4 r = *reinterpret_cast<const float4*>(a.residual_in + i);
-        float4 vo;
-        u[0] = UpdateOne(g.x, p.x, v.x, r.x, a, &vo.x);
-        u[1] = UpdateOne(g.y, p.y, v.y, r.y, a, &vo.y);
-        u[2] = UpdateOne(g.z, p.z, v.z, r.z, a, &vo.z);
-        u[3] = UpdateOne(g.w, p.w, v.w, r.w, a, &vo.w);
-        if (a.momentum_correction) {
-          *reinterpret_cast<float4*>(a.velocity_out + i) = vo;
-        }
-        *reinterpret_cast<float4*>(a.residual_out + i) =
-            make_float4(u[0], u[1], u[2], u[3]);
-      } else {
-        const float4 r = *reinterpret_cast<const float4*>(a.residual_in + i);
-        u[0] = r.x;
-        u[1] = r.y;
-        u[2] = r.z;
-        u[3] = r.w;
-      }
-    } else {
-      valid = static_cast<int>(a.n - i < 4 ? a.n - i : 4);
-      for (int j = 0; j < valid; ++j) {
+  const uint64_t warps = uint64_t{gridDim.x} * kWarpsPerBlock;
+  for (uint64_t c = uint64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
+       c < static_cast<uint64_t>(a.layout_warps); c += warps) {
+    const uint64_t begin = c * a.chunk;
+    const uint64_t end = begin + a.chunk < a.n ? begin + a.chunk : a.n;
+    uint32_t count = 0;
+    for (uint64_t base = begin; base < end; base += kChunkAlign) {
+      const uint64_t i = base + 4 * lane;
+      float u[4] = {0.f, 0.f, 0.f, 0.f};
+      int valid = i < end ? static_cast<int>(end - i < 4 ? end - i : 4) : 0;
+      if (a.vectorized && valid == 4) {
         if (kUpdate) {
-          float vo = 0.0f;
-          const float p = a.params != nullptr ? a.params[i + j] : 0.0f;
-          const float v = a.momentum_correction ? a.velocity_in[i + j] : 0.0f;
-          u[j] = UpdateOne(a.grad[i + j], p, v, a.residual_in[i + j], a, &vo);
-          if (a.momentum_correction) a.velocity_out[i + j] = vo;
-          a.residual_out[i + j] = u[j];
+          const float4 g = *reinterpret_cast<const float4*>(a.grad + i);
+          const float4 p = a.params != nullptr
+                               ? *reinterpret_cast<const float4*>(a.params + i)
+                               : make_float4(0.f, 0.f, 0.f, 0.f);
+          const float4 v =
+              a.momentum_correction
+                  ? *reinterpret_cast<const float4*>(a.velocity_in + i)
+                  : make_float4(0.f, 0.f, 0.f, 0.f);
+          const float4 r =
+              *reinterpret_cast<const float4*>(a.residual_in + i);
+          float4 vo;
+          u[0] = UpdateOne(g.x, p.x, v.x, r.x, a, &vo.x);
+          u[1] = UpdateOne(g.y, p.y, v.y, r.y, a, &vo.y);
+          u[2] = UpdateOne(g.z, p.z, v.z, r.z, a, &vo.z);
+          u[3] = UpdateOne(g.w, p.w, v.w, r.w, a, &vo.w);
+          if (a.momentum_correction) {
+            *reinterpret_cast<float4*>(a.velocity_out + i) = vo;
+          }
+          *reinterpret_cast<float4*>(a.residual_out + i) =
+              make_float4(u[0], u[1], u[2], u[3]);
         } else {
-          u[j] = a.residual_in[i + j];
+          const float4 r =
+              *reinterpret_cast<const float4*>(a.residual_in + i);
+          u[0] = r.x;
+          u[1] = r.y;
+          u[2] = r.z;
+          u[3] = r.w;
+        }
+      } else {
+        for (int j = 0; j < valid; ++j) {
+          if (kUpdate) {
+            float vo = 0.0f;
+            const float p = a.params != nullptr ? a.params[i + j] : 0.0f;
+            const float v =
+                a.momentum_correction ? a.velocity_in[i + j] : 0.0f;
+            u[j] =
+                UpdateOne(a.grad[i + j], p, v, a.residual_in[i + j], a, &vo);
+            if (a.momentum_correction) a.velocity_out[i + j] = vo;
+            a.residual_out[i + j] = u[j];
+          } else {
+            u[j] = a.residual_in[i + j];
+          }
+        }
+      }
+      for (int j = 0; j < valid; ++j) {
+        atomicAdd(&hist[Key(u[j]) >> 20], 1u);
+        const double x = u[j];
+        sum += x;
+        sumsq += x * x;
+      }
+      if constexpr (kUpdate) {
+        if (!compact) continue;  // uniform
+        uint32_t ballots[4];
+        uint32_t any = 0;
+        for (int j = 0; j < 4; ++j) {
+          ballots[j] = __ballot_sync(kFullMask, j < valid && Key(u[j]) >= min_key);
+          any |= ballots[j];
+        }
+        if (any != 0) {
+          uint32_t pos = count;
+          for (int j = 0; j < 4; ++j) pos += __popc(ballots[j] & lanes_below);
+          for (int j = 0; j < 4; ++j) {
+            if ((ballots[j] >> lane) & 1u) {
+              a.regions[begin + pos++] = static_cast<uint32_t>(i + j);
+            }
+          }
+          for (int j = 0; j < 4; ++j) count += __popc(ballots[j]);
         }
       }
     }
-    for (int j = 0; j < valid; ++j) {
-      atomicAdd(&hist[Key(u[j]) >> 20], 1u);
-      const double x = u[j];
-      sum += x;
-      sumsq += x * x;
-    }
+    if (kUpdate && compact && lane == 0) a.counts[c] = count;
   }
   using Reduce = cub::BlockReduce<double, kThreads>;
   __shared__ typename Reduce::TempStorage reduce_storage;
@@ -671,14 +758,82 @@ __device__ void DecideBlock(DeviceState* st, const ull* hists, int level,
   }
 }
 
+template <int kBlock>
+__device__ ull ScanInPlace(ull* v, int count);
+
+// The fused update's compaction (HistArgs::regions/counts) as the exact
+// plan's candidates: when the last fused update of this n kept every key
+// in the digit-0 bins >= b (state's update_used_*), the k-th key's bin is
+// >= b and those keys are at most the compaction cap, the candidates are
+// already in `regions`, index-ordered: the plan skips its compaction pass
+// over u (CollectKernel returns at once; GatherKernel reads this layout).
+// The bin for the next update is predicted one below the k-th key's (one
+// eighth of a binade of margin for the next step's drift), or the k-th
+// key's own when the bin below holds too many keys to be worth keeping.
+struct UpdateCandidates {
+  const uint32_t* counts;  // [warps]: the update's per-chunk counts
+  ull* offsets;            // [warps / kWarpsPerBlock]: group offsets out
+  int warps;     // 0: no update layout (nothing is used or predicted)
+  uint64_t n;
+  ull predict_cap;  // the most keys a predicted bin may keep
+};
+
 // DecideBlock on its own (the digit-0 histogram came from the fused
-// update), after InitBlock when init.run.
+// update), after InitBlock when init.run; then, at level 0, the update's
+// candidates (UpdateCandidates) when they hold the plan's.
 __global__ void __launch_bounds__(kScanThreads)
     FindBinDecideKernel(DeviceState* st, const ull* hists, int level,
-                        ull compact_cap, Gate gate, InitArgs init) {
+                        ull compact_cap, Gate gate, InitArgs init,
+                        UpdateCandidates uc) {
   if (Closed(gate)) return;  // uniform
   InitBlock(st, init);
   DecideBlock<kScanThreads>(st, hists, level, compact_cap);
+  if (level != 0 || uc.warps == 0) return;  // uniform
+  __shared__ int use;
+  __syncthreads();  // DecideBlock's thread 0 wrote the plan
+  if (threadIdx.x == 0) {
+    const bool decided = st->error == 0 && st->compact != 0;
+    const uint32_t bin = st->prefix >> 20;  // the k-th key's digit 0
+    use = decided && st->update_used_n == uc.n && st->update_used_bin != 0 &&
+          st->update_used_bin - 1 <= bin;
+    // Keys at or above the k-th key's bin: count_greater covers the bins
+    // above it, bin_count its own.
+    const ull at_bin = decided ? st->count_greater + st->bin_count : 0;
+    if (use) {  // the update kept the keys from bin update_used_bin - 1 up
+      ull kept = at_bin;
+      for (uint32_t b = static_cast<uint32_t>(st->update_used_bin - 1);
+           b < bin; ++b) {
+        kept += hists[b];
+      }
+      use = kept <= compact_cap;
+    }
+    // The next update's bin.
+    ull pred = 0;
+    if (decided && at_bin <= uc.predict_cap) {
+      pred = bin + 1;
+      if (bin > 0 && at_bin + hists[bin - 1] <= uc.predict_cap) {
+        pred = bin;  // 1 + (bin - 1)
+      }
+    }
+    st->update_pred_bin = pred;
+    st->update_pred_n = uc.n;
+  }
+  __syncthreads();
+  if (!use) return;  // uniform
+  // The groups' totals (kWarpsPerBlock chunks each, as a compaction
+  // block's), then their exclusive scan: GatherKernel's offsets.
+  const int groups = uc.warps / kWarpsPerBlock;
+  for (int g = threadIdx.x; g < groups; g += kScanThreads) {
+    ull t = 0;
+    for (int w = 0; w < kWarpsPerBlock; ++w) t += uc.counts[g * kWarpsPerBlock + w];
+    uc.offsets[g] = t;
+  }
+  __syncthreads();
+  const ull total = ScanInPlace<kScanThreads>(uc.offsets, groups);
+  if (threadIdx.x == 0) {
+    st->from_update = 1;
+    st->num_candidates = total;
+  }
 }
 
 // True in every thread of the block that finishes the grid's pass last
@@ -981,7 +1136,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
     __syncthreads();
   }
-  if (st->from_u != 0) return;  // uniform; counts are not read then
+  // uniform; counts are not read then
+  if (st->from_u != 0 || st->from_update != 0) return;
   // kCountKeys: the listed keys, a bitmap of their digit-0 bins, and
   // per-warp counts (written by each warp's lane 0 only).
   __shared__ uint32_t key_list[kCountKeys ? kMaxGaussKeys : 1];
@@ -1142,8 +1298,18 @@ enum GatherRoute {
   kGatherDgc = 2,
 };
 
+// The fused update's layout (UpdateCandidates), which GatherKernel reads
+// instead of the compaction's when state's from_update.
+struct UpdateLayout {
+  uint64_t chunk;
+  const uint32_t* counts;
+  const ull* offsets;
+  int warps;
+};
+
 // Concatenates the warps' regions (index order) into out_idx/out_val, with
-// the values read from u; zero: u[i] = +0.0 after reading. next_hist: the
+// the values read from u (the fused update's regions in its layout `upd`
+// when state's from_update); zero: u[i] = +0.0 after reading. next_hist: the
 // histogram of the next undecided digit (state's levels_done, if < 3) over
 // the gathered keys matching state's prefix, into that digit's histogram in
 // `hists`. Then `then`. Nothing when the exact plan reads u (state's
@@ -1155,9 +1321,15 @@ __global__ void __launch_bounds__(kThreads)
                  uint32_t* __restrict__ out_idx, float* __restrict__ out_val,
                  uint32_t* __restrict__ trim_idx, float* __restrict__ trim_val,
                  int zero, DeviceState* st, ull* hists, int next_hist,
-                 int route, Gate gate, Then then) {
+                 int route, Gate gate, Then then, UpdateLayout upd) {
   __shared__ uint32_t hist[kBins];
   if (Closed(gate) || st->from_u != 0) return;  // uniform
+  if (st->from_update != 0) {  // uniform
+    chunk = upd.chunk;
+    counts = upd.counts;
+    offsets = upd.offsets;
+    num_warps = upd.warps;
+  }
   const bool accepted = st->accepted != 0;
   const bool trimming = route == kGatherDgc && !accepted && st->trim != 0;
   if (route == kGatherDgc && !trimming) then.op = kThenNone;  // uniform
@@ -1217,13 +1389,16 @@ __global__ void __launch_bounds__(kThreads)
 
 // Histogram of digit `level` over data[0, len) (len = *d_len when given),
 // keys matching state's prefix, into that digit's histogram in `hists`;
-// then `then`. Nothing when the gate is closed.
+// then `then`. Nothing when the gate is closed or state's levels_done
+// says that digit is decided already.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     HistArrayKernel(const T* __restrict__ data, const ull* d_len, uint64_t len,
                     DeviceState* st, ull* hists, int level, Gate gate,
                     Then then) {
-  if (Closed(gate)) return;  // uniform
+  // Nothing once that digit is decided (the exact plan's digit 2, when its
+  // compaction pass already counted digit 1).
+  if (Closed(gate) || st->levels_done > level) return;  // uniform
   __shared__ uint32_t hist[kBins];
   for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
   __syncthreads();
@@ -1728,6 +1903,10 @@ struct Sparsifier::Impl {
   // apart from hist0..2, which hold the sample's.
   ull* trim_hists = nullptr;
   DeviceBuffer<uint32_t> regions;
+  // The fused update's per-chunk counts of its candidates and their group
+  // offsets (UpdateCandidates; kUpdateChunks chunks per warp of its grid).
+  DeviceBuffer<uint32_t> counts_u;
+  DeviceBuffer<ull> offsets_u;
   DeviceBuffer<uint32_t> counts_a, counts_b;
   DeviceBuffer<ull> offsets_a, offsets_b;
   DeviceBuffer<uint32_t> cand_idx;
@@ -1756,6 +1935,10 @@ struct Sparsifier::Impl {
   // Accumulate's histogram, valid for (hist_u, hist_n) until a Select.
   const float* hist_u = nullptr;
   uint64_t hist_n = 0;
+
+  // What GatherKernel reads when the exact plan takes the fused update's
+  // candidates (set while ExactFromU enqueues after Accumulate).
+  UpdateLayout update_layout{};
 
   // Layout of the last compaction over u.
   int collect_blocks = 0;
@@ -1946,13 +2129,37 @@ struct Sparsifier::Impl {
     a.partials = partials;
     a.gate = gate;
     a.then = then;
-    // The fused update's grid: the same partition of u into per-block sums,
-    // so Gaussian-k's threshold is the same whether or not Select reuses
+    // The fused update's grid and partition of u into per-block sums, so
+    // Gaussian-k's threshold is the same whether or not Select reuses
     // Accumulate's histogram.
-    GTOPK_LAUNCH(HistogramKernel<false>, std::min(HistBlocks(n), update_blocks),
-                 kThreads, stream)(a);
+    SetHistLayout(n, &a);
+    GTOPK_LAUNCH(HistogramKernel<false>, HistLayoutFor(n).blocks, kThreads,
+                 stream)(a);
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
+  }
+
+  // The histogram pass's partition of u (fused or not: the same per-block
+  // sums): its grid, and kUpdateChunks chunks per warp of it, so that a
+  // warp's chunks are contiguous (the update's candidates come out in
+  // index order, one region per chunk) and the warps' shares even.
+  struct HistLayout {
+    int blocks;
+    int warps;  // chunks
+    uint64_t chunk;
+  };
+  HistLayout HistLayoutFor(uint64_t n) const {
+    HistLayout l;
+    l.blocks = std::min(HistBlocks(n), update_blocks);
+    l.warps = l.blocks * kWarpsPerBlock * kUpdateChunks;
+    const uint64_t chunk = (n + l.warps - 1) / l.warps;
+    l.chunk = (chunk + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
+    return l;
+  }
+  void SetHistLayout(uint64_t n, HistArgs* a) const {
+    const HistLayout l = HistLayoutFor(n);
+    a->chunk = l.chunk;
+    a->layout_warps = l.warps;
   }
 
   int HistBlocks(uint64_t n) const {
@@ -2009,7 +2216,7 @@ struct Sparsifier::Impl {
         collect_warps, to_output || dgc ? out_idx() : cand_idx.get(),
         to_output || dgc ? out_val() : cand_val.get(), cand_idx.get(),
         cand_val.get(), zero, st, dgc ? trim_hists : hist0, next_hist ? 1 : 0,
-        static_cast<int>(route), gate, then);
+        static_cast<int>(route), gate, then, update_layout);
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
   }
@@ -2063,16 +2270,29 @@ struct Sparsifier::Impl {
   // most of u). The host enqueues the same kernels either way; those of the
   // path not taken return at once.
   KernelStatus ExactFromU(float* u, uint64_t n, uint64_t k, bool zero,
-                          bool reuse_hist0, cudaStream_t stream) {
+                          bool reuse_hist0, cudaStream_t stream,
+                          bool update_candidates = false) {
     const ull cap = CompactCap(n);
     const int vec = Aligned16(u);
     const int blocks = HistBlocks(n);
     // Each digit's decision runs in the last block of the pass that counted
     // it (RunThen), except after the fused update's histogram: then in a
     // one-block kernel that starts with Init's work.
+    // After Accumulate, its compaction may hold the candidates already
+    // (UpdateCandidates): Collect then returns at once, Gather reads the
+    // update's layout and counts digit 1, and one pass over the candidates
+    // counts digit 2 (HistArrayKernel returns at once otherwise).
     if (reuse_hist0) {
+      UpdateCandidates uc{};
+      if (update_candidates) {
+        const HistLayout hl = HistLayoutFor(n);
+        uc = UpdateCandidates{counts_u.get(), offsets_u.get(), hl.warps, n,
+                              PredictCap(n)};
+        update_layout =
+            UpdateLayout{hl.chunk, counts_u.get(), offsets_u.get(), hl.warps};
+      }
       GTOPK_CUDA_RETURN_IF_NOT_OK(
-          Decide(0, cap, stream, InitFor(k, false, true, false)));
+          Decide(0, cap, stream, InitFor(k, false, true, false), uc));
     } else {
       GTOPK_CUDA_RETURN_IF_NOT_OK(Init(k, true, false, false, stream));
       GTOPK_CUDA_RETURN_IF_NOT_OK(
@@ -2091,6 +2311,14 @@ struct Sparsifier::Impl {
     GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, true, stream,
                                        kGatherAlways,
                                        Then{kThenFindNext, 0, 0}));
+    update_layout = UpdateLayout{};
+    if (update_candidates) {
+      const int blocks = CandidateBlocks(std::min<uint64_t>(4 * k, n / 8 + 1));
+      GTOPK_LAUNCH(HistArrayKernel<float>, blocks, kThreads, stream)(
+          cand_val.get(), &st->num_candidates, 0, st, hist0, 2, gate,
+          Then{kThenFindNext, 0, 0});
+      GTOPK_CUDA_LAUNCH_CHECK();
+    }
     // The final source holds at most n entries (u itself, or candidates).
     return Final(FinalRule{0, 0}, u, n, zero, CandidateBlocks(n), stream);
   }
@@ -2101,10 +2329,14 @@ struct Sparsifier::Impl {
   // it saves).
   static ull CompactCap(uint64_t n) { return std::max<ull>(1, n / 8); }
 
+  // The most keys the fused update keeps as candidates for the next
+  // selection (n/32: its index writes cost at most 1/32 of a read of u).
+  static ull PredictCap(uint64_t n) { return std::max<ull>(1, n / 32); }
+
   KernelStatus Decide(int level, ull cap, cudaStream_t stream,
-                      InitArgs init) {
+                      InitArgs init, UpdateCandidates uc = {}) {
     GTOPK_LAUNCH(FindBinDecideKernel, 1, kScanThreads, stream)(
-        st, hist0, level, cap, gate, init);
+        st, hist0, level, cap, gate, init, uc);
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
   }
@@ -2291,7 +2523,10 @@ KernelStatus Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
   info.fell_back = true;
   if (k == n || lo == hi) {
     BeginOutput(k);
-    GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, reuse, stream));
+    // Right after Accumulate nothing has written `regions` since: its
+    // compaction may hold the candidates.
+    GTOPK_CUDA_RETURN_IF_NOT_OK(
+        ExactFromU(u, n, k, zero, reuse, stream, /*update_candidates=*/reuse));
     check_selected = true;
     return CopyOut(k, stream);
   }
@@ -2466,7 +2701,10 @@ KernelStatus Sparsifier::Impl::SelectDgc(float* u, uint64_t n,
   BeginOutput(k);
   if (k == n || runs * kRunLength * 2 >= n) {
     info.fell_back = true;
-    GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, reuse, stream));
+    // Right after Accumulate nothing has written `regions` since: its
+    // compaction may hold the candidates.
+    GTOPK_CUDA_RETURN_IF_NOT_OK(
+        ExactFromU(u, n, k, zero, reuse, stream, /*update_candidates=*/reuse));
     check_selected = true;
     return CopyOut(k, stream);
   }
@@ -2555,7 +2793,10 @@ KernelStatus Sparsifier::Impl::SelectExact(float* u, uint64_t n,
   // Accumulate's histogram makes the first digit free: the plan over u.
   const ExactSample plan = reuse ? ExactSample() : PlanExactSample(n, k);
   if (plan.runs == 0) {
-    GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, reuse, stream));
+    // Right after Accumulate nothing has written `regions` since: its
+    // compaction may hold the candidates.
+    GTOPK_CUDA_RETURN_IF_NOT_OK(
+        ExactFromU(u, n, k, zero, reuse, stream, /*update_candidates=*/reuse));
     check_selected = true;
     return CopyOut(k, stream);
   }
@@ -2790,6 +3031,10 @@ KernelStatus Sparsifier::Create(uint64_t capacity,
   impl->trim_hists = reinterpret_cast<ull*>(impl->partials + 2 * kMaxBlocks);
   GTOPK_CUDA_RETURN_IF_NOT_OK(
       impl->regions.Allocate(capacity + kChunkAlign * kMaxWarps));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(
+      impl->counts_u.Allocate(impl->update_blocks * kWarpsPerBlock * kUpdateChunks));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(
+      impl->offsets_u.Allocate(impl->update_blocks * kUpdateChunks));
   GTOPK_CUDA_RETURN_IF_NOT_OK(impl->counts_a.Allocate(kMaxWarps));
   GTOPK_CUDA_RETURN_IF_NOT_OK(impl->counts_b.Allocate(kMaxWarps));
   GTOPK_CUDA_RETURN_IF_NOT_OK(impl->offsets_a.Allocate(kMaxWarps));
@@ -2853,8 +3098,11 @@ KernelStatus Sparsifier::Accumulate(
   a.st = m.st;
   a.hist0 = m.hist0;
   a.partials = m.partials;
-  GTOPK_LAUNCH(HistogramKernel<true>, std::min(m.HistBlocks(n), m.update_blocks),
-               kThreads, stream)(a);
+  m.SetHistLayout(n, &a);
+  a.regions = m.regions.get();
+  a.counts = m.counts_u.get();
+  GTOPK_LAUNCH(HistogramKernel<true>, m.HistLayoutFor(n).blocks, kThreads,
+               stream)(a);
   GTOPK_CUDA_LAUNCH_CHECK();
   m.hist_u = residual_out;
   m.hist_n = n;
@@ -3075,6 +3323,7 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
   if (m.info.candidates == 0) m.info.candidates = s.num_candidates;
   m.info.exact_digit_passes = s.u_passes;
   m.info.exact_final_from_u = s.from_u != 0;
+  m.info.candidates_from_update = s.from_update != 0;
   out->indices = reinterpret_cast<const uint32_t*>(m.host_out.get() + kOutHeader);
   out->values = reinterpret_cast<const float*>(
       m.host_out.get() + kOutHeader + m.out_stride * sizeof(uint32_t));

@@ -44,6 +44,12 @@
 //    fewer than k exceed B and the ties make up the rest, the k-th key is
 //    B and one more pass over u writes the keys > B and the first ties in
 //    index order: two passes on those inputs too.
+//    After Accumulate, the histogram is the update's, and the update has
+//    also compacted the keys at or above a bin predicted by the previous
+//    such selection (AIR top-k's filter fused into the pass before it,
+//    across steps): when the k-th key's bin is at or above it, those
+//    index-ordered candidates hold the top-k and no pass over u runs
+//    (SelectInfo::candidates_from_update); otherwise the plan above.
 //  * gaussiank (Shi et al., arXiv:1911.08772): threshold mean + z*std from the
 //    same pass's sums, the CPU selector's adjustment rule (x0.5 when too
 //    few, x1.5 when too many, count contract [ceil(2k/3), floor(4k/3)])
@@ -183,6 +189,13 @@ struct SelectInfo {
   // shares the k-th key's digits) instead of a candidate copy.
   int exact_digit_passes = 0;
   bool exact_final_from_u = false;
+  // exact after Accumulate (used_update_histogram): the candidates came
+  // from the fused update's own compaction at a digit-0 bin predicted from
+  // the previous such selection of the same n (one eighth of a binade
+  // below its k-th key), so no pass over u ran at all; false on the first
+  // step, after a step whose k-th key fell below the predicted bin, or
+  // when that bin held more than n/32 keys.
+  bool candidates_from_update = false;
   // Select enqueued a replay of the CUDA graph it captured for the same
   // (method, u, n, k, zeroing, histogram reuse) earlier: one launch
   // instead of a dozen (see Sparsifier::set_use_graphs).
@@ -235,6 +248,15 @@ class Sparsifier {
   //   momentum_correction (may alias each other); residual_in/out: length n
   //   (may alias). Non-aliased outputs let a caller commit atomically (keep
   //   the inputs on error).
+  // After an exact Select that reused the previous update's histogram on
+  // the same n, the update also keeps, in index order, the entries whose
+  // |u| lies at or above a digit-0 bin one eighth of a binade under that
+  // selection's k-th key (at most n/32 of them at the time it was
+  // predicted): the exact Select after it then needs no pass over u when
+  // its k-th key is still in or above that bin
+  // (SelectInfo::candidates_from_update). Its cost: the index writes, and
+  // a register-heavier kernel (48 registers instead of 40: 5 blocks per
+  // SM instead of 6).
   // Asynchronous on `stream`. A non-finite u (from a non-finite gradient or
   // an overflow) is reported by the next Select's Wait. INVALID_ARGUMENT for
   // n == 0, n > capacity or bad params; INTERNAL for a CUDA error.

@@ -851,6 +851,173 @@ TEST_F(GpuTest, FusedUpdateMatchesTheCpuRuleBitForBitAndFeedsSelection) {
   ExpectSameBits(got, ReferenceTopK(residual, k));
 }
 
+// The exact top-k after Accumulate takes its candidates from the fused
+// update's own compaction, at a digit-0 bin predicted from the previous
+// such selection of the same n (SelectInfo::candidates_from_update): no
+// pass over u at all. The reference is the update and the top-k in plain
+// loops: u = r + lr * g (no momentum, so each float op is the CPU rule's),
+// ReferenceTopK, the selected entries zeroed; bit for bit, every step.
+// Steps where the prediction cannot hold (u scaled down 4x: the k-th key
+// falls two binades under the predicted bin; another n in between, whose
+// selection predicts for its own n; ties and all-equal inputs, whose k-th
+// bin holds more than n/32 keys) must take the compaction pass and still
+// be right.
+TEST_F(GpuTest, ExactAfterUpdateTakesTheUpdatesCandidates) {
+  struct Step {
+    float scale;   // residual and gradient scaled by it in this step
+    bool other_n;  // an exact selection after Accumulate on another n first
+    int expect;    // candidates_from_update: 1, 0, or -1 (either)
+  };
+  const std::vector<Step> steps = {
+      {1.0f, false, 0},  // no prediction yet
+      {1.0f, false, 1},        {1.0f, false, 1},
+      {1.0f / 16, false, 0},   // the k-th key falls 4 binades under the bin
+      {1.0f, false, -1},       // predicted far below: most of u kept
+      {1.0f, false, 1},        {1.0f, true, 0},  // predicted for the other n
+      {1.0f, false, 1},
+  };
+  UpdateParams up;
+  up.lr = 0.5f;
+  up.momentum = 0.0f;
+  up.weight_decay = 0.0f;
+  up.momentum_correction = false;
+  for (const size_t n : {size_t{4099}, size_t{100003}, size_t{300007}}) {
+    for (const double density : {0.001, 0.01}) {
+      for (const Distribution dist :
+           {Distribution::kNormal, Distribution::kHeavyTailed,
+            Distribution::kLaplaceZeros, Distribution::kTies,
+            Distribution::kAllEqual}) {
+        SCOPED_TRACE(DistributionName(dist) + " n=" + std::to_string(n) +
+                     " density=" + std::to_string(density));
+        GTOPK_ASSERT_OK_AND_ASSIGN(const uint64_t k,
+                                   KFromDensity(density, n));
+        GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                                   CudaSelector::Create("exact", {}, n));
+        Sparsifier* sp = selector->sparsifier();
+        std::vector<float> residual(n, 0.0f);
+        DeviceVector d_residual(residual);
+        const size_t other = n / 2 + 1;
+        const std::vector<float> other_grad =
+            MakeInput(Distribution::kNormal, other, 5);
+        for (size_t t = 0; t < steps.size(); ++t) {
+          SCOPED_TRACE("step " + std::to_string(t));
+          if (steps[t].other_n) {
+            DeviceVector g(other_grad), r(std::vector<float>(other, 0.0f));
+            GTOPK_ASSERT_OK(ToAbslStatus(sp->Accumulate(
+                g.buffer.get(), nullptr, nullptr, nullptr, r.buffer.get(),
+                r.buffer.get(), other, up, nullptr)));
+            SparseVector other_got;
+            GTOPK_ASSERT_OK(selector->SelectDevice(
+                r.buffer.get(), other, std::max<uint64_t>(1, k / 2), 0,
+                nullptr, true, &other_got));
+            ASSERT_TRUE(selector->last_info().used_update_histogram);
+          }
+          std::vector<float> grad = MakeInput(dist, n, 100 * t + n);
+          if (steps[t].scale != 1.0f) {
+            for (float& r : residual) r *= steps[t].scale;
+            for (float& g : grad) g *= steps[t].scale;
+            ASSERT_EQ(cudaMemcpy(d_residual.buffer.get(), residual.data(),
+                                 n * sizeof(float), cudaMemcpyHostToDevice),
+                      cudaSuccess);
+          }
+          DeviceVector d_grad(grad);
+          GTOPK_ASSERT_OK(ToAbslStatus(sp->Accumulate(
+              d_grad.buffer.get(), nullptr, nullptr, nullptr,
+              d_residual.buffer.get(), d_residual.buffer.get(), n, up,
+              nullptr)));
+          for (size_t i = 0; i < n; ++i) {
+            const float step = up.lr * grad[i];
+            residual[i] = residual[i] + step;
+          }
+          SparseVector got;
+          GTOPK_ASSERT_OK(selector->SelectDevice(d_residual.buffer.get(), n, k,
+                                                 t, nullptr, true, &got));
+          const SelectInfo& info = selector->last_info();
+          EXPECT_TRUE(info.used_update_histogram);
+          const SparseVector want = ReferenceTopK(residual, k);
+          ExpectSameBits(got, want);
+          ExpectZeroedExactly(d_residual, residual, want.indices);
+          for (uint32_t i : want.indices) residual[i] = 0.0f;
+          if (dist == Distribution::kAllEqual) {
+            // Every |u| in one or two bins: nothing is ever predicted.
+            EXPECT_FALSE(info.candidates_from_update);
+          } else if (dist != Distribution::kTies && k >= 40 &&
+                     steps[t].expect >= 0) {
+            // (The k-th of a handful of heavy-tailed keys can move more
+            // than the bin's margin between steps, and ties may or may not
+            // leave the k-th bin small: either way is right.)
+            EXPECT_EQ(info.candidates_from_update, steps[t].expect == 1);
+          }
+          if (info.candidates_from_update) {
+            EXPECT_GE(info.candidates, k);
+            EXPECT_LE(info.candidates, n / 8);
+          }
+        }
+      }
+    }
+  }
+}
+
+// The update's candidates belong to the selection right after it: after
+// exact selections after Accumulate (which predict a bin, so every later
+// Accumulate of this n compacts), Gaussian-k selections whose rule ends out
+// of range (outliers inflate the std) run the exact top-k from their own
+// histogram, on a plain buffer and after Accumulate (where Gaussian-k's own
+// compaction has overwritten the update's regions). Each must equal
+// ReferenceTopK. (The fault this guards against, the fallback taking the
+// update's candidates, was found by the device check's outliers input,
+// which cuda_device_check_emu_test runs; this sequence did not reproduce
+// it on the emulator, so it is a regression check of the paths, not of
+// that fault.)
+TEST_F(GpuTest, GaussianKFallbackIgnoresTheUpdatesCandidates) {
+  const size_t n = 100003;
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto exact, CudaSelector::Create("exact", {}, n));
+  Sparsifier* sp = exact->sparsifier();
+  UpdateParams up;
+  up.lr = 1.0f;
+  up.momentum = 0.0f;
+  up.weight_decay = 0.0f;
+  up.momentum_correction = false;
+  const std::vector<float> u = MakeInput(Distribution::kOutliers, n, 3);
+  int fell_back = 0;
+  for (const uint64_t k : {10, 100, 1000, 100, 10}) {
+    SCOPED_TRACE(k);
+    for (int run = 0; run < 4; ++run) {
+      // 0: exact on a plain buffer; 1: exact after Accumulate; 2:
+      // Gaussian-k on a plain buffer; 3: Gaussian-k after Accumulate.
+      SCOPED_TRACE(run);
+      DeviceVector grad(u), residual(std::vector<float>(n, 0.0f));
+      const bool plain = run % 2 == 0;
+      DeviceVector& selected = plain ? grad : residual;
+      if (!plain) {
+        GTOPK_ASSERT_OK(ToAbslStatus(
+            sp->Accumulate(grad.buffer.get(), nullptr, nullptr, nullptr,
+                           residual.buffer.get(), residual.buffer.get(), n,
+                           up, nullptr)));
+      }
+      SelectParams p;
+      p.method = run < 2 ? Method::kExact : Method::kGaussianK;
+      p.k = k;
+      p.zero_selected = true;
+      ASSERT_TRUE(sp->Select(selected.buffer.get(), n, p, nullptr).ok());
+      SelectedPairs sel;
+      const KernelStatus waited = sp->Wait(nullptr, &sel);
+      ASSERT_TRUE(waited.ok()) << waited.message;
+      SparseVector got;
+      got.indices.assign(sel.indices, sel.indices + sel.count);
+      got.values.assign(sel.values, sel.values + sel.count);
+      if (run < 2 || sel.info.fell_back) {
+        fell_back += run >= 2;
+        ExpectSameBits(got, ReferenceTopK(u, k));
+      } else {
+        ExpectThresholdSelection(u, got);
+      }
+      ExpectZeroedExactly(selected, u, got.indices);
+    }
+  }
+  EXPECT_GE(fell_back, 4) << "the input no longer makes Gaussian-k fall back";
+}
+
 // Gaussian-k's threshold is mean + z*std of u (arXiv:1911.08772): on normal
 // data, where no adjustment is needed, the selection is exactly the |u_i|
 // above the threshold computed here in long double. The count contract alone
