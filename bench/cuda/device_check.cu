@@ -221,6 +221,9 @@ struct Row {
   // the fused update's compaction (SelectInfo::candidates_from_update: no
   // pass over u; after the update only); NAN for the others.
   double from_update = NAN;
+  // Every selection row: share of the timed selections that ran as one
+  // kernel of one block (SelectInfo::one_block: n <= 4096).
+  double one_block = NAN;
   // exact rows: SelectInfo's plan of the last timed selection (the digit
   // passes over u, whether the final compaction read u); -1 for the others.
   int digit_passes = -1;
@@ -787,7 +790,7 @@ class DeviceChecker {
     std::vector<double> s, wall;
     uint64_t count = 0;
     int fast = 0, corrected = 0, trimmed = 0, sampled = 0, from_update = 0,
-        timed = 0;
+        one_block = 0, timed = 0;
     gtopk::cuda::SelectInfo last_info;
     auto wait_selection = [&] {
       SelectedPairs t;
@@ -798,6 +801,7 @@ class DeviceChecker {
       trimmed += t.info.trimmed_on_device ? 1 : 0;
       sampled += t.info.exact_sampled ? 1 : 0;
       from_update += t.info.candidates_from_update ? 1 : 0;
+      one_block += t.info.one_block ? 1 : 0;
       last_info = t.info;
       ++timed;
     };
@@ -805,6 +809,7 @@ class DeviceChecker {
     Row row{c.block.input, c.block.n, c.density, c.k, name, Median(s),
             *std::min_element(s.begin(), s.end()), count};
     row.wall_us = Median(wall);
+    row.one_block = double(one_block) / timed;
     if (p.method != Method::kExact) row.fast_path = double(fast) / timed;
     if (p.method == Method::kGaussianK) {
       row.corrected = double(corrected) / timed;
@@ -873,7 +878,8 @@ class DeviceChecker {
     std::string bad;
     if (!w2.ok()) {
       bad = w2.message;
-    } else if (!sel.info.used_update_histogram) {
+    } else if (!sel.info.used_update_histogram && !sel.info.one_block) {
+      // (n <= 4096 runs as one block, which reads u whole.)
       bad = "the update's histogram was not reused";
     } else {
       CHECK_CUDA(cudaMemcpy(after.data(), d_residual.get(),
@@ -1035,7 +1041,9 @@ void PrintTable(const Table& table, const Results& results,
   for (const Row& r : table.rows) {
     const Ratios x = RatiosOf(r, results.copy_us, torch, normal);
     std::string plan = "-";
-    if (std::isfinite(r.sampled) && r.sampled > 0) {
+    if (std::isfinite(r.one_block) && r.one_block > 0) {
+      plan = "b" + Num(r.one_block);  // share run as one block
+    } else if (std::isfinite(r.sampled) && r.sampled > 0) {
       plan = "s" + Num(r.sampled);  // share started from a sample
     } else if (std::isfinite(r.from_update) && r.from_update > 0) {
       plan = "p" + Num(r.from_update);  // share from the update's candidates
@@ -1072,6 +1080,7 @@ std::string JsonRow(const Row& r, const Ratios& x) {
      << ", \"trimmed_fraction\": " << Num(r.trimmed)
      << ", \"sampled_fraction\": " << Num(r.sampled)
      << ", \"from_update_fraction\": " << Num(r.from_update)
+     << ", \"one_block_fraction\": " << Num(r.one_block)
      << ", \"one_read_us\": " << Num(x.one_read)
      << ", \"x_one_read\": " << Num(r.us / x.one_read)
      << ", \"torch_topk_us\": " << Num(x.torch_us)

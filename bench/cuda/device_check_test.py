@@ -180,6 +180,15 @@ def check_row(r, normal, k, one_read, where, failures):
     elif sampled is not None:
         failures.append("%s: sampled_fraction %r for a method without one" %
                         (where, sampled))
+    # Every selection row: the share run as one block, all of them at
+    # n <= 4096 and none above; none for the update's own row.
+    one_block = r.get("one_block_fraction", "absent")
+    if m == "fused_update":
+        if one_block is not None:
+            failures.append("%s: one_block_fraction %r" % (where, one_block))
+    elif one_block != (1 if r["n"] <= 4096 else 0):
+        failures.append("%s: one_block_fraction %r at n=%d" %
+                        (where, one_block, r["n"]))
     # The share of exact selections after the update whose candidates came
     # from the update's compaction: on exact rows only, 0 without the update.
     from_update = r.get("from_update_fraction", "absent")
@@ -192,12 +201,12 @@ def check_row(r, normal, k, one_read, where, failures):
         failures.append("%s: from_update_fraction %r for a method without "
                         "one" % (where, from_update))
     # The exact plan of the last timed selection, on exact rows only (no
-    # digit pass when it started from a sample).
+    # digit pass when it started from a sample or ran as one block).
     passes, from_u = r.get("digit_passes", "absent"), \
         r.get("final_from_u", "absent")
     if base == "exact":
         if not (isinstance(passes, int) and 0 <= passes <= 3 and
-                (passes >= 1 or m != "exact" or
+                (passes >= 1 or m != "exact" or one_block == 1 or
                  (isinstance(sampled, (int, float)) and sampled > 0))) or \
                 not isinstance(from_u, bool):
             failures.append("%s: digit_passes %r final_from_u %r" %
@@ -298,16 +307,6 @@ def emulated_checks(binary, tmp, failures):
             failures.append("emulated run: correctness %r, want %d" %
                             (c, want))
         check_rows(doc, failures)
-        # The same u after every update: the predicted bin always holds,
-        # so every timed exact selection after it takes the update's
-        # candidates (plan p1).
-        shares = [r2["from_update_fraction"] for r2 in doc["rows"]
-                  if r2.get("method") == "exact_after_update" and
-                  r2.get("input") == "normal"]
-        if shares != [1] * len(TIMED_DENSITIES):
-            failures.append("emulated run: normal exact_after_update "
-                            "from_update_fraction %r, want 1 on every row"
-                            % shares)
         check_targets(doc, r.stdout, GAUSSIANK_CHECKS_PER_DENSITY *
                       len(TIMED_SIZES) * len(TIMED_DENSITIES) * len(INPUTS),
                       True, failures)
@@ -338,6 +337,15 @@ def emulated_checks(binary, tmp, failures):
         if share != {"normal": 1, "ties": 1}:
             failures.append("sampled: exact's sampled shares %r, want 1 "
                             "on both" % share)
+        # The same u after every update: the predicted bin always holds,
+        # so every timed exact selection after it takes the update's
+        # candidates (plan p1) on normal data.
+        share = [r2["from_update_fraction"] for r2 in doc["rows"]
+                 if r2.get("method") == "exact_after_update" and
+                 r2.get("input") == "normal"]
+        if share != [1]:
+            failures.append("sampled: normal exact_after_update "
+                            "from_update_fraction %r, want [1]" % share)
         if not any(line.split()[-1:] == ["s1"] for line in
                    r.stdout.splitlines() if " exact " in line):
             failures.append("sampled: no exact row with plan s1: %r" %

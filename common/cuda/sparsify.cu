@@ -767,9 +767,10 @@ __device__ ull ScanInPlace(ull* v, int count);
 // >= b and those keys are at most the compaction cap, the candidates are
 // already in `regions`, index-ordered: the plan skips its compaction pass
 // over u (CollectKernel returns at once; GatherKernel reads this layout).
-// The bin for the next update is predicted one below the k-th key's (one
-// eighth of a binade of margin for the next step's drift), or the k-th
-// key's own when the bin below holds too many keys to be worth keeping.
+// The bin for the next update is predicted one below the k-th key's (its
+// start lies 1/8 to 2/8 of a binade under that key: room for the next
+// step's drift; a drop of less than about 8 % always stays in), or the
+// k-th key's own when the bin below holds too many keys to be worth keeping.
 struct UpdateCandidates {
   const uint32_t* counts;  // [warps]: the update's per-chunk counts
   ull* offsets;            // [warps / kWarpsPerBlock]: group offsets out
@@ -1753,6 +1754,256 @@ __global__ void GlobalMomentumKernel(float* params, float* velocity,
 }
 
 // ---------------------------------------------------------------------------
+// The one-block path for a small u (n <= kTinyMaxN): the whole selection,
+// any method, in one kernel of kScanThreads threads with u's keys in shared
+// memory, so that a selection is one launch and one copy instead of a chain
+// of eight to eleven (issue 15's small-n target is launch-bound).
+
+constexpr uint64_t kTinyMaxN = 4096;
+constexpr int kTinyPerThread =
+    static_cast<int>((kTinyMaxN + kScanThreads - 1) / kScanThreads);
+constexpr uint64_t kTinyMaxSample = kTinyMaxN / 2;  // dgc: runs * 32 < n
+
+// What TinySelectKernel does (Method's number) and with what.
+struct TinyArgs {
+  int method;  // static_cast<int>(Method)
+  ull k;
+  int zero;
+  // gaussiank: z, the count range [lo, hi] and the adjustment limit.
+  double z;
+  ull lo, hi;
+  int max_adjustments;
+  // dgc: `runs` runs of 16 at hashed starts (seed: *seed, pinned host
+  // memory, this step's), the sample_k-th largest sample key as threshold;
+  // runs = 0: the exact top-k (the sample would be as large as u).
+  const ull* seed;
+  ull runs, sample_k;
+};
+
+// The rank-th largest of keys[0, m) (1 <= rank <= m) by the three-digit
+// radix select, in every thread: *t = that key, *greater = how many keys
+// exceed it, *ties = how many keys == t to take (lower index first).
+__device__ void TinyKth(const uint32_t* keys, int m, ull rank, uint32_t* t,
+                        ull* greater, ull* ties) {
+  using Scan = cub::BlockScan<uint32_t, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+  __shared__ typename Scan::TempStorage storage;
+  __shared__ uint32_t hist[kBins];
+  __shared__ uint32_t found_digit;
+  __shared__ uint32_t found_before;
+  uint32_t prefix = 0;
+  ull need = rank, above = 0;
+  for (int level = 0; level < 3; ++level) {
+    const int bins = 1 << LevelBits(level);
+    for (int i = threadIdx.x; i < kBins; i += kScanThreads) hist[i] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < m; i += kScanThreads) {
+      const uint32_t key = keys[i];
+      if (MatchesPrefix(key, prefix, level)) {
+        atomicAdd(&hist[Digit(key, level)], 1u);
+      }
+    }
+    __syncthreads();
+    // Two bins per thread, from the largest digit down.
+    uint32_t v[2], before[2];
+    for (int j = 0; j < 2; ++j) {
+      const int p = 2 * static_cast<int>(threadIdx.x) + j;
+      v[j] = p < bins ? hist[bins - 1 - p] : 0u;
+    }
+    Scan(storage).ExclusiveSum(v, before);
+    for (int j = 0; j < 2; ++j) {
+      const int p = 2 * static_cast<int>(threadIdx.x) + j;
+      if (p < bins && v[j] != 0 && before[j] < need && need <= before[j] + v[j]) {
+        found_digit = static_cast<uint32_t>(bins - 1 - p);
+        found_before = before[j];
+      }
+    }
+    __syncthreads();
+    prefix |= found_digit << LevelShift(level);
+    above += found_before;
+    need -= found_before;
+    __syncthreads();  // found_* are rewritten by the next digit
+  }
+  *t = prefix;
+  *greater = above;
+  *ties = need;
+}
+
+// How many of keys[0, m) are >= key, in every thread.
+__device__ ull TinyCountAtLeast(const uint32_t* keys, int m, uint32_t key) {
+  using Reduce = cub::BlockReduce<uint32_t, kScanThreads>;
+  __shared__ typename Reduce::TempStorage storage;
+  __shared__ uint32_t total;
+  uint32_t c = 0;
+  for (int i = threadIdx.x; i < m; i += kScanThreads) c += keys[i] >= key;
+  const uint32_t sum = Reduce(storage).Sum(c);
+  if (threadIdx.x == 0) total = sum;
+  __syncthreads();
+  const ull result = total;
+  __syncthreads();  // total is rewritten by the next call
+  return result;
+}
+
+// Writes the entries with key > t, and the first `ties` with key == t,
+// in index order to out_idx/out_val (values from u; zero: u[i] = +0.0);
+// returns the count, in every thread. Each thread owns a contiguous
+// segment of kTinyPerThread entries.
+__device__ ull TinyWrite(float* u, const uint32_t* keys, int n, uint32_t t,
+                         ull ties, uint32_t* out_idx, float* out_val,
+                         int zero) {
+  using Scan = cub::BlockScan<uint32_t, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+  __shared__ typename Scan::TempStorage storage;
+  const int begin = static_cast<int>(threadIdx.x) * kTinyPerThread;
+  const int end = begin + kTinyPerThread < n ? begin + kTinyPerThread : n;
+  // Greater in the low 16 bits, equal in the high (n <= 4096 < 2^16).
+  uint32_t mine = 0;
+  for (int i = begin; i < end; ++i) {
+    mine += keys[i] > t ? 1u : (keys[i] == t ? 1u << 16 : 0u);
+  }
+  uint32_t before, total;
+  Scan(storage).ExclusiveSum(mine, before, total);
+  ull greater = before & 0xffffu;
+  ull tie = before >> 16;
+  ull pos = greater + (tie < ties ? tie : ties);
+  for (int i = begin; i < end; ++i) {
+    const bool take = keys[i] > t || (keys[i] == t && tie++ < ties);
+    if (take) {
+      out_idx[pos] = static_cast<uint32_t>(i);
+      out_val[pos] = u[i];
+      if (zero) u[i] = 0.0f;
+      ++pos;
+    }
+  }
+  const ull all_ties = total >> 16;
+  return (total & 0xffffu) + (all_ties < ties ? all_ties : ties);
+}
+
+// The whole selection of u (n <= kTinyMaxN) by one block of kScanThreads
+// threads, the same rules as the multi-kernel path: exact's top-k;
+// gaussiank's threshold mean + z*std and the CPU rule's adjustments on
+// exact counts, the exact top-k when they end out of range (gk_exact,
+// adjustments); dgc's sampled threshold B (the same runs as SampleKernel),
+// every key >= B when at most k, else the exact top-k (trim when at most
+// n/8 survive, gk_exact beyond: the multi-kernel path's names). Leaves
+// state's num_selected, num_candidates (gaussiank: the count at its
+// threshold; dgc: the survivors), and error (a non-finite u: nothing
+// written or zeroed). Starts with InitBlock.
+__global__ void __launch_bounds__(kScanThreads)
+    TinySelectKernel(float* u, uint64_t n, DeviceState* st, InitArgs init,
+                     TinyArgs a, uint32_t* out_idx, float* out_val) {
+  InitBlock(st, init);
+  __shared__ uint32_t keys[kTinyMaxN];
+  __shared__ uint32_t sample[kTinyMaxSample];
+  __shared__ int non_finite;
+  if (threadIdx.x == 0) non_finite = 0;
+  __syncthreads();
+  const int m = static_cast<int>(n);
+  for (int i = threadIdx.x; i < m; i += kScanThreads) {
+    keys[i] = Key(u[i]);
+    if (keys[i] >= kNonFiniteKey) non_finite = 1;
+  }
+  __syncthreads();
+  if (non_finite) {  // uniform
+    if (threadIdx.x == 0) st->error |= kErrorNonFinite;
+    return;
+  }
+  // The selection: keys > t and the first `ties` keys == t.
+  uint32_t t = 0;
+  ull greater = 0, ties = 0, candidates = 0;
+  bool exact = true;
+  if (a.method == static_cast<int>(Method::kGaussianK)) {
+    using Reduce = cub::BlockReduce<double, kScanThreads>;
+    __shared__ typename Reduce::TempStorage reduce_storage;
+    __shared__ double threshold;
+    __shared__ int verdict;  // 0: go on, 1: in range, 2: out of range
+    double sum = 0.0, sumsq = 0.0;
+    for (int i = threadIdx.x; i < m; i += kScanThreads) {
+      const double x = u[i];
+      sum += x;
+      sumsq += x * x;
+    }
+    const double block_sum = Reduce(reduce_storage).Sum(sum);
+    __syncthreads();
+    const double block_sumsq = Reduce(reduce_storage).Sum(sumsq);
+    if (threadIdx.x == 0) {
+      const double mean = block_sum / static_cast<double>(n);
+      const double var =
+          n > 1 ? fmax(0.0, (block_sumsq - block_sum * mean) /
+                                static_cast<double>(n - 1))
+                : 0.0;
+      threshold = mean + a.z * sqrt(var);
+      verdict = 0;
+    }
+    __syncthreads();
+    for (int adjustment = 0;; ++adjustment) {
+      const double th = threshold;
+      const uint32_t key = MinKeyAbove(th);
+      const ull count = TinyCountAtLeast(keys, m, key);
+      if (threadIdx.x == 0) {
+        st->adjustments = adjustment;
+        if (count >= a.lo && count <= a.hi) {
+          verdict = 1;
+          st->min_key = key;
+          st->threshold = th;
+          st->num_candidates = count;
+        } else {
+          const double next = count < a.lo ? th * 0.5 : th * 1.5;
+          if (adjustment == a.max_adjustments || next <= 0.0) {
+            verdict = 2;
+            st->fallback = 1;
+            st->gk_exact = 1;
+            st->gk_exact_adjustments = adjustment;
+          } else {
+            threshold = next;
+          }
+        }
+      }
+      __syncthreads();
+      const int v = verdict;
+      __syncthreads();  // verdict and threshold are read before rewritten
+      if (v == 1) {
+        t = st->min_key;
+        ties = ~0ull;
+        exact = false;
+      }
+      if (v != 0) break;
+    }
+  } else if (a.method == static_cast<int>(Method::kDgc) && a.runs != 0) {
+    const ull seed = *a.seed;
+    const uint64_t total = a.runs * 16;
+    for (uint64_t g = threadIdx.x; g < total; g += kScanThreads) {
+      const uint64_t start = __umul64hi(Mix(seed, g / 16), n - 15);
+      sample[g] = keys[start + (g % 16)];
+    }
+    __syncthreads();
+    uint32_t b;
+    ull above, unused;
+    TinyKth(sample, static_cast<int>(total), a.sample_k, &b, &above, &unused);
+    candidates = TinyCountAtLeast(keys, m, b);
+    if (candidates <= a.k) {
+      t = b;
+      ties = ~0ull;
+      exact = false;
+    }
+    if (threadIdx.x == 0) {
+      st->min_key = b;
+      st->num_candidates = candidates;
+      if (exact && candidates <= n / 8) {
+        st->trim = 1;
+      } else if (exact) {
+        st->gk_exact = 1;
+        st->gk_exact_candidates = candidates;
+      }
+    }
+  }
+  if (exact) TinyKth(keys, m, a.k, &t, &greater, &ties);
+  const ull count = TinyWrite(u, keys, m, t, ties, out_idx, out_val, a.zero);
+  if (threadIdx.x == 0) {
+    st->prefix = t;
+    st->num_selected = count;
+  }
+}
+
+// ---------------------------------------------------------------------------
 // Host helpers
 // ---------------------------------------------------------------------------
 
@@ -1957,6 +2208,7 @@ struct Sparsifier::Impl {
     bool expect_exact;
     bool expect_from_u;  // exact's, or gaussiank's fallback's, sample missed
     uint64_t exact_sample_min_n;  // SetExactSampleMinNForTesting's
+    uint64_t one_block_max_n;     // SetOneBlockMaxNForTesting's
     bool operator==(const GraphKey& o) const {
       return method == o.method && u == o.u && n == o.n && k == o.k &&
              zero == o.zero && reuse == o.reuse &&
@@ -1964,7 +2216,8 @@ struct Sparsifier::Impl {
              dgc_sample_fraction == o.dgc_sample_fraction &&
              expect_exact == o.expect_exact &&
              expect_from_u == o.expect_from_u &&
-             exact_sample_min_n == o.exact_sample_min_n;
+             exact_sample_min_n == o.exact_sample_min_n &&
+             one_block_max_n == o.one_block_max_n;
     }
   };
   struct HostSnapshot {
@@ -1974,6 +2227,7 @@ struct Sparsifier::Impl {
     bool exact_enqueued = false;
     bool sampled_enqueued = false;
     bool from_u_enqueued = false;
+    bool tiny_enqueued = false;
     uint64_t pending_count = 0;
     uint64_t out_stride = 0;
     int collect_blocks = 0, collect_warps = 0;
@@ -2000,6 +2254,7 @@ struct Sparsifier::Impl {
   bool exact_expect_from_u = false;
   bool gauss_expect_from_u = false;
   bool took_exact = false;  // the pending selection's, for the prediction
+  bool tiny_enqueued = false;  // the pending selection is TinySelectKernel's
   std::vector<CachedGraph> graphs;
   uint64_t graph_clock = 0;
 
@@ -2014,6 +2269,7 @@ struct Sparsifier::Impl {
     s.exact_enqueued = exact_enqueued;
     s.sampled_enqueued = sampled_enqueued;
     s.from_u_enqueued = from_u_enqueued;
+    s.tiny_enqueued = tiny_enqueued;
     s.pending_count = pending_count;
     s.out_stride = out_stride;
     s.collect_blocks = collect_blocks;
@@ -2027,6 +2283,7 @@ struct Sparsifier::Impl {
     exact_enqueued = s.exact_enqueued;
     sampled_enqueued = s.sampled_enqueued;
     from_u_enqueued = s.from_u_enqueued;
+    tiny_enqueued = s.tiny_enqueued;
     pending_count = s.pending_count;
     out_stride = s.out_stride;
     collect_blocks = s.collect_blocks;
@@ -2401,6 +2658,10 @@ struct Sparsifier::Impl {
                          bool reuse, cudaStream_t stream);
   KernelStatus SelectExact(float* u, uint64_t n, const SelectParams& p,
                            bool reuse, cudaStream_t stream);
+  // n <= kTinyMaxN, any method: TinySelectKernel and the copy (sets
+  // tiny_enqueued; Wait reads the count and the rule's outcome).
+  KernelStatus SelectTiny(float* u, uint64_t n, const SelectParams& p,
+                          cudaStream_t stream);
   // The exact top-k of u from the sample `plan` (under the caller's gate):
   // the sample's bound, the compaction at it, the gather (exactly k
   // survivors: the output) and the trim (more: their exact top-k); when
@@ -2468,8 +2729,33 @@ struct Sparsifier::Impl {
 
 namespace {
 
+// dgc's sample for (n, k, fraction): `runs` runs of 16 (0: the sample would
+// be as large as u, or k == n: the exact top-k, as on the CPU) and the rank
+// of its threshold, ceil(k * sample / n).
+struct DgcSample {
+  uint64_t runs = 0;
+  uint64_t sample_k = 0;
+};
+DgcSample PlanDgcSample(uint64_t n, uint64_t k, double fraction) {
+  constexpr uint64_t kRunLength = 16;
+  const uint64_t wanted =
+      static_cast<uint64_t>(std::ceil(fraction * static_cast<double>(n)));
+  const uint64_t runs = (wanted + kRunLength - 1) / kRunLength;
+  DgcSample ds;
+  if (k == n || runs * kRunLength * 2 >= n) return ds;
+  ds.runs = runs;
+  const uint64_t sample_size = runs * kRunLength;
+  ds.sample_k = std::max<uint64_t>(
+      1, static_cast<uint64_t>(std::ceil(static_cast<double>(sample_size) *
+                                         static_cast<double>(k) /
+                                         static_cast<double>(n))));
+  return ds;
+}
+
 // SetExactSampleMinNForTesting's value.
 std::atomic<uint64_t> exact_sample_min_n{uint64_t{1} << 22};
+// SetOneBlockMaxNForTesting's value (at most kTinyMaxN).
+std::atomic<uint64_t> one_block_max_n{kTinyMaxN};
 
 // The exact top-k's sample for (n, k): `runs` runs of 16 and the rank of
 // its bound; runs = 0: none (n below the minimum, or k too large a share
@@ -2693,13 +2979,9 @@ KernelStatus Sparsifier::Impl::SelectDgc(float* u, uint64_t n,
                                          cudaStream_t stream) {
   const uint64_t k = p.k;
   const bool zero = p.zero_selected;
-  constexpr uint64_t kRunLength = 16;
-  const uint64_t wanted = static_cast<uint64_t>(
-      std::ceil(p.dgc_sample_fraction * static_cast<double>(n)));
-  const uint64_t runs = (wanted + kRunLength - 1) / kRunLength;
-  // As on the CPU: a sample as large as the input means the exact top-k.
+  const DgcSample ds = PlanDgcSample(n, k, p.dgc_sample_fraction);
   BeginOutput(k);
-  if (k == n || runs * kRunLength * 2 >= n) {
+  if (ds.runs == 0) {
     info.fell_back = true;
     // Right after Accumulate nothing has written `regions` since: its
     // compaction may hold the candidates.
@@ -2708,15 +2990,12 @@ KernelStatus Sparsifier::Impl::SelectDgc(float* u, uint64_t n,
     check_selected = true;
     return CopyOut(k, stream);
   }
-  const uint64_t sample_size = runs * kRunLength;
-  const uint64_t sample_k = std::max<uint64_t>(
-      1, static_cast<uint64_t>(std::ceil(static_cast<double>(sample_size) *
-                                         static_cast<double>(k) /
-                                         static_cast<double>(n))));
+  const uint64_t sample_size = ds.runs * 16;
   // More than 1/8 of the sample at or above the threshold B: ties at it
   // (the compaction keeps the keys > B and counts the ties).
-  GTOPK_CUDA_RETURN_IF_NOT_OK(SampleThreshold(
-      u, n, runs, sample_k, std::max<uint64_t>(1, sample_size / 8), stream));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(
+      SampleThreshold(u, n, ds.runs, ds.sample_k,
+                      std::max<uint64_t>(1, sample_size / 8), stream));
   // min_key is now the sample's sample_k-th largest key. No host round
   // trip whatever the count: at most k survive (the usual case): the
   // device accepts them and gathers them into the output. More than k (and
@@ -2884,9 +3163,50 @@ KernelStatus Sparsifier::Impl::ContinueDgc(const DeviceState& s,
   return CopyOut(k, stream);
 }
 
+KernelStatus Sparsifier::Impl::SelectTiny(float* u, uint64_t n,
+                                          const SelectParams& p,
+                                          cudaStream_t stream) {
+  const uint64_t k = p.k;
+  TinyArgs a{};
+  a.method = static_cast<int>(p.method);
+  a.k = k;
+  a.zero = p.zero_selected ? 1 : 0;
+  uint64_t slots = k;
+  if (p.method == Method::kGaussianK) {
+    a.lo = MinCount(Method::kGaussianK, k);
+    a.hi = MaxCount(Method::kGaussianK, k);
+    if (k == n || a.lo == a.hi) {
+      a.method = static_cast<int>(Method::kExact);  // as SelectGaussianK
+      info.fell_back = true;
+    } else {
+      slots = std::min<uint64_t>(a.hi, n);
+      const double density = static_cast<double>(k) / static_cast<double>(n);
+      a.z = NormalQuantile(1.0 - density / 2.0);
+      a.max_adjustments = p.gaussiank_max_adjustments;
+    }
+  } else if (p.method == Method::kDgc) {
+    const DgcSample ds = PlanDgcSample(n, k, p.dgc_sample_fraction);
+    if (ds.runs == 0) {
+      info.fell_back = true;  // as SelectDgc: the exact top-k
+    } else {
+      a.seed = host_seed.get();
+      a.runs = ds.runs;
+      a.sample_k = ds.sample_k;
+    }
+  }
+  BeginOutput(slots);
+  GTOPK_LAUNCH(TinySelectKernel, 1, kScanThreads, stream)(
+      u, n, st, InitFor(k, false, false, false), a, out_idx(), out_val());
+  GTOPK_CUDA_LAUNCH_CHECK();
+  hist_u = nullptr;
+  tiny_enqueued = true;
+  return CopyOut(slots, stream);
+}
+
 KernelStatus Sparsifier::Impl::Enqueue(float* u, uint64_t n,
                                        const SelectParams& p, bool reuse,
                                        cudaStream_t stream) {
+  if (n <= one_block_max_n.load()) return SelectTiny(u, n, p, stream);
   switch (p.method) {
     case Method::kExact:
       return SelectExact(u, n, p, reuse, stream);
@@ -2913,7 +3233,7 @@ KernelStatus Sparsifier::Impl::EnqueueWithGraph(float* u, uint64_t n,
                      p.method == Method::kGaussianK ? gauss_expect_from_u
                      : p.method == Method::kExact   ? exact_expect_from_u
                                                     : false,
-                     exact_sample_min_n.load()};
+                     exact_sample_min_n.load(), one_block_max_n.load()};
   for (CachedGraph& g : graphs) {
     if (!(g.key == key)) continue;
     GTOPK_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(g.exec, stream));
@@ -3138,7 +3458,9 @@ KernelStatus Sparsifier::Select(float* u, uint64_t n, const SelectParams& p,
   }
   const bool reuse = m.hist_u == u && m.hist_n == n;
   m.info = SelectInfo();
-  m.info.used_update_histogram = reuse && p.method != Method::kDgc;
+  // (The one-block path for a small u reads u whole, histogram or not.)
+  m.info.used_update_histogram =
+      reuse && p.method != Method::kDgc && n > one_block_max_n.load();
   m.pending_error = false;
   m.check_selected = false;
   GTOPK_CUDA_RETURN_IF_NOT_OK(m.EnsurePinned(MaxCount(p.method, p.k), stream));
@@ -3151,6 +3473,7 @@ KernelStatus Sparsifier::Select(float* u, uint64_t n, const SelectParams& p,
   m.sampled_enqueued = false;
   m.from_u_enqueued = false;
   m.took_exact = false;
+  m.tiny_enqueued = false;
   m.sample_missed = false;
   // dgc's sample seed for this step: a replayed graph copies it from here.
   *m.host_seed.get() = Mix(p.seed, p.step);
@@ -3184,6 +3507,37 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
                         s.error == 0 && s.ties_at_bound != 0;
   const uint64_t dgc_survivors = s.num_candidates + s.tie_count;
   bool ran_sampled = false;  // an exact top-k from a sample ran
+  if (m.tiny_enqueued && s.error == 0) {
+    // One kernel did it all; the rule's outcome is in the state.
+    const Method method = m.pending_params.method;
+    m.pending_count = s.num_selected;
+    m.check_selected = false;
+    m.info.fast_path = true;
+    m.info.one_block = true;
+    if (method == Method::kGaussianK && !m.info.fell_back) {
+      m.info.fell_back = s.gk_exact != 0;
+      m.info.adjustments =
+          s.gk_exact != 0 ? s.gk_exact_adjustments : s.adjustments;
+      if (s.gk_exact == 0) m.info.candidates = s.num_candidates;
+    } else if (method == Method::kDgc && !m.info.fell_back) {
+      m.info.fell_back = s.gk_exact != 0;
+      m.info.trimmed_on_device = s.trim != 0;
+      m.info.candidates = s.num_candidates;  // the survivors
+    }
+    const uint64_t lo = MinCount(method, m.pending_params.k);
+    const uint64_t hi =
+        std::min<uint64_t>(MaxCount(method, m.pending_params.k), m.pending_n);
+    const bool exact_count = method == Method::kExact || m.info.fell_back ||
+                             m.info.trimmed_on_device;
+    if (exact_count ? s.num_selected != m.pending_params.k
+                    : s.num_selected < std::min(lo, hi) ||
+                          s.num_selected > hi) {
+      return KernelStatus::Error(
+          KernelStatusCode::kInternal,
+          "one-block selection produced " + std::to_string(s.num_selected) +
+              " pairs (k = " + std::to_string(m.pending_params.k) + ")");
+    }
+  }
   if (continuation != Impl::Continuation::kNone && s.error == 0) {
     const bool gauss = continuation == Impl::Continuation::kGaussianK;
     const bool corrected = gauss && s.gk_mode == kGaussCorrect;
@@ -3334,6 +3688,10 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
 
 uint64_t SetExactSampleMinNForTesting(uint64_t min_n) {
   return exact_sample_min_n.exchange(min_n);
+}
+
+uint64_t SetOneBlockMaxNForTesting(uint64_t max_n) {
+  return one_block_max_n.exchange(std::min<uint64_t>(max_n, kTinyMaxN));
 }
 
 }  // namespace cuda

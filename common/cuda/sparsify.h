@@ -91,6 +91,15 @@
 //    selection the next enqueues that too, gated on the device's count, so
 //    a steady stream of them needs no round trip. Returns 1..k entries.
 //
+//  * Small u (n <= 4096), any method: one kernel of one block with u's keys
+//    in shared memory runs the whole selection by the same rules (the
+//    radix select for the exact top-k; Gaussian-k's mean and std from its
+//    own sums and its adjustments on exact counts, so its threshold may
+//    differ in the last bits from the multi-kernel path's; dgc's same
+//    sample and threshold), then one copy: one launch instead of a chain
+//    of eight to eleven, which is what a small selection's time is made of
+//    (SelectInfo::one_block).
+//
 // Output: (index, value) pairs sorted by index, values copied bit-exactly,
 // only those pairs copied to the host, into pinned buffers, asynchronously on
 // the caller's stream; optionally the selected residual entries are set to
@@ -190,12 +199,19 @@ struct SelectInfo {
   int exact_digit_passes = 0;
   bool exact_final_from_u = false;
   // exact after Accumulate (used_update_histogram): the candidates came
-  // from the fused update's own compaction at a digit-0 bin predicted from
-  // the previous such selection of the same n (one eighth of a binade
-  // below its k-th key), so no pass over u ran at all; false on the first
-  // step, after a step whose k-th key fell below the predicted bin, or
-  // when that bin held more than n/32 keys.
+  // from the fused update's own compaction, which kept the keys from the
+  // start of the digit-0 bin below the previous such selection's k-th key
+  // (same n; 1/8 to 2/8 of a binade under it, or that key's own bin when
+  // the bin below would have made more than n/32 keys), so no pass over u
+  // ran at all. False on the first step, on a step whose k-th key fell
+  // under that bin or whose kept keys exceed n/8, after a selection whose
+  // keys at or above the k-th key's bin were more than n/32 (nothing is
+  // predicted then), and when the selection ran as one block.
   bool candidates_from_update = false;
+  // n <= 4096: the whole selection ran as one kernel of one block (u's keys
+  // in shared memory; the same rules, on exact counts), one launch and one
+  // copy (fast_path; a histogram from Accumulate is not used).
+  bool one_block = false;
   // Select enqueued a replay of the CUDA graph it captured for the same
   // (method, u, n, k, zeroing, histogram reuse) earlier: one launch
   // instead of a dozen (see Sparsifier::set_use_graphs).
@@ -250,11 +266,12 @@ class Sparsifier {
   //   the inputs on error).
   // After an exact Select that reused the previous update's histogram on
   // the same n, the update also keeps, in index order, the entries whose
-  // |u| lies at or above a digit-0 bin one eighth of a binade under that
-  // selection's k-th key (at most n/32 of them at the time it was
-  // predicted): the exact Select after it then needs no pass over u when
-  // its k-th key is still in or above that bin
-  // (SelectInfo::candidates_from_update). Its cost: the index writes, and
+  // |u| lies at or above the start of the digit-0 bin below that
+  // selection's k-th key (1/8 to 2/8 of a binade under it; at most n/32
+  // of them when it was predicted): the exact Select after it then needs
+  // no pass over u when its k-th key is still in or above that bin and at
+  // most n/8 are kept (SelectInfo::candidates_from_update; a drop of
+  // the k-th magnitude by less than about 8 % per step always is). Its cost: the index writes, and
   // a register-heavier kernel (48 registers instead of 40: 5 blocks per
   // SM instead of 6).
   // Asynchronous on `stream`. A non-finite u (from a non-finite gradient or
@@ -364,6 +381,12 @@ class SparseUpdater {
 // histogram plan even at 0. Process-wide, read by each Select; returns the
 // previous value.
 uint64_t SetExactSampleMinNForTesting(uint64_t min_n);
+
+// Tests only: the largest n that runs as one block (SelectInfo::one_block;
+// default and most 4096, its shared-memory bound; 0: never), so that the
+// multi-kernel path can be checked at small n too. Process-wide, read by
+// each Select; returns the previous value.
+uint64_t SetOneBlockMaxNForTesting(uint64_t max_n);
 
 // Number of CUDA devices (0 when the driver or a device is missing; never
 // an error), for tests and tools that skip without a GPU.

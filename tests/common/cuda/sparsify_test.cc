@@ -13,6 +13,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <tuple>
@@ -891,12 +892,12 @@ TEST_F(GpuTest, ExactAfterUpdateTakesTheUpdatesCandidates) {
                      " density=" + std::to_string(density));
         GTOPK_ASSERT_OK_AND_ASSIGN(const uint64_t k,
                                    KFromDensity(density, n));
+        const size_t other = n + 1001;  // above the one-block bound too
         GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
-                                   CudaSelector::Create("exact", {}, n));
+                                   CudaSelector::Create("exact", {}, other));
         Sparsifier* sp = selector->sparsifier();
         std::vector<float> residual(n, 0.0f);
         DeviceVector d_residual(residual);
-        const size_t other = n / 2 + 1;
         const std::vector<float> other_grad =
             MakeInput(Distribution::kNormal, other, 5);
         for (size_t t = 0; t < steps.size(); ++t) {
@@ -1016,6 +1017,254 @@ TEST_F(GpuTest, GaussianKFallbackIgnoresTheUpdatesCandidates) {
     }
   }
   EXPECT_GE(fell_back, 4) << "the input no longer makes Gaussian-k fall back";
+}
+
+// Switches the one-block path (SelectInfo::one_block) off for a scope.
+class NoOneBlock {
+ public:
+  NoOneBlock() : saved_(SetOneBlockMaxNForTesting(0)) {}
+  ~NoOneBlock() { SetOneBlockMaxNForTesting(saved_); }
+
+ private:
+  uint64_t saved_;
+};
+
+// The CPU Gaussian-k rule in plain loops with long double sums: the
+// selection (|u| > t at the first t in [lo, hi]) or nullopt when the rule
+// ends out of range (the exact top-k follows); `clear` is false when some
+// |u| lies within 1e-9 (relative) of a threshold tried, where the device's
+// double sums may round either way.
+struct GaussRule {
+  std::optional<std::vector<uint32_t>> selected;
+  int adjustments = 0;
+  bool clear = true;
+};
+GaussRule GaussianKInPlainLoops(const std::vector<float>& u, uint64_t k,
+                                int max_adjustments) {
+  const size_t n = u.size();
+  const uint64_t lo = (2 * k + 2) / 3, hi = 4 * k / 3;
+  const double z = cpu::NormalQuantile(1.0 - static_cast<double>(k) / n / 2.0);
+  long double sum = 0.0L, sumsq = 0.0L;
+  for (float x : u) {
+    sum += x;
+    sumsq += static_cast<long double>(x) * x;
+  }
+  const long double mean = sum / n;
+  const long double var =
+      n > 1 ? std::max(0.0L, (sumsq - sum * mean) / (n - 1)) : 0.0L;
+  long double t = mean + z * std::sqrt(var);
+  GaussRule rule;
+  for (int a = 0;; ++a) {
+    std::vector<uint32_t> above;
+    for (size_t i = 0; i < n; ++i) {
+      const long double m = std::fabs(static_cast<long double>(u[i]));
+      if (std::fabs(m - t) <= 1e-9L * std::fabs(t)) rule.clear = false;
+      if (m > t) above.push_back(static_cast<uint32_t>(i));
+    }
+    rule.adjustments = a;
+    if (above.size() >= lo && above.size() <= hi) {
+      rule.selected = above;
+      return rule;
+    }
+    if (a == max_adjustments) return rule;
+    t = above.size() < lo ? t * 0.5L : t * 1.5L;
+    if (t <= 0.0L) return rule;
+  }
+}
+
+// dgc's rule in plain loops: the sample's threshold B (see
+// DgcSamplesTheRunsOfItsSeedAndStep), every |u| >= B when at most k, else
+// the exact top-k; the exact top-k too when the sample would be half of u.
+SparseVector DgcInPlainLoops(const std::vector<float>& u, uint64_t k,
+                             uint64_t seed, uint64_t step, double fraction) {
+  const size_t n = u.size();
+  auto key = [](float x) { return FloatBits(x) & 0x7fffffffu; };
+  const uint64_t runs =
+      (static_cast<uint64_t>(std::ceil(fraction * n)) + 15) / 16;
+  if (k == n || runs * 32 >= n) return ReferenceTopK(u, k);
+  std::vector<uint32_t> sample;
+  for (uint64_t start : SampleRunStarts(seed, step, n, runs)) {
+    for (int j = 0; j < 16; ++j) sample.push_back(key(u[start + j]));
+  }
+  const uint64_t sample_k = std::max<uint64_t>(
+      1, static_cast<uint64_t>(std::ceil(static_cast<double>(sample.size()) *
+                                         k / n)));
+  std::sort(sample.begin(), sample.end(), std::greater<uint32_t>());
+  const uint32_t b = sample[sample_k - 1];
+  SparseVector survivors;
+  for (size_t i = 0; i < n; ++i) {
+    if (key(u[i]) >= b) {
+      survivors.indices.push_back(static_cast<uint32_t>(i));
+      survivors.values.push_back(u[i]);
+    }
+  }
+  return survivors.size() <= k ? survivors : ReferenceTopK(u, k);
+}
+
+// The one-block path (n <= 4096: one kernel, u's keys in shared memory)
+// against the rules in plain loops and against the multi-kernel path on the
+// same input (the test hook switches it off): exact equals ReferenceTopK,
+// dgc its rule recomputed from the seed and step, Gaussian-k the CPU rule
+// in long double wherever no |u| is within rounding of a threshold (else
+// its count contract, and the exact top-k when it falls back); both paths
+// give the same pairs for exact and dgc, zero exactly the selected entries,
+// and report the rule's outcome alike. Every input kind, n from 1 to the
+// bound, densities up to 1, on a created stream (graphs: the second step
+// replays) and the legacy one.
+TEST_F(GpuTest, OneBlockPathFollowsTheRulesAndTheMultiKernelPath) {
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
+            cudaSuccess);
+  int checked = 0, gauss_cases = 0, gauss_clear = 0;
+  for (const size_t n : {size_t{1}, size_t{2}, size_t{17}, size_t{33},
+                         size_t{64}, size_t{1000}, size_t{2049},
+                         size_t{4096}}) {
+    std::unique_ptr<Sparsifier> tiny_sp, multi_sp;
+    ASSERT_TRUE(Sparsifier::Create(n, &tiny_sp).ok());
+    ASSERT_TRUE(Sparsifier::Create(n, &multi_sp).ok());
+    for (const Distribution dist : ::gtopk::testing::AllDistributions()) {
+      for (const double density : {0.001, 0.01, 0.1, 0.3, 1.0}) {
+        const uint64_t k = std::max<uint64_t>(
+            1, static_cast<uint64_t>(std::llround(density * n)));
+        const std::vector<float> u = MakeInput(dist, n, n * 31 + k);
+        for (const Method method :
+             {Method::kExact, Method::kGaussianK, Method::kDgc}) {
+          for (uint64_t step = 0; step < 2; ++step) {
+            SCOPED_TRACE(DistributionName(dist) + " n=" + std::to_string(n) +
+                         " k=" + std::to_string(k) + " " + MethodName(method) +
+                         " step " + std::to_string(step));
+            SelectParams p;
+            p.method = method;
+            p.k = k;
+            p.step = step;
+            p.seed = 7;
+            p.zero_selected = true;
+            SparseVector got[2];
+            SelectInfo info[2];
+            for (int multi = 0; multi < 2; ++multi) {
+              std::optional<NoOneBlock> off;
+              if (multi) off.emplace();
+              Sparsifier* sp = multi ? multi_sp.get() : tiny_sp.get();
+              cudaStream_t s = step == 0 ? stream : nullptr;
+              DeviceVector d(u);
+              // (The copy ran on the legacy stream, which a non-blocking
+              // one does not wait for.)
+              ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+              ASSERT_TRUE(sp->Select(d.buffer.get(), n, p, s).ok());
+              SelectedPairs sel;
+              const KernelStatus waited = sp->Wait(s, &sel);
+              ASSERT_TRUE(waited.ok()) << waited.message;
+              got[multi].indices.assign(sel.indices, sel.indices + sel.count);
+              got[multi].values.assign(sel.values, sel.values + sel.count);
+              info[multi] = sel.info;
+              EXPECT_EQ(sel.info.one_block, multi == 0);
+              ExpectZeroedExactly(d, u, got[multi].indices);
+            }
+            EXPECT_TRUE(info[0].fast_path);
+            EXPECT_EQ(info[0].fell_back, info[1].fell_back);
+            if (method == Method::kExact) {
+              ExpectSameBits(got[0], ReferenceTopK(u, k));
+              ExpectSameBits(got[1], got[0]);
+            } else if (method == Method::kDgc) {
+              ExpectSameBits(got[0], DgcInPlainLoops(u, k, 7, step, 0.01));
+              ExpectSameBits(got[1], got[0]);
+              // (The multi-kernel path also calls a trim of the keys
+              // above a tied threshold one when more than n/8 survive.)
+              EXPECT_EQ(info[0].trimmed_on_device,
+                        !info[0].fell_back && info[0].candidates > k);
+            } else {
+              ++gauss_cases;
+              const GaussRule rule = GaussianKInPlainLoops(u, k, 4);
+              const uint64_t lo = MinCount(Method::kGaussianK, k);
+              const uint64_t hi = MaxCount(Method::kGaussianK, k);
+              if (lo == hi || k == n || info[0].fell_back) {
+                ExpectSameBits(got[0], ReferenceTopK(u, k));
+              } else {
+                EXPECT_GE(got[0].size(), lo);
+                EXPECT_LE(got[0].size(), hi);
+                ExpectThresholdSelection(u, got[0]);
+              }
+              if (rule.clear && lo != hi && k != n) {
+                ++gauss_clear;
+                ASSERT_EQ(info[0].fell_back, !rule.selected.has_value());
+                EXPECT_EQ(info[0].adjustments, rule.adjustments);
+                if (rule.selected) {
+                  EXPECT_EQ(got[0].indices, *rule.selected);
+                }
+                ExpectSameBits(got[1], got[0]);
+                EXPECT_EQ(info[1].adjustments, info[0].adjustments);
+              }
+            }
+            ++checked;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+  EXPECT_EQ(checked, 8 * 13 * 5 * 3 * 2);
+  // Every case whose rule the long double sums decide (not k <= 2, where
+  // the range is one count, and not ties within rounding of a threshold).
+  EXPECT_GT(gauss_clear, gauss_cases / 4);
+}
+
+// The one-block path's faults: a non-finite u is INVALID_ARGUMENT naming
+// the first position, with u untouched; zero_selected false leaves u as it
+// was; after Accumulate the selection reads u (the update's histogram is
+// not used, and SelectInfo says so).
+TEST_F(GpuTest, OneBlockPathReportsNonFiniteAndKeepsU) {
+  const size_t n = 1000;
+  std::vector<float> u = MakeInput(Distribution::kNormal, n, 3);
+  std::unique_ptr<Sparsifier> sp;
+  ASSERT_TRUE(Sparsifier::Create(n, &sp).ok());
+  // A NaN before an Inf, then a -Inf alone.
+  for (const int bad : {321, 700}) {
+    u[321] = bad == 321 ? std::numeric_limits<float>::quiet_NaN() : 0.5f;
+    u[700] = -std::numeric_limits<float>::infinity();
+    for (const Method method :
+         {Method::kExact, Method::kGaussianK, Method::kDgc}) {
+      SCOPED_TRACE(std::string(MethodName(method)) + " " +
+                   std::to_string(bad));
+      DeviceVector d(u);
+      SelectParams p;
+      p.method = method;
+      p.k = 10;
+      ASSERT_TRUE(sp->Select(d.buffer.get(), n, p, nullptr).ok());
+      SelectedPairs sel;
+      const KernelStatus waited = sp->Wait(nullptr, &sel);
+      EXPECT_EQ(waited.code, KernelStatusCode::kInvalidArgument);
+      EXPECT_THAT(waited.message,
+                  HasSubstr("position " + std::to_string(bad)));
+      const std::vector<float> after = d.ToHost(n);
+      for (size_t i = 0; i < n; ++i) {
+        ASSERT_EQ(FloatBits(after[i]), FloatBits(u[i])) << i;
+      }
+    }
+  }
+  u[321] = 0.5f;
+  u[700] = -2.0f;
+  DeviceVector grad(u), residual(std::vector<float>(n, 0.0f));
+  UpdateParams up;
+  up.lr = 1.0f;
+  up.momentum = 0.0f;
+  up.momentum_correction = false;
+  ASSERT_TRUE(sp->Accumulate(grad.buffer.get(), nullptr, nullptr, nullptr,
+                             residual.buffer.get(), residual.buffer.get(), n,
+                             up, nullptr)
+                  .ok());
+  SelectParams p;
+  p.k = 10;
+  p.zero_selected = false;
+  ASSERT_TRUE(sp->Select(residual.buffer.get(), n, p, nullptr).ok());
+  SelectedPairs sel;
+  ASSERT_TRUE(sp->Wait(nullptr, &sel).ok());
+  EXPECT_TRUE(sel.info.one_block);
+  EXPECT_FALSE(sel.info.used_update_histogram);
+  SparseVector got;
+  got.indices.assign(sel.indices, sel.indices + sel.count);
+  got.values.assign(sel.values, sel.values + sel.count);
+  ExpectSameBits(got, ReferenceTopK(u, 10));
+  ExpectZeroedExactly(residual, u, {});
 }
 
 // Gaussian-k's threshold is mean + z*std of u (arXiv:1911.08772): on normal
