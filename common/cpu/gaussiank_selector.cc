@@ -51,10 +51,16 @@ absl::Status GaussianKSelector::Select(absl::Span<const float> u, uint64_t k,
 
   // Pass 1: mean and standard deviation. Four 4-float vector lanes per 1 Ki
   // block (GCC/Clang vector extensions: plain SSE2, no reassociation flags
-  // needed), blocks accumulated in double.
+  // needed), blocks accumulated in double. The sums are of d = x - u[0]:
+  // the one-pass variance (sum of squares minus sum times mean) cancels
+  // when |mean| >> std (2^24 plus small integers lost half of it), and
+  // shifted by one of the values it stays well conditioned (the CUDA
+  // selectors merge per-thread shifted sums by Chan's formula instead).
   typedef float Float4 __attribute__((vector_size(16)));
   double sum = 0.0, sumsq = 0.0;
   const float* p = u.data();
+  const float shift = p[0];
+  const Float4 shift4 = {shift, shift, shift, shift};
   constexpr size_t kStatBlock = 1024;
   size_t i = 0;
   for (; i + kStatBlock <= n; i += kStatBlock) {
@@ -66,6 +72,10 @@ absl::Status GaussianKSelector::Select(absl::Span<const float> u, uint64_t k,
       std::memcpy(&a1, p + i + b + 4, sizeof(a1));
       std::memcpy(&a2, p + i + b + 8, sizeof(a2));
       std::memcpy(&a3, p + i + b + 12, sizeof(a3));
+      a0 -= shift4;
+      a1 -= shift4;
+      a2 -= shift4;
+      a3 -= shift4;
       s0 += a0;
       s1 += a1;
       s2 += a2;
@@ -83,8 +93,9 @@ absl::Status GaussianKSelector::Select(absl::Span<const float> u, uint64_t k,
         (static_cast<double>(q[0]) + q[1]) + (static_cast<double>(q[2]) + q[3]);
   }
   for (; i < n; ++i) {
-    sum += p[i];
-    sumsq += static_cast<double>(p[i]) * p[i];
+    const double d = static_cast<double>(p[i]) - shift;
+    sum += d;
+    sumsq += d * d;
   }
   // Float lanes overflow for |x| > ~1e19 (squares) before double would, and
   // squares of |x| < ~1e-19 fall below float's normal range (denormal
@@ -95,14 +106,17 @@ absl::Status GaussianKSelector::Select(absl::Span<const float> u, uint64_t k,
     GTOPK_RETURN_IF_ERROR(ValidateFinite(u, "selector input"));
     sum = sumsq = 0.0;
     for (size_t j = 0; j < n; ++j) {
-      sum += p[j];
-      sumsq += static_cast<double>(p[j]) * p[j];
+      const double d = static_cast<double>(p[j]) - shift;
+      sum += d;
+      sumsq += d * d;
     }
   }
-  const double mean = sum / n;
+  const double mean_d = sum / n;
+  const double mean = shift + mean_d;
   const double var =
-      n > 1 ? std::max(0.0, (sumsq - sum * mean) / static_cast<double>(n - 1))
-            : 0.0;
+      n > 1
+          ? std::max(0.0, (sumsq - sum * mean_d) / static_cast<double>(n - 1))
+          : 0.0;
   const double density = static_cast<double>(k) / static_cast<double>(n);
   double threshold =
       mean + NormalQuantile(1.0 - density / 2.0) * std::sqrt(var);

@@ -351,6 +351,95 @@ __global__ void InitKernel(DeviceState* st, InitArgs a, Gate gate) {
   InitBlock(st, a);
 }
 
+// Count, mean and sum of squared deviations (M2) of some values: what
+// Gaussian-k's mean and std come from, merged by Chan et al.'s formula
+// ("Updating formulae and a pairwise algorithm for computing sample
+// variances", 1979) in a fixed order, so that the result is well
+// conditioned when |mean| >> std (the one-pass sum of squares minus sum
+// times mean cancels there) and the same on every run.
+struct Moments {
+  double n, mean, m2;
+};
+__host__ __device__ inline Moments MergeMoments(const Moments& a,
+                                                const Moments& b) {
+  const double n = a.n + b.n;
+  if (n == 0.0) return Moments{0.0, 0.0, 0.0};
+  const double delta = b.mean - a.mean;
+  return Moments{n, a.mean + delta * (b.n / n),
+                 a.m2 + b.m2 + delta * delta * (a.n * b.n / n)};
+}
+
+// One thread's values as deviations from its first one (`shift`): the
+// sums of d = x - shift and d^2 in double (well conditioned: |d| is about
+// the spread, not the offset).
+struct ShiftedSums {
+  float shift = 0.0f;  // the first value (exact in double)
+  uint32_t count = 0;
+  double sum = 0.0, sumsq = 0.0;
+  __device__ void Add(float x) {
+    if (count == 0) shift = x;
+    const double d = static_cast<double>(x) - static_cast<double>(shift);
+    ++count;
+    sum += d;
+    sumsq += d * d;
+  }
+  __device__ Moments Get() const {
+    if (count == 0) return Moments{0.0, 0.0, 0.0};
+    const double c = static_cast<double>(count);
+    const double mean_d = sum / c;
+    return Moments{c, static_cast<double>(shift) + mean_d,
+                   fmax(0.0, sumsq - sum * mean_d)};
+  }
+};
+
+// The block's Moments (kBlock threads, a power of two >= 256) by fixed
+// rounds of MergeMoments (thread t into slot t % 256, the lower threads
+// first), then a fixed tree over the 256 slots; in thread 0.
+template <int kBlock>
+__device__ Moments BlockMoments(Moments mine) {
+  constexpr int kSlots = 256;
+  static_assert(kBlock % kSlots == 0, "whole rounds");
+  __shared__ double tree_n[kSlots], tree_mean[kSlots], tree_m2[kSlots];
+  const int t = static_cast<int>(threadIdx.x);
+  const int slot = t % kSlots;
+// Not unrolled: unrolled, the fused update needed more than its 48 registers.
+#ifdef __CUDACC__
+#pragma unroll 1
+#endif
+  for (int round = 0; round < kBlock / kSlots; ++round) {
+    if (t / kSlots == round) {
+      const Moments merged =
+          round == 0 ? mine
+                     : MergeMoments(Moments{tree_n[slot], tree_mean[slot],
+                                            tree_m2[slot]},
+                                    mine);
+      tree_n[slot] = merged.n;
+      tree_mean[slot] = merged.mean;
+      tree_m2[slot] = merged.m2;
+    }
+    __syncthreads();
+  }
+// Not unrolled: unrolled, the fused update needed more than its 48 registers.
+#ifdef __CUDACC__
+#pragma unroll 1
+#endif
+  for (int stride = kSlots / 2; stride > 0; stride /= 2) {
+    if (t < stride) {
+      const Moments merged = MergeMoments(
+          Moments{tree_n[t], tree_mean[t], tree_m2[t]},
+          Moments{tree_n[t + stride], tree_mean[t + stride],
+                  tree_m2[t + stride]});
+      tree_n[t] = merged.n;
+      tree_mean[t] = merged.mean;
+      tree_m2[t] = merged.m2;
+    }
+    __syncthreads();
+  }
+  const Moments result{tree_n[0], tree_mean[0], tree_m2[0]};
+  __syncthreads();  // the tree is rewritten by the next call
+  return result;
+}
+
 struct HistArgs {
   const float* grad;
   const float* params;
@@ -364,7 +453,7 @@ struct HistArgs {
   int vectorized;  // every pointer 16-byte aligned
   DeviceState* st;
   ull* hist0;
-  double* partials;  // [2 * block] = sum of u, [2 * block + 1] = sum of u^2
+  double* partials;  // [3 * block]: the block's Moments of u (n, mean, M2)
   Gate gate;         // nothing while closed
   Then then;         // the last block's step after the pass (RunThen);
                      // HistogramKernel<false> only
@@ -422,8 +511,8 @@ __global__ void __launch_bounds__(kThreads, kUpdate ? 5 : 1)
   const uint32_t min_key = compact ? static_cast<uint32_t>(pred - 1) << 20 : 0;
   const int lane = threadIdx.x & 31;
   const uint32_t lanes_below = (1u << lane) - 1u;
-  // Double sums: squares of |u| > ~1e19 would overflow float.
-  double sum = 0.0, sumsq = 0.0;
+  // Double sums (squares of |u| > ~1e19 would overflow float), shifted.
+  ShiftedSums sums;
   const uint64_t warps = uint64_t{gridDim.x} * kWarpsPerBlock;
   for (uint64_t c = uint64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
        c < static_cast<uint64_t>(a.layout_warps); c += warps) {
@@ -482,9 +571,7 @@ __global__ void __launch_bounds__(kThreads, kUpdate ? 5 : 1)
       }
       for (int j = 0; j < valid; ++j) {
         atomicAdd(&hist[Key(u[j]) >> 20], 1u);
-        const double x = u[j];
-        sum += x;
-        sumsq += x * x;
+        sums.Add(u[j]);
       }
       if constexpr (kUpdate) {
         if (!compact) continue;  // uniform
@@ -508,16 +595,13 @@ __global__ void __launch_bounds__(kThreads, kUpdate ? 5 : 1)
     }
     if (kUpdate && compact && lane == 0) a.counts[c] = count;
   }
-  using Reduce = cub::BlockReduce<double, kThreads>;
-  __shared__ typename Reduce::TempStorage reduce_storage;
-  const double block_sum = Reduce(reduce_storage).Sum(sum);
-  __syncthreads();
-  const double block_sumsq = Reduce(reduce_storage).Sum(sumsq);
-  // Per-block partials, summed in a fixed order by GaussPlanKernel: double
+  const Moments block = BlockMoments<kThreads>(sums.Get());
+  // Per-block partials, merged in a fixed order by GaussPlanKernel: double
   // atomics would make Gaussian-k's threshold depend on block timing.
   if (threadIdx.x == 0) {
-    a.partials[2 * blockIdx.x] = block_sum;
-    a.partials[2 * blockIdx.x + 1] = block_sumsq;
+    a.partials[3 * blockIdx.x] = block.n;
+    a.partials[3 * blockIdx.x + 1] = block.mean;
+    a.partials[3 * blockIdx.x + 2] = block.m2;
     if (blockIdx.x == 0) a.st->sum_blocks = static_cast<int>(gridDim.x);
   }
   __syncthreads();
@@ -1646,26 +1730,20 @@ __global__ void __launch_bounds__(kScanThreads)
     at_least_out[kBins - 1 - p] = before[j] + v[j];
   }
   if (threadIdx.x == 0) at_least[kBins] = 0;
-  // The histogram pass's per-block sums, in a fixed order (valid in thread
-  // 0): the same input gives the same threshold on every run.
-  using Reduce = cub::BlockReduce<double, kScanThreads>;
-  __shared__ typename Reduce::TempStorage reduce_storage;
+  // The histogram pass's per-block Moments, merged in a fixed order (valid
+  // in thread 0): the same input gives the same threshold on every run.
   const int b = static_cast<int>(threadIdx.x);
-  const bool mine = b < st->sum_blocks;
-  const double sum = Reduce(reduce_storage).Sum(mine ? partials[2 * b] : 0.0);
-  __syncthreads();
-  const double sumsq =
-      Reduce(reduce_storage).Sum(mine ? partials[2 * b + 1] : 0.0);
-  __syncthreads();
+  const Moments all = BlockMoments<kScanThreads>(
+      b < st->sum_blocks ? Moments{partials[3 * b], partials[3 * b + 1],
+                                   partials[3 * b + 2]}
+                         : Moments{0.0, 0.0, 0.0});
   if (threadIdx.x != 0) return;
   if (non_finite) {
     st->error |= kErrorNonFinite;
     return;
   }
-  const double mean = sum / static_cast<double>(n);
-  const double var =
-      n > 1 ? fmax(0.0, (sumsq - sum * mean) / static_cast<double>(n - 1))
-            : 0.0;
+  const double mean = all.mean;
+  const double var = n > 1 ? all.m2 / static_cast<double>(n - 1) : 0.0;
   double t = mean + z * sqrt(var);
   st->gk_max_adjustments = max_adjustments;
   for (int adjustment = 0;; ++adjustment) {
@@ -1911,26 +1989,14 @@ __global__ void __launch_bounds__(kScanThreads)
   ull greater = 0, ties = 0, candidates = 0;
   bool exact = true;
   if (a.method == static_cast<int>(Method::kGaussianK)) {
-    using Reduce = cub::BlockReduce<double, kScanThreads>;
-    __shared__ typename Reduce::TempStorage reduce_storage;
     __shared__ double threshold;
     __shared__ int verdict;  // 0: go on, 1: in range, 2: out of range
-    double sum = 0.0, sumsq = 0.0;
-    for (int i = threadIdx.x; i < m; i += kScanThreads) {
-      const double x = u[i];
-      sum += x;
-      sumsq += x * x;
-    }
-    const double block_sum = Reduce(reduce_storage).Sum(sum);
-    __syncthreads();
-    const double block_sumsq = Reduce(reduce_storage).Sum(sumsq);
+    ShiftedSums sums;
+    for (int i = threadIdx.x; i < m; i += kScanThreads) sums.Add(u[i]);
+    const Moments all = BlockMoments<kScanThreads>(sums.Get());
     if (threadIdx.x == 0) {
-      const double mean = block_sum / static_cast<double>(n);
-      const double var =
-          n > 1 ? fmax(0.0, (block_sumsq - block_sum * mean) /
-                                static_cast<double>(n - 1))
-                : 0.0;
-      threshold = mean + a.z * sqrt(var);
+      const double var = n > 1 ? all.m2 / static_cast<double>(n - 1) : 0.0;
+      threshold = all.mean + a.z * sqrt(var);
       verdict = 0;
     }
     __syncthreads();
@@ -2149,7 +2215,7 @@ struct Sparsifier::Impl {
   ull* hist0 = nullptr;
   ull* hist1 = nullptr;
   ull* hist2 = nullptr;
-  double* partials = nullptr;  // 2 * kMaxBlocks: the histogram pass's sums
+  double* partials = nullptr;  // 3 * kMaxBlocks: the histogram pass's Moments
   // dgc's trim: the survivors' three digit histograms (kHistsSize entries),
   // apart from hist0..2, which hold the sample's.
   ull* trim_hists = nullptr;
@@ -3332,7 +3398,7 @@ KernelStatus Sparsifier::Create(uint64_t capacity,
   impl->update_blocks =
       std::max(1, std::min(impl->max_blocks, sms * std::max(1, per_sm)));
   const size_t meta_bytes = kHistsSize * sizeof(ull) +
-                            2 * kMaxBlocks * sizeof(double) +
+                            3 * kMaxBlocks * sizeof(double) +
                             kHistsSize * sizeof(ull);
   GTOPK_CUDA_RETURN_IF_NOT_OK(impl->meta.Allocate(meta_bytes));
   GTOPK_CUDA_RETURN_IF_ERROR(cudaMemset(impl->meta.get(), 0, meta_bytes));
@@ -3348,7 +3414,7 @@ KernelStatus Sparsifier::Create(uint64_t capacity,
   impl->hist1 = impl->hist0 + kBins;
   impl->hist2 = impl->hist1 + kBins;
   impl->partials = reinterpret_cast<double*>(impl->hist2 + 512);
-  impl->trim_hists = reinterpret_cast<ull*>(impl->partials + 2 * kMaxBlocks);
+  impl->trim_hists = reinterpret_cast<ull*>(impl->partials + 3 * kMaxBlocks);
   GTOPK_CUDA_RETURN_IF_NOT_OK(
       impl->regions.Allocate(capacity + kChunkAlign * kMaxWarps));
   GTOPK_CUDA_RETURN_IF_NOT_OK(

@@ -51,7 +51,10 @@
 //    index-ordered candidates hold the top-k and no pass over u runs
 //    (SelectInfo::candidates_from_update); otherwise the plan above.
 //  * gaussiank (Shi et al., arXiv:1911.08772): threshold mean + z*std from the
-//    same pass's sums, the CPU selector's adjustment rule (x0.5 when too
+//    same pass's sums (each thread's values as deviations from its first,
+//    merged by Chan et al.'s pairwise formula in a fixed order: the
+//    one-pass sum of squares minus sum times mean cancels when |mean| >>
+//    std), the CPU selector's adjustment rule (x0.5 when too
 //    few, x1.5 when too many, count contract [ceil(2k/3), floor(4k/3)])
 //    decided on the first-digit histogram when that is conclusive, then one
 //    compaction pass; exact top-k when the adjustments do not reach the range.
@@ -94,8 +97,9 @@
 //  * Small u (n <= 4096), any method: one kernel of one block with u's keys
 //    in shared memory runs the whole selection by the same rules (the
 //    radix select for the exact top-k; Gaussian-k's mean and std from its
-//    own sums and its adjustments on exact counts, so its threshold may
-//    differ in the last bits from the multi-kernel path's; dgc's same
+//    own merged moments (below) and its adjustments on exact counts, so
+//    its threshold may differ from the multi-kernel path's in the last
+//    bits; dgc's same
 //    sample and threshold), then one copy: one launch instead of a chain
 //    of eight to eleven, which is what a small selection's time is made of
 //    (SelectInfo::one_block).

@@ -1044,14 +1044,13 @@ GaussRule GaussianKInPlainLoops(const std::vector<float>& u, uint64_t k,
   const size_t n = u.size();
   const uint64_t lo = (2 * k + 2) / 3, hi = 4 * k / 3;
   const double z = cpu::NormalQuantile(1.0 - static_cast<double>(k) / n / 2.0);
-  long double sum = 0.0L, sumsq = 0.0L;
-  for (float x : u) {
-    sum += x;
-    sumsq += static_cast<long double>(x) * x;
-  }
+  // Two passes: the mean, then the squared deviations from it.
+  long double sum = 0.0L;
+  for (float x : u) sum += x;
   const long double mean = sum / n;
-  const long double var =
-      n > 1 ? std::max(0.0L, (sumsq - sum * mean) / (n - 1)) : 0.0L;
+  long double ss = 0.0L;
+  for (float x : u) ss += (x - mean) * (x - mean);
+  const long double var = n > 1 ? ss / (n - 1) : 0.0L;
   long double t = mean + z * std::sqrt(var);
   GaussRule rule;
   for (int a = 0;; ++a) {
@@ -1206,6 +1205,60 @@ TEST_F(GpuTest, OneBlockPathFollowsTheRulesAndTheMultiKernelPath) {
   // Every case whose rule the long double sums decide (not k <= 2, where
   // the range is one count, and not ties within rounding of a threshold).
   EXPECT_GT(gauss_clear, gauss_cases / 4);
+}
+
+// Gaussian-k's mean and std on values with a large common offset
+// (2^24 plus integers in [-4, 4], std about 2.6): the one-pass variance
+// (sum of squares minus sum times mean) cancelled there, and the one-block
+// path selected 333 pairs where the rule gives 217 (a break-it review's
+// input). The CPU selector, the one-block path and the multi-kernel path
+// must each follow the rule computed in two passes in long double.
+TEST_F(GpuTest, GaussianKOnALargeOffsetFollowsTheRule) {
+  for (const size_t n : {size_t{1023}, size_t{1024}, size_t{1025},
+                         size_t{100003}}) {
+    std::mt19937_64 rng(1026102 + n);
+    std::vector<float> u(n);
+    for (float& x : u) {
+      rng();
+      x = 16777216.0f + static_cast<float>(rng() % 9) - 4.0f;
+    }
+    for (const uint64_t k : {uint64_t{297}, uint64_t{965}}) {
+      if (k >= n) continue;
+      SCOPED_TRACE("n=" + std::to_string(n) + " k=" + std::to_string(k));
+      const GaussRule rule = GaussianKInPlainLoops(u, k, 6);
+      ASSERT_TRUE(rule.clear);
+      std::vector<uint32_t> want;
+      if (rule.selected) {
+        want = *rule.selected;
+      } else {
+        want = ReferenceTopK(u, k).indices;
+      }
+      SelectorOptions options;
+      options.gaussiank_max_adjustments = 6;
+      cpu::GaussianKSelector cpu_selector(options);
+      SparseVector cpu_got;
+      GTOPK_ASSERT_OK(cpu_selector.Select(u, k, 0, &cpu_got));
+      EXPECT_EQ(cpu_got.indices, want) << "CPU";
+      for (int multi = 0; multi < 2; ++multi) {
+        std::optional<NoOneBlock> off;
+        if (multi) off.emplace();
+        std::unique_ptr<Sparsifier> sp;
+        ASSERT_TRUE(Sparsifier::Create(n, &sp).ok());
+        DeviceVector d(u);
+        SelectParams p;
+        p.method = Method::kGaussianK;
+        p.k = k;
+        p.gaussiank_max_adjustments = 6;
+        ASSERT_TRUE(sp->Select(d.buffer.get(), n, p, nullptr).ok());
+        SelectedPairs sel;
+        const KernelStatus waited = sp->Wait(nullptr, &sel);
+        ASSERT_TRUE(waited.ok()) << waited.message;
+        const std::vector<uint32_t> got(sel.indices, sel.indices + sel.count);
+        EXPECT_EQ(got, want) << (multi ? "multi-kernel" : "one block");
+        EXPECT_EQ(sel.info.adjustments, rule.adjustments);
+      }
+    }
+  }
 }
 
 // The one-block path's faults: a non-finite u is INVALID_ARGUMENT naming
