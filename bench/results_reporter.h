@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "benchmark/benchmark.h"
@@ -42,6 +43,8 @@ class CollectingReporter : public benchmark::ConsoleReporter {
     }
     ConsoleReporter::ReportRuns(runs);
   }
+  // How many benchmarks reported a measurement.
+  size_t measured() const { return seconds_.size(); }
   // Seconds per iteration of benchmark `name` (0 when it did not run).
   double Seconds(const std::string& name) const {
     auto it = seconds_.find(name);
@@ -87,17 +90,28 @@ struct BenchProgram {
 
 // main() of every benchmark program: parses --results_json and the
 // program's flags, hands the rest to Google Benchmark, runs, writes the
-// summary. Returns the process exit code (2 for bad flags, 1 when the
-// results file cannot be written).
+// summary. The committed default results file is only written by a run
+// that measured every benchmark: a run that measured none (a listing, a
+// filter that matched nothing) writes nothing, and one with
+// --benchmark_filter or --benchmark_list_tests writes only to an explicit
+// --results_json (a partial summary would show zeros for the rest).
+// Returns the process exit code (2 for bad flags, 1 when the results file
+// cannot be written).
 inline int BenchMain(int argc, char** argv, const BenchProgram& program) {
   const std::string command = CommandLine(argc, argv);
   std::string results = program.default_results;
+  bool explicit_results = false, partial = false;
   std::vector<char*> rest;
   for (int i = 0; i < argc; ++i) {
     absl::string_view arg(argv[i]);
     if (absl::ConsumePrefix(&arg, "--results_json=")) {
       results = std::string(arg);
+      explicit_results = true;
       continue;
+    }
+    if (absl::StartsWith(arg, "--benchmark_filter") ||
+        absl::StartsWith(arg, "--benchmark_list_tests")) {
+      partial = true;
     }
     const int consumed =
         i > 0 && program.parse_flag ? program.parse_flag(argv[i]) : 0;
@@ -111,6 +125,14 @@ inline int BenchMain(int argc, char** argv, const BenchProgram& program) {
   CollectingReporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);
   benchmark::Shutdown();
+  if (reporter.measured() == 0 || (partial && !explicit_results)) {
+    std::printf("\n%s left as it was: %s\n", results.c_str(),
+                reporter.measured() == 0
+                    ? "nothing was measured"
+                    : "a filtered run (give --results_json=PATH to keep "
+                      "its summary)");
+    return 0;
+  }
   const std::string json = program.summarize(reporter, command);
   FILE* f = std::fopen(results.c_str(), "w");
   if (f == nullptr) {
