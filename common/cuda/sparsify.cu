@@ -2034,7 +2034,11 @@ __global__ void __launch_bounds__(kScanThreads)
       if (v != 0) break;
     }
   } else if (a.method == static_cast<int>(Method::kDgc) && a.runs != 0) {
-    const ull seed = *a.seed;
+    // One read of the pinned host value (over the bus), shared.
+    __shared__ ull step_seed;
+    if (threadIdx.x == 0) step_seed = *a.seed;
+    __syncthreads();
+    const ull seed = step_seed;
     const uint64_t total = a.runs * 16;
     for (uint64_t g = threadIdx.x; g < total; g += kScanThreads) {
       const uint64_t start = __umul64hi(Mix(seed, g / 16), n - 15);
