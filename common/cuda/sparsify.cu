@@ -175,10 +175,19 @@ struct DeviceState {
   // The exact plan after Accumulate takes its candidates from the fused
   // update's compaction (see UpdateCandidates): no compaction pass over u.
   int from_update;
+  // Gaussian-k after Accumulate: the planner's key, and any key it listed,
+  // lie at or above the bin from which the fused update kept its
+  // candidates, so its first compaction reads those candidates
+  // (GaussUpdateCollectKernel: in place, on the update's layout) instead
+  // of u. Cleared by any later compaction over u (CollectScanBlock), after
+  // which GatherKernel reads that compaction's layout again.
+  int gauss_from_update;
+  int gauss_used_update;  // the same, not cleared (SelectInfo reports it)
   // Candidates from the update, kept by InitKernel (they outlive a
   // selection). update_pred_bin: 1 + the digit-0 bin from which the next
   // fused update of an n = update_pred_n residual compacts (0: none),
-  // written by the exact plan after Accumulate from the k-th key it found.
+  // written by the exact plan after Accumulate from the k-th key it found,
+  // or by the Gaussian-k planner after Accumulate from its first key.
   // update_used_bin/_n: the same for the last fused update, which wrote
   // them (0: it compacted nothing).
   ull update_pred_bin;
@@ -1092,14 +1101,19 @@ __device__ inline void StartTrim(DeviceState* st, ull k) {
 
 __device__ void CollectScanBlock(DeviceState* st, const ull* hists,
                                  const CollectScan& s, ull block_total,
-                                 bool ties, ull block_equal) {
-  if (threadIdx.x == 0) {
+                                 bool ties, ull block_equal, int slots = -1) {
+  // slots < 0: a compaction over u, one count per block (written here);
+  // else GaussUpdateCollectKernel, which wrote `slots` group counts itself.
+  const bool over_u = slots < 0;
+  if (over_u) slots = static_cast<int>(gridDim.x);
+  if (threadIdx.x == 0 && over_u) {
     s.block_offsets[blockIdx.x] = block_total;
     if (ties) s.block_equal[blockIdx.x] = block_equal;
   }
   if (!LastBlockDone(st)) return;  // uniform in the block
-  const ull total =
-      ScanInPlace<kThreads>(s.block_offsets, static_cast<int>(gridDim.x));
+  // A compaction over u replaces the update's candidates (same regions).
+  if (threadIdx.x == 0 && over_u) st->gauss_from_update = 0;
+  const ull total = ScanInPlace<kThreads>(s.block_offsets, slots);
   const ull equal =
       ties ? ScanInPlace<kThreads>(s.block_equal, static_cast<int>(gridDim.x))
            : 0;
@@ -1223,6 +1237,9 @@ __global__ void __launch_bounds__(kThreads)
   }
   // uniform; counts are not read then
   if (st->from_u != 0 || st->from_update != 0) return;
+  // Gaussian-k's first compaction reads the update's candidates instead
+  // (GaussUpdateCollectKernel).
+  if (kCountKeys && st->gauss_from_update != 0) return;  // uniform
   // kCountKeys: the listed keys, a bitmap of their digit-0 bins, and
   // per-warp counts (written by each warp's lane 0 only).
   __shared__ uint32_t key_list[kCountKeys ? kMaxGaussKeys : 1];
@@ -1373,6 +1390,86 @@ __global__ void __launch_bounds__(kThreads)
   CollectScanBlock(st, hists, scan, block_total, ties, block_equal);
 }
 
+// Gaussian-k's first compaction after Accumulate when the planner set
+// state's gauss_from_update (its key and every key it listed lie in bins
+// the fused update kept whole): the same work as CollectKernel<
+// kCollectNoHist, true> at state's min_key, but over the update's
+// candidates instead of u. Chunk c's region of `regions` (c * chunk: the
+// indices of u the update kept, counts[c] of them, index order) is
+// compacted in place by one warp (each kept index moves to a position at
+// or before its own, so the order stays), counts[c] becomes the kept
+// count, and block_offsets[g] the total of group g (kWarpsPerBlock chunks,
+// as a compaction block's); the keys >= gk_keys[r] inside that key's
+// digit-0 bin are added to state's gk_counts[r] (the update kept those
+// bins whole, so the counts are u's). Then `scan` in the last block
+// (CollectScanBlock over the `groups` counts; GaussResolve). The update's
+// candidates are gone afterwards: a correction, or the host's
+// continuation, compacts u again. Nothing when the flag is clear or the
+// gate closed. Grid: any; each block takes groups blockIdx.x, + gridDim.x,
+// ... (the update's own paper: AIR top-k's filter fused into the previous
+// pass, Zhang et al., SC '23).
+__global__ void __launch_bounds__(kThreads)
+    GaussUpdateCollectKernel(const float* __restrict__ u, DeviceState* st,
+                             uint32_t* __restrict__ regions,
+                             uint32_t* __restrict__ counts, uint64_t chunk,
+                             int groups, Gate gate, CollectScan scan) {
+  if (Closed(gate) || st->gauss_from_update == 0) return;  // uniform
+  __shared__ uint32_t key_list[kMaxGaussKeys];
+  __shared__ uint32_t key_counts[kMaxGaussKeys];
+  const int num_keys = st->gk_num_keys;
+  for (int r = threadIdx.x; r < num_keys; r += kThreads) {
+    key_list[r] = st->gk_keys[r];
+    key_counts[r] = 0;
+  }
+  __syncthreads();
+  const bool skip = st->error != 0 || st->fallback != 0;
+  const uint32_t min_key = st->min_key;
+  const int lane = threadIdx.x & 31;
+  const uint32_t lanes_below = (1u << lane) - 1u;
+  bool bad = false;
+  for (int g = blockIdx.x; g < groups; g += gridDim.x) {  // uniform
+    const uint64_t c = uint64_t(g) * kWarpsPerBlock + threadIdx.x / 32;
+    uint32_t* region = regions + c * chunk;
+    const uint32_t m = skip ? 0 : counts[c];
+    uint32_t count = 0;
+    for (uint32_t base = 0; base < m; base += 32) {  // uniform in the warp
+      const uint32_t j = base + lane;
+      const bool valid = j < m;
+      uint32_t idx = 0, key = 0;
+      if (valid) {
+        idx = region[j];
+        key = Key(u[idx]);
+      }
+      for (int r = 0; valid && r < num_keys; ++r) {
+        const uint32_t listed = key_list[r];
+        if ((key >> 20) == (listed >> 20) && key >= listed) {
+          atomicAdd(&key_counts[r], 1u);
+        }
+      }
+      const bool keep = valid && key >= min_key;
+      // Every lane has read its index: the writes (at or before j) follow.
+      const uint32_t ballot = __ballot_sync(kFullMask, keep);
+      if (keep) {
+        region[count + __popc(ballot & lanes_below)] = idx;
+        if (key >= kNonFiniteKey) bad = true;
+      }
+      count += __popc(ballot);
+    }
+    if (lane == 0) counts[c] = count;
+    const ull total = BlockTotal(count);
+    if (threadIdx.x == 0) scan.block_offsets[g] = total;
+    __syncthreads();  // BlockTotal's shared memory, reused
+  }
+  if (bad) atomicOr(&st->error, kErrorNonFinite);
+  __syncthreads();
+  for (int r = threadIdx.x; r < num_keys; r += kThreads) {
+    if (key_counts[r] != 0) {
+      atomicAdd(&st->gk_counts[r], static_cast<ull>(key_counts[r]));
+    }
+  }
+  CollectScanBlock(st, nullptr, scan, 0, false, 0, groups);
+}
+
 // Where GatherKernel writes.
 enum GatherRoute {
   kGatherAlways = 0,      // to out_*
@@ -1384,7 +1481,8 @@ enum GatherRoute {
 };
 
 // The fused update's layout (UpdateCandidates), which GatherKernel reads
-// instead of the compaction's when state's from_update.
+// instead of the compaction's when state's from_update or
+// gauss_from_update.
 struct UpdateLayout {
   uint64_t chunk;
   const uint32_t* counts;
@@ -1409,7 +1507,7 @@ __global__ void __launch_bounds__(kThreads)
                  int route, Gate gate, Then then, UpdateLayout upd) {
   __shared__ uint32_t hist[kBins];
   if (Closed(gate) || st->from_u != 0) return;  // uniform
-  if (st->from_update != 0) {  // uniform
+  if (st->from_update != 0 || st->gauss_from_update != 0) {  // uniform
     chunk = upd.chunk;
     counts = upd.counts;
     offsets = upd.offsets;
@@ -1691,6 +1789,37 @@ __global__ void __launch_bounds__(kThreads)
   RunThen(st, hist0, then);
 }
 
+// The most keys GaussPlanKernel may have listed for its first compaction to
+// read the update's candidates (GaussUpdateCollectKernel counts them per
+// key; more is rare: the stop's bin must leave [lo, hi] undecided at
+// several reachable thresholds).
+constexpr int kMaxUpdateGaussKeys = 8;
+
+// GaussPlanKernel's use of the fused update's candidates at its stop key
+// (thread 0; at_least as the planner's).
+__device__ void GaussUpdatePlan(DeviceState* st, const ull* at_least,
+                                uint32_t key, const UpdateCandidates& uc,
+                                ull compact_cap) {
+  const uint32_t bin = key >> 20;
+  if (st->update_used_n == uc.n && st->update_used_bin != 0) {
+    const uint32_t lowest = static_cast<uint32_t>(st->update_used_bin - 1);
+    bool use = bin >= lowest && at_least[lowest] <= compact_cap &&
+               st->gk_num_keys <= kMaxUpdateGaussKeys;
+    for (int r = 0; use && r < st->gk_num_keys; ++r) {
+      use = (st->gk_keys[r] >> 20) >= lowest;
+    }
+    st->gauss_from_update = use ? 1 : 0;
+    st->gauss_used_update = use ? 1 : 0;
+  }
+  ull pred = 0;
+  if (at_least[bin] <= uc.predict_cap) {
+    pred = bin + 1;
+    if (bin > 0 && at_least[bin - 1] <= uc.predict_cap) pred = bin;
+  }
+  st->update_pred_bin = pred;
+  st->update_pred_n = uc.n;
+}
+
 // Gaussian-k planner (one block): mean/std from the histogram pass's sums,
 // then the CPU selector's adjustment loop as long as the digit-0 histogram
 // decides it (the count for a threshold lies between the counts at the
@@ -1700,10 +1829,21 @@ __global__ void __launch_bounds__(kThreads)
 // correction may need (ListGaussKeys). Writes the histogram's at_least
 // counts to at_least_out (kBins entries) for GaussResolve. Starts with
 // InitBlock when init.run.
+//
+// After Accumulate (uc.warps != 0): sets state's gauss_from_update when
+// the fused update kept candidates for this n (update_used_*) from a bin at
+// or below the stop key's and every listed key's, at most compact_cap of
+// them and at most kMaxUpdateGaussKeys keys listed (the first compaction
+// then reads the candidates: GaussUpdateCollectKernel); and predicts the
+// next update's bin from the stop key as the exact plan does from its
+// k-th key (UpdateCandidates): one bin under the key's when the keys from
+// there are at most uc.predict_cap, else the key's own, else none (also
+// none after a fallback).
 __global__ void __launch_bounds__(kScanThreads)
     GaussPlanKernel(DeviceState* st, const ull* hist0, const double* partials,
                     uint64_t n, double z, ull lo, ull hi, int max_adjustments,
-                    ull* at_least_out, int max_keys, InitArgs init) {
+                    ull* at_least_out, int max_keys, InitArgs init,
+                    UpdateCandidates uc, ull compact_cap) {
   static_assert(kMaxBlocks <= kScanThreads, "one partial sum per thread");
   InitBlock(st, init);
   using Scan = cub::BlockScan<ull, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
@@ -1759,6 +1899,7 @@ __global__ void __launch_bounds__(kScanThreads)
         ListGaussKeys(st, at_least, t, key, max_adjustments - adjustment, lo,
                       hi, max_keys, list_value, list_reached);
       }
+      if (uc.warps != 0) GaussUpdatePlan(st, at_least, key, uc, compact_cap);
       return;
     }
     // The rule ends here (the CPU's count: this adjustment).
@@ -1770,6 +1911,10 @@ __global__ void __launch_bounds__(kScanThreads)
   st->fallback = 1;
   st->gk_exact = 1;
   st->gk_exact_adjustments = st->adjustments;
+  if (uc.warps != 0) {  // the exact top-k follows, from u: predict nothing
+    st->update_pred_bin = 0;
+    st->update_pred_n = uc.n;
+  }
 }
 
 // state->count_at_least += #{i < M : key(values[i]) >= min_key}.
@@ -2257,8 +2402,10 @@ struct Sparsifier::Impl {
   const float* hist_u = nullptr;
   uint64_t hist_n = 0;
 
-  // What GatherKernel reads when the exact plan takes the fused update's
-  // candidates (set while ExactFromU enqueues after Accumulate).
+  // What GatherKernel reads when the exact plan, or Gaussian-k's first
+  // compaction, takes the fused update's candidates (set by ExactFromU or
+  // SelectGaussianK after Accumulate; kept for Wait's continuation, and
+  // with a cached graph).
   UpdateLayout update_layout{};
 
   // Layout of the last compaction over u.
@@ -2302,6 +2449,7 @@ struct Sparsifier::Impl {
     uint64_t out_stride = 0;
     int collect_blocks = 0, collect_warps = 0;
     uint64_t collect_chunk = 0;
+    UpdateLayout update_layout{};
   };
   struct CachedGraph {
     GraphKey key;
@@ -2345,6 +2493,7 @@ struct Sparsifier::Impl {
     s.collect_blocks = collect_blocks;
     s.collect_warps = collect_warps;
     s.collect_chunk = collect_chunk;
+    s.update_layout = update_layout;
     return s;
   }
   void Restore(const HostSnapshot& s) {
@@ -2359,6 +2508,7 @@ struct Sparsifier::Impl {
     collect_blocks = s.collect_blocks;
     collect_warps = s.collect_warps;
     collect_chunk = s.collect_chunk;
+    update_layout = s.update_layout;
   }
 
   void ClearGraphs() {
@@ -2638,7 +2788,6 @@ struct Sparsifier::Impl {
     GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, true, stream,
                                        kGatherAlways,
                                        Then{kThenFindNext, 0, 0}));
-    update_layout = UpdateLayout{};
     if (update_candidates) {
       const int blocks = CandidateBlocks(std::min<uint64_t>(4 * k, n / 8 + 1));
       GTOPK_LAUNCH(HistArrayKernel<float>, blocks, kThreads, stream)(
@@ -2890,17 +3039,27 @@ KernelStatus Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
   BeginOutput(std::min<uint64_t>(hi, n));
   const double density = static_cast<double>(k) / static_cast<double>(n);
   const double z = NormalQuantile(1.0 - density / 2.0);
-  // After Accumulate's histogram the planner starts with Init's work.
+  // After Accumulate's histogram the planner starts with Init's work, and
+  // its first compaction may read the update's candidates instead of u
+  // (GaussUpdateCollectKernel; the planner decides and predicts the next
+  // update's bin).
   InitArgs init{};
+  UpdateCandidates uc{};
+  HistLayout hl{};
   if (reuse) {
     init = InitFor(k, false, true, false);
+    hl = HistLayoutFor(n);
+    uc = UpdateCandidates{counts_u.get(), offsets_u.get(), hl.warps, n,
+                          PredictCap(n)};
+    update_layout =
+        UpdateLayout{hl.chunk, counts_u.get(), offsets_u.get(), hl.warps};
   } else {
     GTOPK_CUDA_RETURN_IF_NOT_OK(Init(k, true, false, false, stream));
     GTOPK_CUDA_RETURN_IF_NOT_OK(Histogram(u, n, stream));
   }
   GTOPK_LAUNCH(GaussPlanKernel, 1, kScanThreads, stream)(
       st, hist0, partials, n, z, lo, hi, p.gaussiank_max_adjustments, hist1,
-      gauss_key_limit, init);
+      gauss_key_limit, init, uc, CompactCap(n));
   GTOPK_CUDA_LAUNCH_CHECK();
   // No host round trip: the compaction at the planned threshold counts the
   // keys the later adjustments may need, and its scan accepts the count
@@ -2914,6 +3073,17 @@ KernelStatus Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
   CollectScan in_range;
   in_range.accept_lo = lo;
   in_range.accept_hi = hi;
+  if (reuse) {
+    CollectScan from_update = in_range;
+    from_update.block_offsets = offsets_u.get();
+    from_update.at_least = hist1;
+    const int groups = hl.warps / kWarpsPerBlock;
+    GTOPK_LAUNCH(GaussUpdateCollectKernel, std::min(groups, max_blocks),
+                 kThreads, stream)(u, st, regions.get(), counts_u.get(),
+                                   hl.chunk, groups, gate, from_update);
+    GTOPK_CUDA_LAUNCH_CHECK();
+  }
+  // Returns at once when the kernel above compacted.
   GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, kCollectNoHist, false, 0, stream,
                                       in_range, GaussRole::kFirst));
   {
@@ -3276,6 +3446,8 @@ KernelStatus Sparsifier::Impl::SelectTiny(float* u, uint64_t n,
 KernelStatus Sparsifier::Impl::Enqueue(float* u, uint64_t n,
                                        const SelectParams& p, bool reuse,
                                        cudaStream_t stream) {
+  // Set again by the paths that read the update's candidates.
+  update_layout = UpdateLayout{};
   if (n <= one_block_max_n.load()) return SelectTiny(u, n, p, stream);
   switch (p.method) {
     case Method::kExact:
@@ -3747,7 +3919,8 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
   if (m.info.candidates == 0) m.info.candidates = s.num_candidates;
   m.info.exact_digit_passes = s.u_passes;
   m.info.exact_final_from_u = s.from_u != 0;
-  m.info.candidates_from_update = s.from_update != 0;
+  m.info.candidates_from_update =
+      s.from_update != 0 || s.gauss_used_update != 0;
   out->indices = reinterpret_cast<const uint32_t*>(m.host_out.get() + kOutHeader);
   out->values = reinterpret_cast<const float*>(
       m.host_out.get() + kOutHeader + m.out_stride * sizeof(uint32_t));

@@ -959,6 +959,254 @@ TEST_F(GpuTest, ExactAfterUpdateTakesTheUpdatesCandidates) {
   }
 }
 
+// Gaussian-k after Accumulate, when its previous selection after Accumulate
+// predicted a bin, compacts the update's candidates instead of u: the same
+// selection, bit for bit, as Gaussian-k on a plain copy of the same u on
+// another Sparsifier (whose per-block sums, and so its threshold, are the
+// same), with the same adjustments, correction and fallback, and the
+// zeroing exact. Each input runs as: Accumulate u into a zero residual and
+// select (predicts), then again (may take the candidates), on a selector
+// whose device corrects and on one whose correction continues on the host
+// (no keys listed: the test hook). Then a drifting sequence on one
+// selector: u scaled down 16x (the key falls under the bin), the step after
+// it, and a Gaussian-k selection of another n in between. Every path is
+// asserted taken: candidates with the count in range, with a correction on
+// the device after them, with the host's continuation after them, and not
+// taken where the key fell under the bin.
+TEST_F(GpuTest, GaussianKAfterUpdateTakesTheUpdatesCandidates) {
+  UpdateParams up;
+  up.lr = 1.0f;
+  up.momentum = 0.0f;
+  up.weight_decay = 0.0f;
+  up.momentum_correction = false;
+  SelectorOptions options;
+  options.gaussiank_max_adjustments = 16;
+  // One Gaussian-k selection after Accumulate of `grad` into `residual`
+  // (device), on sp; the host residual follows the update and the zeroing.
+  const auto after_update =
+      [&](CudaSelector* selector, DeviceVector& residual,
+          std::vector<float>& host_residual, const std::vector<float>& grad,
+          uint64_t k, uint64_t step, cudaStream_t stream, SparseVector* got) {
+        const size_t n = grad.size();
+        DeviceVector d_grad(grad);
+        // The copies ran on the legacy stream, which a non-blocking stream
+        // does not wait for.
+        ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
+        GTOPK_ASSERT_OK(ToAbslStatus(selector->sparsifier()->Accumulate(
+            d_grad.buffer.get(), nullptr, nullptr, nullptr,
+            residual.buffer.get(), residual.buffer.get(), n, up, stream)));
+        for (size_t i = 0; i < n; ++i) {
+          host_residual[i] = host_residual[i] + up.lr * grad[i];
+        }
+        GTOPK_ASSERT_OK(selector->SelectDevice(residual.buffer.get(), n, k,
+                                               step, stream, true, got));
+        EXPECT_TRUE(selector->last_info().used_update_histogram);
+      };
+  // The same selection on a plain copy of u, on a fresh selector.
+  const auto expect_as_plain = [&](const std::vector<float>& u, uint64_t k,
+                                   uint64_t step, const SparseVector& got,
+                                   const SelectInfo& info) {
+    GTOPK_ASSERT_OK_AND_ASSIGN(
+        auto plain, CudaSelector::Create("gaussiank", options, u.size()));
+    SparseVector want;
+    GTOPK_ASSERT_OK(plain->Select(u, k, step, &want));
+    ExpectSameBits(got, want);
+    EXPECT_EQ(info.adjustments, plain->last_info().adjustments);
+    EXPECT_EQ(info.fell_back, plain->last_info().fell_back);
+    if (info.fell_back) {
+      ExpectSameBits(got, ReferenceTopK(u, k));
+    } else {
+      ExpectThresholdSelection(u, got);
+      EXPECT_GE(got.size(), plain->MinCount(k));
+      EXPECT_LE(got.size(), plain->MaxCount(k));
+    }
+  };
+  struct Case {
+    std::string name;
+    std::vector<float> u;
+    uint64_t k;
+  };
+  std::vector<Case> cases;
+  for (const Distribution dist :
+       {Distribution::kNormal, Distribution::kHeavyTailed,
+        Distribution::kLaplaceZeros, Distribution::kManyZeros,
+        Distribution::kFewLevels, Distribution::kSpike,
+        Distribution::kNarrowBand, Distribution::kTies, Distribution::kOutliers,
+        Distribution::kAllEqual}) {
+    for (const size_t n : {size_t{4099}, size_t{100003}}) {
+      for (const double density : {0.001, 0.01, 0.3}) {
+        GTOPK_ASSERT_OK_AND_ASSIGN(const uint64_t k, KFromDensity(density, n));
+        cases.push_back({DistributionName(dist) + " n=" + std::to_string(n) +
+                             " density=" + std::to_string(density),
+                         MakeInput(dist, n, n + 17), k});
+      }
+    }
+  }
+  // Raised corrections (n = 10000, k = 100, range [67, 133]; the rest of u
+  // is +-1.0, mean about 0, so t0 = mean + z*std is about 2.85, in the
+  // digit-0 bin [2.75, 3.0), and t1 = 1.5*t0 about 4.27, in [4.0, 4.5)).
+  // Both leave t0 undecided by the histogram (at most 130 keys above its
+  // bin, 170 or 200 with it) with 149 or 168 keys >= t0: too many.
+  //  * "raise, decided": t1's bin holds 100 keys, all above t1: the
+  //    histogram decides t1 in range, nothing is listed.
+  //  * "raise, listed": t1's bin holds 100 keys above t1 and 30 below: t1
+  //    is listed and counted by the first compaction (100, in range); with
+  //    no keys listed (the test hook) the host continues among the
+  //    candidates.
+  // Every key the rule reaches lies at or above t0's bin minus one, the
+  // bin the update keeps from after a first selection at t0.
+  const auto build = [](std::initializer_list<std::array<float, 3>> groups) {
+    std::vector<float> big;
+    for (const auto& g : groups) {
+      const int count = static_cast<int>(g[0]);
+      for (int j = 0; j < count; ++j) {
+        big.push_back(g[1] + (g[2] - g[1]) * static_cast<float>(j) / count);
+      }
+    }
+    std::vector<float> u(10000, 1.0f);
+    const size_t stride = u.size() / big.size();
+    for (size_t b = 0; b < big.size(); ++b) u[b * stride + 7] = big[b];
+    for (size_t i = 1; i < u.size(); i += 2) u[i] = -u[i];
+    return u;
+  };
+  cases.push_back(
+      {"raise, decided",
+       build({{100, 4.5f, 4.6f}, {60, 2.8f, 2.95f}, {10, 2.76f, 2.77f}}), 100});
+  cases.push_back({"raise, listed",
+                   build({{100, 4.3f, 4.45f},
+                          {30, 4.0f, 4.2f},
+                          {60, 2.8f, 2.95f},
+                          {10, 2.76f, 2.77f}}),
+                   100});
+  int in_range = 0, corrected = 0, host_continued = 0, from_update = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const std::vector<float>& u = c.u;
+    const uint64_t k = c.k;
+    const size_t n = u.size();
+    for (const bool host : {false, true}) {
+      SCOPED_TRACE(host ? "host continuation" : "device correction");
+      GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                                 CudaSelector::Create("gaussiank", options, n));
+      if (host) selector->sparsifier()->set_gaussiank_key_limit_for_testing(0);
+      for (int repeat = 0; repeat < 2; ++repeat) {
+        SCOPED_TRACE(repeat);
+        std::vector<float> host_residual(n, 0.0f);
+        DeviceVector residual(host_residual);
+        SparseVector got;
+        after_update(selector.get(), residual, host_residual, u, k, repeat,
+                     nullptr, &got);
+        const SelectInfo info = selector->last_info();
+        expect_as_plain(host_residual, k, repeat, got, info);
+        ExpectZeroedExactly(residual, host_residual, got.indices);
+        if (repeat == 0) {
+          EXPECT_FALSE(info.candidates_from_update) << "no prediction yet";
+        }
+        if (!info.candidates_from_update) continue;
+        ++from_update;
+        EXPECT_FALSE(info.fell_back);
+        if (info.corrected_on_device) {
+          ++corrected;
+        } else if (!info.fast_path) {
+          ++host_continued;
+        } else {
+          ++in_range;
+        }
+      }
+    }
+  }
+  std::printf(
+      "from the update's candidates %d: in range %d, corrected %d, "
+      "host continued %d\n",
+      from_update, in_range, corrected, host_continued);
+  EXPECT_GT(in_range, 0);
+  EXPECT_GT(corrected, 0);
+  EXPECT_GT(host_continued, 0);
+
+  // Drift on one selector.
+  struct Step {
+    float scale;   // residual and gradient scaled by it in this step
+    bool other_n;  // a Gaussian-k selection after Accumulate on another n
+    int expect;    // candidates_from_update: 1, 0, or -1 (either)
+  };
+  const std::vector<Step> steps = {
+      {1.0f, false, 0},
+      {1.0f, false, 1},
+      {1.0f, false, 1},
+      {1.0f / 16, false, 0},  // the key falls 4 binades under the bin
+      {1.0f, false, -1},
+      {1.0f, false, 1},
+      {1.0f, true, 0},  // predicted for the other n
+      {1.0f, false, 1},
+  };
+  // On a created stream (the selections replay as graphs) and the legacy
+  // stream.
+  cudaStream_t created = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking),
+            cudaSuccess);
+  int flag_steps = 0, flag_checked = 0, replayed = 0;
+  for (const size_t n : {size_t{100003}, size_t{300007}}) {
+    for (const double density : {0.001, 0.01}) {
+      for (cudaStream_t stream :
+           {created, static_cast<cudaStream_t>(nullptr)}) {
+        SCOPED_TRACE(
+            "drift n=" + std::to_string(n) +
+            " density=" + std::to_string(density) +
+            (stream == nullptr ? " legacy stream" : " created stream"));
+        GTOPK_ASSERT_OK_AND_ASSIGN(const uint64_t k, KFromDensity(density, n));
+        const size_t other = n + 1001;
+        GTOPK_ASSERT_OK_AND_ASSIGN(
+            auto selector, CudaSelector::Create("gaussiank", options, other));
+        std::vector<float> host_residual(n, 0.0f);
+        DeviceVector residual(host_residual);
+        for (size_t t = 0; t < steps.size(); ++t) {
+          SCOPED_TRACE("step " + std::to_string(t));
+          if (steps[t].other_n) {
+            std::vector<float> other_residual(other, 0.0f);
+            DeviceVector r(other_residual);
+            SparseVector other_got;
+            after_update(selector.get(), r, other_residual,
+                         MakeInput(Distribution::kNormal, other, 5), k, t,
+                         stream, &other_got);
+          }
+          std::vector<float> grad =
+              MakeInput(Distribution::kNormal, n, 100 * t + n);
+          if (steps[t].scale != 1.0f) {
+            for (float& r : host_residual) r *= steps[t].scale;
+            for (float& g : grad) g *= steps[t].scale;
+            ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+            ASSERT_EQ(cudaMemcpy(residual.buffer.get(), host_residual.data(),
+                                 n * sizeof(float), cudaMemcpyHostToDevice),
+                      cudaSuccess);
+          }
+          SparseVector got;
+          after_update(selector.get(), residual, host_residual, grad, k, t,
+                       stream, &got);
+          const SelectInfo info = selector->last_info();
+          replayed += info.graph_replay;
+          expect_as_plain(host_residual, k, t, got, info);
+          ExpectZeroedExactly(residual, host_residual, got.indices);
+          for (uint32_t i : got.indices) host_residual[i] = 0.0f;
+          // (A step whose rule ends out of range runs the exact top-k from
+          // u, as the plain selection does: the residual's holes where
+          // entries were sent can take it there.)
+          if (steps[t].expect >= 0) {
+            ++flag_steps;
+            if (!info.fell_back) {
+              ++flag_checked;
+              EXPECT_EQ(info.candidates_from_update, steps[t].expect == 1);
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(cudaStreamDestroy(created), cudaSuccess);
+  EXPECT_GE(flag_checked * 10, flag_steps * 9)
+      << flag_checked << " of " << flag_steps << " steps checked";
+  EXPECT_GT(replayed, 0) << "no selection replayed a graph";
+}
+
 // The update's candidates belong to the selection right after it: after
 // exact selections after Accumulate (which predict a bin, so every later
 // Accumulate of this n compacts), Gaussian-k selections whose rule ends out
