@@ -217,9 +217,10 @@ struct Row {
   // (SelectInfo::exact_sampled: one compaction pass over u); NAN for the
   // others.
   double sampled = NAN;
-  // exact rows: share of the timed selections whose candidates came from
-  // the fused update's compaction (SelectInfo::candidates_from_update: no
-  // pass over u; after the update only); NAN for the others.
+  // exact and gaussiank rows: share of the timed selections whose
+  // candidates came from the fused update's compaction
+  // (SelectInfo::candidates_from_update: no pass over u on the usual step;
+  // after the update only); NAN for dgc.
   double from_update = NAN;
   // Every selection row: share of the timed selections that ran as one
   // kernel of one block (SelectInfo::one_block: n <= 4096).
@@ -813,6 +814,7 @@ class DeviceChecker {
     if (p.method != Method::kExact) row.fast_path = double(fast) / timed;
     if (p.method == Method::kGaussianK) {
       row.corrected = double(corrected) / timed;
+      row.from_update = double(from_update) / timed;
     }
     if (p.method == Method::kDgc) row.trimmed = double(trimmed) / timed;
     if (p.method == Method::kExact) {

@@ -189,12 +189,13 @@ def check_row(r, normal, k, one_read, where, failures):
     elif one_block != (1 if r["n"] <= 4096 else 0):
         failures.append("%s: one_block_fraction %r at n=%d" %
                         (where, one_block, r["n"]))
-    # The share of exact selections after the update whose candidates came
-    # from the update's compaction: on exact rows only, 0 without the update.
+    # The share of exact and gaussiank selections after the update whose
+    # candidates came from the update's compaction: on those rows only, 0
+    # without the update.
     from_update = r.get("from_update_fraction", "absent")
-    if base == "exact":
+    if base in ("exact", "gaussiank"):
         if not (isinstance(from_update, (int, float)) and
-                0 <= from_update <= 1) or (m == "exact" and from_update != 0):
+                0 <= from_update <= 1) or (m == base and from_update != 0):
             failures.append("%s: from_update_fraction %r" %
                             (where, from_update))
     elif from_update is not None:
@@ -340,12 +341,15 @@ def emulated_checks(binary, tmp, failures):
         # The same u after every update: the predicted bin always holds,
         # so every timed exact selection after it takes the update's
         # candidates (plan p1) on normal data.
-        share = [r2["from_update_fraction"] for r2 in doc["rows"]
-                 if r2.get("method") == "exact_after_update" and
-                 r2.get("input") == "normal"]
-        if share != [1]:
-            failures.append("sampled: normal exact_after_update "
-                            "from_update_fraction %r, want [1]" % share)
+        # The same for Gaussian-k, whose planner predicts the bin from its
+        # own key.
+        for method in ("exact_after_update", "gaussiank_after_update"):
+            share = [r2["from_update_fraction"] for r2 in doc["rows"]
+                     if r2.get("method") == method and
+                     r2.get("input") == "normal"]
+            if share != [1]:
+                failures.append("sampled: normal %s from_update_fraction "
+                                "%r, want [1]" % (method, share))
         if not any(line.split()[-1:] == ["s1"] for line in
                    r.stdout.splitlines() if " exact " in line):
             failures.append("sampled: no exact row with plan s1: %r" %

@@ -1072,35 +1072,132 @@ TEST_F(GpuTest, GaussianKAfterUpdateTakesTheUpdatesCandidates) {
   cases.push_back(
       {"raise, decided",
        build({{100, 4.5f, 4.6f}, {60, 2.8f, 2.95f}, {10, 2.76f, 2.77f}}), 100});
+  // t0 decided in range by the histogram (its bin is empty, 100 keys
+  // above it): nothing listed, so at u/16 only the bin check keeps the
+  // candidates out.
+  cases.push_back({"in range, decided", build({{100, 4.5f, 4.6f}}), 100});
+  // GaussianKLoweredThresholdIsCorrectedOnTheDevice's "lower then raise":
+  // t0 ~ 2.64 leaves 40 (too few); t1 = t0/2 is listed, 8 bins under the
+  // kept ones, and 50 keys of its bin lie above it (150: too many), so the
+  // first compaction must read u to count them.
+  cases.push_back({"lower then raise, listed under the bins",
+                   build({{40, 3.0f, 3.5f},
+                          {40, 2.5f, 2.55f},
+                          {20, 2.2f, 2.4f},
+                          {50, 1.34f, 1.37f}}),
+                   100});
   cases.push_back({"raise, listed",
                    build({{100, 4.3f, 4.45f},
                           {30, 4.0f, 4.2f},
                           {60, 2.8f, 2.95f},
                           {10, 2.76f, 2.77f}}),
                    100});
+  // Ties at t0's key: 60 keys in [4.5, 4.6), two entries at each of the
+  // seven floats around the smallest float above t0 (about 2.70), the rest
+  // +-1.0: 68 keys reach that float (in range), 66 exceed it (too few), and
+  // the histogram leaves t0 undecided (60 keys above its bin, 74 with it).
+  // A compaction that missed the ties at its key would correct instead.
+  {
+    const double z = cpu::NormalQuantile(1.0 - 100.0 / 10000 / 2.0);
+    const auto min_float_above = [](long double t) {
+      float f = static_cast<float>(t);
+      if (static_cast<long double>(f) <= t) {
+        f = std::nextafter(f, std::numeric_limits<float>::infinity());
+      }
+      return f;
+    };
+    const auto threshold = [&](const std::vector<float>& u) {
+      long double sum = 0.0L;
+      for (float x : u) sum += x;
+      const long double mean = sum / u.size();
+      long double ss = 0.0L;
+      for (float x : u) ss += (x - mean) * (x - mean);
+      return mean + z * std::sqrt(ss / (u.size() - 1));
+    };
+    float tie = 2.7f;
+    std::vector<float> u;
+    long double t0 = 0.0L;
+    for (int iteration = 0; iteration < 4; ++iteration) {
+      u = build({{60, 4.5f, 4.6f}});
+      int j = 0;
+      for (int d = -3; d <= 3; ++d) {
+        float f = tie;
+        for (int step = 0; step < std::abs(d); ++step) {
+          f = std::nextafter(f, d < 0 ? 0.0f : 10.0f);
+        }
+        for (int copy = 0; copy < 2; ++copy, ++j) {
+          u[2 + 700 * j] = j % 2 == 0 ? f : -f;  // never a big value's slot
+        }
+      }
+      t0 = threshold(u);
+      const float next = min_float_above(t0);
+      if (next == tie) break;
+      tie = next;
+    }
+    ASSERT_EQ(min_float_above(t0), tie) << "the ties did not settle";
+    ASSERT_EQ(min_float_above(t0 * (1.0L - 1e-9L)),
+              min_float_above(t0 * (1.0L + 1e-9L)));
+    uint64_t at_least = 0, above = 0;
+    for (float x : u) {
+      const long double a = std::fabs(x);
+      ASSERT_GT(std::fabs(a - t0), 1e-9L * t0);
+      at_least += std::fabs(x) >= tie;
+      above += std::fabs(x) > tie;
+    }
+    ASSERT_EQ(at_least, 68u);
+    ASSERT_EQ(above, 66u);
+    ASSERT_GE(t0, 2.5L);
+    ASSERT_LT(tie, 2.75f);
+    cases.push_back({"ties at t0's key", u, 100});
+  }
+  // On a created stream: each selector captures a graph at repeat 0 and
+  // replays it at repeats 1 and 2 (same buffer, n and k).
+  cudaStream_t created = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking),
+            cudaSuccess);
   int in_range = 0, corrected = 0, host_continued = 0, from_update = 0;
+  int replayed = 0;
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
-    const std::vector<float>& u = c.u;
     const uint64_t k = c.k;
-    const size_t n = u.size();
+    const size_t n = c.u.size();
+    const size_t other = n + 1001;
+    const std::vector<float> other_u =
+        MakeInput(Distribution::kNormal, other, 5);
+    std::vector<float> scaled = c.u;
+    for (float& x : scaled) x *= 1.0f / 16;
     for (const bool host : {false, true}) {
       SCOPED_TRACE(host ? "host continuation" : "device correction");
-      GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
-                                 CudaSelector::Create("gaussiank", options, n));
+      GTOPK_ASSERT_OK_AND_ASSIGN(
+          auto selector, CudaSelector::Create("gaussiank", options, other));
       if (host) selector->sparsifier()->set_gaussiank_key_limit_for_testing(0);
-      for (int repeat = 0; repeat < 2; ++repeat) {
+      const std::vector<float> zeros(n, 0.0f);
+      DeviceVector residual(zeros);
+      // 0: u into a zero residual (predicts); 1: the same, after a plain
+      // selection of another n in between (which predicts nothing, and
+      // leaves the host's layout that of another selection); 2: u/16 (the
+      // stop key lies 4 binades under the bins the update kept: never).
+      for (int repeat = 0; repeat < 3; ++repeat) {
         SCOPED_TRACE(repeat);
-        std::vector<float> host_residual(n, 0.0f);
-        DeviceVector residual(host_residual);
+        if (repeat == 1) {
+          SparseVector other_got;
+          GTOPK_ASSERT_OK(selector->Select(other_u, k, 0, &other_got));
+        }
+        std::vector<float> host_residual = zeros;
+        ASSERT_EQ(cudaStreamSynchronize(created), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(residual.buffer.get(), zeros.data(),
+                             n * sizeof(float), cudaMemcpyHostToDevice),
+                  cudaSuccess);
         SparseVector got;
-        after_update(selector.get(), residual, host_residual, u, k, repeat,
-                     nullptr, &got);
+        after_update(selector.get(), residual, host_residual,
+                     repeat == 2 ? scaled : c.u, k, repeat, created, &got);
         const SelectInfo info = selector->last_info();
         expect_as_plain(host_residual, k, repeat, got, info);
         ExpectZeroedExactly(residual, host_residual, got.indices);
-        if (repeat == 0) {
-          EXPECT_FALSE(info.candidates_from_update) << "no prediction yet";
+        replayed += info.graph_replay;
+        if (repeat != 1) {
+          EXPECT_FALSE(info.candidates_from_update)
+              << (repeat == 0 ? "no prediction yet" : "the key fell under");
         }
         if (!info.candidates_from_update) continue;
         ++from_update;
@@ -1117,11 +1214,12 @@ TEST_F(GpuTest, GaussianKAfterUpdateTakesTheUpdatesCandidates) {
   }
   std::printf(
       "from the update's candidates %d: in range %d, corrected %d, "
-      "host continued %d\n",
-      from_update, in_range, corrected, host_continued);
+      "host continued %d; replayed %d\n",
+      from_update, in_range, corrected, host_continued, replayed);
   EXPECT_GT(in_range, 0);
   EXPECT_GT(corrected, 0);
   EXPECT_GT(host_continued, 0);
+  EXPECT_GT(replayed, 0);
 
   // Drift on one selector.
   struct Step {
@@ -1139,12 +1237,10 @@ TEST_F(GpuTest, GaussianKAfterUpdateTakesTheUpdatesCandidates) {
       {1.0f, true, 0},  // predicted for the other n
       {1.0f, false, 1},
   };
-  // On a created stream (the selections replay as graphs) and the legacy
-  // stream.
-  cudaStream_t created = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking),
-            cudaSuccess);
-  int flag_steps = 0, flag_checked = 0, replayed = 0;
+  // On the created stream (the selections replay as graphs) and the
+  // legacy stream.
+  int flag_steps = 0, flag_checked = 0;
+  replayed = 0;
   for (const size_t n : {size_t{100003}, size_t{300007}}) {
     for (const double density : {0.001, 0.01}) {
       for (cudaStream_t stream :
