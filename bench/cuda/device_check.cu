@@ -218,9 +218,10 @@ struct Row {
   // others.
   double sampled = NAN;
   // exact and gaussiank rows: share of the timed selections whose
-  // candidates came from the fused update's compaction
-  // (SelectInfo::candidates_from_update: no pass over u on the usual step;
-  // after the update only); NAN for dgc.
+  // candidates came from the first pass's compaction
+  // (SelectInfo::candidates_from_update: no compaction pass over u on the
+  // usual step; exact after the update only, gaussiank also from its own
+  // histogram pass); NAN for dgc.
   double from_update = NAN;
   // Every selection row: share of the timed selections that ran as one
   // kernel of one block (SelectInfo::one_block: n <= 4096).

@@ -175,9 +175,10 @@ struct DeviceState {
   // The exact plan after Accumulate takes its candidates from the fused
   // update's compaction (see UpdateCandidates): no compaction pass over u.
   int from_update;
-  // Gaussian-k after Accumulate: the planner's key, and any key it listed,
-  // lie at or above the bin from which the fused update kept its
-  // candidates, so its first compaction reads those candidates
+  // Gaussian-k: the planner's key, and any key it listed, lie at or above
+  // the bin from which the first pass (the fused update, or Gaussian-k's
+  // own histogram pass) kept its candidates, so its first compaction reads
+  // those candidates
   // (GaussUpdateCollectKernel: in place, on the update's layout) instead
   // of u. Cleared by any later compaction over u (CollectScanBlock), after
   // which GatherKernel reads that compaction's layout again.
@@ -185,11 +186,13 @@ struct DeviceState {
   int gauss_used_update;  // the same, not cleared (SelectInfo reports it)
   // Candidates from the update, kept by InitKernel (they outlive a
   // selection). update_pred_bin: 1 + the digit-0 bin from which the next
-  // fused update of an n = update_pred_n residual compacts (0: none),
+  // fused update (or Gaussian-k's own histogram pass) of an n =
+  // update_pred_n residual compacts (0: none),
   // written by the exact plan after Accumulate from the k-th key it found,
-  // or by the Gaussian-k planner after Accumulate from its first key.
-  // update_used_bin/_n: the same for the last fused update, which wrote
-  // them (0: it compacted nothing).
+  // or by the Gaussian-k planner from its stop key.
+  // update_used_bin/_n: the same for the last pass that may compact (the
+  // fused update, Gaussian-k's own pass), which wrote them (0: it
+  // compacted nothing).
   ull update_pred_bin;
   ull update_pred_n;
   ull update_used_bin;
@@ -471,13 +474,15 @@ struct HistArgs {
   // multiple of kChunkAlign), chunk c read by warp c % (grid's warps).
   uint64_t chunk;
   int layout_warps;  // a multiple of kWarpsPerBlock
-  // HistogramKernel<true>: when state's update_pred_n == n, every i with
+  // HistogramKernel<true>, and HistogramKernel<false> with keep_candidates
+  // (Gaussian-k's own pass): when state's update_pred_n == n, every i with
   // key(u[i]) >= (update_pred_bin - 1) << 20 goes to chunk c's region of
   // `regions` (c * chunk, index order) and counts[c] = how many, for
   // every c < layout_warps (UpdateCandidates); state's update_used_* say
   // whether it did.
   uint32_t* regions;
   uint32_t* counts;
+  int keep_candidates;
 };
 
 // One element of the update: the CPU rule's operations in its order.
@@ -496,27 +501,28 @@ __device__ inline float UpdateOne(float g, float p, float v, float r,
 }
 
 // The first radix histogram (digit 0 of |u|) and the sums of u; with
-// kUpdate it first computes u = residual + lr*v and writes it, and keeps
-// the update's candidates (HistArgs::regions) when the state predicts a
-// bin for this n.
-// The fused update holds at most 48 registers (5 blocks per SM; 64 unbounded
-// with the compaction, and 40 spills): one wave of it is its grid.
+// kUpdate it first computes u = residual + lr*v and writes it. Both keep
+// candidates for the selection after them (HistArgs::regions) when the
+// state predicts a bin for this n (without kUpdate only when
+// keep_candidates: Gaussian-k's own pass).
+// Both hold at most 48 registers (5 blocks per SM; 64 unbounded with the
+// compaction, and 40 spills): one wave of the fused update is the grid.
 template <bool kUpdate>
-__global__ void __launch_bounds__(kThreads, kUpdate ? 5 : 1)
-    HistogramKernel(HistArgs a) {
+__global__ void __launch_bounds__(kThreads, 5) HistogramKernel(HistArgs a) {
   if (Closed(a.gate)) return;  // uniform
   __shared__ uint32_t hist[kBins];
   for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
+  const bool keeps = kUpdate || a.keep_candidates != 0;
   // Read by every thread before block 0 writes what it used.
-  const ull pred = kUpdate && a.st->update_pred_n == a.n
+  const ull pred = keeps && a.st->update_pred_n == a.n
                        ? a.st->update_pred_bin
                        : 0;
   __syncthreads();
-  if (kUpdate && blockIdx.x == 0 && threadIdx.x == 0) {
+  if (keeps && blockIdx.x == 0 && threadIdx.x == 0) {
     a.st->update_used_bin = pred;
     a.st->update_used_n = a.n;
   }
-  const bool compact = kUpdate && pred != 0;
+  const bool compact = keeps && pred != 0;
   const uint32_t min_key = compact ? static_cast<uint32_t>(pred - 1) << 20 : 0;
   const int lane = threadIdx.x & 31;
   const uint32_t lanes_below = (1u << lane) - 1u;
@@ -582,7 +588,7 @@ __global__ void __launch_bounds__(kThreads, kUpdate ? 5 : 1)
         atomicAdd(&hist[Key(u[j]) >> 20], 1u);
         sums.Add(u[j]);
       }
-      if constexpr (kUpdate) {
+      {
         if (!compact) continue;  // uniform
         uint32_t ballots[4];
         uint32_t any = 0;
@@ -602,7 +608,7 @@ __global__ void __launch_bounds__(kThreads, kUpdate ? 5 : 1)
         }
       }
     }
-    if (kUpdate && compact && lane == 0) a.counts[c] = count;
+    if (compact && lane == 0) a.counts[c] = count;
   }
   const Moments block = BlockMoments<kThreads>(sums.Get());
   // Per-block partials, merged in a fixed order by GaussPlanKernel: double
@@ -1390,9 +1396,10 @@ __global__ void __launch_bounds__(kThreads)
   CollectScanBlock(st, hists, scan, block_total, ties, block_equal);
 }
 
-// Gaussian-k's first compaction after Accumulate when the planner set
-// state's gauss_from_update (its key and every key it listed lie in bins
-// the fused update kept whole): the same work as CollectKernel<
+// Gaussian-k's first compaction when the planner set state's
+// gauss_from_update (its key and every key it listed lie in bins the
+// first pass, the fused update or Gaussian-k's own, kept whole): the same
+// work as CollectKernel<
 // kCollectNoHist, true> at state's min_key, but over the update's
 // candidates instead of u. Chunk c's region of `regions` (c * chunk: the
 // indices of u the update kept, counts[c] of them, index order) is
@@ -1830,8 +1837,9 @@ __device__ void GaussUpdatePlan(DeviceState* st, const ull* at_least,
 // counts to at_least_out (kBins entries) for GaussResolve. Starts with
 // InitBlock when init.run.
 //
-// After Accumulate (uc.warps != 0): sets state's gauss_from_update when
-// the fused update kept candidates for this n (update_used_*) from a bin at
+// With uc.warps != 0 (the multi-kernel path: after Accumulate, or after
+// Gaussian-k's own histogram pass): sets state's gauss_from_update when
+// that pass kept candidates for this n (update_used_*) from a bin at
 // or below the stop key's and every listed key's, at most compact_cap of
 // them and at most kMaxUpdateGaussKeys keys listed (the first compaction
 // then reads the candidates: GaussUpdateCollectKernel); and predicts the
@@ -2595,10 +2603,17 @@ struct Sparsifier::Impl {
     return KernelStatus::Ok();
   }
 
+  // keep_candidates: also keeps the candidates of a predicted bin, as the
+  // fused update does (Gaussian-k's own pass; HistArgs::keep_candidates).
   KernelStatus Histogram(const float* u, uint64_t n, cudaStream_t stream,
-                         Then then = {}) {
+                         Then then = {}, bool keep_candidates = false) {
     HistArgs a{};
     a.residual_in = u;
+    if (keep_candidates) {
+      a.keep_candidates = 1;
+      a.regions = regions.get();
+      a.counts = counts_u.get();
+    }
     a.n = n;
     a.vectorized = Aligned16(u);
     a.st = st;
@@ -3039,23 +3054,24 @@ KernelStatus Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
   BeginOutput(std::min<uint64_t>(hi, n));
   const double density = static_cast<double>(k) / static_cast<double>(n);
   const double z = NormalQuantile(1.0 - density / 2.0);
-  // After Accumulate's histogram the planner starts with Init's work, and
-  // its first compaction may read the update's candidates instead of u
-  // (GaussUpdateCollectKernel; the planner decides and predicts the next
-  // update's bin).
+  // After Accumulate's histogram the planner starts with Init's work.
+  // The first pass (the fused update's, or Gaussian-k's own histogram
+  // pass) kept the keys of a predicted bin and up when the last such
+  // selection of this n predicted one: the first compaction may read those
+  // candidates instead of u (GaussUpdateCollectKernel; the planner decides,
+  // and predicts the next bin).
   InitArgs init{};
-  UpdateCandidates uc{};
-  HistLayout hl{};
+  const HistLayout hl = HistLayoutFor(n);
+  const UpdateCandidates uc{counts_u.get(), offsets_u.get(), hl.warps, n,
+                            PredictCap(n)};
+  update_layout =
+      UpdateLayout{hl.chunk, counts_u.get(), offsets_u.get(), hl.warps};
   if (reuse) {
     init = InitFor(k, false, true, false);
-    hl = HistLayoutFor(n);
-    uc = UpdateCandidates{counts_u.get(), offsets_u.get(), hl.warps, n,
-                          PredictCap(n)};
-    update_layout =
-        UpdateLayout{hl.chunk, counts_u.get(), offsets_u.get(), hl.warps};
   } else {
     GTOPK_CUDA_RETURN_IF_NOT_OK(Init(k, true, false, false, stream));
-    GTOPK_CUDA_RETURN_IF_NOT_OK(Histogram(u, n, stream));
+    GTOPK_CUDA_RETURN_IF_NOT_OK(
+        Histogram(u, n, stream, Then{}, /*keep_candidates=*/true));
   }
   GTOPK_LAUNCH(GaussPlanKernel, 1, kScanThreads, stream)(
       st, hist0, partials, n, z, lo, hi, p.gaussiank_max_adjustments, hist1,
@@ -3073,7 +3089,7 @@ KernelStatus Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
   CollectScan in_range;
   in_range.accept_lo = lo;
   in_range.accept_hi = hi;
-  if (reuse) {
+  {
     CollectScan from_update = in_range;
     from_update.block_offsets = offsets_u.get();
     from_update.at_least = hist1;

@@ -75,14 +75,15 @@
 //    u that gated exact top-k starts from a sample, as exact's does (one
 //    more pass over u on the narrow band and the outliers; the plan over u
 //    behind it, gated too, after one whose sample's bound failed).
-//    After Accumulate the sums and histogram are the update's, and the
-//    planner predicts the next update's bin from its stop key as exact
-//    does from its k-th key; when the update kept every bin that the stop
-//    key and the keys it listed for the correction lie in (same n, at most
-//    n/8 keys), the first compaction reads those index-ordered candidates
-//    instead of u (SelectInfo::candidates_from_update): no pass over u on
-//    the usual step. A correction, or the host's continuation, that must
-//    count lower compacts u itself.
+//    The planner predicts a bin from its stop key as exact does from its
+//    k-th key, and the next first pass of the same n (the fused update's,
+//    or Gaussian-k's own histogram pass) keeps the keys from that bin up;
+//    when it kept every bin that the stop key and the keys listed for the
+//    correction lie in (at most n/8 keys), the first compaction reads
+//    those index-ordered candidates instead of u
+//    (SelectInfo::candidates_from_update): one pass over u per step from
+//    device memory, none after Accumulate. A correction, or the host's
+//    continuation, that must count lower compacts u itself.
 //  * dgc (Lin et al., arXiv:1712.01887): a sample of random 16-value runs
 //    (counter-based hash of (seed, step, run)), its exact
 //    ceil(k*sample/n)-th largest key as threshold by radix select, one
@@ -219,10 +220,11 @@ struct SelectInfo {
   // under that bin or whose kept keys exceed n/8, after a selection whose
   // keys at or above the k-th key's bin were more than n/32 (nothing is
   // predicted then), and when the selection ran as one block.
-  // gaussiank after Accumulate: its first compaction read the same kind of
-  // candidates instead of u (the bin predicted from the previous such
-  // selection's stop key; its stop key and every key listed for the
-  // correction lie in kept bins); a correction may still compact u.
+  // gaussiank (after Accumulate, or from its own histogram pass): its
+  // first compaction read the same kind of candidates instead of u (the
+  // bin predicted from the previous selection's stop key, same n; its stop
+  // key and every key listed for the correction lie in kept bins); a
+  // correction may still compact u.
   bool candidates_from_update = false;
   // n <= 4096: the whole selection ran as one kernel of one block (u's keys
   // in shared memory; the same rules, on exact counts), one launch and one

@@ -981,26 +981,38 @@ TEST_F(GpuTest, GaussianKAfterUpdateTakesTheUpdatesCandidates) {
   up.momentum_correction = false;
   SelectorOptions options;
   options.gaussiank_max_adjustments = 16;
-  // One Gaussian-k selection after Accumulate of `grad` into `residual`
-  // (device), on sp; the host residual follows the update and the zeroing.
+  // One Gaussian-k selection of residual + lr * grad: fused, after
+  // Accumulate of `grad` into `residual` (device); else the sum is
+  // written to `residual` from the host and selected from u in device
+  // memory (Gaussian-k's own histogram pass keeps the candidates). The
+  // host residual follows the update.
+  bool fused = true;
   const auto after_update =
       [&](CudaSelector* selector, DeviceVector& residual,
           std::vector<float>& host_residual, const std::vector<float>& grad,
           uint64_t k, uint64_t step, cudaStream_t stream, SparseVector* got) {
         const size_t n = grad.size();
-        DeviceVector d_grad(grad);
-        // The copies ran on the legacy stream, which a non-blocking stream
-        // does not wait for.
-        ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
-        GTOPK_ASSERT_OK(ToAbslStatus(selector->sparsifier()->Accumulate(
-            d_grad.buffer.get(), nullptr, nullptr, nullptr,
-            residual.buffer.get(), residual.buffer.get(), n, up, stream)));
         for (size_t i = 0; i < n; ++i) {
           host_residual[i] = host_residual[i] + up.lr * grad[i];
         }
+        DeviceVector d_grad(grad);
+        if (!fused) {
+          ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+          ASSERT_EQ(cudaMemcpy(residual.buffer.get(), host_residual.data(),
+                               n * sizeof(float), cudaMemcpyHostToDevice),
+                    cudaSuccess);
+        }
+        // The copies ran on the legacy stream, which a non-blocking stream
+        // does not wait for.
+        ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
+        if (fused) {
+          GTOPK_ASSERT_OK(ToAbslStatus(selector->sparsifier()->Accumulate(
+              d_grad.buffer.get(), nullptr, nullptr, nullptr,
+              residual.buffer.get(), residual.buffer.get(), n, up, stream)));
+        }
         GTOPK_ASSERT_OK(selector->SelectDevice(residual.buffer.get(), n, k,
                                                step, stream, true, got));
-        EXPECT_TRUE(selector->last_info().used_update_histogram);
+        EXPECT_EQ(selector->last_info().used_update_histogram, fused);
       };
   // The same selection on a plain copy of u, on a fresh selector.
   const auto expect_as_plain = [&](const std::vector<float>& u, uint64_t k,
@@ -1155,71 +1167,84 @@ TEST_F(GpuTest, GaussianKAfterUpdateTakesTheUpdatesCandidates) {
   cudaStream_t created = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking),
             cudaSuccess);
-  int in_range = 0, corrected = 0, host_continued = 0, from_update = 0;
-  int replayed = 0;
-  for (const Case& c : cases) {
-    SCOPED_TRACE(c.name);
-    const uint64_t k = c.k;
-    const size_t n = c.u.size();
-    const size_t other = n + 1001;
-    const std::vector<float> other_u =
-        MakeInput(Distribution::kNormal, other, 5);
-    std::vector<float> scaled = c.u;
-    for (float& x : scaled) x *= 1.0f / 16;
-    for (const bool host : {false, true}) {
-      SCOPED_TRACE(host ? "host continuation" : "device correction");
-      GTOPK_ASSERT_OK_AND_ASSIGN(
-          auto selector, CudaSelector::Create("gaussiank", options, other));
-      if (host) selector->sparsifier()->set_gaussiank_key_limit_for_testing(0);
-      const std::vector<float> zeros(n, 0.0f);
-      DeviceVector residual(zeros);
-      // 0: u into a zero residual (predicts); 1: the same, after a plain
-      // selection of another n in between (which predicts nothing, and
-      // leaves the host's layout that of another selection); 2: u/16 (the
-      // stop key lies 4 binades under the bins the update kept: never).
-      for (int repeat = 0; repeat < 3; ++repeat) {
-        SCOPED_TRACE(repeat);
-        if (repeat == 1) {
-          SparseVector other_got;
-          GTOPK_ASSERT_OK(selector->Select(other_u, k, 0, &other_got));
-        }
-        std::vector<float> host_residual = zeros;
-        ASSERT_EQ(cudaStreamSynchronize(created), cudaSuccess);
-        ASSERT_EQ(cudaMemcpy(residual.buffer.get(), zeros.data(),
-                             n * sizeof(float), cudaMemcpyHostToDevice),
-                  cudaSuccess);
-        SparseVector got;
-        after_update(selector.get(), residual, host_residual,
-                     repeat == 2 ? scaled : c.u, k, repeat, created, &got);
-        const SelectInfo info = selector->last_info();
-        expect_as_plain(host_residual, k, repeat, got, info);
-        ExpectZeroedExactly(residual, host_residual, got.indices);
-        replayed += info.graph_replay;
-        if (repeat != 1) {
-          EXPECT_FALSE(info.candidates_from_update)
-              << (repeat == 0 ? "no prediction yet" : "the key fell under");
-        }
-        if (!info.candidates_from_update) continue;
-        ++from_update;
-        EXPECT_FALSE(info.fell_back);
-        if (info.corrected_on_device) {
-          ++corrected;
-        } else if (!info.fast_path) {
-          ++host_continued;
-        } else {
-          ++in_range;
+  for (const bool fused_mode : {true, false}) {
+    fused = fused_mode;
+    SCOPED_TRACE(fused ? "after Accumulate" : "from u in device memory");
+    int in_range = 0, corrected = 0, host_continued = 0, from_update = 0;
+    int replayed = 0;
+    for (const Case& c : cases) {
+      SCOPED_TRACE(c.name);
+      const uint64_t k = c.k;
+      const size_t n = c.u.size();
+      const size_t other = n + 1001;
+      const std::vector<float> other_u =
+          MakeInput(Distribution::kNormal, other, 5);
+      std::vector<float> scaled = c.u;
+      for (float& x : scaled) x *= 1.0f / 16;
+      for (const bool host : {false, true}) {
+        SCOPED_TRACE(host ? "host continuation" : "device correction");
+        GTOPK_ASSERT_OK_AND_ASSIGN(
+            auto selector, CudaSelector::Create("gaussiank", options, other));
+        if (host)
+          selector->sparsifier()->set_gaussiank_key_limit_for_testing(0);
+        const std::vector<float> zeros(n, 0.0f);
+        DeviceVector residual(zeros);
+        // 0: u into a zero residual (predicts); 1: the same, after an exact
+        // selection of another n in between (which predicts nothing, and
+        // leaves the host's layout that of another selection); 2: u/16 (the
+        // stop key lies 4 binades under the bins the update kept: never).
+        for (int repeat = 0; repeat < 3; ++repeat) {
+          SCOPED_TRACE(repeat);
+          if (repeat == 1) {
+            DeviceVector d_other(other_u);
+            SelectParams p;
+            p.method = Method::kExact;
+            p.k = k;
+            Sparsifier* sp = selector->sparsifier();
+            ASSERT_TRUE(
+                sp->Select(d_other.buffer.get(), other, p, nullptr).ok());
+            SelectedPairs sel;
+            ASSERT_TRUE(sp->Wait(nullptr, &sel).ok());
+            ASSERT_EQ(sel.count, k);
+          }
+          std::vector<float> host_residual = zeros;
+          ASSERT_EQ(cudaStreamSynchronize(created), cudaSuccess);
+          ASSERT_EQ(cudaMemcpy(residual.buffer.get(), zeros.data(),
+                               n * sizeof(float), cudaMemcpyHostToDevice),
+                    cudaSuccess);
+          SparseVector got;
+          after_update(selector.get(), residual, host_residual,
+                       repeat == 2 ? scaled : c.u, k, repeat, created, &got);
+          const SelectInfo info = selector->last_info();
+          expect_as_plain(host_residual, k, repeat, got, info);
+          ExpectZeroedExactly(residual, host_residual, got.indices);
+          replayed += info.graph_replay;
+          if (repeat != 1) {
+            EXPECT_FALSE(info.candidates_from_update)
+                << (repeat == 0 ? "no prediction yet" : "the key fell under");
+          }
+          if (!info.candidates_from_update) continue;
+          ++from_update;
+          EXPECT_FALSE(info.fell_back);
+          if (info.corrected_on_device) {
+            ++corrected;
+          } else if (!info.fast_path) {
+            ++host_continued;
+          } else {
+            ++in_range;
+          }
         }
       }
     }
+    std::printf(
+        "from the update's candidates %d: in range %d, corrected %d, "
+        "host continued %d; replayed %d\n",
+        from_update, in_range, corrected, host_continued, replayed);
+    EXPECT_GT(in_range, 0);
+    EXPECT_GT(corrected, 0);
+    EXPECT_GT(host_continued, 0);
+    EXPECT_GT(replayed, 0);
   }
-  std::printf(
-      "from the update's candidates %d: in range %d, corrected %d, "
-      "host continued %d; replayed %d\n",
-      from_update, in_range, corrected, host_continued, replayed);
-  EXPECT_GT(in_range, 0);
-  EXPECT_GT(corrected, 0);
-  EXPECT_GT(host_continued, 0);
-  EXPECT_GT(replayed, 0);
 
   // Drift on one selector.
   struct Step {
@@ -1239,58 +1264,62 @@ TEST_F(GpuTest, GaussianKAfterUpdateTakesTheUpdatesCandidates) {
   };
   // On the created stream (the selections replay as graphs) and the
   // legacy stream.
-  int flag_steps = 0, flag_checked = 0;
-  replayed = 0;
-  for (const size_t n : {size_t{100003}, size_t{300007}}) {
-    for (const double density : {0.001, 0.01}) {
-      for (cudaStream_t stream :
-           {created, static_cast<cudaStream_t>(nullptr)}) {
-        SCOPED_TRACE(
-            "drift n=" + std::to_string(n) +
-            " density=" + std::to_string(density) +
-            (stream == nullptr ? " legacy stream" : " created stream"));
-        GTOPK_ASSERT_OK_AND_ASSIGN(const uint64_t k, KFromDensity(density, n));
-        const size_t other = n + 1001;
-        GTOPK_ASSERT_OK_AND_ASSIGN(
-            auto selector, CudaSelector::Create("gaussiank", options, other));
-        std::vector<float> host_residual(n, 0.0f);
-        DeviceVector residual(host_residual);
-        for (size_t t = 0; t < steps.size(); ++t) {
-          SCOPED_TRACE("step " + std::to_string(t));
-          if (steps[t].other_n) {
-            std::vector<float> other_residual(other, 0.0f);
-            DeviceVector r(other_residual);
-            SparseVector other_got;
-            after_update(selector.get(), r, other_residual,
-                         MakeInput(Distribution::kNormal, other, 5), k, t,
-                         stream, &other_got);
-          }
-          std::vector<float> grad =
-              MakeInput(Distribution::kNormal, n, 100 * t + n);
-          if (steps[t].scale != 1.0f) {
-            for (float& r : host_residual) r *= steps[t].scale;
-            for (float& g : grad) g *= steps[t].scale;
-            ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-            ASSERT_EQ(cudaMemcpy(residual.buffer.get(), host_residual.data(),
-                                 n * sizeof(float), cudaMemcpyHostToDevice),
-                      cudaSuccess);
-          }
-          SparseVector got;
-          after_update(selector.get(), residual, host_residual, grad, k, t,
-                       stream, &got);
-          const SelectInfo info = selector->last_info();
-          replayed += info.graph_replay;
-          expect_as_plain(host_residual, k, t, got, info);
-          ExpectZeroedExactly(residual, host_residual, got.indices);
-          for (uint32_t i : got.indices) host_residual[i] = 0.0f;
-          // (A step whose rule ends out of range runs the exact top-k from
-          // u, as the plain selection does: the residual's holes where
-          // entries were sent can take it there.)
-          if (steps[t].expect >= 0) {
-            ++flag_steps;
-            if (!info.fell_back) {
-              ++flag_checked;
-              EXPECT_EQ(info.candidates_from_update, steps[t].expect == 1);
+  int flag_steps = 0, flag_checked = 0, replayed = 0;
+  for (const bool fused_mode : {true, false}) {
+    fused = fused_mode;
+    for (const size_t n : {size_t{100003}, size_t{300007}}) {
+      for (const double density : {0.001, 0.01}) {
+        for (cudaStream_t stream :
+             {created, static_cast<cudaStream_t>(nullptr)}) {
+          SCOPED_TRACE(
+              "drift n=" + std::to_string(n) +
+              " density=" + std::to_string(density) +
+              (stream == nullptr ? " legacy stream" : " created stream") +
+              (fused ? ", after Accumulate" : ", from u in device memory"));
+          GTOPK_ASSERT_OK_AND_ASSIGN(const uint64_t k,
+                                     KFromDensity(density, n));
+          const size_t other = n + 1001;
+          GTOPK_ASSERT_OK_AND_ASSIGN(
+              auto selector, CudaSelector::Create("gaussiank", options, other));
+          std::vector<float> host_residual(n, 0.0f);
+          DeviceVector residual(host_residual);
+          for (size_t t = 0; t < steps.size(); ++t) {
+            SCOPED_TRACE("step " + std::to_string(t));
+            if (steps[t].other_n) {
+              std::vector<float> other_residual(other, 0.0f);
+              DeviceVector r(other_residual);
+              SparseVector other_got;
+              after_update(selector.get(), r, other_residual,
+                           MakeInput(Distribution::kNormal, other, 5), k, t,
+                           stream, &other_got);
+            }
+            std::vector<float> grad =
+                MakeInput(Distribution::kNormal, n, 100 * t + n);
+            if (steps[t].scale != 1.0f) {
+              for (float& r : host_residual) r *= steps[t].scale;
+              for (float& g : grad) g *= steps[t].scale;
+              ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+              ASSERT_EQ(cudaMemcpy(residual.buffer.get(), host_residual.data(),
+                                   n * sizeof(float), cudaMemcpyHostToDevice),
+                        cudaSuccess);
+            }
+            SparseVector got;
+            after_update(selector.get(), residual, host_residual, grad, k, t,
+                         stream, &got);
+            const SelectInfo info = selector->last_info();
+            replayed += info.graph_replay;
+            expect_as_plain(host_residual, k, t, got, info);
+            ExpectZeroedExactly(residual, host_residual, got.indices);
+            for (uint32_t i : got.indices) host_residual[i] = 0.0f;
+            // (A step whose rule ends out of range runs the exact top-k from
+            // u, as the plain selection does: the residual's holes where
+            // entries were sent can take it there.)
+            if (steps[t].expect >= 0) {
+              ++flag_steps;
+              if (!info.fell_back) {
+                ++flag_checked;
+                EXPECT_EQ(info.candidates_from_update, steps[t].expect == 1);
+              }
             }
           }
         }
