@@ -2480,6 +2480,17 @@ struct Sparsifier::Impl {
   bool exact_expect_from_u = false;
   bool gauss_expect_from_u = false;
   bool took_exact = false;  // the pending selection's, for the prediction
+  // exact after Accumulate: the last such plan over u of this n (0: none)
+  // needed more than one pass over u (its digit-0 bin held more than n/8
+  // keys, so the update's histogram saved nothing and nothing could be
+  // predicted: a narrow band, ties, every value equal). Such a selection
+  // starts from a sample instead (one pass over u on any data), and every
+  // kRetryPlanAfterUpdate-th one runs the plan again, which finds out
+  // whether the data changed (and predicts the update's candidates again).
+  uint64_t update_many_pass_n = 0;
+  uint64_t update_sampled_count = 0;
+  static constexpr uint64_t kRetryPlanAfterUpdate = 8;
+  bool pending_update_sampled = false;  // the pending selection is one
   bool tiny_enqueued = false;  // the pending selection is TinySelectKernel's
   std::vector<CachedGraph> graphs;
   uint64_t graph_clock = 0;
@@ -3496,9 +3507,12 @@ KernelStatus Sparsifier::Impl::EnqueueWithGraph(float* u, uint64_t n,
     if (!(g.key == key)) continue;
     GTOPK_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(g.exec, stream));
     g.last_used = ++graph_clock;
+    // What Select decided for this selection, not the captured one's.
     const bool used_update_histogram = info.used_update_histogram;
+    const bool sampled_after_update = info.sampled_after_update;
     info = g.snapshot.info;
     info.used_update_histogram = used_update_histogram;
+    info.sampled_after_update = sampled_after_update;
     info.graph_replay = true;
     Restore(g.snapshot);
     return KernelStatus::Ok();
@@ -3526,6 +3540,7 @@ KernelStatus Sparsifier::Impl::EnqueueWithGraph(float* u, uint64_t n,
     use_graphs = false;
     SelectInfo fresh;
     fresh.used_update_histogram = info.used_update_histogram;
+    fresh.sampled_after_update = info.sampled_after_update;
     info = fresh;
     check_selected = false;
     continuation = Continuation::kNone;
@@ -3714,8 +3729,17 @@ KernelStatus Sparsifier::Select(float* u, uint64_t n, const SelectParams& p,
         "Select: dgc_sample_fraction must be in [0.01, 1] "
         "and gaussiank_max_adjustments in [1, 16]");
   }
-  const bool reuse = m.hist_u == u && m.hist_n == n;
+  bool reuse = m.hist_u == u && m.hist_n == n;
   m.info = SelectInfo();
+  m.pending_update_sampled = false;
+  if (reuse && p.method == Method::kExact && m.update_many_pass_n == n &&
+      n > one_block_max_n.load() && PlanExactSample(n, p.k).runs != 0 &&
+      ++m.update_sampled_count % Impl::kRetryPlanAfterUpdate != 0) {
+    // (Impl::update_many_pass_n) The update's histogram is not used.
+    reuse = false;
+    m.pending_update_sampled = true;
+    m.info.sampled_after_update = true;
+  }
   // (The one-block path for a small u reads u whole, histogram or not.)
   m.info.used_update_histogram =
       reuse && p.method != Method::kDgc && n > one_block_max_n.load();
@@ -3937,6 +3961,17 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
   m.info.exact_final_from_u = s.from_u != 0;
   m.info.candidates_from_update =
       s.from_update != 0 || s.gauss_used_update != 0;
+  // exact after Accumulate: whether the next such selection of this n
+  // starts from a sample (Impl::update_many_pass_n). A sampled one keeps
+  // the verdict; the plan sets it from how many passes over u it needed.
+  if (m.pending_params.method == Method::kExact &&
+      m.info.used_update_histogram && !m.info.one_block) {
+    // (A final compaction from u comes after three digit passes.)
+    const bool many =
+        !m.info.candidates_from_update && m.info.exact_digit_passes > 1;
+    m.update_many_pass_n = many ? m.pending_n : 0;
+    m.update_sampled_count = 0;
+  }
   out->indices = reinterpret_cast<const uint32_t*>(m.host_out.get() + kOutHeader);
   out->values = reinterpret_cast<const float*>(
       m.host_out.get() + kOutHeader + m.out_stride * sizeof(uint32_t));

@@ -49,7 +49,12 @@
 //    such selection (AIR top-k's filter fused into the pass before it,
 //    across steps): when the k-th key's bin is at or above it, those
 //    index-ordered candidates hold the top-k and no pass over u runs
-//    (SelectInfo::candidates_from_update); otherwise the plan above.
+//    (SelectInfo::candidates_from_update); otherwise the plan above. When
+//    that plan needed more than one pass over u (the k-th key's bin held
+//    more than n/8 keys: a narrow band, ties, every value equal), the next
+//    exact selection after Accumulate of that n starts from a sample
+//    instead, one pass on any data (SelectInfo::sampled_after_update),
+//    and every 8th runs the plan again to notice when the data changed.
 //  * gaussiank (Shi et al., arXiv:1911.08772): threshold mean + z*std from the
 //    same pass's sums (each thread's values as deviations from its first,
 //    merged by Chan et al.'s pairwise formula in a fixed order: the
@@ -226,6 +231,13 @@ struct SelectInfo {
   // key and every key listed for the correction lie in kept bins); a
   // correction may still compact u.
   bool candidates_from_update = false;
+  // exact after Accumulate: the last such selection of this n needed more
+  // than one pass over u for its plan (its k-th key's digit-0 bin held more
+  // than n/8 keys: a narrow band, ties, every value equal), so this one
+  // started from a sample instead (exact_sampled; used_update_histogram
+  // false): one pass over u on any data. Every 8th such selection runs the
+  // plan again, to notice when the data changed.
+  bool sampled_after_update = false;
   // n <= 4096: the whole selection ran as one kernel of one block (u's keys
   // in shared memory; the same rules, on exact counts), one launch and one
   // copy (fast_path; a histogram from Accumulate is not used).

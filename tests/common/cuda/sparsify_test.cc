@@ -959,6 +959,111 @@ TEST_F(GpuTest, ExactAfterUpdateTakesTheUpdatesCandidates) {
   }
 }
 
+// Exact after Accumulate on inputs whose plan needs more than one pass over
+// u (the k-th key's digit-0 bin holds more than n/8 keys: the narrow band,
+// every value equal, ties at density 0.01) starts from a sample on the
+// next step instead (one pass), and runs the plan again every 8th such
+// step; when the input turns normal, the next retry finds one pass enough
+// and the step after it takes the update's candidates. Each step is
+// Accumulate of a fresh input into a zero residual, then Select with
+// zeroing, checked bit for bit against ReferenceTopK and the zeroing
+// exactly; on a created stream (graph replay) and the legacy stream. (The
+// sampled path's minimum n is lowered to 1 by the test hook.)
+TEST_F(GpuTest, ExactAfterUpdateOnAManyPassInputStartsFromASample) {
+  const ExactSampleFrom sample_from(1);
+  const size_t n = 100003;
+  UpdateParams up;
+  up.lr = 1.0f;
+  up.momentum = 0.0f;
+  up.weight_decay = 0.0f;
+  up.momentum_correction = false;
+  struct Sequence {
+    Distribution first;  // steps 0..9
+    Distribution then;   // steps 10..23
+    double density;
+    bool many_pass;  // `first` needs more than one pass over u
+  };
+  const Sequence sequences[] = {
+      {Distribution::kNarrowBand, Distribution::kNormal, 0.001, true},
+      {Distribution::kAllEqual, Distribution::kNormal, 0.01, true},
+      {Distribution::kTies, Distribution::kNormal, 0.01, true},
+      {Distribution::kNormal, Distribution::kNormal, 0.001, false},
+  };
+  cudaStream_t created = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking),
+            cudaSuccess);
+  int replayed = 0;
+  for (const Sequence& q : sequences) {
+    for (cudaStream_t stream : {created, static_cast<cudaStream_t>(nullptr)}) {
+      SCOPED_TRACE(DistributionName(q.first) + " then " +
+                   DistributionName(q.then) +
+                   " density=" + std::to_string(q.density) +
+                   (stream == nullptr ? " legacy stream" : " created stream"));
+      GTOPK_ASSERT_OK_AND_ASSIGN(const uint64_t k, KFromDensity(q.density, n));
+      GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                                 CudaSelector::Create("exact", {}, n));
+      Sparsifier* sp = selector->sparsifier();
+      const std::vector<float> zeros(n, 0.0f);
+      DeviceVector residual(zeros);
+      int sampled_first = 0, back_on_plan = -1, first_from_update = -1;
+      for (int t = 0; t < 24; ++t) {
+        SCOPED_TRACE("step " + std::to_string(t));
+        const std::vector<float> u =
+            MakeInput(t < 10 ? q.first : q.then, n, 31 * t + 7);
+        DeviceVector grad(u);
+        ASSERT_EQ(cudaMemcpy(residual.buffer.get(), zeros.data(),
+                             n * sizeof(float), cudaMemcpyHostToDevice),
+                  cudaSuccess);
+        ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
+        GTOPK_ASSERT_OK(ToAbslStatus(sp->Accumulate(
+            grad.buffer.get(), nullptr, nullptr, nullptr, residual.buffer.get(),
+            residual.buffer.get(), n, up, stream)));
+        SparseVector got;
+        GTOPK_ASSERT_OK(selector->SelectDevice(residual.buffer.get(), n, k, t,
+                                               stream, true, &got));
+        const SelectInfo info = selector->last_info();
+        replayed += info.graph_replay;
+        const SparseVector want = ReferenceTopK(u, k);  // u = 0 + 1 * g
+        ExpectSameBits(got, want);
+        ExpectZeroedExactly(residual, u, want.indices);
+        // A sampled step skipped the update's histogram; a plan used it.
+        EXPECT_EQ(info.sampled_after_update, !info.used_update_histogram);
+        if (info.sampled_after_update) {
+          EXPECT_TRUE(info.exact_sampled);
+          EXPECT_GT(t, 0);
+          if (t < 10) ++sampled_first;
+          // Never after a plan that needed one pass.
+          EXPECT_LT(back_on_plan, 0);
+        } else {
+          if (t >= 10 && back_on_plan < 0) back_on_plan = t;
+          if (t < 10 && q.many_pass) {
+            EXPECT_TRUE(info.exact_digit_passes > 1 || info.exact_final_from_u)
+                << info.exact_digit_passes;
+          }
+          if (info.candidates_from_update && first_from_update < 0) {
+            first_from_update = t;
+          }
+        }
+      }
+      if (q.many_pass) {
+        // Steps 1..9 are sampled but for the retry at step 8.
+        EXPECT_EQ(sampled_first, 8);
+        // Back on the plan at a retry within 8 steps of the change, and on
+        // the update's candidates from the step after it.
+        EXPECT_GE(back_on_plan, 10);
+        EXPECT_LE(back_on_plan, 18);
+        EXPECT_GE(first_from_update, 10);
+        EXPECT_LE(first_from_update, 19);
+      } else {
+        EXPECT_EQ(sampled_first, 0);
+        EXPECT_EQ(first_from_update, 1);
+      }
+    }
+  }
+  EXPECT_EQ(cudaStreamDestroy(created), cudaSuccess);
+  EXPECT_GT(replayed, 0);
+}
+
 // Gaussian-k after Accumulate, when its previous selection after Accumulate
 // predicted a bin, compacts the update's candidates instead of u: the same
 // selection, bit for bit, as Gaussian-k on a plain copy of the same u on
