@@ -89,6 +89,27 @@ void ExpectSameBits(const SparseVector& got, const SparseVector& want) {
   }
 }
 
+// The smallest float strictly above t (t >= 0): the key a device threshold
+// t keeps from (MinKeyAbove).
+float MinFloatAbove(long double t) {
+  float f = static_cast<float>(t);
+  if (static_cast<long double>(f) <= t) {
+    f = std::nextafter(f, std::numeric_limits<float>::infinity());
+  }
+  return f;
+}
+
+// Gaussian-k's first threshold mean + z*std of u (sample std), in long
+// double: a reference far beyond the rounding of any device's sums.
+long double GaussianThresholdOf(const std::vector<float>& u, double z) {
+  long double sum = 0.0L;
+  for (float x : u) sum += x;
+  const long double mean = sum / u.size();
+  long double ss = 0.0L;
+  for (float x : u) ss += (x - mean) * (x - mean);
+  return mean + z * std::sqrt(ss / (u.size() - 1));
+}
+
 // Valid sparse output of u whose selected magnitudes are all >= every
 // unselected one (what a threshold selection yields).
 void ExpectThresholdSelection(const std::vector<float>& u,
@@ -1216,20 +1237,9 @@ TEST_F(GpuTest, GaussianKAfterUpdateTakesTheUpdatesCandidates) {
   // A compaction that missed the ties at its key would correct instead.
   {
     const double z = cpu::NormalQuantile(1.0 - 100.0 / 10000 / 2.0);
-    const auto min_float_above = [](long double t) {
-      float f = static_cast<float>(t);
-      if (static_cast<long double>(f) <= t) {
-        f = std::nextafter(f, std::numeric_limits<float>::infinity());
-      }
-      return f;
-    };
+    const auto min_float_above = MinFloatAbove;
     const auto threshold = [&](const std::vector<float>& u) {
-      long double sum = 0.0L;
-      for (float x : u) sum += x;
-      const long double mean = sum / u.size();
-      long double ss = 0.0L;
-      for (float x : u) ss += (x - mean) * (x - mean);
-      return mean + z * std::sqrt(ss / (u.size() - 1));
+      return GaussianThresholdOf(u, z);
     };
     float tie = 2.7f;
     std::vector<float> u;
@@ -1848,21 +1858,9 @@ TEST_F(GpuTest, GaussianKRaisedThresholdCountsTiesAtItsKey) {
   const uint64_t k = 100;
   const uint64_t lo = 67, hi = 133;  // ceil(2k/3), floor(4k/3)
   const double z = cpu::NormalQuantile(1.0 - static_cast<double>(k) / n / 2.0);
-  // The smallest float strictly above t (t >= 0).
-  const auto min_float_above = [](long double t) {
-    float f = static_cast<float>(t);
-    if (static_cast<long double>(f) <= t) {
-      f = std::nextafter(f, std::numeric_limits<float>::infinity());
-    }
-    return f;
-  };
+  const auto min_float_above = MinFloatAbove;
   const auto threshold = [&](const std::vector<float>& u) {
-    long double sum = 0.0L;
-    for (float x : u) sum += x;
-    const long double mean = sum / n;
-    long double ss = 0.0L;
-    for (float x : u) ss += (x - mean) * (x - mean);
-    return mean + z * std::sqrt(ss / (n - 1));
+    return GaussianThresholdOf(u, z);
   };
   // 80 entries in [4.5, 5.3), above t1 (~3.88); 100 in [2.70, 2.74), above
   // t0 (~2.59) in its digit-0 bin [2.5, 2.75); two entries at each of the
