@@ -229,7 +229,8 @@ struct SelectInfo {
   // first compaction read the same kind of candidates instead of u (the
   // bin predicted from the previous selection's stop key, same n; its stop
   // key and every key listed for the correction lie in kept bins); a
-  // correction may still compact u.
+  // correction may still compact u. False when the rule then fell back to
+  // the exact top-k (its chain starts from a fresh state).
   bool candidates_from_update = false;
   // exact after Accumulate: the last such selection of this n needed more
   // than one pass over u for its plan (its k-th key's digit-0 bin held more
