@@ -3971,6 +3971,13 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
         !m.info.candidates_from_update && m.info.exact_digit_passes > 1;
     m.update_many_pass_n = many ? m.pending_n : 0;
     m.update_sampled_count = 0;
+  } else if (m.pending_update_sampled && m.info.fell_back &&
+             m.info.exact_digit_passes <= 1) {
+    // The sample missed and the plan over u that followed needed one
+    // digit pass: the data no longer needs the sample (with the update's
+    // histogram that plan is one compaction pass).
+    m.update_many_pass_n = 0;
+    m.update_sampled_count = 0;
   }
   out->indices = reinterpret_cast<const uint32_t*>(m.host_out.get() + kOutHeader);
   out->values = reinterpret_cast<const float*>(

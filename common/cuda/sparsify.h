@@ -235,9 +235,11 @@ struct SelectInfo {
   // exact after Accumulate: the last such selection of this n needed more
   // than one pass over u for its plan (its k-th key's digit-0 bin held more
   // than n/8 keys: a narrow band, ties, every value equal), so this one
-  // started from a sample instead (exact_sampled; used_update_histogram
+  // started from a sample instead (exact_sampled, or fell_back when the
+  // sample missed and the plan over u followed; used_update_histogram
   // false): one pass over u on any data. Every 8th such selection runs the
-  // plan again, to notice when the data changed.
+  // plan again, to notice when the data changed; so does the next one
+  // after a miss whose plan needed one digit pass.
   bool sampled_after_update = false;
   // n <= 4096: the whole selection ran as one kernel of one block (u's keys
   // in shared memory; the same rules, on exact counts), one launch and one

@@ -2335,6 +2335,58 @@ std::vector<float> AroundTheSample(uint64_t step, size_t n, uint64_t k,
   return u;
 }
 
+// A sampled step after the update whose sample misses (AroundTheSample:
+// fewer than k keys reach its bound) falls back to the plan over u, which
+// needs one digit pass there: the next exact selection after Accumulate
+// uses the update's histogram again instead of sampling for 7 more steps
+// (a break-it review's finding). Every step equals ReferenceTopK.
+TEST_F(GpuTest, ExactAfterUpdateSampleMissEndsTheSampledStreak) {
+  const ExactSampleFrom sample_from(1);
+  const size_t n = 100003;
+  const uint64_t k = 1000;
+  UpdateParams up;
+  up.lr = 1.0f;
+  up.momentum = 0.0f;
+  up.weight_decay = 0.0f;
+  up.momentum_correction = false;
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                             CudaSelector::Create("exact", {}, n));
+  const std::vector<float> zeros(n, 0.0f);
+  DeviceVector residual(zeros);
+  const std::vector<std::vector<float>> inputs = {
+      MakeInput(Distribution::kAllEqual, n, 5),  // 3 digit passes
+      AroundTheSample(1, n, k, false),           // sampled, and it misses
+      AroundTheSample(2, n, k, false),           // the plan with the histogram
+  };
+  for (uint64_t t = 0; t < inputs.size(); ++t) {
+    SCOPED_TRACE("step " + std::to_string(t));
+    const std::vector<float>& u = inputs[t];
+    DeviceVector grad(u);
+    ASSERT_EQ(cudaMemcpy(residual.buffer.get(), zeros.data(), n * sizeof(float),
+                         cudaMemcpyHostToDevice),
+              cudaSuccess);
+    GTOPK_ASSERT_OK(ToAbslStatus(selector->sparsifier()->Accumulate(
+        grad.buffer.get(), nullptr, nullptr, nullptr, residual.buffer.get(),
+        residual.buffer.get(), n, up, nullptr)));
+    SparseVector got;
+    GTOPK_ASSERT_OK(selector->SelectDevice(residual.buffer.get(), n, k, t,
+                                           nullptr, true, &got));
+    const SelectInfo info = selector->last_info();
+    const SparseVector want = ReferenceTopK(u, k);
+    ExpectSameBits(got, want);
+    ExpectZeroedExactly(residual, u, want.indices);
+    EXPECT_EQ(info.sampled_after_update, t == 1);
+    EXPECT_EQ(info.used_update_histogram, t != 1);
+    if (t == 0) {
+      EXPECT_GT(info.exact_digit_passes, 1);
+    }
+    if (t == 1) {
+      EXPECT_TRUE(info.fell_back);
+      EXPECT_EQ(info.exact_digit_passes, 1);
+    }
+  }
+}
+
 // Exact from a sample, step after step: on normal data the bound's
 // survivors are trimmed on the device; on ties and all-equal inputs (the
 // bound is the tied key: the sample itself shows more than 1/8 at or above
