@@ -878,6 +878,24 @@ struct UpdateCandidates {
   ull predict_cap;  // the most keys a predicted bin may keep
 };
 
+// The bin the next first pass of an n = uc.n residual keeps candidates
+// from (state's update_pred_*; thread 0), from a key in digit-0 bin `bin`
+// (known: the selection found one): one bin under it when the keys from
+// there (at_below) are at most uc.predict_cap, else `bin` itself when the
+// keys from it (at_bin) are, else none. Shared by the exact plan (its k-th
+// key) and the Gaussian-k planner (its stop key).
+__device__ inline void PredictUpdateBin(DeviceState* st, bool known,
+                                        uint32_t bin, ull at_bin,
+                                        ull at_below,
+                                        const UpdateCandidates& uc) {
+  ull pred = 0;
+  if (known && at_bin <= uc.predict_cap) {
+    pred = bin > 0 && at_below <= uc.predict_cap ? bin : bin + 1;
+  }
+  st->update_pred_bin = pred;
+  st->update_pred_n = uc.n;
+}
+
 // DecideBlock on its own (the digit-0 histogram came from the fused
 // update), after InitBlock when init.run; then, at level 0, the update's
 // candidates (UpdateCandidates) when they hold the plan's.
@@ -908,15 +926,9 @@ __global__ void __launch_bounds__(kScanThreads)
       use = kept <= compact_cap;
     }
     // The next update's bin.
-    ull pred = 0;
-    if (decided && at_bin <= uc.predict_cap) {
-      pred = bin + 1;
-      if (bin > 0 && at_bin + hists[bin - 1] <= uc.predict_cap) {
-        pred = bin;  // 1 + (bin - 1)
-      }
-    }
-    st->update_pred_bin = pred;
-    st->update_pred_n = uc.n;
+    PredictUpdateBin(st, decided, bin, at_bin,
+                     decided && bin > 0 ? at_bin + hists[bin - 1] : at_bin,
+                     uc);
   }
   __syncthreads();
   if (!use) return;  // uniform
@@ -1818,13 +1830,8 @@ __device__ void GaussUpdatePlan(DeviceState* st, const ull* at_least,
     st->gauss_from_update = use ? 1 : 0;
     st->gauss_used_update = use ? 1 : 0;
   }
-  ull pred = 0;
-  if (at_least[bin] <= uc.predict_cap) {
-    pred = bin + 1;
-    if (bin > 0 && at_least[bin - 1] <= uc.predict_cap) pred = bin;
-  }
-  st->update_pred_bin = pred;
-  st->update_pred_n = uc.n;
+  PredictUpdateBin(st, true, bin, at_least[bin],
+                   bin > 0 ? at_least[bin - 1] : at_least[bin], uc);
 }
 
 // Gaussian-k planner (one block): mean/std from the histogram pass's sums,
@@ -1920,8 +1927,7 @@ __global__ void __launch_bounds__(kScanThreads)
   st->gk_exact = 1;
   st->gk_exact_adjustments = st->adjustments;
   if (uc.warps != 0) {  // the exact top-k follows, from u: predict nothing
-    st->update_pred_bin = 0;
-    st->update_pred_n = uc.n;
+    PredictUpdateBin(st, false, 0, 0, 0, uc);
   }
 }
 
@@ -2786,14 +2792,8 @@ struct Sparsifier::Impl {
     // update's layout and counts digit 1, and one pass over the candidates
     // counts digit 2 (HistArrayKernel returns at once otherwise).
     if (reuse_hist0) {
-      UpdateCandidates uc{};
-      if (update_candidates) {
-        const HistLayout hl = HistLayoutFor(n);
-        uc = UpdateCandidates{counts_u.get(), offsets_u.get(), hl.warps, n,
-                              PredictCap(n)};
-        update_layout =
-            UpdateLayout{hl.chunk, counts_u.get(), offsets_u.get(), hl.warps};
-      }
+      const UpdateCandidates uc =
+          update_candidates ? UseUpdateCandidates(n) : UpdateCandidates{};
       GTOPK_CUDA_RETURN_IF_NOT_OK(
           Decide(0, cap, stream, InitFor(k, false, true, false), uc));
     } else {
@@ -2834,6 +2834,18 @@ struct Sparsifier::Impl {
   // The most keys the fused update keeps as candidates for the next
   // selection (n/32: its index writes cost at most 1/32 of a read of u).
   static ull PredictCap(uint64_t n) { return std::max<ull>(1, n / 32); }
+
+  // The candidates the first pass of an n residual keeps (the fused
+  // update's, or Gaussian-k's own histogram pass's: HistLayoutFor's
+  // chunks): sets update_layout, which GatherKernel reads when a
+  // selection takes them, and returns what the deciding kernel needs.
+  UpdateCandidates UseUpdateCandidates(uint64_t n) {
+    const HistLayout hl = HistLayoutFor(n);
+    update_layout =
+        UpdateLayout{hl.chunk, counts_u.get(), offsets_u.get(), hl.warps};
+    return UpdateCandidates{counts_u.get(), offsets_u.get(), hl.warps, n,
+                            PredictCap(n)};
+  }
 
   KernelStatus Decide(int level, ull cap, cudaStream_t stream,
                       InitArgs init, UpdateCandidates uc = {}) {
@@ -3072,11 +3084,7 @@ KernelStatus Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
   // candidates instead of u (GaussUpdateCollectKernel; the planner decides,
   // and predicts the next bin).
   InitArgs init{};
-  const HistLayout hl = HistLayoutFor(n);
-  const UpdateCandidates uc{counts_u.get(), offsets_u.get(), hl.warps, n,
-                            PredictCap(n)};
-  update_layout =
-      UpdateLayout{hl.chunk, counts_u.get(), offsets_u.get(), hl.warps};
+  const UpdateCandidates uc = UseUpdateCandidates(n);
   if (reuse) {
     init = InitFor(k, false, true, false);
   } else {
@@ -3104,10 +3112,11 @@ KernelStatus Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
     CollectScan from_update = in_range;
     from_update.block_offsets = offsets_u.get();
     from_update.at_least = hist1;
-    const int groups = hl.warps / kWarpsPerBlock;
+    const int groups = update_layout.warps / kWarpsPerBlock;
     GTOPK_LAUNCH(GaussUpdateCollectKernel, std::min(groups, max_blocks),
                  kThreads, stream)(u, st, regions.get(), counts_u.get(),
-                                   hl.chunk, groups, gate, from_update);
+                                   update_layout.chunk, groups, gate,
+                                   from_update);
     GTOPK_CUDA_LAUNCH_CHECK();
   }
   // Returns at once when the kernel above compacted.
