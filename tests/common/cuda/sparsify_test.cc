@@ -110,6 +110,44 @@ long double GaussianThresholdOf(const std::vector<float>& u, double z) {
   return mean + z * std::sqrt(ss / (u.size() - 1));
 }
 
+// Accumulate's parameters for u = residual + lr * gradient: no momentum, no
+// weight decay.
+UpdateParams PlainUpdate(float lr) {
+  UpdateParams up;
+  up.lr = lr;
+  up.momentum = 0.0f;
+  up.weight_decay = 0.0f;
+  up.momentum_correction = false;
+  return up;
+}
+
+// One exact selection after Accumulate of `u` into `residual`, zeroed
+// first (lr 1: the residual becomes u exactly), on `stream`, at `step`:
+// checked bit for bit against ReferenceTopK and the zeroing exactly.
+void ExactStepOnAZeroResidual(CudaSelector* selector, DeviceVector& residual,
+                              const std::vector<float>& u, uint64_t k,
+                              uint64_t step, cudaStream_t stream,
+                              SelectInfo* info) {
+  const size_t n = u.size();
+  const std::vector<float> zeros(n, 0.0f);
+  DeviceVector grad(u);
+  ASSERT_EQ(cudaMemcpy(residual.buffer.get(), zeros.data(), n * sizeof(float),
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+  // (A non-blocking stream does not wait for the legacy stream's copies.)
+  ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
+  GTOPK_ASSERT_OK(ToAbslStatus(selector->sparsifier()->Accumulate(
+      grad.buffer.get(), nullptr, nullptr, nullptr, residual.buffer.get(),
+      residual.buffer.get(), n, PlainUpdate(1.0f), stream)));
+  SparseVector got;
+  GTOPK_ASSERT_OK(selector->SelectDevice(residual.buffer.get(), n, k, step,
+                                         stream, true, &got));
+  *info = selector->last_info();
+  const SparseVector want = ReferenceTopK(u, k);
+  ExpectSameBits(got, want);
+  ExpectZeroedExactly(residual, u, want.indices);
+}
+
 // Valid sparse output of u whose selected magnitudes are all >= every
 // unselected one (what a threshold selection yields).
 void ExpectThresholdSelection(const std::vector<float>& u,
@@ -795,11 +833,7 @@ TEST_F(GpuTest, GaussianKIsDeterministicAcrossRuns) {
   GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
                              CudaSelector::Create("gaussiank", {}, n));
   DeviceVector grad(u), residual(std::vector<float>(n, 0.0f));
-  UpdateParams up;
-  up.lr = 1.0f;
-  up.momentum = 0.0f;
-  up.weight_decay = 0.0f;
-  up.momentum_correction = false;
+  const UpdateParams up = PlainUpdate(1.0f);
   GTOPK_ASSERT_OK(ToAbslStatus(selector->sparsifier()->Accumulate(
       grad.buffer.get(), nullptr, nullptr, nullptr, residual.buffer.get(),
       residual.buffer.get(), n, up, nullptr)));
@@ -898,11 +932,7 @@ TEST_F(GpuTest, ExactAfterUpdateTakesTheUpdatesCandidates) {
       {1.0f, false, 1},        {1.0f, true, 0},  // predicted for the other n
       {1.0f, false, 1},
   };
-  UpdateParams up;
-  up.lr = 0.5f;
-  up.momentum = 0.0f;
-  up.weight_decay = 0.0f;
-  up.momentum_correction = false;
+  const UpdateParams up = PlainUpdate(0.5f);
   for (const size_t n : {size_t{4099}, size_t{100003}, size_t{300007}}) {
     for (const double density : {0.001, 0.01}) {
       for (const Distribution dist :
@@ -993,11 +1023,6 @@ TEST_F(GpuTest, ExactAfterUpdateTakesTheUpdatesCandidates) {
 TEST_F(GpuTest, ExactAfterUpdateOnAManyPassInputStartsFromASample) {
   const ExactSampleFrom sample_from(1);
   const size_t n = 100003;
-  UpdateParams up;
-  up.lr = 1.0f;
-  up.momentum = 0.0f;
-  up.weight_decay = 0.0f;
-  up.momentum_correction = false;
   struct Sequence {
     Distribution first;  // steps 0..9
     Distribution then;   // steps 10..23
@@ -1023,30 +1048,17 @@ TEST_F(GpuTest, ExactAfterUpdateOnAManyPassInputStartsFromASample) {
       GTOPK_ASSERT_OK_AND_ASSIGN(const uint64_t k, KFromDensity(q.density, n));
       GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
                                  CudaSelector::Create("exact", {}, n));
-      Sparsifier* sp = selector->sparsifier();
       const std::vector<float> zeros(n, 0.0f);
       DeviceVector residual(zeros);
       int sampled_first = 0, back_on_plan = -1, first_from_update = -1;
       for (int t = 0; t < 24; ++t) {
         SCOPED_TRACE("step " + std::to_string(t));
-        const std::vector<float> u =
-            MakeInput(t < 10 ? q.first : q.then, n, 31 * t + 7);
-        DeviceVector grad(u);
-        ASSERT_EQ(cudaMemcpy(residual.buffer.get(), zeros.data(),
-                             n * sizeof(float), cudaMemcpyHostToDevice),
-                  cudaSuccess);
-        ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
-        GTOPK_ASSERT_OK(ToAbslStatus(sp->Accumulate(
-            grad.buffer.get(), nullptr, nullptr, nullptr, residual.buffer.get(),
-            residual.buffer.get(), n, up, stream)));
-        SparseVector got;
-        GTOPK_ASSERT_OK(selector->SelectDevice(residual.buffer.get(), n, k, t,
-                                               stream, true, &got));
-        const SelectInfo info = selector->last_info();
+        SelectInfo info;
+        ExactStepOnAZeroResidual(
+            selector.get(), residual,
+            MakeInput(t < 10 ? q.first : q.then, n, 31 * t + 7), k, t, stream,
+            &info);
         replayed += info.graph_replay;
-        const SparseVector want = ReferenceTopK(u, k);  // u = 0 + 1 * g
-        ExpectSameBits(got, want);
-        ExpectZeroedExactly(residual, u, want.indices);
         // A sampled step skipped the update's histogram; a plan used it.
         EXPECT_EQ(info.sampled_after_update, !info.used_update_histogram);
         if (info.sampled_after_update) {
@@ -1100,11 +1112,7 @@ TEST_F(GpuTest, ExactAfterUpdateOnAManyPassInputStartsFromASample) {
 // the device after them, with the host's continuation after them, and not
 // taken where the key fell under the bin.
 TEST_F(GpuTest, GaussianKAfterUpdateTakesTheUpdatesCandidates) {
-  UpdateParams up;
-  up.lr = 1.0f;
-  up.momentum = 0.0f;
-  up.weight_decay = 0.0f;
-  up.momentum_correction = false;
+  const UpdateParams up = PlainUpdate(1.0f);
   SelectorOptions options;
   options.gaussiank_max_adjustments = 16;
   // One Gaussian-k selection of residual + lr * grad: fused, after
@@ -1462,11 +1470,7 @@ TEST_F(GpuTest, GaussianKFallbackIgnoresTheUpdatesCandidates) {
   const size_t n = 100003;
   GTOPK_ASSERT_OK_AND_ASSIGN(auto exact, CudaSelector::Create("exact", {}, n));
   Sparsifier* sp = exact->sparsifier();
-  UpdateParams up;
-  up.lr = 1.0f;
-  up.momentum = 0.0f;
-  up.weight_decay = 0.0f;
-  up.momentum_correction = false;
+  const UpdateParams up = PlainUpdate(1.0f);
   const std::vector<float> u = MakeInput(Distribution::kOutliers, n, 3);
   int fell_back = 0;
   for (const uint64_t k : {10, 100, 1000, 100, 10}) {
@@ -2344,11 +2348,6 @@ TEST_F(GpuTest, ExactAfterUpdateSampleMissEndsTheSampledStreak) {
   const ExactSampleFrom sample_from(1);
   const size_t n = 100003;
   const uint64_t k = 1000;
-  UpdateParams up;
-  up.lr = 1.0f;
-  up.momentum = 0.0f;
-  up.weight_decay = 0.0f;
-  up.momentum_correction = false;
   GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
                              CudaSelector::Create("exact", {}, n));
   const std::vector<float> zeros(n, 0.0f);
@@ -2360,21 +2359,9 @@ TEST_F(GpuTest, ExactAfterUpdateSampleMissEndsTheSampledStreak) {
   };
   for (uint64_t t = 0; t < inputs.size(); ++t) {
     SCOPED_TRACE("step " + std::to_string(t));
-    const std::vector<float>& u = inputs[t];
-    DeviceVector grad(u);
-    ASSERT_EQ(cudaMemcpy(residual.buffer.get(), zeros.data(), n * sizeof(float),
-                         cudaMemcpyHostToDevice),
-              cudaSuccess);
-    GTOPK_ASSERT_OK(ToAbslStatus(selector->sparsifier()->Accumulate(
-        grad.buffer.get(), nullptr, nullptr, nullptr, residual.buffer.get(),
-        residual.buffer.get(), n, up, nullptr)));
-    SparseVector got;
-    GTOPK_ASSERT_OK(selector->SelectDevice(residual.buffer.get(), n, k, t,
-                                           nullptr, true, &got));
-    const SelectInfo info = selector->last_info();
-    const SparseVector want = ReferenceTopK(u, k);
-    ExpectSameBits(got, want);
-    ExpectZeroedExactly(residual, u, want.indices);
+    SelectInfo info;
+    ExactStepOnAZeroResidual(selector.get(), residual, inputs[t], k, t,
+                             nullptr, &info);
     EXPECT_EQ(info.sampled_after_update, t == 1);
     EXPECT_EQ(info.used_update_histogram, t != 1);
     if (t == 0) {
