@@ -185,18 +185,30 @@ struct DeviceState {
   int gauss_from_update;
   int gauss_used_update;  // the same, not cleared (SelectInfo reports it)
   // Candidates from the update, kept by InitKernel (they outlive a
-  // selection). update_pred_bin: 1 + the digit-0 bin from which the next
-  // fused update (or Gaussian-k's own histogram pass) of an n =
-  // update_pred_n residual compacts (0: none),
-  // written by the exact plan after Accumulate from the k-th key it found,
-  // or by the Gaussian-k planner from its stop key.
-  // update_used_bin/_n: the same for the last pass that may compact (the
+  // selection). update_pred_key: 1 + the smallest key that the next fused
+  // update (or Gaussian-k's own histogram pass) of an n = update_pred_n
+  // residual keeps (0: none), written by the exact plan after Accumulate
+  // from the k-th key it found (PredictUpdateBin: a digit-0 bin's first
+  // key; FinePredictBlock: a finer key when that bin is crowded), or by
+  // the Gaussian-k planner from its stop key (a bin's first key).
+  // update_used_key/_n: the same for the last pass that may compact (the
   // fused update, Gaussian-k's own pass), which wrote them (0: it
   // compacted nothing).
-  ull update_pred_bin;
+  ull update_pred_key;
   ull update_pred_n;
-  ull update_used_bin;
+  ull update_used_key;
   ull update_used_n;
+  // The exact plan after Accumulate, when the k-th key's digit-0 bin holds
+  // too many keys for PredictUpdateBin: predict_fine = 1 has the final
+  // compaction's last block (CountFinalKernel) predict a finer key from the
+  // digit-1 and digit-2 histograms (FinePredictBlock): the smallest whose
+  // keys at or above it are at most fine_cap, and at least fine_floor (the
+  // plan's digits came from candidates that hold the keys >= fine_floor
+  // only). greater_at[l]: count_greater after digit l was found.
+  int predict_fine;
+  uint32_t fine_floor;
+  ull fine_cap;
+  ull greater_at[2];
 };
 
 // The state's slot at the head of the output buffer (Sparsifier::Impl::
@@ -267,8 +279,9 @@ __host__ __device__ inline uint32_t MinKeyAbove(double t) {
 // Kernels
 // ---------------------------------------------------------------------------
 
-// Resets the state (the update_* fields always survive: the fused
-// update's prediction outlives a selection); zeroes hist1/hist2, (zero_hist0) hist0 and the
+// Resets the state (the update_* fields survive, but for the prediction
+// under clear_prediction: the fused update's prediction outlives a
+// selection); zeroes hist1/hist2, (zero_hist0) hist0 and the
 // trim histograms when given (kHistsSize entries); state's seed = *seed
 // (pinned host memory) when given. keep_sums
 // keeps sum_blocks (Accumulate's per-block partial sums stay valid),
@@ -283,6 +296,9 @@ struct InitArgs {
   const ull* seed;
   ull need;
   int zero_hist0, keep_sums, keep_candidates, keep_gate;
+  // Drops the update's prediction (the next fused update keeps nothing):
+  // exact after Accumulate from a sample, which predicts nothing itself.
+  int clear_prediction;
 };
 
 // InitKernel's work, by one whole block (any size), when a.run: also at the
@@ -313,12 +329,12 @@ __device__ void InitBlock(DeviceState* st, const InitArgs& a) {
   // What is kept, read (thread 0) before the block zeroes the state.
   int sum_blocks = 0, exact = 0, exact_adjustments = 0, exact_from_u = 0;
   ull candidates = 0, exact_candidates = 0, step_seed = 0;
-  ull pred_bin = 0, pred_n = 0, used_bin = 0, used_n = 0;
+  ull pred_key = 0, pred_n = 0, used_key = 0, used_n = 0;
   uint32_t error = 0;
   if (threadIdx.x == 0) {
-    pred_bin = st->update_pred_bin;
+    pred_key = a.clear_prediction ? 0 : st->update_pred_key;
     pred_n = st->update_pred_n;
-    used_bin = st->update_used_bin;
+    used_key = st->update_used_key;
     used_n = st->update_used_n;
     sum_blocks = st->sum_blocks;
     candidates = st->num_candidates;
@@ -341,9 +357,9 @@ __device__ void InitBlock(DeviceState* st, const InitArgs& a) {
     st->need = need;
     st->first_non_finite = ~0ull;
     st->seed = step_seed;
-    st->update_pred_bin = pred_bin;
+    st->update_pred_key = pred_key;
     st->update_pred_n = pred_n;
-    st->update_used_bin = used_bin;
+    st->update_used_key = used_key;
     st->update_used_n = used_n;
     if (keep_sums) st->sum_blocks = sum_blocks;
     if (keep_candidates) st->num_candidates = candidates;
@@ -476,7 +492,7 @@ struct HistArgs {
   int layout_warps;  // a multiple of kWarpsPerBlock
   // HistogramKernel<true>, and HistogramKernel<false> with keep_candidates
   // (Gaussian-k's own pass): when state's update_pred_n == n, every i with
-  // key(u[i]) >= (update_pred_bin - 1) << 20 goes to chunk c's region of
+  // key(u[i]) >= update_pred_key - 1 goes to chunk c's region of
   // `regions` (c * chunk, index order) and counts[c] = how many, for
   // every c < layout_warps (UpdateCandidates); state's update_used_* say
   // whether it did.
@@ -515,15 +531,15 @@ __global__ void __launch_bounds__(kThreads, 5) HistogramKernel(HistArgs a) {
   const bool keeps = kUpdate || a.keep_candidates != 0;
   // Read by every thread before block 0 writes what it used.
   const ull pred = keeps && a.st->update_pred_n == a.n
-                       ? a.st->update_pred_bin
+                       ? a.st->update_pred_key
                        : 0;
   __syncthreads();
   if (keeps && blockIdx.x == 0 && threadIdx.x == 0) {
-    a.st->update_used_bin = pred;
+    a.st->update_used_key = pred;
     a.st->update_used_n = a.n;
   }
   const bool compact = keeps && pred != 0;
-  const uint32_t min_key = compact ? static_cast<uint32_t>(pred - 1) << 20 : 0;
+  const uint32_t min_key = compact ? static_cast<uint32_t>(pred - 1) : 0;
   const int lane = threadIdx.x & 31;
   const uint32_t lanes_below = (1u << lane) - 1u;
   // Double sums (squares of |u| > ~1e19 would overflow float), shifted.
@@ -799,6 +815,7 @@ __device__ void FindBinBlock(DeviceState* st, const ull* hist, int level) {
       st->prefix = prefix;
       st->min_key = prefix;
       st->count_greater += before;
+      if (level < 2) st->greater_at[level] = st->count_greater;
       st->need = need - before;
       st->bin_count = v;
       found = 1;
@@ -862,14 +879,20 @@ __device__ ull ScanInPlace(ull* v, int count);
 
 // The fused update's compaction (HistArgs::regions/counts) as the exact
 // plan's candidates: when the last fused update of this n kept every key
-// in the digit-0 bins >= b (state's update_used_*), the k-th key's bin is
-// >= b and those keys are at most the compaction cap, the candidates are
+// >= a key T (state's update_used_*), and those keys number at least k (so
+// the k-th key is >= T) and at most the compaction cap, the candidates are
 // already in `regions`, index-ordered: the plan skips its compaction pass
-// over u (CollectKernel returns at once; GatherKernel reads this layout).
-// The bin for the next update is predicted one below the k-th key's (its
-// start lies 1/8 to 2/8 of a binade under that key: room for the next
-// step's drift; a drop of less than about 8 % always stays in), or the
-// k-th key's own when the bin below holds too many keys to be worth keeping.
+// over u (CollectKernel returns at once; GatherKernel reads this layout)
+// and takes its remaining digits from them. Their counts are exact for
+// every key >= T, and the plan only ever counts at or above the k-th key.
+// T for the next update is the first key of the digit-0 bin one below the
+// k-th key's (1/8 to 2/8 of a binade under that key: room for the next
+// step's drift; a drop of less than about 8 % always stays in), or of the
+// k-th key's own bin when the bin below holds too many keys to be worth
+// keeping (PredictUpdateBin). When the k-th key's bin itself holds too
+// many (a narrow band: most of u shares its high bits), a finer key under
+// the k-th, from the plan's digit-1 and digit-2 histograms
+// (FinePredictBlock).
 struct UpdateCandidates {
   const uint32_t* counts;  // [warps]: the update's per-chunk counts
   ull* offsets;            // [warps / kWarpsPerBlock]: group offsets out
@@ -883,22 +906,31 @@ struct UpdateCandidates {
 // (known: the selection found one): one bin under it when the keys from
 // there (at_below) are at most uc.predict_cap, else `bin` itself when the
 // keys from it (at_bin) are, else none. Shared by the exact plan (its k-th
-// key) and the Gaussian-k planner (its stop key).
-__device__ inline void PredictUpdateBin(DeviceState* st, bool known,
+// key) and the Gaussian-k planner (its stop key). Returns whether it
+// predicted a bin.
+__device__ inline bool PredictUpdateBin(DeviceState* st, bool known,
                                         uint32_t bin, ull at_bin,
                                         ull at_below,
                                         const UpdateCandidates& uc) {
   ull pred = 0;
   if (known && at_bin <= uc.predict_cap) {
-    pred = bin > 0 && at_below <= uc.predict_cap ? bin : bin + 1;
+    const uint32_t from = bin > 0 && at_below <= uc.predict_cap ? bin - 1 : bin;
+    pred = (ull{from} << 20) + 1;
   }
-  st->update_pred_bin = pred;
+  st->update_pred_key = pred;
   st->update_pred_n = uc.n;
+  return pred != 0;
+}
+
+// The keys the fine prediction keeps at most: about four times k (the
+// margin for drift on a crowded bin), never more than the update's cap.
+__host__ __device__ inline ull FineCap(ull k, ull predict_cap) {
+  return 4 * k < predict_cap ? 4 * k : predict_cap;
 }
 
 // DecideBlock on its own (the digit-0 histogram came from the fused
 // update), after InitBlock when init.run; then, at level 0, the update's
-// candidates (UpdateCandidates) when they hold the plan's.
+// candidates (UpdateCandidates) when they hold the plan's (k = init.need).
 __global__ void __launch_bounds__(kScanThreads)
     FindBinDecideKernel(DeviceState* st, const ull* hists, int level,
                         ull compact_cap, Gate gate, InitArgs init,
@@ -907,44 +939,52 @@ __global__ void __launch_bounds__(kScanThreads)
   InitBlock(st, init);
   DecideBlock<kScanThreads>(st, hists, level, compact_cap);
   if (level != 0 || uc.warps == 0) return;  // uniform
-  __shared__ int use;
+  __shared__ int kept;
+  __shared__ uint32_t kept_from;
   __syncthreads();  // DecideBlock's thread 0 wrote the plan
   if (threadIdx.x == 0) {
-    const bool decided = st->error == 0 && st->compact != 0;
-    const uint32_t bin = st->prefix >> 20;  // the k-th key's digit 0
-    use = decided && st->update_used_n == uc.n && st->update_used_bin != 0 &&
-          st->update_used_bin - 1 <= bin;
-    // Keys at or above the k-th key's bin: count_greater covers the bins
-    // above it, bin_count its own.
-    const ull at_bin = decided ? st->count_greater + st->bin_count : 0;
-    if (use) {  // the update kept the keys from bin update_used_bin - 1 up
-      ull kept = at_bin;
-      for (uint32_t b = static_cast<uint32_t>(st->update_used_bin - 1);
-           b < bin; ++b) {
-        kept += hists[b];
+    kept = st->error == 0 && st->update_used_n == uc.n &&
+           st->update_used_key != 0;
+    kept_from = static_cast<uint32_t>(st->update_used_key - 1);
+  }
+  __syncthreads();
+  ull total = 0;
+  if (kept) {  // uniform
+    // The groups' totals (kWarpsPerBlock chunks each, as a compaction
+    // block's), then their exclusive scan: GatherKernel's offsets.
+    const int groups = uc.warps / kWarpsPerBlock;
+    for (int g = threadIdx.x; g < groups; g += kScanThreads) {
+      ull t = 0;
+      for (int w = 0; w < kWarpsPerBlock; ++w) {
+        t += uc.counts[g * kWarpsPerBlock + w];
       }
-      use = kept <= compact_cap;
+      uc.offsets[g] = t;
     }
-    // The next update's bin.
-    PredictUpdateBin(st, decided, bin, at_bin,
-                     decided && bin > 0 ? at_bin + hists[bin - 1] : at_bin,
-                     uc);
+    __syncthreads();
+    total = ScanInPlace<kScanThreads>(uc.offsets, groups);
   }
-  __syncthreads();
-  if (!use) return;  // uniform
-  // The groups' totals (kWarpsPerBlock chunks each, as a compaction
-  // block's), then their exclusive scan: GatherKernel's offsets.
-  const int groups = uc.warps / kWarpsPerBlock;
-  for (int g = threadIdx.x; g < groups; g += kScanThreads) {
-    ull t = 0;
-    for (int w = 0; w < kWarpsPerBlock; ++w) t += uc.counts[g * kWarpsPerBlock + w];
-    uc.offsets[g] = t;
-  }
-  __syncthreads();
-  const ull total = ScanInPlace<kScanThreads>(uc.offsets, groups);
-  if (threadIdx.x == 0) {
+  if (threadIdx.x != 0) return;
+  const bool ok = st->error == 0;
+  // The kept keys (all keys >= kept_from) hold the top k.
+  const bool use = kept && total >= init.need && total <= compact_cap;
+  if (use) {
     st->from_update = 1;
     st->num_candidates = total;
+    // The remaining digits come from the candidates, however many keys
+    // the k-th key's bin holds in u.
+    st->compact = 1;
+  }
+  // The next update's key. Keys at or above the k-th key's bin:
+  // count_greater covers the bins above it, bin_count its own.
+  const uint32_t bin = st->prefix >> 20;  // the k-th key's digit 0
+  const ull at_bin = st->count_greater + st->bin_count;
+  if (!PredictUpdateBin(st, ok, bin, at_bin,
+                        ok && bin > 0 ? at_bin + hists[bin - 1] : at_bin,
+                        uc) &&
+      ok) {
+    st->predict_fine = 1;
+    st->fine_floor = use ? kept_from : 0;
+    st->fine_cap = FineCap(init.need, uc.predict_cap);
   }
 }
 
@@ -1666,6 +1706,69 @@ __device__ inline FinalSource GetFinalSource(const DeviceState* st,
   return FinalSource{cand_val, cand_idx, st->num_candidates};
 }
 
+// The smallest digit d in [0, bins) with base + (keys in hist's bins >= d)
+// <= limit, or bins when there is none (one block of kBlock threads; the
+// histogram read through L2; the result in every thread).
+template <int kBlock>
+__device__ int LowestBinAtMost(const ull* hist, int bins, ull base,
+                               ull limit) {
+  using Scan = cub::BlockScan<ull, kBlock, cub::BLOCK_SCAN_WARP_SCANS>;
+  __shared__ typename Scan::TempStorage storage;
+  __shared__ int lowest;
+  if (threadIdx.x == 0) lowest = bins;
+  __syncthreads();
+  ull above = base;  // base plus the keys in the tiles before
+  for (int first = 0; first < bins; first += kBlock) {
+    const int p = first + static_cast<int>(threadIdx.x);  // reversed bin
+    const ull v = p < bins ? __ldcg(hist + (bins - 1 - p)) : 0;
+    ull before, total;
+    Scan(storage).ExclusiveSum(v, before, total);
+    __syncthreads();  // storage free for the next tile
+    if (p < bins && above + before + v <= limit) atomicMin(&lowest, bins - 1 - p);
+    above += total;
+  }
+  __syncthreads();
+  const int result = lowest;
+  __syncthreads();  // `lowest` is rewritten by the next call
+  return result;
+}
+
+// The exact plan's fine prediction (state's predict_fine; see
+// UpdateCandidates), once the k-th key K = state's prefix is known, from
+// the digit-1 histogram of K's digit-0 bin and the digit-2 histogram of its
+// digit-1 bin (hists = hist0; exact for every key >= state's fine_floor):
+// the first key T of the lowest digit-1 bin, else of the lowest digit-2
+// bin (a single key), whose keys at or above it number at most state's
+// fine_cap, raised to fine_floor and at most K; none when even K's own
+// keys exceed fine_cap. Thread 0 writes update_pred_* for n.
+template <int kBlock>
+__device__ void FinePredictBlock(DeviceState* st, const ull* hists,
+                                 uint64_t n) {
+  const uint32_t kth = st->prefix;
+  const uint32_t floor = st->fine_floor;
+  const ull cap = st->fine_cap;
+  const ull above_bin = st->greater_at[0];  // keys above K's digit-0 bin
+  const ull above_bin1 = st->greater_at[1];  // above K's digit-1 bin
+  const int d1 = static_cast<int>(Digit(kth, 1));
+  const int d2 = static_cast<int>(Digit(kth, 2));
+  uint32_t key = ~0u;
+  const int low1 = LowestBinAtMost<kBlock>(LevelHist(hists, 1),
+                                           1 << LevelBits(1), above_bin, cap);
+  if (low1 <= d1) {
+    key = (kth & 0xfff00000u) | (static_cast<uint32_t>(low1) << 9);
+  } else {
+    const int low2 = LowestBinAtMost<kBlock>(
+        LevelHist(hists, 2), 1 << LevelBits(2), above_bin1, cap);
+    if (low2 <= d2) key = (kth & ~0x1ffu) | static_cast<uint32_t>(low2);
+  }
+  if (threadIdx.x != 0) return;
+  if (key != ~0u) {
+    if (key < floor) key = floor;
+    st->update_pred_key = key <= kth ? ull{key} + 1 : 0;
+  }
+  st->update_pred_n = n;
+}
+
 // Per warp chunk of the final source: keys > T and keys == T; then, in
 // the last block, the exclusive scans of the blocks' totals of each
 // (block_greater, block_equal: each block writes its totals at its index,
@@ -1675,7 +1778,7 @@ __global__ void __launch_bounds__(kThreads)
     CountFinalKernel(const float* cand_val, const float* u, uint64_t n,
                      DeviceState* st, FinalRule rule, uint32_t* greater,
                      uint32_t* equal, ull* block_greater, ull* block_equal,
-                     Gate gate) {
+                     const ull* hists, Gate gate) {
   if (Closed(gate)) return;  // uniform
   const int lane = threadIdx.x & 31;
   const uint64_t warp =
@@ -1714,6 +1817,10 @@ __global__ void __launch_bounds__(kThreads)
   const ull e_total = ScanInPlace<kThreads>(block_equal, blocks);
   if (threadIdx.x == 0) {
     st->num_selected = ok ? g_total + (e_total < ties ? e_total : ties) : 0;
+  }
+  // The exact plan after Accumulate on a crowded bin: the next update's key.
+  if (ok && !rule.use_host_key && st->predict_fine != 0) {  // uniform
+    FinePredictBlock<kThreads>(st, hists, n);
   }
 }
 
@@ -1820,12 +1927,16 @@ __device__ void GaussUpdatePlan(DeviceState* st, const ull* at_least,
                                 uint32_t key, const UpdateCandidates& uc,
                                 ull compact_cap) {
   const uint32_t bin = key >> 20;
-  if (st->update_used_n == uc.n && st->update_used_bin != 0) {
-    const uint32_t lowest = static_cast<uint32_t>(st->update_used_bin - 1);
-    bool use = bin >= lowest && at_least[lowest] <= compact_cap &&
+  if (st->update_used_n == uc.n && st->update_used_key != 0) {
+    // The pass kept every key >= `from` (a bin's first key when Gaussian-k
+    // predicted it; the exact plan's fine key may lie inside a bin), at
+    // most at_least[from's bin] keys: the compaction at the stop key, and
+    // the counts of each listed key's bin from it up, need them all.
+    const uint32_t from = static_cast<uint32_t>(st->update_used_key - 1);
+    bool use = key >= from && at_least[from >> 20] <= compact_cap &&
                st->gk_num_keys <= kMaxUpdateGaussKeys;
     for (int r = 0; use && r < st->gk_num_keys; ++r) {
-      use = (st->gk_keys[r] >> 20) >= lowest;
+      use = st->gk_keys[r] >= from;
     }
     st->gauss_from_update = use ? 1 : 0;
     st->gauss_used_update = use ? 1 : 0;
@@ -1846,8 +1957,8 @@ __device__ void GaussUpdatePlan(DeviceState* st, const ull* at_least,
 //
 // With uc.warps != 0 (the multi-kernel path: after Accumulate, or after
 // Gaussian-k's own histogram pass): sets state's gauss_from_update when
-// that pass kept candidates for this n (update_used_*) from a bin at
-// or below the stop key's and every listed key's, at most compact_cap of
+// that pass kept candidates for this n (update_used_*) from a key at or
+// below the stop key and every listed key, at most compact_cap of
 // them and at most kMaxUpdateGaussKeys keys listed (the first compaction
 // then reads the candidates: GaussUpdateCollectKernel); and predicts the
 // next update's bin from the stop key as the exact plan does from its
@@ -2440,8 +2551,10 @@ struct Sparsifier::Impl {
     bool expect_from_u;  // exact's, or gaussiank's fallback's, sample missed
     uint64_t exact_sample_min_n;  // SetExactSampleMinNForTesting's
     uint64_t one_block_max_n;     // SetOneBlockMaxNForTesting's
+    bool update_sampled;  // exact after Accumulate from a sample
     bool operator==(const GraphKey& o) const {
-      return method == o.method && u == o.u && n == o.n && k == o.k &&
+      return update_sampled == o.update_sampled && method == o.method &&
+             u == o.u && n == o.n && k == o.k &&
              zero == o.zero && reuse == o.reuse &&
              max_adjustments == o.max_adjustments &&
              dgc_sample_fraction == o.dgc_sample_fraction &&
@@ -2497,6 +2610,9 @@ struct Sparsifier::Impl {
   uint64_t update_sampled_count = 0;
   static constexpr uint64_t kRetryPlanAfterUpdate = 8;
   bool pending_update_sampled = false;  // the pending selection is one
+  // Its Inits drop the update's prediction (InitArgs::clear_prediction):
+  // set by Select for such a selection, cleared by Accumulate.
+  bool clear_update_prediction = false;
   bool tiny_enqueued = false;  // the pending selection is TinySelectKernel's
   std::vector<CachedGraph> graphs;
   uint64_t graph_clock = 0;
@@ -2609,6 +2725,7 @@ struct Sparsifier::Impl {
     a.keep_sums = keep_sums;
     a.keep_candidates = keep_candidates;
     a.keep_gate = gate.flag != nullptr;
+    a.clear_prediction = clear_update_prediction ? 1 : 0;
     return a;
   }
   KernelStatus Init(ull need, bool zero_hist0, bool keep_sums,
@@ -2736,7 +2853,7 @@ struct Sparsifier::Impl {
                      int blocks, cudaStream_t stream) {
     GTOPK_LAUNCH(CountFinalKernel, blocks, kThreads, stream)(
         cand_val.get(), u, n, st, rule, counts_b.get(), counts_a.get(),
-        offsets_a.get(), offsets_b.get(), gate);
+        offsets_a.get(), offsets_b.get(), hist0, gate);
     GTOPK_CUDA_LAUNCH_CHECK();
     GTOPK_LAUNCH(WriteFinalKernel, blocks, kThreads, stream)(
         cand_idx.get(), cand_val.get(), n, st, rule, counts_b.get(),
@@ -3511,7 +3628,8 @@ KernelStatus Sparsifier::Impl::EnqueueWithGraph(float* u, uint64_t n,
                      p.method == Method::kGaussianK ? gauss_expect_from_u
                      : p.method == Method::kExact   ? exact_expect_from_u
                                                     : false,
-                     exact_sample_min_n.load(), one_block_max_n.load()};
+                     exact_sample_min_n.load(), one_block_max_n.load(),
+                     clear_update_prediction};
   for (CachedGraph& g : graphs) {
     if (!(g.key == key)) continue;
     GTOPK_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(g.exec, stream));
@@ -3679,6 +3797,7 @@ KernelStatus Sparsifier::Accumulate(
     return KernelStatus::Error(KernelStatusCode::kFailedPrecondition,
                                "Accumulate: Wait for the pending Select first");
   }
+  m.clear_update_prediction = false;
   GTOPK_CUDA_RETURN_IF_NOT_OK(m.Init(0, true, false, false, stream));
   HistArgs a{};
   a.grad = grad;
@@ -3749,6 +3868,7 @@ KernelStatus Sparsifier::Select(float* u, uint64_t n, const SelectParams& p,
     m.pending_update_sampled = true;
     m.info.sampled_after_update = true;
   }
+  m.clear_update_prediction = m.pending_update_sampled;
   // (The one-block path for a small u reads u whole, histogram or not.)
   m.info.used_update_histogram =
       reuse && p.method != Method::kDgc && n > one_block_max_n.load();
@@ -3975,9 +4095,18 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
   // the verdict; the plan sets it from how many passes over u it needed.
   if (m.pending_params.method == Method::kExact &&
       m.info.used_update_histogram && !m.info.one_block) {
-    // (A final compaction from u comes after three digit passes.)
-    const bool many =
-        !m.info.candidates_from_update && m.info.exact_digit_passes > 1;
+    // (A final compaction from u comes after three digit passes.) When
+    // the plan predicted the next update's candidates, and this update
+    // kept none it could have used (none, or the prediction missed), the
+    // next one tries them instead.
+    const bool predicted = s.update_pred_n == m.pending_n &&
+                           s.update_pred_key != 0;
+    const bool missed = s.update_used_n == m.pending_n &&
+                        s.update_used_key != 0 &&
+                        !m.info.candidates_from_update;
+    const bool many = !m.info.candidates_from_update &&
+                      m.info.exact_digit_passes > 1 &&
+                      (missed || !predicted);
     m.update_many_pass_n = many ? m.pending_n : 0;
     m.update_sampled_count = 0;
   } else if (m.pending_update_sampled && m.info.fell_back &&

@@ -45,16 +45,23 @@
 //    B and one more pass over u writes the keys > B and the first ties in
 //    index order: two passes on those inputs too.
 //    After Accumulate, the histogram is the update's, and the update has
-//    also compacted the keys at or above a bin predicted by the previous
+//    also compacted the keys at or above a key predicted by the previous
 //    such selection (AIR top-k's filter fused into the pass before it,
-//    across steps): when the k-th key's bin is at or above it, those
-//    index-ordered candidates hold the top-k and no pass over u runs
-//    (SelectInfo::candidates_from_update); otherwise the plan above. When
-//    that plan needed more than one pass over u (the k-th key's bin held
-//    more than n/8 keys: a narrow band, ties, every value equal), the next
-//    exact selection after Accumulate of that n starts from a sample
-//    instead, one pass on any data (SelectInfo::sampled_after_update),
-//    and every 8th runs the plan again to notice when the data changed.
+//    across steps): when at least k and at most n/8 keys were kept, the
+//    k-th key is at or above it, those index-ordered candidates hold the
+//    top-k and no pass over u runs (SelectInfo::candidates_from_update);
+//    otherwise the plan above. The prediction is the first key of the
+//    digit-0 bin under the k-th key's, or of its own; when that bin holds
+//    more than n/32 keys (a narrow band: most of u shares the k-th key's
+//    high bits), the lowest digit-1 bin's first key, or else the lowest
+//    single key, under the k-th key that keeps at most min(4k, n/32) keys,
+//    from the plan's digit-1 and digit-2 histograms. When the plan needed
+//    more than one pass over u and predicted nothing (so many keys equal
+//    the k-th key that none under it keeps few: ties, every value equal),
+//    or its prediction missed, the next exact selection after Accumulate
+//    of that n starts from a sample instead, one pass on any data
+//    (SelectInfo::sampled_after_update), and every 8th runs the plan again
+//    to notice when the data changed.
 //  * gaussiank (Shi et al., arXiv:1911.08772): threshold mean + z*std from the
 //    same pass's sums (each thread's values as deviations from its first,
 //    merged by Chan et al.'s pairwise formula in a fixed order: the
@@ -217,14 +224,16 @@ struct SelectInfo {
   int exact_digit_passes = 0;
   bool exact_final_from_u = false;
   // exact after Accumulate (used_update_histogram): the candidates came
-  // from the fused update's own compaction, which kept the keys from the
-  // start of the digit-0 bin below the previous such selection's k-th key
-  // (same n; 1/8 to 2/8 of a binade under it, or that key's own bin when
-  // the bin below would have made more than n/32 keys), so no pass over u
-  // ran at all. False on the first step, on a step whose k-th key fell
-  // under that bin or whose kept keys exceed n/8, after a selection whose
-  // keys at or above the k-th key's bin were more than n/32 (nothing is
-  // predicted then), and when the selection ran as one block.
+  // from the fused update's own compaction, which kept the keys from a key
+  // predicted by the previous such selection (same n): the start of the
+  // digit-0 bin below its k-th key (1/8 to 2/8 of a binade under it), or
+  // that key's own bin when the bin below would have made more than n/32
+  // keys, or, when that bin alone held more than n/32 keys, a finer key
+  // under the k-th that kept at most min(4k, n/32); so no pass over u ran
+  // at all. False on the first step, on a step whose k-th key fell under
+  // that key or whose kept keys exceed n/8, after a selection with more
+  // than min(4k, n/32) keys at or above its k-th key (nothing is predicted
+  // then), and when the selection ran as one block.
   // gaussiank (after Accumulate, or from its own histogram pass): its
   // first compaction read the same kind of candidates instead of u (the
   // bin predicted from the previous selection's stop key, same n; its stop
@@ -234,8 +243,10 @@ struct SelectInfo {
   bool candidates_from_update = false;
   // exact after Accumulate: the last such selection of this n needed more
   // than one pass over u for its plan (its k-th key's digit-0 bin held more
-  // than n/8 keys: a narrow band, ties, every value equal), so this one
-  // started from a sample instead (exact_sampled, or fell_back when the
+  // than n/8 keys) and either predicted nothing (more than min(4k, n/32)
+  // keys at or above its k-th key: ties, every value equal) or had not
+  // used the candidates it had predicted (they missed the k-th key), so
+  // this one started from a sample instead (exact_sampled, or fell_back when the
   // sample missed and the plan over u followed; used_update_histogram
   // false): one pass over u on any data. Every 8th such selection runs the
   // plan again, to notice when the data changed; so does the next one
@@ -299,12 +310,13 @@ class Sparsifier {
   //   the inputs on error).
   // After an exact Select that reused the previous update's histogram on
   // the same n, the update also keeps, in index order, the entries whose
-  // |u| lies at or above the start of the digit-0 bin below that
-  // selection's k-th key (1/8 to 2/8 of a binade under it; at most n/32
-  // of them when it was predicted): the exact Select after it then needs
-  // no pass over u when its k-th key is still in or above that bin and at
-  // most n/8 are kept (SelectInfo::candidates_from_update; a drop of
-  // the k-th magnitude by less than about 8 % per step always is). Its cost: the index writes, and
+  // |u| lies at or above a key that selection predicted under its k-th key
+  // (the start of the digit-0 bin below it, 1/8 to 2/8 of a binade under;
+  // a finer key when that bin is crowded; at most n/32 of them when it was
+  // predicted): the exact Select after it then needs no pass over u when
+  // at least k and at most n/8 are kept (SelectInfo::candidates_from_update;
+  // with a bin's margin a drop of the k-th magnitude by less than about
+  // 8 % per step always is). Its cost: the index writes, and
   // a register-heavier kernel (48 registers instead of 40: 5 blocks per
   // SM instead of 6).
   // Asynchronous on `stream`. A non-finite u (from a non-finite gradient or

@@ -14,6 +14,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <random>
 #include <set>
 #include <string>
 #include <tuple>
@@ -1011,11 +1012,14 @@ TEST_F(GpuTest, ExactAfterUpdateTakesTheUpdatesCandidates) {
 }
 
 // Exact after Accumulate on inputs whose plan needs more than one pass over
-// u (the k-th key's digit-0 bin holds more than n/8 keys: the narrow band,
-// every value equal, ties at density 0.01) starts from a sample on the
+// u and predicts nothing (the k-th key's digit-0 bin holds more than n/8
+// keys and so many share the k-th key itself that no key under it keeps
+// few: every value equal, ties at density 0.01) starts from a sample on the
 // next step instead (one pass), and runs the plan again every 8th such
 // step; when the input turns normal, the next retry finds one pass enough
-// and the step after it takes the update's candidates. Each step is
+// and the step after it takes the update's candidates. The narrow band
+// needs several passes too, but its plan predicts a finer key, whose
+// candidates the next step takes (no sample). Each step is
 // Accumulate of a fresh input into a zero residual, then Select with
 // zeroing, checked bit for bit against ReferenceTopK and the zeroing
 // exactly; on a created stream (graph replay) and the legacy stream. (The
@@ -1030,7 +1034,7 @@ TEST_F(GpuTest, ExactAfterUpdateOnAManyPassInputStartsFromASample) {
     bool many_pass;  // `first` needs more than one pass over u
   };
   const Sequence sequences[] = {
-      {Distribution::kNarrowBand, Distribution::kNormal, 0.001, true},
+      {Distribution::kNarrowBand, Distribution::kNormal, 0.001, false},
       {Distribution::kAllEqual, Distribution::kNormal, 0.01, true},
       {Distribution::kTies, Distribution::kNormal, 0.01, true},
       {Distribution::kNormal, Distribution::kNormal, 0.001, false},
@@ -1090,6 +1094,96 @@ TEST_F(GpuTest, ExactAfterUpdateOnAManyPassInputStartsFromASample) {
       } else {
         EXPECT_EQ(sampled_first, 0);
         EXPECT_EQ(first_from_update, 1);
+      }
+    }
+  }
+  EXPECT_EQ(cudaStreamDestroy(created), cudaSuccess);
+  EXPECT_GT(replayed, 0);
+}
+
+// |x| uniform in [1, 1 + width) with random signs: width 1/8 fills one
+// digit-0 bin (an eighth of a binade) evenly; 0.0005 is the narrow band
+// (about 4,200 keys shared by all of u).
+std::vector<float> UniformBand(size_t n, float width, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  std::vector<float> x(n);
+  for (float& v : x) {
+    v = (unit(rng) < 0.5f ? -1.0f : 1.0f) * (1.0f + width * unit(rng));
+  }
+  return x;
+}
+
+// Exact after Accumulate on an input whose k-th key's digit-0 bin holds
+// more than n/32 keys (one bin filled evenly; the narrow band): no bin can
+// be predicted, so the plan, which needs several passes over u, predicts
+// a finer key under the k-th one from its digit-1 and digit-2 histograms
+// (a digit-1 bin's first key on the even bin, a single key on the narrow
+// band). The next steps' updates keep the keys at or above it, and each
+// plan takes them: one digit pass (the update's), no pass over u, at least
+// k candidates and at most min(4k, n/32) on the u the key came from (at
+// least half of that: the key is the lowest within the limit), and
+// a new key from them (at or above the one they were kept from: their
+// counts are exact from there only). A drop
+// of 1 % moves the k-th key under the prediction: that step runs the plan
+// over u, and the next ones start from a sample. Every step is Accumulate
+// of a fresh input into a zero residual, then Select with zeroing, checked
+// bit for bit against ReferenceTopK and the zeroing exactly; on a created
+// stream (graph replay) and the legacy stream.
+TEST_F(GpuTest, ExactAfterUpdateOnACrowdedBinPredictsAFinerKey) {
+  const ExactSampleFrom sample_from(1);
+  cudaStream_t created = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking),
+            cudaSuccess);
+  int replayed = 0;
+  for (const size_t n : {size_t{100003}, size_t{300007}}) {
+    for (const double density : {0.001, 0.01}) {
+      for (const float width : {0.125f, 0.0005f}) {
+        for (cudaStream_t stream :
+             {created, static_cast<cudaStream_t>(nullptr)}) {
+          SCOPED_TRACE("n=" + std::to_string(n) + " density=" +
+                       std::to_string(density) + " width=" +
+                       std::to_string(width) +
+                       (stream == nullptr ? " legacy" : " created"));
+          GTOPK_ASSERT_OK_AND_ASSIGN(const uint64_t k,
+                                     KFromDensity(density, n));
+          const uint64_t fine_cap = std::min<uint64_t>(4 * k, n / 32);
+          GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                                     CudaSelector::Create("exact", {}, n));
+          DeviceVector residual(std::vector<float>(n, 0.0f));
+          for (uint64_t t = 0; t < 7; ++t) {
+            SCOPED_TRACE("step " + std::to_string(t));
+            // Steps 0 and 1, 2 and 3 select the same u (its prediction
+            // keeps at most fine_cap of it), 4 to 6 fresh ones.
+            std::vector<float> u = UniformBand(n, width, 17 * (t / 2) + n);
+            if (t == 4) {
+              for (float& x : u) x *= 0.99f;
+            }
+            SelectInfo info;
+            ExactStepOnAZeroResidual(selector.get(), residual, u, k, t,
+                                     stream, &info);
+            replayed += info.graph_replay;
+            if (t >= 1 && t <= 3) {
+              EXPECT_TRUE(info.candidates_from_update);
+              EXPECT_FALSE(info.sampled_after_update);
+              EXPECT_EQ(info.exact_digit_passes, 1);
+              EXPECT_GE(info.candidates, k);
+              EXPECT_LE(info.candidates, t == 2 ? n / 8 : fine_cap);
+              // The lowest such key, to a digit-1 bin or a key: no bin
+              // here holds half of fine_cap.
+              if (t != 2) {
+                EXPECT_GE(info.candidates, fine_cap / 2);
+              }
+            } else if (t == 0 || t == 4) {
+              // No prediction yet; the drop's miss.
+              EXPECT_FALSE(info.candidates_from_update);
+              EXPECT_FALSE(info.sampled_after_update);
+              EXPECT_GT(info.exact_digit_passes, 1);
+            } else {
+              EXPECT_TRUE(info.sampled_after_update);
+            }
+          }
+        }
       }
     }
   }
