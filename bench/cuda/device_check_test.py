@@ -356,6 +356,34 @@ def emulated_checks(binary, tmp, failures):
                    r.stdout.splitlines() if " exact " in line):
             failures.append("sampled: no exact row with plan s1: %r" %
                             r.stdout[-1500:])
+    # Inputs whose k-th key's digit-0 bin is crowded (the narrow band;
+    # every value equal; ties at 0.01: the k-th key with its ties): the
+    # plan predicts a finer key, or that key with its ties, and every timed
+    # exact selection after the update (the same u each time) takes the
+    # update's candidates (plan p1), the ties by the write on the update's
+    # layout; all correct.
+    out = os.path.join(tmp, "crowded.json")
+    crowded_inputs = ("narrow_band", "all_equal", "ties")
+    r = run(binary, "--sizes=100003", "--densities=0.001,0.01",
+            "--inputs=" + ",".join(crowded_inputs), "--iters=6",
+            "--warmup=1", "--json=" + out, emu="sms=2")
+    if r.returncode != 0 or not os.path.exists(out):
+        failures.append("crowded: rc %d: %s %s" % (r.returncode,
+                                                   r.stdout[-2000:],
+                                                   r.stderr[-500:]))
+    else:
+        doc = json.load(open(out))
+        c = doc["correctness"]
+        if c["checks"] != CHECKS_PER_DENSITY * 2 * len(crowded_inputs) or \
+                c["failed"] != 0:
+            failures.append("crowded: correctness %r" % c)
+        share = {(r2["input"], r2["density"]): r2["from_update_fraction"]
+                 for r2 in doc["rows"]
+                 if r2.get("method") == "exact_after_update"}
+        if len(share) != 2 * len(crowded_inputs) or \
+                any(v != 1 for v in share.values()):
+            failures.append("crowded: exact_after_update "
+                            "from_update_fraction %r, want 1 on each" % share)
     # The checks again with threads and blocks shuffled on 2 multiprocessors
     # (16 blocks at most: the capped grids and longer grid-stride loops),
     # exact starting from a sample where it can.

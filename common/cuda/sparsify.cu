@@ -209,6 +209,18 @@ struct DeviceState {
   uint32_t fine_floor;
   ull fine_cap;
   ull greater_at[2];
+  // Ties at the k-th key K (so many that no key under K keeps few: every
+  // value equal, ties at density 0.01): update_pred_ties = 1 with
+  // update_pred_key = K + 2 has the next update keep the keys > K and
+  // count those == K per chunk (HistArgs::eq_counts); update_used_ties
+  // says the last such pass did (kept by InitKernel, as the keys are).
+  // update_tie_write: this selection's k-th key is that K again (fewer
+  // than k kept, the ties make up the rest), so one write on the update's
+  // layout takes the kept keys and the first ties from u (ExactFromU's
+  // gated WriteFinalKernel), and the plan's other kernels return at once.
+  int update_pred_ties;
+  int update_used_ties;
+  int update_tie_write;
 };
 
 // The state's slot at the head of the output buffer (Sparsifier::Impl::
@@ -330,11 +342,14 @@ __device__ void InitBlock(DeviceState* st, const InitArgs& a) {
   int sum_blocks = 0, exact = 0, exact_adjustments = 0, exact_from_u = 0;
   ull candidates = 0, exact_candidates = 0, step_seed = 0;
   ull pred_key = 0, pred_n = 0, used_key = 0, used_n = 0;
+  int pred_ties = 0, used_ties = 0;
   uint32_t error = 0;
   if (threadIdx.x == 0) {
     pred_key = a.clear_prediction ? 0 : st->update_pred_key;
+    pred_ties = a.clear_prediction ? 0 : st->update_pred_ties;
     pred_n = st->update_pred_n;
     used_key = st->update_used_key;
+    used_ties = st->update_used_ties;
     used_n = st->update_used_n;
     sum_blocks = st->sum_blocks;
     candidates = st->num_candidates;
@@ -358,8 +373,10 @@ __device__ void InitBlock(DeviceState* st, const InitArgs& a) {
     st->first_non_finite = ~0ull;
     st->seed = step_seed;
     st->update_pred_key = pred_key;
+    st->update_pred_ties = pred_ties;
     st->update_pred_n = pred_n;
     st->update_used_key = used_key;
+    st->update_used_ties = used_ties;
     st->update_used_n = used_n;
     if (keep_sums) st->sum_blocks = sum_blocks;
     if (keep_candidates) st->num_candidates = candidates;
@@ -498,6 +515,9 @@ struct HistArgs {
   // whether it did.
   uint32_t* regions;
   uint32_t* counts;
+  // With state's update_pred_ties (the key is K + 1): eq_counts[c] = the
+  // keys == K in chunk c.
+  uint32_t* eq_counts;
   int keep_candidates;
 };
 
@@ -523,19 +543,30 @@ __device__ inline float UpdateOne(float g, float p, float v, float r,
 // keep_candidates: Gaussian-k's own pass).
 // Both hold at most 48 registers (5 blocks per SM; 64 unbounded with the
 // compaction, and 40 spills): one wave of the fused update is the grid.
-template <bool kUpdate>
+//
+// kTies: the fused update that may count the ties at a predicted key
+// (state's update_pred_ties; Accumulate launches it when the last
+// selection's state predicted them): the count costs registers (a few
+// bytes spill), so the usual pass is compiled without it, and counts none
+// (update_used_ties = 0) whatever the state predicts.
+template <bool kUpdate, bool kTies = false>
 __global__ void __launch_bounds__(kThreads, 5) HistogramKernel(HistArgs a) {
   if (Closed(a.gate)) return;  // uniform
   __shared__ uint32_t hist[kBins];
+  // With ties: each warp's count of the keys == K in its chunk, kept by
+  // its lane 0 (in shared memory: a register more would spill).
+  __shared__ uint32_t warp_equal[kWarpsPerBlock];
   for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
   const bool keeps = kUpdate || a.keep_candidates != 0;
   // Read by every thread before block 0 writes what it used.
   const ull pred = keeps && a.st->update_pred_n == a.n
                        ? a.st->update_pred_key
                        : 0;
+  const bool ties = kTies && pred != 0 && a.st->update_pred_ties != 0;
   __syncthreads();
   if (keeps && blockIdx.x == 0 && threadIdx.x == 0) {
     a.st->update_used_key = pred;
+    a.st->update_used_ties = ties ? 1 : 0;
     a.st->update_used_n = a.n;
   }
   const bool compact = keeps && pred != 0;
@@ -550,6 +581,7 @@ __global__ void __launch_bounds__(kThreads, 5) HistogramKernel(HistArgs a) {
     const uint64_t begin = c * a.chunk;
     const uint64_t end = begin + a.chunk < a.n ? begin + a.chunk : a.n;
     uint32_t count = 0;
+    if (lane == 0) warp_equal[threadIdx.x / 32] = 0;
     for (uint64_t base = begin; base < end; base += kChunkAlign) {
       const uint64_t i = base + 4 * lane;
       float u[4] = {0.f, 0.f, 0.f, 0.f};
@@ -612,6 +644,14 @@ __global__ void __launch_bounds__(kThreads, 5) HistogramKernel(HistArgs a) {
           ballots[j] = __ballot_sync(kFullMask, j < valid && Key(u[j]) >= min_key);
           any |= ballots[j];
         }
+        if (ties) {  // uniform
+          uint32_t equal = 0;
+          for (int j = 0; j < 4; ++j) {
+            equal += __popc(
+                __ballot_sync(kFullMask, j < valid && Key(u[j]) == min_key - 1));
+          }
+          if (lane == 0) warp_equal[threadIdx.x / 32] += equal;
+        }
         if (any != 0) {
           uint32_t pos = count;
           for (int j = 0; j < 4; ++j) pos += __popc(ballots[j] & lanes_below);
@@ -624,7 +664,10 @@ __global__ void __launch_bounds__(kThreads, 5) HistogramKernel(HistArgs a) {
         }
       }
     }
-    if (compact && lane == 0) a.counts[c] = count;
+    if (compact && lane == 0) {
+      a.counts[c] = count;
+      if (ties) a.eq_counts[c] = warp_equal[threadIdx.x / 32];
+    }
   }
   const Moments block = BlockMoments<kThreads>(sums.Get());
   // Per-block partials, merged in a fixed order by GaussPlanKernel: double
@@ -896,6 +939,8 @@ __device__ ull ScanInPlace(ull* v, int count);
 struct UpdateCandidates {
   const uint32_t* counts;  // [warps]: the update's per-chunk counts
   ull* offsets;            // [warps / kWarpsPerBlock]: group offsets out
+  const uint32_t* eq_counts;  // [warps]: with ties, the keys == K
+  ull* eq_offsets;            // [warps / kWarpsPerBlock]: theirs
   int warps;     // 0: no update layout (nothing is used or predicted)
   uint64_t n;
   ull predict_cap;  // the most keys a predicted bin may keep
@@ -918,6 +963,7 @@ __device__ inline bool PredictUpdateBin(DeviceState* st, bool known,
     pred = (ull{from} << 20) + 1;
   }
   st->update_pred_key = pred;
+  st->update_pred_ties = 0;
   st->update_pred_n = uc.n;
   return pred != 0;
 }
@@ -939,20 +985,21 @@ __global__ void __launch_bounds__(kScanThreads)
   InitBlock(st, init);
   DecideBlock<kScanThreads>(st, hists, level, compact_cap);
   if (level != 0 || uc.warps == 0) return;  // uniform
-  __shared__ int kept;
+  __shared__ int kept, kept_ties;
   __shared__ uint32_t kept_from;
   __syncthreads();  // DecideBlock's thread 0 wrote the plan
   if (threadIdx.x == 0) {
     kept = st->error == 0 && st->update_used_n == uc.n &&
            st->update_used_key != 0;
+    kept_ties = kept && st->update_used_ties != 0;
     kept_from = static_cast<uint32_t>(st->update_used_key - 1);
   }
   __syncthreads();
-  ull total = 0;
+  ull total = 0, equal = 0;
+  const int groups = uc.warps / kWarpsPerBlock;
   if (kept) {  // uniform
     // The groups' totals (kWarpsPerBlock chunks each, as a compaction
     // block's), then their exclusive scan: GatherKernel's offsets.
-    const int groups = uc.warps / kWarpsPerBlock;
     for (int g = threadIdx.x; g < groups; g += kScanThreads) {
       ull t = 0;
       for (int w = 0; w < kWarpsPerBlock; ++w) {
@@ -963,10 +1010,43 @@ __global__ void __launch_bounds__(kScanThreads)
     __syncthreads();
     total = ScanInPlace<kScanThreads>(uc.offsets, groups);
   }
+  if (kept_ties) {  // uniform: the same for the ties' counts
+    for (int g = threadIdx.x; g < groups; g += kScanThreads) {
+      ull t = 0;
+      for (int w = 0; w < kWarpsPerBlock; ++w) {
+        t += uc.eq_counts[g * kWarpsPerBlock + w];
+      }
+      uc.eq_offsets[g] = t;
+    }
+    __syncthreads();
+    equal = ScanInPlace<kScanThreads>(uc.eq_offsets, groups);
+  }
   if (threadIdx.x != 0) return;
   const bool ok = st->error == 0;
+  const ull k = init.need;
   // The kept keys (all keys >= kept_from) hold the top k.
-  const bool use = kept && total >= init.need && total <= compact_cap;
+  const bool use = kept && total >= k && total <= compact_cap;
+  if (kept_ties && !use && total < k && total + equal >= k) {
+    // The k-th key is K = kept_from - 1 again: the kept keys (> K) and
+    // the first k - total ties, written from u on the update's layout.
+    const uint32_t tie_key = kept_from - 1;
+    st->update_tie_write = 1;
+    st->from_update = 1;
+    st->from_u = 1;
+    st->compact = 1;
+    st->levels_done = 3;
+    st->prefix = tie_key;
+    st->min_key = tie_key;
+    st->count_greater = total;
+    st->need = k - total;
+    st->num_candidates = total;
+    st->num_selected = k;
+    // The same key next time.
+    st->update_pred_key = ull{kept_from} + 1;
+    st->update_pred_ties = 1;
+    st->update_pred_n = uc.n;
+    return;
+  }
   if (use) {
     st->from_update = 1;
     st->num_candidates = total;
@@ -1739,8 +1819,9 @@ __device__ int LowestBinAtMost(const ull* hist, int bins, ull base,
 // digit-1 bin (hists = hist0; exact for every key >= state's fine_floor):
 // the first key T of the lowest digit-1 bin, else of the lowest digit-2
 // bin (a single key), whose keys at or above it number at most state's
-// fine_cap, raised to fine_floor and at most K; none when even K's own
-// keys exceed fine_cap. Thread 0 writes update_pred_* for n.
+// fine_cap, raised to fine_floor and at most K; when even K's own keys
+// exceed fine_cap but the keys above K do not, K with its ties counted
+// (update_pred_ties); else none. Thread 0 writes update_pred_* for n.
 template <int kBlock>
 __device__ void FinePredictBlock(DeviceState* st, const ull* hists,
                                  uint64_t n) {
@@ -1764,7 +1845,11 @@ __device__ void FinePredictBlock(DeviceState* st, const ull* hists,
   if (threadIdx.x != 0) return;
   if (key != ~0u) {
     if (key < floor) key = floor;
-    st->update_pred_key = key <= kth ? ull{key} + 1 : 0;
+    st->update_pred_key = ull{key} + 1;  // (<= K: floor <= K)
+  } else if (st->count_greater <= cap) {
+    // More than cap keys equal K itself: keep the keys > K, count the ties.
+    st->update_pred_key = ull{kth} + 2;
+    st->update_pred_ties = 1;
   }
   st->update_pred_n = n;
 }
@@ -1779,7 +1864,8 @@ __global__ void __launch_bounds__(kThreads)
                      DeviceState* st, FinalRule rule, uint32_t* greater,
                      uint32_t* equal, ull* block_greater, ull* block_equal,
                      const ull* hists, Gate gate) {
-  if (Closed(gate)) return;  // uniform
+  // (The update's tie write replaces the plan's final compaction.)
+  if (Closed(gate) || st->update_tie_write != 0) return;  // uniform
   const int lane = threadIdx.x & 31;
   const uint64_t warp =
       uint64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
@@ -1838,8 +1924,11 @@ __global__ void __launch_bounds__(kThreads)
                      const ull* __restrict__ block_equal,
                      uint32_t* __restrict__ out_idx,
                      float* __restrict__ out_val, float* u, int zero,
-                     Gate gate, uint64_t layout_chunk) {
+                     Gate gate, uint64_t layout_chunk,
+                     const uint32_t* __restrict__ regions) {
   if (Closed(gate) || st->error != 0) return;  // uniform
+  // The plan's final compaction, replaced by the update's tie write.
+  if (regions == nullptr && st->update_tie_write != 0) return;  // uniform
   const int lane = threadIdx.x & 31;
   const uint32_t lanes_below = (1u << lane) - 1u;
   const uint64_t warp =
@@ -1864,6 +1953,20 @@ __global__ void __launch_bounds__(kThreads)
     tie += equal[w];
   }
   ull out = greater_before + (tie < ties ? tie : ties);
+  if (regions != nullptr && tie >= ties) {  // uniform in the warp
+    // No tie left to take: the chunk's keys > T are the update's kept
+    // ones (its region), without reading the chunk of u.
+    const uint32_t kept = greater[warp];
+    const uint32_t* region = regions + warp * layout_chunk;
+    for (uint32_t j = lane; j < kept; j += 32) {
+      const uint32_t idx = region[j];
+      const float v = u[idx];
+      out_idx[out + j] = idx;
+      out_val[out + j] = v;
+      if (zero) u[idx] = 0.0f;
+    }
+    return;
+  }
   for (uint64_t base = begin; base < end; base += 32) {
     const uint64_t i = base + lane;
     const bool valid = i < end;
@@ -2498,6 +2601,10 @@ struct Sparsifier::Impl {
   // offsets (UpdateCandidates; kUpdateChunks chunks per warp of its grid).
   DeviceBuffer<uint32_t> counts_u;
   DeviceBuffer<ull> offsets_u;
+  // The same for the ties at a predicted key (DeviceState::
+  // update_pred_ties): their per-chunk counts and group offsets.
+  DeviceBuffer<uint32_t> eq_counts_u;
+  DeviceBuffer<ull> eq_offsets_u;
   DeviceBuffer<uint32_t> counts_a, counts_b;
   DeviceBuffer<ull> offsets_a, offsets_b;
   DeviceBuffer<uint32_t> cand_idx;
@@ -2613,6 +2720,10 @@ struct Sparsifier::Impl {
   // Its Inits drop the update's prediction (InitArgs::clear_prediction):
   // set by Select for such a selection, cleared by Accumulate.
   bool clear_update_prediction = false;
+  // The n whose next fused update is to count the ties at its predicted
+  // key (DeviceState::update_pred_ties, as the last Wait read it; 0: none):
+  // Accumulate launches HistogramKernel<true, true> for it.
+  uint64_t ties_predicted_n = 0;
   bool tiny_enqueued = false;  // the pending selection is TinySelectKernel's
   std::vector<CachedGraph> graphs;
   uint64_t graph_clock = 0;
@@ -2747,6 +2858,7 @@ struct Sparsifier::Impl {
       a.keep_candidates = 1;
       a.regions = regions.get();
       a.counts = counts_u.get();
+      a.eq_counts = eq_counts_u.get();
     }
     a.n = n;
     a.vectorized = Aligned16(u);
@@ -2858,7 +2970,7 @@ struct Sparsifier::Impl {
     GTOPK_LAUNCH(WriteFinalKernel, blocks, kThreads, stream)(
         cand_idx.get(), cand_val.get(), n, st, rule, counts_b.get(),
         counts_a.get(), offsets_a.get(), offsets_b.get(), out_idx(),
-        out_val(), u, zero, gate, uint64_t{0});
+        out_val(), u, zero, gate, uint64_t{0}, nullptr);
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
   }
@@ -2939,7 +3051,24 @@ struct Sparsifier::Impl {
       GTOPK_CUDA_LAUNCH_CHECK();
     }
     // The final source holds at most n entries (u itself, or candidates).
-    return Final(FinalRule{0, 0}, u, n, zero, CandidateBlocks(n), stream);
+    GTOPK_CUDA_RETURN_IF_NOT_OK(
+        Final(FinalRule{0, 0}, u, n, zero, CandidateBlocks(n), stream));
+    if (update_candidates) {
+      // The update kept the keys > K and counted those == K, and the k-th
+      // key is K again (FindBinDecideKernel set update_tie_write): one
+      // write on the update's layout, instead of the final compaction
+      // (which returned at once), reads u only in the chunks up to the
+      // last tie it takes, and gathers the kept keys of the others.
+      GatedScope tie_write(*this, &st->update_tie_write, 1);
+      const HistLayout hl = HistLayoutFor(n);
+      GTOPK_LAUNCH(WriteFinalKernel, hl.warps / kWarpsPerBlock, kThreads,
+                   stream)(cand_idx.get(), cand_val.get(), n, st,
+                           FinalRule{0, 0}, counts_u.get(), eq_counts_u.get(),
+                           offsets_u.get(), eq_offsets_u.get(), out_idx(),
+                           out_val(), u, zero, gate, hl.chunk, regions.get());
+      GTOPK_CUDA_LAUNCH_CHECK();
+    }
+    return KernelStatus::Ok();
   }
 
   // Keys >= the chosen bin that the exact plan compacts at once (n / 8:
@@ -2960,7 +3089,9 @@ struct Sparsifier::Impl {
     const HistLayout hl = HistLayoutFor(n);
     update_layout =
         UpdateLayout{hl.chunk, counts_u.get(), offsets_u.get(), hl.warps};
-    return UpdateCandidates{counts_u.get(), offsets_u.get(), hl.warps, n,
+    return UpdateCandidates{counts_u.get(),    offsets_u.get(),
+                            eq_counts_u.get(), eq_offsets_u.get(),
+                            hl.warps,          n,
                             PredictCap(n)};
   }
 
@@ -3073,7 +3204,8 @@ struct Sparsifier::Impl {
     GTOPK_LAUNCH(WriteFinalKernel, collect_blocks, kThreads, stream)(
         cand_idx.get(), cand_val.get(), n, st,
         FinalRule{0, 0}, counts_a.get(), counts_b.get(), offsets_a.get(),
-        offsets_b.get(), out_idx(), out_val(), u, zero, gate, collect_chunk);
+        offsets_b.get(), out_idx(), out_val(), u, zero, gate, collect_chunk,
+        nullptr);
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
   }
@@ -3755,6 +3887,10 @@ KernelStatus Sparsifier::Create(uint64_t capacity,
       impl->counts_u.Allocate(impl->update_blocks * kWarpsPerBlock * kUpdateChunks));
   GTOPK_CUDA_RETURN_IF_NOT_OK(
       impl->offsets_u.Allocate(impl->update_blocks * kUpdateChunks));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->eq_counts_u.Allocate(
+      impl->update_blocks * kWarpsPerBlock * kUpdateChunks));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(
+      impl->eq_offsets_u.Allocate(impl->update_blocks * kUpdateChunks));
   GTOPK_CUDA_RETURN_IF_NOT_OK(impl->counts_a.Allocate(kMaxWarps));
   GTOPK_CUDA_RETURN_IF_NOT_OK(impl->counts_b.Allocate(kMaxWarps));
   GTOPK_CUDA_RETURN_IF_NOT_OK(impl->offsets_a.Allocate(kMaxWarps));
@@ -3822,8 +3958,12 @@ KernelStatus Sparsifier::Accumulate(
   m.SetHistLayout(n, &a);
   a.regions = m.regions.get();
   a.counts = m.counts_u.get();
-  GTOPK_LAUNCH(HistogramKernel<true>, m.HistLayoutFor(n).blocks, kThreads,
-               stream)(a);
+  a.eq_counts = m.eq_counts_u.get();
+  // (The variant that counts ties only where the last selection predicted
+  // them for this n: Impl::ties_predicted_n.)
+  auto* update = m.ties_predicted_n == n ? &HistogramKernel<true, true>
+                                         : &HistogramKernel<true, false>;
+  GTOPK_LAUNCH(update, m.HistLayoutFor(n).blocks, kThreads, stream)(a);
   GTOPK_CUDA_LAUNCH_CHECK();
   m.hist_u = residual_out;
   m.hist_n = n;
@@ -4090,6 +4230,12 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
   m.info.exact_final_from_u = s.from_u != 0;
   m.info.candidates_from_update =
       s.from_update != 0 || s.gauss_used_update != 0;
+  {
+    const DeviceState& last = *m.host_state();  // after any continuation
+    m.ties_predicted_n = last.update_pred_ties != 0 && last.update_pred_key != 0
+                             ? last.update_pred_n
+                             : 0;
+  }
   // exact after Accumulate: whether the next such selection of this n
   // starts from a sample (Impl::update_many_pass_n). A sampled one keeps
   // the verdict; the plan sets it from how many passes over u it needed.

@@ -55,11 +55,17 @@
 //    more than n/32 keys (a narrow band: most of u shares the k-th key's
 //    high bits), the lowest digit-1 bin's first key, or else the lowest
 //    single key, under the k-th key that keeps at most min(4k, n/32) keys,
-//    from the plan's digit-1 and digit-2 histograms. When the plan needed
-//    more than one pass over u and predicted nothing (so many keys equal
-//    the k-th key that none under it keeps few: ties, every value equal),
-//    or its prediction missed, the next exact selection after Accumulate
-//    of that n starts from a sample instead, one pass on any data
+//    from the plan's digit-1 and digit-2 histograms; when more than that
+//    many equal the k-th key K itself (ties, every value equal), K with
+//    its ties: the update keeps the keys > K and counts those == K per
+//    chunk, and when the next k-th key is K again, one write on the
+//    update's layout takes the kept keys and the first ties in index
+//    order, reading u only up to the chunk of the last tie it takes
+//    (SelectInfo::candidates_from_update with exact_final_from_u). When the
+//    plan needed more than one pass over u and predicted nothing (more
+//    than min(4k, n/32) keys above its k-th key), or its prediction
+//    missed, the next exact selection after Accumulate of that n starts
+//    from a sample instead, one pass on any data
 //    (SelectInfo::sampled_after_update), and every 8th runs the plan again
 //    to notice when the data changed.
 //  * gaussiank (Shi et al., arXiv:1911.08772): threshold mean + z*std from the
@@ -230,10 +236,14 @@ struct SelectInfo {
   // that key's own bin when the bin below would have made more than n/32
   // keys, or, when that bin alone held more than n/32 keys, a finer key
   // under the k-th that kept at most min(4k, n/32); so no pass over u ran
-  // at all. False on the first step, on a step whose k-th key fell under
-  // that key or whose kept keys exceed n/8, after a selection with more
-  // than min(4k, n/32) keys at or above its k-th key (nothing is predicted
-  // then), and when the selection ran as one block.
+  // at all. Or, with exact_final_from_u, the previous k-th key K with its
+  // ties (more than min(4k, n/32) keys equal K): the update kept the keys
+  // > K (`candidates`, fewer than k) and counted the ties, K was the k-th
+  // key again, and one write read u up to the last tie it took. False on
+  // the first step, on a step whose k-th key fell under that key or whose
+  // kept keys exceed n/8, after a selection with more than min(4k, n/32)
+  // keys above its k-th key (nothing is predicted then), and when the
+  // selection ran as one block.
   // gaussiank (after Accumulate, or from its own histogram pass): its
   // first compaction read the same kind of candidates instead of u (the
   // bin predicted from the previous selection's stop key, same n; its stop
@@ -244,9 +254,9 @@ struct SelectInfo {
   // exact after Accumulate: the last such selection of this n needed more
   // than one pass over u for its plan (its k-th key's digit-0 bin held more
   // than n/8 keys) and either predicted nothing (more than min(4k, n/32)
-  // keys at or above its k-th key: ties, every value equal) or had not
-  // used the candidates it had predicted (they missed the k-th key), so
-  // this one started from a sample instead (exact_sampled, or fell_back when the
+  // keys above its k-th key) or had not used the candidates it had
+  // predicted (they missed the k-th key), so this one started from a
+  // sample instead (exact_sampled, or fell_back when the
   // sample missed and the plan over u followed; used_update_histogram
   // false): one pass over u on any data. Every 8th such selection runs the
   // plan again, to notice when the data changed; so does the next one
@@ -316,9 +326,11 @@ class Sparsifier {
   // predicted): the exact Select after it then needs no pass over u when
   // at least k and at most n/8 are kept (SelectInfo::candidates_from_update;
   // with a bin's margin a drop of the k-th magnitude by less than about
-  // 8 % per step always is). Its cost: the index writes, and
-  // a register-heavier kernel (48 registers instead of 40: 5 blocks per
-  // SM instead of 6).
+  // 8 % per step always is). When that selection predicted its k-th key K
+  // with its ties, the update keeps the keys > K and counts those == K per
+  // chunk (a variant of the kernel that spills a few bytes, launched only
+  // then). Its cost: the index writes, and a register-heavier kernel (48
+  // registers instead of 40: 5 blocks per SM instead of 6).
   // Asynchronous on `stream`. A non-finite u (from a non-finite gradient or
   // an overflow) is reported by the next Select's Wait. INVALID_ARGUMENT for
   // n == 0, n > capacity or bad params; INTERNAL for a CUDA error.

@@ -1012,14 +1012,14 @@ TEST_F(GpuTest, ExactAfterUpdateTakesTheUpdatesCandidates) {
 }
 
 // Exact after Accumulate on inputs whose plan needs more than one pass over
-// u and predicts nothing (the k-th key's digit-0 bin holds more than n/8
-// keys and so many share the k-th key itself that no key under it keeps
-// few: every value equal, ties at density 0.01) starts from a sample on the
-// next step instead (one pass), and runs the plan again every 8th such
-// step; when the input turns normal, the next retry finds one pass enough
-// and the step after it takes the update's candidates. The narrow band
-// needs several passes too, but its plan predicts a finer key, whose
-// candidates the next step takes (no sample). Each step is
+// u (the k-th key's digit-0 bin holds more than n/8 keys: the narrow band,
+// every value equal, ties at density 0.01), and whose magnitudes grow by
+// 2 % a step, so that the key the plan predicts for the next update
+// (finer than a bin, or the k-th key with its ties) always misses: after
+// the first miss the next such step starts from a sample instead (one
+// pass), and every 8th runs the plan again (whose prediction the step
+// after it tries); when the input turns normal, the next plan finds one
+// pass enough and the step after it takes the update's candidates. Each step is
 // Accumulate of a fresh input into a zero residual, then Select with
 // zeroing, checked bit for bit against ReferenceTopK and the zeroing
 // exactly; on a created stream (graph replay) and the legacy stream. (The
@@ -1034,7 +1034,7 @@ TEST_F(GpuTest, ExactAfterUpdateOnAManyPassInputStartsFromASample) {
     bool many_pass;  // `first` needs more than one pass over u
   };
   const Sequence sequences[] = {
-      {Distribution::kNarrowBand, Distribution::kNormal, 0.001, false},
+      {Distribution::kNarrowBand, Distribution::kNormal, 0.001, true},
       {Distribution::kAllEqual, Distribution::kNormal, 0.01, true},
       {Distribution::kTies, Distribution::kNormal, 0.01, true},
       {Distribution::kNormal, Distribution::kNormal, 0.001, false},
@@ -1058,10 +1058,13 @@ TEST_F(GpuTest, ExactAfterUpdateOnAManyPassInputStartsFromASample) {
       for (int t = 0; t < 24; ++t) {
         SCOPED_TRACE("step " + std::to_string(t));
         SelectInfo info;
-        ExactStepOnAZeroResidual(
-            selector.get(), residual,
-            MakeInput(t < 10 ? q.first : q.then, n, 31 * t + 7), k, t, stream,
-            &info);
+        std::vector<float> u =
+            MakeInput(t < 10 ? q.first : q.then, n, 31 * t + 7);
+        if (t < 10 && q.many_pass) {
+          for (float& x : u) x *= 1.0f + 0.02f * static_cast<float>(t);
+        }
+        ExactStepOnAZeroResidual(selector.get(), residual, u, k, t, stream,
+                                 &info);
         replayed += info.graph_replay;
         // A sampled step skipped the update's histogram; a plan used it.
         EXPECT_EQ(info.sampled_after_update, !info.used_update_histogram);
@@ -1083,8 +1086,9 @@ TEST_F(GpuTest, ExactAfterUpdateOnAManyPassInputStartsFromASample) {
         }
       }
       if (q.many_pass) {
-        // Steps 1..9 are sampled but for the retry at step 8.
-        EXPECT_EQ(sampled_first, 8);
+        // Step 1 tries step 0's prediction (and misses); steps 2..8 are
+        // sampled; step 9 retries the plan.
+        EXPECT_EQ(sampled_first, 7);
         // Back on the plan at a retry within 8 steps of the change, and on
         // the update's candidates from the step after it.
         EXPECT_GE(back_on_plan, 10);
@@ -1115,35 +1119,78 @@ std::vector<float> UniformBand(size_t n, float width, uint64_t seed) {
 }
 
 // Exact after Accumulate on an input whose k-th key's digit-0 bin holds
-// more than n/32 keys (one bin filled evenly; the narrow band): no bin can
-// be predicted, so the plan, which needs several passes over u, predicts
-// a finer key under the k-th one from its digit-1 and digit-2 histograms
-// (a digit-1 bin's first key on the even bin, a single key on the narrow
-// band). The next steps' updates keep the keys at or above it, and each
-// plan takes them: one digit pass (the update's), no pass over u, at least
-// k candidates and at most min(4k, n/32) on the u the key came from (at
-// least half of that: the key is the lowest within the limit), and
-// a new key from them (at or above the one they were kept from: their
-// counts are exact from there only). A drop
-// of 1 % moves the k-th key under the prediction: that step runs the plan
-// over u, and the next ones start from a sample. Every step is Accumulate
-// of a fresh input into a zero residual, then Select with zeroing, checked
-// bit for bit against ReferenceTopK and the zeroing exactly; on a created
-// stream (graph replay) and the legacy stream.
+// more than n/32 keys: no bin can be predicted, so the plan, which needs
+// several passes over u, predicts a finer key under the k-th one from its
+// digit-1 and digit-2 histograms: a digit-1 bin's first key on one bin
+// filled evenly, a single key on the narrow band (also under a few larger
+// keys, which the counts include). The next steps' updates
+// keep the keys at or above it, and each plan takes them: one digit pass
+// (the update's), no pass over u, at least k candidates and at most
+// min(4k, n/32) on the u the key came from (at least half of that: the
+// key is the lowest within the limit), and a new key from them (at or
+// above the one they were kept from: their counts are exact from there
+// only). Where more than that many keys equal the k-th key K itself
+// (every value equal; ties at density 0.01), the prediction is K with its
+// ties: the update keeps the keys > K and counts those == K, and the next
+// step, whose k-th key is K again, writes the kept keys and the first
+// ties on the update's layout (candidates_from_update with
+// exact_final_from_u; fewer than k candidates). A drop of 1 % moves the
+// k-th key under the prediction: that step runs the plan over u, and the
+// next ones start from a sample. Then ties whose keys above K become more
+// than k: the update's keys > K are the candidates of an ordinary plan.
+// Every step is Accumulate of a fresh input into a zero residual, then
+// Select with zeroing, checked bit for bit against ReferenceTopK and the
+// zeroing exactly; on a created stream (graph replay) and the legacy
+// stream.
 TEST_F(GpuTest, ExactAfterUpdateOnACrowdedBinPredictsAFinerKey) {
   const ExactSampleFrom sample_from(1);
   cudaStream_t created = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking),
             cudaSuccess);
+  struct Input {
+    std::string name;
+    std::function<std::vector<float>(size_t, uint64_t)> make;
+    bool ties;  // K is predicted with its ties
+  };
+  const std::vector<Input> inputs = {
+      {"even bin",
+       [](size_t n, uint64_t seed) { return UniformBand(n, 0.125f, seed); },
+       false},
+      {"narrow band",
+       [](size_t n, uint64_t seed) { return UniformBand(n, 0.0005f, seed); },
+       false},
+      // Fewer than k keys in higher digit-0 bins: the prediction counts
+      // them too.
+      {"narrow band under larger keys",
+       [](size_t n, uint64_t seed) {
+         std::vector<float> u = UniformBand(n, 0.0005f, seed);
+         for (size_t i = 1999; i < n; i += 2000) {
+           u[i] = (i % 3 ? 3.0f : -3.0f) + static_cast<float>(i) * 1e-6f;
+         }
+         return u;
+       },
+       false},
+      {"all equal",
+       [](size_t n, uint64_t seed) {
+         return MakeInput(Distribution::kAllEqual, n, seed);
+       },
+       true},
+      {"ties",
+       [](size_t n, uint64_t seed) {
+         return MakeInput(Distribution::kTies, n, seed);
+       },
+       true},
+  };
   int replayed = 0;
   for (const size_t n : {size_t{100003}, size_t{300007}}) {
     for (const double density : {0.001, 0.01}) {
-      for (const float width : {0.125f, 0.0005f}) {
+      for (const Input& input : inputs) {
+        // (At 0.001 the ties' k-th key is 2.0, whose bin is predicted.)
+        if (input.name == "ties" && density < 0.01) continue;
         for (cudaStream_t stream :
              {created, static_cast<cudaStream_t>(nullptr)}) {
-          SCOPED_TRACE("n=" + std::to_string(n) + " density=" +
-                       std::to_string(density) + " width=" +
-                       std::to_string(width) +
+          SCOPED_TRACE(input.name + " n=" + std::to_string(n) + " density=" +
+                       std::to_string(density) +
                        (stream == nullptr ? " legacy" : " created"));
           GTOPK_ASSERT_OK_AND_ASSIGN(const uint64_t k,
                                      KFromDensity(density, n));
@@ -1155,7 +1202,7 @@ TEST_F(GpuTest, ExactAfterUpdateOnACrowdedBinPredictsAFinerKey) {
             SCOPED_TRACE("step " + std::to_string(t));
             // Steps 0 and 1, 2 and 3 select the same u (its prediction
             // keeps at most fine_cap of it), 4 to 6 fresh ones.
-            std::vector<float> u = UniformBand(n, width, 17 * (t / 2) + n);
+            std::vector<float> u = input.make(n, 17 * (t / 2) + n);
             if (t == 4) {
               for (float& x : u) x *= 0.99f;
             }
@@ -1167,12 +1214,17 @@ TEST_F(GpuTest, ExactAfterUpdateOnACrowdedBinPredictsAFinerKey) {
               EXPECT_TRUE(info.candidates_from_update);
               EXPECT_FALSE(info.sampled_after_update);
               EXPECT_EQ(info.exact_digit_passes, 1);
-              EXPECT_GE(info.candidates, k);
-              EXPECT_LE(info.candidates, t == 2 ? n / 8 : fine_cap);
-              // The lowest such key, to a digit-1 bin or a key: no bin
-              // here holds half of fine_cap.
-              if (t != 2) {
-                EXPECT_GE(info.candidates, fine_cap / 2);
+              EXPECT_EQ(info.exact_final_from_u, input.ties);
+              if (input.ties) {
+                EXPECT_LT(info.candidates, k);  // the keys > K
+              } else {
+                EXPECT_GE(info.candidates, k);
+                EXPECT_LE(info.candidates, t == 2 ? n / 8 : fine_cap);
+                // The lowest such key, to a digit-1 bin or a key: no bin
+                // here holds half of fine_cap.
+                if (t != 2) {
+                  EXPECT_GE(info.candidates, fine_cap / 2);
+                }
               }
             } else if (t == 0 || t == 4) {
               // No prediction yet; the drop's miss.
@@ -1187,8 +1239,120 @@ TEST_F(GpuTest, ExactAfterUpdateOnACrowdedBinPredictsAFinerKey) {
       }
     }
   }
+  // Ties at 1.0 with a 2.0 at every 1000th entry, then at every 50th
+  // (2,000 keys above K = 1.0, more than k): the update kept them, and the
+  // plan takes them as its candidates (no tie write); the step after it
+  // has a bin predicted again (2.0's bin holds at most n/32 keys).
+  {
+    const size_t n = 100003;
+    const uint64_t k = 1000;
+    GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                               CudaSelector::Create("exact", {}, n));
+    DeviceVector residual(std::vector<float>(n, 0.0f));
+    for (uint64_t t = 0; t < 4; ++t) {
+      SCOPED_TRACE("ties, then more above them; step " + std::to_string(t));
+      std::vector<float> u = MakeInput(Distribution::kTies, n, 40 + t);
+      uint64_t above = 0;
+      if (t >= 2) {
+        for (size_t i = 0; i < n; ++i) {
+          if (i % 50 == 49) u[i] = 2.0f;
+        }
+      }
+      for (float x : u) above += std::fabs(x) > 1.0f;
+      SelectInfo info;
+      ExactStepOnAZeroResidual(selector.get(), residual, u, k, t, created,
+                               &info);
+      EXPECT_EQ(info.candidates_from_update, t > 0);
+      if (t > 0) {
+        EXPECT_EQ(info.exact_final_from_u, t == 1);  // the tie write
+      }
+      if (t == 2) {
+        EXPECT_EQ(info.candidates, above);
+      } else if (t == 3) {
+        EXPECT_GE(info.candidates, above);
+      }
+    }
+  }
   EXPECT_EQ(cudaStreamDestroy(created), cudaSuccess);
   EXPECT_GT(replayed, 0);
+}
+
+// Gaussian-k after Accumulate on the same n as exact selections whose k-th
+// key sat in a crowded digit-0 bin ([2.0, 2.25) holds 1/12 of u): the
+// update kept the keys from a fine key T inside that bin (about 2.24), and
+// Gaussian-k's stop key lies in the same bin under T (its first threshold,
+// about 2.1, in range), so its first compaction must read u: the keys in
+// [2.1, T) were not kept. The same selection, bit for bit, as Gaussian-k
+// on a plain copy of u, and the zeroing exact.
+TEST_F(GpuTest, GaussianKAfterAFineExactPredictionCompactsUUnderItsKey) {
+  const size_t n = 100003;
+  std::mt19937_64 rng(11);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  std::vector<float> u(n);
+  for (size_t i = 0; i < n; ++i) {
+    const float sign = unit(rng) < 0.5f ? -1.0f : 1.0f;
+    u[i] = sign * (i % 12 == 5 ? 2.0f + 0.25f * unit(rng) : 1.5f * unit(rng));
+  }
+  // Gaussian-k's k for a first threshold of about 2.1: the two-sided
+  // normal tail beyond 2.1 / std, times n.
+  long double sum = 0.0L, ss = 0.0L;
+  for (float x : u) sum += x;
+  const long double mean = sum / n;
+  for (float x : u) ss += (x - mean) * (x - mean);
+  const double std_dev = static_cast<double>(std::sqrt(ss / (n - 1)));
+  const uint64_t kg = static_cast<uint64_t>(
+      std::llround(std::erfc(2.1 / std_dev / std::sqrt(2.0)) * n));
+  SelectorOptions options;
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto plain,
+                             CudaSelector::Create("gaussiank", options, n));
+  SparseVector want;
+  GTOPK_ASSERT_OK(plain->Select(u, kg, 2, &want));
+  // The scenario: stopped at the first threshold, in range, in the bin.
+  ASSERT_EQ(plain->last_info().adjustments, 0);
+  ASSERT_FALSE(plain->last_info().fell_back);
+  ASSERT_GT(want.size(), 1000u);
+  for (float x : want.values) ASSERT_GE(std::fabs(x), 2.0f);
+
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                             CudaSelector::Create("gaussiank", options, n));
+  Sparsifier* sp = selector->sparsifier();
+  DeviceVector residual(std::vector<float>(n, 0.0f));
+  DeviceVector grad(u);
+  const auto accumulate = [&] {
+    const std::vector<float> zeros(n, 0.0f);
+    ASSERT_EQ(cudaMemcpy(residual.buffer.get(), zeros.data(),
+                         n * sizeof(float), cudaMemcpyHostToDevice),
+              cudaSuccess);
+    GTOPK_ASSERT_OK(ToAbslStatus(sp->Accumulate(
+        grad.buffer.get(), nullptr, nullptr, nullptr, residual.buffer.get(),
+        residual.buffer.get(), n, PlainUpdate(1.0f), nullptr)));
+  };
+  // Two exact selections (k = 100): the first predicts T, the second
+  // takes the candidates from it and predicts it again.
+  for (int step = 0; step < 2; ++step) {
+    SCOPED_TRACE("exact step " + std::to_string(step));
+    accumulate();
+    SelectParams p;
+    p.method = Method::kExact;
+    p.k = 100;
+    GTOPK_ASSERT_OK(ToAbslStatus(sp->Select(residual.buffer.get(), n, p,
+                                            nullptr)));
+    SelectedPairs sel;
+    GTOPK_ASSERT_OK(ToAbslStatus(sp->Wait(nullptr, &sel)));
+    const SparseVector exact = ReferenceTopK(u, 100);
+    ASSERT_EQ(sel.count, 100u);
+    EXPECT_EQ(std::vector<uint32_t>(sel.indices, sel.indices + sel.count),
+              exact.indices);
+    EXPECT_EQ(sel.info.candidates_from_update, step == 1);
+  }
+  accumulate();
+  SparseVector got;
+  GTOPK_ASSERT_OK(selector->SelectDevice(residual.buffer.get(), n, kg, 2,
+                                         nullptr, true, &got));
+  EXPECT_FALSE(selector->last_info().candidates_from_update);
+  EXPECT_EQ(selector->last_info().adjustments, 0);
+  ExpectSameBits(got, want);
+  ExpectZeroedExactly(residual, u, want.indices);
 }
 
 // Gaussian-k after Accumulate, when its previous selection after Accumulate
@@ -2446,22 +2610,26 @@ TEST_F(GpuTest, ExactAfterUpdateSampleMissEndsTheSampledStreak) {
                              CudaSelector::Create("exact", {}, n));
   const std::vector<float> zeros(n, 0.0f);
   DeviceVector residual(zeros);
+  std::vector<float> grown = MakeInput(Distribution::kAllEqual, n, 5);
+  for (float& x : grown) x *= 1.25f;
   const std::vector<std::vector<float>> inputs = {
-      MakeInput(Distribution::kAllEqual, n, 5),  // 3 digit passes
-      AroundTheSample(1, n, k, false),           // sampled, and it misses
-      AroundTheSample(2, n, k, false),           // the plan with the histogram
+      // 3 digit passes (predicts the key with its ties)
+      MakeInput(Distribution::kAllEqual, n, 5),
+      grown,                            // which misses: 3 passes
+      AroundTheSample(2, n, k, false),  // sampled, and it misses
+      AroundTheSample(3, n, k, false),  // the plan with the histogram
   };
   for (uint64_t t = 0; t < inputs.size(); ++t) {
     SCOPED_TRACE("step " + std::to_string(t));
     SelectInfo info;
     ExactStepOnAZeroResidual(selector.get(), residual, inputs[t], k, t,
                              nullptr, &info);
-    EXPECT_EQ(info.sampled_after_update, t == 1);
-    EXPECT_EQ(info.used_update_histogram, t != 1);
-    if (t == 0) {
+    EXPECT_EQ(info.sampled_after_update, t == 2);
+    EXPECT_EQ(info.used_update_histogram, t != 2);
+    if (t < 2) {
       EXPECT_GT(info.exact_digit_passes, 1);
     }
-    if (t == 1) {
+    if (t == 2) {
       EXPECT_TRUE(info.fell_back);
       EXPECT_EQ(info.exact_digit_passes, 1);
     }
