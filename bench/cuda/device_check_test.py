@@ -365,7 +365,7 @@ def emulated_checks(binary, tmp, failures):
     out = os.path.join(tmp, "crowded.json")
     crowded_inputs = ("narrow_band", "all_equal", "ties")
     r = run(binary, "--sizes=100003", "--densities=0.001,0.01",
-            "--inputs=" + ",".join(crowded_inputs), "--iters=6",
+            "--inputs=" + ",".join(crowded_inputs), "--iters=20",
             "--warmup=1", "--json=" + out, emu="sms=2")
     if r.returncode != 0 or not os.path.exists(out):
         failures.append("crowded: rc %d: %s %s" % (r.returncode,
