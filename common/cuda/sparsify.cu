@@ -974,6 +974,21 @@ __host__ __device__ inline ull FineCap(ull k, ull predict_cap) {
   return 4 * k < predict_cap ? 4 * k : predict_cap;
 }
 
+// The per-chunk counts of the update's layout (`warps` chunks) summed per
+// group of kWarpsPerBlock chunks (a compaction block's), then their
+// exclusive scan into `offsets`; returns the total (every thread of the
+// one block of kScanThreads).
+__device__ ull GroupOffsets(const uint32_t* counts, ull* offsets, int warps) {
+  const int groups = warps / kWarpsPerBlock;
+  for (int g = threadIdx.x; g < groups; g += kScanThreads) {
+    ull t = 0;
+    for (int w = 0; w < kWarpsPerBlock; ++w) t += counts[g * kWarpsPerBlock + w];
+    offsets[g] = t;
+  }
+  __syncthreads();
+  return ScanInPlace<kScanThreads>(offsets, groups);
+}
+
 // DecideBlock on its own (the digit-0 histogram came from the fused
 // update), after InitBlock when init.run; then, at level 0, the update's
 // candidates (UpdateCandidates) when they hold the plan's (k = init.need).
@@ -995,32 +1010,11 @@ __global__ void __launch_bounds__(kScanThreads)
     kept_from = static_cast<uint32_t>(st->update_used_key - 1);
   }
   __syncthreads();
-  ull total = 0, equal = 0;
-  const int groups = uc.warps / kWarpsPerBlock;
-  if (kept) {  // uniform
-    // The groups' totals (kWarpsPerBlock chunks each, as a compaction
-    // block's), then their exclusive scan: GatherKernel's offsets.
-    for (int g = threadIdx.x; g < groups; g += kScanThreads) {
-      ull t = 0;
-      for (int w = 0; w < kWarpsPerBlock; ++w) {
-        t += uc.counts[g * kWarpsPerBlock + w];
-      }
-      uc.offsets[g] = t;
-    }
-    __syncthreads();
-    total = ScanInPlace<kScanThreads>(uc.offsets, groups);
-  }
-  if (kept_ties) {  // uniform: the same for the ties' counts
-    for (int g = threadIdx.x; g < groups; g += kScanThreads) {
-      ull t = 0;
-      for (int w = 0; w < kWarpsPerBlock; ++w) {
-        t += uc.eq_counts[g * kWarpsPerBlock + w];
-      }
-      uc.eq_offsets[g] = t;
-    }
-    __syncthreads();
-    equal = ScanInPlace<kScanThreads>(uc.eq_offsets, groups);
-  }
+  // The kept keys' offsets (GatherKernel's, the tie write's), and the
+  // ties' (uniform branches).
+  const ull total = kept ? GroupOffsets(uc.counts, uc.offsets, uc.warps) : 0;
+  const ull equal =
+      kept_ties ? GroupOffsets(uc.eq_counts, uc.eq_offsets, uc.warps) : 0;
   if (threadIdx.x != 0) return;
   const bool ok = st->error == 0;
   const ull k = init.need;
