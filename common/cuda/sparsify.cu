@@ -1623,6 +1623,17 @@ struct UpdateLayout {
   int warps;
 };
 
+// A kept index into the output at `pos`, with its value read from u
+// (zero: u[idx] = +0.0 after reading); returns the value.
+__device__ inline float TakeKept(uint32_t idx, float* u, uint32_t* out_idx,
+                                 float* out_val, ull pos, int zero) {
+  const float v = u[idx];
+  out_idx[pos] = idx;
+  out_val[pos] = v;
+  if (zero) u[idx] = 0.0f;
+  return v;
+}
+
 // Concatenates the warps' regions (index order) into out_idx/out_val, with
 // the values read from u (the fused update's regions in its layout `upd`
 // when state's from_update); zero: u[i] = +0.0 after reading. next_hist: the
@@ -1679,11 +1690,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int j = first; j < w; ++j) off += counts[j];
       const uint32_t* region = regions + uint64_t(w) * chunk;
       for (uint32_t j = lane; j < c; j += 32) {
-        const uint32_t idx = region[j];
-        const float v = u[idx];
-        out_idx[off + j] = idx;
-        out_val[off + j] = v;
-        if (zero) u[idx] = 0.0f;
+        const float v = TakeKept(region[j], u, out_idx, out_val, off + j, zero);
         if (with_hist) {
           const uint32_t key = Key(v);
           if (MatchesPrefix(key, prefix, hist_level)) {
@@ -1953,11 +1960,7 @@ __global__ void __launch_bounds__(kThreads)
     const uint32_t kept = greater[warp];
     const uint32_t* region = regions + warp * layout_chunk;
     for (uint32_t j = lane; j < kept; j += 32) {
-      const uint32_t idx = region[j];
-      const float v = u[idx];
-      out_idx[out + j] = idx;
-      out_val[out + j] = v;
-      if (zero) u[idx] = 0.0f;
+      TakeKept(region[j], u, out_idx, out_val, out + j, zero);
     }
     return;
   }
