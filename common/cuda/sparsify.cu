@@ -221,6 +221,15 @@ struct DeviceState {
   int update_pred_ties;
   int update_used_ties;
   int update_tie_write;
+  // A compaction has written `regions` (or, in place, the update's
+  // counts) since the last pass that kept candidates: those are gone,
+  // whatever update_used_* say. Set by CollectKernel when it compacts and
+  // by GaussUpdateCollectKernel, cleared by the pass that keeps them, kept
+  // by InitKernel (as update_used_* are), read wherever the candidates
+  // are taken (FindBinDecideKernel, GaussUpdatePlan): Gaussian-k's exact
+  // fallback after its own compaction must plan over u, not over what
+  // that compaction left.
+  int update_clobbered;
 };
 
 // The state's slot at the head of the output buffer (Sparsifier::Impl::
@@ -342,7 +351,7 @@ __device__ void InitBlock(DeviceState* st, const InitArgs& a) {
   int sum_blocks = 0, exact = 0, exact_adjustments = 0, exact_from_u = 0;
   ull candidates = 0, exact_candidates = 0, step_seed = 0;
   ull pred_key = 0, pred_n = 0, used_key = 0, used_n = 0;
-  int pred_ties = 0, used_ties = 0;
+  int pred_ties = 0, used_ties = 0, clobbered = 0;
   uint32_t error = 0;
   if (threadIdx.x == 0) {
     pred_key = a.clear_prediction ? 0 : st->update_pred_key;
@@ -351,6 +360,7 @@ __device__ void InitBlock(DeviceState* st, const InitArgs& a) {
     used_key = st->update_used_key;
     used_ties = st->update_used_ties;
     used_n = st->update_used_n;
+    clobbered = st->update_clobbered;
     sum_blocks = st->sum_blocks;
     candidates = st->num_candidates;
     exact = st->gk_exact;
@@ -378,6 +388,7 @@ __device__ void InitBlock(DeviceState* st, const InitArgs& a) {
     st->update_used_key = used_key;
     st->update_used_ties = used_ties;
     st->update_used_n = used_n;
+    st->update_clobbered = clobbered;
     if (keep_sums) st->sum_blocks = sum_blocks;
     if (keep_candidates) st->num_candidates = candidates;
     if (keep_gate) {  // and an error the gated-on chain found before
@@ -568,6 +579,7 @@ __global__ void __launch_bounds__(kThreads, 5) HistogramKernel(HistArgs a) {
     a.st->update_used_key = pred;
     a.st->update_used_ties = ties ? 1 : 0;
     a.st->update_used_n = a.n;
+    a.st->update_clobbered = 0;
   }
   const bool compact = keeps && pred != 0;
   const uint32_t min_key = compact ? static_cast<uint32_t>(pred - 1) : 0;
@@ -1005,7 +1017,7 @@ __global__ void __launch_bounds__(kScanThreads)
   __syncthreads();  // DecideBlock's thread 0 wrote the plan
   if (threadIdx.x == 0) {
     kept = st->error == 0 && st->update_used_n == uc.n &&
-           st->update_used_key != 0;
+           st->update_used_key != 0 && st->update_clobbered == 0;
     kept_ties = kept && st->update_used_ties != 0;
     kept_from = static_cast<uint32_t>(st->update_used_key - 1);
   }
@@ -1399,6 +1411,8 @@ __global__ void __launch_bounds__(kThreads)
                     : kHist == kCollectDigit0  ? 0
                                                : 3;
   const bool skip = st->error != 0 || st->fallback != 0;
+  // The update's candidates, if any, are overwritten from here on.
+  if (!skip && blockIdx.x == 0 && threadIdx.x == 0) st->update_clobbered = 1;
   // With ties the bound B is min_key - 1 (registers: the pass must stay at
   // 32 for full occupancy).
   const bool ties = kHist == kCollectDigit0 && st->ties_at_bound != 0;
@@ -1549,6 +1563,9 @@ __global__ void __launch_bounds__(kThreads)
   if (Closed(gate) || st->gauss_from_update == 0) return;  // uniform
   __shared__ uint32_t key_list[kMaxGaussKeys];
   __shared__ uint32_t key_counts[kMaxGaussKeys];
+  // The update's regions and counts are compacted in place: an exact
+  // fallback after this may not take them (update_clobbered).
+  if (blockIdx.x == 0 && threadIdx.x == 0) st->update_clobbered = 1;
   const int num_keys = st->gk_num_keys;
   for (int r = threadIdx.x; r < num_keys; r += kThreads) {
     key_list[r] = st->gk_keys[r];
@@ -2027,7 +2044,8 @@ __device__ void GaussUpdatePlan(DeviceState* st, const ull* at_least,
                                 uint32_t key, const UpdateCandidates& uc,
                                 ull compact_cap) {
   const uint32_t bin = key >> 20;
-  if (st->update_used_n == uc.n && st->update_used_key != 0) {
+  if (st->update_used_n == uc.n && st->update_used_key != 0 &&
+      st->update_clobbered == 0) {
     // The pass kept every key >= `from` (a bin's first key when Gaussian-k
     // predicted it; the exact plan's fine key may lie inside a bin), at
     // most at_least[from's bin] keys: the compaction at the stop key, and
@@ -2656,8 +2674,13 @@ struct Sparsifier::Impl {
     uint64_t exact_sample_min_n;  // SetExactSampleMinNForTesting's
     uint64_t one_block_max_n;     // SetOneBlockMaxNForTesting's
     bool update_sampled;  // exact after Accumulate from a sample
+    // gaussiank after Accumulate: its gated exact fallback plans with the
+    // update's candidates (GaussFallbackFromUpdate), not from a sample.
+    bool gauss_fallback_from_update;
     bool operator==(const GraphKey& o) const {
-      return update_sampled == o.update_sampled && method == o.method &&
+      return update_sampled == o.update_sampled &&
+             gauss_fallback_from_update == o.gauss_fallback_from_update &&
+             method == o.method &&
              u == o.u && n == o.n && k == o.k &&
              zero == o.zero && reuse == o.reuse &&
              max_adjustments == o.max_adjustments &&
@@ -2702,6 +2725,23 @@ struct Sparsifier::Impl {
   // n/8 keys), so the next enqueues that too, gated.
   bool exact_expect_from_u = false;
   bool gauss_expect_from_u = false;
+  // gaussiank after Accumulate: the last selection of this n (0: none) fell
+  // back to the exact plan with the update's candidates, which predicted
+  // the next update's (state's update_pred_*), or fell back to an exact
+  // top-k from a sample; so the next gated fallback of this n runs that
+  // plan (no pass over u while the prediction holds) instead of starting
+  // from a sample (GaussFallbackFromUpdate). Set by Wait.
+  uint64_t gauss_exact_predicted_n = 0;
+  // The pending gaussiank selection's host continuation took the exact
+  // top-k from its compaction's candidates (CandidateExact: it predicts
+  // nothing).
+  bool gauss_candidate_exact = false;
+  // Whether gaussiank's gated exact fallback plans with the update's
+  // candidates: after Accumulate (reuse), when the last fallback of this n
+  // predicted them. Otherwise, on a large u, it starts from a sample.
+  bool GaussFallbackFromUpdate(uint64_t n, bool reuse) const {
+    return reuse && gauss_exact_predicted_n == n;
+  }
   bool took_exact = false;  // the pending selection's, for the prediction
   // exact after Accumulate: the last such plan over u of this n (0: none)
   // needed more than one pass over u (its digit-0 bin held more than n/8
@@ -3383,19 +3423,27 @@ KernelStatus Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
   // step: the prediction follows the outcome). The exact top-k runs from u
   // here, where Wait's continuation may take it from the first compaction's
   // survivors: the same pairs, SelectInfo's candidates and plan differ.
-  // On a large u that exact top-k starts from a sample (one pass over u,
-  // whatever digits the keys share: the narrow band and the outliers that
-  // end the rule cost one more pass, not up to three), with the plan over
-  // u gated behind it when the last one needed that.
+  // After Accumulate, when the last fallback of this n predicted the
+  // update's candidates (GaussFallbackFromUpdate), that exact top-k is the
+  // exact plan with them, as exact's own after Accumulate: no pass over u
+  // while the prediction holds (the narrow band, every value equal, ties
+  // and outliers, whose rule ends out of range at every step, cost what
+  // normal data costs). Otherwise, on a large u, it starts from a sample
+  // (one pass over u, whatever digits the keys share: the narrow band and
+  // the outliers that end the rule cost one more pass, not up to three),
+  // with the plan over u gated behind it when the last one needed that.
+  // The candidates are not taken when the rule's own compaction
+  // overwrote them (DeviceState::update_clobbered).
   if (expect_exact) {
     GatedScope falling_back(*this, &st->gk_exact, 1);
     const ExactSample plan = PlanExactSample(n, k);
-    if (plan.runs != 0) {
+    if (plan.runs != 0 && !GaussFallbackFromUpdate(n, reuse)) {
       GTOPK_CUDA_RETURN_IF_NOT_OK(SampledExact(u, n, k, zero, plan.runs,
                                                plan.rank, gauss_expect_from_u,
                                                stream));
     } else {
-      GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, true, stream));
+      GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, true, stream,
+                                             /*update_candidates=*/reuse));
     }
   }
   exact_enqueued = expect_exact;
@@ -3489,9 +3537,15 @@ KernelStatus Sparsifier::Impl::ContinueGaussianK(const DeviceState& state,
       GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, false, stream));
     }
     GTOPK_CUDA_RETURN_IF_NOT_OK(CandidateExact(u, n, k, zero, stream));
+    gauss_candidate_exact = true;
   } else {
-    // hist0 still describes u (nothing was written to u).
-    GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, true, stream));
+    // hist0 still describes u (nothing was written to u). After
+    // Accumulate, the plan takes the update's candidates when they hold
+    // the top k and no compaction overwrote them, and predicts the next
+    // update's, which the next fallback's gated plan then takes.
+    GTOPK_CUDA_RETURN_IF_NOT_OK(
+        ExactFromU(u, n, k, zero, true, stream,
+                   /*update_candidates=*/info.used_update_histogram));
   }
   return CopyOut(k, stream);
 }
@@ -3758,7 +3812,9 @@ KernelStatus Sparsifier::Impl::EnqueueWithGraph(float* u, uint64_t n,
                      : p.method == Method::kExact   ? exact_expect_from_u
                                                     : false,
                      exact_sample_min_n.load(), one_block_max_n.load(),
-                     clear_update_prediction};
+                     clear_update_prediction,
+                     p.method == Method::kGaussianK &&
+                         GaussFallbackFromUpdate(n, reuse)};
   for (CachedGraph& g : graphs) {
     if (!(g.key == key)) continue;
     GTOPK_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(g.exec, stream));
@@ -4021,6 +4077,7 @@ KernelStatus Sparsifier::Select(float* u, uint64_t n, const SelectParams& p,
   m.sampled_enqueued = false;
   m.from_u_enqueued = false;
   m.took_exact = false;
+  m.gauss_candidate_exact = false;
   m.tiny_enqueued = false;
   m.sample_missed = false;
   // dgc's sample seed for this step: a replayed graph copies it from here.
@@ -4213,6 +4270,20 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
   }
   if (continuation == Impl::Continuation::kGaussianK) {
     m.expect_exact = m.info.fell_back;
+    // After Accumulate, the next gated fallback of this n plans with the
+    // update's candidates when this fallback ran that plan (gated, or in
+    // ContinueGaussianK) and it predicted the next update's; and after a
+    // fallback that started from a sample (which predicts nothing), so
+    // that the plan runs again and predicts (at worst every other step
+    // when it cannot: the sample in between).
+    const DeviceState& last = *m.host_state();
+    const bool after_update = m.info.fell_back && m.info.used_update_histogram;
+    const bool planned = after_update && !ran_sampled &&
+                         !m.gauss_candidate_exact &&
+                         last.update_pred_n == m.pending_n &&
+                         last.update_pred_key != 0;
+    m.gauss_exact_predicted_n =
+        planned || (after_update && ran_sampled) ? m.pending_n : 0;
   } else if (continuation == Impl::Continuation::kDgc) {
     m.dgc_expect_exact = m.took_exact;
   }

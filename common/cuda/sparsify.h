@@ -89,10 +89,18 @@
 //    first time; a Sparsifier whose last gaussiank selection fell back
 //    enqueues it too, gated on the device's verdict, so that a steady
 //    stream of such inputs needs no round trip (when the rule lands in
-//    range instead, the gated chain's kernels return at once). On a large
-//    u that gated exact top-k starts from a sample, as exact's does (one
-//    more pass over u on the narrow band and the outliers; the plan over u
-//    behind it, gated too, after one whose sample's bound failed).
+//    range instead, the gated chain's kernels return at once). After
+//    Accumulate, that exact top-k is exact's plan after Accumulate, with
+//    the update's candidates: the last fallback's plan (Wait's the first
+//    time) predicted them from its k-th key, so while the prediction holds
+//    a stream of such inputs reads u only in the update, as normal data
+//    does (no pass over u; the candidates are not taken when the rule's
+//    own compaction wrote over them: DeviceState::update_clobbered). From
+//    u in device memory, or when the last fallback predicted nothing, on
+//    a large u that gated exact top-k starts from a sample, as exact's
+//    does (one more pass over u on the narrow band and the outliers; the
+//    plan over u behind it, gated too, after one whose sample's bound
+//    failed).
 //    The planner predicts a bin from its stop key as exact does from its
 //    k-th key, and the next first pass of the same n (the fused update's,
 //    or Gaussian-k's own histogram pass) keeps the keys from that bin up;
@@ -248,8 +256,10 @@ struct SelectInfo {
   // first compaction read the same kind of candidates instead of u (the
   // bin predicted from the previous selection's stop key, same n; its stop
   // key and every key listed for the correction lie in kept bins); a
-  // correction may still compact u. False when the rule then fell back to
-  // the exact top-k (its chain starts from a fresh state).
+  // correction may still compact u. When the rule fell back (fell_back),
+  // whether its exact top-k took them as exact's after Accumulate does
+  // (after Accumulate only: predicted by the last fallback's plan, and
+  // not when the rule's own compaction wrote over them).
   bool candidates_from_update = false;
   // exact after Accumulate: the last such selection of this n needed more
   // than one pass over u for its plan (its k-th key's digit-0 bin held more

@@ -122,13 +122,13 @@ UpdateParams PlainUpdate(float lr) {
   return up;
 }
 
-// One exact selection after Accumulate of `u` into `residual`, zeroed
-// first (lr 1: the residual becomes u exactly), on `stream`, at `step`:
-// checked bit for bit against ReferenceTopK and the zeroing exactly.
-void ExactStepOnAZeroResidual(CudaSelector* selector, DeviceVector& residual,
-                              const std::vector<float>& u, uint64_t k,
-                              uint64_t step, cudaStream_t stream,
-                              SelectInfo* info) {
+// One selection (the selector's method) after Accumulate of `u` into
+// `residual`, zeroed first (lr 1: the residual becomes u exactly), on
+// `stream`, at `step`: its pairs and info, the zeroing checked exactly.
+void StepOnAZeroResidual(CudaSelector* selector, DeviceVector& residual,
+                         const std::vector<float>& u, uint64_t k,
+                         uint64_t step, cudaStream_t stream, SparseVector* got,
+                         SelectInfo* info) {
   const size_t n = u.size();
   const std::vector<float> zeros(n, 0.0f);
   DeviceVector grad(u);
@@ -140,13 +140,21 @@ void ExactStepOnAZeroResidual(CudaSelector* selector, DeviceVector& residual,
   GTOPK_ASSERT_OK(ToAbslStatus(selector->sparsifier()->Accumulate(
       grad.buffer.get(), nullptr, nullptr, nullptr, residual.buffer.get(),
       residual.buffer.get(), n, PlainUpdate(1.0f), stream)));
-  SparseVector got;
   GTOPK_ASSERT_OK(selector->SelectDevice(residual.buffer.get(), n, k, step,
-                                         stream, true, &got));
+                                         stream, true, got));
   *info = selector->last_info();
-  const SparseVector want = ReferenceTopK(u, k);
-  ExpectSameBits(got, want);
-  ExpectZeroedExactly(residual, u, want.indices);
+  ExpectZeroedExactly(residual, u, got->indices);
+}
+
+// StepOnAZeroResidual for exact, checked bit for bit against ReferenceTopK.
+void ExactStepOnAZeroResidual(CudaSelector* selector, DeviceVector& residual,
+                              const std::vector<float>& u, uint64_t k,
+                              uint64_t step, cudaStream_t stream,
+                              SelectInfo* info) {
+  SparseVector got;
+  ASSERT_NO_FATAL_FAILURE(
+      StepOnAZeroResidual(selector, residual, u, k, step, stream, &got, info));
+  ExpectSameBits(got, ReferenceTopK(u, k));
 }
 
 // Valid sparse output of u whose selected magnitudes are all >= every
@@ -1552,7 +1560,7 @@ TEST_F(GpuTest, GaussianKAfterUpdateTakesTheUpdatesCandidates) {
     fused = fused_mode;
     SCOPED_TRACE(fused ? "after Accumulate" : "from u in device memory");
     int in_range = 0, corrected = 0, host_continued = 0, from_update = 0;
-    int replayed = 0;
+    int replayed = 0, fallback_from_update = 0;
     for (const Case& c : cases) {
       SCOPED_TRACE(c.name);
       const uint64_t k = c.k;
@@ -1605,8 +1613,15 @@ TEST_F(GpuTest, GaussianKAfterUpdateTakesTheUpdatesCandidates) {
                 << (repeat == 0 ? "no prediction yet" : "the key fell under");
           }
           if (!info.candidates_from_update) continue;
+          if (info.fell_back) {
+            // The rule ended out of range and its exact top-k took the
+            // update's candidates (after Accumulate only; expect_as_plain
+            // checked it against the reference).
+            EXPECT_TRUE(fused);
+            ++fallback_from_update;
+            continue;
+          }
           ++from_update;
-          EXPECT_FALSE(info.fell_back);
           if (info.corrected_on_device) {
             ++corrected;
           } else if (!info.fast_path) {
@@ -1619,8 +1634,9 @@ TEST_F(GpuTest, GaussianKAfterUpdateTakesTheUpdatesCandidates) {
     }
     std::printf(
         "from the update's candidates %d: in range %d, corrected %d, "
-        "host continued %d; replayed %d\n",
-        from_update, in_range, corrected, host_continued, replayed);
+        "host continued %d; fallbacks from them %d; replayed %d\n",
+        from_update, in_range, corrected, host_continued,
+        fallback_from_update, replayed);
     EXPECT_GT(in_range, 0);
     EXPECT_GT(corrected, 0);
     EXPECT_GT(host_continued, 0);
@@ -1848,6 +1864,135 @@ SparseVector DgcInPlainLoops(const std::vector<float>& u, uint64_t k,
     }
   }
   return survivors.size() <= k ? survivors : ReferenceTopK(u, k);
+}
+
+// Gaussian-k after Accumulate on inputs whose rule ends out of range at
+// every step (a narrow band, every value equal, ties at density 0.01,
+// outliers that inflate the std): the first fallback's exact plan (Wait's
+// continuation) predicts the next update's candidates, and each later
+// fallback, gated on the device, takes them as exact's own selection after
+// Accumulate does: no pass over u, although the exact top-k would start
+// from a sample at this n (the hook), as it did before. Four fresh inputs
+// of each kind in turn on one selector, on a created stream (graphs) and
+// the legacy one; every step equals ReferenceTopK and zeroes exactly the
+// selected entries.
+TEST_F(GpuTest, GaussianKFallbackAfterUpdateTakesTheUpdatesCandidates) {
+  const ExactSampleFrom sample_from(0);
+  const size_t n = 100003;
+  const uint64_t k = 1000;  // density 0.01
+  cudaStream_t created = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking),
+            cudaSuccess);
+  const Distribution kinds[] = {Distribution::kNarrowBand,
+                                Distribution::kAllEqual, Distribution::kTies,
+                                Distribution::kOutliers};
+  int replayed = 0, final_from_u = 0;
+  for (cudaStream_t stream : {created, static_cast<cudaStream_t>(nullptr)}) {
+    SCOPED_TRACE(stream == nullptr ? "legacy stream" : "created stream");
+    GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                               CudaSelector::Create("gaussiank", {}, n));
+    DeviceVector residual(std::vector<float>(n, 0.0f));
+    uint64_t step = 0;
+    for (const Distribution kind : kinds) {
+      for (int t = 0; t < 4; ++t, ++step) {
+        SCOPED_TRACE(std::string(DistributionName(kind)) + " step " +
+                     std::to_string(t));
+        const std::vector<float> u = MakeInput(kind, n, 70 + step);
+        ASSERT_FALSE(GaussianKInPlainLoops(u, k, 4).selected.has_value())
+            << "the rule no longer ends out of range on this input";
+        SparseVector got;
+        SelectInfo info;
+        ASSERT_NO_FATAL_FAILURE(StepOnAZeroResidual(
+            selector.get(), residual, u, k, step, stream, &got, &info));
+        ExpectSameBits(got, ReferenceTopK(u, k));
+        EXPECT_TRUE(info.fell_back);
+        EXPECT_TRUE(info.used_update_histogram);
+        // Only the very first fallback is finished by Wait.
+        EXPECT_EQ(info.fast_path, step > 0);
+        EXPECT_FALSE(info.exact_sampled);
+        // From the second input of a kind on, the prediction holds (the
+        // first may follow another kind's).
+        if (t > 0) {
+          EXPECT_TRUE(info.candidates_from_update);
+          EXPECT_EQ(info.exact_digit_passes, 1);
+        }
+        replayed += info.graph_replay;
+        final_from_u += t > 0 && info.exact_final_from_u;  // a tie write
+      }
+    }
+  }
+  EXPECT_EQ(cudaStreamDestroy(created), cudaSuccess);
+  EXPECT_GT(replayed, 0) << "no selection replayed a graph";
+  EXPECT_GT(final_from_u, 0) << "no tie write (every value equal, ties)";
+}
+
+// The exact fallback after Gaussian-k's own compaction over u does not take
+// the update's candidates: that compaction wrote its survivors over them
+// (the same regions; DeviceState::update_clobbered). Step 0, a narrow band
+// at 2.9, falls back and predicts a key F in [2.9, 2.9015) for the next
+// update; step 1 is N(0, 1) with 3031 entries at +-2.95: the update keeps
+// the keys >= F (about 3,400: at least k, at most n/8, so the plan would
+// take them), while the rule's first threshold (about 2.86, under F, its
+// digit-0 bin undecided) compacts u and its adjustments end out of range,
+// so the gated exact top-k runs. It must plan over u (it equals
+// ReferenceTopK: the ties at 2.95 in index order), not over the
+// compaction's leftovers in the update's layout.
+TEST_F(GpuTest, GaussianKFallbackAfterItsOwnCompactionPlansOverU) {
+  const size_t n = 100003;
+  const uint64_t k = 1000;
+  const uint64_t lo = (2 * k + 2) / 3, hi = 4 * k / 3;
+  std::vector<float> band = MakeInput(Distribution::kNarrowBand, n, 81);
+  for (float& x : band) x *= 2.9f;
+  std::vector<float> planted = MakeInput(Distribution::kNormal, n, 82);
+  for (size_t i = 5; i < n; i += 33) planted[i] = i % 2 ? 2.95f : -2.95f;
+  // The construction's premises, on the host.
+  const double z = cpu::NormalQuantile(1.0 - static_cast<double>(k) / n / 2.0);
+  const long double t0 = GaussianThresholdOf(planted, z);
+  const auto at_least = [&](float m) {
+    uint64_t c = 0;
+    for (float x : planted) c += std::fabs(x) >= m;
+    return c;
+  };
+  float band_max = 0.0f;
+  for (float x : band) band_max = std::max(band_max, std::fabs(x));
+  ASSERT_LT(t0, 2.9L);                     // under every key F can be
+  ASSERT_GE(t0, 2.75L);                    // in the bin [2.75, 3.0)
+  ASSERT_GT(at_least(2.75f), hi);          // whose count the histogram
+  ASSERT_LT(at_least(3.0f), lo);           // leaves undecided
+  ASSERT_GE(at_least(band_max), k);        // the update keeps >= k
+  ASSERT_LE(at_least(2.9f), n / 8);        // and <= n/8
+  ASSERT_FALSE(GaussianKInPlainLoops(band, k, 4).selected.has_value());
+  ASSERT_FALSE(GaussianKInPlainLoops(planted, k, 4).selected.has_value());
+  for (const bool graphs : {true, false}) {
+    SCOPED_TRACE(graphs ? "created stream" : "legacy stream");
+    cudaStream_t stream = nullptr;
+    if (graphs) {
+      ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
+                cudaSuccess);
+    }
+    GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                               CudaSelector::Create("gaussiank", {}, n));
+    DeviceVector residual(std::vector<float>(n, 0.0f));
+    // Twice, so that the second round's steps replay graphs.
+    for (uint64_t step = 0; step < 4; ++step) {
+      SCOPED_TRACE("step " + std::to_string(step));
+      const std::vector<float>& u = step % 2 == 0 ? band : planted;
+      SparseVector got;
+      SelectInfo info;
+      ASSERT_NO_FATAL_FAILURE(StepOnAZeroResidual(
+          selector.get(), residual, u, k, step, stream, &got, &info));
+      ExpectSameBits(got, ReferenceTopK(u, k));
+      EXPECT_TRUE(info.fell_back);
+      if (step % 2 == 1) {
+        // Its rule compacted u, then the gated plan ran over u.
+        EXPECT_TRUE(info.fast_path);
+        EXPECT_FALSE(info.candidates_from_update);
+      }
+    }
+    if (graphs) {
+      ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+    }
+  }
 }
 
 // The one-block path (n <= 4096: one kernel, u's keys in shared memory)
