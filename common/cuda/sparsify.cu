@@ -217,7 +217,8 @@ struct DeviceState {
   // update_tie_write: this selection's k-th key is that K again (fewer
   // than k kept, the ties make up the rest), so one write on the update's
   // layout takes the kept keys and the first ties from u (ExactFromU's
-  // gated WriteFinalKernel), and the plan's other kernels return at once.
+  // WriteFinalKernel on that layout, which runs only then), and the plan's
+  // other kernels return at once.
   int update_pred_ties;
   int update_used_ties;
   int update_tie_write;
@@ -1945,8 +1946,10 @@ __global__ void __launch_bounds__(kThreads)
                      Gate gate, uint64_t layout_chunk,
                      const uint32_t* __restrict__ regions) {
   if (Closed(gate) || st->error != 0) return;  // uniform
-  // The plan's final compaction, replaced by the update's tie write.
-  if (regions == nullptr && st->update_tie_write != 0) return;  // uniform
+  // The plan's final compaction, replaced by the update's tie write; that
+  // write (regions given) runs only when the plan chose it, under whatever
+  // gate the chain has (gaussiank's fallback: gk_exact).
+  if ((regions == nullptr) == (st->update_tie_write != 0)) return;  // uniform
   const int lane = threadIdx.x & 31;
   const uint32_t lanes_below = (1u << lane) - 1u;
   const uint64_t warp =
@@ -3095,8 +3098,9 @@ struct Sparsifier::Impl {
       // key is K again (FindBinDecideKernel set update_tie_write): one
       // write on the update's layout, instead of the final compaction
       // (which returned at once), reads u only in the chunks up to the
-      // last tie it takes, and gathers the kept keys of the others.
-      GatedScope tie_write(*this, &st->update_tie_write, 1);
+      // last tie it takes, and gathers the kept keys of the others. It
+      // returns at once unless FindBinDecideKernel chose it (it checks
+      // update_tie_write itself, so that the chain's own gate still holds).
       const HistLayout hl = HistLayoutFor(n);
       GTOPK_LAUNCH(WriteFinalKernel, hl.warps / kWarpsPerBlock, kThreads,
                    stream)(cand_idx.get(), cand_val.get(), n, st,
@@ -3813,8 +3817,10 @@ KernelStatus Sparsifier::Impl::EnqueueWithGraph(float* u, uint64_t n,
                                                     : false,
                      exact_sample_min_n.load(), one_block_max_n.load(),
                      clear_update_prediction,
-                     p.method == Method::kGaussianK &&
-                         GaussFallbackFromUpdate(n, reuse)};
+                     // (Without a sample both branches enqueue the same.)
+                     p.method == Method::kGaussianK && expect_exact &&
+                         GaussFallbackFromUpdate(n, reuse) &&
+                         PlanExactSample(n, p.k).runs != 0};
   for (CachedGraph& g : graphs) {
     if (!(g.key == key)) continue;
     GTOPK_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(g.exec, stream));
