@@ -1928,6 +1928,42 @@ TEST_F(GpuTest, GaussianKFallbackAfterUpdateTakesTheUpdatesCandidates) {
   EXPECT_GT(final_from_u, 0) << "no tie write (every value equal, ties)";
 }
 
+// Gaussian-k after Accumulate of `first`, `second`, `first`, `second`
+// into a zeroed residual on one selector (a created stream, whose second
+// round replays graphs, then the legacy one): every step the exact top-k
+// (its rule falls back), and on `second`, whose own compaction wrote over
+// the update's candidates, a gated plan that did not take them.
+void ExpectFallbackAfterItsCompactionPlansOverU(
+    const std::vector<float>& first, const std::vector<float>& second,
+    uint64_t k, const SelectorOptions& options) {
+  const size_t n = first.size();
+  for (const bool graphs : {true, false}) {
+    SCOPED_TRACE(graphs ? "created stream" : "legacy stream");
+    cudaStream_t stream = nullptr;
+    if (graphs) {
+      ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
+                cudaSuccess);
+    }
+    GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                               CudaSelector::Create("gaussiank", options, n));
+    DeviceVector residual(std::vector<float>(n, 0.0f));
+    for (uint64_t step = 0; step < 4; ++step) {
+      SCOPED_TRACE("step " + std::to_string(step));
+      SelectInfo info;
+      ASSERT_NO_FATAL_FAILURE(ExactStepOnAZeroResidual(
+          selector.get(), residual, step % 2 == 0 ? first : second, k, step,
+          stream, &info));
+      if (step % 2 == 1) {
+        EXPECT_TRUE(info.fast_path);
+        EXPECT_FALSE(info.candidates_from_update);
+      }
+    }
+    if (graphs) {
+      ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+    }
+  }
+}
+
 // The exact fallback after Gaussian-k's own compaction over u does not take
 // the update's candidates: that compaction wrote its survivors over them
 // (the same regions; DeviceState::update_clobbered). Step 0, a narrow band
@@ -1965,33 +2001,295 @@ TEST_F(GpuTest, GaussianKFallbackAfterItsOwnCompactionPlansOverU) {
   ASSERT_LE(at_least(2.9f), n / 8);        // and <= n/8
   ASSERT_FALSE(GaussianKInPlainLoops(band, k, 4).selected.has_value());
   ASSERT_FALSE(GaussianKInPlainLoops(planted, k, 4).selected.has_value());
-  for (const bool graphs : {true, false}) {
-    SCOPED_TRACE(graphs ? "created stream" : "legacy stream");
-    cudaStream_t stream = nullptr;
-    if (graphs) {
-      ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
-                cudaSuccess);
+  ExpectFallbackAfterItsCompactionPlansOverU(band, planted, k, {});
+}
+
+// The same after Gaussian-k's in-place compaction of the update's
+// candidates (GaussUpdateCollectKernel), with ties predicted: density 0.01
+// (n = 100003, k = 1000), the rule with one adjustment. Step 0: +-0.9
+// everywhere, 5,000 entries at +-1.0 and 50 at 2.0: the rule falls back,
+// and the exact top-k's k-th key K = 1.0 has more ties than the fine
+// prediction may keep, so the next update keeps the keys > K and counts
+// those == K. Step 1: the same ties, 1,000 entries at 1.5, 400 at -2.27
+// and 300 at 2.45: the update keeps the 1,700 keys > K (in K's digit-0
+// bin's at-least count of about 6,500, under n/8), the rule's first
+// threshold (about 2.36, between 2.27 and 2.45 in one digit-0 bin) reads
+// those candidates and compacts them in place to the 300 keys above it,
+// then ends out of range (1,700 above its half). The gated exact top-k
+// (the 300, the 400 and the first 300 at 1.5) must plan over u: the
+// compacted candidates (300 < k) and the update's tie count would
+// otherwise take the update's tie write, K's ties instead of the 1.5s.
+TEST_F(GpuTest, GaussianKFallbackAfterItsInPlaceCompactionPlansOverU) {
+  const size_t n = 100003;
+  const uint64_t k = 1000;
+  const auto build = [&](bool second) {
+    std::vector<float> u = MakeInput(Distribution::kNormal, n, 83);
+    for (float& x : u) x = x < 0.0f ? -0.9f : 0.9f;
+    int ties = 0, a = 0, b = 0, c = 0, top = 0;
+    for (size_t i = 3; i < n && ties < 5000; i += 20, ++ties) {
+      u[i] = i % 2 ? -1.0f : 1.0f;
     }
-    GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
-                               CudaSelector::Create("gaussiank", {}, n));
-    DeviceVector residual(std::vector<float>(n, 0.0f));
-    // Twice, so that the second round's steps replay graphs.
-    for (uint64_t step = 0; step < 4; ++step) {
-      SCOPED_TRACE("step " + std::to_string(step));
-      const std::vector<float>& u = step % 2 == 0 ? band : planted;
-      SelectInfo info;
-      ASSERT_NO_FATAL_FAILURE(ExactStepOnAZeroResidual(
-          selector.get(), residual, u, k, step, stream, &info));
-      if (step % 2 == 1) {
-        // Its rule compacted u, then the gated plan ran over u.
-        EXPECT_TRUE(info.fast_path);
-        EXPECT_FALSE(info.candidates_from_update);
+    for (size_t i = 0; i < n; ++i) {
+      if (!second && i % 2000 == 7 && top < 50) {
+        u[i] = 2.0f;
+        ++top;
+      } else if (second && i % 50 == 11 && a < 1000) {
+        u[i] = 1.5f;
+        ++a;
       }
     }
-    if (graphs) {
-      ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+    for (size_t i = 13; second && i < n && b < 400; i += 250, ++b) {
+      u[i] = -2.27f;
     }
+    for (size_t i = 17; second && i < n && c < 300; i += 333, ++c) {
+      u[i] = 2.45f;
+    }
+    return u;
+  };
+  const std::vector<float> first = build(false), second = build(true);
+  // The construction's premises, on the host.
+  const double z = cpu::NormalQuantile(1.0 - static_cast<double>(k) / n / 2.0);
+  const long double t0 = GaussianThresholdOf(second, z);
+  ASSERT_GT(t0, 2.27L);
+  ASSERT_LT(t0, 2.45L);
+  uint64_t above = 0, equal = 0;
+  for (float x : second) {
+    above += std::fabs(x) > 1.0f;
+    equal += std::fabs(x) == 1.0f;
   }
+  ASSERT_GE(above, k);
+  ASSERT_GT(equal, std::min<uint64_t>(4 * k, n / 32));  // ties predicted
+  ASSERT_LE(above + equal, n / 8);  // K's bin: the planner takes them
+  ASSERT_FALSE(GaussianKInPlainLoops(first, k, 1).selected.has_value());
+  ASSERT_FALSE(GaussianKInPlainLoops(second, k, 1).selected.has_value());
+  SelectorOptions options;
+  options.gaussiank_max_adjustments = 1;
+  ExpectFallbackAfterItsCompactionPlansOverU(first, second, k, options);
+}
+
+// Select then Wait on a Sparsifier: the status, the pairs and the info.
+struct Selection {
+  KernelStatus status = KernelStatus::Ok();
+  SparseVector got;
+  SelectInfo info;
+};
+Selection SelectAndWait(Sparsifier* sp, float* u, uint64_t n,
+                        const SelectParams& p, cudaStream_t stream) {
+  Selection s;
+  s.status = sp->Select(u, n, p, stream);
+  if (!s.status.ok()) return s;
+  SelectedPairs sel;
+  s.status = sp->Wait(stream, &sel);
+  if (!s.status.ok()) return s;
+  s.got.indices.assign(sel.indices, sel.indices + sel.count);
+  s.got.values.assign(sel.values, sel.values + sel.count);
+  s.info = sel.info;
+  return s;
+}
+
+// Seeded random sequences on one Sparsifier, the mix a training job's
+// tensors make, so that every prediction one selection leaves for the next
+// (candidates, ties, samples, fallbacks, graphs) meets the others:
+// gaussiank and exact, after Accumulate (the residual carried over or
+// zeroed first) and on plain buffers, two n interleaved, eight input kinds,
+// fresh or the previous input scaled (x0.5 to x2) and drifted, k from 1 to
+// n, zeroing on and off, 1 to 16 adjustments, a created stream (graphs)
+// and the legacy one, exact's sample and Gaussian-k's key limit toggled, a
+// non-finite entry now and then. Seed 2 favours the crowded inputs, fused
+// Gaussian-k and repeated parameters (the predictions' steady states).
+// Every step against its reference: the exact top-k (exact, or Gaussian-k
+// where its rule fell back, as a fresh Sparsifier says) equals
+// ReferenceTopK; Gaussian-k in range equals a fresh Sparsifier's selection
+// of a plain copy (bits, adjustments); the residual is zeroed exactly (or
+// untouched); a non-finite u is INVALID_ARGUMENT naming its first position,
+// with u untouched. (A break-it review's harness, 2026-12-06.)
+TEST_F(GpuTest, MixedSelectionSequencesOnOneSparsifierMatchTheirReferences) {
+  const size_t ns[2] = {100003, 300007};
+  const Distribution kinds[] = {
+      Distribution::kNormal,   Distribution::kNarrowBand,
+      Distribution::kAllEqual, Distribution::kTies,
+      Distribution::kOutliers, Distribution::kLaplaceZeros,
+      Distribution::kFewLevels, Distribution::kManyZeros};
+  const uint64_t saved_sample = SetExactSampleMinNForTesting(0);
+  SetExactSampleMinNForTesting(saved_sample);
+  cudaStream_t created = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking),
+            cudaSuccess);
+  int fell_back_from_update = 0, replayed = 0, non_finite = 0;
+  for (const uint64_t seed : {1, 2}) {
+    const bool focus = seed == 2;
+    std::mt19937_64 rng(seed);
+    const auto pick = [&](uint64_t m) { return rng() % m; };
+    const auto chance = [&](double p) {
+      return std::uniform_real_distribution<double>(0, 1)(rng) < p;
+    };
+    std::unique_ptr<Sparsifier> sp;
+    ASSERT_TRUE(Sparsifier::Create(ns[1], &sp).ok());
+    DeviceVector res0(std::vector<float>(ns[0], 0.0f));
+    DeviceVector res1(std::vector<float>(ns[1], 0.0f));
+    DeviceVector plain0(std::vector<float>(ns[0], 0.0f));
+    DeviceVector plain1(std::vector<float>(ns[1], 0.0f));
+    DeviceVector* residual[2] = {&res0, &res1};
+    DeviceVector* plain[2] = {&plain0, &plain1};
+    std::vector<float> prev[2];
+    SelectParams last[2];
+    bool sample_on = false;
+    int key_limit = 160;
+    int which = 0;
+    for (uint64_t step = 0; step < 60; ++step) {
+      if (chance(focus ? 0.1 : 0.25)) which = 1 - which;
+      const size_t n = ns[which];
+      if (chance(0.1)) {
+        sample_on = !sample_on;
+        SetExactSampleMinNForTesting(sample_on ? 0 : saved_sample);
+      }
+      if (chance(focus ? 0.04 : 0.08)) {
+        key_limit = key_limit == 0 ? 160 : 0;
+        sp->set_gaussiank_key_limit_for_testing(key_limit);
+      }
+      SelectParams p;
+      p.method =
+          chance(focus ? 0.85 : 0.7) ? Method::kGaussianK : Method::kExact;
+      const uint64_t ks[] = {1,         7,         n / 100, n / 1000, n / 8 - 1,
+                             n / 8 + 1, n / 8,     n,       1000,     3000};
+      p.k = ks[pick(10)];
+      if (chance(0.5)) p.k = chance(0.5) ? n / 100 : 1000;
+      p.zero_selected = chance(0.8);
+      p.gaussiank_max_adjustments =
+          chance(0.5) ? 4 : 1 + static_cast<int>(pick(16));
+      if (focus && last[which].k != 0 && chance(0.75)) {
+        p.k = last[which].k;
+        p.zero_selected = last[which].zero_selected;
+        p.gaussiank_max_adjustments = last[which].gaussiank_max_adjustments;
+      }
+      last[which] = p;
+      p.step = step;
+      cudaStream_t stream = chance(focus ? 0.8 : 0.6) ? created : nullptr;
+      const bool fused = chance(focus ? 0.9 : 0.75);
+      // The input (the gradient when fused).
+      std::vector<float> in;
+      std::string what;
+      if (prev[which].empty() || pick(10) < 4) {
+        const Distribution kind =
+            focus && chance(0.7) ? kinds[1 + pick(4)] : kinds[pick(8)];
+        in = MakeInput(kind, n, seed * 1000 + step);
+        what = DistributionName(kind);
+        if (chance(0.3)) {
+          const float scale = chance(0.5) ? 2.9f : 0.01f;
+          for (float& x : in) x *= scale;
+          what += " scaled";
+        }
+      } else {
+        const float scales[] = {0.9f, 0.5f, 2.0f, 1.0f, 0.97f, 1.03f};
+        const float scale = scales[pick(6)];
+        in = prev[which];
+        for (float& x : in) x *= scale;
+        what = "previous x" + std::to_string(scale);
+        if (chance(0.3)) {
+          const std::vector<float> noise =
+              MakeInput(Distribution::kNormal, n, seed * 7777 + step);
+          for (size_t i = 0; i < n; i += 7) in[i] += 0.05f * noise[i];
+          what += " drifted";
+        }
+      }
+      prev[which] = in;
+      if (chance(0.03)) {
+        const uint64_t at = pick(n);
+        in[at] = chance(0.5) ? std::numeric_limits<float>::quiet_NaN()
+                             : -std::numeric_limits<float>::infinity();
+        prev[which].clear();
+        what += " non-finite at " + std::to_string(at);
+      }
+      const bool zero_first = chance(0.5);
+      SCOPED_TRACE("seed " + std::to_string(seed) + " step " +
+                   std::to_string(step) + " n " + std::to_string(n) + " k " +
+                   std::to_string(p.k) + " " + MethodName(p.method) +
+                   (fused ? zero_first ? " after Accumulate of a zero residual"
+                                       : " after Accumulate"
+                          : " plain") +
+                   " " + what + (stream ? " created" : " legacy") +
+                   (p.zero_selected ? " zeroing" : "") + " adjustments " +
+                   std::to_string(p.gaussiank_max_adjustments) +
+                   (sample_on ? " sample" : "") +
+                   (key_limit == 0 ? " key limit 0" : ""));
+      std::vector<float> u;
+      DeviceVector* target = fused ? residual[which] : plain[which];
+      if (fused) {
+        if (zero_first) {
+          const std::vector<float> zeros(n, 0.0f);
+          ASSERT_EQ(cudaMemcpy(target->buffer.get(), zeros.data(),
+                               n * sizeof(float), cudaMemcpyHostToDevice),
+                    cudaSuccess);
+        }
+        DeviceVector grad(in);
+        // (A non-blocking stream does not wait for the legacy stream.)
+        ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
+        ASSERT_TRUE(sp->Accumulate(grad.buffer.get(), nullptr, nullptr,
+                                   nullptr, target->buffer.get(),
+                                   target->buffer.get(), n, PlainUpdate(1.0f),
+                                   stream)
+                        .ok());
+        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        u = target->ToHost(n);
+      } else {
+        ASSERT_EQ(cudaMemcpy(target->buffer.get(), in.data(),
+                             n * sizeof(float), cudaMemcpyHostToDevice),
+                  cudaSuccess);
+        ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
+        u = in;
+      }
+      const auto bad = std::find_if(u.begin(), u.end(),
+                                    [](float x) { return !std::isfinite(x); });
+      const Selection sel =
+          SelectAndWait(sp.get(), target->buffer.get(), n, p, stream);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      if (bad != u.end()) {
+        ++non_finite;
+        EXPECT_EQ(sel.status.code, KernelStatusCode::kInvalidArgument);
+        EXPECT_THAT(sel.status.message,
+                    HasSubstr("at position " +
+                              std::to_string(bad - u.begin())));
+        ASSERT_NO_FATAL_FAILURE(ExpectZeroedExactly(*target, u, {}));
+        if (fused) {  // the next steps start from a finite residual
+          const std::vector<float> zeros(n, 0.0f);
+          ASSERT_EQ(cudaMemcpy(target->buffer.get(), zeros.data(),
+                               n * sizeof(float), cudaMemcpyHostToDevice),
+                    cudaSuccess);
+        }
+        continue;
+      }
+      ASSERT_TRUE(sel.status.ok()) << sel.status.message;
+      replayed += sel.info.graph_replay;
+      if (p.method == Method::kExact) {
+        ExpectSameBits(sel.got, ReferenceTopK(u, p.k));
+      } else {
+        std::unique_ptr<Sparsifier> fresh;
+        ASSERT_TRUE(Sparsifier::Create(n, &fresh).ok());
+        DeviceVector copy(u);
+        const Selection want =
+            SelectAndWait(fresh.get(), copy.buffer.get(), n, p, nullptr);
+        ASSERT_TRUE(want.status.ok()) << want.status.message;
+        EXPECT_EQ(sel.info.fell_back, want.info.fell_back);
+        EXPECT_EQ(sel.info.adjustments, want.info.adjustments);
+        if (sel.info.fell_back) {
+          fell_back_from_update += sel.info.candidates_from_update;
+          ExpectSameBits(sel.got, ReferenceTopK(u, p.k));
+        } else {
+          ExpectSameBits(sel.got, want.got);
+        }
+      }
+      ASSERT_NO_FATAL_FAILURE(ExpectZeroedExactly(
+          *target, u,
+          p.zero_selected ? sel.got.indices : std::vector<uint32_t>{}));
+      if (HasFailure()) break;
+    }
+    SetExactSampleMinNForTesting(saved_sample);
+  }
+  EXPECT_EQ(cudaStreamDestroy(created), cudaSuccess);
+  // The paths the sequences are for were reached.
+  EXPECT_GT(fell_back_from_update, 0);
+  EXPECT_GT(replayed, 0);
+  EXPECT_GT(non_finite, 0);
 }
 
 // The one-block path (n <= 4096: one kernel, u's keys in shared memory)
