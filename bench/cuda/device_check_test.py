@@ -377,11 +377,12 @@ def emulated_checks(binary, tmp, failures):
         if c["checks"] != CHECKS_PER_DENSITY * 2 * len(crowded_inputs) or \
                 c["failed"] != 0:
             failures.append("crowded: correctness %r" % c)
-        # Gaussian-k after the update too: its rule ends out of range on
-        # these inputs (but for ties at 0.001, in range at its predicted
-        # bin), and its exact top-k takes the update's candidates as
-        # exact's does.
-        for method in ("exact_after_update", "gaussiank_after_update"):
+        # Gaussian-k too, after the update and from u: its rule ends out
+        # of range on these inputs (but for ties at 0.001, in range at its
+        # predicted bin), and its exact top-k takes the first pass's
+        # candidates as exact's does after the update.
+        for method in ("exact_after_update", "gaussiank_after_update",
+                       "gaussiank"):
             share = {(r2["input"], r2["density"]): r2["from_update_fraction"]
                      for r2 in doc["rows"] if r2.get("method") == method}
             if len(share) != 2 * len(crowded_inputs) or \

@@ -2677,12 +2677,16 @@ struct Sparsifier::Impl {
     uint64_t exact_sample_min_n;  // SetExactSampleMinNForTesting's
     uint64_t one_block_max_n;     // SetOneBlockMaxNForTesting's
     bool update_sampled;  // exact after Accumulate from a sample
-    // gaussiank after Accumulate: its gated exact fallback plans with the
-    // update's candidates (GaussFallbackFromUpdate), not from a sample.
+    // gaussiank: its gated exact fallback plans with the first pass's
+    // candidates (GaussFallbackFromUpdate), not from a sample.
     bool gauss_fallback_from_update;
+    // gaussiank from u: its own histogram pass counts a predicted key's
+    // ties (Histogram).
+    bool gauss_ties_pass;
     bool operator==(const GraphKey& o) const {
       return update_sampled == o.update_sampled &&
              gauss_fallback_from_update == o.gauss_fallback_from_update &&
+             gauss_ties_pass == o.gauss_ties_pass &&
              method == o.method &&
              u == o.u && n == o.n && k == o.k &&
              zero == o.zero && reuse == o.reuse &&
@@ -2728,22 +2732,25 @@ struct Sparsifier::Impl {
   // n/8 keys), so the next enqueues that too, gated.
   bool exact_expect_from_u = false;
   bool gauss_expect_from_u = false;
-  // gaussiank after Accumulate: the last selection of this n (0: none) fell
-  // back to the exact plan with the update's candidates, which predicted
-  // the next update's (state's update_pred_*), or fell back to an exact
-  // top-k from a sample; so the next gated fallback of this n runs that
-  // plan (no pass over u while the prediction holds) instead of starting
-  // from a sample (GaussFallbackFromUpdate). Set by Wait.
+  // gaussiank: the last selection of this n (0: none) fell back to the
+  // exact plan with the first pass's candidates (the fused update's, or
+  // Gaussian-k's own histogram pass's), which predicted the next pass's
+  // (state's update_pred_*), or fell back to an exact top-k from a
+  // sample; so the next gated fallback of this n runs that plan (no pass
+  // over u besides the first while the prediction holds) instead of
+  // starting from a sample (GaussFallbackFromUpdate). Set by Wait.
   uint64_t gauss_exact_predicted_n = 0;
+  // set_gaussiank_fallback_from_candidates_for_testing's value.
+  bool gauss_fallback_from_candidates = true;
   // The pending gaussiank selection's host continuation took the exact
   // top-k from its compaction's candidates (CandidateExact: it predicts
   // nothing).
   bool gauss_candidate_exact = false;
-  // Whether gaussiank's gated exact fallback plans with the update's
-  // candidates: after Accumulate (reuse), when the last fallback of this n
-  // predicted them. Otherwise, on a large u, it starts from a sample.
-  bool GaussFallbackFromUpdate(uint64_t n, bool reuse) const {
-    return reuse && gauss_exact_predicted_n == n;
+  // Whether gaussiank's gated exact fallback plans with the first pass's
+  // candidates: when the last fallback of this n predicted them.
+  // Otherwise, on a large u, it starts from a sample.
+  bool GaussFallbackFromUpdate(uint64_t n) const {
+    return gauss_fallback_from_candidates && gauss_exact_predicted_n == n;
   }
   bool took_exact = false;  // the pending selection's, for the prediction
   // exact after Accumulate: the last such plan over u of this n (0: none)
@@ -2760,9 +2767,11 @@ struct Sparsifier::Impl {
   // Its Inits drop the update's prediction (InitArgs::clear_prediction):
   // set by Select for such a selection, cleared by Accumulate.
   bool clear_update_prediction = false;
-  // The n whose next fused update is to count the ties at its predicted
-  // key (DeviceState::update_pred_ties, as the last Wait read it; 0: none):
-  // Accumulate launches HistogramKernel<true, true> for it.
+  // The n whose next fused update, or Gaussian-k's next own histogram
+  // pass, is to count the ties at its predicted key (DeviceState::
+  // update_pred_ties, as the last Wait read it; 0: none): Accumulate
+  // launches HistogramKernel<true, true> for it, Histogram
+  // HistogramKernel<false, true>.
   uint64_t ties_predicted_n = 0;
   bool tiny_enqueued = false;  // the pending selection is TinySelectKernel's
   std::vector<CachedGraph> graphs;
@@ -2911,8 +2920,13 @@ struct Sparsifier::Impl {
     // Gaussian-k's threshold is the same whether or not Select reuses
     // Accumulate's histogram.
     SetHistLayout(n, &a);
-    GTOPK_LAUNCH(HistogramKernel<false>, HistLayoutFor(n).blocks, kThreads,
-                 stream)(a);
+    // Where the last selection predicted a key with its ties, the pass
+    // counts them too, as the fused update does (a graph key: the choice
+    // is captured).
+    auto* pass = keep_candidates && ties_predicted_n == n
+                     ? &HistogramKernel<false, true>
+                     : &HistogramKernel<false, false>;
+    GTOPK_LAUNCH(pass, HistLayoutFor(n).blocks, kThreads, stream)(a);
     GTOPK_CUDA_LAUNCH_CHECK();
     return KernelStatus::Ok();
   }
@@ -3427,27 +3441,28 @@ KernelStatus Sparsifier::Impl::SelectGaussianK(float* u, uint64_t n,
   // step: the prediction follows the outcome). The exact top-k runs from u
   // here, where Wait's continuation may take it from the first compaction's
   // survivors: the same pairs, SelectInfo's candidates and plan differ.
-  // After Accumulate, when the last fallback of this n predicted the
-  // update's candidates (GaussFallbackFromUpdate), that exact top-k is the
-  // exact plan with them, as exact's own after Accumulate: no pass over u
-  // while the prediction holds (the narrow band, every value equal, ties
-  // and outliers, whose rule ends out of range at every step, cost what
-  // normal data costs). Otherwise, on a large u, it starts from a sample
-  // (one pass over u, whatever digits the keys share: the narrow band and
-  // the outliers that end the rule cost one more pass, not up to three),
-  // with the plan over u gated behind it when the last one needed that.
-  // The candidates are not taken when the rule's own compaction
+  // When the last fallback of this n predicted the first pass's
+  // candidates (GaussFallbackFromUpdate: the fused update's, or this
+  // selection's own histogram pass's), that exact top-k is the exact plan
+  // with them, as exact's own after Accumulate: no pass over u besides the
+  // first while the prediction holds (the narrow band, every value equal,
+  // ties and outliers, whose rule ends out of range at every step, cost
+  // what normal data costs). Otherwise, on a large u, it starts from a
+  // sample (one pass over u, whatever digits the keys share: the narrow
+  // band and the outliers that end the rule cost one more pass, not up to
+  // three), with the plan over u gated behind it when the last one needed
+  // that. The candidates are not taken when the rule's own compaction
   // overwrote them (DeviceState::update_clobbered).
   if (expect_exact) {
     GatedScope falling_back(*this, &st->gk_exact, 1);
     const ExactSample plan = PlanExactSample(n, k);
-    if (plan.runs != 0 && !GaussFallbackFromUpdate(n, reuse)) {
+    if (plan.runs != 0 && !GaussFallbackFromUpdate(n)) {
       GTOPK_CUDA_RETURN_IF_NOT_OK(SampledExact(u, n, k, zero, plan.runs,
                                                plan.rank, gauss_expect_from_u,
                                                stream));
     } else {
       GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, true, stream,
-                                             /*update_candidates=*/reuse));
+                                             /*update_candidates=*/true));
     }
   }
   exact_enqueued = expect_exact;
@@ -3543,13 +3558,13 @@ KernelStatus Sparsifier::Impl::ContinueGaussianK(const DeviceState& state,
     GTOPK_CUDA_RETURN_IF_NOT_OK(CandidateExact(u, n, k, zero, stream));
     gauss_candidate_exact = true;
   } else {
-    // hist0 still describes u (nothing was written to u). After
-    // Accumulate, the plan takes the update's candidates when they hold
-    // the top k and no compaction overwrote them, and predicts the next
-    // update's, which the next fallback's gated plan then takes.
-    GTOPK_CUDA_RETURN_IF_NOT_OK(
-        ExactFromU(u, n, k, zero, true, stream,
-                   /*update_candidates=*/info.used_update_histogram));
+    // hist0 still describes u (nothing was written to u). The plan takes
+    // the first pass's candidates (the fused update's, or Gaussian-k's own
+    // histogram pass's) when they hold the top k and no compaction
+    // overwrote them, and predicts the next pass's, which the next
+    // fallback's gated plan then takes.
+    GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, true, stream,
+                                           /*update_candidates=*/true));
   }
   return CopyOut(k, stream);
 }
@@ -3819,8 +3834,10 @@ KernelStatus Sparsifier::Impl::EnqueueWithGraph(float* u, uint64_t n,
                      clear_update_prediction,
                      // (Without a sample both branches enqueue the same.)
                      p.method == Method::kGaussianK && expect_exact &&
-                         GaussFallbackFromUpdate(n, reuse) &&
-                         PlanExactSample(n, p.k).runs != 0};
+                         GaussFallbackFromUpdate(n) &&
+                         PlanExactSample(n, p.k).runs != 0,
+                     p.method == Method::kGaussianK && !reuse &&
+                         ties_predicted_n == n};
   for (CachedGraph& g : graphs) {
     if (!(g.key == key)) continue;
     GTOPK_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(g.exec, stream));
@@ -3888,6 +3905,11 @@ Sparsifier::Sparsifier(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 void Sparsifier::set_use_graphs(bool use) {
   impl_->use_graphs = use;
   if (!use) impl_->ClearGraphs();
+}
+void Sparsifier::set_gaussiank_fallback_from_candidates_for_testing(
+    bool use) {
+  impl_->gauss_fallback_from_candidates = use;
+  impl_->ClearGraphs();
 }
 void Sparsifier::set_gaussiank_key_limit_for_testing(int limit) {
   impl_->gauss_key_limit = std::max(0, std::min(limit, kMaxGaussKeys));
@@ -4276,20 +4298,20 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
   }
   if (continuation == Impl::Continuation::kGaussianK) {
     m.expect_exact = m.info.fell_back;
-    // After Accumulate, the next gated fallback of this n plans with the
-    // update's candidates when this fallback ran that plan (gated, or in
-    // ContinueGaussianK) and it predicted the next update's; and after a
+    // The next gated fallback of this n plans with the first pass's
+    // candidates when this fallback ran that plan (gated, or in
+    // ContinueGaussianK) and it predicted the next pass's; and after a
     // fallback that started from a sample (which predicts nothing), so
     // that the plan runs again and predicts (at worst every other step
     // when it cannot: the sample in between).
     const DeviceState& last = *m.host_state();
-    const bool after_update = m.info.fell_back && m.info.used_update_histogram;
-    const bool planned = after_update && !ran_sampled &&
+    const bool fell_back = m.info.fell_back;
+    const bool planned = fell_back && !ran_sampled &&
                          !m.gauss_candidate_exact &&
                          last.update_pred_n == m.pending_n &&
                          last.update_pred_key != 0;
     m.gauss_exact_predicted_n =
-        planned || (after_update && ran_sampled) ? m.pending_n : 0;
+        planned || (fell_back && ran_sampled) ? m.pending_n : 0;
   } else if (continuation == Impl::Continuation::kDgc) {
     m.dgc_expect_exact = m.took_exact;
   }

@@ -89,18 +89,19 @@
 //    first time; a Sparsifier whose last gaussiank selection fell back
 //    enqueues it too, gated on the device's verdict, so that a steady
 //    stream of such inputs needs no round trip (when the rule lands in
-//    range instead, the gated chain's kernels return at once). After
-//    Accumulate, that exact top-k is exact's plan after Accumulate, with
-//    the update's candidates: the last fallback's plan (Wait's the first
-//    time) predicted them from its k-th key, so while the prediction holds
-//    a stream of such inputs reads u only in the update, as normal data
-//    does (no pass over u; the candidates are not taken when the rule's
-//    own compaction wrote over them: DeviceState::update_clobbered). From
-//    u in device memory, or when the last fallback predicted nothing, on
-//    a large u that gated exact top-k starts from a sample, as exact's
-//    does (one more pass over u on the narrow band and the outliers; the
-//    plan over u behind it, gated too, after one whose sample's bound
-//    failed).
+//    range instead, the gated chain's kernels return at once). That exact
+//    top-k is exact's plan after Accumulate, with the first pass's
+//    candidates (the fused update's, or Gaussian-k's own histogram
+//    pass's, which also counts the ties of a key predicted with them):
+//    the last fallback's plan (Wait's the first time) predicted them from
+//    its k-th key, so while the prediction holds a stream of such inputs
+//    reads u only in that first pass, as normal data does (the candidates
+//    are not taken when the rule's own compaction wrote over them:
+//    DeviceState::update_clobbered). When the last fallback predicted
+//    nothing, on a large u that gated exact top-k starts from a sample, as
+//    exact's does (one more pass over u on the narrow band and the
+//    outliers; the plan over u behind it, gated too, after one whose
+//    sample's bound failed), and the plan runs again the step after.
 //    The planner predicts a bin from its stop key as exact does from its
 //    k-th key, and the next first pass of the same n (the fused update's,
 //    or Gaussian-k's own histogram pass) keeps the keys from that bin up;
@@ -258,8 +259,8 @@ struct SelectInfo {
   // key and every key listed for the correction lie in kept bins); a
   // correction may still compact u. When the rule fell back (fell_back),
   // whether its exact top-k took them as exact's after Accumulate does
-  // (after Accumulate only: predicted by the last fallback's plan, and
-  // not when the rule's own compaction wrote over them).
+  // (predicted by the last fallback's plan; not when the rule's own
+  // compaction wrote over them).
   bool candidates_from_update = false;
   // exact after Accumulate: the last such selection of this n needed more
   // than one pass over u for its plan (its k-th key's digit-0 bin held more
@@ -382,6 +383,12 @@ class Sparsifier {
   // left to Wait's host continuation (0: every correction that needs an
   // exact count besides the first is). Drops the captured graphs.
   void set_gaussiank_key_limit_for_testing(int limit);
+
+  // Tests only: false keeps Gaussian-k's gated exact fallback on its
+  // sample (a large u) even when the last fallback predicted the first
+  // pass's candidates, so that the sampled path stays checkable. Drops
+  // the captured graphs.
+  void set_gaussiank_fallback_from_candidates_for_testing(bool use);
 
   // Waits for the last Select (synchronizes `stream`) and returns its pairs;
   // finishes a gaussiank/dgc selection the device did not accept (more
