@@ -4,12 +4,16 @@
 // cluster fingerprint (CheckFingerprint, ExplainLeaderRefusal) and rank
 // ownership (CheckMemberToken). The training handlers are in
 // server/service.cc.
+#include <algorithm>
 #include <cstdint>
 #include <random>
 #include <string>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/cluster_spec.h"
 #include "common/grpc_edge.h"
 #include "common/status_macros.h"
@@ -19,7 +23,10 @@
 namespace gtopk {
 namespace server {
 
+using internal::ContextDeadline;
 using internal::kFingerprintMarker;
+using internal::kPollInterval;
+using internal::kRankReleaseGrace;
 
 namespace {
 
@@ -192,6 +199,27 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* context,
         "; -1 for any)")));
   }
   absl::MutexLock lock(&mu_);
+  if (requested >= 0) {
+    // The requested rank's streams get a short grace to end (a worker
+    // that closed them a moment ago and joins again, whose cancellation
+    // this server has not seen yet), within the call's deadline; a live
+    // worker's stay open, and the rank is refused below.
+    const uint32_t r = static_cast<uint32_t>(requested);
+    auto released = [this, r]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      if (shutting_down_ || draining_) return true;
+      for (grpc::ServerContext* stream : live_streams_[r]) {
+        if (!stream->IsCancelled()) return false;
+      }
+      return true;
+    };
+    const absl::Time grace =
+        std::min(absl::Now() + kRankReleaseGrace, ContextDeadline(context));
+    // (Polled: a stream's cancellation comes without a mutex release.)
+    while (!mu_.AwaitWithDeadline(absl::Condition(&released),
+                                  std::min(grace, absl::Now() + kPollInterval)) &&
+           absl::Now() < grace && !context->IsCancelled()) {
+    }
+  }
   if (shutting_down_ || draining_) {
     return ToGrpcStatus(absl::UnavailableError(
         absl::StrCat("shard ", config_.shard_id, " is shutting down")));

@@ -22,6 +22,12 @@ inline constexpr char kFingerprintMarker[] = "cluster fingerprint";
 // How often waits wake up to look for a cancelled call or a shutdown.
 inline constexpr absl::Duration kPollInterval = absl::Milliseconds(50);
 
+// How long Join waits for the open streams of a requested rank to end
+// before calling the rank taken by a live worker: a worker that closed its
+// streams and joins again at once (a restart) is noticed asynchronously,
+// when its cancellation reaches this server.
+inline constexpr absl::Duration kRankReleaseGrace = absl::Seconds(2);
+
 // The deadline of `context`'s call; InfiniteFuture for none (or no context).
 inline absl::Time ContextDeadline(const grpc::ServerContext* context) {
   if (context == nullptr) return absl::InfiniteFuture();
