@@ -23,9 +23,9 @@
 namespace gtopk {
 namespace server {
 
+using internal::AwaitPolled;
 using internal::ContextDeadline;
 using internal::kFingerprintMarker;
-using internal::kPollInterval;
 using internal::kRankReleaseGrace;
 
 namespace {
@@ -199,26 +199,28 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* context,
         "; -1 for any)")));
   }
   absl::MutexLock lock(&mu_);
+  // A worker restarting after a crash has no open stream (its connection
+  // closed with it); one that still has one is another, live worker.
+  const auto rank_live = [this](uint32_t r)
+                             ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (grpc::ServerContext* stream : live_streams_[r]) {
+      if (!stream->IsCancelled()) return true;
+    }
+    return false;
+  };
   if (requested >= 0) {
     // The requested rank's streams get a short grace to end (a worker
     // that closed them a moment ago and joins again, whose cancellation
     // this server has not seen yet), within the call's deadline; a live
     // worker's stay open, and the rank is refused below.
     const uint32_t r = static_cast<uint32_t>(requested);
-    auto released = [this, r]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      if (shutting_down_ || draining_) return true;
-      for (grpc::ServerContext* stream : live_streams_[r]) {
-        if (!stream->IsCancelled()) return false;
-      }
-      return true;
+    auto released = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return shutting_down_ || draining_ || !rank_live(r);
     };
-    const absl::Time grace =
-        std::min(absl::Now() + kRankReleaseGrace, ContextDeadline(context));
-    // (Polled: a stream's cancellation comes without a mutex release.)
-    while (!mu_.AwaitWithDeadline(absl::Condition(&released),
-                                  std::min(grace, absl::Now() + kPollInterval)) &&
-           absl::Now() < grace && !context->IsCancelled()) {
-    }
+    AwaitPolled(mu_, absl::Condition(&released),
+                std::min(absl::Now() + kRankReleaseGrace,
+                         ContextDeadline(context)),
+                context);
   }
   if (shutting_down_ || draining_) {
     return ToGrpcStatus(absl::UnavailableError(
@@ -235,18 +237,14 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* context,
   uint32_t rank = 0;
   if (requested >= 0) {
     rank = static_cast<uint32_t>(requested);
-    // A worker restarting after a crash has no open stream (its connection
-    // closed with it); one that still has one is another, live worker.
-    for (grpc::ServerContext* stream : live_streams_[rank]) {
-      if (!stream->IsCancelled()) {
-        return ToGrpcStatus(absl::AlreadyExistsError(absl::StrCat(
-            "rank ", rank,
-            " is already taken by a live worker (it has an "
-            "open PushPull stream on shard ",
-            config_.shard_id,
-            "); start this worker with another --rank, or stop the other "
-            "one first")));
-      }
+    if (rank_live(rank)) {
+      return ToGrpcStatus(absl::AlreadyExistsError(absl::StrCat(
+          "rank ", rank,
+          " is already taken by a live worker (it has an "
+          "open PushPull stream on shard ",
+          config_.shard_id,
+          "); start this worker with another --rank, or stop the other "
+          "one first")));
     }
   } else {
     while (rank < config_.num_workers && rank_given_[rank]) ++rank;

@@ -31,6 +31,7 @@
 namespace gtopk {
 namespace server {
 
+using internal::AwaitPolled;
 using internal::ContextDeadline;
 using internal::kFingerprintMarker;
 using internal::kPollInterval;
@@ -558,14 +559,11 @@ grpc::Status AggregatorService::DownloadParams(
     auto has_slot = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(download_mu_) {
       return active_downloads_ < kMaxConcurrentDownloads;
     };
-    while (!download_mu_.AwaitWithDeadline(
-        absl::Condition(&has_slot),
-        std::min(deadline, absl::Now() + kPollInterval))) {
-      if (context->IsCancelled() || absl::Now() >= deadline) {
-        return ToGrpcStatus(absl::DeadlineExceededError(absl::StrCat(
-            "shard ", config_.shard_id, ": ", kMaxConcurrentDownloads,
-            " parameter downloads already in progress")));
-      }
+    if (!AwaitPolled(download_mu_, absl::Condition(&has_slot), deadline,
+                     context)) {
+      return ToGrpcStatus(absl::DeadlineExceededError(absl::StrCat(
+          "shard ", config_.shard_id, ": ", kMaxConcurrentDownloads,
+          " parameter downloads already in progress")));
     }
     ++active_downloads_;
   }

@@ -5,8 +5,10 @@
 #ifndef GTOPK_SERVER_SERVICE_INTERNAL_H_
 #define GTOPK_SERVER_SERVICE_INTERNAL_H_
 
+#include <algorithm>
 #include <chrono>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "grpcpp/server_context.h"
@@ -36,6 +38,23 @@ inline absl::Time ContextDeadline(const grpc::ServerContext* context) {
     return absl::InfiniteFuture();
   }
   return absl::FromChrono(deadline);
+}
+
+// Waits, with `mu` held, until `cond` holds, `deadline` passes or the call
+// is cancelled, waking every kPollInterval to look at the call (and at a
+// condition that changes without a release of `mu`, such as a stream's
+// cancellation). Returns whether `cond` holds.
+inline bool AwaitPolled(absl::Mutex& mu, const absl::Condition& cond,
+                        absl::Time deadline, const grpc::ServerContext* context)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  while (!mu.AwaitWithDeadline(
+      cond, std::min(deadline, absl::Now() + kPollInterval))) {
+    if ((context != nullptr && context->IsCancelled()) ||
+        absl::Now() >= deadline) {
+      return false;
+    }
+  }
+  return true;
 }
 
 // Admits the call (AggregatorService::AdmitCall) into `admission`, which the

@@ -397,22 +397,32 @@ TEST_F(GpuTest, ExactPlanFollowsTheDataAndEveryPathIsExact) {
 
 // Select through the Sparsifier on a created stream (graphs apply) and Wait:
 // the pairs, the info, and the residual left in `d`.
+// Select then Wait on a Sparsifier: the first failed call's status, else
+// the pairs and the info.
 struct Selected {
+  KernelStatus status = KernelStatus::Ok();
   SparseVector pairs;
   SelectInfo info;
 };
-Selected SelectOnStream(Sparsifier* sp, DeviceVector* d, uint64_t n,
-                        const SelectParams& p, cudaStream_t stream) {
+Selected TrySelect(Sparsifier* sp, float* u, uint64_t n, const SelectParams& p,
+                   cudaStream_t stream) {
   Selected out;
-  EXPECT_TRUE(sp->Select(d->buffer.get(), n, p, stream).ok());
+  out.status = sp->Select(u, n, p, stream);
+  if (!out.status.ok()) return out;
   SelectedPairs sel;
-  const KernelStatus waited = sp->Wait(stream, &sel);
-  EXPECT_TRUE(waited.ok()) << waited.message;
-  if (!waited.ok()) return out;
+  out.status = sp->Wait(stream, &sel);
+  if (!out.status.ok()) return out;
   for (uint64_t j = 0; j < sel.count; ++j) {
     out.pairs.push_back(sel.indices[j], sel.values[j]);
   }
   out.info = sel.info;
+  return out;
+}
+// TrySelect of a device vector, which must succeed.
+Selected SelectOnStream(Sparsifier* sp, DeviceVector* d, uint64_t n,
+                        const SelectParams& p, cudaStream_t stream) {
+  Selected out = TrySelect(sp, d->buffer.get(), n, p, stream);
+  EXPECT_TRUE(out.status.ok()) << out.status.message;
   return out;
 }
 
@@ -2093,26 +2103,6 @@ TEST_F(GpuTest, GaussianKFallbackAfterItsInPlaceCompactionPlansOverU) {
   ExpectFallbackAfterItsCompactionPlansOverU(first, second, k, options);
 }
 
-// Select then Wait on a Sparsifier: the status, the pairs and the info.
-struct Selection {
-  KernelStatus status = KernelStatus::Ok();
-  SparseVector got;
-  SelectInfo info;
-};
-Selection SelectAndWait(Sparsifier* sp, float* u, uint64_t n,
-                        const SelectParams& p, cudaStream_t stream) {
-  Selection s;
-  s.status = sp->Select(u, n, p, stream);
-  if (!s.status.ok()) return s;
-  SelectedPairs sel;
-  s.status = sp->Wait(stream, &sel);
-  if (!s.status.ok()) return s;
-  s.got.indices.assign(sel.indices, sel.indices + sel.count);
-  s.got.values.assign(sel.values, sel.values + sel.count);
-  s.info = sel.info;
-  return s;
-}
-
 // Seeded random sequences on one Sparsifier, the mix a training job's
 // tensors make, so that every prediction one selection leaves for the next
 // (candidates, ties, samples, fallbacks, graphs) meets the others:
@@ -2266,8 +2256,8 @@ TEST_F(GpuTest, MixedSelectionSequencesOnOneSparsifierMatchTheirReferences) {
       }
       const auto bad = std::find_if(u.begin(), u.end(),
                                     [](float x) { return !std::isfinite(x); });
-      const Selection sel =
-          SelectAndWait(sp.get(), target->buffer.get(), n, p, stream);
+      const Selected sel =
+          TrySelect(sp.get(), target->buffer.get(), n, p, stream);
       ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
       if (bad != u.end()) {
         ++non_finite;
@@ -2287,26 +2277,26 @@ TEST_F(GpuTest, MixedSelectionSequencesOnOneSparsifierMatchTheirReferences) {
       ASSERT_TRUE(sel.status.ok()) << sel.status.message;
       replayed += sel.info.graph_replay;
       if (p.method == Method::kExact) {
-        ExpectSameBits(sel.got, ReferenceTopK(u, p.k));
+        ExpectSameBits(sel.pairs, ReferenceTopK(u, p.k));
       } else {
         std::unique_ptr<Sparsifier> fresh;
         ASSERT_TRUE(Sparsifier::Create(n, &fresh).ok());
         DeviceVector copy(u);
-        const Selection want =
-            SelectAndWait(fresh.get(), copy.buffer.get(), n, p, nullptr);
+        const Selected want =
+            TrySelect(fresh.get(), copy.buffer.get(), n, p, nullptr);
         ASSERT_TRUE(want.status.ok()) << want.status.message;
         EXPECT_EQ(sel.info.fell_back, want.info.fell_back);
         EXPECT_EQ(sel.info.adjustments, want.info.adjustments);
         if (sel.info.fell_back) {
           fell_back_from_update += sel.info.candidates_from_update;
-          ExpectSameBits(sel.got, ReferenceTopK(u, p.k));
+          ExpectSameBits(sel.pairs, ReferenceTopK(u, p.k));
         } else {
-          ExpectSameBits(sel.got, want.got);
+          ExpectSameBits(sel.pairs, want.pairs);
         }
       }
       ASSERT_NO_FATAL_FAILURE(ExpectZeroedExactly(
           *target, u,
-          p.zero_selected ? sel.got.indices : std::vector<uint32_t>{}));
+          p.zero_selected ? sel.pairs.indices : std::vector<uint32_t>{}));
       if (HasFailure()) break;
     }
     SetExactSampleMinNForTesting(saved_sample);
