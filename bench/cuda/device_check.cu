@@ -48,6 +48,7 @@
 #include "bench/cuda/device_check_args.h"
 #include "bench/cuda/device_check_inputs.h"
 #include "common/cuda/cuda_status.h"
+#include "common/cuda/launch.h"
 #include "common/cuda/sparsify.h"
 
 namespace {
@@ -100,6 +101,12 @@ struct TorchTimings {
 };
 
 long long DensityKey(double d) { return std::llround(d * 1e6); }
+
+// k for a density: max(1, round(density * n)), at most n.
+uint64_t KOf(double density, uint64_t n) {
+  const uint64_t k = static_cast<uint64_t>(std::llround(density * n));
+  return std::max<uint64_t>(1, std::min<uint64_t>(k, n));
+}
 
 bool FindNumber(const std::string& obj, const std::string& field, double* v) {
   const size_t p = obj.find("\"" + field + "\"");
@@ -333,8 +340,24 @@ struct Target {
   double limit_us = NAN;
   int met = -1;
   std::string detail;
+  // The wall targets: the wall-time floor at their n and density
+  // (WallFloor::total); NAN for the others or when not measured.
+  double floor_us = NAN;
   std::string figure_text, limit_text;  // printed; default: the numbers
 };
+
+// A selection's wall-time floor at (n, density): what no selection of u in
+// device memory to k pairs in pinned host memory can beat, measured in the
+// same run. `read` (every float of u must be read once), `copy` (the k
+// pairs must cross to the host), `host` (the fixed host cost outside the
+// device's work: the normal input's exact row's wall_us - us at this n and
+// density, the same Select and Wait as every selector's). NAN parts:
+// not measured (no timing, or no normal exact row).
+struct WallFloor {
+  double read = NAN, copy = NAN, host = NAN;
+  double total() const { return read + copy + host; }
+};
+using WallFloors = std::map<std::pair<uint64_t, long long>, WallFloor>;
 
 bool SameDensity(double a, double b) { return DensityKey(a) == DensityKey(b); }
 
@@ -361,7 +384,7 @@ constexpr uint64_t kMidN = 25557032, kLargeN = 138357544;
 
 // (a) n = 25,557,032, density 0.001, normal input: each method's time (CUDA
 // events, or host wall time for gaussiank/dgc) within its limit.
-void AddMidSizeTargets(const std::vector<Row>& rows,
+void AddMidSizeTargets(const std::vector<Row>& rows, const WallFloors& floors,
                        std::vector<Target>* out) {
   struct {
     const char* method;
@@ -383,6 +406,16 @@ void AddMidSizeTargets(const std::vector<Row>& rows,
     if (r != nullptr) {
       t.figure_us = m.wall ? r->wall_us : r->us;
       if (std::isfinite(t.figure_us)) t.met = t.figure_us <= t.limit_us;
+    }
+    // What the hardware leaves: the floor no selection beats (WallFloor).
+    const auto floor = floors.find({kMidN, DensityKey(0.001)});
+    if (m.wall && floor != floors.end() &&
+        std::isfinite(floor->second.total())) {
+      const WallFloor& f = floor->second;
+      t.floor_us = f.total();
+      t.detail += "; floor " + Num(f.total()) + " us = read pass " +
+                  Num(f.read) + " + pairs copy " + Num(f.copy) + " + host " +
+                  Num(f.host);
     }
     out->push_back(t);
   }
@@ -486,10 +519,10 @@ Target GaussianKCountTarget(
 // bench/cuda/README.md.
 std::vector<Target> ComputeTargets(
     const std::vector<Row>& rows, const std::map<uint64_t, double>& copy_us,
-    const std::vector<std::string>& inputs,
+    const WallFloors& floors, const std::vector<std::string>& inputs,
     const std::map<std::string, GaussianKChecks>& gauss) {
   std::vector<Target> out;
-  AddMidSizeTargets(rows, &out);
+  AddMidSizeTargets(rows, floors, &out);
   for (const std::string& input : inputs) {
     if (input != "normal") out.push_back(AnyInputTarget(rows, input));
   }
@@ -507,6 +540,31 @@ const char* TargetStatus(const Target& t) {
 // ---------------------------------------------------------------------------
 // The checks and timings on the device.
 
+// The floor of any pass over u (the read_pass baseline): each of the n
+// floats read once (float4 where u is 16-byte aligned, as the selectors'
+// passes read it), nothing written but a store that only a key equal to
+// `never` would take (the caller passes one no float has: the loads stay).
+// Grid-stride over any grid of any block size.
+__device__ inline uint32_t MaxKey(uint32_t acc, float x) {
+  const uint32_t key = __float_as_uint(x) & 0x7fffffffu;
+  return key > acc ? key : acc;
+}
+
+__global__ void ReadPassKernel(const float* u, uint64_t n, int vectorized,
+                               uint32_t never, float* sink) {
+  uint32_t acc = 0;
+  const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
+  const uint64_t first = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  const uint64_t n4 = vectorized ? n / 4 : 0;
+  const float4* u4 = reinterpret_cast<const float4*>(u);
+  for (uint64_t i = first; i < n4; i += stride) {
+    const float4 v = u4[i];
+    acc = MaxKey(MaxKey(MaxKey(MaxKey(acc, v.x), v.y), v.z), v.w);
+  }
+  for (uint64_t i = 4 * n4 + first; i < n; i += stride) acc = MaxKey(acc, u[i]);
+  if (acc == never) sink[0] = 1.0f;
+}
+
 // What the run found: the tables, the JSON, the targets and the exit status
 // are made of it.
 struct Results {
@@ -514,9 +572,33 @@ struct Results {
   std::vector<std::string> failures;
   std::vector<std::string> skipped;  // (input, n) blocks --budget-s left out
   std::map<uint64_t, double> copy_us;  // d2d copy of n floats, per n
+  // The parts of a selection's wall-time floor (WallFloor): one pass
+  // reading n floats and nothing else (ReadPassKernel), per n; the copy of
+  // k (index, value) pairs (8k bytes) from device to pinned host memory,
+  // per (n, density*1e6).
+  std::map<uint64_t, double> read_us;
+  std::map<std::pair<uint64_t, long long>, double> pairs_copy_us;
   std::map<std::string, GaussianKChecks> gauss;  // per input
   int checks = 0;
 };
+
+// Every (n, density) with a read pass and a pairs copy measured: its
+// WallFloor, host from the normal input's exact row (NAN without one).
+WallFloors ComputeWallFloors(const Results& results) {
+  WallFloors floors;
+  for (const auto& [key, copy] : results.pairs_copy_us) {
+    const auto read = results.read_us.find(key.first);
+    if (read == results.read_us.end()) continue;
+    WallFloor f;
+    f.read = read->second;
+    f.copy = copy;
+    const Row* exact = FindRow(results.rows, "normal", key.first,
+                               key.second / 1e6, "exact");
+    if (exact != nullptr) f.host = exact->wall_us - exact->us;
+    floors[key] = f;
+  }
+  return floors;
+}
 
 // The learning rate of the fused update's check (its u' = lr * g).
 constexpr float kUpdateLr = 0.5f;
@@ -584,6 +666,14 @@ class DeviceChecker {
     CHECK_OK(d_u.Allocate(max_n));
     CHECK_OK(d_velocity.Allocate(max_n));
     CHECK_OK(d_residual.Allocate(max_n));
+    // The pairs_copy baseline's k pairs (2k floats) at the largest k.
+    uint64_t max_k = 1;
+    for (uint64_t n : o.sizes) {
+      for (double density : o.densities) max_k = std::max(max_k, KOf(density, n));
+    }
+    CHECK_OK(d_pairs.Allocate(2 * max_k));
+    CHECK_OK(h_pairs.Allocate(2 * max_k));
+    CHECK_OK(d_sink.Allocate(1));
   }
 
   // Every input (outermost) and size, each (input, n) block started only
@@ -701,6 +791,38 @@ class DeviceChecker {
              [] {}, &s);
       results_.copy_us[n] = Median(s);
     }
+    // The wall-time floor's parts (WallFloor): one pass that only
+    // reads u, once per n; the copy of k pairs to pinned memory, once per
+    // (n, density).
+    if (!o_.check_only && results_.read_us.count(n) == 0) {
+      const int blocks = static_cast<int>(
+          std::min<uint64_t>(4096, (n + 1023) / 1024));
+      std::vector<double> s;
+      TimeUs([] {},
+             [&] {
+               GTOPK_LAUNCH(ReadPassKernel, blocks, 256, stream)(
+                   d_pristine.get(), n,
+                   reinterpret_cast<uintptr_t>(d_pristine.get()) % 16 == 0,
+                   0xffffffffu, d_sink.get());
+               CHECK_CUDA(cudaGetLastError());
+             },
+             [] {}, &s);
+      results_.read_us[n] = Median(s);
+    }
+    for (double density : o_.densities) {
+      const std::pair<uint64_t, long long> key{n, DensityKey(density)};
+      if (o_.check_only || results_.pairs_copy_us.count(key) != 0) continue;
+      const uint64_t k = KOf(density, n);
+      std::vector<double> s;
+      TimeUs([] {},
+             [&] {
+               CHECK_CUDA(cudaMemcpyAsync(h_pairs.get(), d_pairs.get(),
+                                          2 * k * sizeof(float),
+                                          cudaMemcpyDeviceToHost, stream));
+             },
+             [] {}, &s);
+      results_.pairs_copy_us[key] = Median(s);
+    }
     // The update's result with zero residual/velocity:
     // u' = 0 + lr * (0 * 0 + (g + 0)).
     const float lr = kUpdateLr;
@@ -715,10 +837,7 @@ class DeviceChecker {
         updated[i] = 0.0f + lv;
       }
     });
-    for (double density : o_.densities) {
-      const uint64_t k = static_cast<uint64_t>(std::llround(density * n));
-      b.ks.push_back(std::max<uint64_t>(1, std::min<uint64_t>(k, n)));
-    }
+    for (double density : o_.densities) b.ks.push_back(KOf(density, n));
     gtopk::device_check::ReferenceTopKs(u, b.ks, &b.references);
     gtopk::device_check::ReferenceTopKs(updated, b.ks, &b.references_updated);
     after.resize(n);
@@ -940,6 +1059,10 @@ class DeviceChecker {
   cudaEvent_t start, stop;
   std::unique_ptr<Sparsifier> sp;
   DeviceBuffer<float> d_pristine, d_u, d_velocity, d_residual;
+  // The floor's baselines: k pairs on the device and in pinned memory, and
+  // the read pass's sink.
+  DeviceBuffer<float> d_pairs, d_sink;
+  gtopk::cuda::PinnedBuffer<float> h_pairs;
   std::vector<float> after;  // a selection's residual, copied back
   // The longest (input, n) block so far per n: the estimate of the next
   // one's time, for --budget-s.
@@ -1010,7 +1133,8 @@ struct Table {
 // One table per input that has rows (in --inputs order), then the baselines
 // (torch.topk, the d2d copy) when there are any.
 std::vector<Table> OutputTables(const Options& o, const Results& results,
-                                const TorchTimings& torch) {
+                                const TorchTimings& torch,
+                                const WallFloors& floors) {
   std::vector<Table> tables;
   for (const std::string& input : o.inputs) {
     Table t;
@@ -1022,17 +1146,34 @@ std::vector<Table> OutputTables(const Options& o, const Results& results,
     if (!t.rows.empty()) tables.push_back(std::move(t));
   }
   Table baselines;
-  baselines.title = "baselines (torch.topk on torch.randn; d2d copy)";
+  baselines.title =
+      "baselines (torch.topk on torch.randn; d2d copy; read pass; k pairs "
+      "to pinned memory; wall floor = read pass + pairs copy + exact's "
+      "wall - us)";
   for (const auto& entry : torch.topk_us) {
     const uint64_t n = entry.first.first;
     const double density = entry.first.second / 1e6;
-    uint64_t k = std::max<uint64_t>(1, std::llround(density * n));
+    const uint64_t k = KOf(density, n);
     baselines.rows.push_back(
         {"", n, density, k, "torch.topk(abs)", entry.second, NAN, k});
   }
   for (const auto& entry : results.copy_us) {
     baselines.rows.push_back(
         {"", entry.first, 0, 0, "d2d_copy", entry.second, NAN, 0});
+  }
+  for (const auto& entry : results.read_us) {
+    baselines.rows.push_back(
+        {"", entry.first, 0, 0, "read_pass", entry.second, NAN, 0});
+  }
+  for (const auto& [key, f] : floors) {
+    const double density = key.second / 1e6;
+    const uint64_t k = KOf(density, key.first);
+    baselines.rows.push_back(
+        {"", key.first, density, k, "pairs_copy", f.copy, NAN, k});
+    if (std::isfinite(f.host)) {
+      baselines.rows.push_back(
+          {"", key.first, density, k, "wall_floor", f.total(), NAN, k});
+    }
   }
   if (!baselines.rows.empty()) tables.push_back(std::move(baselines));
   return tables;
@@ -1123,7 +1264,10 @@ std::string JsonReport(const Options& o, const std::string& gpu,
         "to (index, value) pairs in pinned host memory, residual zeroed; "
         "*_after_update: selection only, histogram from the fused update; "
         "one_read_us = d2d copy of n floats / 2; x_normal = (wall_us, else "
-        "us) / the same on the normal input\",\n"
+        "us) / the same on the normal input; read_pass: a kernel reading n "
+        "floats; pairs_copy: k pairs (8k bytes) to pinned memory; "
+        "wall_floor = read_pass + pairs_copy + the normal exact row's "
+        "wall_us - us\",\n"
      << "  \"torch\": {\"available\": " << (torch.available ? "true" : "false")
      << ", \"version\": \"" << JsonEscape(torch.version) << "\", \"note\": \""
      << JsonEscape(torch.note) << "\"},\n"
@@ -1150,7 +1294,8 @@ std::string JsonReport(const Options& o, const std::string& gpu,
     const Target& t = targets[i];
     js << (i ? "," : "") << "\n    {\"name\": \"" << t.name
        << "\", \"figure_us\": " << Num(t.figure_us)
-       << ", \"limit_us\": " << Num(t.limit_us) << ", \"met\": "
+       << ", \"limit_us\": " << Num(t.limit_us)
+       << ", \"floor_us\": " << Num(t.floor_us) << ", \"met\": "
        << (t.met < 0 ? "null" : t.met ? "true" : "false")
        << ", \"detail\": \"" << JsonEscape(t.detail) << "\"}";
   }
@@ -1217,12 +1362,12 @@ int main(int argc, char** argv) {
   }
 
   const NormalFigures normal = NormalInputFigures(results.rows);
+  const WallFloors floors = ComputeWallFloors(results);
   const std::vector<Target> targets =
-      devices > 0
-          ? ComputeTargets(results.rows, results.copy_us, o.inputs,
-                           results.gauss)
-          : std::vector<Target>{};
-  const std::vector<Table> tables = OutputTables(o, results, torch);
+      devices > 0 ? ComputeTargets(results.rows, results.copy_us, floors,
+                                   o.inputs, results.gauss)
+                  : std::vector<Target>{};
+  const std::vector<Table> tables = OutputTables(o, results, torch, floors);
   for (const Table& table : tables) {
     PrintTable(table, results, torch, normal);
   }

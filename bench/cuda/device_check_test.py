@@ -117,6 +117,56 @@ def check_rows(doc, failures, inputs=INPUTS, sizes=TIMED_SIZES,
                         continue
                     check_row(r, seen[("normal", n, d, m)], k, one_read,
                               where, failures)
+    check_floor_rows(doc, seen, sizes, densities, failures)
+
+
+def baseline(r, method, n, density, k):
+    """Is r the baseline row `method` at (n, density) with k pairs?"""
+    return r["method"] == method and r["input"] is None and \
+        r["n"] == n and r["density"] == density and r["k"] == k and \
+        r["count"] == k and r["x_normal"] is None and \
+        r["wall_us"] is None and isinstance(r["us"], (int, float)) and \
+        r["us"] >= 0
+
+
+def check_floor_rows(doc, seen, sizes, densities, failures):
+    """The wall floor's baselines: a read pass per n, a copy of k pairs per
+    (n, density), and their sum with the normal exact row's wall_us - us."""
+    base = [r for r in doc.get("rows", []) if r.get("input") is None]
+    for n in sizes:
+        reads = [r for r in base if r["method"] == "read_pass" and
+                 r["n"] == n]
+        if len(reads) != 1 or not baseline(reads[0], "read_pass", n, 0, 0):
+            failures.append("read_pass rows for n=%d: %r" % (n, reads))
+            continue
+        for d in densities:
+            k = expected_k(n, d)
+            copies = [r for r in base if r["method"] == "pairs_copy" and
+                      r["n"] == n and r["density"] == d]
+            floors = [r for r in base if r["method"] == "wall_floor" and
+                      r["n"] == n and r["density"] == d]
+            if len(copies) != 1 or not baseline(copies[0], "pairs_copy", n,
+                                                d, k):
+                failures.append("pairs_copy rows for n=%d density=%g: %r" %
+                                (n, d, copies))
+                continue
+            exact = seen.get(("normal", n, d, "exact"))
+            want = reads[0]["us"] + copies[0]["us"] + \
+                exact["wall_us"] - exact["us"]
+            # Each part printed to 6 significant digits: exact's us and
+            # wall_us may be far larger than their difference.
+            slack = 1e-5 * (reads[0]["us"] + copies[0]["us"] +
+                            exact["wall_us"] + exact["us"]) + 1e-9
+            if len(floors) != 1 or \
+                    not baseline(floors[0], "wall_floor", n, d, k) or \
+                    abs(floors[0]["us"] - want) > slack:
+                failures.append("wall_floor rows for n=%d density=%g: %r, "
+                                "want us %r" % (n, d, floors, want))
+    known = ("d2d_copy", "read_pass", "pairs_copy", "wall_floor",
+             "torch.topk(abs)")
+    for r in base:
+        if r["method"] not in known:
+            failures.append("unknown baseline row %r" % r)
 
 
 def check_row(r, normal, k, one_read, where, failures):
@@ -253,6 +303,11 @@ def check_targets(doc, stdout, gaussiank_checks, timed, failures):
                                      not close(t["figure_us"], fig)):
             failures.append("target %s: figure_us %r, want %r" %
                             (name, t["figure_us"], fig))
+        # The floor only on the wall targets, and only where its rows ran
+        # (n = 25,557,032: never in these runs).
+        if t.get("floor_us", "absent") is not None:
+            failures.append("target %s: floor_us %r, want null" %
+                            (name, t.get("floor_us")))
         status = {True: "met", False: "missed", None: "not measured"}[met]
         if "target %s: %s (" % (name, status) not in stdout:
             failures.append("no summary line 'target %s: %s'" % (name,
