@@ -540,29 +540,74 @@ const char* TargetStatus(const Target& t) {
 // ---------------------------------------------------------------------------
 // The checks and timings on the device.
 
-// The floor of any pass over u (the read_pass baseline): each of the n
-// floats read once (float4 where u is 16-byte aligned, as the selectors'
-// passes read it), nothing written but a store that only a key equal to
-// `never` would take (the caller passes one no float has: the loads stay).
-// Grid-stride over any grid of any block size.
-__device__ inline uint32_t MaxKey(uint32_t acc, float x) {
-  const uint32_t key = __float_as_uint(x) & 0x7fffffffu;
-  return key > acc ? key : acc;
+// The floor of any pass over u (the read_pass baseline), and what the
+// histogram pass (HistogramKernel in common/cuda/sparsify.cu) adds to a
+// read, part by part (the read_pass_moments and read_pass_hist baselines,
+// issue 15: that pass took 1.3 reads on the 2026-11-30 H200 on every
+// input, the narrow band's single bin included). kWork = kReadOnly: each of
+// the n floats read once (float4 where u is 16-byte aligned, as the
+// selectors' passes read it) and nothing else; kReadMoments: plus the
+// pass's sums of u per element (ShiftedSums::Add: the float's conversion
+// to double, two double adds and a multiply); kReadHistogram: plus its
+// shared-memory histogram of the key's top 11 bits (one shared atomic per
+// element, the nonzero bins added to `hist` (kHistBins) at the end). Only
+// a key or sum equal to `never` (the caller passes one no float has)
+// stores to `sink`: the work stays. Grid-stride over any grid; blocks of
+// kReadThreads.
+enum ReadWork { kReadOnly, kReadMoments, kReadHistogram };
+constexpr int kReadThreads = 256;
+constexpr int kHistBins = 2048;
+
+__device__ inline uint32_t AbsKey(float x) {
+  return __float_as_uint(x) & 0x7fffffffu;
 }
 
+template <int kWork>
 __global__ void ReadPassKernel(const float* u, uint64_t n, int vectorized,
-                               uint32_t never, float* sink) {
+                               uint32_t never, float* sink,
+                               unsigned long long* hist) {
+  __shared__ uint32_t bins[kWork == kReadHistogram ? kHistBins : 1];
+  if (kWork == kReadHistogram) {
+    for (int i = threadIdx.x; i < kHistBins; i += kReadThreads) bins[i] = 0;
+    __syncthreads();
+  }
   uint32_t acc = 0;
+  float shift = 0.0f;
+  bool first_value = true;
+  double sum = 0.0, sumsq = 0.0;
+  auto visit = [&](float x) {
+    const uint32_t key = AbsKey(x);
+    acc = key > acc ? key : acc;
+    if (kWork == kReadMoments) {
+      if (first_value) shift = x;
+      first_value = false;
+      const double d = static_cast<double>(x) - static_cast<double>(shift);
+      sum += d;
+      sumsq += d * d;
+    }
+    if (kWork == kReadHistogram) atomicAdd(&bins[key >> 20], 1u);
+  };
   const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
   const uint64_t first = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   const uint64_t n4 = vectorized ? n / 4 : 0;
   const float4* u4 = reinterpret_cast<const float4*>(u);
   for (uint64_t i = first; i < n4; i += stride) {
     const float4 v = u4[i];
-    acc = MaxKey(MaxKey(MaxKey(MaxKey(acc, v.x), v.y), v.z), v.w);
+    visit(v.x);
+    visit(v.y);
+    visit(v.z);
+    visit(v.w);
   }
-  for (uint64_t i = 4 * n4 + first; i < n; i += stride) acc = MaxKey(acc, u[i]);
-  if (acc == never) sink[0] = 1.0f;
+  for (uint64_t i = 4 * n4 + first; i < n; i += stride) visit(u[i]);
+  if (acc == never || (kWork == kReadMoments && sum + sumsq == never)) {
+    sink[0] = 1.0f;
+  }
+  if (kWork == kReadHistogram) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < kHistBins; i += kReadThreads) {
+      if (bins[i] != 0) atomicAdd(&hist[i], static_cast<unsigned long long>(bins[i]));
+    }
+  }
 }
 
 // What the run found: the tables, the JSON, the targets and the exit status
@@ -573,10 +618,13 @@ struct Results {
   std::vector<std::string> skipped;  // (input, n) blocks --budget-s left out
   std::map<uint64_t, double> copy_us;  // d2d copy of n floats, per n
   // The parts of a selection's wall-time floor (WallFloor): one pass
-  // reading n floats and nothing else (ReadPassKernel), per n; the copy of
-  // k (index, value) pairs (8k bytes) from device to pinned host memory,
-  // per (n, density*1e6).
+  // reading n floats and nothing else (ReadPassKernel<kReadOnly>), per n;
+  // the copy of k (index, value) pairs (8k bytes) from device to pinned
+  // host memory, per (n, density*1e6).
   std::map<uint64_t, double> read_us;
+  // The same read with the histogram pass's sums, and with its histogram
+  // (ReadPassKernel<kReadMoments>, <kReadHistogram>), per n.
+  std::map<uint64_t, double> read_moments_us, read_hist_us;
   std::map<std::pair<uint64_t, long long>, double> pairs_copy_us;
   std::map<std::string, GaussianKChecks> gauss;  // per input
   int checks = 0;
@@ -674,6 +722,7 @@ class DeviceChecker {
     CHECK_OK(d_pairs.Allocate(2 * max_k));
     CHECK_OK(h_pairs.Allocate(2 * max_k));
     CHECK_OK(d_sink.Allocate(1));
+    CHECK_OK(d_read_hist.Allocate(kHistBins));
   }
 
   // Every input (outermost) and size, each (input, n) block started only
@@ -796,18 +845,25 @@ class DeviceChecker {
     // (n, density).
     if (!o_.check_only && results_.read_us.count(n) == 0) {
       const int blocks = static_cast<int>(
-          std::min<uint64_t>(4096, (n + 1023) / 1024));
-      std::vector<double> s;
-      TimeUs([] {},
-             [&] {
-               GTOPK_LAUNCH(ReadPassKernel, blocks, 256, stream)(
-                   d_pristine.get(), n,
-                   reinterpret_cast<uintptr_t>(d_pristine.get()) % 16 == 0,
-                   0xffffffffu, d_sink.get());
-               CHECK_CUDA(cudaGetLastError());
-             },
-             [] {}, &s);
-      results_.read_us[n] = Median(s);
+          std::min<uint64_t>(4096, (n + 4 * kReadThreads - 1) /
+                                       (4 * kReadThreads)));
+      const int vec =
+          reinterpret_cast<uintptr_t>(d_pristine.get()) % 16 == 0 ? 1 : 0;
+      auto time_pass = [&](auto kernel) {
+        std::vector<double> s;
+        TimeUs([] {},
+               [&] {
+                 GTOPK_LAUNCH(kernel, blocks, kReadThreads, stream)(
+                     d_pristine.get(), n, vec, 0xffffffffu, d_sink.get(),
+                     d_read_hist.get());
+                 CHECK_CUDA(cudaGetLastError());
+               },
+               [] {}, &s);
+        return Median(s);
+      };
+      results_.read_us[n] = time_pass(&ReadPassKernel<kReadOnly>);
+      results_.read_moments_us[n] = time_pass(&ReadPassKernel<kReadMoments>);
+      results_.read_hist_us[n] = time_pass(&ReadPassKernel<kReadHistogram>);
     }
     for (double density : o_.densities) {
       const std::pair<uint64_t, long long> key{n, DensityKey(density)};
@@ -1063,6 +1119,7 @@ class DeviceChecker {
   // the read pass's sink.
   DeviceBuffer<float> d_pairs, d_sink;
   gtopk::cuda::PinnedBuffer<float> h_pairs;
+  DeviceBuffer<unsigned long long> d_read_hist;  // read_pass_hist's bins
   std::vector<float> after;  // a selection's residual, copied back
   // The longest (input, n) block so far per n: the estimate of the next
   // one's time, for --budget-s.
@@ -1161,9 +1218,14 @@ std::vector<Table> OutputTables(const Options& o, const Results& results,
     baselines.rows.push_back(
         {"", entry.first, 0, 0, "d2d_copy", entry.second, NAN, 0});
   }
-  for (const auto& entry : results.read_us) {
-    baselines.rows.push_back(
-        {"", entry.first, 0, 0, "read_pass", entry.second, NAN, 0});
+  for (const auto& [method, us] :
+       {std::make_pair("read_pass", &results.read_us),
+        std::make_pair("read_pass_moments", &results.read_moments_us),
+        std::make_pair("read_pass_hist", &results.read_hist_us)}) {
+    for (const auto& entry : *us) {
+      baselines.rows.push_back(
+          {"", entry.first, 0, 0, method, entry.second, NAN, 0});
+    }
   }
   for (const auto& [key, f] : floors) {
     const double density = key.second / 1e6;
@@ -1265,7 +1327,8 @@ std::string JsonReport(const Options& o, const std::string& gpu,
         "*_after_update: selection only, histogram from the fused update; "
         "one_read_us = d2d copy of n floats / 2; x_normal = (wall_us, else "
         "us) / the same on the normal input; read_pass: a kernel reading n "
-        "floats; pairs_copy: k pairs (8k bytes) to pinned memory; "
+        "floats (read_pass_moments: with the histogram pass's double sums; "
+        "read_pass_hist: with its shared-memory histogram); pairs_copy: k pairs (8k bytes) to pinned memory; "
         "wall_floor = read_pass + pairs_copy + the normal exact row's "
         "wall_us - us\",\n"
      << "  \"torch\": {\"available\": " << (torch.available ? "true" : "false")

@@ -134,6 +134,13 @@ def check_floor_rows(doc, seen, sizes, densities, failures):
     (n, density), and their sum with the normal exact row's wall_us - us."""
     base = [r for r in doc.get("rows", []) if r.get("input") is None]
     for n in sizes:
+        # The read pass, and the same with the histogram pass's sums and
+        # with its histogram: one row each per n.
+        for method in ("read_pass_moments", "read_pass_hist"):
+            parts = [r for r in base if r["method"] == method and
+                     r["n"] == n]
+            if len(parts) != 1 or not baseline(parts[0], method, n, 0, 0):
+                failures.append("%s rows for n=%d: %r" % (method, n, parts))
         reads = [r for r in base if r["method"] == "read_pass" and
                  r["n"] == n]
         if len(reads) != 1 or not baseline(reads[0], "read_pass", n, 0, 0):
@@ -162,8 +169,8 @@ def check_floor_rows(doc, seen, sizes, densities, failures):
                     abs(floors[0]["us"] - want) > slack:
                 failures.append("wall_floor rows for n=%d density=%g: %r, "
                                 "want us %r" % (n, d, floors, want))
-    known = ("d2d_copy", "read_pass", "pairs_copy", "wall_floor",
-             "torch.topk(abs)")
+    known = ("d2d_copy", "read_pass", "read_pass_moments", "read_pass_hist",
+             "pairs_copy", "wall_floor", "torch.topk(abs)")
     for r in base:
         if r["method"] not in known:
             failures.append("unknown baseline row %r" % r)
