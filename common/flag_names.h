@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/flags/usage.h"
+#include "absl/status/status.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/string_view.h"
@@ -32,6 +33,22 @@ inline std::vector<std::string> NormalizeFlagNames(int argc, char** argv) {
     }
   }
   return args;
+}
+
+// Every setting of gtopk-server and gtopk-worker is a flag: `remaining`,
+// what absl::ParseCommandLine returns (argv[0], then every argument it did
+// not take as a flag, including those after a bare "--"), must hold argv[0]
+// alone. Otherwise INVALID_ARGUMENT naming the first stray argument: a word
+// left over is a setting silently lost, e.g. `--momentum-masking false`,
+// which Abseil reads as `--momentum-masking=true` followed by the word
+// `false`.
+inline absl::Status CheckNoPositionalArguments(
+    const std::vector<char*>& remaining) {
+  if (remaining.size() <= 1) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      std::string("unexpected argument '") + remaining[1] +
+      "': every setting is a flag, --name=value (a boolean flag takes its "
+      "value after '=': --name=false)");
 }
 
 // Makes `--help` list the program's own flags: Abseil's default shows only

@@ -255,8 +255,14 @@ int main(int argc, char** argv) {
   std::vector<std::string> args = gtopk::NormalizeFlagNames(argc, argv);
   std::vector<char*> arg_pointers;
   for (std::string& a : args) arg_pointers.push_back(a.data());
-  absl::ParseCommandLine(static_cast<int>(arg_pointers.size()),
-                         arg_pointers.data());
+  const absl::Status no_stray = gtopk::CheckNoPositionalArguments(
+      absl::ParseCommandLine(static_cast<int>(arg_pointers.size()),
+                             arg_pointers.data()));
+  if (!no_stray.ok()) {
+    std::fprintf(stderr, "gtopk-server: invalid flags: %s\n",
+                 std::string(no_stray.message()).c_str());
+    return 2;
+  }
 
   const std::string health_target = absl::GetFlag(FLAGS_health_check);
   if (!health_target.empty()) {

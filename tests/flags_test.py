@@ -104,6 +104,11 @@ SERVER_CASES = [
     ("--metrics-host", ["--metrics-port=9400", "--metrics-host=[::1"]),
     ("--health-check", ["--health-check=nonsense"]),
     ("--health-check", ["--health-check=127.0.0.1:0"]),
+    # A word left after the flags is a setting lost: Abseil reads
+    # `--momentum-masking false` as --momentum-masking=true and a word.
+    ("unexpected argument 'false'", ["--momentum-masking", "false"]),
+    ("unexpected argument 'extra'", ["extra"]),
+    ("unexpected argument '--workers=2'", ["--", "--workers=2"]),
 ]
 
 WORKER_CASES = [
@@ -154,6 +159,9 @@ WORKER_CASES = [
     ("--momentum", ["--momentum=1"]),
     ("--momentum", ["--momentum=-0.5"]),
     ("--summary-json", ["--summary-json=/nonexistent/dir/w.json"]),
+    # A word left after the flags (the worker has no boolean flag).
+    ("unexpected argument 'stray'", ["stray"]),
+    ("unexpected argument '--steps=5'", ["--", "--steps=5"]),
 ]
 
 # What a process started without --tls says (common/tls_flag.h).

@@ -21,5 +21,17 @@ TEST(FlagNamesTest, RewritesNamesNotValues) {
                                            "3", "--", "--not-a-flag"}));
 }
 
+TEST(FlagNamesTest, OnlyTheProgramNameMayRemainAfterTheFlags) {
+  std::string program = "gtopk-server", stray = "false", other = "x";
+  EXPECT_TRUE(CheckNoPositionalArguments({}).ok());
+  EXPECT_TRUE(CheckNoPositionalArguments({program.data()}).ok());
+  const absl::Status status =
+      CheckNoPositionalArguments({program.data(), stray.data(), other.data()});
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("unexpected argument 'false'"),
+            std::string::npos)
+      << status;
+}
+
 }  // namespace
 }  // namespace gtopk

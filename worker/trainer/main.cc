@@ -234,8 +234,13 @@ int main(int argc, char** argv) {
   std::vector<std::string> args = gtopk::NormalizeFlagNames(argc, argv);
   std::vector<char*> arg_pointers;
   for (std::string& a : args) arg_pointers.push_back(a.data());
-  absl::ParseCommandLine(static_cast<int>(arg_pointers.size()),
-                         arg_pointers.data());
+  const absl::Status no_stray = gtopk::CheckNoPositionalArguments(
+      absl::ParseCommandLine(static_cast<int>(arg_pointers.size()),
+                             arg_pointers.data()));
+  if (!no_stray.ok()) {
+    std::fprintf(stderr, "gtopk-worker: %s\n", no_stray.ToString().c_str());
+    return 1;
+  }
   // Before anything touches torch (the pins are read at first use).
   std::string cpu_note;
   absl::Status status =
