@@ -1,5 +1,6 @@
 #include "server/leader_client.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -57,6 +58,25 @@ ThresholdResponse FromProto(const v1::ThresholdResponse& p) {
   return r;
 }
 
+grpc::Status CallUntilAdmitted(absl::Time deadline, const char* rpc,
+                               const std::function<grpc::Status()>& call) {
+  absl::Duration backoff = absl::Milliseconds(5);
+  for (int tries = 1;; ++tries) {
+    const grpc::Status status = call();
+    if (status.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      return status;
+    }
+    if (absl::Now() + backoff >= deadline) {
+      return grpc::Status(
+          grpc::StatusCode::UNAVAILABLE,
+          absl::StrCat(rpc, " refused until the deadline (", tries,
+                       " tries): ", status.error_message()));
+    }
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, absl::Milliseconds(100));
+  }
+}
+
 GrpcThresholdExchange::GrpcThresholdExchange(
     std::shared_ptr<grpc::Channel> channel, std::string leader_address)
     : leader_address_(std::move(leader_address)),
@@ -77,13 +97,16 @@ absl::Status FromLeader(const grpc::Status& status,
 
 absl::StatusOr<ThresholdResponse> GrpcThresholdExchange::Exchange(
     const ThresholdRequest& request, absl::Time deadline) {
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(deadline + kLeaderDeadlineSlack));
   v1::ThresholdResponse response;
   v1::ThresholdRequest wire = ToProto(request);
   wire.set_cluster_fingerprint(fingerprint_.load());
   const grpc::Status status =
-      stub_->ExchangeThreshold(&context, wire, &response);
+      CallUntilAdmitted(deadline, "ExchangeThreshold", [&] {
+        grpc::ClientContext context;
+        context.set_deadline(
+            absl::ToChronoTime(deadline + kLeaderDeadlineSlack));
+        return stub_->ExchangeThreshold(&context, wire, &response);
+      });
   if (!status.ok()) {
     return FromLeader(status, leader_address_, "ExchangeThreshold");
   }
@@ -97,15 +120,17 @@ GrpcCommitVoter::GrpcCommitVoter(std::shared_ptr<grpc::Channel> channel,
 
 absl::Status GrpcCommitVoter::Vote(int64_t step, uint32_t shard,
                                       absl::Time deadline, uint64_t epoch) {
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(deadline + kLeaderDeadlineSlack));
   v1::CommitRequest request;
   request.set_step(step);
   request.set_shard_id(shard);
   request.set_epoch(epoch);
   request.set_cluster_fingerprint(fingerprint_.load());
   v1::CommitResponse response;
-  const grpc::Status status = stub_->CommitStep(&context, request, &response);
+  const grpc::Status status = CallUntilAdmitted(deadline, "CommitStep", [&] {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(deadline + kLeaderDeadlineSlack));
+    return stub_->CommitStep(&context, request, &response);
+  });
   return FromLeader(status, leader_address_, "CommitStep");
 }
 

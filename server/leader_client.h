@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -35,6 +36,26 @@ ThresholdResponse FromProto(const v1::ThresholdResponse& response);
 // DEADLINE_EXCEEDED, which names the missing shards, arrives before the
 // transport's anonymous one.
 inline constexpr absl::Duration kLeaderDeadlineSlack = absl::Milliseconds(250);
+
+// One call from this shard to another (the leader's ExchangeThreshold,
+// CommitStep, CheckMember, AbortStep; a peer's GetShardState,
+// RollbackShard), repeated while the callee's admission refuses it:
+// `call` makes one attempt (with its own grpc::ClientContext) and returns
+// its status. RESOURCE_EXHAUSTED is what a server answers before any of a
+// call's work (its --max-concurrent-calls / --max-calls-per-peer
+// admission, docs/resource-limits.md; gRPC's message-size check), so the
+// attempt is repeated after 5 ms, doubling to 100 ms, while the next try
+// starts before `deadline`. A flood that crowds this shard's calls out
+// (another client claiming this shard's identity on a --tls=off cluster)
+// then delays the step instead of ending it with a code the workers do not
+// retry. Returns the first status that is not RESOURCE_EXHAUSTED; a refusal
+// that lasts to the deadline becomes UNAVAILABLE ("... refused until the
+// deadline (N tries): <the callee's message>"), which the workers retry
+// after Recover. `rpc` names the call in that message. Blocks up to the
+// deadline (plus the last attempt's own gRPC deadline); thread-safe when
+// `call` is.
+grpc::Status CallUntilAdmitted(absl::Time deadline, const char* rpc,
+                               const std::function<grpc::Status()>& call);
 
 // A ThresholdExchange for shards 1..S-1: one unary ExchangeThreshold call to
 // the leader per (step, level), with a gRPC deadline of

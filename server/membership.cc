@@ -130,15 +130,16 @@ absl::Status AggregatorService::CheckMemberToken(uint32_t worker,
     if (member_token_[worker] == token) return absl::OkStatus();
   }
   // A token this shard has not seen for the rank: ask the leader.
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(deadline));
   v1::MemberCheckRequest request;
   request.set_worker(worker);
   request.set_member_token(token);
   request.set_cluster_fingerprint(fingerprint_.load());
   v1::MemberCheckResponse response;
-  const grpc::Status status =
-      leader_stub_->CheckMember(&context, request, &response);
+  const grpc::Status status = CallUntilAdmitted(deadline, "CheckMember", [&] {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(deadline));
+    return leader_stub_->CheckMember(&context, request, &response);
+  });
   if (!status.ok()) {
     const absl::Status st = absl::Status(
         static_cast<absl::StatusCode>(status.error_code()),

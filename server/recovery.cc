@@ -169,16 +169,18 @@ void AggregatorService::OnLocalStepFailed(int64_t step,
     return;
   }
   notifier_.Post([this, step, why] {
-    grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(
-        absl::Now() + std::min(config_.step_timeout, kAbortStepTimeout)));
+    const absl::Time deadline =
+        absl::Now() + std::min(config_.step_timeout, kAbortStepTimeout);
     v1::AbortStepRequest request;
     request.set_step(step);
     request.set_shard_id(config_.shard_id);
     request.set_reason(why);
     v1::AbortStepResponse response;
-    const grpc::Status st = leader_stub_->AbortStep(&context, request,
-                                                    &response);
+    const grpc::Status st = CallUntilAdmitted(deadline, "AbortStep", [&] {
+      grpc::ClientContext context;
+      context.set_deadline(absl::ToChronoTime(deadline));
+      return leader_stub_->AbortStep(&context, request, &response);
+    });
     if (!st.ok()) {
       // Best effort: the other shards then fail the step at their deadline.
       std::fprintf(stderr,
@@ -390,16 +392,17 @@ std::vector<absl::StatusOr<v1::ShardState>> AggregatorService::ReadShardStates(
         states[s] = LocalShardState(deadline, settle);
         return;
       }
-      grpc::ClientContext ctx;
-      ctx.set_deadline(absl::ToChronoTime(deadline));
-      // A shard that is restarting is waited for (up to the deadline).
-      ctx.set_wait_for_ready(true);
       v1::ShardState state;
       v1::ShardStateRequest request;
       request.set_cluster_fingerprint(fingerprint_.load());
       request.set_without_settling(!settle);
-      const grpc::Status st =
-          peer_stubs_[s]->GetShardState(&ctx, request, &state);
+      const grpc::Status st = CallUntilAdmitted(deadline, "GetShardState", [&] {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(absl::ToChronoTime(deadline));
+        // A shard that is restarting is waited for (up to the deadline).
+        ctx.set_wait_for_ready(true);
+        return peer_stubs_[s]->GetShardState(&ctx, request, &state);
+      });
       if (!st.ok()) {
         states[s] = FromShard(st, s, config_.peers[s], "GetShardState");
       } else if (state.shard_id() != s) {
@@ -452,16 +455,18 @@ absl::Status AggregatorService::RollBackShardsTo(int64_t target,
           rolled[s] = LocalRollback(target).status();
           return;
         }
-        grpc::ClientContext ctx;
-        ctx.set_deadline(absl::ToChronoTime(deadline));
-        ctx.set_wait_for_ready(true);
         v1::RollbackRequest request;
         request.set_shard_id(s);
         request.set_step(target);
         request.set_cluster_fingerprint(fingerprint_.load());
         v1::RollbackResponse reply;
         const grpc::Status st =
-            peer_stubs_[s]->RollbackShard(&ctx, request, &reply);
+            CallUntilAdmitted(deadline, "RollbackShard", [&] {
+              grpc::ClientContext ctx;
+              ctx.set_deadline(absl::ToChronoTime(deadline));
+              ctx.set_wait_for_ready(true);
+              return peer_stubs_[s]->RollbackShard(&ctx, request, &reply);
+            });
         if (!st.ok())
           rolled[s] = FromShard(st, s, config_.peers[s], "RollbackShard");
       });
