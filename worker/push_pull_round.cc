@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -80,15 +81,18 @@ uint64_t EpochFromTrailers(const grpc::ClientContext& context) {
 }
 
 // The status of a stream that ended without its pull: the server's, or
-// UNAVAILABLE when it closed the stream with OK; RESOURCE_EXHAUSTED says
-// which limit to raise.
+// UNAVAILABLE when it closed the stream with OK; gRPC's refusal of an
+// oversized message ("... message larger than max ...") says which limit
+// to raise. Other RESOURCE_EXHAUSTED (a server's call bounds) keep their
+// own message, which names their bound.
 absl::Status StreamFailure(const grpc::Status& st, int64_t step,
                            uint64_t max_message_bytes) {
   absl::Status result =
       st.ok() ? absl::UnavailableError(absl::StrCat(
                     "stream closed by the server during step ", step))
               : FromGrpcStatus(st);
-  if (absl::IsResourceExhausted(result)) {
+  if (absl::IsResourceExhausted(result) &&
+      absl::StrContains(result.message(), "larger than max")) {
     result = absl::ResourceExhaustedError(absl::StrCat(
         result.message(),
         " (a push or pull exceeds the cluster's max_message_bytes = ",

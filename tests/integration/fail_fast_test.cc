@@ -296,6 +296,79 @@ TEST(AbortStepInputTest, FarFutureEpochIsRefusedByAShard) {
       static_cast<uint64_t>(absl::ToUnixMicros(absl::Now())) + 1000));
 }
 
+// Found by a break-it run: on a --tls=off cluster any client can claim to
+// be shard 1, and its calls to the leader filled shard 1's bucket of
+// --max-calls-per-peer; the real shard 1's calls were refused with
+// RESOURCE_EXHAUSTED, which reached the workers, which do not retry it:
+// every worker exited. Here two CommitStep votes claiming shard 1 for a
+// step nobody reaches wait at the leader (they are admitted and held) and
+// fill that bucket (bound 2) while both workers step. The shard repeats its
+// refused calls within the deadline (CallUntilAdmitted): the step is
+// delayed until the holders' deadline, not failed.
+TEST(ShardCallAdmissionTest, RefusedShardCallsDelayTheStepInsteadOfEndingIt) {
+  server::ServerConfig config;
+  config.num_workers = 2;
+  config.optimizer.density = 0.01;
+  config.step_timeout = absl::Seconds(10);
+  config.max_calls_per_peer = 2;
+  auto cluster_or = server::LocalCluster::Start(config, 2);
+  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+  server::LocalCluster& cluster = **cluster_or;
+  GTOPK_ASSERT_OK_AND_ASSIGN(
+      testing_cluster::JoinedWorkers joined,
+      testing_cluster::JoinAndSynchronize(cluster, 2, Seeded(1)));
+  auto leader = v1::Aggregator::NewStub(grpc::CreateChannel(
+      cluster.leader(), grpc::InsecureChannelCredentials()));
+  v1::ClusterSpec spec;
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    ASSERT_TRUE(leader->GetClusterSpec(&ctx, v1::JoinRequest(), &spec).ok());
+  }
+  constexpr absl::Duration kHold = absl::Milliseconds(1500);
+  std::vector<grpc::Status> held(2);
+  std::vector<std::thread> holders;
+  for (int i = 0; i < 2; ++i) {
+    holders.emplace_back([&, i] {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + kHold));
+      v1::CommitRequest request;
+      request.set_step(1000 + i);
+      request.set_shard_id(1);
+      request.set_cluster_fingerprint(spec.cluster_fingerprint());
+      v1::CommitResponse response;
+      held[i] = leader->CommitStep(&ctx, request, &response);
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(300));  // both admitted and waiting
+  auto& clients = joined.clients;
+  auto& params = joined.params;
+  std::vector<absl::Status> stepped(2);
+  std::vector<std::thread> steps;
+  const absl::Time start = absl::Now();
+  for (int w = 0; w < 2; ++w) {
+    steps.emplace_back([&, w] {
+      stepped[w] = clients[w]
+                       ->Step(Seeded(200 + w), absl::MakeSpan(params[w]))
+                       .status();
+    });
+  }
+  for (auto& t : steps) t.join();
+  const absl::Duration took = absl::Now() - start;
+  for (auto& t : holders) t.join();
+  // The holders were admitted and held to their deadline: the bucket was
+  // full while the step ran.
+  for (const grpc::Status& h : held) {
+    EXPECT_EQ(h.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
+        << h.error_message();
+  }
+  for (int w = 0; w < 2; ++w) GTOPK_EXPECT_OK(stepped[w]) << "worker " << w;
+  EXPECT_EQ(params[0], params[1]);
+  // Delayed until the holders let go, well within the step timeout.
+  EXPECT_GE(took, absl::Milliseconds(500));
+  EXPECT_LT(took, config.step_timeout);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Modes, FailFastTest,
     ::testing::Values(

@@ -32,7 +32,11 @@ constexpr uint64_t kN = 100;
 // worker, whose k entries are the global top-k).
 class FakeShard final : public v1::Aggregator::Service {
  public:
-  enum class Behaviour { kEcho, kStall, kAbort, kWrongStep };
+  enum class Behaviour {
+    kEcho, kStall, kAbort, kWrongStep,
+    kTooLarge,  // gRPC's own refusal of an oversized message
+    kRefused,   // RESOURCE_EXHAUSTED for another reason (a server bound)
+  };
 
   std::atomic<Behaviour> behaviour{Behaviour::kEcho};
   std::string address;
@@ -85,6 +89,16 @@ class FakeShard final : public v1::Aggregator::Service {
           return grpc::Status(grpc::StatusCode::ABORTED,
                               absl::StrCat("step ", push.step(),
                                            " failed on shard 0: worker 7"));
+        case Behaviour::kTooLarge:
+          return grpc::Status(
+              grpc::StatusCode::RESOURCE_EXHAUSTED,
+              "Received message larger than max (5000000 vs. 4194304)");
+        case Behaviour::kRefused:
+          return grpc::Status(
+              grpc::StatusCode::RESOURCE_EXHAUSTED,
+              "step 0 failed on shard 1: leader (ExchangeThreshold): "
+              "ExchangeThreshold refused: 2 calls from peer shard 1 are in "
+              "flight, the bound --max-calls-per-peer=2; retry later");
         case Behaviour::kWrongStep:
         case Behaviour::kEcho: {
           v1::Pull pull;
@@ -255,6 +269,27 @@ TEST_F(ClientFakeTest, ServerStatusKeepsItsCodeAndNamesTheShard) {
   for (uint64_t i = 0; i < kN; ++i) {
     EXPECT_EQ(params[i], i >= 90 ? -u[i] : 0.0f) << i;
   }
+}
+
+// RESOURCE_EXHAUSTED from a step says which limit to raise only when it is
+// gRPC's message-size refusal; any other (a server's call bounds, found
+// by a break-it run: "ExchangeThreshold refused: 2 calls from peer shard
+// 1 ...") keeps its own message without that advice.
+TEST_F(ClientFakeTest, OnlyAMessageSizeRefusalNamesMaxMessageBytes) {
+  Connect();
+  std::vector<float> params(kN, 0.0f);
+  fake_.behaviour = FakeShard::Behaviour::kTooLarge;
+  EXPECT_THAT(client_->Step(Ramp(1.0f), absl::MakeSpan(params)).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("exceeds the cluster's max_message_bytes")));
+  fake_.behaviour = FakeShard::Behaviour::kRefused;
+  const absl::Status refused =
+      client_->Step(Ramp(1.0f), absl::MakeSpan(params)).status();
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kResourceExhausted,
+                                HasSubstr("--max-calls-per-peer=2")));
+  EXPECT_THAT(refused.message(),
+              ::testing::Not(HasSubstr("max_message_bytes")));
+  EXPECT_EQ(params, std::vector<float>(kN, 0.0f));
 }
 
 TEST_F(ClientFakeTest, MalformedPullIsInternalAndNotApplied) {
