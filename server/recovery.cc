@@ -38,6 +38,12 @@ namespace {
 constexpr absl::Duration kAbortStepTimeout = absl::Seconds(5);
 // Longest AbortStep reason kept (it is forwarded into every shard's status).
 constexpr size_t kMaxAbortReasonBytes = 1024;
+// How far past its next step the leader takes an AbortStep: shards run in
+// lockstep with the leader's commits, so a shard's current step is at most
+// one or two ahead of it; the rest of the window is slack. A failure
+// reported for a step beyond it is refused (INVALID_ARGUMENT): no shard is
+// there, and each would cost a tombstone and a forward.
+constexpr int64_t kAbortStepWindow = 16;
 
 // "shard 1 (host:port): message", code kept.
 absl::Status FromShard(const grpc::Status& status, uint32_t shard,
@@ -210,8 +216,26 @@ void AggregatorService::LeaderAbortStep(int64_t step, uint32_t origin,
   }
   if (aggregator != nullptr) aggregator->AbortStep(step, aborted, epoch);
   // Every other shard, the origin too (it then refuses the failed attempt's
-  // late pushes as well).
-  notifier_.Post([this, step, origin, reason, S, epoch] {
+  // late pushes as well). One queued forward per step: a later failure of
+  // the same step updates it (the newest epoch is what the shards keep).
+  {
+    absl::MutexLock lock(&forward_mu_);
+    auto [queued, fresh] = abort_forwards_.try_emplace(step);
+    queued->second = PendingAbort{origin, reason, epoch};
+    if (!fresh) return;
+  }
+  notifier_.Post([this, step, S] {
+    PendingAbort pending;
+    {
+      absl::MutexLock lock(&forward_mu_);
+      auto it = abort_forwards_.find(step);
+      if (it == abort_forwards_.end()) return;
+      pending = std::move(it->second);
+      abort_forwards_.erase(it);
+    }
+    const uint32_t origin = pending.origin;
+    const uint64_t epoch = pending.epoch;
+    const std::string& reason = pending.reason;
     std::vector<std::thread> threads;
     for (uint32_t s = 1; s < S; ++s) {
       threads.emplace_back([this, s, step, origin, epoch, &reason] {
@@ -266,6 +290,17 @@ grpc::Status AggregatorService::AbortStep(grpc::ServerContext* context,
                                        .substr(0, kMaxAbortReasonBytes)
                                  : request->reason();
   if (is_leader()) {
+    // A shard fails the step it is at, at most a step or two past the
+    // leader's next one: a step far ahead is no shard's (the break-it
+    // run's flood of AbortStep for steps 5,000,000 and up queued a forward
+    // and a tombstone for each).
+    const int64_t next = std::max<int64_t>(0, next_step());
+    if (request->step() > next + kAbortStepWindow) {
+      return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+          "AbortStep: step ", request->step(), " is more than ",
+          kAbortStepWindow, " steps past the leader's next step ", next,
+          " (a shard fails the step it is at)")));
+    }
     LeaderAbortStep(request->step(), request->shard_id(), reason);
     return grpc::Status::OK;
   }

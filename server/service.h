@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -427,6 +428,20 @@ class AggregatorService final : public v1::Aggregator::Service {
   // by their deadline), so clients cannot exhaust the server's memory.
   absl::Mutex download_mu_;
   int active_downloads_ ABSL_GUARDED_BY(download_mu_) = 0;
+
+  // The leader's forwards of step failures to the other shards not yet
+  // sent, one per step (LeaderAbortStep): a later failure of a step whose
+  // forward is queued replaces its origin, reason and epoch instead of
+  // queueing another, so the queue holds at most one task per step (and
+  // AbortStep accepts steps within kAbortStepWindow of the next step only):
+  // a flood of AbortStep calls cannot grow it without bound.
+  struct PendingAbort {
+    uint32_t origin = 0;
+    std::string reason;
+    uint64_t epoch = 0;
+  };
+  absl::Mutex forward_mu_;
+  std::map<int64_t, PendingAbort> abort_forwards_ ABSL_GUARDED_BY(forward_mu_);
 
   // The leader's attempt epoch (common/epoch.h): incremented by every step
   // failure it hears of; starts at its start time in microseconds.
