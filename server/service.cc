@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <new>
 #include <random>
 #include <utility>
 
@@ -439,6 +440,21 @@ absl::StatusOr<ShardAggregator*> AggregatorService::GetAggregator(
   return aggregator_.get();
 }
 
+namespace {
+
+// RESOURCE_EXHAUSTED for a shard range of parameters that does not fit in
+// this server's memory (the range follows the cluster's n).
+absl::Status OutOfMemoryForRange(uint32_t shard, uint64_t begin,
+                                 uint64_t end) {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "shard ", shard, " cannot hold its range [", begin, ", ", end, ") of ",
+      end - begin, " parameters (", (end - begin) * sizeof(float),
+      " bytes): out of memory; use more shards or a smaller model "
+      "(docs/resource-limits.md)"));
+}
+
+}  // namespace
+
 grpc::Status AggregatorService::InitParams(
     grpc::ServerContext* context, grpc::ServerReader<v1::ParamsChunk>* reader,
     v1::InitParamsResponse* response) {
@@ -462,7 +478,13 @@ grpc::Status AggregatorService::InitParams(
     begin = aggregator->begin();
     end = aggregator->end();
     next = begin;
-    values.reserve(end - begin);
+    // The range follows the n of the first Join (up to 2^32 / S floats):
+    // a server without that much memory refuses, it does not abort.
+    try {
+      values.reserve(end - begin);
+    } catch (const std::bad_alloc&) {
+      return OutOfMemoryForRange(shard, begin, end);
+    }
     return absl::OkStatus();
   };
   while (reader->Read(&chunk)) {
@@ -494,7 +516,12 @@ grpc::Status AggregatorService::InitParams(
         !range.ok()) {
       return ToGrpcStatus(range);
     }
-    values.insert(values.end(), chunk.values().begin(), chunk.values().end());
+    try {
+      values.insert(values.end(), chunk.values().begin(),
+                    chunk.values().end());
+    } catch (const std::bad_alloc&) {
+      return ToGrpcStatus(OutOfMemoryForRange(shard, begin, end));
+    }
     next += static_cast<uint64_t>(chunk.values_size());
   }
   if (context->IsCancelled()) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <new>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -77,9 +78,23 @@ absl::StatusOr<bool> ShardAggregator::InitParams(
   GTOPK_RETURN_IF_ERROR(ValidateFinite(values, "initial parameters"));
   absl::MutexLock lock(&mu_);
   if (initialized_) return false;
-  params_.assign(values.begin(), values.end());
-  if (options_.optimizer.momentum_mode == MomentumMode::kGlobal) {
-    global_velocity_.assign(values.size(), 0.0f);
+  try {
+    params_.assign(values.begin(), values.end());
+    if (options_.optimizer.momentum_mode == MomentumMode::kGlobal) {
+      global_velocity_.assign(values.size(), 0.0f);
+    }
+  } catch (const std::bad_alloc&) {
+    // Nothing half-taken: the shard stays uninitialised.
+    std::vector<float>().swap(params_);
+    std::vector<float>().swap(global_velocity_);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "shard ", options_.shard_id, " cannot hold its ", values.size(),
+        " parameters [", begin_, ", ", end_, ") (",
+        values.size() * sizeof(float), " bytes each for the parameters",
+        options_.optimizer.momentum_mode == MomentumMode::kGlobal
+            ? " and the global velocity"
+            : "",
+        "): out of memory"));
   }
   initialized_ = true;
   cv_.SignalAll();
@@ -98,8 +113,17 @@ absl::StatusOr<ShardAggregator::State> ShardAggregator::GetState(
     }
   }
   State state;
-  state.params = params_;
-  state.global_velocity = global_velocity_;
+  try {
+    state.params = params_;
+    state.global_velocity = global_velocity_;
+  } catch (const std::bad_alloc&) {
+    // A download's or checkpoint's copy of the range: refused, retryable
+    // once memory is free again; nothing changed.
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "shard ", options_.shard_id, " cannot copy its ", params_.size(),
+        " parameters (", params_.size() * sizeof(float),
+        " bytes) for a download or checkpoint: out of memory; retry later"));
+  }
   state.next_step = next_step_;
   return state;
 }

@@ -4,6 +4,7 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -11,6 +12,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <chrono>
@@ -696,6 +698,61 @@ TEST_F(BadInputTest, BadPushFailsTheStepForTheOtherWorker) {
 }
 
 // ---------------------------------------------------------------------------
+
+// This process's virtual memory size in bytes (/proc/self/status VmSize).
+uint64_t VmSizeBytes() {
+  std::ifstream status("/proc/self/status");
+  std::string key;
+  while (status >> key) {
+    if (key == "VmSize:") {
+      uint64_t kib = 0;
+      status >> kib;
+      return kib * 1024;
+    }
+  }
+  return 0;
+}
+
+// Found by a break-it run: the first Join fixes n (up to 2^32), and
+// InitParams reserved the shard's whole range from it (16 GiB at n = 2^32,
+// S = 1); a server without that memory let std::bad_alloc reach gRPC,
+// which answered UNKNOWN "Unexpected error in RPC handling". It is now
+// RESOURCE_EXHAUSTED naming the range, and the shard stays up,
+// uninitialised. The memory is capped with RLIMIT_AS (2 GiB above what the
+// process maps) while the call runs.
+TEST(ServiceTest, InitParamsOfARangeThatDoesNotFitIsResourceExhausted) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "RLIMIT_AS cannot cap a sanitizer's shadow mappings";
+#else
+  ServerConfig config = BaseConfig(1, 1);
+  absl::StatusOr<Cluster> cluster = StartCluster(config);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  constexpr uint64_t kHugeN = uint64_t{1} << 32;  // the most Join accepts
+  ASSERT_TRUE(Join(cluster->stub(0), 0, kHugeN).ok());
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_AS, &saved), 0);
+  const uint64_t vm = VmSizeBytes();
+  ASSERT_GT(vm, 0u);
+  rlimit capped = saved;
+  capped.rlim_cur = vm + (uint64_t{2} << 30);
+  ASSERT_EQ(setrlimit(RLIMIT_AS, &capped), 0);
+  const absl::StatusOr<bool> taken = InitParams(
+      cluster->stub(0), 0, 0, 0, std::vector<float>(8, 1.0f), 8);
+  ASSERT_EQ(setrlimit(RLIMIT_AS, &saved), 0);
+  EXPECT_THAT(taken, StatusIs(absl::StatusCode::kResourceExhausted,
+                              HasSubstr("cannot hold its range [0, "
+                                        "4294967296) of 4294967296 "
+                                        "parameters (17179869184 bytes)")));
+  // Up and uninitialised: a download waits for parameters that never came.
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  v1::ClusterSpec spec;
+  EXPECT_TRUE(
+      cluster->stub(0)->GetClusterSpec(&ctx, v1::JoinRequest(), &spec).ok());
+  EXPECT_EQ(spec.n(), kHugeN);
+  EXPECT_EQ(cluster->servers[0]->service()->next_step(), 0);
+#endif
+}
 
 TEST(ServiceTest, CancelledWorkerMidStepGivesDeadlineExceededNamingIt) {
   ServerConfig config = BaseConfig(1, 2);

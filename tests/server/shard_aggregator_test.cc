@@ -3,7 +3,10 @@
 // single-process reference (common/merge.h) bit for bit.
 #include "server/shard_aggregator.h"
 
+#include <sys/resource.h>
+
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <random>
 #include <string>
@@ -282,6 +285,57 @@ WorkerPush Push(int64_t step, uint32_t worker, std::vector<uint32_t> idx) {
   p.worker = worker;
   for (uint32_t i : idx) p.sparse.push_back(i, 0.5f + static_cast<float>(i));
   return p;
+}
+
+// This process's virtual memory size in bytes (/proc/self/status VmSize).
+uint64_t VmSizeBytes() {
+  std::ifstream status("/proc/self/status");
+  std::string key;
+  while (status >> key) {
+    if (key == "VmSize:") {
+      uint64_t kib = 0;
+      status >> kib;
+      return kib * 1024;
+    }
+  }
+  return 0;
+}
+
+// The same kind of fault as InitParams' (service_test
+// InitParamsOfARangeThatDoesNotFitIsResourceExhausted): a copy of the
+// range sized by the cluster's n, here GetState's for a download or a
+// checkpoint (up to four downloads at once). Without the memory it is
+// RESOURCE_EXHAUSTED, nothing changed, and it succeeds once memory is free.
+TEST(ShardAggregatorTest, ACopyOfTheRangeWithoutMemoryIsResourceExhausted) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "RLIMIT_AS cannot cap a sanitizer's shadow mappings";
+#else
+  ShardOptions o = SmallOptions(1);
+  o.n = uint64_t{1} << 27;  // 512 MiB of parameters
+  auto shard = ShardAggregator::Create(o, nullptr);
+  ASSERT_TRUE(shard.ok()) << shard.status();
+  {
+    std::vector<float> init(o.n, 0.25f);
+    GTOPK_ASSERT_OK((*shard)->InitParams(init).status());
+  }
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_AS, &saved), 0);
+  rlimit capped = saved;
+  capped.rlim_cur = VmSizeBytes() + (uint64_t{128} << 20);
+  ASSERT_EQ(setrlimit(RLIMIT_AS, &capped), 0);
+  const auto refused = (*shard)->GetState(absl::Now() + absl::Seconds(1));
+  ASSERT_EQ(setrlimit(RLIMIT_AS, &saved), 0);
+  EXPECT_THAT(refused.status(),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       ::testing::HasSubstr(
+                           "cannot copy its 134217728 parameters (536870912 "
+                           "bytes) for a download or checkpoint: out of "
+                           "memory")));
+  const auto state = (*shard)->GetState(absl::Now() + absl::Seconds(1));
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_EQ(state->params.size(), o.n);
+  EXPECT_EQ(state->params.back(), 0.25f);
+#endif
 }
 
 TEST(ShardAggregatorTest, BadPushFailsTheStepForEveryoneAndIsNotApplied) {
