@@ -16,6 +16,8 @@ const char* LimitBoundName(LimitBound bound) {
       return "calls_per_peer";
     case LimitBound::kPushPairs:
       return "push_pairs";
+    case LimitBound::kDownloadTime:
+      return "download_time";
     case LimitBound::kCount:
       break;
   }

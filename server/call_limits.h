@@ -31,12 +31,15 @@ struct CallLimits {
   int64_t max_calls_per_peer = 1;
 };
 
-// Which bound refused a call (label `bound` of
+// Which bound refused a call, or ended one (label `bound` of
 // gtopk_server_limit_rejections_total).
 enum class LimitBound {
   kConcurrentCalls,  // "concurrent_calls": --max-concurrent-calls
   kCallsPerPeer,     // "calls_per_peer": --max-calls-per-peer
   kPushPairs,        // "push_pairs": more pairs than k allows (--density)
+  kDownloadTime,     // "download_time": a DownloadParams stream cancelled
+                     // after its client took no chunk for too long
+                     // (DownloadParamsLimits, server/service.h)
   kCount
 };
 const char* LimitBoundName(LimitBound bound);

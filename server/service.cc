@@ -14,6 +14,8 @@
 #include <cstdlib>
 #include <new>
 #include <random>
+#include <string>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -58,7 +60,105 @@ bool MetadataNumber(const grpc::ServerContext* context, const char* key,
       absl::string_view(it->second.data(), it->second.size()), out);
 }
 
+// Cancels a server stream (ServerContext::TryCancel, from its own thread)
+// when one Write waits longer than `stall` for the client, or when the
+// stream is still writing at `end`. A Write blocked on gRPC flow control
+// returns only when the client reads, goes away, or the call is cancelled;
+// this is the deadline of that wait. Construct it where the writes start;
+// Stop() (or the destructor) joins its thread, so `context` must outlive
+// it. Thread-safe; at most one per download slot (4 threads).
+class WriteWatchdog {
+ public:
+  WriteWatchdog(grpc::ServerContext* context, absl::Duration stall,
+                absl::Time end)
+      : context_(context), stall_(stall), end_(end) {
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~WriteWatchdog() { Stop(); }
+  WriteWatchdog(const WriteWatchdog&) = delete;
+  WriteWatchdog& operator=(const WriteWatchdog&) = delete;
+
+  // Call around every Write: the stall bound counts from WriteStarted.
+  void WriteStarted() {
+    absl::MutexLock lock(&mu_);
+    write_due_ = absl::Now() + stall_;
+  }
+  void WriteEnded() {
+    absl::MutexLock lock(&mu_);
+    write_due_ = absl::InfiniteFuture();
+  }
+
+  // Stops watching and joins the thread (blocks at most for a TryCancel
+  // under way); idempotent. Returns why the stream was cancelled, empty
+  // when it was not: after Stop() nothing cancels it any more, so a handler
+  // that gets "" may return OK, and one that gets a reason must return
+  // CANCELLED (TryCancel's contract).
+  std::string Stop() {
+    {
+      absl::MutexLock lock(&mu_);
+      done_ = true;
+    }
+    if (thread_.joinable()) thread_.join();
+    absl::MutexLock lock(&mu_);
+    return reason_;
+  }
+
+ private:
+  void Run() {
+    {
+      absl::MutexLock lock(&mu_);
+      while (!done_) {
+        const absl::Time seen = write_due_;
+        auto changed = [this, seen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return done_ || write_due_ != seen;
+        };
+        if (mu_.AwaitWithDeadline(absl::Condition(&changed),
+                                  std::min(end_, seen))) {
+          continue;  // done, or another Write started or ended
+        }
+        const absl::Time now = absl::Now();
+        if (now >= seen) {
+          reason_ = absl::StrCat("the client took no chunk for ",
+                                 absl::FormatDuration(stall_));
+        } else if (now >= end_) {
+          reason_ = absl::StrCat("the download ran past its bound of ",
+                                 absl::FormatDuration(end_ - start_));
+        } else {
+          continue;  // woke early
+        }
+        break;
+      }
+      if (reason_.empty()) return;
+    }
+    context_->TryCancel();  // unblocks the Write; the handler returns
+  }
+
+  grpc::ServerContext* const context_;
+  const absl::Duration stall_;
+  const absl::Time start_ = absl::Now();
+  const absl::Time end_;
+  mutable absl::Mutex mu_;
+  absl::Time write_due_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  std::string reason_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;
+};
+
 }  // namespace
+
+DownloadLimits DownloadParamsLimits(const ServerConfig& config,
+                                    uint64_t chunk_bytes, uint64_t bytes) {
+  auto transfer = [](uint64_t b) {
+    return absl::Seconds(static_cast<double>(b) /
+                         static_cast<double>(kMinDownloadBytesPerSecond));
+  };
+  DownloadLimits limits;
+  limits.stall = std::max(kDownloadStallFloor,
+                          kDownloadStallFactor * config.step_timeout) +
+                 transfer(chunk_bytes);
+  limits.total = limits.stall + transfer(bytes);
+  return limits;
+}
 
 // ---------------------------------------------------------------------------
 // AggregatorService
@@ -625,6 +725,26 @@ grpc::Status AggregatorService::DownloadParams(
   const size_t per_chunk = static_cast<size_t>(std::max<uint64_t>(
       1, (chunk_bytes - kChunkOverheadBytes) / (with_velocity ? 8 : 4)));
   const uint64_t begin = (*aggregator)->begin();
+  // A client that stops reading blocks Write below on flow control; the
+  // watchdog cancels the stream after DownloadParamsLimits, so that the
+  // slot is released (by `release`, once, when this handler returns).
+  const DownloadLimits limits = DownloadParamsLimits(
+      config_, chunk_bytes,
+      values.size() * (with_velocity ? uint64_t{8} : uint64_t{4}));
+  const std::string peer = context->peer();  // "unknown" once cancelled
+  WriteWatchdog watchdog(context, limits.stall, absl::Now() + limits.total);
+  auto cancelled_by_limit = [&](const std::string& reason, size_t at) {
+    metrics_->LimitRejected(LimitBound::kDownloadTime);
+    const std::string what = absl::StrCat(
+        "DownloadParams for worker ", request->worker(), " from ", peer,
+        " cancelled at index ", begin + at, " of [", begin, ", ",
+        begin + values.size(), "): ", reason,
+        ", the bound on a download's slot (docs/resource-limits.md)");
+    std::fprintf(stderr, "gtopk-server shard %u: %s\n", config_.shard_id,
+                 what.c_str());
+    return grpc::Status(grpc::StatusCode::CANCELLED,
+                        absl::StrCat("shard ", config_.shard_id, ": ", what));
+  };
   size_t offset = 0;
   do {
     const size_t count = std::min(per_chunk, values.size() - offset);
@@ -639,7 +759,12 @@ grpc::Status AggregatorService::DownloadParams(
       chunk.mutable_global_velocity()->Add(velocity.begin() + offset,
                                            velocity.begin() + offset + count);
     }
-    if (!writer->Write(chunk)) {
+    watchdog.WriteStarted();
+    const bool written = writer->Write(chunk);
+    watchdog.WriteEnded();
+    if (!written) {
+      const std::string reason = watchdog.Stop();
+      if (!reason.empty()) return cancelled_by_limit(reason, offset);
       return grpc::Status(grpc::StatusCode::CANCELLED,
                           "the worker went away during DownloadParams");
     }
@@ -647,6 +772,11 @@ grpc::Status AggregatorService::DownloadParams(
         static_cast<double>(chunk.ByteSizeLong()));
     offset += count;
   } while (offset < values.size());
+  // The watchdog may have cancelled the call as the last Write completed:
+  // then the client sees CANCELLED, and so must the handler's status.
+  if (const std::string reason = watchdog.Stop(); !reason.empty()) {
+    return cancelled_by_limit(reason, offset);
+  }
   return grpc::Status::OK;
 }
 

@@ -54,6 +54,41 @@ namespace server {
 // readiness probe that restarted it would lose them (server/flags.md).
 inline constexpr char kCheckpointHealthService[] = "gtopk.checkpoint";
 
+// DownloadParams' bounds on how long one download may hold one of the
+// server's 4 download slots (docs/resource-limits.md, "Parameter
+// downloads"): a client that keeps its stream open without reading blocks
+// the server's Write on gRPC flow control, and without these bounds holds
+// its slot -- and its copy of the shard's range -- until it goes away.
+// Past either bound the server cancels the stream (the client sees
+// CANCELLED) and counts it in
+// gtopk_server_limit_rejections_total{bound="download_time"}.
+//
+// The assumption behind them: a legitimate client takes every chunk within
+// the stall floor or twice the step timeout, whichever is longer, and reads
+// at least kMinDownloadBytesPerSecond (1 MiB/s, 8 Mbit/s) over the whole
+// stream. A shard range of 2^32 floats with the global velocity (32 GiB)
+// thus gets about 9 hours; a client that takes nothing is cut off after one
+// stall bound (61 s with the defaults).
+inline constexpr absl::Duration kDownloadStallFloor = absl::Seconds(2);
+inline constexpr int kDownloadStallFactor = 2;  // times --step-timeout
+inline constexpr uint64_t kMinDownloadBytesPerSecond = uint64_t{1} << 20;
+
+struct DownloadLimits {
+  // How long one chunk's Write may wait for the client to take it.
+  absl::Duration stall;
+  // How long sending all the chunks may take, from the first Write.
+  absl::Duration total;
+};
+
+// The bounds of a download of `bytes` bytes sent in chunks of at most
+// `chunk_bytes` bytes under `config`:
+//   stall = max(kDownloadStallFloor, kDownloadStallFactor x step_timeout)
+//           + chunk_bytes / kMinDownloadBytesPerSecond,
+//   total = stall + bytes / kMinDownloadBytesPerSecond.
+// Durations, never negative. Pure; thread-safe; never blocks or fails.
+DownloadLimits DownloadParamsLimits(const ServerConfig& config,
+                                    uint64_t chunk_bytes, uint64_t bytes);
+
 // The gtopk.v1.Aggregator service of one shard (synchronous gRPC API: each
 // call, and each PushPull stream, runs on its own gRPC thread).
 //
@@ -83,7 +118,12 @@ inline constexpr char kCheckpointHealthService[] = "gtopk.checkpoint";
 //                   (INVALID_ARGUMENT naming the fault). Idempotent.
 //   DownloadParams  worker < P; waits until initialised, then streams chunks
 //                   of at most download_chunk_bytes, each with step = next
-//                   step. An empty range yields one empty chunk.
+//                   step. An empty range yields one empty chunk. At most 4
+//                   at once (the others wait, bounded by their deadline
+//                   and the step timeout: DEADLINE_EXCEEDED "4 parameter
+//                   downloads already in progress"); a stream that runs past
+//                   DownloadParamsLimits (its client stopped reading) is
+//                   cancelled (CANCELLED), releasing its slot.
 //   PushPull        per Push: first who sends it -- worker < P
 //                   (INVALID_ARGUMENT), the cluster fingerprint
 //                   (FAILED_PRECONDITION), the rank's member token
@@ -425,7 +465,9 @@ class AggregatorService final : public v1::Aggregator::Service {
       checkpoint_mu_);
   // DownloadParams copies the shard's range per call; at most
   // kMaxConcurrentDownloads copies exist at once (the others wait, bounded
-  // by their deadline), so clients cannot exhaust the server's memory.
+  // by their deadline), so clients cannot exhaust the server's memory. A
+  // download holds its slot at most the wait for initialisation (the step
+  // timeout) plus DownloadParamsLimits' total.
   absl::Mutex download_mu_;
   int active_downloads_ ABSL_GUARDED_BY(download_mu_) = 0;
 

@@ -443,6 +443,85 @@ TEST(ServiceTest, ConcurrentDownloadsAreBounded) {
   EXPECT_EQ(d.values.size(), n);
 }
 
+TEST(ServiceTest, StuckDownloadsAreCancelledAndFreeTheirSlots) {
+  // Four clients open DownloadParams without a deadline and stop reading:
+  // the server's Write blocks on flow control. Without a server-side bound
+  // they would hold all four download slots until they went away, and every
+  // other download (a worker restart) would fail. The bound here is the
+  // stall floor: max(2 s, 2 x 250 ms) + 64 KiB / (1 MiB/s) = 2.0625 s.
+  ServerConfig config = BaseConfig(1, 1);
+  config.step_timeout = absl::Milliseconds(250);
+  config.download_chunk_bytes = uint64_t{64} << 10;
+  const DownloadLimits limits =
+      DownloadParamsLimits(config, config.download_chunk_bytes, 0);
+  ASSERT_EQ(limits.stall, kDownloadStallFloor + absl::Milliseconds(62.5));
+  GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(config));
+  const uint64_t n = uint64_t{4} << 20;  // 16 MiB: far beyond flow control
+  GTOPK_ASSERT_OK_AND_ASSIGN(v1::JoinResponse join,
+                             Join(cluster.stub(0), 0, n));
+  (void)join;
+  GTOPK_ASSERT_OK_AND_ASSIGN(bool now,
+                             InitParams(cluster.stub(0), 0, 0, 0,
+                                        std::vector<float>(n, 1.0f), 1 << 18));
+  EXPECT_TRUE(now);
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  std::vector<std::unique_ptr<grpc::ClientReader<v1::ParamsChunk>>> readers;
+  // Whatever happens below, end the stuck calls (without the bound they
+  // never end by themselves).
+  struct EndCalls {
+    std::vector<std::unique_ptr<grpc::ClientContext>>& contexts;
+    std::vector<std::unique_ptr<grpc::ClientReader<v1::ParamsChunk>>>& readers;
+    ~EndCalls() {
+      for (auto& c : contexts) c->TryCancel();
+      for (auto& r : readers) r->Finish().IgnoreError();
+    }
+  } end_calls{contexts, readers};
+  v1::DownloadParamsRequest request;
+  for (int i = 0; i < 4; ++i) {
+    contexts.push_back(std::make_unique<grpc::ClientContext>());  // no deadline
+    readers.push_back(
+        cluster.stub(0)->DownloadParams(contexts.back().get(), request));
+    // The first chunk proves that the server holds a slot for this stream;
+    // then nothing more is read.
+    v1::ParamsChunk first;
+    ASSERT_TRUE(readers.back()->Read(&first))
+        << "download stream " << i << " sent no chunk";
+  }
+  const absl::Time start = absl::Now();
+  // The slots are taken: a download now waits the step timeout, in vain.
+  EXPECT_THAT(Download(cluster.stub(0), 0),
+              StatusIs(absl::StatusCode::kDeadlineExceeded,
+                       HasSubstr("downloads already in progress")));
+  // A worker retrying gets through once the server cancelled the stuck
+  // streams, soon after the stall bound.
+  absl::StatusOr<Downloaded> d = absl::UnknownError("not tried");
+  const absl::Time give_up = start + limits.stall + absl::Seconds(4);
+  while (!d.ok() && absl::Now() < give_up) d = Download(cluster.stub(0), 0);
+  const absl::Duration took = absl::Now() - start;
+  ASSERT_TRUE(d.ok()) << d.status() << " after " << took;
+  EXPECT_EQ(d->values.size(), n);
+  EXPECT_GE(took, limits.stall - absl::Milliseconds(100));
+  // The stuck clients find their streams cancelled by the server: after the
+  // chunks already sent (gRPC's Finish wants them read), CANCELLED.
+  for (size_t i = 0; i < readers.size(); ++i) {
+    v1::ParamsChunk chunk;
+    uint64_t got = 0;
+    while (readers[i]->Read(&chunk)) got += chunk.values_size();
+    EXPECT_LT(got, n) << "stream " << i;
+    EXPECT_EQ(readers[i]->Finish().error_code(), grpc::StatusCode::CANCELLED)
+        << "stream " << i;
+  }
+  readers.clear();
+  // Counted with the other resource bounds, once per cancelled stream.
+  const ServerMetrics& metrics = cluster.servers[0]->service()->metrics();
+  const absl::Time counted_by = absl::Now() + absl::Seconds(2);
+  while (metrics.limit_rejections(LimitBound::kDownloadTime) < 4 &&
+         absl::Now() < counted_by) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(metrics.limit_rejections(LimitBound::kDownloadTime), 4);
+}
+
 TEST(ServiceTest, OneGtopkStepMatchesReference) {
   ServerConfig config = BaseConfig(2, 2);
   GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(config));
