@@ -14,6 +14,7 @@
 #include "absl/time/clock.h"
 #include "common/codec.h"
 #include "common/epoch.h"
+#include "common/status_macros.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "server/server_config.h"
@@ -39,6 +40,34 @@ constexpr absl::Duration kPrompt = absl::Seconds(4);
 
 std::vector<float> Seeded(uint64_t seed) {
   return ::gtopk::testing::NormalVector(kN, seed);
+}
+
+// A running cluster of `shards` shards whose config.num_workers workers
+// joined and hold the same initial parameters (Seeded(1)). `cluster` is
+// declared first: the clients, which use it, go first.
+struct JoinedCluster {
+  std::unique_ptr<server::LocalCluster> cluster;
+  testing_cluster::JoinedWorkers joined;
+};
+absl::StatusOr<JoinedCluster> StartJoined(const server::ServerConfig& config,
+                                          int shards) {
+  JoinedCluster c;
+  GTOPK_ASSIGN_OR_RETURN(c.cluster, server::LocalCluster::Start(config, shards));
+  GTOPK_ASSIGN_OR_RETURN(
+      c.joined, testing_cluster::JoinAndSynchronize(
+                    *c.cluster, static_cast<int>(config.num_workers),
+                    Seeded(1)));
+  return c;
+}
+
+// The settings of these tests' clusters: `workers` workers, density 0.01,
+// step timeout `step_timeout`.
+server::ServerConfig TestConfig(uint32_t workers, absl::Duration step_timeout) {
+  server::ServerConfig config;
+  config.num_workers = workers;
+  config.optimizer.density = 0.01;
+  config.step_timeout = step_timeout;
+  return config;
 }
 
 using ::gtopk::testing::BitEqual;
@@ -108,12 +137,9 @@ TEST_P(FailFastTest, BadPushOnOneShardFailsTheStepOnEveryShardPromptly) {
   config.step_timeout = kStepTimeout;
   config.mode = GetParam().mode;
   config.selection = GetParam().selection;
-  auto cluster_or = server::LocalCluster::Start(config, 2);
-  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
-  server::LocalCluster& cluster = **cluster_or;
-  GTOPK_ASSERT_OK_AND_ASSIGN(
-      testing_cluster::JoinedWorkers joined,
-      testing_cluster::JoinAndSynchronize(cluster, 2, Seeded(1)));
+  GTOPK_ASSERT_OK_AND_ASSIGN(JoinedCluster started, StartJoined(config, 2));
+  server::LocalCluster& cluster = *started.cluster;
+  testing_cluster::JoinedWorkers& joined = started.joined;
   auto& clients = joined.clients;
   auto& params = joined.params;
   const std::vector<float> before = params[0];
@@ -209,10 +235,7 @@ TEST_P(FailFastTest, BadPushOnOneShardFailsTheStepOnEveryShardPromptly) {
 // with a 100 KB AbortStep reason; both must reach the worker as their own
 // (retryable) code with a bounded message.
 TEST(LongStatusTest, StepTimeoutNamingThousandsOfWorkersStaysRetryable) {
-  server::ServerConfig config;
-  config.num_workers = 2000;
-  config.optimizer.density = 0.01;
-  config.step_timeout = absl::Seconds(1);
+  const server::ServerConfig config = TestConfig(2000, absl::Seconds(1));
   auto cluster = server::LocalCluster::Start(config, 1);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   std::unique_ptr<WorkerClient> client = Join(**cluster, 0);
@@ -226,17 +249,26 @@ TEST(LongStatusTest, StepTimeoutNamingThousandsOfWorkersStaysRetryable) {
   EXPECT_LT(step.message().size(), 4096u);
 }
 
+// One AbortStep call to `stub` (5 s deadline).
+grpc::Status SendAbortStep(v1::Aggregator::Stub* stub, int64_t step,
+                           uint32_t shard, uint64_t epoch = 0,
+                           const std::string& reason = "") {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  v1::AbortStepRequest request;
+  request.set_step(step);
+  request.set_shard_id(shard);
+  request.set_epoch(epoch);
+  request.set_reason(reason);
+  v1::AbortStepResponse response;
+  return stub->AbortStep(&ctx, request, &response);
+}
+
 TEST(LongStatusTest, HugeAbortStepReasonReachesWorkersBounded) {
-  server::ServerConfig config;
-  config.num_workers = 2;
-  config.optimizer.density = 0.01;
-  config.step_timeout = kStepTimeout;
-  auto cluster_or = server::LocalCluster::Start(config, 2);
-  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
-  server::LocalCluster& cluster = **cluster_or;
-  GTOPK_ASSERT_OK_AND_ASSIGN(
-      testing_cluster::JoinedWorkers joined,
-      testing_cluster::JoinAndSynchronize(cluster, 2, Seeded(1)));
+  const server::ServerConfig config = TestConfig(2, kStepTimeout);
+  GTOPK_ASSERT_OK_AND_ASSIGN(JoinedCluster started, StartJoined(config, 2));
+  server::LocalCluster& cluster = *started.cluster;
+  testing_cluster::JoinedWorkers& joined = started.joined;
   auto& clients = joined.clients;
   auto& params = joined.params;
   absl::Status stepped;
@@ -250,14 +282,8 @@ TEST(LongStatusTest, HugeAbortStepReasonReachesWorkersBounded) {
   absl::SleepFor(absl::Milliseconds(300));
   auto leader = v1::Aggregator::NewStub(grpc::CreateChannel(
       cluster.leader(), grpc::InsecureChannelCredentials()));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-  v1::AbortStepRequest request;
-  request.set_step(0);
-  request.set_shard_id(1);
-  request.set_reason(std::string(100000, 'R'));
-  v1::AbortStepResponse response;
-  EXPECT_TRUE(leader->AbortStep(&ctx, request, &response).ok());
+  EXPECT_TRUE(
+      SendAbortStep(leader.get(), 0, 1, 0, std::string(100000, 'R')).ok());
   step.join();
   EXPECT_THAT(stepped, StatusIs(absl::StatusCode::kAborted,
                                 HasSubstr("failed on shard 1: RRRR")));
@@ -268,26 +294,30 @@ TEST(LongStatusTest, HugeAbortStepReasonReachesWorkersBounded) {
 // An AbortStep epoch far in the future (found: 2^64 - 1 sent to a shard)
 // would make every later push "newer than any failure" and switch the
 // failed-attempt checks off for the rest of the run: shards refuse it.
-TEST(AbortStepInputTest, FarFutureEpochIsRefusedByAShard) {
-  server::ServerConfig config;
-  config.num_workers = 1;
-  config.optimizer.density = 0.01;
-  config.step_timeout = absl::Seconds(5);
-  auto cluster = server::LocalCluster::Start(config, 2);
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
-  auto shard1 = v1::Aggregator::NewStub(grpc::CreateChannel(
-      (*cluster)->peers()[1], grpc::InsecureChannelCredentials()));
+// A two-shard cluster of one worker that never joins, and a client of each
+// shard.
+class AbortStepInputTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto cluster =
+        server::LocalCluster::Start(TestConfig(1, absl::Seconds(5)), 2);
+    ASSERT_TRUE(cluster.ok()) << cluster.status();
+    cluster_ = *std::move(cluster);
+    leader_ = v1::Aggregator::NewStub(grpc::CreateChannel(
+        cluster_->leader(), grpc::InsecureChannelCredentials()));
+    shard1_ = v1::Aggregator::NewStub(grpc::CreateChannel(
+        cluster_->peers()[1], grpc::InsecureChannelCredentials()));
+  }
+
+  std::unique_ptr<server::LocalCluster> cluster_;
+  std::unique_ptr<v1::Aggregator::Stub> leader_, shard1_;
+};
+
+TEST_F(AbortStepInputTest, FarFutureEpochIsRefusedByAShard) {
   for (const uint64_t epoch : {~uint64_t{0},
                                static_cast<uint64_t>(absl::ToUnixMicros(
                                    absl::Now() + absl::Hours(48)))}) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-    v1::AbortStepRequest request;
-    request.set_step(0);
-    request.set_shard_id(0);
-    request.set_epoch(epoch);
-    v1::AbortStepResponse response;
-    const grpc::Status st = shard1->AbortStep(&ctx, request, &response);
+    const grpc::Status st = SendAbortStep(shard1_.get(), 0, 0, epoch);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << epoch;
     EXPECT_NE(st.error_message().find("more than a day ahead"),
               std::string::npos)
@@ -303,25 +333,11 @@ TEST(AbortStepInputTest, FarFutureEpochIsRefusedByAShard) {
 // forwarding, Recover failing meanwhile. The leader refuses a step far
 // past its next one, and forwards a step's failure once however often it
 // is reported (the same step, a later report, updates the queued forward).
-TEST(AbortStepInputTest, AStepFarPastTheLeadersIsRefused) {
-  server::ServerConfig config;
-  config.num_workers = 1;
-  config.optimizer.density = 0.01;
-  config.step_timeout = absl::Seconds(5);
-  auto cluster = server::LocalCluster::Start(config, 2);
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
-  auto leader = v1::Aggregator::NewStub(grpc::CreateChannel(
-      (*cluster)->leader(), grpc::InsecureChannelCredentials()));
+TEST_F(AbortStepInputTest, AStepFarPastTheLeadersIsRefused) {
   for (const int64_t step : {int64_t{17}, int64_t{5000000},
                              std::numeric_limits<int64_t>::max()}) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-    v1::AbortStepRequest request;
-    request.set_step(step);
-    request.set_shard_id(1);
-    request.set_reason("hostile");
-    v1::AbortStepResponse response;
-    const grpc::Status st = leader->AbortStep(&ctx, request, &response);
+    const grpc::Status st =
+        SendAbortStep(leader_.get(), step, 1, 0, "hostile");
     EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << step;
     EXPECT_NE(st.error_message().find(
                   "steps past the leader's next step 0 (a shard fails the "
@@ -332,13 +348,7 @@ TEST(AbortStepInputTest, AStepFarPastTheLeadersIsRefused) {
   // Within the window (the leader's next step is 0): taken, as before, and
   // as often as it is sent.
   for (int i = 0; i < 50; ++i) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-    v1::AbortStepRequest request;
-    request.set_step(16);
-    request.set_shard_id(1);
-    v1::AbortStepResponse response;
-    EXPECT_TRUE(leader->AbortStep(&ctx, request, &response).ok());
+    EXPECT_TRUE(SendAbortStep(leader_.get(), 16, 1).ok());
   }
 }
 
@@ -352,17 +362,11 @@ TEST(AbortStepInputTest, AStepFarPastTheLeadersIsRefused) {
 // refused calls within the deadline (CallUntilAdmitted): the step is
 // delayed until the holders' deadline, not failed.
 TEST(ShardCallAdmissionTest, RefusedShardCallsDelayTheStepInsteadOfEndingIt) {
-  server::ServerConfig config;
-  config.num_workers = 2;
-  config.optimizer.density = 0.01;
-  config.step_timeout = absl::Seconds(10);
+  server::ServerConfig config = TestConfig(2, absl::Seconds(10));
   config.max_calls_per_peer = 2;
-  auto cluster_or = server::LocalCluster::Start(config, 2);
-  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
-  server::LocalCluster& cluster = **cluster_or;
-  GTOPK_ASSERT_OK_AND_ASSIGN(
-      testing_cluster::JoinedWorkers joined,
-      testing_cluster::JoinAndSynchronize(cluster, 2, Seeded(1)));
+  GTOPK_ASSERT_OK_AND_ASSIGN(JoinedCluster started, StartJoined(config, 2));
+  server::LocalCluster& cluster = *started.cluster;
+  testing_cluster::JoinedWorkers& joined = started.joined;
   auto leader = v1::Aggregator::NewStub(grpc::CreateChannel(
       cluster.leader(), grpc::InsecureChannelCredentials()));
   v1::ClusterSpec spec;

@@ -4,7 +4,6 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
-#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -12,7 +11,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <limits>
 #include <map>
 #include <chrono>
@@ -35,6 +33,7 @@
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
+#include "tests/testing/address_space_cap.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
 #include "server/aggregator_server.h"
 #include "server/checkpoint.h"
@@ -401,20 +400,26 @@ TEST(ServiceTest, InitAndDownloadAcrossTwoShardsInChunks) {
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not finite")));
 }
 
+// A one-shard cluster (`config`) whose rank 0 joined with n parameters
+// and initialised them to 1.0.
+absl::StatusOr<Cluster> StartInitialised(const ServerConfig& config,
+                                         uint64_t n) {
+  GTOPK_ASSIGN_OR_RETURN(Cluster cluster, StartCluster(config));
+  GTOPK_RETURN_IF_ERROR(Join(cluster.stub(0), 0, n).status());
+  GTOPK_ASSIGN_OR_RETURN(bool now,
+                         InitParams(cluster.stub(0), 0, 0, 0,
+                                    std::vector<float>(n, 1.0f), 1 << 18));
+  if (!now) return absl::InternalError("the parameters were already set");
+  return cluster;
+}
+
 TEST(ServiceTest, ConcurrentDownloadsAreBounded) {
   // Each download snapshots the shard's range; clients that never read must
   // not make the server hold unboundedly many copies.
   ServerConfig config = BaseConfig(1, 1);
   config.step_timeout = absl::Milliseconds(500);
-  GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(config));
   const uint64_t n = uint64_t{4} << 20;  // 16 MiB: far beyond flow control
-  GTOPK_ASSERT_OK_AND_ASSIGN(v1::JoinResponse join,
-                             Join(cluster.stub(0), 0, n));
-  (void)join;
-  GTOPK_ASSERT_OK_AND_ASSIGN(bool now,
-                             InitParams(cluster.stub(0), 0, 0, 0,
-                                        std::vector<float>(n, 1.0f), 1 << 18));
-  EXPECT_TRUE(now);
+  GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartInitialised(config, n));
   // Four streams that read one chunk and then no more hold the four
   // download slots (the server takes a slot before it sends; the first
   // chunk proves it has one, where a fixed sleep raced the server on a busy
@@ -455,15 +460,8 @@ TEST(ServiceTest, StuckDownloadsAreCancelledAndFreeTheirSlots) {
   const DownloadLimits limits =
       DownloadParamsLimits(config, config.download_chunk_bytes, 0);
   ASSERT_EQ(limits.stall, kDownloadStallFloor + absl::Milliseconds(62.5));
-  GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(config));
   const uint64_t n = uint64_t{4} << 20;  // 16 MiB: far beyond flow control
-  GTOPK_ASSERT_OK_AND_ASSIGN(v1::JoinResponse join,
-                             Join(cluster.stub(0), 0, n));
-  (void)join;
-  GTOPK_ASSERT_OK_AND_ASSIGN(bool now,
-                             InitParams(cluster.stub(0), 0, 0, 0,
-                                        std::vector<float>(n, 1.0f), 1 << 18));
-  EXPECT_TRUE(now);
+  GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartInitialised(config, n));
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
   std::vector<std::unique_ptr<grpc::ClientReader<v1::ParamsChunk>>> readers;
   // Whatever happens below, end the stuck calls (without the bound they
@@ -778,20 +776,6 @@ TEST_F(BadInputTest, BadPushFailsTheStepForTheOtherWorker) {
 
 // ---------------------------------------------------------------------------
 
-// This process's virtual memory size in bytes (/proc/self/status VmSize).
-uint64_t VmSizeBytes() {
-  std::ifstream status("/proc/self/status");
-  std::string key;
-  while (status >> key) {
-    if (key == "VmSize:") {
-      uint64_t kib = 0;
-      status >> kib;
-      return kib * 1024;
-    }
-  }
-  return 0;
-}
-
 // Found by a break-it run: the first Join fixes n (up to 2^32), and
 // InitParams reserved the shard's whole range from it (16 GiB at n = 2^32,
 // S = 1); a server without that memory let std::bad_alloc reach gRPC,
@@ -808,16 +792,13 @@ TEST(ServiceTest, InitParamsOfARangeThatDoesNotFitIsResourceExhausted) {
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   constexpr uint64_t kHugeN = uint64_t{1} << 32;  // the most Join accepts
   ASSERT_TRUE(Join(cluster->stub(0), 0, kHugeN).ok());
-  rlimit saved{};
-  ASSERT_EQ(getrlimit(RLIMIT_AS, &saved), 0);
-  const uint64_t vm = VmSizeBytes();
-  ASSERT_GT(vm, 0u);
-  rlimit capped = saved;
-  capped.rlim_cur = vm + (uint64_t{2} << 30);
-  ASSERT_EQ(setrlimit(RLIMIT_AS, &capped), 0);
-  const absl::StatusOr<bool> taken = InitParams(
-      cluster->stub(0), 0, 0, 0, std::vector<float>(8, 1.0f), 8);
-  ASSERT_EQ(setrlimit(RLIMIT_AS, &saved), 0);
+  absl::StatusOr<bool> taken;
+  {
+    ::gtopk::testing::ScopedAddressSpaceCap cap(uint64_t{2} << 30);
+    ASSERT_TRUE(cap.ok());
+    taken = InitParams(cluster->stub(0), 0, 0, 0, std::vector<float>(8, 1.0f),
+                       8);
+  }
   EXPECT_THAT(taken, StatusIs(absl::StatusCode::kResourceExhausted,
                               HasSubstr("cannot hold its range [0, "
                                         "4294967296) of 4294967296 "

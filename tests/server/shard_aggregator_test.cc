@@ -3,10 +3,7 @@
 // single-process reference (common/merge.h) bit for bit.
 #include "server/shard_aggregator.h"
 
-#include <sys/resource.h>
-
 #include <cstring>
-#include <fstream>
 #include <memory>
 #include <random>
 #include <string>
@@ -21,6 +18,7 @@
 #include "gtest/gtest.h"
 #include "server/commit.h"
 #include "server/threshold.h"
+#include "tests/testing/address_space_cap.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/status_matchers.h"
 
@@ -287,20 +285,6 @@ WorkerPush Push(int64_t step, uint32_t worker, std::vector<uint32_t> idx) {
   return p;
 }
 
-// This process's virtual memory size in bytes (/proc/self/status VmSize).
-uint64_t VmSizeBytes() {
-  std::ifstream status("/proc/self/status");
-  std::string key;
-  while (status >> key) {
-    if (key == "VmSize:") {
-      uint64_t kib = 0;
-      status >> kib;
-      return kib * 1024;
-    }
-  }
-  return 0;
-}
-
 // The same kind of fault as InitParams' (service_test
 // InitParamsOfARangeThatDoesNotFitIsResourceExhausted): a copy of the
 // range sized by the cluster's n, here GetState's for a download or a
@@ -318,13 +302,12 @@ TEST(ShardAggregatorTest, ACopyOfTheRangeWithoutMemoryIsResourceExhausted) {
     std::vector<float> init(o.n, 0.25f);
     GTOPK_ASSERT_OK((*shard)->InitParams(init).status());
   }
-  rlimit saved{};
-  ASSERT_EQ(getrlimit(RLIMIT_AS, &saved), 0);
-  rlimit capped = saved;
-  capped.rlim_cur = VmSizeBytes() + (uint64_t{128} << 20);
-  ASSERT_EQ(setrlimit(RLIMIT_AS, &capped), 0);
-  const auto refused = (*shard)->GetState(absl::Now() + absl::Seconds(1));
-  ASSERT_EQ(setrlimit(RLIMIT_AS, &saved), 0);
+  absl::StatusOr<ShardAggregator::State> refused;
+  {
+    ::gtopk::testing::ScopedAddressSpaceCap cap(uint64_t{128} << 20);
+    ASSERT_TRUE(cap.ok());
+    refused = (*shard)->GetState(absl::Now() + absl::Seconds(1));
+  }
   EXPECT_THAT(refused.status(),
               StatusIs(absl::StatusCode::kResourceExhausted,
                        ::testing::HasSubstr(
