@@ -38,7 +38,7 @@ namespace {
 constexpr absl::Duration kAbortStepTimeout = absl::Seconds(5);
 // Longest AbortStep reason kept (it is forwarded into every shard's status).
 constexpr size_t kMaxAbortReasonBytes = 1024;
-// How far past its next step the leader takes an AbortStep: shards run in
+// How far past (or before) its next step the leader takes an AbortStep: shards run in
 // lockstep with the leader's commits, so a shard's current step is at most
 // one or two ahead of it; the rest of the window is slack. A failure
 // reported for a step beyond it is refused (INVALID_ARGUMENT): no shard is
@@ -299,6 +299,14 @@ grpc::Status AggregatorService::AbortStep(grpc::ServerContext* context,
       return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
           "AbortStep: step ", request->step(), " is more than ",
           kAbortStepWindow, " steps past the leader's next step ", next,
+          " (a shard fails the step it is at)")));
+    }
+    // Nor long before it (a second break-it run: 60,000 reports of old
+    // steps, each an epoch bump and possibly a forward).
+    if (request->step() < next - kAbortStepWindow) {
+      return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+          "AbortStep: step ", request->step(), " is more than ",
+          kAbortStepWindow, " steps before the leader's next step ", next,
           " (a shard fails the step it is at)")));
     }
     LeaderAbortStep(request->step(), request->shard_id(), reason);

@@ -681,12 +681,27 @@ grpc::Status AggregatorService::DownloadParams(
         deadline);
     if (!same.ok()) return ToGrpcStatus(same);
   }
+  const uint64_t chunk_bytes =
+      std::min(config_.download_chunk_bytes, config_.max_message_bytes);
   {
+    // A slot is waited for longer than a stalled download may hold one
+    // (DownloadParamsLimits' stall bound, + 1 s), within the client's
+    // deadline: a worker restarting while stuck streams hold every slot
+    // gets one once the server has cancelled them.
+    const absl::Duration slot_wait =
+        std::max(config_.step_timeout,
+                 DownloadParamsLimits(config_, chunk_bytes, 0).stall +
+                     absl::Seconds(1));
+    // The client's deadline less a slack, so that this refusal, which says
+    // why, arrives before the transport's anonymous DEADLINE_EXCEEDED.
+    const absl::Time slot_deadline =
+        std::min(absl::Now() + slot_wait,
+                 ContextDeadline(context) - kLeaderDeadlineSlack);
     absl::MutexLock lock(&download_mu_);
     auto has_slot = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(download_mu_) {
       return active_downloads_ < kMaxConcurrentDownloads;
     };
-    if (!AwaitPolled(download_mu_, absl::Condition(&has_slot), deadline,
+    if (!AwaitPolled(download_mu_, absl::Condition(&has_slot), slot_deadline,
                      context)) {
       return ToGrpcStatus(absl::DeadlineExceededError(absl::StrCat(
           "shard ", config_.shard_id, ": ", kMaxConcurrentDownloads,
@@ -719,8 +734,6 @@ grpc::Status AggregatorService::DownloadParams(
   const std::vector<float>& values = params->params;
   const std::vector<float>& velocity = params->global_velocity;
   const bool with_velocity = !velocity.empty();
-  const uint64_t chunk_bytes =
-      std::min(config_.download_chunk_bytes, config_.max_message_bytes);
   // 4 bytes per value, 8 with the global velocity alongside.
   const size_t per_chunk = static_cast<size_t>(std::max<uint64_t>(
       1, (chunk_bytes - kChunkOverheadBytes) / (with_velocity ? 8 : 4)));

@@ -64,13 +64,18 @@ inline constexpr char kCheckpointHealthService[] = "gtopk.checkpoint";
 // gtopk_server_limit_rejections_total{bound="download_time"}.
 //
 // The assumption behind them: a legitimate client takes every chunk within
-// the stall floor or twice the step timeout, whichever is longer, and reads
-// at least kMinDownloadBytesPerSecond (1 MiB/s, 8 Mbit/s) over the whole
+// the stall floor or the step timeout, whichever is longer, and reads at
+// least kMinDownloadBytesPerSecond (1 MiB/s, 8 Mbit/s) over the whole
 // stream. A shard range of 2^32 floats with the global velocity (32 GiB)
 // thus gets about 9 hours; a client that takes nothing is cut off after one
-// stall bound (61 s with the defaults).
+// stall bound (31 s with the defaults). A download waiting for a slot waits
+// max(step timeout, stall bound + 1 s), within its own deadline, so that
+// a worker restarting while stuck streams hold every slot gets one (a
+// second break-it run restarted a worker during a stall: with a stall bound
+// of 2 x step timeout, longer than that wait, it was refused and the run
+// ended).
 inline constexpr absl::Duration kDownloadStallFloor = absl::Seconds(2);
-inline constexpr int kDownloadStallFactor = 2;  // times --step-timeout
+inline constexpr int kDownloadStallFactor = 1;  // times --step-timeout
 inline constexpr uint64_t kMinDownloadBytesPerSecond = uint64_t{1} << 20;
 
 struct DownloadLimits {
@@ -120,8 +125,9 @@ DownloadLimits DownloadParamsLimits(const ServerConfig& config,
 //                   of at most download_chunk_bytes, each with step = next
 //                   step. An empty range yields one empty chunk. At most 4
 //                   at once (the others wait, bounded by their deadline
-//                   and the step timeout: DEADLINE_EXCEEDED "4 parameter
-//                   downloads already in progress"); a stream that runs past
+//                   and max(step timeout, the stall bound + 1 s):
+//                   DEADLINE_EXCEEDED "4 parameter downloads already in
+//                   progress"); a stream that runs past
 //                   DownloadParamsLimits (its client stopped reading) is
 //                   cancelled (CANCELLED), releasing its slot.
 //   PushPull        per Push: first who sends it -- worker < P

@@ -352,6 +352,32 @@ TEST_F(AbortStepInputTest, AStepFarPastTheLeadersIsRefused) {
   }
 }
 
+// The same window below the leader's next step (a second break-it run sent
+// 60,000 reports of old steps): after 20 steps, step 3 is refused and
+// step 19 (committed: nothing to abort) is answered OK as before.
+TEST(AbortStepWindowTest, AStepLongBeforeTheLeadersIsRefused) {
+  GTOPK_ASSERT_OK_AND_ASSIGN(
+      JoinedCluster started, StartJoined(TestConfig(1, absl::Seconds(5)), 2));
+  auto& client = started.joined.clients[0];
+  auto& params = started.joined.params[0];
+  for (int step = 0; step < 20; ++step) {
+    GTOPK_ASSERT_OK(
+        client->Step(Seeded(300 + step), absl::MakeSpan(params)).status());
+  }
+  auto leader = v1::Aggregator::NewStub(grpc::CreateChannel(
+      started.cluster->leader(), grpc::InsecureChannelCredentials()));
+  const grpc::Status old = SendAbortStep(leader.get(), 3, 1);
+  EXPECT_EQ(old.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(old.error_message().find(
+                "step 3 is more than 16 steps before the leader's next step "
+                "20"),
+            std::string::npos)
+      << old.error_message();
+  EXPECT_TRUE(SendAbortStep(leader.get(), 19, 1).ok());
+  // Training goes on.
+  GTOPK_EXPECT_OK(client->Step(Seeded(400), absl::MakeSpan(params)).status());
+}
+
 // Found by a break-it run: on a --tls=off cluster any client can claim to
 // be shard 1, and its calls to the leader filled shard 1's bucket of
 // --max-calls-per-peer; the real shard 1's calls were refused with
