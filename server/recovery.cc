@@ -38,11 +38,11 @@ namespace {
 constexpr absl::Duration kAbortStepTimeout = absl::Seconds(5);
 // Longest AbortStep reason kept (it is forwarded into every shard's status).
 constexpr size_t kMaxAbortReasonBytes = 1024;
-// How far past (or before) its next step the leader takes an AbortStep: shards run in
-// lockstep with the leader's commits, so a shard's current step is at most
-// one or two ahead of it; the rest of the window is slack. A failure
-// reported for a step beyond it is refused (INVALID_ARGUMENT): no shard is
-// there, and each would cost a tombstone and a forward.
+// How far past or before its next step the leader takes an AbortStep:
+// shards run in lockstep with the leader's commits, so a shard's current
+// step is at most one or two from it; the rest of the window is slack. A
+// failure reported for a step outside it is refused (INVALID_ARGUMENT): no
+// shard is there, and each would cost an epoch, a tombstone and a forward.
 constexpr int64_t kAbortStepWindow = 16;
 
 // "shard 1 (host:port): message", code kept.
