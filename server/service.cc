@@ -153,8 +153,7 @@ DownloadLimits DownloadParamsLimits(const ServerConfig& config,
                          static_cast<double>(kMinDownloadBytesPerSecond));
   };
   DownloadLimits limits;
-  limits.stall = std::max(kDownloadStallFloor,
-                          kDownloadStallFactor * config.step_timeout) +
+  limits.stall = std::max(kDownloadStallFloor, config.step_timeout) +
                  transfer(chunk_bytes);
   limits.total = limits.stall + transfer(bytes);
   return limits;

@@ -75,7 +75,6 @@ inline constexpr char kCheckpointHealthService[] = "gtopk.checkpoint";
 // of 2 x step timeout, longer than that wait, it was refused and the run
 // ended).
 inline constexpr absl::Duration kDownloadStallFloor = absl::Seconds(2);
-inline constexpr int kDownloadStallFactor = 1;  // times --step-timeout
 inline constexpr uint64_t kMinDownloadBytesPerSecond = uint64_t{1} << 20;
 
 struct DownloadLimits {
@@ -87,7 +86,7 @@ struct DownloadLimits {
 
 // The bounds of a download of `bytes` bytes sent in chunks of at most
 // `chunk_bytes` bytes under `config`:
-//   stall = max(kDownloadStallFloor, kDownloadStallFactor x step_timeout)
+//   stall = max(kDownloadStallFloor, step_timeout)
 //           + chunk_bytes / kMinDownloadBytesPerSecond,
 //   total = stall + bytes / kMinDownloadBytesPerSecond.
 // Durations, never negative. Pure; thread-safe; never blocks or fails.

@@ -503,6 +503,17 @@ TEST(ServiceTest, StuckDownloadsAreCancelledAndFreeTheirSlots) {
   ASSERT_TRUE(d.ok()) << d.status() << " after " << took;
   EXPECT_EQ(d->values.size(), n);
   EXPECT_GE(took, limits.stall - absl::Milliseconds(100));
+  // Counted with the other resource bounds, once per cancelled stream. Waited
+  // for before the stuck streams are read: the fifth download may have taken
+  // the first freed slot before the last stream's stall bound ran out, and
+  // reading that stream now would let its server finish it.
+  const ServerMetrics& metrics = cluster.servers[0]->service()->metrics();
+  const absl::Time counted_by = absl::Now() + limits.stall + absl::Seconds(2);
+  while (metrics.limit_rejections(LimitBound::kDownloadTime) < 4 &&
+         absl::Now() < counted_by) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(metrics.limit_rejections(LimitBound::kDownloadTime), 4);
   // The stuck clients find their streams cancelled by the server: after the
   // chunks already sent (gRPC's Finish wants them read), CANCELLED.
   for (size_t i = 0; i < readers.size(); ++i) {
@@ -514,14 +525,6 @@ TEST(ServiceTest, StuckDownloadsAreCancelledAndFreeTheirSlots) {
         << "stream " << i;
   }
   readers.clear();
-  // Counted with the other resource bounds, once per cancelled stream.
-  const ServerMetrics& metrics = cluster.servers[0]->service()->metrics();
-  const absl::Time counted_by = absl::Now() + absl::Seconds(2);
-  while (metrics.limit_rejections(LimitBound::kDownloadTime) < 4 &&
-         absl::Now() < counted_by) {
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  EXPECT_EQ(metrics.limit_rejections(LimitBound::kDownloadTime), 4);
 }
 
 TEST(ServiceTest, OneGtopkStepMatchesReference) {
