@@ -440,7 +440,7 @@ TEST(ServiceTest, ConcurrentDownloadsAreBounded) {
   }
   // ...so a fifth waits for one and gives up at its deadline (shorter than
   // the stall bound that would free a slot), with a reason.
-  EXPECT_THAT(Download(cluster.stub(0), 0, absl::Seconds(1)),
+  EXPECT_THAT(Download(cluster.stub(0), 0, absl::Milliseconds(1500)),
               StatusIs(absl::StatusCode::kDeadlineExceeded,
                        HasSubstr("downloads already in progress")));
   for (auto& c : contexts) c->TryCancel();
@@ -490,7 +490,7 @@ TEST(ServiceTest, StuckDownloadsAreCancelledAndFreeTheirSlots) {
   const absl::Time start = absl::Now();
   // The slots are taken: a download whose deadline ends before the stall
   // bound waits in vain.
-  EXPECT_THAT(Download(cluster.stub(0), 0, absl::Milliseconds(500)),
+  EXPECT_THAT(Download(cluster.stub(0), 0, absl::Milliseconds(1500)),
               StatusIs(absl::StatusCode::kDeadlineExceeded,
                        HasSubstr("downloads already in progress")));
   // One download with a worker's deadline (a worker restarting; found by a
