@@ -52,6 +52,14 @@ absl::string_view MomentumModeName(MomentumMode mode) {
   return "unknown";
 }
 
+absl::string_view ApplyModeName(ApplyMode mode) {
+  switch (mode) {
+    case ApplyMode::kServers: return "servers";
+    case ApplyMode::kWorkers: return "workers";
+  }
+  return "unknown";
+}
+
 absl::StatusOr<AggregationMode> ParseAggregationMode(absl::string_view name) {
   return ParseByName(name, "mode",
                      {AggregationMode::kGtopk, AggregationMode::kTopk,
@@ -71,6 +79,12 @@ absl::StatusOr<MomentumMode> ParseMomentumMode(absl::string_view name) {
                      {MomentumMode::kNone, MomentumMode::kDgcCorrection,
                       MomentumMode::kGlobal},
                      MomentumModeName);
+}
+
+absl::StatusOr<ApplyMode> ParseApplyMode(absl::string_view name) {
+  return ParseByName(name, "apply mode",
+                     {ApplyMode::kServers, ApplyMode::kWorkers},
+                     ApplyModeName);
 }
 
 }  // namespace gtopk

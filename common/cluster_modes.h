@@ -51,11 +51,27 @@ enum class MomentumMode {
   kGlobal,
 };
 
+// Who applies the global top-k (proto gtopk.v1.Apply; flag --apply;
+// docs/apply-modes.md says when to choose which).
+enum class ApplyMode {
+  // The servers own the optimizer: u = residual + lr*v on the workers, the
+  // shards apply params -= A/P (OptimizerRule) to their authoritative copy,
+  // every replica applies the same. gtopk-worker and the demo use it.
+  kServers,
+  // Gradient aggregation, as Horovod, BytePS and the gTop-k authors' code:
+  // u = residual + g (error feedback on the gradient, no lr, no momentum);
+  // the shards return the average A/P of the global top-k and keep no
+  // optimizer; every worker writes it into its gradients and runs its own
+  // optimizer (any torch.optim optimizer, schedule, param groups).
+  kWorkers,
+};
+
 // Flag spellings: "gtopk" | "topk" | "dense"; "threshold" | "quota";
-// "none" | "dgc" | "global". Pure; thread-safe.
+// "none" | "dgc" | "global"; "servers" | "workers". Pure; thread-safe.
 absl::string_view AggregationModeName(AggregationMode mode);
 absl::string_view SelectionKindName(SelectionKind kind);
 absl::string_view MomentumModeName(MomentumMode mode);
+absl::string_view ApplyModeName(ApplyMode mode);
 
 // The inverse of the names above ("exact" is also read as kThreshold, its
 // old spelling). INVALID_ARGUMENT for an unknown name, the message quoting
@@ -63,6 +79,7 @@ absl::string_view MomentumModeName(MomentumMode mode);
 absl::StatusOr<AggregationMode> ParseAggregationMode(absl::string_view name);
 absl::StatusOr<SelectionKind> ParseSelectionKind(absl::string_view name);
 absl::StatusOr<MomentumMode> ParseMomentumMode(absl::string_view name);
+absl::StatusOr<ApplyMode> ParseApplyMode(absl::string_view name);
 
 }  // namespace gtopk
 

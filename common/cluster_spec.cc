@@ -95,6 +95,42 @@ v1::MomentumMode ToProto(MomentumMode mode) {
   return v1::MOMENTUM_MODE_UNSPECIFIED;
 }
 
+v1::Apply ToProto(ApplyMode mode) {
+  switch (mode) {
+    case ApplyMode::kServers: return v1::APPLY_SERVERS;
+    case ApplyMode::kWorkers: return v1::APPLY_WORKERS;
+  }
+  return v1::APPLY_UNSPECIFIED;
+}
+
+absl::StatusOr<ApplyMode> ApplyModeFromProto(v1::Apply apply) {
+  switch (apply) {
+    case v1::APPLY_UNSPECIFIED:  // clusters from before the field
+    case v1::APPLY_SERVERS: return ApplyMode::kServers;
+    case v1::APPLY_WORKERS: return ApplyMode::kWorkers;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cluster spec: unknown apply mode ", static_cast<int>(apply)));
+  }
+}
+
+std::string ApplyFlagValue(v1::Apply apply) {
+  const absl::StatusOr<ApplyMode> m = ApplyModeFromProto(apply);
+  return m.ok() ? std::string(ApplyModeName(*m))
+                : absl::StrCat("unknown(", static_cast<int>(apply), ")");
+}
+
+v1::OptimizerSpec IdentityOptimizerSpec(const v1::OptimizerSpec& spec) {
+  v1::OptimizerSpec o = spec;
+  o.set_lr(1.0f);
+  o.set_momentum(0.0f);
+  o.set_momentum_mode(v1::MOMENTUM_MODE_NONE);
+  o.set_momentum_factor_masking(false);
+  o.set_weight_decay(0.0f);
+  o.set_lr_warmup_steps(0);
+  return o;
+}
+
 absl::StatusOr<AggregationMode> AggregationModeFromProto(v1::Mode mode) {
   switch (mode) {
     case v1::MODE_GTOPK: return AggregationMode::kGtopk;
@@ -175,6 +211,14 @@ uint64_t ClusterFingerprint(const v1::ClusterSpec& spec) {
   h.Add("steps_per_epoch", int64_t{o.steps_per_epoch()});
   h.Add("step_timeout_ms", uint64_t{spec.step_timeout_ms()});
   h.Add("max_message_bytes", uint64_t{spec.max_message_bytes()});
+  // Added later: only when set, so older clusters keep their fingerprint.
+  if (spec.apply() != v1::APPLY_UNSPECIFIED &&
+      spec.apply() != v1::APPLY_SERVERS) {
+    h.Add("apply", static_cast<int64_t>(spec.apply()));
+  }
+  if (spec.checksum_every() != 0) {
+    h.Add("checksum_every", uint64_t{spec.checksum_every()});
+  }
   const uint64_t hash = h.hash();
   return hash == 0 ? 1 : hash;  // 0 is "absent" on the wire
 }
@@ -317,6 +361,9 @@ std::vector<std::string> ClusterSpecDifferences(const v1::ClusterSpec& here,
          absl::StrCat(there.step_timeout_ms(), "ms"));
   differ("max-message-bytes", absl::StrCat(here.max_message_bytes()),
          absl::StrCat(there.max_message_bytes()));
+  differ("apply", ApplyFlagValue(here.apply()), ApplyFlagValue(there.apply()));
+  differ("checksum-every", absl::StrCat(here.checksum_every()),
+         absl::StrCat(there.checksum_every()));
   if (here.n() != 0 && there.n() != 0 && here.n() != there.n()) {
     differences.push_back(absl::StrCat("the parameter count n is ", here.n(),
                                        " here but ", there.n(), " ",

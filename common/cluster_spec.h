@@ -26,7 +26,10 @@ namespace gtopk {
 // length). Covers n, num_workers, S = shards_size() and every shard's
 // (shard_id, begin, end), mode, selection, selector, selector_seed,
 // index_codec, value_codec, every OptimizerSpec field, step_timeout_ms and
-// max_message_bytes. Not covered: the shards' addresses (per-process
+// max_message_bytes; then apply only when it is not servers and
+// checksum_every only when non-zero (so a cluster that uses neither keeps
+// the fingerprint it had before they existed, and its checkpoints resume).
+// Not covered: the shards' addresses (per-process
 // --peers spellings may differ), next_step and cluster_fingerprint itself.
 // Deliberately NOT proto SerializeAsString: that is not canonical (map and
 // unknown-field order, packed vs unpacked encodings), and this must be
@@ -40,7 +43,7 @@ uint64_t ClusterFingerprint(const v1::ClusterSpec& spec);
 // num-shards (shards_size()), mode, selection, selector, seed, index-codec,
 // value-codec, lr, momentum, momentum-mode, momentum-masking, weight-decay,
 // lr-warmup-steps, density, density-warmup, steps-per-epoch, step-timeout,
-// max-message-bytes; then n when both are non-zero ("the parameter count n
+// max-message-bytes, apply, checksum-every; then n when both are non-zero ("the parameter count n
 // is ..."), and shard ranges when S and n agree but a range differs.
 // Numbers print as the shortest decimal that reads back exactly. Empty when
 // all agree. Pure; thread-safe.
@@ -56,9 +59,12 @@ std::vector<std::string> ClusterSpecDifferences(const v1::ClusterSpec& here,
 v1::Mode ToProto(AggregationMode mode);
 v1::Selection ToProto(SelectionKind kind);
 v1::MomentumMode ToProto(MomentumMode mode);
+v1::Apply ToProto(ApplyMode mode);
 absl::StatusOr<AggregationMode> AggregationModeFromProto(v1::Mode mode);
 absl::StatusOr<SelectionKind> SelectionKindFromProto(v1::Selection selection);
 absl::StatusOr<MomentumMode> MomentumModeFromProto(v1::MomentumMode mode);
+// UNSPECIFIED reads as kServers (clusters from before the field).
+absl::StatusOr<ApplyMode> ApplyModeFromProto(v1::Apply apply);
 
 // The flag spellings of the spec's enums (AggregationModeName etc.):
 // "gtopk" | "topk" | "dense"; "threshold" | "quota"; "none" | "dgc" |
@@ -66,6 +72,14 @@ absl::StatusOr<MomentumMode> MomentumModeFromProto(v1::MomentumMode mode);
 std::string ModeFlagValue(v1::Mode mode);
 std::string SelectionFlagValue(v1::Selection selection);
 std::string MomentumFlagValue(v1::MomentumMode mode);
+std::string ApplyFlagValue(v1::Apply apply);  // UNSPECIFIED: "servers"
+
+// The identity optimizer rule of ApplyMode::kWorkers (proto APPLY_WORKERS):
+// lr 1, momentum 0, momentum mode none, no masking, weight decay 0, no lr
+// warm-up; the density fields of `spec` are kept. With it the worker's
+// AccumulateLocal is u = residual + g exactly (1 * g == g), and the shards
+// apply nothing of their own. Pure.
+v1::OptimizerSpec IdentityOptimizerSpec(const v1::OptimizerSpec& spec);
 
 // Settings a worker expects of the cluster (gtopk-worker's consistency
 // flags, the Python optimizer's arguments); unset fields are not checked.
