@@ -205,6 +205,8 @@ py::dict ClusterDict(const v1::ClusterSpec& c) {
   d["step_timeout_ms"] = c.step_timeout_ms();
   d["max_message_bytes"] = c.max_message_bytes();
   d["next_step"] = c.next_step();
+  d["apply"] = ApplyFlagValue(c.apply());
+  d["checksum_every"] = c.checksum_every();
   d["cluster_fingerprint"] = FingerprintText(c.cluster_fingerprint());
   py::list shards;
   for (const v1::ShardSpec& s : c.shards()) {
@@ -375,6 +377,51 @@ class Client {
     return StatsDict(*last_);
   }
 
+  // Workers apply: (stats, buffers bytes from rank 0).
+  py::tuple AggregateStep(const py::buffer& gradient,
+                          const py::buffer& averaged,
+                          const std::optional<py::buffer>& params,
+                          const py::bytes& buffers) {
+    WorkerClient& c = Get();
+    const uint64_t n = c.cluster().n();
+    const FloatBuffer g = GetFloats(gradient, "gradient", false, n);
+    const FloatBuffer a = GetFloats(averaged, "averaged", true, n);
+    std::optional<FloatBuffer> p;
+    if (params.has_value()) p = GetFloats(*params, "params", false, n);
+    const std::string in = buffers;
+    std::string out;
+    std::unique_lock<std::mutex> lock = Exclusive();
+    last_ = ValueOrRaise(RunInterruptibly(cancellation_.get(), [&] {
+      return c.AggregateStep(
+          absl::MakeConstSpan(g.data(), g.size()),
+          absl::MakeSpan(a.data(), a.size()),
+          p.has_value() ? absl::MakeConstSpan(p->data(), p->size())
+                        : absl::Span<const float>(),
+          in, &out);
+    }));
+    return py::make_tuple(StatsDict(*last_), py::bytes(out));
+  }
+
+  py::tuple SynchronizeWithState(const py::buffer& params,
+                                 const py::bytes& state) {
+    WorkerClient& c = Get();
+    const FloatBuffer p = GetFloats(params, "params", true, c.cluster().n());
+    std::string blob = state;
+    std::unique_lock<std::mutex> lock = Exclusive();
+    const int64_t step = ValueOrRaise(RunInterruptibly(cancellation_.get(), [&] {
+      return c.SynchronizeParameters(absl::MakeSpan(p.data(), p.size()),
+                                     &blob);
+    }));
+    return py::make_tuple(step, py::bytes(blob));
+  }
+
+  int64_t ResumeAt(int64_t step) {
+    WorkerClient& c = Get();
+    std::unique_lock<std::mutex> lock = Exclusive();
+    return ValueOrRaise(RunInterruptibly(
+        cancellation_.get(), [&] { return c.ResumeAt(step); }));
+  }
+
   py::dict StepCuda(uintptr_t gradient, uintptr_t params, uint64_t n,
                     uintptr_t stream) {
 #if GTOPK_HAVE_CUDA
@@ -401,16 +448,23 @@ class Client {
 #endif
   }
 
-  int64_t Recover(const py::buffer& params, std::optional<double> timeout) {
+  int64_t Recover(const std::optional<py::buffer>& params,
+                  std::optional<double> timeout) {
     WorkerClient& c = Get();
-    const FloatBuffer p = GetFloats(params, "params", true, c.cluster().n());
+    // Workers apply: nothing is downloaded, params may be None.
+    std::optional<FloatBuffer> held;
+    if (params.has_value()) {
+      held = GetFloats(*params, "params", true, c.cluster().n());
+    }
+    float* data = held.has_value() ? held->data() : nullptr;
+    const size_t size = held.has_value() ? held->size() : 0;
     std::optional<absl::Time> deadline;
     if (timeout.has_value()) {
       deadline = absl::Now() + DurationArg(*timeout, "timeout", true);
     }
     std::unique_lock<std::mutex> lock = Exclusive();
     return ValueOrRaise(RunInterruptibly(cancellation_.get(), [&] {
-      const absl::Span<float> span = absl::MakeSpan(p.data(), p.size());
+      const absl::Span<float> span = absl::MakeSpan(data, size);
       return deadline ? c.Recover(span, *deadline) : c.Recover(span);
     }));
   }
@@ -525,6 +579,22 @@ PYBIND11_MODULE(_gtopk, m) {
       py::arg("values"),
       "FNV-1a 64 of a float32 buffer's bytes as 16 hex digits: the replica "
       "checksum gtopk-worker's summary reports.");
+  m.def(
+      "params_checksum",
+      [](const py::buffer& b) {
+        const gtopk::python::FloatBuffer f =
+            gtopk::python::GetFloats(b, "params_checksum", false,
+                                     std::nullopt);
+        uint64_t h;
+        {
+          py::gil_scoped_release release;
+          h = gtopk::ParamsChecksum(absl::MakeConstSpan(f.data(), f.size()));
+        }
+        return h;
+      },
+      py::arg("values"),
+      "The divergence alarm's checksum (common/checksum.h ParamsChecksum) of "
+      "a float32 buffer, as an int: one read pass, never 0.");
   py::class_<Client>(m, "Client", R"doc(
 One gtopk worker (worker/client.h WorkerClient): joins the cluster through
 the leader, keeps the residual (error feedback) and momentum state, and runs
@@ -597,6 +667,26 @@ FailedPrecondition).)doc")
            "not scaled by lr); params updated in place. Returns the step's "
            "stats dict (bytes per shard, phase seconds). On error nothing is "
            "applied and the residual keeps the gradient.")
+      .def("aggregate_step", &Client::AggregateStep, py::arg("gradient"),
+           py::arg("averaged"), py::arg("params") = py::none(),
+           py::arg("buffers") = py::bytes(),
+           "Workers apply (--apply=workers): one synchronous step that "
+           "returns the averaged gradient instead of applying it. gradient: "
+           "host float32 length n (read); averaged: length n, may be the "
+           "same buffer, set on success to A/P at the global top-k and 0 "
+           "elsewhere; params: this replica's parameters, for the "
+           "divergence checksum every checksum_every steps; buffers: rank "
+           "0's opaque bytes broadcast through shard 0. Returns (stats, "
+           "rank 0's buffers of this step). On error nothing is written "
+           "and the residual keeps the gradient (retry with zeros).")
+      .def("synchronize_with_state", &Client::SynchronizeWithState,
+           py::arg("params"), py::arg("state"),
+           "Workers apply: synchronize_parameters plus rank 0's opaque "
+           "state bytes (buffers, frozen parameters). Returns (step, the "
+           "state shard 0 holds).")
+      .def("resume_at", &Client::ResumeAt, py::arg("step"),
+           "Workers apply: the shards' next step becomes `step` (a run "
+           "restarted from the workers' checkpoints of that step).")
       .def("step_cuda", &Client::StepCuda, py::arg("gradient_ptr"),
            py::arg("params_ptr"), py::arg("n"), py::arg("stream"),
            "The step with CUDA device pointers (tensor.data_ptr()) on "

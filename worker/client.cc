@@ -167,8 +167,18 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
                                             options.requested_rank, ", got ",
                                             rank));
   }
-  GTOPK_ASSIGN_OR_RETURN(OptimizerOptions optimizer,
-                         OptimizerFromSpec(cluster.optimizer()));
+  const absl::StatusOr<ApplyMode> apply = ApplyModeFromProto(cluster.apply());
+  if (!apply.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(leader, ": ", apply.status().message()));
+  }
+  // Workers apply: error feedback on the raw gradient whatever else the
+  // spec's optimizer says (u = residual + 1 * g).
+  GTOPK_ASSIGN_OR_RETURN(
+      OptimizerOptions optimizer,
+      OptimizerFromSpec(*apply == ApplyMode::kWorkers
+                            ? IdentityOptimizerSpec(cluster.optimizer())
+                            : cluster.optimizer()));
   GTOPK_ASSIGN_OR_RETURN(OptimizerRule rule, OptimizerRule::Create(optimizer));
   SelectorOptions selector_options;
   selector_options.seed =
@@ -223,6 +233,7 @@ WorkerClient::WorkerClient(const ClientOptions& options, uint32_t rank,
       // Connect checked the mode.
       mode_(AggregationModeFromProto(cluster_.mode())
                 .value_or(AggregationMode::kDense)),
+      apply_(ApplyModeFromProto(cluster_.apply()).value_or(ApplyMode::kServers)),
       feedback_(cluster_.n()),
       velocity_(cluster_.n(), 0.0f),
       global_velocity_(cluster_.n(), 0.0f),
@@ -318,7 +329,18 @@ void WorkerClient::CloseStreams() {
 
 absl::StatusOr<int64_t> WorkerClient::SynchronizeParameters(
     absl::Span<float> params) {
+  return SynchronizeParameters(params, nullptr);
+}
+
+absl::StatusOr<int64_t> WorkerClient::SynchronizeParameters(
+    absl::Span<float> params, std::string* state) {
   const uint64_t n = cluster_.n();
+  if (state != nullptr && state->size() > kMaxStateBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "SynchronizeParameters: the state blob has ", state->size(),
+        " bytes, more than the 1 GiB the servers keep (the model's buffers "
+        "and frozen parameters)"));
+  }
   if (params.size() != n) {
     return absl::InvalidArgumentError(absl::StrCat(
         "SynchronizeParameters: params has ", params.size(), " values, n = ",
@@ -327,15 +349,18 @@ absl::StatusOr<int64_t> WorkerClient::SynchronizeParameters(
   if (rank_ == 0) {
     GTOPK_RETURN_IF_ERROR(ValidateFinite(params, "params"));
     for (size_t s = 0; s < shards_.size(); ++s) {
-      GTOPK_RETURN_IF_ERROR(OfferInitialParams(s, params));
+      GTOPK_RETURN_IF_ERROR(OfferInitialParams(
+          s, params, s == 0 && state != nullptr ? *state : std::string()));
     }
   }
+  if (state != nullptr) state->clear();
 
   int64_t step = -1;
   size_t step_shard = 0;
   for (size_t s = 0; s < shards_.size(); ++s) {
-    GTOPK_ASSIGN_OR_RETURN(const int64_t shard_step,
-                           DownloadShardParams(s, params));
+    GTOPK_ASSIGN_OR_RETURN(
+        const int64_t shard_step,
+        DownloadShardParams(s, params, s == 0 ? state : nullptr));
     if (shard_step < 0) continue;  // an empty range may send no chunk
     if (step >= 0 && shard_step != step) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -354,7 +379,8 @@ absl::StatusOr<int64_t> WorkerClient::SynchronizeParameters(
 }
 
 absl::Status WorkerClient::OfferInitialParams(size_t s,
-                                              absl::Span<const float> params) {
+                                              absl::Span<const float> params,
+                                              absl::string_view state) {
   const uint64_t limit = std::min(MessageLimit(cluster_), kDefaultMessageBytes);
   // Room for the chunk's other fields and framing.
   const uint64_t budget = limit > 2048 ? limit - 1024 : limit / 2;
@@ -367,6 +393,7 @@ absl::Status WorkerClient::OfferInitialParams(size_t s,
   v1::InitParamsResponse response;
   auto writer = c.stub->InitParams(&context, &response);
   uint64_t offset = c.begin;
+  size_t state_offset = 0;
   do {  // at least one chunk, so an empty range still reports back
     const uint64_t len = std::min(chunk_floats, c.end - offset);
     v1::ParamsChunk chunk;
@@ -380,9 +407,20 @@ absl::Status WorkerClient::OfferInitialParams(size_t s,
       std::memcpy(chunk.mutable_values()->mutable_data(),
                   params.data() + offset, len * sizeof(float));
     }
+    // The state blob rides on the chunks' spare room: each chunk carries
+    // at most `budget` bytes in all, so a chunk full of values carries none
+    // and the blob follows in value-less chunks at the range's end.
+    const size_t room = budget > len * sizeof(float)
+                            ? budget - len * sizeof(float)
+                            : 0;
+    const size_t piece = std::min(room, state.size() - state_offset);
+    if (piece > 0) {
+      chunk.set_state(std::string(state.substr(state_offset, piece)));
+      state_offset += piece;
+    }
     if (!writer->Write(chunk)) break;  // Finish() has the reason
     offset += len;
-  } while (offset < c.end);
+  } while (offset < c.end || state_offset < state.size());
   writer->WritesDone();
   const absl::Status st = FromGrpcStatus(writer->Finish());
   if (!st.ok()) return Prefixed(st, absl::StrCat(ShardName(s), ": InitParams"));
@@ -390,7 +428,7 @@ absl::Status WorkerClient::OfferInitialParams(size_t s,
 }
 
 absl::StatusOr<int64_t> WorkerClient::DownloadShardParams(
-    size_t s, absl::Span<float> params) {
+    size_t s, absl::Span<float> params, std::string* state) {
   const ShardConn& c = *shards_[s];
   const std::string where = absl::StrCat(ShardName(s), ": DownloadParams");
   // A read: a call that failed with UNAVAILABLE (sent on a connection that
@@ -414,6 +452,7 @@ absl::StatusOr<int64_t> WorkerClient::DownloadShardParams(
     uint64_t offset = c.begin;
     int64_t shard_step = -1;
     absl::Status bad;
+    if (state != nullptr) state->clear();
     while (reader->Read(&chunk)) {
       if (!bad.ok()) continue;  // drain before Finish
       bad = CheckParamsChunk(chunk, c.id, c.begin, c.end, offset, shard_step,
@@ -435,6 +474,20 @@ absl::StatusOr<int64_t> WorkerClient::DownloadShardParams(
                     chunk.global_velocity_size() * sizeof(float));
       }
       offset += chunk.values_size();
+      if (!chunk.state().empty()) {
+        if (state == nullptr) {
+          bad = absl::InternalError(absl::StrCat(
+              where, ": a chunk carries state bytes, which only shard 0 of "
+              "a workers-apply cluster sends"));
+          context.TryCancel();
+        } else if (state->size() + chunk.state().size() > kMaxStateBytes) {
+          bad = absl::InternalError(
+              absl::StrCat(where, ": the state blob exceeds 1 GiB"));
+          context.TryCancel();
+        } else {
+          state->append(chunk.state());
+        }
+      }
     }
     const absl::Status st = FromGrpcStatus(reader->Finish());
     GTOPK_RETURN_IF_ERROR(bad);
@@ -506,12 +559,39 @@ absl::StatusOr<int64_t> WorkerClient::Recover(absl::Span<float> params) {
 
 absl::StatusOr<int64_t> WorkerClient::Recover(absl::Span<float> params,
                                               absl::Time deadline) {
-  if (params.size() != cluster_.n()) {
+  if (params.size() != cluster_.n() &&
+      !(apply_ == ApplyMode::kWorkers && params.empty())) {
     return absl::InvalidArgumentError(absl::StrCat(
         "Recover: params has ", params.size(), " values; n = ", cluster_.n()));
   }
+  return RecoverWith(params, deadline, /*resume_step=*/-1);
+}
+
+absl::StatusOr<int64_t> WorkerClient::ResumeAt(int64_t step) {
+  if (apply_ != ApplyMode::kWorkers) {
+    return absl::FailedPreconditionError(
+        "ResumeAt: the cluster applies updates on the servers (--apply="
+        "servers): there the servers' checkpoints decide the step; restart "
+        "them from their checkpoint of the step you resume");
+  }
+  if (step < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ResumeAt: step must be >= 0, got ", step));
+  }
+  return RecoverWith({}, absl::Now() + options_.rpc_timeout +
+                             absl::Milliseconds(cluster_.step_timeout_ms()),
+                     step);
+}
+
+absl::StatusOr<int64_t> WorkerClient::RecoverWith(absl::Span<float> params,
+                                                  absl::Time deadline,
+                                                  int64_t resume_step) {
   CloseStreams();
   v1::RecoverRequest request;
+  if (resume_step >= 0) {
+    request.set_resume(true);
+    request.set_resume_step(resume_step);
+  }
   request.set_worker(rank_);
   request.set_failed_step(next_step_);
   request.set_member_token(member_token_);
@@ -567,10 +647,34 @@ absl::StatusOr<int64_t> WorkerClient::Recover(absl::Span<float> params,
     return absl::InternalError(
         absl::StrCat(where, ": negative step ", response.next_step()));
   }
+  if (resume_step >= 0) {
+    if (response.next_step() != resume_step) {
+      return absl::InternalError(
+          absl::StrCat(where, ": asked to resume at step ", resume_step,
+                       ", the leader answered step ", response.next_step()));
+    }
+    OpenLeaderStream();
+    next_step_ = resume_step;
+    return next_step_;
+  }
   // The leader answered: keep the rank alive on it until the next step's
   // push (a Join of the rank meanwhile gets ALREADY_EXISTS).
   OpenLeaderStream();
   if (response.next_step() == next_step_) return next_step_;
+  if (apply_ == ApplyMode::kWorkers) {
+    // The shards hold only the step: nothing to download.
+    if (response.next_step() > next_step_) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          where, ": the shards are at step ", response.next_step(),
+          " but this worker is at step ", next_step_,
+          ": it lost the result of a step that committed, and in "
+          "workers-apply mode the servers hold no parameters to repair its "
+          "replica from. Restart every rank from the checkpoints of one step "
+          "(model and optimizer state_dict, loaded on every rank)"));
+    }
+    next_step_ = response.next_step();  // rolled back: renumbered
+    return next_step_;
+  }
   GTOPK_ASSIGN_OR_RETURN(const int64_t step, SynchronizeParameters(params));
   if (step != response.next_step()) {
     return absl::AbortedError(

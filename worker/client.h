@@ -280,6 +280,67 @@ class WorkerClient {
   absl::StatusOr<StepStats> Step(const float* gradient, float* params,
                                  uint64_t n, CUstream_st* stream);
 
+  // Workers apply (ClusterSpec.apply = APPLY_WORKERS; gradient aggregation,
+  // as Horovod and BytePS; the gTop-k step of Shi et al., ICDCS 2019,
+  // arXiv:1901.04359, with the optimizer left to the caller): one
+  // synchronous step at next_step() that returns the averaged sparse
+  // gradient instead of applying an update.
+  //   gradient  length n, finite; this worker's local gradient (read only,
+  //             before anything else is written).
+  //   averaged  length n, may alias `gradient`: on success the global
+  //             top-k's average A/P (the sum over the P workers of the
+  //             globally selected entries, divided by P with one float
+  //             division each, identical on every worker) at the selected
+  //             indices and 0 everywhere else; dense mode: sum/P
+  //             everywhere. Untouched on error.
+  //   params    length n: this replica's parameters, read only to send
+  //             their checksum (common/checksum.h) on the steps where
+  //             step % cluster().checksum_every() == 0 (the divergence
+  //             alarm); may be empty when checksum_every is 0.
+  //   buffers   rank 0 only (others: empty): opaque bytes (e.g. BatchNorm
+  //             running statistics) sent to shard 0, which returns them in
+  //             every worker's pull of this step.
+  //   buffers_out  when not null, set to what shard 0 returned this step
+  //             (rank 0's buffers; empty when rank 0 sent none).
+  // Sequence: u = residual + gradient (error feedback on the gradient: the
+  // cluster's identity rule, no lr, no momentum) -> Select(u, k, step) ->
+  // codec round trip -> MarkSent -> pushes -> pulls -> PutBack of the sent
+  // entries not selected globally -> `averaged`.
+  // Blocks as Step. Failure contract as Step's: on error nothing is written
+  // to `averaged`, the step counter is unchanged and the residual holds u
+  // (this gradient included), so the retry of the same step passes a zero
+  // gradient (u + 0 == u: the retry sends exactly what the first attempt
+  // did).
+  // Errors: FAILED_PRECONDITION when the cluster is not APPLY_WORKERS
+  // ("use Step"), or the step's divergence check failed on the shards
+  // (their message names the ranks); INVALID_ARGUMENT for a wrong length, a
+  // non-finite gradient, or buffers from a rank other than 0; otherwise
+  // Step's errors.
+  absl::StatusOr<StepStats> AggregateStep(absl::Span<const float> gradient,
+                                          absl::Span<float> averaged,
+                                          absl::Span<const float> params,
+                                          absl::string_view buffers = {},
+                                          std::string* buffers_out = nullptr);
+
+  // Workers apply: SynchronizeParameters plus rank 0's opaque `state` (the
+  // model's buffers and frozen parameters): rank 0 offers `*state` to shard
+  // 0 with the initial parameters (ParamsChunk.state, at most 1 GiB); every
+  // rank then downloads the parameters and sets `*state` to the blob shard
+  // 0 holds. Errors: SynchronizeParameters'; INVALID_ARGUMENT for a state
+  // over 1 GiB. Blocks as SynchronizeParameters.
+  absl::StatusOr<int64_t> SynchronizeParameters(absl::Span<float> params,
+                                                std::string* state);
+
+  // Workers apply, a run restarted from the workers' own checkpoints of step
+  // `step` (all ranks): asks the leader to set every shard's next step to
+  // `step` (Recover with resume; the shards hold no parameters to roll
+  // back) and makes it next_step(). Idempotent across ranks: the first rank
+  // moves the shards, the others find them there. Errors:
+  // FAILED_PRECONDITION under APPLY_SERVERS ("the servers' checkpoints
+  // decide the step"); INVALID_ARGUMENT for a negative step; the leader's
+  // status as Recover's. Blocks up to rpc_timeout + the step timeout.
+  absl::StatusOr<int64_t> ResumeAt(int64_t step);
+
   // After a failed Step: asks the leader to bring the shards to one step
   // (Recover RPC; docs/recovery.md), and returns the step to continue from
   // (also next_step()). When the shards were rolled back, or are ahead of
@@ -300,6 +361,14 @@ class WorkerClient {
   absl::StatusOr<int64_t> Recover(absl::Span<float> params);
   absl::StatusOr<int64_t> Recover(absl::Span<float> params,
                                   absl::Time deadline);
+  // Workers apply: the shards hold no current parameters, so Recover
+  // downloads nothing (`params` may be empty). When the shards were rolled
+  // back to an earlier step, the step is renumbered (the workers keep their
+  // parameters, residuals and optimizer state: every worker applied the
+  // same committed steps). When the shards are ahead of this worker (it
+  // lost the pull of a step that committed), FAILED_PRECONDITION: this
+  // replica missed an update and cannot be repaired from the servers;
+  // restart every rank from the checkpoints of one step.
 
  private:
   struct ShardConn;  // worker/client_internal.h
@@ -320,8 +389,22 @@ class WorkerClient {
   // The host Step after AccumulateLocal (the residual holds u), in mode
   // dense and in the sparse modes: pushes, round, check, apply. On error
   // the residual holds u again and nothing else changed.
-  absl::Status DenseStepOnHost(absl::Span<float> params, StepStats* stats);
-  absl::Status SparseStepOnHost(absl::Span<float> params, StepStats* stats);
+  absl::Status DenseStepOnHost(absl::Span<float> params, StepStats* stats,
+                               absl::Span<float> averaged = {});
+  // `averaged` non-empty: workers apply (AggregateStep) -- the update goes
+  // there as A/P instead of into `params`.
+  absl::Status SparseStepOnHost(absl::Span<float> params, StepStats* stats,
+                                absl::Span<float> averaged = {});
+  // Workers apply: writes A/P (global, sparse) or sum/P (dense pulls) into
+  // `averaged`, zero elsewhere, after checking every value is finite
+  // (INTERNAL naming the index otherwise; nothing written then).
+  absl::Status CheckAveraged(int64_t step, const SparseVector& global,
+                             const std::vector<v1::Pull>& pulls) const;
+  void StoreAveraged(const SparseVector& global,
+                     const std::vector<v1::Pull>& pulls,
+                     absl::Span<float> averaged) const;
+  // The checksum to send at `step` (0: not a check step).
+  uint64_t ChecksumFor(int64_t step, absl::Span<const float> params) const;
   // The device Step's sparse modes, from Accumulate to Apply (device_ set).
   // Same failure contract, on the device state.
   absl::Status SparseStepOnDevice(const float* gradient, float* params,
@@ -398,14 +481,24 @@ class WorkerClient {
   // Rank 0's offer of params[begin_s, end_s) (InitParams, in chunks below
   // 4 MB and max_message_bytes). Errors: the RPC's status prefixed with
   // "shard s (host:port): InitParams".
-  absl::Status OfferInitialParams(size_t s, absl::Span<const float> params);
+  absl::Status OfferInitialParams(size_t s, absl::Span<const float> params,
+                                  absl::string_view state);
+  // Recover, or (resume_step >= 0) ResumeAt.
+  absl::StatusOr<int64_t> RecoverWith(absl::Span<float> params,
+                                      absl::Time deadline,
+                                      int64_t resume_step);
+  // ParamsChunk.state's bound (proto): 1 GiB.
+  static constexpr size_t kMaxStateBytes = size_t{1} << 30;
   // Downloads the shard's range into `params` (and into the global velocity
   // when the shard sends it), retrying UNAVAILABLE until rpc_timeout.
   // Returns the shard's step, or -1 when its empty range sent no chunk.
   // Errors: INTERNAL for a malformed chunk or a short stream; the RPC's
   // status; CANCELLED; each prefixed "shard s (host:port): DownloadParams".
+  // `state` non-null (shard 0, workers apply): set to the chunks' state
+  // pieces, concatenated.
   absl::StatusOr<int64_t> DownloadShardParams(size_t s,
-                                              absl::Span<float> params);
+                                              absl::Span<float> params,
+                                              std::string* state = nullptr);
 
   // Cancels and finishes every open stream.
   void CloseStreams();
@@ -439,6 +532,15 @@ class WorkerClient {
   const CodecSpec codec_;
   std::vector<std::unique_ptr<ShardConn>> shards_;
   const AggregationMode mode_;  // from the cluster spec
+  const ApplyMode apply_;       // from the cluster spec
+
+  // The step being run's extras, set by Step/AggregateStep before their
+  // pushes are built (NewPushes) and cleared after: the parameters'
+  // checksum (0: none this step) and rank 0's buffers for shard 0.
+  uint64_t step_checksum_ = 0;
+  std::string step_buffers_;
+  // Shard 0's Pull.buffers of the last round (DecodePulls).
+  std::string received_buffers_;
 
   ErrorFeedback feedback_;
   std::vector<float> velocity_;         // DGC local velocity, length n

@@ -4,12 +4,14 @@
 // here. The pushes go out and the pulls come back in PushPullRound
 // (worker/push_pull_round.cc).
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/checksum.h"
 #include "common/codec.h"
 #include "common/status_macros.h"
 #include "worker/client.h"
@@ -80,6 +82,12 @@ absl::StatusOr<StepStats> WorkerClient::Step(absl::Span<const float> gradient,
         "Step: gradient has ", gradient.size(), " values and params ",
         params.size(), "; n = ", n));
   }
+  if (apply_ == ApplyMode::kWorkers) {
+    return absl::FailedPreconditionError(
+        "Step: the cluster runs with --apply=workers (gradient aggregation): "
+        "the workers apply the update with their own optimizer; call "
+        "AggregateStep and step your optimizer on the averaged gradient");
+  }
   GTOPK_ASSIGN_OR_RETURN(StepStats stats, BeginStep(n));
 
   const absl::Time t = absl::Now();
@@ -89,16 +97,142 @@ absl::StatusOr<StepStats> WorkerClient::Step(absl::Span<const float> gradient,
                                               feedback_.mutable_residual()));
   stats.accumulate = absl::Now() - t;
 
+  // The parameters before this step's update: equal on every replica.
+  step_checksum_ = ChecksumFor(stats.step, params);
+  step_buffers_.clear();
   // From here on the residual holds u; a failure must leave it there.
-  GTOPK_RETURN_IF_ERROR(mode_ == AggregationMode::kDense
-                            ? DenseStepOnHost(params, &stats)
-                            : SparseStepOnHost(params, &stats));
+  const absl::Status st = mode_ == AggregationMode::kDense
+                              ? DenseStepOnHost(params, &stats)
+                              : SparseStepOnHost(params, &stats);
+  step_checksum_ = 0;
+  GTOPK_RETURN_IF_ERROR(st);
   ++next_step_;
   return stats;
 }
 
+uint64_t WorkerClient::ChecksumFor(int64_t step,
+                                   absl::Span<const float> params) const {
+  const uint32_t every = cluster_.checksum_every();
+  if (every == 0 || step % every != 0) return 0;
+  return ParamsChecksum(params);
+}
+
+absl::StatusOr<StepStats> WorkerClient::AggregateStep(
+    absl::Span<const float> gradient, absl::Span<float> averaged,
+    absl::Span<const float> params, absl::string_view buffers,
+    std::string* buffers_out) {
+  const uint64_t n = cluster_.n();
+  if (apply_ != ApplyMode::kWorkers) {
+    return absl::FailedPreconditionError(
+        "AggregateStep: the cluster applies updates on the servers (--apply="
+        "servers, their SGD rule); start the servers with --apply=workers to "
+        "run your own optimizer on the averaged gradient, or call Step");
+  }
+  if (gradient.size() != n || averaged.size() != n ||
+      (!params.empty() && params.size() != n)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "AggregateStep: gradient has ", gradient.size(), " values, averaged ",
+        averaged.size(), " and params ", params.size(), "; n = ", n,
+        " (params may be empty except on checksum steps)"));
+  }
+  const uint32_t every = cluster_.checksum_every();
+  if (every != 0 && next_step_ % every == 0 && params.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "AggregateStep: step ", next_step_, " is a checksum step (every ",
+        every, " steps): pass this replica's parameters"));
+  }
+  if (!buffers.empty() && rank_ != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "AggregateStep: rank ", rank_, " passed buffers; only rank 0's "
+        "buffers are broadcast (the others receive them)"));
+  }
+  const uint64_t limit = cluster_.max_message_bytes() == 0
+                             ? uint64_t{4} << 20  // gRPC's default
+                             : cluster_.max_message_bytes();
+  if (buffers.size() + 4096 > limit) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "AggregateStep: the buffers are ", buffers.size(), " bytes, over the "
+        "cluster's message limit less 4 KiB for the push (--max-message-"
+        "bytes ", limit, ")"));
+  }
+  GTOPK_ASSIGN_OR_RETURN(StepStats stats, BeginStep(n));
+
+  absl::Time t = absl::Now();
+  // The identity rule (Connect): u = residual + 1 * gradient, the gradient
+  // also standing in for the parameters its weight decay of 0 multiplies.
+  GTOPK_RETURN_IF_ERROR(rule_.AccumulateLocal(stats.step, gradient, gradient,
+                                              absl::MakeSpan(velocity_),
+                                              feedback_.mutable_residual()));
+  stats.accumulate = absl::Now() - t;
+
+  t = absl::Now();
+  step_checksum_ = ChecksumFor(stats.step, params);
+  stats.accumulate += absl::Now() - t;
+  step_buffers_.assign(buffers.data(), buffers.size());
+  received_buffers_.clear();
+  const absl::Status st = mode_ == AggregationMode::kDense
+                              ? DenseStepOnHost({}, &stats, averaged)
+                              : SparseStepOnHost({}, &stats, averaged);
+  step_checksum_ = 0;
+  step_buffers_.clear();
+  GTOPK_RETURN_IF_ERROR(st);
+  if (buffers_out != nullptr) buffers_out->swap(received_buffers_);
+  received_buffers_.clear();
+  ++next_step_;
+  return stats;
+}
+
+absl::Status WorkerClient::CheckAveraged(
+    int64_t step, const SparseVector& global,
+    const std::vector<v1::Pull>& pulls) const {
+  const float p = static_cast<float>(cluster_.num_workers());
+  auto bad = [&](uint64_t index, float sum) {
+    return absl::InternalError(absl::StrCat(
+        "step ", step, ": the servers' sum at index ", index, " is ", sum,
+        ", whose average over ", cluster_.num_workers(),
+        " workers is not finite"));
+  };
+  if (mode_ == AggregationMode::kDense) {
+    for (size_t s = 0; s < shards_.size(); ++s) {
+      for (int i = 0; i < pulls[s].dense_size(); ++i) {
+        if (!std::isfinite(pulls[s].dense(i) / p)) {
+          return bad(shards_[s]->begin + i, pulls[s].dense(i));
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+  for (size_t j = 0; j < global.size(); ++j) {
+    if (!std::isfinite(global.values[j] / p)) {
+      return bad(global.indices[j], global.values[j]);
+    }
+  }
+  return absl::OkStatus();
+}
+
+void WorkerClient::StoreAveraged(const SparseVector& global,
+                                 const std::vector<v1::Pull>& pulls,
+                                 absl::Span<float> averaged) const {
+  // One float division per value, A / P, as the servers-apply rule computes
+  // its update (OptimizerRule::StoreAggregated): the same bits everywhere.
+  const float p = static_cast<float>(cluster_.num_workers());
+  if (mode_ == AggregationMode::kDense) {
+    for (size_t s = 0; s < shards_.size(); ++s) {
+      float* out = averaged.data() + shards_[s]->begin;
+      const float* sum = pulls[s].dense().data();
+      for (int i = 0; i < pulls[s].dense_size(); ++i) out[i] = sum[i] / p;
+    }
+    return;
+  }
+  std::fill(averaged.begin(), averaged.end(), 0.0f);
+  for (size_t j = 0; j < global.size(); ++j) {
+    averaged[global.indices[j]] = global.values[j] / p;
+  }
+}
+
 absl::Status WorkerClient::DenseStepOnHost(absl::Span<float> params,
-                                           StepStats* stats) {
+                                           StepStats* stats,
+                                           absl::Span<float> averaged) {
   const int64_t step = stats->step;
   const std::vector<v1::Push> pushes = DensePushes(step, stats);
   std::vector<v1::Pull> pulls;
@@ -106,6 +240,14 @@ absl::Status WorkerClient::DenseStepOnHost(absl::Span<float> params,
       PushAndDecodePulls(step, pushes, &pulls, stats).status());
 
   const absl::Time t = absl::Now();
+  if (!averaged.empty()) {
+    GTOPK_RETURN_IF_ERROR(CheckAveraged(step, SparseVector(), pulls));
+    StoreAveraged(SparseVector(), pulls, averaged);
+    std::fill(feedback_.mutable_residual().begin(),
+              feedback_.mutable_residual().end(), 0.0f);
+    stats->apply = absl::Now() - t;
+    return absl::OkStatus();
+  }
   GTOPK_RETURN_IF_ERROR(
       CheckServersUpdate(step, pulls, SparseVector(), params));
   const int P = static_cast<int>(cluster_.num_workers());
@@ -125,7 +267,8 @@ absl::Status WorkerClient::DenseStepOnHost(absl::Span<float> params,
 }
 
 absl::Status WorkerClient::SparseStepOnHost(absl::Span<float> params,
-                                            StepStats* stats) {
+                                            StepStats* stats,
+                                            absl::Span<float> averaged) {
   const int64_t step = stats->step;
   absl::Time t = absl::Now();
   SparseVector sent;
@@ -154,9 +297,20 @@ absl::Status WorkerClient::SparseStepOnHost(absl::Span<float> params,
   if (!global.ok()) return fail(global.status());
 
   t = absl::Now();
-  if (absl::Status st = CheckServersUpdate(step, pulls, *global, params);
+  if (absl::Status st = averaged.empty()
+                            ? CheckServersUpdate(step, pulls, *global, params)
+                            : CheckAveraged(step, *global, pulls);
       !st.ok()) {
     return fail(st);
+  }
+  if (!averaged.empty()) {
+    if (mode_ == AggregationMode::kGtopk) {
+      GTOPK_RETURN_IF_ERROR(feedback_.PutBack(received, *global));
+    }
+    // Written last: `averaged` may alias the gradient the caller passed.
+    StoreAveraged(*global, pulls, averaged);
+    stats->apply = absl::Now() - t;
+    return absl::OkStatus();
   }
   if (mode_ == AggregationMode::kGtopk) {
     GTOPK_RETURN_IF_ERROR(feedback_.PutBack(received, *global));
@@ -178,6 +332,11 @@ absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
     return absl::InvalidArgumentError(absl::StrCat(
         "Step (device): n = ", n, " (cluster n = ", cluster_.n(),
         "), gradient and params must be non-null device pointers"));
+  }
+  if (apply_ == ApplyMode::kWorkers) {
+    return absl::FailedPreconditionError(
+        "Step (device): the cluster runs with --apply=workers (gradient "
+        "aggregation): call AggregateStep with host copies of the gradient");
   }
   if (mode_ == AggregationMode::kDense) {
     // Dense mode sends u itself: it has to reach the host.
@@ -201,7 +360,21 @@ absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
                            global_velocity_, stream));
   }
   GTOPK_ASSIGN_OR_RETURN(StepStats stats, BeginStep(n));
-  GTOPK_RETURN_IF_ERROR(SparseStepOnDevice(gradient, params, stream, &stats));
+  if (cluster_.checksum_every() != 0 &&
+      stats.step % cluster_.checksum_every() == 0) {
+    // The divergence alarm's checksum from a host copy, every
+    // checksum_every steps only.
+    GTOPK_RETURN_IF_ERROR(DeviceStep::RunOnHostCopies(
+        gradient, params, n, stream,
+        [&](absl::Span<const float>, absl::Span<float> host_params) {
+          step_checksum_ = ParamsChecksum(host_params);
+          return absl::OkStatus();
+        }));
+  }
+  step_buffers_.clear();
+  const absl::Status st = SparseStepOnDevice(gradient, params, stream, &stats);
+  step_checksum_ = 0;
+  GTOPK_RETURN_IF_ERROR(st);
   ++next_step_;
   return stats;
 }
@@ -249,6 +422,11 @@ std::vector<v1::Push> WorkerClient::NewPushes(int64_t step) const {
     pushes[s].set_shard_id(shards_[s]->id);
     pushes[s].set_member_token(member_token_);
     pushes[s].set_cluster_fingerprint(cluster_.cluster_fingerprint());
+    pushes[s].set_params_checksum(step_checksum_);
+  }
+  // Rank 0's buffers go to shard 0 only, which returns them to everyone.
+  if (!step_buffers_.empty() && !pushes.empty()) {
+    pushes[0].set_buffers(step_buffers_);
   }
   return pushes;
 }
@@ -323,6 +501,7 @@ absl::StatusOr<SparseVector> WorkerClient::DecodePulls(
         std::max(stats->server_select,
                  absl::Microseconds(static_cast<int64_t>(pull.select_us())));
     absl::Status bad;
+    if (s == 0) received_buffers_ = pull.buffers();
     if (pull.step() != step || pull.shard_id() != c.id) {
       bad = absl::InternalError(absl::StrCat(
           "pull is for step ", pull.step(), " shard ", pull.shard_id(),

@@ -87,6 +87,90 @@ def _f32_float(x):
     return float(str(_F32(x)))
 
 
+def _connection_args(leader, rank, world_size, metrics_port, rpc_timeout,
+                     recovery_timeout, step_watchdog_margin, tls, tls_cert,
+                     tls_key, tls_ca, token_file):
+    """The connection arguments of both optimizers, with their environment
+    defaults, checked before any RPC (ValueError / TypeError naming the
+    argument). Returns a dict: leader, rank, world_size, world_size_from,
+    metrics_port, security (the Client's TLS keyword arguments)."""
+    # -- arguments and environment (no RPC yet) ------------------------
+    if leader is None:
+        leader = os.environ.get("GTOPK_LEADER") or \
+            os.environ.get("GTOPK_SERVER")
+    if not leader:
+        raise ValueError(
+            "gtopk: no leader address: pass leader='host:port' or set "
+            "GTOPK_LEADER (or GTOPK_SERVER) to the leader shard's "
+            "host:port")
+    security = {}
+    for name, value, env in (("tls", tls, "GTOPK_TLS"),
+                             ("tls_cert", tls_cert, "GTOPK_TLS_CERT"),
+                             ("tls_key", tls_key, "GTOPK_TLS_KEY"),
+                             ("tls_ca", tls_ca, "GTOPK_TLS_CA"),
+                             ("token_file", token_file,
+                              "GTOPK_TOKEN_FILE")):
+        if value is None:
+            value = os.environ.get(env, "")
+        if not isinstance(value, (str, os.PathLike)):
+            raise TypeError("gtopk: %s must be a string or path, got %r"
+                            % (name, value))
+        security[name] = os.fspath(value)
+    if not security["tls"]:
+        raise ValueError(
+            "gtopk: tls is required: pass tls='mutual' (with tls_cert, "
+            "tls_key, tls_ca), tls='server' (with tls_ca) or tls='off' "
+            "for plaintext on a trusted network, or set GTOPK_TLS "
+            "(docs/security.md)")
+    if security["tls"] not in ("off", "server", "mutual"):
+        raise ValueError("gtopk: tls must be 'off', 'server' or "
+                         "'mutual', got %r" % security["tls"])
+    if rank is None:
+        _, rank = _env_int(("RANK", "JOB_COMPLETION_INDEX"))
+        if rank is None:
+            rank = -1
+    rank = int(rank)
+    if rank < -1:
+        raise ValueError("gtopk: rank must be >= 0, or -1 for any free "
+                         "rank; got %d" % rank)
+    world_size_from = "world_size"
+    if world_size is None:
+        world_size_from, world_size = _env_int(("WORLD_SIZE",))
+    if world_size is not None:
+        world_size = int(world_size)
+        if world_size < 1:
+            raise ValueError("gtopk: %s must be >= 1, got %d" % (
+                world_size_from, world_size))
+    if metrics_port is None:
+        _, metrics_port = _env_int(("GTOPK_METRICS_PORT",))
+        if metrics_port is None:
+            metrics_port = 0
+    metrics_port = int(metrics_port)
+    if not 0 <= metrics_port <= 65535:
+        raise ValueError("gtopk: metrics_port must be in [0, 65535] "
+                         "(0: off), got %d" % metrics_port)
+    _check_seconds("rpc_timeout", rpc_timeout)
+    if recovery_timeout is not None:
+        _check_seconds("recovery_timeout", recovery_timeout)
+    _check_seconds("step_watchdog_margin", step_watchdog_margin,
+                   allow_zero=True)
+    return {"leader": leader, "rank": rank, "world_size": world_size,
+            "world_size_from": world_size_from,
+            "metrics_port": metrics_port, "security": security}
+
+
+def _check_world_size(conn, cluster):
+    """FailedPrecondition when the given world size is not the cluster's P."""
+    world_size = conn["world_size"]
+    if world_size is not None and world_size != cluster["num_workers"]:
+        raise errors.FailedPrecondition(
+            "%s=%d but the servers' cluster spec has num_workers %d (start "
+            "the servers with --workers=%d, or run %d worker(s))" % (
+                "WORLD_SIZE" if conn["world_size_from"] == "WORLD_SIZE"
+                else "world_size", world_size, cluster["num_workers"],
+                world_size, cluster["num_workers"]))
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """SGD through a gtopk cluster: ``step()`` is one synchronous gTop-k step.
 
@@ -243,6 +327,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
     leader cannot be reached).
     """
 
+    def __new__(cls, params=None, *args, **kwargs):
+        # DistributedOptimizer(optimizer, named_parameters=..., ...): the
+        # workers apply the update with the wrapped optimizer (--apply=
+        # workers); DistributedOptimizer(params, lr=...): the servers do.
+        if isinstance(params, torch.optim.Optimizer):
+            from gtopk._workers_apply import GradientAggregationOptimizer
+            return GradientAggregationOptimizer(params, *args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, params, lr=None, momentum=None, *, leader=None,
                  rank=None, world_size=None, mode=None, selector=None,
                  density=None, momentum_mode=None, weight_decay=None,
@@ -253,66 +346,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  tls_key=None, tls_ca=None, token_file=None):
         self._client = None
         self._frozen = False
-        # -- arguments and environment (no RPC yet) ------------------------
-        if leader is None:
-            leader = os.environ.get("GTOPK_LEADER") or \
-                os.environ.get("GTOPK_SERVER")
-        if not leader:
-            raise ValueError(
-                "gtopk: no leader address: pass leader='host:port' or set "
-                "GTOPK_LEADER (or GTOPK_SERVER) to the leader shard's "
-                "host:port")
-        security = {}
-        for name, value, env in (("tls", tls, "GTOPK_TLS"),
-                                 ("tls_cert", tls_cert, "GTOPK_TLS_CERT"),
-                                 ("tls_key", tls_key, "GTOPK_TLS_KEY"),
-                                 ("tls_ca", tls_ca, "GTOPK_TLS_CA"),
-                                 ("token_file", token_file,
-                                  "GTOPK_TOKEN_FILE")):
-            if value is None:
-                value = os.environ.get(env, "")
-            if not isinstance(value, (str, os.PathLike)):
-                raise TypeError("gtopk: %s must be a string or path, got %r"
-                                % (name, value))
-            security[name] = os.fspath(value)
-        if not security["tls"]:
-            raise ValueError(
-                "gtopk: tls is required: pass tls='mutual' (with tls_cert, "
-                "tls_key, tls_ca), tls='server' (with tls_ca) or tls='off' "
-                "for plaintext on a trusted network, or set GTOPK_TLS "
-                "(docs/security.md)")
-        if security["tls"] not in ("off", "server", "mutual"):
-            raise ValueError("gtopk: tls must be 'off', 'server' or "
-                             "'mutual', got %r" % security["tls"])
-        if rank is None:
-            _, rank = _env_int(("RANK", "JOB_COMPLETION_INDEX"))
-            if rank is None:
-                rank = -1
-        rank = int(rank)
-        if rank < -1:
-            raise ValueError("gtopk: rank must be >= 0, or -1 for any free "
-                             "rank; got %d" % rank)
-        world_size_from = "world_size"
-        if world_size is None:
-            world_size_from, world_size = _env_int(("WORLD_SIZE",))
-        if world_size is not None:
-            world_size = int(world_size)
-            if world_size < 1:
-                raise ValueError("gtopk: %s must be >= 1, got %d" % (
-                    world_size_from, world_size))
-        if metrics_port is None:
-            _, metrics_port = _env_int(("GTOPK_METRICS_PORT",))
-            if metrics_port is None:
-                metrics_port = 0
-        metrics_port = int(metrics_port)
-        if not 0 <= metrics_port <= 65535:
-            raise ValueError("gtopk: metrics_port must be in [0, 65535] "
-                             "(0: off), got %d" % metrics_port)
-        _check_seconds("rpc_timeout", rpc_timeout)
-        if recovery_timeout is not None:
-            _check_seconds("recovery_timeout", recovery_timeout)
-        _check_seconds("step_watchdog_margin", step_watchdog_margin,
-                       allow_zero=True)
+        conn = _connection_args(leader, rank, world_size, metrics_port,
+                                rpc_timeout, recovery_timeout,
+                                step_watchdog_margin, tls, tls_cert, tls_key,
+                                tls_ca, token_file)
+        security = conn["security"]
+        leader, rank, metrics_port = (conn["leader"], conn["rank"],
+                                      conn["metrics_port"])
+        world_size, world_size_from = conn["world_size"], conn[
+            "world_size_from"]
         for name, value in (("lr", lr), ("momentum", momentum),
                             ("density", density),
                             ("weight_decay", weight_decay)):
@@ -395,6 +437,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         "WORLD_SIZE" if world_size_from == "WORLD_SIZE"
                         else "world_size", world_size, c["num_workers"],
                         world_size, c["num_workers"]))
+            if c.get("apply") == "workers":
+                raise errors.FailedPrecondition(
+                    "the servers run with --apply=workers (gradient "
+                    "aggregation): wrap your own optimizer, "
+                    "gtopk.torch.DistributedOptimizer(torch.optim.SGD("
+                    "model.parameters(), lr=...), named_parameters="
+                    "model.named_parameters(), model=model), instead of "
+                    "passing parameters and lr")
             self._client.check_settings(
                 mode=mode, selector=selector, density=density, lr=lr,
                 momentum=momentum, momentum_mode=momentum_mode,
@@ -643,12 +693,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if g is None:
                     slot.zero_()
                     continue
-                if (g.data_ptr() == ptr0 + 4 * off and g.is_contiguous()
-                        and g.dtype == torch.float32 and g.device == fg.device
-                        and g.shape == p.shape):
-                    continue  # already the view: backward wrote in place
                 if g.is_sparse:
+                    # Before any data_ptr(): a sparse tensor has none.
                     g = g.to_dense()
+                elif (g.data_ptr() == ptr0 + 4 * off and g.is_contiguous()
+                      and g.dtype == torch.float32 and g.device == fg.device
+                      and g.shape == p.shape):
+                    continue  # already the view: backward wrote in place
                 slot.copy_(g.reshape(-1))
                 p.grad = slot.view(p.shape)
 

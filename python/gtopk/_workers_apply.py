@@ -1,0 +1,792 @@
+"""Workers apply (gradient aggregation): any ``torch.optim`` optimizer on a
+gtopk cluster started with ``gtopk-server --apply=workers``.
+
+Each step, every worker keeps error feedback on its gradient (u = residual +
+g), sends its local top-k, the shards agree on the global top-k of the sum
+(gTop-k, Shi et al., "A Distributed Synchronous SGD Algorithm with Global
+Top-k Sparsification for Low Bandwidth Networks", ICDCS 2019,
+arXiv:1901.04359) and return it; every worker writes the average into its
+parameters' ``.grad`` and runs the wrapped optimizer, as Horovod's and
+BytePS's ``DistributedOptimizer`` and DDP's communication hooks do. Used
+through :func:`gtopk.torch.DistributedOptimizer` with an optimizer as its
+first argument.
+"""
+
+import contextlib
+import hashlib
+import os
+import time
+
+import numpy as np
+import torch
+
+import gtopk
+from gtopk import errors
+
+_F32 = np.float32
+
+
+def _tensor_bytes(t):
+    """The raw bytes of a tensor (any dtype), in memory order."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.contiguous()
+    if t.numel() == 0:
+        return b""
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _load_bytes(t, data):
+    """Copies `data` (the raw bytes of a tensor shaped like `t`) into `t`."""
+    if t.numel() == 0:
+        return
+    src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    src = src.view(t.dtype).reshape(t.shape)
+    with torch.no_grad():
+        t.copy_(src)
+
+
+class _Layout:
+    """A list of named tensors and the signature of their names, dtypes and
+    shapes, so that bytes from rank 0 are only ever read into a model of the
+    same layout (a mismatch names the first differing entry)."""
+
+    def __init__(self, named):
+        self.named = [(name, t) for name, t in named]
+        text = "\n".join("%s %s %s" % (name, t.dtype, tuple(t.shape))
+                         for name, t in self.named)
+        self.signature = hashlib.sha256(text.encode()).digest()[:16]
+        self.nbytes = sum(t.numel() * t.element_size() for _, t in self.named)
+        self.text = text
+
+    def pack(self):
+        return self.signature + b"".join(_tensor_bytes(t)
+                                         for _, t in self.named)
+
+    def unpack(self, blob, what):
+        if len(blob) != 16 + self.nbytes or blob[:16] != self.signature:
+            raise errors.FailedPrecondition(
+                "rank 0's %s do not match this model's (%d bytes with "
+                "signature %s, expected %d bytes with signature %s): every "
+                "rank must build the same model (same names, dtypes and "
+                "shapes)" % (what, len(blob) - 16, blob[:16].hex(),
+                             self.nbytes, self.signature.hex()))
+        off = 16
+        for _, t in self.named:
+            size = t.numel() * t.element_size()
+            _load_bytes(t, blob[off:off + size])
+            off += size
+
+
+class GradientAggregationOptimizer(torch.optim.Optimizer):
+    """Wraps any ``torch.optim.Optimizer`` so that its ``step()`` runs on the
+    gTop-k average of every worker's gradient (workers-apply mode).
+
+    Construct it with :func:`gtopk.torch.DistributedOptimizer`::
+
+        model = Net()                      # load a checkpoint's model state here
+        inner = torch.optim.AdamW(groups, lr=3e-4, weight_decay=0.05)
+        opt = gtopk.torch.DistributedOptimizer(
+            inner, named_parameters=model.named_parameters(), model=model)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)
+        for x, y in loader:
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()                     # exchange, then inner.step()
+            sched.step()
+
+    The servers must run with ``--apply=workers`` (the wrapped optimizer
+    owns lr, momentum, weight decay, param groups and schedules; the servers
+    only aggregate). Optimizer hyperparameters, param groups and every
+    ``torch.optim.lr_scheduler`` work unchanged: ``param_groups`` and
+    ``state`` are the wrapped optimizer's own objects.
+
+    **Which parameters travel.** The trainable parameters (``requires_grad``)
+    of the wrapped optimizer's param groups, in group order, become views of
+    one contiguous float32 buffer of n elements (the cluster's n); their
+    gradients are gathered into a second flat buffer whose slices become
+    their ``.grad``. Parameters that do not require gradients are never
+    given a ``.grad`` here, so no optimizer (nor its weight decay) moves
+    them. Only float32 parameters on one device are accepted (a bf16/fp16
+    parameter is refused at construction, named); use
+    ``torch.autocast`` for mixed precision.
+
+    **Construction** (blocks; each RPC at most ``rpc_timeout``): joins the
+    cluster; when the cluster is at step 0, rank 0's parameters and (with
+    ``model=``) its whole ``model.state_dict()`` -- buffers and frozen
+    parameters included -- reach every replica through the shards. When the
+    cluster is past step 0 (a run being resumed, or a rank coming back) the
+    shards hold no current parameters: :meth:`load_state_dict` with this
+    rank's checkpoint must follow, and :meth:`step` refuses until then with
+    a message saying so.
+
+    **Buffers** (``model=``, ``broadcast_buffers=True``): every step, rank
+    0's buffers after its forward pass (e.g. BatchNorm running statistics)
+    travel with its push to shard 0 and replace every other rank's at the
+    end of the step, so all replicas hold rank 0's buffers after every
+    ``step()`` (DDP's ``broadcast_buffers``, which broadcasts rank 0's
+    buffers before each forward) and evaluation gives the same result on
+    every rank.
+
+    **Gradients each call sees.** Before :meth:`synchronize` each ``.grad``
+    is this worker's local gradient (summed over ``backward_passes_per_step``
+    backward passes); after it, every ``.grad`` is the same sparse average:
+    the global top-k's sum divided by P at the selected entries, zero
+    elsewhere (dense, float32). So ``clip_grad_norm_`` between
+    ``synchronize()`` and a ``step()`` under :meth:`skip_synchronize` clips
+    the aggregated gradient identically on every rank (Horovod's pattern).
+    A sparse gradient (``nn.Embedding(sparse=True)``) is densified, as
+    Horovod's ``sparse_as_dense``; the wrapped optimizer then sees a dense
+    gradient (use Adam/AdamW, not SparseAdam).
+
+    **Divergence cannot be silent.** Every ``checksum_every`` steps (a
+    server flag, default 100) each worker sends a checksum of its
+    parameters; when they differ the step fails on every worker with
+    :class:`gtopk.FailedPrecondition` naming the ranks and the step. A
+    write to a parameter outside :meth:`step` (e.g. ``model.load_state_dict``
+    after construction) is found at the next step from the tensors' version
+    counters and refused the same way, before anything is sent; call
+    :meth:`accept_parameter_changes` after changing the parameters
+    identically on every rank on purpose.
+
+    **Failures.** A failed exchange raises the status code's
+    :class:`gtopk.Error` subclass and applies nothing (the wrapped
+    optimizer's step is not called). The gradient stays in the residual, so
+    the retry -- call :meth:`step` (or :meth:`synchronize`) again after
+    :meth:`recover` for :data:`gtopk.RETRYABLE` errors -- sends exactly what
+    the failed attempt did, and the run stays bit-identical to one without
+    the failure.
+
+    **Checkpoints** (one place: the servers hold nothing to keep aligned):
+    :meth:`state_dict` is the wrapped optimizer's plus ``"gtopk"`` (step,
+    error-feedback residual, rank, n). A run restarted from every rank's
+    checkpoint (model state loaded before construction, then
+    ``opt.load_state_dict``) is bit-identical to an uninterrupted one.
+
+    Not thread-safe; blocking calls release the GIL and Ctrl-C interrupts
+    them (``KeyboardInterrupt``, nothing applied).
+    """
+
+    def __init__(self, optimizer, named_parameters=None, *, model=None,
+                 backward_passes_per_step=1, broadcast_buffers=True,
+                 leader=None, rank=None, world_size=None, mode=None,
+                 selector=None, density=None, index_codec=None,
+                 value_codec=None, rpc_timeout=30.0, metrics_port=None,
+                 metrics_host="0.0.0.0", recovery_timeout=None,
+                 step_watchdog_margin=2.0, record_step_metrics=True,
+                 tls=None, tls_cert=None, tls_key=None, tls_ca=None,
+                 token_file=None):
+        from gtopk import torch as gt  # the shared argument helpers
+        # Not Optimizer.__init__: the wrapped optimizer's param_groups,
+        # state and defaults are used as they are (properties below).
+        self._client = None
+        self._frozen = False
+        self._opt = optimizer
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError("gtopk: expected a torch.optim.Optimizer, got %r"
+                            % type(optimizer).__name__)
+        if isinstance(optimizer, (GradientAggregationOptimizer,
+                                  gt.DistributedOptimizer)):
+            raise TypeError("gtopk: the optimizer is already a gtopk "
+                            "DistributedOptimizer")
+        if isinstance(backward_passes_per_step, bool) or not isinstance(
+                backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError("gtopk: backward_passes_per_step must be an "
+                             "int >= 1, got %r" % (backward_passes_per_step,))
+        self._passes = backward_passes_per_step
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError("gtopk: model must be a torch.nn.Module, got %r"
+                            % type(model).__name__)
+        conn = gt._connection_args(leader, rank, world_size, metrics_port,
+                                   rpc_timeout, recovery_timeout,
+                                   step_watchdog_margin, tls, tls_cert,
+                                   tls_key, tls_ca, token_file)
+        if density is not None and not gt._is_real(density):
+            raise TypeError("gtopk: density must be a real number or None, "
+                            "got %r" % (density,))
+        self._recovery_timeout = recovery_timeout
+        self._record_step_metrics = bool(record_step_metrics)
+
+        # -- names, the trainable set and the flat buffers ------------------
+        names = {}
+        if named_parameters is None and model is not None:
+            named_parameters = model.named_parameters()
+        if named_parameters is not None:
+            named_parameters = list(named_parameters)
+            for item in named_parameters:
+                if not (isinstance(item, tuple) and len(item) == 2
+                        and isinstance(item[0], str)
+                        and isinstance(item[1], torch.Tensor)):
+                    raise ValueError(
+                        "gtopk: named_parameters must be (name, parameter) "
+                        "pairs, e.g. model.named_parameters(); got %r"
+                        % (item,))
+                names.setdefault(id(item[1]), item[0])
+        seen = set()
+        plist = []
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                if named_parameters is not None and id(p) not in names:
+                    raise ValueError(
+                        "gtopk: named_parameters was given, but a parameter "
+                        "of the optimizer (shape %s) is not in it: pass the "
+                        "model's named_parameters() for the whole model"
+                        % (tuple(p.shape),))
+                if p.requires_grad:
+                    plist.append(p)
+        self._names = [names.get(id(p), "parameter %d" % i)
+                       for i, p in enumerate(plist)]
+        if not plist:
+            raise ValueError("gtopk: the optimizer has no parameter that "
+                             "requires a gradient")
+        bad = [(nm, p.dtype) for nm, p in zip(self._names, plist)
+               if p.dtype != torch.float32]
+        if bad:
+            raise TypeError(
+                "gtopk: gtopk trains float32 parameters only; %s "
+                "(keep the parameters float32 and use torch.autocast for "
+                "bf16/fp16 compute)" % ", ".join(
+                    "%s is %s" % (nm, dt) for nm, dt in bad[:5]))
+        device = plist[0].device
+        for nm, p in zip(self._names, plist):
+            if p.device != device:
+                raise ValueError("gtopk: parameters on different devices (%s "
+                                 "and %s at %s); put the whole model on one "
+                                 "device" % (device, p.device, nm))
+            if p.is_sparse:
+                raise TypeError("gtopk: %s is a sparse tensor" % nm)
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError("gtopk: parameters on %s; gtopk supports the "
+                             "CPU and CUDA devices" % device)
+        self._cuda = device.type == "cuda"
+        self._device = device
+        self._params = plist
+        self._slices = []
+        n = 0
+        for p in plist:
+            self._slices.append((n, p.numel()))
+            n += p.numel()
+        self._n = n
+        with torch.no_grad():
+            flat = torch.empty(n, dtype=torch.float32, device=device)
+            for p, (off, cnt) in zip(plist, self._slices):
+                flat[off:off + cnt].copy_(p.detach().reshape(-1))
+            for p, (off, cnt) in zip(plist, self._slices):
+                p.data = flat[off:off + cnt].view(p.shape)
+        self._flat = flat
+        self._flat_grad = torch.zeros(n, dtype=torch.float32, device=device)
+        self._zero_grad_buf = None
+
+        # The model's other state: frozen parameters and buffers (sent once
+        # at construction), and the buffers (every step).
+        trainable = set(id(p) for p in plist)
+        self._state_layout = None
+        self._buffer_layout = None
+        if model is not None:
+            others = [(k, t) for k, t in model.state_dict(keep_vars=True)
+                      .items() if isinstance(t, torch.Tensor)
+                      and id(t) not in trainable]
+            self._state_layout = _Layout(others)
+            buffers = list(model.named_buffers())
+            if broadcast_buffers and buffers:
+                self._buffer_layout = _Layout(buffers)
+
+        # -- backward-pass counting (backward_passes_per_step) ---------------
+        self._pass_counts = [0] * len(plist)
+        self._hooks = []
+        for i, p in enumerate(plist):
+            self._hooks.append(p.register_hook(self._make_hook(i)))
+
+        # -- join, check, synchronise -----------------------------------------
+        self._client = gtopk.Client(
+            str(conn["leader"]), n, conn["rank"],
+            rpc_timeout=float(rpc_timeout),
+            step_watchdog_margin=float(step_watchdog_margin),
+            metrics_port=conn["metrics_port"],
+            metrics_host=str(metrics_host), **conn["security"])
+        try:
+            self._cluster = dict(self._client.cluster())
+            c = self._cluster
+            gt._check_world_size(conn, c)
+            if c.get("apply") != "workers":
+                raise errors.FailedPrecondition(
+                    "gtopk.torch.DistributedOptimizer(optimizer, ...) runs "
+                    "your optimizer on the aggregated gradient, which needs "
+                    "the servers started with --apply=workers; these apply "
+                    "updates themselves (--apply=%s, their --lr %s). Restart "
+                    "them with --apply=workers, or use "
+                    "DistributedOptimizer(model.parameters(), lr=...) for "
+                    "their SGD" % (c.get("apply"), c.get("lr")))
+            self._client.check_settings(
+                mode=mode, selector=selector, density=density,
+                index_codec=index_codec, value_codec=value_codec)
+            self._needs_resume = False
+            if int(c.get("next_step", 0)) > 0:
+                # The shards hold only the initial broadcast: nothing of the
+                # current parameters to download.
+                self._needs_resume = True
+                self._resume_reason = int(c["next_step"])
+            else:
+                self._synchronize_initial()
+        except BaseException:
+            self._client.close()
+            raise
+        self._stats = None
+        self._retry_step = None
+        self._failed_grads = None
+        self._synchronized = False
+        self._skip_sync = False
+        self._last_step_end = time.perf_counter()
+        self._record_versions()
+        self._frozen = True
+
+    # -- torch.optim.Optimizer's containers: the wrapped optimizer's ---------
+
+    @property
+    def param_groups(self):
+        return self._opt.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self._opt.param_groups = value
+
+    @property
+    def state(self):
+        return self._opt.state
+
+    @state.setter
+    def state(self, value):
+        self._opt.state = value
+
+    @property
+    def defaults(self):
+        return self._opt.defaults
+
+    @defaults.setter
+    def defaults(self, value):
+        self._opt.defaults = value
+
+    @property
+    def optimizer(self):
+        """The wrapped ``torch.optim.Optimizer``."""
+        return self._opt
+
+    def __repr__(self):
+        return "gtopk.torch.DistributedOptimizer(%r, apply=workers)" % (
+            self._opt,)
+
+    def add_param_group(self, param_group):
+        raise ValueError(
+            "gtopk: add_param_group after construction is not supported (the "
+            "trainable parameters form one flat buffer of the cluster's n); "
+            "add every group to the optimizer before wrapping it")
+
+    def zero_grad(self, set_to_none=False):
+        """The wrapped optimizer's zero_grad. With ``set_to_none=False`` (the
+        default here) the gradients stay views of the flat buffer, so
+        backward() accumulates in place and gathering copies nothing."""
+        self._opt.zero_grad(set_to_none=set_to_none)
+
+    # -- properties ------------------------------------------------------------
+
+    @property
+    def client(self):
+        """The underlying :class:`gtopk.Client`."""
+        return self._client
+
+    @property
+    def rank(self):
+        return self._open_client().rank
+
+    @property
+    def num_workers(self):
+        return self._open_client().num_workers
+
+    @property
+    def next_step(self):
+        return self._open_client().next_step
+
+    @property
+    def n(self):
+        return self._n
+
+    @property
+    def stats(self):
+        """The last exchange's statistics (see gtopk.Client.aggregate_step),
+        or None before the first."""
+        return self._stats
+
+    def flat_parameters(self):
+        """The contiguous float32 buffer all trainable parameters view."""
+        return self._flat
+
+    # -- construction helpers --------------------------------------------------
+
+    def _make_hook(self, i):
+        def hook(grad):
+            self._pass_counts[i] += 1
+            return grad
+        return hook
+
+    def _budget(self):
+        if self._recovery_timeout is not None:
+            return float(self._recovery_timeout)
+        return 4.0 * self._cluster.get("step_timeout_ms", 30000) / 1000.0
+
+    def _host_flat(self):
+        return self._flat.numpy() if not self._cuda else \
+            self._flat.detach().to("cpu").numpy()
+
+    def _synchronize_initial(self):
+        """Rank 0's parameters and state to every replica (the shards keep
+        the first rank 0 offered), recovering within the budget when a shard
+        is restarting (as gtopk-worker does)."""
+        blob = self._state_layout.pack() if self._state_layout else b""
+        deadline = time.monotonic() + self._budget()
+        backoff = 0.1
+        while True:
+            try:
+                host = self._flat.numpy() if not self._cuda else \
+                    self._flat.detach().to("cpu", copy=True).numpy()
+                step, state = self._client.synchronize_with_state(host, blob)
+                if self._cuda:
+                    with torch.no_grad():
+                        self._flat.copy_(torch.from_numpy(host))
+                break
+            except (errors.FailedPrecondition, errors.Unavailable):
+                if time.monotonic() + backoff > deadline:
+                    raise
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 1.6)
+            try:
+                self._client.recover(None, max(1.0, deadline - time.monotonic()))
+            except errors.RETRYABLE:
+                if time.monotonic() > deadline:
+                    raise
+        if step != 0:
+            self._needs_resume = True
+            self._resume_reason = step
+            return
+        if self._state_layout is not None:
+            self._state_layout.unpack(state, "state (buffers and frozen "
+                                      "parameters)")
+
+    # -- the version check (writes outside step) ------------------------------
+
+    def _record_versions(self):
+        self._versions = [p._version for p in self._params]
+
+    def accept_parameter_changes(self):
+        """Say that the parameters were changed outside :meth:`step` on
+        purpose, identically on every rank (e.g. weight clipping); the next
+        step does not refuse. The checksum alarm still compares replicas."""
+        self._check_views()
+        self._record_versions()
+
+    def _check_views(self):
+        base = self._flat.data_ptr()
+        for i, (p, (off, _)) in enumerate(zip(self._params, self._slices)):
+            if p.data_ptr() != base + 4 * off:
+                raise errors.FailedPrecondition(
+                    "%s was replaced after the gtopk DistributedOptimizer was "
+                    "constructed (e.g. model.to(), .float(), load_state_dict "
+                    "with assign); updates would not reach the model. "
+                    "Construct the optimizer after moving the model, and load "
+                    "state before constructing it" % self._names[i])
+
+    def _check_unchanged(self):
+        self._check_views()
+        changed = [self._names[i] for i, p in enumerate(self._params)
+                   if p._version != self._versions[i]]
+        if changed:
+            raise errors.FailedPrecondition(
+                "the parameters were written outside step() since the last "
+                "step (%s%s), e.g. by model.load_state_dict after the gtopk "
+                "DistributedOptimizer was constructed: this replica would "
+                "silently differ from the others. Load the model's state "
+                "before constructing the optimizer (rank 0's state is then "
+                "broadcast), or restart every rank from one checkpoint; if "
+                "you changed the parameters identically on every rank on "
+                "purpose, call opt.accept_parameter_changes()" % (
+                    ", ".join(changed[:3]),
+                    "" if len(changed) <= 3 else
+                    " and %d more" % (len(changed) - 3)))
+
+    # -- the step -------------------------------------------------------------
+
+    def _grad_signature(self):
+        return [(g, g._version) if g is not None else None
+                for g in (p.grad for p in self._params)]
+
+    @staticmethod
+    def _same_grads(a, b):
+        return a is not None and b is not None and len(a) == len(b) and all(
+            (x is None and y is None) or (x is not None and y is not None
+                                          and x[0] is y[0] and x[1] == y[1])
+            for x, y in zip(a, b))
+
+    def _gather_gradients(self):
+        """p.grad -> the flat gradient buffer (None: zeros; sparse:
+        densified); leaves each p.grad a view of its slice."""
+        fg = self._flat_grad
+        ptr0 = fg.data_ptr()
+        with torch.no_grad():
+            for p, (off, cnt) in zip(self._params, self._slices):
+                slot = fg[off:off + cnt]
+                g = p.grad
+                if g is None:
+                    slot.zero_()
+                    p.grad = slot.view(p.shape)
+                    continue
+                if g.is_sparse:
+                    g = g.to_dense()  # Horovod's sparse_as_dense
+                elif (g.data_ptr() == ptr0 + 4 * off and g.is_contiguous()
+                      and g.dtype == torch.float32 and g.device == fg.device
+                      and g.shape == p.shape):
+                    continue  # already the view: backward wrote in place
+                slot.copy_(g.reshape(-1))
+                p.grad = slot.view(p.shape)
+
+    def synchronize(self):
+        """The gTop-k exchange of this step: afterwards every trainable
+        parameter's ``.grad`` is the average of the global top-k (identical
+        on every rank). Blocks until every shard answered (at most the
+        servers' step timeout plus ``step_watchdog_margin``).
+
+        Raises: :class:`gtopk.FailedPrecondition` before anything is sent
+        when the parameters were written outside step(), when this rank must
+        load its checkpoint first, or when more backward passes than
+        ``backward_passes_per_step`` were accumulated; the exchange's
+        :class:`gtopk.Error` (nothing applied; retry after :meth:`recover`
+        for :data:`gtopk.RETRYABLE`)."""
+        self._check_open()
+        if self._synchronized:
+            return
+        if self._needs_resume:
+            raise errors.FailedPrecondition(
+                "the cluster is at step %d and runs with --apply=workers: the "
+                "servers hold no copy of the current parameters, so this rank "
+                "cannot join from them. Load this rank's checkpoint: the "
+                "model's state_dict before constructing the optimizer, then "
+                "opt.load_state_dict(checkpoint['opt']) (every rank, the "
+                "checkpoints of one step); or restart the servers for a new "
+                "run" % self._resume_reason)
+        self._check_unchanged()
+        most = max(self._pass_counts) if self._pass_counts else 0
+        if most > self._passes:
+            raise errors.FailedPrecondition(
+                "gradients were computed %d times before the step, more than "
+                "backward_passes_per_step=%d: pass "
+                "backward_passes_per_step=%d to accumulate them locally, or "
+                "call zero_grad() between passes" % (most, self._passes,
+                                                      most))
+        client = self._client
+        t0 = time.perf_counter()
+        if self._retry_step is not None and (
+                self._retry_step == client.next_step
+                or self._same_grads(self._grad_signature(),
+                                    self._failed_grads)):
+            # The failed attempt's gradient is in the residual: send zero.
+            if self._zero_grad_buf is None:
+                self._zero_grad_buf = torch.zeros_like(self._flat_grad)
+            self._gather_gradients()  # .grad views in place for the result
+            grad = self._zero_grad_buf
+        else:
+            self._gather_gradients()
+            grad = self._flat_grad
+        step = client.next_step
+        every = int(self._cluster.get("checksum_every", 0))
+        due = every > 0 and step % every == 0
+        rank0 = client.rank == 0
+        buffers = (self._buffer_layout.pack()
+                   if self._buffer_layout is not None and rank0 else b"")
+        self._retry_step = None
+        self._failed_grads = None
+        try:
+            if not self._cuda:
+                stats, received = client.aggregate_step(
+                    grad.numpy(), self._flat_grad.numpy(),
+                    self._flat.numpy() if due else None, buffers)
+            else:
+                host_grad = grad.detach().to("cpu", copy=True)
+                host_avg = torch.empty_like(host_grad)
+                host_params = self._flat.detach().to("cpu").numpy() \
+                    if due else None
+                stats, received = client.aggregate_step(
+                    host_grad.numpy(), host_avg.numpy(), host_params, buffers)
+                with torch.no_grad():
+                    self._flat_grad.copy_(host_avg)
+        except (errors.InvalidArgument, errors.Unimplemented):
+            raise
+        except (errors.Error, KeyboardInterrupt):
+            self._retry_step = client.next_step
+            self._failed_grads = self._grad_signature()
+            raise
+        if self._buffer_layout is not None and not rank0:
+            self._buffer_layout.unpack(received, "buffers")
+        self._stats = dict(stats)
+        self._stats["exchange_seconds"] = time.perf_counter() - t0
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Within it, :meth:`step` runs the wrapped optimizer only (after an
+        explicit :meth:`synchronize`), as Horovod's ``skip_synchronize``."""
+        self._skip_sync = True
+        try:
+            yield
+        finally:
+            self._skip_sync = False
+
+    def step(self, closure=None, *, loss=None):
+        """:meth:`synchronize` (unless it already ran for this step, or
+        inside :meth:`skip_synchronize`), then the wrapped optimizer's
+        ``step()`` on the averaged gradient. Returns the closure's loss.
+
+        ``loss`` (keyword): this step's loss for the metrics."""
+        result = None
+        if closure is not None:
+            with torch.enable_grad():
+                result = closure()
+        self._check_open()
+        t0 = time.perf_counter()
+        compute = t0 - self._last_step_end
+        if not self._skip_sync or not self._synchronized:
+            self.synchronize()
+        self._opt.step()
+        self._synchronized = False
+        self._pass_counts = [0] * len(self._params)
+        self._record_versions()
+        now = time.perf_counter()
+        client = self._client
+        if self._record_step_metrics and client.metrics_port:
+            if loss is None and result is not None:
+                loss = result
+            loss_value = float("nan") if loss is None else float(
+                loss.detach().item() if torch.is_tensor(loss) else loss)
+            client.record_metrics(compute, compute + (now - t0), loss_value)
+        self._last_step_end = now
+        return result
+
+    def recover(self, timeout=None):
+        """After a failed exchange: asks the leader to bring the shards to one
+        step and returns it (:attr:`next_step`). Nothing is downloaded (the
+        shards hold no parameters in this mode); a rollback renumbers the
+        steps. Raises :class:`gtopk.FailedPrecondition` when this worker
+        missed a committed step's result (restart every rank from one
+        checkpoint)."""
+        self._check_open()
+        if timeout is None:
+            timeout = self._recovery_timeout
+        return self._client.recover(None, timeout)
+
+    # -- checkpoints -----------------------------------------------------------
+
+    def state_dict(self):
+        """The wrapped optimizer's ``state_dict()`` plus ``"gtopk"``:
+        ``{"step": int, "residual": float32 tensor [n], "rank": int, "n":
+        int, "apply": "workers", "cluster_fingerprint": str}`` (CPU
+        copies). Per rank: every rank saves its own."""
+        self._check_open()
+        sd = self._opt.state_dict()
+        st = self._client.state()
+        sd["gtopk"] = {
+            "step": int(st["step"]),
+            "residual": torch.from_numpy(np.array(st["residual"], _F32)),
+            "rank": self.rank,
+            "n": self._n,
+            "apply": "workers",
+            "cluster_fingerprint": self._cluster.get("cluster_fingerprint"),
+        }
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """Restores a :meth:`state_dict` of this rank: the wrapped optimizer's
+        state, the residual and the step; the shards are moved to that step
+        (they hold nothing else). Load the model's own state *before*
+        constructing the optimizer. Every rank loads its checkpoint of the
+        same step.
+
+        Raises ``ValueError`` for a dict without ``"gtopk"``;
+        :class:`gtopk.FailedPrecondition` for another rank's or n's state
+        or one saved in servers-apply mode."""
+        self._check_open()
+        if "gtopk" not in state_dict:
+            raise ValueError(
+                "gtopk: this state dict has no 'gtopk' entry: it is not from "
+                "gtopk.torch.DistributedOptimizer.state_dict()")
+        sd = dict(state_dict)
+        g = sd.pop("gtopk")
+        if g.get("apply") != "workers":
+            raise errors.FailedPrecondition(
+                "the checkpoint's gtopk state was saved with the servers "
+                "applying the updates (--apply=servers); it cannot resume a "
+                "workers-apply run")
+        if int(g["n"]) != self._n:
+            raise errors.FailedPrecondition(
+                "the checkpoint's gtopk state has n=%d but this model has "
+                "n=%d" % (int(g["n"]), self._n))
+        if int(g["rank"]) != self.rank:
+            raise errors.FailedPrecondition(
+                "the checkpoint holds rank %d's gtopk state (its residual) "
+                "but this worker is rank %d: every rank saves and loads its "
+                "own (e.g. torch.save(opt.state_dict(), "
+                "f'opt-rank{opt.rank}.pt')) and joins as the same rank "
+                "(rank=..., $RANK)" % (int(g["rank"]), self.rank))
+        step = int(g["step"])
+        residual = g["residual"]
+        residual = (residual.detach().to("cpu", torch.float32).contiguous()
+                    if torch.is_tensor(residual)
+                    else torch.as_tensor(residual, dtype=torch.float32))
+        self._client.resume_at(step)
+        self._client.load_state(step, residual.numpy(),
+                                np.zeros(self._n, _F32))
+        self._opt.load_state_dict(sd)
+        self._needs_resume = False
+        self._retry_step = None
+        self._failed_grads = None
+        self._synchronized = False
+        self._record_versions()
+
+    # -- metrics and life cycle ----------------------------------------------
+
+    def record_metrics(self, compute_seconds, step_seconds, loss):
+        self._check_open()
+        self._client.record_metrics(float(compute_seconds),
+                                    float(step_seconds), float(loss))
+
+    def record_test_accuracy(self, accuracy):
+        self._check_open()
+        self._client.record_test_accuracy(float(accuracy))
+
+    def _check_open(self):
+        if self._client is None:
+            raise errors.FailedPrecondition("the gtopk optimizer is closed")
+
+    def _open_client(self):
+        self._check_open()
+        return self._client
+
+    def close(self):
+        """Leaves the cluster's streams; idempotent."""
+        client, self._client = self._client, None
+        for h in getattr(self, "_hooks", []):
+            h.remove()
+        self._hooks = []
+        if client is not None:
+            client.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __getstate__(self):
+        raise TypeError("gtopk.torch.DistributedOptimizer cannot be pickled "
+                        "(it holds a cluster connection); save state_dict()")
