@@ -68,7 +68,40 @@ def worker_main(a):
     else:
         init = torch.zeros(n)
     seconds = []
-    if a.python_path == "optimizer":
+    if a.python_path == "optimizer" and a.apply == "workers":
+        # Workers apply: the wrapper around torch.optim.SGD. The timed call
+        # is synchronize() -- the wrapper's exchange, everything gtopk adds
+        # -- not the wrapped optimizer's own step (the user's compute, the
+        # same under DDP). The exchange writes the average into .grad, so
+        # the synthetic gradient is restored before each step, untimed.
+        import gtopk.torch as gt
+        sizes = [n // 2, n // 3]
+        sizes.append(n - sum(sizes))
+        model = torch.nn.Module()
+        model.weights = torch.nn.ParameterList(
+            [torch.nn.Parameter(t.clone()) for t in init.split(sizes)])
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = gt.DistributedOptimizer(inner, leader=a.leader, rank=a.rank,
+                                      rpc_timeout=120.0, model=model)
+        params = list(model.parameters())
+        flat_grad = None
+        for t in range(a.steps):
+            with torch.no_grad():
+                if flat_grad is None:
+                    for p, g in zip(params, grad.split(sizes)):
+                        p.grad = g.clone()
+                else:
+                    flat_grad.copy_(grad)
+            t0 = time.perf_counter()
+            opt.synchronize()
+            seconds.append(time.perf_counter() - t0)
+            with opt.skip_synchronize():
+                opt.step()
+            if flat_grad is None:
+                flat_grad = opt._flat_grad
+        final = opt.flat_parameters().numpy().copy()
+        opt.close()
+    elif a.python_path == "optimizer":
         import gtopk.torch as gt
         # Three tensors of uneven sizes totalling n.
         sizes = [n // 2, n // 3]
@@ -110,10 +143,16 @@ def worker_main(a):
         p = init.numpy().copy()
         g = grad.numpy()
         c.synchronize_parameters(p)
+        avg = np.zeros_like(p)
         for _ in range(a.steps):
             t0 = time.perf_counter()
-            c.step(g, p)
+            if a.apply == "workers":
+                c.aggregate_step(g, avg, p)
+            else:
+                c.step(g, p)
             seconds.append(time.perf_counter() - t0)
+            if a.apply == "workers":
+                p -= np.float32(0.1) * avg
         final = p
         c.close()
     if a.params_out:
@@ -160,7 +199,7 @@ def git_commit():
 def run_kind(kind, a, n, P, files, steps, work, tag):
     """One cluster, P workers of `kind`; returns per-rank step seconds."""
     flags = dict(mode=a.mode, selection=a.selection, density=a.density,
-                 step_timeout="120s")
+                 step_timeout="120s", apply=a.apply)
     timings, procs = [], []
     with cu.Servers(a.shards, P, work, name="%s-%s" % (tag, kind),
                     **flags) as srv:
@@ -182,7 +221,7 @@ def run_kind(kind, a, n, P, files, steps, work, tag):
                             "--rank", str(r), "--gradients", files["grad"][r],
                             "--steps", str(steps), "--timing-json", tj,
                             "--params-out", out,
-                            "--python-path", kind,
+                            "--python-path", kind, "--apply", a.apply,
                             "--torch-threads", str(a.torch_threads)]
                     if r == 0:
                         argv += ["--params", files["params"]]
@@ -256,6 +295,14 @@ KIND_TEXT = {
                   "a view of the optimizer's flat gradient buffer from the "
                   "first step on, nothing done between the steps"),
     "client": "gtopk.Client.step on numpy buffers (the binding alone)",
+}
+KIND_TEXT_WORKERS = {
+    "cpp": ("gtopk_replay_worker: WorkerClient::AggregateStep (C++), SGD "
+            "outside the timed call"),
+    "optimizer": ("gtopk.torch.DistributedOptimizer(torch.optim.SGD(...), "
+                  "model=...).synchronize(): the wrapper's exchange (the "
+                  "wrapped SGD step untimed; .grad restored untimed)"),
+    "client": "gtopk.Client.aggregate_step on numpy buffers",
 }
 
 
@@ -345,7 +392,8 @@ def driver_main(a, argv):
             "of their step-call wall time, the figure the median over the "
             "measured steps of all rounds; the kinds alternate each round, "
             "each on fresh servers. *_python fields: the %s kind." % main_py),
-        "kinds": {k: KIND_TEXT[k] for k in kinds},
+        "kinds": {k: (KIND_TEXT_WORKERS if a.apply == "workers"
+                      else KIND_TEXT)[k] for k in kinds},
         "command": "PYTHONPATH=build/python " + shlex.join(
             [sys.executable, os.path.relpath(os.path.abspath(__file__),
                                              REPO)] + argv),
@@ -357,7 +405,10 @@ def driver_main(a, argv):
         "torch_threads": a.torch_threads,
         "server_flags": {"mode": a.mode, "selection": a.selection,
                          "density": a.density, "num_shards": a.shards,
-                         "lr": 0.1, "momentum": 0.9, "momentum_mode": "dgc"},
+                         "apply": a.apply,
+                         **({"lr": 0.1, "momentum": 0.9,
+                             "momentum_mode": "dgc"}
+                            if a.apply == "servers" else {})},
         "targets": {"n_25557032": "python adds <= 5 % per step",
                     "n_317066": "python adds <= 1 ms per step"},
         "results": results,
@@ -396,6 +447,11 @@ def main(argv=None):
     ap.add_argument("--python-path", choices=("optimizer", "client"),
                     default="optimizer", help=argparse.SUPPRESS)
     ap.add_argument("--torch-threads", type=int, default=1)
+    ap.add_argument("--apply", choices=("servers", "workers"),
+                    default="servers",
+                    help="the servers' --apply: workers times the "
+                    "gradient-aggregation wrapper (its synchronize()) "
+                    "against WorkerClient::AggregateStep")
     ap.add_argument("--timeout", type=float, default=600.0,
                     help="seconds for one cluster's workers")
     # One Python rank (internal).

@@ -86,13 +86,23 @@ absl::Status Run() {
       (*client)->SynchronizeParameters(absl::MakeSpan(params));
   if (!start.ok()) return start.status();
   std::vector<double> seconds;
+  // Workers apply (--apply=workers): AggregateStep, then plain SGD with lr
+  // 0.1 outside the timed call (the user's optimizer's share).
+  const bool workers_apply =
+      (*client)->cluster().apply() == gtopk::v1::APPLY_WORKERS;
+  std::vector<float> averaged(workers_apply ? n : 0);
   for (int64_t t = 0; t < absl::GetFlag(FLAGS_steps); ++t) {
     const absl::Span<const float> g =
         absl::MakeConstSpan(gradients).subspan((t % rows) * n, n);
     const auto begin = std::chrono::steady_clock::now();
     absl::StatusOr<gtopk::worker::StepStats> stats =
-        (*client)->Step(g, absl::MakeSpan(params));
+        workers_apply
+            ? (*client)->AggregateStep(g, absl::MakeSpan(averaged), params)
+            : (*client)->Step(g, absl::MakeSpan(params));
     const auto end = std::chrono::steady_clock::now();
+    if (workers_apply && stats.ok()) {
+      for (size_t i = 0; i < n; ++i) params[i] -= 0.1f * averaged[i];
+    }
     if (!stats.ok()) {
       return absl::Status(stats.status().code(),
                           absl::StrCat("step ", t, ": ",
