@@ -7,6 +7,9 @@
 #                BUILD_DIR/python: PYTHONPATH=BUILD_DIR/python /usr/bin/python3
 #   make python-install  make python, then install the package into
 #                /usr/local/lib/python3.X/dist-packages (as root)
+#   make wheel   the same package as a wheel, dist/gtopk-*.whl, built by
+#                `pip wheel --no-build-isolation ./python` for /usr/bin/python3
+#                (python/setup.py; reuses BUILD_DIR's CMake build)
 #   make bench   run the benchmarks, write bench/results/*.json
 #   make bench-lowbw  (root) gTop-k vs Top-k vs dense vs PyTorch DDP over
 #                1 Gbit/s links in network namespaces (bench/lowbw/);
@@ -66,7 +69,8 @@ DEB_PACKAGES := build-essential cmake ninja-build pkg-config libboost-context-de
 	prometheus-cpp-dev prometheus \
 	python3-torch python3-numpy python3-dev pybind11-dev python3-pybind11 \
 	gnuplot-nox iproute2 \
-	docker-compose python3-yaml
+	docker-compose python3-yaml \
+	python3-pip python3-setuptools python3-wheel python3-venv
 
 # Commands the deployment tests (ctest label deploy) need, with the Debian
 # package that provides each when it is missing. npm is checked as a command:
@@ -98,7 +102,7 @@ WORKER         ?= cpp
 DEMO_ARGS      ?=
 LOWBW_ARGS     ?=
 
-.PHONY: python python-install all deps build test bench bench-lowbw bench-lowbw-grid bench-model demo format clean deploy-sync \
+.PHONY: python python-install wheel all deps build test bench bench-lowbw bench-lowbw-grid bench-model demo format clean deploy-sync \
 	device-bundle device-bundle-check compose-test fuzz fuzz-smoke fuzz-build fuzz-deps
 
 all: build
@@ -143,6 +147,16 @@ python: deps
 
 python-install: python
 	cmake --install $(BUILD_DIR) --component python
+
+# The wheel (README, "Python and PyTorch"): python/setup.py builds the
+# target gtopk_python in BUILD_DIR (configured by `make python` first) and
+# packs it with python/gtopk/*.py, offline (Debian's setuptools and wheel).
+wheel: python
+	GTOPK_BUILD_DIR=$(abspath $(BUILD_DIR)) CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) \
+	  /usr/bin/python3 -m pip wheel --no-build-isolation --no-deps --no-index \
+	  -w dist ./python
+	@echo "wheel: $$(ls -t dist/gtopk-*.whl | head -1); install it with"
+	@echo "  /usr/bin/python3 -m pip install --break-system-packages <that wheel>  (or into a venv --system-site-packages)"
 
 bench: build
 	mkdir -p bench/results
