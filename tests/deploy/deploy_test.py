@@ -42,9 +42,9 @@ One ctest test per class (label `deploy`), e.g.
                     deploy/docker/ldd-check.sh, which is tested on a
                     program with a library of its own; the python-worker
                     stage: FROM the worker, python3/python3-torch/
-                    python3-numpy, the gtopk package installed (cmake
-                    --install --component python, as here) where
-                    /usr/bin/python3 finds it, the example where compose
+                    python3-numpy, the gtopk wheel (pip wheel
+                    --no-build-isolation in the build stage) pip-installed
+                    where /usr/bin/python3 finds it, the example where compose
                     runs it, ENTRYPOINT python3; every package a stage
                     installs is a Debian 12 package, every COPY source
                     exists in the build context
@@ -1598,65 +1598,56 @@ class DockerfileTest(unittest.TestCase):
         for d in ("/var/lib/gtopk/checkpoints", "/var/lib/gtopk/run"):
             self.assertIn(d, base)
 
-    def test_python_package_lands_on_the_default_sys_path(self):
-        """The build stage installs the package as `make python-install`
-        does (cmake --install --component python) under a DESTDIR, and the
-        python-worker stage copies that tree to where /usr/bin/python3
-        looks without PYTHONPATH. Reproduced here with this build tree:
-        the same install into a temporary DESTDIR, the stage's COPY applied
-        to the paths, and the result imported."""
+    def test_python_package_is_the_wheel(self):
+        """The build stage makes the wheel as Python users do (README,
+        "Python and PyTorch"): `pip wheel --no-build-isolation` of python/
+        with Debian's setuptools/wheel, reusing the stage's CMake build
+        (GTOPK_BUILD_DIR=/build, where gtopk_python was built); the
+        python-worker stage copies the wheel folder and pip-installs it
+        offline into /usr/bin/python3's default sys.path, which compileall
+        then byte-compiles. That this pip command puts the package on the
+        default sys.path, and that the wheel imports, is checked for real
+        by tests/python/packaging_test.py (ctest -L packaging)."""
         build = " ".join(self.cpu["build"]["lines"])
         self.assertIn("-DGTOPK_PYTHON=ON", build)
         self.assertRegex(build, r"--target [\w ]*\bgtopk_python\b")
-        m = re.search(r"DESTDIR=(\S+) cmake --install /build "
-                      r"--component python", build)
-        self.assertTrue(m, "the build stage installs the python component "
-                        "under a DESTDIR")
-        destdir = m.group(1).rstrip("/")
+        self.assertTrue({"python3-pip", "python3-setuptools",
+                         "python3-wheel"} <= set(self.cpu["build"]["packages"]))
+        m = re.search(r"GTOPK_BUILD_DIR=/build python3 -m pip wheel "
+                      r"((?:--\S+ +)+)-w (\S+) \./python\b", build)
+        self.assertTrue(m, "the build stage makes the wheel with pip wheel")
+        flags, wheels = m.group(1).split(), m.group(2).rstrip("/")
+        for flag in ("--no-build-isolation", "--no-deps", "--no-index"):
+            self.assertIn(flag, flags)
+        self.assertTrue(os.path.exists(os.path.join(ROOT, "python",
+                                                    "setup.py")))
+        self.assertTrue(os.path.exists(os.path.join(ROOT, "python",
+                                                    "pyproject.toml")))
         copies = [(srcs, d) for frm, srcs, d in
                   self.copies(self.cpu, "python-worker") if frm == "build"]
         self.assertEqual(len(copies), 1, copies)
         (src,), dest = copies[0]
-        self.assertTrue(src.startswith(destdir + "/"), src)
-        python_extension()  # the build tree has the package
-        with tempfile.TemporaryDirectory() as tmp:
-            env = dict(os.environ, DESTDIR=tmp)
-            r = run(["cmake", "--install", BUILD_DIR, "--component",
-                     "python"], env=env)
-            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
-            inits = glob.glob(os.path.join(tmp, "**", "gtopk", "__init__.py"),
-                              recursive=True)
-            self.assertEqual(len(inits), 1, inits)
-            pkg = os.path.dirname(inits[0])
-            self.assertTrue(glob.glob(os.path.join(pkg, "_gtopk*.so")), pkg)
-            # The path the package has in the image: DESTDIR-relative path,
-            # through the COPY's source -> destination.
-            in_build = destdir + "/" + os.path.relpath(pkg, tmp)
-            src_dir = src.rstrip("/") + "/"
-            self.assertTrue(in_build.startswith(src_dir), (in_build, src))
-            in_image = dest.rstrip("/") + "/" + in_build[len(src_dir):]
-            r = run([SYSTEM_PYTHON, "-c",
-                     "import json, sys; print(json.dumps(sys.path))"],
-                    env={k: v for k, v in os.environ.items()
-                         if k != "PYTHONPATH"})
-            default_path = json.loads(r.stdout)
-            self.assertIn(os.path.dirname(in_image), default_path,
-                          "the image's gtopk package %s is not on the "
-                          "default sys.path of %s" % (in_image, SYSTEM_PYTHON))
-            # compileall's glob in the stage matches it.
-            runs = " ".join(l for l in self.cpu["python-worker"]["lines"]
-                            if l.startswith("RUN "))
-            globs = re.findall(r"compileall -q (\S+)", runs)
-            self.assertEqual(len(globs), 1)
-            self.assertTrue(fnmatch.fnmatch(in_image, globs[0]),
-                            (in_image, globs[0]))
-            # And the installed copy is a working package.
-            env = dict(os.environ, PYTHONPATH=os.path.dirname(pkg))
-            r = run([SYSTEM_PYTHON, "-c",
-                     "import gtopk; print(gtopk.__file__)"],
-                    env=env, cwd=tmp, timeout=60)
-            self.assertEqual(r.returncode, 0, r.stderr)
-            self.assertEqual(r.stdout.strip(), inits[0])
+        self.assertEqual(src.rstrip("/"), wheels)
+        st = self.cpu["python-worker"]
+        self.assertIn("python3-pip", st["packages"])
+        runs = [l for l in st["lines"] if l.startswith("RUN ")]
+        installs = [l for l in runs if "pip install" in l]
+        self.assertEqual(len(installs), 1, installs)
+        m = re.search(r"python3 -m pip install ((?:--\S+ +)+)(\S+)",
+                      installs[0])
+        self.assertTrue(m, installs[0])
+        for flag in ("--no-index", "--no-deps", "--break-system-packages"):
+            self.assertIn(flag, m.group(1).split())
+        self.assertTrue(fnmatch.fnmatch(
+            dest.rstrip("/") + "/gtopk-0.1.0-cp311-cp311-linux_x86_64.whl",
+            m.group(2)), m.group(2))
+        # Installed before it is byte-compiled and imported.
+        text = " ".join(runs)
+        self.assertLess(text.index("pip install"), text.index("compileall"))
+        globs = re.findall(r"compileall -q (\S+)", text)
+        self.assertEqual(len(globs), 1)
+        self.assertTrue(fnmatch.fnmatch(
+            "/usr/local/lib/python3.11/dist-packages/gtopk", globs[0]))
 
     def test_every_copy_source_exists(self):
         """Every COPY from the build context names a path that exists in
