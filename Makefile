@@ -188,16 +188,19 @@ bench-model:
 	/usr/bin/python3 bench/model/scale_model.py
 
 # deps and build first (in that order, also under -j), then the launcher.
+# WORKER=python-modern (AdamW, servers --apply=workers; MODE=ddp: torch DDP)
+# takes LR only when given (make demo ... LR=0.003): the default LR is the
+# servers' SGD rate, not an AdamW one.
 demo: deps
 	@$(MAKE) --no-print-directory build
-	$(if $(filter python,$(WORKER)),@$(MAKE) --no-print-directory python)
+	$(if $(filter python python-modern,$(WORKER)),@$(MAKE) --no-print-directory python)
 	python3 deploy/local/gtopk_local.py --config deploy/cluster.env --name $(NAME) \
 	  --worker $(WORKER) \
 	  --workers $(WORKERS) --shards $(SHARDS) --model $(MODEL) \
 	  --mode $(MODE) --selection $(SELECTION) --density $(DENSITY) \
 	  --density-warmup '$(strip $(DENSITY_WARMUP))' \
 	  --selector $(SELECTOR) --epochs $(EPOCHS) $(if $(strip $(STEPS)),--steps $(STEPS)) \
-	  --batch-size $(BATCH) --lr $(LR) --momentum $(MOMENTUM) \
+	  --batch-size $(BATCH) $(if $(and $(filter python-modern,$(WORKER)),$(filter file default,$(origin LR))),,--lr $(LR)) --momentum $(MOMENTUM) \
 	  --momentum-mode $(MOMENTUM_MODE) --seed $(SEED) \
 	  --build-dir $(BUILD_DIR) --runs-dir runs $(DEMO_ARGS)
 

@@ -13,6 +13,24 @@ interpreter that has torch (default /usr/bin/python3, Debian's
 python3-torch) and PYTHONPATH=BUILD_DIR/python; everything else (servers,
 progress, logs, runs/NAME/summary.json) is the same.
 
+--worker python-modern runs examples/pytorch/train_modern.py instead: AdamW
+(no weight decay on biases and norm weights), linear warm-up then cosine
+decay, gradient clipping on the aggregated gradient, bf16 autocast and a
+BatchNorm CNN. The servers get --apply=workers (they aggregate; each worker
+runs its own AdamW), with --mode/--selection/--density/--density-warmup/
+--selector as usual; --lr, --weight-decay, --warmup-steps and --clip are the
+workers' AdamW settings (script defaults when not given; --momentum and
+--momentum-mode do not apply). The summary checks that every rank's
+parameters AND BatchNorm buffers ended bit-identical
+(replica_checksums_match, buffers_match). With --mode ddp the same script
+runs under torch DistributedDataParallel (gloo) instead: no servers, no
+certificates; each worker gets torchrun's environment (MASTER_ADDR=127.0.0.1,
+a free MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK) -- the dense baseline:
+
+  deploy/local/gtopk_local.py --worker python-modern --density 0.01 --epochs 2
+  deploy/local/gtopk_local.py --worker python-modern --mode ddp --epochs 2
+  make demo WORKER=python-modern [MODE=ddp]
+
 What it does, in order:
   1. computes steps_per_epoch = floor(train_samples / P / batch_size)
      (train_samples = 60000, the Fashion-MNIST training set, or --train-limit);
@@ -71,6 +89,14 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
 PYTHON_WORKER_SCRIPT = "train_fashion_mnist.py"
 DEFAULT_PYTHON_WORKER = os.path.join(REPO_ROOT, "examples", "pytorch",
                                      PYTHON_WORKER_SCRIPT)
+# --worker=python-modern: AdamW, schedule, clipping, autocast, BatchNorm;
+# servers with --apply=workers (or --mode=ddp: torch DDP, no servers).
+MODERN_WORKER_SCRIPT = "train_modern.py"
+DEFAULT_MODERN_WORKER = os.path.join(REPO_ROOT, "examples", "pytorch",
+                                     MODERN_WORKER_SCRIPT)
+PYTHON_WORKERS = ("python", "python-modern")
+# The SGD defaults of --worker=cpp|python (the servers' optimizer).
+DEFAULT_SERVER_LR = 0.1
 # Debian's python3-torch belongs to /usr/bin/python3 (a python3 first on
 # PATH may be another interpreter without torch).
 DEFAULT_WORKER_PYTHON = "/usr/bin/python3" if os.access(
@@ -252,7 +278,8 @@ def _gtopk_pid(pid):
             cmd = f.read()
     except OSError:
         return False
-    return b"gtopk-" in cmd or PYTHON_WORKER_SCRIPT.encode() in cmd
+    return (b"gtopk-" in cmd or PYTHON_WORKER_SCRIPT.encode() in cmd
+            or MODERN_WORKER_SCRIPT.encode() in cmd)
 
 
 class ProgressPrinter:
@@ -387,7 +414,11 @@ def parse_args(argv):
     p.add_argument("--shards", type=int, default=2, help="S")
     p.add_argument("--model", default="cnn",
                    help="mlp | cnn | synthetic:N")
-    p.add_argument("--mode", default="gtopk", choices=["gtopk", "topk", "dense"])
+    p.add_argument("--mode", default="gtopk",
+                   choices=["gtopk", "topk", "dense", "ddp"],
+                   help="the servers' --mode; ddp (--worker=python-modern "
+                   "only): torch DistributedDataParallel over gloo, no "
+                   "servers")
     p.add_argument("--selection", default="threshold",
                    choices=["threshold", "quota", "exact"],
                    help="exact: the old name of threshold")
@@ -401,11 +432,24 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=None,
                    help="stop after this many steps in all")
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=None,
+                   help="the servers' SGD lr (default %g); "
+                   "--worker=python-modern: the workers' AdamW peak lr "
+                   "(default: the script's, 2e-3; a --config file's "
+                   "GTOPK_LR is not used)" % DEFAULT_SERVER_LR)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--momentum-mode", default="dgc",
                    choices=["none", "dgc", "global"])
-    p.add_argument("--weight-decay", type=float, default=None)
+    p.add_argument("--weight-decay", type=float, default=None,
+                   help="the servers' --weight-decay; "
+                   "--worker=python-modern: AdamW's (default: the "
+                   "script's, 0.05)")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="--worker=python-modern: linear lr warm-up steps "
+                   "before the cosine decay (default: the script's, 100)")
+    p.add_argument("--clip", type=float, default=None,
+                   help="--worker=python-modern: clip the aggregated "
+                   "gradient's norm (default: the script's, 1.0; 0: off)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--index-codec", default=None,
                    choices=["raw", "delta-varint", "delta-bitpack"])
@@ -431,16 +475,22 @@ def parse_args(argv):
                    help="default BUILD_DIR/server/gtopk-server")
     p.add_argument("--worker-bin", default=None,
                    help="default BUILD_DIR/worker/gtopk-worker")
-    p.add_argument("--worker", default="cpp", choices=["cpp", "python"],
+    p.add_argument("--worker", default="cpp",
+                   choices=["cpp", "python", "python-modern"],
                    help="cpp: gtopk-worker (default); python: the PyTorch "
                    "example (--python-worker) on the gtopk Python package "
-                   "(`make python`), with the same flags")
+                   "(`make python`), with the same flags; python-modern: "
+                   "examples/pytorch/%s (AdamW, warm-up + cosine, clipping, "
+                   "bf16 autocast, BatchNorm) with the servers' "
+                   "--apply=workers, or under torch DDP with --mode=ddp"
+                   % MODERN_WORKER_SCRIPT)
     p.add_argument("--python", default=DEFAULT_WORKER_PYTHON,
                    help="--worker=python: the interpreter, one that has "
                    "torch (default %(default)s)")
-    p.add_argument("--python-worker", default=DEFAULT_PYTHON_WORKER,
-                   help="--worker=python: the training script (default "
-                   "examples/pytorch/%s)" % PYTHON_WORKER_SCRIPT)
+    p.add_argument("--python-worker", default=None,
+                   help="--worker=python|python-modern: the training script "
+                   "(default examples/pytorch/%s, or %s)" % (
+                       PYTHON_WORKER_SCRIPT, MODERN_WORKER_SCRIPT))
     p.add_argument("--runs-dir", default="runs")
     p.add_argument("--tls", choices=["mutual", "off"], default=None,
                    help="mutual: a throwaway CA and certificates "
@@ -476,6 +526,17 @@ def parse_args(argv):
             p.error("--config: %s" % e)
         p.set_defaults(**defaults)
     args = p.parse_args(argv)
+    modern = args.worker == "python-modern"
+    if args.python_worker is None:
+        args.python_worker = DEFAULT_MODERN_WORKER if modern else \
+            DEFAULT_PYTHON_WORKER
+    # --lr given on the command line (not from --config): python-modern
+    # takes it as AdamW's; a cluster.env's GTOPK_LR is the servers' SGD lr.
+    lr_given = any(a == "--lr" or a.startswith("--lr=") for a in argv)
+    if modern and not lr_given:
+        args.lr = None
+    elif args.lr is None:
+        args.lr = DEFAULT_SERVER_LR
 
     errors = []
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.name):
@@ -491,6 +552,26 @@ def parse_args(argv):
         errors.append("--density must be in (0, 1]")
     if args.selection == "quota" and args.mode != "gtopk":
         errors.append("--selection=quota applies to --mode=gtopk only")
+    if args.mode == "ddp" and not modern:
+        errors.append("--mode=ddp runs --worker=python-modern (torch DDP, "
+                      "no servers), not --worker=%s" % args.worker)
+    if not modern:
+        for flag in ("warmup_steps", "clip"):
+            if getattr(args, flag) is not None:
+                errors.append("--%s applies to --worker=python-modern only"
+                              % flag.replace("_", "-"))
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        errors.append("--warmup-steps must be >= 0")
+    if args.clip is not None and args.clip < 0:
+        errors.append("--clip must be >= 0")
+    if args.lr is not None and not args.lr > 0:
+        errors.append("--lr must be > 0")
+    if modern:
+        for flag, value in (("device", args.device), ("cpu_isa", args.cpu_isa),
+                            ("eval_every", args.eval_every)):
+            if value is not None:
+                errors.append("--%s does not apply to --worker=python-modern"
+                              % flag.replace("_", "-"))
     if args.worker == "python" and args.model not in ("cnn", "mlp"):
         errors.append("--worker=python trains --model=cnn or mlp (the "
                       "example's models), not %s" % args.model)
@@ -542,6 +623,13 @@ class Launcher:
         # Transport security (docs/security.md): certificates in tls_dir.
         self.tls = args.tls or "mutual"
         self.tls_dir = os.path.join(self.run_dir, "tls")
+        # --worker=python-modern: servers with --apply=workers; --mode=ddp:
+        # no servers at all (torch DDP over gloo between the workers).
+        self.modern = args.worker == "python-modern"
+        self.ddp = args.mode == "ddp"
+        if self.ddp:
+            self.tls = "none (ddp)"
+        self.master_port = None
 
     @property
     def children(self):
@@ -551,7 +639,7 @@ class Launcher:
     # -- set-up -------------------------------------------------------------
 
     def check(self):
-        binaries = [("server", self.server_bin)]
+        binaries = [] if self.ddp else [("server", self.server_bin)]
         if self.args.worker == "cpp":
             binaries.append(("worker", self.worker_bin))
         for what, path in binaries:
@@ -560,8 +648,11 @@ class Launcher:
                         "build it with `make build` (needs libtorch-dev)")
                 raise UsageError("%s binary %s not found or not executable; %s"
                                  % (what, path, hint))
-        if self.args.worker == "python":
+        if self.args.worker in PYTHON_WORKERS:
             self.check_python_worker()
+        if self.ddp and self.args.prometheus == "on":
+            raise UsageError("--prometheus=on: --mode=ddp workers serve no "
+                             "metrics")
         if self.args.prometheus == "on" and not shutil.which(
                 self.args.prometheus_bin):
             raise UsageError("--prometheus=on but %s is not on PATH (Debian: "
@@ -586,7 +677,7 @@ class Launcher:
     def make_certs(self):
         """--tls=mutual: a throwaway CA and one certificate per shard and
         rank, made by deploy/tls/make-certs.sh into runs/NAME/tls/."""
-        if self.tls == "off":
+        if self.tls != "mutual":
             return
         script = os.path.join(os.path.dirname(os.path.dirname(
             os.path.abspath(__file__))), "tls", "make-certs.sh")
@@ -605,7 +696,7 @@ class Launcher:
     def worker_env(self):
         """The workers' environment: --worker=python finds the gtopk
         package in BUILD_DIR/python first."""
-        if self.args.worker != "python":
+        if self.args.worker not in PYTHON_WORKERS:
             return None
         env = dict(os.environ)
         # The workers' security is the launcher's --tls flags, never what
@@ -618,6 +709,20 @@ class Launcher:
             [self.python_path] + ([env["PYTHONPATH"]]
                                   if env.get("PYTHONPATH") else []))
         env["PYTHONUNBUFFERED"] = "1"
+        if self.modern:  # the launcher's flags (and ddp_env) decide
+            for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+                      "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GTOPK_LEADER"):
+                env.pop(k, None)
+        return env
+
+    def ddp_env(self, rank):
+        """--mode=ddp: the environment torchrun gives each process."""
+        env = self.worker_env()
+        env.update({"MASTER_ADDR": LOOPBACK,
+                    "MASTER_PORT": str(self.master_port),
+                    "RANK": str(rank), "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": str(self.args.workers),
+                    "LOCAL_WORLD_SIZE": str(self.args.workers)})
         return env
 
     def check_python_worker(self):
@@ -636,7 +741,7 @@ class Launcher:
                  "except ImportError as e:\n"
                  " sys.exit('torch/numpy: %s (Debian: apt-get install "
                  "python3-torch; or --python=an interpreter with torch)' % e)\n"
-                 "import gtopk\n")
+                 + ("" if self.ddp else "import gtopk\n"))
         try:
             r = subprocess.run([python, "-c", probe], env=self.worker_env(),
                                stdin=subprocess.DEVNULL,
@@ -648,9 +753,9 @@ class Launcher:
         if r.returncode != 0:
             lines = r.stdout.strip().splitlines()
             raise UsageError(
-                "--worker=python: %s cannot import torch and the gtopk "
+                "--worker=%s: %s cannot import torch and the gtopk "
                 "package from %s; build it with `make python`:\n%s" % (
-                    python, self.python_path,
+                    a.worker, python, self.python_path,
                     "\n".join("    | " + l for l in lines[-8:])))
 
     def prepare_run_dir(self):
@@ -684,9 +789,16 @@ class Launcher:
             "--selection=%s" % a.selection,
             "--selector=%s" % a.selector,
             "--density=%r" % a.density,
-            "--lr=%r" % a.lr,
-            "--momentum=%r" % a.momentum,
-            "--momentum-mode=%s" % a.momentum_mode,
+        ]
+        if self.modern:
+            # The workers run their own optimizer (AdamW): the servers
+            # aggregate only, and their optimizer flags are not given.
+            argv.append("--apply=workers")
+        else:
+            argv += ["--lr=%r" % a.lr,
+                     "--momentum=%r" % a.momentum,
+                     "--momentum-mode=%s" % a.momentum_mode]
+        argv += [
             "--seed=%d" % a.seed,
             "--steps-per-epoch=%d" % self.steps_per_epoch,
             "--step-timeout=%s" % a.step_timeout,
@@ -699,7 +811,7 @@ class Launcher:
             argv.append("--density-warmup=%s" % a.density_warmup)
         if a.checkpoint_every is not None:
             argv.append("--checkpoint-every=%d" % a.checkpoint_every)
-        if a.weight_decay is not None:
+        if a.weight_decay is not None and not self.modern:
             argv.append("--weight-decay=%r" % a.weight_decay)
         if a.index_codec:
             argv.append("--index-codec=%s" % a.index_codec)
@@ -708,8 +820,46 @@ class Launcher:
         argv += self.tls_flags("shard-%d" % shard)
         return argv
 
+    def modern_worker_argv(self, rank):
+        """--worker=python-modern: examples/pytorch/train_modern.py's flags
+        (the model is the script's own BatchNorm CNN; --model is not
+        used)."""
+        a = self.args
+        argv = [a.python, os.path.abspath(a.python_worker),
+                "--backend=%s" % ("ddp" if self.ddp else "gtopk"),
+                "--rank=%d" % rank,
+                "--batch-size=%d" % a.batch_size,
+                "--epochs=%d" % a.epochs,
+                "--seed=%d" % a.seed,
+                "--threads=%d" % a.threads,
+                "--summary-json=%s" % os.path.join(self.run_dir,
+                                                   "worker-%d.json" % rank)]
+        if not self.ddp:
+            argv += ["--server=%s" % self.addresses[0],
+                     "--metrics-port=%s"
+                     % self.worker_metrics[rank].rsplit(":", 1)[1],
+                     "--metrics-host=%s" % LOOPBACK]
+            argv += self.tls_flags("worker-%d" % rank)
+        if a.lr is not None:
+            argv.append("--lr=%r" % a.lr)
+        if a.weight_decay is not None:
+            argv.append("--weight-decay=%r" % a.weight_decay)
+        if a.warmup_steps is not None:
+            argv.append("--warmup-steps=%d" % a.warmup_steps)
+        if a.clip is not None:
+            argv.append("--clip=%r" % a.clip)
+        for flag in ("steps", "train_limit", "test_limit"):
+            v = getattr(a, flag)
+            if v is not None:
+                argv.append("--%s=%d" % (flag.replace("_", "-"), v))
+        if a.data_dir:
+            argv.append("--data-dir=%s" % os.path.abspath(a.data_dir))
+        return argv
+
     def worker_argv(self, rank):
         a = self.args
+        if self.modern:
+            return self.modern_worker_argv(rank)
         # --worker=python: the example takes gtopk-worker's flags.
         program = [self.worker_bin] if a.worker == "cpp" else [
             a.python, os.path.abspath(a.python_worker)]
@@ -824,14 +974,19 @@ class Launcher:
 
     def pick_worker_metrics_ports(self):
         """Before Prometheus starts: its scrape config names them."""
+        if self.ddp:  # torch DDP workers serve no metrics
+            self.worker_metrics = []
+            return
         self.worker_metrics = ["%s:%d" % (LOOPBACK, p)
                                for p in pick_free_ports(self.args.workers)]
 
     def start_workers(self):
+        if self.ddp:
+            self.master_port = pick_free_ports(1)[0]
         for w in range(self.args.workers):
             c = Child("worker", w, self.worker_argv(w),
                       os.path.join(self.run_dir, "worker-%d.log" % w),
-                      env=self.worker_env())
+                      env=self.ddp_env(w) if self.ddp else self.worker_env())
             self.workers.append(c)
             c.start()
         self.write_pids()
@@ -862,7 +1017,7 @@ class Launcher:
 
     def start_prometheus(self):
         a = self.args
-        if a.prometheus == "off" or (
+        if a.prometheus == "off" or self.ddp or (
                 a.prometheus == "auto" and not shutil.which(a.prometheus_bin)):
             return
         config = os.path.join(self.run_dir, "prometheus.yml")
@@ -960,6 +1115,92 @@ class Launcher:
 
     # -- summary ------------------------------------------------------------
 
+    def summarize_modern(self, reports, server_codes):
+        """--worker=python-modern: every rank's parameters and float
+        buffers (BatchNorm statistics) must be bit-identical; accuracy is
+        evaluated on every rank (and equal when they are)."""
+        a = self.args
+        r0 = next((r for r in reports if r.get("rank") == 0), reports[0])
+
+        def mean(key):
+            vals = [r[key] for r in reports
+                    if isinstance(r.get(key), (int, float))]
+            return statistics.fmean(vals) if vals else None
+
+        def same(key):
+            vals = [r.get(key) for r in reports]
+            return (len(reports) == a.workers and vals[0] is not None
+                    and all(v == vals[0] for v in vals)), vals
+
+        params_match, params = same("params_checksum")
+        buffers_match, buffers = same("buffers_checksum")
+        accuracy_match, accuracies = same("test_accuracy")
+        sent = mean("sent_bytes_per_worker_per_step")
+        dense = mean("dense_bytes_per_worker_per_step")
+        summary = {
+            "name": a.name,
+            "mode": a.mode,
+            "backend": r0.get("backend"),
+            "apply": None if self.ddp else "workers",
+            "selection": None if self.ddp else a.selection,
+            "workers": a.workers,
+            "shards": 0 if self.ddp else a.shards,
+            "model": "bn-cnn (%s)" % MODERN_WORKER_SCRIPT,
+            "worker": a.worker,
+            "tls": self.tls,
+            "n": r0.get("n"),
+            "density": r0.get("density"),
+            "density_warmup": None if self.ddp else a.density_warmup,
+            "selector": None if self.ddp else a.selector,
+            "epochs": r0.get("epochs", a.epochs),
+            "epochs_requested": a.epochs,
+            "steps": r0.get("steps"),
+            "steps_per_epoch": self.steps_per_epoch,
+            "batch_size": a.batch_size,
+            "optimizer": "AdamW",
+            "lr": r0.get("lr"),
+            "weight_decay": r0.get("weight_decay"),
+            "warmup_steps": r0.get("warmup_steps"),
+            "clip": r0.get("clip"),
+            "autocast": r0.get("autocast"),
+            "seed": a.seed,
+            "index_codec": a.index_codec,
+            "value_codec": a.value_codec,
+            "train_limit": a.train_limit,
+            "test_limit": a.test_limit,
+            "test_accuracy": r0.get("test_accuracy"),
+            "test_accuracies": accuracies,
+            "test_accuracies_match": accuracy_match,
+            "final_loss": mean("final_loss"),
+            "wall_seconds": round(time.monotonic() - self.t0, 3),
+            "train_wall_seconds": r0.get("wall_seconds"),
+            "step_seconds_p50": r0.get("step_seconds_p50"),
+            "step_seconds_p50_max_over_ranks": max(
+                (r["step_seconds_p50"] for r in reports
+                 if isinstance(r.get("step_seconds_p50"), (int, float))),
+                default=None),
+            "sent_bytes_per_worker_per_step": sent,
+            "sent_bytes_source": r0.get("sent_bytes_source"),
+            "dense_bytes_per_worker_per_step": dense,
+            "sent_fraction_of_dense": (sent / dense) if sent is not None
+            and dense else None,
+            # Workers-apply: the servers hold no parameters to compare with;
+            # the replicas are compared with each other.
+            "replica_checksums_match": params_match,
+            "buffers_match": buffers_match,
+            "params_checksums": params,
+            "buffers_checksums": buffers,
+            "server_exit_codes": [server_codes.get(i)
+                                  for i in range(len(self.servers))],
+            "run_dir": self.run_dir,
+            "command": [sys.executable, os.path.abspath(sys.argv[0])]
+            + self.argv,
+            "command_line": shlex.join(
+                [os.path.abspath(sys.argv[0])] + self.argv),
+            "per_rank": reports,
+        }
+        return summary
+
     def summarize(self, server_codes):
         a = self.args
         reports = []
@@ -971,6 +1212,9 @@ class Launcher:
             except (OSError, ValueError) as e:
                 raise LaunchError("worker %d exited 0 but its summary %s is "
                                   "unreadable: %s" % (c.index, path, e))
+        if self.modern:
+            summary = self.summarize_modern(reports, server_codes)
+            return self.write_summary(summary)
         r0 = next((r for r in reports if r.get("rank") == 0), reports[0])
 
         def mean(key):
@@ -1038,6 +1282,9 @@ class Launcher:
                 [os.path.abspath(sys.argv[0])] + self.argv),
             "per_rank": reports,
         }
+        return self.write_summary(summary)
+
+    def write_summary(self, summary):
         path = os.path.join(self.run_dir, "summary.json")
         with open(path + ".tmp", "w") as f:
             json.dump(summary, f, indent=2, sort_keys=False)
@@ -1048,9 +1295,11 @@ class Launcher:
     def print_summary(self, s, path):
         acc = s["test_accuracy"]
         lines = ["%s: %s, P=%d workers, S=%d shards, model %s (n=%s), "
-                 "density %g, %s steps" % (
+                 "density %s, %s steps" % (
                      s["name"], s["mode"], s["workers"], s["shards"],
-                     s["model"], s["n"], s["density"], s["steps"])]
+                     s["model"], s["n"], "%g" % s["density"]
+                     if isinstance(s["density"], (int, float))
+                     else s["density"], s["steps"])]
         lines.append("  test accuracy   %s" % (
             "%.4f" % acc if isinstance(acc, (int, float)) else acc))
         if isinstance(s["final_loss"], (int, float)):
@@ -1066,6 +1315,20 @@ class Launcher:
             lines.append("  step time p50   %.1f ms" %
                          (1000 * s["step_seconds_p50"]))
         lines.append("  wall time       %.1f s" % s["wall_seconds"])
+        if s.get("worker") == "python-modern":
+            lines.append("  replicas identical (every rank's parameters): "
+                         "%s" % ("yes" if s["replica_checksums_match"]
+                                 else "NO"))
+            lines.append("  buffers identical (every rank's BatchNorm "
+                         "statistics): %s" % ("yes" if s["buffers_match"]
+                                              else "NO"))
+            if s["replica_checksums_match"]:
+                lines.append("  parameter checksum  %s"
+                             % s["params_checksums"][0])
+            lines.append("  summary         %s" % path)
+            print("\n".join(lines))
+            sys.stdout.flush()
+            return
         lines.append("  replicas identical (workers and servers): %s" % (
             "yes" if s["replica_checksums_match"] else "NO"))
         checksums = set(s.get("param_checksums") or []) | set(
@@ -1086,19 +1349,25 @@ class Launcher:
         a = self.args
         log("run %s: %s, P=%d, S=%d, model %s, tls %s, %d steps/epoch x "
             "%d epoch(s)%s%s"
-            % (a.name, a.mode, a.workers, a.shards, a.model, self.tls,
+            % (a.name, a.mode, a.workers, 0 if self.ddp else a.shards,
+               "bn-cnn" if self.modern else a.model, self.tls,
                self.steps_per_epoch, a.epochs,
                ", at most %d steps" % a.steps if a.steps else "",
-               "; Python workers: %s %s" % (a.python, a.python_worker)
-               if a.worker == "python" else ""))
-        self.start_servers()
+               "; Python workers: %s %s%s" % (
+                   a.python, a.python_worker,
+                   " (torch DDP, gloo)" if self.ddp else
+                   " (servers --apply=workers)" if self.modern else "")
+               if a.worker in PYTHON_WORKERS else ""))
+        if not self.ddp:
+            self.start_servers()
         self.pick_worker_metrics_ports()
         # Prometheus before the workers, so that their first steps are
         # scraped too.
         self.start_prometheus()
         self.start_workers()
-        log("metrics: servers %s, workers %s" % (
-            ",".join(self.server_metrics), ",".join(self.worker_metrics)))
+        if not self.ddp:
+            log("metrics: servers %s, workers %s" % (
+                ",".join(self.server_metrics), ",".join(self.worker_metrics)))
         self.monitor()
         codes = self.stop_servers()
         if self.prometheus is not None:
@@ -1113,6 +1382,14 @@ class Launcher:
                                           describe_exit(c)
                                           if isinstance(c, int) else c)))
             return 1
+        if self.modern:
+            if not (summary["replica_checksums_match"]
+                    and summary["buffers_match"]):
+                log("replicas differ: parameter checksums %s, buffer "
+                    "checksums %s" % (summary["params_checksums"],
+                                      summary["buffers_checksums"]))
+                return 1
+            return 0
         if not summary["replica_checksums_match"]:
             log("replica checksums differ: %s (workers) vs %s (servers)" % (
                 summary["param_checksums"], summary["server_checksums"]))
