@@ -62,6 +62,15 @@ ABSL_FLAG(uint64_t, seed, 0, "seed of the workers' randomised selectors");
 ABSL_FLAG(std::string, index_codec, "delta-varint",
           "raw | delta-varint | delta-bitpack");
 ABSL_FLAG(std::string, value_codec, "fp32", "fp32 | fp16 | bf16");
+ABSL_FLAG(std::string, apply, "servers",
+          "who applies the global top-k: servers (the servers' optimizer "
+          "flags) | workers (gradient aggregation: each worker runs its own "
+          "optimizer; --lr, --momentum, --momentum-mode, --momentum-masking, "
+          "--weight-decay, --lr-warmup-steps are ignored)");
+ABSL_FLAG(int64_t, checksum_every, -1,
+          "every N steps the shards compare the workers' parameter "
+          "checksums and fail the step when they differ; 0: never; "
+          "default (-1): 100 with --apply=workers, 0 with --apply=servers");
 ABSL_FLAG(double, lr, 0.1, "base learning rate, > 0");
 ABSL_FLAG(double, momentum, 0.9, "momentum coefficient in [0, 1)");
 ABSL_FLAG(std::string, momentum_mode, "dgc", "none | dgc | global");
@@ -208,6 +217,15 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   if (!value_codec.ok()) return FlagError("value-codec", value_codec.status());
   c.value_codec = *value_codec;
 
+  auto apply = gtopk::ParseApplyMode(absl::GetFlag(FLAGS_apply));
+  if (!apply.ok()) return FlagError("apply", apply.status());
+  c.apply = *apply;
+  c.checksum_every = absl::GetFlag(FLAGS_checksum_every);
+  if (c.checksum_every < 0 && c.checksum_every != -1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--checksum-every must be >= 0 (0: never), got ", c.checksum_every));
+  }
+
   gtopk::OptimizerOptions& o = c.optimizer;
   o.lr = static_cast<float>(absl::GetFlag(FLAGS_lr));
   o.momentum = static_cast<float>(absl::GetFlag(FLAGS_momentum));
@@ -296,6 +314,23 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "gtopk-server: invalid flags: %s\n",
                  std::string(config.status().message()).c_str());
     return 2;
+  }
+  if (config->apply == gtopk::ApplyMode::kWorkers) {
+    // The workers run their own optimizer: the servers' optimizer flags
+    // have no effect (the cluster spec carries the identity rule).
+    const gtopk::OptimizerOptions defaults;
+    const gtopk::OptimizerOptions& o = config->optimizer;
+    if (o.lr != defaults.lr || o.momentum != defaults.momentum ||
+        o.momentum_mode != defaults.momentum_mode ||
+        o.momentum_factor_masking != defaults.momentum_factor_masking ||
+        o.weight_decay != defaults.weight_decay ||
+        o.lr_warmup_steps != defaults.lr_warmup_steps) {
+      std::fprintf(stderr,
+                   "gtopk-server: --apply=workers: --lr, --momentum, "
+                   "--momentum-mode, --momentum-masking, --weight-decay and "
+                   "--lr-warmup-steps are ignored in workers-apply mode (each "
+                   "worker runs its own optimizer)\n");
+    }
   }
   {
     absl::StatusOr<std::shared_ptr<const gtopk::TransportSecurity>> security =

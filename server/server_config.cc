@@ -49,6 +49,23 @@ int64_t EffectiveStreamsPerConnection(const ServerConfig& c) {
              : EffectiveCallLimits(c).max_concurrent_calls;
 }
 
+uint32_t EffectiveChecksumEvery(const ServerConfig& c) {
+  if (c.checksum_every < 0) return c.apply == ApplyMode::kWorkers ? 100 : 0;
+  return static_cast<uint32_t>(c.checksum_every);
+}
+
+OptimizerOptions EffectiveOptimizer(const ServerConfig& c) {
+  OptimizerOptions o = c.optimizer;
+  if (c.apply != ApplyMode::kWorkers) return o;
+  o.lr = 1.0f;
+  o.momentum = 0.0f;
+  o.momentum_mode = MomentumMode::kNone;
+  o.momentum_factor_masking = false;
+  o.weight_decay = 0.0f;
+  o.lr_warmup_steps = 0;
+  return o;
+}
+
 absl::Status ValidateServerConfig(const ServerConfig& c) {
   if (c.num_shards < 1 || c.num_shards > kMaxShards) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -117,6 +134,17 @@ absl::Status ValidateServerConfig(const ServerConfig& c) {
   if (c.checkpoint_every < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--checkpoint-every must be >= 0, got ", c.checkpoint_every));
+  }
+  if (ApplyModeName(c.apply) == "unknown") {
+    return absl::InvalidArgumentError(
+        "--apply must be servers or workers");
+  }
+  if (c.checksum_every < -1 || c.checksum_every > int64_t{UINT32_MAX}) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--checksum-every must be >= 0 (0: never; omit it for the default, "
+        "100 with --apply=workers, 0 with --apply=servers) and below 2^32, "
+        "got ",
+        c.checksum_every));
   }
   for (const auto& [flag, value] :
        {std::pair<const char*, int64_t>{"--max-concurrent-calls",
@@ -211,7 +239,9 @@ v1::ClusterSpec ClusterSettingsSpec(const ServerConfig& config) {
   spec.set_selector_seed(config.selector_seed);
   spec.set_index_codec(std::string(IndexCodecName(config.index_codec)));
   spec.set_value_codec(std::string(ValueCodecName(config.value_codec)));
-  const OptimizerOptions& o = config.optimizer;
+  // With --apply=workers the servers' optimizer flags are not used: the
+  // spec carries the identity rule (the workers run their own optimizer).
+  const OptimizerOptions o = EffectiveOptimizer(config);
   v1::OptimizerSpec* opt = spec.mutable_optimizer();
   opt->set_lr(o.lr);
   opt->set_momentum(o.momentum);
@@ -226,6 +256,11 @@ v1::ClusterSpec ClusterSettingsSpec(const ServerConfig& config) {
   spec.set_step_timeout_ms(
       static_cast<uint32_t>(absl::ToInt64Milliseconds(config.step_timeout)));
   spec.set_max_message_bytes(config.max_message_bytes);
+  if (config.apply == ApplyMode::kWorkers) {
+    *opt = IdentityOptimizerSpec(*opt);  // the same values; the one rule
+  }
+  spec.set_apply(ToProto(config.apply));
+  spec.set_checksum_every(EffectiveChecksumEvery(config));
   return spec;
 }
 

@@ -59,8 +59,19 @@ struct ServerConfig {
   // with fp32 values.
   IndexCodec index_codec = IndexCodec::kDeltaVarint;
   ValueCodec value_codec = ValueCodec::kFp32;
-  // The optimizer rule shared by workers and servers (validated).
+  // The optimizer rule shared by workers and servers (validated). With
+  // apply == kWorkers it is not used (EffectiveOptimizer: the identity
+  // rule, only its density fields count).
   OptimizerOptions optimizer;
+  // Who applies the global top-k (--apply): the servers (they own the
+  // optimizer and the authoritative parameters) or the workers (gradient
+  // aggregation: the shards only sum and select, and keep no optimizer).
+  ApplyMode apply = ApplyMode::kServers;
+  // The divergence alarm (--checksum-every): every N steps the shards
+  // compare the P workers' parameter checksums. -1: auto (100 with
+  // apply == kWorkers, 0 otherwise, EffectiveChecksumEvery); 0: never;
+  // else in [1, 2^32).
+  int64_t checksum_every = -1;
   // Deadline of every wait: a step's pushes, the threshold exchange, the
   // cluster spec (n), initialisation before a download. In (0, 2^32 ms).
   absl::Duration step_timeout = absl::Seconds(30);
@@ -120,6 +131,17 @@ CallLimits EffectiveCallLimits(const ServerConfig& config);
 // max_concurrent_calls (one connection may carry a whole in-process
 // cluster's calls).
 int64_t EffectiveStreamsPerConnection(const ServerConfig& config);
+
+// checksum_every with -1 (auto) resolved: 100 with --apply=workers, 0 with
+// --apply=servers. Pure.
+uint32_t EffectiveChecksumEvery(const ServerConfig& config);
+
+// The optimizer rule the cluster runs: config.optimizer with
+// --apply=servers; with --apply=workers the identity rule (lr 1, momentum
+// 0, momentum mode none, no masking, weight decay 0, no lr warm-up; the
+// density, density warm-up and steps per epoch of config.optimizer), as
+// IdentityOptimizerSpec (common/cluster_spec.h). Pure.
+OptimizerOptions EffectiveOptimizer(const ServerConfig& config);
 
 // OK, or INVALID_ARGUMENT naming the first bad field (by its gtopk-server
 // flag, server/flags.md) and its value.
