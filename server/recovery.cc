@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/epoch.h"
@@ -51,6 +52,21 @@ absl::Status FromShard(const grpc::Status& status, uint32_t shard,
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
                       absl::StrCat("shard ", shard, " (", address, ") ", rpc,
                                    ": ", status.error_message()));
+}
+
+// How a step that failed on shard `origin` for `reason` fails on the
+// others (AbortStep): ABORTED, retried after Recover; but a divergence
+// alarm (kDivergedMarker) stays FAILED_PRECONDITION, as every shard finds
+// it on its own: the same checksums fail any retry.
+absl::Status StepFailedOnShard(int64_t step, uint32_t origin,
+                               absl::string_view reason) {
+  const std::string what =
+      absl::StrCat("step ", step, " failed on shard ", origin, ": ", reason);
+  if (absl::StrContains(reason, kDivergedMarker)) {
+    return absl::FailedPreconditionError(what);
+  }
+  return absl::AbortedError(
+      absl::StrCat(what, " (the worker retries the step after Recover)"));
 }
 
 // The answer to Recover for `plan` (the epoch is RecoverCluster's).
@@ -117,7 +133,11 @@ absl::StatusOr<int64_t> AggregatorService::LocalRollback(int64_t step) {
   const int64_t previous = aggregator->next_step();
   const absl::Status reason = absl::AbortedError(
       absl::StrCat("the cluster rolled back to step ", step));
-  if (step == previous) {
+  const bool renumber =
+      config_.apply == ApplyMode::kWorkers && step != previous;
+  if (step == previous || renumber) {
+    // Under --apply=workers the shard's parameters are only the initial
+    // broadcast: any step is a renumbering, no checkpoint needed.
     GTOPK_RETURN_IF_ERROR(aggregator->Rollback(step, nullptr, reason));
   } else {
     if (config_.checkpoint_dir.empty()) {
@@ -149,6 +169,15 @@ absl::StatusOr<int64_t> AggregatorService::LocalRollback(int64_t step) {
     } else {
       GTOPK_RETURN_IF_ERROR(DiscardCheckpointsAfter(config_.checkpoint_dir,
                                                     config_.shard_id, step));
+      if (renumber) {
+        // No entry of the new step: write one, so that a restart comes
+        // back at the step the cluster is at (same initial parameters).
+        GTOPK_ASSIGN_OR_RETURN(ShardCheckpoint now, aggregator->Snapshot());
+        GTOPK_RETURN_IF_ERROR(WriteCheckpoint(config_.checkpoint_dir, now));
+        GTOPK_RETURN_IF_ERROR(RetainCheckpoint(config_.checkpoint_dir,
+                                               config_.shard_id, step,
+                                               config_.checkpoint_keep));
+      }
     }
   }
   if (step != previous) {
@@ -202,9 +231,7 @@ void AggregatorService::LeaderAbortStep(int64_t step, uint32_t origin,
                                         const std::string& reason) {
   const uint32_t S = config_.num_shards;
   if (!is_leader() || S == 1) return;
-  const absl::Status aborted = absl::AbortedError(absl::StrCat(
-      "step ", step, " failed on shard ", origin, ": ", reason,
-      " (the worker retries the step after Recover)"));
+  const absl::Status aborted = StepFailedOnShard(step, origin, reason);
   // A committed step cannot have failed anywhere: a stale message.
   const uint64_t epoch = ++epoch_;
   if (!commit_coordinator_->Abort(step, aborted, epoch)) return;
@@ -320,10 +347,7 @@ grpc::Status AggregatorService::AbortStep(grpc::ServerContext* context,
   if (aggregator != nullptr) {
     aggregator->AbortStep(
         request->step(),
-        absl::AbortedError(absl::StrCat(
-            "step ", request->step(), " failed on shard ",
-            request->shard_id(), ": ", reason,
-            " (the worker retries the step after Recover)")),
+        StepFailedOnShard(request->step(), request->shard_id(), reason),
         request->epoch());
   }
   return grpc::Status::OK;
@@ -386,14 +410,32 @@ grpc::Status AggregatorService::RollbackShard(
 }
 
 absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverCluster(
-    absl::Time deadline) {
+    absl::Time deadline, std::optional<int64_t> resume_step) {
   if (!is_leader()) {
     return absl::FailedPreconditionError(
         absl::StrCat("shard ", config_.shard_id,
                      " is not the leader; Recover goes to ", config_.peers[0]));
   }
+  // The kind of recovery: -1 a plain one, else the step resumed at.
+  // Callers of the same kind share one run; another kind waits for the
+  // running one to finish, then runs its own.
+  const int64_t kind = resume_step.has_value() ? *resume_step : -1;
   {
     absl::MutexLock lock(&recover_mu_);
+    auto other_kind_running = [this, kind]()
+                                  ABSL_EXCLUSIVE_LOCKS_REQUIRED(recover_mu_) {
+                                    return recovering_ &&
+                                           recover_kind_ != kind;
+                                  };
+    auto idle_or_same = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(recover_mu_) {
+      return !other_kind_running();
+    };
+    if (other_kind_running() &&
+        !recover_mu_.AwaitWithDeadline(absl::Condition(&idle_or_same),
+                                       deadline + kLeaderDeadlineSlack)) {
+      return absl::DeadlineExceededError(
+          "Recover: another recovery is still running on the leader");
+    }
     if (recovering_) {
       // Workers failing together call Recover together: join the running
       // recovery and answer its outcome (e.g. the unreachable shard it
@@ -411,8 +453,11 @@ absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverCluster(
       return last_recover_;
     }
     recovering_ = true;
+    recover_kind_ = kind;
   }
-  absl::StatusOr<v1::RecoverResponse> result = RecoverClusterOnce(deadline);
+  absl::StatusOr<v1::RecoverResponse> result =
+      resume_step.has_value() ? ResumeClusterOnce(*resume_step, deadline)
+                              : RecoverClusterOnce(deadline);
   // The workers push their retry with the epoch of every failure heard of
   // so far (the AbortStep messages were flushed first).
   if (result.ok()) result->set_epoch(epoch_.load());
@@ -573,6 +618,82 @@ absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverClusterOnce(
   return ResponseFor(plan);
 }
 
+absl::StatusOr<v1::RecoverResponse> AggregatorService::ResumeClusterOnce(
+    int64_t step, absl::Time deadline) {
+  notifier_.Flush(std::min(deadline, absl::Now() + kAbortStepTimeout));
+  v1::RecoverResponse response;
+  response.set_next_step(step);
+  auto read = [&](bool settle) -> absl::StatusOr<std::vector<int64_t>> {
+    std::vector<int64_t> steps;
+    std::vector<std::string> errors;
+    absl::StatusCode code = absl::StatusCode::kOk;
+    const std::vector<absl::StatusOr<v1::ShardState>> states =
+        ReadShardStates(deadline, settle);
+    for (uint32_t s = 0; s < states.size(); ++s) {
+      absl::Status problem = states[s].status();
+      if (problem.ok() && !states[s]->initialized()) {
+        problem = absl::FailedPreconditionError(absl::StrCat(
+            "shard ", s, " has no parameters (rank 0 initialises them)"));
+      }
+      if (!problem.ok()) {
+        if (code == absl::StatusCode::kOk) code = problem.code();
+        errors.push_back(std::string(problem.message()));
+        continue;
+      }
+      steps.push_back(states[s]->next_step());
+    }
+    if (!errors.empty()) {
+      return absl::Status(code,
+                          absl::StrCat("Recover: cannot resume at step ", step,
+                                       ": ", absl::StrJoin(errors, "; ")));
+    }
+    return steps;
+  };
+  // Every shard already there (a second rank's resume, a retry): nothing
+  // to do, and no fence to abort the rounds of the ranks that resumed.
+  {
+    absl::StatusOr<std::vector<int64_t>> steps = read(/*settle=*/false);
+    if (steps.ok() && std::all_of(steps->begin(), steps->end(),
+                                  [step](int64_t s) { return s == step; })) {
+      for (int64_t s : *steps) response.add_previous_steps(s);
+      response.set_rolled_back(false);
+      return response;
+    }
+  }
+  const absl::Status fence = absl::AbortedError(absl::StrCat(
+      "the leader is resuming the cluster at step ", step));
+  commit_coordinator_->Fence(fence);
+  coordinator_->Fence(fence);
+  struct Unfence {
+    AggregatorService* self;
+    ~Unfence() {
+      self->coordinator_->Unfence();
+      self->commit_coordinator_->Unfence();
+    }
+  } unfence{this};
+  GTOPK_ASSIGN_OR_RETURN(const std::vector<int64_t> steps,
+                         read(/*settle=*/true));
+  bool moved = false;
+  int64_t lowest = step;
+  for (int64_t s : steps) {
+    response.add_previous_steps(s);
+    moved = moved || s != step;
+    lowest = std::min(lowest, s);
+  }
+  response.set_rolled_back(moved);
+  if (!moved) return response;
+  std::fprintf(stderr,
+               "gtopk-server leader: the workers resume at step %lld; "
+               "renumbering every shard's next step\n",
+               static_cast<long long>(step));
+  // Every step from the lowest involved on is voted on and exchanged
+  // afresh.
+  commit_coordinator_->ForgetFrom(lowest);
+  coordinator_->ForgetFrom(lowest);
+  GTOPK_RETURN_IF_ERROR(RollBackShardsTo(step, deadline));
+  return response;
+}
+
 grpc::Status AggregatorService::Recover(grpc::ServerContext* context,
                                         const v1::RecoverRequest* request,
                                         v1::RecoverResponse* response) {
@@ -612,10 +733,26 @@ grpc::Status AggregatorService::Recover(grpc::ServerContext* context,
           member.code(), absl::StrCat("Recover: ", member.message())));
     }
   }
+  std::optional<int64_t> resume_step;
+  if (request->resume()) {
+    if (config_.apply != ApplyMode::kWorkers) {
+      return ToGrpcStatus(absl::FailedPreconditionError(
+          "Recover: resume is for --apply=workers; in servers mode the "
+          "servers' checkpoints decide the step (restart them from the "
+          "checkpoint of step N)"));
+    }
+    if (request->resume_step() < 0) {
+      return ToGrpcStatus(absl::InvalidArgumentError(
+          absl::StrCat("Recover: resume_step must be >= 0, got ",
+                       request->resume_step())));
+    }
+    resume_step = request->resume_step();
+  }
   const absl::Time deadline =
       std::min(absl::Now() + config_.step_timeout,
                ContextDeadline(context) - kLeaderDeadlineSlack);
-  absl::StatusOr<v1::RecoverResponse> answer = RecoverCluster(deadline);
+  absl::StatusOr<v1::RecoverResponse> answer =
+      RecoverCluster(deadline, resume_step);
   if (!answer.ok()) return ToGrpcStatus(answer.status());
   *response = *std::move(answer);
   return grpc::Status::OK;

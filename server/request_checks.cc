@@ -33,6 +33,8 @@ absl::StatusOr<WorkerPush> DecodeWirePush(const v1::Push& push,
   out.step = push.step();
   out.worker = push.worker();
   out.epoch = push.epoch();
+  out.params_checksum = push.params_checksum();
+  out.buffers = push.buffers();  // who may send them: ValidatePush
   if (config.mode == AggregationMode::kDense) {
     if (!push.sparse().empty()) {
       *reason = RejectReason::kWrongMode;

@@ -44,6 +44,10 @@ namespace {
 // Concurrent DownloadParams snapshots per server (each one shard range).
 constexpr int kMaxConcurrentDownloads = 4;
 
+// The most bytes of rank 0's state blob (ParamsChunk.state) InitParams
+// takes, in all.
+constexpr size_t kMaxInitStateBytes = size_t{1} << 30;
+
 // gRPC metadata of a PushPull call naming its rank and member token
 // (decimal), so that the leader counts the rank alive from the call's start.
 constexpr char kRankMetadata[] = "gtopk-rank";
@@ -396,7 +400,9 @@ absl::Status AggregatorService::CreateAggregatorLocked(uint64_t n) {
   options.mode = config_.mode;
   options.selection = config_.selection;
   options.pull_index_codec = config_.index_codec;
-  options.optimizer = config_.optimizer;
+  options.optimizer = EffectiveOptimizer(config_);
+  options.apply = config_.apply;
+  options.checksum_every = EffectiveChecksumEvery(config_);
   options.step_timeout = config_.step_timeout;
   {
     // The bound on a push's pairs follows the workers' selector (e.g.
@@ -568,6 +574,8 @@ grpc::Status AggregatorService::InitParams(
   const uint32_t shard = config_.shard_id;
   ShardAggregator* aggregator = nullptr;
   std::vector<float> values;
+  // ParamsChunk.state pieces, concatenated (shard 0, --apply=workers).
+  std::string state;
   uint64_t begin = 0, end = 0, next = 0;
   bool identity_checked = false;  // rank 0's token and the fingerprint
   v1::ParamsChunk chunk;
@@ -615,9 +623,24 @@ grpc::Status AggregatorService::InitParams(
         !range.ok()) {
       return ToGrpcStatus(range);
     }
+    if (!chunk.state().empty()) {
+      if (config_.apply != ApplyMode::kWorkers || shard != 0) {
+        return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+            "InitParams: a state blob goes only to shard 0 with "
+            "--apply=workers; this is shard ",
+            shard, " with --apply=", ApplyModeName(config_.apply))));
+      }
+      if (chunk.state().size() > kMaxInitStateBytes - state.size()) {
+        return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+            "InitParams: the state blob is over ", kMaxInitStateBytes,
+            " bytes (1 GiB) after ", state.size(), " + ",
+            chunk.state().size(), " bytes")));
+      }
+    }
     try {
       values.insert(values.end(), chunk.values().begin(),
                     chunk.values().end());
+      state.append(chunk.state());
     } catch (const std::bad_alloc&) {
       return ToGrpcStatus(OutOfMemoryForRange(shard, begin, end));
     }
@@ -640,7 +663,8 @@ grpc::Status AggregatorService::InitParams(
         "parameter chunks cover [", begin, ", ", next, ") but shard ", shard,
         " owns [", begin, ", ", end, "): ", end - next, " values missing")));
   }
-  absl::StatusOr<bool> taken = aggregator->InitParams(values);
+  absl::StatusOr<bool> taken =
+      aggregator->InitParams(values, std::move(state));
   if (!taken.ok()) return ToGrpcStatus(taken.status());
   if (*taken && config_.checkpoint_every > 0) {
     // The initial state (next step 0) is a checkpoint like any step's: a
@@ -732,6 +756,9 @@ grpc::Status AggregatorService::DownloadParams(
   if (!params.ok()) return ToGrpcStatus(params.status());
   const std::vector<float>& values = params->params;
   const std::vector<float>& velocity = params->global_velocity;
+  // Shard 0 under --apply=workers: rank 0's state blob, in pieces after
+  // the values (chunks without values at the end of the range).
+  const std::string& state = *params->state;
   const bool with_velocity = !velocity.empty();
   // 4 bytes per value, 8 with the global velocity alongside.
   const size_t per_chunk = static_cast<size_t>(std::max<uint64_t>(
@@ -742,7 +769,8 @@ grpc::Status AggregatorService::DownloadParams(
   // slot is released (by `release`, once, when this handler returns).
   const DownloadLimits limits = DownloadParamsLimits(
       config_, chunk_bytes,
-      values.size() * (with_velocity ? uint64_t{8} : uint64_t{4}));
+      values.size() * (with_velocity ? uint64_t{8} : uint64_t{4}) +
+          state.size());
   const std::string peer = context->peer();  // "unknown" once cancelled
   WriteWatchdog watchdog(context, limits.stall, absl::Now() + limits.total);
   auto cancelled_by_limit = [&](const std::string& reason, size_t at) {
@@ -784,6 +812,31 @@ grpc::Status AggregatorService::DownloadParams(
         static_cast<double>(chunk.ByteSizeLong()));
     offset += count;
   } while (offset < values.size());
+  // The state blob, in pieces of at most chunk_bytes less the overhead
+  // (so at most 1 MiB with the default --download-chunk-bytes), each in a
+  // chunk without values at the end of the range; the client concatenates
+  // the pieces of all chunks in order.
+  const size_t per_piece = static_cast<size_t>(
+      std::max<uint64_t>(1, chunk_bytes - kChunkOverheadBytes));
+  for (size_t at = 0; at < state.size(); at += per_piece) {
+    v1::ParamsChunk chunk;
+    chunk.set_worker(request->worker());
+    chunk.set_shard_id(config_.shard_id);
+    chunk.set_offset(begin + values.size());
+    chunk.set_step(params->next_step);
+    chunk.set_state(state.substr(at, per_piece));
+    watchdog.WriteStarted();
+    const bool written = writer->Write(chunk);
+    watchdog.WriteEnded();
+    if (!written) {
+      const std::string reason = watchdog.Stop();
+      if (!reason.empty()) return cancelled_by_limit(reason, offset);
+      return grpc::Status(grpc::StatusCode::CANCELLED,
+                          "the worker went away during DownloadParams");
+    }
+    metrics_->sent_download_bytes().Increment(
+        static_cast<double>(chunk.ByteSizeLong()));
+  }
   // The watchdog may have cancelled the call as the last Write completed:
   // then the client sees CANCELLED, and so must the handler's status.
   if (const std::string reason = watchdog.Stop(); !reason.empty()) {
@@ -986,6 +1039,7 @@ grpc::Status AggregatorService::PushPull(
     pull.set_select_us(
         static_cast<uint64_t>(absl::ToInt64Microseconds(r.select_time)));
     pull.set_shard_id(config_.shard_id);
+    pull.set_buffers(r.buffers);  // shard 0, --apply=workers; else empty
     if (config_.mode == AggregationMode::kDense) {
       pull.mutable_dense()->Add(r.dense_sum.begin(), r.dense_sum.end());
       pull.set_selected(r.dense_sum.size());

@@ -305,9 +305,16 @@ class AggregatorService final : public v1::Aggregator::Service {
 
   // The leader's recovery (what Recover does), callable in-process. Errors
   // as for the Recover RPC. Leader only (FAILED_PRECONDITION otherwise).
-  // Serialised: a call made while a recovery is running waits for it (up to
-  // `deadline` plus kLeaderDeadlineSlack) and returns its outcome.
-  absl::StatusOr<v1::RecoverResponse> RecoverCluster(absl::Time deadline);
+  // Serialised: a call made while a recovery of the same kind is running
+  // waits for it (up to `deadline` plus kLeaderDeadlineSlack) and returns
+  // its outcome; one of another kind waits for it, then runs.
+  // `resume_step` (--apply=workers, RecoverRequest.resume): instead of
+  // choosing a target from the shards' checkpoints, make every shard's next
+  // step *resume_step (ResumeClusterOnce). The Recover RPC refuses it under
+  // --apply=servers (FAILED_PRECONDITION) and for a negative step
+  // (INVALID_ARGUMENT); this function takes it as given.
+  absl::StatusOr<v1::RecoverResponse> RecoverCluster(
+      absl::Time deadline, std::optional<int64_t> resume_step = std::nullopt);
   // This shard's side of GetShardState / RollbackShard.
   // `settle`: wait (up to `deadline`) until no round is being computed;
   // otherwise answer at once (GetShardState's without_settling).
@@ -325,6 +332,14 @@ class AggregatorService final : public v1::Aggregator::Service {
   // flush AbortStep, AgreedWithoutFence, else fence, ChooseRecoveryTarget
   // (server/recovery_target.h) and RollBackShardsTo.
   absl::StatusOr<v1::RecoverResponse> RecoverClusterOnce(absl::Time deadline);
+  // A resume (--apply=workers): flush AbortStep; when every shard is
+  // already at `step`, answer at once (rolled_back false); else fence,
+  // forget the commit and threshold state from the lowest step involved,
+  // renumber every shard (RollBackShardsTo: ShardAggregator::Rollback
+  // accepts any step under kWorkers) and answer `step`, rolled_back true.
+  // A shard without parameters or unreachable fails it, naming the shard.
+  absl::StatusOr<v1::RecoverResponse> ResumeClusterOnce(int64_t step,
+                                                        absl::Time deadline);
   // Reads every shard's state without a fence and without waiting for
   // rounds being computed (up to a quarter step timeout, at least 200 ms,
   // within `deadline`); the answer to Recover when every shard has
@@ -457,6 +472,8 @@ class AggregatorService final : public v1::Aggregator::Service {
   // One Recover at a time (callers wait up to their deadline).
   absl::Mutex recover_mu_;
   bool recovering_ ABSL_GUARDED_BY(recover_mu_) = false;
+  // The running recovery's kind: -1 plain, else the step resumed at.
+  int64_t recover_kind_ ABSL_GUARDED_BY(recover_mu_) = -1;
   // Incremented when a recovery finishes; last_recover_ is its outcome,
   // answered to the callers that joined it.
   uint64_t recover_generation_ ABSL_GUARDED_BY(recover_mu_) = 0;

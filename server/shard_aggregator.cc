@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/merge.h"
 #include "common/status_macros.h"
@@ -69,13 +70,21 @@ ShardAggregator::ShardAggregator(const ShardOptions& options,
       end_(ShardRange(options.n, options.num_shards, options.shard_id).second) {}
 
 absl::StatusOr<bool> ShardAggregator::InitParams(
-    absl::Span<const float> values) {
+    absl::Span<const float> values, std::string state) {
   if (values.size() != end_ - begin_) {
     return absl::InvalidArgumentError(absl::StrCat(
         "shard ", options_.shard_id, " owns ", end_ - begin_,
         " parameters [", begin_, ", ", end_, "), got ", values.size()));
   }
   GTOPK_RETURN_IF_ERROR(ValidateFinite(values, "initial parameters"));
+  std::shared_ptr<const std::string> blob;
+  try {
+    blob = std::make_shared<const std::string>(std::move(state));
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "shard ", options_.shard_id, " cannot hold the state blob: out of "
+        "memory"));
+  }
   absl::MutexLock lock(&mu_);
   if (initialized_) return false;
   try {
@@ -96,6 +105,7 @@ absl::StatusOr<bool> ShardAggregator::InitParams(
             : "",
         "): out of memory"));
   }
+  state_ = std::move(blob);
   initialized_ = true;
   cv_.SignalAll();
   return true;
@@ -125,6 +135,7 @@ absl::StatusOr<ShardAggregator::State> ShardAggregator::GetState(
         " bytes) for a download or checkpoint: out of memory; retry later"));
   }
   state.next_step = next_step_;
+  state.state = state_;
   return state;
 }
 
@@ -174,6 +185,21 @@ absl::Status ShardAggregator::ValidatePush(const WorkerPush& push) const {
   }
   const std::string who =
       absl::StrCat("worker ", push.worker, " step ", push.step, ": ");
+  if (!push.buffers.empty()) {
+    if (options_.apply != ApplyMode::kWorkers) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          who, "buffers (", push.buffers.size(),
+          " bytes) are relayed only with --apply=workers; this cluster "
+          "runs --apply=servers"));
+    }
+    if (push.worker != 0 || options_.shard_id != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          who, "buffers (", push.buffers.size(),
+          " bytes) come only from worker 0 and go only to shard 0; this "
+          "push is from worker ", push.worker, " to shard ",
+          options_.shard_id));
+    }
+  }
   if (options_.mode == AggregationMode::kDense) {
     if (!push.sparse.empty()) {
       return absl::InvalidArgumentError(
@@ -355,13 +381,23 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
     }
     std::vector<WorkerPush> pushes = std::move(round->pushes);
     mu_.Unlock();
+    // The divergence alarm first: nothing is exchanged, voted or applied
+    // for a step whose replicas differ. Every shard sees the same
+    // checksums (a worker sends one value to all), so every shard fails
+    // the step with the same verdict.
+    const absl::Status diverged = CheckChecksums(pushes, round->step);
     absl::StatusOr<std::shared_ptr<const RoundResult>> result =
-        Compute(pushes, round->step, round->opened, deadline, round->epoch);
+        diverged.ok() ? Compute(pushes, round->step, round->opened, deadline,
+                                round->epoch)
+                      : absl::StatusOr<std::shared_ptr<const RoundResult>>(
+                            diverged);
     // A failure of this shard's own computation is news to the others; an
     // ABORTED one came from the leader (the exchange was fenced or failed
     // by another shard).
     bool failed_here = !result.ok() && !absl::IsAborted(result.status());
-    if (result.ok()) {
+    if (result.ok() && options_.apply == ApplyMode::kServers) {
+      // (Under kWorkers the shard applies nothing; Compute refused a sum
+      // that is not finite.)
       // Before the vote: a shard whose update would not stay finite does not
       // vote, so no shard applies the step (the apply below then stores
       // exactly the values checked here), and it tells the others.
@@ -390,7 +426,7 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
       return round->status;
     }
     absl::Status status = result.status();
-    if (status.ok()) {
+    if (status.ok() && options_.apply == ApplyMode::kServers) {
       // CheckUpdateFinite passed on this state before the vote; only a
       // rollback changes params_ meanwhile, and that returned above.
       const RoundResult& r = **result;
@@ -476,8 +512,59 @@ absl::Status ShardAggregator::CheckUpdateFinite(const RoundResult& r) const {
 absl::Status ShardAggregator::StepNotFinite(absl::string_view what) const {
   return absl::FailedPreconditionError(absl::StrCat(
       "the update is not finite: ", what,
-      "; the step is refused on every shard, nothing was applied (lower "
-      "--lr, or clip the gradients)"));
+      "; the step is refused on every shard, nothing was applied (",
+      options_.apply == ApplyMode::kWorkers ? "clip the gradients"
+                                            : "lower --lr, or clip the "
+                                              "gradients",
+      ")"));
+}
+
+absl::Status ShardAggregator::CheckChecksums(
+    const std::vector<WorkerPush>& pushes, int64_t step) const {
+  if (options_.checksum_every == 0 || step < 0 ||
+      step % options_.checksum_every != 0 || pushes.empty()) {
+    return absl::OkStatus();
+  }
+  bool same = pushes[0].params_checksum != 0;
+  for (const WorkerPush& p : pushes) {
+    same = same && p.params_checksum == pushes[0].params_checksum;
+  }
+  if (same) return absl::OkStatus();
+  // Group the ranks by checksum, in the order of each group's first rank;
+  // the ranks that sent none last.
+  std::vector<std::pair<uint64_t, std::vector<uint32_t>>> groups;
+  std::vector<uint32_t> none;
+  for (uint32_t w = 0; w < pushes.size(); ++w) {
+    const uint64_t c = pushes[w].params_checksum;
+    if (c == 0) {
+      none.push_back(w);
+      continue;
+    }
+    auto it = std::find_if(groups.begin(), groups.end(),
+                           [c](const auto& g) { return g.first == c; });
+    if (it == groups.end()) {
+      groups.push_back({c, {w}});
+    } else {
+      it->second.push_back(w);
+    }
+  }
+  std::vector<std::string> parts;
+  for (const auto& [checksum, ranks] : groups) {
+    parts.push_back(absl::StrCat(
+        parts.empty() ? "checksum " : "", absl::StrFormat("0x%016x", checksum),
+        " on rank", ranks.size() > 1 ? "s " : " ", absl::StrJoin(ranks, ", ")));
+  }
+  if (!none.empty()) {
+    parts.push_back(absl::StrCat("none from rank", none.size() > 1 ? "s " : " ",
+                                 absl::StrJoin(none, ", ")));
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      kDivergedMarker, " at step ", step, ": ",
+      absl::StrJoin(parts, "; "),
+      ". A replica was changed outside step() (e.g. model.load_state_dict "
+      "after constructing the optimizer) or lost an update; restart every "
+      "rank from the checkpoints of one step (checksums are compared every ",
+      options_.checksum_every, " steps, --checksum-every)"));
 }
 
 absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Compute(
@@ -485,6 +572,11 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Compute(
     absl::Time deadline, uint64_t epoch) {
   auto result = std::make_shared<RoundResult>();
   result->step = step;
+  if (options_.apply == ApplyMode::kWorkers && options_.shard_id == 0) {
+    // Rank 0's buffers go back in every pull of the step (ValidatePush
+    // refused them from any other rank or to any other shard).
+    result->buffers = std::move(pushes[0].buffers);
+  }
   const absl::Time merge_start = absl::Now();
   result->opened = opened;
   result->wait_time = merge_start - opened;
@@ -609,12 +701,19 @@ absl::Status ShardAggregator::Rollback(int64_t step,
                        global ? " (or it lacks the global velocity)" : ""));
     }
   }
+  const bool renumber =
+      checkpoint == nullptr && options_.apply == ApplyMode::kWorkers;
+  if (step < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shard ", options_.shard_id, ": cannot roll back to negative step ",
+        step));
+  }
   absl::MutexLock lock(&mu_);
   if (!initialized_) {
     return absl::FailedPreconditionError(absl::StrCat(
         "shard ", options_.shard_id, " has no parameters to roll back"));
   }
-  if (checkpoint == nullptr && step != next_step_) {
+  if (checkpoint == nullptr && step != next_step_ && !renumber) {
     return absl::FailedPreconditionError(
         absl::StrCat("shard ", options_.shard_id, " is at step ", next_step_,
                      " and has no checkpoint of step ", step));
@@ -633,6 +732,9 @@ absl::Status ShardAggregator::Rollback(int64_t step,
                            ? checkpoint->global_velocity
                            : std::vector<float>();
     next_step_ = checkpoint->next_step;
+  } else if (renumber) {
+    // Workers apply: the shard's only state of its own is the step.
+    next_step_ = step;
   }
   cv_.SignalAll();
   return absl::OkStatus();

@@ -17,7 +17,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/codec.h"
-#include "common/cluster_modes.h"  // AggregationMode, SelectionKind
+#include "common/cluster_modes.h"  // AggregationMode, SelectionKind, ApplyMode
 #include "common/optimizer.h"
 #include "common/sparse_vector.h"
 #include "server/checkpoint.h"
@@ -27,6 +27,12 @@
 
 namespace gtopk {
 namespace server {
+
+// In the message of every divergence-alarm failure (differing parameter
+// checksums, ShardAggregator::Submit). The leader's fail-fast forward of
+// such a failure keeps FAILED_PRECONDITION (server/recovery.cc): a retry
+// cannot succeed, so no worker is told ABORTED ("retry after Recover").
+inline constexpr char kDivergedMarker[] = "the replicas' parameters differ";
 
 // Contiguous, near-equal split of [0, n) into S ranges: shard s owns
 // [s*n/S, (s+1)*n/S). Precondition: S >= 1.
@@ -44,6 +50,16 @@ struct ShardOptions {
   // servers apply identical bits).
   IndexCodec pull_index_codec = IndexCodec::kDeltaVarint;
   OptimizerOptions optimizer;
+  // Who applies the global top-k. kWorkers (gradient aggregation): a
+  // completed round leaves the parameters as they are (they are only the
+  // initial broadcast), the pull is the same sum as under kServers, shard 0
+  // relays rank 0's buffers (WorkerPush::buffers), and Rollback accepts any
+  // step without a checkpoint.
+  ApplyMode apply = ApplyMode::kServers;
+  // The divergence alarm (ClusterSpec.checksum_every): on a step with
+  // step % checksum_every == 0 the P pushes' params_checksum must be
+  // non-zero and equal, or the step fails for every worker. 0: never.
+  uint32_t checksum_every = 0;
   // Longest a round waits for the pushes and the threshold exchange.
   absl::Duration step_timeout = absl::Seconds(30);
   // The most pairs the workers' selector returns for a target k
@@ -65,6 +81,12 @@ struct WorkerPush {
   std::vector<float> dense;
   // The attempt epoch the worker last heard (common/epoch.h).
   uint64_t epoch = kNewestEpoch;
+  // Push.params_checksum: compared on the steps of the divergence alarm
+  // (ShardOptions::checksum_every), ignored on the others.
+  uint64_t params_checksum = 0;
+  // Push.buffers: kWorkers only, rank 0's push to shard 0 only (any other
+  // non-empty buffers are a bad push, INVALID_ARGUMENT).
+  std::string buffers;
 };
 
 // The outcome of one round, shared by every worker's call.
@@ -77,6 +99,9 @@ struct RoundResult {
   std::vector<float> dense_sum;
   // `selected` encoded once for all workers (pull_index_codec + fp32).
   std::string encoded;
+  // Shard 0 under kWorkers: rank 0's buffers of the round (Pull.buffers);
+  // otherwise empty.
+  std::string buffers;
   // Wall time of the sum of the pushes and of the selection (gtopk threshold:
   // including the threshold exchange).
   absl::Duration merge_time;
@@ -89,7 +114,9 @@ struct RoundResult {
 
 // A shard: owns the parameters of [begin, end), runs one synchronous round
 // per step (collect all P pushes -> sparse sum -> selection -> apply the
-// shared optimizer rule -> the same result to every worker).
+// shared optimizer rule -> the same result to every worker). Under
+// ApplyMode::kWorkers nothing is applied: the parameters stay the initial
+// broadcast and only the step advances.
 //
 // Thread-safety: every public method is thread-safe. Submit blocks (up to the
 // given deadline) until the round completes or fails; the call that
@@ -124,8 +151,13 @@ class ShardAggregator {
   // Sets the initial parameters of the range (end - begin finite values),
   // once: returns true when they were taken, false when the shard already
   // had parameters (they are kept). INVALID_ARGUMENT for a wrong size or a
-  // non-finite value.
-  absl::StatusOr<bool> InitParams(absl::Span<const float> values);
+  // non-finite value. `state`: rank 0's opaque state blob
+  // (ParamsChunk.state; shard 0 under kWorkers only, the service checks
+  // that), kept with the parameters under the same first-wins rule. It is
+  // not part of checkpoints (ShardCheckpoint holds parameters and step
+  // only): a shard restored from a checkpoint serves an empty blob.
+  absl::StatusOr<bool> InitParams(absl::Span<const float> values,
+                                  std::string state = std::string());
 
   // Waits until the shard has parameters (or the deadline:
   // DEADLINE_EXCEEDED), then returns a copy and the next step.
@@ -138,6 +170,8 @@ class ShardAggregator {
     std::vector<float> params;
     std::vector<float> global_velocity;
     int64_t next_step = 0;
+    // The state blob InitParams took (never null; shared, not copied).
+    std::shared_ptr<const std::string> state;
   };
   absl::StatusOr<State> GetState(absl::Time deadline) const;
 
@@ -167,7 +201,12 @@ class ShardAggregator {
   // become +-Inf -- checked before the commit vote, so that the step is
   // applied on no shard; the message names the index and the values),
   // ABORTED (another worker's push failed the round), DEADLINE_EXCEEDED
-  // (missing workers named), or the threshold exchange's error.
+  // (missing workers named), or the threshold exchange's error. On a step
+  // of the divergence alarm (ShardOptions::checksum_every) whose P
+  // params_checksum are not all non-zero and equal: FAILED_PRECONDITION for
+  // every worker of the round naming the checksums and their ranks, decided
+  // once all P pushes are in and before the threshold exchange and the
+  // commit vote (every shard sees the same checksums and fails the step).
   absl::StatusOr<std::shared_ptr<const RoundResult>> Submit(
       WorkerPush push, absl::Time deadline);
 
@@ -239,6 +278,9 @@ class ShardAggregator {
   // `reason`, the retry cache is dropped, and the state becomes
   // `checkpoint` (which must hold `step`, of this layout), or stays as it
   // is when `checkpoint` is null and `step` is the current next step.
+  // Under kWorkers with `checkpoint` null any step >= 0 is accepted: the
+  // shard holds no state of its own but the step, which becomes `step`
+  // (the workers resume from their own checkpoints).
   // Errors (nothing changed): FAILED_PRECONDITION when `checkpoint` is null
   // and step != next_step(), before initialisation, or for a checkpoint of
   // another layout or step. Thread-safe, does not block on rounds.
@@ -273,6 +315,11 @@ class ShardAggregator {
                   ThresholdExchange* exchange, CommitVoter* commit);
 
   absl::Status ValidatePush(const WorkerPush& push) const;
+  // The divergence alarm: OK unless `step` is a checksum step and the
+  // pushes' params_checksum are not all non-zero and equal; then
+  // FAILED_PRECONDITION naming the checksums by rank. Pure.
+  absl::Status CheckChecksums(const std::vector<WorkerPush>& pushes,
+                              int64_t step) const;
   // Sums and selects the round (called without mu_ held, by the caller that
   // completed it; Submit applies the result). Consumes the pushes' sparse
   // vectors. Returns the result or the failure.
@@ -309,6 +356,9 @@ class ShardAggregator {
   int64_t next_step_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<float> params_ ABSL_GUARDED_BY(mu_);
   std::vector<float> global_velocity_ ABSL_GUARDED_BY(mu_);
+  // InitParams' state blob (never null).
+  std::shared_ptr<const std::string> state_ ABSL_GUARDED_BY(mu_) =
+      std::make_shared<const std::string>();
   std::shared_ptr<Round> pending_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<Round> last_ ABSL_GUARDED_BY(mu_);  // last finished OK
   std::function<void(int64_t)> on_step_applied_ ABSL_GUARDED_BY(mu_);

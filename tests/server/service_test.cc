@@ -158,6 +158,7 @@ absl::StatusOr<bool> InitParams(v1::Aggregator::Stub* stub, uint32_t worker,
 
 struct Downloaded {
   std::vector<float> values;
+  std::string state;  // the chunks' ParamsChunk.state, concatenated
   int64_t step = -1;
   int chunks = 0;
   uint64_t offset = 0;
@@ -179,6 +180,7 @@ absl::StatusOr<Downloaded> Download(
       return absl::InternalError("chunks not contiguous");
     }
     d.values.insert(d.values.end(), c.values().begin(), c.values().end());
+    d.state += c.state();
     d.step = c.step();
     ++d.chunks;
   }
@@ -972,6 +974,303 @@ TEST(ServiceTest, CheckpointRestartServesSameParameters) {
   EXPECT_THAT(
       Join(restarted.stub(0), 0, n + 1),
       StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("n = 12")));
+}
+
+// ---------------------------------------------------------------------------
+// Workers apply (issue 41): the flags, the pulls, the divergence alarm, the
+// buffers, the state blob and the resume.
+
+TEST(ServiceConfigTest, ApplyAndChecksumEvery) {
+  ServerConfig c = BaseConfig(1, 1);
+  c.checksum_every = -2;
+  EXPECT_THAT(ValidateServerConfig(c),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--checksum-every must be >= 0")));
+  c.checksum_every = int64_t{1} << 32;
+  EXPECT_THAT(ValidateServerConfig(c),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--checksum-every")));
+  c = BaseConfig(1, 1);
+  c.optimizer.lr = 0.5f;
+  // Servers apply (the default): checksums off, the servers' optimizer.
+  v1::ClusterSpec spec = ClusterSettingsSpec(c);
+  EXPECT_EQ(spec.apply(), v1::APPLY_SERVERS);
+  EXPECT_EQ(spec.checksum_every(), 0u);
+  EXPECT_EQ(spec.optimizer().lr(), 0.5f);
+  // Workers apply: checksums every 100 steps, the identity rule with the
+  // density kept, whatever the optimizer flags say.
+  c.apply = ApplyMode::kWorkers;
+  c.optimizer.momentum_mode = MomentumMode::kGlobal;
+  c.optimizer.weight_decay = 0.01f;
+  spec = ClusterSettingsSpec(c);
+  EXPECT_EQ(spec.apply(), v1::APPLY_WORKERS);
+  EXPECT_EQ(spec.checksum_every(), 100u);
+  EXPECT_EQ(spec.optimizer().lr(), 1.0f);
+  EXPECT_EQ(spec.optimizer().momentum(), 0.0f);
+  EXPECT_EQ(spec.optimizer().momentum_mode(), v1::MOMENTUM_MODE_NONE);
+  EXPECT_FALSE(spec.optimizer().momentum_factor_masking());
+  EXPECT_EQ(spec.optimizer().weight_decay(), 0.0f);
+  EXPECT_EQ(spec.optimizer().density(), c.optimizer.density);
+  c.checksum_every = 0;
+  EXPECT_EQ(ClusterSettingsSpec(c).checksum_every(), 0u);
+  c.checksum_every = 7;
+  EXPECT_EQ(ClusterSettingsSpec(c).checksum_every(), 7u);
+  // The fingerprint tells the modes apart.
+  ServerConfig servers = BaseConfig(1, 1);
+  ServerConfig workers = servers;
+  workers.apply = ApplyMode::kWorkers;
+  EXPECT_NE(CanonicalClusterSpec(servers, 10).cluster_fingerprint(),
+            CanonicalClusterSpec(workers, 10).cluster_fingerprint());
+}
+
+ServerConfig WorkersConfig(uint32_t num_shards, uint32_t num_workers) {
+  ServerConfig c = BaseConfig(num_shards, num_workers);
+  c.apply = ApplyMode::kWorkers;
+  return c;
+}
+
+// Joins ranks 0..P-1 (n parameters) and initialises every shard to `init`;
+// returns the shards' ranges.
+absl::StatusOr<std::vector<std::pair<uint64_t, uint64_t>>> JoinAndInit(
+    Cluster& cluster, uint32_t workers, const std::vector<float>& init) {
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for (uint32_t w = 0; w < workers; ++w) {
+    GTOPK_ASSIGN_OR_RETURN(v1::JoinResponse join,
+                           Join(cluster.stub(0), w, init.size()));
+    if (w > 0) continue;
+    for (int s = 0; s < join.cluster().shards_size(); ++s) {
+      ranges.emplace_back(join.cluster().shards(s).begin(),
+                          join.cluster().shards(s).end());
+    }
+  }
+  for (uint32_t s = 0; s < ranges.size(); ++s) {
+    std::vector<float> range(init.begin() + ranges[s].first,
+                             init.begin() + ranges[s].second);
+    GTOPK_RETURN_IF_ERROR(
+        InitParams(cluster.stub(s), 0, s, ranges[s].first, range, 5)
+            .status());
+  }
+  return ranges;
+}
+
+TEST(WorkersApplyServiceTest, PullsRelayRankZeroBuffersAndChecksumsAreCompared) {
+  ServerConfig config = WorkersConfig(2, 2);
+  config.checksum_every = 1;
+  GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(config));
+  const uint64_t n = 40;
+  std::vector<float> init(n);
+  for (uint64_t i = 0; i < n; ++i) init[i] = 0.5f * i;
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto ranges, JoinAndInit(cluster, 2, init));
+  const CodecSpec codec;
+  // Pushes of `step`, worker w to shard s: one pair in the shard's range.
+  auto round = [&](int64_t step, std::vector<uint64_t> checksums) {
+    std::vector<absl::StatusOr<v1::Pull>> pulls(4, absl::UnknownError(""));
+    std::vector<std::thread> threads;
+    for (uint32_t w = 0; w < 2; ++w) {
+      for (uint32_t s = 0; s < 2; ++s) {
+        SparseVector part;
+        part.push_back(static_cast<uint32_t>(ranges[s].first + w), 1.0f + w);
+        v1::Push push = MakePush(step, w, s, Encode(part, n, codec));
+        push.set_params_checksum(checksums[w]);
+        if (w == 0 && s == 0) push.set_buffers(std::string("bn\0", 3));
+        threads.emplace_back([&pulls, &cluster, w, s, push] {
+          pulls[w * 2 + s] = PushOnce(cluster.stub(s), push);
+        });
+      }
+    }
+    for (auto& t : threads) t.join();
+    return pulls;
+  };
+  auto pulls = round(0, {0x1234, 0x1234});
+  for (uint32_t w = 0; w < 2; ++w) {
+    for (uint32_t s = 0; s < 2; ++s) {
+      const auto& pull = pulls[w * 2 + s];
+      ASSERT_TRUE(pull.ok()) << pull.status();
+      EXPECT_EQ(pull->buffers(), s == 0 ? std::string("bn\0", 3) : "")
+          << "worker " << w << " shard " << s;
+      SparseVector got;
+      GTOPK_ASSERT_OK(DecodeSparse(pull->sparse(), n, &got));
+      EXPECT_EQ(got.size(), 2u);  // the sum, not divided, not applied
+    }
+  }
+  // The shards' parameters are still the initial broadcast.
+  for (uint32_t s = 0; s < 2; ++s) {
+    GTOPK_ASSERT_OK_AND_ASSIGN(Downloaded d, Download(cluster.stub(s)));
+    EXPECT_EQ(d.step, 1);
+    EXPECT_EQ(FloatBits(d.values),
+              FloatBits(std::vector<float>(init.begin() + ranges[s].first,
+                                           init.begin() + ranges[s].second)));
+  }
+  // Differing checksums: the step fails on both shards for both workers,
+  // FAILED_PRECONDITION also where the leader's fail-fast forward came
+  // first.
+  pulls = round(1, {0x1234, 0x5678});
+  for (const auto& pull : pulls) {
+    EXPECT_THAT(pull.status(),
+                StatusIs(absl::StatusCode::kFailedPrecondition,
+                         AllOf(HasSubstr("the replicas' parameters differ"),
+                               HasSubstr("0x0000000000001234 on rank 0"),
+                               HasSubstr("0x0000000000005678 on rank 1"))));
+  }
+  for (uint32_t s = 0; s < 2; ++s) {
+    EXPECT_EQ(cluster.servers[s]->service()->next_step(), 1);
+  }
+  // Buffers from rank 1 are a bad push.
+  SparseVector one;
+  one.push_back(1, 1.0f);
+  v1::Push bad = MakePush(1, 1, 0, Encode(one, n, codec));
+  bad.set_buffers("x");
+  EXPECT_THAT(PushOnce(cluster.stub(0), bad),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("come only from worker 0")));
+}
+
+// InitParams with ParamsChunk.state pieces.
+absl::StatusOr<bool> InitWithState(v1::Aggregator::Stub* stub, uint32_t shard,
+                                   uint64_t offset,
+                                   const std::vector<float>& values,
+                                   const std::vector<std::string>& pieces) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  v1::InitParamsResponse response;
+  auto writer = stub->InitParams(&ctx, &response);
+  for (size_t i = 0; i < std::max(values.size(), pieces.size()); ++i) {
+    v1::ParamsChunk c;
+    c.set_worker(0);
+    c.set_member_token(Members().token[0]);
+    c.set_cluster_fingerprint(Members().fingerprint);
+    c.set_shard_id(shard);
+    c.set_offset(offset + std::min(i, values.size()));
+    if (i < values.size()) c.add_values(values[i]);
+    if (i < pieces.size()) c.set_state(pieces[i]);
+    if (!writer->Write(c)) break;
+  }
+  writer->WritesDone();
+  const grpc::Status s = writer->Finish();
+  if (!s.ok()) return FromGrpcStatus(s);
+  return response.initialized_now();
+}
+
+TEST(WorkersApplyServiceTest, StateBlobRoundTripsThroughShardZero) {
+  ServerConfig config = WorkersConfig(2, 1);
+  config.download_chunk_bytes = 64 + 12;  // 3 values or 12 state bytes
+  GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(config));
+  const uint64_t n = 10;
+  GTOPK_ASSERT_OK_AND_ASSIGN(v1::JoinResponse join, Join(cluster.stub(0), 0, n));
+  const uint64_t mid = join.cluster().shards(0).end();
+  std::vector<float> init(n);
+  for (uint64_t i = 0; i < n; ++i) init[i] = 1.5f * i;
+  std::vector<float> first(init.begin(), init.begin() + mid);
+  std::vector<float> second(init.begin() + mid, init.end());
+  // Not to shard 1.
+  EXPECT_THAT(InitWithState(cluster.stub(1), 1, mid, second, {"s"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("state blob goes only to shard 0")));
+  std::string blob;
+  for (int i = 0; i < 50; ++i) blob.push_back(static_cast<char>(i * 7));
+  blob[3] = '\0';
+  std::vector<std::string> pieces = {blob.substr(0, 10), "", blob.substr(10, 1),
+                                     blob.substr(11, 20), blob.substr(31),
+                                     "", ""};
+  GTOPK_ASSERT_OK_AND_ASSIGN(bool now,
+                             InitWithState(cluster.stub(0), 0, 0, first, pieces));
+  EXPECT_TRUE(now);
+  GTOPK_ASSERT_OK(InitWithState(cluster.stub(1), 1, mid, second, {}).status());
+  // First initialisation wins, the blob included.
+  GTOPK_ASSERT_OK_AND_ASSIGN(
+      now, InitWithState(cluster.stub(0), 0, 0, first, {"other"}));
+  EXPECT_FALSE(now);
+  GTOPK_ASSERT_OK_AND_ASSIGN(Downloaded d0, Download(cluster.stub(0)));
+  EXPECT_EQ(d0.state, blob);
+  EXPECT_EQ(FloatBits(d0.values), FloatBits(first));
+  EXPECT_GE(d0.chunks, 2 + 5);  // values in chunks of 3, 50 bytes in 12s
+  GTOPK_ASSERT_OK_AND_ASSIGN(Downloaded d1, Download(cluster.stub(1)));
+  EXPECT_TRUE(d1.state.empty());
+  EXPECT_EQ(FloatBits(d1.values), FloatBits(second));
+}
+
+TEST(WorkersApplyServiceTest, StateBlobInServersModeIsRefused) {
+  GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(BaseConfig(1, 1)));
+  ASSERT_TRUE(Join(cluster.stub(0), 0, 4).ok());
+  EXPECT_THAT(InitWithState(cluster.stub(0), 0, 0, {1, 2, 3, 4}, {"s"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--apply=servers")));
+}
+
+absl::StatusOr<v1::RecoverResponse> Resume(v1::Aggregator::Stub* stub,
+                                           uint32_t worker, int64_t step) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  v1::RecoverRequest request;
+  request.set_worker(worker);
+  request.set_failed_step(-1);
+  request.set_member_token(Members().token[worker]);
+  request.set_cluster_fingerprint(Members().fingerprint);
+  request.set_resume(true);
+  request.set_resume_step(step);
+  v1::RecoverResponse response;
+  const grpc::Status s = stub->Recover(&ctx, request, &response);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return response;
+}
+
+TEST(WorkersApplyServiceTest, ResumeSetsTheStepOnEveryShard) {
+  GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster,
+                             StartCluster(WorkersConfig(2, 1)));
+  const uint64_t n = 20;
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto ranges,
+                             JoinAndInit(cluster, 1, std::vector<float>(n, 1)));
+  GTOPK_ASSERT_OK_AND_ASSIGN(v1::RecoverResponse r,
+                             Resume(cluster.stub(0), 0, 5));
+  EXPECT_EQ(r.next_step(), 5);
+  EXPECT_TRUE(r.rolled_back());
+  EXPECT_THAT(r.previous_steps(), ::testing::ElementsAre(0, 0));
+  for (uint32_t s = 0; s < 2; ++s) {
+    EXPECT_EQ(cluster.servers[s]->service()->next_step(), 5);
+  }
+  // Idempotent.
+  GTOPK_ASSERT_OK_AND_ASSIGN(r, Resume(cluster.stub(0), 0, 5));
+  EXPECT_EQ(r.next_step(), 5);
+  EXPECT_FALSE(r.rolled_back());
+  EXPECT_THAT(Resume(cluster.stub(0), 0, -1),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("resume_step must be >= 0")));
+  // Step 5 runs on both shards; then back to step 2.
+  const CodecSpec codec;
+  std::vector<absl::StatusOr<v1::Pull>> pulls(2, absl::UnknownError(""));
+  std::vector<std::thread> threads;
+  for (uint32_t s = 0; s < 2; ++s) {
+    SparseVector part;
+    part.push_back(static_cast<uint32_t>(ranges[s].first), 1.0f);
+    v1::Push push = MakePush(5, 0, s, Encode(part, n, codec));
+    push.set_epoch(r.epoch());
+    threads.emplace_back([&pulls, &cluster, s, push] {
+      pulls[s] = PushOnce(cluster.stub(s), push);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& pull : pulls) {
+    ASSERT_TRUE(pull.ok()) << pull.status();
+    EXPECT_EQ(pull->step(), 5);
+  }
+  GTOPK_ASSERT_OK_AND_ASSIGN(r, Resume(cluster.stub(0), 0, 2));
+  EXPECT_EQ(r.next_step(), 2);
+  EXPECT_TRUE(r.rolled_back());
+  EXPECT_THAT(r.previous_steps(), ::testing::ElementsAre(6, 6));
+  for (uint32_t s = 0; s < 2; ++s) {
+    EXPECT_EQ(cluster.servers[s]->service()->next_step(), 2);
+  }
+}
+
+TEST(WorkersApplyServiceTest, ResumeIsRefusedInServersMode) {
+  GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(BaseConfig(2, 1)));
+  GTOPK_ASSERT_OK(JoinAndInit(cluster, 1, std::vector<float>(20, 1)).status());
+  EXPECT_THAT(Resume(cluster.stub(0), 0, 5),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("resume is for --apply=workers")));
+  for (uint32_t s = 0; s < 2; ++s) {
+    EXPECT_EQ(cluster.servers[s]->service()->next_step(), 0);
+  }
 }
 
 }  // namespace

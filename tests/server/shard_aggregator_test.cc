@@ -3,7 +3,10 @@
 // single-process reference (common/merge.h) bit for bit.
 #include "server/shard_aggregator.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -11,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/codec.h"
 #include "common/error_feedback.h"
 #include "common/merge.h"
@@ -908,6 +912,343 @@ TEST(ShardFiniteTest, NoShardAppliesAStepAnotherShardFoundNonFinite) {
           absl::MakeSpan(init).subspan(begin, shards[s]->end() - begin)));
     }
   }
+}
+
+// --- Workers apply, the divergence alarm, buffers (issue 41) ---------------
+
+// The plain reference of one workers-apply round: the sum of the pushes in
+// rank order (a map of index -> value) and the k entries of largest |sum|,
+// in index order. The inputs have no ties in |sum|.
+SparseVector PlainSumTopK(const std::vector<SparseVector>& pushes, uint64_t k) {
+  std::map<uint32_t, float> sum;
+  for (const SparseVector& p : pushes) {
+    for (size_t j = 0; j < p.size(); ++j) {
+      auto [it, fresh] = sum.try_emplace(p.indices[j], p.values[j]);
+      if (!fresh) it->second += p.values[j];
+    }
+  }
+  std::vector<std::pair<uint32_t, float>> all(sum.begin(), sum.end());
+  std::sort(all.begin(), all.end(), [](const auto& a, const auto& b) {
+    return std::fabs(a.second) > std::fabs(b.second);
+  });
+  all.resize(std::min<size_t>(all.size(), k));
+  std::sort(all.begin(), all.end());
+  SparseVector out;
+  for (const auto& [i, v] : all) out.push_back(i, v);
+  return out;
+}
+
+// A cluster of S shards (threshold exchange, commit vote) in `apply` mode,
+// every shard initialised from `init`.
+struct VotedCluster {
+  std::unique_ptr<ThresholdCoordinator> thresholds;
+  std::unique_ptr<LocalThresholdExchange> exchange;
+  std::unique_ptr<CommitCoordinator> commits;
+  std::unique_ptr<LocalCommitVoter> commit;
+  std::vector<std::unique_ptr<ShardAggregator>> shards;
+};
+
+VotedCluster MakeVotedCluster(ShardOptions base, uint32_t num_shards,
+                              const std::vector<float>& init) {
+  VotedCluster c;
+  c.thresholds = std::make_unique<ThresholdCoordinator>(num_shards);
+  c.exchange = std::make_unique<LocalThresholdExchange>(c.thresholds.get());
+  c.commits = std::make_unique<CommitCoordinator>(num_shards);
+  c.commit = std::make_unique<LocalCommitVoter>(c.commits.get());
+  for (uint32_t s = 0; s < num_shards; ++s) {
+    ShardOptions o = base;
+    o.shard_id = s;
+    o.num_shards = num_shards;
+    auto shard = ShardAggregator::Create(o, c.exchange.get(), c.commit.get());
+    EXPECT_TRUE(shard.ok()) << shard.status();
+    EXPECT_TRUE((*shard)
+                    ->InitParams(std::vector<float>(
+                        init.begin() + (*shard)->begin(),
+                        init.begin() + (*shard)->end()))
+                    .ok());
+    c.shards.push_back(*std::move(shard));
+  }
+  return c;
+}
+
+// Every shard runs the round of `pushes[w]` (global indices, sliced per
+// shard here; `checksums[w]` on every shard) concurrently; [s][w] results.
+std::vector<std::vector<absl::StatusOr<std::shared_ptr<const RoundResult>>>>
+RunRound(VotedCluster& c, int64_t step, const std::vector<SparseVector>& pushes,
+         const std::vector<uint64_t>& checksums = {}) {
+  std::vector<std::vector<absl::StatusOr<std::shared_ptr<const RoundResult>>>>
+      out(c.shards.size());
+  std::vector<std::thread> threads;
+  for (size_t s = 0; s < c.shards.size(); ++s) {
+    threads.emplace_back([&, s] {
+      std::vector<WorkerPush> mine;
+      for (uint32_t w = 0; w < pushes.size(); ++w) {
+        WorkerPush p = PushOf(step, w,
+                              Slice(pushes[w], c.shards[s]->begin(),
+                                    c.shards[s]->end()));
+        if (!checksums.empty()) p.params_checksum = checksums[w];
+        mine.push_back(std::move(p));
+      }
+      out[s] = SubmitAll(*c.shards[s], std::move(mine), absl::Seconds(3));
+    });
+  }
+  for (auto& t : threads) t.join();
+  return out;
+}
+
+class WorkersApplyTest : public ::testing::TestWithParam<std::tuple<int, int>> {
+};
+
+// A completed round changes no parameter, advances the step, and every
+// worker's pull is the sum of the global top-k, bit for bit the plain
+// reference's.
+TEST_P(WorkersApplyTest, RoundLeavesParamsAndPullsTheSumOfTheGlobalTopK) {
+  const auto [workers, num_shards] = GetParam();
+  const uint64_t n = 97;
+  ShardOptions o;
+  o.n = n;
+  o.num_workers = workers;
+  o.apply = ApplyMode::kWorkers;
+  o.optimizer.density = 0.1;  // k = 9 (ceil)
+  o.step_timeout = absl::Seconds(5);
+  std::vector<float> init(n);
+  for (uint64_t i = 0; i < n; ++i) init[i] = 0.25f * static_cast<float>(i) - 3;
+  VotedCluster c = MakeVotedCluster(o, num_shards, init);
+  auto rule = OptimizerRule::Create(o.optimizer);
+  ASSERT_TRUE(rule.ok());
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> value(0.5f, 4.0f);
+  for (int64_t step = 0; step < 3; ++step) {
+    SCOPED_TRACE(step);
+    std::vector<SparseVector> pushes(workers);
+    for (int w = 0; w < workers; ++w) {
+      for (uint32_t i = 0; i < n; ++i) {
+        if ((i * 7 + w * 3 + step) % 5 < 2 && pushes[w].size() < 9) {
+          pushes[w].push_back(i, (i % 2 ? 1 : -1) * value(rng));
+        }
+      }
+    }
+    const SparseVector want = PlainSumTopK(pushes, *rule->KAt(step, n));
+    auto results = RunRound(c, step, pushes);
+    for (int w = 0; w < workers; ++w) {
+      SparseVector got;
+      for (int s = 0; s < num_shards; ++s) {
+        ASSERT_TRUE(results[s][w].ok()) << results[s][w].status();
+        const SparseVector& part = (*results[s][w])->selected;
+        for (size_t j = 0; j < part.size(); ++j) {
+          got.push_back(part.indices[j], part.values[j]);
+        }
+      }
+      EXPECT_EQ(got.indices, want.indices) << "worker " << w;
+      EXPECT_TRUE(BitEqual(got.values, want.values)) << "worker " << w;
+    }
+    for (auto& shard : c.shards) {
+      EXPECT_EQ(shard->next_step(), step + 1);
+      auto state = shard->GetState(absl::Now());
+      GTOPK_ASSERT_OK(state);
+      EXPECT_TRUE(BitEqual(
+          state->params,
+          absl::MakeSpan(init).subspan(shard->begin(),
+                                       shard->end() - shard->begin())));
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(PAndS, WorkersApplyTest,
+                         ::testing::Combine(::testing::Values(2, 3),
+                                            ::testing::Values(1, 2)));
+
+TEST(WorkersApplyDenseTest, RoundLeavesParamsAndPullsTheDenseSum) {
+  std::vector<float> init(20, 1.0f);
+  ShardOptions o;
+  o.n = 20;
+  o.num_workers = 2;
+  o.mode = AggregationMode::kDense;
+  o.apply = ApplyMode::kWorkers;
+  o.step_timeout = absl::Seconds(5);
+  auto shard = ShardAggregator::Create(o, nullptr);
+  ASSERT_TRUE(shard.ok()) << shard.status();
+  GTOPK_ASSERT_OK((*shard)->InitParams(init));
+  std::vector<WorkerPush> pushes(2);
+  std::vector<float> want(20);
+  for (uint32_t w = 0; w < 2; ++w) {
+    pushes[w].worker = w;
+    for (int i = 0; i < 20; ++i) {
+      pushes[w].dense.push_back(0.5f * i - 2.0f * w);
+    }
+  }
+  for (int i = 0; i < 20; ++i) want[i] = pushes[0].dense[i] + pushes[1].dense[i];
+  auto results = SubmitAll(**shard, pushes);
+  for (const auto& r : results) {
+    GTOPK_ASSERT_OK(r);
+    EXPECT_TRUE(BitEqual((*r)->dense_sum, want));
+  }
+  EXPECT_EQ((*shard)->next_step(), 1);
+  EXPECT_TRUE(BitEqual((*shard)->GetState(absl::Now())->params, init));
+}
+
+// The divergence alarm, in both apply modes and on S = 1 and 2: on a
+// checksum step (step % 2 == 0) differing checksums fail the step for every
+// worker on every shard, naming them by rank, and nothing advances; equal
+// ones pass; on other steps they are ignored.
+TEST(ChecksumTest, DifferingChecksumsFailTheStepForEveryWorkerOnEveryShard) {
+  for (ApplyMode apply : {ApplyMode::kServers, ApplyMode::kWorkers}) {
+    for (uint32_t num_shards : {1u, 2u}) {
+      SCOPED_TRACE(absl::StrCat(ApplyModeName(apply), " S=", num_shards));
+      ShardOptions o;
+      o.n = 40;
+      o.num_workers = 4;
+      o.apply = apply;
+      o.checksum_every = 2;
+      o.optimizer.density = 0.1;
+      o.optimizer.momentum_mode = MomentumMode::kNone;
+      o.step_timeout = absl::Seconds(5);
+      const std::vector<float> init(40, 1.0f);
+      VotedCluster c = MakeVotedCluster(o, num_shards, init);
+      std::vector<SparseVector> pushes(4);
+      for (uint32_t w = 0; w < 4; ++w) {
+        pushes[w] = MakeSparse({w, 20 + w}, {1.0f + w, -2.0f - w});
+      }
+      auto results = RunRound(c, 0, pushes, {0xaa, 0xbb, 0xaa, 0});
+      for (uint32_t s = 0; s < num_shards; ++s) {
+        for (const auto& r : results[s]) {
+          EXPECT_THAT(
+              r, StatusIs(absl::StatusCode::kFailedPrecondition,
+                          AllOf(HasSubstr(absl::StrCat("step 0 failed on shard ",
+                                                       s)),
+                                HasSubstr("the replicas' parameters differ"),
+                                HasSubstr("checksum 0x00000000000000aa on "
+                                          "ranks 0, 2; 0x00000000000000bb on "
+                                          "rank 1; none from rank 3"),
+                                HasSubstr("load_state_dict"))));
+        }
+        EXPECT_EQ(c.shards[s]->next_step(), 0);
+      }
+      // All zero (nobody sent one) fails too.
+      results = RunRound(c, 0, pushes, {0, 0, 0, 0});
+      EXPECT_THAT(results[0][0],
+                  StatusIs(absl::StatusCode::kFailedPrecondition,
+                           HasSubstr("none from ranks 0, 1, 2, 3")));
+      results = RunRound(c, 0, pushes, {7, 7, 7, 7});
+      for (uint32_t s = 0; s < num_shards; ++s) {
+        for (const auto& r : results[s]) GTOPK_EXPECT_OK(r);
+        EXPECT_EQ(c.shards[s]->next_step(), 1);
+      }
+      // Step 1 is no checksum step: differing checksums are ignored.
+      results = RunRound(c, 1, pushes, {1, 2, 3, 0});
+      for (uint32_t s = 0; s < num_shards; ++s) {
+        for (const auto& r : results[s]) GTOPK_EXPECT_OK(r);
+        EXPECT_EQ(c.shards[s]->next_step(), 2);
+      }
+    }
+  }
+}
+
+std::unique_ptr<ShardAggregator> BufferShard(ApplyMode apply,
+                                             uint32_t shard_id) {
+  ShardOptions o;
+  o.n = 20;
+  o.num_workers = 2;
+  o.apply = apply;
+  o.shard_id = shard_id;
+  o.num_shards = 2;
+  o.selection = SelectionKind::kQuota;  // no exchange needed
+  o.optimizer.density = 0.2;
+  o.step_timeout = absl::Seconds(5);
+  auto shard = ShardAggregator::Create(o, nullptr);
+  EXPECT_TRUE(shard.ok()) << shard.status();
+  EXPECT_TRUE((*shard)->InitParams(std::vector<float>(10, 1.0f)).ok());
+  return *std::move(shard);
+}
+
+// Rank 0's buffers come back in every worker's result on shard 0 (and to a
+// retried push of that step); buffers from rank 1, to shard 1, or under
+// --apply=servers are a bad push: INVALID_ARGUMENT for the sender, the
+// round failed (ABORTED) for the other worker, the step not applied.
+TEST(BuffersTest, RankZeroBuffersReachEveryPullOfShardZero) {
+  auto shard = BufferShard(ApplyMode::kWorkers, 0);
+  WorkerPush p0 = PushOf(0, 0, MakeSparse({1}, {1.0f}));
+  p0.buffers = std::string("bn\0stats", 8);
+  auto results =
+      SubmitAll(*shard, {p0, PushOf(0, 1, MakeSparse({2}, {2.0f}))});
+  for (const auto& r : results) {
+    GTOPK_ASSERT_OK(r);
+    EXPECT_EQ((*r)->buffers, std::string("bn\0stats", 8));
+  }
+  auto retry = shard->Submit(PushOf(0, 1, MakeSparse({2}, {2.0f})),
+                             absl::Now() + absl::Seconds(1));
+  GTOPK_ASSERT_OK(retry);
+  EXPECT_EQ((*retry)->buffers, std::string("bn\0stats", 8));
+  // A step without buffers relays none.
+  results = SubmitAll(*shard, {PushOf(1, 0, MakeSparse({1}, {1.0f})),
+                               PushOf(1, 1, MakeSparse({2}, {2.0f}))});
+  for (const auto& r : results) {
+    GTOPK_ASSERT_OK(r);
+    EXPECT_TRUE((*r)->buffers.empty());
+  }
+}
+
+TEST(BuffersTest, BuffersFromAnotherRankToAnotherShardOrInServersModeAreRefused) {
+  struct Case {
+    ApplyMode apply;
+    uint32_t shard, sender;
+    const char* why;
+  };
+  for (const Case& c :
+       {Case{ApplyMode::kWorkers, 0, 1, "come only from worker 0"},
+        Case{ApplyMode::kWorkers, 1, 0, "to shard 1"},
+        Case{ApplyMode::kServers, 0, 0, "only with --apply=workers"}}) {
+    SCOPED_TRACE(c.why);
+    auto shard = BufferShard(c.apply, c.shard);
+    const uint32_t index = c.shard == 0 ? 1 : 11;
+    std::vector<WorkerPush> pushes = {
+        PushOf(0, 0, MakeSparse({index}, {1.0f})),
+        PushOf(0, 1, MakeSparse({index + 1}, {2.0f}))};
+    pushes[c.sender].buffers = "x";
+    auto results = SubmitAll(*shard, pushes, absl::Milliseconds(500));
+    EXPECT_THAT(results[c.sender],
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("buffers"), HasSubstr(c.why))));
+    EXPECT_FALSE(results[1 - c.sender].ok());
+    EXPECT_EQ(shard->next_step(), 0);
+  }
+}
+
+// Workers apply: a rollback renumbers the step without a checkpoint
+// (servers apply: only the current step without one).
+TEST(WorkersApplyRollbackTest, AnyStepWithoutACheckpoint) {
+  auto workers = BufferShard(ApplyMode::kWorkers, 0);
+  GTOPK_ASSERT_OK(workers->Rollback(7, nullptr, absl::AbortedError("resume")));
+  EXPECT_EQ(workers->next_step(), 7);
+  GTOPK_ASSERT_OK(workers->Rollback(3, nullptr, absl::AbortedError("resume")));
+  EXPECT_EQ(workers->next_step(), 3);
+  EXPECT_THAT(workers->Rollback(-1, nullptr, absl::AbortedError("resume")),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  auto results = SubmitAll(*workers, {PushOf(3, 0, MakeSparse({1}, {1.0f})),
+                                      PushOf(3, 1, MakeSparse({2}, {2.0f}))});
+  for (const auto& r : results) GTOPK_EXPECT_OK(r);
+  EXPECT_EQ(workers->next_step(), 4);
+  auto servers = BufferShard(ApplyMode::kServers, 0);
+  EXPECT_THAT(servers->Rollback(7, nullptr, absl::AbortedError("resume")),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("no checkpoint of step 7")));
+  EXPECT_EQ(servers->next_step(), 0);
+}
+
+// The state blob is kept with the first initialisation only.
+TEST(WorkersApplyStateTest, FirstInitialisationsStateWins) {
+  ShardOptions o = SmallOptions(1);
+  o.apply = ApplyMode::kWorkers;
+  auto shard = ShardAggregator::Create(o, nullptr);
+  ASSERT_TRUE(shard.ok());
+  std::vector<float> init(100, 1.0f);
+  GTOPK_ASSERT_OK_AND_ASSIGN(bool now, (*shard)->InitParams(init, "first"));
+  EXPECT_TRUE(now);
+  GTOPK_ASSERT_OK_AND_ASSIGN(now, (*shard)->InitParams(init, "second"));
+  EXPECT_FALSE(now);
+  auto state = (*shard)->GetState(absl::Now());
+  GTOPK_ASSERT_OK(state);
+  EXPECT_EQ(*state->state, "first");
 }
 
 }  // namespace
