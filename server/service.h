@@ -120,9 +120,17 @@ DownloadLimits DownloadParamsLimits(const ServerConfig& config,
 //                   initialise), be for this shard, contiguous from begin,
 //                   inside the range, finite, and cover it exactly
 //                   (INVALID_ARGUMENT naming the fault). Idempotent.
+//                   ParamsChunk.state pieces (rank 0's state blob) only
+//                   to shard 0 under --apply=workers, at most 1 GiB in
+//                   all (INVALID_ARGUMENT otherwise); kept with the
+//                   parameters, first initialisation wins, not
+//                   checkpointed.
 //   DownloadParams  worker < P; waits until initialised, then streams chunks
 //                   of at most download_chunk_bytes, each with step = next
-//                   step. An empty range yields one empty chunk. At most 4
+//                   step. An empty range yields one empty chunk. The state
+//                   blob InitParams took (shard 0, --apply=workers) follows
+//                   in chunks without values (offset = end of the range),
+//                   pieces of at most download_chunk_bytes - 64 bytes. At most 4
 //                   at once (the others wait, bounded by their deadline
 //                   and max(step timeout, the stall bound + 1 s):
 //                   DEADLINE_EXCEEDED "4 parameter downloads already in
@@ -146,7 +154,15 @@ DownloadLimits DownloadParamsLimits(const ServerConfig& config,
 //                   every shard, when the calling shard's RPC is cancelled.
 //   GetShardState, RollbackShard, Recover  crash recovery, see the proto
 //                   and docs/recovery.md; Recover is leader only, and
-//                   fences only when the shards disagree.
+//                   fences only when the shards disagree. Recover with
+//                   resume (--apply=workers only, else FAILED_PRECONDITION;
+//                   resume_step >= 0, else INVALID_ARGUMENT) sets every
+//                   shard's next step to resume_step.
+//   PushPull under --apply=workers: nothing is applied; shard 0 puts rank
+//                   0's Push.buffers of the step into every Pull. On a
+//                   checksum step (ClusterSpec.checksum_every) differing
+//                   params_checksum fail the step (FAILED_PRECONDITION,
+//                   every worker, every shard).
 //   AbortStep       fail fast (docs/recovery.md, "Failed steps"): a shard
 //                   whose round failed for a reason of its own tells the
 //                   leader, which numbers the failure (attempt epoch,
