@@ -449,6 +449,53 @@ class DivergenceTest(ClusterCase):
             self.assertEqual(step, 2)
 
 
+class FailureTest(ClusterCase):
+    def test_a_failed_step_retried_is_bit_identical(self):
+        """Rank 1 arrives late at step 2, past the step timeout: the step
+        fails for rank 0 (and rank 1's late push is refused), both recover
+        and retry with the documented loop, and the run ends bit-identical
+        to the reference without any failure: nothing was applied by the
+        failed attempt and the retry resent the same gradient."""
+        import time
+        P, steps = 2, 5
+        srv = self.start(2, P, step_timeout="2s")
+        models = [make_model() for _ in range(P)]
+        make_opt, _ = OPTIMIZERS["adam"]
+        failures = [0] * P
+
+        def worker(w):
+            model = models[w]
+            opt = self.wrap(srv, make_opt(model), w, model=model,
+                            recovery_timeout=20.0)
+            try:
+                for step in range(steps):
+                    opt.zero_grad()
+                    loss_of(model, w, step).backward()
+                    if w == 1 and step == 2:
+                        time.sleep(3.0)
+                    deadline = time.monotonic() + 30
+                    while True:
+                        try:
+                            opt.step()
+                            break
+                        except gtopk.RETRYABLE:
+                            failures[w] += 1
+                            if time.monotonic() > deadline:
+                                raise
+                            opt.recover()
+                return flat_of(model.parameters())
+            finally:
+                opt.close()
+
+        results, errs = in_threads(P, worker)
+        raise_first(errs)
+        self.assertGreater(sum(failures), 0, "no step failed")
+        want, _ = reference(P, steps, "adam")
+        for w in range(P):
+            np.testing.assert_array_equal(results[w].view(np.uint32),
+                                          want.view(np.uint32))
+
+
 class ResumeTest(ClusterCase):
     def test_resume_from_checkpoints_is_bit_identical(self):
         P, steps, cut = 2, 6, 3
