@@ -68,10 +68,18 @@ def gtopk_missing():
             for f in os.listdir(package)):
         return "the gtopk Python package is not built in %s (make python)" \
             % package
-    probe = ("import gtopk.torch as t, sys; "
-             "sys.exit(0 if hasattr(t.DistributedOptimizer, 'synchronize') "
-             "and hasattr(t.DistributedOptimizer, 'skip_synchronize') "
-             "else 3)")
+    # DistributedOptimizer(optimizer, ...) returns the workers-apply
+    # wrapper (gtopk._workers_apply), which has synchronize().
+    probe = ("import sys, gtopk.torch as t\n"
+             "classes = [t.DistributedOptimizer]\n"
+             "try:\n"
+             "    from gtopk._workers_apply import "
+             "GradientAggregationOptimizer as G\n"
+             "    classes.append(G)\n"
+             "except ImportError:\n"
+             "    pass\n"
+             "sys.exit(0 if any(hasattr(c, 'synchronize') and "
+             "hasattr(c, 'skip_synchronize') for c in classes) else 3)\n")
     r = subprocess.run([PYTHON, "-c", probe], env=cu.python_env(),
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                        text=True, timeout=120)
