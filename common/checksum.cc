@@ -52,4 +52,9 @@ uint64_t ParamsChecksum(absl::Span<const float> values) {
   return h == 0 ? 1 : h;
 }
 
+uint64_t CombineChecksums(uint64_t a, uint64_t b) {
+  const uint64_t h = Mix(Mix(a ^ kMul) ^ b);
+  return h == 0 ? 1 : h;
+}
+
 }  // namespace gtopk

@@ -42,6 +42,10 @@ inline std::string ChecksumText(uint64_t checksum) {
 // checksum" on the wire). Pure; thread-safe.
 uint64_t ParamsChecksum(absl::Span<const float> values);
 
+// One checksum of two (e.g. the trainable parameters' and the frozen
+// state's): order-dependent, never 0. Pure.
+uint64_t CombineChecksums(uint64_t a, uint64_t b);
+
 }  // namespace gtopk
 
 #endif  // GTOPK_COMMON_CHECKSUM_H_

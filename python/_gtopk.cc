@@ -327,6 +327,7 @@ class Client {
   int num_shards() { return Get().cluster().shards_size(); }
   uint64_t n() { return Get().cluster().n(); }
   int64_t next_step() { return Get().next_step(); }
+  bool checksum_due() { return Get().checksum_due(); }
   int metrics_port() const {
     return exposer_ ? metrics::BoundPort(*exposer_) : 0;
   }
@@ -381,7 +382,8 @@ class Client {
   py::tuple AggregateStep(const py::buffer& gradient,
                           const py::buffer& averaged,
                           const std::optional<py::buffer>& params,
-                          const py::bytes& buffers) {
+                          const py::bytes& buffers,
+                          uint64_t state_checksum) {
     WorkerClient& c = Get();
     const uint64_t n = c.cluster().n();
     const FloatBuffer g = GetFloats(gradient, "gradient", false, n);
@@ -397,7 +399,7 @@ class Client {
           absl::MakeSpan(a.data(), a.size()),
           p.has_value() ? absl::MakeConstSpan(p->data(), p->size())
                         : absl::Span<const float>(),
-          in, &out);
+          in, &out, state_checksum);
     }));
     return py::make_tuple(StatsDict(*last_), py::bytes(out));
   }
@@ -643,6 +645,9 @@ FailedPrecondition).)doc")
       .def_property_readonly("num_shards", &Client::num_shards)
       .def_property_readonly("n", &Client::n)
       .def_property_readonly("next_step", &Client::next_step)
+      .def_property_readonly("checksum_due", &Client::checksum_due,
+                             "Whether the next step sends a parameter "
+                             "checksum (then aggregate_step needs params).")
       .def_property_readonly("metrics_port", &Client::metrics_port)
       .def("cluster", &Client::cluster,
            "The cluster spec from Join as a dict (mode, selector, density, "
@@ -669,7 +674,7 @@ FailedPrecondition).)doc")
            "applied and the residual keeps the gradient.")
       .def("aggregate_step", &Client::AggregateStep, py::arg("gradient"),
            py::arg("averaged"), py::arg("params") = py::none(),
-           py::arg("buffers") = py::bytes(),
+           py::arg("buffers") = py::bytes(), py::arg("state_checksum") = 0,
            "Workers apply (--apply=workers): one synchronous step that "
            "returns the averaged gradient instead of applying it. gradient: "
            "host float32 length n (read); averaged: length n, may be the "

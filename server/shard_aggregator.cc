@@ -521,10 +521,16 @@ absl::Status ShardAggregator::StepNotFinite(absl::string_view what) const {
 
 absl::Status ShardAggregator::CheckChecksums(
     const std::vector<WorkerPush>& pushes, int64_t step) const {
-  if (options_.checksum_every == 0 || step < 0 ||
-      step % options_.checksum_every != 0 || pushes.empty()) {
-    return absl::OkStatus();
-  }
+  // Compared on the scheduled steps, and on any step where a worker sent
+  // one unasked: its first step after a resume or a rollback that
+  // renumbered the steps (worker/client.h), where a rank that resumed from
+  // another step's checkpoint, or kept later state, must not pass.
+  const bool scheduled = options_.checksum_every != 0 && step >= 0 &&
+                         step % options_.checksum_every == 0;
+  const bool asked = std::any_of(
+      pushes.begin(), pushes.end(),
+      [](const WorkerPush& p) { return p.params_checksum != 0; });
+  if (pushes.empty() || !(scheduled || asked)) return absl::OkStatus();
   bool same = pushes[0].params_checksum != 0;
   for (const WorkerPush& p : pushes) {
     same = same && p.params_checksum == pushes[0].params_checksum;
@@ -564,7 +570,8 @@ absl::Status ShardAggregator::CheckChecksums(
       ". A replica was changed outside step() (e.g. model.load_state_dict "
       "after constructing the optimizer) or lost an update; restart every "
       "rank from the checkpoints of one step (checksums are compared every ",
-      options_.checksum_every, " steps, --checksum-every)"));
+      options_.checksum_every, " steps, --checksum-every, and at the first "
+      "step after a resume or a rollback)"));
 }
 
 absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Compute(

@@ -655,6 +655,9 @@ absl::StatusOr<int64_t> WorkerClient::RecoverWith(absl::Span<float> params,
     }
     OpenLeaderStream();
     next_step_ = resume_step;
+    // Every rank must have resumed from a checkpoint of this step: the
+    // shards compare the checksums of the first step.
+    check_next_step_ = true;
     return next_step_;
   }
   // The leader answered: keep the rank alive on it until the next step's
@@ -673,6 +676,8 @@ absl::StatusOr<int64_t> WorkerClient::RecoverWith(absl::Span<float> params,
           "(model and optimizer state_dict, loaded on every rank)"));
     }
     next_step_ = response.next_step();  // rolled back: renumbered
+    // Every worker must have kept the same state: compare at once.
+    check_next_step_ = true;
     return next_step_;
   }
   GTOPK_ASSIGN_OR_RETURN(const int64_t step, SynchronizeParameters(params));

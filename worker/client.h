@@ -316,11 +316,24 @@ class WorkerClient {
   // (their message names the ranks); INVALID_ARGUMENT for a wrong length, a
   // non-finite gradient, or buffers from a rank other than 0; otherwise
   // Step's errors.
+  //   state_checksum  when non-zero, combined (CombineChecksums) into the
+  //             checksum sent: the caller's checksum of state outside
+  //             `params` that must also be equal everywhere (e.g. frozen
+  //             parameters).
   absl::StatusOr<StepStats> AggregateStep(absl::Span<const float> gradient,
                                           absl::Span<float> averaged,
                                           absl::Span<const float> params,
                                           absl::string_view buffers = {},
-                                          std::string* buffers_out = nullptr);
+                                          std::string* buffers_out = nullptr,
+                                          uint64_t state_checksum = 0);
+
+  // Whether the next step sends a parameter checksum: a step of the
+  // divergence alarm (next_step() % checksum_every == 0), or the first step
+  // after ResumeAt or after Recover renumbered the steps (workers apply),
+  // where the shards compare every worker's checksum so that a rank resumed
+  // from another step's checkpoint, or one that kept later state, cannot
+  // continue. Always false when the cluster's checksum_every is 0.
+  bool checksum_due() const;
 
   // Workers apply: SynchronizeParameters plus rank 0's opaque `state` (the
   // model's buffers and frozen parameters): rank 0 offers `*state` to shard
@@ -538,6 +551,10 @@ class WorkerClient {
   // pushes are built (NewPushes) and cleared after: the parameters'
   // checksum (0: none this step) and rank 0's buffers for shard 0.
   uint64_t step_checksum_ = 0;
+  // Set by ResumeAt and by a renumbering Recover: the next step sends a
+  // checksum whatever its number (checksum_due); cleared by a step that
+  // succeeded.
+  bool check_next_step_ = false;
   std::string step_buffers_;
   // Shard 0's Pull.buffers of the last round (DecodePulls).
   std::string received_buffers_;

@@ -110,17 +110,22 @@ absl::StatusOr<StepStats> WorkerClient::Step(absl::Span<const float> gradient,
   return stats;
 }
 
+bool WorkerClient::checksum_due() const {
+  const uint32_t every = cluster_.checksum_every();
+  return every != 0 && (next_step_ % every == 0 || check_next_step_);
+}
+
 uint64_t WorkerClient::ChecksumFor(int64_t step,
                                    absl::Span<const float> params) const {
   const uint32_t every = cluster_.checksum_every();
-  if (every == 0 || step % every != 0) return 0;
+  if (every == 0 || (step % every != 0 && !check_next_step_)) return 0;
   return ParamsChecksum(params);
 }
 
 absl::StatusOr<StepStats> WorkerClient::AggregateStep(
     absl::Span<const float> gradient, absl::Span<float> averaged,
     absl::Span<const float> params, absl::string_view buffers,
-    std::string* buffers_out) {
+    std::string* buffers_out, uint64_t state_checksum) {
   const uint64_t n = cluster_.n();
   if (apply_ != ApplyMode::kWorkers) {
     return absl::FailedPreconditionError(
@@ -135,11 +140,11 @@ absl::StatusOr<StepStats> WorkerClient::AggregateStep(
         averaged.size(), " and params ", params.size(), "; n = ", n,
         " (params may be empty except on checksum steps)"));
   }
-  const uint32_t every = cluster_.checksum_every();
-  if (every != 0 && next_step_ % every == 0 && params.empty()) {
+  if (checksum_due() && params.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "AggregateStep: step ", next_step_, " is a checksum step (every ",
-        every, " steps): pass this replica's parameters"));
+        "AggregateStep: step ", next_step_, " sends a checksum (every ",
+        cluster_.checksum_every(), " steps, and the first after a resume or "
+        "rollback; checksum_due()): pass this replica's parameters"));
   }
   if (!buffers.empty() && rank_ != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -167,6 +172,9 @@ absl::StatusOr<StepStats> WorkerClient::AggregateStep(
 
   t = absl::Now();
   step_checksum_ = ChecksumFor(stats.step, params);
+  if (step_checksum_ != 0 && state_checksum != 0) {
+    step_checksum_ = CombineChecksums(step_checksum_, state_checksum);
+  }
   stats.accumulate += absl::Now() - t;
   step_buffers_.assign(buffers.data(), buffers.size());
   received_buffers_.clear();
@@ -178,6 +186,7 @@ absl::StatusOr<StepStats> WorkerClient::AggregateStep(
   GTOPK_RETURN_IF_ERROR(st);
   if (buffers_out != nullptr) buffers_out->swap(received_buffers_);
   received_buffers_.clear();
+  check_next_step_ = false;
   ++next_step_;
   return stats;
 }

@@ -14,6 +14,7 @@ first argument.
 
 import contextlib
 import hashlib
+import inspect
 import os
 import time
 
@@ -141,14 +142,21 @@ class GradientAggregationOptimizer(torch.optim.Optimizer):
     gradient (use Adam/AdamW, not SparseAdam).
 
     **Divergence cannot be silent.** Every ``checksum_every`` steps (a
-    server flag, default 100) each worker sends a checksum of its
-    parameters; when they differ the step fails on every worker with
-    :class:`gtopk.FailedPrecondition` naming the ranks and the step. A
+    server flag, default 100), and at the first step after a resume or a
+    rollback, each worker sends a checksum of its parameters, trainable and
+    frozen; when they differ the step fails on every worker with
+    :class:`gtopk.FailedPrecondition` naming the ranks and the step (so
+    ranks resumed from checkpoints of different steps cannot continue). A
     write to a parameter outside :meth:`step` (e.g. ``model.load_state_dict``
-    after construction) is found at the next step from the tensors' version
-    counters and refused the same way, before anything is sent; call
-    :meth:`accept_parameter_changes` after changing the parameters
-    identically on every rank on purpose.
+    after construction; frozen parameters included) is found at the next
+    step from the tensors' version counters and refused the same way,
+    before anything is sent; call :meth:`accept_parameter_changes` after
+    changing the parameters identically on every rank on purpose. So are a
+    group added to the wrapped optimizer after wrapping, a parameter
+    unfrozen after construction, and a ``backward()`` between
+    :meth:`synchronize` and :meth:`step`. Optimizers whose ``step()``
+    requires a closure (LBFGS) are refused at construction: each of their
+    evaluations would need its own exchange.
 
     **Failures.** A failed exchange raises the status code's
     :class:`gtopk.Error` subclass and applies nothing (the wrapped
@@ -195,6 +203,18 @@ class GradientAggregationOptimizer(torch.optim.Optimizer):
             raise ValueError("gtopk: backward_passes_per_step must be an "
                              "int >= 1, got %r" % (backward_passes_per_step,))
         self._passes = backward_passes_per_step
+        try:
+            closure = inspect.signature(optimizer.step).parameters.get(
+                "closure")
+        except (TypeError, ValueError):
+            closure = None
+        if closure is not None and closure.default is inspect.Parameter.empty:
+            raise TypeError(
+                "gtopk: %s.step() requires a closure (it re-evaluates the "
+                "model inside one step, e.g. LBFGS): every evaluation would "
+                "need its own exchange of gradients, which one gtopk step "
+                "cannot give; use an optimizer whose closure is optional"
+                % type(optimizer).__name__)
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError("gtopk: model must be a torch.nn.Module, got %r"
                             % type(model).__name__)
@@ -214,6 +234,11 @@ class GradientAggregationOptimizer(torch.optim.Optimizer):
             named_parameters = model.named_parameters()
         if named_parameters is not None:
             named_parameters = list(named_parameters)
+            if not named_parameters:
+                raise ValueError(
+                    "gtopk: named_parameters is empty (a generator such as "
+                    "model.named_parameters() that was already used up?): "
+                    "pass model.named_parameters() afresh")
             for item in named_parameters:
                 if not (isinstance(item, tuple) and len(item) == 2
                         and isinstance(item[0], str)
@@ -281,9 +306,28 @@ class GradientAggregationOptimizer(torch.optim.Optimizer):
         self._flat_grad = torch.zeros(n, dtype=torch.float32, device=device)
         self._zero_grad_buf = None
 
+        # What the wrapped optimizer steps, as built here: a group added to
+        # it behind the wrapper's back (inner.add_param_group) or a
+        # parameter unfrozen later would be stepped on local gradients.
+        self._group_ids = self._group_signature()
+        trainable = set(id(p) for p in plist)
+        # Frozen parameters (the model's and the groups'): guarded by their
+        # version counters at every step and in the divergence checksum.
+        frozen, fseen = [], set()
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if id(p) not in trainable and id(p) not in fseen:
+                    fseen.add(id(p))
+                    frozen.append((names.get(id(p), "a parameter of shape "
+                                             "%s" % (tuple(p.shape),)), p))
+        if model is not None:
+            for name, p in model.named_parameters():
+                if id(p) not in trainable and id(p) not in fseen:
+                    fseen.add(id(p))
+                    frozen.append((name, p))
+        self._frozen_params = frozen
         # The model's other state: frozen parameters and buffers (sent once
         # at construction), and the buffers (every step).
-        trainable = set(id(p) for p in plist)
         self._state_layout = None
         self._buffer_layout = None
         if model is not None:
@@ -339,6 +383,7 @@ class GradientAggregationOptimizer(torch.optim.Optimizer):
         self._retry_step = None
         self._failed_grads = None
         self._synchronized = False
+        self._counts_at_sync = None
         self._skip_sync = False
         self._last_step_end = time.perf_counter()
         self._record_versions()
@@ -479,6 +524,22 @@ class GradientAggregationOptimizer(torch.optim.Optimizer):
 
     def _record_versions(self):
         self._versions = [p._version for p in self._params]
+        self._frozen_versions = [p._version for _, p in self._frozen_params]
+
+    def _group_signature(self):
+        return [tuple(id(p) for p in g["params"])
+                for g in self._opt.param_groups]
+
+    def _state_checksum(self):
+        """The frozen parameters' checksum (0 without any), sent with the
+        parameters' on checksum steps so that a frozen weight edited on one
+        rank is caught too."""
+        if not self._frozen_params:
+            return 0
+        h = hashlib.blake2b(digest_size=8)
+        for _, p in self._frozen_params:
+            h.update(_tensor_bytes(p))
+        return int.from_bytes(h.digest(), "little") or 1
 
     def accept_parameter_changes(self):
         """Say that the parameters were changed outside :meth:`step` on
@@ -500,6 +561,35 @@ class GradientAggregationOptimizer(torch.optim.Optimizer):
 
     def _check_unchanged(self):
         self._check_views()
+        if self._group_signature() != self._group_ids:
+            raise errors.FailedPrecondition(
+                "the wrapped optimizer's param groups changed after the gtopk "
+                "DistributedOptimizer was constructed (add_param_group on the "
+                "wrapped optimizer, or params replaced): those parameters "
+                "would be stepped on each rank's local gradient and the "
+                "replicas would differ. Give the optimizer every group before "
+                "wrapping it")
+        for nm, p in self._frozen_params:
+            if p.requires_grad:
+                raise errors.FailedPrecondition(
+                    "%s was frozen (requires_grad=False) when the gtopk "
+                    "DistributedOptimizer was constructed and now requires a "
+                    "gradient: it is not among the n parameters the cluster "
+                    "aggregates, so it would be trained on each rank's local "
+                    "gradient. Unfreeze parameters before constructing the "
+                    "optimizer (and the servers' n), or keep it frozen" % nm)
+        changed_frozen = [nm for (nm, p), v in zip(self._frozen_params,
+                                                   self._frozen_versions)
+                          if p._version != v]
+        if changed_frozen:
+            raise errors.FailedPrecondition(
+                "the frozen parameter(s) %s were written outside step() since "
+                "the last step: this replica would silently differ from the "
+                "others. Load the model's state before constructing the "
+                "optimizer, or restart every rank from one checkpoint; if you "
+                "changed them identically on every rank on purpose, call "
+                "opt.accept_parameter_changes()" % ", ".join(
+                    changed_frozen[:3]))
         changed = [self._names[i] for i, p in enumerate(self._params)
                    if p._version != self._versions[i]]
         if changed:
@@ -598,9 +688,8 @@ class GradientAggregationOptimizer(torch.optim.Optimizer):
         else:
             self._gather_gradients()
             grad = self._flat_grad
-        step = client.next_step
-        every = int(self._cluster.get("checksum_every", 0))
-        due = every > 0 and step % every == 0
+        due = client.checksum_due
+        state_checksum = self._state_checksum() if due else 0
         rank0 = client.rank == 0
         buffers = (self._buffer_layout.pack()
                    if self._buffer_layout is not None and rank0 else b"")
@@ -610,14 +699,16 @@ class GradientAggregationOptimizer(torch.optim.Optimizer):
             if not self._cuda:
                 stats, received = client.aggregate_step(
                     grad.numpy(), self._flat_grad.numpy(),
-                    self._flat.numpy() if due else None, buffers)
+                    self._flat.numpy() if due else None, buffers,
+                    state_checksum)
             else:
                 host_grad = grad.detach().to("cpu", copy=True)
                 host_avg = torch.empty_like(host_grad)
                 host_params = self._flat.detach().to("cpu").numpy() \
                     if due else None
                 stats, received = client.aggregate_step(
-                    host_grad.numpy(), host_avg.numpy(), host_params, buffers)
+                    host_grad.numpy(), host_avg.numpy(), host_params, buffers,
+                    state_checksum)
                 with torch.no_grad():
                     self._flat_grad.copy_(host_avg)
         except (errors.InvalidArgument, errors.Unimplemented):
@@ -631,6 +722,7 @@ class GradientAggregationOptimizer(torch.optim.Optimizer):
         self._stats = dict(stats)
         self._stats["exchange_seconds"] = time.perf_counter() - t0
         self._synchronized = True
+        self._counts_at_sync = list(self._pass_counts)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -655,6 +747,14 @@ class GradientAggregationOptimizer(torch.optim.Optimizer):
         self._check_open()
         t0 = time.perf_counter()
         compute = t0 - self._last_step_end
+        if self._synchronized and self._pass_counts != self._counts_at_sync:
+            self._synchronized = False
+            self._pass_counts = [0] * len(self._params)
+            raise errors.FailedPrecondition(
+                "backward() ran after synchronize() and before step(): .grad "
+                "is no longer the aggregated gradient (the replicas would "
+                "differ). Call synchronize() after the last backward pass; "
+                "zero_grad() and compute the step's gradient again")
         if not self._skip_sync or not self._synchronized:
             self.synchronize()
         self._opt.step()

@@ -409,6 +409,229 @@ class RefusalTest(ClusterCase):
                                              leader=srv2.leader, tls="off")
 
 
+class OutsideTestingTest(ClusterCase):
+    """The break-it run of 2026-12-06: each input that let replicas differ
+    silently, or failed with a confusing error."""
+
+    def test_a_group_added_to_the_wrapped_optimizer_is_refused(self):
+        srv = self.start(1, 1)
+        model = make_model()
+        extra = torch.nn.Parameter(torch.ones(2))
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = self.wrap(srv, inner, 0, model=model)
+        try:
+            inner.add_param_group({"params": [extra]})
+            loss_of(model, 0, 0).backward()
+            with self.assertRaisesRegex(gtopk.FailedPrecondition,
+                                        "param groups changed"):
+                opt.step()
+            self.assertEqual(opt.next_step, 0)
+        finally:
+            opt.close()
+
+    def test_frozen_parameters_are_guarded(self):
+        # In place: the version counter, on this rank, before sending.
+        srv = self.start(1, 1)
+        model = make_model()
+        model[2].weight.requires_grad_(False)
+        opt = self.wrap(srv, torch.optim.AdamW(model.parameters()), 0,
+                        model=model)
+        try:
+            with torch.no_grad():
+                model[2].weight.add_(0.5)
+            loss_of(model, 0, 0).backward()
+            with self.assertRaisesRegex(gtopk.FailedPrecondition,
+                                        r"frozen parameter\(s\) 2.weight"):
+                opt.step()
+            opt.accept_parameter_changes()
+            # Unfreezing after construction: refused, named.
+            model[2].weight.requires_grad_(True)
+            with self.assertRaisesRegex(gtopk.FailedPrecondition,
+                                        "2.weight was frozen"):
+                opt.step()
+        finally:
+            opt.close()
+
+    def test_a_frozen_parameter_changed_through_data_on_one_rank(self):
+        P = 2
+        srv = self.start(1, P, checksum_every=1)
+        models = [make_model() for _ in range(P)]
+        for m in models:
+            m[2].weight.requires_grad_(False)
+        barrier = threading.Barrier(P)
+
+        def worker(w):
+            model = models[w]
+            opt = self.wrap(srv, torch.optim.SGD(model.parameters(), lr=0.1),
+                            w, model=model)
+            try:
+                loss_of(model, w, 0).backward()
+                opt.step()
+                barrier.wait()
+                if w == 1:
+                    model[2].weight.data[0, 0] += 1.0  # no version bump
+                opt.zero_grad()
+                loss_of(model, w, 1).backward()
+                with self.assertRaisesRegex(gtopk.FailedPrecondition,
+                                            "parameters differ at step 1"):
+                    opt.step()
+            finally:
+                opt.close()
+
+        _, errs = in_threads(P, worker)
+        raise_first(errs)
+
+    def test_ranks_resumed_from_different_steps_cannot_continue(self):
+        import time
+        P = 2
+        srv = self.start(1, P, step_timeout="3s")
+        ckpt = os.path.join(self.dir, "c-%d-%d.pt")
+        models = [make_model() for _ in range(P)]
+
+        def first(w):
+            model = models[w]
+            opt = self.wrap(srv, torch.optim.Adam(model.parameters(),
+                                                  lr=0.01), w, model=model)
+            try:
+                for step in range(5):
+                    opt.zero_grad()
+                    loss_of(model, w, step).backward()
+                    opt.step()
+                    if step in (2, 4):
+                        torch.save({"model": model.state_dict(),
+                                    "opt": opt.state_dict()},
+                                   ckpt % (w, step + 1))
+            finally:
+                opt.close()
+
+        raise_first(in_threads(P, first)[1])
+        # Rank 0 from step 5's checkpoint, rank 1 from step 3's.
+        outcome = [None] * P
+
+        def resumed(w):
+            at = 5 if w == 0 else 3
+            c = torch.load(ckpt % (w, at))
+            model = make_model()
+            model.load_state_dict(c["model"])
+            opt = self.wrap(srv, torch.optim.Adam(model.parameters(),
+                                                  lr=0.01), w, model=model,
+                            recovery_timeout=10.0)
+            try:
+                opt.load_state_dict(c["opt"])
+                deadline = time.monotonic() + 20
+                for step in range(opt.next_step, 8):
+                    opt.zero_grad()
+                    loss_of(model, w, step).backward()
+                    while True:
+                        try:
+                            opt.step()
+                            break
+                        except gtopk.RETRYABLE:
+                            if time.monotonic() > deadline:
+                                raise
+                            opt.recover()
+                outcome[w] = "finished"
+            except gtopk.Error as e:
+                outcome[w] = e
+            finally:
+                opt.close()
+
+        in_threads(P, resumed)
+        for w in range(P):
+            self.assertNotEqual(outcome[w], "finished",
+                                "rank %d trained on with a replica that "
+                                "differs" % w)
+        # Whichever resume comes last sets the shards' step; the other
+        # rank's push is refused (ahead of, or behind, the shards), or, when
+        # its round was pending at the resume, it recovers, renumbers and
+        # fails the divergence check with the other rank.
+        messages = " | ".join(str(e) for e in outcome)
+        self.assertRegex(messages, "parameters differ|step 5 is ahead of "
+                         "shard 0, which is at step 3|step 3 was already "
+                         "applied; shard 0 is at step 5")
+
+    def test_one_rank_back_from_an_older_checkpoint_stops_the_run(self):
+        """Rank 1 dies after step 5 and comes back from its step-3
+        checkpoint while rank 0 waits in step 5: the resume rolls the
+        shards back, rank 0 recovers (renumbered, with its later state),
+        and the first step after it compares checksums: both ranks stop
+        with FailedPrecondition instead of training on apart."""
+        import time
+        P = 2
+        srv = self.start(1, P, step_timeout="5s")
+        ckpt = os.path.join(self.dir, "older-%d.pt")
+        models = [make_model() for _ in range(P)]
+        outcome = [None] * P
+
+        def worker(w):
+            model = models[w]
+            opt = self.wrap(srv, torch.optim.Adam(model.parameters(),
+                                                  lr=0.01), w, model=model,
+                            recovery_timeout=10.0)
+            deadline = time.monotonic() + 25
+            try:
+                step = 0
+                while step < 9:
+                    if w == 1 and step == 5:
+                        opt.close()  # "crashes"; back from its checkpoint
+                        c = torch.load(ckpt % w)
+                        model = make_model()
+                        model.load_state_dict(c["model"])
+                        opt = self.wrap(srv, torch.optim.Adam(
+                            model.parameters(), lr=0.01), w, model=model)
+                        opt.load_state_dict(c["opt"])
+                        step = opt.next_step
+                    opt.zero_grad()
+                    loss_of(model, w, step).backward()
+                    while True:
+                        try:
+                            opt.step()
+                            break
+                        except gtopk.RETRYABLE:
+                            if time.monotonic() > deadline:
+                                raise
+                            step = opt.recover()
+                    if w == 1 and step == 2:
+                        torch.save({"model": model.state_dict(),
+                                    "opt": opt.state_dict()}, ckpt % w)
+                    step = opt.next_step
+                outcome[w] = "finished"
+            except gtopk.Error as e:
+                outcome[w] = e
+            finally:
+                opt.close()
+
+        in_threads(P, worker)
+        for w in range(P):
+            self.assertIsInstance(outcome[w], gtopk.FailedPrecondition,
+                                  "rank %d: %r" % (w, outcome[w]))
+            self.assertRegex(str(outcome[w]), "parameters differ at step 3")
+
+    def test_closure_optimizers_and_misuse_are_refused_clearly(self):
+        srv = self.start(1, 1)
+        model = make_model()
+        with self.assertRaisesRegex(TypeError, "LBFGS.step.. requires a "
+                                    "closure"):
+            self.wrap(srv, torch.optim.LBFGS(model.parameters()), 0)
+        gen = model.named_parameters()
+        list(gen)
+        with self.assertRaisesRegex(ValueError, "used up"):
+            self.wrap(srv, torch.optim.SGD(model.parameters(), lr=0.1), 0,
+                      named_parameters=gen)
+        opt = self.wrap(srv, torch.optim.SGD(model.parameters(), lr=0.1), 0,
+                        model=model)
+        try:
+            loss_of(model, 0, 0).backward()
+            opt.synchronize()
+            loss_of(model, 0, 0).backward()  # after the exchange
+            with self.assertRaisesRegex(gtopk.FailedPrecondition,
+                                        "backward.. ran after synchronize"):
+                with opt.skip_synchronize():
+                    opt.step()
+        finally:
+            opt.close()
+
+
 class DivergenceTest(ClusterCase):
     def test_alarm_names_the_ranks_and_step(self):
         P = 2
