@@ -174,6 +174,16 @@ def _check_world_size(conn, cluster):
 class DistributedOptimizer(torch.optim.Optimizer):
     """SGD through a gtopk cluster: ``step()`` is one synchronous gTop-k step.
 
+    Two forms (docs/apply-modes.md says when to choose which):
+
+    * ``DistributedOptimizer(optimizer, named_parameters=..., model=...)``
+      -- any ``torch.optim`` optimizer, its param groups and schedules, on a
+      cluster started with ``gtopk-server --apply=workers``: the servers
+      only aggregate; see :class:`gtopk._workers_apply.
+      GradientAggregationOptimizer` (returned by this call).
+    * ``DistributedOptimizer(params, lr=..., momentum=...)`` -- documented
+      below: the servers' momentum SGD (``--apply=servers``, the default).
+
     Use it in place of ``torch.optim.SGD``; constructing it joins the
     cluster::
 

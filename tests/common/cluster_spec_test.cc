@@ -59,6 +59,41 @@ TEST(ClusterFingerprintTest, StableGoldenValueAndNeverZero) {
   EXPECT_EQ(FingerprintText(f), "0xe863e6cf1d8116dc");
 }
 
+TEST(ClusterFingerprintTest, AddedSettingsKeepOlderClustersFingerprints) {
+  // A cluster that uses neither setting keeps the golden value above (its
+  // checkpoints resume); servers apply spelled out is the same cluster.
+  v1::ClusterSpec c = Base();
+  c.set_apply(v1::APPLY_SERVERS);
+  c.set_checksum_every(0);
+  EXPECT_EQ(FingerprintText(ClusterFingerprint(c)), "0xe863e6cf1d8116dc");
+  v1::ClusterSpec w = Base();
+  w.set_apply(v1::APPLY_WORKERS);
+  w.set_checksum_every(100);
+  EXPECT_THAT(ClusterSpecDifferences(w, Base(), "on the leader"),
+              ::testing::ElementsAre(
+                  "--apply is workers here but servers on the leader",
+                  "--checksum-every is 100 here but 0 on the leader"));
+}
+
+TEST(IdentityOptimizerSpecTest, OnlyTheDensityFieldsSurvive) {
+  v1::OptimizerSpec o = Base().optimizer();
+  o.set_weight_decay(0.1f);
+  o.set_lr_warmup_steps(7);
+  o.add_density_warmup(0.25);
+  o.set_steps_per_epoch(3);
+  const v1::OptimizerSpec id = IdentityOptimizerSpec(o);
+  EXPECT_EQ(id.lr(), 1.0f);
+  EXPECT_EQ(id.momentum(), 0.0f);
+  EXPECT_EQ(id.momentum_mode(), v1::MOMENTUM_MODE_NONE);
+  EXPECT_FALSE(id.momentum_factor_masking());
+  EXPECT_EQ(id.weight_decay(), 0.0f);
+  EXPECT_EQ(id.lr_warmup_steps(), 0);
+  EXPECT_EQ(id.density(), o.density());
+  ASSERT_EQ(id.density_warmup_size(), 1);
+  EXPECT_EQ(id.density_warmup(0), 0.25);
+  EXPECT_EQ(id.steps_per_epoch(), 3);
+}
+
 TEST(ClusterFingerprintTest, EverySettingChangesItPerProcessDetailsDoNot) {
   const uint64_t base = ClusterFingerprint(Base());
   const std::vector<std::function<void(v1::ClusterSpec&)>> edits = {
@@ -97,6 +132,8 @@ TEST(ClusterFingerprintTest, EverySettingChangesItPerProcessDetailsDoNot) {
       },
       [](v1::ClusterSpec& c) { c.set_step_timeout_ms(29999); },
       [](v1::ClusterSpec& c) { c.set_max_message_bytes(4096); },
+      [](v1::ClusterSpec& c) { c.set_apply(v1::APPLY_WORKERS); },
+      [](v1::ClusterSpec& c) { c.set_checksum_every(100); },
   };
   for (size_t i = 0; i < edits.size(); ++i) {
     v1::ClusterSpec c = Base();

@@ -4,8 +4,8 @@
 * Replicas are bit-identical to a reference written here: plain NumPy
   gTop-k (u = residual + g per worker, local top-k, the rank-order sum, the
   global top-k, put-back, the sum / P) feeding the same torch optimizer, for
-  SGD with Nesterov momentum, Adam, and AdamW with two param groups and a
-  cosine schedule, over P in {1, 2, 3} and S in {1, 2}.
+  SGD with Nesterov momentum, Adam, RMSprop, and AdamW with two param
+  groups and a cosine schedule, over P in {1, 2, 3} and S in {1, 2}.
 * Buffers: BatchNorm running statistics equal rank 0's on every rank after
   every step; evaluation gives the same output everywhere; frozen
   parameters and buffers reach every rank at construction.
@@ -81,6 +81,8 @@ OPTIMIZERS = {
     "sgd_nesterov": (lambda m: torch.optim.SGD(
         m.parameters(), lr=0.1, momentum=0.9, nesterov=True), None),
     "adam": (lambda m: torch.optim.Adam(m.parameters(), lr=0.01), None),
+    "rmsprop": (lambda m: torch.optim.RMSprop(m.parameters(), lr=0.01,
+                                              momentum=0.5), None),
     "adamw_groups_cosine": (
         lambda m: torch.optim.AdamW(groups_of(m), lr=0.002),
         lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=5)),
@@ -240,6 +242,9 @@ class ReferenceTest(ClusterCase):
 
     def test_adam_two_workers_two_shards(self):
         self.run_case("adam", P=2, S=2)
+
+    def test_rmsprop_two_workers_one_shard(self):
+        self.run_case("rmsprop", P=2, S=1)
 
     def test_adamw_groups_cosine_two_workers_one_shard(self):
         self.run_case("adamw_groups_cosine", P=2, S=1)
@@ -630,6 +635,23 @@ class OutsideTestingTest(ClusterCase):
                     opt.step()
         finally:
             opt.close()
+
+
+class TrainerTest(ClusterCase):
+    def test_gtopk_worker_refuses_a_workers_apply_cluster(self):
+        import subprocess
+        worker = os.path.join(cu.BUILD_DIR, "worker", "gtopk-worker")
+        if not os.path.exists(worker):
+            self.skipTest("gtopk-worker not built (no libtorch): %s" % worker)
+        srv = self.start(1, 1)
+        r = subprocess.run(
+            [worker, "--server=" + srv.leader, "--tls=off",
+             "--model=synthetic:100", "--rpc-timeout-s=10"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            timeout=60)
+        self.assertEqual(r.returncode, 1, r.stdout)
+        self.assertIn("gtopk-worker trains with the servers' SGD only",
+                      r.stdout)
 
 
 class DivergenceTest(ClusterCase):

@@ -1090,7 +1090,7 @@ TEST(WorkersApplyDenseTest, RoundLeavesParamsAndPullsTheDenseSum) {
 // The divergence alarm, in both apply modes and on S = 1 and 2: on a
 // checksum step (step % 2 == 0) differing checksums fail the step for every
 // worker on every shard, naming them by rank, and nothing advances; equal
-// ones pass; on other steps they are ignored.
+// ones pass; on other steps they are compared only when a worker sent one.
 TEST(ChecksumTest, DifferingChecksumsFailTheStepForEveryWorkerOnEveryShard) {
   for (ApplyMode apply : {ApplyMode::kServers, ApplyMode::kWorkers}) {
     for (uint32_t num_shards : {1u, 2u}) {
@@ -1134,11 +1134,30 @@ TEST(ChecksumTest, DifferingChecksumsFailTheStepForEveryWorkerOnEveryShard) {
         for (const auto& r : results[s]) GTOPK_EXPECT_OK(r);
         EXPECT_EQ(c.shards[s]->next_step(), 1);
       }
-      // Step 1 is no checksum step: differing checksums are ignored.
-      results = RunRound(c, 1, pushes, {1, 2, 3, 0});
+      // Step 1 is no checksum step: without checksums it passes ...
+      results = RunRound(c, 1, pushes, {0, 0, 0, 0});
       for (uint32_t s = 0; s < num_shards; ++s) {
         for (const auto& r : results[s]) GTOPK_EXPECT_OK(r);
         EXPECT_EQ(c.shards[s]->next_step(), 2);
+      }
+      results = RunRound(c, 2, pushes, {4, 4, 4, 4});
+      for (uint32_t s = 0; s < num_shards; ++s) {
+        for (const auto& r : results[s]) GTOPK_EXPECT_OK(r);
+        EXPECT_EQ(c.shards[s]->next_step(), 3);
+      }
+      // ... but checksums sent unasked (a worker's first step after a
+      // resume or a renumbering rollback) are compared all the same: a
+      // rank that sent none, or another value, fails it for everyone.
+      results = RunRound(c, 3, pushes, {1, 2, 3, 0});
+      for (uint32_t s = 0; s < num_shards; ++s) {
+        for (const auto& r : results[s]) {
+          EXPECT_THAT(r, StatusIs(absl::StatusCode::kFailedPrecondition,
+                                  HasSubstr("none from rank 3")));
+        }
+      }
+      results = RunRound(c, 3, pushes, {9, 9, 9, 9});
+      for (uint32_t s = 0; s < num_shards; ++s) {
+        for (const auto& r : results[s]) GTOPK_EXPECT_OK(r);
       }
     }
   }

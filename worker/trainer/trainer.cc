@@ -85,6 +85,16 @@ absl::Status CheckCluster(const TrainerOptions& o, const v1::ClusterSpec& c) {
   e.density = o.density;
   e.lr = o.lr;
   e.momentum = o.momentum;
+  if (c.apply() == v1::APPLY_WORKERS) {
+    // gtopk-worker trains with the servers' optimizer only.
+    return absl::FailedPreconditionError(
+        "the servers run with --apply=workers (gradient aggregation: each "
+        "worker runs its own optimizer); gtopk-worker trains with the "
+        "servers' SGD only (--apply=servers). Restart the servers with "
+        "--apply=servers, or train with the Python package "
+        "(gtopk.torch.DistributedOptimizer(optimizer, ...); "
+        "docs/apply-modes.md)");
+  }
   return CheckExpectedSettings(e, c, "--");
 }
 
