@@ -82,7 +82,8 @@ def worker_main(a):
             [torch.nn.Parameter(t.clone()) for t in init.split(sizes)])
         inner = torch.optim.SGD(model.parameters(), lr=0.1)
         opt = gt.DistributedOptimizer(inner, leader=a.leader, rank=a.rank,
-                                      rpc_timeout=120.0, model=model)
+                                      rpc_timeout=120.0, model=model,
+                                      tls="off")
         params = list(model.parameters())
         flat_grad = None
         for t in range(a.steps):
@@ -110,7 +111,8 @@ def worker_main(a):
         model.weights = torch.nn.ParameterList(
             [torch.nn.Parameter(t.clone()) for t in init.split(sizes)])
         opt = gt.DistributedOptimizer(model.parameters(), leader=a.leader,
-                                      rank=a.rank, rpc_timeout=120.0)
+                                      rank=a.rank, rpc_timeout=120.0,
+                                      tls="off")
         grads = grad.split(sizes)
         params = list(model.parameters())
         # The gradient is written once: the first step gathers it into the
