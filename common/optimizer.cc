@@ -117,6 +117,21 @@ absl::Status OptimizerRule::AccumulateLocal(int64_t step,
     return absl::InvalidArgumentError(absl::StrCat(
         "velocity has ", velocity.size(), " entries, expected ", n));
   }
+  // The identity rule (workers apply: lr 1 at every step, no momentum, no
+  // weight decay): u = residual + g, exactly what the general passes below
+  // compute (1 * g == g, g + 0 * p == g for finite p), in two passes
+  // instead of three: a non-finite gradient or residual shows in
+  // residual + g, so the gradient's own check runs only on that failure
+  // (same errors, same messages).
+  if (!dgc && options_.lr == 1.0f && options_.weight_decay == 0.0f &&
+      options_.lr_warmup_steps == 0) {
+    bool bad = false;
+    for (size_t i = 0; i < n; ++i) bad |= NonFinite(residual[i] + grad[i]);
+    if (!bad) {
+      for (size_t i = 0; i < n; ++i) residual[i] += grad[i];
+      return absl::OkStatus();
+    }
+  }
   GTOPK_RETURN_IF_ERROR(ValidateFinite(grad, "gradient"));
   if (options_.weight_decay != 0.0f) {
     GTOPK_RETURN_IF_ERROR(ValidateFinite(params, "parameters"));

@@ -66,6 +66,45 @@ TEST(OptimizerTest, AccumulateLocalMatchesTheFormulas) {
   }
 }
 
+// Workers apply's identity rule (lr 1, no momentum, no weight decay) takes
+// a two-pass path: u = residual + g exactly, and its failures are the
+// general path's (the gradient's position first, then the overflow), with
+// nothing changed.
+TEST(OptimizerTest, IdentityRuleAddsTheGradientAndFailsAsTheGeneralPath) {
+  const size_t n = 1001;
+  OptimizerOptions o;
+  o.lr = 1.0f;
+  o.momentum = 0.0f;
+  o.momentum_mode = MomentumMode::kNone;
+  o.weight_decay = 0.0f;
+  OptimizerRule rule = MakeRule(o);
+  std::vector<float> grad = Random(n, 5), residual = Random(n, 6);
+  std::vector<float> ref = residual;
+  for (size_t i = 0; i < n; ++i) ref[i] = ref[i] + grad[i];
+  // The parameters are not read: pass the gradient, as AggregateStep does.
+  GTOPK_ASSERT_OK(rule.AccumulateLocal(7, grad, grad, {},
+                                       absl::MakeSpan(residual)));
+  EXPECT_TRUE(BitEqual(residual, ref));
+
+  const std::vector<float> r0 = residual;
+  grad[400] = INFINITY;
+  EXPECT_THAT(rule.AccumulateLocal(8, grad, grad, {},
+                                   absl::MakeSpan(residual)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("gradient has a non-finite value (inf) at "
+                                 "position 400")));
+  EXPECT_TRUE(BitEqual(residual, r0));
+  grad[400] = 0.0f;
+  residual[9] = 3e38f;
+  grad[9] = 3e38f;
+  const std::vector<float> r1 = residual;
+  EXPECT_THAT(rule.AccumulateLocal(8, grad, grad, {},
+                                   absl::MakeSpan(residual)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("residual at position 9 would overflow")));
+  EXPECT_TRUE(BitEqual(residual, r1));
+}
+
 TEST(OptimizerTest, AccumulateLocalRejectsBadInputWithoutChanges) {
   OptimizerRule rule = MakeRule({});
   std::vector<float> grad = Random(10, 1), params = Random(10, 2);
