@@ -23,6 +23,7 @@ import torch
 
 import gtopk
 from gtopk import errors
+from gtopk.torch import _ClusterMember
 
 _F32 = np.float32
 
@@ -80,7 +81,7 @@ class _Layout:
             off += size
 
 
-class GradientAggregationOptimizer(torch.optim.Optimizer):
+class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
     """Wraps any ``torch.optim.Optimizer`` so that its ``step()`` runs on the
     gTop-k average of every worker's gradient (workers-apply mode).
 
@@ -439,35 +440,8 @@ class GradientAggregationOptimizer(torch.optim.Optimizer):
     # -- properties ------------------------------------------------------------
 
     @property
-    def client(self):
-        """The underlying :class:`gtopk.Client`."""
-        return self._client
-
-    @property
-    def rank(self):
-        return self._open_client().rank
-
-    @property
     def num_workers(self):
         return self._open_client().num_workers
-
-    @property
-    def next_step(self):
-        return self._open_client().next_step
-
-    @property
-    def n(self):
-        return self._n
-
-    @property
-    def stats(self):
-        """The last exchange's statistics (see gtopk.Client.aggregate_step),
-        or None before the first."""
-        return self._stats
-
-    def flat_parameters(self):
-        """The contiguous float32 buffer all trainable parameters view."""
-        return self._flat
 
     # -- construction helpers --------------------------------------------------
 
@@ -607,17 +581,6 @@ class GradientAggregationOptimizer(torch.optim.Optimizer):
                     " and %d more" % (len(changed) - 3)))
 
     # -- the step -------------------------------------------------------------
-
-    def _grad_signature(self):
-        return [(g, g._version) if g is not None else None
-                for g in (p.grad for p in self._params)]
-
-    @staticmethod
-    def _same_grads(a, b):
-        return a is not None and b is not None and len(a) == len(b) and all(
-            (x is None and y is None) or (x is not None and y is not None
-                                          and x[0] is y[0] and x[1] == y[1])
-            for x, y in zip(a, b))
 
     def _gather_gradients(self):
         """p.grad -> the flat gradient buffer (None: zeros; sparse:
@@ -852,41 +815,9 @@ class GradientAggregationOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._record_versions()
 
-    # -- metrics and life cycle ----------------------------------------------
+    # -- life cycle ------------------------------------------------------------
 
-    def record_metrics(self, compute_seconds, step_seconds, loss):
-        self._check_open()
-        self._client.record_metrics(float(compute_seconds),
-                                    float(step_seconds), float(loss))
-
-    def record_test_accuracy(self, accuracy):
-        self._check_open()
-        self._client.record_test_accuracy(float(accuracy))
-
-    def _check_open(self):
-        if self._client is None:
-            raise errors.FailedPrecondition("the gtopk optimizer is closed")
-
-    def _open_client(self):
-        self._check_open()
-        return self._client
-
-    def close(self):
-        """Leaves the cluster's streams; idempotent."""
-        client, self._client = self._client, None
+    def _release(self):
         for h in getattr(self, "_hooks", []):
             h.remove()
         self._hooks = []
-        if client is not None:
-            client.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
-    def __getstate__(self):
-        raise TypeError("gtopk.torch.DistributedOptimizer cannot be pickled "
-                        "(it holds a cluster connection); save state_dict()")

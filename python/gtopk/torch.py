@@ -171,7 +171,144 @@ def _check_world_size(conn, cluster):
                 world_size, cluster["num_workers"]))
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class _ClusterMember:
+    """What both optimizers share as one worker of a gtopk cluster: the
+    client and its properties, the flat parameter buffer, the gradient
+    signature of a failed step, metrics and the life cycle. Expects _client,
+    _cluster, _n, _flat, _device, _stats and _params."""
+
+    # -- properties ----------------------------------------------------------
+
+    @property
+    def client(self):
+        """The underlying :class:`gtopk.Client` (for what this class does not
+        wrap; do not step it directly)."""
+        return self._client
+
+    @property
+    def rank(self):
+        """This worker's rank, 0..P-1."""
+        return self._open_client().rank
+
+    @property
+    def world_size(self):
+        """P, the cluster's number of workers."""
+        return self._open_client().num_workers
+
+    @property
+    def num_shards(self):
+        """S, the cluster's number of server shards."""
+        return self._open_client().num_shards
+
+    @property
+    def n(self):
+        """The number of parameters (elements of the flat buffer)."""
+        return self._n
+
+    @property
+    def next_step(self):
+        """The step the next :meth:`step` runs (numbered from 0; after a
+        restart or rollback, the servers' step)."""
+        return self._open_client().next_step
+
+    @property
+    def cluster(self):
+        """The cluster spec as a dict (a copy; see ``gtopk.Client.cluster``:
+        n, num_workers, mode, selection, selector, lr, momentum,
+        momentum_mode, density, density_warmup, steps_per_epoch,
+        step_timeout_ms, shards, ...; its next_step is the value at join)."""
+        return dict(self._cluster)
+
+    @property
+    def stats(self):
+        """The last successful step's statistics (a dict; None before the
+        first): step, k, sent_pairs, received_pairs, bytes_sent and
+        bytes_received (lists, per shard, serialized bytes), and the phase
+        times in seconds: accumulate_seconds, select_seconds,
+        encode_seconds, push_seconds, wait_seconds, apply_seconds,
+        server_merge_seconds, server_select_seconds."""
+        return self._stats
+
+    @property
+    def metrics_port(self):
+        """The port the worker metrics are served on (0: off)."""
+        return self._open_client().metrics_port
+
+    @property
+    def device(self):
+        """The device of the parameters (cpu or cuda:i)."""
+        return self._device
+
+    def flat_parameters(self):
+        """The flat float32 parameter buffer (n elements; every parameter is
+        a view of a slice of it). Read it (e.g. ``gtopk.checksum(
+        opt.flat_parameters().cpu().numpy())``); do not write it."""
+        return self._flat
+
+    def _grad_signature(self):
+        """Each parameter's .grad and its version counter: equal to an
+        earlier signature only when no gradient was recomputed, zeroed or
+        replaced since (holds the tensors, so no id is reused)."""
+        return [(g, g._version) if g is not None else None
+                for g in (p.grad for p in self._params)]
+
+    def _same_grads(self, a, b):
+        return a is not None and b is not None and len(a) == len(b) and all(
+            (x is None and y is None) or (x is not None and y is not None
+                                          and x[0] is y[0] and x[1] == y[1])
+            for x, y in zip(a, b))
+
+    # -- metrics -------------------------------------------------------------
+
+    def record_metrics(self, compute_seconds, step_seconds, loss):
+        """Records the last step in the worker metrics (with
+        ``record_step_metrics=False``): compute time and whole step time in
+        seconds, and the batch's loss. No-op when metrics are off."""
+        self._check_open()
+        self._client.record_metrics(float(compute_seconds),
+                                    float(step_seconds), float(loss))
+
+    def record_test_accuracy(self, accuracy):
+        """Sets ``gtopk_worker_test_accuracy`` (in [0, 1]). No-op when
+        metrics are off."""
+        self._check_open()
+        self._client.record_test_accuracy(float(accuracy))
+
+    # -- life cycle ----------------------------------------------------------
+
+    def _check_open(self):
+        if self._client is None:
+            raise errors.FailedPrecondition(
+                "the gtopk optimizer is closed")
+
+    def _open_client(self):
+        self._check_open()
+        return self._client
+
+    def close(self):
+        """Leaves the cluster's streams (cancels any in flight). The optimizer
+        is unusable afterwards; idempotent."""
+        self._release()
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    def _release(self):
+        """What a subclass lets go of at close() (hooks); nothing here."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __getstate__(self):
+        raise TypeError("gtopk.torch.DistributedOptimizer cannot be pickled "
+                        "(it holds a cluster connection); save state_dict()")
+
+
+class DistributedOptimizer(_ClusterMember, torch.optim.Optimizer):
     """SGD through a gtopk cluster: ``step()`` is one synchronous gTop-k step.
 
     Two forms (docs/apply-modes.md says when to choose which):
@@ -541,74 +678,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "pass every parameter to the constructor")
         super().add_param_group(param_group)
 
-    # -- properties ----------------------------------------------------------
-
-    @property
-    def client(self):
-        """The underlying :class:`gtopk.Client` (for what this class does not
-        wrap; do not step it directly)."""
-        return self._client
-
-    @property
-    def rank(self):
-        """This worker's rank, 0..P-1."""
-        return self._open_client().rank
-
-    @property
-    def world_size(self):
-        """P, the cluster's number of workers."""
-        return self._open_client().num_workers
-
-    @property
-    def num_shards(self):
-        """S, the cluster's number of server shards."""
-        return self._open_client().num_shards
-
-    @property
-    def n(self):
-        """The number of parameters (elements of the flat buffer)."""
-        return self._n
-
-    @property
-    def next_step(self):
-        """The step the next :meth:`step` runs (numbered from 0; after a
-        restart or rollback, the servers' step)."""
-        return self._open_client().next_step
-
-    @property
-    def cluster(self):
-        """The cluster spec as a dict (a copy; see ``gtopk.Client.cluster``:
-        n, num_workers, mode, selection, selector, lr, momentum,
-        momentum_mode, density, density_warmup, steps_per_epoch,
-        step_timeout_ms, shards, ...; its next_step is the value at join)."""
-        return dict(self._cluster)
-
-    @property
-    def stats(self):
-        """The last successful step's statistics (a dict; None before the
-        first): step, k, sent_pairs, received_pairs, bytes_sent and
-        bytes_received (lists, per shard, serialized bytes), and the phase
-        times in seconds: accumulate_seconds, select_seconds,
-        encode_seconds, push_seconds, wait_seconds, apply_seconds,
-        server_merge_seconds, server_select_seconds."""
-        return self._stats
-
-    @property
-    def metrics_port(self):
-        """The port the worker metrics are served on (0: off)."""
-        return self._open_client().metrics_port
-
-    @property
-    def device(self):
-        """The device of the parameters (cpu or cuda:i)."""
-        return self._device
-
-    def flat_parameters(self):
-        """The flat float32 parameter buffer (n elements; every parameter is
-        a view of a slice of it). Read it (e.g. ``gtopk.checksum(
-        opt.flat_parameters().cpu().numpy())``); do not write it."""
-        return self._flat
-
     # -- the step ------------------------------------------------------------
 
     def _check_group_options(self, i, group):
@@ -677,19 +746,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         "param_groups[%d][%r] is %r but the cluster's %s is "
                         "%r: %s" % (i, key, value, key, _f32_float(c[key]),
                                     what))
-
-    def _grad_signature(self):
-        """Each parameter's .grad and its version counter: equal to an
-        earlier signature only when no gradient was recomputed, zeroed or
-        replaced since (holds the tensors, so no id is reused)."""
-        return [(g, g._version) if g is not None else None
-                for g in (p.grad for p in self._params)]
-
-    def _same_grads(self, a, b):
-        return a is not None and b is not None and len(a) == len(b) and all(
-            (x is None and y is None) or (x is not None and y is not None
-                                          and x[0] is y[0] and x[1] == y[1])
-            for x, y in zip(a, b))
 
     def _gather_gradients(self):
         """p.grad -> the flat gradient buffer (None: zeros); leaves each
@@ -922,47 +978,3 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # cluster configuration shows at the next step().
         self._retry_step = None
 
-    # -- metrics -------------------------------------------------------------
-
-    def record_metrics(self, compute_seconds, step_seconds, loss):
-        """Records the last step in the worker metrics (with
-        ``record_step_metrics=False``): compute time and whole step time in
-        seconds, and the batch's loss. No-op when metrics are off."""
-        self._check_open()
-        self._client.record_metrics(float(compute_seconds),
-                                    float(step_seconds), float(loss))
-
-    def record_test_accuracy(self, accuracy):
-        """Sets ``gtopk_worker_test_accuracy`` (in [0, 1]). No-op when
-        metrics are off."""
-        self._check_open()
-        self._client.record_test_accuracy(float(accuracy))
-
-    # -- life cycle ----------------------------------------------------------
-
-    def _check_open(self):
-        if self._client is None:
-            raise errors.FailedPrecondition(
-                "the gtopk optimizer is closed")
-
-    def _open_client(self):
-        self._check_open()
-        return self._client
-
-    def close(self):
-        """Leaves the cluster's streams (cancels any in flight). The optimizer
-        is unusable afterwards; idempotent."""
-        client, self._client = self._client, None
-        if client is not None:
-            client.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
-    def __getstate__(self):
-        raise TypeError("gtopk.torch.DistributedOptimizer cannot be pickled "
-                        "(it holds a cluster connection); save state_dict()")
