@@ -86,18 +86,32 @@ def worker_main(a):
                                       tls="off")
         params = list(model.parameters())
         flat_grad = None
-        for t in range(a.steps):
+        raw = []  # the binding alone, interleaved (paired_in_process)
+        client = opt.client
+        for t in range(2 * a.steps):
             with torch.no_grad():
                 if flat_grad is None:
                     for p, g in zip(params, grad.split(sizes)):
                         p.grad = g.clone()
                 else:
                     flat_grad.copy_(grad)
-            t0 = time.perf_counter()
-            opt.synchronize()
-            seconds.append(time.perf_counter() - t0)
-            with opt.skip_synchronize():
-                opt.step()
+            if t % 2 == 0 or flat_grad is None:
+                t0 = time.perf_counter()
+                opt.synchronize()
+                seconds.append(time.perf_counter() - t0)
+                with opt.skip_synchronize():
+                    opt.step()
+            else:
+                # The same exchange without the wrapper, on the same
+                # buffers, then the same SGD step.
+                fg = flat_grad.numpy()
+                t0 = time.perf_counter()
+                client.aggregate_step(
+                    fg, fg, opt.flat_parameters().numpy()
+                    if client.checksum_due else None)
+                raw.append(time.perf_counter() - t0)
+                opt.optimizer.step()
+                opt.accept_parameter_changes()
             if flat_grad is None:
                 flat_grad = opt._flat_grad
         final = opt.flat_parameters().numpy().copy()
@@ -159,8 +173,11 @@ def worker_main(a):
         c.close()
     if a.params_out:
         np.ascontiguousarray(final, np.float32).tofile(a.params_out)
+    timing = {"step_seconds": seconds}
+    if a.python_path == "optimizer" and a.apply == "workers":
+        timing["raw_seconds"] = raw
     with open(a.timing_json, "w") as f:
-        json.dump({"step_seconds": seconds}, f)
+        json.dump(timing, f)
     return 0
 
 
@@ -237,7 +254,11 @@ def run_kind(kind, a, n, P, files, steps, work, tag):
     per_rank = []
     for tj, _ in timings:
         with open(tj) as f:
-            per_rank.append(json.load(f)["step_seconds"])
+            timing = json.load(f)
+        per_rank.append(timing["step_seconds"])
+        if "raw_seconds" in timing:
+            PAIRED.setdefault(tag, []).append(
+                (timing["step_seconds"], timing["raw_seconds"]))
     checksum = None
     try:
         import numpy as np
@@ -253,6 +274,31 @@ def run_kind(kind, a, n, P, files, steps, work, tag):
     except (ImportError, OSError):
         pass
     return per_rank, checksum
+
+
+# Workers apply: per round tag, each rank's (synchronize seconds, binding
+# seconds) from the optimizer kind's interleaved steps.
+PAIRED = {}
+
+
+def paired_summary(tags, warmup):
+    """The wrapper against the binding in the same processes, steps
+    interleaved (so the machine's drift hits both): medians over the
+    measured steps of the per-step mean over ranks."""
+    sync, raw = [], []
+    for tag in tags:
+        ranks = PAIRED.get(tag, [])
+        if not ranks:
+            continue
+        sync += step_means([r[0] for r in ranks], warmup)
+        raw += step_means([r[1] for r in ranks], warmup)
+    if not sync or not raw:
+        return None
+    ms, mr = statistics.median(sync), statistics.median(raw)
+    return {"median_synchronize_seconds": ms,
+            "median_aggregate_step_seconds": mr,
+            "ratio": ms / mr, "difference_ms": 1e3 * (ms - mr),
+            "steps_each": len(sync)}
 
 
 def step_means(per_rank, warmup):
@@ -303,7 +349,9 @@ KIND_TEXT_WORKERS = {
             "outside the timed call"),
     "optimizer": ("gtopk.torch.DistributedOptimizer(torch.optim.SGD(...), "
                   "model=...).synchronize(): the wrapper's exchange (the "
-                  "wrapped SGD step untimed; .grad restored untimed)"),
+                  "wrapped SGD step untimed; .grad restored untimed); its "
+                  "steps alternate with gtopk.Client.aggregate_step on the "
+                  "same buffers in the same process (paired_in_process)"),
     "client": "gtopk.Client.aggregate_step on numpy buffers",
 }
 
@@ -372,6 +420,12 @@ def driver_main(a, argv):
                     and "ranks differ" not in all_checks),
                 "wall_seconds": round(time.monotonic() - t0, 1),
             }
+            paired = paired_summary(
+                ["n%d-p%d-r%d" % (n, P, rnd) for rnd in range(a.rounds)],
+                a.warmup)
+            if paired is not None:
+                # Workers apply: the wrapper's own cost, in one process.
+                entry["paired_in_process"] = paired
             if n >= a.large_n:
                 entry["target"] = "python adds <= 5 %"
                 entry["meets_target"] = py / cpp <= 1.05
