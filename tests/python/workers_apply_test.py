@@ -38,6 +38,7 @@ import torch  # noqa: E402
 import cluster_util as cu  # noqa: E402
 import gtopk  # noqa: E402
 import gtopk.torch  # noqa: E402
+from gtopk._workers_apply import GradientAggregationOptimizer  # noqa: E402
 
 F32 = np.float32
 RPC_TIMEOUT = 30.0
@@ -400,6 +401,78 @@ class RefusalTest(ClusterCase):
             self.assertEqual(opt.next_step, 2)
         finally:
             opt.close()
+
+    def test_construction_and_checkpoint_messages(self):
+        srv = self.start(1, 1)
+        model = make_model()
+        sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
+        cases = [
+            (TypeError, "expected a torch.optim.Optimizer",
+             lambda: GradientAggregationOptimizer(
+                 [torch.zeros(1)], leader=srv.leader, tls="off")),
+            (TypeError, "model must be a torch.nn.Module",
+             lambda: self.wrap(srv, sgd(model), 0, model="net")),
+            (TypeError, "density must be a real number",
+             lambda: self.wrap(srv, sgd(model), 0, density="0.1")),
+            (ValueError, r"must be \(name, parameter\) pairs",
+             lambda: self.wrap(srv, sgd(model), 0,
+                               named_parameters=list(model.parameters()))),
+            (ValueError, "no parameter that requires a gradient",
+             lambda: self.wrap(srv, torch.optim.SGD(
+                 [torch.zeros(2, requires_grad=False)], lr=0.1), 0)),
+        ]
+        for exc, pattern, make in cases:
+            with self.subTest(pattern=pattern):
+                with self.assertRaisesRegex(exc, pattern):
+                    make()
+        opt = self.wrap(srv, sgd(model), 0, model=model)
+        try:
+            with self.assertRaisesRegex(TypeError, "already a gtopk"):
+                self.wrap(srv, opt, 0)
+            loss_of(model, 0, 0).backward()
+            opt.step()
+            good = opt.state_dict()
+            bad = [
+                (ValueError, "no 'gtopk' entry",
+                 {k: v for k, v in good.items() if k != "gtopk"}),
+                (gtopk.FailedPrecondition, "saved with the servers applying",
+                 dict(good, gtopk=dict(good["gtopk"], apply="servers"))),
+                (gtopk.FailedPrecondition, "has n=3 but this model has n=",
+                 dict(good, gtopk=dict(good["gtopk"], n=3))),
+                (gtopk.FailedPrecondition, "holds rank 1's gtopk state",
+                 dict(good, gtopk=dict(good["gtopk"], rank=1))),
+            ]
+            for exc, pattern, sd in bad:
+                with self.subTest(pattern=pattern):
+                    with self.assertRaisesRegex(exc, pattern):
+                        opt.load_state_dict(sd)
+            self.assertEqual(opt.next_step, 1)  # nothing moved
+        finally:
+            opt.close()
+        with self.assertRaisesRegex(gtopk.FailedPrecondition,
+                                    "optimizer is closed"):
+            opt.step()
+
+    def test_another_model_layout_on_a_rank_is_refused(self):
+        P = 2
+        srv = self.start(1, P)
+        models = [make_model(bn=True), make_model(bn=True)]
+        # Same parameters, another buffer layout on rank 1.
+        models[1][1].register_buffer("extra", torch.zeros(3))
+
+        def worker(w):
+            return self.wrap(srv, torch.optim.SGD(models[w].parameters(),
+                                                  lr=0.1), w,
+                             model=models[w])
+
+        results, errs = in_threads(P, worker)
+        for r in results:
+            if r is not None:
+                r.close()
+        self.assertIsNone(errs[0])
+        self.assertIsInstance(errs[1], gtopk.FailedPrecondition)
+        self.assertRegex(str(errs[1]), "rank 0's state .* do not match this "
+                         "model's")
 
     def test_servers_apply_cluster_refuses_the_wrapper_and_back(self):
         srv = self.start(1, 1, apply="servers", lr=0.1)
