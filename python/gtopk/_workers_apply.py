@@ -289,23 +289,8 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
             raise ValueError("gtopk: parameters on %s; gtopk supports the "
                              "CPU and CUDA devices" % device)
         self._cuda = device.type == "cuda"
-        self._device = device
-        self._params = plist
-        self._slices = []
-        n = 0
-        for p in plist:
-            self._slices.append((n, p.numel()))
-            n += p.numel()
-        self._n = n
-        with torch.no_grad():
-            flat = torch.empty(n, dtype=torch.float32, device=device)
-            for p, (off, cnt) in zip(plist, self._slices):
-                flat[off:off + cnt].copy_(p.detach().reshape(-1))
-            for p, (off, cnt) in zip(plist, self._slices):
-                p.data = flat[off:off + cnt].view(p.shape)
-        self._flat = flat
-        self._flat_grad = torch.zeros(n, dtype=torch.float32, device=device)
-        self._zero_grad_buf = None
+        self._make_flat(plist, device)
+        n = self._n
 
         # What the wrapped optimizer steps, as built here: a group added to
         # it behind the wrapper's back (inner.add_param_group) or a
@@ -582,28 +567,6 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
 
     # -- the step -------------------------------------------------------------
 
-    def _gather_gradients(self):
-        """p.grad -> the flat gradient buffer (None: zeros; sparse:
-        densified); leaves each p.grad a view of its slice."""
-        fg = self._flat_grad
-        ptr0 = fg.data_ptr()
-        with torch.no_grad():
-            for p, (off, cnt) in zip(self._params, self._slices):
-                slot = fg[off:off + cnt]
-                g = p.grad
-                if g is None:
-                    slot.zero_()
-                    p.grad = slot.view(p.shape)
-                    continue
-                if g.is_sparse:
-                    g = g.to_dense()  # Horovod's sparse_as_dense
-                elif (g.data_ptr() == ptr0 + 4 * off and g.is_contiguous()
-                      and g.dtype == torch.float32 and g.device == fg.device
-                      and g.shape == p.shape):
-                    continue  # already the view: backward wrote in place
-                slot.copy_(g.reshape(-1))
-                p.grad = slot.view(p.shape)
-
     def synchronize(self):
         """The gTop-k exchange of this step: afterwards every trainable
         parameter's ``.grad`` is the average of the global top-k (identical
@@ -646,10 +609,11 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
             # The failed attempt's gradient is in the residual: send zero.
             if self._zero_grad_buf is None:
                 self._zero_grad_buf = torch.zeros_like(self._flat_grad)
-            self._gather_gradients()  # .grad views in place for the result
+            # .grad views in place for the result
+            self._gather_gradients(view_missing=True)
             grad = self._zero_grad_buf
         else:
-            self._gather_gradients()
+            self._gather_gradients(view_missing=True)
             grad = self._flat_grad
         due = client.checksum_due
         state_checksum = self._state_checksum() if due else 0

@@ -245,6 +245,55 @@ class _ClusterMember:
         opt.flat_parameters().cpu().numpy())``); do not write it."""
         return self._flat
 
+    def _make_flat(self, plist, device):
+        """Copies `plist` into one contiguous float32 buffer (_flat) and makes
+        each p.data a view of its slice (as DeepSpeed's and Apex's flat
+        buffers do); _flat_grad is the matching gradient buffer."""
+        self._device = device
+        self._params = plist
+        self._slices = []  # (offset, numel) per parameter
+        n = 0
+        for p in plist:
+            self._slices.append((n, p.numel()))
+            n += p.numel()
+        self._n = n
+        with torch.no_grad():
+            flat = torch.empty(n, dtype=torch.float32, device=device)
+            for p, (off, cnt) in zip(plist, self._slices):
+                flat[off:off + cnt].copy_(p.detach().reshape(-1))
+            for p, (off, cnt) in zip(plist, self._slices):
+                p.data = flat[off:off + cnt].view(p.shape)
+        self._flat = flat
+        self._flat_grad = torch.zeros(n, dtype=torch.float32, device=device)
+        self._zero_grad_buf = None  # allocated at the first retried step
+
+    def _gather_gradients(self, view_missing=False):
+        """p.grad -> the flat gradient buffer (None: zeros; sparse:
+        densified, Horovod's sparse_as_dense); leaves each p.grad a view of
+        its slice, so the next backward accumulates there (`view_missing`:
+        also the parameters whose .grad was None, so that an aggregated
+        gradient written into the buffer reaches them)."""
+        fg = self._flat_grad
+        ptr0 = fg.data_ptr()
+        with torch.no_grad():
+            for p, (off, cnt) in zip(self._params, self._slices):
+                slot = fg[off:off + cnt]
+                g = p.grad
+                if g is None:
+                    slot.zero_()
+                    if view_missing:
+                        p.grad = slot.view(p.shape)
+                    continue
+                if g.is_sparse:
+                    # Before any data_ptr(): a sparse tensor has none.
+                    g = g.to_dense()
+                elif (g.data_ptr() == ptr0 + 4 * off and g.is_contiguous()
+                      and g.dtype == torch.float32 and g.device == fg.device
+                      and g.shape == p.shape):
+                    continue  # already the view: backward wrote in place
+                slot.copy_(g.reshape(-1))
+                p.grad = slot.view(p.shape)
+
     def _grad_signature(self):
         """Each parameter's .grad and its version counter: equal to an
         earlier signature only when no gradient was recomputed, zeroed or
@@ -549,23 +598,8 @@ class DistributedOptimizer(_ClusterMember, torch.optim.Optimizer):
                 "the model is on %s but this gtopk build has no CUDA step "
                 "(gtopk.has_cuda is False: built without nvcc/CUDA); "
                 "rebuild gtopk with CUDA or train on the CPU" % device)
-        self._device = device
-        self._params = plist
-        self._slices = []  # (offset, numel) per parameter
-        n = 0
-        for p in plist:
-            self._slices.append((n, p.numel()))
-            n += p.numel()
-        self._n = n
-        with torch.no_grad():
-            flat = torch.empty(n, dtype=torch.float32, device=device)
-            for p, (off, cnt) in zip(plist, self._slices):
-                flat[off:off + cnt].copy_(p.detach().reshape(-1))
-            for p, (off, cnt) in zip(plist, self._slices):
-                p.data = flat[off:off + cnt].view(p.shape)
-        self._flat = flat
-        self._flat_grad = torch.zeros(n, dtype=torch.float32, device=device)
-        self._zero_grad_buf = None  # allocated at the first retried step
+        self._make_flat(plist, device)
+        n = self._n
 
         # -- join, check, synchronise -----------------------------------------
         self._client = gtopk.Client(
@@ -746,28 +780,6 @@ class DistributedOptimizer(_ClusterMember, torch.optim.Optimizer):
                         "param_groups[%d][%r] is %r but the cluster's %s is "
                         "%r: %s" % (i, key, value, key, _f32_float(c[key]),
                                     what))
-
-    def _gather_gradients(self):
-        """p.grad -> the flat gradient buffer (None: zeros); leaves each
-        p.grad a view of its slice, so the next backward accumulates there."""
-        fg = self._flat_grad
-        ptr0 = fg.data_ptr()
-        with torch.no_grad():
-            for p, (off, cnt) in zip(self._params, self._slices):
-                slot = fg[off:off + cnt]
-                g = p.grad
-                if g is None:
-                    slot.zero_()
-                    continue
-                if g.is_sparse:
-                    # Before any data_ptr(): a sparse tensor has none.
-                    g = g.to_dense()
-                elif (g.data_ptr() == ptr0 + 4 * off and g.is_contiguous()
-                      and g.dtype == torch.float32 and g.device == fg.device
-                      and g.shape == p.shape):
-                    continue  # already the view: backward wrote in place
-                slot.copy_(g.reshape(-1))
-                p.grad = slot.view(p.shape)
 
     def step(self, closure=None, *, loss=None):
         """One gTop-k step (DESIGN.md "One step"): gathers the gradients,
