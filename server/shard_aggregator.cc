@@ -531,9 +531,18 @@ absl::Status ShardAggregator::CheckChecksums(
       pushes.begin(), pushes.end(),
       [](const WorkerPush& p) { return p.params_checksum != 0; });
   if (pushes.empty() || !(scheduled || asked)) return absl::OkStatus();
-  bool same = pushes[0].params_checksum != 0;
+  // Scheduled: every worker must have sent the same checksum. Asked: the
+  // ones sent must agree (a rank that resumed from a checkpoint of the very
+  // step the others are in lost nothing; the others need not send).
+  uint64_t first = 0;
+  bool same = true;
   for (const WorkerPush& p : pushes) {
-    same = same && p.params_checksum == pushes[0].params_checksum;
+    if (p.params_checksum == 0) {
+      same = same && !scheduled;
+      continue;
+    }
+    if (first == 0) first = p.params_checksum;
+    same = same && p.params_checksum == first;
   }
   if (same) return absl::OkStatus();
   // Group the ranks by checksum, in the order of each group's first rank;

@@ -82,8 +82,9 @@ struct WorkerPush {
   // The attempt epoch the worker last heard (common/epoch.h).
   uint64_t epoch = kNewestEpoch;
   // Push.params_checksum: compared on the steps of the divergence alarm
-  // (ShardOptions::checksum_every), and on any step where a worker sent
-  // one (its first step after a resume or a renumbering rollback).
+  // (ShardOptions::checksum_every), where all P must be equal, and on any
+  // step where a worker sent one (its first step after a resume or a
+  // renumbering rollback), where the ones sent must be equal.
   uint64_t params_checksum = 0;
   // Push.buffers: kWorkers only, rank 0's push to shard 0 only (any other
   // non-empty buffers are a bad push, INVALID_ARGUMENT).

@@ -620,13 +620,15 @@ class OutsideTestingTest(ClusterCase):
                                 "rank %d trained on with a replica that "
                                 "differs" % w)
         # Whichever resume comes last sets the shards' step; the other
-        # rank's push is refused (ahead of, or behind, the shards), or, when
-        # its round was pending at the resume, it recovers, renumbers and
-        # fails the divergence check with the other rank.
+        # rank's push is refused (ahead of, or behind, the shards: its
+        # Recover then says it cannot catch up), or, when its round was
+        # pending at the resume, it recovers, renumbers and fails the
+        # divergence check with the other rank. Every order ends the run.
         messages = " | ".join(str(e) for e in outcome)
         self.assertRegex(messages, "parameters differ|step 5 is ahead of "
                          "shard 0, which is at step 3|step 3 was already "
-                         "applied; shard 0 is at step 5")
+                         "applied; shard 0 is at step 5|the shards are at "
+                         "step 5 but this worker is at step 3")
 
     def test_one_rank_back_from_an_older_checkpoint_stops_the_run(self):
         """Rank 1 dies after step 5 and comes back from its step-3
@@ -684,6 +686,59 @@ class OutsideTestingTest(ClusterCase):
             self.assertIsInstance(outcome[w], gtopk.FailedPrecondition,
                                   "rank %d: %r" % (w, outcome[w]))
             self.assertRegex(str(outcome[w]), "parameters differ at step 3")
+
+    def test_a_rank_back_from_a_checkpoint_of_this_step_continues(self):
+        """Rank 1 saves after step 3 and comes back from that checkpoint at
+        once, while rank 0 waits in step 4: it lost nothing, so its
+        checksum (sent unasked after the resume) passes without rank 0's,
+        and the run ends bit-identical to the reference."""
+        import time
+        P, steps = 2, 6
+        srv = self.start(1, P)
+        ckpt = os.path.join(self.dir, "same-step.pt")
+        make_opt, _ = OPTIMIZERS["adam"]
+        models = [make_model() for _ in range(P)]
+
+        def worker(w):
+            model = models[w]
+            opt = self.wrap(srv, make_opt(model), w, model=model,
+                            recovery_timeout=20.0)
+            try:
+                step = 0
+                while step < steps:
+                    opt.zero_grad()
+                    loss_of(model, w, step).backward()
+                    deadline = time.monotonic() + 30
+                    while True:
+                        try:
+                            opt.step()
+                            break
+                        except gtopk.RETRYABLE:
+                            if time.monotonic() > deadline:
+                                raise
+                            opt.recover()
+                    step = opt.next_step
+                    if w == 1 and step == 4:
+                        torch.save({"model": model.state_dict(),
+                                    "opt": opt.state_dict()}, ckpt)
+                        opt.close()
+                        c = torch.load(ckpt)
+                        model = make_model()
+                        model.load_state_dict(c["model"])
+                        opt = self.wrap(srv, make_opt(model), w,
+                                        model=model, recovery_timeout=20.0)
+                        opt.load_state_dict(c["opt"])
+                        self.assertEqual(opt.next_step, 4)
+                return flat_of(model.parameters())
+            finally:
+                opt.close()
+
+        results, errs = in_threads(P, worker)
+        raise_first(errs)
+        want, _ = reference(P, steps, "adam")
+        for w in range(P):
+            np.testing.assert_array_equal(results[w].view(np.uint32),
+                                          want.view(np.uint32))
 
     def test_closure_optimizers_and_misuse_are_refused_clearly(self):
         srv = self.start(1, 1)
