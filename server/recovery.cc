@@ -409,6 +409,19 @@ grpc::Status AggregatorService::RollbackShard(
   return grpc::Status::OK;
 }
 
+AggregatorService::LeaderFence AggregatorService::FenceLeader(
+    const absl::Status& reason) {
+  commit_coordinator_->Fence(reason);
+  coordinator_->Fence(reason);
+  return LeaderFence(this);
+}
+
+AggregatorService::LeaderFence::~LeaderFence() {
+  if (service_ == nullptr) return;
+  service_->coordinator_->Unfence();
+  service_->commit_coordinator_->Unfence();
+}
+
 absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverCluster(
     absl::Time deadline, std::optional<int64_t> resume_step) {
   if (!is_leader()) {
@@ -589,17 +602,8 @@ absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverClusterOnce(
   // Fence the commit vote and the threshold exchange: no step can be
   // committed while the shards' states are read, and rounds being computed
   // fail quickly instead of waiting for a shard that will not come.
-  const absl::Status fence =
-      absl::AbortedError("the leader is recovering the cluster");
-  commit_coordinator_->Fence(fence);
-  coordinator_->Fence(fence);
-  struct Unfence {
-    AggregatorService* self;
-    ~Unfence() {
-      self->coordinator_->Unfence();
-      self->commit_coordinator_->Unfence();
-    }
-  } unfence{this};
+  const auto unfence =
+      FenceLeader(absl::AbortedError("the leader is recovering the cluster"));
 
   // Every shard's state, in parallel (each call bounded by `deadline`).
   GTOPK_ASSIGN_OR_RETURN(
@@ -660,17 +664,8 @@ absl::StatusOr<v1::RecoverResponse> AggregatorService::ResumeClusterOnce(
       return response;
     }
   }
-  const absl::Status fence = absl::AbortedError(absl::StrCat(
-      "the leader is resuming the cluster at step ", step));
-  commit_coordinator_->Fence(fence);
-  coordinator_->Fence(fence);
-  struct Unfence {
-    AggregatorService* self;
-    ~Unfence() {
-      self->coordinator_->Unfence();
-      self->commit_coordinator_->Unfence();
-    }
-  } unfence{this};
+  const auto unfence = FenceLeader(absl::AbortedError(
+      absl::StrCat("the leader is resuming the cluster at step ", step)));
   GTOPK_ASSIGN_OR_RETURN(const std::vector<int64_t> steps,
                          read(/*settle=*/true));
   bool moved = false;

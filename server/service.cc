@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <new>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -786,19 +787,15 @@ grpc::Status AggregatorService::DownloadParams(
                         absl::StrCat("shard ", config_.shard_id, ": ", what));
   };
   size_t offset = 0;
-  do {
-    const size_t count = std::min(per_chunk, values.size() - offset);
+  // A chunk at `offset` (values from there, none past the range's end),
+  // its fields set by `fill`; the download's status when it cannot go.
+  auto send = [&](auto fill) -> std::optional<grpc::Status> {
     v1::ParamsChunk chunk;
     chunk.set_worker(request->worker());
     chunk.set_shard_id(config_.shard_id);
     chunk.set_offset(begin + offset);
     chunk.set_step(params->next_step);
-    chunk.mutable_values()->Add(values.begin() + offset,
-                                values.begin() + offset + count);
-    if (with_velocity) {
-      chunk.mutable_global_velocity()->Add(velocity.begin() + offset,
-                                           velocity.begin() + offset + count);
-    }
+    fill(chunk);
     watchdog.WriteStarted();
     const bool written = writer->Write(chunk);
     watchdog.WriteEnded();
@@ -810,6 +807,20 @@ grpc::Status AggregatorService::DownloadParams(
     }
     metrics_->sent_download_bytes().Increment(
         static_cast<double>(chunk.ByteSizeLong()));
+    return std::nullopt;
+  };
+  do {
+    const size_t count = std::min(per_chunk, values.size() - offset);
+    if (std::optional<grpc::Status> failed = send([&](v1::ParamsChunk& c) {
+          c.mutable_values()->Add(values.begin() + offset,
+                                  values.begin() + offset + count);
+          if (with_velocity) {
+            c.mutable_global_velocity()->Add(
+                velocity.begin() + offset, velocity.begin() + offset + count);
+          }
+        })) {
+      return *failed;
+    }
     offset += count;
   } while (offset < values.size());
   // The state blob, in pieces of at most chunk_bytes less the overhead
@@ -819,23 +830,11 @@ grpc::Status AggregatorService::DownloadParams(
   const size_t per_piece = static_cast<size_t>(
       std::max<uint64_t>(1, chunk_bytes - kChunkOverheadBytes));
   for (size_t at = 0; at < state.size(); at += per_piece) {
-    v1::ParamsChunk chunk;
-    chunk.set_worker(request->worker());
-    chunk.set_shard_id(config_.shard_id);
-    chunk.set_offset(begin + values.size());
-    chunk.set_step(params->next_step);
-    chunk.set_state(state.substr(at, per_piece));
-    watchdog.WriteStarted();
-    const bool written = writer->Write(chunk);
-    watchdog.WriteEnded();
-    if (!written) {
-      const std::string reason = watchdog.Stop();
-      if (!reason.empty()) return cancelled_by_limit(reason, offset);
-      return grpc::Status(grpc::StatusCode::CANCELLED,
-                          "the worker went away during DownloadParams");
+    if (std::optional<grpc::Status> failed = send([&](v1::ParamsChunk& c) {
+          c.set_state(state.substr(at, per_piece));
+        })) {
+      return *failed;
     }
-    metrics_->sent_download_bytes().Increment(
-        static_cast<double>(chunk.ByteSizeLong()));
   }
   // The watchdog may have cancelled the call as the last Write completed:
   // then the client sees CANCELLED, and so must the handler's status.

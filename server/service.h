@@ -361,6 +361,23 @@ class AggregatorService final : public v1::Aggregator::Service {
   // within `deadline`); the answer to Recover when every shard has
   // parameters and all are at the same step, nullopt otherwise.
   std::optional<v1::RecoverResponse> AgreedWithoutFence(absl::Time deadline);
+  // Fences the leader's commit vote and threshold exchange with `reason`
+  // (waiting and new calls fail with it) until the returned object is
+  // destroyed: a recovery or a resume reads and moves the shards meanwhile.
+  class LeaderFence {
+   public:
+    explicit LeaderFence(AggregatorService* service) : service_(service) {}
+    LeaderFence(LeaderFence&& other) noexcept : service_(other.service_) {
+      other.service_ = nullptr;
+    }
+    LeaderFence(const LeaderFence&) = delete;
+    LeaderFence& operator=(const LeaderFence&) = delete;
+    ~LeaderFence();
+
+   private:
+    AggregatorService* service_;
+  };
+  LeaderFence FenceLeader(const absl::Status& reason);
   // Rolls every shard back to `target` (LocalRollback here, RollbackShard on
   // the others, in parallel, each bounded by `deadline`). OK, or the first
   // failure's code with every failure's message, naming the shards.

@@ -436,41 +436,15 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
             return grad
         return hook
 
-    def _budget(self):
-        if self._recovery_timeout is not None:
-            return float(self._recovery_timeout)
-        return 4.0 * self._cluster.get("step_timeout_ms", 30000) / 1000.0
-
-    def _host_flat(self):
-        return self._flat.numpy() if not self._cuda else \
-            self._flat.detach().to("cpu").numpy()
-
     def _synchronize_initial(self):
         """Rank 0's parameters and state to every replica (the shards keep
         the first rank 0 offered), recovering within the budget when a shard
         is restarting (as gtopk-worker does)."""
         blob = self._state_layout.pack() if self._state_layout else b""
-        deadline = time.monotonic() + self._budget()
-        backoff = 0.1
-        while True:
-            try:
-                host = self._flat.numpy() if not self._cuda else \
-                    self._flat.detach().to("cpu", copy=True).numpy()
-                step, state = self._client.synchronize_with_state(host, blob)
-                if self._cuda:
-                    with torch.no_grad():
-                        self._flat.copy_(torch.from_numpy(host))
-                break
-            except (errors.FailedPrecondition, errors.Unavailable):
-                if time.monotonic() + backoff > deadline:
-                    raise
-            time.sleep(backoff)
-            backoff = min(backoff * 2, 1.6)
-            try:
-                self._client.recover(None, max(1.0, deadline - time.monotonic()))
-            except errors.RETRYABLE:
-                if time.monotonic() > deadline:
-                    raise
+        step, state = self._retry_within_budget(
+            lambda: self._with_host_params(
+                lambda buf: self._client.synchronize_with_state(buf, blob)),
+            lambda left: self._client.recover(None, left))
         if step != 0:
             self._needs_resume = True
             self._resume_reason = step

@@ -245,6 +245,45 @@ class _ClusterMember:
         opt.flat_parameters().cpu().numpy())``); do not write it."""
         return self._flat
 
+    def _budget(self):
+        if self._recovery_timeout is not None:
+            return float(self._recovery_timeout)
+        return 4.0 * self._cluster.get("step_timeout_ms", 30000) / 1000.0
+
+    def _retry_within_budget(self, sync, recover):
+        """sync(), and while it fails because the shards are at different
+        steps (FAILED_PRECONDITION) or one is restarting (UNAVAILABLE),
+        recover(seconds left) and sync() again, with backoff, within the
+        recovery budget (as gtopk-worker does)."""
+        deadline = time.monotonic() + self._budget()
+        backoff = 0.1
+        while True:
+            try:
+                return sync()
+            except (errors.FailedPrecondition, errors.Unavailable):
+                if time.monotonic() + backoff > deadline:
+                    raise
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 1.6)
+            try:
+                recover(max(1.0, deadline - time.monotonic()))
+            except errors.RETRYABLE:
+                if time.monotonic() > deadline:
+                    raise
+
+    def _with_host_params(self, fn):
+        """fn(float32 numpy view of the parameters): in place on the CPU; on
+        a CUDA model through a host copy, copied back afterwards (also when
+        fn raises: it may have written part of the buffer)."""
+        if not self._cuda:
+            return fn(self._flat.numpy())
+        host = self._flat.detach().to("cpu", copy=True)
+        try:
+            return fn(host.numpy())
+        finally:
+            with torch.no_grad():
+                self._flat.copy_(host)
+
     def _make_flat(self, plist, device):
         """Copies `plist` into one contiguous float32 buffer (_flat) and makes
         each p.data a view of its slice (as DeepSpeed's and Apex's flat
@@ -661,46 +700,15 @@ class DistributedOptimizer(_ClusterMember, torch.optim.Optimizer):
 
     # -- construction helpers ------------------------------------------------
 
-    def _budget(self):
-        if self._recovery_timeout is not None:
-            return float(self._recovery_timeout)
-        return 4.0 * self._cluster.get("step_timeout_ms", 30000) / 1000.0
-
     def _synchronize_initial(self):
         """synchronize_parameters, recovering (as gtopk-worker does) when the
         shards are at different steps (FAILED_PRECONDITION) or one is
         restarting (UNAVAILABLE), within the recovery budget."""
-        deadline = time.monotonic() + self._budget()
-        backoff = 0.1
-        while True:
-            try:
-                return self._with_host_params(
-                    self._client.synchronize_parameters)
-            except (errors.FailedPrecondition, errors.Unavailable):
-                if time.monotonic() + backoff > deadline:
-                    raise
-            time.sleep(backoff)
-            backoff = min(backoff * 2, 1.6)
-            try:
-                left = max(1.0, deadline - time.monotonic())
-                self._with_host_params(
-                    lambda buf: self._client.recover(buf, left))
-            except errors.RETRYABLE:
-                if time.monotonic() > deadline:
-                    raise
-
-    def _with_host_params(self, fn):
-        """fn(float32 numpy view of the parameters): in place on the CPU; on
-        a CUDA model through a host copy, copied back afterwards (also when
-        fn raises: it may have written part of the buffer)."""
-        if not self._cuda:
-            return fn(self._flat.numpy())
-        host = self._flat.detach().to("cpu", copy=True)
-        try:
-            return fn(host.numpy())
-        finally:
-            with torch.no_grad():
-                self._flat.copy_(host)
+        return self._retry_within_budget(
+            lambda: self._with_host_params(
+                self._client.synchronize_parameters),
+            lambda left: self._with_host_params(
+                lambda buf: self._client.recover(buf, left)))
 
     def add_param_group(self, param_group):
         """Only at construction: the flat buffer and the cluster's n are fixed
