@@ -620,6 +620,12 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
             raise
         if self._buffer_layout is not None and not rank0:
             self._buffer_layout.unpack(received, "buffers")
+        # A parameter frozen since construction (requires_grad=False now)
+        # is left alone by the wrapped optimizer, as under DDP: no .grad.
+        # Every rank drops the same entries, so the replicas stay equal.
+        for p in self._params:
+            if not p.requires_grad:
+                p.grad = None
         self._stats = dict(stats)
         self._stats["exchange_seconds"] = time.perf_counter() - t0
         self._synchronized = True

@@ -530,6 +530,38 @@ class OutsideTestingTest(ClusterCase):
         finally:
             opt.close()
 
+    def test_a_parameter_frozen_mid_training_stops_moving(self):
+        """Progressive freezing, as under DDP: once requires_grad is False
+        the wrapped optimizer leaves the parameter alone (AdamW's decay
+        included); the others keep training, replicas equal."""
+        P = 2
+        srv = self.start(1, P, density=1.0)
+        models = [make_model() for _ in range(P)]
+
+        def worker(w):
+            model = models[w]
+            opt = self.wrap(srv, torch.optim.AdamW(model.parameters(),
+                                                   lr=0.01), w, model=model)
+            try:
+                for step in range(4):
+                    if step == 2:
+                        model[0].weight.requires_grad_(False)
+                        frozen = model[0].weight.detach().clone()
+                        other = model[2].weight.detach().clone()
+                    opt.zero_grad()
+                    loss_of(model, w, step).backward()
+                    opt.step()
+                self.assertTrue(torch.equal(model[0].weight.detach(), frozen))
+                self.assertFalse(torch.equal(model[2].weight.detach(), other))
+                return flat_of(model.parameters())
+            finally:
+                opt.close()
+
+        results, errs = in_threads(P, worker)
+        raise_first(errs)
+        np.testing.assert_array_equal(results[0].view(np.uint32),
+                                      results[1].view(np.uint32))
+
     def test_a_frozen_parameter_changed_through_data_on_one_rank(self):
         P = 2
         srv = self.start(1, P, checksum_every=1)
