@@ -176,6 +176,22 @@ def raise_first(errs):
             raise e
 
 
+def step_with_retry(opt, deadline, failures=None, index=0):
+    """opt.step() with the documented recovery loop until `deadline`
+    (time.monotonic()); counts the failures in failures[index]."""
+    import time
+    while True:
+        try:
+            opt.step()
+            return
+        except gtopk.RETRYABLE:
+            if failures is not None:
+                failures[index] += 1
+            if time.monotonic() > deadline:
+                raise
+            opt.recover()
+
+
 class ClusterCase(unittest.TestCase):
     def setUp(self):
         self.dir = tempfile.mkdtemp(prefix="gtopk-workers-apply-test-")
@@ -632,14 +648,7 @@ class OutsideTestingTest(ClusterCase):
                 for step in range(opt.next_step, 8):
                     opt.zero_grad()
                     loss_of(model, w, step).backward()
-                    while True:
-                        try:
-                            opt.step()
-                            break
-                        except gtopk.RETRYABLE:
-                            if time.monotonic() > deadline:
-                                raise
-                            opt.recover()
+                    step_with_retry(opt, deadline)
                 outcome[w] = "finished"
             except gtopk.Error as e:
                 outcome[w] = e
@@ -695,14 +704,8 @@ class OutsideTestingTest(ClusterCase):
                         step = opt.next_step
                     opt.zero_grad()
                     loss_of(model, w, step).backward()
-                    while True:
-                        try:
-                            opt.step()
-                            break
-                        except gtopk.RETRYABLE:
-                            if time.monotonic() > deadline:
-                                raise
-                            step = opt.recover()
+                    step_with_retry(opt, deadline)
+                    step = opt.next_step - 1
                     if w == 1 and step == 2:
                         torch.save({"model": model.state_dict(),
                                     "opt": opt.state_dict()}, ckpt % w)
@@ -740,15 +743,7 @@ class OutsideTestingTest(ClusterCase):
                 while step < steps:
                     opt.zero_grad()
                     loss_of(model, w, step).backward()
-                    deadline = time.monotonic() + 30
-                    while True:
-                        try:
-                            opt.step()
-                            break
-                        except gtopk.RETRYABLE:
-                            if time.monotonic() > deadline:
-                                raise
-                            opt.recover()
+                    step_with_retry(opt, time.monotonic() + 30)
                     step = opt.next_step
                     if w == 1 and step == 4:
                         torch.save({"model": model.state_dict(),
@@ -878,16 +873,7 @@ class FailureTest(ClusterCase):
                     loss_of(model, w, step).backward()
                     if w == 1 and step == 2:
                         time.sleep(3.0)
-                    deadline = time.monotonic() + 30
-                    while True:
-                        try:
-                            opt.step()
-                            break
-                        except gtopk.RETRYABLE:
-                            failures[w] += 1
-                            if time.monotonic() > deadline:
-                                raise
-                            opt.recover()
+                    step_with_retry(opt, time.monotonic() + 30, failures, w)
                 return flat_of(model.parameters())
             finally:
                 opt.close()
