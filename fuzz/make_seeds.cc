@@ -231,6 +231,30 @@ void Requests() {
     init += Record(kInitChunk, chunk);
   }
   Write("server_requests_fuzz", "init_params", init);
+  // Bytes that parse as no request (issue 42): a bad wire type, a truncated
+  // varint, a length past the end, and 101 nested groups, each sent as every
+  // record type after a Join.
+  const std::string malformed[] = {
+      std::string("\x0f", 1),          // field 1, wire type 7
+      std::string("\x08\xff", 2),      // varint whose continuation is cut
+      std::string("\x0a\x10" "a", 3),  // 16 bytes announced, 1 follows
+      std::string(101, '\x0b') + std::string(101, '\x0c'),  // groups
+  };
+  const char* malformed_names[] = {"bad_wire_type", "truncated_varint",
+                                   "length_past_end", "nested_groups"};
+  for (size_t m = 0; m < 4; ++m) {
+    std::string in{'\x00', '\x06'};
+    v1::JoinRequest join;
+    join.set_requested_rank(-1);
+    join.set_n(n);
+    in += Record(kJoin, join);
+    for (int type = kJoin; type <= kInitChunk; ++type) {
+      in += std::string(1, static_cast<char>(type)) +
+            U16(malformed[m].size()) + malformed[m];
+    }
+    Write("server_requests_fuzz", absl::StrCat("malformed_", malformed_names[m]),
+          in);
+  }
 }
 
 void Checkpoints() {

@@ -1,7 +1,10 @@
 // libFuzzer harness: every request message a shard receives, as the server
-// receives it: bytes -> protobuf ParseFromArray (what gRPC does; bytes it
-// cannot parse never reach a handler) -> the server's own code.
+// receives it: bytes -> the request type's SerializationTraits (what gRPC
+// does; bytes it cannot parse are refused before any handler) -> the server's own code.
 //
+//   - Bytes that do not parse as the request type are refused by the
+//     request types' SerializationTraits with INVALID_ARGUMENT naming the
+//     type (proto/request_parsing.h), as gRPC does before any handler.
 //   - The unary RPCs (Join, GetClusterSpec, CommitStep, ExchangeThreshold,
 //     GetShardState, RollbackShard, Recover, AbortStep, CheckMember) go to
 //     the real handlers of a real AggregatorService (server/service.h): the
@@ -46,7 +49,10 @@
 #include "common/codec.h"
 #include "fuzz/fuzz_check.h"
 #include "google/protobuf/stubs/logging.h"
+#include "absl/strings/match.h"
 #include "grpcpp/server_context.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "proto/request_parsing.h"
 #include "gtopk/v1/gtopk.pb.h"
 #include "server/request_checks.h"
 #include "server/server_config.h"
@@ -87,9 +93,23 @@ void CheckRemoteStatus(const absl::Status& s, const char* what) {
   FUZZ_CHECK(!s.message().empty(), "%s: error without a message", what);
 }
 
+// Parses `bytes` the way the server's gRPC does, through the request
+// type's SerializationTraits (proto/request_parsing.h): bytes that do not
+// parse must be refused INVALID_ARGUMENT with a message naming the type, and
+// never reach a handler.
 template <typename Message>
 bool Parse(absl::string_view bytes, Message* m) {
-  return m->ParseFromArray(bytes.data(), static_cast<int>(bytes.size()));
+  grpc::Slice slice(bytes.data(), bytes.size());
+  grpc::ByteBuffer buffer(&slice, 1);
+  const grpc::Status status =
+      grpc::SerializationTraits<Message>::Deserialize(&buffer, m);
+  if (status.ok()) return true;
+  FUZZ_CHECK(status.error_code() == grpc::StatusCode::INVALID_ARGUMENT &&
+                 absl::StrContains(status.error_message(), m->GetTypeName()),
+             "unparseable %s: code %d, message \"%s\"",
+             m->GetTypeName().c_str(), static_cast<int>(status.error_code()),
+             status.error_message().c_str());
+  return false;
 }
 
 struct Harness {

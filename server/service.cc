@@ -28,6 +28,7 @@
 #include "common/sparse_vector.h"
 #include "common/status_macros.h"
 #include "grpcpp/client_context.h"
+#include "proto/request_parsing.h"
 #include "server/checkpoint.h"
 #include "server/request_checks.h"
 #include "server/service_internal.h"
@@ -595,6 +596,7 @@ grpc::Status AggregatorService::InitParams(
     }
     return absl::OkStatus();
   };
+  proto::TakeRequestParseFailure();  // none yet: forget an earlier call's
   while (reader->Read(&chunk)) {
     metrics_->received_init_bytes().Increment(
         static_cast<double>(chunk.ByteSizeLong()));
@@ -646,6 +648,10 @@ grpc::Status AggregatorService::InitParams(
       return ToGrpcStatus(OutOfMemoryForRange(shard, begin, end));
     }
     next += static_cast<uint64_t>(chunk.values_size());
+  }
+  if (grpc::Status unparsed = proto::TakeRequestParseFailure();
+      !unparsed.ok()) {
+    return unparsed;  // a chunk that does not parse, not the end of them
   }
   if (context->IsCancelled()) {
     return grpc::Status(grpc::StatusCode::CANCELLED, "InitParams cancelled");
@@ -931,6 +937,7 @@ grpc::Status AggregatorService::PushPull(
       stream->SendInitialMetadata();
     }
   }
+  proto::TakeRequestParseFailure();  // none yet: forget an earlier call's
   while (stream->Read(&push)) {
     metrics_->received_push_bytes().Increment(
         static_cast<double>(push.ByteSizeLong()));
@@ -1061,7 +1068,9 @@ grpc::Status AggregatorService::PushPull(
     }
     metrics_->sent_pull_bytes().Increment(static_cast<double>(bytes));
   }
-  return grpc::Status::OK;
+  // Read() is false at the client's end of the stream, and for a push that
+  // does not parse: that one is INVALID_ARGUMENT, not an orderly end.
+  return proto::TakeRequestParseFailure();
 }
 
 grpc::Status AggregatorService::ExchangeThreshold(
