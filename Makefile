@@ -39,6 +39,9 @@
 #                FUZZ_BUILD_DIR/fuzz-scratch, figures in FUZZ_RESULTS
 #                (bench/results/fuzz.json)
 #   make format  clang-format the sources in place (needs clang-format)
+#   make compose-certs  (root) the docker-compose cluster's set-up step: the
+#                certificates of its default mutual TLS (deploy/tls/out/)
+#   make compose-test  (root) the docker-compose cluster run for real
 #   make deploy-sync  refresh deploy/k8s/base/generated/ from deploy/cluster.env
 #                and dashboards/*.json (kustomize reads no file outside its root)
 #   make demo    deps + build + a local cluster training Fashion-MNIST with
@@ -103,7 +106,7 @@ DEMO_ARGS      ?=
 LOWBW_ARGS     ?=
 
 .PHONY: python python-install wheel all deps build test bench bench-lowbw bench-lowbw-grid bench-model demo format clean deploy-sync \
-	device-bundle device-bundle-check compose-test fuzz fuzz-smoke fuzz-build fuzz-deps
+	device-bundle device-bundle-check compose-certs compose-test fuzz fuzz-smoke fuzz-build fuzz-deps
 
 all: build
 
@@ -214,9 +217,17 @@ device-bundle-check: device-bundle
 	BUNDLE=$(BUILD_DIR)/device_bundle BUILD_DIR=$(BUILD_DIR)/bundle_check JOBS=$(JOBS) \
 	  bench/cuda/bundle_check.sh
 
+# The compose cluster's set-up step (as root): the certificates of its
+# default mutual TLS in deploy/tls/out/<service>/ (docs/security.md,
+# "Compose"); then `cd deploy && docker compose up --build`. Plaintext is
+# the explicit opt-out -f docker-compose.yml -f docker-compose.plaintext.yml.
+compose-certs:
+	deploy/tls/compose-certs.sh
+
 # The docker-compose cluster run for real (issue 21; as root): builds the
-# images from deploy/docker/Dockerfile and runs the cluster on host
-# networking. COMPOSE_FORM=small: 1 shard + 1 worker; full: 2 + 4.
+# images from deploy/docker/Dockerfile and runs the cluster, over mutual TLS
+# with certificates from its own set-up step, on host networking.
+# COMPOSE_FORM=small: 1 shard + 1 worker; full: 2 + 4.
 # COMPOSE_CPUSET limits the image builds to those cores (docker build
 # --cpuset-cpus), e.g. 1 on a shared machine.
 COMPOSE_FORM   ?= small

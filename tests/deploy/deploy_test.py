@@ -17,18 +17,33 @@ One ctest test per class (label `deploy`), e.g.
                     PyTorch variant (-f docker-compose.python.yml) replaces
                     exactly worker-N's image, build target and command
                     (the example in the image, worker-N's flags), nothing
-                    else
+                    else; mutual TLS by default (docs/security.md): one
+                    --tls, the mutual one, and each service's own
+                    certificate from its directory of the set-up step
+                    (deploy/tls/compose-certs.sh, run here: the files exist,
+                    CN and CA right, no other service's key), the shards'
+                    HEALTHCHECK presenting it; the plaintext opt-out
+                    (docker-compose.plaintext.yml, and
+                    docker-compose.python-plaintext.yml for the PyTorch
+                    workers) says --tls=off, mounts no certificate and
+                    changes nothing else
   KustomizeTest     `kubectl kustomize` renders every overlay; StatefulSet,
                     headless Service, PDB, Indexed Job, ConfigMaps,
                     NetworkPolicy semantics, monitors, annotations; the
                     gpu overlay's workers pass --device=cuda, run the CUDA
                     image and hold an nvidia.com/gpu limit, the cpu
-                    overlay's none of these
-  SchemaTest        every rendered object against the Kubernetes and
-                    Prometheus Operator schemas, unknown fields, container
-                    rules (deploy/validate/validate.mjs, npm packages locked
-                    in deploy/validate/package-lock.json); the validator
-                    rejects broken copies
+                    overlay's none of these; every overlay runs mutual TLS
+                    (the base's default), its files provided by the
+                    one-shot Secrets (deploy/tls/k8s-secrets.sh, run here)
+                    or by cert-manager (examples/cert-manager), the shards'
+                    probes on the health-only port; the plaintext opt-out
+                    (components/plaintext, examples/plaintext) renders
+                    --tls=off over every overlay and changes nothing else
+  SchemaTest        every rendered object (overlays and examples) against
+                    the Kubernetes and Prometheus Operator schemas, unknown
+                    fields, container rules (deploy/validate/validate.mjs,
+                    npm packages locked in deploy/validate/package-lock.json);
+                    the validator rejects broken copies
   PromtoolTest      `promtool check config` on every deploy/prometheus/*.yml
   DockerfileTest    the images without an engine: Debian bases, every source
                     folder CMake needs is copied, the targets exist, the
@@ -53,9 +68,15 @@ One ctest test per class (label `deploy`), e.g.
                     or, for the Python workers, in the example's argparse
                     (examples/pytorch/train_fashion_mnist.py --help), which
                     also parses the compose Python workers' values; the
-                    entrypoints print their usage, and two shards
-                    started with the compose flags (addresses moved to
-                    loopback) answer SERVING and stop cleanly
+                    entrypoints print their usage; and the compose cluster's
+                    processes, started with the compose flags (addresses
+                    and paths moved to loopback and temporary directories,
+                    the model to synthetic:N) by default (mutual TLS, the
+                    set-up step's certificates) and with the plaintext
+                    opt-out: the shards answer SERVING to the compose
+                    HEALTHCHECK (an mTLS port refuses a plaintext check),
+                    the workers train a few steps and agree on the
+                    checksum, the shards stop cleanly
   ConsistencyTest   compose (both variants), Kubernetes and the launcher
                     (--config deploy/cluster.env, --worker cpp and python)
                     pass the same flags with the same values; the
@@ -102,6 +123,20 @@ EXAMPLE_IN_IMAGE = "/opt/gtopk/examples/train_fashion_mnist.py"
 COMPOSE_FILE = os.path.join(DEPLOY, "docker-compose.yml")
 # The PyTorch-workers variant: an override file merged over COMPOSE_FILE.
 PYTHON_COMPOSE_FILE = os.path.join(DEPLOY, "docker-compose.python.yml")
+# The plaintext opt-out of the default mutual TLS (docs/security.md): merged
+# over COMPOSE_FILE, and for the PyTorch workers the second one merged last.
+PLAINTEXT_COMPOSE_FILE = os.path.join(DEPLOY, "docker-compose.plaintext.yml")
+PYTHON_PLAINTEXT_COMPOSE_FILE = os.path.join(
+    DEPLOY, "docker-compose.python-plaintext.yml")
+# The set-up steps that make the certificates: compose (files per service)
+# and Kubernetes (the Secrets the base mounts).
+COMPOSE_CERTS = os.path.join(DEPLOY, "tls", "compose-certs.sh")
+K8S_SECRETS = os.path.join(DEPLOY, "tls", "k8s-secrets.sh")
+# Where every deployment mounts the certificates, and the --tls flags.
+TLS_MOUNT = "/etc/gtopk/tls"
+TLS_FLAGS = ("--tls=", "--tls-cert=", "--tls-key=", "--tls-ca=")
+# The containers' user (the Dockerfile's, the manifests' runAsUser).
+CONTAINER_UID = 10001
 OVERLAYS = sorted(os.path.basename(p) for p in
                   glob.glob(os.path.join(DEPLOY, "k8s", "overlays", "*"))
                   if os.path.isfile(os.path.join(p, "kustomization.yaml")))
@@ -117,9 +152,10 @@ SERVER_JOB, WORKER_JOB = "gtopk-server", "gtopk-worker"
 # Flags whose values differ per deployment by nature (addresses, paths,
 # identities); every other flag must be identical everywhere. The launcher
 # binds metrics to loopback (--metrics-host); containers keep 0.0.0.0.
-# Transport security (docs/security.md) is the deployment's choice, not a
-# cluster setting: the launcher runs mutual TLS with its own throwaway
-# certificates, compose and k8s add it by an override / component.
+# Transport security (docs/security.md) is the deployment's, not a cluster
+# setting: all three run mutual TLS by default, each with its own
+# certificates and paths (the launcher's throwaway ones, compose's set-up
+# step, the k8s Secrets), plaintext being an explicit opt-out.
 SECURITY_FLAGS = {"tls", "tls_cert", "tls_key", "tls_ca", "token_file",
                   "shard_token_file", "health_listen"}
 SERVER_LOCAL_FLAGS = {"listen", "shard_id", "peers", "checkpoint_dir",
@@ -189,88 +225,106 @@ def same_value(a, b):
 _compose_cache = {}
 
 
-def compose_files(python=False):
-    """docker-compose's -f options: the compose file, and with python=True
-    the PyTorch-workers override merged over it."""
-    files = [COMPOSE_FILE] + ([PYTHON_COMPOSE_FILE] if python else [])
+def compose_files(python=False, plaintext=False):
+    """docker-compose's -f options: the compose file (mutual TLS), with
+    plaintext=True the plaintext opt-out, with python=True the
+    PyTorch-workers override, and with both the Python workers' plaintext
+    file last (docs/security.md, "Compose")."""
+    files = ([COMPOSE_FILE] + ([PLAINTEXT_COMPOSE_FILE] if plaintext else [])
+             + ([PYTHON_COMPOSE_FILE] if python else [])
+             + ([PYTHON_PLAINTEXT_COMPOSE_FILE] if python and plaintext
+                else []))
     return [a for f in files for a in ("-f", f)]
 
 
-def compose_config(python=False):
+def compose_env(tls_dir=None):
+    """The environment docker-compose runs in: GTOPK_COMPOSE_TLS_DIR is
+    tls_dir, or unset (the file's default, ./tls/out) whatever the caller's
+    environment says."""
+    env = dict(os.environ)
+    env.pop("GTOPK_COMPOSE_TLS_DIR", None)
+    if tls_dir is not None:
+        env["GTOPK_COMPOSE_TLS_DIR"] = tls_dir
+    return env
+
+
+def compose_config(python=False, plaintext=False, tls_dir=None):
     """The compose file (with python=True: merged with
-    docker-compose.python.yml) as docker-compose resolves it (variables from
-    deploy/.env substituted)."""
-    if python not in _compose_cache:
+    docker-compose.python.yml; plaintext=True: with the plaintext opt-out)
+    as docker-compose resolves it (variables from deploy/.env substituted,
+    the certificates' directory tls_dir or the default)."""
+    key = (python, plaintext, tls_dir)
+    if key not in _compose_cache:
         exe = need("docker-compose")
-        r = run([exe, "--project-directory", DEPLOY] + compose_files(python)
-                + ["config"])
+        r = run([exe, "--project-directory", DEPLOY]
+                + compose_files(python, plaintext) + ["config"],
+                env=compose_env(tls_dir))
         if r.returncode != 0:
             raise AssertionError("docker-compose config failed:\n" + r.stderr)
-        _compose_cache[python] = yaml.safe_load(r.stdout)
-    return _compose_cache[python]
+        _compose_cache[key] = yaml.safe_load(r.stdout)
+    return _compose_cache[key]
 
 
-def compose_merged(*files):
-    """docker-compose config of deploy/FILES merged in that order."""
-    exe = need("docker-compose")
-    args = [a for f in files for a in ("-f", os.path.join(DEPLOY, f))]
-    r = run([exe, "--project-directory", DEPLOY] + args + ["config"])
+def compose_mounts(svc):
+    """{target: (source or None, read_only, type)} of a resolved service's
+    volumes (docker-compose config writes binds and named volumes as
+    "source:target[:mode]", tmpfs as a mapping)."""
+    out = {}
+    for v in svc.get("volumes", []):
+        if isinstance(v, str):
+            parts = v.split(":")
+            out[parts[1]] = (parts[0], len(parts) > 2 and
+                             "ro" in parts[2].split(","),
+                             "bind" if parts[0].startswith("/") else "volume")
+        else:
+            out[v["target"]] = (v.get("source"), bool(v.get("read_only")),
+                                v.get("type"))
+    return out
+
+
+def tls_args(argv):
+    """The --tls flags of an argument list, in order."""
+    return [a for a in argv if a.startswith(TLS_FLAGS)]
+
+
+def mutual_tls_args(name, mount=TLS_MOUNT):
+    """The --tls flags of a process whose certificate is NAME.{crt,key}."""
+    return ["--tls=mutual", "--tls-cert=%s/%s.crt" % (mount, name),
+            "--tls-key=%s/%s.key" % (mount, name),
+            "--tls-ca=%s/ca.crt" % mount]
+
+
+def certs_env():
+    """The environment for the set-up scripts: the keys go to the
+    containers' uid as root (what the documented step does); another user
+    keeps them (the script refuses to give them away without root)."""
+    env = dict(os.environ)
+    env.pop("GTOPK_SHARDS", None)
+    env.pop("GTOPK_WORKERS", None)
+    if os.getuid() != 0:
+        env["GTOPK_COMPOSE_UID"] = str(os.getuid())
+    return env
+
+
+def make_compose_certs(out):
+    r = run([COMPOSE_CERTS, out], env=certs_env())
     if r.returncode != 0:
-        raise AssertionError("docker-compose config %s failed:\n%s"
-                             % (" ".join(files), r.stderr))
-    return yaml.safe_load(r.stdout)
+        raise AssertionError("%s failed (%d):\n%s" % (
+            COMPOSE_CERTS, r.returncode, r.stdout + r.stderr))
+    return out
 
 
-class ComposeTlsTest(unittest.TestCase):
-    """docker-compose.tls.yml (mTLS shards and C++ workers) and, for the
-    PyTorch workers, docker-compose.python-tls.yml merged after it and
-    docker-compose.python.yml (docs/security.md, "Compose"): one --tls, the
-    mutual one, on every shard and worker, each certificate flag naming a
-    file that is mounted, and the Python workers' commands still the
-    example's."""
+def cert_subject_cn(path):
+    r = run(["openssl", "x509", "-in", path, "-noout", "-subject",
+             "-nameopt", "multiline"])
+    if r.returncode != 0:
+        raise AssertionError("openssl x509 %s: %s" % (path, r.stderr))
+    m = re.search(r"commonName\s*=\s*(.*)", r.stdout)
+    return m.group(1).strip() if m else None
 
-    def check_tls(self, name, svc):
-        cmd = svc["command"]
-        self.assertEqual([c for c in cmd if c.startswith("--tls=")],
-                         ["--tls=mutual"], name)
-        mounted = {v.split(":")[1] for v in svc.get("volumes", [])
-                   if isinstance(v, str)}
-        mounted |= {v["target"] for v in svc.get("volumes", [])
-                    if isinstance(v, dict)}
-        for c in cmd:
-            if c.startswith(("--tls-cert=", "--tls-key=", "--tls-ca=")):
-                self.assertIn(c.split("=", 1)[1], mounted, (name, c))
-        return cmd
 
-    def test_cpp_workers(self):
-        services = compose_merged("docker-compose.yml",
-                                  "docker-compose.tls.yml")["services"]
-        names = [n for n in services if n.startswith(("shard-", "worker-"))]
-        self.assertTrue(names)
-        for n in names:
-            self.check_tls(n, services[n])
-
-    def test_python_workers(self):
-        services = compose_merged(
-            "docker-compose.yml", "docker-compose.tls.yml",
-            "docker-compose.python.yml",
-            "docker-compose.python-tls.yml")["services"]
-        plain = compose_merged("docker-compose.yml",
-                               "docker-compose.python.yml")["services"]
-        workers = [n for n in services if n.startswith("worker-")]
-        self.assertTrue(workers)
-        for n in services:
-            if n.startswith("shard-"):
-                self.check_tls(n, services[n])
-        for n in workers:
-            cmd = self.check_tls(n, services[n])
-            self.assertEqual(services[n]["image"], plain[n]["image"])
-            # The plaintext variant's command, --tls=off replaced: the two
-            # files stay in step.
-            self.assertEqual(
-                [c for c in cmd if not c.startswith("--tls")],
-                [c for c in plain[n]["command"] if c != "--tls=off"], n)
-            self.assertTrue(cmd[0].endswith("train_fashion_mnist.py"), cmd)
+def cert_verifies(cert, ca):
+    return run(["openssl", "verify", "-CAfile", ca, cert]).returncode == 0
 
 
 _render_cache = {}
@@ -553,6 +607,165 @@ class ComposeTest(unittest.TestCase):
                              "%s: the Python worker must pass the C++ "
                              "worker's flags and values" % name)
 
+    def gtopk_services(self):
+        return (["shard-%d" % s for s in range(self.S)] +
+                ["worker-%d" % w for w in range(self.P)])
+
+    def test_default_is_mutual_tls(self):
+        """docker-compose.yml, alone and with the PyTorch workers: every
+        shard and worker says --tls=mutual with its own certificate (the
+        workers their rank's, CN gtopk-worker-N), mounted read-only at
+        /etc/gtopk/tls from its own directory of the set-up step, by
+        default deploy/tls/out/<service> (GTOPK_COMPOSE_TLS_DIR unset)."""
+        for python in (False, True):
+            services = compose_config(python=python)["services"]
+            for name in self.gtopk_services():
+                where = "%s%s" % (name, " (python)" if python else "")
+                svc = services[name]
+                cmd = compose_command(svc)
+                self.assertEqual(tls_args(cmd), mutual_tls_args(name), where)
+                source, read_only, kind = compose_mounts(svc)[TLS_MOUNT]
+                self.assertEqual(source, os.path.join(DEPLOY, "tls", "out",
+                                                      name), where)
+                self.assertTrue(read_only, where)
+                self.assertEqual(kind, "bind", where)
+
+    def test_certificates_come_from_the_set_up_step(self):
+        """deploy/tls/compose-certs.sh (the documented set-up step) run
+        into a temporary directory, the compose file pointed at it with
+        GTOPK_COMPOSE_TLS_DIR: every file a shard's or worker's --tls flags
+        or HEALTHCHECK name is there; the mounted directory holds only
+        ca.crt and that service's own certificate and key (no CA key, no
+        other service's key); the certificate's CN is the role the servers
+        check (gtopk-shard-s, gtopk-worker-r) and chains to ca.crt; the key
+        is 0600 and, made as root, the containers' uid's."""
+        with tempfile.TemporaryDirectory() as tmp:
+            out = make_compose_certs(os.path.join(tmp, "tls"))
+            for python in (False, True):
+                services = compose_config(python=python,
+                                          tls_dir=out)["services"]
+                for name in self.gtopk_services():
+                    svc = services[name]
+                    where = "%s%s" % (name, " (python)" if python else "")
+                    source = compose_mounts(svc)[TLS_MOUNT][0]
+                    self.assertEqual(source, os.path.join(out, name), where)
+                    self.assertEqual(sorted(os.listdir(source)),
+                                     sorted(["ca.crt", name + ".crt",
+                                             name + ".key"]), where)
+                    argv = compose_command(svc) + svc["healthcheck"]["test"]
+                    for a in tls_args(argv):
+                        if a.startswith("--tls="):
+                            continue
+                        path = a.split("=", 1)[1]
+                        self.assertTrue(path.startswith(TLS_MOUNT + "/"), a)
+                        host = os.path.join(source,
+                                            path[len(TLS_MOUNT) + 1:])
+                        self.assertTrue(os.path.isfile(host), (where, a))
+                    crt = os.path.join(source, name + ".crt")
+                    self.assertEqual(cert_subject_cn(crt), "gtopk-" + name)
+                    self.assertTrue(cert_verifies(
+                        crt, os.path.join(source, "ca.crt")), where)
+                    st = os.stat(os.path.join(source, name + ".key"))
+                    self.assertEqual(st.st_mode & 0o777, 0o600, where)
+                    self.assertEqual(st.st_uid, CONTAINER_UID
+                                     if os.getuid() == 0 else os.getuid())
+            # The CA key stays outside every mounted directory; on the host
+            # only the owner reaches any key (the keys are the containers'
+            # uid's, which may be some other user's here).
+            self.assertTrue(os.path.isfile(os.path.join(out, "ca", "ca.key")))
+            self.assertEqual(os.stat(out).st_mode & 0o777, 0o700)
+
+    def test_set_up_step_refuses_bad_settings(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "tls")
+            for var, value in (("GTOPK_SHARDS", "two"),
+                               ("GTOPK_WORKERS", "-1"),
+                               ("GTOPK_COMPOSE_UID", "gtopk")):
+                r = run([COMPOSE_CERTS, out],
+                        env=dict(certs_env(), **{var: value}))
+                self.assertEqual(r.returncode, 2, r.stderr)
+                self.assertIn("%s must be" % var, r.stderr)
+            self.assertFalse(os.path.exists(os.path.join(out, "ca")))
+            # Not root and not the containers' uid: keys the containers
+            # could not read are refused, naming the fix.
+            setpriv = shutil.which("setpriv")
+            if os.getuid() == 0 and setpriv:
+                cmd = [setpriv, "--reuid=65534", "--regid=65534",
+                       "--clear-groups", COMPOSE_CERTS, out]
+                env = {k: v for k, v in certs_env().items()
+                       if k != "GTOPK_COMPOSE_UID"}
+            else:
+                cmd, env = [COMPOSE_CERTS, out], dict(
+                    certs_env(), GTOPK_COMPOSE_UID=str(os.getuid() + 1))
+            r = run(cmd, env=env)
+            self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
+            self.assertIn("could not read keys", r.stderr)
+            self.assertIn("sudo", r.stderr)
+
+    def test_plaintext_variants_config_quiet_is_clean(self):
+        exe = need("docker-compose")
+        for python in (False, True):
+            r = run([exe] + compose_files(python, plaintext=True)
+                    + ["config", "-q"], cwd=DEPLOY, env=compose_env())
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertEqual(r.stderr.strip(), "")
+
+    def test_plaintext_opt_out(self):
+        """docker-compose.plaintext.yml (and, for the PyTorch workers,
+        docker-compose.python-plaintext.yml merged last) overrides exactly
+        the shards and workers: one --tls, --tls=off; the commands otherwise
+        the default's, in the same order (the files stay in step); no
+        certificate mounted (an empty tmpfs at /etc/gtopk/tls, so no set-up
+        step is needed); the shards' HEALTHCHECK checks the plaintext port;
+        everything else unchanged."""
+        for path, want in ((PLAINTEXT_COMPOSE_FILE, self.gtopk_services()),
+                           (PYTHON_PLAINTEXT_COMPOSE_FILE,
+                            ["worker-%d" % w for w in range(self.P)])):
+            with open(path) as f:
+                self.assertEqual(sorted(yaml.safe_load(f)["services"]),
+                                 sorted(want), path)
+        for python in (False, True):
+            mtls = compose_config(python=python)["services"]
+            plain = compose_config(python=python, plaintext=True)["services"]
+            self.assertEqual(set(plain), set(mtls))
+            for name, svc in mtls.items():
+                where = "%s%s" % (name, " (python)" if python else "")
+                p = plain[name]
+                if name not in self.gtopk_services():
+                    # docker-compose lists merged volumes in another order.
+                    self.assertEqual(compose_mounts(p), compose_mounts(svc),
+                                     where)
+                    self.assertEqual(dict(p, volumes=None),
+                                     dict(svc, volumes=None), where)
+                    continue
+                cmd = compose_command(p)
+                self.assertEqual(tls_args(cmd), ["--tls=off"], where)
+                self.assertEqual(
+                    [c for c in cmd if not c.startswith(TLS_FLAGS)],
+                    [c for c in compose_command(svc)
+                     if not c.startswith(TLS_FLAGS)], where)
+                mounts = compose_mounts(p)
+                self.assertEqual(mounts[TLS_MOUNT], (None, False, "tmpfs"),
+                                 where)
+                self.assertEqual({k: v for k, v in mounts.items()
+                                  if k != TLS_MOUNT},
+                                 {k: v for k, v in compose_mounts(svc).items()
+                                  if k != TLS_MOUNT}, where)
+                hc = dict(p["healthcheck"])
+                want_hc = dict(svc["healthcheck"])
+                if name.startswith("shard-"):
+                    self.assertEqual(hc.pop("test"), [
+                        "CMD", "gtopk-server",
+                        "--health-check=127.0.0.1:%d" % GRPC_PORT,
+                        "--tls=off"], where)
+                    want_hc.pop("test")
+                self.assertEqual(hc, want_hc, where)
+                rest = ("command", "volumes", "healthcheck")
+                self.assertEqual({k: v for k, v in p.items()
+                                  if k not in rest},
+                                 {k: v for k, v in svc.items()
+                                  if k not in rest}, where)
+
     def test_services_are_the_topology(self):
         want = ({"shard-%d" % s for s in range(self.S)} |
                 {"worker-%d" % w for w in range(self.P)} |
@@ -566,11 +779,13 @@ class ComposeTest(unittest.TestCase):
             hc = svc.get("healthcheck", {})
             self.assertTrue(hc.get("test"), "%s has no healthcheck" % name)
             self.assertFalse(hc.get("disable", False), name)
+        # The shards' check presents the shard's own certificate on the
+        # mutual-TLS port (the plaintext one: test_plaintext_opt_out).
         for s in range(self.S):
             self.assertEqual(
                 self.services["shard-%d" % s]["healthcheck"]["test"],
                 ["CMD", "gtopk-server", "--health-check=127.0.0.1:%d" %
-                 GRPC_PORT, "--tls=off"])
+                 GRPC_PORT] + mutual_tls_args("shard-%d" % s))
 
     def test_depends_on_waits_for_healthy(self):
         def deps(name):
@@ -653,6 +868,140 @@ class ComposeTest(unittest.TestCase):
                 if d.get("type") == "prometheus":
                     self.assertEqual(d.get("url"), "http://prometheus:9090",
                                      path)
+
+
+K8S_EXAMPLES = sorted(
+    os.path.basename(p) for p in
+    glob.glob(os.path.join(DEPLOY, "k8s", "examples", "*"))
+    if os.path.isfile(os.path.join(p, "kustomization.yaml")))
+HEALTH_PORT = 50052  # --health-listen, the kubelet's probes under mTLS
+
+
+def render_dir(path, key):
+    """kubectl kustomize PATH -> (rendered file, objects), cached by KEY."""
+    if key not in _render_cache:
+        render("cpu")  # checks kubectl's kustomize version once
+        r = run([need("kubectl"), "kustomize", path])
+        if r.returncode != 0:
+            raise AssertionError("kubectl kustomize %s failed:\n%s"
+                                 % (path, r.stderr))
+        out = os.path.join(_rendered_dir(), key.replace("/", "-") + ".yaml")
+        with open(out, "w") as f:
+            f.write(r.stdout)
+        _render_cache[key] = (out, [o for o in yaml.safe_load_all(r.stdout)
+                                    if o])
+    return _render_cache[key]
+
+
+def render_example(name):
+    """kubectl kustomize deploy/k8s/examples/NAME -> (path, objects)."""
+    return render_dir(os.path.join(DEPLOY, "k8s", "examples", name),
+                      "examples/" + name)
+
+
+def render_plaintext(overlay):
+    """overlays/OVERLAY with components/plaintext, as a user's overlay
+    would add it (kustomize takes relative paths only)."""
+    key = "plaintext/" + overlay
+    if key not in _render_cache:
+        d = os.path.join(_rendered_dir(), "plaintext-" + overlay)
+        os.makedirs(d, exist_ok=True)
+        k8s = os.path.relpath(os.path.join(DEPLOY, "k8s"), d)
+        with open(os.path.join(d, "kustomization.yaml"), "w") as f:
+            yaml.safe_dump({
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [k8s + "/overlays/" + overlay],
+                "components": [k8s + "/components/plaintext"]}, f)
+        render_dir(d, key)
+    return _render_cache[key]
+
+
+def mounted_tls_files(tc, obj, c, secrets):
+    """The file names the container's volume at TLS_MOUNT provides, per
+    source Secret. secrets[name]: that Secret's keys, or None when unknown
+    (a generic Secret made outside the manifests): its files are then None.
+    Every source must be one of `secrets`."""
+    mounts = [m for m in c.get("volumeMounts", [])
+              if m["mountPath"] == TLS_MOUNT]
+    tc.assertEqual(len(mounts), 1, c.get("volumeMounts"))
+    tc.assertTrue(mounts[0].get("readOnly"), mounts[0])
+    vols = [v for v in obj["spec"]["template"]["spec"]["volumes"]
+            if v["name"] == mounts[0]["name"]]
+    tc.assertEqual(len(vols), 1)
+    v = vols[0]
+    sources = ([{"secret": dict(src["secret"], secretName=src["secret"][
+        "name"])} for src in v["projected"]["sources"]]
+               if "projected" in v else [v])
+    files = {}
+    for src in sources:
+        sec = src["secret"]
+        tc.assertIn(sec["secretName"], secrets, sec)
+        keys = secrets[sec["secretName"]]
+        items = sec.get("items")
+        if items is None:
+            files[sec["secretName"]] = None if keys is None else set(keys)
+        else:
+            for it in items:
+                if keys is not None:
+                    tc.assertIn(it["key"], keys, it)
+                files.setdefault(sec["secretName"], set()).add(it["path"])
+    return files
+
+
+def check_mutual_tls(tc, objs, S, secrets):
+    """Mutual TLS as the base runs it (docs/security.md, "Kubernetes"):
+    shards and workers say --tls=mutual first, then the certificate flags
+    at TLS_MOUNT (the shard's own by $(SHARD_ID), the workers' any-rank
+    worker.crt); the shards serve the health-only port 50052 the kubelet's
+    grpc probes use (they present no certificate); TLS_MOUNT is mounted
+    read-only from `secrets` and, where their keys are known, provides
+    exactly the files the flags name, for every shard id."""
+    sts = one(objs, "StatefulSet", "gtopk-shard")
+    job = one(objs, "Job", "gtopk-worker")
+    shard, worker = container(sts, "shard"), container(job, "worker")
+    tc.assertEqual(shard["args"][:4], mutual_tls_args("shard-$(SHARD_ID)"))
+    tc.assertEqual(tls_args(shard["args"]),
+                   mutual_tls_args("shard-$(SHARD_ID)"))
+    tc.assertEqual(worker["args"][:4], mutual_tls_args("worker"))
+    tc.assertEqual(tls_args(worker["args"]), mutual_tls_args("worker"))
+    tc.assertIn("--health-listen=0.0.0.0:%d" % HEALTH_PORT, shard["args"])
+    tc.assertIn({"name": "health", "containerPort": HEALTH_PORT,
+                 "protocol": "TCP"}, shard["ports"])
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        tc.assertEqual(shard[probe]["grpc"]["port"], HEALTH_PORT, probe)
+    need_shard = {"ca.crt"} | {"shard-%d.%s" % (i, ext) for i in range(S)
+                               for ext in ("crt", "key")}
+    for obj, c, want in ((sts, shard, need_shard),
+                         (job, worker, {"ca.crt", "worker.crt",
+                                        "worker.key"})):
+        files = mounted_tls_files(tc, obj, c, secrets)
+        if None not in files.values():
+            tc.assertEqual(set().union(*files.values()), want, files)
+
+
+def without_tls(obj):
+    """A StatefulSet or Job with its TLS pieces taken out: the --tls flags,
+    the TLS_MOUNT mount and its volume. -> (object, [--tls flags])."""
+    o = copy.deepcopy(obj)
+    spec = o["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    flags = tls_args(c["args"])
+    c["args"] = [a for a in c["args"] if not a.startswith(TLS_FLAGS)]
+    names = {m["name"] for m in c["volumeMounts"]
+             if m["mountPath"] == TLS_MOUNT}
+    c["volumeMounts"] = [m for m in c["volumeMounts"]
+                         if m["mountPath"] != TLS_MOUNT]
+    spec["volumes"] = [v for v in spec["volumes"] if v["name"] not in names]
+    return o, flags
+
+
+def k8s_secrets(tc, out):
+    """deploy/tls/k8s-secrets.sh OUT -> {Secret name: Secret}."""
+    r = run([K8S_SECRETS, out], env=certs_env())
+    tc.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+    docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+    return {d["metadata"]["name"]: d for d in docs}
 
 
 class KustomizeTest(unittest.TestCase):
@@ -751,6 +1100,8 @@ class KustomizeTest(unittest.TestCase):
 
         self.check_dashboards(objs)
         self.check_network_policy(objs, sts, job)
+        check_mutual_tls(self, objs, self.S,
+                         {"gtopk-tls-shards": None, "gtopk-tls-workers": None})
 
     def check_dashboards(self, objs):
         want = {}
@@ -848,6 +1199,137 @@ class KustomizeTest(unittest.TestCase):
         self.assertFalse(allowed("egress", {"x": "y"}, "gtopk", shard_labels,
                                  GRPC_PORT))
 
+    def test_examples_exist(self):
+        self.assertEqual(K8S_EXAMPLES, ["cert-manager", "plaintext"])
+
+    def test_one_shot_secrets_provide_every_mounted_file(self):
+        """deploy/tls/k8s-secrets.sh (the one-shot step, run here offline)
+        prints exactly the two Secrets the base mounts, in its namespace,
+        with every file the --tls flags name (for every shard id) and no CA
+        key; the shard certificates carry CN gtopk-shard-s and the headless
+        Service's names as SANs, the workers' CN gtopk-worker, all signed
+        by the ca.crt they come with."""
+        import base64
+        with tempfile.TemporaryDirectory() as tmp:
+            secrets = k8s_secrets(self, os.path.join(tmp, "k8s"))
+            self.assertEqual(sorted(secrets), ["gtopk-tls-shards",
+                                               "gtopk-tls-workers"])
+            for sec in secrets.values():
+                self.assertEqual(sec["kind"], "Secret")
+                self.assertEqual(sec["metadata"]["namespace"], "gtopk")
+                self.assertNotIn("ca.key", sec["data"])
+            for overlay in OVERLAYS:
+                with self.subTest(overlay=overlay):
+                    check_mutual_tls(self, render(overlay)[1], self.S, {
+                        n: set(s["data"]) for n, s in secrets.items()})
+            _, objs = render("cpu")
+            svc = one(objs, "StatefulSet", "gtopk-shard")["spec"][
+                "serviceName"]
+            files = {}
+            for name, sec in secrets.items():
+                for key, value in sec["data"].items():
+                    path = os.path.join(tmp, "%s-%s" % (name, key))
+                    with open(path, "wb") as f:
+                        f.write(base64.b64decode(value))
+                    files[name, key] = path
+            for name, sec in secrets.items():
+                ca = files[name, "ca.crt"]
+                for key in sec["data"]:
+                    if not key.endswith(".crt") or key == "ca.crt":
+                        continue
+                    crt = files[name, key]
+                    self.assertTrue(cert_verifies(crt, ca), key)
+                    self.assertEqual(cert_subject_cn(crt),
+                                     "gtopk-" + key[:-len(".crt")])
+                    if key.startswith("shard-"):
+                        sans = run(["openssl", "x509", "-in", crt, "-noout",
+                                    "-ext", "subjectAltName"]).stdout
+                        self.assertIn("DNS:gtopk-%s.%s.gtopk.svc" % (
+                            key[:-len(".crt")], svc), sans)
+        with open(os.path.join(ROOT, "docs", "security.md")) as f:
+            self.assertTrue("deploy/tls/k8s-secrets.sh | kubectl apply -f -"
+                            in f.read(), "docs/security.md does not show "
+                            "the one-shot step")
+
+    def test_plaintext_opt_out(self):
+        """components/plaintext over every overlay (examples/plaintext: over
+        the cpu one): the shards and workers say --tls=off and no other
+        --tls flag, mount no certificate and need no Secret; everything
+        else is the overlay's, the args in the same order (the shards keep
+        their health-only port and probes)."""
+        _, example = render_example("plaintext")
+        self.assertEqual(example, render_plaintext("cpu")[1])
+        for overlay in OVERLAYS:
+            with self.subTest(overlay=overlay):
+                _, mtls = render(overlay)
+                _, plain = render_plaintext(overlay)
+                self.assertEqual(len(plain), len(mtls))
+                for o in plain:
+                    m = one(mtls, o["kind"], o["metadata"]["name"])
+                    if o["kind"] not in ("StatefulSet", "Job"):
+                        self.assertEqual(o, m)
+                        continue
+                    p_rest, p_flags = without_tls(o)
+                    m_rest, m_flags = without_tls(m)
+                    self.assertEqual(p_flags, ["--tls=off"])
+                    self.assertEqual(p_rest, m_rest)
+                    spec = o["spec"]["template"]["spec"]
+                    self.assertEqual(o["spec"]["template"]["spec"][
+                        "containers"][0]["args"][0], "--tls=off")
+                    self.assertFalse([v for v in spec["volumes"]
+                                      if "secret" in v or "projected" in v])
+
+    def test_every_example_object_is_in_the_gtopk_namespace(self):
+        # A component's own resources do not get the base's namespace:
+        # cert-manager would write the Secrets where the pods cannot see
+        # them.
+        for name in K8S_EXAMPLES:
+            _, objs = render_example(name)
+            for o in objs:
+                if o["kind"] == "Namespace":
+                    continue
+                with self.subTest(example=name, kind=o["kind"],
+                                  name=o["metadata"]["name"]):
+                    self.assertEqual(o["metadata"].get("namespace"), "gtopk")
+
+    def test_cert_manager_issues_every_mounted_secret(self):
+        _, objs = render_example("cert-manager")
+        certs = {c["spec"]["secretName"]: c
+                 for c in find(objs, "Certificate")}
+        issuers = {i["metadata"]["name"]: i for i in find(objs, "Issuer")}
+        # cert-manager writes tls.crt, tls.key and ca.crt into each Secret;
+        # the base's one-shot Secrets are no longer mounted.
+        check_mutual_tls(self, objs, self.S, {
+            name: {"tls.crt", "tls.key", "ca.crt"} for name in certs})
+        sts = one(objs, "StatefulSet", "gtopk-shard")
+        svc = sts["spec"]["serviceName"]
+        vol = [v for v in sts["spec"]["template"]["spec"]["volumes"]
+               if "projected" in v][0]
+        for src in vol["projected"]["sources"]:
+            cert = certs[src["secret"]["name"]]["spec"]
+            paths = {it["path"] for it in src["secret"]["items"]}
+            shard_files = [p for p in paths if p.startswith("shard-")]
+            self.assertTrue(shard_files, paths)
+            sid = int(shard_files[0].split("-")[1].split(".")[0])
+            # The CN is the role the server checks; the SANs what the
+            # shards are dialled at (the headless Service's pod names).
+            self.assertEqual(cert["commonName"], "gtopk-shard-%d" % sid)
+            self.assertIn("gtopk-shard-%d.%s.gtopk.svc" % (sid, svc),
+                          cert["dnsNames"])
+            self.assertEqual(set(cert["usages"]),
+                             {"server auth", "client auth"})
+        worker = [c["spec"] for c in certs.values()
+                  if c["spec"].get("commonName") == "gtopk-worker"]
+        self.assertEqual(len(worker), 1)
+        self.assertEqual(worker[0]["usages"], ["client auth"])
+        # Every certificate chains to one CA issued by the self-signed root.
+        for c in certs.values():
+            ref = c["spec"]["issuerRef"]
+            self.assertEqual(ref["kind"], "Issuer")
+            self.assertIn(ref["name"], issuers)
+        ca_issuer = issuers["gtopk-ca"]["spec"]["ca"]["secretName"]
+        self.assertTrue(certs[ca_issuer]["spec"]["isCA"])
+
     def test_gpu_overlay_requests_gpus_and_cpu_does_not(self):
         _, cpu = render("cpu")
         _, gpu = render("gpu")
@@ -942,6 +1424,25 @@ class SchemaTest(unittest.TestCase):
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
         self.assertIn("schemas, fields and container rules OK", r.stdout)
 
+    def test_examples_pass(self):
+        # The validator has no cert-manager schemas: its objects are
+        # checked by KustomizeTest; everything else goes through it as the
+        # overlays, the plaintext opt-out over each overlay too.
+        paths = []
+        for name in K8S_EXAMPLES:
+            _, objs = render_example(name)
+            path = os.path.join(_rendered_dir(),
+                                "example-%s-core.yaml" % name)
+            with open(path, "w") as f:
+                yaml.safe_dump_all(
+                    [o for o in objs if not o["apiVersion"].startswith(
+                        "cert-manager.io/")], f)
+            paths.append(path)
+        paths += [render_plaintext(o)[0] for o in OVERLAYS]
+        r = self.validate(paths)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn("schemas, fields and container rules OK", r.stdout)
+
     def test_broken_copies_are_rejected(self):
         """The validator is not a rubber stamp: each break of a rendered
         object is reported."""
@@ -1001,6 +1502,12 @@ class SchemaTest(unittest.TestCase):
              "seccompProfile.type is not RuntimeDefault")
         case("unknown kind", sm, lambda o: o.update(kind="ServiceMonitr"),
              "no schema for apiVersion")
+        # Probes on the health-only port when nothing serves it there.
+        case("probes on an unserved health port", sts,
+             lambda o: shard_c(o).update(args=[
+                 a for a in shard_c(o)["args"]
+                 if not a.startswith("--health-listen=")]),
+             "readinessProbe must be a grpc probe on port %d" % GRPC_PORT)
 
         # One validator run over every case (tsc starts once); each case is
         # its own file and its problems are reported under its name.
@@ -1018,211 +1525,6 @@ class SchemaTest(unittest.TestCase):
                          if l.startswith(path + ":")]
                 self.assertTrue(any(expect in l for l in lines),
                                 "%s: %r not among %s" % (name, expect, lines))
-
-
-K8S_EXAMPLES = sorted(
-    os.path.basename(p) for p in
-    glob.glob(os.path.join(DEPLOY, "k8s", "examples", "*"))
-    if os.path.isfile(os.path.join(p, "kustomization.yaml")))
-TLS_MOUNT = "/etc/gtopk/tls"
-
-
-def render_example(name):
-    """kubectl kustomize deploy/k8s/examples/NAME -> (path, objects)."""
-    key = "examples/" + name
-    if key not in _render_cache:
-        render("cpu")  # checks kubectl's kustomize version once
-        r = run([need("kubectl"), "kustomize",
-                 os.path.join(DEPLOY, "k8s", "examples", name)])
-        if r.returncode != 0:
-            raise AssertionError("kubectl kustomize examples/%s failed:\n%s"
-                                 % (name, r.stderr))
-        path = os.path.join(_rendered_dir(), "example-%s.yaml" % name)
-        with open(path, "w") as f:
-            f.write(r.stdout)
-        _render_cache[key] = (path, [o for o in yaml.safe_load_all(r.stdout)
-                                     if o])
-    return _render_cache[key]
-
-
-class TlsExamplesTest(unittest.TestCase):
-    """deploy/k8s/examples/{mtls,cert-manager} (docs/security.md,
-    "Kubernetes"): the cpu overlay with the mtls component, and with
-    cert-manager issuing the certificates. Rendered offline like the
-    overlays; every file a --tls flag names must be in the mounted volume,
-    every Secret it comes from made by the one-shot step or a Certificate."""
-
-    def setUp(self):
-        self.S = int(read_env()["GTOPK_SHARDS"])
-
-    def test_examples_exist(self):
-        self.assertEqual(K8S_EXAMPLES, ["cert-manager", "mtls"])
-
-    def tls_args(self, c):
-        args = c.get("args", [])
-        flags = [a for a in args if a.startswith("--tls=")]
-        self.assertEqual(flags, ["--tls=mutual"], args)
-        return {a.split("=", 1)[0]: a.split("=", 1)[1] for a in args
-                if a.startswith(("--tls-", "--health-listen="))}
-
-    def mounted_files(self, obj, c, secrets):
-        """The file names the container's TLS volume provides, per source
-        Secret (secrets[name] = its keys, None: any key, a generic Secret
-        made by kubectl --from-file)."""
-        mounts = [m for m in c.get("volumeMounts", [])
-                  if m["mountPath"] == TLS_MOUNT]
-        self.assertEqual(len(mounts), 1, c.get("volumeMounts"))
-        self.assertTrue(mounts[0].get("readOnly"), mounts[0])
-        vols = [v for v in obj["spec"]["template"]["spec"]["volumes"]
-                if v["name"] == mounts[0]["name"]]
-        self.assertEqual(len(vols), 1)
-        v = vols[0]
-        sources = ([{"secret": dict(src["secret"], secretName=src["secret"][
-            "name"])} for src in v["projected"]["sources"]]
-                   if "projected" in v else [v])
-        files = {}
-        for src in sources:
-            sec = src["secret"]
-            self.assertIn(sec["secretName"], secrets, sec)
-            items = sec.get("items")
-            if items is None:
-                files[sec["secretName"]] = None
-            else:
-                keys = secrets[sec["secretName"]]
-                for it in items:
-                    if keys is not None:
-                        self.assertIn(it["key"], keys, it)
-                    files.setdefault(sec["secretName"], set()).add(it["path"])
-        return files
-
-    def check_example(self, name, secrets):
-        _, objs = render_example(name)
-        sts = one(objs, "StatefulSet", "gtopk-shard")
-        job = one(objs, "Job", "gtopk-worker")
-        shard = sts["spec"]["template"]["spec"]["containers"][0]
-        worker = job["spec"]["template"]["spec"]["containers"][0]
-        sa = self.tls_args(shard)
-        self.assertEqual(sa, {
-            "--tls-cert": TLS_MOUNT + "/shard-$(SHARD_ID).crt",
-            "--tls-key": TLS_MOUNT + "/shard-$(SHARD_ID).key",
-            "--tls-ca": TLS_MOUNT + "/ca.crt",
-            "--health-listen": "0.0.0.0:50052"})
-        # The kubelet's grpc probes present no certificate: the plaintext
-        # health-only port.
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            self.assertEqual(shard[probe]["grpc"]["port"], 50052, probe)
-        self.assertIn(50052, [p["containerPort"] for p in shard["ports"]])
-        wa = self.tls_args(worker)
-        self.assertEqual(wa, {"--tls-cert": TLS_MOUNT + "/worker.crt",
-                              "--tls-key": TLS_MOUNT + "/worker.key",
-                              "--tls-ca": TLS_MOUNT + "/ca.crt"})
-        # Every file the flags name is provided, for every shard id.
-        need_shard = {"ca.crt"} | {"shard-%d.%s" % (i, ext)
-                                   for i in range(self.S)
-                                   for ext in ("crt", "key")}
-        for obj, c, want in ((sts, shard, need_shard),
-                             (job, worker, {"ca.crt", "worker.crt",
-                                            "worker.key"})):
-            files = self.mounted_files(obj, c, secrets)
-            if None in files.values():
-                continue  # a generic Secret: its keys are the docs' files
-            self.assertEqual(set().union(*files.values()), want, files)
-        return objs
-
-    def test_mtls_mounts_the_one_shot_secrets(self):
-        objs = self.check_example("mtls", {"gtopk-tls-shards": None,
-                                           "gtopk-tls-workers": None})
-        self.assertEqual(find(objs, "Certificate"), [])
-        # The one-shot step in docs/security.md makes exactly these Secrets
-        # with these files.
-        with open(os.path.join(ROOT, "docs", "security.md")) as f:
-            doc = f.read()
-        for i in range(self.S):
-            for ext in ("crt", "key"):
-                self.assertIn("--from-file=tls/shard-%d.%s" % (i, ext), doc)
-        for f_ in ("ca.crt", "worker.crt", "worker.key"):
-            self.assertIn("--from-file=tls/" + f_, doc)
-
-    def test_every_object_is_in_the_gtopk_namespace(self):
-        # A component's own resources do not get the base's namespace:
-        # cert-manager would write the Secrets where the pods cannot see
-        # them.
-        for name in K8S_EXAMPLES:
-            _, objs = render_example(name)
-            for o in objs:
-                if o["kind"] == "Namespace":
-                    continue
-                with self.subTest(example=name, kind=o["kind"],
-                                  name=o["metadata"]["name"]):
-                    self.assertEqual(o["metadata"].get("namespace"), "gtopk")
-
-    def test_cert_manager_issues_every_mounted_secret(self):
-        _, objs = render_example("cert-manager")
-        certs = {c["spec"]["secretName"]: c
-                 for c in find(objs, "Certificate")}
-        issuers = {i["metadata"]["name"]: i for i in find(objs, "Issuer")}
-        # cert-manager writes tls.crt, tls.key and ca.crt into each Secret.
-        self.check_example("cert-manager", {
-            name: {"tls.crt", "tls.key", "ca.crt"} for name in certs})
-        sts = one(objs, "StatefulSet", "gtopk-shard")
-        svc = sts["spec"]["serviceName"]
-        vol = [v for v in sts["spec"]["template"]["spec"]["volumes"]
-               if "projected" in v][0]
-        for src in vol["projected"]["sources"]:
-            cert = certs[src["secret"]["name"]]["spec"]
-            paths = {it["path"] for it in src["secret"]["items"]}
-            shard_files = [p for p in paths if p.startswith("shard-")]
-            self.assertTrue(shard_files, paths)
-            sid = int(shard_files[0].split("-")[1].split(".")[0])
-            # The CN is the role the server checks; the SANs what the
-            # shards are dialled at (the headless Service's pod names).
-            self.assertEqual(cert["commonName"], "gtopk-shard-%d" % sid)
-            self.assertIn("gtopk-shard-%d.%s.gtopk.svc" % (sid, svc),
-                          cert["dnsNames"])
-            self.assertEqual(set(cert["usages"]),
-                             {"server auth", "client auth"})
-        worker = [c["spec"] for c in certs.values()
-                  if c["spec"].get("commonName") == "gtopk-worker"]
-        self.assertEqual(len(worker), 1)
-        self.assertEqual(worker[0]["usages"], ["client auth"])
-        # Every certificate chains to one CA issued by the self-signed root.
-        for c in certs.values():
-            ref = c["spec"]["issuerRef"]
-            self.assertEqual(ref["kind"], "Issuer")
-            self.assertIn(ref["name"], issuers)
-        ca_issuer = issuers["gtopk-ca"]["spec"]["ca"]["secretName"]
-        self.assertTrue(certs[ca_issuer]["spec"]["isCA"])
-
-    def test_examples_pass_the_validator(self):
-        # The validator has no cert-manager schemas: its objects are
-        # checked above; everything else goes through it as the overlays.
-        paths = []
-        for name in K8S_EXAMPLES:
-            _, objs = render_example(name)
-            path = os.path.join(_rendered_dir(),
-                                "example-%s-core.yaml" % name)
-            with open(path, "w") as f:
-                yaml.safe_dump_all(
-                    [o for o in objs if not o["apiVersion"].startswith(
-                        "cert-manager.io/")], f)
-            paths.append(path)
-        r = SchemaTest.validate(self, paths)
-        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
-        self.assertIn("schemas, fields and container rules OK", r.stdout)
-        # Not a rubber stamp: probes on port 50052 when nothing serves the
-        # health-only port there (--health-listen dropped) are reported.
-        _, objs = render_example("mtls")
-        sts = copy.deepcopy(one(objs, "StatefulSet", "gtopk-shard"))
-        c = sts["spec"]["template"]["spec"]["containers"][0]
-        c["args"] = [a for a in c["args"]
-                     if not a.startswith("--health-listen=")]
-        path = os.path.join(_rendered_dir(), "example-broken.yaml")
-        with open(path, "w") as f:
-            json.dump(sts, f)
-        r = SchemaTest.validate(self, [path])
-        self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
-        self.assertIn("readinessProbe must be a grpc probe on port %d"
-                      % GRPC_PORT, r.stderr)
 
 
 class PromtoolTest(unittest.TestCase):
@@ -1918,14 +2220,26 @@ class FlagsTest(unittest.TestCase):
         self.assertEqual(r.returncode, 1, out)
         self.assertIn("NOT_FOUND: %s" % missing, out)
 
-    def test_shards_serve_with_the_deployed_flags(self):
-        """The compose shards' flags, only the addresses, the metrics ports
-        and the checkpoint directory moved to free loopback ports and a
-        temporary directory: every shard starts, answers SERVING, serves
-        /metrics, and exits 0 on SIGTERM."""
+    def test_compose_cluster_runs_with_the_deployed_flags(self):
+        """The compose shards' and workers' flags, by default (mutual TLS,
+        certificates from the set-up step deploy/tls/compose-certs.sh) and
+        with the plaintext opt-out; only the addresses, the metrics ports,
+        the checkpoint and summary paths and the model (synthetic:N, a few
+        steps) changed, the certificate paths moved from /etc/gtopk/tls to
+        the service's directory: every shard starts, answers SERVING to the
+        compose HEALTHCHECK (under mTLS it presents the shard's certificate,
+        and a plaintext check of the same port fails), serves /metrics; the
+        P workers train and agree on the checksum with the servers; the
+        shards exit 0 on SIGTERM."""
+        for plaintext in (False, True):
+            with self.subTest(plaintext=plaintext):
+                self.run_compose_processes(plaintext)
+
+    def run_compose_processes(self, plaintext):
         self.assertTrue(os.access(SERVER_BIN, os.X_OK), SERVER_BIN)
-        services = compose_config()["services"]
-        S = int(read_env()["GTOPK_SHARDS"])
+        self.assertTrue(os.access(WORKER_BIN, os.X_OK), WORKER_BIN)
+        env = read_env()
+        S, P = int(env["GTOPK_SHARDS"]), int(env["GTOPK_WORKERS"])
         socks = []
         for _ in range(2 * S):
             sock = socket.socket()
@@ -1935,50 +2249,110 @@ class FlagsTest(unittest.TestCase):
         metrics = [sock.getsockname()[1] for sock in socks[S:]]
         for sock in socks:
             sock.close()
-        procs = []
+        procs, workers = [], []
         with tempfile.TemporaryDirectory() as tmp:
-            ckpt = os.path.join(tmp, "ckpt")
-            os.mkdir(ckpt)
+            tls_dir = os.path.join(tmp, "tls")
+            if not plaintext:
+                make_compose_certs(tls_dir)
+            services = compose_config(plaintext=plaintext,
+                                      tls_dir=tls_dir)["services"]
 
-            def log(s):
-                with open(os.path.join(tmp, "shard-%d.log" % s)) as f:
+            def local(name, argv):
+                """argv with /etc/gtopk/tls/... moved to where the service's
+                mount comes from (nothing to move in plaintext)."""
+                src = compose_mounts(services[name])[TLS_MOUNT][0]
+                out = []
+                for a in argv:
+                    k, sep, v = a.partition("=")
+                    if sep and v.startswith(TLS_MOUNT + "/"):
+                        self.assertFalse(plaintext, a)
+                        a = "%s=%s" % (k, os.path.join(
+                            src, v[len(TLS_MOUNT) + 1:]))
+                    out.append(a)
+                return out
+
+            def log(name):
+                with open(os.path.join(tmp, name + ".log")) as f:
                     return f.read()
 
+            def start(name, argv):
+                with open(os.path.join(tmp, name + ".log"), "w") as out:
+                    return subprocess.Popen(
+                        argv, stdin=subprocess.DEVNULL, stdout=out,
+                        stderr=subprocess.STDOUT)
+
+            def argv_of(name, **changes):
+                f = flag_dict(local(name, compose_command(services[name])))
+                f.update(changes)
+                return ["--%s=%s" % kv for kv in f.items()]
+
             try:
+                ckpt = os.path.join(tmp, "ckpt")
+                os.mkdir(ckpt)
                 for s in range(S):
-                    f = flag_dict(compose_command(services["shard-%d" % s]))
-                    f.update(listen=addrs[s], peers=",".join(addrs),
-                             checkpoint_dir=ckpt, metrics_port=metrics[s])
-                    argv = [SERVER_BIN] + ["--%s=%s" % kv for kv in f.items()]
-                    with open(os.path.join(tmp, "shard-%d.log" % s), "w") as out:
-                        procs.append(subprocess.Popen(
-                            argv, stdin=subprocess.DEVNULL, stdout=out,
-                            stderr=subprocess.STDOUT))
+                    name = "shard-%d" % s
+                    procs.append(start(name, [SERVER_BIN] + argv_of(
+                        name, listen=addrs[s], peers=",".join(addrs),
+                        checkpoint_dir=ckpt, metrics_port=metrics[s])))
                 for s, proc in enumerate(procs):
-                    deadline = time.monotonic() + 20
+                    name = "shard-%d" % s
+                    test = local(name, services[name]["healthcheck"]["test"])
+                    self.assertEqual(test[:3], [
+                        "CMD", "gtopk-server",
+                        "--health-check=127.0.0.1:%d" % GRPC_PORT])
+                    check = ([SERVER_BIN, "--health-check=" + addrs[s]]
+                             + test[3:])
+                    deadline = time.monotonic() + 30
                     while True:
                         if proc.poll() is not None:
                             self.fail("shard %d exited (%d): %s" % (
-                                s, proc.returncode, log(s)))
-                        r = run([SERVER_BIN, "--health-check=" + addrs[s],
-                                 "--tls=off"], timeout=10)
+                                s, proc.returncode, log(name)))
+                        r = run(check, timeout=10)
                         if r.returncode == 0:
                             self.assertIn("SERVING", r.stdout)
                             break
                         if time.monotonic() > deadline:
-                            self.fail("shard %d not SERVING: %s" % (s, log(s)))
+                            self.fail("shard %d not SERVING to %s: %s%s" % (
+                                s, check, r.stdout + r.stderr, log(name)))
                         time.sleep(0.1)
+                    if not plaintext:
+                        # The gRPC port is not plaintext.
+                        r = run([SERVER_BIN, "--health-check=" + addrs[s],
+                                 "--tls=off"], timeout=10)
+                        self.assertNotEqual(r.returncode, 0, r.stdout)
                     url = "http://127.0.0.1:%d/metrics" % metrics[s]
                     with urllib.request.urlopen(url, timeout=10) as resp:
                         body = resp.read().decode()
                     self.assertIn("gtopk_build_info", body)
+                for w in range(P):
+                    name = "worker-%d" % w
+                    workers.append(start(name, [WORKER_BIN] + argv_of(
+                        name, server=addrs[0], model="synthetic:20000",
+                        steps=3, metrics_port=0,
+                        summary_json=os.path.join(tmp, name + ".json"))))
+                sums = []
+                for w, proc in enumerate(workers):
+                    name = "worker-%d" % w
+                    try:
+                        proc.wait(timeout=120)
+                    except subprocess.TimeoutExpired:
+                        self.fail("%s still running: %s" % (name, log(name)))
+                    self.assertEqual(proc.returncode, 0, log(name))
+                    with open(os.path.join(tmp, name + ".json")) as f:
+                        sums.append(json.load(f))
+                checks = {s["param_checksum"] for s in sums}
+                self.assertEqual(len(checks), 1, sums)
+                self.assertEqual({s["server_checksum"] for s in sums}, checks)
+                if plaintext:
+                    self.assertIn("WARNING: --tls=off", log("shard-0"))
                 for proc in procs:
                     proc.send_signal(signal.SIGTERM)
                 for s, proc in enumerate(procs):
                     proc.wait(timeout=30)
-                    self.assertEqual(proc.returncode, 0, log(s))
+                    self.assertEqual(proc.returncode, 0,
+                                     log("shard-%d" % s))
             finally:
-                for proc in procs:
+                for proc in procs + workers:
                     if proc.poll() is None:
                         proc.kill()
                         proc.wait()

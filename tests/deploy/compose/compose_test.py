@@ -9,8 +9,12 @@ on its own 127.0.0.1 port), then checks, against the running containers:
   small form (--form=small): shard-0 + worker-0 (S = 1, P = 1);
   full form  (--form=full):  shard-0..1 + worker-0..3 (S = 2, P = 4).
 
+  * mutual TLS on every hop, the compose file's default: the set-up step
+    makes the certificates with deploy/tls/compose-certs.sh (what a user
+    runs before `docker compose up`) into the work directory, and the
+    services mount them from there (GTOPK_COMPOSE_TLS_DIR);
   * every shard reports healthy through the HEALTHCHECK (gtopk-server
-    --health-check, grpc.health.v1);
+    --health-check presenting the shard's certificate, grpc.health.v1);
   * the workers train --model=synthetic:N for --steps steps and exit 0, and
     all summaries' param_checksum and server_checksum are equal;
   * the images run as the non-root user 10001:10001 and their binaries'
@@ -253,6 +257,15 @@ def compose_env(args, shards, workers):
     return env
 
 
+def make_certs(env, workdir):
+    """The compose set-up step (docs/security.md, "Compose"): the mTLS
+    certificates, each service's own in its directory, keys given to the
+    containers' uid 10001 (this test runs as root)."""
+    out = os.path.join(workdir, "tls")
+    run([os.path.join(DEPLOY, "tls", "compose-certs.sh"), out], env=env)
+    env["GTOPK_COMPOSE_TLS_DIR"] = out
+
+
 def render(env, path):
     """The merged base + override, without `ports` on host-network services.
 
@@ -428,6 +441,7 @@ def run_cluster(args, timer, workdir):
     worker_svcs = [f"worker-{w}" for w in range(workers)]
     env["CT_PROMETHEUS_CONFIG"] = os.path.join(workdir, "prometheus.yml")
     write_prometheus_config(env, shards, workers, env["CT_PROMETHEUS_CONFIG"])
+    timer.step("certs", make_certs, env, workdir)
     render(env, os.path.join(workdir, "compose.rendered.yml"))
     compose(env, "down", "-v", "--remove-orphans", check=False)
     try:
