@@ -59,14 +59,20 @@ CallLimiter::Admission::~Admission() {
   if (limiter_ != nullptr) limiter_->Release(peer_);
 }
 
+bool IsMemberPeer(absl::string_view peer) {
+  return absl::StartsWith(peer, "rank ") || absl::StartsWith(peer, "shard ");
+}
+
 absl::StatusOr<CallLimiter::Admission> CallLimiter::Admit(
     absl::string_view peer, absl::string_view method, LimitBound* bound) {
   absl::MutexLock lock(&mu_);
-  if (total_ >= limits_.max_concurrent_calls) {
+  const bool member = IsMemberPeer(peer);
+  if (!member && total_ >= limits_.max_concurrent_calls) {
     if (bound != nullptr) *bound = LimitBound::kConcurrentCalls;
     return absl::ResourceExhaustedError(absl::StrCat(
         "shard ", shard_id_, ": ", method, " from ", peer, " refused: ",
-        total_, " calls are in flight on this server, the bound "
+        total_, " calls of unidentified peers are in flight on this server, "
+        "the bound "
         "--max-concurrent-calls=", limits_.max_concurrent_calls,
         " (docs/resource-limits.md); retry later"));
   }
@@ -81,18 +87,23 @@ absl::StatusOr<CallLimiter::Admission> CallLimiter::Admit(
   }
   if (it == per_peer_.end()) it = per_peer_.emplace(std::string(peer), 0).first;
   ++it->second;
-  ++total_;
+  (member ? members_ : total_) += 1;
   return Admission(this, std::string(peer));
 }
 
 void CallLimiter::Release(const std::string& peer) {
   absl::MutexLock lock(&mu_);
-  --total_;
+  (IsMemberPeer(peer) ? members_ : total_) -= 1;
   auto it = per_peer_.find(peer);
   if (it != per_peer_.end() && --it->second <= 0) per_peer_.erase(it);
 }
 
 int64_t CallLimiter::in_flight() const {
+  absl::MutexLock lock(&mu_);
+  return total_ + members_;
+}
+
+int64_t CallLimiter::unidentified_in_flight() const {
   absl::MutexLock lock(&mu_);
   return total_;
 }

@@ -22,8 +22,12 @@ namespace server {
 // The bounds, in calls; resolved from ServerConfig by EffectiveCallLimits
 // (server/server_config.h), where 0 means "computed from P and S".
 struct CallLimits {
-  // Calls of the gtopk.v1.Aggregator service in flight on the server,
-  // streams included (--max-concurrent-calls). >= 1.
+  // Calls of the gtopk.v1.Aggregator service from unidentified peers (client
+  // hosts, IsMemberPeer false) in flight on the server, streams included
+  // (--max-concurrent-calls). >= 1. The members' calls (a rank with its
+  // member token, a shard) are not counted against it: anonymous calls from
+  // any number of hosts cannot crowd out a step's streams and votes (issue
+  // 42); each member identity has its own --max-calls-per-peer.
   int64_t max_concurrent_calls = 1;
   // Calls in flight from one peer (--max-calls-per-peer). >= 1. A peer is
   // the identity a call proves or claims (see CallPeer* below), else the
@@ -55,14 +59,19 @@ std::string CallPeerRank(uint32_t rank);
 // The peer key of a shard's call to the leader (or the leader's to a shard).
 std::string CallPeerShard(uint32_t shard);
 
+// Whether `peer` is a member identity (CallPeerRank, CallPeerShard) rather
+// than a client host (CallPeerHost). Pure.
+bool IsMemberPeer(absl::string_view peer);
+
 // Counts the calls in flight, in all and per peer, and refuses a call over
-// either bound with RESOURCE_EXHAUSTED (nothing else changes: the refused
+// either bound with RESOURCE_EXHAUSTED (a member's call: only over its
+// peer's bound) (nothing else changes: the refused
 // call has not started). The count is released when the Admission returned
 // by Admit is destroyed, i.e. when the handler returns.
 //
 // Thread-safety: thread-safe; Admit and the release take one short mutex.
 // Memory: one map entry per peer with calls in flight (at most
-// max_concurrent_calls entries).
+// max_concurrent_calls host entries, plus one per rank and shard).
 class CallLimiter {
  public:
   // `shard_id` only names the shard in messages. Precondition: both limits
@@ -97,8 +106,10 @@ class CallLimiter {
                                   LimitBound* bound = nullptr);
 
   const CallLimits& limits() const { return limits_; }
-  // Calls in flight in all, and from `peer` (for tests and metrics).
+  // Calls in flight in all (members' included), of unidentified peers (what
+  // --max-concurrent-calls bounds), and from `peer` (for tests and metrics).
   int64_t in_flight() const;
+  int64_t unidentified_in_flight() const;
   int64_t in_flight(absl::string_view peer) const;
 
  private:
@@ -107,7 +118,8 @@ class CallLimiter {
   const uint32_t shard_id_;
   const CallLimits limits_;
   mutable absl::Mutex mu_;
-  int64_t total_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t total_ ABSL_GUARDED_BY(mu_) = 0;    // unidentified peers' calls
+  int64_t members_ ABSL_GUARDED_BY(mu_) = 0;  // member identities' calls
   absl::flat_hash_map<std::string, int64_t> per_peer_ ABSL_GUARDED_BY(mu_);
 };
 

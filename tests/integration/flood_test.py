@@ -167,6 +167,59 @@ class Cluster:
         return out
 
 
+class Forwarder:
+    """A TCP forwarder: accepts on 127.0.0.1:<port> and connects to `target`
+    from source address `source` (e.g. 127.0.0.11), so that the server sees
+    each forwarder's clients as one more host (a peer of its own)."""
+
+    def __init__(self, source, target):
+        self.source, self.target = source, target
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(64)
+        self.port = self.listener.getsockname()[1]
+        self.sockets = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.socket()
+            upstream.bind((self.source, 0))
+            upstream.connect(self.target)
+            self.sockets += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b),
+                                 daemon=True).start()
+
+    @staticmethod
+    def _pump(a, b):
+        try:
+            while True:
+                data = a.recv(65536)
+                if not data:
+                    break
+                b.sendall(data)
+        except OSError:
+            pass
+        for x in (a, b):
+            try:
+                x.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self):
+        self.listener.close()
+        for x in self.sockets:
+            try:
+                x.close()
+            except OSError:
+                pass
+
+
 def run_flood(args, results, key):
     r = subprocess.run([FLOOD] + args, stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE, text=True, timeout=120)
@@ -287,6 +340,82 @@ class FloodTest(unittest.TestCase):
         # The flood overlapped training: steps were still to come when the
         # hostile clients stopped.
         self.assertLess(flooded["flood_end_step"], STEPS, figures)
+
+
+class MultiAddressFloodTest(unittest.TestCase):
+    """Issue 42: five source addresses on 127.0.0.0/8, each under
+    --max-calls-per-peer (26 with P = 2, S = 2), open 25 idle PushPull
+    streams each: 125 in all, over --max-concurrent-calls (88). Before the
+    fix they filled the server bound, the shards' ExchangeThreshold and
+    CommitStep were refused, and no step completed while the flood lasted.
+    Now only unidentified calls count against that bound: training goes on
+    during the flood, bit-identical, and the hosts' excess streams are
+    refused naming --max-concurrent-calls."""
+
+    ADDRESSES = 5
+    STREAMS_PER_ADDRESS = 25
+    FLOOD_HOLD_S = 6
+
+    def test_members_are_served_while_several_addresses_flood(self):
+        for binary in (SERVER, FLOOD):
+            self.assertTrue(os.path.exists(binary), binary + " not built")
+        work = tempfile.mkdtemp(prefix="gtopk-flood-multi-")
+        c = Cluster(work, "multi")
+        c.start()
+        forwarders, results, threads = [], {}, []
+        try:
+            deadline = time.monotonic() + 60
+            while c.leader_step() < 2:
+                self.assertLess(time.monotonic(), deadline,
+                                "training did not start")
+                time.sleep(0.05)
+            target = ("127.0.0.1", c.grpc_ports[0])
+            for a in range(self.ADDRESSES):
+                forwarders.append(Forwarder("127.0.0.%d" % (11 + a), target))
+            for a, f in enumerate(forwarders):
+                threads.append(threading.Thread(target=run_flood, args=(
+                    ["streams", "127.0.0.1:%d" % f.port,
+                     str(self.STREAMS_PER_ADDRESS), str(self.FLOOD_HOLD_S),
+                     "1"], results, "address-%d" % a)))
+            for t in threads:
+                t.start()
+            # Once the streams are held, steps must still complete.
+            time.sleep(1.5)
+            during_start = c.leader_step()
+            time.sleep(self.FLOOD_HOLD_S - 3)
+            during_end = c.leader_step()
+            for t in threads:
+                t.join(timeout=60)
+            codes = c.wait_workers(timeout=120)
+        finally:
+            c.stop()
+            for f in forwarders:
+                f.close()
+        self.assertEqual(codes, [0, 0], "workers failed; logs in " + work)
+        summaries = c.summaries()
+        sums = set(s["param_checksum"] for s in summaries) | set(
+            s["server_checksum"] for s in summaries)
+        self.assertEqual(len(sums), 1, summaries)
+        admitted = 0
+        for key, (rc, stdout, stderr) in sorted(results.items()):
+            self.assertEqual(rc, 0, "%s client: %s" % (key, stderr))
+            out = json.loads(stdout)
+            admitted += out["admitted"]
+            self.assertEqual(set(out["codes"]) - {"RESOURCE_EXHAUSTED",
+                                                  "CANCELLED"}, set(), out)
+            if "RESOURCE_EXHAUSTED" in out["messages"]:
+                self.assertIn("--max-concurrent-calls",
+                              out["messages"]["RESOURCE_EXHAUSTED"])
+        figures = {"addresses": self.ADDRESSES,
+                   "streams": self.ADDRESSES * self.STREAMS_PER_ADDRESS,
+                   "admitted": admitted,
+                   "steps_during_flood": during_end - during_start}
+        print("multi-address flood figures: " + json.dumps(figures))
+        # The hosts' streams filled the server bound (88 with P = S = 2) ...
+        self.assertEqual(admitted, 88, figures)
+        # ... and the step's calls were still served: with 100 ms of compute
+        # per step, a few seconds of flood hold many steps.
+        self.assertGreaterEqual(during_end - during_start, 5, figures)
 
 
 if __name__ == "__main__":

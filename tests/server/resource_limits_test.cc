@@ -59,6 +59,51 @@ TEST(CallLimiterTest, RefusesOverTheServerBoundAndReleases) {
   GTOPK_EXPECT_OK(limiter.Admit("peer c", "PushPull").status());
 }
 
+TEST(CallLimiterTest, MembersAreNotCrowdedOutByHostsFromManyAddresses) {
+  // Issue 42: five hosts, each under its own bound, fill the server bound
+  // with idle streams; the step's calls of the members (a rank's stream, a
+  // shard's vote) are still admitted, each within its own peer bound.
+  CallLimiter limiter(0, CallLimits{/*max_concurrent_calls=*/10,
+                                    /*max_calls_per_peer=*/3});
+  std::vector<CallLimiter::Admission> held;
+  int refused = 0;
+  for (int host = 0; host < 5; ++host) {
+    for (int i = 0; i < 3; ++i) {
+      auto a = limiter.Admit(absl::StrCat("ipv4:127.0.0.", 10 + host),
+                             "PushPull");
+      if (a.ok()) {
+        held.push_back(*std::move(a));
+      } else {
+        EXPECT_THAT(a.status(), StatusIs(absl::StatusCode::kResourceExhausted,
+                                         HasSubstr("--max-concurrent-calls")));
+        ++refused;
+      }
+    }
+  }
+  EXPECT_EQ(held.size(), 10u);
+  EXPECT_EQ(refused, 5);
+  EXPECT_EQ(limiter.unidentified_in_flight(), 10);
+  for (const std::string& member :
+       {CallPeerRank(0), CallPeerRank(1), CallPeerShard(1)}) {
+    for (int i = 0; i < 3; ++i) {
+      auto a = limiter.Admit(member, "ExchangeThreshold");
+      GTOPK_ASSERT_OK(a.status()) << member;
+      held.push_back(*std::move(a));
+    }
+    // Each member identity keeps its own bound.
+    EXPECT_THAT(limiter.Admit(member, "CommitStep").status(),
+                StatusIs(absl::StatusCode::kResourceExhausted,
+                         HasSubstr("--max-calls-per-peer=3")));
+  }
+  EXPECT_EQ(limiter.in_flight(), 19);
+  EXPECT_EQ(limiter.unidentified_in_flight(), 10);
+  // A host is still refused: the members' calls took no host slot back.
+  EXPECT_FALSE(limiter.Admit("ipv4:127.0.0.99", "Join").ok());
+  held.clear();
+  EXPECT_EQ(limiter.in_flight(), 0);
+  EXPECT_EQ(limiter.unidentified_in_flight(), 0);
+}
+
 TEST(CallLimiterTest, RefusesOverThePeerBoundOnlyForThatPeer) {
   CallLimiter limiter(0, CallLimits{/*max_concurrent_calls=*/100,
                                     /*max_calls_per_peer=*/2});
