@@ -276,6 +276,8 @@ void Checkpoints() {
     c.begin = k.begin;
     c.end = k.end;
     c.next_step = 42;
+    c.cluster_fingerprint = 0x5eed5eed5eed5eedull;  // the cluster identity
+    c.run_id = 0x0123456789abcdefull;
     for (uint64_t i = k.begin; i < k.end; ++i) c.params.push_back(0.5f * i - 1);
     if (k.velocity) c.global_velocity.assign(c.params.size(), 0.125f);
     if (!server::WriteCheckpoint(dir, c).ok()) std::exit(1);

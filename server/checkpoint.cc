@@ -286,6 +286,8 @@ absl::Status WriteContents(int fd, const ShardCheckpoint& c,
   Put64(header + 48, static_cast<uint64_t>(c.next_step));
   Put64(header + 56, c.params.size());
   Put64(header + 64, c.global_velocity.size());
+  Put64(header + 72, c.cluster_fingerprint);
+  Put64(header + 80, c.run_id);
   uint32_t crc = Crc(0, header, sizeof(header));
   GTOPK_RETURN_IF_ERROR(WriteAll(fd, header, sizeof(header), path));
 
@@ -379,6 +381,13 @@ absl::StatusOr<ShardCheckpoint> ReadCheckpointFile(const std::string& path,
   GTOPK_RETURN_IF_ERROR(ReadAll(fd.get(), header + sizeof(kMagic),
                                 sizeof(header) - sizeof(kMagic), path));
   const uint32_t version = Get32(header + 8);
+  if (version == 1) {
+    return data_loss(
+        "format version 1, written by gtopk before 2026-12-06: it does not "
+        "record which cluster and run wrote it, so it cannot be told from "
+        "another cluster's checkpoint (this build reads version ",
+        kCheckpointFormatVersion, "); remove it to start the shard empty");
+  }
   if (version != kCheckpointFormatVersion) {
     return data_loss("unsupported format version ", version, " (this build reads ",
                      kCheckpointFormatVersion, ")");
@@ -393,6 +402,8 @@ absl::StatusOr<ShardCheckpoint> ReadCheckpointFile(const std::string& path,
   c.next_step = static_cast<int64_t>(Get64(header + 48));
   const uint64_t params_count = Get64(header + 56);
   const uint64_t velocity_count = Get64(header + 64);
+  c.cluster_fingerprint = Get64(header + 72);
+  c.run_id = Get64(header + 80);
 
   // The counts against the real file size, before anything is allocated
   // (written so that no product or sum can overflow).

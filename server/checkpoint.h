@@ -8,7 +8,8 @@
 //
 //   offset  size  field
 //   0       8     magic "GTOPKCK1" (ASCII, no terminator)
-//   8       4     uint32 format version, kCheckpointFormatVersion (1)
+//   8       4     uint32 format version, kCheckpointFormatVersion (2; 1 had
+//                        no cluster identity and is refused)
 //   12      4     uint32 shard_id         (< num_shards)
 //   16      4     uint32 num_shards       (>= 1)
 //   20      4     uint32 reserved, 0
@@ -18,12 +19,16 @@
 //   48      8     int64  next_step        (>= 0)
 //   56      8     uint64 params_count     (== end - begin)
 //   64      8     uint64 velocity_count   (0 or end - begin)
-//   72      4*params_count    params, IEEE binary32, bit-exact
+//   72      8     uint64 cluster_fingerprint (ClusterSpec.cluster_fingerprint
+//                        of the cluster that wrote it; 0: unknown)
+//   80      8     uint64 run_id           (the cluster's run identity,
+//                        ClusterSpec.run_id; 0: unknown)
+//   88      4*params_count    params, IEEE binary32, bit-exact
 //   ...     4*velocity_count  global_velocity, IEEE binary32, bit-exact
 //   ...     4     uint32 CRC-32 (zlib's crc32, polynomial 0xEDB88320) of every
 //                 byte before it
 //
-// The file size is therefore exactly 76 + 4 * (params_count + velocity_count)
+// The file size is therefore exactly 92 + 4 * (params_count + velocity_count)
 // bytes; anything else is truncation or trailing garbage. Every value is
 // finite.
 //
@@ -55,9 +60,9 @@ namespace gtopk {
 namespace server {
 
 // Version written into (and the only version accepted from) the file header.
-inline constexpr uint32_t kCheckpointFormatVersion = 1;
-// Size in bytes of the fixed header (magic through velocity_count).
-inline constexpr size_t kCheckpointHeaderBytes = 72;
+inline constexpr uint32_t kCheckpointFormatVersion = 2;
+// Size in bytes of the fixed header (magic through run_id).
+inline constexpr size_t kCheckpointHeaderBytes = 88;
 // Size in bytes of the trailing checksum.
 inline constexpr size_t kCheckpointTrailerBytes = 4;
 
@@ -75,6 +80,12 @@ struct ShardCheckpoint {
   // Empty, or (global momentum mode) end - begin values, same indexing.
   // All finite.
   std::vector<float> global_velocity;
+  // Which cluster wrote it (issue 42): its ClusterSpec.cluster_fingerprint
+  // (the settings) and run_id (the run: another run with the same settings
+  // has another). A shard restores only its own cluster's checkpoint
+  // (AggregatorService::Create, GetAggregator, GetShardState). 0: unknown.
+  uint64_t cluster_fingerprint = 0;
+  uint64_t run_id = 0;
 };
 
 // The path of shard `shard_id`'s checkpoint in `dir`: "<dir>/shard-<id>.ckpt".

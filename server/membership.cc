@@ -168,6 +168,7 @@ v1::ClusterSpec AggregatorService::BuildSpecLocked() const {
   }
   spec.set_next_step(aggregator_ != nullptr ? aggregator_->next_step() : 0);
   spec.set_cluster_fingerprint(fingerprint_.load());
+  spec.set_run_id(run_id_.load());
   return spec;
 }
 
@@ -238,6 +239,18 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* context,
   uint32_t rank = 0;
   if (requested >= 0) {
     rank = static_cast<uint32_t>(requested);
+    if (!rank_live(rank) && absl::Now() < rank_reserved_until_[rank]) {
+      // The leader restarted: the rank's holder (named by the member file)
+      // may still be alive and re-registering. Only it may have the rank
+      // (Recover with its token) until the window ends.
+      return ToGrpcStatus(absl::UnavailableError(absl::StrCat(
+          "rank ", rank, " was held when leader shard ", config_.shard_id,
+          " restarted; it stays reserved for its holder for another ",
+          absl::FormatDuration(absl::Trunc(
+              rank_reserved_until_[rank] - absl::Now(), absl::Seconds(1))),
+          " (until it re-registers with its member token); retry later, or "
+          "start this worker with another --rank")));
+    }
     if (rank_live(rank)) {
       return ToGrpcStatus(absl::AlreadyExistsError(absl::StrCat(
           "rank ", rank,
@@ -256,9 +269,19 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* context,
                        "re-join")));
     }
   }
-  rank_given_[rank] = true;
   // A new token per grant: the rank's earlier holder (gone) is superseded.
+  const uint64_t previous = member_token_[rank];
   member_token_[rank] = NewMemberToken();
+  // Durable before it is handed out: a leader restarted from its checkpoint
+  // directory still knows the holder (server/member_file.h).
+  if (const absl::Status saved = PersistMemberTokensLocked(); !saved.ok()) {
+    member_token_[rank] = previous;
+    return ToGrpcStatus(absl::UnavailableError(absl::StrCat(
+        "rank ", rank, " not granted: the leader cannot record its member "
+        "token: ", saved.message())));
+  }
+  rank_given_[rank] = true;
+  rank_reserved_until_[rank] = absl::InfinitePast();
   response->set_member_token(member_token_[rank]);
   response->set_rank(rank);
   response->set_epoch(epoch_.load());

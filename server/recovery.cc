@@ -173,6 +173,7 @@ absl::StatusOr<int64_t> AggregatorService::LocalRollback(int64_t step) {
         // No entry of the new step: write one, so that a restart comes
         // back at the step the cluster is at (same initial parameters).
         GTOPK_ASSIGN_OR_RETURN(ShardCheckpoint now, aggregator->Snapshot());
+        StampIdentity(&now);
         GTOPK_RETURN_IF_ERROR(WriteCheckpoint(config_.checkpoint_dir, now));
         GTOPK_RETURN_IF_ERROR(RetainCheckpoint(config_.checkpoint_dir,
                                                config_.shard_id, step,
@@ -371,6 +372,11 @@ grpc::Status AggregatorService::GetShardState(
         deadline);
     if (!same.ok()) return ToGrpcStatus(same);
   }
+  // A shard restarted from another run's checkpoint must not have the
+  // cluster rolled back to it.
+  if (const absl::Status run = CheckRunId(request->run_id()); !run.ok()) {
+    return ToGrpcStatus(run);
+  }
   absl::StatusOr<v1::ShardState> state;
   do {
     state = LocalShardState(std::min(deadline, absl::Now() + kPollInterval),
@@ -497,6 +503,7 @@ std::vector<absl::StatusOr<v1::ShardState>> AggregatorService::ReadShardStates(
       v1::ShardStateRequest request;
       request.set_cluster_fingerprint(fingerprint_.load());
       request.set_without_settling(!settle);
+      request.set_run_id(run_id_.load());
       const grpc::Status st = CallUntilAdmitted(deadline, "GetShardState", [&] {
         grpc::ClientContext ctx;
         ctx.set_deadline(absl::ToChronoTime(deadline));
@@ -716,16 +723,29 @@ grpc::Status AggregatorService::Recover(grpc::ServerContext* context,
     const uint32_t w = request->worker();
     const uint64_t token = request->member_token();
     if (token != 0 && member_token_[w] == 0) {
-      // No holder since this leader started (it restarted): the worker
-      // that held the rank re-enters with its token, as a Join of the rank
-      // would.
+      // No holder known (a leader without --checkpoint-dir restarted, so
+      // it has no member file): the worker that held the rank re-enters
+      // with its token, as a Join of the rank would.
       member_token_[w] = token;
       rank_given_[w] = true;
+      if (const absl::Status saved = PersistMemberTokensLocked();
+          !saved.ok()) {
+        member_token_[w] = 0;
+        return ToGrpcStatus(absl::UnavailableError(absl::StrCat(
+            "Recover: the leader cannot record rank ", w,
+            "'s member token: ", saved.message())));
+      }
     }
     const absl::Status member = CheckMemberTokenLocked(w, token);
     if (!member.ok()) {
       return ToGrpcStatus(absl::Status(
           member.code(), absl::StrCat("Recover: ", member.message())));
+    }
+    if (rank_reserved_until_[w] != absl::InfinitePast()) {
+      // The holder re-registered after a leader restart: the rank stays
+      // its own while it reopens its step stream.
+      rank_reserved_until_[w] =
+          absl::Now() + internal::RankReclaimWindow(config_.step_timeout);
     }
   }
   std::optional<int64_t> resume_step;

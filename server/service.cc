@@ -30,6 +30,7 @@
 #include "grpcpp/client_context.h"
 #include "proto/request_parsing.h"
 #include "server/checkpoint.h"
+#include "server/member_file.h"
 #include "server/request_checks.h"
 #include "server/service_internal.h"
 
@@ -179,6 +180,7 @@ AggregatorService::AggregatorService(ServerConfig config)
                                               *metrics_registry_)) {
   rank_given_.assign(config_.num_workers, false);
   member_token_.assign(config_.num_workers, 0);
+  rank_reserved_until_.assign(config_.num_workers, absl::InfinitePast());
   live_streams_.resize(config_.num_workers);
   if (is_leader()) {
     coordinator_ = std::make_unique<ThresholdCoordinator>(config_.num_shards);
@@ -223,11 +225,51 @@ absl::StatusOr<std::unique_ptr<AggregatorService>> AggregatorService::Create(
           absl::StrCat("--checkpoint-dir=", c.checkpoint_dir,
                        " is not an existing directory"));
     }
+    if (service->is_leader()) {
+      // Who held which rank before this leader (re)started: a live worker
+      // keeps its rank (Recover with its token), nobody else gets it.
+      absl::StatusOr<std::vector<uint64_t>> tokens =
+          ReadMemberTokens(c.checkpoint_dir, c.num_workers);
+      if (tokens.ok()) {
+        absl::MutexLock lock(&service->mu_);
+        const absl::Time until =
+            absl::Now() + internal::RankReclaimWindow(c.step_timeout);
+        for (uint32_t r = 0; r < c.num_workers; ++r) {
+          if ((*tokens)[r] == 0) continue;
+          service->member_token_[r] = (*tokens)[r];
+          service->rank_given_[r] = true;
+          service->rank_reserved_until_[r] = until;
+        }
+      } else if (!absl::IsNotFound(tokens.status())) {
+        return tokens.status();
+      }
+    }
     absl::StatusOr<ShardCheckpoint> checkpoint =
         ReadCheckpoint(c.checkpoint_dir, c.shard_id);
     if (checkpoint.ok()) {
       absl::MutexLock lock(&service->mu_);
       GTOPK_RETURN_IF_ERROR(service->CreateAggregatorLocked(checkpoint->n));
+      // Only this cluster's checkpoint: the same settings (fingerprint) ...
+      if (checkpoint->cluster_fingerprint != 0 &&
+          checkpoint->cluster_fingerprint != service->fingerprint_.load()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "shard ", c.shard_id, ": checkpoint ",
+            CheckpointPath(c.checkpoint_dir, c.shard_id),
+            " was written by a cluster with ", internal::kFingerprintMarker,
+            " ", FingerprintText(checkpoint->cluster_fingerprint),
+            " but this shard's settings with n = ", checkpoint->n, " give ",
+            FingerprintText(service->fingerprint_.load()),
+            ": another cluster's checkpoint, or this shard was started with "
+            "other cluster settings (--lr, --momentum, --density, --selector, "
+            "--workers, ...) than the run that wrote it. Nothing was "
+            "restored; start the shard with that run's settings, or move the "
+            "file away to start it empty"));
+      }
+      // ... and the same run (checked against the leader's run identity:
+      // GetAggregator, GetShardState).
+      service->run_id_.store(checkpoint->run_id);
+      service->restored_checkpoint_ =
+          CheckpointPath(c.checkpoint_dir, c.shard_id);
       GTOPK_RETURN_IF_ERROR(service->aggregator_->Restore(*checkpoint));
       service->n_ = checkpoint->n;
       // Retained checkpoints newer than the restored one are left over from
@@ -242,7 +284,40 @@ absl::StatusOr<std::unique_ptr<AggregatorService>> AggregatorService::Create(
       return checkpoint.status();
     }
   }
+  if (service->is_leader() && service->run_id_.load() == 0) {
+    // A new run: its identity, for every shard's checkpoints.
+    static std::random_device device;
+    uint64_t id = 0;
+    while (id == 0) id = (uint64_t{device()} << 32) ^ uint64_t{device()};
+    service->run_id_.store(id);
+  }
   return service;
+}
+
+absl::Status AggregatorService::CheckRunId(uint64_t leader_run_id) {
+  if (leader_run_id == 0 || is_leader()) return absl::OkStatus();
+  uint64_t own = run_id_.load();
+  if (own == 0) {
+    run_id_.compare_exchange_strong(own, leader_run_id);
+    return absl::OkStatus();
+  }
+  if (own == leader_run_id) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "shard ", config_.shard_id, "'s state is run ", FingerprintText(own),
+      restored_checkpoint_.empty()
+          ? std::string()
+          : absl::StrCat(" (restored from checkpoint ", restored_checkpoint_,
+                         ")"),
+      " but the leader's cluster is run ", FingerprintText(leader_run_id),
+      ": another run's checkpoint (same settings, another run). Nothing was "
+      "restored into this cluster; put this run's own checkpoint there, or "
+      "move the file away and restart shard ", config_.shard_id,
+      " to start it empty"));
+}
+
+absl::Status AggregatorService::PersistMemberTokensLocked() {
+  if (!is_leader() || config_.checkpoint_dir.empty()) return absl::OkStatus();
+  return WriteMemberTokens(config_.checkpoint_dir, member_token_);
 }
 
 absl::StatusOr<CallLimiter::Admission> AggregatorService::AdmitCall(
@@ -306,7 +381,10 @@ absl::Status AggregatorService::WriteCheckpointNow() {
   // WriteCheckpoint replaces the current checkpoint only by renaming a
   // complete, fsynced temp file over it: on failure the previous one stays
   // what a restart restores, and the history keeps its entries.
-  if (status.ok()) status = WriteCheckpoint(config_.checkpoint_dir, *snapshot);
+  if (status.ok()) {
+    StampIdentity(&*snapshot);
+    status = WriteCheckpoint(config_.checkpoint_dir, *snapshot);
+  }
   if (status.ok()) {
     metrics_->CheckpointWritten();
     status = RetainCheckpoint(config_.checkpoint_dir, config_.shard_id,
@@ -524,6 +602,7 @@ absl::StatusOr<ShardAggregator*> AggregatorService::GetAggregator(
   }
   GTOPK_ASSIGN_OR_RETURN(v1::ClusterSpec spec, FetchSpecFromLeader(deadline));
   GTOPK_RETURN_IF_ERROR(CheckLeaderSpec(spec));
+  GTOPK_RETURN_IF_ERROR(CheckRunId(spec.run_id()));
   absl::MutexLock lock(&mu_);
   if (shutting_down_) {
     return absl::UnavailableError(
@@ -927,6 +1006,8 @@ grpc::Status AggregatorService::PushPull(
         absl::MutexLock lock(&mu_);
         if (CheckMemberTokenLocked(static_cast<uint32_t>(rank), token).ok()) {
           register_stream(static_cast<uint32_t>(rank));
+          // The holder is back: its live stream now keeps the rank.
+          rank_reserved_until_[rank] = absl::InfinitePast();
           // Until its first push it does not hold up a drain.
           ++idle_streams_;
           disconnect.idle = true;

@@ -476,9 +476,32 @@ class AggregatorService final : public v1::Aggregator::Service {
   // since this process started), elsewhere the last token the leader
   // confirmed (0: none yet).
   std::vector<uint64_t> member_token_ ABSL_GUARDED_BY(mu_);
+  // Leader, per rank: until when the rank stays reserved for the holder its
+  // member file named at this process's start (InfinitePast: not reserved;
+  // cleared when the holder re-registers). RankReclaimWindow.
+  std::vector<absl::Time> rank_reserved_until_ ABSL_GUARDED_BY(mu_);
+  // Leader with --checkpoint-dir: writes member_token_ to the member file
+  // (server/member_file.h). Errors: WriteMemberTokens'.
+  absl::Status PersistMemberTokensLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ClusterFingerprint of this shard's settings with its n; 0 until n is
   // known (set with the aggregator, never changed after).
   std::atomic<uint64_t> fingerprint_{0};
+  // The run identity (ClusterSpec.run_id): the leader's own (restored from
+  // its checkpoint, or drawn at start); elsewhere the restored checkpoint's
+  // until the leader's is known, then the leader's. 0: unknown.
+  std::atomic<uint64_t> run_id_{0};
+  // Non-leaders: the checkpoint this shard restored at start ("" for none),
+  // named when its run identity is not the leader's.
+  std::string restored_checkpoint_;
+  // The run identity of this shard's state must be `leader_run_id` (a
+  // non-zero id the leader sent): FAILED_PRECONDITION naming the restored
+  // checkpoint when it is another run's; adopts it when unknown.
+  absl::Status CheckRunId(uint64_t leader_run_id);
+  // Stamps a snapshot with this cluster's identity before it is written.
+  void StampIdentity(ShardCheckpoint* c) const {
+    c->cluster_fingerprint = fingerprint_.load();
+    c->run_id = run_id_.load();
+  }
   // Non-leaders: the leader's spec was compared with this shard's settings
   // and agreed; cleared when the leader refuses this shard's fingerprint.
   std::atomic<bool> verified_{false};

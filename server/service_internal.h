@@ -30,6 +30,16 @@ inline constexpr absl::Duration kPollInterval = absl::Milliseconds(50);
 // when its cancellation reaches this server.
 inline constexpr absl::Duration kRankReleaseGrace = absl::Seconds(2);
 
+// After a leader restart, how long a rank whose holder the leader's member
+// file names stays reserved for that holder (server/member_file.h): until
+// the worker re-registers with its token (Recover, or its step stream), a
+// Join of the rank is refused UNAVAILABLE; past this window the holder is
+// taken for gone and a Join may take the rank. At least a minute, and two
+// step timeouts: a worker retries its recovery for --recovery-timeout.
+inline absl::Duration RankReclaimWindow(absl::Duration step_timeout) {
+  return std::max(absl::Seconds(60), 2 * step_timeout);
+}
+
 // The deadline of `context`'s call; InfiniteFuture for none (or no context).
 inline absl::Time ContextDeadline(const grpc::ServerContext* context) {
   if (context == nullptr) return absl::InfiniteFuture();

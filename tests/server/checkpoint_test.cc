@@ -83,7 +83,7 @@ class AllocationWatch {
   size_t Largest() const { return g_largest_allocation.load(); }
 };
 
-constexpr size_t kHeader = 72;
+constexpr size_t kHeader = 88;
 constexpr size_t kTrailer = 4;
 
 // Independent bitwise CRC-32 (reflected, polynomial 0xEDB88320), as
@@ -160,6 +160,8 @@ void ExpectSame(const ShardCheckpoint& got, const ShardCheckpoint& want) {
   EXPECT_EQ(got.begin, want.begin);
   EXPECT_EQ(got.end, want.end);
   EXPECT_EQ(got.next_step, want.next_step);
+  EXPECT_EQ(got.cluster_fingerprint, want.cluster_fingerprint);
+  EXPECT_EQ(got.run_id, want.run_id);
   // Bit patterns, so -0.0 vs 0.0 and denormals are told apart.
   EXPECT_TRUE(BitEqual(got.params, want.params)) << "params differ";
   EXPECT_TRUE(BitEqual(got.global_velocity, want.global_velocity))
@@ -345,6 +347,8 @@ TEST_F(CheckpointTest, RoundTripMillionsOfFloatsStreamsWithoutCopying) {
 
 TEST_F(CheckpointTest, FileLayoutMatchesTheDocumentation) {
   ShardCheckpoint c = Make(1, 2, 10, 4, 6, 5, true);
+  c.cluster_fingerprint = 0x0123456789ABCDEFull;
+  c.run_id = 0xFEDCBA9876543210ull;
   c.params = {1.0f, -0.0f};
   c.global_velocity = {2.0f, 0.5f};
   GTOPK_ASSERT_OK(WriteCheckpoint(dir_, c));
@@ -361,11 +365,28 @@ TEST_F(CheckpointTest, FileLayoutMatchesTheDocumentation) {
   EXPECT_EQ(Get64(f, 48), 5u);   // next_step
   EXPECT_EQ(Get64(f, 56), 2u);   // params count
   EXPECT_EQ(Get64(f, 64), 2u);   // velocity count
-  EXPECT_EQ(Get32(f, 72), FloatBits(1.0f));
-  EXPECT_EQ(Get32(f, 76), 0x80000000u);
-  EXPECT_EQ(Get32(f, 80), FloatBits(2.0f));
-  EXPECT_EQ(Get32(f, 84), FloatBits(0.5f));
-  EXPECT_EQ(Get32(f, 88), Crc32(f, 88));
+  EXPECT_EQ(Get64(f, 72), 0x0123456789ABCDEFull);  // cluster_fingerprint
+  EXPECT_EQ(Get64(f, 80), 0xFEDCBA9876543210ull);  // run_id
+  EXPECT_EQ(Get32(f, 88), FloatBits(1.0f));
+  EXPECT_EQ(Get32(f, 92), 0x80000000u);
+  EXPECT_EQ(Get32(f, 96), FloatBits(2.0f));
+  EXPECT_EQ(Get32(f, 100), FloatBits(0.5f));
+  EXPECT_EQ(Get32(f, 104), Crc32(f, 104));
+  GTOPK_ASSERT_OK_AND_ASSIGN(ShardCheckpoint got, ReadCheckpoint(dir_, 1));
+  EXPECT_EQ(got.cluster_fingerprint, c.cluster_fingerprint);
+  EXPECT_EQ(got.run_id, c.run_id);
+}
+
+TEST_F(CheckpointTest, VersionOneHasNoClusterIdentityAndIsRefused) {
+  const ShardCheckpoint c = Make(1, 2, 10, 4, 6, 5, false);
+  GTOPK_ASSERT_OK(WriteCheckpoint(dir_, c));
+  std::string f = ReadBytes(CheckpointPath(dir_, 1));
+  f[8] = 1;  // the version field: a file written before 2026-12-06
+  WriteBytes(CheckpointPath(dir_, 1), f);
+  EXPECT_THAT(ReadCheckpoint(dir_, 1),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr("format version 1"),
+                             HasSubstr("which cluster and run"))));
 }
 
 TEST_F(CheckpointTest, OverwriteKeepsOnlyTheNewest) {
@@ -484,8 +505,8 @@ TEST_F(CheckpointTest, InconsistentHeaderNamesTheFault) {
   };
   const Case cases[] = {
       {"magic", [](std::string& f) { f[0] = 'X'; }, "bad magic"},
-      {"version", [](std::string& f) { Put32(f, 8, 2); },
-       "unsupported format version 2"},
+      {"version", [](std::string& f) { Put32(f, 8, 3); },
+       "unsupported format version 3"},
       {"wrong shard", [](std::string& f) { Put32(f, 12, 1); },
        "holds shard 1, expected shard 0"},
       {"no shards", [](std::string& f) { Put32(f, 16, 0); },

@@ -1,0 +1,174 @@
+// The leader's member tokens survive its restart (issue 42, "rank takeover
+// after a leader restart"; server/member_file.h, docs/security.md): the
+// file round-trips and refuses damage, and over real gRPC a leader restarted
+// from its checkpoint directory refuses a third client's Join of a live
+// worker's rank and its Recover with another token, in either order, while
+// the holder re-registers with its own token.
+#include "server/member_file.h"
+
+#include <sys/stat.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/grpc_edge.h"
+#include "gmock/gmock.h"
+#include "grpcpp/client_context.h"
+#include "gtest/gtest.h"
+#include "gtopk/v1/gtopk.grpc.pb.h"
+#include "server/aggregator_server.h"
+#include "server/server_config.h"
+#include "tests/testing/status_matchers.h"
+
+namespace gtopk {
+namespace server {
+namespace {
+
+using ::gtopk::testing::StatusIs;
+using ::testing::HasSubstr;
+
+std::string TempDir() {
+  std::string tmpl = ::testing::TempDir() + "gtopk-members-XXXXXX";
+  char* made = ::mkdtemp(tmpl.data());
+  EXPECT_NE(made, nullptr);
+  return tmpl;
+}
+
+TEST(MemberFileTest, RoundTripsAndRefusesDamage) {
+  const std::string dir = TempDir();
+  EXPECT_THAT(ReadMemberTokens(dir, 3).status(),
+              StatusIs(absl::StatusCode::kNotFound));
+  const std::vector<uint64_t> tokens = {0, 0xFFFFFFFFFFFFFFFFull, 42};
+  GTOPK_ASSERT_OK(WriteMemberTokens(dir, tokens));
+  GTOPK_ASSERT_OK_AND_ASSIGN(std::vector<uint64_t> back,
+                             ReadMemberTokens(dir, 3));
+  EXPECT_EQ(back, tokens);
+  struct stat st;
+  ASSERT_EQ(::stat(MemberFilePath(dir).c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);  // the tokens are credentials
+  EXPECT_THAT(ReadMemberTokens(dir, 4).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("--workers=3")));
+  // One changed digit: the checksum no longer matches.
+  std::string text;
+  {
+    std::ifstream in(MemberFilePath(dir));
+    text.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  text[text.find("42")] = '7';
+  {
+    std::ofstream out(MemberFilePath(dir), std::ios::trunc);
+    out << text;
+  }
+  EXPECT_THAT(ReadMemberTokens(dir, 3).status(),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("checksum")));
+}
+
+constexpr uint64_t kN = 100;
+
+struct Leader {
+  std::unique_ptr<AggregatorServer> server;
+  std::unique_ptr<v1::Aggregator::Stub> stub;
+};
+
+Leader StartLeader(const std::string& dir) {
+  ServerConfig config;
+  config.num_workers = 2;
+  config.peers = {""};
+  config.checkpoint_dir = dir;
+  config.checkpoint_every = 1;
+  auto server = AggregatorServer::Start(config, "127.0.0.1:0");
+  EXPECT_TRUE(server.ok()) << server.status();
+  Leader l;
+  l.server = *std::move(server);
+  l.stub = v1::Aggregator::NewStub(
+      CreateLimitedChannel(l.server->address(), uint64_t{1} << 20));
+  return l;
+}
+
+void Deadline(grpc::ClientContext* ctx) {
+  ctx->set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+}
+
+absl::StatusOr<v1::JoinResponse> Join(v1::Aggregator::Stub* stub, int rank) {
+  grpc::ClientContext ctx;
+  Deadline(&ctx);
+  v1::JoinRequest request;
+  request.set_requested_rank(rank);
+  request.set_n(kN);
+  v1::JoinResponse response;
+  const grpc::Status s = stub->Join(&ctx, request, &response);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return response;
+}
+
+absl::Status Recover(v1::Aggregator::Stub* stub, uint32_t rank,
+                     uint64_t token, uint64_t fingerprint) {
+  grpc::ClientContext ctx;
+  Deadline(&ctx);
+  ctx.AddMetadata("gtopk-rank", absl::StrCat(rank));
+  ctx.AddMetadata("gtopk-member-token", absl::StrCat(token));
+  v1::RecoverRequest request;
+  request.set_worker(rank);
+  request.set_member_token(token);
+  request.set_cluster_fingerprint(fingerprint);
+  v1::RecoverResponse response;
+  return FromGrpcStatus(stub->Recover(&ctx, request, &response));
+}
+
+TEST(MemberFileTest, RestartedLeaderKeepsALiveWorkersRank) {
+  const std::string dir = TempDir();
+  uint64_t token1 = 0, fingerprint = 0;
+  {
+    Leader leader = StartLeader(dir);
+    GTOPK_ASSERT_OK_AND_ASSIGN(v1::JoinResponse j0, Join(leader.stub.get(), 0));
+    GTOPK_ASSERT_OK_AND_ASSIGN(v1::JoinResponse j1, Join(leader.stub.get(), 1));
+    token1 = j1.member_token();
+    fingerprint = j1.cluster().cluster_fingerprint();
+    // Rank 0 initialises the parameters: the leader writes its checkpoint.
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    v1::InitParamsResponse init;
+    auto writer = leader.stub->InitParams(&ctx, &init);
+    v1::ParamsChunk chunk;
+    chunk.set_offset(0);
+    chunk.set_member_token(j0.member_token());
+    chunk.set_cluster_fingerprint(fingerprint);
+    for (uint64_t i = 0; i < kN; ++i) chunk.add_values(0.25f * i);
+    ASSERT_TRUE(writer->Write(chunk));
+    writer->WritesDone();
+    GTOPK_ASSERT_OK(FromGrpcStatus(writer->Finish()));
+    GTOPK_ASSERT_OK(leader.server->Shutdown(absl::ZeroDuration()));
+  }
+  // The leader comes back from its checkpoint directory (kill -9 and
+  // restart: the member file was written at each Join).
+  Leader leader = StartLeader(dir);
+  // A third client with a worker's credentials asks for rank 1 first ...
+  EXPECT_THAT(Join(leader.stub.get(), 1).status(),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       HasSubstr("reserved for its holder")));
+  // ... or claims it with a made-up token.
+  EXPECT_THAT(Recover(leader.stub.get(), 1, 12345, fingerprint),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstr("held by another worker")));
+  // Asking for any rank finds none free: both are held.
+  EXPECT_THAT(Join(leader.stub.get(), -1).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+  // The live worker re-registers with its own token, and keeps the rank.
+  GTOPK_EXPECT_OK(Recover(leader.stub.get(), 1, token1, fingerprint));
+  EXPECT_THAT(Join(leader.stub.get(), 1).status(),
+              StatusIs(absl::StatusCode::kUnavailable));
+  EXPECT_THAT(Recover(leader.stub.get(), 1, 999, fingerprint),
+              StatusIs(absl::StatusCode::kPermissionDenied));
+}
+
+}  // namespace
+}  // namespace server
+}  // namespace gtopk
