@@ -12,6 +12,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "common/grpc_edge.h"
 #include "common/host_port.h"
 #include "common/status_macros.h"
 #include "common/transport_security.h"
@@ -139,6 +141,13 @@ absl::StatusOr<std::unique_ptr<AggregatorServer>> AggregatorServer::Start(
             : nullptr;
     health->SetServingStatus(true);
     if (mirror != nullptr) mirror->SetServingStatus(true);
+    // Not ready while this shard's settings or run identity differ from
+    // the leader's (it refuses all work then).
+    server->service_->SetReadinessListener(
+        [health, mirror](const absl::Status& ready) {
+          health->SetServingStatus(ready.ok());
+          if (mirror != nullptr) mirror->SetServingStatus(ready.ok());
+        });
     // SERVING until a checkpoint write fails, again once one succeeds.
     server->service_->SetCheckpointHealthListener([health, mirror](bool ok) {
       health->SetServingStatus(kCheckpointHealthService, ok);
@@ -159,6 +168,7 @@ absl::Status AggregatorServer::Shutdown(absl::Duration grace,
                                         absl::Duration drain) {
   if (shut_down_ || server_ == nullptr) return absl::OkStatus();
   shut_down_ = true;
+  service_->SetReadinessListener(nullptr);  // NOT_SERVING from now on
   if (grpc::HealthCheckServiceInterface* health =
           server_->GetHealthCheckService()) {
     health->SetServingStatus(false);
@@ -278,6 +288,18 @@ absl::StatusOr<bool> CheckHealth(const std::string& address,
     }
   }
   return serving == 1;
+}
+
+absl::Status ExplainNotServing(
+    const std::string& address,
+    const std::shared_ptr<const TransportSecurity>& security) {
+  auto stub = v1::Aggregator::NewStub(
+      CreateLimitedChannel(address, uint64_t{1} << 20, security));
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  v1::JoinRequest request;
+  v1::ClusterSpec spec;
+  return FromGrpcStatus(stub->GetClusterSpec(&context, request, &spec));
 }
 
 }  // namespace server

@@ -87,6 +87,14 @@ absl::StatusOr<bool> CheckHealth(
     const std::string& service = "",
     const std::shared_ptr<const TransportSecurity>& security = nullptr);
 
+// Why the shard at `address` is not serving, as far as it says: its answer
+// to GetClusterSpec (within 5 s), e.g. FAILED_PRECONDITION "shard 1 is
+// configured differently from the leader ...: --lr is 0.2 here but 0.1 on
+// the leader"; OK when that call succeeds (no reason given). Blocking.
+absl::Status ExplainNotServing(
+    const std::string& address,
+    const std::shared_ptr<const TransportSecurity>& security = nullptr);
+
 }  // namespace server
 }  // namespace gtopk
 

@@ -306,6 +306,15 @@ int main(int argc, char** argv) {
       return 1;
     }
     std::printf("%s\n", *serving ? "SERVING" : "NOT_SERVING");
+    if (!*serving) {
+      // Why: a shard whose settings or run differ from the leader's says so
+      // in its answer to GetClusterSpec (docs/errors.md).
+      const absl::Status why =
+          gtopk::server::ExplainNotServing(health_target, *security);
+      if (!why.ok()) {
+        std::fprintf(stderr, "gtopk-server: %s\n", why.ToString().c_str());
+      }
+    }
     return *serving ? 0 : 1;
   }
 

@@ -375,6 +375,7 @@ grpc::Status AggregatorService::GetShardState(
   // A shard restarted from another run's checkpoint must not have the
   // cluster rolled back to it.
   if (const absl::Status run = CheckRunId(request->run_id()); !run.ok()) {
+    ReportReadiness(run);
     return ToGrpcStatus(run);
   }
   absl::StatusOr<v1::ShardState> state;

@@ -181,6 +181,8 @@ AggregatorService::AggregatorService(ServerConfig config)
   rank_given_.assign(config_.num_workers, false);
   member_token_.assign(config_.num_workers, 0);
   rank_reserved_until_.assign(config_.num_workers, absl::InfinitePast());
+  gone_since_.assign(config_.num_workers, absl::InfiniteFuture());
+  gone_failed_.assign(config_.num_workers, {-1, 0});
   live_streams_.resize(config_.num_workers);
   if (is_leader()) {
     coordinator_ = std::make_unique<ThresholdCoordinator>(config_.num_shards);
@@ -194,6 +196,7 @@ AggregatorService::AggregatorService(ServerConfig config)
           CreateLimitedChannel(config_.peers[s], config_.max_message_bytes,
                                config_.security));
     }
+    gone_watch_ = std::thread([this] { WatchGoneWorkers(); });
   } else {
     leader_channel_ =
         CreateLimitedChannel(config_.peers[0], config_.max_message_bytes,
@@ -210,7 +213,49 @@ AggregatorService::AggregatorService(ServerConfig config)
   }
 }
 
-AggregatorService::~AggregatorService() = default;
+AggregatorService::~AggregatorService() {
+  if (gone_watch_.joinable()) {
+    {
+      absl::MutexLock lock(&mu_);
+      watch_stop_ = true;
+    }
+    gone_watch_.join();
+  }
+}
+
+void AggregatorService::WatchGoneWorkers() {
+  const absl::Duration poll = absl::Milliseconds(200);
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    const auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return watch_stop_;
+    };
+    if (mu_.AwaitWithTimeout(absl::Condition(&stop), poll)) return;
+    if (aggregator_ == nullptr || shutting_down_) continue;
+    const absl::Time now = absl::Now();
+    for (uint32_t r = 0; r < config_.num_workers; ++r) {
+      if (now - gone_since_[r] < internal::kWorkerGoneGrace) continue;
+      const std::optional<int64_t> step = aggregator_->RoundAwaiting(r);
+      if (!step.has_value()) continue;
+      const std::pair<int64_t, uint64_t> attempt{*step, epoch_.load()};
+      if (gone_failed_[r] == attempt) continue;
+      gone_failed_[r] = attempt;
+      const absl::Status reason = absl::UnavailableError(absl::StrCat(
+          "worker ", r, " is gone: its step stream to leader shard ",
+          config_.shard_id, " closed ",
+          absl::FormatDuration(absl::Trunc(now - gone_since_[r],
+                                           absl::Milliseconds(100))),
+          " ago (the process died or lost its connection) and it has not "
+          "come back; step ", *step,
+          " cannot complete without it (restart it: it re-joins as rank ", r,
+          ")"));
+      std::fprintf(stderr, "gtopk-server leader: %s\n",
+                   std::string(reason.message()).c_str());
+      // RejectPush takes only the aggregator's own lock.
+      aggregator_->RejectPush(*step, r, reason);
+    }
+  }
+}
 
 absl::StatusOr<std::unique_ptr<AggregatorService>> AggregatorService::Create(
     ServerConfig config) {
@@ -415,6 +460,20 @@ absl::Status AggregatorService::WriteCheckpointNow() {
   return status;
 }
 
+void AggregatorService::ReportReadiness(const absl::Status& status) {
+  absl::MutexLock lock(&readiness_mu_);
+  if (status.ok() == readiness_.ok()) return;
+  readiness_ = status;
+  if (readiness_listener_) readiness_listener_(readiness_);
+}
+
+void AggregatorService::SetReadinessListener(
+    std::function<void(const absl::Status&)> listener) {
+  absl::MutexLock lock(&readiness_mu_);
+  readiness_listener_ = std::move(listener);
+  if (readiness_listener_) readiness_listener_(readiness_);
+}
+
 void AggregatorService::SetCheckpointHealthListener(
     std::function<void(bool ok)> listener) {
   absl::MutexLock lock(&checkpoint_mu_);
@@ -568,6 +627,8 @@ absl::Status AggregatorService::CheckLeaderSpec(const v1::ClusterSpec& spec) {
     n = n_;
   }
   absl::Status same = CheckSameClusterSettings(config_, spec, n);
+  if (same.ok()) same = CheckRunId(spec.run_id());
+  ReportReadiness(same);
   if (!same.ok() && !mismatch_logged_.exchange(true)) {
     // Once: the operator reads it in this shard's log; every caller gets
     // the status.
@@ -601,8 +662,7 @@ absl::StatusOr<ShardAggregator*> AggregatorService::GetAggregator(
     if (aggregator_ != nullptr && verified_.load()) return aggregator_.get();
   }
   GTOPK_ASSIGN_OR_RETURN(v1::ClusterSpec spec, FetchSpecFromLeader(deadline));
-  GTOPK_RETURN_IF_ERROR(CheckLeaderSpec(spec));
-  GTOPK_RETURN_IF_ERROR(CheckRunId(spec.run_id()));
+  GTOPK_RETURN_IF_ERROR(CheckLeaderSpec(spec));  // and the run identity
   absl::MutexLock lock(&mu_);
   if (shutting_down_) {
     return absl::UnavailableError(
@@ -983,6 +1043,10 @@ grpc::Status AggregatorService::PushPull(
         auto& live = self->live_streams_[worker];
         live.erase(std::find(live.begin(), live.end(), context));
         if (idle) --self->idle_streams_;
+        // Cancelled, not closed: the worker died or lost its connection.
+        if (self->is_leader() && live.empty() && context->IsCancelled()) {
+          self->gone_since_[worker] = absl::Now();
+        }
       }
       self->metrics_->connected_workers().Decrement();
     }
@@ -991,6 +1055,7 @@ grpc::Status AggregatorService::PushPull(
                              ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     stream_worker = worker;
     live_streams_[worker].push_back(context);
+    gone_since_[worker] = absl::InfiniteFuture();
     disconnect.worker = worker;
   };
   if (is_leader()) {

@@ -21,6 +21,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -262,6 +263,17 @@ class AggregatorService final : public v1::Aggregator::Service {
   // kCheckpointHealthService. Called with the checkpoint lock held: it
   // must not call back into this service.
   void SetCheckpointHealthListener(std::function<void(bool ok)> listener);
+
+  // Readiness (issue 42): called with the outcome of every comparison of
+  // this shard's settings and run identity with the leader's (OK: they
+  // agree; FAILED_PRECONDITION naming what differs: this shard refuses
+  // work), only when it changes, and once at once with the current state
+  // (OK before any comparison); null detaches. AggregatorServer points it
+  // at grpc.health's overall status (""), so that a shard started with
+  // other flags than the leader's is NOT_SERVING; the reason is in this
+  // shard's log and in the answer of its GetClusterSpec. Must not call back
+  // into this service.
+  void SetReadinessListener(std::function<void(const absl::Status&)> listener);
 
   // Graceful shutdown's drain (before BeginShutdown): the round in progress
   // may complete; pushes that would open a new round, and Joins, fail with
@@ -512,6 +524,17 @@ class AggregatorService final : public v1::Aggregator::Service {
   // Per rank, the contexts of its open PushPull streams on this shard: a
   // Join for a rank with a stream that is not cancelled is a second worker
   // with the same rank (ALREADY_EXISTS), not a restart.
+  // Leader, per rank: since when its worker is gone -- its last step
+  // stream here was cancelled (the process died, or its connection broke)
+  // and no other is open; InfiniteFuture while it is not. Cleared by a new
+  // stream of the rank. The watchdog (WatchGoneWorkers) fails a round
+  // still waiting for a gone worker's push kWorkerGoneGrace later, instead
+  // of at the step deadline (issue 42), once per step and attempt epoch.
+  std::vector<absl::Time> gone_since_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<int64_t, uint64_t>> gone_failed_ ABSL_GUARDED_BY(mu_);
+  bool watch_stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread gone_watch_;
+  void WatchGoneWorkers();
   std::vector<std::vector<grpc::ServerContext*>> live_streams_
       ABSL_GUARDED_BY(mu_);
   // How many of live_streams_ were registered from their call's metadata
@@ -535,6 +558,13 @@ class AggregatorService final : public v1::Aggregator::Service {
   uint64_t recover_generation_ ABSL_GUARDED_BY(recover_mu_) = 0;
   absl::StatusOr<v1::RecoverResponse> last_recover_ ABSL_GUARDED_BY(
       recover_mu_) = absl::UnknownError("no recovery yet");
+
+  // Readiness: the last comparison with the leader, and who is told.
+  void ReportReadiness(const absl::Status& status);
+  absl::Mutex readiness_mu_;
+  absl::Status readiness_ ABSL_GUARDED_BY(readiness_mu_);
+  std::function<void(const absl::Status&)> readiness_listener_
+      ABSL_GUARDED_BY(readiness_mu_);
 
   absl::Mutex checkpoint_mu_;  // one checkpoint writer at a time
   // False while the last checkpoint write failed.

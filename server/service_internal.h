@@ -30,6 +30,13 @@ inline constexpr absl::Duration kPollInterval = absl::Milliseconds(50);
 // when its cancellation reaches this server.
 inline constexpr absl::Duration kRankReleaseGrace = absl::Seconds(2);
 
+// How long a worker's rank may be without a step stream on the leader
+// (after its stream was cancelled: the process died or its connection
+// broke) before a round waiting for its push fails, naming it: long enough
+// for a live worker to reopen its streams (Recover), short against the
+// step timeout (issue 42).
+inline constexpr absl::Duration kWorkerGoneGrace = absl::Seconds(1);
+
 // After a leader restart, how long a rank whose holder the leader's member
 // file names stays reserved for that holder (server/member_file.h): until
 // the worker re-registers with its token (Recover, or its step stream), a

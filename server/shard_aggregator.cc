@@ -310,6 +310,15 @@ void ShardAggregator::RejectPush(int64_t step, uint32_t worker,
   FailStepLocked(step, worker, reason);
 }
 
+std::optional<int64_t> ShardAggregator::RoundAwaiting(uint32_t worker) const {
+  absl::MutexLock lock(&mu_);
+  if (pending_ == nullptr || pending_->computing ||
+      worker >= pending_->arrived.size() || pending_->arrived[worker]) {
+    return std::nullopt;
+  }
+  return pending_->step;
+}
+
 absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
     WorkerPush push, absl::Time deadline) {
   const absl::Status valid = ValidatePush(push);

@@ -7,6 +7,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -217,6 +218,13 @@ class ShardAggregator {
   // ABORTED with `reason`. For pushes rejected before Submit (e.g. bytes
   // that do not decode). Thread-safe, does not block.
   void RejectPush(int64_t step, uint32_t worker, const absl::Status& reason);
+
+  // The step of the round open now (some pushes arrived, not computing
+  // yet) when `worker`'s push is not among them; nullopt otherwise (no
+  // round open, it is being computed, or the worker has pushed). For the
+  // service's dead-worker check (a worker whose stream closed fails the
+  // round at once instead of at the step deadline). Thread-safe.
+  std::optional<int64_t> RoundAwaiting(uint32_t worker) const;
 
   // Called (without internal locks held) by the thread that completed a
   // round, after the parameters were updated, with the new next step; e.g.

@@ -177,6 +177,20 @@ TEST(ConfigCheckTest, MismatchedShardRefusesDownloads) {
   EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(st.error_message(),
               HasSubstr("--density is 0.01 here but 0.001 on the leader"));
+  // Issue 42: a shard that refuses work is not ready: grpc.health says
+  // NOT_SERVING (it said SERVING before), and the reason is in its answer
+  // to GetClusterSpec (what gtopk-server --health-check prints).
+  GTOPK_ASSERT_OK_AND_ASSIGN(
+      const bool shard1_serving,
+      server::CheckHealth(cluster.peers()[1], absl::Seconds(5)));
+  EXPECT_FALSE(shard1_serving);
+  GTOPK_ASSERT_OK_AND_ASSIGN(
+      const bool leader_serving,
+      server::CheckHealth(cluster.peers()[0], absl::Seconds(5)));
+  EXPECT_TRUE(leader_serving);
+  EXPECT_THAT(server::ExplainNotServing(cluster.peers()[1]),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("--density is 0.01 here but 0.001")));
 }
 
 // Every setting that must agree is compared, each named by its flag with

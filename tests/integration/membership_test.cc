@@ -275,6 +275,45 @@ TEST(MembershipTest, ClosedWorkerRejoinsItsRankAtOnce) {
 // worker re-joins rank 1 at once and the two workers step; the dead
 // worker's token is refused from then on, on the leader and on shard 1
 // (superseded there by the new holder's first push).
+// Issue 42: a worker that dies (its streams are cancelled, as with kill -9)
+// fails the step of the others in about a second, naming it, instead of at
+// the step deadline (20 s here) -- both when it dies between steps (the
+// round opens later) and when the others already wait in the round.
+TEST(MembershipTest, DeadWorkerFailsTheStepAtOnceNamingIt) {
+  ServerConfig c;
+  c.num_workers = kWorkers;
+  c.optimizer.density = 0.05;
+  c.step_timeout = absl::Seconds(20);
+  auto started = LocalCluster::Start(c, 2);
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::unique_ptr<LocalCluster> cluster = *std::move(started);
+  std::vector<std::unique_ptr<worker::WorkerClient>> clients(kWorkers);
+  std::vector<std::vector<float>> params(kWorkers, std::vector<float>(kN, 0.5f));
+  for (int w = 0; w < kWorkers; ++w) {
+    worker::ClientOptions o;
+    o.leader_address = cluster->leader();
+    o.requested_rank = w;
+    o.n = kN;
+    o.rpc_timeout = absl::Seconds(30);
+    GTOPK_ASSERT_OK_AND_ASSIGN(clients[w], worker::WorkerClient::Connect(o));
+  }
+  for (int w = 0; w < kWorkers; ++w) {
+    GTOPK_ASSERT_OK(
+        clients[w]->SynchronizeParameters(absl::MakeSpan(params[w])).status());
+  }
+  for (const absl::Status& st : StepAll(clients, params, 0)) {
+    GTOPK_ASSERT_OK(st);
+  }
+  clients[1].reset();  // dies between steps: every stream is cancelled
+  const absl::Time start = absl::Now();
+  const absl::Status alone =
+      clients[0]->Step(Gradient(0, 1), absl::MakeSpan(params[0])).status();
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_FALSE(alone.ok());
+  EXPECT_THAT(alone.message(), HasSubstr("worker 1 is gone"));
+  EXPECT_LT(took, absl::Seconds(5)) << alone;
+}
+
 TEST(MembershipTest, RestartedWorkerRejoinsAndTheOldTokenIsRefused) {
   auto cluster = StartCluster();
   ASSERT_NE(cluster, nullptr);
