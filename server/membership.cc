@@ -11,6 +11,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -39,6 +41,36 @@ uint64_t NewMemberToken() {
     token = (uint64_t{device()} << 32) ^ uint64_t{device()};
   }
   return token;
+}
+
+// "--epochs is 3 here but 5 on the workers that joined first; ..." for the
+// "--flag=value" words of `here` and `cluster` that differ (or the whole
+// texts when they are not of that form).
+std::string RunLengthDifferences(const std::string& here,
+                                 const std::string& cluster) {
+  auto parse = [](const std::string& text) {
+    std::vector<std::pair<std::string, std::string>> out;
+    for (absl::string_view word : absl::StrSplit(text, ' ', absl::SkipEmpty())) {
+      const size_t eq = word.find('=');
+      if (eq == absl::string_view::npos) continue;
+      out.emplace_back(std::string(word.substr(0, eq)),
+                       std::string(word.substr(eq + 1)));
+    }
+    return out;
+  };
+  const auto a = parse(here), b = parse(cluster);
+  std::vector<std::string> diffs;
+  for (const auto& [flag, value] : a) {
+    for (const auto& [other_flag, other_value] : b) {
+      if (flag == other_flag && value != other_value) {
+        diffs.push_back(absl::StrCat(flag, " is ", value, " here but ",
+                                     other_value,
+                                     " on the workers that joined first"));
+      }
+    }
+  }
+  if (diffs.empty()) return "the settings differ";
+  return absl::StrJoin(diffs, "; ");
 }
 
 }  // namespace
@@ -227,6 +259,20 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* context,
   if (shutting_down_ || draining_) {
     return ToGrpcStatus(absl::UnavailableError(
         absl::StrCat("shard ", config_.shard_id, " is shutting down")));
+  }
+  if (!request->run_length().empty()) {
+    if (run_length_.empty()) {
+      run_length_ = request->run_length();
+    } else if (request->run_length() != run_length_) {
+      return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
+          "this worker's run length differs from the cluster's: ",
+          RunLengthDifferences(request->run_length(), run_length_),
+          " (here: \"", BoundedStatusMessage(request->run_length()),
+          "\"; the workers that joined first: \"", run_length_,
+          "\"); every worker must train the same schedule, or it stops "
+          "early while the others wait for it. Start it with the same "
+          "flags")));
+    }
   }
   if (n_ == 0) {
     const absl::Status created = CreateAggregatorLocked(n);

@@ -484,6 +484,9 @@ class AggregatorService final : public v1::Aggregator::Service {
   std::string own_address_ ABSL_GUARDED_BY(mu_);
   uint64_t n_ ABSL_GUARDED_BY(mu_) = 0;  // 0: not known yet
   std::vector<bool> rank_given_ ABSL_GUARDED_BY(mu_);
+  // Leader: the run length the first worker stating one joined with
+  // (JoinRequest.run_length); "" until then.
+  std::string run_length_ ABSL_GUARDED_BY(mu_);
   // Per rank, the member token: on the leader the current grant (0: none
   // since this process started), elsewhere the last token the leader
   // confirmed (0: none yet).

@@ -129,6 +129,7 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
   v1::JoinRequest request;
   request.set_requested_rank(options.requested_rank);
   request.set_n(options.n);
+  request.set_run_length(options.run_length);
   v1::JoinResponse response;
   {
     auto channel =

@@ -67,6 +67,11 @@ struct ClientOptions {
   int requested_rank = -1;
   // The worker's parameter count; must equal the cluster's n.
   uint64_t n = 0;
+  // The run length this worker trains (JoinRequest.run_length), e.g.
+  // "--epochs=5 --steps=0 --batch-size=64 --train-limit=0"; empty: not
+  // stated. A Join stating another than the cluster's first is refused
+  // FAILED_PRECONDITION naming the flags that differ.
+  std::string run_length;
   // Deadline of every non-step RPC (Join, InitParams, DownloadParams), > 0.
   absl::Duration rpc_timeout = absl::Seconds(30);
   // Added to the cluster's step timeout to form the step watchdog: a step

@@ -314,6 +314,35 @@ TEST(MembershipTest, DeadWorkerFailsTheStepAtOnceNamingIt) {
   EXPECT_LT(took, absl::Seconds(5)) << alone;
 }
 
+// Issue 42: a worker with another run length (--epochs, --steps,
+// --batch-size, --train-limit) trained a shorter schedule and exited 0 while
+// the others failed later; now its Join is refused, naming the flags.
+TEST(MembershipTest, AnotherRunLengthIsRefusedAtJoinNamingTheFlags) {
+  auto cluster = StartCluster();
+  ASSERT_NE(cluster, nullptr);
+  auto connect = [&](int rank, const std::string& run_length) {
+    worker::ClientOptions o;
+    o.leader_address = cluster->leader();
+    o.requested_rank = rank;
+    o.n = kN;
+    o.rpc_timeout = absl::Seconds(10);
+    o.run_length = run_length;
+    return worker::WorkerClient::Connect(o);
+  };
+  const std::string five = "--epochs=5 --steps=0 --batch-size=64 --train-limit=0";
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto first, connect(0, five));
+  EXPECT_THAT(
+      connect(1, "--epochs=3 --steps=0 --batch-size=32 --train-limit=0")
+          .status(),
+      StatusIs(absl::StatusCode::kFailedPrecondition,
+               AllOf(HasSubstr("--epochs is 3 here but 5"),
+                     HasSubstr("--batch-size is 32 here but 64"))));
+  // Not stated (the Python package): not checked; the same: admitted.
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto unstated, connect(1, ""));
+  unstated.reset();
+  GTOPK_EXPECT_OK(connect(1, five).status());
+}
+
 TEST(MembershipTest, RestartedWorkerRejoinsAndTheOldTokenIsRefused) {
   auto cluster = StartCluster();
   ASSERT_NE(cluster, nullptr);

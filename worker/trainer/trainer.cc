@@ -293,6 +293,10 @@ absl::StatusOr<Membership> JoinCluster(const TrainerOptions& o, size_t n) {
   co.leader_address = o.server;
   co.requested_rank = o.rank;
   co.n = n;
+  // Every worker must train the same schedule: the leader compares these.
+  co.run_length = absl::StrCat("--epochs=", o.epochs, " --steps=", o.steps,
+                               " --batch-size=", o.batch_size,
+                               " --train-limit=", o.train_limit);
   co.rpc_timeout = o.rpc_timeout;
   co.security = o.security;
   Membership m;
