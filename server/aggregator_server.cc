@@ -169,6 +169,9 @@ absl::Status AggregatorServer::Shutdown(absl::Duration grace,
   if (shut_down_ || server_ == nullptr) return absl::OkStatus();
   shut_down_ = true;
   service_->SetReadinessListener(nullptr);  // NOT_SERVING from now on
+  // Before any stream ends: the ranks reserved after a restart are those
+  // of the workers alive now.
+  service_->KeepOnlyLiveMembers();
   if (grpc::HealthCheckServiceInterface* health =
           server_->GetHealthCheckService()) {
     health->SetServingStatus(false);

@@ -294,25 +294,12 @@ absl::StatusOr<std::unique_ptr<AggregatorService>> AggregatorService::Create(
     if (checkpoint.ok()) {
       absl::MutexLock lock(&service->mu_);
       GTOPK_RETURN_IF_ERROR(service->CreateAggregatorLocked(checkpoint->n));
-      // Only this cluster's checkpoint: the same settings (fingerprint) ...
-      if (checkpoint->cluster_fingerprint != 0 &&
-          checkpoint->cluster_fingerprint != service->fingerprint_.load()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "shard ", c.shard_id, ": checkpoint ",
-            CheckpointPath(c.checkpoint_dir, c.shard_id),
-            " was written by a cluster with ", internal::kFingerprintMarker,
-            " ", FingerprintText(checkpoint->cluster_fingerprint),
-            " but this shard's settings with n = ", checkpoint->n, " give ",
-            FingerprintText(service->fingerprint_.load()),
-            ": another cluster's checkpoint, or this shard was started with "
-            "other cluster settings (--lr, --momentum, --density, --selector, "
-            "--workers, ...) than the run that wrote it. Nothing was "
-            "restored; start the shard with that run's settings, or move the "
-            "file away to start it empty"));
-      }
-      // ... and the same run (checked against the leader's run identity:
-      // GetAggregator, GetShardState).
+      // Only this cluster's checkpoint: the same settings (fingerprint) and
+      // the same run, checked against the leader's once it is known
+      // (CheckRunId: GetAggregator, GetShardState), after the settings
+      // themselves (a shard restarted with other flags is told which).
       service->run_id_.store(checkpoint->run_id);
+      service->restored_fingerprint_ = checkpoint->cluster_fingerprint;
       service->restored_checkpoint_ =
           CheckpointPath(c.checkpoint_dir, c.shard_id);
       GTOPK_RETURN_IF_ERROR(service->aggregator_->Restore(*checkpoint));
@@ -340,7 +327,25 @@ absl::StatusOr<std::unique_ptr<AggregatorService>> AggregatorService::Create(
 }
 
 absl::Status AggregatorService::CheckRunId(uint64_t leader_run_id) {
-  if (leader_run_id == 0 || is_leader()) return absl::OkStatus();
+  if (is_leader()) return absl::OkStatus();
+  const uint64_t fingerprint = fingerprint_.load();
+  if (restored_fingerprint_ != 0 && fingerprint != 0 &&
+      restored_fingerprint_ != fingerprint) {
+    // Called once this shard's settings agree with the leader's: the
+    // checkpoint was written with other settings, by another cluster.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "shard ", config_.shard_id, ": checkpoint ", restored_checkpoint_,
+        " was written by a cluster with ", internal::kFingerprintMarker, " ",
+        FingerprintText(restored_fingerprint_),
+        " but this cluster's (the same settings here and on the leader) is ",
+        FingerprintText(fingerprint),
+        ": another cluster's checkpoint (other --lr, --momentum, --density, "
+        "--selector, ... than this cluster's). Nothing of it was rolled back "
+        "into this cluster; put this cluster's own checkpoint there, or move "
+        "the file away and restart shard ",
+        config_.shard_id, " to start it empty"));
+  }
+  if (leader_run_id == 0) return absl::OkStatus();
   uint64_t own = run_id_.load();
   if (own == 0) {
     run_id_.compare_exchange_strong(own, leader_run_id);
@@ -358,6 +363,22 @@ absl::Status AggregatorService::CheckRunId(uint64_t leader_run_id) {
       "restored into this cluster; put this run's own checkpoint there, or "
       "move the file away and restart shard ", config_.shard_id,
       " to start it empty"));
+}
+
+void AggregatorService::KeepOnlyLiveMembers() {
+  if (!is_leader() || config_.checkpoint_dir.empty()) return;
+  absl::MutexLock lock(&mu_);
+  std::vector<uint64_t> live(config_.num_workers, 0);
+  for (uint32_t r = 0; r < config_.num_workers; ++r) {
+    for (grpc::ServerContext* stream : live_streams_[r]) {
+      if (!stream->IsCancelled()) live[r] = member_token_[r];
+    }
+  }
+  const absl::Status saved = WriteMemberTokens(config_.checkpoint_dir, live);
+  if (!saved.ok()) {
+    std::fprintf(stderr, "gtopk-server leader: member file at shutdown: %s\n",
+                 saved.ToString().c_str());
+  }
 }
 
 absl::Status AggregatorService::PersistMemberTokensLocked() {

@@ -275,6 +275,14 @@ class AggregatorService final : public v1::Aggregator::Service {
   // into this service.
   void SetReadinessListener(std::function<void(const absl::Status&)> listener);
 
+  // Graceful shutdown (AggregatorServer::Shutdown, before the streams are
+  // cancelled), leader with --checkpoint-dir: rewrites the member file
+  // keeping only the ranks whose worker has a live step stream now, so that
+  // after the restart only live workers' ranks are reserved for them, and a
+  // cluster restarted as a whole (its workers gone first) is joined at once.
+  // Best effort: a failed write is logged.
+  void KeepOnlyLiveMembers();
+
   // Graceful shutdown's drain (before BeginShutdown): the round in progress
   // may complete; pushes that would open a new round, and Joins, fail with
   // UNAVAILABLE "shard s is shutting down". Does not block.
@@ -508,9 +516,13 @@ class AggregatorService final : public v1::Aggregator::Service {
   // Non-leaders: the checkpoint this shard restored at start ("" for none),
   // named when its run identity is not the leader's.
   std::string restored_checkpoint_;
-  // The run identity of this shard's state must be `leader_run_id` (a
-  // non-zero id the leader sent): FAILED_PRECONDITION naming the restored
-  // checkpoint when it is another run's; adopts it when unknown.
+  // Its ShardCheckpoint::cluster_fingerprint (0: none restored, or unknown).
+  uint64_t restored_fingerprint_ = 0;
+  // Non-leaders, once their settings agree with the leader's: a restored
+  // checkpoint must be this cluster's -- its fingerprint this shard's, its
+  // run identity `leader_run_id` (when non-zero) -- else
+  // FAILED_PRECONDITION naming the file and what differs; an unknown run
+  // identity adopts the leader's.
   absl::Status CheckRunId(uint64_t leader_run_id);
   // Stamps a snapshot with this cluster's identity before it is written.
   void StampIdentity(ShardCheckpoint* c) const {

@@ -41,10 +41,13 @@ inline constexpr absl::Duration kWorkerGoneGrace = absl::Seconds(1);
 // file names stays reserved for that holder (server/member_file.h): until
 // the worker re-registers with its token (Recover, or its step stream), a
 // Join of the rank is refused UNAVAILABLE; past this window the holder is
-// taken for gone and a Join may take the rank. At least a minute, and two
-// step timeouts: a worker retries its recovery for --recovery-timeout.
+// taken for gone and a Join may take the rank. A live worker is back within
+// about its recovery backoff (1.6 s) plus one step's compute; the window is
+// the step timeout, at least 10 s. (Shorter than a worker's default
+// --rpc-timeout of 60 s, so that fresh workers of a cluster that crashed
+// as a whole get their ranks by retrying Join.)
 inline absl::Duration RankReclaimWindow(absl::Duration step_timeout) {
-  return std::max(absl::Seconds(60), 2 * step_timeout);
+  return std::max(absl::Seconds(10), step_timeout);
 }
 
 // The deadline of `context`'s call; InfiniteFuture for none (or no context).

@@ -46,22 +46,24 @@ constexpr int kWorkers = 2;
 
 using ::gtopk::testing::BitEqual;
 
-std::unique_ptr<LocalCluster> StartCluster() {
+std::unique_ptr<LocalCluster> StartCluster(
+    absl::Duration step_timeout = absl::Seconds(5)) {
   ServerConfig c;
   c.num_workers = kWorkers;
   c.optimizer.density = 0.05;
-  c.step_timeout = absl::Seconds(5);
+  c.step_timeout = step_timeout;
   auto cluster = LocalCluster::Start(c, 2);
   EXPECT_TRUE(cluster.ok()) << cluster.status();
   return cluster.ok() ? *std::move(cluster) : nullptr;
 }
 
 absl::StatusOr<std::unique_ptr<worker::WorkerClient>> ConnectAs(
-    const LocalCluster& cluster, int rank) {
+    const LocalCluster& cluster, int rank, const std::string& run_length = "") {
   worker::ClientOptions o;
   o.leader_address = cluster.leader();
   o.requested_rank = rank;
   o.n = kN;
+  o.run_length = run_length;
   o.rpc_timeout = absl::Seconds(10);
   o.step_watchdog_margin = absl::Seconds(1);
   return worker::WorkerClient::Connect(o);
@@ -280,22 +282,12 @@ TEST(MembershipTest, ClosedWorkerRejoinsItsRankAtOnce) {
 // the step deadline (20 s here) -- both when it dies between steps (the
 // round opens later) and when the others already wait in the round.
 TEST(MembershipTest, DeadWorkerFailsTheStepAtOnceNamingIt) {
-  ServerConfig c;
-  c.num_workers = kWorkers;
-  c.optimizer.density = 0.05;
-  c.step_timeout = absl::Seconds(20);
-  auto started = LocalCluster::Start(c, 2);
-  ASSERT_TRUE(started.ok()) << started.status();
-  std::unique_ptr<LocalCluster> cluster = *std::move(started);
+  auto cluster = StartCluster(absl::Seconds(20));
+  ASSERT_NE(cluster, nullptr);
   std::vector<std::unique_ptr<worker::WorkerClient>> clients(kWorkers);
   std::vector<std::vector<float>> params(kWorkers, std::vector<float>(kN, 0.5f));
   for (int w = 0; w < kWorkers; ++w) {
-    worker::ClientOptions o;
-    o.leader_address = cluster->leader();
-    o.requested_rank = w;
-    o.n = kN;
-    o.rpc_timeout = absl::Seconds(30);
-    GTOPK_ASSERT_OK_AND_ASSIGN(clients[w], worker::WorkerClient::Connect(o));
+    GTOPK_ASSERT_OK_AND_ASSIGN(clients[w], ConnectAs(*cluster, w));
   }
   for (int w = 0; w < kWorkers; ++w) {
     GTOPK_ASSERT_OK(
@@ -321,13 +313,7 @@ TEST(MembershipTest, AnotherRunLengthIsRefusedAtJoinNamingTheFlags) {
   auto cluster = StartCluster();
   ASSERT_NE(cluster, nullptr);
   auto connect = [&](int rank, const std::string& run_length) {
-    worker::ClientOptions o;
-    o.leader_address = cluster->leader();
-    o.requested_rank = rank;
-    o.n = kN;
-    o.rpc_timeout = absl::Seconds(10);
-    o.run_length = run_length;
-    return worker::WorkerClient::Connect(o);
+    return ConnectAs(*cluster, rank, run_length);
   };
   const std::string five = "--epochs=5 --steps=0 --batch-size=64 --train-limit=0";
   GTOPK_ASSERT_OK_AND_ASSIGN(auto first, connect(0, five));

@@ -10,7 +10,9 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -123,50 +125,98 @@ absl::Status Recover(v1::Aggregator::Stub* stub, uint32_t rank,
   return FromGrpcStatus(stub->Recover(&ctx, request, &response));
 }
 
-TEST(MemberFileTest, RestartedLeaderKeepsALiveWorkersRank) {
-  const std::string dir = TempDir();
-  uint64_t token1 = 0, fingerprint = 0;
+struct Holders {
+  uint64_t token0 = 0, token1 = 0, fingerprint = 0;
+};
+
+// Rank 0 and rank 1 join and rank 0 initialises the parameters (the leader
+// writes its checkpoint); rank 1's worker keeps its step stream open on
+// the leader while `restart` stops the leader.
+Holders RunUntilTheLeaderStops(const std::string& dir,
+                               const std::function<void(Leader&)>& restart) {
+  Holders h;
+  Leader leader = StartLeader(dir);
+  auto j0 = Join(leader.stub.get(), 0);
+  auto j1 = Join(leader.stub.get(), 1);
+  EXPECT_TRUE(j0.ok() && j1.ok());
+  if (!j0.ok() || !j1.ok()) return h;
+  h.token0 = j0->member_token();
+  h.token1 = j1->member_token();
+  h.fingerprint = j1->cluster().cluster_fingerprint();
   {
-    Leader leader = StartLeader(dir);
-    GTOPK_ASSERT_OK_AND_ASSIGN(v1::JoinResponse j0, Join(leader.stub.get(), 0));
-    GTOPK_ASSERT_OK_AND_ASSIGN(v1::JoinResponse j1, Join(leader.stub.get(), 1));
-    token1 = j1.member_token();
-    fingerprint = j1.cluster().cluster_fingerprint();
-    // Rank 0 initialises the parameters: the leader writes its checkpoint.
     grpc::ClientContext ctx;
     Deadline(&ctx);
     v1::InitParamsResponse init;
     auto writer = leader.stub->InitParams(&ctx, &init);
     v1::ParamsChunk chunk;
     chunk.set_offset(0);
-    chunk.set_member_token(j0.member_token());
-    chunk.set_cluster_fingerprint(fingerprint);
+    chunk.set_member_token(h.token0);
+    chunk.set_cluster_fingerprint(h.fingerprint);
     for (uint64_t i = 0; i < kN; ++i) chunk.add_values(0.25f * i);
-    ASSERT_TRUE(writer->Write(chunk));
+    EXPECT_TRUE(writer->Write(chunk));
     writer->WritesDone();
-    GTOPK_ASSERT_OK(FromGrpcStatus(writer->Finish()));
-    GTOPK_ASSERT_OK(leader.server->Shutdown(absl::ZeroDuration()));
+    EXPECT_TRUE(writer->Finish().ok());
   }
-  // The leader comes back from its checkpoint directory (kill -9 and
-  // restart: the member file was written at each Join).
-  Leader leader = StartLeader(dir);
-  // A third client with a worker's credentials asks for rank 1 first ...
+  // Rank 1's live worker: its step stream, registered with its identity.
+  grpc::ClientContext ctx;
+  Deadline(&ctx);
+  ctx.AddMetadata("gtopk-rank", "1");
+  ctx.AddMetadata("gtopk-member-token", absl::StrCat(h.token1));
+  auto stream = leader.stub->PushPull(&ctx);
+  stream->WaitForInitialMetadata();
+  restart(leader);
+  ctx.TryCancel();
+  return h;
+}
+
+void ExpectRankOneKeptForItsHolder(Leader& leader, const Holders& h) {
+  // A third client with a worker's credentials asks for rank 1 ...
   EXPECT_THAT(Join(leader.stub.get(), 1).status(),
               StatusIs(absl::StatusCode::kUnavailable,
                        HasSubstr("reserved for its holder")));
   // ... or claims it with a made-up token.
-  EXPECT_THAT(Recover(leader.stub.get(), 1, 12345, fingerprint),
+  EXPECT_THAT(Recover(leader.stub.get(), 1, 12345, h.fingerprint),
               StatusIs(absl::StatusCode::kPermissionDenied,
                        HasSubstr("held by another worker")));
-  // Asking for any rank finds none free: both are held.
-  EXPECT_THAT(Join(leader.stub.get(), -1).status(),
-              StatusIs(absl::StatusCode::kResourceExhausted));
   // The live worker re-registers with its own token, and keeps the rank.
-  GTOPK_EXPECT_OK(Recover(leader.stub.get(), 1, token1, fingerprint));
+  GTOPK_EXPECT_OK(Recover(leader.stub.get(), 1, h.token1, h.fingerprint));
   EXPECT_THAT(Join(leader.stub.get(), 1).status(),
               StatusIs(absl::StatusCode::kUnavailable));
-  EXPECT_THAT(Recover(leader.stub.get(), 1, 999, fingerprint),
+  EXPECT_THAT(Recover(leader.stub.get(), 1, 999, h.fingerprint),
               StatusIs(absl::StatusCode::kPermissionDenied));
+}
+
+TEST(MemberFileTest, LeaderKilledAndRestartedKeepsTheWorkersRanks) {
+  const std::string dir = TempDir();
+  const std::string saved = dir + "/at-the-crash";
+  const Holders h = RunUntilTheLeaderStops(dir, [&](Leader& leader) {
+    // kill -9: the member file stays as the last Join wrote it (the
+    // graceful shutdown below would rewrite it).
+    std::filesystem::copy_file(MemberFilePath(dir), saved);
+    GTOPK_EXPECT_OK(leader.server->Shutdown(absl::ZeroDuration()));
+    std::filesystem::copy_file(
+        saved, MemberFilePath(dir),
+        std::filesystem::copy_options::overwrite_existing);
+  });
+  Leader leader = StartLeader(dir);
+  ExpectRankOneKeptForItsHolder(leader, h);
+  // Rank 0 is reserved too (its worker may be alive): no rank is free.
+  EXPECT_THAT(Join(leader.stub.get(), 0).status(),
+              StatusIs(absl::StatusCode::kUnavailable));
+  EXPECT_THAT(Join(leader.stub.get(), -1).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+}
+
+TEST(MemberFileTest, GracefulLeaderRestartKeepsOnlyConnectedWorkersRanks) {
+  const std::string dir = TempDir();
+  const Holders h = RunUntilTheLeaderStops(dir, [](Leader& leader) {
+    GTOPK_EXPECT_OK(leader.server->Shutdown(absl::ZeroDuration()));
+  });
+  Leader leader = StartLeader(dir);
+  ExpectRankOneKeptForItsHolder(leader, h);
+  // Rank 0's worker was not connected when the leader stopped: a fresh
+  // worker (a cluster restarted as a whole) gets the rank at once.
+  GTOPK_EXPECT_OK(Join(leader.stub.get(), 0).status());
 }
 
 }  // namespace
