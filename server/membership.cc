@@ -307,8 +307,34 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* context,
           "one first")));
     }
   } else {
-    while (rank < config_.num_workers && rank_given_[rank]) ++rank;
+    // Free: never given since this leader started, and not reserved for
+    // the holder its member file names (after a restart).
+    const auto reserved = [&](uint32_t r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return absl::Now() < rank_reserved_until_[r] && !rank_live(r);
+    };
+    while (rank < config_.num_workers &&
+           (rank_given_[rank] || reserved(rank))) {
+      ++rank;
+    }
     if (rank == config_.num_workers) {
+      // Ranks reserved for their holders after a leader restart free up
+      // when their window ends: retry then (UNAVAILABLE), not never.
+      absl::Time soonest = absl::InfiniteFuture();
+      for (uint32_t r = 0; r < config_.num_workers; ++r) {
+        if (!rank_given_[r] && reserved(r)) {
+          soonest = std::min(soonest, rank_reserved_until_[r]);
+        }
+      }
+      if (soonest != absl::InfiniteFuture()) {
+        return ToGrpcStatus(absl::UnavailableError(absl::StrCat(
+            "no rank is free: the ranks held when leader shard ",
+            config_.shard_id, " restarted stay reserved for their holders ",
+            "(the first for another ",
+            absl::FormatDuration(
+                absl::Trunc(soonest - absl::Now(), absl::Seconds(1))),
+            ", until they re-register with their member tokens); retry "
+            "later")));
+      }
       return ToGrpcStatus(absl::ResourceExhaustedError(
           absl::StrCat("all ", config_.num_workers,
                        " ranks are taken; ask for a rank explicitly to "

@@ -743,8 +743,10 @@ grpc::Status AggregatorService::Recover(grpc::ServerContext* context,
           member.code(), absl::StrCat("Recover: ", member.message())));
     }
     if (rank_reserved_until_[w] != absl::InfinitePast()) {
-      // The holder re-registered after a leader restart: the rank stays
-      // its own while it reopens its step stream.
+      // The holder re-registered after a leader restart: the rank is its
+      // own (a Join of it waits for its streams to end, as for any live
+      // worker), and stays reserved while it reopens its step stream.
+      rank_given_[w] = true;
       rank_reserved_until_[w] =
           absl::Now() + internal::RankReclaimWindow(config_.step_timeout);
     }

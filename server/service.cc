@@ -281,8 +281,9 @@ absl::StatusOr<std::unique_ptr<AggregatorService>> AggregatorService::Create(
             absl::Now() + internal::RankReclaimWindow(c.step_timeout);
         for (uint32_t r = 0; r < c.num_workers; ++r) {
           if ((*tokens)[r] == 0) continue;
+          // Not given yet: the holder takes it back with its token
+          // (Recover), or anyone once the reservation ends.
           service->member_token_[r] = (*tokens)[r];
-          service->rank_given_[r] = true;
           service->rank_reserved_until_[r] = until;
         }
       } else if (!absl::IsNotFound(tokens.status())) {
@@ -1094,6 +1095,7 @@ grpc::Status AggregatorService::PushPull(
           register_stream(static_cast<uint32_t>(rank));
           // The holder is back: its live stream now keeps the rank.
           rank_reserved_until_[rank] = absl::InfinitePast();
+          rank_given_[rank] = true;
           // Until its first push it does not hold up a drain.
           ++idle_streams_;
           disconnect.idle = true;

@@ -136,12 +136,29 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
         CreateLimitedChannel(options.leader_address, kDefaultMessageBytes,
                              options.security);
     auto stub = v1::Aggregator::NewStub(channel);
-    grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + options.rpc_timeout));
-    // A worker may start before the leader: wait for it up to the deadline.
-    context.set_wait_for_ready(true);
-    Cancellation::Scope cancel_scope(options.cancellation.get(), &context);
-    absl::Status s = FromGrpcStatus(stub->Join(&context, request, &response));
+    const absl::Time join_deadline = absl::Now() + options.rpc_timeout;
+    absl::Status s;
+    absl::Duration backoff = kReconnectBackoffMin;
+    while (true) {
+      grpc::ClientContext context;
+      context.set_deadline(absl::ToChronoTime(join_deadline));
+      // A worker may start before the leader: wait for it up to the
+      // deadline.
+      context.set_wait_for_ready(true);
+      Cancellation::Scope cancel_scope(options.cancellation.get(), &context);
+      s = FromGrpcStatus(stub->Join(&context, request, &response));
+      // The leader says "not now" (a rank reserved for its holder after a
+      // leader restart, a leader shutting down): retry within the deadline.
+      if (!absl::IsUnavailable(s) || absl::Now() + backoff >= join_deadline) {
+        break;
+      }
+      if (options.cancellation != nullptr
+              ? options.cancellation->SleepUnlessCancelled(backoff)
+              : (absl::SleepFor(backoff), false)) {
+        break;
+      }
+      backoff = std::min(2 * backoff, kReconnectBackoffMax);
+    }
     if (absl::IsDeadlineExceeded(s) &&
         channel->GetState(/*try_to_connect=*/false) != GRPC_CHANNEL_READY) {
       // wait_for_ready retries a refused connection or a failed TLS
