@@ -3,6 +3,8 @@
 // client.
 #include "server/aggregator_server.h"
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -130,6 +132,7 @@ absl::StatusOr<std::unique_ptr<AggregatorServer>> AggregatorServer::Start(
           "cannot listen on --health-listen=", health_listen_address));
     }
   }
+  server->trimmer_ = std::thread([raw = server.get()] { raw->TrimLoop(); });
   server->address_ = absl::StrCat(
       listen_address.substr(0, listen_address.rfind(':')), ":", server->port_);
   server->service_->SetOwnAddress(server->address_);
@@ -161,6 +164,26 @@ absl::StatusOr<std::unique_ptr<AggregatorServer>> AggregatorServer::Start(
 
 AggregatorServer::~AggregatorServer() {
   if (!shut_down_) Shutdown(absl::ZeroDuration()).IgnoreError();
+  StopTrimmer();
+}
+
+void AggregatorServer::TrimLoop() {
+  absl::MutexLock lock(&trim_mu_);
+  const auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(trim_mu_) {
+    return trim_stop_;
+  };
+  while (!trim_mu_.AwaitWithTimeout(absl::Condition(&stop), kTrimInterval)) {
+    malloc_trim(0);
+  }
+}
+
+void AggregatorServer::StopTrimmer() {
+  if (!trimmer_.joinable()) return;
+  {
+    absl::MutexLock lock(&trim_mu_);
+    trim_stop_ = true;
+  }
+  trimmer_.join();
 }
 
 absl::Status AggregatorServer::Shutdown(absl::Duration grace,

@@ -8,9 +8,11 @@
 
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/server.h"
@@ -71,7 +73,20 @@ class AggregatorServer {
   std::string address_;
   int port_ = 0;
   bool shut_down_ = false;
+  // Gives freed heap memory back to the system every kTrimInterval
+  // (malloc_trim): gRPC 1.51 buffers a request's whole declared length
+  // before any limit or handler refuses it, so a flood of big refused
+  // messages used to leave gigabytes resident after it ended
+  // (docs/resource-limits.md, "Big messages"). Stopped by Shutdown.
+  void TrimLoop();
+  void StopTrimmer();
+  absl::Mutex trim_mu_;
+  bool trim_stop_ ABSL_GUARDED_BY(trim_mu_) = false;
+  std::thread trimmer_;
 };
+
+// How often a running server returns freed heap memory to the system.
+inline constexpr absl::Duration kTrimInterval = absl::Seconds(5);
 
 // grpc.health.v1.Health/Check for service "" at `address`: true when the
 // server answers SERVING, false for any other serving status. Errors: the

@@ -1,0 +1,583 @@
+#!/usr/bin/env python3
+"""Big-message flood of one gtopk-server leader shard (issue 42, item 3).
+
+Measures what concurrent oversized-but-admitted unary requests cost the
+leader's memory: COUNT concurrent `/gtopk.v1.Aggregator/AbortStep` calls per
+source address, each carrying a BYTES-byte AbortStepRequest (step = -1, so
+the handler refuses it INVALID_ARGUMENT; a legitimate one is a few hundred
+bytes), sent by a small C++ generic-stub client (embedded below, compiled
+into a temporary directory with g++ and pkg-config grpc++).
+
+Scenarios (each run REPEATS times, a fresh server each time):
+  baseline   no flood: the server idles as long as a flood takes;
+  A          COUNT calls from 127.0.0.1 (one connection);
+  B          COUNT calls from each of 127.0.0.2, .3 and .4 (one connection
+             each, through TCP forwarders that bind their outgoing socket to
+             the source address, as tests/integration/flood_test.py does);
+  C          A, the server started with --max-message-bytes=C_LIMIT;
+  A24        A over COUNT connections (one call per connection).
+
+For each run it records the server's VmHWM and VmRSS (/proc/PID/status)
+before the flood, when the last client call has ended, and AFTER_S seconds
+later, the highest VmRSS sampled during the flood, every call's status code
+and message, and the wall time; then writes one JSON file.
+
+  python3 bench/flood/big_messages.py --build-dir build \\
+      --out bench/results/big_message_flood.json
+
+Standard library only (plus g++ and the grpc++ development package for the
+client). Run it on an otherwise idle machine: the figures are the server's
+memory, but the timing depends on the CPUs available.
+"""
+
+import argparse
+import collections
+import datetime
+import hashlib
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+CLIENT_SOURCE = r'''
+// bigmsg_client TARGET COUNT BYTES CHANNELS DEADLINE_S KIND
+// COUNT concurrent unary /gtopk.v1.Aggregator/AbortStep calls, each a
+// BYTES-byte request, spread over CHANNELS connections; one JSON line out.
+// KIND valid: AbortStepRequest{step=-1, shard_id=0, reason='x'...};
+// KIND junk: a field whose declared length runs past the end.
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/generic/generic_stub.h>
+
+namespace {
+using Clock = std::chrono::steady_clock;
+
+void Varint(std::string* out, uint64_t v) {
+  while (v >= 0x80) { out->push_back(char(v | 0x80)); v >>= 7; }
+  out->push_back(char(v));
+}
+
+std::string Payload(size_t bytes, const std::string& kind) {
+  std::string p;
+  if (kind == "junk") {
+    p.push_back(0x1a);
+    Varint(&p, uint64_t{1} << 40);
+    p.resize(bytes, 'x');
+    return p;
+  }
+  std::string head;
+  head.push_back(0x08); Varint(&head, uint64_t(-1));  // step = -1
+  head.push_back(0x10); Varint(&head, 0);             // shard_id = 0
+  head.push_back(0x1a);                               // reason
+  for (size_t lenlen = 1; lenlen <= 10; ++lenlen) {
+    if (bytes < head.size() + lenlen) break;
+    size_t len = bytes - head.size() - lenlen;
+    std::string v; Varint(&v, len);
+    if (v.size() == lenlen) {
+      p = head + v;
+      p.resize(bytes, 'x');
+      return p;
+    }
+  }
+  std::fprintf(stderr, "cannot build a %zu-byte payload\n", bytes);
+  std::exit(2);
+}
+
+std::string Json(const std::string& s) {
+  std::string o = "\"";
+  for (unsigned char c : s) {
+    if (c == '"' || c == '\\') { o.push_back('\\'); o.push_back(c); }
+    else if (c < 0x20) { char b[8]; std::snprintf(b, sizeof b, "\\u%04x", c); o += b; }
+    else o.push_back(c);
+  }
+  return o + "\"";
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 7) {
+    std::fprintf(stderr, "usage: %s TARGET COUNT BYTES CHANNELS DEADLINE_S KIND\n", argv[0]);
+    return 2;
+  }
+  const std::string target = argv[1];
+  const int count = std::atoi(argv[2]);
+  const size_t bytes = std::strtoull(argv[3], nullptr, 10);
+  const int nch = std::atoi(argv[4]);
+  const int deadline_s = std::atoi(argv[5]);
+  const std::string kind = argv[6];
+  const std::string payload = Payload(bytes, kind);
+  // One refcounted slice shared by every call: the client holds one copy.
+  grpc::Slice slice(payload.data(), payload.size());
+  std::vector<std::unique_ptr<grpc::GenericStub>> stubs;
+  for (int c = 0; c < nch; ++c) {
+    grpc::ChannelArguments args;
+    args.SetMaxSendMessageSize(-1);
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a connection of its own
+    args.SetInt("gtopk.bigmsg.channel", c);
+    stubs.emplace_back(new grpc::GenericStub(grpc::CreateCustomChannel(
+        target, grpc::InsecureChannelCredentials(), args)));
+  }
+  struct Call {
+    grpc::ClientContext ctx;
+    grpc::ByteBuffer req, resp;
+    grpc::Status status;
+    double ms = 0;
+  };
+  std::vector<std::unique_ptr<Call>> calls;
+  std::mutex mu;
+  std::condition_variable cv;
+  int done = 0;
+  const auto t0 = Clock::now();
+  for (int i = 0; i < count; ++i) {
+    calls.emplace_back(new Call);
+    Call* call = calls.back().get();
+    call->req = grpc::ByteBuffer(&slice, 1);
+    call->ctx.set_deadline(std::chrono::system_clock::now() +
+                           std::chrono::seconds(deadline_s));
+    stubs[i % nch]->UnaryCall(
+        &call->ctx, "/gtopk.v1.Aggregator/AbortStep", grpc::StubOptions(),
+        &call->req, &call->resp, [&, call](grpc::Status st) {
+          std::lock_guard<std::mutex> l(mu);
+          call->status = st;
+          call->ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+          ++done;
+          cv.notify_all();
+        });
+  }
+  {
+    std::unique_lock<std::mutex> l(mu);
+    cv.wait(l, [&] { return done == count; });
+  }
+  const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+  std::string out = "{\"wall_s\":" + std::to_string(wall) + ",\"calls\":[";
+  for (int i = 0; i < count; ++i) {
+    const Call& c = *calls[i];
+    std::string msg = c.status.error_message();
+    if (msg.size() > 400) msg = msg.substr(0, 400) + "...";
+    if (i) out += ",";
+    out += "{\"code\":" + std::to_string(int(c.status.error_code())) +
+           ",\"message\":" + Json(msg) + ",\"ms\":" + std::to_string(c.ms) + "}";
+  }
+  out += "]}";
+  std::printf("%s\n", out.c_str());
+  std::fflush(stdout);
+  return 0;
+}
+'''
+
+CODE_NAMES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT",
+              "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+              "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+              "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL",
+              "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"]
+
+MIB = 1024.0
+
+
+def build_client(workdir):
+    src = os.path.join(workdir, "bigmsg_client.cc")
+    exe = os.path.join(workdir, "bigmsg_client")
+    with open(src, "w") as f:
+        f.write(CLIENT_SOURCE)
+    flags = subprocess.run(["pkg-config", "--cflags", "--libs", "grpc++",
+                            "protobuf"], check=True, stdout=subprocess.PIPE,
+                           text=True).stdout.split()
+    subprocess.run(["g++", "-O1", "-std=c++17", "-o", exe, src] + flags,
+                   check=True)
+    return exe
+
+
+def proc_status(pid):
+    out = {}
+    try:
+        with open("/proc/%d/status" % pid) as f:
+            for line in f:
+                key = line.split(":", 1)[0]
+                if key in ("VmHWM", "VmRSS", "Threads"):
+                    out[key] = int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return out
+
+
+def mem_point(pid):
+    s = proc_status(pid)
+    if s is None:
+        return {"alive": False}
+    return {"alive": True, "vm_hwm_mib": round(s["VmHWM"] / MIB, 1),
+            "vm_rss_mib": round(s["VmRSS"] / MIB, 1),
+            "threads": s.get("Threads")}
+
+
+class Sampler:
+    """Samples the server's VmRSS every `period` s until stopped."""
+
+    def __init__(self, pid, period=0.02, timeline_every=0.25):
+        self.pid, self.period, self.timeline_every = pid, period, timeline_every
+        self.max_rss_kib = 0
+        self.timeline = []  # [seconds since start, VmRSS MiB]
+        self._stop = threading.Event()
+        self._t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        next_tl = 0.0
+        while not self._stop.is_set():
+            s = proc_status(self.pid)
+            if s is None:
+                break
+            self.max_rss_kib = max(self.max_rss_kib, s["VmRSS"])
+            t = time.monotonic() - self._t0
+            if t >= next_tl:
+                self.timeline.append([round(t, 2), round(s["VmRSS"] / MIB, 1)])
+                next_tl += self.timeline_every
+            time.sleep(self.period)
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
+
+
+class Forwarder:
+    """Accepts on 127.0.0.1:<port>, connects to `target` from `source`."""
+
+    def __init__(self, source, target):
+        self.source, self.target = source, target
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(64)
+        self.port = self.listener.getsockname()[1]
+        self.sockets = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.socket()
+            upstream.bind((self.source, 0))
+            upstream.connect(self.target)
+            for s in (client, upstream):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sockets += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b),
+                                 daemon=True).start()
+
+    @staticmethod
+    def _pump(a, b):
+        try:
+            while True:
+                data = a.recv(1 << 20)
+                if not data:
+                    break
+                b.sendall(data)
+        except OSError:
+            pass
+        for x in (a, b):
+            try:
+                x.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self):
+        self.listener.close()
+        for x in self.sockets:
+            try:
+                x.close()
+            except OSError:
+                pass
+
+
+def start_server(server, max_message_bytes, log_path):
+    cmd = [server, "--listen=127.0.0.1:0", "--shard-id=0", "--num-shards=1",
+           "--workers=2", "--tls=off", "--metrics-port=0"]
+    if max_message_bytes is not None:
+        cmd.append("--max-message-bytes=%d" % max_message_bytes)
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log,
+                            text=True)
+    deadline = time.monotonic() + 30
+    port = None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        m = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+        if m:
+            port = int(m.group(1))
+            break
+    if port is None:
+        proc.kill()
+        raise RuntimeError("server did not start: %s" % " ".join(cmd))
+    threading.Thread(target=proc.stdout.read, daemon=True).start()
+    return proc, port, cmd
+
+
+def stop_server(proc):
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def summarize_calls(calls):
+    codes = collections.Counter(CODE_NAMES[c["code"]] if c["code"] < len(
+        CODE_NAMES) else str(c["code"]) for c in calls)
+    messages = collections.Counter(
+        "%s: %s" % (CODE_NAMES[c["code"]], c["message"]) for c in calls)
+    ms = sorted(c["ms"] for c in calls)
+    return {"codes": dict(codes),
+            "messages": [{"count": n, "status": m}
+                         for m, n in messages.most_common()],
+            "call_ms_min": round(ms[0], 1) if ms else None,
+            "call_ms_max": round(ms[-1], 1) if ms else None}
+
+
+def run_one(args, client, name, sources, channels_per_source, limit, flood,
+            logdir, rep):
+    proc, port, cmd = start_server(args.server, limit,
+                                   os.path.join(logdir, "%s-%d.log" % (name, rep)))
+    try:
+        time.sleep(args.settle_s)
+        before = mem_point(proc.pid)
+        sampler = Sampler(proc.pid)
+        forwarders = []
+        t0 = time.monotonic()
+        results = []
+        if flood:
+            targets = []
+            for src in sources:
+                if src == "127.0.0.1":
+                    targets.append(("127.0.0.1", "127.0.0.1:%d" % port))
+                else:
+                    fw = Forwarder(src, ("127.0.0.1", port))
+                    forwarders.append(fw)
+                    targets.append((src, "127.0.0.1:%d" % fw.port))
+            clients = [(src, subprocess.Popen(
+                [client, target, str(args.count), str(args.bytes),
+                 str(channels_per_source), str(args.deadline_s), args.kind],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                for src, target in targets]
+            # The flood ends when every call has ended: each client prints
+            # its report then (before gRPC's own shutdown, which can take
+            # seconds more), so read the line, not the process's exit.
+            for src, c in clients:
+                line = c.stdout.readline()
+                if not line:
+                    c.wait()
+                    raise RuntimeError("client failed (%s): %s" %
+                                       (c.returncode, c.stderr.read()))
+                r = json.loads(line)
+                r["source"] = src
+                results.append(r)
+        else:
+            time.sleep(args.idle_s)
+        wall = time.monotonic() - t0
+        end = mem_point(proc.pid)
+        time.sleep(args.after_s)
+        after = mem_point(proc.pid)
+        sampler.stop()
+        if flood:
+            for src, c in clients:
+                try:
+                    c.communicate(timeout=60)
+                except subprocess.TimeoutExpired:
+                    c.kill()
+                    c.communicate()
+        for fw in forwarders:
+            fw.close()
+        all_calls = [c for r in results for c in r["calls"]]
+        run = {
+            "repeat": rep + 1,
+            "server_command": " ".join(shlex.quote(x) for x in cmd),
+            "wall_s": round(wall, 2),
+            "wall_s_means": "from starting the clients to the last call's "
+                            "end (no flood: the idle time)",
+            "before": before,
+            "end_of_flood": end,
+            "after": after,
+            "after_s": args.after_s,
+            "max_sampled_vm_rss_mib": round(sampler.max_rss_kib / MIB, 1),
+            "rss_timeline_mib": sampler.timeline,
+        }
+        if flood:
+            run["clients"] = summarize_calls(all_calls)
+            run["clients"]["per_source"] = [
+                {"source": r["source"], "wall_s": round(r["wall_s"], 2),
+                 "codes": summarize_calls(r["calls"])["codes"]}
+                for r in results]
+        run["server_exit_code"] = stop_server(proc)
+        return run
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def machine_info(server):
+    info = {"nproc": os.cpu_count(), "platform": platform.platform()}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                info["mem_total_mib"] = round(int(line.split()[1]) / MIB)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        out = subprocess.run(["dpkg-query", "-W", "-f=${Version}",
+                              "libgrpc++1.51"], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True).stdout
+        info["grpc_version"] = "libgrpc++1.51 " + out.strip()
+    except OSError:
+        pass
+    try:
+        out = subprocess.run(["pkg-config", "--modversion", "grpc++"],
+                             stdout=subprocess.PIPE, text=True).stdout
+        info["grpcpp_pkgconfig_version"] = out.strip()
+    except OSError:
+        pass
+    with open(server, "rb") as f:
+        info["server_binary_sha256"] = hashlib.sha256(f.read()).hexdigest()
+    info["server_binary_mtime"] = datetime.datetime.fromtimestamp(
+        os.path.getmtime(server), datetime.timezone.utc).isoformat()
+    try:
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        info["git_head"] = subprocess.run(
+            ["git", "-C", repo, "rev-parse", "HEAD"], stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, text=True).stdout.strip()
+    except OSError:
+        pass
+    return info
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--build-dir", default="build")
+    p.add_argument("--client", default="",
+                   help="prebuilt client (default: compile the embedded one)")
+    p.add_argument("--out", default="bench/results/big_message_flood.json")
+    p.add_argument("--count", type=int, default=24, help="calls per source")
+    p.add_argument("--bytes", type=int, default=60_000_000,
+                   help="bytes per request")
+    p.add_argument("--kind", default="valid", choices=["valid", "junk"])
+    p.add_argument("--c-limit", type=int, default=4 << 20,
+                   help="--max-message-bytes of scenario C")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--scenarios", default="baseline,A,B,C,A24")
+    p.add_argument("--settle-s", type=float, default=2.0)
+    p.add_argument("--idle-s", type=float, default=5.0,
+                   help="baseline: idle time standing for the flood")
+    p.add_argument("--after-s", type=float, default=10.0)
+    p.add_argument("--deadline-s", type=int, default=120)
+    p.add_argument("--note", default="")
+    args = p.parse_args()
+    args.server = os.path.join(os.path.abspath(args.build_dir), "server",
+                               "gtopk-server")
+
+    workdir = tempfile.mkdtemp(prefix="gtopk-bigmsg-")
+    client = args.client or build_client(workdir)
+    # Run a private copy of the server binary: a rebuild of the build
+    # directory during the runs cannot swap it (its hash is recorded).
+    built_server = args.server
+    args.server = os.path.join(workdir, "gtopk-server")
+    shutil.copy2(built_server, args.server)
+    scenarios = {
+        "baseline": dict(sources=[], channels=1, limit=None, flood=False,
+                         what="no flood"),
+        "A": dict(sources=["127.0.0.1"], channels=1, limit=None, flood=True,
+                  what="%d concurrent AbortStep from 127.0.0.1, one connection"
+                  % args.count),
+        "B": dict(sources=["127.0.0.2", "127.0.0.3", "127.0.0.4"], channels=1,
+                  limit=None, flood=True,
+                  what="%d concurrent AbortStep from each of 127.0.0.2/3/4 "
+                  "(one connection each, via forwarders)" % args.count),
+        "C": dict(sources=["127.0.0.1"], channels=1, limit=args.c_limit,
+                  flood=True, what="A with --max-message-bytes=%d"
+                  % args.c_limit),
+        "A24": dict(sources=["127.0.0.1"], channels=args.count, limit=None,
+                    flood=True, what="A over %d connections (one call each)"
+                    % args.count),
+    }
+    started = datetime.datetime.now(datetime.timezone.utc)
+    out = {
+        "what": "gtopk-server leader (S=1, P=2, --tls=off) memory under "
+                "concurrent oversized AbortStep requests (issue 42, item 3)",
+        "command": " ".join(shlex.quote(x) for x in
+                            ["python3", os.path.relpath(__file__)] +
+                            sys.argv[1:]),
+        "date_utc": started.isoformat(timespec="seconds"),
+        "machine": machine_info(args.server),
+        "server_binary": os.path.relpath(built_server),
+        "request": {"rpc": "/gtopk.v1.Aggregator/AbortStep",
+                    "bytes": args.bytes, "kind": args.kind,
+                    "content": "AbortStepRequest{step=-1, shard_id=0, "
+                               "reason='x'*...}" if args.kind == "valid"
+                               else "unparseable (length past the end)",
+                    "calls_per_source": args.count},
+        "default_max_message_bytes": 64 << 20,
+        "note": args.note,
+        "scenarios": {},
+    }
+    for name in args.scenarios.split(","):
+        sc = scenarios[name]
+        runs = []
+        for rep in range(args.repeats):
+            print("== %s (%d/%d)" % (name, rep + 1, args.repeats),
+                  file=sys.stderr, flush=True)
+            run = run_one(args, client, name, sc["sources"], sc["channels"],
+                          sc["limit"], sc["flood"], workdir, rep)
+            print("   peak %.1f MiB, end %.1f MiB, after %.1f MiB, wall %.1f s,"
+                  " codes %s" % (run["end_of_flood"].get("vm_hwm_mib", -1),
+                                 run["end_of_flood"].get("vm_rss_mib", -1),
+                                 run["after"].get("vm_rss_mib", -1),
+                                 run["wall_s"],
+                                 run.get("clients", {}).get("codes")),
+                  file=sys.stderr, flush=True)
+            runs.append(run)
+        out["scenarios"][name] = {
+            "what": sc["what"],
+            "max_message_bytes": sc["limit"] or (64 << 20),
+            "sources": sc["sources"],
+            "connections_per_source": sc["channels"],
+            "runs": runs,
+        }
+    out["duration_s"] = round(
+        (datetime.datetime.now(datetime.timezone.utc) - started)
+        .total_seconds(), 1)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+        f.write("\n")
+    print("wrote %s" % args.out, file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
