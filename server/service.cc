@@ -369,6 +369,20 @@ absl::Status AggregatorService::CheckRunId(uint64_t leader_run_id) {
 void AggregatorService::KeepOnlyLiveMembers() {
   if (!is_leader() || config_.checkpoint_dir.empty()) return;
   absl::MutexLock lock(&mu_);
+  // Workers that stopped just before this shutdown may have closed their
+  // streams a moment ago without this server having seen it yet: give the
+  // streams up to kWorkerGoneGrace to end (a worker that stays connected,
+  // a rolling restart, keeps its stream open through it).
+  const auto none_open = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (const auto& streams : live_streams_) {
+      for (grpc::ServerContext* stream : streams) {
+        if (!stream->IsCancelled()) return false;
+      }
+    }
+    return true;
+  };
+  AwaitPolled(mu_, absl::Condition(&none_open),
+              absl::Now() + internal::kWorkerGoneGrace, nullptr);
   std::vector<uint64_t> live(config_.num_workers, 0);
   for (uint32_t r = 0; r < config_.num_workers; ++r) {
     for (grpc::ServerContext* stream : live_streams_[r]) {
