@@ -192,6 +192,10 @@ absl::Status AggregatorServer::Shutdown(absl::Duration grace,
   if (shut_down_ || server_ == nullptr) return absl::OkStatus();
   shut_down_ = true;
   service_->SetReadinessListener(nullptr);  // NOT_SERVING from now on
+  // Before the drain (in which live workers see "shutting down" and close
+  // their streams to recover): the ranks reserved after the restart are
+  // those of the workers connected when the shutdown began.
+  service_->KeepOnlyLiveMembers();
   if (grpc::HealthCheckServiceInterface* health =
           server_->GetHealthCheckService()) {
     health->SetServingStatus(false);
@@ -208,10 +212,6 @@ absl::Status AggregatorServer::Shutdown(absl::Duration grace,
     service_->BeginDrain();
     service_->AwaitDrained(absl::Now() + drain);
   }
-  // After the drain (workers that stop with the cluster have closed their
-  // streams), before the server cancels the streams left: the ranks
-  // reserved after a restart are those of the workers still connected.
-  service_->KeepOnlyLiveMembers();
   const absl::Time deadline = absl::Now() + grace;
   absl::Notification drained;
   // Handlers blocked in a step wait do not see gRPC's cancellation: at the

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -40,8 +41,12 @@ std::string MemberFilePath(const std::string& dir) {
 }
 
 absl::Status WriteMemberTokens(const std::string& dir,
-                               const std::vector<uint64_t>& tokens) {
+                               const std::vector<uint64_t>& tokens,
+                               const std::string& run_length) {
   std::string body = absl::StrCat(kHeader, "\nworkers ", tokens.size(), "\n");
+  if (!run_length.empty() && run_length.find('\n') == std::string::npos) {
+    absl::StrAppend(&body, "run_length ", run_length, "\n");
+  }
   for (size_t r = 0; r < tokens.size(); ++r) {
     if (tokens[r] != 0) absl::StrAppend(&body, r, " ", tokens[r], "\n");
   }
@@ -84,8 +89,9 @@ absl::Status WriteMemberTokens(const std::string& dir,
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<uint64_t>> ReadMemberTokens(const std::string& dir,
-                                                       uint32_t num_workers) {
+absl::StatusOr<std::vector<uint64_t>> ReadMemberTokens(
+    const std::string& dir, uint32_t num_workers, std::string* run_length) {
+  if (run_length != nullptr) run_length->clear();
   const std::string path = MemberFilePath(dir);
   std::ifstream in(path, std::ios::binary);
   if (!in) {
@@ -126,6 +132,10 @@ absl::StatusOr<std::vector<uint64_t>> ReadMemberTokens(const std::string& dir,
   }
   std::vector<uint64_t> tokens(num_workers, 0);
   for (size_t i = 2; i < lines.size(); ++i) {
+    if (absl::StartsWith(lines[i], "run_length ")) {
+      if (run_length != nullptr) *run_length = lines[i].substr(11);
+      continue;
+    }
     std::vector<absl::string_view> f = absl::StrSplit(lines[i], ' ');
     uint32_t rank = 0;
     uint64_t token = 0;

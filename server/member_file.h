@@ -14,6 +14,7 @@
 //
 //   gtopk-members 1
 //   workers <P>
+//   run_length <text>     optional: the cluster's JoinRequest.run_length
 //   <rank> <token>        one line per rank with a holder, ranks ascending
 //   fnv1a64 <16 hex>      common/checksum.h's Fnv1a64 of every byte before
 //
@@ -38,16 +39,21 @@ std::string MemberFilePath(const std::string& dir);
 // Writes `tokens` (one per rank, 0 = no holder) atomically and durably.
 // Errors: errno-derived statuses naming the operation and path (the previous
 // file, if any, is untouched).
+// `run_length`: the run length the cluster's workers stated ("" for none;
+// no newline), kept so that a restarted leader still refuses another.
 absl::Status WriteMemberTokens(const std::string& dir,
-                               const std::vector<uint64_t>& tokens);
+                               const std::vector<uint64_t>& tokens,
+                               const std::string& run_length = "");
 
 // Reads the table back: `num_workers` tokens, 0 for ranks without a holder.
 // Errors: NOT_FOUND (no file); DATA_LOSS naming the fault (bad header,
 // checksum mismatch, a rank out of range or repeated, a malformed line);
 // FAILED_PRECONDITION when the file was written for another number of
 // workers (the message names both); errno-derived for read failures.
-absl::StatusOr<std::vector<uint64_t>> ReadMemberTokens(const std::string& dir,
-                                                       uint32_t num_workers);
+// `run_length`, when not null, receives the stored run length ("" none).
+absl::StatusOr<std::vector<uint64_t>> ReadMemberTokens(
+    const std::string& dir, uint32_t num_workers,
+    std::string* run_length = nullptr);
 
 }  // namespace server
 }  // namespace gtopk

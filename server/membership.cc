@@ -261,7 +261,16 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* context,
         absl::StrCat("shard ", config_.shard_id, " is shutting down")));
   }
   if (!request->run_length().empty()) {
-    if (run_length_.empty()) {
+    // The run length binds the workers of one run: while another rank's
+    // worker is connected, or reserved after a leader restart. With every
+    // other rank free (a cluster resumed as a whole, e.g. with more
+    // --steps), the first Join sets it afresh.
+    bool others = false;
+    for (uint32_t r = 0; r < config_.num_workers && !others; ++r) {
+      if (int64_t{r} == requested) continue;
+      others = rank_live(r) || absl::Now() < rank_reserved_until_[r];
+    }
+    if (run_length_.empty() || !others) {
       run_length_ = request->run_length();
     } else if (request->run_length() != run_length_) {
       return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(

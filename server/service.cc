@@ -43,6 +43,13 @@ using internal::kFingerprintMarker;
 using internal::kPollInterval;
 
 namespace {
+// A restored checkpoint against the shard's own retained ones (defined
+// below, with CheckRunId).
+absl::Status CheckAgainstHistory(const std::string& dir, uint32_t shard,
+                                 const ShardCheckpoint& current);
+}  // namespace
+
+namespace {
 
 // Concurrent DownloadParams snapshots per server (each one shard range).
 constexpr int kMaxConcurrentDownloads = 4;
@@ -273,10 +280,12 @@ absl::StatusOr<std::unique_ptr<AggregatorService>> AggregatorService::Create(
     if (service->is_leader()) {
       // Who held which rank before this leader (re)started: a live worker
       // keeps its rank (Recover with its token), nobody else gets it.
+      std::string run_length;
       absl::StatusOr<std::vector<uint64_t>> tokens =
-          ReadMemberTokens(c.checkpoint_dir, c.num_workers);
+          ReadMemberTokens(c.checkpoint_dir, c.num_workers, &run_length);
       if (tokens.ok()) {
         absl::MutexLock lock(&service->mu_);
+        service->run_length_ = run_length;  // workers must still agree
         const absl::Time until =
             absl::Now() + internal::RankReclaimWindow(c.step_timeout);
         for (uint32_t r = 0; r < c.num_workers; ++r) {
@@ -293,6 +302,12 @@ absl::StatusOr<std::unique_ptr<AggregatorService>> AggregatorService::Create(
     absl::StatusOr<ShardCheckpoint> checkpoint =
         ReadCheckpoint(c.checkpoint_dir, c.shard_id);
     if (checkpoint.ok()) {
+      // Before the history is touched (the restore below prunes and adds
+      // to it): a current checkpoint of another cluster or run than this
+      // shard's own retained ones was put in their place. Refused, and
+      // nothing is changed, so the shard's own checkpoints survive.
+      GTOPK_RETURN_IF_ERROR(
+          CheckAgainstHistory(c.checkpoint_dir, c.shard_id, *checkpoint));
       absl::MutexLock lock(&service->mu_);
       GTOPK_RETURN_IF_ERROR(service->CreateAggregatorLocked(checkpoint->n));
       // Only this cluster's checkpoint: the same settings (fingerprint) and
@@ -326,6 +341,52 @@ absl::StatusOr<std::unique_ptr<AggregatorService>> AggregatorService::Create(
   }
   return service;
 }
+
+namespace {
+absl::Status CheckAgainstHistory(const std::string& dir, uint32_t shard,
+                                 const ShardCheckpoint& current) {
+  if (current.run_id == 0 && current.cluster_fingerprint == 0) {
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::vector<int64_t>> steps = ListCheckpointSteps(dir, shard);
+  if (!steps.ok() || steps->empty()) return absl::OkStatus();
+  // The newest entry of another step than the current one (an entry of the
+  // same step may be the very file, a hard link); else that one.
+  int64_t step = steps->back();
+  for (auto it = steps->rbegin(); it != steps->rend(); ++it) {
+    if (*it != current.next_step) {
+      step = *it;
+      break;
+    }
+  }
+  absl::StatusOr<ShardCheckpoint> retained = ReadCheckpointAt(dir, shard, step);
+  if (!retained.ok()) return absl::OkStatus();  // judged when it is used
+  const bool other_run = retained->run_id != 0 && current.run_id != 0 &&
+                         retained->run_id != current.run_id;
+  const bool other_cluster =
+      retained->cluster_fingerprint != 0 && current.cluster_fingerprint != 0 &&
+      retained->cluster_fingerprint != current.cluster_fingerprint;
+  if (!other_run && !other_cluster) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "shard ", shard, ": checkpoint ", CheckpointPath(dir, shard), " is ",
+      other_cluster
+          ? absl::StrCat("of cluster fingerprint ",
+                         FingerprintText(current.cluster_fingerprint))
+          : absl::StrCat("of run ", FingerprintText(current.run_id)),
+      " but this shard's retained checkpoint ",
+      CheckpointHistoryPath(dir, shard, step), " is ",
+      other_cluster
+          ? absl::StrCat("of cluster fingerprint ",
+                         FingerprintText(retained->cluster_fingerprint))
+          : absl::StrCat("of run ", FingerprintText(retained->run_id)),
+      ": another cluster's or run's checkpoint was put in place of this "
+      "shard's own. Nothing was restored or deleted; put this shard's own "
+      "checkpoint back (e.g. copy ",
+      CheckpointHistoryPath(dir, shard, steps->back()), " to ",
+      CheckpointPath(dir, shard), "), or move the directory away to start "
+      "the shard empty"));
+}
+}  // namespace
 
 absl::Status AggregatorService::CheckRunId(uint64_t leader_run_id) {
   if (is_leader()) return absl::OkStatus();
@@ -389,7 +450,8 @@ void AggregatorService::KeepOnlyLiveMembers() {
       if (!stream->IsCancelled()) live[r] = member_token_[r];
     }
   }
-  const absl::Status saved = WriteMemberTokens(config_.checkpoint_dir, live);
+  const absl::Status saved =
+      WriteMemberTokens(config_.checkpoint_dir, live, run_length_);
   if (!saved.ok()) {
     std::fprintf(stderr, "gtopk-server leader: member file at shutdown: %s\n",
                  saved.ToString().c_str());
@@ -398,7 +460,8 @@ void AggregatorService::KeepOnlyLiveMembers() {
 
 absl::Status AggregatorService::PersistMemberTokensLocked() {
   if (!is_leader() || config_.checkpoint_dir.empty()) return absl::OkStatus();
-  return WriteMemberTokens(config_.checkpoint_dir, member_token_);
+  return WriteMemberTokens(config_.checkpoint_dir, member_token_,
+                           run_length_);
 }
 
 absl::StatusOr<CallLimiter::Admission> AggregatorService::AdmitCall(

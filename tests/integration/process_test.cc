@@ -330,9 +330,17 @@ TEST(ProcessTest, SigtermDrainsTheRoundInProgressReportingNotServing) {
   EXPECT_LT(absl::Now() - signalled, absl::Seconds(30));
 
   // The checkpoint holds step 2 (both steps applied) and the same values.
+  // The workers were connected when the SIGTERM came: their ranks stay
+  // reserved for them for the step timeout after the restart (issue 42,
+  // docs/security.md); a fresh worker's Join is retried until then.
   ServerProcess restarted;
   ASSERT_TRUE(restarted.Start(args));
-  auto c = connect(0);
+  worker::ClientOptions fresh;
+  fresh.leader_address = address;
+  fresh.requested_rank = 0;
+  fresh.n = n;
+  fresh.rpc_timeout = absl::Seconds(90);
+  auto c = worker::WorkerClient::Connect(fresh);
   ASSERT_TRUE(c.ok()) << c.status();
   std::vector<float> downloaded(n, 0.0f);
   auto next = (*c)->SynchronizeParameters(absl::MakeSpan(downloaded));

@@ -217,6 +217,27 @@ TEST(ForeignCheckpointTest, AnotherRunWithTheSameSettingsIsRefused) {
   GTOPK_EXPECT_OK(GetShardState(a.peers[1], a.run_id));
 }
 
+TEST(ForeignCheckpointTest, ACheckpointPutInPlaceOfTheShardsOwnIsRefusedAtStartDeletingNothing) {
+  // The outside tester's data loss: the refused restore used to prune the
+  // shard's own retained checkpoints and add the foreign one to them.
+  TestRun a, b;
+  ASSERT_NO_FATAL_FAILURE(a.Begin("a"));
+  ASSERT_NO_FATAL_FAILURE(b.Begin("b"));
+  GTOPK_ASSERT_OK(a.shards[1]->Shutdown(absl::ZeroDuration(), false));
+  a.shards[1].reset();
+  // `cp --remove-destination`: a new file, the retained hard link keeps A's.
+  std::filesystem::remove(CheckpointPath(a.dirs[1], 1));
+  CopyShardOneCheckpoint(b, a);
+  EXPECT_THAT(a.StartShard(1).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr(CheckpointPath(a.dirs[1], 1)),
+                             HasSubstr(CheckpointHistoryPath(a.dirs[1], 1, 0)),
+                             HasSubstr("Nothing was restored or deleted"))));
+  GTOPK_ASSERT_OK_AND_ASSIGN(ShardCheckpoint own,
+                             ReadCheckpointAt(a.dirs[1], 1, 0));
+  EXPECT_EQ(own.run_id, a.run_id);
+}
+
 }  // namespace
 }  // namespace server
 }  // namespace gtopk

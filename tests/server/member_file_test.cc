@@ -48,10 +48,15 @@ TEST(MemberFileTest, RoundTripsAndRefusesDamage) {
   EXPECT_THAT(ReadMemberTokens(dir, 3).status(),
               StatusIs(absl::StatusCode::kNotFound));
   const std::vector<uint64_t> tokens = {0, 0xFFFFFFFFFFFFFFFFull, 42};
-  GTOPK_ASSERT_OK(WriteMemberTokens(dir, tokens));
+  const std::string run_length = "--epochs=5 --steps=0 --batch-size=64";
+  GTOPK_ASSERT_OK(WriteMemberTokens(dir, tokens, run_length));
+  std::string run_length_back;
   GTOPK_ASSERT_OK_AND_ASSIGN(std::vector<uint64_t> back,
-                             ReadMemberTokens(dir, 3));
+                             ReadMemberTokens(dir, 3, &run_length_back));
   EXPECT_EQ(back, tokens);
+  // The run length survives a leader restart too (issue 42: a worker with
+  // another --steps was accepted by a restarted leader).
+  EXPECT_EQ(run_length_back, run_length);
   struct stat st;
   ASSERT_EQ(::stat(MemberFilePath(dir).c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);  // the tokens are credentials
