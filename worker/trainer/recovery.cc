@@ -54,7 +54,13 @@ absl::StatusOr<int64_t> Recovery::AfterFailure(absl::Status failure,
     const absl::Duration elapsed = absl::Now() - first_failure_;
     // No Recover call unless it can get the leader's full answer (the
     // leader waits up to one step timeout for the shards).
-    const bool out_of_time = deadline - absl::Now() < recover_call_time_;
+    // A budget > 0 always allows the first call, even one shorter than a
+    // call's time (issue 42's break-it run: --recovery-timeout=20s with the
+    // default 30 s step timeout ended every worker at its first failure,
+    // with 0 Recover calls).
+    const bool out_of_time =
+        budget_ <= absl::ZeroDuration() ||
+        (recover_calls_ > 0 && deadline - absl::Now() < recover_call_time_);
     if (!retryable || out_of_time) {
       std::string why;
       if (retryable && budget_ <= absl::ZeroDuration()) {

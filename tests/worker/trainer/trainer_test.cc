@@ -242,6 +242,44 @@ TEST(TrainerTest, RetriesAreBoundedByTimeNotByACount) {
   rmdir(dir_template);
 }
 
+// A --recovery-timeout shorter than one Recover call's time (the step
+// timeout + 1 s) still allows one call, as worker/flags.md says: before,
+// the first check found the budget already spent and the run ended at the
+// first failure with "0 Recover call(s)" (issue 42's break-it run:
+// --recovery-timeout=20s with the default 30 s step timeout).
+TEST(TrainerTest, ARecoveryBudgetShorterThanACallStillAllowsOneCall) {
+  constexpr uint64_t kN = 1000;
+  server::ServerConfig config;
+  config.num_workers = 2;
+  config.optimizer.density = 0.05;
+  config.step_timeout = absl::Milliseconds(400);
+  auto cluster_or = server::LocalCluster::Start(config, 1);
+  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+  server::LocalCluster& cluster = **cluster_or;
+  // Rank 1 joins and never steps: every step of rank 0 fails.
+  ClientOptions co;
+  co.leader_address = cluster.leader();
+  co.requested_rank = 1;
+  co.n = kN;
+  absl::StatusOr<std::unique_ptr<WorkerClient>> rank1 =
+      WorkerClient::Connect(co);
+  ASSERT_TRUE(rank1.ok()) << rank1.status();
+  TrainerOptions o;
+  o.server = cluster.leader();
+  o.rank = 0;
+  o.model = "synthetic:" + std::to_string(kN);
+  o.steps = 2;
+  o.rpc_timeout = absl::Seconds(20);
+  o.recovery_timeout = absl::Milliseconds(500);  // < 400 ms + 1 s
+  ::testing::internal::CaptureStderr();
+  const absl::Status status = RunTrainer(o);
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_FALSE(status.ok());
+  EXPECT_NE(log.find("recovering"), std::string::npos) << log;
+  EXPECT_EQ(status.message().find("0 Recover call(s)"), std::string::npos)
+      << status;
+}
+
 // FAILED_PRECONDITION from a step means "shards at different steps" once:
 // one Recover repairs that. The same code again after a successful Recover
 // is a state no retry changes -- here a step whose update would overflow
