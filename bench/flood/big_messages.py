@@ -48,6 +48,10 @@ import tempfile
 import threading
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                "..", "..", "tests", "testing"))
+from tcp_forwarder import Forwarder  # noqa: E402
+
 CLIENT_SOURCE = r'''
 // bigmsg_client TARGET COUNT BYTES CHANNELS DEADLINE_S KIND
 // COUNT concurrent unary /gtopk.v1.Aggregator/AbortStep calls, each a
@@ -253,59 +257,6 @@ class Sampler:
     def stop(self):
         self._stop.set()
         self._thread.join()
-
-
-class Forwarder:
-    """Accepts on 127.0.0.1:<port>, connects to `target` from `source`."""
-
-    def __init__(self, source, target):
-        self.source, self.target = source, target
-        self.listener = socket.socket()
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(64)
-        self.port = self.listener.getsockname()[1]
-        self.sockets = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            upstream = socket.socket()
-            upstream.bind((self.source, 0))
-            upstream.connect(self.target)
-            for s in (client, upstream):
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.sockets += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b),
-                                 daemon=True).start()
-
-    @staticmethod
-    def _pump(a, b):
-        try:
-            while True:
-                data = a.recv(1 << 20)
-                if not data:
-                    break
-                b.sendall(data)
-        except OSError:
-            pass
-        for x in (a, b):
-            try:
-                x.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def close(self):
-        self.listener.close()
-        for x in self.sockets:
-            try:
-                x.close()
-            except OSError:
-                pass
 
 
 def start_server(server, max_message_bytes, log_path):

@@ -38,6 +38,10 @@ import time
 import unittest
 import urllib.request
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                "..", "testing"))
+from tcp_forwarder import Forwarder  # noqa: E402
+
 BUILD = os.path.abspath(os.environ.get("GTOPK_BUILD_DIR", "build"))
 SERVER = os.path.join(BUILD, "server", "gtopk-server")
 WORKER = os.path.join(BUILD, "worker", "gtopk-worker")
@@ -165,59 +169,6 @@ class Cluster:
             with open(self.summary_path(r)) as f:
                 out.append(json.load(f))
         return out
-
-
-class Forwarder:
-    """A TCP forwarder: accepts on 127.0.0.1:<port> and connects to `target`
-    from source address `source` (e.g. 127.0.0.11), so that the server sees
-    each forwarder's clients as one more host (a peer of its own)."""
-
-    def __init__(self, source, target):
-        self.source, self.target = source, target
-        self.listener = socket.socket()
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(64)
-        self.port = self.listener.getsockname()[1]
-        self.sockets = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            upstream = socket.socket()
-            upstream.bind((self.source, 0))
-            upstream.connect(self.target)
-            self.sockets += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b),
-                                 daemon=True).start()
-
-    @staticmethod
-    def _pump(a, b):
-        try:
-            while True:
-                data = a.recv(65536)
-                if not data:
-                    break
-                b.sendall(data)
-        except OSError:
-            pass
-        for x in (a, b):
-            try:
-                x.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def close(self):
-        self.listener.close()
-        for x in self.sockets:
-            try:
-                x.close()
-            except OSError:
-                pass
 
 
 def run_flood(args, results, key):
