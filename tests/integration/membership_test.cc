@@ -95,6 +95,23 @@ std::vector<absl::Status> StepAll(
   return status;
 }
 
+// Every rank connects, synchronises its parameters and steps step 0.
+void ConnectAllAndStepOnce(
+    const LocalCluster& cluster,
+    std::vector<std::unique_ptr<worker::WorkerClient>>& clients,
+    std::vector<std::vector<float>>& params) {
+  for (int w = 0; w < kWorkers; ++w) {
+    GTOPK_ASSERT_OK_AND_ASSIGN(clients[w], ConnectAs(cluster, w));
+  }
+  for (int w = 0; w < kWorkers; ++w) {
+    GTOPK_ASSERT_OK(
+        clients[w]->SynchronizeParameters(absl::MakeSpan(params[w])).status());
+  }
+  for (const absl::Status& st : StepAll(clients, params, 0)) {
+    GTOPK_ASSERT_OK(st);
+  }
+}
+
 // One raw push of one entry of shard `shard`'s range as rank `worker` with
 // `token` (fingerprint: `fingerprint`); the stream's status (a pull: OK).
 absl::Status RawPush(const v1::ClusterSpec& spec, uint32_t shard,
@@ -286,16 +303,7 @@ TEST(MembershipTest, DeadWorkerFailsTheStepAtOnceNamingIt) {
   ASSERT_NE(cluster, nullptr);
   std::vector<std::unique_ptr<worker::WorkerClient>> clients(kWorkers);
   std::vector<std::vector<float>> params(kWorkers, std::vector<float>(kN, 0.5f));
-  for (int w = 0; w < kWorkers; ++w) {
-    GTOPK_ASSERT_OK_AND_ASSIGN(clients[w], ConnectAs(*cluster, w));
-  }
-  for (int w = 0; w < kWorkers; ++w) {
-    GTOPK_ASSERT_OK(
-        clients[w]->SynchronizeParameters(absl::MakeSpan(params[w])).status());
-  }
-  for (const absl::Status& st : StepAll(clients, params, 0)) {
-    GTOPK_ASSERT_OK(st);
-  }
+  ASSERT_NO_FATAL_FAILURE(ConnectAllAndStepOnce(*cluster, clients, params));
   clients[1].reset();  // dies between steps: every stream is cancelled
   const absl::Time start = absl::Now();
   const absl::Status alone =
@@ -334,16 +342,7 @@ TEST(MembershipTest, RestartedWorkerRejoinsAndTheOldTokenIsRefused) {
   ASSERT_NE(cluster, nullptr);
   std::vector<std::unique_ptr<worker::WorkerClient>> clients(kWorkers);
   std::vector<std::vector<float>> params(kWorkers, std::vector<float>(kN, 0.5f));
-  for (int w = 0; w < kWorkers; ++w) {
-    GTOPK_ASSERT_OK_AND_ASSIGN(clients[w], ConnectAs(*cluster, w));
-  }
-  for (int w = 0; w < kWorkers; ++w) {
-    GTOPK_ASSERT_OK(
-        clients[w]->SynchronizeParameters(absl::MakeSpan(params[w])).status());
-  }
-  for (const absl::Status& st : StepAll(clients, params, 0)) {
-    GTOPK_ASSERT_OK(st);
-  }
+  ASSERT_NO_FATAL_FAILURE(ConnectAllAndStepOnce(*cluster, clients, params));
   const uint64_t old_token = clients[1]->member_token();
   const v1::ClusterSpec spec = clients[1]->cluster();
   clients[1].reset();  // dies: every stream of it is cancelled

@@ -140,6 +140,13 @@ void CopyShardOneCheckpoint(const TestRun& from, const TestRun& to) {
                              std::filesystem::copy_options::overwrite_existing);
 }
 
+// Stops `a`'s shard 1 and puts `b`'s shard-1 checkpoint in its directory.
+void StopShardOneAndCopyFrom(TestRun& a, const TestRun& b) {
+  GTOPK_ASSERT_OK(a.shards[1]->Shutdown(absl::ZeroDuration(), false));
+  a.shards[1].reset();
+  CopyShardOneCheckpoint(b, a);
+}
+
 absl::Status GetShardState(const std::string& address, uint64_t run_id) {
   auto stub =
       v1::Aggregator::NewStub(CreateLimitedChannel(address, uint64_t{1} << 20));
@@ -157,9 +164,7 @@ TEST(ForeignCheckpointTest, AnotherClustersSettingsAreRefused) {
   b.lr = 0.2f;
   ASSERT_NO_FATAL_FAILURE(a.Begin("a"));
   ASSERT_NO_FATAL_FAILURE(b.Begin("b"));
-  GTOPK_ASSERT_OK(a.shards[1]->Shutdown(absl::ZeroDuration(), false));
-  a.shards[1].reset();
-  CopyShardOneCheckpoint(b, a);
+  ASSERT_NO_FATAL_FAILURE(StopShardOneAndCopyFrom(a, b));
   auto restarted = a.StartShard(1);
   ASSERT_TRUE(restarted.ok()) << restarted.status();
   // Its flags are the leader's (a shard restarted with other flags is told
@@ -177,14 +182,11 @@ TEST(ForeignCheckpointTest, AnotherRunWithTheSameSettingsIsRefused) {
   ASSERT_NO_FATAL_FAILURE(a.Begin("a"));
   ASSERT_NO_FATAL_FAILURE(b.Begin("b"));
   ASSERT_NE(a.run_id, b.run_id);
-  GTOPK_ASSERT_OK(a.shards[1]->Shutdown(absl::ZeroDuration(), false));
-  a.shards[1].reset();
-  const std::string own = ReadCheckpoint(a.dirs[1], 1).ok()
-                              ? CheckpointPath(a.dirs[1], 1) + ".own"
-                              : "";
-  ASSERT_FALSE(own.empty());
+  // A's own checkpoint, kept aside to put back at the end.
+  GTOPK_ASSERT_OK(ReadCheckpoint(a.dirs[1], 1).status());
+  const std::string own = CheckpointPath(a.dirs[1], 1) + ".own";
   std::filesystem::copy_file(CheckpointPath(a.dirs[1], 1), own);
-  CopyShardOneCheckpoint(b, a);
+  ASSERT_NO_FATAL_FAILURE(StopShardOneAndCopyFrom(a, b));
   {
     auto restarted = a.StartShard(1);
     ASSERT_TRUE(restarted.ok()) << restarted.status();
