@@ -9,6 +9,8 @@
 
 #include <sys/stat.h>
 
+#include <cerrno>
+#include <filesystem>
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -272,10 +274,22 @@ absl::StatusOr<std::unique_ptr<AggregatorService>> AggregatorService::Create(
   const ServerConfig& c = service->config_;
   if (!c.checkpoint_dir.empty()) {
     struct stat st;
+    if (stat(c.checkpoint_dir.c_str(), &st) != 0 && errno == ENOENT) {
+      // A new run's directory: made, as `mkdir -p` would (a user-facing
+      // manual step otherwise; the member file in it holds credentials,
+      // so it is private to this user).
+      std::error_code made;
+      std::filesystem::create_directories(c.checkpoint_dir, made);
+      if (!made) {
+        std::filesystem::permissions(c.checkpoint_dir,
+                                     std::filesystem::perms::owner_all,
+                                     made);
+      }
+    }
     if (stat(c.checkpoint_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("--checkpoint-dir=", c.checkpoint_dir,
-                       " is not an existing directory"));
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--checkpoint-dir=", c.checkpoint_dir,
+          " is not a directory and cannot be created"));
     }
     if (service->is_leader()) {
       // Who held which rank before this leader (re)started: a live worker

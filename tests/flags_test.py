@@ -59,7 +59,8 @@ SERVER_CASES = [
     ("--step-timeout", ["--step-timeout=0s"]),
     ("--step-timeout", ["--step-timeout=-1s"]),
     ("--step-timeout", ["--step-timeout=1000000h"]),
-    ("--checkpoint-dir", ["--checkpoint-dir=/nonexistent/gtopk-ckpt"]),
+    # Not creatable: under a regular file (a missing directory is created).
+    ("--checkpoint-dir", ["--checkpoint-dir=/etc/hostname/gtopk-ckpt"]),
     ("--checkpoint-every", ["--checkpoint-every=-1"]),
     ("--checkpoint-dir", ["--checkpoint-every=5"]),
     ("--checkpoint-keep", ["--checkpoint-keep=0"]),

@@ -78,6 +78,30 @@ TEST(MemberFileTest, RoundTripsAndRefusesDamage) {
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr("checksum")));
 }
 
+TEST(MemberFileTest, AMissingCheckpointDirectoryIsCreated) {
+  // A PyTorch user's first run failed with "--checkpoint-dir=... is not an
+  // existing directory": a manual mkdir. The leader makes it (0700: its
+  // member file holds credentials) and writes its member file there.
+  const std::string dir = TempDir() + "/new/run-1";
+  ServerConfig config;
+  config.num_workers = 1;
+  config.peers = {""};
+  config.checkpoint_dir = dir;
+  auto server = AggregatorServer::Start(config, "127.0.0.1:0");
+  ASSERT_TRUE(server.ok()) << server.status();
+  struct stat st;
+  ASSERT_EQ(::stat(dir.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISDIR(st.st_mode));
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  // A path that is a file is still refused, naming it.
+  const std::string file = dir + "/plain-file";
+  { std::ofstream(file) << "x"; }
+  config.checkpoint_dir = file;
+  EXPECT_THAT(AggregatorServer::Start(config, "127.0.0.1:0").status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("is not a directory")));
+}
+
 constexpr uint64_t kN = 100;
 
 struct Leader {
