@@ -325,6 +325,7 @@ absl::Status ExplainNotServing(
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
   v1::JoinRequest request;
+  request.set_settings_only(true);  // no wait for a worker's Join
   v1::ClusterSpec spec;
   return FromGrpcStatus(stub->GetClusterSpec(&context, request, &spec));
 }

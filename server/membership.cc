@@ -295,12 +295,14 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* context,
   if (requested >= 0) {
     rank = static_cast<uint32_t>(requested);
     if (!rank_live(rank) && absl::Now() < rank_reserved_until_[rank]) {
-      // The leader restarted: the rank's holder (named by the member file)
-      // may still be alive and re-registering. Only it may have the rank
-      // (Recover with its token) until the window ends.
+      // The rank's holder is alive and recovering (its step failed, or
+      // the leader restarted and its member file names the holder): only
+      // it may have the rank (Recover with its token) until the window
+      // ends.
       return ToGrpcStatus(absl::UnavailableError(absl::StrCat(
-          "rank ", rank, " was held when leader shard ", config_.shard_id,
-          " restarted; it stays reserved for its holder for another ",
+          "rank ", rank, " is held by a worker that is recovering (or that "
+          "held it when leader shard ", config_.shard_id,
+          " restarted); it stays reserved for its holder for another ",
           absl::FormatDuration(absl::Trunc(
               rank_reserved_until_[rank] - absl::Now(), absl::Seconds(1))),
           " (until it re-registers with its member token); retry later, or "
@@ -371,7 +373,7 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* context,
 }
 
 grpc::Status AggregatorService::GetClusterSpec(
-    grpc::ServerContext* context, const v1::JoinRequest* /*request*/,
+    grpc::ServerContext* context, const v1::JoinRequest* request,
     v1::ClusterSpec* response) {
   GTOPK_ADMIT_CALL(admission, AdmitCall(context, "GetClusterSpec"));
   {
@@ -382,7 +384,8 @@ grpc::Status AggregatorService::GetClusterSpec(
   }
   const absl::Time deadline = WaitDeadline(context);
   if (!is_leader()) {
-    absl::StatusOr<v1::ClusterSpec> spec = FetchSpecFromLeader(deadline);
+    absl::StatusOr<v1::ClusterSpec> spec =
+        FetchSpecFromLeader(deadline, request->settings_only());
     if (!spec.ok()) return ToGrpcStatus(spec.status());
     // Workers ask every shard at Connect: a shard started with other
     // settings than the leader refuses here, before any step.
@@ -392,6 +395,11 @@ grpc::Status AggregatorService::GetClusterSpec(
     return grpc::Status::OK;
   }
   absl::MutexLock lock(&mu_);
+  if (request->settings_only()) {
+    // The settings at once, n or not (a shard's start-up comparison).
+    *response = BuildSpecLocked();
+    return grpc::Status::OK;
+  }
   const absl::Status ready = AwaitClusterLocked(context, deadline);
   if (!ready.ok()) return ToGrpcStatus(ready);
   *response = BuildSpecLocked();

@@ -742,15 +742,31 @@ grpc::Status AggregatorService::Recover(grpc::ServerContext* context,
       return ToGrpcStatus(absl::Status(
           member.code(), absl::StrCat("Recover: ", member.message())));
     }
-    if (rank_reserved_until_[w] != absl::InfinitePast()) {
-      // The holder re-registered after a leader restart: the rank is its
-      // own (a Join of it waits for its streams to end, as for any live
-      // worker), and stays reserved while it reopens its step stream.
-      rank_given_[w] = true;
-      rank_reserved_until_[w] =
-          absl::Now() + internal::RankReclaimWindow(config_.step_timeout);
-    }
+    // The holder is alive and recovering (after a leader restart: it
+    // re-registers): the rank stays reserved for it through the recovery
+    // and until it reopens its step stream, whatever a Join asks meanwhile
+    // (issue 42).
+    rank_given_[w] = true;
+    rank_reserved_until_[w] =
+        std::max(rank_reserved_until_[w],
+                 absl::Now() + internal::RankReclaimWindow(config_.step_timeout));
   }
+  // Again when the call ends (it may have waited a step timeout for the
+  // shards): the worker's next Recover follows within its backoff.
+  struct Rereserve {
+    AggregatorService* self;
+    uint32_t worker;
+    uint64_t token;
+    ~Rereserve() {
+      if (self == nullptr) return;
+      absl::MutexLock lock(&self->mu_);
+      if (self->member_token_[worker] != token) return;  // superseded
+      self->rank_reserved_until_[worker] = std::max(
+          self->rank_reserved_until_[worker],
+          absl::Now() + internal::RankReclaimWindow(self->config_.step_timeout));
+    }
+  } rereserve{is_leader() ? this : nullptr, request->worker(),
+              request->member_token()};
   std::optional<int64_t> resume_step;
   if (request->resume()) {
     if (config_.apply != ApplyMode::kWorkers) {

@@ -219,6 +219,7 @@ AggregatorService::AggregatorService(ServerConfig config)
     grpc_commit_ = commit.get();
     exchange_ = std::move(exchange);
     commit_ = std::move(commit);
+    gone_watch_ = std::thread([this] { WatchLeaderSettings(); });
   }
 }
 
@@ -263,6 +264,24 @@ void AggregatorService::WatchGoneWorkers() {
       // RejectPush takes only the aggregator's own lock.
       aggregator_->RejectPush(*step, r, reason);
     }
+  }
+}
+
+void AggregatorService::WatchLeaderSettings() {
+  absl::Duration wait = absl::Seconds(1);
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      const auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return watch_stop_ || shutting_down_;
+      };
+      if (mu_.AwaitWithTimeout(absl::Condition(&stop), wait)) return;
+    }
+    absl::StatusOr<v1::ClusterSpec> spec = FetchSpecFromLeader(
+        absl::Now() + absl::Seconds(2), /*settings_only=*/true);
+    if (!spec.ok()) continue;  // the leader is not up yet: ask again
+    if (CheckLeaderSpec(*spec).ok()) return;
+    wait = absl::Seconds(5);
   }
 }
 
@@ -718,12 +737,14 @@ absl::Status AggregatorService::AwaitClusterLocked(grpc::ServerContext* context,
 }
 
 absl::StatusOr<v1::ClusterSpec> AggregatorService::FetchSpecFromLeader(
-    absl::Time deadline) {
+    absl::Time deadline, bool settings_only) {
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(deadline));
   v1::ClusterSpec spec;
+  v1::JoinRequest request;
+  request.set_settings_only(settings_only);
   const grpc::Status status =
-      leader_stub_->GetClusterSpec(&context, v1::JoinRequest(), &spec);
+      leader_stub_->GetClusterSpec(&context, request, &spec);
   if (!status.ok()) {
     return absl::Status(
         static_cast<absl::StatusCode>(status.error_code()),
@@ -1159,6 +1180,13 @@ grpc::Status AggregatorService::PushPull(
         // Cancelled, not closed: the worker died or lost its connection.
         if (self->is_leader() && live.empty() && context->IsCancelled()) {
           self->gone_since_[worker] = absl::Now();
+        } else if (self->is_leader() && live.empty()) {
+          // Ended by this server (a failed round, a refused push): the
+          // worker is alive and about to Recover; nobody else may take its
+          // rank meanwhile.
+          self->rank_reserved_until_[worker] =
+              std::max(self->rank_reserved_until_[worker],
+                       absl::Now() + internal::kRankRecoverHold);
         }
       }
       self->metrics_->connected_workers().Decrement();

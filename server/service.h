@@ -419,7 +419,8 @@ class AggregatorService final : public v1::Aggregator::Service {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::ClusterSpec BuildSpecLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Non-leaders: the cluster spec from the leader.
-  absl::StatusOr<v1::ClusterSpec> FetchSpecFromLeader(absl::Time deadline);
+  absl::StatusOr<v1::ClusterSpec> FetchSpecFromLeader(
+      absl::Time deadline, bool settings_only = false);
   // Non-leaders: CheckSameClusterSettings against the leader's `spec`; the
   // first mismatch is also printed on stderr.
   absl::Status CheckLeaderSpec(const v1::ClusterSpec& spec);
@@ -499,9 +500,13 @@ class AggregatorService final : public v1::Aggregator::Service {
   // since this process started), elsewhere the last token the leader
   // confirmed (0: none yet).
   std::vector<uint64_t> member_token_ ABSL_GUARDED_BY(mu_);
-  // Leader, per rank: until when the rank stays reserved for the holder its
-  // member file named at this process's start (InfinitePast: not reserved;
-  // cleared when the holder re-registers). RankReclaimWindow.
+  // Leader, per rank: until when the rank stays reserved for its holder
+  // while it has no open step stream (InfinitePast: not reserved; cleared
+  // when the holder's step stream registers): the holder the member file
+  // named at this process's start (RankReclaimWindow), a holder whose
+  // stream this server ended with an error (kRankRecoverHold: its Recover
+  // follows), and a holder in Recover (RankReclaimWindow from its call's
+  // start and end). A Join of a reserved rank is UNAVAILABLE (issue 42).
   std::vector<absl::Time> rank_reserved_until_ ABSL_GUARDED_BY(mu_);
   // Leader with --checkpoint-dir: writes member_token_ to the member file
   // (server/member_file.h). Errors: WriteMemberTokens'.
@@ -550,6 +555,12 @@ class AggregatorService final : public v1::Aggregator::Service {
   bool watch_stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread gone_watch_;
   void WatchGoneWorkers();
+  // Non-leaders, from the start: compares this shard's settings with the
+  // leader's (GetClusterSpec settings_only) every second until the leader
+  // answers and they agree, then stops (every push and vote compares again
+  // later); while they differ, every 5 s. Readiness follows each answer, so
+  // a shard with other flags is NOT_SERVING before any worker joins.
+  void WatchLeaderSettings();
   std::vector<std::vector<grpc::ServerContext*>> live_streams_
       ABSL_GUARDED_BY(mu_);
   // How many of live_streams_ were registered from their call's metadata

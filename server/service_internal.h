@@ -37,6 +37,14 @@ inline constexpr absl::Duration kRankReleaseGrace = absl::Seconds(2);
 // step timeout (issue 42).
 inline constexpr absl::Duration kWorkerGoneGrace = absl::Seconds(1);
 
+// How long a rank whose step stream this leader ended with an error (a
+// failed round: the worker is alive and recovers) stays reserved for its
+// holder: the worker's Recover follows after its backoff (at most 1.6 s)
+// and extends the reservation to RankReclaimWindow. Without it, a Join of
+// the rank in that gap took a live worker's rank (issue 42's break-it run:
+// a shard restart with the any-rank certificate).
+inline constexpr absl::Duration kRankRecoverHold = absl::Seconds(5);
+
 // After a leader restart, how long a rank whose holder the leader's member
 // file names stays reserved for that holder (server/member_file.h): until
 // the worker re-registers with its token (Recover, or its step stream), a

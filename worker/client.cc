@@ -333,8 +333,9 @@ absl::Status WorkerClient::ExplainFingerprintRefusal(
       ". Restart the workers (or the leader with the old flags)"));
 }
 
-void WorkerClient::CloseStreams() {
+void WorkerClient::CloseStreams(bool keep_leader) {
   for (auto& c : shards_) {
+    if (keep_leader && c.get() == shards_.front().get()) continue;
     if (c->stream != nullptr && !c->broken) {  // broken: already finished
       c->context->TryCancel();
       c->stream->Finish().IgnoreError();
@@ -604,7 +605,12 @@ absl::StatusOr<int64_t> WorkerClient::ResumeAt(int64_t step) {
 absl::StatusOr<int64_t> WorkerClient::RecoverWith(absl::Span<float> params,
                                                   absl::Time deadline,
                                                   int64_t resume_step) {
-  CloseStreams();
+  // The leader stream stays open until the leader has answered: while it
+  // is open the rank is alive on the leader, and once the leader has seen
+  // this Recover it keeps the rank reserved for this worker. Closed first,
+  // a Join of the rank by another client could take it in between (issue
+  // 42's break-it run, during a shard restart).
+  CloseStreams(/*keep_leader=*/true);
   v1::RecoverRequest request;
   if (resume_step >= 0) {
     request.set_resume(true);
@@ -646,6 +652,7 @@ absl::StatusOr<int64_t> WorkerClient::RecoverWith(absl::Span<float> params,
     }
     backoff = std::min(2 * backoff, kReconnectBackoffMax);
   }
+  CloseStreams();
   if (absl::IsDeadlineExceeded(st) && st.message() == "Deadline Exceeded") {
     // gRPC's own deadline: the leader never answered.
     return absl::DeadlineExceededError(absl::StrCat(

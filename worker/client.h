@@ -518,8 +518,9 @@ class WorkerClient {
                                               absl::Span<float> params,
                                               std::string* state = nullptr);
 
-  // Cancels and finishes every open stream.
-  void CloseStreams();
+  // Cancels and finishes every open step stream (keep_leader: all but
+  // shard 0's).
+  void CloseStreams(bool keep_leader = false);
   // Opens a fresh stream context on `c` (registered with
   // options_.cancellation), and drops one.
   void SetStreamContext(ShardConn& c) const;

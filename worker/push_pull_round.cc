@@ -16,6 +16,7 @@
 #include "absl/time/clock.h"
 #include "common/epoch.h"
 #include "common/grpc_edge.h"
+#include "grpcpp/channel.h"
 #include "worker/client.h"
 #include "worker/client_internal.h"
 
@@ -32,6 +33,7 @@ struct WorkerClient::Round {
         done(num_shards, false),
         cancelled(num_shards, false),
         timed_out(num_shards, false),
+        unreachable(num_shards, false),
         cut_short(num_shards, false) {}
 
   // The step watchdog: the cluster's step timeout plus
@@ -51,6 +53,9 @@ struct WorkerClient::Round {
   std::vector<bool> cancelled;
   // Shards cancelled at the watchdog deadline.
   std::vector<bool> timed_out;
+  // Shards cancelled because their channel could not connect for
+  // kShardUnreachableGrace (the process is gone or restarting).
+  std::vector<bool> unreachable;
   // Shards cancelled because another shard already failed the step: a step
   // that failed on one shard cannot be committed on any (the commit vote),
   // so waiting for the others would only delay the caller's retry or
@@ -63,6 +68,14 @@ namespace {
 // After one shard failed a step, how long the others may still report
 // their own errors before their streams are cancelled.
 constexpr absl::Duration kFailureGrace = absl::Milliseconds(250);
+
+// A shard whose channel has failed to connect (TRANSIENT_FAILURE: refused,
+// reset) and not been READY since, for this long while a step waits for
+// it, fails the step naming it (UNAVAILABLE) instead of at the step
+// watchdog: a shard killed between steps is noticed in about a second
+// (issue 42). Checked every kReachabilityPoll.
+constexpr absl::Duration kShardUnreachableGrace = absl::Seconds(1);
+constexpr absl::Duration kReachabilityPoll = absl::Milliseconds(100);
 
 // The attempt epoch a shard sent in a failed stream's trailers
 // (common/epoch.h), or 0 when there is none. Epochs start at the leader's
@@ -209,8 +222,51 @@ void WorkerClient::AwaitShards(Round& round) const {
   };
   auto all_done = [&] { return round.finished == S; };
   const absl::Time watchdog = absl::Now() + round.budget;
-  if (!round.mu.AwaitWithDeadline(absl::Condition(&all_done_or_failed),
-                                  watchdog)) {
+  // Per shard: when its channel was first seen failing to connect in this
+  // step (CONNECTING alone may be a slow network, and is waited for).
+  std::vector<absl::Time> down_since(S, absl::InfiniteFuture());
+  std::vector<bool> connect_failed(S, false);
+  bool settled = false;
+  while (!settled) {
+    settled = round.mu.AwaitWithDeadline(
+        absl::Condition(&all_done_or_failed),
+        std::min(watchdog, absl::Now() + kReachabilityPoll));
+    if (settled || absl::Now() >= watchdog) break;
+    const absl::Time now = absl::Now();
+    bool cancelled_any = false;
+    for (size_t s = 0; s < S; ++s) {
+      if (round.done[s] || round.cancelled[s]) continue;
+      const grpc_connectivity_state state =
+          shards_[s]->channel->GetState(/*try_to_connect=*/false);
+      if (state == GRPC_CHANNEL_READY || state == GRPC_CHANNEL_IDLE) {
+        down_since[s] = absl::InfiniteFuture();
+        connect_failed[s] = false;
+        continue;
+      }
+      if (state != GRPC_CHANNEL_TRANSIENT_FAILURE) continue;  // CONNECTING
+      if (!connect_failed[s]) {
+        // First failure seen in this step: try again at once (the channel
+        // may be in a reconnect backoff from before the shard came back),
+        // and count the grace from now.
+        connect_failed[s] = true;
+        down_since[s] = now;
+        grpc::experimental::ChannelResetConnectionBackoff(
+            shards_[s]->channel.get());
+        continue;
+      }
+      if (now - down_since[s] >= kShardUnreachableGrace) {
+        round.unreachable[s] = true;
+        round.cancelled[s] = true;
+        shards_[s]->context->TryCancel();
+        cancelled_any = true;
+      }
+    }
+    if (cancelled_any) {
+      // The step fails on those; the others are cut short as below.
+      settled = true;
+    }
+  }
+  if (!settled) {
     cancel_unfinished(round.timed_out);
   } else if (round.finished < S &&
              !round.mu.AwaitWithDeadline(
@@ -230,7 +286,14 @@ absl::Status WorkerClient::RoundStatus(int64_t step, const Round& round) const {
   absl::StatusCode code = absl::StatusCode::kOk;
   for (size_t s = 0; s < S; ++s) {
     absl::Status st = round.results[s];
-    if (round.timed_out[s]) {
+    if (round.unreachable[s]) {
+      st = absl::UnavailableError(absl::StrCat(
+          "unreachable: no connection for ",
+          absl::FormatDuration(kShardUnreachableGrace),
+          " while step ", step,
+          " waited for it (the shard process is down or restarting; the "
+          "worker recovers once it is back)"));
+    } else if (round.timed_out[s]) {
       st = absl::DeadlineExceededError(absl::StrCat(
           "no pull for step ", step, " within ",
           absl::FormatDuration(round.budget), " (step timeout ",

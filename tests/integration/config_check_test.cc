@@ -143,6 +143,13 @@ TEST(ConfigCheckTest, EqualSettingsConnect) {
   for (size_t i = 0; i < kN; ++i) grad[i] = static_cast<float>(i % 7) - 3.0f;
   GTOPK_ASSERT_OK(client->SynchronizeParameters(absl::MakeSpan(params)));
   GTOPK_ASSERT_OK(client->Step(grad, absl::MakeSpan(params)));
+  // The start-up comparison (issue 42) left the agreeing shards ready.
+  for (uint32_t s = 0; s < 3; ++s) {
+    GTOPK_ASSERT_OK_AND_ASSIGN(
+        const bool serving,
+        server::CheckHealth(cluster.peers()[s], absl::Seconds(5)));
+    EXPECT_TRUE(serving) << "shard " << s;
+  }
 }
 
 // A non-leader that creates its aggregator lazily (first DownloadParams)
@@ -184,6 +191,34 @@ TEST(ConfigCheckTest, MismatchedShardRefusesDownloads) {
       const bool shard1_serving,
       server::CheckHealth(cluster.peers()[1], absl::Seconds(5)));
   EXPECT_FALSE(shard1_serving);
+  GTOPK_ASSERT_OK_AND_ASSIGN(
+      const bool leader_serving,
+      server::CheckHealth(cluster.peers()[0], absl::Seconds(5)));
+  EXPECT_TRUE(leader_serving);
+  EXPECT_THAT(server::ExplainNotServing(cluster.peers()[1]),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("--density is 0.01 here but 0.001")));
+}
+
+// Issue 42, "also": readiness said SERVING until a shard first compared its
+// flags with the leader's, which waited for a worker's Join (the leader's n).
+// Now a shard compares them from its start (GetClusterSpec settings_only):
+// NOT_SERVING within seconds, with no worker anywhere, and the reason is
+// answered at once (before: DEADLINE_EXCEEDED "no parameter count yet").
+TEST(ConfigCheckTest, MismatchedShardIsNotReadyBeforeAnyWorkerJoins) {
+  MixedCluster cluster;
+  GTOPK_ASSERT_OK(cluster.Start(2, [](uint32_t s, ServerConfig& c) {
+    if (s == 1) c.optimizer.density = 0.01;
+  }));
+  bool shard1_serving = true;
+  const absl::Time end = absl::Now() + absl::Seconds(10);
+  while (shard1_serving && absl::Now() < end) {
+    GTOPK_ASSERT_OK_AND_ASSIGN(
+        shard1_serving,
+        server::CheckHealth(cluster.peers()[1], absl::Seconds(5)));
+    if (shard1_serving) absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_FALSE(shard1_serving) << "shard 1 still SERVING after 10 s";
   GTOPK_ASSERT_OK_AND_ASSIGN(
       const bool leader_serving,
       server::CheckHealth(cluster.peers()[0], absl::Seconds(5)));

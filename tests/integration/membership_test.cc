@@ -30,6 +30,7 @@
 #include "tests/testing/local_cluster.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/status_matchers.h"
+#include "tests/testing/temp_dir.h"
 #include "worker/client.h"
 
 namespace gtopk {
@@ -52,6 +53,21 @@ std::unique_ptr<LocalCluster> StartCluster(
   c.num_workers = kWorkers;
   c.optimizer.density = 0.05;
   c.step_timeout = step_timeout;
+  auto cluster = LocalCluster::Start(c, 2);
+  EXPECT_TRUE(cluster.ok()) << cluster.status();
+  return cluster.ok() ? *std::move(cluster) : nullptr;
+}
+
+// StartCluster's, with checkpoints of every step in `dir` (a restarted shard
+// restores its state, and the workers Recover).
+std::unique_ptr<LocalCluster> StartClusterWithCheckpoints(
+    const std::string& dir, absl::Duration step_timeout) {
+  ServerConfig c;
+  c.num_workers = kWorkers;
+  c.optimizer.density = 0.05;
+  c.step_timeout = step_timeout;
+  c.checkpoint_dir = dir;
+  c.checkpoint_every = 1;
   auto cluster = LocalCluster::Start(c, 2);
   EXPECT_TRUE(cluster.ok()) << cluster.status();
   return cluster.ok() ? *std::move(cluster) : nullptr;
@@ -314,6 +330,47 @@ TEST(MembershipTest, DeadWorkerFailsTheStepAtOnceNamingIt) {
   EXPECT_LT(took, absl::Seconds(5)) << alone;
 }
 
+// Issue 42, "also": a shard killed between steps was noticed only at the
+// step watchdog (the step timeout, 20 s here, plus a margin): the workers'
+// pushes to it waited for a connection. Now the step fails in about a
+// second, UNAVAILABLE naming the shard; once it is back the workers Recover
+// and step on, bit-identical.
+TEST(MembershipTest, DeadShardFailsTheStepWithinSecondsNamingIt) {
+  ::gtopk::testing::TempDir dir("membership_test");
+  ASSERT_FALSE(dir.path().empty());
+  auto cluster = StartClusterWithCheckpoints(dir.path(), absl::Seconds(20));
+  ASSERT_NE(cluster, nullptr);
+  std::vector<std::unique_ptr<worker::WorkerClient>> clients(kWorkers);
+  std::vector<std::vector<float>> params(kWorkers, std::vector<float>(kN, 0.5f));
+  ASSERT_NO_FATAL_FAILURE(ConnectAllAndStepOnce(*cluster, clients, params));
+  std::vector<absl::Status> failed;
+  absl::Duration took;
+  GTOPK_ASSERT_OK(cluster->RestartShard(1, /*write_checkpoint=*/true, [&] {
+    const absl::Time start = absl::Now();
+    failed = StepAll(clients, params, 1);
+    took = absl::Now() - start;
+  }));
+  for (const absl::Status& st : failed) {
+    EXPECT_THAT(st, StatusIs(absl::StatusCode::kUnavailable,
+                             AllOf(HasSubstr("shard 1"),
+                                   HasSubstr("unreachable"))));
+  }
+  EXPECT_LT(took, absl::Seconds(5));
+  std::vector<absl::Status> recovered(kWorkers);
+  std::vector<std::thread> threads;
+  for (int w = 0; w < kWorkers; ++w) {
+    threads.emplace_back([&, w] {
+      recovered[w] = clients[w]->Recover(absl::MakeSpan(params[w])).status();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const absl::Status& st : recovered) GTOPK_ASSERT_OK(st);
+  for (const absl::Status& st : StepAll(clients, params, 1)) {
+    GTOPK_ASSERT_OK(st);
+  }
+  EXPECT_TRUE(BitEqual(params[0], params[1]));
+}
+
 // Issue 42: a worker with another run length (--epochs, --steps,
 // --batch-size, --train-limit) trained a shorter schedule and exited 0 while
 // the others failed later; now its Join is refused, naming the flags.
@@ -376,6 +433,82 @@ TEST(MembershipTest, RestartedWorkerRejoinsAndTheOldTokenIsRefused) {
   for (const absl::Status& st : StepAll(clients, params, 2)) {
     GTOPK_ASSERT_OK(st);
   }
+}
+
+// Issue 42's break-it run: while shard 1 restarts, the workers' step fails
+// and they recover; a third client (the any-rank identity: here no TLS)
+// loops Join(rank 1) all the while. Before: worker 1's leader stream ended
+// (the failed round, then its Recover closed it) and nothing kept the rank,
+// so the intruder's Join was granted and worker 1's next Recover was
+// refused "held by another worker". Now a holder whose stream the leader
+// ended, and a holder in Recover, keep the rank reserved; every Join is
+// refused, and both workers step on bit-identical.
+TEST(MembershipTest, RecoveringWorkerKeepsItsRankWhileAShardRestarts) {
+  ::gtopk::testing::TempDir dir("membership_test");
+  ASSERT_FALSE(dir.path().empty());
+  auto started = StartClusterWithCheckpoints(dir.path(), absl::Seconds(3));
+  ASSERT_NE(started, nullptr);
+  LocalCluster& cluster = *started;
+  std::vector<std::unique_ptr<worker::WorkerClient>> clients(kWorkers);
+  std::vector<std::vector<float>> params(kWorkers, std::vector<float>(kN, 0.5f));
+  ASSERT_NO_FATAL_FAILURE(ConnectAllAndStepOnce(cluster, clients, params));
+
+  std::atomic<bool> stop{false};
+  std::atomic<int> tried{0};
+  std::atomic<int> granted{0};
+  std::thread intruder([&] {
+    auto stub = v1::Aggregator::NewStub(grpc::CreateChannel(
+        cluster.leader(), grpc::InsecureChannelCredentials()));
+    while (!stop.load()) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
+      v1::JoinRequest request;
+      request.set_requested_rank(1);
+      request.set_n(kN);
+      v1::JoinResponse response;
+      const grpc::Status st = stub->Join(&ctx, request, &response);
+      ++tried;
+      if (st.ok()) ++granted;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+  });
+  // Each worker recovers as gtopk-worker does: Recover again after a
+  // failed one (backoff), within a budget.
+  std::vector<absl::Status> recovered(kWorkers);
+  std::vector<std::thread> recovering;
+  GTOPK_ASSERT_OK(cluster.RestartShard(1, /*write_checkpoint=*/true, [&] {
+    for (const absl::Status& st : StepAll(clients, params, 1)) {
+      EXPECT_FALSE(st.ok());
+    }
+    for (int w = 0; w < kWorkers; ++w) {
+      recovering.emplace_back([&, w] {
+        const absl::Time end = absl::Now() + absl::Seconds(30);
+        absl::Status st;
+        do {
+          st = clients[w]->Recover(absl::MakeSpan(params[w])).status();
+          if (!st.ok()) absl::SleepFor(absl::Milliseconds(300));
+        } while (!st.ok() && absl::Now() < end &&
+                 !absl::IsPermissionDenied(st));
+        recovered[w] = st;
+      });
+    }
+    // The intruder's Joins meet the recovering workers while shard 1 is
+    // down (their Recover fails and is retried).
+    absl::SleepFor(absl::Seconds(4));
+  }));
+  for (std::thread& t : recovering) t.join();
+  stop = true;
+  intruder.join();
+  for (int w = 0; w < kWorkers; ++w) {
+    GTOPK_EXPECT_OK(recovered[w]) << "worker " << w;
+  }
+  EXPECT_GT(tried.load(), 2);
+  EXPECT_EQ(granted.load(), 0) << "Joins of rank 1 granted to the intruder, of "
+                               << tried.load();
+  for (const absl::Status& st : StepAll(clients, params, 1)) {
+    GTOPK_ASSERT_OK(st);
+  }
+  EXPECT_TRUE(BitEqual(params[0], params[1]));
 }
 
 // Every other call that names a rank: InitParams only from rank 0's holder
