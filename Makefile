@@ -104,8 +104,9 @@ NAME           ?= demo
 WORKER         ?= cpp
 DEMO_ARGS      ?=
 LOWBW_ARGS     ?=
+TTA_ARGS       ?=
 
-.PHONY: python python-install wheel all deps build test bench bench-lowbw bench-lowbw-grid bench-model demo format clean deploy-sync \
+.PHONY: python python-install wheel all deps build test bench bench-lowbw bench-lowbw-grid bench-tta bench-model demo format clean deploy-sync \
 	device-bundle device-bundle-check compose-certs compose-test fuzz fuzz-smoke fuzz-build fuzz-deps
 
 all: build
@@ -185,6 +186,17 @@ bench-lowbw-grid:
 	@$(MAKE) --no-print-directory deps
 	@$(MAKE) --no-print-directory build
 	/usr/bin/python3 bench/lowbw/grid.py --build-dir $(BUILD_DIR) $(LOWBW_ARGS)
+
+# Time to accuracy on slow links (bench/tta/tta.py, issue 43): root, deps,
+# build and the Python package first. TTA_ARGS=--quick for the short form.
+bench-tta:
+	@if [ "$$(id -u)" != 0 ]; then \
+	  echo "bench-tta: needs root (it creates network namespaces and tc qdiscs): sudo make bench-tta"; \
+	  exit 2; fi
+	@$(MAKE) --no-print-directory deps
+	@$(MAKE) --no-print-directory build
+	@$(MAKE) --no-print-directory python
+	/usr/bin/python3 bench/tta/tta.py --build-dir $(BUILD_DIR) $(TTA_ARGS)
 
 # Stdlib only (numpy not needed); gnuplot for the plots, as bench-lowbw.
 bench-model:

@@ -83,6 +83,9 @@ import sys
 import time
 import urllib.request
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import training_plot  # noqa: E402  (runs/NAME/training.png)
+
 FASHION_MNIST_TRAIN_SAMPLES = 60000
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -1292,6 +1295,65 @@ class Launcher:
         os.replace(path + ".tmp", path)
         return summary, path
 
+    def counterpart_run(self, summary):
+        """The newest other run under --runs-dir with the same worker,
+        model and P but the other kind of exchange (dense vs. sparse), whose
+        rank-0 log is there: drawn beside this one."""
+        runs_dir = os.path.dirname(self.run_dir)
+        dense = summary.get("mode") in ("dense", "ddp")
+        best, best_time = None, -1.0
+        for name in os.listdir(runs_dir):
+            other_dir = os.path.join(runs_dir, name)
+            if other_dir == self.run_dir:
+                continue
+            path = os.path.join(other_dir, "summary.json")
+            try:
+                with open(path) as f:
+                    other = json.load(f)
+                mtime = os.path.getmtime(path)
+            except (OSError, ValueError):
+                continue
+            if (other.get("mode") in ("dense", "ddp")) == dense or \
+                    any(other.get(k) != summary.get(k)
+                        for k in ("worker", "model", "workers")) or \
+                    not os.path.exists(os.path.join(other_dir,
+                                                    "worker-0.log")):
+                continue
+            if mtime > best_time:
+                best, best_time = (name, other), mtime
+        return best
+
+    def draw_training(self, summary):
+        """runs/NAME/training.png (deploy/local/training_plot.py): rank
+        0's training loss and test accuracy against step and wall time,
+        and the bytes per worker per step -- beside the counterpart run's
+        when there is one. Recorded in the summary as training_png (null,
+        with the reason on stderr, when it cannot be drawn)."""
+        png = os.path.join(self.run_dir, "training.png")
+        runs = [{"name": "%s (%s)" % (summary["name"], summary["mode"]),
+                 "log": os.path.join(self.run_dir, "worker-0.log"),
+                 "bytes_per_step": summary.get(
+                     "sent_bytes_per_worker_per_step")}]
+        other = self.counterpart_run(summary)
+        if other is not None:
+            name, o = other
+            runs.append({"name": "%s (%s)" % (name, o.get("mode")),
+                         "log": os.path.join(os.path.dirname(self.run_dir),
+                                             name, "worker-0.log"),
+                         "bytes_per_step": o.get(
+                             "sent_bytes_per_worker_per_step")})
+        if summary["mode"] in ("dense", "ddp") and len(runs) == 2:
+            runs.reverse()  # the sparse run first, as in the README
+        try:
+            training_plot.training_plot(
+                png, runs, "%s: P = %d, model %s" % (
+                    summary["name"], summary["workers"], summary["model"]))
+            summary["training_png"] = png
+        except (training_plot.PlotError, OSError) as e:
+            log("training plot not drawn: %s" % e)
+            summary["training_png"] = None
+        return self.write_summary(summary)
+
     def print_summary(self, s, path):
         acc = s["test_accuracy"]
         lines = ["%s: %s, P=%d workers, S=%d shards, model %s (n=%s), "
@@ -1315,6 +1377,8 @@ class Launcher:
             lines.append("  step time p50   %.1f ms" %
                          (1000 * s["step_seconds_p50"]))
         lines.append("  wall time       %.1f s" % s["wall_seconds"])
+        if s.get("training_png"):
+            lines.append("  training plot   %s" % s["training_png"])
         if s.get("worker") == "python-modern":
             lines.append("  replicas identical (every rank's parameters): "
                          "%s" % ("yes" if s["replica_checksums_match"]
@@ -1373,6 +1437,7 @@ class Launcher:
         if self.prometheus is not None:
             stop_children([self.prometheus], self.args.grace)
         summary, path = self.summarize(codes)
+        summary, path = self.draw_training(summary)
         self.print_summary(summary, path)
         bad = {i: c for i, c in codes.items() if c != 0}
         if bad:

@@ -123,6 +123,36 @@ def parse_args(argv):
     p.add_argument("--eval-every-epoch", action="store_true",
                    help="also evaluate after each epoch (default: at the "
                    "end only)")
+    p.add_argument("--model", default="cnn", choices=["cnn", "mlp"],
+                   help="cnn: the BatchNorm CNN (94,186 parameters); mlp: "
+                   "a wide MLP 784-3072-3072-10 (11,882,506 parameters, "
+                   "where communication dominates a step; bench/tta)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
+                   help="the wrapped torch optimizer: adamw (--lr 2e-3 "
+                   "suits it), or sgd with momentum 0.9 (--lr 0.05 suits "
+                   "it); the same object under every --backend")
+    p.add_argument("--ddp-hook", default="none",
+                   choices=["none", "fp16", "powersgd"],
+                   help="--backend=ddp: the communication hook, as a DDP "
+                   "user tunes it: fp16_compress_hook, or powerSGD_hook "
+                   "(--powersgd-rank, warm start, error feedback)")
+    p.add_argument("--powersgd-rank", type=int, default=1,
+                   help="powerSGD_hook's matrix_approximation_rank")
+    p.add_argument("--powersgd-start-iter", type=int, default=10,
+                   help="powerSGD_hook's start_powerSGD_iter: plain "
+                   "all-reduce before it (the documented warm-up)")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="> 0: evaluate on the test set every N steps "
+                   "(rank 0; the time spent evaluating is left out of "
+                   "train_seconds)")
+    p.add_argument("--eval-log", default="",
+                   help="rank 0 appends one JSON line per evaluation here "
+                   "(step, train_seconds, test_accuracy, test_loss), "
+                   "flushed as it goes")
+    p.add_argument("--time-cap", type=float, default=0,
+                   help="> 0: rank 0 stops at the first evaluation at or "
+                   "after this many seconds of training (the others are "
+                   "stopped by whoever launched them)")
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads")
@@ -168,6 +198,20 @@ def parse_args(argv):
         errors.append("--clip must be >= 0")
     if args.threads < 1:
         errors.append("--threads must be >= 1")
+    if args.eval_every < 0:
+        errors.append("--eval-every must be >= 0")
+    if args.time_cap < 0:
+        errors.append("--time-cap must be >= 0")
+    if args.time_cap > 0 and args.eval_every == 0:
+        errors.append("--time-cap needs --eval-every (it stops at an "
+                      "evaluation)")
+    if args.powersgd_rank < 1:
+        errors.append("--powersgd-rank must be >= 1")
+    if args.powersgd_start_iter < 2:
+        errors.append("--powersgd-start-iter must be >= 2 (torch's "
+                      "powerSGD_hook needs it with error feedback)")
+    if args.ddp_hook != "none" and args.backend != "ddp":
+        errors.append("--ddp-hook is for --backend=ddp")
     if errors:
         p.error("; ".join(errors))
     if args.backend == "gtopk" and not args.server:
@@ -342,6 +386,23 @@ def build_model(seed):
         nn.Linear(128, CLASSES))
 
 
+MLP_HIDDEN = 3072
+
+
+def build_mlp(seed):
+    """A wide MLP: 784 -> 3072 -> 3072 -> 10 with ReLU; n = 11,882,506
+    parameters, no buffers. Big enough that a dense fp32 all-reduce of its
+    gradient (48 MB) dominates a CPU step on a 1 Gbit/s link."""
+    import torch
+    import torch.nn as nn
+    torch.manual_seed(seed)
+    side = IMAGE_SIDE * IMAGE_SIDE
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(side, MLP_HIDDEN), nn.ReLU(inplace=True),
+        nn.Linear(MLP_HIDDEN, MLP_HIDDEN), nn.ReLU(inplace=True),
+        nn.Linear(MLP_HIDDEN, CLASSES))
+
+
 def param_groups(model, weight_decay):
     """AdamW's groups: weight decay on conv and linear weights only; none on
     biases and on normalisation layers' weights (the usual recipe)."""
@@ -371,6 +432,32 @@ def warmup_cosine(warmup_steps, total_steps):
         progress = min(1.0, (step - warmup_steps) / span)
         return 0.5 * (1.0 + math.cos(math.pi * progress))
     return factor
+
+
+def step_split(phases, step_seconds, compute_probe):
+    """Median seconds per step of each phase (past the first 10% of the
+    steps, the warm-up): gtopk's own split, or for DDP compute =
+    compute_probe and communication = forward_backward - compute_probe
+    (DDP all-reduces during backward) with the rest as other."""
+    def median(values):
+        values = sorted(values)
+        return values[len(values) // 2] if values else None
+    begin = len(phases) // 10
+    phases, step_seconds = phases[begin:], step_seconds[begin:]
+    if not phases:
+        return {}
+    if "forward_backward" in phases[0]:
+        probe = compute_probe or 0.0
+        rows = [{"compute": probe,
+                 "selection": 0.0,
+                 "communication": max(0.0, p["forward_backward"] - probe),
+                 "other": max(0.0, p["step"] - p["forward_backward"])}
+                for p in phases]
+    else:
+        rows = phases
+    out = {k: json_number(median([r[k] for r in rows])) for k in rows[0]}
+    out["step"] = json_number(median(step_seconds))
+    return out
 
 
 # -- checksums -----------------------------------------------------------------
@@ -482,6 +569,20 @@ class GtopkBackend:
         stats = self.opt.stats or {}
         self.sent.append(sum(stats.get("bytes_sent", []) or [0]))
 
+    def step_phases(self, compute, step):
+        """One step's split (seconds): compute (forward + backward),
+        selection (error feedback, top-k, encoding), communication (pushes
+        and the wait for the pulls), other (the optimizer, the rest)."""
+        st = self.opt.stats or {}
+        selection = sum(st.get(k, 0.0) or 0.0 for k in (
+            "accumulate_seconds", "select_seconds", "encode_seconds"))
+        communication = (st.get("push_seconds", 0.0) or 0.0) + \
+            (st.get("wait_seconds", 0.0) or 0.0)
+        return {"compute": compute, "selection": selection,
+                "communication": communication,
+                "other": max(0.0, step - compute - selection -
+                             communication)}
+
     def step(self, clip, params):
         self.synchronize()
         if clip > 0:
@@ -529,7 +630,39 @@ class DdpBackend:
         self.model = model
         # broadcast_buffers (default True): rank 0's BatchNorm statistics
         # at the start of every forward, as gtopk broadcasts them.
-        self.ddp = DistributedDataParallel(model)
+        kwargs = {}
+        if args.ddp_hook == "powersgd":
+            # One bucket: torch 1.13's powerSGD_hook issues its P and Q
+            # all-reduces from the futures' callbacks, and with two or more
+            # buckets gloo sees them in another order on each rank (gloo
+            # "op.preamble.length <= op.nbytes", or a hang). DDP's own knobs
+            # (bucket_cap_mb, and the first bucket's size, which torch says
+            # users may set) put every gradient in one bucket.
+            total_mb = sum(p.numel() * p.element_size()
+                           for p in model.parameters()) / 2 ** 20
+            kwargs["bucket_cap_mb"] = math.ceil(total_mb) + 1
+            dist._DEFAULT_FIRST_BUCKET_BYTES = int(
+                kwargs["bucket_cap_mb"] * 2 ** 20)
+        self.ddp = DistributedDataParallel(model, **kwargs)
+        self.hook = args.ddp_hook
+        self.rank_of_hook = args.powersgd_rank
+        if args.ddp_hook == "fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import \
+                default_hooks
+            self.ddp.register_comm_hook(None,
+                                        default_hooks.fp16_compress_hook)
+        elif args.ddp_hook == "powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import \
+                powerSGD_hook
+            # The settings torch's documentation recommends: error feedback
+            # and warm start on, plain all-reduce for the first iterations.
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=args.powersgd_rank,
+                start_powerSGD_iter=args.powersgd_start_iter,
+                use_error_feedback=True, warm_start=True,
+                random_seed=args.seed)
+            self.ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         self.opt = inner
 
     @property
@@ -538,6 +671,13 @@ class DdpBackend:
 
     def train_module(self):
         return self.ddp
+
+    def step_phases(self, compute, step):
+        """One step's split (seconds). DDP communicates during backward,
+        so compute is the local forward + backward measured alone before
+        training (compute_probe) and communication what the step took
+        beyond it (the hook's compression included), less the optimizer."""
+        return {"forward_backward": compute, "step": step}
 
     def step(self, clip, params):
         # DDP averaged the gradients during backward().
@@ -554,12 +694,37 @@ class DdpBackend:
             self.dist.broadcast(b.data, src=0)
 
     def summary_fields(self, n):
+        if self.hook == "fp16":
+            sent, what = 2 * n, "the fp16 gradient, 2 * n bytes"
+        elif self.hook == "powersgd":
+            sent, what = self.powersgd_bytes(), (
+                "PowerSGD's P and Q factors of every matrix (4 bytes * rank "
+                "* (rows + cols)) plus the vectors it all-reduces whole")
+        else:
+            sent, what = 4 * n, "the dense fp32 gradient, 4 * n bytes"
         return {"density": 1.0,
-                "sent_bytes_per_worker_per_step": 4 * n,
-                "sent_bytes_source": "estimate: the dense fp32 gradient, "
-                "4 * n bytes (gloo's ring all-reduce sends about "
-                "2 * (P - 1) / P of it, plus BatchNorm buffers from rank 0)",
+                "ddp_hook": self.hook,
+                "sent_bytes_per_worker_per_step": sent,
+                "sent_bytes_source": "estimate: %s (gloo's ring all-reduce "
+                "sends about 2 * (P - 1) / P of it, plus BatchNorm buffers "
+                "from rank 0)" % what,
                 "dense_bytes_per_worker_per_step": 4 * n}
+
+    def powersgd_bytes(self):
+        """PowerSGD's all-reduced bytes per step after its warm-up: each
+        >= 2-D gradient as a rows x cols matrix sends rank * (rows + cols)
+        floats (P, then Q); 1-D tensors (biases) go whole."""
+        import math as _m
+        rank = self.rank_of_hook
+        total = 0
+        for p in self.model.parameters():
+            if p.dim() > 1:
+                rows = p.shape[0]
+                cols = _m.prod(p.shape[1:])
+                total += 4 * min(rank, rows, cols) * (rows + cols)
+            else:
+                total += 4 * p.numel()
+        return total
 
     def close(self):
         if self.dist.is_initialized():
@@ -586,22 +751,46 @@ def run(args):
                           % (args.summary_json, tmp, e))
 
     # Model and data first, so local errors come before joining anything.
-    model = build_model(args.seed)
+    model = (build_mlp if args.model == "mlp" else build_model)(args.seed)
     train_x, train_y = load_split(args.data_dir, "train", args.train_limit)
     test_x, test_y = load_split(args.data_dir, "t10k", args.test_limit)
-    inner = torch.optim.AdamW(param_groups(model, args.weight_decay),
-                              lr=args.lr, betas=(0.9, 0.999), eps=1e-8)
+    groups = param_groups(model, args.weight_decay)
+    if args.optimizer == "sgd":
+        inner = torch.optim.SGD(groups, lr=args.lr, momentum=0.9)
+    else:
+        inner = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.999),
+                                  eps=1e-8)
+    # Local compute alone (forward and backward, no communication), before
+    # anything is joined: the reference the step split is measured against.
+    compute_probe = probe_compute(args, model, train_x, train_y, torch, F)
     backend = (GtopkBackend if args.backend == "gtopk" else DdpBackend)(
         args, model, inner)
     try:
         return train(args, backend, model, inner, train_x, train_y, test_x,
-                     test_y, np, torch, F)
+                     test_y, np, torch, F, compute_probe)
     finally:
         backend.close()
 
 
+def probe_compute(args, model, train_x, train_y, torch, F, steps=5):
+    """Median seconds of a local forward + backward of one batch (no
+    communication, gradients discarded): the compute part of a step."""
+    x = torch.from_numpy(normalise(train_x[:args.batch_size]))
+    y = torch.from_numpy(train_y[:args.batch_size])
+    times = []
+    autocast = not args.no_autocast
+    for _ in range(steps):
+        t0 = time.monotonic()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        times.append(time.monotonic() - t0)
+        model.zero_grad(set_to_none=True)
+    return sorted(times)[len(times) // 2]
+
+
 def train(args, backend, model, inner, train_x, train_y, test_x, test_y, np,
-          torch, F):
+          torch, F, compute_probe=None):
     rank, workers = backend.rank, backend.workers
     steps_per_epoch = len(train_y) // workers // args.batch_size
     if steps_per_epoch < 1:
@@ -631,7 +820,12 @@ def train(args, backend, model, inner, train_x, train_y, test_x, test_y, np,
                        args.weight_decay, args.warmup_steps, args.clip,
                        "bf16" if autocast else "off"))
 
+    eval_seconds = [0.0]  # time spent evaluating (not training)
+
     def evaluate(done):
+        t_eval = time.monotonic()
+        # The other ranks wait for this one meanwhile: use their cores.
+        torch.set_num_threads(max(args.threads, os.cpu_count() or 1))
         model.eval()
         correct, loss_sum, total = 0, 0.0, len(test_labels)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16,
@@ -642,17 +836,32 @@ def train(args, backend, model, inner, train_x, train_y, test_x, test_y, np,
                 loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
                 correct += int(logits.argmax(1).eq(y).sum().item())
         model.train()
+        torch.set_num_threads(args.threads)
         acc = correct / total if total else 0.0
+        test_loss = loss_sum / total if total else 0.0
+        train_seconds = t_eval - t_start - eval_seconds[0]
+        eval_seconds[0] += time.monotonic() - t_eval
         if rank == 0:
-            print_line("eval step %d test_accuracy %.4f test_loss %.4f" % (
-                done, acc, loss_sum / total if total else 0.0))
-        return acc
+            print_line("eval step %d test_accuracy %.4f test_loss %.4f "
+                       "train_seconds %.1f" % (done, acc, test_loss,
+                                               train_seconds))
+            if args.eval_log:
+                with open(args.eval_log, "a") as f:
+                    f.write(json.dumps({
+                        "step": done, "epoch": done / steps_per_epoch,
+                        "train_seconds": json_number(train_seconds),
+                        "test_accuracy": json_number(acc),
+                        "test_loss": json_number(test_loss)}) + "\n")
+        return acc, train_seconds
 
     per_rank = steps_per_epoch * args.batch_size
     perm, perm_epoch = None, -1
-    step_seconds, losses = [], []
+    step_seconds, losses, phases = [], [], []
     t_start = time.monotonic()
     model.train()
+    if args.eval_every > 0:
+        evaluate(0)
+    capped = False
     for step in range(total_steps):
         t0 = time.monotonic()
         epoch = step // steps_per_epoch
@@ -669,6 +878,7 @@ def train(args, backend, model, inner, train_x, train_y, test_x, test_y, np,
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = F.cross_entropy(net(x), y)
         loss.backward()
+        t_backward = time.monotonic()
         loss_value = loss.item()
         if not math.isfinite(loss_value):
             raise Failure("loss is %s at step %d (diverged; lower --lr)"
@@ -678,29 +888,43 @@ def train(args, backend, model, inner, train_x, train_y, test_x, test_y, np,
         seconds = time.monotonic() - t0
         step_seconds.append(seconds)
         losses.append(loss_value)
+        phases.append(backend.step_phases(t_backward - t0, seconds))
         done = step + 1
         if rank == 0:
             print_line("step %d/%d epoch %d loss %.4f lr %.3g step_ms %.1f"
                        % (done, total_steps, epoch + 1, loss_value,
                           lr, seconds * 1e3))
-        if args.eval_every_epoch and done % steps_per_epoch == 0 and \
-                done < total_steps:
-            evaluate(done)
-    backend.finish()
+        if done < total_steps and (
+                (args.eval_every_epoch and done % steps_per_epoch == 0) or
+                (args.eval_every > 0 and done % args.eval_every == 0)):
+            _, trained = evaluate(done)
+            if args.time_cap > 0 and trained >= args.time_cap:
+                capped = True
+                break
+    steps_done = len(step_seconds)
+    if capped:
+        # Stopped at the evaluation just made; the other ranks are stopped
+        # by the launcher (nothing collective after this).
+        accuracy, train_seconds = _, trained
+    else:
+        backend.finish()
     wall_seconds = time.monotonic() - t_start
-    accuracy = evaluate(total_steps)
+    if not capped:
+        accuracy, train_seconds = evaluate(steps_done)
 
     float_buffers = [b for b in model.buffers() if b.is_floating_point()]
     params_checksum = checksum(params)
     buffers_checksum = checksum(float_buffers)
+    split = step_split(phases, step_seconds, compute_probe)
     last = losses[-20:]
     final_loss = sum(last) / len(last) if last else float("nan")
     p50 = sorted(step_seconds)[len(step_seconds) // 2] if step_seconds \
         else float("nan")
     if rank == 0:
         print_line("done steps %d test_accuracy %.4f final_loss %.4f "
-                   "wall_seconds %.1f" % (total_steps, accuracy, final_loss,
-                                          wall_seconds))
+                   "wall_seconds %.1f%s" % (steps_done, accuracy, final_loss,
+                                            wall_seconds,
+                                            " (time cap)" if capped else ""))
     if args.checkpoint_dir:
         os.makedirs(args.checkpoint_dir, exist_ok=True)
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
@@ -712,9 +936,18 @@ def train(args, backend, model, inner, train_x, train_y, test_x, test_y, np,
             "rank": rank,
             "workers": workers,
             "n": n,
-            "steps": total_steps,
+            "steps": steps_done,
+            "planned_steps": total_steps,
+            "capped": capped,
+            "time_cap": args.time_cap,
+            "train_seconds": json_number(train_seconds),
+            "eval_seconds": json_number(eval_seconds[0]),
+            "model": args.model,
+            "optimizer": args.optimizer,
             "steps_per_epoch": steps_per_epoch,
-            "epochs": json_number(total_steps / steps_per_epoch),
+            "epochs": json_number(steps_done / steps_per_epoch),
+            "compute_probe_seconds": json_number(compute_probe),
+            "step_split_p50": split,
             "batch_size": args.batch_size,
             "lr": args.lr,
             "weight_decay": args.weight_decay,
