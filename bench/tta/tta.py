@@ -95,14 +95,16 @@ def parse_args(argv):
     p.add_argument("--batch-size", type=int, default=32,
                    help="per worker")
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--warmup-steps", type=int, default=50)
-    p.add_argument("--eval-every", type=int, default=47,
-                   help="steps between evaluations (47: ten per epoch of "
-                   "the whole training set at P = 4, batch 32)")
-    p.add_argument("--time-cap", type=float, default=480,
+    p.add_argument("--warmup-steps", type=int, default=25)
+    p.add_argument("--eval-every", type=int, default=23,
+                   help="steps between evaluations (23: ten per epoch of "
+                   "30,000 samples at P = 4, batch 32)")
+    p.add_argument("--time-cap", type=float, default=300,
                    help="seconds of training after which a run stops at "
                    "its next evaluation")
-    p.add_argument("--train-limit", type=int, default=0)
+    p.add_argument("--train-limit", type=int, default=30000,
+                   help="the first N training samples (the whole benchmark "
+                   "then fits in 90 minutes here; 0: all 60,000)")
     p.add_argument("--test-limit", type=int, default=0)
     p.add_argument("--powersgd-start-iter", type=int, default=10)
     p.add_argument("--target-margin", type=float, default=0.005,
@@ -128,7 +130,7 @@ def parse_args(argv):
         a.rates = "100mbit"
         if a.methods == ",".join(METHODS):
             a.methods = ",".join(QUICK_METHODS)
-        a.train_limit = a.train_limit or 4096
+        a.train_limit = 4096
         a.test_limit = a.test_limit or 1000
         a.eval_every = 8
         a.time_cap = min(a.time_cap, 120)
