@@ -822,10 +822,16 @@ def train(args, backend, model, inner, train_x, train_y, test_x, test_y, np,
 
     eval_seconds = [0.0]  # time spent evaluating (not training)
 
-    def evaluate(done):
+    def evaluate(done, every_rank=True):
+        """Test accuracy and loss after `done` steps. The evaluations of
+        --eval-every run on rank 0 only (every_rank=False: the others wait
+        for it in their next step, so it may use their cores); the final
+        one on every rank (each reports it)."""
         t_eval = time.monotonic()
-        # The other ranks wait for this one meanwhile: use their cores.
-        torch.set_num_threads(max(args.threads, os.cpu_count() or 1))
+        if not every_rank:
+            if rank != 0:
+                return None, None
+            torch.set_num_threads(max(args.threads, os.cpu_count() or 1))
         model.eval()
         correct, loss_sum, total = 0, 0.0, len(test_labels)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16,
@@ -860,7 +866,7 @@ def train(args, backend, model, inner, train_x, train_y, test_x, test_y, np,
     t_start = time.monotonic()
     model.train()
     if args.eval_every > 0:
-        evaluate(0)
+        evaluate(0, every_rank=False)
     capped = False
     for step in range(total_steps):
         t0 = time.monotonic()
@@ -897,8 +903,11 @@ def train(args, backend, model, inner, train_x, train_y, test_x, test_y, np,
         if done < total_steps and (
                 (args.eval_every_epoch and done % steps_per_epoch == 0) or
                 (args.eval_every > 0 and done % args.eval_every == 0)):
-            _, trained = evaluate(done)
-            if args.time_cap > 0 and trained >= args.time_cap:
+            _, trained = evaluate(done, every_rank=False)
+            # Rank 0 decides (the others stop when it does: the launcher
+            # ends them).
+            if rank == 0 and args.time_cap > 0 and \
+                    trained >= args.time_cap:
                 capped = True
                 break
     steps_done = len(step_seconds)
