@@ -64,11 +64,15 @@ BUILD_TYPE ?= Release
 JOBS       ?= $(shell nproc)
 CMAKE_ARGS ?=
 
-# Debian 12 packages the build and tests need.
+# Debian 12 packages the build and tests need. libopenblas0-pthread: Debian's
+# torch (Python and libtorch) calls libblas.so.3, which is the reference BLAS
+# unless an optimised one is installed -- matrix products about 20x slower
+# (7 against 142 GFLOP/s here), so CPU training would be compute-bound and
+# the time-to-accuracy benchmark (bench/tta) could not evaluate in time.
 DEB_PACKAGES := build-essential cmake ninja-build pkg-config libboost-context-dev \
 	libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev zlib1g-dev \
 	libgrpc++-dev libssl-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc \
-	libtorch-dev dataset-fashion-mnist python3 \
+	libtorch-dev libopenblas0-pthread dataset-fashion-mnist python3 \
 	prometheus-cpp-dev prometheus \
 	python3-torch python3-numpy python3-dev pybind11-dev python3-pybind11 \
 	gnuplot-nox iproute2 \

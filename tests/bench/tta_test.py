@@ -1,6 +1,6 @@
 #!/usr/bin/python3
 """Tests of the time-to-accuracy harness, bench/tta/tta.py --quick (issue
-43): real network namespaces, a 100 Mbit/s tc limit, torch DDP (fp32 and
+43): real network namespaces, a 1 Gbit/s tc limit, torch DDP (fp32 and
 PowerSGD rank 1) and gtopk (servers --apply=workers, Python workers) on the
 wide MLP, a few dozen steps. Checks the harness, not the speed:
 
@@ -114,7 +114,7 @@ class TtaTest(unittest.TestCase):
         self.assertLess(runs["gtopk_d0.01"]["sent_bytes_per_worker_per_step"],
                         0.05 * 4 * n)
         self.assertTrue(os.path.getsize(os.path.join(self.tmp,
-                                                     "tta_100mbit.png")) > 0)
+                                                     "tta_1gbit.png")) > 0)
 
 
 if __name__ == "__main__":
