@@ -1349,9 +1349,11 @@ class Launcher:
                 png, runs, "%s: P = %d, model %s" % (
                     summary["name"], summary["workers"], summary["model"]))
             summary["training_png"] = png
+            summary["training_png_runs"] = [r["name"] for r in runs]
         except (training_plot.PlotError, OSError) as e:
             log("training plot not drawn: %s" % e)
             summary["training_png"] = None
+            summary["training_png_runs"] = []
         return self.write_summary(summary)
 
     def print_summary(self, s, path):

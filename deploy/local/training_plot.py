@@ -135,7 +135,8 @@ def training_plot(path, runs, title):
         bar_file = os.path.join(tmp, "bars.dat")
         with open(bar_file, "w") as f:
             for i, (name, b) in enumerate(bars):
-                f.write("%d \"%s\" %g\n" % (i, name, (b or 0) / 1e6))
+                f.write("%d \"%s\" %g \"%s\"\n" % (
+                    i, name, max(b or 0, 1), human_bytes(b)))
         script = ['set terminal pngcairo size 1500,500 font "sans,10" noenhanced',
                   "set output '%s'" % _quote(path),
                   "set multiplot layout 1,3 title '%s'" % _quote(title),
@@ -160,11 +161,14 @@ def training_plot(path, runs, title):
             script.append("plot " + (", ".join(plots) if plots else
                                      "NaN notitle"))
         script += ["unset y2label", "unset y2tics", "set ytics mirror",
-                   "set xlabel ''", "set ylabel 'MB per worker per step'",
+                   "set xlabel ''",
+                   "set ylabel 'bytes sent per worker per step (log)'",
+                   "set logscale y", "set format y '%.0s%c'",
                    "set style fill solid 0.6", "set boxwidth 0.5",
-                   "set yrange [0:*]", "set xrange [-0.7:%g]" % (
+                   "set yrange [1:*]", "set xrange [-0.7:%g]" % (
                        len(bars) - 0.3),
-                   "plot '%s' using 1:3:xtic(2) with boxes notitle" %
+                   "plot '%s' using 1:3:xtic(2) with boxes notitle, "
+                   "'' using 1:3:4 with labels offset 0,1 notitle" %
                    _quote(bar_file),
                    "unset multiplot"]
         _run_gnuplot(script)

@@ -287,7 +287,18 @@ class TrainingTest(LauncherCase):
             s = self.load(mode, "summary.json")
             self.assertTrue(s["replica_checksums_match"], s)
             checksums[mode] = s["param_checksums"][0]
+            # runs/NAME/training.png (issue 43): the dense run is drawn
+            # beside the gtopk one that exists by then, sparse first.
+            with open(s["training_png"], "rb") as f:
+                self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+            self.assertEqual(s["training_png"], os.path.join(
+                self.run_dir(mode), "training.png"))
+            self.assertIn("training plot   " + s["training_png"], out)
         self.assertEqual(checksums["gtopk"], checksums["dense"])
+        self.assertEqual(self.load("gtopk", "summary.json")[
+            "training_png_runs"], ["gtopk (gtopk)"])
+        self.assertEqual(self.load("dense", "summary.json")[
+            "training_png_runs"], ["gtopk (gtopk)", "dense (dense)"])
 
     def test_synthetic_epochs_follow_the_servers_warmup(self):
         # synthetic:N has no data epoch: the worker takes the servers'
