@@ -58,10 +58,17 @@ def accuracy_plot(path, series, target, title):
                     if acc is not None and seconds is not None:
                         f.write("%g %g %g\n" % (seconds, step, acc))
             files.append((s["name"], data))
+        # From a little below the lowest accuracy after the first
+        # evaluation (the start, near chance, would flatten the rest).
+        later = [acc for s in series for _sec, step, acc in s["points"]
+                 if acc is not None and step > 0]
+        bottom = max(0.0, int((min(later) - 0.05) * 20) / 20) if later \
+            else 0.0
         script = ['set terminal pngcairo size 1300,540 font "sans,10" noenhanced',
                   "set output '%s'" % _quote(path),
                   "set multiplot layout 1,2 title '%s'" % _quote(title),
                   "set grid", "set key bottom right",
+                  "set yrange [%g:*]" % bottom,
                   "set ylabel 'test accuracy'"]
         if target is not None:
             script.append("set arrow 1 from graph 0, first %g to graph 1, "
