@@ -64,15 +64,11 @@ BUILD_TYPE ?= Release
 JOBS       ?= $(shell nproc)
 CMAKE_ARGS ?=
 
-# Debian 12 packages the build and tests need. libopenblas0-pthread: Debian's
-# torch (Python and libtorch) calls libblas.so.3, which is the reference BLAS
-# unless an optimised one is installed -- matrix products about 20x slower
-# (7 against 142 GFLOP/s here), so CPU training would be compute-bound and
-# the time-to-accuracy benchmark (bench/tta) could not evaluate in time.
+# Debian 12 packages the build and tests need.
 DEB_PACKAGES := build-essential cmake ninja-build pkg-config libboost-context-dev \
 	libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev zlib1g-dev \
 	libgrpc++-dev libssl-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc \
-	libtorch-dev libopenblas0-pthread dataset-fashion-mnist python3 \
+	libtorch-dev dataset-fashion-mnist python3 \
 	prometheus-cpp-dev prometheus \
 	python3-torch python3-numpy python3-dev pybind11-dev python3-pybind11 \
 	gnuplot-nox iproute2 \
@@ -193,6 +189,11 @@ bench-lowbw-grid:
 
 # Time to accuracy on slow links (bench/tta/tta.py, issue 43): root, deps,
 # build and the Python package first. TTA_ARGS=--quick for the short form.
+# It preloads OpenBLAS (Debian's libopenblas0-pthread, installed here if
+# missing) into its Python workers only; the system's libblas.so.3 choice is
+# left as it was (OpenBLAS as the system BLAS breaks gtopk-worker's metrics
+# endpoint, bench/tta/README.md).
+TTA_OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 bench-tta:
 	@if [ "$$(id -u)" != 0 ]; then \
 	  echo "bench-tta: needs root (it creates network namespaces and tc qdiscs): sudo make bench-tta"; \
@@ -200,6 +201,12 @@ bench-tta:
 	@$(MAKE) --no-print-directory deps
 	@$(MAKE) --no-print-directory build
 	@$(MAKE) --no-print-directory python
+	@if [ ! -e $(TTA_OPENBLAS) ]; then \
+	  blas=$$(update-alternatives --query libblas.so.3-x86_64-linux-gnu | sed -n 's/^Value: //p'); \
+	  lapack=$$(update-alternatives --query liblapack.so.3-x86_64-linux-gnu | sed -n 's/^Value: //p'); \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libopenblas0-pthread && \
+	  update-alternatives --set libblas.so.3-x86_64-linux-gnu $$blas && \
+	  update-alternatives --set liblapack.so.3-x86_64-linux-gnu $$lapack; fi
 	/usr/bin/python3 bench/tta/tta.py --build-dir $(BUILD_DIR) $(TTA_ARGS)
 
 # Stdlib only (numpy not needed); gnuplot for the plots, as bench-lowbw.

@@ -168,12 +168,19 @@ def preflight(a):
         if not os.path.isdir(os.path.join(a.build_dir, "python", "gtopk")):
             return "the gtopk Python package is not built in %s/python " \
                    "(make python)" % a.build_dir
+    if not os.path.exists(OPENBLAS):
+        return ("%s missing: apt-get install libopenblas0-pthread (sudo "
+                "make bench-tta does, keeping the system's BLAS choice)"
+                % OPENBLAS)
     r = subprocess.run([a.python, "-c", "import torch, numpy"],
                        stderr=subprocess.PIPE, text=True)
     if r.returncode != 0:
         return "%s cannot import torch/numpy (python3-torch): %s" % (
             a.python, r.stderr.strip().splitlines()[-1:])
     return None
+
+
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 
 
 def blas():
@@ -295,7 +302,11 @@ class Bench:
         if m["backend"] == "gtopk":
             self.start_servers(method, tag)
         tx_before = [tx_bytes(t.ns("w%d" % w)) for w in range(a.workers)]
+        # OpenBLAS for torch's matrix products in these processes only
+        # (Debian's torch calls libblas.so.3: the reference BLAS, 20x
+        # slower, unless the system chooses another).
         env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+                   LD_PRELOAD=OPENBLAS,
                    PYTHONPATH=os.path.join(a.build_dir, "python"),
                    GLOO_SOCKET_IFNAME="eth0",
                    MASTER_ADDR=t.ip("w0"), MASTER_PORT=str(DDP_PORT),
@@ -525,7 +536,8 @@ def main(argv):
         "command": command.strip(),
         "commit": lowbw.git_commit(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "machine": dict(lowbw.machine_facts(), blas=blas()),
+        "machine": dict(lowbw.machine_facts(), blas=blas(),
+                        workers_blas=OPENBLAS + " (LD_PRELOAD)"),
         "load_at_end": lowbw.load_now(),
         "config": {k: getattr(a, k) for k in (
             "rates", "methods", "workers", "shards", "epochs", "batch_size",
