@@ -205,7 +205,7 @@ AggregatorService::AggregatorService(ServerConfig config)
           CreateLimitedChannel(config_.peers[s], config_.max_message_bytes,
                                config_.security));
     }
-    gone_watch_ = std::thread([this] { WatchGoneWorkers(); });
+    watch_thread_ = std::thread([this] { WatchGoneWorkers(); });
   } else {
     leader_channel_ =
         CreateLimitedChannel(config_.peers[0], config_.max_message_bytes,
@@ -219,17 +219,17 @@ AggregatorService::AggregatorService(ServerConfig config)
     grpc_commit_ = commit.get();
     exchange_ = std::move(exchange);
     commit_ = std::move(commit);
-    gone_watch_ = std::thread([this] { WatchLeaderSettings(); });
+    watch_thread_ = std::thread([this] { WatchLeaderSettings(); });
   }
 }
 
 AggregatorService::~AggregatorService() {
-  if (gone_watch_.joinable()) {
+  if (watch_thread_.joinable()) {
     {
       absl::MutexLock lock(&mu_);
       watch_stop_ = true;
     }
-    gone_watch_.join();
+    watch_thread_.join();
   }
 }
 

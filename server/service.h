@@ -553,7 +553,8 @@ class AggregatorService final : public v1::Aggregator::Service {
   std::vector<absl::Time> gone_since_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<int64_t, uint64_t>> gone_failed_ ABSL_GUARDED_BY(mu_);
   bool watch_stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread gone_watch_;
+  // The leader's WatchGoneWorkers, or a non-leader's WatchLeaderSettings.
+  std::thread watch_thread_;
   void WatchGoneWorkers();
   // Non-leaders, from the start: compares this shard's settings with the
   // leader's (GetClusterSpec settings_only) every second until the leader

@@ -714,13 +714,12 @@ class DdpBackend:
         """PowerSGD's all-reduced bytes per step after its warm-up: each
         >= 2-D gradient as a rows x cols matrix sends rank * (rows + cols)
         floats (P, then Q); 1-D tensors (biases) go whole."""
-        import math as _m
         rank = self.rank_of_hook
         total = 0
         for p in self.model.parameters():
             if p.dim() > 1:
                 rows = p.shape[0]
-                cols = _m.prod(p.shape[1:])
+                cols = math.prod(p.shape[1:])
                 total += 4 * min(rank, rows, cols) * (rows + cols)
             else:
                 total += 4 * p.numel()
