@@ -245,11 +245,14 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* context,
   if (requested >= 0) {
     // The requested rank's streams get a short grace to end (a worker
     // that closed them a moment ago and joins again, whose cancellation
-    // this server has not seen yet), within the call's deadline; a live
-    // worker's stay open, and the rank is refused below.
+    // this server has not finished yet), within the call's deadline; a
+    // live worker's stay open, and the rank is refused below. Ended means
+    // unregistered, not only cancelled: a stream's end decides whether
+    // the rank stays reserved for its holder (PushPull's Disconnect), and
+    // a cancelled stream still in its round has not decided yet.
     const uint32_t r = static_cast<uint32_t>(requested);
     auto released = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return shutting_down_ || draining_ || !rank_live(r);
+      return shutting_down_ || draining_ || live_streams_[r].empty();
     };
     AwaitPolled(mu_, absl::Condition(&released),
                 std::min(absl::Now() + kRankReleaseGrace,
@@ -294,6 +297,16 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* context,
   uint32_t rank = 0;
   if (requested >= 0) {
     rank = static_cast<uint32_t>(requested);
+    if (!rank_live(rank) && !live_streams_[rank].empty()) {
+      // Cancelled but still finishing its round (a worker that cut a
+      // failed step short, or one that died mid-step): whether the rank
+      // stays its holder's is decided when the stream ends.
+      return ToGrpcStatus(absl::UnavailableError(absl::StrCat(
+          "rank ", rank, "'s step stream on leader shard ", config_.shard_id,
+          " was cancelled in the middle of a step and is still ending; "
+          "its holder keeps the rank if it recovers; retry in a few "
+          "seconds")));
+    }
     if (!rank_live(rank) && absl::Now() < rank_reserved_until_[rank]) {
       // The rank's holder is alive and recovering (its step failed, or
       // the leader restarted and its member file names the holder): only

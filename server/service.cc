@@ -1171,19 +1171,29 @@ grpc::Status AggregatorService::PushPull(
     grpc::ServerContext* context;
     int64_t worker = -1;  // registered in live_streams_
     bool idle = false;    // counted in idle_streams_ (no push yet)
+    // A push of this stream is in a round whose pull it has not had yet.
+    bool in_round = false;
     ~Disconnect() {
       if (worker >= 0) {
         absl::MutexLock lock(&self->mu_);
         auto& live = self->live_streams_[worker];
         live.erase(std::find(live.begin(), live.end(), context));
         if (idle) --self->idle_streams_;
-        // Cancelled, not closed: the worker died or lost its connection.
-        if (self->is_leader() && live.empty() && context->IsCancelled()) {
+        const bool cancelled = context->IsCancelled();
+        // Cancelled, not closed: the worker died or lost its connection,
+        // or it cut a failed step short (another shard failed first).
+        if (self->is_leader() && live.empty() && cancelled) {
           self->gone_since_[worker] = absl::Now();
-        } else if (self->is_leader() && live.empty()) {
-          // Ended by this server (a failed round, a refused push): the
-          // worker is alive and about to Recover; nobody else may take its
-          // rank meanwhile.
+        }
+        if (self->is_leader() && live.empty() && (!cancelled || in_round)) {
+          // Ended by this server (a failed round, a refused push), or
+          // cancelled in the middle of a step (the worker cuts its leader
+          // stream short when another shard failed): the worker is alive
+          // and about to Recover; nobody else may take its rank meanwhile.
+          // A worker that died mid-step costs its restart this much: its
+          // Join is UNAVAILABLE until then, and Connect retries it. A
+          // stream cancelled between steps (the worker ended, or died
+          // idle) reserves nothing.
           self->rank_reserved_until_[worker] =
               std::max(self->rank_reserved_until_[worker],
                        absl::Now() + internal::kRankRecoverHold);
@@ -1300,6 +1310,7 @@ grpc::Status AggregatorService::PushPull(
       aggregator->RejectPush(push.step(), push.worker(), decoded.status());
       return ToGrpcStatus(decoded.status());
     }
+    disconnect.in_round = true;
     absl::StatusOr<std::shared_ptr<const RoundResult>> result =
         aggregator->Submit(*std::move(decoded),
                            absl::Now() + config_.step_timeout);
@@ -1354,6 +1365,7 @@ grpc::Status AggregatorService::PushPull(
           absl::StrCat("worker ", push.worker(),
                        " went away before its pull of step ", r.step));
     }
+    disconnect.in_round = false;
     metrics_->sent_pull_bytes().Increment(static_cast<double>(bytes));
   }
   // Read() is false at the client's end of the stream, and for a push that

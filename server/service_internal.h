@@ -37,12 +37,16 @@ inline constexpr absl::Duration kRankReleaseGrace = absl::Seconds(2);
 // step timeout (issue 42).
 inline constexpr absl::Duration kWorkerGoneGrace = absl::Seconds(1);
 
-// How long a rank whose step stream this leader ended with an error (a
-// failed round: the worker is alive and recovers) stays reserved for its
-// holder: the worker's Recover follows after its backoff (at most 1.6 s)
-// and extends the reservation to RankReclaimWindow. Without it, a Join of
-// the rank in that gap took a live worker's rank (issue 42's break-it run:
-// a shard restart with the any-rank certificate).
+// How long a rank whose step stream ended in the middle of a step stays
+// reserved for its holder: this leader ended it with an error (a failed
+// round), or the worker cancelled it while its push was in a round (it cut
+// the step short when another shard failed). The worker is alive and
+// recovers: its Recover follows after its backoff (at most 1.6 s) and
+// extends the reservation to RankReclaimWindow. Without it, a Join of the
+// rank in that gap took a live worker's rank (issue 42's break-it run: a
+// shard restart with the any-rank certificate). A worker whose leader part
+// of a failed step succeeded keeps its leader stream open until its
+// Recover (WorkerClient), so its rank stays live throughout.
 inline constexpr absl::Duration kRankRecoverHold = absl::Seconds(5);
 
 // After a leader restart, how long a rank whose holder the leader's member

@@ -335,7 +335,13 @@ absl::Status WorkerClient::ExplainFingerprintRefusal(
 
 void WorkerClient::CloseStreams(bool keep_leader) {
   for (auto& c : shards_) {
-    if (keep_leader && c.get() == shards_.front().get()) continue;
+    // A leader stream that still works stays open (the rank stays alive
+    // on the leader until this worker's Recover has reached it); a broken
+    // one is finished already and is dropped below.
+    if (keep_leader && c.get() == shards_.front().get() &&
+        c->stream != nullptr && !c->broken) {
+      continue;
+    }
     if (c->stream != nullptr && !c->broken) {  // broken: already finished
       c->context->TryCancel();
       c->stream->Finish().IgnoreError();

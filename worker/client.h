@@ -519,7 +519,7 @@ class WorkerClient {
                                               std::string* state = nullptr);
 
   // Cancels and finishes every open step stream (keep_leader: all but
-  // shard 0's).
+  // shard 0's while that one still works; a broken one is dropped).
   void CloseStreams(bool keep_leader = false);
   // Opens a fresh stream context on `c` (registered with
   // options_.cancellation), and drops one.

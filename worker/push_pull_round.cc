@@ -152,7 +152,12 @@ absl::Status WorkerClient::PushPullRound(int64_t step,
 
   const absl::Status status = RoundStatus(step, round);
   if (status.ok()) return status;
-  CloseStreams();
+  // The leader's stream stays open when its part of the step succeeded:
+  // cancelled now, the rank would have no stream on the leader until the
+  // Recover that follows the backoff, and a Join could take it (issue 42).
+  // A step retried without a Recover reuses it (a repeated push is a
+  // retry).
+  CloseStreams(/*keep_leader=*/true);
   return ExplainFingerprintRefusal(status);
 }
 
