@@ -83,7 +83,7 @@ DEB_PACKAGES := build-essential cmake ninja-build pkg-config libboost-context-de
 DEB_COMMANDS := npm:npm
 
 # `make demo` defaults: P workers, S shards, about 5 minutes on 2 cores
-# (measured: README, "make demo"). DGC's own warm-up ("dgc": four epochs)
+# (measured: docs/demo.md). DGC's own warm-up ("dgc": four epochs)
 # is too long for a 6-epoch run; one epoch at density 0.01 is used instead.
 WORKERS        ?= 4
 SHARDS         ?= 2
@@ -141,8 +141,8 @@ test: deps
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS) --timeout 600
 
-# The Python package for Debian's /usr/bin/python3 (README, "Python and
-# PyTorch"): the extension gtopk._gtopk and the modules of python/gtopk.
+# The Python package for Debian's /usr/bin/python3 (docs/python.md,
+# "Building and installing"): the extension gtopk._gtopk and the modules of python/gtopk.
 python: deps
 	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DGTOPK_PYTHON=ON $(CMAKE_ARGS)
 	cmake --build $(BUILD_DIR) -j $(JOBS) --target gtopk_python
@@ -152,7 +152,7 @@ python: deps
 python-install: python
 	cmake --install $(BUILD_DIR) --component python
 
-# The wheel (README, "Python and PyTorch"): python/setup.py builds the
+# The wheel (docs/python.md, "Building and installing"): python/setup.py builds the
 # target gtopk_python in BUILD_DIR (configured by `make python` first) and
 # packs it with python/gtopk/*.py, offline (Debian's setuptools and wheel).
 wheel: python
