@@ -1,6 +1,6 @@
 # `pip install .` from the repository root: the same build as
-# `pip install ./python` (python/setup.py, python/pyproject.toml; README,
-# "Python and PyTorch").
+# `pip install ./python` (python/setup.py, python/pyproject.toml;
+# docs/python.md).
 import os
 import runpy
 

@@ -48,8 +48,8 @@ struct OptimizerOptions {
 // INVALID_ARGUMENT naming the first bad field, or OK.
 absl::Status ValidateOptimizerOptions(const OptimizerOptions& options);
 
-// The per-step arithmetic of gTop-k S-SGD with error feedback (DESIGN.md,
-// "One step"). Immutable after Create: safe to share across threads; the
+// The per-step arithmetic of gTop-k S-SGD with error feedback
+// (docs/design.md). Immutable after Create: safe to share across threads; the
 // spans passed in are caller-owned and must not be shared during a call.
 class OptimizerRule {
  public:

@@ -11,7 +11,7 @@
 // fails under its usual contract (a step applies nothing), and no thread or
 // stream is left behind. Errors become gtopk.errors.Error subclasses
 // (python/gtopk/errors.py), keeping the absl::Status code and message.
-// API: python/gtopk/__init__.py and README ("Python and PyTorch").
+// API: python/gtopk/__init__.py and docs/python.md.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

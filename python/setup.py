@@ -1,6 +1,6 @@
 """Build the gtopk wheel: the extension gtopk._gtopk through the repository's
-CMake build, the pure modules from python/gtopk/ (README, "Python and
-PyTorch"). No package index needed:
+CMake build, the pure modules from python/gtopk/ (docs/python.md). No
+package index needed:
 
     /usr/bin/python3 -m pip wheel --no-build-isolation --no-deps -w dist ./python
     /usr/bin/python3 -m pip install --no-build-isolation ./python   # + PEP 668 option

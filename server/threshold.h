@@ -1,6 +1,6 @@
 // Exact global top-k selection across shards by a distributed radix select.
 //
-// In gtopk mode with exact selection (DESIGN.md, "One step"), each of the S
+// In gtopk mode with exact selection (docs/design.md), each of the S
 // shards owns a contiguous index range [begin_s, end_s) (the ranges tile
 // [0, n) in shard order) and holds its sparse sum A_s. The cluster must keep
 // exactly what one process would keep from the union of the A_s: the top-k by

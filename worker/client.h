@@ -1,6 +1,6 @@
 // The worker client library: joins a gTop-k cluster, keeps the worker's error
 // feedback and momentum state, and runs one synchronous step per call against
-// the S aggregator shards (DESIGN.md, "One step"; Shi et al., "A Distributed
+// the S aggregator shards (docs/design.md; Shi et al., "A Distributed
 // Synchronous SGD Algorithm with Global Top-k Sparsification for Low
 // Bandwidth Networks", ICDCS 2019, arXiv:1901.04359; momentum correction and
 // masking from Lin et al., "Deep Gradient Compression", arXiv:1712.01887).
@@ -233,7 +233,7 @@ class WorkerClient {
   // overwritten: call again.
   absl::StatusOr<int64_t> SynchronizeParameters(absl::Span<float> params);
 
-  // One synchronous step (DESIGN.md "One step") at next_step():
+  // One synchronous step (docs/design.md) at next_step():
   //   gradient  length n, finite; the local gradient (not scaled by lr).
   //   params    length n; this replica's parameters, updated in place with
   //             exactly the update every other replica and the servers apply.

@@ -5,7 +5,7 @@ Predicts, per synchronous step, the communication time of five ways to
 exchange a gradient of n floats among P workers, each on its own link of
 bandwidth B bytes/s per direction and latency alpha:
 
-  gtopk_ps    ours: gTop-k through S shards (DESIGN.md "One step"): each
+  gtopk_ps    ours: gTop-k through S shards (docs/design.md): each
               worker pushes k/S pairs to each shard, a shard sums the P
               pushes, agrees a global threshold with the leader (S > 1),
               keeps the global top-k of its range and every worker pulls it.

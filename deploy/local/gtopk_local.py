@@ -335,7 +335,7 @@ class ProgressPrinter:
 
 
 # deploy/cluster.env variable -> (launcher option dest, type). The same file
-# configures deploy/docker-compose.yml and deploy/k8s (README, "Deploying").
+# configures deploy/docker-compose.yml and deploy/k8s (docs/deployment.md).
 # GTOPK_STEPS_PER_EPOCH is checked, not taken: the launcher derives
 # steps_per_epoch from the data, the worker count and the batch size.
 CLUSTER_ENV_KEYS = {

@@ -790,7 +790,7 @@ class DistributedOptimizer(_ClusterMember, torch.optim.Optimizer):
                                     what))
 
     def step(self, closure=None, *, loss=None):
-        """One gTop-k step (DESIGN.md "One step"): gathers the gradients,
+        """One gTop-k step (docs/design.md): gathers the gradients,
         sends this worker's local top-k, and applies the global update to the
         parameters in place (the same update on every replica and shard).
 

@@ -1901,8 +1901,8 @@ class DockerfileTest(unittest.TestCase):
             self.assertIn(d, base)
 
     def test_python_package_is_the_wheel(self):
-        """The build stage makes the wheel as Python users do (README,
-        "Python and PyTorch"): `pip wheel --no-build-isolation` of python/
+        """The build stage makes the wheel as Python users do (docs/python.md):
+        `pip wheel --no-build-isolation` of python/
         with Debian's setuptools/wheel, reusing the stage's CMake build
         (GTOPK_BUILD_DIR=/build, where gtopk_python was built); the
         python-worker stage copies the wheel folder and pip-installs it
