@@ -151,14 +151,13 @@ absl::Status CheckFlagSyntax(const std::vector<std::string>& args) {
       if (!has_value) continue;  // --name or --noname
     } else if (negative) {
       problems.push_back(
-          {i, absl::StrCat("unknown flag --no", dashed.substr(2), ": ",
-                           dashed, " is not a boolean flag (", dashed,
-                           "=<value>)")});
+          {i, absl::StrCat("unknown flag --no", dashed.substr(2), ": ", dashed,
+                           " is not a boolean flag (", dashed, "=<value>)")});
       continue;
     } else if (!has_value) {
       if (i + 1 >= args.size()) {
-        problems.push_back({i, absl::StrCat(dashed, " needs a value (",
-                                            dashed, "=<value>)")});
+        problems.push_back(
+            {i, absl::StrCat(dashed, " needs a value (", dashed, "=<value>)")});
         continue;
       }
       value = args[++i];  // "--name value"

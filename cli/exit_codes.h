@@ -15,7 +15,8 @@ inline constexpr int kExitOk = 0;
 // made), a training run that failed (the cluster unreachable or refusing the
 // join, a failed step, a configuration mismatch with the servers, diverged
 // replicas). Also what Abseil's --help and --helpfull end with, and what
-// its parser exits with for a syntax error in a --flagfile (cli/command_line.h).
+// its parser exits with for a syntax error in a --flagfile
+// (cli/command_line.h).
 inline constexpr int kExitFailure = 1;
 
 // Nothing was started: an invalid command line (an unknown flag, a value

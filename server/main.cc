@@ -211,8 +211,7 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   auto mode = gtopk::ParseAggregationMode(absl::GetFlag(FLAGS_mode));
   if (!mode.ok()) return FlagError("mode", mode.status());
   c.mode = *mode;
-  auto selection =
-      gtopk::ParseSelectionKind(absl::GetFlag(FLAGS_selection));
+  auto selection = gtopk::ParseSelectionKind(absl::GetFlag(FLAGS_selection));
   if (!selection.ok()) return FlagError("selection", selection.status());
   c.selection = *selection;
   auto index_codec = gtopk::ParseIndexCodec(absl::GetFlag(FLAGS_index_codec));
@@ -257,7 +256,6 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   GTOPK_RETURN_IF_ERROR(gtopk::server::ValidateServerConfig(c));
   return c;
 }
-
 
 }  // namespace
 
@@ -362,8 +360,7 @@ int main(int argc, char** argv) {
     }
   }
   const absl::Duration drain_timeout = absl::GetFlag(FLAGS_drain_timeout);
-  if (drain_timeout < absl::ZeroDuration() ||
-      drain_timeout > absl::Hours(1)) {
+  if (drain_timeout < absl::ZeroDuration() || drain_timeout > absl::Hours(1)) {
     std::fprintf(stderr,
                  "gtopk-server: invalid flags: --drain-timeout must be in "
                  "[0, 1h], got %s\n",
@@ -400,8 +397,8 @@ int main(int argc, char** argv) {
       gtopk::server::AggregatorServer::Start(
           *std::move(config), absl::GetFlag(FLAGS_listen), health_listen);
   if (!server.ok()) {
-    std::fprintf(stderr, "gtopk-server: cannot start shard %u: %s\n",
-                 shard_id, server.status().ToString().c_str());
+    std::fprintf(stderr, "gtopk-server: cannot start shard %u: %s\n", shard_id,
+                 server.status().ToString().c_str());
     return kExitUsage;
   }
   std::printf("listening on %s\n", (*server)->address().c_str());
@@ -451,8 +448,9 @@ int main(int argc, char** argv) {
   const absl::Status checkpoint = (*server)->Shutdown(
       absl::Seconds(5), /*write_checkpoint=*/true, drain_timeout);
   if (!checkpoint.ok()) {
-    // Exit 3, not 0 (kExitCheckpointFailed): the state of the last applied steps is not on disk
-    // (server/flags.md). The previous checkpoint, if any, is intact.
+    // Exit 3, not 0 (kExitCheckpointFailed): the state of the last applied
+    // steps is not on disk (server/flags.md). The previous checkpoint, if any,
+    // is intact.
     std::fprintf(stderr,
                  "gtopk-server shard %u: final checkpoint failed: %s; "
                  "exiting with code 3 (a restart restores the previous "

@@ -2,7 +2,8 @@
 // Flags are read here only and copied into TrainerOptions.
 //
 // stdout (rank 0 only; parsed by deploy/local): one line per step
-//   step <s>/<total> epoch <e> loss <x.xxxx> samples/s <n> sent_bytes <b> step_ms <t>
+//   step <s>/<total> epoch <e> loss <x.xxxx> samples/s <n> sent_bytes <b>
+//   step_ms <t>
 // one line per evaluation
 //   eval step <s> test_accuracy <0.xxxx> test_loss <x.xxxx>
 // and at the end
@@ -20,7 +21,6 @@
 #include <string>
 #include <vector>
 
-#include "common/host_port.h"
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -30,6 +30,7 @@
 #include "cli/command_line.h"
 #include "cli/exit_codes.h"
 #include "cli/tls_flag.h"
+#include "common/host_port.h"
 #include "common/metrics/exposer.h"
 #include "common/metrics/process_collector.h"
 #include "common/transport_security.h"
@@ -90,7 +91,8 @@ ABSL_FLAG(std::string, tls_ca, "",
 ABSL_FLAG(std::string, token_file, "",
           "file holding the workers' shared token (never the token itself)");
 ABSL_FLAG(std::string, mode, "", "check: gtopk | topk | dense");
-ABSL_FLAG(std::string, selector, "", "check: exact | gaussiank | dgc | randomk");
+ABSL_FLAG(std::string, selector, "",
+          "check: exact | gaussiank | dgc | randomk");
 ABSL_FLAG(std::string, density, "", "check: density k/n");
 ABSL_FLAG(std::string, lr, "", "check: base learning rate");
 ABSL_FLAG(std::string, momentum, "", "check: momentum coefficient");
@@ -167,8 +169,8 @@ absl::StatusOr<gtopk::worker::TrainerOptions> BuildOptions() {
       !s.ok()) {
     return s;
   }
-  if (absl::Status s = OptionalDouble(
-          "momentum", absl::GetFlag(FLAGS_momentum), &o.momentum);
+  if (absl::Status s = OptionalDouble("momentum", absl::GetFlag(FLAGS_momentum),
+                                      &o.momentum);
       !s.ok()) {
     return s;
   }
@@ -225,11 +227,10 @@ absl::Status StartMetrics(gtopk::worker::TrainerOptions& o, Worker& worker) {
       gtopk::metrics::StartExposer(*gtopk::MetricsBindAddress(
           metrics_host, static_cast<int>(metrics_port)));
   if (!started.ok()) {
-    return absl::Status(
-        started.status().code(),
-        absl::StrCat("--metrics-host=", metrics_host,
-                     " --metrics-port=", metrics_port, ": ",
-                     started.status().message()));
+    return absl::Status(started.status().code(),
+                        absl::StrCat("--metrics-host=", metrics_host,
+                                     " --metrics-port=", metrics_port, ": ",
+                                     started.status().message()));
   }
   worker.exposer = *std::move(started);
   worker.exposer->RegisterCollectable(o.metrics_registry);
@@ -264,7 +265,6 @@ absl::StatusOr<Worker> StartUp(char** argv) {
   worker.trainer.emplace(*std::move(trainer));
   return worker;
 }
-
 
 }  // namespace
 
