@@ -541,7 +541,7 @@ const char* TargetStatus(const Target& t) {
 // The checks and timings on the device.
 
 // The floor of any pass over u (the read_pass baseline), and what the
-// histogram pass (HistogramKernel in common/cuda/sparsify.cu) adds to a
+// histogram pass (HistogramKernel in common/cuda/sparsify/histogram.cu) adds to a
 // read, part by part (the read_pass_moments and read_pass_hist baselines,
 // issue 15: that pass took 1.3 reads on the 2026-11-30 H200 on every
 // input, the narrow band's single bin included). kWork = kReadOnly: each of
