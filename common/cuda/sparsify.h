@@ -183,7 +183,8 @@ class Sparsifier {
   // errors (no device, ...).
   static KernelStatus Create(uint64_t capacity,
                              std::unique_ptr<Sparsifier>* out);
-  // The same with test hooks (common/cuda/sparsify/testing.h).
+  // The same with test hooks (common/cuda/sparsify/testing.h), fixed for
+  // the Sparsifier's life (SetTuningForTesting replaces them).
   static KernelStatus Create(uint64_t capacity, const SparsifierTuning& tuning,
                              std::unique_ptr<Sparsifier>* out);
 
@@ -250,18 +251,6 @@ class Sparsifier {
   // thread-safe; call between a Wait and the next Select.
   void set_use_graphs(bool use);
 
-  // Tests only: list at most `limit` (clamped to [0, 160]) keys for
-  // Gaussian-k's device correction, so that a correction needing more is
-  // left to Wait's host continuation (0: every correction that needs an
-  // exact count besides the first is). Drops the captured graphs.
-  void set_gaussiank_key_limit_for_testing(int limit);
-
-  // Tests only: false keeps Gaussian-k's gated exact fallback on its
-  // sample (a large u) even when the last fallback predicted the first
-  // pass's candidates, so that the sampled path stays checkable. Drops
-  // the captured graphs.
-  void set_gaussiank_fallback_from_candidates_for_testing(bool use);
-
   // Waits for the last Select (synchronizes `stream`) and returns its pairs;
   // finishes a gaussiank/dgc selection the device did not accept (more
   // work on `stream`, more synchronizations).
@@ -278,6 +267,8 @@ class Sparsifier {
   const float* device_values() const;
 
  private:
+  friend void SetTuningForTesting(Sparsifier* sparsifier,
+                                  const SparsifierTuning& tuning);
   struct Impl;
   explicit Sparsifier(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
@@ -318,21 +309,6 @@ class SparseUpdater {
   DeviceBuffer<float> val_;
   DeviceBuffer<float> dense_;  // GlobalMomentum's update vector
 };
-
-// Tests only: the smallest n for which exact (without Accumulate's
-// histogram) starts from a sample instead of a histogram pass (default
-// 2^22; below it the sample's launches cost more than the pass they save).
-// The sample's own plan needs n above about 16K (a sample of at most n/32
-// keys whose bound keeps at most n/16 survivors), so smaller n keep the
-// histogram plan even at 0. Process-wide, read by each Select; returns the
-// previous value.
-uint64_t SetExactSampleMinNForTesting(uint64_t min_n);
-
-// Tests only: the largest n that runs as one block (SelectInfo::one_block;
-// default and most 4096, its shared-memory bound; 0: never), so that the
-// multi-kernel path can be checked at small n too. Process-wide, read by
-// each Select; returns the previous value.
-uint64_t SetOneBlockMaxNForTesting(uint64_t max_n);
 
 // Number of CUDA devices (0 when the driver or a device is missing; never
 // an error), for tests and tools that skip without a GPU.

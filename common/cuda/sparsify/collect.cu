@@ -2,14 +2,93 @@
 // Gaussian-k's first compaction over the fused update's candidates instead
 // (GaussUpdateCollectKernel); both finish with CollectScanBlock.
 #include "common/cuda/launch.h"
-#include "common/cuda/sparsify/launchers.h"
-#include "common/cuda/sparsify/device_common.cuh"
 #include "common/cuda/sparsify/collect_scan.cuh"
+#include "common/cuda/sparsify/device_common.cuh"
+#include "common/cuda/sparsify/launchers.h"
 
 namespace gtopk {
 namespace cuda {
 namespace internal {
 namespace {
+
+// CollectKernel's Gaussian-k key counts (kCountKeys): the listed keys into
+// key_list, a bitmap of their digit-0 bins into key_bins, and the per-warp
+// counts zeroed (every thread of the block).
+__device__ __forceinline__ void SetUpKeyCounts(const DeviceState* st,
+                                               int num_keys, uint32_t* key_list,
+                                               uint32_t* key_bins,
+                                               uint32_t* key_counts) {
+  for (int i = threadIdx.x; i < kBins / 32; i += kThreads) key_bins[i] = 0;
+  for (int i = threadIdx.x; i < kWarpsPerBlock * kMaxGaussKeys; i += kThreads) {
+    key_counts[i] = 0;
+  }
+  __syncthreads();
+  for (int r = threadIdx.x; r < num_keys; r += kThreads) {
+    const uint32_t key = st->gk_keys[r];
+    key_list[r] = key;
+    atomicOr(&key_bins[(key >> 20) / 32], 1u << ((key >> 20) % 32));
+  }
+  __syncthreads();
+}
+
+// A lane's four values of u at i (valid: inside the warp's chunk, which
+// ends at `end`), as one float4 when aligned and whole.
+__device__ __forceinline__ void Load4(const float* __restrict__ u, uint64_t i,
+                                      uint64_t end, int vectorized, float x[4],
+                                      bool valid[4]) {
+  if (vectorized && i + 3 < end) {
+    const float4 v = __ldg(reinterpret_cast<const float4*>(u + i));
+    x[0] = v.x;
+    x[1] = v.y;
+    x[2] = v.z;
+    x[3] = v.w;
+    valid[0] = valid[1] = valid[2] = valid[3] = true;
+  } else {
+    for (int j = 0; j < 4; ++j) {
+      valid[j] = i + j < end;
+      if (valid[j]) x[j] = u[i + j];
+    }
+  }
+}
+
+// The warp's keys >= each listed key inside that key's digit-0 bin, added
+// to its counts by lane 0 (every lane of the warp).
+__device__ __forceinline__ void CountListedKeys(
+    const float x[4], const bool valid[4], const uint32_t* key_bins,
+    const uint32_t* key_list, int num_keys, int lane, uint32_t* my_key_counts) {
+  bool listed[4];
+  uint32_t any_listed = 0;
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t bin = Key(x[j]) >> 20;
+    listed[j] = valid[j] && ((key_bins[bin / 32] >> (bin % 32)) & 1u);
+    any_listed |= __ballot_sync(kFullMask, listed[j]);
+  }
+  if (any_listed == 0) return;
+  for (int r = 0; r < num_keys; ++r) {
+    const uint32_t listed_key = key_list[r];
+    uint32_t c = 0;
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t key = Key(x[j]);
+      c += __popc(__ballot_sync(
+          kFullMask,
+          listed[j] && key >= listed_key && (key >> 20) == (listed_key >> 20)));
+    }
+    if (lane == 0) my_key_counts[r] += c;
+  }
+}
+
+// The block's per-warp key counts into state's gk_counts.
+__device__ __forceinline__ void AddKeyCounts(DeviceState* st,
+                                             const uint32_t* key_counts,
+                                             int num_keys) {
+  for (int r = threadIdx.x; r < num_keys; r += kThreads) {
+    ull total = 0;
+    for (int w = 0; w < kWarpsPerBlock; ++w) {
+      total += key_counts[w * kMaxGaussKeys + r];
+    }
+    if (total != 0) atomicAdd(&st->gk_counts[r], total);
+  }
+}
 
 // Warp-chunked stable compaction of u: every i with key(u[i]) >= min_key
 // (state's min_key, or `host_key` when use_host_key) goes to the warp's
@@ -48,18 +127,7 @@ __global__ void __launch_bounds__(kThreads)
       key_counts[kCountKeys ? kWarpsPerBlock * kMaxGaussKeys : 1];
   const int num_keys = kCountKeys ? st->gk_num_keys : 0;
   if (kCountKeys) {
-    for (int i = threadIdx.x; i < kBins / 32; i += kThreads) key_bins[i] = 0;
-    for (int i = threadIdx.x; i < kWarpsPerBlock * kMaxGaussKeys;
-         i += kThreads) {
-      key_counts[i] = 0;
-    }
-    __syncthreads();
-    for (int r = threadIdx.x; r < num_keys; r += kThreads) {
-      const uint32_t key = st->gk_keys[r];
-      key_list[r] = key;
-      atomicOr(&key_bins[(key >> 20) / 32], 1u << ((key >> 20) % 32));
-    }
-    __syncthreads();
+    SetUpKeyCounts(st, num_keys, key_list, key_bins, key_counts);
   }
   uint32_t* my_key_counts =
       key_counts + (kCountKeys ? (threadIdx.x / 32) * kMaxGaussKeys : 0);
@@ -86,7 +154,8 @@ __global__ void __launch_bounds__(kThreads)
   // With ties: each warp's count of keys == B, kept by its lane 0 in shared
   // memory (a register live across the loop made the pass spill).
   __shared__ uint32_t tie_counts[kHist == kCollectDigit0 ? kWarpsPerBlock : 1];
-  uint32_t* my_ties = tie_counts + (kHist == kCollectDigit0 ? threadIdx.x / 32 : 0);
+  uint32_t* my_ties =
+      tie_counts + (kHist == kCollectDigit0 ? threadIdx.x / 32 : 0);
   if (kHist == kCollectDigit0 && lane == 0) *my_ties = 0;
   bool bad = false;
   if (!skip) {
@@ -94,40 +163,10 @@ __global__ void __launch_bounds__(kThreads)
       const uint64_t i = base + 4 * lane;
       float x[4] = {0.f, 0.f, 0.f, 0.f};
       bool valid[4];
-      if (vectorized && i + 3 < end) {
-        const float4 v = __ldg(reinterpret_cast<const float4*>(u + i));
-        x[0] = v.x;
-        x[1] = v.y;
-        x[2] = v.z;
-        x[3] = v.w;
-        valid[0] = valid[1] = valid[2] = valid[3] = true;
-      } else {
-        for (int j = 0; j < 4; ++j) {
-          valid[j] = i + j < end;
-          if (valid[j]) x[j] = u[i + j];
-        }
-      }
+      Load4(u, i, end, vectorized, x, valid);
       if (kCountKeys && num_keys > 0) {
-        bool listed[4];
-        uint32_t any_listed = 0;
-        for (int j = 0; j < 4; ++j) {
-          const uint32_t bin = Key(x[j]) >> 20;
-          listed[j] = valid[j] && ((key_bins[bin / 32] >> (bin % 32)) & 1u);
-          any_listed |= __ballot_sync(kFullMask, listed[j]);
-        }
-        if (any_listed != 0) {
-          for (int r = 0; r < num_keys; ++r) {
-            const uint32_t listed_key = key_list[r];
-            uint32_t c = 0;
-            for (int j = 0; j < 4; ++j) {
-              const uint32_t key = Key(x[j]);
-              c += __popc(__ballot_sync(
-                  kFullMask, listed[j] && key >= listed_key &&
-                                 (key >> 20) == (listed_key >> 20)));
-            }
-            if (lane == 0) my_key_counts[r] += c;
-          }
-        }
+        CountListedKeys(x, valid, key_bins, key_list, num_keys, lane,
+                        my_key_counts);
       }
       bool keep[4];
       uint32_t ballots[4];
@@ -168,13 +207,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (kCountKeys && num_keys > 0) {
     __syncthreads();
-    for (int r = threadIdx.x; r < num_keys; r += kThreads) {
-      ull total = 0;
-      for (int w = 0; w < kWarpsPerBlock; ++w) {
-        total += key_counts[w * kMaxGaussKeys + r];
-      }
-      if (total != 0) atomicAdd(&st->gk_counts[r], total);
-    }
+    AddKeyCounts(st, key_counts, num_keys);
   }
   if (kHist != kCollectNoHist && level < 3) {
     __syncthreads();
@@ -185,7 +218,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   const ull block_total = BlockTotal(count);
   ull block_equal = 0;
-  if (ties) {  // uniform
+  if (ties) {         // uniform
     __syncthreads();  // BlockTotal's shared counts are reused
     block_equal = BlockTotal(*my_ties);
   }
@@ -278,6 +311,9 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
+// (Launches as GTOPK_LAUNCH(kernel, grid, block, stream)(args), a form
+// clang-format does not know.)
+// clang-format off
 void LaunchCollect(CollectHist hist, bool count_keys, int blocks,
                    cudaStream_t stream, const float* u, uint64_t n,
                    uint64_t chunk, int vectorized, DeviceState* st,
@@ -302,6 +338,7 @@ void LaunchGaussUpdateCollect(int blocks, cudaStream_t stream, const float* u,
   GTOPK_LAUNCH(GaussUpdateCollectKernel, blocks, kThreads, stream)(
       u, st, regions, counts, chunk, groups, gate, scan);
 }
+// clang-format on
 
 }  // namespace internal
 }  // namespace cuda

@@ -21,8 +21,7 @@ namespace internal {
 // key) and the Gaussian-k planner (its stop key). Returns whether it
 // predicted a bin.
 __device__ inline bool PredictUpdateBin(DeviceState* st, bool known,
-                                        uint32_t bin, ull at_bin,
-                                        ull at_below,
+                                        uint32_t bin, ull at_bin, ull at_below,
                                         const UpdateCandidates& uc) {
   ull pred = 0;
   if (known && at_bin <= uc.predict_cap) {
@@ -39,11 +38,13 @@ __device__ inline bool PredictUpdateBin(DeviceState* st, bool known,
 // group of kWarpsPerBlock chunks (a compaction block's), then their
 // exclusive scan into `offsets`; returns the total (every thread of the
 // one block of kScanThreads).
-__device__ inline ull GroupOffsets(const uint32_t* counts, ull* offsets, int warps) {
+__device__ inline ull GroupOffsets(const uint32_t* counts, ull* offsets,
+                                   int warps) {
   const int groups = warps / kWarpsPerBlock;
   for (int g = threadIdx.x; g < groups; g += kScanThreads) {
     ull t = 0;
-    for (int w = 0; w < kWarpsPerBlock; ++w) t += counts[g * kWarpsPerBlock + w];
+    for (int w = 0; w < kWarpsPerBlock; ++w)
+      t += counts[g * kWarpsPerBlock + w];
     offsets[g] = t;
   }
   __syncthreads();
@@ -62,8 +63,9 @@ __device__ inline void StartTrim(DeviceState* st, ull k) {
 }
 
 __device__ inline void CollectScanBlock(DeviceState* st, const ull* hists,
-                                 const CollectScan& s, ull block_total,
-                                 bool ties, ull block_equal, int slots = -1) {
+                                        const CollectScan& s, ull block_total,
+                                        bool ties, ull block_equal,
+                                        int slots = -1) {
   // slots < 0: a compaction over u, one count per block (written here);
   // else GaussUpdateCollectKernel, which wrote `slots` group counts itself.
   const bool over_u = slots < 0;

@@ -3,10 +3,10 @@
 // and the first digit's decision after the fused update's histogram
 // (FindBinDecideKernel), each finishing in a one-block step (RunThen).
 #include "common/cuda/launch.h"
-#include "common/cuda/sparsify/launchers.h"
+#include "common/cuda/sparsify/collect_scan.cuh"
 #include "common/cuda/sparsify/device_common.cuh"
 #include "common/cuda/sparsify/init_block.cuh"
-#include "common/cuda/sparsify/collect_scan.cuh"
+#include "common/cuda/sparsify/launchers.h"
 
 namespace gtopk {
 namespace cuda {
@@ -77,8 +77,7 @@ __global__ void __launch_bounds__(kScanThreads)
   const uint32_t bin = st->prefix >> 20;  // the k-th key's digit 0
   const ull at_bin = st->count_greater + st->bin_count;
   if (!PredictUpdateBin(st, ok, bin, at_bin,
-                        ok && bin > 0 ? at_bin + hists[bin - 1] : at_bin,
-                        uc) &&
+                        ok && bin > 0 ? at_bin + hists[bin - 1] : at_bin, uc) &&
       ok) {
     st->predict_fine = 1;
     st->fine_floor = use ? kept_from : 0;
@@ -167,6 +166,9 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
+// (Launches as GTOPK_LAUNCH(kernel, grid, block, stream)(args), a form
+// clang-format does not know.)
+// clang-format off
 void LaunchHistLevel(int blocks, cudaStream_t stream, const float* u,
                      uint64_t n, int vectorized, DeviceState* st, ull* hists,
                      int level, Gate gate, Then then) {
@@ -195,6 +197,7 @@ void LaunchFindBinDecide(cudaStream_t stream, DeviceState* st,
   GTOPK_LAUNCH(FindBinDecideKernel, 1, kScanThreads, stream)(
       st, hists, level, compact_cap, gate, init, uc);
 }
+// clang-format on
 
 }  // namespace internal
 }  // namespace cuda

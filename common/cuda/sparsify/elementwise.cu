@@ -1,8 +1,8 @@
 // Stage: the element-wise kernels: the first non-finite position of u (for
 // Wait's message) and the sparse updates of dense vectors (SparseUpdater).
 #include "common/cuda/launch.h"
-#include "common/cuda/sparsify/launchers.h"
 #include "common/cuda/sparsify/device_common.cuh"
+#include "common/cuda/sparsify/launchers.h"
 
 namespace gtopk {
 namespace cuda {
@@ -52,6 +52,9 @@ __global__ void GlobalMomentumKernel(float* params, float* velocity,
 
 }  // namespace
 
+// (Launches as GTOPK_LAUNCH(kernel, grid, block, stream)(args), a form
+// clang-format does not know.)
+// clang-format off
 void LaunchFirstNonFinite(int blocks, cudaStream_t stream, const float* u,
                           uint64_t n, DeviceState* st) {
   GTOPK_LAUNCH(FirstNonFiniteKernel, blocks, kThreads, stream)(u, n, st);
@@ -70,6 +73,7 @@ void LaunchGlobalMomentum(int blocks, cudaStream_t stream, float* params,
   GTOPK_LAUNCH(GlobalMomentumKernel, blocks, 256, stream)(params, velocity,
                                                           update, n, m);
 }
+// clang-format on
 
 }  // namespace internal
 }  // namespace cuda

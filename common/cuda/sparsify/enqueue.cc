@@ -104,14 +104,13 @@ KernelStatus SparsifierImpl::Gather(float* u, bool to_output, bool zero,
 }
 
 KernelStatus SparsifierImpl::Final(FinalRule rule, float* u, uint64_t n,
-                                   bool zero, int blocks,
-                                   cudaStream_t stream) {
+                                   bool zero, int blocks, cudaStream_t stream) {
   LaunchCountFinal(blocks, stream, cand_val.get(), u, n, st, rule,
                    counts_b.get(), counts_a.get(), offsets_a.get(),
                    offsets_b.get(), hist0, gate);
   GTOPK_CUDA_LAUNCH_CHECK();
-  LaunchWriteFinal(blocks, stream, cand_idx.get(), cand_val.get(), n, st,
-                   rule, counts_b.get(), counts_a.get(), offsets_a.get(),
+  LaunchWriteFinal(blocks, stream, cand_idx.get(), cand_val.get(), n, st, rule,
+                   counts_b.get(), counts_a.get(), offsets_a.get(),
                    offsets_b.get(), out_idx(), out_val(), u, zero, gate,
                    uint64_t{0}, nullptr);
   GTOPK_CUDA_LAUNCH_CHECK();
@@ -124,8 +123,8 @@ KernelStatus SparsifierImpl::CandidateExact(float* u, uint64_t n, uint64_t k,
                                    /*keep_candidates=*/true, stream));
   const int blocks = CandidateBlocks(n);
   for (int level = 0; level < 3; ++level) {
-    LaunchHistArray(blocks, stream, cand_val.get(), &st->num_candidates, 0,
-                    st, hist0, level, gate, Then{kThenFindBin, level, 0});
+    LaunchHistArray(blocks, stream, cand_val.get(), &st->num_candidates, 0, st,
+                    hist0, level, gate, Then{kThenFindBin, level, 0});
     GTOPK_CUDA_LAUNCH_CHECK();
   }
   hist_u = nullptr;
@@ -178,12 +177,11 @@ KernelStatus SparsifierImpl::ExactFromU(float* u, uint64_t n, uint64_t k,
   GTOPK_CUDA_RETURN_IF_NOT_OK(
       Collect(u, n, kCollectNextDigit, false, 0, stream, next));
   GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, true, stream,
-                                     kGatherAlways,
-                                     Then{kThenFindNext, 0, 0}));
+                                     kGatherAlways, Then{kThenFindNext, 0, 0}));
   if (update_candidates) {
     const int blocks = CandidateBlocks(std::min<uint64_t>(4 * k, n / 8 + 1));
-    LaunchHistArray(blocks, stream, cand_val.get(), &st->num_candidates, 0,
-                    st, hist0, 2, gate, Then{kThenFindNext, 0, 0});
+    LaunchHistArray(blocks, stream, cand_val.get(), &st->num_candidates, 0, st,
+                    hist0, 2, gate, Then{kThenFindNext, 0, 0});
     GTOPK_CUDA_LAUNCH_CHECK();
   }
   // The final source holds at most n entries (u itself, or candidates).
@@ -227,24 +225,20 @@ KernelStatus SparsifierImpl::Decide(int level, ull cap, cudaStream_t stream,
 
 KernelStatus SparsifierImpl::ReadState(cudaStream_t stream,
                                        DeviceState* state) {
-  GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_state(), st,
-                                             sizeof(DeviceState),
-                                             cudaMemcpyDeviceToHost, stream));
+  GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+      host_state(), st, sizeof(DeviceState), cudaMemcpyDeviceToHost, stream));
   GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   *state = *host_state();
   return KernelStatus::Ok();
 }
 
-KernelStatus SparsifierImpl::EnsurePinned(uint64_t count,
-                                          cudaStream_t stream) {
+KernelStatus SparsifierImpl::EnsurePinned(uint64_t count, cudaStream_t stream) {
   if (host_out.size() >= OutBytes(count)) return KernelStatus::Ok();
   GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   graphs.Clear();  // their copies target the buffer being replaced
-  const uint64_t pairs = host_out.size() > kOutHeader
-                             ? (host_out.size() - kOutHeader) / 8
-                             : 0;
-  const uint64_t size =
-      OutBytes(std::max<uint64_t>(count, 2 * pairs));
+  const uint64_t pairs =
+      host_out.size() > kOutHeader ? (host_out.size() - kOutHeader) / 8 : 0;
+  const uint64_t size = OutBytes(std::max<uint64_t>(count, 2 * pairs));
   GTOPK_CUDA_RETURN_IF_NOT_OK(host_out.Allocate(size));
   return KernelStatus::Ok();
 }
@@ -258,8 +252,8 @@ KernelStatus SparsifierImpl::CopyOut(uint64_t count, cudaStream_t stream) {
   }
   const uint64_t bytes =
       kOutHeader + out_stride * sizeof(uint32_t) + count * sizeof(float);
-  GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-      host_out.get(), out.get(), bytes, cudaMemcpyDeviceToHost, stream));
+  GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_out.get(), out.get(), bytes,
+                                             cudaMemcpyDeviceToHost, stream));
   pending_count = count;
   return KernelStatus::Ok();
 }
@@ -282,16 +276,14 @@ KernelStatus SparsifierImpl::CompactAtSample(float* u, uint64_t n, bool zero,
   GTOPK_CUDA_RETURN_IF_NOT_OK(
       Collect(u, n, kCollectDigit0, false, 0, stream, scan));
   GTOPK_CUDA_RETURN_IF_NOT_OK(TieWrite(u, n, zero, stream));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, /*next_hist=*/true,
-                                     stream, kGatherDgc,
-                                     Then{kThenFindNext, 0, 0}));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, /*next_hist=*/true, stream,
+                                     kGatherDgc, Then{kThenFindNext, 0, 0}));
   return TrimRest(u, n, zero, expected, stream);
 }
 
 KernelStatus SparsifierImpl::SampleThreshold(const float* u, uint64_t n,
-                                               uint64_t runs, uint64_t rank,
-                                               ull limit,
-                                               cudaStream_t stream) {
+                                             uint64_t runs, uint64_t rank,
+                                             ull limit, cudaStream_t stream) {
   const uint64_t sample_size = runs * 16;
   GTOPK_CUDA_RETURN_IF_NOT_OK(Init(rank, true, false, false, stream,
                                    /*dgc=*/true));
@@ -312,8 +304,7 @@ KernelStatus SparsifierImpl::SampleThreshold(const float* u, uint64_t n,
 }
 
 KernelStatus SparsifierImpl::TrimRest(float* u, uint64_t n, bool zero,
-                                        uint64_t expected,
-                                        cudaStream_t stream) {
+                                      uint64_t expected, cudaStream_t stream) {
   GatedScope trimming(*this, &st->trim, 1);
   const int blocks = CandidateBlocks(std::min<uint64_t>(expected, n / 8 + 1));
   LaunchHistArray(blocks, stream, cand_val.get(), &st->num_candidates, 0, st,
@@ -323,10 +314,9 @@ KernelStatus SparsifierImpl::TrimRest(float* u, uint64_t n, bool zero,
 }
 
 KernelStatus SparsifierImpl::SampledExact(float* u, uint64_t n, uint64_t k,
-                                            bool zero, uint64_t runs,
-                                            uint64_t rank,
-                                            bool from_u_predicted,
-                                            cudaStream_t stream) {
+                                          bool zero, uint64_t runs,
+                                          uint64_t rank, bool from_u_predicted,
+                                          cudaStream_t stream) {
   // More than 1/8 of the sample at or above its bound: ties at it
   // (ties_at_bound): the compaction keeps the keys above it instead.
   GTOPK_CUDA_RETURN_IF_NOT_OK(SampleThreshold(

@@ -2,8 +2,8 @@
 // then WriteFinalKernel), with the exact plan's fine prediction of the next
 // update's candidates in the count's last block (FinePredictBlock).
 #include "common/cuda/launch.h"
-#include "common/cuda/sparsify/launchers.h"
 #include "common/cuda/sparsify/device_common.cuh"
+#include "common/cuda/sparsify/launchers.h"
 
 namespace gtopk {
 namespace cuda {
@@ -50,8 +50,7 @@ __device__ inline FinalSource GetFinalSource(const DeviceState* st,
 // <= limit, or bins when there is none (one block of kBlock threads; the
 // histogram read through L2; the result in every thread).
 template <int kBlock>
-__device__ int LowestBinAtMost(const ull* hist, int bins, ull base,
-                               ull limit) {
+__device__ int LowestBinAtMost(const ull* hist, int bins, ull base, ull limit) {
   using Scan = cub::BlockScan<ull, kBlock, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ typename Scan::TempStorage storage;
   __shared__ int lowest;
@@ -64,7 +63,8 @@ __device__ int LowestBinAtMost(const ull* hist, int bins, ull base,
     ull before, total;
     Scan(storage).ExclusiveSum(v, before, total);
     __syncthreads();  // storage free for the next tile
-    if (p < bins && above + before + v <= limit) atomicMin(&lowest, bins - 1 - p);
+    if (p < bins && above + before + v <= limit)
+      atomicMin(&lowest, bins - 1 - p);
     above += total;
   }
   __syncthreads();
@@ -88,7 +88,7 @@ __device__ void FinePredictBlock(DeviceState* st, const ull* hists,
   const uint32_t kth = st->prefix;
   const uint32_t floor = st->fine_floor;
   const ull cap = st->fine_cap;
-  const ull above_bin = st->greater_at[0];  // keys above K's digit-0 bin
+  const ull above_bin = st->greater_at[0];   // keys above K's digit-0 bin
   const ull above_bin1 = st->greater_at[1];  // above K's digit-1 bin
   const int d1 = static_cast<int>(Digit(kth, 1));
   const int d2 = static_cast<int>(Digit(kth, 2));
@@ -175,17 +175,13 @@ __global__ void __launch_bounds__(kThreads)
 // greater/equal, block_greater/block_equal: CountFinalKernel's (same grid),
 // or with layout_chunk != 0 a CollectKernel's with ties over u (its grid,
 // warp w reading [w * layout_chunk, (w + 1) * layout_chunk)).
-__global__ void __launch_bounds__(kThreads)
-    WriteFinalKernel(const uint32_t* cand_idx, const float* cand_val,
-                     uint64_t n, DeviceState* st, FinalRule rule,
-                     const uint32_t* __restrict__ greater,
-                     const uint32_t* __restrict__ equal,
-                     const ull* __restrict__ block_greater,
-                     const ull* __restrict__ block_equal,
-                     uint32_t* __restrict__ out_idx,
-                     float* __restrict__ out_val, float* u, int zero,
-                     Gate gate, uint64_t layout_chunk,
-                     const uint32_t* __restrict__ regions) {
+__global__ void __launch_bounds__(kThreads) WriteFinalKernel(
+    const uint32_t* cand_idx, const float* cand_val, uint64_t n,
+    DeviceState* st, FinalRule rule, const uint32_t* __restrict__ greater,
+    const uint32_t* __restrict__ equal, const ull* __restrict__ block_greater,
+    const ull* __restrict__ block_equal, uint32_t* __restrict__ out_idx,
+    float* __restrict__ out_val, float* u, int zero, Gate gate,
+    uint64_t layout_chunk, const uint32_t* __restrict__ regions) {
   if (Closed(gate) || st->error != 0) return;  // uniform
   // The plan's final compaction, replaced by the update's tie write; that
   // write (regions given) runs only when the plan chose it, under whatever
@@ -250,6 +246,9 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
+// (Launches as GTOPK_LAUNCH(kernel, grid, block, stream)(args), a form
+// clang-format does not know.)
+// clang-format off
 void LaunchCountFinal(int blocks, cudaStream_t stream, const float* cand_val,
                       const float* u, uint64_t n, DeviceState* st,
                       FinalRule rule, uint32_t* greater, uint32_t* equal,
@@ -272,6 +271,7 @@ void LaunchWriteFinal(int blocks, cudaStream_t stream,
       cand_idx, cand_val, n, st, rule, greater, equal, block_greater,
       block_equal, out_idx, out_val, u, zero, gate, layout_chunk, regions);
 }
+// clang-format on
 
 }  // namespace internal
 }  // namespace cuda

@@ -1,8 +1,8 @@
 // Stage: the gather of a compaction's (or the fused update's) kept indices
 // into the output or the candidate arrays (GatherKernel).
 #include "common/cuda/launch.h"
-#include "common/cuda/sparsify/launchers.h"
 #include "common/cuda/sparsify/device_common.cuh"
+#include "common/cuda/sparsify/launchers.h"
 #include "common/cuda/sparsify/radix_steps.cuh"
 
 namespace gtopk {
@@ -26,7 +26,7 @@ __global__ void __launch_bounds__(kThreads)
                  int zero, DeviceState* st, ull* hists, int next_hist,
                  int route, Gate gate, Then then, UpdateLayout upd) {
   __shared__ uint32_t hist[kBins];
-  if (Closed(gate) || st->from_u != 0) return;  // uniform
+  if (Closed(gate) || st->from_u != 0) return;               // uniform
   if (st->from_update != 0 || st->gauss_from_update != 0) {  // uniform
     chunk = upd.chunk;
     counts = upd.counts;
@@ -50,8 +50,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
   }
   __syncthreads();
-  const bool skip = st->error != 0 ||
-                    (route != kGatherAlways && !accepted && !trimming);
+  const bool skip =
+      st->error != 0 || (route != kGatherAlways && !accepted && !trimming);
   const uint32_t prefix = st->prefix;
   const int lane = threadIdx.x & 31;
   const int total_warps = static_cast<int>(gridDim.x) * kWarpsPerBlock;
@@ -88,6 +88,9 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
+// (Launches as GTOPK_LAUNCH(kernel, grid, block, stream)(args), a form
+// clang-format does not know.)
+// clang-format off
 void LaunchGather(int blocks, cudaStream_t stream, float* u,
                   const uint32_t* regions, uint64_t chunk,
                   const uint32_t* counts, const ull* offsets, int num_warps,
@@ -99,6 +102,7 @@ void LaunchGather(int blocks, cudaStream_t stream, float* u,
       u, regions, chunk, counts, offsets, num_warps, out_idx, out_val,
       trim_idx, trim_val, zero, st, hists, next_hist, route, gate, then, upd);
 }
+// clang-format on
 
 }  // namespace internal
 }  // namespace cuda

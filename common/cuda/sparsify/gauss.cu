@@ -2,12 +2,12 @@
 // first pass's sums and the CPU rule's adjustments the histogram decides)
 // and the count its host continuation reads (CountAtLeastKernel).
 #include "common/cuda/launch.h"
-#include "common/cuda/sparsify/launchers.h"
-#include "common/cuda/sparsify/device_common.cuh"
-#include "common/cuda/sparsify/init_block.cuh"
-#include "common/cuda/sparsify/moments.cuh"
-#include "common/cuda/sparsify/gauss_steps.cuh"
 #include "common/cuda/sparsify/collect_scan.cuh"
+#include "common/cuda/sparsify/device_common.cuh"
+#include "common/cuda/sparsify/gauss_steps.cuh"
+#include "common/cuda/sparsify/init_block.cuh"
+#include "common/cuda/sparsify/launchers.h"
+#include "common/cuda/sparsify/moments.cuh"
 
 namespace gtopk {
 namespace cuda {
@@ -94,9 +94,9 @@ __global__ void __launch_bounds__(kScanThreads)
   // in thread 0): the same input gives the same threshold on every run.
   const int b = static_cast<int>(threadIdx.x);
   const Moments all = BlockMoments<kScanThreads>(
-      b < st->sum_blocks ? Moments{partials[3 * b], partials[3 * b + 1],
-                                   partials[3 * b + 2]}
-                         : Moments{0.0, 0.0, 0.0});
+      b < st->sum_blocks
+          ? Moments{partials[3 * b], partials[3 * b + 1], partials[3 * b + 2]}
+          : Moments{0.0, 0.0, 0.0});
   if (threadIdx.x != 0) return;
   if (non_finite) {
     st->error |= kErrorNonFinite;
@@ -156,6 +156,9 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
+// (Launches as GTOPK_LAUNCH(kernel, grid, block, stream)(args), a form
+// clang-format does not know.)
+// clang-format off
 void LaunchGaussPlan(cudaStream_t stream, DeviceState* st, const ull* hist0,
                      const double* partials, uint64_t n, double z, ull lo,
                      ull hi, int max_adjustments, ull* at_least_out,
@@ -171,6 +174,7 @@ void LaunchCountAtLeast(int blocks, cudaStream_t stream, const float* values,
   GTOPK_LAUNCH(CountAtLeastKernel, blocks, kThreads, stream)(values, st,
                                                              min_key);
 }
+// clang-format on
 
 }  // namespace internal
 }  // namespace cuda

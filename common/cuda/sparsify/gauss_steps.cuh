@@ -29,7 +29,8 @@ __device__ inline int HistVerdict(const ull* at_least, uint32_t key, ull lo,
                                   ull hi) {
   const uint32_t bin = key >> 20;
   const ull upper = AtLeastBin(at_least, bin);
-  const ull lower = (key & 0xfffffu) == 0 ? upper : AtLeastBin(at_least, bin + 1);
+  const ull lower =
+      (key & 0xfffffu) == 0 ? upper : AtLeastBin(at_least, bin + 1);
   if (upper < lo) return kTooFew;
   if (lower > hi) return kTooMany;
   if (lower >= lo && upper <= hi) return kInRange;
@@ -44,14 +45,15 @@ __device__ inline int HistVerdict(const ull* at_least, uint32_t key, ull lo,
 // those of t * 0.5^a * 1.5^b with a + b = d (at most 153 for 16), each
 // visited once; a decided verdict follows its one branch, an undecided one
 // both. Keys beyond max_keys (kMaxGaussKeys, less only through
-// set_gaussiank_key_limit_for_testing) are not listed (GaussResolve then
+// SparsifierTuning::gaussiank_key_limit) are not listed (GaussResolve then
 // leaves the rest to the host). One thread; `value` and
 // `reached` are kGaussSide^2 scratch entries (shared memory: as local
 // arrays they would reserve local memory for every resident thread).
 constexpr int kGaussSide = 17;  // adjustments left <= 16
-__device__ inline void ListGaussKeys(DeviceState* st, const ull* at_least, double t,
-                              uint32_t first, int remaining, ull lo, ull hi,
-                              int max_keys, double* value, bool* reached) {
+__device__ inline void ListGaussKeys(DeviceState* st, const ull* at_least,
+                                     double t, uint32_t first, int remaining,
+                                     ull lo, ull hi, int max_keys,
+                                     double* value, bool* reached) {
   constexpr int kSide = kGaussSide;
   for (int i = 0; i < kSide * kSide; ++i) reached[i] = false;
   reached[0] = true;
@@ -94,8 +96,8 @@ __device__ inline void ListGaussKeys(DeviceState* st, const ull* at_least, doubl
 // rule ends without one (the exact top-k); kGaussHost when it meets a key
 // it has no count for (the listing overflowed); unchanged (0) when the
 // first count was accepted or after an error or a planner fallback.
-__device__ inline void GaussResolve(DeviceState* st, const ull* at_least, ull lo,
-                             ull hi) {
+__device__ inline void GaussResolve(DeviceState* st, const ull* at_least,
+                                    ull lo, ull hi) {
   if (st->error != 0 || st->fallback != 0 || st->accepted != 0) return;
   st->gk_mode = kGaussHost;
   const uint32_t first = st->min_key;

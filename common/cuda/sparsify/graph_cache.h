@@ -27,7 +27,7 @@ struct GraphKey {
   bool expect_from_u;  // exact's, or gaussiank's fallback's, sample missed
   uint64_t exact_sample_min_n;  // SparsifierTuning's
   uint64_t one_block_max_n;     // SparsifierTuning's
-  bool update_sampled;  // exact after Accumulate from a sample
+  bool update_sampled;          // exact after Accumulate from a sample
   // gaussiank: its gated exact fallback plans with the first pass's
   // candidates (GaussFallbackFromUpdate), not from a sample.
   bool gauss_fallback_from_update;
@@ -37,14 +37,11 @@ struct GraphKey {
   bool operator==(const GraphKey& o) const {
     return update_sampled == o.update_sampled &&
            gauss_fallback_from_update == o.gauss_fallback_from_update &&
-           gauss_ties_pass == o.gauss_ties_pass &&
-           method == o.method &&
-           u == o.u && n == o.n && k == o.k &&
-           zero == o.zero && reuse == o.reuse &&
-           max_adjustments == o.max_adjustments &&
+           gauss_ties_pass == o.gauss_ties_pass && method == o.method &&
+           u == o.u && n == o.n && k == o.k && zero == o.zero &&
+           reuse == o.reuse && max_adjustments == o.max_adjustments &&
            dgc_sample_fraction == o.dgc_sample_fraction &&
-           expect_exact == o.expect_exact &&
-           expect_from_u == o.expect_from_u &&
+           expect_exact == o.expect_exact && expect_from_u == o.expect_from_u &&
            exact_sample_min_n == o.exact_sample_min_n &&
            one_block_max_n == o.one_block_max_n;
   }
@@ -86,10 +83,10 @@ class GraphCache {
     entry.snapshot = snapshot;
     entry.last_used = ++clock_;
     if (graphs_.size() >= kMaxGraphs) {
-      auto oldest = std::min_element(
-          graphs_.begin(), graphs_.end(), [](const Entry& a, const Entry& b) {
-            return a.last_used < b.last_used;
-          });
+      auto oldest = std::min_element(graphs_.begin(), graphs_.end(),
+                                     [](const Entry& a, const Entry& b) {
+                                       return a.last_used < b.last_used;
+                                     });
       destroy_(oldest->exec);
       graphs_.erase(oldest);
     }

@@ -56,37 +56,27 @@ KernelStatus SparsifierImpl::Enqueue(float* u, uint64_t n,
 }
 
 GraphKey SparsifierImpl::GraphKeyFor(const float* u, uint64_t n,
-                                     const SelectParams& p,
-                                     bool reuse) const {
+                                     const SelectParams& p, bool reuse) const {
   const SelectionHistory& h = history;
-  return GraphKey{static_cast<int>(p.method),
-                  u,
-                  n,
-                  p.k,
-                  p.zero_selected,
-                  reuse,
-                  p.gaussiank_max_adjustments,
-                  p.dgc_sample_fraction,
-                  p.method == Method::kGaussianK ? h.expect_exact
-                  : p.method == Method::kDgc     ? h.dgc_expect_exact
-                                                 : false,
-                  p.method == Method::kGaussianK ? h.gauss_expect_from_u
-                  : p.method == Method::kExact   ? h.exact_expect_from_u
-                                                 : false,
-                  tuning.exact_sample_min_n,
-                  tuning.one_block_max_n,
-                  clear_update_prediction,
-                  // (Without a sample both branches enqueue the same.)
-                  p.method == Method::kGaussianK && h.expect_exact &&
-                      h.GaussFallbackFromUpdate(n) &&
-                      PlanExactSample(n, p.k).runs != 0,
-                  p.method == Method::kGaussianK && !reuse &&
-                      h.ties_predicted_n == n};
+  return GraphKey{
+      static_cast<int>(p.method), u, n, p.k, p.zero_selected, reuse,
+      p.gaussiank_max_adjustments, p.dgc_sample_fraction,
+      p.method == Method::kGaussianK ? h.expect_exact
+      : p.method == Method::kDgc     ? h.dgc_expect_exact
+                                     : false,
+      p.method == Method::kGaussianK ? h.gauss_expect_from_u
+      : p.method == Method::kExact   ? h.exact_expect_from_u
+                                     : false,
+      tuning.exact_sample_min_n, tuning.one_block_max_n,
+      clear_update_prediction,
+      // (Without a sample both branches enqueue the same.)
+      p.method == Method::kGaussianK && h.expect_exact &&
+          h.GaussFallbackFromUpdate(n) && PlanExactSample(n, p.k).runs != 0,
+      p.method == Method::kGaussianK && !reuse && h.ties_predicted_n == n};
 }
 
 KernelStatus SparsifierImpl::EnqueueWithGraph(float* u, uint64_t n,
-                                              const SelectParams& p,
-                                              bool reuse,
+                                              const SelectParams& p, bool reuse,
                                               cudaStream_t stream) {
   const GraphKey key = GraphKeyFor(u, n, p, reuse);
   if (auto* g = graphs.Find(key)) {

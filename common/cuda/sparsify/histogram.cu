@@ -2,8 +2,8 @@
 // the sums of u, with the fused residual update (Sparsifier::Accumulate) or
 // without it, and the candidates it keeps for the next selection.
 #include "common/cuda/launch.h"
-#include "common/cuda/sparsify/launchers.h"
 #include "common/cuda/sparsify/device_common.cuh"
+#include "common/cuda/sparsify/launchers.h"
 #include "common/cuda/sparsify/moments.cuh"
 #include "common/cuda/sparsify/radix_steps.cuh"
 
@@ -25,6 +25,55 @@ __device__ inline float UpdateOne(float g, float p, float v, float r,
   }
   const float lv = a.lr * step;
   return r + lv;
+}
+
+// The pass's four values at i (valid of them: fewer at the chunk's end)
+// into u: read from u, or with kUpdate computed by the CPU rule from the
+// gradient, velocity and residual and written back (u = residual_out).
+template <bool kUpdate>
+__device__ __forceinline__ void LoadOrUpdate4(const HistArgs& a, uint64_t i,
+                                              int valid, float u[4]) {
+  if (a.vectorized && valid == 4) {
+    if (kUpdate) {
+      const float4 g = *reinterpret_cast<const float4*>(a.grad + i);
+      const float4 p = a.params != nullptr
+                           ? *reinterpret_cast<const float4*>(a.params + i)
+                           : make_float4(0.f, 0.f, 0.f, 0.f);
+      const float4 v = a.momentum_correction
+                           ? *reinterpret_cast<const float4*>(a.velocity_in + i)
+                           : make_float4(0.f, 0.f, 0.f, 0.f);
+      const float4 r = *reinterpret_cast<const float4*>(a.residual_in + i);
+      float4 vo;
+      u[0] = UpdateOne(g.x, p.x, v.x, r.x, a, &vo.x);
+      u[1] = UpdateOne(g.y, p.y, v.y, r.y, a, &vo.y);
+      u[2] = UpdateOne(g.z, p.z, v.z, r.z, a, &vo.z);
+      u[3] = UpdateOne(g.w, p.w, v.w, r.w, a, &vo.w);
+      if (a.momentum_correction) {
+        *reinterpret_cast<float4*>(a.velocity_out + i) = vo;
+      }
+      *reinterpret_cast<float4*>(a.residual_out + i) =
+          make_float4(u[0], u[1], u[2], u[3]);
+    } else {
+      const float4 r = *reinterpret_cast<const float4*>(a.residual_in + i);
+      u[0] = r.x;
+      u[1] = r.y;
+      u[2] = r.z;
+      u[3] = r.w;
+    }
+  } else {
+    for (int j = 0; j < valid; ++j) {
+      if (kUpdate) {
+        float vo = 0.0f;
+        const float p = a.params != nullptr ? a.params[i + j] : 0.0f;
+        const float v = a.momentum_correction ? a.velocity_in[i + j] : 0.0f;
+        u[j] = UpdateOne(a.grad[i + j], p, v, a.residual_in[i + j], a, &vo);
+        if (a.momentum_correction) a.velocity_out[i + j] = vo;
+        a.residual_out[i + j] = u[j];
+      } else {
+        u[j] = a.residual_in[i + j];
+      }
+    }
+  }
 }
 
 // The first radix histogram (digit 0 of |u|) and the sums of u; with
@@ -50,9 +99,8 @@ __global__ void __launch_bounds__(kThreads, 5) HistogramKernel(HistArgs a) {
   for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
   const bool keeps = kUpdate || a.keep_candidates != 0;
   // Read by every thread before block 0 writes what it used.
-  const ull pred = keeps && a.st->update_pred_n == a.n
-                       ? a.st->update_pred_key
-                       : 0;
+  const ull pred =
+      keeps && a.st->update_pred_n == a.n ? a.st->update_pred_key : 0;
   const bool ties = kTies && pred != 0 && a.st->update_pred_ties != 0;
   __syncthreads();
   if (keeps && blockIdx.x == 0 && threadIdx.x == 0) {
@@ -78,52 +126,7 @@ __global__ void __launch_bounds__(kThreads, 5) HistogramKernel(HistArgs a) {
       const uint64_t i = base + 4 * lane;
       float u[4] = {0.f, 0.f, 0.f, 0.f};
       int valid = i < end ? static_cast<int>(end - i < 4 ? end - i : 4) : 0;
-      if (a.vectorized && valid == 4) {
-        if (kUpdate) {
-          const float4 g = *reinterpret_cast<const float4*>(a.grad + i);
-          const float4 p = a.params != nullptr
-                               ? *reinterpret_cast<const float4*>(a.params + i)
-                               : make_float4(0.f, 0.f, 0.f, 0.f);
-          const float4 v =
-              a.momentum_correction
-                  ? *reinterpret_cast<const float4*>(a.velocity_in + i)
-                  : make_float4(0.f, 0.f, 0.f, 0.f);
-          const float4 r =
-              *reinterpret_cast<const float4*>(a.residual_in + i);
-          float4 vo;
-          u[0] = UpdateOne(g.x, p.x, v.x, r.x, a, &vo.x);
-          u[1] = UpdateOne(g.y, p.y, v.y, r.y, a, &vo.y);
-          u[2] = UpdateOne(g.z, p.z, v.z, r.z, a, &vo.z);
-          u[3] = UpdateOne(g.w, p.w, v.w, r.w, a, &vo.w);
-          if (a.momentum_correction) {
-            *reinterpret_cast<float4*>(a.velocity_out + i) = vo;
-          }
-          *reinterpret_cast<float4*>(a.residual_out + i) =
-              make_float4(u[0], u[1], u[2], u[3]);
-        } else {
-          const float4 r =
-              *reinterpret_cast<const float4*>(a.residual_in + i);
-          u[0] = r.x;
-          u[1] = r.y;
-          u[2] = r.z;
-          u[3] = r.w;
-        }
-      } else {
-        for (int j = 0; j < valid; ++j) {
-          if (kUpdate) {
-            float vo = 0.0f;
-            const float p = a.params != nullptr ? a.params[i + j] : 0.0f;
-            const float v =
-                a.momentum_correction ? a.velocity_in[i + j] : 0.0f;
-            u[j] =
-                UpdateOne(a.grad[i + j], p, v, a.residual_in[i + j], a, &vo);
-            if (a.momentum_correction) a.velocity_out[i + j] = vo;
-            a.residual_out[i + j] = u[j];
-          } else {
-            u[j] = a.residual_in[i + j];
-          }
-        }
-      }
+      LoadOrUpdate4<kUpdate>(a, i, valid, u);
       for (int j = 0; j < valid; ++j) {
         atomicAdd(&hist[Key(u[j]) >> 20], 1u);
         sums.Add(u[j]);
@@ -133,14 +136,15 @@ __global__ void __launch_bounds__(kThreads, 5) HistogramKernel(HistArgs a) {
         uint32_t ballots[4];
         uint32_t any = 0;
         for (int j = 0; j < 4; ++j) {
-          ballots[j] = __ballot_sync(kFullMask, j < valid && Key(u[j]) >= min_key);
+          ballots[j] =
+              __ballot_sync(kFullMask, j < valid && Key(u[j]) >= min_key);
           any |= ballots[j];
         }
         if (ties) {  // uniform
           uint32_t equal = 0;
           for (int j = 0; j < 4; ++j) {
-            equal += __popc(
-                __ballot_sync(kFullMask, j < valid && Key(u[j]) == min_key - 1));
+            equal += __popc(__ballot_sync(
+                kFullMask, j < valid && Key(u[j]) == min_key - 1));
           }
           if (lane == 0) warp_equal[threadIdx.x / 32] += equal;
         }
@@ -180,6 +184,9 @@ __global__ void __launch_bounds__(kThreads, 5) HistogramKernel(HistArgs a) {
 
 }  // namespace
 
+// (Launches as GTOPK_LAUNCH(kernel, grid, block, stream)(args), a form
+// clang-format does not know.)
+// clang-format off
 void LaunchHistogram(bool update, bool ties, int blocks, cudaStream_t stream,
                      const HistArgs& a) {
   if (update) {
@@ -199,6 +206,7 @@ cudaError_t UpdateBlocksPerSm(int* per_sm) {
   return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
       per_sm, HistogramKernel<true>, kThreads, 0);
 }
+// clang-format on
 
 }  // namespace internal
 }  // namespace cuda

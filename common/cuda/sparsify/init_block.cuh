@@ -16,7 +16,7 @@ namespace internal {
 // less. The block must have read the gate already.
 __device__ inline void InitBlock(DeviceState* st, const InitArgs& a) {
   if (!a.run) return;  // uniform
-  __syncthreads();  // every thread has read the gate before thread 0 writes
+  __syncthreads();     // every thread has read the gate before thread 0 writes
   ull* hist0 = a.hist0;
   ull* hist1 = a.hist1;
   ull* hist2 = a.hist2;

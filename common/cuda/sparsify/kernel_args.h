@@ -86,11 +86,11 @@ struct HistArgs {
 // the k-th, from the plan's digit-1 and digit-2 histograms
 // (FinePredictBlock).
 struct UpdateCandidates {
-  const uint32_t* counts;  // [warps]: the update's per-chunk counts
-  ull* offsets;            // [warps / kWarpsPerBlock]: group offsets out
+  const uint32_t* counts;     // [warps]: the update's per-chunk counts
+  ull* offsets;               // [warps / kWarpsPerBlock]: group offsets out
   const uint32_t* eq_counts;  // [warps]: with ties, the keys == K
   ull* eq_offsets;            // [warps / kWarpsPerBlock]: theirs
-  int warps;     // 0: no update layout (nothing is used or predicted)
+  int warps;  // 0: no update layout (nothing is used or predicted)
   uint64_t n;
   ull predict_cap;  // the most keys a predicted bin may keep
 };

@@ -44,10 +44,9 @@ void LaunchHistArray(int blocks, cudaStream_t stream, const float* data,
 void LaunchHistArray(int blocks, cudaStream_t stream, const uint32_t* data,
                      const ull* d_len, uint64_t len, DeviceState* st,
                      ull* hists, int level, Gate gate, Then then);
-void LaunchFindBinDecide(cudaStream_t stream, DeviceState* st,
-                         const ull* hists, int level, ull compact_cap,
-                         Gate gate, const InitArgs& init,
-                         const UpdateCandidates& uc);
+void LaunchFindBinDecide(cudaStream_t stream, DeviceState* st, const ull* hists,
+                         int level, ull compact_cap, Gate gate,
+                         const InitArgs& init, const UpdateCandidates& uc);
 
 // collect.cu: the stable compaction of u (CollectKernel, its variant by
 // `hist` and `count_keys`) and Gaussian-k's first compaction over the
@@ -79,19 +78,18 @@ void LaunchCountFinal(int blocks, cudaStream_t stream, const float* cand_val,
                       FinalRule rule, uint32_t* greater, uint32_t* equal,
                       ull* block_greater, ull* block_equal, const ull* hists,
                       Gate gate);
-void LaunchWriteFinal(int blocks, cudaStream_t stream,
-                      const uint32_t* cand_idx, const float* cand_val,
-                      uint64_t n, DeviceState* st, FinalRule rule,
-                      const uint32_t* greater, const uint32_t* equal,
-                      const ull* block_greater, const ull* block_equal,
-                      uint32_t* out_idx, float* out_val, float* u, int zero,
-                      Gate gate, uint64_t layout_chunk,
+void LaunchWriteFinal(int blocks, cudaStream_t stream, const uint32_t* cand_idx,
+                      const float* cand_val, uint64_t n, DeviceState* st,
+                      FinalRule rule, const uint32_t* greater,
+                      const uint32_t* equal, const ull* block_greater,
+                      const ull* block_equal, uint32_t* out_idx, float* out_val,
+                      float* u, int zero, Gate gate, uint64_t layout_chunk,
                       const uint32_t* regions);
 
 // sample.cu: the sample of runs of 16 (SampleKernel).
 void LaunchSample(int blocks, cudaStream_t stream, const float* u, uint64_t n,
-                  uint64_t runs, uint32_t* sample, ull* hist0,
-                  DeviceState* st, Gate gate, Then then);
+                  uint64_t runs, uint32_t* sample, ull* hist0, DeviceState* st,
+                  Gate gate, Then then);
 
 // gauss.cu: the Gaussian-k planner (GaussPlanKernel, one block of
 // kScanThreads) and the host continuation's count (CountAtLeastKernel).

@@ -86,10 +86,10 @@ __device__ inline Moments BlockMoments(Moments mine) {
 #endif
   for (int stride = kSlots / 2; stride > 0; stride /= 2) {
     if (t < stride) {
-      const Moments merged = MergeMoments(
-          Moments{tree_n[t], tree_mean[t], tree_m2[t]},
-          Moments{tree_n[t + stride], tree_mean[t + stride],
-                  tree_m2[t + stride]});
+      const Moments merged =
+          MergeMoments(Moments{tree_n[t], tree_mean[t], tree_m2[t]},
+                       Moments{tree_n[t + stride], tree_mean[t + stride],
+                               tree_m2[t + stride]});
       tree_n[t] = merged.n;
       tree_mean[t] = merged.mean;
       tree_m2[t] = merged.m2;

@@ -28,8 +28,7 @@ ExactSample PlanExactSample(uint64_t n, uint64_t k, uint64_t min_n) {
   if (n < std::max<uint64_t>(4096, min_n)) return {};
   // About 256 expected sample keys at or above the k-th key, 64Ki keys at
   // least, n/32 at most (the sample's three digit passes stay small).
-  const double want =
-      256.0 * static_cast<double>(n) / static_cast<double>(k);
+  const double want = 256.0 * static_cast<double>(n) / static_cast<double>(k);
   const uint64_t size = std::min<uint64_t>(
       n / 32, static_cast<uint64_t>(std::max(65536.0, std::ceil(want))));
   ExactSample plan;
@@ -39,16 +38,15 @@ ExactSample PlanExactSample(uint64_t n, uint64_t k, uint64_t min_n) {
   // 6 standard deviations even if every run of 16 were one value (the
   // variance of a sum of 16-value clusters), so the bound keeps >= k keys
   // of u unless the sample is far off.
-  const double expected = std::ceil(static_cast<double>(k) *
-                                    static_cast<double>(sample) /
-                                    static_cast<double>(n));
+  const double expected =
+      std::ceil(static_cast<double>(k) * static_cast<double>(sample) /
+                static_cast<double>(n));
   plan.rank = static_cast<uint64_t>(
       expected + std::ceil(24.0 * std::sqrt(expected)) + 8.0);
   // The survivors expected at that rank must stay under half the exact
   // plan's compaction cap (CompactCap, n/8).
   const double survivors = static_cast<double>(plan.rank) *
-                           static_cast<double>(n) /
-                           static_cast<double>(sample);
+                           static_cast<double>(n) / static_cast<double>(sample);
   if (plan.rank > sample ||
       survivors > static_cast<double>(std::max<uint64_t>(1, n / 8)) / 2) {
     return {};

@@ -16,7 +16,8 @@ namespace internal {
 // built the histogram, which reads it through L2). Level 0 also flags
 // non-finite keys.
 template <int kBlock>
-__device__ inline void FindBinBlock(DeviceState* st, const ull* hist, int level) {
+__device__ inline void FindBinBlock(DeviceState* st, const ull* hist,
+                                    int level) {
   using Scan = cub::BlockScan<ull, kBlock, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ typename Scan::TempStorage storage;
   __shared__ int found;
@@ -44,7 +45,7 @@ __device__ inline void FindBinBlock(DeviceState* st, const ull* hist, int level)
     }
     ull before, total;
     Scan(storage).ExclusiveSum(v, before, total);  // keys in higher bins
-    __syncthreads();  // non_finite complete; storage free for the next tile
+    __syncthreads();   // non_finite complete; storage free for the next tile
     if (non_finite) {  // uniform
       if (threadIdx.x == 0) atomicOr(&st->error, kErrorNonFinite);
       return;
@@ -89,7 +90,7 @@ __device__ inline void FindNextBinBlock(DeviceState* st, const ull* hists) {
 // over the digits, never on how many keys one bin holds.
 template <int kBlock>
 __device__ inline void DecideBlock(DeviceState* st, const ull* hists, int level,
-                            ull compact_cap) {
+                                   ull compact_cap) {
   const int skip = st->compact | st->from_u;  // read before writes
   __syncthreads();
   if (skip) return;  // uniform
@@ -115,7 +116,7 @@ __device__ inline void RunThen(DeviceState* st, const ull* hists,
   if (then.op == kThenFindBin) {
     FindBinBlock<kThreads>(st, LevelHist(hists, then.level), then.level);
     if (then.cap != 0) {  // uniform
-      __syncthreads();  // the thread that found the bin wrote the counts
+      __syncthreads();    // the thread that found the bin wrote the counts
       if (threadIdx.x == 0 && st->error == 0 &&
           st->count_greater + st->bin_count > then.cap) {
         st->ties_at_bound = 1;

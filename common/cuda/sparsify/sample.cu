@@ -1,8 +1,8 @@
 // Stage: the sample of runs of 16 values at hashed starts, for dgc's
 // threshold and the exact top-k's sampled bound (SampleKernel).
 #include "common/cuda/launch.h"
-#include "common/cuda/sparsify/launchers.h"
 #include "common/cuda/sparsify/device_common.cuh"
+#include "common/cuda/sparsify/launchers.h"
 #include "common/cuda/sparsify/radix_steps.cuh"
 
 namespace gtopk {
@@ -15,9 +15,9 @@ namespace {
 // histogram to hist0. Nothing when the gate is closed.
 __global__ void __launch_bounds__(kThreads)
     SampleKernel(const float* __restrict__ u, uint64_t n, uint64_t runs,
-                 uint32_t* __restrict__ sample,
-                 ull* hist0, DeviceState* st, Gate gate, Then then) {
-  if (Closed(gate)) return;  // uniform
+                 uint32_t* __restrict__ sample, ull* hist0, DeviceState* st,
+                 Gate gate, Then then) {
+  if (Closed(gate)) return;   // uniform
   const ull seed = st->seed;  // this step's: a graph replays the kernel
   __shared__ uint32_t hist[kBins];
   for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
@@ -40,12 +40,16 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
+// (Launches as GTOPK_LAUNCH(kernel, grid, block, stream)(args), a form
+// clang-format does not know.)
+// clang-format off
 void LaunchSample(int blocks, cudaStream_t stream, const float* u, uint64_t n,
                   uint64_t runs, uint32_t* sample, ull* hist0,
                   DeviceState* st, Gate gate, Then then) {
   GTOPK_LAUNCH(SampleKernel, blocks, kThreads, stream)(
       u, n, runs, sample, hist0, st, gate, then);
 }
+// clang-format on
 
 }  // namespace internal
 }  // namespace cuda

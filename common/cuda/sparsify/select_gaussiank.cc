@@ -15,9 +15,8 @@ namespace cuda {
 namespace internal {
 
 KernelStatus SparsifierImpl::SelectGaussianK(float* u, uint64_t n,
-                                               const SelectParams& p,
-                                               bool reuse,
-                                               cudaStream_t stream) {
+                                             const SelectParams& p, bool reuse,
+                                             cudaStream_t stream) {
   const uint64_t k = p.k;
   const uint64_t lo = MinCount(Method::kGaussianK, k);
   const uint64_t hi = MaxCount(Method::kGaussianK, k);
@@ -52,8 +51,8 @@ KernelStatus SparsifierImpl::SelectGaussianK(float* u, uint64_t n,
         Histogram(u, n, stream, Then{}, /*keep_candidates=*/true));
   }
   LaunchGaussPlan(stream, st, hist0, partials, n, z, lo, hi,
-                  p.gaussiank_max_adjustments, hist1, GaussKeyLimit(), init,
-                  uc, CompactCap(n));
+                  p.gaussiank_max_adjustments, hist1, GaussKeyLimit(), init, uc,
+                  CompactCap(n));
   GTOPK_CUDA_LAUNCH_CHECK();
   // No host round trip: the compaction at the planned threshold counts the
   // keys the later adjustments may need, and its scan accepts the count
@@ -73,8 +72,8 @@ KernelStatus SparsifierImpl::SelectGaussianK(float* u, uint64_t n,
     from_update.at_least = hist1;
     const int groups = update_layout.warps / kWarpsPerBlock;
     LaunchGaussUpdateCollect(std::min(groups, max_blocks), stream, u, st,
-                             regions.get(), counts_u.get(),
-                             update_layout.chunk, groups, gate, from_update);
+                             regions.get(), counts_u.get(), update_layout.chunk,
+                             groups, gate, from_update);
     GTOPK_CUDA_LAUNCH_CHECK();
   }
   // Returns at once when the kernel above compacted.
@@ -111,9 +110,9 @@ KernelStatus SparsifierImpl::SelectGaussianK(float* u, uint64_t n,
     GatedScope falling_back(*this, &st->gk_exact, 1);
     const ExactSample plan = PlanExactSample(n, k);
     if (plan.runs != 0 && !history.GaussFallbackFromUpdate(n)) {
-      GTOPK_CUDA_RETURN_IF_NOT_OK(SampledExact(u, n, k, zero, plan.runs,
-                                               plan.rank, history.gauss_expect_from_u,
-                                               stream));
+      GTOPK_CUDA_RETURN_IF_NOT_OK(
+          SampledExact(u, n, k, zero, plan.runs, plan.rank,
+                       history.gauss_expect_from_u, stream));
     } else {
       GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, true, stream,
                                              /*update_candidates=*/true));
@@ -126,7 +125,7 @@ KernelStatus SparsifierImpl::SelectGaussianK(float* u, uint64_t n,
 }
 
 KernelStatus SparsifierImpl::ContinueGaussianK(const DeviceState& state,
-                                                 cudaStream_t stream) {
+                                               cudaStream_t stream) {
   float* u = pending_u;
   const uint64_t n = pending_n;
   const SelectParams& p = pending_params;
@@ -154,8 +153,7 @@ KernelStatus SparsifierImpl::ContinueGaussianK(const DeviceState& state,
         check_selected = false;
       } else {
         GTOPK_CUDA_RETURN_IF_NOT_OK(Final(FinalRule{1, key}, u, n, zero,
-                                          CandidateBlocks(cand_count),
-                                          stream));
+                                          CandidateBlocks(cand_count), stream));
         check_selected = true;
       }
       info.fell_back = false;
@@ -171,8 +169,7 @@ KernelStatus SparsifierImpl::ContinueGaussianK(const DeviceState& state,
     if (key >= cand_key) {
       // Raising the threshold: count among the candidates.
       if (!gathered) {
-        GTOPK_CUDA_RETURN_IF_NOT_OK(
-            Gather(u, false, false, false, stream));
+        GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, false, stream));
         gathered = true;
       }
       GTOPK_CUDA_RETURN_IF_ERROR(

@@ -14,8 +14,8 @@ namespace cuda {
 namespace internal {
 
 KernelStatus SparsifierImpl::SelectDgc(float* u, uint64_t n,
-                                         const SelectParams& p, bool reuse,
-                                         cudaStream_t stream) {
+                                       const SelectParams& p, bool reuse,
+                                       cudaStream_t stream) {
   const uint64_t k = p.k;
   const bool zero = p.zero_selected;
   const DgcSample ds = PlanDgcSample(n, k, p.dgc_sample_fraction);
@@ -69,8 +69,8 @@ KernelStatus SparsifierImpl::SelectDgc(float* u, uint64_t n,
 // The exact top-k from a sampled lower bound (see sparsify.h): one
 // compaction pass over u instead of a histogram pass and a compaction.
 KernelStatus SparsifierImpl::SelectExact(float* u, uint64_t n,
-                                           const SelectParams& p, bool reuse,
-                                           cudaStream_t stream) {
+                                         const SelectParams& p, bool reuse,
+                                         cudaStream_t stream) {
   const uint64_t k = p.k;
   const bool zero = p.zero_selected;
   BeginOutput(k);
@@ -84,8 +84,8 @@ KernelStatus SparsifierImpl::SelectExact(float* u, uint64_t n,
     check_selected = true;
     return CopyOut(k, stream);
   }
-  GTOPK_CUDA_RETURN_IF_NOT_OK(SampledExact(u, n, k, zero, plan.runs,
-                                           plan.rank, history.exact_expect_from_u,
+  GTOPK_CUDA_RETURN_IF_NOT_OK(SampledExact(u, n, k, zero, plan.runs, plan.rank,
+                                           history.exact_expect_from_u,
                                            stream));
   continuation = Continuation::kExact;
   return CopyOut(k, stream);
@@ -94,9 +94,8 @@ KernelStatus SparsifierImpl::SelectExact(float* u, uint64_t n,
 KernelStatus SparsifierImpl::ContinueExact(cudaStream_t stream) {
   const uint64_t k = pending_params.k;
   BeginOutput(k);
-  GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(pending_u, pending_n, k,
-                                         pending_params.zero_selected, false,
-                                         stream));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(
+      pending_u, pending_n, k, pending_params.zero_selected, false, stream));
   sample_missed = true;
   info.fell_back = true;
   check_selected = true;
@@ -104,7 +103,7 @@ KernelStatus SparsifierImpl::ContinueExact(cudaStream_t stream) {
 }
 
 KernelStatus SparsifierImpl::ContinueDgc(const DeviceState& s,
-                                           cudaStream_t stream) {
+                                         cudaStream_t stream) {
   float* u = pending_u;
   const uint64_t n = pending_n;
   const uint64_t k = pending_params.k;
@@ -130,8 +129,8 @@ KernelStatus SparsifierImpl::ContinueDgc(const DeviceState& s,
 }
 
 KernelStatus SparsifierImpl::SelectTiny(float* u, uint64_t n,
-                                          const SelectParams& p,
-                                          cudaStream_t stream) {
+                                        const SelectParams& p,
+                                        cudaStream_t stream) {
   const uint64_t k = p.k;
   TinyArgs a{};
   a.method = static_cast<int>(p.method);

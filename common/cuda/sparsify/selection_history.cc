@@ -15,9 +15,8 @@ void SelectionHistory::Record(const SelectionOutcome& o,
     // fallback that started from a sample (which predicts nothing), so
     // that the plan runs again and predicts (at worst every other step
     // when it cannot: the sample in between).
-    const bool planned = o.fell_back && !o.ran_sampled &&
-                         !o.candidate_exact && last.update_pred_n == o.n &&
-                         last.update_pred_key != 0;
+    const bool planned = o.fell_back && !o.ran_sampled && !o.candidate_exact &&
+                         last.update_pred_n == o.n && last.update_pred_key != 0;
     gauss_exact_predicted_n =
         planned || (o.fell_back && o.ran_sampled) ? o.n : 0;
   } else if (o.continuation == Continuation::kDgc) {
@@ -39,13 +38,12 @@ void SelectionHistory::Record(const SelectionOutcome& o,
     // the plan predicted the next update's candidates, and this update
     // kept none it could have used (none, or the prediction missed), the
     // next one tries them instead.
-    const bool predicted = last.update_pred_n == o.n &&
-                           last.update_pred_key != 0;
+    const bool predicted =
+        last.update_pred_n == o.n && last.update_pred_key != 0;
     const bool missed = last.update_used_n == o.n &&
-                        last.update_used_key != 0 &&
-                        !o.candidates_from_update;
-    const bool many = !o.candidates_from_update &&
-                      o.exact_digit_passes > 1 && (missed || !predicted);
+                        last.update_used_key != 0 && !o.candidates_from_update;
+    const bool many = !o.candidates_from_update && o.exact_digit_passes > 1 &&
+                      (missed || !predicted);
     update_many_pass_n = many ? o.n : 0;
     update_sampled_count = 0;
   } else if (o.update_sampled && o.fell_back && o.exact_digit_passes <= 1) {

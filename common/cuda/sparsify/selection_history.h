@@ -24,9 +24,9 @@ enum class Continuation { kNone, kGaussianK, kDgc, kExact };
 struct SelectionOutcome {
   Continuation continuation = Continuation::kNone;
   uint64_t n = 0;
-  bool exact = false;       // method exact
-  bool fell_back = false;   // SelectInfo::fell_back
-  bool ran_sampled = false;  // an exact top-k from a sample ran
+  bool exact = false;          // method exact
+  bool fell_back = false;      // SelectInfo::fell_back
+  bool ran_sampled = false;    // an exact top-k from a sample ran
   bool sample_missed = false;  // ... and its plan over u followed
   // gaussiank's host continuation took the exact top-k from its
   // compaction's candidates (CandidateExact: it predicts nothing).

@@ -2,7 +2,6 @@
 // SparseUpdater, and Sparsifier's Create, Accumulate and Select (Wait's steps
 // are in wait.cc, the methods in select_*.cc).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <memory>
 #include <string>
@@ -12,30 +11,23 @@
 #include "common/cuda/sparsify/host_util.h"
 #include "common/cuda/sparsify/launchers.h"
 #include "common/cuda/sparsify/sparsifier_impl.h"
+#include "common/cuda/sparsify/testing.h"
 
 namespace gtopk {
 namespace cuda {
 
-// (Process-wide test hooks, read by each Select; see sparsify.h.)
-namespace {
-// SetExactSampleMinNForTesting's value.
-std::atomic<uint64_t> exact_sample_min_n{uint64_t{1} << 22};
-// SetOneBlockMaxNForTesting's value (at most kTinyMaxN).
-std::atomic<uint64_t> one_block_max_n{internal::kTinyMaxN};
-}  // namespace
-
+using internal::DeviceState;
 using internal::DiscardStaleError;
-using internal::LaunchGlobalMomentum;
-using internal::LaunchScatter;
-using internal::kOutHeader;
 using internal::kBins;
 using internal::kChunkAlign;
 using internal::kHistsSize;
 using internal::kMaxBlocks;
 using internal::kMaxWarps;
+using internal::kOutHeader;
 using internal::kUpdateChunks;
 using internal::kWarpsPerBlock;
-using internal::DeviceState;
+using internal::LaunchGlobalMomentum;
+using internal::LaunchScatter;
 using internal::ull;
 
 struct Sparsifier::Impl : internal::SparsifierImpl {};
@@ -157,24 +149,24 @@ void Sparsifier::set_use_graphs(bool use) {
   impl_->use_graphs = use;
   if (!use) impl_->graphs.Clear();
 }
-void Sparsifier::set_gaussiank_fallback_from_candidates_for_testing(
-    bool use) {
-  impl_->tuning.gaussiank_fallback_from_candidates = use;
-  impl_->history.gauss_fallback_from_candidates = use;
-  impl_->graphs.Clear();
-}
-void Sparsifier::set_gaussiank_key_limit_for_testing(int limit) {
-  impl_->tuning.gaussiank_key_limit =
-      std::max(0, std::min(limit, internal::kMaxGaussKeys));
-  impl_->graphs.Clear();  // they captured the old limit
+void SetTuningForTesting(Sparsifier* sparsifier,
+                         const SparsifierTuning& tuning) {
+  internal::SparsifierImpl& m = *sparsifier->impl_;
+  const SparsifierTuning old = m.tuning;
+  m.SetTuning(tuning);
+  // The captured graphs hold the old key limit and fallback choice (the
+  // other hooks are part of their keys).
+  if (m.tuning.gaussiank_key_limit != old.gaussiank_key_limit ||
+      m.tuning.gaussiank_fallback_from_candidates !=
+          old.gaussiank_fallback_from_candidates) {
+    m.graphs.Clear();
+  }
 }
 
 Sparsifier::~Sparsifier() = default;
 
 uint64_t Sparsifier::capacity() const { return impl_->capacity; }
-const uint32_t* Sparsifier::device_indices() const {
-  return impl_->out_idx();
-}
+const uint32_t* Sparsifier::device_indices() const { return impl_->out_idx(); }
 const float* Sparsifier::device_values() const { return impl_->out_val(); }
 
 KernelStatus Sparsifier::Create(uint64_t capacity,
@@ -193,9 +185,7 @@ KernelStatus Sparsifier::Create(uint64_t capacity,
   }
   auto impl = std::make_unique<Impl>();
   impl->capacity = capacity;
-  impl->tuning = tuning;
-  impl->history.gauss_fallback_from_candidates =
-      tuning.gaussiank_fallback_from_candidates;
+  impl->SetTuning(tuning);
   int device = 0, sms = 0;
   GTOPK_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   GTOPK_CUDA_RETURN_IF_ERROR(
@@ -225,8 +215,8 @@ KernelStatus Sparsifier::Create(uint64_t capacity,
   impl->trim_hists = reinterpret_cast<ull*>(impl->partials + 3 * kMaxBlocks);
   GTOPK_CUDA_RETURN_IF_NOT_OK(
       impl->regions.Allocate(capacity + kChunkAlign * kMaxWarps));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(
-      impl->counts_u.Allocate(impl->update_blocks * kWarpsPerBlock * kUpdateChunks));
+  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->counts_u.Allocate(
+      impl->update_blocks * kWarpsPerBlock * kUpdateChunks));
   GTOPK_CUDA_RETURN_IF_NOT_OK(
       impl->offsets_u.Allocate(impl->update_blocks * kUpdateChunks));
   GTOPK_CUDA_RETURN_IF_NOT_OK(impl->eq_counts_u.Allocate(
@@ -249,14 +239,12 @@ KernelStatus Sparsifier::Accumulate(
     const float* grad, const float* params, const float* velocity_in,
     float* velocity_out, const float* residual_in, float* residual_out,
     uint64_t n, const UpdateParams& up, cudaStream_t stream) {
-  return impl_->Accumulate(grad, params, velocity_in, velocity_out,
-                           residual_in, residual_out, n, up, stream);
+  return impl_->Accumulate(grad, params, velocity_in, velocity_out, residual_in,
+                           residual_out, n, up, stream);
 }
 
 KernelStatus Sparsifier::Select(float* u, uint64_t n, const SelectParams& p,
                                 cudaStream_t stream) {
-  impl_->tuning.exact_sample_min_n = exact_sample_min_n.load();
-  impl_->tuning.one_block_max_n = one_block_max_n.load();
   return impl_->Select(u, n, p, stream);
 }
 
@@ -264,19 +252,18 @@ KernelStatus Sparsifier::Wait(cudaStream_t stream, SelectedPairs* out) {
   return impl_->Wait(stream, out);
 }
 
-uint64_t SetExactSampleMinNForTesting(uint64_t min_n) {
-  return exact_sample_min_n.exchange(min_n);
-}
-
-uint64_t SetOneBlockMaxNForTesting(uint64_t max_n) {
-  return one_block_max_n.exchange(
-      std::min<uint64_t>(max_n, internal::kTinyMaxN));
-}
-
 namespace internal {
 
 SparsifierImpl::SparsifierImpl()
     : graphs([](cudaGraphExec_t exec) { cudaGraphExecDestroy(exec); }) {}
+
+void SparsifierImpl::SetTuning(const SparsifierTuning& t) {
+  tuning = t;
+  tuning.one_block_max_n = std::min<uint64_t>(t.one_block_max_n, kTinyMaxN);
+  tuning.gaussiank_key_limit =
+      std::max(0, std::min(t.gaussiank_key_limit, kMaxGaussKeys));
+  history.gauss_fallback_from_candidates = t.gaussiank_fallback_from_candidates;
+}
 
 KernelStatus SparsifierImpl::Accumulate(
     const float* grad, const float* params, const float* velocity_in,
@@ -343,8 +330,7 @@ KernelStatus SparsifierImpl::Accumulate(
   return KernelStatus::Ok();
 }
 
-KernelStatus SparsifierImpl::Select(float* u, uint64_t n,
-                                    const SelectParams& p,
+KernelStatus SparsifierImpl::Select(float* u, uint64_t n, const SelectParams& p,
                                     cudaStream_t stream) {
   DiscardStaleError();
   if (pending) {
@@ -352,10 +338,10 @@ KernelStatus SparsifierImpl::Select(float* u, uint64_t n,
                                "Select: Wait for the pending Select first");
   }
   if (u == nullptr || n == 0 || n > capacity) {
-    return KernelStatus::Error(
-        KernelStatusCode::kInvalidArgument,
-        "Select: n = " + std::to_string(n) + " must be in [1, capacity = " +
-            std::to_string(capacity) + "] (u non-null)");
+    return KernelStatus::Error(KernelStatusCode::kInvalidArgument,
+                               "Select: n = " + std::to_string(n) +
+                                   " must be in [1, capacity = " +
+                                   std::to_string(capacity) + "] (u non-null)");
   }
   if (p.k == 0 || p.k > n) {
     return KernelStatus::Error(KernelStatusCode::kInvalidArgument,
@@ -403,10 +389,9 @@ KernelStatus SparsifierImpl::Select(float* u, uint64_t n,
   sample_missed = false;
   // dgc's sample seed for this step: a replayed graph copies it from here.
   *host_seed.get() = Mix(p.seed, p.step);
-  const KernelStatus status =
-      use_graphs && stream != nullptr
-          ? EnqueueWithGraph(u, n, p, reuse, stream)
-          : Enqueue(u, n, p, reuse, stream);
+  const KernelStatus status = use_graphs && stream != nullptr
+                                  ? EnqueueWithGraph(u, n, p, reuse, stream)
+                                  : Enqueue(u, n, p, reuse, stream);
   hist_u = nullptr;  // u changes (zeroing) or the histogram was reused
   if (!status.ok()) pending = false;
   return status;

@@ -48,11 +48,13 @@ struct SparsifierImpl {
   // The fused update's grid: one wave of HistogramKernel<true>, which holds
   // more registers than the other passes (fewer blocks fit per SM).
   int update_blocks = 0;
-  // The test hooks (common/cuda/sparsify/testing.h), fixed at Create.
+  // The test hooks (common/cuda/sparsify/testing.h), set at Create
+  // (SetTuning: one_block_max_n and gaussiank_key_limit clamped).
   SparsifierTuning tuning;
+  void SetTuning(const SparsifierTuning& t);
 
   DeviceBuffer<unsigned char> meta;  // hist0/1/2, partials, trim histograms
-  DeviceState* st = nullptr;  // the head of `out`
+  DeviceState* st = nullptr;         // the head of `out`
   ull* hist0 = nullptr;
   ull* hist1 = nullptr;
   ull* hist2 = nullptr;
@@ -174,12 +176,7 @@ struct SparsifierImpl {
     a->layout_warps = l.warps;
   }
   // Gaussian-k's device correction lists at most this many keys.
-  int GaussKeyLimit() const {
-    return tuning.gaussiank_key_limit < 0 ? 0
-           : tuning.gaussiank_key_limit > kMaxGaussKeys
-               ? kMaxGaussKeys
-               : tuning.gaussiank_key_limit;
-  }
+  int GaussKeyLimit() const { return tuning.gaussiank_key_limit; }
   ExactSample PlanExactSample(uint64_t n, uint64_t k) const {
     return internal::PlanExactSample(n, k, tuning.exact_sample_min_n);
   }
@@ -229,8 +226,8 @@ struct SparsifierImpl {
   // route kGatherDgc: to the output when accepted, else to the candidates
   // when trimming, with the trim histograms (to_output is ignored).
   KernelStatus Gather(float* u, bool to_output, bool zero, bool next_hist,
-                      cudaStream_t stream,
-                      GatherRoute route = kGatherAlways, Then then = {});
+                      cudaStream_t stream, GatherRoute route = kGatherAlways,
+                      Then then = {});
   // Stable compaction of the candidate arrays (or of u itself, when the
   // exact plan says from_u) by FinalRule into out_*, on `blocks` blocks.
   KernelStatus Final(FinalRule rule, float* u, uint64_t n, bool zero,
@@ -250,8 +247,8 @@ struct SparsifierImpl {
   // chunks): sets update_layout, which GatherKernel reads when a
   // selection takes them, and returns what the deciding kernel needs.
   UpdateCandidates UseUpdateCandidates(uint64_t n);
-  KernelStatus Decide(int level, ull cap, cudaStream_t stream,
-                      InitArgs init, UpdateCandidates uc = {});
+  KernelStatus Decide(int level, ull cap, cudaStream_t stream, InitArgs init,
+                      UpdateCandidates uc = {});
   // Copies the state to the host and waits for it.
   KernelStatus ReadState(cudaStream_t stream, DeviceState* state);
   static uint64_t OutBytes(uint64_t pairs) {
@@ -271,8 +268,8 @@ struct SparsifierImpl {
   // bound kept fewer than k or more than n/8). Sets sampled_enqueued and
   // from_u_enqueued.
   KernelStatus SampledExact(float* u, uint64_t n, uint64_t k, bool zero,
-                            uint64_t runs, uint64_t rank,
-                            bool from_u_predicted, cudaStream_t stream);
+                            uint64_t runs, uint64_t rank, bool from_u_predicted,
+                            cudaStream_t stream);
   // dgc's and the exact top-k's sample: state's min_key = the rank-th
   // largest key of `runs` runs of 16 values of u at hashed starts (this
   // step's seed). Init (need = rank, the trim histograms zeroed), the

@@ -43,7 +43,7 @@ constexpr int kMaxBlocks = 1024;
 constexpr int kMaxWarps = kMaxBlocks * kWarpsPerBlock;  // 8192
 // One-block kernels (Init, the Gaussian-k planner, FindBinDecide).
 constexpr int kScanThreads = 1024;
-constexpr uint64_t kChunkAlign = 128;                 // 32 lanes x float4
+constexpr uint64_t kChunkAlign = 128;  // 32 lanes x float4
 // Chunks per warp of the histogram pass (HistArgs::chunk): enough that a
 // chunk rounded up to kChunkAlign leaves the warps' shares even.
 constexpr int kUpdateChunks = 4;
@@ -63,7 +63,6 @@ constexpr int kMaxGaussKeys = 160;
 constexpr int kGaussCorrect = 1;  // one more compaction at state's min_key
 constexpr int kGaussHost = 2;     // Wait continues the adjustments
 constexpr int kGaussExact = 3;    // they end out of range: the exact top-k
-
 
 // The one-block path for a small u (n <= kTinyMaxN; tiny_kernel.cu).
 constexpr uint64_t kTinyMaxN = 4096;

@@ -33,6 +33,15 @@ struct SparsifierTuning {
   bool gaussiank_fallback_from_candidates = true;
 };
 
+class Sparsifier;
+
+// Replaces the hooks of a live Sparsifier (call between a Wait and the next
+// Select; drops its captured graphs when the key limit or the fallback
+// choice changes, which they were enqueued under), for tests that change
+// them from one selection to the next.
+void SetTuningForTesting(Sparsifier* sparsifier,
+                         const SparsifierTuning& tuning);
+
 }  // namespace cuda
 }  // namespace gtopk
 

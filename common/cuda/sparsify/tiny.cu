@@ -2,13 +2,13 @@
 // selection, any method, in one kernel of kScanThreads threads with u's keys
 // in shared memory, so that a selection is one launch and one copy instead
 // of a chain of eight to eleven (issue 15's small-n target is launch-bound).
-#include "common/cuda/launch.h"
-#include "common/cuda/sparsify/launchers.h"
 #include <cmath>
 
+#include "common/cuda/launch.h"
 #include "common/cuda/sparsify.h"
 #include "common/cuda/sparsify/device_common.cuh"
 #include "common/cuda/sparsify/init_block.cuh"
+#include "common/cuda/sparsify/launchers.h"
 #include "common/cuda/sparsify/moments.cuh"
 
 namespace gtopk {
@@ -21,7 +21,8 @@ namespace {
 // exceed it, *ties = how many keys == t to take (lower index first).
 __device__ void TinyKth(const uint32_t* keys, int m, ull rank, uint32_t* t,
                         ull* greater, ull* ties) {
-  using Scan = cub::BlockScan<uint32_t, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+  using Scan =
+      cub::BlockScan<uint32_t, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ typename Scan::TempStorage storage;
   __shared__ uint32_t hist[kBins];
   __shared__ uint32_t found_digit;
@@ -48,7 +49,8 @@ __device__ void TinyKth(const uint32_t* keys, int m, ull rank, uint32_t* t,
     Scan(storage).ExclusiveSum(v, before);
     for (int j = 0; j < 2; ++j) {
       const int p = 2 * static_cast<int>(threadIdx.x) + j;
-      if (p < bins && v[j] != 0 && before[j] < need && need <= before[j] + v[j]) {
+      if (p < bins && v[j] != 0 && before[j] < need &&
+          need <= before[j] + v[j]) {
         found_digit = static_cast<uint32_t>(bins - 1 - p);
         found_before = before[j];
       }
@@ -86,7 +88,8 @@ __device__ ull TinyCountAtLeast(const uint32_t* keys, int m, uint32_t key) {
 __device__ ull TinyWrite(float* u, const uint32_t* keys, int n, uint32_t t,
                          ull ties, uint32_t* out_idx, float* out_val,
                          int zero) {
-  using Scan = cub::BlockScan<uint32_t, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+  using Scan =
+      cub::BlockScan<uint32_t, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ typename Scan::TempStorage storage;
   const int begin = static_cast<int>(threadIdx.x) * kTinyPerThread;
   const int end = begin + kTinyPerThread < n ? begin + kTinyPerThread : n;
@@ -233,12 +236,16 @@ __global__ void __launch_bounds__(kScanThreads)
 
 }  // namespace
 
+// (Launches as GTOPK_LAUNCH(kernel, grid, block, stream)(args), a form
+// clang-format does not know.)
+// clang-format off
 void LaunchTinySelect(cudaStream_t stream, float* u, uint64_t n,
                       DeviceState* st, const InitArgs& init, const TinyArgs& a,
                       uint32_t* out_idx, float* out_val) {
   GTOPK_LAUNCH(TinySelectKernel, 1, kScanThreads, stream)(
       u, n, st, init, a, out_idx, out_val);
 }
+// clang-format on
 
 }  // namespace internal
 }  // namespace cuda

@@ -37,8 +37,8 @@ KernelStatus SparsifierImpl::Wait(cudaStream_t stream, SelectedPairs* out) {
     GTOPK_CUDA_RETURN_IF_NOT_OK(FinishTiny(s));
   }
   if (pending_continuation != Continuation::kNone && s.error == 0) {
-    GTOPK_CUDA_RETURN_IF_NOT_OK(FinishContinuation(
-        pending_continuation, &s, &ran_sampled, stream));
+    GTOPK_CUDA_RETURN_IF_NOT_OK(
+        FinishContinuation(pending_continuation, &s, &ran_sampled, stream));
   }
   if (dgc_ties) {
     info.candidates = dgc_survivors;
@@ -62,10 +62,9 @@ KernelStatus SparsifierImpl::Wait(cudaStream_t stream, SelectedPairs* out) {
   o.exact_digit_passes = info.exact_digit_passes;
   o.update_sampled = pending_update_sampled;
   history.Record(o, *host_state());  // the state after any continuation
-  out->indices =
-      reinterpret_cast<const uint32_t*>(host_out.get() + kOutHeader);
-  out->values = reinterpret_cast<const float*>(
-      host_out.get() + kOutHeader + out_stride * sizeof(uint32_t));
+  out->indices = reinterpret_cast<const uint32_t*>(host_out.get() + kOutHeader);
+  out->values = reinterpret_cast<const float*>(host_out.get() + kOutHeader +
+                                               out_stride * sizeof(uint32_t));
   out->count = pending_count;
   out->info = info;
   return KernelStatus::Ok();
@@ -90,8 +89,8 @@ KernelStatus SparsifierImpl::FinishTiny(const DeviceState& s) {
   const uint64_t lo = MinCount(method, pending_params.k);
   const uint64_t hi =
       std::min<uint64_t>(MaxCount(method, pending_params.k), pending_n);
-  const bool exact_count = method == Method::kExact || info.fell_back ||
-                           info.trimmed_on_device;
+  const bool exact_count =
+      method == Method::kExact || info.fell_back || info.trimmed_on_device;
   if (exact_count ? s.num_selected != pending_params.k
                   : s.num_selected < std::min(lo, hi) || s.num_selected > hi) {
     return KernelStatus::Error(
@@ -102,10 +101,9 @@ KernelStatus SparsifierImpl::FinishTiny(const DeviceState& s) {
   return KernelStatus::Ok();
 }
 
-KernelStatus SparsifierImpl::FinishContinuation(Continuation pending_continuation,
-                                                DeviceState* s,
-                                                bool* ran_sampled,
-                                                cudaStream_t stream) {
+KernelStatus SparsifierImpl::FinishContinuation(
+    Continuation pending_continuation, DeviceState* s, bool* ran_sampled,
+    cudaStream_t stream) {
   const bool gauss = pending_continuation == Continuation::kGaussianK;
   const bool corrected = gauss && s->gk_mode == kGaussCorrect;
   // An exact top-k from a sample ran: exact's own, or gaussiank's gated
@@ -221,8 +219,7 @@ KernelStatus SparsifierImpl::NonFiniteError(cudaStream_t stream) {
   // Find the first position for the message (rare path, one more pass).
   GTOPK_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(&st->first_non_finite, 0xff, sizeof(ull), stream));
-  LaunchFirstNonFinite(HistBlocks(pending_n), stream, pending_u, pending_n,
-                       st);
+  LaunchFirstNonFinite(HistBlocks(pending_n), stream, pending_u, pending_n, st);
   GTOPK_CUDA_LAUNCH_CHECK();
   ull pos = 0;
   GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&pos, &st->first_non_finite,
@@ -245,8 +242,7 @@ void SparsifierImpl::FinishInfo(const DeviceState& s) {
   if (info.candidates == 0) info.candidates = s.num_candidates;
   info.exact_digit_passes = s.u_passes;
   info.exact_final_from_u = s.from_u != 0;
-  info.candidates_from_update =
-      s.from_update != 0 || s.gauss_used_update != 0;
+  info.candidates_from_update = s.from_update != 0 || s.gauss_used_update != 0;
 }
 
 }  // namespace internal
