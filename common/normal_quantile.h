@@ -1,5 +1,5 @@
 // The standard normal quantile, shared by the CPU Gaussian-k selector
-// (common/cpu/) and the CUDA one (common/cuda/sparsify.cu, which links no
+// (common/cpu/) and the CUDA one (common/cuda/sparsify/, which links no
 // Abseil): both must compute the same z for the same density, so there is
 // one definition. Header-only, no dependencies beyond <cmath>.
 #ifndef GTOPK_COMMON_NORMAL_QUANTILE_H_

@@ -16,18 +16,16 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "common/magnitude_key.h"
 #include "common/sparse_vector.h"
 
 namespace gtopk {
 namespace cpu {
 
-inline uint32_t MagnitudeKey(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return bits & 0x7fffffffu;
-}
-// Keys at or above this are +-Inf or NaN.
-inline constexpr uint32_t kNonFiniteKey = 0x7f800000u;
+// |x|'s key and the non-finite bound (common/magnitude_key.h, shared with
+// the CUDA kernels).
+using ::gtopk::kNonFiniteKey;
+using ::gtopk::MagnitudeKey;
 
 // A growable array of trivially copyable T that, unlike std::vector, does not
 // value-initialise on growth: the hot loops write every slot they later read.

@@ -50,6 +50,7 @@
 #include "common/cuda/cuda_status.h"
 #include "common/cuda/launch.h"
 #include "common/cuda/sparsify.h"
+#include "common/cuda/sparsify/testing.h"
 
 namespace {
 
@@ -541,7 +542,7 @@ const char* TargetStatus(const Target& t) {
 // The checks and timings on the device.
 
 // The floor of any pass over u (the read_pass baseline), and what the
-// histogram pass (HistogramKernel in common/cuda/sparsify.cu) adds to a
+// histogram pass (HistogramKernel in common/cuda/sparsify/histogram.cu) adds to a
 // read, part by part (the read_pass_moments and read_pass_hist baselines,
 // issue 15: that pass took 1.3 reads on the 2026-11-30 H200 on every
 // input, the narrow band's single bin included). kWork = kReadOnly: each of
@@ -705,11 +706,11 @@ class DeviceChecker {
     CHECK_CUDA(cudaEventCreate(&start));
     CHECK_CUDA(cudaEventCreate(&stop));
     const uint64_t max_n = *std::max_element(o.sizes.begin(), o.sizes.end());
+    gtopk::cuda::SparsifierTuning tuning;
     if (o.exact_sample_min_n >= 0) {
-      gtopk::cuda::SetExactSampleMinNForTesting(
-          static_cast<uint64_t>(o.exact_sample_min_n));
+      tuning.exact_sample_min_n = static_cast<uint64_t>(o.exact_sample_min_n);
     }
-    CHECK_OK(Sparsifier::Create(max_n, &sp));
+    CHECK_OK(Sparsifier::Create(max_n, tuning, &sp));
     CHECK_OK(d_pristine.Allocate(max_n));
     CHECK_OK(d_u.Allocate(max_n));
     CHECK_OK(d_velocity.Allocate(max_n));

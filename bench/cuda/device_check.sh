@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA device check (issues 5 and 15; see bench/cuda/README.md). Builds
-# the kernels and the checker with nvcc alone (no CMake cache, Abseil, gRPC
-# or Debian packages needed), times torch.topk when torch is importable, then
+# the kernels (the source list and nvcc flags CMake reads too,
+# common/cuda/sparsify/sources.txt and nvcc_flags.txt) and the checker with
+# nvcc alone (no CMake cache, Abseil, gRPC or Debian packages needed), times torch.topk when torch is importable, then
 # checks correctness and times our selectors on every input kind. Writes
 # $OUT/cuda_select.json (and torch_topk.json, device_check.log) and prints
 # one table per input and a line per issue-15 target. Then, where the tools
@@ -138,23 +139,32 @@ command -v nvidia-smi > /dev/null && \
   timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total \
     --format=csv,noheader 2>&1 | tee -a "$LOG"
 
-# 1. Build: two translation units in parallel, sm_90 only.
-NVFLAGS=(-std=c++17 -O3 -gencode arch=compute_90,code=sm_90 --fmad=false
-         -Xcompiler=-Wall -I"$ROOT")
+# 1. Build: the selector's sources (common/cuda/sparsify/sources.txt, the
+# list CMake builds) and the checker, every translation unit in parallel,
+# sm_90 only, with the nvcc flags CMake uses for them
+# (common/cuda/sparsify/nvcc_flags.txt).
+read_list() { grep -v -e '^#' -e '^[[:space:]]*$' "$1"; }
+mapfile -t SOURCES < <(read_list "$ROOT/common/cuda/sparsify/sources.txt")
+mapfile -t SHARED_FLAGS < <(read_list "$ROOT/common/cuda/sparsify/nvcc_flags.txt")
+NVFLAGS=(-std=c++17 -O3 -gencode arch=compute_90,code=sm_90
+         "${SHARED_FLAGS[@]}" -I"$ROOT")
 t0=$(date +%s)
 BT=$(cap $BUILD_S)
-timeout -k 10 "$BT" "$NVCC" "${NVFLAGS[@]}" -c "$ROOT/common/cuda/sparsify.cu" \
-  -o "$BUILD_DIR/sparsify.o" >> "$LOG" 2>&1 &
-p1=$!
-timeout -k 10 "$BT" "$NVCC" "${NVFLAGS[@]}" -c "$ROOT/bench/cuda/device_check.cu" \
-  -o "$BUILD_DIR/device_check.o" >> "$LOG" 2>&1 &
-p2=$!
-wait $p1; r1=$?
-wait $p2; r2=$?
-if [ $r1 -ne 0 ] || [ $r2 -ne 0 ] || ! timeout -k 10 "$(cap 60)" "$NVCC" \
-    -gencode arch=compute_90,code=sm_90 "$BUILD_DIR/sparsify.o" \
-    "$BUILD_DIR/device_check.o" -o "$BUILD_DIR/device_check" >> "$LOG" 2>&1; then
-  say "device_check.sh: build failed (rc $r1/$r2); see $LOG"
+mkdir -p "$BUILD_DIR/obj"
+OBJS=() PIDS=()
+for src in "${SOURCES[@]}" bench/cuda/device_check.cu; do
+  obj="$BUILD_DIR/obj/${src//\//_}.o"
+  OBJS+=("$obj")
+  timeout -k 10 "$BT" "$NVCC" "${NVFLAGS[@]}" -c "$ROOT/$src" -o "$obj" \
+    >> "$LOG" 2>&1 &
+  PIDS+=($!)
+done
+failed=0
+for p in "${PIDS[@]}"; do wait "$p" || failed=$(( failed + 1 )); done
+if [ ${#SOURCES[@]} -eq 0 ] || [ $failed -ne 0 ] || ! timeout -k 10 "$(cap 60)" "$NVCC" \
+    -gencode arch=compute_90,code=sm_90 "${OBJS[@]}" \
+    -o "$BUILD_DIR/device_check" >> "$LOG" 2>&1; then
+  say "device_check.sh: build failed ($failed of ${#OBJS[@]} compiles); see $LOG"
   tail -30 "$LOG"
   exit 10
 fi

@@ -40,7 +40,7 @@ struct Options {
   bool validate_only = false;  // --validate-only: parse, check --json, exit
   double budget_s = 0;         // --budget-s: no new block past it; 0 = none
   // --exact-sample-min-n: the smallest n at which exact starts from a
-  // sample (SetExactSampleMinNForTesting); -1 = the selector's default.
+  // sample (SparsifierTuning::exact_sample_min_n); -1 = the selector's default.
   int64_t exact_sample_min_n = -1;
 };
 

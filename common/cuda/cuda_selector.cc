@@ -24,19 +24,25 @@ absl::StatusOr<Method> ParseMethod(absl::string_view name) {
 
 absl::StatusOr<std::unique_ptr<CudaSelector>> CudaSelector::Create(
     absl::string_view name, const SelectorOptions& options, uint64_t capacity) {
+  return Create(name, options, capacity, SparsifierTuning());
+}
+
+absl::StatusOr<std::unique_ptr<CudaSelector>> CudaSelector::Create(
+    absl::string_view name, const SelectorOptions& options, uint64_t capacity,
+    const SparsifierTuning& tuning) {
   GTOPK_ASSIGN_OR_RETURN(const Method method, ParseMethod(name));
   GTOPK_RETURN_IF_ERROR(ValidateSelectorOptions(options));
   std::unique_ptr<Sparsifier> sparsifier;
-  GTOPK_RETURN_IF_ERROR(ToAbslStatus(
-      Sparsifier::Create(std::max<uint64_t>(capacity, 1), &sparsifier)));
+  GTOPK_RETURN_IF_ERROR(ToAbslStatus(Sparsifier::Create(
+      std::max<uint64_t>(capacity, 1), tuning, &sparsifier)));
   return std::unique_ptr<CudaSelector>(
-      new CudaSelector(method, options, std::move(sparsifier)));
+      new CudaSelector(method, options, tuning, std::move(sparsifier)));
 }
 
 absl::Status CudaSelector::EnsureCapacity(uint64_t n) {
   if (n <= sparsifier_->capacity()) return absl::OkStatus();
   sparsifier_.reset();  // free the old scratch first
-  return ToAbslStatus(Sparsifier::Create(n, &sparsifier_));
+  return ToAbslStatus(Sparsifier::Create(n, tuning_, &sparsifier_));
 }
 
 absl::Status CudaSelector::Select(absl::Span<const float> u, uint64_t k,

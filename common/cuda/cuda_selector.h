@@ -15,6 +15,7 @@
 #include "absl/types/span.h"
 #include "common/cuda/cuda_status.h"
 #include "common/cuda/sparsify.h"
+#include "common/cuda/sparsify/testing.h"
 #include "common/selector.h"
 #include "common/sparse_vector.h"
 
@@ -44,6 +45,11 @@ class CudaSelector final : public Selector {
   static absl::StatusOr<std::unique_ptr<CudaSelector>> Create(
       absl::string_view name, const SelectorOptions& options,
       uint64_t capacity);
+  // The same with the core's test hooks (common/cuda/sparsify/testing.h),
+  // kept when the scratch grows.
+  static absl::StatusOr<std::unique_ptr<CudaSelector>> Create(
+      absl::string_view name, const SelectorOptions& options,
+      uint64_t capacity, const SparsifierTuning& tuning);
 
   absl::string_view name() const override { return MethodName(method_); }
   absl::Status Select(absl::Span<const float> u, uint64_t k, uint64_t step,
@@ -72,14 +78,17 @@ class CudaSelector final : public Selector {
 
  private:
   CudaSelector(Method method, const SelectorOptions& options,
+               const SparsifierTuning& tuning,
                std::unique_ptr<Sparsifier> sparsifier)
       : method_(method),
         options_(options),
+        tuning_(tuning),
         sparsifier_(std::move(sparsifier)) {}
   absl::Status EnsureCapacity(uint64_t n);
 
   Method method_;
   SelectorOptions options_;
+  SparsifierTuning tuning_;
   std::unique_ptr<Sparsifier> sparsifier_;
   DeviceBuffer<float> staging_;  // Select(host span)'s copy of u
   SelectInfo last_info_;

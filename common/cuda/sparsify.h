@@ -3,142 +3,9 @@
 // Abseil (see cuda_status.h); common/cuda/cuda_selector.h adapts it to the
 // Selector interface of common/selector.h.
 //
-// Magnitudes are compared through their 31-bit key (the float's bits with the
-// sign cleared), exactly like common/topk.h, so ties, -0.0 and denormals
-// behave as on the CPU and the exact selector's output equals the CPU
-// `exact`'s bit for bit.
-//
-// Algorithms:
-//  * exact: radix threshold selection on the key bits in three digits
-//    (11/11/9 bits), after AIR top-k (Zhang et al., "Parallel Top-K
-//    Algorithms on GPU: A Comprehensive Study and New Methods", SC'23): the
-//    first histogram comes with the residual update (or one read of u). The
-//    plan is then decided on the device after each digit, so that the work
-//    is bounded whatever the data: when the keys at or above the k-th key's
-//    bin are at most n/8 (normal data: about k plus one bin), one more pass
-//    over u keeps them as index-ordered candidates and histograms their next
-//    digit, and the remaining digits and the final, stable tie-break
-//    compaction (lower index first) run over the candidates only; when one
-//    bin holds more (magnitudes in a narrow band sharing their high bits,
-//    ties at the k-th key), another histogram pass over u decides the next
-//    digit first, and when even the k-th key itself is shared by more than
-//    n/8 entries the final compaction reads u directly. At most five reads
-//    of u in all, never a copy of most of u (SelectInfo says which path).
-//    On a large u without Accumulate's histogram (n >= 2^22 by default),
-//    the first histogram pass is replaced by a sample, as dgc's: a random
-//    sample of 16-value runs (about 256 expected keys at or above the
-//    k-th, at most n/32 keys) gives a lower bound on the k-th key, its
-//    rank raised by 24 sqrt + 8 above the expected one so that at least
-//    k keys of u reach it on any data whose runs are not all alike;
-//    one compaction pass keeps the keys >= it, counting their first digit,
-//    and the exact top-k among those survivors is the exact top-k of u
-//    (every key >= the k-th key survives, in index order), taken on the
-//    device by the same radix select and stable compaction as dgc's trim:
-//    one read of u instead of two (SelectInfo::exact_sampled). When the
-//    sample's bound keeps fewer than k or more than n/8 keys (ties at it,
-//    or a sample that missed), the plan above runs from u instead
-//    (SelectInfo::fell_back), in Wait the first time and gated on the
-//    device after that. When more than 1/8 of the sample is at or above
-//    its bound B (much of u equals B: ties, every value equal), the
-//    compaction keeps the keys > B and counts those == B per warp; if
-//    fewer than k exceed B and the ties make up the rest, the k-th key is
-//    B and one more pass over u writes the keys > B and the first ties in
-//    index order: two passes on those inputs too.
-//    After Accumulate, the histogram is the update's, and the update has
-//    also compacted the keys at or above a key predicted by the previous
-//    such selection (AIR top-k's filter fused into the pass before it,
-//    across steps): when at least k and at most n/8 keys were kept, the
-//    k-th key is at or above it, those index-ordered candidates hold the
-//    top-k and no pass over u runs (SelectInfo::candidates_from_update);
-//    otherwise the plan above. The prediction is the first key of the
-//    digit-0 bin under the k-th key's, or of its own; when that bin holds
-//    more than n/32 keys (a narrow band: most of u shares the k-th key's
-//    high bits), the lowest digit-1 bin's first key, or else the lowest
-//    single key, under the k-th key that keeps at most min(4k, n/32) keys,
-//    from the plan's digit-1 and digit-2 histograms; when more than that
-//    many equal the k-th key K itself (ties, every value equal), K with
-//    its ties: the update keeps the keys > K and counts those == K per
-//    chunk, and when the next k-th key is K again, one write on the
-//    update's layout takes the kept keys and the first ties in index
-//    order, reading u only up to the chunk of the last tie it takes
-//    (SelectInfo::candidates_from_update with exact_final_from_u). When the
-//    plan needed more than one pass over u and predicted nothing (more
-//    than min(4k, n/32) keys above its k-th key), or its prediction
-//    missed, the next exact selection after Accumulate of that n starts
-//    from a sample instead, one pass on any data
-//    (SelectInfo::sampled_after_update), and every 8th runs the plan again
-//    to notice when the data changed.
-//  * gaussiank (Shi et al., arXiv:1911.08772): threshold mean + z*std from the
-//    same pass's sums (each thread's values as deviations from its first,
-//    merged by Chan et al.'s pairwise formula in a fixed order: the
-//    one-pass sum of squares minus sum times mean cancels when |mean| >>
-//    std), the CPU selector's adjustment rule (x0.5 when too
-//    few, x1.5 when too many, count contract [ceil(2k/3), floor(4k/3)])
-//    decided on the first-digit histogram when that is conclusive, then one
-//    compaction pass; exact top-k when the adjustments do not reach the range.
-//    The selection is enqueued whole, with no host round trip
-//    (SelectInfo::fast_path): when the compaction's count is in range (the
-//    usual case) the device accepts it; when it is not, the same pass has
-//    also counted exactly every key the later adjustments can reach that
-//    the histogram leaves undecided, so the device replays the rule to the
-//    key whose count is in range and compacts once more at that key
-//    (SelectInfo::corrected_on_device): at most one more pass over u, on
-//    any input. When no adjustment lands in range (every entry equal, a
-//    narrow band, ties, a few huge outliers that inflate the std) the rule
-//    ends with the exact top-k: Wait runs it after a host round trip the
-//    first time; a Sparsifier whose last gaussiank selection fell back
-//    enqueues it too, gated on the device's verdict, so that a steady
-//    stream of such inputs needs no round trip (when the rule lands in
-//    range instead, the gated chain's kernels return at once). That exact
-//    top-k is exact's plan after Accumulate, with the first pass's
-//    candidates (the fused update's, or Gaussian-k's own histogram
-//    pass's, which also counts the ties of a key predicted with them):
-//    the last fallback's plan (Wait's the first time) predicted them from
-//    its k-th key, so while the prediction holds a stream of such inputs
-//    reads u only in that first pass, as normal data does (the candidates
-//    are not taken when the rule's own compaction wrote over them:
-//    DeviceState::update_clobbered). When the last fallback predicted
-//    nothing, on a large u that gated exact top-k starts from a sample, as
-//    exact's does (one more pass over u on the narrow band and the
-//    outliers; the plan over u behind it, gated too, after one whose
-//    sample's bound failed), and the plan runs again the step after.
-//    The planner predicts a bin from its stop key as exact does from its
-//    k-th key, and the next first pass of the same n (the fused update's,
-//    or Gaussian-k's own histogram pass) keeps the keys from that bin up;
-//    when it kept every bin that the stop key and the keys listed for the
-//    correction lie in (at most n/8 keys), the first compaction reads
-//    those index-ordered candidates instead of u
-//    (SelectInfo::candidates_from_update): one pass over u per step from
-//    device memory, none after Accumulate. A correction, or the host's
-//    continuation, that must count lower compacts u itself.
-//  * dgc (Lin et al., arXiv:1712.01887): a sample of random 16-value runs
-//    (counter-based hash of (seed, step, run)), its exact
-//    ceil(k*sample/n)-th largest key as threshold by radix select, one
-//    compaction pass keeping key >= threshold. At most k survivors are the
-//    selection; more than k (up to n/8) are trimmed on the device to the
-//    exact top-k among them (SelectInfo::trimmed_on_device: the same
-//    compaction counted their first digit, then a radix select over the
-//    gathered survivors), with no host round trip either way
-//    (SelectInfo::fast_path). When more than 1/8 of the sample is at or
-//    above the threshold B (ties at it), the compaction keeps the keys > B
-//    and counts those == B, and the device selects by the same rule from
-//    the two counts: at most k survivors (keys >= B) are written whole by
-//    one more pass over u (the keys > B, then the ties in index order); at
-//    least k above B are trimmed; else the keys > B and the first ties up
-//    to k. More than n/8 survivors that the sample did not show take the
-//    exact top-k from u instead, in Wait the first time; after such a
-//    selection the next enqueues that too, gated on the device's count, so
-//    a steady stream of them needs no round trip. Returns 1..k entries.
-//
-//  * Small u (n <= 4096), any method: one kernel of one block with u's keys
-//    in shared memory runs the whole selection by the same rules (the
-//    radix select for the exact top-k; Gaussian-k's mean and std from its
-//    own merged moments (below) and its adjustments on exact counts, so
-//    its threshold may differ from the multi-kernel path's in the last
-//    bits; dgc's same
-//    sample and threshold), then one copy: one launch instead of a chain
-//    of eight to eleven, which is what a small selection's time is made of
-//    (SelectInfo::one_block).
+// How the selectors work on the device (the algorithms, the passes over u
+// each needs on which data, what SelectInfo reports) is in
+// docs/gpu-selection.md; the sources are in common/cuda/sparsify/.
 //
 // Output: (index, value) pairs sorted by index, values copied bit-exactly,
 // only those pairs copied to the host, into pinned buffers, asynchronously on
@@ -158,6 +25,8 @@ namespace gtopk {
 namespace cuda {
 
 enum class Method { kExact, kGaussianK, kDgc };
+
+struct SparsifierTuning;  // common/cuda/sparsify/testing.h
 
 // "exact", "gaussiank", "dgc".
 const char* MethodName(Method method);
@@ -314,6 +183,10 @@ class Sparsifier {
   // errors (no device, ...).
   static KernelStatus Create(uint64_t capacity,
                              std::unique_ptr<Sparsifier>* out);
+  // The same with test hooks (common/cuda/sparsify/testing.h), fixed for
+  // the Sparsifier's life (SetTuningForTesting replaces them).
+  static KernelStatus Create(uint64_t capacity, const SparsifierTuning& tuning,
+                             std::unique_ptr<Sparsifier>* out);
 
   ~Sparsifier();
   Sparsifier(const Sparsifier&) = delete;
@@ -378,18 +251,6 @@ class Sparsifier {
   // thread-safe; call between a Wait and the next Select.
   void set_use_graphs(bool use);
 
-  // Tests only: list at most `limit` (clamped to [0, 160]) keys for
-  // Gaussian-k's device correction, so that a correction needing more is
-  // left to Wait's host continuation (0: every correction that needs an
-  // exact count besides the first is). Drops the captured graphs.
-  void set_gaussiank_key_limit_for_testing(int limit);
-
-  // Tests only: false keeps Gaussian-k's gated exact fallback on its
-  // sample (a large u) even when the last fallback predicted the first
-  // pass's candidates, so that the sampled path stays checkable. Drops
-  // the captured graphs.
-  void set_gaussiank_fallback_from_candidates_for_testing(bool use);
-
   // Waits for the last Select (synchronizes `stream`) and returns its pairs;
   // finishes a gaussiank/dgc selection the device did not accept (more
   // work on `stream`, more synchronizations).
@@ -406,6 +267,8 @@ class Sparsifier {
   const float* device_values() const;
 
  private:
+  friend void SetTuningForTesting(Sparsifier* sparsifier,
+                                  const SparsifierTuning& tuning);
   struct Impl;
   explicit Sparsifier(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
@@ -446,21 +309,6 @@ class SparseUpdater {
   DeviceBuffer<float> val_;
   DeviceBuffer<float> dense_;  // GlobalMomentum's update vector
 };
-
-// Tests only: the smallest n for which exact (without Accumulate's
-// histogram) starts from a sample instead of a histogram pass (default
-// 2^22; below it the sample's launches cost more than the pass they save).
-// The sample's own plan needs n above about 16K (a sample of at most n/32
-// keys whose bound keeps at most n/16 survivors), so smaller n keep the
-// histogram plan even at 0. Process-wide, read by each Select; returns the
-// previous value.
-uint64_t SetExactSampleMinNForTesting(uint64_t min_n);
-
-// Tests only: the largest n that runs as one block (SelectInfo::one_block;
-// default and most 4096, its shared-memory bound; 0: never), so that the
-// multi-kernel path can be checked at small n too. Process-wide, read by
-// each Select; returns the previous value.
-uint64_t SetOneBlockMaxNForTesting(uint64_t max_n);
 
 // Number of CUDA devices (0 when the driver or a device is missing; never
 // an error), for tests and tools that skip without a GPU.
