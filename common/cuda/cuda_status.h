@@ -2,7 +2,7 @@
 // layer has no Abseil dependency, so that bench/cuda/device_check.sh can build
 // it with nvcc alone; common/cuda/cuda_selector.h converts to absl::Status.
 //
-// Every CUDA runtime call is checked with GTOPK_CUDA_RETURN_IF_ERROR, which
+// Every CUDA runtime call is checked with GTOPK_CUDA_CALL_OR_RETURN, which
 // returns a KernelStatus carrying file:line, the call, and CUDA's error name
 // and string (NCCL's checks.h style: errors are returned, never aborted on).
 #ifndef GTOPK_COMMON_CUDA_CUDA_STATUS_H_
@@ -63,9 +63,12 @@ inline KernelStatus CudaError(cudaError_t error, const char* call,
 }  // namespace cuda
 }  // namespace gtopk
 
-// Evaluates a CUDA runtime call; returns a KernelStatus from the enclosing
-// function (which must return gtopk::cuda::KernelStatus) when it fails.
-#define GTOPK_CUDA_RETURN_IF_ERROR(call)                                  \
+// Evaluates a CUDA runtime call (a cudaError_t); returns a KernelStatus
+// from the enclosing function (which must return gtopk::cuda::KernelStatus)
+// when it fails. Every *_RETURN_IF_ERROR macro of the project takes a
+// status object (absl::Status: GTOPK_RETURN_IF_ERROR, KernelStatus:
+// GTOPK_CUDA_RETURN_IF_ERROR); a raw runtime call goes through this one.
+#define GTOPK_CUDA_CALL_OR_RETURN(call)                                   \
   do {                                                                    \
     const cudaError_t gtopk_cuda_error_ = (call);                         \
     if (gtopk_cuda_error_ != cudaSuccess) {                               \
@@ -75,7 +78,7 @@ inline KernelStatus CudaError(cudaError_t error, const char* call,
   } while (false)
 
 // Propagates a non-OK gtopk::cuda::KernelStatus.
-#define GTOPK_CUDA_RETURN_IF_NOT_OK(expr)                    \
+#define GTOPK_CUDA_RETURN_IF_ERROR(expr)                     \
   do {                                                       \
     ::gtopk::cuda::KernelStatus gtopk_cuda_status_ = (expr); \
     if (!gtopk_cuda_status_.ok()) return gtopk_cuda_status_; \
@@ -126,7 +129,7 @@ class Buffer {
     Reset();
     if (size == 0) return KernelStatus::Ok();
     void* p = nullptr;
-    GTOPK_CUDA_RETURN_IF_ERROR(Memory::Allocate(&p, size * sizeof(T)));
+    GTOPK_CUDA_CALL_OR_RETURN(Memory::Allocate(&p, size * sizeof(T)));
     data_ = static_cast<T*>(p);
     size_ = size;
     return KernelStatus::Ok();

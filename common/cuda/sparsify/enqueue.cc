@@ -119,7 +119,7 @@ KernelStatus SparsifierImpl::Final(FinalRule rule, float* u, uint64_t n,
 
 KernelStatus SparsifierImpl::CandidateExact(float* u, uint64_t n, uint64_t k,
                                             bool zero, cudaStream_t stream) {
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Init(k, /*zero_hist0=*/true, false,
+  GTOPK_CUDA_RETURN_IF_ERROR(Init(k, /*zero_hist0=*/true, false,
                                    /*keep_candidates=*/true, stream));
   const int blocks = CandidateBlocks(n);
   for (int level = 0; level < 3; ++level) {
@@ -160,11 +160,11 @@ KernelStatus SparsifierImpl::ExactFromU(float* u, uint64_t n, uint64_t k,
   if (reuse_hist0) {
     const UpdateCandidates uc =
         update_candidates ? UseUpdateCandidates(n) : UpdateCandidates{};
-    GTOPK_CUDA_RETURN_IF_NOT_OK(
+    GTOPK_CUDA_RETURN_IF_ERROR(
         Decide(0, cap, stream, InitFor(k, false, true, false), uc));
   } else {
-    GTOPK_CUDA_RETURN_IF_NOT_OK(Init(k, true, false, false, stream));
-    GTOPK_CUDA_RETURN_IF_NOT_OK(
+    GTOPK_CUDA_RETURN_IF_ERROR(Init(k, true, false, false, stream));
+    GTOPK_CUDA_RETURN_IF_ERROR(
         Histogram(u, n, stream, Then{kThenDecide, 0, cap}));
   }
   for (int level = 1; level < 3; ++level) {
@@ -174,9 +174,9 @@ KernelStatus SparsifierImpl::ExactFromU(float* u, uint64_t n, uint64_t k,
   }
   CollectScan next;
   next.find_next = 1;
-  GTOPK_CUDA_RETURN_IF_NOT_OK(
+  GTOPK_CUDA_RETURN_IF_ERROR(
       Collect(u, n, kCollectNextDigit, false, 0, stream, next));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, true, stream,
+  GTOPK_CUDA_RETURN_IF_ERROR(Gather(u, false, false, true, stream,
                                      kGatherAlways, Then{kThenFindNext, 0, 0}));
   if (update_candidates) {
     const int blocks = CandidateBlocks(std::min<uint64_t>(4 * k, n / 8 + 1));
@@ -185,7 +185,7 @@ KernelStatus SparsifierImpl::ExactFromU(float* u, uint64_t n, uint64_t k,
     GTOPK_CUDA_LAUNCH_CHECK();
   }
   // The final source holds at most n entries (u itself, or candidates).
-  GTOPK_CUDA_RETURN_IF_NOT_OK(
+  GTOPK_CUDA_RETURN_IF_ERROR(
       Final(FinalRule{0, 0}, u, n, zero, CandidateBlocks(n), stream));
   if (update_candidates) {
     // The update kept the keys > K and counted those == K, and the k-th
@@ -225,21 +225,21 @@ KernelStatus SparsifierImpl::Decide(int level, ull cap, cudaStream_t stream,
 
 KernelStatus SparsifierImpl::ReadState(cudaStream_t stream,
                                        DeviceState* state) {
-  GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+  GTOPK_CUDA_CALL_OR_RETURN(cudaMemcpyAsync(
       host_state(), st, sizeof(DeviceState), cudaMemcpyDeviceToHost, stream));
-  GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  GTOPK_CUDA_CALL_OR_RETURN(cudaStreamSynchronize(stream));
   *state = *host_state();
   return KernelStatus::Ok();
 }
 
 KernelStatus SparsifierImpl::EnsurePinned(uint64_t count, cudaStream_t stream) {
   if (host_out.size() >= OutBytes(count)) return KernelStatus::Ok();
-  GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  GTOPK_CUDA_CALL_OR_RETURN(cudaStreamSynchronize(stream));
   graphs.Clear();  // their copies target the buffer being replaced
   const uint64_t pairs =
       host_out.size() > kOutHeader ? (host_out.size() - kOutHeader) / 8 : 0;
   const uint64_t size = OutBytes(std::max<uint64_t>(count, 2 * pairs));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(host_out.Allocate(size));
+  GTOPK_CUDA_RETURN_IF_ERROR(host_out.Allocate(size));
   return KernelStatus::Ok();
 }
 
@@ -252,7 +252,7 @@ KernelStatus SparsifierImpl::CopyOut(uint64_t count, cudaStream_t stream) {
   }
   const uint64_t bytes =
       kOutHeader + out_stride * sizeof(uint32_t) + count * sizeof(float);
-  GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_out.get(), out.get(), bytes,
+  GTOPK_CUDA_CALL_OR_RETURN(cudaMemcpyAsync(host_out.get(), out.get(), bytes,
                                              cudaMemcpyDeviceToHost, stream));
   pending_count = count;
   return KernelStatus::Ok();
@@ -273,10 +273,10 @@ KernelStatus SparsifierImpl::CompactAtSample(float* u, uint64_t n, bool zero,
                                              const CollectScan& scan,
                                              uint64_t expected,
                                              cudaStream_t stream) {
-  GTOPK_CUDA_RETURN_IF_NOT_OK(
+  GTOPK_CUDA_RETURN_IF_ERROR(
       Collect(u, n, kCollectDigit0, false, 0, stream, scan));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(TieWrite(u, n, zero, stream));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, /*next_hist=*/true, stream,
+  GTOPK_CUDA_RETURN_IF_ERROR(TieWrite(u, n, zero, stream));
+  GTOPK_CUDA_RETURN_IF_ERROR(Gather(u, true, zero, /*next_hist=*/true, stream,
                                      kGatherDgc, Then{kThenFindNext, 0, 0}));
   return TrimRest(u, n, zero, expected, stream);
 }
@@ -285,7 +285,7 @@ KernelStatus SparsifierImpl::SampleThreshold(const float* u, uint64_t n,
                                              uint64_t runs, uint64_t rank,
                                              ull limit, cudaStream_t stream) {
   const uint64_t sample_size = runs * 16;
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Init(rank, true, false, false, stream,
+  GTOPK_CUDA_RETURN_IF_ERROR(Init(rank, true, false, false, stream,
                                    /*dgc=*/true));
   hist_u = nullptr;
   // The sample's keys live in cand_idx until the compaction that follows.
@@ -319,7 +319,7 @@ KernelStatus SparsifierImpl::SampledExact(float* u, uint64_t n, uint64_t k,
                                           cudaStream_t stream) {
   // More than 1/8 of the sample at or above its bound: ties at it
   // (ties_at_bound): the compaction keeps the keys above it instead.
-  GTOPK_CUDA_RETURN_IF_NOT_OK(SampleThreshold(
+  GTOPK_CUDA_RETURN_IF_ERROR(SampleThreshold(
       u, n, runs, rank, std::max<uint64_t>(1, runs * 16 / 8), stream));
   // Exactly k survivors are the selection; k+1 to n/8 are trimmed to the
   // exact top-k among them, which is u's (every key >= the k-th survives);
@@ -338,13 +338,13 @@ KernelStatus SparsifierImpl::SampledExact(float* u, uint64_t n, uint64_t k,
   const uint64_t expected = static_cast<uint64_t>(
       2.0 * static_cast<double>(rank) * static_cast<double>(n) /
       static_cast<double>(runs * 16));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(
+  GTOPK_CUDA_RETURN_IF_ERROR(
       CompactAtSample(u, n, zero, exactly_k, expected, stream));
   // The last such selection needed the plan over u (ties at the bound,
   // which persist from step to step): enqueue it too, gated.
   if (from_u_predicted) {
     GatedScope falling_back(*this, &st->exact_from_u, 1);
-    GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, false, stream));
+    GTOPK_CUDA_RETURN_IF_ERROR(ExactFromU(u, n, k, zero, false, stream));
   }
   sampled_enqueued = true;
   from_u_enqueued = from_u_predicted;

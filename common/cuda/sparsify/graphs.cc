@@ -80,7 +80,7 @@ KernelStatus SparsifierImpl::EnqueueWithGraph(float* u, uint64_t n,
                                               cudaStream_t stream) {
   const GraphKey key = GraphKeyFor(u, n, p, reuse);
   if (auto* g = graphs.Find(key)) {
-    GTOPK_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(g->exec, stream));
+    GTOPK_CUDA_CALL_OR_RETURN(cudaGraphLaunch(g->exec, stream));
     graphs.Touch(g);
     // What Select decided for this selection, not the captured one's.
     const bool used_update_histogram = info.used_update_histogram;
@@ -122,7 +122,7 @@ KernelStatus SparsifierImpl::EnqueueWithGraph(float* u, uint64_t n,
     return Enqueue(u, n, p, reuse, stream);
   }
   graphs.Insert(key, exec, Snapshot());
-  GTOPK_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, stream));
+  GTOPK_CUDA_CALL_OR_RETURN(cudaGraphLaunch(exec, stream));
   return KernelStatus::Ok();
 }
 

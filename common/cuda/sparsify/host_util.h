@@ -10,7 +10,7 @@
 
 #include "common/cuda/cuda_status.h"
 
-#define GTOPK_CUDA_LAUNCH_CHECK() GTOPK_CUDA_RETURN_IF_ERROR(cudaGetLastError())
+#define GTOPK_CUDA_LAUNCH_CHECK() GTOPK_CUDA_CALL_OR_RETURN(cudaGetLastError())
 
 namespace gtopk {
 namespace cuda {

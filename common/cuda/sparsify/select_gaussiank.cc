@@ -26,7 +26,7 @@ KernelStatus SparsifierImpl::SelectGaussianK(float* u, uint64_t n,
     BeginOutput(k);
     // Right after Accumulate nothing has written `regions` since: its
     // compaction may hold the candidates.
-    GTOPK_CUDA_RETURN_IF_NOT_OK(
+    GTOPK_CUDA_RETURN_IF_ERROR(
         ExactFromU(u, n, k, zero, reuse, stream, /*update_candidates=*/reuse));
     check_selected = true;
     return CopyOut(k, stream);
@@ -46,8 +46,8 @@ KernelStatus SparsifierImpl::SelectGaussianK(float* u, uint64_t n,
   if (reuse) {
     init = InitFor(k, false, true, false);
   } else {
-    GTOPK_CUDA_RETURN_IF_NOT_OK(Init(k, true, false, false, stream));
-    GTOPK_CUDA_RETURN_IF_NOT_OK(
+    GTOPK_CUDA_RETURN_IF_ERROR(Init(k, true, false, false, stream));
+    GTOPK_CUDA_RETURN_IF_ERROR(
         Histogram(u, n, stream, Then{}, /*keep_candidates=*/true));
   }
   LaunchGaussPlan(stream, st, hist0, partials, n, z, lo, hi,
@@ -77,14 +77,14 @@ KernelStatus SparsifierImpl::SelectGaussianK(float* u, uint64_t n,
     GTOPK_CUDA_LAUNCH_CHECK();
   }
   // Returns at once when the kernel above compacted.
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Collect(u, n, kCollectNoHist, false, 0, stream,
+  GTOPK_CUDA_RETURN_IF_ERROR(Collect(u, n, kCollectNoHist, false, 0, stream,
                                       in_range, GaussRole::kFirst));
   {
     GatedScope correcting(*this, &st->gk_mode, kGaussCorrect);
-    GTOPK_CUDA_RETURN_IF_NOT_OK(
+    GTOPK_CUDA_RETURN_IF_ERROR(
         Collect(u, n, kCollectNoHist, false, 0, stream, in_range));
   }
-  GTOPK_CUDA_RETURN_IF_NOT_OK(
+  GTOPK_CUDA_RETURN_IF_ERROR(
       Gather(u, true, zero, false, stream, kGatherIfAccepted));
   // The last gaussiank selection fell back to the exact top-k: residuals
   // change little from step to step, so this one likely does too. Enqueue
@@ -110,11 +110,11 @@ KernelStatus SparsifierImpl::SelectGaussianK(float* u, uint64_t n,
     GatedScope falling_back(*this, &st->gk_exact, 1);
     const ExactSample plan = PlanExactSample(n, k);
     if (plan.runs != 0 && !history.GaussFallbackFromUpdate(n)) {
-      GTOPK_CUDA_RETURN_IF_NOT_OK(
+      GTOPK_CUDA_RETURN_IF_ERROR(
           SampledExact(u, n, k, zero, plan.runs, plan.rank,
                        history.gauss_expect_from_u, stream));
     } else {
-      GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, true, stream,
+      GTOPK_CUDA_RETURN_IF_ERROR(ExactFromU(u, n, k, zero, true, stream,
                                              /*update_candidates=*/true));
     }
   }
@@ -149,10 +149,10 @@ KernelStatus SparsifierImpl::ContinueGaussianK(const DeviceState& state,
     if (count >= lo && count <= hi) {
       BeginOutput(count);
       if (key == cand_key) {
-        GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, true, zero, false, stream));
+        GTOPK_CUDA_RETURN_IF_ERROR(Gather(u, true, zero, false, stream));
         check_selected = false;
       } else {
-        GTOPK_CUDA_RETURN_IF_NOT_OK(Final(FinalRule{1, key}, u, n, zero,
+        GTOPK_CUDA_RETURN_IF_ERROR(Final(FinalRule{1, key}, u, n, zero,
                                           CandidateBlocks(cand_count), stream));
         check_selected = true;
       }
@@ -169,21 +169,21 @@ KernelStatus SparsifierImpl::ContinueGaussianK(const DeviceState& state,
     if (key >= cand_key) {
       // Raising the threshold: count among the candidates.
       if (!gathered) {
-        GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, false, stream));
+        GTOPK_CUDA_RETURN_IF_ERROR(Gather(u, false, false, false, stream));
         gathered = true;
       }
-      GTOPK_CUDA_RETURN_IF_ERROR(
+      GTOPK_CUDA_CALL_OR_RETURN(
           cudaMemsetAsync(&st->count_at_least, 0, sizeof(ull), stream));
       LaunchCountAtLeast(CandidateBlocks(cand_count), stream, cand_val.get(),
                          st, key);
       GTOPK_CUDA_LAUNCH_CHECK();
-      GTOPK_CUDA_RETURN_IF_NOT_OK(ReadState(stream, &s));
+      GTOPK_CUDA_RETURN_IF_ERROR(ReadState(stream, &s));
       count = s.count_at_least;
     } else {
       // Lowering it: one more compaction pass over u.
-      GTOPK_CUDA_RETURN_IF_NOT_OK(
+      GTOPK_CUDA_RETURN_IF_ERROR(
           Collect(u, n, kCollectNoHist, true, key, stream));
-      GTOPK_CUDA_RETURN_IF_NOT_OK(ReadState(stream, &s));
+      GTOPK_CUDA_RETURN_IF_ERROR(ReadState(stream, &s));
       if (s.error != 0) {
         pending_error = true;
         BeginOutput(0);
@@ -204,9 +204,9 @@ KernelStatus SparsifierImpl::ContinueGaussianK(const DeviceState& state,
   BeginOutput(k);
   if (!fallback && cand_count >= k && cand_count <= CompactCap(n)) {
     if (!gathered) {
-      GTOPK_CUDA_RETURN_IF_NOT_OK(Gather(u, false, false, false, stream));
+      GTOPK_CUDA_RETURN_IF_ERROR(Gather(u, false, false, false, stream));
     }
-    GTOPK_CUDA_RETURN_IF_NOT_OK(CandidateExact(u, n, k, zero, stream));
+    GTOPK_CUDA_RETURN_IF_ERROR(CandidateExact(u, n, k, zero, stream));
     gauss_candidate_exact = true;
   } else {
     // hist0 still describes u (nothing was written to u). The plan takes
@@ -214,7 +214,7 @@ KernelStatus SparsifierImpl::ContinueGaussianK(const DeviceState& state,
     // histogram pass's) when they hold the top k and no compaction
     // overwrote them, and predicts the next pass's, which the next
     // fallback's gated plan then takes.
-    GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, true, stream,
+    GTOPK_CUDA_RETURN_IF_ERROR(ExactFromU(u, n, k, zero, true, stream,
                                            /*update_candidates=*/true));
   }
   return CopyOut(k, stream);

@@ -24,7 +24,7 @@ KernelStatus SparsifierImpl::SelectDgc(float* u, uint64_t n,
     info.fell_back = true;
     // Right after Accumulate nothing has written `regions` since: its
     // compaction may hold the candidates.
-    GTOPK_CUDA_RETURN_IF_NOT_OK(
+    GTOPK_CUDA_RETURN_IF_ERROR(
         ExactFromU(u, n, k, zero, reuse, stream, /*update_candidates=*/reuse));
     check_selected = true;
     return CopyOut(k, stream);
@@ -32,7 +32,7 @@ KernelStatus SparsifierImpl::SelectDgc(float* u, uint64_t n,
   const uint64_t sample_size = ds.runs * 16;
   // More than 1/8 of the sample at or above the threshold B: ties at it
   // (the compaction keeps the keys > B and counts the ties).
-  GTOPK_CUDA_RETURN_IF_NOT_OK(
+  GTOPK_CUDA_RETURN_IF_ERROR(
       SampleThreshold(u, n, ds.runs, ds.sample_k,
                       std::max<uint64_t>(1, sample_size / 8), stream));
   // min_key is now the sample's sample_k-th largest key. No host round
@@ -51,7 +51,7 @@ KernelStatus SparsifierImpl::SelectDgc(float* u, uint64_t n,
   at_most_k.exact_above = CompactCap(n);
   at_most_k.trim = 1;
   // dgc's survivors scatter around k (the sample's estimate).
-  GTOPK_CUDA_RETURN_IF_NOT_OK(
+  GTOPK_CUDA_RETURN_IF_ERROR(
       CompactAtSample(u, n, zero, at_most_k, 4 * k, stream));
   // As gaussiank's: the last selection took the exact top-k from u (ties at
   // the sampled threshold), so this one is enqueued too, gated on the
@@ -59,7 +59,7 @@ KernelStatus SparsifierImpl::SelectDgc(float* u, uint64_t n,
   // More than n/8 survivors without it: Wait does it (ContinueDgc).
   if (history.dgc_expect_exact) {
     GatedScope falling_back(*this, &st->gk_exact, 1);
-    GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, false, stream));
+    GTOPK_CUDA_RETURN_IF_ERROR(ExactFromU(u, n, k, zero, false, stream));
   }
   exact_enqueued = history.dgc_expect_exact;
   continuation = Continuation::kDgc;
@@ -79,12 +79,12 @@ KernelStatus SparsifierImpl::SelectExact(float* u, uint64_t n,
   if (plan.runs == 0) {
     // Right after Accumulate nothing has written `regions` since: its
     // compaction may hold the candidates.
-    GTOPK_CUDA_RETURN_IF_NOT_OK(
+    GTOPK_CUDA_RETURN_IF_ERROR(
         ExactFromU(u, n, k, zero, reuse, stream, /*update_candidates=*/reuse));
     check_selected = true;
     return CopyOut(k, stream);
   }
-  GTOPK_CUDA_RETURN_IF_NOT_OK(SampledExact(u, n, k, zero, plan.runs, plan.rank,
+  GTOPK_CUDA_RETURN_IF_ERROR(SampledExact(u, n, k, zero, plan.runs, plan.rank,
                                            history.exact_expect_from_u,
                                            stream));
   continuation = Continuation::kExact;
@@ -94,7 +94,7 @@ KernelStatus SparsifierImpl::SelectExact(float* u, uint64_t n,
 KernelStatus SparsifierImpl::ContinueExact(cudaStream_t stream) {
   const uint64_t k = pending_params.k;
   BeginOutput(k);
-  GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(
+  GTOPK_CUDA_RETURN_IF_ERROR(ExactFromU(
       pending_u, pending_n, k, pending_params.zero_selected, false, stream));
   sample_missed = true;
   info.fell_back = true;
@@ -121,7 +121,7 @@ KernelStatus SparsifierImpl::ContinueDgc(const DeviceState& s,
             std::to_string(k) + ")");
   }
   BeginOutput(k);
-  GTOPK_CUDA_RETURN_IF_NOT_OK(ExactFromU(u, n, k, zero, false, stream));
+  GTOPK_CUDA_RETURN_IF_ERROR(ExactFromU(u, n, k, zero, false, stream));
   took_exact = true;
   info.fell_back = true;
   check_selected = true;

@@ -66,15 +66,15 @@ KernelStatus SparseUpdater::Upload(const uint32_t* idx, const float* val,
                                    uint64_t count, cudaStream_t stream) {
   if (idx_.size() < count) {
     // Buffers in flight on `stream` must not be freed under it.
-    GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-    GTOPK_CUDA_RETURN_IF_NOT_OK(
+    GTOPK_CUDA_CALL_OR_RETURN(cudaStreamSynchronize(stream));
+    GTOPK_CUDA_RETURN_IF_ERROR(
         idx_.Allocate(std::max<uint64_t>(count, 2 * idx_.size())));
-    GTOPK_CUDA_RETURN_IF_NOT_OK(val_.Allocate(idx_.size()));
+    GTOPK_CUDA_RETURN_IF_ERROR(val_.Allocate(idx_.size()));
   }
-  GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(idx_.get(), idx,
+  GTOPK_CUDA_CALL_OR_RETURN(cudaMemcpyAsync(idx_.get(), idx,
                                              count * sizeof(uint32_t),
                                              cudaMemcpyHostToDevice, stream));
-  GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+  GTOPK_CUDA_CALL_OR_RETURN(cudaMemcpyAsync(
       val_.get(), val, count * sizeof(float), cudaMemcpyHostToDevice, stream));
   return KernelStatus::Ok();
 }
@@ -84,7 +84,7 @@ KernelStatus SparseUpdater::Scatter(float* dst, uint64_t n, const uint32_t* idx,
                                     int subtract, cudaStream_t stream) {
   DiscardStaleError();
   if (count == 0) return KernelStatus::Ok();
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Upload(idx, val, count, stream));
+  GTOPK_CUDA_RETURN_IF_ERROR(Upload(idx, val, count, stream));
   const int blocks =
       static_cast<int>(std::min<uint64_t>((count + 255) / 256, 4096));
   LaunchScatter(blocks, stream, dst, n, idx_.get(), val_.get(), count,
@@ -113,13 +113,13 @@ KernelStatus SparseUpdater::GlobalMomentum(float* params, float* velocity,
   DiscardStaleError();
   if (n == 0) return KernelStatus::Ok();
   if (dense_.size() < n) {
-    GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-    GTOPK_CUDA_RETURN_IF_NOT_OK(dense_.Allocate(n));
+    GTOPK_CUDA_CALL_OR_RETURN(cudaStreamSynchronize(stream));
+    GTOPK_CUDA_RETURN_IF_ERROR(dense_.Allocate(n));
   }
-  GTOPK_CUDA_RETURN_IF_ERROR(
+  GTOPK_CUDA_CALL_OR_RETURN(
       cudaMemsetAsync(dense_.get(), 0, n * sizeof(float), stream));  // +0.0
   if (count > 0) {
-    GTOPK_CUDA_RETURN_IF_NOT_OK(Upload(idx, val, count, stream));
+    GTOPK_CUDA_RETURN_IF_ERROR(Upload(idx, val, count, stream));
     const int blocks =
         static_cast<int>(std::min<uint64_t>((count + 255) / 256, 4096));
     LaunchScatter(blocks, stream, dense_.get(), n, idx_.get(), val_.get(),
@@ -187,50 +187,50 @@ KernelStatus Sparsifier::Create(uint64_t capacity,
   impl->capacity = capacity;
   impl->SetTuning(tuning);
   int device = 0, sms = 0;
-  GTOPK_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  GTOPK_CUDA_RETURN_IF_ERROR(
+  GTOPK_CUDA_CALL_OR_RETURN(cudaGetDevice(&device));
+  GTOPK_CUDA_CALL_OR_RETURN(
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   impl->max_blocks = std::max(1, std::min(kMaxBlocks, sms * 8));
   int per_sm = 0;
-  GTOPK_CUDA_RETURN_IF_ERROR(internal::UpdateBlocksPerSm(&per_sm));
+  GTOPK_CUDA_CALL_OR_RETURN(internal::UpdateBlocksPerSm(&per_sm));
   impl->update_blocks =
       std::max(1, std::min(impl->max_blocks, sms * std::max(1, per_sm)));
   const size_t meta_bytes = kHistsSize * sizeof(ull) +
                             3 * kMaxBlocks * sizeof(double) +
                             kHistsSize * sizeof(ull);
-  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->meta.Allocate(meta_bytes));
-  GTOPK_CUDA_RETURN_IF_ERROR(cudaMemset(impl->meta.get(), 0, meta_bytes));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->out.Allocate(Impl::OutBytes(capacity)));
+  GTOPK_CUDA_RETURN_IF_ERROR(impl->meta.Allocate(meta_bytes));
+  GTOPK_CUDA_CALL_OR_RETURN(cudaMemset(impl->meta.get(), 0, meta_bytes));
+  GTOPK_CUDA_RETURN_IF_ERROR(impl->out.Allocate(Impl::OutBytes(capacity)));
   // The state (blocks_done must start at 0).
-  GTOPK_CUDA_RETURN_IF_ERROR(cudaMemset(impl->out.get(), 0, kOutHeader));
+  GTOPK_CUDA_CALL_OR_RETURN(cudaMemset(impl->out.get(), 0, kOutHeader));
   // cudaMemset is asynchronous on the default stream, which a caller's
   // cudaStreamNonBlocking stream does not wait for: finish it here, or the
   // first InitKernel on that stream could run before it and be zeroed.
-  GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(nullptr));
+  GTOPK_CUDA_CALL_OR_RETURN(cudaStreamSynchronize(nullptr));
   impl->st = reinterpret_cast<DeviceState*>(impl->out.get());
   impl->hist0 = reinterpret_cast<ull*>(impl->meta.get());
   impl->hist1 = impl->hist0 + kBins;
   impl->hist2 = impl->hist1 + kBins;
   impl->partials = reinterpret_cast<double*>(impl->hist2 + 512);
   impl->trim_hists = reinterpret_cast<ull*>(impl->partials + 3 * kMaxBlocks);
-  GTOPK_CUDA_RETURN_IF_NOT_OK(
+  GTOPK_CUDA_RETURN_IF_ERROR(
       impl->regions.Allocate(capacity + kChunkAlign * kMaxWarps));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->counts_u.Allocate(
+  GTOPK_CUDA_RETURN_IF_ERROR(impl->counts_u.Allocate(
       impl->update_blocks * kWarpsPerBlock * kUpdateChunks));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(
+  GTOPK_CUDA_RETURN_IF_ERROR(
       impl->offsets_u.Allocate(impl->update_blocks * kUpdateChunks));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->eq_counts_u.Allocate(
+  GTOPK_CUDA_RETURN_IF_ERROR(impl->eq_counts_u.Allocate(
       impl->update_blocks * kWarpsPerBlock * kUpdateChunks));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(
+  GTOPK_CUDA_RETURN_IF_ERROR(
       impl->eq_offsets_u.Allocate(impl->update_blocks * kUpdateChunks));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->counts_a.Allocate(kMaxWarps));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->counts_b.Allocate(kMaxWarps));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->offsets_a.Allocate(kMaxWarps));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->offsets_b.Allocate(kMaxWarps));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->cand_idx.Allocate(capacity));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->cand_val.Allocate(capacity));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->host_out.Allocate(kOutHeader));
-  GTOPK_CUDA_RETURN_IF_NOT_OK(impl->host_seed.Allocate(1));
+  GTOPK_CUDA_RETURN_IF_ERROR(impl->counts_a.Allocate(kMaxWarps));
+  GTOPK_CUDA_RETURN_IF_ERROR(impl->counts_b.Allocate(kMaxWarps));
+  GTOPK_CUDA_RETURN_IF_ERROR(impl->offsets_a.Allocate(kMaxWarps));
+  GTOPK_CUDA_RETURN_IF_ERROR(impl->offsets_b.Allocate(kMaxWarps));
+  GTOPK_CUDA_RETURN_IF_ERROR(impl->cand_idx.Allocate(capacity));
+  GTOPK_CUDA_RETURN_IF_ERROR(impl->cand_val.Allocate(capacity));
+  GTOPK_CUDA_RETURN_IF_ERROR(impl->host_out.Allocate(kOutHeader));
+  GTOPK_CUDA_RETURN_IF_ERROR(impl->host_seed.Allocate(1));
   out->reset(new Sparsifier(std::move(impl)));
   return KernelStatus::Ok();
 }
@@ -295,7 +295,7 @@ KernelStatus SparsifierImpl::Accumulate(
                                "Accumulate: Wait for the pending Select first");
   }
   clear_update_prediction = false;
-  GTOPK_CUDA_RETURN_IF_NOT_OK(Init(0, true, false, false, stream));
+  GTOPK_CUDA_RETURN_IF_ERROR(Init(0, true, false, false, stream));
   HistArgs a{};
   a.grad = grad;
   a.params = params;
@@ -374,7 +374,7 @@ KernelStatus SparsifierImpl::Select(float* u, uint64_t n, const SelectParams& p,
       reuse && p.method != Method::kDgc && n > tuning.one_block_max_n;
   pending_error = false;
   check_selected = false;
-  GTOPK_CUDA_RETURN_IF_NOT_OK(EnsurePinned(MaxCount(p.method, p.k), stream));
+  GTOPK_CUDA_RETURN_IF_ERROR(EnsurePinned(MaxCount(p.method, p.k), stream));
   pending = true;  // from here on Wait must be called
   pending_u = u;
   pending_n = n;

@@ -20,7 +20,7 @@ KernelStatus SparsifierImpl::Wait(cudaStream_t stream, SelectedPairs* out) {
                                "Wait: no pending Select");
   }
   pending = false;
-  GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  GTOPK_CUDA_CALL_OR_RETURN(cudaStreamSynchronize(stream));
   DeviceState s = *host_state();
   const Continuation pending_continuation = continuation;
   continuation = Continuation::kNone;
@@ -34,10 +34,10 @@ KernelStatus SparsifierImpl::Wait(cudaStream_t stream, SelectedPairs* out) {
   const uint64_t dgc_survivors = s.num_candidates + s.tie_count;
   bool ran_sampled = false;  // an exact top-k from a sample ran
   if (tiny_enqueued && s.error == 0) {
-    GTOPK_CUDA_RETURN_IF_NOT_OK(FinishTiny(s));
+    GTOPK_CUDA_RETURN_IF_ERROR(FinishTiny(s));
   }
   if (pending_continuation != Continuation::kNone && s.error == 0) {
-    GTOPK_CUDA_RETURN_IF_NOT_OK(
+    GTOPK_CUDA_RETURN_IF_ERROR(
         FinishContinuation(pending_continuation, &s, &ran_sampled, stream));
   }
   if (dgc_ties) {
@@ -45,7 +45,7 @@ KernelStatus SparsifierImpl::Wait(cudaStream_t stream, SelectedPairs* out) {
     info.fell_back = dgc_survivors > pending_params.k &&
                      dgc_survivors > CompactCap(pending_n);
   }
-  GTOPK_CUDA_RETURN_IF_NOT_OK(CheckErrors(s, stream));
+  GTOPK_CUDA_RETURN_IF_ERROR(CheckErrors(s, stream));
   FinishInfo(s);
   SelectionOutcome o;
   o.continuation = pending_continuation;
@@ -159,9 +159,9 @@ KernelStatus SparsifierImpl::FinishContinuation(
             std::to_string(MaxCount(Method::kGaussianK, pending_params.k)) +
             "]");
   } else {
-    GTOPK_CUDA_RETURN_IF_NOT_OK(gauss ? ContinueGaussianK(*s, stream)
+    GTOPK_CUDA_RETURN_IF_ERROR(gauss ? ContinueGaussianK(*s, stream)
                                       : ContinueDgc(*s, stream));
-    GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    GTOPK_CUDA_CALL_OR_RETURN(cudaStreamSynchronize(stream));
     *s = *host_state();
   }
   return KernelStatus::Ok();
@@ -190,8 +190,8 @@ KernelStatus SparsifierImpl::FinishSampled(bool gauss, DeviceState* s,
     check_selected = true;
     sample_missed = true;
   } else {
-    GTOPK_CUDA_RETURN_IF_NOT_OK(ContinueExact(stream));
-    GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    GTOPK_CUDA_RETURN_IF_ERROR(ContinueExact(stream));
+    GTOPK_CUDA_CALL_OR_RETURN(cudaStreamSynchronize(stream));
     *s = *host_state();
   }
   return KernelStatus::Ok();
@@ -217,18 +217,18 @@ KernelStatus SparsifierImpl::CheckErrors(const DeviceState& s,
 
 KernelStatus SparsifierImpl::NonFiniteError(cudaStream_t stream) {
   // Find the first position for the message (rare path, one more pass).
-  GTOPK_CUDA_RETURN_IF_ERROR(
+  GTOPK_CUDA_CALL_OR_RETURN(
       cudaMemsetAsync(&st->first_non_finite, 0xff, sizeof(ull), stream));
   LaunchFirstNonFinite(HistBlocks(pending_n), stream, pending_u, pending_n, st);
   GTOPK_CUDA_LAUNCH_CHECK();
   ull pos = 0;
-  GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&pos, &st->first_non_finite,
+  GTOPK_CUDA_CALL_OR_RETURN(cudaMemcpyAsync(&pos, &st->first_non_finite,
                                              sizeof(ull),
                                              cudaMemcpyDeviceToHost, stream));
-  GTOPK_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  GTOPK_CUDA_CALL_OR_RETURN(cudaStreamSynchronize(stream));
   float value = 0.0f;
   if (pos < pending_n) {
-    GTOPK_CUDA_RETURN_IF_ERROR(cudaMemcpy(
+    GTOPK_CUDA_CALL_OR_RETURN(cudaMemcpy(
         &value, pending_u + pos, sizeof(float), cudaMemcpyDeviceToHost));
   }
   return KernelStatus::Error(KernelStatusCode::kInvalidArgument,
