@@ -19,7 +19,7 @@
 # EXECUTABLE, TARGET (entry names: TARGET.Suite[SUFFIX]), SUFFIX, CTEST_FILE,
 # WORKING_DIR, DISCOVERY_TIMEOUT, SHARDS ("Suite=N" items), EXCLUDE (a gtest
 # negative filter, "Pattern:Pattern": the cases these entries leave out),
-# LABELS, ENVIRONMENT, TIMEOUT (each entry's).
+# LABELS, ENVIRONMENT, TIMEOUT, COST (each entry's).
 cmake_minimum_required(VERSION 3.25)
 include("${ARGS_FILE}")
 
@@ -93,6 +93,9 @@ foreach(suite IN LISTS suites)
       "  LABELS [==[${LABELS}]==]\n")
     if(TIMEOUT)
       string(APPEND script "  TIMEOUT ${TIMEOUT}\n")
+    endif()
+    if(COST)
+      string(APPEND script "  COST ${COST}\n")
     endif()
     if(env)
       string(APPEND script "  ENVIRONMENT [==[${env}]==]\n")
