@@ -9,7 +9,8 @@ case, a suite, or a shard of a suite: GTEST_TOTAL_SHARDS/GTEST_SHARD_INDEX);
 they are listed from the built binary with --gtest_list_tests and
 matched against the filter as gtest does. Any other
 entry (a Python or shell test) counts as one. The README points here rather
-than quoting numbers that go stale.
+than quoting numbers that go stale. Exits 1 when a gtest entry selects no
+case (it would pass whatever the code does).
 """
 
 import fnmatch
@@ -61,6 +62,7 @@ def main():
     cases = defaultdict(int)
     cache = {}
     all_entries = all_cases = 0
+    empty = []
     for test in doc["tests"]:
         props = {p["name"]: p["value"] for p in test.get("properties", [])}
         labels = props.get("LABELS", []) or ["(none)"]
@@ -77,6 +79,8 @@ def main():
             index = int(env.get("GTEST_SHARD_INDEX", "0"))
             # gtest's sharding: the j-th selected case runs in shard j % total.
             n = len(chosen[index::total])
+            if n == 0:
+                empty.append(test["name"])
         all_entries += 1
         all_cases += n
         for label in labels:
@@ -90,6 +94,11 @@ def main():
     print()
     print("Test cases: gtest cases, and 1 for each other entry (Python, "
           "shell); an entry with several labels counts under each.")
+    if empty:
+        # An entry that runs no case passes whatever the code does.
+        print("count_tests: entries that select no gtest case: " +
+              ", ".join(empty), file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
