@@ -1,7 +1,8 @@
 # Writes the CTest entries of one gtest binary, one entry per test suite (a
 # suite with SHARDS gets that many entries, gtest's own sharding), instead of
-# gtest_discover_tests' one process per case. Run after each link of the
-# binary (tests/CMakeLists.txt, gtopk_gtest_groups); CTest reads CTEST_FILE.
+# gtest_discover_tests' one process per case. Run by ctest as it starts,
+# whenever the binary, this script or its settings are newer than CTEST_FILE
+# (tests/CMakeLists.txt, gtopk_gtest_groups); CTest then reads CTEST_FILE.
 #
 # A failing case is still named: gtest prints "[  FAILED  ] Suite.Case" for
 # each, and ctest --output-on-failure shows it; a crash or a hang ends the
@@ -14,6 +15,9 @@
 # The regex below matches only gtest's final summary of a run in which no
 # case passed or failed: "[  PASSED  ] 0 tests.", then the skipped list to
 # the end of the output (a failed case would be listed after it).
+#
+# An entry whose filter selects no case (a suite renamed since the list was
+# made) fails: gtest would exit 0 having run nothing ("Running 0 tests from").
 #
 # Settings: ARGS_FILE (-D), written by gtopk_gtest_groups at configure time:
 # EXECUTABLE, TARGET (entry names: TARGET.Suite[SUFFIX]), SUFFIX, CTEST_FILE,
@@ -90,6 +94,7 @@ foreach(suite IN LISTS suites)
       "set_tests_properties([==[${name}]==] PROPERTIES\n"
       "  WORKING_DIRECTORY [==[${WORKING_DIR}]==]\n"
       "  SKIP_REGULAR_EXPRESSION [==[${skip_regex}]==]\n"
+      "  FAIL_REGULAR_EXPRESSION [==[Running 0 tests from]==]\n"
       "  LABELS [==[${LABELS}]==]\n")
     if(TIMEOUT)
       string(APPEND script "  TIMEOUT ${TIMEOUT}\n")
