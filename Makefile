@@ -3,6 +3,10 @@
 #   make deps    install the Debian packages the build needs (apt-get, as root)
 #   make build   Release build in build/
 #   make test    deps + build + every test (ctest); non-zero on any failure
+#   make check   build + the unit tier (ctest -L unit): the fast loop after
+#                a change (the tiers: make test-counts)
+#   make test-counts  the CTest entries and test cases per label, generated
+#                from the configured build (tests/count_tests.py)
 #   make python  deps + the Python package (gtopk, gtopk.torch) in
 #                BUILD_DIR/python: PYTHONPATH=BUILD_DIR/python /usr/bin/python3
 #   make python-install  make python, then install the package into
@@ -106,7 +110,7 @@ DEMO_ARGS      ?=
 LOWBW_ARGS     ?=
 TTA_ARGS       ?=
 
-.PHONY: python python-install wheel all deps build test bench bench-lowbw bench-lowbw-grid bench-tta bench-model demo format clean deploy-sync \
+.PHONY: python python-install wheel all deps build test check test-counts bench bench-lowbw bench-lowbw-grid bench-tta bench-model demo format clean deploy-sync \
 	device-bundle device-bundle-check compose-certs compose-test fuzz fuzz-smoke fuzz-build fuzz-deps
 
 all: build
@@ -140,6 +144,17 @@ test: deps
 	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DGTOPK_WERROR=ON -DGTOPK_PYTHON=ON $(CMAKE_ARGS)
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS) --timeout 600
+
+# The unit tier after a change: configured as `make test` (no rebuild when
+# switching between the two), no deps check. Other tiers: ctest -L
+# integration|emulator|python|deploy|... (make test-counts lists them).
+check:
+	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DGTOPK_WERROR=ON -DGTOPK_PYTHON=ON $(CMAKE_ARGS)
+	cmake --build $(BUILD_DIR) -j $(JOBS)
+	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS) --timeout 600 -L unit
+
+test-counts:
+	/usr/bin/python3 tests/count_tests.py $(BUILD_DIR)
 
 # The Python package for Debian's /usr/bin/python3 (docs/python.md,
 # "Building and installing"): the extension gtopk._gtopk and the modules of python/gtopk.
