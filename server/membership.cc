@@ -389,7 +389,7 @@ void Membership::Stream::RegisterLocked(uint32_t worker) {
 
 bool Membership::Stream::RegisterFromMetadata(uint32_t rank, uint64_t token) {
   Membership& m = *membership_;
-  absl::MutexLock lock(&m.mu_);
+  absl::MutexLock lock(&membership_->mu_);
   if (!m.CheckTokenLocked(rank, token).ok()) return false;
   RegisterLocked(rank);
   // The holder is back: its live stream now keeps the rank.

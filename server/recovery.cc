@@ -5,7 +5,7 @@
 // server/recovery_target.h, roll every shard back to it), and AbortStep, by
 // which a step that failed on one shard fails on every shard. The class is
 // declared in server/service.h; its RPC handlers for training are in
-// server/service.cc.
+// server/service.cc, server/push_pull.cc and server/download.cc.
 #include <algorithm>
 #include <cstdio>
 #include <optional>

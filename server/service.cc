@@ -551,6 +551,26 @@ absl::Status OutOfMemoryForRange(uint32_t shard, uint64_t begin,
       "(docs/resource-limits.md)"));
 }
 
+// InitParams: a piece of rank 0's state blob (ParamsChunk.state) of
+// `piece` bytes after `so_far`: only to shard 0 with --apply=workers, at
+// most kMaxInitStateBytes in all (INVALID_ARGUMENT otherwise).
+absl::Status CheckStatePiece(const ServerConfig& config, size_t piece,
+                             size_t so_far) {
+  if (piece == 0) return absl::OkStatus();
+  if (config.apply != ApplyMode::kWorkers || config.shard_id != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "InitParams: a state blob goes only to shard 0 with "
+        "--apply=workers; this is shard ",
+        config.shard_id, " with --apply=", ApplyModeName(config.apply)));
+  }
+  if (piece > kMaxInitStateBytes - so_far) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "InitParams: the state blob is over ", kMaxInitStateBytes,
+        " bytes (1 GiB) after ", so_far, " + ", piece, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 grpc::Status AggregatorService::InitParams(
@@ -614,19 +634,10 @@ grpc::Status AggregatorService::InitParams(
         !range.ok()) {
       return ToGrpcStatus(range);
     }
-    if (!chunk.state().empty()) {
-      if (config_.apply != ApplyMode::kWorkers || shard != 0) {
-        return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-            "InitParams: a state blob goes only to shard 0 with "
-            "--apply=workers; this is shard ",
-            shard, " with --apply=", ApplyModeName(config_.apply))));
-      }
-      if (chunk.state().size() > kMaxInitStateBytes - state.size()) {
-        return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-            "InitParams: the state blob is over ", kMaxInitStateBytes,
-            " bytes (1 GiB) after ", state.size(), " + ",
-            chunk.state().size(), " bytes")));
-      }
+    if (const absl::Status piece =
+            CheckStatePiece(config_, chunk.state().size(), state.size());
+        !piece.ok()) {
+      return ToGrpcStatus(piece);
     }
     try {
       values.insert(values.end(), chunk.values().begin(),

@@ -1,5 +1,5 @@
 // One aggregator shard's synchronous rounds and parameters, independent of
-// gRPC (server/service.cc adapts it to the wire; tests drive it directly).
+// gRPC (server/push_pull.cc adapts it to the wire; tests drive it directly).
 #ifndef GTOPK_SERVER_SHARD_AGGREGATOR_H_
 #define GTOPK_SERVER_SHARD_AGGREGATOR_H_
 
