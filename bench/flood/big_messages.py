@@ -16,17 +16,40 @@ Scenarios (each run REPEATS times, a fresh server each time):
              the source address, as tests/integration/flood_test.py does);
   C          A, the server started with --max-message-bytes=C_LIMIT;
   A24        A over COUNT connections (one call per connection).
+Under mutual TLS (off by default; `--scenarios mtls` runs them all), the
+server started with --tls=mutual and certificates that the script makes
+with deploy/tls/make-certs.sh in its temporary directory:
+  Mbaseline  baseline;
+  MA, MB     A and B from a plaintext client (no TLS at all);
+  MA-nocert, MB-nocert
+             A and B from a TLS client that trusts the server's CA but
+             presents no client certificate;
+  MA-otherca, MB-otherca
+             A and B from a TLS client whose certificate (CN gtopk-worker-0)
+             another CA signed;
+  MA-cert    A from a client holding a valid certificate (CN gtopk-worker-0,
+             the cluster CA): the control, what an authenticated client
+             still costs (AbortStep is a shard RPC: PERMISSION_DENIED);
+  MH         A sent in plaintext to the server's --health-listen port (the
+             plaintext grpc.health.v1-only port the Kubernetes base opens
+             for the kubelet's probes; AbortStep: UNIMPLEMENTED there);
+  MH-check   MH with /grpc.health.v1.Health/Check as the method.
 
 For each run it records the server's VmHWM and VmRSS (/proc/PID/status)
 before the flood, when the last client call has ended, and AFTER_S seconds
 later, the highest VmRSS sampled during the flood, every call's status code
-and message, and the wall time; then writes one JSON file.
+and message, and the wall time; then, after those, one small AbortStep from
+a legitimate client (under mutual TLS: the shard-0 certificate; expected
+INVALID_ARGUMENT, step = -1) as a health probe, and under TLS the server's
+log lines about handshakes; then writes one JSON file.
 
   python3 bench/flood/big_messages.py --build-dir build \\
       --out bench/results/big_message_flood.json
+  python3 bench/flood/big_messages.py --build-dir build --scenarios mtls \\
+      --out bench/results/big_message_flood_mtls.json
 
 Standard library only (plus g++ and the grpc++ development package for the
-client). Run it on an otherwise idle machine: the figures are the server's
+client, and the openssl CLI for the mutual-TLS scenarios). Run it on an otherwise idle machine: the figures are the server's
 memory, but the timing depends on the CPUs available.
 """
 
@@ -53,16 +76,21 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
 from tcp_forwarder import Forwarder  # noqa: E402
 
 CLIENT_SOURCE = r'''
-// bigmsg_client TARGET COUNT BYTES CHANNELS DEADLINE_S KIND
+// bigmsg_client TARGET COUNT BYTES CHANNELS DEADLINE_S KIND [CREDS CA CERT KEY [METHOD]]
 // COUNT concurrent unary /gtopk.v1.Aggregator/AbortStep calls, each a
 // BYTES-byte request, spread over CHANNELS connections; one JSON line out.
+// CREDS insecure (the default): plaintext; tls: TLS trusting the PEM CA,
+// presenting the PEM CERT and KEY unless they are "-". METHOD: the full
+// method name (default /gtopk.v1.Aggregator/AbortStep).
 // KIND valid: AbortStepRequest{step=-1, shard_id=0, reason='x'...};
 // KIND junk: a field whose declared length runs past the end.
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -103,6 +131,17 @@ std::string Payload(size_t bytes, const std::string& kind) {
   std::exit(2);
 }
 
+std::string ReadFile(const char* path) {
+  std::ifstream f(path);
+  if (!f) {
+    std::fprintf(stderr, "cannot read %s\n", path);
+    std::exit(2);
+  }
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
 std::string Json(const std::string& s) {
   std::string o = "\"";
   for (unsigned char c : s) {
@@ -115,8 +154,25 @@ std::string Json(const std::string& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 7) {
-    std::fprintf(stderr, "usage: %s TARGET COUNT BYTES CHANNELS DEADLINE_S KIND\n", argv[0]);
+  if (argc != 7 && argc != 11 && argc != 12) {
+    std::fprintf(stderr, "usage: %s TARGET COUNT BYTES CHANNELS DEADLINE_S KIND"
+                 " [CREDS CA CERT KEY [METHOD]]\n", argv[0]);
+    return 2;
+  }
+  std::shared_ptr<grpc::ChannelCredentials> creds =
+      grpc::InsecureChannelCredentials();
+  const std::string method =
+      argc == 12 ? argv[11] : "/gtopk.v1.Aggregator/AbortStep";
+  if (argc >= 11 && std::string(argv[7]) == "tls") {
+    grpc::SslCredentialsOptions o;
+    o.pem_root_certs = ReadFile(argv[8]);
+    if (std::string(argv[9]) != "-") {
+      o.pem_cert_chain = ReadFile(argv[9]);
+      o.pem_private_key = ReadFile(argv[10]);
+    }
+    creds = grpc::SslCredentials(o);
+  } else if (argc >= 11 && std::string(argv[7]) != "insecure") {
+    std::fprintf(stderr, "CREDS: insecure or tls\n");
     return 2;
   }
   const std::string target = argv[1];
@@ -135,7 +191,7 @@ int main(int argc, char** argv) {
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a connection of its own
     args.SetInt("gtopk.bigmsg.channel", c);
     stubs.emplace_back(new grpc::GenericStub(grpc::CreateCustomChannel(
-        target, grpc::InsecureChannelCredentials(), args)));
+        target, creds, args)));
   }
   struct Call {
     grpc::ClientContext ctx;
@@ -155,7 +211,7 @@ int main(int argc, char** argv) {
     call->ctx.set_deadline(std::chrono::system_clock::now() +
                            std::chrono::seconds(deadline_s));
     stubs[i % nch]->UnaryCall(
-        &call->ctx, "/gtopk.v1.Aggregator/AbortStep", grpc::StubOptions(),
+        &call->ctx, method, grpc::StubOptions(),
         &call->req, &call->resp, [&, call](grpc::Status st) {
           std::lock_guard<std::mutex> l(mu);
           call->status = st;
@@ -259,16 +315,58 @@ class Sampler:
         self._thread.join()
 
 
-def start_server(server, max_message_bytes, log_path):
+def make_certs(workdir):
+    """The cluster's certificates (1 shard, 1 worker) and another CA's."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                          "..", "deploy", "tls", "make-certs.sh")
+    tls = os.path.join(workdir, "tls")
+    other = os.path.join(workdir, "other-ca")
+    subprocess.run(["sh", script, tls, "1", "1"], check=True)
+    subprocess.run(["sh", script, other, "0", "1"], check=True)
+    j = os.path.join
+    return {
+        "server": {"cert": j(tls, "shard-0.crt"), "key": j(tls, "shard-0.key"),
+                   "ca": j(tls, "ca.crt")},
+        # client credentials: [CREDS CA CERT KEY] of the embedded client
+        "plain": ["insecure", "-", "-", "-"],
+        "nocert": ["tls", j(tls, "ca.crt"), "-", "-"],
+        "otherca": ["tls", j(tls, "ca.crt"), j(other, "worker-0.crt"),
+                    j(other, "worker-0.key")],
+        "cert": ["tls", j(tls, "ca.crt"), j(tls, "worker-0.crt"),
+                 j(tls, "worker-0.key")],
+        "probe": ["tls", j(tls, "ca.crt"), j(tls, "shard-0.crt"),
+                  j(tls, "shard-0.key")],
+    }
+
+
+CLIENT_CREDS = {
+    "plain": "plaintext (no TLS)",
+    "nocert": "TLS trusting the cluster CA, no client certificate",
+    "otherca": "TLS trusting the cluster CA, a client certificate "
+               "(CN gtopk-worker-0) signed by another CA",
+    "cert": "TLS with a valid client certificate (CN gtopk-worker-0, "
+            "the cluster CA)",
+}
+
+
+def start_server(server, max_message_bytes, log_path, tls=None,
+                 health=False):
     cmd = [server, "--listen=127.0.0.1:0", "--shard-id=0", "--num-shards=1",
-           "--workers=2", "--tls=off", "--metrics-port=0"]
+           "--workers=2", "--metrics-port=0"]
+    if tls is None:
+        cmd.insert(5, "--tls=off")
+    else:
+        cmd[5:5] = ["--tls=mutual", "--tls-cert=" + tls["cert"],
+                    "--tls-key=" + tls["key"], "--tls-ca=" + tls["ca"]]
     if max_message_bytes is not None:
         cmd.append("--max-message-bytes=%d" % max_message_bytes)
+    if health:
+        cmd.append("--health-listen=127.0.0.1:0")
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log,
                             text=True)
     deadline = time.monotonic() + 30
-    port = None
+    port = health_port = None
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
@@ -276,12 +374,16 @@ def start_server(server, max_message_bytes, log_path):
         m = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
         if m:
             port = int(m.group(1))
+        m = re.search(r"health on 127\.0\.0\.1:(\d+)", line)
+        if m:
+            health_port = int(m.group(1))
+        if port is not None and (health_port is not None or not health):
             break
-    if port is None:
+    if port is None or (health and health_port is None):
         proc.kill()
         raise RuntimeError("server did not start: %s" % " ".join(cmd))
     threading.Thread(target=proc.stdout.read, daemon=True).start()
-    return proc, port, cmd
+    return proc, port, health_port, cmd
 
 
 def stop_server(proc):
@@ -306,10 +408,49 @@ def summarize_calls(calls):
             "call_ms_max": round(ms[-1], 1) if ms else None}
 
 
+def probe(client, port, creds):
+    """One small AbortStep (step = -1) from a legitimate client."""
+    try:
+        r = subprocess.run([client, "127.0.0.1:%d" % port, "1", "64", "1",
+                            "10", "valid"] + creds, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, timeout=60)
+        line = r.stdout.splitlines()[0] if r.stdout else ""
+        c = json.loads(line)["calls"][0]
+    except (subprocess.TimeoutExpired, ValueError, IndexError) as e:
+        return {"error": repr(e)}
+    return {"code": CODE_NAMES[c["code"]], "message": c["message"],
+            "ms": round(c["ms"], 1)}
+
+
+TLS_LOG = re.compile(r"handshake|SSL_ERROR|ssl_transport_security",
+                     re.IGNORECASE)
+
+
+def tls_log_summary(log_path):
+    """The server log's lines about TLS handshakes, counted (the log prefix,
+    time and thread, cut so that equal lines group)."""
+    lines = collections.Counter()
+    with open(log_path, errors="replace") as f:
+        for line in f:
+            if TLS_LOG.search(line):
+                key = re.sub(r"^[EWIF]\d{4} [\d:.]+ +\d+ ", "", line.strip())
+                lines[key[:300]] += 1
+    return {"lines": sum(lines.values()),
+            "distinct": [{"count": n, "line": l}
+                         for l, n in lines.most_common(8)]}
+
+
 def run_one(args, client, name, sources, channels_per_source, limit, flood,
-            logdir, rep):
-    proc, port, cmd = start_server(args.server, limit,
-                                   os.path.join(logdir, "%s-%d.log" % (name, rep)))
+            logdir, rep, certs=None, client_creds=None, health_method=None):
+    log_path = os.path.join(logdir, "%s-%d.log" % (name, rep))
+    proc, main_port, health_port, cmd = start_server(
+        args.server, limit, log_path,
+        certs["server"] if client_creds else None, bool(health_method))
+    creds = certs[client_creds] if client_creds else []
+    port = main_port
+    if health_method:  # the flood goes to the plaintext health port
+        port = health_port
+        creds = certs["plain"] + [health_method]
     try:
         time.sleep(args.settle_s)
         before = mem_point(proc.pid)
@@ -328,7 +469,8 @@ def run_one(args, client, name, sources, channels_per_source, limit, flood,
                     targets.append((src, "127.0.0.1:%d" % fw.port))
             clients = [(src, subprocess.Popen(
                 [client, target, str(args.count), str(args.bytes),
-                 str(channels_per_source), str(args.deadline_s), args.kind],
+                 str(channels_per_source), str(args.deadline_s), args.kind]
+                + creds,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
                 for src, target in targets]
             # The flood ends when every call has ended: each client prints
@@ -350,6 +492,9 @@ def run_one(args, client, name, sources, channels_per_source, limit, flood,
         time.sleep(args.after_s)
         after = mem_point(proc.pid)
         sampler.stop()
+        # Health: a legitimate call, after every memory figure was taken.
+        health = probe(client, main_port,
+                       certs["probe"] if client_creds else [])
         if flood:
             for src, c in clients:
                 try:
@@ -372,6 +517,7 @@ def run_one(args, client, name, sources, channels_per_source, limit, flood,
             "after_s": args.after_s,
             "max_sampled_vm_rss_mib": round(sampler.max_rss_kib / MIB, 1),
             "rss_timeline_mib": sampler.timeline,
+            "probe_after": health,
         }
         if flood:
             run["clients"] = summarize_calls(all_calls)
@@ -380,6 +526,8 @@ def run_one(args, client, name, sources, channels_per_source, limit, flood,
                  "codes": summarize_calls(r["calls"])["codes"]}
                 for r in results]
         run["server_exit_code"] = stop_server(proc)
+        if client_creds:
+            run["server_log_tls"] = tls_log_summary(log_path)
         return run
     finally:
         if proc.poll() is None:
@@ -477,10 +625,41 @@ def main():
                     flood=True, what="A over %d connections (one call each)"
                     % args.count),
     }
+    for creds in ("plain", "nocert", "otherca", "cert"):
+        for base in ("A", "B"):
+            if creds == "cert" and base == "B":
+                continue
+            name = "M" + base + ("" if creds == "plain" else "-" + creds)
+            scenarios[name] = dict(scenarios[base], client=creds,
+                                   what="%s, the server --tls=mutual, the "
+                                   "client %s" % (scenarios[base]["what"],
+                                                  CLIENT_CREDS[creds]))
+    scenarios["Mbaseline"] = dict(scenarios["baseline"], client="plain",
+                                  what="no flood, the server --tls=mutual")
+    for name, method in (("MH", "/gtopk.v1.Aggregator/AbortStep"),
+                         ("MH-check", "/grpc.health.v1.Health/Check")):
+        scenarios[name] = dict(
+            scenarios["A"], client="plain", health_method=method,
+            what="%d concurrent %s from 127.0.0.1, one connection, to the "
+            "plaintext --health-listen port of a --tls=mutual server"
+            % (args.count, method))
+    mtls = ["Mbaseline", "MA", "MB", "MA-nocert", "MB-nocert", "MA-otherca",
+            "MB-otherca", "MA-cert", "MH", "MH-check"]
+    names = []
+    for name in args.scenarios.split(","):
+        names += mtls if name == "mtls" else [name]
+    for name in names:
+        if name not in scenarios:
+            p.error("unknown scenario %s (known: %s, mtls)"
+                    % (name, ",".join(scenarios)))
+    certs = None
+    if any(scenarios[n].get("client") for n in names):
+        certs = make_certs(workdir)
     started = datetime.datetime.now(datetime.timezone.utc)
     out = {
-        "what": "gtopk-server leader (S=1, P=2, --tls=off) memory under "
-                "concurrent oversized AbortStep requests (issue 42, item 3)",
+        "what": "gtopk-server leader (S=1, P=2, --tls=off; the M scenarios "
+                "--tls=mutual) memory under concurrent oversized AbortStep "
+                "requests (issue 42, item 3)",
         "command": " ".join(shlex.quote(x) for x in
                             ["python3", os.path.relpath(__file__)] +
                             sys.argv[1:]),
@@ -497,20 +676,22 @@ def main():
         "note": args.note,
         "scenarios": {},
     }
-    for name in args.scenarios.split(","):
+    for name in names:
         sc = scenarios[name]
         runs = []
         for rep in range(args.repeats):
             print("== %s (%d/%d)" % (name, rep + 1, args.repeats),
                   file=sys.stderr, flush=True)
             run = run_one(args, client, name, sc["sources"], sc["channels"],
-                          sc["limit"], sc["flood"], workdir, rep)
+                          sc["limit"], sc["flood"], workdir, rep, certs,
+                          sc.get("client"), sc.get("health_method"))
             print("   peak %.1f MiB, end %.1f MiB, after %.1f MiB, wall %.1f s,"
-                  " codes %s" % (run["end_of_flood"].get("vm_hwm_mib", -1),
-                                 run["end_of_flood"].get("vm_rss_mib", -1),
-                                 run["after"].get("vm_rss_mib", -1),
-                                 run["wall_s"],
-                                 run.get("clients", {}).get("codes")),
+                  " codes %s, probe %s" % (
+                      run["end_of_flood"].get("vm_hwm_mib", -1),
+                      run["end_of_flood"].get("vm_rss_mib", -1),
+                      run["after"].get("vm_rss_mib", -1), run["wall_s"],
+                      run.get("clients", {}).get("codes"),
+                      run["probe_after"].get("code")),
                   file=sys.stderr, flush=True)
             runs.append(run)
         out["scenarios"][name] = {
@@ -518,6 +699,13 @@ def main():
             "max_message_bytes": sc["limit"] or (64 << 20),
             "sources": sc["sources"],
             "connections_per_source": sc["channels"],
+            "server_tls": "mutual" if sc.get("client") else "off",
+            "target_port": "--health-listen (plaintext)"
+                           if sc.get("health_method") else "--listen",
+            "method": sc.get("health_method",
+                             "/gtopk.v1.Aggregator/AbortStep"),
+            "client_credentials": CLIENT_CREDS.get(sc.get("client"),
+                                                   "plaintext (no TLS)"),
             "runs": runs,
         }
     out["duration_s"] = round(

@@ -43,9 +43,8 @@ RunResult RunSteps(const Param& param, uint64_t seed) {
   o.density = 0.01;
   o.density_warmup = {0.1};
   o.steps_per_epoch = 4;
-  auto rule_or = OptimizerRule::Create(o);
-  EXPECT_TRUE(rule_or.ok());
-  const OptimizerRule& rule = *rule_or;
+  const OptimizerRule rule = ::gtopk::testing::OkOrThrow(
+      OptimizerRule::Create(o), "OptimizerRule::Create");
   const CodecSpec codec{IndexCodec::kDeltaVarint, value_codec};
 
   std::mt19937_64 init_rng(seed);
@@ -73,9 +72,8 @@ RunResult RunSteps(const Param& param, uint64_t seed) {
   std::vector<double> accumulated(n, 0.0), applied(n, 0.0), scale(n, 0.0);
 
   for (int step = 0; step < steps; ++step) {
-    auto k_or = rule.KAt(step, n);
-    EXPECT_TRUE(k_or.ok());
-    const uint64_t k = *k_or;
+    const uint64_t k =
+        ::gtopk::testing::OkOrThrow(rule.KAt(step, n), "KAt");
     std::vector<SparseVector> sent(workers), received(workers);
     for (int w = 0; w < workers; ++w) {
       std::mt19937_64 rng(seed * 1000003 + step * 101 + w);

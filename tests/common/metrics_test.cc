@@ -310,6 +310,19 @@ double ProcField(const char* path, const std::string& key) {
   return 0;
 }
 
+// The sample `name` of `got`; a missing one fails the test and reads NaN,
+// which no comparison accepts (operator[] would insert a 0 that passes
+// EXPECT_GE(..., 0)).
+double Value(const std::map<std::string, double>& got,
+             const std::string& name) {
+  const auto it = got.find(name);
+  if (it == got.end()) {
+    ADD_FAILURE() << name << " is not in the exposition";
+    return std::numeric_limits<double>::quiet_NaN();
+  }
+  return it->second;
+}
+
 // Each process_* value against an independent reading: VmRSS and VmSize
 // from /proc/self/status, "Max open files" from /proc/self/limits, the fd
 // count moved by opening descriptors; CPU and start time against bounds.
@@ -327,21 +340,21 @@ TEST(ProcessCollectorTest, ReportsTheStandardProcessMetrics) {
   EXPECT_EQ(got.size(), 6u);
   const double vmrss = ProcField("/proc/self/status", "VmRSS:") * 1024;
   const double vmsize = ProcField("/proc/self/status", "VmSize:") * 1024;
-  EXPECT_NEAR(got["process_resident_memory_bytes"], vmrss, 8 << 20);
-  EXPECT_NEAR(got["process_virtual_memory_bytes"], vmsize, 64 << 20);
-  EXPECT_GE(got["process_cpu_seconds_total"], 0);
+  EXPECT_NEAR(Value(got, "process_resident_memory_bytes"), vmrss, 8 << 20);
+  EXPECT_NEAR(Value(got, "process_virtual_memory_bytes"), vmsize, 64 << 20);
+  EXPECT_GE(Value(got, "process_cpu_seconds_total"), 0);
   const double now = static_cast<double>(std::time(nullptr));
-  EXPECT_LE(got["process_start_time_seconds"], now + 1);
-  EXPECT_GT(got["process_start_time_seconds"], now - 3600);
-  EXPECT_EQ(got["process_max_fds"],
+  EXPECT_LE(Value(got, "process_start_time_seconds"), now + 1);
+  EXPECT_GT(Value(got, "process_start_time_seconds"), now - 3600);
+  EXPECT_EQ(Value(got, "process_max_fds"),
             ProcField("/proc/self/limits", "Max open files"));
-  const double open_before = got["process_open_fds"];
+  const double open_before = Value(got, "process_open_fds");
   EXPECT_GE(open_before, 3);  // stdin, stdout, stderr at least
   std::vector<int> fds;
   for (int i = 0; i < 10; ++i) fds.push_back(dup(1));
-  EXPECT_EQ(collect()["process_open_fds"], open_before + 10);
+  EXPECT_EQ(Value(collect(), "process_open_fds"), open_before + 10);
   for (int fd : fds) close(fd);
-  EXPECT_EQ(collect()["process_open_fds"], open_before);
+  EXPECT_EQ(Value(collect(), "process_open_fds"), open_before);
   // Types and help as docs/metrics.md (and Prometheus's guidelines) have
   // them, and promtool accepts the result.
   const std::string text = Serialize(*collector);

@@ -106,9 +106,8 @@ struct Oracle {
 
 Oracle Simulate(const Case& c, const std::vector<uint64_t>& bounds) {
   server::ServerConfig cfg = MakeConfig(c);
-  auto rule_or = OptimizerRule::Create(cfg.optimizer);
-  EXPECT_TRUE(rule_or.ok());
-  const OptimizerRule& rule = *rule_or;
+  const OptimizerRule rule = ::gtopk::testing::OkOrThrow(
+      OptimizerRule::Create(cfg.optimizer), "OptimizerRule::Create");
   const CodecSpec codec{c.index_codec, c.value_codec};
   const uint64_t n = c.n;
   const int P = c.workers;

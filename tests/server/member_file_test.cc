@@ -115,10 +115,9 @@ Leader StartLeader(const std::string& dir) {
   config.peers = {""};
   config.checkpoint_dir = dir;
   config.checkpoint_every = 1;
-  auto server = AggregatorServer::Start(config, "127.0.0.1:0");
-  EXPECT_TRUE(server.ok()) << server.status();
   Leader l;
-  l.server = *std::move(server);
+  l.server = ::gtopk::testing::OkOrThrow(
+      AggregatorServer::Start(config, "127.0.0.1:0"), "the leader's start");
   l.stub = v1::Aggregator::NewStub(
       CreateLimitedChannel(l.server->address(), uint64_t{1} << 20));
   return l;

@@ -198,11 +198,11 @@ std::unique_ptr<ShardAggregator> OneShard(uint32_t workers, uint64_t n,
   o.optimizer.density = density;
   o.optimizer.momentum_mode = MomentumMode::kNone;
   o.step_timeout = absl::Seconds(5);
-  auto shard = ShardAggregator::Create(o, nullptr);
-  EXPECT_TRUE(shard.ok()) << shard.status();
-  auto taken = (*shard)->InitParams(std::vector<float>(n, 1.0f));
-  EXPECT_TRUE(taken.ok() && *taken);
-  return *std::move(shard);
+  auto shard = ::gtopk::testing::OkOrThrow(ShardAggregator::Create(o, nullptr),
+                                          "ShardAggregator::Create");
+  EXPECT_THAT(shard->InitParams(std::vector<float>(n, 1.0f)),
+              ::gtopk::testing::IsOkAndHolds(true));
+  return shard;
 }
 
 SparseVector FirstEntries(uint64_t count, float value) {
@@ -328,9 +328,8 @@ struct OneServer {
 OneServer Start(ServerConfig config) {
   OneServer s;
   config.peers = {""};
-  auto server = AggregatorServer::Start(config, "127.0.0.1:0");
-  EXPECT_TRUE(server.ok()) << server.status();
-  s.server = *std::move(server);
+  s.server = ::gtopk::testing::OkOrThrow(
+      AggregatorServer::Start(config, "127.0.0.1:0"), "the server's start");
   s.channel = CreateLimitedChannel(s.server->address(), uint64_t{64} << 20);
   s.stub = v1::Aggregator::NewStub(s.channel);
   return s;

@@ -1,6 +1,7 @@
 // The server's and worker's metrics against independent counts: the
 // workers' own StepStats (bytes, pairs, steps), rejections provoked on
 // purpose, and the exposition of a real in-process cluster.
+#include <limits>
 #include <map>
 #include <memory>
 #include <random>
@@ -30,6 +31,19 @@ std::string Scrape(const prometheus::Collectable& c) {
 
 // Series line "name{labels} value" -> value, from the text format. Labels
 // are written sorted by name (prometheus::Labels is a std::map).
+// The sample `name` of `samples`; a missing one fails the test and reads
+// NaN, which no comparison accepts (operator[] would insert a 0 that
+// passes EXPECT_EQ(..., 0)).
+double At(const std::map<std::string, double>& samples,
+          const std::string& name) {
+  const auto it = samples.find(name);
+  if (it == samples.end()) {
+    ADD_FAILURE() << name << " is not in the exposition";
+    return std::numeric_limits<double>::quiet_NaN();
+  }
+  return it->second;
+}
+
 std::map<std::string, double> ParseSamples(const std::string& text) {
   std::map<std::string, double> out;
   std::istringstream in(text);
@@ -133,38 +147,38 @@ TEST(ServerMetricsTest, CountsMatchTheWorkersOwnStats) {
              received) {
     absl::SleepFor(absl::Milliseconds(20));
   }
-  auto samples = ParseSamples(Scrape(*registry));
+  const auto samples = ParseSamples(Scrape(*registry));
   // The push bytes of the rejected message are counted as received too.
   v1::Push rejected;
   rejected.set_step(kSteps);
   rejected.set_shard_id(7);
   rejected.set_member_token(clients[0]->member_token());
   rejected.set_cluster_fingerprint(clients[0]->cluster().cluster_fingerprint());
-  EXPECT_EQ(samples["gtopk_server_received_bytes_total{method=\"PushPull\"}"],
+  EXPECT_EQ(At(samples, "gtopk_server_received_bytes_total{method=\"PushPull\"}"),
             sent + static_cast<double>(rejected.ByteSizeLong()));
-  EXPECT_EQ(samples["gtopk_server_sent_bytes_total{method=\"PushPull\"}"], received);
-  EXPECT_GT(samples["gtopk_server_received_bytes_total{method=\"InitParams\"}"], 4.0 * kN);
-  EXPECT_GT(samples["gtopk_server_sent_bytes_total{method=\"DownloadParams\"}"], 4.0 * kN);
-  EXPECT_EQ(samples["gtopk_server_rounds_total"], kSteps);
-  EXPECT_EQ(samples["gtopk_server_step"], kSteps);
-  EXPECT_EQ(samples["gtopk_server_selected_pairs_total"], selected);
-  EXPECT_EQ(samples["gtopk_server_round_duration_seconds_count"], kSteps);
-  EXPECT_EQ(samples["gtopk_server_slowest_worker_wait_seconds_count"], kSteps);
-  EXPECT_EQ(samples["gtopk_server_merge_duration_seconds_count"], kSteps);
-  EXPECT_EQ(samples["gtopk_server_threshold_duration_seconds_count"], kSteps);
-  EXPECT_EQ(samples["gtopk_server_round_duration_seconds_bucket{le=\"+Inf\"}"], kSteps);
-  EXPECT_EQ(samples["gtopk_server_rejected_messages_total{reason=\"wrong_shard\"}"], 1);
-  EXPECT_EQ(samples["gtopk_server_rejected_messages_total{reason=\"invalid\"}"], 0);
-  EXPECT_EQ(samples["gtopk_server_rpc_errors_total{code=\"INVALID_ARGUMENT\"}"], 1);
+  EXPECT_EQ(At(samples, "gtopk_server_sent_bytes_total{method=\"PushPull\"}"), received);
+  EXPECT_GT(At(samples, "gtopk_server_received_bytes_total{method=\"InitParams\"}"), 4.0 * kN);
+  EXPECT_GT(At(samples, "gtopk_server_sent_bytes_total{method=\"DownloadParams\"}"), 4.0 * kN);
+  EXPECT_EQ(At(samples, "gtopk_server_rounds_total"), kSteps);
+  EXPECT_EQ(At(samples, "gtopk_server_step"), kSteps);
+  EXPECT_EQ(At(samples, "gtopk_server_selected_pairs_total"), selected);
+  EXPECT_EQ(At(samples, "gtopk_server_round_duration_seconds_count"), kSteps);
+  EXPECT_EQ(At(samples, "gtopk_server_slowest_worker_wait_seconds_count"), kSteps);
+  EXPECT_EQ(At(samples, "gtopk_server_merge_duration_seconds_count"), kSteps);
+  EXPECT_EQ(At(samples, "gtopk_server_threshold_duration_seconds_count"), kSteps);
+  EXPECT_EQ(At(samples, "gtopk_server_round_duration_seconds_bucket{le=\"+Inf\"}"), kSteps);
+  EXPECT_EQ(At(samples, "gtopk_server_rejected_messages_total{reason=\"wrong_shard\"}"), 1);
+  EXPECT_EQ(At(samples, "gtopk_server_rejected_messages_total{reason=\"invalid\"}"), 0);
+  EXPECT_EQ(At(samples, "gtopk_server_rpc_errors_total{code=\"INVALID_ARGUMENT\"}"), 1);
   EXPECT_EQ(samples.count("gtopk_server_rpc_errors_total{code=\"DATA_LOSS\"}"), 1u);
   // None written: the scrape-time collectable has nothing to say.
   EXPECT_EQ(samples.count("gtopk_server_checkpoint_age_seconds"), 0u);
   EXPECT_TRUE(cluster.shard(0).service()->metrics().checkpoint_age()->Collect().empty());
   // Present from the start (no checkpoint dir: never fails).
   EXPECT_EQ(samples.count("gtopk_server_checkpoint_failures_total"), 1u);
-  EXPECT_EQ(samples["gtopk_server_checkpoint_failures_total"], 0);
+  EXPECT_EQ(At(samples, "gtopk_server_checkpoint_failures_total"), 0);
   // The two workers' streams are still open.
-  EXPECT_EQ(samples["gtopk_server_connected_workers"], kWorkers);
+  EXPECT_EQ(At(samples, "gtopk_server_connected_workers"), kWorkers);
   clients.clear();
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   while (absl::Now() < deadline &&
@@ -194,25 +208,25 @@ TEST(WorkerMetricsTest, RecordsAStepAsGiven) {
   m.RecordStep(s, absl::Milliseconds(20), absl::Milliseconds(70), 0.75);
   m.RecordStep(s, absl::Milliseconds(20), absl::Milliseconds(70), 0.5);
   auto samples = ParseSamples(Scrape(registry));
-  EXPECT_EQ(samples["gtopk_worker_sent_bytes_total{shard=\"0\"}"], 200);
-  EXPECT_EQ(samples["gtopk_worker_sent_bytes_total{shard=\"1\"}"], 100);
-  EXPECT_EQ(samples["gtopk_worker_received_bytes_total{shard=\"1\"}"], 80);
-  EXPECT_EQ(samples["gtopk_worker_dense_equivalent_bytes_total"], 8000);
-  EXPECT_EQ(samples["gtopk_worker_density"], 0.01);
-  EXPECT_EQ(samples["gtopk_worker_loss"], 0.5);
-  EXPECT_EQ(samples["gtopk_worker_step"], 42);
-  EXPECT_EQ(samples["gtopk_worker_rank"], 3);
-  EXPECT_EQ(samples["gtopk_worker_step_duration_seconds_count"], 2);
-  EXPECT_EQ(samples["gtopk_worker_step_duration_seconds_bucket{le=\"0.05\"}"], 0);
-  EXPECT_EQ(samples["gtopk_worker_step_duration_seconds_bucket{le=\"0.1\"}"], 2);
-  EXPECT_EQ(samples["gtopk_worker_phase_duration_seconds_sum{phase=\"wait\"}"], 0.08);
-  EXPECT_EQ(samples["gtopk_worker_phase_duration_seconds_sum{phase=\"compute\"}"], 0.04);
-  EXPECT_EQ(samples["gtopk_worker_phase_duration_seconds_bucket{phase=\"push\",le=\"0.0025\"}"], 0);
-  EXPECT_EQ(samples["gtopk_worker_phase_duration_seconds_bucket{phase=\"push\",le=\"0.005\"}"], 2);
+  EXPECT_EQ(At(samples, "gtopk_worker_sent_bytes_total{shard=\"0\"}"), 200);
+  EXPECT_EQ(At(samples, "gtopk_worker_sent_bytes_total{shard=\"1\"}"), 100);
+  EXPECT_EQ(At(samples, "gtopk_worker_received_bytes_total{shard=\"1\"}"), 80);
+  EXPECT_EQ(At(samples, "gtopk_worker_dense_equivalent_bytes_total"), 8000);
+  EXPECT_EQ(At(samples, "gtopk_worker_density"), 0.01);
+  EXPECT_EQ(At(samples, "gtopk_worker_loss"), 0.5);
+  EXPECT_EQ(At(samples, "gtopk_worker_step"), 42);
+  EXPECT_EQ(At(samples, "gtopk_worker_rank"), 3);
+  EXPECT_EQ(At(samples, "gtopk_worker_step_duration_seconds_count"), 2);
+  EXPECT_EQ(At(samples, "gtopk_worker_step_duration_seconds_bucket{le=\"0.05\"}"), 0);
+  EXPECT_EQ(At(samples, "gtopk_worker_step_duration_seconds_bucket{le=\"0.1\"}"), 2);
+  EXPECT_EQ(At(samples, "gtopk_worker_phase_duration_seconds_sum{phase=\"wait\"}"), 0.08);
+  EXPECT_EQ(At(samples, "gtopk_worker_phase_duration_seconds_sum{phase=\"compute\"}"), 0.04);
+  EXPECT_EQ(At(samples, "gtopk_worker_phase_duration_seconds_bucket{phase=\"push\",le=\"0.0025\"}"), 0);
+  EXPECT_EQ(At(samples, "gtopk_worker_phase_duration_seconds_bucket{phase=\"push\",le=\"0.005\"}"), 2);
   EXPECT_EQ(samples.count("gtopk_worker_test_accuracy"), 0u);  // not evaluated
   m.RecordTestAccuracy(0.875);
   samples = ParseSamples(Scrape(registry));
-  EXPECT_EQ(samples["gtopk_worker_test_accuracy"], 0.875);
+  EXPECT_EQ(At(samples, "gtopk_worker_test_accuracy"), 0.875);
 }
 
 // gtopk_server_checkpoint_age_seconds: absent until a checkpoint is written,

@@ -864,8 +864,11 @@ TEST(ServiceTest, CancelledWorkerMidStepGivesDeadlineExceededNamingIt) {
 
 // A Join for a rank whose worker has an open PushPull stream is a second
 // worker with the same rank: ALREADY_EXISTS naming it (after the grace
-// Join gives that stream to end). Once that stream is gone (the worker
-// crashed or closed it), the rank can be joined again, at once.
+// Join gives that stream to end). A stream cancelled in the middle of a
+// step (here: its push waits in the round) may be a live worker that cut
+// a failed step short and recovers next (issue 42), so the rank stays its
+// holder's while the stream ends and for kRankRecoverHold (5 s) after:
+// UNAVAILABLE, then free (the holder is taken for gone).
 TEST(ServiceTest, JoinOfARankWithALiveStreamIsRejected) {
   ServerConfig config = BaseConfig(1, 2);
   config.step_timeout = absl::Seconds(30);
@@ -888,13 +891,34 @@ TEST(ServiceTest, JoinOfARankWithALiveStreamIsRejected) {
                        AllOf(HasSubstr("rank 1 is already taken"),
                              HasSubstr("live worker"))));
   GTOPK_EXPECT_OK(Join(cluster.stub(0), 0, n));  // rank 0 has no stream
-  // The worker of rank 1 goes away: its rank can be joined again at once
-  // (Join gives a stream whose cancellation is on its way a short grace).
+  // The worker of rank 1 cancels its stream in the middle of step 0.
   ctx1->TryCancel();
   (void)s1->Finish();
   s1.reset();
   ctx1.reset();
-  GTOPK_EXPECT_OK(Join(cluster.stub(0), 1, n).status());
+  const absl::Time cancelled = absl::Now();
+  // Rank 0 pushes: the round ends, and with it rank 1's stream.
+  {
+    grpc::ClientContext ctx0;
+    ctx0.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    auto s0 = cluster.stub(0)->PushPull(&ctx0);
+    ASSERT_TRUE(s0->Write(MakePush(0, 0, 0, push)));
+    v1::Pull pull;
+    EXPECT_TRUE(s0->Read(&pull));
+    ctx0.TryCancel();
+    (void)s0->Finish();
+  }
+  EXPECT_THAT(Join(cluster.stub(0), 1, n),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       HasSubstr("stays reserved for its holder")));
+  absl::StatusOr<v1::JoinResponse> again = absl::UnknownError("not tried");
+  while (!again.ok() && absl::Now() - cancelled < absl::Seconds(20)) {
+    again = Join(cluster.stub(0), 1, n);
+    if (!again.ok()) absl::SleepFor(absl::Milliseconds(200));
+  }
+  GTOPK_EXPECT_OK(again.status());
+  EXPECT_GE(absl::Now() - cancelled, absl::Seconds(4.5))
+      << "the rank was free before kRankRecoverHold";
 }
 
 TEST(ServiceTest, ShutdownEndsWaitingStepsAndWritesCheckpoint) {

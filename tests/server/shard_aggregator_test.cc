@@ -274,11 +274,12 @@ ShardOptions SmallOptions(uint32_t workers) {
 }
 
 std::unique_ptr<ShardAggregator> SingleShard(uint32_t workers) {
-  auto shard = ShardAggregator::Create(SmallOptions(workers), nullptr);
-  EXPECT_TRUE(shard.ok()) << shard.status();
+  auto shard = ::gtopk::testing::OkOrThrow(
+      ShardAggregator::Create(SmallOptions(workers), nullptr),
+      "ShardAggregator::Create");
   std::vector<float> init(100, 1.0f);
-  EXPECT_TRUE(shard.ok() && (*shard)->InitParams(init).ok());
-  return *std::move(shard);
+  GTOPK_EXPECT_OK(shard->InitParams(init));
+  return shard;
 }
 
 WorkerPush Push(int64_t step, uint32_t worker, std::vector<uint32_t> idx) {
@@ -736,10 +737,10 @@ std::unique_ptr<ShardAggregator> FiniteTestShard(MomentumMode momentum,
   o.optimizer.density = 0.1;  // k = 2 of 20
   o.optimizer.momentum_mode = momentum;
   o.step_timeout = absl::Seconds(5);
-  auto shard = ShardAggregator::Create(o, nullptr);
-  EXPECT_TRUE(shard.ok()) << shard.status();
-  EXPECT_TRUE((*shard)->InitParams(init).ok());
-  return *std::move(shard);
+  auto shard = ::gtopk::testing::OkOrThrow(ShardAggregator::Create(o, nullptr),
+                                          "ShardAggregator::Create");
+  GTOPK_EXPECT_OK(shard->InitParams(init));
+  return shard;
 }
 
 // The reproduction: one shard, two workers, n = 20, no momentum;
@@ -959,14 +960,12 @@ VotedCluster MakeVotedCluster(ShardOptions base, uint32_t num_shards,
     ShardOptions o = base;
     o.shard_id = s;
     o.num_shards = num_shards;
-    auto shard = ShardAggregator::Create(o, c.exchange.get(), c.commit.get());
-    EXPECT_TRUE(shard.ok()) << shard.status();
-    EXPECT_TRUE((*shard)
-                    ->InitParams(std::vector<float>(
-                        init.begin() + (*shard)->begin(),
-                        init.begin() + (*shard)->end()))
-                    .ok());
-    c.shards.push_back(*std::move(shard));
+    auto shard = ::gtopk::testing::OkOrThrow(
+        ShardAggregator::Create(o, c.exchange.get(), c.commit.get()),
+        "ShardAggregator::Create");
+    GTOPK_EXPECT_OK(shard->InitParams(std::vector<float>(
+        init.begin() + shard->begin(), init.begin() + shard->end())));
+    c.shards.push_back(std::move(shard));
   }
   return c;
 }
@@ -1177,10 +1176,10 @@ std::unique_ptr<ShardAggregator> BufferShard(ApplyMode apply,
   o.selection = SelectionKind::kQuota;  // no exchange needed
   o.optimizer.density = 0.2;
   o.step_timeout = absl::Seconds(5);
-  auto shard = ShardAggregator::Create(o, nullptr);
-  EXPECT_TRUE(shard.ok()) << shard.status();
-  EXPECT_TRUE((*shard)->InitParams(std::vector<float>(10, 1.0f)).ok());
-  return *std::move(shard);
+  auto shard = ::gtopk::testing::OkOrThrow(ShardAggregator::Create(o, nullptr),
+                                          "ShardAggregator::Create");
+  GTOPK_EXPECT_OK(shard->InitParams(std::vector<float>(10, 1.0f)));
+  return shard;
 }
 
 // Rank 0's buffers come back in every worker's result on shard 0 (and to a

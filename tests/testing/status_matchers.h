@@ -4,7 +4,10 @@
 #define GTOPK_TESTS_TESTING_STATUS_MATCHERS_H_
 
 #include <ostream>
+#include <stdexcept>
 #include <string>
+#include <string_view>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -45,6 +48,31 @@ MATCHER_P(StatusIs, code,
   const absl::Status& s = ::gtopk::testing::GetStatus(arg);
   *result_listener << "status is " << s;
   return s.code() == code;
+}
+
+// EXPECT_THAT(status_or, IsOkAndHolds(Eq(3)));  the value is matched only
+// when the status is OK (never dereferenced otherwise).
+MATCHER_P(IsOkAndHolds, value_matcher, "is OK and holds a matching value") {
+  if (!arg.ok()) {
+    *result_listener << "status is " << arg.status();
+    return false;
+  }
+  return ::testing::ExplainMatchResult(value_matcher, *arg, result_listener);
+}
+
+// The value of `status_or`, for a test helper that returns a value and so
+// cannot ASSERT. On an error it throws std::runtime_error naming `what` and
+// the status: GoogleTest reports that as the running test's failure ("C++
+// exception ... thrown in the test body") and goes on with the next test,
+// where dereferencing the error would crash the whole binary. Call it on
+// the test's own thread.
+template <typename T>
+T OkOrThrow(absl::StatusOr<T> status_or, std::string_view what) {
+  if (!status_or.ok()) {
+    throw std::runtime_error(std::string(what) + ": " +
+                             status_or.status().ToString());
+  }
+  return *std::move(status_or);
 }
 
 }  // namespace testing
