@@ -305,7 +305,7 @@ deploy-sync:
 	python3 deploy/sync_generated.py
 
 format:
-	find common server worker tests bench -name '*.h' -o -name '*.cc' -o -name '*.cu' 2>/dev/null | xargs clang-format -i
+	find cli common server worker tests bench -name '*.h' -o -name '*.cc' -o -name '*.cu' 2>/dev/null | xargs clang-format -i
 
 clean:
 	rm -rf $(BUILD_DIR)

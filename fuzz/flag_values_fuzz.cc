@@ -1,6 +1,6 @@
 // libFuzzer harness: our own parsers of command-line flag values (the
 // Abseil flag parsers themselves are Abseil's): dash-spelled flag names
-// (common/flag_names.h NormalizeFlagNames), host:port addresses
+// (cli/flag_names.h NormalizeFlagNames), host:port addresses
 // (common/host_port.h ValidateHostPort, MetricsBindAddress), codec and mode
 // names (ParseIndexCodec, ParseValueCodec, ParseAggregationMode,
 // ParseSelectionKind, ParseMomentumMode), gtopk-server's --density-warmup
@@ -32,10 +32,10 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "cli/flag_names.h"
 #include "common/cluster_modes.h"
 #include "common/cluster_spec.h"
 #include "common/codec.h"
-#include "common/flag_names.h"
 #include "common/host_port.h"
 #include "common/optimizer.h"
 #include "fuzz/fuzz_check.h"
@@ -106,7 +106,7 @@ void Normalize(absl::string_view value) {
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   const std::vector<std::string> out =
-      NormalizeFlagNames(static_cast<int>(argv.size()), argv.data());
+      cli::NormalizeFlagNames(static_cast<int>(argv.size()), argv.data());
   FUZZ_CHECK(out.size() == args.size(), "argument count changed");
   FUZZ_CHECK(out[0] == args[0], "argv[0] changed");
   bool after_dashes = false;

@@ -2,10 +2,11 @@
 // is documented in server/flags.md. Flags are read here only and copied into
 // a validated ServerConfig.
 //
-// Exit codes: 0 after a graceful shutdown (SIGTERM/SIGINT) or a SERVING
-// health check; 1 for a health check that is not SERVING or fails (and for
-// flag syntax errors reported by Abseil's parser); 2 for an invalid flag
-// value or a failed startup.
+// Exit codes (cli/exit_codes.h, server/flags.md): kExitOk (0) after a
+// graceful shutdown (SIGTERM/SIGINT) or a SERVING health check;
+// kExitFailure (1) for a health check that is not SERVING or fails;
+// kExitUsage (2) for an invalid command line or a failed startup;
+// kExitCheckpointFailed (3) when the final checkpoint cannot be written.
 #include <pthread.h>
 #include <signal.h>
 
@@ -16,22 +17,22 @@
 #include <string>
 #include <vector>
 
-#include "common/flag_names.h"
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
+#include "cli/command_line.h"
+#include "cli/exit_codes.h"
+#include "cli/tls_flag.h"
 #include "common/codec.h"
 #include "common/host_port.h"
 #include "common/metrics/exposer.h"
 #include "common/metrics/process_collector.h"
 #include "common/optimizer.h"
 #include "common/status_macros.h"
-#include "common/tls_flag.h"
 #include "common/transport_security.h"
 #include "server/aggregator_server.h"
 #include "server/server_config.h"
@@ -126,6 +127,10 @@ ABSL_FLAG(std::string, shard_token_file, "",
 
 namespace {
 
+using gtopk::cli::kExitCheckpointFailed;
+using gtopk::cli::kExitFailure;
+using gtopk::cli::kExitOk;
+using gtopk::cli::kExitUsage;
 using gtopk::server::ServerConfig;
 
 absl::Status InRange(const char* flag, int64_t value, int64_t lo, int64_t hi) {
@@ -144,7 +149,7 @@ absl::StatusOr<std::shared_ptr<const gtopk::TransportSecurity>>
 SecurityFromFlags(gtopk::SecurityRole role = gtopk::SecurityRole::kServer) {
   gtopk::TransportSecurityOptions o;
   absl::StatusOr<gtopk::TlsMode> mode =
-      gtopk::ParseTlsFlag(absl::GetFlag(FLAGS_tls));
+      gtopk::cli::ParseTlsFlag(absl::GetFlag(FLAGS_tls));
   if (!mode.ok()) return mode.status();
   o.tls = *mode;
   o.cert_file = absl::GetFlag(FLAGS_tls_cert);
@@ -206,8 +211,7 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   auto mode = gtopk::ParseAggregationMode(absl::GetFlag(FLAGS_mode));
   if (!mode.ok()) return FlagError("mode", mode.status());
   c.mode = *mode;
-  auto selection =
-      gtopk::ParseSelectionKind(absl::GetFlag(FLAGS_selection));
+  auto selection = gtopk::ParseSelectionKind(absl::GetFlag(FLAGS_selection));
   if (!selection.ok()) return FlagError("selection", selection.status());
   c.selection = *selection;
   auto index_codec = gtopk::ParseIndexCodec(absl::GetFlag(FLAGS_index_codec));
@@ -253,7 +257,6 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   return c;
 }
 
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -265,21 +268,16 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  gtopk::SetUpFlagsUsage(
-      "One gTop-k aggregator shard (shard 0 is the leader).\n"
-      "Flags are spelled with dashes or underscores; every flag is documented "
-      "in server/flags.md.",
-      "server/main.cc");
-  std::vector<std::string> args = gtopk::NormalizeFlagNames(argc, argv);
-  std::vector<char*> arg_pointers;
-  for (std::string& a : args) arg_pointers.push_back(a.data());
-  const absl::Status no_stray = gtopk::CheckNoPositionalArguments(
-      absl::ParseCommandLine(static_cast<int>(arg_pointers.size()),
-                             arg_pointers.data()));
-  if (!no_stray.ok()) {
+  const absl::Status parsed = gtopk::cli::ParseCommandLine(
+      {"One gTop-k aggregator shard (shard 0 is the leader).\n"
+       "Flags are spelled with dashes or underscores; every flag is "
+       "documented in server/flags.md.",
+       "server/main.cc"},
+      argc, argv);
+  if (!parsed.ok()) {
     std::fprintf(stderr, "gtopk-server: invalid flags: %s\n",
-                 std::string(no_stray.message()).c_str());
-    return 2;
+                 std::string(parsed.message()).c_str());
+    return kExitUsage;
   }
 
   const std::string health_target = absl::GetFlag(FLAGS_health_check);
@@ -289,21 +287,21 @@ int main(int argc, char** argv) {
     if (!target.ok()) {
       std::fprintf(stderr, "gtopk-server: invalid flags: %s\n",
                    std::string(target.message()).c_str());
-      return 2;
+      return kExitUsage;
     }
     absl::StatusOr<std::shared_ptr<const gtopk::TransportSecurity>> security =
         SecurityFromFlags(gtopk::SecurityRole::kWorker);
     if (!security.ok()) {
       std::fprintf(stderr, "gtopk-server: invalid flags: %s\n",
                    std::string(security.status().message()).c_str());
-      return 2;
+      return kExitUsage;
     }
     absl::StatusOr<bool> serving = gtopk::server::CheckHealth(
         health_target, absl::Seconds(5), "", *security);
     if (!serving.ok()) {
       std::fprintf(stderr, "gtopk-server: %s\n",
                    serving.status().ToString().c_str());
-      return 1;
+      return kExitFailure;
     }
     std::printf("%s\n", *serving ? "SERVING" : "NOT_SERVING");
     if (!*serving) {
@@ -315,14 +313,14 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "gtopk-server: %s\n", why.ToString().c_str());
       }
     }
-    return *serving ? 0 : 1;
+    return *serving ? kExitOk : kExitFailure;
   }
 
   absl::StatusOr<ServerConfig> config = ConfigFromFlags();
   if (!config.ok()) {
     std::fprintf(stderr, "gtopk-server: invalid flags: %s\n",
                  std::string(config.status().message()).c_str());
-    return 2;
+    return kExitUsage;
   }
   if (config->apply == gtopk::ApplyMode::kWorkers) {
     // The workers run their own optimizer: the servers' optimizer flags
@@ -347,7 +345,7 @@ int main(int argc, char** argv) {
     if (!security.ok()) {
       std::fprintf(stderr, "gtopk-server: invalid flags: %s\n",
                    std::string(security.status().message()).c_str());
-      return 2;
+      return kExitUsage;
     }
     config->security = *std::move(security);
   }
@@ -358,17 +356,16 @@ int main(int argc, char** argv) {
     if (!valid.ok()) {
       std::fprintf(stderr, "gtopk-server: invalid flags: %s\n",
                    std::string(valid.message()).c_str());
-      return 2;
+      return kExitUsage;
     }
   }
   const absl::Duration drain_timeout = absl::GetFlag(FLAGS_drain_timeout);
-  if (drain_timeout < absl::ZeroDuration() ||
-      drain_timeout > absl::Hours(1)) {
+  if (drain_timeout < absl::ZeroDuration() || drain_timeout > absl::Hours(1)) {
     std::fprintf(stderr,
                  "gtopk-server: invalid flags: --drain-timeout must be in "
                  "[0, 1h], got %s\n",
                  absl::FormatDuration(drain_timeout).c_str());
-    return 2;
+    return kExitUsage;
   }
   const uint32_t shard_id = config->shard_id;
   // Metrics first: a port that cannot be bound fails before the shard runs.
@@ -389,7 +386,7 @@ int main(int argc, char** argv) {
                    "gtopk-server: --metrics-host=%s --metrics-port=%lld: %s\n",
                    metrics_host.c_str(), static_cast<long long>(metrics_port),
                    started.status().ToString().c_str());
-      return 2;
+      return kExitUsage;
     }
     exposer = *std::move(started);
     exposer->RegisterCollectable(registry);
@@ -400,9 +397,9 @@ int main(int argc, char** argv) {
       gtopk::server::AggregatorServer::Start(
           *std::move(config), absl::GetFlag(FLAGS_listen), health_listen);
   if (!server.ok()) {
-    std::fprintf(stderr, "gtopk-server: cannot start shard %u: %s\n",
-                 shard_id, server.status().ToString().c_str());
-    return 2;
+    std::fprintf(stderr, "gtopk-server: cannot start shard %u: %s\n", shard_id,
+                 server.status().ToString().c_str());
+    return kExitUsage;
   }
   std::printf("listening on %s\n", (*server)->address().c_str());
   if ((*server)->health_port() != 0) {
@@ -451,14 +448,15 @@ int main(int argc, char** argv) {
   const absl::Status checkpoint = (*server)->Shutdown(
       absl::Seconds(5), /*write_checkpoint=*/true, drain_timeout);
   if (!checkpoint.ok()) {
-    // Exit 3, not 0: the state of the last applied steps is not on disk
-    // (server/flags.md). The previous checkpoint, if any, is intact.
+    // Exit 3, not 0 (kExitCheckpointFailed): the state of the last applied
+    // steps is not on disk (server/flags.md). The previous checkpoint, if any,
+    // is intact.
     std::fprintf(stderr,
                  "gtopk-server shard %u: final checkpoint failed: %s; "
                  "exiting with code 3 (a restart restores the previous "
                  "checkpoint)\n",
                  shard_id, checkpoint.ToString().c_str());
-    return 3;
+    return kExitCheckpointFailed;
   }
-  return 0;
+  return kExitOk;
 }

@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Every out-of-range or malformed flag value of gtopk-server and
-gtopk-worker is rejected at start: the process exits non-zero (server 2,
-worker 1) with a message naming the flag, and promptly. The worker's cases
+gtopk-worker is rejected at start: the process exits 2 (both programs,
+cli/exit_codes.h kExitUsage) with a message naming the flag, and promptly;
+so are Abseil's syntax errors (an unknown flag, a value that does not parse
+as its flag's type), which cli/command_line.cc checks before Abseil's
+parser, except inside a --flagfile (Abseil's own exit 1). The worker's cases
 point --server at a port where nothing listens, with the default 60 s
 --rpc-timeout-s: an exit within the per-case limit proves the check comes
 before the join. --tls has no default (docs/security.md): every case says
@@ -107,6 +110,15 @@ SERVER_CASES = [
     ("--metrics-host", ["--metrics-port=9400", "--metrics-host=[::1"]),
     ("--health-check", ["--health-check=nonsense"]),
     ("--health-check", ["--health-check=127.0.0.1:0"]),
+    # Abseil's syntax (cli/command_line.h CheckFlagSyntax).
+    ("unknown flag --no-such-flag", ["--no-such-flag=1"]),
+    ("unknown flag --shardid", ["--shardid=1"]),
+    ("invalid value 'abc' for --shard-id", ["--shard-id=abc"]),
+    ("invalid value '3' for --step-timeout", ["--step-timeout=3"]),
+    ("invalid value 'maybe' for --momentum-masking",
+     ["--momentum-masking=maybe"]),
+    ("--momentum-masking= needs true or false", ["--momentum-masking="]),
+    ("--health-listen needs a value", ["--health-listen"]),
     # A word left after the flags is a setting lost: Abseil reads
     # `--momentum-masking false` as --momentum-masking=true and a word.
     ("unexpected argument 'false'", ["--momentum-masking", "false"]),
@@ -146,7 +158,7 @@ WORKER_CASES = [
     ("--recovery-timeout", ["--recovery-timeout=-1s"]),
     ("--recovery-timeout", ["--recovery-timeout=25h"]),
     ("--recovery-timeout", ["--recovery-timeout=inf"]),
-    ("recovery_timeout", ["--recovery-timeout=3"]),
+    ("invalid value '3' for --recovery-timeout", ["--recovery-timeout=3"]),
     ("--testing-final-check-delay", ["--testing-final-check-delay=-1s"]),
     ("--cpu-isa", ["--cpu-isa=avx512"]),
     ("--mode", ["--mode=sparse"]),
@@ -162,12 +174,20 @@ WORKER_CASES = [
     ("--momentum", ["--momentum=1"]),
     ("--momentum", ["--momentum=-0.5"]),
     ("--summary-json", ["--summary-json=/nonexistent/dir/w.json"]),
+    # Data that cannot be read is a startup failure too (Trainer::Prepare).
+    ("--data-dir", ["--model=mlp", "--data-dir=/nonexistent/fashion"]),
     # A word left after the flags (the worker has no boolean flag).
     ("unexpected argument 'stray'", ["stray"]),
+    # Abseil's syntax (cli/command_line.h CheckFlagSyntax).
+    ("unknown flag --no-such-flag", ["--no-such-flag=1"]),
+    ("invalid value 'x' for --rank", ["--rank=x"]),
+    ("invalid value '1.5' for --batch-size", ["--batch-size=1.5"]),
+    ("unknown flag --noserver: --server is not a boolean flag",
+     ["--noserver"]),
     ("unexpected argument '--steps=5'", ["--", "--steps=5"]),
 ]
 
-# What a process started without --tls says (common/tls_flag.h).
+# What a process started without --tls says (cli/tls_flag.h).
 TLS_REQUIRED = ("--tls is required: --tls=mutual (with --tls-cert/--tls-key/"
                 "--tls-ca), --tls=server, or --tls=off for plaintext on a "
                 "trusted network (docs/security.md)")
@@ -238,6 +258,26 @@ class ServerFlagsTest(unittest.TestCase):
         self.assertNotIn("listening on", r.stdout)
         self.assertNotIn("terminate called", r.stdout)
 
+    def test_a_flagfile_is_read_by_abseil(self):
+        """Flags from a --flagfile: its good flags apply (here the bad
+        --listen, exit 2 naming it), and a syntax error inside it is
+        Abseil's, exit 1 (server/flags.md)."""
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "flags")
+            with open(path, "w") as f:
+                f.write("--listen=nonsense\n")
+            r = run([SERVER, "--tls=off", "--flagfile=" + path])
+            self.assertEqual(r.returncode, 2, r.stdout)
+            self.assertIn("--listen", r.stdout)
+            with open(path, "w") as f:
+                f.write("--no_such_flag=1\n")
+            r = run([SERVER, "--listen=127.0.0.1:0", "--tls=off",
+                     "--flagfile=" + path])
+            self.assertEqual(r.returncode, 1, r.stdout)
+            self.assertIn("no_such_flag", r.stdout)
+            self.assertNotIn("listening on", r.stdout)
+
 
 class CheckpointStartLineTest(unittest.TestCase):
     """The line after `listening on` says what a start came back with
@@ -281,17 +321,18 @@ class CheckpointStartLineTest(unittest.TestCase):
 
 
 class WorkerFlagsTest(unittest.TestCase):
-    def test_without_tls_exits_1_naming_the_choices(self):
+    def test_without_tls_exits_2_naming_the_choices(self):
         for extra in ([], ["--tls="]):
             with self.subTest(args=extra):
                 r = run([WORKER, "--server=127.0.0.1:%d" % free_port(),
                          "--model=synthetic:10"] + extra)
-                self.assertEqual(r.returncode, 1, r.stdout)
+                self.assertEqual(r.returncode, 2, r.stdout)
                 self.assertIn(TLS_REQUIRED, r.stdout)
 
     def test_tls_off_prints_the_warning(self):
-        """Nothing listens: the join fails after --rpc-timeout-s, and the
-        WARNING came first."""
+        """Nothing listens: the join fails after --rpc-timeout-s (the run
+        failed: exit 1, not a startup failure), and the WARNING came
+        first."""
         r = run([WORKER, "--server=127.0.0.1:%d" % free_port(), "--tls=off",
                  "--model=synthetic:10", "--rpc-timeout-s=1"])
         self.assertEqual(r.returncode, 1, r.stdout)
@@ -299,7 +340,7 @@ class WorkerFlagsTest(unittest.TestCase):
                       "unauthenticated", r.stdout)
         self.assertNotIn("--tls is required", r.stdout)
 
-    def test_each_bad_value_exits_1_before_joining_naming_the_flag(self):
+    def test_each_bad_value_exits_2_before_joining_naming_the_flag(self):
         leader = "--server=127.0.0.1:%d" % free_port()  # nothing listens
         for flag, extra in WORKER_CASES:
             with self.subTest(args=extra):
@@ -307,16 +348,16 @@ class WorkerFlagsTest(unittest.TestCase):
                 if any(a.startswith("--model=") for a in extra):
                     argv.remove("--model=synthetic:10")
                 r = run(argv + extra)
-                self.assertEqual(r.returncode, 1, r.stdout)
+                self.assertEqual(r.returncode, 2, r.stdout)
                 self.assertIn(flag, r.stdout)
 
-    def test_a_taken_metrics_port_exits_1_before_joining(self):
+    def test_a_taken_metrics_port_exits_2_before_joining(self):
         with taken_port() as port:
             r = run([WORKER, "--server=127.0.0.1:%d" % free_port(),
                      "--tls=off", "--model=synthetic:10",
                      "--metrics-host=127.0.0.1",
                      "--metrics-port=%d" % port])
-        self.assertEqual(r.returncode, 1, r.stdout)
+        self.assertEqual(r.returncode, 2, r.stdout)
         self.assertIn("--metrics-port=%d" % port, r.stdout)
         self.assertIn("cannot listen on 127.0.0.1:%d" % port, r.stdout)
         self.assertNotIn("terminate called", r.stdout)
@@ -324,7 +365,7 @@ class WorkerFlagsTest(unittest.TestCase):
     def test_bad_job_completion_index(self):
         r = run([WORKER, "--server=127.0.0.1:%d" % free_port(), "--tls=off",
                  "--model=synthetic:10"], env={"JOB_COMPLETION_INDEX": "x"})
-        self.assertEqual(r.returncode, 1, r.stdout)
+        self.assertEqual(r.returncode, 2, r.stdout)
         self.assertIn("JOB_COMPLETION_INDEX", r.stdout)
 
 

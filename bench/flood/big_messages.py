@@ -31,8 +31,9 @@ with deploy/tls/make-certs.sh in its temporary directory:
              the cluster CA): the control, what an authenticated client
              still costs (AbortStep is a shard RPC: PERMISSION_DENIED);
   MH         A sent in plaintext to the server's --health-listen port (the
-             plaintext grpc.health.v1-only port the Kubernetes base opens
-             for the kubelet's probes; AbortStep: UNIMPLEMENTED there);
+             plaintext grpc.health.v1-only port for probes without a
+             certificate; the Kubernetes base now binds it to the pod's
+             loopback; AbortStep: UNIMPLEMENTED there);
   MH-check   MH with /grpc.health.v1.Health/Check as the method.
 
 For each run it records the server's VmHWM and VmRSS (/proc/PID/status)

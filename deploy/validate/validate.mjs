@@ -15,8 +15,9 @@
 //      an object literal with a field the Kubernetes type does not declare
 //      fails (excess-property check), as does a wrong type;
 //   3. the project's container rules, for every container of every pod
-//      template: startup, readiness and liveness probes (gRPC probes when the
-//      container has a port named grpc), CPU and memory requests and limits,
+//      template: startup, readiness and liveness probes (when the container
+//      has a port named grpc: probes of grpc.health.v1 on a port it serves,
+//      below), CPU and memory requests and limits,
 //      and the restricted securityContext (runAsNonRoot, no privilege
 //      escalation, capabilities drop ALL and add none, RuntimeDefault
 //      seccomp, read-only root filesystem, not privileged), a pinned image.
@@ -140,21 +141,96 @@ function podSpecOf(o) {
   }
 }
 
-function checkContainer(where, c, pod) {
-  const bad = (msg) => problems.push(`${where}: container ${c.name}: ${msg}`);
-  const grpcPort = (c.ports ?? []).find((p) => p.name === "grpc");
-  // Under mutual TLS the kubelet's probes (no client certificate) use the
-  // plaintext health-only port: a port named "health" that the container
-  // serves with --health-listen=HOST:PORT (docs/security.md).
-  const healthPort = (c.ports ?? []).find((p) => p.name === "health");
-  const healthServed = healthPort && (c.args ?? []).some((a) =>
-    a.startsWith("--health-listen=") && a.endsWith(`:${healthPort.containerPort}`));
-  const probePort = healthServed ? healthPort.containerPort : grpcPort?.containerPort;
+// The value of the last --NAME=VALUE in args (Abseil: the last one wins).
+function flagValue(args, name) {
+  let v;
+  for (const a of args ?? []) {
+    if (typeof a === "string" && a.startsWith(`--${name}=`)) v = a.slice(name.length + 3);
+  }
+  return v;
+}
+
+function splitHostPort(v) {
+  const i = v.lastIndexOf(":");
+  return i < 0 ? { host: v, port: NaN } : { host: v.slice(0, i), port: Number(v.slice(i + 1)) };
+}
+
+const LOOPBACK = new Set(["127.0.0.1", "localhost", "::1", "[::1]"]);
+// gtopk-server --health-check has a 5 s deadline of its own.
+const HEALTH_CHECK_DEADLINE_S = 5;
+
+// Probes of a container that serves gRPC: each must really ask
+// grpc.health.v1 of a port the container serves, in a way that can succeed.
+// - With --health-listen=HOST:PORT (the base, under mutual TLS: the probes
+//   present no client certificate): HOST must be loopback -- the port is
+//   plaintext and unauthenticated, and gRPC reads a whole request before its
+//   size check (docs/resource-limits.md, "Big messages") -- and every probe
+//   an exec probe running gtopk-server --health-check=<loopback>:PORT
+//   --tls=off, with timeoutSeconds above the check's own 5 s deadline (the
+//   kubelet's grpc: probes dial the pod IP, which a loopback port is not on).
+// - Without it and with --tls=off: a grpc probe on the gRPC port (or the
+//   same exec probe on it).
+// - Without it and with any other --tls (or none): nothing can succeed (the
+//   gRPC port wants a certificate the kubelet does not have).
+function checkGrpcProbes(c, grpcPort, bad) {
+  const args = c.args ?? [];
+  const tls = flagValue(args, "tls");
+  const healthListen = flagValue(args, "health-listen");
+  let target = null; // the port the exec probes must check
+  let grpcProbeOk = false; // whether a kubelet grpc: probe on grpcPort works
+  if (healthListen !== undefined && healthListen !== "") {
+    const { host, port } = splitHostPort(healthListen);
+    if (!LOOPBACK.has(host)) {
+      bad(`--health-listen=${healthListen} is not bound to loopback: a plaintext, ` +
+        "unauthenticated grpc.health.v1 port reachable from outside the pod " +
+        "(docs/security.md); bind it to 127.0.0.1 and probe it with an exec " +
+        `probe (gtopk-server --health-check=127.0.0.1:${port} --tls=off)`);
+    }
+    target = port;
+  } else if (tls === "off") {
+    target = grpcPort;
+    grpcProbeOk = true;
+  }
   for (const probe of ["startupProbe", "readinessProbe", "livenessProbe"]) {
     const p = c[probe];
     if (!p) { bad(`no ${probe}`); continue; }
-    if (grpcPort && !(p.grpc && (p.grpc.port === probePort))) {
-      bad(`${probe} must be a grpc probe on port ${probePort} (grpc.health.v1${healthServed ? ", the --health-listen port" : ""})`);
+    if (target === null) {
+      bad(`${probe}: with ${tls === undefined ? "no --tls" : `--tls=${tls}`} and no ` +
+        "--health-listen no probe can check grpc.health.v1 (the gRPC port wants a " +
+        "client certificate): serve it with --health-listen=127.0.0.1:PORT and " +
+        "probe it with an exec probe (gtopk-server --health-check=127.0.0.1:PORT --tls=off)");
+      continue;
+    }
+    if (grpcProbeOk && p.grpc && p.grpc.port === grpcPort) continue;
+    const cmd = p.exec?.command ?? [];
+    const checks = cmd.filter((a) => typeof a === "string" && a.startsWith("--health-check="));
+    const checked = checks.length === 1 ? splitHostPort(checks[0].slice("--health-check=".length)) : null;
+    const execOk = typeof cmd[0] === "string" && path.basename(cmd[0]) === "gtopk-server" &&
+      checked !== null && LOOPBACK.has(checked.host) && checked.port === target &&
+      flagValue(cmd, "tls") === "off";
+    if (!execOk) {
+      bad(grpcProbeOk
+        ? `${probe} must be a grpc probe on port ${grpcPort} or an exec probe running ` +
+          `gtopk-server --health-check=127.0.0.1:${grpcPort} --tls=off (grpc.health.v1)`
+        : `${probe} must be an exec probe running gtopk-server ` +
+          `--health-check=127.0.0.1:${target} --tls=off (grpc.health.v1 on the ` +
+          "loopback --health-listen port)");
+      continue;
+    }
+    if (!((p.timeoutSeconds ?? 1) > HEALTH_CHECK_DEADLINE_S)) {
+      bad(`${probe}.timeoutSeconds is ${p.timeoutSeconds ?? "1 (the default)"}: it must ` +
+        `exceed gtopk-server --health-check's own ${HEALTH_CHECK_DEADLINE_S} s deadline`);
+    }
+  }
+}
+
+function checkContainer(where, c, pod) {
+  const bad = (msg) => problems.push(`${where}: container ${c.name}: ${msg}`);
+  const grpcPort = (c.ports ?? []).find((p) => p.name === "grpc");
+  if (grpcPort) checkGrpcProbes(c, grpcPort.containerPort, bad);
+  else {
+    for (const probe of ["startupProbe", "readinessProbe", "livenessProbe"]) {
+      if (!c[probe]) bad(`no ${probe}`);
     }
   }
   for (const kind of ["requests", "limits"]) {

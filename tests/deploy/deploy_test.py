@@ -36,7 +36,9 @@ One ctest test per class (label `deploy`), e.g.
                     (the base's default), its files provided by the
                     one-shot Secrets (deploy/tls/k8s-secrets.sh, run here)
                     or by cert-manager (examples/cert-manager), the shards'
-                    probes on the health-only port; the plaintext opt-out
+                    exec probes (gtopk-server --health-check) on the
+                    health-only port, bound to loopback and not exposed;
+                    the plaintext opt-out
                     (components/plaintext, examples/plaintext) renders
                     --tls=off over every overlay and changes nothing else
   SchemaTest        every rendered object (overlays and examples) against
@@ -874,7 +876,10 @@ K8S_EXAMPLES = sorted(
     os.path.basename(p) for p in
     glob.glob(os.path.join(DEPLOY, "k8s", "examples", "*"))
     if os.path.isfile(os.path.join(p, "kustomization.yaml")))
-HEALTH_PORT = 50052  # --health-listen, the kubelet's probes under mTLS
+HEALTH_PORT = 50052  # --health-listen (loopback): the shards' probes under mTLS
+# The shards' probes: run in the container, on the loopback health port.
+HEALTH_PROBE = ["gtopk-server", "--health-check=127.0.0.1:%d" % HEALTH_PORT,
+                "--tls=off"]
 
 
 def render_dir(path, key):
@@ -953,8 +958,12 @@ def check_mutual_tls(tc, objs, S, secrets):
     """Mutual TLS as the base runs it (docs/security.md, "Kubernetes"):
     shards and workers say --tls=mutual first, then the certificate flags
     at TLS_MOUNT (the shard's own by $(SHARD_ID), the workers' any-rank
-    worker.crt); the shards serve the health-only port 50052 the kubelet's
-    grpc probes use (they present no certificate); TLS_MOUNT is mounted
+    worker.crt); the shards serve the health-only port 50052 on loopback
+    only (plaintext and unauthenticated: nothing outside the pod may reach
+    it, docs/resource-limits.md, "Big messages"), no containerPort names it,
+    and the probes are exec probes checking it with gtopk-server
+    --health-check --tls=off (they present no certificate) within a
+    timeout above the check's own 5 s deadline; TLS_MOUNT is mounted
     read-only from `secrets` and, where their keys are known, provides
     exactly the files the flags name, for every shard id."""
     sts = one(objs, "StatefulSet", "gtopk-shard")
@@ -965,11 +974,17 @@ def check_mutual_tls(tc, objs, S, secrets):
                    mutual_tls_args("shard-$(SHARD_ID)"))
     tc.assertEqual(worker["args"][:4], mutual_tls_args("worker"))
     tc.assertEqual(tls_args(worker["args"]), mutual_tls_args("worker"))
-    tc.assertIn("--health-listen=0.0.0.0:%d" % HEALTH_PORT, shard["args"])
-    tc.assertIn({"name": "health", "containerPort": HEALTH_PORT,
-                 "protocol": "TCP"}, shard["ports"])
+    tc.assertEqual([a for a in shard["args"]
+                    if a.startswith("--health-listen=")],
+                   ["--health-listen=127.0.0.1:%d" % HEALTH_PORT])
+    tc.assertEqual([p for p in shard["ports"]
+                    if p["containerPort"] == HEALTH_PORT
+                    or p["name"] == "health"], [])
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        tc.assertEqual(shard[probe]["grpc"]["port"], HEALTH_PORT, probe)
+        tc.assertEqual(set(shard[probe]) & {"grpc", "tcpSocket", "httpGet"},
+                       set(), probe)
+        tc.assertEqual(shard[probe]["exec"]["command"], HEALTH_PROBE, probe)
+        tc.assertGreater(shard[probe]["timeoutSeconds"], 5, probe)
     need_shard = {"ca.crt"} | {"shard-%d.%s" % (i, ext) for i in range(S)
                                for ext in ("crt", "key")}
     for obj, c, want in ((sts, shard, need_shard),
@@ -1173,6 +1188,9 @@ class KustomizeTest(unittest.TestCase):
             (shard_labels, gtopk(worker_labels), SERVER_METRICS_PORT, False),
             (shard_labels, other, GRPC_PORT, False),
             (shard_labels, outside, GRPC_PORT, False),
+            # The health-only port is on loopback; no policy opens it.
+            (shard_labels, gtopk(worker_labels), HEALTH_PORT, False),
+            (shard_labels, prom, HEALTH_PORT, False),
             (worker_labels, prom, WORKER_METRICS_PORT, True),
             (worker_labels, gtopk(shard_labels), WORKER_METRICS_PORT, False),
             (worker_labels, outside, WORKER_METRICS_PORT, False),
@@ -1256,7 +1274,8 @@ class KustomizeTest(unittest.TestCase):
         the cpu one): the shards and workers say --tls=off and no other
         --tls flag, mount no certificate and need no Secret; everything
         else is the overlay's, the args in the same order (the shards keep
-        their health-only port and probes)."""
+        their loopback health-only port and exec probes, which check it
+        with --tls=off in both)."""
         _, example = render_example("plaintext")
         self.assertEqual(example, render_plaintext("cpu")[1])
         for overlay in OVERLAYS:
@@ -1464,8 +1483,8 @@ class SchemaTest(unittest.TestCase):
         case("unknown container field", sts,
              lambda o: shard_c(o).update(resourcez={}), "'\"resourcez\"'")
         case("unknown nested field", sts,
-             lambda o: shard_c(o)["startupProbe"]["grpc"].update(prot=1),
-             "'\"prot\"'")
+             lambda o: shard_c(o)["startupProbe"]["exec"].update(cmd=[]),
+             "'\"cmd\"'")
         case("unknown monitor field", sm,
              lambda o: o["spec"]["endpoints"][0].update(prt="metrics"),
              "'\"prt\"'")
@@ -1480,7 +1499,8 @@ class SchemaTest(unittest.TestCase):
         case("tcp probe on the grpc port", sts,
              lambda o: shard_c(o).update(
                  readinessProbe={"tcpSocket": {"port": GRPC_PORT}}),
-             "readinessProbe must be a grpc probe")
+             "readinessProbe must be an exec probe running gtopk-server "
+             "--health-check=127.0.0.1:%d --tls=off" % HEALTH_PORT)
         case("no memory limit", job,
              lambda o: shard_c(o)["resources"]["limits"].pop("memory"),
              "no resources.limits.memory")
@@ -1502,12 +1522,65 @@ class SchemaTest(unittest.TestCase):
              "seccompProfile.type is not RuntimeDefault")
         case("unknown kind", sm, lambda o: o.update(kind="ServiceMonitr"),
              "no schema for apiVersion")
-        # Probes on the health-only port when nothing serves it there.
+        # Probes on the health-only port when nothing serves it there:
+        # under mutual TLS nothing a probe can check is left.
         case("probes on an unserved health port", sts,
              lambda o: shard_c(o).update(args=[
                  a for a in shard_c(o)["args"]
                  if not a.startswith("--health-listen=")]),
-             "readinessProbe must be a grpc probe on port %d" % GRPC_PORT)
+             "readinessProbe: with --tls=mutual and no --health-listen no "
+             "probe can check grpc.health.v1")
+        # ... and in plaintext: a grpc probe of the gRPC port would do.
+        case("plaintext probes on an unserved health port", sts,
+             lambda o: shard_c(o).update(args=["--tls=off"] + [
+                 a for a in shard_c(o)["args"]
+                 if not a.startswith(("--health-listen=", "--tls"))]),
+             "readinessProbe must be a grpc probe on port %d or an exec "
+             "probe" % GRPC_PORT)
+
+        def set_health_listen(o, value):
+            c = shard_c(o)
+            c["args"] = [("--health-listen=" + value)
+                         if a.startswith("--health-listen=") else a
+                         for a in c["args"]]
+
+        def set_probe(o, probe, **fields):
+            shard_c(o)[probe].update(fields)
+
+        # The plaintext, unauthenticated health port reachable from the
+        # network (docs/resource-limits.md, "Big messages"), even though
+        # the exec probes would still work on it.
+        case("health port bound to 0.0.0.0", sts,
+             lambda o: set_health_listen(o, "0.0.0.0:%d" % HEALTH_PORT),
+             "--health-listen=0.0.0.0:%d is not bound to loopback"
+             % HEALTH_PORT)
+        # The old form: the kubelet's grpc probe dials the pod IP, which
+        # the loopback port is not on.
+        case("grpc probe on the loopback health port", sts,
+             lambda o: shard_c(o).update(livenessProbe={
+                 "grpc": {"port": HEALTH_PORT}, "timeoutSeconds": 7}),
+             "livenessProbe must be an exec probe running gtopk-server")
+        case("exec probe of another port", sts,
+             lambda o: set_probe(o, "startupProbe", exec={"command": [
+                 "gtopk-server", "--health-check=127.0.0.1:%d" % GRPC_PORT,
+                 "--tls=off"]}),
+             "startupProbe must be an exec probe running gtopk-server")
+        case("exec probe without --tls=off", sts,
+             lambda o: set_probe(o, "readinessProbe", exec={"command": [
+                 "gtopk-server",
+                 "--health-check=127.0.0.1:%d" % HEALTH_PORT]}),
+             "readinessProbe must be an exec probe running gtopk-server")
+        case("exec probe of another program", sts,
+             lambda o: set_probe(o, "readinessProbe", exec={"command": [
+                 "true", "--health-check=127.0.0.1:%d" % HEALTH_PORT,
+                 "--tls=off"]}),
+             "readinessProbe must be an exec probe running gtopk-server")
+        case("probe timeout within the check's deadline", sts,
+             lambda o: set_probe(o, "livenessProbe", timeoutSeconds=5),
+             "livenessProbe.timeoutSeconds is 5: it must exceed")
+        case("probe timeout left at the default", sts,
+             lambda o: shard_c(o)["readinessProbe"].pop("timeoutSeconds"),
+             "readinessProbe.timeoutSeconds is 1 (the default)")
 
         # One validator run over every case (tsc starts once); each case is
         # its own file and its problems are reported under its name.
@@ -2118,6 +2191,28 @@ class DockerfileTest(unittest.TestCase):
         self.assertIn("/dev/tcp/127.0.0.1/%d" % WORKER_METRICS_PORT, whc[0])
         self.assertEqual(lines(self.cpu, "python-worker", "HEALTHCHECK"), whc)
 
+    def test_kubernetes_exec_probes_find_their_binary(self):
+        """The shards' exec probes run `gtopk-server` by name: the server
+        stage installs it in /usr/local/bin, on the default PATH of the
+        Debian base (no ENV PATH override), and the shard container runs
+        that image."""
+        copies = [l for l in self.cpu["server"]["lines"]
+                  if l.startswith("COPY ")]
+        self.assertIn("COPY --from=build /build/server/gtopk-server "
+                      "/usr/local/bin/gtopk-server", copies)
+        for stage in ("runtime-base", "server"):
+            self.assertFalse([l for l in self.cpu[stage]["lines"]
+                              if re.match(r"ENV\s+PATH\b", l)], stage)
+        for overlay in OVERLAYS:
+            _, objs = render(overlay)
+            shard = container(one(objs, "StatefulSet", "gtopk-shard"),
+                              "shard")
+            self.assertTrue(shard["image"].startswith("gtopk-server:"),
+                            shard["image"])
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                self.assertEqual(shard[probe]["exec"]["command"][0],
+                                 "gtopk-server", (overlay, probe))
+
 
 class FlagsTest(unittest.TestCase):
     def test_entrypoints_help(self):
@@ -2176,6 +2271,15 @@ class FlagsTest(unittest.TestCase):
                     "gtopk-worker-cuda", "gtopk-worker"))
                 uses.append(("k8s %s %s" % (overlay, name), binary,
                              k8s_args(objs, obj, cname)))
+                # Exec probes run a binary of the image (the shards'
+                # gtopk-server --health-check).
+                for probe in ("startupProbe", "readinessProbe",
+                              "livenessProbe"):
+                    cmd = container(obj, cname).get(probe, {}).get(
+                        "exec", {}).get("command", [])
+                    if cmd and cmd[0] in known:
+                        uses.append(("k8s %s %s %s" % (overlay, name, probe),
+                                     cmd[0], cmd[1:]))
         for df in glob.glob(os.path.join(DEPLOY, "docker", "Dockerfile*")):
             for argv in dockerfile_flags(df):
                 if argv[0] in known:

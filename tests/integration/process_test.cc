@@ -645,7 +645,8 @@ TEST(ProcessTest, TrainerRejectsAnUnwritableSummaryBeforeJoining) {
              "--tls=off",
              absl::StrCat("--summary-json=", dir, "/no-such-dir/worker.json")},
             log);
-  EXPECT_EQ(WaitExit(pid, absl::Seconds(10)), 1) << ReadAllText(log);
+  // A startup failure: exit 2 (cli/exit_codes.h kExitUsage).
+  EXPECT_EQ(WaitExit(pid, absl::Seconds(10)), 2) << ReadAllText(log);
   EXPECT_NE(ReadAllText(log).find("--summary-json"), std::string::npos)
       << ReadAllText(log);
   EXPECT_NE(ReadAllText(log).find("no-such-dir/worker.json"), std::string::npos)

@@ -2,12 +2,17 @@
 // Flags are read here only and copied into TrainerOptions.
 //
 // stdout (rank 0 only; parsed by deploy/local): one line per step
-//   step <s>/<total> epoch <e> loss <x.xxxx> samples/s <n> sent_bytes <b> step_ms <t>
+//   step <s>/<total> epoch <e> loss <x.xxxx> samples/s <n> sent_bytes <b>
+//   step_ms <t>
 // one line per evaluation
 //   eval step <s> test_accuracy <0.xxxx> test_loss <x.xxxx>
 // and at the end
 //   done steps <s> test_accuracy <a> final_loss <l> wall_seconds <w>
-// Errors go to stderr; exit 1 on any error.
+// Errors go to stderr. Exit codes (cli/exit_codes.h, worker/flags.md): 0
+// when the run finished; 2 (kExitUsage) for an invalid command line or a
+// startup that failed before the join (StartUp: BuildOptions, the metrics
+// port, Trainer::Prepare); 1 (kExitFailure) when the run itself failed
+// (Trainer::Train).
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -16,17 +21,18 @@
 #include <string>
 #include <vector>
 
-#include "common/flag_names.h"
-#include "common/host_port.h"
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "cli/command_line.h"
+#include "cli/exit_codes.h"
+#include "cli/tls_flag.h"
+#include "common/host_port.h"
 #include "common/metrics/exposer.h"
 #include "common/metrics/process_collector.h"
-#include "common/tls_flag.h"
 #include "common/transport_security.h"
 #include "worker/trainer/cpu_isa.h"
 #include "worker/trainer/idx_reader.h"
@@ -85,7 +91,8 @@ ABSL_FLAG(std::string, tls_ca, "",
 ABSL_FLAG(std::string, token_file, "",
           "file holding the workers' shared token (never the token itself)");
 ABSL_FLAG(std::string, mode, "", "check: gtopk | topk | dense");
-ABSL_FLAG(std::string, selector, "", "check: exact | gaussiank | dgc | randomk");
+ABSL_FLAG(std::string, selector, "",
+          "check: exact | gaussiank | dgc | randomk");
 ABSL_FLAG(std::string, density, "", "check: density k/n");
 ABSL_FLAG(std::string, lr, "", "check: base learning rate");
 ABSL_FLAG(std::string, momentum, "", "check: momentum coefficient");
@@ -111,7 +118,10 @@ absl::Status OptionalDouble(const char* flag, const std::string& v,
   return absl::OkStatus();
 }
 
-absl::Status Run() {
+// The flags read into TrainerOptions and checked: everything that needs
+// neither the cluster nor a port (ValidateOptions, the TLS files loaded).
+// Binds and dials nothing.
+absl::StatusOr<gtopk::worker::TrainerOptions> BuildOptions() {
   gtopk::worker::TrainerOptions o;
   o.server = absl::GetFlag(FLAGS_server);
   o.rank = absl::GetFlag(FLAGS_rank);
@@ -159,15 +169,15 @@ absl::Status Run() {
       !s.ok()) {
     return s;
   }
-  if (absl::Status s = OptionalDouble(
-          "momentum", absl::GetFlag(FLAGS_momentum), &o.momentum);
+  if (absl::Status s = OptionalDouble("momentum", absl::GetFlag(FLAGS_momentum),
+                                      &o.momentum);
       !s.ok()) {
     return s;
   }
   {
     gtopk::TransportSecurityOptions so;
     absl::StatusOr<gtopk::TlsMode> tls =
-        gtopk::ParseTlsFlag(absl::GetFlag(FLAGS_tls));
+        gtopk::cli::ParseTlsFlag(absl::GetFlag(FLAGS_tls));
     if (!tls.ok()) return tls.status();
     so.tls = *tls;
     so.cert_file = absl::GetFlag(FLAGS_tls_cert);
@@ -185,73 +195,103 @@ absl::Status Run() {
   }
   // Every flag that needs no cluster, before anything is bound or dialled.
   if (absl::Status s = gtopk::worker::ValidateOptions(o); !s.ok()) return s;
-  // Metrics: validated and bound before joining, so a bad port fails fast.
   const int64_t metrics_port = absl::GetFlag(FLAGS_metrics_port);
   if (metrics_port < 0 || metrics_port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--metrics-port must be in [0, 65535] (0: off), got ", metrics_port));
   }
-  const std::string metrics_host = absl::GetFlag(FLAGS_metrics_host);
-  const absl::StatusOr<std::string> metrics_address =
-      gtopk::MetricsBindAddress(metrics_host, static_cast<int>(metrics_port));
+  const absl::StatusOr<std::string> metrics_address = gtopk::MetricsBindAddress(
+      absl::GetFlag(FLAGS_metrics_host), static_cast<int>(metrics_port));
   if (!metrics_address.ok()) return metrics_address.status();
-  std::shared_ptr<gtopk::metrics::ProcessCollector> process_metrics;
-  std::unique_ptr<prometheus::Exposer> exposer;
-  if (metrics_port > 0) {
-    o.metrics_registry = std::make_shared<prometheus::Registry>();
-    gtopk::metrics::RegisterBuildInfo(*o.metrics_registry, "gtopk-worker");
-    process_metrics = std::make_shared<gtopk::metrics::ProcessCollector>();
-    absl::StatusOr<std::unique_ptr<prometheus::Exposer>> started =
-        gtopk::metrics::StartExposer(*metrics_address);
-    if (!started.ok()) {
-      return absl::Status(
-          started.status().code(),
-          absl::StrCat("--metrics-host=", metrics_host,
-                       " --metrics-port=", metrics_port, ": ",
-                       started.status().message()));
-    }
-    exposer = *std::move(started);
-    exposer->RegisterCollectable(o.metrics_registry);
-    exposer->RegisterCollectable(process_metrics);
-    std::printf("metrics on %s\n",
-                gtopk::MetricsBindAddress(metrics_host,
-                                          gtopk::metrics::BoundPort(*exposer))
-                    ->c_str());
-    std::fflush(stdout);
-  }
-  return gtopk::worker::RunTrainer(o);
+  return o;
 }
 
+// The worker before its join: the trainer prepared and the metrics port
+// serving.
+struct Worker {
+  std::shared_ptr<gtopk::metrics::ProcessCollector> process_metrics;
+  std::unique_ptr<prometheus::Exposer> exposer;
+  std::optional<gtopk::worker::Trainer> trainer;
+};
+
+// --metrics-port > 0: binds it (before the join, so a port that cannot be
+// bound fails fast) and serves `o`'s new registry there.
+absl::Status StartMetrics(gtopk::worker::TrainerOptions& o, Worker& worker) {
+  const int64_t metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  if (metrics_port == 0) return absl::OkStatus();
+  const std::string metrics_host = absl::GetFlag(FLAGS_metrics_host);
+  o.metrics_registry = std::make_shared<prometheus::Registry>();
+  gtopk::metrics::RegisterBuildInfo(*o.metrics_registry, "gtopk-worker");
+  worker.process_metrics = std::make_shared<gtopk::metrics::ProcessCollector>();
+  absl::StatusOr<std::unique_ptr<prometheus::Exposer>> started =
+      gtopk::metrics::StartExposer(*gtopk::MetricsBindAddress(
+          metrics_host, static_cast<int>(metrics_port)));
+  if (!started.ok()) {
+    return absl::Status(started.status().code(),
+                        absl::StrCat("--metrics-host=", metrics_host,
+                                     " --metrics-port=", metrics_port, ": ",
+                                     started.status().message()));
+  }
+  worker.exposer = *std::move(started);
+  worker.exposer->RegisterCollectable(o.metrics_registry);
+  worker.exposer->RegisterCollectable(worker.process_metrics);
+  std::printf("metrics on %s\n",
+              gtopk::MetricsBindAddress(
+                  metrics_host, gtopk::metrics::BoundPort(*worker.exposer))
+                  ->c_str());
+  std::fflush(stdout);
+  return absl::OkStatus();
+}
+
+// Everything before the join, in order: --cpu-isa applied (before anything
+// touches torch: the pins are read at first use; may re-execute the
+// process), the options built, the metrics port bound, the trainer prepared
+// (model and data). An error here is a startup failure (kExitUsage).
+absl::StatusOr<Worker> StartUp(char** argv) {
+  std::string cpu_note;
+  if (absl::Status s = gtopk::worker::ApplyCpuIsa(absl::GetFlag(FLAGS_cpu_isa),
+                                                  argv, &cpu_note);
+      !s.ok()) {
+    return s;
+  }
+  std::fprintf(stderr, "gtopk-worker: %s\n", cpu_note.c_str());
+  absl::StatusOr<gtopk::worker::TrainerOptions> options = BuildOptions();
+  if (!options.ok()) return options.status();
+  Worker worker;
+  if (absl::Status s = StartMetrics(*options, worker); !s.ok()) return s;
+  absl::StatusOr<gtopk::worker::Trainer> trainer =
+      gtopk::worker::Trainer::Prepare(*options);
+  if (!trainer.ok()) return trainer.status();
+  worker.trainer.emplace(*std::move(trainer));
+  return worker;
+}
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  gtopk::SetUpFlagsUsage(
-      "One data-parallel worker training with gTop-k "
-      "sparsification.\nFlags are spelled with dashes or underscores; every "
-      "flag is documented in worker/flags.md.",
-      "worker/trainer/main.cc");
-  std::vector<std::string> args = gtopk::NormalizeFlagNames(argc, argv);
-  std::vector<char*> arg_pointers;
-  for (std::string& a : args) arg_pointers.push_back(a.data());
-  const absl::Status no_stray = gtopk::CheckNoPositionalArguments(
-      absl::ParseCommandLine(static_cast<int>(arg_pointers.size()),
-                             arg_pointers.data()));
-  if (!no_stray.ok()) {
-    std::fprintf(stderr, "gtopk-worker: %s\n", no_stray.ToString().c_str());
-    return 1;
+  using gtopk::cli::kExitFailure;
+  using gtopk::cli::kExitOk;
+  using gtopk::cli::kExitUsage;
+  const absl::Status parsed = gtopk::cli::ParseCommandLine(
+      {"One data-parallel worker training with gTop-k sparsification.\n"
+       "Flags are spelled with dashes or underscores; every flag is "
+       "documented in worker/flags.md.",
+       "worker/trainer/main.cc"},
+      argc, argv);
+  if (!parsed.ok()) {
+    std::fprintf(stderr, "gtopk-worker: %s\n", parsed.ToString().c_str());
+    return kExitUsage;
   }
-  // Before anything touches torch (the pins are read at first use).
-  std::string cpu_note;
-  absl::Status status =
-      gtopk::worker::ApplyCpuIsa(absl::GetFlag(FLAGS_cpu_isa), argv, &cpu_note);
-  if (status.ok()) {
-    std::fprintf(stderr, "gtopk-worker: %s\n", cpu_note.c_str());
-    status = Run();
+  absl::StatusOr<Worker> worker = StartUp(argv);
+  if (!worker.ok()) {
+    std::fprintf(stderr, "gtopk-worker: %s\n",
+                 worker.status().ToString().c_str());
+    return kExitUsage;
   }
-  if (!status.ok()) {
-    std::fprintf(stderr, "gtopk-worker: %s\n", status.ToString().c_str());
-    return 1;
+  const absl::Status trained = worker->trainer->Train();
+  if (!trained.ok()) {
+    std::fprintf(stderr, "gtopk-worker: %s\n", trained.ToString().c_str());
+    return kExitFailure;
   }
-  return 0;
+  return kExitOk;
 }

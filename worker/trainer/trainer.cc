@@ -225,7 +225,8 @@ absl::StatusOr<StepStats> StepOnce(WorkerClient& client, Model& model,
   return client.Step(grad, params);
 }
 
-// --- The steps of a training run, in the order RunTrainer takes them. ---
+// --- The steps of a training run, in the order Trainer::Prepare and
+// Trainer::Train take them. ---
 
 // --summary-json is written through <path>.tmp at the end of the run: fail
 // now, not after the whole run, when that file cannot be written.
@@ -978,16 +979,46 @@ absl::Status ValidateOptions(const TrainerOptions& o) {
   return absl::OkStatus();
 }
 
-absl::Status RunTrainer(const TrainerOptions& o) {
+// What Trainer::Prepare made: the local half of a run.
+struct Trainer::Local {
+  TrainerOptions options;
+  bool synthetic = false;
+  std::unique_ptr<Model> model;
+  Data data;
+};
+
+Trainer::Trainer(std::unique_ptr<Local> local) : local_(std::move(local)) {}
+Trainer::Trainer(Trainer&&) noexcept = default;
+Trainer& Trainer::operator=(Trainer&&) noexcept = default;
+Trainer::~Trainer() = default;
+
+absl::StatusOr<Trainer> Trainer::Prepare(const TrainerOptions& o) {
   GTOPK_RETURN_IF_ERROR(ValidateOptions(o));
   GTOPK_RETURN_IF_ERROR(CheckSummaryWritable(o.summary_json));
   GTOPK_ASSIGN_OR_RETURN(const uint64_t synthetic_n, SyntheticSize(o.model));
-  const bool synthetic = synthetic_n > 0;
-
+  auto local = std::make_unique<Local>();
+  local->options = o;
+  local->synthetic = synthetic_n > 0;
   // Model first (n), then the data, so local errors come before the join.
-  GTOPK_ASSIGN_OR_RETURN(std::unique_ptr<Model> model,
-                         MakeModel(o, synthetic_n));
-  GTOPK_ASSIGN_OR_RETURN(const Data data, LoadData(o, synthetic));
+  GTOPK_ASSIGN_OR_RETURN(local->model, MakeModel(o, synthetic_n));
+  GTOPK_ASSIGN_OR_RETURN(local->data, LoadData(o, local->synthetic));
+  return Trainer(std::move(local));
+}
+
+absl::Status RunTrainer(const TrainerOptions& o) {
+  GTOPK_ASSIGN_OR_RETURN(Trainer trainer, Trainer::Prepare(o));
+  return trainer.Train();
+}
+
+absl::Status Trainer::Train() {
+  if (local_ == nullptr || local_->model == nullptr) {
+    return absl::FailedPreconditionError(
+        "Trainer::Train: called again, or on a moved-from Trainer");
+  }
+  const TrainerOptions& o = local_->options;
+  const bool synthetic = local_->synthetic;
+  const std::unique_ptr<Model> model = std::move(local_->model);
+  const Data& data = local_->data;
   GTOPK_ASSIGN_OR_RETURN(Membership member, JoinCluster(o, model->n()));
   const v1::ClusterSpec& cluster = member.client->cluster();
   GTOPK_ASSIGN_OR_RETURN(

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/checksum.h"  // Fnv1a64: the replica checksums
 #include "common/metrics/metrics.h"
@@ -74,15 +75,42 @@ absl::Status ValidateOptions(const TrainerOptions& options);
 absl::Duration EffectiveRecoveryTimeout(const TrainerOptions& options,
                                         absl::Duration step_timeout);
 
-// Runs the whole training. Errors name their cause (the flag, file, shard or
-// step); the caller prints them and exits 1.
+// A training run in its two halves, so that gtopk-worker's exit code says
+// which one failed (cli/exit_codes.h, worker/flags.md "Exit codes"):
+//   Prepare  the local half, nothing dialled: every option checked
+//            (ValidateOptions), the --summary-json file writable, the model
+//            made and the data read. Its errors are startup failures
+//            (kExitUsage, 2).
+//   Train    the cluster half: join, download the initial parameters,
+//            train and evaluate, check the final parameters against the
+//            servers', write the summary. Its errors end a run that started
+//            (kExitFailure, 1).
+// Errors name their cause (the flag, file, shard or step).
+class Trainer {
+ public:
+  static absl::StatusOr<Trainer> Prepare(const TrainerOptions& options);
+
+  Trainer(Trainer&&) noexcept;
+  Trainer& operator=(Trainer&&) noexcept;
+  ~Trainer();
+
+  // Runs the training; once (FAILED_PRECONDITION when called again).
+  absl::Status Train();
+
+ private:
+  struct Local;
+  explicit Trainer(std::unique_ptr<Local> local);
+  std::unique_ptr<Local> local_;
+};
+
+// Trainer::Prepare, then Train (the tests' one call).
 absl::Status RunTrainer(const TrainerOptions& options);
 
 // The end-of-run replica check: OK when this rank's final parameters
 // (`param_checksum`) equal the servers' (`server_checksum`, downloaded at
 // `server_step`); otherwise INTERNAL naming the rank, both checksums and
-// the step (RunTrainer returns it after writing the summary, so the worker
-// exits 1 and the launcher fails the run).
+// the step (Trainer::Train returns it after writing the summary, so the
+// worker exits 1 and the launcher fails the run).
 absl::Status CheckReplicaChecksums(uint32_t rank, uint64_t param_checksum,
                                    uint64_t server_checksum,
                                    int64_t server_step);

@@ -117,6 +117,34 @@ TEST(TrainerTest, ValidateOptionsNamesTheFlag) {
   GTOPK_EXPECT_OK(ValidateOptions(ok));
 }
 
+// Trainer::Prepare is the local half of a run: what it refuses is refused
+// before any connection (gtopk-worker exits 2 then), and what it accepts
+// has not dialled anything yet. Here nothing listens at --server: Train's
+// join fails (gtopk-worker exits 1 then), and a second Train is refused.
+TEST(TrainerTest, PrepareChecksLocallyAndTrainRunsOnce) {
+  TrainerOptions o;
+  o.server = "127.0.0.1:1";  // nothing listens there
+  o.model = "synthetic:10";
+  o.rpc_timeout = absl::Seconds(1);
+  o.summary_json = "/nonexistent/dir/worker.json";
+  EXPECT_THAT(Trainer::Prepare(o).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--summary-json")));
+  o.summary_json.clear();
+  o.model = "mlp";
+  o.data_dir = "/nonexistent/fashion";
+  EXPECT_THAT(Trainer::Prepare(o).status(),
+              StatusIs(absl::StatusCode::kNotFound,
+                       HasSubstr("/nonexistent/fashion")));
+  o.model = "synthetic:10";
+  absl::StatusOr<Trainer> trainer = Trainer::Prepare(o);
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  EXPECT_FALSE(trainer->Train().ok());
+  EXPECT_THAT(trainer->Train(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("called again")));
+}
+
 TEST(TrainerTest, RecoveryTimeoutDefaultsToFourStepTimeouts) {
   TrainerOptions o;
   EXPECT_EQ(EffectiveRecoveryTimeout(o, absl::Seconds(5)), absl::Seconds(20));

@@ -2,9 +2,9 @@
 // no default. Plaintext runs only when the command line says so
 // (--tls=off, which still prints a WARNING at start); a process started
 // without --tls exits with the message below, as for any invalid flag
-// (server 2, worker 1). Header-only: included by the two mains only.
-#ifndef GTOPK_COMMON_TLS_FLAG_H_
-#define GTOPK_COMMON_TLS_FLAG_H_
+// (kExitUsage, 2, in both: cli/exit_codes.h). Used by the two mains only.
+#ifndef GTOPK_CLI_TLS_FLAG_H_
+#define GTOPK_CLI_TLS_FLAG_H_
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -13,6 +13,7 @@
 #include "common/transport_security.h"
 
 namespace gtopk {
+namespace cli {
 
 inline constexpr char kTlsFlagRequired[] =
     "--tls is required: --tls=mutual (with --tls-cert/--tls-key/--tls-ca), "
@@ -31,6 +32,7 @@ inline absl::StatusOr<TlsMode> ParseTlsFlag(absl::string_view value) {
   return mode;
 }
 
+}  // namespace cli
 }  // namespace gtopk
 
-#endif  // GTOPK_COMMON_TLS_FLAG_H_
+#endif  // GTOPK_CLI_TLS_FLAG_H_

@@ -1,21 +1,23 @@
 // Dash-spelled command-line flags for Abseil. Abseil flag names are C
 // identifiers (--shard_id); our documented spelling is --shard-id. Both
 // gtopk-server and gtopk-worker pass argv through NormalizeFlagNames before
-// absl::ParseCommandLine.
-#ifndef GTOPK_COMMON_FLAG_NAMES_H_
-#define GTOPK_COMMON_FLAG_NAMES_H_
+// absl::ParseCommandLine (cli/command_line.h ParseCommandLine does all of
+// this for them).
+#ifndef GTOPK_CLI_FLAG_NAMES_H_
+#define GTOPK_CLI_FLAG_NAMES_H_
 
 #include <algorithm>
 #include <string>
 #include <vector>
 
 #include "absl/flags/usage.h"
-#include "absl/status/status.h"
 #include "absl/flags/usage_config.h"
+#include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/string_view.h"
 
 namespace gtopk {
+namespace cli {
 
 // Returns argv with the name part of every "--name[=value]" / "-name"
 // argument (up to a bare "--") rewritten from dashes to underscores; values
@@ -66,6 +68,7 @@ inline void SetUpFlagsUsage(const char* usage, const char* main_file) {
   absl::SetFlagsUsageConfig(config);
 }
 
+}  // namespace cli
 }  // namespace gtopk
 
-#endif  // GTOPK_COMMON_FLAG_NAMES_H_
+#endif  // GTOPK_CLI_FLAG_NAMES_H_

@@ -1,4 +1,4 @@
-#include "common/flag_names.h"
+#include "cli/flag_names.h"
 
 #include <string>
 #include <vector>
@@ -6,6 +6,7 @@
 #include "gtest/gtest.h"
 
 namespace gtopk {
+namespace cli {
 namespace {
 
 TEST(FlagNamesTest, RewritesNamesNotValues) {
@@ -34,4 +35,5 @@ TEST(FlagNamesTest, OnlyTheProgramNameMayRemainAfterTheFlags) {
 }
 
 }  // namespace
+}  // namespace cli
 }  // namespace gtopk
