@@ -44,10 +44,9 @@ absl::Status CheckAgainstHistory(const std::string& dir, uint32_t shard,
   if (!other_run && !other_cluster) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
       "shard ", shard, ": checkpoint ", CheckpointPath(dir, shard), " is ",
-      other_cluster
-          ? absl::StrCat("of cluster fingerprint ",
-                         FingerprintText(current.cluster_fingerprint))
-          : absl::StrCat("of run ", FingerprintText(current.run_id)),
+      other_cluster ? absl::StrCat("of cluster fingerprint ",
+                                   FingerprintText(current.cluster_fingerprint))
+                    : absl::StrCat("of run ", FingerprintText(current.run_id)),
       " but this shard's retained checkpoint ",
       CheckpointHistoryPath(dir, shard, step), " is ",
       other_cluster
@@ -58,7 +57,8 @@ absl::Status CheckAgainstHistory(const std::string& dir, uint32_t shard,
       "shard's own. Nothing was restored or deleted; put this shard's own "
       "checkpoint back (e.g. copy ",
       CheckpointHistoryPath(dir, shard, steps->back()), " to ",
-      CheckpointPath(dir, shard), "), or move the directory away to start "
+      CheckpointPath(dir, shard),
+      "), or move the directory away to start "
       "the shard empty"));
 }
 

@@ -1,6 +1,8 @@
 // AggregatorService::DownloadParams (server/service.h) and its bounds: the
 // download slots (server/download.h), DownloadParamsLimits, and the write
 // watchdog that cancels a download whose client stopped reading.
+#include "server/download.h"
+
 #include <algorithm>
 #include <cstdio>
 #include <optional>
@@ -10,7 +12,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/grpc_edge.h"
-#include "server/download.h"
 #include "server/service.h"
 #include "server/service_internal.h"
 
@@ -241,9 +242,9 @@ grpc::Status AggregatorService::DownloadParams(
     grpc::ServerContext* context, const v1::DownloadParamsRequest* request,
     grpc::ServerWriter<v1::ParamsChunk>* writer) {
   // The parameters are the model: workers (any rank) and shards only.
-  absl::StatusOr<Call> call = Enter(
-      context, CallRules::Worker("DownloadParams", std::nullopt,
-                                 /*shard_ok=*/true));
+  absl::StatusOr<Call> call =
+      Enter(context, CallRules::Worker("DownloadParams", std::nullopt,
+                                       /*shard_ok=*/true));
   if (!call.ok()) return ToGrpcStatus(call.status());
   if (request->worker() >= config_.num_workers) {
     return ToGrpcStatus(absl::InvalidArgumentError(
@@ -267,10 +268,9 @@ grpc::Status AggregatorService::DownloadParams(
   // (DownloadParamsLimits' stall bound, + 1 s), within the client's
   // deadline: a worker restarting while stuck streams hold every slot gets
   // one once the server has cancelled them.
-  const absl::Duration slot_wait =
-      std::max(config_.step_timeout,
-               DownloadParamsLimits(config_, chunk_bytes, 0).stall +
-                   absl::Seconds(1));
+  const absl::Duration slot_wait = std::max(
+      config_.step_timeout,
+      DownloadParamsLimits(config_, chunk_bytes, 0).stall + absl::Seconds(1));
   // The client's deadline less a slack, so that this refusal, which says
   // why, arrives before the transport's anonymous DEADLINE_EXCEEDED.
   const std::optional<DownloadSlots::Slot> slot = downloads_.Acquire(
@@ -278,9 +278,9 @@ grpc::Status AggregatorService::DownloadParams(
                ContextDeadline(context) - kLeaderDeadlineSlack),
       context);
   if (!slot.has_value()) {
-    return ToGrpcStatus(absl::DeadlineExceededError(absl::StrCat(
-        "shard ", config_.shard_id, ": ", kMaxConcurrentDownloads,
-        " parameter downloads already in progress")));
+    return ToGrpcStatus(absl::DeadlineExceededError(
+        absl::StrCat("shard ", config_.shard_id, ": ", kMaxConcurrentDownloads,
+                     " parameter downloads already in progress")));
   }
   absl::StatusOr<ShardAggregator::State> params =
       AwaitParams(**aggregator, deadline, context);

@@ -31,7 +31,8 @@ uint64_t NewMemberToken() {
   static std::random_device device;
   uint64_t token = 0;
   while (token == 0) {
-    token = (uint64_t{device()} << 32) ^ uint64_t{device()};
+    token = (static_cast<uint64_t>(device()) << 32) ^
+            static_cast<uint64_t>(device());
   }
   return token;
 }
@@ -43,7 +44,8 @@ std::string RunLengthDifferences(const std::string& here,
                                  const std::string& cluster) {
   auto parse = [](const std::string& text) {
     std::vector<std::pair<std::string, std::string>> out;
-    for (absl::string_view word : absl::StrSplit(text, ' ', absl::SkipEmpty())) {
+    for (absl::string_view word :
+         absl::StrSplit(text, ' ', absl::SkipEmpty())) {
       const size_t eq = word.find('=');
       if (eq == absl::string_view::npos) continue;
       out.emplace_back(std::string(word.substr(0, eq)),
@@ -113,27 +115,31 @@ absl::Status Membership::CheckToken(uint32_t worker, uint64_t token) const {
 absl::Status Membership::CheckTokenLocked(uint32_t worker,
                                           uint64_t token) const {
   if (worker >= num_workers_) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown worker rank ", worker, "; the cluster has ",
-                     num_workers_, " workers"));
+    return absl::InvalidArgumentError(absl::StrCat("unknown worker rank ",
+                                                   worker, "; the cluster has ",
+                                                   num_workers_, " workers"));
   }
   if (token == 0) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "rank ", worker, ": no member token (JoinResponse.member_token); only "
-        "the worker that joined as rank ", worker, " may act as it"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("rank ", worker,
+                     ": no member token (JoinResponse.member_token); only "
+                     "the worker that joined as rank ",
+                     worker, " may act as it"));
   }
   const uint64_t current = member_token_[worker];
   if (current == 0) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "rank ", worker, " has not joined leader shard 0 (never, or not since "
+        "rank ", worker,
+        " has not joined leader shard 0 (never, or not since "
         "the leader restarted): Join first; a worker that held the rank "
         "re-registers it with Recover"));
   }
   if (token != current) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "rank ", worker, " is held by another worker: this member token is "
-        "not the rank's current one (a later Join of rank ", worker,
-        " replaced it, or it was never granted)"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("rank ", worker,
+                     " is held by another worker: this member token is "
+                     "not the rank's current one (a later Join of rank ",
+                     worker, " replaced it, or it was never granted)"));
   }
   return absl::OkStatus();
 }
@@ -220,10 +226,10 @@ void Membership::AwaitRankReleasedLocked(uint32_t r,
   auto released = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return closed_ || live_streams_[r].empty();
   };
-  AwaitPolled(mu_, absl::Condition(&released),
-              std::min(absl::Now() + kRankReleaseGrace,
-                       ContextDeadline(context)),
-              context);
+  AwaitPolled(
+      mu_, absl::Condition(&released),
+      std::min(absl::Now() + kRankReleaseGrace, ContextDeadline(context)),
+      context);
 }
 
 absl::Status Membership::AgreeRunLengthLocked(int64_t requested,
@@ -245,8 +251,8 @@ absl::Status Membership::AgreeRunLengthLocked(int64_t requested,
   return absl::FailedPreconditionError(absl::StrCat(
       "this worker's run length differs from the cluster's: ",
       RunLengthDifferences(run_length, run_length_), " (here: \"",
-      BoundedStatusMessage(run_length),
-      "\"; the workers that joined first: \"", run_length_,
+      BoundedStatusMessage(run_length), "\"; the workers that joined first: \"",
+      run_length_,
       "\"); every worker must train the same schedule, or it stops "
       "early while the others wait for it. Start it with the same "
       "flags"));
@@ -268,9 +274,10 @@ absl::Status Membership::CheckRequestedRankLocked(uint32_t rank) const {
     // leader restarted and its member file names the holder): only it may
     // have the rank (Recover with its token) until the window ends.
     return absl::UnavailableError(absl::StrCat(
-        "rank ", rank, " is held by a worker that is recovering (or that "
-        "held it when leader shard ", shard_id_,
-        " restarted); it stays reserved for its holder for another ",
+        "rank ", rank,
+        " is held by a worker that is recovering (or that "
+        "held it when leader shard ",
+        shard_id_, " restarted); it stays reserved for its holder for another ",
         absl::FormatDuration(absl::Trunc(
             rank_reserved_until_[rank] - absl::Now(), absl::Seconds(1))),
         " (until it re-registers with its member token); retry later, or "
@@ -310,7 +317,8 @@ absl::StatusOr<uint32_t> Membership::FreeRankLocked() const {
   if (soonest != absl::InfiniteFuture()) {
     return absl::UnavailableError(absl::StrCat(
         "no rank is free: the ranks held when leader shard ", shard_id_,
-        " restarted stay reserved for their holders ", "(the first for another ",
+        " restarted stay reserved for their holders ",
+        "(the first for another ",
         absl::FormatDuration(
             absl::Trunc(soonest - absl::Now(), absl::Seconds(1))),
         ", until they re-register with their member tokens); retry "
@@ -330,9 +338,11 @@ absl::StatusOr<uint64_t> Membership::GrantLocked(uint32_t rank) {
   // directory still knows the holder (server/member_file.h).
   if (const absl::Status saved = PersistLocked(); !saved.ok()) {
     member_token_[rank] = previous;
-    return absl::UnavailableError(absl::StrCat(
-        "rank ", rank, " not granted: the leader cannot record its member "
-        "token: ", saved.message()));
+    return absl::UnavailableError(
+        absl::StrCat("rank ", rank,
+                     " not granted: the leader cannot record its member "
+                     "token: ",
+                     saved.message()));
   }
   rank_given_[rank] = true;
   rank_reserved_until_[rank] = absl::InfinitePast();
@@ -464,9 +474,9 @@ void Membership::FailRoundsOfGoneWorkers(ShardAggregator& aggregator,
         absl::FormatDuration(
             absl::Trunc(now - gone_since_[r], absl::Milliseconds(100))),
         " ago (the process died or lost its connection) and it has not "
-        "come back; step ", *step,
-        " cannot complete without it (restart it: it re-joins as rank ", r,
-        ")"));
+        "come back; step ",
+        *step, " cannot complete without it (restart it: it re-joins as rank ",
+        r, ")"));
     std::fprintf(stderr, "gtopk-server leader: %s\n",
                  std::string(reason.message()).c_str());
     // RejectPush takes only the aggregator's own lock.

@@ -146,8 +146,8 @@ class AggregatorService::PushPullCall {
                        "worker ",
                        stream_worker, " (one stream per worker and shard)"));
       s_.metrics_->Rejected(RejectReason::kMixedStream);
-      aggregator_->RejectPush(push.step(),
-                              static_cast<uint32_t>(stream_worker), mixed);
+      aggregator_->RejectPush(push.step(), static_cast<uint32_t>(stream_worker),
+                              mixed);
       return ToGrpcStatus(mixed);
     }
     if (push.worker() >= s_.config_.num_workers) {
@@ -173,8 +173,8 @@ class AggregatorService::PushPullCall {
       s_.metrics_->Rejected(RejectReason::kWrongCluster);
       return identity;
     }
-    identity = s_.CheckMemberToken(push.worker(), push.member_token(),
-                                   deadline);
+    identity =
+        s_.CheckMemberToken(push.worker(), push.member_token(), deadline);
     if (!identity.ok()) {
       s_.metrics_->Rejected(RejectReason::kNotMember);
       if (!absl::StartsWith(identity.message(), "leader ")) {
@@ -231,8 +231,7 @@ class AggregatorService::PushPullCall {
     if (bytes > config.max_message_bytes) {
       return ToGrpcStatus(absl::ResourceExhaustedError(absl::StrCat(
           "pull of step ", r.step, " from shard ", config.shard_id, " is ",
-          bytes, " bytes, over max_message_bytes ",
-          config.max_message_bytes)));
+          bytes, " bytes, over max_message_bytes ", config.max_message_bytes)));
     }
     if (!stream_->Write(pull)) {
       return grpc::Status(
@@ -266,8 +265,8 @@ absl::StatusOr<WorkerPush> AggregatorService::DecodePush(
     const uint64_t most = aggregator.MaxPushPairs(push.step());
     if (claimed.ok() && *claimed > most) {
       metrics_->LimitRejected(LimitBound::kPushPairs);
-      return aggregator.PushPairsExhausted(push.worker(), push.step(),
-                                           *claimed, most);
+      return aggregator.PushPairsExhausted(push.worker(), push.step(), *claimed,
+                                           most);
     }
   }
   RejectReason reason = RejectReason::kInvalid;
@@ -284,12 +283,12 @@ grpc::Status AggregatorService::PushPull(
   // counts against the rank's own bound, not its host's.
   const std::optional<std::pair<uint64_t, uint64_t>> identity =
       MetadataIdentity(context);
-  absl::StatusOr<Call> call = Enter(
-      context, CallRules::Worker("PushPull")
-                   .Peer(identity.has_value()
-                             ? RankPeer(context, identity->first,
-                                        identity->second)
-                             : std::string()));
+  absl::StatusOr<Call> call =
+      Enter(context,
+            CallRules::Worker("PushPull")
+                .Peer(identity.has_value()
+                          ? RankPeer(context, identity->first, identity->second)
+                          : std::string()));
   if (!call.ok()) return ToGrpcStatus(call.status());
   PushPullCall pushes(this, context, stream, call->caller);
   if (is_leader()) pushes.RegisterFromMetadata();

@@ -40,7 +40,8 @@ std::vector<uint32_t> EpochPermutation(size_t count, uint64_t seed,
                                        int64_t epoch) {
   std::vector<uint32_t> perm(count);
   std::iota(perm.begin(), perm.end(), 0u);
-  std::mt19937_64 rng(MixSeed(seed, 0x5f0000ull + static_cast<uint64_t>(epoch)));
+  std::mt19937_64 rng(
+      MixSeed(seed, 0x5f0000ull + static_cast<uint64_t>(epoch)));
   for (size_t i = count; i > 1; --i) {
     const size_t j = UniformBelow(rng, i);
     std::swap(perm[i - 1], perm[j]);
@@ -118,8 +119,7 @@ void GradientSource::FillBatch(int64_t step, int64_t epoch) {
     perm_ = EpochPermutation(train_.size(), o_.seed, epoch);
     perm_epoch_ = epoch;
   }
-  const size_t per_rank =
-      static_cast<size_t>(steps_per_epoch_) * o_.batch_size;
+  const size_t per_rank = static_cast<size_t>(steps_per_epoch_) * o_.batch_size;
   const size_t base =
       rank_ * per_rank +
       static_cast<size_t>(step % steps_per_epoch_) * o_.batch_size;

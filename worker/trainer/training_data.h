@@ -99,9 +99,9 @@ class GradientSource {
         // The host gradient: every CPU model's, and synthetic:N's on the
         // device too (made on the host, then uploaded).
         grad_(model.on_device() && !synthetic ? 0 : model.n(), 0.0f),
-        synthetic_gradient_(synthetic ? std::make_unique<SyntheticGradient>(
-                                            model.n(), o.seed)
-                                      : nullptr),
+        synthetic_gradient_(
+            synthetic ? std::make_unique<SyntheticGradient>(model.n(), o.seed)
+                      : nullptr),
         batch_images_(static_cast<size_t>(o.batch_size) * kImagePixels),
         batch_labels_(static_cast<size_t>(o.batch_size)) {}
 
