@@ -343,6 +343,162 @@ absl::StatusOr<ShardCheckpoint> ReadCheckpoint(const std::string& dir,
   return ReadCheckpointFile(CheckpointPath(dir, shard_id), shard_id);
 }
 
+namespace {
+
+// The header's fields that are not ShardCheckpoint's.
+struct HeaderCounts {
+  uint32_t reserved = 0;
+  uint64_t params = 0;    // floats of params
+  uint64_t velocity = 0;  // floats of global_velocity
+};
+
+// ReadCheckpointFile's parts, in order: the header (magic, version, fields)
+// into `header` and *out; ...
+absl::Status ReadHeader(int fd, uint64_t size, const std::string& path,
+                        unsigned char (&header)[kCheckpointHeaderBytes],
+                        ShardCheckpoint* out, HeaderCounts* counts) {
+  auto data_loss = [&path](auto&&... parts) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", path, ": ", parts...));
+  };
+  if (size < sizeof(kMagic)) {
+    return data_loss("truncated: ", size, " bytes, shorter than the magic");
+  }
+  GTOPK_RETURN_IF_ERROR(ReadAll(fd, header, sizeof(kMagic), path));
+  if (std::memcmp(header, kMagic, sizeof(kMagic)) != 0) {
+    return data_loss("bad magic (not a gtopk checkpoint)");
+  }
+  if (size < kFixedBytes) {
+    return data_loss("truncated: ", size, " bytes, a checkpoint has at least ",
+                     kFixedBytes);
+  }
+  GTOPK_RETURN_IF_ERROR(ReadAll(fd, header + sizeof(kMagic),
+                                sizeof(header) - sizeof(kMagic), path));
+  const uint32_t version = Get32(header + 8);
+  if (version == 1) {
+    return data_loss(
+        "format version 1, written by gtopk before 2026-12-06: it does not "
+        "record which cluster and run wrote it, so it cannot be told from "
+        "another cluster's checkpoint (this build reads version ",
+        kCheckpointFormatVersion, "); remove it to start the shard empty");
+  }
+  if (version != kCheckpointFormatVersion) {
+    return data_loss("unsupported format version ", version, " (this build reads ",
+                     kCheckpointFormatVersion, ")");
+  }
+  ShardCheckpoint& c = *out;
+  c.shard_id = Get32(header + 12);
+  c.num_shards = Get32(header + 16);
+  counts->reserved = Get32(header + 20);
+  c.n = Get64(header + 24);
+  c.begin = Get64(header + 32);
+  c.end = Get64(header + 40);
+  c.next_step = static_cast<int64_t>(Get64(header + 48));
+  counts->params = Get64(header + 56);
+  counts->velocity = Get64(header + 64);
+  c.cluster_fingerprint = Get64(header + 72);
+  c.run_id = Get64(header + 80);
+  return absl::OkStatus();
+}
+
+// ... the header against the file's size and against itself ...
+absl::Status CheckHeader(const ShardCheckpoint& c, const HeaderCounts& counts,
+                         uint32_t shard_id, uint64_t size,
+                         const std::string& path) {
+  auto data_loss = [&path](auto&&... parts) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", path, ": ", parts...));
+  };
+  // The counts against the real file size, before anything is allocated
+  // (written so that no product or sum can overflow).
+  const uint64_t room = (size - kFixedBytes) / sizeof(float);
+  if (counts.params > room || counts.velocity > room - counts.params) {
+    return data_loss("truncated: header claims ", counts.params, " + ",
+                     counts.velocity, " floats, the file has ", size,
+                     " bytes (room for ", room, ")");
+  }
+  const uint64_t expected_size =
+      kFixedBytes + sizeof(float) * (counts.params + counts.velocity);
+  if (size != expected_size) {
+    return data_loss(size, " bytes, header implies ", expected_size,
+                     " (trailing bytes)");
+  }
+
+  // Header consistency.
+  if (c.shard_id != shard_id) {
+    return data_loss("inconsistent header: holds shard ", c.shard_id,
+                     ", expected shard ", shard_id);
+  }
+  if (absl::Status s =
+          ValidateLayout(c.shard_id, c.num_shards, c.n, c.begin, c.end);
+      !s.ok()) {
+    return data_loss("inconsistent header: ", s.message());
+  }
+  if (counts.reserved != 0) {
+    return data_loss("inconsistent header: reserved field is ", counts.reserved);
+  }
+  if (c.next_step < 0) {
+    return data_loss("inconsistent header: next_step ", c.next_step,
+                     " is negative");
+  }
+  const uint64_t len = c.end - c.begin;
+  if (counts.params != len) {
+    return data_loss("inconsistent header: params count ", counts.params,
+                     " != end - begin = ", len);
+  }
+  if (counts.velocity != 0 && counts.velocity != len) {
+    return data_loss("inconsistent header: global_velocity count ",
+                     counts.velocity, " is neither 0 nor end - begin = ", len);
+  }
+  return absl::OkStatus();
+}
+
+// ... and the payloads, the checksum over header and payloads, and the
+// values' finiteness.
+absl::Status ReadPayload(int fd, const unsigned char* header,
+                         const HeaderCounts& counts, const std::string& path,
+                         ShardCheckpoint* out) {
+  auto data_loss = [&path](auto&&... parts) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", path, ": ", parts...));
+  };
+  // Payloads: sizes are now bounded by the file size.
+  ShardCheckpoint& c = *out;
+  c.params.resize(counts.params);
+  c.global_velocity.resize(counts.velocity);
+  std::vector<unsigned char> buf(
+      std::min<uint64_t>(std::max(counts.params, counts.velocity), kChunkFloats) *
+      sizeof(float));
+  uint32_t crc = Crc(0, header, kCheckpointHeaderBytes);
+  GTOPK_RETURN_IF_ERROR(
+      ReadFloats(fd, absl::MakeSpan(c.params), buf, crc, path));
+  GTOPK_RETURN_IF_ERROR(
+      ReadFloats(fd, absl::MakeSpan(c.global_velocity), buf, crc, path));
+  unsigned char trailer[kCheckpointTrailerBytes + 1];
+  GTOPK_RETURN_IF_ERROR(
+      ReadAll(fd, trailer, kCheckpointTrailerBytes, path));
+  // The file must end here, also if it grew after the fstat.
+  ssize_t extra;
+  do {
+    extra = ::read(fd, trailer + kCheckpointTrailerBytes, 1);
+  } while (extra < 0 && errno == EINTR);
+  if (extra < 0) return ErrnoStatus(errno, "read", path);
+  if (extra > 0) return data_loss("trailing bytes after the checksum");
+
+  const uint32_t stored = Get32(trailer);
+  if (stored != crc) {
+    return data_loss(absl::StrFormat(
+        "checksum mismatch (stored crc32 0x%08x, computed 0x%08x)", stored,
+        crc));
+  }
+  if (const int64_t i = FirstNonFinite(c.params); i >= 0) {
+    return data_loss("non-finite value at params[", i, "]");
+  }
+  if (const int64_t i = FirstNonFinite(c.global_velocity); i >= 0) {
+    return data_loss("non-finite value at global_velocity[", i, "]");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<ShardCheckpoint> ReadCheckpointFile(const std::string& path,
                                                    uint32_t shard_id) {
   const int raw_fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -361,126 +517,13 @@ absl::StatusOr<ShardCheckpoint> ReadCheckpointFile(const std::string& path,
         absl::StrCat("checkpoint ", path, " is not a regular file"));
   }
   const uint64_t size = static_cast<uint64_t>(st.st_size);
-  auto data_loss = [&path](auto&&... parts) {
-    return absl::DataLossError(absl::StrCat("checkpoint ", path, ": ", parts...));
-  };
 
-  // Header.
-  if (size < sizeof(kMagic)) {
-    return data_loss("truncated: ", size, " bytes, shorter than the magic");
-  }
   unsigned char header[kCheckpointHeaderBytes];
-  GTOPK_RETURN_IF_ERROR(ReadAll(fd.get(), header, sizeof(kMagic), path));
-  if (std::memcmp(header, kMagic, sizeof(kMagic)) != 0) {
-    return data_loss("bad magic (not a gtopk checkpoint)");
-  }
-  if (size < kFixedBytes) {
-    return data_loss("truncated: ", size, " bytes, a checkpoint has at least ",
-                     kFixedBytes);
-  }
-  GTOPK_RETURN_IF_ERROR(ReadAll(fd.get(), header + sizeof(kMagic),
-                                sizeof(header) - sizeof(kMagic), path));
-  const uint32_t version = Get32(header + 8);
-  if (version == 1) {
-    return data_loss(
-        "format version 1, written by gtopk before 2026-12-06: it does not "
-        "record which cluster and run wrote it, so it cannot be told from "
-        "another cluster's checkpoint (this build reads version ",
-        kCheckpointFormatVersion, "); remove it to start the shard empty");
-  }
-  if (version != kCheckpointFormatVersion) {
-    return data_loss("unsupported format version ", version, " (this build reads ",
-                     kCheckpointFormatVersion, ")");
-  }
   ShardCheckpoint c;
-  c.shard_id = Get32(header + 12);
-  c.num_shards = Get32(header + 16);
-  const uint32_t reserved = Get32(header + 20);
-  c.n = Get64(header + 24);
-  c.begin = Get64(header + 32);
-  c.end = Get64(header + 40);
-  c.next_step = static_cast<int64_t>(Get64(header + 48));
-  const uint64_t params_count = Get64(header + 56);
-  const uint64_t velocity_count = Get64(header + 64);
-  c.cluster_fingerprint = Get64(header + 72);
-  c.run_id = Get64(header + 80);
-
-  // The counts against the real file size, before anything is allocated
-  // (written so that no product or sum can overflow).
-  const uint64_t room = (size - kFixedBytes) / sizeof(float);
-  if (params_count > room || velocity_count > room - params_count) {
-    return data_loss("truncated: header claims ", params_count, " + ",
-                     velocity_count, " floats, the file has ", size,
-                     " bytes (room for ", room, ")");
-  }
-  const uint64_t expected_size =
-      kFixedBytes + sizeof(float) * (params_count + velocity_count);
-  if (size != expected_size) {
-    return data_loss(size, " bytes, header implies ", expected_size,
-                     " (trailing bytes)");
-  }
-
-  // Header consistency.
-  if (c.shard_id != shard_id) {
-    return data_loss("inconsistent header: holds shard ", c.shard_id,
-                     ", expected shard ", shard_id);
-  }
-  if (absl::Status s =
-          ValidateLayout(c.shard_id, c.num_shards, c.n, c.begin, c.end);
-      !s.ok()) {
-    return data_loss("inconsistent header: ", s.message());
-  }
-  if (reserved != 0) {
-    return data_loss("inconsistent header: reserved field is ", reserved);
-  }
-  if (c.next_step < 0) {
-    return data_loss("inconsistent header: next_step ", c.next_step,
-                     " is negative");
-  }
-  const uint64_t len = c.end - c.begin;
-  if (params_count != len) {
-    return data_loss("inconsistent header: params count ", params_count,
-                     " != end - begin = ", len);
-  }
-  if (velocity_count != 0 && velocity_count != len) {
-    return data_loss("inconsistent header: global_velocity count ",
-                     velocity_count, " is neither 0 nor end - begin = ", len);
-  }
-
-  // Payloads: sizes are now bounded by the file size.
-  c.params.resize(params_count);
-  c.global_velocity.resize(velocity_count);
-  std::vector<unsigned char> buf(
-      std::min<uint64_t>(std::max(params_count, velocity_count), kChunkFloats) *
-      sizeof(float));
-  uint32_t crc = Crc(0, header, sizeof(header));
-  GTOPK_RETURN_IF_ERROR(
-      ReadFloats(fd.get(), absl::MakeSpan(c.params), buf, crc, path));
-  GTOPK_RETURN_IF_ERROR(
-      ReadFloats(fd.get(), absl::MakeSpan(c.global_velocity), buf, crc, path));
-  unsigned char trailer[kCheckpointTrailerBytes + 1];
-  GTOPK_RETURN_IF_ERROR(
-      ReadAll(fd.get(), trailer, kCheckpointTrailerBytes, path));
-  // The file must end here, also if it grew after the fstat.
-  ssize_t extra;
-  do {
-    extra = ::read(fd.get(), trailer + kCheckpointTrailerBytes, 1);
-  } while (extra < 0 && errno == EINTR);
-  if (extra < 0) return ErrnoStatus(errno, "read", path);
-  if (extra > 0) return data_loss("trailing bytes after the checksum");
-
-  const uint32_t stored = Get32(trailer);
-  if (stored != crc) {
-    return data_loss(absl::StrFormat(
-        "checksum mismatch (stored crc32 0x%08x, computed 0x%08x)", stored,
-        crc));
-  }
-  if (const int64_t i = FirstNonFinite(c.params); i >= 0) {
-    return data_loss("non-finite value at params[", i, "]");
-  }
-  if (const int64_t i = FirstNonFinite(c.global_velocity); i >= 0) {
-    return data_loss("non-finite value at global_velocity[", i, "]");
-  }
+  HeaderCounts counts;
+  GTOPK_RETURN_IF_ERROR(ReadHeader(fd.get(), size, path, header, &c, &counts));
+  GTOPK_RETURN_IF_ERROR(CheckHeader(c, counts, shard_id, size, path));
+  GTOPK_RETURN_IF_ERROR(ReadPayload(fd.get(), header, counts, path, &c));
   return c;
 }
 

@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -259,6 +261,179 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
 
 }  // namespace
 
+namespace {
+
+// --health-check=`target`: asks a running shard for its health, prints
+// SERVING or NOT_SERVING (and why), and returns the exit code.
+int RunHealthCheck(const std::string& health_target) {
+  const absl::Status target =
+      gtopk::ValidateHostPort("health-check", health_target, 1);
+  if (!target.ok()) {
+    std::fprintf(stderr, "gtopk-server: invalid flags: %s\n",
+                 std::string(target.message()).c_str());
+    return kExitUsage;
+  }
+  absl::StatusOr<std::shared_ptr<const gtopk::TransportSecurity>> security =
+      SecurityFromFlags(gtopk::SecurityRole::kWorker);
+  if (!security.ok()) {
+    std::fprintf(stderr, "gtopk-server: invalid flags: %s\n",
+                 std::string(security.status().message()).c_str());
+    return kExitUsage;
+  }
+  absl::StatusOr<bool> serving = gtopk::server::CheckHealth(
+      health_target, absl::Seconds(5), "", *security);
+  if (!serving.ok()) {
+    std::fprintf(stderr, "gtopk-server: %s\n",
+                 serving.status().ToString().c_str());
+    return kExitFailure;
+  }
+  std::printf("%s\n", *serving ? "SERVING" : "NOT_SERVING");
+  if (!*serving) {
+    // Why: a shard whose settings or run differ from the leader's says so
+    // in its answer to GetClusterSpec (docs/errors.md).
+    const absl::Status why =
+        gtopk::server::ExplainNotServing(health_target, *security);
+    if (!why.ok()) {
+      std::fprintf(stderr, "gtopk-server: %s\n", why.ToString().c_str());
+    }
+  }
+  return *serving ? kExitOk : kExitFailure;
+}
+
+// --apply=workers: the servers' optimizer flags have no effect; say so when
+// any was set.
+void WarnIgnoredOptimizerFlags(const ServerConfig& config) {
+  // The workers run their own optimizer: the servers' optimizer flags
+  // have no effect (the cluster spec carries the identity rule).
+  const gtopk::OptimizerOptions defaults;
+  const gtopk::OptimizerOptions& o = config.optimizer;
+  if (o.lr != defaults.lr || o.momentum != defaults.momentum ||
+      o.momentum_mode != defaults.momentum_mode ||
+      o.momentum_factor_masking != defaults.momentum_factor_masking ||
+      o.weight_decay != defaults.weight_decay ||
+      o.lr_warmup_steps != defaults.lr_warmup_steps) {
+    std::fprintf(stderr,
+                 "gtopk-server: --apply=workers: --lr, --momentum, "
+                 "--momentum-mode, --momentum-masking, --weight-decay and "
+                 "--lr-warmup-steps are ignored in workers-apply mode (each "
+                 "worker runs its own optimizer)\n");
+  }
+}
+
+// The --metrics-port endpoint: its registry (the shard's metrics), the
+// process collector and the exposer, alive while the shard runs.
+struct MetricsEndpoint {
+  std::shared_ptr<prometheus::Registry> registry;
+  std::shared_ptr<gtopk::metrics::ProcessCollector> process_metrics;
+  std::unique_ptr<prometheus::Exposer> exposer;
+};
+
+// Starts the metrics endpoint on --metrics-host:`metrics_port` (> 0) and
+// points `config` at its registry; kExitUsage (after a message) when the
+// port cannot be bound.
+std::optional<int> StartMetrics(int64_t metrics_port, ServerConfig* config,
+                                MetricsEndpoint* out) {
+  std::shared_ptr<prometheus::Registry>& registry = out->registry;
+  std::shared_ptr<gtopk::metrics::ProcessCollector>& process_metrics =
+      out->process_metrics;
+  std::unique_ptr<prometheus::Exposer>& exposer = out->exposer;
+  registry = std::make_shared<prometheus::Registry>();
+  gtopk::metrics::RegisterBuildInfo(*registry, "gtopk-server");
+  process_metrics = std::make_shared<gtopk::metrics::ProcessCollector>();
+  const std::string metrics_host = absl::GetFlag(FLAGS_metrics_host);
+  absl::StatusOr<std::unique_ptr<prometheus::Exposer>> started =
+      gtopk::metrics::StartExposer(
+          *gtopk::MetricsBindAddress(metrics_host, metrics_port));
+  if (!started.ok()) {
+    std::fprintf(stderr,
+                 "gtopk-server: --metrics-host=%s --metrics-port=%lld: %s\n",
+                 metrics_host.c_str(), static_cast<long long>(metrics_port),
+                 started.status().ToString().c_str());
+    return kExitUsage;
+  }
+  exposer = *std::move(started);
+  exposer->RegisterCollectable(registry);
+  exposer->RegisterCollectable(process_metrics);
+  config->metrics_registry = registry;
+  return std::nullopt;
+}
+
+// The lines a started shard prints (scripts read them first), then its
+// security settings on stderr. With the metrics `exposer` (may be null),
+// also registers the shard's checkpoint age with it.
+void PrintStartLines(gtopk::server::AggregatorServer& started,
+                     const std::string& health_listen,
+                     prometheus::Exposer* exposer) {
+  gtopk::server::AggregatorServer* const server = &started;
+  const uint32_t shard_id = server->service()->config().shard_id;
+  std::printf("listening on %s\n", server->address().c_str());
+  if (server->health_port() != 0) {
+    std::printf("health on %s:%d (plaintext, grpc.health.v1 only)\n",
+                health_listen.substr(0, health_listen.rfind(':')).c_str(),
+                server->health_port());
+  }
+  if (exposer != nullptr) {
+    exposer->RegisterCollectable(
+        server->service()->metrics().checkpoint_age());
+    std::printf("metrics on %s\n",
+                gtopk::MetricsBindAddress(absl::GetFlag(FLAGS_metrics_host),
+                                          gtopk::metrics::BoundPort(*exposer))
+                    ->c_str());
+  }
+  // What a restart came back with: the operator's (and the compose test's)
+  // evidence that the checkpoint volume was read.
+  const int64_t restored_step = server->service()->next_step();
+  if (restored_step >= 0) {
+    std::printf("restored checkpoint from %s: next step %lld\n",
+                server->service()->config().checkpoint_dir.c_str(),
+                static_cast<long long>(restored_step));
+  } else if (!server->service()->config().checkpoint_dir.empty()) {
+    std::printf("no checkpoint in %s: starting empty\n",
+                server->service()->config().checkpoint_dir.c_str());
+  }
+  std::fflush(stdout);
+  // After the start lines above (scripts read them first): the security
+  // settings, and the WARNING when plaintext was chosen.
+  const std::shared_ptr<const gtopk::TransportSecurity>& security =
+      server->service()->config().security;
+  std::fprintf(stderr, "gtopk-server shard %u: %s\n", shard_id,
+               security->Describe().c_str());
+  const std::string warning = security->Warning();
+  if (!warning.empty()) {
+    std::fprintf(stderr, "gtopk-server shard %u: %s\n", shard_id,
+                 warning.c_str());
+  }
+}
+
+// Waits for SIGTERM or SIGINT (blocked in `signals`), then drains and shuts
+// the shard down with its final checkpoint; the exit code.
+int ServeUntilSignal(gtopk::server::AggregatorServer& server,
+                     const sigset_t& signals, absl::Duration drain_timeout) {
+  const uint32_t shard_id = server.service()->config().shard_id;
+  int signal_number = 0;
+  sigwait(&signals, &signal_number);
+  std::fprintf(stderr, "gtopk-server shard %u: signal %d, shutting down\n",
+               shard_id, signal_number);
+  // Drain (health NOT_SERVING, the round in progress may complete), then
+  // stop with 5 s for running calls (server/flags.md).
+  const absl::Status checkpoint = server.Shutdown(
+      absl::Seconds(5), /*write_checkpoint=*/true, drain_timeout);
+  if (!checkpoint.ok()) {
+    // Exit 3, not 0 (kExitCheckpointFailed): the state of the last applied
+    // steps is not on disk (server/flags.md). The previous checkpoint, if any,
+    // is intact.
+    std::fprintf(stderr,
+                 "gtopk-server shard %u: final checkpoint failed: %s; "
+                 "exiting with code 3 (a restart restores the previous "
+                 "checkpoint)\n",
+                 shard_id, checkpoint.ToString().c_str());
+    return kExitCheckpointFailed;
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   // Block SIGTERM/SIGINT before any thread starts, so that every thread
   // inherits the mask and the main thread receives them with sigwait.
@@ -282,38 +457,7 @@ int main(int argc, char** argv) {
 
   const std::string health_target = absl::GetFlag(FLAGS_health_check);
   if (!health_target.empty()) {
-    const absl::Status target =
-        gtopk::ValidateHostPort("health-check", health_target, 1);
-    if (!target.ok()) {
-      std::fprintf(stderr, "gtopk-server: invalid flags: %s\n",
-                   std::string(target.message()).c_str());
-      return kExitUsage;
-    }
-    absl::StatusOr<std::shared_ptr<const gtopk::TransportSecurity>> security =
-        SecurityFromFlags(gtopk::SecurityRole::kWorker);
-    if (!security.ok()) {
-      std::fprintf(stderr, "gtopk-server: invalid flags: %s\n",
-                   std::string(security.status().message()).c_str());
-      return kExitUsage;
-    }
-    absl::StatusOr<bool> serving = gtopk::server::CheckHealth(
-        health_target, absl::Seconds(5), "", *security);
-    if (!serving.ok()) {
-      std::fprintf(stderr, "gtopk-server: %s\n",
-                   serving.status().ToString().c_str());
-      return kExitFailure;
-    }
-    std::printf("%s\n", *serving ? "SERVING" : "NOT_SERVING");
-    if (!*serving) {
-      // Why: a shard whose settings or run differ from the leader's says so
-      // in its answer to GetClusterSpec (docs/errors.md).
-      const absl::Status why =
-          gtopk::server::ExplainNotServing(health_target, *security);
-      if (!why.ok()) {
-        std::fprintf(stderr, "gtopk-server: %s\n", why.ToString().c_str());
-      }
-    }
-    return *serving ? kExitOk : kExitFailure;
+    return RunHealthCheck(health_target);
   }
 
   absl::StatusOr<ServerConfig> config = ConfigFromFlags();
@@ -323,21 +467,7 @@ int main(int argc, char** argv) {
     return kExitUsage;
   }
   if (config->apply == gtopk::ApplyMode::kWorkers) {
-    // The workers run their own optimizer: the servers' optimizer flags
-    // have no effect (the cluster spec carries the identity rule).
-    const gtopk::OptimizerOptions defaults;
-    const gtopk::OptimizerOptions& o = config->optimizer;
-    if (o.lr != defaults.lr || o.momentum != defaults.momentum ||
-        o.momentum_mode != defaults.momentum_mode ||
-        o.momentum_factor_masking != defaults.momentum_factor_masking ||
-        o.weight_decay != defaults.weight_decay ||
-        o.lr_warmup_steps != defaults.lr_warmup_steps) {
-      std::fprintf(stderr,
-                   "gtopk-server: --apply=workers: --lr, --momentum, "
-                   "--momentum-mode, --momentum-masking, --weight-decay and "
-                   "--lr-warmup-steps are ignored in workers-apply mode (each "
-                   "worker runs its own optimizer)\n");
-    }
+    WarnIgnoredOptimizerFlags(*config);
   }
   {
     absl::StatusOr<std::shared_ptr<const gtopk::TransportSecurity>> security =
@@ -367,31 +497,15 @@ int main(int argc, char** argv) {
                  absl::FormatDuration(drain_timeout).c_str());
     return kExitUsage;
   }
-  const uint32_t shard_id = config->shard_id;
+  const uint32_t shard_id = config->shard_id;  // named if Start fails
   // Metrics first: a port that cannot be bound fails before the shard runs.
   const int64_t metrics_port = absl::GetFlag(FLAGS_metrics_port);
-  std::shared_ptr<prometheus::Registry> registry;
-  std::shared_ptr<gtopk::metrics::ProcessCollector> process_metrics;
-  std::unique_ptr<prometheus::Exposer> exposer;
+  MetricsEndpoint metrics;
   if (metrics_port > 0) {
-    registry = std::make_shared<prometheus::Registry>();
-    gtopk::metrics::RegisterBuildInfo(*registry, "gtopk-server");
-    process_metrics = std::make_shared<gtopk::metrics::ProcessCollector>();
-    const std::string metrics_host = absl::GetFlag(FLAGS_metrics_host);
-    absl::StatusOr<std::unique_ptr<prometheus::Exposer>> started =
-        gtopk::metrics::StartExposer(
-            *gtopk::MetricsBindAddress(metrics_host, metrics_port));
-    if (!started.ok()) {
-      std::fprintf(stderr,
-                   "gtopk-server: --metrics-host=%s --metrics-port=%lld: %s\n",
-                   metrics_host.c_str(), static_cast<long long>(metrics_port),
-                   started.status().ToString().c_str());
-      return kExitUsage;
+    if (std::optional<int> failed =
+            StartMetrics(metrics_port, &*config, &metrics)) {
+      return *failed;
     }
-    exposer = *std::move(started);
-    exposer->RegisterCollectable(registry);
-    exposer->RegisterCollectable(process_metrics);
-    config->metrics_registry = registry;
   }
   absl::StatusOr<std::unique_ptr<gtopk::server::AggregatorServer>> server =
       gtopk::server::AggregatorServer::Start(
@@ -401,62 +515,6 @@ int main(int argc, char** argv) {
                  server.status().ToString().c_str());
     return kExitUsage;
   }
-  std::printf("listening on %s\n", (*server)->address().c_str());
-  if ((*server)->health_port() != 0) {
-    std::printf("health on %s:%d (plaintext, grpc.health.v1 only)\n",
-                health_listen.substr(0, health_listen.rfind(':')).c_str(),
-                (*server)->health_port());
-  }
-  if (exposer != nullptr) {
-    exposer->RegisterCollectable(
-        (*server)->service()->metrics().checkpoint_age());
-    std::printf("metrics on %s\n",
-                gtopk::MetricsBindAddress(absl::GetFlag(FLAGS_metrics_host),
-                                          gtopk::metrics::BoundPort(*exposer))
-                    ->c_str());
-  }
-  // What a restart came back with: the operator's (and the compose test's)
-  // evidence that the checkpoint volume was read.
-  const int64_t restored_step = (*server)->service()->next_step();
-  if (restored_step >= 0) {
-    std::printf("restored checkpoint from %s: next step %lld\n",
-                (*server)->service()->config().checkpoint_dir.c_str(),
-                static_cast<long long>(restored_step));
-  } else if (!(*server)->service()->config().checkpoint_dir.empty()) {
-    std::printf("no checkpoint in %s: starting empty\n",
-                (*server)->service()->config().checkpoint_dir.c_str());
-  }
-  std::fflush(stdout);
-  // After the start lines above (scripts read them first): the security
-  // settings, and the WARNING when plaintext was chosen.
-  const std::shared_ptr<const gtopk::TransportSecurity>& security =
-      (*server)->service()->config().security;
-  std::fprintf(stderr, "gtopk-server shard %u: %s\n", shard_id,
-               security->Describe().c_str());
-  const std::string warning = security->Warning();
-  if (!warning.empty()) {
-    std::fprintf(stderr, "gtopk-server shard %u: %s\n", shard_id,
-                 warning.c_str());
-  }
-
-  int signal_number = 0;
-  sigwait(&signals, &signal_number);
-  std::fprintf(stderr, "gtopk-server shard %u: signal %d, shutting down\n",
-               shard_id, signal_number);
-  // Drain (health NOT_SERVING, the round in progress may complete), then
-  // stop with 5 s for running calls (server/flags.md).
-  const absl::Status checkpoint = (*server)->Shutdown(
-      absl::Seconds(5), /*write_checkpoint=*/true, drain_timeout);
-  if (!checkpoint.ok()) {
-    // Exit 3, not 0 (kExitCheckpointFailed): the state of the last applied
-    // steps is not on disk (server/flags.md). The previous checkpoint, if any,
-    // is intact.
-    std::fprintf(stderr,
-                 "gtopk-server shard %u: final checkpoint failed: %s; "
-                 "exiting with code 3 (a restart restores the previous "
-                 "checkpoint)\n",
-                 shard_id, checkpoint.ToString().c_str());
-    return kExitCheckpointFailed;
-  }
-  return kExitOk;
+  PrintStartLines(**server, health_listen, metrics.exposer.get());
+  return ServeUntilSignal(**server, signals, drain_timeout);
 }

@@ -5,7 +5,7 @@
 // server/recovery_target.h, roll every shard back to it), and AbortStep, by
 // which a step that failed on one shard fails on every shard. The class is
 // declared in server/service.h; its RPC handlers for training are in
-// server/service.cc.
+// server/service.cc, server/push_pull.cc and server/download.cc.
 #include <algorithm>
 #include <cstdio>
 #include <optional>
@@ -88,11 +88,7 @@ absl::StatusOr<v1::ShardState> AggregatorService::LocalShardState(
   v1::ShardState state;
   state.set_shard_id(config_.shard_id);
   state.set_cluster_fingerprint(fingerprint_.load());
-  ShardAggregator* aggregator;
-  {
-    absl::MutexLock lock(&mu_);
-    aggregator = aggregator_.get();
-  }
+  ShardAggregator* const aggregator = this->aggregator();
   if (aggregator == nullptr) return state;  // no parameters: not initialised
   absl::StatusOr<int64_t> next =
       aggregator->SettledNextStep(deadline, settle);
@@ -100,15 +96,9 @@ absl::StatusOr<v1::ShardState> AggregatorService::LocalShardState(
   GTOPK_RETURN_IF_ERROR(next.status());
   state.set_initialized(true);
   state.set_next_step(*next);
-  if (!config_.checkpoint_dir.empty()) {
-    absl::MutexLock lock(&checkpoint_mu_);
-    GTOPK_ASSIGN_OR_RETURN(
-        std::vector<int64_t> steps,
-        ListCheckpointSteps(config_.checkpoint_dir, config_.shard_id));
-    for (int64_t s : steps) {
-      if (s <= *next) state.add_checkpoint_steps(s);
-    }
-  }
+  GTOPK_ASSIGN_OR_RETURN(const std::vector<int64_t> steps,
+                         checkpointer_.StepsUpTo(*next));
+  for (int64_t s : steps) state.add_checkpoint_steps(s);
   return state;
 }
 
@@ -118,77 +108,13 @@ absl::StatusOr<int64_t> AggregatorService::LocalRollback(int64_t step) {
     return absl::InvalidArgumentError(
         absl::StrCat(shard, ": cannot roll back to negative step ", step));
   }
-  ShardAggregator* aggregator;
-  {
-    absl::MutexLock lock(&mu_);
-    aggregator = aggregator_.get();
-  }
+  ShardAggregator* const aggregator = this->aggregator();
   if (aggregator == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat(shard, " has no parameters to roll back"));
   }
-  // Serialised with checkpoint writes: the history must not gain an entry
-  // of an abandoned step while it is rewound.
-  absl::MutexLock lock(&checkpoint_mu_);
-  const int64_t previous = aggregator->next_step();
-  const absl::Status reason = absl::AbortedError(
-      absl::StrCat("the cluster rolled back to step ", step));
-  const bool renumber =
-      config_.apply == ApplyMode::kWorkers && step != previous;
-  if (step == previous || renumber) {
-    // Under --apply=workers the shard's parameters are only the initial
-    // broadcast: any step is a renumbering, no checkpoint needed.
-    GTOPK_RETURN_IF_ERROR(aggregator->Rollback(step, nullptr, reason));
-  } else {
-    if (config_.checkpoint_dir.empty()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(shard, " is at step ", previous,
-                       " and keeps no checkpoints (no "
-                       "--checkpoint-dir); cannot roll back to step ",
-                       step));
-    }
-    absl::StatusOr<ShardCheckpoint> checkpoint =
-        ReadCheckpointAt(config_.checkpoint_dir, config_.shard_id, step);
-    if (absl::IsNotFound(checkpoint.status())) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(shard, " is at step ", previous, ": ",
-                       checkpoint.status().message()));
-    }
-    GTOPK_RETURN_IF_ERROR(checkpoint.status());
-    GTOPK_RETURN_IF_ERROR(aggregator->Rollback(step, &*checkpoint, reason));
-  }
-  if (!config_.checkpoint_dir.empty()) {
-    // The memory state is `step` now; make the disk agree (entries of the
-    // abandoned steps would otherwise come back after a restart).
-    absl::StatusOr<std::vector<int64_t>> steps =
-        ListCheckpointSteps(config_.checkpoint_dir, config_.shard_id);
-    GTOPK_RETURN_IF_ERROR(steps.status());
-    if (std::find(steps->begin(), steps->end(), step) != steps->end()) {
-      GTOPK_RETURN_IF_ERROR(
-          RewindCheckpoints(config_.checkpoint_dir, config_.shard_id, step));
-    } else {
-      GTOPK_RETURN_IF_ERROR(DiscardCheckpointsAfter(config_.checkpoint_dir,
-                                                    config_.shard_id, step));
-      if (renumber) {
-        // No entry of the new step: write one, so that a restart comes
-        // back at the step the cluster is at (same initial parameters).
-        GTOPK_ASSIGN_OR_RETURN(ShardCheckpoint now, aggregator->Snapshot());
-        StampIdentity(&now);
-        GTOPK_RETURN_IF_ERROR(WriteCheckpoint(config_.checkpoint_dir, now));
-        GTOPK_RETURN_IF_ERROR(RetainCheckpoint(config_.checkpoint_dir,
-                                               config_.shard_id, step,
-                                               config_.checkpoint_keep));
-      }
-    }
-  }
-  if (step != previous) {
-    std::fprintf(stderr,
-                 "gtopk-server shard %u: rolled back from step %lld "
-                 "to step %lld\n",
-                 config_.shard_id, static_cast<long long>(previous),
-                 static_cast<long long>(step));
-  }
-  return previous;
+  // Serialised with checkpoint writes (the Checkpointer's lock).
+  return checkpointer_.RollBack(aggregator, step);
 }
 
 // ---------------------------------------------------------------------------
@@ -237,66 +163,53 @@ void AggregatorService::LeaderAbortStep(int64_t step, uint32_t origin,
   const uint64_t epoch = ++epoch_;
   if (!commit_coordinator_->Abort(step, aborted, epoch)) return;
   coordinator_->Abort(step, aborted, epoch);
-  ShardAggregator* aggregator;
-  {
-    absl::MutexLock lock(&mu_);
-    aggregator = aggregator_.get();
-  }
+  ShardAggregator* const aggregator = this->aggregator();
   if (aggregator != nullptr) aggregator->AbortStep(step, aborted, epoch);
   // Every other shard, the origin too (it then refuses the failed attempt's
   // late pushes as well). One queued forward per step: a later failure of
   // the same step updates it (the newest epoch is what the shards keep).
-  {
-    absl::MutexLock lock(&forward_mu_);
-    auto [queued, fresh] = abort_forwards_.try_emplace(step);
-    queued->second = PendingAbort{origin, reason, epoch};
-    if (!fresh) return;
+  if (!abort_forwards_.Queue(step, AbortForwards::Pending{origin, reason,
+                                                          epoch})) {
+    return;
   }
-  notifier_.Post([this, step, S] {
-    PendingAbort pending;
-    {
-      absl::MutexLock lock(&forward_mu_);
-      auto it = abort_forwards_.find(step);
-      if (it == abort_forwards_.end()) return;
-      pending = std::move(it->second);
-      abort_forwards_.erase(it);
-    }
-    const uint32_t origin = pending.origin;
-    const uint64_t epoch = pending.epoch;
-    const std::string& reason = pending.reason;
-    std::vector<std::thread> threads;
-    for (uint32_t s = 1; s < S; ++s) {
-      threads.emplace_back([this, s, step, origin, epoch, &reason] {
-        grpc::ClientContext context;
-        context.set_deadline(absl::ToChronoTime(
-            absl::Now() + std::min(config_.step_timeout, kAbortStepTimeout)));
-        v1::AbortStepRequest request;
-        request.set_step(step);
-        request.set_shard_id(origin);
-        request.set_reason(reason);
-        request.set_epoch(epoch);
-        v1::AbortStepResponse response;
-        // Best effort (a shard that is down has no round to fail).
-        peer_stubs_[s]->AbortStep(&context, request, &response).IgnoreError();
-      });
-    }
-    for (auto& t : threads) t.join();
-  });
+  notifier_.Post([this, step] { ForwardAbort(step); });
+}
+
+void AggregatorService::ForwardAbort(int64_t step) {
+  std::optional<AbortForwards::Pending> pending = abort_forwards_.Take(step);
+  if (!pending.has_value()) return;
+  const uint32_t origin = pending->origin;
+  const uint64_t epoch = pending->epoch;
+  const std::string& reason = pending->reason;
+  std::vector<std::thread> threads;
+  for (uint32_t s = 1; s < config_.num_shards; ++s) {
+    threads.emplace_back([this, s, step, origin, epoch, &reason] {
+      grpc::ClientContext context;
+      context.set_deadline(absl::ToChronoTime(
+          absl::Now() + std::min(config_.step_timeout, kAbortStepTimeout)));
+      v1::AbortStepRequest request;
+      request.set_step(step);
+      request.set_shard_id(origin);
+      request.set_reason(reason);
+      request.set_epoch(epoch);
+      v1::AbortStepResponse response;
+      // Best effort (a shard that is down has no round to fail).
+      peer_stubs_[s]->AbortStep(&context, request, &response).IgnoreError();
+    });
+  }
+  for (auto& t : threads) t.join();
 }
 
 grpc::Status AggregatorService::AbortStep(grpc::ServerContext* context,
                                           const v1::AbortStepRequest* request,
                                           v1::AbortStepResponse* /*response*/) {
-  GTOPK_ADMIT_CALL(admission, AdmitCall(context, "AbortStep",
-                                        ShardPeer(context, request->shard_id())));
-  {
-    // Shard -> leader: the caller is the shard where the step failed;
-    // leader -> shard: the caller is the leader.
-    const absl::Status allowed = access_->AllowShard(
-        *context, "AbortStep",
-        is_leader() ? request->shard_id() : uint32_t{0});
-    if (!allowed.ok()) return ToGrpcStatus(allowed);
-  }
+  // Shard -> leader: the caller is the shard where the step failed;
+  // leader -> shard: the caller is the leader.
+  absl::StatusOr<Call> call = Enter(
+      context, CallRules::Shard("AbortStep", is_leader() ? request->shard_id()
+                                                         : uint32_t{0})
+                   .Peer(ShardPeer(context, request->shard_id())));
+  if (!call.ok()) return ToGrpcStatus(call.status());
   if (request->step() < 0 || request->shard_id() >= config_.num_shards) {
     return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
         "AbortStep: step ", request->step(), " must be >= 0 and shard_id ",
@@ -340,11 +253,7 @@ grpc::Status AggregatorService::AbortStep(grpc::ServerContext* context,
     LeaderAbortStep(request->step(), request->shard_id(), reason);
     return grpc::Status::OK;
   }
-  ShardAggregator* aggregator;
-  {
-    absl::MutexLock lock(&mu_);
-    aggregator = aggregator_.get();
-  }
+  ShardAggregator* const aggregator = this->aggregator();
   if (aggregator != nullptr) {
     aggregator->AbortStep(
         request->step(),
@@ -357,13 +266,10 @@ grpc::Status AggregatorService::AbortStep(grpc::ServerContext* context,
 grpc::Status AggregatorService::GetShardState(
     grpc::ServerContext* context, const v1::ShardStateRequest* request,
     v1::ShardState* response) {
-  GTOPK_ADMIT_CALL(admission,
-                   AdmitCall(context, "GetShardState", CallPeerShard(0)));
-  {
-    const absl::Status allowed =
-        access_->AllowShard(*context, "GetShardState", uint32_t{0});
-    if (!allowed.ok()) return ToGrpcStatus(allowed);
-  }
+  absl::StatusOr<Call> call =
+      Enter(context, CallRules::Shard("GetShardState", uint32_t{0})
+                         .Peer(CallPeerShard(0)));
+  if (!call.ok()) return ToGrpcStatus(call.status());
   // In slices, so that a cancelled call (the leader went away) ends it.
   const absl::Time deadline = WaitDeadline(context);
   if (request->cluster_fingerprint() != 0 && fingerprint_.load() != 0) {
@@ -392,13 +298,10 @@ grpc::Status AggregatorService::GetShardState(
 grpc::Status AggregatorService::RollbackShard(
     grpc::ServerContext* context, const v1::RollbackRequest* request,
     v1::RollbackResponse* response) {
-  GTOPK_ADMIT_CALL(admission,
-                   AdmitCall(context, "RollbackShard", CallPeerShard(0)));
-  {
-    const absl::Status allowed =
-        access_->AllowShard(*context, "RollbackShard", uint32_t{0});
-    if (!allowed.ok()) return ToGrpcStatus(allowed);
-  }
+  absl::StatusOr<Call> call =
+      Enter(context, CallRules::Shard("RollbackShard", uint32_t{0})
+                         .Peer(CallPeerShard(0)));
+  if (!call.ok()) return ToGrpcStatus(call.status());
   if (request->shard_id() != config_.shard_id) {
     return ToGrpcStatus(absl::InvalidArgumentError(
         absl::StrCat("rollback for shard ", request->shard_id(),
@@ -440,52 +343,17 @@ absl::StatusOr<v1::RecoverResponse> AggregatorService::RecoverCluster(
   // Callers of the same kind share one run; another kind waits for the
   // running one to finish, then runs its own.
   const int64_t kind = resume_step.has_value() ? *resume_step : -1;
-  {
-    absl::MutexLock lock(&recover_mu_);
-    auto other_kind_running = [this, kind]()
-                                  ABSL_EXCLUSIVE_LOCKS_REQUIRED(recover_mu_) {
-                                    return recovering_ &&
-                                           recover_kind_ != kind;
-                                  };
-    auto idle_or_same = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(recover_mu_) {
-      return !other_kind_running();
-    };
-    if (other_kind_running() &&
-        !recover_mu_.AwaitWithDeadline(absl::Condition(&idle_or_same),
-                                       deadline + kLeaderDeadlineSlack)) {
-      return absl::DeadlineExceededError(
-          "Recover: another recovery is still running on the leader");
-    }
-    if (recovering_) {
-      // Workers failing together call Recover together: join the running
-      // recovery and answer its outcome (e.g. the unreachable shard it
-      // names), rather than start another one after it.
-      const uint64_t generation = recover_generation_;
-      auto finished = [this, generation]()
-                          ABSL_EXCLUSIVE_LOCKS_REQUIRED(recover_mu_) {
-                            return recover_generation_ != generation;
-                          };
-      if (!recover_mu_.AwaitWithDeadline(absl::Condition(&finished),
-                                         deadline + kLeaderDeadlineSlack)) {
-        return absl::DeadlineExceededError(
-            "Recover: another recovery is still running on the leader");
-      }
-      return last_recover_;
-    }
-    recovering_ = true;
-    recover_kind_ = kind;
-  }
-  absl::StatusOr<v1::RecoverResponse> result =
-      resume_step.has_value() ? ResumeClusterOnce(*resume_step, deadline)
-                              : RecoverClusterOnce(deadline);
-  // The workers push their retry with the epoch of every failure heard of
-  // so far (the AbortStep messages were flushed first).
-  if (result.ok()) result->set_epoch(epoch_.load());
-  absl::MutexLock lock(&recover_mu_);
-  last_recover_ = result;
-  ++recover_generation_;
-  recovering_ = false;
-  return result;
+  return recovery_.RunOrJoin(
+      kind, deadline + kLeaderDeadlineSlack,
+      [&]() -> absl::StatusOr<v1::RecoverResponse> {
+        absl::StatusOr<v1::RecoverResponse> result =
+            resume_step.has_value() ? ResumeClusterOnce(*resume_step, deadline)
+                                    : RecoverClusterOnce(deadline);
+        // The workers push their retry with the epoch of every failure
+        // heard of so far (the AbortStep messages were flushed first).
+        if (result.ok()) result->set_epoch(epoch_.load());
+        return result;
+      });
 }
 
 std::vector<absl::StatusOr<v1::ShardState>> AggregatorService::ReadShardStates(
@@ -700,15 +568,11 @@ absl::StatusOr<v1::RecoverResponse> AggregatorService::ResumeClusterOnce(
 grpc::Status AggregatorService::Recover(grpc::ServerContext* context,
                                         const v1::RecoverRequest* request,
                                         v1::RecoverResponse* response) {
-  GTOPK_ADMIT_CALL(admission,
-                   AdmitCall(context, "Recover",
-                             RankPeer(context, request->worker(),
-                                      request->member_token())));
-  {
-    absl::StatusOr<Caller> allowed = access_->AllowWorker(
-        *context, "Recover", int64_t{request->worker()});
-    if (!allowed.ok()) return ToGrpcStatus(allowed.status());
-  }
+  absl::StatusOr<Call> call = Enter(
+      context, CallRules::Worker("Recover", int64_t{request->worker()})
+                   .Peer(RankPeer(context, request->worker(),
+                                  request->member_token())));
+  if (!call.ok()) return ToGrpcStatus(call.status());
   if (request->worker() >= config_.num_workers) {
     return ToGrpcStatus(absl::InvalidArgumentError(
         absl::StrCat("unknown worker rank ", request->worker(),
@@ -720,52 +584,23 @@ grpc::Status AggregatorService::Recover(grpc::ServerContext* context,
         absl::StrCat("Recover from worker ", request->worker(), " "),
         absl::Now());
     if (!same.ok()) return ToGrpcStatus(same);
-    absl::MutexLock lock(&mu_);
-    const uint32_t w = request->worker();
-    const uint64_t token = request->member_token();
-    if (token != 0 && member_token_[w] == 0) {
-      // No holder known (a leader without --checkpoint-dir restarted, so
-      // it has no member file): the worker that held the rank re-enters
-      // with its token, as a Join of the rank would.
-      member_token_[w] = token;
-      rank_given_[w] = true;
-      if (const absl::Status saved = PersistMemberTokensLocked();
-          !saved.ok()) {
-        member_token_[w] = 0;
-        return ToGrpcStatus(absl::UnavailableError(absl::StrCat(
-            "Recover: the leader cannot record rank ", w,
-            "'s member token: ", saved.message())));
-      }
-    }
-    const absl::Status member = CheckMemberTokenLocked(w, token);
-    if (!member.ok()) {
-      return ToGrpcStatus(absl::Status(
-          member.code(), absl::StrCat("Recover: ", member.message())));
-    }
-    // The holder is alive and recovering (after a leader restart: it
-    // re-registers): the rank stays reserved for it through the recovery
-    // and until it reopens its step stream, whatever a Join asks meanwhile
-    // (issue 42).
-    rank_given_[w] = true;
-    rank_reserved_until_[w] =
-        std::max(rank_reserved_until_[w],
-                 absl::Now() + internal::RankReclaimWindow(config_.step_timeout));
+    // The holder re-registers its rank (after a leader restart too), which
+    // stays reserved for it through the recovery and until it reopens its
+    // step stream, whatever a Join asks meanwhile (issue 42).
+    const absl::Status member =
+        membership_.Reenter(request->worker(), request->member_token());
+    if (!member.ok()) return ToGrpcStatus(member);
   }
   // Again when the call ends (it may have waited a step timeout for the
   // shards): the worker's next Recover follows within its backoff.
   struct Rereserve {
-    AggregatorService* self;
+    Membership* membership;  // null: not the leader
     uint32_t worker;
     uint64_t token;
     ~Rereserve() {
-      if (self == nullptr) return;
-      absl::MutexLock lock(&self->mu_);
-      if (self->member_token_[worker] != token) return;  // superseded
-      self->rank_reserved_until_[worker] = std::max(
-          self->rank_reserved_until_[worker],
-          absl::Now() + internal::RankReclaimWindow(self->config_.step_timeout));
+      if (membership != nullptr) membership->Rereserve(worker, token);
     }
-  } rereserve{is_leader() ? this : nullptr, request->worker(),
+  } rereserve{is_leader() ? &membership_ : nullptr, request->worker(),
               request->member_token()};
   std::optional<int64_t> resume_step;
   if (request->resume()) {

@@ -66,7 +66,11 @@ OptimizerOptions EffectiveOptimizer(const ServerConfig& c) {
   return o;
 }
 
-absl::Status ValidateServerConfig(const ServerConfig& c) {
+namespace {
+
+// ValidateServerConfig's groups, each OK or INVALID_ARGUMENT naming the
+// flag. The cluster's shape: shards, this shard's id, workers, peers.
+absl::Status ValidateTopology(const ServerConfig& c) {
   if (c.num_shards < 1 || c.num_shards > kMaxShards) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--num-shards must be in [1, ", kMaxShards, "], got ", c.num_shards));
@@ -93,6 +97,11 @@ absl::Status ValidateServerConfig(const ServerConfig& c) {
           absl::StrCat(address.message(), " (entry ", s, ", shard ", s, ")"));
     }
   }
+  return absl::OkStatus();
+}
+
+// What the workers compute: selection, selector, codecs.
+absl::Status ValidateSelection(const ServerConfig& c) {
   if (c.selection == SelectionKind::kQuota &&
       c.mode != AggregationMode::kGtopk) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -114,6 +123,11 @@ absl::Status ValidateServerConfig(const ServerConfig& c) {
   if (ValueCodecName(c.value_codec) == "unknown") {
     return absl::InvalidArgumentError("--value-codec is not a known codec");
   }
+  return absl::OkStatus();
+}
+
+// Time, message and call bounds, checkpoints, the apply mode and checksums.
+absl::Status ValidateLimits(const ServerConfig& c) {
   if (c.step_timeout < absl::Milliseconds(1) ||
       c.step_timeout >= absl::Milliseconds(UINT32_MAX)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -166,6 +180,11 @@ absl::Status ValidateServerConfig(const ServerConfig& c) {
     return absl::InvalidArgumentError(
         "--checkpoint-every > 0 needs --checkpoint-dir");
   }
+  return absl::OkStatus();
+}
+
+// The optimizer, by flag.
+absl::Status ValidateOptimizerFlags(const ServerConfig& c) {
   // The optimizer, by flag (ValidateOptimizerOptions below is the
   // backstop; its messages name the fields).
   const OptimizerOptions& o = c.optimizer;
@@ -210,6 +229,15 @@ absl::Status ValidateServerConfig(const ServerConfig& c) {
     return absl::InvalidArgumentError(absl::StrCat("optimizer: ", s.message()));
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateServerConfig(const ServerConfig& c) {
+  GTOPK_RETURN_IF_ERROR(ValidateTopology(c));
+  GTOPK_RETURN_IF_ERROR(ValidateSelection(c));
+  GTOPK_RETURN_IF_ERROR(ValidateLimits(c));
+  return ValidateOptimizerFlags(c);
 }
 
 absl::StatusOr<std::vector<double>> ParseDensityWarmupFlag(

@@ -1,19 +1,21 @@
-// AggregatorService (server/service.h): construction, checkpoints, drain and
-// shutdown, the shard's aggregator, and the RPC handlers of training
-// (InitParams, DownloadParams, PushPull, ExchangeThreshold, CommitStep).
-// Membership (Join, GetClusterSpec, CheckMember and the checks of cluster
-// identity and rank ownership) is in server/membership.cc; crash recovery
-// and fail fast (GetShardState, RollbackShard, Recover, AbortStep) in
-// server/recovery.cc.
+// AggregatorService (server/service.h): construction and restore, the
+// handler preamble (Enter), drain and shutdown, the shard's aggregator,
+// and the RPC handlers of training that are short (InitParams,
+// ExchangeThreshold, CommitStep). PushPull is in server/push_pull.cc,
+// DownloadParams in server/download.cc; membership (Join, GetClusterSpec,
+// CheckMember and the checks of cluster identity and rank ownership) in
+// server/service_membership.cc over the Membership component
+// (server/membership.h); crash recovery and fail fast (GetShardState,
+// RollbackShard, Recover, AbortStep) in server/recovery.cc.
 #include "server/service.h"
 
 #include <sys/stat.h>
 
-#include <cerrno>
-#include <filesystem>
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <new>
 #include <optional>
 #include <random>
@@ -21,13 +23,10 @@
 #include <thread>
 #include <utility>
 
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/cluster_spec.h"
 #include "common/grpc_edge.h"
 #include "common/selector.h"
-#include "common/sparse_vector.h"
 #include "common/status_macros.h"
 #include "grpcpp/client_context.h"
 #include "proto/request_parsing.h"
@@ -39,141 +38,17 @@
 namespace gtopk {
 namespace server {
 
-using internal::AwaitPolled;
 using internal::ContextDeadline;
 using internal::kFingerprintMarker;
 using internal::kPollInterval;
 
 namespace {
-// A restored checkpoint against the shard's own retained ones (defined
-// below, with CheckRunId).
-absl::Status CheckAgainstHistory(const std::string& dir, uint32_t shard,
-                                 const ShardCheckpoint& current);
-}  // namespace
-
-namespace {
-
-// Concurrent DownloadParams snapshots per server (each one shard range).
-constexpr int kMaxConcurrentDownloads = 4;
 
 // The most bytes of rank 0's state blob (ParamsChunk.state) InitParams
 // takes, in all.
 constexpr size_t kMaxInitStateBytes = size_t{1} << 30;
 
-// gRPC metadata of a PushPull call naming its rank and member token
-// (decimal), so that the leader counts the rank alive from the call's start.
-constexpr char kRankMetadata[] = "gtopk-rank";
-constexpr char kTokenMetadata[] = "gtopk-member-token";
-
-// The metadata value `key` of `context` parsed as an unsigned decimal;
-// false when absent or malformed.
-bool MetadataNumber(const grpc::ServerContext* context, const char* key,
-                    uint64_t* out) {
-  const auto& metadata = context->client_metadata();
-  const auto it = metadata.find(key);
-  if (it == metadata.end()) return false;
-  return absl::SimpleAtoi(
-      absl::string_view(it->second.data(), it->second.size()), out);
-}
-
-// Cancels a server stream (ServerContext::TryCancel, from its own thread)
-// when one Write waits longer than `stall` for the client, or when the
-// stream is still writing at `end`. A Write blocked on gRPC flow control
-// returns only when the client reads, goes away, or the call is cancelled;
-// this is the deadline of that wait. Construct it where the writes start;
-// Stop() (or the destructor) joins its thread, so `context` must outlive
-// it. Thread-safe; at most one per download slot (4 threads).
-class WriteWatchdog {
- public:
-  WriteWatchdog(grpc::ServerContext* context, absl::Duration stall,
-                absl::Time end)
-      : context_(context), stall_(stall), end_(end) {
-    thread_ = std::thread([this] { Run(); });
-  }
-  ~WriteWatchdog() { Stop(); }
-  WriteWatchdog(const WriteWatchdog&) = delete;
-  WriteWatchdog& operator=(const WriteWatchdog&) = delete;
-
-  // Call around every Write: the stall bound counts from WriteStarted.
-  void WriteStarted() {
-    absl::MutexLock lock(&mu_);
-    write_due_ = absl::Now() + stall_;
-  }
-  void WriteEnded() {
-    absl::MutexLock lock(&mu_);
-    write_due_ = absl::InfiniteFuture();
-  }
-
-  // Stops watching and joins the thread (blocks at most for a TryCancel
-  // under way); idempotent. Returns why the stream was cancelled, empty
-  // when it was not: after Stop() nothing cancels it any more, so a handler
-  // that gets "" may return OK, and one that gets a reason must return
-  // CANCELLED (TryCancel's contract).
-  std::string Stop() {
-    {
-      absl::MutexLock lock(&mu_);
-      done_ = true;
-    }
-    if (thread_.joinable()) thread_.join();
-    absl::MutexLock lock(&mu_);
-    return reason_;
-  }
-
- private:
-  void Run() {
-    {
-      absl::MutexLock lock(&mu_);
-      while (!done_) {
-        const absl::Time seen = write_due_;
-        auto changed = [this, seen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return done_ || write_due_ != seen;
-        };
-        if (mu_.AwaitWithDeadline(absl::Condition(&changed),
-                                  std::min(end_, seen))) {
-          continue;  // done, or another Write started or ended
-        }
-        const absl::Time now = absl::Now();
-        if (now >= seen) {
-          reason_ = absl::StrCat("the client took no chunk for ",
-                                 absl::FormatDuration(stall_));
-        } else if (now >= end_) {
-          reason_ = absl::StrCat("the download ran past its bound of ",
-                                 absl::FormatDuration(end_ - start_));
-        } else {
-          continue;  // woke early
-        }
-        break;
-      }
-      if (reason_.empty()) return;
-    }
-    context_->TryCancel();  // unblocks the Write; the handler returns
-  }
-
-  grpc::ServerContext* const context_;
-  const absl::Duration stall_;
-  const absl::Time start_ = absl::Now();
-  const absl::Time end_;
-  mutable absl::Mutex mu_;
-  absl::Time write_due_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
-  bool done_ ABSL_GUARDED_BY(mu_) = false;
-  std::string reason_ ABSL_GUARDED_BY(mu_);
-  std::thread thread_;
-};
-
 }  // namespace
-
-DownloadLimits DownloadParamsLimits(const ServerConfig& config,
-                                    uint64_t chunk_bytes, uint64_t bytes) {
-  auto transfer = [](uint64_t b) {
-    return absl::Seconds(static_cast<double>(b) /
-                         static_cast<double>(kMinDownloadBytesPerSecond));
-  };
-  DownloadLimits limits;
-  limits.stall = std::max(kDownloadStallFloor, config.step_timeout) +
-                 transfer(chunk_bytes);
-  limits.total = limits.stall + transfer(bytes);
-  return limits;
-}
 
 // ---------------------------------------------------------------------------
 // AggregatorService
@@ -186,13 +61,11 @@ AggregatorService::AggregatorService(ServerConfig config)
       metrics_(std::make_unique<ServerMetrics>(*metrics_registry_)),
       limiter_(config_.shard_id, EffectiveCallLimits(config_)),
       access_(std::make_unique<AccessControl>(config_.security,
-                                              *metrics_registry_)) {
-  rank_given_.assign(config_.num_workers, false);
-  member_token_.assign(config_.num_workers, 0);
-  rank_reserved_until_.assign(config_.num_workers, absl::InfinitePast());
-  gone_since_.assign(config_.num_workers, absl::InfiniteFuture());
-  gone_failed_.assign(config_.num_workers, {-1, 0});
-  live_streams_.resize(config_.num_workers);
+                                              *metrics_registry_)),
+      membership_(config_.shard_id, config_.num_workers,
+                  config_.checkpoint_dir, config_.step_timeout),
+      checkpointer_(config_, metrics_.get(),
+                    [this](ShardCheckpoint* c) { StampIdentity(c); }) {
   if (is_leader()) {
     coordinator_ = std::make_unique<ThresholdCoordinator>(config_.num_shards);
     exchange_ = std::make_unique<LocalThresholdExchange>(coordinator_.get());
@@ -235,35 +108,19 @@ AggregatorService::~AggregatorService() {
 
 void AggregatorService::WatchGoneWorkers() {
   const absl::Duration poll = absl::Milliseconds(200);
-  absl::MutexLock lock(&mu_);
   while (true) {
-    const auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return watch_stop_;
-    };
-    if (mu_.AwaitWithTimeout(absl::Condition(&stop), poll)) return;
-    if (aggregator_ == nullptr || shutting_down_) continue;
-    const absl::Time now = absl::Now();
-    for (uint32_t r = 0; r < config_.num_workers; ++r) {
-      if (now - gone_since_[r] < internal::kWorkerGoneGrace) continue;
-      const std::optional<int64_t> step = aggregator_->RoundAwaiting(r);
-      if (!step.has_value()) continue;
-      const std::pair<int64_t, uint64_t> attempt{*step, epoch_.load()};
-      if (gone_failed_[r] == attempt) continue;
-      gone_failed_[r] = attempt;
-      const absl::Status reason = absl::UnavailableError(absl::StrCat(
-          "worker ", r, " is gone: its step stream to leader shard ",
-          config_.shard_id, " closed ",
-          absl::FormatDuration(absl::Trunc(now - gone_since_[r],
-                                           absl::Milliseconds(100))),
-          " ago (the process died or lost its connection) and it has not "
-          "come back; step ", *step,
-          " cannot complete without it (restart it: it re-joins as rank ", r,
-          ")"));
-      std::fprintf(stderr, "gtopk-server leader: %s\n",
-                   std::string(reason.message()).c_str());
-      // RejectPush takes only the aggregator's own lock.
-      aggregator_->RejectPush(*step, r, reason);
+    ShardAggregator* aggregator = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      const auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return watch_stop_;
+      };
+      if (mu_.AwaitWithTimeout(absl::Condition(&stop), poll)) return;
+      if (aggregator_ == nullptr || shutting_down_) continue;
+      aggregator = aggregator_.get();
     }
+    // Membership's lock, then the aggregator's (never mu_ inside it).
+    membership_.FailRoundsOfGoneWorkers(*aggregator, epoch_);
   }
 }
 
@@ -284,6 +141,7 @@ void AggregatorService::WatchLeaderSettings() {
     wait = absl::Seconds(5);
   }
 }
+
 
 absl::StatusOr<std::unique_ptr<AggregatorService>> AggregatorService::Create(
     ServerConfig config) {
@@ -317,53 +175,12 @@ absl::StatusOr<std::unique_ptr<AggregatorService>> AggregatorService::Create(
       absl::StatusOr<std::vector<uint64_t>> tokens =
           ReadMemberTokens(c.checkpoint_dir, c.num_workers, &run_length);
       if (tokens.ok()) {
-        absl::MutexLock lock(&service->mu_);
-        service->run_length_ = run_length;  // workers must still agree
-        const absl::Time until =
-            absl::Now() + internal::RankReclaimWindow(c.step_timeout);
-        for (uint32_t r = 0; r < c.num_workers; ++r) {
-          if ((*tokens)[r] == 0) continue;
-          // Not given yet: the holder takes it back with its token
-          // (Recover), or anyone once the reservation ends.
-          service->member_token_[r] = (*tokens)[r];
-          service->rank_reserved_until_[r] = until;
-        }
+        service->membership_.RestoreHolders(*tokens, run_length);
       } else if (!absl::IsNotFound(tokens.status())) {
         return tokens.status();
       }
     }
-    absl::StatusOr<ShardCheckpoint> checkpoint =
-        ReadCheckpoint(c.checkpoint_dir, c.shard_id);
-    if (checkpoint.ok()) {
-      // Before the history is touched (the restore below prunes and adds
-      // to it): a current checkpoint of another cluster or run than this
-      // shard's own retained ones was put in their place. Refused, and
-      // nothing is changed, so the shard's own checkpoints survive.
-      GTOPK_RETURN_IF_ERROR(
-          CheckAgainstHistory(c.checkpoint_dir, c.shard_id, *checkpoint));
-      absl::MutexLock lock(&service->mu_);
-      GTOPK_RETURN_IF_ERROR(service->CreateAggregatorLocked(checkpoint->n));
-      // Only this cluster's checkpoint: the same settings (fingerprint) and
-      // the same run, checked against the leader's once it is known
-      // (CheckRunId: GetAggregator, GetShardState), after the settings
-      // themselves (a shard restarted with other flags is told which).
-      service->run_id_.store(checkpoint->run_id);
-      service->restored_fingerprint_ = checkpoint->cluster_fingerprint;
-      service->restored_checkpoint_ =
-          CheckpointPath(c.checkpoint_dir, c.shard_id);
-      GTOPK_RETURN_IF_ERROR(service->aggregator_->Restore(*checkpoint));
-      service->n_ = checkpoint->n;
-      // Retained checkpoints newer than the restored one are left over from
-      // a crash during a rollback: they belong to abandoned steps. The
-      // restored one joins the history (it may predate it).
-      GTOPK_RETURN_IF_ERROR(DiscardCheckpointsAfter(
-          c.checkpoint_dir, c.shard_id, checkpoint->next_step));
-      GTOPK_RETURN_IF_ERROR(RetainCheckpoint(c.checkpoint_dir, c.shard_id,
-                                             checkpoint->next_step,
-                                             c.checkpoint_keep));
-    } else if (!absl::IsNotFound(checkpoint.status())) {
-      return checkpoint.status();
-    }
+    GTOPK_RETURN_IF_ERROR(service->RestoreCheckpoint());
   }
   if (service->is_leader() && service->run_id_.load() == 0) {
     // A new run: its identity, for every shard's checkpoints.
@@ -375,126 +192,27 @@ absl::StatusOr<std::unique_ptr<AggregatorService>> AggregatorService::Create(
   return service;
 }
 
-namespace {
-absl::Status CheckAgainstHistory(const std::string& dir, uint32_t shard,
-                                 const ShardCheckpoint& current) {
-  if (current.run_id == 0 && current.cluster_fingerprint == 0) {
-    return absl::OkStatus();
-  }
-  absl::StatusOr<std::vector<int64_t>> steps = ListCheckpointSteps(dir, shard);
-  if (!steps.ok() || steps->empty()) return absl::OkStatus();
-  // The newest entry of another step than the current one (an entry of the
-  // same step may be the very file, a hard link); else that one.
-  int64_t step = steps->back();
-  for (auto it = steps->rbegin(); it != steps->rend(); ++it) {
-    if (*it != current.next_step) {
-      step = *it;
-      break;
-    }
-  }
-  absl::StatusOr<ShardCheckpoint> retained = ReadCheckpointAt(dir, shard, step);
-  if (!retained.ok()) return absl::OkStatus();  // judged when it is used
-  const bool other_run = retained->run_id != 0 && current.run_id != 0 &&
-                         retained->run_id != current.run_id;
-  const bool other_cluster =
-      retained->cluster_fingerprint != 0 && current.cluster_fingerprint != 0 &&
-      retained->cluster_fingerprint != current.cluster_fingerprint;
-  if (!other_run && !other_cluster) return absl::OkStatus();
-  return absl::FailedPreconditionError(absl::StrCat(
-      "shard ", shard, ": checkpoint ", CheckpointPath(dir, shard), " is ",
-      other_cluster
-          ? absl::StrCat("of cluster fingerprint ",
-                         FingerprintText(current.cluster_fingerprint))
-          : absl::StrCat("of run ", FingerprintText(current.run_id)),
-      " but this shard's retained checkpoint ",
-      CheckpointHistoryPath(dir, shard, step), " is ",
-      other_cluster
-          ? absl::StrCat("of cluster fingerprint ",
-                         FingerprintText(retained->cluster_fingerprint))
-          : absl::StrCat("of run ", FingerprintText(retained->run_id)),
-      ": another cluster's or run's checkpoint was put in place of this "
-      "shard's own. Nothing was restored or deleted; put this shard's own "
-      "checkpoint back (e.g. copy ",
-      CheckpointHistoryPath(dir, shard, steps->back()), " to ",
-      CheckpointPath(dir, shard), "), or move the directory away to start "
-      "the shard empty"));
-}
-}  // namespace
-
-absl::Status AggregatorService::CheckRunId(uint64_t leader_run_id) {
-  if (is_leader()) return absl::OkStatus();
-  const uint64_t fingerprint = fingerprint_.load();
-  if (restored_fingerprint_ != 0 && fingerprint != 0 &&
-      restored_fingerprint_ != fingerprint) {
-    // Called once this shard's settings agree with the leader's: the
-    // checkpoint was written with other settings, by another cluster.
-    return absl::FailedPreconditionError(absl::StrCat(
-        "shard ", config_.shard_id, ": checkpoint ", restored_checkpoint_,
-        " was written by a cluster with ", internal::kFingerprintMarker, " ",
-        FingerprintText(restored_fingerprint_),
-        " but this cluster's (the same settings here and on the leader) is ",
-        FingerprintText(fingerprint),
-        ": another cluster's checkpoint (other --lr, --momentum, --density, "
-        "--selector, ... than this cluster's). Nothing of it was rolled back "
-        "into this cluster; put this cluster's own checkpoint there, or move "
-        "the file away and restart shard ",
-        config_.shard_id, " to start it empty"));
-  }
-  if (leader_run_id == 0) return absl::OkStatus();
-  uint64_t own = run_id_.load();
-  if (own == 0) {
-    run_id_.compare_exchange_strong(own, leader_run_id);
-    return absl::OkStatus();
-  }
-  if (own == leader_run_id) return absl::OkStatus();
-  return absl::FailedPreconditionError(absl::StrCat(
-      "shard ", config_.shard_id, "'s state is run ", FingerprintText(own),
-      restored_checkpoint_.empty()
-          ? std::string()
-          : absl::StrCat(" (restored from checkpoint ", restored_checkpoint_,
-                         ")"),
-      " but the leader's cluster is run ", FingerprintText(leader_run_id),
-      ": another run's checkpoint (same settings, another run). Nothing was "
-      "restored into this cluster; put this run's own checkpoint there, or "
-      "move the file away and restart shard ", config_.shard_id,
-      " to start it empty"));
+absl::Status AggregatorService::RestoreCheckpoint() {
+  GTOPK_ASSIGN_OR_RETURN(std::optional<ShardCheckpoint> checkpoint,
+                         checkpointer_.ReadForRestore());
+  if (!checkpoint.has_value()) return absl::OkStatus();
+  absl::MutexLock lock(&mu_);
+  GTOPK_RETURN_IF_ERROR(CreateAggregatorLocked(checkpoint->n));
+  // Only this cluster's checkpoint: the same settings (fingerprint) and the
+  // same run, checked against the leader's once it is known (CheckRunId:
+  // GetAggregator, GetShardState), after the settings themselves (a shard
+  // restarted with other flags is told which).
+  run_id_.store(checkpoint->run_id);
+  restored_fingerprint_ = checkpoint->cluster_fingerprint;
+  restored_checkpoint_ =
+      CheckpointPath(config_.checkpoint_dir, config_.shard_id);
+  GTOPK_RETURN_IF_ERROR(aggregator_->Restore(*checkpoint));
+  n_ = checkpoint->n;
+  return checkpointer_.Restored(checkpoint->next_step);
 }
 
 void AggregatorService::KeepOnlyLiveMembers() {
-  if (!is_leader() || config_.checkpoint_dir.empty()) return;
-  absl::MutexLock lock(&mu_);
-  // Workers that stopped just before this shutdown may have closed their
-  // streams a moment ago without this server having seen it yet: give the
-  // streams up to kWorkerGoneGrace to end (a worker that stays connected,
-  // a rolling restart, keeps its stream open through it).
-  const auto none_open = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    for (const auto& streams : live_streams_) {
-      for (grpc::ServerContext* stream : streams) {
-        if (!stream->IsCancelled()) return false;
-      }
-    }
-    return true;
-  };
-  AwaitPolled(mu_, absl::Condition(&none_open),
-              absl::Now() + internal::kWorkerGoneGrace, nullptr);
-  std::vector<uint64_t> live(config_.num_workers, 0);
-  for (uint32_t r = 0; r < config_.num_workers; ++r) {
-    for (grpc::ServerContext* stream : live_streams_[r]) {
-      if (!stream->IsCancelled()) live[r] = member_token_[r];
-    }
-  }
-  const absl::Status saved =
-      WriteMemberTokens(config_.checkpoint_dir, live, run_length_);
-  if (!saved.ok()) {
-    std::fprintf(stderr, "gtopk-server leader: member file at shutdown: %s\n",
-                 saved.ToString().c_str());
-  }
-}
-
-absl::Status AggregatorService::PersistMemberTokensLocked() {
-  if (!is_leader() || config_.checkpoint_dir.empty()) return absl::OkStatus();
-  return WriteMemberTokens(config_.checkpoint_dir, member_token_,
-                           run_length_);
+  membership_.KeepOnlyLiveMembers();
 }
 
 absl::StatusOr<CallLimiter::Admission> AggregatorService::AdmitCall(
@@ -508,13 +226,58 @@ absl::StatusOr<CallLimiter::Admission> AggregatorService::AdmitCall(
   return admission;
 }
 
+// ---------------------------------------------------------------------------
+// The handler preamble
+
+AggregatorService::CallRules AggregatorService::CallRules::Worker(
+    const char* method, std::optional<int64_t> rank, bool shard_ok) {
+  CallRules rules;
+  rules.method = method;
+  rules.rank = rank;
+  rules.shard_ok = shard_ok;
+  return rules;
+}
+
+AggregatorService::CallRules AggregatorService::CallRules::Shard(
+    const char* method, std::optional<uint32_t> shard) {
+  CallRules rules;
+  rules.method = method;
+  rules.from_shard = true;
+  rules.shard = shard;
+  return rules;
+}
+
+absl::StatusOr<AggregatorService::Call> AggregatorService::Enter(
+    const grpc::ServerContext* context, CallRules rules) {
+  Call call;
+  GTOPK_ASSIGN_OR_RETURN(call.admission,
+                         AdmitCall(context, rules.method, std::move(rules.peer)));
+  if (rules.from_shard) {
+    GTOPK_RETURN_IF_ERROR(
+        access_->AllowShard(*context, rules.method, rules.shard));
+  } else {
+    GTOPK_ASSIGN_OR_RETURN(call.caller,
+                           access_->AllowWorker(*context, rules.method,
+                                                rules.rank, rules.shard_ok));
+  }
+  if (rules.leader_only && !is_leader()) {
+    const bool join = absl::string_view(rules.method) == "Join";
+    return absl::FailedPreconditionError(absl::StrCat(
+        "shard ", config_.shard_id, " is not the leader; ",
+        join ? "join " : absl::StrCat(rules.method, " goes to "),
+        config_.peers[0]));
+  }
+  if (rules.fingerprint.has_value()) {
+    GTOPK_RETURN_IF_ERROR(
+        CheckFingerprint(*rules.fingerprint, rules.who, absl::Now()));
+  }
+  return call;
+}
+
 std::string AggregatorService::RankPeer(const grpc::ServerContext* context,
                                         uint64_t rank, uint64_t token) const {
-  if (rank < config_.num_workers && token != 0) {
-    absl::MutexLock lock(&mu_);
-    if (member_token_[rank] == token) {
-      return CallPeerRank(static_cast<uint32_t>(rank));
-    }
+  if (membership_.Knows(rank, token)) {
+    return CallPeerRank(static_cast<uint32_t>(rank));
   }
   return CallPeerHost(context->peer());
 }
@@ -532,64 +295,20 @@ void AggregatorService::SetOwnAddress(const std::string& address) {
   own_address_ = address;
 }
 
+
+ShardAggregator* AggregatorService::aggregator() const {
+  absl::MutexLock lock(&mu_);
+  return aggregator_.get();
+}
+
 int64_t AggregatorService::next_step() const {
-  ShardAggregator* aggregator;
-  {
-    absl::MutexLock lock(&mu_);
-    aggregator = aggregator_.get();
-  }
+  ShardAggregator* const aggregator = this->aggregator();
   return aggregator == nullptr ? -1 : aggregator->next_step();
 }
 
 absl::Status AggregatorService::WriteCheckpointNow() {
   if (config_.checkpoint_dir.empty()) return absl::OkStatus();
-  ShardAggregator* aggregator;
-  {
-    absl::MutexLock lock(&mu_);
-    aggregator = aggregator_.get();
-  }
-  if (aggregator == nullptr) return absl::OkStatus();
-  absl::MutexLock lock(&checkpoint_mu_);
-  absl::StatusOr<ShardCheckpoint> snapshot = aggregator->Snapshot();
-  if (absl::IsFailedPrecondition(snapshot.status())) {
-    return absl::OkStatus();  // no parameters yet: nothing to keep
-  }
-  absl::Status status = snapshot.status();
-  // WriteCheckpoint replaces the current checkpoint only by renaming a
-  // complete, fsynced temp file over it: on failure the previous one stays
-  // what a restart restores, and the history keeps its entries.
-  if (status.ok()) {
-    StampIdentity(&*snapshot);
-    status = WriteCheckpoint(config_.checkpoint_dir, *snapshot);
-  }
-  if (status.ok()) {
-    metrics_->CheckpointWritten();
-    status = RetainCheckpoint(config_.checkpoint_dir, config_.shard_id,
-                              snapshot->next_step, config_.checkpoint_keep);
-  }
-  const bool ok = status.ok();
-  if (!ok) {
-    metrics_->CheckpointFailed();
-    std::fprintf(
-        stderr,
-        "gtopk-server shard %u: checkpoint of step %lld in %s FAILED (%.0f "
-        "failure(s) so far): %s; the previous checkpoint stays the one a "
-        "restart restores, and health service \"%s\" is NOT_SERVING until "
-        "a checkpoint succeeds\n",
-        config_.shard_id,
-        snapshot.ok() ? static_cast<long long>(snapshot->next_step) : -1LL,
-        config_.checkpoint_dir.c_str(), metrics_->checkpoint_failures(),
-        status.ToString().c_str(), kCheckpointHealthService);
-  }
-  if (ok && !checkpoint_ok_) {
-    std::fprintf(stderr,
-                 "gtopk-server shard %u: checkpoint of step %lld written; "
-                 "checkpoints work again\n",
-                 config_.shard_id, static_cast<long long>(snapshot->next_step));
-  }
-  checkpoint_ok_ = ok;
-  if (checkpoint_health_) checkpoint_health_(ok);
-  return status;
+  return checkpointer_.WriteNow(aggregator());
 }
 
 void AggregatorService::ReportReadiness(const absl::Status& status) {
@@ -606,37 +325,33 @@ void AggregatorService::SetReadinessListener(
   if (readiness_listener_) readiness_listener_(readiness_);
 }
 
+
 void AggregatorService::SetCheckpointHealthListener(
     std::function<void(bool ok)> listener) {
-  absl::MutexLock lock(&checkpoint_mu_);
-  checkpoint_health_ = std::move(listener);
-  if (checkpoint_health_) checkpoint_health_(checkpoint_ok_);
+  checkpointer_.SetHealthListener(std::move(listener));
 }
 
 void AggregatorService::BeginDrain() {
-  absl::MutexLock lock(&mu_);
-  draining_ = true;
-  if (aggregator_ != nullptr) {
-    aggregator_->BeginDrain(absl::UnavailableError(
-        absl::StrCat("shard ", config_.shard_id, " is shutting down")));
+  {
+    absl::MutexLock lock(&mu_);
+    draining_ = true;
+    if (aggregator_ != nullptr) {
+      aggregator_->BeginDrain(absl::UnavailableError(
+          absl::StrCat("shard ", config_.shard_id, " is shutting down")));
+    }
   }
+  membership_.Close();  // Joins fail (Membership's lock comes before mu_)
 }
 
 bool AggregatorService::AwaitDrained(absl::Time deadline) {
   // Drained: no round open, and every worker's step stream closed (a worker
   // whose push was refused with "shutting down" closes its stream; one
-  // between steps is told so at its next push).
+  // between steps is told so at its next push). Streams opened at a
+  // worker's Connect that never pushed are not counted: the worker learns
+  // of the shutdown at its first push or connection attempt.
   while (true) {
-    ShardAggregator* aggregator;
-    size_t streams = 0;
-    {
-      absl::MutexLock lock(&mu_);
-      aggregator = aggregator_.get();
-      for (const auto& live : live_streams_) streams += live.size();
-      // Streams opened at a worker's Connect that never pushed: the worker
-      // learns of the shutdown at its first push or connection attempt.
-      streams -= static_cast<size_t>(idle_streams_);
-    }
+    ShardAggregator* const aggregator = this->aggregator();
+    const size_t streams = membership_.PushingStreams();
     const bool no_round =
         aggregator == nullptr || aggregator->AwaitNoRound(std::min(
                                      deadline, absl::Now() + kPollInterval));
@@ -647,14 +362,17 @@ bool AggregatorService::AwaitDrained(absl::Time deadline) {
 }
 
 void AggregatorService::BeginShutdown() {
-  absl::MutexLock lock(&mu_);
-  if (shutting_down_) return;
-  shutting_down_ = true;
-  if (aggregator_ != nullptr) {
-    aggregator_->Close(absl::UnavailableError(
-        absl::StrCat("shard ", config_.shard_id, " is shutting down")));
+  {
+    absl::MutexLock lock(&mu_);
+    if (shutting_down_) return;
+    shutting_down_ = true;
+    if (aggregator_ != nullptr) {
+      aggregator_->Close(absl::UnavailableError(
+          absl::StrCat("shard ", config_.shard_id, " is shutting down")));
+    }
+    cv_.SignalAll();
   }
-  cv_.SignalAll();
+  membership_.Close();
 }
 
 absl::Time AggregatorService::WaitDeadline(
@@ -833,19 +551,36 @@ absl::Status OutOfMemoryForRange(uint32_t shard, uint64_t begin,
       "(docs/resource-limits.md)"));
 }
 
+// InitParams: a piece of rank 0's state blob (ParamsChunk.state) of
+// `piece` bytes after `so_far`: only to shard 0 with --apply=workers, at
+// most kMaxInitStateBytes in all (INVALID_ARGUMENT otherwise).
+absl::Status CheckStatePiece(const ServerConfig& config, size_t piece,
+                             size_t so_far) {
+  if (piece == 0) return absl::OkStatus();
+  if (config.apply != ApplyMode::kWorkers || config.shard_id != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "InitParams: a state blob goes only to shard 0 with "
+        "--apply=workers; this is shard ",
+        config.shard_id, " with --apply=", ApplyModeName(config.apply)));
+  }
+  if (piece > kMaxInitStateBytes - so_far) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "InitParams: the state blob is over ", kMaxInitStateBytes,
+        " bytes (1 GiB) after ", so_far, " + ", piece, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 grpc::Status AggregatorService::InitParams(
     grpc::ServerContext* context, grpc::ServerReader<v1::ParamsChunk>* reader,
     v1::InitParamsResponse* response) {
-  GTOPK_ADMIT_CALL(admission, AdmitCall(context, "InitParams"));
-  {
-    // Only rank 0 initialises: a certificate restricted to another rank is
-    // refused before any chunk is read.
-    absl::StatusOr<Caller> allowed =
-        access_->AllowWorker(*context, "InitParams", int64_t{0});
-    if (!allowed.ok()) return ToGrpcStatus(allowed.status());
-  }
+  // Only rank 0 initialises: a certificate restricted to another rank is
+  // refused before any chunk is read.
+  absl::StatusOr<Call> call =
+      Enter(context, CallRules::Worker("InitParams", int64_t{0}));
+  if (!call.ok()) return ToGrpcStatus(call.status());
   const uint32_t shard = config_.shard_id;
   ShardAggregator* aggregator = nullptr;
   std::vector<float> values;
@@ -899,19 +634,10 @@ grpc::Status AggregatorService::InitParams(
         !range.ok()) {
       return ToGrpcStatus(range);
     }
-    if (!chunk.state().empty()) {
-      if (config_.apply != ApplyMode::kWorkers || shard != 0) {
-        return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-            "InitParams: a state blob goes only to shard 0 with "
-            "--apply=workers; this is shard ",
-            shard, " with --apply=", ApplyModeName(config_.apply))));
-      }
-      if (chunk.state().size() > kMaxInitStateBytes - state.size()) {
-        return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-            "InitParams: the state blob is over ", kMaxInitStateBytes,
-            " bytes (1 GiB) after ", state.size(), " + ",
-            chunk.state().size(), " bytes")));
-      }
+    if (const absl::Status piece =
+            CheckStatePiece(config_, chunk.state().size(), state.size());
+        !piece.ok()) {
+      return ToGrpcStatus(piece);
     }
     try {
       values.insert(values.end(), chunk.values().begin(),
@@ -958,445 +684,34 @@ grpc::Status AggregatorService::InitParams(
   return grpc::Status::OK;
 }
 
-grpc::Status AggregatorService::DownloadParams(
-    grpc::ServerContext* context, const v1::DownloadParamsRequest* request,
-    grpc::ServerWriter<v1::ParamsChunk>* writer) {
-  GTOPK_ADMIT_CALL(admission, AdmitCall(context, "DownloadParams"));
-  {
-    // The parameters are the model: workers (any rank) and shards only.
-    absl::StatusOr<Caller> allowed = access_->AllowWorker(
-        *context, "DownloadParams", std::nullopt, /*shard_ok=*/true);
-    if (!allowed.ok()) return ToGrpcStatus(allowed.status());
-  }
-  if (request->worker() >= config_.num_workers) {
-    return ToGrpcStatus(absl::InvalidArgumentError(
-        absl::StrCat("unknown worker rank ", request->worker(),
-                     "; the cluster has ", config_.num_workers, " workers")));
-  }
-  const absl::Time deadline = WaitDeadline(context);
-  absl::StatusOr<ShardAggregator*> aggregator =
-      GetAggregator(context, deadline);
-  if (!aggregator.ok()) return ToGrpcStatus(aggregator.status());
-  if (request->cluster_fingerprint() != 0) {
-    const absl::Status same = CheckFingerprint(
-        request->cluster_fingerprint(),
-        absl::StrCat("DownloadParams from worker ", request->worker(), " "),
-        deadline);
-    if (!same.ok()) return ToGrpcStatus(same);
-  }
-  const uint64_t chunk_bytes =
-      std::min(config_.download_chunk_bytes, config_.max_message_bytes);
-  {
-    // A slot is waited for longer than a stalled download may hold one
-    // (DownloadParamsLimits' stall bound, + 1 s), within the client's
-    // deadline: a worker restarting while stuck streams hold every slot
-    // gets one once the server has cancelled them.
-    const absl::Duration slot_wait =
-        std::max(config_.step_timeout,
-                 DownloadParamsLimits(config_, chunk_bytes, 0).stall +
-                     absl::Seconds(1));
-    // The client's deadline less a slack, so that this refusal, which says
-    // why, arrives before the transport's anonymous DEADLINE_EXCEEDED.
-    const absl::Time slot_deadline =
-        std::min(absl::Now() + slot_wait,
-                 ContextDeadline(context) - kLeaderDeadlineSlack);
-    absl::MutexLock lock(&download_mu_);
-    auto has_slot = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(download_mu_) {
-      return active_downloads_ < kMaxConcurrentDownloads;
-    };
-    if (!AwaitPolled(download_mu_, absl::Condition(&has_slot), slot_deadline,
-                     context)) {
-      return ToGrpcStatus(absl::DeadlineExceededError(absl::StrCat(
-          "shard ", config_.shard_id, ": ", kMaxConcurrentDownloads,
-          " parameter downloads already in progress")));
-    }
-    ++active_downloads_;
-  }
-  struct Release {
-    AggregatorService* self;
-    ~Release() {
-      absl::MutexLock lock(&self->download_mu_);
-      --self->active_downloads_;
-    }
-  } release{this};
-  // Wait in short slices so that a cancelled call or a shutdown ends it.
-  absl::StatusOr<ShardAggregator::State> params;
-  while (true) {
-    params = (*aggregator)
-                 ->GetState(std::min(deadline, absl::Now() + kPollInterval));
-    if (params.ok() || !absl::IsDeadlineExceeded(params.status()) ||
-        absl::Now() >= deadline) {
-      break;
-    }
-    if (context->IsCancelled()) {
-      return grpc::Status(grpc::StatusCode::CANCELLED,
-                          "DownloadParams cancelled");
-    }
-  }
-  if (!params.ok()) return ToGrpcStatus(params.status());
-  const std::vector<float>& values = params->params;
-  const std::vector<float>& velocity = params->global_velocity;
-  // Shard 0 under --apply=workers: rank 0's state blob, in pieces after
-  // the values (chunks without values at the end of the range).
-  const std::string& state = *params->state;
-  const bool with_velocity = !velocity.empty();
-  // 4 bytes per value, 8 with the global velocity alongside.
-  const size_t per_chunk = static_cast<size_t>(std::max<uint64_t>(
-      1, (chunk_bytes - kChunkOverheadBytes) / (with_velocity ? 8 : 4)));
-  const uint64_t begin = (*aggregator)->begin();
-  // A client that stops reading blocks Write below on flow control; the
-  // watchdog cancels the stream after DownloadParamsLimits, so that the
-  // slot is released (by `release`, once, when this handler returns).
-  const DownloadLimits limits = DownloadParamsLimits(
-      config_, chunk_bytes,
-      values.size() * (with_velocity ? uint64_t{8} : uint64_t{4}) +
-          state.size());
-  const std::string peer = context->peer();  // "unknown" once cancelled
-  WriteWatchdog watchdog(context, limits.stall, absl::Now() + limits.total);
-  auto cancelled_by_limit = [&](const std::string& reason, size_t at) {
-    metrics_->LimitRejected(LimitBound::kDownloadTime);
-    const std::string what = absl::StrCat(
-        "DownloadParams for worker ", request->worker(), " from ", peer,
-        " cancelled at index ", begin + at, " of [", begin, ", ",
-        begin + values.size(), "): ", reason,
-        ", the bound on a download's slot (docs/resource-limits.md)");
-    std::fprintf(stderr, "gtopk-server shard %u: %s\n", config_.shard_id,
-                 what.c_str());
-    return grpc::Status(grpc::StatusCode::CANCELLED,
-                        absl::StrCat("shard ", config_.shard_id, ": ", what));
-  };
-  size_t offset = 0;
-  // A chunk at `offset` (values from there, none past the range's end),
-  // its fields set by `fill`; the download's status when it cannot go.
-  auto send = [&](auto fill) -> std::optional<grpc::Status> {
-    v1::ParamsChunk chunk;
-    chunk.set_worker(request->worker());
-    chunk.set_shard_id(config_.shard_id);
-    chunk.set_offset(begin + offset);
-    chunk.set_step(params->next_step);
-    fill(chunk);
-    watchdog.WriteStarted();
-    const bool written = writer->Write(chunk);
-    watchdog.WriteEnded();
-    if (!written) {
-      const std::string reason = watchdog.Stop();
-      if (!reason.empty()) return cancelled_by_limit(reason, offset);
-      return grpc::Status(grpc::StatusCode::CANCELLED,
-                          "the worker went away during DownloadParams");
-    }
-    metrics_->sent_download_bytes().Increment(
-        static_cast<double>(chunk.ByteSizeLong()));
-    return std::nullopt;
-  };
-  do {
-    const size_t count = std::min(per_chunk, values.size() - offset);
-    if (std::optional<grpc::Status> failed = send([&](v1::ParamsChunk& c) {
-          c.mutable_values()->Add(values.begin() + offset,
-                                  values.begin() + offset + count);
-          if (with_velocity) {
-            c.mutable_global_velocity()->Add(
-                velocity.begin() + offset, velocity.begin() + offset + count);
-          }
-        })) {
-      return *failed;
-    }
-    offset += count;
-  } while (offset < values.size());
-  // The state blob, in pieces of at most chunk_bytes less the overhead
-  // (so at most 1 MiB with the default --download-chunk-bytes), each in a
-  // chunk without values at the end of the range; the client concatenates
-  // the pieces of all chunks in order.
-  const size_t per_piece = static_cast<size_t>(
-      std::max<uint64_t>(1, chunk_bytes - kChunkOverheadBytes));
-  for (size_t at = 0; at < state.size(); at += per_piece) {
-    if (std::optional<grpc::Status> failed = send([&](v1::ParamsChunk& c) {
-          c.set_state(state.substr(at, per_piece));
-        })) {
-      return *failed;
-    }
-  }
-  // The watchdog may have cancelled the call as the last Write completed:
-  // then the client sees CANCELLED, and so must the handler's status.
-  if (const std::string reason = watchdog.Stop(); !reason.empty()) {
-    return cancelled_by_limit(reason, offset);
-  }
-  return grpc::Status::OK;
-}
 
-absl::StatusOr<WorkerPush> AggregatorService::DecodePush(
-    const v1::Push& push, const ShardAggregator& aggregator) const {
-  // Memory per step: refuse a push claiming more pairs than k allows before
-  // decoding allocates for them.
-  if (config_.mode != AggregationMode::kDense &&
-      push.shard_id() == config_.shard_id) {
-    absl::StatusOr<uint64_t> claimed = PeekSparseCount(push.sparse());
-    const uint64_t most = aggregator.MaxPushPairs(push.step());
-    if (claimed.ok() && *claimed > most) {
-      metrics_->LimitRejected(LimitBound::kPushPairs);
-      return aggregator.PushPairsExhausted(push.worker(), push.step(),
-                                           *claimed, most);
-    }
+absl::Status AggregatorService::FixN(uint64_t n) {
+  absl::MutexLock lock(&mu_);
+  if (n_ == 0) {
+    GTOPK_RETURN_IF_ERROR(CreateAggregatorLocked(n));
+    n_ = n;
+    return absl::OkStatus();
   }
-  RejectReason reason = RejectReason::kInvalid;
-  absl::StatusOr<WorkerPush> decoded =
-      DecodeWirePush(push, config_, aggregator.options().n, &reason);
-  if (!decoded.ok()) metrics_->Rejected(reason);
-  return decoded;
-}
-
-grpc::Status AggregatorService::PushPull(
-    grpc::ServerContext* context,
-    grpc::ServerReaderWriter<v1::Pull, v1::Push>* stream) {
-  // A worker's stream names its rank and member token in the metadata: it
-  // counts against the rank's own bound, not its host's.
-  uint64_t meta_rank = 0, meta_token = 0;
-  const bool has_identity = MetadataNumber(context, kRankMetadata, &meta_rank) &&
-                            MetadataNumber(context, kTokenMetadata, &meta_token);
-  GTOPK_ADMIT_CALL(admission,
-                   AdmitCall(context, "PushPull",
-                             has_identity
-                                 ? RankPeer(context, meta_rank, meta_token)
-                                 : std::string()));
-  absl::StatusOr<Caller> caller =
-      access_->AllowWorker(*context, "PushPull", std::nullopt);
-  if (!caller.ok()) return ToGrpcStatus(caller.status());
-  ShardAggregator* aggregator = nullptr;
-  // The rank this stream acts for: set by a verified identity (the call's
-  // metadata on the leader, else the first accepted push); one per stream.
-  int64_t stream_worker = -1;
-  v1::Push push;
-  metrics_->connected_workers().Increment();
-  struct Disconnect {
-    AggregatorService* self;
-    grpc::ServerContext* context;
-    int64_t worker = -1;  // registered in live_streams_
-    bool idle = false;    // counted in idle_streams_ (no push yet)
-    // A push of this stream is in a round whose pull it has not had yet.
-    bool in_round = false;
-    ~Disconnect() {
-      if (worker >= 0) {
-        absl::MutexLock lock(&self->mu_);
-        auto& live = self->live_streams_[worker];
-        live.erase(std::find(live.begin(), live.end(), context));
-        if (idle) --self->idle_streams_;
-        const bool cancelled = context->IsCancelled();
-        // Cancelled, not closed: the worker died or lost its connection,
-        // or it cut a failed step short (another shard failed first).
-        if (self->is_leader() && live.empty() && cancelled) {
-          self->gone_since_[worker] = absl::Now();
-        }
-        if (self->is_leader() && live.empty() && (!cancelled || in_round)) {
-          // Ended by this server (a failed round, a refused push), or
-          // cancelled in the middle of a step (the worker cuts its leader
-          // stream short when another shard failed): the worker is alive
-          // and about to Recover; nobody else may take its rank meanwhile.
-          // A worker that died mid-step costs its restart this much: its
-          // Join is UNAVAILABLE until then, and Connect retries it. A
-          // stream cancelled between steps (the worker ended, or died
-          // idle) reserves nothing.
-          self->rank_reserved_until_[worker] =
-              std::max(self->rank_reserved_until_[worker],
-                       absl::Now() + internal::kRankRecoverHold);
-        }
-      }
-      self->metrics_->connected_workers().Decrement();
-    }
-  } disconnect{this, context};
-  auto register_stream = [&](uint32_t worker)
-                             ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    stream_worker = worker;
-    live_streams_[worker].push_back(context);
-    gone_since_[worker] = absl::InfiniteFuture();
-    disconnect.worker = worker;
-  };
-  if (is_leader()) {
-    // A worker opens its leader stream right after Join, with its identity
-    // in the metadata: the rank is alive (Join: ALREADY_EXISTS) from now,
-    // not only from its first push.
-    uint64_t rank = 0, token = 0;
-    if (MetadataNumber(context, kRankMetadata, &rank) &&
-        MetadataNumber(context, kTokenMetadata, &token)) {
-      if (rank < config_.num_workers &&
-          access_->CheckRank(*caller, "PushPull", static_cast<int64_t>(rank))
-              .ok()) {
-        absl::MutexLock lock(&mu_);
-        if (CheckMemberTokenLocked(static_cast<uint32_t>(rank), token).ok()) {
-          register_stream(static_cast<uint32_t>(rank));
-          // The holder is back: its live stream now keeps the rank.
-          rank_reserved_until_[rank] = absl::InfinitePast();
-          rank_given_[rank] = true;
-          // Until its first push it does not hold up a drain.
-          ++idle_streams_;
-          disconnect.idle = true;
-        }
-      }
-      // Tells the worker (WorkerClient waits for it at Connect) that the
-      // rank is registered: a Join after this sees it alive.
-      stream->SendInitialMetadata();
-    }
+  if (n != n_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the worker has n = ", n, " parameters but the cluster has n = ", n_));
   }
-  proto::TakeRequestParseFailure();  // none yet: forget an earlier call's
-  while (stream->Read(&push)) {
-    metrics_->received_push_bytes().Increment(
-        static_cast<double>(push.ByteSizeLong()));
-    {
-      // A certificate that names a rank pushes as that rank only; refused
-      // alone, like a push without its member token.
-      const absl::Status same =
-          access_->CheckRank(*caller, "PushPull", push.worker());
-      if (!same.ok()) return ToGrpcStatus(same);
-    }
-    if (stream_worker >= 0 && push.worker() != stream_worker &&
-        aggregator != nullptr) {
-      const absl::Status mixed = absl::InvalidArgumentError(
-          absl::StrCat("push from worker ", push.worker(),
-                       " on the PushPull stream of "
-                       "worker ",
-                       stream_worker, " (one stream per worker and shard)"));
-      metrics_->Rejected(RejectReason::kMixedStream);
-      aggregator->RejectPush(push.step(), static_cast<uint32_t>(stream_worker),
-                             mixed);
-      return ToGrpcStatus(mixed);
-    }
-    if (push.worker() >= config_.num_workers) {
-      // Not a member of the round: refused alone.
-      metrics_->Rejected(RejectReason::kUnknownWorker);
-      return ToGrpcStatus(absl::InvalidArgumentError(
-          absl::StrCat("unknown worker rank ", push.worker(),
-                       "; the cluster has ", config_.num_workers, " workers")));
-    }
-    if (aggregator == nullptr || (!is_leader() && !verified_.load())) {
-      absl::StatusOr<ShardAggregator*> a =
-          GetAggregator(context, WaitDeadline(context));
-      if (!a.ok()) return ToGrpcStatus(a.status());
-      aggregator = *a;
-    }
-    {
-      // Identity before anything is decoded: a push from another cluster's
-      // configuration or from a worker that does not hold the rank is
-      // refused alone; it neither joins nor fails the round.
-      const std::string who =
-          absl::StrCat("worker ", push.worker(), " step ", push.step(), ": ");
-      const absl::Time deadline = WaitDeadline(context);
-      absl::Status identity =
-          CheckFingerprint(push.cluster_fingerprint(), who, deadline);
-      if (!identity.ok()) {
-        metrics_->Rejected(RejectReason::kWrongCluster);
-      } else {
-        identity = CheckMemberToken(push.worker(), push.member_token(),
-                                    deadline);
-        if (!identity.ok()) {
-          metrics_->Rejected(RejectReason::kNotMember);
-          if (!absl::StartsWith(identity.message(), "leader ")) {
-            identity = absl::Status(identity.code(),
-                                    absl::StrCat(who, identity.message()));
-          }
-        }
-      }
-      if (!identity.ok()) return ToGrpcStatus(identity);
-      if (stream_worker < 0 || disconnect.idle) {
-        absl::MutexLock lock(&mu_);
-        if (stream_worker < 0) register_stream(push.worker());
-        if (disconnect.idle) {
-          --idle_streams_;
-          disconnect.idle = false;
-        }
-      }
-    }
-    absl::StatusOr<WorkerPush> decoded =
-        DecodePush(push, *aggregator);
-    if (!decoded.ok()) {
-      // Fail the round for everyone, as a bad push inside Submit would.
-      aggregator->RejectPush(push.step(), push.worker(), decoded.status());
-      return ToGrpcStatus(decoded.status());
-    }
-    disconnect.in_round = true;
-    absl::StatusOr<std::shared_ptr<const RoundResult>> result =
-        aggregator->Submit(*std::move(decoded),
-                           absl::Now() + config_.step_timeout);
-    if (!result.ok()) {
-      // The failed attempt's epoch, when the leader numbered it: the
-      // worker's next push of the step is then a retry, not a leftover.
-      if (const uint64_t epoch = aggregator->AbortEpoch(push.step());
-          epoch > 0) {
-        context->AddTrailingMetadata(kEpochMetadataKey, absl::StrCat(epoch));
-      }
-      // Submit's own rejections of this push (not a round failed by others).
-      if (absl::IsResourceExhausted(result.status())) {
-        metrics_->LimitRejected(LimitBound::kPushPairs);
-      } else if (absl::IsInvalidArgument(result.status())) {
-        metrics_->Rejected(RejectReason::kInvalid);
-      } else if (absl::IsFailedPrecondition(result.status()) &&
-                 absl::StrContains(result.status().message(), "step ")) {
-        metrics_->Rejected(RejectReason::kWrongStep);
-      }
-      // The leader refused this shard's fingerprint (a vote or the
-      // threshold exchange): name the flags that differ.
-      return ToGrpcStatus(
-          ExplainLeaderRefusal(result.status(), WaitDeadline(context)));
-    }
-    const RoundResult& r = **result;
-    metrics_->RoundCompleted(r);
-    v1::Pull pull;
-    pull.set_step(r.step);
-    pull.set_merge_us(
-        static_cast<uint64_t>(absl::ToInt64Microseconds(r.merge_time)));
-    pull.set_select_us(
-        static_cast<uint64_t>(absl::ToInt64Microseconds(r.select_time)));
-    pull.set_shard_id(config_.shard_id);
-    pull.set_buffers(r.buffers);  // shard 0, --apply=workers; else empty
-    if (config_.mode == AggregationMode::kDense) {
-      pull.mutable_dense()->Add(r.dense_sum.begin(), r.dense_sum.end());
-      pull.set_selected(r.dense_sum.size());
-    } else {
-      pull.set_sparse(r.encoded);
-      pull.set_selected(r.selected.size());
-    }
-    const size_t bytes = pull.ByteSizeLong();
-    if (bytes > config_.max_message_bytes) {
-      return ToGrpcStatus(absl::ResourceExhaustedError(absl::StrCat(
-          "pull of step ", r.step, " from shard ", config_.shard_id, " is ",
-          bytes, " bytes, over max_message_bytes ",
-          config_.max_message_bytes)));
-    }
-    if (!stream->Write(pull)) {
-      return grpc::Status(
-          grpc::StatusCode::CANCELLED,
-          absl::StrCat("worker ", push.worker(),
-                       " went away before its pull of step ", r.step));
-    }
-    disconnect.in_round = false;
-    metrics_->sent_pull_bytes().Increment(static_cast<double>(bytes));
-  }
-  // Read() is false at the client's end of the stream, and for a push that
-  // does not parse: that one is INVALID_ARGUMENT, not an orderly end.
-  return proto::TakeRequestParseFailure();
+  return absl::OkStatus();
 }
 
 grpc::Status AggregatorService::ExchangeThreshold(
     grpc::ServerContext* context, const v1::ThresholdRequest* request,
     v1::ThresholdResponse* response) {
-  GTOPK_ADMIT_CALL(admission,
-                   AdmitCall(context, "ExchangeThreshold",
-                             ShardPeer(context, request->shard_id())));
-  {
-    const absl::Status allowed = access_->AllowShard(
-        *context, "ExchangeThreshold", request->shard_id());
-    if (!allowed.ok()) return ToGrpcStatus(allowed);
-  }
-  if (!is_leader()) {
-    return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
-        "shard ", config_.shard_id,
-        " is not the leader; ExchangeThreshold goes to ", config_.peers[0])));
-  }
-  {
-    const absl::Status same = CheckFingerprint(
-        request->cluster_fingerprint(),
-        absl::StrCat("ExchangeThreshold from shard ", request->shard_id(),
-                     " for step ", request->step(), " "),
-        absl::Now());
-    if (!same.ok()) return ToGrpcStatus(same);
-  }
+  absl::StatusOr<Call> call = Enter(
+      context,
+      CallRules::Shard("ExchangeThreshold", request->shard_id())
+          .Peer(ShardPeer(context, request->shard_id()))
+          .LeaderOnly()
+          .Fingerprint(request->cluster_fingerprint(),
+                       absl::StrCat("ExchangeThreshold from shard ",
+                                    request->shard_id(), " for step ",
+                                    request->step(), " ")));
+  if (!call.ok()) return ToGrpcStatus(call.status());
   const absl::Time deadline =
       std::min(absl::Now() + config_.step_timeout,
                ContextDeadline(context) - kLeaderDeadlineSlack);
@@ -1411,26 +726,15 @@ grpc::Status AggregatorService::ExchangeThreshold(
 grpc::Status AggregatorService::CommitStep(grpc::ServerContext* context,
                                            const v1::CommitRequest* request,
                                            v1::CommitResponse* /*response*/) {
-  GTOPK_ADMIT_CALL(admission, AdmitCall(context, "CommitStep",
-                                        ShardPeer(context, request->shard_id())));
-  {
-    const absl::Status allowed =
-        access_->AllowShard(*context, "CommitStep", request->shard_id());
-    if (!allowed.ok()) return ToGrpcStatus(allowed);
-  }
-  if (!is_leader()) {
-    return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
-        "shard ", config_.shard_id, " is not the leader; CommitStep goes to ",
-        config_.peers[0])));
-  }
-  {
-    const absl::Status same = CheckFingerprint(
-        request->cluster_fingerprint(),
-        absl::StrCat("CommitStep from shard ", request->shard_id(),
-                     " for step ", request->step(), " "),
-        absl::Now());
-    if (!same.ok()) return ToGrpcStatus(same);
-  }
+  absl::StatusOr<Call> call = Enter(
+      context, CallRules::Shard("CommitStep", request->shard_id())
+                   .Peer(ShardPeer(context, request->shard_id()))
+                   .LeaderOnly()
+                   .Fingerprint(request->cluster_fingerprint(),
+                                absl::StrCat("CommitStep from shard ",
+                                             request->shard_id(), " for step ",
+                                             request->step(), " ")));
+  if (!call.ok()) return ToGrpcStatus(call.status());
   const absl::Time deadline =
       std::min(absl::Now() + config_.step_timeout,
                ContextDeadline(context) - kLeaderDeadlineSlack);

@@ -4,9 +4,15 @@
 // checkpointing, and crash recovery. Its configuration is ServerConfig
 // (server/server_config.h); the grpc::Server around it, used by
 // gtopk-server's main() and by tests, is AggregatorServer
-// (server/aggregator_server.h). The training handlers are implemented in
-// server/service.cc, membership and identity checks in server/membership.cc,
-// recovery and fail fast in server/recovery.cc.
+// (server/aggregator_server.h). The handlers are implemented in
+// server/service.cc (construction, the handler preamble Enter, InitParams,
+// the leader's votes), server/push_pull.cc, server/download.cc,
+// server/service_membership.cc (membership and identity checks) and
+// server/recovery.cc (recovery and fail fast). Its components, each with
+// its own state and lock: Membership (server/membership.h: ranks, member
+// tokens, step streams, reservations, the member file), Checkpointer
+// (server/checkpointer.h), DownloadSlots (server/download.h),
+// RecoveryCoordinator and AbortForwards (server/recovery_coordinator.h).
 //
 // Status codes follow docs/errors.md; every handler converts its
 // absl::Status with ToGrpcStatus (common/grpc_edge.h), so the
@@ -34,10 +40,14 @@
 #include "common/optimizer.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
 #include "gtopk/v1/gtopk.pb.h"
-#include "server/call_limits.h"
 #include "server/access.h"
+#include "server/call_limits.h"
+#include "server/checkpointer.h"
 #include "server/commit.h"
+#include "server/download.h"
 #include "server/leader_client.h"
+#include "server/membership.h"
+#include "server/recovery_coordinator.h"
 #include "server/server_config.h"
 #include "server/server_metrics.h"
 #include "server/shard_aggregator.h"
@@ -210,7 +220,9 @@ DownloadLimits DownloadParamsLimits(const ServerConfig& config,
 // whose settings differ fails that call with CheckSameClusterSettings'
 // status.
 //
-// Thread-safety: all methods are thread-safe.
+// Thread-safety: all methods are thread-safe. Lock order: Membership's
+// before mu_ (Join creates the aggregator with it held), both before the
+// aggregator's own.
 
 class AggregatorService final : public v1::Aggregator::Service {
  public:
@@ -404,15 +416,76 @@ class AggregatorService final : public v1::Aggregator::Service {
   absl::Status RollBackShardsTo(int64_t target, absl::Time deadline);
   explicit AggregatorService(ServerConfig config);
 
+  // --- The handler preamble
+
+  // What a handler checks before its own work (Enter), in this order:
+  // admission (AdmitCall with `peer`), authorization (AccessControl:
+  // AllowWorker for the worker RPCs, AllowShard for the shard RPCs), that
+  // this shard is the leader (when leader_only), and the sender's cluster
+  // fingerprint (when set; CheckFingerprint with deadline now: only leader
+  // RPCs check it here, and the leader never asks anyone).
+  struct CallRules {
+    // AllowWorker(`rank`, `shard_ok`).
+    static CallRules Worker(const char* method,
+                            std::optional<int64_t> rank = std::nullopt,
+                            bool shard_ok = false);
+    // AllowShard(`shard`).
+    static CallRules Shard(const char* method, std::optional<uint32_t> shard);
+    CallRules& Peer(std::string p) {
+      peer = std::move(p);
+      return *this;
+    }
+    // Non-leaders: FAILED_PRECONDITION "shard s is not the leader; <method>
+    // goes to <leader address>" ("join <leader address>" for Join).
+    CallRules& LeaderOnly() {
+      leader_only = true;
+      return *this;
+    }
+    CallRules& Fingerprint(uint64_t f, std::string sender) {
+      fingerprint = f;
+      who = std::move(sender);
+      return *this;
+    }
+
+    const char* method = "";
+    std::string peer;  // AdmitCall's peer ("": the client host)
+    bool from_shard = false;
+    std::optional<int64_t> rank;
+    bool shard_ok = false;
+    std::optional<uint32_t> shard;
+    bool leader_only = false;
+    std::optional<uint64_t> fingerprint;
+    std::string who;  // CheckFingerprint's prefix
+  };
+  // An entered call: its admission (held until the handler returns) and,
+  // for a worker RPC, the authenticated caller.
+  struct Call {
+    CallLimiter::Admission admission;
+    Caller caller;
+  };
+  // The preamble of every handler: OK with the Call, or the first refusal's
+  // status (RESOURCE_EXHAUSTED, UNAUTHENTICATED / PERMISSION_DENIED,
+  // FAILED_PRECONDITION), to return as it is.
+  absl::StatusOr<Call> Enter(const grpc::ServerContext* context,
+                             CallRules rules);
+
+  // --- The shard's aggregator and the cluster
+
   // The deadline of a wait that starts now: now + step_timeout, or the
   // call's own deadline when earlier.
   absl::Time WaitDeadline(const grpc::ServerContext* context) const;
   // This shard's aggregator, creating it if needed (see the class comment).
   absl::StatusOr<ShardAggregator*> GetAggregator(grpc::ServerContext* context,
                                                  absl::Time deadline);
+  // The aggregator if there is one (null before n is known). Never blocks
+  // for long.
+  ShardAggregator* aggregator() const;
   // Creates the aggregator for `n` (and wires its checkpoint callback).
   absl::Status CreateAggregatorLocked(uint64_t n)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Join: the cluster's n is `n` from now on (the first Join creates the
+  // aggregator), else FAILED_PRECONDITION naming both counts.
+  absl::Status FixN(uint64_t n);
   // Waits (polling for cancellation) until n is known; the leader only.
   absl::Status AwaitClusterLocked(grpc::ServerContext* context,
                                   absl::Time deadline)
@@ -424,14 +497,25 @@ class AggregatorService final : public v1::Aggregator::Service {
   // Non-leaders: CheckSameClusterSettings against the leader's `spec`; the
   // first mismatch is also printed on stderr.
   absl::Status CheckLeaderSpec(const v1::ClusterSpec& spec);
+  // Create's restore from this shard's checkpoint, when there is one.
+  absl::Status RestoreCheckpoint();
+
+  // --- Fail fast and recovery (server/recovery.cc)
+
   // The aggregator's step-failed callback: tells the leader (or, on the
   // leader, the other shards) without blocking the caller.
   void OnLocalStepFailed(int64_t step, const absl::Status& reason);
+  // LeaderAbortStep's forward of the queued failure of `step` to shards
+  // 1..S-1 (a notifier_ task).
+  void ForwardAbort(int64_t step);
   // Reads every shard's state (GetShardState), each call bounded by
   // `deadline`; slot s is shard s's state or the error naming it.
   // `settle` as for LocalShardState.
   std::vector<absl::StatusOr<v1::ShardState>> ReadShardStates(
       absl::Time deadline, bool settle);
+
+  // --- Identity (server/service_membership.cc)
+
   // OK when `fingerprint` is this shard's. Otherwise FAILED_PRECONDITION
   // prefixed with `who`: naming the differing flags when this non-leader's
   // settings differ from the leader's, else saying the sender's cluster
@@ -450,9 +534,6 @@ class AggregatorService final : public v1::Aggregator::Service {
   // naming the rank.
   absl::Status CheckMemberToken(uint32_t worker, uint64_t token,
                                 absl::Time deadline);
-  // The leader's side of CheckMemberToken.
-  absl::Status CheckMemberTokenLocked(uint32_t worker, uint64_t token) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The peer key of a call that names rank `rank` with `token`: the rank
   // when `token` is its current member token as this shard knows it (its
   // table or cache; no remote call), else the client host.
@@ -462,11 +543,48 @@ class AggregatorService final : public v1::Aggregator::Service {
   // shard when it is one of the cluster's, else the client host.
   std::string ShardPeer(const grpc::ServerContext* context,
                         uint64_t shard) const;
+  // Non-leaders, once their settings agree with the leader's: a restored
+  // checkpoint must be this cluster's -- its fingerprint this shard's, its
+  // run identity `leader_run_id` (when non-zero) -- else
+  // FAILED_PRECONDITION naming the file and what differs; an unknown run
+  // identity adopts the leader's.
+  absl::Status CheckRunId(uint64_t leader_run_id);
+  // Stamps a snapshot with this cluster's identity before it is written.
+  void StampIdentity(ShardCheckpoint* c) const {
+    c->cluster_fingerprint = fingerprint_.load();
+    c->run_id = run_id_.load();
+  }
+
+  // --- Training (server/push_pull.cc)
+
+  // One PushPull call's state and named steps.
+  class PushPullCall;
   // Turns a wire push into a WorkerPush (codec and shard checks, decoding;
   // RESOURCE_EXHAUSTED before decoding a push that claims more pairs than
   // aggregator.MaxPushPairs allows).
   absl::StatusOr<WorkerPush> DecodePush(const v1::Push& push,
                                         const ShardAggregator& aggregator) const;
+  // DownloadParams' chunks of `params` (the values, the global velocity
+  // alongside, then the state blob) to `worker` under DownloadParamsLimits.
+  grpc::Status SendParams(grpc::ServerContext* context, uint32_t worker,
+                          const ShardAggregator& aggregator,
+                          const ShardAggregator::State& params,
+                          uint64_t chunk_bytes,
+                          grpc::ServerWriter<v1::ParamsChunk>* writer);
+
+  // --- Watch threads and readiness
+
+  // The leader's watch thread: every 200 ms, Membership's
+  // FailRoundsOfGoneWorkers.
+  void WatchGoneWorkers();
+  // Non-leaders, from the start: compares this shard's settings with the
+  // leader's (GetClusterSpec settings_only) every second until the leader
+  // answers and they agree, then stops (every push and vote compares again
+  // later); while they differ, every 5 s. Readiness follows each answer, so
+  // a shard with other flags is NOT_SERVING before any worker joins.
+  void WatchLeaderSettings();
+  // Readiness: the last comparison with the leader, and who is told.
+  void ReportReadiness(const absl::Status& status);
 
   const ServerConfig config_;
   std::shared_ptr<prometheus::Registry> metrics_registry_;
@@ -475,6 +593,13 @@ class AggregatorService final : public v1::Aggregator::Service {
   CallLimiter limiter_;
   // Authentication and authorization of every handler (server/access.h).
   std::unique_ptr<AccessControl> access_;
+  // Ranks, member tokens, step streams, reservations, the member file
+  // (server/membership.h; its lock comes before mu_).
+  Membership membership_;
+  // Checkpoint writes, their health and the history's rewinds.
+  Checkpointer checkpointer_;
+  // DownloadParams' slots (server/download.h).
+  DownloadSlots downloads_;
   // Shard 0 only: the per-step threshold rendezvous and the leader's own way
   // to it.
   std::unique_ptr<ThresholdCoordinator> coordinator_;
@@ -488,29 +613,12 @@ class AggregatorService final : public v1::Aggregator::Service {
 
   // Serialises non-leaders' lazy creation (one call to the leader at a time).
   absl::Mutex create_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  // The shard's aggregator and what it was made from, the drain and the
+  // shutdown, and the watch thread's stop.
   mutable absl::Mutex mu_;
   absl::CondVar cv_;  // signalled when the aggregator appears or on shutdown
   std::string own_address_ ABSL_GUARDED_BY(mu_);
   uint64_t n_ ABSL_GUARDED_BY(mu_) = 0;  // 0: not known yet
-  std::vector<bool> rank_given_ ABSL_GUARDED_BY(mu_);
-  // Leader: the run length the first worker stating one joined with
-  // (JoinRequest.run_length); "" until then.
-  std::string run_length_ ABSL_GUARDED_BY(mu_);
-  // Per rank, the member token: on the leader the current grant (0: none
-  // since this process started), elsewhere the last token the leader
-  // confirmed (0: none yet).
-  std::vector<uint64_t> member_token_ ABSL_GUARDED_BY(mu_);
-  // Leader, per rank: until when the rank stays reserved for its holder
-  // while it has no open step stream (InfinitePast: not reserved; cleared
-  // when the holder's step stream registers): the holder the member file
-  // named at this process's start (RankReclaimWindow), a holder whose
-  // stream this server ended with an error (kRankRecoverHold: its Recover
-  // follows), and a holder in Recover (RankReclaimWindow from its call's
-  // start and end). A Join of a reserved rank is UNAVAILABLE (issue 42).
-  std::vector<absl::Time> rank_reserved_until_ ABSL_GUARDED_BY(mu_);
-  // Leader with --checkpoint-dir: writes member_token_ to the member file
-  // (server/member_file.h). Errors: WriteMemberTokens'.
-  absl::Status PersistMemberTokensLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ClusterFingerprint of this shard's settings with its n; 0 until n is
   // known (set with the aggregator, never changed after).
   std::atomic<uint64_t> fingerprint_{0};
@@ -523,17 +631,6 @@ class AggregatorService final : public v1::Aggregator::Service {
   std::string restored_checkpoint_;
   // Its ShardCheckpoint::cluster_fingerprint (0: none restored, or unknown).
   uint64_t restored_fingerprint_ = 0;
-  // Non-leaders, once their settings agree with the leader's: a restored
-  // checkpoint must be this cluster's -- its fingerprint this shard's, its
-  // run identity `leader_run_id` (when non-zero) -- else
-  // FAILED_PRECONDITION naming the file and what differs; an unknown run
-  // identity adopts the leader's.
-  absl::Status CheckRunId(uint64_t leader_run_id);
-  // Stamps a snapshot with this cluster's identity before it is written.
-  void StampIdentity(ShardCheckpoint* c) const {
-    c->cluster_fingerprint = fingerprint_.load();
-    c->run_id = run_id_.load();
-  }
   // Non-leaders: the leader's spec was compared with this shard's settings
   // and agreed; cleared when the leader refuses this shard's fingerprint.
   std::atomic<bool> verified_{false};
@@ -541,32 +638,9 @@ class AggregatorService final : public v1::Aggregator::Service {
   // commit_), told the fingerprint once it is known.
   GrpcThresholdExchange* grpc_exchange_ = nullptr;
   GrpcCommitVoter* grpc_commit_ = nullptr;
-  // Per rank, the contexts of its open PushPull streams on this shard: a
-  // Join for a rank with a stream that is not cancelled is a second worker
-  // with the same rank (ALREADY_EXISTS), not a restart.
-  // Leader, per rank: since when its worker is gone -- its last step
-  // stream here was cancelled (the process died, or its connection broke)
-  // and no other is open; InfiniteFuture while it is not. Cleared by a new
-  // stream of the rank. The watchdog (WatchGoneWorkers) fails a round
-  // still waiting for a gone worker's push kWorkerGoneGrace later, instead
-  // of at the step deadline (issue 42), once per step and attempt epoch.
-  std::vector<absl::Time> gone_since_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::pair<int64_t, uint64_t>> gone_failed_ ABSL_GUARDED_BY(mu_);
   bool watch_stop_ ABSL_GUARDED_BY(mu_) = false;
   // The leader's WatchGoneWorkers, or a non-leader's WatchLeaderSettings.
   std::thread watch_thread_;
-  void WatchGoneWorkers();
-  // Non-leaders, from the start: compares this shard's settings with the
-  // leader's (GetClusterSpec settings_only) every second until the leader
-  // answers and they agree, then stops (every push and vote compares again
-  // later); while they differ, every 5 s. Readiness follows each answer, so
-  // a shard with other flags is NOT_SERVING before any worker joins.
-  void WatchLeaderSettings();
-  std::vector<std::vector<grpc::ServerContext*>> live_streams_
-      ABSL_GUARDED_BY(mu_);
-  // How many of live_streams_ were registered from their call's metadata
-  // and have not pushed yet (AwaitDrained does not wait for them).
-  int idle_streams_ ABSL_GUARDED_BY(mu_) = 0;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<bool> mismatch_logged_{false};  // CheckLeaderSpec's one line
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
@@ -575,50 +649,15 @@ class AggregatorService final : public v1::Aggregator::Service {
 
   // The leader's stubs to every shard (index 0 unused), for Recover.
   std::vector<std::unique_ptr<v1::Aggregator::Stub>> peer_stubs_;
-  // One Recover at a time (callers wait up to their deadline).
-  absl::Mutex recover_mu_;
-  bool recovering_ ABSL_GUARDED_BY(recover_mu_) = false;
-  // The running recovery's kind: -1 plain, else the step resumed at.
-  int64_t recover_kind_ ABSL_GUARDED_BY(recover_mu_) = -1;
-  // Incremented when a recovery finishes; last_recover_ is its outcome,
-  // answered to the callers that joined it.
-  uint64_t recover_generation_ ABSL_GUARDED_BY(recover_mu_) = 0;
-  absl::StatusOr<v1::RecoverResponse> last_recover_ ABSL_GUARDED_BY(
-      recover_mu_) = absl::UnknownError("no recovery yet");
+  // One Recover at a time (server/recovery_coordinator.h).
+  RecoveryCoordinator recovery_;
+  // The leader's queued forwards of step failures, one per step.
+  AbortForwards abort_forwards_;
 
-  // Readiness: the last comparison with the leader, and who is told.
-  void ReportReadiness(const absl::Status& status);
   absl::Mutex readiness_mu_;
   absl::Status readiness_ ABSL_GUARDED_BY(readiness_mu_);
   std::function<void(const absl::Status&)> readiness_listener_
       ABSL_GUARDED_BY(readiness_mu_);
-
-  absl::Mutex checkpoint_mu_;  // one checkpoint writer at a time
-  // False while the last checkpoint write failed.
-  bool checkpoint_ok_ ABSL_GUARDED_BY(checkpoint_mu_) = true;
-  std::function<void(bool)> checkpoint_health_ ABSL_GUARDED_BY(
-      checkpoint_mu_);
-  // DownloadParams copies the shard's range per call; at most
-  // kMaxConcurrentDownloads copies exist at once (the others wait, bounded
-  // by their deadline), so clients cannot exhaust the server's memory. A
-  // download holds its slot at most the wait for initialisation (the step
-  // timeout) plus DownloadParamsLimits' total.
-  absl::Mutex download_mu_;
-  int active_downloads_ ABSL_GUARDED_BY(download_mu_) = 0;
-
-  // The leader's forwards of step failures to the other shards not yet
-  // sent, one per step (LeaderAbortStep): a later failure of a step whose
-  // forward is queued replaces its origin, reason and epoch instead of
-  // queueing another, so the queue holds at most one task per step (and
-  // AbortStep accepts steps within kAbortStepWindow of the next step only):
-  // a flood of AbortStep calls cannot grow it without bound.
-  struct PendingAbort {
-    uint32_t origin = 0;
-    std::string reason;
-    uint64_t epoch = 0;
-  };
-  absl::Mutex forward_mu_;
-  std::map<int64_t, PendingAbort> abort_forwards_ ABSL_GUARDED_BY(forward_mu_);
 
   // The leader's attempt epoch (common/epoch.h): incremented by every step
   // failure it hears of; starts at its start time in microseconds.

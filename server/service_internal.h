@@ -1,7 +1,7 @@
 // Helpers shared by the .cc files of AggregatorService (server/service.cc,
-// the training handlers; server/membership.cc, membership and identity
-// checks; server/recovery.cc, fail fast and crash recovery). Not
-// an API: nothing outside server/ includes it.
+// server/push_pull.cc, server/download.cc, server/service_membership.cc,
+// server/recovery.cc) and its components (server/membership.cc). Not an
+// API: nothing outside server/ includes it.
 #ifndef GTOPK_SERVER_SERVICE_INTERNAL_H_
 #define GTOPK_SERVER_SERVICE_INTERNAL_H_
 
@@ -88,12 +88,6 @@ inline bool AwaitPolled(absl::Mutex& mu, const absl::Condition& cond,
   }
   return true;
 }
-
-// Admits the call (AggregatorService::AdmitCall) into `admission`, which the
-// handler keeps until it returns, or returns its RESOURCE_EXHAUSTED status.
-#define GTOPK_ADMIT_CALL(admission, expr)                  \
-  auto admission = (expr);                                 \
-  if (!admission.ok()) return ::gtopk::ToGrpcStatus(admission.status())
 
 }  // namespace internal
 }  // namespace server

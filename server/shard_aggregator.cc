@@ -322,8 +322,21 @@ std::optional<int64_t> ShardAggregator::RoundAwaiting(uint32_t worker) const {
 absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
     WorkerPush push, absl::Time deadline) {
   const absl::Status valid = ValidatePush(push);
-  const uint32_t w = push.worker;
   absl::MutexLock lock(&mu_);
+  std::shared_ptr<Round> round;
+  if (std::optional<Answer> answer =
+          JoinRoundLocked(std::move(push), valid, &round)) {
+    return *std::move(answer);
+  }
+  if (round->count == options_.num_workers && !round->computing) {
+    return ComputeRoundLocked(round, deadline);
+  }
+  return AwaitRoundLocked(round, deadline);
+}
+
+std::optional<ShardAggregator::Answer> ShardAggregator::JoinRoundLocked(
+    WorkerPush push, const absl::Status& valid, std::shared_ptr<Round>* out) {
+  const uint32_t w = push.worker;
   if (!closed_.ok()) return closed_;
   if (!initialized_) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -382,100 +395,114 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
     // contribution, so the round equals a fresh round of the retry.
     round->pushes[w] = std::move(push);
   }  // else: being computed; a retry waits for the same round
-  if (round->count == options_.num_workers && !round->computing) {
-    round->computing = true;
-    const uint64_t generation = rollback_generation_;
-    for (const WorkerPush& p : round->pushes) {
-      round->epoch = std::min(round->epoch, p.epoch);
-    }
-    std::vector<WorkerPush> pushes = std::move(round->pushes);
-    mu_.Unlock();
-    // The divergence alarm first: nothing is exchanged, voted or applied
-    // for a step whose replicas differ. Every shard sees the same
-    // checksums (a worker sends one value to all), so every shard fails
-    // the step with the same verdict.
-    const absl::Status diverged = CheckChecksums(pushes, round->step);
-    absl::StatusOr<std::shared_ptr<const RoundResult>> result =
-        diverged.ok() ? Compute(pushes, round->step, round->opened, deadline,
-                                round->epoch)
-                      : absl::StatusOr<std::shared_ptr<const RoundResult>>(
-                            diverged);
-    // A failure of this shard's own computation is news to the others; an
-    // ABORTED one came from the leader (the exchange was fenced or failed
-    // by another shard).
-    bool failed_here = !result.ok() && !absl::IsAborted(result.status());
-    if (result.ok() && options_.apply == ApplyMode::kServers) {
-      // (Under kWorkers the shard applies nothing; Compute refused a sum
-      // that is not finite.)
-      // Before the vote: a shard whose update would not stay finite does not
-      // vote, so no shard applies the step (the apply below then stores
-      // exactly the values checked here), and it tells the others.
-      const absl::Status finite = CheckUpdateFinite(**result);
-      if (!finite.ok()) {
-        result = finite;
-        failed_here = true;
-      }
-    }
-    if (result.ok()) {
-      absl::MutexLock check(&mu_);
-      // The leader said the step failed elsewhere (AbortStep) while this
-      // shard computed it: do not vote for it.
-      if (!round->aborted.ok()) result = round->aborted;
-    }
-    if (result.ok() && commit_ != nullptr && options_.num_shards > 1) {
-      // Apply only once every shard has computed this step.
-      absl::Status vote = commit_->Vote(round->step, options_.shard_id,
-                                        deadline, round->epoch);
-      if (!vote.ok()) result = vote;
-    }
-    mu_.Lock();
-    if (generation != rollback_generation_) {
-      // Rolled back while computing: Rollback failed the round already; the
-      // result belongs to an abandoned step and must not be applied.
-      return round->status;
-    }
-    absl::Status status = result.status();
-    if (status.ok() && options_.apply == ApplyMode::kServers) {
-      // CheckUpdateFinite passed on this state before the vote; only a
-      // rollback changes params_ meanwhile, and that returned above.
-      const RoundResult& r = **result;
-      if (options_.mode == AggregationMode::kDense) {
-        rule_.StoreAggregatedDense(r.dense_sum,
-                                   static_cast<int>(options_.num_workers),
-                                   absl::MakeSpan(params_),
-                                   absl::MakeSpan(global_velocity_));
-      } else {
-        rule_.StoreAggregated(r.selected, begin_,
-                              static_cast<int>(options_.num_workers),
-                              absl::MakeSpan(params_),
-                              absl::MakeSpan(global_velocity_));
-      }
-    }
-    if (!status.ok()) {
-      if (failed_here) NotifyStepFailedLocked(round->step, status);
-      FailRoundLocked(round, absl::Status(status.code(),
-                                          absl::StrCat("step ", round->step,
-                                                       " failed on shard ",
-                                                       options_.shard_id, ": ",
-                                                       status.message())));
-      return round->status;
-    }
-    round->result = *std::move(result);
-    round->status = absl::OkStatus();
-    round->finished = true;
-    ++next_step_;
-    last_ = round;
-    pending_.reset();
-    cv_.SignalAll();
-    if (on_step_applied_) {
-      const int64_t applied_next = next_step_;
-      auto callback = on_step_applied_;
-      mu_.Unlock();
-      callback(applied_next);
-      mu_.Lock();
-    }
-    return round->result;
+  *out = std::move(round);
+  return std::nullopt;
+}
+
+ShardAggregator::Answer ShardAggregator::ComputeRoundLocked(
+    const std::shared_ptr<Round>& round, absl::Time deadline) {
+  round->computing = true;
+  const uint64_t generation = rollback_generation_;
+  for (const WorkerPush& p : round->pushes) {
+    round->epoch = std::min(round->epoch, p.epoch);
   }
+  std::vector<WorkerPush> pushes = std::move(round->pushes);
+  mu_.Unlock();
+  bool failed_here = false;
+  Answer result = ComputeAndVote(*round, pushes, deadline, &failed_here);
+  mu_.Lock();
+  if (generation != rollback_generation_) {
+    // Rolled back while computing: Rollback failed the round already; the
+    // result belongs to an abandoned step and must not be applied.
+    return round->status;
+  }
+  absl::Status status = result.status();
+  if (status.ok() && options_.apply == ApplyMode::kServers) {
+    // CheckUpdateFinite passed on this state before the vote; only a
+    // rollback changes params_ meanwhile, and that returned above.
+    const RoundResult& r = **result;
+    if (options_.mode == AggregationMode::kDense) {
+      rule_.StoreAggregatedDense(r.dense_sum,
+                                 static_cast<int>(options_.num_workers),
+                                 absl::MakeSpan(params_),
+                                 absl::MakeSpan(global_velocity_));
+    } else {
+      rule_.StoreAggregated(r.selected, begin_,
+                            static_cast<int>(options_.num_workers),
+                            absl::MakeSpan(params_),
+                            absl::MakeSpan(global_velocity_));
+    }
+  }
+  if (!status.ok()) {
+    if (failed_here) NotifyStepFailedLocked(round->step, status);
+    FailRoundLocked(round, absl::Status(status.code(),
+                                        absl::StrCat("step ", round->step,
+                                                     " failed on shard ",
+                                                     options_.shard_id, ": ",
+                                                     status.message())));
+    return round->status;
+  }
+  round->result = *std::move(result);
+  round->status = absl::OkStatus();
+  round->finished = true;
+  ++next_step_;
+  last_ = round;
+  pending_.reset();
+  cv_.SignalAll();
+  if (on_step_applied_) {
+    const int64_t applied_next = next_step_;
+    auto callback = on_step_applied_;
+    mu_.Unlock();
+    callback(applied_next);
+    mu_.Lock();
+  }
+  return round->result;
+}
+
+ShardAggregator::Answer ShardAggregator::ComputeAndVote(
+    Round& round, std::vector<WorkerPush>& pushes, absl::Time deadline,
+    bool* failed_here) {
+  // The divergence alarm first: nothing is exchanged, voted or applied for
+  // a step whose replicas differ. Every shard sees the same checksums (a
+  // worker sends one value to all), so every shard fails the step with the
+  // same verdict.
+  const absl::Status diverged = CheckChecksums(pushes, round.step);
+  Answer result = diverged.ok() ? Compute(pushes, round.step, round.opened,
+                                          deadline, round.epoch)
+                                : Answer(diverged);
+  // A failure of this shard's own computation is news to the others; an
+  // ABORTED one came from the leader (the exchange was fenced or failed by
+  // another shard).
+  *failed_here = !result.ok() && !absl::IsAborted(result.status());
+  if (result.ok() && options_.apply == ApplyMode::kServers) {
+    // (Under kWorkers the shard applies nothing; Compute refused a sum that
+    // is not finite.)
+    // Before the vote: a shard whose update would not stay finite does not
+    // vote, so no shard applies the step (the apply then stores exactly the
+    // values checked here), and it tells the others.
+    const absl::Status finite = CheckUpdateFinite(**result);
+    if (!finite.ok()) {
+      result = finite;
+      *failed_here = true;
+    }
+  }
+  if (result.ok()) {
+    absl::MutexLock check(&mu_);
+    // The leader said the step failed elsewhere (AbortStep) while this
+    // shard computed it: do not vote for it.
+    if (!round.aborted.ok()) result = round.aborted;
+  }
+  if (result.ok() && commit_ != nullptr && options_.num_shards > 1) {
+    // Apply only once every shard has computed this step.
+    absl::Status vote =
+        commit_->Vote(round.step, options_.shard_id, deadline, round.epoch);
+    if (!vote.ok()) result = vote;
+  }
+  return result;
+}
+
+ShardAggregator::Answer ShardAggregator::AwaitRoundLocked(
+    const std::shared_ptr<Round>& round, absl::Time deadline) {
   while (!round->finished) {
     if (!closed_.ok() && !round->computing) {
       NotifyStepFailedLocked(round->step, closed_);

@@ -1,5 +1,5 @@
 // One aggregator shard's synchronous rounds and parameters, independent of
-// gRPC (server/service.cc adapts it to the wire; tests drive it directly).
+// gRPC (server/push_pull.cc adapts it to the wire; tests drive it directly).
 #ifndef GTOPK_SERVER_SHARD_AGGREGATOR_H_
 #define GTOPK_SERVER_SHARD_AGGREGATOR_H_
 
@@ -323,6 +323,36 @@ class ShardAggregator {
 
   ShardAggregator(const ShardOptions& options, OptimizerRule rule,
                   ThresholdExchange* exchange, CommitVoter* commit);
+
+  // Submit's answer: the round's result, or why the push got none.
+  using Answer = absl::StatusOr<std::shared_ptr<const RoundResult>>;
+  // Submit's parts, in order. JoinRoundLocked: the push's checks (`valid`:
+  // ValidatePush's verdict, taken without mu_), then its place in the
+  // pending round (opened when none); an answer when the push gets one at
+  // once (refused, or the result of a step already applied), else nullopt
+  // with the round in *round.
+  std::optional<Answer> JoinRoundLocked(WorkerPush push,
+                                        const absl::Status& valid,
+                                        std::shared_ptr<Round>* round)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // By the caller whose push completed the round: computes it without mu_
+  // (ComputeAndVote), then applies it (unless a rollback intervened) or
+  // fails it, and runs the step-applied callback without mu_.
+  Answer ComputeRoundLocked(const std::shared_ptr<Round>& round,
+                            absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The round's computation, without mu_: the divergence alarm, Compute,
+  // the finiteness check (kServers), an abort heard meanwhile, and the
+  // commit vote. *failed_here: the failure is this shard's own (news to
+  // the others), not an ABORTED from the leader.
+  Answer ComputeAndVote(Round& round, std::vector<WorkerPush>& pushes,
+                        absl::Time deadline, bool* failed_here)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The other callers: wait for the round to finish, failing it at
+  // `deadline` (naming the workers missing) or when the shard closes.
+  Answer AwaitRoundLocked(const std::shared_ptr<Round>& round,
+                          absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   absl::Status ValidatePush(const WorkerPush& push) const;
   // The divergence alarm: OK unless `step` is a checksum step and the

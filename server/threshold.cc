@@ -123,9 +123,15 @@ std::vector<uint64_t> KeyHistogram(absl::Span<const float> values,
   return h;
 }
 
-absl::StatusOr<ThresholdRound> CombineThresholdRound(
+namespace {
+
+// CombineThresholdRound's checks of `requests` against each other and
+// `before` (INVALID_ARGUMENT naming the round and the fault); on success
+// *by_shard_out holds the requests indexed by shard id.
+absl::Status CheckThresholdRound(
     uint32_t num_shards, const ThresholdPrefix& before,
-    absl::Span<const ThresholdRequest> requests) {
+    absl::Span<const ThresholdRequest> requests,
+    std::vector<const ThresholdRequest*>* by_shard_out) {
   if (num_shards == 0) {
     return absl::InvalidArgumentError("threshold round needs >= 1 shard");
   }
@@ -147,7 +153,8 @@ absl::StatusOr<ThresholdRound> CombineThresholdRound(
   }
 
   // Validate everything first, indexing the requests by shard id.
-  std::vector<const ThresholdRequest*> by_shard(num_shards, nullptr);
+  std::vector<const ThresholdRequest*>& by_shard = *by_shard_out;
+  by_shard.assign(num_shards, nullptr);
   for (const ThresholdRequest& r : requests) {
     if (r.shard_id >= num_shards) {
       return fault(absl::StrCat("shard ", r.shard_id,
@@ -195,6 +202,27 @@ absl::StatusOr<ThresholdRound> CombineThresholdRound(
       }
     }
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ThresholdRound> CombineThresholdRound(
+    uint32_t num_shards, const ThresholdPrefix& before,
+    absl::Span<const ThresholdRequest> requests) {
+  std::vector<const ThresholdRequest*> by_shard;
+  if (const absl::Status valid =
+          CheckThresholdRound(num_shards, before, requests, &by_shard);
+      !valid.ok()) {
+    return valid;
+  }
+  const int64_t step = requests[0].step;
+  const uint32_t level = requests[0].level;
+  const uint64_t k = requests[0].k;
+  const std::string round = RoundName(step, level);
+  auto fault = [&](const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat(round, ": ", what));
+  };
 
   // Sum. Each shard holds <= 2^32 entries and S < 2^32: no overflow.
   const uint32_t buckets = ThresholdBucketCount(level);
@@ -470,21 +498,22 @@ void ThresholdCoordinator::Abort(int64_t step, const absl::Status& reason,
   changed_.SignalAll();
 }
 
-absl::StatusOr<ThresholdResponse> ThresholdCoordinator::Submit(
-    const ThresholdRequest& request, absl::Time deadline,
-    const std::function<bool()>& cancelled) {
+namespace {
+
+// ThresholdCoordinator::Submit's checks of a request that cannot be pinned
+// on a participant of a round: only this call fails.
+absl::Status CheckThresholdRequest(uint32_t num_shards,
+                                   const ThresholdRequest& request) {
   const uint32_t shard = request.shard_id;
   const uint32_t level = request.level;
-  // Faults that cannot be pinned on a participant of a round: only this call
-  // fails.
-  if (num_shards_ == 0) {
+  if (num_shards == 0) {
     return absl::FailedPreconditionError(
         "threshold coordinator configured with 0 shards");
   }
-  if (shard >= num_shards_) {
+  if (shard >= num_shards) {
     return absl::InvalidArgumentError(
         absl::StrCat("threshold request from shard ", shard,
-                     ": shard id out of range, S = ", num_shards_));
+                     ": shard id out of range, S = ", num_shards));
   }
   if (request.step < 0) {
     return absl::InvalidArgumentError(
@@ -496,9 +525,52 @@ absl::StatusOr<ThresholdResponse> ThresholdCoordinator::Submit(
         absl::StrCat("threshold request from shard ", shard, " for step ",
                      request.step, ": level ", level, " is not 0, 1 or 2"));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ThresholdResponse> ThresholdCoordinator::Submit(
+    const ThresholdRequest& request, absl::Time deadline,
+    const std::function<bool()>& cancelled) {
+  const uint32_t shard = request.shard_id;
+  const uint32_t level = request.level;
+  // Faults that cannot be pinned on a participant of a round: only this call
+  // fails.
+  GTOPK_RETURN_IF_ERROR(CheckThresholdRequest(num_shards_, request));
   const std::string round_name = RoundName(request.step, level);
 
   absl::MutexLock lock(&mu_);
+  GTOPK_ASSIGN_OR_RETURN(std::shared_ptr<StepState> state,
+                         StepForRequestLocked(request));
+  Round& round = state->rounds[level];
+  if (round.phase == Round::Phase::kIdle) {
+    GTOPK_RETURN_IF_ERROR(
+        OpenRoundLocked(*state, level, shard, request.step, round_name));
+  }
+  switch (round.phase) {
+    case Round::Phase::kFailed:
+      return round.FailureFor(shard);
+    case Round::Phase::kComplete:
+      if (round.ks[shard] != request.k ||
+          round.fingerprints[shard] != Fingerprint(request.histogram)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            round_name, ": shard ", shard,
+            ": retry differs from the request that completed the round"));
+      }
+      return round.responses[shard];
+    case Round::Phase::kIdle:
+    case Round::Phase::kCollecting:
+      break;
+  }
+  GTOPK_RETURN_IF_ERROR(AddRequestLocked(*state, request, round_name));
+  return AwaitRoundLocked(round, shard, round_name, deadline, cancelled);
+}
+
+absl::StatusOr<std::shared_ptr<ThresholdCoordinator::StepState>>
+ThresholdCoordinator::StepForRequestLocked(const ThresholdRequest& request) {
+  const uint32_t shard = request.shard_id;
+  const uint32_t level = request.level;
   if (!fenced_.ok()) return fenced_;
   if (auto dead = aborted_.find(request.step);
       dead != aborted_.end() && request.epoch < dead->second.second) {
@@ -530,46 +602,43 @@ absl::StatusOr<ThresholdResponse> ThresholdCoordinator::Submit(
       state = fresh;
     }
   }
+  return state;
+}
+
+absl::Status ThresholdCoordinator::OpenRoundLocked(
+    StepState& state_ref, uint32_t level, uint32_t shard, int64_t step,
+    const std::string& round_name) {
+  StepState* const state = &state_ref;
   Round& round = state->rounds[level];
-
-  if (round.phase == Round::Phase::kIdle) {
-    for (uint32_t l = 0; l < kThresholdLevels; ++l) {
-      if (state->rounds[l].phase == Round::Phase::kFailed) {
-        return state->rounds[l].FailureFor(shard);
-      }
+  for (uint32_t l = 0; l < kThresholdLevels; ++l) {
+    if (state->rounds[l].phase == Round::Phase::kFailed) {
+      return state->rounds[l].FailureFor(shard);
     }
-    if (state->done_level >= 0) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(round_name, ": shard ", shard, ": step ", request.step,
-                       " already finished at level ", state->done_level));
-    }
-    if (level > 0 &&
-        state->rounds[level - 1].phase != Round::Phase::kComplete) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(round_name, ": shard ", shard, ": level ", level - 1,
-                       " of step ", request.step, " has not completed"));
-    }
-    round.phase = Round::Phase::kCollecting;
-    round.requests.assign(num_shards_, std::nullopt);
-    round.arrived = 0;
   }
-
-  switch (round.phase) {
-    case Round::Phase::kFailed:
-      return round.FailureFor(shard);
-    case Round::Phase::kComplete:
-      if (round.ks[shard] != request.k ||
-          round.fingerprints[shard] != Fingerprint(request.histogram)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            round_name, ": shard ", shard,
-            ": retry differs from the request that completed the round"));
-      }
-      return round.responses[shard];
-    case Round::Phase::kIdle:
-    case Round::Phase::kCollecting:
-      break;
+  if (state->done_level >= 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(round_name, ": shard ", shard, ": step ", step,
+                     " already finished at level ", state->done_level));
   }
+  if (level > 0 &&
+      state->rounds[level - 1].phase != Round::Phase::kComplete) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(round_name, ": shard ", shard, ": level ", level - 1,
+                     " of step ", step, " has not completed"));
+  }
+  round.phase = Round::Phase::kCollecting;
+  round.requests.assign(num_shards_, std::nullopt);
+  round.arrived = 0;
+  return absl::OkStatus();
+}
 
+absl::Status ThresholdCoordinator::AddRequestLocked(
+    StepState& state_ref, const ThresholdRequest& request,
+    const std::string& round_name) {
+  StepState* const state = &state_ref;
+  const uint32_t shard = request.shard_id;
+  const uint32_t level = request.level;
+  Round& round = state->rounds[level];
   // Collecting. Faults attributable to this shard fail the round for all.
   auto fail = [&](const std::string& what) -> absl::Status {
     const std::string message = absl::StrCat(round_name, ": ", what);
@@ -608,10 +677,15 @@ absl::StatusOr<ThresholdResponse> ThresholdCoordinator::Submit(
     }
     round.requests[shard] = request;
     if (++round.arrived == num_shards_) {
-      CompleteRoundLocked(state.get(), level);
+      CompleteRoundLocked(state, level);
     }
   }
+  return absl::OkStatus();
+}
 
+absl::StatusOr<ThresholdResponse> ThresholdCoordinator::AwaitRoundLocked(
+    Round& round, uint32_t shard, const std::string& round_name,
+    absl::Time deadline, const std::function<bool()>& cancelled) {
   while (round.phase == Round::Phase::kCollecting) {
     // With a cancellation check, wake up every poll interval to look at it.
     changed_.WaitWithDeadline(

@@ -301,6 +301,32 @@ class ThresholdCoordinator {
   // Completes `round` once all S requests are in.
   void CompleteRoundLocked(StepState* state, uint32_t level)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Submit's parts, in order. The state of the request's step: refused
+  // while fenced or for a request of an aborted attempt; a level-0 request
+  // after a failed attempt (or one that differs from the request that
+  // completed level 0) starts the step afresh.
+  absl::StatusOr<std::shared_ptr<StepState>> StepForRequestLocked(
+      const ThresholdRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Opens the idle round of `level` for collecting, or says why it cannot
+  // open (an earlier level failed or has not completed; the step is done).
+  absl::Status OpenRoundLocked(StepState& state, uint32_t level,
+                               uint32_t shard, int64_t step,
+                               const std::string& round_name)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds `request` to its collecting round (an identical retry waits with
+  // the original); a fault of the request fails the round for every shard
+  // and is returned. Completes the round with the last request.
+  absl::Status AddRequestLocked(StepState& state,
+                                const ThresholdRequest& request,
+                                const std::string& round_name)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waits until `round` completes or fails, failing it at `deadline`
+  // (naming the shards missing) or when `cancelled` says so; the answer for
+  // `shard`.
+  absl::StatusOr<ThresholdResponse> AwaitRoundLocked(
+      Round& round, uint32_t shard, const std::string& round_name,
+      absl::Time deadline, const std::function<bool()>& cancelled)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const uint32_t num_shards_;
   const size_t retained_steps_;

@@ -105,8 +105,10 @@ uint64_t WorkerClient::SelectorSeedForRank(uint64_t cluster_seed,
   return MixSeed(cluster_seed, (uint64_t{1} << 63) | rank);
 }
 
-absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
-    const ClientOptions& options) {
+namespace {
+
+// ClientOptions' own checks (INVALID_ARGUMENT naming the field).
+absl::Status ValidateClientOptions(const ClientOptions& options) {
   if (options.leader_address.empty()) {
     return absl::InvalidArgumentError("ClientOptions: leader_address is empty");
   }
@@ -124,55 +126,74 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
     return absl::InvalidArgumentError(
         "ClientOptions: rpc_timeout must be > 0 and step_watchdog_margin >= 0");
   }
+  return absl::OkStatus();
+}
 
+// Connect's Join on the leader, retried while the leader answers
+// UNAVAILABLE ("not now": a rank reserved for its holder after a leader
+// restart, a leader shutting down) within options.rpc_timeout. The leader's
+// answer, or its status (unprefixed).
+absl::StatusOr<v1::JoinResponse> JoinLeader(const ClientOptions& options,
+                                            const v1::JoinRequest& request) {
+  v1::JoinResponse response;
+  auto channel =
+      CreateLimitedChannel(options.leader_address, kDefaultMessageBytes,
+                           options.security);
+  auto stub = v1::Aggregator::NewStub(channel);
+  const absl::Time join_deadline = absl::Now() + options.rpc_timeout;
+  absl::Status s;
+  absl::Duration backoff = kReconnectBackoffMin;
+  while (true) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(join_deadline));
+    // A worker may start before the leader: wait for it up to the
+    // deadline.
+    context.set_wait_for_ready(true);
+    Cancellation::Scope cancel_scope(options.cancellation.get(), &context);
+    s = FromGrpcStatus(stub->Join(&context, request, &response));
+    // The leader says "not now" (a rank reserved for its holder after a
+    // leader restart, a leader shutting down): retry within the deadline.
+    if (!absl::IsUnavailable(s) || absl::Now() + backoff >= join_deadline) {
+      break;
+    }
+    if (options.cancellation != nullptr
+            ? options.cancellation->SleepUnlessCancelled(backoff)
+            : (absl::SleepFor(backoff), false)) {
+      break;
+    }
+    backoff = std::min(2 * backoff, kReconnectBackoffMax);
+  }
+  if (absl::IsDeadlineExceeded(s) &&
+      channel->GetState(/*try_to_connect=*/false) != GRPC_CHANNEL_READY) {
+    // wait_for_ready retries a refused connection or a failed TLS
+    // handshake silently until the deadline: say what it may be.
+    s = absl::DeadlineExceededError(absl::StrCat(
+        s.message(), " (no connection to the leader within ",
+        absl::FormatDuration(options.rpc_timeout),
+        ": is it running at this address, and do this worker's TLS "
+        "settings match the servers' (--tls off / server / mutual, the CA "
+        "bundle)? A TLS mismatch fails every handshake until the "
+        "deadline)"));
+  }
+  if (!s.ok()) return s;
+  return response;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
+    const ClientOptions& options) {
+  GTOPK_RETURN_IF_ERROR(ValidateClientOptions(options));
   const std::string leader = absl::StrCat("leader ", options.leader_address);
   v1::JoinRequest request;
   request.set_requested_rank(options.requested_rank);
   request.set_n(options.n);
   request.set_run_length(options.run_length);
-  v1::JoinResponse response;
-  {
-    auto channel =
-        CreateLimitedChannel(options.leader_address, kDefaultMessageBytes,
-                             options.security);
-    auto stub = v1::Aggregator::NewStub(channel);
-    const absl::Time join_deadline = absl::Now() + options.rpc_timeout;
-    absl::Status s;
-    absl::Duration backoff = kReconnectBackoffMin;
-    while (true) {
-      grpc::ClientContext context;
-      context.set_deadline(absl::ToChronoTime(join_deadline));
-      // A worker may start before the leader: wait for it up to the
-      // deadline.
-      context.set_wait_for_ready(true);
-      Cancellation::Scope cancel_scope(options.cancellation.get(), &context);
-      s = FromGrpcStatus(stub->Join(&context, request, &response));
-      // The leader says "not now" (a rank reserved for its holder after a
-      // leader restart, a leader shutting down): retry within the deadline.
-      if (!absl::IsUnavailable(s) || absl::Now() + backoff >= join_deadline) {
-        break;
-      }
-      if (options.cancellation != nullptr
-              ? options.cancellation->SleepUnlessCancelled(backoff)
-              : (absl::SleepFor(backoff), false)) {
-        break;
-      }
-      backoff = std::min(2 * backoff, kReconnectBackoffMax);
-    }
-    if (absl::IsDeadlineExceeded(s) &&
-        channel->GetState(/*try_to_connect=*/false) != GRPC_CHANNEL_READY) {
-      // wait_for_ready retries a refused connection or a failed TLS
-      // handshake silently until the deadline: say what it may be.
-      s = absl::DeadlineExceededError(absl::StrCat(
-          s.message(), " (no connection to the leader within ",
-          absl::FormatDuration(options.rpc_timeout),
-          ": is it running at this address, and do this worker's TLS "
-          "settings match the servers' (--tls off / server / mutual, the CA "
-          "bundle)? A TLS mismatch fails every handshake until the "
-          "deadline)"));
-    }
-    if (!s.ok()) return Prefixed(s, absl::StrCat(leader, ": Join"));
+  absl::StatusOr<v1::JoinResponse> joined = JoinLeader(options, request);
+  if (!joined.ok()) {
+    return Prefixed(joined.status(), absl::StrCat(leader, ": Join"));
   }
+  const v1::JoinResponse& response = *joined;
   const v1::ClusterSpec& cluster = response.cluster();
   const uint32_t rank = response.rank();
   {

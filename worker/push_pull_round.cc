@@ -24,8 +24,10 @@ namespace gtopk {
 namespace worker {
 
 // One PushPullRound's state, shared by the shards' threads and the thread
-// that waits for them. Fields marked (mu) are guarded by mu; the others are
-// written only by the waiting thread, and read after the threads joined.
+// that waits for them (AwaitShards). Fields marked (mu) are guarded by mu;
+// the others are written only by the waiting thread, and read after the
+// threads joined. The shards' threads report through Finished, Written and
+// LearnedEpoch.
 struct WorkerClient::Round {
   Round(size_t num_shards, absl::Duration watchdog_budget)
       : budget(watchdog_budget),
@@ -61,6 +63,25 @@ struct WorkerClient::Round {
   // so waiting for the others would only delay the caller's retry or
   // recovery until their step timeout.
   std::vector<bool> cut_short;
+
+  // Shard s's thread is done with `result`.
+  void Finished(size_t s, absl::Status result) {
+    absl::MutexLock lock(&mu);
+    if (!result.ok()) ++failed;
+    results[s] = std::move(result);
+    done[s] = true;
+    ++finished;
+  }
+  // A push was written now.
+  void Written() {
+    absl::MutexLock lock(&mu);
+    last_written = std::max(last_written, absl::Now());
+  }
+  // A failed stream's trailers carried `epoch` (non-zero).
+  void LearnedEpoch(uint64_t epoch) {
+    absl::MutexLock lock(&mu);
+    learned_epoch = std::max(learned_epoch, epoch);
+  }
 };
 
 namespace {
@@ -76,6 +97,45 @@ constexpr absl::Duration kFailureGrace = absl::Milliseconds(250);
 // (issue 42). Checked every kReachabilityPoll.
 constexpr absl::Duration kShardUnreachableGrace = absl::Seconds(1);
 constexpr absl::Duration kReachabilityPoll = absl::Milliseconds(100);
+
+// AwaitShards' view of the shards' channels during one step: which shard
+// has failed to connect (TRANSIENT_FAILURE) and not been READY since, for
+// kShardUnreachableGrace. Used by the waiting thread only.
+class ReachabilityWatch {
+ public:
+  explicit ReachabilityWatch(size_t num_shards)
+      : down_since_(num_shards, absl::InfiniteFuture()),
+        connect_failed_(num_shards, false) {}
+
+  // Looks at shard s's `channel` at `now`: true once it has been failing to
+  // connect for the grace.
+  bool Unreachable(size_t s, grpc::Channel* channel, absl::Time now) {
+    const grpc_connectivity_state state =
+        channel->GetState(/*try_to_connect=*/false);
+    if (state == GRPC_CHANNEL_READY || state == GRPC_CHANNEL_IDLE) {
+      down_since_[s] = absl::InfiniteFuture();
+      connect_failed_[s] = false;
+      return false;
+    }
+    if (state != GRPC_CHANNEL_TRANSIENT_FAILURE) return false;  // CONNECTING
+    if (!connect_failed_[s]) {
+      // First failure seen in this step: try again at once (the channel
+      // may be in a reconnect backoff from before the shard came back),
+      // and count the grace from now.
+      connect_failed_[s] = true;
+      down_since_[s] = now;
+      grpc::experimental::ChannelResetConnectionBackoff(channel);
+      return false;
+    }
+    return now - down_since_[s] >= kShardUnreachableGrace;
+  }
+
+ private:
+  // Per shard: when its channel was first seen failing to connect in this
+  // step (CONNECTING alone may be a slow network, and is waited for).
+  std::vector<absl::Time> down_since_;
+  std::vector<bool> connect_failed_;
+};
 
 // The attempt epoch a shard sent in a failed stream's trailers
 // (common/epoch.h), or 0 when there is none. Epochs start at the leader's
@@ -136,13 +196,8 @@ absl::Status WorkerClient::PushPullRound(int64_t step,
   threads.reserve(S);
   for (size_t s = 0; s < S; ++s) {
     threads.emplace_back([&, s] {
-      absl::Status result =
-          PushPullOnShard(s, step, pushes[s], &(*pulls)[s], round);
-      absl::MutexLock lock(&round.mu);
-      if (!result.ok()) ++round.failed;
-      round.results[s] = std::move(result);
-      round.done[s] = true;
-      ++round.finished;
+      round.Finished(s,
+                     PushPullOnShard(s, step, pushes[s], &(*pulls)[s], round));
     });
   }
   AwaitShards(round);
@@ -187,10 +242,7 @@ absl::Status WorkerClient::PushPullOnShard(size_t s, int64_t step,
     c.stream = c.stub->PushPull(c.context.get());
     written = c.stream->Write(push);
   }
-  if (written) {
-    absl::MutexLock lock(&round.mu);
-    round.last_written = std::max(round.last_written, absl::Now());
-  }
+  if (written) round.Written();
   if (written && c.stream->Read(pull)) return absl::OkStatus();
 
   // Finish needs every incoming message read; after a failed Read there
@@ -203,8 +255,7 @@ absl::Status WorkerClient::PushPullOnShard(size_t s, int64_t step,
   // The shard numbers a failed attempt (common/epoch.h): this worker's
   // next push of the step is a retry of it.
   if (const uint64_t epoch = EpochFromTrailers(*c.context); epoch != 0) {
-    absl::MutexLock lock(&round.mu);
-    round.learned_epoch = std::max(round.learned_epoch, epoch);
+    round.LearnedEpoch(epoch);
   }
   return StreamFailure(st, step, cluster_.max_message_bytes());
 }
@@ -227,10 +278,7 @@ void WorkerClient::AwaitShards(Round& round) const {
   };
   auto all_done = [&] { return round.finished == S; };
   const absl::Time watchdog = absl::Now() + round.budget;
-  // Per shard: when its channel was first seen failing to connect in this
-  // step (CONNECTING alone may be a slow network, and is waited for).
-  std::vector<absl::Time> down_since(S, absl::InfiniteFuture());
-  std::vector<bool> connect_failed(S, false);
+  ReachabilityWatch reachability(S);
   bool settled = false;
   while (!settled) {
     settled = round.mu.AwaitWithDeadline(
@@ -241,25 +289,7 @@ void WorkerClient::AwaitShards(Round& round) const {
     bool cancelled_any = false;
     for (size_t s = 0; s < S; ++s) {
       if (round.done[s] || round.cancelled[s]) continue;
-      const grpc_connectivity_state state =
-          shards_[s]->channel->GetState(/*try_to_connect=*/false);
-      if (state == GRPC_CHANNEL_READY || state == GRPC_CHANNEL_IDLE) {
-        down_since[s] = absl::InfiniteFuture();
-        connect_failed[s] = false;
-        continue;
-      }
-      if (state != GRPC_CHANNEL_TRANSIENT_FAILURE) continue;  // CONNECTING
-      if (!connect_failed[s]) {
-        // First failure seen in this step: try again at once (the channel
-        // may be in a reconnect backoff from before the shard came back),
-        // and count the grace from now.
-        connect_failed[s] = true;
-        down_since[s] = now;
-        grpc::experimental::ChannelResetConnectionBackoff(
-            shards_[s]->channel.get());
-        continue;
-      }
-      if (now - down_since[s] >= kShardUnreachableGrace) {
+      if (reachability.Unreachable(s, shards_[s]->channel.get(), now)) {
         round.unreachable[s] = true;
         round.cancelled[s] = true;
         shards_[s]->context->TryCancel();

@@ -11,9 +11,7 @@
 #include <fstream>
 #include <memory>
 #include <numeric>
-#include <random>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -33,7 +31,6 @@
 #include "common/cluster_spec.h"
 #include "common/codec.h"
 #include "common/host_port.h"
-#include "common/random.h"
 #include "common/selector.h"
 #include "common/status_macros.h"
 #include "worker/client.h"
@@ -41,11 +38,18 @@
 #include "worker/trainer/model.h"
 #include "worker/trainer/recovery.h"
 #include "worker/trainer/synthetic_model.h"
+#include "worker/trainer/training_data.h"
 #include "worker/worker_metrics.h"
 
 namespace gtopk {
 namespace worker {
 namespace {
+
+using trainer_internal::Data;
+using trainer_internal::Evaluator;
+using trainer_internal::GradientSource;
+using trainer_internal::LoadData;
+using trainer_internal::PrintLine;
 
 // The default recovery time budget (--recovery-timeout), in the servers'
 // step timeouts: a failed step's peers notice within one, the leader's
@@ -142,42 +146,6 @@ absl::Status ValidateConsistencyFlags(const TrainerOptions& o) {
   return absl::OkStatus();
 }
 
-// A data split as uint8 pixels plus int64 labels, after --*-limit.
-struct Split {
-  std::vector<uint8_t> pixels;
-  std::vector<int64_t> labels;
-  size_t size() const { return labels.size(); }
-};
-
-absl::StatusOr<Split> LoadSplit(const std::string& images,
-                                const std::string& labels, int64_t limit) {
-  GTOPK_ASSIGN_OR_RETURN(IdxDataset d, ReadIdxDataset(images, labels));
-  size_t count = d.labels.labels.size();
-  if (limit > 0) count = std::min(count, static_cast<size_t>(limit));
-  Split s;
-  s.pixels.assign(d.images.pixels.begin(),
-                  d.images.pixels.begin() + count * kImagePixels);
-  s.labels.assign(d.labels.labels.begin(), d.labels.labels.begin() + count);
-  return s;
-}
-
-inline float Normalise(uint8_t v) {
-  return (static_cast<float>(v) * (1.0f / 255.0f) - kPixelMean) / kPixelStd;
-}
-
-// The training set's permutation for `epoch`, identical on every rank.
-std::vector<uint32_t> EpochPermutation(size_t count, uint64_t seed,
-                                       int64_t epoch) {
-  std::vector<uint32_t> perm(count);
-  std::iota(perm.begin(), perm.end(), 0u);
-  std::mt19937_64 rng(MixSeed(seed, 0x5f0000ull + static_cast<uint64_t>(epoch)));
-  for (size_t i = count; i > 1; --i) {
-    const size_t j = UniformBelow(rng, i);
-    std::swap(perm[i - 1], perm[j]);
-  }
-  return perm;
-}
-
 std::string Hex64(uint64_t v) { return ChecksumText(v); }
 
 std::string JsonNumber(double v) {
@@ -198,12 +166,6 @@ std::string JsonString(const std::string& s) {
     }
   }
   return out + "\"";
-}
-
-void PrintLine(const std::string& line) {
-  std::fputs(line.c_str(), stdout);
-  std::fputc('\n', stdout);
-  std::fflush(stdout);
 }
 
 // One client step: on device memory for a CUDA model (the dense gradient
@@ -258,24 +220,6 @@ absl::StatusOr<std::unique_ptr<Model>> MakeModel(const TrainerOptions& o,
     return MakeTorchDeviceMirror(std::move(model));
   }
   return model;
-}
-
-// Fashion-MNIST's training and test splits after --train-limit and
-// --test-limit (both empty for synthetic:N, which has no data).
-struct Data {
-  Split train, test;
-};
-
-absl::StatusOr<Data> LoadData(const TrainerOptions& o, bool synthetic) {
-  Data data;
-  if (synthetic) return data;
-  const FashionMnistFiles files = FashionMnistPaths(o.data_dir);
-  GTOPK_ASSIGN_OR_RETURN(
-      data.train,
-      LoadSplit(files.train_images, files.train_labels, o.train_limit));
-  GTOPK_ASSIGN_OR_RETURN(
-      data.test, LoadSplit(files.test_images, files.test_labels, o.test_limit));
-  return data;
 }
 
 // This worker's place in the cluster, from the join.
@@ -395,152 +339,6 @@ absl::StatusOr<int64_t> DownloadInitialParameters(WorkerClient& client,
   GTOPK_RETURN_IF_ERROR(model.UploadParams());
   return start_step;
 }
-
-// Rank 0's evaluation on the test set (normalised once), at most once per
-// step count; a no-op on other ranks and for synthetic:N.
-class Evaluator {
- public:
-  Evaluator(Model& model, const Split& test, bool enabled,
-            WorkerMetrics* metrics)
-      : model_(model), test_(test), enabled_(enabled), metrics_(metrics) {
-    if (!enabled_) return;
-    test_images_.resize(test.pixels.size());
-    for (size_t i = 0; i < test.pixels.size(); ++i) {
-      test_images_[i] = Normalise(test.pixels[i]);
-    }
-  }
-
-  // Evaluates the parameters after `done` steps, unless they were
-  // evaluated at that count already; prints the "eval" line.
-  void Evaluate(int64_t done) {
-    if (!enabled_ || done == last_eval_) return;
-    last_eval_ = done;
-    const EvalResult r = model_.Evaluate(test_images_, test_.labels);
-    test_accuracy_ = r.accuracy;
-    if (metrics_ != nullptr) metrics_->RecordTestAccuracy(r.accuracy);
-    PrintLine(absl::StrFormat("eval step %d test_accuracy %.4f test_loss %.4f",
-                              done, r.accuracy, r.loss));
-  }
-
-  // Steps are re-run: evaluate the re-run's final parameters too.
-  void ForgetLastEvaluation() { last_eval_ = -1; }
-
-  // The last evaluation's accuracy; NaN before the first.
-  double test_accuracy() const { return test_accuracy_; }
-
- private:
-  Model& model_;
-  const Split& test_;
-  const bool enabled_;
-  WorkerMetrics* const metrics_;
-  std::vector<float> test_images_;
-  double test_accuracy_ = std::nan("");
-  int64_t last_eval_ = -1;
-};
-
-// Each step's gradient: this rank's batch of the epoch's permutation
-// through the model, synthetic:N's seeded random one, or zeros for a
-// retried step. Keeps the last batch's loss (a retried or synthetic step
-// computes none).
-class GradientSource {
- public:
-  GradientSource(const TrainerOptions& o, Model& model, const Split& train,
-                 bool synthetic, uint32_t rank, int64_t steps_per_epoch)
-      : o_(o),
-        model_(model),
-        train_(train),
-        synthetic_(synthetic),
-        rank_(rank),
-        steps_per_epoch_(steps_per_epoch),
-        // The host gradient: every CPU model's, and synthetic:N's on the
-        // device too (made on the host, then uploaded).
-        grad_(model.on_device() && !synthetic ? 0 : model.n(), 0.0f),
-        synthetic_gradient_(synthetic ? std::make_unique<SyntheticGradient>(
-                                            model.n(), o.seed)
-                                      : nullptr),
-        batch_images_(static_cast<size_t>(o.batch_size) * kImagePixels),
-        batch_labels_(static_cast<size_t>(o.batch_size)) {}
-
-  // Makes the gradient of `step` (in `epoch`); `resend_residual`: the step
-  // is retried, its gradient is already in the residual (Step's contract),
-  // so the retry adds none. INTERNAL when the loss is not finite.
-  absl::Status Compute(int64_t step, int64_t epoch, bool resend_residual) {
-    if (resend_residual) {
-      std::fill(grad_.begin(), grad_.end(), 0.0f);
-      GTOPK_RETURN_IF_ERROR(model_.ZeroDeviceGradient());
-    } else if (synthetic_) {
-      synthetic_gradient_->Fill(rank_, step, absl::MakeSpan(grad_));
-      if (o_.compute_ms > 0) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(o_.compute_ms));
-      }
-    } else {
-      FillBatch(step, epoch);
-      if (model_.on_device()) {
-        GTOPK_ASSIGN_OR_RETURN(
-            loss_, model_.ComputeGradientOnDevice(batch_images_, batch_labels_,
-                                                  &device_grad_));
-      } else {
-        GTOPK_ASSIGN_OR_RETURN(
-            loss_, model_.ComputeGradient(batch_images_, batch_labels_,
-                                          absl::MakeSpan(grad_)));
-      }
-      if (!std::isfinite(loss_)) {
-        return absl::InternalError(
-            absl::StrCat("loss is ", loss_, " at step ", step,
-                         " (diverged; lower the servers' --lr)"));
-      }
-    }
-    if (synthetic_ && model_.on_device()) {
-      GTOPK_ASSIGN_OR_RETURN(device_grad_, model_.UploadGradient(grad_));
-    }
-    return absl::OkStatus();
-  }
-
-  // The host gradient (empty for a CUDA torch model).
-  absl::Span<const float> grad() const { return grad_; }
-  // --device=cuda: the model's device gradient; null before the first step.
-  const float* device_grad() const { return device_grad_; }
-  // The last computed batch's loss (0 before the first, and synthetic:N's).
-  float loss() const { return loss_; }
-
- private:
-  // This rank's `step` batch, normalised: a contiguous slice of the
-  // epoch's permutation, one per rank.
-  void FillBatch(int64_t step, int64_t epoch) {
-    if (epoch != perm_epoch_) {
-      perm_ = EpochPermutation(train_.size(), o_.seed, epoch);
-      perm_epoch_ = epoch;
-    }
-    const size_t per_rank =
-        static_cast<size_t>(steps_per_epoch_) * o_.batch_size;
-    const size_t base =
-        rank_ * per_rank +
-        static_cast<size_t>(step % steps_per_epoch_) * o_.batch_size;
-    for (int64_t b = 0; b < o_.batch_size; ++b) {
-      const uint32_t idx = perm_[base + b];
-      const uint8_t* src = train_.pixels.data() + size_t{idx} * kImagePixels;
-      float* dst = batch_images_.data() + b * kImagePixels;
-      for (int i = 0; i < kImagePixels; ++i) dst[i] = Normalise(src[i]);
-      batch_labels_[b] = train_.labels[idx];
-    }
-  }
-
-  const TrainerOptions& o_;
-  Model& model_;
-  const Split& train_;
-  const bool synthetic_;
-  const uint32_t rank_;
-  const int64_t steps_per_epoch_;
-  std::vector<float> grad_;
-  // synthetic:N's generator (its pool is made once); null otherwise.
-  std::unique_ptr<SyntheticGradient> synthetic_gradient_;
-  const float* device_grad_ = nullptr;
-  std::vector<float> batch_images_;
-  std::vector<int64_t> batch_labels_;
-  std::vector<uint32_t> perm_;
-  int64_t perm_epoch_ = -1;
-  float loss_ = 0;
-};
 
 uint64_t SumBytes(const std::vector<uint64_t>& per_shard) {
   uint64_t total = 0;
