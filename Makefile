@@ -110,7 +110,7 @@ DEMO_ARGS      ?=
 LOWBW_ARGS     ?=
 TTA_ARGS       ?=
 
-.PHONY: python python-install wheel all deps build test check test-counts bench bench-lowbw bench-lowbw-grid bench-tta bench-model demo format clean deploy-sync \
+.PHONY: python python-install wheel all deps build test check test-counts bench bench-lowbw bench-lowbw-grid bench-tta tta-blas bench-model demo format clean deploy-sync \
 	device-bundle device-bundle-check compose-certs compose-test fuzz fuzz-smoke fuzz-build fuzz-deps
 
 all: build
@@ -141,6 +141,7 @@ build:
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 
 test: deps
+	@$(MAKE) --no-print-directory tta-blas
 	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DGTOPK_WERROR=ON -DGTOPK_PYTHON=ON $(CMAKE_ARGS)
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS) --timeout 600
@@ -216,13 +217,21 @@ bench-tta:
 	@$(MAKE) --no-print-directory deps
 	@$(MAKE) --no-print-directory build
 	@$(MAKE) --no-print-directory python
-	@if [ ! -e $(TTA_OPENBLAS) ]; then \
+	@$(MAKE) --no-print-directory tta-blas
+	/usr/bin/python3 bench/tta/tta.py --build-dir $(BUILD_DIR) $(TTA_ARGS)
+
+# OpenBLAS for the time-to-accuracy benchmark's Python workers only
+# (bench/tta/tta.py preloads it there), installed when missing without
+# changing the system's BLAS choice: as the system libblas.so.3 it breaks
+# gtopk-worker's metrics endpoint (civetweb). As root only; without it
+# tta.py --quick (ctest tta_test) runs on the system's BLAS, slower.
+tta-blas:
+	@if [ ! -e $(TTA_OPENBLAS) ] && [ "$$(id -u)" = 0 ]; then \
 	  blas=$$(update-alternatives --query libblas.so.3-x86_64-linux-gnu | sed -n 's/^Value: //p'); \
 	  lapack=$$(update-alternatives --query liblapack.so.3-x86_64-linux-gnu | sed -n 's/^Value: //p'); \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libopenblas0-pthread && \
 	  update-alternatives --set libblas.so.3-x86_64-linux-gnu $$blas && \
 	  update-alternatives --set liblapack.so.3-x86_64-linux-gnu $$lapack; fi
-	/usr/bin/python3 bench/tta/tta.py --build-dir $(BUILD_DIR) $(TTA_ARGS)
 
 # Stdlib only (numpy not needed); gnuplot for the plots, as bench-lowbw.
 bench-model:
