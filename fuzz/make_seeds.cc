@@ -175,7 +175,7 @@ void Requests() {
     in += Record(kGetClusterSpec, v1::JoinRequest());
     v1::Push push;
     push.set_step(0);
-    push.set_worker(0);
+    push.set_rank(0);
     push.set_shard_id(0);
     push.set_member_token(1);
     push.set_cluster_fingerprint(1);
@@ -204,12 +204,12 @@ void Requests() {
     rollback.set_cluster_fingerprint(1);
     in += Record(kRollbackShard, rollback);
     v1::MemberCheckRequest member;
-    member.set_worker(0);
+    member.set_rank(0);
     member.set_member_token(1);
     member.set_cluster_fingerprint(1);
     in += Record(kCheckMember, member);
     v1::RecoverRequest recover;
-    recover.set_worker(0);
+    recover.set_rank(0);
     recover.set_member_token(1);
     recover.set_cluster_fingerprint(1);
     in += Record(kRecover, recover);

@@ -249,7 +249,7 @@ struct Harness {
       FUZZ_CHECK(absl::IsInvalidArgument(decoded.status()),
                  "DecodeWirePush: %s", decoded.status().ToString().c_str());
       FUZZ_CHECK(reason != RejectReason::kCount, "no reject reason");
-      aggregator->RejectPush(push.step(), push.worker(), decoded.status());
+      aggregator->RejectPush(push.step(), push.rank(), decoded.status());
       return;
     }
     FUZZ_CHECK(ValidateSparseVector(decoded->sparse, n).ok(),

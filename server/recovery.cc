@@ -569,26 +569,26 @@ grpc::Status AggregatorService::Recover(grpc::ServerContext* context,
                                         const v1::RecoverRequest* request,
                                         v1::RecoverResponse* response) {
   absl::StatusOr<Call> call = Enter(
-      context, CallRules::Worker("Recover", int64_t{request->worker()})
-                   .Peer(RankPeer(context, request->worker(),
+      context, CallRules::Worker("Recover", int64_t{request->rank()})
+                   .Peer(RankPeer(context, request->rank(),
                                   request->member_token())));
   if (!call.ok()) return ToGrpcStatus(call.status());
-  if (request->worker() >= config_.num_workers) {
+  if (request->rank() >= config_.num_workers) {
     return ToGrpcStatus(absl::InvalidArgumentError(
-        absl::StrCat("unknown worker rank ", request->worker(),
+        absl::StrCat("unknown worker rank ", request->rank(),
                      "; the cluster has ", config_.num_workers, " workers")));
   }
   if (is_leader()) {
     const absl::Status same = CheckFingerprint(
         request->cluster_fingerprint(),
-        absl::StrCat("Recover from worker ", request->worker(), " "),
+        absl::StrCat("Recover from worker ", request->rank(), " "),
         absl::Now());
     if (!same.ok()) return ToGrpcStatus(same);
     // The holder re-registers its rank (after a leader restart too), which
     // stays reserved for it through the recovery and until it reopens its
     // step stream, whatever a Join asks meanwhile (issue 42).
     const absl::Status member =
-        membership_.Reenter(request->worker(), request->member_token());
+        membership_.Reenter(request->rank(), request->member_token());
     if (!member.ok()) return ToGrpcStatus(member);
   }
   // Again when the call ends (it may have waited a step timeout for the
@@ -600,7 +600,7 @@ grpc::Status AggregatorService::Recover(grpc::ServerContext* context,
     ~Rereserve() {
       if (membership != nullptr) membership->Rereserve(worker, token);
     }
-  } rereserve{is_leader() ? &membership_ : nullptr, request->worker(),
+  } rereserve{is_leader() ? &membership_ : nullptr, request->rank(),
               request->member_token()};
   std::optional<int64_t> resume_step;
   if (request->resume()) {

@@ -85,7 +85,7 @@ absl::Status AggregatorService::CheckMemberToken(uint32_t worker,
   }
   // A token this shard has not seen for the rank: ask the leader.
   v1::MemberCheckRequest request;
-  request.set_worker(worker);
+  request.set_rank(worker);
   request.set_member_token(token);
   request.set_cluster_fingerprint(fingerprint_.load());
   v1::MemberCheckResponse response;
@@ -202,10 +202,10 @@ grpc::Status AggregatorService::CheckMember(
                    .LeaderOnly()
                    .Fingerprint(request->cluster_fingerprint(),
                                 absl::StrCat("CheckMember for rank ",
-                                             request->worker(), " ")));
+                                             request->rank(), " ")));
   if (!call.ok()) return ToGrpcStatus(call.status());
   return ToGrpcStatus(
-      membership_.CheckToken(request->worker(), request->member_token()));
+      membership_.CheckToken(request->rank(), request->member_token()));
 }
 
 absl::Status AggregatorService::CheckRunId(uint64_t leader_run_id) {

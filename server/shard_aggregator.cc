@@ -238,7 +238,7 @@ absl::Status ShardAggregator::ValidatePush(const WorkerPush& push) const {
   return absl::OkStatus();
 }
 
-void ShardAggregator::FailRoundLocked(const std::shared_ptr<Round>& round,
+void ShardAggregator::FailRoundLocked(const std::shared_ptr<AggregationRound>& round,
                                       absl::Status status) {
   round->finished = true;
   round->status = std::move(status);
@@ -323,7 +323,7 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
     WorkerPush push, absl::Time deadline) {
   const absl::Status valid = ValidatePush(push);
   absl::MutexLock lock(&mu_);
-  std::shared_ptr<Round> round;
+  std::shared_ptr<AggregationRound> round;
   if (std::optional<Answer> answer =
           JoinRoundLocked(std::move(push), valid, &round)) {
     return *std::move(answer);
@@ -335,7 +335,7 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
 }
 
 std::optional<ShardAggregator::Answer> ShardAggregator::JoinRoundLocked(
-    WorkerPush push, const absl::Status& valid, std::shared_ptr<Round>* out) {
+    WorkerPush push, const absl::Status& valid, std::shared_ptr<AggregationRound>* out) {
   const uint32_t w = push.worker;
   if (!closed_.ok()) return closed_;
   if (!initialized_) {
@@ -378,12 +378,12 @@ std::optional<ShardAggregator::Answer> ShardAggregator::JoinRoundLocked(
       NotifyStepFailedLocked(push.step, draining_);
       return draining_;
     }
-    pending_ = std::make_shared<Round>();
+    pending_ = std::make_shared<AggregationRound>();
     pending_->step = push.step;
     pending_->arrived.assign(options_.num_workers, false);
     pending_->pushes.resize(options_.num_workers);
   }
-  std::shared_ptr<Round> round = pending_;
+  std::shared_ptr<AggregationRound> round = pending_;
   if (!round->arrived[w]) {
     round->arrived[w] = true;
     round->pushes[w] = std::move(push);
@@ -400,7 +400,7 @@ std::optional<ShardAggregator::Answer> ShardAggregator::JoinRoundLocked(
 }
 
 ShardAggregator::Answer ShardAggregator::ComputeRoundLocked(
-    const std::shared_ptr<Round>& round, absl::Time deadline) {
+    const std::shared_ptr<AggregationRound>& round, absl::Time deadline) {
   round->computing = true;
   const uint64_t generation = rollback_generation_;
   for (const WorkerPush& p : round->pushes) {
@@ -460,7 +460,7 @@ ShardAggregator::Answer ShardAggregator::ComputeRoundLocked(
 }
 
 ShardAggregator::Answer ShardAggregator::ComputeAndVote(
-    Round& round, std::vector<WorkerPush>& pushes, absl::Time deadline,
+    AggregationRound& round, std::vector<WorkerPush>& pushes, absl::Time deadline,
     bool* failed_here) {
   // The divergence alarm first: nothing is exchanged, voted or applied for
   // a step whose replicas differ. Every shard sees the same checksums (a
@@ -502,7 +502,7 @@ ShardAggregator::Answer ShardAggregator::ComputeAndVote(
 }
 
 ShardAggregator::Answer ShardAggregator::AwaitRoundLocked(
-    const std::shared_ptr<Round>& round, absl::Time deadline) {
+    const std::shared_ptr<AggregationRound>& round, absl::Time deadline) {
   while (!round->finished) {
     if (!closed_.ok() && !round->computing) {
       NotifyStepFailedLocked(round->step, closed_);
@@ -676,7 +676,7 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Compute(
       GTOPK_RETURN_IF_ERROR(SparseTopK(sum, k, &result->selected));
     }
   } else {
-    GTOPK_RETURN_IF_ERROR(DistributedExactTopK(sum, k, step,
+    GTOPK_RETURN_IF_ERROR(DistributedThresholdTopK(sum, k, step,
                                                options_.shard_id, exchange_,
                                                deadline, &result->selected,
                                                epoch));

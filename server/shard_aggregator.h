@@ -305,7 +305,7 @@ class ShardAggregator {
   absl::Status Restore(const ShardCheckpoint& checkpoint);
 
  private:
-  struct Round {
+  struct AggregationRound {
     int64_t step = 0;
     absl::Time opened = absl::Now();  // the first push's arrival
     std::vector<bool> arrived;
@@ -333,24 +333,24 @@ class ShardAggregator {
   // with the round in *round.
   std::optional<Answer> JoinRoundLocked(WorkerPush push,
                                         const absl::Status& valid,
-                                        std::shared_ptr<Round>* round)
+                                        std::shared_ptr<AggregationRound>* round)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // By the caller whose push completed the round: computes it without mu_
   // (ComputeAndVote), then applies it (unless a rollback intervened) or
   // fails it, and runs the step-applied callback without mu_.
-  Answer ComputeRoundLocked(const std::shared_ptr<Round>& round,
+  Answer ComputeRoundLocked(const std::shared_ptr<AggregationRound>& round,
                             absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The round's computation, without mu_: the divergence alarm, Compute,
   // the finiteness check (kServers), an abort heard meanwhile, and the
   // commit vote. *failed_here: the failure is this shard's own (news to
   // the others), not an ABORTED from the leader.
-  Answer ComputeAndVote(Round& round, std::vector<WorkerPush>& pushes,
+  Answer ComputeAndVote(AggregationRound& round, std::vector<WorkerPush>& pushes,
                         absl::Time deadline, bool* failed_here)
       ABSL_LOCKS_EXCLUDED(mu_);
   // The other callers: wait for the round to finish, failing it at
   // `deadline` (naming the workers missing) or when the shard closes.
-  Answer AwaitRoundLocked(const std::shared_ptr<Round>& round,
+  Answer AwaitRoundLocked(const std::shared_ptr<AggregationRound>& round,
                           absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -375,7 +375,7 @@ class ShardAggregator {
   // FAILED_PRECONDITION for a step that cannot be applied because `what`
   // (a sum, a parameter or a velocity) would not be finite.
   absl::Status StepNotFinite(absl::string_view what) const;
-  void FailRoundLocked(const std::shared_ptr<Round>& round,
+  void FailRoundLocked(const std::shared_ptr<AggregationRound>& round,
                        absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailStepLocked(int64_t step, uint32_t worker,
                       const absl::Status& reason)
@@ -399,8 +399,8 @@ class ShardAggregator {
   // InitParams' state blob (never null).
   std::shared_ptr<const std::string> state_ ABSL_GUARDED_BY(mu_) =
       std::make_shared<const std::string>();
-  std::shared_ptr<Round> pending_ ABSL_GUARDED_BY(mu_);
-  std::shared_ptr<Round> last_ ABSL_GUARDED_BY(mu_);  // last finished OK
+  std::shared_ptr<AggregationRound> pending_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<AggregationRound> last_ ABSL_GUARDED_BY(mu_);  // last finished OK
   std::function<void(int64_t)> on_step_applied_ ABSL_GUARDED_BY(mu_);
   std::function<void(int64_t, const absl::Status&)> on_step_failed_
       ABSL_GUARDED_BY(mu_);

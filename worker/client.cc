@@ -443,7 +443,7 @@ absl::Status WorkerClient::OfferInitialParams(size_t s,
   do {  // at least one chunk, so an empty range still reports back
     const uint64_t len = std::min(chunk_floats, c.end - offset);
     v1::ParamsChunk chunk;
-    chunk.set_worker(rank_);
+    chunk.set_rank(rank_);
     chunk.set_member_token(member_token_);
     chunk.set_cluster_fingerprint(cluster_.cluster_fingerprint());
     chunk.set_shard_id(c.id);
@@ -491,7 +491,7 @@ absl::StatusOr<int64_t> WorkerClient::DownloadShardParams(
     if (attempt > 0) context.set_wait_for_ready(true);
     Cancellation::Scope cancel_scope(options_.cancellation.get(), &context);
     v1::DownloadParamsRequest request;
-    request.set_worker(rank_);
+    request.set_rank(rank_);
     request.set_cluster_fingerprint(cluster_.cluster_fingerprint());
     auto reader = c.stub->DownloadParams(&context, request);
     v1::ParamsChunk chunk;
@@ -643,7 +643,7 @@ absl::StatusOr<int64_t> WorkerClient::RecoverWith(absl::Span<float> params,
     request.set_resume(true);
     request.set_resume_step(resume_step);
   }
-  request.set_worker(rank_);
+  request.set_rank(rank_);
   request.set_failed_step(next_step_);
   request.set_member_token(member_token_);
   request.set_cluster_fingerprint(cluster_.cluster_fingerprint());

@@ -390,7 +390,7 @@ class WorkerClient {
 
  private:
   struct ShardConn;  // worker/client_internal.h
-  struct Round;      // one PushPullRound's shared state (push_pull_round.cc)
+  struct PushPullState;  // one PushPullRound's shared state (push_pull_round.cc)
 
   WorkerClient(const ClientOptions& options, uint32_t rank,
                uint64_t member_token, v1::ClusterSpec cluster,
@@ -486,13 +486,13 @@ class WorkerClient {
   // a fresh stream when the open one died), read. The stream's status on
   // failure (its trailers' epoch recorded in `round`).
   absl::Status PushPullOnShard(size_t s, int64_t step, const v1::Push& push,
-                               v1::Pull* pull, Round& round);
+                               v1::Pull* pull, PushPullState& round);
   // Waits for every shard's thread; cancels the shards still out at the
   // watchdog deadline, or kFailureGrace (250 ms) after the first failure.
-  void AwaitShards(Round& round) const;
+  void AwaitShards(PushPullState& round) const;
   // The round's outcome from its shards' results: OK, or the step's cause
   // (its code; every failed shard named).
-  absl::Status RoundStatus(int64_t step, const Round& round) const;
+  absl::Status RoundStatus(int64_t step, const PushPullState& round) const;
 
   // SynchronizeParameters' parts, for shard s.
   //

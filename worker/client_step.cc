@@ -426,7 +426,7 @@ std::vector<v1::Push> WorkerClient::NewPushes(int64_t step) const {
   std::vector<v1::Push> pushes(shards_.size());
   for (size_t s = 0; s < shards_.size(); ++s) {
     pushes[s].set_step(step);
-    pushes[s].set_worker(rank_);
+    pushes[s].set_rank(rank_);
     pushes[s].set_epoch(epoch_);
     pushes[s].set_shard_id(shards_[s]->id);
     pushes[s].set_member_token(member_token_);

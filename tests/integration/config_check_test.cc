@@ -465,7 +465,7 @@ TEST_F(DriftTest, PushWithAnotherFingerprintIsRefusedAlone) {
   auto stream = stub->PushPull(&ctx);
   v1::Push push;
   push.set_step(1);
-  push.set_worker(1);
+  push.set_rank(1);
   push.set_shard_id(1);
   push.set_member_token(clients_[1]->member_token());
   push.set_cluster_fingerprint(clients_[1]->cluster().cluster_fingerprint() ^

@@ -94,7 +94,7 @@ v1::Push HandPush(const v1::ClusterSpec& spec, uint64_t member_token,
                   Bad bad = Bad::kGarbage) {
   v1::Push push;
   push.set_step(0);
-  push.set_worker(rank);
+  push.set_rank(rank);
   push.set_shard_id(shard);
   // The joined worker's identity: a push without it is refused alone.
   push.set_member_token(member_token);

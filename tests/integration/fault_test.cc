@@ -102,7 +102,7 @@ TEST_P(PartialPushTest, WorkerDisconnectingMidStepFailsTheOthersNamingIt) {
     auto stream = stub->PushPull(&ctx);
     v1::Push push;
     push.set_step(0);
-    push.set_worker(2);
+    push.set_rank(2);
     push.set_shard_id(0);
     // As worker 2's client would (its identity), so the push is accepted.
     push.set_member_token(clients[2]->member_token());

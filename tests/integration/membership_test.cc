@@ -140,7 +140,7 @@ absl::Status RawPush(const v1::ClusterSpec& spec, uint32_t shard,
   auto stream = stub->PushPull(&ctx);
   v1::Push push;
   push.set_step(step);
-  push.set_worker(worker);
+  push.set_rank(worker);
   push.set_shard_id(shard);
   push.set_member_token(token);
   push.set_cluster_fingerprint(fingerprint);
@@ -611,7 +611,7 @@ TEST(MembershipTest, InitParamsAndRecoverNeedTheRanksToken) {
       v1::InitParamsResponse response;
       auto writer = stub->InitParams(&ctx, &response);
       v1::ParamsChunk chunk;
-      chunk.set_worker(0);
+      chunk.set_rank(0);
       chunk.set_member_token(token);
       chunk.set_shard_id(s);
       chunk.set_offset(spec.shards(s).begin());
@@ -635,7 +635,7 @@ TEST(MembershipTest, InitParamsAndRecoverNeedTheRanksToken) {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
   v1::RecoverRequest request;
-  request.set_worker(1);
+  request.set_rank(1);
   request.set_member_token(rank0->member_token());
   request.set_cluster_fingerprint(spec.cluster_fingerprint());
   v1::RecoverResponse answer;

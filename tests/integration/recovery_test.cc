@@ -625,7 +625,7 @@ TEST(RecoveryTest, ShardStateAndRollbackValidateTheirInput) {
       cluster.leader(), grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
   v1::RecoverRequest bad;
-  bad.set_worker(7);
+  bad.set_rank(7);
   v1::RecoverResponse answer;
   EXPECT_EQ(leader->Recover(&ctx, bad, &answer).error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);

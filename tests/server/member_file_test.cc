@@ -146,7 +146,7 @@ absl::Status Recover(v1::Aggregator::Stub* stub, uint32_t rank,
   ctx.AddMetadata("gtopk-rank", absl::StrCat(rank));
   ctx.AddMetadata("gtopk-member-token", absl::StrCat(token));
   v1::RecoverRequest request;
-  request.set_worker(rank);
+  request.set_rank(rank);
   request.set_member_token(token);
   request.set_cluster_fingerprint(fingerprint);
   v1::RecoverResponse response;

@@ -37,7 +37,7 @@ ServerConfig Config() {
 v1::Push SparsePush(const SparseVector& v, uint64_t n, CodecSpec spec) {
   v1::Push push;
   push.set_step(4);
-  push.set_worker(2);
+  push.set_rank(2);
   push.set_shard_id(1);
   std::string bytes;
   EXPECT_TRUE(EncodeSparse(v, n, spec, &bytes).ok());
@@ -74,7 +74,7 @@ TEST(DecodeWirePushTest, NamesEachFaultWithItsRejectReason) {
   cases.push_back({other_shard, RejectReason::kWrongShard,
                    "push for shard 0 was sent to shard 1"});
   v1::Push unknown = SparsePush(v, 10, CodecSpec());
-  unknown.set_worker(3);
+  unknown.set_rank(3);
   cases.push_back({unknown, RejectReason::kUnknownWorker,
                    "unknown worker rank 3; the cluster has 3 workers"});
   v1::Push dense = SparsePush(v, 10, CodecSpec());
@@ -103,7 +103,7 @@ TEST(DecodeWirePushTest, DenseModeTakesTheValuesAndRefusesSparseBytes) {
   ServerConfig c = Config();
   c.mode = AggregationMode::kDense;
   v1::Push push;
-  push.set_worker(1);
+  push.set_rank(1);
   push.set_shard_id(1);
   push.add_dense(0.5f);
   push.add_dense(std::numeric_limits<float>::infinity());  // Submit's business
@@ -121,10 +121,10 @@ TEST(InitChunkTest, SenderMustBeWorkerZeroForThisShard) {
   v1::ParamsChunk chunk;
   chunk.set_shard_id(1);
   GTOPK_EXPECT_OK(CheckInitChunkSender(chunk, 1));
-  chunk.set_worker(2);
+  chunk.set_rank(2);
   EXPECT_THAT(CheckInitChunkSender(chunk, 1),
               StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("worker 2")));
-  chunk.set_worker(0);
+  chunk.set_rank(0);
   EXPECT_THAT(CheckInitChunkSender(chunk, 0),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("chunk for shard 1 was sent to shard 0")));

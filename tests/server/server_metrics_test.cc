@@ -117,7 +117,7 @@ TEST(ServerMetricsTest, CountsMatchTheWorkersOwnStats) {
     auto stream = stub->PushPull(&ctx);
     v1::Push push;
     push.set_step(kSteps);
-    push.set_worker(0);
+    push.set_rank(0);
     push.set_shard_id(7);
     // Worker 0's identity: a member's malformed push, not a stranger's.
     push.set_member_token(clients[0]->member_token());

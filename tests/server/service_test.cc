@@ -140,7 +140,7 @@ absl::StatusOr<bool> InitParams(v1::Aggregator::Stub* stub, uint32_t worker,
   auto writer = stub->InitParams(&ctx, &response);
   for (size_t i = 0; i < values.size(); i += chunk) {
     v1::ParamsChunk c;
-    c.set_worker(worker);
+    c.set_rank(worker);
     c.set_member_token(Members().token[worker]);
     c.set_cluster_fingerprint(Members().fingerprint);
     c.set_shard_id(shard);
@@ -170,7 +170,7 @@ absl::StatusOr<Downloaded> Download(
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   v1::DownloadParamsRequest request;
-  request.set_worker(worker);
+  request.set_rank(worker);
   auto reader = stub->DownloadParams(&ctx, request);
   Downloaded d;
   v1::ParamsChunk c;
@@ -209,7 +209,7 @@ v1::Push MakePush(int64_t step, uint32_t worker, uint32_t shard,
                   std::string sparse) {
   v1::Push p;
   p.set_step(step);
-  p.set_worker(worker);
+  p.set_rank(worker);
   p.set_member_token(Members().token[worker]);
   p.set_cluster_fingerprint(Members().fingerprint);
   p.set_shard_id(shard);
@@ -1160,7 +1160,7 @@ absl::StatusOr<bool> InitWithState(v1::Aggregator::Stub* stub, uint32_t shard,
   auto writer = stub->InitParams(&ctx, &response);
   for (size_t i = 0; i < std::max(values.size(), pieces.size()); ++i) {
     v1::ParamsChunk c;
-    c.set_worker(0);
+    c.set_rank(0);
     c.set_member_token(Members().token[0]);
     c.set_cluster_fingerprint(Members().fingerprint);
     c.set_shard_id(shard);
@@ -1226,7 +1226,7 @@ absl::StatusOr<v1::RecoverResponse> Resume(v1::Aggregator::Stub* stub,
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
   v1::RecoverRequest request;
-  request.set_worker(worker);
+  request.set_rank(worker);
   request.set_failed_step(-1);
   request.set_member_token(Members().token[worker]);
   request.set_cluster_fingerprint(Members().fingerprint);

@@ -101,7 +101,7 @@ class CountingExchange final : public ThresholdExchange {
   int max_level_ ABSL_GUARDED_BY(mu_) = -1;
 };
 
-// Runs DistributedExactTopK on every shard, one thread per shard, and
+// Runs DistributedThresholdTopK on every shard, one thread per shard, and
 // returns the concatenation of the selections (shard order = index order).
 SparseVector RunShards(const std::vector<SparseVector>& shards, uint64_t k,
                        int64_t step, ThresholdExchange* exchange) {
@@ -113,7 +113,7 @@ SparseVector RunShards(const std::vector<SparseVector>& shards, uint64_t k,
   for (size_t s = 0; s < num_shards; ++s) {
     threads.emplace_back([&, s] {
       status[s] =
-          DistributedExactTopK(shards[s], k, step, static_cast<uint32_t>(s),
+          DistributedThresholdTopK(shards[s], k, step, static_cast<uint32_t>(s),
                                exchange, deadline, &selected[s]);
     });
   }
@@ -570,7 +570,7 @@ TEST(ThresholdCoordinatorTest, DriverReportsDeadlineAndLeavesOutputEmpty) {
   ThresholdCoordinator coordinator(2);
   LocalThresholdExchange local(&coordinator);
   SparseVector selected = MakeSparse({1}, {1.0f});
-  const absl::Status s = DistributedExactTopK(
+  const absl::Status s = DistributedThresholdTopK(
       MakeSparse({3, 4}, {1.0f, 2.0f}), 1, 9, 0, &local, Soon(), &selected);
   EXPECT_THAT(s, StatusIs(absl::StatusCode::kDeadlineExceeded,
                           AllOf(HasSubstr("step 9 level 0 (shard 0)"),
@@ -910,7 +910,7 @@ class ScriptedExchange final : public ThresholdExchange {
       answer_;
 };
 
-TEST(DistributedExactTopKTest, ErrorsLeaveTheOutputEmpty) {
+TEST(DistributedThresholdTopKTest, ErrorsLeaveTheOutputEmpty) {
   const SparseVector sum = MakeSparse({10, 11, 12}, {1.0f, -3.0f, 2.0f});
   auto refine = [](const ThresholdRequest& r) {
     ThresholdResponse out;
@@ -928,7 +928,7 @@ TEST(DistributedExactTopKTest, ErrorsLeaveTheOutputEmpty) {
         if (r.level == 1) return absl::UnavailableError("leader unreachable");
         return refine(r);
       });
-  EXPECT_THAT(DistributedExactTopK(sum, 2, 7, 2, &down, Later(), &selected),
+  EXPECT_THAT(DistributedThresholdTopK(sum, 2, 7, 2, &down, Later(), &selected),
               StatusIs(absl::StatusCode::kUnavailable,
                        AllOf(HasSubstr("step 7 level 1 (shard 2)"),
                              HasSubstr("leader unreachable"))));
@@ -941,7 +941,7 @@ TEST(DistributedExactTopKTest, ErrorsLeaveTheOutputEmpty) {
     return absl::StatusOr<ThresholdResponse>(out);
   });
   EXPECT_THAT(
-      DistributedExactTopK(sum, 2, 7, 2, &wrong_step, Later(), &selected),
+      DistributedThresholdTopK(sum, 2, 7, 2, &wrong_step, Later(), &selected),
       StatusIs(absl::StatusCode::kInternal, HasSubstr("answered for step 8")));
   EXPECT_TRUE(selected.empty());
 
@@ -950,7 +950,7 @@ TEST(DistributedExactTopKTest, ErrorsLeaveTheOutputEmpty) {
     return absl::StatusOr<ThresholdResponse>(refine(r));
   });
   EXPECT_THAT(
-      DistributedExactTopK(sum, 2, 7, 2, &never_done, Later(), &selected),
+      DistributedThresholdTopK(sum, 2, 7, 2, &never_done, Later(), &selected),
       StatusIs(absl::StatusCode::kInternal, HasSubstr("level 2")));
   EXPECT_TRUE(selected.empty());
 
@@ -963,24 +963,24 @@ TEST(DistributedExactTopKTest, ErrorsLeaveTheOutputEmpty) {
     return absl::StatusOr<ThresholdResponse>(out);
   });
   EXPECT_THAT(
-      DistributedExactTopK(sum, 2, 7, 2, &too_many_ties, Later(), &selected),
+      DistributedThresholdTopK(sum, 2, 7, 2, &too_many_ties, Later(), &selected),
       StatusIs(absl::StatusCode::kInternal, HasSubstr("has only 1")));
   EXPECT_TRUE(selected.empty());
 
   reset();
   EXPECT_THAT(
-      DistributedExactTopK(sum, 0, 7, 2, &never_done, Later(), &selected),
+      DistributedThresholdTopK(sum, 0, 7, 2, &never_done, Later(), &selected),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("k must be")));
   EXPECT_TRUE(selected.empty());
   reset();
   EXPECT_THAT(
-      DistributedExactTopK(MakeSparse({5, 4}, {1.0f, 1.0f}), 1, 7, 2,
+      DistributedThresholdTopK(MakeSparse({5, 4}, {1.0f, 1.0f}), 1, 7, 2,
                            &never_done, Later(), &selected),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("ascending")));
   EXPECT_TRUE(selected.empty());
   reset();
   EXPECT_THAT(
-      DistributedExactTopK(sum, 1, 7, 2, nullptr, Later(), &selected),
+      DistributedThresholdTopK(sum, 1, 7, 2, nullptr, Later(), &selected),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("exchange")));
   EXPECT_TRUE(selected.empty());
 }

@@ -295,7 +295,7 @@ TEST_F(TransportSecurityTest, PushAsAnotherRankIsRefusedAndNothingApplied) {
   auto stream = stub->PushPull(context.get());
   v1::Push push;
   push.set_step(0);
-  push.set_worker(0);
+  push.set_rank(0);
   push.set_shard_id(0);
   push.set_member_token(rank0->member_token());
   push.set_cluster_fingerprint(rank0->cluster().cluster_fingerprint());

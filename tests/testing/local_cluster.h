@@ -147,7 +147,7 @@ class LocalCluster {
       grpc::ClientContext ctx;
       ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
       v1::DownloadParamsRequest req;
-      req.set_worker(rank);
+      req.set_rank(rank);
       auto reader = stub->DownloadParams(&ctx, req);
       v1::ParamsChunk chunk;
       while (reader->Read(&chunk)) {
