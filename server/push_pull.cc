@@ -173,8 +173,7 @@ class AggregatorService::PushPullCall {
       s_.metrics_->Rejected(RejectReason::kWrongCluster);
       return identity;
     }
-    identity =
-        s_.CheckMemberToken(push.rank(), push.member_token(), deadline);
+    identity = s_.CheckMemberToken(push.rank(), push.member_token(), deadline);
     if (!identity.ok()) {
       s_.metrics_->Rejected(RejectReason::kNotMember);
       if (!absl::StartsWith(identity.message(), "leader ")) {

@@ -26,8 +26,8 @@ absl::StatusOr<WorkerPush> DecodeWirePush(const v1::Push& push,
   if (push.rank() >= config.num_workers) {
     *reason = RejectReason::kUnknownWorker;
     return absl::InvalidArgumentError(
-        absl::StrCat("unknown worker rank ", push.rank(),
-                     "; the cluster has ", config.num_workers, " workers"));
+        absl::StrCat("unknown worker rank ", push.rank(), "; the cluster has ",
+                     config.num_workers, " workers"));
   }
   WorkerPush out;
   out.step = push.step();
@@ -56,8 +56,7 @@ absl::StatusOr<WorkerPush> DecodeWirePush(const v1::Push& push,
     return absl::InvalidArgumentError(
         absl::StrCat(who, "corrupt sparse push: ", spec.status().message()));
   }
-  if (spec->index != config.index_codec ||
-      spec->value != config.value_codec) {
+  if (spec->index != config.index_codec || spec->value != config.value_codec) {
     *reason = RejectReason::kWrongCodec;
     return absl::InvalidArgumentError(absl::StrCat(
         who, "wrong codec: the push uses ", IndexCodecName(spec->index), "/",

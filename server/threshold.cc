@@ -392,8 +392,8 @@ ThresholdCoordinator::FindOrCreateStepLocked(int64_t step) {
   return state;
 }
 
-void ThresholdCoordinator::FailRoundLocked(ExchangeRound* round, int64_t culprit,
-                                           absl::Status status,
+void ThresholdCoordinator::FailRoundLocked(ExchangeRound* round,
+                                           int64_t culprit, absl::Status status,
                                            absl::Status others) {
   round->phase = ExchangeRound::Phase::kFailed;
   round->culprit = culprit;
@@ -691,7 +691,8 @@ absl::StatusOr<ThresholdResponse> ThresholdCoordinator::AwaitRoundLocked(
     changed_.WaitWithDeadline(
         &mu_,
         cancelled ? std::min(deadline, absl::Now() + kCancelPoll) : deadline);
-    if (round.phase == ExchangeRound::Phase::kCollecting && cancelled && cancelled()) {
+    if (round.phase == ExchangeRound::Phase::kCollecting && cancelled &&
+        cancelled()) {
       FailRoundLocked(
           &round, shard,
           absl::CancelledError(absl::StrCat(round_name, ": shard ", shard,
@@ -701,7 +702,8 @@ absl::StatusOr<ThresholdResponse> ThresholdCoordinator::AwaitRoundLocked(
                            " went away (its request was cancelled)")));
       break;
     }
-    if (round.phase == ExchangeRound::Phase::kCollecting && absl::Now() >= deadline) {
+    if (round.phase == ExchangeRound::Phase::kCollecting &&
+        absl::Now() >= deadline) {
       std::vector<uint32_t> missing;
       for (uint32_t s = 0; s < num_shards_; ++s) {
         if (!round.requests[s].has_value()) missing.push_back(s);
@@ -713,7 +715,8 @@ absl::StatusOr<ThresholdResponse> ThresholdCoordinator::AwaitRoundLocked(
       FailRoundLocked(&round, -1, late, late);
     }
   }
-  if (round.phase == ExchangeRound::Phase::kComplete) return round.responses[shard];
+  if (round.phase == ExchangeRound::Phase::kComplete)
+    return round.responses[shard];
   return round.FailureFor(shard);
 }
 
@@ -726,19 +729,22 @@ absl::StatusOr<ThresholdResponse> LocalThresholdExchange::Exchange(
 // Shard-side driver
 
 absl::Status DistributedThresholdTopK(const SparseVector& shard_sum, uint64_t k,
-                                  int64_t step, uint32_t shard_id,
-                                  ThresholdExchange* exchange,
-                                  absl::Time deadline, SparseVector* selected,
-                                  uint64_t epoch) {
+                                      int64_t step, uint32_t shard_id,
+                                      ThresholdExchange* exchange,
+                                      absl::Time deadline,
+                                      SparseVector* selected, uint64_t epoch) {
   if (selected == nullptr) {
-    return absl::InvalidArgumentError("DistributedThresholdTopK: selected is null");
+    return absl::InvalidArgumentError(
+        "DistributedThresholdTopK: selected is null");
   }
   selected->clear();
   if (exchange == nullptr) {
-    return absl::InvalidArgumentError("DistributedThresholdTopK: exchange is null");
+    return absl::InvalidArgumentError(
+        "DistributedThresholdTopK: exchange is null");
   }
   if (k == 0) {
-    return absl::InvalidArgumentError("DistributedThresholdTopK: k must be >= 1");
+    return absl::InvalidArgumentError(
+        "DistributedThresholdTopK: k must be >= 1");
   }
   if (step < 0) {
     return absl::InvalidArgumentError(

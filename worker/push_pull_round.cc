@@ -185,7 +185,7 @@ absl::Status WorkerClient::PushPullRound(int64_t step,
   const size_t S = shards_.size();
   pulls->assign(S, v1::Pull());
   PushPullState round(S, absl::Milliseconds(cluster_.step_timeout_ms()) +
-                     options_.step_watchdog_margin);
+                             options_.step_watchdog_margin);
   for (auto& c : shards_) {
     if (c->stream == nullptr) {
       SetStreamContext(*c);
@@ -315,7 +315,8 @@ void WorkerClient::AwaitShards(PushPullState& round) const {
   round.mu.Await(absl::Condition(&all_done));  // prompt after the cancel
 }
 
-absl::Status WorkerClient::RoundStatus(int64_t step, const PushPullState& round) const {
+absl::Status WorkerClient::RoundStatus(int64_t step,
+                                       const PushPullState& round) const {
   const size_t S = shards_.size();
   std::vector<std::string> messages;
   absl::StatusCode code = absl::StatusCode::kOk;
@@ -324,8 +325,7 @@ absl::Status WorkerClient::RoundStatus(int64_t step, const PushPullState& round)
     if (round.unreachable[s]) {
       st = absl::UnavailableError(absl::StrCat(
           "unreachable: no connection for ",
-          absl::FormatDuration(kShardUnreachableGrace),
-          " while step ", step,
+          absl::FormatDuration(kShardUnreachableGrace), " while step ", step,
           " waited for it (the shard process is down or restarting; the "
           "worker recovers once it is back)"));
     } else if (round.timed_out[s]) {

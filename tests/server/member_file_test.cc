@@ -139,8 +139,8 @@ absl::StatusOr<v1::JoinResponse> Join(v1::Aggregator::Stub* stub, int rank) {
   return response;
 }
 
-absl::Status Recover(v1::Aggregator::Stub* stub, uint32_t rank,
-                     uint64_t token, uint64_t fingerprint) {
+absl::Status Recover(v1::Aggregator::Stub* stub, uint32_t rank, uint64_t token,
+                     uint64_t fingerprint) {
   grpc::ClientContext ctx;
   Deadline(&ctx);
   ctx.AddMetadata("gtopk-rank", absl::StrCat(rank));

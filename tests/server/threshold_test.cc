@@ -114,7 +114,7 @@ SparseVector RunShards(const std::vector<SparseVector>& shards, uint64_t k,
     threads.emplace_back([&, s] {
       status[s] =
           DistributedThresholdTopK(shards[s], k, step, static_cast<uint32_t>(s),
-                               exchange, deadline, &selected[s]);
+                                   exchange, deadline, &selected[s]);
     });
   }
   for (std::thread& t : threads) t.join();
@@ -543,15 +543,18 @@ TEST(ThresholdCoordinatorTest, DeadlineNamesTheMissingShard) {
   }
   // A late level-0 request starts a new attempt of the failed step (the
   // workers retry a failed step on every shard): it waits for the others.
-  EXPECT_THAT(
-      coordinator.Submit(Req(0, 2, 5, 0, {{1, 9}}), Soon()),
-      StatusIs(absl::StatusCode::kDeadlineExceeded,
-               HasSubstr("waiting for shards 0, 1 (1 of 3 arrived)")));
+  EXPECT_THAT(coordinator.Submit(Req(0, 2, 5, 0, {{1, 9}}), Soon()),
+              StatusIs(absl::StatusCode::kDeadlineExceeded,
+                       HasSubstr("waiting for shards 0, 1 (1 of 3 arrived)")));
   // A full retry of the step by all three shards succeeds.
   {
     absl::StatusOr<ThresholdResponse> a, b, c;
-    std::thread ta([&] { a = coordinator.Submit(Req(0, 0, 5, 0, {{1, 9}}), Later()); });
-    std::thread tb([&] { b = coordinator.Submit(Req(0, 1, 5, 0, {{1, 9}}), Later()); });
+    std::thread ta([&] {
+      a = coordinator.Submit(Req(0, 0, 5, 0, {{1, 9}}), Later());
+    });
+    std::thread tb([&] {
+      b = coordinator.Submit(Req(0, 1, 5, 0, {{1, 9}}), Later());
+    });
     c = coordinator.Submit(Req(0, 2, 5, 0, {{1, 9}}), Later());
     ta.join();
     tb.join();
@@ -638,8 +641,7 @@ TEST(ThresholdCoordinatorTest, AbortRefusesTheFailedAttemptOnly) {
   absl::StatusOr<ThresholdResponse> waiting;
   std::thread t([&] { waiting = coordinator.Submit(old0, Later()); });
   AwaitSteps(coordinator, 1);
-  coordinator.Abort(5, absl::AbortedError("step 5 failed on shard 1: bad"),
-                    11);
+  coordinator.Abort(5, absl::AbortedError("step 5 failed on shard 1: bad"), 11);
   t.join();
   EXPECT_THAT(waiting, StatusIs(absl::StatusCode::kAborted,
                                 HasSubstr("failed on shard 1")));
@@ -684,7 +686,9 @@ TEST(ThresholdCoordinatorTest, WrongHistogramSizeFailsTheRoundForEveryone) {
   // A retry of the failed step is a new attempt; it and the next step work.
   {
     absl::StatusOr<ThresholdResponse> a;
-    std::thread ta([&] { a = coordinator.Submit(Req(0, 0, 3, 0, {{5, 4}}), Later()); });
+    std::thread ta([&] {
+      a = coordinator.Submit(Req(0, 0, 3, 0, {{5, 4}}), Later());
+    });
     EXPECT_THAT(coordinator.Submit(Req(0, 1, 3, 0, {{5, 1}}), Later()),
                 ::gtopk::testing::IsOk());
     ta.join();
@@ -962,9 +966,9 @@ TEST(DistributedThresholdTopKTest, ErrorsLeaveTheOutputEmpty) {
     out.ties_to_keep = 2;  // only one entry has |x| == 1
     return absl::StatusOr<ThresholdResponse>(out);
   });
-  EXPECT_THAT(
-      DistributedThresholdTopK(sum, 2, 7, 2, &too_many_ties, Later(), &selected),
-      StatusIs(absl::StatusCode::kInternal, HasSubstr("has only 1")));
+  EXPECT_THAT(DistributedThresholdTopK(sum, 2, 7, 2, &too_many_ties, Later(),
+                                       &selected),
+              StatusIs(absl::StatusCode::kInternal, HasSubstr("has only 1")));
   EXPECT_TRUE(selected.empty());
 
   reset();
@@ -975,7 +979,7 @@ TEST(DistributedThresholdTopKTest, ErrorsLeaveTheOutputEmpty) {
   reset();
   EXPECT_THAT(
       DistributedThresholdTopK(MakeSparse({5, 4}, {1.0f, 1.0f}), 1, 7, 2,
-                           &never_done, Later(), &selected),
+                               &never_done, Later(), &selected),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("ascending")));
   EXPECT_TRUE(selected.empty());
   reset();
