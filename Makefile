@@ -75,7 +75,7 @@ DEB_PACKAGES := build-essential cmake ninja-build pkg-config libboost-context-de
 	libtorch-dev dataset-fashion-mnist python3 \
 	prometheus-cpp-dev prometheus \
 	python3-torch python3-numpy python3-dev pybind11-dev python3-pybind11 \
-	gnuplot-nox iproute2 \
+	gnuplot-nox iproute2 clang-format \
 	docker-compose python3-yaml \
 	python3-pip python3-setuptools python3-wheel python3-venv
 
@@ -110,7 +110,7 @@ DEMO_ARGS      ?=
 LOWBW_ARGS     ?=
 TTA_ARGS       ?=
 
-.PHONY: python python-install wheel all deps build test check test-counts bench bench-lowbw bench-lowbw-grid bench-tta tta-blas bench-model demo format clean deploy-sync \
+.PHONY: python python-install wheel all deps build test check test-counts bench bench-lowbw bench-lowbw-grid bench-tta tta-blas bench-model demo format format-check clean deploy-sync \
 	device-bundle device-bundle-check compose-certs compose-test fuzz fuzz-smoke fuzz-build fuzz-deps
 
 all: build
@@ -328,8 +328,15 @@ fuzz: fuzz-build
 deploy-sync:
 	python3 deploy/sync_generated.py
 
+# Every C++ source the repository tracks (.clang-format: Google style, 80
+# columns); `make format-check` is what CI runs (.ci/run).
+FORMAT_FILES = git ls-files '*.h' '*.cc' '*.cu' '*.cuh'
+
 format:
-	find cli common server worker tests bench -name '*.h' -o -name '*.cc' -o -name '*.cu' 2>/dev/null | xargs clang-format -i
+	$(FORMAT_FILES) | xargs clang-format -i
+
+format-check: deps
+	$(FORMAT_FILES) | xargs clang-format --dry-run -Werror
 
 clean:
 	rm -rf $(BUILD_DIR)

@@ -200,7 +200,8 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   if (absl::GetFlag(FLAGS_workers) < 1 || absl::GetFlag(FLAGS_shards) < 1 ||
       absl::GetFlag(FLAGS_steps) < 1 || absl::GetFlag(FLAGS_n) < 1 ||
-      !(absl::GetFlag(FLAGS_density) > 0 && absl::GetFlag(FLAGS_density) <= 1)) {
+      !(absl::GetFlag(FLAGS_density) > 0 &&
+        absl::GetFlag(FLAGS_density) <= 1)) {
     std::fprintf(stderr,
                  "need --workers, --shards, --steps, --n >= 1 and --density in "
                  "(0, 1]\n");
@@ -221,11 +222,11 @@ int main(int argc, char** argv) {
     parts.push_back(r.json);
   }
   const std::string json = absl::StrCat(
-      "{\n  \"command\": \"", command, "\",\n  \"n\": ",
-      absl::GetFlag(FLAGS_n), ",\n  \"workers\": ", absl::GetFlag(FLAGS_workers),
-      ",\n  \"shards\": ", absl::GetFlag(FLAGS_shards), ",\n  \"density\": ",
-      absl::GetFlag(FLAGS_density), ",\n  \"measured_steps\": ",
-      absl::GetFlag(FLAGS_steps),
+      "{\n  \"command\": \"", command, "\",\n  \"n\": ", absl::GetFlag(FLAGS_n),
+      ",\n  \"workers\": ", absl::GetFlag(FLAGS_workers),
+      ",\n  \"shards\": ", absl::GetFlag(FLAGS_shards),
+      ",\n  \"density\": ", absl::GetFlag(FLAGS_density),
+      ",\n  \"measured_steps\": ", absl::GetFlag(FLAGS_steps),
       ",\n  \"selection\": \"exact\",\n  \"codecs\": \"delta-varint + fp32\","
       "\n  \"network\": \"loopback, in-process gRPC, all on one 2-core "
       "machine\",\n  \"modes\": [\n    ",

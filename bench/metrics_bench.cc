@@ -115,19 +115,19 @@ int ParseFlag(absl::string_view arg) {
 
 std::string Summarize(const bench::CollectingReporter& r,
                       const std::string& command) {
-  std::string json = absl::StrCat(
-      "{\n  \"command\": \"", command, "\",\n  \"commit\": \"", Commit(),
-      "\",\n  \"library\": \"", kMetricsLibrary,
-      "\",\n  \"threads\": 1,\n  \"shards\": ", kShards,
-      ",\n  \"worker_step_ns\": ",
-      absl::StrFormat("%.1f", r.Seconds("WorkerStep") * 1e9),
-      ",\n  \"shard_step_ns\": [");
+  std::string json =
+      absl::StrCat("{\n  \"command\": \"", command, "\",\n  \"commit\": \"",
+                   Commit(), "\",\n  \"library\": \"", kMetricsLibrary,
+                   "\",\n  \"threads\": 1,\n  \"shards\": ", kShards,
+                   ",\n  \"worker_step_ns\": ",
+                   absl::StrFormat("%.1f", r.Seconds("WorkerStep") * 1e9),
+                   ",\n  \"shard_step_ns\": [");
   for (size_t i = 0; i < std::size(kWorkerCounts); ++i) {
     const int P = kWorkerCounts[i];
-    absl::StrAppend(&json, i ? "," : "",
-                    absl::StrFormat("\n    {\"P\": %d, \"ns\": %.1f}", P,
-                                    r.Seconds(absl::StrCat("ShardStep/", P)) *
-                                        1e9));
+    absl::StrAppend(
+        &json, i ? "," : "",
+        absl::StrFormat("\n    {\"P\": %d, \"ns\": %.1f}", P,
+                        r.Seconds(absl::StrCat("ShardStep/", P)) * 1e9));
   }
   absl::StrAppend(&json, "\n  ]\n}\n");
   return json;

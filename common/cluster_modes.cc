@@ -18,8 +18,8 @@ absl::StatusOr<E> ParseByName(absl::string_view name, absl::string_view what,
     if (name == name_of(e)) return e;
   }
   return absl::InvalidArgumentError(absl::StrCat(
-      "unknown ", what, " \"", name, "\"; known: ",
-      absl::StrJoin(all, ", ", [&](std::string* out, E e) {
+      "unknown ", what, " \"", name,
+      "\"; known: ", absl::StrJoin(all, ", ", [&](std::string* out, E e) {
         absl::StrAppend(out, name_of(e));
       })));
 }
@@ -28,34 +28,44 @@ absl::StatusOr<E> ParseByName(absl::string_view name, absl::string_view what,
 
 absl::string_view AggregationModeName(AggregationMode mode) {
   switch (mode) {
-    case AggregationMode::kGtopk: return "gtopk";
-    case AggregationMode::kTopk: return "topk";
-    case AggregationMode::kDense: return "dense";
+    case AggregationMode::kGtopk:
+      return "gtopk";
+    case AggregationMode::kTopk:
+      return "topk";
+    case AggregationMode::kDense:
+      return "dense";
   }
   return "unknown";
 }
 
 absl::string_view SelectionKindName(SelectionKind kind) {
   switch (kind) {
-    case SelectionKind::kThreshold: return "threshold";
-    case SelectionKind::kQuota: return "quota";
+    case SelectionKind::kThreshold:
+      return "threshold";
+    case SelectionKind::kQuota:
+      return "quota";
   }
   return "unknown";
 }
 
 absl::string_view MomentumModeName(MomentumMode mode) {
   switch (mode) {
-    case MomentumMode::kNone: return "none";
-    case MomentumMode::kDgcCorrection: return "dgc";
-    case MomentumMode::kGlobal: return "global";
+    case MomentumMode::kNone:
+      return "none";
+    case MomentumMode::kDgcCorrection:
+      return "dgc";
+    case MomentumMode::kGlobal:
+      return "global";
   }
   return "unknown";
 }
 
 absl::string_view ApplyModeName(ApplyMode mode) {
   switch (mode) {
-    case ApplyMode::kServers: return "servers";
-    case ApplyMode::kWorkers: return "workers";
+    case ApplyMode::kServers:
+      return "servers";
+    case ApplyMode::kWorkers:
+      return "workers";
   }
   return "unknown";
 }
@@ -83,8 +93,7 @@ absl::StatusOr<MomentumMode> ParseMomentumMode(absl::string_view name) {
 
 absl::StatusOr<ApplyMode> ParseApplyMode(absl::string_view name) {
   return ParseByName(name, "apply mode",
-                     {ApplyMode::kServers, ApplyMode::kWorkers},
-                     ApplyModeName);
+                     {ApplyMode::kServers, ApplyMode::kWorkers}, ApplyModeName);
 }
 
 }  // namespace gtopk

@@ -71,34 +71,44 @@ std::string ShortestNumber(T v) {
 
 v1::Mode ToProto(AggregationMode mode) {
   switch (mode) {
-    case AggregationMode::kGtopk: return v1::MODE_GTOPK;
-    case AggregationMode::kTopk: return v1::MODE_TOPK;
-    case AggregationMode::kDense: return v1::MODE_DENSE;
+    case AggregationMode::kGtopk:
+      return v1::MODE_GTOPK;
+    case AggregationMode::kTopk:
+      return v1::MODE_TOPK;
+    case AggregationMode::kDense:
+      return v1::MODE_DENSE;
   }
   return v1::MODE_UNSPECIFIED;
 }
 
 v1::Selection ToProto(SelectionKind kind) {
   switch (kind) {
-    case SelectionKind::kThreshold: return v1::SELECTION_THRESHOLD;
-    case SelectionKind::kQuota: return v1::SELECTION_QUOTA;
+    case SelectionKind::kThreshold:
+      return v1::SELECTION_THRESHOLD;
+    case SelectionKind::kQuota:
+      return v1::SELECTION_QUOTA;
   }
   return v1::SELECTION_UNSPECIFIED;
 }
 
 v1::MomentumMode ToProto(MomentumMode mode) {
   switch (mode) {
-    case MomentumMode::kNone: return v1::MOMENTUM_MODE_NONE;
-    case MomentumMode::kDgcCorrection: return v1::MOMENTUM_MODE_DGC;
-    case MomentumMode::kGlobal: return v1::MOMENTUM_MODE_GLOBAL;
+    case MomentumMode::kNone:
+      return v1::MOMENTUM_MODE_NONE;
+    case MomentumMode::kDgcCorrection:
+      return v1::MOMENTUM_MODE_DGC;
+    case MomentumMode::kGlobal:
+      return v1::MOMENTUM_MODE_GLOBAL;
   }
   return v1::MOMENTUM_MODE_UNSPECIFIED;
 }
 
 v1::Apply ToProto(ApplyMode mode) {
   switch (mode) {
-    case ApplyMode::kServers: return v1::APPLY_SERVERS;
-    case ApplyMode::kWorkers: return v1::APPLY_WORKERS;
+    case ApplyMode::kServers:
+      return v1::APPLY_SERVERS;
+    case ApplyMode::kWorkers:
+      return v1::APPLY_WORKERS;
   }
   return v1::APPLY_UNSPECIFIED;
 }
@@ -106,8 +116,10 @@ v1::Apply ToProto(ApplyMode mode) {
 absl::StatusOr<ApplyMode> ApplyModeFromProto(v1::Apply apply) {
   switch (apply) {
     case v1::APPLY_UNSPECIFIED:  // clusters from before the field
-    case v1::APPLY_SERVERS: return ApplyMode::kServers;
-    case v1::APPLY_WORKERS: return ApplyMode::kWorkers;
+    case v1::APPLY_SERVERS:
+      return ApplyMode::kServers;
+    case v1::APPLY_WORKERS:
+      return ApplyMode::kWorkers;
     default:
       return absl::InvalidArgumentError(absl::StrCat(
           "cluster spec: unknown apply mode ", static_cast<int>(apply)));
@@ -133,19 +145,24 @@ v1::OptimizerSpec IdentityOptimizerSpec(const v1::OptimizerSpec& spec) {
 
 absl::StatusOr<AggregationMode> AggregationModeFromProto(v1::Mode mode) {
   switch (mode) {
-    case v1::MODE_GTOPK: return AggregationMode::kGtopk;
-    case v1::MODE_TOPK: return AggregationMode::kTopk;
-    case v1::MODE_DENSE: return AggregationMode::kDense;
+    case v1::MODE_GTOPK:
+      return AggregationMode::kGtopk;
+    case v1::MODE_TOPK:
+      return AggregationMode::kTopk;
+    case v1::MODE_DENSE:
+      return AggregationMode::kDense;
     default:
-      return absl::InvalidArgumentError(absl::StrCat(
-          "cluster spec: unknown mode ", static_cast<int>(mode)));
+      return absl::InvalidArgumentError(
+          absl::StrCat("cluster spec: unknown mode ", static_cast<int>(mode)));
   }
 }
 
 absl::StatusOr<SelectionKind> SelectionKindFromProto(v1::Selection selection) {
   switch (selection) {
-    case v1::SELECTION_THRESHOLD: return SelectionKind::kThreshold;
-    case v1::SELECTION_QUOTA: return SelectionKind::kQuota;
+    case v1::SELECTION_THRESHOLD:
+      return SelectionKind::kThreshold;
+    case v1::SELECTION_QUOTA:
+      return SelectionKind::kQuota;
     default:
       return absl::InvalidArgumentError(absl::StrCat(
           "cluster spec: unknown selection ", static_cast<int>(selection)));
@@ -154,10 +171,13 @@ absl::StatusOr<SelectionKind> SelectionKindFromProto(v1::Selection selection) {
 
 absl::StatusOr<MomentumMode> MomentumModeFromProto(v1::MomentumMode mode) {
   switch (mode) {
-    case v1::MOMENTUM_MODE_NONE: return MomentumMode::kNone;
+    case v1::MOMENTUM_MODE_NONE:
+      return MomentumMode::kNone;
     case v1::MOMENTUM_MODE_UNSPECIFIED:  // the documented default
-    case v1::MOMENTUM_MODE_DGC: return MomentumMode::kDgcCorrection;
-    case v1::MOMENTUM_MODE_GLOBAL: return MomentumMode::kGlobal;
+    case v1::MOMENTUM_MODE_DGC:
+      return MomentumMode::kDgcCorrection;
+    case v1::MOMENTUM_MODE_GLOBAL:
+      return MomentumMode::kGlobal;
     default:
       return absl::InvalidArgumentError(absl::StrCat(
           "cluster spec: unknown momentum mode ", static_cast<int>(mode)));
@@ -180,7 +200,7 @@ std::string MomentumFlagValue(v1::MomentumMode mode) {
   const absl::StatusOr<MomentumMode> m = MomentumModeFromProto(mode);
   return m.ok() && mode != v1::MOMENTUM_MODE_UNSPECIFIED
              ? std::string(MomentumModeName(*m))
-                : absl::StrCat("unknown(", static_cast<int>(mode), ")");
+             : absl::StrCat("unknown(", static_cast<int>(mode), ")");
 }
 
 uint64_t ClusterFingerprint(const v1::ClusterSpec& spec) {
@@ -229,9 +249,9 @@ namespace {
 // prefix) with underscores ("index_codec").
 absl::Status Mismatch(absl::string_view prefix, absl::string_view name,
                       absl::string_view mine, absl::string_view servers) {
-  const std::string shown =
-      prefix.empty() ? absl::StrReplaceAll(name, {{"-", "_"}})
-                     : std::string(name);
+  const std::string shown = prefix.empty()
+                                ? absl::StrReplaceAll(name, {{"-", "_"}})
+                                : std::string(name);
   return absl::FailedPreconditionError(absl::StrCat(
       prefix, shown, "=", mine, " but the servers' cluster spec has ", shown,
       " ", servers, " (configure the servers and workers alike)"));
@@ -393,8 +413,7 @@ absl::StatusOr<OptimizerOptions> OptimizerFromSpec(const v1::OptimizerSpec& s) {
   o.weight_decay = s.weight_decay();
   o.lr_warmup_steps = s.lr_warmup_steps();
   o.density = s.density();
-  o.density_warmup.assign(s.density_warmup().begin(),
-                          s.density_warmup().end());
+  o.density_warmup.assign(s.density_warmup().begin(), s.density_warmup().end());
   o.steps_per_epoch = s.steps_per_epoch();
   return o;
 }
@@ -406,9 +425,8 @@ absl::Status ValidateWorkerClusterSpec(const v1::ClusterSpec& c, uint64_t n,
         "cluster spec: cluster has n = ", c.n(), ", this worker has ", n));
   }
   if (c.num_workers() < 1 || rank >= c.num_workers()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cluster spec: rank ", rank, " not below P = ",
-                     c.num_workers()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cluster spec: rank ", rank, " not below P = ", c.num_workers()));
   }
   if (c.shards_size() < 1) {
     return absl::InvalidArgumentError("cluster spec: no shards");
@@ -417,13 +435,12 @@ absl::Status ValidateWorkerClusterSpec(const v1::ClusterSpec& c, uint64_t n,
   for (int s = 0; s < c.shards_size(); ++s) {
     const v1::ShardSpec& sh = c.shards(s);
     if (sh.shard_id() != static_cast<uint32_t>(s) || sh.address().empty() ||
-        sh.begin() != expected_begin || sh.end() < sh.begin() ||
-        sh.end() > n) {
+        sh.begin() != expected_begin || sh.end() < sh.begin() || sh.end() > n) {
       return absl::InvalidArgumentError(absl::StrCat(
           "cluster spec: shard at position ", s, " (id ", sh.shard_id(),
           ", address \"", sh.address(), "\", range [", sh.begin(), ", ",
-          sh.end(), ")) does not continue the tiling of [0, ", n,
-          ") at ", expected_begin));
+          sh.end(), ")) does not continue the tiling of [0, ", n, ") at ",
+          expected_begin));
     }
     expected_begin = sh.end();
   }

@@ -43,10 +43,10 @@ uint64_t ClusterFingerprint(const v1::ClusterSpec& spec);
 // num-shards (shards_size()), mode, selection, selector, seed, index-codec,
 // value-codec, lr, momentum, momentum-mode, momentum-masking, weight-decay,
 // lr-warmup-steps, density, density-warmup, steps-per-epoch, step-timeout,
-// max-message-bytes, apply, checksum-every; then n when both are non-zero ("the parameter count n
-// is ..."), and shard ranges when S and n agree but a range differs.
-// Numbers print as the shortest decimal that reads back exactly. Empty when
-// all agree. Pure; thread-safe.
+// max-message-bytes, apply, checksum-every; then n when both are non-zero ("the
+// parameter count n is ..."), and shard ranges when S and n agree but a range
+// differs. Numbers print as the shortest decimal that reads back exactly. Empty
+// when all agree. Pure; thread-safe.
 std::vector<std::string> ClusterSpecDifferences(const v1::ClusterSpec& here,
                                                 const v1::ClusterSpec& there,
                                                 absl::string_view there_name);
@@ -93,7 +93,8 @@ struct ExpectedSettings {
 // OK when every set field of `expected` matches `spec` (numbers within a
 // relative 1e-6; an unspecified momentum mode is "dgc", the documented
 // default; a mode, selection or momentum mode compares by meaning, so the
-// alias "exact" matches "threshold"); otherwise FAILED_PRECONDITION for the first that differs:
+// alias "exact" matches "threshold"); otherwise FAILED_PRECONDITION for the
+// first that differs:
 // "<prefix>lr=0.1 but the servers' cluster spec has lr 0.05 (configure the
 // servers and workers alike)" (prefix "--" for flags, "" for keyword
 // arguments, then named with underscores: "weight_decay=0.1 but ...").

@@ -51,8 +51,8 @@ grpc::ChannelArguments LimitedChannelArguments(uint64_t max_message_bytes) {
 std::shared_ptr<grpc::Channel> CreateLimitedChannel(
     const std::string& address, uint64_t max_message_bytes,
     const std::shared_ptr<const TransportSecurity>& security) {
-  return CreateSecureChannel(address, LimitedChannelArguments(max_message_bytes),
-                             security);
+  return CreateSecureChannel(
+      address, LimitedChannelArguments(max_message_bytes), security);
 }
 
 }  // namespace gtopk

@@ -24,8 +24,8 @@ inline bool NonFinite(float x) {
 // would leave the finite range).
 absl::Status NotFinite(absl::string_view what, uint64_t index, float result,
                        absl::string_view how) {
-  return absl::FailedPreconditionError(absl::StrCat(
-      what, "[", index, "] would become ", result, ": ", how));
+  return absl::FailedPreconditionError(
+      absl::StrCat(what, "[", index, "] would become ", result, ": ", how));
 }
 
 }  // namespace
@@ -160,8 +160,9 @@ absl::Status OptimizerRule::AccumulateLocal(int64_t step,
     for (size_t i = 0; i < n; ++i) {
       if (NonFinite(residual[i]) || (dgc && NonFinite(velocity[i]))) {
         return absl::FailedPreconditionError(absl::StrCat(
-            "AccumulateLocal: the ", NonFinite(residual[i]) ? "residual" :
-            "velocity", " holds a non-finite value at position ", i, " (",
+            "AccumulateLocal: the ",
+            NonFinite(residual[i]) ? "residual" : "velocity",
+            " holds a non-finite value at position ", i, " (",
             NonFinite(residual[i]) ? residual[i] : velocity[i], ")"));
       }
       const float g = grad[i] + wd * params[i];
@@ -181,20 +182,22 @@ absl::Status OptimizerRule::AccumulateLocal(int64_t step,
         }
         const float r = residual[i] + lr * v;
         if (NonFinite(r)) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "AccumulateLocal: the residual at position ", i,
-              " would overflow to ", r, ": residual ", residual[i], " + lr ",
-              lr, " * velocity ", v, "; nothing was changed (the gradient is "
-              "too large: lower --lr or clip the gradients)"));
+          return absl::InvalidArgumentError(
+              absl::StrCat("AccumulateLocal: the residual at position ", i,
+                           " would overflow to ", r, ": residual ", residual[i],
+                           " + lr ", lr, " * velocity ", v,
+                           "; nothing was changed (the gradient is "
+                           "too large: lower --lr or clip the gradients)"));
         }
       } else {
         const float r = residual[i] + lr * g;
         if (NonFinite(r)) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "AccumulateLocal: the residual at position ", i,
-              " would overflow to ", r, ": residual ", residual[i], " + lr ",
-              lr, " * (", gradient, "); nothing was changed (the gradient is "
-              "too large: lower --lr or clip the gradients)"));
+          return absl::InvalidArgumentError(
+              absl::StrCat("AccumulateLocal: the residual at position ", i,
+                           " would overflow to ", r, ": residual ", residual[i],
+                           " + lr ", lr, " * (", gradient,
+                           "); nothing was changed (the gradient is "
+                           "too large: lower --lr or clip the gradients)"));
         }
       }
     }
@@ -246,10 +249,9 @@ absl::Status OptimizerRule::MaskMomentum(const SparseVector& sent,
 
 namespace {
 
-absl::Status ValidateAggregated(const SparseVector& aggregated,
-                                uint64_t offset, int num_workers,
-                                size_t params_size, size_t velocity_size,
-                                bool global) {
+absl::Status ValidateAggregated(const SparseVector& aggregated, uint64_t offset,
+                                int num_workers, size_t params_size,
+                                size_t velocity_size, bool global) {
   if (num_workers < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("num_workers must be >= 1, got ", num_workers));
@@ -297,15 +299,14 @@ absl::Status GlobalNotFinite(uint64_t index, float m, float velocity,
                              absl::string_view update_how) {
   const float v = m * velocity + update;
   if (NonFinite(v)) {
-    return NotFinite(
-        "global velocity", index, v,
-        absl::StrCat("momentum ", m, " * velocity ", velocity, " + update ",
-                     update, update_how));
+    return NotFinite("global velocity", index, v,
+                     absl::StrCat("momentum ", m, " * velocity ", velocity,
+                                  " + update ", update, update_how));
   }
-  return NotFinite("params", index, param - v,
-                   absl::StrCat(param, " - velocity ", v, " (momentum ", m,
-                                " * velocity ", velocity, " + update ", update,
-                                update_how, ")"));
+  return NotFinite(
+      "params", index, param - v,
+      absl::StrCat(param, " - velocity ", v, " (momentum ", m, " * velocity ",
+                   velocity, " + update ", update, update_how, ")"));
 }
 
 }  // namespace
@@ -371,8 +372,8 @@ absl::Status OptimizerRule::ApplyAggregated(
     const SparseVector& aggregated, uint64_t offset, int num_workers,
     absl::Span<float> params, absl::Span<float> global_velocity) const {
   // Validates the arguments and that every stored value stays finite.
-  GTOPK_RETURN_IF_ERROR(CheckAggregated(aggregated, offset, num_workers,
-                                        params, global_velocity));
+  GTOPK_RETURN_IF_ERROR(CheckAggregated(aggregated, offset, num_workers, params,
+                                        global_velocity));
   StoreAggregated(aggregated, offset, num_workers, params, global_velocity);
   return absl::OkStatus();
 }

@@ -116,8 +116,7 @@ class OptimizerRule {
   // (aggregated 3e+38 / 2 workers)". Cost: O(|aggregated|) without global
   // momentum, one pass over the range with it.
   absl::Status CheckAggregated(const SparseVector& aggregated, uint64_t offset,
-                               int num_workers,
-                               absl::Span<const float> params,
+                               int num_workers, absl::Span<const float> params,
                                absl::Span<const float> global_velocity) const;
 
   // Dense S-SGD variant of ApplyAggregated: `sum` holds the sum over the P
@@ -133,10 +132,10 @@ class OptimizerRule {
   // CheckAggregated for ApplyAggregatedDense (offset: the flat index of
   // params[0], used in messages only). Same errors as ApplyAggregatedDense,
   // nothing stored. Cost: one pass over the range.
-  absl::Status CheckAggregatedDense(absl::Span<const float> sum,
-                                    int num_workers, uint64_t offset,
-                                    absl::Span<const float> params,
-                                    absl::Span<const float> global_velocity) const;
+  absl::Status CheckAggregatedDense(
+      absl::Span<const float> sum, int num_workers, uint64_t offset,
+      absl::Span<const float> params,
+      absl::Span<const float> global_velocity) const;
 
   // The stores of ApplyAggregated / ApplyAggregatedDense without their
   // check, for a caller that must check before something else (a shard

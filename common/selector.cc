@@ -53,8 +53,8 @@ absl::StatusOr<uint64_t> KFromDensity(double density, uint64_t n) {
     return absl::InvalidArgumentError("density given for n = 0 entries");
   }
   if (n > kMaxDenseLength) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "n = ", n, " entries; at most 2^32 are supported"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("n = ", n, " entries; at most 2^32 are supported"));
   }
   const double k = std::round(density * static_cast<double>(n));
   if (k < 1.0) return uint64_t{1};

@@ -53,8 +53,9 @@ absl::StatusOr<std::string> ReadFlagFile(const char* flag,
   if (in.bad()) return FlagFileError(flag, path, "read error");
   s.resize(static_cast<size_t>(in.gcount()));
   if (s.size() > static_cast<size_t>(kMaxFlagFileBytes)) {
-    return FlagFileError(flag, path, "larger than 1 MiB: not a PEM file or "
-                                     "token");
+    return FlagFileError(flag, path,
+                         "larger than 1 MiB: not a PEM file or "
+                         "token");
   }
   if (s.empty()) return FlagFileError(flag, path, "file is empty");
   return s;
@@ -87,8 +88,9 @@ struct StoreCtxFree {
 using X509Ptr = std::unique_ptr<X509, X509Free>;
 
 // Every certificate in `pem`, in order; INVALID_ARGUMENT when none parses.
-absl::StatusOr<std::vector<X509Ptr>> ParseCertificates(
-    const char* flag, const std::string& path, const std::string& pem) {
+absl::StatusOr<std::vector<X509Ptr>> ParseCertificates(const char* flag,
+                                                       const std::string& path,
+                                                       const std::string& pem) {
   std::unique_ptr<BIO, BioFree> bio(
       BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())));
   std::vector<X509Ptr> certs;
@@ -105,8 +107,7 @@ absl::StatusOr<std::vector<X509Ptr>> ParseCertificates(
 absl::Status CheckValidity(const char* flag, const std::string& path,
                            X509* cert) {
   if (X509_cmp_current_time(X509_get0_notAfter(cert)) <= 0) {
-    return FlagFileError(flag, path,
-                         "the certificate has expired (renew it)");
+    return FlagFileError(flag, path, "the certificate has expired (renew it)");
   }
   if (X509_cmp_current_time(X509_get0_notBefore(cert)) >= 0) {
     return FlagFileError(flag, path, "the certificate is not valid yet");
@@ -163,7 +164,8 @@ absl::StatusOr<std::string> ReadToken(const char* flag,
 class TokenInterceptor : public grpc::experimental::Interceptor {
  public:
   explicit TokenInterceptor(const std::string* value) : value_(value) {}
-  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+  void Intercept(
+      grpc::experimental::InterceptorBatchMethods* methods) override {
     if (methods->QueryInterceptionHookPoint(
             grpc::experimental::InterceptionHookPoints::
                 PRE_SEND_INITIAL_METADATA)) {
@@ -227,9 +229,10 @@ TransportSecurity::Load(const TransportSecurityOptions& o, SecurityRole role) {
           {"tls-key", &o.key_file},
           {"tls-ca", &o.ca_file}}) {
       if (!value->empty()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "--", flag, " is set but --tls=off: say --tls=mutual (or "
-            "--tls=server) to use it, or drop it"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("--", flag,
+                         " is set but --tls=off: say --tls=mutual (or "
+                         "--tls=server) to use it, or drop it"));
       }
     }
   } else {
@@ -278,10 +281,9 @@ TransportSecurity::Load(const TransportSecurityOptions& o, SecurityRole role) {
       }
       if (X509_check_private_key((*chain)[0].get(), pkey.get()) != 1) {
         ERR_clear_error();
-        return absl::InvalidArgumentError(
-            absl::StrCat("--tls-key=", o.key_file,
-                         " does not match the certificate --tls-cert=",
-                         o.cert_file));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--tls-key=", o.key_file,
+            " does not match the certificate --tls-cert=", o.cert_file));
       }
       const absl::Status valid =
           CheckValidity("tls-cert", o.cert_file, (*chain)[0].get());
@@ -306,8 +308,7 @@ TransportSecurity::Load(const TransportSecurityOptions& o, SecurityRole role) {
   }
   if (!o.shard_token_file.empty()) {
     if (!server) {
-      return absl::InvalidArgumentError(
-          "--shard-token-file is a server flag");
+      return absl::InvalidArgumentError("--shard-token-file is a server flag");
     }
     absl::StatusOr<std::string> t =
         ReadToken("shard-token-file", o.shard_token_file);
@@ -364,7 +365,8 @@ std::string TransportSecurity::Describe() const {
   if (!options_.cert_file.empty()) {
     absl::StrAppend(&line, " cert=", options_.cert_file);
   }
-  if (!options_.ca_file.empty()) absl::StrAppend(&line, " ca=", options_.ca_file);
+  if (!options_.ca_file.empty())
+    absl::StrAppend(&line, " ca=", options_.ca_file);
   if (!worker_token_.empty()) {
     absl::StrAppend(&line, " token-file=", options_.token_file);
   }
@@ -390,8 +392,8 @@ std::shared_ptr<grpc::Channel> CreateSecureChannel(
     const std::string& address, const grpc::ChannelArguments& args,
     const std::shared_ptr<const TransportSecurity>& security) {
   if (security == nullptr) {
-    return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
-                                     args);
+    return grpc::CreateCustomChannel(address,
+                                     grpc::InsecureChannelCredentials(), args);
   }
   if (security->outgoing_token().empty()) {
     return grpc::CreateCustomChannel(address, security->ChannelCredentials(),
@@ -411,10 +413,8 @@ bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
   const size_t n = std::max(a.size(), b.size());
   unsigned char diff = a.size() == b.size() ? 0 : 1;
   for (size_t i = 0; i < n; ++i) {
-    const unsigned char x =
-        i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
-    const unsigned char y =
-        i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
+    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
+    const unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
     diff |= static_cast<unsigned char>(x ^ y);
   }
   return diff == 0;

@@ -40,7 +40,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const uint32_t crc = static_cast<uint32_t>(
         crc32(0, reinterpret_cast<const Bytef*>(file.data()),
               static_cast<uInt>(body)));
-    for (int i = 0; i < 4; ++i) file[body + i] = static_cast<char>(crc >> (8 * i));
+    for (int i = 0; i < 4; ++i)
+      file[body + i] = static_cast<char>(crc >> (8 * i));
   }
   const std::string dir = fuzz::ScratchDir();
   const std::string path = dir + "/input.ckpt";
@@ -66,9 +67,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (float v : c->global_velocity) {
     FUZZ_CHECK(std::isfinite(v), "velocity %a", v);
   }
-  FUZZ_CHECK(file.size() == kCheckpointHeaderBytes + kCheckpointTrailerBytes +
-                                4 * (c->params.size() + c->global_velocity.size()),
-             "file size");
+  FUZZ_CHECK(
+      file.size() == kCheckpointHeaderBytes + kCheckpointTrailerBytes +
+                         4 * (c->params.size() + c->global_velocity.size()),
+      "file size");
   const absl::Status layout = ValidateCheckpointFor(
       *c, c->shard_id, c->num_shards, c->n, c->begin, c->end);
   FUZZ_CHECK(layout.ok(), "own layout refused: %s", layout.ToString().c_str());
@@ -78,6 +80,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FUZZ_CHECK(w.ok(), "WriteCheckpoint of a read checkpoint: %s",
              w.ToString().c_str());
   const std::string written = fuzz::ReadFile(CheckpointPath(dir, c->shard_id));
-  FUZZ_CHECK(written == file, "re-written checkpoint differs from the file read");
+  FUZZ_CHECK(written == file,
+             "re-written checkpoint differs from the file read");
   return 0;
 }

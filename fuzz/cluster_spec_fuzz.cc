@@ -57,12 +57,12 @@ void CheckWorkerAcceptance(const gtopk::v1::ClusterSpec& a, uint32_t rank) {
   for (int s = 0; s < a.shards_size(); ++s) {
     const v1::ShardSpec& sh = a.shards(s);
     FUZZ_CHECK(sh.shard_id() == static_cast<uint32_t>(s), "shard id order");
-    FUZZ_CHECK(sh.begin() == covered && sh.begin() <= sh.end() &&
-                   sh.end() <= a.n(),
-               "shard %d range [%llu, %llu) of n = %llu accepted", s,
-               static_cast<unsigned long long>(sh.begin()),
-               static_cast<unsigned long long>(sh.end()),
-               static_cast<unsigned long long>(a.n()));
+    FUZZ_CHECK(
+        sh.begin() == covered && sh.begin() <= sh.end() && sh.end() <= a.n(),
+        "shard %d range [%llu, %llu) of n = %llu accepted", s,
+        static_cast<unsigned long long>(sh.begin()),
+        static_cast<unsigned long long>(sh.end()),
+        static_cast<unsigned long long>(a.n()));
     covered = sh.end();
   }
   FUZZ_CHECK(covered == a.n(), "ranges cover %llu of %llu",
@@ -135,7 +135,8 @@ void CheckExpected(const gtopk::v1::ClusterSpec& a) {
   e.momentum = a.optimizer().momentum();
   e.weight_decay = a.optimizer().weight_decay();
   const absl::Status s = CheckExpectedSettings(e, a, "--");
-  FUZZ_CHECK(s.ok(), "a worker expecting the spec's own settings is refused: %s",
+  FUZZ_CHECK(s.ok(),
+             "a worker expecting the spec's own settings is refused: %s",
              s.ToString().c_str());
 }
 

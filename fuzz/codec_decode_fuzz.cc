@@ -23,9 +23,8 @@
 
 namespace {
 
-constexpr uint64_t kLengths[] = {0,         1,           2,
-                                 100,       1000,        65536,
-                                 1u << 20,  0xFFFFFFFFu, uint64_t{1} << 32};
+constexpr uint64_t kLengths[] = {
+    0, 1, 2, 100, 1000, 65536, 1u << 20, 0xFFFFFFFFu, uint64_t{1} << 32};
 
 }  // namespace
 
@@ -53,10 +52,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FUZZ_CHECK(spec.ok(), "decoded but PeekCodecSpec fails: %s",
              spec.status().ToString().c_str());
   for (float v : out.values) {
-    FUZZ_CHECK(fuzz::FloatBits(QuantizeValue(spec->value, v)) ==
-                   fuzz::FloatBits(v),
-               "decoded value %a not representable in %s", v,
-               std::string(ValueCodecName(spec->value)).c_str());
+    FUZZ_CHECK(
+        fuzz::FloatBits(QuantizeValue(spec->value, v)) == fuzz::FloatBits(v),
+        "decoded value %a not representable in %s", v,
+        std::string(ValueCodecName(spec->value)).c_str());
   }
   std::string again;
   const absl::Status e = EncodeSparse(out, n, *spec, &again);
@@ -73,8 +72,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FUZZ_CHECK(back.indices == out.indices, "indices differ after round trip");
   FUZZ_CHECK(back.values.size() == out.values.size(), "value count differs");
   for (size_t j = 0; j < out.values.size(); ++j) {
-    FUZZ_CHECK(fuzz::FloatBits(back.values[j]) == fuzz::FloatBits(out.values[j]),
-               "value %zu differs after round trip", j);
+    FUZZ_CHECK(
+        fuzz::FloatBits(back.values[j]) == fuzz::FloatBits(out.values[j]),
+        "value %zu differs after round trip", j);
   }
   return 0;
 }

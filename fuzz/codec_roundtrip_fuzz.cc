@@ -62,9 +62,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                MaxEncodedSize(v.size(), spec));
   }
   const absl::StatusOr<CodecSpec> peek = PeekCodecSpec(bytes);
-  FUZZ_CHECK(peek.ok() && peek->index == spec.index &&
-                 peek->value == spec.value,
-             "PeekCodecSpec disagrees");
+  FUZZ_CHECK(
+      peek.ok() && peek->index == spec.index && peek->value == spec.value,
+      "PeekCodecSpec disagrees");
 
   SparseVector back;
   const absl::Status d = DecodeSparse(bytes, n, &back);

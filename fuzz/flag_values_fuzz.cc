@@ -126,7 +126,8 @@ void Normalize(absl::string_view value) {
     const size_t start = a[1] == '-' ? 2 : 1;
     const size_t eq = std::min(a.find('='), a.size());
     FUZZ_CHECK(a.substr(0, start) == b.substr(0, start), "prefix changed");
-    FUZZ_CHECK(a.substr(eq) == b.substr(eq), "value of '%s' changed", a.c_str());
+    FUZZ_CHECK(a.substr(eq) == b.substr(eq), "value of '%s' changed",
+               a.c_str());
     for (size_t j = start; j < eq; ++j) {
       FUZZ_CHECK(b[j] != '-', "a dash left in '%s'", b.c_str());
       FUZZ_CHECK(b[j] == a[j] || (a[j] == '-' && b[j] == '_'),
@@ -136,8 +137,7 @@ void Normalize(absl::string_view value) {
 }
 
 void DensityWarmup(absl::string_view value, uint8_t knobs) {
-  absl::StatusOr<std::vector<double>> w =
-      server::ParseDensityWarmupFlag(value);
+  absl::StatusOr<std::vector<double>> w = server::ParseDensityWarmupFlag(value);
   if (!w.ok()) {
     CheckError(w.status(), "ParseDensityWarmupFlag");
     FUZZ_CHECK(absl::StrContains(w.status().message(), "--density-warmup"),
@@ -183,8 +183,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const uint8_t knobs = in.U8();
   const absl::string_view value = in.Rest();
   switch (which % 8) {
-    case 0: HostPort(value, 0); break;
-    case 1: HostPort(value, 1); break;
+    case 0:
+      HostPort(value, 0);
+      break;
+    case 1:
+      HostPort(value, 1);
+      break;
     case 2:
       Names<IndexCodec>(value, ParseIndexCodec, IndexCodecName);
       Names<ValueCodec>(value, ParseValueCodec, ValueCodecName);
@@ -194,8 +198,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       Names<SelectionKind>(value, ParseSelectionKind, SelectionKindName);
       Names<MomentumMode>(value, ParseMomentumMode, MomentumModeName);
       break;
-    case 4: Normalize(value); break;
-    default: DensityWarmup(value, knobs); break;
+    case 4:
+      Normalize(value);
+      break;
+    default:
+      DensityWarmup(value, knobs);
+      break;
   }
   return 0;
 }

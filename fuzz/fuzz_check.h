@@ -15,15 +15,15 @@
 #include "absl/strings/string_view.h"
 
 // Aborts (a libFuzzer crash) when `cond` is false, printing where and why.
-#define FUZZ_CHECK(cond, ...)                                              \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      std::fprintf(stderr, "%s:%d: invariant violated: %s\n", __FILE__,    \
-                   __LINE__, #cond);                                       \
-      std::fprintf(stderr, "  " __VA_ARGS__);                              \
-      std::fprintf(stderr, "\n");                                          \
-      std::abort();                                                        \
-    }                                                                      \
+#define FUZZ_CHECK(cond, ...)                                           \
+  do {                                                                  \
+    if (!(cond)) {                                                      \
+      std::fprintf(stderr, "%s:%d: invariant violated: %s\n", __FILE__, \
+                   __LINE__, #cond);                                    \
+      std::fprintf(stderr, "  " __VA_ARGS__);                           \
+      std::fprintf(stderr, "\n");                                       \
+      std::abort();                                                     \
+    }                                                                   \
   } while (0)
 
 namespace gtopk {

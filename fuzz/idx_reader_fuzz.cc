@@ -61,9 +61,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (labels) {
     absl::StatusOr<IdxLabels> l = ReadIdxLabels(path);
     if (!l.ok()) {
-      FUZZ_CHECK(absl::IsDataLoss(l.status()) ||
-                     absl::IsInvalidArgument(l.status()),
-                 "ReadIdxLabels: %s", l.status().ToString().c_str());
+      FUZZ_CHECK(
+          absl::IsDataLoss(l.status()) || absl::IsInvalidArgument(l.status()),
+          "ReadIdxLabels: %s", l.status().ToString().c_str());
       FUZZ_CHECK(!l.status().message().empty(), "error without a message");
       return 0;
     }
@@ -72,18 +72,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_CHECK(file.size() == 8 + l->labels.size(), "%zu labels from %zu bytes",
                l->labels.size(), file.size());
     // (memcmp with an empty vector's null data() is UB: compare as strings.)
-    FUZZ_CHECK(file.substr(8) ==
-                   absl::string_view(
-                       reinterpret_cast<const char*>(l->labels.data()),
-                       l->labels.size()),
-               "labels are not the file's bytes");
+    FUZZ_CHECK(
+        file.substr(8) ==
+            absl::string_view(reinterpret_cast<const char*>(l->labels.data()),
+                              l->labels.size()),
+        "labels are not the file's bytes");
     return 0;
   }
   absl::StatusOr<IdxImages> im = ReadIdxImages(path);
   if (!im.ok()) {
-    FUZZ_CHECK(absl::IsDataLoss(im.status()) ||
-                   absl::IsInvalidArgument(im.status()),
-               "ReadIdxImages: %s", im.status().ToString().c_str());
+    FUZZ_CHECK(
+        absl::IsDataLoss(im.status()) || absl::IsInvalidArgument(im.status()),
+        "ReadIdxImages: %s", im.status().ToString().c_str());
     FUZZ_CHECK(!im.status().message().empty(), "error without a message");
     return 0;
   }
@@ -94,10 +94,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!content_is_input) return 0;
   FUZZ_CHECK(file.size() == 16 + im->pixels.size(), "%zu pixels from %zu bytes",
              im->pixels.size(), file.size());
-  FUZZ_CHECK(file.substr(16) ==
-                 absl::string_view(
-                     reinterpret_cast<const char*>(im->pixels.data()),
-                     im->pixels.size()),
+  FUZZ_CHECK(file.substr(16) == absl::string_view(reinterpret_cast<const char*>(
+                                                      im->pixels.data()),
+                                                  im->pixels.size()),
              "pixels are not the file's bytes");
   return 0;
 }

@@ -11,9 +11,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -37,8 +37,8 @@ void Write(const std::string& harness, const std::string& name,
   ::mkdir(dir.c_str(), 0755);
   const std::string path = dir + "/" + name;
   std::FILE* f = std::fopen(path.c_str(), "wb");
-  if (f == nullptr || std::fwrite(bytes.data(), 1, bytes.size(), f) !=
-                          bytes.size()) {
+  if (f == nullptr ||
+      std::fwrite(bytes.data(), 1, bytes.size(), f) != bytes.size()) {
     std::fprintf(stderr, "make_seeds: cannot write %s\n", path.c_str());
     std::exit(1);
   }
@@ -50,7 +50,9 @@ std::string U32(uint32_t v) {
   for (int i = 0; i < 4; ++i) s[i] = static_cast<char>(v >> (8 * i));
   return s;
 }
-std::string U64(uint64_t v) { return U32(static_cast<uint32_t>(v)) + U32(v >> 32); }
+std::string U64(uint64_t v) {
+  return U32(static_cast<uint32_t>(v)) + U32(v >> 32);
+}
 std::string F32(float f) {
   uint32_t b;
   std::memcpy(&b, &f, 4);
@@ -84,9 +86,11 @@ void Codecs() {
   const char* value_names[] = {"fp32", "fp16", "bf16"};
   for (int i = 0; i < 3; ++i) {
     for (int v = 0; v < 3; ++v) {
-      const CodecSpec spec{static_cast<IndexCodec>(i), static_cast<ValueCodec>(v)};
+      const CodecSpec spec{static_cast<IndexCodec>(i),
+                           static_cast<ValueCodec>(v)};
       // codec_decode: n selector 4 (n = 1000), then the message.
-      Write("codec_decode_fuzz", absl::StrCat(index_names[i], "_", value_names[v]),
+      Write("codec_decode_fuzz",
+            absl::StrCat(index_names[i], "_", value_names[v]),
             std::string(1, '\x04') + Encode(Example(1000), 1000, spec));
       // codec_roundtrip: codecs, n, then (gap, value) records.
       std::string rt{static_cast<char>(i), static_cast<char>(v)};
@@ -143,9 +147,19 @@ std::string Record(int type, const google::protobuf::Message& m) {
 
 void Requests() {
   // server_requests_fuzz's record types (its enum Record).
-  enum { kJoin, kGetClusterSpec, kCommitStep, kExchangeThreshold,
-         kGetShardState, kRollbackShard, kRecover, kAbortStep, kCheckMember,
-         kPush, kInitChunk };
+  enum {
+    kJoin,
+    kGetClusterSpec,
+    kCommitStep,
+    kExchangeThreshold,
+    kGetShardState,
+    kRollbackShard,
+    kRecover,
+    kAbortStep,
+    kCheckMember,
+    kPush,
+    kInitChunk
+  };
   struct Setting {
     const char* name;
     AggregationMode mode;
@@ -165,8 +179,9 @@ void Requests() {
   };
   const uint64_t n = 100;  // "more" byte 6: kLengths[2], parameters set
   for (const Setting& s : settings) {
-    const int code = static_cast<int>(s.mode) + 3 * static_cast<int>(s.selection) +
-                     6 * static_cast<int>(s.index) + 18 * static_cast<int>(s.value);
+    const int code =
+        static_cast<int>(s.mode) + 3 * static_cast<int>(s.selection) +
+        6 * static_cast<int>(s.index) + 18 * static_cast<int>(s.value);
     std::string in{static_cast<char>(code), '\x06'};
     v1::JoinRequest join;
     join.set_requested_rank(-1);
@@ -175,7 +190,7 @@ void Requests() {
     in += Record(kGetClusterSpec, v1::JoinRequest());
     v1::Push push;
     push.set_step(0);
-    push.set_worker(0);
+    push.set_rank(0);
     push.set_shard_id(0);
     push.set_member_token(1);
     push.set_cluster_fingerprint(1);
@@ -204,12 +219,12 @@ void Requests() {
     rollback.set_cluster_fingerprint(1);
     in += Record(kRollbackShard, rollback);
     v1::MemberCheckRequest member;
-    member.set_worker(0);
+    member.set_rank(0);
     member.set_member_token(1);
     member.set_cluster_fingerprint(1);
     in += Record(kCheckMember, member);
     v1::RecoverRequest recover;
-    recover.set_worker(0);
+    recover.set_rank(0);
     recover.set_member_token(1);
     recover.set_cluster_fingerprint(1);
     in += Record(kRecover, recover);
@@ -235,9 +250,11 @@ void Requests() {
   // varint, a length past the end, and 101 nested groups, each sent as every
   // record type after a Join.
   const std::string malformed[] = {
-      std::string("\x0f", 1),          // field 1, wire type 7
-      std::string("\x08\xff", 2),      // varint whose continuation is cut
-      std::string("\x0a\x10" "a", 3),  // 16 bytes announced, 1 follows
+      std::string("\x0f", 1),      // field 1, wire type 7
+      std::string("\x08\xff", 2),  // varint whose continuation is cut
+      std::string("\x0a\x10"
+                  "a",
+                  3),  // 16 bytes announced, 1 follows
       std::string(101, '\x0b') + std::string(101, '\x0c'),  // groups
   };
   const char* malformed_names[] = {"bad_wire_type", "truncated_varint",
@@ -249,11 +266,11 @@ void Requests() {
     join.set_n(n);
     in += Record(kJoin, join);
     for (int type = kJoin; type <= kInitChunk; ++type) {
-      in += std::string(1, static_cast<char>(type)) +
-            U16(malformed[m].size()) + malformed[m];
+      in += std::string(1, static_cast<char>(type)) + U16(malformed[m].size()) +
+            malformed[m];
     }
-    Write("server_requests_fuzz", absl::StrCat("malformed_", malformed_names[m]),
-          in);
+    Write("server_requests_fuzz",
+          absl::StrCat("malformed_", malformed_names[m]), in);
   }
 }
 
@@ -282,10 +299,12 @@ void Checkpoints() {
     if (k.velocity) c.global_velocity.assign(c.params.size(), 0.125f);
     if (!server::WriteCheckpoint(dir, c).ok()) std::exit(1);
     std::string bytes;
-    std::FILE* f = std::fopen(server::CheckpointPath(dir, k.shard).c_str(), "rb");
+    std::FILE* f =
+        std::fopen(server::CheckpointPath(dir, k.shard).c_str(), "rb");
     char buf[4096];
     size_t got;
-    while ((got = std::fread(buf, 1, sizeof buf, f)) > 0) bytes.append(buf, got);
+    while ((got = std::fread(buf, 1, sizeof buf, f)) > 0)
+      bytes.append(buf, got);
     std::fclose(f);
     std::remove(server::CheckpointPath(dir, k.shard).c_str());
     // Control byte: the shard id the reader expects, CRC left as written.
@@ -301,7 +320,8 @@ std::string BigEndian(uint32_t v) {
 }
 
 void Idx() {
-  std::string images = BigEndian(0x803) + BigEndian(2) + BigEndian(28) + BigEndian(28);
+  std::string images =
+      BigEndian(0x803) + BigEndian(2) + BigEndian(28) + BigEndian(28);
   for (int i = 0; i < 2 * 28 * 28; ++i) images += static_cast<char>(i % 251);
   std::string labels = BigEndian(0x801) + BigEndian(3) + std::string{7, 0, 9};
   Write("idx_reader_fuzz", "images_plain", std::string(1, '\x00') + images);
@@ -318,7 +338,8 @@ void Flags() {
   w("peer_ipv6", 1, "[::1]:8471");
   w("codec", 2, "delta-bitpack");
   w("mode", 3, "threshold");
-  w("argv", 4, std::string("gtopk-server\0--shard-id=1\0--num_shards\0002\0--\0-x-y", 48));
+  w("argv", 4,
+    std::string("gtopk-server\0--shard-id=1\0--num_shards\0002\0--\0-x-y", 48));
   w("density_warmup", 5, "0.25,0.0625");
   w("density_warmup_dgc", 6, "dgc");
 }

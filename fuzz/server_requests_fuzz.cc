@@ -1,6 +1,7 @@
 // libFuzzer harness: every request message a shard receives, as the server
 // receives it: bytes -> the request type's SerializationTraits (what gRPC
-// does; bytes it cannot parse are refused before any handler) -> the server's own code.
+// does; bytes it cannot parse are refused before any handler) -> the server's
+// own code.
 //
 //   - Bytes that do not parse as the request type are refused by the
 //     request types' SerializationTraits with INVALID_ARGUMENT naming the
@@ -42,6 +43,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/cluster_modes.h"
@@ -49,11 +51,10 @@
 #include "common/codec.h"
 #include "fuzz/fuzz_check.h"
 #include "google/protobuf/stubs/logging.h"
-#include "absl/strings/match.h"
 #include "grpcpp/server_context.h"
 #include "grpcpp/support/byte_buffer.h"
-#include "proto/request_parsing.h"
 #include "gtopk/v1/gtopk.pb.h"
+#include "proto/request_parsing.h"
 #include "server/request_checks.h"
 #include "server/server_config.h"
 #include "server/service.h"
@@ -67,8 +68,17 @@ using namespace gtopk::server;
 constexpr uint64_t kLengths[] = {1, 7, 100, 1000};
 
 enum Record : uint8_t {
-  kJoin, kGetClusterSpec, kCommitStep, kExchangeThreshold, kGetShardState,
-  kRollbackShard, kRecover, kAbortStep, kCheckMember, kPush, kInitChunk,
+  kJoin,
+  kGetClusterSpec,
+  kCommitStep,
+  kExchangeThreshold,
+  kGetShardState,
+  kRollbackShard,
+  kRecover,
+  kAbortStep,
+  kCheckMember,
+  kPush,
+  kInitChunk,
   kRecordCount
 };
 
@@ -77,7 +87,8 @@ enum Record : uint8_t {
 void CheckRemoteStatus(const grpc::Status& s, const char* rpc) {
   if (s.ok()) return;
   const grpc::StatusCode c = s.error_code();
-  FUZZ_CHECK(c != grpc::StatusCode::INTERNAL && c != grpc::StatusCode::UNKNOWN &&
+  FUZZ_CHECK(c != grpc::StatusCode::INTERNAL &&
+                 c != grpc::StatusCode::UNKNOWN &&
                  c != grpc::StatusCode::UNIMPLEMENTED,
              "%s answered code %d: %s", rpc, static_cast<int>(c),
              s.error_message().c_str());
@@ -87,9 +98,9 @@ void CheckRemoteStatus(const grpc::Status& s, const char* rpc) {
 
 void CheckRemoteStatus(const absl::Status& s, const char* what) {
   if (s.ok()) return;
-  FUZZ_CHECK(!absl::IsInternal(s) && !absl::IsUnknown(s) &&
-                 !absl::IsUnimplemented(s),
-             "%s: %s", what, s.ToString().c_str());
+  FUZZ_CHECK(
+      !absl::IsInternal(s) && !absl::IsUnknown(s) && !absl::IsUnimplemented(s),
+      "%s: %s", what, s.ToString().c_str());
   FUZZ_CHECK(!s.message().empty(), "%s: error without a message", what);
 }
 
@@ -118,10 +129,10 @@ struct Harness {
   std::unique_ptr<AggregatorService> service;
   // The streamed side: a one-worker shard of the same settings.
   std::unique_ptr<ShardAggregator> aggregator;
-  uint64_t token = 0;     // the last successful Join's member token
-  uint32_t rank = 0;      // and its rank
-  bool joined = false;    // n is known on the leader
-  uint64_t init_next = 0; // InitParams: the values received so far end here
+  uint64_t token = 0;      // the last successful Join's member token
+  uint32_t rank = 0;       // and its rank
+  bool joined = false;     // n is known on the leader
+  uint64_t init_next = 0;  // InitParams: the values received so far end here
   std::vector<float> init_values;
 
   uint64_t Token(uint64_t field) const { return field == 1 ? token : field; }
@@ -249,7 +260,7 @@ struct Harness {
       FUZZ_CHECK(absl::IsInvalidArgument(decoded.status()),
                  "DecodeWirePush: %s", decoded.status().ToString().c_str());
       FUZZ_CHECK(reason != RejectReason::kCount, "no reject reason");
-      aggregator->RejectPush(push.step(), push.worker(), decoded.status());
+      aggregator->RejectPush(push.step(), push.rank(), decoded.status());
       return;
     }
     FUZZ_CHECK(ValidateSparseVector(decoded->sparse, n).ok(),
@@ -295,9 +306,9 @@ struct Harness {
     if (!Parse(bytes, &chunk)) return;
     const absl::Status sender = CheckInitChunkSender(chunk, config.shard_id);
     if (!sender.ok()) {
-      FUZZ_CHECK(absl::IsPermissionDenied(sender) ||
-                     absl::IsInvalidArgument(sender),
-                 "CheckInitChunkSender: %s", sender.ToString().c_str());
+      FUZZ_CHECK(
+          absl::IsPermissionDenied(sender) || absl::IsInvalidArgument(sender),
+          "CheckInitChunkSender: %s", sender.ToString().c_str());
       return;
     }
     const uint64_t begin = aggregator->begin(), end = aggregator->end();
@@ -386,17 +397,39 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const absl::string_view bytes = rest.substr(0, len);
     for (size_t i = 0; i < bytes.size(); ++i) in.U8();
     switch (type) {
-      case kJoin: h.Join(bytes); break;
-      case kGetClusterSpec: h.GetClusterSpec(bytes); break;
-      case kCommitStep: h.CommitStep(bytes); break;
-      case kExchangeThreshold: h.ExchangeThreshold(bytes); break;
-      case kGetShardState: h.GetShardState(bytes); break;
-      case kRollbackShard: h.RollbackShard(bytes); break;
-      case kRecover: h.Recover(bytes); break;
-      case kAbortStep: h.AbortStep(bytes); break;
-      case kCheckMember: h.CheckMember(bytes); break;
-      case kPush: h.Push(bytes); break;
-      case kInitChunk: h.InitChunk(bytes); break;
+      case kJoin:
+        h.Join(bytes);
+        break;
+      case kGetClusterSpec:
+        h.GetClusterSpec(bytes);
+        break;
+      case kCommitStep:
+        h.CommitStep(bytes);
+        break;
+      case kExchangeThreshold:
+        h.ExchangeThreshold(bytes);
+        break;
+      case kGetShardState:
+        h.GetShardState(bytes);
+        break;
+      case kRollbackShard:
+        h.RollbackShard(bytes);
+        break;
+      case kRecover:
+        h.Recover(bytes);
+        break;
+      case kAbortStep:
+        h.AbortStep(bytes);
+        break;
+      case kCheckMember:
+        h.CheckMember(bytes);
+        break;
+      case kPush:
+        h.Push(bytes);
+        break;
+      case kInitChunk:
+        h.InitChunk(bytes);
+        break;
     }
   }
   h.service->BeginShutdown();

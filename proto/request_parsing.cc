@@ -17,9 +17,9 @@ void Record(const grpc::Status& status) { last_parse_failure = status; }
 grpc::Status ParseRequest(grpc::ByteBuffer* buffer,
                           grpc::protobuf::MessageLite* message) {
   if (buffer == nullptr) {
-    grpc::Status status(grpc::StatusCode::INVALID_ARGUMENT,
-                        "the request has no payload (" +
-                            message->GetTypeName() + " expected)");
+    grpc::Status status(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        "the request has no payload (" + message->GetTypeName() + " expected)");
     Record(status);
     return status;
   }

@@ -66,20 +66,20 @@ grpc::Status TakeRequestParseFailure();
 // The streamed request types parse through their own type
 // (ServerReader<ParamsChunk>, ServerReaderWriter<Pull, Push>); every request
 // type gets the traits, whichever way a handler reads it.
-#define GTOPK_REQUEST_SERIALIZATION_TRAITS(Type)                           \
-  template <>                                                              \
-  class grpc::SerializationTraits<::gtopk::v1::Type, void> {               \
-   public:                                                                 \
-    static grpc::Status Serialize(const grpc::protobuf::MessageLite& msg,  \
-                                  grpc::ByteBuffer* bb, bool* own_buffer) { \
-      return grpc::GenericSerialize<grpc::ProtoBufferWriter,               \
-                                    grpc::protobuf::MessageLite>(          \
-          msg, bb, own_buffer);                                            \
-    }                                                                      \
-    static grpc::Status Deserialize(grpc::ByteBuffer* buffer,              \
-                                    grpc::protobuf::MessageLite* msg) {    \
-      return ::gtopk::proto::ParseRequest(buffer, msg);                    \
-    }                                                                      \
+#define GTOPK_REQUEST_SERIALIZATION_TRAITS(Type)                              \
+  template <>                                                                 \
+  class grpc::SerializationTraits<::gtopk::v1::Type, void> {                  \
+   public:                                                                    \
+    static grpc::Status Serialize(const grpc::protobuf::MessageLite& msg,     \
+                                  grpc::ByteBuffer* bb, bool* own_buffer) {   \
+      return grpc::GenericSerialize<grpc::ProtoBufferWriter,                  \
+                                    grpc::protobuf::MessageLite>(msg, bb,     \
+                                                                 own_buffer); \
+    }                                                                         \
+    static grpc::Status Deserialize(grpc::ByteBuffer* buffer,                 \
+                                    grpc::protobuf::MessageLite* msg) {       \
+      return ::gtopk::proto::ParseRequest(buffer, msg);                       \
+    }                                                                         \
   };
 
 // The generated unary handlers and stubs parse through their base type

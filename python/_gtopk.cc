@@ -58,8 +58,8 @@ using worker::WorkerClient;
 // Raises gtopk.errors.from_status(code, message) (an Error subclass).
 [[noreturn]] void Raise(const absl::Status& status) {
   py::object errors = py::module_::import("gtopk.errors");
-  py::object error = errors.attr("from_status")(
-      static_cast<int>(status.code()), std::string(status.message()));
+  py::object error = errors.attr("from_status")(static_cast<int>(status.code()),
+                                                std::string(status.message()));
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())),
                   error.ptr());
   throw py::error_already_set();
@@ -138,9 +138,9 @@ FloatBuffer GetFloats(const py::buffer& b, const char* what, bool writable,
   }
   if (info.itemsize != sizeof(float) ||
       (info.format != "f" && info.format != "<f" && info.format != "=f")) {
-    Raise(absl::InvalidArgumentError(absl::StrCat(
-        what, ": the buffer holds '", info.format, "' items of ",
-        info.itemsize, " bytes; float32 ('f') is required")));
+    Raise(absl::InvalidArgumentError(
+        absl::StrCat(what, ": the buffer holds '", info.format, "' items of ",
+                     info.itemsize, " bytes; float32 ('f') is required")));
   }
   py::ssize_t expected = info.itemsize;
   for (int i = info.ndim - 1; i >= 0; --i) {
@@ -192,9 +192,8 @@ py::dict ClusterDict(const v1::ClusterSpec& c) {
   d["lr"] = o.lr();
   d["momentum"] = o.momentum();
   d["momentum_mode"] = MomentumFlagValue(
-      o.momentum_mode() == v1::MOMENTUM_MODE_UNSPECIFIED
-          ? v1::MOMENTUM_MODE_DGC
-          : o.momentum_mode());
+      o.momentum_mode() == v1::MOMENTUM_MODE_UNSPECIFIED ? v1::MOMENTUM_MODE_DGC
+                                                         : o.momentum_mode());
   d["momentum_factor_masking"] = o.momentum_factor_masking();
   d["weight_decay"] = o.weight_decay();
   d["lr_warmup_steps"] = o.lr_warmup_steps();
@@ -224,9 +223,9 @@ py::dict ClusterDict(const v1::ClusterSpec& c) {
 absl::Duration DurationArg(double seconds, const char* what, bool positive) {
   if (!std::isfinite(seconds) || seconds < 0 || (positive && seconds == 0) ||
       seconds > 86400.0 * 365) {
-    Raise(absl::InvalidArgumentError(absl::StrCat(
-        what, " = ", seconds, " s: must be ", positive ? "> 0" : ">= 0",
-        " and finite")));
+    Raise(absl::InvalidArgumentError(
+        absl::StrCat(what, " = ", seconds, " s: must be ",
+                     positive ? "> 0" : ">= 0", " and finite")));
   }
   return absl::Seconds(seconds);
 }
@@ -269,8 +268,8 @@ class Client {
       so.key_file = text(tls_key);
       so.ca_file = text(tls_ca);
       so.token_file = text(token_file);
-      o.security = ValueOrRaise(
-          TransportSecurity::Load(so, SecurityRole::kWorker));
+      o.security =
+          ValueOrRaise(TransportSecurity::Load(so, SecurityRole::kWorker));
       const std::string warning = o.security->Warning();
       if (!warning.empty()) {
         py::print(absl::StrCat("gtopk: ", warning),
@@ -382,8 +381,7 @@ class Client {
   py::tuple AggregateStep(const py::buffer& gradient,
                           const py::buffer& averaged,
                           const std::optional<py::buffer>& params,
-                          const py::bytes& buffers,
-                          uint64_t state_checksum) {
+                          const py::bytes& buffers, uint64_t state_checksum) {
     WorkerClient& c = Get();
     const uint64_t n = c.cluster().n();
     const FloatBuffer g = GetFloats(gradient, "gradient", false, n);
@@ -394,12 +392,12 @@ class Client {
     std::string out;
     std::unique_lock<std::mutex> lock = Exclusive();
     last_ = ValueOrRaise(RunInterruptibly(cancellation_.get(), [&] {
-      return c.AggregateStep(
-          absl::MakeConstSpan(g.data(), g.size()),
-          absl::MakeSpan(a.data(), a.size()),
-          p.has_value() ? absl::MakeConstSpan(p->data(), p->size())
-                        : absl::Span<const float>(),
-          in, &out, state_checksum);
+      return c.AggregateStep(absl::MakeConstSpan(g.data(), g.size()),
+                             absl::MakeSpan(a.data(), a.size()),
+                             p.has_value()
+                                 ? absl::MakeConstSpan(p->data(), p->size())
+                                 : absl::Span<const float>(),
+                             in, &out, state_checksum);
     }));
     return py::make_tuple(StatsDict(*last_), py::bytes(out));
   }
@@ -410,18 +408,19 @@ class Client {
     const FloatBuffer p = GetFloats(params, "params", true, c.cluster().n());
     std::string blob = state;
     std::unique_lock<std::mutex> lock = Exclusive();
-    const int64_t step = ValueOrRaise(RunInterruptibly(cancellation_.get(), [&] {
-      return c.SynchronizeParameters(absl::MakeSpan(p.data(), p.size()),
-                                     &blob);
-    }));
+    const int64_t step =
+        ValueOrRaise(RunInterruptibly(cancellation_.get(), [&] {
+          return c.SynchronizeParameters(absl::MakeSpan(p.data(), p.size()),
+                                         &blob);
+        }));
     return py::make_tuple(step, py::bytes(blob));
   }
 
   int64_t ResumeAt(int64_t step) {
     WorkerClient& c = Get();
     std::unique_lock<std::mutex> lock = Exclusive();
-    return ValueOrRaise(RunInterruptibly(
-        cancellation_.get(), [&] { return c.ResumeAt(step); }));
+    return ValueOrRaise(RunInterruptibly(cancellation_.get(),
+                                         [&] { return c.ResumeAt(step); }));
   }
 
   py::dict StepCuda(uintptr_t gradient, uintptr_t params, uint64_t n,
@@ -497,8 +496,7 @@ class Client {
     OkOrRaise(c.ImportState(s));
   }
 
-  void RecordMetrics(double compute_seconds, double step_seconds,
-                     double loss) {
+  void RecordMetrics(double compute_seconds, double step_seconds, double loss) {
     if (metrics_ == nullptr || !last_.has_value()) return;
     if (!std::isfinite(compute_seconds) || compute_seconds < 0 ||
         !std::isfinite(step_seconds) || step_seconds < 0) {
@@ -585,8 +583,7 @@ PYBIND11_MODULE(_gtopk, m) {
       "params_checksum",
       [](const py::buffer& b) {
         const gtopk::python::FloatBuffer f =
-            gtopk::python::GetFloats(b, "params_checksum", false,
-                                     std::nullopt);
+            gtopk::python::GetFloats(b, "params_checksum", false, std::nullopt);
         uint64_t h;
         {
           py::gil_scoped_release release;
@@ -617,10 +614,9 @@ FailedPrecondition).)doc")
                     const std::optional<std::filesystem::path>&,
                     const std::optional<std::filesystem::path>&>(),
            py::arg("leader"), py::arg("n"), py::arg("rank") = -1,
-           py::arg("rpc_timeout") = 30.0,
-           py::arg("step_watchdog_margin") = 2.0, py::arg("metrics_port") = 0,
-           py::arg("metrics_host") = "0.0.0.0", py::kw_only(),
-           py::arg("tls"), py::arg("tls_cert") = py::none(),
+           py::arg("rpc_timeout") = 30.0, py::arg("step_watchdog_margin") = 2.0,
+           py::arg("metrics_port") = 0, py::arg("metrics_host") = "0.0.0.0",
+           py::kw_only(), py::arg("tls"), py::arg("tls_cert") = py::none(),
            py::arg("tls_key") = py::none(), py::arg("tls_ca") = py::none(),
            py::arg("token_file") = py::none(),
            "Joins the cluster at `leader` (host:port) with n parameters and "
@@ -710,9 +706,8 @@ FailedPrecondition).)doc")
            py::arg("residual"), py::arg("velocity"),
            "Restores state() output; step must equal next_step "
            "(FailedPrecondition otherwise).")
-      .def("record_metrics", &Client::RecordMetrics,
-           py::arg("compute_seconds"), py::arg("step_seconds"),
-           py::arg("loss"),
+      .def("record_metrics", &Client::RecordMetrics, py::arg("compute_seconds"),
+           py::arg("step_seconds"), py::arg("loss"),
            "Records the last step in the worker metrics (no-op when "
            "metrics_port was 0).")
       .def("record_test_accuracy", &Client::RecordTestAccuracy,

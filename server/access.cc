@@ -46,11 +46,12 @@ AccessControl::AccessControl(std::shared_ptr<const TransportSecurity> security,
     : security_(std::move(security)) {
   auto& family = prometheus::BuildCounter()
                      .Name("gtopk_server_auth_failures_total")
-                     .Help("Aggregator calls refused by authentication "
-                           "(code=\"unauthenticated\": missing or wrong token "
-                           "or certificate) or authorization "
-                           "(code=\"permission_denied\": wrong role, rank or "
-                           "shard); nothing of them was applied")
+                     .Help(
+                         "Aggregator calls refused by authentication "
+                         "(code=\"unauthenticated\": missing or wrong token "
+                         "or certificate) or authorization "
+                         "(code=\"permission_denied\": wrong role, rank or "
+                         "shard); nothing of them was applied")
                      .Register(registry);
   unauthenticated_ = &family.Add({{"code", "unauthenticated"}});
   permission_denied_ = &family.Add({{"code", "permission_denied"}});
@@ -85,9 +86,9 @@ absl::StatusOr<Caller> AccessControl::Authenticate(
     const absl::string_view cn(cns[0].data(), cns[0].size());
     caller.name = absl::StrCat("certificate CN=", cn);
     if (!RoleFromCommonName(cn, &caller)) {
-      return Denied(absl::StrCat(
-          caller.name, " names no gtopk role; expected ", kShardCnPrefix,
-          "<s>, ", kWorkerCn, " or ", kWorkerCn, "-<rank>"));
+      return Denied(absl::StrCat(caller.name, " names no gtopk role; expected ",
+                                 kShardCnPrefix, "<s>, ", kWorkerCn, " or ",
+                                 kWorkerCn, "-<rank>"));
     }
     from_certificate = true;
   }
@@ -158,8 +159,8 @@ absl::Status AccessControl::AllowShard(const grpc::ServerContext& context,
   absl::StatusOr<Caller> caller = Authenticate(context);
   if (!caller.ok()) return caller.status();
   if (!caller->shard) {
-    return Denied(absl::StrCat(rpc, " is a shard-to-shard RPC; ",
-                               caller->name, " is not a shard"));
+    return Denied(absl::StrCat(rpc, " is a shard-to-shard RPC; ", caller->name,
+                               " is not a shard"));
   }
   if (shard_id.has_value() && caller->shard_id.has_value() &&
       *caller->shard_id != *shard_id) {

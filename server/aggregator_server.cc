@@ -95,13 +95,12 @@ absl::StatusOr<std::unique_ptr<AggregatorServer>> AggregatorServer::Start(
   // timed out the 16 MiB download that follows cancelled ones in
   // service_test's ConcurrentDownloadsAreBounded; refused calls return at
   // once, so the threads held are the admitted calls'.
-  builder.AddChannelArgument(
-      GRPC_ARG_MAX_CONCURRENT_STREAMS,
-      static_cast<int>(
-          EffectiveStreamsPerConnection(server->service_->config())));
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
+                             static_cast<int>(EffectiveStreamsPerConnection(
+                                 server->service_->config())));
   builder.RegisterService(server->service_.get());
-  std::vector<std::unique_ptr<
-      grpc::experimental::ServerInterceptorFactoryInterface>>
+  std::vector<
+      std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
       interceptors;
   interceptors.push_back(server->service_->metrics().MakeInterceptorFactory());
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
@@ -114,8 +113,7 @@ absl::StatusOr<std::unique_ptr<AggregatorServer>> AggregatorServer::Start(
   if (!health_listen_address.empty()) {
     // A second server with no service of ours: gRPC's default health
     // service only, so the plaintext port reveals nothing else.
-    server->health_fallback_ =
-        std::make_unique<HealthOnlyFallback>();
+    server->health_fallback_ = std::make_unique<HealthOnlyFallback>();
     grpc::ServerBuilder health_builder;
     health_builder.RegisterCallbackGenericService(
         server->health_fallback_.get());
@@ -240,15 +238,14 @@ absl::Status AggregatorServer::Shutdown(absl::Duration grace,
 // ---------------------------------------------------------------------------
 // Health check client
 
-absl::StatusOr<bool> CheckHealth(const std::string& address,
-                                 absl::Duration timeout,
-                                 const std::string& service,
-                                 const std::shared_ptr<const TransportSecurity>&
-                                     security) {
+absl::StatusOr<bool> CheckHealth(
+    const std::string& address, absl::Duration timeout,
+    const std::string& service,
+    const std::shared_ptr<const TransportSecurity>& security) {
   if (service.size() >= 128) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "health service name of ", service.size(),
-        " bytes; at most 127 are supported"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("health service name of ", service.size(),
+                     " bytes; at most 127 are supported"));
   }
   grpc::GenericStub stub(
       CreateSecureChannel(address, grpc::ChannelArguments(), security));

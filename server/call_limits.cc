@@ -70,10 +70,11 @@ absl::StatusOr<CallLimiter::Admission> CallLimiter::Admit(
   if (!member && total_ >= limits_.max_concurrent_calls) {
     if (bound != nullptr) *bound = LimitBound::kConcurrentCalls;
     return absl::ResourceExhaustedError(absl::StrCat(
-        "shard ", shard_id_, ": ", method, " from ", peer, " refused: ",
-        total_, " calls of unidentified peers are in flight on this server, "
+        "shard ", shard_id_, ": ", method, " from ", peer, " refused: ", total_,
+        " calls of unidentified peers are in flight on this server, "
         "the bound "
-        "--max-concurrent-calls=", limits_.max_concurrent_calls,
+        "--max-concurrent-calls=",
+        limits_.max_concurrent_calls,
         " (docs/resource-limits.md); retry later"));
   }
   auto it = per_peer_.find(peer);
@@ -81,9 +82,10 @@ absl::StatusOr<CallLimiter::Admission> CallLimiter::Admit(
     if (bound != nullptr) *bound = LimitBound::kCallsPerPeer;
     return absl::ResourceExhaustedError(absl::StrCat(
         "shard ", shard_id_, ": ", method, " refused: ", it->second,
-        " calls from peer ", peer, " are in flight, the bound "
-        "--max-calls-per-peer=", limits_.max_calls_per_peer,
-        " (docs/resource-limits.md); retry later"));
+        " calls from peer ", peer,
+        " are in flight, the bound "
+        "--max-calls-per-peer=",
+        limits_.max_calls_per_peer, " (docs/resource-limits.md); retry later"));
   }
   if (it == per_peer_.end()) it = per_peer_.emplace(std::string(peer), 0).first;
   ++it->second;

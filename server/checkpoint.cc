@@ -190,8 +190,8 @@ absl::Status ValidateLayout(uint32_t shard_id, uint32_t num_shards, uint64_t n,
                             uint64_t begin, uint64_t end) {
   if (num_shards == 0) return absl::InvalidArgumentError("num_shards is 0");
   if (shard_id >= num_shards) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "shard_id ", shard_id, " >= num_shards ", num_shards));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shard_id ", shard_id, " >= num_shards ", num_shards));
   }
   if (begin > end || end > n) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -208,9 +208,9 @@ absl::Status ValidateSizes(const ShardCheckpoint& c) {
                      c.begin, ", ", c.end, ") needs ", len));
   }
   if (!c.global_velocity.empty() && c.global_velocity.size() != len) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "global_velocity has ", c.global_velocity.size(),
-        " values, must be empty or ", len));
+    return absl::InvalidArgumentError(
+        absl::StrCat("global_velocity has ", c.global_velocity.size(),
+                     " values, must be empty or ", len));
   }
   return absl::OkStatus();
 }
@@ -232,8 +232,8 @@ absl::Status ValidateForWrite(const ShardCheckpoint& c) {
         absl::StrCat("next_step ", c.next_step, " is negative"));
   }
   if (const int64_t i = FirstNonFinite(c.params); i >= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "params[", i, "] is not finite (", c.params[i], ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("params[", i, "] is not finite (", c.params[i], ")"));
   }
   if (const int64_t i = FirstNonFinite(c.global_velocity); i >= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -291,10 +291,10 @@ absl::Status WriteContents(int fd, const ShardCheckpoint& c,
   uint32_t crc = Crc(0, header, sizeof(header));
   GTOPK_RETURN_IF_ERROR(WriteAll(fd, header, sizeof(header), path));
 
-  const size_t payload_floats = std::max(c.params.size(),
-                                         c.global_velocity.size());
-  std::vector<unsigned char> buf(
-      std::min(payload_floats, kChunkFloats) * sizeof(float));
+  const size_t payload_floats =
+      std::max(c.params.size(), c.global_velocity.size());
+  std::vector<unsigned char> buf(std::min(payload_floats, kChunkFloats) *
+                                 sizeof(float));
   GTOPK_RETURN_IF_ERROR(WriteFloats(fd, c.params, buf, crc, path));
   GTOPK_RETURN_IF_ERROR(WriteFloats(fd, c.global_velocity, buf, crc, path));
 
@@ -358,7 +358,8 @@ absl::Status ReadHeader(int fd, uint64_t size, const std::string& path,
                         unsigned char (&header)[kCheckpointHeaderBytes],
                         ShardCheckpoint* out, HeaderCounts* counts) {
   auto data_loss = [&path](auto&&... parts) {
-    return absl::DataLossError(absl::StrCat("checkpoint ", path, ": ", parts...));
+    return absl::DataLossError(
+        absl::StrCat("checkpoint ", path, ": ", parts...));
   };
   if (size < sizeof(kMagic)) {
     return data_loss("truncated: ", size, " bytes, shorter than the magic");
@@ -382,8 +383,8 @@ absl::Status ReadHeader(int fd, uint64_t size, const std::string& path,
         kCheckpointFormatVersion, "); remove it to start the shard empty");
   }
   if (version != kCheckpointFormatVersion) {
-    return data_loss("unsupported format version ", version, " (this build reads ",
-                     kCheckpointFormatVersion, ")");
+    return data_loss("unsupported format version ", version,
+                     " (this build reads ", kCheckpointFormatVersion, ")");
   }
   ShardCheckpoint& c = *out;
   c.shard_id = Get32(header + 12);
@@ -405,7 +406,8 @@ absl::Status CheckHeader(const ShardCheckpoint& c, const HeaderCounts& counts,
                          uint32_t shard_id, uint64_t size,
                          const std::string& path) {
   auto data_loss = [&path](auto&&... parts) {
-    return absl::DataLossError(absl::StrCat("checkpoint ", path, ": ", parts...));
+    return absl::DataLossError(
+        absl::StrCat("checkpoint ", path, ": ", parts...));
   };
   // The counts against the real file size, before anything is allocated
   // (written so that no product or sum can overflow).
@@ -433,7 +435,8 @@ absl::Status CheckHeader(const ShardCheckpoint& c, const HeaderCounts& counts,
     return data_loss("inconsistent header: ", s.message());
   }
   if (counts.reserved != 0) {
-    return data_loss("inconsistent header: reserved field is ", counts.reserved);
+    return data_loss("inconsistent header: reserved field is ",
+                     counts.reserved);
   }
   if (c.next_step < 0) {
     return data_loss("inconsistent header: next_step ", c.next_step,
@@ -457,14 +460,16 @@ absl::Status ReadPayload(int fd, const unsigned char* header,
                          const HeaderCounts& counts, const std::string& path,
                          ShardCheckpoint* out) {
   auto data_loss = [&path](auto&&... parts) {
-    return absl::DataLossError(absl::StrCat("checkpoint ", path, ": ", parts...));
+    return absl::DataLossError(
+        absl::StrCat("checkpoint ", path, ": ", parts...));
   };
   // Payloads: sizes are now bounded by the file size.
   ShardCheckpoint& c = *out;
   c.params.resize(counts.params);
   c.global_velocity.resize(counts.velocity);
   std::vector<unsigned char> buf(
-      std::min<uint64_t>(std::max(counts.params, counts.velocity), kChunkFloats) *
+      std::min<uint64_t>(std::max(counts.params, counts.velocity),
+                         kChunkFloats) *
       sizeof(float));
   uint32_t crc = Crc(0, header, kCheckpointHeaderBytes);
   GTOPK_RETURN_IF_ERROR(
@@ -472,8 +477,7 @@ absl::Status ReadPayload(int fd, const unsigned char* header,
   GTOPK_RETURN_IF_ERROR(
       ReadFloats(fd, absl::MakeSpan(c.global_velocity), buf, crc, path));
   unsigned char trailer[kCheckpointTrailerBytes + 1];
-  GTOPK_RETURN_IF_ERROR(
-      ReadAll(fd, trailer, kCheckpointTrailerBytes, path));
+  GTOPK_RETURN_IF_ERROR(ReadAll(fd, trailer, kCheckpointTrailerBytes, path));
   // The file must end here, also if it grew after the fstat.
   ssize_t extra;
   do {
@@ -504,8 +508,8 @@ absl::StatusOr<ShardCheckpoint> ReadCheckpointFile(const std::string& path,
   const int raw_fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (raw_fd < 0) {
     if (errno == ENOENT) {
-      return absl::NotFoundError(absl::StrCat("no checkpoint of shard ",
-                                              shard_id, " at ", path));
+      return absl::NotFoundError(
+          absl::StrCat("no checkpoint of shard ", shard_id, " at ", path));
     }
     return ErrnoStatus(errno, "open", path);
   }
@@ -549,9 +553,9 @@ absl::Status ValidateCheckpointFor(const ShardCheckpoint& c, uint32_t shard_id,
   compare("begin", c.begin, begin);
   compare("end", c.end, end);
   if (!diffs.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "checkpoint does not belong to this cluster layout: ",
-        absl::StrJoin(diffs, "; ")));
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint does not belong to this cluster layout: ",
+                     absl::StrJoin(diffs, "; ")));
   }
   if (absl::Status s = ValidateSizes(c); !s.ok()) {
     return absl::InvalidArgumentError(

@@ -15,11 +15,11 @@
 //   20      4     uint32 reserved, 0
 //   24      8     uint64 n                (parameters in the whole model)
 //   32      8     uint64 begin            (first index of the shard's range)
-//   40      8     uint64 end              (one past the last; begin <= end <= n)
-//   48      8     int64  next_step        (>= 0)
-//   56      8     uint64 params_count     (== end - begin)
-//   64      8     uint64 velocity_count   (0 or end - begin)
-//   72      8     uint64 cluster_fingerprint (ClusterSpec.cluster_fingerprint
+//   40      8     uint64 end              (one past the last; begin <= end <=
+//   n) 48      8     int64  next_step        (>= 0) 56      8     uint64
+//   params_count     (== end - begin) 64      8     uint64 velocity_count   (0
+//   or end - begin) 72      8     uint64 cluster_fingerprint
+//   (ClusterSpec.cluster_fingerprint
 //                        of the cluster that wrote it; 0: unknown)
 //   80      8     uint64 run_id           (the cluster's run identity,
 //                        ClusterSpec.run_id; 0: unknown)
@@ -146,11 +146,11 @@ absl::StatusOr<ShardCheckpoint> ReadCheckpointFile(const std::string& path,
 // a shard keeps its last few checkpoints as `shard-<id>.step-<next_step>.ckpt`
 // in the same directory: hard links to the same files, so retaining costs no
 // extra writes (on a file system without hard links they are copies). Disk
-// use: `keep` checkpoint files per shard. After a restart, the leader may roll every shard back to a
-// step they all retain (server/service.h, Recover). Invariant kept by the
-// server: no entry is newer than the shard's state in memory, and after a
-// rollback no entry is newer than the step rolled back to (the abandoned
-// steps would otherwise be mistaken for the cluster's new ones).
+// use: `keep` checkpoint files per shard. After a restart, the leader may roll
+// every shard back to a step they all retain (server/service.h, Recover).
+// Invariant kept by the server: no entry is newer than the shard's state in
+// memory, and after a rollback no entry is newer than the step rolled back to
+// (the abandoned steps would otherwise be mistaken for the cluster's new ones).
 // Thread-safety as for the functions above: one writer per shard.
 
 // "<dir>/shard-<id>.step-<step>.ckpt".

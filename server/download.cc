@@ -132,7 +132,7 @@ class ChunkWriter {
   template <typename Fill>
   std::optional<grpc::Status> Send(size_t offset, Fill fill) {
     v1::ParamsChunk chunk;
-    chunk.set_worker(worker_);
+    chunk.set_rank(worker_);
     chunk.set_shard_id(shard_);
     chunk.set_offset(begin_ + offset);
     chunk.set_step(step_);
@@ -246,9 +246,9 @@ grpc::Status AggregatorService::DownloadParams(
       Enter(context, CallRules::Worker("DownloadParams", std::nullopt,
                                        /*shard_ok=*/true));
   if (!call.ok()) return ToGrpcStatus(call.status());
-  if (request->worker() >= config_.num_workers) {
+  if (request->rank() >= config_.num_workers) {
     return ToGrpcStatus(absl::InvalidArgumentError(
-        absl::StrCat("unknown worker rank ", request->worker(),
+        absl::StrCat("unknown worker rank ", request->rank(),
                      "; the cluster has ", config_.num_workers, " workers")));
   }
   const absl::Time deadline = WaitDeadline(context);
@@ -258,7 +258,7 @@ grpc::Status AggregatorService::DownloadParams(
   if (request->cluster_fingerprint() != 0) {
     const absl::Status same = CheckFingerprint(
         request->cluster_fingerprint(),
-        absl::StrCat("DownloadParams from worker ", request->worker(), " "),
+        absl::StrCat("DownloadParams from worker ", request->rank(), " "),
         deadline);
     if (!same.ok()) return ToGrpcStatus(same);
   }
@@ -285,7 +285,7 @@ grpc::Status AggregatorService::DownloadParams(
   absl::StatusOr<ShardAggregator::State> params =
       AwaitParams(**aggregator, deadline, context);
   if (!params.ok()) return ToGrpcStatus(params.status());
-  return SendParams(context, request->worker(), **aggregator, *params,
+  return SendParams(context, request->rank(), **aggregator, *params,
                     chunk_bytes, writer);
 }
 

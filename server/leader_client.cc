@@ -114,12 +114,12 @@ absl::StatusOr<ThresholdResponse> GrpcThresholdExchange::Exchange(
 }
 
 GrpcCommitVoter::GrpcCommitVoter(std::shared_ptr<grpc::Channel> channel,
-                                       std::string leader_address)
+                                 std::string leader_address)
     : leader_address_(std::move(leader_address)),
       stub_(v1::Aggregator::NewStub(std::move(channel))) {}
 
 absl::Status GrpcCommitVoter::Vote(int64_t step, uint32_t shard,
-                                      absl::Time deadline, uint64_t epoch) {
+                                   absl::Time deadline, uint64_t epoch) {
   v1::CommitRequest request;
   request.set_step(step);
   request.set_shard_id(shard);

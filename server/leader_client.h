@@ -14,10 +14,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "gtopk/v1/gtopk.grpc.pb.h"
-#include "gtopk/v1/gtopk.pb.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/support/status.h"
+#include "gtopk/v1/gtopk.grpc.pb.h"
+#include "gtopk/v1/gtopk.pb.h"
 #include "server/commit.h"
 #include "server/threshold.h"
 
@@ -92,7 +92,7 @@ class GrpcThresholdExchange final : public ThresholdExchange {
 class GrpcCommitVoter final : public CommitVoter {
  public:
   GrpcCommitVoter(std::shared_ptr<grpc::Channel> channel,
-                     std::string leader_address);
+                  std::string leader_address);
   absl::Status Vote(int64_t step, uint32_t shard, absl::Time deadline,
                     uint64_t epoch) override;
 

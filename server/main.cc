@@ -373,8 +373,7 @@ void PrintStartLines(gtopk::server::AggregatorServer& started,
                 server->health_port());
   }
   if (exposer != nullptr) {
-    exposer->RegisterCollectable(
-        server->service()->metrics().checkpoint_age());
+    exposer->RegisterCollectable(server->service()->metrics().checkpoint_age());
     std::printf("metrics on %s\n",
                 gtopk::MetricsBindAddress(absl::GetFlag(FLAGS_metrics_host),
                                           gtopk::metrics::BoundPort(*exposer))

@@ -54,8 +54,8 @@ absl::Status WriteMemberTokens(const std::string& dir,
                   "\n");
   const std::string path = MemberFilePath(dir);
   const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC,
-                        0600);
+  const int fd =
+      ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd < 0) return Errno("open", tmp);
   size_t done = 0;
   while (done < body.size()) {
@@ -114,9 +114,8 @@ absl::StatusOr<std::vector<uint64_t>> ReadMemberTokens(
                                 "\n")) != 0) {
     return corrupt("its checksum does not match (truncated or modified)");
   }
-  std::vector<std::string> lines =
-      absl::StrSplit(absl::string_view(text).substr(0, last), '\n',
-                     absl::SkipEmpty());
+  std::vector<std::string> lines = absl::StrSplit(
+      absl::string_view(text).substr(0, last), '\n', absl::SkipEmpty());
   if (lines.size() < 2 || lines[0] != kHeader) {
     return corrupt(absl::StrCat("the first line is not \"", kHeader, "\""));
   }
@@ -141,7 +140,8 @@ absl::StatusOr<std::vector<uint64_t>> ReadMemberTokens(
     uint64_t token = 0;
     if (f.size() != 2 || !absl::SimpleAtoi(f[0], &rank) ||
         !absl::SimpleAtoi(f[1], &token) || token == 0) {
-      return corrupt(absl::StrCat("line ", i + 1, " is not \"<rank> <token>\""));
+      return corrupt(
+          absl::StrCat("line ", i + 1, " is not \"<rank> <token>\""));
     }
     if (rank >= num_workers || tokens[rank] != 0) {
       return corrupt(absl::StrCat("line ", i + 1, ": rank ", rank,

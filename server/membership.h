@@ -122,7 +122,7 @@ class Membership {
     ~Stream();
 
     // The rank this stream acts for; -1 until registered.
-    int64_t worker() const { return worker_; }
+    int64_t rank() const { return worker_; }
     // Leader: the call's metadata names `rank` (< P) with `token`: when it
     // is the rank's current token, registers the stream (the rank is alive
     // for Join from now on, and no longer reserved) as idle until its first

@@ -109,11 +109,11 @@ class AggregatorService::PushPullCall {
     if (const absl::Status identity = VerifyIdentity(push); !identity.ok()) {
       return ToGrpcStatus(identity);
     }
-    registration_.Pushed(push.worker());
+    registration_.Pushed(push.rank());
     absl::StatusOr<WorkerPush> decoded = s_.DecodePush(push, *aggregator_);
     if (!decoded.ok()) {
       // Fail the round for everyone, as a bad push inside Submit would.
-      aggregator_->RejectPush(push.step(), push.worker(), decoded.status());
+      aggregator_->RejectPush(push.step(), push.rank(), decoded.status());
       return ToGrpcStatus(decoded.status());
     }
     registration_.set_in_round(true);
@@ -134,14 +134,14 @@ class AggregatorService::PushPullCall {
       // A certificate that names a rank pushes as that rank only; refused
       // alone, like a push without its member token.
       const absl::Status same =
-          s_.access_->CheckRank(caller_, "PushPull", push.worker());
+          s_.access_->CheckRank(caller_, "PushPull", push.rank());
       if (!same.ok()) return ToGrpcStatus(same);
     }
-    const int64_t stream_worker = registration_.worker();
-    if (stream_worker >= 0 && push.worker() != stream_worker &&
+    const int64_t stream_worker = registration_.rank();
+    if (stream_worker >= 0 && push.rank() != stream_worker &&
         aggregator_ != nullptr) {
       const absl::Status mixed = absl::InvalidArgumentError(
-          absl::StrCat("push from worker ", push.worker(),
+          absl::StrCat("push from worker ", push.rank(),
                        " on the PushPull stream of "
                        "worker ",
                        stream_worker, " (one stream per worker and shard)"));
@@ -150,11 +150,11 @@ class AggregatorService::PushPullCall {
                               mixed);
       return ToGrpcStatus(mixed);
     }
-    if (push.worker() >= s_.config_.num_workers) {
+    if (push.rank() >= s_.config_.num_workers) {
       // Not a member of the round: refused alone.
       s_.metrics_->Rejected(RejectReason::kUnknownWorker);
       return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-          "unknown worker rank ", push.worker(), "; the cluster has ",
+          "unknown worker rank ", push.rank(), "; the cluster has ",
           s_.config_.num_workers, " workers")));
     }
     return grpc::Status::OK;
@@ -165,7 +165,7 @@ class AggregatorService::PushPullCall {
   // alone; it neither joins nor fails the round.
   absl::Status VerifyIdentity(const v1::Push& push) {
     const std::string who =
-        absl::StrCat("worker ", push.worker(), " step ", push.step(), ": ");
+        absl::StrCat("worker ", push.rank(), " step ", push.step(), ": ");
     const absl::Time deadline = s_.WaitDeadline(context_);
     absl::Status identity =
         s_.CheckFingerprint(push.cluster_fingerprint(), who, deadline);
@@ -173,8 +173,7 @@ class AggregatorService::PushPullCall {
       s_.metrics_->Rejected(RejectReason::kWrongCluster);
       return identity;
     }
-    identity =
-        s_.CheckMemberToken(push.worker(), push.member_token(), deadline);
+    identity = s_.CheckMemberToken(push.rank(), push.member_token(), deadline);
     if (!identity.ok()) {
       s_.metrics_->Rejected(RejectReason::kNotMember);
       if (!absl::StartsWith(identity.message(), "leader ")) {
@@ -236,7 +235,7 @@ class AggregatorService::PushPullCall {
     if (!stream_->Write(pull)) {
       return grpc::Status(
           grpc::StatusCode::CANCELLED,
-          absl::StrCat("worker ", push.worker(),
+          absl::StrCat("worker ", push.rank(),
                        " went away before its pull of step ", r.step));
     }
     s_.metrics_->sent_pull_bytes().Increment(static_cast<double>(bytes));
@@ -265,7 +264,7 @@ absl::StatusOr<WorkerPush> AggregatorService::DecodePush(
     const uint64_t most = aggregator.MaxPushPairs(push.step());
     if (claimed.ok() && *claimed > most) {
       metrics_->LimitRejected(LimitBound::kPushPairs);
-      return aggregator.PushPairsExhausted(push.worker(), push.step(), *claimed,
+      return aggregator.PushPairsExhausted(push.rank(), push.step(), *claimed,
                                            most);
     }
   }

@@ -90,8 +90,7 @@ absl::StatusOr<v1::ShardState> AggregatorService::LocalShardState(
   state.set_cluster_fingerprint(fingerprint_.load());
   ShardAggregator* const aggregator = this->aggregator();
   if (aggregator == nullptr) return state;  // no parameters: not initialised
-  absl::StatusOr<int64_t> next =
-      aggregator->SettledNextStep(deadline, settle);
+  absl::StatusOr<int64_t> next = aggregator->SettledNextStep(deadline, settle);
   if (absl::IsFailedPrecondition(next.status())) return state;
   GTOPK_RETURN_IF_ERROR(next.status());
   state.set_initialized(true);
@@ -168,8 +167,8 @@ void AggregatorService::LeaderAbortStep(int64_t step, uint32_t origin,
   // Every other shard, the origin too (it then refuses the failed attempt's
   // late pushes as well). One queued forward per step: a later failure of
   // the same step updates it (the newest epoch is what the shards keep).
-  if (!abort_forwards_.Queue(step, AbortForwards::Pending{origin, reason,
-                                                          epoch})) {
+  if (!abort_forwards_.Queue(step,
+                             AbortForwards::Pending{origin, reason, epoch})) {
     return;
   }
   notifier_.Post([this, step] { ForwardAbort(step); });
@@ -206,24 +205,23 @@ grpc::Status AggregatorService::AbortStep(grpc::ServerContext* context,
   // Shard -> leader: the caller is the shard where the step failed;
   // leader -> shard: the caller is the leader.
   absl::StatusOr<Call> call = Enter(
-      context, CallRules::Shard("AbortStep", is_leader() ? request->shard_id()
-                                                         : uint32_t{0})
+      context, CallRules::Shard("AbortStep",
+                                is_leader() ? request->shard_id() : uint32_t{0})
                    .Peer(ShardPeer(context, request->shard_id())));
   if (!call.ok()) return ToGrpcStatus(call.status());
   if (request->step() < 0 || request->shard_id() >= config_.num_shards) {
-    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-        "AbortStep: step ", request->step(), " must be >= 0 and shard_id ",
-        request->shard_id(), " below --num-shards (", config_.num_shards,
-        ")")));
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("AbortStep: step ", request->step(),
+                     " must be >= 0 and shard_id ", request->shard_id(),
+                     " below --num-shards (", config_.num_shards, ")")));
   }
   // A far-future epoch is not a leader's (IsPlausibleEpoch).
   const absl::Time now = absl::Now();
   if (!is_leader() && !IsPlausibleEpoch(request->epoch(), now)) {
-    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-        "AbortStep: epoch ", request->epoch(),
-        " is more than a day ahead of this shard's clock (",
-        absl::ToUnixMicros(now),
-        " us since the Unix epoch)")));
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("AbortStep: epoch ", request->epoch(),
+                     " is more than a day ahead of this shard's clock (",
+                     absl::ToUnixMicros(now), " us since the Unix epoch)")));
   }
   // The reason travels on to every worker of the step: keep it short.
   const std::string reason = request->reason().size() > kMaxAbortReasonBytes
@@ -237,10 +235,10 @@ grpc::Status AggregatorService::AbortStep(grpc::ServerContext* context,
     // and a tombstone for each).
     const int64_t next = std::max<int64_t>(0, next_step());
     if (request->step() > next + kAbortStepWindow) {
-      return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-          "AbortStep: step ", request->step(), " is more than ",
-          kAbortStepWindow, " steps past the leader's next step ", next,
-          " (a shard fails the step it is at)")));
+      return ToGrpcStatus(absl::InvalidArgumentError(
+          absl::StrCat("AbortStep: step ", request->step(), " is more than ",
+                       kAbortStepWindow, " steps past the leader's next step ",
+                       next, " (a shard fails the step it is at)")));
     }
     // Nor long before it (a second break-it run: 60,000 reports of old
     // steps, each an epoch bump and possibly a forward).
@@ -266,16 +264,16 @@ grpc::Status AggregatorService::AbortStep(grpc::ServerContext* context,
 grpc::Status AggregatorService::GetShardState(
     grpc::ServerContext* context, const v1::ShardStateRequest* request,
     v1::ShardState* response) {
-  absl::StatusOr<Call> call =
-      Enter(context, CallRules::Shard("GetShardState", uint32_t{0})
-                         .Peer(CallPeerShard(0)));
+  absl::StatusOr<Call> call = Enter(
+      context,
+      CallRules::Shard("GetShardState", uint32_t{0}).Peer(CallPeerShard(0)));
   if (!call.ok()) return ToGrpcStatus(call.status());
   // In slices, so that a cancelled call (the leader went away) ends it.
   const absl::Time deadline = WaitDeadline(context);
   if (request->cluster_fingerprint() != 0 && fingerprint_.load() != 0) {
-    const absl::Status same = CheckFingerprint(
-        request->cluster_fingerprint(), "GetShardState from the leader ",
-        deadline);
+    const absl::Status same =
+        CheckFingerprint(request->cluster_fingerprint(),
+                         "GetShardState from the leader ", deadline);
     if (!same.ok()) return ToGrpcStatus(same);
   }
   // A shard restarted from another run's checkpoint must not have the
@@ -298,9 +296,9 @@ grpc::Status AggregatorService::GetShardState(
 grpc::Status AggregatorService::RollbackShard(
     grpc::ServerContext* context, const v1::RollbackRequest* request,
     v1::RollbackResponse* response) {
-  absl::StatusOr<Call> call =
-      Enter(context, CallRules::Shard("RollbackShard", uint32_t{0})
-                         .Peer(CallPeerShard(0)));
+  absl::StatusOr<Call> call = Enter(
+      context,
+      CallRules::Shard("RollbackShard", uint32_t{0}).Peer(CallPeerShard(0)));
   if (!call.ok()) return ToGrpcStatus(call.status());
   if (request->shard_id() != config_.shard_id) {
     return ToGrpcStatus(absl::InvalidArgumentError(
@@ -308,9 +306,9 @@ grpc::Status AggregatorService::RollbackShard(
                      " was sent to shard ", config_.shard_id)));
   }
   if (request->cluster_fingerprint() != 0 && fingerprint_.load() != 0) {
-    const absl::Status same =
-        CheckFingerprint(request->cluster_fingerprint(),
-                         "RollbackShard from the leader ", WaitDeadline(context));
+    const absl::Status same = CheckFingerprint(request->cluster_fingerprint(),
+                                               "RollbackShard from the leader ",
+                                               WaitDeadline(context));
     if (!same.ok()) return ToGrpcStatus(same);
   }
   absl::StatusOr<int64_t> previous = LocalRollback(request->step());
@@ -408,9 +406,9 @@ std::optional<v1::RecoverResponse> AggregatorService::AgreedWithoutFence(
   // the next worker's Recover the retry after it. A step being computed is
   // not applied yet, and commits on every shard or on none, so equal next
   // steps are a safe answer.
-  const absl::Time quick = std::min(
-      deadline, absl::Now() + std::max(config_.step_timeout / 4,
-                                       absl::Milliseconds(200)));
+  const absl::Time quick =
+      std::min(deadline, absl::Now() + std::max(config_.step_timeout / 4,
+                                                absl::Milliseconds(200)));
   const absl::StatusOr<RecoveryPlan> plan =
       ChooseRecoveryTarget(ReadShardStates(quick, /*settle=*/false));
   // Anything but agreement (an unreadable shard, one without parameters,
@@ -523,9 +521,9 @@ absl::StatusOr<v1::RecoverResponse> AggregatorService::ResumeClusterOnce(
       steps.push_back(states[s]->next_step());
     }
     if (!errors.empty()) {
-      return absl::Status(code,
-                          absl::StrCat("Recover: cannot resume at step ", step,
-                                       ": ", absl::StrJoin(errors, "; ")));
+      return absl::Status(
+          code, absl::StrCat("Recover: cannot resume at step ", step, ": ",
+                             absl::StrJoin(errors, "; ")));
     }
     return steps;
   };
@@ -569,26 +567,26 @@ grpc::Status AggregatorService::Recover(grpc::ServerContext* context,
                                         const v1::RecoverRequest* request,
                                         v1::RecoverResponse* response) {
   absl::StatusOr<Call> call = Enter(
-      context, CallRules::Worker("Recover", int64_t{request->worker()})
-                   .Peer(RankPeer(context, request->worker(),
-                                  request->member_token())));
+      context,
+      CallRules::Worker("Recover", int64_t{request->rank()})
+          .Peer(RankPeer(context, request->rank(), request->member_token())));
   if (!call.ok()) return ToGrpcStatus(call.status());
-  if (request->worker() >= config_.num_workers) {
+  if (request->rank() >= config_.num_workers) {
     return ToGrpcStatus(absl::InvalidArgumentError(
-        absl::StrCat("unknown worker rank ", request->worker(),
+        absl::StrCat("unknown worker rank ", request->rank(),
                      "; the cluster has ", config_.num_workers, " workers")));
   }
   if (is_leader()) {
     const absl::Status same = CheckFingerprint(
         request->cluster_fingerprint(),
-        absl::StrCat("Recover from worker ", request->worker(), " "),
+        absl::StrCat("Recover from worker ", request->rank(), " "),
         absl::Now());
     if (!same.ok()) return ToGrpcStatus(same);
     // The holder re-registers its rank (after a leader restart too), which
     // stays reserved for it through the recovery and until it reopens its
     // step stream, whatever a Join asks meanwhile (issue 42).
     const absl::Status member =
-        membership_.Reenter(request->worker(), request->member_token());
+        membership_.Reenter(request->rank(), request->member_token());
     if (!member.ok()) return ToGrpcStatus(member);
   }
   // Again when the call ends (it may have waited a step timeout for the
@@ -600,7 +598,7 @@ grpc::Status AggregatorService::Recover(grpc::ServerContext* context,
     ~Rereserve() {
       if (membership != nullptr) membership->Rereserve(worker, token);
     }
-  } rereserve{is_leader() ? &membership_ : nullptr, request->worker(),
+  } rereserve{is_leader() ? &membership_ : nullptr, request->rank(),
               request->member_token()};
   std::optional<int64_t> resume_step;
   if (request->resume()) {
@@ -611,9 +609,8 @@ grpc::Status AggregatorService::Recover(grpc::ServerContext* context,
           "checkpoint of step N)"));
     }
     if (request->resume_step() < 0) {
-      return ToGrpcStatus(absl::InvalidArgumentError(
-          absl::StrCat("Recover: resume_step must be >= 0, got ",
-                       request->resume_step())));
+      return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+          "Recover: resume_step must be >= 0, got ", request->resume_step())));
     }
     resume_step = request->resume_step();
   }

@@ -16,22 +16,22 @@ absl::StatusOr<WorkerPush> DecodeWirePush(const v1::Push& push,
                                           const ServerConfig& config,
                                           uint64_t n, RejectReason* reason) {
   const std::string who =
-      absl::StrCat("worker ", push.worker(), " step ", push.step(), ": ");
+      absl::StrCat("worker ", push.rank(), " step ", push.step(), ": ");
   if (push.shard_id() != config.shard_id) {
     *reason = RejectReason::kWrongShard;
     return absl::InvalidArgumentError(
         absl::StrCat(who, "push for shard ", push.shard_id(),
                      " was sent to shard ", config.shard_id));
   }
-  if (push.worker() >= config.num_workers) {
+  if (push.rank() >= config.num_workers) {
     *reason = RejectReason::kUnknownWorker;
     return absl::InvalidArgumentError(
-        absl::StrCat("unknown worker rank ", push.worker(),
-                     "; the cluster has ", config.num_workers, " workers"));
+        absl::StrCat("unknown worker rank ", push.rank(), "; the cluster has ",
+                     config.num_workers, " workers"));
   }
   WorkerPush out;
   out.step = push.step();
-  out.worker = push.worker();
+  out.worker = push.rank();
   out.epoch = push.epoch();
   out.params_checksum = push.params_checksum();
   out.buffers = push.buffers();  // who may send them: ValidatePush
@@ -56,8 +56,7 @@ absl::StatusOr<WorkerPush> DecodeWirePush(const v1::Push& push,
     return absl::InvalidArgumentError(
         absl::StrCat(who, "corrupt sparse push: ", spec.status().message()));
   }
-  if (spec->index != config.index_codec ||
-      spec->value != config.value_codec) {
+  if (spec->index != config.index_codec || spec->value != config.value_codec) {
     *reason = RejectReason::kWrongCodec;
     return absl::InvalidArgumentError(absl::StrCat(
         who, "wrong codec: the push uses ", IndexCodecName(spec->index), "/",
@@ -76,10 +75,10 @@ absl::StatusOr<WorkerPush> DecodeWirePush(const v1::Push& push,
 
 absl::Status CheckInitChunkSender(const v1::ParamsChunk& chunk,
                                   uint32_t shard_id) {
-  if (chunk.worker() != 0) {
+  if (chunk.rank() != 0) {
     return absl::PermissionDeniedError(absl::StrCat(
         "only worker 0 initialises the parameters; got a chunk from worker ",
-        chunk.worker()));
+        chunk.rank()));
   }
   if (chunk.shard_id() != shard_id) {
     return absl::InvalidArgumentError(

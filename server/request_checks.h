@@ -20,7 +20,7 @@ namespace server {
 
 // Turns a wire push for shard `config.shard_id` of a cluster of `n`
 // parameters (1 <= n <= 2^32) into a WorkerPush: push.shard_id must be this
-// shard, push.worker < P; in dense mode no sparse bytes (the dense values
+// shard, push.rank < P; in dense mode no sparse bytes (the dense values
 // are taken as they are: ShardAggregator::Submit checks their count and
 // finiteness); in gtopk/topk no dense values, sparse bytes in the cluster's
 // codecs (PeekCodecSpec) that DecodeSparse accepts for `n` (sorted, unique,

@@ -130,9 +130,9 @@ absl::Status ValidateSelection(const ServerConfig& c) {
 absl::Status ValidateLimits(const ServerConfig& c) {
   if (c.step_timeout < absl::Milliseconds(1) ||
       c.step_timeout >= absl::Milliseconds(UINT32_MAX)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--step-timeout must be in [1ms, 2^32 ms), got ",
-        absl::FormatDuration(c.step_timeout)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--step-timeout must be in [1ms, 2^32 ms), got ",
+                     absl::FormatDuration(c.step_timeout)));
   }
   if (c.max_message_bytes < 1024 ||
       c.max_message_bytes > static_cast<uint64_t>(INT_MAX)) {
@@ -150,8 +150,7 @@ absl::Status ValidateLimits(const ServerConfig& c) {
         "--checkpoint-every must be >= 0, got ", c.checkpoint_every));
   }
   if (ApplyModeName(c.apply) == "unknown") {
-    return absl::InvalidArgumentError(
-        "--apply must be servers or workers");
+    return absl::InvalidArgumentError("--apply must be servers or workers");
   }
   if (c.checksum_every < -1 || c.checksum_every > int64_t{UINT32_MAX}) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -166,10 +165,9 @@ absl::Status ValidateLimits(const ServerConfig& c) {
         {"--max-calls-per-peer", c.max_calls_per_peer},
         {"--max-streams-per-connection", c.max_streams_per_connection}}) {
     if (value < 0 || value > kMaxCallLimit) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(flag, " must be in [0, ", kMaxCallLimit,
-                       "] (0: computed from --workers and --num-shards), got ",
-                       value));
+      return absl::InvalidArgumentError(absl::StrCat(
+          flag, " must be in [0, ", kMaxCallLimit,
+          "] (0: computed from --workers and --num-shards), got ", value));
     }
   }
   if (c.checkpoint_keep < 1 || c.checkpoint_keep > 1000) {
@@ -211,9 +209,8 @@ absl::Status ValidateOptimizerFlags(const ServerConfig& c) {
   for (size_t e = 0; e < o.density_warmup.size(); ++e) {
     const double d = o.density_warmup[e];
     if (!(d > 0.0 && d <= 1.0)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--density-warmup: entry ", e,
-                       " must be in (0, 1], got ", d));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--density-warmup: entry ", e, " must be in (0, 1], got ", d));
     }
   }
   if (o.steps_per_epoch < 0) {
@@ -324,16 +321,18 @@ absl::Status CheckSameClusterSettings(const ServerConfig& own,
   std::vector<std::string> differences =
       ClusterSpecDifferences(mine, theirs, "on the leader");
   if (own_n != 0 && leader.n() != 0 && own_n != leader.n()) {
-    differences.push_back(absl::StrCat(
-        "the parameter count n is ", own_n,
-        " here (from this shard's checkpoint) but ", leader.n(),
-        " on the leader"));
+    differences.push_back(
+        absl::StrCat("the parameter count n is ", own_n,
+                     " here (from this shard's checkpoint) but ", leader.n(),
+                     " on the leader"));
   }
   if (differences.empty()) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
-      "shard ", own.shard_id, " is configured differently from the leader, "
-      "shard 0 (", own.peers.empty() ? std::string() : own.peers[0], "): ",
-      absl::StrJoin(differences, "; "),
+      "shard ", own.shard_id,
+      " is configured differently from the leader, "
+      "shard 0 (",
+      own.peers.empty() ? std::string() : own.peers[0],
+      "): ", absl::StrJoin(differences, "; "),
       ". Start every shard with the same cluster flags (server/flags.md)"));
 }
 

@@ -19,17 +19,29 @@ using prometheus::BuildCounter;
 using prometheus::BuildGauge;
 using prometheus::BuildHistogram;
 
-const char* const kStatusCodeNames[17] = {
-    "OK",        "CANCELLED",          "UNKNOWN",           "INVALID_ARGUMENT",
-    "DEADLINE_EXCEEDED", "NOT_FOUND",  "ALREADY_EXISTS",    "PERMISSION_DENIED",
-    "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
-    "UNIMPLEMENTED", "INTERNAL",       "UNAVAILABLE",       "DATA_LOSS",
-    "UNAUTHENTICATED"};
+const char* const kStatusCodeNames[17] = {"OK",
+                                          "CANCELLED",
+                                          "UNKNOWN",
+                                          "INVALID_ARGUMENT",
+                                          "DEADLINE_EXCEEDED",
+                                          "NOT_FOUND",
+                                          "ALREADY_EXISTS",
+                                          "PERMISSION_DENIED",
+                                          "RESOURCE_EXHAUSTED",
+                                          "FAILED_PRECONDITION",
+                                          "ABORTED",
+                                          "OUT_OF_RANGE",
+                                          "UNIMPLEMENTED",
+                                          "INTERNAL",
+                                          "UNAVAILABLE",
+                                          "DATA_LOSS",
+                                          "UNAUTHENTICATED"};
 
 class ErrorInterceptor final : public grpc::experimental::Interceptor {
  public:
   explicit ErrorInterceptor(ServerMetrics* metrics) : metrics_(metrics) {}
-  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+  void Intercept(
+      grpc::experimental::InterceptorBatchMethods* methods) override {
     if (methods->QueryInterceptionHookPoint(
             grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
       const grpc::Status status = methods->GetSendStatus();
@@ -45,7 +57,8 @@ class ErrorInterceptor final : public grpc::experimental::Interceptor {
 class ErrorInterceptorFactory final
     : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
-  explicit ErrorInterceptorFactory(ServerMetrics* metrics) : metrics_(metrics) {}
+  explicit ErrorInterceptorFactory(ServerMetrics* metrics)
+      : metrics_(metrics) {}
   grpc::experimental::Interceptor* CreateServerInterceptor(
       grpc::experimental::ServerRpcInfo* /*info*/) override {
     return new ErrorInterceptor(metrics_);
@@ -59,17 +72,28 @@ class ErrorInterceptorFactory final
 
 const char* RejectReasonName(RejectReason reason) {
   switch (reason) {
-    case RejectReason::kWrongShard: return "wrong_shard";
-    case RejectReason::kUnknownWorker: return "unknown_worker";
-    case RejectReason::kWrongMode: return "wrong_mode";
-    case RejectReason::kWrongCodec: return "wrong_codec";
-    case RejectReason::kCorrupt: return "corrupt";
-    case RejectReason::kInvalid: return "invalid";
-    case RejectReason::kWrongStep: return "wrong_step";
-    case RejectReason::kMixedStream: return "mixed_stream";
-    case RejectReason::kWrongCluster: return "wrong_cluster";
-    case RejectReason::kNotMember: return "not_member";
-    case RejectReason::kCount: break;
+    case RejectReason::kWrongShard:
+      return "wrong_shard";
+    case RejectReason::kUnknownWorker:
+      return "unknown_worker";
+    case RejectReason::kWrongMode:
+      return "wrong_mode";
+    case RejectReason::kWrongCodec:
+      return "wrong_codec";
+    case RejectReason::kCorrupt:
+      return "corrupt";
+    case RejectReason::kInvalid:
+      return "invalid";
+    case RejectReason::kWrongStep:
+      return "wrong_step";
+    case RejectReason::kMixedStream:
+      return "mixed_stream";
+    case RejectReason::kWrongCluster:
+      return "wrong_cluster";
+    case RejectReason::kNotMember:
+      return "not_member";
+    case RejectReason::kCount:
+      break;
   }
   return "unknown";
 }
@@ -103,29 +127,33 @@ class ServerMetrics::CheckpointAge final : public prometheus::Collectable {
 ServerMetrics::ServerMetrics(prometheus::Registry& registry) {
   auto& received = BuildCounter()
                        .Name("gtopk_server_received_bytes_total")
-                       .Help("Serialized request message bytes received, by "
-                             "gRPC method.")
+                       .Help(
+                           "Serialized request message bytes received, by "
+                           "gRPC method.")
                        .Register(registry);
   received_push_ = &received.Add({{"method", "PushPull"}});
   received_init_ = &received.Add({{"method", "InitParams"}});
   auto& sent = BuildCounter()
                    .Name("gtopk_server_sent_bytes_total")
-                   .Help("Serialized response message bytes sent, by gRPC "
-                         "method.")
+                   .Help(
+                       "Serialized response message bytes sent, by gRPC "
+                       "method.")
                    .Register(registry);
   sent_pull_ = &sent.Add({{"method", "PushPull"}});
   sent_download_ = &sent.Add({{"method", "DownloadParams"}});
   round_duration_ =
       &BuildHistogram()
            .Name("gtopk_server_round_duration_seconds")
-           .Help("One round on this shard: from the first push of a step to "
-                 "its result (merge, selection, commit and apply included).")
+           .Help(
+               "One round on this shard: from the first push of a step to "
+               "its result (merge, selection, commit and apply included).")
            .Register(registry)
            .Add({}, DurationBuckets());
   slowest_wait_ = &BuildHistogram()
                        .Name("gtopk_server_slowest_worker_wait_seconds")
-                       .Help("Per round, from the first push to the last: the "
-                             "wait for the slowest worker.")
+                       .Help(
+                           "Per round, from the first push to the last: the "
+                           "wait for the slowest worker.")
                        .Register(registry)
                        .Add({}, DurationBuckets());
   merge_duration_ = &BuildHistogram()
@@ -136,14 +164,16 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry) {
   threshold_duration_ =
       &BuildHistogram()
            .Name("gtopk_server_threshold_duration_seconds")
-           .Help("Per round, the selection of the global top-k (gtopk threshold: "
-                 "with the threshold exchange with the leader).")
+           .Help(
+               "Per round, the selection of the global top-k (gtopk threshold: "
+               "with the threshold exchange with the leader).")
            .Register(registry)
            .Add({}, DurationBuckets());
   selected_pairs_ = &BuildCounter()
                          .Name("gtopk_server_selected_pairs_total")
-                         .Help("Index/value pairs selected per round, summed "
-                               "over rounds.")
+                         .Help(
+                             "Index/value pairs selected per round, summed "
+                             "over rounds.")
                          .Register(registry)
                          .Add({});
   rounds_ = &BuildCounter()
@@ -166,32 +196,35 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry) {
                        .Help("Pushes rejected, by reason.")
                        .Register(registry);
   for (size_t r = 0; r < rejected_.size(); ++r) {
-    rejected_[r] =
-        &rejected.Add({{"reason", RejectReasonName(static_cast<RejectReason>(r))}});
+    rejected_[r] = &rejected.Add(
+        {{"reason", RejectReasonName(static_cast<RejectReason>(r))}});
   }
   auto& limits =
       BuildCounter()
           .Name("gtopk_server_limit_rejections_total")
-          .Help("Calls and pushes refused with RESOURCE_EXHAUSTED by a "
-                "resource bound, by bound (docs/resource-limits.md).")
+          .Help(
+              "Calls and pushes refused with RESOURCE_EXHAUSTED by a "
+              "resource bound, by bound (docs/resource-limits.md).")
           .Register(registry);
   for (size_t b = 0; b < limit_rejections_.size(); ++b) {
-    limit_rejections_[b] = &limits.Add(
-        {{"bound", LimitBoundName(static_cast<LimitBound>(b))}});
+    limit_rejections_[b] =
+        &limits.Add({{"bound", LimitBoundName(static_cast<LimitBound>(b))}});
   }
-  auto& errors = BuildCounter()
-                     .Name("gtopk_server_rpc_errors_total")
-                     .Help("RPCs that ended with a non-OK gRPC status, by code.")
-                     .Register(registry);
+  auto& errors =
+      BuildCounter()
+          .Name("gtopk_server_rpc_errors_total")
+          .Help("RPCs that ended with a non-OK gRPC status, by code.")
+          .Register(registry);
   for (size_t c = 1; c < rpc_errors_.size(); ++c) {
     rpc_errors_[c] = &errors.Add({{"code", kStatusCodeNames[c]}});
   }
   checkpoint_failures_ =
       &BuildCounter()
            .Name("gtopk_server_checkpoint_failures_total")
-           .Help("Checkpoint writes of this shard that failed (periodic, "
-                 "initial or final); the previous checkpoint stays the one "
-                 "a restart restores.")
+           .Help(
+               "Checkpoint writes of this shard that failed (periodic, "
+               "initial or final); the previous checkpoint stays the one "
+               "a restart restores.")
            .Register(registry)
            .Add({});
   checkpoint_age_ = std::make_shared<CheckpointAge>();

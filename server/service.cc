@@ -62,8 +62,8 @@ AggregatorService::AggregatorService(ServerConfig config)
       limiter_(config_.shard_id, EffectiveCallLimits(config_)),
       access_(std::make_unique<AccessControl>(config_.security,
                                               *metrics_registry_)),
-      membership_(config_.shard_id, config_.num_workers,
-                  config_.checkpoint_dir, config_.step_timeout),
+      membership_(config_.shard_id, config_.num_workers, config_.checkpoint_dir,
+                  config_.step_timeout),
       checkpointer_(config_, metrics_.get(),
                     [this](ShardCheckpoint* c) { StampIdentity(c); }) {
   if (is_leader()) {
@@ -74,15 +74,13 @@ AggregatorService::AggregatorService(ServerConfig config)
     commit_ = std::make_unique<LocalCommitVoter>(commit_coordinator_.get());
     peer_stubs_.resize(config_.num_shards);
     for (uint32_t s = 1; s < config_.num_shards; ++s) {
-      peer_stubs_[s] = v1::Aggregator::NewStub(
-          CreateLimitedChannel(config_.peers[s], config_.max_message_bytes,
-                               config_.security));
+      peer_stubs_[s] = v1::Aggregator::NewStub(CreateLimitedChannel(
+          config_.peers[s], config_.max_message_bytes, config_.security));
     }
     watch_thread_ = std::thread([this] { WatchGoneWorkers(); });
   } else {
-    leader_channel_ =
-        CreateLimitedChannel(config_.peers[0], config_.max_message_bytes,
-                             config_.security);
+    leader_channel_ = CreateLimitedChannel(
+        config_.peers[0], config_.max_message_bytes, config_.security);
     leader_stub_ = v1::Aggregator::NewStub(leader_channel_);
     auto exchange = std::make_unique<GrpcThresholdExchange>(leader_channel_,
                                                             config_.peers[0]);
@@ -142,7 +140,6 @@ void AggregatorService::WatchLeaderSettings() {
   }
 }
 
-
 absl::StatusOr<std::unique_ptr<AggregatorService>> AggregatorService::Create(
     ServerConfig config) {
   GTOPK_RETURN_IF_ERROR(ValidateServerConfig(config));
@@ -159,14 +156,13 @@ absl::StatusOr<std::unique_ptr<AggregatorService>> AggregatorService::Create(
       std::filesystem::create_directories(c.checkpoint_dir, made);
       if (!made) {
         std::filesystem::permissions(c.checkpoint_dir,
-                                     std::filesystem::perms::owner_all,
-                                     made);
+                                     std::filesystem::perms::owner_all, made);
       }
     }
     if (stat(c.checkpoint_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "--checkpoint-dir=", c.checkpoint_dir,
-          " is not a directory and cannot be created"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("--checkpoint-dir=", c.checkpoint_dir,
+                       " is not a directory and cannot be created"));
     }
     if (service->is_leader()) {
       // Who held which rank before this leader (re)started: a live worker
@@ -186,7 +182,7 @@ absl::StatusOr<std::unique_ptr<AggregatorService>> AggregatorService::Create(
     // A new run: its identity, for every shard's checkpoints.
     static std::random_device device;
     uint64_t id = 0;
-    while (id == 0) id = (uint64_t{device()} << 32) ^ uint64_t{device()};
+    while (id == 0) id = (uint64_t{device()} << 32) ^ uint64_t { device() };
     service->run_id_.store(id);
   }
   return service;
@@ -250,22 +246,22 @@ AggregatorService::CallRules AggregatorService::CallRules::Shard(
 absl::StatusOr<AggregatorService::Call> AggregatorService::Enter(
     const grpc::ServerContext* context, CallRules rules) {
   Call call;
-  GTOPK_ASSIGN_OR_RETURN(call.admission,
-                         AdmitCall(context, rules.method, std::move(rules.peer)));
+  GTOPK_ASSIGN_OR_RETURN(
+      call.admission, AdmitCall(context, rules.method, std::move(rules.peer)));
   if (rules.from_shard) {
     GTOPK_RETURN_IF_ERROR(
         access_->AllowShard(*context, rules.method, rules.shard));
   } else {
-    GTOPK_ASSIGN_OR_RETURN(call.caller,
-                           access_->AllowWorker(*context, rules.method,
-                                                rules.rank, rules.shard_ok));
+    GTOPK_ASSIGN_OR_RETURN(
+        call.caller, access_->AllowWorker(*context, rules.method, rules.rank,
+                                          rules.shard_ok));
   }
   if (rules.leader_only && !is_leader()) {
     const bool join = absl::string_view(rules.method) == "Join";
-    return absl::FailedPreconditionError(absl::StrCat(
-        "shard ", config_.shard_id, " is not the leader; ",
-        join ? "join " : absl::StrCat(rules.method, " goes to "),
-        config_.peers[0]));
+    return absl::FailedPreconditionError(
+        absl::StrCat("shard ", config_.shard_id, " is not the leader; ",
+                     join ? "join " : absl::StrCat(rules.method, " goes to "),
+                     config_.peers[0]));
   }
   if (rules.fingerprint.has_value()) {
     GTOPK_RETURN_IF_ERROR(
@@ -295,7 +291,6 @@ void AggregatorService::SetOwnAddress(const std::string& address) {
   own_address_ = address;
 }
 
-
 ShardAggregator* AggregatorService::aggregator() const {
   absl::MutexLock lock(&mu_);
   return aggregator_.get();
@@ -324,7 +319,6 @@ void AggregatorService::SetReadinessListener(
   readiness_listener_ = std::move(listener);
   if (readiness_listener_) readiness_listener_(readiness_);
 }
-
 
 void AggregatorService::SetCheckpointHealthListener(
     std::function<void(bool ok)> listener) {
@@ -409,7 +403,8 @@ absl::Status AggregatorService::CreateAggregatorLocked(uint64_t n) {
   const uint64_t fingerprint =
       CanonicalClusterSpec(config_, n).cluster_fingerprint();
   fingerprint_.store(fingerprint);
-  if (grpc_exchange_ != nullptr) grpc_exchange_->SetClusterFingerprint(fingerprint);
+  if (grpc_exchange_ != nullptr)
+    grpc_exchange_->SetClusterFingerprint(fingerprint);
   if (grpc_commit_ != nullptr) grpc_commit_->SetClusterFingerprint(fingerprint);
   aggregator->SetStepFailedCallback(
       [this](int64_t step, const absl::Status& reason) {
@@ -542,8 +537,7 @@ namespace {
 
 // RESOURCE_EXHAUSTED for a shard range of parameters that does not fit in
 // this server's memory (the range follows the cluster's n).
-absl::Status OutOfMemoryForRange(uint32_t shard, uint64_t begin,
-                                 uint64_t end) {
+absl::Status OutOfMemoryForRange(uint32_t shard, uint64_t begin, uint64_t end) {
   return absl::ResourceExhaustedError(absl::StrCat(
       "shard ", shard, " cannot hold its range [", begin, ", ", end, ") of ",
       end - begin, " parameters (", (end - begin) * sizeof(float),
@@ -564,9 +558,9 @@ absl::Status CheckStatePiece(const ServerConfig& config, size_t piece,
         config.shard_id, " with --apply=", ApplyModeName(config.apply)));
   }
   if (piece > kMaxInitStateBytes - so_far) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "InitParams: the state blob is over ", kMaxInitStateBytes,
-        " bytes (1 GiB) after ", so_far, " + ", piece, " bytes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("InitParams: the state blob is over ", kMaxInitStateBytes,
+                     " bytes (1 GiB) after ", so_far, " + ", piece, " bytes"));
   }
   return absl::OkStatus();
 }
@@ -640,8 +634,7 @@ grpc::Status AggregatorService::InitParams(
       return ToGrpcStatus(piece);
     }
     try {
-      values.insert(values.end(), chunk.values().begin(),
-                    chunk.values().end());
+      values.insert(values.end(), chunk.values().begin(), chunk.values().end());
       state.append(chunk.state());
     } catch (const std::bad_alloc&) {
       return ToGrpcStatus(OutOfMemoryForRange(shard, begin, end));
@@ -669,8 +662,7 @@ grpc::Status AggregatorService::InitParams(
         "parameter chunks cover [", begin, ", ", next, ") but shard ", shard,
         " owns [", begin, ", ", end, "): ", end - next, " values missing")));
   }
-  absl::StatusOr<bool> taken =
-      aggregator->InitParams(values, std::move(state));
+  absl::StatusOr<bool> taken = aggregator->InitParams(values, std::move(state));
   if (!taken.ok()) return ToGrpcStatus(taken.status());
   if (*taken && config_.checkpoint_every > 0) {
     // The initial state (next step 0) is a checkpoint like any step's: a
@@ -683,7 +675,6 @@ grpc::Status AggregatorService::InitParams(
   response->set_initialized_now(*taken);
   return grpc::Status::OK;
 }
-
 
 absl::Status AggregatorService::FixN(uint64_t n) {
   absl::MutexLock lock(&mu_);
@@ -703,14 +694,13 @@ grpc::Status AggregatorService::ExchangeThreshold(
     grpc::ServerContext* context, const v1::ThresholdRequest* request,
     v1::ThresholdResponse* response) {
   absl::StatusOr<Call> call = Enter(
-      context,
-      CallRules::Shard("ExchangeThreshold", request->shard_id())
-          .Peer(ShardPeer(context, request->shard_id()))
-          .LeaderOnly()
-          .Fingerprint(request->cluster_fingerprint(),
-                       absl::StrCat("ExchangeThreshold from shard ",
-                                    request->shard_id(), " for step ",
-                                    request->step(), " ")));
+      context, CallRules::Shard("ExchangeThreshold", request->shard_id())
+                   .Peer(ShardPeer(context, request->shard_id()))
+                   .LeaderOnly()
+                   .Fingerprint(request->cluster_fingerprint(),
+                                absl::StrCat("ExchangeThreshold from shard ",
+                                             request->shard_id(), " for step ",
+                                             request->step(), " ")));
   if (!call.ok()) return ToGrpcStatus(call.status());
   const absl::Time deadline =
       std::min(absl::Now() + config_.step_timeout,
@@ -738,10 +728,9 @@ grpc::Status AggregatorService::CommitStep(grpc::ServerContext* context,
   const absl::Time deadline =
       std::min(absl::Now() + config_.step_timeout,
                ContextDeadline(context) - kLeaderDeadlineSlack);
-  return ToGrpcStatus(
-      commit_coordinator_->Vote(request->step(), request->shard_id(), deadline,
-                                [context] { return context->IsCancelled(); },
-                                request->epoch()));
+  return ToGrpcStatus(commit_coordinator_->Vote(
+      request->step(), request->shard_id(), deadline,
+      [context] { return context->IsCancelled(); }, request->epoch()));
 }
 
 }  // namespace server

@@ -141,13 +141,12 @@ DownloadLimits DownloadParamsLimits(const ServerConfig& config,
 //                   step. An empty range yields one empty chunk. The state
 //                   blob InitParams took (shard 0, --apply=workers) follows
 //                   in chunks without values (offset = end of the range),
-//                   pieces of at most download_chunk_bytes - 64 bytes. At most 4
-//                   at once (the others wait, bounded by their deadline
-//                   and max(step timeout, the stall bound + 1 s):
-//                   DEADLINE_EXCEEDED "4 parameter downloads already in
-//                   progress"); a stream that runs past
-//                   DownloadParamsLimits (its client stopped reading) is
-//                   cancelled (CANCELLED), releasing its slot.
+//                   pieces of at most download_chunk_bytes - 64 bytes. At most
+//                   4 at once (the others wait, bounded by their deadline and
+//                   max(step timeout, the stall bound + 1 s): DEADLINE_EXCEEDED
+//                   "4 parameter downloads already in progress"); a stream that
+//                   runs past DownloadParamsLimits (its client stopped reading)
+//                   is cancelled (CANCELLED), releasing its slot.
 //   PushPull        per Push: first who sends it -- worker < P
 //                   (INVALID_ARGUMENT), the cluster fingerprint
 //                   (FAILED_PRECONDITION), the rank's member token
@@ -155,10 +154,10 @@ DownloadLimits DownloadParamsLimits(const ServerConfig& config,
 //                   such a push is refused alone and ends only its stream.
 //                   Then shard_id checked, codecs must be the cluster's,
 //                   bytes must decode (all INVALID_ARGUMENT, and the step
-//                   fails for every worker); then ShardAggregator::Submit. The stream ends with the first
-//                   error (the step's status: INVALID_ARGUMENT, ABORTED,
-//                   DEADLINE_EXCEEDED naming missing workers,
-//                   FAILED_PRECONDITION for a wrong step, ...). A Pull
+//                   fails for every worker); then ShardAggregator::Submit. The
+//                   stream ends with the first error (the step's status:
+//                   INVALID_ARGUMENT, ABORTED, DEADLINE_EXCEEDED naming missing
+//                   workers, FAILED_PRECONDITION for a wrong step, ...). A Pull
 //                   larger than max_message_bytes: RESOURCE_EXHAUSTED.
 //   ExchangeThreshold, CommitStep  leader only (FAILED_PRECONDITION
 //                   otherwise); the wait ends early, failing the round for
@@ -562,8 +561,8 @@ class AggregatorService final : public v1::Aggregator::Service {
   // Turns a wire push into a WorkerPush (codec and shard checks, decoding;
   // RESOURCE_EXHAUSTED before decoding a push that claims more pairs than
   // aggregator.MaxPushPairs allows).
-  absl::StatusOr<WorkerPush> DecodePush(const v1::Push& push,
-                                        const ShardAggregator& aggregator) const;
+  absl::StatusOr<WorkerPush> DecodePush(
+      const v1::Push& push, const ShardAggregator& aggregator) const;
   // DownloadParams' chunks of `params` (the values, the global velocity
   // alongside, then the state blob) to `worker` under DownloadParamsLimits.
   grpc::Status SendParams(grpc::ServerContext* context, uint32_t worker,

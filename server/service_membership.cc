@@ -46,10 +46,10 @@ absl::Status AggregatorService::CheckFingerprint(uint64_t fingerprint,
     }
   }
   if (fingerprint == 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        who, "carries no ", kFingerprintMarker,
-        " (ClusterSpec.cluster_fingerprint); this shard's is ",
-        FingerprintText(own), ". Update the client"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(who, "carries no ", kFingerprintMarker,
+                     " (ClusterSpec.cluster_fingerprint); this shard's is ",
+                     FingerprintText(own), ". Update the client"));
   }
   return absl::FailedPreconditionError(absl::StrCat(
       who, "was made for ", kFingerprintMarker, " ",
@@ -85,7 +85,7 @@ absl::Status AggregatorService::CheckMemberToken(uint32_t worker,
   }
   // A token this shard has not seen for the rank: ask the leader.
   v1::MemberCheckRequest request;
-  request.set_worker(worker);
+  request.set_rank(worker);
   request.set_member_token(token);
   request.set_cluster_fingerprint(fingerprint_.load());
   v1::MemberCheckResponse response;
@@ -95,10 +95,10 @@ absl::Status AggregatorService::CheckMemberToken(uint32_t worker,
     return leader_stub_->CheckMember(&context, request, &response);
   });
   if (!status.ok()) {
-    const absl::Status st = absl::Status(
-        static_cast<absl::StatusCode>(status.error_code()),
-        absl::StrCat("leader ", config_.peers[0],
-                     " (CheckMember): ", status.error_message()));
+    const absl::Status st =
+        absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                     absl::StrCat("leader ", config_.peers[0],
+                                  " (CheckMember): ", status.error_message()));
     return ExplainLeaderRefusal(st, deadline);
   }
   // The leader confirmed it: it supersedes the rank's earlier token here.
@@ -131,9 +131,8 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* context,
   // A certificate that names a rank joins as that rank only (also for "any
   // rank", -1: ask for it explicitly).
   absl::StatusOr<Call> call = Enter(
-      context,
-      CallRules::Worker("Join", int64_t{request->requested_rank()})
-          .LeaderOnly());
+      context, CallRules::Worker("Join", int64_t{request->requested_rank()})
+                   .LeaderOnly());
   if (!call.ok()) return ToGrpcStatus(call.status());
   const uint64_t n = request->n();
   if (n < 1 || n > kMaxDenseLength) {
@@ -150,9 +149,8 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* context,
   // The rank table decides under its own lock; the cluster's n is fixed
   // (the first Join creates the aggregator) after the run length is agreed
   // and before a rank is chosen.
-  absl::StatusOr<Membership::Grant> grant =
-      membership_.Join(requested, request->run_length(), context,
-                       [this, n] { return FixN(n); });
+  absl::StatusOr<Membership::Grant> grant = membership_.Join(
+      requested, request->run_length(), context, [this, n] { return FixN(n); });
   if (!grant.ok()) return ToGrpcStatus(grant.status());
   response->set_member_token(grant->token);
   response->set_rank(grant->rank);
@@ -162,13 +160,13 @@ grpc::Status AggregatorService::Join(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-grpc::Status AggregatorService::GetClusterSpec(
-    grpc::ServerContext* context, const v1::JoinRequest* request,
-    v1::ClusterSpec* response) {
+grpc::Status AggregatorService::GetClusterSpec(grpc::ServerContext* context,
+                                               const v1::JoinRequest* request,
+                                               v1::ClusterSpec* response) {
   // Workers at Connect, and the other shards (FetchSpecFromLeader).
-  absl::StatusOr<Call> call = Enter(
-      context, CallRules::Worker("GetClusterSpec", std::nullopt,
-                                 /*shard_ok=*/true));
+  absl::StatusOr<Call> call =
+      Enter(context, CallRules::Worker("GetClusterSpec", std::nullopt,
+                                       /*shard_ok=*/true));
   if (!call.ok()) return ToGrpcStatus(call.status());
   const absl::Time deadline = WaitDeadline(context);
   if (!is_leader()) {
@@ -197,15 +195,15 @@ grpc::Status AggregatorService::GetClusterSpec(
 grpc::Status AggregatorService::CheckMember(
     grpc::ServerContext* context, const v1::MemberCheckRequest* request,
     v1::MemberCheckResponse* /*response*/) {
-  absl::StatusOr<Call> call = Enter(
-      context, CallRules::Shard("CheckMember", std::nullopt)
-                   .LeaderOnly()
-                   .Fingerprint(request->cluster_fingerprint(),
-                                absl::StrCat("CheckMember for rank ",
-                                             request->worker(), " ")));
+  absl::StatusOr<Call> call =
+      Enter(context, CallRules::Shard("CheckMember", std::nullopt)
+                         .LeaderOnly()
+                         .Fingerprint(request->cluster_fingerprint(),
+                                      absl::StrCat("CheckMember for rank ",
+                                                   request->rank(), " ")));
   if (!call.ok()) return ToGrpcStatus(call.status());
   return ToGrpcStatus(
-      membership_.CheckToken(request->worker(), request->member_token()));
+      membership_.CheckToken(request->rank(), request->member_token()));
 }
 
 absl::Status AggregatorService::CheckRunId(uint64_t leader_run_id) {
@@ -236,17 +234,15 @@ absl::Status AggregatorService::CheckRunId(uint64_t leader_run_id) {
   if (own == leader_run_id) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
       "shard ", config_.shard_id, "'s state is run ", FingerprintText(own),
-      restored_checkpoint_.empty()
-          ? std::string()
-          : absl::StrCat(" (restored from checkpoint ", restored_checkpoint_,
-                         ")"),
+      restored_checkpoint_.empty() ? std::string()
+                                   : absl::StrCat(" (restored from checkpoint ",
+                                                  restored_checkpoint_, ")"),
       " but the leader's cluster is run ", FingerprintText(leader_run_id),
       ": another run's checkpoint (same settings, another run). Nothing was "
       "restored into this cluster; put this run's own checkpoint there, or "
-      "move the file away and restart shard ", config_.shard_id,
-      " to start it empty"));
+      "move the file away and restart shard ",
+      config_.shard_id, " to start it empty"));
 }
-
 
 }  // namespace server
 }  // namespace gtopk

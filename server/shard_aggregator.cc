@@ -36,8 +36,9 @@ absl::Status ValidateShardOptions(const ShardOptions& o) {
     return absl::InvalidArgumentError("num_workers must be >= 1");
   }
   if (o.step_timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "step_timeout must be > 0, got ", absl::FormatDuration(o.step_timeout)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("step_timeout must be > 0, got ",
+                     absl::FormatDuration(o.step_timeout)));
   }
   return ValidateOptimizerOptions(o.optimizer);
 }
@@ -47,8 +48,8 @@ absl::StatusOr<std::unique_ptr<ShardAggregator>> ShardAggregator::Create(
     CommitVoter* commit) {
   GTOPK_RETURN_IF_ERROR(ValidateShardOptions(options));
   if (options.mode == AggregationMode::kGtopk &&
-      options.selection == SelectionKind::kThreshold && options.num_shards > 1 &&
-      exchange == nullptr) {
+      options.selection == SelectionKind::kThreshold &&
+      options.num_shards > 1 && exchange == nullptr) {
     return absl::InvalidArgumentError(
         "gtopk + exact with more than one shard needs a threshold exchange");
   }
@@ -67,23 +68,25 @@ ShardAggregator::ShardAggregator(const ShardOptions& options,
       exchange_(exchange),
       commit_(commit),
       begin_(ShardRange(options.n, options.num_shards, options.shard_id).first),
-      end_(ShardRange(options.n, options.num_shards, options.shard_id).second) {}
+      end_(ShardRange(options.n, options.num_shards, options.shard_id).second) {
+}
 
-absl::StatusOr<bool> ShardAggregator::InitParams(
-    absl::Span<const float> values, std::string state) {
+absl::StatusOr<bool> ShardAggregator::InitParams(absl::Span<const float> values,
+                                                 std::string state) {
   if (values.size() != end_ - begin_) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "shard ", options_.shard_id, " owns ", end_ - begin_,
-        " parameters [", begin_, ", ", end_, "), got ", values.size()));
+        "shard ", options_.shard_id, " owns ", end_ - begin_, " parameters [",
+        begin_, ", ", end_, "), got ", values.size()));
   }
   GTOPK_RETURN_IF_ERROR(ValidateFinite(values, "initial parameters"));
   std::shared_ptr<const std::string> blob;
   try {
     blob = std::make_shared<const std::string>(std::move(state));
   } catch (const std::bad_alloc&) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "shard ", options_.shard_id, " cannot hold the state blob: out of "
-        "memory"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("shard ", options_.shard_id,
+                     " cannot hold the state blob: out of "
+                     "memory"));
   }
   absl::MutexLock lock(&mu_);
   if (initialized_) return false;
@@ -117,9 +120,9 @@ absl::StatusOr<ShardAggregator::State> ShardAggregator::GetState(
   while (!initialized_) {
     if (!closed_.ok()) return closed_;
     if (cv_.WaitWithDeadline(&mu_, deadline) && !initialized_) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "shard ", options_.shard_id,
-          " has no parameters yet (worker 0 initialises them)"));
+      return absl::DeadlineExceededError(
+          absl::StrCat("shard ", options_.shard_id,
+                       " has no parameters yet (worker 0 initialises them)"));
     }
   }
   State state;
@@ -157,7 +160,8 @@ int64_t ShardAggregator::next_step() const {
 }
 
 uint64_t ShardAggregator::MaxPushPairs(int64_t step) const {
-  absl::StatusOr<uint64_t> k = rule_.KAt(std::max<int64_t>(step, 0), options_.n);
+  absl::StatusOr<uint64_t> k =
+      rule_.KAt(std::max<int64_t>(step, 0), options_.n);
   // KAt fails only for options Create already validated; be generous.
   const uint64_t target = k.ok() ? *k : options_.n;
   const uint64_t most =
@@ -173,8 +177,8 @@ absl::Status ShardAggregator::PushPairsExhausted(uint32_t worker, int64_t step,
       " pairs refused: shard ", options_.shard_id, " accepts at most ", most,
       " pairs per worker and step (the bound on memory per step: k at this "
       "step from --density/--density-warmup and --selector's most per k, "
-      "within the shard's range of ", end_ - begin_,
-      "; docs/resource-limits.md)"));
+      "within the shard's range of ",
+      end_ - begin_, "; docs/resource-limits.md)"));
 }
 
 absl::Status ShardAggregator::ValidatePush(const WorkerPush& push) const {
@@ -196,8 +200,8 @@ absl::Status ShardAggregator::ValidatePush(const WorkerPush& push) const {
       return absl::InvalidArgumentError(absl::StrCat(
           who, "buffers (", push.buffers.size(),
           " bytes) come only from worker 0 and go only to shard 0; this "
-          "push is from worker ", push.worker, " to shard ",
-          options_.shard_id));
+          "push is from worker ",
+          push.worker, " to shard ", options_.shard_id));
     }
   }
   if (options_.mode == AggregationMode::kDense) {
@@ -211,35 +215,36 @@ absl::Status ShardAggregator::ValidatePush(const WorkerPush& push) const {
           options_.shard_id, " owns ", end_ - begin_));
     }
     absl::Status s = ValidateFinite(push.dense, "dense push");
-    if (!s.ok()) return absl::InvalidArgumentError(who + std::string(s.message()));
+    if (!s.ok())
+      return absl::InvalidArgumentError(who + std::string(s.message()));
     return absl::OkStatus();
   }
   if (!push.dense.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        who, "dense values sent in ", AggregationModeName(options_.mode),
-        " mode"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, "dense values sent in ",
+                     AggregationModeName(options_.mode), " mode"));
   }
   if (const uint64_t most = MaxPushPairs(push.step);
       push.sparse.size() > most) {
-    return PushPairsExhausted(push.worker, push.step, push.sparse.size(),
-                              most);
+    return PushPairsExhausted(push.worker, push.step, push.sparse.size(), most);
   }
   absl::Status s = ValidateSparseVector(push.sparse, options_.n);
-  if (!s.ok()) return absl::InvalidArgumentError(who + std::string(s.message()));
+  if (!s.ok())
+    return absl::InvalidArgumentError(who + std::string(s.message()));
   if (!push.sparse.empty() && (push.sparse.indices.front() < begin_ ||
                                push.sparse.indices.back() >= end_)) {
     const uint32_t bad = push.sparse.indices.front() < begin_
                              ? push.sparse.indices.front()
                              : push.sparse.indices.back();
-    return absl::InvalidArgumentError(absl::StrCat(
-        who, "index ", bad, " is outside shard ", options_.shard_id,
-        "'s range [", begin_, ", ", end_, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, "index ", bad, " is outside shard ",
+                     options_.shard_id, "'s range [", begin_, ", ", end_, ")"));
   }
   return absl::OkStatus();
 }
 
-void ShardAggregator::FailRoundLocked(const std::shared_ptr<Round>& round,
-                                      absl::Status status) {
+void ShardAggregator::FailRoundLocked(
+    const std::shared_ptr<AggregationRound>& round, absl::Status status) {
   round->finished = true;
   round->status = std::move(status);
   if (pending_ == round) pending_.reset();
@@ -323,7 +328,7 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
     WorkerPush push, absl::Time deadline) {
   const absl::Status valid = ValidatePush(push);
   absl::MutexLock lock(&mu_);
-  std::shared_ptr<Round> round;
+  std::shared_ptr<AggregationRound> round;
   if (std::optional<Answer> answer =
           JoinRoundLocked(std::move(push), valid, &round)) {
     return *std::move(answer);
@@ -335,7 +340,8 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
 }
 
 std::optional<ShardAggregator::Answer> ShardAggregator::JoinRoundLocked(
-    WorkerPush push, const absl::Status& valid, std::shared_ptr<Round>* out) {
+    WorkerPush push, const absl::Status& valid,
+    std::shared_ptr<AggregationRound>* out) {
   const uint32_t w = push.worker;
   if (!closed_.ok()) return closed_;
   if (!initialized_) {
@@ -357,14 +363,14 @@ std::optional<ShardAggregator::Answer> ShardAggregator::JoinRoundLocked(
   }
   if (push.step < next_step_) {
     if (last_ != nullptr && last_->step == push.step) return last_->result;
-    return absl::FailedPreconditionError(absl::StrCat(
-        "step ", push.step, " was already applied; shard ", options_.shard_id,
-        " is at step ", next_step_));
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", push.step, " was already applied; shard ",
+                     options_.shard_id, " is at step ", next_step_));
   }
   if (push.step > next_step_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "step ", push.step, " is ahead of shard ", options_.shard_id,
-        ", which is at step ", next_step_));
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", push.step, " is ahead of shard ",
+                     options_.shard_id, ", which is at step ", next_step_));
   }
   if (auto dead = aborted_.find(push.step);
       dead != aborted_.end() && push.epoch < dead->second.first) {
@@ -378,12 +384,12 @@ std::optional<ShardAggregator::Answer> ShardAggregator::JoinRoundLocked(
       NotifyStepFailedLocked(push.step, draining_);
       return draining_;
     }
-    pending_ = std::make_shared<Round>();
+    pending_ = std::make_shared<AggregationRound>();
     pending_->step = push.step;
     pending_->arrived.assign(options_.num_workers, false);
     pending_->pushes.resize(options_.num_workers);
   }
-  std::shared_ptr<Round> round = pending_;
+  std::shared_ptr<AggregationRound> round = pending_;
   if (!round->arrived[w]) {
     round->arrived[w] = true;
     round->pushes[w] = std::move(push);
@@ -400,7 +406,7 @@ std::optional<ShardAggregator::Answer> ShardAggregator::JoinRoundLocked(
 }
 
 ShardAggregator::Answer ShardAggregator::ComputeRoundLocked(
-    const std::shared_ptr<Round>& round, absl::Time deadline) {
+    const std::shared_ptr<AggregationRound>& round, absl::Time deadline) {
   round->computing = true;
   const uint64_t generation = rollback_generation_;
   for (const WorkerPush& p : round->pushes) {
@@ -422,24 +428,22 @@ ShardAggregator::Answer ShardAggregator::ComputeRoundLocked(
     // rollback changes params_ meanwhile, and that returned above.
     const RoundResult& r = **result;
     if (options_.mode == AggregationMode::kDense) {
-      rule_.StoreAggregatedDense(r.dense_sum,
-                                 static_cast<int>(options_.num_workers),
-                                 absl::MakeSpan(params_),
-                                 absl::MakeSpan(global_velocity_));
+      rule_.StoreAggregatedDense(
+          r.dense_sum, static_cast<int>(options_.num_workers),
+          absl::MakeSpan(params_), absl::MakeSpan(global_velocity_));
     } else {
-      rule_.StoreAggregated(r.selected, begin_,
-                            static_cast<int>(options_.num_workers),
-                            absl::MakeSpan(params_),
-                            absl::MakeSpan(global_velocity_));
+      rule_.StoreAggregated(
+          r.selected, begin_, static_cast<int>(options_.num_workers),
+          absl::MakeSpan(params_), absl::MakeSpan(global_velocity_));
     }
   }
   if (!status.ok()) {
     if (failed_here) NotifyStepFailedLocked(round->step, status);
-    FailRoundLocked(round, absl::Status(status.code(),
-                                        absl::StrCat("step ", round->step,
-                                                     " failed on shard ",
-                                                     options_.shard_id, ": ",
-                                                     status.message())));
+    FailRoundLocked(
+        round,
+        absl::Status(status.code(),
+                     absl::StrCat("step ", round->step, " failed on shard ",
+                                  options_.shard_id, ": ", status.message())));
     return round->status;
   }
   round->result = *std::move(result);
@@ -460,8 +464,8 @@ ShardAggregator::Answer ShardAggregator::ComputeRoundLocked(
 }
 
 ShardAggregator::Answer ShardAggregator::ComputeAndVote(
-    Round& round, std::vector<WorkerPush>& pushes, absl::Time deadline,
-    bool* failed_here) {
+    AggregationRound& round, std::vector<WorkerPush>& pushes,
+    absl::Time deadline, bool* failed_here) {
   // The divergence alarm first: nothing is exchanged, voted or applied for
   // a step whose replicas differ. Every shard sees the same checksums (a
   // worker sends one value to all), so every shard fails the step with the
@@ -502,7 +506,7 @@ ShardAggregator::Answer ShardAggregator::ComputeAndVote(
 }
 
 ShardAggregator::Answer ShardAggregator::AwaitRoundLocked(
-    const std::shared_ptr<Round>& round, absl::Time deadline) {
+    const std::shared_ptr<AggregationRound>& round, absl::Time deadline) {
   while (!round->finished) {
     if (!closed_.ok() && !round->computing) {
       NotifyStepFailedLocked(round->step, closed_);
@@ -563,9 +567,9 @@ absl::Status ShardAggregator::CheckChecksums(
   // another step's checkpoint, or kept later state, must not pass.
   const bool scheduled = options_.checksum_every != 0 && step >= 0 &&
                          step % options_.checksum_every == 0;
-  const bool asked = std::any_of(
-      pushes.begin(), pushes.end(),
-      [](const WorkerPush& p) { return p.params_checksum != 0; });
+  const bool asked =
+      std::any_of(pushes.begin(), pushes.end(),
+                  [](const WorkerPush& p) { return p.params_checksum != 0; });
   if (pushes.empty() || !(scheduled || asked)) return absl::OkStatus();
   // Scheduled: every worker must have sent the same checksum. Asked: the
   // ones sent must agree (a rank that resumed from a checkpoint of the very
@@ -610,12 +614,12 @@ absl::Status ShardAggregator::CheckChecksums(
                                  absl::StrJoin(none, ", ")));
   }
   return absl::FailedPreconditionError(absl::StrCat(
-      kDivergedMarker, " at step ", step, ": ",
-      absl::StrJoin(parts, "; "),
+      kDivergedMarker, " at step ", step, ": ", absl::StrJoin(parts, "; "),
       ". A replica was changed outside step() (e.g. model.load_state_dict "
       "after constructing the optimizer) or lost an update; restart every "
       "rank from the checkpoints of one step (checksums are compared every ",
-      options_.checksum_every, " steps, --checksum-every, and at the first "
+      options_.checksum_every,
+      " steps, --checksum-every, and at the first "
       "step after a resume or a rollback)"));
 }
 
@@ -676,16 +680,15 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Compute(
       GTOPK_RETURN_IF_ERROR(SparseTopK(sum, k, &result->selected));
     }
   } else {
-    GTOPK_RETURN_IF_ERROR(DistributedExactTopK(sum, k, step,
-                                               options_.shard_id, exchange_,
-                                               deadline, &result->selected,
-                                               epoch));
+    GTOPK_RETURN_IF_ERROR(
+        DistributedThresholdTopK(sum, k, step, options_.shard_id, exchange_,
+                                 deadline, &result->selected, epoch));
   }
   result->select_time = absl::Now() - select_start;
-  GTOPK_RETURN_IF_ERROR(EncodeSparse(
-      result->selected, options_.n,
-      CodecSpec{options_.pull_index_codec, ValueCodec::kFp32},
-      &result->encoded));
+  GTOPK_RETURN_IF_ERROR(
+      EncodeSparse(result->selected, options_.n,
+                   CodecSpec{options_.pull_index_codec, ValueCodec::kFp32},
+                   &result->encoded));
   return result;
 }
 
@@ -756,9 +759,9 @@ absl::Status ShardAggregator::Rollback(int64_t step,
   const bool renumber =
       checkpoint == nullptr && options_.apply == ApplyMode::kWorkers;
   if (step < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "shard ", options_.shard_id, ": cannot roll back to negative step ",
-        step));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shard ", options_.shard_id,
+                     ": cannot roll back to negative step ", step));
   }
   absl::MutexLock lock(&mu_);
   if (!initialized_) {
@@ -811,9 +814,8 @@ absl::StatusOr<ShardCheckpoint> ShardAggregator::Snapshot() const {
 }
 
 absl::Status ShardAggregator::Restore(const ShardCheckpoint& c) {
-  GTOPK_RETURN_IF_ERROR(ValidateCheckpointFor(c, options_.shard_id,
-                                              options_.num_shards, options_.n,
-                                              begin_, end_));
+  GTOPK_RETURN_IF_ERROR(ValidateCheckpointFor(
+      c, options_.shard_id, options_.num_shards, options_.n, begin_, end_));
   const bool global = options_.optimizer.momentum_mode == MomentumMode::kGlobal;
   if (global && c.global_velocity.size() != c.params.size()) {
     return absl::FailedPreconditionError(absl::StrCat(

@@ -17,13 +17,13 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "common/codec.h"
 #include "common/cluster_modes.h"  // AggregationMode, SelectionKind, ApplyMode
+#include "common/codec.h"
+#include "common/epoch.h"
 #include "common/optimizer.h"
 #include "common/sparse_vector.h"
 #include "server/checkpoint.h"
 #include "server/commit.h"
-#include "common/epoch.h"
 #include "server/threshold.h"
 
 namespace gtopk {
@@ -41,9 +41,9 @@ std::pair<uint64_t, uint64_t> ShardRange(uint64_t n, uint32_t num_shards,
                                          uint32_t shard_id);
 
 struct ShardOptions {
-  uint32_t shard_id = 0;    // 0..num_shards-1
-  uint32_t num_shards = 1;  // S >= 1
-  uint64_t n = 0;           // parameter count, 1..2^32
+  uint32_t shard_id = 0;     // 0..num_shards-1
+  uint32_t num_shards = 1;   // S >= 1
+  uint64_t n = 0;            // parameter count, 1..2^32
   uint32_t num_workers = 1;  // P >= 1
   AggregationMode mode = AggregationMode::kGtopk;
   SelectionKind selection = SelectionKind::kThreshold;
@@ -190,15 +190,15 @@ class ShardAggregator {
   uint64_t MaxPushPairs(int64_t step) const;
   // The RESOURCE_EXHAUSTED status for a push of `pairs` > `most`
   // (MaxPushPairs), naming the bound and the flags it comes from. Pure.
-  absl::Status PushPairsExhausted(uint32_t worker, int64_t step,
-                                  uint64_t pairs, uint64_t most) const;
+  absl::Status PushPairsExhausted(uint32_t worker, int64_t step, uint64_t pairs,
+                                  uint64_t most) const;
 
   // Contributes `push` to the round of push.step and waits for its result.
   // Errors: INVALID_ARGUMENT (bad push: rank, range, order, lengths,
   // non-finite, mode mismatch), RESOURCE_EXHAUSTED (a sparse push of more
   // than MaxPushPairs(step) pairs; like a bad push it fails the round for
-  // every worker, none of it applied), FAILED_PRECONDITION (no parameters yet; a
-  // step that is neither the current one nor a retry of the last one; for
+  // every worker, none of it applied), FAILED_PRECONDITION (no parameters yet;
+  // a step that is neither the current one nor a retry of the last one; for
   // every worker of the round, a step whose update is not finite -- the sum
   // of the pushes overflows, or a parameter or global velocity entry would
   // become +-Inf -- checked before the commit vote, so that the step is
@@ -305,7 +305,7 @@ class ShardAggregator {
   absl::Status Restore(const ShardCheckpoint& checkpoint);
 
  private:
-  struct Round {
+  struct AggregationRound {
     int64_t step = 0;
     absl::Time opened = absl::Now();  // the first push's arrival
     std::vector<bool> arrived;
@@ -331,26 +331,26 @@ class ShardAggregator {
   // pending round (opened when none); an answer when the push gets one at
   // once (refused, or the result of a step already applied), else nullopt
   // with the round in *round.
-  std::optional<Answer> JoinRoundLocked(WorkerPush push,
-                                        const absl::Status& valid,
-                                        std::shared_ptr<Round>* round)
+  std::optional<Answer> JoinRoundLocked(
+      WorkerPush push, const absl::Status& valid,
+      std::shared_ptr<AggregationRound>* round)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // By the caller whose push completed the round: computes it without mu_
   // (ComputeAndVote), then applies it (unless a rollback intervened) or
   // fails it, and runs the step-applied callback without mu_.
-  Answer ComputeRoundLocked(const std::shared_ptr<Round>& round,
+  Answer ComputeRoundLocked(const std::shared_ptr<AggregationRound>& round,
                             absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The round's computation, without mu_: the divergence alarm, Compute,
   // the finiteness check (kServers), an abort heard meanwhile, and the
   // commit vote. *failed_here: the failure is this shard's own (news to
   // the others), not an ABORTED from the leader.
-  Answer ComputeAndVote(Round& round, std::vector<WorkerPush>& pushes,
-                        absl::Time deadline, bool* failed_here)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  Answer ComputeAndVote(AggregationRound& round,
+                        std::vector<WorkerPush>& pushes, absl::Time deadline,
+                        bool* failed_here) ABSL_LOCKS_EXCLUDED(mu_);
   // The other callers: wait for the round to finish, failing it at
   // `deadline` (naming the workers missing) or when the shard closes.
-  Answer AwaitRoundLocked(const std::shared_ptr<Round>& round,
+  Answer AwaitRoundLocked(const std::shared_ptr<AggregationRound>& round,
                           absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -375,10 +375,9 @@ class ShardAggregator {
   // FAILED_PRECONDITION for a step that cannot be applied because `what`
   // (a sum, a parameter or a velocity) would not be finite.
   absl::Status StepNotFinite(absl::string_view what) const;
-  void FailRoundLocked(const std::shared_ptr<Round>& round,
+  void FailRoundLocked(const std::shared_ptr<AggregationRound>& round,
                        absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FailStepLocked(int64_t step, uint32_t worker,
-                      const absl::Status& reason)
+  void FailStepLocked(int64_t step, uint32_t worker, const absl::Status& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Tells on_step_failed_ (if set) that `step` failed here.
   void NotifyStepFailedLocked(int64_t step, const absl::Status& reason)
@@ -399,12 +398,13 @@ class ShardAggregator {
   // InitParams' state blob (never null).
   std::shared_ptr<const std::string> state_ ABSL_GUARDED_BY(mu_) =
       std::make_shared<const std::string>();
-  std::shared_ptr<Round> pending_ ABSL_GUARDED_BY(mu_);
-  std::shared_ptr<Round> last_ ABSL_GUARDED_BY(mu_);  // last finished OK
+  std::shared_ptr<AggregationRound> pending_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<AggregationRound> last_
+      ABSL_GUARDED_BY(mu_);  // last finished OK
   std::function<void(int64_t)> on_step_applied_ ABSL_GUARDED_BY(mu_);
   std::function<void(int64_t, const absl::Status&)> on_step_failed_
       ABSL_GUARDED_BY(mu_);
-  absl::Status closed_ ABSL_GUARDED_BY(mu_);  // not OK after Close
+  absl::Status closed_ ABSL_GUARDED_BY(mu_);    // not OK after Close
   absl::Status draining_ ABSL_GUARDED_BY(mu_);  // not OK after BeginDrain
   // AbortStep's refusals, by step (only steps >= next_step_ matter): the
   // failure's epoch and reason.

@@ -302,7 +302,7 @@ absl::StatusOr<ThresholdRound> CombineThresholdRound(
 // ---------------------------------------------------------------------------
 // ThresholdCoordinator
 
-struct ThresholdCoordinator::Round {
+struct ThresholdCoordinator::ExchangeRound {
   enum class Phase { kIdle, kCollecting, kComplete, kFailed };
   Phase phase = Phase::kIdle;
   // While collecting: the requests so far, by shard id.
@@ -330,7 +330,7 @@ struct ThresholdCoordinator::StepState {
   bool has_k = false;
   uint64_t k = 0;
   uint32_t k_from = 0;
-  Round rounds[kThresholdLevels];
+  ExchangeRound rounds[kThresholdLevels];
   // The state each level starts from (filled when the previous completes).
   ThresholdPrefix prefix[kThresholdLevels];
   // The level whose round answered done, or -1.
@@ -375,8 +375,8 @@ ThresholdCoordinator::FindOrCreateStepLocked(int64_t step) {
     auto oldest = steps_.begin();
     StepState* old = oldest->second.get();
     for (uint32_t level = 0; level < kThresholdLevels; ++level) {
-      Round& r = old->rounds[level];
-      if (r.phase != Round::Phase::kCollecting) continue;
+      ExchangeRound& r = old->rounds[level];
+      if (r.phase != ExchangeRound::Phase::kCollecting) continue;
       const absl::Status aborted = absl::AbortedError(
           absl::StrCat(RoundName(old->step, level), ": abandoned, step ", step,
                        " arrived and the leader retains at most ",
@@ -392,10 +392,10 @@ ThresholdCoordinator::FindOrCreateStepLocked(int64_t step) {
   return state;
 }
 
-void ThresholdCoordinator::FailRoundLocked(Round* round, int64_t culprit,
-                                           absl::Status status,
+void ThresholdCoordinator::FailRoundLocked(ExchangeRound* round,
+                                           int64_t culprit, absl::Status status,
                                            absl::Status others) {
-  round->phase = Round::Phase::kFailed;
+  round->phase = ExchangeRound::Phase::kFailed;
   round->culprit = culprit;
   round->culprit_status = std::move(status);
   round->status = std::move(others);
@@ -406,7 +406,7 @@ void ThresholdCoordinator::FailRoundLocked(Round* round, int64_t culprit,
 
 void ThresholdCoordinator::CompleteRoundLocked(StepState* state,
                                                uint32_t level) {
-  Round& round = state->rounds[level];
+  ExchangeRound& round = state->rounds[level];
   std::vector<ThresholdRequest> requests;
   requests.reserve(num_shards_);
   for (std::optional<ThresholdRequest>& r : round.requests) {
@@ -421,7 +421,7 @@ void ThresholdCoordinator::CompleteRoundLocked(StepState* state,
     FailRoundLocked(&round, -1, combined.status(), combined.status());
     return;
   }
-  round.phase = Round::Phase::kComplete;
+  round.phase = ExchangeRound::Phase::kComplete;
   round.responses = std::move(combined->responses);
   round.fingerprints.resize(num_shards_);
   round.ks.resize(num_shards_);
@@ -445,8 +445,8 @@ void ThresholdCoordinator::Fence(const absl::Status& reason) {
       reason.ok() ? absl::AbortedError("the leader is recovering") : reason;
   for (auto& [step, state] : steps_) {
     for (uint32_t level = 0; level < kThresholdLevels; ++level) {
-      Round& r = state->rounds[level];
-      if (r.phase == Round::Phase::kCollecting) {
+      ExchangeRound& r = state->rounds[level];
+      if (r.phase == ExchangeRound::Phase::kCollecting) {
         FailRoundLocked(&r, -1, fenced_, fenced_);
       }
     }
@@ -465,8 +465,8 @@ void ThresholdCoordinator::ForgetFrom(int64_t step) {
       "threshold exchange abandoned: the cluster rolled back to step ", step));
   for (auto it = steps_.lower_bound(step); it != steps_.end();) {
     for (uint32_t level = 0; level < kThresholdLevels; ++level) {
-      Round& r = it->second->rounds[level];
-      if (r.phase == Round::Phase::kCollecting) {
+      ExchangeRound& r = it->second->rounds[level];
+      if (r.phase == ExchangeRound::Phase::kCollecting) {
         FailRoundLocked(&r, -1, aborted, aborted);
       }
     }
@@ -485,8 +485,8 @@ void ThresholdCoordinator::Abort(int64_t step, const absl::Status& reason,
   auto it = steps_.find(step);
   if (it != steps_.end()) {
     for (uint32_t level = 0; level < kThresholdLevels; ++level) {
-      Round& r = it->second->rounds[level];
-      if (r.phase == Round::Phase::kCollecting) {
+      ExchangeRound& r = it->second->rounds[level];
+      if (r.phase == ExchangeRound::Phase::kCollecting) {
         FailRoundLocked(&r, -1, reason, reason);
       }
     }
@@ -543,15 +543,15 @@ absl::StatusOr<ThresholdResponse> ThresholdCoordinator::Submit(
   absl::MutexLock lock(&mu_);
   GTOPK_ASSIGN_OR_RETURN(std::shared_ptr<StepState> state,
                          StepForRequestLocked(request));
-  Round& round = state->rounds[level];
-  if (round.phase == Round::Phase::kIdle) {
+  ExchangeRound& round = state->rounds[level];
+  if (round.phase == ExchangeRound::Phase::kIdle) {
     GTOPK_RETURN_IF_ERROR(
         OpenRoundLocked(*state, level, shard, request.step, round_name));
   }
   switch (round.phase) {
-    case Round::Phase::kFailed:
+    case ExchangeRound::Phase::kFailed:
       return round.FailureFor(shard);
-    case Round::Phase::kComplete:
+    case ExchangeRound::Phase::kComplete:
       if (round.ks[shard] != request.k ||
           round.fingerprints[shard] != Fingerprint(request.histogram)) {
         return absl::InvalidArgumentError(absl::StrCat(
@@ -559,8 +559,8 @@ absl::StatusOr<ThresholdResponse> ThresholdCoordinator::Submit(
             ": retry differs from the request that completed the round"));
       }
       return round.responses[shard];
-    case Round::Phase::kIdle:
-    case Round::Phase::kCollecting:
+    case ExchangeRound::Phase::kIdle:
+    case ExchangeRound::Phase::kCollecting:
       break;
   }
   GTOPK_RETURN_IF_ERROR(AddRequestLocked(*state, request, round_name));
@@ -587,10 +587,10 @@ ThresholdCoordinator::StepForRequestLocked(const ThresholdRequest& request) {
     // fenced by a recovery), and the retry's pushes differ.
     bool failed = false;
     for (uint32_t l = 0; l < kThresholdLevels; ++l) {
-      failed |= state->rounds[l].phase == Round::Phase::kFailed;
+      failed |= state->rounds[l].phase == ExchangeRound::Phase::kFailed;
     }
-    const Round& first = state->rounds[0];
-    if (first.phase == Round::Phase::kComplete &&
+    const ExchangeRound& first = state->rounds[0];
+    if (first.phase == ExchangeRound::Phase::kComplete &&
         (first.ks[shard] != request.k ||
          first.fingerprints[shard] != Fingerprint(request.histogram))) {
       failed = true;
@@ -609,9 +609,9 @@ absl::Status ThresholdCoordinator::OpenRoundLocked(
     StepState& state_ref, uint32_t level, uint32_t shard, int64_t step,
     const std::string& round_name) {
   StepState* const state = &state_ref;
-  Round& round = state->rounds[level];
+  ExchangeRound& round = state->rounds[level];
   for (uint32_t l = 0; l < kThresholdLevels; ++l) {
-    if (state->rounds[l].phase == Round::Phase::kFailed) {
+    if (state->rounds[l].phase == ExchangeRound::Phase::kFailed) {
       return state->rounds[l].FailureFor(shard);
     }
   }
@@ -621,12 +621,12 @@ absl::Status ThresholdCoordinator::OpenRoundLocked(
                      " already finished at level ", state->done_level));
   }
   if (level > 0 &&
-      state->rounds[level - 1].phase != Round::Phase::kComplete) {
+      state->rounds[level - 1].phase != ExchangeRound::Phase::kComplete) {
     return absl::FailedPreconditionError(
         absl::StrCat(round_name, ": shard ", shard, ": level ", level - 1,
                      " of step ", step, " has not completed"));
   }
-  round.phase = Round::Phase::kCollecting;
+  round.phase = ExchangeRound::Phase::kCollecting;
   round.requests.assign(num_shards_, std::nullopt);
   round.arrived = 0;
   return absl::OkStatus();
@@ -638,7 +638,7 @@ absl::Status ThresholdCoordinator::AddRequestLocked(
   StepState* const state = &state_ref;
   const uint32_t shard = request.shard_id;
   const uint32_t level = request.level;
-  Round& round = state->rounds[level];
+  ExchangeRound& round = state->rounds[level];
   // Collecting. Faults attributable to this shard fail the round for all.
   auto fail = [&](const std::string& what) -> absl::Status {
     const std::string message = absl::StrCat(round_name, ": ", what);
@@ -684,14 +684,15 @@ absl::Status ThresholdCoordinator::AddRequestLocked(
 }
 
 absl::StatusOr<ThresholdResponse> ThresholdCoordinator::AwaitRoundLocked(
-    Round& round, uint32_t shard, const std::string& round_name,
+    ExchangeRound& round, uint32_t shard, const std::string& round_name,
     absl::Time deadline, const std::function<bool()>& cancelled) {
-  while (round.phase == Round::Phase::kCollecting) {
+  while (round.phase == ExchangeRound::Phase::kCollecting) {
     // With a cancellation check, wake up every poll interval to look at it.
     changed_.WaitWithDeadline(
         &mu_,
         cancelled ? std::min(deadline, absl::Now() + kCancelPoll) : deadline);
-    if (round.phase == Round::Phase::kCollecting && cancelled && cancelled()) {
+    if (round.phase == ExchangeRound::Phase::kCollecting && cancelled &&
+        cancelled()) {
       FailRoundLocked(
           &round, shard,
           absl::CancelledError(absl::StrCat(round_name, ": shard ", shard,
@@ -701,7 +702,8 @@ absl::StatusOr<ThresholdResponse> ThresholdCoordinator::AwaitRoundLocked(
                            " went away (its request was cancelled)")));
       break;
     }
-    if (round.phase == Round::Phase::kCollecting && absl::Now() >= deadline) {
+    if (round.phase == ExchangeRound::Phase::kCollecting &&
+        absl::Now() >= deadline) {
       std::vector<uint32_t> missing;
       for (uint32_t s = 0; s < num_shards_; ++s) {
         if (!round.requests[s].has_value()) missing.push_back(s);
@@ -713,7 +715,8 @@ absl::StatusOr<ThresholdResponse> ThresholdCoordinator::AwaitRoundLocked(
       FailRoundLocked(&round, -1, late, late);
     }
   }
-  if (round.phase == Round::Phase::kComplete) return round.responses[shard];
+  if (round.phase == ExchangeRound::Phase::kComplete)
+    return round.responses[shard];
   return round.FailureFor(shard);
 }
 
@@ -725,24 +728,27 @@ absl::StatusOr<ThresholdResponse> LocalThresholdExchange::Exchange(
 // ---------------------------------------------------------------------------
 // Shard-side driver
 
-absl::Status DistributedExactTopK(const SparseVector& shard_sum, uint64_t k,
-                                  int64_t step, uint32_t shard_id,
-                                  ThresholdExchange* exchange,
-                                  absl::Time deadline, SparseVector* selected,
-                                  uint64_t epoch) {
+absl::Status DistributedThresholdTopK(const SparseVector& shard_sum, uint64_t k,
+                                      int64_t step, uint32_t shard_id,
+                                      ThresholdExchange* exchange,
+                                      absl::Time deadline,
+                                      SparseVector* selected, uint64_t epoch) {
   if (selected == nullptr) {
-    return absl::InvalidArgumentError("DistributedExactTopK: selected is null");
+    return absl::InvalidArgumentError(
+        "DistributedThresholdTopK: selected is null");
   }
   selected->clear();
   if (exchange == nullptr) {
-    return absl::InvalidArgumentError("DistributedExactTopK: exchange is null");
+    return absl::InvalidArgumentError(
+        "DistributedThresholdTopK: exchange is null");
   }
   if (k == 0) {
-    return absl::InvalidArgumentError("DistributedExactTopK: k must be >= 1");
+    return absl::InvalidArgumentError(
+        "DistributedThresholdTopK: k must be >= 1");
   }
   if (step < 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("DistributedExactTopK: step ", step, " is negative"));
+        absl::StrCat("DistributedThresholdTopK: step ", step, " is negative"));
   }
   GTOPK_RETURN_IF_ERROR(ValidateSparseVector(shard_sum, kMaxDenseLength));
 

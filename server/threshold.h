@@ -39,7 +39,7 @@
 //                          the S requests of a (step, level) and answers all;
 //   ThresholdExchange      how a shard reaches the coordinator (in-process:
 //                          LocalThresholdExchange; gRPC: in the server);
-//   DistributedExactTopK   the shard-side driver that runs the levels and
+//   DistributedThresholdTopK   the shard-side driver that runs the levels and
 //                          selects its part of the global top-k.
 #ifndef GTOPK_SERVER_THRESHOLD_H_
 #define GTOPK_SERVER_THRESHOLD_H_
@@ -287,7 +287,7 @@ class ThresholdCoordinator {
   size_t NumRetainedSteps() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  struct Round;
+  struct ExchangeRound;
   struct StepState;
 
   // The state of `step`, created if new (evicting the oldest if needed);
@@ -296,8 +296,9 @@ class ThresholdCoordinator {
       int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Fails `round` (and so its step) for everyone: `culprit` (or none, -1) gets
   // `status`, the others `others`.
-  void FailRoundLocked(Round* round, int64_t culprit, absl::Status status,
-                       absl::Status others) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FailRoundLocked(ExchangeRound* round, int64_t culprit,
+                       absl::Status status, absl::Status others)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Completes `round` once all S requests are in.
   void CompleteRoundLocked(StepState* state, uint32_t level)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -309,9 +310,8 @@ class ThresholdCoordinator {
       const ThresholdRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Opens the idle round of `level` for collecting, or says why it cannot
   // open (an earlier level failed or has not completed; the step is done).
-  absl::Status OpenRoundLocked(StepState& state, uint32_t level,
-                               uint32_t shard, int64_t step,
-                               const std::string& round_name)
+  absl::Status OpenRoundLocked(StepState& state, uint32_t level, uint32_t shard,
+                               int64_t step, const std::string& round_name)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Adds `request` to its collecting round (an identical retry waits with
   // the original); a fault of the request fails the round for every shard
@@ -324,7 +324,7 @@ class ThresholdCoordinator {
   // (naming the shards missing) or when `cancelled` says so; the answer for
   // `shard`.
   absl::StatusOr<ThresholdResponse> AwaitRoundLocked(
-      Round& round, uint32_t shard, const std::string& round_name,
+      ExchangeRound& round, uint32_t shard, const std::string& round_name,
       absl::Time deadline, const std::function<bool()>& cancelled)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -399,11 +399,12 @@ class LocalThresholdExchange final : public ThresholdExchange {
 // INTERNAL when the leader's response contradicts the request or this shard's
 // data (wrong step or level, bucket out of range, more ties than entries).
 // `epoch`: the attempt epoch of the shard's round, sent in every request.
-absl::Status DistributedExactTopK(const SparseVector& shard_sum, uint64_t k,
-                                  int64_t step, uint32_t shard_id,
-                                  ThresholdExchange* exchange,
-                                  absl::Time deadline, SparseVector* selected,
-                                  uint64_t epoch = kNewestEpoch);
+absl::Status DistributedThresholdTopK(const SparseVector& shard_sum, uint64_t k,
+                                      int64_t step, uint32_t shard_id,
+                                      ThresholdExchange* exchange,
+                                      absl::Time deadline,
+                                      SparseVector* selected,
+                                      uint64_t epoch = kNewestEpoch);
 
 }  // namespace server
 }  // namespace gtopk

@@ -48,8 +48,8 @@ absl::Status CheckShardsAgree(const Shards& shards,
                               Cancellation* cancellation) {
   const absl::Time deadline = absl::Now() + timeout;
   for (size_t s = 1; s < shards.size(); ++s) {
-    const std::string where = absl::StrCat("shard ", shards[s]->id, " (",
-                                           shards[s]->address, ")");
+    const std::string where =
+        absl::StrCat("shard ", shards[s]->id, " (", shards[s]->address, ")");
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(deadline));
     context.set_wait_for_ready(true);
@@ -113,13 +113,13 @@ absl::Status ValidateClientOptions(const ClientOptions& options) {
     return absl::InvalidArgumentError("ClientOptions: leader_address is empty");
   }
   if (options.n == 0 || options.n > kMaxDenseLength) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "ClientOptions: n = ", options.n, " is not in [1, 2^32]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("ClientOptions: n = ", options.n, " is not in [1, 2^32]"));
   }
   if (options.requested_rank < -1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "ClientOptions: requested_rank ", options.requested_rank,
-        " (use -1 for any)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("ClientOptions: requested_rank ", options.requested_rank,
+                     " (use -1 for any)"));
   }
   if (options.rpc_timeout <= absl::ZeroDuration() ||
       options.step_watchdog_margin < absl::ZeroDuration()) {
@@ -136,9 +136,8 @@ absl::Status ValidateClientOptions(const ClientOptions& options) {
 absl::StatusOr<v1::JoinResponse> JoinLeader(const ClientOptions& options,
                                             const v1::JoinRequest& request) {
   v1::JoinResponse response;
-  auto channel =
-      CreateLimitedChannel(options.leader_address, kDefaultMessageBytes,
-                           options.security);
+  auto channel = CreateLimitedChannel(options.leader_address,
+                                      kDefaultMessageBytes, options.security);
   auto stub = v1::Aggregator::NewStub(channel);
   const absl::Time join_deadline = absl::Now() + options.rpc_timeout;
   absl::Status s;
@@ -202,9 +201,8 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
   }
   if (options.requested_rank >= 0 &&
       rank != static_cast<uint32_t>(options.requested_rank)) {
-    return absl::InternalError(absl::StrCat(leader, ": asked for rank ",
-                                            options.requested_rank, ", got ",
-                                            rank));
+    return absl::InternalError(absl::StrCat(
+        leader, ": asked for rank ", options.requested_rank, ", got ", rank));
   }
   const absl::StatusOr<ApplyMode> apply = ApplyModeFromProto(cluster.apply());
   if (!apply.ok()) {
@@ -220,8 +218,7 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
                             : cluster.optimizer()));
   GTOPK_ASSIGN_OR_RETURN(OptimizerRule rule, OptimizerRule::Create(optimizer));
   SelectorOptions selector_options;
-  selector_options.seed =
-      SelectorSeedForRank(cluster.selector_seed(), rank);
+  selector_options.seed = SelectorSeedForRank(cluster.selector_seed(), rank);
   GTOPK_ASSIGN_OR_RETURN(std::unique_ptr<Selector> selector,
                          CreateSelector(cluster.selector(), selector_options));
   CodecSpec codec;
@@ -241,8 +238,7 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
     conn->address = sh.address();
     conn->begin = sh.begin();
     conn->end = sh.end();
-    conn->channel = CreateLimitedChannel(sh.address(), limit,
-                                         options.security);
+    conn->channel = CreateLimitedChannel(sh.address(), limit, options.security);
     conn->stub = v1::Aggregator::NewStub(conn->channel);
     shards.push_back(std::move(conn));
   }
@@ -272,7 +268,8 @@ WorkerClient::WorkerClient(const ClientOptions& options, uint32_t rank,
       // Connect checked the mode.
       mode_(AggregationModeFromProto(cluster_.mode())
                 .value_or(AggregationMode::kDense)),
-      apply_(ApplyModeFromProto(cluster_.apply()).value_or(ApplyMode::kServers)),
+      apply_(
+          ApplyModeFromProto(cluster_.apply()).value_or(ApplyMode::kServers)),
       feedback_(cluster_.n()),
       velocity_(cluster_.n(), 0.0f),
       global_velocity_(cluster_.n(), 0.0f),
@@ -281,8 +278,7 @@ WorkerClient::WorkerClient(const ClientOptions& options, uint32_t rank,
 WorkerClient::~WorkerClient() { CloseStreams(); }
 
 std::string WorkerClient::ShardName(size_t s) const {
-  return absl::StrCat("shard ", shards_[s]->id, " (", shards_[s]->address,
-                      ")");
+  return absl::StrCat("shard ", shards_[s]->id, " (", shards_[s]->address, ")");
 }
 
 std::unique_ptr<grpc::ClientContext> WorkerClient::NewStreamContext() const {
@@ -341,17 +337,20 @@ absl::Status WorkerClient::ExplainFingerprintRefusal(
   context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
   Cancellation::Scope cancel_scope(options_.cancellation.get(), &context);
   v1::ClusterSpec leader;
-  if (!shards_[0]->stub->GetClusterSpec(&context, v1::JoinRequest(), &leader)
+  if (!shards_[0]
+           ->stub->GetClusterSpec(&context, v1::JoinRequest(), &leader)
            .ok()) {
     return status;
   }
   const std::vector<std::string> differences =
       ClusterSpecDifferences(cluster_, leader, "on the leader now");
   if (differences.empty()) return status;
-  return absl::FailedPreconditionError(absl::StrCat(
-      status.message(), "; the leader's settings differ from those this worker "
-      "joined with (\"here\"): ", absl::StrJoin(differences, "; "),
-      ". Restart the workers (or the leader with the old flags)"));
+  return absl::FailedPreconditionError(
+      absl::StrCat(status.message(),
+                   "; the leader's settings differ from those this worker "
+                   "joined with (\"here\"): ",
+                   absl::StrJoin(differences, "; "),
+                   ". Restart the workers (or the leader with the old flags)"));
 }
 
 void WorkerClient::CloseStreams(bool keep_leader) {
@@ -388,9 +387,9 @@ absl::StatusOr<int64_t> WorkerClient::SynchronizeParameters(
         "and frozen parameters)"));
   }
   if (params.size() != n) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "SynchronizeParameters: params has ", params.size(), " values, n = ",
-        n));
+    return absl::InvalidArgumentError(
+        absl::StrCat("SynchronizeParameters: params has ", params.size(),
+                     " values, n = ", n));
   }
   if (rank_ == 0) {
     GTOPK_RETURN_IF_ERROR(ValidateFinite(params, "params"));
@@ -443,7 +442,7 @@ absl::Status WorkerClient::OfferInitialParams(size_t s,
   do {  // at least one chunk, so an empty range still reports back
     const uint64_t len = std::min(chunk_floats, c.end - offset);
     v1::ParamsChunk chunk;
-    chunk.set_worker(rank_);
+    chunk.set_rank(rank_);
     chunk.set_member_token(member_token_);
     chunk.set_cluster_fingerprint(cluster_.cluster_fingerprint());
     chunk.set_shard_id(c.id);
@@ -456,9 +455,8 @@ absl::Status WorkerClient::OfferInitialParams(size_t s,
     // The state blob rides on the chunks' spare room: each chunk carries
     // at most `budget` bytes in all, so a chunk full of values carries none
     // and the blob follows in value-less chunks at the range's end.
-    const size_t room = budget > len * sizeof(float)
-                            ? budget - len * sizeof(float)
-                            : 0;
+    const size_t room =
+        budget > len * sizeof(float) ? budget - len * sizeof(float) : 0;
     const size_t piece = std::min(room, state.size() - state_offset);
     if (piece > 0) {
       chunk.set_state(std::string(state.substr(state_offset, piece)));
@@ -491,7 +489,7 @@ absl::StatusOr<int64_t> WorkerClient::DownloadShardParams(
     if (attempt > 0) context.set_wait_for_ready(true);
     Cancellation::Scope cancel_scope(options_.cancellation.get(), &context);
     v1::DownloadParamsRequest request;
-    request.set_worker(rank_);
+    request.set_rank(rank_);
     request.set_cluster_fingerprint(cluster_.cluster_fingerprint());
     auto reader = c.stub->DownloadParams(&context, request);
     v1::ParamsChunk chunk;
@@ -523,7 +521,8 @@ absl::StatusOr<int64_t> WorkerClient::DownloadShardParams(
       if (!chunk.state().empty()) {
         if (state == nullptr) {
           bad = absl::InternalError(absl::StrCat(
-              where, ": a chunk carries state bytes, which only shard 0 of "
+              where,
+              ": a chunk carries state bytes, which only shard 0 of "
               "a workers-apply cluster sends"));
           context.TryCancel();
         } else if (state->size() + chunk.state().size() > kMaxStateBytes) {
@@ -598,9 +597,8 @@ absl::Status WorkerClient::ImportState(const WorkerState& state) {
 }
 
 absl::StatusOr<int64_t> WorkerClient::Recover(absl::Span<float> params) {
-  return Recover(params,
-                 absl::Now() + options_.rpc_timeout +
-                     absl::Milliseconds(cluster_.step_timeout_ms()));
+  return Recover(params, absl::Now() + options_.rpc_timeout +
+                             absl::Milliseconds(cluster_.step_timeout_ms()));
 }
 
 absl::StatusOr<int64_t> WorkerClient::Recover(absl::Span<float> params,
@@ -624,8 +622,9 @@ absl::StatusOr<int64_t> WorkerClient::ResumeAt(int64_t step) {
     return absl::InvalidArgumentError(
         absl::StrCat("ResumeAt: step must be >= 0, got ", step));
   }
-  return RecoverWith({}, absl::Now() + options_.rpc_timeout +
-                             absl::Milliseconds(cluster_.step_timeout_ms()),
+  return RecoverWith({},
+                     absl::Now() + options_.rpc_timeout +
+                         absl::Milliseconds(cluster_.step_timeout_ms()),
                      step);
 }
 
@@ -643,7 +642,7 @@ absl::StatusOr<int64_t> WorkerClient::RecoverWith(absl::Span<float> params,
     request.set_resume(true);
     request.set_resume_step(resume_step);
   }
-  request.set_worker(rank_);
+  request.set_rank(rank_);
   request.set_failed_step(next_step_);
   request.set_member_token(member_token_);
   request.set_cluster_fingerprint(cluster_.cluster_fingerprint());
@@ -673,18 +672,18 @@ absl::StatusOr<int64_t> WorkerClient::RecoverWith(absl::Span<float> params,
     if (options_.cancellation != nullptr
             ? options_.cancellation->SleepUnlessCancelled(backoff)
             : (absl::SleepFor(backoff), false)) {
-      return absl::CancelledError(
-          absl::StrCat(ShardName(0), ": Recover: cancelled (after: ",
-                       st.message(), ")"));
+      return absl::CancelledError(absl::StrCat(
+          ShardName(0), ": Recover: cancelled (after: ", st.message(), ")"));
     }
     backoff = std::min(2 * backoff, kReconnectBackoffMax);
   }
   CloseStreams();
   if (absl::IsDeadlineExceeded(st) && st.message() == "Deadline Exceeded") {
     // gRPC's own deadline: the leader never answered.
-    return absl::DeadlineExceededError(absl::StrCat(
-        ShardName(0), ": Recover: no answer from the leader before the "
-        "deadline (it is down, restarting or unreachable)"));
+    return absl::DeadlineExceededError(
+        absl::StrCat(ShardName(0),
+                     ": Recover: no answer from the leader before the "
+                     "deadline (it is down, restarting or unreachable)"));
   }
   if (!st.ok()) {
     // The leader's own messages already start with "Recover:".

@@ -103,9 +103,9 @@ struct WorkerState {
 
 // What one successful Step did. Durations are wall-clock.
 struct StepStats {
-  int64_t step = 0;           // the step that was applied
-  uint64_t k = 0;             // the step's k (OptimizerRule::KAt)
-  uint64_t sent_pairs = 0;    // pairs pushed (dense: values pushed)
+  int64_t step = 0;             // the step that was applied
+  uint64_t k = 0;               // the step's k (OptimizerRule::KAt)
+  uint64_t sent_pairs = 0;      // pairs pushed (dense: values pushed)
   uint64_t received_pairs = 0;  // pairs pulled, all shards (dense: values)
   // Serialized Push / Pull message sizes, indexed by shard id (size S).
   std::vector<uint64_t> bytes_sent;
@@ -118,7 +118,7 @@ struct StepStats {
   // from then until the last pull was decoded (the servers' round).
   absl::Duration push;
   absl::Duration wait;
-  absl::Duration apply;       // put-back, masking, parameter update
+  absl::Duration apply;  // put-back, masking, parameter update
   // Server side, the slowest shard's (from the pulls): sum of the P pushes,
   // and selection (gtopk exact: with the leader's threshold exchange).
   absl::Duration server_merge;
@@ -389,14 +389,14 @@ class WorkerClient {
   // restart every rank from the checkpoints of one step.
 
  private:
-  struct ShardConn;  // worker/client_internal.h
-  struct Round;      // one PushPullRound's shared state (push_pull_round.cc)
+  struct ShardConn;      // worker/client_internal.h
+  struct PushPullState;  // one PushPullRound's shared state
+                         // (push_pull_round.cc)
 
   WorkerClient(const ClientOptions& options, uint32_t rank,
                uint64_t member_token, v1::ClusterSpec cluster,
-               OptimizerRule rule,
-               std::unique_ptr<Selector> selector, CodecSpec codec,
-               std::vector<std::unique_ptr<ShardConn>> shards);
+               OptimizerRule rule, std::unique_ptr<Selector> selector,
+               CodecSpec codec, std::vector<std::unique_ptr<ShardConn>> shards);
 
   // The phases of a step, shared by both Step overloads. Each takes the
   // step's stats (from BeginStep; stats.step is the step) and fills its part.
@@ -486,13 +486,13 @@ class WorkerClient {
   // a fresh stream when the open one died), read. The stream's status on
   // failure (its trailers' epoch recorded in `round`).
   absl::Status PushPullOnShard(size_t s, int64_t step, const v1::Push& push,
-                               v1::Pull* pull, Round& round);
+                               v1::Pull* pull, PushPullState& round);
   // Waits for every shard's thread; cancels the shards still out at the
   // watchdog deadline, or kFailureGrace (250 ms) after the first failure.
-  void AwaitShards(Round& round) const;
+  void AwaitShards(PushPullState& round) const;
   // The round's outcome from its shards' results: OK, or the step's cause
   // (its code; every failed shard named).
-  absl::Status RoundStatus(int64_t step, const Round& round) const;
+  absl::Status RoundStatus(int64_t step, const PushPullState& round) const;
 
   // SynchronizeParameters' parts, for shard s.
   //
@@ -503,8 +503,7 @@ class WorkerClient {
                                   absl::string_view state);
   // Recover, or (resume_step >= 0) ResumeAt.
   absl::StatusOr<int64_t> RecoverWith(absl::Span<float> params,
-                                      absl::Time deadline,
-                                      int64_t resume_step);
+                                      absl::Time deadline, int64_t resume_step);
   // ParamsChunk.state's bound (proto): 1 GiB.
   static constexpr size_t kMaxStateBytes = size_t{1} << 30;
   // Downloads the shard's range into `params` (and into the global velocity

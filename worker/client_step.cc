@@ -78,9 +78,9 @@ absl::StatusOr<StepStats> WorkerClient::Step(absl::Span<const float> gradient,
                                              absl::Span<float> params) {
   const uint64_t n = cluster_.n();
   if (gradient.size() != n || params.size() != n) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "Step: gradient has ", gradient.size(), " values and params ",
-        params.size(), "; n = ", n));
+    return absl::InvalidArgumentError(
+        absl::StrCat("Step: gradient has ", gradient.size(),
+                     " values and params ", params.size(), "; n = ", n));
   }
   if (apply_ == ApplyMode::kWorkers) {
     return absl::FailedPreconditionError(
@@ -143,22 +143,26 @@ absl::StatusOr<StepStats> WorkerClient::AggregateStep(
   if (checksum_due() && params.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "AggregateStep: step ", next_step_, " sends a checksum (every ",
-        cluster_.checksum_every(), " steps, and the first after a resume or "
+        cluster_.checksum_every(),
+        " steps, and the first after a resume or "
         "rollback; checksum_due()): pass this replica's parameters"));
   }
   if (!buffers.empty() && rank_ != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "AggregateStep: rank ", rank_, " passed buffers; only rank 0's "
-        "buffers are broadcast (the others receive them)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("AggregateStep: rank ", rank_,
+                     " passed buffers; only rank 0's "
+                     "buffers are broadcast (the others receive them)"));
   }
   const uint64_t limit = cluster_.max_message_bytes() == 0
                              ? uint64_t{4} << 20  // gRPC's default
                              : cluster_.max_message_bytes();
   if (buffers.size() + 4096 > limit) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "AggregateStep: the buffers are ", buffers.size(), " bytes, over the "
+        "AggregateStep: the buffers are ", buffers.size(),
+        " bytes, over the "
         "cluster's message limit less 4 KiB for the push (--max-message-"
-        "bytes ", limit, ")"));
+        "bytes ",
+        limit, ")"));
   }
   GTOPK_ASSIGN_OR_RETURN(StepStats stats, BeginStep(n));
 
@@ -196,10 +200,10 @@ absl::Status WorkerClient::CheckAveraged(
     const std::vector<v1::Pull>& pulls) const {
   const float p = static_cast<float>(cluster_.num_workers());
   auto bad = [&](uint64_t index, float sum) {
-    return absl::InternalError(absl::StrCat(
-        "step ", step, ": the servers' sum at index ", index, " is ", sum,
-        ", whose average over ", cluster_.num_workers(),
-        " workers is not finite"));
+    return absl::InternalError(
+        absl::StrCat("step ", step, ": the servers' sum at index ", index,
+                     " is ", sum, ", whose average over ",
+                     cluster_.num_workers(), " workers is not finite"));
   };
   if (mode_ == AggregationMode::kDense) {
     for (size_t s = 0; s < shards_.size(); ++s) {
@@ -426,7 +430,7 @@ std::vector<v1::Push> WorkerClient::NewPushes(int64_t step) const {
   std::vector<v1::Push> pushes(shards_.size());
   for (size_t s = 0; s < shards_.size(); ++s) {
     pushes[s].set_step(step);
-    pushes[s].set_worker(rank_);
+    pushes[s].set_rank(rank_);
     pushes[s].set_epoch(epoch_);
     pushes[s].set_shard_id(shards_[s]->id);
     pushes[s].set_member_token(member_token_);
@@ -512,9 +516,9 @@ absl::StatusOr<SparseVector> WorkerClient::DecodePulls(
     absl::Status bad;
     if (s == 0) received_buffers_ = pull.buffers();
     if (pull.step() != step || pull.shard_id() != c.id) {
-      bad = absl::InternalError(absl::StrCat(
-          "pull is for step ", pull.step(), " shard ", pull.shard_id(),
-          ", expected step ", step));
+      bad = absl::InternalError(absl::StrCat("pull is for step ", pull.step(),
+                                             " shard ", pull.shard_id(),
+                                             ", expected step ", step));
     } else if (mode_ == AggregationMode::kDense) {
       bad = CheckDensePull(pull, c.end - c.begin);
       stats->received_pairs += pull.dense_size();

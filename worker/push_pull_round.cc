@@ -28,8 +28,8 @@ namespace worker {
 // the others are written only by the waiting thread, and read after the
 // threads joined. The shards' threads report through Finished, Written and
 // LearnedEpoch.
-struct WorkerClient::Round {
-  Round(size_t num_shards, absl::Duration watchdog_budget)
+struct WorkerClient::PushPullState {
+  PushPullState(size_t num_shards, absl::Duration watchdog_budget)
       : budget(watchdog_budget),
         results(num_shards),
         done(num_shards, false),
@@ -184,8 +184,8 @@ absl::Status WorkerClient::PushPullRound(int64_t step,
                                          absl::Duration* push_time) {
   const size_t S = shards_.size();
   pulls->assign(S, v1::Pull());
-  Round round(S, absl::Milliseconds(cluster_.step_timeout_ms()) +
-                     options_.step_watchdog_margin);
+  PushPullState round(S, absl::Milliseconds(cluster_.step_timeout_ms()) +
+                             options_.step_watchdog_margin);
   for (auto& c : shards_) {
     if (c->stream == nullptr) {
       SetStreamContext(*c);
@@ -218,7 +218,7 @@ absl::Status WorkerClient::PushPullRound(int64_t step,
 
 absl::Status WorkerClient::PushPullOnShard(size_t s, int64_t step,
                                            const v1::Push& push, v1::Pull* pull,
-                                           Round& round) {
+                                           PushPullState& round) {
   ShardConn& c = *shards_[s];
   if (c.stream == nullptr) c.stream = c.stub->PushPull(c.context.get());
   bool written = c.stream->Write(push);
@@ -260,7 +260,7 @@ absl::Status WorkerClient::PushPullOnShard(size_t s, int64_t step,
   return StreamFailure(st, step, cluster_.max_message_bytes());
 }
 
-void WorkerClient::AwaitShards(Round& round) const {
+void WorkerClient::AwaitShards(PushPullState& round) const {
   const size_t S = shards_.size();
   absl::MutexLock lock(&round.mu);
   // Cancels every shard still out, marking it in `why`.
@@ -315,7 +315,8 @@ void WorkerClient::AwaitShards(Round& round) const {
   round.mu.Await(absl::Condition(&all_done));  // prompt after the cancel
 }
 
-absl::Status WorkerClient::RoundStatus(int64_t step, const Round& round) const {
+absl::Status WorkerClient::RoundStatus(int64_t step,
+                                       const PushPullState& round) const {
   const size_t S = shards_.size();
   std::vector<std::string> messages;
   absl::StatusCode code = absl::StatusCode::kOk;
@@ -324,8 +325,7 @@ absl::Status WorkerClient::RoundStatus(int64_t step, const Round& round) const {
     if (round.unreachable[s]) {
       st = absl::UnavailableError(absl::StrCat(
           "unreachable: no connection for ",
-          absl::FormatDuration(kShardUnreachableGrace),
-          " while step ", step,
+          absl::FormatDuration(kShardUnreachableGrace), " while step ", step,
           " waited for it (the shard process is down or restarting; the "
           "worker recovers once it is back)"));
     } else if (round.timed_out[s]) {

@@ -18,8 +18,9 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry& registry, uint32_t rank,
                    .Register(registry);
   auto& received = BuildCounter()
                        .Name("gtopk_worker_received_bytes_total")
-                       .Help("Serialized Pull message bytes received, per "
-                             "shard.")
+                       .Help(
+                           "Serialized Pull message bytes received, per "
+                           "shard.")
                        .Register(registry);
   for (uint32_t s = 0; s < num_shards; ++s) {
     sent_.push_back(&sent.Add({{"shard", std::to_string(s)}}));
@@ -28,20 +29,23 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry& registry, uint32_t rank,
   dense_equivalent_ =
       &BuildCounter()
            .Name("gtopk_worker_dense_equivalent_bytes_total")
-           .Help("Bytes a dense fp32 push of all n parameters would have "
-                 "sent (4 n per step).")
+           .Help(
+               "Bytes a dense fp32 push of all n parameters would have "
+               "sent (4 n per step).")
            .Register(registry)
            .Add({});
   step_duration_ = &BuildHistogram()
                         .Name("gtopk_worker_step_duration_seconds")
-                        .Help("One whole step: gradient computation and the "
-                              "client step.")
+                        .Help(
+                            "One whole step: gradient computation and the "
+                            "client step.")
                         .Register(registry)
                         .Add({}, metrics::DurationBuckets());
   auto& phases = BuildHistogram()
                      .Name("gtopk_worker_phase_duration_seconds")
-                     .Help("Time per step in each phase: compute, "
-                           "accumulate, select, encode, push, wait, apply.")
+                     .Help(
+                         "Time per step in each phase: compute, "
+                         "accumulate, select, encode, push, wait, apply.")
                      .Register(registry);
   const char* names[kNumPhases] = {"compute", "accumulate", "select", "encode",
                                    "push",    "wait",       "apply"};
@@ -60,8 +64,9 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry& registry, uint32_t rank,
                .Add({});
   test_accuracy_ = &BuildGauge()
                         .Name("gtopk_worker_test_accuracy")
-                        .Help("Test accuracy of the last evaluation, in [0, "
-                              "1] (rank 0 only).")
+                        .Help(
+                            "Test accuracy of the last evaluation, in [0, "
+                            "1] (rank 0 only).")
                         .Register(registry);
   step_ = &BuildGauge()
                .Name("gtopk_worker_step")
@@ -87,14 +92,14 @@ void WorkerMetrics::RecordStep(const StepStats& stats, absl::Duration compute,
   }
   dense_equivalent_->Increment(4.0 * static_cast<double>(n_));
   const absl::Duration durations[kNumPhases] = {
-      compute,      stats.accumulate, stats.select, stats.encode,
-      stats.push,   stats.wait,       stats.apply};
+      compute,    stats.accumulate, stats.select, stats.encode,
+      stats.push, stats.wait,       stats.apply};
   for (int p = 0; p < kNumPhases; ++p) {
     phases_[p]->Observe(absl::ToDoubleSeconds(durations[p]));
   }
   step_duration_->Observe(absl::ToDoubleSeconds(step));
-  density_->Set(n_ == 0 ? 0.0
-                        : static_cast<double>(stats.k) / static_cast<double>(n_));
+  density_->Set(
+      n_ == 0 ? 0.0 : static_cast<double>(stats.k) / static_cast<double>(n_));
   loss_->Set(loss);
   step_->Set(static_cast<double>(stats.step + 1));
 }

@@ -38,8 +38,16 @@ class WorkerMetrics {
   void RecordTestAccuracy(double accuracy);
 
  private:
-  enum Phase { kCompute, kAccumulate, kSelect, kEncode, kPush, kWait, kApply,
-               kNumPhases };
+  enum Phase {
+    kCompute,
+    kAccumulate,
+    kSelect,
+    kEncode,
+    kPush,
+    kWait,
+    kApply,
+    kNumPhases
+  };
   const uint64_t n_;
   std::vector<prometheus::Counter*> sent_;
   std::vector<prometheus::Counter*> received_;

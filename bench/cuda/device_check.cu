@@ -242,7 +242,9 @@ struct Row {
 
 // What this row is compared on (x_normal, the targets): the host wall time
 // where measured (selections), else the CUDA-event time (fused_update).
-double Figure(const Row& r) { return std::isfinite(r.wall_us) ? r.wall_us : r.us; }
+double Figure(const Row& r) {
+  return std::isfinite(r.wall_us) ? r.wall_us : r.us;
+}
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -283,8 +285,8 @@ std::string CheckSelection(const std::string& method,
   }
   // The residual and the unselected maximum, in parallel chunks; the first
   // bad index over all chunks is the one reported.
-  const uint64_t chunks = (n + gtopk::device_check::kChunk - 1) /
-                          gtopk::device_check::kChunk;
+  const uint64_t chunks =
+      (n + gtopk::device_check::kChunk - 1) / gtopk::device_check::kChunk;
   std::vector<uint64_t> first_bad(chunks, n);
   std::vector<uint32_t> chunk_max(chunks, 0);
   ForChunks(n, [&](uint64_t c, uint64_t b, uint64_t e) {
@@ -397,8 +399,8 @@ void AddMidSizeTargets(const std::vector<Row>& rows, const WallFloors& floors,
                    {"dgc", 35, true}};
   for (const auto& m : mid) {
     Target t;
-    t.name = std::string(m.method) + (m.wall ? "_wall" : "") +
-             "_n25557032_d0.001";
+    t.name =
+        std::string(m.method) + (m.wall ? "_wall" : "") + "_n25557032_d0.001";
     t.limit_us = m.limit;
     const Row* r = FindRow(rows, "normal", kMidN, 0.001, m.method);
     t.detail = std::string("normal input, ") +
@@ -511,8 +513,10 @@ Target GaussianKCountTarget(
   t.figure_text = std::to_string(failed) + " of " + std::to_string(checks) +
                   " checks failed";
   t.limit_text = "0";
-  t.detail = "count outside [ceil(2k/3), floor(4k/3)] + other failures, "
-             "per input: " + (per_input.empty() ? "none run" : per_input);
+  t.detail =
+      "count outside [ceil(2k/3), floor(4k/3)] + other failures, "
+      "per input: " +
+      (per_input.empty() ? "none run" : per_input);
   return t;
 }
 
@@ -537,13 +541,12 @@ const char* TargetStatus(const Target& t) {
   return t.met < 0 ? "not measured" : t.met ? "met" : "missed";
 }
 
-
 // ---------------------------------------------------------------------------
 // The checks and timings on the device.
 
 // The floor of any pass over u (the read_pass baseline), and what the
-// histogram pass (HistogramKernel in common/cuda/sparsify/histogram.cu) adds to a
-// read, part by part (the read_pass_moments and read_pass_hist baselines,
+// histogram pass (HistogramKernel in common/cuda/sparsify/histogram.cu) adds to
+// a read, part by part (the read_pass_moments and read_pass_hist baselines,
 // issue 15: that pass took 1.3 reads on the 2026-11-30 H200 on every
 // input, the narrow band's single bin included). kWork = kReadOnly: each of
 // the n floats read once (float4 where u is 16-byte aligned, as the
@@ -606,7 +609,8 @@ __global__ void ReadPassKernel(const float* u, uint64_t n, int vectorized,
   if (kWork == kReadHistogram) {
     __syncthreads();
     for (int i = threadIdx.x; i < kHistBins; i += kReadThreads) {
-      if (bins[i] != 0) atomicAdd(&hist[i], static_cast<unsigned long long>(bins[i]));
+      if (bins[i] != 0)
+        atomicAdd(&hist[i], static_cast<unsigned long long>(bins[i]));
     }
   }
 }
@@ -616,7 +620,7 @@ __global__ void ReadPassKernel(const float* u, uint64_t n, int vectorized,
 struct Results {
   std::vector<Row> rows;
   std::vector<std::string> failures;
-  std::vector<std::string> skipped;  // (input, n) blocks --budget-s left out
+  std::vector<std::string> skipped;    // (input, n) blocks --budget-s left out
   std::map<uint64_t, double> copy_us;  // d2d copy of n floats, per n
   // The parts of a selection's wall-time floor (WallFloor): one pass
   // reading n floats and nothing else (ReadPassKernel<kReadOnly>), per n;
@@ -641,8 +645,8 @@ WallFloors ComputeWallFloors(const Results& results) {
     WallFloor f;
     f.read = read->second;
     f.copy = copy;
-    const Row* exact = FindRow(results.rows, "normal", key.first,
-                               key.second / 1e6, "exact");
+    const Row* exact =
+        FindRow(results.rows, "normal", key.first, key.second / 1e6, "exact");
     if (exact != nullptr) f.host = exact->wall_us - exact->us;
     floors[key] = f;
   }
@@ -677,8 +681,8 @@ struct MethodCase {
 
   // "narrow_band exact+update n=1000 density=0.01: ".
   std::string Name(const char* suffix) const {
-    return block.input + " " + method + suffix + " n=" +
-           std::to_string(block.n) + " density=" + Num(density) + ": ";
+    return block.input + " " + method + suffix +
+           " n=" + std::to_string(block.n) + " density=" + Num(density) + ": ";
   }
 
   // Counts a Gaussian-k check (`bad`: "" or what failed) for its target.
@@ -686,8 +690,7 @@ struct MethodCase {
     if (is_gaussiank()) {
       ++gk.checks;
       if (!bad.empty()) {
-        ++(bad.rfind("count ", 0) == 0 ? gk.count_failures
-                                       : gk.other_failures);
+        ++(bad.rfind("count ", 0) == 0 ? gk.count_failures : gk.other_failures);
       }
     }
   }
@@ -718,7 +721,8 @@ class DeviceChecker {
     // The pairs_copy baseline's k pairs (2k floats) at the largest k.
     uint64_t max_k = 1;
     for (uint64_t n : o.sizes) {
-      for (double density : o.densities) max_k = std::max(max_k, KOf(density, n));
+      for (double density : o.densities)
+        max_k = std::max(max_k, KOf(density, n));
     }
     CHECK_OK(d_pairs.Allocate(2 * max_k));
     CHECK_OK(h_pairs.Allocate(2 * max_k));
@@ -739,8 +743,8 @@ class DeviceChecker {
           std::fprintf(stderr,
                        "device_check: %s n=%llu skipped (%.0f s used, "
                        "about %.0f s more needed, --budget-s=%g)\n",
-                       input.c_str(), static_cast<unsigned long long>(n),
-                       used, block_s_[n], o_.budget_s);
+                       input.c_str(), static_cast<unsigned long long>(n), used,
+                       block_s_[n], o_.budget_s);
           continue;
         }
         RunBlock(input, n);
@@ -798,9 +802,9 @@ class DeviceChecker {
                      block.references[di], block.references_updated[di], gk});
         }
       }
-      const double secs = std::chrono::duration<double>(
-                              std::chrono::steady_clock::now() - t0)
-                              .count();
+      const double secs =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+              .count();
       block_s_[n] = std::max(block_s_[n], secs);
       std::fprintf(stderr, "device_check: %s n=%llu done in %.1f s\n",
                    input.c_str(), static_cast<unsigned long long>(n), secs);
@@ -845,18 +849,17 @@ class DeviceChecker {
     // reads u, once per n; the copy of k pairs to pinned memory, once per
     // (n, density).
     if (!o_.check_only && results_.read_us.count(n) == 0) {
-      const int blocks = static_cast<int>(
-          std::min<uint64_t>(4096, (n + 4 * kReadThreads - 1) /
-                                       (4 * kReadThreads)));
+      const int blocks = static_cast<int>(std::min<uint64_t>(
+          4096, (n + 4 * kReadThreads - 1) / (4 * kReadThreads)));
       const int vec =
           reinterpret_cast<uintptr_t>(d_pristine.get()) % 16 == 0 ? 1 : 0;
       auto time_pass = [&](auto kernel) {
         std::vector<double> s;
         TimeUs([] {},
                [&] {
-                 GTOPK_LAUNCH(kernel, blocks, kReadThreads, stream)(
-                     d_pristine.get(), n, vec, 0xffffffffu, d_sink.get(),
-                     d_read_hist.get());
+                 GTOPK_LAUNCH(kernel, blocks, kReadThreads, stream)
+                 (d_pristine.get(), n, vec, 0xffffffffu, d_sink.get(),
+                  d_read_hist.get());
                  CHECK_CUDA(cudaGetLastError());
                },
                [] {}, &s);
@@ -938,9 +941,8 @@ class DeviceChecker {
   void CheckFreshSelection(const MethodCase& c, const SelectParams& p) {
     const uint64_t n = c.block.n;
     SelectedPairs sel;
-    CHECK_CUDA(cudaMemcpyAsync(d_u.get(), d_pristine.get(),
-                               n * sizeof(float), cudaMemcpyDeviceToDevice,
-                               stream));
+    CHECK_CUDA(cudaMemcpyAsync(d_u.get(), d_pristine.get(), n * sizeof(float),
+                               cudaMemcpyDeviceToDevice, stream));
     CHECK_OK(sp->Select(d_u.get(), n, p, stream));
     const KernelStatus waited = sp->Wait(stream, &sel);
     ++results_.checks;
@@ -950,8 +952,7 @@ class DeviceChecker {
     } else {
       CHECK_CUDA(cudaMemcpy(after.data(), d_u.get(), n * sizeof(float),
                             cudaMemcpyDeviceToHost));
-      bad = CheckSelection(c.method, c.block.u, after, c.k, sel,
-                           c.reference);
+      bad = CheckSelection(c.method, c.block.u, after, c.k, sel, c.reference);
     }
     c.Record(bad);
     if (!bad.empty()) results_.failures.push_back(c.Name("") + bad);
@@ -984,8 +985,14 @@ class DeviceChecker {
       ++timed;
     };
     TimeUs(prepare, select, wait_selection, &s, &wall);
-    Row row{c.block.input, c.block.n, c.density, c.k, name, Median(s),
-            *std::min_element(s.begin(), s.end()), count};
+    Row row{c.block.input,
+            c.block.n,
+            c.density,
+            c.k,
+            name,
+            Median(s),
+            *std::min_element(s.begin(), s.end()),
+            count};
     row.wall_us = Median(wall);
     row.one_block = double(one_block) / timed;
     if (p.method != Method::kExact) row.fast_path = double(fast) / timed;
@@ -1026,10 +1033,8 @@ class DeviceChecker {
 
   // Zero velocity and residual: the fused update's starting state.
   void ResetUpdateState(uint64_t n) {
-    CHECK_CUDA(cudaMemsetAsync(d_velocity.get(), 0, n * sizeof(float),
-                               stream));
-    CHECK_CUDA(cudaMemsetAsync(d_residual.get(), 0, n * sizeof(float),
-                               stream));
+    CHECK_CUDA(cudaMemsetAsync(d_velocity.get(), 0, n * sizeof(float), stream));
+    CHECK_CUDA(cudaMemsetAsync(d_residual.get(), 0, n * sizeof(float), stream));
   }
 
   // The fused update of the input into the residual (momentum 0.9 with
@@ -1040,8 +1045,8 @@ class DeviceChecker {
     up.momentum = 0.9f;
     up.momentum_correction = true;
     CHECK_OK(sp->Accumulate(d_pristine.get(), nullptr, d_velocity.get(),
-                             d_velocity.get(), d_residual.get(),
-                             d_residual.get(), n, up, stream));
+                            d_velocity.get(), d_residual.get(),
+                            d_residual.get(), n, up, stream));
   }
 
   // Correctness after the fused update: the selection must reuse the
@@ -1063,8 +1068,8 @@ class DeviceChecker {
       // plan that needed several passes over u starts from a sample.)
       bad = "the update's histogram was not reused";
     } else {
-      CHECK_CUDA(cudaMemcpy(after.data(), d_residual.get(),
-                            n * sizeof(float), cudaMemcpyDeviceToHost));
+      CHECK_CUDA(cudaMemcpy(after.data(), d_residual.get(), n * sizeof(float),
+                            cudaMemcpyDeviceToHost));
       bad = CheckSelection(c.method, c.block.updated, after, c.k, sel,
                            c.reference_updated);
     }
@@ -1196,8 +1201,8 @@ std::vector<Table> OutputTables(const Options& o, const Results& results,
   std::vector<Table> tables;
   for (const std::string& input : o.inputs) {
     Table t;
-    t.title = "input " + input + ": " +
-              gtopk::device_check::InputDefinition(input);
+    t.title =
+        "input " + input + ": " + gtopk::device_check::InputDefinition(input);
     for (const Row& r : results.rows) {
       if (r.input == input) t.rows.push_back(r);
     }
@@ -1263,17 +1268,15 @@ void PrintTable(const Table& table, const Results& results,
     } else if (std::isfinite(r.trimmed)) {
       plan = "t" + Num(r.trimmed);  // share trimmed on the device
     }
-    std::printf("%12llu %9g %24s %10.1f %10s %5s %10s %10s %9s %5s\n",
-                static_cast<unsigned long long>(r.n), r.density,
-                r.method.c_str(), r.us,
-                std::isfinite(r.wall_us) ? Num(r.wall_us).c_str() : "-",
-                std::isfinite(r.fast_path) ? Num(r.fast_path).c_str() : "-",
-                std::isfinite(x.one_read) ? Num(r.us / x.one_read).c_str()
-                                          : "-",
-                std::isfinite(x.torch_us) ? Num(r.us / x.torch_us).c_str()
-                                          : "-",
-                std::isfinite(x.x_normal) ? Num(x.x_normal).c_str() : "-",
-                plan.c_str());
+    std::printf(
+        "%12llu %9g %24s %10.1f %10s %5s %10s %10s %9s %5s\n",
+        static_cast<unsigned long long>(r.n), r.density, r.method.c_str(), r.us,
+        std::isfinite(r.wall_us) ? Num(r.wall_us).c_str() : "-",
+        std::isfinite(r.fast_path) ? Num(r.fast_path).c_str() : "-",
+        std::isfinite(x.one_read) ? Num(r.us / x.one_read).c_str() : "-",
+        std::isfinite(x.torch_us) ? Num(r.us / x.torch_us).c_str() : "-",
+        std::isfinite(x.x_normal) ? Num(x.x_normal).c_str() : "-",
+        plan.c_str());
   }
 }
 
@@ -1297,7 +1300,9 @@ std::string JsonRow(const Row& r, const Ratios& x) {
      << ", \"x_normal\": " << Num(x.x_normal) << ", \"digit_passes\": "
      << (r.digit_passes < 0 ? "null" : std::to_string(r.digit_passes))
      << ", \"final_from_u\": "
-     << (r.final_from_u < 0 ? "null" : r.final_from_u ? "true" : "false")
+     << (r.final_from_u < 0 ? "null"
+         : r.final_from_u   ? "true"
+                            : "false")
      << "}";
   return js.str();
 }
@@ -1312,8 +1317,7 @@ std::string JsonReport(const Options& o, const std::string& gpu,
   std::ostringstream js;
   js << "{\n  \"command\": \"" << JsonEscape(o.command) << "\",\n"
      << "  \"gpu\": \"" << JsonEscape(gpu) << "\",\n"
-     << "  \"device_present\": " << (device_present ? "true" : "false")
-     << ",\n"
+     << "  \"device_present\": " << (device_present ? "true" : "false") << ",\n"
      << "  \"iters\": " << o.iters << ",\n  \"warmup\": " << o.warmup << ",\n"
      << "  \"inputs\": [";
   for (size_t i = 0; i < o.inputs.size(); ++i) {
@@ -1329,7 +1333,8 @@ std::string JsonReport(const Options& o, const std::string& gpu,
         "one_read_us = d2d copy of n floats / 2; x_normal = (wall_us, else "
         "us) / the same on the normal input; read_pass: a kernel reading n "
         "floats (read_pass_moments: with the histogram pass's double sums; "
-        "read_pass_hist: with its shared-memory histogram); pairs_copy: k pairs (8k bytes) to pinned memory; "
+        "read_pass_hist: with its shared-memory histogram); pairs_copy: k "
+        "pairs (8k bytes) to pinned memory; "
         "wall_floor = read_pass + pairs_copy + the normal exact row's "
         "wall_us - us\",\n"
      << "  \"torch\": {\"available\": " << (torch.available ? "true" : "false")
@@ -1360,7 +1365,9 @@ std::string JsonReport(const Options& o, const std::string& gpu,
        << "\", \"figure_us\": " << Num(t.figure_us)
        << ", \"limit_us\": " << Num(t.limit_us)
        << ", \"floor_us\": " << Num(t.floor_us) << ", \"met\": "
-       << (t.met < 0 ? "null" : t.met ? "true" : "false")
+       << (t.met < 0 ? "null"
+           : t.met   ? "true"
+                     : "false")
        << ", \"detail\": \"" << JsonEscape(t.detail) << "\"}";
   }
   js << "\n  ]\n}\n";

@@ -115,9 +115,8 @@ inline bool SplitList(const std::string& s, std::vector<std::string>* items,
   size_t start = 0;
   while (true) {
     const size_t comma = s.find(',', start);
-    items->push_back(s.substr(start, comma == std::string::npos
-                                         ? std::string::npos
-                                         : comma - start));
+    items->push_back(s.substr(
+        start, comma == std::string::npos ? std::string::npos : comma - start));
     if (items->back().empty()) {
       *why = s.empty() ? "empty list" : "empty item in '" + s + "'";
       return false;
@@ -248,7 +247,8 @@ inline void Usage() {
                "[--check-only] [--inputs=NAME,...] [--budget-s=S] "
                "[--validate-only] [--exact-sample-min-n=N]\n"
                "  N whole, 1..%llu (--exact-sample-min-n: 0..%llu, the "
-               "smallest n at which exact starts from a sample); D in (0, 1]; I %llu..%llu; W %llu..%llu; "
+               "smallest n at which exact starts from a sample); D in (0, 1]; "
+               "I %llu..%llu; W %llu..%llu; "
                "S (seed) whole, 0..2^64-1; --budget-s seconds >= 0 (0: none);\n"
                "  --validate-only: check the arguments and that --json can "
                "be written, run nothing (exit 0 or 2)\n"

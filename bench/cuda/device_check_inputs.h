@@ -28,11 +28,11 @@ constexpr uint64_t kChunk = uint64_t{1} << 20;
 // [0, n), on up to 16 threads. Each chunk's work depends only on its index,
 // so results are the same whatever the thread count.
 inline void ForChunks(
-    uint64_t n,
-    const std::function<void(uint64_t, uint64_t, uint64_t)>& body) {
+    uint64_t n, const std::function<void(uint64_t, uint64_t, uint64_t)>& body) {
   const uint64_t chunks = (n + kChunk - 1) / kChunk;
   const unsigned threads = static_cast<unsigned>(std::min<uint64_t>(
-      chunks, std::max(1u, std::min(16u, std::thread::hardware_concurrency()))));
+      chunks,
+      std::max(1u, std::min(16u, std::thread::hardware_concurrency()))));
   if (threads <= 1) {
     for (uint64_t c = 0; c < chunks; ++c) {
       body(c, c * kChunk, std::min(n, (c + 1) * kChunk));
@@ -73,9 +73,9 @@ class ChunkRandom {
 // The input kinds, named as in tests/testing/reference.h (Distribution) and
 // with the same definitions; --inputs takes these names.
 inline const std::vector<std::string>& InputNames() {
-  static const std::vector<std::string> names = {
-      "normal", "narrow_band", "ties", "laplace_zeros", "all_equal",
-      "outliers"};
+  static const std::vector<std::string> names = {"normal",    "narrow_band",
+                                                 "ties",      "laplace_zeros",
+                                                 "all_equal", "outliers"};
   return names;
 }
 
@@ -111,8 +111,7 @@ inline std::vector<float> NormalInput(uint64_t n, uint64_t seed) {
   ForChunks(n, [&](uint64_t c, uint64_t begin, uint64_t end) {
     ChunkRandom rng(seed, c);
     for (uint64_t i = begin; i < end; i += 2) {
-      const double u1 =
-          ((rng.Next() >> 11) + 1.0) * (1.0 / 9007199254740993.0);
+      const double u1 = ((rng.Next() >> 11) + 1.0) * (1.0 / 9007199254740993.0);
       const double u2 = (rng.Next() >> 11) * (1.0 / 9007199254740992.0);
       const double r = std::sqrt(-2.0 * std::log(u1));
       x[i] = static_cast<float>(r * std::cos(6.283185307179586 * u2));

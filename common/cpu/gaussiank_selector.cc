@@ -114,9 +114,8 @@ absl::Status GaussianKSelector::Select(absl::Span<const float> u, uint64_t k,
   const double mean_d = sum / n;
   const double mean = shift + mean_d;
   const double var =
-      n > 1
-          ? std::max(0.0, (sumsq - sum * mean_d) / static_cast<double>(n - 1))
-          : 0.0;
+      n > 1 ? std::max(0.0, (sumsq - sum * mean_d) / static_cast<double>(n - 1))
+            : 0.0;
   const double density = static_cast<double>(k) / static_cast<double>(n);
   double threshold =
       mean + NormalQuantile(1.0 - density / 2.0) * std::sqrt(var);

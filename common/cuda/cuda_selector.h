@@ -48,8 +48,8 @@ class CudaSelector final : public Selector {
   // The same with the core's test hooks (common/cuda/sparsify/testing.h),
   // kept when the scratch grows.
   static absl::StatusOr<std::unique_ptr<CudaSelector>> Create(
-      absl::string_view name, const SelectorOptions& options,
-      uint64_t capacity, const SparsifierTuning& tuning);
+      absl::string_view name, const SelectorOptions& options, uint64_t capacity,
+      const SparsifierTuning& tuning);
 
   absl::string_view name() const override { return MethodName(method_); }
   absl::Status Select(absl::Span<const float> u, uint64_t k, uint64_t step,

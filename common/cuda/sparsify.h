@@ -63,11 +63,11 @@ uint64_t MaxCount(Method method, uint64_t k);
 
 // What the last selection did (valid after Wait).
 struct SelectInfo {
-  uint64_t count = 0;       // pairs selected
+  uint64_t count = 0;  // pairs selected
   // Entries kept by the compaction pass over u (dgc: its survivors, also
   // when it then took the exact top-k from u).
   uint64_t candidates = 0;
-  int adjustments = 0;      // gaussiank threshold adjustments
+  int adjustments = 0;  // gaussiank threshold adjustments
   // gaussiank: the rule ended out of range and took the exact top-k; dgc:
   // the exact top-k of u (more than n/8 survivors, or a sample as large as
   // the input), not the trim among the survivors (trimmed_on_device);

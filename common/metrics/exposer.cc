@@ -45,14 +45,14 @@ std::string NumericHost(const std::string& host, bool ipv6) {
   std::string out;
   if (found->ai_family == AF_INET &&
       inet_ntop(AF_INET,
-                &reinterpret_cast<sockaddr_in*>(found->ai_addr)->sin_addr,
-                text, sizeof text) != nullptr) {
+                &reinterpret_cast<sockaddr_in*>(found->ai_addr)->sin_addr, text,
+                sizeof text) != nullptr) {
     out = text;
   } else if (found->ai_family == AF_INET6 &&
-             inet_ntop(AF_INET6,
-                       &reinterpret_cast<sockaddr_in6*>(found->ai_addr)
-                            ->sin6_addr,
-                       text, sizeof text) != nullptr) {
+             inet_ntop(
+                 AF_INET6,
+                 &reinterpret_cast<sockaddr_in6*>(found->ai_addr)->sin6_addr,
+                 text, sizeof text) != nullptr) {
     out = absl::StrCat("[", text, "]");
   }
   freeaddrinfo(found);
@@ -99,9 +99,9 @@ absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartExposer(
   // scraper that keeps its connection open (Prometheus does; an HA pair is
   // two of them) never holds one of the two threads between scrapes.
   std::vector<std::string> options = {
-      "listening_ports", absl::StrCat(numeric, ":", port),
-      "num_threads", absl::StrCat(kExposerThreads),
-      "enable_keep_alive", "no",
+      "listening_ports",    absl::StrCat(numeric, ":", port),
+      "num_threads",        absl::StrCat(kExposerThreads),
+      "enable_keep_alive",  "no",
       "request_timeout_ms", absl::StrCat(kExposerRequestTimeoutMs),
   };
   try {

@@ -32,11 +32,11 @@ inline constexpr int kExposerRequestTimeoutMs = 500;
 // Listens on `bind_address` = "host:port" ("0.0.0.0:9400", "[::]:9400",
 // "localhost:9400": a host name is resolved once, to its first address (its
 // first IPv4 address when the HTTP server has no IPv6, see
-// ExposerSupportsIpv6); port 0 picks a free port, see BoundPort) and serves GET /metrics in the text
-// format 0.0.4 from kExposerThreads threads of civetweb. Every response
-// closes its connection (no keep-alive), and a connection that sends no
-// request within kExposerRequestTimeoutMs is closed, so scrapers that keep
-// connections open, or idle ones, cannot hold the threads and starve other
+// ExposerSupportsIpv6); port 0 picks a free port, see BoundPort) and serves GET
+// /metrics in the text format 0.0.4 from kExposerThreads threads of civetweb.
+// Every response closes its connection (no keep-alive), and a connection that
+// sends no request within kExposerRequestTimeoutMs is closed, so scrapers that
+// keep connections open, or idle ones, cannot hold the threads and starve other
 // scrapers. Register what to serve with RegisterCollectable (held weakly:
 // the caller keeps the shared_ptr; a destroyed one is skipped). Besides
 // those, /metrics always carries prometheus-cpp's own exposer_* families

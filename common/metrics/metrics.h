@@ -24,11 +24,11 @@
 // Names are programmer input (constants in the code): an invalid metric or
 // label name, or one name registered with two types makes prometheus-cpp
 // THROW std::invalid_argument. prometheus-cpp 1.0.1 does not reject a label
-// named `le` on a histogram (it would be written twice): never use one. Label values may be any
-// string; the serializer escapes backslash, double quote and newline, but
-// writes other bytes as given, so label values must be valid UTF-8 (all of
-// gtopk's are ASCII constants). HELP text is written unescaped: it must hold
-// no newline or backslash.
+// named `le` on a histogram (it would be written twice): never use one. Label
+// values may be any string; the serializer escapes backslash, double quote and
+// newline, but writes other bytes as given, so label values must be valid UTF-8
+// (all of gtopk's are ASCII constants). HELP text is written unescaped: it must
+// hold no newline or backslash.
 #ifndef GTOPK_COMMON_METRICS_METRICS_H_
 #define GTOPK_COMMON_METRICS_METRICS_H_
 

@@ -86,11 +86,11 @@ void CollectStat(std::vector<MetricFamily>* out) {
       std::sscanf(proc_stat.c_str() + at + 7, "%llu", &boot) != 1) {
     return;
   }
-  out->push_back(Single(
-      "process_start_time_seconds",
-      "Start time of the process since unix epoch in seconds.",
-      MetricType::Gauge,
-      static_cast<double>(boot) + static_cast<double>(start) / ticks));
+  out->push_back(
+      Single("process_start_time_seconds",
+             "Start time of the process since unix epoch in seconds.",
+             MetricType::Gauge,
+             static_cast<double>(boot) + static_cast<double>(start) / ticks));
 }
 
 void CollectMemory(std::vector<MetricFamily>* out) {
@@ -118,16 +118,15 @@ void CollectFds(std::vector<MetricFamily>* out) {
     closedir(dir);
     // Not counting the descriptor opendir itself held while listing.
     out->push_back(Single("process_open_fds",
-                          "Number of open file descriptors.",
-                          MetricType::Gauge, open - 1));
+                          "Number of open file descriptors.", MetricType::Gauge,
+                          open - 1));
   }
   rlimit limit{};
   if (getrlimit(RLIMIT_NOFILE, &limit) == 0 &&
       limit.rlim_cur != RLIM_INFINITY) {
-    out->push_back(Single("process_max_fds",
-                          "Maximum number of open file descriptors.",
-                          MetricType::Gauge,
-                          static_cast<double>(limit.rlim_cur)));
+    out->push_back(
+        Single("process_max_fds", "Maximum number of open file descriptors.",
+               MetricType::Gauge, static_cast<double>(limit.rlim_cur)));
   }
 }
 
@@ -145,8 +144,9 @@ void RegisterBuildInfo(prometheus::Registry& registry,
                        const std::string& program) {
   prometheus::BuildGauge()
       .Name("gtopk_build_info")
-      .Help("Always 1: the gtopk version, program and whether CUDA kernels "
-            "were built.")
+      .Help(
+          "Always 1: the gtopk version, program and whether CUDA kernels "
+          "were built.")
       .Register(registry)
       .Add({{"version", GTOPK_VERSION},
             {"program", program},

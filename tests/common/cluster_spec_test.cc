@@ -120,16 +120,12 @@ TEST(ClusterFingerprintTest, EverySettingChangesItPerProcessDetailsDoNot) {
       [](v1::ClusterSpec& c) {
         c.mutable_optimizer()->set_weight_decay(1e-4f);
       },
-      [](v1::ClusterSpec& c) {
-        c.mutable_optimizer()->set_lr_warmup_steps(5);
-      },
+      [](v1::ClusterSpec& c) { c.mutable_optimizer()->set_lr_warmup_steps(5); },
       [](v1::ClusterSpec& c) { c.mutable_optimizer()->set_density(0.01); },
       [](v1::ClusterSpec& c) {
         c.mutable_optimizer()->add_density_warmup(0.5);
       },
-      [](v1::ClusterSpec& c) {
-        c.mutable_optimizer()->set_steps_per_epoch(4);
-      },
+      [](v1::ClusterSpec& c) { c.mutable_optimizer()->set_steps_per_epoch(4); },
       [](v1::ClusterSpec& c) { c.set_step_timeout_ms(29999); },
       [](v1::ClusterSpec& c) { c.set_max_message_bytes(4096); },
       [](v1::ClusterSpec& c) { c.set_apply(v1::APPLY_WORKERS); },
@@ -247,9 +243,10 @@ TEST(ClusterModesTest, NamesParsesAndProtoRoundTrip) {
     const char* name;
     v1::Mode proto;
   };
-  for (const ModeRow& r : {ModeRow{AggregationMode::kGtopk, "gtopk", v1::MODE_GTOPK},
-                           ModeRow{AggregationMode::kTopk, "topk", v1::MODE_TOPK},
-                           ModeRow{AggregationMode::kDense, "dense", v1::MODE_DENSE}}) {
+  for (const ModeRow& r :
+       {ModeRow{AggregationMode::kGtopk, "gtopk", v1::MODE_GTOPK},
+        ModeRow{AggregationMode::kTopk, "topk", v1::MODE_TOPK},
+        ModeRow{AggregationMode::kDense, "dense", v1::MODE_DENSE}}) {
     EXPECT_EQ(AggregationModeName(r.mode), r.name);
     EXPECT_EQ(*ParseAggregationMode(r.name), r.mode);
     EXPECT_EQ(ToProto(r.mode), r.proto);
@@ -262,7 +259,8 @@ TEST(ClusterModesTest, NamesParsesAndProtoRoundTrip) {
     v1::Selection proto;
   };
   for (const SelectionRow& r :
-       {SelectionRow{SelectionKind::kThreshold, "threshold", v1::SELECTION_THRESHOLD},
+       {SelectionRow{SelectionKind::kThreshold, "threshold",
+                     v1::SELECTION_THRESHOLD},
         SelectionRow{SelectionKind::kQuota, "quota", v1::SELECTION_QUOTA}}) {
     EXPECT_EQ(SelectionKindName(r.kind), r.name);
     EXPECT_EQ(*ParseSelectionKind(r.name), r.kind);
@@ -285,7 +283,8 @@ TEST(ClusterModesTest, NamesParsesAndProtoRoundTrip) {
   for (const MomentumRow& r :
        {MomentumRow{MomentumMode::kNone, "none", v1::MOMENTUM_MODE_NONE},
         MomentumRow{MomentumMode::kDgcCorrection, "dgc", v1::MOMENTUM_MODE_DGC},
-        MomentumRow{MomentumMode::kGlobal, "global", v1::MOMENTUM_MODE_GLOBAL}}) {
+        MomentumRow{MomentumMode::kGlobal, "global",
+                    v1::MOMENTUM_MODE_GLOBAL}}) {
     EXPECT_EQ(MomentumModeName(r.mode), r.name);
     EXPECT_EQ(*ParseMomentumMode(r.name), r.mode);
     EXPECT_EQ(ToProto(r.mode), r.proto);
@@ -315,8 +314,9 @@ TEST(ClusterModesTest, UnknownNamesAndValuesAreInvalidArgument) {
             "cluster spec: unknown mode 0");
   EXPECT_EQ(AggregationModeFromProto(static_cast<v1::Mode>(7)).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(SelectionKindFromProto(v1::SELECTION_UNSPECIFIED).status().message(),
-            "cluster spec: unknown selection 0");
+  EXPECT_EQ(
+      SelectionKindFromProto(v1::SELECTION_UNSPECIFIED).status().message(),
+      "cluster spec: unknown selection 0");
   EXPECT_EQ(MomentumModeFromProto(static_cast<v1::MomentumMode>(9))
                 .status()
                 .message(),

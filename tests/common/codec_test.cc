@@ -910,10 +910,11 @@ TEST(PeekCodecSpecTest, ReadsTheHeaderOnly) {
   SparseVector v;
   v.push_back(3, 1.5f);
   std::string bytes;
-  ASSERT_TRUE(EncodeSparse(v, 10,
-                           CodecSpec{IndexCodec::kDeltaBitpack, ValueCodec::kBf16},
-                           &bytes)
-                  .ok());
+  ASSERT_TRUE(
+      EncodeSparse(v, 10,
+                   CodecSpec{IndexCodec::kDeltaBitpack, ValueCodec::kBf16},
+                   &bytes)
+          .ok());
   absl::StatusOr<CodecSpec> spec = PeekCodecSpec(bytes.substr(0, 3));
   ASSERT_TRUE(spec.ok()) << spec.status();
   EXPECT_EQ(spec->index, IndexCodec::kDeltaBitpack);

@@ -105,9 +105,8 @@ TEST(GrpcEdgeTest, ChannelArgumentsAreTheLimitsAndTheBackoff) {
 }
 
 TEST(GrpcEdgeTest, ChannelLimitsClampToInt) {
-  for (const uint64_t bytes :
-       {uint64_t{INT_MAX}, uint64_t{INT_MAX} + 1, uint64_t{1} << 40,
-        UINT64_MAX}) {
+  for (const uint64_t bytes : {uint64_t{INT_MAX}, uint64_t{INT_MAX} + 1,
+                               uint64_t{1} << 40, UINT64_MAX}) {
     const std::map<std::string, int> args =
         IntArgs(LimitedChannelArguments(bytes));
     EXPECT_EQ(args.at(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH), INT_MAX) << bytes;

@@ -72,8 +72,7 @@ RunResult RunSteps(const Param& param, uint64_t seed) {
   std::vector<double> accumulated(n, 0.0), applied(n, 0.0), scale(n, 0.0);
 
   for (int step = 0; step < steps; ++step) {
-    const uint64_t k =
-        ::gtopk::testing::OkOrThrow(rule.KAt(step, n), "KAt");
+    const uint64_t k = ::gtopk::testing::OkOrThrow(rule.KAt(step, n), "KAt");
     std::vector<SparseVector> sent(workers), received(workers);
     for (int w = 0; w < workers; ++w) {
       std::mt19937_64 rng(seed * 1000003 + step * 101 + w);

@@ -5,6 +5,8 @@
 // process_* collector against independent readings; gtopk_build_info; and
 // the HTTP exposer (GET /metrics over a raw socket, keep-alive and idle
 // connections that must not starve other scrapers, bind errors as Status).
+#include "common/metrics/metrics.h"
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <prometheus/text_serializer.h>
@@ -28,7 +30,6 @@
 #include <vector>
 
 #include "common/metrics/exposer.h"
-#include "common/metrics/metrics.h"
 #include "common/metrics/process_collector.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -121,8 +122,8 @@ int Promtool(const std::string& text, std::string* output) {
   EXPECT_EQ(write(fd, text.data(), text.size()),
             static_cast<ssize_t>(text.size()));
   close(fd);
-  const std::string cmd = std::string("'") + GTOPK_PROMTOOL +
-                          "' check metrics < " + path + " 2>&1";
+  const std::string cmd =
+      std::string("'") + GTOPK_PROMTOOL + "' check metrics < " + path + " 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
   char buffer[512];
   while (p != nullptr && std::fgets(buffer, sizeof buffer, p) != nullptr) {
@@ -161,8 +162,9 @@ std::shared_ptr<prometheus::Registry> TrickyRegistry() {
                       .Name("test_latency_seconds")
                       .Help("Latency.")
                       .Register(*registry);
-  auto& push = latency.Add({{"phase", "push"}},
-                           prometheus::Histogram::BucketBoundaries{0.125, 1, 10});
+  auto& push =
+      latency.Add({{"phase", "push"}},
+                  prometheus::Histogram::BucketBoundaries{0.125, 1, 10});
   latency.Add({{"phase", "wait"}}, DurationBuckets());
   for (double v : {0.0625, 0.125, 0.5, 4.0, 100.0}) push.Observe(v);
   prometheus::BuildCounter()
@@ -209,8 +211,8 @@ TEST(ExpositionTest, ParsesBackToWhatWasRecorded) {
   // The duration buckets' `le` strings are the ones docs/metrics.md lists
   // and dashboards may name (as client_golang writes them).
   for (const char* le : {"0.0001", "0.00025", "0.0005", "0.001", "0.0025",
-                         "0.005", "0.01", "0.025", "0.05", "0.1", "0.25",
-                         "0.5", "1", "2.5", "5", "10", "30", "60", "+Inf"}) {
+                         "0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5",
+                         "1", "2.5", "5", "10", "30", "60", "+Inf"}) {
     EXPECT_EQ(ValueOf(s, "test_latency_seconds_bucket",
                       {{"phase", "wait"}, {"le", le}}),
               0)
@@ -417,7 +419,8 @@ HttpResponse Get(int fd, const std::string& path) {
   std::string raw;
   char buffer[4096];
   ssize_t got;
-  while ((got = recv(fd, buffer, sizeof buffer, 0)) > 0) raw.append(buffer, got);
+  while ((got = recv(fd, buffer, sizeof buffer, 0)) > 0)
+    raw.append(buffer, got);
   r.closed = got == 0;
   const size_t end = raw.find("\r\n\r\n");
   if (raw.rfind("HTTP/1.1 ", 0) != 0 || end == std::string::npos) return r;
@@ -520,9 +523,9 @@ TEST(ExposerTest, KeepAliveAndIdleConnectionsDoNotStarveOthers) {
   }
   const auto start = std::chrono::steady_clock::now();
   const HttpResponse r = Get(port, "/metrics", 3);
-  const double seconds = std::chrono::duration<double>(
-                             std::chrono::steady_clock::now() - start)
-                             .count();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+          .count();
   EXPECT_EQ(r.status, 200) << "not served within 3 s";
   EXPECT_LT(seconds, kExposerRequestTimeoutMs / 1000.0 + 0.5);
   for (int fd : held) close(fd);
@@ -589,9 +592,9 @@ TEST(ExposerTest, ManyIdleConnectionsDelayAScrapeLittle) {
   }
   const auto start = std::chrono::steady_clock::now();
   const HttpResponse r = Get(port, "/metrics", 4);
-  const double seconds = std::chrono::duration<double>(
-                             std::chrono::steady_clock::now() - start)
-                             .count();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+          .count();
   EXPECT_EQ(r.status, 200) << "not served within 4 s";
   EXPECT_LT(seconds, 3.0);
   for (int fd : idle) close(fd);

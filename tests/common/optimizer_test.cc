@@ -82,14 +82,13 @@ TEST(OptimizerTest, IdentityRuleAddsTheGradientAndFailsAsTheGeneralPath) {
   std::vector<float> ref = residual;
   for (size_t i = 0; i < n; ++i) ref[i] = ref[i] + grad[i];
   // The parameters are not read: pass the gradient, as AggregateStep does.
-  GTOPK_ASSERT_OK(rule.AccumulateLocal(7, grad, grad, {},
-                                       absl::MakeSpan(residual)));
+  GTOPK_ASSERT_OK(
+      rule.AccumulateLocal(7, grad, grad, {}, absl::MakeSpan(residual)));
   EXPECT_TRUE(BitEqual(residual, ref));
 
   const std::vector<float> r0 = residual;
   grad[400] = INFINITY;
-  EXPECT_THAT(rule.AccumulateLocal(8, grad, grad, {},
-                                   absl::MakeSpan(residual)),
+  EXPECT_THAT(rule.AccumulateLocal(8, grad, grad, {}, absl::MakeSpan(residual)),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("gradient has a non-finite value (inf) at "
                                  "position 400")));
@@ -98,8 +97,7 @@ TEST(OptimizerTest, IdentityRuleAddsTheGradientAndFailsAsTheGeneralPath) {
   residual[9] = 3e38f;
   grad[9] = 3e38f;
   const std::vector<float> r1 = residual;
-  EXPECT_THAT(rule.AccumulateLocal(8, grad, grad, {},
-                                   absl::MakeSpan(residual)),
+  EXPECT_THAT(rule.AccumulateLocal(8, grad, grad, {}, absl::MakeSpan(residual)),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("residual at position 9 would overflow")));
   EXPECT_TRUE(BitEqual(residual, r1));
@@ -187,8 +185,8 @@ TEST(OptimizerTest, DenseApplicationEqualsSparseWithEveryIndex) {
     OptimizerRule rule = MakeRule(o);
     std::vector<float> a = Random(n, 22), av(n, 0.5f);
     std::vector<float> b = a, bv = av;
-    GTOPK_ASSERT_OK(rule.ApplyAggregated(all, 0, 3, absl::MakeSpan(a),
-                                         absl::MakeSpan(av)));
+    GTOPK_ASSERT_OK(
+        rule.ApplyAggregated(all, 0, 3, absl::MakeSpan(a), absl::MakeSpan(av)));
     GTOPK_ASSERT_OK(rule.ApplyAggregatedDense(sum, 3, absl::MakeSpan(b),
                                               absl::MakeSpan(bv)));
     EXPECT_TRUE(BitEqual(a, b)) << MomentumModeName(mode);
@@ -197,9 +195,9 @@ TEST(OptimizerTest, DenseApplicationEqualsSparseWithEveryIndex) {
   OptimizerRule rule = MakeRule({});
   std::vector<float> p(n, 1.0f), bad = sum;
   bad[5] = NAN;
-  EXPECT_THAT(rule.ApplyAggregatedDense(bad, 3, absl::MakeSpan(p), {}),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("position 5")));
+  EXPECT_THAT(
+      rule.ApplyAggregatedDense(bad, 3, absl::MakeSpan(p), {}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("position 5")));
   EXPECT_THAT(rule.ApplyAggregatedDense(absl::MakeSpan(sum).subspan(1), 3,
                                         absl::MakeSpan(p), {}),
               StatusIs(absl::StatusCode::kInvalidArgument,
@@ -355,10 +353,10 @@ TEST(OptimizerFiniteTest, AccumulateLocalOverflowChangesNothing) {
        "residual at position 2 would overflow to inf"},
       {MomentumMode::kGlobal, 1.0f, 0.9f, 0.0f, -kHuge, 1.0f, 0.0f, -kHuge,
        "residual at position 2 would overflow to -inf"},
-      {MomentumMode::kDgcCorrection, 1.0f, 0.9f, 0.0f, kHuge, 1.0f, kHuge,
-       0.0f, "velocity at position 2 would overflow to inf"},
-      {MomentumMode::kDgcCorrection, 1.0f, 0.0f, 0.0f, kHuge, 1.0f, 0.0f,
-       kHuge, "residual at position 2 would overflow to inf"},
+      {MomentumMode::kDgcCorrection, 1.0f, 0.9f, 0.0f, kHuge, 1.0f, kHuge, 0.0f,
+       "velocity at position 2 would overflow to inf"},
+      {MomentumMode::kDgcCorrection, 1.0f, 0.0f, 0.0f, kHuge, 1.0f, 0.0f, kHuge,
+       "residual at position 2 would overflow to inf"},
       // lr * v overflows although v is finite.
       {MomentumMode::kNone, 10.0f, 0.9f, 0.0f, kHuge, 1.0f, 0.0f, 0.0f,
        "residual at position 2 would overflow"},
@@ -380,10 +378,10 @@ TEST(OptimizerFiniteTest, AccumulateLocalOverflowChangesNothing) {
     velocity[2] = c.velocity;
     residual[2] = c.residual;
     const auto velocity0 = velocity, residual0 = residual;
-    EXPECT_THAT(rule.AccumulateLocal(0, grad, params, absl::MakeSpan(velocity),
-                                     absl::MakeSpan(residual)),
-                StatusIs(absl::StatusCode::kInvalidArgument,
-                         HasSubstr(c.expect)))
+    EXPECT_THAT(
+        rule.AccumulateLocal(0, grad, params, absl::MakeSpan(velocity),
+                             absl::MakeSpan(residual)),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.expect)))
         << MomentumModeName(c.mode);
     EXPECT_TRUE(BitEqual(velocity, velocity0));
     EXPECT_TRUE(BitEqual(residual, residual0));
@@ -489,8 +487,8 @@ TEST(OptimizerFiniteTest, CheckThenApplyIsBitIdenticalToApplyForFiniteSteps) {
       SparseVector agg;
       for (uint32_t i = 0; i < 300; i += 7) agg.push_back(i, dense[i]);
       const auto p0 = params, v0 = velocity;
-      const absl::Status check = rule.CheckAggregated(agg, 0, 3, params,
-                                                      velocity);
+      const absl::Status check =
+          rule.CheckAggregated(agg, 0, 3, params, velocity);
       const absl::Status apply = rule.ApplyAggregated(
           agg, 0, 3, absl::MakeSpan(params), absl::MakeSpan(velocity));
       EXPECT_EQ(check, apply);

@@ -3,8 +3,8 @@
 #include <cmath>
 #include <limits>
 #include <map>
-#include <random>
 #include <memory>
+#include <random>
 #include <set>
 #include <string>
 #include <tuple>
@@ -163,9 +163,9 @@ TEST(KFromDensityTest, RoundsAndValidates) {
   EXPECT_EQ(*KFromDensity(0.001, 25557032), 25557u);
   EXPECT_EQ(*KFromDensity(1e-9, 10), 1u);
   EXPECT_EQ(*KFromDensity(1.0, 10), 10u);
-  EXPECT_THAT(KFromDensity(0.5, (uint64_t{1} << 32) + 1),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("at most 2^32")));
+  EXPECT_THAT(
+      KFromDensity(0.5, (uint64_t{1} << 32) + 1),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("at most 2^32")));
   for (double bad : {0.0, -0.1, 1.5, std::nan("")}) {
     EXPECT_THAT(KFromDensity(bad, 10),
                 StatusIs(absl::StatusCode::kInvalidArgument,

@@ -82,7 +82,7 @@ TEST(SparseVectorTest, ValidateFiniteFindsTheFirstFaultAcrossBlocks) {
         std::vector<float> y = x;
         y[pos] = f;
         if (pos + 7 < n) y[pos + 7] = NAN;  // a later fault is not named
-        size_t expected = n;  // the plain reference
+        size_t expected = n;                // the plain reference
         for (size_t j = 0; j < n; ++j) {
           if (!std::isfinite(y[j])) {
             expected = j;

@@ -128,7 +128,8 @@ Oracle Simulate(const Case& c, const std::vector<uint64_t>& bounds) {
     std::vector<SparseVector> sent(P), received(P);
     std::vector<std::vector<float>> dense(P);
     for (int w = 0; w < P; ++w) {
-      const std::vector<float> g = Gradient(c, step, w, bounds[bounds.size() - 2]);
+      const std::vector<float> g =
+          Gradient(c, step, w, bounds[bounds.size() - 2]);
       EXPECT_THAT(rule.AccumulateLocal(step, g, o.params[w],
                                        absl::MakeSpan(o.velocity[w]),
                                        o.ef[w].mutable_residual()),
@@ -152,10 +153,10 @@ Oracle Simulate(const Case& c, const std::vector<uint64_t>& bounds) {
         for (uint64_t i = 0; i < n; ++i) sum[i] += dense[w][i];
       }
       for (int w = 0; w < P; ++w) {
-        EXPECT_THAT(rule.ApplyAggregatedDense(sum, P,
-                                              absl::MakeSpan(o.params[w]),
-                                              absl::MakeSpan(o.global_v[w])),
-                    testing::IsOk());
+        EXPECT_THAT(
+            rule.ApplyAggregatedDense(sum, P, absl::MakeSpan(o.params[w]),
+                                      absl::MakeSpan(o.global_v[w])),
+            testing::IsOk());
       }
       o.selected.push_back(n);
       continue;
@@ -193,13 +194,13 @@ Oracle Simulate(const Case& c, const std::vector<uint64_t>& bounds) {
       if (c.mode == AggregationMode::kGtopk) {
         EXPECT_THAT(o.ef[w].PutBack(received[w], global), testing::IsOk());
       }
-      EXPECT_THAT(rule.MaskMomentum(sent[w], global,
-                                    absl::MakeSpan(o.velocity[w])),
-                  testing::IsOk());
-      EXPECT_THAT(rule.ApplyAggregated(global, 0, P,
-                                       absl::MakeSpan(o.params[w]),
-                                       absl::MakeSpan(o.global_v[w])),
-                  testing::IsOk());
+      EXPECT_THAT(
+          rule.MaskMomentum(sent[w], global, absl::MakeSpan(o.velocity[w])),
+          testing::IsOk());
+      EXPECT_THAT(
+          rule.ApplyAggregated(global, 0, P, absl::MakeSpan(o.params[w]),
+                               absl::MakeSpan(o.global_v[w])),
+          testing::IsOk());
     }
   }
   return o;
@@ -226,7 +227,8 @@ TEST_P(ClusterTest, MatchesSingleProcessSimulation) {
     clients[w] = *std::move(client);
   }
   std::vector<uint64_t> bounds;
-  for (const auto& s : clients[0]->cluster().shards()) bounds.push_back(s.begin());
+  for (const auto& s : clients[0]->cluster().shards())
+    bounds.push_back(s.begin());
   bounds.push_back(c.n);
 
   std::vector<std::vector<float>> params(c.workers);
@@ -248,7 +250,8 @@ TEST_P(ClusterTest, MatchesSingleProcessSimulation) {
         return;
       }
       for (int s = 0; s < c.steps; ++s) {
-        const std::vector<float> g = Gradient(c, s, w, bounds[bounds.size() - 2]);
+        const std::vector<float> g =
+            Gradient(c, s, w, bounds[bounds.size() - 2]);
         auto st = clients[w]->Step(g, absl::MakeSpan(params[w]));
         if (!st.ok()) {
           status[w] = st.status();
@@ -391,7 +394,8 @@ std::vector<Case> Cases() {
     c.shards = 3;
     c.starve_last_shard = true;
     c.selection = sel;
-    add(c, sel == SelectionKind::kThreshold ? "starved_exact" : "starved_quota");
+    add(c,
+        sel == SelectionKind::kThreshold ? "starved_exact" : "starved_quota");
   }
   // Randomized selectors: the per-rank seeds must match the simulation.
   for (const char* sel : {"randomk", "dgc", "gaussiank"}) {
@@ -404,9 +408,10 @@ std::vector<Case> Cases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Cluster, ClusterTest, ::testing::ValuesIn(Cases()),
-    [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Cluster, ClusterTest, ::testing::ValuesIn(Cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return info.param.name;
+                         });
 
 }  // namespace
 }  // namespace gtopk

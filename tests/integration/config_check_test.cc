@@ -371,8 +371,8 @@ class DriftTest : public ::testing::Test {
       threads.emplace_back([&, w] {
         std::vector<float> grad(kN);
         for (uint64_t i = 0; i < kN; ++i) {
-          grad[i] = static_cast<float>((i * 7 + w * 13 + seed * 31) % 23) -
-                    11.0f;
+          grad[i] =
+              static_cast<float>((i * 7 + w * 13 + seed * 31) % 23) - 11.0f;
         }
         status[w] =
             clients_[w]->Step(grad, absl::MakeSpan(params_[w])).status();
@@ -392,8 +392,8 @@ class DriftTest : public ::testing::Test {
     for (int step = 0; step < 3; ++step) {
       for (const absl::Status& st : StepAll(step)) GTOPK_ASSERT_OK(st);
     }
-    GTOPK_ASSERT_OK(cluster_->RestartShard(s, /*write_checkpoint=*/true, {},
-                                           edit));
+    GTOPK_ASSERT_OK(
+        cluster_->RestartShard(s, /*write_checkpoint=*/true, {}, edit));
     // (A misconfigured shard refuses downloads too, so the servers' state
     // is read through next_step; the replicas equal the servers before.)
     ASSERT_EQ(cluster_->shard(s).service()->next_step(), 3);
@@ -424,24 +424,22 @@ class DriftTest : public ::testing::Test {
 };
 
 TEST_F(DriftTest, ShardRestartedWithOtherMomentumIsRefusedNamingIt) {
-  ExpectRestartWithRefused(
-      1, [](ServerConfig& c) { c.optimizer.momentum = 0.5f; },
-      {"shard 1 is configured differently from the leader",
-       "--momentum is 0.5 here but 0.9 on the leader"});
+  ExpectRestartWithRefused(1,
+                           [](ServerConfig& c) { c.optimizer.momentum = 0.5f; },
+                           {"shard 1 is configured differently from the leader",
+                            "--momentum is 0.5 here but 0.9 on the leader"});
 }
 
 TEST_F(DriftTest, ShardRestartedWithOtherLrIsRefusedNamingIt) {
-  ExpectRestartWithRefused(
-      1, [](ServerConfig& c) { c.optimizer.lr = 0.2f; },
-      {"--lr is 0.2 here but 0.1 on the leader"});
+  ExpectRestartWithRefused(1, [](ServerConfig& c) { c.optimizer.lr = 0.2f; },
+                           {"--lr is 0.2 here but 0.1 on the leader"});
 }
 
 // Before: the workers waited for a worker 2 that never comes
 // (DEADLINE_EXCEEDED), and --workers was never named.
 TEST_F(DriftTest, ShardRestartedWithOtherWorkerCountIsRefusedNamingIt) {
-  ExpectRestartWithRefused(
-      1, [](ServerConfig& c) { c.num_workers = 3; },
-      {"--workers is 3 here but 2 on the leader"});
+  ExpectRestartWithRefused(1, [](ServerConfig& c) { c.num_workers = 3; },
+                           {"--workers is 3 here but 2 on the leader"});
 }
 
 // The leader restarted with other flags: its own refusal of the workers'
@@ -465,7 +463,7 @@ TEST_F(DriftTest, PushWithAnotherFingerprintIsRefusedAlone) {
   auto stream = stub->PushPull(&ctx);
   v1::Push push;
   push.set_step(1);
-  push.set_worker(1);
+  push.set_rank(1);
   push.set_shard_id(1);
   push.set_member_token(clients_[1]->member_token());
   push.set_cluster_fingerprint(clients_[1]->cluster().cluster_fingerprint() ^

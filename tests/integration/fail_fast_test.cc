@@ -52,11 +52,12 @@ struct JoinedCluster {
 absl::StatusOr<JoinedCluster> StartJoined(const server::ServerConfig& config,
                                           int shards) {
   JoinedCluster c;
-  GTOPK_ASSIGN_OR_RETURN(c.cluster, server::LocalCluster::Start(config, shards));
+  GTOPK_ASSIGN_OR_RETURN(c.cluster,
+                         server::LocalCluster::Start(config, shards));
   GTOPK_ASSIGN_OR_RETURN(
-      c.joined, testing_cluster::JoinAndSynchronize(
-                    *c.cluster, static_cast<int>(config.num_workers),
-                    Seeded(1)));
+      c.joined,
+      testing_cluster::JoinAndSynchronize(
+          *c.cluster, static_cast<int>(config.num_workers), Seeded(1)));
   return c;
 }
 
@@ -94,7 +95,7 @@ v1::Push HandPush(const v1::ClusterSpec& spec, uint64_t member_token,
                   Bad bad = Bad::kGarbage) {
   v1::Push push;
   push.set_step(0);
-  push.set_worker(rank);
+  push.set_rank(rank);
   push.set_shard_id(shard);
   // The joined worker's identity: a push without it is refused alone.
   push.set_member_token(member_token);
@@ -171,8 +172,7 @@ TEST_P(FailFastTest, BadPushOnOneShardFailsTheStepOnEveryShardPromptly) {
   absl::Duration took;
   std::thread step([&] {
     const absl::Time start = absl::Now();
-    stepped =
-        clients[1]->Step(Seeded(101), absl::MakeSpan(params[1])).status();
+    stepped = clients[1]->Step(Seeded(101), absl::MakeSpan(params[1])).status();
     took = absl::Now() - start;
   });
   if (!GetParam().bad_first) {
@@ -275,8 +275,7 @@ TEST(LongStatusTest, HugeAbortStepReasonReachesWorkersBounded) {
   absl::Duration took;
   std::thread step([&] {  // worker 0 never pushes: the step waits
     const absl::Time start = absl::Now();
-    stepped =
-        clients[1]->Step(Seeded(101), absl::MakeSpan(params[1])).status();
+    stepped = clients[1]->Step(Seeded(101), absl::MakeSpan(params[1])).status();
     took = absl::Now() - start;
   });
   absl::SleepFor(absl::Milliseconds(300));
@@ -314,9 +313,9 @@ class AbortStepInputTest : public ::testing::Test {
 };
 
 TEST_F(AbortStepInputTest, FarFutureEpochIsRefusedByAShard) {
-  for (const uint64_t epoch : {~uint64_t{0},
-                               static_cast<uint64_t>(absl::ToUnixMicros(
-                                   absl::Now() + absl::Hours(48)))}) {
+  for (const uint64_t epoch :
+       {~uint64_t{0}, static_cast<uint64_t>(
+                          absl::ToUnixMicros(absl::Now() + absl::Hours(48)))}) {
     const grpc::Status st = SendAbortStep(shard1_.get(), 0, 0, epoch);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << epoch;
     EXPECT_NE(st.error_message().find("more than a day ahead"),
@@ -334,10 +333,9 @@ TEST_F(AbortStepInputTest, FarFutureEpochIsRefusedByAShard) {
 // past its next one, and forwards a step's failure once however often it
 // is reported (the same step, a later report, updates the queued forward).
 TEST_F(AbortStepInputTest, AStepFarPastTheLeadersIsRefused) {
-  for (const int64_t step : {int64_t{17}, int64_t{5000000},
-                             std::numeric_limits<int64_t>::max()}) {
-    const grpc::Status st =
-        SendAbortStep(leader_.get(), step, 1, 0, "hostile");
+  for (const int64_t step :
+       {int64_t{17}, int64_t{5000000}, std::numeric_limits<int64_t>::max()}) {
+    const grpc::Status st = SendAbortStep(leader_.get(), step, 1, 0, "hostile");
     EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << step;
     EXPECT_NE(st.error_message().find(
                   "steps past the leader's next step 0 (a shard fails the "
@@ -356,8 +354,8 @@ TEST_F(AbortStepInputTest, AStepFarPastTheLeadersIsRefused) {
 // 60,000 reports of old steps): after 20 steps, step 3 is refused and
 // step 19 (committed: nothing to abort) is answered OK as before.
 TEST(AbortStepWindowTest, AStepLongBeforeTheLeadersIsRefused) {
-  GTOPK_ASSERT_OK_AND_ASSIGN(
-      JoinedCluster started, StartJoined(TestConfig(1, absl::Seconds(5)), 2));
+  GTOPK_ASSERT_OK_AND_ASSIGN(JoinedCluster started,
+                             StartJoined(TestConfig(1, absl::Seconds(5)), 2));
   auto& client = started.joined.clients[0];
   auto& params = started.joined.params[0];
   for (int step = 0; step < 20; ++step) {
@@ -424,9 +422,8 @@ TEST(ShardCallAdmissionTest, RefusedShardCallsDelayTheStepInsteadOfEndingIt) {
   const absl::Time start = absl::Now();
   for (int w = 0; w < 2; ++w) {
     steps.emplace_back([&, w] {
-      stepped[w] = clients[w]
-                       ->Step(Seeded(200 + w), absl::MakeSpan(params[w]))
-                       .status();
+      stepped[w] =
+          clients[w]->Step(Seeded(200 + w), absl::MakeSpan(params[w])).status();
     });
   }
   for (auto& t : steps) t.join();
@@ -448,27 +445,22 @@ TEST(ShardCallAdmissionTest, RefusedShardCallsDelayTheStepInsteadOfEndingIt) {
 INSTANTIATE_TEST_SUITE_P(
     Modes, FailFastTest,
     ::testing::Values(
-        Case{AggregationMode::kGtopk, SelectionKind::kThreshold,
-             false},
-        Case{AggregationMode::kGtopk, SelectionKind::kThreshold,
-             true},
-        Case{AggregationMode::kGtopk, SelectionKind::kQuota,
-             false},
-        Case{AggregationMode::kTopk, SelectionKind::kThreshold,
-             true},
+        Case{AggregationMode::kGtopk, SelectionKind::kThreshold, false},
+        Case{AggregationMode::kGtopk, SelectionKind::kThreshold, true},
+        Case{AggregationMode::kGtopk, SelectionKind::kQuota, false},
+        Case{AggregationMode::kTopk, SelectionKind::kThreshold, true},
         // A push for a negative step (it returned before failing the round:
         // the others waited for their step timeout).
-        Case{AggregationMode::kGtopk, SelectionKind::kThreshold,
-             false, Bad::kNegativeStep},
-        Case{AggregationMode::kGtopk, SelectionKind::kQuota,
-             true, Bad::kNegativeStep}),
+        Case{AggregationMode::kGtopk, SelectionKind::kThreshold, false,
+             Bad::kNegativeStep},
+        Case{AggregationMode::kGtopk, SelectionKind::kQuota, true,
+             Bad::kNegativeStep}),
     [](const auto& info) {
-      return absl::StrCat(AggregationModeName(info.param.mode), "_",
-                          SelectionKindName(info.param.selection),
-                          info.param.bad_first ? "_bad_first" : "_bad_last",
-                          info.param.bad == Bad::kNegativeStep
-                              ? "_negative_step"
-                              : "");
+      return absl::StrCat(
+          AggregationModeName(info.param.mode), "_",
+          SelectionKindName(info.param.selection),
+          info.param.bad_first ? "_bad_first" : "_bad_last",
+          info.param.bad == Bad::kNegativeStep ? "_negative_step" : "");
     });
 
 }  // namespace

@@ -26,9 +26,9 @@ namespace gtopk {
 namespace {
 
 using ::gtopk::testing::StatusIs;
+using server::LocalCluster;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
-using server::LocalCluster;
 using worker::ClientOptions;
 using worker::WorkerClient;
 
@@ -43,7 +43,8 @@ server::ServerConfig Config(int workers, absl::Duration step_timeout) {
   return c;
 }
 
-std::unique_ptr<WorkerClient> Join(const server::LocalCluster& cluster, int rank) {
+std::unique_ptr<WorkerClient> Join(const server::LocalCluster& cluster,
+                                   int rank) {
   ClientOptions o;
   o.leader_address = cluster.leader();
   o.requested_rank = rank;
@@ -63,9 +64,8 @@ using ::gtopk::testing::BitEqual;
 
 // (mode, selection): exact selection couples the shards through the
 // threshold exchange; quota and topk rely on the commit vote alone.
-class PartialPushTest
-    : public ::testing::TestWithParam<
-          std::pair<AggregationMode, SelectionKind>> {};
+class PartialPushTest : public ::testing::TestWithParam<
+                            std::pair<AggregationMode, SelectionKind>> {};
 
 TEST_P(PartialPushTest, WorkerDisconnectingMidStepFailsTheOthersNamingIt) {
   server::ServerConfig config = Config(3, absl::Seconds(1));
@@ -88,8 +88,8 @@ TEST_P(PartialPushTest, WorkerDisconnectingMidStepFailsTheOthersNamingIt) {
   for (int w = 0; w < 2; ++w) {
     threads.emplace_back([&, w] {
       const absl::Time start = absl::Now();
-      status[w] = clients[w]->Step(Seeded(100 + w), absl::MakeSpan(params[w]))
-                      .status();
+      status[w] =
+          clients[w]->Step(Seeded(100 + w), absl::MakeSpan(params[w])).status();
       took[w] = absl::Now() - start;
     });
   }
@@ -102,17 +102,18 @@ TEST_P(PartialPushTest, WorkerDisconnectingMidStepFailsTheOthersNamingIt) {
     auto stream = stub->PushPull(&ctx);
     v1::Push push;
     push.set_step(0);
-    push.set_worker(2);
+    push.set_rank(2);
     push.set_shard_id(0);
     // As worker 2's client would (its identity), so the push is accepted.
     push.set_member_token(clients[2]->member_token());
     push.set_cluster_fingerprint(spec.cluster_fingerprint());
     SparseVector one;
     one.push_back(static_cast<uint32_t>(spec.shards(0).begin()), 0.5f);
-    GTOPK_ASSERT_OK(EncodeSparse(one, kN,
-                                 CodecSpec{*ParseIndexCodec(spec.index_codec()),
-                                           *ParseValueCodec(spec.value_codec())},
-                                 push.mutable_sparse()));
+    GTOPK_ASSERT_OK(
+        EncodeSparse(one, kN,
+                     CodecSpec{*ParseIndexCodec(spec.index_codec()),
+                               *ParseValueCodec(spec.value_codec())},
+                     push.mutable_sparse()));
     EXPECT_TRUE(stream->Write(push));
     absl::SleepFor(absl::Milliseconds(100));
     ctx.TryCancel();
@@ -122,9 +123,9 @@ TEST_P(PartialPushTest, WorkerDisconnectingMidStepFailsTheOthersNamingIt) {
   for (auto& t : threads) t.join();
 
   for (int w = 0; w < 2; ++w) {
-    EXPECT_THAT(status[w], StatusIs(absl::StatusCode::kDeadlineExceeded,
-                                    AllOf(HasSubstr("shard 1"),
-                                          HasSubstr("worker(s) 2"))))
+    EXPECT_THAT(status[w],
+                StatusIs(absl::StatusCode::kDeadlineExceeded,
+                         AllOf(HasSubstr("shard 1"), HasSubstr("worker(s) 2"))))
         << "worker " << w;
     // Within the step deadline (1 s) plus the client's margin and slack.
     EXPECT_LT(took[w], absl::Milliseconds(2500)) << "worker " << w;
@@ -154,7 +155,9 @@ TEST_P(PartialPushTest, WorkerDisconnectingMidStepFailsTheOthersNamingIt) {
       // A worker may first hear of the failure once more on a shard it had
       // not heard from; allow a few attempts.
       for (int attempt = 0; attempt < 4; ++attempt) {
-        retry[w] = clients[w]->Step(Seeded(200 + w), absl::MakeSpan(params[w])).status();
+        retry[w] = clients[w]
+                       ->Step(Seeded(200 + w), absl::MakeSpan(params[w]))
+                       .status();
         if (retry[w].ok()) break;
       }
     });
@@ -174,12 +177,9 @@ TEST_P(PartialPushTest, WorkerDisconnectingMidStepFailsTheOthersNamingIt) {
 INSTANTIATE_TEST_SUITE_P(
     Modes, PartialPushTest,
     ::testing::Values(
-        std::make_pair(AggregationMode::kGtopk,
-                       SelectionKind::kThreshold),
-        std::make_pair(AggregationMode::kGtopk,
-                       SelectionKind::kQuota),
-        std::make_pair(AggregationMode::kTopk,
-                       SelectionKind::kThreshold)),
+        std::make_pair(AggregationMode::kGtopk, SelectionKind::kThreshold),
+        std::make_pair(AggregationMode::kGtopk, SelectionKind::kQuota),
+        std::make_pair(AggregationMode::kTopk, SelectionKind::kThreshold)),
     [](const auto& info) {
       return absl::StrCat(AggregationModeName(info.param.first), "_",
                           SelectionKindName(info.param.second));
@@ -207,9 +207,10 @@ TEST(FaultTest, SlowWorkerWithinTheDeadlineCompletesTheStep) {
       }
       for (int step = 0; step < 2 && status[w].ok(); ++step) {
         if (w == 1) absl::SleepFor(absl::Milliseconds(300));
-        status[w] = clients[w]
-                        ->Step(Seeded(1000 * step + w), absl::MakeSpan(params[w]))
-                        .status();
+        status[w] =
+            clients[w]
+                ->Step(Seeded(1000 * step + w), absl::MakeSpan(params[w]))
+                .status();
       }
     });
   }
@@ -254,7 +255,8 @@ TEST(FaultTest, RestartedWorkerRejoinsBitIdenticalWithGlobalMomentum) {
         clients[w] = Join(cluster, w);
         ASSERT_NE(clients[w], nullptr);
         params[w] = Seeded(5);
-        ASSERT_TRUE(clients[w]->SynchronizeParameters(absl::MakeSpan(params[w])).ok());
+        ASSERT_TRUE(
+            clients[w]->SynchronizeParameters(absl::MakeSpan(params[w])).ok());
       });
     }
     for (auto& t : threads) t.join();
@@ -348,8 +350,8 @@ TEST_P(NonFiniteStepTest, IsRefusedOnEveryShardAndEveryWorker) {
                          AllOf(HasSubstr(absl::StrCat("step ", refused_step,
                                                       " failed on shard ",
                                                       num_shards - 1)),
-                               HasSubstr(absl::StrCat("params[", bad,
-                                                      "] would become -inf")))));
+                               HasSubstr(absl::StrCat(
+                                   "params[", bad, "] would become -inf")))));
     EXPECT_TRUE(BitEqual(params[w], before[w]));  // nothing applied
     EXPECT_EQ(clients[w]->next_step(), refused_step);
   }

@@ -36,24 +36,42 @@ using Clock = std::chrono::steady_clock;
 
 const char* CodeName(grpc::StatusCode code) {
   switch (code) {
-    case grpc::StatusCode::OK: return "OK";
-    case grpc::StatusCode::CANCELLED: return "CANCELLED";
-    case grpc::StatusCode::UNKNOWN: return "UNKNOWN";
-    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
-    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
-    case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
-    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
-    case grpc::StatusCode::ABORTED: return "ABORTED";
-    case grpc::StatusCode::OUT_OF_RANGE: return "OUT_OF_RANGE";
-    case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
-    case grpc::StatusCode::INTERNAL: return "INTERNAL";
-    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
-    case grpc::StatusCode::DATA_LOSS: return "DATA_LOSS";
-    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
-    default: return "?";
+    case grpc::StatusCode::OK:
+      return "OK";
+    case grpc::StatusCode::CANCELLED:
+      return "CANCELLED";
+    case grpc::StatusCode::UNKNOWN:
+      return "UNKNOWN";
+    case grpc::StatusCode::INVALID_ARGUMENT:
+      return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND:
+      return "NOT_FOUND";
+    case grpc::StatusCode::ALREADY_EXISTS:
+      return "ALREADY_EXISTS";
+    case grpc::StatusCode::PERMISSION_DENIED:
+      return "PERMISSION_DENIED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION:
+      return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED:
+      return "ABORTED";
+    case grpc::StatusCode::OUT_OF_RANGE:
+      return "OUT_OF_RANGE";
+    case grpc::StatusCode::UNIMPLEMENTED:
+      return "UNIMPLEMENTED";
+    case grpc::StatusCode::INTERNAL:
+      return "INTERNAL";
+    case grpc::StatusCode::UNAVAILABLE:
+      return "UNAVAILABLE";
+    case grpc::StatusCode::DATA_LOSS:
+      return "DATA_LOSS";
+    case grpc::StatusCode::UNAUTHENTICATED:
+      return "UNAUTHENTICATED";
+    default:
+      return "?";
   }
 }
 
@@ -86,9 +104,10 @@ void Report(const char* mode, int calls,
             const std::map<std::string, int>& codes,
             const std::map<std::string, std::string>& sample, double seconds,
             double slowest_refusal_ms, int admitted) {
-  std::printf("{\"mode\": \"%s\", \"calls\": %d, \"admitted\": %d, "
-              "\"seconds\": %.3f, \"slowest_refusal_ms\": %.1f, \"codes\": {",
-              mode, calls, admitted, seconds, slowest_refusal_ms);
+  std::printf(
+      "{\"mode\": \"%s\", \"calls\": %d, \"admitted\": %d, "
+      "\"seconds\": %.3f, \"slowest_refusal_ms\": %.1f, \"codes\": {",
+      mode, calls, admitted, seconds, slowest_refusal_ms);
   bool first = true;
   for (const auto& [code, count] : codes) {
     std::printf("%s\"%s\": %d", first ? "" : ", ", code.c_str(), count);
@@ -107,8 +126,8 @@ void Report(const char* mode, int calls,
 
 struct Stream {
   grpc::ClientContext context;
-  std::unique_ptr<grpc::ClientAsyncReaderWriter<gtopk::v1::Push,
-                                                gtopk::v1::Pull>>
+  std::unique_ptr<
+      grpc::ClientAsyncReaderWriter<gtopk::v1::Push, gtopk::v1::Pull>>
       call;
   grpc::Status status;
   bool finished = false;
@@ -152,9 +171,9 @@ int FloodStreams(const std::string& address, int count, int seconds,
     ++codes[code];
     if (!sample.count(code)) sample[code] = s.status.error_message();
     if (s.status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
-      const double ms = std::chrono::duration<double, std::milli>(
-                            Clock::now() - s.started)
-                            .count();
+      const double ms =
+          std::chrono::duration<double, std::milli>(Clock::now() - s.started)
+              .count();
       if (ms > slowest_refusal_ms) slowest_refusal_ms = ms;
     }
   };
@@ -164,8 +183,8 @@ int FloodStreams(const std::string& address, int count, int seconds,
   bool ok;
   while (Clock::now() < hold_until) {
     const auto r = cq.AsyncNext(
-        &tag, &ok, std::chrono::system_clock::now() +
-                       std::chrono::milliseconds(100));
+        &tag, &ok,
+        std::chrono::system_clock::now() + std::chrono::milliseconds(100));
     if (r == grpc::CompletionQueue::GOT_EVENT) take(tag);
   }
   int admitted = 0;

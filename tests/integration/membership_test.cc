@@ -130,9 +130,9 @@ void ConnectAllAndStepOnce(
 
 // One raw push of one entry of shard `shard`'s range as rank `worker` with
 // `token` (fingerprint: `fingerprint`); the stream's status (a pull: OK).
-absl::Status RawPush(const v1::ClusterSpec& spec, uint32_t shard,
-                     int64_t step, uint32_t worker, uint64_t token,
-                     uint64_t fingerprint, absl::Duration timeout) {
+absl::Status RawPush(const v1::ClusterSpec& spec, uint32_t shard, int64_t step,
+                     uint32_t worker, uint64_t token, uint64_t fingerprint,
+                     absl::Duration timeout) {
   auto stub = v1::Aggregator::NewStub(grpc::CreateChannel(
       spec.shards(shard).address(), grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
@@ -140,7 +140,7 @@ absl::Status RawPush(const v1::ClusterSpec& spec, uint32_t shard,
   auto stream = stub->PushPull(&ctx);
   v1::Push push;
   push.set_step(step);
-  push.set_worker(worker);
+  push.set_rank(worker);
   push.set_shard_id(shard);
   push.set_member_token(token);
   push.set_cluster_fingerprint(fingerprint);
@@ -166,7 +166,8 @@ absl::Status RawPush(const v1::ClusterSpec& spec, uint32_t shard,
 std::vector<float> ReferenceRun(int steps) {
   auto cluster = StartCluster();
   std::vector<std::unique_ptr<worker::WorkerClient>> clients;
-  std::vector<std::vector<float>> params(kWorkers, std::vector<float>(kN, 0.5f));
+  std::vector<std::vector<float>> params(kWorkers,
+                                         std::vector<float>(kN, 0.5f));
   for (int w = 0; w < kWorkers; ++w) {
     auto c = ConnectAs(*cluster, w);
     EXPECT_TRUE(c.ok()) << c.status();
@@ -174,7 +175,8 @@ std::vector<float> ReferenceRun(int steps) {
     clients.push_back(*std::move(c));
   }
   for (int w = 0; w < kWorkers; ++w) {
-    EXPECT_TRUE(clients[w]->SynchronizeParameters(absl::MakeSpan(params[w])).ok());
+    EXPECT_TRUE(
+        clients[w]->SynchronizeParameters(absl::MakeSpan(params[w])).ok());
   }
   for (int s = 0; s < steps; ++s) {
     for (const absl::Status& st : StepAll(clients, params, s)) {
@@ -212,7 +214,8 @@ TEST(MembershipTest, RankThatNeverJoinedIsRefusedAndNotAggregated) {
   clients.push_back(std::move(first));
   GTOPK_ASSERT_OK_AND_ASSIGN(auto second, ConnectAs(*cluster, 1));
   clients.push_back(std::move(second));
-  std::vector<std::vector<float>> params(kWorkers, std::vector<float>(kN, 0.5f));
+  std::vector<std::vector<float>> params(kWorkers,
+                                         std::vector<float>(kN, 0.5f));
   for (int w = 0; w < kWorkers; ++w) {
     GTOPK_ASSERT_OK(
         clients[w]->SynchronizeParameters(absl::MakeSpan(params[w])).status());
@@ -318,7 +321,8 @@ TEST(MembershipTest, DeadWorkerFailsTheStepAtOnceNamingIt) {
   auto cluster = StartCluster(absl::Seconds(20));
   ASSERT_NE(cluster, nullptr);
   std::vector<std::unique_ptr<worker::WorkerClient>> clients(kWorkers);
-  std::vector<std::vector<float>> params(kWorkers, std::vector<float>(kN, 0.5f));
+  std::vector<std::vector<float>> params(kWorkers,
+                                         std::vector<float>(kN, 0.5f));
   ASSERT_NO_FATAL_FAILURE(ConnectAllAndStepOnce(*cluster, clients, params));
   clients[1].reset();  // dies between steps: every stream is cancelled
   const absl::Time start = absl::Now();
@@ -341,7 +345,8 @@ TEST(MembershipTest, DeadShardFailsTheStepWithinSecondsNamingIt) {
   auto cluster = StartClusterWithCheckpoints(dir.path(), absl::Seconds(20));
   ASSERT_NE(cluster, nullptr);
   std::vector<std::unique_ptr<worker::WorkerClient>> clients(kWorkers);
-  std::vector<std::vector<float>> params(kWorkers, std::vector<float>(kN, 0.5f));
+  std::vector<std::vector<float>> params(kWorkers,
+                                         std::vector<float>(kN, 0.5f));
   ASSERT_NO_FATAL_FAILURE(ConnectAllAndStepOnce(*cluster, clients, params));
   std::vector<absl::Status> failed;
   absl::Duration took;
@@ -351,9 +356,9 @@ TEST(MembershipTest, DeadShardFailsTheStepWithinSecondsNamingIt) {
     took = absl::Now() - start;
   }));
   for (const absl::Status& st : failed) {
-    EXPECT_THAT(st, StatusIs(absl::StatusCode::kUnavailable,
-                             AllOf(HasSubstr("shard 1"),
-                                   HasSubstr("unreachable"))));
+    EXPECT_THAT(
+        st, StatusIs(absl::StatusCode::kUnavailable,
+                     AllOf(HasSubstr("shard 1"), HasSubstr("unreachable"))));
   }
   EXPECT_LT(took, absl::Seconds(5));
   std::vector<absl::Status> recovered(kWorkers);
@@ -380,14 +385,14 @@ TEST(MembershipTest, AnotherRunLengthIsRefusedAtJoinNamingTheFlags) {
   auto connect = [&](int rank, const std::string& run_length) {
     return ConnectAs(*cluster, rank, run_length);
   };
-  const std::string five = "--epochs=5 --steps=0 --batch-size=64 --train-limit=0";
+  const std::string five =
+      "--epochs=5 --steps=0 --batch-size=64 --train-limit=0";
   GTOPK_ASSERT_OK_AND_ASSIGN(auto first, connect(0, five));
-  EXPECT_THAT(
-      connect(1, "--epochs=3 --steps=0 --batch-size=32 --train-limit=0")
-          .status(),
-      StatusIs(absl::StatusCode::kFailedPrecondition,
-               AllOf(HasSubstr("--epochs is 3 here but 5"),
-                     HasSubstr("--batch-size is 32 here but 64"))));
+  EXPECT_THAT(connect(1, "--epochs=3 --steps=0 --batch-size=32 --train-limit=0")
+                  .status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("--epochs is 3 here but 5"),
+                             HasSubstr("--batch-size is 32 here but 64"))));
   // Not stated (the Python package): not checked; the same: admitted.
   GTOPK_ASSERT_OK_AND_ASSIGN(auto unstated, connect(1, ""));
   unstated.reset();
@@ -398,7 +403,8 @@ TEST(MembershipTest, RestartedWorkerRejoinsAndTheOldTokenIsRefused) {
   auto cluster = StartCluster();
   ASSERT_NE(cluster, nullptr);
   std::vector<std::unique_ptr<worker::WorkerClient>> clients(kWorkers);
-  std::vector<std::vector<float>> params(kWorkers, std::vector<float>(kN, 0.5f));
+  std::vector<std::vector<float>> params(kWorkers,
+                                         std::vector<float>(kN, 0.5f));
   ASSERT_NO_FATAL_FAILURE(ConnectAllAndStepOnce(*cluster, clients, params));
   const uint64_t old_token = clients[1]->member_token();
   const v1::ClusterSpec spec = clients[1]->cluster();
@@ -450,29 +456,32 @@ TEST(MembershipTest, RecoveringWorkerKeepsItsRankWhileAShardRestarts) {
   ASSERT_NE(started, nullptr);
   LocalCluster& cluster = *started;
   std::vector<std::unique_ptr<worker::WorkerClient>> clients(kWorkers);
-  std::vector<std::vector<float>> params(kWorkers, std::vector<float>(kN, 0.5f));
+  std::vector<std::vector<float>> params(kWorkers,
+                                         std::vector<float>(kN, 0.5f));
   ASSERT_NO_FATAL_FAILURE(ConnectAllAndStepOnce(cluster, clients, params));
 
   std::atomic<bool> stop{false};
   std::atomic<int> tried{0};
   std::atomic<int> granted{0};
   std::thread intruder;
-  auto start_intruder = [&] { intruder = std::thread([&] {
-    auto stub = v1::Aggregator::NewStub(grpc::CreateChannel(
-        cluster.leader(), grpc::InsecureChannelCredentials()));
-    while (!stop.load()) {
-      grpc::ClientContext ctx;
-      ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
-      v1::JoinRequest request;
-      request.set_requested_rank(1);
-      request.set_n(kN);
-      v1::JoinResponse response;
-      const grpc::Status st = stub->Join(&ctx, request, &response);
-      ++tried;
-      if (st.ok()) ++granted;
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-  }); };
+  auto start_intruder = [&] {
+    intruder = std::thread([&] {
+      auto stub = v1::Aggregator::NewStub(grpc::CreateChannel(
+          cluster.leader(), grpc::InsecureChannelCredentials()));
+      while (!stop.load()) {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
+        v1::JoinRequest request;
+        request.set_requested_rank(1);
+        request.set_n(kN);
+        v1::JoinResponse response;
+        const grpc::Status st = stub->Join(&ctx, request, &response);
+        ++tried;
+        if (st.ok()) ++granted;
+        absl::SleepFor(absl::Milliseconds(20));
+      }
+    });
+  };
   // Each worker recovers as gtopk-worker does: Recover again after a
   // failed one (backoff), within a budget.
   std::vector<absl::Status> recovered(kWorkers);
@@ -508,8 +517,8 @@ TEST(MembershipTest, RecoveringWorkerKeepsItsRankWhileAShardRestarts) {
     GTOPK_EXPECT_OK(recovered[w]) << "worker " << w;
   }
   EXPECT_GT(tried.load(), 2);
-  EXPECT_EQ(granted.load(), 0) << "Joins of rank 1 granted to the intruder, of "
-                               << tried.load();
+  EXPECT_EQ(granted.load(), 0)
+      << "Joins of rank 1 granted to the intruder, of " << tried.load();
   for (const absl::Status& st : StepAll(clients, params, 1)) {
     GTOPK_ASSERT_OK(st);
   }
@@ -534,7 +543,8 @@ TEST(MembershipTest, RankStaysReservedBetweenACutShortStepAndItsRecover) {
   ASSERT_NE(started, nullptr);
   LocalCluster& cluster = *started;
   std::vector<std::unique_ptr<worker::WorkerClient>> clients(kWorkers);
-  std::vector<std::vector<float>> params(kWorkers, std::vector<float>(kN, 0.5f));
+  std::vector<std::vector<float>> params(kWorkers,
+                                         std::vector<float>(kN, 0.5f));
   ASSERT_NO_FATAL_FAILURE(ConnectAllAndStepOnce(cluster, clients, params));
 
   std::atomic<bool> stop{false};
@@ -584,8 +594,8 @@ TEST(MembershipTest, RankStaysReservedBetweenACutShortStepAndItsRecover) {
     GTOPK_EXPECT_OK(recovered[w]) << "worker " << w;
   }
   EXPECT_GT(tried.load(), 2);
-  EXPECT_EQ(granted.load(), 0) << "Joins of rank 1 granted to the intruder, of "
-                               << tried.load();
+  EXPECT_EQ(granted.load(), 0)
+      << "Joins of rank 1 granted to the intruder, of " << tried.load();
   for (const absl::Status& st : StepAll(clients, params, 1)) {
     GTOPK_ASSERT_OK(st);
   }
@@ -611,7 +621,7 @@ TEST(MembershipTest, InitParamsAndRecoverNeedTheRanksToken) {
       v1::InitParamsResponse response;
       auto writer = stub->InitParams(&ctx, &response);
       v1::ParamsChunk chunk;
-      chunk.set_worker(0);
+      chunk.set_rank(0);
       chunk.set_member_token(token);
       chunk.set_shard_id(s);
       chunk.set_offset(spec.shards(s).begin());
@@ -627,7 +637,8 @@ TEST(MembershipTest, InitParamsAndRecoverNeedTheRanksToken) {
   }
   // The real rank 0 initialises: its values, not the intruder's 9s.
   std::vector<float> params(kN, 0.5f);
-  GTOPK_ASSERT_OK(rank0->SynchronizeParameters(absl::MakeSpan(params)).status());
+  GTOPK_ASSERT_OK(
+      rank0->SynchronizeParameters(absl::MakeSpan(params)).status());
   EXPECT_EQ(params, std::vector<float>(kN, 0.5f));
 
   auto leader = v1::Aggregator::NewStub(grpc::CreateChannel(
@@ -635,7 +646,7 @@ TEST(MembershipTest, InitParamsAndRecoverNeedTheRanksToken) {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
   v1::RecoverRequest request;
-  request.set_worker(1);
+  request.set_rank(1);
   request.set_member_token(rank0->member_token());
   request.set_cluster_fingerprint(spec.cluster_fingerprint());
   v1::RecoverResponse answer;

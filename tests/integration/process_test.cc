@@ -84,7 +84,8 @@ TEST(ProcessTest, RealServersTrainSurviveAKillAndShutDownCleanly) {
       });
     }
     for (auto& t : threads) t.join();
-    for (int w = 0; w < workers; ++w) GTOPK_EXPECT_OK(status[w]) << "worker " << w;
+    for (int w = 0; w < workers; ++w)
+      GTOPK_EXPECT_OK(status[w]) << "worker " << w;
   };
   {
     std::vector<std::thread> threads;
@@ -100,7 +101,8 @@ TEST(ProcessTest, RealServersTrainSurviveAKillAndShutDownCleanly) {
         // Rank 0's values initialise the shards.
         params[w] = NormalVector(n, 7);
         if (w == 1) std::fill(params[w].begin(), params[w].end(), 0.0f);
-        auto next = clients[w]->SynchronizeParameters(absl::MakeSpan(params[w]));
+        auto next =
+            clients[w]->SynchronizeParameters(absl::MakeSpan(params[w]));
         ASSERT_TRUE(next.ok()) << next.status();
         EXPECT_EQ(*next, 0);
       });
@@ -171,9 +173,9 @@ TEST(ProcessTest, ShardRestartedWithOtherMomentumIsRefused) {
   auto args = [&](int shard, const char* momentum) {
     // A short drain: the idle workers' open streams would hold SIGTERM up
     // to the drain timeout.
-    return ServerArgs(peers, shard, workers, dir, "5s", 1,
-                      {"--momentum-mode=global", momentum,
-                       "--drain-timeout=1s"});
+    return ServerArgs(
+        peers, shard, workers, dir, "5s", 1,
+        {"--momentum-mode=global", momentum, "--drain-timeout=1s"});
   };
   ServerProcess shard0, shard1;
   ASSERT_TRUE(shard0.Start(args(0, "--momentum=0.9")));
@@ -190,7 +192,8 @@ TEST(ProcessTest, ShardRestartedWithOtherMomentumIsRefused) {
     clients[w] = *std::move(c);
   }
   for (int w = 0; w < workers; ++w) {
-    ASSERT_TRUE(clients[w]->SynchronizeParameters(absl::MakeSpan(params[w])).ok());
+    ASSERT_TRUE(
+        clients[w]->SynchronizeParameters(absl::MakeSpan(params[w])).ok());
   }
   auto step_all = [&](int step) {
     std::vector<absl::Status> status(workers);
@@ -640,9 +643,8 @@ TEST(ProcessTest, TrainerRejectsAnUnwritableSummaryBeforeJoining) {
   const std::string log = dir + "/worker.log";
   const pid_t pid =
       Spawn(GTOPK_WORKER_BINARY,
-            {absl::StrCat("--server=", peers[0]),
-             "--model=synthetic:100", "--steps=1", "--rpc-timeout-s=30",
-             "--tls=off",
+            {absl::StrCat("--server=", peers[0]), "--model=synthetic:100",
+             "--steps=1", "--rpc-timeout-s=30", "--tls=off",
              absl::StrCat("--summary-json=", dir, "/no-such-dir/worker.json")},
             log);
   // A startup failure: exit 2 (cli/exit_codes.h kExitUsage).
@@ -676,10 +678,14 @@ TEST(ProcessTest, FailedFinalCheckpointExitsNonZeroAndKeepsTheLastGoodOne) {
   const std::string dir = MakeTempDir("ckptfail");
   ASSERT_FALSE(dir.empty());
   const std::string aside = dir + ".aside";
-  const std::vector<std::string> args = {
-      absl::StrCat("--listen=", address), "--workers=1", "--step-timeout=10s",
-      absl::StrCat("--checkpoint-dir=", dir), "--checkpoint-every=1",
-      "--density=0.01", "--drain-timeout=0s", "--tls=off"};
+  const std::vector<std::string> args = {absl::StrCat("--listen=", address),
+                                         "--workers=1",
+                                         "--step-timeout=10s",
+                                         absl::StrCat("--checkpoint-dir=", dir),
+                                         "--checkpoint-every=1",
+                                         "--density=0.01",
+                                         "--drain-timeout=0s",
+                                         "--tls=off"};
   auto server = std::make_unique<ServerProcess>();
   ASSERT_TRUE(server->Start(args));
   worker::ClientOptions o;
@@ -695,7 +701,10 @@ TEST(ProcessTest, FailedFinalCheckpointExitsNonZeroAndKeepsTheLastGoodOne) {
         (*client)->Step(NormalVector(n, 4), absl::MakeSpan(params)));
     good = params;  // checkpoint of step 1 written
     ASSERT_EQ(std::rename(dir.c_str(), aside.c_str()), 0);
-    { std::ofstream file(dir); file << "not a directory\n"; }
+    {
+      std::ofstream file(dir);
+      file << "not a directory\n";
+    }
     GTOPK_ASSERT_OK(
         (*client)->Step(NormalVector(n, 5), absl::MakeSpan(params)));
     // The step stands; its checkpoint failed: reported, not hidden.

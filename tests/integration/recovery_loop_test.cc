@@ -92,13 +92,13 @@ bool RunOnce(const LoopCase& c, uint64_t seed, int run) {
   }
   std::vector<pid_t> pids;
   for (int w = 0; w < c.workers; ++w) {
-    pids.push_back(Spawn(
-        GTOPK_WORKER_BINARY,
-        {absl::StrCat("--server=", peers[0]), absl::StrCat("--rank=", w),
-         "--model=synthetic:3001", absl::StrCat("--steps=", kSteps),
-         "--compute-ms=20", "--rpc-timeout-s=20", "--tls=off",
-         absl::StrCat("--summary-json=", dir, "/worker-", w, ".json")},
-        absl::StrCat(dir, "/worker-", w, ".log")));
+    pids.push_back(
+        Spawn(GTOPK_WORKER_BINARY,
+              {absl::StrCat("--server=", peers[0]), absl::StrCat("--rank=", w),
+               "--model=synthetic:3001", absl::StrCat("--steps=", kSteps),
+               "--compute-ms=20", "--rpc-timeout-s=20", "--tls=off",
+               absl::StrCat("--summary-json=", dir, "/worker-", w, ".json")},
+              absl::StrCat(dir, "/worker-", w, ".log")));
   }
   const std::string log0 = dir + "/worker-0.log";
   const std::string mark = absl::StrCat("step ", pause_after_step, "/", kSteps);
@@ -123,8 +123,8 @@ bool RunOnce(const LoopCase& c, uint64_t seed, int run) {
       ok = false;
     }
   }
-  absl::SleepFor(std::max(absl::ZeroDuration(),
-                          pause - (absl::Now() - paused)));
+  absl::SleepFor(
+      std::max(absl::ZeroDuration(), pause - (absl::Now() - paused)));
   for (pid_t p : pids) kill(p, SIGCONT);
 
   std::vector<std::string> checksums;
@@ -164,8 +164,8 @@ bool RunOnce(const LoopCase& c, uint64_t seed, int run) {
 
 TEST_P(RecoveryLoopTest, PausedWorkersAndARestartedShardConverge) {
   const int runs = EnvInt("GTOPK_RECOVERY_LOOP_RUNS", 2);
-  const uint64_t base = static_cast<uint64_t>(
-      EnvInt("GTOPK_RECOVERY_LOOP_SEED", 1));
+  const uint64_t base =
+      static_cast<uint64_t>(EnvInt("GTOPK_RECOVERY_LOOP_SEED", 1));
   const LoopCase& c = GetParam();
   int failed = 0;
   for (int run = 0; run < runs; ++run) {

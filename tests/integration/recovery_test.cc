@@ -477,18 +477,20 @@ TEST(RecoveryTest, FailedCheckpointsAreLoudAndTheLastGoodOneIsRestorable) {
   }
   const std::string aside = dir.path() + ".aside";
   ASSERT_EQ(std::rename(dir.path().c_str(), aside.c_str()), 0);
-  { std::ofstream file(dir.path()); file << "not a directory\n"; }
+  {
+    std::ofstream file(dir.path());
+    file << "not a directory\n";
+  }
   workers.RunUntil(3);  // the steps stand; their checkpoints fail
   for (uint32_t s = 0; s < 2; ++s) {
     SCOPED_TRACE(absl::StrCat("shard ", s));
     EXPECT_EQ(cluster.shard(s).service()->metrics().checkpoint_failures(), 3);
-    auto checkpoints =
-        server::CheckHealth(cluster.peers()[s], absl::Seconds(2),
-                            server::kCheckpointHealthService);
+    auto checkpoints = server::CheckHealth(cluster.peers()[s], absl::Seconds(2),
+                                           server::kCheckpointHealthService);
     ASSERT_TRUE(checkpoints.ok()) << checkpoints.status();
     EXPECT_FALSE(*checkpoints);
-    EXPECT_TRUE(
-        server::CheckHealth(cluster.peers()[s], absl::Seconds(2)).value_or(false));
+    EXPECT_TRUE(server::CheckHealth(cluster.peers()[s], absl::Seconds(2))
+                    .value_or(false));
   }
   GTOPK_ASSERT_OK(cluster.RestartShard(1, /*write_checkpoint=*/false, [&] {
     ASSERT_EQ(std::remove(dir.path().c_str()), 0);
@@ -625,7 +627,7 @@ TEST(RecoveryTest, ShardStateAndRollbackValidateTheirInput) {
       cluster.leader(), grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
   v1::RecoverRequest bad;
-  bad.set_worker(7);
+  bad.set_rank(7);
   v1::RecoverResponse answer;
   EXPECT_EQ(leader->Recover(&ctx, bad, &answer).error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);

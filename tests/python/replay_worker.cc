@@ -104,9 +104,9 @@ absl::Status Run() {
       for (size_t i = 0; i < n; ++i) params[i] -= 0.1f * averaged[i];
     }
     if (!stats.ok()) {
-      return absl::Status(stats.status().code(),
-                          absl::StrCat("step ", t, ": ",
-                                       stats.status().message()));
+      return absl::Status(
+          stats.status().code(),
+          absl::StrCat("step ", t, ": ", stats.status().message()));
     }
     seconds.push_back(std::chrono::duration<double>(end - begin).count());
   }

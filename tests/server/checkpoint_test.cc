@@ -289,12 +289,19 @@ TEST_F(CheckpointTest, RoundTripIsBitExactIncludingSpecialValues) {
   c.begin = 300;
   c.end = 310;
   c.next_step = 123456789012345;
-  c.params = {-0.0f,         0.0f,    std::numeric_limits<float>::denorm_min(),
+  c.params = {-0.0f,
+              0.0f,
+              std::numeric_limits<float>::denorm_min(),
               -std::numeric_limits<float>::denorm_min(),
-              FLT_MIN,       -FLT_MIN, FLT_MAX,
-              -FLT_MAX,      1.0f,    FromBits(0x00400001u) /* denormal */};
-  c.global_velocity = {-0.0f, FromBits(0x807fffffu), 3.0f, -2.5f, 1e-30f,
-                       0.0f,  -0.0f, 7.0f, FLT_EPSILON, -1e30f};
+              FLT_MIN,
+              -FLT_MIN,
+              FLT_MAX,
+              -FLT_MAX,
+              1.0f,
+              FromBits(0x00400001u) /* denormal */};
+  c.global_velocity = {
+      -0.0f, FromBits(0x807fffffu), 3.0f,  -2.5f, 1e-30f, 0.0f, -0.0f,
+      7.0f,  FLT_EPSILON,           -1e30f};
   GTOPK_ASSERT_OK(WriteCheckpoint(dir_, c));
   GTOPK_ASSERT_OK_AND_ASSIGN(ShardCheckpoint got, ReadCheckpoint(dir_, 1));
   ExpectSame(got, c);
@@ -356,15 +363,15 @@ TEST_F(CheckpointTest, FileLayoutMatchesTheDocumentation) {
   ASSERT_EQ(f.size(), kHeader + 16 + kTrailer);
   EXPECT_EQ(f.substr(0, 8), "GTOPKCK1");
   EXPECT_EQ(Get32(f, 8), kCheckpointFormatVersion);
-  EXPECT_EQ(Get32(f, 12), 1u);   // shard_id
-  EXPECT_EQ(Get32(f, 16), 2u);   // num_shards
-  EXPECT_EQ(Get32(f, 20), 0u);   // reserved
-  EXPECT_EQ(Get64(f, 24), 10u);  // n
-  EXPECT_EQ(Get64(f, 32), 4u);   // begin
-  EXPECT_EQ(Get64(f, 40), 6u);   // end
-  EXPECT_EQ(Get64(f, 48), 5u);   // next_step
-  EXPECT_EQ(Get64(f, 56), 2u);   // params count
-  EXPECT_EQ(Get64(f, 64), 2u);   // velocity count
+  EXPECT_EQ(Get32(f, 12), 1u);                     // shard_id
+  EXPECT_EQ(Get32(f, 16), 2u);                     // num_shards
+  EXPECT_EQ(Get32(f, 20), 0u);                     // reserved
+  EXPECT_EQ(Get64(f, 24), 10u);                    // n
+  EXPECT_EQ(Get64(f, 32), 4u);                     // begin
+  EXPECT_EQ(Get64(f, 40), 6u);                     // end
+  EXPECT_EQ(Get64(f, 48), 5u);                     // next_step
+  EXPECT_EQ(Get64(f, 56), 2u);                     // params count
+  EXPECT_EQ(Get64(f, 64), 2u);                     // velocity count
   EXPECT_EQ(Get64(f, 72), 0x0123456789ABCDEFull);  // cluster_fingerprint
   EXPECT_EQ(Get64(f, 80), 0xFEDCBA9876543210ull);  // run_id
   EXPECT_EQ(Get32(f, 88), FloatBits(1.0f));
@@ -403,8 +410,8 @@ TEST_F(CheckpointTest, ShardsInOneDirectoryAreIndependent) {
   const ShardCheckpoint a = Make(0, 2, 20, 0, 10, 5, false, 1);
   const ShardCheckpoint b = Make(1, 2, 20, 10, 20, 5, false, 2);
   GTOPK_ASSERT_OK(WriteCheckpoint(dir_, a));
-  EXPECT_THAT(ReadCheckpoint(dir_, 1), StatusIs(absl::StatusCode::kNotFound,
-                                                HasSubstr("shard-1.ckpt")));
+  EXPECT_THAT(ReadCheckpoint(dir_, 1),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("shard-1.ckpt")));
   GTOPK_ASSERT_OK(WriteCheckpoint(dir_, b));
   GTOPK_ASSERT_OK_AND_ASSIGN(ShardCheckpoint got_a, ReadCheckpoint(dir_, 0));
   GTOPK_ASSERT_OK_AND_ASSIGN(ShardCheckpoint got_b, ReadCheckpoint(dir_, 1));
@@ -432,8 +439,8 @@ TEST_F(CheckpointTest, EveryTruncationIsDataLoss) {
 TEST_F(CheckpointTest, TrailingBytesAreDataLoss) {
   const std::string file = SmallValidFile();
   const std::string path = CheckpointPath(dir_, 0);
-  for (const std::string& extra : {std::string(1, '\0'), std::string("abcd"),
-                                   std::string(1000, 'x')}) {
+  for (const std::string& extra :
+       {std::string(1, '\0'), std::string("abcd"), std::string(1000, 'x')}) {
     WriteBytes(path, file + extra);
     EXPECT_THAT(ReadCheckpoint(dir_, 0),
                 StatusIs(absl::StatusCode::kDataLoss, HasSubstr("trailing")));
@@ -460,9 +467,9 @@ TEST_F(CheckpointTest, ChecksumMismatchIsNamed) {
   std::string file = SmallValidFile();
   file[kHeader + 5] ^= 0x04;  // inside params[1]
   WriteBytes(CheckpointPath(dir_, 0), file);
-  EXPECT_THAT(ReadCheckpoint(dir_, 0),
-              StatusIs(absl::StatusCode::kDataLoss,
-                       HasSubstr("checksum mismatch")));
+  EXPECT_THAT(
+      ReadCheckpoint(dir_, 0),
+      StatusIs(absl::StatusCode::kDataLoss, HasSubstr("checksum mismatch")));
 }
 
 TEST_F(CheckpointTest, HostileCountsAreRejectedWithoutAllocating) {
@@ -473,11 +480,11 @@ TEST_F(CheckpointTest, HostileCountsAreRejectedWithoutAllocating) {
   const uint64_t k60 = uint64_t{1} << 60;
   const uint64_t kMax = std::numeric_limits<uint64_t>::max();
   for (const Case& hc : {
-           Case{k60, 0, 0, k60, k60},            // 2^60 floats, self-consistent
-           Case{k60, k60, 0, k60, k60},          // and the same velocity
+           Case{k60, 0, 0, k60, k60},    // 2^60 floats, self-consistent
+           Case{k60, k60, 0, k60, k60},  // and the same velocity
            Case{uint64_t{1} << 62, 0, 0, uint64_t{1} << 62, kMax},  // 4x wraps
            Case{kMax, 0, 0, kMax, kMax},
-           Case{3, kMax - 2, 4, 7, 10},          // sum wraps to 0
+           Case{3, kMax - 2, 4, 7, 10},  // sum wraps to 0
            Case{kMax, 7, 4, 7, 10},
        }) {
     std::string bad = file;
@@ -509,11 +516,9 @@ TEST_F(CheckpointTest, InconsistentHeaderNamesTheFault) {
        "unsupported format version 3"},
       {"wrong shard", [](std::string& f) { Put32(f, 12, 1); },
        "holds shard 1, expected shard 0"},
-      {"no shards", [](std::string& f) { Put32(f, 16, 0); },
-       "num_shards is 0"},
+      {"no shards", [](std::string& f) { Put32(f, 16, 0); }, "num_shards is 0"},
       {"reserved", [](std::string& f) { Put32(f, 20, 9); }, "reserved"},
-      {"begin > end", [](std::string& f) { Put64(f, 32, 8); },
-       "range [8, 7)"},
+      {"begin > end", [](std::string& f) { Put64(f, 32, 8); }, "range [8, 7)"},
       {"end > n", [](std::string& f) { Put64(f, 24, 6); }, "n = 6"},
       {"count vs range",
        [](std::string& f) {
@@ -531,8 +536,7 @@ TEST_F(CheckpointTest, InconsistentHeaderNamesTheFault) {
       {"negative step",
        [](std::string& f) { Put64(f, 48, static_cast<uint64_t>(-3)); },
        "next_step -3"},
-      {"NaN param",
-       [](std::string& f) { Put32(f, kHeader + 4, 0x7fc00000u); },
+      {"NaN param", [](std::string& f) { Put32(f, kHeader + 4, 0x7fc00000u); },
        "non-finite value at params[1]"},
       {"Inf velocity",
        [](std::string& f) { Put32(f, kHeader + 12 + 8, 0xff800000u); },
@@ -607,8 +611,8 @@ TEST_F(CheckpointTest, FailedWriteRemovesTempAndKeepsThePreviousCheckpoint) {
 TEST_F(CheckpointTest, LeftoverTempFilesAreIgnoredThenCleaned) {
   // A crash before the rename: only a temp file, no checkpoint.
   WriteBytes(dir_ + "/shard-0.ckpt.tmp-crash1", "partial garbage");
-  EXPECT_THAT(ReadCheckpoint(dir_, 0), StatusIs(absl::StatusCode::kNotFound,
-                                                HasSubstr("shard-0.ckpt")));
+  EXPECT_THAT(ReadCheckpoint(dir_, 0),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("shard-0.ckpt")));
   // A crash after an earlier good write: the good one is read.
   const ShardCheckpoint c = Make(0, 2, 20, 0, 10, 8, true, 1);
   GTOPK_ASSERT_OK(WriteCheckpoint(dir_, c));
@@ -665,9 +669,9 @@ TEST_F(CheckpointTest, WriteRejectsInvalidCheckpoints) {
   for (const Case& tc : cases) {
     ShardCheckpoint c = Make(3, 4, 16, 10, 13, 5, true);
     tc.mutate(c);
-    EXPECT_THAT(WriteCheckpoint(dir_, c),
-                StatusIs(absl::StatusCode::kInvalidArgument,
-                         HasSubstr(tc.message)))
+    EXPECT_THAT(
+        WriteCheckpoint(dir_, c),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(tc.message)))
         << tc.name;
   }
   EXPECT_THAT(ListDir(), IsEmpty());
@@ -687,8 +691,9 @@ TEST(ValidateCheckpointForTest, MismatchesNameBothValues) {
   EXPECT_THAT(ValidateCheckpointFor(c, 2, 3, 30, 10, 20),
               StatusIs(code, HasSubstr("shard_id is 1 in the checkpoint, 2 "
                                        "in this cluster")));
-  EXPECT_THAT(ValidateCheckpointFor(c, 1, 4, 30, 10, 20),
-              StatusIs(code, HasSubstr("num_shards is 3 in the checkpoint, 4")));
+  EXPECT_THAT(
+      ValidateCheckpointFor(c, 1, 4, 30, 10, 20),
+      StatusIs(code, HasSubstr("num_shards is 3 in the checkpoint, 4")));
   EXPECT_THAT(ValidateCheckpointFor(c, 1, 3, 31, 10, 20),
               StatusIs(code, HasSubstr("n is 30 in the checkpoint, 31")));
   EXPECT_THAT(ValidateCheckpointFor(c, 1, 3, 30, 11, 20),
@@ -696,11 +701,10 @@ TEST(ValidateCheckpointForTest, MismatchesNameBothValues) {
   EXPECT_THAT(ValidateCheckpointFor(c, 1, 3, 30, 10, 21),
               StatusIs(code, HasSubstr("end is 20 in the checkpoint, 21")));
   // Several at once are all named.
-  EXPECT_THAT(ValidateCheckpointFor(c, 1, 2, 40, 20, 40),
-              StatusIs(code, AllOf(HasSubstr("num_shards is 3"),
-                                   HasSubstr("n is 30"),
-                                   HasSubstr("begin is 10"),
-                                   HasSubstr("end is 20"))));
+  EXPECT_THAT(
+      ValidateCheckpointFor(c, 1, 2, 40, 20, 40),
+      StatusIs(code, AllOf(HasSubstr("num_shards is 3"), HasSubstr("n is 30"),
+                           HasSubstr("begin is 10"), HasSubstr("end is 20"))));
 }
 
 TEST(ValidateCheckpointForTest, InvalidExpectedLayoutOrMalformedCheckpoint) {
@@ -727,9 +731,9 @@ TEST_F(CheckpointTest, DistinctShardsWriteConcurrently) {
   for (uint32_t s = 0; s < kShards; ++s) {
     threads.emplace_back([this, s, &errors] {
       for (int r = 0; r < kRounds && errors[s].ok(); ++r) {
-        errors[s] = WriteCheckpoint(
-            dir_, Make(s, kShards, 4000, s * 1000, (s + 1) * 1000, r, true,
-                       s * 100 + r));
+        errors[s] =
+            WriteCheckpoint(dir_, Make(s, kShards, 4000, s * 1000,
+                                       (s + 1) * 1000, r, true, s * 100 + r));
       }
     });
   }

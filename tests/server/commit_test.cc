@@ -54,9 +54,9 @@ TEST(CommitCoordinatorTest, BadVotesAreInvalidArgument) {
 // the retry of the step is a fresh vote.
 TEST(CommitCoordinatorTest, DeadlineNamesTheMissingShardsAndStartsAfresh) {
   CommitCoordinator commit(3);
-  EXPECT_THAT(
-      commit.Vote(5, 1, absl::Now() + absl::Milliseconds(50)),
-      StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("shard(s) 0, 2")));
+  EXPECT_THAT(commit.Vote(5, 1, absl::Now() + absl::Milliseconds(50)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded,
+                       HasSubstr("shard(s) 0, 2")));
   absl::Status v0, v1;
   std::thread a([&] { v0 = commit.Vote(5, 0, Later()); });
   std::thread b([&] { v1 = commit.Vote(5, 1, Later()); });

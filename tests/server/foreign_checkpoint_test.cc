@@ -9,8 +9,8 @@
 //     GetShardState (recovery's read, before any rollback) and every call
 //     that needs its parameters are refused FAILED_PRECONDITION naming the
 //     file and both run identities; its own checkpoint of run A restores.
-#include <sys/socket.h>
 #include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -219,7 +219,8 @@ TEST(ForeignCheckpointTest, AnotherRunWithTheSameSettingsIsRefused) {
   GTOPK_EXPECT_OK(GetShardState(a.peers[1], a.run_id));
 }
 
-TEST(ForeignCheckpointTest, ACheckpointPutInPlaceOfTheShardsOwnIsRefusedAtStartDeletingNothing) {
+TEST(ForeignCheckpointTest,
+     ACheckpointPutInPlaceOfTheShardsOwnIsRefusedAtStartDeletingNothing) {
   // The outside tester's data loss: the refused restore used to prune the
   // shard's own retained checkpoints and add the foreign one to them.
   TestRun a, b;

@@ -24,12 +24,11 @@ const grpc::Status kRefused(grpc::StatusCode::RESOURCE_EXHAUSTED,
 
 TEST(CallUntilAdmittedTest, RepeatsARefusedCallUntilItIsAdmitted) {
   int calls = 0;
-  const grpc::Status status =
-      CallUntilAdmitted(absl::Now() + absl::Seconds(10), "ExchangeThreshold",
-                        [&] {
-                          ++calls;
-                          return calls <= 3 ? kRefused : grpc::Status::OK;
-                        });
+  const grpc::Status status = CallUntilAdmitted(
+      absl::Now() + absl::Seconds(10), "ExchangeThreshold", [&] {
+        ++calls;
+        return calls <= 3 ? kRefused : grpc::Status::OK;
+      });
   EXPECT_TRUE(status.ok()) << status.error_message();
   EXPECT_EQ(calls, 4);
 }
@@ -41,8 +40,8 @@ TEST(CallUntilAdmittedTest, ReturnsAnyOtherStatusAtOnce) {
         grpc::Status(grpc::StatusCode::ABORTED, "step failed"),
         grpc::Status(grpc::StatusCode::UNAVAILABLE, "down")}) {
     int calls = 0;
-    const grpc::Status status = CallUntilAdmitted(
-        absl::Now() + absl::Seconds(10), "CommitStep", [&] {
+    const grpc::Status status =
+        CallUntilAdmitted(absl::Now() + absl::Seconds(10), "CommitStep", [&] {
           ++calls;
           return other;
         });

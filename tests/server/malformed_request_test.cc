@@ -70,8 +70,11 @@ std::vector<Input> Inputs() {
   return {
       {"bad wire type", std::string("\x0f", 1)},  // field 1, wire type 7
       {"truncated varint", std::string("\x08\xff", 2)},
-      {"length past the end", std::string("\x0a\x10" "a", 3)},
-      {"101 nested groups", std::string(101, '\x0b') + std::string(101, '\x0c')},
+      {"length past the end", std::string("\x0a\x10"
+                                          "a",
+                                          3)},
+      {"101 nested groups",
+       std::string(101, '\x0b') + std::string(101, '\x0c')},
   };
 }
 
@@ -112,8 +115,8 @@ grpc::Status Send(grpc::Channel* channel, const Rpc& rpc,
       return writer->Finish();
     }
     case grpc::internal::RpcMethod::BIDI_STREAMING: {
-      std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer,
-                                               grpc::ByteBuffer>>
+      std::unique_ptr<
+          grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>>
           stream(grpc::internal::ClientReaderWriterFactory<
                  grpc::ByteBuffer, grpc::ByteBuffer>::Create(channel, method,
                                                              &context));
@@ -140,9 +143,8 @@ TEST(MalformedRequestTest, EveryRpcRefusesUnparseableBytesAsInvalidArgument) {
       const grpc::Status status = Send(channel.get(), rpc, input.bytes);
       EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
           << status.error_message();
-      EXPECT_THAT(status.error_message(),
-                  AllOf(HasSubstr("does not parse as"),
-                        HasSubstr(rpc.request_type)));
+      EXPECT_THAT(status.error_message(), AllOf(HasSubstr("does not parse as"),
+                                                HasSubstr(rpc.request_type)));
     }
   }
   // Nothing of it was taken: the cluster has no members and no parameters.

@@ -139,14 +139,14 @@ absl::StatusOr<v1::JoinResponse> Join(v1::Aggregator::Stub* stub, int rank) {
   return response;
 }
 
-absl::Status Recover(v1::Aggregator::Stub* stub, uint32_t rank,
-                     uint64_t token, uint64_t fingerprint) {
+absl::Status Recover(v1::Aggregator::Stub* stub, uint32_t rank, uint64_t token,
+                     uint64_t fingerprint) {
   grpc::ClientContext ctx;
   Deadline(&ctx);
   ctx.AddMetadata("gtopk-rank", absl::StrCat(rank));
   ctx.AddMetadata("gtopk-member-token", absl::StrCat(token));
   v1::RecoverRequest request;
-  request.set_worker(rank);
+  request.set_rank(rank);
   request.set_member_token(token);
   request.set_cluster_fingerprint(fingerprint);
   v1::RecoverResponse response;

@@ -37,7 +37,7 @@ ServerConfig Config() {
 v1::Push SparsePush(const SparseVector& v, uint64_t n, CodecSpec spec) {
   v1::Push push;
   push.set_step(4);
-  push.set_worker(2);
+  push.set_rank(2);
   push.set_shard_id(1);
   std::string bytes;
   EXPECT_TRUE(EncodeSparse(v, n, spec, &bytes).ok());
@@ -74,28 +74,31 @@ TEST(DecodeWirePushTest, NamesEachFaultWithItsRejectReason) {
   cases.push_back({other_shard, RejectReason::kWrongShard,
                    "push for shard 0 was sent to shard 1"});
   v1::Push unknown = SparsePush(v, 10, CodecSpec());
-  unknown.set_worker(3);
+  unknown.set_rank(3);
   cases.push_back({unknown, RejectReason::kUnknownWorker,
                    "unknown worker rank 3; the cluster has 3 workers"});
   v1::Push dense = SparsePush(v, 10, CodecSpec());
   dense.add_dense(1.0f);
   cases.push_back({dense, RejectReason::kWrongMode, "dense values sent in"});
   cases.push_back({SparsePush(v, 10, {IndexCodec::kRaw, ValueCodec::kFp32}),
-                   RejectReason::kWrongCodec, "wrong codec: the push uses raw/fp32"});
+                   RejectReason::kWrongCodec,
+                   "wrong codec: the push uses raw/fp32"});
   v1::Push truncated = SparsePush(v, 10, CodecSpec());
   truncated.mutable_sparse()->pop_back();
   cases.push_back({truncated, RejectReason::kCorrupt, "bad sparse push"});
   // Index 9 against a cluster of n = 9: out of range.
   for (const Case& c : cases) {
     RejectReason reason = RejectReason::kCount;
-    EXPECT_THAT(DecodeWirePush(c.push, Config(), 10, &reason).status(),
-                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.message)));
+    EXPECT_THAT(
+        DecodeWirePush(c.push, Config(), 10, &reason).status(),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.message)));
     EXPECT_EQ(reason, c.reason) << c.message;
   }
   RejectReason reason = RejectReason::kCount;
-  EXPECT_THAT(DecodeWirePush(SparsePush(v, 10, CodecSpec()), Config(), 9, &reason)
-                  .status(),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(">= n")));
+  EXPECT_THAT(
+      DecodeWirePush(SparsePush(v, 10, CodecSpec()), Config(), 9, &reason)
+          .status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(">= n")));
   EXPECT_EQ(reason, RejectReason::kCorrupt);
 }
 
@@ -103,12 +106,13 @@ TEST(DecodeWirePushTest, DenseModeTakesTheValuesAndRefusesSparseBytes) {
   ServerConfig c = Config();
   c.mode = AggregationMode::kDense;
   v1::Push push;
-  push.set_worker(1);
+  push.set_rank(1);
   push.set_shard_id(1);
   push.add_dense(0.5f);
   push.add_dense(std::numeric_limits<float>::infinity());  // Submit's business
   RejectReason reason = RejectReason::kCount;
-  GTOPK_ASSERT_OK_AND_ASSIGN(WorkerPush w, DecodeWirePush(push, c, 10, &reason));
+  GTOPK_ASSERT_OK_AND_ASSIGN(WorkerPush w,
+                             DecodeWirePush(push, c, 10, &reason));
   EXPECT_EQ(w.dense.size(), 2u);
   push.set_sparse("x");
   EXPECT_THAT(DecodeWirePush(push, c, 10, &reason).status(),
@@ -121,10 +125,11 @@ TEST(InitChunkTest, SenderMustBeWorkerZeroForThisShard) {
   v1::ParamsChunk chunk;
   chunk.set_shard_id(1);
   GTOPK_EXPECT_OK(CheckInitChunkSender(chunk, 1));
-  chunk.set_worker(2);
-  EXPECT_THAT(CheckInitChunkSender(chunk, 1),
-              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("worker 2")));
-  chunk.set_worker(0);
+  chunk.set_rank(2);
+  EXPECT_THAT(
+      CheckInitChunkSender(chunk, 1),
+      StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("worker 2")));
+  chunk.set_rank(0);
   EXPECT_THAT(CheckInitChunkSender(chunk, 0),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("chunk for shard 1 was sent to shard 0")));
@@ -137,22 +142,26 @@ TEST(InitChunkTest, ChunksMustTileTheRangeWithFiniteValues) {
   for (int i = 0; i < 6; ++i) chunk.add_values(1.0f);
   GTOPK_EXPECT_OK(CheckInitChunkRange(chunk, 1, 10, 20, 14));
   chunk.add_values(1.0f);  // [14, 21): past the end
-  EXPECT_THAT(CheckInitChunkRange(chunk, 1, 10, 20, 14),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("runs past the end of shard 1's range [10, 20)")));
+  EXPECT_THAT(
+      CheckInitChunkRange(chunk, 1, 10, 20, 14),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("runs past the end of shard 1's range [10, 20)")));
   chunk.clear_values();
   chunk.set_offset(13);
-  EXPECT_THAT(CheckInitChunkRange(chunk, 1, 10, 20, 14),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("overlaps")));
+  EXPECT_THAT(
+      CheckInitChunkRange(chunk, 1, 10, 20, 14),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("overlaps")));
   chunk.set_offset(std::numeric_limits<uint64_t>::max());
-  EXPECT_THAT(CheckInitChunkRange(chunk, 1, 10, 20, 14),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("leaves a gap")));
+  EXPECT_THAT(
+      CheckInitChunkRange(chunk, 1, 10, 20, 14),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("leaves a gap")));
   chunk.set_offset(14);
   chunk.add_values(2.0f);
   chunk.add_values(std::nanf(""));
-  EXPECT_THAT(CheckInitChunkRange(chunk, 1, 10, 20, 14),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("initial parameter at index 15 is not finite")));
+  EXPECT_THAT(
+      CheckInitChunkRange(chunk, 1, 10, 20, 14),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("initial parameter at index 15 is not finite")));
 }
 
 TEST(DensityWarmupFlagTest, ParsesListsDgcAndNothing) {
@@ -194,13 +203,15 @@ TEST(WorkerClusterSpecTest, AcceptsATilingAndRefusesEachFault) {
                        HasSubstr("rank 2 not below P = 2")));
   v1::ClusterSpec gap = TwoShards(10);
   gap.mutable_shards(1)->set_begin(6);
-  EXPECT_THAT(ValidateWorkerClusterSpec(gap, 10, 0),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("does not continue the tiling of [0, 10) at 5")));
+  EXPECT_THAT(
+      ValidateWorkerClusterSpec(gap, 10, 0),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("does not continue the tiling of [0, 10) at 5")));
   v1::ClusterSpec past = TwoShards(10);
   past.mutable_shards(1)->set_end(11);
-  EXPECT_THAT(ValidateWorkerClusterSpec(past, 10, 0),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("tiling")));
+  EXPECT_THAT(
+      ValidateWorkerClusterSpec(past, 10, 0),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("tiling")));
   v1::ClusterSpec short_tiling = TwoShards(10);
   short_tiling.mutable_shards(1)->set_end(9);
   EXPECT_THAT(ValidateWorkerClusterSpec(short_tiling, 10, 0),
@@ -226,7 +237,8 @@ TEST(WorkerClusterSpecTest, OptimizerFromSpecReadsEveryField) {
   GTOPK_ASSERT_OK_AND_ASSIGN(OptimizerOptions o, OptimizerFromSpec(s));
   EXPECT_EQ(o.lr, 0.5f);
   EXPECT_EQ(o.momentum, 0.9f);
-  EXPECT_EQ(o.momentum_mode, MomentumMode::kDgcCorrection);  // the documented default
+  EXPECT_EQ(o.momentum_mode,
+            MomentumMode::kDgcCorrection);  // the documented default
   EXPECT_EQ(o.weight_decay, 0.25f);
   EXPECT_EQ(o.lr_warmup_steps, 7);
   EXPECT_EQ(o.density, 0.01);

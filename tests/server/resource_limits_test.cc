@@ -4,8 +4,6 @@
 // loopback (AggregatorServer on 127.0.0.1, port 0), where a refused call
 // gets RESOURCE_EXHAUSTED naming the bound's flag while admitted callers
 // keep being served.
-#include "server/call_limits.h"
-
 #include <memory>
 #include <string>
 #include <thread>
@@ -22,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
 #include "server/aggregator_server.h"
+#include "server/call_limits.h"
 #include "server/server_config.h"
 #include "server/shard_aggregator.h"
 #include "tests/testing/status_matchers.h"
@@ -69,8 +68,8 @@ TEST(CallLimiterTest, MembersAreNotCrowdedOutByHostsFromManyAddresses) {
   int refused = 0;
   for (int host = 0; host < 5; ++host) {
     for (int i = 0; i < 3; ++i) {
-      auto a = limiter.Admit(absl::StrCat("ipv4:127.0.0.", 10 + host),
-                             "PushPull");
+      auto a =
+          limiter.Admit(absl::StrCat("ipv4:127.0.0.", 10 + host), "PushPull");
       if (a.ok()) {
         held.push_back(*std::move(a));
       } else {
@@ -176,9 +175,10 @@ TEST(ResourceLimitConfigTest, RejectsOutOfRangeByFlagName) {
       ServerConfig c;
       c.peers = {""};
       c.*field = bad;
-      EXPECT_THAT(ValidateServerConfig(c),
-                  StatusIs(absl::StatusCode::kInvalidArgument,
-                           AllOf(HasSubstr(flag), HasSubstr(absl::StrCat(bad)))));
+      EXPECT_THAT(
+          ValidateServerConfig(c),
+          StatusIs(absl::StatusCode::kInvalidArgument,
+                   AllOf(HasSubstr(flag), HasSubstr(absl::StrCat(bad)))));
     }
     ServerConfig ok;
     ok.peers = {""};
@@ -199,7 +199,7 @@ std::unique_ptr<ShardAggregator> OneShard(uint32_t workers, uint64_t n,
   o.optimizer.momentum_mode = MomentumMode::kNone;
   o.step_timeout = absl::Seconds(5);
   auto shard = ::gtopk::testing::OkOrThrow(ShardAggregator::Create(o, nullptr),
-                                          "ShardAggregator::Create");
+                                           "ShardAggregator::Create");
   EXPECT_THAT(shard->InitParams(std::vector<float>(n, 1.0f)),
               ::gtopk::testing::IsOkAndHolds(true));
   return shard;
@@ -256,14 +256,16 @@ TEST(PushPairsBoundTest, OversizedPushIsRefusedAndNothingIsApplied) {
                           absl::Now() + absl::Seconds(5));
   });
   // Let worker 0's push open the round before worker 1's arrives.
-  while (shard->AwaitNoRound(absl::Now())) absl::SleepFor(absl::Milliseconds(5));
+  while (shard->AwaitNoRound(absl::Now()))
+    absl::SleepFor(absl::Milliseconds(5));
   auto big = shard->Submit(SparsePush(0, 1, FirstEntries(11, 0.5f)),
                            absl::Now() + absl::Seconds(5));
   w0.join();
-  EXPECT_THAT(big.status(),
-              StatusIs(absl::StatusCode::kResourceExhausted,
-                       AllOf(HasSubstr("worker 1 step 0"), HasSubstr("11 pairs"),
-                             HasSubstr("at most 10"), HasSubstr("--density"))));
+  EXPECT_THAT(
+      big.status(),
+      StatusIs(absl::StatusCode::kResourceExhausted,
+               AllOf(HasSubstr("worker 1 step 0"), HasSubstr("11 pairs"),
+                     HasSubstr("at most 10"), HasSubstr("--density"))));
   EXPECT_THAT(first.status(), StatusIs(absl::StatusCode::kAborted));
   EXPECT_EQ(shard->next_step(), 0);
   auto params = shard->Params(absl::Now() + absl::Seconds(1));
@@ -289,8 +291,9 @@ TEST(PushPairsBoundTest, PushesForLaterStepsAreNotQueued) {
   // current step replaces the first (one slot per worker).
   auto shard = OneShard(2, 1000, 0.01);
   for (int64_t step : {1, 2, 1000000}) {
-    EXPECT_THAT(shard->Submit(SparsePush(step, 0, FirstEntries(10, 0.5f)),
-                              absl::Now() + absl::Seconds(1))
+    EXPECT_THAT(shard
+                    ->Submit(SparsePush(step, 0, FirstEntries(10, 0.5f)),
+                             absl::Now() + absl::Seconds(1))
                     .status(),
                 StatusIs(absl::StatusCode::kFailedPrecondition,
                          HasSubstr("is ahead of shard 0")));
@@ -313,7 +316,8 @@ TEST(PeekSparseCountTest, ReadsTheClaimedCountWithoutDecoding) {
   EXPECT_EQ(*count, 0xffffffffu);
   EXPECT_THAT(PeekSparseCount(bytes.substr(0, 3)),
               StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(PeekSparseCount(""), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(PeekSparseCount(""),
+              StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 // ---------------------------------------------------------------------------

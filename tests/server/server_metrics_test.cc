@@ -117,7 +117,7 @@ TEST(ServerMetricsTest, CountsMatchTheWorkersOwnStats) {
     auto stream = stub->PushPull(&ctx);
     v1::Push push;
     push.set_step(kSteps);
-    push.set_worker(0);
+    push.set_rank(0);
     push.set_shard_id(7);
     // Worker 0's identity: a member's malformed push, not a stranger's.
     push.set_member_token(clients[0]->member_token());
@@ -126,7 +126,8 @@ TEST(ServerMetricsTest, CountsMatchTheWorkersOwnStats) {
     stream->WritesDone();
     v1::Pull pull;
     EXPECT_FALSE(stream->Read(&pull));
-    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(stream->Finish().error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
   }
 
   double sent = 0, received = 0, selected = 0;
@@ -142,8 +143,8 @@ TEST(ServerMetricsTest, CountsMatchTheWorkersOwnStats) {
   // after the worker already has it: wait (bounded) for the last counts.
   const absl::Time settle = absl::Now() + absl::Seconds(10);
   while (absl::Now() < settle &&
-         ParseSamples(Scrape(*registry))
-                 ["gtopk_server_sent_bytes_total{method=\"PushPull\"}"] <
+         ParseSamples(Scrape(
+             *registry))["gtopk_server_sent_bytes_total{method=\"PushPull\"}"] <
              received) {
     absl::SleepFor(absl::Milliseconds(20));
   }
@@ -154,26 +155,48 @@ TEST(ServerMetricsTest, CountsMatchTheWorkersOwnStats) {
   rejected.set_shard_id(7);
   rejected.set_member_token(clients[0]->member_token());
   rejected.set_cluster_fingerprint(clients[0]->cluster().cluster_fingerprint());
-  EXPECT_EQ(At(samples, "gtopk_server_received_bytes_total{method=\"PushPull\"}"),
-            sent + static_cast<double>(rejected.ByteSizeLong()));
-  EXPECT_EQ(At(samples, "gtopk_server_sent_bytes_total{method=\"PushPull\"}"), received);
-  EXPECT_GT(At(samples, "gtopk_server_received_bytes_total{method=\"InitParams\"}"), 4.0 * kN);
-  EXPECT_GT(At(samples, "gtopk_server_sent_bytes_total{method=\"DownloadParams\"}"), 4.0 * kN);
+  EXPECT_EQ(
+      At(samples, "gtopk_server_received_bytes_total{method=\"PushPull\"}"),
+      sent + static_cast<double>(rejected.ByteSizeLong()));
+  EXPECT_EQ(At(samples, "gtopk_server_sent_bytes_total{method=\"PushPull\"}"),
+            received);
+  EXPECT_GT(
+      At(samples, "gtopk_server_received_bytes_total{method=\"InitParams\"}"),
+      4.0 * kN);
+  EXPECT_GT(
+      At(samples, "gtopk_server_sent_bytes_total{method=\"DownloadParams\"}"),
+      4.0 * kN);
   EXPECT_EQ(At(samples, "gtopk_server_rounds_total"), kSteps);
   EXPECT_EQ(At(samples, "gtopk_server_step"), kSteps);
   EXPECT_EQ(At(samples, "gtopk_server_selected_pairs_total"), selected);
   EXPECT_EQ(At(samples, "gtopk_server_round_duration_seconds_count"), kSteps);
-  EXPECT_EQ(At(samples, "gtopk_server_slowest_worker_wait_seconds_count"), kSteps);
+  EXPECT_EQ(At(samples, "gtopk_server_slowest_worker_wait_seconds_count"),
+            kSteps);
   EXPECT_EQ(At(samples, "gtopk_server_merge_duration_seconds_count"), kSteps);
-  EXPECT_EQ(At(samples, "gtopk_server_threshold_duration_seconds_count"), kSteps);
-  EXPECT_EQ(At(samples, "gtopk_server_round_duration_seconds_bucket{le=\"+Inf\"}"), kSteps);
-  EXPECT_EQ(At(samples, "gtopk_server_rejected_messages_total{reason=\"wrong_shard\"}"), 1);
-  EXPECT_EQ(At(samples, "gtopk_server_rejected_messages_total{reason=\"invalid\"}"), 0);
-  EXPECT_EQ(At(samples, "gtopk_server_rpc_errors_total{code=\"INVALID_ARGUMENT\"}"), 1);
-  EXPECT_EQ(samples.count("gtopk_server_rpc_errors_total{code=\"DATA_LOSS\"}"), 1u);
+  EXPECT_EQ(At(samples, "gtopk_server_threshold_duration_seconds_count"),
+            kSteps);
+  EXPECT_EQ(
+      At(samples, "gtopk_server_round_duration_seconds_bucket{le=\"+Inf\"}"),
+      kSteps);
+  EXPECT_EQ(At(samples,
+               "gtopk_server_rejected_messages_total{reason=\"wrong_shard\"}"),
+            1);
+  EXPECT_EQ(
+      At(samples, "gtopk_server_rejected_messages_total{reason=\"invalid\"}"),
+      0);
+  EXPECT_EQ(
+      At(samples, "gtopk_server_rpc_errors_total{code=\"INVALID_ARGUMENT\"}"),
+      1);
+  EXPECT_EQ(samples.count("gtopk_server_rpc_errors_total{code=\"DATA_LOSS\"}"),
+            1u);
   // None written: the scrape-time collectable has nothing to say.
   EXPECT_EQ(samples.count("gtopk_server_checkpoint_age_seconds"), 0u);
-  EXPECT_TRUE(cluster.shard(0).service()->metrics().checkpoint_age()->Collect().empty());
+  EXPECT_TRUE(cluster.shard(0)
+                  .service()
+                  ->metrics()
+                  .checkpoint_age()
+                  ->Collect()
+                  .empty());
   // Present from the start (no checkpoint dir: never fails).
   EXPECT_EQ(samples.count("gtopk_server_checkpoint_failures_total"), 1u);
   EXPECT_EQ(At(samples, "gtopk_server_checkpoint_failures_total"), 0);
@@ -182,12 +205,11 @@ TEST(ServerMetricsTest, CountsMatchTheWorkersOwnStats) {
   clients.clear();
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   while (absl::Now() < deadline &&
-         ParseSamples(Scrape(*registry))
-                 ["gtopk_server_connected_workers"] != 0) {
+         ParseSamples(Scrape(*registry))["gtopk_server_connected_workers"] !=
+             0) {
     absl::SleepFor(absl::Milliseconds(20));
   }
-  EXPECT_EQ(ParseSamples(Scrape(*registry))
-                ["gtopk_server_connected_workers"],
+  EXPECT_EQ(ParseSamples(Scrape(*registry))["gtopk_server_connected_workers"],
             0);
 }
 
@@ -217,12 +239,24 @@ TEST(WorkerMetricsTest, RecordsAStepAsGiven) {
   EXPECT_EQ(At(samples, "gtopk_worker_step"), 42);
   EXPECT_EQ(At(samples, "gtopk_worker_rank"), 3);
   EXPECT_EQ(At(samples, "gtopk_worker_step_duration_seconds_count"), 2);
-  EXPECT_EQ(At(samples, "gtopk_worker_step_duration_seconds_bucket{le=\"0.05\"}"), 0);
-  EXPECT_EQ(At(samples, "gtopk_worker_step_duration_seconds_bucket{le=\"0.1\"}"), 2);
-  EXPECT_EQ(At(samples, "gtopk_worker_phase_duration_seconds_sum{phase=\"wait\"}"), 0.08);
-  EXPECT_EQ(At(samples, "gtopk_worker_phase_duration_seconds_sum{phase=\"compute\"}"), 0.04);
-  EXPECT_EQ(At(samples, "gtopk_worker_phase_duration_seconds_bucket{phase=\"push\",le=\"0.0025\"}"), 0);
-  EXPECT_EQ(At(samples, "gtopk_worker_phase_duration_seconds_bucket{phase=\"push\",le=\"0.005\"}"), 2);
+  EXPECT_EQ(
+      At(samples, "gtopk_worker_step_duration_seconds_bucket{le=\"0.05\"}"), 0);
+  EXPECT_EQ(
+      At(samples, "gtopk_worker_step_duration_seconds_bucket{le=\"0.1\"}"), 2);
+  EXPECT_EQ(
+      At(samples, "gtopk_worker_phase_duration_seconds_sum{phase=\"wait\"}"),
+      0.08);
+  EXPECT_EQ(
+      At(samples, "gtopk_worker_phase_duration_seconds_sum{phase=\"compute\"}"),
+      0.04);
+  EXPECT_EQ(At(samples,
+               "gtopk_worker_phase_duration_seconds_bucket{phase=\"push\",le="
+               "\"0.0025\"}"),
+            0);
+  EXPECT_EQ(At(samples,
+               "gtopk_worker_phase_duration_seconds_bucket{phase=\"push\",le="
+               "\"0.005\"}"),
+            2);
   EXPECT_EQ(samples.count("gtopk_worker_test_accuracy"), 0u);  // not evaluated
   m.RecordTestAccuracy(0.875);
   samples = ParseSamples(Scrape(registry));
@@ -236,8 +270,8 @@ TEST(ServerMetricsTest, CheckpointAgeCountsFromTheLastWrite) {
   prometheus::Registry registry;
   server::ServerMetrics m(registry);
   EXPECT_EQ(Scrape(*m.checkpoint_age()), "");
-  EXPECT_EQ(ParseSamples(Scrape(registry)).count(
-                "gtopk_server_checkpoint_age_seconds"),
+  EXPECT_EQ(ParseSamples(Scrape(registry))
+                .count("gtopk_server_checkpoint_age_seconds"),
             0u);
   m.CheckpointWritten();
   const std::string text = Scrape(*m.checkpoint_age());
@@ -249,8 +283,8 @@ TEST(ServerMetricsTest, CheckpointAgeCountsFromTheLastWrite) {
   EXPECT_GE(first, 0);
   EXPECT_LT(first, 5);
   absl::SleepFor(absl::Milliseconds(50));
-  EXPECT_GE(ParseSamples(Scrape(*m.checkpoint_age()))
-                ["gtopk_server_checkpoint_age_seconds"],
+  EXPECT_GE(ParseSamples(Scrape(
+                *m.checkpoint_age()))["gtopk_server_checkpoint_age_seconds"],
             first + 0.04);
 }
 

@@ -7,13 +7,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <map>
-#include <chrono>
 #include <memory>
 #include <random>
 #include <string>
@@ -33,11 +33,11 @@
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
-#include "tests/testing/address_space_cap.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
 #include "server/aggregator_server.h"
 #include "server/checkpoint.h"
 #include "server/server_config.h"
+#include "tests/testing/address_space_cap.h"
 #include "tests/testing/local_cluster.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/status_matchers.h"
@@ -140,7 +140,7 @@ absl::StatusOr<bool> InitParams(v1::Aggregator::Stub* stub, uint32_t worker,
   auto writer = stub->InitParams(&ctx, &response);
   for (size_t i = 0; i < values.size(); i += chunk) {
     v1::ParamsChunk c;
-    c.set_worker(worker);
+    c.set_rank(worker);
     c.set_member_token(Members().token[worker]);
     c.set_cluster_fingerprint(Members().fingerprint);
     c.set_shard_id(shard);
@@ -164,13 +164,13 @@ struct Downloaded {
   uint64_t offset = 0;
 };
 
-absl::StatusOr<Downloaded> Download(
-    v1::Aggregator::Stub* stub, uint32_t worker = 0,
-    absl::Duration timeout = absl::Seconds(5)) {
+absl::StatusOr<Downloaded> Download(v1::Aggregator::Stub* stub,
+                                    uint32_t worker = 0,
+                                    absl::Duration timeout = absl::Seconds(5)) {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   v1::DownloadParamsRequest request;
-  request.set_worker(worker);
+  request.set_rank(worker);
   auto reader = stub->DownloadParams(&ctx, request);
   Downloaded d;
   v1::ParamsChunk c;
@@ -209,7 +209,7 @@ v1::Push MakePush(int64_t step, uint32_t worker, uint32_t shard,
                   std::string sparse) {
   v1::Push p;
   p.set_step(step);
-  p.set_worker(worker);
+  p.set_rank(worker);
   p.set_member_token(Members().token[worker]);
   p.set_cluster_fingerprint(Members().fingerprint);
   p.set_shard_id(shard);
@@ -247,11 +247,10 @@ std::string RawMessage(const std::vector<uint32_t>& indices,
 TEST(ServiceConfigTest, RejectsBadFieldsByName) {
   ServerConfig c = BaseConfig(2, 2);
   c.peers = {"", "not-an-address"};
-  EXPECT_THAT(
-      ValidateServerConfig(c),
-      StatusIs(absl::StatusCode::kInvalidArgument,
-               AllOf(HasSubstr("--peers"), HasSubstr("entry 1"),
-                     HasSubstr("not-an-address"))));
+  EXPECT_THAT(ValidateServerConfig(c),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("--peers"), HasSubstr("entry 1"),
+                             HasSubstr("not-an-address"))));
   c = BaseConfig(2, 2);
   c.peers = {""};
   EXPECT_THAT(ValidateServerConfig(c),
@@ -268,12 +267,13 @@ TEST(ServiceConfigTest, RejectsBadFieldsByName) {
                        HasSubstr("--checkpoint-dir")));
   c = BaseConfig(1, 1);
   c.step_timeout = absl::ZeroDuration();
-  EXPECT_THAT(
-      ValidateServerConfig(c),
-      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--step-timeout")));
+  EXPECT_THAT(ValidateServerConfig(c),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--step-timeout")));
   // Quota selection is a gtopk mode setting: with topk or dense it was
   // silently ignored.
-  for (AggregationMode mode : {AggregationMode::kTopk, AggregationMode::kDense}) {
+  for (AggregationMode mode :
+       {AggregationMode::kTopk, AggregationMode::kDense}) {
     c = BaseConfig(1, 1);
     c.mode = mode;
     c.selection = SelectionKind::kQuota;
@@ -805,8 +805,8 @@ TEST(ServiceTest, InitParamsOfARangeThatDoesNotFitIsResourceExhausted) {
   {
     ::gtopk::testing::ScopedAddressSpaceCap cap(uint64_t{2} << 30);
     ASSERT_TRUE(cap.ok());
-    taken = InitParams(cluster->stub(0), 0, 0, 0, std::vector<float>(8, 1.0f),
-                       8);
+    taken =
+        InitParams(cluster->stub(0), 0, 0, 0, std::vector<float>(8, 1.0f), 8);
   }
   EXPECT_THAT(taken, StatusIs(absl::StatusCode::kResourceExhausted,
                               HasSubstr("cannot hold its range [0, "
@@ -1071,13 +1071,13 @@ absl::StatusOr<std::vector<std::pair<uint64_t, uint64_t>>> JoinAndInit(
     std::vector<float> range(init.begin() + ranges[s].first,
                              init.begin() + ranges[s].second);
     GTOPK_RETURN_IF_ERROR(
-        InitParams(cluster.stub(s), 0, s, ranges[s].first, range, 5)
-            .status());
+        InitParams(cluster.stub(s), 0, s, ranges[s].first, range, 5).status());
   }
   return ranges;
 }
 
-TEST(WorkersApplyServiceTest, PullsRelayRankZeroBuffersAndChecksumsAreCompared) {
+TEST(WorkersApplyServiceTest,
+     PullsRelayRankZeroBuffersAndChecksumsAreCompared) {
   ServerConfig config = WorkersConfig(2, 2);
   config.checksum_every = 1;
   GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(config));
@@ -1160,7 +1160,7 @@ absl::StatusOr<bool> InitWithState(v1::Aggregator::Stub* stub, uint32_t shard,
   auto writer = stub->InitParams(&ctx, &response);
   for (size_t i = 0; i < std::max(values.size(), pieces.size()); ++i) {
     v1::ParamsChunk c;
-    c.set_worker(0);
+    c.set_rank(0);
     c.set_member_token(Members().token[0]);
     c.set_cluster_fingerprint(Members().fingerprint);
     c.set_shard_id(shard);
@@ -1180,7 +1180,8 @@ TEST(WorkersApplyServiceTest, StateBlobRoundTripsThroughShardZero) {
   config.download_chunk_bytes = 64 + 12;  // 3 values or 12 state bytes
   GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(config));
   const uint64_t n = 10;
-  GTOPK_ASSERT_OK_AND_ASSIGN(v1::JoinResponse join, Join(cluster.stub(0), 0, n));
+  GTOPK_ASSERT_OK_AND_ASSIGN(v1::JoinResponse join,
+                             Join(cluster.stub(0), 0, n));
   const uint64_t mid = join.cluster().shards(0).end();
   std::vector<float> init(n);
   for (uint64_t i = 0; i < n; ++i) init[i] = 1.5f * i;
@@ -1193,11 +1194,15 @@ TEST(WorkersApplyServiceTest, StateBlobRoundTripsThroughShardZero) {
   std::string blob;
   for (int i = 0; i < 50; ++i) blob.push_back(static_cast<char>(i * 7));
   blob[3] = '\0';
-  std::vector<std::string> pieces = {blob.substr(0, 10), "", blob.substr(10, 1),
-                                     blob.substr(11, 20), blob.substr(31),
-                                     "", ""};
-  GTOPK_ASSERT_OK_AND_ASSIGN(bool now,
-                             InitWithState(cluster.stub(0), 0, 0, first, pieces));
+  std::vector<std::string> pieces = {blob.substr(0, 10),
+                                     "",
+                                     blob.substr(10, 1),
+                                     blob.substr(11, 20),
+                                     blob.substr(31),
+                                     "",
+                                     ""};
+  GTOPK_ASSERT_OK_AND_ASSIGN(
+      bool now, InitWithState(cluster.stub(0), 0, 0, first, pieces));
   EXPECT_TRUE(now);
   GTOPK_ASSERT_OK(InitWithState(cluster.stub(1), 1, mid, second, {}).status());
   // First initialisation wins, the blob included.
@@ -1226,7 +1231,7 @@ absl::StatusOr<v1::RecoverResponse> Resume(v1::Aggregator::Stub* stub,
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
   v1::RecoverRequest request;
-  request.set_worker(worker);
+  request.set_rank(worker);
   request.set_failed_step(-1);
   request.set_member_token(Members().token[worker]);
   request.set_cluster_fingerprint(Members().fingerprint);

@@ -92,8 +92,8 @@ TEST_P(ShardClusterTest, MatchesSingleProcessReference) {
   std::vector<float> init(n);
   for (float& x : init) x = normal(init_rng);
   for (auto& shard : cluster.shards) {
-    auto taken = shard->InitParams(
-        absl::MakeSpan(init).subspan(shard->begin(), shard->end() - shard->begin()));
+    auto taken = shard->InitParams(absl::MakeSpan(init).subspan(
+        shard->begin(), shard->end() - shard->begin()));
     ASSERT_TRUE(taken.ok() && *taken);
   }
   // Worker replicas, each with its own error feedback and selector.
@@ -147,8 +147,8 @@ TEST_P(ShardClusterTest, MatchesSingleProcessReference) {
           } else {
             push.sparse = Slice(pushed[w], shard.begin(), shard.end());
           }
-          results[w][s] = shard.Submit(std::move(push),
-                                       absl::Now() + absl::Seconds(20));
+          results[w][s] =
+              shard.Submit(std::move(push), absl::Now() + absl::Seconds(20));
         });
       }
     }
@@ -169,7 +169,8 @@ TEST_P(ShardClusterTest, MatchesSingleProcessReference) {
     } else {
       for (auto& shard : cluster.shards) {
         std::vector<SparseVector> slices;
-        for (auto& p : pushed) slices.push_back(Slice(p, shard->begin(), shard->end()));
+        for (auto& p : pushed)
+          slices.push_back(Slice(p, shard->begin(), shard->end()));
         SparseVector sum, top;
         GTOPK_ASSERT_OK(SparseSum(slices, n, &sum));
         const uint64_t range = shard->end() - shard->begin();
@@ -177,7 +178,8 @@ TEST_P(ShardClusterTest, MatchesSingleProcessReference) {
         if (quota > 0 && !sum.empty()) {
           GTOPK_ASSERT_OK(SparseTopK(sum, quota, &top));
         }
-        for (size_t j = 0; j < top.size(); ++j) expected.push_back(top.indices[j], top.values[j]);
+        for (size_t j = 0; j < top.size(); ++j)
+          expected.push_back(top.indices[j], top.values[j]);
       }
     }
     // Every worker got the same result from each shard; their union is the
@@ -211,14 +213,15 @@ TEST_P(ShardClusterTest, MatchesSingleProcessReference) {
     // Workers apply the same update.
     for (int w = 0; w < workers; ++w) {
       if (mode == AggregationMode::kDense) {
-        GTOPK_ASSERT_OK(rule->ApplyAggregatedDense(got_dense, workers,
-                                                   absl::MakeSpan(params[w]),
-                                                   absl::MakeSpan(global_v[w])));
+        GTOPK_ASSERT_OK(rule->ApplyAggregatedDense(
+            got_dense, workers, absl::MakeSpan(params[w]),
+            absl::MakeSpan(global_v[w])));
       } else {
         if (mode == AggregationMode::kGtopk) {
           GTOPK_ASSERT_OK(ef[w].PutBack(pushed[w], got));
         }
-        GTOPK_ASSERT_OK(rule->MaskMomentum(pushed[w], got, absl::MakeSpan(velocity[w])));
+        GTOPK_ASSERT_OK(
+            rule->MaskMomentum(pushed[w], got, absl::MakeSpan(velocity[w])));
         GTOPK_ASSERT_OK(rule->ApplyAggregated(got, 0, workers,
                                               absl::MakeSpan(params[w]),
                                               absl::MakeSpan(global_v[w])));
@@ -348,18 +351,20 @@ TEST(ShardAggregatorTest, BadPushFailsTheStepForEveryoneAndIsNotApplied) {
   std::thread t2([&] {
     good = shard->Submit(Push(0, 0, {1, 2}), absl::Now() + absl::Seconds(5));
   });
-  auto second = shard->Submit(Push(0, 1, {3, 5}), absl::Now() + absl::Seconds(5));
+  auto second =
+      shard->Submit(Push(0, 1, {3, 5}), absl::Now() + absl::Seconds(5));
   t2.join();
   GTOPK_EXPECT_OK(second);
   GTOPK_EXPECT_OK(good);
   EXPECT_EQ(shard->next_step(), 1);
 }
 
-TEST(ShardAggregatorTest, BadPushBeforeOthersArriveIsNotAppliedAndCanBeRetried) {
+TEST(ShardAggregatorTest,
+     BadPushBeforeOthersArriveIsNotAppliedAndCanBeRetried) {
   auto shard = SingleShard(2);
-  EXPECT_THAT(shard->Submit(Push(0, 1, {200}), absl::Now() + absl::Seconds(5)),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("out of range")));
+  EXPECT_THAT(
+      shard->Submit(Push(0, 1, {200}), absl::Now() + absl::Seconds(5)),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("out of range")));
   // The other worker's push starts a round that waits for worker 1's retry
   // (or fails at its deadline naming worker 1).
   EXPECT_THAT(
@@ -371,7 +376,8 @@ TEST(ShardAggregatorTest, BadPushBeforeOthersArriveIsNotAppliedAndCanBeRetried) 
   std::thread t([&] {
     first = shard->Submit(Push(0, 0, {1}), absl::Now() + absl::Seconds(5));
   });
-  GTOPK_EXPECT_OK(shard->Submit(Push(0, 1, {2}), absl::Now() + absl::Seconds(5)));
+  GTOPK_EXPECT_OK(
+      shard->Submit(Push(0, 1, {2}), absl::Now() + absl::Seconds(5)));
   t.join();
   GTOPK_EXPECT_OK(first);
   EXPECT_EQ(shard->next_step(), 1);
@@ -383,9 +389,9 @@ TEST(ShardAggregatorTest, EveryKindOfBadPushIsRejected) {
   EXPECT_THAT(shard->Submit(Push(0, 7, {1}), d),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("unknown worker rank 7")));
-  EXPECT_THAT(shard->Submit(Push(0, 0, {2, 2}), d),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("(duplicate)")));
+  EXPECT_THAT(
+      shard->Submit(Push(0, 0, {2, 2}), d),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("(duplicate)")));
   WorkerPush mismatch = Push(0, 0, {1, 2});
   mismatch.sparse.values.pop_back();
   EXPECT_THAT(shard->Submit(mismatch, d),
@@ -393,9 +399,9 @@ TEST(ShardAggregatorTest, EveryKindOfBadPushIsRejected) {
                        HasSubstr("2 indices but 1 values")));
   WorkerPush nan = Push(0, 0, {1});
   nan.sparse.values[0] = NAN;
-  EXPECT_THAT(shard->Submit(nan, d),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("not finite")));
+  EXPECT_THAT(
+      shard->Submit(nan, d),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not finite")));
   WorkerPush dense = Push(0, 0, {});
   dense.dense = {1.0f};
   EXPECT_THAT(shard->Submit(dense, d),
@@ -426,7 +432,8 @@ TEST(ShardAggregatorTest, SecondPushForTheSameStepReplacesTheFirst) {
     second = shard->Submit(Push(0, 0, {3}), absl::Now() + absl::Seconds(5));
   });
   absl::SleepFor(absl::Milliseconds(50));
-  GTOPK_EXPECT_OK(shard->Submit(Push(0, 1, {4}), absl::Now() + absl::Seconds(5)));
+  GTOPK_EXPECT_OK(
+      shard->Submit(Push(0, 1, {4}), absl::Now() + absl::Seconds(5)));
   t1.join();
   t2.join();
   GTOPK_ASSERT_OK(first);
@@ -456,8 +463,8 @@ TEST(ShardAggregatorTest, AbortStepFailsTheAttemptAndKeepsTheRetry) {
   absl::StatusOr<std::shared_ptr<const RoundResult>> waiting;
   const absl::Time start = absl::Now();
   std::thread t([&] {
-    waiting = shard->Submit(EpochPush(0, 0, {1}, 5),
-                            absl::Now() + absl::Seconds(20));
+    waiting =
+        shard->Submit(EpochPush(0, 0, {1}, 5), absl::Now() + absl::Seconds(20));
   });
   absl::SleepFor(absl::Milliseconds(50));
   shard->AbortStep(0, reason, 6);
@@ -466,14 +473,14 @@ TEST(ShardAggregatorTest, AbortStepFailsTheAttemptAndKeepsTheRetry) {
   EXPECT_THAT(waiting, StatusIs(absl::StatusCode::kAborted,
                                 HasSubstr("failed on shard 1")));
   // Worker 1 has not recovered yet: its push of the failed attempt.
-  EXPECT_THAT(shard->Submit(EpochPush(0, 1, {2}, 5),
-                            absl::Now() + absl::Seconds(5)),
-              StatusIs(absl::StatusCode::kAborted, HasSubstr("bad push")));
+  EXPECT_THAT(
+      shard->Submit(EpochPush(0, 1, {2}, 5), absl::Now() + absl::Seconds(5)),
+      StatusIs(absl::StatusCode::kAborted, HasSubstr("bad push")));
   // The retry, after Recover (epoch 6).
   absl::StatusOr<std::shared_ptr<const RoundResult>> retry0;
   std::thread t0([&] {
-    retry0 = shard->Submit(EpochPush(0, 0, {7}, 6),
-                           absl::Now() + absl::Seconds(5));
+    retry0 =
+        shard->Submit(EpochPush(0, 0, {7}, 6), absl::Now() + absl::Seconds(5));
   });
   GTOPK_ASSERT_OK_AND_ASSIGN(
       auto retry1,
@@ -508,10 +515,10 @@ TEST(ShardAggregatorTest, StepFailedCallbackReportsLocalFailuresOnly) {
   shard->AbortStep(0, absl::AbortedError("elsewhere"), 9);
   absl::MutexLock lock(&mu);
   ASSERT_EQ(seen.size(), 2u);
-  EXPECT_EQ(seen[0], std::make_pair(int64_t{0},
-                                    absl::StatusCode::kInvalidArgument));
-  EXPECT_EQ(seen[1], std::make_pair(int64_t{0},
-                                    absl::StatusCode::kDeadlineExceeded));
+  EXPECT_EQ(seen[0],
+            std::make_pair(int64_t{0}, absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(seen[1],
+            std::make_pair(int64_t{0}, absl::StatusCode::kDeadlineExceeded));
 }
 
 TEST(ShardAggregatorTest, MissingWorkerTimesOutNamingIt) {
@@ -560,7 +567,8 @@ TEST(ShardAggregatorTest,
 
 TEST(ShardAggregatorTest, RetryOfACompletedStepGetsTheSameResult) {
   auto shard = SingleShard(1);
-  auto first = shard->Submit(Push(0, 0, {4, 9}), absl::Now() + absl::Seconds(5));
+  auto first =
+      shard->Submit(Push(0, 0, {4, 9}), absl::Now() + absl::Seconds(5));
   GTOPK_ASSERT_OK(first);
   auto retry = shard->Submit(Push(0, 0, {1}), absl::Now() + absl::Seconds(5));
   GTOPK_ASSERT_OK(retry);
@@ -568,7 +576,8 @@ TEST(ShardAggregatorTest, RetryOfACompletedStepGetsTheSameResult) {
   EXPECT_EQ(shard->next_step(), 1);
   EXPECT_THAT(shard->Submit(Push(0, 0, {1}), absl::Now()),
               testing::IsOk());  // still the last step: a retry
-  GTOPK_ASSERT_OK(shard->Submit(Push(1, 0, {1}), absl::Now() + absl::Seconds(5)));
+  GTOPK_ASSERT_OK(
+      shard->Submit(Push(1, 0, {1}), absl::Now() + absl::Seconds(5)));
   EXPECT_THAT(shard->Submit(Push(0, 0, {1}), absl::Now()),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("step 0 was already applied")));
@@ -590,7 +599,8 @@ TEST(ShardAggregatorTest, NoPushBeforeInitialisation) {
 
 TEST(ShardAggregatorTest, SnapshotRestoreRoundTrip) {
   auto shard = SingleShard(1);
-  GTOPK_ASSERT_OK(shard->Submit(Push(0, 0, {4, 9}), absl::Now() + absl::Seconds(5)));
+  GTOPK_ASSERT_OK(
+      shard->Submit(Push(0, 0, {4, 9}), absl::Now() + absl::Seconds(5)));
   auto snap = shard->Snapshot();
   GTOPK_ASSERT_OK(snap);
   auto fresh = ShardAggregator::Create(SmallOptions(1), nullptr);
@@ -647,8 +657,7 @@ TEST(ShardAggregatorTest, RollbackRestoresACheckpointAndAbortsThePendingRound) {
 // A commit voter that holds every vote until released.
 class HeldCommit final : public CommitVoter {
  public:
-  absl::Status Vote(int64_t, uint32_t, absl::Time deadline,
-                    uint64_t) override {
+  absl::Status Vote(int64_t, uint32_t, absl::Time deadline, uint64_t) override {
     absl::MutexLock lock(&mu_);
     ++waiting_;
     mu_.AwaitWithDeadline(absl::Condition(&released_), deadline);
@@ -726,10 +735,9 @@ WorkerPush PushOf(int64_t step, uint32_t worker, SparseVector v) {
   return p;
 }
 
-std::unique_ptr<ShardAggregator> FiniteTestShard(MomentumMode momentum,
-                                                 std::vector<float> init,
-                                                 AggregationMode mode =
-                                                     AggregationMode::kGtopk) {
+std::unique_ptr<ShardAggregator> FiniteTestShard(
+    MomentumMode momentum, std::vector<float> init,
+    AggregationMode mode = AggregationMode::kGtopk) {
   ShardOptions o;
   o.n = init.size();
   o.num_workers = 2;
@@ -738,7 +746,7 @@ std::unique_ptr<ShardAggregator> FiniteTestShard(MomentumMode momentum,
   o.optimizer.momentum_mode = momentum;
   o.step_timeout = absl::Seconds(5);
   auto shard = ::gtopk::testing::OkOrThrow(ShardAggregator::Create(o, nullptr),
-                                          "ShardAggregator::Create");
+                                           "ShardAggregator::Create");
   GTOPK_EXPECT_OK(shard->InitParams(init));
   return shard;
 }
@@ -817,8 +825,8 @@ TEST(ShardFiniteTest, SumOfFinitePushesThatOverflowsIsRefused) {
                                   HasSubstr("index 7"))));
   }
   EXPECT_EQ(shard->next_step(), 0);
-  auto dense = FiniteTestShard(MomentumMode::kNone, init,
-                               AggregationMode::kDense);
+  auto dense =
+      FiniteTestShard(MomentumMode::kNone, init, AggregationMode::kDense);
   std::vector<WorkerPush> pushes(2);
   for (uint32_t w = 0; w < 2; ++w) {
     pushes[w].worker = w;
@@ -838,8 +846,8 @@ TEST(ShardFiniteTest, SumOfFinitePushesThatOverflowsIsRefused) {
 TEST(ShardFiniteTest, DenseUpdateThatWouldMakeAParameterInfiniteIsRefused) {
   std::vector<float> init(20, 1.0f);
   init[3] = -3e38f;
-  auto shard = FiniteTestShard(MomentumMode::kNone, init,
-                               AggregationMode::kDense);
+  auto shard =
+      FiniteTestShard(MomentumMode::kNone, init, AggregationMode::kDense);
   std::vector<WorkerPush> pushes(2);
   for (uint32_t w = 0; w < 2; ++w) {
     pushes[w].worker = w;
@@ -890,17 +898,18 @@ TEST(ShardFiniteTest, NoShardAppliesAStepAnotherShardFoundNonFinite) {
     for (uint32_t s = 0; s < 2; ++s) {
       threads.emplace_back([&, s] {
         const uint32_t index = s == 0 ? 3 : 13;
-        results[s] = SubmitAll(
-            *shards[s], {PushOf(0, 0, MakeSparse({index}, {1.5e38f})),
-                         PushOf(0, 1, MakeSparse({index}, {1.5e38f}))},
-            absl::Seconds(1));
+        results[s] = SubmitAll(*shards[s],
+                               {PushOf(0, 0, MakeSparse({index}, {1.5e38f})),
+                                PushOf(0, 1, MakeSparse({index}, {1.5e38f}))},
+                               absl::Seconds(1));
       });
     }
     for (auto& t : threads) t.join();
     for (const auto& r : results[1]) {
-      EXPECT_THAT(r, StatusIs(absl::StatusCode::kFailedPrecondition,
-                              AllOf(HasSubstr("step 0 failed on shard 1"),
-                                    HasSubstr("params[13] would become -inf"))));
+      EXPECT_THAT(r,
+                  StatusIs(absl::StatusCode::kFailedPrecondition,
+                           AllOf(HasSubstr("step 0 failed on shard 1"),
+                                 HasSubstr("params[13] would become -inf"))));
     }
     for (const auto& r : results[0]) EXPECT_FALSE(r.ok());
     for (uint32_t s = 0; s < 2; ++s) {
@@ -982,9 +991,9 @@ RunRound(VotedCluster& c, int64_t step, const std::vector<SparseVector>& pushes,
     threads.emplace_back([&, s] {
       std::vector<WorkerPush> mine;
       for (uint32_t w = 0; w < pushes.size(); ++w) {
-        WorkerPush p = PushOf(step, w,
-                              Slice(pushes[w], c.shards[s]->begin(),
-                                    c.shards[s]->end()));
+        WorkerPush p =
+            PushOf(step, w,
+                   Slice(pushes[w], c.shards[s]->begin(), c.shards[s]->end()));
         if (!checksums.empty()) p.params_checksum = checksums[w];
         mine.push_back(std::move(p));
       }
@@ -1045,10 +1054,9 @@ TEST_P(WorkersApplyTest, RoundLeavesParamsAndPullsTheSumOfTheGlobalTopK) {
       EXPECT_EQ(shard->next_step(), step + 1);
       auto state = shard->GetState(absl::Now());
       GTOPK_ASSERT_OK(state);
-      EXPECT_TRUE(BitEqual(
-          state->params,
-          absl::MakeSpan(init).subspan(shard->begin(),
-                                       shard->end() - shard->begin())));
+      EXPECT_TRUE(BitEqual(state->params,
+                           absl::MakeSpan(init).subspan(
+                               shard->begin(), shard->end() - shard->begin())));
     }
   }
 }
@@ -1076,7 +1084,8 @@ TEST(WorkersApplyDenseTest, RoundLeavesParamsAndPullsTheDenseSum) {
       pushes[w].dense.push_back(0.5f * i - 2.0f * w);
     }
   }
-  for (int i = 0; i < 20; ++i) want[i] = pushes[0].dense[i] + pushes[1].dense[i];
+  for (int i = 0; i < 20; ++i)
+    want[i] = pushes[0].dense[i] + pushes[1].dense[i];
   auto results = SubmitAll(**shard, pushes);
   for (const auto& r : results) {
     GTOPK_ASSERT_OK(r);
@@ -1112,14 +1121,15 @@ TEST(ChecksumTest, DifferingChecksumsFailTheStepForEveryWorkerOnEveryShard) {
       for (uint32_t s = 0; s < num_shards; ++s) {
         for (const auto& r : results[s]) {
           EXPECT_THAT(
-              r, StatusIs(absl::StatusCode::kFailedPrecondition,
-                          AllOf(HasSubstr(absl::StrCat("step 0 failed on shard ",
-                                                       s)),
-                                HasSubstr("the replicas' parameters differ"),
-                                HasSubstr("checksum 0x00000000000000aa on "
-                                          "ranks 0, 2; 0x00000000000000bb on "
-                                          "rank 1; none from rank 3"),
-                                HasSubstr("load_state_dict"))));
+              r,
+              StatusIs(
+                  absl::StatusCode::kFailedPrecondition,
+                  AllOf(HasSubstr(absl::StrCat("step 0 failed on shard ", s)),
+                        HasSubstr("the replicas' parameters differ"),
+                        HasSubstr("checksum 0x00000000000000aa on "
+                                  "ranks 0, 2; 0x00000000000000bb on "
+                                  "rank 1; none from rank 3"),
+                        HasSubstr("load_state_dict"))));
         }
         EXPECT_EQ(c.shards[s]->next_step(), 0);
       }
@@ -1177,7 +1187,7 @@ std::unique_ptr<ShardAggregator> BufferShard(ApplyMode apply,
   o.optimizer.density = 0.2;
   o.step_timeout = absl::Seconds(5);
   auto shard = ::gtopk::testing::OkOrThrow(ShardAggregator::Create(o, nullptr),
-                                          "ShardAggregator::Create");
+                                           "ShardAggregator::Create");
   GTOPK_EXPECT_OK(shard->InitParams(std::vector<float>(10, 1.0f)));
   return shard;
 }
@@ -1190,8 +1200,7 @@ TEST(BuffersTest, RankZeroBuffersReachEveryPullOfShardZero) {
   auto shard = BufferShard(ApplyMode::kWorkers, 0);
   WorkerPush p0 = PushOf(0, 0, MakeSparse({1}, {1.0f}));
   p0.buffers = std::string("bn\0stats", 8);
-  auto results =
-      SubmitAll(*shard, {p0, PushOf(0, 1, MakeSparse({2}, {2.0f}))});
+  auto results = SubmitAll(*shard, {p0, PushOf(0, 1, MakeSparse({2}, {2.0f}))});
   for (const auto& r : results) {
     GTOPK_ASSERT_OK(r);
     EXPECT_EQ((*r)->buffers, std::string("bn\0stats", 8));
@@ -1209,7 +1218,8 @@ TEST(BuffersTest, RankZeroBuffersReachEveryPullOfShardZero) {
   }
 }
 
-TEST(BuffersTest, BuffersFromAnotherRankToAnotherShardOrInServersModeAreRefused) {
+TEST(BuffersTest,
+     BuffersFromAnotherRankToAnotherShardOrInServersModeAreRefused) {
   struct Case {
     ApplyMode apply;
     uint32_t shard, sender;

@@ -101,7 +101,7 @@ class CountingExchange final : public ThresholdExchange {
   int max_level_ ABSL_GUARDED_BY(mu_) = -1;
 };
 
-// Runs DistributedExactTopK on every shard, one thread per shard, and
+// Runs DistributedThresholdTopK on every shard, one thread per shard, and
 // returns the concatenation of the selections (shard order = index order).
 SparseVector RunShards(const std::vector<SparseVector>& shards, uint64_t k,
                        int64_t step, ThresholdExchange* exchange) {
@@ -113,8 +113,8 @@ SparseVector RunShards(const std::vector<SparseVector>& shards, uint64_t k,
   for (size_t s = 0; s < num_shards; ++s) {
     threads.emplace_back([&, s] {
       status[s] =
-          DistributedExactTopK(shards[s], k, step, static_cast<uint32_t>(s),
-                               exchange, deadline, &selected[s]);
+          DistributedThresholdTopK(shards[s], k, step, static_cast<uint32_t>(s),
+                                   exchange, deadline, &selected[s]);
     });
   }
   for (std::thread& t : threads) t.join();
@@ -543,15 +543,18 @@ TEST(ThresholdCoordinatorTest, DeadlineNamesTheMissingShard) {
   }
   // A late level-0 request starts a new attempt of the failed step (the
   // workers retry a failed step on every shard): it waits for the others.
-  EXPECT_THAT(
-      coordinator.Submit(Req(0, 2, 5, 0, {{1, 9}}), Soon()),
-      StatusIs(absl::StatusCode::kDeadlineExceeded,
-               HasSubstr("waiting for shards 0, 1 (1 of 3 arrived)")));
+  EXPECT_THAT(coordinator.Submit(Req(0, 2, 5, 0, {{1, 9}}), Soon()),
+              StatusIs(absl::StatusCode::kDeadlineExceeded,
+                       HasSubstr("waiting for shards 0, 1 (1 of 3 arrived)")));
   // A full retry of the step by all three shards succeeds.
   {
     absl::StatusOr<ThresholdResponse> a, b, c;
-    std::thread ta([&] { a = coordinator.Submit(Req(0, 0, 5, 0, {{1, 9}}), Later()); });
-    std::thread tb([&] { b = coordinator.Submit(Req(0, 1, 5, 0, {{1, 9}}), Later()); });
+    std::thread ta([&] {
+      a = coordinator.Submit(Req(0, 0, 5, 0, {{1, 9}}), Later());
+    });
+    std::thread tb([&] {
+      b = coordinator.Submit(Req(0, 1, 5, 0, {{1, 9}}), Later());
+    });
     c = coordinator.Submit(Req(0, 2, 5, 0, {{1, 9}}), Later());
     ta.join();
     tb.join();
@@ -570,7 +573,7 @@ TEST(ThresholdCoordinatorTest, DriverReportsDeadlineAndLeavesOutputEmpty) {
   ThresholdCoordinator coordinator(2);
   LocalThresholdExchange local(&coordinator);
   SparseVector selected = MakeSparse({1}, {1.0f});
-  const absl::Status s = DistributedExactTopK(
+  const absl::Status s = DistributedThresholdTopK(
       MakeSparse({3, 4}, {1.0f, 2.0f}), 1, 9, 0, &local, Soon(), &selected);
   EXPECT_THAT(s, StatusIs(absl::StatusCode::kDeadlineExceeded,
                           AllOf(HasSubstr("step 9 level 0 (shard 0)"),
@@ -638,8 +641,7 @@ TEST(ThresholdCoordinatorTest, AbortRefusesTheFailedAttemptOnly) {
   absl::StatusOr<ThresholdResponse> waiting;
   std::thread t([&] { waiting = coordinator.Submit(old0, Later()); });
   AwaitSteps(coordinator, 1);
-  coordinator.Abort(5, absl::AbortedError("step 5 failed on shard 1: bad"),
-                    11);
+  coordinator.Abort(5, absl::AbortedError("step 5 failed on shard 1: bad"), 11);
   t.join();
   EXPECT_THAT(waiting, StatusIs(absl::StatusCode::kAborted,
                                 HasSubstr("failed on shard 1")));
@@ -684,7 +686,9 @@ TEST(ThresholdCoordinatorTest, WrongHistogramSizeFailsTheRoundForEveryone) {
   // A retry of the failed step is a new attempt; it and the next step work.
   {
     absl::StatusOr<ThresholdResponse> a;
-    std::thread ta([&] { a = coordinator.Submit(Req(0, 0, 3, 0, {{5, 4}}), Later()); });
+    std::thread ta([&] {
+      a = coordinator.Submit(Req(0, 0, 3, 0, {{5, 4}}), Later());
+    });
     EXPECT_THAT(coordinator.Submit(Req(0, 1, 3, 0, {{5, 1}}), Later()),
                 ::gtopk::testing::IsOk());
     ta.join();
@@ -910,7 +914,7 @@ class ScriptedExchange final : public ThresholdExchange {
       answer_;
 };
 
-TEST(DistributedExactTopKTest, ErrorsLeaveTheOutputEmpty) {
+TEST(DistributedThresholdTopKTest, ErrorsLeaveTheOutputEmpty) {
   const SparseVector sum = MakeSparse({10, 11, 12}, {1.0f, -3.0f, 2.0f});
   auto refine = [](const ThresholdRequest& r) {
     ThresholdResponse out;
@@ -928,7 +932,7 @@ TEST(DistributedExactTopKTest, ErrorsLeaveTheOutputEmpty) {
         if (r.level == 1) return absl::UnavailableError("leader unreachable");
         return refine(r);
       });
-  EXPECT_THAT(DistributedExactTopK(sum, 2, 7, 2, &down, Later(), &selected),
+  EXPECT_THAT(DistributedThresholdTopK(sum, 2, 7, 2, &down, Later(), &selected),
               StatusIs(absl::StatusCode::kUnavailable,
                        AllOf(HasSubstr("step 7 level 1 (shard 2)"),
                              HasSubstr("leader unreachable"))));
@@ -941,7 +945,7 @@ TEST(DistributedExactTopKTest, ErrorsLeaveTheOutputEmpty) {
     return absl::StatusOr<ThresholdResponse>(out);
   });
   EXPECT_THAT(
-      DistributedExactTopK(sum, 2, 7, 2, &wrong_step, Later(), &selected),
+      DistributedThresholdTopK(sum, 2, 7, 2, &wrong_step, Later(), &selected),
       StatusIs(absl::StatusCode::kInternal, HasSubstr("answered for step 8")));
   EXPECT_TRUE(selected.empty());
 
@@ -950,7 +954,7 @@ TEST(DistributedExactTopKTest, ErrorsLeaveTheOutputEmpty) {
     return absl::StatusOr<ThresholdResponse>(refine(r));
   });
   EXPECT_THAT(
-      DistributedExactTopK(sum, 2, 7, 2, &never_done, Later(), &selected),
+      DistributedThresholdTopK(sum, 2, 7, 2, &never_done, Later(), &selected),
       StatusIs(absl::StatusCode::kInternal, HasSubstr("level 2")));
   EXPECT_TRUE(selected.empty());
 
@@ -962,25 +966,25 @@ TEST(DistributedExactTopKTest, ErrorsLeaveTheOutputEmpty) {
     out.ties_to_keep = 2;  // only one entry has |x| == 1
     return absl::StatusOr<ThresholdResponse>(out);
   });
-  EXPECT_THAT(
-      DistributedExactTopK(sum, 2, 7, 2, &too_many_ties, Later(), &selected),
-      StatusIs(absl::StatusCode::kInternal, HasSubstr("has only 1")));
+  EXPECT_THAT(DistributedThresholdTopK(sum, 2, 7, 2, &too_many_ties, Later(),
+                                       &selected),
+              StatusIs(absl::StatusCode::kInternal, HasSubstr("has only 1")));
   EXPECT_TRUE(selected.empty());
 
   reset();
   EXPECT_THAT(
-      DistributedExactTopK(sum, 0, 7, 2, &never_done, Later(), &selected),
+      DistributedThresholdTopK(sum, 0, 7, 2, &never_done, Later(), &selected),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("k must be")));
   EXPECT_TRUE(selected.empty());
   reset();
   EXPECT_THAT(
-      DistributedExactTopK(MakeSparse({5, 4}, {1.0f, 1.0f}), 1, 7, 2,
-                           &never_done, Later(), &selected),
+      DistributedThresholdTopK(MakeSparse({5, 4}, {1.0f, 1.0f}), 1, 7, 2,
+                               &never_done, Later(), &selected),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("ascending")));
   EXPECT_TRUE(selected.empty());
   reset();
   EXPECT_THAT(
-      DistributedExactTopK(sum, 1, 7, 2, nullptr, Later(), &selected),
+      DistributedThresholdTopK(sum, 1, 7, 2, nullptr, Later(), &selected),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("exchange")));
   EXPECT_TRUE(selected.empty());
 }

@@ -3,6 +3,8 @@
 // tokens, certificates made at test time by deploy/tls/make-certs.sh and the
 // openssl CLI (a second CA, an expired and a role-less certificate), raw
 // gtopk.v1 stubs and WorkerClients as callers.
+#include "common/transport_security.h"
+
 #include <prometheus/registry.h>
 
 #include <cstdlib>
@@ -17,7 +19,6 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/grpc_edge.h"
-#include "common/transport_security.h"
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
@@ -70,8 +71,8 @@ class Certs {
  private:
   Certs() {
     const std::string d = dir_.path();
-    const std::string script = absl::StrCat(GTOPK_SOURCE_DIR,
-                                            "/deploy/tls/make-certs.sh");
+    const std::string script =
+        absl::StrCat(GTOPK_SOURCE_DIR, "/deploy/tls/make-certs.sh");
     const std::string extra = absl::StrCat(d, "/extra.sh");
     std::ofstream(extra) << R"(set -e
 c=$1
@@ -106,8 +107,7 @@ openssl ca -batch -config db/ca.cnf -cert ca.crt -keyfile ca.key \
     // The object lives until exit (Get leaks it); TempDir removes files
     // only, so remove the tree at exit.
     static std::string* tree = new std::string(d);
-    std::atexit(
-        [] { std::system(absl::StrCat("rm -rf ", *tree).c_str()); });
+    std::atexit([] { std::system(absl::StrCat("rm -rf ", *tree).c_str()); });
   }
   gtopk::testing::TempDir dir_{"transport_security_certs"};
   bool ok_ = false;
@@ -157,8 +157,8 @@ std::shared_ptr<grpc::Channel> SslChannel(const std::string& address,
   return grpc::CreateChannel(address, grpc::SslCredentials(ssl));
 }
 
-std::unique_ptr<grpc::ClientContext> Context(absl::Duration timeout =
-                                                 absl::Seconds(5)) {
+std::unique_ptr<grpc::ClientContext> Context(
+    absl::Duration timeout = absl::Seconds(5)) {
   auto c = std::make_unique<grpc::ClientContext>();
   c->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   return c;
@@ -202,11 +202,11 @@ class TransportSecurityTest : public ::testing::Test {
   // One mTLS shard (shard-0's certificate) with its own registry.
   void StartMutual(uint32_t workers = 2) {
     ServerConfig c = BaseConfig(1, workers);
-    c.security = LoadOrDie(Mutual("shard-0.crt", "shard-0.key"),
-                           SecurityRole::kServer);
+    c.security =
+        LoadOrDie(Mutual("shard-0.crt", "shard-0.key"), SecurityRole::kServer);
     c.metrics_registry = registry_;
-    auto s = AggregatorServer::Start(std::move(c), "127.0.0.1:0",
-                                     "127.0.0.1:0");
+    auto s =
+        AggregatorServer::Start(std::move(c), "127.0.0.1:0", "127.0.0.1:0");
     ASSERT_TRUE(s.ok()) << s.status();
     server_ = *std::move(s);
   }
@@ -249,9 +249,8 @@ TEST_F(TransportSecurityTest, HandshakeRejectsMissingForeignAndExpiredCerts) {
   for (const Case& k : cases) {
     SCOPED_TRACE(k.what);
     const absl::Time start = absl::Now();
-    auto joined = Join(*SslChannel(server_->address(), k.cert, k.key,
-                                   c.Path("ca.crt")),
-                       0);
+    auto joined = Join(
+        *SslChannel(server_->address(), k.cert, k.key, c.Path("ca.crt")), 0);
     EXPECT_THAT(joined.status(), StatusIs(absl::StatusCode::kUnavailable));
     // Refused by the handshake, well before the 5 s deadline.
     EXPECT_LT(absl::Now() - start, absl::Seconds(4));
@@ -274,9 +273,8 @@ TEST_F(TransportSecurityTest, CertificateWithoutRoleIsDenied) {
 TEST_F(TransportSecurityTest, RankCertificateJoinsOnlyAsItsRank) {
   StartMutual();
   auto joined = Join(*As("worker-1"), 0);
-  EXPECT_THAT(joined.status(),
-              StatusIs(absl::StatusCode::kPermissionDenied,
-                       HasSubstr("may act only as rank 1")));
+  EXPECT_THAT(joined.status(), StatusIs(absl::StatusCode::kPermissionDenied,
+                                        HasSubstr("may act only as rank 1")));
   // Rank 0 was not given out by the refused Join.
   auto any = Join(*As("worker"), -1);
   ASSERT_TRUE(any.ok()) << any.status();
@@ -295,7 +293,7 @@ TEST_F(TransportSecurityTest, PushAsAnotherRankIsRefusedAndNothingApplied) {
   auto stream = stub->PushPull(context.get());
   v1::Push push;
   push.set_step(0);
-  push.set_worker(0);
+  push.set_rank(0);
   push.set_shard_id(0);
   push.set_member_token(rank0->member_token());
   push.set_cluster_fingerprint(rank0->cluster().cluster_fingerprint());
@@ -390,23 +388,20 @@ TEST_F(TransportSecurityTest, TlsClientAgainstPlaintextServerFailsFast) {
 
 TEST_F(TransportSecurityTest, HealthPortIsPlaintextAndServesHealthOnly) {
   StartMutual();
-  const std::string health =
-      absl::StrCat("127.0.0.1:", server_->health_port());
+  const std::string health = absl::StrCat("127.0.0.1:", server_->health_port());
   absl::StatusOr<bool> plain = CheckHealth(health, absl::Seconds(5));
   ASSERT_TRUE(plain.ok()) << plain.status();
   EXPECT_TRUE(*plain);
   // The main port needs a certificate for the health check too...
   EXPECT_FALSE(CheckHealth(server_->address(), absl::Seconds(2)).ok());
-  absl::StatusOr<bool> mutual =
-      CheckHealth(server_->address(), absl::Seconds(5), "",
-                  LoadOrDie(Mutual("shard-0.crt", "shard-0.key"),
-                            SecurityRole::kServer));
+  absl::StatusOr<bool> mutual = CheckHealth(
+      server_->address(), absl::Seconds(5), "",
+      LoadOrDie(Mutual("shard-0.crt", "shard-0.key"), SecurityRole::kServer));
   ASSERT_TRUE(mutual.ok()) << mutual.status();
   EXPECT_TRUE(*mutual);
   // ...and the health port has no Aggregator service.
-  auto joined = Join(*grpc::CreateChannel(health,
-                                          grpc::InsecureChannelCredentials()),
-                     0);
+  auto joined =
+      Join(*grpc::CreateChannel(health, grpc::InsecureChannelCredentials()), 0);
   EXPECT_THAT(joined.status(), StatusIs(absl::StatusCode::kUnimplemented));
 }
 
@@ -456,12 +451,12 @@ TEST_F(TokenTest, RightTokenJoins) {
 }
 
 TEST_F(TokenTest, MissingOrWrongTokenIsUnauthenticatedCountedNothingApplied) {
-  EXPECT_THAT(Join(*WithToken(""), -1).status(),
-              StatusIs(absl::StatusCode::kUnauthenticated,
-                       HasSubstr("missing token")));
-  EXPECT_THAT(Join(*WithToken(wrong_token_), -1).status(),
-              StatusIs(absl::StatusCode::kUnauthenticated,
-                       HasSubstr("wrong token")));
+  EXPECT_THAT(
+      Join(*WithToken(""), -1).status(),
+      StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("missing token")));
+  EXPECT_THAT(
+      Join(*WithToken(wrong_token_), -1).status(),
+      StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("wrong token")));
   EXPECT_EQ(AuthFailures(*registry_, "unauthenticated"), 2);
   // The refused Joins took no rank: the next one gets rank 0.
   auto joined = Join(*WithToken(Certs::Get().Path("token")), -1);
@@ -493,9 +488,9 @@ TEST(TransportSecurityLoadTest, BadFilesAreClearErrors) {
                        HasSubstr("--tls-cert=/nonexistent/cert.pem: cannot "
                                  "be read")));
   o = Mutual("expired.crt", "expired.key");
-  EXPECT_THAT(TransportSecurity::Load(o, SecurityRole::kWorker).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("has expired")));
+  EXPECT_THAT(
+      TransportSecurity::Load(o, SecurityRole::kWorker).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("has expired")));
   o = Mutual("worker.crt", "worker.key");
   o.cert_file = c.Other("worker.crt");
   o.key_file = c.Other("worker.key");
@@ -530,7 +525,8 @@ TEST_F(TransportSecurityTest, TwoShardClusterTrainsOverMutualTls) {
   // Shard 1's address must be known to the leader up front.
   auto ports = PickFreePorts(1);
   ASSERT_TRUE(ports.ok()) << ports.status();
-  std::vector<std::string> peers = {"", absl::StrCat("127.0.0.1:", (*ports)[0])};
+  std::vector<std::string> peers = {"",
+                                    absl::StrCat("127.0.0.1:", (*ports)[0])};
   for (uint32_t s = 0; s < kShards; ++s) {
     ServerConfig c = BaseConfig(kShards, kWorkers);
     c.shard_id = s;
@@ -539,8 +535,8 @@ TEST_F(TransportSecurityTest, TwoShardClusterTrainsOverMutualTls) {
     c.security = LoadOrDie(Mutual(absl::StrCat("shard-", s, ".crt"),
                                   absl::StrCat("shard-", s, ".key")),
                            SecurityRole::kServer);
-    auto server = AggregatorServer::Start(
-        std::move(c), s == 0 ? "127.0.0.1:0" : peers[s]);
+    auto server = AggregatorServer::Start(std::move(c),
+                                          s == 0 ? "127.0.0.1:0" : peers[s]);
     ASSERT_TRUE(server.ok()) << server.status();
     if (s == 0) peers[0] = (*server)->address();
     shards.push_back(*std::move(server));

@@ -142,12 +142,12 @@ class LocalCluster {
     std::vector<float> out(n, 0.0f);
     int64_t step = -2;
     for (size_t s = 0; s < peers_.size(); ++s) {
-      auto stub = v1::Aggregator::NewStub(grpc::CreateChannel(
-          peers_[s], grpc::InsecureChannelCredentials()));
+      auto stub = v1::Aggregator::NewStub(
+          grpc::CreateChannel(peers_[s], grpc::InsecureChannelCredentials()));
       grpc::ClientContext ctx;
       ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
       v1::DownloadParamsRequest req;
-      req.set_worker(rank);
+      req.set_rank(rank);
       auto reader = stub->DownloadParams(&ctx, req);
       v1::ParamsChunk chunk;
       while (reader->Read(&chunk)) {

@@ -32,7 +32,6 @@
 namespace gtopk {
 namespace testing_process {
 
-
 // A child gtopk-server. The destructor kills it (SIGKILL) if still running.
 class ServerProcess {
  public:
@@ -113,12 +112,10 @@ using ::gtopk::testing::BitEqual;  // tests/testing/reference.h
 // with `workers` workers: checkpoints in `dir` every `checkpoint_every`
 // steps, density 0.01, plaintext (--tls=off, said explicitly: --tls is
 // required), then `extra`.
-inline std::vector<std::string> ServerArgs(const std::vector<std::string>& peers,
-                                    int shard, int workers,
-                                    const std::string& dir,
-                                    absl::string_view step_timeout,
-                                    int checkpoint_every,
-                                    std::vector<std::string> extra = {}) {
+inline std::vector<std::string> ServerArgs(
+    const std::vector<std::string>& peers, int shard, int workers,
+    const std::string& dir, absl::string_view step_timeout,
+    int checkpoint_every, std::vector<std::string> extra = {}) {
   std::vector<std::string> args = {
       absl::StrCat("--listen=", peers[shard]),
       absl::StrCat("--shard-id=", shard),
@@ -157,11 +154,11 @@ inline std::string MakeTempDir(const std::string& name) {
   return path;
 }
 
-
 // Spawn and friends: child processes with their output in a log file.
 // A child process with stdout and stderr appended to `log`.
-inline pid_t Spawn(const std::string& binary, const std::vector<std::string>& args,
-            const std::string& log) {
+inline pid_t Spawn(const std::string& binary,
+                   const std::vector<std::string>& args,
+                   const std::string& log) {
   const pid_t pid = fork();
   if (pid == 0) {
     const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);

@@ -136,9 +136,10 @@ TEST(CancellationTest, StepWaitingForAPeerReturnsCancelledAndAppliesNothing) {
       client = WorkerClient::Connect(o);
     } while (!client.ok() && absl::Now() < join_deadline);
     ASSERT_TRUE(client.ok()) << client.status();
-    GTOPK_ASSERT_OK((*client)->SynchronizeParameters(
-                                 absl::MakeSpan(joined.params[0]))
-                        .status());
+    GTOPK_ASSERT_OK(
+        (*client)
+            ->SynchronizeParameters(absl::MakeSpan(joined.params[0]))
+            .status());
     std::vector<float> gradient(kN, 0.0f);
     gradient[3] = 2.0f;
     const std::vector<float> before = joined.params[0];
@@ -152,9 +153,9 @@ TEST(CancellationTest, StepWaitingForAPeerReturnsCancelledAndAppliesNothing) {
     EXPECT_THAT(stats.status(), StatusIs(absl::StatusCode::kCancelled));
     EXPECT_LT(absl::Now() - start, kPrompt);
     EXPECT_EQ((*client)->next_step(), step);
-    EXPECT_EQ(std::memcmp(before.data(), joined.params[0].data(),
-                          kN * sizeof(float)),
-              0);
+    EXPECT_EQ(
+        std::memcmp(before.data(), joined.params[0].data(), kN * sizeof(float)),
+        0);
     // lr * gradient, kept for the next attempt.
     EXPECT_EQ((*client)->residual()[3], 0.1f * 2.0f);
     EXPECT_EQ(o.cancellation->registered(), 0u);
@@ -255,13 +256,12 @@ TEST(RecoverTest, RecoverWaitsForARestartingLeader) {
   // Worker 0 steps alone: DEADLINE_EXCEEDED after the step timeout.
   std::vector<float> gradient(kN, 1.0f);
   EXPECT_FALSE(
-      joined.clients[0]->Step(gradient, absl::MakeSpan(joined.params[0]))
-          .ok());
+      joined.clients[0]->Step(gradient, absl::MakeSpan(joined.params[0])).ok());
   absl::StatusOr<int64_t> recovered;
   absl::Duration took;
   std::thread recoverer;
-  GTOPK_ASSERT_OK((*cluster_or)->RestartShard(
-      0, /*write_checkpoint=*/true, [&] {
+  GTOPK_ASSERT_OK(
+      (*cluster_or)->RestartShard(0, /*write_checkpoint=*/true, [&] {
         // The leader is down: Recover starts now and must wait for it.
         recoverer = std::thread([&] {
           const absl::Time start = absl::Now();

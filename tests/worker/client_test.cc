@@ -33,7 +33,10 @@ constexpr uint64_t kN = 100;
 class FakeShard final : public v1::Aggregator::Service {
  public:
   enum class Behaviour {
-    kEcho, kStall, kAbort, kWrongStep,
+    kEcho,
+    kStall,
+    kAbort,
+    kWrongStep,
     kTooLarge,  // gRPC's own refusal of an oversized message
     kRefused,   // RESOURCE_EXHAUSTED for another reason (a server bound)
   };
@@ -263,8 +266,8 @@ TEST_F(ClientFakeTest, ServerStatusKeepsItsCodeAndNamesTheShard) {
                                               "): step 0 failed on shard 0"))));
   EXPECT_EQ(params, std::vector<float>(kN, 0.0f));
   fake_.behaviour = FakeShard::Behaviour::kEcho;
-  GTOPK_ASSERT_OK(client_->Step(std::vector<float>(kN, 0.0f),
-                                absl::MakeSpan(params)));
+  GTOPK_ASSERT_OK(
+      client_->Step(std::vector<float>(kN, 0.0f), absl::MakeSpan(params)));
   const std::vector<float> u = Ramp(1.0f);
   for (uint64_t i = 0; i < kN; ++i) {
     EXPECT_EQ(params[i], i >= 90 ? -u[i] : 0.0f) << i;
@@ -296,9 +299,9 @@ TEST_F(ClientFakeTest, MalformedPullIsInternalAndNotApplied) {
   Connect();
   std::vector<float> params(kN, 0.0f);
   fake_.behaviour = FakeShard::Behaviour::kWrongStep;
-  EXPECT_THAT(client_->Step(Ramp(1.0f), absl::MakeSpan(params)).status(),
-              StatusIs(absl::StatusCode::kInternal,
-                       HasSubstr("pull is for step 1")));
+  EXPECT_THAT(
+      client_->Step(Ramp(1.0f), absl::MakeSpan(params)).status(),
+      StatusIs(absl::StatusCode::kInternal, HasSubstr("pull is for step 1")));
   EXPECT_EQ(params, std::vector<float>(kN, 0.0f));
   EXPECT_EQ(client_->next_step(), 0);
 }
@@ -312,8 +315,9 @@ TEST_F(ClientFakeTest, WrongLengthsAreRejectedBeforeAnything) {
                        HasSubstr("gradient has 99 values")));
   std::vector<float> nan_grad(kN, 0.0f);
   nan_grad[3] = NAN;
-  EXPECT_THAT(client_->Step(nan_grad, absl::MakeSpan(params)).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("gradient")));
+  EXPECT_THAT(
+      client_->Step(nan_grad, absl::MakeSpan(params)).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("gradient")));
   EXPECT_EQ(fake_.pushes.load(), 0);
 }
 
@@ -367,8 +371,7 @@ TEST_F(ClientFakeTest, ImportedStateContinuesBitIdentically) {
   ASSERT_TRUE(client_->Step(Ramp(3.0f), absl::MakeSpan(scratch)).ok());
   GTOPK_ASSERT_OK(client_->ImportState(saved));
   ASSERT_TRUE(client_->Step(Ramp(0.5f), absl::MakeSpan(params_b)).ok());
-  EXPECT_EQ(std::memcmp(params.data(), params_b.data(), kN * sizeof(float)),
-            0);
+  EXPECT_EQ(std::memcmp(params.data(), params_b.data(), kN * sizeof(float)), 0);
   GTOPK_ASSERT_OK_AND_ASSIGN(WorkerState a, original->ExportState());
   GTOPK_ASSERT_OK_AND_ASSIGN(WorkerState b, client_->ExportState());
   EXPECT_EQ(a.residual, b.residual);
@@ -385,9 +388,9 @@ TEST_F(ClientFakeTest, ImportStateRejectsBadStateAndChangesNothing) {
                        HasSubstr("residual has 99 values")));
   bad = good;
   bad.velocity[7] = INFINITY;
-  EXPECT_THAT(client_->ImportState(bad),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("velocity")));
+  EXPECT_THAT(
+      client_->ImportState(bad),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("velocity")));
   bad = good;
   bad.residual[0] = 5.0f;
   bad.next_step = 4;

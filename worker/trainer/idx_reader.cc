@@ -67,9 +67,9 @@ absl::StatusOr<std::vector<uint8_t>> ReadAll(const std::string& path) {
       int errnum = 0;
       const char* msg = gzerror(f, &errnum);
       if (errnum != Z_OK) {
-        status = absl::DataLossError(absl::StrCat(
-            path, ": truncated or corrupt gzip stream (",
-            msg ? msg : "unknown error", ")"));
+        status = absl::DataLossError(
+            absl::StrCat(path, ": truncated or corrupt gzip stream (",
+                         msg ? msg : "unknown error", ")"));
       }
       break;
     }
@@ -89,17 +89,17 @@ absl::Status CheckMagic(const std::string& path,
                         const std::vector<uint8_t>& data, uint32_t want,
                         size_t header_bytes) {
   if (data.size() < header_bytes) {
-    return absl::DataLossError(absl::StrCat(
-        path, ": truncated IDX header (", data.size(), " bytes, need ",
-        header_bytes, ")"));
+    return absl::DataLossError(absl::StrCat(path, ": truncated IDX header (",
+                                            data.size(), " bytes, need ",
+                                            header_bytes, ")"));
   }
   const uint32_t magic = BigEndian32(data.data());
   if (magic != want) {
-    return absl::DataLossError(absl::StrCat(
-        path, ": wrong IDX magic 0x", absl::Hex(magic, absl::kZeroPad8),
-        ", expected 0x", absl::Hex(want, absl::kZeroPad8),
-        " (not a Fashion-MNIST ",
-        want == kImagesMagic ? "image" : "label", " file)"));
+    return absl::DataLossError(
+        absl::StrCat(path, ": wrong IDX magic 0x",
+                     absl::Hex(magic, absl::kZeroPad8), ", expected 0x",
+                     absl::Hex(want, absl::kZeroPad8), " (not a Fashion-MNIST ",
+                     want == kImagesMagic ? "image" : "label", " file)"));
   }
   return absl::OkStatus();
 }
@@ -112,9 +112,9 @@ absl::Status CheckPayload(const std::string& path, uint64_t have,
                                             have));
   }
   if (have > want) {
-    return absl::DataLossError(absl::StrCat(
-        path, ": ", have - want, " unexpected bytes after the ", want,
-        " payload bytes the header announces"));
+    return absl::DataLossError(
+        absl::StrCat(path, ": ", have - want, " unexpected bytes after the ",
+                     want, " payload bytes the header announces"));
   }
   return absl::OkStatus();
 }
@@ -166,8 +166,8 @@ absl::StatusOr<IdxLabels> ReadIdxLabels(const std::string& path) {
   for (size_t i = 0; i < labels.labels.size(); ++i) {
     if (labels.labels[i] > 9) {
       return absl::InvalidArgumentError(
-          absl::StrCat(path, ": label ", int{labels.labels[i]}, " at index ",
-                       i, " is out of range 0..9"));
+          absl::StrCat(path, ": label ", int{labels.labels[i]}, " at index ", i,
+                       " is out of range 0..9"));
     }
   }
   return labels;
@@ -190,9 +190,9 @@ absl::StatusOr<IdxDataset> ReadIdxDataset(const std::string& images_path,
   absl::StatusOr<IdxLabels> labels = ReadIdxLabels(labels_path);
   if (!labels.ok()) return labels.status();
   if (images->count != labels->labels.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        images_path, " has ", images->count, " images but ", labels_path,
-        " has ", labels->labels.size(), " labels"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(images_path, " has ", images->count, " images but ",
+                     labels_path, " has ", labels->labels.size(), " labels"));
   }
   d.images = *std::move(images);
   d.labels = *std::move(labels);

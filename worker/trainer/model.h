@@ -41,9 +41,9 @@ class Model {
   // Forward and backward on `batch` images (normalised floats, batch x 784)
   // with `labels` (batch entries, 0..9); writes the gradient of the mean
   // cross-entropy into `grad` (length n) and returns that loss.
-  virtual absl::StatusOr<float> ComputeGradient(absl::Span<const float> images,
-                                                absl::Span<const int64_t> labels,
-                                                absl::Span<float> grad) = 0;
+  virtual absl::StatusOr<float> ComputeGradient(
+      absl::Span<const float> images, absl::Span<const int64_t> labels,
+      absl::Span<float> grad) = 0;
   // Forward only, in chunks; the images are normalised floats (count x 784).
   virtual EvalResult Evaluate(absl::Span<const float> images,
                               absl::Span<const int64_t> labels) = 0;

@@ -35,8 +35,10 @@ class TorchModel final : public Model {
                      : torch::Device(torch::kCPU)) {
     std::vector<ParamShape> shapes;
     if (kind == Kind::kMlp) {
-      shapes = {{{256, kImagePixels}, kImagePixels}, {{256}, kImagePixels},
-                {{kClasses, 256}, 256},              {{kClasses}, 256}};
+      shapes = {{{256, kImagePixels}, kImagePixels},
+                {{256}, kImagePixels},
+                {{kClasses, 256}, 256},
+                {{kClasses}, 256}};
     } else {
       shapes = {{{32, 1, 5, 5}, 25},       {{32}, 25},
                 {{64, 32, 5, 5}, 32 * 25}, {{64}, 32 * 25},
@@ -51,9 +53,9 @@ class TorchModel final : public Model {
     torch::NoGradGuard no_grad;
     size_t offset = 0;
     for (const ParamShape& s : shapes) {
-      torch::Tensor t = torch::from_blob(flat_.data() + offset, s.shape,
-                                         torch::TensorOptions().dtype(
-                                             torch::kFloat32));
+      torch::Tensor t =
+          torch::from_blob(flat_.data() + offset, s.shape,
+                           torch::TensorOptions().dtype(torch::kFloat32));
       const double bound = 1.0 / std::sqrt(static_cast<double>(s.fan_in));
       t.uniform_(-bound, bound);
       t.requires_grad_(true);
@@ -70,8 +72,7 @@ class TorchModel final : public Model {
       int64_t at = 0;
       for (torch::Tensor& p : params_) {
         const int64_t count = p.numel();
-        torch::Tensor view =
-            flat_device_.narrow(0, at, count).view(p.sizes());
+        torch::Tensor view = flat_device_.narrow(0, at, count).view(p.sizes());
         view.requires_grad_(true);
         p = view;
         at += count;
@@ -117,9 +118,9 @@ class TorchModel final : public Model {
       return Model::ComputeGradientOnDevice(images, labels, device_grad);
     }
     if (batch == 0 || images.size() != labels.size() * kImagePixels) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "ComputeGradientOnDevice: batch of ", labels.size(), " labels, ",
-          images.size(), " pixels"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("ComputeGradientOnDevice: batch of ", labels.size(),
+                       " labels, ", images.size(), " pixels"));
     }
     for (torch::Tensor& p : params_) p.mutable_grad() = torch::Tensor();
     torch::Tensor loss = torch::nll_loss(Forward(Input(images, batch)),
@@ -149,10 +150,10 @@ class TorchModel final : public Model {
     const int64_t batch = static_cast<int64_t>(labels.size());
     if (batch == 0 || images.size() != labels.size() * kImagePixels ||
         grad.size() != n_) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "ComputeGradient: batch of ", labels.size(), " labels, ",
-          images.size(), " pixels, gradient of ", grad.size(),
-          " (n = ", n_, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("ComputeGradient: batch of ", labels.size(), " labels, ",
+                       images.size(), " pixels, gradient of ", grad.size(),
+                       " (n = ", n_, ")"));
     }
     for (torch::Tensor& p : params_) p.mutable_grad() = torch::Tensor();
     torch::Tensor x = Input(images, batch);
@@ -184,13 +185,12 @@ class TorchModel final : public Model {
     int64_t correct = 0;
     for (int64_t begin = 0; begin < total; begin += kChunk) {
       const int64_t count = std::min(kChunk, total - begin);
-      torch::Tensor x = Input(images.subspan(begin * kImagePixels,
-                                             count * kImagePixels),
-                              count);
+      torch::Tensor x = Input(
+          images.subspan(begin * kImagePixels, count * kImagePixels), count);
       torch::Tensor y = Labels(labels.data() + begin, count);
       torch::Tensor logp = Forward(x);
-      loss_sum += torch::nll_loss(logp, y, {}, at::Reduction::Sum)
-                      .item<double>();
+      loss_sum +=
+          torch::nll_loss(logp, y, {}, at::Reduction::Sum).item<double>();
       correct += logp.argmax(1).eq(y).sum().item<int64_t>();
     }
     EvalResult r;
@@ -203,22 +203,21 @@ class TorchModel final : public Model {
 
  private:
   torch::Tensor Input(absl::Span<const float> images, int64_t batch) {
-    torch::Tensor x = torch::from_blob(const_cast<float*>(images.data()),
-                                       {batch, 1, kImageSide, kImageSide},
-                                       torch::kFloat32);
+    torch::Tensor x =
+        torch::from_blob(const_cast<float*>(images.data()),
+                         {batch, 1, kImageSide, kImageSide}, torch::kFloat32);
     return device_.is_cuda() ? x.to(device_) : x;
   }
   torch::Tensor Labels(const int64_t* labels, int64_t count) {
-    torch::Tensor y = torch::from_blob(const_cast<int64_t*>(labels), {count},
-                                       torch::kInt64);
+    torch::Tensor y =
+        torch::from_blob(const_cast<int64_t*>(labels), {count}, torch::kInt64);
     return device_.is_cuda() ? y.to(device_) : y;
   }
   // flat_ (host) -> the device parameters.
   void UploadFlat() {
     torch::NoGradGuard no_grad;
-    flat_device_.copy_(torch::from_blob(flat_.data(),
-                                        {static_cast<int64_t>(flat_.size())},
-                                        torch::kFloat32));
+    flat_device_.copy_(torch::from_blob(
+        flat_.data(), {static_cast<int64_t>(flat_.size())}, torch::kFloat32));
   }
 
   // Log-probabilities, batch x 10.
@@ -241,8 +240,8 @@ class TorchModel final : public Model {
   const Kind kind_;
   const torch::Device device_;
   std::vector<float> flat_;
-  torch::Tensor flat_device_;  // cuda: the parameters' storage
-  torch::Tensor grad_device_;  // cuda: the flat gradient
+  torch::Tensor flat_device_;          // cuda: the parameters' storage
+  torch::Tensor grad_device_;          // cuda: the flat gradient
   std::vector<torch::Tensor> params_;  // views into flat_
 };
 
@@ -332,10 +331,12 @@ absl::StatusOr<std::unique_ptr<Model>> MakeTorchModel(const std::string& name,
         "--device=cuda: this libtorch has no CUDA or sees no CUDA device");
   }
   if (name == "mlp") {
-    return std::unique_ptr<Model>(new TorchModel(TorchModel::Kind::kMlp, seed, cuda));
+    return std::unique_ptr<Model>(
+        new TorchModel(TorchModel::Kind::kMlp, seed, cuda));
   }
   if (name == "cnn") {
-    return std::unique_ptr<Model>(new TorchModel(TorchModel::Kind::kCnn, seed, cuda));
+    return std::unique_ptr<Model>(
+        new TorchModel(TorchModel::Kind::kCnn, seed, cuda));
   }
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown model \"", name, "\"; expected mlp, cnn or synthetic:N"));

@@ -19,7 +19,7 @@ std::string Seconds(absl::Duration d) {
 }  // namespace
 
 absl::StatusOr<int64_t> Recovery::AfterFailure(absl::Status failure,
-                                             const std::string& what) {
+                                               const std::string& what) {
   const absl::Time now = absl::Now();
   if (!failing_) {
     failing_ = true;
@@ -44,13 +44,12 @@ absl::StatusOr<int64_t> Recovery::AfterFailure(absl::Status failure,
     const bool precondition_again =
         code == absl::StatusCode::kFailedPrecondition && !from_recover &&
         precondition_recovered_;
-    const bool retryable =
-        code == absl::StatusCode::kAborted ||
-        code == absl::StatusCode::kDeadlineExceeded ||
-        code == absl::StatusCode::kUnavailable ||
-        code == absl::StatusCode::kCancelled ||
-        (code == absl::StatusCode::kFailedPrecondition && !from_recover &&
-         !precondition_again);
+    const bool retryable = code == absl::StatusCode::kAborted ||
+                           code == absl::StatusCode::kDeadlineExceeded ||
+                           code == absl::StatusCode::kUnavailable ||
+                           code == absl::StatusCode::kCancelled ||
+                           (code == absl::StatusCode::kFailedPrecondition &&
+                            !from_recover && !precondition_again);
     const absl::Duration elapsed = absl::Now() - first_failure_;
     // No Recover call unless it can get the leader's full answer (the
     // leader waits up to one step timeout for the shards).

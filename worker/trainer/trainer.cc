@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <ctime>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <fstream>
 #include <memory>
 #include <numeric>
@@ -17,13 +17,13 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/match.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
@@ -72,8 +72,8 @@ absl::StatusOr<uint64_t> SyntheticSize(const std::string& model) {
   uint64_t n = 0;
   if (!absl::SimpleAtoi(model.substr(sizeof(kPrefix) - 1), &n) || n < 1 ||
       n > (uint64_t{1} << 32)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--model=", model, ": synthetic:N needs 1 <= N <= 2^32"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--model=", model, ": synthetic:N needs 1 <= N <= 2^32"));
   }
   return n;
 }
@@ -226,7 +226,7 @@ absl::StatusOr<std::unique_ptr<Model>> MakeModel(const TrainerOptions& o,
 struct Membership {
   std::unique_ptr<WorkerClient> client;
   uint32_t rank = 0;
-  uint32_t workers = 0;  // P
+  uint32_t workers = 0;      // P
   bool leader_rank = false;  // rank 0: evaluates and prints the progress
   std::unique_ptr<WorkerMetrics> metrics;  // null without a registry
 };
@@ -287,8 +287,8 @@ absl::StatusOr<RunLength> PlanRunLength(const TrainerOptions& o,
         static_cast<int64_t>(train_size) / workers / o.batch_size;
     if (length.steps_per_epoch < 1) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "training set of ", train_size, " samples is too small for ",
-          workers, " workers x --batch-size=", o.batch_size));
+          "training set of ", train_size, " samples is too small for ", workers,
+          " workers x --batch-size=", o.batch_size));
     }
   }
   length.total_steps = o.epochs * length.steps_per_epoch;
@@ -401,8 +401,8 @@ struct StepLog {
     const absl::Time push_start =
         step_call + stats.accumulate + stats.select + stats.encode;
     push_start_unix.push_back(absl::ToUnixMicros(push_start) * 1e-6);
-    pull_end_unix.push_back(
-        absl::ToUnixMicros(push_start + stats.push_wait) * 1e-6);
+    pull_end_unix.push_back(absl::ToUnixMicros(push_start + stats.push_wait) *
+                            1e-6);
     losses.push_back(loss);
     sent_total += static_cast<double>(SumBytes(stats.bytes_sent));
     received_total += static_cast<double>(SumBytes(stats.bytes_received));
@@ -443,9 +443,9 @@ struct Run {
 // Runs steps [first_step, total_steps): the gradient, the client's Step
 // (a failed one recovered and retried, or continued from the step the
 // servers were brought to), the progress line and the evaluations.
-absl::Status TrainSteps(const Run& run, int64_t first_step,
-                        Recovery& recovery, GradientSource& gradients,
-                        Evaluator& evaluator, StepLog& log) {
+absl::Status TrainSteps(const Run& run, int64_t first_step, Recovery& recovery,
+                        GradientSource& gradients, Evaluator& evaluator,
+                        StepLog& log) {
   const TrainerOptions& o = run.o;
   const int64_t steps_per_epoch = run.length.steps_per_epoch;
   const int64_t total_steps = run.length.total_steps;
@@ -627,8 +627,7 @@ std::string SummaryJson(const Run& run, const Outcome& r, const StepLog& log) {
   field("cpu_system_seconds", JsonNumber(cpu_system), false);
   field("step_seconds_p50", JsonNumber(log.StepSecondsP50()), false);
   field("sent_bytes_per_step", JsonNumber(log.sent_total * per), false);
-  field("received_bytes_per_step", JsonNumber(log.received_total * per),
-        false);
+  field("received_bytes_per_step", JsonNumber(log.received_total * per), false);
   field("dense_bytes_per_step", absl::StrCat(uint64_t{4} * n), false);
   field("param_checksum", JsonString(Hex64(r.check.param_checksum)), false);
   field("server_checksum", JsonString(Hex64(r.check.server_checksum)), false);
@@ -668,9 +667,9 @@ absl::Status WriteSummary(const std::string& summary_json,
     }
   }
   if (std::rename(tmp.c_str(), summary_json.c_str()) != 0) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "--summary-json: cannot rename ", tmp, " to ", summary_json, ": ",
-        std::strerror(errno)));
+    return absl::PermissionDeniedError(
+        absl::StrCat("--summary-json: cannot rename ", tmp, " to ",
+                     summary_json, ": ", std::strerror(errno)));
   }
   return absl::OkStatus();
 }
@@ -697,16 +696,17 @@ absl::Status CheckReplicaChecksums(uint32_t rank, uint64_t param_checksum,
 
 absl::Status ValidateOptions(const TrainerOptions& o) {
   if (o.server.empty()) {
-    return absl::InvalidArgumentError("--server (leader host:port) is required");
+    return absl::InvalidArgumentError(
+        "--server (leader host:port) is required");
   }
   GTOPK_RETURN_IF_ERROR(ValidateHostPort("server", o.server, 1));
   if (o.rank < -1 || o.rank > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--rank must be in [-1, 65535] (-1: any), got ", o.rank));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--rank must be in [-1, 65535] (-1: any), got ", o.rank));
   }
   if (o.batch_size < 1 || o.batch_size > 65536) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--batch-size must be in [1, 65536], got ", o.batch_size));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--batch-size must be in [1, 65536], got ", o.batch_size));
   }
   if (o.epochs < 1) {
     return absl::InvalidArgumentError(
@@ -819,10 +819,9 @@ absl::Status Trainer::Train() {
   const Data& data = local_->data;
   GTOPK_ASSIGN_OR_RETURN(Membership member, JoinCluster(o, model->n()));
   const v1::ClusterSpec& cluster = member.client->cluster();
-  GTOPK_ASSIGN_OR_RETURN(
-      const RunLength length,
-      PlanRunLength(o, cluster, synthetic, data.train.size(), member.workers,
-                    member.leader_rank));
+  GTOPK_ASSIGN_OR_RETURN(const RunLength length,
+                         PlanRunLength(o, cluster, synthetic, data.train.size(),
+                                       member.workers, member.leader_rank));
   const Run run{o,
                 *model,
                 model->params(),

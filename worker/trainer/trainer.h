@@ -23,12 +23,12 @@ namespace worker {
 
 // One field per flag (worker/flags.md); main.cc copies the flags in.
 struct TrainerOptions {
-  std::string server;     // leader host:port
-  int rank = -1;          // -1: any free rank
+  std::string server;         // leader host:port
+  int rank = -1;              // -1: any free rank
   std::string model = "cnn";  // mlp | cnn | synthetic:N
   int64_t batch_size = 32;
   int64_t epochs = 1;
-  int64_t steps = 0;      // 0: epochs * steps_per_epoch; > 0: caps the run
+  int64_t steps = 0;  // 0: epochs * steps_per_epoch; > 0: caps the run
   std::string data_dir;
   int64_t train_limit = 0;  // 0: all
   int64_t test_limit = 0;   // 0: all
@@ -38,7 +38,7 @@ struct TrainerOptions {
   // --cpu-isa, applied by main() before the trainer runs (cpu_isa.h);
   // recorded in the summary.
   std::string cpu_isa = "portable";
-  int64_t compute_ms = 0;   // synthetic only
+  int64_t compute_ms = 0;  // synthetic only
   std::string summary_json;
   std::string device = "cpu";
   absl::Duration rpc_timeout = absl::Seconds(60);
@@ -114,7 +114,6 @@ absl::Status RunTrainer(const TrainerOptions& options);
 absl::Status CheckReplicaChecksums(uint32_t rank, uint64_t param_checksum,
                                    uint64_t server_checksum,
                                    int64_t server_step);
-
 
 }  // namespace worker
 }  // namespace gtopk

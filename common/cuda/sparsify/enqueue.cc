@@ -120,7 +120,7 @@ KernelStatus SparsifierImpl::Final(FinalRule rule, float* u, uint64_t n,
 KernelStatus SparsifierImpl::CandidateExact(float* u, uint64_t n, uint64_t k,
                                             bool zero, cudaStream_t stream) {
   GTOPK_CUDA_RETURN_IF_ERROR(Init(k, /*zero_hist0=*/true, false,
-                                   /*keep_candidates=*/true, stream));
+                                  /*keep_candidates=*/true, stream));
   const int blocks = CandidateBlocks(n);
   for (int level = 0; level < 3; ++level) {
     LaunchHistArray(blocks, stream, cand_val.get(), &st->num_candidates, 0, st,
@@ -177,7 +177,7 @@ KernelStatus SparsifierImpl::ExactFromU(float* u, uint64_t n, uint64_t k,
   GTOPK_CUDA_RETURN_IF_ERROR(
       Collect(u, n, kCollectNextDigit, false, 0, stream, next));
   GTOPK_CUDA_RETURN_IF_ERROR(Gather(u, false, false, true, stream,
-                                     kGatherAlways, Then{kThenFindNext, 0, 0}));
+                                    kGatherAlways, Then{kThenFindNext, 0, 0}));
   if (update_candidates) {
     const int blocks = CandidateBlocks(std::min<uint64_t>(4 * k, n / 8 + 1));
     LaunchHistArray(blocks, stream, cand_val.get(), &st->num_candidates, 0, st,
@@ -253,7 +253,7 @@ KernelStatus SparsifierImpl::CopyOut(uint64_t count, cudaStream_t stream) {
   const uint64_t bytes =
       kOutHeader + out_stride * sizeof(uint32_t) + count * sizeof(float);
   GTOPK_CUDA_CALL_OR_RETURN(cudaMemcpyAsync(host_out.get(), out.get(), bytes,
-                                             cudaMemcpyDeviceToHost, stream));
+                                            cudaMemcpyDeviceToHost, stream));
   pending_count = count;
   return KernelStatus::Ok();
 }
@@ -277,7 +277,7 @@ KernelStatus SparsifierImpl::CompactAtSample(float* u, uint64_t n, bool zero,
       Collect(u, n, kCollectDigit0, false, 0, stream, scan));
   GTOPK_CUDA_RETURN_IF_ERROR(TieWrite(u, n, zero, stream));
   GTOPK_CUDA_RETURN_IF_ERROR(Gather(u, true, zero, /*next_hist=*/true, stream,
-                                     kGatherDgc, Then{kThenFindNext, 0, 0}));
+                                    kGatherDgc, Then{kThenFindNext, 0, 0}));
   return TrimRest(u, n, zero, expected, stream);
 }
 
@@ -286,7 +286,7 @@ KernelStatus SparsifierImpl::SampleThreshold(const float* u, uint64_t n,
                                              ull limit, cudaStream_t stream) {
   const uint64_t sample_size = runs * 16;
   GTOPK_CUDA_RETURN_IF_ERROR(Init(rank, true, false, false, stream,
-                                   /*dgc=*/true));
+                                  /*dgc=*/true));
   hist_u = nullptr;
   // The sample's keys live in cand_idx until the compaction that follows.
   const int sample_blocks = CandidateBlocks(sample_size);

@@ -78,7 +78,7 @@ KernelStatus SparsifierImpl::SelectGaussianK(float* u, uint64_t n,
   }
   // Returns at once when the kernel above compacted.
   GTOPK_CUDA_RETURN_IF_ERROR(Collect(u, n, kCollectNoHist, false, 0, stream,
-                                      in_range, GaussRole::kFirst));
+                                     in_range, GaussRole::kFirst));
   {
     GatedScope correcting(*this, &st->gk_mode, kGaussCorrect);
     GTOPK_CUDA_RETURN_IF_ERROR(
@@ -115,7 +115,7 @@ KernelStatus SparsifierImpl::SelectGaussianK(float* u, uint64_t n,
                        history.gauss_expect_from_u, stream));
     } else {
       GTOPK_CUDA_RETURN_IF_ERROR(ExactFromU(u, n, k, zero, true, stream,
-                                             /*update_candidates=*/true));
+                                            /*update_candidates=*/true));
     }
   }
   exact_enqueued = history.expect_exact;
@@ -153,7 +153,7 @@ KernelStatus SparsifierImpl::ContinueGaussianK(const DeviceState& state,
         check_selected = false;
       } else {
         GTOPK_CUDA_RETURN_IF_ERROR(Final(FinalRule{1, key}, u, n, zero,
-                                          CandidateBlocks(cand_count), stream));
+                                         CandidateBlocks(cand_count), stream));
         check_selected = true;
       }
       info.fell_back = false;
@@ -215,7 +215,7 @@ KernelStatus SparsifierImpl::ContinueGaussianK(const DeviceState& state,
     // overwrote them, and predicts the next pass's, which the next
     // fallback's gated plan then takes.
     GTOPK_CUDA_RETURN_IF_ERROR(ExactFromU(u, n, k, zero, true, stream,
-                                           /*update_candidates=*/true));
+                                          /*update_candidates=*/true));
   }
   return CopyOut(k, stream);
 }

@@ -85,8 +85,7 @@ KernelStatus SparsifierImpl::SelectExact(float* u, uint64_t n,
     return CopyOut(k, stream);
   }
   GTOPK_CUDA_RETURN_IF_ERROR(SampledExact(u, n, k, zero, plan.runs, plan.rank,
-                                           history.exact_expect_from_u,
-                                           stream));
+                                          history.exact_expect_from_u, stream));
   continuation = Continuation::kExact;
   return CopyOut(k, stream);
 }

@@ -72,8 +72,8 @@ KernelStatus SparseUpdater::Upload(const uint32_t* idx, const float* val,
     GTOPK_CUDA_RETURN_IF_ERROR(val_.Allocate(idx_.size()));
   }
   GTOPK_CUDA_CALL_OR_RETURN(cudaMemcpyAsync(idx_.get(), idx,
-                                             count * sizeof(uint32_t),
-                                             cudaMemcpyHostToDevice, stream));
+                                            count * sizeof(uint32_t),
+                                            cudaMemcpyHostToDevice, stream));
   GTOPK_CUDA_CALL_OR_RETURN(cudaMemcpyAsync(
       val_.get(), val, count * sizeof(float), cudaMemcpyHostToDevice, stream));
   return KernelStatus::Ok();

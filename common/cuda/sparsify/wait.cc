@@ -160,7 +160,7 @@ KernelStatus SparsifierImpl::FinishContinuation(
             "]");
   } else {
     GTOPK_CUDA_RETURN_IF_ERROR(gauss ? ContinueGaussianK(*s, stream)
-                                      : ContinueDgc(*s, stream));
+                                     : ContinueDgc(*s, stream));
     GTOPK_CUDA_CALL_OR_RETURN(cudaStreamSynchronize(stream));
     *s = *host_state();
   }
@@ -223,13 +223,13 @@ KernelStatus SparsifierImpl::NonFiniteError(cudaStream_t stream) {
   GTOPK_CUDA_LAUNCH_CHECK();
   ull pos = 0;
   GTOPK_CUDA_CALL_OR_RETURN(cudaMemcpyAsync(&pos, &st->first_non_finite,
-                                             sizeof(ull),
-                                             cudaMemcpyDeviceToHost, stream));
+                                            sizeof(ull), cudaMemcpyDeviceToHost,
+                                            stream));
   GTOPK_CUDA_CALL_OR_RETURN(cudaStreamSynchronize(stream));
   float value = 0.0f;
   if (pos < pending_n) {
-    GTOPK_CUDA_CALL_OR_RETURN(cudaMemcpy(
-        &value, pending_u + pos, sizeof(float), cudaMemcpyDeviceToHost));
+    GTOPK_CUDA_CALL_OR_RETURN(cudaMemcpy(&value, pending_u + pos, sizeof(float),
+                                         cudaMemcpyDeviceToHost));
   }
   return KernelStatus::Error(KernelStatusCode::kInvalidArgument,
                              "selector input has a non-finite value (" +

@@ -1,5 +1,5 @@
-// The CUDA emulator (tests/testing/cuda_emulator/emulator.h) on small kernels of its
-// own: what it computes (thread coordinates, block scans and reductions,
+// The CUDA emulator (tests/testing/cuda_emulator/emulator.h) on small kernels
+// of its own: what it computes (thread coordinates, block scans and reductions,
 // ballots, atomics, grid-stride loops) against plain serial loops, that each
 // check it documents fails the process with its message (death tests), the
 // errors it returns as the CUDA runtime does, its stream semantics, and that
@@ -235,8 +235,8 @@ TEST(EmulatorTest, BlockScanExclusiveSumMatchesASerialLoop) {
   uint32_t* d_array_total = DeviceArray<uint32_t>(blocks);
   uint32_t* d_scalar = DeviceArray<uint32_t>(blocks * kScanThreads);
   uint32_t* d_scalar_total = DeviceArray<uint32_t>(blocks);
-  GTOPK_LAUNCH(ScanKernel, blocks, kScanThreads, nullptr)(
-      d_in, d_array, d_array_total, d_scalar, d_scalar_total);
+  GTOPK_LAUNCH(ScanKernel, blocks, kScanThreads, nullptr)
+  (d_in, d_array, d_array_total, d_scalar, d_scalar_total);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   const std::vector<uint32_t> array = ToHost(d_array, n);
   const std::vector<uint32_t> array_total = ToHost(d_array_total, blocks);
@@ -260,10 +260,10 @@ TEST(EmulatorTest, BlockScanExclusiveSumMatchesASerialLoop) {
     }
     EXPECT_EQ(scalar_total[b], running);
   }
-  for (void* p : {static_cast<void*>(d_in), static_cast<void*>(d_array),
-                  static_cast<void*>(d_array_total),
-                  static_cast<void*>(d_scalar),
-                  static_cast<void*>(d_scalar_total)}) {
+  for (void* p :
+       {static_cast<void*>(d_in), static_cast<void*>(d_array),
+        static_cast<void*>(d_array_total), static_cast<void*>(d_scalar),
+        static_cast<void*>(d_scalar_total)}) {
     EXPECT_EQ(cudaFree(p), cudaSuccess);
   }
 }
@@ -324,11 +324,10 @@ TEST(EmulatorTest, GridStrideLoopAndAtomicsAcrossBlocks) {
   uint32_t* d_in = ToDevice(in);
   uint32_t* d_out = DeviceArray<uint32_t>(n);
   uint32_t* d_visits = ToDevice(std::vector<uint32_t>(n, 0));
-  unsigned long long* d_hist =
-      ToDevice(std::vector<unsigned long long>(16, 0));
+  unsigned long long* d_hist = ToDevice(std::vector<unsigned long long>(16, 0));
   uint32_t* d_min_max = ToDevice(std::vector<uint32_t>{UINT32_MAX, 0});
-  GTOPK_LAUNCH(GridStrideKernel, 5, 64, nullptr)(d_in, n, d_out, d_visits,
-                                                 d_hist, d_min_max);
+  GTOPK_LAUNCH(GridStrideKernel, 5, 64, nullptr)
+  (d_in, n, d_out, d_visits, d_hist, d_min_max);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   const std::vector<uint32_t> out = ToHost(d_out, n);
   const std::vector<uint32_t> visits = ToHost(d_visits, n);
@@ -419,9 +418,9 @@ TEST(EmulatorTest, MemcpyWithAWrongKindOrRangeIsInvalidValue) {
                        cudaMemcpyDeviceToHost),
             cudaErrorInvalidValue);
   // One element past the allocation.
-  EXPECT_EQ(cudaMemcpy(host.data(), d, 101 * sizeof(float),
-                       cudaMemcpyDeviceToHost),
-            cudaErrorInvalidValue);
+  EXPECT_EQ(
+      cudaMemcpy(host.data(), d, 101 * sizeof(float), cudaMemcpyDeviceToHost),
+      cudaErrorInvalidValue);
   EXPECT_EQ(cudaMemcpy(d + 1, host.data(), 100 * sizeof(float),
                        cudaMemcpyHostToDevice),
             cudaErrorInvalidValue);
@@ -429,9 +428,9 @@ TEST(EmulatorTest, MemcpyWithAWrongKindOrRangeIsInvalidValue) {
             cudaErrorInvalidMemcpyDirection);
   EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidMemcpyDirection);
   // In range: fine.
-  EXPECT_EQ(cudaMemcpy(host.data(), d, 100 * sizeof(float),
-                       cudaMemcpyDeviceToHost),
-            cudaSuccess);
+  EXPECT_EQ(
+      cudaMemcpy(host.data(), d, 100 * sizeof(float), cudaMemcpyDeviceToHost),
+      cudaSuccess);
   EXPECT_EQ(cudaFree(d), cudaSuccess);
 }
 
@@ -466,9 +465,9 @@ TEST(EmulatorTest, KernelWritesToPinnedMemoryShowAfterStreamSynchronize) {
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
   float* pinned = nullptr;
-  ASSERT_EQ(cudaMallocHost(reinterpret_cast<void**>(&pinned),
-                           8 * sizeof(float)),
-            cudaSuccess);
+  ASSERT_EQ(
+      cudaMallocHost(reinterpret_cast<void**>(&pinned), 8 * sizeof(float)),
+      cudaSuccess);
   for (int i = 0; i < 8; ++i) pinned[i] = 0.0f;
   GTOPK_LAUNCH(FillKernel, 1, 32, stream)(pinned, 8);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
@@ -489,9 +488,9 @@ TEST(EmulatorTest, CapturedGraphReplaysItsWorkWithCaptureTimeArguments) {
   float* a = DeviceArray<float>(8);
   float* b = DeviceArray<float>(8);
   float* pinned = nullptr;
-  ASSERT_EQ(cudaMallocHost(reinterpret_cast<void**>(&pinned),
-                           8 * sizeof(float)),
-            cudaSuccess);
+  ASSERT_EQ(
+      cudaMallocHost(reinterpret_cast<void**>(&pinned), 8 * sizeof(float)),
+      cudaSuccess);
   for (int i = 0; i < 8; ++i) pinned[i] = -1.0f;
   ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal),
             cudaSuccess);
@@ -556,17 +555,17 @@ TEST(EmulatorTest, AsyncCopyToPageableMemoryIsDoneOnReturn) {
 TEST(EmulatorTest, LegacyStreamWorkIsOrderedOnlyBeforeBlockingStreams) {
   for (const unsigned int flags : {cudaStreamNonBlocking, cudaStreamDefault}) {
     for (const bool memset : {true, false}) {
-      SCOPED_TRACE(::testing::Message()
-                   << (flags == cudaStreamNonBlocking ? "non-blocking"
-                                                      : "blocking")
-                   << (memset ? " cudaMemset" : " cudaMemcpy"));
+      SCOPED_TRACE(
+          ::testing::Message()
+          << (flags == cudaStreamNonBlocking ? "non-blocking" : "blocking")
+          << (memset ? " cudaMemset" : " cudaMemcpy"));
       cudaStream_t stream;
       ASSERT_EQ(cudaStreamCreateWithFlags(&stream, flags), cudaSuccess);
       float* d = DeviceArray<float>(8);
       float* pinned = nullptr;
-      ASSERT_EQ(cudaMallocHost(reinterpret_cast<void**>(&pinned),
-                               8 * sizeof(float)),
-                cudaSuccess);
+      ASSERT_EQ(
+          cudaMallocHost(reinterpret_cast<void**>(&pinned), 8 * sizeof(float)),
+          cudaSuccess);
       const std::vector<float> twos(8, 2.0f);
       if (memset) {
         ASSERT_EQ(cudaMemset(d, 0, 8 * sizeof(float)), cudaSuccess);

@@ -38,7 +38,7 @@ struct CUgraphExec_st {
 struct CUevent_st {
   bool recorded = false;
   bool done = false;
-  uint64_t seq = 0;  // the latest record operation's
+  uint64_t seq = 0;         // the latest record operation's
   uint64_t generation = 0;  // records so far; only the latest one counts
   std::chrono::steady_clock::time_point time;
 };
@@ -83,7 +83,8 @@ Settings& MutableSettings() {
       if (item.empty()) continue;
       const size_t eq = item.find('=');
       const std::string key = item.substr(0, eq);
-      const std::string value = eq == std::string::npos ? "" : item.substr(eq + 1);
+      const std::string value =
+          eq == std::string::npos ? "" : item.substr(eq + 1);
       char* rest = nullptr;
       const unsigned long long number = std::strtoull(value.c_str(), &rest, 10);
       const bool is_number = !value.empty() && rest != nullptr && *rest == 0;
@@ -113,17 +114,17 @@ Settings& MutableSettings() {
     }
     if (!text.empty()) {
       // Say once which schedule ran, so a log shows the settings applied.
-      std::fprintf(stderr,
-                   "gtopk CUDA emulator: order=%s seed=%llu sms=%d "
-                   "memory_bytes=%zu blocks_per_sm=%s (GTOPK_CUDA_EMU=\"%s\")\n",
-                   s.order == OrderKind::kForward
-                       ? "forward"
-                       : (s.order == OrderKind::kReverse ? "reverse" : "shuffle"),
-                   static_cast<unsigned long long>(s.seed), s.sms,
-                   s.memory_bytes,
-                   s.blocks_per_sm > 0 ? std::to_string(s.blocks_per_sm).c_str()
-                                       : "2048-threads-worth",
-                   text.c_str());
+      std::fprintf(
+          stderr,
+          "gtopk CUDA emulator: order=%s seed=%llu sms=%d "
+          "memory_bytes=%zu blocks_per_sm=%s (GTOPK_CUDA_EMU=\"%s\")\n",
+          s.order == OrderKind::kForward
+              ? "forward"
+              : (s.order == OrderKind::kReverse ? "reverse" : "shuffle"),
+          static_cast<unsigned long long>(s.seed), s.sms, s.memory_bytes,
+          s.blocks_per_sm > 0 ? std::to_string(s.blocks_per_sm).c_str()
+                              : "2048-threads-worth",
+          text.c_str());
     }
     return s;
   }();
@@ -148,7 +149,7 @@ struct Allocation {
 };
 
 struct State {
-  std::map<uintptr_t, Allocation> allocations;  // by user address
+  std::map<uintptr_t, Allocation> allocations;              // by user address
   std::deque<std::pair<uintptr_t, Allocation>> quarantine;  // freed, PROT_NONE
   size_t device_bytes = 0;
   uint64_t serial = 0;
@@ -207,7 +208,7 @@ struct Thread {
   const char* file = nullptr;  // barrier site
   int line = 0;
   bool collective = false;  // the barrier is a cub block collective's
-  unsigned mask = 0;  // ballot
+  unsigned mask = 0;        // ballot
   int vote = 0;
   unsigned result = 0;
 };
@@ -428,10 +429,11 @@ bool Release(std::vector<Thread>& threads) {
           (t.line != first_barrier->line ||
            std::strcmp(t.file, first_barrier->file) != 0)) {
         g_run.current = i;
-        Fail("divergent __syncthreads: this thread waits at %s:%d, thread "
-             "%d at %s:%d",
-             t.file, t.line, static_cast<int>(first_barrier - &threads[0]),
-             first_barrier->file, first_barrier->line);
+        Fail(
+            "divergent __syncthreads: this thread waits at %s:%d, thread "
+            "%d at %s:%d",
+            t.file, t.line, static_cast<int>(first_barrier - &threads[0]),
+            first_barrier->file, first_barrier->line);
       }
     }
     if (exited > 0 && first_barrier->collective) {
@@ -439,9 +441,10 @@ bool Release(std::vector<Thread>& threads) {
       // thread's partial would be read unwritten.
       for (int i = 0; i < n; ++i) {
         if (threads[i].wait == Wait::kExited) {
-          Fail("block collective at %s:%d reached while thread %d has "
-               "exited",
-               first_barrier->file, first_barrier->line, i);
+          Fail(
+              "block collective at %s:%d reached while thread %d has "
+              "exited",
+              first_barrier->file, first_barrier->line, i);
         }
       }
     }
@@ -461,9 +464,10 @@ bool Release(std::vector<Thread>& threads) {
         if ((t.mask >> other & 1u) == 0) continue;
         if (other >= lanes) {
           g_run.current = warp * 32 + lane;
-          Fail("__ballot_sync mask 0x%08x names lane %d, which does not exist "
-               "(block of %d threads)",
-               t.mask, other, n);
+          Fail(
+              "__ballot_sync mask 0x%08x names lane %d, which does not exist "
+              "(block of %d threads)",
+              t.mask, other, n);
         }
         const Thread& o = threads[warp * 32 + other];
         if (o.wait == Wait::kExited) {
@@ -477,9 +481,10 @@ bool Release(std::vector<Thread>& threads) {
         }
         if (o.mask != t.mask) {
           g_run.current = warp * 32 + lane;
-          Fail("__ballot_sync masks differ in one warp: 0x%08x and 0x%08x "
-               "(lane %d)",
-               t.mask, o.mask, other);
+          Fail(
+              "__ballot_sync masks differ in one warp: 0x%08x and 0x%08x "
+              "(lane %d)",
+              t.mask, o.mask, other);
         }
         if (o.vote) result |= 1u << other;
       }
@@ -500,14 +505,13 @@ void RunBlock(const std::function<void()>& body, int n) {
   std::vector<Thread> threads(n);
   g_run.threads = &threads;
   for (int i = 0; i < n; ++i) {
-    threads[i].fiber = bctx::fiber(
-        std::allocator_arg, StackAllocator(),
-        [&threads, i, &body](bctx::fiber&& caller) {
-          threads[i].caller = std::move(caller);
-          body();
-          threads[i].wait = Wait::kExited;
-          return std::move(threads[i].caller);
-        });
+    threads[i].fiber = bctx::fiber(std::allocator_arg, StackAllocator(),
+                                   [&threads, i, &body](bctx::fiber&& caller) {
+                                     threads[i].caller = std::move(caller);
+                                     body();
+                                     threads[i].wait = Wait::kExited;
+                                     return std::move(threads[i].caller);
+                                   });
   }
   while (true) {
     for (int i : ThreadOrder(n)) {
@@ -517,9 +521,8 @@ void RunBlock(const std::function<void()>& body, int n) {
       threadIdx = uint3{static_cast<unsigned>(i), 0, 0};
       t.fiber = std::move(t.fiber).resume();
     }
-    if (std::all_of(threads.begin(), threads.end(), [](const Thread& t) {
-          return t.wait == Wait::kExited;
-        })) {
+    if (std::all_of(threads.begin(), threads.end(),
+                    [](const Thread& t) { return t.wait == Wait::kExited; })) {
       break;
     }
     if (!Release(threads)) {
@@ -666,11 +669,12 @@ void CheckSlack(uintptr_t start, const Allocation& a, const char* when) {
   const auto* user = reinterpret_cast<const unsigned char*>(start);
   for (const unsigned char* p = slack; p < user; ++p) {
     if (*p != kSlackCanary) {
-      Fail("write %lld bytes before the start of %s allocation #%llu "
-           "[%p, +%zu) (found %s)",
-           static_cast<long long>(user - p), a.pinned ? "pinned" : "device",
-           static_cast<unsigned long long>(a.serial),
-           reinterpret_cast<const void*>(start), a.bytes, when);
+      Fail(
+          "write %lld bytes before the start of %s allocation #%llu "
+          "[%p, +%zu) (found %s)",
+          static_cast<long long>(user - p), a.pinned ? "pinned" : "device",
+          static_cast<unsigned long long>(a.serial),
+          reinterpret_cast<const void*>(start), a.bytes, when);
     }
   }
 }
@@ -1090,7 +1094,8 @@ void Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
       if (!IsPinned(src, bytes)) {
         if (sync) SyncStream(stream);
         auto staged = std::make_shared<std::vector<char>>(
-            static_cast<const char*>(src), static_cast<const char*>(src) + bytes);
+            static_cast<const char*>(src),
+            static_cast<const char*>(src) + bytes);
         Enqueue(stream, [dst, staged]() {
           std::memcpy(dst, staged->data(), staged->size());
         });
@@ -1099,9 +1104,8 @@ void Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
       break;
     case cudaMemcpyDeviceToHost:
       if (!IsPinned(dst, bytes)) {
-        RunThrough(Enqueue(stream, [dst, src, bytes]() {
-          std::memmove(dst, src, bytes);
-        }));
+        RunThrough(Enqueue(
+            stream, [dst, src, bytes]() { std::memmove(dst, src, bytes); }));
         return;
       }
       break;
@@ -1163,8 +1167,10 @@ cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes,
   }
   if (bytes == 0) return cudaSuccess;
   if (!gtopk::cuda_emu::InDevice(ptr, bytes, false)) {
-    std::fprintf(stderr, "gtopk CUDA emulator: cudaMemset(%p, %zu bytes): "
-                 "not a device range\n", ptr, bytes);
+    std::fprintf(stderr,
+                 "gtopk CUDA emulator: cudaMemset(%p, %zu bytes): "
+                 "not a device range\n",
+                 ptr, bytes);
     return gtopk::cuda_emu::SetError(cudaErrorInvalidValue);
   }
   gtopk::cuda_emu::Enqueue(
@@ -1264,8 +1270,8 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start,
     return gtopk::cuda_emu::SetError(cudaErrorInvalidResourceHandle);
   }
   if (!start->done || !end->done) return cudaErrorNotReady;
-  *ms = std::chrono::duration<float, std::milli>(end->time - start->time)
-            .count();
+  *ms =
+      std::chrono::duration<float, std::milli>(end->time - start->time).count();
   return cudaSuccess;
 }
 
@@ -1283,7 +1289,8 @@ cudaError_t cudaStreamBeginCapture(cudaStream_t stream,
   if (stream == nullptr) {  // the legacy default stream cannot capture
     return gtopk::cuda_emu::SetError(cudaErrorStreamCaptureUnsupported);
   }
-  if (stream->capturing) return gtopk::cuda_emu::SetError(cudaErrorInvalidValue);
+  if (stream->capturing)
+    return gtopk::cuda_emu::SetError(cudaErrorInvalidValue);
   stream->capturing = true;
   stream->capture_invalidated = false;
   stream->captured.clear();

@@ -19,16 +19,16 @@
 // lines), a ballot whose mask names a lane that exited, a deadlock, a
 // BlockScan/BlockReduce used with another block size than its template
 // argument or reached while a thread of the block has exited (each
-// collective call site is its own barrier), a read or write past the end of a cudaMalloc/cudaMallocHost
-// allocation (a guard page right behind the 16-byte-rounded end; the SIGSEGV
-// handler names the allocation), a read or write before its start that
-// leaves the allocation's page-rounding slack (a guard page; the start is on
-// it when the size is a multiple of 4096 bytes), a write into that slack
-// (a canary, checked after every kernel and at free; a read there is not
-// caught), use after cudaFree (freed ranges stay inaccessible for the next
-// 256 frees; the message says "use after free"), a kernel
-// pointer argument that is not device or pinned memory (top-level pointer
-// arguments only: pointers inside a struct argument are not checked), launch
+// collective call site is its own barrier), a read or write past the end of a
+// cudaMalloc/cudaMallocHost allocation (a guard page right behind the
+// 16-byte-rounded end; the SIGSEGV handler names the allocation), a read or
+// write before its start that leaves the allocation's page-rounding slack (a
+// guard page; the start is on it when the size is a multiple of 4096 bytes), a
+// write into that slack (a canary, checked after every kernel and at free; a
+// read there is not caught), use after cudaFree (freed ranges stay inaccessible
+// for the next 256 frees; the message says "use after free"), a kernel pointer
+// argument that is not device or pinned memory (top-level pointer arguments
+// only: pointers inside a struct argument are not checked), launch
 // configurations CUDA rejects (cudaErrorInvalidConfiguration, as the real
 // runtime reports it). Device memory starts as 0xff bytes (NaN floats), so
 // reading what nothing wrote is visible. Work on streams runs as late as
@@ -227,8 +227,7 @@ cudaError_t cudaEventCreate(cudaEvent_t* event);
 cudaError_t cudaEventDestroy(cudaEvent_t event);
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream = nullptr);
 cudaError_t cudaEventSynchronize(cudaEvent_t event);
-cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start,
-                                 cudaEvent_t end);
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end);
 
 // ---------------------------------------------------------------------------
 // Device intrinsics
@@ -356,7 +355,10 @@ class Launcher {
  public:
   Launcher(const char* name, void (*kernel)(P...), dim3 grid, dim3 block,
            cudaStream_t stream)
-      : name_(name), kernel_(kernel), grid_(grid), block_(block),
+      : name_(name),
+        kernel_(kernel),
+        grid_(grid),
+        block_(block),
         stream_(stream) {}
 
   template <typename... A>

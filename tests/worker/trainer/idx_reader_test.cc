@@ -49,7 +49,8 @@ std::vector<uint8_t> LabelsFile(uint32_t count, uint32_t magic = 0x801) {
   std::vector<uint8_t> f;
   PutBE32(&f, magic);
   PutBE32(&f, count);
-  for (uint32_t i = 0; i < count; ++i) f.push_back(static_cast<uint8_t>(i % 10));
+  for (uint32_t i = 0; i < count; ++i)
+    f.push_back(static_cast<uint8_t>(i % 10));
   return f;
 }
 
@@ -128,9 +129,9 @@ TEST_F(IdxReaderTest, RoundTripPlainAndEmpty) {
 }
 
 TEST_F(IdxReaderTest, DatasetPairsImagesAndLabels) {
-  GTOPK_ASSERT_OK_AND_ASSIGN(
-      IdxDataset d, ReadIdxDataset(WriteGz("i.gz", ImagesFile(4)),
-                                   WriteGz("l.gz", LabelsFile(4))));
+  GTOPK_ASSERT_OK_AND_ASSIGN(IdxDataset d,
+                             ReadIdxDataset(WriteGz("i.gz", ImagesFile(4)),
+                                            WriteGz("l.gz", LabelsFile(4))));
   EXPECT_EQ(d.images.count, 4u);
   EXPECT_EQ(d.labels.labels.size(), 4u);
 }
@@ -158,20 +159,17 @@ TEST_F(IdxReaderTest, TruncatedAtSeveralLengths) {
     SCOPED_TRACE(absl::StrCat("length ", len));
     const std::vector<uint8_t> cut(img.begin(), img.begin() + len);
     EXPECT_THAT(ReadIdxImages(WriteGz(absl::StrCat("i", len, ".gz"), cut)),
-                StatusIs(absl::StatusCode::kDataLoss,
-                         HasSubstr("truncated")));
+                StatusIs(absl::StatusCode::kDataLoss, HasSubstr("truncated")));
     EXPECT_THAT(ReadIdxImages(WritePlain(absl::StrCat("p", len), cut)),
-                StatusIs(absl::StatusCode::kDataLoss,
-                         HasSubstr("truncated")));
+                StatusIs(absl::StatusCode::kDataLoss, HasSubstr("truncated")));
   }
   const std::vector<uint8_t> lbl = LabelsFile(10);
-  for (size_t len : {size_t{0}, size_t{7}, size_t{8}, size_t{9},
-                     lbl.size() - 1}) {
+  for (size_t len :
+       {size_t{0}, size_t{7}, size_t{8}, size_t{9}, lbl.size() - 1}) {
     SCOPED_TRACE(absl::StrCat("label length ", len));
     const std::vector<uint8_t> cut(lbl.begin(), lbl.begin() + len);
     EXPECT_THAT(ReadIdxLabels(WriteGz(absl::StrCat("l", len, ".gz"), cut)),
-                StatusIs(absl::StatusCode::kDataLoss,
-                         HasSubstr("truncated")));
+                StatusIs(absl::StatusCode::kDataLoss, HasSubstr("truncated")));
   }
 }
 
@@ -183,8 +181,9 @@ TEST_F(IdxReaderTest, TruncatedGzipStream) {
   for (size_t keep : {raw.size() / 2, raw.size() - 4, size_t{12}}) {
     SCOPED_TRACE(absl::StrCat("keep ", keep));
     const std::vector<uint8_t> cut(raw.begin(), raw.begin() + keep);
-    EXPECT_THAT(ReadIdxImages(WritePlain(absl::StrCat("cut", keep, ".gz"), cut)),
-                StatusIs(absl::StatusCode::kDataLoss));
+    EXPECT_THAT(
+        ReadIdxImages(WritePlain(absl::StrCat("cut", keep, ".gz"), cut)),
+        StatusIs(absl::StatusCode::kDataLoss));
   }
 }
 
@@ -200,9 +199,9 @@ TEST_F(IdxReaderTest, HugeHeaderCountIsRejectedWithoutAllocating) {
 TEST_F(IdxReaderTest, TrailingBytes) {
   std::vector<uint8_t> lbl = LabelsFile(5);
   lbl.push_back(1);
-  EXPECT_THAT(ReadIdxLabels(WriteGz("l.gz", lbl)),
-              StatusIs(absl::StatusCode::kDataLoss,
-                       HasSubstr("1 unexpected bytes")));
+  EXPECT_THAT(
+      ReadIdxLabels(WriteGz("l.gz", lbl)),
+      StatusIs(absl::StatusCode::kDataLoss, HasSubstr("1 unexpected bytes")));
 }
 
 TEST_F(IdxReaderTest, WrongImageSize) {
@@ -229,12 +228,13 @@ TEST_F(IdxReaderTest, CountMismatch) {
 }
 
 TEST_F(IdxReaderTest, MissingFileNamesPathAndPackage) {
-  const std::string path = absl::StrCat(dir_, "/nope/train-images-idx3-ubyte.gz");
-  EXPECT_THAT(ReadIdxImages(path),
-              StatusIs(absl::StatusCode::kNotFound,
-                       AllOf(HasSubstr(path),
-                             HasSubstr("dataset-fashion-mnist"),
-                             HasSubstr("--data-dir"))));
+  const std::string path =
+      absl::StrCat(dir_, "/nope/train-images-idx3-ubyte.gz");
+  EXPECT_THAT(
+      ReadIdxImages(path),
+      StatusIs(absl::StatusCode::kNotFound,
+               AllOf(HasSubstr(path), HasSubstr("dataset-fashion-mnist"),
+                     HasSubstr("--data-dir"))));
   const FashionMnistFiles f = FashionMnistPaths(dir_);
   EXPECT_THAT(ReadIdxDataset(f.train_images, f.train_labels),
               StatusIs(absl::StatusCode::kNotFound,
@@ -242,9 +242,8 @@ TEST_F(IdxReaderTest, MissingFileNamesPathAndPackage) {
 }
 
 TEST_F(IdxReaderTest, DirectoryIsNotAFile) {
-  EXPECT_THAT(ReadIdxImages(dir_),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("not a regular file")));
+  EXPECT_THAT(ReadIdxImages(dir_), StatusIs(absl::StatusCode::kInvalidArgument,
+                                            HasSubstr("not a regular file")));
 }
 
 TEST(IdxReaderInstalledTest, FashionMnistWhenInstalled) {

@@ -1,6 +1,8 @@
 // synthetic:N's gradient (worker/trainer/synthetic_gradient.h): a pure function
 // of (seed, rank, step), each block a pool slice times a sign and a scale,
 // and a top-k that moves from step to step (issue 20).
+#include "worker/trainer/synthetic_gradient.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -9,7 +11,6 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "worker/trainer/synthetic_gradient.h"
 
 namespace gtopk {
 namespace worker {

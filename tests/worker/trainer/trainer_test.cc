@@ -133,16 +133,15 @@ TEST(TrainerTest, PrepareChecksLocallyAndTrainRunsOnce) {
   o.summary_json.clear();
   o.model = "mlp";
   o.data_dir = "/nonexistent/fashion";
-  EXPECT_THAT(Trainer::Prepare(o).status(),
-              StatusIs(absl::StatusCode::kNotFound,
-                       HasSubstr("/nonexistent/fashion")));
+  EXPECT_THAT(
+      Trainer::Prepare(o).status(),
+      StatusIs(absl::StatusCode::kNotFound, HasSubstr("/nonexistent/fashion")));
   o.model = "synthetic:10";
   absl::StatusOr<Trainer> trainer = Trainer::Prepare(o);
   ASSERT_TRUE(trainer.ok()) << trainer.status();
   EXPECT_FALSE(trainer->Train().ok());
-  EXPECT_THAT(trainer->Train(),
-              StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstr("called again")));
+  EXPECT_THAT(trainer->Train(), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                         HasSubstr("called again")));
 }
 
 TEST(TrainerTest, RecoveryTimeoutDefaultsToFourStepTimeouts) {

@@ -1,2 +1,3 @@
-// The CUDA emulator's stand-in for <cuda_runtime.h> (tests/testing/cuda_emulator/emulator.h).
+// The CUDA emulator's stand-in for <cuda_runtime.h>
+// (tests/testing/cuda_emulator/emulator.h).
 #include "tests/testing/cuda_emulator/emulator.h"
