@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/time/clock.h"
@@ -441,34 +442,18 @@ TEST(MembershipTest, RestartedWorkerRejoinsAndTheOldTokenIsRefused) {
   }
 }
 
-// Issue 42's break-it run: while shard 1 restarts, the workers' step fails
-// and they recover; a third client (the any-rank identity: here no TLS)
-// loops Join(rank 1) all the while. Before: worker 1's leader stream ended
-// (the failed round, then its Recover closed it) and nothing kept the rank,
-// so the intruder's Join was granted and worker 1's next Recover was
-// refused "held by another worker". Now a holder whose stream the leader
-// ended, and a holder in Recover, keep the rank reserved; every Join is
-// refused, and both workers step on bit-identical.
-TEST(MembershipTest, RecoveringWorkerKeepsItsRankWhileAShardRestarts) {
-  ::gtopk::testing::TempDir dir("membership_test");
-  ASSERT_FALSE(dir.path().empty());
-  auto started = StartClusterWithCheckpoints(dir.path(), absl::Seconds(3));
-  ASSERT_NE(started, nullptr);
-  LocalCluster& cluster = *started;
-  std::vector<std::unique_ptr<worker::WorkerClient>> clients(kWorkers);
-  std::vector<std::vector<float>> params(kWorkers,
-                                         std::vector<float>(kN, 0.5f));
-  ASSERT_NO_FATAL_FAILURE(ConnectAllAndStepOnce(cluster, clients, params));
-
-  std::atomic<bool> stop{false};
-  std::atomic<int> tried{0};
-  std::atomic<int> granted{0};
-  std::thread intruder;
-  auto start_intruder = [&] {
-    intruder = std::thread([&] {
-      auto stub = v1::Aggregator::NewStub(grpc::CreateChannel(
-          cluster.leader(), grpc::InsecureChannelCredentials()));
-      while (!stop.load()) {
+// A client (the any-rank identity: here no TLS) that loops Join(rank 1) on
+// the leader from Start() until Stop(), counting the Joins tried and those
+// granted.
+class JoinIntruder {
+ public:
+  explicit JoinIntruder(std::string leader) : leader_(std::move(leader)) {}
+  ~JoinIntruder() { Stop(); }
+  void Start() {
+    thread_ = std::thread([this] {
+      auto stub = v1::Aggregator::NewStub(
+          grpc::CreateChannel(leader_, grpc::InsecureChannelCredentials()));
+      while (!stop_.load()) {
         grpc::ClientContext ctx;
         ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
         v1::JoinRequest request;
@@ -476,67 +461,35 @@ TEST(MembershipTest, RecoveringWorkerKeepsItsRankWhileAShardRestarts) {
         request.set_n(kN);
         v1::JoinResponse response;
         const grpc::Status st = stub->Join(&ctx, request, &response);
-        ++tried;
-        if (st.ok()) ++granted;
+        ++tried_;
+        if (st.ok()) ++granted_;
         absl::SleepFor(absl::Milliseconds(20));
       }
     });
-  };
-  // Each worker recovers as gtopk-worker does: Recover again after a
-  // failed one (backoff), within a budget.
-  std::vector<absl::Status> recovered(kWorkers);
-  std::vector<std::thread> recovering;
-  GTOPK_ASSERT_OK(cluster.RestartShard(1, /*write_checkpoint=*/true, [&] {
-    for (const absl::Status& st : StepAll(clients, params, 1)) {
-      EXPECT_FALSE(st.ok());
-    }
-    for (int w = 0; w < kWorkers; ++w) {
-      recovering.emplace_back([&, w] {
-        const absl::Time end = absl::Now() + absl::Seconds(30);
-        absl::Status st;
-        do {
-          st = clients[w]->Recover(absl::MakeSpan(params[w])).status();
-          if (!st.ok()) absl::SleepFor(absl::Milliseconds(300));
-        } while (!st.ok() && absl::Now() < end &&
-                 !absl::IsPermissionDenied(st));
-        recovered[w] = st;
-      });
-    }
-    // The intruder's Joins meet the recovering workers while shard 1 is
-    // down (their Recover fails and is retried). It starts once their
-    // first Recover has reached the leader; the gap before it is the next
-    // test's.
-    absl::SleepFor(absl::Milliseconds(500));
-    start_intruder();
-    absl::SleepFor(absl::Seconds(4));
-  }));
-  for (std::thread& t : recovering) t.join();
-  stop = true;
-  intruder.join();
-  for (int w = 0; w < kWorkers; ++w) {
-    GTOPK_EXPECT_OK(recovered[w]) << "worker " << w;
   }
-  EXPECT_GT(tried.load(), 2);
-  EXPECT_EQ(granted.load(), 0)
-      << "Joins of rank 1 granted to the intruder, of " << tried.load();
-  for (const absl::Status& st : StepAll(clients, params, 1)) {
-    GTOPK_ASSERT_OK(st);
+  void Stop() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
   }
-  EXPECT_TRUE(BitEqual(params[0], params[1]));
-}
+  int tried() const { return tried_.load(); }
+  int granted() const { return granted_.load(); }
 
-// Issue 42, the gap left after the test above: the workers' step fails
-// because shard 1 is down (unreachable after a second), and each worker
-// cuts its leader stream short -- the leader's round still waits for shard
-// 1 -- then calls Recover only after its backoff (here 1.6 s, more than
-// gtopk-worker's longest). The intruder loops Join(rank 1) from before the
-// step. Before: the cancelled leader stream reserved nothing, and the
-// leader counted a cancelled stream as gone while its round was still
-// open, so a Join in the gap took rank 1 and worker 1's Recover was
-// refused "held by another worker". Now a stream cancelled in the middle
-// of a step reserves the rank for its holder, and a Join waits for the
-// stream to end (UNAVAILABLE while it is ending).
-TEST(MembershipTest, RankStaysReservedBetweenACutShortStepAndItsRecover) {
+ private:
+  const std::string leader_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> tried_{0};
+  std::atomic<int> granted_{0};
+  std::thread thread_;
+};
+
+// Issue 42's break-it runs: shard 1 restarts, so the workers' step fails
+// and they recover as gtopk-worker does (Recover after `recover_after`,
+// again after a failed one, within a budget) while a JoinIntruder loops
+// Join(rank 1) -- from before the failing step (`intruder_first`) or from
+// 500 ms after the workers' first Recover. No Join may be granted; both
+// workers recover and step on bit-identical.
+void ShardRestartWithAnIntruder(bool intruder_first,
+                                absl::Duration recover_after) {
   ::gtopk::testing::TempDir dir("membership_test");
   ASSERT_FALSE(dir.path().empty());
   auto started = StartClusterWithCheckpoints(dir.path(), absl::Seconds(3));
@@ -547,25 +500,8 @@ TEST(MembershipTest, RankStaysReservedBetweenACutShortStepAndItsRecover) {
                                          std::vector<float>(kN, 0.5f));
   ASSERT_NO_FATAL_FAILURE(ConnectAllAndStepOnce(cluster, clients, params));
 
-  std::atomic<bool> stop{false};
-  std::atomic<int> tried{0};
-  std::atomic<int> granted{0};
-  std::thread intruder([&] {
-    auto stub = v1::Aggregator::NewStub(grpc::CreateChannel(
-        cluster.leader(), grpc::InsecureChannelCredentials()));
-    while (!stop.load()) {
-      grpc::ClientContext ctx;
-      ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
-      v1::JoinRequest request;
-      request.set_requested_rank(1);
-      request.set_n(kN);
-      v1::JoinResponse response;
-      const grpc::Status st = stub->Join(&ctx, request, &response);
-      ++tried;
-      if (st.ok()) ++granted;
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-  });
+  JoinIntruder intruder(cluster.leader());
+  if (intruder_first) intruder.Start();
   std::vector<absl::Status> recovered(kWorkers);
   std::vector<std::thread> recovering;
   GTOPK_ASSERT_OK(cluster.RestartShard(1, /*write_checkpoint=*/true, [&] {
@@ -574,7 +510,7 @@ TEST(MembershipTest, RankStaysReservedBetweenACutShortStepAndItsRecover) {
     }
     for (int w = 0; w < kWorkers; ++w) {
       recovering.emplace_back([&, w] {
-        absl::SleepFor(absl::Milliseconds(1600));  // the backoff
+        absl::SleepFor(recover_after);
         const absl::Time end = absl::Now() + absl::Seconds(30);
         absl::Status st;
         do {
@@ -585,21 +521,48 @@ TEST(MembershipTest, RankStaysReservedBetweenACutShortStepAndItsRecover) {
         recovered[w] = st;
       });
     }
-    absl::SleepFor(absl::Seconds(3));
+    if (!intruder_first) {
+      // The intruder's Joins meet the recovering workers while shard 1 is
+      // down (their Recover fails and is retried).
+      absl::SleepFor(recover_after + absl::Milliseconds(500));
+      intruder.Start();
+    }
+    absl::SleepFor(absl::Seconds(4));
   }));
   for (std::thread& t : recovering) t.join();
-  stop = true;
-  intruder.join();
+  intruder.Stop();
   for (int w = 0; w < kWorkers; ++w) {
     GTOPK_EXPECT_OK(recovered[w]) << "worker " << w;
   }
-  EXPECT_GT(tried.load(), 2);
-  EXPECT_EQ(granted.load(), 0)
-      << "Joins of rank 1 granted to the intruder, of " << tried.load();
+  EXPECT_GT(intruder.tried(), 2);
+  EXPECT_EQ(intruder.granted(), 0)
+      << "Joins of rank 1 granted to the intruder, of " << intruder.tried();
   for (const absl::Status& st : StepAll(clients, params, 1)) {
     GTOPK_ASSERT_OK(st);
   }
   EXPECT_TRUE(BitEqual(params[0], params[1]));
+}
+
+// Before: worker 1's leader stream ended (the failed round, then its
+// Recover closed it) and nothing kept the rank, so the intruder's Join was
+// granted and worker 1's next Recover was refused "held by another
+// worker". Now a holder whose stream the leader ended, and a holder in
+// Recover, keep the rank reserved.
+TEST(MembershipTest, RecoveringWorkerKeepsItsRankWhileAShardRestarts) {
+  ShardRestartWithAnIntruder(/*intruder_first=*/false, absl::ZeroDuration());
+}
+
+// The gap the test above left: each worker cuts its leader stream short
+// (shard 1 is unreachable after a second; the leader's round still waits
+// for it) and calls Recover only after its backoff (here 1.6 s, more than
+// gtopk-worker's longest). Before: the cancelled leader stream reserved
+// nothing, and the leader counted a cancelled stream as gone while its
+// round was still open, so a Join in the gap took rank 1 (2 of 2 runs).
+// Now a stream cancelled in the middle of a step reserves the rank for its
+// holder, and a Join waits for the stream to end (UNAVAILABLE while it is
+// ending).
+TEST(MembershipTest, RankStaysReservedBetweenACutShortStepAndItsRecover) {
+  ShardRestartWithAnIntruder(/*intruder_first=*/true, absl::Milliseconds(1600));
 }
 
 // Every other call that names a rank: InitParams only from rank 0's holder
