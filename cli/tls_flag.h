@@ -10,7 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "common/transport_security.h"
+#include "common/transport_security/transport_security.h"
 
 namespace gtopk {
 namespace cli {

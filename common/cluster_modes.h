@@ -3,7 +3,8 @@
 // (AggregationMode), how gtopk mode agrees on the global top-k across shards
 // (SelectionKind) and where momentum lives (MomentumMode), with their flag
 // spellings. Proto-free; the conversions to and from the wire enums
-// (gtopk.v1.Mode, Selection, MomentumMode) are in common/cluster_spec.h.
+// (gtopk.v1.Mode, Selection, MomentumMode) are in
+// common/cluster_spec/cluster_spec.h.
 #ifndef GTOPK_COMMON_CLUSTER_MODES_H_
 #define GTOPK_COMMON_CLUSTER_MODES_H_
 

@@ -1,7 +1,8 @@
-// libFuzzer harness: the cluster-spec checks (common/cluster_spec.h and the
-// server's CheckSameClusterSettings), fed a ClusterSpec as it arrives from
-// the network: the leader's JoinResponse.cluster at a worker, the leader's
-// GetClusterSpec answer at a non-leader shard.
+// libFuzzer harness: the cluster-spec checks
+// (common/cluster_spec/cluster_spec.h and the server's
+// CheckSameClusterSettings), fed a ClusterSpec as it arrives from the network:
+// the leader's JoinResponse.cluster at a worker, the leader's GetClusterSpec
+// answer at a non-leader shard.
 //
 // Input: bytes 0..3: the worker's rank; bytes 4..5: L; the next L bytes: a
 // serialized ClusterSpec A ("here"); the rest: a ClusterSpec B ("there").
@@ -28,7 +29,7 @@
 #include <cstdint>
 #include <string>
 
-#include "common/cluster_spec.h"
+#include "common/cluster_spec/cluster_spec.h"
 #include "common/codec.h"
 #include "common/optimizer.h"
 #include "common/selector.h"

@@ -34,7 +34,7 @@
 #include "absl/strings/str_split.h"
 #include "cli/flag_names.h"
 #include "common/cluster_modes.h"
-#include "common/cluster_spec.h"
+#include "common/cluster_spec/cluster_spec.h"
 #include "common/codec.h"
 #include "common/host_port.h"
 #include "common/optimizer.h"

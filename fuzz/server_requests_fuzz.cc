@@ -47,7 +47,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/cluster_modes.h"
-#include "common/cluster_spec.h"
+#include "common/cluster_spec/cluster_spec.h"
 #include "common/codec.h"
 #include "fuzz/fuzz_check.h"
 #include "google/protobuf/stubs/logging.h"

@@ -18,7 +18,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "common/transport_security.h"
+#include "common/transport_security/transport_security.h"
 #include "grpcpp/server_context.h"
 
 namespace gtopk {

@@ -11,7 +11,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "common/grpc_edge.h"
+#include "common/grpc_edge/grpc_edge.h"
 #include "server/service.h"
 #include "server/service_internal.h"
 

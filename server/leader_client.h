@@ -1,7 +1,7 @@
 // The shard's gRPC clients of the leader: the ThresholdExchange that reaches
 // the leader's ThresholdCoordinator over gRPC (server/threshold.h) and the
 // CommitVoter that reaches its CommitStep (server/commit.h). Status
-// conversion and channels are common/grpc_edge.h.
+// conversion and channels are common/grpc_edge/grpc_edge.h.
 #ifndef GTOPK_SERVER_LEADER_CLIENT_H_
 #define GTOPK_SERVER_LEADER_CLIENT_H_
 

@@ -35,7 +35,7 @@
 #include "common/metrics/process_collector.h"
 #include "common/optimizer.h"
 #include "common/status_macros.h"
-#include "common/transport_security.h"
+#include "common/transport_security/transport_security.h"
 #include "server/aggregator_server.h"
 #include "server/server_config.h"
 #include "server/shard_aggregator.h"

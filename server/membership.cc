@@ -12,7 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "common/grpc_edge.h"
+#include "common/grpc_edge/grpc_edge.h"
 #include "server/member_file.h"
 #include "server/service_internal.h"
 

@@ -9,7 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "common/grpc_edge.h"
+#include "common/grpc_edge/grpc_edge.h"
 #include "common/sparse_vector.h"
 #include "proto/request_parsing.h"
 #include "server/request_checks.h"

@@ -18,7 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/epoch.h"
-#include "common/grpc_edge.h"
+#include "common/grpc_edge/grpc_edge.h"
 #include "common/status_macros.h"
 #include "grpcpp/client_context.h"
 #include "server/checkpoint.h"

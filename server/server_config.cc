@@ -14,7 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "common/cluster_spec.h"
+#include "common/cluster_spec/cluster_spec.h"
 #include "common/host_port.h"
 #include "common/selector.h"
 #include "common/status_macros.h"

@@ -22,7 +22,7 @@
 #include "absl/time/time.h"
 #include "common/codec.h"
 #include "common/optimizer.h"
-#include "common/transport_security.h"
+#include "common/transport_security/transport_security.h"
 #include "gtopk/v1/gtopk.pb.h"
 #include "server/call_limits.h"
 #include "server/shard_aggregator.h"
@@ -140,7 +140,7 @@ uint32_t EffectiveChecksumEvery(const ServerConfig& config);
 // --apply=servers; with --apply=workers the identity rule (lr 1, momentum
 // 0, momentum mode none, no masking, weight decay 0, no lr warm-up; the
 // density, density warm-up and steps per epoch of config.optimizer), as
-// IdentityOptimizerSpec (common/cluster_spec.h). Pure.
+// IdentityOptimizerSpec (common/cluster_spec/cluster_spec.h). Pure.
 OptimizerOptions EffectiveOptimizer(const ServerConfig& config);
 
 // OK, or INVALID_ARGUMENT naming the first bad field (by its gtopk-server
@@ -159,8 +159,8 @@ absl::StatusOr<std::vector<double>> ParseDensityWarmupFlag(
 // workers, and what every shard must agree on.
 v1::ClusterSpec ClusterSettingsSpec(const ServerConfig& config);
 
-// The spec whose ClusterFingerprint (common/cluster_spec.h) is the cluster's
-// identity: ClusterSettingsSpec plus n and the S shard ranges for `n`
+// The spec whose ClusterFingerprint (common/cluster_spec/cluster_spec.h) is the
+// cluster's identity: ClusterSettingsSpec plus n and the S shard ranges for `n`
 // (no addresses, next_step 0), with cluster_fingerprint filled in.
 v1::ClusterSpec CanonicalClusterSpec(const ServerConfig& config, uint64_t n);
 

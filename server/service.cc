@@ -24,8 +24,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "common/cluster_spec.h"
-#include "common/grpc_edge.h"
+#include "common/cluster_spec/cluster_spec.h"
+#include "common/grpc_edge/grpc_edge.h"
 #include "common/selector.h"
 #include "common/status_macros.h"
 #include "grpcpp/client_context.h"

@@ -15,7 +15,7 @@
 // RecoveryCoordinator and AbortForwards (server/recovery_coordinator.h).
 //
 // Status codes follow docs/errors.md; every handler converts its
-// absl::Status with ToGrpcStatus (common/grpc_edge.h), so the
+// absl::Status with ToGrpcStatus (common/grpc_edge/grpc_edge.h), so the
 // code and message a worker sees are the ones produced here or in the core.
 #ifndef GTOPK_SERVER_SERVICE_H_
 #define GTOPK_SERVER_SERVICE_H_

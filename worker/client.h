@@ -38,7 +38,7 @@
 #include "common/optimizer.h"
 #include "common/selector.h"
 #include "common/sparse_vector.h"
-#include "common/transport_security.h"
+#include "common/transport_security/transport_security.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
 #include "gtopk/v1/gtopk.pb.h"
 #include "worker/cancellation.h"
@@ -84,9 +84,10 @@ struct ClientOptions {
   // (Cancellation::Cancel; the call returns CANCELLED under its failure
   // contract). Shared: the caller keeps it to cancel and Reset it.
   std::shared_ptr<Cancellation> cancellation;
-  // Transport security of every channel (common/transport_security.h,
-  // docs/security.md): TLS or mutual TLS credentials and the workers'
-  // token. Null: plaintext without a token. Shared, immutable.
+  // Transport security of every channel
+  // (common/transport_security/transport_security.h, docs/security.md): TLS or
+  // mutual TLS credentials and the workers' token. Null: plaintext without a
+  // token. Shared, immutable.
   std::shared_ptr<const TransportSecurity> security;
 };
 

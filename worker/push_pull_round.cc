@@ -15,7 +15,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/epoch.h"
-#include "common/grpc_edge.h"
+#include "common/grpc_edge/grpc_edge.h"
 #include "grpcpp/channel.h"
 #include "worker/client.h"
 #include "worker/client_internal.h"

@@ -1,8 +1,8 @@
-// The cluster fingerprint (common/cluster_spec.h): every cluster-wide
-// setting changes it, per-process details do not, and the value is stable
-// (a golden value: the fingerprint is compared between processes of
+// The cluster fingerprint (common/cluster_spec/cluster_spec.h): every
+// cluster-wide setting changes it, per-process details do not, and the value is
+// stable (a golden value: the fingerprint is compared between processes of
 // different builds, so its canonical text must not change by accident).
-#include "common/cluster_spec.h"
+#include "common/cluster_spec/cluster_spec.h"
 
 #include <cmath>
 #include <functional>

@@ -1,4 +1,4 @@
-#include "common/grpc_edge.h"
+#include "common/grpc_edge/grpc_edge.h"
 
 #include <climits>
 #include <cstdint>

@@ -20,7 +20,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/codec.h"
-#include "common/grpc_edge.h"
+#include "common/grpc_edge/grpc_edge.h"
 #include "common/sparse_vector.h"
 #include "common/status_macros.h"
 #include "gmock/gmock.h"

@@ -22,7 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "common/grpc_edge.h"
+#include "common/grpc_edge/grpc_edge.h"
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"

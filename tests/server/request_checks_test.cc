@@ -1,8 +1,8 @@
 // The stateless request checks the shard's stream handlers run
 // (server/request_checks.h), the --density-warmup parser
 // (server/server_config.h) and the worker's checks of the leader's cluster
-// spec (common/cluster_spec.h): what fuzz/ feeds with arbitrary bytes,
-// here on hand-made cases with the expected answer written out.
+// spec (common/cluster_spec/cluster_spec.h): what fuzz/ feeds with arbitrary
+// bytes, here on hand-made cases with the expected answer written out.
 #include "server/request_checks.h"
 
 #include <cmath>
@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "common/cluster_spec.h"
+#include "common/cluster_spec/cluster_spec.h"
 #include "common/codec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

@@ -25,7 +25,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/codec.h"
-#include "common/grpc_edge.h"
+#include "common/grpc_edge/grpc_edge.h"
 #include "common/merge.h"
 #include "common/optimizer.h"
 #include "common/sparse_vector.h"

@@ -3,7 +3,7 @@
 // tokens, certificates made at test time by deploy/tls/make-certs.sh and the
 // openssl CLI (a second CA, an expired and a role-less certificate), raw
 // gtopk.v1 stubs and WorkerClients as callers.
-#include "common/transport_security.h"
+#include "common/transport_security/transport_security.h"
 
 #include <prometheus/registry.h>
 
@@ -18,7 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "common/grpc_edge.h"
+#include "common/grpc_edge/grpc_edge.h"
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"

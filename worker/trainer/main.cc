@@ -33,7 +33,7 @@
 #include "common/host_port.h"
 #include "common/metrics/exposer.h"
 #include "common/metrics/process_collector.h"
-#include "common/transport_security.h"
+#include "common/transport_security/transport_security.h"
 #include "worker/trainer/cpu_isa.h"
 #include "worker/trainer/idx_reader.h"
 #include "worker/trainer/trainer.h"

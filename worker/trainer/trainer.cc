@@ -28,7 +28,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/checksum.h"
-#include "common/cluster_spec.h"
+#include "common/cluster_spec/cluster_spec.h"
 #include "common/codec.h"
 #include "common/host_port.h"
 #include "common/selector.h"
@@ -79,7 +79,7 @@ absl::StatusOr<uint64_t> SyntheticSize(const std::string& model) {
 }
 
 // The optional consistency flags against the cluster spec (the check the
-// Python optimizer makes too: common/cluster_spec.h).
+// Python optimizer makes too: common/cluster_spec/cluster_spec.h).
 absl::Status CheckCluster(const TrainerOptions& o, const v1::ClusterSpec& c) {
   ExpectedSettings e;
   e.mode = o.mode;

@@ -16,7 +16,7 @@
 #include "absl/time/time.h"
 #include "common/checksum.h"  // Fnv1a64: the replica checksums
 #include "common/metrics/metrics.h"
-#include "common/transport_security.h"
+#include "common/transport_security/transport_security.h"
 
 namespace gtopk {
 namespace worker {

@@ -72,9 +72,9 @@ grpc::ChannelArguments LimitedChannelArguments(uint64_t max_message_bytes);
 // (grpc::Channel is thread-safe; stubs made from it may be used from any
 // thread).
 //
-// With `security` (common/transport_security.h; null: plaintext) the channel
-// uses its credentials (TLS, mTLS) and sends its outgoing token on every
-// call.
+// With `security` (common/transport_security/transport_security.h; null:
+// plaintext) the channel uses its credentials (TLS, mTLS) and sends its
+// outgoing token on every call.
 class TransportSecurity;
 std::shared_ptr<grpc::Channel> CreateLimitedChannel(
     const std::string& address, uint64_t max_message_bytes,

@@ -1,10 +1,10 @@
-#include "common/grpc_edge.h"
+#include "common/grpc_edge/grpc_edge.h"
 
 #include <algorithm>
 #include <climits>
 
 #include "absl/strings/str_cat.h"
-#include "common/transport_security.h"
+#include "common/transport_security/transport_security.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 

@@ -1,4 +1,4 @@
-#include "common/cluster_spec.h"
+#include "common/cluster_spec/cluster_spec.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,7 +1,7 @@
-// TransportSecurity (common/transport_security.h): loading and checking the
-// certificate, key, CA bundle and token files with OpenSSL, and the gRPC
-// credentials and token-sending channels made from them.
-#include "common/transport_security.h"
+// TransportSecurity (common/transport_security/transport_security.h): loading
+// and checking the certificate, key, CA bundle and token files with OpenSSL,
+// and the gRPC credentials and token-sending channels made from them.
+#include "common/transport_security/transport_security.h"
 
 #include <openssl/bio.h>
 #include <openssl/err.h>
