@@ -44,6 +44,8 @@ absl::string_view SelectionKindName(SelectionKind kind) {
       return "threshold";
     case SelectionKind::kQuota:
       return "quota";
+    case SelectionKind::kLayerwise:
+      return "layerwise";
   }
   return "unknown";
 }
@@ -80,7 +82,8 @@ absl::StatusOr<AggregationMode> ParseAggregationMode(absl::string_view name) {
 absl::StatusOr<SelectionKind> ParseSelectionKind(absl::string_view name) {
   if (name == "exact") return SelectionKind::kThreshold;  // the old spelling
   return ParseByName(name, "selection",
-                     {SelectionKind::kThreshold, SelectionKind::kQuota},
+                     {SelectionKind::kThreshold, SelectionKind::kQuota,
+                      SelectionKind::kLayerwise},
                      SelectionKindName);
 }
 

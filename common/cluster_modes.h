@@ -35,6 +35,11 @@ enum class SelectionKind {
   // Shard s keeps the top ceil(k * (end_s - begin_s) / n) of its own range:
   // no shard<->leader traffic, not exactly the global top-k.
   kQuota,
+  // Layer-wise (common/buckets.h): every bucket piece keeps its own top
+  // round(k * n_piece / n), on the workers and on the shard that owns it;
+  // no shard<->leader traffic. The mode whose pushes can overlap with the
+  // backward pass (docs/overlap.md).
+  kLayerwise,
 };
 
 // Where momentum lives (proto MomentumMode; flag --momentum-mode).

@@ -57,8 +57,12 @@ ABSL_FLAG(int, checkpoint_keep, 2,
           "checkpoints retained per shard for crash recovery rollbacks");
 ABSL_FLAG(std::string, mode, "gtopk", "gtopk | topk | dense");
 ABSL_FLAG(std::string, selection, "threshold",
-          "threshold | quota (gtopk mode; \"exact\" is the old name of "
-          "threshold)");
+          "threshold | quota | layerwise (gtopk mode; \"exact\" is the old "
+          "name of threshold)");
+ABSL_FLAG(double, bucket_mb, 25.0,
+          "--selection=layerwise: MiB of fp32 gradient per bucket (as "
+          "PyTorch DDP's bucket_cap_mb); each bucket keeps its own top-k and "
+          "can be pushed while the backward pass goes on");
 ABSL_FLAG(std::string, selector, "exact",
           "workers' local selector: exact | gaussiank | dgc | randomk");
 ABSL_FLAG(uint64_t, seed, 0, "seed of the workers' randomised selectors");
@@ -216,6 +220,7 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   auto selection = gtopk::ParseSelectionKind(absl::GetFlag(FLAGS_selection));
   if (!selection.ok()) return FlagError("selection", selection.status());
   c.selection = *selection;
+  c.bucket_mb = absl::GetFlag(FLAGS_bucket_mb);
   auto index_codec = gtopk::ParseIndexCodec(absl::GetFlag(FLAGS_index_codec));
   if (!index_codec.ok()) return FlagError("index-codec", index_codec.status());
   c.index_codec = *index_codec;

@@ -110,6 +110,17 @@ class AggregatorService::PushPullCall {
       return ToGrpcStatus(identity);
     }
     registration_.Pushed(push.rank());
+    if (push.abandon()) {
+      // The worker gave up the step after pushing to other shards: fail it
+      // everywhere (fail fast, a new epoch), so that no shard applies a
+      // push of the abandoned attempt.
+      const absl::Status abandoned = absl::CancelledError(absl::StrCat(
+          "worker ", push.rank(), " abandoned step ", push.step(),
+          " before all its pushes were sent (an error in its backward "
+          "pass); retry after Recover"));
+      aggregator_->RejectPush(push.step(), push.rank(), abandoned);
+      return ToGrpcStatus(abandoned);
+    }
     absl::StatusOr<WorkerPush> decoded = s_.DecodePush(push, *aggregator_);
     if (!decoded.ok()) {
       // Fail the round for everyone, as a bad push inside Submit would.

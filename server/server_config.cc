@@ -109,6 +109,19 @@ absl::Status ValidateSelection(const ServerConfig& c) {
         AggregationModeName(c.mode),
         " (omit --selection or use --selection=threshold)"));
   }
+  if (c.selection == SelectionKind::kLayerwise) {
+    if (c.mode != AggregationMode::kGtopk) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--selection=layerwise applies to --mode=gtopk only, got --mode=",
+          AggregationModeName(c.mode)));
+    }
+    if (!std::isfinite(c.bucket_mb) || c.bucket_mb <= 0 || c.bucket_mb > 1e6) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--bucket-mb must be a number in (0, 1e6] (MiB of fp32 values per "
+          "bucket), got ",
+          c.bucket_mb));
+    }
+  }
   SelectorRegistry registry;
   GTOPK_RETURN_IF_ERROR(RegisterBuiltinSelectors(&registry));
   const std::vector<std::string> names = registry.Names();
@@ -255,8 +268,15 @@ absl::StatusOr<std::vector<double>> ParseDensityWarmupFlag(
   return warmup;
 }
 
+uint64_t BucketSizeValues(const ServerConfig& config) {
+  if (config.selection != SelectionKind::kLayerwise) return 0;
+  const double values = std::floor(config.bucket_mb * (1 << 20) / 4.0);
+  return values < 1 ? 1 : static_cast<uint64_t>(values);
+}
+
 v1::ClusterSpec ClusterSettingsSpec(const ServerConfig& config) {
   v1::ClusterSpec spec;
+  spec.set_bucket_size(BucketSizeValues(config));
   spec.set_num_workers(config.num_workers);
   spec.set_mode(ToProto(config.mode));
   spec.set_selection(ToProto(config.selection));

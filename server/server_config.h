@@ -50,6 +50,10 @@ struct ServerConfig {
   std::vector<std::string> peers;
   AggregationMode mode = AggregationMode::kGtopk;
   SelectionKind selection = SelectionKind::kThreshold;
+  // --selection=layerwise only: MiB of fp32 values per bucket (--bucket-mb,
+  // as PyTorch DDP's bucket_cap_mb); ClusterSpec.bucket_size is
+  // BucketSizeValues(). Finite and > 0; ignored by the other selections.
+  double bucket_mb = 25.0;
   // Workers' local selector, told to them in the cluster spec: a name
   // registered by RegisterBuiltinSelectors (exact, gaussiank, dgc, randomk).
   std::string selector = "exact";
@@ -146,6 +150,10 @@ OptimizerOptions EffectiveOptimizer(const ServerConfig& config);
 // OK, or INVALID_ARGUMENT naming the first bad field (by its gtopk-server
 // flag, server/flags.md) and its value.
 absl::Status ValidateServerConfig(const ServerConfig& config);
+
+// Values per bucket of --selection=layerwise: floor(bucket_mb * 2^20 / 4),
+// at least 1; 0 for the other selections (ClusterSpec.bucket_size). Pure.
+uint64_t BucketSizeValues(const ServerConfig& config);
 
 // The value of gtopk-server's --density-warmup: "" (none: empty), "dgc"
 // (DgcDensityWarmup()) or a comma list of numbers, one density per epoch

@@ -382,6 +382,7 @@ absl::Status AggregatorService::CreateAggregatorLocked(uint64_t n) {
   options.num_workers = config_.num_workers;
   options.mode = config_.mode;
   options.selection = config_.selection;
+  options.bucket_size = BucketSizeValues(config_);
   options.pull_index_codec = config_.index_codec;
   options.optimizer = EffectiveOptimizer(config_);
   options.apply = config_.apply;

@@ -35,6 +35,11 @@ absl::Status ValidateShardOptions(const ShardOptions& o) {
   if (o.num_workers < 1) {
     return absl::InvalidArgumentError("num_workers must be >= 1");
   }
+  if (o.selection == SelectionKind::kLayerwise &&
+      (o.mode != AggregationMode::kGtopk || o.bucket_size == 0)) {
+    return absl::InvalidArgumentError(
+        "layer-wise selection needs mode gtopk and a bucket size >= 1");
+  }
   if (o.step_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
         absl::StrCat("step_timeout must be > 0, got ",
@@ -69,6 +74,19 @@ ShardAggregator::ShardAggregator(const ShardOptions& options,
       commit_(commit),
       begin_(ShardRange(options.n, options.num_shards, options.shard_id).first),
       end_(ShardRange(options.n, options.num_shards, options.shard_id).second) {
+  if (options.selection == SelectionKind::kLayerwise) {
+    // Validated by Create: n >= 1, bucket_size >= 1; the cut cannot fail
+    // but for more than 2^24 buckets, which then count as one.
+    absl::StatusOr<std::vector<BucketPiece>> all =
+        CutBucketPieces(options.n, options.bucket_size, {begin_, end_});
+    if (all.ok()) {
+      for (const size_t i : PiecesIn(*all, begin_, end_)) {
+        pieces_.push_back((*all)[i]);
+      }
+    } else if (begin_ < end_) {
+      pieces_.push_back(BucketPiece{begin_, end_, 0});
+    }
+  }
 }
 
 absl::StatusOr<bool> ShardAggregator::InitParams(absl::Span<const float> values,
@@ -164,6 +182,17 @@ uint64_t ShardAggregator::MaxPushPairs(int64_t step) const {
       rule_.KAt(std::max<int64_t>(step, 0), options_.n);
   // KAt fails only for options Create already validated; be generous.
   const uint64_t target = k.ok() ? *k : options_.n;
+  if (options_.selection == SelectionKind::kLayerwise &&
+      options_.mode == AggregationMode::kGtopk) {
+    uint64_t total = 0;
+    for (const BucketPiece& p : pieces_) {
+      const uint64_t kp = PieceK(target, p.size(), options_.n);
+      const uint64_t most =
+          options_.max_pairs_for_k ? options_.max_pairs_for_k(kp) : kp;
+      total += std::min<uint64_t>(p.size(), std::max(most, kp));
+    }
+    return total;
+  }
   const uint64_t most =
       options_.max_pairs_for_k ? options_.max_pairs_for_k(target) : target;
   return std::min<uint64_t>(end_ - begin_, std::max(most, target));
@@ -669,6 +698,8 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Compute(
   GTOPK_ASSIGN_OR_RETURN(const uint64_t k, rule_.KAt(step, options_.n));
   if (options_.mode == AggregationMode::kTopk) {
     result->selected = std::move(sum);
+  } else if (options_.selection == SelectionKind::kLayerwise) {
+    GTOPK_RETURN_IF_ERROR(SelectPerPiece(sum, k, &result->selected));
   } else if (options_.selection == SelectionKind::kQuota) {
     const uint64_t range = end_ - begin_;
     const uint64_t quota = (k * range + options_.n - 1) / options_.n;
@@ -690,6 +721,30 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Compute(
                    CodecSpec{options_.pull_index_codec, ValueCodec::kFp32},
                    &result->encoded));
   return result;
+}
+
+absl::Status ShardAggregator::SelectPerPiece(const SparseVector& sum,
+                                             uint64_t k,
+                                             SparseVector* selected) const {
+  selected->clear();
+  size_t j = 0;  // sum's first entry not yet placed in a piece
+  SparseVector slice, top;
+  for (const BucketPiece& p : pieces_) {
+    slice.clear();
+    while (j < sum.size() && sum.indices[j] < p.end) {
+      slice.indices.push_back(sum.indices[j]);
+      slice.values.push_back(sum.values[j]);
+      ++j;
+    }
+    const uint64_t kp = PieceK(k, p.size(), options_.n);
+    if (kp == 0 || slice.empty()) continue;
+    GTOPK_RETURN_IF_ERROR(SparseTopK(slice, kp, &top));
+    selected->indices.insert(selected->indices.end(), top.indices.begin(),
+                             top.indices.end());
+    selected->values.insert(selected->values.end(), top.values.begin(),
+                            top.values.end());
+  }
+  return absl::OkStatus();
 }
 
 void ShardAggregator::Close(const absl::Status& reason) {

@@ -17,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "common/buckets.h"
 #include "common/cluster_modes.h"  // AggregationMode, SelectionKind, ApplyMode
 #include "common/codec.h"
 #include "common/epoch.h"
@@ -47,6 +48,9 @@ struct ShardOptions {
   uint32_t num_workers = 1;  // P >= 1
   AggregationMode mode = AggregationMode::kGtopk;
   SelectionKind selection = SelectionKind::kThreshold;
+  // kLayerwise: values per bucket (ClusterSpec.bucket_size, >= 1); the
+  // shard keeps the top PieceK of each of its pieces (common/buckets.h).
+  uint64_t bucket_size = 0;
   // Index codec of the pulls (values always go out as fp32, so replicas and
   // servers apply identical bits).
   IndexCodec pull_index_codec = IndexCodec::kDeltaVarint;
@@ -184,9 +188,11 @@ class ShardAggregator {
   // Memory per step (docs/resource-limits.md): the most pairs one worker's
   // sparse push of `step` may carry on this shard, min(end - begin,
   // max_pairs_for_k(k)) with k = the optimizer's KAt(step, n) (density and
-  // density warm-up). So a round holds at most P x MaxPushPairs pairs: one
-  // push per worker (a repeated push replaces the first) and only the
-  // current step (later steps are refused, never queued). Pure.
+  // density warm-up); under kLayerwise the sum over the shard's pieces of
+  // min(piece size, max_pairs_for_k(PieceK)). So a round holds at most P x
+  // MaxPushPairs pairs: one push per worker (a repeated push replaces the
+  // first) and only the current step (later steps are refused, never queued).
+  // Pure.
   uint64_t MaxPushPairs(int64_t step) const;
   // The RESOURCE_EXHAUSTED status for a push of `pairs` > `most`
   // (MaxPushPairs), naming the bound and the flags it comes from. Pure.
@@ -366,6 +372,11 @@ class ShardAggregator {
   absl::StatusOr<std::shared_ptr<const RoundResult>> Compute(
       std::vector<WorkerPush>& pushes, int64_t step, absl::Time opened,
       absl::Time deadline, uint64_t epoch);
+  // kLayerwise: the top PieceK(k) of each of the shard's pieces of `sum`
+  // (sorted by index, inside [begin_, end_)), concatenated in index order
+  // into *selected. Pure but for SparseTopK's errors.
+  absl::Status SelectPerPiece(const SparseVector& sum, uint64_t k,
+                              SparseVector* selected) const;
   // Would applying `result` keep every parameter and global velocity entry
   // finite? OptimizerRule::CheckAggregated(Dense) on the current state
   // (takes mu_ briefly; nothing changes). FAILED_PRECONDITION (via
@@ -388,6 +399,8 @@ class ShardAggregator {
   ThresholdExchange* const exchange_;
   CommitVoter* const commit_;
   const uint64_t begin_, end_;
+  // kLayerwise: this shard's pieces (common/buckets.h), in index order.
+  std::vector<BucketPiece> pieces_;
 
   mutable absl::Mutex mu_;
   mutable absl::CondVar cv_;

@@ -273,9 +273,26 @@ WorkerClient::WorkerClient(const ClientOptions& options, uint32_t rank,
       feedback_(cluster_.n()),
       velocity_(cluster_.n(), 0.0f),
       global_velocity_(cluster_.n(), 0.0f),
-      next_step_(cluster_.next_step()) {}
+      next_step_(cluster_.next_step()) {
+  if (cluster_.selection() == v1::SELECTION_LAYERWISE) {
+    std::vector<uint64_t> begins;
+    for (const auto& c : shards_) begins.push_back(c->begin);
+    // Connect checked the spec (bucket_size >= 1, n >= 1).
+    absl::StatusOr<std::vector<BucketPiece>> pieces =
+        CutBucketPieces(cluster_.n(), cluster_.bucket_size(), begins);
+    if (pieces.ok()) pieces_ = *std::move(pieces);
+    for (const BucketPiece& p : pieces_) {
+      size_t s = 0;
+      while (s + 1 < shards_.size() && shards_[s]->end <= p.begin) ++s;
+      piece_shard_.push_back(s);
+    }
+  }
+}
 
-WorkerClient::~WorkerClient() { CloseStreams(); }
+WorkerClient::~WorkerClient() {
+  AbandonOverlappedStep();
+  CloseStreams();
+}
 
 std::string WorkerClient::ShardName(size_t s) const {
   return absl::StrCat("shard ", shards_[s]->id, " (", shards_[s]->address, ")");

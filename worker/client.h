@@ -32,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "common/buckets.h"
 #include "common/cluster_modes.h"
 #include "common/codec.h"
 #include "common/error_feedback.h"
@@ -124,6 +125,12 @@ struct StepStats {
   // and selection (gtopk exact: with the leader's threshold exchange).
   absl::Duration server_merge;
   absl::Duration server_select;
+  // Overlapped steps (FinishOverlappedStep) only: how long Finish waited
+  // for the selection and the round (the communication not hidden behind
+  // the backward pass); `accumulate`, `select`, `encode` are then the
+  // selection thread's busy time and `push_wait` runs from the first piece
+  // taken to the last pull decoded.
+  absl::Duration exposed;
 };
 
 // One worker of a gTop-k cluster.
@@ -146,6 +153,8 @@ struct StepStats {
 // differ, or the leader no longer knows this rank -- Recover re-registers
 // it; PERMISSION_DENIED: another worker joined this rank since), and the
 // message prefixed with the shard's id and address.
+class PushGate;  // worker/client_internal.h
+
 class WorkerClient {
  public:
   // Joins the cluster through options.leader_address (blocks up to
@@ -333,6 +342,62 @@ class WorkerClient {
                                           std::string* buffers_out = nullptr,
                                           uint64_t state_checksum = 0);
 
+  // Overlapped steps (--selection=layerwise with --apply=workers;
+  // docs/overlap.md): AggregateStep cut in three, so that a bucket's error
+  // feedback, selection and push run while the caller's backward pass
+  // computes the rest of the gradient. The layer-wise gTop-k of S. Shi et
+  // al. (LAGS-SGD, ECAI 2020) with the pushes overlapped with backward as
+  // PyTorch DDP overlaps its buckets' all-reduce.
+  //
+  // BeginOverlappedStep(gradient, averaged, params, buffers,
+  // state_checksum): opens step next_step(); the arguments as
+  // AggregateStep's, except that `gradient` need not be final yet: the
+  // caller fills it range by range, calling GradientReady after each, and
+  // must keep `gradient`, `averaged` and `params` alive and unwritten
+  // (but for the ranges not yet reported) until FinishOverlappedStep or
+  // AbandonOverlappedStep returns. Starts one selection thread (it takes
+  // every bucket piece whose values are all reported: u = residual + g,
+  // the piece's top PieceK, MarkSent) and one thread per shard (a shard's
+  // push goes out as soon as every piece of its range was selected).
+  // Errors (nothing started): AggregateStep's checks; FAILED_PRECONDITION
+  // when the cluster's selection is not layerwise, when a step is open
+  // already, or on a device-only client.
+  absl::Status BeginOverlappedStep(absl::Span<const float> gradient,
+                                   absl::Span<float> averaged,
+                                   absl::Span<const float> params,
+                                   absl::string_view buffers = {},
+                                   uint64_t state_checksum = 0);
+  // gradient[begin, end) is final. Does not block (the work is queued).
+  // Errors: FAILED_PRECONDITION without an open step; INVALID_ARGUMENT for
+  // an empty range, one outside [0, n), or one overlapping a range already
+  // reported (nothing recorded then).
+  absl::Status GradientReady(uint64_t begin, uint64_t end);
+  // Ends the open step: the values never reported are taken as they are
+  // now (parameters that got no gradient), then waits for the selection and
+  // the round like AggregateStep, writes `averaged` and returns the step's
+  // stats (`select` and `accumulate` are the selection thread's time, much
+  // of it hidden behind the caller's backward pass). Failure contract as
+  // AggregateStep's: nothing written to `averaged`, the step counter
+  // unchanged; the residual holds u when the round failed (retry with a
+  // zero gradient), and is as before the step when the selection failed
+  // (e.g. a non-finite gradient: INVALID_ARGUMENT; when some push had gone
+  // out, the step is failed on every shard as by AbandonOverlappedStep, so
+  // Recover before the retry). Errors:
+  // FAILED_PRECONDITION without an open step; AggregateStep's.
+  absl::StatusOr<StepStats> FinishOverlappedStep(
+      std::string* buffers_out = nullptr);
+  // Gives up the open step (an exception or Ctrl-C in the backward pass):
+  // pushes not yet written are never written, the round is cancelled (the
+  // other workers' step fails and is retried after Recover), and the
+  // residual is restored to what it was before BeginOverlappedStep, so the
+  // caller repeats the step with a fresh backward pass. No-op without an
+  // open step. Blocks until the step's threads ended (about 250 ms).
+  void AbandonOverlappedStep();
+  bool overlapped_step_open() const { return overlapped_ != nullptr; }
+  // The cluster's layer-wise pieces (common/buckets.h) in index order;
+  // empty unless its selection is layerwise.
+  const std::vector<BucketPiece>& bucket_pieces() const { return pieces_; }
+
   // Whether the next step sends a parameter checksum: a step of the
   // divergence alarm (next_step() % checksum_every == 0), or the first step
   // after ResumeAt or after Recover renumbered the steps (workers apply),
@@ -390,9 +455,10 @@ class WorkerClient {
   // restart every rank from the checkpoints of one step.
 
  private:
-  struct ShardConn;      // worker/client_internal.h
-  struct PushPullState;  // one PushPullRound's shared state
-                         // (push_pull_round.cc)
+  struct ShardConn;       // worker/client_internal.h
+  struct PushPullState;   // one PushPullRound's shared state
+                          // (push_pull_round.cc)
+  struct OverlappedStep;  // an open overlapped step (overlapped_step.cc)
 
   WorkerClient(const ClientOptions& options, uint32_t rank,
                uint64_t member_token, v1::ClusterSpec cluster,
@@ -422,6 +488,16 @@ class WorkerClient {
   void StoreAveraged(const SparseVector& global,
                      const std::vector<v1::Pull>& pulls,
                      absl::Span<float> averaged) const;
+  // The local selection of a sparse step: the selector on the whole of `u`,
+  // or under layerwise selection on each piece with its PieceK (pieces
+  // whose k is 0 contribute nothing), indices global. Errors: Select's.
+  absl::Status SelectLocal(absl::Span<const float> u, uint64_t k, int64_t step,
+                           SparseVector* sent);
+  // An overlapped step's selection thread: one piece (u, selection,
+  // codec round trip, MarkSent), then shard s's push once its pieces are
+  // all done (overlapped_step.cc).
+  absl::Status SelectPiece(OverlappedStep& o, size_t piece);
+  void SelectionLoop(OverlappedStep& o);
   // The checksum to send at `step` (0: not a check step).
   uint64_t ChecksumFor(int64_t step, absl::Span<const float> params) const;
   // The device Step's sparse modes, from Accumulate to Apply (device_ set).
@@ -480,9 +556,13 @@ class WorkerClient {
   // *push_time (from its start until the last push was written), or returns
   // the combined error (and closes all streams). Learns the leader's epoch
   // from failed streams.
+  // `gate` (overlapped steps): shard s's push is written only once the
+  // gate opens it (its thread ends CANCELLED when the gate is abandoned),
+  // and the watchdog starts once every push may go.
   absl::Status PushPullRound(int64_t step, const std::vector<v1::Push>& pushes,
                              std::vector<v1::Pull>* pulls,
-                             absl::Duration* push_time);
+                             absl::Duration* push_time,
+                             PushGate* gate = nullptr);
   // One shard's part of the round, on its own thread: write (once more on
   // a fresh stream when the open one died), read. The stream's status on
   // failure (its trailers' epoch recorded in `round`).
@@ -572,6 +652,14 @@ class WorkerClient {
   // call, and after ImportState. In every build (always null without CUDA),
   // so the layout does not depend on GTOPK_HAVE_CUDA.
   std::unique_ptr<DeviceStep> device_;
+  // Layer-wise selection's pieces (empty otherwise) and, per piece, its
+  // shard (index into shards_).
+  std::vector<BucketPiece> pieces_;
+  std::vector<size_t> piece_shard_;
+  // The open overlapped step, or null, and the residual as it was before
+  // it, per piece accumulated (restored by AbandonOverlappedStep).
+  std::unique_ptr<OverlappedStep> overlapped_;
+  std::vector<float> overlap_backup_;
   int64_t next_step_ = 0;
   // The leader's attempt epoch as last heard (Join, Recover), sent in every
   // push: a push older than its step's last failure is refused (ABORTED),

@@ -6,12 +6,18 @@
 #define GTOPK_WORKER_CLIENT_INTERNAL_H_
 
 #include <cstdint>
+#include <deque>
+#include <map>
 #include <memory>
 #include <string>
+#include <thread>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "grpcpp/grpcpp.h"
 #include "gtopk/v1/gtopk.grpc.pb.h"
 #include "worker/cancellation.h"
@@ -36,6 +42,93 @@ struct WorkerClient::ShardConn {
   std::unique_ptr<grpc::ClientReaderWriter<v1::Push, v1::Pull>> stream;
   // Set by the step thread when the stream ended (it must be reopened).
   bool broken = false;
+};
+
+// An overlapped step's release of its pushes (worker/overlapped_step.cc):
+// shard s's push may be written once Open(s) was called; Abandon releases
+// every waiter with false (the step ends without its remaining pushes).
+// Thread-safe.
+class PushGate {
+ public:
+  explicit PushGate(size_t num_shards) : open_(num_shards, false) {}
+  void Open(size_t s) {
+    absl::MutexLock lock(&mu_);
+    if (!open_[s]) ++opened_;
+    open_[s] = true;
+  }
+  void Abandon() {
+    absl::MutexLock lock(&mu_);
+    abandoned_ = true;
+  }
+  // Blocks until shard s's push may go (true) or the step was abandoned
+  // (false).
+  bool Wait(size_t s) {
+    absl::MutexLock lock(&mu_);
+    auto ready = [&] { return abandoned_ || open_[s]; };
+    mu_.Await(absl::Condition(&ready));
+    return !abandoned_;
+  }
+  // Whether any push was released.
+  bool any_opened() {
+    absl::MutexLock lock(&mu_);
+    return opened_ > 0;
+  }
+  // Blocks until every push may go or the step was abandoned.
+  void AwaitSettled() {
+    absl::MutexLock lock(&mu_);
+    auto settled = [&] { return abandoned_ || opened_ == open_.size(); };
+    mu_.Await(absl::Condition(&settled));
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<bool> open_;
+  size_t opened_ = 0;
+  bool abandoned_ = false;
+};
+
+// An open overlapped step (WorkerClient::BeginOverlappedStep). The caller's
+// thread reports ranges (GradientReady); the selection thread takes the
+// pieces whose values are all in; the round thread runs PushPullRound
+// behind `gate`. Fields marked (mu) are guarded by mu; per-piece results
+// are written by the selection thread only and read after it was joined;
+// pushes[s] is written before gate.Open(s).
+struct WorkerClient::OverlappedStep {
+  explicit OverlappedStep(size_t num_shards, size_t num_pieces)
+      : gate(num_shards),
+        pushes(num_shards),
+        ready(num_pieces, 0),
+        sent(num_pieces),
+        received(num_pieces),
+        accumulated(num_pieces, false) {}
+
+  StepStats stats;
+  absl::Span<const float> gradient;
+  absl::Span<float> averaged;
+  absl::Time begun = absl::Now();
+  absl::Time first_taken = absl::InfiniteFuture();  // (mu)
+  PushGate gate;
+  std::vector<v1::Push> pushes;
+
+  absl::Mutex mu;
+  std::map<uint64_t, uint64_t> reported;  // (mu) begin -> end
+  uint64_t reported_values = 0;           // (mu)
+  std::vector<uint64_t> ready;            // (mu) values in, per piece
+  std::deque<size_t> queue;               // (mu) pieces to select
+  bool closing = false;                   // (mu) Finish: no more pieces
+  bool stop = false;                      // (mu) Abandon, or a failure
+  absl::Status select_status;             // (mu) the first failure
+
+  // Per piece (selection thread): what it sent, as sent and as received
+  // (codec round trip), and whether its u is in the residual.
+  std::vector<SparseVector> sent, received;
+  std::vector<bool> accumulated;
+  std::vector<size_t> pieces_left;  // per shard (selection thread)
+
+  std::thread selection, round;
+  absl::Status round_status;  // round thread, read after join
+  std::vector<v1::Pull> pulls;
+  absl::Duration push_time;
 };
 
 // Same code, message prefixed with `where`.

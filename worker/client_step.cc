@@ -279,14 +279,34 @@ absl::Status WorkerClient::DenseStepOnHost(absl::Span<float> params,
   return absl::OkStatus();
 }
 
+absl::Status WorkerClient::SelectLocal(absl::Span<const float> u, uint64_t k,
+                                       int64_t step, SparseVector* sent) {
+  if (pieces_.empty()) {
+    return selector_->Select(u, k, static_cast<uint64_t>(step), sent);
+  }
+  sent->clear();
+  SparseVector part;
+  for (const BucketPiece& p : pieces_) {
+    const uint64_t kp = PieceK(k, p.size(), cluster_.n());
+    if (kp == 0) continue;
+    GTOPK_RETURN_IF_ERROR(selector_->Select(
+        u.subspan(p.begin, p.size()), kp, static_cast<uint64_t>(step), &part));
+    for (size_t j = 0; j < part.size(); ++j) {
+      sent->indices.push_back(static_cast<uint32_t>(part.indices[j] + p.begin));
+      sent->values.push_back(part.values[j]);
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status WorkerClient::SparseStepOnHost(absl::Span<float> params,
                                             StepStats* stats,
                                             absl::Span<float> averaged) {
   const int64_t step = stats->step;
   absl::Time t = absl::Now();
   SparseVector sent;
-  GTOPK_RETURN_IF_ERROR(selector_->Select(feedback_.residual(), stats->k,
-                                          static_cast<uint64_t>(step), &sent));
+  GTOPK_RETURN_IF_ERROR(
+      SelectLocal(feedback_.residual(), stats->k, step, &sent));
   SparseVector received = sent;
   QuantizeValues(codec_.value, absl::MakeSpan(received.values));
   GTOPK_RETURN_IF_ERROR(feedback_.MarkSent(sent, received));
@@ -362,6 +382,12 @@ absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
                                       return stats.status();
                                     }));
     return stats;
+  }
+  if (!pieces_.empty()) {
+    return absl::FailedPreconditionError(
+        "Step (device): --selection=layerwise is not implemented on the GPU "
+        "path yet; pass host copies to Step, or start the servers with "
+        "--selection=threshold or quota");
   }
   if (device_ == nullptr) {
     // First device step: move the host state to the device.

@@ -181,7 +181,8 @@ absl::Status StreamFailure(const grpc::Status& st, int64_t step,
 absl::Status WorkerClient::PushPullRound(int64_t step,
                                          const std::vector<v1::Push>& pushes,
                                          std::vector<v1::Pull>* pulls,
-                                         absl::Duration* push_time) {
+                                         absl::Duration* push_time,
+                                         PushGate* gate) {
   const size_t S = shards_.size();
   pulls->assign(S, v1::Pull());
   PushPullState round(S, absl::Milliseconds(cluster_.step_timeout_ms()) +
@@ -196,10 +197,29 @@ absl::Status WorkerClient::PushPullRound(int64_t step,
   threads.reserve(S);
   for (size_t s = 0; s < S; ++s) {
     threads.emplace_back([&, s] {
+      if (gate != nullptr && !gate->Wait(s)) {
+        if (gate->any_opened()) {
+          // Pushes of this attempt went to other shards: tell this one the
+          // step is given up, so that it fails everywhere (Push.abandon).
+          v1::Push abandon = pushes[s];
+          abandon.clear_sparse();
+          abandon.set_abandon(true);
+          v1::Pull ignored;
+          PushPullOnShard(s, step, abandon, &ignored, round).IgnoreError();
+        }
+        round.Finished(s, absl::CancelledError(
+                              absl::StrCat("step ", step,
+                                           " was abandoned before its push "
+                                           "to this shard was complete")));
+        return;
+      }
       round.Finished(s,
                      PushPullOnShard(s, step, pushes[s], &(*pulls)[s], round));
     });
   }
+  // An overlapped step's watchdog counts from its last push's release (the
+  // backward pass before it is the caller's time).
+  if (gate != nullptr) gate->AwaitSettled();
   AwaitShards(round);
   for (auto& t : threads) t.join();
   *push_time = round.last_written - round.start;

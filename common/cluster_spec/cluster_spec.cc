@@ -87,6 +87,8 @@ v1::Selection ToProto(SelectionKind kind) {
       return v1::SELECTION_THRESHOLD;
     case SelectionKind::kQuota:
       return v1::SELECTION_QUOTA;
+    case SelectionKind::kLayerwise:
+      return v1::SELECTION_LAYERWISE;
   }
   return v1::SELECTION_UNSPECIFIED;
 }
@@ -163,6 +165,8 @@ absl::StatusOr<SelectionKind> SelectionKindFromProto(v1::Selection selection) {
       return SelectionKind::kThreshold;
     case v1::SELECTION_QUOTA:
       return SelectionKind::kQuota;
+    case v1::SELECTION_LAYERWISE:
+      return SelectionKind::kLayerwise;
     default:
       return absl::InvalidArgumentError(absl::StrCat(
           "cluster spec: unknown selection ", static_cast<int>(selection)));
@@ -238,6 +242,9 @@ uint64_t ClusterFingerprint(const v1::ClusterSpec& spec) {
   }
   if (spec.checksum_every() != 0) {
     h.Add("checksum_every", uint64_t{spec.checksum_every()});
+  }
+  if (spec.bucket_size() != 0) {
+    h.Add("bucket_size", uint64_t{spec.bucket_size()});
   }
   const uint64_t hash = h.hash();
   return hash == 0 ? 1 : hash;  // 0 is "absent" on the wire
@@ -359,6 +366,8 @@ std::vector<std::string> ClusterSpecDifferences(const v1::ClusterSpec& here,
   differ("mode", ModeFlagValue(here.mode()), ModeFlagValue(there.mode()));
   differ("selection", SelectionFlagValue(here.selection()),
          SelectionFlagValue(there.selection()));
+  differ("bucket-mb", ShortestNumber(here.bucket_size() * 4.0 / (1 << 20)),
+         ShortestNumber(there.bucket_size() * 4.0 / (1 << 20)));
   differ("selector", here.selector(), there.selector());
   differ("seed", absl::StrCat(here.selector_seed()),
          absl::StrCat(there.selector_seed()));
@@ -450,6 +459,18 @@ absl::Status ValidateWorkerClusterSpec(const v1::ClusterSpec& c, uint64_t n,
   }
   if (c.step_timeout_ms() == 0) {
     return absl::InvalidArgumentError("cluster spec: step_timeout_ms is 0");
+  }
+  if ((c.selection() == v1::SELECTION_LAYERWISE) != (c.bucket_size() != 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cluster spec: bucket_size ", c.bucket_size(),
+                     " with selection ", SelectionFlagValue(c.selection()),
+                     " (layerwise needs a bucket size >= 1, the others none)"));
+  }
+  if (c.selection() == v1::SELECTION_LAYERWISE &&
+      (n - 1) / c.bucket_size() >= (uint64_t{1} << 24)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cluster spec: bucket_size ", c.bucket_size(),
+                     " cuts n = ", n, " into more than 2^24 buckets"));
   }
   return absl::OkStatus();
 }

@@ -1,0 +1,447 @@
+// Layer-wise selection (--selection=layerwise) and overlapped steps
+// (WorkerClient::BeginOverlappedStep / GradientReady / FinishOverlappedStep)
+// against real servers, compared bit for bit with a plain single-process
+// reference written here: per bucket piece, every worker's local top-k of
+// u = residual + g, the sum over workers in rank order, its top-k, A/P.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <ostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/buckets.h"
+#include "common/selector.h"
+#include "common/status_macros.h"
+#include "gtest/gtest.h"
+#include "server/server_config.h"
+#include "tests/testing/local_cluster.h"
+#include "tests/testing/reference.h"
+#include "tests/testing/status_matchers.h"
+#include "worker/client.h"
+
+namespace gtopk {
+namespace {
+
+using ::gtopk::testing::BitEqual;
+using ::gtopk::testing::FloatBits;
+using ::gtopk::testing::NormalVector;
+using worker::ClientOptions;
+using worker::WorkerClient;
+
+// n = 910 in buckets of 300 values; with two shards ([0, 455), [455, 910))
+// the bucket [300, 600) straddles the boundary, and the last piece
+// [900, 910) is too small for any entry at density 0.02 (k = 18; its
+// round(18 * 10 / 910) = 0): a bucket with nothing selected.
+constexpr uint64_t kN = 910;
+constexpr uint64_t kBucket = 300;
+constexpr double kDensity = 0.02;
+constexpr int kSteps = 4;
+
+struct Case {
+  int workers = 2;
+  uint32_t shards = 2;
+  bool overlapped = true;
+};
+
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << "P" << c.workers << "_S" << c.shards
+      << (c.overlapped ? "_overlapped" : "_whole");
+}
+
+server::ServerConfig MakeConfig(int workers) {
+  server::ServerConfig s;
+  s.num_workers = workers;
+  s.mode = AggregationMode::kGtopk;
+  s.selection = SelectionKind::kLayerwise;
+  s.bucket_mb = kBucket * 4.0 / (1 << 20);
+  s.selector = "exact";
+  s.apply = ApplyMode::kWorkers;
+  s.index_codec = IndexCodec::kDeltaVarint;
+  s.value_codec = ValueCodec::kFp32;
+  s.optimizer.density = kDensity;
+  s.step_timeout = absl::Seconds(20);
+  return s;
+}
+
+std::vector<float> Gradient(int step, int worker) {
+  return NormalVector(kN, 7000 + 31 * step + worker);
+}
+
+// Top-k of a sparse vector by |value|, ties by lower index, sorted by index.
+SparseVector PlainTopK(const SparseVector& v, uint64_t k) {
+  std::vector<size_t> order(v.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return std::fabs(v.values[a]) > std::fabs(v.values[b]);
+  });
+  order.resize(std::min<size_t>(order.size(), k));
+  std::sort(order.begin(), order.end());
+  SparseVector out;
+  for (size_t i : order) {
+    out.indices.push_back(v.indices[i]);
+    out.values.push_back(v.values[i]);
+  }
+  return out;
+}
+
+// The reference: every worker's residual, and each step's A/P.
+struct Reference {
+  std::vector<std::vector<float>> residual;
+  std::vector<std::vector<float>> averaged;  // by step
+};
+
+Reference Simulate(int workers, const std::vector<uint64_t>& shard_begins) {
+  Reference ref;
+  ref.residual.assign(workers, std::vector<float>(kN, 0.0f));
+  // The pieces, plainly: cut at every multiple of the bucket size and at
+  // every shard's first index.
+  std::vector<uint64_t> cuts = shard_begins;
+  for (uint64_t b = 0; b < kN; b += kBucket) cuts.push_back(b);
+  std::sort(cuts.begin(), cuts.end());
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  struct Piece {
+    uint64_t begin, end;
+    uint64_t size() const { return end - begin; }
+  };
+  std::vector<Piece> pieces;
+  for (size_t i = 0; i < cuts.size(); ++i) {
+    pieces.push_back({cuts[i], i + 1 < cuts.size() ? cuts[i + 1] : kN});
+  }
+  const uint64_t k =
+      ::gtopk::testing::OkOrThrow(KFromDensity(kDensity, kN), "KFromDensity");
+  for (int t = 0; t < kSteps; ++t) {
+    std::vector<std::vector<float>> u(workers);
+    std::vector<std::vector<bool>> sent(workers, std::vector<bool>(kN, false));
+    std::vector<float> sum(kN, 0.0f);
+    std::vector<bool> present(kN, false);
+    for (int w = 0; w < workers; ++w) {
+      const std::vector<float> g = Gradient(t, w);
+      u[w].resize(kN);
+      for (uint64_t i = 0; i < kN; ++i) u[w][i] = ref.residual[w][i] + g[i];
+    }
+    std::vector<float> avg(kN, 0.0f);
+    std::vector<bool> global(kN, false);
+    for (const Piece& p : pieces) {
+      // round(k * size / n), halves up.
+      const uint64_t kp = (2 * k * p.size() + kN) / (2 * kN);
+      if (kp == 0) continue;
+      for (int w = 0; w < workers; ++w) {  // rank order
+        SparseVector dense_piece;
+        for (uint64_t i = p.begin; i < p.end; ++i) {
+          dense_piece.indices.push_back(static_cast<uint32_t>(i));
+          dense_piece.values.push_back(u[w][i]);
+        }
+        for (uint32_t i : PlainTopK(dense_piece, kp).indices) {
+          sent[w][i] = true;
+          sum[i] = present[i] ? sum[i] + u[w][i] : u[w][i];
+          present[i] = true;
+        }
+      }
+      SparseVector piece_sum;
+      for (uint64_t i = p.begin; i < p.end; ++i) {
+        if (!present[i]) continue;
+        piece_sum.indices.push_back(static_cast<uint32_t>(i));
+        piece_sum.values.push_back(sum[i]);
+      }
+      for (uint32_t i : PlainTopK(piece_sum, kp).indices) {
+        global[i] = true;
+        avg[i] = sum[i] / static_cast<float>(workers);
+      }
+    }
+    for (int w = 0; w < workers; ++w) {
+      for (uint64_t i = 0; i < kN; ++i) {
+        ref.residual[w][i] = sent[w][i] && global[i] ? 0.0f : u[w][i];
+      }
+    }
+    ref.averaged.push_back(std::move(avg));
+  }
+  return ref;
+}
+
+std::unique_ptr<WorkerClient> ConnectWorker(const std::string& leader,
+                                            int rank) {
+  ClientOptions o;
+  o.leader_address = leader;
+  o.requested_rank = rank;
+  o.n = kN;
+  o.rpc_timeout = absl::Seconds(20);
+  return ::gtopk::testing::OkOrThrow(WorkerClient::Connect(o), "Connect");
+}
+
+// One overlapped step as an autograd pass would run it: the gradient
+// buffer starts as NaN (a value read before it is reported fails the
+// step), and is filled and reported in chunks of 97 values from the end
+// (the backward pass produces the last layers first).
+absl::StatusOr<worker::StepStats> OverlappedStep(
+    WorkerClient& client, const std::vector<float>& g,
+    std::vector<float>& buffer, std::vector<float>& averaged,
+    const std::vector<float>& params, uint64_t stop_after = kN) {
+  std::fill(buffer.begin(), buffer.end(),
+            std::numeric_limits<float>::quiet_NaN());
+  GTOPK_RETURN_IF_ERROR(
+      client.BeginOverlappedStep(buffer, absl::MakeSpan(averaged), params));
+  uint64_t end = kN, reported = 0;
+  while (end > 0 && reported < stop_after) {
+    const uint64_t begin = end >= 97 ? end - 97 : 0;
+    std::copy(g.begin() + begin, g.begin() + end, buffer.begin() + begin);
+    GTOPK_RETURN_IF_ERROR(client.GradientReady(begin, end));
+    reported += end - begin;
+    end = begin;
+    absl::SleepFor(absl::Microseconds(200));  // the rest of backward
+  }
+  if (reported < kN) {
+    // Time for the selection thread to release shard 1's push (its range
+    // [455, 910) was reported): the failure then strikes a round that is
+    // under way on one shard.
+    absl::SleepFor(absl::Milliseconds(500));
+    client.AbandonOverlappedStep();
+    return absl::CancelledError("abandoned in the backward pass");
+  }
+  return client.FinishOverlappedStep();
+}
+
+class OverlapTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(OverlapTest, MatchesLayerwiseReferenceBitForBit) {
+  const Case& c = GetParam();
+  auto cluster_or =
+      server::LocalCluster::Start(MakeConfig(c.workers), c.shards);
+  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+  server::LocalCluster& cluster = **cluster_or;
+  std::vector<std::unique_ptr<WorkerClient>> clients;
+  for (int w = 0; w < c.workers; ++w) {
+    clients.push_back(ConnectWorker(cluster.leader(), w));
+  }
+  std::vector<uint64_t> begins;
+  for (const auto& s : clients[0]->cluster().shards()) {
+    begins.push_back(s.begin());
+  }
+  // The client cuts the same pieces as the reference.
+  const std::vector<BucketPiece> expected_pieces =
+      ::gtopk::testing::OkOrThrow(CutBucketPieces(kN, kBucket, begins), "cut");
+  ASSERT_EQ(clients[0]->bucket_pieces().size(), expected_pieces.size());
+  if (c.shards == 2) {
+    // [300, 455) and [455, 600): the straddling bucket's two pieces.
+    EXPECT_EQ(expected_pieces.size(), 5u);
+  }
+  const Reference ref = Simulate(c.workers, begins);
+
+  const std::vector<float> params = NormalVector(kN, 99);
+  std::vector<std::vector<std::vector<float>>> averaged(
+      c.workers, std::vector<std::vector<float>>(kSteps));
+  std::vector<absl::Status> status(c.workers);
+  std::vector<std::thread> threads;
+  for (int w = 0; w < c.workers; ++w) {
+    threads.emplace_back([&, w] {
+      std::vector<float> p = params;
+      absl::StatusOr<int64_t> start =
+          clients[w]->SynchronizeParameters(absl::MakeSpan(p));
+      if (!start.ok()) {
+        status[w] = start.status();
+        return;
+      }
+      std::vector<float> buffer(kN);
+      for (int t = 0; t < kSteps; ++t) {
+        const std::vector<float> g = Gradient(t, w);
+        averaged[w][t].assign(kN, -1.0f);
+        absl::StatusOr<worker::StepStats> st =
+            c.overlapped
+                ? OverlappedStep(*clients[w], g, buffer, averaged[w][t], p)
+                : clients[w]->AggregateStep(g, absl::MakeSpan(averaged[w][t]),
+                                            p);
+        if (!st.ok()) {
+          status[w] = st.status();
+          return;
+        }
+        if (st->step != t) {
+          status[w] = absl::InternalError(absl::StrCat("step ", st->step));
+          return;
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int w = 0; w < c.workers; ++w) {
+    ASSERT_TRUE(status[w].ok()) << "worker " << w << ": " << status[w];
+    for (int t = 0; t < kSteps; ++t) {
+      EXPECT_EQ(FloatBits(averaged[w][t]), FloatBits(ref.averaged[t]))
+          << "worker " << w << " step " << t;
+    }
+    EXPECT_EQ(FloatBits(clients[w]->residual()), FloatBits(ref.residual[w]))
+        << "worker " << w << " residual";
+    EXPECT_EQ(clients[w]->next_step(), kSteps);
+  }
+  // The last piece selected nothing at any step.
+  for (int t = 0; t < kSteps; ++t) {
+    for (uint64_t i = 900; i < kN; ++i) {
+      EXPECT_EQ(ref.averaged[t][i], 0.0f);
+    }
+  }
+}
+
+std::vector<Case> Cases() {
+  std::vector<Case> cases;
+  for (int p : {1, 2, 3}) {
+    for (uint32_t s : {1u, 2u}) {
+      for (bool overlapped : {true, false}) {
+        cases.push_back(Case{p, s, overlapped});
+      }
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(All, OverlapTest, ::testing::ValuesIn(Cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return absl::StrCat(
+                               "P", info.param.workers, "_S", info.param.shards,
+                               info.param.overlapped ? "_overlapped"
+                                                     : "_whole");
+                         });
+
+// A step given up in the middle of its buckets (an exception in the
+// backward pass after shard 1's push went out): nothing is applied
+// anywhere, the other worker's step fails, both recover, and the retry
+// completes with exactly the results of a run without the failure.
+TEST(OverlapFailureTest, AbandonedStepAppliesNothingAndTheRetryCompletes) {
+  constexpr int kWorkers = 2;
+  auto cluster_or = server::LocalCluster::Start(MakeConfig(kWorkers), 2);
+  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+  server::LocalCluster& cluster = **cluster_or;
+  std::vector<std::unique_ptr<WorkerClient>> clients;
+  for (int w = 0; w < kWorkers; ++w) {
+    clients.push_back(ConnectWorker(cluster.leader(), w));
+  }
+  std::vector<uint64_t> begins;
+  for (const auto& s : clients[0]->cluster().shards()) {
+    begins.push_back(s.begin());
+  }
+  const Reference ref = Simulate(kWorkers, begins);
+  const std::vector<float> params = NormalVector(kN, 99);
+  constexpr int kFailingStep = 2;
+  std::vector<std::vector<std::vector<float>>> averaged(
+      kWorkers, std::vector<std::vector<float>>(kSteps));
+  std::vector<absl::Status> status(kWorkers);
+  std::vector<absl::Status> failed(kWorkers);
+  std::vector<std::thread> threads;
+  for (int w = 0; w < kWorkers; ++w) {
+    threads.emplace_back([&, w] {
+      std::vector<float> p = params;
+      absl::StatusOr<int64_t> start =
+          clients[w]->SynchronizeParameters(absl::MakeSpan(p));
+      if (!start.ok()) {
+        status[w] = start.status();
+        return;
+      }
+      std::vector<float> buffer(kN);
+      bool retry = false;
+      for (int t = 0; t < kSteps;) {
+        averaged[w][t].assign(kN, -1.0f);
+        // Rank 0 gives up step 2 after shard 1's range ([455, 910)) and
+        // a bit more was reported.
+        const bool give_up = w == 0 && t == kFailingStep && !retry;
+        // After a failed round the residual holds u: the retry sends a zero
+        // gradient. After an abandoned step it is as before: the whole
+        // gradient again.
+        std::vector<float> g = Gradient(t, w);
+        if (retry && w != 0) std::fill(g.begin(), g.end(), 0.0f);
+        absl::StatusOr<worker::StepStats> st = OverlappedStep(
+            *clients[w], g, buffer, averaged[w][t], p, give_up ? 500 : kN);
+        if (st.ok()) {
+          ++t;
+          retry = false;
+          continue;
+        }
+        if (retry || t != kFailingStep) {
+          status[w] = st.status();
+          return;
+        }
+        failed[w] = st.status();
+        retry = true;
+        absl::StatusOr<int64_t> at = clients[w]->Recover({});
+        if (!at.ok() || *at != kFailingStep) {
+          status[w] =
+              at.ok()
+                  ? absl::InternalError(absl::StrCat("recovered to step ", *at))
+                  : at.status();
+          return;
+        }
+        // The attempt wrote nothing.
+        for (float x : averaged[w][t]) {
+          if (x != -1.0f) {
+            status[w] = absl::InternalError("averaged written by a failure");
+            return;
+          }
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int w = 0; w < kWorkers; ++w) {
+    ASSERT_TRUE(status[w].ok()) << "worker " << w << ": " << status[w];
+    EXPECT_FALSE(failed[w].ok()) << "worker " << w << " never failed";
+    for (int t = 0; t < kSteps; ++t) {
+      EXPECT_EQ(FloatBits(averaged[w][t]), FloatBits(ref.averaged[t]))
+          << "worker " << w << " step " << t;
+    }
+    EXPECT_EQ(FloatBits(clients[w]->residual()), FloatBits(ref.residual[w]))
+        << "worker " << w << " residual";
+  }
+  EXPECT_TRUE(absl::IsCancelled(failed[0])) << failed[0];
+}
+
+TEST(OverlapRefusalTest, BadCallsAreRefusedAndChangeNothing) {
+  auto cluster_or = server::LocalCluster::Start(MakeConfig(1), 2);
+  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+  std::unique_ptr<WorkerClient> client =
+      ConnectWorker((*cluster_or)->leader(), 0);
+  std::vector<float> p = NormalVector(kN, 99);
+  GTOPK_ASSERT_OK(client->SynchronizeParameters(absl::MakeSpan(p)).status());
+  std::vector<float> g(kN, 1.0f), avg(kN, 0.0f);
+  EXPECT_THAT(
+      client->GradientReady(0, 10),
+      ::gtopk::testing::StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(
+      client->FinishOverlappedStep().status(),
+      ::gtopk::testing::StatusIs(absl::StatusCode::kFailedPrecondition));
+  GTOPK_ASSERT_OK(client->BeginOverlappedStep(g, absl::MakeSpan(avg), p));
+  EXPECT_THAT(
+      client->BeginOverlappedStep(g, absl::MakeSpan(avg), p),
+      ::gtopk::testing::StatusIs(absl::StatusCode::kFailedPrecondition));
+  GTOPK_EXPECT_OK(client->GradientReady(100, 200));
+  EXPECT_THAT(client->GradientReady(150, 250),
+              ::gtopk::testing::StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(client->GradientReady(50, 101),
+              ::gtopk::testing::StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(client->GradientReady(5, 5),
+              ::gtopk::testing::StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(client->GradientReady(900, kN + 1),
+              ::gtopk::testing::StatusIs(absl::StatusCode::kInvalidArgument));
+  GTOPK_EXPECT_OK(client->GradientReady(200, 300));  // adjacent is fine
+  // A non-finite gradient fails the selection: nothing changed.
+  const std::vector<float> before(client->residual().begin(),
+                                  client->residual().end());
+  g[700] = std::numeric_limits<float>::infinity();
+  EXPECT_THAT(client->FinishOverlappedStep().status(),
+              ::gtopk::testing::StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_FALSE(client->overlapped_step_open());
+  EXPECT_TRUE(BitEqual(client->residual(), before));
+  EXPECT_EQ(client->next_step(), 0);
+  // Shard 0's push had gone out (its pieces came first): the step failed
+  // everywhere, so the retry follows a Recover, as after any failed step.
+  GTOPK_ASSERT_OK(client->Recover({}).status());
+  g[700] = 1.0f;
+  GTOPK_ASSERT_OK(client->BeginOverlappedStep(g, absl::MakeSpan(avg), p));
+  auto st = client->FinishOverlappedStep();
+  GTOPK_ASSERT_OK(st.status());
+  EXPECT_EQ(st->step, 0);
+  EXPECT_EQ(client->next_step(), 1);
+}
+
+}  // namespace
+}  // namespace gtopk

@@ -1,0 +1,359 @@
+// WorkerClient's overlapped steps (worker/client.h BeginOverlappedStep):
+// layer-wise selection of each bucket piece on a selection thread as the
+// caller reports its gradient, each shard's push released as soon as its
+// pieces are selected, the round on its own thread (PushPullRound behind a
+// PushGate), and Finish/Abandon.
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/buckets.h"
+#include "common/checksum.h"
+#include "common/codec.h"
+#include "common/status_macros.h"
+#include "worker/client.h"
+#include "worker/client_internal.h"
+
+namespace gtopk {
+namespace worker {
+
+absl::Status WorkerClient::BeginOverlappedStep(absl::Span<const float> gradient,
+                                               absl::Span<float> averaged,
+                                               absl::Span<const float> params,
+                                               absl::string_view buffers,
+                                               uint64_t state_checksum) {
+  const uint64_t n = cluster_.n();
+  if (overlapped_ != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "BeginOverlappedStep: step ", next_step_,
+        " is open already (FinishOverlappedStep or AbandonOverlappedStep "
+        "first)"));
+  }
+  if (pieces_.empty()) {
+    return absl::FailedPreconditionError(
+        "BeginOverlappedStep: the cluster's selection is not layerwise (its "
+        "servers run --selection=threshold or quota): only layer-wise "
+        "buckets can be pushed while the backward pass goes on; call "
+        "AggregateStep, or restart the servers with --selection=layerwise");
+  }
+  if (apply_ != ApplyMode::kWorkers) {
+    return absl::FailedPreconditionError(
+        "BeginOverlappedStep: the cluster applies updates on the servers "
+        "(--apply=servers); overlapped steps aggregate gradients "
+        "(--apply=workers)");
+  }
+  if (gradient.size() != n || averaged.size() != n ||
+      (!params.empty() && params.size() != n)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "BeginOverlappedStep: gradient has ", gradient.size(),
+        " values, averaged ", averaged.size(), " and params ", params.size(),
+        "; n = ", n, " (params may be empty except on checksum steps)"));
+  }
+  if (checksum_due() && params.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("BeginOverlappedStep: step ", next_step_,
+                     " sends a checksum: pass this replica's parameters"));
+  }
+  if (!buffers.empty() && rank_ != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("BeginOverlappedStep: rank ", rank_,
+                     " passed buffers; only rank 0's buffers are broadcast"));
+  }
+  GTOPK_ASSIGN_OR_RETURN(StepStats stats, BeginStep(n));
+  step_checksum_ = ChecksumFor(stats.step, params);
+  if (step_checksum_ != 0 && state_checksum != 0) {
+    step_checksum_ = CombineChecksums(step_checksum_, state_checksum);
+  }
+  step_buffers_.assign(buffers.data(), buffers.size());
+  received_buffers_.clear();
+  if (overlap_backup_.size() != n) overlap_backup_.assign(n, 0.0f);
+
+  auto o = std::make_unique<OverlappedStep>(shards_.size(), pieces_.size());
+  o->stats = std::move(stats);
+  o->gradient = gradient;
+  o->averaged = averaged;
+  o->pushes = NewPushes(o->stats.step);
+  o->pieces_left.assign(shards_.size(), 0);
+  for (const size_t s : piece_shard_) ++o->pieces_left[s];
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    // A shard with an empty range has no pieces: its (empty) push may go.
+    if (o->pieces_left[s] == 0) {
+      GTOPK_RETURN_IF_ERROR(EncodeSparse(SparseVector(), n, codec_,
+                                         o->pushes[s].mutable_sparse()));
+      o->gate.Open(s);
+    }
+  }
+  for (auto& c : shards_) {
+    if (c->stream == nullptr) {
+      SetStreamContext(*c);
+      c->broken = false;
+    }
+  }
+  OverlappedStep* raw = o.get();
+  overlapped_ = std::move(o);
+  raw->selection = std::thread([this, raw] { SelectionLoop(*raw); });
+  raw->round = std::thread([this, raw] {
+    raw->round_status = PushPullRound(raw->stats.step, raw->pushes, &raw->pulls,
+                                      &raw->push_time, &raw->gate);
+  });
+  return absl::OkStatus();
+}
+
+absl::Status WorkerClient::GradientReady(uint64_t begin, uint64_t end) {
+  OverlappedStep* o = overlapped_.get();
+  if (o == nullptr) {
+    return absl::FailedPreconditionError(
+        "GradientReady: no overlapped step is open (BeginOverlappedStep)");
+  }
+  const uint64_t n = cluster_.n();
+  if (begin >= end || end > n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("GradientReady: range [", begin, ", ", end,
+                     ") is empty or outside [0, ", n, ")"));
+  }
+  absl::MutexLock lock(&o->mu);
+  // Ranges never overlap: the next one starting at or after `begin` must
+  // start at or after `end`, the one before must end at or before `begin`.
+  auto next = o->reported.lower_bound(begin);
+  if ((next != o->reported.end() && next->first < end) ||
+      (next != o->reported.begin() && std::prev(next)->second > begin)) {
+    const auto& other = (next != o->reported.end() && next->first < end)
+                            ? *next
+                            : *std::prev(next);
+    return absl::InvalidArgumentError(absl::StrCat(
+        "GradientReady: range [", begin, ", ", end,
+        ") overlaps the range reported before, [", other.first, ", ",
+        other.second, ") (each value is reported once per step)"));
+  }
+  o->reported.emplace(begin, end);
+  o->reported_values += end - begin;
+  // The pieces [begin, end) touches: pieces_ is sorted by begin.
+  auto first = std::upper_bound(
+      pieces_.begin(), pieces_.end(), begin,
+      [](uint64_t v, const BucketPiece& p) { return v < p.begin; });
+  size_t i = static_cast<size_t>(first - pieces_.begin()) - 1;
+  for (; i < pieces_.size() && pieces_[i].begin < end; ++i) {
+    const uint64_t lo = std::max(begin, pieces_[i].begin);
+    const uint64_t hi = std::min(end, pieces_[i].end);
+    o->ready[i] += hi - lo;
+    if (o->ready[i] == pieces_[i].size()) o->queue.push_back(i);
+  }
+  return absl::OkStatus();
+}
+
+void WorkerClient::SelectionLoop(OverlappedStep& o) {
+  while (true) {
+    size_t piece = 0;
+    {
+      absl::MutexLock lock(&o.mu);
+      auto work = [&] { return o.stop || !o.queue.empty() || o.closing; };
+      o.mu.Await(absl::Condition(&work));
+      if (o.stop || o.queue.empty()) return;  // abandoned, or all done
+      piece = o.queue.front();
+      o.queue.pop_front();
+      o.first_taken = std::min(o.first_taken, absl::Now());
+    }
+    const absl::Status st = SelectPiece(o, piece);
+    if (!st.ok()) {
+      absl::MutexLock lock(&o.mu);
+      if (o.select_status.ok()) o.select_status = st;
+      o.stop = true;
+      o.gate.Abandon();
+      return;
+    }
+  }
+}
+
+absl::Status WorkerClient::SelectPiece(OverlappedStep& o, size_t i) {
+  const BucketPiece& p = pieces_[i];
+  const uint64_t n = cluster_.n();
+  absl::Time t = absl::Now();
+  absl::Span<float> residual =
+      feedback_.mutable_residual().subspan(p.begin, p.size());
+  std::memcpy(overlap_backup_.data() + p.begin, residual.data(),
+              p.size() * sizeof(float));
+  const absl::Span<const float> g = o.gradient.subspan(p.begin, p.size());
+  // The identity rule (u = residual + g), as AggregateStep; nothing is
+  // changed when it fails (a non-finite gradient).
+  absl::Status st = rule_.AccumulateLocal(
+      o.stats.step, g, g, absl::MakeSpan(velocity_).subspan(p.begin, p.size()),
+      residual);
+  if (!st.ok())
+    return Prefixed(st, absl::StrCat("piece [", p.begin, ", ", p.end, ")"));
+  o.accumulated[i] = true;
+  o.stats.accumulate += absl::Now() - t;
+
+  t = absl::Now();
+  const uint64_t kp = PieceK(o.stats.k, p.size(), n);
+  SparseVector& sent = o.sent[i];
+  if (kp > 0) {
+    SparseVector part;
+    GTOPK_RETURN_IF_ERROR(selector_->Select(
+        residual, kp, static_cast<uint64_t>(o.stats.step), &part));
+    sent.indices.reserve(part.size());
+    for (size_t j = 0; j < part.size(); ++j) {
+      sent.indices.push_back(static_cast<uint32_t>(part.indices[j] + p.begin));
+    }
+    sent.values = std::move(part.values);
+  }
+  o.received[i] = sent;
+  QuantizeValues(codec_.value, absl::MakeSpan(o.received[i].values));
+  o.stats.select += absl::Now() - t;
+
+  const size_t s = piece_shard_[i];
+  if (--o.pieces_left[s] > 0) return absl::OkStatus();
+  // Shard s's pieces are all selected: its push, in index order.
+  t = absl::Now();
+  SparseVector slice;
+  for (size_t j = 0; j < pieces_.size(); ++j) {
+    if (piece_shard_[j] != s) continue;
+    slice.indices.insert(slice.indices.end(), o.sent[j].indices.begin(),
+                         o.sent[j].indices.end());
+    slice.values.insert(slice.values.end(), o.sent[j].values.begin(),
+                        o.sent[j].values.end());
+  }
+  st = EncodeSparse(slice, n, codec_, o.pushes[s].mutable_sparse());
+  if (!st.ok()) return Prefixed(st, ShardName(s));
+  o.stats.bytes_sent[s] = o.pushes[s].ByteSizeLong();
+  o.stats.encode += absl::Now() - t;
+  // Under mu: once AbandonOverlappedStep has set `stop`, no push is
+  // released any more.
+  absl::MutexLock lock(&o.mu);
+  if (!o.stop) o.gate.Open(s);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepStats> WorkerClient::FinishOverlappedStep(
+    std::string* buffers_out) {
+  if (overlapped_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "FinishOverlappedStep: no overlapped step is open");
+  }
+  OverlappedStep& o = *overlapped_;
+  const absl::Time finish_start = absl::Now();
+  {
+    // Values never reported (parameters without a gradient this pass) are
+    // taken as they are now.
+    std::vector<std::pair<uint64_t, uint64_t>> gaps;
+    {
+      absl::MutexLock lock(&o.mu);
+      uint64_t at = 0;
+      for (const auto& [b, e] : o.reported) {
+        if (b > at) gaps.emplace_back(at, b);
+        at = e;
+      }
+      if (at < cluster_.n()) gaps.emplace_back(at, cluster_.n());
+    }
+    for (const auto& [b, e] : gaps) GradientReady(b, e).IgnoreError();
+    absl::MutexLock lock(&o.mu);
+    o.closing = true;
+  }
+  o.selection.join();
+  absl::Status selected;
+  {
+    absl::MutexLock lock(&o.mu);
+    selected = o.select_status;
+  }
+  if (!selected.ok()) {
+    // Nothing was sent anywhere that can complete: undo the step.
+    o.gate.Abandon();
+    AbandonOverlappedStep();
+    return selected;
+  }
+  o.round.join();
+  StepStats stats = std::move(o.stats);
+  SparseVector sent, received;
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    sent.indices.insert(sent.indices.end(), o.sent[i].indices.begin(),
+                        o.sent[i].indices.end());
+    sent.values.insert(sent.values.end(), o.sent[i].values.begin(),
+                       o.sent[i].values.end());
+    received.indices.insert(received.indices.end(),
+                            o.received[i].indices.begin(),
+                            o.received[i].indices.end());
+    received.values.insert(received.values.end(), o.received[i].values.begin(),
+                           o.received[i].values.end());
+  }
+  stats.sent_pairs = sent.size();
+  const int64_t step = stats.step;
+  std::vector<v1::Pull> pulls = std::move(o.pulls);
+  absl::Status round = o.round_status;
+  const absl::Time first_taken = o.first_taken;
+  const absl::Duration push_time = o.push_time;
+  const absl::Span<float> averaged = o.averaged;
+  overlapped_.reset();
+  step_checksum_ = 0;
+  step_buffers_.clear();
+
+  // The residual holds u everywhere now; the bookkeeping of what was sent,
+  // as AggregateStep's, so that failure and success leave the same state.
+  GTOPK_RETURN_IF_ERROR(feedback_.MarkSent(sent, received));
+  auto fail = [&](const absl::Status& status) -> absl::Status {
+    const absl::Status restored = feedback_.PutBack(received, SparseVector());
+    if (!restored.ok()) {
+      return absl::InternalError(absl::StrCat(
+          status.ToString(),
+          "; and restoring the residual failed: ", restored.ToString()));
+    }
+    return status;
+  };
+  if (!round.ok()) return fail(round);
+  absl::StatusOr<SparseVector> global = DecodePulls(step, pulls, &stats);
+  if (!global.ok()) return fail(global.status());
+  const absl::Time decoded = absl::Now();
+  stats.exposed = decoded - finish_start;
+  stats.push_wait =
+      decoded - std::min(first_taken == absl::InfiniteFuture() ? finish_start
+                                                               : first_taken,
+                         decoded);
+  stats.push = std::min(push_time, stats.push_wait);
+  stats.wait = stats.push_wait - stats.push;
+  absl::Time t = absl::Now();
+  if (absl::Status st = CheckAveraged(step, *global, pulls); !st.ok()) {
+    return fail(st);
+  }
+  GTOPK_RETURN_IF_ERROR(feedback_.PutBack(received, *global));
+  if (buffers_out != nullptr) buffers_out->swap(received_buffers_);
+  received_buffers_.clear();
+  StoreAveraged(*global, pulls, averaged);
+  stats.apply = absl::Now() - t;
+  check_next_step_ = false;
+  ++next_step_;
+  return stats;
+}
+
+void WorkerClient::AbandonOverlappedStep() {
+  if (overlapped_ == nullptr) return;
+  OverlappedStep& o = *overlapped_;
+  {
+    absl::MutexLock lock(&o.mu);
+    o.stop = true;  // no push is released from now on
+  }
+  // The selection thread ends after its current piece; only then are the
+  // pushes it was writing left alone, and the shards without theirs told.
+  if (o.selection.joinable()) o.selection.join();
+  o.gate.Abandon();
+  // Shards whose push went out are waiting for their pull: the round fails
+  // on the ones never pushed (CANCELLED), and PushPullRound cuts the others
+  // short after its failure grace.
+  if (o.round.joinable()) o.round.join();
+  // As before the step: the residual of every accumulated piece (nothing
+  // was marked sent yet; that happens in Finish).
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    if (!o.accumulated[i]) continue;
+    const BucketPiece& p = pieces_[i];
+    std::memcpy(feedback_.mutable_residual().data() + p.begin,
+                overlap_backup_.data() + p.begin, p.size() * sizeof(float));
+  }
+  overlapped_.reset();
+  step_checksum_ = 0;
+  step_buffers_.clear();
+  received_buffers_.clear();
+}
+
+}  // namespace worker
+}  // namespace gtopk
