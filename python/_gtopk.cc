@@ -175,6 +175,7 @@ py::dict StatsDict(const StepStats& s) {
   d["apply_seconds"] = Seconds(s.apply);
   d["server_merge_seconds"] = Seconds(s.server_merge);
   d["server_select_seconds"] = Seconds(s.server_select);
+  d["exposed_seconds"] = Seconds(s.exposed);
   return d;
 }
 
@@ -206,6 +207,7 @@ py::dict ClusterDict(const v1::ClusterSpec& c) {
   d["next_step"] = c.next_step();
   d["apply"] = ApplyFlagValue(c.apply());
   d["checksum_every"] = c.checksum_every();
+  d["bucket_size"] = c.bucket_size();
   d["cluster_fingerprint"] = FingerprintText(c.cluster_fingerprint());
   py::list shards;
   for (const v1::ShardSpec& s : c.shards()) {
@@ -402,6 +404,83 @@ class Client {
     return py::make_tuple(StatsDict(*last_), py::bytes(out));
   }
 
+  // Overlapped steps (WorkerClient::BeginOverlappedStep): the buffers are
+  // held (their Py_buffer views) until the step is finished or abandoned.
+  void BeginOverlappedStep(const py::buffer& gradient,
+                           const py::buffer& averaged,
+                           const std::optional<py::buffer>& params,
+                           const py::bytes& buffers, uint64_t state_checksum) {
+    WorkerClient& c = Get();
+    const uint64_t n = c.cluster().n();
+    std::unique_lock<std::mutex> lock = Exclusive();
+    overlap_buffers_.clear();
+    overlap_buffers_.push_back(GetFloats(gradient, "gradient", false, n));
+    overlap_buffers_.push_back(GetFloats(averaged, "averaged", true, n));
+    if (params.has_value()) {
+      overlap_buffers_.push_back(GetFloats(*params, "params", false, n));
+    }
+    const FloatBuffer& g = overlap_buffers_[0];
+    const FloatBuffer& a = overlap_buffers_[1];
+    const std::string in = buffers;
+    absl::Status st;
+    {
+      py::gil_scoped_release release;
+      st = c.BeginOverlappedStep(
+          absl::MakeConstSpan(g.data(), g.size()),
+          absl::MakeSpan(a.data(), a.size()),
+          params.has_value() ? absl::MakeConstSpan(overlap_buffers_[2].data(),
+                                                   overlap_buffers_[2].size())
+                             : absl::Span<const float>(),
+          in, state_checksum);
+    }
+    if (!st.ok()) {
+      overlap_buffers_.clear();
+      Raise(st);
+    }
+  }
+
+  void GradientReady(uint64_t begin, uint64_t end) {
+    WorkerClient& c = Get();
+    std::unique_lock<std::mutex> lock = Exclusive();
+    const absl::Status st = c.GradientReady(begin, end);
+    if (!st.ok()) Raise(st);
+  }
+
+  py::tuple FinishOverlappedStep() {
+    WorkerClient& c = Get();
+    std::unique_lock<std::mutex> lock = Exclusive();
+    std::string out;
+    absl::StatusOr<StepStats> stats = RunInterruptibly(
+        cancellation_.get(), [&] { return c.FinishOverlappedStep(&out); });
+    {
+      py::gil_scoped_release release;
+      c.AbandonOverlappedStep();  // a no-op unless interrupted before Finish
+    }
+    overlap_buffers_.clear();
+    last_ = ValueOrRaise(std::move(stats));
+    return py::make_tuple(StatsDict(*last_), py::bytes(out));
+  }
+
+  void AbandonOverlappedStep() {
+    WorkerClient& c = Get();
+    std::unique_lock<std::mutex> lock = Exclusive();
+    {
+      py::gil_scoped_release release;
+      c.AbandonOverlappedStep();
+    }
+    overlap_buffers_.clear();
+  }
+
+  bool OverlappedStepOpen() { return Get().overlapped_step_open(); }
+
+  std::vector<std::pair<uint64_t, uint64_t>> BucketPieces() {
+    std::vector<std::pair<uint64_t, uint64_t>> out;
+    for (const BucketPiece& p : Get().bucket_pieces()) {
+      out.emplace_back(p.begin, p.end);
+    }
+    return out;
+  }
+
   py::tuple SynchronizeWithState(const py::buffer& params,
                                  const py::bytes& state) {
     WorkerClient& c = Get();
@@ -519,8 +598,11 @@ class Client {
 
   void Close() {
     std::unique_lock<std::mutex> lock = Exclusive();
-    py::gil_scoped_release release;
-    client_.reset();
+    {
+      py::gil_scoped_release release;
+      client_.reset();  // abandons an open overlapped step first
+    }
+    overlap_buffers_.clear();
   }
 
  private:
@@ -551,6 +633,8 @@ class Client {
   std::unique_ptr<WorkerClient> client_;
   std::unique_ptr<worker::WorkerMetrics> metrics_;
   std::optional<StepStats> last_;
+  // An open overlapped step's gradient, averaged and params buffers.
+  std::vector<FloatBuffer> overlap_buffers_;
 };
 
 }  // namespace
@@ -680,6 +764,35 @@ FailedPrecondition).)doc")
            "0's opaque bytes broadcast through shard 0. Returns (stats, "
            "rank 0's buffers of this step). On error nothing is written "
            "and the residual keeps the gradient (retry with zeros).")
+      .def("begin_overlapped_step", &Client::BeginOverlappedStep,
+           py::arg("gradient"), py::arg("averaged"),
+           py::arg("params") = py::none(), py::arg("buffers") = py::bytes(),
+           py::arg("state_checksum") = 0,
+           "--selection=layerwise, workers apply: opens an overlapped step "
+           "(aggregate_step cut in three). The buffers as aggregate_step's, "
+           "held by the Client until the step ends; gradient need not be "
+           "final yet: fill it range by range and call gradient_ready after "
+           "each (e.g. from autograd hooks). Each bucket piece is selected "
+           "and each shard's push sent as soon as its values are in.")
+      .def("gradient_ready", &Client::GradientReady, py::arg("begin"),
+           py::arg("end"),
+           "gradient[begin:end] is final (each value reported once per "
+           "step). Does not block.")
+      .def("finish_overlapped_step", &Client::FinishOverlappedStep,
+           "Ends the open step (values never reported are taken as they "
+           "are) and waits for its round. Returns (stats, rank 0's "
+           "buffers); stats['exposed_seconds'] is the wait here. Errors as "
+           "aggregate_step's.")
+      .def("abandon_overlapped_step", &Client::AbandonOverlappedStep,
+           "Gives up the open step (an error in the backward pass): the "
+           "residual is as before it; other workers' step fails and is "
+           "retried after recover. No-op without an open step.")
+      .def_property_readonly("overlapped_step_open",
+                             &Client::OverlappedStepOpen)
+      .def_property_readonly("bucket_pieces", &Client::BucketPieces,
+                             "The layer-wise pieces [(begin, end), ...] in "
+                             "index order; empty unless the cluster's "
+                             "selection is layerwise.")
       .def("synchronize_with_state", &Client::SynchronizeWithState,
            py::arg("params"), py::arg("state"),
            "Workers apply: synchronize_parameters plus rank 0's opaque "

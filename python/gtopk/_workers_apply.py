@@ -185,7 +185,7 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
                  metrics_host="0.0.0.0", recovery_timeout=None,
                  step_watchdog_margin=2.0, record_step_metrics=True,
                  tls=None, tls_cert=None, tls_key=None, tls_ca=None,
-                 token_file=None):
+                 token_file=None, overlap=None):
         from gtopk import torch as gt  # the shared argument helpers
         # Not Optimizer.__init__: the wrapped optimizer's param_groups,
         # state and defaults are used as they are (properties below).
@@ -216,6 +216,9 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
                 "need its own exchange of gradients, which one gtopk step "
                 "cannot give; use an optimizer whose closure is optional"
                 % type(optimizer).__name__)
+        if overlap not in (None, True, False):
+            raise TypeError("gtopk: overlap must be None, True or False, "
+                            "got %r" % (overlap,))
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError("gtopk: model must be a torch.nn.Module, got %r"
                             % type(model).__name__)
@@ -330,6 +333,14 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
         self._hooks = []
         for i, p in enumerate(plist):
             self._hooks.append(p.register_hook(self._make_hook(i)))
+        # -- overlap (--selection=layerwise): each parameter's gradient is
+        # reported from its AccumulateGrad node's hook, once accumulated
+        # into .grad (Horovod's hook point), so that its bucket is selected
+        # and pushed while backward goes on. The nodes are kept alive here.
+        self._grad_accs = []
+        self._reported = [False] * len(plist)
+        self._overlap = False
+        self._overlap_off = False
 
         # -- join, check, synchronise -----------------------------------------
         self._client = gtopk.Client(
@@ -354,6 +365,7 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
             self._client.check_settings(
                 mode=mode, selector=selector, density=density,
                 index_codec=index_codec, value_codec=value_codec)
+            self._overlap = self._overlap_mode(overlap, c)
             self._needs_resume = False
             if int(c.get("next_step", 0)) > 0:
                 # The shards hold only the initial broadcast: nothing of the
@@ -365,6 +377,11 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
         except BaseException:
             self._client.close()
             raise
+        if self._overlap:
+            for i, p in enumerate(plist):
+                acc = p.expand_as(p).grad_fn.next_functions[0][0]
+                self._grad_accs.append(acc)
+                self._hooks.append(acc.register_hook(self._make_ready_hook(i)))
         self._stats = None
         self._retry_step = None
         self._failed_grads = None
@@ -435,6 +452,144 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
             self._pass_counts[i] += 1
             return grad
         return hook
+
+    def _overlap_mode(self, overlap, c):
+        """Whether steps overlap with backward: by default when the servers
+        run --selection=layerwise (and the model is on the CPU with one
+        backward pass per step); overlap=True where that cannot be is
+        refused, naming why."""
+        layerwise = c.get("selection") == "layerwise"
+        if overlap is False:
+            return False
+        why = None
+        if not layerwise:
+            why = ("the servers run --selection=%s: only layer-wise buckets "
+                   "(--selection=layerwise) can be pushed while backward "
+                   "goes on" % c.get("selection"))
+        elif self._cuda:
+            why = ("the parameters are on the GPU: overlapped steps take "
+                   "host gradients (the GPU path is not implemented yet)")
+        elif self._passes != 1:
+            why = ("backward_passes_per_step=%d: the gradient is final only "
+                   "after the last pass" % self._passes)
+        if why is None:
+            return True
+        if overlap:
+            raise errors.FailedPrecondition("gtopk: overlap=True, but " + why)
+        return False
+
+    def _make_ready_hook(self, i):
+        def hook(*unused):
+            self._grad_ready(i)
+        return hook
+
+    def _grad_ready(self, i):
+        """Parameter i's gradient is accumulated: report its range to the
+        open overlapped step (opening one at the first parameter of a
+        pass). A parameter reported twice means a new backward pass (e.g.
+        after a KeyboardInterrupt in the last one): the open step is
+        abandoned and a new one opened. Anything unexpected turns overlap
+        off for this step; synchronize() then runs the whole exchange and
+        raises what is wrong."""
+        client = self._client
+        if client is None or not self._overlap or self._overlap_off:
+            return
+        try:
+            if self._reported[i] and client.overlapped_step_open:
+                client.abandon_overlapped_step()
+                self._reported = [False] * len(self._params)
+                self._pass_counts = [1 if j == i else 0
+                                     for j in range(len(self._params))]
+            if not client.overlapped_step_open and not self._begin_overlap():
+                self._overlap_off = True
+                return
+            off, cnt = self._slices[i]
+            p = self._params[i]
+            g = p.grad
+            fg = self._flat_grad
+            if g is not None and not (
+                    not g.is_sparse and g.data_ptr() == fg.data_ptr() + 4 * off
+                    and g.is_contiguous() and g.shape == p.shape):
+                with torch.no_grad():
+                    slot = fg[off:off + cnt]
+                    slot.copy_((g.to_dense() if g.is_sparse else g)
+                               .reshape(-1))
+                    p.grad = slot.view(p.shape)
+            elif g is None:
+                return  # reported at synchronize() (zeros)
+            client.gradient_ready(off, off + cnt)
+            self._reported[i] = True
+        except errors.Error:
+            if client.overlapped_step_open:
+                client.abandon_overlapped_step()
+            self._overlap_off = True
+
+    def _begin_overlap(self):
+        """Opens the step's overlapped exchange from the first gradient
+        hook; False when this step must run whole (a retry, a resume, a
+        write outside step(), too many passes): synchronize() handles it."""
+        if (self._needs_resume or self._retry_step is not None
+                or self._synchronized):
+            return False
+        if self._pass_counts and max(self._pass_counts) > self._passes:
+            return False
+        try:
+            self._check_unchanged()
+        except errors.Error:
+            return False
+        client = self._client
+        due = client.checksum_due
+        state_checksum = self._state_checksum() if due else 0
+        buffers = (self._buffer_layout.pack()
+                   if self._buffer_layout is not None and client.rank == 0
+                   else b"")
+        grad = self._flat_grad.numpy()
+        client.begin_overlapped_step(
+            grad, grad, self._flat.numpy() if due else None, buffers,
+            state_checksum)
+        self._reported = [False] * len(self._params)
+        return True
+
+    def _end_overlap_step(self):
+        """Between steps: overlap on again, nothing reported."""
+        self._overlap_off = False
+        self._reported = [False] * len(self._params)
+
+    def _finish_overlap(self):
+        """synchronize() of an overlapped step: the parameters that got no
+        gradient hook (unused, or .grad None) go in as zeros or as their
+        .grad, then the round's end. Same failure contract as the whole
+        exchange."""
+        client = self._client
+        fg = self._flat_grad
+        ptr0 = fg.data_ptr()
+        with torch.no_grad():
+            for i, (p, (off, cnt)) in enumerate(zip(self._params,
+                                                   self._slices)):
+                if self._reported[i]:
+                    continue
+                slot = fg[off:off + cnt]
+                g = p.grad
+                if g is None:
+                    slot.zero_()
+                elif g.is_sparse or not (
+                        g.data_ptr() == ptr0 + 4 * off and g.is_contiguous()
+                        and g.shape == p.shape):
+                    slot.copy_((g.to_dense() if g.is_sparse else g)
+                               .reshape(-1))
+                p.grad = slot.view(p.shape)
+        self._retry_step = None
+        self._failed_grads = None
+        try:
+            return client.finish_overlapped_step()
+        except (errors.InvalidArgument, errors.Unimplemented):
+            raise
+        except (errors.Error, KeyboardInterrupt):
+            self._retry_step = client.next_step
+            self._failed_grads = self._grad_signature()
+            raise
+        finally:
+            self._end_overlap_step()
 
     def _synchronize_initial(self):
         """Rank 0's parameters and state to every replica (the shards keep
@@ -576,6 +731,11 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
                                                       most))
         client = self._client
         t0 = time.perf_counter()
+        if client.overlapped_step_open:
+            stats, received = self._finish_overlap()
+            self._after_exchange(stats, received, t0)
+            return
+        self._end_overlap_step()
         if self._retry_step is not None and (
                 self._retry_step == client.next_step
                 or self._same_grads(self._grad_signature(),
@@ -618,7 +778,12 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
             self._retry_step = client.next_step
             self._failed_grads = self._grad_signature()
             raise
-        if self._buffer_layout is not None and not rank0:
+        self._after_exchange(stats, received, t0)
+
+    def _after_exchange(self, stats, received, t0):
+        """The end of a successful exchange (whole or overlapped): rank 0's
+        buffers, frozen parameters' .grad, the stats."""
+        if self._buffer_layout is not None and self._client.rank != 0:
             self._buffer_layout.unpack(received, "buffers")
         # A parameter frozen since construction (requires_grad=False now)
         # is left alone by the wrapped optimizer, as under DDP: no .grad.

@@ -1,0 +1,245 @@
+"""Overlapped steps from PyTorch (gtopk-server --selection=layerwise
+--apply=workers): gtopk.torch.DistributedOptimizer reports each parameter's
+gradient from its autograd hook, and each bucket is selected and pushed
+while backward goes on.
+
+* Replicas are bit-identical to a plain NumPy layer-wise gTop-k written here
+  (the vector cut into --bucket-mb buckets and again at the shard
+  boundary; per piece: u = residual + g, local top round(k n_p / n), the
+  rank-order sum, its top, put-back, sum / P) feeding AdamW with two param
+  groups and a cosine schedule, P = 2, S = 2, a bucket that straddles the
+  shard boundary; overlap=False (the whole exchange after backward) gives
+  the same bits.
+* Ctrl-C during backward (a KeyboardInterrupt raised inside the backward
+  pass, after the later layers' buckets were reported and pushed): the
+  rank repeats the step, the other rank's step fails and is retried after
+  recover(), and the run ends bit-identical to one without the interrupt.
+* overlap=True where it cannot be (servers without layerwise selection) is
+  refused naming why.
+
+Run: PYTHONPATH=build/python GTOPK_BUILD_DIR=build /usr/bin/python3
+tests/python/overlap_test.py
+"""
+
+import os
+import sys
+import time
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import gtopk  # noqa: E402
+import gtopk.torch  # noqa: E402
+import workers_apply_test as wat  # noqa: E402  (helpers only)
+
+F32 = np.float32
+DENSITY = 0.1
+BUCKET = 40  # values per bucket
+BUCKET_MB = BUCKET * 4.0 / (1 << 20)
+FLAGS = {"selection": "layerwise", "bucket_mb": repr(BUCKET_MB)}
+STEPS = 5
+
+
+class Interrupt(torch.autograd.Function):
+    """Identity whose backward raises KeyboardInterrupt once, when armed:
+    Ctrl-C arriving in the middle of the backward pass."""
+    armed = {}
+
+    @staticmethod
+    def forward(ctx, x, rank):
+        ctx.rank = rank
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if Interrupt.armed.pop(ctx.rank, False):
+            # Time for the selection thread to push the later layers'
+            # buckets: the interrupt then strikes a step under way.
+            time.sleep(0.3)
+            raise KeyboardInterrupt()
+        return g, None
+
+
+class Net(torch.nn.Module):
+    """Three layers, 273 parameters; flat in the optimizer's group order:
+    the weights l1 [0, 120), l2 [120, 220), l3 [220, 250), then the biases
+    [250, 273). With two shards ([0, 136), [136, 273)) and buckets of 40,
+    the bucket [120, 160) straddles the boundary."""
+
+    def __init__(self, rank):
+        super().__init__()
+        torch.manual_seed(7)
+        self.rank = rank
+        self.l1 = torch.nn.Linear(12, 10)
+        self.l2 = torch.nn.Linear(10, 10)
+        self.l3 = torch.nn.Linear(10, 3)
+
+    def forward(self, x):
+        h = Interrupt.apply(self.l1(x), self.rank)
+        return self.l3(torch.relu(self.l2(torch.relu(h))))
+
+
+def loss_of(model, rank, step):
+    x, y = wat.batch(rank, step)
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def make_opt(model, groups=True):
+    """AdamW with two groups (weights with decay, biases without) or one
+    (the flat order is then the model's: l1, l2, l3)."""
+    return torch.optim.AdamW(
+        wat.groups_of(model) if groups else model.parameters(), lr=0.002)
+
+
+def make_sched(opt):
+    return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5)
+
+
+def pieces_of(n, shard_begins):
+    cuts = sorted(set(list(range(0, n, BUCKET)) + list(shard_begins)))
+    return [(b, cuts[i + 1] if i + 1 < len(cuts) else n)
+            for i, b in enumerate(cuts)]
+
+
+def reference(P, S, steps, groups=True):
+    """Final flat parameters of P replicas trained with plain layer-wise
+    gTop-k and AdamW (every replica is the same model: one is kept)."""
+    model = Net(rank=-1)
+    opt = make_opt(model, groups)
+    sched = make_sched(opt)
+    # The wrapper's flat order: the optimizer's groups in order (weights,
+    # then biases), which is what the buckets cut.
+    params = [p for g in opt.param_groups for p in g["params"]]
+    n = sum(p.numel() for p in params)
+    k = max(1, int(round(DENSITY * n)))
+    pieces = pieces_of(n, [s * n // S for s in range(S)])
+    residual = [np.zeros(n, F32) for _ in range(P)]
+    for step in range(steps):
+        us = []
+        for w in range(P):
+            model.zero_grad()
+            loss_of(model, w, step).backward()
+            g = wat.flat_of([p.grad for p in params]).astype(F32)
+            us.append((residual[w] + g).astype(F32))
+        avg = np.zeros(n, F32)
+        new_residual = [u.copy() for u in us]
+        for b, e in pieces:
+            kp = (2 * k * (e - b) + n) // (2 * n)  # round, halves up
+            if kp == 0:
+                continue
+            sent = [b + wat.topk_indices(u[b:e], kp) for u in us]
+            total = np.zeros(n, F32)
+            union = np.zeros(n, bool)
+            for w in range(P):  # rank order, as the shards add
+                total[sent[w]] += us[w][sent[w]]
+                union[sent[w]] = True
+            cand = np.nonzero(union)[0]
+            keep = cand[wat.topk_indices(total[cand], min(kp, cand.size))]
+            selected = np.zeros(n, bool)
+            selected[keep] = True
+            for w in range(P):
+                new_residual[w][sent[w][selected[sent[w]]]] = 0.0
+            avg[keep] = total[keep] / F32(P)
+        residual = new_residual
+        off = 0
+        for p in params:
+            cnt = p.numel()
+            p.grad = torch.from_numpy(avg[off:off + cnt].copy()).view(p.shape)
+            off += cnt
+        opt.step()
+        sched.step()
+    return wat.flat_of(params)
+
+
+class OverlapTest(wat.ClusterCase):
+    def train(self, srv, P, interrupt_at=None, groups=True, **kw):
+        """Trains P ranks in threads with the documented recovery loop;
+        rank 0's backward is interrupted once at step `interrupt_at`.
+        Returns each rank's flat parameters and stats of its last step."""
+        models = [Net(rank=w) for w in range(P)]
+
+        def worker(w):
+            model = models[w]
+            opt = self.wrap(srv, make_opt(model, groups), w,
+                            named_parameters=model.named_parameters(),
+                            model=model, **kw)
+            sched = make_sched(opt)
+            deadline = time.monotonic() + 60
+            interrupted = failed = 0
+            try:
+                for step in range(STEPS):
+                    if w == 0 and step == interrupt_at:
+                        Interrupt.armed[0] = True
+                    while True:
+                        try:
+                            opt.zero_grad()
+                            loss_of(model, w, step).backward()
+                            break
+                        except KeyboardInterrupt:
+                            interrupted += 1  # repeat the backward pass
+                    while True:  # the documented recovery loop
+                        try:
+                            opt.step()
+                            break
+                        except gtopk.RETRYABLE:
+                            failed += 1
+                            if time.monotonic() > deadline:
+                                raise
+                            opt.recover()
+                    sched.step()
+                return (wat.flat_of(p for g in opt.param_groups
+                                    for p in g["params"]),
+                        dict(opt.stats), interrupted, failed)
+            finally:
+                opt.close()
+
+        results, errs = wat.in_threads(P, worker)
+        wat.raise_first(errs)
+        return results
+
+    def test_bit_identical_to_layerwise_reference_and_to_whole(self):
+        srv = self.start(2, 2, **FLAGS)
+        want = reference(2, 2, STEPS)
+        for overlap in (None, False):
+            results = self.train(srv, 2, overlap=overlap)
+            for w, (got, stats, _, _) in enumerate(results):
+                np.testing.assert_array_equal(
+                    got.view(np.uint32), want.view(np.uint32),
+                    err_msg="overlap=%s rank %d" % (overlap, w))
+                if overlap is None:
+                    # The overlapped path ran: its wait is measured.
+                    self.assertGreater(stats["exposed_seconds"], 0.0)
+                else:
+                    self.assertEqual(stats["exposed_seconds"], 0.0)
+            srv.stop()
+            srv = self.start(2, 2, name="srv-whole", **FLAGS)
+
+    def test_ctrl_c_during_backward_then_the_run_is_bit_identical(self):
+        # One group: the flat order is l1, l2, l3, so shard 1's range
+        # [136, 273) (within l2 and l3) is complete, and its push sent,
+        # before the interrupt strikes in l1's backward.
+        srv = self.start(2, 2, **FLAGS)
+        results = self.train(srv, 2, interrupt_at=2, groups=False)
+        want = reference(2, 2, STEPS, groups=False)
+        self.assertEqual(results[0][2], 1, "rank 0 was not interrupted")
+        # Rank 1's step failed (rank 0's abandoned attempt was failed on
+        # every shard) and was retried after recover().
+        self.assertGreaterEqual(results[1][3], 1, "rank 1 never failed")
+        for w, (got, _, _, _) in enumerate(results):
+            np.testing.assert_array_equal(
+                got.view(np.uint32), want.view(np.uint32),
+                err_msg="rank %d" % w)
+
+    def test_overlap_true_without_layerwise_servers_is_refused(self):
+        srv = self.start(1, 1)
+        model = Net(rank=0)
+        with self.assertRaisesRegex(gtopk.FailedPrecondition,
+                                    "selection=layerwise"):
+            self.wrap(srv, make_opt(model), 0, model=model, overlap=True)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
