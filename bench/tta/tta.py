@@ -73,6 +73,10 @@ METHODS = {
                      "selector": "exact"},
     "gtopk_d0.01_gaussiank": {"backend": "gtopk", "density": 0.01,
                               "selector": "gaussiank"},
+    # Layer-wise gTop-k with the pushes overlapped with backward
+    # (--selection=layerwise, 25 MiB buckets; docs/overlap.md).
+    "gtopk_d0.01_layerwise": {"backend": "gtopk", "density": 0.01,
+                              "selector": "exact", "selection": "layerwise"},
 }
 QUICK_METHODS = ["ddp_fp32", "ddp_powersgd_r1", "gtopk_d0.01"]
 
@@ -275,7 +279,8 @@ class Bench:
             argv = [self.server_bin, "--listen=" + peers[s],
                     "--shard-id=%d" % s, "--num-shards=%d" % a.shards,
                     "--workers=%d" % a.workers, "--peers=" + ",".join(peers),
-                    "--mode=gtopk", "--selection=threshold",
+                    "--mode=gtopk",
+                    "--selection=" + m.get("selection", "threshold"),
                     "--selector=" + m["selector"],
                     "--density=%r" % m["density"], "--apply=workers",
                     "--seed=%d" % a.seed, "--step-timeout=120s",
@@ -461,8 +466,9 @@ def markdown(runs, target):
     lines = ["target accuracy %.4f" % target if target is not None
              else "no target (no ddp_fp32 run)", "",
              "| rate | method | time to target (s) | final acc | steps | "
-             "step (s) | compute | selection | comm. | bytes/worker/step |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "step (s) | compute | selection | comm. | hidden | "
+             "bytes/worker/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         s = r.get("step_split_p50") or {}
         tta = r.get("time_to_target")
@@ -471,13 +477,14 @@ def markdown(runs, target):
                                          r["final_accuracy"],
                                          "cap" if r["capped"] else "end")
         lines.append("| %s | %s | %s | %.4f | %d%s | %.3f | %.3f | %.3f | "
-                     "%.3f | %s |" % (
+                     "%.3f | %.3f | %s |" % (
                          r["rate"], r["method"], tta_text,
                          r["final_accuracy"], r["steps"],
                          " (cap)" if r["capped"] else "",
                          s.get("step") or 0, s.get("compute") or 0,
                          s.get("selection") or 0,
                          s.get("communication") or 0,
+                         s.get("hidden") or 0,
                          training_plot.human_bytes(
                              r["sent_bytes_per_worker_per_step"])))
     return "\n".join(lines)

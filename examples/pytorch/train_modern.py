@@ -450,6 +450,7 @@ def step_split(phases, step_seconds, compute_probe):
         probe = compute_probe or 0.0
         rows = [{"compute": probe,
                  "selection": 0.0,
+                 "hidden": 0.0,
                  "communication": max(0.0, p["forward_backward"] - probe),
                  "other": max(0.0, p["step"] - p["forward_backward"])}
                 for p in phases]
@@ -572,14 +573,24 @@ class GtopkBackend:
     def step_phases(self, compute, step):
         """One step's split (seconds): compute (forward + backward),
         selection (error feedback, top-k, encoding), communication (pushes
-        and the wait for the pulls), other (the optimizer, the rest)."""
+        and the wait for the pulls), other (the optimizer, the rest).
+        Overlapped steps (--selection=layerwise servers): selection and most
+        of the communication run during backward; communication is then
+        what the step still waited for after backward (exposed_seconds),
+        hidden the selection and communication time that backward covered."""
         st = self.opt.stats or {}
         selection = sum(st.get(k, 0.0) or 0.0 for k in (
             "accumulate_seconds", "select_seconds", "encode_seconds"))
         communication = (st.get("push_seconds", 0.0) or 0.0) + \
             (st.get("wait_seconds", 0.0) or 0.0)
+        exposed = st.get("exposed_seconds", 0.0) or 0.0
+        if exposed > 0.0:
+            return {"compute": compute, "selection": 0.0,
+                    "communication": exposed,
+                    "hidden": max(0.0, selection + communication - exposed),
+                    "other": max(0.0, step - compute - exposed)}
         return {"compute": compute, "selection": selection,
-                "communication": communication,
+                "communication": communication, "hidden": 0.0,
                 "other": max(0.0, step - compute - selection -
                              communication)}
 
