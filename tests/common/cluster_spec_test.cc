@@ -12,6 +12,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "gtopk/v1/gtopk.pb.h"
+#include "tests/testing/status_matchers.h"
 
 namespace gtopk {
 namespace {
@@ -130,6 +131,11 @@ TEST(ClusterFingerprintTest, EverySettingChangesItPerProcessDetailsDoNot) {
       [](v1::ClusterSpec& c) { c.set_max_message_bytes(4096); },
       [](v1::ClusterSpec& c) { c.set_apply(v1::APPLY_WORKERS); },
       [](v1::ClusterSpec& c) { c.set_checksum_every(100); },
+      [](v1::ClusterSpec& c) {
+        c.set_selection(v1::SELECTION_LAYERWISE);
+        c.set_bucket_size(40);
+      },
+      [](v1::ClusterSpec& c) { c.set_bucket_size(41); },
   };
   for (size_t i = 0; i < edits.size(); ++i) {
     v1::ClusterSpec c = Base();
@@ -145,6 +151,31 @@ TEST(ClusterFingerprintTest, EverySettingChangesItPerProcessDetailsDoNot) {
   same.set_cluster_fingerprint(123);
   EXPECT_EQ(ClusterFingerprint(same), base);
   EXPECT_THAT(ClusterSpecDifferences(same, Base(), "there"), IsEmpty());
+}
+
+TEST(ClusterSpecDifferencesTest, NamesTheBucketSizeAsTheFlagSpellsIt) {
+  v1::ClusterSpec here = Base(), there = Base();
+  here.set_selection(v1::SELECTION_LAYERWISE);
+  there.set_selection(v1::SELECTION_LAYERWISE);
+  here.set_bucket_size(uint64_t{25} << 18);  // 25 MiB of fp32
+  there.set_bucket_size(uint64_t{1} << 18);  // 1 MiB
+  EXPECT_THAT(ClusterSpecDifferences(here, there, "on the leader"),
+              ElementsAre("--bucket-mb is 25 here but 1 on the leader"));
+}
+
+TEST(WorkerClusterSpecTest, LayerwiseNeedsABucketSizeAndNoOtherHasOne) {
+  v1::ClusterSpec c = Base();
+  GTOPK_EXPECT_OK(ValidateWorkerClusterSpec(c, 1000, 0));
+  c.set_bucket_size(40);  // threshold selection with buckets
+  EXPECT_THAT(ValidateWorkerClusterSpec(c, 1000, 0),
+              ::gtopk::testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                         ::testing::HasSubstr("bucket_size")));
+  c.set_selection(v1::SELECTION_LAYERWISE);
+  GTOPK_EXPECT_OK(ValidateWorkerClusterSpec(c, 1000, 0));
+  c.set_bucket_size(0);
+  EXPECT_THAT(ValidateWorkerClusterSpec(c, 1000, 0),
+              ::gtopk::testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                         ::testing::HasSubstr("layerwise")));
 }
 
 TEST(ClusterSpecDifferencesTest, NamesEachFlagWithBothValues) {
@@ -261,7 +292,9 @@ TEST(ClusterModesTest, NamesParsesAndProtoRoundTrip) {
   for (const SelectionRow& r :
        {SelectionRow{SelectionKind::kThreshold, "threshold",
                      v1::SELECTION_THRESHOLD},
-        SelectionRow{SelectionKind::kQuota, "quota", v1::SELECTION_QUOTA}}) {
+        SelectionRow{SelectionKind::kQuota, "quota", v1::SELECTION_QUOTA},
+        SelectionRow{SelectionKind::kLayerwise, "layerwise",
+                     v1::SELECTION_LAYERWISE}}) {
     EXPECT_EQ(SelectionKindName(r.kind), r.name);
     EXPECT_EQ(*ParseSelectionKind(r.name), r.kind);
     EXPECT_EQ(ToProto(r.kind), r.proto);
@@ -304,7 +337,7 @@ TEST(ClusterModesTest, UnknownNamesAndValuesAreInvalidArgument) {
   EXPECT_EQ(mode.status().message(),
             "unknown mode \"sparse\"; known: gtopk, topk, dense");
   EXPECT_EQ(ParseSelectionKind("global").status().message(),
-            "unknown selection \"global\"; known: threshold, quota");
+            "unknown selection \"global\"; known: threshold, quota, layerwise");
   EXPECT_EQ(ParseMomentumMode("nesterov").status().message(),
             "unknown momentum mode \"nesterov\"; known: none, dgc, global");
   EXPECT_EQ(ParseAggregationMode("").status().code(),

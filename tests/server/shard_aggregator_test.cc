@@ -1285,3 +1285,73 @@ TEST(WorkersApplyStateTest, FirstInitialisationsStateWins) {
 }  // namespace
 }  // namespace server
 }  // namespace gtopk
+
+namespace gtopk {
+namespace server {
+namespace {
+
+// --selection=layerwise on one shard: each piece keeps the top PieceK of
+// its part of the sum. Shard 1 of n = 1000 owns [500, 1000); buckets of 300
+// cut it into [500, 600), [600, 900), [900, 1000); k = 20 gives them 2, 6
+// and 2 entries (round(20 * size / 1000)).
+TEST(LayerwiseShardTest, EachPieceKeepsItsOwnTopK) {
+  ShardOptions o;
+  o.n = 1000;
+  o.num_shards = 2;
+  o.shard_id = 1;
+  o.num_workers = 2;
+  o.selection = SelectionKind::kLayerwise;
+  o.bucket_size = 300;
+  o.apply = ApplyMode::kWorkers;
+  // Workers apply: the identity rule, u = residual + g.
+  o.optimizer.lr = 1.0f;
+  o.optimizer.momentum = 0.0f;
+  o.optimizer.momentum_mode = MomentumMode::kNone;
+  o.optimizer.momentum_factor_masking = false;
+  o.optimizer.density = 0.02;
+  o.step_timeout = absl::Seconds(5);
+  auto shard = ::gtopk::testing::OkOrThrow(ShardAggregator::Create(o, nullptr),
+                                           "Create");
+  GTOPK_ASSERT_OK(shard->InitParams(std::vector<float>(500, 0.0f)).status());
+  // The bound on a push: the sum over the pieces of their k.
+  EXPECT_EQ(shard->MaxPushPairs(0), 2u + 6u + 2u);
+  // Worker 0 sends 2 + 6 + 2 entries, worker 1 some of the same indices
+  // and others; the sum's top per piece by |value|, ties to the lower index.
+  SparseVector a, b;
+  for (uint32_t i : {510u, 520u}) a.push_back(i, 1.0f);
+  for (uint32_t i : {600u, 610u, 620u, 630u, 640u, 650u}) {
+    a.push_back(i, static_cast<float>(i - 590));  // 10 .. 60
+  }
+  for (uint32_t i : {901u, 902u}) a.push_back(i, -1.0f);
+  b.push_back(520, 5.0f);
+  b.push_back(530, 2.0f);
+  for (uint32_t i : {600u, 700u, 710u, 720u, 730u, 740u}) {
+    b.push_back(i, i == 600 ? 100.0f : -25.0f);
+  }
+  b.push_back(950, 3.0f);
+  b.push_back(999, -0.5f);
+  absl::StatusOr<std::shared_ptr<const RoundResult>> ra, rb;
+  std::thread t0([&] {
+    ra = shard->Submit(PushOf(0, 0, a), absl::Now() + absl::Seconds(5));
+  });
+  std::thread t1([&] {
+    rb = shard->Submit(PushOf(0, 1, b), absl::Now() + absl::Seconds(5));
+  });
+  t0.join();
+  t1.join();
+  GTOPK_ASSERT_OK(ra.status());
+  GTOPK_ASSERT_OK(rb.status());
+  // Piece [500, 600): sums 510:1, 520:6, 530:2 -> 520, 530.
+  // Piece [600, 900): 600:110, 610:20, 620:30, 630:40, 640:50, 650:60,
+  // 700..740: -25 each -> 110, 60, 50, 40, 30 and one -25, the tie going
+  // to the lowest index (700): 600, 620, 630, 640, 650, 700.
+  // Piece [900, 1000): 901:-1, 902:-1, 950:3, 999:-0.5 -> 950, 901.
+  const std::vector<uint32_t> want = {520, 530, 600, 620, 630,
+                                      640, 650, 700, 901, 950};
+  EXPECT_EQ((*ra)->selected.indices, want);
+  EXPECT_EQ((*rb)->selected.indices, want);
+}
+
+}  // namespace
+}  // namespace server
+}  // namespace gtopk
