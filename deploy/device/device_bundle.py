@@ -40,7 +40,7 @@ import tarfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LIST = os.path.join(ROOT, "bench", "cuda", "device_bundle.txt")
+LIST = os.path.join(ROOT, "deploy", "device", "device_bundle.txt")
 MULTIARCH = "lib/x86_64-linux-gnu"
 MIB = 1024 * 1024
 
