@@ -25,11 +25,11 @@
 #                predictions, shard counts; bench/results/scale_model.json
 #                and scale_model_*.png (no root, no build)
 #   make device-bundle  pack what the GPU machine lacks into
-#                BUILD_DIR/device_bundle/ (bench/cuda/device_bundle.txt: static
+#                BUILD_DIR/device_bundle/ (deploy/device/device_bundle.txt: static
 #                gRPC, Abseil, re2, c-ares; shared prometheus-cpp and civetweb;
 #                the generated proto sources, Fashion-MNIST); then on the
 #                device, with that folder carried: bash
-#                bench/cuda/e2e_device.sh (bench/cuda/README.md)
+#                deploy/device/e2e_device.sh (deploy/device/README.md)
 #   make device-bundle-check  (root) build gtopk-server, gtopk-worker and the
 #                gpu tests from the bundle alone, the system's gRPC/Abseil/
 #                prometheus-cpp/... hidden in a private mount namespace, then
@@ -255,14 +255,14 @@ demo: deps
 	  --build-dir $(BUILD_DIR) --runs-dir runs $(DEMO_ARGS)
 
 # The GPU machine has no gRPC C++, Abseil, prometheus-cpp or Fashion-MNIST:
-# this packs them from this machine's Debian packages (bench/cuda/README.md,
+# this packs them from this machine's Debian packages (deploy/device/README.md,
 # "The whole worker on the device").
 device-bundle: deps
-	python3 bench/cuda/device_bundle.py pack --out $(BUILD_DIR)/device_bundle
+	python3 deploy/device/device_bundle.py pack --out $(BUILD_DIR)/device_bundle
 
 device-bundle-check: device-bundle
 	BUNDLE=$(BUILD_DIR)/device_bundle BUILD_DIR=$(BUILD_DIR)/bundle_check JOBS=$(JOBS) \
-	  bench/cuda/bundle_check.sh
+	  deploy/device/bundle_check.sh
 
 # The compose cluster's set-up step (as root): the certificates of its
 # default mutual TLS in deploy/tls/out/<service>/ (docs/security.md,

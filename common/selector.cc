@@ -86,9 +86,51 @@ absl::StatusOr<std::unique_ptr<Selector>> SelectorRegistry::Create(
   return it->second(options);
 }
 
+absl::Status SelectorRegistry::RegisterDevice(std::string name,
+                                              DeviceSelectorFactory factory) {
+  if (factories_.count(name) == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "device selector \"", name, "\" is not a registered selector; known: ",
+        absl::StrJoin(Names(), ", ")));
+  }
+  if (device_factories_.count(name) != 0) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "selector \"", name, "\" already has a device implementation"));
+  }
+  device_factories_.emplace(std::move(name), std::move(factory));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Selector>> SelectorRegistry::CreateDevice(
+    absl::string_view name, const SelectorOptions& options,
+    uint64_t capacity) const {
+  if (factories_.find(name) == factories_.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown selector \"", name,
+                     "\"; known: ", absl::StrJoin(Names(), ", ")));
+  }
+  auto it = device_factories_.find(name);
+  if (it == device_factories_.end()) {
+    const std::vector<std::string> device_names = DeviceNames();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "selector \"", name, "\" has no device implementation; ",
+        device_names.empty()
+            ? std::string("none is registered")
+            : absl::StrCat("with one: ", absl::StrJoin(device_names, ", "))));
+  }
+  GTOPK_RETURN_IF_ERROR(ValidateSelectorOptions(options));
+  return it->second(options, capacity);
+}
+
 std::vector<std::string> SelectorRegistry::Names() const {
   std::vector<std::string> names;
   for (const auto& entry : factories_) names.push_back(entry.first);
+  return names;
+}
+
+std::vector<std::string> SelectorRegistry::DeviceNames() const {
+  std::vector<std::string> names;
+  for (const auto& entry : device_factories_) names.push_back(entry.first);
   return names;
 }
 

@@ -1,5 +1,6 @@
 // Local selection of the entries a worker sends: the Selector interface and
-// its registry. Implementations live in common/cpu/ (and common/cuda/).
+// its registry. Implementations live in common/cpu/ (and, on the GPU,
+// common/cuda/).
 #ifndef GTOPK_COMMON_SELECTOR_H_
 #define GTOPK_COMMON_SELECTOR_H_
 
@@ -78,27 +79,64 @@ absl::StatusOr<uint64_t> KFromDensity(double density, uint64_t n);
 using SelectorFactory = std::function<absl::StatusOr<std::unique_ptr<Selector>>(
     const SelectorOptions&)>;
 
-// Name -> factory table. Filled explicitly (RegisterBuiltinSelectors), never
-// by static initializers, so a static library cannot silently drop entries.
-// Not thread-safe for Register; Create is safe concurrently once filled.
+// Builds a device selector: the same selector with its selection on a device
+// (a GPU), scratch allocated for inputs of up to `capacity` entries (it grows
+// when a larger input comes). What it takes beyond Selector (device memory,
+// a stream) is its implementation's interface, e.g. cuda::CudaSelector
+// (common/cuda/cuda_selector.h).
+using DeviceSelectorFactory =
+    std::function<absl::StatusOr<std::unique_ptr<Selector>>(
+        const SelectorOptions&, uint64_t capacity)>;
+
+// Name -> factory table: every selector by name, and for those that have one,
+// its device implementation under the same name (so that `--selector` has
+// one list of names whether a step runs on the host or on a GPU). Filled
+// explicitly (RegisterBuiltinSelectors; the device implementations by their
+// library, e.g. cuda::RegisterCudaSelectors), never by static initializers,
+// so a static library cannot silently drop entries. Not thread-safe for
+// Register/RegisterDevice; Create/CreateDevice are safe concurrently once
+// filled.
 class SelectorRegistry {
  public:
   // ALREADY_EXISTS if `name` is taken; INVALID_ARGUMENT if it is empty.
   absl::Status Register(std::string name, SelectorFactory factory);
+
+  // The device implementation of the registered selector `name` (same name,
+  // same count contract). INVALID_ARGUMENT if `name` is not registered
+  // (Register it first: a device selector is a version of a known one);
+  // ALREADY_EXISTS if it has a device implementation already.
+  absl::Status RegisterDevice(std::string name, DeviceSelectorFactory factory);
 
   // INVALID_ARGUMENT for an unknown name (the message lists the known ones)
   // or invalid options.
   absl::StatusOr<std::unique_ptr<Selector>> Create(
       absl::string_view name, const SelectorOptions& options) const;
 
+  // The device implementation of `name`. INVALID_ARGUMENT for an unknown
+  // name (as Create), for a known one without a device implementation (the
+  // message lists those with one, or says there are none) or invalid
+  // options; the factory's errors (e.g. no usable device) as they are.
+  absl::StatusOr<std::unique_ptr<Selector>> CreateDevice(
+      absl::string_view name, const SelectorOptions& options,
+      uint64_t capacity) const;
+
   // Registered names, sorted.
   std::vector<std::string> Names() const;
 
+  // The names with a device implementation, sorted (a subset of Names();
+  // empty when no device library registered any).
+  std::vector<std::string> DeviceNames() const;
+
  private:
   std::map<std::string, SelectorFactory, std::less<>> factories_;
+  std::map<std::string, DeviceSelectorFactory, std::less<>> device_factories_;
 };
 
-// Registers exact, gaussiank, dgc and randomk (CPU implementations).
+// Registers exact, gaussiank, dgc and randomk (CPU implementations). The GPU
+// implementations of exact, gaussiank and dgc are registered by
+// cuda::RegisterCudaSelectors (common/cuda/cuda_selector.h, in builds with
+// CUDA), called where a device selector is made (worker/device_step.cc):
+// common/ does not include common/cuda/.
 absl::Status RegisterBuiltinSelectors(SelectorRegistry* registry);
 
 // Convenience: a registry with the built-in selectors, then Create().

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/cuda/cuda_selector.h"
 #include "common/cuda/sparsify.h"
+#include "common/selector.h"
 #include "common/status_macros.h"
 #include "common/topk.h"
 
@@ -278,8 +279,13 @@ absl::StatusOr<std::unique_ptr<DeviceStep>> DeviceStep::Create(
     absl::Span<const float> global_velocity, cudaStream_t stream) {
   SelectorOptions so;
   so.seed = selector_seed;
+  // The selector by name from the same registry as the host Step's
+  // (common/selector.h), with the GPU versions registered.
+  SelectorRegistry registry;
+  GTOPK_RETURN_IF_ERROR(RegisterBuiltinSelectors(&registry));
+  GTOPK_RETURN_IF_ERROR(cuda::RegisterCudaSelectors(&registry));
   absl::StatusOr<std::unique_ptr<cuda::CudaSelector>> sel =
-      cuda::CudaSelector::Create(selector, so, n);
+      cuda::CreateCudaSelector(registry, selector, so, n);
   if (!sel.ok()) {
     return absl::FailedPreconditionError(
         absl::StrCat("Step (device): selector \"", selector,

@@ -1,8 +1,10 @@
 #include "common/cuda/cuda_selector.h"
 
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 
 namespace gtopk {
@@ -14,12 +16,48 @@ absl::Status ToAbslStatus(const KernelStatus& status) {
                       status.message);
 }
 
+namespace {
+
+// Every GPU selector; its name is MethodName's.
+constexpr Method kMethods[] = {Method::kExact, Method::kGaussianK,
+                               Method::kDgc};
+
+}  // namespace
+
 absl::StatusOr<Method> ParseMethod(absl::string_view name) {
-  if (name == "exact") return Method::kExact;
-  if (name == "gaussiank") return Method::kGaussianK;
-  if (name == "dgc") return Method::kDgc;
+  for (const Method method : kMethods) {
+    if (name == MethodName(method)) return method;
+  }
   return absl::InvalidArgumentError(absl::StrCat(
-      "no CUDA selector \"", name, "\"; known: exact, gaussiank, dgc"));
+      "no CUDA selector \"", name, "\"; known: ",
+      absl::StrJoin(kMethods, ", ", [](std::string* out, Method method) {
+        out->append(MethodName(method));
+      })));
+}
+
+absl::Status RegisterCudaSelectors(SelectorRegistry* registry) {
+  for (const Method method : kMethods) {
+    GTOPK_RETURN_IF_ERROR(registry->RegisterDevice(
+        MethodName(method),
+        [method](const SelectorOptions& options, uint64_t capacity)
+            -> absl::StatusOr<std::unique_ptr<Selector>> {
+          return CudaSelector::Create(MethodName(method), options, capacity);
+        }));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<CudaSelector>> CreateCudaSelector(
+    const SelectorRegistry& registry, absl::string_view name,
+    const SelectorOptions& options, uint64_t capacity) {
+  GTOPK_ASSIGN_OR_RETURN(std::unique_ptr<Selector> selector,
+                         registry.CreateDevice(name, options, capacity));
+  if (dynamic_cast<CudaSelector*>(selector.get()) == nullptr) {
+    return absl::InternalError(
+        absl::StrCat("device selector \"", name, "\" is not a CUDA selector"));
+  }
+  return std::unique_ptr<CudaSelector>(
+      static_cast<CudaSelector*>(selector.release()));
 }
 
 absl::StatusOr<std::unique_ptr<CudaSelector>> CudaSelector::Create(

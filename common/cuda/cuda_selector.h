@@ -29,6 +29,25 @@ absl::Status ToAbslStatus(const KernelStatus& status);
 // (randomk has no GPU version: it reads k entries and needs no selection).
 absl::StatusOr<Method> ParseMethod(absl::string_view name);
 
+class CudaSelector;
+
+// Registers the GPU versions of exact, gaussiank and dgc (every Method, under
+// MethodName) as the device implementations of the registry's selectors of
+// those names (SelectorRegistry::RegisterDevice: call RegisterBuiltinSelectors
+// first); each factory makes a CudaSelector. The one place the GPU selectors
+// enter a registry, called where a device selector is made
+// (worker/device_step.cc), since common/selector.cc does not include
+// common/cuda/. Errors: RegisterDevice's.
+absl::Status RegisterCudaSelectors(SelectorRegistry* registry);
+
+// registry.CreateDevice(name, options, capacity) as the CudaSelector that
+// RegisterCudaSelectors' factories make, for its device-memory interface
+// (SelectDevice, sparsifier()). Errors: CreateDevice's; INTERNAL if the
+// registry's device selector `name` is not a CudaSelector.
+absl::StatusOr<std::unique_ptr<CudaSelector>> CreateCudaSelector(
+    const SelectorRegistry& registry, absl::string_view name,
+    const SelectorOptions& options, uint64_t capacity);
+
 // A GPU selector behind gtopk::Selector, with the CPU selector's count
 // contract (Min/MaxCount) and, for "exact", its exact output.
 //

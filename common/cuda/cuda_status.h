@@ -1,6 +1,7 @@
 // KernelStatus and RAII buffers of the CUDA kernel core (common/cuda/). This
-// layer has no Abseil dependency, so that bench/cuda/device_check.sh can build
-// it with nvcc alone; common/cuda/cuda_selector.h converts to absl::Status.
+// layer has no Abseil dependency, so that deploy/device/device_check.sh can
+// build it with nvcc alone; common/cuda/cuda_selector.h converts to
+// absl::Status.
 //
 // Every CUDA runtime call is checked with GTOPK_CUDA_CALL_OR_RETURN, which
 // returns a KernelStatus carrying file:line, the call, and CUDA's error name

@@ -159,6 +159,58 @@ TEST(SelectorRegistryTest, UnknownNameAndBadOptionsAreInvalidArgument) {
               StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("exact")));
 }
 
+// Device implementations share the host names: registered only for a known
+// selector, listed by DeviceNames, made by CreateDevice with the capacity; a
+// name without one says which names have one. (A stand-in factory here; the
+// GPU selectors: tests/common/cuda/cuda_selector_registry_test.cc.)
+TEST(SelectorRegistryTest, DeviceImplementationsShareTheHostNames) {
+  SelectorRegistry registry;
+  GTOPK_ASSERT_OK(RegisterBuiltinSelectors(&registry));
+  EXPECT_TRUE(registry.DeviceNames().empty());
+  EXPECT_THAT(registry.CreateDevice("exact", {}, 10),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("selector \"exact\" has no device "
+                                 "implementation; none is registered")));
+  uint64_t capacity_seen = 0;
+  const DeviceSelectorFactory stand_in =
+      [&capacity_seen](
+          const SelectorOptions& options,
+          uint64_t capacity) -> absl::StatusOr<std::unique_ptr<Selector>> {
+    capacity_seen = capacity;
+    return std::make_unique<cpu::GaussianKSelector>(options);
+  };
+  EXPECT_THAT(registry.RegisterDevice("top1", stand_in),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("device selector \"top1\" is not a "
+                                 "registered selector; known: dgc, exact, "
+                                 "gaussiank, randomk")));
+  GTOPK_ASSERT_OK(registry.RegisterDevice("gaussiank", stand_in));
+  EXPECT_THAT(
+      registry.RegisterDevice("gaussiank", stand_in),
+      StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("gaussiank")));
+  EXPECT_EQ(registry.DeviceNames(), std::vector<std::string>{"gaussiank"});
+  EXPECT_EQ(registry.Names(),
+            (std::vector<std::string>{"dgc", "exact", "gaussiank", "randomk"}));
+
+  GTOPK_ASSERT_OK_AND_ASSIGN(auto selector,
+                             registry.CreateDevice("gaussiank", {}, 1234));
+  EXPECT_EQ(selector->name(), "gaussiank");
+  EXPECT_EQ(capacity_seen, 1234u);
+  EXPECT_THAT(registry.CreateDevice("randomk", {}, 10),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("selector \"randomk\" has no device "
+                                 "implementation; with one: gaussiank")));
+  EXPECT_THAT(registry.CreateDevice("top1", {}, 10),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("unknown selector \"top1\"; known: dgc, "
+                                 "exact, gaussiank, randomk")));
+  SelectorOptions options;
+  options.gaussiank_max_adjustments = 0;
+  EXPECT_THAT(registry.CreateDevice("gaussiank", options, 10),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("gaussiank_max_adjustments")));
+}
+
 TEST(KFromDensityTest, RoundsAndValidates) {
   EXPECT_EQ(*KFromDensity(0.001, 25557032), 25557u);
   EXPECT_EQ(*KFromDensity(1e-9, 10), 1u);

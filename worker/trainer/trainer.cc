@@ -367,7 +367,7 @@ struct StepLog {
   // Per-step phase times for --summary-json "per_step" (bench/lowbw/).
   std::vector<double> compute_seconds, local_seconds, communication_seconds;
   // StepStats' phases, for the GPU worker's step profile
-  // (bench/cuda/e2e_device.sh).
+  // (deploy/device/e2e_device.sh).
   std::vector<double> accumulate_seconds, select_seconds, encode_seconds,
       push_seconds, wait_seconds, apply_seconds;
   // Wall-clock (Unix seconds) when this rank's pushes went out and its last

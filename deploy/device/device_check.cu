@@ -1,5 +1,6 @@
-// The CUDA device check (issues 5 and 15), built by bench/cuda/device_check.sh
-// with nvcc alone (no Abseil, gRPC or GoogleTest on the GPU machine).
+// The CUDA device check (issues 5 and 15), built by
+// deploy/device/device_check.sh with nvcc alone (no Abseil, gRPC or GoogleTest
+// on the GPU machine).
 //
 // For every input kind (--inputs; outermost loop), n and density it
 //  1. checks the GPU selectors against a plain CPU reference: `exact` must
@@ -45,12 +46,12 @@
 #include <tuple>
 #include <vector>
 
-#include "bench/cuda/device_check_args.h"
-#include "bench/cuda/device_check_inputs.h"
 #include "common/cuda/cuda_status.h"
 #include "common/cuda/launch.h"
 #include "common/cuda/sparsify.h"
 #include "common/cuda/sparsify/testing.h"
+#include "deploy/device/device_check_args.h"
+#include "deploy/device/device_check_inputs.h"
 
 namespace {
 
@@ -93,7 +94,7 @@ std::string Num(double v) {
 
 // torch timings: {"available": bool, "version": str, "note": str,
 // "rows": [{"n":..,"density":..,"k":..,"topk_us":..,"copy_us":..}]}.
-// A tiny reader for exactly what bench/cuda/torch_topk.py writes.
+// A tiny reader for exactly what deploy/device/torch_topk.py writes.
 struct TorchTimings {
   bool available = false;
   std::string version, note, raw;
@@ -521,7 +522,7 @@ Target GaussianKCountTarget(
 }
 
 // The targets of issue 15 (H200), in the order (a) to (e): see
-// bench/cuda/README.md.
+// deploy/device/README.md.
 std::vector<Target> ComputeTargets(
     const std::vector<Row>& rows, const std::map<uint64_t, double>& copy_us,
     const WallFloors& floors, const std::vector<std::string>& inputs,
@@ -1307,7 +1308,7 @@ std::string JsonRow(const Row& r, const Ratios& x) {
   return js.str();
 }
 
-// The --json document (bench/cuda/README.md): the run's settings, the
+// The --json document (deploy/device/README.md): the run's settings, the
 // correctness summary, every table's rows in order, and the targets.
 std::string JsonReport(const Options& o, const std::string& gpu,
                        bool device_present, const TorchTimings& torch,

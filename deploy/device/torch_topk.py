@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """torch.topk(g.abs(), k) and a device-to-device copy of g, timed with CUDA
-events (median after warm-up), for bench/cuda/device_check.sh.
+events (median after warm-up), for deploy/device/device_check.sh.
 
 Writes --out as JSON after every n (so a timeout keeps what was measured):
   {"available": bool, "version": str, "gpu": str, "note": str,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""CTest for bench/cuda/device_check's non-GPU paths (and a tiny GPU run
+"""CTest for deploy/device/device_check's non-GPU paths (and a tiny GPU run
 where a device exists): argument handling, torch-timings merge, JSON output.
 
 With --emulated (the binary is cuda_device_check_emu, the same program on the
@@ -12,7 +12,7 @@ an independent reading of the contracts, and checks that a device failure
 (emulated device memory too small) gives exit 1 and a JSON naming the
 failure. Both modes check that every bad argument (a number not whole or out
 of range, an unknown flag, an unwritable --json) exits 2 at once naming it;
-with --emulated also that bench/cuda/device_check.sh refuses bad flags and
+with --emulated also that deploy/device/device_check.sh refuses bad flags and
 settings with exit 11 before it builds anything.
 
 usage: device_check_test.py [--emulated] <device_check binary>

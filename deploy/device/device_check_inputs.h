@@ -4,8 +4,8 @@
 // seconds of host time rather than twenty (the H200 run of 2026-11-30 spent
 // 17.5 s of host time per input at n = 138,357,544).
 //
-// Header-only and free of Abseil, so that bench/cuda/device_check.sh builds it
-// with nvcc alone; included by device_check.cu only.
+// Header-only and free of Abseil, so that deploy/device/device_check.sh builds
+// it with nvcc alone; included by device_check.cu only.
 #ifndef GTOPK_BENCH_CUDA_DEVICE_CHECK_INPUTS_H_
 #define GTOPK_BENCH_CUDA_DEVICE_CHECK_INPUTS_H_
 

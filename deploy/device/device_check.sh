@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA device check (issues 5 and 15; see bench/cuda/README.md). Builds
+# The CUDA device check (issues 5 and 15; see deploy/device/README.md). Builds
 # the kernels (the source list and nvcc flags CMake reads too,
 # common/cuda/sparsify/sources.txt and nvcc_flags.txt) and the checker with
 # nvcc alone (no CMake cache, Abseil, gRPC or Debian packages needed), times torch.topk when torch is importable, then
@@ -10,7 +10,7 @@
 # compute-sanitizer (memcheck, racecheck, synccheck) on small sizes and three
 # inputs, and under ncu for per-kernel times at n = 25,557,032.
 #
-# usage: bench/cuda/device_check.sh [--quick] [device_check flags...]
+# usage: deploy/device/device_check.sh [--quick] [device_check flags...]
 #   --quick   n in {1, 1000, 1048583} only (a smoke run, under a minute)
 # env: OUT (default build/device_check_out), BUILD_DIR (default
 #   build/device_check), NVCC, PYTHON (default: the first of python3 on
@@ -115,7 +115,7 @@ if [ -z "$HOST_CXX" ]; then
   say "device_check.sh: no host C++ compiler (c++, g++ or clang++; nvcc needs one too)"
   exit 10
 fi
-if ! "$HOST_CXX" -std=c++17 -O0 -I"$ROOT" "$ROOT/bench/cuda/device_check_args.cc" \
+if ! "$HOST_CXX" -std=c++17 -O0 -I"$ROOT" "$ROOT/deploy/device/device_check_args.cc" \
     -o "$BUILD_DIR/device_check_args" >> "$LOG" 2>&1; then
   say "device_check.sh: building the argument check with $HOST_CXX failed; see $LOG"
   exit 10
@@ -152,7 +152,7 @@ t0=$(date +%s)
 BT=$(cap $BUILD_S)
 mkdir -p "$BUILD_DIR/obj"
 OBJS=() PIDS=()
-for src in "${SOURCES[@]}" bench/cuda/device_check.cu; do
+for src in "${SOURCES[@]}" deploy/device/device_check.cu; do
   obj="$BUILD_DIR/obj/${src//\//_}.o"
   OBJS+=("$obj")
   timeout -k 10 "$BT" "$NVCC" "${NVFLAGS[@]}" -c "$ROOT/$src" -o "$obj" \
@@ -176,7 +176,7 @@ rm -f "$TORCH_JSON"
 if ! time_for 60; then
   say "torch_topk.py: skipped (${SECONDS} s of BUDGET=$BUDGET used)"
 elif command -v "$PYTHON" > /dev/null; then
-  timeout -k 10 "$(cap $TORCH_S)" "$PYTHON" "$ROOT/bench/cuda/torch_topk.py" \
+  timeout -k 10 "$(cap $TORCH_S)" "$PYTHON" "$ROOT/deploy/device/torch_topk.py" \
     --sizes "$SIZES" --densities "$DENSITIES" --iters "$ITERS" \
     --warmup "$WARMUP" --out "$TORCH_JSON" 2>&1 | tee -a "$LOG"
   rt=${PIPESTATUS[0]}

@@ -2,7 +2,7 @@
 """Packs what the GPU machine lacks for building gtopk, and unpacks it there.
 
 `make device-bundle` runs `device_bundle.py pack`: from this Debian 12
-machine's installed packages, listed in bench/cuda/device_bundle.txt (the one
+machine's installed packages, listed in deploy/device/device_bundle.txt (the one
 list: see its header), it writes one folder (default build/device_bundle/):
 
   deps.tar.xz   a CMake prefix (include/, lib/x86_64-linux-gnu/ with the
@@ -20,7 +20,7 @@ CMake unpacks deps.tar.xz itself (-DGTOPK_DEVICE_BUNDLE=<folder>, the
 top-level CMakeLists.txt). `device_bundle.py system-paths BUNDLE` prints the
 paths of this machine's packages that the bundle stands in for (MANIFEST.json
 "replaces": headers, libraries of every variant, CMake and pkg-config files,
-grpc_cpp_plugin), which bench/cuda/bundle_check.sh hides to prove the bundle.
+grpc_cpp_plugin), which deploy/device/bundle_check.sh hides to prove the bundle.
 
 Exit status: 0 done; 1 a package missing or not installed, the bundle over
 its limit; 2 bad usage.
@@ -40,7 +40,7 @@ import tarfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LIST = os.path.join(ROOT, "bench", "cuda", "device_bundle.txt")
+LIST = os.path.join(ROOT, "deploy", "device", "device_bundle.txt")
 MULTIARCH = "lib/x86_64-linux-gnu"
 MIB = 1024 * 1024
 
@@ -358,7 +358,7 @@ def pack(args):
 
 def system_paths(args):
     """Prints the /usr paths (existing here) that the bundle stands in for:
-    what bench/cuda/bundle_check.sh hides so the build must use the bundle."""
+    what deploy/device/bundle_check.sh hides so the build must use the bundle."""
     with open(os.path.join(args.bundle, "MANIFEST.json")) as f:
         manifest = json.load(f)
     found = set()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole worker on a GPU (issue 16; bench/cuda/README.md, "The whole
+# The whole worker on a GPU (issue 16; deploy/device/README.md, "The whole
 # worker on the device"). Run from the repository root on the GPU machine
 # with the device bundle carried (`make device-bundle` here first); no other
 # input. Builds gtopk-server, gtopk-worker (CUDA kernels on, against the
@@ -13,12 +13,12 @@
 #   3. the same clusters with --device cpu (the side-by-side ratio);
 #   4. cnn on Fashion-MNIST (when the bundle has it), one epoch, --device cuda
 #      (run before the CPU gaussiank cluster, the first to go when short).
-# Writes $OUT/e2e.json (bench/cuda/e2e_summary.py: every figure, GPU name,
+# Writes $OUT/e2e.json (deploy/device/e2e_summary.py: every figure, GPU name,
 # commit, what was skipped), e2e.log, steps.jsonl, ctest_gpu.xml and
 # runs.json (the launcher's summaries, per-step series included): 5 files;
 # prints one line per target (met/missed with the figure).
 #
-# usage: bash bench/cuda/e2e_device.sh [--help]
+# usage: bash deploy/device/e2e_device.sh [--help]
 # env: OUT (default build/e2e_out), BUNDLE (default build/device_bundle),
 #   BUILD_DIR (default build/e2e_device), JOBS (default nproc), BUDGET
 #   (seconds for everything, default 360), TORCH_PYTHON (default
@@ -130,7 +130,7 @@ def num(s, kind):
 names = ["budget_seconds", "n", "density", "workers", "shards", "timed_steps", "warmup_steps"]
 m = {"issue": 16, "commit": a[3], "bundle_commit": a[4], "gpu": a[5],
      "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-     "command": "bash bench/cuda/e2e_device.sh"}
+     "command": "bash deploy/device/e2e_device.sh"}
 for name, value in zip(names, a[6:]):
     m[name] = num(value, float if name == "density" else int)
 m.update(available=json.loads(a[0]), reason=a[1], exit_status=int(a[2]))
@@ -140,7 +140,7 @@ EOF
 # finish RC AVAILABLE REASON: an early exit, e2e.json written first.
 finish() {
   say "$3"
-  "$PYTHON" bench/cuda/e2e_summary.py --meta "$(meta "$2" "$3" "$1")" \
+  "$PYTHON" deploy/device/e2e_summary.py --meta "$(meta "$2" "$3" "$1")" \
     --steps-log "$STEPS_LOG" --out "$OUT/e2e.json" > /dev/null
   exit "$1"
 }
@@ -245,7 +245,7 @@ fi
 cluster cpu gaussiank 60
 
 # 5. e2e.json and the target lines.
-"$PYTHON" bench/cuda/e2e_summary.py --meta "$(meta true "" 0)" \
+"$PYTHON" deploy/device/e2e_summary.py --meta "$(meta true "" 0)" \
   ${RUNS[@]+"${RUNS[@]}"} --warmup "$WARMUP" --junit "$OUT/ctest_gpu.xml" \
   --steps-log "$STEPS_LOG" --out "$OUT/e2e.json" --runs-out "$OUT/runs.json" | tee -a "$LOG"
 "$PYTHON" - "$OUT/e2e.json" <<'EOF' || worse 1

@@ -2,17 +2,17 @@
 """What of the GPU end-to-end run (issue 16) can be checked without a GPU.
 
 - The device scripts parse (bash -n).
-- bench/cuda/e2e_device.sh without a CUDA device: exit 3 at once, nothing
+- deploy/device/e2e_device.sh without a CUDA device: exit 3 at once, nothing
   built, and an e2e.json saying what nvidia-smi really did (not installed,
   failed with a status, printed nothing), with what did not run null, not
   false; every other early exit (no bundle, bad usage or setting) also
   writes e2e.json with the reason; --help prints the usage and exits 0.
-- bench/cuda/e2e_summary.py on canned launcher summaries: warm-up steps
+- deploy/device/e2e_summary.py on canned launcher summaries: warm-up steps
   dropped, per-phase medians over steps then ranks, the two targets met or
   missed by the right figures, CPU/GPU ratios, replicas that differ
   flagged, ctest failures and skipped steps reported, what did not run
   (ctest, replica checks) null rather than false.
-- bench/cuda/device_bundle.py: the package list parses (and a bad line is
+- deploy/device/device_bundle.py: the package list parses (and a bad line is
   an error naming it), `when=` follows the project's CMake files
   (find_package and pkg_check_modules, build folders skipped) and every
   conditional line is one the build uses today, and the CMake rewrite turns
@@ -28,11 +28,11 @@ import tempfile
 import unittest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CUDA = os.path.join(ROOT, "bench", "cuda")
+DEVICE = os.path.join(ROOT, "deploy", "device")
 
 
 def load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(CUDA, name + ".py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(DEVICE, name + ".py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -62,7 +62,7 @@ def launcher_summary(ranks, match=True):
 class ScriptsTest(unittest.TestCase):
     def test_scripts_parse(self):
         for script in ("e2e_device.sh", "bundle_check.sh", "device_check.sh"):
-            r = subprocess.run(["bash", "-n", os.path.join(CUDA, script)], capture_output=True, text=True)
+            r = subprocess.run(["bash", "-n", os.path.join(DEVICE, script)], capture_output=True, text=True)
             self.assertEqual(r.returncode, 0, script + ": " + r.stderr)
 
     QUERY = "--query-gpu=name,driver_version,memory.total --format=csv,noheader"
@@ -79,7 +79,7 @@ class ScriptsTest(unittest.TestCase):
             os.chmod(smi, 0o755)
         env = dict(os.environ, OUT=os.path.join(d, "out"), BUILD_DIR=os.path.join(d, "build"),
                    BUNDLE=os.path.join(d, "no-bundle"), NVIDIA_SMI=smi, **env_extra)
-        r = subprocess.run(["bash", os.path.join(CUDA, "e2e_device.sh")] + list(args), cwd=ROOT,
+        r = subprocess.run(["bash", os.path.join(DEVICE, "e2e_device.sh")] + list(args), cwd=ROOT,
                            env=env, capture_output=True, text=True, timeout=60)
         self.assertFalse(os.path.exists(os.path.join(d, "build")), "built: " + r.stdout)
         path = os.path.join(d, "out", "e2e.json")
@@ -148,7 +148,7 @@ class ScriptsTest(unittest.TestCase):
             os.chmod(smi, 0o755)
             env = dict(os.environ, OUT=os.path.join(d, "out"), BUILD_DIR=os.path.join(d, "build"),
                        BUNDLE=os.path.join(d, "bundle"), NVIDIA_SMI=smi, TORCH_PYTHON="false")
-            r = subprocess.run(["bash", os.path.join(CUDA, "e2e_device.sh")], cwd=ROOT, env=env,
+            r = subprocess.run(["bash", os.path.join(DEVICE, "e2e_device.sh")], cwd=ROOT, env=env,
                                capture_output=True, text=True, timeout=100)
             self.assertEqual(r.returncode, 10, r.stdout + r.stderr)
             with open(os.path.join(d, "out", "e2e.json")) as f:
@@ -179,7 +179,7 @@ class ScriptsTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as d:
             r, result = self.run_script(d, ["--help"])
             self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
-            self.assertIn("usage: bash bench/cuda/e2e_device.sh", r.stdout)
+            self.assertIn("usage: bash deploy/device/e2e_device.sh", r.stdout)
             self.assertRegex(r.stdout, r"11 no bundle, or bad\s+usage")
             self.assertIsNone(result)  # --help runs nothing
 
@@ -202,7 +202,7 @@ class SummaryTest(unittest.TestCase):
                     f.write("".join(json.dumps(s) + "\n" for s in steps))
                 args += ["--steps-log", os.path.join(d, "steps.jsonl")]
             out = os.path.join(d, "e2e.json")
-            r = subprocess.run([sys.executable, os.path.join(CUDA, "e2e_summary.py"), "--warmup", "2",
+            r = subprocess.run([sys.executable, os.path.join(DEVICE, "e2e_summary.py"), "--warmup", "2",
                                 "--meta", json.dumps({"gpu": "NVIDIA H200", "commit": "abc"}),
                                 "--out", out] + args, capture_output=True, text=True)
             self.assertEqual(r.returncode, 0, r.stderr)

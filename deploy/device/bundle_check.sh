@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Proves the device bundle on this machine (`make device-bundle-check`;
-# bench/cuda/README.md, "The whole worker on the device"): in a private
+# deploy/device/README.md, "The whole worker on the device"): in a private
 # mount namespace, overlays hide every system file the bundle stands in for
 # (`device_bundle.py system-paths`: the gRPC, Abseil, re2, c-ares,
 # prometheus-cpp and civetweb headers, libraries of every variant, CMake and
@@ -12,13 +12,13 @@
 # gpu-labelled tests (their CUDA objects compile here; they cannot run),
 # checks that no hidden library was linked and that prometheus-cpp and
 # civetweb load from the bundle (LD_LIBRARY_PATH on its unpacked folder, as
-# bench/cuda/e2e_device.sh sets it on the device), and runs S=2 shards and
+# deploy/device/e2e_device.sh sets it on the device), and runs S=2 shards and
 # P=2 workers on loopback for a few steps of synthetic:100000 with the
 # device run's launcher (deploy/local/gtopk_local.py), requiring equal
 # replica checksums. The device's own packages (protobuf 3.21, GTest,
 # Boost, zlib, OpenSSL) stay visible: the device has them too.
 #
-# usage: bench/cuda/bundle_check.sh      (as root: it needs unshare -m and
+# usage: deploy/device/bundle_check.sh      (as root: it needs unshare -m and
 #        overlay mounts; `make device-bundle` first)
 # env: BUNDLE (default build/device_bundle), BUILD_DIR (default
 #   build/bundle_check; its CMake cache is kept between runs), JOBS
@@ -57,7 +57,7 @@ ROOTS=(/usr/include /usr/lib/x86_64-linux-gnu /usr/bin)
 EXTRA=(libgrpc* libgpr* libupb* libre2* libcares* libaddress_sorting* libabsl_*
        libprometheus-cpp* libcivetweb*)
 mapfile -t HIDE < <(
-  "$PY" bench/cuda/device_bundle.py system-paths "$BUNDLE"
+  "$PY" deploy/device/device_bundle.py system-paths "$BUNDLE"
   for g in "${EXTRA[@]}"; do compgen -G "/usr/lib/x86_64-linux-gnu/$g"; done
 )
 [ "${#HIDE[@]}" -gt 0 ] || { say "nothing to hide?"; exit 12; }

@@ -1,8 +1,8 @@
-// The device check's command line (bench/cuda/device_check.cu): its options,
+// The device check's command line (deploy/device/device_check.cu): its options,
 // their strict parsing and the up-front check that --json can be written.
 //
 // Header-only, host C++ only (no CUDA, no Abseil), so that
-// bench/cuda/device_check.sh can compile it alone with the host compiler
+// deploy/device/device_check.sh can compile it alone with the host compiler
 // (device_check_args.cc, about a second) and refuse bad flags before the
 // minute-long nvcc build; the checker parses with the same code.
 #ifndef GTOPK_BENCH_CUDA_DEVICE_CHECK_ARGS_H_
@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "bench/cuda/device_check_inputs.h"
+#include "deploy/device/device_check_inputs.h"
 
 namespace gtopk {
 namespace device_check {

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes e2e.json for bench/cuda/e2e_device.sh from the runs it made.
+"""Writes e2e.json for deploy/device/e2e_device.sh from the runs it made.
 
 Inputs: the local launcher's summaries (deploy/local/gtopk_local.py writes
 RUNS/NAME/summary.json, with each worker's own summary under "per_rank" and
