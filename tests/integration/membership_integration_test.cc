@@ -37,8 +37,8 @@
 namespace gtopk {
 namespace {
 
+using ::gtopk::testing::LocalCluster;
 using ::gtopk::testing::StatusIs;
-using server::LocalCluster;
 using server::ServerConfig;
 using ::testing::AllOf;
 using ::testing::HasSubstr;

@@ -65,9 +65,9 @@ TEST(ServerMetricsTest, CountsMatchTheWorkersOwnStats) {
   config.optimizer.density = 0.01;
   config.step_timeout = absl::Seconds(20);
   config.metrics_registry = registry;
-  auto cluster_or = server::LocalCluster::Start(config, 1);
+  auto cluster_or = ::gtopk::testing::LocalCluster::Start(config, 1);
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
-  server::LocalCluster& cluster = **cluster_or;
+  ::gtopk::testing::LocalCluster& cluster = **cluster_or;
 
   std::vector<std::unique_ptr<worker::WorkerClient>> clients(kWorkers);
   for (int w = 0; w < kWorkers; ++w) {

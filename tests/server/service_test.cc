@@ -93,7 +93,8 @@ absl::StatusOr<Cluster> StartCluster(ServerConfig config) {
   std::vector<std::string> listen(S, "127.0.0.1:0");
   std::vector<std::string> peers(S, "");
   // Shards other than the leader need addresses the leader knows up front.
-  GTOPK_ASSIGN_OR_RETURN(std::vector<int> ports, PickFreePorts(S));
+  GTOPK_ASSIGN_OR_RETURN(std::vector<int> ports,
+                         ::gtopk::testing::PickFreePorts(S));
   for (uint32_t s = 1; s < S; ++s) {
     listen[s] = absl::StrCat("127.0.0.1:", ports[s]);
     peers[s] = listen[s];
