@@ -97,7 +97,7 @@ ModeResult RunMode(const std::string& mode_name) {
   config.optimizer.momentum_mode = MomentumMode::kDgcCorrection;
   config.step_timeout = absl::Seconds(300);
   config.max_message_bytes = uint64_t{1} << 30;
-  auto cluster = server::LocalCluster::Start(config, shards);
+  auto cluster = ::gtopk::testing::LocalCluster::Start(config, shards);
   if (!cluster.ok()) {
     result.error = std::string(cluster.status().message());
     return result;

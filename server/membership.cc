@@ -355,10 +355,13 @@ absl::Status Membership::Reenter(uint32_t w, uint64_t token) {
     // No holder known (a leader without --checkpoint-dir restarted, so it
     // has no member file): the worker that held the rank re-enters with its
     // token, as a Join of the rank would.
+    const bool given = rank_given_[w];
     member_token_[w] = token;
     rank_given_[w] = true;
     if (const absl::Status saved = PersistLocked(); !saved.ok()) {
+      // Nothing changed: the rank stays free for a Join.
       member_token_[w] = 0;
+      rank_given_[w] = given;
       return absl::UnavailableError(
           absl::StrCat("Recover: the leader cannot record rank ", w,
                        "'s member token: ", saved.message()));

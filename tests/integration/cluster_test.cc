@@ -26,7 +26,7 @@
 
 namespace gtopk {
 namespace {
-using server::LocalCluster;
+using ::gtopk::testing::LocalCluster;
 using worker::ClientOptions;
 using worker::StepStats;
 using worker::WorkerClient;
@@ -210,9 +210,10 @@ class ClusterTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(ClusterTest, MatchesSingleProcessSimulation) {
   const Case& c = GetParam();
-  auto cluster_or = server::LocalCluster::Start(MakeConfig(c), c.shards);
+  auto cluster_or =
+      ::gtopk::testing::LocalCluster::Start(MakeConfig(c), c.shards);
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
-  server::LocalCluster& cluster = **cluster_or;
+  ::gtopk::testing::LocalCluster& cluster = **cluster_or;
 
   std::vector<std::unique_ptr<WorkerClient>> clients(c.workers);
   for (int w = 0; w < c.workers; ++w) {

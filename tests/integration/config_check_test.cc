@@ -35,9 +35,9 @@
 namespace gtopk {
 namespace {
 
+using ::gtopk::testing::LocalCluster;
 using ::gtopk::testing::StatusIs;
 using server::AggregatorServer;
-using server::LocalCluster;
 using server::ServerConfig;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
@@ -62,7 +62,7 @@ class MixedCluster {
     for (int attempt = 0; attempt < 3; ++attempt) {
       servers_.clear();
       GTOPK_ASSIGN_OR_RETURN(std::vector<int> ports,
-                             server::PickFreePorts(num_shards));
+                             ::gtopk::testing::PickFreePorts(num_shards));
       peers_.clear();
       for (int p : ports) peers_.push_back(absl::StrCat("127.0.0.1:", p));
       last = absl::OkStatus();

@@ -46,17 +46,17 @@ std::vector<float> Seeded(uint64_t seed) {
 // joined and hold the same initial parameters (Seeded(1)). `cluster` is
 // declared first: the clients, which use it, go first.
 struct JoinedCluster {
-  std::unique_ptr<server::LocalCluster> cluster;
-  testing_cluster::JoinedWorkers joined;
+  std::unique_ptr<::gtopk::testing::LocalCluster> cluster;
+  ::gtopk::testing::JoinedWorkers joined;
 };
 absl::StatusOr<JoinedCluster> StartJoined(const server::ServerConfig& config,
                                           int shards) {
   JoinedCluster c;
   GTOPK_ASSIGN_OR_RETURN(c.cluster,
-                         server::LocalCluster::Start(config, shards));
+                         ::gtopk::testing::LocalCluster::Start(config, shards));
   GTOPK_ASSIGN_OR_RETURN(
       c.joined,
-      testing_cluster::JoinAndSynchronize(
+      ::gtopk::testing::JoinAndSynchronize(
           *c.cluster, static_cast<int>(config.num_workers), Seeded(1)));
   return c;
 }
@@ -73,8 +73,8 @@ server::ServerConfig TestConfig(uint32_t workers, absl::Duration step_timeout) {
 
 using ::gtopk::testing::BitEqual;
 
-std::unique_ptr<WorkerClient> Join(const server::LocalCluster& cluster,
-                                   int rank) {
+std::unique_ptr<WorkerClient> Join(
+    const ::gtopk::testing::LocalCluster& cluster, int rank) {
   ClientOptions o;
   o.leader_address = cluster.leader();
   o.requested_rank = rank;
@@ -139,8 +139,8 @@ TEST_P(FailFastTest, BadPushOnOneShardFailsTheStepOnEveryShardPromptly) {
   config.mode = GetParam().mode;
   config.selection = GetParam().selection;
   GTOPK_ASSERT_OK_AND_ASSIGN(JoinedCluster started, StartJoined(config, 2));
-  server::LocalCluster& cluster = *started.cluster;
-  testing_cluster::JoinedWorkers& joined = started.joined;
+  ::gtopk::testing::LocalCluster& cluster = *started.cluster;
+  ::gtopk::testing::JoinedWorkers& joined = started.joined;
   auto& clients = joined.clients;
   auto& params = joined.params;
   const std::vector<float> before = params[0];
@@ -236,7 +236,7 @@ TEST_P(FailFastTest, BadPushOnOneShardFailsTheStepOnEveryShardPromptly) {
 // (retryable) code with a bounded message.
 TEST(LongStatusTest, StepTimeoutNamingThousandsOfWorkersStaysRetryable) {
   const server::ServerConfig config = TestConfig(2000, absl::Seconds(1));
-  auto cluster = server::LocalCluster::Start(config, 1);
+  auto cluster = ::gtopk::testing::LocalCluster::Start(config, 1);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   std::unique_ptr<WorkerClient> client = Join(**cluster, 0);
   ASSERT_NE(client, nullptr);
@@ -267,8 +267,8 @@ grpc::Status SendAbortStep(v1::Aggregator::Stub* stub, int64_t step,
 TEST(LongStatusTest, HugeAbortStepReasonReachesWorkersBounded) {
   const server::ServerConfig config = TestConfig(2, kStepTimeout);
   GTOPK_ASSERT_OK_AND_ASSIGN(JoinedCluster started, StartJoined(config, 2));
-  server::LocalCluster& cluster = *started.cluster;
-  testing_cluster::JoinedWorkers& joined = started.joined;
+  ::gtopk::testing::LocalCluster& cluster = *started.cluster;
+  ::gtopk::testing::JoinedWorkers& joined = started.joined;
   auto& clients = joined.clients;
   auto& params = joined.params;
   absl::Status stepped;
@@ -298,8 +298,8 @@ TEST(LongStatusTest, HugeAbortStepReasonReachesWorkersBounded) {
 class AbortStepInputTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto cluster =
-        server::LocalCluster::Start(TestConfig(1, absl::Seconds(5)), 2);
+    auto cluster = ::gtopk::testing::LocalCluster::Start(
+        TestConfig(1, absl::Seconds(5)), 2);
     ASSERT_TRUE(cluster.ok()) << cluster.status();
     cluster_ = *std::move(cluster);
     leader_ = v1::Aggregator::NewStub(grpc::CreateChannel(
@@ -308,7 +308,7 @@ class AbortStepInputTest : public ::testing::Test {
         cluster_->peers()[1], grpc::InsecureChannelCredentials()));
   }
 
-  std::unique_ptr<server::LocalCluster> cluster_;
+  std::unique_ptr<::gtopk::testing::LocalCluster> cluster_;
   std::unique_ptr<v1::Aggregator::Stub> leader_, shard1_;
 };
 
@@ -389,8 +389,8 @@ TEST(ShardCallAdmissionTest, RefusedShardCallsDelayTheStepInsteadOfEndingIt) {
   server::ServerConfig config = TestConfig(2, absl::Seconds(10));
   config.max_calls_per_peer = 2;
   GTOPK_ASSERT_OK_AND_ASSIGN(JoinedCluster started, StartJoined(config, 2));
-  server::LocalCluster& cluster = *started.cluster;
-  testing_cluster::JoinedWorkers& joined = started.joined;
+  ::gtopk::testing::LocalCluster& cluster = *started.cluster;
+  ::gtopk::testing::JoinedWorkers& joined = started.joined;
   auto leader = v1::Aggregator::NewStub(grpc::CreateChannel(
       cluster.leader(), grpc::InsecureChannelCredentials()));
   v1::ClusterSpec spec;

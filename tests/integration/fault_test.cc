@@ -25,8 +25,8 @@
 namespace gtopk {
 namespace {
 
+using ::gtopk::testing::LocalCluster;
 using ::gtopk::testing::StatusIs;
-using server::LocalCluster;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 using worker::ClientOptions;
@@ -43,8 +43,8 @@ server::ServerConfig Config(int workers, absl::Duration step_timeout) {
   return c;
 }
 
-std::unique_ptr<WorkerClient> Join(const server::LocalCluster& cluster,
-                                   int rank) {
+std::unique_ptr<WorkerClient> Join(
+    const ::gtopk::testing::LocalCluster& cluster, int rank) {
   ClientOptions o;
   o.leader_address = cluster.leader();
   o.requested_rank = rank;
@@ -71,12 +71,12 @@ TEST_P(PartialPushTest, WorkerDisconnectingMidStepFailsTheOthersNamingIt) {
   server::ServerConfig config = Config(3, absl::Seconds(1));
   config.mode = GetParam().first;
   config.selection = GetParam().second;
-  auto cluster_or = server::LocalCluster::Start(config, 2);
+  auto cluster_or = ::gtopk::testing::LocalCluster::Start(config, 2);
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
-  server::LocalCluster& cluster = **cluster_or;
+  ::gtopk::testing::LocalCluster& cluster = **cluster_or;
   GTOPK_ASSERT_OK_AND_ASSIGN(
-      testing_cluster::JoinedWorkers joined,
-      testing_cluster::JoinAndSynchronize(cluster, 3, Seeded(1)));
+      ::gtopk::testing::JoinedWorkers joined,
+      ::gtopk::testing::JoinAndSynchronize(cluster, 3, Seeded(1)));
   auto& clients = joined.clients;
   auto& params = joined.params;
   const std::vector<float> before = params[0];
@@ -186,9 +186,10 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 TEST(FaultTest, SlowWorkerWithinTheDeadlineCompletesTheStep) {
-  auto cluster_or = server::LocalCluster::Start(Config(2, absl::Seconds(2)), 2);
+  auto cluster_or =
+      ::gtopk::testing::LocalCluster::Start(Config(2, absl::Seconds(2)), 2);
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
-  server::LocalCluster& cluster = **cluster_or;
+  ::gtopk::testing::LocalCluster& cluster = **cluster_or;
   std::vector<std::unique_ptr<WorkerClient>> clients;
   for (int w = 0; w < 2; ++w) {
     clients.push_back(Join(cluster, w));
@@ -230,9 +231,9 @@ TEST(FaultTest, RestartedWorkerRejoinsBitIdenticalWithGlobalMomentum) {
   server::ServerConfig config = Config(2, absl::Seconds(10));
   config.optimizer.momentum_mode = MomentumMode::kGlobal;
   config.optimizer.momentum = 0.9f;
-  auto cluster_or = server::LocalCluster::Start(config, 2);
+  auto cluster_or = ::gtopk::testing::LocalCluster::Start(config, 2);
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
-  server::LocalCluster& cluster = **cluster_or;
+  ::gtopk::testing::LocalCluster& cluster = **cluster_or;
   std::vector<std::unique_ptr<WorkerClient>> clients(2);
   std::vector<std::vector<float>> params(2);
   auto steps = [&](int from, int to) {

@@ -210,9 +210,9 @@ class OverlapTest : public ::testing::TestWithParam<Case> {};
 TEST_P(OverlapTest, MatchesLayerwiseReferenceBitForBit) {
   const Case& c = GetParam();
   auto cluster_or =
-      server::LocalCluster::Start(MakeConfig(c.workers), c.shards);
+      ::gtopk::testing::LocalCluster::Start(MakeConfig(c.workers), c.shards);
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
-  server::LocalCluster& cluster = **cluster_or;
+  ::gtopk::testing::LocalCluster& cluster = **cluster_or;
   std::vector<std::unique_ptr<WorkerClient>> clients;
   for (int w = 0; w < c.workers; ++w) {
     clients.push_back(ConnectWorker(cluster.leader(), w));
@@ -310,9 +310,10 @@ INSTANTIATE_TEST_SUITE_P(All, OverlapTest, ::testing::ValuesIn(Cases()),
 // completes with exactly the results of a run without the failure.
 TEST(OverlapFailureTest, AbandonedStepAppliesNothingAndTheRetryCompletes) {
   constexpr int kWorkers = 2;
-  auto cluster_or = server::LocalCluster::Start(MakeConfig(kWorkers), 2);
+  auto cluster_or =
+      ::gtopk::testing::LocalCluster::Start(MakeConfig(kWorkers), 2);
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
-  server::LocalCluster& cluster = **cluster_or;
+  ::gtopk::testing::LocalCluster& cluster = **cluster_or;
   std::vector<std::unique_ptr<WorkerClient>> clients;
   for (int w = 0; w < kWorkers; ++w) {
     clients.push_back(ConnectWorker(cluster.leader(), w));
@@ -396,7 +397,7 @@ TEST(OverlapFailureTest, AbandonedStepAppliesNothingAndTheRetryCompletes) {
 }
 
 TEST(OverlapRefusalTest, BadCallsAreRefusedAndChangeNothing) {
-  auto cluster_or = server::LocalCluster::Start(MakeConfig(1), 2);
+  auto cluster_or = ::gtopk::testing::LocalCluster::Start(MakeConfig(1), 2);
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
   std::unique_ptr<WorkerClient> client =
       ConnectWorker((*cluster_or)->leader(), 0);

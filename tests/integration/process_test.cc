@@ -39,16 +39,16 @@
 
 namespace gtopk {
 namespace {
+using ::gtopk::testing::BitEqual;
+using ::gtopk::testing::JsonValue;
+using ::gtopk::testing::LoopbackPeers;
+using ::gtopk::testing::MakeTempDir;
 using ::gtopk::testing::NormalVector;
-using ::gtopk::testing_process::BitEqual;
-using ::gtopk::testing_process::JsonValue;
-using ::gtopk::testing_process::LoopbackPeers;
-using ::gtopk::testing_process::MakeTempDir;
-using ::gtopk::testing_process::ReadAllText;
-using ::gtopk::testing_process::ServerArgs;
-using ::gtopk::testing_process::ServerProcess;
-using ::gtopk::testing_process::Spawn;
-using ::gtopk::testing_process::WaitExit;
+using ::gtopk::testing::ReadAllText;
+using ::gtopk::testing::ServerArgs;
+using ::gtopk::testing::ServerProcess;
+using ::gtopk::testing::Spawn;
+using ::gtopk::testing::WaitExit;
 
 TEST(ProcessTest, RealServersTrainSurviveAKillAndShutDownCleanly) {
   const uint64_t n = 20011;

@@ -34,14 +34,14 @@
 namespace gtopk {
 namespace {
 
-using ::gtopk::testing_process::JsonValue;
-using ::gtopk::testing_process::LoopbackPeers;
-using ::gtopk::testing_process::MakeTempDir;
-using ::gtopk::testing_process::ReadAllText;
-using ::gtopk::testing_process::ServerArgs;
-using ::gtopk::testing_process::ServerProcess;
-using ::gtopk::testing_process::Spawn;
-using ::gtopk::testing_process::WaitExit;
+using ::gtopk::testing::JsonValue;
+using ::gtopk::testing::LoopbackPeers;
+using ::gtopk::testing::MakeTempDir;
+using ::gtopk::testing::ReadAllText;
+using ::gtopk::testing::ServerArgs;
+using ::gtopk::testing::ServerProcess;
+using ::gtopk::testing::Spawn;
+using ::gtopk::testing::WaitExit;
 
 int EnvInt(const char* name, int fallback) {
   const char* v = std::getenv(name);

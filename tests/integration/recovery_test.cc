@@ -46,8 +46,8 @@
 namespace gtopk {
 namespace {
 
+using ::gtopk::testing::LocalCluster;
 using ::gtopk::testing::StatusIs;
-using server::LocalCluster;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 using worker::ClientOptions;

@@ -1,9 +1,10 @@
-// Resource bounds (issue 19, docs/resource-limits.md): the call limiter on
-// its own, the flags' validation and defaults, the bound on a push's pairs
-// (memory per step) in ShardAggregator, and the limits over real gRPC on
+// Resource bounds (issue 19, docs/resource-limits.md): the bound on a push's
+// pairs (memory per step) in ShardAggregator, and the limits over real gRPC on
 // loopback (AggregatorServer on 127.0.0.1, port 0), where a refused call
 // gets RESOURCE_EXHAUSTED naming the bound's flag while admitted callers
-// keep being served.
+// keep being served. The call limiter on its own is tested in
+// tests/server/call_limits_test.cc, the flags' validation and defaults in
+// tests/server/server_config_test.cc.
 #include <memory>
 #include <string>
 #include <thread>
@@ -32,160 +33,6 @@ namespace {
 using ::gtopk::testing::StatusIs;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
-
-// ---------------------------------------------------------------------------
-// CallLimiter
-
-TEST(CallLimiterTest, RefusesOverTheServerBoundAndReleases) {
-  CallLimiter limiter(3, CallLimits{/*max_concurrent_calls=*/2,
-                                    /*max_calls_per_peer=*/10});
-  auto a = limiter.Admit("peer a", "Join");
-  auto b = limiter.Admit("peer b", "Join");
-  GTOPK_ASSERT_OK(a.status());
-  GTOPK_ASSERT_OK(b.status());
-  LimitBound bound = LimitBound::kCount;
-  auto c = limiter.Admit("peer c", "PushPull", &bound);
-  EXPECT_THAT(c.status(),
-              StatusIs(absl::StatusCode::kResourceExhausted,
-                       AllOf(HasSubstr("shard 3"), HasSubstr("PushPull"),
-                             HasSubstr("--max-concurrent-calls=2"))));
-  EXPECT_EQ(bound, LimitBound::kConcurrentCalls);
-  EXPECT_EQ(limiter.in_flight(), 2);
-  // A refused call took nothing; a finished one gives its slot back.
-  *a = CallLimiter::Admission();
-  EXPECT_EQ(limiter.in_flight(), 1);
-  EXPECT_EQ(limiter.in_flight("peer a"), 0);
-  GTOPK_EXPECT_OK(limiter.Admit("peer c", "PushPull").status());
-}
-
-TEST(CallLimiterTest, MembersAreNotCrowdedOutByHostsFromManyAddresses) {
-  // Issue 42: five hosts, each under its own bound, fill the server bound
-  // with idle streams; the step's calls of the members (a rank's stream, a
-  // shard's vote) are still admitted, each within its own peer bound.
-  CallLimiter limiter(0, CallLimits{/*max_concurrent_calls=*/10,
-                                    /*max_calls_per_peer=*/3});
-  std::vector<CallLimiter::Admission> held;
-  int refused = 0;
-  for (int host = 0; host < 5; ++host) {
-    for (int i = 0; i < 3; ++i) {
-      auto a =
-          limiter.Admit(absl::StrCat("ipv4:127.0.0.", 10 + host), "PushPull");
-      if (a.ok()) {
-        held.push_back(*std::move(a));
-      } else {
-        EXPECT_THAT(a.status(), StatusIs(absl::StatusCode::kResourceExhausted,
-                                         HasSubstr("--max-concurrent-calls")));
-        ++refused;
-      }
-    }
-  }
-  EXPECT_EQ(held.size(), 10u);
-  EXPECT_EQ(refused, 5);
-  EXPECT_EQ(limiter.unidentified_in_flight(), 10);
-  for (const std::string& member :
-       {CallPeerRank(0), CallPeerRank(1), CallPeerShard(1)}) {
-    for (int i = 0; i < 3; ++i) {
-      auto a = limiter.Admit(member, "ExchangeThreshold");
-      GTOPK_ASSERT_OK(a.status()) << member;
-      held.push_back(*std::move(a));
-    }
-    // Each member identity keeps its own bound.
-    EXPECT_THAT(limiter.Admit(member, "CommitStep").status(),
-                StatusIs(absl::StatusCode::kResourceExhausted,
-                         HasSubstr("--max-calls-per-peer=3")));
-  }
-  EXPECT_EQ(limiter.in_flight(), 19);
-  EXPECT_EQ(limiter.unidentified_in_flight(), 10);
-  // A host is still refused: the members' calls took no host slot back.
-  EXPECT_FALSE(limiter.Admit("ipv4:127.0.0.99", "Join").ok());
-  held.clear();
-  EXPECT_EQ(limiter.in_flight(), 0);
-  EXPECT_EQ(limiter.unidentified_in_flight(), 0);
-}
-
-TEST(CallLimiterTest, RefusesOverThePeerBoundOnlyForThatPeer) {
-  CallLimiter limiter(0, CallLimits{/*max_concurrent_calls=*/100,
-                                    /*max_calls_per_peer=*/2});
-  std::vector<CallLimiter::Admission> held;
-  for (int i = 0; i < 2; ++i) {
-    auto a = limiter.Admit("ipv4:10.0.0.9", "PushPull");
-    GTOPK_ASSERT_OK(a.status());
-    held.push_back(*std::move(a));
-  }
-  LimitBound bound = LimitBound::kCount;
-  EXPECT_THAT(limiter.Admit("ipv4:10.0.0.9", "Join", &bound).status(),
-              StatusIs(absl::StatusCode::kResourceExhausted,
-                       AllOf(HasSubstr("peer ipv4:10.0.0.9"),
-                             HasSubstr("--max-calls-per-peer=2"))));
-  EXPECT_EQ(bound, LimitBound::kCallsPerPeer);
-  // Other peers are not affected.
-  GTOPK_EXPECT_OK(limiter.Admit(CallPeerRank(0), "PushPull").status());
-  GTOPK_EXPECT_OK(limiter.Admit("ipv4:10.0.0.10", "Join").status());
-  // Moving an admission keeps one slot.
-  CallLimiter::Admission moved = std::move(held[0]);
-  EXPECT_EQ(limiter.in_flight("ipv4:10.0.0.9"), 2);
-  held.clear();
-  EXPECT_EQ(limiter.in_flight("ipv4:10.0.0.9"), 1);
-}
-
-TEST(CallLimiterTest, PeerKeys) {
-  EXPECT_EQ(CallPeerHost("ipv4:127.0.0.1:40512"), "ipv4:127.0.0.1");
-  EXPECT_EQ(CallPeerHost("ipv6:[::1]:40512"), "ipv6:[::1]");
-  EXPECT_EQ(CallPeerHost("ipv6:%5B::1%5D:40512"), "ipv6:%5B::1%5D");
-  EXPECT_EQ(CallPeerHost("unix:/tmp/sock"), "unix:/tmp/sock");
-  EXPECT_EQ(CallPeerHost(""), "");
-  EXPECT_EQ(CallPeerRank(7), "rank 7");
-  EXPECT_EQ(CallPeerShard(1), "shard 1");
-}
-
-// ---------------------------------------------------------------------------
-// Flags: validation and computed defaults
-
-TEST(ResourceLimitConfigTest, DefaultsScaleWithTheCluster) {
-  ServerConfig c;
-  c.num_workers = 2;
-  c.num_shards = 2;
-  c.peers = {"", "127.0.0.1:1"};
-  const CallLimits limits = EffectiveCallLimits(c);
-  EXPECT_EQ(limits.max_concurrent_calls, 4 * 2 + 8 * 2 + 64);
-  EXPECT_EQ(limits.max_calls_per_peer, 2 + 4 * 2 + 16);
-  EXPECT_EQ(EffectiveStreamsPerConnection(c), limits.max_concurrent_calls);
-  c.max_concurrent_calls = 7;
-  c.max_calls_per_peer = 5;
-  c.max_streams_per_connection = 3;
-  EXPECT_EQ(EffectiveCallLimits(c).max_concurrent_calls, 7);
-  EXPECT_EQ(EffectiveCallLimits(c).max_calls_per_peer, 5);
-  EXPECT_EQ(EffectiveStreamsPerConnection(c), 3);
-  c.num_workers = 65536;
-  c.num_shards = 65536;
-  c.max_concurrent_calls = 0;
-  // The largest cluster the flags allow stays below the cap.
-  EXPECT_EQ(EffectiveCallLimits(c).max_concurrent_calls, 12 * 65536 + 64);
-  EXPECT_LE(EffectiveCallLimits(c).max_concurrent_calls, kMaxCallLimit);
-}
-
-TEST(ResourceLimitConfigTest, RejectsOutOfRangeByFlagName) {
-  for (const auto& [field, flag] :
-       std::vector<std::pair<int64_t ServerConfig::*, std::string>>{
-           {&ServerConfig::max_concurrent_calls, "--max-concurrent-calls"},
-           {&ServerConfig::max_calls_per_peer, "--max-calls-per-peer"},
-           {&ServerConfig::max_streams_per_connection,
-            "--max-streams-per-connection"}}) {
-    for (int64_t bad : {int64_t{-1}, kMaxCallLimit + 1}) {
-      ServerConfig c;
-      c.peers = {""};
-      c.*field = bad;
-      EXPECT_THAT(
-          ValidateServerConfig(c),
-          StatusIs(absl::StatusCode::kInvalidArgument,
-                   AllOf(HasSubstr(flag), HasSubstr(absl::StrCat(bad)))));
-    }
-    ServerConfig ok;
-    ok.peers = {""};
-    ok.*field = kMaxCallLimit;
-    GTOPK_EXPECT_OK(ValidateServerConfig(ok));
-  }
-}
 
 // ---------------------------------------------------------------------------
 // Memory per step: a push's pairs (ShardAggregator, no gRPC)

@@ -1,6 +1,7 @@
-// The server's and worker's metrics against independent counts: the
-// workers' own StepStats (bytes, pairs, steps), rejections provoked on
-// purpose, and the exposition of a real in-process cluster.
+// The server's metrics against independent counts: the workers' own
+// StepStats (bytes, pairs, steps), rejections provoked on purpose, and the
+// exposition of a real in-process cluster. WorkerMetrics on its own is
+// tested in tests/worker/worker_metrics_test.cc.
 #include <limits>
 #include <map>
 #include <memory>
@@ -17,6 +18,7 @@
 #include "gtopk/v1/gtopk.grpc.pb.h"
 #include "prometheus/text_serializer.h"
 #include "server/server_config.h"
+#include "tests/testing/exposition.h"
 #include "tests/testing/local_cluster.h"
 #include "worker/client.h"
 #include "worker/worker_metrics.h"
@@ -24,37 +26,9 @@
 namespace gtopk {
 namespace {
 
-// The text format of `c`, as the exposer serves it.
-std::string Scrape(const prometheus::Collectable& c) {
-  return prometheus::TextSerializer().Serialize(c.Collect());
-}
-
-// Series line "name{labels} value" -> value, from the text format. Labels
-// are written sorted by name (prometheus::Labels is a std::map).
-// The sample `name` of `samples`; a missing one fails the test and reads
-// NaN, which no comparison accepts (operator[] would insert a 0 that
-// passes EXPECT_EQ(..., 0)).
-double At(const std::map<std::string, double>& samples,
-          const std::string& name) {
-  const auto it = samples.find(name);
-  if (it == samples.end()) {
-    ADD_FAILURE() << name << " is not in the exposition";
-    return std::numeric_limits<double>::quiet_NaN();
-  }
-  return it->second;
-}
-
-std::map<std::string, double> ParseSamples(const std::string& text) {
-  std::map<std::string, double> out;
-  std::istringstream in(text);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty() || line[0] == '#') continue;
-    const size_t space = line.rfind(' ');
-    out[line.substr(0, space)] = std::stod(line.substr(space + 1));
-  }
-  return out;
-}
+using ::gtopk::testing::ParseSeries;
+using ::gtopk::testing::Serialize;
+using ::gtopk::testing::SeriesValue;
 
 TEST(ServerMetricsTest, CountsMatchTheWorkersOwnStats) {
   constexpr uint64_t kN = 2000;
@@ -65,9 +39,9 @@ TEST(ServerMetricsTest, CountsMatchTheWorkersOwnStats) {
   config.optimizer.density = 0.01;
   config.step_timeout = absl::Seconds(20);
   config.metrics_registry = registry;
-  auto cluster_or = server::LocalCluster::Start(config, 1);
+  auto cluster_or = ::gtopk::testing::LocalCluster::Start(config, 1);
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
-  server::LocalCluster& cluster = **cluster_or;
+  ::gtopk::testing::LocalCluster& cluster = **cluster_or;
 
   std::vector<std::unique_ptr<worker::WorkerClient>> clients(kWorkers);
   for (int w = 0; w < kWorkers; ++w) {
@@ -143,12 +117,12 @@ TEST(ServerMetricsTest, CountsMatchTheWorkersOwnStats) {
   // after the worker already has it: wait (bounded) for the last counts.
   const absl::Time settle = absl::Now() + absl::Seconds(10);
   while (absl::Now() < settle &&
-         ParseSamples(Scrape(
+         ParseSeries(Serialize(
              *registry))["gtopk_server_sent_bytes_total{method=\"PushPull\"}"] <
              received) {
     absl::SleepFor(absl::Milliseconds(20));
   }
-  const auto samples = ParseSamples(Scrape(*registry));
+  const auto samples = ParseSeries(Serialize(*registry));
   // The push bytes of the rejected message are counted as received too.
   v1::Push rejected;
   rejected.set_step(kSteps);
@@ -156,36 +130,49 @@ TEST(ServerMetricsTest, CountsMatchTheWorkersOwnStats) {
   rejected.set_member_token(clients[0]->member_token());
   rejected.set_cluster_fingerprint(clients[0]->cluster().cluster_fingerprint());
   EXPECT_EQ(
-      At(samples, "gtopk_server_received_bytes_total{method=\"PushPull\"}"),
+      SeriesValue(samples,
+                  "gtopk_server_received_bytes_total{method=\"PushPull\"}"),
       sent + static_cast<double>(rejected.ByteSizeLong()));
-  EXPECT_EQ(At(samples, "gtopk_server_sent_bytes_total{method=\"PushPull\"}"),
+  EXPECT_EQ(SeriesValue(samples,
+                        "gtopk_server_sent_bytes_total{method=\"PushPull\"}"),
             received);
   EXPECT_GT(
-      At(samples, "gtopk_server_received_bytes_total{method=\"InitParams\"}"),
+      SeriesValue(samples,
+                  "gtopk_server_received_bytes_total{method=\"InitParams\"}"),
       4.0 * kN);
   EXPECT_GT(
-      At(samples, "gtopk_server_sent_bytes_total{method=\"DownloadParams\"}"),
+      SeriesValue(samples,
+                  "gtopk_server_sent_bytes_total{method=\"DownloadParams\"}"),
       4.0 * kN);
-  EXPECT_EQ(At(samples, "gtopk_server_rounds_total"), kSteps);
-  EXPECT_EQ(At(samples, "gtopk_server_step"), kSteps);
-  EXPECT_EQ(At(samples, "gtopk_server_selected_pairs_total"), selected);
-  EXPECT_EQ(At(samples, "gtopk_server_round_duration_seconds_count"), kSteps);
-  EXPECT_EQ(At(samples, "gtopk_server_slowest_worker_wait_seconds_count"),
-            kSteps);
-  EXPECT_EQ(At(samples, "gtopk_server_merge_duration_seconds_count"), kSteps);
-  EXPECT_EQ(At(samples, "gtopk_server_threshold_duration_seconds_count"),
+  EXPECT_EQ(SeriesValue(samples, "gtopk_server_rounds_total"), kSteps);
+  EXPECT_EQ(SeriesValue(samples, "gtopk_server_step"), kSteps);
+  EXPECT_EQ(SeriesValue(samples, "gtopk_server_selected_pairs_total"),
+            selected);
+  EXPECT_EQ(SeriesValue(samples, "gtopk_server_round_duration_seconds_count"),
             kSteps);
   EXPECT_EQ(
-      At(samples, "gtopk_server_round_duration_seconds_bucket{le=\"+Inf\"}"),
+      SeriesValue(samples, "gtopk_server_slowest_worker_wait_seconds_count"),
       kSteps);
-  EXPECT_EQ(At(samples,
-               "gtopk_server_rejected_messages_total{reason=\"wrong_shard\"}"),
+  EXPECT_EQ(SeriesValue(samples, "gtopk_server_merge_duration_seconds_count"),
+            kSteps);
+  EXPECT_EQ(
+      SeriesValue(samples, "gtopk_server_threshold_duration_seconds_count"),
+      kSteps);
+  EXPECT_EQ(
+      SeriesValue(samples,
+                  "gtopk_server_round_duration_seconds_bucket{le=\"+Inf\"}"),
+      kSteps);
+  EXPECT_EQ(SeriesValue(
+                samples,
+                "gtopk_server_rejected_messages_total{reason=\"wrong_shard\"}"),
             1);
   EXPECT_EQ(
-      At(samples, "gtopk_server_rejected_messages_total{reason=\"invalid\"}"),
+      SeriesValue(samples,
+                  "gtopk_server_rejected_messages_total{reason=\"invalid\"}"),
       0);
   EXPECT_EQ(
-      At(samples, "gtopk_server_rpc_errors_total{code=\"INVALID_ARGUMENT\"}"),
+      SeriesValue(samples,
+                  "gtopk_server_rpc_errors_total{code=\"INVALID_ARGUMENT\"}"),
       1);
   EXPECT_EQ(samples.count("gtopk_server_rpc_errors_total{code=\"DATA_LOSS\"}"),
             1u);
@@ -199,68 +186,18 @@ TEST(ServerMetricsTest, CountsMatchTheWorkersOwnStats) {
                   .empty());
   // Present from the start (no checkpoint dir: never fails).
   EXPECT_EQ(samples.count("gtopk_server_checkpoint_failures_total"), 1u);
-  EXPECT_EQ(At(samples, "gtopk_server_checkpoint_failures_total"), 0);
+  EXPECT_EQ(SeriesValue(samples, "gtopk_server_checkpoint_failures_total"), 0);
   // The two workers' streams are still open.
-  EXPECT_EQ(At(samples, "gtopk_server_connected_workers"), kWorkers);
+  EXPECT_EQ(SeriesValue(samples, "gtopk_server_connected_workers"), kWorkers);
   clients.clear();
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   while (absl::Now() < deadline &&
-         ParseSamples(Scrape(*registry))["gtopk_server_connected_workers"] !=
+         ParseSeries(Serialize(*registry))["gtopk_server_connected_workers"] !=
              0) {
     absl::SleepFor(absl::Milliseconds(20));
   }
-  EXPECT_EQ(ParseSamples(Scrape(*registry))["gtopk_server_connected_workers"],
+  EXPECT_EQ(ParseSeries(Serialize(*registry))["gtopk_server_connected_workers"],
             0);
-}
-
-TEST(WorkerMetricsTest, RecordsAStepAsGiven) {
-  prometheus::Registry registry;
-  worker::WorkerMetrics m(registry, /*rank=*/3, /*num_shards=*/2, /*n=*/1000);
-  worker::StepStats s;
-  s.step = 41;
-  s.k = 10;
-  s.bytes_sent = {100, 50};
-  s.bytes_received = {80, 40};
-  s.accumulate = absl::Milliseconds(1);
-  s.select = absl::Milliseconds(2);
-  s.encode = absl::Microseconds(500);
-  s.push = absl::Milliseconds(3);
-  s.wait = absl::Milliseconds(40);
-  s.apply = absl::Milliseconds(1);
-  m.RecordStep(s, absl::Milliseconds(20), absl::Milliseconds(70), 0.75);
-  m.RecordStep(s, absl::Milliseconds(20), absl::Milliseconds(70), 0.5);
-  auto samples = ParseSamples(Scrape(registry));
-  EXPECT_EQ(At(samples, "gtopk_worker_sent_bytes_total{shard=\"0\"}"), 200);
-  EXPECT_EQ(At(samples, "gtopk_worker_sent_bytes_total{shard=\"1\"}"), 100);
-  EXPECT_EQ(At(samples, "gtopk_worker_received_bytes_total{shard=\"1\"}"), 80);
-  EXPECT_EQ(At(samples, "gtopk_worker_dense_equivalent_bytes_total"), 8000);
-  EXPECT_EQ(At(samples, "gtopk_worker_density"), 0.01);
-  EXPECT_EQ(At(samples, "gtopk_worker_loss"), 0.5);
-  EXPECT_EQ(At(samples, "gtopk_worker_step"), 42);
-  EXPECT_EQ(At(samples, "gtopk_worker_rank"), 3);
-  EXPECT_EQ(At(samples, "gtopk_worker_step_duration_seconds_count"), 2);
-  EXPECT_EQ(
-      At(samples, "gtopk_worker_step_duration_seconds_bucket{le=\"0.05\"}"), 0);
-  EXPECT_EQ(
-      At(samples, "gtopk_worker_step_duration_seconds_bucket{le=\"0.1\"}"), 2);
-  EXPECT_EQ(
-      At(samples, "gtopk_worker_phase_duration_seconds_sum{phase=\"wait\"}"),
-      0.08);
-  EXPECT_EQ(
-      At(samples, "gtopk_worker_phase_duration_seconds_sum{phase=\"compute\"}"),
-      0.04);
-  EXPECT_EQ(At(samples,
-               "gtopk_worker_phase_duration_seconds_bucket{phase=\"push\",le="
-               "\"0.0025\"}"),
-            0);
-  EXPECT_EQ(At(samples,
-               "gtopk_worker_phase_duration_seconds_bucket{phase=\"push\",le="
-               "\"0.005\"}"),
-            2);
-  EXPECT_EQ(samples.count("gtopk_worker_test_accuracy"), 0u);  // not evaluated
-  m.RecordTestAccuracy(0.875);
-  samples = ParseSamples(Scrape(registry));
-  EXPECT_EQ(At(samples, "gtopk_worker_test_accuracy"), 0.875);
 }
 
 // gtopk_server_checkpoint_age_seconds: absent until a checkpoint is written,
@@ -269,21 +206,20 @@ TEST(WorkerMetricsTest, RecordsAStepAsGiven) {
 TEST(ServerMetricsTest, CheckpointAgeCountsFromTheLastWrite) {
   prometheus::Registry registry;
   server::ServerMetrics m(registry);
-  EXPECT_EQ(Scrape(*m.checkpoint_age()), "");
-  EXPECT_EQ(ParseSamples(Scrape(registry))
+  EXPECT_EQ(Serialize(*m.checkpoint_age()), "");
+  EXPECT_EQ(ParseSeries(Serialize(registry))
                 .count("gtopk_server_checkpoint_age_seconds"),
             0u);
   m.CheckpointWritten();
-  const std::string text = Scrape(*m.checkpoint_age());
+  const std::string text = Serialize(*m.checkpoint_age());
   EXPECT_NE(text.find("# TYPE gtopk_server_checkpoint_age_seconds gauge\n"),
             std::string::npos)
       << text;
-  const double first =
-      ParseSamples(text)["gtopk_server_checkpoint_age_seconds"];
+  const double first = ParseSeries(text)["gtopk_server_checkpoint_age_seconds"];
   EXPECT_GE(first, 0);
   EXPECT_LT(first, 5);
   absl::SleepFor(absl::Milliseconds(50));
-  EXPECT_GE(ParseSamples(Scrape(
+  EXPECT_GE(ParseSeries(Serialize(
                 *m.checkpoint_age()))["gtopk_server_checkpoint_age_seconds"],
             first + 0.04);
 }

@@ -93,7 +93,8 @@ absl::StatusOr<Cluster> StartCluster(ServerConfig config) {
   std::vector<std::string> listen(S, "127.0.0.1:0");
   std::vector<std::string> peers(S, "");
   // Shards other than the leader need addresses the leader knows up front.
-  GTOPK_ASSIGN_OR_RETURN(std::vector<int> ports, PickFreePorts(S));
+  GTOPK_ASSIGN_OR_RETURN(std::vector<int> ports,
+                         ::gtopk::testing::PickFreePorts(S));
   for (uint32_t s = 1; s < S; ++s) {
     listen[s] = absl::StrCat("127.0.0.1:", ports[s]);
     peers[s] = listen[s];
@@ -243,55 +244,6 @@ std::string RawMessage(const std::vector<uint32_t>& indices,
 }
 
 // ---------------------------------------------------------------------------
-
-TEST(ServiceConfigTest, RejectsBadFieldsByName) {
-  ServerConfig c = BaseConfig(2, 2);
-  c.peers = {"", "not-an-address"};
-  EXPECT_THAT(ValidateServerConfig(c),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       AllOf(HasSubstr("--peers"), HasSubstr("entry 1"),
-                             HasSubstr("not-an-address"))));
-  c = BaseConfig(2, 2);
-  c.peers = {""};
-  EXPECT_THAT(ValidateServerConfig(c),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("peers")));
-  c = BaseConfig(1, 1);
-  c.selector = "bogus";
-  EXPECT_THAT(
-      ValidateServerConfig(c),
-      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("selector")));
-  c = BaseConfig(1, 1);
-  c.checkpoint_every = 3;
-  EXPECT_THAT(ValidateServerConfig(c),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("--checkpoint-dir")));
-  c = BaseConfig(1, 1);
-  c.step_timeout = absl::ZeroDuration();
-  EXPECT_THAT(ValidateServerConfig(c),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("--step-timeout")));
-  // Quota selection is a gtopk mode setting: with topk or dense it was
-  // silently ignored.
-  for (AggregationMode mode :
-       {AggregationMode::kTopk, AggregationMode::kDense}) {
-    c = BaseConfig(1, 1);
-    c.mode = mode;
-    c.selection = SelectionKind::kQuota;
-    EXPECT_THAT(ValidateServerConfig(c),
-                StatusIs(absl::StatusCode::kInvalidArgument,
-                         HasSubstr("--selection=quota applies to "
-                                   "--mode=gtopk only")));
-  }
-  c = BaseConfig(1, 1);
-  c.optimizer.steps_per_epoch = -1;
-  EXPECT_THAT(ValidateServerConfig(c),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("--steps-per-epoch must be >= 0, got -1")));
-  c = BaseConfig(1, 1);
-  c.optimizer.lr = std::numeric_limits<float>::infinity();
-  EXPECT_THAT(ValidateServerConfig(c),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--lr")));
-}
 
 TEST(ServiceTest, HealthIsServingAfterStart) {
   GTOPK_ASSERT_OK_AND_ASSIGN(Cluster cluster, StartCluster(BaseConfig(1, 1)));
@@ -1003,49 +955,6 @@ TEST(ServiceTest, CheckpointRestartServesSameParameters) {
 // ---------------------------------------------------------------------------
 // Workers apply (issue 41): the flags, the pulls, the divergence alarm, the
 // buffers, the state blob and the resume.
-
-TEST(ServiceConfigTest, ApplyAndChecksumEvery) {
-  ServerConfig c = BaseConfig(1, 1);
-  c.checksum_every = -2;
-  EXPECT_THAT(ValidateServerConfig(c),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("--checksum-every must be >= 0")));
-  c.checksum_every = int64_t{1} << 32;
-  EXPECT_THAT(ValidateServerConfig(c),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("--checksum-every")));
-  c = BaseConfig(1, 1);
-  c.optimizer.lr = 0.5f;
-  // Servers apply (the default): checksums off, the servers' optimizer.
-  v1::ClusterSpec spec = ClusterSettingsSpec(c);
-  EXPECT_EQ(spec.apply(), v1::APPLY_SERVERS);
-  EXPECT_EQ(spec.checksum_every(), 0u);
-  EXPECT_EQ(spec.optimizer().lr(), 0.5f);
-  // Workers apply: checksums every 100 steps, the identity rule with the
-  // density kept, whatever the optimizer flags say.
-  c.apply = ApplyMode::kWorkers;
-  c.optimizer.momentum_mode = MomentumMode::kGlobal;
-  c.optimizer.weight_decay = 0.01f;
-  spec = ClusterSettingsSpec(c);
-  EXPECT_EQ(spec.apply(), v1::APPLY_WORKERS);
-  EXPECT_EQ(spec.checksum_every(), 100u);
-  EXPECT_EQ(spec.optimizer().lr(), 1.0f);
-  EXPECT_EQ(spec.optimizer().momentum(), 0.0f);
-  EXPECT_EQ(spec.optimizer().momentum_mode(), v1::MOMENTUM_MODE_NONE);
-  EXPECT_FALSE(spec.optimizer().momentum_factor_masking());
-  EXPECT_EQ(spec.optimizer().weight_decay(), 0.0f);
-  EXPECT_EQ(spec.optimizer().density(), c.optimizer.density);
-  c.checksum_every = 0;
-  EXPECT_EQ(ClusterSettingsSpec(c).checksum_every(), 0u);
-  c.checksum_every = 7;
-  EXPECT_EQ(ClusterSettingsSpec(c).checksum_every(), 7u);
-  // The fingerprint tells the modes apart.
-  ServerConfig servers = BaseConfig(1, 1);
-  ServerConfig workers = servers;
-  workers.apply = ApplyMode::kWorkers;
-  EXPECT_NE(CanonicalClusterSpec(servers, 10).cluster_fingerprint(),
-            CanonicalClusterSpec(workers, 10).cluster_fingerprint());
-}
 
 ServerConfig WorkersConfig(uint32_t num_shards, uint32_t num_workers) {
   ServerConfig c = BaseConfig(num_shards, num_workers);

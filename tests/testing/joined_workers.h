@@ -1,5 +1,5 @@
 // Test tooling for in-process cluster tests (tests/integration/): P worker
-// clients joined to a server::LocalCluster and synchronised, the set-up
+// clients joined to a LocalCluster and synchronised, the set-up
 // most multi-worker tests start from.
 #ifndef GTOPK_TESTS_TESTING_JOINED_WORKERS_H_
 #define GTOPK_TESTS_TESTING_JOINED_WORKERS_H_
@@ -19,7 +19,7 @@
 #include "worker/client.h"
 
 namespace gtopk {
-namespace testing_cluster {
+namespace testing {
 
 struct JoinedWorkers {
   std::vector<std::unique_ptr<worker::WorkerClient>> clients;  // by rank
@@ -31,7 +31,7 @@ struct JoinedWorkers {
 // offers `initial` (length n), the others download. Errors: the first
 // Connect or SynchronizeParameters error, naming the rank.
 inline absl::StatusOr<JoinedWorkers> JoinAndSynchronize(
-    const server::LocalCluster& cluster, int workers,
+    const LocalCluster& cluster, int workers,
     const std::vector<float>& initial) {
   JoinedWorkers out;
   for (int w = 0; w < workers; ++w) {
@@ -70,7 +70,7 @@ inline absl::StatusOr<JoinedWorkers> JoinAndSynchronize(
   return out;
 }
 
-}  // namespace testing_cluster
+}  // namespace testing
 }  // namespace gtopk
 
 #endif  // GTOPK_TESTS_TESTING_JOINED_WORKERS_H_

@@ -25,7 +25,7 @@
 #include "server/server_config.h"
 
 namespace gtopk {
-namespace server {
+namespace testing {
 
 // `count` distinct free loopback ports (bound together, then released; the
 // servers bind them right after, so a collision is unlikely and retried).
@@ -62,7 +62,7 @@ inline absl::StatusOr<std::vector<int>> PickFreePorts(int count) {
 class LocalCluster {
  public:
   static absl::StatusOr<std::unique_ptr<LocalCluster>> Start(
-      const ServerConfig& base, uint32_t num_shards) {
+      const server::ServerConfig& base, uint32_t num_shards) {
     absl::Status last;
     for (int attempt = 0; attempt < 3; ++attempt) {
       auto ports = PickFreePorts(static_cast<int>(num_shards));
@@ -72,11 +72,11 @@ class LocalCluster {
       auto cluster = std::unique_ptr<LocalCluster>(new LocalCluster());
       last = absl::OkStatus();
       for (uint32_t s = 0; s < num_shards && last.ok(); ++s) {
-        ServerConfig c = base;
+        server::ServerConfig c = base;
         c.shard_id = s;
         c.num_shards = num_shards;
         c.peers = peers;
-        auto srv = AggregatorServer::Start(c, peers[s]);
+        auto srv = server::AggregatorServer::Start(c, peers[s]);
         if (!srv.ok()) {
           last = srv.status();
         } else {
@@ -100,7 +100,7 @@ class LocalCluster {
 
   const std::string& leader() const { return peers_[0]; }
   const std::vector<std::string>& peers() const { return peers_; }
-  AggregatorServer& shard(size_t s) { return *servers_[s]; }
+  server::AggregatorServer& shard(size_t s) { return *servers_[s]; }
   size_t size() const { return servers_.size(); }
 
   // Stops shard `s` and starts it again on the same address with the same
@@ -114,7 +114,7 @@ class LocalCluster {
   absl::Status RestartShard(
       size_t s, bool write_checkpoint,
       const std::function<void()>& while_down = {},
-      const std::function<void(ServerConfig&)>& edit = {}) {
+      const std::function<void(server::ServerConfig&)>& edit = {}) {
     servers_[s]
         ->Shutdown(absl::Milliseconds(200), write_checkpoint)
         .IgnoreError();
@@ -123,7 +123,7 @@ class LocalCluster {
     if (edit) edit(configs_[s]);
     absl::Status last;
     for (int attempt = 0; attempt < 20; ++attempt) {
-      auto srv = AggregatorServer::Start(configs_[s], peers_[s]);
+      auto srv = server::AggregatorServer::Start(configs_[s], peers_[s]);
       if (srv.ok()) {
         servers_[s] = *std::move(srv);
         return absl::OkStatus();
@@ -171,11 +171,11 @@ class LocalCluster {
  private:
   LocalCluster() = default;
   std::vector<std::string> peers_;
-  std::vector<std::unique_ptr<AggregatorServer>> servers_;
-  std::vector<ServerConfig> configs_;  // by shard, as started
+  std::vector<std::unique_ptr<server::AggregatorServer>> servers_;
+  std::vector<server::ServerConfig> configs_;  // by shard, as started
 };
 
-}  // namespace server
+}  // namespace testing
 }  // namespace gtopk
 
 #endif  // GTOPK_TESTS_TESTING_LOCAL_CLUSTER_H_

@@ -30,7 +30,7 @@
 #endif
 
 namespace gtopk {
-namespace testing_process {
+namespace testing {
 
 // A child gtopk-server. The destructor kills it (SIGKILL) if still running.
 class ServerProcess {
@@ -106,8 +106,6 @@ class ServerProcess {
   int out_ = -1;
 };
 
-using ::gtopk::testing::BitEqual;  // tests/testing/reference.h
-
 // The flags of shard `shard` of a cluster on `peers` (all shards, in order)
 // with `workers` workers: checkpoints in `dir` every `checkpoint_every`
 // steps, density 0.01, plaintext (--tls=off, said explicitly: --tls is
@@ -135,7 +133,7 @@ inline std::vector<std::string> ServerArgs(
 // when none could be picked).
 inline std::vector<std::string> LoopbackPeers(int count) {
   std::vector<std::string> peers;
-  auto ports = server::PickFreePorts(count);
+  auto ports = PickFreePorts(count);
   EXPECT_TRUE(ports.ok()) << ports.status();
   if (ports.ok()) {
     for (int p : *ports) peers.push_back(absl::StrCat("127.0.0.1:", p));
@@ -214,7 +212,7 @@ inline std::string JsonValue(const std::string& json, const std::string& key) {
   return json.substr(begin, json.find('"', begin) - begin);
 }
 
-}  // namespace testing_process
+}  // namespace testing
 }  // namespace gtopk
 
 #endif  // GTOPK_TESTS_TESTING_PROCESS_UTIL_H_

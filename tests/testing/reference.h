@@ -10,6 +10,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -200,6 +201,23 @@ inline std::vector<float> MakeInput(Distribution d, size_t n, uint64_t seed) {
     }
   }
   return x;
+}
+
+// The k a selection test tries for an input of `n` values: 1, 2, n/1000,
+// n/100, n/3, n - 1 and n (each at least 1, without repeats), ascending.
+inline std::vector<uint64_t> KsFor(size_t n) {
+  std::set<uint64_t> ks = {1, n, std::max<uint64_t>(1, n / 1000),
+                           std::max<uint64_t>(1, n / 100),
+                           std::max<uint64_t>(1, n / 3)};
+  if (n > 1) ks.insert(n - 1);
+  if (n > 2) ks.insert(2);
+  return {ks.begin(), ks.end()};
+}
+
+// "normal n=1000 k=10": a selection case, for failure messages.
+inline std::string Describe(Distribution d, size_t n, uint64_t k) {
+  return DistributionName(d) + " n=" + std::to_string(n) +
+         " k=" + std::to_string(k);
 }
 
 }  // namespace testing

@@ -50,7 +50,7 @@ class CancelLater {
 
 // A port nothing listens on: bound, then closed.
 std::string DeadAddress() {
-  auto ports = server::PickFreePorts(1);
+  auto ports = ::gtopk::testing::PickFreePorts(1);
   EXPECT_TRUE(ports.ok()) << ports.status();
   return absl::StrCat("127.0.0.1:", ports.ok() ? (*ports)[0] : 1);
 }
@@ -112,15 +112,15 @@ TEST(CancellationTest, StepWaitingForAPeerReturnsCancelledAndAppliesNothing) {
     config.optimizer.momentum = 0.0f;
     config.step_timeout = kLong;
     config.mode = mode;
-    auto cluster_or = server::LocalCluster::Start(config, 2);
+    auto cluster_or = ::gtopk::testing::LocalCluster::Start(config, 2);
     ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
     std::vector<float> initial(kN);
     std::mt19937_64 rng(7);
     std::normal_distribution<float> normal;
     for (float& x : initial) x = normal(rng);
     GTOPK_ASSERT_OK_AND_ASSIGN(
-        testing_cluster::JoinedWorkers joined,
-        testing_cluster::JoinAndSynchronize(**cluster_or, 2, initial));
+        ::gtopk::testing::JoinedWorkers joined,
+        ::gtopk::testing::JoinAndSynchronize(**cluster_or, 2, initial));
     // Worker 0 again, now with a cancellation source (its rank freed by
     // closing the first client).
     joined.clients[0].reset();
@@ -198,12 +198,12 @@ TEST(WatchdogTest, StepAfterAShardDiedFailsWithinTheWatchdog) {
     config.optimizer.density = 0.01;
     config.optimizer.lr = 0.1f;
     config.step_timeout = absl::Seconds(1);
-    auto cluster_or = server::LocalCluster::Start(config, 2);
+    auto cluster_or = ::gtopk::testing::LocalCluster::Start(config, 2);
     ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
     GTOPK_ASSERT_OK_AND_ASSIGN(
-        testing_cluster::JoinedWorkers joined,
-        testing_cluster::JoinAndSynchronize(**cluster_or, 1,
-                                            std::vector<float>(kN, 0.0f)));
+        ::gtopk::testing::JoinedWorkers joined,
+        ::gtopk::testing::JoinAndSynchronize(**cluster_or, 1,
+                                             std::vector<float>(kN, 0.0f)));
     WorkerClient& client = *joined.clients[0];
     std::vector<float> gradient(kN, 1.0f);
     // Half the runs with both streams open (a step done), half without.
@@ -247,12 +247,12 @@ TEST(RecoverTest, RecoverWaitsForARestartingLeader) {
   const testing::TempDir dir("recover_waits");
   ASSERT_FALSE(dir.path().empty());
   config.checkpoint_dir = dir.path();
-  auto cluster_or = server::LocalCluster::Start(config, 1);
+  auto cluster_or = ::gtopk::testing::LocalCluster::Start(config, 1);
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
   GTOPK_ASSERT_OK_AND_ASSIGN(
-      testing_cluster::JoinedWorkers joined,
-      testing_cluster::JoinAndSynchronize(**cluster_or, 2,
-                                          std::vector<float>(kN, 0.5f)));
+      ::gtopk::testing::JoinedWorkers joined,
+      ::gtopk::testing::JoinAndSynchronize(**cluster_or, 2,
+                                           std::vector<float>(kN, 0.5f)));
   // Worker 0 steps alone: DEADLINE_EXCEEDED after the step timeout.
   std::vector<float> gradient(kN, 1.0f);
   EXPECT_FALSE(

@@ -89,10 +89,10 @@ std::vector<std::vector<float>> RunCluster(const Case& c,
   s.optimizer.density = 0.01;
   s.optimizer.weight_decay = 1e-3f;
   s.step_timeout = absl::Seconds(20);
-  auto cluster_or = server::LocalCluster::Start(s, 2);
+  auto cluster_or = ::gtopk::testing::LocalCluster::Start(s, 2);
   EXPECT_TRUE(cluster_or.ok()) << cluster_or.status();
   if (!cluster_or.ok()) return {};
-  server::LocalCluster& cluster = **cluster_or;
+  ::gtopk::testing::LocalCluster& cluster = **cluster_or;
   std::vector<std::vector<float>> params(kWorkers);
   std::vector<absl::Status> status(kWorkers);
   std::vector<std::thread> threads;

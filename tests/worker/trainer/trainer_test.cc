@@ -186,9 +186,9 @@ TEST(TrainerTest, RetriesAreBoundedByTimeNotByACount) {
   config.optimizer.density = 0.05;
   config.optimizer.momentum = 0.0f;  // a retry's push is the first one's
   config.step_timeout = absl::Milliseconds(400);
-  auto cluster_or = server::LocalCluster::Start(config, 1);
+  auto cluster_or = ::gtopk::testing::LocalCluster::Start(config, 1);
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
-  server::LocalCluster& cluster = **cluster_or;
+  ::gtopk::testing::LocalCluster& cluster = **cluster_or;
 
   char dir_template[] = "/tmp/gtopk_trainer_test_XXXXXX";
   ASSERT_NE(mkdtemp(dir_template), nullptr);
@@ -280,9 +280,9 @@ TEST(TrainerTest, ARecoveryBudgetShorterThanACallStillAllowsOneCall) {
   config.num_workers = 2;
   config.optimizer.density = 0.05;
   config.step_timeout = absl::Milliseconds(400);
-  auto cluster_or = server::LocalCluster::Start(config, 1);
+  auto cluster_or = ::gtopk::testing::LocalCluster::Start(config, 1);
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
-  server::LocalCluster& cluster = **cluster_or;
+  ::gtopk::testing::LocalCluster& cluster = **cluster_or;
   // Rank 1 joins and never steps: every step of rank 0 fails.
   ClientOptions co;
   co.leader_address = cluster.leader();
@@ -322,9 +322,9 @@ TEST(TrainerTest, RepeatedFailedPreconditionEndsTheRunAtOnce) {
   config.optimizer.momentum = 0.0f;
   config.optimizer.momentum_mode = MomentumMode::kNone;
   config.step_timeout = absl::Seconds(5);
-  auto cluster_or = server::LocalCluster::Start(config, 1);
+  auto cluster_or = ::gtopk::testing::LocalCluster::Start(config, 1);
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
-  server::LocalCluster& cluster = **cluster_or;
+  ::gtopk::testing::LocalCluster& cluster = **cluster_or;
 
   // The test's worker is rank 0: parameters near -FLT_MAX, and a gradient
   // that pushes them past it.

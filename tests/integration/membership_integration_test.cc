@@ -37,8 +37,8 @@
 namespace gtopk {
 namespace {
 
+using ::gtopk::testing::LocalCluster;
 using ::gtopk::testing::StatusIs;
-using server::LocalCluster;
 using server::ServerConfig;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
@@ -341,7 +341,7 @@ TEST(MembershipTest, DeadWorkerFailsTheStepAtOnceNamingIt) {
 // second, UNAVAILABLE naming the shard; once it is back the workers Recover
 // and step on, bit-identical.
 TEST(MembershipTest, DeadShardFailsTheStepWithinSecondsNamingIt) {
-  ::gtopk::testing::TempDir dir("membership_test");
+  ::gtopk::testing::TempDir dir("membership_integration_test");
   ASSERT_FALSE(dir.path().empty());
   auto cluster = StartClusterWithCheckpoints(dir.path(), absl::Seconds(20));
   ASSERT_NE(cluster, nullptr);
@@ -490,7 +490,7 @@ class JoinIntruder {
 // workers recover and step on bit-identical.
 void ShardRestartWithAnIntruder(bool intruder_first,
                                 absl::Duration recover_after) {
-  ::gtopk::testing::TempDir dir("membership_test");
+  ::gtopk::testing::TempDir dir("membership_integration_test");
   ASSERT_FALSE(dir.path().empty());
   auto started = StartClusterWithCheckpoints(dir.path(), absl::Seconds(3));
   ASSERT_NE(started, nullptr);

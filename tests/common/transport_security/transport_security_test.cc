@@ -523,7 +523,7 @@ TEST_F(TransportSecurityTest, TwoShardClusterTrainsOverMutualTls) {
   constexpr uint64_t kN = 64;
   std::vector<std::unique_ptr<AggregatorServer>> shards;
   // Shard 1's address must be known to the leader up front.
-  auto ports = PickFreePorts(1);
+  auto ports = ::gtopk::testing::PickFreePorts(1);
   ASSERT_TRUE(ports.ok()) << ports.status();
   std::vector<std::string> peers = {"",
                                     absl::StrCat("127.0.0.1:", (*ports)[0])};
