@@ -59,7 +59,8 @@ ABSL_FLAG(std::string, mode, "gtopk", "gtopk | topk | dense");
 ABSL_FLAG(std::string, selection, "threshold",
           "threshold | quota | layerwise (gtopk mode; \"exact\" is the old "
           "name of threshold)");
-ABSL_FLAG(double, bucket_mb, 25.0,
+constexpr double kDefaultBucketMb = 25.0;
+ABSL_FLAG(double, bucket_mb, kDefaultBucketMb,
           "--selection=layerwise: MiB of fp32 gradient per bucket (as "
           "PyTorch DDP's bucket_cap_mb); each bucket keeps its own top-k and "
           "can be pushed while the backward pass goes on");
@@ -221,6 +222,16 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   if (!selection.ok()) return FlagError("selection", selection.status());
   c.selection = *selection;
   c.bucket_mb = absl::GetFlag(FLAGS_bucket_mb);
+  // A bucket size other than the default outside layer-wise selection is
+  // a mistake (the other selections have no buckets). Debian's Abseil does
+  // not say whether a flag was given, so the default itself passes.
+  if (c.selection != gtopk::SelectionKind::kLayerwise &&
+      c.bucket_mb != kDefaultBucketMb) {
+    return FlagError("bucket-mb",
+                     absl::InvalidArgumentError(
+                         "applies to --selection=layerwise only (the other "
+                         "selections have no buckets)"));
+  }
   auto index_codec = gtopk::ParseIndexCodec(absl::GetFlag(FLAGS_index_codec));
   if (!index_codec.ok()) return FlagError("index-codec", index_codec.status());
   c.index_codec = *index_codec;

@@ -121,6 +121,19 @@ absl::Status ValidateSelection(const ServerConfig& c) {
           "bucket), got ",
           c.bucket_mb));
     }
+    // Every full bucket must keep at least one entry at the lowest density
+    // (a density warm-up only raises it): round(values * density) >= 1.
+    const double density = c.optimizer.density;
+    const uint64_t values = BucketSizeValues(c);
+    if (density > 0 && density <= 1 &&
+        static_cast<double>(values) * density < 0.5) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--bucket-mb ", c.bucket_mb, " makes buckets of ", values,
+          " values, of which --density ", density,
+          " keeps none (round(values * density) = 0), so nothing would be "
+          "aggregated; use --bucket-mb of at least ",
+          std::ceil(0.5 / density) * 4.0 / (1 << 20)));
+    }
   }
   SelectorRegistry registry;
   GTOPK_RETURN_IF_ERROR(RegisterBuiltinSelectors(&registry));

@@ -79,6 +79,12 @@ SERVER_CASES = [
     ("--bucket-mb", ["--selection=layerwise", "--bucket-mb=-1"]),
     ("--bucket-mb", ["--selection=layerwise", "--bucket-mb=nan"]),
     ("--bucket-mb", ["--selection=layerwise", "--bucket-mb=1e7"]),
+    # Buckets of 52 values keep none at density 0.001.
+    ("--bucket-mb", ["--selection=layerwise", "--bucket-mb=0.0002",
+                     "--density=0.001"]),
+    # No buckets outside layer-wise selection.
+    ("--bucket-mb", ["--bucket-mb=5"]),
+    ("--bucket-mb", ["--selection=quota", "--bucket-mb=5"]),
     ("--selector", ["--selector=top"]),
     ("--index-codec", ["--index-codec=zip"]),
     ("--value-codec", ["--value-codec=fp8"]),

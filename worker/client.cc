@@ -581,14 +581,34 @@ absl::StatusOr<WorkerState> WorkerClient::ExportState() {
   }
   WorkerState state;
   state.next_step = next_step_;
+  state.velocity = velocity_;
+  if (overlapped_ == nullptr) {
+    state.residual.assign(feedback_.residual().begin(),
+                          feedback_.residual().end());
+    return state;
+  }
+  // An overlapped step is open: the residual as it was before it (the
+  // pieces accumulated so far hold u; their backup holds the residual).
+  OverlappedStep& o = *overlapped_;
+  absl::MutexLock lock(&o.piece_mu);
   state.residual.assign(feedback_.residual().begin(),
                         feedback_.residual().end());
-  state.velocity = velocity_;
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    if (!o.accumulated[i]) continue;
+    std::copy(overlap_backup_.begin() + pieces_[i].begin,
+              overlap_backup_.begin() + pieces_[i].end,
+              state.residual.begin() + pieces_[i].begin);
+  }
   return state;
 }
 
 absl::Status WorkerClient::ImportState(const WorkerState& state) {
   const uint64_t n = cluster_.n();
+  if (overlapped_ != nullptr) {
+    return absl::FailedPreconditionError(
+        "ImportState: an overlapped step is open (AbandonOverlappedStep "
+        "first)");
+  }
   if (state.residual.size() != n || state.velocity.size() != n) {
     return absl::InvalidArgumentError(absl::StrCat(
         "ImportState: residual has ", state.residual.size(),

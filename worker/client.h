@@ -382,7 +382,11 @@ class WorkerClient {
   // zero gradient), and is as before the step when the selection failed
   // (e.g. a non-finite gradient: INVALID_ARGUMENT; when some push had gone
   // out, the step is failed on every shard as by AbandonOverlappedStep, so
-  // Recover before the retry). Errors:
+  // Recover before the retry), or when a reported range of `gradient` was
+  // written after GradientReady (FAILED_PRECONDITION naming the index: what
+  // was sent is not the gradient the caller ended with, e.g. gradient
+  // clipping between backward and the step; the step is given up as by
+  // AbandonOverlappedStep). Errors:
   // FAILED_PRECONDITION without an open step; AggregateStep's.
   absl::StatusOr<StepStats> FinishOverlappedStep(
       std::string* buffers_out = nullptr);
@@ -660,6 +664,9 @@ class WorkerClient {
   // it, per piece accumulated (restored by AbandonOverlappedStep).
   std::unique_ptr<OverlappedStep> overlapped_;
   std::vector<float> overlap_backup_;
+  // The gradient of every piece as the selection thread read it: Finish
+  // refuses a step whose gradient was written after it was reported.
+  std::vector<float> overlap_gradient_;
   int64_t next_step_ = 0;
   // The leader's attempt epoch as last heard (Join, Recover), sent in every
   // push: a push older than its step's last failure is refused (ABORTED),

@@ -119,8 +119,11 @@ struct WorkerClient::OverlappedStep {
   bool stop = false;                      // (mu) Abandon, or a failure
   absl::Status select_status;             // (mu) the first failure
 
+  // Held by the selection thread while it changes the residual of a piece
+  // (ExportState reads a consistent residual under it).
+  absl::Mutex piece_mu;
   // Per piece (selection thread): what it sent, as sent and as received
-  // (codec round trip), and whether its u is in the residual.
+  // (codec round trip), and whether its u is in the residual (piece_mu).
   std::vector<SparseVector> sent, received;
   std::vector<bool> accumulated;
   std::vector<size_t> pieces_left;  // per shard (selection thread)

@@ -71,6 +71,7 @@ absl::Status WorkerClient::BeginOverlappedStep(absl::Span<const float> gradient,
   step_buffers_.assign(buffers.data(), buffers.size());
   received_buffers_.clear();
   if (overlap_backup_.size() != n) overlap_backup_.assign(n, 0.0f);
+  if (overlap_gradient_.size() != n) overlap_gradient_.assign(n, 0.0f);
 
   auto o = std::make_unique<OverlappedStep>(shards_.size(), pieces_.size());
   o->stats = std::move(stats);
@@ -174,17 +175,26 @@ absl::Status WorkerClient::SelectPiece(OverlappedStep& o, size_t i) {
   absl::Time t = absl::Now();
   absl::Span<float> residual =
       feedback_.mutable_residual().subspan(p.begin, p.size());
-  std::memcpy(overlap_backup_.data() + p.begin, residual.data(),
-              p.size() * sizeof(float));
   const absl::Span<const float> g = o.gradient.subspan(p.begin, p.size());
-  // The identity rule (u = residual + g), as AggregateStep; nothing is
-  // changed when it fails (a non-finite gradient).
-  absl::Status st = rule_.AccumulateLocal(
-      o.stats.step, g, g, absl::MakeSpan(velocity_).subspan(p.begin, p.size()),
-      residual);
-  if (!st.ok())
+  std::memcpy(overlap_gradient_.data() + p.begin, g.data(),
+              p.size() * sizeof(float));
+  absl::Status st;
+  {
+    absl::MutexLock lock(&o.piece_mu);
+    std::memcpy(overlap_backup_.data() + p.begin, residual.data(),
+                p.size() * sizeof(float));
+    // The identity rule (u = residual + g), as AggregateStep, on the copy
+    // read above; nothing is changed when it fails (a non-finite gradient).
+    const absl::Span<const float> read(overlap_gradient_.data() + p.begin,
+                                       p.size());
+    st = rule_.AccumulateLocal(
+        o.stats.step, read, read,
+        absl::MakeSpan(velocity_).subspan(p.begin, p.size()), residual);
+    if (st.ok()) o.accumulated[i] = true;
+  }
+  if (!st.ok()) {
     return Prefixed(st, absl::StrCat("piece [", p.begin, ", ", p.end, ")"));
-  o.accumulated[i] = true;
+  }
   o.stats.accumulate += absl::Now() - t;
 
   t = absl::Now();
@@ -263,6 +273,34 @@ absl::StatusOr<StepStats> WorkerClient::FinishOverlappedStep(
     o.gate.Abandon();
     AbandonOverlappedStep();
     return selected;
+  }
+  // The gradient must still be what was read: a write after GradientReady
+  // (clipping before the step) would make this rank's update differ from
+  // what it sent.
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    const BucketPiece& p = pieces_[i];
+    if (std::memcmp(o.gradient.data() + p.begin,
+                    overlap_gradient_.data() + p.begin,
+                    p.size() * sizeof(float)) == 0) {
+      continue;
+    }
+    uint64_t at = p.begin;
+    while (at < p.end &&
+           std::memcmp(o.gradient.data() + at, overlap_gradient_.data() + at,
+                       sizeof(float)) == 0) {
+      ++at;
+    }
+    const int64_t step = o.stats.step;
+    AbandonOverlappedStep();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", step, ": the gradient at index ", at,
+        " was written after it was reported (GradientReady): an overlapped "
+        "step sends each bucket as backward produces it, so a change made "
+        "between backward and the step (e.g. gradient clipping) would not "
+        "be what was sent. Change the gradient after the exchange (clip "
+        "between synchronize() and step()), or run the whole exchange "
+        "after backward (overlap=False). The step was given up: Recover, "
+        "then repeat it"));
   }
   o.round.join();
   StepStats stats = std::move(o.stats);

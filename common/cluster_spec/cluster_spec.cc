@@ -366,8 +366,9 @@ std::vector<std::string> ClusterSpecDifferences(const v1::ClusterSpec& here,
   differ("mode", ModeFlagValue(here.mode()), ModeFlagValue(there.mode()));
   differ("selection", SelectionFlagValue(here.selection()),
          SelectionFlagValue(there.selection()));
-  differ("bucket-mb", ShortestNumber(here.bucket_size() * 4.0 / (1 << 20)),
-         ShortestNumber(there.bucket_size() * 4.0 / (1 << 20)));
+  // In values: what --bucket-mb became (floor(MiB * 2^20 / 4)).
+  differ("bucket-mb", absl::StrCat(here.bucket_size(), " values"),
+         absl::StrCat(there.bucket_size(), " values"));
   differ("selector", here.selector(), there.selector());
   differ("seed", absl::StrCat(here.selector_seed()),
          absl::StrCat(there.selector_seed()));

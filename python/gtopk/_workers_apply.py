@@ -341,6 +341,7 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
         self._reported = [False] * len(plist)
         self._overlap = False
         self._overlap_off = False
+        self._deferred_error = None
 
         # -- join, check, synchronise -----------------------------------------
         self._client = gtopk.Client(
@@ -436,8 +437,16 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
     def zero_grad(self, set_to_none=False):
         """The wrapped optimizer's zero_grad. With ``set_to_none=False`` (the
         default here) the gradients stay views of the flat buffer, so
-        backward() accumulates in place and gathering copies nothing."""
+        backward() accumulates in place and gathering copies nothing.
+        The gradients it zeroes no longer count: the count of backward
+        passes starts afresh, and an exchange done but not yet stepped on
+        (synchronize(), or the end of an overlapped backward pass) is
+        discarded -- the next backward pass and step() make a new one (each
+        exchange is one of the cluster's steps; every rank must do the
+        same)."""
         self._opt.zero_grad(set_to_none=set_to_none)
+        self._synchronized = False
+        self._pass_counts = [0] * len(self._params)
 
     # -- properties ------------------------------------------------------------
 
@@ -548,7 +557,30 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
             grad, grad, self._flat.numpy() if due else None, buffers,
             state_checksum)
         self._reported = [False] * len(self._params)
+        # At the end of this backward pass (as DDP's reducer finalises its
+        # buckets): the exchange ends, and .grad is the average when
+        # backward() returns.
+        torch.autograd.Variable._execution_engine.queue_callback(
+            self._end_of_backward)
         return True
+
+    def _end_of_backward(self):
+        """Autograd's end-of-pass callback for an overlapped step: waits
+        for the remaining pulls and writes the average into .grad, so that
+        after backward() the gradient is the aggregated one, as under DDP
+        (clip it, then step()). A gtopk error is kept and raised by the next
+        synchronize()/step() (where the recovery loop catches it); Ctrl-C
+        propagates out of backward()."""
+        client = self._client
+        if client is None or not client.overlapped_step_open:
+            return
+        t0 = time.perf_counter()
+        try:
+            stats, received = self._finish_overlap()
+        except errors.Error as e:
+            self._deferred_error = e
+            return
+        self._after_exchange(stats, received, t0)
 
     def _end_overlap_step(self):
         """Between steps: overlap on again, nothing reported."""
@@ -563,6 +595,23 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
         client = self._client
         fg = self._flat_grad
         ptr0 = fg.data_ptr()
+        for i, (p, (off, cnt)) in enumerate(zip(self._params, self._slices)):
+            g = p.grad
+            if self._reported[i] and (g is None or g.is_sparse or not (
+                    g.data_ptr() == ptr0 + 4 * off and g.is_contiguous()
+                    and g.shape == p.shape)):
+                # .grad was replaced after backward (p.grad = p.grad * c):
+                # what was sent is not the gradient this rank now holds.
+                client.abandon_overlapped_step()
+                self._end_overlap_step()
+                raise errors.FailedPrecondition(
+                    "the .grad of %s was replaced after backward and before "
+                    "the step: an overlapped step sends each bucket as "
+                    "backward produces it, so the replacement would not be "
+                    "what was sent. Change gradients after synchronize() "
+                    "(then step() under skip_synchronize()), or pass "
+                    "overlap=False; the step was given up (recover(), then "
+                    "repeat it)" % self._names[i])
         with torch.no_grad():
             for i, (p, (off, cnt)) in enumerate(zip(self._params,
                                                    self._slices)):
@@ -731,6 +780,11 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
                                                       most))
         client = self._client
         t0 = time.perf_counter()
+        if self._deferred_error is not None:
+            # The overlapped exchange at the end of backward failed: its
+            # error now, where the recovery loop is (the retry runs whole).
+            e, self._deferred_error = self._deferred_error, None
+            raise e
         if client.overlapped_step_open:
             stats, received = self._finish_overlap()
             self._after_exchange(stats, received, t0)
@@ -862,8 +916,21 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
         """The wrapped optimizer's ``state_dict()`` plus ``"gtopk"``:
         ``{"step": int, "residual": float32 tensor [n], "rank": int, "n":
         int, "apply": "workers", "cluster_fingerprint": str}`` (CPU
-        copies). Per rank: every rank saves its own."""
+        copies). Per rank: every rank saves its own.
+
+        Raises :class:`gtopk.FailedPrecondition` between the exchange and
+        ``step()`` (after ``synchronize()``, or after ``backward()`` of an
+        overlapped step, which exchanges at its end): the step's exchange
+        is done but the optimizer has not stepped, so no consistent state
+        exists then; save after ``step()``."""
         self._check_open()
+        if self._synchronized:
+            raise errors.FailedPrecondition(
+                "state_dict() between this step's exchange and step(): the "
+                "gradients were aggregated (synchronize(), or the end of an "
+                "overlapped backward pass) but the optimizer has not stepped, "
+                "so the residual and the parameters belong to different steps; "
+                "save the checkpoint after opt.step()")
         sd = self._opt.state_dict()
         st = self._client.state()
         sd["gtopk"] = {
@@ -887,6 +954,10 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
         :class:`gtopk.FailedPrecondition` for another rank's or n's state
         or one saved in servers-apply mode."""
         self._check_open()
+        if self._client.overlapped_step_open:
+            # A checkpoint loaded in the middle of a step starts over.
+            self._client.abandon_overlapped_step()
+            self._end_overlap_step()
         if "gtopk" not in state_dict:
             raise ValueError(
                 "gtopk: this state dict has no 'gtopk' entry: it is not from "

@@ -17,6 +17,7 @@
 #include "common/buckets.h"
 #include "common/selector.h"
 #include "common/status_macros.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/server_config.h"
 #include "tests/testing/local_cluster.h"
@@ -394,6 +395,46 @@ TEST(OverlapFailureTest, AbandonedStepAppliesNothingAndTheRetryCompletes) {
         << "worker " << w << " residual";
   }
   EXPECT_TRUE(absl::IsCancelled(failed[0])) << failed[0];
+}
+
+// A gradient written after it was reported (clipping between backward and
+// the step) is refused: what was sent would not be what the caller holds.
+// The step is given up (the residual as before it), and a checkpoint taken
+// while a step is open holds the residual from before the step.
+TEST(OverlapRefusalTest, AGradientWrittenAfterItsReportIsRefused) {
+  auto cluster_or = ::gtopk::testing::LocalCluster::Start(MakeConfig(1), 2);
+  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+  std::unique_ptr<WorkerClient> client =
+      ConnectWorker((*cluster_or)->leader(), 0);
+  std::vector<float> p = NormalVector(kN, 99);
+  GTOPK_ASSERT_OK(client->SynchronizeParameters(absl::MakeSpan(p)).status());
+  // One good step, so that the residual is not all zero.
+  std::vector<float> g = Gradient(0, 0), avg(kN, 0.0f);
+  GTOPK_ASSERT_OK(client->BeginOverlappedStep(g, absl::MakeSpan(avg), p));
+  GTOPK_ASSERT_OK(client->FinishOverlappedStep().status());
+  const std::vector<float> before(client->residual().begin(),
+                                  client->residual().end());
+
+  g = Gradient(1, 0);
+  GTOPK_ASSERT_OK(client->BeginOverlappedStep(g, absl::MakeSpan(avg), p));
+  GTOPK_ASSERT_OK(client->GradientReady(0, kN));
+  // The checkpoint of an open step: the residual from before it, whatever
+  // the selection thread has accumulated meanwhile.
+  absl::SleepFor(absl::Milliseconds(100));
+  {
+    absl::StatusOr<worker::WorkerState> state = client->ExportState();
+    GTOPK_ASSERT_OK(state.status());
+    EXPECT_TRUE(BitEqual(state->residual, before));
+    EXPECT_EQ(state->next_step, 1);
+  }
+  g[123] *= 0.5f;  // "clipping" after the report
+  EXPECT_THAT(client->FinishOverlappedStep().status(),
+              ::gtopk::testing::StatusIs(
+                  absl::StatusCode::kFailedPrecondition,
+                  ::testing::HasSubstr("gradient at index 123 was written")));
+  EXPECT_FALSE(client->overlapped_step_open());
+  EXPECT_TRUE(BitEqual(client->residual(), before));
+  EXPECT_EQ(client->next_step(), 1);
 }
 
 TEST(OverlapRefusalTest, BadCallsAreRefusedAndChangeNothing) {

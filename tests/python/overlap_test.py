@@ -233,6 +233,74 @@ class OverlapTest(wat.ClusterCase):
                 got.view(np.uint32), want.view(np.uint32),
                 err_msg="rank %d" % w)
 
+    def test_after_backward_grad_is_the_average_as_under_ddp(self):
+        """An overlapped step ends with backward(): .grad is then the
+        aggregated gradient, as under DDP, so clipping it between
+        backward() and step() gives exactly what the whole exchange gives
+        with synchronize(), clip, step() (overlap=False); a .grad replaced
+        then is stepped on as the user set it, on every rank alike."""
+        results = {}
+        for overlap in (None, False):
+            srv = self.start(2, 2, name="srv-%s" % overlap, **FLAGS)
+            models = [Net(rank=w) for w in range(2)]
+
+            def worker(w):
+                model = models[w]
+                opt = self.wrap(srv, make_opt(model), w, model=model,
+                                named_parameters=model.named_parameters(),
+                                overlap=overlap)
+                try:
+                    for step in range(4):
+                        opt.zero_grad()
+                        loss_of(model, w, step).backward()
+                        if overlap is False:
+                            opt.synchronize()
+                        torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                       0.05)
+                        model.l3.bias.grad = model.l3.bias.grad * 0.5
+                        with opt.skip_synchronize():
+                            opt.step()
+                    return wat.flat_of(model.parameters())
+                finally:
+                    opt.close()
+
+            got, errs = wat.in_threads(2, worker)
+            wat.raise_first(errs)
+            results[overlap] = got
+            srv.stop()
+        for w in range(2):
+            np.testing.assert_array_equal(
+                results[None][w].view(np.uint32),
+                results[False][w].view(np.uint32), err_msg="rank %d" % w)
+        np.testing.assert_array_equal(results[None][0].view(np.uint32),
+                                      results[None][1].view(np.uint32))
+
+    def test_zero_grad_discards_an_exchange_and_restarts_the_count(self):
+        """backward(); zero_grad(); backward(); step() works in both modes
+        (the first pass no longer counts; under overlap its exchange, done
+        at the end of backward, is discarded and the second makes a new
+        one), and a checkpoint between the exchange and step() is refused
+        with what to do."""
+        for overlap in (None, False):
+            srv = self.start(1, 1, name="srv-%s" % overlap, **FLAGS)
+            model = Net(rank=0)
+            opt = self.wrap(srv, make_opt(model), 0, model=model,
+                            overlap=overlap)
+            try:
+                loss_of(model, 0, 0).backward()
+                opt.zero_grad()
+                loss_of(model, 0, 0).backward()
+                opt.synchronize()
+                with self.assertRaisesRegex(gtopk.FailedPrecondition,
+                                            "save the checkpoint after"):
+                    opt.state_dict()
+                opt.step()
+                self.assertEqual(opt.next_step, 2 if overlap is None else 1)
+                opt.state_dict()  # after step(): fine
+            finally:
+                opt.close()
+            srv.stop()
+
     def test_overlap_true_without_layerwise_servers_is_refused(self):
         srv = self.start(1, 1)
         model = Net(rank=0)
