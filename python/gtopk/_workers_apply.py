@@ -687,8 +687,9 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
 
     def _check_views(self):
         base = self._flat.data_ptr()
-        for i, (p, (off, _)) in enumerate(zip(self._params, self._slices)):
-            if p.data_ptr() != base + 4 * off:
+        for i, (p, (off, cnt)) in enumerate(zip(self._params, self._slices)):
+            # An empty parameter has no storage to point into (data_ptr 0).
+            if cnt > 0 and p.data_ptr() != base + 4 * off:
                 raise errors.FailedPrecondition(
                     "%s was replaced after the gtopk DistributedOptimizer was "
                     "constructed (e.g. model.to(), .float(), load_state_dict "

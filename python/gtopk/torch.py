@@ -750,7 +750,9 @@ class DistributedOptimizer(_ClusterMember, torch.optim.Optimizer):
         would no longer reach the model."""
         base = self._flat.data_ptr()
         for i, (p, (off, cnt)) in enumerate(zip(self._params, self._slices)):
-            if p.data_ptr() != base + 4 * off or p.device != self._device \
+            # An empty parameter has no storage to point into (data_ptr 0).
+            moved = cnt > 0 and p.data_ptr() != base + 4 * off
+            if moved or p.device != self._device \
                     or p.dtype != torch.float32:
                 raise errors.FailedPrecondition(
                     "parameter %d (shape %s) is no longer a view of the "

@@ -217,6 +217,23 @@ class FlatBufferTest(ClusterCase):
         self.assertIn("/nonexistent/", cm.exception.message)
 
 
+class EmptyParameterTest(ClusterCase):
+    def test_an_empty_parameter_is_carried_along(self):
+        """A zero-element parameter has no storage to view (data_ptr 0):
+        it is carried along instead of being refused as "no longer a
+        view"."""
+        srv = self.start(1, 1)
+        model, unused = make_model()
+        empty = torch.nn.Parameter(torch.zeros(0))
+        opt = self.optimizer(srv, params_of(model, unused) + [empty], rank=0)
+        self.addCleanup(opt.close)
+        for step in range(2):
+            opt.zero_grad()
+            (loss_of(model, 0, step) + empty.sum()).backward()
+            opt.step()
+        self.assertEqual(empty.numel(), 0)
+
+
 class StepTest(ClusterCase):
     def run_optimizers(self, srv, P, steps, momentum_mode_check=None):
         models = [make_model() for _ in range(P)]

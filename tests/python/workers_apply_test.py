@@ -325,6 +325,24 @@ class BuffersAndStateTest(ClusterCase):
         self.assertTrue(torch.equal(frozen0, torch.zeros(3)))
         self.assertTrue(torch.equal(frozen1, torch.zeros(3)))
 
+    def test_an_empty_parameter_is_carried_along(self):
+        """A zero-element parameter (nn.Parameter(torch.zeros(0)), e.g. a
+        layer configured away) has no storage to view: it trains with the
+        others instead of being refused as "replaced"."""
+        srv = self.start(1, 1)
+        model = make_model()
+        model.register_parameter("empty", torch.nn.Parameter(torch.zeros(0)))
+        opt = self.wrap(srv, torch.optim.SGD(model.parameters(), lr=0.1), 0,
+                        model=model)
+        try:
+            for step in range(2):
+                opt.zero_grad()
+                (loss_of(model, 0, step) + model.empty.sum()).backward()
+                opt.step()
+            self.assertEqual(opt.next_step, 2)
+        finally:
+            opt.close()
+
     def test_sparse_embedding_and_accumulation(self):
         srv = self.start(1, 1, density=1.0)
         torch.manual_seed(5)
