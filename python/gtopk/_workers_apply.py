@@ -67,6 +67,14 @@ class _Layout:
                                          for _, t in self.named)
 
     def unpack(self, blob, what):
+        if not blob:
+            raise errors.FailedPrecondition(
+                "shard 0 holds no %s of rank 0: it restarted from a "
+                "checkpoint after rank 0 initialised the cluster and before "
+                "this rank joined (checkpoints keep the parameters and the "
+                "step, not rank 0's buffers and frozen parameters). Restart "
+                "rank 0 together with the servers (a fresh run), or resume "
+                "every rank from its own checkpoint" % what)
         if len(blob) != 16 + self.nbytes or blob[:16] != self.signature:
             raise errors.FailedPrecondition(
                 "rank 0's %s do not match this model's (%d bytes with "
