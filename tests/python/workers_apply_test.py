@@ -398,6 +398,18 @@ class BuffersAndStateTest(ClusterCase):
 
 
 class RefusalTest(ClusterCase):
+    def test_an_empty_state_blob_says_shard_0_restarted(self):
+        """Shard 0 restored from a checkpoint serves no rank-0 state: the
+        joining rank is told that, not that its model differs."""
+        from gtopk._workers_apply import _Layout
+        layout = _Layout([("bn.running_mean", torch.zeros(3))])
+        with self.assertRaisesRegex(gtopk.FailedPrecondition,
+                                    "shard 0 holds no state.*restarted"):
+            layout.unpack(b"", "state")
+        with self.assertRaisesRegex(gtopk.FailedPrecondition,
+                                    "do not match this model"):
+            layout.unpack(b"x" * 20, "state")
+
     def test_messages(self):
         srv = self.start(1, 1)
         model = make_model()
