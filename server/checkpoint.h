@@ -6,6 +6,7 @@
 // File: `<dir>/shard-<shard_id>.ckpt` (e.g. `shard-0.ckpt`). Byte layout, every
 // multi-byte field little-endian:
 //
+// clang-format off
 //   offset  size  field
 //   0       8     magic "GTOPKCK1" (ASCII, no terminator)
 //   8       4     uint32 format version, kCheckpointFormatVersion (2; 1 had
@@ -15,11 +16,11 @@
 //   20      4     uint32 reserved, 0
 //   24      8     uint64 n                (parameters in the whole model)
 //   32      8     uint64 begin            (first index of the shard's range)
-//   40      8     uint64 end              (one past the last; begin <= end <=
-//   n) 48      8     int64  next_step        (>= 0) 56      8     uint64
-//   params_count     (== end - begin) 64      8     uint64 velocity_count   (0
-//   or end - begin) 72      8     uint64 cluster_fingerprint
-//   (ClusterSpec.cluster_fingerprint
+//   40      8     uint64 end              (one past the last; begin <= end <= n)
+//   48      8     int64  next_step        (>= 0)
+//   56      8     uint64 params_count     (== end - begin)
+//   64      8     uint64 velocity_count   (0 or end - begin)
+//   72      8     uint64 cluster_fingerprint (ClusterSpec.cluster_fingerprint
 //                        of the cluster that wrote it; 0: unknown)
 //   80      8     uint64 run_id           (the cluster's run identity,
 //                        ClusterSpec.run_id; 0: unknown)
@@ -27,6 +28,7 @@
 //   ...     4*velocity_count  global_velocity, IEEE binary32, bit-exact
 //   ...     4     uint32 CRC-32 (zlib's crc32, polynomial 0xEDB88320) of every
 //                 byte before it
+// clang-format on
 //
 // The file size is therefore exactly 92 + 4 * (params_count + velocity_count)
 // bytes; anything else is truncation or trailing garbage. Every value is
