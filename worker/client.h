@@ -502,6 +502,18 @@ class WorkerClient {
   // all done (overlapped_step.cc).
   absl::Status SelectPiece(OverlappedStep& o, size_t piece);
   void SelectionLoop(OverlappedStep& o);
+  // FinishOverlappedStep's parts: the values never reported go in and the
+  // selection thread ends; the gradient must still be what it read
+  // (FAILED_PRECONDITION naming the first index written since); the
+  // round's outcome into the residual and `averaged` (AggregateStep's
+  // failure contract).
+  void CloseOverlappedSelection(OverlappedStep& o);
+  absl::Status CheckGradientUnchanged(const OverlappedStep& o) const;
+  absl::Status EndOverlappedRound(const absl::Status& round,
+                                  const SparseVector& sent,
+                                  const SparseVector& received,
+                                  const std::vector<v1::Pull>& pulls,
+                                  absl::Span<float> averaged, StepStats* stats);
   // The checksum to send at `step` (0: not a check step).
   uint64_t ChecksumFor(int64_t step, absl::Span<const float> params) const;
   // The device Step's sparse modes, from Accumulate to Apply (device_ set).

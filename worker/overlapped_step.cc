@@ -237,46 +237,29 @@ absl::Status WorkerClient::SelectPiece(OverlappedStep& o, size_t i) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<StepStats> WorkerClient::FinishOverlappedStep(
-    std::string* buffers_out) {
-  if (overlapped_ == nullptr) {
-    return absl::FailedPreconditionError(
-        "FinishOverlappedStep: no overlapped step is open");
-  }
-  OverlappedStep& o = *overlapped_;
-  const absl::Time finish_start = absl::Now();
+void WorkerClient::CloseOverlappedSelection(OverlappedStep& o) {
+  // Values never reported (parameters without a gradient this pass) are
+  // taken as they are now.
+  std::vector<std::pair<uint64_t, uint64_t>> gaps;
   {
-    // Values never reported (parameters without a gradient this pass) are
-    // taken as they are now.
-    std::vector<std::pair<uint64_t, uint64_t>> gaps;
-    {
-      absl::MutexLock lock(&o.mu);
-      uint64_t at = 0;
-      for (const auto& [b, e] : o.reported) {
-        if (b > at) gaps.emplace_back(at, b);
-        at = e;
-      }
-      if (at < cluster_.n()) gaps.emplace_back(at, cluster_.n());
+    absl::MutexLock lock(&o.mu);
+    uint64_t at = 0;
+    for (const auto& [b, e] : o.reported) {
+      if (b > at) gaps.emplace_back(at, b);
+      at = e;
     }
-    for (const auto& [b, e] : gaps) GradientReady(b, e).IgnoreError();
+    if (at < cluster_.n()) gaps.emplace_back(at, cluster_.n());
+  }
+  for (const auto& [b, e] : gaps) GradientReady(b, e).IgnoreError();
+  {
     absl::MutexLock lock(&o.mu);
     o.closing = true;
   }
   o.selection.join();
-  absl::Status selected;
-  {
-    absl::MutexLock lock(&o.mu);
-    selected = o.select_status;
-  }
-  if (!selected.ok()) {
-    // Nothing was sent anywhere that can complete: undo the step.
-    o.gate.Abandon();
-    AbandonOverlappedStep();
-    return selected;
-  }
-  // The gradient must still be what was read: a write after GradientReady
-  // (clipping before the step) would make this rank's update differ from
-  // what it sent.
+}
+
+absl::Status WorkerClient::CheckGradientUnchanged(
+    const OverlappedStep& o) const {
   for (size_t i = 0; i < pieces_.size(); ++i) {
     const BucketPiece& p = pieces_[i];
     if (std::memcmp(o.gradient.data() + p.begin,
@@ -290,17 +273,38 @@ absl::StatusOr<StepStats> WorkerClient::FinishOverlappedStep(
                        sizeof(float)) == 0) {
       ++at;
     }
-    const int64_t step = o.stats.step;
-    AbandonOverlappedStep();
     return absl::FailedPreconditionError(absl::StrCat(
-        "step ", step, ": the gradient at index ", at,
+        "step ", o.stats.step, ": the gradient at index ", at,
         " was written after it was reported (GradientReady): an overlapped "
         "step sends each bucket as backward produces it, so a change made "
-        "between backward and the step (e.g. gradient clipping) would not "
-        "be what was sent. Change the gradient after the exchange (clip "
-        "between synchronize() and step()), or run the whole exchange "
-        "after backward (overlap=False). The step was given up: Recover, "
-        "then repeat it"));
+        "after that would not be what was sent. Change the gradient after "
+        "the exchange, or run the whole exchange after backward "
+        "(overlap=False). The step was given up: Recover, then repeat it"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepStats> WorkerClient::FinishOverlappedStep(
+    std::string* buffers_out) {
+  if (overlapped_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "FinishOverlappedStep: no overlapped step is open");
+  }
+  OverlappedStep& o = *overlapped_;
+  const absl::Time finish_start = absl::Now();
+  CloseOverlappedSelection(o);
+  absl::Status selected;
+  {
+    absl::MutexLock lock(&o.mu);
+    selected = o.select_status;
+  }
+  // The gradient must still be what was read: a write after GradientReady
+  // would make this rank's update differ from what it sent.
+  if (selected.ok()) selected = CheckGradientUnchanged(o);
+  if (!selected.ok()) {
+    // Pushes not yet written never go; the shards without one are told.
+    AbandonOverlappedStep();
+    return selected;
   }
   o.round.join();
   StepStats stats = std::move(o.stats);
@@ -317,16 +321,35 @@ absl::StatusOr<StepStats> WorkerClient::FinishOverlappedStep(
                            o.received[i].values.end());
   }
   stats.sent_pairs = sent.size();
-  const int64_t step = stats.step;
   std::vector<v1::Pull> pulls = std::move(o.pulls);
-  absl::Status round = o.round_status;
+  const absl::Status round = o.round_status;
   const absl::Time first_taken = o.first_taken;
   const absl::Duration push_time = o.push_time;
   const absl::Span<float> averaged = o.averaged;
   overlapped_.reset();
   step_checksum_ = 0;
   step_buffers_.clear();
+  GTOPK_RETURN_IF_ERROR(
+      EndOverlappedRound(round, sent, received, pulls, averaged, &stats));
+  stats.exposed = absl::Now() - finish_start;
+  stats.push_wait = absl::Now() - std::min(first_taken == absl::InfiniteFuture()
+                                               ? finish_start
+                                               : first_taken,
+                                           absl::Now());
+  stats.push = std::min(push_time, stats.push_wait);
+  stats.wait = stats.push_wait - stats.push;
+  if (buffers_out != nullptr) buffers_out->swap(received_buffers_);
+  received_buffers_.clear();
+  check_next_step_ = false;
+  ++next_step_;
+  return stats;
+}
 
+absl::Status WorkerClient::EndOverlappedRound(
+    const absl::Status& round, const SparseVector& sent,
+    const SparseVector& received, const std::vector<v1::Pull>& pulls,
+    absl::Span<float> averaged, StepStats* stats) {
+  const int64_t step = stats->step;
   // The residual holds u everywhere now; the bookkeeping of what was sent,
   // as AggregateStep's, so that failure and success leave the same state.
   GTOPK_RETURN_IF_ERROR(feedback_.MarkSent(sent, received));
@@ -340,28 +363,16 @@ absl::StatusOr<StepStats> WorkerClient::FinishOverlappedStep(
     return status;
   };
   if (!round.ok()) return fail(round);
-  absl::StatusOr<SparseVector> global = DecodePulls(step, pulls, &stats);
+  absl::StatusOr<SparseVector> global = DecodePulls(step, pulls, stats);
   if (!global.ok()) return fail(global.status());
-  const absl::Time decoded = absl::Now();
-  stats.exposed = decoded - finish_start;
-  stats.push_wait =
-      decoded - std::min(first_taken == absl::InfiniteFuture() ? finish_start
-                                                               : first_taken,
-                         decoded);
-  stats.push = std::min(push_time, stats.push_wait);
-  stats.wait = stats.push_wait - stats.push;
-  absl::Time t = absl::Now();
+  const absl::Time t = absl::Now();
   if (absl::Status st = CheckAveraged(step, *global, pulls); !st.ok()) {
     return fail(st);
   }
   GTOPK_RETURN_IF_ERROR(feedback_.PutBack(received, *global));
-  if (buffers_out != nullptr) buffers_out->swap(received_buffers_);
-  received_buffers_.clear();
   StoreAveraged(*global, pulls, averaged);
-  stats.apply = absl::Now() - t;
-  check_next_step_ = false;
-  ++next_step_;
-  return stats;
+  stats->apply = absl::Now() - t;
+  return absl::OkStatus();
 }
 
 void WorkerClient::AbandonOverlappedStep() {

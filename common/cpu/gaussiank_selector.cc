@@ -39,16 +39,13 @@ uint64_t GaussianKSelector::MaxCount(uint64_t k) const {
   return lo <= hi ? hi : k;
 }
 
-absl::Status GaussianKSelector::Select(absl::Span<const float> u, uint64_t k,
-                                       uint64_t /*step*/, SparseVector* out) {
-  out->clear();
-  GTOPK_RETURN_IF_ERROR(ValidateSelectArgs(u.size(), k));
-  const size_t n = u.size();
-  const uint64_t lo = MinCount(k), hi = MaxCount(k);
-  last_adjustments_ = 0;
-  last_fell_back_ = true;
-  if (k == n || lo == hi) return ExactTopK(u, k, &scratch_, out);
+namespace {
 
+// Pass 1 of Select: the mean and the (sample) variance of u.
+// INVALID_ARGUMENT when u holds a NaN/Inf (found on the fallback pass).
+absl::Status MeanAndVariance(absl::Span<const float> u, double* mean,
+                             double* var) {
+  const size_t n = u.size();
   // Pass 1: mean and standard deviation. Four 4-float vector lanes per 1 Ki
   // block (GCC/Clang vector extensions: plain SSE2, no reassociation flags
   // needed), blocks accumulated in double. The sums are of d = x - u[0]:
@@ -112,10 +109,27 @@ absl::Status GaussianKSelector::Select(absl::Span<const float> u, uint64_t k,
     }
   }
   const double mean_d = sum / n;
-  const double mean = shift + mean_d;
-  const double var =
+  *mean = shift + mean_d;
+  *var =
       n > 1 ? std::max(0.0, (sumsq - sum * mean_d) / static_cast<double>(n - 1))
             : 0.0;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status GaussianKSelector::Select(absl::Span<const float> u, uint64_t k,
+                                       uint64_t /*step*/, SparseVector* out) {
+  out->clear();
+  GTOPK_RETURN_IF_ERROR(ValidateSelectArgs(u.size(), k));
+  const size_t n = u.size();
+  const uint64_t lo = MinCount(k), hi = MaxCount(k);
+  last_adjustments_ = 0;
+  last_fell_back_ = true;
+  if (k == n || lo == hi) return ExactTopK(u, k, &scratch_, out);
+
+  double mean = 0.0, var = 0.0;
+  GTOPK_RETURN_IF_ERROR(MeanAndVariance(u, &mean, &var));
   const double density = static_cast<double>(k) / static_cast<double>(n);
   double threshold =
       mean + NormalQuantile(1.0 - density / 2.0) * std::sqrt(var);

@@ -576,8 +576,9 @@ class GtopkBackend:
         and the wait for the pulls), other (the optimizer, the rest).
         Overlapped steps (--selection=layerwise servers): selection and most
         of the communication run during backward; communication is then
-        what the step still waited for after backward (exposed_seconds),
-        hidden the selection and communication time that backward covered."""
+        what backward's end still waited for (exposed_seconds, taken out of
+        the timed forward + backward), hidden the selection and
+        communication time that backward covered."""
         st = self.opt.stats or {}
         selection = sum(st.get(k, 0.0) or 0.0 for k in (
             "accumulate_seconds", "select_seconds", "encode_seconds"))
@@ -585,6 +586,9 @@ class GtopkBackend:
             (st.get("wait_seconds", 0.0) or 0.0)
         exposed = st.get("exposed_seconds", 0.0) or 0.0
         if exposed > 0.0:
+            # The overlapped exchange ends inside backward (autograd's
+            # end-of-pass callback): its wait is in `compute` as timed.
+            compute = max(0.0, compute - exposed)
             return {"compute": compute, "selection": 0.0,
                     "communication": exposed,
                     "hidden": max(0.0, selection + communication - exposed),
