@@ -507,6 +507,15 @@ class WorkerClient {
   // (FAILED_PRECONDITION naming the first index written since); the
   // round's outcome into the residual and `averaged` (AggregateStep's
   // failure contract).
+  // AggregateStep's and BeginOverlappedStep's argument checks, their
+  // messages prefixed with `what`: lengths, the checksum's parameters,
+  // buffers from rank 0 only and within the message limit.
+  // INVALID_ARGUMENT naming what is wrong.
+  absl::Status CheckAggregateArgs(absl::string_view what,
+                                  absl::Span<const float> gradient,
+                                  absl::Span<float> averaged,
+                                  absl::Span<const float> params,
+                                  absl::string_view buffers) const;
   void CloseOverlappedSelection(OverlappedStep& o);
   absl::Status CheckGradientUnchanged(const OverlappedStep& o) const;
   absl::Status EndOverlappedRound(const absl::Status& round,

@@ -122,6 +122,46 @@ uint64_t WorkerClient::ChecksumFor(int64_t step,
   return ParamsChecksum(params);
 }
 
+absl::Status WorkerClient::CheckAggregateArgs(absl::string_view what,
+                                              absl::Span<const float> gradient,
+                                              absl::Span<float> averaged,
+                                              absl::Span<const float> params,
+                                              absl::string_view buffers) const {
+  const uint64_t n = cluster_.n();
+  if (gradient.size() != n || averaged.size() != n ||
+      (!params.empty() && params.size() != n)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": gradient has ", gradient.size(), " values, averaged ",
+        averaged.size(), " and params ", params.size(), "; n = ", n,
+        " (params may be empty except on checksum steps)"));
+  }
+  if (checksum_due() && params.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": step ", next_step_, " sends a checksum (every ",
+        cluster_.checksum_every(),
+        " steps, and the first after a resume or "
+        "rollback; checksum_due()): pass this replica's parameters"));
+  }
+  if (!buffers.empty() && rank_ != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": rank ", rank_,
+                     " passed buffers; only rank 0's "
+                     "buffers are broadcast (the others receive them)"));
+  }
+  const uint64_t limit = cluster_.max_message_bytes() == 0
+                             ? uint64_t{4} << 20  // gRPC's default
+                             : cluster_.max_message_bytes();
+  if (buffers.size() + 4096 > limit) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": the buffers are ", buffers.size(),
+        " bytes, over the "
+        "cluster's message limit less 4 KiB for the push (--max-message-"
+        "bytes ",
+        limit, ")"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<StepStats> WorkerClient::AggregateStep(
     absl::Span<const float> gradient, absl::Span<float> averaged,
     absl::Span<const float> params, absl::string_view buffers,
@@ -133,37 +173,8 @@ absl::StatusOr<StepStats> WorkerClient::AggregateStep(
         "servers, their SGD rule); start the servers with --apply=workers to "
         "run your own optimizer on the averaged gradient, or call Step");
   }
-  if (gradient.size() != n || averaged.size() != n ||
-      (!params.empty() && params.size() != n)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "AggregateStep: gradient has ", gradient.size(), " values, averaged ",
-        averaged.size(), " and params ", params.size(), "; n = ", n,
-        " (params may be empty except on checksum steps)"));
-  }
-  if (checksum_due() && params.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "AggregateStep: step ", next_step_, " sends a checksum (every ",
-        cluster_.checksum_every(),
-        " steps, and the first after a resume or "
-        "rollback; checksum_due()): pass this replica's parameters"));
-  }
-  if (!buffers.empty() && rank_ != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("AggregateStep: rank ", rank_,
-                     " passed buffers; only rank 0's "
-                     "buffers are broadcast (the others receive them)"));
-  }
-  const uint64_t limit = cluster_.max_message_bytes() == 0
-                             ? uint64_t{4} << 20  // gRPC's default
-                             : cluster_.max_message_bytes();
-  if (buffers.size() + 4096 > limit) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "AggregateStep: the buffers are ", buffers.size(),
-        " bytes, over the "
-        "cluster's message limit less 4 KiB for the push (--max-message-"
-        "bytes ",
-        limit, ")"));
-  }
+  GTOPK_RETURN_IF_ERROR(
+      CheckAggregateArgs("AggregateStep", gradient, averaged, params, buffers));
   GTOPK_ASSIGN_OR_RETURN(StepStats stats, BeginStep(n));
 
   absl::Time t = absl::Now();

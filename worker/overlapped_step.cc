@@ -46,23 +46,8 @@ absl::Status WorkerClient::BeginOverlappedStep(absl::Span<const float> gradient,
         "(--apply=servers); overlapped steps aggregate gradients "
         "(--apply=workers)");
   }
-  if (gradient.size() != n || averaged.size() != n ||
-      (!params.empty() && params.size() != n)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "BeginOverlappedStep: gradient has ", gradient.size(),
-        " values, averaged ", averaged.size(), " and params ", params.size(),
-        "; n = ", n, " (params may be empty except on checksum steps)"));
-  }
-  if (checksum_due() && params.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("BeginOverlappedStep: step ", next_step_,
-                     " sends a checksum: pass this replica's parameters"));
-  }
-  if (!buffers.empty() && rank_ != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("BeginOverlappedStep: rank ", rank_,
-                     " passed buffers; only rank 0's buffers are broadcast"));
-  }
+  GTOPK_RETURN_IF_ERROR(CheckAggregateArgs("BeginOverlappedStep", gradient,
+                                           averaged, params, buffers));
   GTOPK_ASSIGN_OR_RETURN(StepStats stats, BeginStep(n));
   step_checksum_ = ChecksumFor(stats.step, params);
   if (step_checksum_ != 0 && state_checksum != 0) {
