@@ -497,6 +497,10 @@ class WorkerClient {
   // whose k is 0 contribute nothing), indices global. Errors: Select's.
   absl::Status SelectLocal(absl::Span<const float> u, uint64_t k, int64_t step,
                            SparseVector* sent);
+  // Layer-wise: the selector's top PieceK(k) of u[p.begin, p.end),
+  // appended to *sent with global indices (nothing when that k is 0).
+  absl::Status SelectPieceOf(absl::Span<const float> u, const BucketPiece& p,
+                             uint64_t k, int64_t step, SparseVector* sent);
   // An overlapped step's selection thread: one piece (u, selection,
   // codec round trip, MarkSent), then shard s's push once its pieces are
   // all done (overlapped_step.cc).

@@ -290,22 +290,29 @@ absl::Status WorkerClient::DenseStepOnHost(absl::Span<float> params,
   return absl::OkStatus();
 }
 
+absl::Status WorkerClient::SelectPieceOf(absl::Span<const float> u,
+                                         const BucketPiece& p, uint64_t k,
+                                         int64_t step, SparseVector* sent) {
+  const uint64_t kp = PieceK(k, p.size(), cluster_.n());
+  if (kp == 0) return absl::OkStatus();
+  SparseVector part;
+  GTOPK_RETURN_IF_ERROR(selector_->Select(u.subspan(p.begin, p.size()), kp,
+                                          static_cast<uint64_t>(step), &part));
+  for (size_t j = 0; j < part.size(); ++j) {
+    sent->indices.push_back(static_cast<uint32_t>(part.indices[j] + p.begin));
+    sent->values.push_back(part.values[j]);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status WorkerClient::SelectLocal(absl::Span<const float> u, uint64_t k,
                                        int64_t step, SparseVector* sent) {
   if (pieces_.empty()) {
     return selector_->Select(u, k, static_cast<uint64_t>(step), sent);
   }
   sent->clear();
-  SparseVector part;
   for (const BucketPiece& p : pieces_) {
-    const uint64_t kp = PieceK(k, p.size(), cluster_.n());
-    if (kp == 0) continue;
-    GTOPK_RETURN_IF_ERROR(selector_->Select(
-        u.subspan(p.begin, p.size()), kp, static_cast<uint64_t>(step), &part));
-    for (size_t j = 0; j < part.size(); ++j) {
-      sent->indices.push_back(static_cast<uint32_t>(part.indices[j] + p.begin));
-      sent->values.push_back(part.values[j]);
-    }
+    GTOPK_RETURN_IF_ERROR(SelectPieceOf(u, p, k, step, sent));
   }
   return absl::OkStatus();
 }

@@ -183,18 +183,9 @@ absl::Status WorkerClient::SelectPiece(OverlappedStep& o, size_t i) {
   o.stats.accumulate += absl::Now() - t;
 
   t = absl::Now();
-  const uint64_t kp = PieceK(o.stats.k, p.size(), n);
   SparseVector& sent = o.sent[i];
-  if (kp > 0) {
-    SparseVector part;
-    GTOPK_RETURN_IF_ERROR(selector_->Select(
-        residual, kp, static_cast<uint64_t>(o.stats.step), &part));
-    sent.indices.reserve(part.size());
-    for (size_t j = 0; j < part.size(); ++j) {
-      sent.indices.push_back(static_cast<uint32_t>(part.indices[j] + p.begin));
-    }
-    sent.values = std::move(part.values);
-  }
+  GTOPK_RETURN_IF_ERROR(
+      SelectPieceOf(feedback_.residual(), p, o.stats.k, o.stats.step, &sent));
   o.received[i] = sent;
   QuantizeValues(codec_.value, absl::MakeSpan(o.received[i].values));
   o.stats.select += absl::Now() - t;
