@@ -89,6 +89,12 @@ class _Layout:
             off += size
 
 
+def _as_unpickled(optimizer):
+    """GradientAggregationOptimizer's pickle: the wrapped optimizer, as
+    pickle made it (``__reduce_ex__`` below)."""
+    return optimizer
+
+
 class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
     """Wraps any ``torch.optim.Optimizer`` so that its ``step()`` runs on the
     gTop-k average of every worker's gradient (workers-apply mode).
@@ -435,6 +441,17 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
     def __repr__(self):
         return "gtopk.torch.DistributedOptimizer(%r, apply=workers)" % (
             self._opt,)
+
+    def __reduce_ex__(self, protocol):
+        """Pickles as the wrapped optimizer: unpickling gives a detached
+        ``torch.optim`` optimizer (its param groups and state, no cluster
+        connection), as pickling a plain optimizer gives a detached copy.
+        What makes a scheduler's ``state_dict()`` that holds a bound method
+        (``OneCycleLR``'s ``anneal_func``, which pickles the scheduler and
+        so its optimizer) save with ``torch.save`` as it does without gtopk.
+        To resume, use ``state_dict()`` / ``load_state_dict()``: they carry
+        the residual, a pickle does not."""
+        return (_as_unpickled, (self._opt,))
 
     def add_param_group(self, param_group):
         raise ValueError(

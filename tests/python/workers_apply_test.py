@@ -343,6 +343,46 @@ class BuffersAndStateTest(ClusterCase):
         finally:
             opt.close()
 
+    def test_one_cycle_state_dict_saves_as_without_gtopk(self):
+        """OneCycleLR's state_dict() holds anneal_func, a bound method that
+        pickles the scheduler and its optimizer: torch.save of it works as
+        with a plain optimizer (the wrapper pickles as the wrapped one, a
+        detached copy), and a scheduler loaded from it continues with the
+        learning rates of one that never stopped."""
+        import io
+        import pickle
+        srv = self.start(1, 1)
+        model = make_model()
+        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        opt = self.wrap(srv, inner, 0, model=model)
+        try:
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5,
+                                                        total_steps=10)
+            for step in range(3):
+                opt.zero_grad()
+                loss_of(model, 0, step).backward()
+                opt.step()
+                sched.step()
+            buf = io.BytesIO()
+            torch.save({"sched": sched.state_dict()}, buf)
+            copy = pickle.loads(pickle.dumps(opt))
+            self.assertIs(type(copy), torch.optim.SGD)
+            self.assertEqual(copy.param_groups[0]["lr"],
+                             inner.param_groups[0]["lr"])
+            self.assertEqual(len(copy.state), len(inner.state))
+            buf.seek(0)
+            saved = torch.load(buf)["sched"]
+            again = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5,
+                                                        total_steps=10)
+            again.load_state_dict(saved)
+            self.assertEqual(again.last_epoch, sched.last_epoch)
+            for _ in range(3):
+                sched.step()
+                again.step()
+                self.assertEqual(again.get_last_lr(), sched.get_last_lr())
+        finally:
+            opt.close()
+
     def test_sparse_embedding_and_accumulation(self):
         srv = self.start(1, 1, density=1.0)
         torch.manual_seed(5)
