@@ -116,9 +116,9 @@ def parse_args(argv):
                    help="target = fp32 DDP's final accuracy minus this")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--quick", action="store_true",
-                   help="the harness in minutes: 1gbit, %s, 4096 "
-                   "training and 1000 test samples, evaluations every 8 "
-                   "steps, 120 s cap" % ", ".join(QUICK_METHODS))
+                   help="the harness in minutes: 1gbit, %s, 2048 "
+                   "training and 1000 test samples (16 steps at P = 4), "
+                   "evaluations every 4 steps, 120 s cap" % ", ".join(QUICK_METHODS))
     p.add_argument("--build-dir", default=os.path.join(ROOT, "build"))
     p.add_argument("--python", default="/usr/bin/python3")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
@@ -135,9 +135,9 @@ def parse_args(argv):
         a.rates = "1gbit"
         if a.methods == ",".join(METHODS):
             a.methods = ",".join(QUICK_METHODS)
-        a.train_limit = 4096
+        a.train_limit = 2048
         a.test_limit = a.test_limit or 1000
-        a.eval_every = 8
+        a.eval_every = 4
         a.time_cap = min(a.time_cap, 120)
         a.warmup_steps = 4
         a.powersgd_start_iter = 4
