@@ -63,6 +63,20 @@ absl::StatusOr<SparseVector> DecodeSparsePull(const v1::Pull& pull, uint64_t n,
   return part;
 }
 
+// The device selection's ranges (DeviceStep::Select): the whole vector
+// with k, or under layer-wise selection every piece with its PieceK, as
+// SelectLocal selects on the host.
+std::vector<DeviceStep::Range> DeviceRanges(
+    absl::Span<const BucketPiece> pieces, uint64_t k, uint64_t n) {
+  if (pieces.empty()) return {DeviceStep::Range{0, n, k}};
+  std::vector<DeviceStep::Range> ranges;
+  ranges.reserve(pieces.size());
+  for (const BucketPiece& p : pieces) {
+    ranges.push_back({p.begin, p.size(), PieceK(k, p.size(), n)});
+  }
+  return ranges;
+}
+
 }  // namespace
 
 absl::StatusOr<StepStats> WorkerClient::BeginStep(uint64_t n) const {
@@ -401,12 +415,6 @@ absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
                                     }));
     return stats;
   }
-  if (!pieces_.empty()) {
-    return absl::FailedPreconditionError(
-        "Step (device): --selection=layerwise is not implemented on the GPU "
-        "path yet; pass host copies to Step, or start the servers with "
-        "--selection=threshold or quota");
-  }
   if (device_ == nullptr) {
     // First device step: move the host state to the device.
     GTOPK_ASSIGN_OR_RETURN(
@@ -448,8 +456,10 @@ absl::Status WorkerClient::SparseStepOnDevice(const float* gradient,
   stats->accumulate = absl::Now() - t;
 
   t = absl::Now();
-  GTOPK_ASSIGN_OR_RETURN(const DeviceStep::Sent sent,
-                         device_->Select(stats->k, step, codec_.value, stream));
+  GTOPK_ASSIGN_OR_RETURN(
+      const DeviceStep::Sent sent,
+      device_->Select(DeviceRanges(pieces_, stats->k, cluster_.n()), step,
+                      codec_.value, stream));
   stats->select = absl::Now() - t;
   stats->sent_pairs = sent.sent.size();
 

@@ -109,16 +109,34 @@ class DeviceStep {
   virtual absl::Status Accumulate(const float* gradient, const float* params,
                                   float lr, CUstream_st* stream) = 0;
 
-  // The local top-k of u (k pairs or the selector's count contract), the
-  // codec rounding and MarkSent; commits u - received as the residual (and
-  // the new velocity). Blocks.
+  // One selection of Select: the top `k` of u[begin, begin + size).
+  struct Range {
+    uint64_t begin = 0;
+    uint64_t size = 0;
+    uint64_t k = 0;  // 0: nothing selected; the range is only checked finite
+  };
+
+  // The local selection of u, the codec rounding and MarkSent; commits
+  // u - received as the residual (and the new velocity). Blocks.
+  //   ranges  ascending, disjoint, inside [0, n), non-empty: the whole
+  //           vector is {{0, n, k}} (the selector then reuses Accumulate's
+  //           histogram); layer-wise selection passes one range per bucket
+  //           piece with its PieceK. Each range with k > 0 gets the
+  //           selector's top k of its values (k pairs or the selector's
+  //           count contract; `step` and the selector's seed as for the
+  //           whole vector), its indices offset by `begin`, so the pairs
+  //           are ascending over all ranges. A range with k = 0 is copied
+  //           to the host and checked finite (such a piece holds fewer than
+  //           n / (2k) values). Values outside every range are neither
+  //           selected nor checked.
   // Errors: INVALID_ARGUMENT "Step (device): the gradient (or residual +
-  // lr * gradient) is not finite: ..." (nothing committed);
-  // INVALID_ARGUMENT "MarkSent: u - received overflows at index i" (u is
-  // committed as the residual, as the host Step leaves it); the selector's
-  // other errors.
-  virtual absl::StatusOr<Sent> Select(uint64_t k, int64_t step,
-                                      ValueCodec value_codec,
+  // lr * gradient) is not finite: ..." (naming the range [b, e) when there
+  // are several; nothing committed); INVALID_ARGUMENT "MarkSent: u -
+  // received overflows at index i" (u is committed as the residual, as the
+  // host Step leaves it); INVALID_ARGUMENT for ranges that break the rules
+  // above (nothing committed); the selector's other errors.
+  virtual absl::StatusOr<Sent> Select(absl::Span<const Range> ranges,
+                                      int64_t step, ValueCodec value_codec,
                                       CUstream_st* stream) = 0;
 
   // After a failed round: puts every sent value back (residual_i =
