@@ -284,6 +284,11 @@ class WorkerClient {
   // (residual() then no longer reflects it); use one kind of Step per
   // client. Dense mode sends the whole accumulated vector by definition:
   // there the gradient is copied to the host and the host Step runs.
+  // Under --selection=layerwise each bucket piece (bucket_pieces()) gets
+  // the GPU selector's top PieceK of its range, as the host Step selects
+  // per piece: with `exact` the parameters are bit-identical to the host
+  // layer-wise Step's. A piece whose k is 0 is copied to the host to be
+  // checked finite (it holds fewer than 1 / (2 density) values).
   // Selectors: exact, gaussiank, dgc (randomk: FAILED_PRECONDITION).
   // Declared in every build; a build without CUDA (GTOPK_HAVE_CUDA off)
   // answers FAILED_PRECONDITION "... built without CUDA ..." after the

@@ -11,7 +11,9 @@
 //     a residual/velocity pair (the old one is kept until the step commits,
 //     so a non-finite gradient leaves the state unchanged), with the first
 //     radix histogram of |u|;
-//   Select on u (reusing that histogram), selected u_i set to +0.0 on the
+//   Select on u (reusing that histogram; under --selection=layerwise the
+//     selector runs on each bucket piece's range with its own k instead,
+//     common/buckets.h), selected u_i set to +0.0 on the
 //     device, pairs to the host; codec rounding and MarkSent's u_i - recv_i
 //     on the host, scattered back when lossy; this commits the step's state;
 //   the push/pull round, on the host; then Apply: put-back (sent \ global
