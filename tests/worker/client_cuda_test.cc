@@ -304,7 +304,8 @@ INSTANTIATE_TEST_SUITE_P(
 
 // gaussiank and dgc select other (in-contract) sets on the GPU than on the
 // CPU, so the mixed cluster cannot equal the all-host one; every replica
-// and the servers must still hold the same parameters after each run.
+// and the servers must still hold the same parameters after each run (also
+// under layer-wise selection, each piece selected on its own).
 class ClientCudaApproxTest : public ClientCudaTest {};
 
 TEST_P(ClientCudaApproxTest, DeviceWorkerKeepsReplicasIdentical) {
@@ -325,7 +326,12 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{"gaussiank", MomentumMode::kDgcCorrection,
                            AggregationMode::kGtopk, ValueCodec::kFp32},
                       Case{"dgc", MomentumMode::kGlobal, AggregationMode::kTopk,
-                           ValueCodec::kBf16}),
+                           ValueCodec::kBf16},
+                      Case{"gaussiank", MomentumMode::kDgcCorrection,
+                           AggregationMode::kGtopk, ValueCodec::kFp32,
+                           SelectionKind::kLayerwise},
+                      Case{"dgc", MomentumMode::kNone, AggregationMode::kGtopk,
+                           ValueCodec::kFp16, SelectionKind::kLayerwise}),
     [](const ::testing::TestParamInfo<Case>& info) {
       return CaseName(info.param);
     });
