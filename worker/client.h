@@ -288,7 +288,7 @@ class WorkerClient {
   // the GPU selector's top PieceK of its range, as the host Step selects
   // per piece: with `exact` the parameters are bit-identical to the host
   // layer-wise Step's. A piece whose k is 0 is copied to the host to be
-  // checked finite (it holds fewer than 1 / (2 density) values).
+  // checked finite (it holds fewer than n / (2k) values).
   // Selectors: exact, gaussiank, dgc (randomk: FAILED_PRECONDITION).
   // Declared in every build; a build without CUDA (GTOPK_HAVE_CUDA off)
   // answers FAILED_PRECONDITION "... built without CUDA ..." after the
