@@ -58,8 +58,8 @@ constexpr int kSteps = 5;
 constexpr uint64_t kBucket = 4000;
 constexpr int kPoisonStep = 2;
 // Where the poisoned gradients of a layer-wise case put a non-finite value:
-// in the straddling bucket's second piece (k_p = 20), and in the last piece
-// (k_p = 0).
+// a NaN in the straddling bucket's second piece (k_p = 20), an infinity in
+// the last piece (k_p = 0).
 constexpr uint64_t kPoisonIndices[] = {10007, 20005};
 
 struct Case {
@@ -130,8 +130,9 @@ absl::Status TryPoisonedSteps(WorkerClient& client, const std::vector<float>& g,
                  "params to host"));
   for (const uint64_t bad : kPoisonIndices) {
     std::vector<float> poisoned = g;
-    poisoned[bad] = bad % 2 == 0 ? std::numeric_limits<float>::infinity()
-                                 : std::numeric_limits<float>::quiet_NaN();
+    poisoned[bad] = bad == kPoisonIndices[0]
+                        ? std::numeric_limits<float>::quiet_NaN()
+                        : std::numeric_limits<float>::infinity();
     GTOPK_RETURN_IF_ERROR(
         CudaStatus(cudaMemcpy(d_grad, poisoned.data(), kN * sizeof(float),
                               cudaMemcpyHostToDevice),
