@@ -72,7 +72,7 @@ std::vector<DeviceStep::Range> DeviceRanges(
   std::vector<DeviceStep::Range> ranges;
   ranges.reserve(pieces.size());
   for (const BucketPiece& p : pieces) {
-    ranges.push_back({p.begin, p.size(), PieceK(k, p.size(), n)});
+    ranges.push_back(DeviceStep::PieceRange(p, k, n));
   }
   return ranges;
 }
@@ -415,6 +415,20 @@ absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
                                     }));
     return stats;
   }
+  GTOPK_ASSIGN_OR_RETURN(StepStats stats,
+                         BeginDeviceStep(gradient, params, stream));
+  step_buffers_.clear();
+  const absl::Status st = SparseStepOnDevice(gradient, params, stream, &stats);
+  step_checksum_ = 0;
+  GTOPK_RETURN_IF_ERROR(st);
+  ++next_step_;
+  return stats;
+}
+
+absl::StatusOr<StepStats> WorkerClient::BeginDeviceStep(const float* gradient,
+                                                        float* params,
+                                                        CUstream_st* stream) {
+  const uint64_t n = cluster_.n();
   if (device_ == nullptr) {
     // First device step: move the host state to the device.
     GTOPK_ASSIGN_OR_RETURN(
@@ -436,11 +450,6 @@ absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
           return absl::OkStatus();
         }));
   }
-  step_buffers_.clear();
-  const absl::Status st = SparseStepOnDevice(gradient, params, stream, &stats);
-  step_checksum_ = 0;
-  GTOPK_RETURN_IF_ERROR(st);
-  ++next_step_;
   return stats;
 }
 

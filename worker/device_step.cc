@@ -61,6 +61,11 @@ SentSplit SplitSent(const DeviceStep::Sent& s, const SparseVector& global) {
 
 class CudaDeviceStep final : public DeviceStep {
  public:
+  ~CudaDeviceStep() override {
+    // Best effort: a failure here has no one to report to.
+    for (cudaEvent_t e : ready_) cudaEventDestroy(e);
+    if (side_ != nullptr) cudaStreamDestroy(side_);
+  }
   CudaDeviceStep(const OptimizerOptions& optimizer, uint64_t n)
       : n_(n),
         momentum_(optimizer.momentum),
@@ -81,6 +86,14 @@ class CudaDeviceStep final : public DeviceStep {
   absl::StatusOr<Sent> Select(absl::Span<const Range> ranges, int64_t step,
                               ValueCodec value_codec,
                               cudaStream_t stream) override;
+  absl::Status BeginOverlap(size_t slots) override;
+  absl::Status MarkReady(size_t slot, cudaStream_t stream) override;
+  absl::Status AccumulateAndSelect(size_t slot, const Range& range,
+                                   const float* gradient, const float* params,
+                                   float lr, int64_t step,
+                                   SparseVector* sent) override;
+  absl::StatusOr<Sent> Commit(SparseVector sent, ValueCodec value_codec,
+                              cudaStream_t stream) override;
   absl::Status PutBackAll(const Sent& sent, const absl::Status& status,
                           cudaStream_t stream) override;
   absl::Status Apply(const Sent& sent, const SparseVector& global,
@@ -94,7 +107,11 @@ class CudaDeviceStep final : public DeviceStep {
   // with k = 0 read back and checked finite; the selector on each range with
   // k > 0, its pairs appended to `sent` with global indices.
   absl::Status CheckFiniteOnHost(const float* u, absl::Span<const Range> ranges,
-                                 cudaStream_t stream);
+                                 bool several, cudaStream_t stream);
+  // Accumulate on [begin, begin + size) of every buffer.
+  absl::Status AccumulateOn(const float* gradient, const float* params,
+                            float lr, uint64_t begin, uint64_t size,
+                            cudaStream_t stream);
   absl::Status SelectRange(float* u, const Range& r, int64_t step, bool several,
                            cudaStream_t stream, SparseVector* sent);
   // MarkSent on the host values of `sent` (u_i - recv_i), written to u on
@@ -115,6 +132,9 @@ class CudaDeviceStep final : public DeviceStep {
   int current_ = 0;  // residual_[current_], velocity_[current_] hold the state
   cuda::DeviceBuffer<float> global_velocity_;  // kGlobal momentum only
   cuda::SparseUpdater updater_;
+  // Overlapped steps (BeginOverlap): the side stream and one event a slot.
+  cudaStream_t side_ = nullptr;
+  std::vector<cudaEvent_t> ready_;
 };
 
 absl::Status CudaDeviceStep::Init(std::unique_ptr<cuda::CudaSelector> selector,
@@ -148,15 +168,25 @@ absl::Status CudaDeviceStep::Init(std::unique_ptr<cuda::CudaSelector> selector,
 absl::Status CudaDeviceStep::Accumulate(const float* gradient,
                                         const float* params, float lr,
                                         cudaStream_t stream) {
+  return AccumulateOn(gradient, params, lr, 0, n_, stream);
+}
+
+absl::Status CudaDeviceStep::AccumulateOn(const float* gradient,
+                                          const float* params, float lr,
+                                          uint64_t begin, uint64_t size,
+                                          cudaStream_t stream) {
   const int cur = current_, next = 1 - current_;
   cuda::UpdateParams up;
   up.lr = lr;
   up.momentum = momentum_;
   up.weight_decay = weight_decay_;
   up.momentum_correction = dgc_momentum_;
+  // The range of a buffer (velocity: DGC momentum only, null otherwise).
+  auto at = [begin](auto* p) { return p == nullptr ? nullptr : p + begin; };
   return Cuda(selector_->sparsifier()->Accumulate(
-      gradient, params, velocity_[cur].get(), velocity_[next].get(),
-      residual_[cur].get(), residual_[next].get(), n_, up, stream));
+      gradient + begin, at(params), at(velocity_[cur].get()),
+      at(velocity_[next].get()), residual_[cur].get() + begin,
+      residual_[next].get() + begin, size, up, stream));
 }
 
 // The "not finite" error of Select, naming the range when there are several.
@@ -194,21 +224,63 @@ absl::StatusOr<DeviceStep::Sent> CudaDeviceStep::Select(
   // u is in the spare buffer until MarkSent commits it: a failure below
   // (some ranges already zeroed there) leaves the state as before this call.
   float* u = residual_[1 - current_].get();
-  GTOPK_RETURN_IF_ERROR(CheckFiniteOnHost(u, ranges, stream));
-  Sent s;
+  GTOPK_RETURN_IF_ERROR(
+      CheckFiniteOnHost(u, ranges, ranges.size() > 1, stream));
+  SparseVector sent;
   for (const Range& r : ranges) {
     if (r.k == 0) continue;
     GTOPK_RETURN_IF_ERROR(
-        SelectRange(u, r, step, ranges.size() > 1, stream, &s.sent));
+        SelectRange(u, r, step, ranges.size() > 1, stream, &sent));
   }
+  return Commit(std::move(sent), value_codec, stream);
+}
+
+absl::StatusOr<DeviceStep::Sent> CudaDeviceStep::Commit(SparseVector sent,
+                                                        ValueCodec value_codec,
+                                                        cudaStream_t stream) {
+  Sent s;
+  s.sent = std::move(sent);
   s.received = s.sent;
   QuantizeValues(value_codec, absl::MakeSpan(s.received.values));
   GTOPK_RETURN_IF_ERROR(MarkSent(s, stream));
   return s;
 }
 
+absl::Status CudaDeviceStep::BeginOverlap(size_t slots) {
+  if (side_ == nullptr) {
+    GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(
+        cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking)));
+  }
+  while (ready_.size() < slots) {
+    cudaEvent_t e = nullptr;
+    GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(cudaEventCreate(&e)));
+    ready_.push_back(e);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaDeviceStep::MarkReady(size_t slot, cudaStream_t stream) {
+  return GTOPK_CUDA_ABSL(cudaEventRecord(ready_[slot], stream));
+}
+
+absl::Status CudaDeviceStep::AccumulateAndSelect(
+    size_t slot, const Range& range, const float* gradient, const float* params,
+    float lr, int64_t step, SparseVector* sent) {
+  GTOPK_RETURN_IF_ERROR(CheckRanges({range}, n_));
+  GTOPK_RETURN_IF_ERROR(
+      GTOPK_CUDA_ABSL(cudaStreamWaitEvent(side_, ready_[slot], 0)));
+  GTOPK_RETURN_IF_ERROR(
+      AccumulateOn(gradient, params, lr, range.begin, range.size, side_));
+  float* u = residual_[1 - current_].get();
+  if (range.k == 0) {
+    return CheckFiniteOnHost(u, {range}, /*several=*/true, side_);
+  }
+  return SelectRange(u, range, step, /*several=*/true, side_, sent);
+}
+
 absl::Status CudaDeviceStep::CheckFiniteOnHost(const float* u,
                                                absl::Span<const Range> ranges,
+                                               bool several,
                                                cudaStream_t stream) {
   std::vector<std::vector<float>> host;
   for (const Range& r : ranges) {
@@ -227,7 +299,7 @@ absl::Status CudaDeviceStep::CheckFiniteOnHost(const float* u,
     for (size_t i = 0; i < values.size(); ++i) {
       if (!std::isfinite(values[i])) {
         return NotFinite(
-            r, ranges.size() > 1,
+            r, several,
             absl::StrCat("a non-finite value (", values[i], ") at position ",
                          r.begin + i, " of a range that selects nothing"));
       }

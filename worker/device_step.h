@@ -39,6 +39,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "common/buckets.h"
 #include "common/codec.h"
 #include "common/optimizer.h"
 #include "common/sparse_vector.h"
@@ -140,6 +141,43 @@ class DeviceStep {
   virtual absl::StatusOr<Sent> Select(absl::Span<const Range> ranges,
                                       int64_t step, ValueCodec value_codec,
                                       CUstream_st* stream) = 0;
+
+  // Overlapped device steps (WorkerClient::BeginOverlappedStep with device
+  // pointers): each range (bucket piece) is accumulated and selected on a
+  // side stream of this DeviceStep's as soon as the caller's stream has
+  // produced its gradient, while the caller's stream goes on; Commit then
+  // does what the end of Select does. The result is Accumulate + Select's
+  // on the same ranges, bit for bit (the update is elementwise).
+  //
+  // Makes the side stream (non-blocking) and `slots` events, once per
+  // size. Call between steps. Errors: CUDA errors.
+  virtual absl::Status BeginOverlap(size_t slots) = 0;
+  // Records event `slot` (< BeginOverlap's slots) on the caller's `stream`:
+  // the range's gradient is final once the work queued there so far has
+  // run. Does not block; may run on another thread than AccumulateAndSelect
+  // (never for the same slot at once). Errors: CUDA errors.
+  virtual absl::Status MarkReady(size_t slot, CUstream_st* stream) = 0;
+  // On the side stream, after event `slot`: Accumulate restricted to
+  // `range` (gradient and params: the caller's whole device buffers), then
+  // Select's selection of that one range, its pairs appended to *sent with
+  // global indices. Nothing is committed. Blocks until the pairs are on
+  // the host. One call at a time. Errors: Select's.
+  virtual absl::Status AccumulateAndSelect(size_t slot, const Range& range,
+                                           const float* gradient,
+                                           const float* params, float lr,
+                                           int64_t step,
+                                           SparseVector* sent) = 0;
+  // Commits a selection made by AccumulateAndSelect over ranges covering
+  // [0, n): `sent` (indices ascending, every range's pairs) gets the codec
+  // rounding and MarkSent, as at the end of Select. Blocks. Errors: the
+  // MarkSent error of Select.
+  virtual absl::StatusOr<Sent> Commit(SparseVector sent, ValueCodec value_codec,
+                                      CUstream_st* stream) = 0;
+
+  // A piece's Range: its begin and size, k = PieceK(k, size, n).
+  static Range PieceRange(const BucketPiece& piece, uint64_t k, uint64_t n) {
+    return Range{piece.begin, piece.size(), PieceK(k, piece.size(), n)};
+  }
 
   // After a failed round: puts every sent value back (residual_i =
   // PutBackSum(u_i - recv_i, recv_i), ErrorFeedback::PutBack's rule) and

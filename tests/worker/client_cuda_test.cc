@@ -76,6 +76,9 @@ struct Case {
   // whose gradient has a non-finite value at one of kPoisonIndices; each
   // must fail INVALID_ARGUMENT and leave its state and params unchanged.
   bool poison = false;
+  // Device workers step through the overlapped API (BeginOverlappedStep
+  // with device pointers, GradientReady, FinishOverlappedStep).
+  bool overlapped = false;
 };
 
 // selector_momentum_mode_codec: the test name, and what gtest prints for
@@ -87,7 +90,8 @@ std::string CaseName(const Case& c) {
                                   ValueCodecName(c.value_codec));
   if (c.selection == SelectionKind::kLayerwise) {
     absl::StrAppend(&name, "_layerwise_P", c.workers, "_S", c.shards,
-                    c.poison ? "_poison" : "");
+                    c.poison ? "_poison" : "",
+                    c.overlapped ? "_overlapped" : "");
   }
   return name;
 }
@@ -114,13 +118,49 @@ absl::Status CudaStatus(cudaError_t e, absl::string_view what) {
   return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
 }
 
+// One device step of `g`: the device Step, or (overlapped) an overlapped
+// device step as a backward pass on the caller's stream would run it: the
+// gradient buffer starts as NaN (a piece selected before its values were
+// written fails), each chunk of 997 values from the end is copied
+// asynchronously on the stream and then reported.
+absl::Status DeviceStep(WorkerClient& client, bool overlapped,
+                        const std::vector<float>& g, float* d_grad,
+                        float* d_params) {
+  if (!overlapped) {
+    GTOPK_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpy(d_grad, g.data(), kN * sizeof(float),
+                              cudaMemcpyHostToDevice),
+                   "gradient to device"));
+    return client.Step(d_grad, d_params, kN, nullptr).status();
+  }
+  const std::vector<float> nan(kN, std::numeric_limits<float>::quiet_NaN());
+  GTOPK_RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpy(d_grad, nan.data(), kN * sizeof(float),
+                            cudaMemcpyHostToDevice),
+                 "NaN to device"));
+  GTOPK_RETURN_IF_ERROR(
+      client.BeginOverlappedStep(d_grad, d_params, kN, nullptr));
+  for (uint64_t end = kN; end > 0;) {
+    const uint64_t begin = end >= 997 ? end - 997 : 0;
+    GTOPK_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(d_grad + begin, g.data() + begin,
+                                   (end - begin) * sizeof(float),
+                                   cudaMemcpyHostToDevice, nullptr),
+                   "gradient chunk to device"));
+    GTOPK_RETURN_IF_ERROR(client.GradientReady(begin, end));
+    end = begin;
+  }
+  return client.FinishOverlappedStep().status();
+}
+
 // A poisoned case's attempts on a device worker before its real step
 // kPoisonStep: the gradient `g` with a NaN or an infinity at each of
 // kPoisonIndices must fail INVALID_ARGUMENT and leave the client's state
 // (step, residual, velocity) and the device params exactly as they were.
 // OK when they do, else what went wrong.
-absl::Status TryPoisonedSteps(WorkerClient& client, const std::vector<float>& g,
-                              float* d_grad, float* d_params) {
+absl::Status TryPoisonedSteps(WorkerClient& client, bool overlapped,
+                              const std::vector<float>& g, float* d_grad,
+                              float* d_params) {
   auto before = client.ExportState();
   if (!before.ok()) return before.status();
   std::vector<float> params_before(kN), params_after(kN);
@@ -133,11 +173,8 @@ absl::Status TryPoisonedSteps(WorkerClient& client, const std::vector<float>& g,
     poisoned[bad] = bad == kPoisonIndices[0]
                         ? std::numeric_limits<float>::quiet_NaN()
                         : std::numeric_limits<float>::infinity();
-    GTOPK_RETURN_IF_ERROR(
-        CudaStatus(cudaMemcpy(d_grad, poisoned.data(), kN * sizeof(float),
-                              cudaMemcpyHostToDevice),
-                   "gradient to device"));
-    const absl::Status st = client.Step(d_grad, d_params, kN, nullptr).status();
+    const absl::Status st =
+        DeviceStep(client, overlapped, poisoned, d_grad, d_params);
     if (st.code() != absl::StatusCode::kInvalidArgument ||
         !absl::StrContains(st.message(), "not finite")) {
       return absl::InternalError(
@@ -157,6 +194,11 @@ absl::Status TryPoisonedSteps(WorkerClient& client, const std::vector<float>& g,
       return absl::InternalError(
           absl::StrCat("the failed step with a non-finite gradient at ", bad,
                        " changed the worker's state or params"));
+    }
+    if (overlapped) {
+      // Some pushes went out: the step was failed on every shard.
+      std::vector<float> unused(kN);
+      GTOPK_RETURN_IF_ERROR(client.Recover(absl::MakeSpan(unused)).status());
     }
   }
   return absl::OkStatus();
@@ -232,19 +274,13 @@ std::vector<std::vector<float>> RunCluster(const Case& c,
       for (int step = 0; step < c.steps && status[w].ok(); ++step) {
         const std::vector<float> g = Gradient(step, w);
         if (on_device[w] && c.poison && step == kPoisonStep) {
-          status[w] =
-              TryPoisonedSteps(**client, g, d_grad.get(), d_params.get());
+          status[w] = TryPoisonedSteps(**client, c.overlapped, g, d_grad.get(),
+                                       d_params.get());
           if (!status[w].ok()) break;
         }
         if (on_device[w]) {
-          if (!cuda_ok(cudaMemcpy(d_grad.get(), g.data(), kN * sizeof(float),
-                                  cudaMemcpyHostToDevice),
-                       "gradient to device")) {
-            break;
-          }
-          status[w] = (*client)
-                          ->Step(d_grad.get(), d_params.get(), kN, nullptr)
-                          .status();
+          status[w] = DeviceStep(**client, c.overlapped, g, d_grad.get(),
+                                 d_params.get());
         } else {
           status[w] = (*client)->Step(g, absl::MakeSpan(params[w])).status();
         }
@@ -385,7 +421,17 @@ INSTANTIATE_TEST_SUITE_P(
              /*poison=*/true},
         Case{"exact", MomentumMode::kNone, AggregationMode::kGtopk,
              ValueCodec::kFp32, SelectionKind::kLayerwise, 1, 2, kSteps, 1e-3f,
-             /*poison=*/true}),
+             /*poison=*/true},
+        // Overlapped device steps: the same parameters as the whole step.
+        Case{"exact", MomentumMode::kDgcCorrection, AggregationMode::kGtopk,
+             ValueCodec::kFp32, SelectionKind::kLayerwise, 1, 1, kSteps, 1e-3f,
+             false, /*overlapped=*/true},
+        Case{"exact", MomentumMode::kGlobal, AggregationMode::kGtopk,
+             ValueCodec::kBf16, SelectionKind::kLayerwise, 2, 2, kSteps, 1e-3f,
+             false, /*overlapped=*/true},
+        Case{"exact", MomentumMode::kDgcCorrection, AggregationMode::kGtopk,
+             ValueCodec::kFp16, SelectionKind::kLayerwise, 1, 2, kSteps, 1e-3f,
+             /*poison=*/true, /*overlapped=*/true}),
     [](const ::testing::TestParamInfo<Case>& info) {
       return CaseName(info.param);
     });
