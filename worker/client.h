@@ -365,8 +365,9 @@ class WorkerClient {
   // the piece's top PieceK, MarkSent) and one thread per shard (a shard's
   // push goes out as soon as every piece of its range was selected).
   // Errors (nothing started): AggregateStep's checks; FAILED_PRECONDITION
-  // when the cluster's selection is not layerwise, when a step is open
-  // already, or on a device-only client.
+  // when the cluster's selection is not layerwise, when it applies on the
+  // servers (--apply=servers: the device overload below), or when a step
+  // is open already.
   absl::Status BeginOverlappedStep(absl::Span<const float> gradient,
                                    absl::Span<float> averaged,
                                    absl::Span<const float> params,

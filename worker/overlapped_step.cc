@@ -44,8 +44,9 @@ absl::Status WorkerClient::BeginOverlappedStep(absl::Span<const float> gradient,
   if (apply_ != ApplyMode::kWorkers) {
     return absl::FailedPreconditionError(
         "BeginOverlappedStep: the cluster applies updates on the servers "
-        "(--apply=servers); overlapped steps aggregate gradients "
-        "(--apply=workers)");
+        "(--apply=servers); overlapped steps on host buffers aggregate "
+        "gradients (--apply=workers); under --apply=servers pass device "
+        "buffers (BeginOverlappedStep(gradient, params, n, stream))");
   }
   GTOPK_RETURN_IF_ERROR(CheckAggregateArgs("BeginOverlappedStep", gradient,
                                            averaged, params, buffers));

@@ -30,6 +30,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/codec.h"
 #include "common/cuda/sparsify.h"
 #include "common/optimizer.h"
@@ -123,9 +124,12 @@ absl::Status CudaStatus(cudaError_t e, absl::string_view what) {
 // gradient buffer starts as NaN (a piece selected before its values were
 // written fails), each chunk of 997 values from the end is copied
 // asynchronously on the stream and then reported.
+// With `report` < kN the overlapped step is given up
+// (AbandonOverlappedStep) once `report` values are reported, as an
+// exception in the backward pass would, and the result is CANCELLED.
 absl::Status DeviceStep(WorkerClient& client, bool overlapped,
                         const std::vector<float>& g, float* d_grad,
-                        float* d_params) {
+                        float* d_params, uint64_t report = kN) {
   if (!overlapped) {
     GTOPK_RETURN_IF_ERROR(
         CudaStatus(cudaMemcpy(d_grad, g.data(), kN * sizeof(float),
@@ -140,7 +144,7 @@ absl::Status DeviceStep(WorkerClient& client, bool overlapped,
                  "NaN to device"));
   GTOPK_RETURN_IF_ERROR(
       client.BeginOverlappedStep(d_grad, d_params, kN, nullptr));
-  for (uint64_t end = kN; end > 0;) {
+  for (uint64_t end = kN; end > 0 && kN - end < report;) {
     const uint64_t begin = end >= 997 ? end - 997 : 0;
     GTOPK_RETURN_IF_ERROR(
         CudaStatus(cudaMemcpyAsync(d_grad + begin, g.data() + begin,
@@ -150,13 +154,21 @@ absl::Status DeviceStep(WorkerClient& client, bool overlapped,
     GTOPK_RETURN_IF_ERROR(client.GradientReady(begin, end));
     end = begin;
   }
+  if (report < kN) {
+    // Time for the selection thread to release shard 1's push.
+    absl::SleepFor(absl::Milliseconds(300));
+    client.AbandonOverlappedStep();
+    return absl::CancelledError("abandoned in the backward pass");
+  }
   return client.FinishOverlappedStep().status();
 }
 
 // A poisoned case's attempts on a device worker before its real step
 // kPoisonStep: the gradient `g` with a NaN or an infinity at each of
 // kPoisonIndices must fail INVALID_ARGUMENT and leave the client's state
-// (step, residual, velocity) and the device params exactly as they were.
+// (step, residual, velocity) and the device params exactly as they were;
+// overlapped, so must a step given up in the middle of its backward pass
+// (each attempt followed by Recover, as the step failed on the shards).
 // OK when they do, else what went wrong.
 absl::Status TryPoisonedSteps(WorkerClient& client, bool overlapped,
                               const std::vector<float>& g, float* d_grad,
@@ -168,6 +180,38 @@ absl::Status TryPoisonedSteps(WorkerClient& client, bool overlapped,
       CudaStatus(cudaMemcpy(params_before.data(), d_params, kN * sizeof(float),
                             cudaMemcpyDeviceToHost),
                  "params to host"));
+  // Whether the state and the device params are as before.
+  auto unchanged = [&](absl::string_view attempt) -> absl::Status {
+    auto after = client.ExportState();
+    if (!after.ok()) return after.status();
+    GTOPK_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpy(params_after.data(), d_params, kN * sizeof(float),
+                              cudaMemcpyDeviceToHost),
+                   "params to host"));
+    if (after->next_step != before->next_step ||
+        !BitEqual(after->residual, before->residual) ||
+        !BitEqual(after->velocity, before->velocity) ||
+        !BitEqual(params_after, params_before)) {
+      return absl::InternalError(
+          absl::StrCat(attempt, " changed the worker's state or params"));
+    }
+    if (overlapped) {
+      // Some pushes went out: the step was failed on every shard.
+      std::vector<float> unused(kN);
+      GTOPK_RETURN_IF_ERROR(client.Recover(absl::MakeSpan(unused)).status());
+    }
+    return absl::OkStatus();
+  };
+  if (overlapped) {
+    // Given up once shard 1's range [10005, 20011) is reported.
+    const absl::Status st =
+        DeviceStep(client, overlapped, g, d_grad, d_params, kN - kN / 2);
+    if (st.code() != absl::StatusCode::kCancelled) {
+      return absl::InternalError(absl::StrCat(
+          "abandoned step: expected CANCELLED, got ", st.ToString()));
+    }
+    GTOPK_RETURN_IF_ERROR(unchanged("the abandoned step"));
+  }
   for (const uint64_t bad : kPoisonIndices) {
     std::vector<float> poisoned = g;
     poisoned[bad] = bad == kPoisonIndices[0]
@@ -181,25 +225,8 @@ absl::Status TryPoisonedSteps(WorkerClient& client, bool overlapped,
           absl::StrCat("non-finite gradient at ", bad,
                        ": expected INVALID_ARGUMENT, got ", st.ToString()));
     }
-    auto after = client.ExportState();
-    if (!after.ok()) return after.status();
-    GTOPK_RETURN_IF_ERROR(
-        CudaStatus(cudaMemcpy(params_after.data(), d_params, kN * sizeof(float),
-                              cudaMemcpyDeviceToHost),
-                   "params to host"));
-    if (after->next_step != before->next_step ||
-        !BitEqual(after->residual, before->residual) ||
-        !BitEqual(after->velocity, before->velocity) ||
-        !BitEqual(params_after, params_before)) {
-      return absl::InternalError(
-          absl::StrCat("the failed step with a non-finite gradient at ", bad,
-                       " changed the worker's state or params"));
-    }
-    if (overlapped) {
-      // Some pushes went out: the step was failed on every shard.
-      std::vector<float> unused(kN);
-      GTOPK_RETURN_IF_ERROR(client.Recover(absl::MakeSpan(unused)).status());
-    }
+    GTOPK_RETURN_IF_ERROR(unchanged(
+        absl::StrCat("the failed step with a non-finite gradient at ", bad)));
   }
   return absl::OkStatus();
 }
