@@ -21,6 +21,11 @@
 //     values it already has), momentum factor masking and the parameter
 //     update as sparse scatters (or the dense global-momentum kernel); or,
 //     when the round failed, PutBackAll.
+// An overlapped step (WorkerClient::BeginOverlappedStep with device
+// pointers) runs Accumulate and the selection piece by piece on a side
+// stream as the caller's backward pass produces the gradient
+// (BeginOverlap, MarkReady, AccumulateAndSelect), then Commit in place of
+// the end of Select; the rest is the same.
 //
 // This header needs no CUDA: it is the same in every build, so WorkerClient,
 // which holds a DeviceStep, has one layout whatever GTOPK_HAVE_CUDA is. The
