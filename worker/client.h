@@ -284,6 +284,11 @@ class WorkerClient {
   // (residual() then no longer reflects it); use one kind of Step per
   // client. Dense mode sends the whole accumulated vector by definition:
   // there the gradient is copied to the host and the host Step runs.
+  // Under --selection=layerwise each bucket piece (bucket_pieces()) gets
+  // the GPU selector's top PieceK of its range, as the host Step selects
+  // per piece: with `exact` the parameters are bit-identical to the host
+  // layer-wise Step's. A piece whose k is 0 is copied to the host to be
+  // checked finite (it holds fewer than n / (2k) values).
   // Selectors: exact, gaussiank, dgc (randomk: FAILED_PRECONDITION).
   // Declared in every build; a build without CUDA (GTOPK_HAVE_CUDA off)
   // answers FAILED_PRECONDITION "... built without CUDA ..." after the
@@ -360,13 +365,42 @@ class WorkerClient {
   // the piece's top PieceK, MarkSent) and one thread per shard (a shard's
   // push goes out as soon as every piece of its range was selected).
   // Errors (nothing started): AggregateStep's checks; FAILED_PRECONDITION
-  // when the cluster's selection is not layerwise, when a step is open
-  // already, or on a device-only client.
+  // when the cluster's selection is not layerwise, when it applies on the
+  // servers (--apply=servers: the device overload below), or when a step
+  // is open already.
   absl::Status BeginOverlappedStep(absl::Span<const float> gradient,
                                    absl::Span<float> averaged,
                                    absl::Span<const float> params,
                                    absl::string_view buffers = {},
                                    uint64_t state_checksum = 0);
+  // The same on the GPU, for --selection=layerwise with --apply=servers
+  // (the device Step, above, cut in three; docs/overlap.md, "On the
+  // GPU"): `gradient` (device, n floats, written by the caller's backward
+  // pass on `stream` range by range) and `params` (device, n floats,
+  // updated in place by FinishOverlappedStep) must stay alive, and each
+  // reported range of `gradient` unwritten, until FinishOverlappedStep or
+  // AbandonOverlappedStep returns. GradientReady(begin, end) then records
+  // an event on `stream` when it completes a piece: the piece's gradient is
+  // final once the work queued there so far has run. The selection thread
+  // runs each complete piece's residual update and its top PieceK on a
+  // side stream of the worker's that waits for that event (the caller's
+  // stream is never blocked); nothing is committed until Finish, which
+  // marks what was sent, waits for the round and applies the update to
+  // `params` as the device Step (ordered on `stream`; blocks): bit-identical
+  // to Step(gradient, params, n, stream) on the same gradient. Finish's
+  // failure contract is the device Step's; a non-finite gradient is
+  // INVALID_ARGUMENT and leaves the device state as before the step (the
+  // step is given up as by AbandonOverlappedStep, so Recover before the
+  // retry). A write to a reported range is not detected on the device.
+  // StepStats.accumulate is 0: `select` holds the device update and
+  // selection.
+  // Errors (nothing started): INVALID_ARGUMENT for n other than the
+  // cluster's or a null pointer; FAILED_PRECONDITION when a step is open,
+  // when the cluster is not layerwise with --apply=servers, or in a build
+  // without CUDA (the device Step's first-use errors, e.g. a selector
+  // without a GPU version); CUDA errors.
+  absl::Status BeginOverlappedStep(const float* gradient, float* params,
+                                   uint64_t n, CUstream_st* stream);
   // gradient[begin, end) is final. Does not block (the work is queued).
   // Errors: FAILED_PRECONDITION without an open step; INVALID_ARGUMENT for
   // an empty range, one outside [0, n), or one overlapping a range already
@@ -505,6 +539,15 @@ class WorkerClient {
   // codec round trip, MarkSent), then shard s's push once its pieces are
   // all done (overlapped_step.cc).
   absl::Status SelectPiece(OverlappedStep& o, size_t piece);
+  // SelectPiece's first part: on the host (u into the residual, the
+  // selection, the codec round trip), or on the device (DeviceStep::
+  // AccumulateAndSelect, nothing committed).
+  absl::Status SelectPieceOnHost(OverlappedStep& o, size_t piece);
+  absl::Status SelectPieceOnDevice(OverlappedStep& o, size_t piece);
+  // Both BeginOverlappedSteps' end: the pushes, the empty shards' pushes
+  // released, the streams, the selection and round threads; `o` holds the
+  // step's stats and buffers. Errors: EncodeSparse's (nothing started).
+  absl::Status StartOverlappedStep(std::unique_ptr<OverlappedStep> o);
   void SelectionLoop(OverlappedStep& o);
   // FinishOverlappedStep's parts: the values never reported go in and the
   // selection thread ends; the gradient must still be what it read
@@ -521,6 +564,13 @@ class WorkerClient {
                                   absl::Span<const float> params,
                                   absl::string_view buffers) const;
   void CloseOverlappedSelection(OverlappedStep& o);
+  // A device step's end (DeviceStep::Commit, then Apply to `params`, or
+  // PutBackAll when the round failed): the device Step's failure contract.
+  absl::Status EndOverlappedDeviceRound(const absl::Status& round,
+                                        SparseVector sent,
+                                        const std::vector<v1::Pull>& pulls,
+                                        float* params, CUstream_st* stream,
+                                        StepStats* stats);
   absl::Status CheckGradientUnchanged(const OverlappedStep& o) const;
   absl::Status EndOverlappedRound(const absl::Status& round,
                                   const SparseVector& sent,
@@ -529,6 +579,13 @@ class WorkerClient {
                                   absl::Span<float> averaged, StepStats* stats);
   // The checksum to send at `step` (0: not a check step).
   uint64_t ChecksumFor(int64_t step, absl::Span<const float> params) const;
+  // The start of a sparse device step (Step, BeginOverlappedStep with
+  // device pointers): the device state made on first use, BeginStep's
+  // stats, and step_checksum_ from a host copy of `params` on the
+  // divergence alarm's steps. Errors: DeviceStep::Create's, BeginStep's,
+  // the copy's CUDA errors.
+  absl::StatusOr<StepStats> BeginDeviceStep(const float* gradient,
+                                            float* params, CUstream_st* stream);
   // The device Step's sparse modes, from Accumulate to Apply (device_ set).
   // Same failure contract, on the device state.
   absl::Status SparseStepOnDevice(const float* gradient, float* params,

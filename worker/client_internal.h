@@ -105,6 +105,12 @@ struct WorkerClient::OverlappedStep {
   StepStats stats;
   absl::Span<const float> gradient;
   absl::Span<float> averaged;
+  // Device steps (BeginOverlappedStep with device pointers): the caller's
+  // device buffers and stream; null for a host step.
+  const float* device_gradient = nullptr;
+  float* device_params = nullptr;
+  CUstream_st* stream = nullptr;
+  bool on_device() const { return device_gradient != nullptr; }
   absl::Time begun = absl::Now();
   absl::Time first_taken = absl::InfiniteFuture();  // (mu)
   PushGate gate;

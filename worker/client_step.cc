@@ -63,6 +63,20 @@ absl::StatusOr<SparseVector> DecodeSparsePull(const v1::Pull& pull, uint64_t n,
   return part;
 }
 
+// The device selection's ranges (DeviceStep::Select): the whole vector
+// with k, or under layer-wise selection every piece with its PieceK, as
+// SelectLocal selects on the host.
+std::vector<DeviceStep::Range> DeviceRanges(
+    absl::Span<const BucketPiece> pieces, uint64_t k, uint64_t n) {
+  if (pieces.empty()) return {DeviceStep::Range{0, n, k}};
+  std::vector<DeviceStep::Range> ranges;
+  ranges.reserve(pieces.size());
+  for (const BucketPiece& p : pieces) {
+    ranges.push_back(DeviceStep::PieceRange(p, k, n));
+  }
+  return ranges;
+}
+
 }  // namespace
 
 absl::StatusOr<StepStats> WorkerClient::BeginStep(uint64_t n) const {
@@ -401,12 +415,20 @@ absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
                                     }));
     return stats;
   }
-  if (!pieces_.empty()) {
-    return absl::FailedPreconditionError(
-        "Step (device): --selection=layerwise is not implemented on the GPU "
-        "path yet; pass host copies to Step, or start the servers with "
-        "--selection=threshold or quota");
-  }
+  GTOPK_ASSIGN_OR_RETURN(StepStats stats,
+                         BeginDeviceStep(gradient, params, stream));
+  step_buffers_.clear();
+  const absl::Status st = SparseStepOnDevice(gradient, params, stream, &stats);
+  step_checksum_ = 0;
+  GTOPK_RETURN_IF_ERROR(st);
+  ++next_step_;
+  return stats;
+}
+
+absl::StatusOr<StepStats> WorkerClient::BeginDeviceStep(const float* gradient,
+                                                        float* params,
+                                                        CUstream_st* stream) {
+  const uint64_t n = cluster_.n();
   if (device_ == nullptr) {
     // First device step: move the host state to the device.
     GTOPK_ASSIGN_OR_RETURN(
@@ -428,11 +450,6 @@ absl::StatusOr<StepStats> WorkerClient::Step(const float* gradient,
           return absl::OkStatus();
         }));
   }
-  step_buffers_.clear();
-  const absl::Status st = SparseStepOnDevice(gradient, params, stream, &stats);
-  step_checksum_ = 0;
-  GTOPK_RETURN_IF_ERROR(st);
-  ++next_step_;
   return stats;
 }
 
@@ -448,8 +465,10 @@ absl::Status WorkerClient::SparseStepOnDevice(const float* gradient,
   stats->accumulate = absl::Now() - t;
 
   t = absl::Now();
-  GTOPK_ASSIGN_OR_RETURN(const DeviceStep::Sent sent,
-                         device_->Select(stats->k, step, codec_.value, stream));
+  GTOPK_ASSIGN_OR_RETURN(
+      const DeviceStep::Sent sent,
+      device_->Select(DeviceRanges(pieces_, stats->k, cluster_.n()), step,
+                      codec_.value, stream));
   stats->select = absl::Now() - t;
   stats->sent_pairs = sent.sent.size();
 

@@ -4,7 +4,9 @@
 #include "worker/device_step.h"
 
 #include <cmath>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/cuda/cuda_selector.h"
@@ -59,6 +61,11 @@ SentSplit SplitSent(const DeviceStep::Sent& s, const SparseVector& global) {
 
 class CudaDeviceStep final : public DeviceStep {
  public:
+  ~CudaDeviceStep() override {
+    // Best effort: a failure here has no one to report to.
+    for (cudaEvent_t e : ready_) cudaEventDestroy(e);
+    if (side_ != nullptr) cudaStreamDestroy(side_);
+  }
   CudaDeviceStep(const OptimizerOptions& optimizer, uint64_t n)
       : n_(n),
         momentum_(optimizer.momentum),
@@ -76,7 +83,16 @@ class CudaDeviceStep final : public DeviceStep {
 
   absl::Status Accumulate(const float* gradient, const float* params, float lr,
                           cudaStream_t stream) override;
-  absl::StatusOr<Sent> Select(uint64_t k, int64_t step, ValueCodec value_codec,
+  absl::StatusOr<Sent> Select(absl::Span<const Range> ranges, int64_t step,
+                              ValueCodec value_codec,
+                              cudaStream_t stream) override;
+  absl::Status BeginOverlap(size_t slots) override;
+  absl::Status MarkReady(size_t slot, cudaStream_t stream) override;
+  absl::Status AccumulateAndSelect(size_t slot, const Range& range,
+                                   const float* gradient, const float* params,
+                                   float lr, int64_t step,
+                                   SparseVector* sent) override;
+  absl::StatusOr<Sent> Commit(SparseVector sent, ValueCodec value_codec,
                               cudaStream_t stream) override;
   absl::Status PutBackAll(const Sent& sent, const absl::Status& status,
                           cudaStream_t stream) override;
@@ -87,6 +103,17 @@ class CudaDeviceStep final : public DeviceStep {
                                absl::Span<float> velocity) override;
 
  private:
+  // Select's parts on the spare buffer u (nothing committed): the ranges
+  // with k = 0 read back and checked finite; the selector on each range with
+  // k > 0, its pairs appended to `sent` with global indices.
+  absl::Status CheckFiniteOnHost(const float* u, absl::Span<const Range> ranges,
+                                 bool several, cudaStream_t stream);
+  // Accumulate on [begin, begin + size) of every buffer.
+  absl::Status AccumulateOn(const float* gradient, const float* params,
+                            float lr, uint64_t begin, uint64_t size,
+                            cudaStream_t stream);
+  absl::Status SelectRange(float* u, const Range& r, int64_t step, bool several,
+                           cudaStream_t stream, SparseVector* sent);
   // MarkSent on the host values of `sent` (u_i - recv_i), written to u on
   // the device when the codec is lossy; then commits the spare buffers.
   absl::Status MarkSent(Sent& sent, cudaStream_t stream);
@@ -105,6 +132,9 @@ class CudaDeviceStep final : public DeviceStep {
   int current_ = 0;  // residual_[current_], velocity_[current_] hold the state
   cuda::DeviceBuffer<float> global_velocity_;  // kGlobal momentum only
   cuda::SparseUpdater updater_;
+  // Overlapped steps (BeginOverlap): the side stream and one event a slot.
+  cudaStream_t side_ = nullptr;
+  std::vector<cudaEvent_t> ready_;
 };
 
 absl::Status CudaDeviceStep::Init(std::unique_ptr<cuda::CudaSelector> selector,
@@ -138,41 +168,169 @@ absl::Status CudaDeviceStep::Init(std::unique_ptr<cuda::CudaSelector> selector,
 absl::Status CudaDeviceStep::Accumulate(const float* gradient,
                                         const float* params, float lr,
                                         cudaStream_t stream) {
+  return AccumulateOn(gradient, params, lr, 0, n_, stream);
+}
+
+absl::Status CudaDeviceStep::AccumulateOn(const float* gradient,
+                                          const float* params, float lr,
+                                          uint64_t begin, uint64_t size,
+                                          cudaStream_t stream) {
   const int cur = current_, next = 1 - current_;
   cuda::UpdateParams up;
   up.lr = lr;
   up.momentum = momentum_;
   up.weight_decay = weight_decay_;
   up.momentum_correction = dgc_momentum_;
+  // The range of a buffer (velocity: DGC momentum only, null otherwise).
+  auto at = [begin](auto* p) { return p == nullptr ? nullptr : p + begin; };
   return Cuda(selector_->sparsifier()->Accumulate(
-      gradient, params, velocity_[cur].get(), velocity_[next].get(),
-      residual_[cur].get(), residual_[next].get(), n_, up, stream));
+      gradient + begin, at(params), at(velocity_[cur].get()),
+      at(velocity_[next].get()), residual_[cur].get() + begin,
+      residual_[next].get() + begin, size, up, stream));
 }
 
-absl::StatusOr<DeviceStep::Sent> CudaDeviceStep::Select(uint64_t k,
-                                                        int64_t step,
+// The "not finite" error of Select, naming the range when there are several.
+absl::Status NotFinite(const DeviceStep::Range& r, bool several,
+                       absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      "Step (device): the gradient (or residual + lr * gradient) is not "
+      "finite",
+      several ? absl::StrCat(" in [", r.begin, ", ", r.begin + r.size, ")")
+              : "",
+      ": ", what));
+}
+
+absl::Status CheckRanges(absl::Span<const DeviceStep::Range> ranges,
+                         uint64_t n) {
+  uint64_t end = 0;
+  for (const DeviceStep::Range& r : ranges) {
+    if (r.size == 0 || r.begin < end || r.begin > n || r.size > n - r.begin ||
+        r.k > r.size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("Step (device): selection range [", r.begin, ", ",
+                       r.begin + r.size, ") with k = ", r.k,
+                       " is empty, overlaps the previous one (ending at ", end,
+                       "), ends past n = ", n, " or has k over its size"));
+    }
+    end = r.begin + r.size;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DeviceStep::Sent> CudaDeviceStep::Select(
+    absl::Span<const Range> ranges, int64_t step, ValueCodec value_codec,
+    cudaStream_t stream) {
+  GTOPK_RETURN_IF_ERROR(CheckRanges(ranges, n_));
+  // u is in the spare buffer until MarkSent commits it: a failure below
+  // (some ranges already zeroed there) leaves the state as before this call.
+  float* u = residual_[1 - current_].get();
+  GTOPK_RETURN_IF_ERROR(
+      CheckFiniteOnHost(u, ranges, ranges.size() > 1, stream));
+  SparseVector sent;
+  for (const Range& r : ranges) {
+    if (r.k == 0) continue;
+    GTOPK_RETURN_IF_ERROR(
+        SelectRange(u, r, step, ranges.size() > 1, stream, &sent));
+  }
+  return Commit(std::move(sent), value_codec, stream);
+}
+
+absl::StatusOr<DeviceStep::Sent> CudaDeviceStep::Commit(SparseVector sent,
                                                         ValueCodec value_codec,
                                                         cudaStream_t stream) {
-  // u is in the spare buffer until MarkSent commits it.
-  float* u = residual_[1 - current_].get();
   Sent s;
-  const absl::Status st =
-      selector_->SelectDevice(u, n_, k, static_cast<uint64_t>(step), stream,
-                              /*zero_selected=*/true, &s.sent);
-  if (!st.ok()) {
-    // Nothing committed: the state is as before this call.
-    if (st.code() == absl::StatusCode::kInvalidArgument) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "Step (device): the gradient (or residual + lr * gradient) is not "
-          "finite: ",
-          st.message()));
-    }
-    return st;
-  }
+  s.sent = std::move(sent);
   s.received = s.sent;
   QuantizeValues(value_codec, absl::MakeSpan(s.received.values));
   GTOPK_RETURN_IF_ERROR(MarkSent(s, stream));
   return s;
+}
+
+absl::Status CudaDeviceStep::BeginOverlap(size_t slots) {
+  if (side_ == nullptr) {
+    GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(
+        cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking)));
+  }
+  while (ready_.size() < slots) {
+    cudaEvent_t e = nullptr;
+    GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(cudaEventCreate(&e)));
+    ready_.push_back(e);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaDeviceStep::MarkReady(size_t slot, cudaStream_t stream) {
+  return GTOPK_CUDA_ABSL(cudaEventRecord(ready_[slot], stream));
+}
+
+absl::Status CudaDeviceStep::AccumulateAndSelect(
+    size_t slot, const Range& range, const float* gradient, const float* params,
+    float lr, int64_t step, SparseVector* sent) {
+  GTOPK_RETURN_IF_ERROR(CheckRanges({range}, n_));
+  GTOPK_RETURN_IF_ERROR(
+      GTOPK_CUDA_ABSL(cudaStreamWaitEvent(side_, ready_[slot], 0)));
+  GTOPK_RETURN_IF_ERROR(
+      AccumulateOn(gradient, params, lr, range.begin, range.size, side_));
+  float* u = residual_[1 - current_].get();
+  if (range.k == 0) {
+    return CheckFiniteOnHost(u, {range}, /*several=*/true, side_);
+  }
+  return SelectRange(u, range, step, /*several=*/true, side_, sent);
+}
+
+absl::Status CudaDeviceStep::CheckFiniteOnHost(const float* u,
+                                               absl::Span<const Range> ranges,
+                                               bool several,
+                                               cudaStream_t stream) {
+  std::vector<std::vector<float>> host;
+  for (const Range& r : ranges) {
+    if (r.k != 0) continue;
+    host.emplace_back(r.size);
+    GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(
+        cudaMemcpyAsync(host.back().data(), u + r.begin, r.size * sizeof(float),
+                        cudaMemcpyDeviceToHost, stream)));
+  }
+  if (host.empty()) return absl::OkStatus();
+  GTOPK_RETURN_IF_ERROR(GTOPK_CUDA_ABSL(cudaStreamSynchronize(stream)));
+  size_t h = 0;
+  for (const Range& r : ranges) {
+    if (r.k != 0) continue;
+    const std::vector<float>& values = host[h++];
+    for (size_t i = 0; i < values.size(); ++i) {
+      if (!std::isfinite(values[i])) {
+        return NotFinite(
+            r, several,
+            absl::StrCat("a non-finite value (", values[i], ") at position ",
+                         r.begin + i, " of a range that selects nothing"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaDeviceStep::SelectRange(float* u, const Range& r, int64_t step,
+                                         bool several, cudaStream_t stream,
+                                         SparseVector* sent) {
+  SparseVector part;
+  const absl::Status st = selector_->SelectDevice(
+      u + r.begin, r.size, r.k, static_cast<uint64_t>(step), stream,
+      /*zero_selected=*/true, &part);
+  if (st.code() == absl::StatusCode::kInvalidArgument) {
+    return NotFinite(
+        r, several,
+        several ? absl::StrCat(st.message(), " (positions from ", r.begin, ")")
+                : std::string(st.message()));
+  }
+  GTOPK_RETURN_IF_ERROR(st);
+  if (sent->empty() && r.begin == 0) {
+    *sent = std::move(part);
+    return absl::OkStatus();
+  }
+  for (size_t j = 0; j < part.size(); ++j) {
+    sent->indices.push_back(static_cast<uint32_t>(part.indices[j] + r.begin));
+    sent->values.push_back(part.values[j]);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CudaDeviceStep::MarkSent(Sent& s, cudaStream_t stream) {

@@ -11,7 +11,9 @@
 //     a residual/velocity pair (the old one is kept until the step commits,
 //     so a non-finite gradient leaves the state unchanged), with the first
 //     radix histogram of |u|;
-//   Select on u (reusing that histogram), selected u_i set to +0.0 on the
+//   Select on u (reusing that histogram; under --selection=layerwise the
+//     selector runs on each bucket piece's range with its own k instead,
+//     common/buckets.h), selected u_i set to +0.0 on the
 //     device, pairs to the host; codec rounding and MarkSent's u_i - recv_i
 //     on the host, scattered back when lossy; this commits the step's state;
 //   the push/pull round, on the host; then Apply: put-back (sent \ global
@@ -19,6 +21,11 @@
 //     values it already has), momentum factor masking and the parameter
 //     update as sparse scatters (or the dense global-momentum kernel); or,
 //     when the round failed, PutBackAll.
+// An overlapped step (WorkerClient::BeginOverlappedStep with device
+// pointers) runs Accumulate and the selection piece by piece on a side
+// stream as the caller's backward pass produces the gradient
+// (BeginOverlap, MarkReady, AccumulateAndSelect), then Commit in place of
+// the end of Select; the rest is the same.
 //
 // This header needs no CUDA: it is the same in every build, so WorkerClient,
 // which holds a DeviceStep, has one layout whatever GTOPK_HAVE_CUDA is. The
@@ -37,6 +44,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "common/buckets.h"
 #include "common/codec.h"
 #include "common/optimizer.h"
 #include "common/sparse_vector.h"
@@ -109,17 +117,72 @@ class DeviceStep {
   virtual absl::Status Accumulate(const float* gradient, const float* params,
                                   float lr, CUstream_st* stream) = 0;
 
-  // The local top-k of u (k pairs or the selector's count contract), the
-  // codec rounding and MarkSent; commits u - received as the residual (and
-  // the new velocity). Blocks.
+  // One selection of Select: the top `k` of u[begin, begin + size).
+  struct Range {
+    uint64_t begin = 0;
+    uint64_t size = 0;
+    uint64_t k = 0;  // 0: nothing selected; the range is only checked finite
+  };
+
+  // The local selection of u, the codec rounding and MarkSent; commits
+  // u - received as the residual (and the new velocity). Blocks.
+  //   ranges  ascending, disjoint, inside [0, n), non-empty: the whole
+  //           vector is {{0, n, k}} (the selector then reuses Accumulate's
+  //           histogram); layer-wise selection passes one range per bucket
+  //           piece with its PieceK. Each range with k > 0 gets the
+  //           selector's top k of its values (k pairs or the selector's
+  //           count contract; `step` and the selector's seed as for the
+  //           whole vector), its indices offset by `begin`, so the pairs
+  //           are ascending over all ranges. A range with k = 0 is copied
+  //           to the host and checked finite (such a piece holds fewer than
+  //           n / (2k) values). Values outside every range are neither
+  //           selected nor checked.
   // Errors: INVALID_ARGUMENT "Step (device): the gradient (or residual +
-  // lr * gradient) is not finite: ..." (nothing committed);
-  // INVALID_ARGUMENT "MarkSent: u - received overflows at index i" (u is
-  // committed as the residual, as the host Step leaves it); the selector's
-  // other errors.
-  virtual absl::StatusOr<Sent> Select(uint64_t k, int64_t step,
-                                      ValueCodec value_codec,
+  // lr * gradient) is not finite: ..." (naming the range [b, e) when there
+  // are several; nothing committed); INVALID_ARGUMENT "MarkSent: u -
+  // received overflows at index i" (u is committed as the residual, as the
+  // host Step leaves it); INVALID_ARGUMENT for ranges that break the rules
+  // above (nothing committed); the selector's other errors.
+  virtual absl::StatusOr<Sent> Select(absl::Span<const Range> ranges,
+                                      int64_t step, ValueCodec value_codec,
                                       CUstream_st* stream) = 0;
+
+  // Overlapped device steps (WorkerClient::BeginOverlappedStep with device
+  // pointers): each range (bucket piece) is accumulated and selected on a
+  // side stream of this DeviceStep's as soon as the caller's stream has
+  // produced its gradient, while the caller's stream goes on; Commit then
+  // does what the end of Select does. The result is Accumulate + Select's
+  // on the same ranges, bit for bit (the update is elementwise).
+  //
+  // Makes the side stream (non-blocking) and `slots` events, once per
+  // size. Call between steps. Errors: CUDA errors.
+  virtual absl::Status BeginOverlap(size_t slots) = 0;
+  // Records event `slot` (< BeginOverlap's slots) on the caller's `stream`:
+  // the range's gradient is final once the work queued there so far has
+  // run. Does not block; may run on another thread than AccumulateAndSelect
+  // (never for the same slot at once). Errors: CUDA errors.
+  virtual absl::Status MarkReady(size_t slot, CUstream_st* stream) = 0;
+  // On the side stream, after event `slot`: Accumulate restricted to
+  // `range` (gradient and params: the caller's whole device buffers), then
+  // Select's selection of that one range, its pairs appended to *sent with
+  // global indices. Nothing is committed. Blocks until the pairs are on
+  // the host. One call at a time. Errors: Select's.
+  virtual absl::Status AccumulateAndSelect(size_t slot, const Range& range,
+                                           const float* gradient,
+                                           const float* params, float lr,
+                                           int64_t step,
+                                           SparseVector* sent) = 0;
+  // Commits a selection made by AccumulateAndSelect over ranges covering
+  // [0, n): `sent` (indices ascending, every range's pairs) gets the codec
+  // rounding and MarkSent, as at the end of Select. Blocks. Errors: the
+  // MarkSent error of Select.
+  virtual absl::StatusOr<Sent> Commit(SparseVector sent, ValueCodec value_codec,
+                                      CUstream_st* stream) = 0;
+
+  // A piece's Range: its begin and size, k = PieceK(k, size, n).
+  static Range PieceRange(const BucketPiece& piece, uint64_t k, uint64_t n) {
+    return Range{piece.begin, piece.size(), PieceK(k, piece.size(), n)};
+  }
 
   // After a failed round: puts every sent value back (residual_i =
   // PutBackSum(u_i - recv_i, recv_i), ErrorFeedback::PutBack's rule) and

@@ -17,6 +17,7 @@
 #include "common/status_macros.h"
 #include "worker/client.h"
 #include "worker/client_internal.h"
+#include "worker/device_step.h"
 
 namespace gtopk {
 namespace worker {
@@ -43,8 +44,9 @@ absl::Status WorkerClient::BeginOverlappedStep(absl::Span<const float> gradient,
   if (apply_ != ApplyMode::kWorkers) {
     return absl::FailedPreconditionError(
         "BeginOverlappedStep: the cluster applies updates on the servers "
-        "(--apply=servers); overlapped steps aggregate gradients "
-        "(--apply=workers)");
+        "(--apply=servers); overlapped steps on host buffers aggregate "
+        "gradients (--apply=workers); under --apply=servers pass device "
+        "buffers (BeginOverlappedStep(gradient, params, n, stream))");
   }
   GTOPK_RETURN_IF_ERROR(CheckAggregateArgs("BeginOverlappedStep", gradient,
                                            averaged, params, buffers));
@@ -62,6 +64,49 @@ absl::Status WorkerClient::BeginOverlappedStep(absl::Span<const float> gradient,
   o->stats = std::move(stats);
   o->gradient = gradient;
   o->averaged = averaged;
+  return StartOverlappedStep(std::move(o));
+}
+
+absl::Status WorkerClient::BeginOverlappedStep(const float* gradient,
+                                               float* params, uint64_t n,
+                                               CUstream_st* stream) {
+  if (n != cluster_.n() || gradient == nullptr || params == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "BeginOverlappedStep (device): n = ", n, " (cluster n = ", cluster_.n(),
+        "), gradient and params must be non-null device "
+        "pointers"));
+  }
+  if (overlapped_ != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "BeginOverlappedStep (device): step ", next_step_,
+        " is open already (FinishOverlappedStep or AbandonOverlappedStep "
+        "first)"));
+  }
+  if (pieces_.empty() || apply_ != ApplyMode::kServers) {
+    return absl::FailedPreconditionError(
+        "BeginOverlappedStep (device): overlapped device steps need "
+        "--selection=layerwise and --apply=servers (with --apply=workers, "
+        "pass host buffers to BeginOverlappedStep)");
+  }
+  GTOPK_ASSIGN_OR_RETURN(StepStats stats,
+                         BeginDeviceStep(gradient, params, stream));
+  step_buffers_.clear();
+  absl::Status st = device_->BeginOverlap(pieces_.size());
+  if (st.ok()) {
+    auto o = std::make_unique<OverlappedStep>(shards_.size(), pieces_.size());
+    o->stats = std::move(stats);
+    o->device_gradient = gradient;
+    o->device_params = params;
+    o->stream = stream;
+    st = StartOverlappedStep(std::move(o));
+  }
+  if (!st.ok()) step_checksum_ = 0;
+  return st;
+}
+
+absl::Status WorkerClient::StartOverlappedStep(
+    std::unique_ptr<OverlappedStep> o) {
+  const uint64_t n = cluster_.n();
   o->pushes = NewPushes(o->stats.step);
   o->pieces_left.assign(shards_.size(), 0);
   for (const size_t s : piece_shard_) ++o->pieces_left[s];
@@ -126,7 +171,17 @@ absl::Status WorkerClient::GradientReady(uint64_t begin, uint64_t end) {
     const uint64_t lo = std::max(begin, pieces_[i].begin);
     const uint64_t hi = std::min(end, pieces_[i].end);
     o->ready[i] += hi - lo;
-    if (o->ready[i] == pieces_[i].size()) o->queue.push_back(i);
+    if (o->ready[i] < pieces_[i].size()) continue;
+    if (o->on_device()) {
+      // The piece's gradient is final where the caller's stream is now.
+      if (absl::Status st = device_->MarkReady(i, o->stream); !st.ok()) {
+        if (o->select_status.ok()) o->select_status = st;
+        o->stop = true;
+        o->gate.Abandon();
+        return st;
+      }
+    }
+    o->queue.push_back(i);
   }
   return absl::OkStatus();
 }
@@ -154,9 +209,19 @@ void WorkerClient::SelectionLoop(OverlappedStep& o) {
   }
 }
 
-absl::Status WorkerClient::SelectPiece(OverlappedStep& o, size_t i) {
+absl::Status WorkerClient::SelectPieceOnDevice(OverlappedStep& o, size_t i) {
+  const absl::Time t = absl::Now();
+  // The received values and MarkSent come in Finish (DeviceStep::Commit).
+  GTOPK_RETURN_IF_ERROR(device_->AccumulateAndSelect(
+      i, DeviceStep::PieceRange(pieces_[i], o.stats.k, cluster_.n()),
+      o.device_gradient, o.device_params, rule_.LrAt(o.stats.step),
+      o.stats.step, &o.sent[i]));
+  o.stats.select += absl::Now() - t;
+  return absl::OkStatus();
+}
+
+absl::Status WorkerClient::SelectPieceOnHost(OverlappedStep& o, size_t i) {
   const BucketPiece& p = pieces_[i];
-  const uint64_t n = cluster_.n();
   absl::Time t = absl::Now();
   absl::Span<float> residual =
       feedback_.mutable_residual().subspan(p.begin, p.size());
@@ -189,11 +254,17 @@ absl::Status WorkerClient::SelectPiece(OverlappedStep& o, size_t i) {
   o.received[i] = sent;
   QuantizeValues(codec_.value, absl::MakeSpan(o.received[i].values));
   o.stats.select += absl::Now() - t;
+  return absl::OkStatus();
+}
 
+absl::Status WorkerClient::SelectPiece(OverlappedStep& o, size_t i) {
+  GTOPK_RETURN_IF_ERROR(o.on_device() ? SelectPieceOnDevice(o, i)
+                                      : SelectPieceOnHost(o, i));
+  const uint64_t n = cluster_.n();
   const size_t s = piece_shard_[i];
   if (--o.pieces_left[s] > 0) return absl::OkStatus();
   // Shard s's pieces are all selected: its push, in index order.
-  t = absl::Now();
+  const absl::Time t = absl::Now();
   SparseVector slice;
   for (size_t j = 0; j < pieces_.size(); ++j) {
     if (piece_shard_[j] != s) continue;
@@ -202,7 +273,8 @@ absl::Status WorkerClient::SelectPiece(OverlappedStep& o, size_t i) {
     slice.values.insert(slice.values.end(), o.sent[j].values.begin(),
                         o.sent[j].values.end());
   }
-  st = EncodeSparse(slice, n, codec_, o.pushes[s].mutable_sparse());
+  const absl::Status st =
+      EncodeSparse(slice, n, codec_, o.pushes[s].mutable_sparse());
   if (!st.ok()) return Prefixed(st, ShardName(s));
   o.stats.bytes_sent[s] = o.pushes[s].ByteSizeLong();
   o.stats.encode += absl::Now() - t;
@@ -276,7 +348,8 @@ absl::StatusOr<StepStats> WorkerClient::FinishOverlappedStep(
   }
   // The gradient must still be what was read: a write after GradientReady
   // would make this rank's update differ from what it sent.
-  if (selected.ok()) selected = CheckGradientUnchanged(o);
+  // (Not checked on the device: it would need a copy of every piece.)
+  if (selected.ok() && !o.on_device()) selected = CheckGradientUnchanged(o);
   if (!selected.ok()) {
     // Pushes not yet written never go; the shards without one are told.
     AbandonOverlappedStep();
@@ -302,11 +375,17 @@ absl::StatusOr<StepStats> WorkerClient::FinishOverlappedStep(
   const absl::Time first_taken = o.first_taken;
   const absl::Duration push_time = o.push_time;
   const absl::Span<float> averaged = o.averaged;
+  float* const device_params = o.device_params;
+  CUstream_st* const stream = o.stream;
+  const bool on_device = o.on_device();
   overlapped_.reset();
   step_checksum_ = 0;
   step_buffers_.clear();
   GTOPK_RETURN_IF_ERROR(
-      EndOverlappedRound(round, sent, received, pulls, averaged, &stats));
+      on_device
+          ? EndOverlappedDeviceRound(round, std::move(sent), pulls,
+                                     device_params, stream, &stats)
+          : EndOverlappedRound(round, sent, received, pulls, averaged, &stats));
   stats.exposed = absl::Now() - finish_start;
   stats.push_wait = absl::Now() - std::min(first_taken == absl::InfiniteFuture()
                                                ? finish_start
@@ -347,6 +426,27 @@ absl::Status WorkerClient::EndOverlappedRound(
   }
   GTOPK_RETURN_IF_ERROR(feedback_.PutBack(received, *global));
   StoreAveraged(*global, pulls, averaged);
+  stats->apply = absl::Now() - t;
+  return absl::OkStatus();
+}
+
+absl::Status WorkerClient::EndOverlappedDeviceRound(
+    const absl::Status& round, SparseVector sent,
+    const std::vector<v1::Pull>& pulls, float* params, CUstream_st* stream,
+    StepStats* stats) {
+  // Every piece's u is in the device's spare buffers: committed now, with
+  // what was sent marked, so that failure and success leave the state the
+  // device Step leaves.
+  GTOPK_ASSIGN_OR_RETURN(
+      const DeviceStep::Sent s,
+      device_->Commit(std::move(sent), codec_.value, stream));
+  if (!round.ok()) return device_->PutBackAll(s, round, stream);
+  absl::StatusOr<SparseVector> global = DecodePulls(stats->step, pulls, stats);
+  if (!global.ok()) return device_->PutBackAll(s, global.status(), stream);
+  const absl::Time t = absl::Now();
+  GTOPK_RETURN_IF_ERROR(device_->Apply(s, *global,
+                                       mode_ == AggregationMode::kGtopk,
+                                       cluster_.num_workers(), params, stream));
   stats->apply = absl::Now() - t;
   return absl::OkStatus();
 }

@@ -501,8 +501,9 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
                    "(--selection=layerwise) can be pushed while backward "
                    "goes on" % c.get("selection"))
         elif self._cuda:
-            why = ("the parameters are on the GPU: overlapped steps take "
-                   "host gradients (the GPU path is not implemented yet)")
+            why = ("the parameters are on the GPU: overlapped steps with "
+                   "--apply=workers take host gradients (the device "
+                   "overlapped step is C++ and --apply=servers only)")
         elif self._passes != 1:
             why = ("backward_passes_per_step=%d: the gradient is final only "
                    "after the last pass" % self._passes)

@@ -616,6 +616,44 @@ TEST(EmulatorTest, EventsMeasureANonNegativeElapsedTime) {
   EXPECT_EQ(cudaEventDestroy(end), cudaSuccess);
 }
 
+// A non-blocking stream sees the legacy stream's earlier work only through
+// an event it waits for: without the wait the kernel reads the memory as it
+// was (0xff bytes, the memset not run yet); with it, the memset's zeros.
+TEST(EmulatorTest, StreamWaitEventOrdersAnotherStreamsWork) {
+  for (const bool wait : {false, true}) {
+    SCOPED_TRACE(wait ? "with cudaStreamWaitEvent" : "without");
+    cudaStream_t stream;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
+              cudaSuccess);
+    cudaEvent_t ready;
+    ASSERT_EQ(cudaEventCreate(&ready), cudaSuccess);
+    float* d = DeviceArray<float>(8);
+    float* pinned = nullptr;
+    ASSERT_EQ(
+        cudaMallocHost(reinterpret_cast<void**>(&pinned), 8 * sizeof(float)),
+        cudaSuccess);
+    ASSERT_EQ(cudaMemsetAsync(d, 0, 8 * sizeof(float), nullptr), cudaSuccess);
+    ASSERT_EQ(cudaEventRecord(ready, nullptr), cudaSuccess);
+    if (wait) {
+      ASSERT_EQ(cudaStreamWaitEvent(stream, ready, 0), cudaSuccess);
+    }
+    GTOPK_LAUNCH(CopyKernel, 1, 32, stream)(d, pinned, 8);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    for (int i = 0; i < 8; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &pinned[i], sizeof(bits));
+      EXPECT_EQ(bits, wait ? 0u : 0xffffffffu) << i;
+    }
+    EXPECT_EQ(cudaStreamWaitEvent(stream, ready, 1), cudaErrorInvalidValue);
+    cudaGetLastError();
+    ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
+    EXPECT_EQ(cudaFreeHost(pinned), cudaSuccess);
+    EXPECT_EQ(cudaFree(d), cudaSuccess);
+    EXPECT_EQ(cudaEventDestroy(ready), cudaSuccess);
+    EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Each check fails the process with its message
 // ---------------------------------------------------------------------------

@@ -1262,6 +1262,23 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   return cudaSuccess;
 }
 
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event,
+                                unsigned int flags) {
+  std::lock_guard<std::mutex> lock(Mutex());
+  if (S().events.count(event) == 0 || !gtopk::cuda_emu::ValidStream(stream)) {
+    return gtopk::cuda_emu::SetError(cudaErrorInvalidResourceHandle);
+  }
+  if (flags != 0) return gtopk::cuda_emu::SetError(cudaErrorInvalidValue);
+  if (!event->recorded) return cudaSuccess;
+  // A dependency of what follows on `stream`: when this operation runs (in
+  // order on its stream), the record and what it depends on run first,
+  // unless they ran already.
+  const uint64_t seq = event->seq;
+  gtopk::cuda_emu::Enqueue(stream,
+                           [seq]() { gtopk::cuda_emu::RunThrough(seq); });
+  return cudaSuccess;
+}
+
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start,
                                  cudaEvent_t end) {
   std::lock_guard<std::mutex> lock(Mutex());

@@ -227,6 +227,11 @@ cudaError_t cudaEventCreate(cudaEvent_t* event);
 cudaError_t cudaEventDestroy(cudaEvent_t event);
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream = nullptr);
 cudaError_t cudaEventSynchronize(cudaEvent_t event);
+// Work enqueued on `stream` after this call runs after the event's latest
+// record (the work before it on its stream, with what that depends on);
+// nothing to wait for when the event was never recorded. flags must be 0.
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event,
+                                unsigned int flags = 0);
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end);
 
 // ---------------------------------------------------------------------------
