@@ -347,12 +347,13 @@ class WorkerClient {
                                           std::string* buffers_out = nullptr,
                                           uint64_t state_checksum = 0);
 
-  // Overlapped steps (--selection=layerwise with --apply=workers;
-  // docs/overlap.md): AggregateStep cut in three, so that a bucket's error
-  // feedback, selection and push run while the caller's backward pass
-  // computes the rest of the gradient. The layer-wise gTop-k of S. Shi et
-  // al. (LAGS-SGD, ECAI 2020) with the pushes overlapped with backward as
-  // PyTorch DDP overlaps its buckets' all-reduce.
+  // Overlapped steps (--selection=layerwise; docs/overlap.md):
+  // AggregateStep (--apply=workers), or the host or device Step
+  // (--apply=servers; the overloads after this one), cut in three, so that
+  // a bucket's error feedback, selection and push run while the caller's
+  // backward pass computes the rest of the gradient. The layer-wise gTop-k of
+  // S. Shi et al. (LAGS-SGD, ECAI 2020) with the pushes overlapped with
+  // backward as PyTorch DDP overlaps its buckets' all-reduce.
   //
   // BeginOverlappedStep(gradient, averaged, params, buffers,
   // state_checksum): opens step next_step(); the arguments as
@@ -578,6 +579,11 @@ class WorkerClient {
   // released, the streams, the selection and round threads; `o` holds the
   // step's stats and buffers. Errors: EncodeSparse's (nothing started).
   absl::Status StartOverlappedStep(std::unique_ptr<OverlappedStep> o);
+  // The host Step's and BeginOverlappedStep's length check: both of
+  // length n, else INVALID_ARGUMENT prefixed with `what`.
+  absl::Status CheckLengths(absl::string_view what,
+                            absl::Span<const float> gradient,
+                            absl::Span<const float> params) const;
   // Every BeginOverlappedStep's checks: no step open, layer-wise
   // selection, the cluster's apply mode is `apply`; FAILED_PRECONDITION
   // prefixed with `what` otherwise.

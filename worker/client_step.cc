@@ -91,11 +91,7 @@ absl::StatusOr<StepStats> WorkerClient::BeginStep(uint64_t n) const {
 absl::StatusOr<StepStats> WorkerClient::Step(absl::Span<const float> gradient,
                                              absl::Span<float> params) {
   const uint64_t n = cluster_.n();
-  if (gradient.size() != n || params.size() != n) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("Step: gradient has ", gradient.size(),
-                     " values and params ", params.size(), "; n = ", n));
-  }
+  GTOPK_RETURN_IF_ERROR(CheckLengths("Step", gradient, params));
   if (apply_ == ApplyMode::kWorkers) {
     return absl::FailedPreconditionError(
         "Step: the cluster runs with --apply=workers (gradient aggregation): "
@@ -122,6 +118,16 @@ absl::StatusOr<StepStats> WorkerClient::Step(absl::Span<const float> gradient,
   GTOPK_RETURN_IF_ERROR(st);
   ++next_step_;
   return stats;
+}
+
+absl::Status WorkerClient::CheckLengths(absl::string_view what,
+                                        absl::Span<const float> gradient,
+                                        absl::Span<const float> params) const {
+  const uint64_t n = cluster_.n();
+  if (gradient.size() == n && params.size() == n) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(what, ": gradient has ", gradient.size(),
+                   " values and params ", params.size(), "; n = ", n));
 }
 
 bool WorkerClient::checksum_due() const {

@@ -75,15 +75,10 @@ absl::Status WorkerClient::BeginOverlappedStep(absl::Span<const float> gradient,
 
 absl::Status WorkerClient::BeginOverlappedStep(absl::Span<const float> gradient,
                                                absl::Span<float> params) {
-  const uint64_t n = cluster_.n();
-  if (gradient.size() != n || params.size() != n) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("BeginOverlappedStep: gradient has ", gradient.size(),
-                     " values and params ", params.size(), "; n = ", n));
-  }
+  GTOPK_RETURN_IF_ERROR(CheckLengths("BeginOverlappedStep", gradient, params));
   GTOPK_RETURN_IF_ERROR(
       CheckCanOverlap("BeginOverlappedStep", ApplyMode::kServers));
-  GTOPK_ASSIGN_OR_RETURN(StepStats stats, BeginStep(n));
+  GTOPK_ASSIGN_OR_RETURN(StepStats stats, BeginStep(cluster_.n()));
   // The parameters before this step's update, as the host Step sends.
   step_checksum_ = ChecksumFor(stats.step, params);
   step_buffers_.clear();

@@ -5,6 +5,7 @@
 // u = residual + g, the sum over workers in rank order, its top-k, A/P.
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <ostream>
@@ -52,6 +53,11 @@ struct Case {
 void PrintTo(const Case& c, std::ostream* os) {
   *os << "P" << c.workers << "_S" << c.shards
       << (c.overlapped ? "_overlapped" : "_whole");
+}
+
+std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
+  return absl::StrCat("P", info.param.workers, "_S", info.param.shards,
+                      info.param.overlapped ? "_overlapped" : "_whole");
 }
 
 server::ServerConfig MakeConfig(int workers) {
@@ -174,6 +180,17 @@ std::unique_ptr<WorkerClient> ConnectWorker(const std::string& leader,
   return ::gtopk::testing::OkOrThrow(WorkerClient::Connect(o), "Connect");
 }
 
+// `workers` clients, ranks in order, and the shards' first indices.
+std::vector<std::unique_ptr<WorkerClient>> ConnectWorkers(
+    const std::string& leader, int workers, std::vector<uint64_t>* begins) {
+  std::vector<std::unique_ptr<WorkerClient>> clients;
+  for (int w = 0; w < workers; ++w) clients.push_back(ConnectWorker(leader, w));
+  for (const auto& s : clients[0]->cluster().shards()) {
+    begins->push_back(s.begin());
+  }
+  return clients;
+}
+
 // The rest of an overlapped step's backward pass, as an autograd pass
 // would run it: the gradient buffer (NaN since before Begin: a value read
 // before it is reported fails the step) is filled and reported in chunks
@@ -226,6 +243,35 @@ absl::StatusOr<worker::StepStats> OverlappedServersStep(
   return client.FinishOverlappedStep();
 }
 
+// Every worker on its own thread: SynchronizeParameters of params[w],
+// then `step(w, t, params[w], buffer)` for t = 0 .. kSteps-1 (each must
+// return step t's stats); the first failure per worker.
+std::vector<absl::Status> RunWorkers(
+    std::vector<std::unique_ptr<WorkerClient>>& clients,
+    std::vector<std::vector<float>>& params,
+    const std::function<absl::StatusOr<worker::StepStats>(
+        int, int, std::vector<float>&, std::vector<float>&)>& step) {
+  std::vector<absl::Status> status(clients.size());
+  std::vector<std::thread> threads;
+  for (size_t w = 0; w < clients.size(); ++w) {
+    threads.emplace_back([&, w] {
+      std::vector<float>& p = params[w];
+      status[w] = clients[w]->SynchronizeParameters(absl::MakeSpan(p)).status();
+      std::vector<float> buffer(kN);
+      for (int t = 0; t < kSteps && status[w].ok(); ++t) {
+        absl::StatusOr<worker::StepStats> st =
+            step(static_cast<int>(w), t, p, buffer);
+        status[w] = st.status();
+        if (st.ok() && st->step != t) {
+          status[w] = absl::InternalError(absl::StrCat("step ", st->step));
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return status;
+}
+
 class OverlapTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(OverlapTest, MatchesLayerwiseReferenceBitForBit) {
@@ -234,14 +280,9 @@ TEST_P(OverlapTest, MatchesLayerwiseReferenceBitForBit) {
       ::gtopk::testing::LocalCluster::Start(MakeConfig(c.workers), c.shards);
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
   ::gtopk::testing::LocalCluster& cluster = **cluster_or;
-  std::vector<std::unique_ptr<WorkerClient>> clients;
-  for (int w = 0; w < c.workers; ++w) {
-    clients.push_back(ConnectWorker(cluster.leader(), w));
-  }
   std::vector<uint64_t> begins;
-  for (const auto& s : clients[0]->cluster().shards()) {
-    begins.push_back(s.begin());
-  }
+  std::vector<std::unique_ptr<WorkerClient>> clients =
+      ConnectWorkers(cluster.leader(), c.workers, &begins);
   // The client cuts the same pieces as the reference.
   const std::vector<BucketPiece> expected_pieces =
       ::gtopk::testing::OkOrThrow(CutBucketPieces(kN, kBucket, begins), "cut");
@@ -252,41 +293,19 @@ TEST_P(OverlapTest, MatchesLayerwiseReferenceBitForBit) {
   }
   const Reference ref = Simulate(c.workers, begins);
 
-  const std::vector<float> params = NormalVector(kN, 99);
+  std::vector<std::vector<float>> params(c.workers, NormalVector(kN, 99));
   std::vector<std::vector<std::vector<float>>> averaged(
       c.workers, std::vector<std::vector<float>>(kSteps));
-  std::vector<absl::Status> status(c.workers);
-  std::vector<std::thread> threads;
-  for (int w = 0; w < c.workers; ++w) {
-    threads.emplace_back([&, w] {
-      std::vector<float> p = params;
-      absl::StatusOr<int64_t> start =
-          clients[w]->SynchronizeParameters(absl::MakeSpan(p));
-      if (!start.ok()) {
-        status[w] = start.status();
-        return;
-      }
-      std::vector<float> buffer(kN);
-      for (int t = 0; t < kSteps; ++t) {
+  const std::vector<absl::Status> status = RunWorkers(
+      clients, params,
+      [&](int w, int t, std::vector<float>& p, std::vector<float>& buffer) {
         const std::vector<float> g = Gradient(t, w);
         averaged[w][t].assign(kN, -1.0f);
-        absl::StatusOr<worker::StepStats> st =
-            c.overlapped
-                ? OverlappedStep(*clients[w], g, buffer, averaged[w][t], p)
-                : clients[w]->AggregateStep(g, absl::MakeSpan(averaged[w][t]),
-                                            p);
-        if (!st.ok()) {
-          status[w] = st.status();
-          return;
-        }
-        if (st->step != t) {
-          status[w] = absl::InternalError(absl::StrCat("step ", st->step));
-          return;
-        }
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+        return c.overlapped
+                   ? OverlappedStep(*clients[w], g, buffer, averaged[w][t], p)
+                   : clients[w]->AggregateStep(
+                         g, absl::MakeSpan(averaged[w][t]), p);
+      });
   for (int w = 0; w < c.workers; ++w) {
     ASSERT_TRUE(status[w].ok()) << "worker " << w << ": " << status[w];
     for (int t = 0; t < kSteps; ++t) {
@@ -318,12 +337,7 @@ std::vector<Case> Cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(All, OverlapTest, ::testing::ValuesIn(Cases()),
-                         [](const ::testing::TestParamInfo<Case>& info) {
-                           return absl::StrCat(
-                               "P", info.param.workers, "_S", info.param.shards,
-                               info.param.overlapped ? "_overlapped"
-                                                     : "_whole");
-                         });
+                         CaseName);
 
 // A step given up in the middle of its buckets (an exception in the
 // backward pass after shard 1's push went out): nothing is applied
@@ -335,14 +349,9 @@ TEST(OverlapFailureTest, AbandonedStepAppliesNothingAndTheRetryCompletes) {
       ::gtopk::testing::LocalCluster::Start(MakeConfig(kWorkers), 2);
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
   ::gtopk::testing::LocalCluster& cluster = **cluster_or;
-  std::vector<std::unique_ptr<WorkerClient>> clients;
-  for (int w = 0; w < kWorkers; ++w) {
-    clients.push_back(ConnectWorker(cluster.leader(), w));
-  }
   std::vector<uint64_t> begins;
-  for (const auto& s : clients[0]->cluster().shards()) {
-    begins.push_back(s.begin());
-  }
+  std::vector<std::unique_ptr<WorkerClient>> clients =
+      ConnectWorkers(cluster.leader(), kWorkers, &begins);
   const Reference ref = Simulate(kWorkers, begins);
   const std::vector<float> params = NormalVector(kN, 99);
   constexpr int kFailingStep = 2;
@@ -528,14 +537,9 @@ TEST_P(ServersApplyOverlapTest, MatchesLayerwiseReferenceBitForBit) {
   auto cluster_or = ::gtopk::testing::LocalCluster::Start(
       ServersApplyConfig(c.workers), c.shards);
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
-  std::vector<std::unique_ptr<WorkerClient>> clients;
-  for (int w = 0; w < c.workers; ++w) {
-    clients.push_back(ConnectWorker((*cluster_or)->leader(), w));
-  }
   std::vector<uint64_t> begins;
-  for (const auto& s : clients[0]->cluster().shards()) {
-    begins.push_back(s.begin());
-  }
+  std::vector<std::unique_ptr<WorkerClient>> clients =
+      ConnectWorkers((*cluster_or)->leader(), c.workers, &begins);
   const Reference ref = Simulate(c.workers, begins);
   const std::vector<float> initial = NormalVector(kN, 99);
   std::vector<float> expected = initial;
@@ -545,31 +549,13 @@ TEST_P(ServersApplyOverlapTest, MatchesLayerwiseReferenceBitForBit) {
   ASSERT_FALSE(BitEqual(expected, initial));
 
   std::vector<std::vector<float>> params(c.workers, initial);
-  std::vector<absl::Status> status(c.workers);
-  std::vector<std::thread> threads;
-  for (int w = 0; w < c.workers; ++w) {
-    threads.emplace_back([&, w] {
-      std::vector<float>& p = params[w];
-      absl::StatusOr<int64_t> start =
-          clients[w]->SynchronizeParameters(absl::MakeSpan(p));
-      if (!start.ok()) {
-        status[w] = start.status();
-        return;
-      }
-      std::vector<float> buffer(kN);
-      for (int t = 0; t < kSteps && status[w].ok(); ++t) {
+  const std::vector<absl::Status> status = RunWorkers(
+      clients, params,
+      [&](int w, int t, std::vector<float>& p, std::vector<float>& buffer) {
         const std::vector<float> g = Gradient(t, w);
-        absl::StatusOr<worker::StepStats> st =
-            c.overlapped ? OverlappedServersStep(*clients[w], g, buffer, p)
-                         : clients[w]->Step(g, absl::MakeSpan(p));
-        status[w] = st.status();
-        if (st.ok() && st->step != t) {
-          status[w] = absl::InternalError(absl::StrCat("step ", st->step));
-        }
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+        return c.overlapped ? OverlappedServersStep(*clients[w], g, buffer, p)
+                            : clients[w]->Step(g, absl::MakeSpan(p));
+      });
   for (int w = 0; w < c.workers; ++w) {
     ASSERT_TRUE(status[w].ok()) << "worker " << w << ": " << status[w];
     EXPECT_EQ(FloatBits(params[w]), FloatBits(expected)) << "worker " << w;
@@ -585,12 +571,7 @@ TEST_P(ServersApplyOverlapTest, MatchesLayerwiseReferenceBitForBit) {
 INSTANTIATE_TEST_SUITE_P(All, ServersApplyOverlapTest,
                          ::testing::Values(Case{2, 2, true}, Case{2, 2, false},
                                            Case{3, 1, true}, Case{1, 2, true}),
-                         [](const ::testing::TestParamInfo<Case>& info) {
-                           return absl::StrCat(
-                               "P", info.param.workers, "_S", info.param.shards,
-                               info.param.overlapped ? "_overlapped"
-                                                     : "_whole");
-                         });
+                         CaseName);
 
 // The cluster's full rule (lr 0.1, DGC momentum correction, weight decay:
 // AccumulateLocal reads the parameters and writes the local velocity): the

@@ -450,23 +450,31 @@ TEST(TrainerTest, OverlappedLayerwiseStepsMatchPlainSteps) {
   for (const bool overlap : {true, false}) {
     auto cluster_or = ::gtopk::testing::LocalCluster::Start(config, 2);
     ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+    // Prepared one after the other: torch's seeded initialisation uses its
+    // global generator, so two models made at once would differ run to run.
+    std::vector<TrainerOptions> options(kWorkers);
+    std::vector<Trainer> prepared;
+    for (int rank = 0; rank < kWorkers; ++rank) {
+      TrainerOptions& o = options[rank];
+      o.server = (*cluster_or)->leader();
+      o.rank = rank;
+      o.model = "mlp";
+      o.data_dir = dir;
+      o.batch_size = 16;
+      o.steps = kSteps;
+      o.rpc_timeout = absl::Seconds(20);
+      o.summary_json = absl::StrFormat("%s/rank%d_%d.json", dir, rank,
+                                       static_cast<int>(overlap));
+      o.testing_no_overlap = !overlap;
+      absl::StatusOr<Trainer> trainer = Trainer::Prepare(o);
+      GTOPK_ASSERT_OK(trainer.status());
+      prepared.push_back(*std::move(trainer));
+    }
     std::vector<absl::Status> status(kWorkers);
     std::vector<std::thread> trainers;
     for (int rank = 0; rank < kWorkers; ++rank) {
-      trainers.emplace_back([&, rank] {
-        TrainerOptions o;
-        o.server = (*cluster_or)->leader();
-        o.rank = rank;
-        o.model = "mlp";
-        o.data_dir = dir;
-        o.batch_size = 16;
-        o.steps = kSteps;
-        o.rpc_timeout = absl::Seconds(20);
-        o.summary_json = absl::StrFormat("%s/rank%d_%d.json", dir, rank,
-                                         static_cast<int>(overlap));
-        o.testing_no_overlap = !overlap;
-        status[rank] = RunTrainer(o);
-      });
+      trainers.emplace_back(
+          [&, rank] { status[rank] = prepared[rank].Train(); });
     }
     for (auto& t : trainers) t.join();
     checksums.emplace_back();
