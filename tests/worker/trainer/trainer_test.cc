@@ -177,12 +177,16 @@ size_t CountOf(const std::string& text, const std::string& what) {
 // the other worker (rank 1, a WorkerClient of the test) does not push for
 // 5 s, so every attempt of the trainer's step 0 fails with
 // DEADLINE_EXCEEDED after the 400 ms step timeout. The final parameters
-// equal rank 1's and the servers'.
-TEST(TrainerTest, RetriesAreBoundedByTimeNotByACount) {
+// equal rank 1's and the servers'. Run with both selections: layer-wise,
+// the trainer's steps are overlapped (its failed attempts are
+// FinishOverlappedStep's, the retries the plain Step with a zero gradient).
+void RetriesAreBoundedByTime(SelectionKind selection) {
   constexpr uint64_t kN = 1000;
   constexpr int kSteps = 4;
   server::ServerConfig config;
   config.num_workers = 2;
+  config.selection = selection;
+  config.bucket_mb = 300 * 4.0 / (1 << 20);  // layerwise only
   config.optimizer.density = 0.05;
   config.optimizer.momentum = 0.0f;  // a retry's push is the first one's
   config.step_timeout = absl::Milliseconds(400);
@@ -267,6 +271,14 @@ TEST(TrainerTest, RetriesAreBoundedByTimeNotByACount) {
             Fnv1a64(params.data(), kN * sizeof(float)));
   std::remove(summary.c_str());
   rmdir(dir_template);
+}
+
+TEST(TrainerTest, RetriesAreBoundedByTimeNotByACount) {
+  RetriesAreBoundedByTime(SelectionKind::kThreshold);
+}
+
+TEST(TrainerTest, OverlappedStepsAreRecoveredAndRetried) {
+  RetriesAreBoundedByTime(SelectionKind::kLayerwise);
 }
 
 // A --recovery-timeout shorter than one Recover call's time (the step
