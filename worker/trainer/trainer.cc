@@ -46,13 +46,13 @@ namespace gtopk {
 namespace worker {
 namespace {
 
+using trainer_internal::ComputeAndStep;
 using trainer_internal::Data;
 using trainer_internal::Evaluator;
 using trainer_internal::GradientSource;
 using trainer_internal::LoadData;
-using trainer_internal::PrintLine;
-using trainer_internal::ComputeAndStep;
 using trainer_internal::OverlapSteps;
+using trainer_internal::PrintLine;
 using trainer_internal::StepAttempt;
 
 // The default recovery time budget (--recovery-timeout), in the servers'
