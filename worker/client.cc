@@ -587,18 +587,16 @@ absl::StatusOr<WorkerState> WorkerClient::ExportState() {
                           feedback_.residual().end());
     return state;
   }
-  // An overlapped step is open: the residual as it was before it (the
-  // pieces accumulated so far hold u; their backup holds the residual).
+  // An overlapped step is open: the residual (and velocity) as they were
+  // before it (the pieces accumulated so far hold u; their backup holds the
+  // residual).
   OverlappedStep& o = *overlapped_;
   absl::MutexLock lock(&o.piece_mu);
   state.residual.assign(feedback_.residual().begin(),
                         feedback_.residual().end());
-  for (size_t i = 0; i < pieces_.size(); ++i) {
-    if (!o.accumulated[i]) continue;
-    std::copy(overlap_backup_.begin() + pieces_[i].begin,
-              overlap_backup_.begin() + pieces_[i].end,
-              state.residual.begin() + pieces_[i].begin);
-  }
+  state.velocity = velocity_;
+  RestoreFromBackups(o, absl::MakeSpan(state.residual),
+                     absl::MakeSpan(state.velocity));
   return state;
 }
 

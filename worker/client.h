@@ -347,12 +347,13 @@ class WorkerClient {
                                           std::string* buffers_out = nullptr,
                                           uint64_t state_checksum = 0);
 
-  // Overlapped steps (--selection=layerwise with --apply=workers;
-  // docs/overlap.md): AggregateStep cut in three, so that a bucket's error
-  // feedback, selection and push run while the caller's backward pass
-  // computes the rest of the gradient. The layer-wise gTop-k of S. Shi et
-  // al. (LAGS-SGD, ECAI 2020) with the pushes overlapped with backward as
-  // PyTorch DDP overlaps its buckets' all-reduce.
+  // Overlapped steps (--selection=layerwise; docs/overlap.md):
+  // AggregateStep (--apply=workers), or the host or device Step
+  // (--apply=servers; the overloads after this one), cut in three, so that
+  // a bucket's error feedback, selection and push run while the caller's
+  // backward pass computes the rest of the gradient. The layer-wise gTop-k of
+  // S. Shi et al. (LAGS-SGD, ECAI 2020) with the pushes overlapped with
+  // backward as PyTorch DDP overlaps its buckets' all-reduce.
   //
   // BeginOverlappedStep(gradient, averaged, params, buffers,
   // state_checksum): opens step next_step(); the arguments as
@@ -366,13 +367,43 @@ class WorkerClient {
   // push goes out as soon as every piece of its range was selected).
   // Errors (nothing started): AggregateStep's checks; FAILED_PRECONDITION
   // when the cluster's selection is not layerwise, when it applies on the
-  // servers (--apply=servers: the device overload below), or when a step
+  // servers (--apply=servers: the overloads below), or when a step
   // is open already.
   absl::Status BeginOverlappedStep(absl::Span<const float> gradient,
                                    absl::Span<float> averaged,
                                    absl::Span<const float> params,
                                    absl::string_view buffers = {},
                                    uint64_t state_checksum = 0);
+  // The host Step (above) cut in three, for --selection=layerwise with
+  // --apply=servers (docs/overlap.md, "The C++ trainer"):
+  //   gradient  length n; need not be final yet: the caller fills it range
+  //             by range, calling GradientReady after each, and must not
+  //             write a range once reported.
+  //   params    length n: this replica's parameters; read (the rule's
+  //             weight decay, the divergence alarm's checksum) and, by
+  //             FinishOverlappedStep, updated in place with the pulled
+  //             global top-k exactly as Step applies it; the caller must not
+  //             write them before Finish or Abandon returns.
+  // Both must stay alive until FinishOverlappedStep or
+  // AbandonOverlappedStep returns. The selection thread runs the cluster's
+  // rule (lr, weight decay, the DGC local velocity) on each complete piece,
+  // then its top PieceK, as Step does per piece: bit-identical to
+  // Step(gradient, params) on the same final gradient. Finish's failure
+  // contract is Step's (the round failed: nothing applied to `params`, the
+  // residual holds u, retry with the next gradient added on top); a
+  // selection failure (a non-finite gradient: INVALID_ARGUMENT) or a
+  // reported range written afterwards (FAILED_PRECONDITION) gives the step
+  // up as AbandonOverlappedStep, which restores the residual and the local
+  // velocity of every piece accumulated (Recover before the retry when a
+  // push had gone out). Not thread-safe, as Step: one thread calls Begin,
+  // GradientReady, Finish and Abandon (GradientReady may be called from
+  // autograd hooks of that thread's backward pass).
+  // Errors (nothing started): INVALID_ARGUMENT for a wrong length;
+  // FAILED_PRECONDITION when a step is open, when the cluster's selection
+  // is not layerwise, or when it applies on the workers (--apply=workers:
+  // the overload above).
+  absl::Status BeginOverlappedStep(absl::Span<const float> gradient,
+                                   absl::Span<float> params);
   // The same on the GPU, for --selection=layerwise with --apply=servers
   // (the device Step, above, cut in three; docs/overlap.md, "On the
   // GPU"): `gradient` (device, n floats, written by the caller's backward
@@ -548,6 +579,27 @@ class WorkerClient {
   // released, the streams, the selection and round threads; `o` holds the
   // step's stats and buffers. Errors: EncodeSparse's (nothing started).
   absl::Status StartOverlappedStep(std::unique_ptr<OverlappedStep> o);
+  // The host Step's and BeginOverlappedStep's length check: both of
+  // length n, else INVALID_ARGUMENT prefixed with `what`.
+  absl::Status CheckLengths(absl::string_view what,
+                            absl::Span<const float> gradient,
+                            absl::Span<const float> params) const;
+  // Every BeginOverlappedStep's checks: no step open, layer-wise
+  // selection, the cluster's apply mode is `apply`; FAILED_PRECONDITION
+  // prefixed with `what` otherwise.
+  absl::Status CheckCanOverlap(absl::string_view what, ApplyMode apply) const;
+  // Both host BeginOverlappedSteps' end (after their checks, BeginStep and
+  // the checksum): the backups sized, then StartOverlappedStep; exactly one
+  // of `params` (--apply=servers) and `averaged` is non-empty.
+  absl::Status StartHostOverlappedStep(StepStats stats,
+                                       absl::Span<const float> gradient,
+                                       absl::Span<float> params,
+                                       absl::Span<float> averaged);
+  // Copies the backups of every piece `o` accumulated into `residual` and,
+  // for a step with params (--apply=servers), `velocity` (length n each):
+  // the state as before the step (AbandonOverlappedStep, ExportState).
+  void RestoreFromBackups(const OverlappedStep& o, absl::Span<float> residual,
+                          absl::Span<float> velocity) const;
   void SelectionLoop(OverlappedStep& o);
   // FinishOverlappedStep's parts: the values never reported go in and the
   // selection thread ends; the gradient must still be what it read
@@ -572,11 +624,32 @@ class WorkerClient {
                                         float* params, CUstream_st* stream,
                                         StepStats* stats);
   absl::Status CheckGradientUnchanged(const OverlappedStep& o) const;
+  // A host step's end (MarkSent, then ApplyGlobalOnHost, or RestoreSent
+  // when the round failed): the failure contract of Step (params
+  // non-empty) or AggregateStep (averaged non-empty).
   absl::Status EndOverlappedRound(const absl::Status& round,
                                   const SparseVector& sent,
                                   const SparseVector& received,
                                   const std::vector<v1::Pull>& pulls,
+                                  absl::Span<float> params,
                                   absl::Span<float> averaged, StepStats* stats);
+  // A failed sparse host step after MarkSent: every entry sent put back in
+  // the residual (it holds u again); returns `status`, or INTERNAL with
+  // both messages when that failed.
+  absl::Status RestoreSent(const SparseVector& received,
+                           const absl::Status& status);
+  // The end of a sparse host step (SparseStepOnHost, EndOverlappedRound)
+  // once the global top-k is pulled: checked, then the residual's sent
+  // entries that were not selected globally put back and the update
+  // applied to `params` with the DGC momentum masked (`averaged` empty:
+  // --apply=servers), or A/P stored in `averaged`. A failed check restores
+  // what was sent (RestoreSent) and changes nothing else.
+  absl::Status ApplyGlobalOnHost(int64_t step, const SparseVector& sent,
+                                 const SparseVector& received,
+                                 const SparseVector& global,
+                                 const std::vector<v1::Pull>& pulls,
+                                 absl::Span<float> params,
+                                 absl::Span<float> averaged, StepStats* stats);
   // The checksum to send at `step` (0: not a check step).
   uint64_t ChecksumFor(int64_t step, absl::Span<const float> params) const;
   // The start of a sparse device step (Step, BeginOverlappedStep with
@@ -746,6 +819,8 @@ class WorkerClient {
   // it, per piece accumulated (restored by AbandonOverlappedStep).
   std::unique_ptr<OverlappedStep> overlapped_;
   std::vector<float> overlap_backup_;
+  // The same for the DGC local velocity (host steps with --apply=servers).
+  std::vector<float> overlap_velocity_backup_;
   // The gradient of every piece as the selection thread read it: Finish
   // refuses a step whose gradient was written after it was reported.
   std::vector<float> overlap_gradient_;

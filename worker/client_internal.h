@@ -104,7 +104,10 @@ struct WorkerClient::OverlappedStep {
 
   StepStats stats;
   absl::Span<const float> gradient;
+  // Host steps: `averaged` (--apply=workers) or `params` (--apply=servers,
+  // updated by Finish) is the caller's; the other is empty.
   absl::Span<float> averaged;
+  absl::Span<float> params;
   // Device steps (BeginOverlappedStep with device pointers): the caller's
   // device buffers and stream; null for a host step.
   const float* device_gradient = nullptr;
@@ -129,7 +132,8 @@ struct WorkerClient::OverlappedStep {
   // (ExportState reads a consistent residual under it).
   absl::Mutex piece_mu;
   // Per piece (selection thread): what it sent, as sent and as received
-  // (codec round trip), and whether its u is in the residual (piece_mu).
+  // (codec round trip), and whether its u is in the residual (and, with
+  // `params`, its velocity updated) (piece_mu).
   std::vector<SparseVector> sent, received;
   std::vector<bool> accumulated;
   std::vector<size_t> pieces_left;  // per shard (selection thread)

@@ -91,11 +91,7 @@ absl::StatusOr<StepStats> WorkerClient::BeginStep(uint64_t n) const {
 absl::StatusOr<StepStats> WorkerClient::Step(absl::Span<const float> gradient,
                                              absl::Span<float> params) {
   const uint64_t n = cluster_.n();
-  if (gradient.size() != n || params.size() != n) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("Step: gradient has ", gradient.size(),
-                     " values and params ", params.size(), "; n = ", n));
-  }
+  GTOPK_RETURN_IF_ERROR(CheckLengths("Step", gradient, params));
   if (apply_ == ApplyMode::kWorkers) {
     return absl::FailedPreconditionError(
         "Step: the cluster runs with --apply=workers (gradient aggregation): "
@@ -122,6 +118,16 @@ absl::StatusOr<StepStats> WorkerClient::Step(absl::Span<const float> gradient,
   GTOPK_RETURN_IF_ERROR(st);
   ++next_step_;
   return stats;
+}
+
+absl::Status WorkerClient::CheckLengths(absl::string_view what,
+                                        absl::Span<const float> gradient,
+                                        absl::Span<const float> params) const {
+  const uint64_t n = cluster_.n();
+  if (gradient.size() == n && params.size() == n) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(what, ": gradient has ", gradient.size(),
+                   " values and params ", params.size(), "; n = ", n));
 }
 
 bool WorkerClient::checksum_due() const {
@@ -345,46 +351,52 @@ absl::Status WorkerClient::SparseStepOnHost(absl::Span<float> params,
   stats->select = absl::Now() - t;
   stats->sent_pairs = sent.size();
 
-  // From here a failure puts every sent entry back:
-  // residual[i] = fl(fl(u - recv) + recv).
-  auto fail = [&](const absl::Status& status) -> absl::Status {
-    const absl::Status restored = feedback_.PutBack(received, SparseVector());
-    if (!restored.ok()) {
-      return absl::InternalError(absl::StrCat(
-          status.ToString(),
-          "; and restoring the residual failed: ", restored.ToString()));
-    }
-    return status;
-  };
+  // From here a failure puts every sent entry back (RestoreSent).
   std::vector<v1::Pull> pulls;
   absl::StatusOr<SparseVector> global =
       SparseRoundTrip(step, sent, &pulls, stats);
-  if (!global.ok()) return fail(global.status());
+  if (!global.ok()) return RestoreSent(received, global.status());
+  return ApplyGlobalOnHost(step, sent, received, *global, pulls, params,
+                           averaged, stats);
+}
 
-  t = absl::Now();
+absl::Status WorkerClient::RestoreSent(const SparseVector& received,
+                                       const absl::Status& status) {
+  // residual[i] = fl(fl(u - recv) + recv) for every entry sent.
+  const absl::Status restored = feedback_.PutBack(received, SparseVector());
+  if (!restored.ok()) {
+    return absl::InternalError(absl::StrCat(
+        status.ToString(),
+        "; and restoring the residual failed: ", restored.ToString()));
+  }
+  return status;
+}
+
+absl::Status WorkerClient::ApplyGlobalOnHost(
+    int64_t step, const SparseVector& sent, const SparseVector& received,
+    const SparseVector& global, const std::vector<v1::Pull>& pulls,
+    absl::Span<float> params, absl::Span<float> averaged, StepStats* stats) {
+  const absl::Time t = absl::Now();
   if (absl::Status st = averaged.empty()
-                            ? CheckServersUpdate(step, pulls, *global, params)
-                            : CheckAveraged(step, *global, pulls);
+                            ? CheckServersUpdate(step, pulls, global, params)
+                            : CheckAveraged(step, global, pulls);
       !st.ok()) {
-    return fail(st);
+    return RestoreSent(received, st);
+  }
+  if (mode_ == AggregationMode::kGtopk) {
+    GTOPK_RETURN_IF_ERROR(feedback_.PutBack(received, global));
   }
   if (!averaged.empty()) {
-    if (mode_ == AggregationMode::kGtopk) {
-      GTOPK_RETURN_IF_ERROR(feedback_.PutBack(received, *global));
-    }
     // Written last: `averaged` may alias the gradient the caller passed.
-    StoreAveraged(*global, pulls, averaged);
+    StoreAveraged(global, pulls, averaged);
     stats->apply = absl::Now() - t;
     return absl::OkStatus();
   }
-  if (mode_ == AggregationMode::kGtopk) {
-    GTOPK_RETURN_IF_ERROR(feedback_.PutBack(received, *global));
-  }
   GTOPK_RETURN_IF_ERROR(
-      rule_.MaskMomentum(sent, *global, absl::MakeSpan(velocity_)));
+      rule_.MaskMomentum(sent, global, absl::MakeSpan(velocity_)));
   // Checked above (CheckServersUpdate); PutBack and MaskMomentum touch
   // neither params nor the global velocity.
-  rule_.StoreAggregated(*global, 0, static_cast<int>(cluster_.num_workers()),
+  rule_.StoreAggregated(global, 0, static_cast<int>(cluster_.num_workers()),
                         params, absl::MakeSpan(global_velocity_));
   stats->apply = absl::Now() - t;
   return absl::OkStatus();

@@ -22,49 +22,87 @@
 namespace gtopk {
 namespace worker {
 
+absl::Status WorkerClient::CheckCanOverlap(absl::string_view what,
+                                           ApplyMode apply) const {
+  if (overlapped_ != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, ": step ", next_step_,
+        " is open already (FinishOverlappedStep or AbandonOverlappedStep "
+        "first)"));
+  }
+  if (pieces_.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what,
+        ": the cluster's selection is not layerwise (its servers run "
+        "--selection=threshold or quota): only layer-wise buckets can be "
+        "pushed while the backward pass goes on; call ",
+        apply_ == ApplyMode::kWorkers ? "AggregateStep" : "Step",
+        ", or restart the servers with --selection=layerwise"));
+  }
+  if (apply_ == apply) return absl::OkStatus();
+  if (apply_ == ApplyMode::kServers) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what,
+        ": the cluster applies updates on the servers (--apply=servers): "
+        "pass the parameters to update, BeginOverlappedStep(gradient, "
+        "params) on the host or (gradient, params, n, stream) on the "
+        "device"));
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      what,
+      ": the cluster runs with --apply=workers (gradient aggregation): "
+      "overlapped steps take host buffers there, BeginOverlappedStep("
+      "gradient, averaged, params), and your optimizer steps on `averaged`"));
+}
+
 absl::Status WorkerClient::BeginOverlappedStep(absl::Span<const float> gradient,
                                                absl::Span<float> averaged,
                                                absl::Span<const float> params,
                                                absl::string_view buffers,
                                                uint64_t state_checksum) {
-  const uint64_t n = cluster_.n();
-  if (overlapped_ != nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "BeginOverlappedStep: step ", next_step_,
-        " is open already (FinishOverlappedStep or AbandonOverlappedStep "
-        "first)"));
-  }
-  if (pieces_.empty()) {
-    return absl::FailedPreconditionError(
-        "BeginOverlappedStep: the cluster's selection is not layerwise (its "
-        "servers run --selection=threshold or quota): only layer-wise "
-        "buckets can be pushed while the backward pass goes on; call "
-        "AggregateStep, or restart the servers with --selection=layerwise");
-  }
-  if (apply_ != ApplyMode::kWorkers) {
-    return absl::FailedPreconditionError(
-        "BeginOverlappedStep: the cluster applies updates on the servers "
-        "(--apply=servers); overlapped steps on host buffers aggregate "
-        "gradients (--apply=workers); under --apply=servers pass device "
-        "buffers (BeginOverlappedStep(gradient, params, n, stream))");
-  }
+  GTOPK_RETURN_IF_ERROR(
+      CheckCanOverlap("BeginOverlappedStep", ApplyMode::kWorkers));
   GTOPK_RETURN_IF_ERROR(CheckAggregateArgs("BeginOverlappedStep", gradient,
                                            averaged, params, buffers));
-  GTOPK_ASSIGN_OR_RETURN(StepStats stats, BeginStep(n));
+  GTOPK_ASSIGN_OR_RETURN(StepStats stats, BeginStep(cluster_.n()));
   step_checksum_ = ChecksumFor(stats.step, params);
   if (step_checksum_ != 0 && state_checksum != 0) {
     step_checksum_ = CombineChecksums(step_checksum_, state_checksum);
   }
   step_buffers_.assign(buffers.data(), buffers.size());
+  return StartHostOverlappedStep(std::move(stats), gradient, {}, averaged);
+}
+
+absl::Status WorkerClient::BeginOverlappedStep(absl::Span<const float> gradient,
+                                               absl::Span<float> params) {
+  GTOPK_RETURN_IF_ERROR(CheckLengths("BeginOverlappedStep", gradient, params));
+  GTOPK_RETURN_IF_ERROR(
+      CheckCanOverlap("BeginOverlappedStep", ApplyMode::kServers));
+  GTOPK_ASSIGN_OR_RETURN(StepStats stats, BeginStep(cluster_.n()));
+  // The parameters before this step's update, as the host Step sends.
+  step_checksum_ = ChecksumFor(stats.step, params);
+  step_buffers_.clear();
+  return StartHostOverlappedStep(std::move(stats), gradient, params, {});
+}
+
+absl::Status WorkerClient::StartHostOverlappedStep(
+    StepStats stats, absl::Span<const float> gradient, absl::Span<float> params,
+    absl::Span<float> averaged) {
+  const uint64_t n = cluster_.n();
   received_buffers_.clear();
   if (overlap_backup_.size() != n) overlap_backup_.assign(n, 0.0f);
   if (overlap_gradient_.size() != n) overlap_gradient_.assign(n, 0.0f);
-
+  if (!params.empty() && overlap_velocity_backup_.size() != velocity_.size()) {
+    overlap_velocity_backup_.assign(velocity_.size(), 0.0f);
+  }
   auto o = std::make_unique<OverlappedStep>(shards_.size(), pieces_.size());
   o->stats = std::move(stats);
   o->gradient = gradient;
+  o->params = params;
   o->averaged = averaged;
-  return StartOverlappedStep(std::move(o));
+  const absl::Status st = StartOverlappedStep(std::move(o));
+  if (!st.ok()) step_checksum_ = 0;
+  return st;
 }
 
 absl::Status WorkerClient::BeginOverlappedStep(const float* gradient,
@@ -76,18 +114,8 @@ absl::Status WorkerClient::BeginOverlappedStep(const float* gradient,
         "), gradient and params must be non-null device "
         "pointers"));
   }
-  if (overlapped_ != nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "BeginOverlappedStep (device): step ", next_step_,
-        " is open already (FinishOverlappedStep or AbandonOverlappedStep "
-        "first)"));
-  }
-  if (pieces_.empty() || apply_ != ApplyMode::kServers) {
-    return absl::FailedPreconditionError(
-        "BeginOverlappedStep (device): overlapped device steps need "
-        "--selection=layerwise and --apply=servers (with --apply=workers, "
-        "pass host buffers to BeginOverlappedStep)");
-  }
+  GTOPK_RETURN_IF_ERROR(
+      CheckCanOverlap("BeginOverlappedStep (device)", ApplyMode::kServers));
   GTOPK_ASSIGN_OR_RETURN(StepStats stats,
                          BeginDeviceStep(gradient, params, stream));
   step_buffers_.clear();
@@ -229,17 +257,26 @@ absl::Status WorkerClient::SelectPieceOnHost(OverlappedStep& o, size_t i) {
   std::memcpy(overlap_gradient_.data() + p.begin, g.data(),
               p.size() * sizeof(float));
   absl::Status st;
+  const absl::Span<float> velocity =
+      absl::MakeSpan(velocity_).subspan(p.begin, p.size());
+  const bool servers_apply = !o.params.empty();
   {
     absl::MutexLock lock(&o.piece_mu);
     std::memcpy(overlap_backup_.data() + p.begin, residual.data(),
                 p.size() * sizeof(float));
-    // The identity rule (u = residual + g), as AggregateStep, on the copy
-    // read above; nothing is changed when it fails (a non-finite gradient).
+    if (servers_apply) {
+      std::copy(velocity.begin(), velocity.end(),
+                overlap_velocity_backup_.begin() + p.begin);
+    }
+    // On the copy read above: the cluster's rule as the host Step (--apply=
+    // servers), or the identity rule (u = residual + g) as AggregateStep;
+    // nothing is changed when it fails (a non-finite gradient).
     const absl::Span<const float> read(overlap_gradient_.data() + p.begin,
                                        p.size());
     st = rule_.AccumulateLocal(
-        o.stats.step, read, read,
-        absl::MakeSpan(velocity_).subspan(p.begin, p.size()), residual);
+        o.stats.step, read,
+        servers_apply ? o.params.subspan(p.begin, p.size()) : read, velocity,
+        residual);
     if (st.ok()) o.accumulated[i] = true;
   }
   if (!st.ok()) {
@@ -375,6 +412,7 @@ absl::StatusOr<StepStats> WorkerClient::FinishOverlappedStep(
   const absl::Time first_taken = o.first_taken;
   const absl::Duration push_time = o.push_time;
   const absl::Span<float> averaged = o.averaged;
+  const absl::Span<float> params = o.params;
   float* const device_params = o.device_params;
   CUstream_st* const stream = o.stream;
   const bool on_device = o.on_device();
@@ -382,10 +420,10 @@ absl::StatusOr<StepStats> WorkerClient::FinishOverlappedStep(
   step_checksum_ = 0;
   step_buffers_.clear();
   GTOPK_RETURN_IF_ERROR(
-      on_device
-          ? EndOverlappedDeviceRound(round, std::move(sent), pulls,
-                                     device_params, stream, &stats)
-          : EndOverlappedRound(round, sent, received, pulls, averaged, &stats));
+      on_device ? EndOverlappedDeviceRound(round, std::move(sent), pulls,
+                                           device_params, stream, &stats)
+                : EndOverlappedRound(round, sent, received, pulls, params,
+                                     averaged, &stats));
   stats.exposed = absl::Now() - finish_start;
   stats.push_wait = absl::Now() - std::min(first_taken == absl::InfiniteFuture()
                                                ? finish_start
@@ -403,31 +441,16 @@ absl::StatusOr<StepStats> WorkerClient::FinishOverlappedStep(
 absl::Status WorkerClient::EndOverlappedRound(
     const absl::Status& round, const SparseVector& sent,
     const SparseVector& received, const std::vector<v1::Pull>& pulls,
-    absl::Span<float> averaged, StepStats* stats) {
-  const int64_t step = stats->step;
+    absl::Span<float> params, absl::Span<float> averaged, StepStats* stats) {
   // The residual holds u everywhere now; the bookkeeping of what was sent,
-  // as AggregateStep's, so that failure and success leave the same state.
+  // as the host Step's and AggregateStep's, so that failure and success
+  // leave the same state.
   GTOPK_RETURN_IF_ERROR(feedback_.MarkSent(sent, received));
-  auto fail = [&](const absl::Status& status) -> absl::Status {
-    const absl::Status restored = feedback_.PutBack(received, SparseVector());
-    if (!restored.ok()) {
-      return absl::InternalError(absl::StrCat(
-          status.ToString(),
-          "; and restoring the residual failed: ", restored.ToString()));
-    }
-    return status;
-  };
-  if (!round.ok()) return fail(round);
-  absl::StatusOr<SparseVector> global = DecodePulls(step, pulls, stats);
-  if (!global.ok()) return fail(global.status());
-  const absl::Time t = absl::Now();
-  if (absl::Status st = CheckAveraged(step, *global, pulls); !st.ok()) {
-    return fail(st);
-  }
-  GTOPK_RETURN_IF_ERROR(feedback_.PutBack(received, *global));
-  StoreAveraged(*global, pulls, averaged);
-  stats->apply = absl::Now() - t;
-  return absl::OkStatus();
+  if (!round.ok()) return RestoreSent(received, round);
+  absl::StatusOr<SparseVector> global = DecodePulls(stats->step, pulls, stats);
+  if (!global.ok()) return RestoreSent(received, global.status());
+  return ApplyGlobalOnHost(stats->step, sent, received, *global, pulls, params,
+                           averaged, stats);
 }
 
 absl::Status WorkerClient::EndOverlappedDeviceRound(
@@ -451,6 +474,21 @@ absl::Status WorkerClient::EndOverlappedDeviceRound(
   return absl::OkStatus();
 }
 
+void WorkerClient::RestoreFromBackups(const OverlappedStep& o,
+                                      absl::Span<float> residual,
+                                      absl::Span<float> velocity) const {
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    if (!o.accumulated[i]) continue;
+    const BucketPiece& p = pieces_[i];
+    std::copy(overlap_backup_.begin() + p.begin,
+              overlap_backup_.begin() + p.end, residual.begin() + p.begin);
+    if (o.params.empty()) continue;
+    std::copy(overlap_velocity_backup_.begin() + p.begin,
+              overlap_velocity_backup_.begin() + p.end,
+              velocity.begin() + p.begin);
+  }
+}
+
 void WorkerClient::AbandonOverlappedStep() {
   if (overlapped_ == nullptr) return;
   OverlappedStep& o = *overlapped_;
@@ -466,14 +504,11 @@ void WorkerClient::AbandonOverlappedStep() {
   // on the ones never pushed (CANCELLED), and PushPullRound cuts the others
   // short after its failure grace.
   if (o.round.joinable()) o.round.join();
-  // As before the step: the residual of every accumulated piece (nothing
-  // was marked sent yet; that happens in Finish).
-  for (size_t i = 0; i < pieces_.size(); ++i) {
-    if (!o.accumulated[i]) continue;
-    const BucketPiece& p = pieces_[i];
-    std::memcpy(feedback_.mutable_residual().data() + p.begin,
-                overlap_backup_.data() + p.begin, p.size() * sizeof(float));
-  }
+  // As before the step: the residual (and, --apply=servers, the local
+  // velocity) of every accumulated piece (nothing was marked sent yet; that
+  // happens in Finish).
+  RestoreFromBackups(o, feedback_.mutable_residual(),
+                     absl::MakeSpan(velocity_));
   overlapped_.reset();
   step_checksum_ = 0;
   step_buffers_.clear();

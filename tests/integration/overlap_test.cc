@@ -5,6 +5,7 @@
 // u = residual + g, the sum over workers in rank order, its top-k, A/P.
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <ostream>
@@ -52,6 +53,11 @@ struct Case {
 void PrintTo(const Case& c, std::ostream* os) {
   *os << "P" << c.workers << "_S" << c.shards
       << (c.overlapped ? "_overlapped" : "_whole");
+}
+
+std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
+  return absl::StrCat("P", info.param.workers, "_S", info.param.shards,
+                      info.param.overlapped ? "_overlapped" : "_whole");
 }
 
 server::ServerConfig MakeConfig(int workers) {
@@ -174,18 +180,24 @@ std::unique_ptr<WorkerClient> ConnectWorker(const std::string& leader,
   return ::gtopk::testing::OkOrThrow(WorkerClient::Connect(o), "Connect");
 }
 
-// One overlapped step as an autograd pass would run it: the gradient
-// buffer starts as NaN (a value read before it is reported fails the
-// step), and is filled and reported in chunks of 97 values from the end
-// (the backward pass produces the last layers first).
-absl::StatusOr<worker::StepStats> OverlappedStep(
-    WorkerClient& client, const std::vector<float>& g,
-    std::vector<float>& buffer, std::vector<float>& averaged,
-    const std::vector<float>& params, uint64_t stop_after = kN) {
-  std::fill(buffer.begin(), buffer.end(),
-            std::numeric_limits<float>::quiet_NaN());
-  GTOPK_RETURN_IF_ERROR(
-      client.BeginOverlappedStep(buffer, absl::MakeSpan(averaged), params));
+// `workers` clients, ranks in order, and the shards' first indices.
+std::vector<std::unique_ptr<WorkerClient>> ConnectWorkers(
+    const std::string& leader, int workers, std::vector<uint64_t>* begins) {
+  std::vector<std::unique_ptr<WorkerClient>> clients;
+  for (int w = 0; w < workers; ++w) clients.push_back(ConnectWorker(leader, w));
+  for (const auto& s : clients[0]->cluster().shards()) {
+    begins->push_back(s.begin());
+  }
+  return clients;
+}
+
+// The rest of an overlapped step's backward pass, as an autograd pass
+// would run it: the gradient buffer (NaN since before Begin: a value read
+// before it is reported fails the step) is filled and reported in chunks
+// of 97 values from the end (the backward pass produces the last layers
+// first), `stop_after` values at most.
+absl::Status ReportInChunks(WorkerClient& client, const std::vector<float>& g,
+                            std::vector<float>& buffer, uint64_t stop_after) {
   uint64_t end = kN, reported = 0;
   while (end > 0 && reported < stop_after) {
     const uint64_t begin = end >= 97 ? end - 97 : 0;
@@ -195,7 +207,20 @@ absl::StatusOr<worker::StepStats> OverlappedStep(
     end = begin;
     absl::SleepFor(absl::Microseconds(200));  // the rest of backward
   }
-  if (reported < kN) {
+  return absl::OkStatus();
+}
+
+// One overlapped step (--apply=workers) run as ReportInChunks does.
+absl::StatusOr<worker::StepStats> OverlappedStep(
+    WorkerClient& client, const std::vector<float>& g,
+    std::vector<float>& buffer, std::vector<float>& averaged,
+    const std::vector<float>& params, uint64_t stop_after = kN) {
+  std::fill(buffer.begin(), buffer.end(),
+            std::numeric_limits<float>::quiet_NaN());
+  GTOPK_RETURN_IF_ERROR(
+      client.BeginOverlappedStep(buffer, absl::MakeSpan(averaged), params));
+  GTOPK_RETURN_IF_ERROR(ReportInChunks(client, g, buffer, stop_after));
+  if (stop_after < kN) {
     // Time for the selection thread to release shard 1's push (its range
     // [455, 910) was reported): the failure then strikes a round that is
     // under way on one shard.
@@ -206,6 +231,47 @@ absl::StatusOr<worker::StepStats> OverlappedStep(
   return client.FinishOverlappedStep();
 }
 
+// One overlapped host step with --apply=servers: `params` updated.
+absl::StatusOr<worker::StepStats> OverlappedServersStep(
+    WorkerClient& client, const std::vector<float>& g,
+    std::vector<float>& buffer, std::vector<float>& params) {
+  std::fill(buffer.begin(), buffer.end(),
+            std::numeric_limits<float>::quiet_NaN());
+  GTOPK_RETURN_IF_ERROR(
+      client.BeginOverlappedStep(buffer, absl::MakeSpan(params)));
+  GTOPK_RETURN_IF_ERROR(ReportInChunks(client, g, buffer, kN));
+  return client.FinishOverlappedStep();
+}
+
+// Every worker on its own thread: SynchronizeParameters of params[w],
+// then `step(w, t, params[w], buffer)` for t = 0 .. kSteps-1 (each must
+// return step t's stats); the first failure per worker.
+std::vector<absl::Status> RunWorkers(
+    std::vector<std::unique_ptr<WorkerClient>>& clients,
+    std::vector<std::vector<float>>& params,
+    const std::function<absl::StatusOr<worker::StepStats>(
+        int, int, std::vector<float>&, std::vector<float>&)>& step) {
+  std::vector<absl::Status> status(clients.size());
+  std::vector<std::thread> threads;
+  for (size_t w = 0; w < clients.size(); ++w) {
+    threads.emplace_back([&, w] {
+      std::vector<float>& p = params[w];
+      status[w] = clients[w]->SynchronizeParameters(absl::MakeSpan(p)).status();
+      std::vector<float> buffer(kN);
+      for (int t = 0; t < kSteps && status[w].ok(); ++t) {
+        absl::StatusOr<worker::StepStats> st =
+            step(static_cast<int>(w), t, p, buffer);
+        status[w] = st.status();
+        if (st.ok() && st->step != t) {
+          status[w] = absl::InternalError(absl::StrCat("step ", st->step));
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return status;
+}
+
 class OverlapTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(OverlapTest, MatchesLayerwiseReferenceBitForBit) {
@@ -214,14 +280,9 @@ TEST_P(OverlapTest, MatchesLayerwiseReferenceBitForBit) {
       ::gtopk::testing::LocalCluster::Start(MakeConfig(c.workers), c.shards);
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
   ::gtopk::testing::LocalCluster& cluster = **cluster_or;
-  std::vector<std::unique_ptr<WorkerClient>> clients;
-  for (int w = 0; w < c.workers; ++w) {
-    clients.push_back(ConnectWorker(cluster.leader(), w));
-  }
   std::vector<uint64_t> begins;
-  for (const auto& s : clients[0]->cluster().shards()) {
-    begins.push_back(s.begin());
-  }
+  std::vector<std::unique_ptr<WorkerClient>> clients =
+      ConnectWorkers(cluster.leader(), c.workers, &begins);
   // The client cuts the same pieces as the reference.
   const std::vector<BucketPiece> expected_pieces =
       ::gtopk::testing::OkOrThrow(CutBucketPieces(kN, kBucket, begins), "cut");
@@ -232,41 +293,19 @@ TEST_P(OverlapTest, MatchesLayerwiseReferenceBitForBit) {
   }
   const Reference ref = Simulate(c.workers, begins);
 
-  const std::vector<float> params = NormalVector(kN, 99);
+  std::vector<std::vector<float>> params(c.workers, NormalVector(kN, 99));
   std::vector<std::vector<std::vector<float>>> averaged(
       c.workers, std::vector<std::vector<float>>(kSteps));
-  std::vector<absl::Status> status(c.workers);
-  std::vector<std::thread> threads;
-  for (int w = 0; w < c.workers; ++w) {
-    threads.emplace_back([&, w] {
-      std::vector<float> p = params;
-      absl::StatusOr<int64_t> start =
-          clients[w]->SynchronizeParameters(absl::MakeSpan(p));
-      if (!start.ok()) {
-        status[w] = start.status();
-        return;
-      }
-      std::vector<float> buffer(kN);
-      for (int t = 0; t < kSteps; ++t) {
+  const std::vector<absl::Status> status = RunWorkers(
+      clients, params,
+      [&](int w, int t, std::vector<float>& p, std::vector<float>& buffer) {
         const std::vector<float> g = Gradient(t, w);
         averaged[w][t].assign(kN, -1.0f);
-        absl::StatusOr<worker::StepStats> st =
-            c.overlapped
-                ? OverlappedStep(*clients[w], g, buffer, averaged[w][t], p)
-                : clients[w]->AggregateStep(g, absl::MakeSpan(averaged[w][t]),
-                                            p);
-        if (!st.ok()) {
-          status[w] = st.status();
-          return;
-        }
-        if (st->step != t) {
-          status[w] = absl::InternalError(absl::StrCat("step ", st->step));
-          return;
-        }
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+        return c.overlapped
+                   ? OverlappedStep(*clients[w], g, buffer, averaged[w][t], p)
+                   : clients[w]->AggregateStep(
+                         g, absl::MakeSpan(averaged[w][t]), p);
+      });
   for (int w = 0; w < c.workers; ++w) {
     ASSERT_TRUE(status[w].ok()) << "worker " << w << ": " << status[w];
     for (int t = 0; t < kSteps; ++t) {
@@ -298,12 +337,7 @@ std::vector<Case> Cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(All, OverlapTest, ::testing::ValuesIn(Cases()),
-                         [](const ::testing::TestParamInfo<Case>& info) {
-                           return absl::StrCat(
-                               "P", info.param.workers, "_S", info.param.shards,
-                               info.param.overlapped ? "_overlapped"
-                                                     : "_whole");
-                         });
+                         CaseName);
 
 // A step given up in the middle of its buckets (an exception in the
 // backward pass after shard 1's push went out): nothing is applied
@@ -315,14 +349,9 @@ TEST(OverlapFailureTest, AbandonedStepAppliesNothingAndTheRetryCompletes) {
       ::gtopk::testing::LocalCluster::Start(MakeConfig(kWorkers), 2);
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
   ::gtopk::testing::LocalCluster& cluster = **cluster_or;
-  std::vector<std::unique_ptr<WorkerClient>> clients;
-  for (int w = 0; w < kWorkers; ++w) {
-    clients.push_back(ConnectWorker(cluster.leader(), w));
-  }
   std::vector<uint64_t> begins;
-  for (const auto& s : clients[0]->cluster().shards()) {
-    begins.push_back(s.begin());
-  }
+  std::vector<std::unique_ptr<WorkerClient>> clients =
+      ConnectWorkers(cluster.leader(), kWorkers, &begins);
   const Reference ref = Simulate(kWorkers, begins);
   const std::vector<float> params = NormalVector(kN, 99);
   constexpr int kFailingStep = 2;
@@ -483,6 +512,159 @@ TEST(OverlapRefusalTest, BadCallsAreRefusedAndChangeNothing) {
   GTOPK_ASSERT_OK(st.status());
   EXPECT_EQ(st->step, 0);
   EXPECT_EQ(client->next_step(), 1);
+}
+
+// --apply=servers on the host (BeginOverlappedStep(gradient, params)): the
+// same layer-wise rounds, with the servers' update applied to the replica's
+// parameters. The rule here is the identity (lr 1, no momentum, no weight
+// decay), so u = residual + g as in the reference, and the update of step
+// t is params -= A/P at the globally selected indices: the reference's
+// averaged[t], subtracted. Both the overlapped step and the plain Step
+// must give those parameters (and residuals) bit for bit.
+server::ServerConfig ServersApplyConfig(int workers) {
+  server::ServerConfig s = MakeConfig(workers);
+  s.apply = ApplyMode::kServers;
+  s.optimizer.lr = 1.0f;
+  s.optimizer.momentum = 0.0f;
+  s.optimizer.momentum_mode = MomentumMode::kNone;
+  return s;
+}
+
+class ServersApplyOverlapTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ServersApplyOverlapTest, MatchesLayerwiseReferenceBitForBit) {
+  const Case& c = GetParam();
+  auto cluster_or = ::gtopk::testing::LocalCluster::Start(
+      ServersApplyConfig(c.workers), c.shards);
+  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+  std::vector<uint64_t> begins;
+  std::vector<std::unique_ptr<WorkerClient>> clients =
+      ConnectWorkers((*cluster_or)->leader(), c.workers, &begins);
+  const Reference ref = Simulate(c.workers, begins);
+  const std::vector<float> initial = NormalVector(kN, 99);
+  std::vector<float> expected = initial;
+  for (int t = 0; t < kSteps; ++t) {
+    for (uint64_t i = 0; i < kN; ++i) expected[i] -= ref.averaged[t][i];
+  }
+  ASSERT_FALSE(BitEqual(expected, initial));
+
+  std::vector<std::vector<float>> params(c.workers, initial);
+  const std::vector<absl::Status> status = RunWorkers(
+      clients, params,
+      [&](int w, int t, std::vector<float>& p, std::vector<float>& buffer) {
+        const std::vector<float> g = Gradient(t, w);
+        return c.overlapped ? OverlappedServersStep(*clients[w], g, buffer, p)
+                            : clients[w]->Step(g, absl::MakeSpan(p));
+      });
+  for (int w = 0; w < c.workers; ++w) {
+    ASSERT_TRUE(status[w].ok()) << "worker " << w << ": " << status[w];
+    EXPECT_EQ(FloatBits(params[w]), FloatBits(expected)) << "worker " << w;
+    EXPECT_EQ(FloatBits(clients[w]->residual()), FloatBits(ref.residual[w]))
+        << "worker " << w << " residual";
+    EXPECT_EQ(clients[w]->next_step(), kSteps);
+  }
+  auto servers = (*cluster_or)->ServerParams(kN);
+  ASSERT_TRUE(servers.ok()) << servers.status();
+  EXPECT_EQ(FloatBits(servers->first), FloatBits(expected));
+}
+
+INSTANTIATE_TEST_SUITE_P(All, ServersApplyOverlapTest,
+                         ::testing::Values(Case{2, 2, true}, Case{2, 2, false},
+                                           Case{3, 1, true}, Case{1, 2, true}),
+                         CaseName);
+
+// The cluster's full rule (lr 0.1, DGC momentum correction, weight decay:
+// AccumulateLocal reads the parameters and writes the local velocity): the
+// overlapped host step gives the plain Step's parameters, residual and
+// velocity bit for bit, and a step abandoned after a piece was
+// accumulated leaves the residual and the velocity as before it (also in
+// a checkpoint taken while it was open).
+TEST(ServersApplyOverlapTest, FullRuleMatchesStepAndAbandonRestoresState) {
+  server::ServerConfig config = ServersApplyConfig(1);
+  config.optimizer = server::ServerConfig().optimizer;
+  config.optimizer.density = kDensity;
+  config.optimizer.weight_decay = 1e-3f;
+  ASSERT_EQ(config.optimizer.momentum_mode, MomentumMode::kDgcCorrection);
+  std::vector<std::vector<float>> params;
+  std::vector<worker::WorkerState> states;
+  for (const bool overlapped : {true, false}) {
+    auto cluster_or = ::gtopk::testing::LocalCluster::Start(config, 2);
+    ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+    std::unique_ptr<WorkerClient> client =
+        ConnectWorker((*cluster_or)->leader(), 0);
+    std::vector<float> p = NormalVector(kN, 99), buffer(kN);
+    GTOPK_ASSERT_OK(client->SynchronizeParameters(absl::MakeSpan(p)).status());
+    for (int t = 0; t < kSteps; ++t) {
+      const std::vector<float> g = Gradient(t, 0);
+      if (!overlapped) {
+        GTOPK_ASSERT_OK(client->Step(g, absl::MakeSpan(p)).status());
+        continue;
+      }
+      if (t == 2) {
+        // The first piece accumulated (shard 0's push waits for its second
+        // piece, so nothing reaches the servers), then the step given up.
+        absl::StatusOr<worker::WorkerState> before = client->ExportState();
+        GTOPK_ASSERT_OK(before.status());
+        const std::vector<float> p_before = p;
+        GTOPK_ASSERT_OK(client->BeginOverlappedStep(g, absl::MakeSpan(p)));
+        GTOPK_ASSERT_OK(client->GradientReady(0, kBucket));
+        absl::SleepFor(absl::Milliseconds(200));
+        absl::StatusOr<worker::WorkerState> open = client->ExportState();
+        GTOPK_ASSERT_OK(open.status());
+        client->AbandonOverlappedStep();
+        absl::StatusOr<worker::WorkerState> after = client->ExportState();
+        GTOPK_ASSERT_OK(after.status());
+        for (const auto* s : {&*open, &*after}) {
+          EXPECT_EQ(FloatBits(s->residual), FloatBits(before->residual));
+          EXPECT_EQ(FloatBits(s->velocity), FloatBits(before->velocity));
+          EXPECT_EQ(s->next_step, 2);
+        }
+        EXPECT_EQ(FloatBits(p), FloatBits(p_before));
+        EXPECT_FALSE(BitEqual(before->velocity, std::vector<float>(kN, 0.0f)));
+        GTOPK_ASSERT_OK(client->Recover(absl::MakeSpan(p)).status());
+      }
+      GTOPK_ASSERT_OK(OverlappedServersStep(*client, g, buffer, p).status());
+    }
+    EXPECT_EQ(client->next_step(), kSteps);
+    absl::StatusOr<worker::WorkerState> state = client->ExportState();
+    GTOPK_ASSERT_OK(state.status());
+    states.push_back(*std::move(state));
+    params.push_back(std::move(p));
+  }
+  EXPECT_EQ(FloatBits(params[0]), FloatBits(params[1]));
+  EXPECT_EQ(FloatBits(states[0].residual), FloatBits(states[1].residual));
+  EXPECT_EQ(FloatBits(states[0].velocity), FloatBits(states[1].velocity));
+}
+
+TEST(ServersApplyOverlapTest, WrongOverloadsAreRefused) {
+  auto cluster_or =
+      ::gtopk::testing::LocalCluster::Start(ServersApplyConfig(1), 2);
+  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+  std::unique_ptr<WorkerClient> client =
+      ConnectWorker((*cluster_or)->leader(), 0);
+  std::vector<float> p = NormalVector(kN, 99), g(kN, 1.0f), avg(kN);
+  GTOPK_ASSERT_OK(client->SynchronizeParameters(absl::MakeSpan(p)).status());
+  EXPECT_THAT(
+      client->BeginOverlappedStep(g, absl::MakeSpan(avg), p),
+      ::gtopk::testing::StatusIs(absl::StatusCode::kFailedPrecondition,
+                                 ::testing::HasSubstr("--apply=servers")));
+  std::vector<float> short_params(kN - 1);
+  EXPECT_THAT(client->BeginOverlappedStep(g, absl::MakeSpan(short_params)),
+              ::gtopk::testing::StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_FALSE(client->overlapped_step_open());
+}
+
+TEST(OverlapRefusalTest, ServersOverloadIsRefusedWhenWorkersApply) {
+  auto cluster_or = ::gtopk::testing::LocalCluster::Start(MakeConfig(1), 1);
+  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+  std::unique_ptr<WorkerClient> client =
+      ConnectWorker((*cluster_or)->leader(), 0);
+  std::vector<float> p = NormalVector(kN, 99), g(kN, 1.0f);
+  GTOPK_ASSERT_OK(client->SynchronizeParameters(absl::MakeSpan(p)).status());
+  EXPECT_THAT(
+      client->BeginOverlappedStep(g, absl::MakeSpan(p)),
+      ::gtopk::testing::StatusIs(absl::StatusCode::kFailedPrecondition,
+                                 ::testing::HasSubstr("--apply=workers")));
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -38,12 +39,23 @@ class Model {
   virtual absl::Span<float> params() = 0;
   size_t n() const { return n_; }
 
+  // ComputeGradient's report of a finished range: grad[begin, end) holds
+  // its final values and is not written again in that call.
+  using GradientRangeReady = std::function<void(size_t begin, size_t end)>;
+
   // Forward and backward on `batch` images (normalised floats, batch x 784)
   // with `labels` (batch entries, 0..9); writes the gradient of the mean
   // cross-entropy into `grad` (length n) and returns that loss.
+  // `on_ready` (optional): called with each parameter tensor's range of
+  // `grad` as soon as the backward pass has produced that parameter's
+  // gradient and it was copied there (autograd hooks: the last layers
+  // first), on the thread that runs the backward pass (the caller's, for a
+  // CPU model); the parameters that got no gradient are zero-filled and
+  // reported after backward. The calls cover [0, n) once each, and all
+  // come before ComputeGradient returns; on an error some may be missing.
   virtual absl::StatusOr<float> ComputeGradient(
       absl::Span<const float> images, absl::Span<const int64_t> labels,
-      absl::Span<float> grad) = 0;
+      absl::Span<float> grad, const GradientRangeReady& on_ready = nullptr) = 0;
   // Forward only, in chunks; the images are normalised floats (count x 784).
   virtual EvalResult Evaluate(absl::Span<const float> images,
                               absl::Span<const int64_t> labels) = 0;

@@ -25,6 +25,26 @@ int64_t Numel(const std::vector<int64_t>& shape) {
   return n;
 }
 
+// Hooks registered on parameter tensors, removed when it goes out of scope
+// (also when backward throws).
+class HookGuard {
+ public:
+  explicit HookGuard(std::vector<torch::Tensor>& params) : params_(params) {}
+  HookGuard(const HookGuard&) = delete;
+  HookGuard& operator=(const HookGuard&) = delete;
+  ~HookGuard() {
+    for (const auto& [i, h] : hooks_) params_[i].remove_hook(h);
+  }
+  template <typename F>
+  void Add(size_t i, F&& hook) {
+    hooks_.emplace_back(i, params_[i].register_hook(std::forward<F>(hook)));
+  }
+
+ private:
+  std::vector<torch::Tensor>& params_;
+  std::vector<std::pair<size_t, unsigned>> hooks_;
+};
+
 class TorchModel final : public Model {
  public:
   enum class Kind { kMlp, kCnn };
@@ -144,9 +164,9 @@ class TorchModel final : public Model {
 
   absl::Span<float> params() override { return absl::MakeSpan(flat_); }
 
-  absl::StatusOr<float> ComputeGradient(absl::Span<const float> images,
-                                        absl::Span<const int64_t> labels,
-                                        absl::Span<float> grad) override {
+  absl::StatusOr<float> ComputeGradient(
+      absl::Span<const float> images, absl::Span<const int64_t> labels,
+      absl::Span<float> grad, const GradientRangeReady& on_ready) override {
     const int64_t batch = static_cast<int64_t>(labels.size());
     if (batch == 0 || images.size() != labels.size() * kImagePixels ||
         grad.size() != n_) {
@@ -156,22 +176,41 @@ class TorchModel final : public Model {
                        " (n = ", n_, ")"));
     }
     for (torch::Tensor& p : params_) p.mutable_grad() = torch::Tensor();
-    torch::Tensor x = Input(images, batch);
-    torch::Tensor y = Labels(labels.data(), batch);
-    torch::Tensor loss = torch::nll_loss(Forward(x), y);
-    loss.backward();
-    size_t offset = 0;
-    for (torch::Tensor& p : params_) {
-      const size_t count = static_cast<size_t>(p.numel());
-      torch::Tensor g = p.grad();
+    std::vector<size_t> offsets(params_.size() + 1, 0);
+    for (size_t i = 0; i < params_.size(); ++i) {
+      offsets[i + 1] = offsets[i] + static_cast<size_t>(params_[i].numel());
+    }
+    // Per parameter: its gradient in `grad`, then reported.
+    std::vector<bool> copied(params_.size(), false);
+    auto take = [&](size_t i, const torch::Tensor& g) {
+      const size_t count = offsets[i + 1] - offsets[i];
       if (!g.defined()) {
-        std::memset(grad.data() + offset, 0, count * sizeof(float));
+        std::memset(grad.data() + offsets[i], 0, count * sizeof(float));
       } else {
-        g = g.contiguous().to(torch::kCPU);  // no-op on a CPU model
-        std::memcpy(grad.data() + offset, g.data_ptr<float>(),
+        const torch::Tensor c = g.contiguous().to(torch::kCPU);  // CPU: no-op
+        std::memcpy(grad.data() + offsets[i], c.data_ptr<float>(),
                     count * sizeof(float));
       }
-      offset += count;
+      copied[i] = true;
+      if (on_ready) on_ready(offsets[i], offsets[i + 1]);
+    };
+    torch::Tensor loss;
+    {
+      // With `on_ready`, a hook per parameter takes its gradient as soon as
+      // autograd produced it: the value AccumulateGrad then stores as its
+      // .grad (every .grad was reset above), so the same bits either way.
+      HookGuard hooks(params_);
+      if (on_ready) {
+        for (size_t i = 0; i < params_.size(); ++i) {
+          hooks.Add(i, [&take, i](torch::Tensor g) { take(i, g); });
+        }
+      }
+      loss = torch::nll_loss(Forward(Input(images, batch)),
+                             Labels(labels.data(), batch));
+      loss.backward();
+    }
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!copied[i]) take(i, params_[i].grad());
     }
     return loss.item<float>();
   }
@@ -262,10 +301,10 @@ class DeviceMirrorModel final : public Model {
   }
 
   absl::Span<float> params() override { return host_->params(); }
-  absl::StatusOr<float> ComputeGradient(absl::Span<const float> images,
-                                        absl::Span<const int64_t> labels,
-                                        absl::Span<float> grad) override {
-    return host_->ComputeGradient(images, labels, grad);
+  absl::StatusOr<float> ComputeGradient(
+      absl::Span<const float> images, absl::Span<const int64_t> labels,
+      absl::Span<float> grad, const GradientRangeReady& on_ready) override {
+    return host_->ComputeGradient(images, labels, grad, on_ready);
   }
   EvalResult Evaluate(absl::Span<const float> images,
                       absl::Span<const int64_t> labels) override {

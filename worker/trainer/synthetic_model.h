@@ -31,7 +31,8 @@ class SyntheticModel final : public Model {
   absl::Span<float> params() override { return absl::MakeSpan(flat_); }
   absl::StatusOr<float> ComputeGradient(absl::Span<const float>,
                                         absl::Span<const int64_t>,
-                                        absl::Span<float>) override {
+                                        absl::Span<float>,
+                                        const GradientRangeReady&) override {
     return absl::UnimplementedError("synthetic model has no data");
   }
   EvalResult Evaluate(absl::Span<const float>,

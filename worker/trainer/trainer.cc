@@ -38,6 +38,7 @@
 #include "worker/trainer/model.h"
 #include "worker/trainer/recovery.h"
 #include "worker/trainer/synthetic_model.h"
+#include "worker/trainer/train_step.h"
 #include "worker/trainer/training_data.h"
 #include "worker/worker_metrics.h"
 
@@ -45,11 +46,14 @@ namespace gtopk {
 namespace worker {
 namespace {
 
+using trainer_internal::ComputeAndStep;
 using trainer_internal::Data;
 using trainer_internal::Evaluator;
 using trainer_internal::GradientSource;
 using trainer_internal::LoadData;
+using trainer_internal::OverlapSteps;
 using trainer_internal::PrintLine;
+using trainer_internal::StepAttempt;
 
 // The default recovery time budget (--recovery-timeout), in the servers'
 // step timeouts: a failed step's peers notice within one, the leader's
@@ -166,25 +170,6 @@ std::string JsonString(const std::string& s) {
     }
   }
   return out + "\"";
-}
-
-// One client step: on device memory for a CUDA model (the dense gradient
-// never crosses to the host), else on host memory. torch runs on the legacy
-// default stream, so that is the stream the client orders its work after.
-absl::StatusOr<StepStats> StepOnce(WorkerClient& client, Model& model,
-                                   absl::Span<const float> grad,
-                                   const float* device_grad,
-                                   absl::Span<float> params) {
-#if GTOPK_HAVE_CUDA
-  if (model.on_device()) {
-    return client.Step(device_grad, model.device_params(), model.n(),
-                       /*stream=*/nullptr);
-  }
-#else
-  (void)model;
-  (void)device_grad;
-#endif
-  return client.Step(grad, params);
 }
 
 // --- The steps of a training run, in the order Trainer::Prepare and
@@ -366,6 +351,8 @@ struct StepLog {
   std::vector<double> step_seconds;
   // Per-step phase times for --summary-json "per_step" (bench/lowbw/).
   std::vector<double> compute_seconds, local_seconds, communication_seconds;
+  // The wait for the client after the gradient was made (StepAttempt).
+  std::vector<double> exposed_seconds;
   // StepStats' phases, for the GPU worker's step profile
   // (deploy/device/e2e_device.sh).
   std::vector<double> accumulate_seconds, select_seconds, encode_seconds,
@@ -382,13 +369,14 @@ struct StepLog {
   std::vector<float> losses;
   double sent_total = 0, received_total = 0;
 
-  // One step: `seconds` in all, `compute` of them making the gradient, the
-  // client's Step called at `step_call`.
-  void Record(const StepStats& stats, double seconds, double compute,
-              double cpu, absl::Time step_call, float loss) {
+  // One step: `seconds` in all, `a` its attempt's times.
+  void Record(const StepStats& stats, double seconds, const StepAttempt& a,
+              double cpu, float loss) {
+    const absl::Time step_call = a.step_call;
     step_seconds.push_back(seconds);
     cpu_seconds.push_back(cpu);
-    compute_seconds.push_back(compute);
+    compute_seconds.push_back(absl::ToDoubleSeconds(a.compute));
+    exposed_seconds.push_back(absl::ToDoubleSeconds(a.exposed));
     local_seconds.push_back(absl::ToDoubleSeconds(
         stats.accumulate + stats.select + stats.encode + stats.apply));
     communication_seconds.push_back(absl::ToDoubleSeconds(stats.push_wait));
@@ -452,18 +440,17 @@ absl::Status TrainSteps(const Run& run, int64_t first_step, Recovery& recovery,
   // Retrying the step that failed: its gradient is already in the residual
   // (Step's contract), so the retry adds none.
   bool resend_residual = false;
+  // Layer-wise clusters: the exchange overlapped with backward (train_step.h).
+  const bool overlap = OverlapSteps(o, run.client, run.model);
   for (int64_t step = first_step; step < total_steps; ++step) {
     const Clock::time_point t0 = Clock::now();
     const double cpu0 = ProcessCpuSeconds();
     const int64_t epoch = step / steps_per_epoch;
-    GTOPK_RETURN_IF_ERROR(gradients.Compute(step, epoch, resend_residual));
-    const Clock::time_point t_compute = Clock::now();
-    const double compute =
-        std::chrono::duration<double>(t_compute - t0).count();
-    const absl::Time step_call = absl::Now();
-    absl::StatusOr<StepStats> stats =
-        StepOnce(run.client, run.model, gradients.grad(),
-                 gradients.device_grad(), run.params);
+    StepAttempt attempt;
+    GTOPK_RETURN_IF_ERROR(ComputeAndStep(run.client, run.model, gradients, step,
+                                         epoch, resend_residual, overlap,
+                                         run.params, &attempt));
+    const absl::StatusOr<StepStats>& stats = attempt.stats;
     if (!stats.ok()) {
       GTOPK_ASSIGN_OR_RETURN(
           const int64_t resumed,
@@ -481,11 +468,10 @@ absl::Status TrainSteps(const Run& run, int64_t first_step, Recovery& recovery,
     const double seconds = SecondsSince(t0);
     const float loss = gradients.loss();
     if (run.metrics != nullptr) {
-      run.metrics->RecordStep(*stats, absl::FromChrono(t_compute - t0),
-                              absl::Seconds(seconds), loss);
+      run.metrics->RecordStep(*stats, attempt.compute, absl::Seconds(seconds),
+                              loss);
     }
-    log.Record(*stats, seconds, compute, ProcessCpuSeconds() - cpu0, step_call,
-               loss);
+    log.Record(*stats, seconds, attempt, ProcessCpuSeconds() - cpu0, loss);
     const int64_t done = step + 1;
     if (run.leader_rank) {
       const double samples_per_second =
@@ -635,6 +621,7 @@ std::string SummaryJson(const Run& run, const Outcome& r, const StepLog& log) {
         absl::StrCat(
             "{\"step_seconds\": ", JsonSeries(log.step_seconds),
             ", \"compute_seconds\": ", JsonSeries(log.compute_seconds),
+            ", \"exposed_seconds\": ", JsonSeries(log.exposed_seconds),
             ", \"local_seconds\": ", JsonSeries(log.local_seconds),
             ", \"cpu_seconds\": ", JsonSeries(log.cpu_seconds),
             ", \"communication_seconds\": ",

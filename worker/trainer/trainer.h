@@ -57,6 +57,10 @@ struct TrainerOptions {
   // last step, before the final parameter check, so that a test can
   // restart a shard at that point; in [0, 1 h].
   absl::Duration final_check_delay = absl::ZeroDuration();
+  // Testing only (no flag): on a layer-wise cluster, step without overlap
+  // (the client's Step after backward, as for the other selections), so a
+  // test can compare the overlapped run with it.
+  bool testing_no_overlap = false;
 
   // Consistency checks against the servers' cluster spec (unset: no check).
   std::optional<std::string> mode, selector, index_codec, value_codec;

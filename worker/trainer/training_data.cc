@@ -81,8 +81,9 @@ void Evaluator::Evaluate(int64_t done) {
                             done, r.accuracy, r.loss));
 }
 
-absl::Status GradientSource::Compute(int64_t step, int64_t epoch,
-                                     bool resend_residual) {
+absl::Status GradientSource::Compute(
+    int64_t step, int64_t epoch, bool resend_residual,
+    const Model::GradientRangeReady& on_ready) {
   if (resend_residual) {
     std::fill(grad_.begin(), grad_.end(), 0.0f);
     GTOPK_RETURN_IF_ERROR(model_.ZeroDeviceGradient());
@@ -91,6 +92,7 @@ absl::Status GradientSource::Compute(int64_t step, int64_t epoch,
     if (o_.compute_ms > 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(o_.compute_ms));
     }
+    if (on_ready) on_ready(0, grad_.size());
   } else {
     FillBatch(step, epoch);
     if (model_.on_device()) {
@@ -100,7 +102,7 @@ absl::Status GradientSource::Compute(int64_t step, int64_t epoch,
     } else {
       GTOPK_ASSIGN_OR_RETURN(
           loss_, model_.ComputeGradient(batch_images_, batch_labels_,
-                                        absl::MakeSpan(grad_)));
+                                        absl::MakeSpan(grad_), on_ready));
     }
     if (!std::isfinite(loss_)) {
       return absl::InternalError(

@@ -108,7 +108,11 @@ class GradientSource {
   // Makes the gradient of `step` (in `epoch`); `resend_residual`: the step
   // is retried, its gradient is already in the residual (Step's contract),
   // so the retry adds none. INTERNAL when the loss is not finite.
-  absl::Status Compute(int64_t step, int64_t epoch, bool resend_residual);
+  // `on_ready` (host gradients only): told each range of grad() as it is
+  // final (Model::ComputeGradient's reports; synthetic:N's gradient is one
+  // range [0, n), once made).
+  absl::Status Compute(int64_t step, int64_t epoch, bool resend_residual,
+                       const Model::GradientRangeReady& on_ready = nullptr);
 
   // The host gradient (empty for a CUDA torch model).
   absl::Span<const float> grad() const { return grad_; }
