@@ -627,6 +627,9 @@ def train(args, opt, model, device, train_x, train_y, test_x, test_y):
     per_rank = steps_per_epoch * args.batch_size
     perm, perm_epoch = None, -1
     step_seconds, compute_seconds, local_seconds = [], [], []
+    # The step's time after backward (opt.step()), as gtopk-worker's
+    # exposed_seconds (it overlaps only on layer-wise clusters).
+    exposed_seconds = []
     communication_seconds, push_start_unix, pull_end_unix = [], [], []
     # This process's CPU time (user + system, all threads) per step, beside
     # its wall time, as gtopk-worker's summary has it (issue 20).
@@ -684,6 +687,7 @@ def train(args, opt, model, device, train_x, train_y, test_x, test_y):
             step_seconds.append(seconds)
             cpu_seconds.append(time.process_time() - cpu0)
             compute_seconds.append(compute)
+            exposed_seconds.append(seconds - compute)
             local_seconds.append(st["accumulate_seconds"]
                                  + st["select_seconds"]
                                  + st["encode_seconds"] + st["apply_seconds"])
@@ -795,6 +799,7 @@ def train(args, opt, model, device, train_x, train_y, test_x, test_y):
             "per_step": {
                 "step_seconds": [json_number(v) for v in step_seconds],
                 "compute_seconds": [json_number(v) for v in compute_seconds],
+                "exposed_seconds": [json_number(v) for v in exposed_seconds],
                 "local_seconds": [json_number(v) for v in local_seconds],
                 "cpu_seconds": [json_number(v) for v in cpu_seconds],
                 "communication_seconds": [json_number(v) for v in
