@@ -118,7 +118,10 @@ class AggregatorService::PushPullCall {
           "worker ", push.rank(), " abandoned step ", push.step(),
           " before all its pushes were sent (an error in its backward "
           "pass); retry after Recover"));
-      aggregator_->RejectPush(push.step(), push.rank(), abandoned);
+      // An abandon of an attempt that already failed (it arrived after the
+      // worker's Recover) changes nothing: the retry's round goes on.
+      aggregator_->AbandonPush(push.step(), push.rank(), push.epoch(),
+                               abandoned);
       return ToGrpcStatus(abandoned);
     }
     absl::StatusOr<WorkerPush> decoded = s_.DecodePush(push, *aggregator_);

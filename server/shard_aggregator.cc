@@ -32,9 +32,7 @@ absl::Status ValidateShardOptions(const ShardOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("n must be in [1, 2^32], got ", o.n));
   }
-  if (o.num_workers < 1) {
-    return absl::InvalidArgumentError("num_workers must be >= 1");
-  }
+  if (o.num_workers < 1) return absl::InvalidArgumentError("num_workers < 1");
   if (o.selection == SelectionKind::kLayerwise &&
       (o.mode != AggregationMode::kGtopk || o.bucket_size == 0)) {
     return absl::InvalidArgumentError(
@@ -342,6 +340,15 @@ void ShardAggregator::RejectPush(int64_t step, uint32_t worker,
                                  const absl::Status& reason) {
   absl::MutexLock lock(&mu_);
   FailStepLocked(step, worker, reason);
+}
+
+bool ShardAggregator::AbandonPush(int64_t step, uint32_t worker, uint64_t epoch,
+                                  const absl::Status& reason) {
+  absl::MutexLock lock(&mu_);
+  auto dead = aborted_.find(step);  // that attempt failed already?
+  const bool current = dead == aborted_.end() || epoch >= dead->second.first;
+  if (current) FailStepLocked(step, worker, reason);
+  return current;
 }
 
 std::optional<int64_t> ShardAggregator::RoundAwaiting(uint32_t worker) const {

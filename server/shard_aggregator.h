@@ -224,6 +224,13 @@ class ShardAggregator {
   // ABORTED with `reason`. For pushes rejected before Submit (e.g. bytes
   // that do not decode). Thread-safe, does not block.
   void RejectPush(int64_t step, uint32_t worker, const absl::Status& reason);
+  // A worker gives up its attempt of `step` pushed with attempt epoch
+  // `epoch` (Push.abandon): RejectPush, unless that attempt already failed
+  // (an AbortStep of `step` at a newer epoch), so that an abandon arriving
+  // late, after the worker's Recover, cannot fail the retry's round.
+  // Returns whether the round was failed. Thread-safe, does not block.
+  bool AbandonPush(int64_t step, uint32_t worker, uint64_t epoch,
+                   const absl::Status& reason);
 
   // The step of the round open now (some pushes arrived, not computing
   // yet) when `worker`'s push is not among them; nullopt otherwise (no

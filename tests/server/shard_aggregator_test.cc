@@ -494,6 +494,40 @@ TEST(ShardAggregatorTest, AbortStepFailsTheAttemptAndKeepsTheRetry) {
   EXPECT_EQ(shard->next_step(), 1);
 }
 
+// A worker's abandon (Push.abandon) of an attempt that already failed --
+// it arrived after the worker's Recover, as it can when a non-finite
+// gradient ends the step while a push is out -- leaves the retry's round
+// alone; an abandon of the current attempt fails it.
+TEST(ShardAggregatorTest, AStaleAbandonDoesNotFailTheRetry) {
+  auto shard = SingleShard(2);
+  const absl::Status gone = absl::CancelledError("worker 0 abandoned step 0");
+  shard->AbortStep(0, absl::AbortedError("step 0 failed"), 6);
+  absl::StatusOr<std::shared_ptr<const RoundResult>> retry0;
+  std::thread t0([&] {
+    retry0 =
+        shard->Submit(EpochPush(0, 0, {7}, 6), absl::Now() + absl::Seconds(5));
+  });
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_FALSE(shard->AbandonPush(0, 0, 5, gone));  // the failed attempt's
+  GTOPK_ASSERT_OK_AND_ASSIGN(
+      auto retry1,
+      shard->Submit(EpochPush(0, 1, {8}, 6), absl::Now() + absl::Seconds(5)));
+  t0.join();
+  GTOPK_ASSERT_OK(retry0);
+  EXPECT_EQ(retry1->selected.indices, (std::vector<uint32_t>{7, 8}));
+  // Step 1, current attempt: the abandon fails the round.
+  absl::StatusOr<std::shared_ptr<const RoundResult>> waiting;
+  std::thread t1([&] {
+    waiting =
+        shard->Submit(EpochPush(1, 1, {2}, 6), absl::Now() + absl::Seconds(20));
+  });
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_TRUE(shard->AbandonPush(1, 0, 6, gone));
+  t1.join();
+  EXPECT_THAT(waiting, StatusIs(absl::StatusCode::kAborted,
+                                HasSubstr("abandoned step 0")));
+}
+
 // The step-failed callback (what tells the other shards, fail fast) fires
 // for failures that arise on this shard -- a bad push, also when it opens
 // no round; the step deadline -- and not for AbortStep (news from the
