@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <random>
@@ -452,6 +453,26 @@ WorkerPush EpochPush(int64_t step, uint32_t worker, std::vector<uint32_t> idx,
   return p;
 }
 
+// The retry of step 0 at epoch 6 (after Recover) by workers 0 and 1 of a
+// 2-worker shard, with `between` run while worker 0's push waits: one
+// round of indices 7 and 8.
+void ExpectRetryOfStep0Completes(ShardAggregator& shard,
+                                 const std::function<void()>& between) {
+  absl::StatusOr<std::shared_ptr<const RoundResult>> retry0;
+  std::thread t0([&] {
+    retry0 =
+        shard.Submit(EpochPush(0, 0, {7}, 6), absl::Now() + absl::Seconds(5));
+  });
+  absl::SleepFor(absl::Milliseconds(50));
+  between();
+  absl::StatusOr<std::shared_ptr<const RoundResult>> retry1 =
+      shard.Submit(EpochPush(0, 1, {8}, 6), absl::Now() + absl::Seconds(5));
+  t0.join();
+  GTOPK_ASSERT_OK(retry0);
+  GTOPK_ASSERT_OK(retry1);
+  EXPECT_EQ((*retry1)->selected.indices, (std::vector<uint32_t>{7, 8}));
+}
+
 // Fail fast (AbortStep from the leader): the pending round holding a push
 // of the failed attempt fails at once with the reason; the failed attempt's
 // late pushes are refused; the retry (pushed with the newer epoch Recover
@@ -477,17 +498,7 @@ TEST(ShardAggregatorTest, AbortStepFailsTheAttemptAndKeepsTheRetry) {
       shard->Submit(EpochPush(0, 1, {2}, 5), absl::Now() + absl::Seconds(5)),
       StatusIs(absl::StatusCode::kAborted, HasSubstr("bad push")));
   // The retry, after Recover (epoch 6).
-  absl::StatusOr<std::shared_ptr<const RoundResult>> retry0;
-  std::thread t0([&] {
-    retry0 =
-        shard->Submit(EpochPush(0, 0, {7}, 6), absl::Now() + absl::Seconds(5));
-  });
-  GTOPK_ASSERT_OK_AND_ASSIGN(
-      auto retry1,
-      shard->Submit(EpochPush(0, 1, {8}, 6), absl::Now() + absl::Seconds(5)));
-  t0.join();
-  GTOPK_ASSERT_OK(retry0);
-  EXPECT_EQ(retry1->selected.indices, (std::vector<uint32_t>{7, 8}));
+  ExpectRetryOfStep0Completes(*shard, [] {});
   EXPECT_EQ(shard->next_step(), 1);
   // A stale AbortStep of an applied step changes nothing.
   shard->AbortStep(0, reason, 7);
@@ -502,19 +513,9 @@ TEST(ShardAggregatorTest, AStaleAbandonDoesNotFailTheRetry) {
   auto shard = SingleShard(2);
   const absl::Status gone = absl::CancelledError("worker 0 abandoned step 0");
   shard->AbortStep(0, absl::AbortedError("step 0 failed"), 6);
-  absl::StatusOr<std::shared_ptr<const RoundResult>> retry0;
-  std::thread t0([&] {
-    retry0 =
-        shard->Submit(EpochPush(0, 0, {7}, 6), absl::Now() + absl::Seconds(5));
+  ExpectRetryOfStep0Completes(*shard, [&] {
+    EXPECT_FALSE(shard->AbandonPush(0, 0, 5, gone));  // the failed attempt's
   });
-  absl::SleepFor(absl::Milliseconds(50));
-  EXPECT_FALSE(shard->AbandonPush(0, 0, 5, gone));  // the failed attempt's
-  GTOPK_ASSERT_OK_AND_ASSIGN(
-      auto retry1,
-      shard->Submit(EpochPush(0, 1, {8}, 6), absl::Now() + absl::Seconds(5)));
-  t0.join();
-  GTOPK_ASSERT_OK(retry0);
-  EXPECT_EQ(retry1->selected.indices, (std::vector<uint32_t>{7, 8}));
   // Step 1, current attempt: the abandon fails the round.
   absl::StatusOr<std::shared_ptr<const RoundResult>> waiting;
   std::thread t1([&] {
