@@ -202,8 +202,8 @@ const Allocation* Find(const void* p, size_t bytes) {
 enum class Wait { kRunnable, kBarrier, kBallot, kExited };
 
 struct Thread {
-  bctx::fiber fiber;   // the thread while it is suspended
-  bctx::fiber caller;  // the scheduler while the thread runs
+  bctx::fiber fiber;  // the thread while it is suspended (else empty)
+  bool started = false;
   Wait wait = Wait::kRunnable;
   const char* file = nullptr;  // barrier site
   int line = 0;
@@ -213,10 +213,23 @@ struct Thread {
   unsigned result = 0;
 };
 
+// Who switched to the fiber that runs now: a thread's index, or one of
+// these (see StoreSwitcher).
+constexpr int kFromScheduler = -1;
+constexpr int kFromExited = -2;
+
 struct Running {
   const char* kernel = nullptr;
   std::vector<Thread>* threads = nullptr;
   int current = -1;
+  // The block being run (RunBlock): its body, this round's thread order and
+  // the position in it of the next thread to run, the scheduler while
+  // threads run, and who made the last switch.
+  const std::function<void()>* body = nullptr;
+  std::vector<int> order;
+  size_t next = 0;
+  bctx::fiber scheduler;
+  int from = kFromScheduler;
 };
 Running g_run;  // guarded by Mutex() (kernels run with it held)
 
@@ -390,7 +403,92 @@ Thread& Me(const char* what) {
   return (*g_run.threads)[g_run.current];
 }
 
-void Suspend(Thread& me) { me.caller = std::move(me.caller).resume(); }
+// The block's threads switch to each other directly (one context switch per
+// suspension, not two through the scheduler), in the round's order, and a
+// thread that exits runs the next thread not yet started on its own fiber
+// (no switch at all): the order every thread runs in, and so every result,
+// is the scheduler's round by round, as if each thread had its own fiber
+// resumed by the scheduler. The scheduler runs only between rounds, to open
+// barriers and ballots (Release).
+
+// Keeps the continuation a switch to this fiber returned: the suspended
+// thread's (it is resumed from there), the scheduler's, or nothing (the
+// switch came from a fiber whose threads all exited).
+void StoreSwitcher(bctx::fiber&& from) {
+  if (g_run.from >= 0) {
+    (*g_run.threads)[g_run.from].fiber = std::move(from);
+  } else if (g_run.from == kFromScheduler) {
+    g_run.scheduler = std::move(from);
+  }
+}
+
+// Makes the next runnable thread of the round current. Returns its
+// continuation when it was suspended, an empty fiber when it has not
+// started (*fresh), and an empty fiber with *fresh false when the round has
+// no runnable thread left.
+bctx::fiber TakeNext(bool* fresh) {
+  std::vector<Thread>& threads = *g_run.threads;
+  *fresh = false;
+  while (g_run.next < g_run.order.size()) {
+    const int i = g_run.order[g_run.next++];
+    Thread& t = threads[i];
+    if (t.wait != Wait::kRunnable) continue;
+    g_run.current = i;
+    threadIdx = uint3{static_cast<unsigned>(i), 0, 0};
+    if (!t.started) {
+      t.started = true;
+      *fresh = true;
+      return bctx::fiber();
+    }
+    return std::move(t.fiber);
+  }
+  return bctx::fiber();
+}
+
+bctx::fiber NewThreadFiber();
+
+// The continuation to switch to after the current thread stopped running:
+// the next runnable thread (a new fiber for one not yet started), or the
+// scheduler at the end of the round.
+bctx::fiber NextContinuation() {
+  bool fresh = false;
+  bctx::fiber next = TakeNext(&fresh);
+  if (fresh) return NewThreadFiber();
+  if (next) return next;
+  return std::move(g_run.scheduler);
+}
+
+// A fiber's life: the current thread's body, then, while the next thread
+// of the round has not started, that thread's body on the same fiber.
+bctx::fiber RunThreads() {
+  std::vector<Thread>& threads = *g_run.threads;
+  while (true) {
+    const int me = g_run.current;
+    (*g_run.body)();
+    threads[me].wait = Wait::kExited;
+    bool fresh = false;
+    bctx::fiber next = TakeNext(&fresh);
+    if (fresh) continue;
+    g_run.from = kFromExited;
+    return next ? std::move(next) : std::move(g_run.scheduler);
+  }
+}
+
+bctx::fiber NewThreadFiber() {
+  return bctx::fiber(std::allocator_arg, StackAllocator(),
+                     [](bctx::fiber&& from) {
+                       StoreSwitcher(std::move(from));
+                       return RunThreads();
+                     });
+}
+
+// The current thread waits (its wait set): the next one runs.
+void Suspend(Thread& me) {
+  const int self = static_cast<int>(&me - g_run.threads->data());
+  bctx::fiber next = NextContinuation();
+  g_run.from = self;
+  StoreSwitcher(std::move(next).resume());
+}
 
 std::vector<int> ThreadOrder(int n) {
   std::vector<int> order(n);
@@ -504,22 +602,17 @@ bool Release(std::vector<Thread>& threads) {
 void RunBlock(const std::function<void()>& body, int n) {
   std::vector<Thread> threads(n);
   g_run.threads = &threads;
-  for (int i = 0; i < n; ++i) {
-    threads[i].fiber = bctx::fiber(std::allocator_arg, StackAllocator(),
-                                   [&threads, i, &body](bctx::fiber&& caller) {
-                                     threads[i].caller = std::move(caller);
-                                     body();
-                                     threads[i].wait = Wait::kExited;
-                                     return std::move(threads[i].caller);
-                                   });
-  }
+  g_run.body = &body;
   while (true) {
-    for (int i : ThreadOrder(n)) {
-      Thread& t = threads[i];
-      if (t.wait != Wait::kRunnable) continue;
-      g_run.current = i;
-      threadIdx = uint3{static_cast<unsigned>(i), 0, 0};
-      t.fiber = std::move(t.fiber).resume();
+    g_run.order = ThreadOrder(n);
+    g_run.next = 0;
+    bool fresh = false;
+    bctx::fiber first = TakeNext(&fresh);
+    if (fresh) first = NewThreadFiber();
+    if (first) {
+      // Returns when the round's last thread switches back.
+      g_run.from = kFromScheduler;
+      StoreSwitcher(std::move(first).resume());
     }
     if (std::all_of(threads.begin(), threads.end(),
                     [](const Thread& t) { return t.wait == Wait::kExited; })) {
@@ -542,6 +635,7 @@ void RunBlock(const std::function<void()>& body, int n) {
   }
   g_run.current = -1;
   g_run.threads = nullptr;
+  g_run.body = nullptr;
 }
 
 void CheckSlack(uintptr_t start, const Allocation& a, const char* when);

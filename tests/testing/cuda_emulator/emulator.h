@@ -5,7 +5,9 @@
 //
 // How it runs a kernel: every thread of a block is a fiber (Boost.Context);
 // a thread runs until its next __syncthreads(), __ballot_sync() or block
-// collective (cub::BlockScan/BlockReduce), then the next thread runs. A
+// collective (cub::BlockScan/BlockReduce), then the next thread runs (the
+// suspending thread switches to it directly, and a thread that exits hands
+// its fiber to the next one not yet started: one switch per suspension). A
 // barrier opens when every thread of the block that has not exited reached
 // it (from the same source line), a ballot when every lane of its mask did.
 // Blocks run one after another. That is the CUDA model with the scheduling
