@@ -23,7 +23,7 @@
 # EXECUTABLE, TARGET (entry names: TARGET.Suite[SUFFIX]), SUFFIX, CTEST_FILE,
 # WORKING_DIR, DISCOVERY_TIMEOUT, SHARDS ("Suite=N" items), EXCLUDE (a gtest
 # negative filter, "Pattern:Pattern": the cases these entries leave out),
-# LABELS, ENVIRONMENT, TIMEOUT, COST (each entry's).
+# LABELS, ENVIRONMENT, TIMEOUT, COST, RESOURCE_GROUPS (each entry's).
 cmake_minimum_required(VERSION 3.25)
 include("${ARGS_FILE}")
 
@@ -101,6 +101,9 @@ foreach(suite IN LISTS suites)
     endif()
     if(COST)
       string(APPEND script "  COST ${COST}\n")
+    endif()
+    if(RESOURCE_GROUPS)
+      string(APPEND script "  RESOURCE_GROUPS [==[${RESOURCE_GROUPS}]==]\n")
     endif()
     if(env)
       string(APPEND script "  ENVIRONMENT [==[${env}]==]\n")
