@@ -124,6 +124,7 @@ class AggregatorService::PushPullCall {
                                abandoned);
       return ToGrpcStatus(abandoned);
     }
+    if (push.piece_end() > 0 || push.piece_begin() > 0) return ServePart(push);
     absl::StatusOr<WorkerPush> decoded = s_.DecodePush(push, *aggregator_);
     if (!decoded.ok()) {
       // Fail the round for everyone, as a bad push inside Submit would.
@@ -141,6 +142,30 @@ class AggregatorService::PushPullCall {
   }
 
  private:
+  // A part of a layer-wise push (Push.piece_end; docs/overlap.md "Rounds
+  // per bucket"): joins the step's piece rounds; OK at once while the
+  // worker's push is not complete, else the committed pull.
+  grpc::Status ServePart(const v1::Push& push) {
+    absl::StatusOr<WorkerPush> decoded = s_.DecodePush(push, *aggregator_);
+    if (!decoded.ok()) {
+      aggregator_->RejectPush(push.step(), push.rank(), decoded.status());
+      return ToGrpcStatus(decoded.status());
+    }
+    registration_.set_in_round(true);
+    absl::StatusOr<std::shared_ptr<const RoundResult>> result =
+        aggregator_->SubmitPart(*std::move(decoded),
+                                absl::Now() + s_.config_.step_timeout,
+                                &ticket_);
+    if (!result.ok()) return RoundFailed(push, result.status());
+    if (*result == nullptr) return grpc::Status::OK;  // more parts to come
+    if (grpc::Status sent = SendPull(push, **result, /*committed=*/true);
+        !sent.ok()) {
+      return sent;
+    }
+    registration_.set_in_round(false);
+    return grpc::Status::OK;
+  }
+
   // Who sends the push, before anything else: refused alone (the round
   // goes on), except a push on another rank's stream, which fails it.
   grpc::Status CheckSender(const v1::Push& push) {
@@ -222,7 +247,9 @@ class AggregatorService::PushPullCall {
   }
 
   // The round's pull for the pushing worker.
-  grpc::Status SendPull(const v1::Push& push, const RoundResult& r) {
+  // `committed`: the last pull of a push in parts (Pull.committed).
+  grpc::Status SendPull(const v1::Push& push, const RoundResult& r,
+                        bool committed = false) {
     const ServerConfig& config = s_.config_;
     s_.metrics_->RoundCompleted(r);
     v1::Pull pull;
@@ -233,6 +260,7 @@ class AggregatorService::PushPullCall {
         static_cast<uint64_t>(absl::ToInt64Microseconds(r.select_time)));
     pull.set_shard_id(config.shard_id);
     pull.set_buffers(r.buffers);  // shard 0, --apply=workers; else empty
+    pull.set_committed(committed);
     if (config.mode == AggregationMode::kDense) {
       pull.mutable_dense()->Add(r.dense_sum.begin(), r.dense_sum.end());
       pull.set_selected(r.dense_sum.size());
@@ -261,6 +289,8 @@ class AggregatorService::PushPullCall {
   grpc::ServerReaderWriter<v1::Pull, v1::Push>* const stream_;
   const Caller caller_;
   ShardAggregator* aggregator_ = nullptr;
+  // The round this stream's parts of the current step joined.
+  ShardAggregator::RoundTicket ticket_;
   // Destroyed in reverse: the stream unregisters, then stops counting.
   ConnectedWorker connected_;
   // The rank this stream acts for: set by a verified identity (the call's
