@@ -272,12 +272,13 @@ class ShardAggregator {
   // at least one is new, every piece is marked, or the round failed (its
   // status; at the deadline, with no caller computing it, the round is
   // failed for everyone naming the pieces still waiting:
-  // DEADLINE_EXCEEDED). An empty result: every piece is marked. Nothing
+  // DEADLINE_EXCEEDED), or until `wake` (then possibly empty: the caller
+  // may stop; every piece is marked when *sent is all true). Nothing
   // returned may be applied before the round's result. Thread-safe.
   absl::StatusOr<
       std::vector<std::pair<size_t, std::shared_ptr<const PieceResult>>>>
   AwaitPieces(const RoundTicket& ticket, std::vector<bool>* sent,
-              absl::Time deadline);
+              absl::Time deadline, absl::Time wake);
 
   // Fails the round of `step` (when it is the current, not yet computing
   // round) as a bad push from `worker` would: every other worker gets

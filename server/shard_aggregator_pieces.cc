@@ -289,7 +289,7 @@ ShardAggregator::Answer ShardAggregator::AssemblePieces(
 absl::StatusOr<
     std::vector<std::pair<size_t, std::shared_ptr<const PieceResult>>>>
 ShardAggregator::AwaitPieces(const RoundTicket& ticket, std::vector<bool>* sent,
-                             absl::Time deadline) {
+                             absl::Time deadline, absl::Time wake) {
   std::vector<std::pair<size_t, std::shared_ptr<const PieceResult>>> out;
   if (ticket.round == nullptr) {
     return absl::FailedPreconditionError("AwaitPieces: no round");
@@ -309,9 +309,9 @@ ShardAggregator::AwaitPieces(const RoundTicket& ticket, std::vector<bool>* sent,
       (*sent)[i] = true;
       out.emplace_back(i, round->pieces->result(i));
     }
-    if (!out.empty() || all) return out;
-    const bool timed_out = cv_.WaitWithDeadline(&mu_, deadline);
-    if (timed_out && !round->finished && !round->computing) {
+    if (!out.empty() || all || absl::Now() >= wake) return out;
+    cv_.WaitWithDeadline(&mu_, std::min(deadline, wake));
+    if (absl::Now() >= deadline && !round->finished && !round->computing) {
       std::vector<size_t> waiting = round->pieces->Waiting(8);
       const absl::Status late = absl::DeadlineExceededError(absl::StrCat(
           "step ", round->step, " timed out on shard ", options_.shard_id,

@@ -53,7 +53,10 @@ struct WorkerClient::ShardConn {
 class PushGate {
  public:
   explicit PushGate(size_t num_shards)
-      : queues_(num_shards), expected_(num_shards, 0), taken_(num_shards, 0) {}
+      : queues_(num_shards),
+        expected_(num_shards, 0),
+        taken_(num_shards, 0),
+        failed_(num_shards, false) {}
   // Shard s gets `parts` parts in all. Before the round's threads start.
   void Expect(size_t s, size_t parts) { expected_[s] = parts; }
   void Post(size_t s, v1::Push part) {
@@ -65,16 +68,24 @@ class PushGate {
     absl::MutexLock lock(&mu_);
     abandoned_ = true;
   }
-  enum class Next { kPart, kDone, kAbandoned };
+  // Shard s's stream ended (its reader saw it): its writer stops waiting.
+  void Fail(size_t s) {
+    absl::MutexLock lock(&mu_);
+    failed_[s] = true;
+  }
+  enum class Next { kPart, kDone, kAbandoned, kFailed };
   // Blocks until shard s has a part to write (kPart, *part set), all its
-  // parts were taken (kDone), or the step was abandoned (kAbandoned; parts
-  // still queued are never written).
+  // parts were taken (kDone), the step was abandoned (kAbandoned; parts
+  // still queued are never written), or its stream ended (kFailed).
   Next Wait(size_t s, v1::Push* part) {
     absl::MutexLock lock(&mu_);
     if (taken_[s] == expected_[s]) return Next::kDone;
-    auto ready = [&] { return abandoned_ || !queues_[s].empty(); };
+    auto ready = [&] {
+      return abandoned_ || failed_[s] || !queues_[s].empty();
+    };
     mu_.Await(absl::Condition(&ready));
     if (abandoned_) return Next::kAbandoned;
+    if (failed_[s]) return Next::kFailed;
     *part = std::move(queues_[s].front());
     queues_[s].pop_front();
     ++taken_[s];
@@ -100,6 +111,7 @@ class PushGate {
   std::vector<std::deque<v1::Push>> queues_;  // (mu_)
   std::vector<size_t> expected_;              // set before the threads start
   std::vector<size_t> taken_;                 // per shard: by its thread only
+  std::vector<bool> failed_;                  // (mu_)
   size_t posted_ = 0;                         // (mu_)
   bool abandoned_ = false;                    // (mu_)
 };

@@ -5,34 +5,79 @@
 // "Rounds per bucket"; proto Push.piece_end, Pull.committed).
 #include <algorithm>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/codec.h"
+#include "common/status_macros.h"
 #include "worker/client.h"
 #include "worker/client_internal.h"
 
 namespace gtopk {
 namespace worker {
 
+namespace {
+
+// The reader of one shard's answers during an overlapped step: the piece
+// pulls as they come (while the parts are still being written), then the
+// last pull. Its thread is the stream's only reader (gRPC allows one Read
+// beside one Write); its fields are read after it was joined.
+struct PieceReader {
+  std::thread thread;
+  std::vector<v1::Pull> pieces;
+  v1::Pull last;
+  bool got_last = false;
+
+  void Start(grpc::ClientReaderWriter<v1::Push, v1::Pull>* stream,
+             PushGate* gate, size_t s) {
+    thread = std::thread([this, stream, gate, s] {
+      v1::Pull pull;
+      while (stream->Read(&pull)) {
+        if (pull.piece_end() > 0) {
+          pieces.push_back(std::move(pull));
+          pull.Clear();
+          continue;
+        }
+        last = std::move(pull);
+        got_last = true;
+        return;
+      }
+      gate->Fail(s);  // the stream ended: its writer stops waiting
+    });
+  }
+  void Join() {
+    if (thread.joinable()) thread.join();
+  }
+};
+
+}  // namespace
+
 absl::Status WorkerClient::PushPartsOnShard(size_t s, int64_t step,
                                             const v1::Push& whole,
                                             PushGate& gate, v1::Pull* pull,
                                             PushPullState& round) {
   ShardConn& c = *shards_[s];
+  PieceReader reader;
   bool any = false;  // a part of this step went to this shard
   v1::Push part;
   while (true) {
     const PushGate::Next next = gate.Wait(s, &part);
-    if (next == PushGate::Next::kDone) break;
+    if (next == PushGate::Next::kDone || next == PushGate::Next::kFailed) {
+      break;
+    }
     if (next == PushGate::Next::kAbandoned) {
-      if (any || gate.any_opened()) {
-        // Parts of this attempt went out: tell this shard the step is
-        // given up, so that it fails everywhere (Push.abandon).
-        v1::Push abandon = whole;
-        abandon.clear_sparse();
-        abandon.set_abandon(true);
+      // When parts of this attempt went out anywhere, tell this shard the
+      // step is given up, so that it fails everywhere (Push.abandon).
+      v1::Push abandon = whole;
+      abandon.clear_sparse();
+      abandon.set_abandon(true);
+      if (any) {
+        WriteOnShard(s, abandon, /*reopen=*/false, round);
+        reader.Join();  // the shard ends the stream (CANCELLED)
+        ShardStreamFailed(s, step, /*drain=*/false, round).IgnoreError();
+      } else if (gate.any_opened()) {
         v1::Pull ignored;
         PushPullOnShard(s, step, abandon, &ignored, round).IgnoreError();
       }
@@ -44,31 +89,21 @@ absl::Status WorkerClient::PushPartsOnShard(size_t s, int64_t step,
     // Only the first part may go once more on a fresh stream: a later one
     // would reach a stream that never saw the earlier parts.
     if (!WriteOnShard(s, part, /*reopen=*/!any, round)) {
-      return ShardStreamFailed(s, step, /*drain=*/true, round);
+      reader.Join();
+      return ShardStreamFailed(s, step, /*drain=*/!any, round);
     }
+    if (!any) reader.Start(c.stream.get(), &gate, s);
     any = true;
   }
-  // The piece pulls (sent as the shard finished each piece's round), then
-  // the last: the committed pull of a push in parts, or the one pull of a
-  // whole push (a shard without pieces).
-  std::vector<v1::Pull> pieces;
-  v1::Pull answer;
-  while (c.stream->Read(&answer)) {
-    if (answer.piece_end() > 0) {
-      pieces.push_back(std::move(answer));
-      answer.Clear();
-      continue;
-    }
-    if (!pieces.empty() || answer.committed()) {
-      if (absl::Status merged = MergePiecePulls(s, pieces, &answer);
-          !merged.ok()) {
-        return merged;
-      }
-    }
-    *pull = std::move(answer);
-    return absl::OkStatus();
+  reader.Join();
+  if (!reader.got_last) return ShardStreamFailed(s, step, false, round);
+  // The committed pull of a push in parts (its entries came in the piece
+  // pulls), or the one pull of a whole push (a shard without pieces).
+  if (!reader.pieces.empty() || reader.last.committed()) {
+    GTOPK_RETURN_IF_ERROR(MergePiecePulls(s, reader.pieces, &reader.last));
   }
-  return ShardStreamFailed(s, step, /*drain=*/false, round);
+  *pull = std::move(reader.last);
+  return absl::OkStatus();
 }
 
 absl::Status WorkerClient::MergePiecePulls(size_t s,
