@@ -137,6 +137,9 @@ class AggregatorService::PushPullCall {
       return ToGrpcStatus(abandoned);
     }
     if (push.piece_end() > 0 || push.piece_begin() > 0) return ServePart(push);
+    // A whole push: no piece pull may be written beside its pull (a writer
+    // left from a failed attempt in parts ends now).
+    StopWriter();
     absl::StatusOr<WorkerPush> decoded = s_.DecodePush(push, *aggregator_);
     if (!decoded.ok()) {
       // Fail the round for everyone, as a bad push inside Submit would.
@@ -182,7 +185,7 @@ class AggregatorService::PushPullCall {
     if (*result == nullptr) return grpc::Status::OK;  // more parts to come
     // Committed: every piece is done, so the writer ends once it has sent
     // them all; then the committed pull.
-    writer_.join();
+    if (writer_.joinable()) writer_.join();
     writer_round_.reset();
     if (writer_lost_.load()) {
       return grpc::Status(grpc::StatusCode::CANCELLED,
