@@ -127,9 +127,9 @@ absl::Status WorkerClient::MergePiecePulls(size_t s,
     if (p.piece_begin() != next || p.piece_end() <= p.piece_begin() ||
         p.piece_end() > m || p.step() != final->step()) {
       return absl::InternalError(absl::StrCat(
-          ShardName(s), ": piece pull of step ", p.step(), " for pieces [",
-          p.piece_begin(), ", ", p.piece_end(), ") where piece ", next, " of ",
-          m, " was expected (step ", final->step(), ")"));
+          "piece pull of step ", p.step(), " for pieces [", p.piece_begin(),
+          ", ", p.piece_end(), ") where piece ", next, " of ", m,
+          " was expected (step ", final->step(), ")"));
     }
     const uint64_t lo = pieces_[first + p.piece_begin()].begin;
     const uint64_t hi = pieces_[first + p.piece_end() - 1].end;
@@ -140,9 +140,9 @@ absl::Status WorkerClient::MergePiecePulls(size_t s,
     if (!st.ok() || (!part.empty() && (part.indices.front() < lo ||
                                        part.indices.back() >= hi))) {
       return absl::InternalError(absl::StrCat(
-          ShardName(s), ": piece pull for pieces [", p.piece_begin(), ", ",
-          p.piece_end(), ") is undecodable or has indices outside [", lo, ", ",
-          hi, ")", st.ok() ? "" : ": ", st.message()));
+          "piece pull for pieces [", p.piece_begin(), ", ", p.piece_end(),
+          ") is undecodable or has indices outside [", lo, ", ", hi, ")",
+          st.ok() ? "" : ": ", st.message()));
     }
     all.indices.insert(all.indices.end(), part.indices.begin(),
                        part.indices.end());
@@ -151,14 +151,13 @@ absl::Status WorkerClient::MergePiecePulls(size_t s,
   }
   if (next != m && !(pieces.empty() && !final->sparse().empty())) {
     return absl::InternalError(absl::StrCat(
-        ShardName(s), ": the committed pull of step ", final->step(),
+        "the committed pull of step ", final->step(),
         " came after the piece pulls of ", next, " of its ", m, " pieces"));
   }
   if (pieces.empty()) return absl::OkStatus();  // the whole result in final
   const absl::Status st =
       EncodeSparse(all, cluster_.n(), spec, final->mutable_sparse());
-  if (!st.ok()) return Prefixed(st, ShardName(s));
-  return absl::OkStatus();
+  return st;
 }
 
 }  // namespace worker
