@@ -16,7 +16,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/buckets.h"
-#include "common/codec.h"
 #include "common/selector.h"
 #include "common/status_macros.h"
 #include "gmock/gmock.h"
@@ -666,127 +665,6 @@ TEST(OverlapRefusalTest, ServersOverloadIsRefusedWhenWorkersApply) {
       client->BeginOverlappedStep(g, absl::MakeSpan(p)),
       ::gtopk::testing::StatusIs(absl::StatusCode::kFailedPrecondition,
                                  ::testing::HasSubstr("--apply=workers")));
-}
-
-// The protocol on the wire (docs/overlap.md, "Rounds per bucket"), with a
-// raw PushPull stream, P = 1, S = 1: a part is answered by its piece pull
-// before the worker sends its next part (the piece's round ran on its
-// own), the pieces come back once each, then the committed pull; a whole
-// push is answered as before; a piece sent twice ends the stream with
-// INVALID_ARGUMENT naming it.
-TEST(PieceWireTest, EachPiecePullComesBeforeTheNextPart) {
-  auto cluster_or = ::gtopk::testing::LocalCluster::Start(MakeConfig(1), 1);
-  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
-  auto stub = v1::Aggregator::NewStub(grpc::CreateChannel(
-      (*cluster_or)->leader(), grpc::InsecureChannelCredentials()));
-  const auto deadline = absl::ToChronoTime(absl::Now() + absl::Seconds(15));
-  v1::JoinResponse joined;
-  {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(deadline);
-    v1::JoinRequest join;
-    join.set_requested_rank(0);
-    join.set_n(kN);
-    ASSERT_TRUE(stub->Join(&ctx, join, &joined).ok());
-  }
-  const v1::ClusterSpec& spec = joined.cluster();
-  {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(deadline);
-    v1::InitParamsResponse response;
-    auto init = stub->InitParams(&ctx, &response);
-    v1::ParamsChunk chunk;
-    chunk.set_rank(0);
-    chunk.set_shard_id(0);
-    chunk.mutable_values()->Resize(kN, 0.5f);
-    chunk.set_member_token(joined.member_token());
-    chunk.set_cluster_fingerprint(spec.cluster_fingerprint());
-    ASSERT_TRUE(init->Write(chunk));
-    init->WritesDone();
-    ASSERT_TRUE(init->Finish().ok());
-  }
-  const std::vector<BucketPiece> pieces = ::gtopk::testing::OkOrThrow(
-      CutBucketPieces(kN, spec.bucket_size(), {0}), "CutBucketPieces");
-  ASSERT_EQ(pieces.size(), 4u);  // [0, 300) .. [900, 910): k_p 6, 6, 6, 0
-  const uint64_t k =
-      ::gtopk::testing::OkOrThrow(KFromDensity(kDensity, kN), "KFromDensity");
-  const CodecSpec codec{IndexCodec::kDeltaVarint, ValueCodec::kFp32};
-  // Piece i's part: its first k_p indices, value index + 1.
-  auto part = [&](int64_t step, uint32_t b, uint32_t e) {
-    v1::Push push;
-    push.set_step(step);
-    push.set_rank(0);
-    push.set_shard_id(0);
-    push.set_member_token(joined.member_token());
-    push.set_cluster_fingerprint(spec.cluster_fingerprint());
-    push.set_epoch(joined.epoch());
-    push.set_params_checksum(0x1234);  // the same on every part (step 0)
-    push.set_piece_begin(b);
-    push.set_piece_end(e);
-    SparseVector v;
-    for (uint32_t i = b; i < e; ++i) {
-      const uint64_t kp = PieceK(k, pieces[i].size(), kN);
-      for (uint64_t j = 0; j < kp; ++j) {
-        v.push_back(static_cast<uint32_t>(pieces[i].begin + j),
-                    static_cast<float>(pieces[i].begin + j + 1));
-      }
-    }
-    EXPECT_TRUE(EncodeSparse(v, kN, codec, push.mutable_sparse()).ok());
-    return push;
-  };
-  grpc::ClientContext ctx;
-  ctx.set_deadline(deadline);
-  auto stream = stub->PushPull(&ctx);
-  v1::Pull pull;
-  uint64_t selected = 0;
-  // Backward's order: the last pieces first; each run answered at once.
-  for (const auto& [b, e] :
-       std::vector<std::pair<uint32_t, uint32_t>>{{3, 4}, {1, 3}, {0, 1}}) {
-    ASSERT_TRUE(stream->Write(part(0, b, e)));
-    for (uint32_t i = b; i < e;) {
-      if (!stream->Read(&pull)) {
-        const grpc::Status st = stream->Finish();
-        FAIL() << "no piece pull for [" << b << ", " << e
-               << "): " << st.error_message();
-      }
-      EXPECT_FALSE(pull.committed());
-      EXPECT_EQ(pull.piece_begin(), i);
-      ASSERT_GT(pull.piece_end(), pull.piece_begin());
-      SparseVector back;
-      ASSERT_TRUE(DecodeSparse(pull.sparse(), kN, &back).ok());
-      EXPECT_EQ(back.size(), pull.selected());
-      for (size_t j = 0; j < back.size(); ++j) {
-        EXPECT_EQ(back.values[j], static_cast<float>(back.indices[j] + 1));
-        EXPECT_GE(back.indices[j], pieces[pull.piece_begin()].begin);
-        EXPECT_LT(back.indices[j], pieces[pull.piece_end() - 1].end);
-      }
-      selected += back.size();
-      i = pull.piece_end();
-    }
-  }
-  ASSERT_TRUE(stream->Read(&pull));
-  EXPECT_TRUE(pull.committed());
-  EXPECT_EQ(pull.piece_end(), 0u);
-  EXPECT_TRUE(pull.sparse().empty());
-  EXPECT_EQ(pull.selected(), selected);
-  EXPECT_EQ(selected, 18u);
-  // Step 1 as a whole push: one pull, as before parts existed.
-  v1::Push whole = part(1, 0, 4);
-  whole.set_piece_end(0);
-  ASSERT_TRUE(stream->Write(whole));
-  ASSERT_TRUE(stream->Read(&pull));
-  EXPECT_FALSE(pull.committed());
-  EXPECT_EQ(pull.step(), 1);
-  EXPECT_EQ(pull.selected(), 18u);
-  // Step 2: a piece twice.
-  ASSERT_TRUE(stream->Write(part(2, 0, 2)));
-  ASSERT_TRUE(stream->Read(&pull));  // [0, 2)'s pull
-  ASSERT_TRUE(stream->Write(part(2, 1, 2)));
-  while (stream->Read(&pull)) {
-  }
-  const grpc::Status st = stream->Finish();
-  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_THAT(st.error_message(), ::testing::HasSubstr("sent twice"));
 }
 
 }  // namespace
