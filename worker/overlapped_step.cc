@@ -150,6 +150,9 @@ absl::Status WorkerClient::StartOverlappedStep(
       v1::Push whole = o->pushes[s];
       GTOPK_RETURN_IF_ERROR(
           EncodeSparse(SparseVector(), n, codec_, whole.mutable_sparse()));
+      if (s < o->stats.bytes_sent.size()) {
+        o->stats.bytes_sent[s] = whole.ByteSizeLong();
+      }
       o->gate.Post(s, std::move(whole));
     }
   }
