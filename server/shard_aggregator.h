@@ -394,6 +394,8 @@ class ShardAggregator {
     // metadata -- epoch, checksum, buffers -- and no entries; arrived[w]
     // once all its pieces are in).
     std::unique_ptr<PieceRound> pieces;
+    // kLayerwise: when the last worker's push became complete.
+    absl::Time completed;
     bool finished = false;
     absl::Status status;  // set when finished
     std::shared_ptr<const RoundResult> result;

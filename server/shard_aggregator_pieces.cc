@@ -220,6 +220,7 @@ std::optional<ShardAggregator::Answer> ShardAggregator::JoinPiecesLocked(
   if (pieces.complete(w)) {
     round->arrived[w] = true;
     ++round->count;
+    round->completed = absl::Now();
   }
   *out = std::move(round);
   return std::nullopt;
@@ -266,8 +267,8 @@ ShardAggregator::Answer ShardAggregator::AssemblePieces(
     result->buffers = std::move(pushes[0].buffers);
   }
   result->opened = round.opened;
-  const absl::Time start = absl::Now();
-  result->wait_time = start - round.opened;
+  // How long the round waited for its slowest worker's last part.
+  result->wait_time = round.completed - round.opened;
   for (size_t i = 0; i < round.pieces->num_pieces(); ++i) {
     const PieceResult& r = *round.pieces->result(i);
     result->selected.indices.insert(result->selected.indices.end(),
