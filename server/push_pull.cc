@@ -209,11 +209,14 @@ class AggregatorService::PushPullCall {
   void WritePiecePulls(const ShardAggregator::RoundTicket& ticket) {
     writer_lost_ = false;
     std::vector<bool> sent(aggregator_->pieces().size(), false);
-    const absl::Time deadline = absl::Now() + s_.config_.step_timeout;
     while (!writer_stop_.load()) {
+      // No deadline of its own: the round's deadlines are its complete
+      // pushes' (Submit's), counted from each worker's last part, as a
+      // whole push's, so that the backward pass after the first bucket
+      // does not count against the step timeout.
       absl::StatusOr<
           std::vector<std::pair<size_t, std::shared_ptr<const PieceResult>>>>
-          done = aggregator_->AwaitPieces(ticket, &sent, deadline,
+          done = aggregator_->AwaitPieces(ticket, &sent, absl::InfiniteFuture(),
                                           absl::Now() + absl::Milliseconds(50));
       if (!done.ok()) return;  // the round failed: the handler reports it
       for (size_t a = 0; a < done->size();) {
