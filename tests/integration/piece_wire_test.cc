@@ -6,6 +6,7 @@
 // after Recover ends bit-identical to a cluster that never saw the failure.
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -20,6 +21,7 @@
 #include "tests/testing/local_cluster.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/status_matchers.h"
+#include "worker/client.h"
 
 namespace gtopk {
 namespace {
@@ -66,6 +68,7 @@ struct RawWorker {
   std::vector<std::unique_ptr<v1::Aggregator::Stub>> stubs;
   v1::JoinResponse joined;
   uint64_t epoch = 0;
+  uint64_t checksum = 0x5eed;  // Push.params_checksum of every push
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
   std::vector<std::unique_ptr<grpc::ClientReaderWriter<v1::Push, v1::Pull>>>
       streams;
@@ -140,7 +143,7 @@ struct RawWorker {
     push.set_member_token(joined.member_token());
     push.set_cluster_fingerprint(spec().cluster_fingerprint());
     push.set_epoch(epoch);
-    push.set_params_checksum(0x5eed);  // the same on every part and rank
+    push.set_params_checksum(checksum);
     push.set_piece_begin(b);
     push.set_piece_end(e);
     const uint32_t first = b;
@@ -186,6 +189,25 @@ struct RawWorker {
     epoch = response.epoch();
   }
 };
+
+// Reads piece pulls from `stream` until `count` pieces came back, each
+// once, in runs in any order; false when the stream ended first.
+bool ReadAnyPieces(grpc::ClientReaderWriter<v1::Push, v1::Pull>& stream,
+                   uint32_t count) {
+  std::vector<bool> got(count, false);
+  v1::Pull pull;
+  for (uint32_t n = 0; n < count;) {
+    if (!stream.Read(&pull) || pull.committed() || pull.piece_end() > count ||
+        pull.piece_end() <= pull.piece_begin()) {
+      return false;
+    }
+    for (uint32_t i = pull.piece_begin(); i < pull.piece_end(); ++i, ++n) {
+      if (got[i]) return false;
+      got[i] = true;
+    }
+  }
+  return true;
+}
 
 // Reads piece pulls from `stream` until pieces [b, e) all came back (each
 // once, in runs); false when the stream ended first.
@@ -337,6 +359,85 @@ TEST(PieceWireTest, ABadPartAfterPiecePullsAppliesNothingOnAnyShard) {
   EXPECT_EQ(plain.second, 1);
   EXPECT_TRUE(BitEqual(retried.first, plain.first));
   EXPECT_FALSE(BitEqual(retried.first, before.first));
+}
+
+// A WorkerClient's overlapped step (rank 0, --apply=workers, P = 2, S = 2)
+// fails after piece pulls came back to it: rank 1 (a raw stream) sends its
+// parts of shard 1 and of shard 0's piece 0, reads their piece pulls
+// (which needed rank 0's parts), then sends shard 0's piece 0 again. Rank
+// 0's FinishOverlappedStep fails and writes nothing (the piece pulls are
+// discarded); both recover; the retry (rank 0: AggregateStep with a zero
+// gradient, its residual holding u; rank 1: whole pushes) gives rank 0
+// the average and residual, bit for bit, of a cluster without the failure.
+TEST(PieceWireTest, AClientsStepFailsAfterPiecePullsAndItsRetryMatches) {
+  server::ServerConfig config = Config(2, ApplyMode::kWorkers);
+  config.checksum_every = 0;  // rank 1 sends no parameters' checksum
+  struct Run {
+    absl::Status failed;
+    std::vector<float> averaged, residual, untouched;
+  };
+  auto run = [&](bool fail) {
+    auto cluster =
+        OkOrThrow(::gtopk::testing::LocalCluster::Start(config, 2), "Start");
+    worker::ClientOptions o;
+    o.leader_address = cluster->leader();
+    o.requested_rank = 0;
+    o.n = kN;
+    o.rpc_timeout = absl::Seconds(20);
+    auto client = OkOrThrow(worker::WorkerClient::Connect(o), "Connect");
+    std::vector<float> params(kN, 0.25f), averaged(kN, -1.0f);
+    OkOrThrow(client->SynchronizeParameters(absl::MakeSpan(params)), "Sync");
+    RawWorker w1 = RawWorker::Join(cluster->peers(), 1);
+    w1.checksum = 0;
+    std::thread raw([&] {
+      w1.Open();
+      if (fail) {
+        for (uint32_t i = 3; i-- > 0;) {
+          w1.streams[1]->Write(w1.Push(0, 1, i, i + 1));
+        }
+        w1.streams[0]->Write(w1.Push(0, 0, 0, 1));
+        EXPECT_TRUE(ReadAnyPieces(*w1.streams[1], 3));
+        EXPECT_TRUE(ReadPieces(*w1.streams[0], 0, 1));
+        w1.streams[0]->Write(w1.Push(0, 0, 0, 1));
+        for (uint32_t s = 0; s < 2; ++s) EXPECT_FALSE(w1.Drain(s).ok());
+        w1.Recover(0);
+        w1.Open();
+      }
+      for (uint32_t s = 0; s < 2; ++s) {
+        EXPECT_TRUE(w1.streams[s]->Write(w1.Push(0, s, 0, 0)));
+      }
+      v1::Pull pull;
+      for (uint32_t s = 0; s < 2; ++s) EXPECT_TRUE(w1.streams[s]->Read(&pull));
+    });
+    Run r;
+    std::vector<float> g = ::gtopk::testing::NormalVector(kN, 45);
+    r.failed = client->BeginOverlappedStep(g, absl::MakeSpan(averaged), params);
+    const std::vector<BucketPiece>& pieces = client->bucket_pieces();
+    for (size_t i = pieces.size(); i-- > 0 && r.failed.ok();) {
+      r.failed = client->GradientReady(pieces[i].begin, pieces[i].end);
+    }
+    if (r.failed.ok()) r.failed = client->FinishOverlappedStep().status();
+    r.untouched = averaged;
+    if (fail) {
+      std::vector<float> none;
+      EXPECT_TRUE(client->Recover(absl::MakeSpan(none)).ok());
+      std::fill(g.begin(), g.end(), 0.0f);
+      EXPECT_TRUE(
+          client->AggregateStep(g, absl::MakeSpan(averaged), params).ok());
+    }
+    raw.join();
+    r.averaged = averaged;
+    r.residual.assign(client->residual().begin(), client->residual().end());
+    return r;
+  };
+  const Run failing = run(true);
+  const Run clean = run(false);
+  GTOPK_EXPECT_OK(clean.failed);
+  EXPECT_FALSE(failing.failed.ok());
+  EXPECT_TRUE(BitEqual(failing.untouched, std::vector<float>(kN, -1.0f)));
+  EXPECT_TRUE(BitEqual(failing.averaged, clean.averaged));
+  EXPECT_TRUE(BitEqual(failing.residual, clean.residual));
+  EXPECT_FALSE(BitEqual(clean.averaged, std::vector<float>(kN, -1.0f)));
 }
 
 }  // namespace
