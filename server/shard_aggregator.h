@@ -148,6 +148,14 @@ struct RoundResult {
 // design); once the round is being computed, or for the last completed
 // round, a repeated push is a retry and gets that round's result (its
 // content is ignored).
+//
+// Under kLayerwise every push, whole or in parts (SubmitPart), joins the
+// step's per-piece rounds (server/piece_rounds.h): each piece's sum and top
+// k_p run as soon as its P parts are in, and the step's result is their
+// concatenation, bit-identical to the whole-shard round; the checks, the
+// commit vote and the apply stay one per step. There a repeated whole push
+// replaces the first only while none of that worker's pieces has started;
+// after that it is a retry (the round's result).
 class ShardAggregator {
  public:
   // `exchange` is used for gtopk + exact with S > 1 and must outlive the
