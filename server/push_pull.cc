@@ -2,13 +2,18 @@
 // one shard, in named steps (PushPullCall): the stream's registration for
 // its rank, and per push the sender's checks, its identity, its round
 // (decode, Submit) and the pull.
+#include <algorithm>
+#include <atomic>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/codec.h"
 #include "common/grpc_edge/grpc_edge.h"
 #include "common/sparse_vector.h"
 #include "proto/request_parsing.h"
@@ -63,7 +68,11 @@ class ConnectedWorker {
 }  // namespace
 
 // One PushPull call. Its pushes are served in order, each by Serve; the
-// first non-OK status ends the stream. Used by the call's handler thread.
+// first non-OK status ends the stream. Used by the call's handler thread;
+// during a layer-wise step pushed in parts, a writer thread of the call
+// (the only other user of stream_, which allows one Write beside the
+// handler's Read) sends the piece pulls while the handler reads the next
+// parts; the handler joins it before its own Write.
 class AggregatorService::PushPullCall {
  public:
   PushPullCall(AggregatorService* service, grpc::ServerContext* context,
@@ -75,6 +84,9 @@ class AggregatorService::PushPullCall {
         caller_(std::move(caller)),
         connected_(service->metrics_.get()),
         registration_(&service->membership_, context) {}
+  ~PushPullCall() { StopWriter(); }
+  PushPullCall(const PushPullCall&) = delete;
+  PushPullCall& operator=(const PushPullCall&) = delete;
 
   // Leader: a worker opens its leader stream right after Join, with its
   // identity in the metadata: the rank is alive (Join: ALREADY_EXISTS) from
@@ -124,6 +136,10 @@ class AggregatorService::PushPullCall {
                                abandoned);
       return ToGrpcStatus(abandoned);
     }
+    if (push.piece_end() > 0 || push.piece_begin() > 0) return ServePart(push);
+    // A whole push: no piece pull may be written beside its pull (a writer
+    // left from a failed attempt in parts ends now).
+    StopWriter();
     absl::StatusOr<WorkerPush> decoded = s_.DecodePush(push, *aggregator_);
     if (!decoded.ok()) {
       // Fail the round for everyone, as a bad push inside Submit would.
@@ -141,6 +157,136 @@ class AggregatorService::PushPullCall {
   }
 
  private:
+  // A part of a layer-wise push (Push.piece_end; docs/overlap.md "Rounds
+  // per bucket"): joins the step's piece rounds; OK at once while the
+  // worker's push is not complete, else the committed pull.
+  grpc::Status ServePart(const v1::Push& push) {
+    absl::StatusOr<WorkerPush> decoded = s_.DecodePush(push, *aggregator_);
+    if (!decoded.ok()) {
+      aggregator_->RejectPush(push.step(), push.rank(), decoded.status());
+      return ToGrpcStatus(decoded.status());
+    }
+    registration_.set_in_round(true);
+    absl::StatusOr<std::shared_ptr<const RoundResult>> result =
+        aggregator_->SubmitPart(*std::move(decoded),
+                                absl::Now() + s_.config_.step_timeout,
+                                &ticket_);
+    if (!result.ok()) {
+      StopWriter();
+      return RoundFailed(push, result.status());
+    }
+    // The piece pulls of this round go out as its pieces finish.
+    if (writer_round_ != ticket_.round) {
+      StopWriter();
+      writer_round_ = ticket_.round;
+      writer_ =
+          std::thread([this, ticket = ticket_] { WritePiecePulls(ticket); });
+    }
+    if (*result == nullptr) return grpc::Status::OK;  // more parts to come
+    // Committed: every piece is done, so the writer ends once it has sent
+    // them all; then the committed pull.
+    if (writer_.joinable()) writer_.join();
+    writer_round_.reset();
+    if (writer_lost_.load()) {
+      return grpc::Status(grpc::StatusCode::CANCELLED,
+                          absl::StrCat("worker ", push.rank(),
+                                       " went away before its piece pulls of "
+                                       "step ",
+                                       push.step()));
+    }
+    if (grpc::Status sent = SendPull(push, **result, /*committed=*/true);
+        !sent.ok()) {
+      return sent;
+    }
+    registration_.set_in_round(false);
+    return grpc::Status::OK;
+  }
+
+  // The writer thread: every piece of `ticket`'s round, a Pull per run of
+  // consecutive pieces that finished together (Pull.piece_begin/piece_end),
+  // until all are sent, the round fails, the worker goes away or the
+  // handler stops it (writer_stop_).
+  void WritePiecePulls(const ShardAggregator::RoundTicket& ticket) {
+    writer_lost_ = false;
+    std::vector<bool> sent(aggregator_->pieces().size(), false);
+    while (!writer_stop_.load()) {
+      // No deadline of its own: the round's deadlines are its complete
+      // pushes' (Submit's), counted from each worker's last part, as a
+      // whole push's, so that the backward pass after the first bucket
+      // does not count against the step timeout.
+      absl::StatusOr<
+          std::vector<std::pair<size_t, std::shared_ptr<const PieceResult>>>>
+          done = aggregator_->AwaitPieces(ticket, &sent, absl::InfiniteFuture(),
+                                          absl::Now() + absl::Milliseconds(50));
+      if (!done.ok()) return;  // the round failed: the handler reports it
+      for (size_t a = 0; a < done->size();) {
+        size_t b = a + 1;  // [a, b): a run of consecutive pieces
+        while (b < done->size() &&
+               (*done)[b].first == (*done)[b - 1].first + 1) {
+          ++b;
+        }
+        if (!WritePiecePull(ticket.step, *done, a, b)) {
+          writer_lost_ = true;
+          return;
+        }
+        a = b;
+      }
+      if (std::all_of(sent.begin(), sent.end(), [](bool x) { return x; })) {
+        return;
+      }
+    }
+  }
+
+  // One piece pull: the pieces done[a, b) (consecutive), their selections
+  // concatenated and encoded as a whole pull is. False when the worker
+  // went away.
+  bool WritePiecePull(
+      int64_t step,
+      const std::vector<std::pair<size_t, std::shared_ptr<const PieceResult>>>&
+          done,
+      size_t a, size_t b) {
+    SparseVector selected;
+    v1::Pull pull;
+    absl::Duration merge, select;
+    for (size_t i = a; i < b; ++i) {
+      const PieceResult& r = *done[i].second;
+      selected.indices.insert(selected.indices.end(),
+                              r.selected.indices.begin(),
+                              r.selected.indices.end());
+      selected.values.insert(selected.values.end(), r.selected.values.begin(),
+                             r.selected.values.end());
+      merge += r.merge_time;
+      select += r.select_time;
+    }
+    if (!EncodeSparse(selected, aggregator_->options().n,
+                      CodecSpec{aggregator_->options().pull_index_codec,
+                                ValueCodec::kFp32},
+                      pull.mutable_sparse())
+             .ok()) {
+      return false;  // cannot happen: the pieces' indices are valid
+    }
+    pull.set_step(step);
+    pull.set_shard_id(s_.config_.shard_id);
+    pull.set_piece_begin(static_cast<uint32_t>(done[a].first));
+    pull.set_piece_end(static_cast<uint32_t>(done[b - 1].first + 1));
+    pull.set_selected(selected.size());
+    pull.set_merge_us(static_cast<uint64_t>(absl::ToInt64Microseconds(merge)));
+    pull.set_select_us(
+        static_cast<uint64_t>(absl::ToInt64Microseconds(select)));
+    if (!stream_->Write(pull)) return false;
+    s_.metrics_->sent_pull_bytes().Increment(
+        static_cast<double>(pull.ByteSizeLong()));
+    return true;
+  }
+
+  // Stops and joins the writer thread, if any.
+  void StopWriter() {
+    writer_stop_ = true;
+    if (writer_.joinable()) writer_.join();
+    writer_stop_ = false;
+    writer_round_.reset();
+  }
+
   // Who sends the push, before anything else: refused alone (the round
   // goes on), except a push on another rank's stream, which fails it.
   grpc::Status CheckSender(const v1::Push& push) {
@@ -222,7 +368,9 @@ class AggregatorService::PushPullCall {
   }
 
   // The round's pull for the pushing worker.
-  grpc::Status SendPull(const v1::Push& push, const RoundResult& r) {
+  // `committed`: the last pull of a push in parts (Pull.committed).
+  grpc::Status SendPull(const v1::Push& push, const RoundResult& r,
+                        bool committed = false) {
     const ServerConfig& config = s_.config_;
     s_.metrics_->RoundCompleted(r);
     v1::Pull pull;
@@ -233,7 +381,11 @@ class AggregatorService::PushPullCall {
         static_cast<uint64_t>(absl::ToInt64Microseconds(r.select_time)));
     pull.set_shard_id(config.shard_id);
     pull.set_buffers(r.buffers);  // shard 0, --apply=workers; else empty
-    if (config.mode == AggregationMode::kDense) {
+    pull.set_committed(committed);
+    if (committed) {
+      // A push in parts got its entries in the piece pulls.
+      pull.set_selected(r.selected.size());
+    } else if (config.mode == AggregationMode::kDense) {
       pull.mutable_dense()->Add(r.dense_sum.begin(), r.dense_sum.end());
       pull.set_selected(r.dense_sum.size());
     } else {
@@ -261,6 +413,13 @@ class AggregatorService::PushPullCall {
   grpc::ServerReaderWriter<v1::Pull, v1::Push>* const stream_;
   const Caller caller_;
   ShardAggregator* aggregator_ = nullptr;
+  // The round this stream's parts of the current step joined.
+  ShardAggregator::RoundTicket ticket_;
+  // The piece pulls' writer (WritePiecePulls) and the round it serves.
+  std::thread writer_;
+  std::shared_ptr<const void> writer_round_;
+  std::atomic<bool> writer_stop_{false};
+  std::atomic<bool> writer_lost_{false};  // a Write failed
   // Destroyed in reverse: the stream unregisters, then stops counting.
   ConnectedWorker connected_;
   // The rank this stream acts for: set by a verified identity (the call's

@@ -34,7 +34,9 @@ absl::StatusOr<WorkerPush> DecodeWirePush(const v1::Push& push,
   out.worker = push.rank();
   out.epoch = push.epoch();
   out.params_checksum = push.params_checksum();
-  out.buffers = push.buffers();  // who may send them: ValidatePush
+  out.buffers = push.buffers();          // who may send them: ValidatePush
+  out.piece_begin = push.piece_begin();  // checked by SubmitPart
+  out.piece_end = push.piece_end();
   if (config.mode == AggregationMode::kDense) {
     if (!push.sparse().empty()) {
       *reason = RejectReason::kWrongMode;

@@ -329,7 +329,9 @@ void ShardAggregator::AbortStep(int64_t step, const absl::Status& reason,
     return;
   }
   for (uint32_t w = 0; w < options_.num_workers; ++w) {
-    if (pending_->arrived[w] && pending_->pushes[w].epoch < epoch) {
+    const bool in = pending_->arrived[w] || (pending_->pieces != nullptr &&
+                                             pending_->pieces->touched(w));
+    if (in && pending_->pushes[w].epoch < epoch) {
       FailRoundLocked(pending_, reason);
       return;
     }
@@ -362,11 +364,15 @@ std::optional<int64_t> ShardAggregator::RoundAwaiting(uint32_t worker) const {
 
 absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
     WorkerPush push, absl::Time deadline) {
+  // Layer-wise: every push (whole or in parts) joins the per-piece rounds.
+  if (!pieces_.empty() || push.is_part()) {
+    return SubmitPart(std::move(push), deadline, nullptr);
+  }
   const absl::Status valid = ValidatePush(push);
   absl::MutexLock lock(&mu_);
   std::shared_ptr<AggregationRound> round;
   if (std::optional<Answer> answer =
-          JoinRoundLocked(std::move(push), valid, &round)) {
+          JoinRoundLocked(std::move(push), valid, &round, nullptr)) {
     return *std::move(answer);
   }
   if (round->count == options_.num_workers && !round->computing) {
@@ -377,7 +383,7 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Submit(
 
 std::optional<ShardAggregator::Answer> ShardAggregator::JoinRoundLocked(
     WorkerPush push, const absl::Status& valid,
-    std::shared_ptr<AggregationRound>* out) {
+    std::shared_ptr<AggregationRound>* out, std::vector<size_t>* ready) {
   const uint32_t w = push.worker;
   if (!closed_.ok()) return closed_;
   if (!initialized_) {
@@ -398,7 +404,9 @@ std::optional<ShardAggregator::Answer> ShardAggregator::JoinRoundLocked(
     return negative;
   }
   if (push.step < next_step_) {
-    if (last_ != nullptr && last_->step == push.step) return last_->result;
+    if (last_ != nullptr && last_->step == push.step && !push.is_part()) {
+      return last_->result;
+    }
     return absl::FailedPreconditionError(
         absl::StrCat("step ", push.step, " was already applied; shard ",
                      options_.shard_id, " is at step ", next_step_));
@@ -414,16 +422,11 @@ std::optional<ShardAggregator::Answer> ShardAggregator::JoinRoundLocked(
     // since): it must not join, or complete, the retry's round.
     return dead->second.second;
   }
+  if (!pieces_.empty()) return JoinPiecesLocked(std::move(push), out, ready);
   if (pending_ == nullptr) {
-    if (!draining_.ok()) {
-      // This shard will not run the step: the others need not wait for it.
-      NotifyStepFailedLocked(push.step, draining_);
-      return draining_;
+    if (std::optional<Answer> refused = OpenRoundLocked(push.step)) {
+      return refused;
     }
-    pending_ = std::make_shared<AggregationRound>();
-    pending_->step = push.step;
-    pending_->arrived.assign(options_.num_workers, false);
-    pending_->pushes.resize(options_.num_workers);
   }
   std::shared_ptr<AggregationRound> round = pending_;
   if (!round->arrived[w]) {
@@ -438,6 +441,24 @@ std::optional<ShardAggregator::Answer> ShardAggregator::JoinRoundLocked(
     round->pushes[w] = std::move(push);
   }  // else: being computed; a retry waits for the same round
   *out = std::move(round);
+  return std::nullopt;
+}
+
+std::optional<ShardAggregator::Answer> ShardAggregator::OpenRoundLocked(
+    int64_t step) {
+  if (!draining_.ok()) {
+    // This shard will not run the step: the others need not wait for it.
+    NotifyStepFailedLocked(step, draining_);
+    return draining_;
+  }
+  pending_ = std::make_shared<AggregationRound>();
+  pending_->step = step;
+  pending_->arrived.assign(options_.num_workers, false);
+  pending_->pushes.resize(options_.num_workers);
+  if (!pieces_.empty()) {
+    pending_->pieces =
+        std::make_unique<PieceRound>(pieces_.size(), options_.num_workers);
+  }
   return std::nullopt;
 }
 
@@ -507,9 +528,11 @@ ShardAggregator::Answer ShardAggregator::ComputeAndVote(
   // worker sends one value to all), so every shard fails the step with the
   // same verdict.
   const absl::Status diverged = CheckChecksums(pushes, round.step);
-  Answer result = diverged.ok() ? Compute(pushes, round.step, round.opened,
-                                          deadline, round.epoch)
-                                : Answer(diverged);
+  Answer result =
+      !diverged.ok() ? Answer(diverged)
+      : round.pieces != nullptr
+          ? AssemblePieces(round, pushes)
+          : Compute(pushes, round.step, round.opened, deadline, round.epoch);
   // A failure of this shard's own computation is news to the others; an
   // ABORTED one came from the leader (the exchange was fenced or failed by
   // another shard).
@@ -728,30 +751,6 @@ absl::StatusOr<std::shared_ptr<const RoundResult>> ShardAggregator::Compute(
                    CodecSpec{options_.pull_index_codec, ValueCodec::kFp32},
                    &result->encoded));
   return result;
-}
-
-absl::Status ShardAggregator::SelectPerPiece(const SparseVector& sum,
-                                             uint64_t k,
-                                             SparseVector* selected) const {
-  selected->clear();
-  size_t j = 0;  // sum's first entry not yet placed in a piece
-  SparseVector slice, top;
-  for (const BucketPiece& p : pieces_) {
-    slice.clear();
-    while (j < sum.size() && sum.indices[j] < p.end) {
-      slice.indices.push_back(sum.indices[j]);
-      slice.values.push_back(sum.values[j]);
-      ++j;
-    }
-    const uint64_t kp = PieceK(k, p.size(), options_.n);
-    if (kp == 0 || slice.empty()) continue;
-    GTOPK_RETURN_IF_ERROR(SparseTopK(slice, kp, &top));
-    selected->indices.insert(selected->indices.end(), top.indices.begin(),
-                             top.indices.end());
-    selected->values.insert(selected->values.end(), top.values.begin(),
-                            top.values.end());
-  }
-  return absl::OkStatus();
 }
 
 void ShardAggregator::Close(const absl::Status& reason) {

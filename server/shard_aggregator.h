@@ -25,6 +25,7 @@
 #include "common/sparse_vector.h"
 #include "server/checkpoint.h"
 #include "server/commit.h"
+#include "server/piece_rounds.h"
 #include "server/threshold.h"
 
 namespace gtopk {
@@ -94,6 +95,13 @@ struct WorkerPush {
   // Push.buffers: kWorkers only, rank 0's push to shard 0 only (any other
   // non-empty buffers are a bad push, INVALID_ARGUMENT).
   std::string buffers;
+  // kLayerwise: a part of the worker's push (Push.piece_begin/piece_end,
+  // docs/overlap.md "Rounds per bucket"): the shard's pieces [piece_begin,
+  // piece_end), indices into ShardAggregator::pieces(); `sparse` holds
+  // their entries only. piece_end 0: the whole push.
+  uint32_t piece_begin = 0;
+  uint32_t piece_end = 0;
+  bool is_part() const { return piece_end > 0 || piece_begin > 0; }
 };
 
 // The outcome of one round, shared by every worker's call.
@@ -140,6 +148,14 @@ struct RoundResult {
 // design); once the round is being computed, or for the last completed
 // round, a repeated push is a retry and gets that round's result (its
 // content is ignored).
+//
+// Under kLayerwise every push, whole or in parts (SubmitPart), joins the
+// step's per-piece rounds (server/piece_rounds.h): each piece's sum and top
+// k_p run as soon as its P parts are in, and the step's result is their
+// concatenation, bit-identical to the whole-shard round; the checks, the
+// commit vote and the apply stay one per step. There a repeated whole push
+// replaces the first only while none of that worker's pieces has started;
+// after that it is a retry (the round's result).
 class ShardAggregator {
  public:
   // `exchange` is used for gtopk + exact with S > 1 and must outlive the
@@ -218,6 +234,59 @@ class ShardAggregator {
   // commit vote (every shard sees the same checksums and fails the step).
   absl::StatusOr<std::shared_ptr<const RoundResult>> Submit(
       WorkerPush push, absl::Time deadline);
+
+  // Layer-wise rounds per piece (docs/overlap.md, "Rounds per bucket";
+  // LAGS-SGD, S. Shi et al., ECAI 2020). The round a worker's parts of a
+  // step joined, kept by the caller between its parts (one per stream):
+  // a later part of the same attempt whose round failed meanwhile gets
+  // that failure instead of opening a new round without the earlier parts.
+  struct RoundTicket {
+    std::shared_ptr<const void> round;  // opaque; null: none yet
+    int64_t step = -1;
+    uint64_t epoch = 0;
+  };
+  // This shard's bucket pieces (kLayerwise; empty otherwise), in index
+  // order: Push.piece_begin/piece_end index them.
+  const std::vector<BucketPiece>& pieces() const { return pieces_; }
+
+  // Contributes `part` (a part of worker part.worker's push of part.step, or
+  // the whole push when !part.is_part()) to the step's round. A piece's
+  // round (SumAndSelectPiece: the sum over the P workers in rank order and
+  // its top k_p) runs on the calling thread as soon as all P workers' parts
+  // holding it have arrived. Returns null at once when the worker's push is
+  // not complete yet (more parts to come); once it is, waits (up to
+  // `deadline`) for the step's round -- every piece's round, then the
+  // divergence alarm, the finiteness check, the commit vote and the apply,
+  // as Submit -- and returns its result, bit-identical to the whole-shard
+  // round of the same pushes. `ticket` (may be null): the caller's record
+  // of the round its earlier parts of this step joined (updated).
+  // Errors: Submit's, and, each failing the step on every shard (as a bad
+  // push): FAILED_PRECONDITION for a part when the cluster is not
+  // layer-wise or this shard has no pieces; INVALID_ARGUMENT for a run
+  // empty or out of [0, pieces().size()), a piece sent twice in the step,
+  // entries outside the run's pieces, a params_checksum or an epoch other
+  // than the worker's earlier parts' (older), buffers on a part without
+  // piece 0; RESOURCE_EXHAUSTED for a piece of more pairs than its k allows
+  // (max_pairs_for_k). A later part of an attempt whose round failed gets
+  // that round's status. A part with a newer epoch than the worker's
+  // earlier parts in the pending round is its retry: that round fails
+  // (ABORTED) and the part opens a fresh one. Thread-safe.
+  absl::StatusOr<std::shared_ptr<const RoundResult>> SubmitPart(
+      WorkerPush part, absl::Time deadline, RoundTicket* ticket);
+
+  // The finished piece rounds of `ticket`'s round that are not marked in
+  // *sent (size pieces().size()), in piece order, marked there now: for the
+  // piece pulls sent before the commit vote. Waits (up to `deadline`) until
+  // at least one is new, every piece is marked, or the round failed (its
+  // status; at the deadline, with no caller computing it, the round is
+  // failed for everyone naming the pieces still waiting:
+  // DEADLINE_EXCEEDED), or until `wake` (then possibly empty: the caller
+  // may stop; every piece is marked when *sent is all true). Nothing
+  // returned may be applied before the round's result. Thread-safe.
+  absl::StatusOr<
+      std::vector<std::pair<size_t, std::shared_ptr<const PieceResult>>>>
+  AwaitPieces(const RoundTicket& ticket, std::vector<bool>* sent,
+              absl::Time deadline, absl::Time wake);
 
   // Fails the round of `step` (when it is the current, not yet computing
   // round) as a bad push from `worker` would: every other worker gets
@@ -329,6 +398,12 @@ class ShardAggregator {
     absl::Status aborted;
     // While computing: the smallest epoch among its pushes.
     uint64_t epoch = kNewestEpoch;
+    // kLayerwise: the per-piece rounds (pushes[w] then holds worker w's
+    // metadata -- epoch, checksum, buffers -- and no entries; arrived[w]
+    // once all its pieces are in).
+    std::unique_ptr<PieceRound> pieces;
+    // kLayerwise: when the last worker's push became complete.
+    absl::Time completed;
     bool finished = false;
     absl::Status status;  // set when finished
     std::shared_ptr<const RoundResult> result;
@@ -346,8 +421,31 @@ class ShardAggregator {
   // with the round in *round.
   std::optional<Answer> JoinRoundLocked(
       WorkerPush push, const absl::Status& valid,
-      std::shared_ptr<AggregationRound>* round)
+      std::shared_ptr<AggregationRound>* round, std::vector<size_t>* ready)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Opens pending_ for `step` (with its PieceRound under kLayerwise), or
+  // the drain's refusal.
+  std::optional<Answer> OpenRoundLocked(int64_t step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // kLayerwise (shard_aggregator_pieces.cc): JoinRoundLocked for a push or
+  // part once its step is the current one: the worker's pieces stored in
+  // the pending round's PieceRound; *ready gets the pieces whose P inputs
+  // are now in.
+  std::optional<Answer> JoinPiecesLocked(
+      WorkerPush push, std::shared_ptr<AggregationRound>* round,
+      std::vector<size_t>* ready) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Runs the rounds of `ready` pieces of `round` (each without mu_), and
+  // publishes them; a failure (a sum that overflows) fails the step here.
+  void RunPiecesLocked(const std::shared_ptr<AggregationRound>& round,
+                       const std::vector<size_t>& ready)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // SubmitPart's checks that need no lock: Submit's for a whole push, the
+  // run, the entries inside it, the per-piece bound.
+  absl::Status ValidatePart(const WorkerPush& part) const;
+  // The step's result from its pieces' results (all done), for
+  // ComputeAndVote: concatenated in index order and encoded.
+  Answer AssemblePieces(AggregationRound& round,
+                        std::vector<WorkerPush>& pushes) const;
   // By the caller whose push completed the round: computes it without mu_
   // (ComputeAndVote), then applies it (unless a rollback intervened) or
   // fails it, and runs the step-applied callback without mu_.

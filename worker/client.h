@@ -715,9 +715,10 @@ class WorkerClient {
   // *push_time (from its start until the last push was written), or returns
   // the combined error (and closes all streams). Learns the leader's epoch
   // from failed streams.
-  // `gate` (overlapped steps): shard s's push is written only once the
-  // gate opens it (its thread ends CANCELLED when the gate is abandoned),
-  // and the watchdog starts once every push may go.
+  // `gate` (overlapped steps): shard s's push goes in the parts the gate
+  // releases (PushPartsOnShard; pushes[s] is then the parts' template),
+  // its thread ends CANCELLED when the gate is abandoned, and the watchdog
+  // starts once every part may go.
   absl::Status PushPullRound(int64_t step, const std::vector<v1::Push>& pushes,
                              std::vector<v1::Pull>* pulls,
                              absl::Duration* push_time,
@@ -727,6 +728,29 @@ class WorkerClient {
   // failure (its trailers' epoch recorded in `round`).
   absl::Status PushPullOnShard(size_t s, int64_t step, const v1::Push& push,
                                v1::Pull* pull, PushPullState& round);
+  // An overlapped step's shard thread (worker/push_parts.cc): writes each
+  // part `gate` releases for shard s as it comes (the first once more on a
+  // fresh stream when the open one died), then reads the piece pulls and
+  // the committed pull, merged into *pull as one whole pull. Abandoned:
+  // tells the shard (Push.abandon, from `whole`) when any part of the step
+  // went anywhere, and returns CANCELLED.
+  absl::Status PushPartsOnShard(size_t s, int64_t step, const v1::Push& whole,
+                                PushGate& gate, v1::Pull* pull,
+                                PushPullState& round);
+  // Writes `push` on shard s's stream (`reopen`: once more on a fresh
+  // stream when the open one died); false when it did not go.
+  bool WriteOnShard(size_t s, const v1::Push& push, bool reopen,
+                    PushPullState& round);
+  // Shard s's stream failed (`drain`: reads what is left first): finished,
+  // marked broken, its trailers' epoch recorded; the status to report.
+  absl::Status ShardStreamFailed(size_t s, int64_t step, bool drain,
+                                 PushPullState& round);
+  // The piece pulls of shard s (Pull.piece_end) and its committed pull,
+  // merged into *final (its sparse: every piece's entries in index order,
+  // re-encoded with the pulls' codec). INTERNAL for pieces missing, sent
+  // twice, or entries outside their pieces.
+  absl::Status MergePiecePulls(size_t s, std::vector<v1::Pull>& pieces,
+                               v1::Pull* final) const;
   // Waits for every shard's thread; cancels the shards still out at the
   // watchdog deadline, or kFailureGrace (250 ms) after the first failure.
   void AwaitShards(PushPullState& round) const;

@@ -45,46 +45,75 @@ struct WorkerClient::ShardConn {
 };
 
 // An overlapped step's release of its pushes (worker/overlapped_step.cc):
-// shard s's push may be written once Open(s) was called; Abandon releases
-// every waiter with false (the step ends without its remaining pushes).
-// Thread-safe.
+// each shard's push goes out in parts (Push.piece_begin/piece_end, one per
+// bucket piece as the selection thread finishes it; a shard without pieces
+// gets its whole push as its one part). Post queues a part for the shard's
+// stream; Abandon releases every waiter (the step ends without its
+// remaining parts). Thread-safe.
 class PushGate {
  public:
-  explicit PushGate(size_t num_shards) : open_(num_shards, false) {}
-  void Open(size_t s) {
+  explicit PushGate(size_t num_shards)
+      : queues_(num_shards),
+        expected_(num_shards, 0),
+        taken_(num_shards, 0),
+        failed_(num_shards, false) {}
+  // Shard s gets `parts` parts in all. Before the round's threads start.
+  void Expect(size_t s, size_t parts) { expected_[s] = parts; }
+  void Post(size_t s, v1::Push part) {
     absl::MutexLock lock(&mu_);
-    if (!open_[s]) ++opened_;
-    open_[s] = true;
+    queues_[s].push_back(std::move(part));
+    ++posted_;
   }
   void Abandon() {
     absl::MutexLock lock(&mu_);
     abandoned_ = true;
   }
-  // Blocks until shard s's push may go (true) or the step was abandoned
-  // (false).
-  bool Wait(size_t s) {
+  // Shard s's stream ended (its reader saw it): its writer stops waiting.
+  void Fail(size_t s) {
     absl::MutexLock lock(&mu_);
-    auto ready = [&] { return abandoned_ || open_[s]; };
-    mu_.Await(absl::Condition(&ready));
-    return !abandoned_;
+    failed_[s] = true;
   }
-  // Whether any push was released.
+  enum class Next { kPart, kDone, kAbandoned, kFailed };
+  // Blocks until shard s has a part to write (kPart, *part set), all its
+  // parts were taken (kDone), the step was abandoned (kAbandoned; parts
+  // still queued are never written), or its stream ended (kFailed).
+  Next Wait(size_t s, v1::Push* part) {
+    absl::MutexLock lock(&mu_);
+    if (taken_[s] == expected_[s]) return Next::kDone;
+    auto ready = [&] {
+      return abandoned_ || failed_[s] || !queues_[s].empty();
+    };
+    mu_.Await(absl::Condition(&ready));
+    if (abandoned_) return Next::kAbandoned;
+    if (failed_[s]) return Next::kFailed;
+    *part = std::move(queues_[s].front());
+    queues_[s].pop_front();
+    ++taken_[s];
+    return Next::kPart;
+  }
+  // Whether any part was released.
   bool any_opened() {
     absl::MutexLock lock(&mu_);
-    return opened_ > 0;
+    return posted_ > 0;
   }
-  // Blocks until every push may go or the step was abandoned.
+  // Blocks until every part of every shard was posted, or the step was
+  // abandoned.
   void AwaitSettled() {
+    size_t total = 0;
+    for (const size_t e : expected_) total += e;
     absl::MutexLock lock(&mu_);
-    auto settled = [&] { return abandoned_ || opened_ == open_.size(); };
+    auto settled = [&] { return abandoned_ || posted_ == total; };
     mu_.Await(absl::Condition(&settled));
   }
 
  private:
   absl::Mutex mu_;
-  std::vector<bool> open_;
-  size_t opened_ = 0;
-  bool abandoned_ = false;
+  std::vector<std::deque<v1::Push>> queues_;  // (mu_)
+  std::vector<size_t> expected_;              // set before the threads start
+  std::vector<size_t> taken_;                 // per shard: by its thread only
+  std::vector<bool> failed_;                  // (mu_)
+  size_t posted_ = 0;                         // (mu_)
+  bool abandoned_ = false;                    // (mu_)
 };
 
 // An open overlapped step (WorkerClient::BeginOverlappedStep). The caller's
@@ -92,7 +121,8 @@ class PushGate {
 // pieces whose values are all in; the round thread runs PushPullRound
 // behind `gate`. Fields marked (mu) are guarded by mu; per-piece results
 // are written by the selection thread only and read after it was joined;
-// pushes[s] is written before gate.Open(s).
+// pushes[s] (each shard's push without entries: the parts' template) is
+// written before the round starts.
 struct WorkerClient::OverlappedStep {
   explicit OverlappedStep(size_t num_shards, size_t num_pieces)
       : gate(num_shards),
@@ -136,7 +166,9 @@ struct WorkerClient::OverlappedStep {
   // `params`, its velocity updated) (piece_mu).
   std::vector<SparseVector> sent, received;
   std::vector<bool> accumulated;
-  std::vector<size_t> pieces_left;  // per shard (selection thread)
+  // Per shard: its first piece's index in pieces_ (Push.piece_begin
+  // counts from there).
+  std::vector<size_t> first_piece;
 
   std::thread selection, round;
   absl::Status round_status;  // round thread, read after join

@@ -136,14 +136,24 @@ absl::Status WorkerClient::StartOverlappedStep(
     std::unique_ptr<OverlappedStep> o) {
   const uint64_t n = cluster_.n();
   o->pushes = NewPushes(o->stats.step);
-  o->pieces_left.assign(shards_.size(), 0);
-  for (const size_t s : piece_shard_) ++o->pieces_left[s];
+  std::vector<size_t> pieces_of(shards_.size(), 0);
+  o->first_piece.assign(shards_.size(), 0);
+  for (size_t i = pieces_.size(); i-- > 0;) {
+    ++pieces_of[piece_shard_[i]];
+    o->first_piece[piece_shard_[i]] = i;
+  }
   for (size_t s = 0; s < shards_.size(); ++s) {
-    // A shard with an empty range has no pieces: its (empty) push may go.
-    if (o->pieces_left[s] == 0) {
-      GTOPK_RETURN_IF_ERROR(EncodeSparse(SparseVector(), n, codec_,
-                                         o->pushes[s].mutable_sparse()));
-      o->gate.Open(s);
+    // One part per piece (docs/overlap.md, "Rounds per bucket"). A shard
+    // with an empty range has no pieces: its (empty) whole push may go.
+    o->gate.Expect(s, std::max<size_t>(pieces_of[s], 1));
+    if (pieces_of[s] == 0) {
+      v1::Push whole = o->pushes[s];
+      GTOPK_RETURN_IF_ERROR(
+          EncodeSparse(SparseVector(), n, codec_, whole.mutable_sparse()));
+      if (s < o->stats.bytes_sent.size()) {
+        o->stats.bytes_sent[s] = whole.ByteSizeLong();
+      }
+      o->gate.Post(s, std::move(whole));
     }
   }
   for (auto& c : shards_) {
@@ -297,28 +307,26 @@ absl::Status WorkerClient::SelectPieceOnHost(OverlappedStep& o, size_t i) {
 absl::Status WorkerClient::SelectPiece(OverlappedStep& o, size_t i) {
   GTOPK_RETURN_IF_ERROR(o.on_device() ? SelectPieceOnDevice(o, i)
                                       : SelectPieceOnHost(o, i));
-  const uint64_t n = cluster_.n();
+  // The piece's part of its shard's push goes out now (Push.piece_begin/
+  // piece_end: the piece's place among the shard's pieces), while the
+  // other pieces are still being produced; the shard runs the piece's
+  // round as soon as every worker's part of it is in.
   const size_t s = piece_shard_[i];
-  if (--o.pieces_left[s] > 0) return absl::OkStatus();
-  // Shard s's pieces are all selected: its push, in index order.
   const absl::Time t = absl::Now();
-  SparseVector slice;
-  for (size_t j = 0; j < pieces_.size(); ++j) {
-    if (piece_shard_[j] != s) continue;
-    slice.indices.insert(slice.indices.end(), o.sent[j].indices.begin(),
-                         o.sent[j].indices.end());
-    slice.values.insert(slice.values.end(), o.sent[j].values.begin(),
-                        o.sent[j].values.end());
-  }
+  v1::Push part = o.pushes[s];
+  const uint32_t local = static_cast<uint32_t>(i - o.first_piece[s]);
+  part.set_piece_begin(local);
+  part.set_piece_end(local + 1);
+  if (local != 0) part.clear_buffers();  // buffers go with piece 0 only
   const absl::Status st =
-      EncodeSparse(slice, n, codec_, o.pushes[s].mutable_sparse());
+      EncodeSparse(o.sent[i], cluster_.n(), codec_, part.mutable_sparse());
   if (!st.ok()) return Prefixed(st, ShardName(s));
-  o.stats.bytes_sent[s] = o.pushes[s].ByteSizeLong();
+  o.stats.bytes_sent[s] += part.ByteSizeLong();
   o.stats.encode += absl::Now() - t;
-  // Under mu: once AbandonOverlappedStep has set `stop`, no push is
+  // Under mu: once AbandonOverlappedStep has set `stop`, no part is
   // released any more.
   absl::MutexLock lock(&o.mu);
-  if (!o.stop) o.gate.Open(s);
+  if (!o.stop) o.gate.Post(s, std::move(part));
   return absl::OkStatus();
 }
 

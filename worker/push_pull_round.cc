@@ -197,24 +197,11 @@ absl::Status WorkerClient::PushPullRound(int64_t step,
   threads.reserve(S);
   for (size_t s = 0; s < S; ++s) {
     threads.emplace_back([&, s] {
-      if (gate != nullptr && !gate->Wait(s)) {
-        if (gate->any_opened()) {
-          // Pushes of this attempt went to other shards: tell this one the
-          // step is given up, so that it fails everywhere (Push.abandon).
-          v1::Push abandon = pushes[s];
-          abandon.clear_sparse();
-          abandon.set_abandon(true);
-          v1::Pull ignored;
-          PushPullOnShard(s, step, abandon, &ignored, round).IgnoreError();
-        }
-        round.Finished(s, absl::CancelledError(
-                              absl::StrCat("step ", step,
-                                           " was abandoned before its push "
-                                           "to this shard was complete")));
-        return;
-      }
-      round.Finished(s,
-                     PushPullOnShard(s, step, pushes[s], &(*pulls)[s], round));
+      round.Finished(
+          s,
+          gate != nullptr
+              ? PushPartsOnShard(s, step, pushes[s], *gate, &(*pulls)[s], round)
+              : PushPullOnShard(s, step, pushes[s], &(*pulls)[s], round));
     });
   }
   // An overlapped step's watchdog counts from its last push's release (the
@@ -239,10 +226,17 @@ absl::Status WorkerClient::PushPullRound(int64_t step,
 absl::Status WorkerClient::PushPullOnShard(size_t s, int64_t step,
                                            const v1::Push& push, v1::Pull* pull,
                                            PushPullState& round) {
+  const bool written = WriteOnShard(s, push, /*reopen=*/true, round);
+  if (written && shards_[s]->stream->Read(pull)) return absl::OkStatus();
+  return ShardStreamFailed(s, step, /*drain=*/!written, round);
+}
+
+bool WorkerClient::WriteOnShard(size_t s, const v1::Push& push, bool reopen,
+                                PushPullState& round) {
   ShardConn& c = *shards_[s];
   if (c.stream == nullptr) c.stream = c.stub->PushPull(c.context.get());
   bool written = c.stream->Write(push);
-  if (!written) {
+  if (!written && reopen) {
     // The stream died before this push got through (e.g. the shard
     // restarted since the last step): finish it and push once more on a
     // fresh stream. Safe: a shard takes one push per (step, worker) and
@@ -263,12 +257,16 @@ absl::Status WorkerClient::PushPullOnShard(size_t s, int64_t step,
     written = c.stream->Write(push);
   }
   if (written) round.Written();
-  if (written && c.stream->Read(pull)) return absl::OkStatus();
+  return written;
+}
 
+absl::Status WorkerClient::ShardStreamFailed(size_t s, int64_t step, bool drain,
+                                             PushPullState& round) {
+  ShardConn& c = *shards_[s];
   // Finish needs every incoming message read; after a failed Read there
   // are none left.
   v1::Pull ignored;
-  while (!written && c.stream->Read(&ignored)) {
+  while (drain && c.stream->Read(&ignored)) {
   }
   const grpc::Status st = c.stream->Finish();
   c.broken = true;
