@@ -60,7 +60,8 @@ absl::Status WorkerClient::PushPartsOnShard(size_t s, int64_t step,
                                             PushPullState& round) {
   ShardConn& c = *shards_[s];
   PieceReader reader;
-  bool any = false;  // a part of this step went to this shard
+  bool any = false;     // a part of this step went to this shard
+  bool parted = false;  // ... with Push.piece_end set (a push in parts)
   v1::Push part;
   while (true) {
     const PushGate::Next next = gate.Wait(s, &part);
@@ -94,9 +95,21 @@ absl::Status WorkerClient::PushPartsOnShard(size_t s, int64_t step,
     }
     if (!any) reader.Start(c.stream.get(), &gate, s);
     any = true;
+    parted = parted || part.piece_end() > 0;
   }
   reader.Join();
   if (!reader.got_last) return ShardStreamFailed(s, step, false, round);
+  // A server that takes parts ends their answer with Pull.committed. One
+  // that predates rounds per bucket (the field is unknown to it) takes each
+  // part for a whole push and answers without it: refused here, before
+  // anything is applied, instead of applying a round of the first parts.
+  if (parted && !reader.last.committed()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        ShardName(s), " answered step ", step,
+        "'s push in parts (Push.piece_end) with a pull that is not "
+        "Pull.committed: its gtopk-server predates the rounds per bucket "
+        "(docs/overlap.md); upgrade the servers, or step without overlap"));
+  }
   // The committed pull of a push in parts (its entries came in the piece
   // pulls), or the one pull of a whole push (a shard without pieces).
   if (!reader.pieces.empty() || reader.last.committed()) {

@@ -42,6 +42,11 @@ class FakeShard final : public v1::Aggregator::Service {
   };
 
   std::atomic<Behaviour> behaviour{Behaviour::kEcho};
+  // Join describes a layer-wise cluster (buckets of 50 values: two pieces),
+  // which the fake serves as a server from before the rounds per bucket
+  // did: every Push a whole push, answered by one Pull without
+  // Pull.committed.
+  std::atomic<bool> layerwise{false};
   std::string address;
   std::atomic<int> pushes{0};
 
@@ -57,7 +62,9 @@ class FakeShard final : public v1::Aggregator::Service {
     s->set_begin(0);
     s->set_end(kN);
     c->set_mode(v1::MODE_GTOPK);
-    c->set_selection(v1::SELECTION_THRESHOLD);
+    c->set_selection(layerwise.load() ? v1::SELECTION_LAYERWISE
+                                      : v1::SELECTION_THRESHOLD);
+    if (layerwise.load()) c->set_bucket_size(50);
     c->set_selector("exact");
     c->set_index_codec("delta-varint");
     c->set_value_codec("fp32");
@@ -225,6 +232,24 @@ TEST_F(ClientFakeTest, EchoStepAppliesTheTopK) {
     EXPECT_EQ(params[i], i >= 90 ? -g[i] : 0.0f) << i;
   }
   EXPECT_EQ(client_->next_step(), 1);
+}
+
+// A new worker's overlapped step against a server that predates the rounds
+// per bucket (it takes each part for a whole push, and its pull has no
+// Pull.committed): refused, naming the cause, and nothing applied.
+TEST_F(ClientFakeTest, AServerThatPredatesPiecePullsIsRefusedNotApplied) {
+  fake_.layerwise = true;
+  Connect();
+  std::vector<float> params(kN, 0.0f);
+  const std::vector<float> g = Ramp(1.0f);
+  GTOPK_ASSERT_OK(client_->BeginOverlappedStep(g, absl::MakeSpan(params)));
+  GTOPK_ASSERT_OK(client_->GradientReady(50, kN));
+  GTOPK_ASSERT_OK(client_->GradientReady(0, 50));
+  EXPECT_THAT(client_->FinishOverlappedStep().status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("predates the rounds per bucket")));
+  EXPECT_EQ(params, std::vector<float>(kN, 0.0f));
+  EXPECT_EQ(client_->next_step(), 0);
 }
 
 TEST_F(ClientFakeTest, StalledShardIsCancelledNamedAndNothingIsLost) {
