@@ -140,12 +140,8 @@ class AggregatorService::PushPullCall {
     // A whole push: no piece pull may be written beside its pull (a writer
     // left from a failed attempt in parts ends now).
     StopWriter();
-    absl::StatusOr<WorkerPush> decoded = s_.DecodePush(push, *aggregator_);
-    if (!decoded.ok()) {
-      // Fail the round for everyone, as a bad push inside Submit would.
-      aggregator_->RejectPush(push.step(), push.rank(), decoded.status());
-      return ToGrpcStatus(decoded.status());
-    }
+    absl::StatusOr<WorkerPush> decoded = DecodeOrReject(push);
+    if (!decoded.ok()) return ToGrpcStatus(decoded.status());
     registration_.set_in_round(true);
     absl::StatusOr<std::shared_ptr<const RoundResult>> result =
         aggregator_->Submit(*std::move(decoded),
@@ -160,12 +156,19 @@ class AggregatorService::PushPullCall {
   // A part of a layer-wise push (Push.piece_end; docs/overlap.md "Rounds
   // per bucket"): joins the step's piece rounds; OK at once while the
   // worker's push is not complete, else the committed pull.
-  grpc::Status ServePart(const v1::Push& push) {
+  // The push decoded; one that does not decode fails the round for
+  // everyone, as a bad push inside Submit would.
+  absl::StatusOr<WorkerPush> DecodeOrReject(const v1::Push& push) {
     absl::StatusOr<WorkerPush> decoded = s_.DecodePush(push, *aggregator_);
     if (!decoded.ok()) {
       aggregator_->RejectPush(push.step(), push.rank(), decoded.status());
-      return ToGrpcStatus(decoded.status());
     }
+    return decoded;
+  }
+
+  grpc::Status ServePart(const v1::Push& push) {
+    absl::StatusOr<WorkerPush> decoded = DecodeOrReject(push);
+    if (!decoded.ok()) return ToGrpcStatus(decoded.status());
     registration_.set_in_round(true);
     absl::StatusOr<std::shared_ptr<const RoundResult>> result =
         aggregator_->SubmitPart(*std::move(decoded),

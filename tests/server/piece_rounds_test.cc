@@ -346,6 +346,20 @@ std::vector<Result> RunStep(ShardAggregator& shard,
   return results;
 }
 
+// Step 0's part holding piece 0 from each of the two workers (pushes[w]'s
+// entries), its tickets into *tickets.
+void SubmitPieceZeroOfBoth(ShardAggregator& shard,
+                           const std::vector<SparseVector>& pushes,
+                           absl::Time deadline,
+                           std::vector<ShardAggregator::RoundTicket>* tickets) {
+  for (uint32_t w = 0; w < 2; ++w) {
+    GTOPK_ASSERT_OK(shard
+                        .SubmitPart(Part(shard, 0, w, pushes[w], 0, 1),
+                                    deadline, &(*tickets)[w])
+                        .status());
+  }
+}
+
 // A failure in the middle of a step's buckets, after a piece's round was
 // done (its pull could have gone out): worker 1 sends piece 0 twice. The
 // step fails on the shard for both workers (worker 0's next part gets the
@@ -361,12 +375,8 @@ TEST(PieceRoundsFailureTest, ABadPartAfterAPieceRoundAppliesNothing) {
                                             Entries(*shard, 0, 1)};
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   std::vector<ShardAggregator::RoundTicket> tickets(2);
-  for (uint32_t w = 0; w < 2; ++w) {
-    GTOPK_ASSERT_OK(shard
-                        ->SubmitPart(Part(*shard, 0, w, pushes[w], 0, 1),
-                                     deadline, &tickets[w])
-                        .status());
-  }
+  ASSERT_NO_FATAL_FAILURE(
+      SubmitPieceZeroOfBoth(*shard, pushes, deadline, &tickets));
   std::vector<bool> sent(shard->pieces().size(), false);
   auto done = shard->AwaitPieces(tickets[0], &sent, deadline,
                                  absl::Now() + absl::Seconds(5));
@@ -411,12 +421,8 @@ TEST(PieceRoundsFailureTest, AnAbandonMidStepAppliesNothing) {
                                             Entries(*shard, 0, 1)};
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   std::vector<ShardAggregator::RoundTicket> tickets(2);
-  for (uint32_t w = 0; w < 2; ++w) {
-    GTOPK_ASSERT_OK(shard
-                        ->SubmitPart(Part(*shard, 0, w, pushes[w], 0, 1),
-                                     deadline, &tickets[w])
-                        .status());
-  }
+  ASSERT_NO_FATAL_FAILURE(
+      SubmitPieceZeroOfBoth(*shard, pushes, deadline, &tickets));
   GTOPK_ASSERT_OK(shard
                       ->SubmitPart(Part(*shard, 0, 1, pushes[1], 1, 2),
                                    deadline, &tickets[1])
