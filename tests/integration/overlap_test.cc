@@ -61,18 +61,8 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
 }
 
 server::ServerConfig MakeConfig(int workers) {
-  server::ServerConfig s;
-  s.num_workers = workers;
-  s.mode = AggregationMode::kGtopk;
-  s.selection = SelectionKind::kLayerwise;
-  s.bucket_mb = kBucket * 4.0 / (1 << 20);
-  s.selector = "exact";
-  s.apply = ApplyMode::kWorkers;
-  s.index_codec = IndexCodec::kDeltaVarint;
-  s.value_codec = ValueCodec::kFp32;
-  s.optimizer.density = kDensity;
-  s.step_timeout = absl::Seconds(20);
-  return s;
+  return ::gtopk::testing::LayerwiseConfig(workers, ApplyMode::kWorkers,
+                                           kBucket, kDensity);
 }
 
 std::vector<float> Gradient(int step, int worker) {
@@ -522,12 +512,8 @@ TEST(OverlapRefusalTest, BadCallsAreRefusedAndChangeNothing) {
 // averaged[t], subtracted. Both the overlapped step and the plain Step
 // must give those parameters (and residuals) bit for bit.
 server::ServerConfig ServersApplyConfig(int workers) {
-  server::ServerConfig s = MakeConfig(workers);
-  s.apply = ApplyMode::kServers;
-  s.optimizer.lr = 1.0f;
-  s.optimizer.momentum = 0.0f;
-  s.optimizer.momentum_mode = MomentumMode::kNone;
-  return s;
+  return ::gtopk::testing::LayerwiseConfig(workers, ApplyMode::kServers,
+                                           kBucket, kDensity);
 }
 
 class ServersApplyOverlapTest : public ::testing::TestWithParam<Case> {};

@@ -39,23 +39,7 @@ constexpr double kDensity = 0.02;
 const CodecSpec kCodec{IndexCodec::kDeltaVarint, ValueCodec::kFp32};
 
 server::ServerConfig Config(int workers, ApplyMode apply) {
-  server::ServerConfig s;
-  s.num_workers = workers;
-  s.mode = AggregationMode::kGtopk;
-  s.selection = SelectionKind::kLayerwise;
-  s.bucket_mb = kBucket * 4.0 / (1 << 20);
-  s.selector = "exact";
-  s.apply = apply;
-  s.index_codec = kCodec.index;
-  s.value_codec = kCodec.value;
-  s.optimizer.density = kDensity;
-  if (apply == ApplyMode::kServers) {
-    s.optimizer.lr = 1.0f;
-    s.optimizer.momentum = 0.0f;
-    s.optimizer.momentum_mode = MomentumMode::kNone;
-  }
-  s.step_timeout = absl::Seconds(20);
-  return s;
+  return ::gtopk::testing::LayerwiseConfig(workers, apply, kBucket, kDensity);
 }
 
 std::chrono::system_clock::time_point Soon() {

@@ -346,16 +346,21 @@ std::vector<Result> RunStep(ShardAggregator& shard,
   return results;
 }
 
-// Step 0's part holding piece 0 from each of the two workers (pushes[w]'s
-// entries), its tickets into *tickets.
-void SubmitPieceZeroOfBoth(ShardAggregator& shard,
-                           const std::vector<SparseVector>& pushes,
-                           absl::Time deadline,
-                           std::vector<ShardAggregator::RoundTicket>* tickets) {
+// How a failure test starts: step 0's entries of both workers, a deadline,
+// and each worker's part holding piece 0 submitted (its ticket).
+struct FirstPiecesIn {
+  std::vector<SparseVector> pushes;
+  absl::Time deadline;
+  std::vector<ShardAggregator::RoundTicket> tickets;
+};
+void SubmitFirstPieces(ShardAggregator& shard, FirstPiecesIn* in) {
+  in->pushes = {Entries(shard, 0, 0), Entries(shard, 0, 1)};
+  in->deadline = absl::Now() + absl::Seconds(10);
+  in->tickets.assign(2, ShardAggregator::RoundTicket());
   for (uint32_t w = 0; w < 2; ++w) {
     GTOPK_ASSERT_OK(shard
-                        .SubmitPart(Part(shard, 0, w, pushes[w], 0, 1),
-                                    deadline, &(*tickets)[w])
+                        .SubmitPart(Part(shard, 0, w, in->pushes[w], 0, 1),
+                                    in->deadline, &in->tickets[w])
                         .status());
   }
 }
@@ -371,12 +376,9 @@ TEST(PieceRoundsFailureTest, ABadPartAfterAPieceRoundAppliesNothing) {
   auto shard = MakeShard(o);
   auto clean = MakeShard(o);
   const std::vector<float> before = ParamsOf(*shard);
-  const std::vector<SparseVector> pushes = {Entries(*shard, 0, 0),
-                                            Entries(*shard, 0, 1)};
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  std::vector<ShardAggregator::RoundTicket> tickets(2);
-  ASSERT_NO_FATAL_FAILURE(
-      SubmitPieceZeroOfBoth(*shard, pushes, deadline, &tickets));
+  FirstPiecesIn in;
+  ASSERT_NO_FATAL_FAILURE(SubmitFirstPieces(*shard, &in));
+  auto& [pushes, deadline, tickets] = in;
   std::vector<bool> sent(shard->pieces().size(), false);
   auto done = shard->AwaitPieces(tickets[0], &sent, deadline,
                                  absl::Now() + absl::Seconds(5));
@@ -417,12 +419,9 @@ TEST(PieceRoundsFailureTest, ABadPartAfterAPieceRoundAppliesNothing) {
 TEST(PieceRoundsFailureTest, AnAbandonMidStepAppliesNothing) {
   auto shard = MakeShard(Options(2, 1, 0, ApplyMode::kServers));
   const std::vector<float> before = ParamsOf(*shard);
-  const std::vector<SparseVector> pushes = {Entries(*shard, 0, 0),
-                                            Entries(*shard, 0, 1)};
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  std::vector<ShardAggregator::RoundTicket> tickets(2);
-  ASSERT_NO_FATAL_FAILURE(
-      SubmitPieceZeroOfBoth(*shard, pushes, deadline, &tickets));
+  FirstPiecesIn in;
+  ASSERT_NO_FATAL_FAILURE(SubmitFirstPieces(*shard, &in));
+  auto& [pushes, deadline, tickets] = in;
   GTOPK_ASSERT_OK(shard
                       ->SubmitPart(Part(*shard, 0, 1, pushes[1], 1, 2),
                                    deadline, &tickets[1])

@@ -27,6 +27,33 @@
 namespace gtopk {
 namespace testing {
 
+// A layer-wise cluster's server settings, as the overlap tests use them:
+// gTop-k with --selection=layerwise in buckets of `bucket_values` floats,
+// the exact selector, delta-varint indices and fp32 values, `density`, a
+// 20 s step timeout. With ApplyMode::kServers also lr 1 and no momentum, so
+// a step's update is minus the aggregate A/P at the selected indices.
+inline server::ServerConfig LayerwiseConfig(int workers, ApplyMode apply,
+                                            uint64_t bucket_values,
+                                            double density) {
+  server::ServerConfig s;
+  s.num_workers = workers;
+  s.mode = AggregationMode::kGtopk;
+  s.selection = SelectionKind::kLayerwise;
+  s.bucket_mb = static_cast<double>(bucket_values) * 4.0 / (1 << 20);
+  s.selector = "exact";
+  s.apply = apply;
+  s.index_codec = IndexCodec::kDeltaVarint;
+  s.value_codec = ValueCodec::kFp32;
+  s.optimizer.density = density;
+  if (apply == ApplyMode::kServers) {
+    s.optimizer.lr = 1.0f;
+    s.optimizer.momentum = 0.0f;
+    s.optimizer.momentum_mode = MomentumMode::kNone;
+  }
+  s.step_timeout = absl::Seconds(20);
+  return s;
+}
+
 // `count` distinct free loopback ports (bound together, then released; the
 // servers bind them right after, so a collision is unlikely and retried).
 inline absl::StatusOr<std::vector<int>> PickFreePorts(int count) {
