@@ -81,7 +81,11 @@ TEST_CPU_SLOTS ?= $(JOBS)
 CTEST_RUN = printf '{"version":{"major":1,"minor":0},"local":[{"cpu":[{"id":"0","slots":%d}]}]}\n' \
 	$(TEST_CPU_SLOTS) > $(BUILD_DIR)/ctest_resources.json && \
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(TEST_JOBS) --timeout 600 \
-	--resource-spec-file $(abspath $(BUILD_DIR))/ctest_resources.json
+	--resource-spec-file $(abspath $(BUILD_DIR))/ctest_resources.json \
+	--output-junit $(abspath $(BUILD_DIR))/ctest_junit.xml
+# After a run: the entries that took over a quarter of their TIMEOUT
+# (tests/timeout_margin.py; a warning, the run's exit status is kept).
+TIMEOUT_MARGIN = rc=$$?; /usr/bin/python3 tests/timeout_margin.py $(BUILD_DIR); exit $$rc
 CMAKE_ARGS ?=
 
 # Debian 12 packages the build and tests need.
@@ -160,7 +164,7 @@ test: deps
 	@$(MAKE) --no-print-directory tta-blas
 	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DGTOPK_WERROR=ON -DGTOPK_PYTHON=ON $(CMAKE_ARGS)
 	cmake --build $(BUILD_DIR) -j $(JOBS)
-	$(CTEST_RUN)
+	$(CTEST_RUN); $(TIMEOUT_MARGIN)
 
 # The unit tier after a change: configured as `make test` (no rebuild when
 # switching between the two), no deps check. Other tiers: ctest -L
@@ -168,7 +172,7 @@ test: deps
 check:
 	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DGTOPK_WERROR=ON -DGTOPK_PYTHON=ON $(CMAKE_ARGS)
 	cmake --build $(BUILD_DIR) -j $(JOBS)
-	$(CTEST_RUN) -L unit
+	$(CTEST_RUN) -L unit; $(TIMEOUT_MARGIN)
 
 test-counts:
 	/usr/bin/python3 tests/count_tests.py $(BUILD_DIR)

@@ -22,7 +22,7 @@ import unittest
 
 SERVER = None
 WORKER = None
-CASE_TIMEOUT_S = 15
+CASE_TIMEOUT_S = 40
 # Set in __main__ before the tests run (skipIf reads it at class creation,
 # so it is computed from argv here).
 WORKER_MISSING = len(sys.argv) <= 2
