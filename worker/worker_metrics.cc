@@ -1,5 +1,6 @@
 #include "worker/worker_metrics.h"
 
+#include <algorithm>
 #include <string>
 
 namespace gtopk {
@@ -52,6 +53,15 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry& registry, uint32_t rank,
   for (int p = 0; p < kNumPhases; ++p) {
     phases_[p] = &phases.Add({{"phase", names[p]}}, metrics::DurationBuckets());
   }
+  exposed_ = &BuildHistogram()
+                  .Name("gtopk_worker_exposed_communication_seconds")
+                  .Help(
+                      "Per step, the selection and communication not hidden "
+                      "behind the backward pass: after backward, until the "
+                      "update is applied (the whole client step without "
+                      "overlap).")
+                  .Register(registry)
+                  .Add({}, metrics::DurationBuckets());
   density_ = &BuildGauge()
                   .Name("gtopk_worker_density")
                   .Help("k/n of the last step.")
@@ -98,6 +108,13 @@ void WorkerMetrics::RecordStep(const StepStats& stats, absl::Duration compute,
     phases_[p]->Observe(absl::ToDoubleSeconds(durations[p]));
   }
   step_duration_->Observe(absl::ToDoubleSeconds(step));
+  const absl::Duration exposed =
+      stats.exposed > absl::ZeroDuration()
+          ? stats.exposed
+          : stats.accumulate + stats.select + stats.encode +
+                std::max(stats.push_wait, stats.push + stats.wait) +
+                stats.apply;
+  exposed_->Observe(absl::ToDoubleSeconds(exposed));
   density_->Set(
       n_ == 0 ? 0.0 : static_cast<double>(stats.k) / static_cast<double>(n_));
   loss_->Set(loss);

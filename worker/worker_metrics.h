@@ -31,7 +31,11 @@ class WorkerMetrics {
   // Records one applied step: bytes per shard (stats.bytes_sent/received,
   // indexed by shard id), the dense-equivalent bytes (4 n), the phases
   // (`compute` given here, the others from `stats`), the whole step, the
-  // density k/n, the loss of the step's batch, and the step counter.
+  // density k/n, the loss of the step's batch, the step counter, and the
+  // exposed communication: stats.exposed for an overlapped step
+  // (FinishOverlappedStep: what backward did not hide), else the whole
+  // client step (accumulate + select + encode + push_wait + apply; without
+  // overlap nothing is hidden).
   void RecordStep(const StepStats& stats, absl::Duration compute,
                   absl::Duration step, double loss);
   // Records a test-set evaluation (accuracy in [0, 1]).
@@ -54,6 +58,7 @@ class WorkerMetrics {
   prometheus::Counter* dense_equivalent_;
   prometheus::Histogram* step_duration_;
   prometheus::Histogram* phases_[kNumPhases];
+  prometheus::Histogram* exposed_;
   prometheus::Gauge* density_;
   prometheus::Gauge* loss_;
   prometheus::Family<prometheus::Gauge>* test_accuracy_;

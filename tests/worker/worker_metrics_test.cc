@@ -78,10 +78,46 @@ TEST(WorkerMetricsTest, RecordsAStepAsGiven) {
                 "gtopk_worker_phase_duration_seconds_bucket{phase=\"push\",le="
                 "\"0.005\"}"),
             2);
+  // Without overlap the whole client step is exposed: 1 + 2 + 0.5 + (3 +
+  // 40) + 1 ms per step.
+  EXPECT_EQ(SeriesValue(samples,
+                        "gtopk_worker_exposed_communication_seconds_count"),
+            2);
+  EXPECT_DOUBLE_EQ(
+      SeriesValue(samples, "gtopk_worker_exposed_communication_seconds_sum"),
+      2 * 0.0475);
   EXPECT_EQ(samples.count("gtopk_worker_test_accuracy"), 0u);  // not evaluated
   m.RecordTestAccuracy(0.875);
   samples = ParseSeries(Serialize(registry));
   EXPECT_EQ(SeriesValue(samples, "gtopk_worker_test_accuracy"), 0.875);
+}
+
+// An overlapped step (FinishOverlappedStep sets stats.exposed): only what
+// the backward pass did not hide is exposed, although its selection thread
+// and round took longer (push_wait).
+TEST(WorkerMetricsTest, AnOverlappedStepExposesOnlyWhatBackwardDidNotHide) {
+  prometheus::Registry registry;
+  worker::WorkerMetrics m(registry, /*rank=*/0, /*num_shards=*/1, /*n=*/100);
+  worker::StepStats s;
+  s.bytes_sent = {10};
+  s.bytes_received = {10};
+  s.select = absl::Milliseconds(30);
+  s.push_wait = absl::Milliseconds(90);
+  s.apply = absl::Milliseconds(1);
+  s.exposed = absl::Milliseconds(4);
+  m.RecordStep(s, absl::Milliseconds(100), absl::Milliseconds(104), 0.0);
+  const auto samples = ParseSeries(Serialize(registry));
+  EXPECT_DOUBLE_EQ(
+      SeriesValue(samples, "gtopk_worker_exposed_communication_seconds_sum"),
+      0.004);
+  EXPECT_EQ(SeriesValue(samples,
+                        "gtopk_worker_exposed_communication_seconds_bucket{le="
+                        "\"0.005\"}"),
+            1);
+  EXPECT_EQ(SeriesValue(samples,
+                        "gtopk_worker_exposed_communication_seconds_bucket{le="
+                        "\"0.0025\"}"),
+            0);
 }
 
 }  // namespace
