@@ -80,9 +80,9 @@ TEST(WorkerMetricsTest, RecordsAStepAsGiven) {
             2);
   // Without overlap the whole client step is exposed: 1 + 2 + 0.5 + (3 +
   // 40) + 1 ms per step.
-  EXPECT_EQ(SeriesValue(samples,
-                        "gtopk_worker_exposed_communication_seconds_count"),
-            2);
+  EXPECT_EQ(
+      SeriesValue(samples, "gtopk_worker_exposed_communication_seconds_count"),
+      2);
   EXPECT_DOUBLE_EQ(
       SeriesValue(samples, "gtopk_worker_exposed_communication_seconds_sum"),
       2 * 0.0475);
