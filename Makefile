@@ -260,10 +260,14 @@ bench-model:
 # deps and build first (in that order, also under -j), then the launcher.
 # WORKER=python-modern (AdamW, servers --apply=workers; MODE=ddp: torch DDP)
 # takes LR only when given (make demo ... LR=0.003): the default LR is the
-# servers' SGD rate, not an AdamW one.
+# servers' SGD rate, not an AdamW one. DEMO_BUILD=no runs the launcher on
+# what BUILD_DIR holds, without configuring or building (ctest's
+# python_example_test: a build during a ctest run would relink binaries the
+# other tests are running).
+DEMO_BUILD ?= yes
 demo: deps
-	@$(MAKE) --no-print-directory build
-	$(if $(filter python python-modern,$(WORKER)),@$(MAKE) --no-print-directory python)
+	$(if $(filter no,$(DEMO_BUILD)),,@$(MAKE) --no-print-directory build)
+	$(if $(filter no,$(DEMO_BUILD)),,$(if $(filter python python-modern,$(WORKER)),@$(MAKE) --no-print-directory python))
 	python3 deploy/local/gtopk_local.py --config deploy/cluster.env --name $(NAME) \
 	  --worker $(WORKER) \
 	  --workers $(WORKERS) --shards $(SHARDS) --model $(MODEL) \

@@ -65,8 +65,9 @@ def main():
         print("timeout_margin: %s took %.1f s, %.0f %% of its TIMEOUT %.0f s"
               % (name, t, 100 * share, limit))
     if close:
-        print("timeout_margin: %d entr%s above %.0f %% of TIMEOUT: raise the TIMEOUT "
-              "(set_tests_properties) before a slower machine runs out of it"
+        print("timeout_margin: %d entr%s above %.0f %% of TIMEOUT: raise "
+              "the TIMEOUT (set_tests_properties) before a slower machine "
+              "runs out of it"
               % (len(close), "y" if len(close) == 1 else "ies",
                  100 * args.fraction))
     return 1 if close and args.strict else 0
