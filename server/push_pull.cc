@@ -178,6 +178,7 @@ class AggregatorService::PushPullCall {
       StopWriter();
       return RoundFailed(push, result.status());
     }
+    s_.metrics_->push_parts().Increment();
     // The piece pulls of this round go out as its pieces finish.
     if (writer_round_ != ticket_.round) {
       StopWriter();
@@ -279,6 +280,7 @@ class AggregatorService::PushPullCall {
     if (!stream_->Write(pull)) return false;
     s_.metrics_->sent_pull_bytes().Increment(
         static_cast<double>(pull.ByteSizeLong()));
+    s_.metrics_->piece_pulls().Increment();
     return true;
   }
 

@@ -181,6 +181,22 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry) {
                  .Help("Rounds completed by this shard.")
                  .Register(registry)
                  .Add({});
+  push_parts_ = &BuildCounter()
+                     .Name("gtopk_server_push_parts_total")
+                     .Help(
+                         "Parts of pushes sent in parts (layer-wise overlap: "
+                         "a worker's ready pieces, sent during backward) "
+                         "taken into a step's piece rounds.")
+                     .Register(registry)
+                     .Add({});
+  piece_pulls_ = &BuildCounter()
+                      .Name("gtopk_server_piece_pulls_total")
+                      .Help(
+                          "Piece pulls sent: the selection of consecutive "
+                          "pieces whose rounds are done, sent before the "
+                          "step commits.")
+                      .Register(registry)
+                      .Add({});
   step_ = &BuildGauge()
                .Name("gtopk_server_step")
                .Help("The next step this shard will apply.")

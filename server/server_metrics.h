@@ -53,6 +53,10 @@ class ServerMetrics {
   prometheus::Counter& sent_pull_bytes() { return *sent_pull_; }
   prometheus::Counter& sent_download_bytes() { return *sent_download_; }
   prometheus::Gauge& connected_workers() { return *connected_workers_; }
+  // gtopk_server_push_parts_total and gtopk_server_piece_pulls_total
+  // (rounds per bucket, docs/overlap.md).
+  prometheus::Counter& push_parts() { return *push_parts_; }
+  prometheus::Counter& piece_pulls() { return *piece_pulls_; }
 
   void Rejected(RejectReason reason);
   // A call or push refused by a resource bound
@@ -98,6 +102,8 @@ class ServerMetrics {
   prometheus::Histogram* threshold_duration_;
   prometheus::Counter* selected_pairs_;
   prometheus::Counter* rounds_;
+  prometheus::Counter* push_parts_;
+  prometheus::Counter* piece_pulls_;
   prometheus::Gauge* step_;
   prometheus::Gauge* connected_workers_;
   std::array<prometheus::Counter*, static_cast<size_t>(RejectReason::kCount)>

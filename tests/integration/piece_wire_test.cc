@@ -17,7 +17,9 @@
 #include "common/selector.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "prometheus/registry.h"
 #include "server/server_config.h"
+#include "tests/testing/exposition.h"
 #include "tests/testing/local_cluster.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/status_matchers.h"
@@ -214,9 +216,24 @@ bool ReadPieces(grpc::ClientReaderWriter<v1::Push, v1::Pull>& stream,
 // selected); a whole push on the same stream is answered as before parts
 // existed; a piece sent twice ends the stream with INVALID_ARGUMENT.
 TEST(PieceWireTest, EachPiecePullComesBeforeTheNextPart) {
-  auto cluster = OkOrThrow(
-      ::gtopk::testing::LocalCluster::Start(Config(1, ApplyMode::kWorkers), 1),
-      "Start");
+  server::ServerConfig config = Config(1, ApplyMode::kWorkers);
+  auto registry = std::make_shared<prometheus::Registry>();
+  config.metrics_registry = registry;
+  auto cluster =
+      OkOrThrow(::gtopk::testing::LocalCluster::Start(config, 1), "Start");
+  // The shard's counters of parts and piece pulls (docs/metrics.md), read
+  // after a committed pull: every part was taken and every piece pull
+  // written before it.
+  const auto counters = [&] {
+    const auto samples =
+        ::gtopk::testing::ParseSeries(::gtopk::testing::Serialize(*registry));
+    return std::make_pair(
+        ::gtopk::testing::SeriesValue(samples, "gtopk_server_push_parts_total"),
+        ::gtopk::testing::SeriesValue(samples,
+                                      "gtopk_server_piece_pulls_total"));
+  };
+  EXPECT_EQ(counters(), std::make_pair(0.0, 0.0));
+  double piece_pulls = 0;
   RawWorker w = RawWorker::Join(cluster->peers(), 0);
   w.InitParams();
   w.Open();
@@ -238,6 +255,7 @@ TEST(PieceWireTest, EachPiecePullComesBeforeTheNextPart) {
       EXPECT_EQ(back.size(), pull.selected());
       selected += back.size();
       i = pull.piece_end();
+      ++piece_pulls;
     }
   }
   v1::Pull pull;
@@ -247,12 +265,14 @@ TEST(PieceWireTest, EachPiecePullComesBeforeTheNextPart) {
   EXPECT_TRUE(pull.sparse().empty());
   EXPECT_EQ(pull.selected(), selected);
   EXPECT_EQ(selected, 18u);
+  EXPECT_EQ(counters(), std::make_pair(3.0, piece_pulls));
   // Step 1 as a whole push: one pull, as before parts existed.
   ASSERT_TRUE(stream.Write(w.Push(1, 0, 0, 0)));
   ASSERT_TRUE(stream.Read(&pull));
   EXPECT_FALSE(pull.committed());
   EXPECT_EQ(pull.step(), 1);
   EXPECT_EQ(pull.selected(), 18u);
+  EXPECT_EQ(counters(), std::make_pair(3.0, piece_pulls));
   // Step 2: a piece twice.
   ASSERT_TRUE(stream.Write(w.Push(2, 0, 0, 2)));
   ASSERT_TRUE(ReadPieces(stream, 0, 2));
