@@ -46,12 +46,19 @@ ALL_TARGETS = BIG_N_TARGETS + tuple(
         "small_n_le_1000000", "gaussiank_count_contract")
 
 
+# A hang guard per process, not a time limit: the longest emulated run takes
+# about 27 s alone and several times that on a busy machine (ctest's other
+# entries beside it); the entry's TIMEOUT bounds the whole (docs/testing.md,
+# "Timeouts").
+RUN_TIMEOUT_S = 600
+
+
 def run(binary, *args, emu=None):
     env = dict(os.environ)
     if emu is not None:
         env["GTOPK_CUDA_EMU"] = emu
     return subprocess.run([binary, *args], capture_output=True, text=True,
-                          timeout=120, env=env)
+                          timeout=RUN_TIMEOUT_S, env=env)
 
 
 def expected_k(n, density):
@@ -586,7 +593,7 @@ def script_checks(tmp, failures):
         env = dict(os.environ, OUT=os.path.join(tmp, "script_out"),
                    BUILD_DIR=build, NVCC=nvcc, **extra_env)
         r = subprocess.run(["bash", script] + args, capture_output=True,
-                           text=True, timeout=120, env=env)
+                           text=True, timeout=RUN_TIMEOUT_S, env=env)
         where = "device_check.sh %s %r" % (" ".join(args), extra_env)
         if r.returncode != 11 or named not in r.stdout + r.stderr:
             failures.append("%s: rc %d (want 11, naming %s): %r %r" %
@@ -597,7 +604,7 @@ def script_checks(tmp, failures):
                             % (where, open(called).read()[:200]))
             os.unlink(called)
     r = subprocess.run(["bash", script, "--help"], capture_output=True,
-                       text=True, timeout=60)
+                       text=True, timeout=RUN_TIMEOUT_S)
     if r.returncode != 0 or "usage" not in r.stdout or \
             "11 bad usage" not in r.stdout:
         failures.append("device_check.sh --help: rc %d %r" %

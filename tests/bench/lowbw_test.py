@@ -126,7 +126,7 @@ class LowbwTest(unittest.TestCase):
 
     def test_small_run_measures_every_method(self):
         p = self.start(SMALL + ["--no-cpu-share"])
-        out, _ = p.communicate(timeout=150)
+        out, _ = p.communicate(timeout=300)
         self.assertEqual(p.returncode, 0, out)
         self.assert_nothing_left(p.pid)
         with open(os.path.join(self.tmp, "lowbw.json")) as f:

@@ -108,7 +108,7 @@ class LauncherCase(unittest.TestCase):
             argv += ["--worker-bin", worker_bin]
         return argv + list(extra)
 
-    def launch(self, name, *extra, worker_bin=None, env=None, timeout=120):
+    def launch(self, name, *extra, worker_bin=None, env=None, timeout=300):
         e = dict(os.environ)
         e.update(env or {})
         r = subprocess.run(self.argv(name, *extra, worker_bin=worker_bin),

@@ -48,7 +48,7 @@ def torch_missing():
     try:
         r = subprocess.run([PYTHON, "-c", "import torch, numpy"],
                            stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, timeout=120)
+                           stderr=subprocess.DEVNULL, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as e:
         return "%s: %s" % (PYTHON, e)
     if r.returncode != 0:
@@ -82,7 +82,7 @@ def gtopk_missing():
              "hasattr(c, 'skip_synchronize') for c in classes) else 3)\n")
     r = subprocess.run([PYTHON, "-c", probe], env=cu.python_env(),
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       text=True, timeout=120)
+                       text=True, timeout=300)
     if r.returncode == 3:
         return ("gtopk.torch.DistributedOptimizer has no synchronize() / "
                 "skip_synchronize() (workers-apply API) in %s" % package)
@@ -124,7 +124,7 @@ class ChecksumTest(unittest.TestCase):
             "assert a == b, (a, b)\n" % SCRIPT)
         r = subprocess.run([PYTHON, "-c", probe], env=cu.python_env(),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, timeout=120)
+                           text=True, timeout=300)
         if "No module named 'gtopk'" in r.stdout or \
                 "cannot import" in r.stdout:
             self.skipTest("gtopk not importable: %s" % r.stdout[-300:])
@@ -152,7 +152,7 @@ class DdpTest(cu.KeepLogsOnFailure, unittest.TestCase):
                 [PYTHON, SCRIPT, "--backend", "ddp"] + SLICE +
                 ["--summary-json", os.path.join(self.dir, "r%d.json" % rank)],
                 os.path.join(self.dir, "r%d.log" % rank), env=env))
-        cu.wait_all(procs, timeout=120, what="ddp rank")
+        cu.wait_all(procs, timeout=300, what="ddp rank")
         s = []
         for rank in range(2):
             with open(os.path.join(self.dir, "r%d.json" % rank)) as f:
@@ -179,7 +179,7 @@ class LauncherCase(cu.KeepLogsOnFailure, unittest.TestCase):
     def setUp(self):
         self.dir = tempfile.mkdtemp(prefix="gtopk_modern_launch_")
 
-    def launch(self, name, *extra, timeout=150):
+    def launch(self, name, *extra, timeout=300):
         argv = [sys.executable, LAUNCHER, "--name", name, "--runs-dir",
                 self.dir, "--build-dir", cu.BUILD_DIR, "--worker",
                 "python-modern", "--workers", "2", "--shards", "1",
