@@ -46,8 +46,9 @@ struct WorkerClient::ShardConn {
 
 // An overlapped step's release of its pushes (worker/overlapped_step.cc):
 // each shard's push goes out in parts (Push.piece_begin/piece_end, one per
-// bucket piece as the selection thread finishes it; a shard without pieces
-// gets its whole push as its one part). Post queues a part for the shard's
+// bucket piece as the selection thread finishes it; a shard without pieces,
+// or any shard when the servers do not take parts, gets its whole push as
+// its one part). Post queues a part for the shard's
 // stream; Abandon releases every waiter (the step ends without its
 // remaining parts). Thread-safe.
 class PushGate {
@@ -167,8 +168,15 @@ struct WorkerClient::OverlappedStep {
   std::vector<SparseVector> sent, received;
   std::vector<bool> accumulated;
   // Per shard: its first piece's index in pieces_ (Push.piece_begin
-  // counts from there).
+  // counts from there) and its number of pieces.
   std::vector<size_t> first_piece;
+  std::vector<size_t> num_pieces;
+  // Whether the pushes go in parts (every shard takes them,
+  // WorkerClient::servers_take_push_parts()) or whole; set before the
+  // threads start. Whole: per shard, its pieces not selected yet
+  // (selection thread only); the push goes when none is left.
+  bool in_parts = true;
+  std::vector<size_t> pieces_left;
 
   std::thread selection, round;
   absl::Status round_status;  // round thread, read after join

@@ -4,6 +4,7 @@
 // pieces are selected, the round on its own thread (PushPullRound behind a
 // PushGate), and Finish/Abandon.
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -136,16 +137,32 @@ absl::Status WorkerClient::StartOverlappedStep(
     std::unique_ptr<OverlappedStep> o) {
   const uint64_t n = cluster_.n();
   o->pushes = NewPushes(o->stats.step);
-  std::vector<size_t> pieces_of(shards_.size(), 0);
+  std::vector<size_t>& pieces_of = o->num_pieces;
+  pieces_of.assign(shards_.size(), 0);
   o->first_piece.assign(shards_.size(), 0);
   for (size_t i = pieces_.size(); i-- > 0;) {
     ++pieces_of[piece_shard_[i]];
     o->first_piece[piece_shard_[i]] = i;
   }
+  o->in_parts = servers_take_push_parts();
+  o->pieces_left = pieces_of;
+  if (!o->in_parts && !whole_pushes_logged_) {
+    whole_pushes_logged_ = true;
+    std::fprintf(
+        stderr,
+        "gtopk worker rank %u: %s did not say it takes pushes in parts "
+        "(its gtopk-server predates the rounds per bucket, "
+        "docs/overlap.md): overlapped steps push each shard's entries "
+        "whole once its pieces are selected (selection still overlaps "
+        "backward; the same result as without overlap). Upgrade the "
+        "servers for a round per bucket during backward.\n",
+        rank_, shards_without_parts_.c_str());
+  }
   for (size_t s = 0; s < shards_.size(); ++s) {
-    // One part per piece (docs/overlap.md, "Rounds per bucket"). A shard
-    // with an empty range has no pieces: its (empty) whole push may go.
-    o->gate.Expect(s, std::max<size_t>(pieces_of[s], 1));
+    // One part per piece (docs/overlap.md, "Rounds per bucket"), or the
+    // whole push when the servers do not take parts. A shard with an
+    // empty range has no pieces: its (empty) whole push may go.
+    o->gate.Expect(s, o->in_parts ? std::max<size_t>(pieces_of[s], 1) : 1);
     if (pieces_of[s] == 0) {
       v1::Push whole = o->pushes[s];
       GTOPK_RETURN_IF_ERROR(
@@ -312,6 +329,7 @@ absl::Status WorkerClient::SelectPiece(OverlappedStep& o, size_t i) {
   // other pieces are still being produced; the shard runs the piece's
   // round as soon as every worker's part of it is in.
   const size_t s = piece_shard_[i];
+  if (!o.in_parts) return PostWholeIfSelected(o, s);
   const absl::Time t = absl::Now();
   v1::Push part = o.pushes[s];
   const uint32_t local = static_cast<uint32_t>(i - o.first_piece[s]);
@@ -322,11 +340,36 @@ absl::Status WorkerClient::SelectPiece(OverlappedStep& o, size_t i) {
       EncodeSparse(o.sent[i], cluster_.n(), codec_, part.mutable_sparse());
   if (!st.ok()) return Prefixed(st, ShardName(s));
   o.stats.bytes_sent[s] += part.ByteSizeLong();
+  ++o.stats.parts_sent;
   o.stats.encode += absl::Now() - t;
   // Under mu: once AbandonOverlappedStep has set `stop`, no part is
   // released any more.
   absl::MutexLock lock(&o.mu);
   if (!o.stop) o.gate.Post(s, std::move(part));
+  return absl::OkStatus();
+}
+
+absl::Status WorkerClient::PostWholeIfSelected(OverlappedStep& o, size_t s) {
+  if (--o.pieces_left[s] > 0) return absl::OkStatus();
+  // Shard s's pieces are all selected: its whole push, in index order, as
+  // the plain layer-wise step sends it (EncodePushes).
+  const absl::Time t = absl::Now();
+  SparseVector slice;
+  for (size_t j = o.first_piece[s]; j < o.first_piece[s] + o.num_pieces[s];
+       ++j) {
+    slice.indices.insert(slice.indices.end(), o.sent[j].indices.begin(),
+                         o.sent[j].indices.end());
+    slice.values.insert(slice.values.end(), o.sent[j].values.begin(),
+                        o.sent[j].values.end());
+  }
+  v1::Push whole = o.pushes[s];
+  const absl::Status st =
+      EncodeSparse(slice, cluster_.n(), codec_, whole.mutable_sparse());
+  if (!st.ok()) return Prefixed(st, ShardName(s));
+  o.stats.bytes_sent[s] = whole.ByteSizeLong();
+  o.stats.encode += absl::Now() - t;
+  absl::MutexLock lock(&o.mu);
+  if (!o.stop) o.gate.Post(s, std::move(whole));
   return absl::OkStatus();
 }
 
