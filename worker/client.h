@@ -370,12 +370,15 @@ class WorkerClient {
   // the piece's top PieceK, MarkSent) and one thread per shard: each
   // piece's part of its shard's push goes out as soon as the piece is
   // selected (Push.piece_begin/piece_end; docs/overlap.md, "Rounds per
-  // bucket"). When a shard does not take pushes in parts
-  // (servers_take_push_parts() is false: a gtopk-server from before the
-  // rounds per bucket), every shard's push goes out whole instead, as soon
-  // as every piece of its range was selected: selection still overlaps
-  // the backward pass, and the result is bit-identical to the plain step's
-  // (a line on stderr says so, once per client).
+  // bucket"); pieces that were ready together (e.g. one GradientReady
+  // covering several) go as one part per run of a shard's consecutive
+  // pieces, sent when the run's last piece is selected. When a shard
+  // does not take pushes in parts (servers_take_push_parts() is false: a
+  // gtopk-server from before the rounds per bucket), every shard's push
+  // goes out whole instead, as soon as every piece of its range was
+  // selected: selection still overlaps the backward pass, and the result
+  // is bit-identical to the plain step's (a line on stderr says so, once
+  // per client).
   // Errors (nothing started): AggregateStep's checks; FAILED_PRECONDITION
   // when the cluster's selection is not layerwise, when it applies on the
   // servers (--apply=servers: the overloads below), or when a step
@@ -585,14 +588,21 @@ class WorkerClient {
   // appended to *sent with global indices (nothing when that k is 0).
   absl::Status SelectPieceOf(absl::Span<const float> u, const BucketPiece& p,
                              uint64_t k, int64_t step, SparseVector* sent);
-  // An overlapped step's selection thread: one piece (u, selection,
-  // codec round trip, MarkSent), then shard s's push once its pieces are
-  // all done (overlapped_step.cc).
-  absl::Status SelectPiece(OverlappedStep& o, size_t piece);
-  // Servers without parts: one more of shard s's pieces is selected; the
-  // last one posts the shard's whole push. Selection thread only.
-  absl::Status PostWholeIfSelected(OverlappedStep& o, size_t s);
-  // SelectPiece's first part: on the host (u into the residual, the
+  // An overlapped step's selection thread (overlapped_step.cc): the
+  // selection thread's work on the pieces ready together (`batch`,
+  // ascending): each selected, each run of a shard's consecutive pieces
+  // posted as one part (PostRun) as soon as its last piece is selected.
+  absl::Status SelectBatch(OverlappedStep& o, const std::vector<size_t>& batch);
+  // Posts pieces [first, end) of pieces_ (selected, consecutive, one
+  // shard's) as one part, or counts them towards the whole push when the
+  // servers do not take parts. Selection thread only.
+  absl::Status PostRun(OverlappedStep& o, size_t first, size_t end);
+  // Servers without parts: `selected` more of shard s's pieces are
+  // selected; the last ones post the shard's whole push. Selection thread
+  // only.
+  absl::Status PostWholeIfSelected(OverlappedStep& o, size_t s,
+                                   size_t selected);
+  // One piece's selection: on the host (u into the residual, the
   // selection, the codec round trip), or on the device (DeviceStep::
   // AccumulateAndSelect, nothing committed).
   absl::Status SelectPieceOnHost(OverlappedStep& o, size_t piece);
