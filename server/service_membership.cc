@@ -118,6 +118,9 @@ v1::ClusterSpec AggregatorService::BuildSpecLocked() const {
     const auto range = ShardRange(n_, config_.num_shards, s);
     shard->set_begin(range.first);
     shard->set_end(range.second);
+    // This shard speaks for its own program only (the proto's
+    // ShardSpec.takes_push_parts).
+    shard->set_takes_push_parts(s == config_.shard_id);
   }
   spec.set_next_step(aggregator_ != nullptr ? aggregator_->next_step() : 0);
   spec.set_cluster_fingerprint(fingerprint_.load());
@@ -178,6 +181,12 @@ grpc::Status AggregatorService::GetClusterSpec(grpc::ServerContext* context,
     const absl::Status same = CheckLeaderSpec(*spec);
     if (!same.ok()) return ToGrpcStatus(same);
     *response = *std::move(spec);
+    // The leader's entry for this shard cannot say what this program
+    // takes: this shard says it (ShardSpec.takes_push_parts), and only
+    // for itself.
+    for (v1::ShardSpec& shard : *response->mutable_shards()) {
+      shard.set_takes_push_parts(shard.shard_id() == config_.shard_id);
+    }
     return grpc::Status::OK;
   }
   absl::MutexLock lock(&mu_);

@@ -6,8 +6,10 @@
 #include <algorithm>
 #include <climits>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
@@ -41,11 +43,21 @@ uint64_t MessageLimit(const v1::ClusterSpec& c) {
 // the first step: the shard compares the leader's spec with its own flags
 // and refuses with FAILED_PRECONDITION naming each differing flag and both
 // values. Waits for shards that are still starting, up to `timeout` in all.
+// Each shard's answer also says whether its program takes pushes in parts
+// (its own ShardSpec.takes_push_parts): `*without_parts` gets the names of
+// those that do not ("shard 1 (host:port)"; the leader's from its Join
+// answer, `leader_spec`), empty when every shard does.
 template <typename Shards>
 absl::Status CheckShardsAgree(const Shards& shards,
                               const v1::ClusterSpec& leader_spec,
                               absl::Duration timeout,
-                              Cancellation* cancellation) {
+                              Cancellation* cancellation,
+                              std::vector<std::string>* without_parts) {
+  without_parts->clear();
+  if (!leader_spec.shards(0).takes_push_parts()) {
+    without_parts->push_back(
+        absl::StrCat("shard ", shards[0]->id, " (", shards[0]->address, ")"));
+  }
   const absl::Time deadline = absl::Now() + timeout;
   for (size_t s = 1; s < shards.size(); ++s) {
     const std::string where =
@@ -66,6 +78,10 @@ absl::Status CheckShardsAgree(const Shards& shards,
           spec.shards_size(), " shards, the leader this worker joined has n = ",
           leader_spec.n(), " and ", leader_spec.shards_size(),
           " (is the shard's --peers right?)"));
+    }
+    // Its own entry, said by itself (the proto's ShardSpec.takes_push_parts).
+    if (!spec.shards(static_cast<int>(s)).takes_push_parts()) {
+      without_parts->push_back(where);
     }
   }
   return absl::OkStatus();
@@ -242,12 +258,15 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
     conn->stub = v1::Aggregator::NewStub(conn->channel);
     shards.push_back(std::move(conn));
   }
+  std::vector<std::string> without_parts;
   GTOPK_RETURN_IF_ERROR(CheckShardsAgree(shards, cluster, options.rpc_timeout,
-                                         options.cancellation.get()));
+                                         options.cancellation.get(),
+                                         &without_parts));
   std::unique_ptr<WorkerClient> client(new WorkerClient(
       options, rank, response.member_token(), cluster, std::move(rule),
       std::move(selector), codec, std::move(shards)));
   client->epoch_ = response.epoch();
+  client->shards_without_parts_ = absl::StrJoin(without_parts, ", ");
   client->OpenLeaderStream();
   return client;
 }

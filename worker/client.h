@@ -121,6 +121,10 @@ struct StepStats {
   absl::Duration push;
   absl::Duration wait;
   absl::Duration apply;  // put-back, masking, parameter update
+  // Overlapped steps: the Push messages sent in parts (Push.piece_end > 0),
+  // all shards; 0 when every push went whole (the other steps, or servers
+  // that do not take parts: WorkerClient::servers_take_push_parts()).
+  uint64_t parts_sent = 0;
   // Server side, the slowest shard's (from the pulls): sum of the P pushes,
   // and selection (gtopk exact: with the leader's threshold exchange).
   absl::Duration server_merge;
@@ -363,8 +367,18 @@ class WorkerClient {
   // (but for the ranges not yet reported) until FinishOverlappedStep or
   // AbandonOverlappedStep returns. Starts one selection thread (it takes
   // every bucket piece whose values are all reported: u = residual + g,
-  // the piece's top PieceK, MarkSent) and one thread per shard (a shard's
-  // push goes out as soon as every piece of its range was selected).
+  // the piece's top PieceK, MarkSent) and one thread per shard: each
+  // piece's part of its shard's push goes out as soon as the piece is
+  // selected (Push.piece_begin/piece_end; docs/overlap.md, "Rounds per
+  // bucket"); pieces that were ready together (e.g. one GradientReady
+  // covering several) go as one part per run of a shard's consecutive
+  // pieces, sent when the run's last piece is selected. When a shard
+  // does not take pushes in parts (servers_take_push_parts() is false: a
+  // gtopk-server from before the rounds per bucket), every shard's push
+  // goes out whole instead, as soon as every piece of its range was
+  // selected: selection still overlaps the backward pass, and the result
+  // is bit-identical to the plain step's (a line on stderr says so, once
+  // per client).
   // Errors (nothing started): AggregateStep's checks; FAILED_PRECONDITION
   // when the cluster's selection is not layerwise, when it applies on the
   // servers (--apply=servers: the overloads below), or when a step
@@ -466,6 +480,14 @@ class WorkerClient {
   // The cluster's layer-wise pieces (common/buckets.h) in index order;
   // empty unless its selection is layerwise.
   const std::vector<BucketPiece>& bucket_pieces() const { return pieces_; }
+  // Whether every shard's server said, when this client connected, that
+  // it takes pushes in parts (the proto's ShardSpec.takes_push_parts, each
+  // shard's own answer: Join for the leader, GetClusterSpec for the
+  // others). False: overlapped steps push each shard's entries whole.
+  // A shard replaced by an older server after Connect is caught by the
+  // worker's check of its answer (FAILED_PRECONDITION "predates the rounds
+  // per bucket", nothing applied on this worker).
+  bool servers_take_push_parts() const { return shards_without_parts_.empty(); }
 
   // Whether the next step sends a parameter checksum: a step of the
   // divergence alarm (next_step() % checksum_every == 0), or the first step
@@ -566,11 +588,21 @@ class WorkerClient {
   // appended to *sent with global indices (nothing when that k is 0).
   absl::Status SelectPieceOf(absl::Span<const float> u, const BucketPiece& p,
                              uint64_t k, int64_t step, SparseVector* sent);
-  // An overlapped step's selection thread: one piece (u, selection,
-  // codec round trip, MarkSent), then shard s's push once its pieces are
-  // all done (overlapped_step.cc).
-  absl::Status SelectPiece(OverlappedStep& o, size_t piece);
-  // SelectPiece's first part: on the host (u into the residual, the
+  // An overlapped step's selection thread (overlapped_step.cc): the
+  // selection thread's work on the pieces ready together (`batch`,
+  // ascending): each selected, each run of a shard's consecutive pieces
+  // posted as one part (PostRun) as soon as its last piece is selected.
+  absl::Status SelectBatch(OverlappedStep& o, const std::vector<size_t>& batch);
+  // Posts pieces [first, end) of pieces_ (selected, consecutive, one
+  // shard's) as one part, or counts them towards the whole push when the
+  // servers do not take parts. Selection thread only.
+  absl::Status PostRun(OverlappedStep& o, size_t first, size_t end);
+  // Servers without parts: `selected` more of shard s's pieces are
+  // selected; the last ones post the shard's whole push. Selection thread
+  // only.
+  absl::Status PostWholeIfSelected(OverlappedStep& o, size_t s,
+                                   size_t selected);
+  // One piece's selection: on the host (u into the residual, the
   // selection, the codec round trip), or on the device (DeviceStep::
   // AccumulateAndSelect, nothing committed).
   absl::Status SelectPieceOnHost(OverlappedStep& o, size_t piece);
@@ -853,6 +885,11 @@ class WorkerClient {
   // push: a push older than its step's last failure is refused (ABORTED),
   // so a retry made after Recover never mixes with the failed attempt.
   uint64_t epoch_ = 0;
+  // The shards that did not say they take pushes in parts, named and
+  // comma-separated (Connect); empty when all did.
+  std::string shards_without_parts_;
+  // The stderr line on the first overlapped step pushed whole was written.
+  bool whole_pushes_logged_ = false;
 };
 
 }  // namespace worker

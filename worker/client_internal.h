@@ -45,11 +45,12 @@ struct WorkerClient::ShardConn {
 };
 
 // An overlapped step's release of its pushes (worker/overlapped_step.cc):
-// each shard's push goes out in parts (Push.piece_begin/piece_end, one per
-// bucket piece as the selection thread finishes it; a shard without pieces
-// gets its whole push as its one part). Post queues a part for the shard's
-// stream; Abandon releases every waiter (the step ends without its
-// remaining parts). Thread-safe.
+// each shard's push goes out in parts (Push.piece_begin/piece_end), each a
+// run of consecutive bucket pieces the selection thread finished together
+// (one piece when they come one by one); a shard without pieces, or any
+// shard when the servers do not take parts, gets its whole push as its one
+// part. Post queues a part for the shard's stream; Abandon releases every
+// waiter (the step ends without its remaining parts). Thread-safe.
 class PushGate {
  public:
   explicit PushGate(size_t num_shards)
@@ -57,12 +58,14 @@ class PushGate {
         expected_(num_shards, 0),
         taken_(num_shards, 0),
         failed_(num_shards, false) {}
-  // Shard s gets `parts` parts in all. Before the round's threads start.
-  void Expect(size_t s, size_t parts) { expected_[s] = parts; }
-  void Post(size_t s, v1::Push part) {
+  // Shard s's parts hold `pieces` pieces in all (a shard without pieces:
+  // 1, its empty whole push). Before the round's threads start.
+  void Expect(size_t s, size_t pieces) { expected_[s] = pieces; }
+  // Queues `part`, which holds `pieces` of shard s's pieces (>= 1).
+  void Post(size_t s, v1::Push part, size_t pieces) {
     absl::MutexLock lock(&mu_);
-    queues_[s].push_back(std::move(part));
-    ++posted_;
+    queues_[s].push_back({std::move(part), pieces});
+    posted_ += pieces;
   }
   void Abandon() {
     absl::MutexLock lock(&mu_);
@@ -75,20 +78,20 @@ class PushGate {
   }
   enum class Next { kPart, kDone, kAbandoned, kFailed };
   // Blocks until shard s has a part to write (kPart, *part set), all its
-  // parts were taken (kDone), the step was abandoned (kAbandoned; parts
+  // pieces were taken (kDone), the step was abandoned (kAbandoned; parts
   // still queued are never written), or its stream ended (kFailed).
   Next Wait(size_t s, v1::Push* part) {
     absl::MutexLock lock(&mu_);
-    if (taken_[s] == expected_[s]) return Next::kDone;
+    if (taken_[s] >= expected_[s]) return Next::kDone;
     auto ready = [&] {
       return abandoned_ || failed_[s] || !queues_[s].empty();
     };
     mu_.Await(absl::Condition(&ready));
     if (abandoned_) return Next::kAbandoned;
     if (failed_[s]) return Next::kFailed;
-    *part = std::move(queues_[s].front());
+    *part = std::move(queues_[s].front().part);
+    taken_[s] += queues_[s].front().pieces;
     queues_[s].pop_front();
-    ++taken_[s];
     return Next::kPart;
   }
   // Whether any part was released.
@@ -96,7 +99,7 @@ class PushGate {
     absl::MutexLock lock(&mu_);
     return posted_ > 0;
   }
-  // Blocks until every part of every shard was posted, or the step was
+  // Blocks until every piece of every shard was posted, or the step was
   // abandoned.
   void AwaitSettled() {
     size_t total = 0;
@@ -107,13 +110,17 @@ class PushGate {
   }
 
  private:
+  struct Queued {
+    v1::Push part;
+    size_t pieces;
+  };
   absl::Mutex mu_;
-  std::vector<std::deque<v1::Push>> queues_;  // (mu_)
-  std::vector<size_t> expected_;              // set before the threads start
-  std::vector<size_t> taken_;                 // per shard: by its thread only
-  std::vector<bool> failed_;                  // (mu_)
-  size_t posted_ = 0;                         // (mu_)
-  bool abandoned_ = false;                    // (mu_)
+  std::vector<std::deque<Queued>> queues_;  // (mu_)
+  std::vector<size_t> expected_;            // set before the threads start
+  std::vector<size_t> taken_;               // (mu_) pieces, per shard
+  std::vector<bool> failed_;                // (mu_)
+  size_t posted_ = 0;                       // (mu_) pieces, all shards
+  bool abandoned_ = false;                  // (mu_)
 };
 
 // An open overlapped step (WorkerClient::BeginOverlappedStep). The caller's
@@ -167,8 +174,15 @@ struct WorkerClient::OverlappedStep {
   std::vector<SparseVector> sent, received;
   std::vector<bool> accumulated;
   // Per shard: its first piece's index in pieces_ (Push.piece_begin
-  // counts from there).
+  // counts from there) and its number of pieces.
   std::vector<size_t> first_piece;
+  std::vector<size_t> num_pieces;
+  // Whether the pushes go in parts (every shard takes them,
+  // WorkerClient::servers_take_push_parts()) or whole; set before the
+  // threads start. Whole: per shard, its pieces not selected yet
+  // (selection thread only); the push goes when none is left.
+  bool in_parts = true;
+  std::vector<size_t> pieces_left;
 
   std::thread selection, round;
   absl::Status round_status;  // round thread, read after join

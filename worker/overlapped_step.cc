@@ -1,9 +1,12 @@
 // WorkerClient's overlapped steps (worker/client.h BeginOverlappedStep):
 // layer-wise selection of each bucket piece on a selection thread as the
-// caller reports its gradient, each shard's push released as soon as its
-// pieces are selected, the round on its own thread (PushPullRound behind a
-// PushGate), and Finish/Abandon.
+// caller reports its gradient, each run of pieces selected together
+// released at once as a part of its shard's push (or each shard's whole
+// push once its pieces are selected, for servers that do not take parts),
+// the round on its own thread (PushPullRound behind a PushGate), and
+// Finish/Abandon.
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -136,15 +139,32 @@ absl::Status WorkerClient::StartOverlappedStep(
     std::unique_ptr<OverlappedStep> o) {
   const uint64_t n = cluster_.n();
   o->pushes = NewPushes(o->stats.step);
-  std::vector<size_t> pieces_of(shards_.size(), 0);
+  std::vector<size_t>& pieces_of = o->num_pieces;
+  pieces_of.assign(shards_.size(), 0);
   o->first_piece.assign(shards_.size(), 0);
   for (size_t i = pieces_.size(); i-- > 0;) {
     ++pieces_of[piece_shard_[i]];
     o->first_piece[piece_shard_[i]] = i;
   }
+  o->in_parts = servers_take_push_parts();
+  o->pieces_left = pieces_of;
+  if (!o->in_parts && !whole_pushes_logged_) {
+    whole_pushes_logged_ = true;
+    std::fprintf(
+        stderr,
+        "gtopk worker rank %u: %s did not say it takes pushes in parts "
+        "(its gtopk-server predates the rounds per bucket, "
+        "docs/overlap.md): overlapped steps push each shard's entries "
+        "whole once its pieces are selected (selection still overlaps "
+        "backward; the same result as without overlap). Upgrade the "
+        "servers for a round per bucket during backward.\n",
+        rank_, shards_without_parts_.c_str());
+  }
   for (size_t s = 0; s < shards_.size(); ++s) {
-    // One part per piece (docs/overlap.md, "Rounds per bucket"). A shard
-    // with an empty range has no pieces: its (empty) whole push may go.
+    // Parts of runs of pieces (docs/overlap.md, "Rounds per bucket"), or
+    // the whole push when the servers do not take parts. A shard with an
+    // empty range has no pieces: its (empty) whole push may go, counting
+    // as its one piece.
     o->gate.Expect(s, std::max<size_t>(pieces_of[s], 1));
     if (pieces_of[s] == 0) {
       v1::Push whole = o->pushes[s];
@@ -153,7 +173,7 @@ absl::Status WorkerClient::StartOverlappedStep(
       if (s < o->stats.bytes_sent.size()) {
         o->stats.bytes_sent[s] = whole.ByteSizeLong();
       }
-      o->gate.Post(s, std::move(whole));
+      o->gate.Post(s, std::move(whole), 1);
     }
   }
   for (auto& c : shards_) {
@@ -225,18 +245,21 @@ absl::Status WorkerClient::GradientReady(uint64_t begin, uint64_t end) {
 }
 
 void WorkerClient::SelectionLoop(OverlappedStep& o) {
+  std::vector<size_t> batch;
   while (true) {
-    size_t piece = 0;
     {
       absl::MutexLock lock(&o.mu);
       auto work = [&] { return o.stop || !o.queue.empty() || o.closing; };
       o.mu.Await(absl::Condition(&work));
       if (o.stop || o.queue.empty()) return;  // abandoned, or all done
-      piece = o.queue.front();
-      o.queue.pop_front();
+      // Every piece ready now, in index order: a shard's consecutive
+      // pieces in the batch go out as one part.
+      batch.assign(o.queue.begin(), o.queue.end());
+      o.queue.clear();
       o.first_taken = std::min(o.first_taken, absl::Now());
     }
-    const absl::Status st = SelectPiece(o, piece);
+    std::sort(batch.begin(), batch.end());
+    const absl::Status st = SelectBatch(o, batch);
     if (!st.ok()) {
       absl::MutexLock lock(&o.mu);
       if (o.select_status.ok()) o.select_status = st;
@@ -245,6 +268,29 @@ void WorkerClient::SelectionLoop(OverlappedStep& o) {
       return;
     }
   }
+}
+
+absl::Status WorkerClient::SelectBatch(OverlappedStep& o,
+                                       const std::vector<size_t>& batch) {
+  size_t run = 0;  // the first piece of the run being selected
+  for (size_t j = 0; j < batch.size(); ++j) {
+    {
+      absl::MutexLock lock(&o.mu);
+      if (o.stop) return absl::OkStatus();  // abandoned: nothing more goes
+    }
+    const size_t i = batch[j];
+    GTOPK_RETURN_IF_ERROR(o.on_device() ? SelectPieceOnDevice(o, i)
+                                        : SelectPieceOnHost(o, i));
+    // A run ends at the batch's end, before a gap, or at a shard's end;
+    // it goes out as soon as its last piece is selected.
+    if (j + 1 < batch.size() && batch[j + 1] == i + 1 &&
+        piece_shard_[i + 1] == piece_shard_[i]) {
+      continue;
+    }
+    GTOPK_RETURN_IF_ERROR(PostRun(o, batch[run], i + 1));
+    run = j + 1;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status WorkerClient::SelectPieceOnDevice(OverlappedStep& o, size_t i) {
@@ -304,29 +350,67 @@ absl::Status WorkerClient::SelectPieceOnHost(OverlappedStep& o, size_t i) {
   return absl::OkStatus();
 }
 
-absl::Status WorkerClient::SelectPiece(OverlappedStep& o, size_t i) {
-  GTOPK_RETURN_IF_ERROR(o.on_device() ? SelectPieceOnDevice(o, i)
-                                      : SelectPieceOnHost(o, i));
-  // The piece's part of its shard's push goes out now (Push.piece_begin/
-  // piece_end: the piece's place among the shard's pieces), while the
-  // other pieces are still being produced; the shard runs the piece's
-  // round as soon as every worker's part of it is in.
-  const size_t s = piece_shard_[i];
+absl::Status WorkerClient::PostRun(OverlappedStep& o, size_t first,
+                                   size_t end) {
+  const size_t s = piece_shard_[first];
+  if (!o.in_parts) return PostWholeIfSelected(o, s, end - first);
+  // The run's part of its shard's push goes out now (Push.piece_begin/
+  // piece_end: the run's place among the shard's pieces), while the
+  // other pieces are still being produced; the shard runs each piece's
+  // round as soon as every worker's part holding it is in.
   const absl::Time t = absl::Now();
   v1::Push part = o.pushes[s];
-  const uint32_t local = static_cast<uint32_t>(i - o.first_piece[s]);
+  const uint32_t local = static_cast<uint32_t>(first - o.first_piece[s]);
   part.set_piece_begin(local);
-  part.set_piece_end(local + 1);
+  part.set_piece_end(static_cast<uint32_t>(local + (end - first)));
   if (local != 0) part.clear_buffers();  // buffers go with piece 0 only
+  SparseVector entries;
+  const SparseVector* run = &o.sent[first];
+  if (end - first > 1) {
+    for (size_t i = first; i < end; ++i) {
+      entries.indices.insert(entries.indices.end(), o.sent[i].indices.begin(),
+                             o.sent[i].indices.end());
+      entries.values.insert(entries.values.end(), o.sent[i].values.begin(),
+                            o.sent[i].values.end());
+    }
+    run = &entries;
+  }
   const absl::Status st =
-      EncodeSparse(o.sent[i], cluster_.n(), codec_, part.mutable_sparse());
+      EncodeSparse(*run, cluster_.n(), codec_, part.mutable_sparse());
   if (!st.ok()) return Prefixed(st, ShardName(s));
   o.stats.bytes_sent[s] += part.ByteSizeLong();
+  ++o.stats.parts_sent;
   o.stats.encode += absl::Now() - t;
   // Under mu: once AbandonOverlappedStep has set `stop`, no part is
   // released any more.
   absl::MutexLock lock(&o.mu);
-  if (!o.stop) o.gate.Post(s, std::move(part));
+  if (!o.stop) o.gate.Post(s, std::move(part), end - first);
+  return absl::OkStatus();
+}
+
+absl::Status WorkerClient::PostWholeIfSelected(OverlappedStep& o, size_t s,
+                                               size_t selected) {
+  o.pieces_left[s] -= selected;
+  if (o.pieces_left[s] > 0) return absl::OkStatus();
+  // Shard s's pieces are all selected: its whole push, in index order, as
+  // the plain layer-wise step sends it (EncodePushes).
+  const absl::Time t = absl::Now();
+  SparseVector slice;
+  for (size_t j = o.first_piece[s]; j < o.first_piece[s] + o.num_pieces[s];
+       ++j) {
+    slice.indices.insert(slice.indices.end(), o.sent[j].indices.begin(),
+                         o.sent[j].indices.end());
+    slice.values.insert(slice.values.end(), o.sent[j].values.begin(),
+                        o.sent[j].values.end());
+  }
+  v1::Push whole = o.pushes[s];
+  const absl::Status st =
+      EncodeSparse(slice, cluster_.n(), codec_, whole.mutable_sparse());
+  if (!st.ok()) return Prefixed(st, ShardName(s));
+  o.stats.bytes_sent[s] = whole.ByteSizeLong();
+  o.stats.encode += absl::Now() - t;
+  absl::MutexLock lock(&o.mu);
+  if (!o.stop) o.gate.Post(s, std::move(whole), o.num_pieces[s]);
   return absl::OkStatus();
 }
 

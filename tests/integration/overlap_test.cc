@@ -329,6 +329,99 @@ std::vector<Case> Cases() {
 INSTANTIATE_TEST_SUITE_P(All, OverlapTest, ::testing::ValuesIn(Cases()),
                          CaseName);
 
+// The real servers say they take pushes in parts (ShardSpec.
+// takes_push_parts: the leader in Join, shard 1 in GetClusterSpec), so the
+// overlapped step sends parts (StepStats.parts_sent) and they answer with
+// piece pulls and the committed pull: the step completes, with the
+// reference's result.
+TEST(OverlapPartsTest, TheServersSayTheyTakePartsAndGetThem) {
+  auto cluster_or = ::gtopk::testing::LocalCluster::Start(MakeConfig(1), 2);
+  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+  std::vector<uint64_t> begins;
+  std::vector<std::unique_ptr<WorkerClient>> clients =
+      ConnectWorkers((*cluster_or)->leader(), 1, &begins);
+  EXPECT_TRUE(clients[0]->servers_take_push_parts());
+  const size_t pieces = clients[0]->bucket_pieces().size();
+  ASSERT_EQ(pieces, 5u);
+  const Reference ref = Simulate(1, begins);
+  std::vector<std::vector<float>> params(1, NormalVector(kN, 99));
+  std::vector<std::vector<float>> averaged(kSteps);
+  std::vector<uint64_t> parts(kSteps, 0);
+  const std::vector<absl::Status> status = RunWorkers(
+      clients, params,
+      [&](int, int t, std::vector<float>& p,
+          std::vector<float>& buffer) -> absl::StatusOr<worker::StepStats> {
+        averaged[t].assign(kN, -1.0f);
+        absl::StatusOr<worker::StepStats> st =
+            OverlappedStep(*clients[0], Gradient(t, 0), buffer, averaged[t], p);
+        if (st.ok()) parts[t] = st->parts_sent;
+        return st;
+      });
+  GTOPK_ASSERT_OK(status[0]);
+  for (int t = 0; t < kSteps; ++t) {
+    EXPECT_GT(parts[t], 0u) << "step " << t;
+    EXPECT_LE(parts[t], pieces) << "step " << t;
+    EXPECT_EQ(FloatBits(averaged[t]), FloatBits(ref.averaged[t]))
+        << "step " << t;
+  }
+}
+
+// Pieces ready together go as one part per run of a shard's consecutive
+// pieces: rank 0 reports its whole gradient in one GradientReady, so its
+// selection thread has all 5 pieces at once and sends 2 parts (one per
+// shard: [0, 300) + [300, 455), and [455, 600) + [600, 900) + [900, 910)),
+// while rank 1 reports in chunks as backward would (up to one part per
+// piece). The shards' rounds take the differently cut parts together, and
+// every step's result is the reference's, bit for bit.
+TEST(OverlapPartsTest, PiecesReadyTogetherGoAsOnePartPerRun) {
+  constexpr int kWorkers = 2;
+  auto cluster_or =
+      ::gtopk::testing::LocalCluster::Start(MakeConfig(kWorkers), 2);
+  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+  std::vector<uint64_t> begins;
+  std::vector<std::unique_ptr<WorkerClient>> clients =
+      ConnectWorkers((*cluster_or)->leader(), kWorkers, &begins);
+  const size_t pieces = clients[0]->bucket_pieces().size();
+  ASSERT_EQ(pieces, 5u);
+  const Reference ref = Simulate(kWorkers, begins);
+  std::vector<std::vector<float>> params(kWorkers, NormalVector(kN, 99));
+  std::vector<std::vector<std::vector<float>>> averaged(
+      kWorkers, std::vector<std::vector<float>>(kSteps));
+  std::vector<std::vector<uint64_t>> parts(kWorkers,
+                                           std::vector<uint64_t>(kSteps, 0));
+  const std::vector<absl::Status> status = RunWorkers(
+      clients, params,
+      [&](int w, int t, std::vector<float>& p,
+          std::vector<float>& buffer) -> absl::StatusOr<worker::StepStats> {
+        averaged[w][t].assign(kN, -1.0f);
+        const std::vector<float> g = Gradient(t, w);
+        absl::StatusOr<worker::StepStats> st;
+        if (w == 0) {
+          buffer = g;
+          GTOPK_RETURN_IF_ERROR(clients[0]->BeginOverlappedStep(
+              buffer, absl::MakeSpan(averaged[w][t]), p));
+          GTOPK_RETURN_IF_ERROR(clients[0]->GradientReady(0, kN));
+          st = clients[0]->FinishOverlappedStep();
+        } else {
+          st = OverlappedStep(*clients[w], g, buffer, averaged[w][t], p);
+        }
+        if (st.ok()) parts[w][t] = st->parts_sent;
+        return st;
+      });
+  for (int w = 0; w < kWorkers; ++w) {
+    ASSERT_TRUE(status[w].ok()) << "worker " << w << ": " << status[w];
+    for (int t = 0; t < kSteps; ++t) {
+      EXPECT_EQ(FloatBits(averaged[w][t]), FloatBits(ref.averaged[t]))
+          << "worker " << w << " step " << t;
+      EXPECT_GT(parts[w][t], 0u);
+      EXPECT_LE(parts[w][t], pieces);
+    }
+    EXPECT_EQ(FloatBits(clients[w]->residual()), FloatBits(ref.residual[w]))
+        << "worker " << w << " residual";
+  }
+  EXPECT_EQ(parts[0], std::vector<uint64_t>(kSteps, 2u));
+}
+
 // A step given up in the middle of its buckets (an exception in the
 // backward pass after shard 1's push went out): nothing is applied
 // anywhere, the other worker's step fails, both recover, and the retry

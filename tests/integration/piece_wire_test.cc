@@ -210,6 +210,35 @@ bool ReadPieces(grpc::ClientReaderWriter<v1::Push, v1::Pull>& stream,
   return true;
 }
 
+// Each shard says, in its own entry of the spec it answers with, that it
+// takes pushes in parts (ShardSpec.takes_push_parts), and only for itself:
+// the leader in Join and GetClusterSpec, shard 1 in the GetClusterSpec it
+// forwards from the leader. The settings and fingerprint are unchanged by
+// it (shard 1's answer is otherwise the leader's).
+TEST(PieceWireTest, EachShardSaysItTakesPartsForItselfOnly) {
+  auto cluster = OkOrThrow(
+      ::gtopk::testing::LocalCluster::Start(Config(1, ApplyMode::kWorkers), 2),
+      "Start");
+  RawWorker w = RawWorker::Join(cluster->peers(), 0);
+  ASSERT_EQ(w.spec().shards_size(), 2);
+  EXPECT_TRUE(w.spec().shards(0).takes_push_parts());
+  EXPECT_FALSE(w.spec().shards(1).takes_push_parts());
+  for (uint32_t s = 0; s < 2; ++s) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Soon());
+    v1::ClusterSpec spec;
+    const grpc::Status st =
+        w.stubs[s]->GetClusterSpec(&ctx, v1::JoinRequest(), &spec);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    ASSERT_EQ(spec.shards_size(), 2);
+    for (uint32_t t = 0; t < 2; ++t) {
+      EXPECT_EQ(spec.shards(static_cast<int>(t)).takes_push_parts(), t == s)
+          << "shard " << s << "'s answer, entry " << t;
+    }
+    EXPECT_EQ(spec.cluster_fingerprint(), w.spec().cluster_fingerprint());
+  }
+}
+
 // P = 1, S = 1: each part is answered by its piece pull before the next
 // part is written (the last pieces first, as backward produces them),
 // every piece once, then the committed pull (no entries, the step's count

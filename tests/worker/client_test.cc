@@ -4,6 +4,7 @@
 // exercised in tests/integration/.
 #include "worker/client.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -47,36 +48,60 @@ class FakeShard final : public v1::Aggregator::Service {
   // did: every Push a whole push, answered by one Pull without
   // Pull.committed.
   std::atomic<bool> layerwise{false};
-  std::string address;
+  // The fake says it takes pushes in parts (ShardSpec.takes_push_parts, in
+  // its own entry), whether it does or not.
+  std::atomic<bool> advertise_parts{false};
+  // This fake's shard id, and every shard's address (one shard: this
+  // fake's; two: [0, 50) and [50, 100)). Set before a client connects.
+  uint32_t id = 0;
+  std::vector<std::string> addresses;
+  std::string address;  // addresses[id]
   std::atomic<int> pushes{0};
+  std::atomic<int> parts{0};  // pushes with Push.piece_end set
+
+  // The cluster spec as this fake answers it: its own entry's
+  // takes_push_parts as advertise_parts says, the others' false.
+  v1::ClusterSpec Spec() const {
+    v1::ClusterSpec c;
+    c.set_n(kN);
+    c.set_num_workers(1);
+    for (size_t i = 0; i < addresses.size(); ++i) {
+      v1::ShardSpec* s = c.add_shards();
+      s->set_shard_id(static_cast<uint32_t>(i));
+      s->set_address(addresses[i]);
+      s->set_begin(kN * i / addresses.size());
+      s->set_end(kN * (i + 1) / addresses.size());
+      s->set_takes_push_parts(i == id && advertise_parts.load());
+    }
+    c.set_mode(v1::MODE_GTOPK);
+    c.set_selection(layerwise.load() ? v1::SELECTION_LAYERWISE
+                                     : v1::SELECTION_THRESHOLD);
+    if (layerwise.load()) c.set_bucket_size(50);
+    c.set_selector("exact");
+    c.set_index_codec("delta-varint");
+    c.set_value_codec("fp32");
+    c.mutable_optimizer()->set_lr(1.0f);
+    c.mutable_optimizer()->set_momentum(0.0f);
+    c.mutable_optimizer()->set_momentum_mode(v1::MOMENTUM_MODE_NONE);
+    c.mutable_optimizer()->set_density(0.1);
+    c.set_step_timeout_ms(300);
+    c.set_max_message_bytes(4 << 20);
+    return c;
+  }
 
   grpc::Status Join(grpc::ServerContext*, const v1::JoinRequest* request,
                     v1::JoinResponse* response) override {
     response->set_rank(0);
-    v1::ClusterSpec* c = response->mutable_cluster();
-    c->set_n(kN);
-    c->set_num_workers(1);
-    v1::ShardSpec* s = c->add_shards();
-    s->set_shard_id(0);
-    s->set_address(address);
-    s->set_begin(0);
-    s->set_end(kN);
-    c->set_mode(v1::MODE_GTOPK);
-    c->set_selection(layerwise.load() ? v1::SELECTION_LAYERWISE
-                                      : v1::SELECTION_THRESHOLD);
-    if (layerwise.load()) c->set_bucket_size(50);
-    c->set_selector("exact");
-    c->set_index_codec("delta-varint");
-    c->set_value_codec("fp32");
-    c->mutable_optimizer()->set_lr(1.0f);
-    c->mutable_optimizer()->set_momentum(0.0f);
-    c->mutable_optimizer()->set_momentum_mode(v1::MOMENTUM_MODE_NONE);
-    c->mutable_optimizer()->set_density(0.1);
-    c->set_step_timeout_ms(300);
-    c->set_max_message_bytes(4 << 20);
+    *response->mutable_cluster() = Spec();
     if (request->n() != kN) {
       return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "bad n");
     }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status GetClusterSpec(grpc::ServerContext*, const v1::JoinRequest*,
+                              v1::ClusterSpec* response) override {
+    *response = Spec();
     return grpc::Status::OK;
   }
 
@@ -89,6 +114,7 @@ class FakeShard final : public v1::Aggregator::Service {
     v1::Push push;
     while (stream->Read(&push)) {
       ++pushes;
+      if (push.piece_end() > 0) ++parts;
       switch (behaviour.load()) {
         case Behaviour::kStall:
           while (!context->IsCancelled()) {
@@ -115,7 +141,7 @@ class FakeShard final : public v1::Aggregator::Service {
           pull.set_step(behaviour.load() == Behaviour::kWrongStep
                             ? push.step() + 1
                             : push.step());
-          pull.set_shard_id(0);
+          pull.set_shard_id(id);
           pull.set_sparse(push.sparse());
           stream->Write(pull);
           break;
@@ -136,7 +162,8 @@ class ClientFakeTest : public ::testing::Test {
     builder.RegisterService(&fake_);
     server_ = builder.BuildAndStart();
     ASSERT_NE(server_, nullptr);
-    fake_.address = absl::StrCat("127.0.0.1:", port);
+    fake_.addresses = {absl::StrCat("127.0.0.1:", port)};
+    fake_.address = fake_.addresses[0];
   }
   void TearDown() override {
     client_.reset();
@@ -234,12 +261,46 @@ TEST_F(ClientFakeTest, EchoStepAppliesTheTopK) {
   EXPECT_EQ(client_->next_step(), 1);
 }
 
-// A new worker's overlapped step against a server that predates the rounds
-// per bucket (it takes each part for a whole push, and its pull has no
-// Pull.committed): refused, naming the cause, and nothing applied.
+// Captures stderr from construction to Take (or destruction, when an
+// assertion returned first: gtest's capture must be ended before the next
+// one starts).
+class StderrCapture {
+ public:
+  StderrCapture() { ::testing::internal::CaptureStderr(); }
+  ~StderrCapture() {
+    if (!taken_) ::testing::internal::GetCapturedStderr();
+  }
+  std::string Take() {
+    taken_ = true;
+    return ::testing::internal::GetCapturedStderr();
+  }
+
+ private:
+  bool taken_ = false;
+};
+
+// What the overlapped layer-wise step must give here (P = 1, n = 100, two
+// pieces of 50 at k = 10: k_p = 5 each; lr 1, no momentum; the shard's
+// sum is the worker's own push): each piece's 5 largest |g|, applied as
+// params -= g there, 0 elsewhere.
+std::vector<float> PlainLayerwiseUpdate(const std::vector<float>& g) {
+  std::vector<float> params(kN, 0.0f);
+  for (uint64_t i = 0; i < kN; ++i) {
+    if ((i >= 45 && i < 50) || i >= 95) params[i] = -g[i];
+  }
+  return params;
+}
+
+// A new worker's overlapped step against a server that says it takes
+// pushes in parts but predates the rounds per bucket (e.g. a shard
+// replaced by an older server after Connect: it takes each part for a
+// whole push, and its pull has no Pull.committed): refused, naming the
+// cause, and nothing applied (the second line of defence).
 TEST_F(ClientFakeTest, AServerThatPredatesPiecePullsIsRefusedNotApplied) {
   fake_.layerwise = true;
+  fake_.advertise_parts = true;
   Connect();
+  EXPECT_TRUE(client_->servers_take_push_parts());
   std::vector<float> params(kN, 0.0f);
   const std::vector<float> g = Ramp(1.0f);
   GTOPK_ASSERT_OK(client_->BeginOverlappedStep(g, absl::MakeSpan(params)));
@@ -251,6 +312,124 @@ TEST_F(ClientFakeTest, AServerThatPredatesPiecePullsIsRefusedNotApplied) {
   EXPECT_EQ(params, std::vector<float>(kN, 0.0f));
   EXPECT_EQ(client_->next_step(), 0);
 }
+
+// A server that does not say it takes pushes in parts (one from before
+// the rounds per bucket) gets whole pushes from the overlapped step, which
+// then completes: its parameters and residual are the plain layer-wise
+// reference's and bit-identical to the plain Step's, over two steps, and
+// stderr says so once.
+TEST_F(ClientFakeTest, AServerWithoutPartsGetsWholePushesBitIdenticalToStep) {
+  fake_.layerwise = true;
+  Connect();
+  EXPECT_FALSE(client_->servers_take_push_parts());
+  std::unique_ptr<WorkerClient> overlapped = std::move(client_);
+  Connect();
+  std::unique_ptr<WorkerClient> plain = std::move(client_);
+  std::vector<float> params(kN, 0.0f), plain_params(kN, 0.0f);
+  StderrCapture captured;
+  for (int step = 0; step < 2; ++step) {
+    const std::vector<float> g = Ramp(step == 0 ? 1.0f : 0.5f);
+    const int before = fake_.pushes.load();
+    GTOPK_ASSERT_OK(overlapped->BeginOverlappedStep(g, absl::MakeSpan(params)));
+    GTOPK_ASSERT_OK(overlapped->GradientReady(50, kN));
+    GTOPK_ASSERT_OK(overlapped->GradientReady(0, 50));
+    auto stats = overlapped->FinishOverlappedStep();
+    GTOPK_ASSERT_OK(stats.status());
+    EXPECT_EQ(stats->parts_sent, 0u);
+    EXPECT_EQ(fake_.pushes.load(), before + 1) << "one whole push";
+    EXPECT_EQ(fake_.parts.load(), 0);
+    if (step == 0) {
+      const std::vector<float> want = PlainLayerwiseUpdate(g);
+      EXPECT_EQ(std::memcmp(params.data(), want.data(), kN * sizeof(float)), 0);
+    }
+    GTOPK_ASSERT_OK(plain->Step(g, absl::MakeSpan(plain_params)).status());
+    EXPECT_EQ(
+        std::memcmp(params.data(), plain_params.data(), kN * sizeof(float)), 0)
+        << "step " << step;
+    EXPECT_TRUE(std::equal(overlapped->residual().begin(),
+                           overlapped->residual().end(),
+                           plain->residual().begin()));
+  }
+  const std::string err = captured.Take();
+  EXPECT_THAT(err, HasSubstr("did not say it takes pushes in parts"));
+  EXPECT_EQ(err.find("did not say"), err.rfind("did not say")) << err;
+  EXPECT_EQ(overlapped->next_step(), 2);
+}
+
+// Two shards: a worker sends parts only when every shard says it takes
+// them, each in its own answer (the leader in Join, shard 1 in
+// GetClusterSpec). When one does not, both get whole pushes, and the
+// overlapped step gives the plain layer-wise result.
+class ClientTwoFakeShardsTest : public ::testing::TestWithParam<bool> {
+ protected:
+  void SetUp() override {
+    for (int s = 0; s < 2; ++s) {
+      grpc::ServerBuilder builder;
+      int port = 0;
+      builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                               &port);
+      builder.RegisterService(&fakes_[s]);
+      servers_[s] = builder.BuildAndStart();
+      ASSERT_NE(servers_[s], nullptr);
+      addresses_.push_back(absl::StrCat("127.0.0.1:", port));
+    }
+    for (uint32_t s = 0; s < 2; ++s) {
+      fakes_[s].id = s;
+      fakes_[s].addresses = addresses_;
+      fakes_[s].address = addresses_[s];
+      fakes_[s].layerwise = true;
+    }
+  }
+  void TearDown() override {
+    for (auto& server : servers_) {
+      server->Shutdown(std::chrono::system_clock::now() +
+                       std::chrono::seconds(1));
+    }
+  }
+
+  FakeShard fakes_[2];
+  std::unique_ptr<grpc::Server> servers_[2];
+  std::vector<std::string> addresses_;
+};
+
+TEST_P(ClientTwoFakeShardsTest, OneShardWithoutPartsMakesEveryPushWhole) {
+  // true: the leader says it takes parts and shard 1 does not; false: the
+  // other way round.
+  const bool leader_says = GetParam();
+  fakes_[0].advertise_parts = leader_says;
+  fakes_[1].advertise_parts = !leader_says;
+  ClientOptions o;
+  o.leader_address = addresses_[0];
+  o.n = kN;
+  o.rpc_timeout = absl::Seconds(5);
+  o.step_watchdog_margin = absl::Milliseconds(200);
+  StderrCapture captured;
+  auto client = WorkerClient::Connect(o);
+  GTOPK_ASSERT_OK(client.status());
+  EXPECT_FALSE((*client)->servers_take_push_parts());
+  std::vector<float> params(kN, 0.0f);
+  const std::vector<float> g = Ramp(1.0f);
+  GTOPK_ASSERT_OK((*client)->BeginOverlappedStep(g, absl::MakeSpan(params)));
+  GTOPK_ASSERT_OK((*client)->GradientReady(0, kN));
+  auto stats = (*client)->FinishOverlappedStep();
+  GTOPK_ASSERT_OK(stats.status());
+  const std::string err = captured.Take();
+  EXPECT_THAT(err, HasSubstr(absl::StrCat("shard ", leader_says ? 1 : 0, " (",
+                                          addresses_[leader_says ? 1 : 0],
+                                          ") did not say")));
+  EXPECT_EQ(stats->parts_sent, 0u);
+  for (const FakeShard& f : fakes_) {
+    EXPECT_EQ(f.pushes.load(), 1) << "shard " << f.id;
+    EXPECT_EQ(f.parts.load(), 0) << "shard " << f.id;
+  }
+  const std::vector<float> want = PlainLayerwiseUpdate(g);
+  EXPECT_EQ(std::memcmp(params.data(), want.data(), kN * sizeof(float)), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Both, ClientTwoFakeShardsTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "LeaderSays" : "Shard1Says";
+                         });
 
 TEST_F(ClientFakeTest, StalledShardIsCancelledNamedAndNothingIsLost) {
   Connect();
