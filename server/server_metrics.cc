@@ -124,23 +124,9 @@ class ServerMetrics::CheckpointAge final : public prometheus::Collectable {
   std::atomic<double> last_{std::numeric_limits<double>::quiet_NaN()};
 };
 
-ServerMetrics::ServerMetrics(prometheus::Registry& registry) {
-  auto& received = BuildCounter()
-                       .Name("gtopk_server_received_bytes_total")
-                       .Help(
-                           "Serialized request message bytes received, by "
-                           "gRPC method.")
-                       .Register(registry);
-  received_push_ = &received.Add({{"method", "PushPull"}});
-  received_init_ = &received.Add({{"method", "InitParams"}});
-  auto& sent = BuildCounter()
-                   .Name("gtopk_server_sent_bytes_total")
-                   .Help(
-                       "Serialized response message bytes sent, by gRPC "
-                       "method.")
-                   .Register(registry);
-  sent_pull_ = &sent.Add({{"method", "PushPull"}});
-  sent_download_ = &sent.Add({{"method", "DownloadParams"}});
+// The per-round families: durations, selected pairs, rounds, and the
+// parts and piece pulls of the rounds per bucket.
+void ServerMetrics::RegisterRoundMetrics(prometheus::Registry& registry) {
   round_duration_ =
       &BuildHistogram()
            .Name("gtopk_server_round_duration_seconds")
@@ -197,6 +183,26 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry) {
                           "step commits.")
                       .Register(registry)
                       .Add({});
+}
+
+ServerMetrics::ServerMetrics(prometheus::Registry& registry) {
+  auto& received = BuildCounter()
+                       .Name("gtopk_server_received_bytes_total")
+                       .Help(
+                           "Serialized request message bytes received, by "
+                           "gRPC method.")
+                       .Register(registry);
+  received_push_ = &received.Add({{"method", "PushPull"}});
+  received_init_ = &received.Add({{"method", "InitParams"}});
+  auto& sent = BuildCounter()
+                   .Name("gtopk_server_sent_bytes_total")
+                   .Help(
+                       "Serialized response message bytes sent, by gRPC "
+                       "method.")
+                   .Register(registry);
+  sent_pull_ = &sent.Add({{"method", "PushPull"}});
+  sent_download_ = &sent.Add({{"method", "DownloadParams"}});
+  RegisterRoundMetrics(registry);
   step_ = &BuildGauge()
                .Name("gtopk_server_step")
                .Help("The next step this shard will apply.")

@@ -92,6 +92,9 @@ class ServerMetrics {
  private:
   class CheckpointAge;
 
+  // Part of the constructor (round_duration_ .. piece_pulls_).
+  void RegisterRoundMetrics(prometheus::Registry& registry);
+
   prometheus::Counter* received_push_;
   prometheus::Counter* received_init_;
   prometheus::Counter* sent_pull_;
