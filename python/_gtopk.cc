@@ -176,6 +176,7 @@ py::dict StatsDict(const StepStats& s) {
   d["server_merge_seconds"] = Seconds(s.server_merge);
   d["server_select_seconds"] = Seconds(s.server_select);
   d["exposed_seconds"] = Seconds(s.exposed);
+  d["parts_sent"] = s.parts_sent;
   return d;
 }
 
@@ -472,6 +473,7 @@ class Client {
   }
 
   bool OverlappedStepOpen() { return Get().overlapped_step_open(); }
+  bool ServersTakePushParts() { return Get().servers_take_push_parts(); }
 
   std::vector<std::pair<uint64_t, uint64_t>> BucketPieces() {
     std::vector<std::pair<uint64_t, uint64_t>> out;
@@ -789,6 +791,11 @@ FailedPrecondition).)doc")
            "retried after recover. No-op without an open step.")
       .def_property_readonly("overlapped_step_open",
                              &Client::OverlappedStepOpen)
+      .def_property_readonly(
+          "servers_take_push_parts", &Client::ServersTakePushParts,
+          "Whether every shard said, when this client connected, that it "
+          "takes pushes in parts (rounds per bucket); False: overlapped "
+          "steps push each shard's entries whole (docs/overlap.md).")
       .def_property_readonly("bucket_pieces", &Client::BucketPieces,
                              "The layer-wise pieces [(begin, end), ...] in "
                              "index order; empty unless the cluster's "

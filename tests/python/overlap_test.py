@@ -166,6 +166,8 @@ class OverlapTest(wat.ClusterCase):
             opt = self.wrap(srv, make_opt(model, groups), w,
                             named_parameters=model.named_parameters(),
                             model=model, **kw)
+            # Every shard said at Connect that it takes pushes in parts.
+            self.assertTrue(opt._client.servers_take_push_parts)
             sched = make_sched(opt)
             deadline = time.monotonic() + 60
             interrupted = failed = 0
@@ -210,10 +212,13 @@ class OverlapTest(wat.ClusterCase):
                     got.view(np.uint32), want.view(np.uint32),
                     err_msg="overlap=%s rank %d" % (overlap, w))
                 if overlap is None:
-                    # The overlapped path ran: its wait is measured.
+                    # The overlapped path ran: its wait is measured, and
+                    # its pieces went as parts (the servers take them).
                     self.assertGreater(stats["exposed_seconds"], 0.0)
+                    self.assertGreater(stats["parts_sent"], 0)
                 else:
                     self.assertEqual(stats["exposed_seconds"], 0.0)
+                    self.assertEqual(stats["parts_sent"], 0)
             srv.stop()
             srv = self.start(2, 2, name="srv-whole", **FLAGS)
 
