@@ -87,6 +87,37 @@ absl::Status CheckShardsAgree(const Shards& shards,
   return absl::OkStatus();
 }
 
+// Each shard's answer again, after Recover (a shard may have restarted
+// with another program): the names of the shards that do not take pushes
+// in parts, as CheckShardsAgree gives them, or every shard when an answer
+// failed (whole pushes are what every server takes).
+template <typename Shards>
+std::string ShardsWithoutParts(const Shards& shards, absl::Time deadline,
+                               Cancellation* cancellation) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(deadline));
+  Cancellation::Scope cancel_scope(cancellation, &context);
+  v1::ClusterSpec leader;
+  absl::Status st = FromGrpcStatus(
+      shards[0]->stub->GetClusterSpec(&context, v1::JoinRequest(), &leader));
+  if (st.ok() && leader.shards_size() != static_cast<int>(shards.size())) {
+    st = absl::FailedPreconditionError(
+        absl::StrCat("the leader's spec has ", leader.shards_size(),
+                     " shards, not ", shards.size()));
+  }
+  std::vector<std::string> without;
+  if (st.ok()) {
+    st = CheckShardsAgree(
+        shards, leader, std::max(deadline - absl::Now(), absl::ZeroDuration()),
+        cancellation, &without);
+  }
+  if (!st.ok()) {
+    return absl::StrCat("every shard (not known after Recover: ", st.message(),
+                        ")");
+  }
+  return absl::StrJoin(without, ", ");
+}
+
 // One chunk of the DownloadParams stream of shard `shard_id`, which owns
 // [begin, end): expected at `offset`
 // and, after the first chunk (shard_step >= 0), for the same step.
@@ -748,6 +779,14 @@ absl::StatusOr<int64_t> WorkerClient::RecoverWith(absl::Span<float> params,
   }
   const std::string where = absl::StrCat(ShardName(0), ": Recover");
   epoch_ = std::max(epoch_, response.epoch());
+  // A shard may have restarted with another program: each says again
+  // whether it takes pushes in parts (servers_take_push_parts()).
+  const std::string without_parts =
+      ShardsWithoutParts(shards_, deadline, options_.cancellation.get());
+  if (without_parts != shards_without_parts_) {
+    shards_without_parts_ = without_parts;
+    whole_pushes_logged_ = false;  // say it again, with the new names
+  }
   if (response.next_step() < 0) {
     return absl::InternalError(
         absl::StrCat(where, ": negative step ", response.next_step()));

@@ -480,13 +480,13 @@ class WorkerClient {
   // The cluster's layer-wise pieces (common/buckets.h) in index order;
   // empty unless its selection is layerwise.
   const std::vector<BucketPiece>& bucket_pieces() const { return pieces_; }
-  // Whether every shard's server said, when this client connected, that
-  // it takes pushes in parts (the proto's ShardSpec.takes_push_parts, each
-  // shard's own answer: Join for the leader, GetClusterSpec for the
-  // others). False: overlapped steps push each shard's entries whole.
-  // A shard replaced by an older server after Connect is caught by the
-  // worker's check of its answer (FAILED_PRECONDITION "predates the rounds
-  // per bucket", nothing applied on this worker).
+  // Whether every shard's server said, at Connect and again at each
+  // Recover, that it takes pushes in parts (ShardSpec.takes_push_parts,
+  // each shard's own answer: Join or GetClusterSpec from the leader,
+  // GetClusterSpec from the others; an answer that failed counts as no).
+  // False: overlapped steps push each shard's entries whole. A shard
+  // replaced by an older server between Recovers is caught by the check
+  // of its answer (FAILED_PRECONDITION "predates the rounds per bucket").
   bool servers_take_push_parts() const { return shards_without_parts_.empty(); }
 
   // Whether the next step sends a parameter checksum: a step of the
@@ -886,7 +886,7 @@ class WorkerClient {
   // so a retry made after Recover never mixes with the failed attempt.
   uint64_t epoch_ = 0;
   // The shards that did not say they take pushes in parts, named and
-  // comma-separated (Connect); empty when all did.
+  // comma-separated (Connect, Recover); empty when all did.
   std::string shards_without_parts_;
   // The stderr line on the first overlapped step pushed whole was written.
   bool whole_pushes_logged_ = false;

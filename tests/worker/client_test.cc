@@ -105,6 +105,14 @@ class FakeShard final : public v1::Aggregator::Service {
     return grpc::Status::OK;
   }
 
+  // Every Recover answers that the failed step is the next one (nothing
+  // to roll back or download).
+  grpc::Status Recover(grpc::ServerContext*, const v1::RecoverRequest* request,
+                       v1::RecoverResponse* response) override {
+    response->set_next_step(request->failed_step());
+    return grpc::Status::OK;
+  }
+
   grpc::Status PushPull(
       grpc::ServerContext* context,
       grpc::ServerReaderWriter<v1::Pull, v1::Push>* stream) override {
@@ -311,6 +319,34 @@ TEST_F(ClientFakeTest, AServerThatPredatesPiecePullsIsRefusedNotApplied) {
                        HasSubstr("predates the rounds per bucket")));
   EXPECT_EQ(params, std::vector<float>(kN, 0.0f));
   EXPECT_EQ(client_->next_step(), 0);
+}
+
+// Each Recover asks the shards again whether they take pushes in parts: a
+// shard restarted with an older server (it no longer says so) gets whole
+// pushes after the Recover, and the overlapped step completes with the
+// plain layer-wise result; upgraded again, parts again after the next one.
+TEST_F(ClientFakeTest, RecoverAsksAgainWhetherTheServersTakeParts) {
+  fake_.layerwise = true;
+  fake_.advertise_parts = true;
+  Connect();
+  EXPECT_TRUE(client_->servers_take_push_parts());
+  fake_.advertise_parts = false;  // replaced by an older server
+  std::vector<float> params(kN, 0.0f);
+  GTOPK_ASSERT_OK(client_->Recover(absl::MakeSpan(params)).status());
+  EXPECT_FALSE(client_->servers_take_push_parts());
+  const std::vector<float> g = Ramp(1.0f);
+  GTOPK_ASSERT_OK(client_->BeginOverlappedStep(g, absl::MakeSpan(params)));
+  GTOPK_ASSERT_OK(client_->GradientReady(50, kN));
+  GTOPK_ASSERT_OK(client_->GradientReady(0, 50));
+  auto stats = client_->FinishOverlappedStep();
+  GTOPK_ASSERT_OK(stats.status());
+  EXPECT_EQ(stats->parts_sent, 0u);
+  EXPECT_EQ(fake_.parts.load(), 0);
+  const std::vector<float> want = PlainLayerwiseUpdate(g);
+  EXPECT_EQ(std::memcmp(params.data(), want.data(), kN * sizeof(float)), 0);
+  fake_.advertise_parts = true;  // upgraded
+  GTOPK_ASSERT_OK(client_->Recover(absl::MakeSpan(params)).status());
+  EXPECT_TRUE(client_->servers_take_push_parts());
 }
 
 // A server that does not say it takes pushes in parts (one from before
