@@ -434,6 +434,20 @@ class ShardAggregator {
   std::optional<Answer> JoinPiecesLocked(
       WorkerPush push, std::shared_ptr<AggregationRound>* round,
       std::vector<size_t>* ready) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // For a worker whose pushes are in `round` already: ABORTED for a
+  // leftover of a failed attempt (an older epoch, or a part after its whole
+  // push), refused alone; else nothing.
+  std::optional<Answer> RefuseStaleLocked(const WorkerPush& push,
+                                          const AggregationRound& round,
+                                          const std::string& who) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A whole push of worker w, whose parts or push are in `round` (a
+  // retry): `round` to answer from when it is computing or took w's
+  // pieces already; `round` with w's pieces dropped when none started;
+  // nullptr after failing it (ABORTED) when some did.
+  std::shared_ptr<AggregationRound> RetryWholeLocked(
+      uint32_t w, std::shared_ptr<AggregationRound> round)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Runs the rounds of `ready` pieces of `round` (each without mu_), and
   // publishes them; a failure (a sum that overflows) fails the step here.
   void RunPiecesLocked(const std::shared_ptr<AggregationRound>& round,

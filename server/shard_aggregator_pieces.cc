@@ -172,19 +172,25 @@ std::optional<ShardAggregator::Answer> ShardAggregator::JoinPiecesLocked(
     }
   }
   std::shared_ptr<AggregationRound> round = pending_;
-  PieceRound& pieces = *round->pieces;
   const std::string who = absl::StrCat("worker ", w, " step ", push.step, ": ");
-  if (!push.is_part() && pieces.complete(w)) {
-    if (round->computing || pieces.any_started(w)) {
-      *out = std::move(round);  // a retry: the same round's result
-      return std::nullopt;
+  if (round->pieces->touched(w)) {
+    if (std::optional<Answer> stale = RefuseStaleLocked(push, *round, who)) {
+      return stale;
     }
-    // The worker pushes the whole step again before any of its pieces
-    // started: its newest push is its contribution (as Submit).
-    pieces.Drop(w);
-    round->arrived[w] = false;
-    --round->count;
+    if (!push.is_part()) {
+      round = RetryWholeLocked(w, std::move(round));
+      if (round == nullptr) {
+        if (std::optional<Answer> refused = OpenRoundLocked(push.step)) {
+          return refused;
+        }
+        round = pending_;
+      } else if (round->pieces->complete(w)) {
+        *out = std::move(round);  // a retry: the same round's result
+        return std::nullopt;
+      }
+    }
   }
+  PieceRound& pieces = *round->pieces;
   if (round->computing) {
     const absl::Status late = absl::InvalidArgumentError(
         absl::StrCat(who, "a part after the worker's push was complete"));
@@ -192,13 +198,11 @@ std::optional<ShardAggregator::Answer> ShardAggregator::JoinPiecesLocked(
     return late;
   }
   const bool first = !pieces.touched(w);
-  if (!first && (push.params_checksum != round->pushes[w].params_checksum ||
-                 push.epoch < round->pushes[w].epoch)) {
-    const absl::Status differs = absl::InvalidArgumentError(absl::StrCat(
-        who, "a part with params_checksum ", push.params_checksum,
-        " and epoch ", push.epoch, " after parts with ",
-        round->pushes[w].params_checksum, " and ", round->pushes[w].epoch,
-        " (every part of a step carries the same ones)"));
+  if (!first && push.params_checksum != round->pushes[w].params_checksum) {
+    const absl::Status differs = absl::InvalidArgumentError(
+        absl::StrCat(who, "a part with params_checksum ", push.params_checksum,
+                     " after parts with ", round->pushes[w].params_checksum,
+                     " (every part of a step carries the same one)"));
     FailStepLocked(push.step, w, differs);
     return differs;
   }
@@ -224,6 +228,56 @@ std::optional<ShardAggregator::Answer> ShardAggregator::JoinPiecesLocked(
   }
   *out = std::move(round);
   return std::nullopt;
+}
+
+std::optional<ShardAggregator::Answer> ShardAggregator::RefuseStaleLocked(
+    const WorkerPush& push, const AggregationRound& round,
+    const std::string& who) const {
+  const WorkerPush& in = round.pushes[push.worker];
+  // A push of an earlier attempt than the worker's pushes in the round
+  // (the leader numbers every failure; a worker's epoch never goes down),
+  // or a part after the worker's whole push of the same attempt (a worker
+  // pushes whole only to retry a step): a leftover of the failed attempt,
+  // e.g. read after a stalled shard resumed. Refused alone: the round of
+  // the retry goes on.
+  if (push.epoch < in.epoch || (push.is_part() && !in.is_part())) {
+    return absl::AbortedError(absl::StrCat(
+        who, "a leftover of a failed attempt (",
+        push.is_part() ? "a part" : "a whole push", " of epoch ", push.epoch,
+        ") after the worker's ", in.is_part() ? "parts" : "whole push",
+        " of epoch ", in.epoch, ": refused, the step goes on without it"));
+  }
+  return std::nullopt;
+}
+
+std::shared_ptr<ShardAggregator::AggregationRound>
+ShardAggregator::RetryWholeLocked(uint32_t w,
+                                  std::shared_ptr<AggregationRound> round) {
+  PieceRound& pieces = *round->pieces;
+  if (round->computing || (pieces.complete(w) && pieces.any_started(w))) {
+    return round;  // the same round's result (complete(w) holds)
+  }
+  if (pieces.any_started(w)) {
+    // Piece rounds already took some of its earlier parts: the round
+    // cannot take the retry instead, so it fails for everyone (ABORTED, as
+    // for a newer epoch) and the retry opens a fresh one.
+    FailRoundLocked(round, absl::AbortedError(absl::StrCat(
+                               "step ", round->step, " on shard ",
+                               options_.shard_id, ": worker ", w,
+                               " retries the step whole; its earlier "
+                               "parts' piece rounds ran already")));
+    return nullptr;
+  }
+  // The worker pushes the whole step again before any of its pieces
+  // started (a retry, also after parts of the same attempt epoch: a shard
+  // that missed the step's failure): its newest push is its contribution
+  // (as Submit).
+  if (pieces.complete(w)) {
+    round->arrived[w] = false;
+    --round->count;
+  }
+  pieces.Drop(w);
+  return round;
 }
 
 void ShardAggregator::RunPiecesLocked(
