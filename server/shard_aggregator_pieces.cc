@@ -174,6 +174,18 @@ std::optional<ShardAggregator::Answer> ShardAggregator::JoinPiecesLocked(
   std::shared_ptr<AggregationRound> round = pending_;
   const std::string who = absl::StrCat("worker ", w, " step ", push.step, ": ");
   if (round->pieces->touched(w)) {
+    if (round->computing) {
+      // Every push is complete and the round's pushes are taken: a whole
+      // retry waits for its result; a part is a leftover, refused alone.
+      if (!push.is_part()) {
+        *out = std::move(round);
+        return std::nullopt;
+      }
+      return absl::AbortedError(absl::StrCat(
+          who,
+          "a part after the worker's push was complete (a leftover of "
+          "a failed attempt): refused, the step goes on without it"));
+    }
     if (std::optional<Answer> stale = RefuseStaleLocked(push, *round, who)) {
       return stale;
     }

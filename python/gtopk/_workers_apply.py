@@ -929,13 +929,14 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
         """After a failed exchange: asks the leader to bring the shards to one
         step and returns it (:attr:`next_step`). Nothing is downloaded (the
         shards hold no parameters in this mode); a rollback renumbers the
-        steps. Raises :class:`gtopk.FailedPrecondition` when this worker
-        missed a committed step's result (restart every rank from one
-        checkpoint)."""
+        steps. Waits for a shard or leader that is restarting (the leader's
+        UNAVAILABLE answers are asked again) up to `timeout` seconds, default
+        the constructor's ``recovery_timeout``, else 4 step timeouts.
+        Raises :class:`gtopk.FailedPrecondition` when this worker missed a
+        committed step's result (restart every rank from one checkpoint)."""
         self._check_open()
-        if timeout is None:
-            timeout = self._recovery_timeout
-        return self._client.recover(None, timeout)
+        return self._recover_within_budget(
+            lambda left: self._client.recover(None, left), timeout)
 
     # -- checkpoints -----------------------------------------------------------
 

@@ -271,6 +271,24 @@ class _ClusterMember:
                 if time.monotonic() > deadline:
                     raise
 
+    def _recover_within_budget(self, recover, timeout):
+        """recover(seconds left), asked again with backoff while the leader
+        answers UNAVAILABLE (a shard or the leader restarting: it cannot read
+        every shard's state yet), as gtopk-worker's recovery loop does, for
+        up to `timeout` seconds (None: the recovery budget); then the last
+        error."""
+        budget = self._budget() if timeout is None else float(timeout)
+        deadline = time.monotonic() + budget
+        backoff = 0.1
+        while True:
+            try:
+                return recover(max(0.1, deadline - time.monotonic()))
+            except errors.Unavailable:
+                if time.monotonic() + backoff >= deadline:
+                    raise
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 1.6)
+
     def _with_host_params(self, fn):
         """fn(float32 numpy view of the parameters): in place on the CPU; on
         a CUDA model through a host copy, copied back afterwards (also when
@@ -897,9 +915,10 @@ class DistributedOptimizer(_ClusterMember, torch.optim.Optimizer):
         stepping again.
 
         Args:
-          timeout: seconds to wait for a leader that is down or restarting;
-            default the constructor's ``recovery_timeout``, else the
-            client's (RPC timeout + the servers' step timeout).
+          timeout: seconds to wait for a leader or shard that is down or
+            restarting (the leader's UNAVAILABLE answers are asked again
+            until then); default the constructor's ``recovery_timeout``,
+            else 4 step timeouts (as gtopk-worker's --recovery-timeout).
 
         Blocks up to the timeout (plus a parameter download).
 
@@ -910,12 +929,11 @@ class DistributedOptimizer(_ClusterMember, torch.optim.Optimizer):
         later.
         """
         self._check_open()
-        if timeout is None:
-            timeout = self._recovery_timeout
-        else:
+        if timeout is not None:
             _check_seconds("timeout", timeout)
-        return self._with_host_params(
-            lambda buf: self._client.recover(buf, timeout))
+        return self._recover_within_budget(
+            lambda left: self._with_host_params(
+                lambda buf: self._client.recover(buf, left)), timeout)
 
     # -- checkpoints ---------------------------------------------------------
 

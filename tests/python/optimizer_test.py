@@ -24,9 +24,11 @@ tests/python/optimizer_test.py
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
+import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -630,6 +632,52 @@ class ScheduleAndErrorsTest(ClusterCase):
                          "after 30 s (step timeout 2 s)")
         self.assertIsInstance(outcome[0], gtopk.RETRYABLE)
         self.assertIn("shard 1", outcome[0].message)
+
+    def test_recover_waits_for_a_restarting_shard(self):
+        """opt.recover() asks the leader again while it answers UNAVAILABLE
+        (a shard down or restarting), within its timeout, as gtopk-worker's
+        recovery loop does. A break-it run found it raising Unavailable
+        ("cannot read every shard's state") at once when a shard was down
+        longer than the step timeout, which ended the documented loop."""
+        ckpt = os.path.join(self.dir, "ckpt-restarting")
+        os.mkdir(ckpt)
+        srv = self.start(2, 1, name="restarting", step_timeout="1s",
+                         checkpoint_dir=ckpt, checkpoint_every=1)
+        model, _ = make_model()
+        opt = self.optimizer(srv, model.parameters(), rank=0)
+        self.addCleanup(opt.close)
+        loss_of(model, 0, 0).backward()
+        opt.step()
+        srv.procs[1].kill()
+        down = 4.0  # seconds: longer than the step timeout
+
+        log = open(os.path.join(self.dir, "restarting-shard1-again.log"),
+                   "wb")
+        self.addCleanup(log.close)
+        restarted = []
+
+        def restart():
+            # No preexec_fn: this process runs gRPC threads (a fork that
+            # runs Python code in the child can deadlock on their locks).
+            time.sleep(down)
+            restarted.append(subprocess.Popen(
+                srv.argv(1), stdin=subprocess.DEVNULL, stdout=log,
+                stderr=log, start_new_session=True))
+        t = threading.Thread(target=restart)
+        t.start()
+        start = time.monotonic()
+        try:
+            step = opt.recover(timeout=60)
+        finally:
+            t.join()
+            for p in restarted:
+                self.addCleanup(p.wait, 10)
+                self.addCleanup(p.kill)
+        self.assertEqual(step, 1)
+        self.assertGreater(time.monotonic() - start, down - 0.5)
+        loss_of(model, 0, 1).backward()
+        opt.step()
+        self.assertEqual(opt.next_step, 2)
 
 
 if __name__ == "__main__":
