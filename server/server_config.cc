@@ -12,6 +12,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/cluster_spec/cluster_spec.h"
@@ -117,9 +118,9 @@ absl::Status ValidateSelection(const ServerConfig& c) {
     }
     if (!std::isfinite(c.bucket_mb) || c.bucket_mb <= 0 || c.bucket_mb > 1e6) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "--bucket-mb must be a number in (0, 1e6] (MiB of fp32 values per "
-          "bucket), got ",
-          c.bucket_mb));
+          "--bucket-mb must be a number in (0, 1000000] (MiB of fp32 values "
+          "per bucket), got ",
+          absl::StrFormat("%.17g", c.bucket_mb)));
     }
     // Every full bucket must keep at least one entry at the lowest density
     // (a density warm-up only raises it): round(values * density) >= 1.

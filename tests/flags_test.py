@@ -79,6 +79,8 @@ SERVER_CASES = [
     ("--bucket-mb", ["--selection=layerwise", "--bucket-mb=-1"]),
     ("--bucket-mb", ["--selection=layerwise", "--bucket-mb=nan"]),
     ("--bucket-mb", ["--selection=layerwise", "--bucket-mb=1e7"]),
+    # Just over the bound, named as given (not rounded to "1e+06").
+    ("got 1000001", ["--selection=layerwise", "--bucket-mb=1000001"]),
     # Buckets of 52 values keep none at density 0.001.
     ("--bucket-mb", ["--selection=layerwise", "--bucket-mb=0.0002",
                      "--density=0.001"]),

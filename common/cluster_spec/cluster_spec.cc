@@ -366,9 +366,14 @@ std::vector<std::string> ClusterSpecDifferences(const v1::ClusterSpec& here,
   differ("mode", ModeFlagValue(here.mode()), ModeFlagValue(there.mode()));
   differ("selection", SelectionFlagValue(here.selection()),
          SelectionFlagValue(there.selection()));
-  // In values: what --bucket-mb became (floor(MiB * 2^20 / 4)).
-  differ("bucket-mb", absl::StrCat(here.bucket_size(), " values"),
-         absl::StrCat(there.bucket_size(), " values"));
+  // In MiB as the flag spells it (to 4 significant digits) and in values,
+  // what it became (floor(MiB * 2^20 / 4)).
+  const auto bucket = [](uint64_t values) {
+    return absl::StrFormat("%.4g (%u values)",
+                           static_cast<double>(values) * 4.0 / (1 << 20),
+                           values);
+  };
+  differ("bucket-mb", bucket(here.bucket_size()), bucket(there.bucket_size()));
   differ("selector", here.selector(), there.selector());
   differ("seed", absl::StrCat(here.selector_seed()),
          absl::StrCat(there.selector_seed()));

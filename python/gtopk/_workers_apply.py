@@ -904,10 +904,14 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
             self._synchronized = False
             self._pass_counts = [0] * len(self._params)
             raise errors.FailedPrecondition(
-                "backward() ran after synchronize() and before step(): .grad "
-                "is no longer the aggregated gradient (the replicas would "
-                "differ). Call synchronize() after the last backward pass; "
-                "zero_grad() and compute the step's gradient again")
+                "backward() ran after this step's exchange and before "
+                "step() (synchronize(), or the end of an overlapped "
+                "backward pass, which exchanges as synchronize() does): "
+                ".grad is no longer the aggregated gradient (the replicas "
+                "would differ). To accumulate several backward passes per "
+                "step pass backward_passes_per_step (overlap then stays "
+                "off); else call synchronize() after the last backward "
+                "pass. zero_grad() and compute the step's gradient again")
         if not self._skip_sync or not self._synchronized:
             self.synchronize()
         self._opt.step()

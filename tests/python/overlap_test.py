@@ -306,6 +306,25 @@ class OverlapTest(wat.ClusterCase):
                 opt.close()
             srv.stop()
 
+    def test_two_backward_passes_before_step_name_the_remedy(self):
+        """Gradient accumulation without backward_passes_per_step under
+        overlap: the first pass's end exchanged, so step() refuses, naming
+        that exchange and backward_passes_per_step (a break-it run found it
+        naming only synchronize(), which the script never called)."""
+        srv = self.start(1, 1, **FLAGS)
+        model = Net(rank=0)
+        opt = self.wrap(srv, make_opt(model), 0, model=model)
+        try:
+            loss_of(model, 0, 0).backward()
+            loss_of(model, 0, 0).backward()
+            with self.assertRaisesRegex(
+                    gtopk.FailedPrecondition,
+                    "end of an overlapped backward pass.*"
+                    "backward_passes_per_step"):
+                opt.step()
+        finally:
+            opt.close()
+
     def test_overlap_true_without_layerwise_servers_is_refused(self):
         srv = self.start(1, 1)
         model = Net(rank=0)

@@ -855,7 +855,7 @@ class OutsideTestingTest(ClusterCase):
             opt.synchronize()
             loss_of(model, 0, 0).backward()  # after the exchange
             with self.assertRaisesRegex(gtopk.FailedPrecondition,
-                                        "backward.. ran after synchronize"):
+                                        "backward.. ran after this step.s exchange"):
                 with opt.skip_synchronize():
                     opt.step()
         finally:

@@ -160,8 +160,8 @@ TEST(ClusterSpecDifferencesTest, NamesTheBucketSizeAsTheFlagSpellsIt) {
   here.set_bucket_size(uint64_t{25} << 18);  // 25 MiB of fp32
   there.set_bucket_size(uint64_t{1} << 18);  // 1 MiB
   EXPECT_THAT(ClusterSpecDifferences(here, there, "on the leader"),
-              ElementsAre("--bucket-mb is 6553600 values here but 262144 "
-                          "values on the leader"));
+              ElementsAre("--bucket-mb is 25 (6553600 values) here but 1 "
+                          "(262144 values) on the leader"));
 }
 
 TEST(WorkerClusterSpecTest, LayerwiseNeedsABucketSizeAndNoOtherHasOne) {
