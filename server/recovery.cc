@@ -282,6 +282,11 @@ grpc::Status AggregatorService::GetShardState(
     ReportReadiness(run);
     return ToGrpcStatus(run);
   }
+  // The failures this shard has seen reach the leader before its state
+  // does (its queued AbortStep calls): the Recover that reads it answers
+  // with the epoch of each, so the workers' retry is not taken for the
+  // failed attempt when the message lands during it.
+  notifier_.Flush(std::min(deadline, absl::Now() + kAbortStepTimeout));
   absl::StatusOr<v1::ShardState> state;
   do {
     state = LocalShardState(std::min(deadline, absl::Now() + kPollInterval),

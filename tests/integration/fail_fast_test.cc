@@ -3,6 +3,7 @@
 // trip (the shard tells the leader, the leader tells the others: AbortStep),
 // not at the others' step timeout; the workers' retry after Recover is a
 // fresh attempt that completes, and every replica equals the servers.
+#include <atomic>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -20,6 +21,7 @@
 #include "server/server_config.h"
 #include "tests/testing/joined_workers.h"
 #include "tests/testing/local_cluster.h"
+#include "tests/testing/pausable_proxy.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/status_matchers.h"
 #include "worker/client.h"
@@ -215,6 +217,95 @@ TEST_P(FailFastTest, BadPushOnOneShardFailsTheStepOnEveryShardPromptly) {
       EXPECT_EQ(*next, 0);
       retry[w] =
           clients[w]->Step(Seeded(200 + w), absl::MakeSpan(params[w])).status();
+    });
+  }
+  for (auto& t : again) t.join();
+  for (int w = 0; w < 2; ++w) {
+    GTOPK_EXPECT_OK(retry[w]) << "worker " << w;
+    EXPECT_EQ(clients[w]->next_step(), 1);
+  }
+  EXPECT_TRUE(BitEqual(params[0], params[1]));
+  auto server = cluster.ServerParams(kN);
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_EQ(server->second, 1);
+  EXPECT_TRUE(BitEqual(server->first, params[0]));
+}
+
+// A failure one shard saw reaches the leader before that shard's state
+// does: the Recover that reads the state answers with the failure's epoch,
+// so the workers' retry is a fresh attempt. (Before the fix a shard
+// answered GetShardState while its AbortStep to the leader was still
+// queued; when that landed after the Recover, during the retry, it failed
+// the retry as the failed attempt: ABORTED "failed on shard 1", seen once
+// in CI on an overlapped step abandoned under load.) Shard 1's calls to
+// the leader go through a proxy, held while the step fails there.
+TEST(FailFastRecoverTest, AShardsStateComesAfterItsNewsOfAFailure) {
+  GTOPK_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<::gtopk::testing::PausableProxy> proxy,
+      ::gtopk::testing::PausableProxy::Start());
+  auto started = ::gtopk::testing::LocalCluster::Start(
+      TestConfig(2, kStepTimeout), 2, [&](server::ServerConfig& c) {
+        if (c.shard_id == 1) c.peers[0] = proxy->address();
+      });
+  ASSERT_TRUE(started.ok()) << started.status();
+  ::gtopk::testing::LocalCluster& cluster = **started;
+  const std::string& leader = cluster.leader();
+  proxy->set_target(std::stoi(leader.substr(leader.rfind(':') + 1)));
+  GTOPK_ASSERT_OK_AND_ASSIGN(
+      ::gtopk::testing::JoinedWorkers joined,
+      ::gtopk::testing::JoinAndSynchronize(cluster, 2, Seeded(1)));
+  auto& clients = joined.clients;
+  auto& params = joined.params;
+  const v1::ClusterSpec spec = clients[0]->cluster();
+  auto stub = v1::Aggregator::NewStub(grpc::CreateChannel(
+      spec.shards(1).address(), grpc::InsecureChannelCredentials()));
+
+  // Worker 0's undecodable push fails step 0 on shard 1, whose news to
+  // the leader (AbortStep) is held.
+  proxy->Pause();
+  {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    auto stream = stub->PushPull(&context);
+    ASSERT_TRUE(
+        stream->Write(HandPush(spec, clients[0]->member_token(), 0, 1, false)));
+    v1::Pull pull;
+    EXPECT_FALSE(stream->Read(&pull));
+    EXPECT_EQ(stream->Finish().error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  // Shard 1's state, as the leader's Recover reads it: not before the
+  // AbortStep has gone.
+  std::atomic<bool> answered{false};
+  grpc::Status state_status;
+  v1::ShardState state;
+  std::thread read([&] {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    v1::ShardStateRequest request;
+    request.set_cluster_fingerprint(spec.cluster_fingerprint());
+    state_status = stub->GetShardState(&context, request, &state);
+    answered.store(true);
+  });
+  absl::SleepFor(absl::Milliseconds(500));
+  EXPECT_FALSE(answered.load())
+      << "shard 1 answered GetShardState while its AbortStep was held";
+  proxy->Resume();
+  read.join();
+  EXPECT_TRUE(state_status.ok()) << state_status.error_message();
+  EXPECT_EQ(state.next_step(), 0);
+
+  // Both recover and retry step 0: a fresh attempt, which completes.
+  std::vector<absl::Status> retry(2);
+  std::vector<std::thread> again;
+  for (int w = 0; w < 2; ++w) {
+    again.emplace_back([&, w] {
+      absl::StatusOr<int64_t> next = clients[w]->Recover(
+          absl::MakeSpan(params[w]), absl::Now() + absl::Seconds(15));
+      retry[w] = next.status();
+      if (!next.ok()) return;
+      retry[w] =
+          clients[w]->Step(Seeded(300 + w), absl::MakeSpan(params[w])).status();
     });
   }
   for (auto& t : again) t.join();

@@ -88,8 +88,12 @@ inline absl::StatusOr<std::vector<int>> PickFreePorts(int count) {
 // and peers.
 class LocalCluster {
  public:
+  // `edit` (may be empty) changes each shard's configuration after its
+  // shard_id and peers are set and before it starts, e.g. to route one
+  // shard's calls to the leader through a proxy (peers[0]).
   static absl::StatusOr<std::unique_ptr<LocalCluster>> Start(
-      const server::ServerConfig& base, uint32_t num_shards) {
+      const server::ServerConfig& base, uint32_t num_shards,
+      const std::function<void(server::ServerConfig&)>& edit = {}) {
     absl::Status last;
     for (int attempt = 0; attempt < 3; ++attempt) {
       auto ports = PickFreePorts(static_cast<int>(num_shards));
@@ -103,6 +107,7 @@ class LocalCluster {
         c.shard_id = s;
         c.num_shards = num_shards;
         c.peers = peers;
+        if (edit) edit(c);
         auto srv = server::AggregatorServer::Start(c, peers[s]);
         if (!srv.ok()) {
           last = srv.status();
