@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/flags/commandlineflag.h"
+#include "absl/flags/internal/parse.h"  // WasPresentOnCommandLine (FlagGiven)
 #include "absl/flags/marshalling.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
@@ -87,6 +88,10 @@ struct Problem {
 };
 
 }  // namespace
+
+bool FlagGiven(const char* name) {
+  return absl::flags_internal::WasPresentOnCommandLine(name);
+}
 
 absl::Status ParseCommandLine(const Program& program, int argc, char** argv) {
   SetUpFlagsUsage(program.usage, program.main_file);

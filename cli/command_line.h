@@ -49,6 +49,15 @@ absl::Status ParseCommandLine(const Program& program, int argc, char** argv);
 // (those files or variables may set --undefok). Sets no flag.
 absl::Status CheckFlagSyntax(const std::vector<std::string>& args);
 
+// Whether the flag `name` (underscores, as defined) was set by the command
+// line, a --flagfile or --fromenv/--tryfromenv, after ParseCommandLine: a
+// value equal to the default counts when given. For flags that apply only
+// with another setting (gtopk-server's --bucket-mb outside
+// --selection=layerwise). Reads Abseil's own record of the parse
+// (absl::flags_internal::WasPresentOnCommandLine; Debian 12's Abseil has
+// no public way to ask). Thread-safe after the parse.
+bool FlagGiven(const char* name);
+
 }  // namespace cli
 }  // namespace gtopk
 

@@ -222,11 +222,10 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   if (!selection.ok()) return FlagError("selection", selection.status());
   c.selection = *selection;
   c.bucket_mb = absl::GetFlag(FLAGS_bucket_mb);
-  // A bucket size other than the default outside layer-wise selection is
-  // a mistake (the other selections have no buckets). Debian's Abseil does
-  // not say whether a flag was given, so the default itself passes.
+  // A bucket size outside layer-wise selection is a mistake (the other
+  // selections have no buckets), the default's value given too.
   if (c.selection != gtopk::SelectionKind::kLayerwise &&
-      c.bucket_mb != kDefaultBucketMb) {
+      gtopk::cli::FlagGiven("bucket_mb")) {
     return FlagError("bucket-mb",
                      absl::InvalidArgumentError(
                          "applies to --selection=layerwise only (the other "

@@ -87,6 +87,9 @@ SERVER_CASES = [
     # No buckets outside layer-wise selection.
     ("--bucket-mb", ["--bucket-mb=5"]),
     ("--bucket-mb", ["--selection=quota", "--bucket-mb=5"]),
+    # ... the default's value given too (break-it run: it was accepted).
+    ("--bucket-mb", ["--bucket-mb=25"]),
+    ("--bucket-mb", ["--selection=threshold", "--bucket_mb=25.0"]),
     ("--selector", ["--selector=top"]),
     ("--index-codec", ["--index-codec=zip"]),
     ("--value-codec", ["--value-codec=fp8"]),
@@ -289,6 +292,15 @@ class ServerFlagsTest(unittest.TestCase):
                      "--flagfile=" + path])
             self.assertEqual(r.returncode, 1, r.stdout)
             self.assertIn("no_such_flag", r.stdout)
+            self.assertNotIn("listening on", r.stdout)
+            # A flag given in the file counts as given: --bucket-mb at its
+            # default's value outside layer-wise selection is refused.
+            with open(path, "w") as f:
+                f.write("--bucket_mb=25\n")
+            r = run([SERVER, "--listen=127.0.0.1:0", "--tls=off",
+                     "--flagfile=" + path])
+            self.assertEqual(r.returncode, 2, r.stdout)
+            self.assertIn("--bucket-mb", r.stdout)
             self.assertNotIn("listening on", r.stdout)
 
 
