@@ -51,6 +51,10 @@ ALL_TARGETS = BIG_N_TARGETS + tuple(
 # entries beside it); the entry's TIMEOUT bounds the whole (docs/testing.md,
 # "Timeouts").
 RUN_TIMEOUT_S = 600
+# Timed iterations of the emulated runs: what each checks per iteration
+# holds the same at 5 as at 20 (the emulator's timings mean nothing), at a
+# quarter of the CPU (device_check_args.h kMinIters: 3 there).
+EMU_ITERS = 5
 
 
 def run(binary, *args, emu=None):
@@ -361,7 +365,8 @@ def emulated_checks(binary, tmp, failures):
     out = os.path.join(tmp, "emu.json")
     r = run(binary, "--sizes=" + ",".join(map(str, TIMED_SIZES)),
             "--densities=" + ",".join(map(str, TIMED_DENSITIES)),
-            "--iters=20", "--warmup=1", "--json=" + out, emu="sms=2")
+            "--iters=%d" % EMU_ITERS, "--warmup=1", "--json=" + out,
+            emu="sms=2")
     if r.returncode != 0 or not os.path.exists(out):
         failures.append("emulated run: rc %d: %s %s" %
                         (r.returncode, r.stdout[-2000:], r.stderr[-2000:]))
@@ -391,7 +396,7 @@ def emulated_checks(binary, tmp, failures):
     # selection from the sample, all correct.
     out = os.path.join(tmp, "sampled.json")
     r = run(binary, "--sizes=100003", "--densities=0.001",
-            "--inputs=normal,ties", "--iters=20", "--warmup=1",
+            "--inputs=normal,ties", "--iters=%d" % EMU_ITERS, "--warmup=1",
             "--exact-sample-min-n=0", "--json=" + out, emu="sms=2")
     if r.returncode != 0 or not os.path.exists(out):
         failures.append("sampled: rc %d: %s %s" % (r.returncode,
@@ -434,8 +439,9 @@ def emulated_checks(binary, tmp, failures):
     out = os.path.join(tmp, "crowded.json")
     crowded_inputs = ("narrow_band", "all_equal", "ties")
     r = run(binary, "--sizes=100003", "--densities=0.001,0.01",
-            "--inputs=" + ",".join(crowded_inputs), "--iters=20",
-            "--warmup=1", "--json=" + out, emu="sms=2")
+            "--inputs=" + ",".join(crowded_inputs),
+            "--iters=%d" % EMU_ITERS, "--warmup=1", "--json=" + out,
+            emu="sms=2")
     if r.returncode != 0 or not os.path.exists(out):
         failures.append("crowded: rc %d: %s %s" % (r.returncode,
                                                    r.stdout[-2000:],
@@ -514,7 +520,7 @@ def emulated_checks(binary, tmp, failures):
 # once, naming the argument and why, before any check runs.
 BAD_VALUES = (
     "--seed=x", "--seed=12abc", "--seed=-1", "--seed=", "--seed= 7",
-    "--seed=18446744073709551616", "--iters=20x", "--iters=5",
+    "--seed=18446744073709551616", "--iters=20x", "--iters=2",
     "--iters=1e2", "--iters=99999999999999999999", "--warmup=-1",
     "--warmup=0", "--warmup=2.5", "--sizes=0", "--sizes=1.5",
     "--sizes=99999999999999999999", "--sizes=1,x", "--sizes=1,,2",
@@ -525,9 +531,10 @@ BAD_VALUES = (
     "--exact-sample-min-n=4294967297", "--exact-sample-min-n=")
 
 
-def argument_checks(binary, tmp, failures):
+def argument_checks(binary, tmp, failures, emulated):
     out = os.path.join(tmp, "arg.json")
-    for bad in BAD_VALUES:
+    # Under 20 timed iterations on a GPU; the emulator's build takes 3.
+    for bad in BAD_VALUES + (() if emulated else ("--iters=19",)):
         r = run(binary, "--sizes=1", "--densities=0.01", "--check-only",
                 "--inputs=normal", "--json=" + out, bad)
         first = r.stderr.split("\n", 1)[0]
@@ -618,7 +625,7 @@ def main():
     failures = []
     with tempfile.TemporaryDirectory() as tmp:
         # Bad arguments: usage, exit 2, no JSON.
-        for bad in (["--sizes=0"], ["--iters=5"], ["--densities=1.5"],
+        for bad in (["--sizes=0"], ["--iters=2"], ["--densities=1.5"],
                     ["--bogus"], ["--sizes=1,x"], ["--check-only=1"],
                     ["--inputs=normal,bogus"], ["--inputs=ties,ties"],
                     ["--inputs="], ["--budget-s=-1"]):
@@ -628,7 +635,7 @@ def main():
                                                           r.stderr[-200:]))
         if os.path.exists(os.path.join(tmp, "bad.json")):
             failures.append("a JSON was written for bad arguments")
-        argument_checks(binary, tmp, failures)
+        argument_checks(binary, tmp, failures, emulated)
         if emulated:  # the script's checks do not depend on the binary
             script_checks(tmp, failures)
         # torch timings are merged into the rows.
