@@ -116,8 +116,8 @@ def parse_args(argv):
                    help="target = fp32 DDP's final accuracy minus this")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--quick", action="store_true",
-                   help="the harness in minutes: 1gbit, %s, 2048 "
-                   "training and 1000 test samples (16 steps at P = 4), "
+                   help="the harness in minutes: 1gbit, %s, 1024 "
+                   "training and 1000 test samples (8 steps at P = 4), "
                    "evaluations every 4 steps, 120 s cap" % ", ".join(QUICK_METHODS))
     p.add_argument("--build-dir", default=os.path.join(ROOT, "build"))
     p.add_argument("--python", default="/usr/bin/python3")
@@ -135,7 +135,7 @@ def parse_args(argv):
         a.rates = "1gbit"
         if a.methods == ",".join(METHODS):
             a.methods = ",".join(QUICK_METHODS)
-        a.train_limit = 2048
+        a.train_limit = 1024
         a.test_limit = a.test_limit or 1000
         a.eval_every = 4
         a.time_cap = min(a.time_cap, 120)
