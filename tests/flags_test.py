@@ -281,24 +281,23 @@ class ServerFlagsTest(unittest.TestCase):
         import tempfile
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "flags")
-            with open(path, "w") as f:
-                f.write("--listen=nonsense\n")
-            r = run([SERVER, "--tls=off", "--flagfile=" + path])
+
+            def with_flagfile(line, *argv):
+                with open(path, "w") as f:
+                    f.write(line + "\n")
+                return run([SERVER, "--tls=off"] + list(argv) +
+                           ["--flagfile=" + path])
+
+            r = with_flagfile("--listen=nonsense")
             self.assertEqual(r.returncode, 2, r.stdout)
             self.assertIn("--listen", r.stdout)
-            with open(path, "w") as f:
-                f.write("--no_such_flag=1\n")
-            r = run([SERVER, "--listen=127.0.0.1:0", "--tls=off",
-                     "--flagfile=" + path])
+            r = with_flagfile("--no_such_flag=1", "--listen=127.0.0.1:0")
             self.assertEqual(r.returncode, 1, r.stdout)
             self.assertIn("no_such_flag", r.stdout)
             self.assertNotIn("listening on", r.stdout)
             # A flag given in the file counts as given: --bucket-mb at its
             # default's value outside layer-wise selection is refused.
-            with open(path, "w") as f:
-                f.write("--bucket_mb=25\n")
-            r = run([SERVER, "--listen=127.0.0.1:0", "--tls=off",
-                     "--flagfile=" + path])
+            r = with_flagfile("--bucket_mb=25", "--listen=127.0.0.1:0")
             self.assertEqual(r.returncode, 2, r.stdout)
             self.assertIn("--bucket-mb", r.stdout)
             self.assertNotIn("listening on", r.stdout)

@@ -117,6 +117,39 @@ v1::Push HandPush(const v1::ClusterSpec& spec, uint64_t member_token,
   return push;
 }
 
+// Both workers Recover (back to step 0) and retry step 0 with gradients
+// Seeded(seed + w): the retry completes, the replicas equal each other and
+// the servers, which are at step 1.
+void ExpectRecoverAndRetryOfStepZeroComplete(
+    std::vector<std::unique_ptr<WorkerClient>>& clients,
+    std::vector<std::vector<float>>& params,
+    ::gtopk::testing::LocalCluster& cluster, uint64_t seed) {
+  std::vector<absl::Status> retry(2);
+  std::vector<std::thread> again;
+  for (int w = 0; w < 2; ++w) {
+    again.emplace_back([&, w] {
+      absl::StatusOr<int64_t> next = clients[w]->Recover(
+          absl::MakeSpan(params[w]), absl::Now() + absl::Seconds(15));
+      retry[w] = next.status();
+      if (!next.ok()) return;
+      EXPECT_EQ(*next, 0);
+      retry[w] = clients[w]
+                     ->Step(Seeded(seed + w), absl::MakeSpan(params[w]))
+                     .status();
+    });
+  }
+  for (auto& t : again) t.join();
+  for (int w = 0; w < 2; ++w) {
+    GTOPK_EXPECT_OK(retry[w]) << "worker " << w;
+    EXPECT_EQ(clients[w]->next_step(), 1);
+  }
+  EXPECT_TRUE(BitEqual(params[0], params[1]));
+  auto server = cluster.ServerParams(kN);
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_EQ(server->second, 1);
+  EXPECT_TRUE(BitEqual(server->first, params[0]));
+}
+
 struct Case {
   AggregationMode mode;
   SelectionKind selection;
@@ -206,29 +239,7 @@ TEST_P(FailFastTest, BadPushOnOneShardFailsTheStepOnEveryShardPromptly) {
 
   // Both recover and retry step 0 through the library: a fresh attempt,
   // which completes; nothing of the failed one is in it.
-  std::vector<absl::Status> retry(2);
-  std::vector<std::thread> again;
-  for (int w = 0; w < 2; ++w) {
-    again.emplace_back([&, w] {
-      absl::StatusOr<int64_t> next = clients[w]->Recover(
-          absl::MakeSpan(params[w]), absl::Now() + absl::Seconds(10));
-      retry[w] = next.status();
-      if (!next.ok()) return;
-      EXPECT_EQ(*next, 0);
-      retry[w] =
-          clients[w]->Step(Seeded(200 + w), absl::MakeSpan(params[w])).status();
-    });
-  }
-  for (auto& t : again) t.join();
-  for (int w = 0; w < 2; ++w) {
-    GTOPK_EXPECT_OK(retry[w]) << "worker " << w;
-    EXPECT_EQ(clients[w]->next_step(), 1);
-  }
-  EXPECT_TRUE(BitEqual(params[0], params[1]));
-  auto server = cluster.ServerParams(kN);
-  ASSERT_TRUE(server.ok()) << server.status();
-  EXPECT_EQ(server->second, 1);
-  EXPECT_TRUE(BitEqual(server->first, params[0]));
+  ExpectRecoverAndRetryOfStepZeroComplete(clients, params, cluster, 200);
 }
 
 // A failure one shard saw reaches the leader before that shard's state
@@ -296,28 +307,7 @@ TEST(FailFastRecoverTest, AShardsStateComesAfterItsNewsOfAFailure) {
   EXPECT_EQ(state.next_step(), 0);
 
   // Both recover and retry step 0: a fresh attempt, which completes.
-  std::vector<absl::Status> retry(2);
-  std::vector<std::thread> again;
-  for (int w = 0; w < 2; ++w) {
-    again.emplace_back([&, w] {
-      absl::StatusOr<int64_t> next = clients[w]->Recover(
-          absl::MakeSpan(params[w]), absl::Now() + absl::Seconds(15));
-      retry[w] = next.status();
-      if (!next.ok()) return;
-      retry[w] =
-          clients[w]->Step(Seeded(300 + w), absl::MakeSpan(params[w])).status();
-    });
-  }
-  for (auto& t : again) t.join();
-  for (int w = 0; w < 2; ++w) {
-    GTOPK_EXPECT_OK(retry[w]) << "worker " << w;
-    EXPECT_EQ(clients[w]->next_step(), 1);
-  }
-  EXPECT_TRUE(BitEqual(params[0], params[1]));
-  auto server = cluster.ServerParams(kN);
-  ASSERT_TRUE(server.ok()) << server.status();
-  EXPECT_EQ(server->second, 1);
-  EXPECT_TRUE(BitEqual(server->first, params[0]));
+  ExpectRecoverAndRetryOfStepZeroComplete(clients, params, cluster, 300);
 }
 
 // A status travels in gRPC's trailers, which a client refuses over its
