@@ -246,6 +246,17 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
     const absl::Status s = ValidateWorkerClusterSpec(cluster, options.n, rank);
     if (!s.ok()) return Prefixed(s, leader);
   }
+  if (cluster.selection() == v1::SELECTION_LAYERWISE) {
+    // The leader refuses this at Join; a server that predates the bound
+    // does not, and every step would then pay for the pieces.
+    std::vector<uint64_t> begins;
+    for (const v1::ShardSpec& sh : cluster.shards()) {
+      begins.push_back(sh.begin());
+    }
+    const absl::Status s =
+        CheckBucketPieceCount(cluster.n(), cluster.bucket_size(), begins);
+    if (!s.ok()) return Prefixed(s, leader);
+  }
   if (options.requested_rank >= 0 &&
       rank != static_cast<uint32_t>(options.requested_rank)) {
     return absl::InternalError(absl::StrCat(

@@ -755,7 +755,7 @@ TEST(PieceRefusalTest2, APartOutsideALayerwiseClusterIsRefused) {
   EXPECT_EQ(shard->next_step(), 1);
 }
 
-// 2^16 pieces (n = 2^17 in
+// The most pieces a cluster may have (kMaxBucketPieces: n = 2^17 in
 // buckets of 2, one shard, P = 2, density 0.5, so k_p = 1), every piece
 // its own part from each worker, and the piece pulls' writer reading after
 // each piece's round: the step costs in proportion to the pieces. Each part
@@ -765,14 +765,13 @@ TEST(PieceRefusalTest2, APartOutsideALayerwiseClusterIsRefused) {
 // of its two entries (the plain reference).
 TEST(PieceRoundsScaleTest, TheMostPiecesOnePartEachCostLinearTime) {
   ShardOptions o = Options(2, 1, 0);
-  constexpr size_t kPieces = size_t{1} << 16;
-  o.n = 2 * kPieces;
+  o.n = 2 * kMaxBucketPieces;
   o.bucket_size = 2;
   o.optimizer.density = 0.5;
   o.step_timeout = absl::Seconds(300);
   auto shard = MakeShard(o);
   const size_t m = shard->pieces().size();
-  ASSERT_EQ(m, kPieces);
+  ASSERT_EQ(m, kMaxBucketPieces);
   // Worker w's entry of piece i: index 2i + w, value (w + 1) * (i % 7 - 3).
   auto value = [](uint32_t w, size_t i) {
     return static_cast<float>(w + 1) * static_cast<float>(int(i % 7) - 3);
