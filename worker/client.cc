@@ -342,8 +342,10 @@ WorkerClient::WorkerClient(const ClientOptions& options, uint32_t rank,
     absl::StatusOr<std::vector<BucketPiece>> pieces =
         CutBucketPieces(cluster_.n(), cluster_.bucket_size(), begins);
     if (pieces.ok()) pieces_ = *std::move(pieces);
+    // Pieces and shards are both in index order: one pass over each (not
+    // a walk from shard 0 per piece, pieces x shards).
+    size_t s = 0;
     for (const BucketPiece& p : pieces_) {
-      size_t s = 0;
       while (s + 1 < shards_.size() && shards_[s]->end <= p.begin) ++s;
       piece_shard_.push_back(s);
     }
