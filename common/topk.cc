@@ -23,6 +23,13 @@ constexpr size_t kSampleRuns = 1024;
 constexpr size_t kSampleSize = kRunLength * kSampleRuns;
 // Below this length the radix select is as cheap as sampling.
 constexpr size_t kMinSampledLength = 4 * kSampleSize;
+// Below this length an nth_element over every key is cheaper than the
+// radix select, whose three histograms (2048, 2048 and 512 buckets) cost
+// about 3 us a call whatever the length: layer-wise selection
+// (common/buckets.h) selects once per bucket piece, and a model cut into
+// many small pieces paid that per piece (docs/overlap.md, "How many
+// pieces").
+constexpr size_t kMaxSmallLength = 256;
 
 // Fills `keys` with the magnitude keys of the evenly spaced block sample.
 void SampleKeys(absl::Span<const float> u, std::vector<uint32_t>* keys) {
@@ -298,6 +305,18 @@ absl::Status ExactTopK(absl::Span<const float> u, uint64_t k,
 
   uint32_t kth_key = 0;
   uint64_t greater = 0;
+  if (n <= kMaxSmallLength) {
+    if (AnyNonFinite(u)) return ValidateFinite(u, "selector input");
+    std::vector<uint32_t>& keys = scratch->keys;
+    keys.resize(n);
+    for (size_t i = 0; i < n; ++i) keys[i] = MagnitudeKey(u[i]);
+    std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(),
+                     std::greater<uint32_t>());
+    kth_key = keys[k - 1];
+    for (size_t j = 0; j < k; ++j) greater += keys[j] > kth_key;
+    CompactTopK(u, kth_key, greater, k, out);
+    return absl::OkStatus();
+  }
   if (!RadixSelectKey(u, k, &kth_key, &greater)) {
     return ValidateFinite(u, "selector input");
   }

@@ -95,7 +95,10 @@ std::vector<SparseVector> PieceRound::TakeInputs(size_t i) {
 }
 
 void PieceRound::SetResult(size_t i, std::shared_ptr<const PieceResult> r) {
-  if (results_[i] == nullptr) ++done_;
+  if (results_[i] == nullptr) {
+    ++done_;
+    finished_.push_back(i);
+  }
   results_[i] = std::move(r);
 }
 

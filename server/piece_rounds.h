@@ -94,6 +94,10 @@ class PieceRound {
   }
   // Every piece's result is in.
   bool all_done() const { return done_ == num_pieces(); }
+  // The pieces whose result is in, in the order they were published
+  // (SetResult): a reader keeps how many it has seen and reads on from
+  // there, instead of looking at every piece each time.
+  absl::Span<const size_t> finished() const { return finished_; }
   // Pieces that have not all P workers' entries yet (for error messages),
   // at most `most` of them.
   std::vector<size_t> Waiting(size_t most) const;
@@ -107,6 +111,7 @@ class PieceRound {
   std::vector<uint32_t> count_;   // per piece: workers arrived
   std::vector<bool> started_;     // per piece: inputs taken
   std::vector<std::shared_ptr<const PieceResult>> results_;
+  std::vector<size_t> finished_;  // pieces with a result, as published
   size_t done_ = 0;
 };
 

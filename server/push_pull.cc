@@ -212,7 +212,7 @@ class AggregatorService::PushPullCall {
   // handler stops it (writer_stop_).
   void WritePiecePulls(const ShardAggregator::RoundTicket& ticket) {
     writer_lost_ = false;
-    std::vector<bool> sent(aggregator_->pieces().size(), false);
+    ShardAggregator::PiecesSent sent;
     while (!writer_stop_.load()) {
       // No deadline of its own: the round's deadlines are its complete
       // pushes' (Submit's), counted from each worker's last part, as a
@@ -235,9 +235,7 @@ class AggregatorService::PushPullCall {
         }
         a = b;
       }
-      if (std::all_of(sent.begin(), sent.end(), [](bool x) { return x; })) {
-        return;
-      }
+      if (sent.all(aggregator_->pieces().size())) return;
     }
   }
 

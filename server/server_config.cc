@@ -15,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/buckets.h"
 #include "common/cluster_spec/cluster_spec.h"
 #include "common/host_port.h"
 #include "common/selector.h"
@@ -286,6 +287,30 @@ uint64_t BucketSizeValues(const ServerConfig& config) {
   if (config.selection != SelectionKind::kLayerwise) return 0;
   const double values = std::floor(config.bucket_mb * (1 << 20) / 4.0);
   return values < 1 ? 1 : static_cast<uint64_t>(values);
+}
+
+std::string BucketMbGiven(const ServerConfig& config) {
+  for (int digits = 1; digits < 17; ++digits) {
+    const std::string text = absl::StrFormat("%.*g", digits, config.bucket_mb);
+    double back = 0;
+    if (absl::SimpleAtod(text, &back) && back == config.bucket_mb) return text;
+  }
+  return absl::StrFormat("%.17g", config.bucket_mb);
+}
+
+absl::Status CheckBucketPieces(const ServerConfig& config, uint64_t n) {
+  if (config.selection != SelectionKind::kLayerwise || n == 0 ||
+      config.num_shards == 0) {
+    return absl::OkStatus();
+  }
+  std::vector<uint64_t> begins;
+  begins.reserve(config.num_shards);
+  for (uint64_t s = 0; s < config.num_shards; ++s) {
+    // Shard s's first index (ShardRange, server/shard_aggregator.h).
+    begins.push_back(n * s / config.num_shards);
+  }
+  return CheckBucketPieceCount(n, BucketSizeValues(config), begins,
+                               BucketMbGiven(config));
 }
 
 v1::ClusterSpec ClusterSettingsSpec(const ServerConfig& config) {

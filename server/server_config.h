@@ -155,6 +155,19 @@ absl::Status ValidateServerConfig(const ServerConfig& config);
 // at least 1; 0 for the other selections (ClusterSpec.bucket_size). Pure.
 uint64_t BucketSizeValues(const ServerConfig& config);
 
+// --bucket-mb as given, for messages: the shortest decimal that reads back
+// as config.bucket_mb (0.000004, not 3.9999999999999998e-06). Pure.
+std::string BucketMbGiven(const ServerConfig& config);
+
+// The cluster's bucket pieces for n parameters (--selection=layerwise:
+// --bucket-mb's buckets cut again at the --num-shards shards' ranges) are
+// at most kMaxBucketPieces (common/buckets.h); FAILED_PRECONDITION
+// otherwise, naming --bucket-mb as given, the count, the bound and the
+// smallest --bucket-mb that fits this n. OK for the other selections.
+// Checked where n becomes known (the leader's first Join, a checkpoint's
+// n, the leader's n on another shard), before any step. Pure.
+absl::Status CheckBucketPieces(const ServerConfig& config, uint64_t n);
+
 // The value of gtopk-server's --density-warmup: "" (none: empty), "dgc"
 // (DgcDensityWarmup()) or a comma list of numbers, one density per epoch
 // (absl::SimpleAtod each; the range is ValidateServerConfig's business).

@@ -375,6 +375,9 @@ absl::Time AggregatorService::WaitDeadline(
 }
 
 absl::Status AggregatorService::CreateAggregatorLocked(uint64_t n) {
+  // Too many bucket pieces for this n: refused before the first step (the
+  // worker's Join, a checkpoint's n), not a step that times out.
+  GTOPK_RETURN_IF_ERROR(CheckBucketPieces(config_, n));
   ShardOptions options;
   options.shard_id = config_.shard_id;
   options.num_shards = config_.num_shards;

@@ -84,6 +84,16 @@ ShardAggregator::ShardAggregator(const ShardOptions& options,
     } else if (begin_ < end_) {
       pieces_.push_back(BucketPiece{begin_, end_, 0});
     }
+    for (const BucketPiece& p : pieces_) {
+      auto at =
+          std::lower_bound(piece_sizes_.begin(), piece_sizes_.end(), p.size(),
+                           [](const std::pair<uint64_t, uint64_t>& g,
+                              uint64_t size) { return g.first < size; });
+      if (at == piece_sizes_.end() || at->first != p.size()) {
+        at = piece_sizes_.insert(at, {p.size(), 0});
+      }
+      ++at->second;
+    }
   }
 }
 
@@ -183,11 +193,11 @@ uint64_t ShardAggregator::MaxPushPairs(int64_t step) const {
   if (options_.selection == SelectionKind::kLayerwise &&
       options_.mode == AggregationMode::kGtopk) {
     uint64_t total = 0;
-    for (const BucketPiece& p : pieces_) {
-      const uint64_t kp = PieceK(target, p.size(), options_.n);
+    for (const auto& [size, count] : piece_sizes_) {
+      const uint64_t kp = PieceK(target, size, options_.n);
       const uint64_t most =
           options_.max_pairs_for_k ? options_.max_pairs_for_k(kp) : kp;
-      total += std::min<uint64_t>(p.size(), std::max(most, kp));
+      total += count * std::min<uint64_t>(size, std::max(most, kp));
     }
     return total;
   }

@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -274,19 +275,27 @@ class ShardAggregator {
   absl::StatusOr<std::shared_ptr<const RoundResult>> SubmitPart(
       WorkerPush part, absl::Time deadline, RoundTicket* ticket);
 
-  // The finished piece rounds of `ticket`'s round that are not marked in
-  // *sent (size pieces().size()), in piece order, marked there now: for the
-  // piece pulls sent before the commit vote. Waits (up to `deadline`) until
-  // at least one is new, every piece is marked, or the round failed (its
-  // status; at the deadline, with no caller computing it, the round is
-  // failed for everyone naming the pieces still waiting:
-  // DEADLINE_EXCEEDED), or until `wake` (then possibly empty: the caller
-  // may stop; every piece is marked when *sent is all true). Nothing
-  // returned may be applied before the round's result. Thread-safe.
+  // What one reader of a round's piece rounds (a piece pulls' writer) has
+  // been handed so far by AwaitPieces: start with a fresh one per round.
+  struct PiecesSent {
+    size_t count = 0;  // pieces handed out (the first `count` to finish)
+    // Whether every piece of the round was handed out.
+    bool all(size_t num_pieces) const { return count >= num_pieces; }
+  };
+  // The finished piece rounds of `ticket`'s round not handed out to *sent
+  // yet, in piece order, counted there now: for the piece pulls sent
+  // before the commit vote. Waits (up to `deadline`) until at least one is
+  // new, every piece was handed out, or the round failed (its status; at
+  // the deadline, with no caller computing it, the round is failed for
+  // everyone naming the pieces still waiting: DEADLINE_EXCEEDED), or until
+  // `wake` (then possibly empty: the caller may stop; every piece was
+  // handed out when sent->all(pieces().size())). Each call costs the
+  // pieces it returns, not the round's pieces. Nothing returned may be
+  // applied before the round's result. Thread-safe.
   absl::StatusOr<
       std::vector<std::pair<size_t, std::shared_ptr<const PieceResult>>>>
-  AwaitPieces(const RoundTicket& ticket, std::vector<bool>* sent,
-              absl::Time deadline, absl::Time wake);
+  AwaitPieces(const RoundTicket& ticket, PiecesSent* sent, absl::Time deadline,
+              absl::Time wake);
 
   // Fails the round of `step` (when it is the current, not yet computing
   // round) as a bad push from `worker` would: every other worker gets
@@ -520,6 +529,11 @@ class ShardAggregator {
   const uint64_t begin_, end_;
   // kLayerwise: this shard's pieces (common/buckets.h), in index order.
   std::vector<BucketPiece> pieces_;
+  // pieces_ by size: (size, how many), sizes ascending. A shard's pieces
+  // are full buckets but for its first and last, so at most three sizes:
+  // MaxPushPairs, asked for every part, sums over these instead of every
+  // piece (it was quadratic in the pieces, one pass per part).
+  std::vector<std::pair<uint64_t, uint64_t>> piece_sizes_;
 
   mutable absl::Mutex mu_;
   mutable absl::CondVar cv_;

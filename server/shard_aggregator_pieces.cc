@@ -355,7 +355,7 @@ ShardAggregator::Answer ShardAggregator::AssemblePieces(
 
 absl::StatusOr<
     std::vector<std::pair<size_t, std::shared_ptr<const PieceResult>>>>
-ShardAggregator::AwaitPieces(const RoundTicket& ticket, std::vector<bool>* sent,
+ShardAggregator::AwaitPieces(const RoundTicket& ticket, PiecesSent* sent,
                              absl::Time deadline, absl::Time wake) {
   std::vector<std::pair<size_t, std::shared_ptr<const PieceResult>>> out;
   if (ticket.round == nullptr) {
@@ -367,16 +367,23 @@ ShardAggregator::AwaitPieces(const RoundTicket& ticket, std::vector<bool>* sent,
   absl::MutexLock lock(&mu_);
   while (true) {
     if (round->finished && !round->status.ok()) return round->status;
-    // Once computing (or finished), every piece is done and kept.
-    bool all = true;
-    for (size_t i = 0; i < sent->size(); ++i) {
-      if ((*sent)[i]) continue;
-      all = false;
-      if (round->pieces->result(i) == nullptr) continue;
-      (*sent)[i] = true;
+    // Once computing (or finished), every piece is done and kept. The
+    // pieces finished since the last call, from the round's log (one pass
+    // over every piece per call was quadratic in the pieces: a call per
+    // finished run).
+    const absl::Span<const size_t> finished = round->pieces->finished();
+    for (; sent->count < finished.size(); ++sent->count) {
+      const size_t i = finished[sent->count];
       out.emplace_back(i, round->pieces->result(i));
     }
-    if (!out.empty() || all || absl::Now() >= wake) return out;
+    if (!out.empty()) {
+      std::sort(out.begin(), out.end(),
+                [](const auto& a, const auto& b) { return a.first < b.first; });
+      return out;
+    }
+    if (sent->all(round->pieces->num_pieces()) || absl::Now() >= wake) {
+      return out;
+    }
     cv_.WaitWithDeadline(&mu_, std::min(deadline, wake));
     if (absl::Now() >= deadline && !round->finished && !round->computing) {
       std::vector<size_t> waiting = round->pieces->Waiting(8);

@@ -246,6 +246,17 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
     const absl::Status s = ValidateWorkerClusterSpec(cluster, options.n, rank);
     if (!s.ok()) return Prefixed(s, leader);
   }
+  if (cluster.selection() == v1::SELECTION_LAYERWISE) {
+    // The leader refuses this at Join; a server that predates the bound
+    // does not, and every step would then pay for the pieces.
+    std::vector<uint64_t> begins;
+    for (const v1::ShardSpec& sh : cluster.shards()) {
+      begins.push_back(sh.begin());
+    }
+    const absl::Status s =
+        CheckBucketPieceCount(cluster.n(), cluster.bucket_size(), begins);
+    if (!s.ok()) return Prefixed(s, leader);
+  }
   if (options.requested_rank >= 0 &&
       rank != static_cast<uint32_t>(options.requested_rank)) {
     return absl::InternalError(absl::StrCat(
@@ -331,8 +342,10 @@ WorkerClient::WorkerClient(const ClientOptions& options, uint32_t rank,
     absl::StatusOr<std::vector<BucketPiece>> pieces =
         CutBucketPieces(cluster_.n(), cluster_.bucket_size(), begins);
     if (pieces.ok()) pieces_ = *std::move(pieces);
+    // Pieces and shards are both in index order: one pass over each (not
+    // a walk from shard 0 per piece, pieces x shards).
+    size_t s = 0;
     for (const BucketPiece& p : pieces_) {
-      size_t s = 0;
       while (s + 1 < shards_.size() && shards_[s]->end <= p.begin) ++s;
       piece_shard_.push_back(s);
     }

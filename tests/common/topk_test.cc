@@ -38,5 +38,24 @@ TEST(ExactTopKTest, RadixSelectMatchesSortOnEveryDistribution) {
   }
 }
 
+// ExactTopK below 257 values selects over every key (nth_element) instead
+// of the radix select (a fixed cost per call that layer-wise selection
+// paid once per small bucket piece): the same set, tie-break and order as
+// a full sort, on both sides of the switch and for every k.
+TEST(ExactTopKTest, SmallInputsMatchSortOnEveryDistribution) {
+  cpu::TopKScratch scratch;
+  for (Distribution d : AllDistributions()) {
+    for (size_t n : {1ul, 2ul, 3ul, 10ul, 64ul, 255ul, 256ul, 257ul, 300ul}) {
+      const std::vector<float> u = MakeInput(d, n, 23);
+      for (uint64_t k = 1; k <= n; k += (n > 64 ? 7 : 1)) {
+        SparseVector out;
+        ASSERT_TRUE(cpu::ExactTopK(u, k, &scratch, &out).ok())
+            << Describe(d, n, k);
+        ASSERT_EQ(out, ReferenceTopK(u, k)) << Describe(d, n, k);
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace gtopk

@@ -746,5 +746,94 @@ TEST(OverlapRefusalTest, ServersOverloadIsRefusedWhenWorkersApply) {
                                  ::testing::HasSubstr("--apply=workers")));
 }
 
+// One value per bucket (the break-it run: --bucket-mb=0.000004
+// --density=0.5) on a model of 200,000 parameters cuts 200,000 pieces,
+// more than a cluster may have (kMaxBucketPieces, common/buckets.h): the
+// leader refuses the first Join, naming --bucket-mb, the count, the bound
+// and the smallest value that fits, instead of steps that time out naming
+// a worker. The refused Join fixes no n, so a model of 65,536 parameters
+// (the bound: 65,536 pieces) joins the same servers and steps, plainly and
+// overlapped with every value reported on its own (a part per piece); at
+// density 0.5 each one-value piece keeps its value, so the average is
+// (g0 + g1) / 2 at every index.
+TEST(PieceBoundTest, TheLeaderRefusesTooManyPiecesAtJoinAndTheBoundSteps) {
+  constexpr int kWorkers = 2;
+  auto cluster_or = ::gtopk::testing::LocalCluster::Start(
+      ::gtopk::testing::LayerwiseConfig(kWorkers, ApplyMode::kWorkers, 1, 0.5),
+      2);
+  ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
+  const std::string leader = (*cluster_or)->leader();
+  ClientOptions o;
+  o.leader_address = leader;
+  o.requested_rank = 0;
+  o.n = 200000;
+  o.rpc_timeout = absl::Seconds(20);
+  EXPECT_THAT(
+      WorkerClient::Connect(o).status(),
+      ::gtopk::testing::StatusIs(
+          absl::StatusCode::kFailedPrecondition,
+          ::testing::AllOf(
+              ::testing::HasSubstr("Join"),
+              ::testing::HasSubstr(
+                  "--bucket-mb 3.814697265625e-06 (buckets of 1 values)"),
+              ::testing::HasSubstr("200000 bucket pieces, more than the "
+                                   "65536"),
+              ::testing::HasSubstr("at least 1.6e-05 (4 values)"))));
+
+  const uint64_t n = kMaxBucketPieces;
+  std::vector<std::unique_ptr<WorkerClient>> clients;
+  for (int w = 0; w < kWorkers; ++w) {
+    o.requested_rank = w;
+    o.n = n;
+    clients.push_back(
+        ::gtopk::testing::OkOrThrow(WorkerClient::Connect(o), "Connect"));
+  }
+  ASSERT_EQ(clients[0]->bucket_pieces().size(), n);
+  constexpr int kBoundSteps = 2;
+  std::vector<std::vector<std::vector<float>>> g(kWorkers), averaged(kWorkers);
+  std::vector<absl::Status> status(kWorkers);
+  std::vector<std::thread> threads;
+  for (int w = 0; w < kWorkers; ++w) {
+    for (int t = 0; t < kBoundSteps; ++t) {
+      g[w].push_back(NormalVector(n, 500 + 10 * t + w));
+      averaged[w].emplace_back(n, -1.0f);
+    }
+    threads.emplace_back([&, w] {
+      std::vector<float> params(n, 0.0f), buffer(n, 0.0f);
+      status[w] =
+          clients[w]->SynchronizeParameters(absl::MakeSpan(params)).status();
+      if (!status[w].ok()) return;
+      status[w] =
+          clients[w]
+              ->AggregateStep(g[w][0], absl::MakeSpan(averaged[w][0]), params)
+              .status();
+      if (!status[w].ok()) return;
+      status[w] = clients[w]->BeginOverlappedStep(
+          buffer, absl::MakeSpan(averaged[w][1]), params);
+      for (uint64_t i = n; i-- > 0 && status[w].ok();) {
+        buffer[i] = g[w][1][i];
+        status[w] = clients[w]->GradientReady(i, i + 1);
+      }
+      if (!status[w].ok()) {
+        clients[w]->AbandonOverlappedStep();
+        return;
+      }
+      status[w] = clients[w]->FinishOverlappedStep().status();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int w = 0; w < kWorkers; ++w) {
+    ASSERT_TRUE(status[w].ok()) << "worker " << w << ": " << status[w];
+    for (int t = 0; t < kBoundSteps; ++t) {
+      std::vector<float> want(n);
+      for (uint64_t i = 0; i < n; ++i) {
+        want[i] = (g[0][t][i] + g[1][t][i]) / 2.0f;
+      }
+      EXPECT_EQ(FloatBits(averaged[w][t]), FloatBits(want))
+          << "worker " << w << " step " << t;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace gtopk

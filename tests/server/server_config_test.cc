@@ -356,6 +356,43 @@ TEST(ServerConfigTest, CheckSameClusterSettingsNamesEveryDifference) {
   EXPECT_THAT(CheckSameClusterSettings(own, spec, 99), Not(IsOk()));
 }
 
+// --bucket-mb that cuts the model into more pieces than a cluster may have
+// (common/buckets.h kMaxBucketPieces) is refused once n is known, naming
+// the flag as given, the count, the bound and the smallest value that fits
+// (the break-it run's --bucket-mb=0.000004 --density=0.5 on a model of
+// 200,000 parameters: every step timed out instead).
+TEST(ServerConfigTest, CheckBucketPiecesRefusesTooManyPiecesForThisN) {
+  ServerConfig c = BaseConfig(2, 2);
+  c.peers = {"", "shard1:7001"};
+  c.selection = SelectionKind::kLayerwise;
+  c.bucket_mb = 0.000004;
+  c.optimizer.density = 0.5;
+  GTOPK_EXPECT_OK(ValidateServerConfig(c));  // n is not known yet
+  EXPECT_EQ(BucketMbGiven(c), "4e-06");
+  EXPECT_THAT(
+      CheckBucketPieces(c, 200000),
+      StatusIs(absl::StatusCode::kFailedPrecondition,
+               AllOf(HasSubstr("--bucket-mb 4e-06 (buckets of 1 values)"),
+                     HasSubstr("n = 200000 parameters into 200000 bucket "
+                               "pieces, more than the 65536"),
+                     HasSubstr("--bucket-mb of at least 1.6e-05 (4 values)"))));
+  // The value it names fits.
+  c.bucket_mb = 1.6e-05;
+  GTOPK_EXPECT_OK(CheckBucketPieces(c, 200000));
+  // A smaller model fits in the same buckets: 65536 pieces, the bound.
+  c.bucket_mb = 0.000004;
+  GTOPK_EXPECT_OK(CheckBucketPieces(c, 65536));
+  // Three shards cut [0, 65536) at 21845 and 43690, inside buckets of 4:
+  // 16384 + 2 pieces.
+  c.num_shards = 3;
+  c.bucket_mb = 1.6e-05;
+  GTOPK_EXPECT_OK(CheckBucketPieces(c, 65536));
+  // Not layer-wise: no buckets.
+  c.selection = SelectionKind::kThreshold;
+  c.bucket_mb = 0.000004;
+  GTOPK_EXPECT_OK(CheckBucketPieces(c, 200000));
+}
+
 }  // namespace
 }  // namespace server
 }  // namespace gtopk

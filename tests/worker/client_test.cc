@@ -24,6 +24,7 @@ namespace worker {
 namespace {
 
 using ::gtopk::testing::StatusIs;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 constexpr uint64_t kN = 100;
@@ -58,25 +59,30 @@ class FakeShard final : public v1::Aggregator::Service {
   std::string address;  // addresses[id]
   std::atomic<int> pushes{0};
   std::atomic<int> parts{0};  // pushes with Push.piece_end set
+  // The cluster's n and, layer-wise, its bucket size, as Join and
+  // GetClusterSpec say (a fake that predates the bound on the pieces).
+  std::atomic<uint64_t> n{kN};
+  std::atomic<uint64_t> bucket_size{50};
 
   // The cluster spec as this fake answers it: its own entry's
   // takes_push_parts as advertise_parts says, the others' false.
   v1::ClusterSpec Spec() const {
     v1::ClusterSpec c;
-    c.set_n(kN);
+    const uint64_t size = n.load();
+    c.set_n(size);
     c.set_num_workers(1);
     for (size_t i = 0; i < addresses.size(); ++i) {
       v1::ShardSpec* s = c.add_shards();
       s->set_shard_id(static_cast<uint32_t>(i));
       s->set_address(addresses[i]);
-      s->set_begin(kN * i / addresses.size());
-      s->set_end(kN * (i + 1) / addresses.size());
+      s->set_begin(size * i / addresses.size());
+      s->set_end(size * (i + 1) / addresses.size());
       s->set_takes_push_parts(i == id && advertise_parts.load());
     }
     c.set_mode(v1::MODE_GTOPK);
     c.set_selection(layerwise.load() ? v1::SELECTION_LAYERWISE
                                      : v1::SELECTION_THRESHOLD);
-    if (layerwise.load()) c.set_bucket_size(50);
+    if (layerwise.load()) c.set_bucket_size(bucket_size.load());
     c.set_selector("exact");
     c.set_index_codec("delta-varint");
     c.set_value_codec("fp32");
@@ -93,7 +99,7 @@ class FakeShard final : public v1::Aggregator::Service {
                     v1::JoinResponse* response) override {
     response->set_rank(0);
     *response->mutable_cluster() = Spec();
-    if (request->n() != kN) {
+    if (request->n() != n.load()) {
       return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "bad n");
     }
     return grpc::Status::OK;
@@ -297,6 +303,32 @@ std::vector<float> PlainLayerwiseUpdate(const std::vector<float>& g) {
     if ((i >= 45 && i < 50) || i >= 95) params[i] = -g[i];
   }
   return params;
+}
+
+// A leader that predates the bound on the bucket pieces (kMaxBucketPieces,
+// common/buckets.h) hands out a layer-wise spec of one-value buckets for a
+// model of 200,000 parameters: the worker refuses it at Connect, naming
+// --bucket-mb, the count, the bound and the smallest value that fits,
+// before any step (whose every piece would be its own round).
+TEST_F(ClientFakeTest, TooManyBucketPiecesAreRefusedAtConnect) {
+  fake_.layerwise = true;
+  fake_.n = 200000;
+  fake_.bucket_size = 1;
+  ClientOptions o;
+  o.leader_address = fake_.address;
+  o.n = 200000;
+  o.rpc_timeout = absl::Seconds(5);
+  EXPECT_THAT(
+      WorkerClient::Connect(o).status(),
+      StatusIs(absl::StatusCode::kFailedPrecondition,
+               AllOf(HasSubstr("leader " + fake_.address),
+                     HasSubstr("--bucket-mb 4e-06 (buckets of 1 values) cuts "
+                               "the model's n = 200000 parameters into 200000 "
+                               "bucket pieces, more than the 65536"),
+                     HasSubstr("at least 1.6e-05 (4 values)"))));
+  // Buckets of 4 values: 50,000 pieces, taken.
+  fake_.bucket_size = 4;
+  GTOPK_EXPECT_OK(WorkerClient::Connect(o).status());
 }
 
 // A new worker's overlapped step against a server that says it takes
