@@ -758,11 +758,11 @@ TEST(PieceRefusalTest2, APartOutsideALayerwiseClusterIsRefused) {
 // The most pieces a cluster may have (kMaxBucketPieces: n = 2^17 in
 // buckets of 2, one shard, P = 2, density 0.5, so k_p = 1), every piece
 // its own part from each worker, and the piece pulls' writer reading after
-// each piece's round: the step costs in proportion to the pieces. Each part
-// used to go over every piece of the shard (the push bound, MaxPushPairs,
-// asked for every part): 2^17 parts x 2^16 pieces took 24.6 s on the 2-core
-// development machine (-O1), now 0.16 s. Each piece's result is the larger
-// of its two entries (the plain reference).
+// each piece's round. Each part used to go over every piece of the shard
+// (the push bound, MaxPushPairs, asked for every part): 2^17 parts x 2^16
+// pieces took 24.6 s on the 2-core development machine (-O1), now 0.16 s
+// (timed by bench/piece_count_bench, not here). Each piece's result is the
+// larger of its two entries (the plain reference).
 TEST(PieceRoundsScaleTest, TheMostPiecesOnePartEachCostLinearTime) {
   ShardOptions o = Options(2, 1, 0);
   o.n = 2 * kMaxBucketPieces;
@@ -776,8 +776,7 @@ TEST(PieceRoundsScaleTest, TheMostPiecesOnePartEachCostLinearTime) {
   auto value = [](uint32_t w, size_t i) {
     return static_cast<float>(w + 1) * static_cast<float>(int(i % 7) - 3);
   };
-  const absl::Time start = absl::Now();
-  const absl::Time deadline = start + absl::Seconds(300);
+  const absl::Time deadline = absl::Now() + absl::Seconds(300);
   std::vector<Result> results(2);
   std::vector<ShardAggregator::RoundTicket> tickets(2);
   std::vector<std::thread> threads;
@@ -816,7 +815,6 @@ TEST(PieceRoundsScaleTest, TheMostPiecesOnePartEachCostLinearTime) {
   });
   for (auto& t : threads) t.join();
   writer.join();
-  const absl::Duration took = absl::Now() - start;
   GTOPK_ASSERT_OK(reader);
   EXPECT_EQ(handed_out, m);
   for (uint32_t w = 0; w < 2; ++w) {
@@ -832,7 +830,6 @@ TEST(PieceRoundsScaleTest, TheMostPiecesOnePartEachCostLinearTime) {
       ASSERT_EQ(got.values[i], value(wins, i)) << "piece " << i;
     }
   }
-  EXPECT_LT(took, absl::Seconds(10)) << "a step of " << m << " pieces";
 }
 
 }  // namespace
