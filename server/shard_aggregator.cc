@@ -84,16 +84,7 @@ ShardAggregator::ShardAggregator(const ShardOptions& options,
     } else if (begin_ < end_) {
       pieces_.push_back(BucketPiece{begin_, end_, 0});
     }
-    for (const BucketPiece& p : pieces_) {
-      auto at =
-          std::lower_bound(piece_sizes_.begin(), piece_sizes_.end(), p.size(),
-                           [](const std::pair<uint64_t, uint64_t>& g,
-                              uint64_t size) { return g.first < size; });
-      if (at == piece_sizes_.end() || at->first != p.size()) {
-        at = piece_sizes_.insert(at, {p.size(), 0});
-      }
-      ++at->second;
-    }
+    for (const BucketPiece& p : pieces_) ++piece_sizes_[p.size()];
   }
 }
 

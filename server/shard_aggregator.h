@@ -529,11 +529,11 @@ class ShardAggregator {
   const uint64_t begin_, end_;
   // kLayerwise: this shard's pieces (common/buckets.h), in index order.
   std::vector<BucketPiece> pieces_;
-  // pieces_ by size: (size, how many), sizes ascending. A shard's pieces
+  // pieces_ by size: size -> how many. A shard's pieces
   // are full buckets but for its first and last, so at most three sizes:
   // MaxPushPairs, asked for every part, sums over these instead of every
   // piece (it was quadratic in the pieces, one pass per part).
-  std::vector<std::pair<uint64_t, uint64_t>> piece_sizes_;
+  std::map<uint64_t, uint64_t> piece_sizes_;
 
   mutable absl::Mutex mu_;
   mutable absl::CondVar cv_;
