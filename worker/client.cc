@@ -90,10 +90,36 @@ absl::Status CheckShardsAgree(const Shards& shards,
 // Each shard's answer again, after Recover (a shard may have restarted
 // with another program): the names of the shards that do not take pushes
 // in parts, as CheckShardsAgree gives them, or every shard when an answer
-// failed (whole pushes are what every server takes).
+// failed (whole pushes are what every server takes). A failed answer is
+// asked again for up to kPartsAskFor (break-it run: right after a leader's
+// restart, a shard's own channel to it still failed for about a second,
+// and every later step of the run pushed whole).
+constexpr absl::Duration kPartsAskFor = absl::Seconds(3);
+template <typename Shards>
+std::string ShardsWithoutPartsOnce(const Shards& shards, absl::Time deadline,
+                                   Cancellation* cancellation, bool* known);
 template <typename Shards>
 std::string ShardsWithoutParts(const Shards& shards, absl::Time deadline,
                                Cancellation* cancellation) {
+  const absl::Time until = std::min(deadline, absl::Now() + kPartsAskFor);
+  absl::Duration backoff = absl::Milliseconds(100);
+  while (true) {
+    bool known = false;
+    std::string without =
+        ShardsWithoutPartsOnce(shards, deadline, cancellation, &known);
+    if (known || absl::Now() + backoff >= until) return without;
+    if (cancellation == nullptr) {
+      absl::SleepFor(backoff);
+    } else if (cancellation->SleepUnlessCancelled(backoff)) {
+      return without;
+    }
+    backoff = std::min(2 * backoff, absl::Seconds(1));
+  }
+}
+
+template <typename Shards>
+std::string ShardsWithoutPartsOnce(const Shards& shards, absl::Time deadline,
+                                   Cancellation* cancellation, bool* known) {
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(deadline));
   Cancellation::Scope cancel_scope(cancellation, &context);
@@ -111,6 +137,7 @@ std::string ShardsWithoutParts(const Shards& shards, absl::Time deadline,
         shards, leader, std::max(deadline - absl::Now(), absl::ZeroDuration()),
         cancellation, &without);
   }
+  *known = st.ok();
   if (!st.ok()) {
     return absl::StrCat("every shard (not known after Recover: ", st.message(),
                         ")");

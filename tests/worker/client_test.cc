@@ -107,9 +107,17 @@ class FakeShard final : public v1::Aggregator::Service {
 
   grpc::Status GetClusterSpec(grpc::ServerContext*, const v1::JoinRequest*,
                               v1::ClusterSpec* response) override {
+    if (spec_failures.load() > 0) {
+      --spec_failures;
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                          "leader (GetClusterSpec): failed to connect");
+    }
     *response = Spec();
     return grpc::Status::OK;
   }
+  // The next GetClusterSpec calls that fail (UNAVAILABLE), as a shard's
+  // right after its leader restarted.
+  std::atomic<int> spec_failures{0};
 
   // Every Recover answers that the failed step is the next one (nothing
   // to roll back or download).
@@ -378,6 +386,23 @@ TEST_F(ClientFakeTest, RecoverAsksAgainWhetherTheServersTakeParts) {
   EXPECT_EQ(std::memcmp(params.data(), want.data(), kN * sizeof(float)), 0);
   fake_.advertise_parts = true;  // upgraded
   GTOPK_ASSERT_OK(client_->Recover(absl::MakeSpan(params)).status());
+  EXPECT_TRUE(client_->servers_take_push_parts());
+}
+
+// An answer that fails right after a Recover (break-it run: a shard's
+// channel to a leader that had just restarted still failed for about a
+// second) is asked again: the worker goes on pushing in parts instead of
+// whole for the rest of the run (before: servers_take_push_parts() false
+// after this Recover).
+TEST_F(ClientFakeTest, AFailedAnswerAboutPartsIsAskedAgain) {
+  fake_.layerwise = true;
+  fake_.advertise_parts = true;
+  Connect();
+  ASSERT_TRUE(client_->servers_take_push_parts());
+  fake_.spec_failures = 2;
+  std::vector<float> params(kN, 0.0f);
+  GTOPK_ASSERT_OK(client_->Recover(absl::MakeSpan(params)).status());
+  EXPECT_EQ(fake_.spec_failures.load(), 0);
   EXPECT_TRUE(client_->servers_take_push_parts());
 }
 
