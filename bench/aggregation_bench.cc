@@ -30,6 +30,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "bench/synthetic.h"
 #include "tests/testing/local_cluster.h"
 #include "worker/client.h"
 
@@ -45,32 +46,15 @@ ABSL_FLAG(std::string, results_json, "bench/results/aggregation.json",
 namespace gtopk {
 namespace {
 
+using ::gtopk::bench::Median;
+using ::gtopk::bench::Synthetic;
+
 std::string CommandLine(int argc, char** argv) {
   std::vector<std::string> args(argv, argv + argc);
   return absl::StrJoin(args, " ");
 }
 
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  const size_t m = v.size() / 2;
-  return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
-}
-
 double Ms(absl::Duration d) { return absl::ToDoubleMilliseconds(d); }
-
-// Cheap seeded synthetic update: xorshift64* mapped to [-1, 1).
-void Synthetic(uint64_t seed, std::vector<float>* out) {
-  uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
-  for (float& v : *out) {
-    x ^= x >> 12;
-    x ^= x << 25;
-    x ^= x >> 27;
-    const uint64_t r = x * 0x2545f4914f6cdd1dull;
-    v = static_cast<float>(static_cast<int64_t>(r >> 40) - (1 << 23)) *
-        (1.0f / (1 << 23));
-  }
-}
 
 struct ModeResult {
   std::string mode;

@@ -38,6 +38,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "bench/synthetic.h"
 #include "tests/testing/local_cluster.h"
 #include "worker/client.h"
 
@@ -61,24 +62,8 @@ ABSL_FLAG(int, chunk_sleep_us, 0,
 namespace gtopk {
 namespace {
 
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  const size_t m = v.size() / 2;
-  return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
-}
-
-void Synthetic(uint64_t seed, std::vector<float>* out) {
-  uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
-  for (float& v : *out) {
-    x ^= x >> 12;
-    x ^= x << 25;
-    x ^= x >> 27;
-    const uint64_t r = x * 0x2545f4914f6cdd1dull;
-    v = static_cast<float>(static_cast<int64_t>(r >> 40) - (1 << 23)) *
-        (1.0f / (1 << 23));
-  }
-}
+using ::gtopk::bench::Median;
+using ::gtopk::bench::Synthetic;
 
 absl::StatusOr<worker::StepStats> Overlapped(worker::WorkerClient& c,
                                              const std::vector<float>& g,
