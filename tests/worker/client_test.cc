@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/codec.h"
+#include "common/status_macros.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/testing/status_matchers.h"
@@ -313,6 +314,17 @@ std::vector<float> PlainLayerwiseUpdate(const std::vector<float>& g) {
   return params;
 }
 
+// One overlapped host step of `g` on `params`, its gradient reported as a
+// backward pass would: the second piece [50, n) first, then [0, 50).
+absl::StatusOr<worker::StepStats> OverlappedStepBackToFront(
+    WorkerClient& client, const std::vector<float>& g,
+    std::vector<float>& params) {
+  GTOPK_RETURN_IF_ERROR(client.BeginOverlappedStep(g, absl::MakeSpan(params)));
+  GTOPK_RETURN_IF_ERROR(client.GradientReady(50, kN));
+  GTOPK_RETURN_IF_ERROR(client.GradientReady(0, 50));
+  return client.FinishOverlappedStep();
+}
+
 // A leader that predates the bound on the bucket pieces (kMaxBucketPieces,
 // common/buckets.h) hands out a layer-wise spec of one-value buckets for a
 // model of 200,000 parameters: the worker refuses it at Connect, naming
@@ -351,10 +363,7 @@ TEST_F(ClientFakeTest, AServerThatPredatesPiecePullsIsRefusedNotApplied) {
   EXPECT_TRUE(client_->servers_take_push_parts());
   std::vector<float> params(kN, 0.0f);
   const std::vector<float> g = Ramp(1.0f);
-  GTOPK_ASSERT_OK(client_->BeginOverlappedStep(g, absl::MakeSpan(params)));
-  GTOPK_ASSERT_OK(client_->GradientReady(50, kN));
-  GTOPK_ASSERT_OK(client_->GradientReady(0, 50));
-  EXPECT_THAT(client_->FinishOverlappedStep().status(),
+  EXPECT_THAT(OverlappedStepBackToFront(*client_, g, params).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("predates the rounds per bucket")));
   EXPECT_EQ(params, std::vector<float>(kN, 0.0f));
@@ -375,10 +384,7 @@ TEST_F(ClientFakeTest, RecoverAsksAgainWhetherTheServersTakeParts) {
   GTOPK_ASSERT_OK(client_->Recover(absl::MakeSpan(params)).status());
   EXPECT_FALSE(client_->servers_take_push_parts());
   const std::vector<float> g = Ramp(1.0f);
-  GTOPK_ASSERT_OK(client_->BeginOverlappedStep(g, absl::MakeSpan(params)));
-  GTOPK_ASSERT_OK(client_->GradientReady(50, kN));
-  GTOPK_ASSERT_OK(client_->GradientReady(0, 50));
-  auto stats = client_->FinishOverlappedStep();
+  auto stats = OverlappedStepBackToFront(*client_, g, params);
   GTOPK_ASSERT_OK(stats.status());
   EXPECT_EQ(stats->parts_sent, 0u);
   EXPECT_EQ(fake_.parts.load(), 0);
@@ -423,10 +429,7 @@ TEST_F(ClientFakeTest, AServerWithoutPartsGetsWholePushesBitIdenticalToStep) {
   for (int step = 0; step < 2; ++step) {
     const std::vector<float> g = Ramp(step == 0 ? 1.0f : 0.5f);
     const int before = fake_.pushes.load();
-    GTOPK_ASSERT_OK(overlapped->BeginOverlappedStep(g, absl::MakeSpan(params)));
-    GTOPK_ASSERT_OK(overlapped->GradientReady(50, kN));
-    GTOPK_ASSERT_OK(overlapped->GradientReady(0, 50));
-    auto stats = overlapped->FinishOverlappedStep();
+    auto stats = OverlappedStepBackToFront(*overlapped, g, params);
     GTOPK_ASSERT_OK(stats.status());
     EXPECT_EQ(stats->parts_sent, 0u);
     EXPECT_EQ(fake_.pushes.load(), before + 1) << "one whole push";
