@@ -386,6 +386,31 @@ class WorkerFlagsTest(unittest.TestCase):
         self.assertIn("cannot listen on 127.0.0.1:%d" % port, r.stdout)
         self.assertNotIn("terminate called", r.stdout)
 
+    def test_libtorch_is_loaded_only_for_a_torch_model(self):
+        """libtorch is the module libgtopk_torch_model.so, loaded on the
+        first torch model (worker/trainer/torch_module.h). With
+        GTOPK_TORCH_MODULE naming a file that is missing, or one that is not
+        the module, --model=mlp exits 2 before the join naming the path;
+        synthetic:N never loads it (the same bad path, and the join is what
+        fails: exit 1)."""
+        leader = "--server=127.0.0.1:%d" % free_port()  # nothing listens
+        base = [WORKER, leader, "--tls=off", "--rpc-timeout-s=1"]
+        missing = "/nonexistent/libgtopk_torch_model.so"
+        r = run(base + ["--model=mlp"], env={"GTOPK_TORCH_MODULE": missing})
+        self.assertEqual(r.returncode, 2, r.stdout)
+        self.assertIn("libgtopk_torch_model.so, needed by --model=mlp|cnn", r.stdout)
+        self.assertIn("looked at: " + missing, r.stdout)
+        not_module = os.path.realpath(SERVER)  # an ELF file, not a module
+        r = run(base + ["--model=cnn"], env={"GTOPK_TORCH_MODULE": not_module})
+        self.assertEqual(r.returncode, 2, r.stdout)
+        self.assertIn("cannot load gtopk's libtorch module " + not_module,
+                      r.stdout)
+        r = run(base + ["--model=synthetic:10"],
+                env={"GTOPK_TORCH_MODULE": missing})
+        self.assertEqual(r.returncode, 1, r.stdout)
+        self.assertNotIn("libtorch", r.stdout)
+        self.assertIn("127.0.0.1", r.stdout)
+
     def test_bad_job_completion_index(self):
         r = run([WORKER, "--server=127.0.0.1:%d" % free_port(), "--tls=off",
                  "--model=synthetic:10"], env={"JOB_COMPLETION_INDEX": "x"})

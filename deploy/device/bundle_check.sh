@@ -135,6 +135,12 @@ for b in "$BUILD_DIR/server/gtopk-server" "$BUILD_DIR/worker/gtopk-worker"; do
     esac
   done
 done
+# gtopk-worker's libtorch module (worker/trainer/torch_module.h) links
+# libtorch and Abseil (static, from the bundle), nothing hidden or missing.
+module="$BUILD_DIR/worker/libgtopk_torch_model.so"
+if [ ! -f "$module" ] || grep -E "libgrpc|libgpr|libabsl|libupb|libre2|libcares|not found" <<< "$(ldd "$module" 2>&1)"; then
+  say "$module is missing or links a hidden or missing library"; exit 12
+fi
 
 # 4. A loopback smoke run: S=2, P=2, synthetic, a few steps.
 t0=$SECONDS

@@ -115,6 +115,10 @@ BUILD_DIR = os.path.abspath(os.environ.get("GTOPK_BUILD_DIR",
                                            os.path.join(ROOT, "build")))
 SERVER_BIN = os.path.join(BUILD_DIR, "server", "gtopk-server")
 WORKER_BIN = os.path.join(BUILD_DIR, "worker", "gtopk-worker")
+# gtopk-worker's libtorch module in the images' build stage and where the
+# worker stages put it (worker/trainer/torch_module.h).
+BUILT_TORCH_MODULE = "/build/worker/libgtopk_torch_model.so"
+MODULE_IN_IMAGE = "/usr/local/lib/gtopk/libgtopk_torch_model.so"
 VALIDATE_DIR = os.path.join(BUILD_DIR, "deploy-validate")
 # The Python package as `make python` builds it (PYTHONPATH=BUILD_DIR/python).
 PYTHON_BUILD_DIR = os.path.join(BUILD_DIR, "python")
@@ -1863,8 +1867,16 @@ class DockerfileTest(unittest.TestCase):
         self.assertEqual(len(lib_copies), 1, "the worker stage must copy "
                          "libtorch's lib/ to %s: %s" % (want_lib, copies))
         binary = [i for i, (frm, srcs, d) in enumerate(copies)
-                  if frm == "build" and srcs == ["/build/worker/gtopk-worker"]]
+                  if frm == "build" and srcs == ["/build/worker/gtopk-worker"]
+                  and d == "/usr/local/bin/gtopk-worker"]
         self.assertEqual(len(binary), 1)
+        # The libtorch module (the one file that links libtorch), where
+        # gtopk-worker looks for it: ../lib/gtopk/ from its directory
+        # (worker/trainer/torch_module.h).
+        module = [i for i, (frm, srcs, d) in enumerate(copies)
+                  if frm == "build" and srcs == [BUILT_TORCH_MODULE]
+                  and d == MODULE_IN_IMAGE]
+        self.assertEqual(len(module), 1, copies)
         check = [(i, d) for i, (frm, srcs, d) in enumerate(copies)
                  if frm is None and srcs == ["deploy/docker/ldd-check.sh"]]
         self.assertEqual(len(check), 1)
@@ -1873,17 +1885,40 @@ class DockerfileTest(unittest.TestCase):
         runs = [l for l in lines if l.startswith("RUN ") and
                 os.path.basename(check_bin) in l]
         self.assertEqual(len(runs), 1)
-        argv = shlex.split(runs[0][len("RUN "):])
-        self.assertEqual(argv[:2], [os.path.basename(check_bin),
-                                    "/usr/local/bin/gtopk-worker"])
+        commands = [shlex.split(c) for c in runs[0][len("RUN "):].split("&&")]
+        checked = {argv[1]: argv[2:] for argv in commands
+                   if argv[0] == os.path.basename(check_bin)}
+        self.assertEqual(set(checked), {"/usr/local/bin/gtopk-worker",
+                                        MODULE_IN_IMAGE}, commands)
         for lib in ("libtorch.so", "libtorch_cuda.so", "libc10.so",
                     "libc10_cuda.so"):
-            self.assertIn("%s=%s" % (lib, want_lib), argv[2:])
-        # The check runs after both copies.
+            self.assertIn("%s=%s" % (lib, want_lib), checked[MODULE_IN_IMAGE])
+        # The check runs after the copies.
         copy_lines = [l for l in lines if l.startswith("COPY ")]
         run_at = lines.index(runs[0])
-        for i in lib_copies + binary + [check[0][0]]:
+        for i in lib_copies + binary + module + [check[0][0]]:
             self.assertLess(lines.index(copy_lines[i]), run_at)
+        # The runtime packages come from the binary's and the module's ldd.
+        build = " ".join(self.cuda["build"]["lines"])
+        self.assertRegex(build, r"ldd /build/worker/gtopk-worker +%s"
+                         % re.escape(BUILT_TORCH_MODULE))
+
+    def test_cpu_worker_stage_has_the_libtorch_module(self):
+        """Dockerfile's worker stage: gtopk-worker in /usr/local/bin and its
+        libtorch module in /usr/local/lib/gtopk/, where the worker looks
+        (../lib/gtopk/ from its directory), both stripped in the build
+        stage; Debian's libtorch1.13, which the module links, installed."""
+        copies = self.copies(self.cpu, "worker")
+        self.assertIn(("build", ["/build/worker/gtopk-worker"],
+                       "/usr/local/bin/gtopk-worker"), copies)
+        self.assertIn(("build", [BUILT_TORCH_MODULE], MODULE_IN_IMAGE),
+                      copies)
+        self.assertIn("libtorch1.13", self.packages(self.cpu, "worker"))
+        build = " ".join(self.cpu["build"]["lines"])
+        self.assertRegex(build, r"strip [^&]*%s" % re.escape(BUILT_TORCH_MODULE))
+        self.assertTrue(os.path.isfile(os.path.join(
+            BUILD_DIR, "worker", "libgtopk_torch_model.so")),
+            "the build makes the module the images copy")
 
     def test_ldd_check_finds_missing_and_misplaced_libraries(self):
         """deploy/docker/ldd-check.sh against a program linking a library of
@@ -1929,6 +1964,9 @@ class DockerfileTest(unittest.TestCase):
             self.assertIn("libgtopkf.so => not found", r.stderr)
         self.assertTrue(os.access(WORKER_BIN, os.X_OK), WORKER_BIN)
         r = run(["sh", script, WORKER_BIN])
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        module = os.path.join(BUILD_DIR, "worker", "libgtopk_torch_model.so")
+        r = run(["sh", script, module])
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
 
     def instruction(self, stages, stage, keyword):
@@ -2149,7 +2187,9 @@ class DockerfileTest(unittest.TestCase):
                      if l.endswith(" yes")]
         base = installed_closure(essential + ["apt"])
         extension = python_extension()
+        module = os.path.join(BUILD_DIR, "worker", "libgtopk_torch_model.so")
         for stage, binary in (("server", SERVER_BIN), ("worker", WORKER_BIN),
+                              ("worker", module),
                               ("python-worker", WORKER_BIN),
                               ("python-worker", extension)):
             with self.subTest(stage=stage, binary=os.path.basename(binary)):

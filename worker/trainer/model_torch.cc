@@ -1,4 +1,7 @@
-// The only translation unit that includes libtorch.
+// The only translation unit that includes libtorch: the module
+// libgtopk_torch_model.so, which gtopk-worker loads on first use
+// (worker/trainer/torch_module.h); its one export is
+// gtopk_torch_model_api().
 #include <torch/torch.h>
 
 #include <cmath>
@@ -9,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "worker/trainer/model.h"
+#include "worker/trainer/torch_module.h"
 
 namespace gtopk {
 namespace worker {
@@ -346,9 +350,7 @@ class DeviceMirrorModel final : public Model {
   torch::Tensor grad_device_;
 };
 
-}  // namespace
-
-absl::StatusOr<std::unique_ptr<Model>> MakeTorchDeviceMirror(
+absl::StatusOr<std::unique_ptr<Model>> MakeDeviceMirror(
     std::unique_ptr<Model> host) {
   if (!torch::cuda::is_available()) {
     return absl::FailedPreconditionError(
@@ -357,9 +359,9 @@ absl::StatusOr<std::unique_ptr<Model>> MakeTorchDeviceMirror(
   return std::unique_ptr<Model>(new DeviceMirrorModel(std::move(host)));
 }
 
-absl::StatusOr<std::unique_ptr<Model>> MakeTorchModel(const std::string& name,
-                                                      uint64_t seed,
-                                                      int threads, bool cuda) {
+absl::StatusOr<std::unique_ptr<Model>> MakeModel(const std::string& name,
+                                                 uint64_t seed, int threads,
+                                                 bool cuda) {
   if (threads < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--threads must be >= 1, got ", threads));
@@ -381,7 +383,17 @@ absl::StatusOr<std::unique_ptr<Model>> MakeTorchModel(const std::string& name,
       "unknown model \"", name, "\"; expected mlp, cnn or synthetic:N"));
 }
 
-bool TorchCudaAvailable() { return torch::cuda::is_available(); }
+bool CudaAvailable() { return torch::cuda::is_available(); }
 
+constexpr TorchModuleApi kApi = {GTOPK_VERSION, &MakeModel, &MakeDeviceMirror,
+                                 &CudaAvailable};
+
+}  // namespace
 }  // namespace worker
 }  // namespace gtopk
+
+extern "C" __attribute__((visibility("default")))
+const gtopk::worker::TorchModuleApi*
+gtopk_torch_model_api() {
+  return &gtopk::worker::kApi;
+}

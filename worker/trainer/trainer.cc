@@ -38,6 +38,7 @@
 #include "worker/trainer/model.h"
 #include "worker/trainer/recovery.h"
 #include "worker/trainer/synthetic_model.h"
+#include "worker/trainer/torch_module.h"
 #include "worker/trainer/train_step.h"
 #include "worker/trainer/training_data.h"
 #include "worker/worker_metrics.h"
@@ -735,7 +736,10 @@ absl::Status ValidateOptions(const TrainerOptions& o) {
   }
   if (o.device == "cuda") {
 #if GTOPK_HAVE_CUDA
-    if (!TorchCudaAvailable()) {
+    // libtorch is loaded here, not at the start (torch_module.h): a module
+    // that is missing or does not load says so itself.
+    GTOPK_ASSIGN_OR_RETURN(const TorchModuleApi* torch, LoadTorchModule());
+    if (!torch->cuda_available()) {
       return absl::FailedPreconditionError(
           "--device=cuda: this build has no CUDA libtorch (Debian's "
           "libtorch-dev is CPU-only; build against PyTorch's, see "

@@ -28,6 +28,8 @@
 #include "tests/testing/local_cluster.h"
 #include "tests/testing/status_matchers.h"
 #include "worker/client.h"
+#include "worker/trainer/model.h"
+#include "worker/trainer/torch_module.h"
 
 namespace gtopk {
 namespace worker {
@@ -142,6 +144,72 @@ TEST(TrainerTest, PrepareChecksLocallyAndTrainRunsOnce) {
   EXPECT_FALSE(trainer->Train().ok());
   EXPECT_THAT(trainer->Train(), StatusIs(absl::StatusCode::kFailedPrecondition,
                                          HasSubstr("called again")));
+}
+
+// Whether a library whose file name contains `name` is mapped into this
+// process (/proc/self/maps): what the loader did, not what it says.
+bool Mapped(const std::string& name) {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  while (std::getline(maps, line)) {
+    if (line.find(name) != std::string::npos) return true;
+  }
+  return false;
+}
+
+// libtorch comes in with the first torch model (worker/trainer/
+// torch_module.h), not with the program: a synthetic run never maps it;
+// MakeTorchModel("mlp") loads the module from this build tree and its
+// model has the MLP's parameter count (784*256 + 256 + 256*10 + 10).
+// Needs a process of its own (ctest runs each case of this file alone,
+// PER_CASE): another case's torch model would have loaded libtorch first.
+TEST(TorchModuleTest, LibtorchIsLoadedByTheFirstTorchModelOnly) {
+  ASSERT_FALSE(Mapped("libtorch_cpu"));
+  EXPECT_FALSE(TorchModuleLoaded());
+  TrainerOptions o;
+  o.server = "127.0.0.1:1";  // nothing listens there
+  o.model = "synthetic:1000";
+  o.rpc_timeout = absl::Seconds(1);
+  GTOPK_ASSERT_OK(Trainer::Prepare(o).status());
+  EXPECT_FALSE(Mapped("libtorch_cpu"));
+  EXPECT_FALSE(Mapped(kTorchModuleFile));
+  EXPECT_FALSE(TorchModuleLoaded());
+  GTOPK_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> model,
+                             MakeTorchModel("mlp", 1, 1));
+  EXPECT_EQ(model->n(), size_t{784 * 256 + 256 + 256 * 10 + 10});
+  EXPECT_TRUE(TorchModuleLoaded());
+  EXPECT_TRUE(Mapped(kTorchModuleFile));
+  EXPECT_TRUE(Mapped("libtorch_cpu"));
+  // Errors still come from the module: another name, bad threads.
+  EXPECT_THAT(MakeTorchModel("resnet", 1, 1).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("unknown model \"resnet\"")));
+  EXPECT_THAT(
+      MakeTorchModel("mlp", 1, 0).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--threads")));
+}
+
+// The candidates: GTOPK_TORCH_MODULE alone when set, else beside the
+// executable, then ../lib/gtopk/, then this build tree's module.
+TEST(TorchModuleTest, CandidatesFollowTheDocumentedOrder) {
+  ASSERT_EQ(unsetenv("GTOPK_TORCH_MODULE"), 0);
+  char exe[4096];
+  const ssize_t len = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+  ASSERT_GT(len, 0);
+  const std::string self(exe, static_cast<size_t>(len));
+  const std::string dir = self.substr(0, self.rfind('/'));
+  const std::vector<std::string> got = TorchModuleCandidates();
+  ASSERT_EQ(got.size(), 3u);
+  EXPECT_EQ(got[0], dir + "/libgtopk_torch_model.so");
+  EXPECT_EQ(got[1], dir + "/../lib/gtopk/libgtopk_torch_model.so");
+  EXPECT_THAT(got[2], ::testing::EndsWith("/worker/libgtopk_torch_model.so"));
+  std::ifstream built(got[2]);
+  EXPECT_TRUE(built.good()) << got[2];
+  ASSERT_EQ(setenv("GTOPK_TORCH_MODULE", "/opt/x/m.so", 1), 0);
+  EXPECT_EQ(TorchModuleCandidates(), std::vector<std::string>{"/opt/x/m.so"});
+  ASSERT_EQ(setenv("GTOPK_TORCH_MODULE", "", 1), 0);
+  EXPECT_EQ(TorchModuleCandidates().size(), 3u);
+  ASSERT_EQ(unsetenv("GTOPK_TORCH_MODULE"), 0);
 }
 
 TEST(TrainerTest, RecoveryTimeoutDefaultsToFourStepTimeouts) {
