@@ -115,10 +115,15 @@ def parse_args(argv):
     p.add_argument("--target-margin", type=float, default=0.005,
                    help="target = fp32 DDP's final accuracy minus this")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--mlp-width", type=int, default=3072,
+                   help="the MLP's hidden layers (train_modern.py "
+                   "--mlp-width; 3072: n = 11,882,506)")
     p.add_argument("--quick", action="store_true",
                    help="the harness in minutes: 1gbit, %s, 1024 "
                    "training and 1000 test samples (8 steps at P = 4), "
-                   "evaluations every 4 steps, 120 s cap" % ", ".join(QUICK_METHODS))
+                   "evaluations every 4 steps, 120 s cap, --mlp-width 512 "
+                   "(n = 669,706: the harness's checks, a sixth of the "
+                   "bytes through the namespaces)" % ", ".join(QUICK_METHODS))
     p.add_argument("--build-dir", default=os.path.join(ROOT, "build"))
     p.add_argument("--python", default="/usr/bin/python3")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
@@ -141,6 +146,7 @@ def parse_args(argv):
         a.time_cap = min(a.time_cap, 120)
         a.warmup_steps = 4
         a.powersgd_start_iter = 4
+        a.mlp_width = 512
     a.rates = [r for r in a.rates.split(",") if r]
     a.methods = [m for m in a.methods.split(",") if m]
     unknown = [m for m in a.methods if m not in METHODS]
@@ -149,7 +155,8 @@ def parse_args(argv):
                 % (", ".join(unknown), ", ".join(METHODS)))
     if not a.rates:
         p.error("--rates is empty")
-    for name in ("workers", "shards", "epochs", "batch_size", "eval_every"):
+    for name in ("workers", "shards", "epochs", "batch_size", "eval_every",
+                 "mlp_width"):
         if getattr(a, name) < 1:
             p.error("--%s must be >= 1" % name.replace("_", "-"))
     if a.time_cap <= 0:
@@ -247,7 +254,7 @@ class Bench:
                 "--seed=%d" % a.seed, "--train-limit=%d" % a.train_limit,
                 "--test-limit=%d" % a.test_limit,
                 "--eval-every=%d" % a.eval_every,
-                "--threads=1"]
+                "--threads=1", "--mlp-width=%d" % a.mlp_width]
         if not self.is_reference(method, tag):
             argv += ["--time-cap=%r" % a.time_cap]
         if rank == 0:
@@ -556,7 +563,7 @@ def main(argv):
             "rates", "methods", "workers", "shards", "epochs", "batch_size",
             "lr", "warmup_steps", "eval_every", "time_cap", "train_limit",
             "test_limit", "powersgd_start_iter", "target_margin", "seed",
-            "quick")},
+            "quick", "mlp_width")},
         "script": "examples/pytorch/train_modern.py --model mlp "
                   "--optimizer sgd --no-autocast (momentum 0.9, no weight "
                   "decay, no clipping, warm-up then cosine)",

@@ -127,6 +127,10 @@ def parse_args(argv):
                    help="cnn: the BatchNorm CNN (94,186 parameters); mlp: "
                    "a wide MLP 784-3072-3072-10 (11,882,506 parameters, "
                    "where communication dominates a step; bench/tta)")
+    p.add_argument("--mlp-width", type=int, default=MLP_HIDDEN,
+                   help="--model=mlp's two hidden layers (default %d; n = "
+                   "785 w + w (w + 1) + 10 (w + 1)); bench/tta's --quick "
+                   "uses 512" % MLP_HIDDEN)
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
                    help="the wrapped torch optimizer: adamw (--lr 2e-3 "
                    "suits it), or sgd with momentum 0.9 (--lr 0.05 suits "
@@ -198,6 +202,8 @@ def parse_args(argv):
         errors.append("--clip must be >= 0")
     if args.threads < 1:
         errors.append("--threads must be >= 1")
+    if args.mlp_width < 1:
+        errors.append("--mlp-width must be >= 1")
     if args.eval_every < 0:
         errors.append("--eval-every must be >= 0")
     if args.time_cap < 0:
@@ -389,18 +395,19 @@ def build_model(seed):
 MLP_HIDDEN = 3072
 
 
-def build_mlp(seed):
-    """A wide MLP: 784 -> 3072 -> 3072 -> 10 with ReLU; n = 11,882,506
-    parameters, no buffers. Big enough that a dense fp32 all-reduce of its
-    gradient (48 MB) dominates a CPU step on a 1 Gbit/s link."""
+def build_mlp(seed, width=MLP_HIDDEN):
+    """A wide MLP: 784 -> width -> width -> 10 with ReLU, no buffers. At the
+    default width 3072, n = 11,882,506 parameters: big enough that a dense
+    fp32 all-reduce of its gradient (48 MB) dominates a CPU step on a
+    1 Gbit/s link."""
     import torch
     import torch.nn as nn
     torch.manual_seed(seed)
     side = IMAGE_SIDE * IMAGE_SIDE
     return nn.Sequential(
-        nn.Flatten(), nn.Linear(side, MLP_HIDDEN), nn.ReLU(inplace=True),
-        nn.Linear(MLP_HIDDEN, MLP_HIDDEN), nn.ReLU(inplace=True),
-        nn.Linear(MLP_HIDDEN, CLASSES))
+        nn.Flatten(), nn.Linear(side, width), nn.ReLU(inplace=True),
+        nn.Linear(width, width), nn.ReLU(inplace=True),
+        nn.Linear(width, CLASSES))
 
 
 def param_groups(model, weight_decay):
@@ -765,7 +772,8 @@ def run(args):
                           % (args.summary_json, tmp, e))
 
     # Model and data first, so local errors come before joining anything.
-    model = (build_mlp if args.model == "mlp" else build_model)(args.seed)
+    model = (build_mlp(args.seed, args.mlp_width) if args.model == "mlp"
+             else build_model(args.seed))
     train_x, train_y = load_split(args.data_dir, "train", args.train_limit)
     test_x, test_y = load_split(args.data_dir, "t10k", args.test_limit)
     groups = param_groups(model, args.weight_decay)

@@ -103,6 +103,41 @@ def load_script_module():
     return module
 
 
+class MlpWidthTest(unittest.TestCase):
+    """--mlp-width (bench/tta's --quick uses 512): the two hidden layers'
+    width, the parameter count 785 w + w (w + 1) + 10 (w + 1); 0 refused
+    at parse (exit 2, naming the flag)."""
+
+    @unittest.skipIf(TORCH_MISSING is not None and not IN_CI,
+                     "needs torch: %s" % TORCH_MISSING)
+    def test_width_sets_the_hidden_layers(self):
+        probe = (
+            "import importlib.util\n"
+            "s = importlib.util.spec_from_file_location('m', %r)\n"
+            "m = importlib.util.module_from_spec(s); s.loader.exec_module(m)\n"
+            "for w in (3072, 512, 7):\n"
+            "    model = m.build_mlp(1, w)\n"
+            "    print(w, [tuple(p.shape) for p in model.parameters()])\n"
+            % SCRIPT)
+        r = subprocess.run([PYTHON, "-c", probe], capture_output=True,
+                           text=True, timeout=120)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        for line in r.stdout.splitlines():
+            w, shapes = line.split(" ", 1)
+            w = int(w)
+            self.assertEqual(shapes, str([(w, 784), (w,), (w, w), (w,),
+                                          (10, w), (10,)]))
+        # The default: 11,882,506 parameters (bench/tta's full runs).
+        self.assertEqual(785 * 3072 + 3072 * 3073 + 10 * 3073, 11882506)
+
+    def test_zero_width_is_refused(self):
+        r = subprocess.run([PYTHON, SCRIPT, "--model=mlp",
+                            "--mlp-width=0"], capture_output=True, text=True,
+                           timeout=60)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--mlp-width must be >= 1", r.stderr)
+
+
 class ChecksumTest(unittest.TestCase):
     def test_fnv1a64_vectors(self):
         m = load_script_module()
