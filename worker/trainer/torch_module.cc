@@ -56,12 +56,12 @@ absl::StatusOr<const TorchModuleApi*> Load() {
     const TorchModuleApi* api = reinterpret_cast<TorchModuleEntry>(entry)();
     if (api == nullptr || api->version == nullptr ||
         std::strcmp(api->version, GTOPK_VERSION) != 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          path, " is gtopk ",
-          api == nullptr || api->version == nullptr ? "(unknown)"
-                                                    : api->version,
-          "'s libtorch module; this gtopk-worker is ", GTOPK_VERSION,
-          ": install the module built with it"));
+      return absl::FailedPreconditionError(
+          absl::StrCat(path, " is gtopk ",
+                       api == nullptr || api->version == nullptr ? "(unknown)"
+                                                                 : api->version,
+                       "'s libtorch module; this gtopk-worker is ",
+                       GTOPK_VERSION, ": install the module built with it"));
     }
     g_loaded.store(true);
     return api;
@@ -94,9 +94,8 @@ std::vector<std::string> TorchModuleCandidates() {
 absl::StatusOr<const TorchModuleApi*> LoadTorchModule() {
   static std::once_flag once;
   static absl::StatusOr<const TorchModuleApi*>* result = nullptr;
-  std::call_once(once, [] {
-    result = new absl::StatusOr<const TorchModuleApi*>(Load());
-  });
+  std::call_once(
+      once, [] { result = new absl::StatusOr<const TorchModuleApi*>(Load()); });
   return *result;
 }
 

@@ -222,7 +222,8 @@ struct Running {
   const char* kernel = nullptr;
   std::vector<Thread>* threads = nullptr;
   int current = -1;
-  // The block being run (RunBlock): its body, this round's thread order and
+  // The block being run (RunBlock): its body, this round's thread order
+  // (ThreadOrder: empty for the forward order) and
   // the position in it of the next thread to run, the scheduler while
   // threads run, and who made the last switch.
   const std::function<void()>* body = nullptr;
@@ -422,6 +423,27 @@ void StoreSwitcher(bctx::fiber&& from) {
   }
 }
 
+// This round's order of `n` threads (or blocks) into `order`; empty for
+// the forward order, the identity (every round of every block asks: no
+// allocation then).
+void ThreadOrder(int n, std::vector<int>& order) {
+  order.clear();
+  if (GetSettings().order == OrderKind::kForward) return;
+  order.resize(n);
+  for (int i = 0; i < n; ++i) order[i] = i;
+  if (GetSettings().order == OrderKind::kReverse) {
+    std::reverse(order.begin(), order.end());
+  } else {
+    std::shuffle(order.begin(), order.end(), S().rng);
+  }
+}
+
+// The `at`-th entry of a round's order (ThreadOrder): the identity when
+// `order` is empty.
+int OrderAt(const std::vector<int>& order, size_t at) {
+  return order.empty() ? static_cast<int>(at) : order[at];
+}
+
 // Makes the next runnable thread of the round current. Returns its
 // continuation when it was suspended, an empty fiber when it has not
 // started (*fresh), and an empty fiber with *fresh false when the round has
@@ -429,8 +451,8 @@ void StoreSwitcher(bctx::fiber&& from) {
 bctx::fiber TakeNext(bool* fresh) {
   std::vector<Thread>& threads = *g_run.threads;
   *fresh = false;
-  while (g_run.next < g_run.order.size()) {
-    const int i = g_run.order[g_run.next++];
+  while (g_run.next < threads.size()) {
+    const int i = OrderAt(g_run.order, g_run.next++);
     Thread& t = threads[i];
     if (t.wait != Wait::kRunnable) continue;
     g_run.current = i;
@@ -490,22 +512,6 @@ void Suspend(Thread& me) {
   StoreSwitcher(std::move(next).resume());
 }
 
-std::vector<int> ThreadOrder(int n) {
-  std::vector<int> order(n);
-  for (int i = 0; i < n; ++i) order[i] = i;
-  switch (GetSettings().order) {
-    case OrderKind::kForward:
-      break;
-    case OrderKind::kReverse:
-      std::reverse(order.begin(), order.end());
-      break;
-    case OrderKind::kShuffle:
-      std::shuffle(order.begin(), order.end(), S().rng);
-      break;
-  }
-  return order;
-}
-
 // Opens the barrier or ballots that every participant reached; false when
 // none could be opened (then the block is stuck).
 bool Release(std::vector<Thread>& threads) {
@@ -525,7 +531,8 @@ bool Release(std::vector<Thread>& threads) {
       const Thread& t = threads[i];
       if (t.wait == Wait::kBarrier &&
           (t.line != first_barrier->line ||
-           std::strcmp(t.file, first_barrier->file) != 0)) {
+           (t.file != first_barrier->file &&
+            std::strcmp(t.file, first_barrier->file) != 0))) {
         g_run.current = i;
         Fail(
             "divergent __syncthreads: this thread waits at %s:%d, thread "
@@ -604,7 +611,7 @@ void RunBlock(const std::function<void()>& body, int n) {
   g_run.threads = &threads;
   g_run.body = &body;
   while (true) {
-    g_run.order = ThreadOrder(n);
+    ThreadOrder(n, g_run.order);
     g_run.next = 0;
     bool fresh = false;
     bctx::fiber first = TakeNext(&fresh);
@@ -646,8 +653,10 @@ void RunGrid(const char* name, dim3 grid, dim3 block,
   g_run.kernel = name;
   gridDim = grid;
   blockDim = block;
-  std::vector<int> order = ThreadOrder(static_cast<int>(grid.x));
-  for (int b : order) {
+  std::vector<int> order;
+  ThreadOrder(static_cast<int>(grid.x), order);
+  for (unsigned at = 0; at < grid.x; ++at) {
+    const int b = OrderAt(order, at);
     blockIdx = uint3{static_cast<unsigned>(b), 0, 0};
     RunBlock(body, static_cast<int>(block.x));
   }

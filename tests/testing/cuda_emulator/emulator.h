@@ -249,8 +249,23 @@ inline float __uint_as_float(unsigned int u) {
   std::memcpy(&x, &u, sizeof(x));
   return x;
 }
-inline int __popc(unsigned int x) { return __builtin_popcount(x); }
-inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+// Without -mpopcnt (x86-64's baseline), __builtin_popcount is a call into
+// libgcc (__popcountdi2): 2 % of an emulated selection, whose kernels count
+// a ballot per warp iteration. The same count, inline.
+inline int __popc(unsigned int x) {
+#if defined(__POPCNT__) || !defined(__x86_64__)
+  return __builtin_popcount(x);
+#else
+  x = x - ((x >> 1) & 0x55555555u);
+  x = (x & 0x33333333u) + ((x >> 2) & 0x33333333u);
+  x = (x + (x >> 4)) & 0x0f0f0f0fu;
+  return static_cast<int>((x * 0x01010101u) >> 24);
+#endif
+}
+inline int __popcll(unsigned long long x) {
+  return __popc(static_cast<unsigned int>(x)) +
+         __popc(static_cast<unsigned int>(x >> 32));
+}
 inline unsigned long long __umul64hi(unsigned long long a,
                                      unsigned long long b) {
   return static_cast<unsigned long long>(
