@@ -333,7 +333,10 @@ void ShardAggregator::AbortStep(int64_t step, const absl::Status& reason,
     const bool in = pending_->arrived[w] || (pending_->pieces != nullptr &&
                                              pending_->pieces->touched(w));
     if (in && pending_->pushes[w].epoch < epoch) {
-      FailRoundLocked(pending_, reason);
+      // The failure may follow from this round's own wait (a shard whose
+      // threshold exchange gave up on this one first): name whom it awaits.
+      FailRoundLocked(pending_,
+                      pending_->WithMissing(options_.shard_id, reason));
       return;
     }
   }
@@ -576,13 +579,9 @@ ShardAggregator::Answer ShardAggregator::AwaitRoundLocked(
     const bool timed_out = cv_.WaitWithDeadline(&mu_, deadline);
     if (round->finished) break;
     if (timed_out && !round->computing) {
-      std::vector<uint32_t> missing;
-      for (uint32_t r = 0; r < options_.num_workers; ++r) {
-        if (!round->arrived[r]) missing.push_back(r);
-      }
       const absl::Status late = absl::DeadlineExceededError(absl::StrCat(
           "step ", round->step, " timed out on shard ", options_.shard_id,
-          " waiting for worker(s) ", absl::StrJoin(missing, ", ")));
+          " waiting for worker(s) ", absl::StrJoin(round->Missing(), ", ")));
       NotifyStepFailedLocked(round->step, late);
       FailRoundLocked(round, late);
     }

@@ -15,6 +15,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
@@ -416,6 +418,24 @@ class ShardAggregator {
     bool finished = false;
     absl::Status status;  // set when finished
     std::shared_ptr<const RoundResult> result;
+    // The ranks whose push is not (completely) in, ascending.
+    std::vector<uint32_t> Missing() const {
+      std::vector<uint32_t> out;
+      for (uint32_t r = 0; r < arrived.size(); ++r) {
+        if (!arrived[r]) out.push_back(r);
+      }
+      return out;
+    }
+    // `reason`, with "; shard <shard> was still waiting for worker(s)
+    // <Missing()>" when some are missing (same code).
+    absl::Status WithMissing(uint32_t shard, const absl::Status& reason) const {
+      const std::vector<uint32_t> missing = Missing();
+      if (missing.empty()) return reason;
+      return absl::Status(reason.code(),
+                          absl::StrCat(reason.message(), "; shard ", shard,
+                                       " was still waiting for worker(s) ",
+                                       absl::StrJoin(missing, ", ")));
+    }
   };
 
   ShardAggregator(const ShardOptions& options, OptimizerRule rule,

@@ -505,6 +505,32 @@ TEST(ShardAggregatorTest, AbortStepFailsTheAttemptAndKeepsTheRetry) {
   EXPECT_EQ(shard->next_step(), 1);
 }
 
+// A failure that reaches a round still waiting for pushes (AbortStep: the
+// leader's news of a failure elsewhere) names whom the round was waiting
+// for: the failure elsewhere can be this wait's consequence -- another
+// shard's threshold exchange timing out on this shard before this shard's
+// own deadline names the missing worker (fault_test's PartialPushTest, one
+// run in a loaded make test). The code is the reason's.
+TEST(ShardAggregatorTest, AnAbortedRoundNamesTheWorkersItWaitedFor) {
+  auto shard = SingleShard(3);
+  const absl::Status reason = absl::DeadlineExceededError(
+      "step 0 failed on shard 0: threshold exchange step 0 level 0 (shard "
+      "0): deadline exceeded waiting for shard 1 (1 of 2 arrived)");
+  absl::StatusOr<std::shared_ptr<const RoundResult>> waiting;
+  std::thread t([&] {
+    waiting =
+        shard->Submit(EpochPush(0, 1, {1}, 5), absl::Now() + absl::Seconds(20));
+  });
+  absl::SleepFor(absl::Milliseconds(50));
+  shard->AbortStep(0, reason, 6);
+  t.join();
+  EXPECT_THAT(waiting,
+              StatusIs(absl::StatusCode::kDeadlineExceeded,
+                       AllOf(HasSubstr("waiting for shard 1 (1 of 2"),
+                             HasSubstr("; shard 0 was still waiting for "
+                                       "worker(s) 0, 2"))));
+}
+
 // A worker's abandon (Push.abandon) of an attempt that already failed --
 // it arrived after the worker's Recover, as it can when a non-finite
 // gradient ends the step while a push is out -- leaves the retry's round
