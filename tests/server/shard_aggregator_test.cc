@@ -473,6 +473,23 @@ void ExpectRetryOfStep0Completes(ShardAggregator& shard,
   EXPECT_EQ((*retry1)->selected.indices, (std::vector<uint32_t>{7, 8}));
 }
 
+// `push`'s answer (20 s deadline) when AbortStep(step, reason, epoch)
+// comes 50 ms after it; the answer must come long before the deadline.
+absl::StatusOr<std::shared_ptr<const RoundResult>> SubmitThenAbort(
+    ShardAggregator& shard, WorkerPush push, int64_t step,
+    const absl::Status& reason, uint64_t epoch) {
+  absl::StatusOr<std::shared_ptr<const RoundResult>> waiting;
+  const absl::Time start = absl::Now();
+  std::thread t([&] {
+    waiting = shard.Submit(std::move(push), absl::Now() + absl::Seconds(20));
+  });
+  absl::SleepFor(absl::Milliseconds(50));
+  shard.AbortStep(step, reason, epoch);
+  t.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));  // not the deadline
+  return waiting;
+}
+
 // Fail fast (AbortStep from the leader): the pending round holding a push
 // of the failed attempt fails at once with the reason; the failed attempt's
 // late pushes are refused; the retry (pushed with the newer epoch Recover
@@ -481,18 +498,9 @@ TEST(ShardAggregatorTest, AbortStepFailsTheAttemptAndKeepsTheRetry) {
   auto shard = SingleShard(2);
   const absl::Status reason =
       absl::AbortedError("step 0 failed on shard 1: bad push");
-  absl::StatusOr<std::shared_ptr<const RoundResult>> waiting;
-  const absl::Time start = absl::Now();
-  std::thread t([&] {
-    waiting =
-        shard->Submit(EpochPush(0, 0, {1}, 5), absl::Now() + absl::Seconds(20));
-  });
-  absl::SleepFor(absl::Milliseconds(50));
-  shard->AbortStep(0, reason, 6);
-  t.join();
-  EXPECT_LT(absl::Now() - start, absl::Seconds(5));  // not the deadline
-  EXPECT_THAT(waiting, StatusIs(absl::StatusCode::kAborted,
-                                HasSubstr("failed on shard 1")));
+  EXPECT_THAT(
+      SubmitThenAbort(*shard, EpochPush(0, 0, {1}, 5), 0, reason, 6),
+      StatusIs(absl::StatusCode::kAborted, HasSubstr("failed on shard 1")));
   // Worker 1 has not recovered yet: its push of the failed attempt.
   EXPECT_THAT(
       shard->Submit(EpochPush(0, 1, {2}, 5), absl::Now() + absl::Seconds(5)),
@@ -516,15 +524,7 @@ TEST(ShardAggregatorTest, AnAbortedRoundNamesTheWorkersItWaitedFor) {
   const absl::Status reason = absl::DeadlineExceededError(
       "step 0 failed on shard 0: threshold exchange step 0 level 0 (shard "
       "0): deadline exceeded waiting for shard 1 (1 of 2 arrived)");
-  absl::StatusOr<std::shared_ptr<const RoundResult>> waiting;
-  std::thread t([&] {
-    waiting =
-        shard->Submit(EpochPush(0, 1, {1}, 5), absl::Now() + absl::Seconds(20));
-  });
-  absl::SleepFor(absl::Milliseconds(50));
-  shard->AbortStep(0, reason, 6);
-  t.join();
-  EXPECT_THAT(waiting,
+  EXPECT_THAT(SubmitThenAbort(*shard, EpochPush(0, 1, {1}, 5), 0, reason, 6),
               StatusIs(absl::StatusCode::kDeadlineExceeded,
                        AllOf(HasSubstr("waiting for shard 1 (1 of 2"),
                              HasSubstr("; shard 0 was still waiting for "
