@@ -15,14 +15,18 @@ Usage: flags_test.py SERVER_BINARY [WORKER_BINARY]
 """
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 import unittest
 
 SERVER = None
 WORKER = None
 CASE_TIMEOUT_S = 40
+MODULE_FILE = "libgtopk_torch_model.so"  # gtopk-worker's libtorch module
 # Set in __main__ before the tests run (skipIf reads it at class creation,
 # so it is computed from argv here).
 WORKER_MISSING = len(sys.argv) <= 2
@@ -389,27 +393,108 @@ class WorkerFlagsTest(unittest.TestCase):
     def test_libtorch_is_loaded_only_for_a_torch_model(self):
         """libtorch is the module libgtopk_torch_model.so, loaded on the
         first torch model (worker/trainer/torch_module.h). With
-        GTOPK_TORCH_MODULE naming a file that is missing, or one that is not
-        the module, --model=mlp exits 2 before the join naming the path;
-        synthetic:N never loads it (the same bad path, and the join is what
-        fails: exit 1)."""
+        GTOPK_TORCH_MODULE naming a file that is missing, a directory, or
+        a file that is not the module, --model=mlp exits 2 before the join
+        naming the path (the libtorch hint only when a library the module
+        needs is missing); synthetic:N never loads it (the same bad path,
+        and the join is what fails: exit 1). A relative path is the working
+        directory's."""
         leader = "--server=127.0.0.1:%d" % free_port()  # nothing listens
         base = [WORKER, leader, "--tls=off", "--rpc-timeout-s=1"]
         missing = "/nonexistent/libgtopk_torch_model.so"
         r = run(base + ["--model=mlp"], env={"GTOPK_TORCH_MODULE": missing})
         self.assertEqual(r.returncode, 2, r.stdout)
-        self.assertIn("libgtopk_torch_model.so, needed by --model=mlp|cnn", r.stdout)
-        self.assertIn("looked at: " + missing, r.stdout)
+        self.assertIn("GTOPK_TORCH_MODULE=%s: no such file" % missing, r.stdout)
+        self.assertIn("the variable replaces the search", r.stdout)
         not_module = os.path.realpath(SERVER)  # an ELF file, not a module
-        r = run(base + ["--model=cnn"], env={"GTOPK_TORCH_MODULE": not_module})
-        self.assertEqual(r.returncode, 2, r.stdout)
-        self.assertIn("cannot load gtopk's libtorch module " + not_module,
-                      r.stdout)
+        for bad in (not_module, os.path.dirname(not_module)):
+            r = run(base + ["--model=cnn"], env={"GTOPK_TORCH_MODULE": bad})
+            self.assertEqual(r.returncode, 2, r.stdout)
+            self.assertIn("cannot load gtopk's libtorch module " + bad,
+                          r.stdout)
+            self.assertNotIn("needs libtorch", r.stdout)
         r = run(base + ["--model=synthetic:10"],
                 env={"GTOPK_TORCH_MODULE": missing})
         self.assertEqual(r.returncode, 1, r.stdout)
         self.assertNotIn("libtorch", r.stdout)
         self.assertIn("127.0.0.1", r.stdout)
+        # Relative: the module beside the worker, named from its directory;
+        # it loads, so the join is what fails.
+        worker_dir = os.path.dirname(os.path.realpath(WORKER))
+        r = subprocess.run([os.path.realpath(WORKER)] + base[1:] +
+                           ["--model=mlp"], cwd=worker_dir,
+                           env=dict(os.environ,
+                                    GTOPK_TORCH_MODULE=MODULE_FILE),
+                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True,
+                           timeout=CASE_TIMEOUT_S)
+        self.assertEqual(r.returncode, 1, r.stdout)
+        self.assertNotIn("libtorch module", r.stdout)
+
+    def test_a_module_of_other_headers_is_refused(self):
+        """The module's identity is the version and a hash of the headers
+        whose types cross (worker/CMakeLists.txt): a module that says only
+        the version is refused (exit 2), not called through another
+        vtable."""
+        cc = shutil.which("cc") or shutil.which("gcc")
+        self.assertIsNotNone(cc, "a C compiler (build-essential)")
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "fake.c")
+            with open(src, "w") as f:
+                f.write("struct api { const char* v; void* f[3]; };\n"
+                        "static const struct api a = {\"0.1.0\", {0, 0, 0}};\n"
+                        "const struct api* gtopk_torch_model_api(void) "
+                        "{ return &a; }\n")
+            fake = os.path.join(tmp, "libfake.so")
+            subprocess.run([cc, "-shared", "-fPIC", "-o", fake, src],
+                           check=True)
+            r = run([WORKER, "--server=127.0.0.1:%d" % free_port(),
+                     "--tls=off", "--model=mlp"],
+                    env={"GTOPK_TORCH_MODULE": fake})
+        self.assertEqual(r.returncode, 2, r.stdout)
+        self.assertRegex(r.stdout, r"is the libtorch module of gtopk 0\.1\.0; "
+                         r"this gtopk-worker is [0-9.]+\+[0-9a-f]{16}")
+
+    def test_an_installed_layout_is_found_also_through_the_loader(self):
+        """gtopk-worker in bin/ loads ../lib/gtopk/libgtopk_torch_model.so,
+        run directly and as /lib64/ld-linux-x86-64.so.2 bin/gtopk-worker
+        (/proc/self/exe is the loader then): the copy's module is the one
+        mapped while the worker waits for its leader."""
+        loader = "/lib64/ld-linux-x86-64.so.2"
+        module = os.path.join(os.path.dirname(os.path.realpath(WORKER)),
+                              MODULE_FILE)
+        with tempfile.TemporaryDirectory() as tmp:
+            os.makedirs(os.path.join(tmp, "bin"))
+            os.makedirs(os.path.join(tmp, "lib", "gtopk"))
+            worker = os.path.join(tmp, "bin", "gtopk-worker")
+            installed = os.path.join(tmp, "lib", "gtopk", MODULE_FILE)
+            shutil.copy2(os.path.realpath(WORKER), worker)
+            shutil.copy2(module, installed)
+            for prefix in ([], [loader] if os.path.exists(loader) else None):
+                if prefix is None:
+                    continue
+                with self.subTest(prefix=prefix):
+                    env = dict(os.environ)
+                    env.pop("GTOPK_TORCH_MODULE", None)
+                    p = subprocess.Popen(
+                        prefix + [worker, "--server=127.0.0.1:%d" % free_port(),
+                                  "--tls=off", "--model=mlp",
+                                  "--rpc-timeout-s=20"],
+                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL, env=env)
+                    try:
+                        maps = ""
+                        deadline = time.monotonic() + 20
+                        while MODULE_FILE not in maps and \
+                                time.monotonic() < deadline and p.poll() is None:
+                            time.sleep(0.05)
+                            with open("/proc/%d/maps" % p.pid) as f:
+                                maps = f.read()
+                        self.assertIn(installed, maps)
+                        self.assertNotIn(module, maps)
+                    finally:
+                        p.kill()
+                        p.wait()
 
     def test_bad_job_completion_index(self):
         r = run([WORKER, "--server=127.0.0.1:%d" % free_port(), "--tls=off",

@@ -115,9 +115,10 @@ def parse_args(argv):
     p.add_argument("--target-margin", type=float, default=0.005,
                    help="target = fp32 DDP's final accuracy minus this")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--mlp-width", type=int, default=3072,
+    p.add_argument("--mlp-width", type=int, default=None,
                    help="the MLP's hidden layers (train_modern.py "
-                   "--mlp-width; 3072: n = 11,882,506)")
+                   "--mlp-width; default 3072: n = 11,882,506; 512 with "
+                   "--quick)")
     p.add_argument("--quick", action="store_true",
                    help="the harness in minutes: 1gbit, %s, 1024 "
                    "training and 1000 test samples (8 steps at P = 4), "
@@ -146,7 +147,10 @@ def parse_args(argv):
         a.time_cap = min(a.time_cap, 120)
         a.warmup_steps = 4
         a.powersgd_start_iter = 4
-        a.mlp_width = 512
+        if a.mlp_width is None:
+            a.mlp_width = 512
+    if a.mlp_width is None:
+        a.mlp_width = 3072
     a.rates = [r for r in a.rates.split(",") if r]
     a.methods = [m for m in a.methods.split(",") if m]
     unknown = [m for m in a.methods if m not in METHODS]

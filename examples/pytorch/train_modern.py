@@ -127,7 +127,7 @@ def parse_args(argv):
                    help="cnn: the BatchNorm CNN (94,186 parameters); mlp: "
                    "a wide MLP 784-3072-3072-10 (11,882,506 parameters, "
                    "where communication dominates a step; bench/tta)")
-    p.add_argument("--mlp-width", type=int, default=MLP_HIDDEN,
+    p.add_argument("--mlp-width", type=int, default=None,
                    help="--model=mlp's two hidden layers (default %d; n = "
                    "785 w + w (w + 1) + 10 (w + 1)); bench/tta's --quick "
                    "uses 512" % MLP_HIDDEN)
@@ -202,6 +202,10 @@ def parse_args(argv):
         errors.append("--clip must be >= 0")
     if args.threads < 1:
         errors.append("--threads must be >= 1")
+    if args.mlp_width is not None and args.model != "mlp":
+        errors.append("--mlp-width is for --model=mlp")
+    if args.mlp_width is None:
+        args.mlp_width = MLP_HIDDEN
     if args.mlp_width < 1:
         errors.append("--mlp-width must be >= 1")
     if args.eval_every < 0:

@@ -50,6 +50,29 @@ def skip_reason():
     return None
 
 
+class TtaArgsTest(unittest.TestCase):
+    """--mlp-width: 3072 by default, 512 under --quick unless given; a
+    width under 1 refused (exit 2) with --quick too."""
+
+    def parse(self, *argv):
+        sys.path.insert(0, os.path.dirname(HARNESS))
+        try:
+            import tta  # noqa: E402
+        finally:
+            sys.path.pop(0)
+        return tta.parse_args(list(argv))
+
+    def test_mlp_width(self):
+        self.assertEqual(self.parse().mlp_width, 3072)
+        self.assertEqual(self.parse("--quick").mlp_width, 512)
+        self.assertEqual(self.parse("--quick", "--mlp-width", "3072").mlp_width,
+                         3072)
+        for argv in (["--mlp-width", "0"], ["--quick", "--mlp-width", "0"]):
+            with self.assertRaises(SystemExit) as e:
+                self.parse(*argv)
+            self.assertEqual(e.exception.code, 2)
+
+
 class TtaTest(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.mkdtemp(prefix="gtopk-tta-test-")

@@ -1914,6 +1914,15 @@ class DockerfileTest(unittest.TestCase):
         self.assertIn(("build", [BUILT_TORCH_MODULE], MODULE_IN_IMAGE),
                       copies)
         self.assertIn("libtorch1.13", self.packages(self.cpu, "worker"))
+        # The image checks that both resolve their libraries, after the
+        # copies.
+        lines = self.cpu["worker"]["lines"]
+        checks = [i for i, l in enumerate(lines) if l.startswith("RUN ") and
+                  "ldd /usr/local/bin/gtopk-worker %s" % MODULE_IN_IMAGE in l
+                  and '! ' in l and 'grep "not found"' in l]
+        self.assertEqual(len(checks), 1, lines)
+        copies = [i for i, l in enumerate(lines) if l.startswith("COPY ")]
+        self.assertLess(max(copies), checks[0])
         build = " ".join(self.cpu["build"]["lines"])
         self.assertRegex(build, r"strip [^&]*%s" % re.escape(BUILT_TORCH_MODULE))
         self.assertTrue(os.path.isfile(os.path.join(

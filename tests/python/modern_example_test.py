@@ -136,6 +136,10 @@ class MlpWidthTest(unittest.TestCase):
                            timeout=60)
         self.assertEqual(r.returncode, 2, r.stderr)
         self.assertIn("--mlp-width must be >= 1", r.stderr)
+        r = subprocess.run([PYTHON, SCRIPT, "--model=cnn", "--mlp-width=7"],
+                           capture_output=True, text=True, timeout=60)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--mlp-width is for --model=mlp", r.stderr)
 
 
 class ChecksumTest(unittest.TestCase):

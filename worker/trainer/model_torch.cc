@@ -385,8 +385,8 @@ absl::StatusOr<std::unique_ptr<Model>> MakeModel(const std::string& name,
 
 bool CudaAvailable() { return torch::cuda::is_available(); }
 
-constexpr TorchModuleApi kApi = {GTOPK_VERSION, &MakeModel, &MakeDeviceMirror,
-                                 &CudaAvailable};
+constexpr TorchModuleApi kApi = {GTOPK_TORCH_MODULE_ABI, &MakeModel,
+                                 &MakeDeviceMirror, &CudaAvailable};
 
 }  // namespace
 }  // namespace worker

@@ -1,8 +1,11 @@
 #include "worker/trainer/torch_module.h"
 
 #include <dlfcn.h>
+#include <limits.h>
+#include <stdlib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -18,6 +21,9 @@
 #ifndef GTOPK_TORCH_MODULE_BUILD_PATH
 #define GTOPK_TORCH_MODULE_BUILD_PATH ""
 #endif
+#ifndef GTOPK_TORCH_MODULE_ABI
+#define GTOPK_TORCH_MODULE_ABI GTOPK_VERSION
+#endif
 
 namespace gtopk {
 namespace worker {
@@ -25,13 +31,43 @@ namespace {
 
 std::atomic<bool> g_loaded{false};
 
-std::string ExecutableDirectory() {
-  std::string path(4096, '\0');
-  const ssize_t len = readlink("/proc/self/exe", path.data(), path.size() - 1);
-  if (len <= 0) return "";
-  path.resize(static_cast<size_t>(len));
-  const size_t slash = path.rfind('/');
-  return slash == std::string::npos ? "" : path.substr(0, slash);
+// The directories of the running program, each once: /proc/self/exe's
+// (links resolved), then the one the dynamic loader recorded for the main
+// program (dladdr on a function of it), which differs when the program runs
+// through the loader (/lib64/ld-linux-x86-64.so.2 gtopk-worker ...:
+// /proc/self/exe is the loader then).
+std::vector<std::string> ProgramDirectories() {
+  std::vector<std::string> dirs;
+  const auto add = [&dirs](const char* file) {
+    char resolved[PATH_MAX];
+    if (realpath(file, resolved) == nullptr) return;
+    const std::string path(resolved);
+    const size_t slash = path.rfind('/');
+    if (slash == std::string::npos) return;
+    const std::string dir = path.substr(0, slash);
+    if (std::find(dirs.begin(), dirs.end(), dir) == dirs.end()) {
+      dirs.push_back(dir);
+    }
+  };
+  add("/proc/self/exe");
+  Dl_info info;
+  if (dladdr(reinterpret_cast<void*>(&TorchModuleCandidates), &info) != 0 &&
+      info.dli_fname != nullptr &&
+      std::strchr(info.dli_fname, '/') != nullptr) {
+    add(info.dli_fname);
+  }
+  return dirs;
+}
+
+// GTOPK_TORCH_MODULE when set and not empty, made absolute (a relative
+// path is the working directory's, as a shell reads it), else "".
+std::string GivenModule() {
+  const char* given = std::getenv("GTOPK_TORCH_MODULE");
+  if (given == nullptr || given[0] == '\0') return "";
+  if (given[0] == '/') return given;
+  char cwd[PATH_MAX];
+  if (getcwd(cwd, sizeof(cwd)) == nullptr) return given;
+  return absl::StrCat(cwd, "/", given);
 }
 
 absl::StatusOr<const TorchModuleApi*> Load() {
@@ -40,12 +76,17 @@ absl::StatusOr<const TorchModuleApi*> Load() {
     if (access(path.c_str(), F_OK) != 0) continue;
     void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (handle == nullptr) {
-      const char* why = dlerror();
+      const char* error = dlerror();
+      const std::string why = error != nullptr ? error : "unknown dlopen error";
+      // dlerror names the file that failed: the module itself (not a shared
+      // library: a directory, an empty or foreign file), or a library it
+      // needs, most likely libtorch's.
+      const bool dependency = why.rfind(path + ":", 0) != 0;
       return absl::FailedPreconditionError(absl::StrCat(
-          "cannot load gtopk's libtorch module ", path, ": ",
-          why != nullptr ? why : "unknown dlopen error",
-          " (--model=mlp|cnn and --device=cuda need libtorch: Debian's "
-          "libtorch1.13, or the libtorch this gtopk was built against)"));
+          "cannot load gtopk's libtorch module ", path, ": ", why,
+          dependency ? " (the module needs libtorch: Debian's libtorch1.13, "
+                       "or the libtorch this gtopk was built against)"
+                     : ""));
     }
     void* entry = dlsym(handle, kTorchModuleEntry);
     if (entry == nullptr) {
@@ -55,16 +96,24 @@ absl::StatusOr<const TorchModuleApi*> Load() {
     }
     const TorchModuleApi* api = reinterpret_cast<TorchModuleEntry>(entry)();
     if (api == nullptr || api->version == nullptr ||
-        std::strcmp(api->version, GTOPK_VERSION) != 0) {
+        std::strcmp(api->version, GTOPK_TORCH_MODULE_ABI) != 0) {
       return absl::FailedPreconditionError(
-          absl::StrCat(path, " is gtopk ",
+          absl::StrCat(path, " is the libtorch module of gtopk ",
                        api == nullptr || api->version == nullptr ? "(unknown)"
                                                                  : api->version,
-                       "'s libtorch module; this gtopk-worker is ",
-                       GTOPK_VERSION, ": install the module built with it"));
+                       "; this gtopk-worker is ", GTOPK_TORCH_MODULE_ABI,
+                       ": install the module built with it"));
     }
     g_loaded.store(true);
     return api;
+  }
+  const std::string given = GivenModule();
+  if (!given.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "GTOPK_TORCH_MODULE=", given,
+        ": no such file (gtopk's libtorch module, needed by --model=mlp|cnn "
+        "and --device=cuda; the variable replaces the search beside "
+        "gtopk-worker)"));
   }
   return absl::FailedPreconditionError(absl::StrCat(
       "gtopk's libtorch module (", kTorchModuleFile,
@@ -79,10 +128,8 @@ absl::StatusOr<const TorchModuleApi*> Load() {
 
 std::vector<std::string> TorchModuleCandidates() {
   std::vector<std::string> out;
-  const char* given = std::getenv("GTOPK_TORCH_MODULE");
-  if (given != nullptr && given[0] != '\0') return {given};
-  const std::string dir = ExecutableDirectory();
-  if (!dir.empty()) {
+  if (std::string given = GivenModule(); !given.empty()) return {given};
+  for (const std::string& dir : ProgramDirectories()) {
     out.push_back(absl::StrCat(dir, "/", kTorchModuleFile));
     out.push_back(absl::StrCat(dir, "/../lib/gtopk/", kTorchModuleFile));
   }

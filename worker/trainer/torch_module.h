@@ -12,9 +12,9 @@
 // never re-executes itself for them.
 //
 // Where the module is looked for: GTOPK_TORCH_MODULE, when set and not
-// empty, is the one path (a relocated install; tests); else, in order (the
-// first that exists is loaded; one that exists and fails to load is an
-// error, not skipped):
+// empty, is the one path (a relocated install; tests; relative to the
+// working directory); else, in order (the first that exists is loaded; one
+// that exists and fails to load is an error, not skipped):
 //   1. <directory of the running executable>/libgtopk_torch_model.so (the
 //      build tree: build/worker/, beside gtopk-worker);
 //   2. <directory of the running executable>/../lib/gtopk/
@@ -22,6 +22,9 @@
 //      /usr/local/lib/gtopk, as the worker images have it);
 //   3. the module's path in the build tree that compiled this file (test
 //      programs in build/tests/).
+// The running executable: /proc/self/exe with links resolved, and also the
+// program the dynamic loader recorded when that differs (a program run as
+// /lib64/ld-linux-x86-64.so.2 PROGRAM: 1 and 2 for each, in that order).
 #ifndef GTOPK_WORKER_TRAINER_TORCH_MODULE_H_
 #define GTOPK_WORKER_TRAINER_TORCH_MODULE_H_
 
@@ -41,9 +44,10 @@ inline constexpr char kTorchModuleFile[] = "libgtopk_torch_model.so";
 inline constexpr char kTorchModuleEntry[] = "gtopk_torch_model_api";
 
 // What the module's entry returns: a static table, valid for the life of
-// the process. `version` is GTOPK_VERSION of the build that made the
-// module; the loader refuses a module from another version (the Model
-// interface crosses the boundary).
+// the process. `version` is the build's GTOPK_TORCH_MODULE_ABI: the
+// version and a hash of model.h and this header, the types that cross the
+// boundary (worker/CMakeLists.txt); the loader refuses a module whose
+// string differs.
 struct TorchModuleApi {
   const char* version;
   absl::StatusOr<std::unique_ptr<Model>> (*make_model)(const std::string& name,

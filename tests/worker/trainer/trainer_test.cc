@@ -189,8 +189,9 @@ TEST(TorchModuleTest, LibtorchIsLoadedByTheFirstTorchModelOnly) {
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--threads")));
 }
 
-// The candidates: GTOPK_TORCH_MODULE alone when set, else beside the
-// executable, then ../lib/gtopk/, then this build tree's module.
+// The candidates: GTOPK_TORCH_MODULE alone when set (a relative path made
+// absolute), else beside the executable, then ../lib/gtopk/, then this
+// build tree's module.
 TEST(TorchModuleTest, CandidatesFollowTheDocumentedOrder) {
   ASSERT_EQ(unsetenv("GTOPK_TORCH_MODULE"), 0);
   char exe[4096];
@@ -207,6 +208,12 @@ TEST(TorchModuleTest, CandidatesFollowTheDocumentedOrder) {
   EXPECT_TRUE(built.good()) << got[2];
   ASSERT_EQ(setenv("GTOPK_TORCH_MODULE", "/opt/x/m.so", 1), 0);
   EXPECT_EQ(TorchModuleCandidates(), std::vector<std::string>{"/opt/x/m.so"});
+  // Relative: the working directory's.
+  ASSERT_EQ(setenv("GTOPK_TORCH_MODULE", "rel/m.so", 1), 0);
+  char cwd[4096];
+  ASSERT_NE(getcwd(cwd, sizeof(cwd)), nullptr);
+  EXPECT_EQ(TorchModuleCandidates(),
+            std::vector<std::string>{std::string(cwd) + "/rel/m.so"});
   ASSERT_EQ(setenv("GTOPK_TORCH_MODULE", "", 1), 0);
   EXPECT_EQ(TorchModuleCandidates().size(), 3u);
   ASSERT_EQ(unsetenv("GTOPK_TORCH_MODULE"), 0);
