@@ -4,6 +4,7 @@
 #include "server/server_config.h"
 
 #include <algorithm>
+#include <charconv>
 #include <climits>
 #include <cmath>
 #include <string>
@@ -121,7 +122,7 @@ absl::Status ValidateSelection(const ServerConfig& c) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--bucket-mb must be a number in (0, 1000000] (MiB of fp32 values "
           "per bucket), got ",
-          absl::StrFormat("%.17g", c.bucket_mb)));
+          BucketMbGiven(c)));
     }
     // Every full bucket must keep at least one entry at the lowest density
     // (a density warm-up only raises it): round(values * density) >= 1.
@@ -290,12 +291,11 @@ uint64_t BucketSizeValues(const ServerConfig& config) {
 }
 
 std::string BucketMbGiven(const ServerConfig& config) {
-  for (int digits = 1; digits < 17; ++digits) {
-    const std::string text = absl::StrFormat("%.*g", digits, config.bucket_mb);
-    double back = 0;
-    if (absl::SimpleAtod(text, &back) && back == config.bucket_mb) return text;
-  }
-  return absl::StrFormat("%.17g", config.bucket_mb);
+  // std::to_chars without a format: the shortest text that reads back.
+  char text[32];
+  const std::to_chars_result r =
+      std::to_chars(text, text + sizeof(text), config.bucket_mb);
+  return std::string(text, r.ptr);
 }
 
 absl::Status CheckBucketPieces(const ServerConfig& config, uint64_t n) {

@@ -9,7 +9,6 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -90,6 +89,7 @@ absl::StatusOr<const TorchModuleApi*> Load() {
     }
     void* entry = dlsym(handle, kTorchModuleEntry);
     if (entry == nullptr) {
+      dlclose(handle);
       return absl::FailedPreconditionError(
           absl::StrCat(path, " is not gtopk's libtorch module (no ",
                        kTorchModuleEntry, ")"));
@@ -97,10 +97,12 @@ absl::StatusOr<const TorchModuleApi*> Load() {
     const TorchModuleApi* api = reinterpret_cast<TorchModuleEntry>(entry)();
     if (api == nullptr || api->version == nullptr ||
         std::strcmp(api->version, GTOPK_TORCH_MODULE_ABI) != 0) {
+      const std::string theirs = api == nullptr || api->version == nullptr
+                                     ? "(unknown)"
+                                     : api->version;
+      dlclose(handle);
       return absl::FailedPreconditionError(
-          absl::StrCat(path, " is the libtorch module of gtopk ",
-                       api == nullptr || api->version == nullptr ? "(unknown)"
-                                                                 : api->version,
+          absl::StrCat(path, " is the libtorch module of gtopk ", theirs,
                        "; this gtopk-worker is ", GTOPK_TORCH_MODULE_ABI,
                        ": install the module built with it"));
     }
@@ -139,10 +141,10 @@ std::vector<std::string> TorchModuleCandidates() {
 }
 
 absl::StatusOr<const TorchModuleApi*> LoadTorchModule() {
-  static std::once_flag once;
-  static absl::StatusOr<const TorchModuleApi*>* result = nullptr;
-  std::call_once(
-      once, [] { result = new absl::StatusOr<const TorchModuleApi*>(Load()); });
+  // Once per process (a function-local static's initialisation is
+  // thread-safe); never destroyed, as the module stays loaded.
+  static const auto* const result =
+      new absl::StatusOr<const TorchModuleApi*>(Load());
   return *result;
 }
 
