@@ -223,9 +223,9 @@ struct Running {
   std::vector<Thread>* threads = nullptr;
   int current = -1;
   // The block being run (RunBlock): its body, this round's thread order
-  // (ThreadOrder: empty for the forward order) and
-  // the position in it of the next thread to run, the scheduler while
-  // threads run, and who made the last switch.
+  // (ThreadOrder: empty for the forward order) and the position in it of
+  // the next thread to run, the scheduler while threads run, and who made
+  // the last switch.
   const std::function<void()>* body = nullptr;
   std::vector<int> order;
   size_t next = 0;
