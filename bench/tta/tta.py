@@ -117,8 +117,8 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--mlp-width", type=int, default=None,
                    help="the MLP's hidden layers (train_modern.py "
-                   "--mlp-width; default 3072: n = 11,882,506; 512 with "
-                   "--quick)")
+                   "--mlp-width; default: the script's, 3072, n = "
+                   "11,882,506; 512 with --quick)")
     p.add_argument("--quick", action="store_true",
                    help="the harness in minutes: 1gbit, %s, 1024 "
                    "training and 1000 test samples (8 steps at P = 4), "
@@ -149,8 +149,6 @@ def parse_args(argv):
         a.powersgd_start_iter = 4
         if a.mlp_width is None:
             a.mlp_width = 512
-    if a.mlp_width is None:
-        a.mlp_width = 3072
     a.rates = [r for r in a.rates.split(",") if r]
     a.methods = [m for m in a.methods.split(",") if m]
     unknown = [m for m in a.methods if m not in METHODS]
@@ -161,7 +159,7 @@ def parse_args(argv):
         p.error("--rates is empty")
     for name in ("workers", "shards", "epochs", "batch_size", "eval_every",
                  "mlp_width"):
-        if getattr(a, name) < 1:
+        if getattr(a, name) is not None and getattr(a, name) < 1:
             p.error("--%s must be >= 1" % name.replace("_", "-"))
     if a.time_cap <= 0:
         p.error("--time-cap must be > 0")
@@ -258,7 +256,9 @@ class Bench:
                 "--seed=%d" % a.seed, "--train-limit=%d" % a.train_limit,
                 "--test-limit=%d" % a.test_limit,
                 "--eval-every=%d" % a.eval_every,
-                "--threads=1", "--mlp-width=%d" % a.mlp_width]
+                "--threads=1"]
+        if a.mlp_width is not None:  # else the script's default
+            argv += ["--mlp-width=%d" % a.mlp_width]
         if not self.is_reference(method, tag):
             argv += ["--time-cap=%r" % a.time_cap]
         if rank == 0:

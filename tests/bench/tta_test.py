@@ -51,8 +51,9 @@ def skip_reason():
 
 
 class TtaArgsTest(unittest.TestCase):
-    """--mlp-width: 3072 by default, 512 under --quick unless given; a
-    width under 1 refused (exit 2) with --quick too."""
+    """--mlp-width: not given to the script by default (its own 3072),
+    512 under --quick unless given; a width under 1 refused (exit 2) with
+    --quick too."""
 
     def parse(self, *argv):
         sys.path.insert(0, os.path.dirname(HARNESS))
@@ -63,7 +64,7 @@ class TtaArgsTest(unittest.TestCase):
         return tta.parse_args(list(argv))
 
     def test_mlp_width(self):
-        self.assertEqual(self.parse().mlp_width, 3072)
+        self.assertIsNone(self.parse().mlp_width)
         self.assertEqual(self.parse("--quick").mlp_width, 512)
         self.assertEqual(self.parse("--quick", "--mlp-width", "3072").mlp_width,
                          3072)
