@@ -356,6 +356,9 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
         self._overlap = False
         self._overlap_off = False
         self._deferred_error = None
+        # Parameters on the GPU: the overlapped step's gradient is staged in
+        # host memory, piece by piece (_stage_on_host).
+        self._staged = False
 
         # -- join, check, synchronise -----------------------------------------
         self._client = gtopk.Client(
@@ -392,6 +395,8 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
         except BaseException:
             self._client.close()
             raise
+        if self._overlap and self._cuda:
+            self._stage_on_host()
         if self._overlap:
             for i, p in enumerate(plist):
                 acc = p.expand_as(p).grad_fn.next_functions[0][0]
@@ -489,9 +494,9 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
 
     def _overlap_mode(self, overlap, c):
         """Whether steps overlap with backward: by default when the servers
-        run --selection=layerwise (and the model is on the CPU with one
-        backward pass per step); overlap=True where that cannot be is
-        refused, naming why."""
+        run --selection=layerwise (with one backward pass per step; on the
+        CPU or the GPU, _stage_on_host); overlap=True where that cannot be
+        is refused, naming why."""
         layerwise = c.get("selection") == "layerwise"
         if overlap is False:
             return False
@@ -500,10 +505,6 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
             why = ("the servers run --selection=%s: only layer-wise buckets "
                    "(--selection=layerwise) can be pushed while backward "
                    "goes on" % c.get("selection"))
-        elif self._cuda:
-            why = ("the parameters are on the GPU: overlapped steps with "
-                   "--apply=workers take host gradients (the device "
-                   "overlapped step is C++ and --apply=servers only)")
         elif self._passes != 1:
             why = ("backward_passes_per_step=%d: the gradient is final only "
                    "after the last pass" % self._passes)
@@ -512,6 +513,48 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
         if overlap:
             raise errors.FailedPrecondition("gtopk: overlap=True, but " + why)
         return False
+
+    def _stage_on_host(self):
+        """Overlapped steps through host memory, for parameters on the GPU
+        (called at construction; tests call it on the CPU to run the same
+        path there): the client selects on the host, so each bucket piece's
+        gradient is copied from the device buffer into a pinned host buffer
+        as soon as the last parameter overlapping it is ready, then
+        reported (one device-to-host copy per piece, which waits for the
+        backward work queued so far on the current stream: with the default
+        25 MiB buckets a few per step). The average comes back into the
+        device buffer in one copy after the round. Pieces: the client's
+        bucket_pieces, which partition [0, n)."""
+        n = self._n
+        pin = self._flat_grad.is_cuda
+        self._host_grad = torch.zeros(n, dtype=torch.float32, pin_memory=pin)
+        self._host_params = None
+        self._pieces = [(int(b), int(e))
+                        for b, e in self._client.bucket_pieces]
+        if not self._pieces:
+            self._pieces = [(0, n)]
+        # Per parameter: [(piece index, values of the parameter in it)].
+        self._param_pieces = []
+        j = 0
+        for off, cnt in self._slices:
+            while j + 1 < len(self._pieces) and self._pieces[j][1] <= off:
+                j += 1
+            mine, q = [], j
+            while q < len(self._pieces) and self._pieces[q][0] < off + cnt:
+                b, e = self._pieces[q]
+                mine.append((q, min(e, off + cnt) - max(b, off)))
+                q += 1
+            self._param_pieces.append(mine)
+        self._piece_left = [e - b for b, e in self._pieces]
+        self._staged = True
+
+    def _stage_piece(self, q):
+        """Piece q's gradient, final on the device: to the host buffer,
+        then reported."""
+        b, e = self._pieces[q]
+        with torch.no_grad():
+            self._host_grad[b:e].copy_(self._flat_grad[b:e])
+        self._client.gradient_ready(b, e)
 
     def _make_ready_hook(self, i):
         def hook(*unused):
@@ -552,8 +595,14 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
                     p.grad = slot.view(p.shape)
             elif g is None:
                 return  # reported at synchronize() (zeros)
-            client.gradient_ready(off, off + cnt)
             self._reported[i] = True
+            if not self._staged:
+                client.gradient_ready(off, off + cnt)
+                return
+            for q, values in self._param_pieces[i]:
+                self._piece_left[q] -= values
+                if self._piece_left[q] == 0:
+                    self._stage_piece(q)
         except errors.Error:
             if client.overlapped_step_open:
                 client.abandon_overlapped_step()
@@ -578,10 +627,19 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
         buffers = (self._buffer_layout.pack()
                    if self._buffer_layout is not None and client.rank == 0
                    else b"")
-        grad = self._flat_grad.numpy()
-        client.begin_overlapped_step(
-            grad, grad, self._flat.numpy() if due else None, buffers,
-            state_checksum)
+        if self._staged:
+            grad = self._host_grad.numpy()
+            # Alive until the step ends (the client reads it).
+            self._host_params = (self._flat.detach().to("cpu")
+                                 if due else None)
+            params = (self._host_params.numpy()
+                      if self._host_params is not None else None)
+            self._piece_left = [e - b for b, e in self._pieces]
+        else:
+            grad = self._flat_grad.numpy()
+            params = self._flat.numpy() if due else None
+        client.begin_overlapped_step(grad, grad, params, buffers,
+                                     state_checksum)
         self._reported = [False] * len(self._params)
         # At the end of this backward pass (as DDP's reducer finalises its
         # buckets): the exchange ends, and .grad is the average when
@@ -653,10 +711,21 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
                     slot.copy_((g.to_dense() if g.is_sparse else g)
                                .reshape(-1))
                 p.grad = slot.view(p.shape)
+            if self._staged:
+                # The pieces not complete yet (a parameter without a hook
+                # call): as they are now, taken unreported by the client.
+                for q, left in enumerate(self._piece_left):
+                    if left > 0:
+                        b, e = self._pieces[q]
+                        self._host_grad[b:e].copy_(fg[b:e])
         self._retry_step = None
         self._failed_grads = None
         try:
-            return client.finish_overlapped_step()
+            result = client.finish_overlapped_step()
+            if self._staged:
+                with torch.no_grad():
+                    fg.copy_(self._host_grad)  # the average, to the device
+            return result
         except (errors.InvalidArgument, errors.Unimplemented):
             raise
         except (errors.Error, KeyboardInterrupt):
@@ -664,6 +733,7 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
             self._failed_grads = self._grad_signature()
             raise
         finally:
+            self._host_params = None
             self._end_overlap_step()
 
     def _synchronize_initial(self):
