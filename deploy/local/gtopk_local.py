@@ -98,8 +98,13 @@ MODERN_WORKER_SCRIPT = "train_modern.py"
 DEFAULT_MODERN_WORKER = os.path.join(REPO_ROOT, "examples", "pytorch",
                                      MODERN_WORKER_SCRIPT)
 PYTHON_WORKERS = ("python", "python-modern")
-# The SGD defaults of --worker=cpp|python (the servers' optimizer).
-DEFAULT_SERVER_LR = 0.1
+# The SGD lr of --worker=cpp|python (the servers' optimizer) when neither
+# --lr nor a --config file gives one: deploy/cluster.env's GTOPK_LR. Not the
+# servers' own default of 0.1: with this launcher's other defaults (the cnn,
+# density 0.001 from the first step, DGC momentum 0.9) that diverged (NaN at
+# step 101 with P = 4, at step 84 with P = 1); 0.05 trains (one epoch:
+# accuracy 0.819 with P = 4, 0.848 with 2, 0.866 with 1).
+DEFAULT_SERVER_LR = 0.05
 # Debian's python3-torch belongs to /usr/bin/python3 (a python3 first on
 # PATH may be another interpreter without torch).
 DEFAULT_WORKER_PYTHON = "/usr/bin/python3" if os.access(

@@ -21,6 +21,7 @@ The build directory comes from GTOPK_BUILD_DIR (ctest sets it), else build/.
 """
 
 import json
+import math
 import os
 import re
 import signal
@@ -270,6 +271,22 @@ class TrainingTest(LauncherCase):
         self.assertLess(s["sent_bytes_per_worker_per_step"],
                         s["dense_bytes_per_worker_per_step"])
         self.assert_nothing_left("e2e")
+
+    def test_defaults_train_the_default_model(self):
+        """The launcher with its own defaults (the cnn, P = 4, S = 2,
+        density 0.001 without warm-up, DGC momentum 0.9) trains: at the
+        servers' lr of 0.1 this run went NaN at step 101 (the launcher's
+        default is deploy/cluster.env's 0.05)."""
+        code, out = self.launch("defaults", "--steps", "110",
+                                "--test-limit", "1000", "--prometheus",
+                                "off")
+        self.assertEqual(code, 0, out)
+        s = self.load("defaults", "summary.json")
+        self.assertEqual((s["steps"], s["workers"], s["shards"]),
+                         (110, 4, 2))
+        self.assertTrue(math.isfinite(s["final_loss"]), s)
+        self.assertGreater(s["test_accuracy"], 0.5)  # chance is 0.1
+        self.assertTrue(s["replica_checksums_match"], s)
 
     def test_gtopk_density_one_equals_dense(self):
         # Global momentum (DGC's local correction and masking differ from
