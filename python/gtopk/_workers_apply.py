@@ -652,19 +652,50 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
         """Autograd's end-of-pass callback for an overlapped step: waits
         for the remaining pulls and writes the average into .grad, so that
         after backward() the gradient is the aggregated one, as under DDP
-        (clip it, then step()). A gtopk error is kept and raised by the next
-        synchronize()/step() (where the recovery loop catches it); Ctrl-C
-        propagates out of backward()."""
+        (clip it, then step()). A failed round (gtopk.RETRYABLE) is
+        recovered and the step retried here, within the recovery budget:
+        the other ranks get this step's average inside their backward pass
+        and may change it before step() (clip_grad_norm_), so this rank
+        must have it there too; a retry left to step() would come after
+        the script's change and this replica would differ. What the budget
+        cannot mend, and every other gtopk error, is kept and raised by the
+        next synchronize()/step() (where the recovery loop catches it);
+        Ctrl-C propagates out of backward()."""
         client = self._client
         if client is None or not client.overlapped_step_open:
             return
         t0 = time.perf_counter()
+        recovered = 0
         try:
-            stats, received = self._finish_overlap()
+            try:
+                stats, received = self._finish_overlap()
+            except errors.RETRYABLE as failed:
+                stats, received, recovered = self._retry_in_backward(failed)
         except errors.Error as e:
             self._deferred_error = e
             return
         self._after_exchange(stats, received, t0)
+        self._stats["recovered_in_backward"] = recovered
+
+    def _retry_in_backward(self, failed):
+        """The documented recovery loop, run at the end of backward after
+        the overlapped round failed: recover(), then the whole exchange
+        with a zero gradient, until it succeeds or the recovery budget is
+        spent (then the last error). Returns (stats, buffers, recoveries)."""
+        deadline = time.monotonic() + self._budget()
+        recoveries = 0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise failed
+            try:
+                self._recover_within_budget(
+                    lambda secs: self._client.recover(None, secs), left)
+                recoveries += 1
+                stats, received = self._exchange_whole()
+                return stats, received, recoveries
+            except errors.RETRYABLE as e:
+                failed = e
 
     def _end_overlap_step(self):
         """Between steps: overlap on again, nothing reported."""
@@ -884,8 +915,16 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
             raise e
         if client.overlapped_step_open:
             stats, received = self._finish_overlap()
-            self._after_exchange(stats, received, t0)
-            return
+        else:
+            stats, received = self._exchange_whole()
+        self._after_exchange(stats, received, t0)
+
+    def _exchange_whole(self):
+        """The whole exchange after backward (or the retry of a failed
+        one, with a zero gradient: the failed attempt's is in the
+        residual); returns (stats, rank 0's buffers). The average is in
+        .grad. Errors as synchronize()'s."""
+        client = self._client
         self._end_overlap_step()
         if self._retry_step is not None and (
                 self._retry_step == client.next_step
@@ -929,7 +968,7 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
             self._retry_step = client.next_step
             self._failed_grads = self._grad_signature()
             raise
-        self._after_exchange(stats, received, t0)
+        return stats, received
 
     def _after_exchange(self, stats, received, t0):
         """The end of a successful exchange (whole or overlapped): rank 0's
@@ -944,6 +983,7 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
                 p.grad = None
         self._stats = dict(stats)
         self._stats["exchange_seconds"] = time.perf_counter() - t0
+        self._stats["recovered_in_backward"] = 0
         self._synchronized = True
         self._counts_at_sync = list(self._pass_counts)
 

@@ -114,9 +114,10 @@ def pieces_of(n, shard_begins):
             for i, b in enumerate(cuts)]
 
 
-def reference(P, S, steps, groups=True):
+def reference(P, S, steps, groups=True, clip=None):
     """Final flat parameters of P replicas trained with plain layer-wise
-    gTop-k and AdamW (every replica is the same model: one is kept)."""
+    gTop-k and AdamW (every replica is the same model: one is kept);
+    `clip`: the average's norm clipped to it before each step."""
     model = Net(rank=-1)
     opt = make_opt(model, groups)
     sched = make_sched(opt)
@@ -159,6 +160,8 @@ def reference(P, S, steps, groups=True):
             cnt = p.numel()
             p.grad = torch.from_numpy(avg[off:off + cnt].copy()).view(p.shape)
             off += cnt
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
         sched.step()
     return wat.flat_of(params)
@@ -166,12 +169,14 @@ def reference(P, S, steps, groups=True):
 
 class OverlapTest(wat.ClusterCase):
     def train(self, srv, P, interrupt_at=None, groups=True, staged=False,
-              device="cpu", **kw):
+              device="cpu", clip=None, **kw):
         """Trains P ranks in threads with the documented recovery loop;
         rank 0's backward is interrupted once at step `interrupt_at`;
         `staged`: through host memory as for GPU parameters (asserting
-        that every piece was staged). Returns each rank's flat parameters
-        and stats of its last step."""
+        that every piece was staged). Returns, per rank: its flat
+        parameters, the stats of its last step, its interrupted backward
+        passes and its failed attempts (retried in step() after recover(),
+        or recovered inside backward)."""
         models = [Net(rank=w).to(device) for w in range(P)]
 
         def worker(w):
@@ -206,6 +211,9 @@ class OverlapTest(wat.ClusterCase):
                             break
                         except KeyboardInterrupt:
                             interrupted += 1  # repeat the backward pass
+                    if clip is not None:  # the average, after backward
+                        torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                       clip)
                     while True:  # the documented recovery loop
                         try:
                             opt.step()
@@ -215,6 +223,9 @@ class OverlapTest(wat.ClusterCase):
                             if time.monotonic() > deadline:
                                 raise
                             opt.recover()
+                    # A failed overlapped round is recovered and retried
+                    # inside backward (counted there).
+                    failed += opt.stats["recovered_in_backward"]
                     sched.step()
                 if opt._staged and opt._overlap:
                     self.assertEqual(staged_pieces,
@@ -258,7 +269,28 @@ class OverlapTest(wat.ClusterCase):
         want = reference(2, 2, STEPS, groups=False)
         self.assertEqual(results[0][2], 1, "rank 0 was not interrupted")
         # Rank 1's step failed (rank 0's abandoned attempt was failed on
-        # every shard) and was retried after recover().
+        # every shard) and was retried after recover(), inside its
+        # backward pass.
+        self.assertGreaterEqual(results[1][3], 1, "rank 1 never failed")
+        for w, (got, _, _, _) in enumerate(results):
+            np.testing.assert_array_equal(
+                got.view(np.uint32), want.view(np.uint32),
+                err_msg="rank %d" % w)
+
+    def test_a_rank_failing_in_backward_retries_there_so_clipping_agrees(
+            self):
+        """Rank 0's Ctrl-C fails rank 1's overlapped exchange at the end
+        of its backward pass; rank 0's repeated pass then completes the
+        step inside backward. Both ranks clip .grad between backward() and
+        step(), which must be the average on both: rank 1 recovers and
+        retries inside its backward pass (a retry left to step() would
+        come after the clip, and that rank would step on the unclipped
+        average: a break-it run's resumed script ended with two different
+        replicas)."""
+        srv = self.start(2, 2, **FLAGS)
+        results = self.train(srv, 2, interrupt_at=2, groups=False, clip=0.05)
+        want = reference(2, 2, STEPS, groups=False, clip=0.05)
+        self.assertEqual(results[0][2], 1, "rank 0 was not interrupted")
         self.assertGreaterEqual(results[1][3], 1, "rank 1 never failed")
         for w, (got, _, _, _) in enumerate(results):
             np.testing.assert_array_equal(
