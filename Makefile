@@ -227,8 +227,7 @@ bench-lowbw-grid:
 # build and the Python package first. TTA_ARGS=--quick for the short form.
 # It preloads OpenBLAS (Debian's libopenblas0-pthread, installed here if
 # missing) into its Python workers only; the system's libblas.so.3 choice is
-# left as it was (OpenBLAS as the system BLAS breaks gtopk-worker's metrics
-# endpoint, bench/tta/README.md).
+# left as it was (the BLAS changes results' bits; bench/tta/README.md).
 TTA_OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 bench-tta:
 	@if [ "$$(id -u)" != 0 ]; then \
@@ -242,9 +241,9 @@ bench-tta:
 
 # OpenBLAS for the time-to-accuracy benchmark's Python workers only
 # (bench/tta/tta.py preloads it there), installed when missing without
-# changing the system's BLAS choice: as the system libblas.so.3 it breaks
-# gtopk-worker's metrics endpoint (civetweb). As root only; without it
-# tta.py --quick (ctest tta_test) runs on the system's BLAS, slower.
+# changing the system's BLAS choice (the BLAS changes results' bits). As
+# root only; without it tta.py --quick (ctest tta_test) runs on the
+# system's BLAS, slower, and flags_test's OpenBLAS case is skipped.
 tta-blas:
 	@if [ ! -e $(TTA_OPENBLAS) ] && [ "$$(id -u)" = 0 ]; then \
 	  blas=$$(update-alternatives --query libblas.so.3-x86_64-linux-gnu | sed -n 's/^Value: //p'); \

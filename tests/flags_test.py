@@ -496,6 +496,39 @@ class WorkerFlagsTest(unittest.TestCase):
                         p.kill()
                         p.wait()
 
+    def test_portable_re_executes_when_openblas_is_loaded_before_main(self):
+        """--cpu-isa=portable when OpenBLAS is already loaded (LD_PRELOAD
+        here; a program linked against it) pins OPENBLAS_CORETYPE by
+        running the program again (worker/trainer/cpu_isa.h), directly and
+        through /lib64/ld-linux-x86-64.so.2, where /proc/self/exe is the
+        loader (a break-it run found the loader given the worker's flags:
+        "unrecognized option"). Both runs reach the join, which fails
+        (nothing listens): exit 1, the pinned note printed once."""
+        openblas = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
+        if not os.path.exists(openblas):
+            self.skipTest("needs OpenBLAS at %s (Debian: libopenblas0-pthread,"
+                          " which libtorch-dev pulls in)" % openblas)
+        loader = "/lib64/ld-linux-x86-64.so.2"
+        for prefix in ([], [loader]):
+            with self.subTest(prefix=prefix):
+                env = dict(os.environ, LD_PRELOAD=openblas)
+                env.pop("OPENBLAS_CORETYPE", None)
+                r = subprocess.run(
+                    prefix + [os.path.realpath(WORKER),
+                              "--server=127.0.0.1:%d" % free_port(),
+                              "--tls=off", "--rpc-timeout-s=1",
+                              "--model=synthetic:10", "--cpu-isa=portable"],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, text=True,
+                    timeout=CASE_TIMEOUT_S, env=env)
+                self.assertEqual(r.returncode, 1, r.stdout)
+                self.assertEqual(r.stdout.count(
+                    "--cpu-isa=portable: ATEN_CPU_CAPABILITY=avx2"), 1,
+                    r.stdout)
+                self.assertIn("OPENBLAS_CORETYPE=Haswell", r.stdout)
+                self.assertIn("127.0.0.1", r.stdout)  # the join failed
+                self.assertNotIn("unrecognized option", r.stdout)
+
     def test_bad_job_completion_index(self):
         r = run([WORKER, "--server=127.0.0.1:%d" % free_port(), "--tls=off",
                  "--model=synthetic:10"], env={"JOB_COMPLETION_INDEX": "x"})

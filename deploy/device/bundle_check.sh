@@ -14,8 +14,8 @@
 # civetweb load from the bundle (LD_LIBRARY_PATH on its unpacked folder, as
 # deploy/device/e2e_device.sh sets it on the device), and runs S=2 shards and
 # P=2 workers on loopback for a few steps of synthetic:100000 and of the MLP
-# on Fashion-MNIST (libtorch's path; the model is linked into gtopk-worker
-# against static Abseil) with the device run's launcher
+# on Fashion-MNIST (libtorch's module, taking Abseil from gtopk-worker)
+# with the device run's launcher
 # (deploy/local/gtopk_local.py), requiring equal replica checksums. The device's own packages (protobuf 3.21, GTest,
 # Boost, zlib, OpenSSL) stay visible: the device has them too.
 #
@@ -137,13 +137,27 @@ for b in "$BUILD_DIR/server/gtopk-server" "$BUILD_DIR/worker/gtopk-worker"; do
   done
 done
 
+# gtopk-worker's libtorch module (worker/trainer/torch_module.h) links
+# libtorch, nothing hidden or missing, and no Abseil: against the bundle's
+# static Abseil it uses gtopk-worker's, so every Abseil symbol it needs must
+# be exported by the worker (worker/CMakeLists.txt).
+module="$BUILD_DIR/worker/libgtopk_torch_model.so"
+if [ ! -f "$module" ] || grep -E "libgrpc|libgpr|libabsl|libupb|libre2|libcares|not found" <<< "$(ldd "$module" 2>&1)"; then
+  say "$module is missing or links a hidden or missing library"; exit 12
+fi
+missing=$(comm -23 <(nm -D --undefined-only "$module" | awk '/4absl/ {print $2}' | sort -u) \
+  <(nm -D --defined-only "$BUILD_DIR/worker/gtopk-worker" | awk '/4absl/ {print $3}' | sort -u))
+if [ -n "$missing" ]; then
+  say "the module needs Abseil symbols gtopk-worker does not export:"; echo "$missing" | head; exit 12
+fi
+echo "  libgtopk_torch_model.so: $(nm -D --undefined-only "$module" | grep -c 4absl) Abseil symbols, all from gtopk-worker"
+
 # 4. Loopback smoke runs, S=2, P=2, 5 steps each: synthetic, then the MLP
 # on Fashion-MNIST (Debian's dataset-fashion-mnist, which make test
-# installs): the worker's libtorch path. Against the bundle's static Abseil
-# the model is linked into gtopk-worker (worker/trainer/torch_module.h,
-# GTOPK_TORCH_MODEL_LINKED), as on the device.
+# installs): the worker's libtorch module, loaded on the first torch model.
 t0=$SECONDS
-smoke() {  # smoke NAME MODEL
+smoke() {  # smoke NAME MODEL [BLAS_DIR: put first on LD_LIBRARY_PATH]
+  LD_LIBRARY_PATH="${3:+$3:}$LD_LIBRARY_PATH" \
   timeout -k 10 180 "$PY" deploy/local/gtopk_local.py --name "$1" \
     --build-dir "$BUILD_DIR" --runs-dir "$BUILD_DIR/runs" --workers 2 --shards 2 \
     --model "$2" --steps 5 --density 0.01 --prometheus off \
@@ -166,5 +180,14 @@ EOF
 }
 smoke bundle_check synthetic:100000
 smoke bundle_check_mlp mlp
+# Again with OpenBLAS as the BLAS when it is installed (make test installs
+# it; libtorch recommends it): its thread-local storage with libtorch's
+# once left no room in civetweb's metrics threads (worker/CMakeLists.txt).
+OPENBLAS_DIR=/usr/lib/x86_64-linux-gnu/openblas-pthread
+if [ -e "$OPENBLAS_DIR/libblas.so.3" ]; then
+  smoke bundle_check_mlp_openblas mlp "$OPENBLAS_DIR"
+else
+  say "smoke run with OpenBLAS: SKIPPED (no $OPENBLAS_DIR)"
+fi
 say "smoke run: $(( SECONDS - t0 )) s; all: $(( SECONDS - t_start )) s"
 exit 0

@@ -1,11 +1,15 @@
 #include "worker/trainer/cpu_isa.h"
 
 #include <dlfcn.h>
+#include <limits.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -36,6 +40,29 @@ bool ReadAtLoadAndLoaded(const std::string& variable) {
     return dlsym(RTLD_DEFAULT, "MKL_Get_Version") != nullptr;
   }
   return false;
+}
+
+// Runs this program again with the same arguments. /proc/self/exe is the
+// dynamic loader when the program was started through it
+// (/lib64/ld-linux-x86-64.so.2 gtopk-worker ...; the loader recorded the
+// program, found with dladdr, as the main program): the loader then gets
+// the program back as its first argument. Returns only on failure.
+void ExecAgain(char** argv) {
+  char self[PATH_MAX];
+  char program[PATH_MAX];
+  Dl_info info;
+  if (realpath("/proc/self/exe", self) != nullptr &&
+      dladdr(reinterpret_cast<void*>(&ApplyCpuIsa), &info) != 0 &&
+      info.dli_fname != nullptr && info.dli_fname[0] != '\0' &&
+      realpath(info.dli_fname, program) != nullptr &&
+      std::strcmp(self, program) != 0) {
+    std::vector<char*> args = {self, program};
+    for (char** a = argv + 1; *a != nullptr; ++a) args.push_back(*a);
+    args.push_back(nullptr);
+    execv(self, args.data());
+    return;
+  }
+  execv("/proc/self/exe", argv);
 }
 
 }  // namespace
@@ -78,7 +105,7 @@ absl::Status ApplyCpuIsa(const std::string& isa, char** argv,
     absl::StrAppend(&pinned, pinned.empty() ? "" : " ", variable, "=", value);
   }
   if (exec_again) {
-    execv("/proc/self/exe", argv);
+    ExecAgain(argv);
     return absl::InternalError(absl::StrCat(
         "--cpu-isa=portable: re-executing /proc/self/exe with the BLAS "
         "pinned failed: ",

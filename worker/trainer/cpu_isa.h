@@ -32,10 +32,14 @@ const std::vector<std::pair<std::string, std::string>>& PortableCpuPins();
 //   "portable"  sets PortableCpuPins() (overriding other values). ATen and
 //               oneDNN read theirs lazily, so setting them here is in time
 //               (no kernel has run yet); OpenBLAS and MKL read theirs when
-//               loaded, before main(): when one of them is loaded and its
-//               variable had another value, the process re-executes itself
-//               (/proc/self/exe, same `argv`) with the new environment, and
-//               this call does not return.
+//               loaded, before main() when the program links them (or
+//               LD_PRELOAD names them; gtopk-worker loads libtorch later,
+//               worker/trainer/torch_module.h): when one of them is loaded
+//               and its variable had another value, the process
+//               re-executes itself (/proc/self/exe, same `argv`; started
+//               through the dynamic loader, the loader with the program as
+//               its first argument) with the new environment, and this call
+//               does not return.
 // Errors: INVALID_ARGUMENT naming --cpu-isa for another value;
 // FAILED_PRECONDITION for "portable" on a CPU without AVX2 and FMA (the
 // pinned kernels would not run there; use --cpu-isa=native); INTERNAL when

@@ -24,26 +24,8 @@
 #define GTOPK_TORCH_MODULE_ABI GTOPK_VERSION
 #endif
 
-#ifdef GTOPK_TORCH_MODEL_LINKED
-// model_torch.cc, linked into this program (worker/CMakeLists.txt).
-extern "C" const gtopk::worker::TorchModuleApi* gtopk_torch_model_api();
-#endif
-
 namespace gtopk {
 namespace worker {
-
-#ifdef GTOPK_TORCH_MODEL_LINKED
-
-std::vector<std::string> TorchModuleCandidates() { return {}; }
-
-absl::StatusOr<const TorchModuleApi*> LoadTorchModule() {
-  return gtopk_torch_model_api();
-}
-
-bool TorchModuleLoaded() { return true; }
-
-#else  // the module, loaded on first use
-
 namespace {
 
 std::atomic<bool> g_loaded{false};
@@ -167,8 +149,6 @@ absl::StatusOr<const TorchModuleApi*> LoadTorchModule() {
 }
 
 bool TorchModuleLoaded() { return g_loaded.load(); }
-
-#endif  // GTOPK_TORCH_MODEL_LINKED
 
 absl::StatusOr<std::unique_ptr<Model>> MakeTorchModel(const std::string& name,
                                                       uint64_t seed,

@@ -26,14 +26,10 @@
 // program the dynamic loader recorded when that differs (a program run as
 // /lib64/ld-linux-x86-64.so.2 PROGRAM: 1 and 2 for each, in that order).
 //
-// A build against static Abseil archives (the device bundle) defines
-// GTOPK_TORCH_MODEL_LINKED instead (worker/CMakeLists.txt): Debian's .a
-// files are not position-independent, so no shared module can hold them,
-// and a module with an Abseil of its own would pass absl::StatusOr between
-// two copies. model_torch.cc is then linked into the program: libtorch loads
-// with it, no module is looked for (TorchModuleCandidates() is empty),
-// LoadTorchModule() returns the linked table and TorchModuleLoaded() is
-// always true.
+// Against static Abseil archives (the device bundle) the module is linked
+// without Abseil and uses the program's: gtopk-worker and every program
+// linking gtopk_trainer export their Abseil symbols (worker/CMakeLists.txt),
+// so one Abseil serves both sides, as Debian's shared one does otherwise.
 #ifndef GTOPK_WORKER_TRAINER_TORCH_MODULE_H_
 #define GTOPK_WORKER_TRAINER_TORCH_MODULE_H_
 

@@ -157,26 +157,6 @@ bool Mapped(const std::string& name) {
   return false;
 }
 
-#ifdef GTOPK_TORCH_MODEL_LINKED
-// A build on static Abseil (the device bundle; worker/trainer/
-// torch_module.h) links the model into the program: libtorch is there from
-// the start, no module is looked for (GTOPK_TORCH_MODULE is ignored) and
-// MakeTorchModel builds the MLP (784*256 + 256 + 256*10 + 10 parameters).
-TEST(TorchModuleTest, TheLinkedModelNeedsNoModule) {
-  EXPECT_TRUE(Mapped("libtorch_cpu"));
-  EXPECT_TRUE(TorchModuleLoaded());
-  ASSERT_EQ(setenv("GTOPK_TORCH_MODULE", "/nonexistent/m.so", 1), 0);
-  EXPECT_TRUE(TorchModuleCandidates().empty());
-  GTOPK_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> model,
-                             MakeTorchModel("mlp", 1, 1));
-  EXPECT_EQ(model->n(), size_t{784 * 256 + 256 + 256 * 10 + 10});
-  EXPECT_FALSE(Mapped(kTorchModuleFile));
-  EXPECT_THAT(MakeTorchModel("resnet", 1, 1).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("unknown model \"resnet\"")));
-  ASSERT_EQ(unsetenv("GTOPK_TORCH_MODULE"), 0);
-}
-#else
 // libtorch comes in with the first torch model (worker/trainer/
 // torch_module.h), not with the program: a synthetic run never maps it;
 // MakeTorchModel("mlp") loads the module from this build tree and its
@@ -238,7 +218,6 @@ TEST(TorchModuleTest, CandidatesFollowTheDocumentedOrder) {
   EXPECT_EQ(TorchModuleCandidates().size(), 3u);
   ASSERT_EQ(unsetenv("GTOPK_TORCH_MODULE"), 0);
 }
-#endif  // GTOPK_TORCH_MODEL_LINKED
 
 TEST(TrainerTest, RecoveryTimeoutDefaultsToFourStepTimeouts) {
   TrainerOptions o;
