@@ -540,7 +540,8 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
             while j + 1 < len(self._pieces) and self._pieces[j][1] <= off:
                 j += 1
             mine, q = [], j
-            while q < len(self._pieces) and self._pieces[q][0] < off + cnt:
+            while cnt > 0 and q < len(self._pieces) and \
+                    self._pieces[q][0] < off + cnt:
                 b, e = self._pieces[q]
                 mine.append((q, min(e, off + cnt) - max(b, off)))
                 q += 1
@@ -572,6 +573,8 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
         client = self._client
         if client is None or not self._overlap or self._overlap_off:
             return
+        if self._slices[i][1] == 0:
+            return  # no values: nothing to report (its .grad has no data)
         try:
             if self._reported[i] and client.overlapped_step_open:
                 client.abandon_overlapped_step()

@@ -316,6 +316,50 @@ class OverlapTest(wat.ClusterCase):
                 self.assertEqual(results[0][2], 1, "not interrupted")
             srv.stop()
 
+    def test_a_parameter_with_no_values_is_no_obstacle(self):
+        """A zero-element parameter used in forward (its .grad has no data,
+        so no address to compare): overlapped steps, staged or not, go on
+        overlapping (pieces sent as parts) and end bit-identical to
+        overlap=False (a break-it run found every staged step refused as
+        ".grad ... replaced", and unstaged overlap silently off)."""
+
+        class Empty(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(3)
+                self.l1 = torch.nn.Linear(12, 10)
+                self.empty = torch.nn.Parameter(torch.zeros(0))
+                self.l2 = torch.nn.Linear(10, 3)
+
+            def forward(self, x):
+                return self.l2(torch.relu(self.l1(x)) + self.empty.sum())
+
+        got = {}
+        for mode in ("whole", "overlap", "staged"):
+            srv = self.start(1, 1, name="srv-%s" % mode, **FLAGS)
+            model = Empty()
+            opt = self.wrap(srv, torch.optim.AdamW(model.parameters(),
+                                                   lr=0.01), 0, model=model,
+                            overlap=False if mode == "whole" else None)
+            try:
+                if mode == "staged":
+                    opt._stage_on_host()
+                parts = 0
+                for step in range(STEPS):
+                    opt.zero_grad()
+                    loss_of(model, 0, step).backward()
+                    opt.step()
+                    parts += opt.stats["parts_sent"]
+                self.assertEqual(parts > 0, mode != "whole", mode)
+                got[mode] = flat_cpu(model.parameters())
+            finally:
+                opt.close()
+            srv.stop()
+        for mode in ("overlap", "staged"):
+            np.testing.assert_array_equal(got[mode].view(np.uint32),
+                                          got["whole"].view(np.uint32),
+                                          err_msg=mode)
+
     def test_on_the_gpu_overlap_gives_the_bits_of_the_whole_exchange(self):
         if not torch.cuda.is_available():
             self.skipTest("needs torch with CUDA and a GPU (torch %s: "
