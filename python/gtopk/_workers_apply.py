@@ -356,6 +356,7 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
         self._overlap = False
         self._overlap_off = False
         self._deferred_error = None
+        self._whole_at_end = False  # _begin_overlap: "whole"
         # Parameters on the GPU: the overlapped step's gradient is staged in
         # host memory, piece by piece (_stage_on_host).
         self._staged = False
@@ -581,7 +582,8 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
                 self._reported = [False] * len(self._params)
                 self._pass_counts = [1 if j == i else 0
                                      for j in range(len(self._params))]
-            if not client.overlapped_step_open and not self._begin_overlap():
+            if not client.overlapped_step_open and \
+                    self._begin_overlap() is not True:
                 self._overlap_off = True
                 return
             off, cnt = self._slices[i]
@@ -613,10 +615,14 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
 
     def _begin_overlap(self):
         """Opens the step's overlapped exchange from the first gradient
-        hook; False when this step must run whole (a retry, a resume, a
-        write outside step(), too many passes): synchronize() handles it."""
-        if (self._needs_resume or self._retry_step is not None
-                or self._synchronized):
+        hook. True when opened; "whole" when a failed attempt of this step
+        is pending (its gradient is in the residual): the retry, the whole
+        exchange with a zero gradient, then runs at the end of this
+        backward pass, so that .grad is the average when backward()
+        returns, as on the other ranks; False when the step is left to
+        synchronize() (a resume, a write outside step(), too many passes,
+        an exchange already done), which raises what is wrong."""
+        if self._needs_resume or self._synchronized:
             return False
         if self._pass_counts and max(self._pass_counts) > self._passes:
             return False
@@ -624,6 +630,11 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
             self._check_unchanged()
         except errors.Error:
             return False
+        if self._retry_step is not None:
+            self._whole_at_end = True
+            torch.autograd.Variable._execution_engine.queue_callback(
+                self._end_of_backward)
+            return "whole"
         client = self._client
         due = client.checksum_due
         state_checksum = self._state_checksum() if due else 0
@@ -660,20 +671,33 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
         the other ranks get this step's average inside their backward pass
         and may change it before step() (clip_grad_norm_), so this rank
         must have it there too; a retry left to step() would come after
-        the script's change and this replica would differ. What the budget
-        cannot mend, and every other gtopk error, is kept and raised by the
-        next synchronize()/step() (where the recovery loop catches it);
-        Ctrl-C propagates out of backward()."""
+        the script's change and this replica would differ. The same holds
+        for the retry of an attempt that failed earlier (a Ctrl-C in this
+        wait, the budget spent): the next backward pass's end runs it
+        (_begin_overlap, "whole"). A retryable failure the budget cannot
+        mend is raised out of backward(), as DDP raises from backward()
+        when its all-reduce fails; every other gtopk error is kept and
+        raised by the next synchronize()/step(); Ctrl-C propagates out of
+        backward()."""
         client = self._client
-        if client is None or not client.overlapped_step_open:
+        whole, self._whole_at_end = self._whole_at_end, False
+        if client is None or not (client.overlapped_step_open or whole):
             return
         t0 = time.perf_counter()
         recovered = 0
         try:
             try:
-                stats, received = self._finish_overlap()
+                if client.overlapped_step_open:
+                    stats, received = self._finish_overlap()
+                else:
+                    stats, received = self._exchange_whole()
             except errors.RETRYABLE as failed:
                 stats, received, recovered = self._retry_in_backward(failed)
+        except errors.RETRYABLE:
+            # The recovery budget is spent. Deferred to step(), the retry
+            # would run after the script's changes to .grad, which the
+            # other ranks made to the average.
+            raise
         except errors.Error as e:
             self._deferred_error = e
             return

@@ -26,8 +26,10 @@ Run: PYTHONPATH=build/python GTOPK_BUILD_DIR=build /usr/bin/python3
 tests/python/overlap_test.py
 """
 
+import _thread
 import os
 import sys
+import threading
 import time
 import unittest
 
@@ -169,7 +171,8 @@ def reference(P, S, steps, groups=True, clip=None):
 
 class OverlapTest(wat.ClusterCase):
     def train(self, srv, P, interrupt_at=None, groups=True, staged=False,
-              device="cpu", clip=None, **kw):
+              device="cpu", clip=None, late=None, interrupt_wait=None,
+              **kw):
         """Trains P ranks in threads with the documented recovery loop;
         rank 0's backward is interrupted once at step `interrupt_at`;
         `staged`: through host memory as for GPU parameters (asserting
@@ -204,6 +207,14 @@ class OverlapTest(wat.ClusterCase):
                 for step in range(STEPS):
                     if w == 0 and step == interrupt_at:
                         Interrupt.armed[0] = True
+                    if late is not None and w == P - 1 and step == late[0]:
+                        time.sleep(late[1])  # this rank starts the step late
+                    if interrupt_wait is not None and w == 0 and \
+                            step == interrupt_wait[0]:
+                        # Ctrl-C in rank 0's end-of-backward wait (it runs
+                        # in the main thread, where signals reach the wait).
+                        threading.Timer(interrupt_wait[1],
+                                        _thread.interrupt_main).start()
                     while True:
                         try:
                             opt.zero_grad()
@@ -211,6 +222,14 @@ class OverlapTest(wat.ClusterCase):
                             break
                         except KeyboardInterrupt:
                             interrupted += 1  # repeat the backward pass
+                        except gtopk.RETRYABLE:
+                            # The recovery budget ran out inside backward:
+                            # recover, then repeat the pass (its end runs
+                            # the retry).
+                            failed += 1
+                            if time.monotonic() > deadline:
+                                raise
+                            opt.recover()
                     if clip is not None:  # the average, after backward
                         torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                        clip)
@@ -236,7 +255,23 @@ class OverlapTest(wat.ClusterCase):
             finally:
                 opt.close()
 
-        results, errs = wat.in_threads(P, worker)
+        if interrupt_wait is None:
+            results, errs = wat.in_threads(P, worker)
+        else:
+            results, errs = [None] * P, [None] * P
+
+            def body(i):
+                try:
+                    results[i] = worker(i)
+                except BaseException as e:  # noqa: B902 - re-raised below
+                    errs[i] = e
+            threads = [threading.Thread(target=body, args=(i,), daemon=True)
+                       for i in range(1, P)]
+            for t in threads:
+                t.start()
+            body(0)
+            for t in threads:
+                t.join(wat.THREAD_TIMEOUT)
         wat.raise_first(errs)
         return results
 
@@ -292,6 +327,42 @@ class OverlapTest(wat.ClusterCase):
         want = reference(2, 2, STEPS, groups=False, clip=0.05)
         self.assertEqual(results[0][2], 1, "rank 0 was not interrupted")
         self.assertGreaterEqual(results[1][3], 1, "rank 1 never failed")
+        for w, (got, _, _, _) in enumerate(results):
+            np.testing.assert_array_equal(
+                got.view(np.uint32), want.view(np.uint32),
+                err_msg="rank %d" % w)
+
+    def test_a_rank_late_beyond_the_budget_fails_backward_then_agrees(self):
+        """The last rank starts step 2 six seconds late; rank 0's round
+        fails at the 1 s step timeout and its recovery budget (1 s) runs
+        out inside backward, which then raises gtopk.RETRYABLE instead of
+        leaving the retry to step(), after the clip (a break-it run: the
+        replicas differed, silently). The script recovers and repeats the
+        backward pass, whose end runs the retry (a zero gradient: the
+        failed attempt's is in the residual): every rank clips the same
+        average, bit-identical to the reference."""
+        srv = self.start(2, 2, step_timeout="1s", **FLAGS)
+        results = self.train(srv, 2, groups=False, clip=0.05,
+                             late=(2, 6.0), recovery_timeout=1.0)
+        want = reference(2, 2, STEPS, groups=False, clip=0.05)
+        self.assertGreaterEqual(results[0][3], 1, "rank 0 never failed")
+        for w, (got, _, _, _) in enumerate(results):
+            np.testing.assert_array_equal(
+                got.view(np.uint32), want.view(np.uint32),
+                err_msg="rank %d" % w)
+
+    def test_ctrl_c_in_the_end_of_backward_wait_then_the_pass_retries(self):
+        """The last rank starts step 2 1.5 s late; Ctrl-C reaches rank 0 0.7
+        s into its end-of-backward wait: KeyboardInterrupt out of
+        backward(), and the script repeats the pass, whose end runs the
+        retry, so both ranks clip the same average (a break-it run with
+        SIGINT: the retry ran in step(), after the clip, and the replicas
+        differed)."""
+        srv = self.start(2, 2, **FLAGS)
+        results = self.train(srv, 2, groups=False, clip=0.05,
+                             late=(2, 1.5), interrupt_wait=(2, 0.7))
+        want = reference(2, 2, STEPS, groups=False, clip=0.05)
+        self.assertEqual(results[0][2], 1, "rank 0 was not interrupted")
         for w, (got, _, _, _) in enumerate(results):
             np.testing.assert_array_equal(
                 got.view(np.uint32), want.view(np.uint32),
