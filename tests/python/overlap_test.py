@@ -255,25 +255,16 @@ class OverlapTest(wat.ClusterCase):
             finally:
                 opt.close()
 
-        if interrupt_wait is None:
-            results, errs = wat.in_threads(P, worker)
-        else:
-            results, errs = [None] * P, [None] * P
-
-            def body(i):
-                try:
-                    results[i] = worker(i)
-                except BaseException as e:  # noqa: B902 - re-raised below
-                    errs[i] = e
-            threads = [threading.Thread(target=body, args=(i,), daemon=True)
-                       for i in range(1, P)]
-            for t in threads:
-                t.start()
-            body(0)
-            for t in threads:
-                t.join(wat.THREAD_TIMEOUT)
+        results, errs = wat.in_threads(
+            P, worker, in_main=None if interrupt_wait is None else 0)
         wat.raise_first(errs)
         return results
+
+    def assert_every_rank_is(self, results, want):
+        for w, (got, _, _, _) in enumerate(results):
+            np.testing.assert_array_equal(
+                got.view(np.uint32), want.view(np.uint32),
+                err_msg="rank %d" % w)
 
     def test_bit_identical_to_layerwise_reference_and_to_whole(self):
         srv = self.start(2, 2, **FLAGS)
@@ -307,10 +298,7 @@ class OverlapTest(wat.ClusterCase):
         # every shard) and was retried after recover(), inside its
         # backward pass.
         self.assertGreaterEqual(results[1][3], 1, "rank 1 never failed")
-        for w, (got, _, _, _) in enumerate(results):
-            np.testing.assert_array_equal(
-                got.view(np.uint32), want.view(np.uint32),
-                err_msg="rank %d" % w)
+        self.assert_every_rank_is(results, want)
 
     def test_a_rank_failing_in_backward_retries_there_so_clipping_agrees(
             self):
@@ -327,10 +315,7 @@ class OverlapTest(wat.ClusterCase):
         want = reference(2, 2, STEPS, groups=False, clip=0.05)
         self.assertEqual(results[0][2], 1, "rank 0 was not interrupted")
         self.assertGreaterEqual(results[1][3], 1, "rank 1 never failed")
-        for w, (got, _, _, _) in enumerate(results):
-            np.testing.assert_array_equal(
-                got.view(np.uint32), want.view(np.uint32),
-                err_msg="rank %d" % w)
+        self.assert_every_rank_is(results, want)
 
     def test_a_rank_late_beyond_the_budget_fails_backward_then_agrees(self):
         """The last rank starts step 2 six seconds late; rank 0's round
@@ -346,10 +331,7 @@ class OverlapTest(wat.ClusterCase):
                              late=(2, 6.0), recovery_timeout=1.0)
         want = reference(2, 2, STEPS, groups=False, clip=0.05)
         self.assertGreaterEqual(results[0][3], 1, "rank 0 never failed")
-        for w, (got, _, _, _) in enumerate(results):
-            np.testing.assert_array_equal(
-                got.view(np.uint32), want.view(np.uint32),
-                err_msg="rank %d" % w)
+        self.assert_every_rank_is(results, want)
 
     def test_ctrl_c_in_the_end_of_backward_wait_then_the_pass_retries(self):
         """The last rank starts step 2 1.5 s late; Ctrl-C reaches rank 0 0.7
@@ -363,10 +345,7 @@ class OverlapTest(wat.ClusterCase):
                              late=(2, 1.5), interrupt_wait=(2, 0.7))
         want = reference(2, 2, STEPS, groups=False, clip=0.05)
         self.assertEqual(results[0][2], 1, "rank 0 was not interrupted")
-        for w, (got, _, _, _) in enumerate(results):
-            np.testing.assert_array_equal(
-                got.view(np.uint32), want.view(np.uint32),
-                err_msg="rank %d" % w)
+        self.assert_every_rank_is(results, want)
 
     def test_staged_through_host_memory_bit_identical(self):
         """The GPU parameters' path (each piece copied to a host buffer when

@@ -150,7 +150,10 @@ def reference(P, steps, opt_name, density=DENSITY):
     return flat_of(params), k
 
 
-def in_threads(count, fn):
+def in_threads(count, fn, in_main=None):
+    """fn(i) for i in range(count), each in a thread of its own, but for
+    i == in_main, run in the calling thread (where a signal such as
+    _thread.interrupt_main reaches it). Returns (results, exceptions)."""
     results, errs = [None] * count, [None] * count
 
     def body(i):
@@ -160,9 +163,11 @@ def in_threads(count, fn):
             errs[i] = e
 
     threads = [threading.Thread(target=body, args=(i,), daemon=True)
-               for i in range(count)]
+               for i in range(count) if i != in_main]
     for t in threads:
         t.start()
+    if in_main is not None:
+        body(in_main)
     for t in threads:
         t.join(THREAD_TIMEOUT)
         if t.is_alive():
