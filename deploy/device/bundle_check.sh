@@ -14,10 +14,11 @@
 # civetweb load from the bundle (LD_LIBRARY_PATH on its unpacked folder, as
 # deploy/device/e2e_device.sh sets it on the device), and runs S=2 shards and
 # P=2 workers on loopback for a few steps of synthetic:100000 and of the MLP
-# on Fashion-MNIST (libtorch's module, taking Abseil from gtopk-worker)
-# with the device run's launcher
-# (deploy/local/gtopk_local.py), requiring equal replica checksums. The device's own packages (protobuf 3.21, GTest,
-# Boost, zlib, OpenSSL) stay visible: the device has them too.
+# on Fashion-MNIST (libtorch's module, taking Abseil from gtopk-worker; also
+# on OpenBLAS when installed) with the device run's launcher
+# (deploy/local/gtopk_local.py), requiring equal replica checksums. The
+# device's own packages (protobuf 3.21, GTest, Boost, zlib, OpenSSL) stay
+# visible: the device has them too.
 #
 # usage: deploy/device/bundle_check.sh      (as root: it needs unshare -m and
 #        overlay mounts; `make device-bundle` first)
