@@ -411,9 +411,14 @@ std::optional<ShardAggregator::Answer> ShardAggregator::JoinRoundLocked(
     if (last_ != nullptr && last_->step == push.step && !push.is_part()) {
       return last_->result;
     }
-    return absl::FailedPreconditionError(
-        absl::StrCat("step ", push.step, " was already applied; shard ",
-                     options_.shard_id, " is at step ", next_step_));
+    // A worker that lost a committed step's result (workers apply: its
+    // Recover said the shards are one step ahead) gets it again only from
+    // last_, which a restart or a rollback drops.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", push.step, " was already applied; shard ", options_.shard_id,
+        " is at step ", next_step_,
+        " and keeps the result of its last committed step only (not across "
+        "a restart or a rollback): this worker missed that step's update"));
   }
   if (push.step > next_step_) {
     return absl::FailedPreconditionError(

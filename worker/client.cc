@@ -850,14 +850,24 @@ absl::StatusOr<int64_t> WorkerClient::RecoverWith(absl::Span<float> params,
   if (response.next_step() == next_step_) return next_step_;
   if (apply_ == ApplyMode::kWorkers) {
     // The shards hold only the step: nothing to download.
+    if (response.next_step() == next_step_ + 1) {
+      // This worker's step committed but it lost (some of) the result, e.g.
+      // a shard stalled past the step watchdog while it answered. Every
+      // shard keeps its last committed step's result and answers a repeated
+      // push of that step with it (ShardAggregator::Submit): the caller's
+      // retry of this step (a zero gradient; the residual holds the failed
+      // attempt's u) gets exactly the pulls the other workers applied.
+      return next_step_;
+    }
     if (response.next_step() > next_step_) {
       return absl::FailedPreconditionError(absl::StrCat(
           where, ": the shards are at step ", response.next_step(),
           " but this worker is at step ", next_step_,
-          ": it lost the result of a step that committed, and in "
-          "workers-apply mode the servers hold no parameters to repair its "
-          "replica from. Restart every rank from the checkpoints of one step "
-          "(model and optimizer state_dict, loaded on every rank)"));
+          ": it lost the results of steps that committed (the shards keep "
+          "only the last one's), and in workers-apply mode the servers hold "
+          "no parameters to repair its replica from. Restart every rank from "
+          "the checkpoints of one step (model and optimizer state_dict, "
+          "loaded on every rank)"));
     }
     next_step_ = response.next_step();  // rolled back: renumbered
     // Every worker must have kept the same state: compare at once.

@@ -540,10 +540,15 @@ class WorkerClient {
   // downloads nothing (`params` may be empty). When the shards were rolled
   // back to an earlier step, the step is renumbered (the workers keep their
   // parameters, residuals and optimizer state: every worker applied the
-  // same committed steps). When the shards are ahead of this worker (it
-  // lost the pull of a step that committed), FAILED_PRECONDITION: this
-  // replica missed an update and cannot be repaired from the servers;
-  // restart every rank from the checkpoints of one step.
+  // same committed steps). When the shards are one step ahead of this
+  // worker (it lost the pull of a step that committed), the worker's own
+  // step is returned: every shard keeps its last committed step's result
+  // and answers the retry of that step (AggregateStep with a zero gradient,
+  // the failed attempt's u being in the residual) with it, so the run stays
+  // bit-identical. More than one step ahead, FAILED_PRECONDITION: this
+  // replica missed updates and cannot be repaired from the servers;
+  // restart every rank from the checkpoints of one step (the retry gets the
+  // same when a shard dropped the kept result: a restart, a rollback).
 
  private:
   struct ShardConn;       // worker/client_internal.h

@@ -897,7 +897,11 @@ class DistributedOptimizer(_ClusterMember, torch.optim.Optimizer):
         one step and returns the step to continue from (also
         :attr:`next_step`). When the servers were rolled back, or are ahead
         of this worker, the parameters are downloaded again (so they equal
-        the servers'); otherwise they are untouched. The loop::
+        the servers'); otherwise they are untouched. With
+        ``--apply=workers`` nothing is downloaded: a rollback renumbers the
+        step, and a rank that lost the result of a step that committed (the
+        shards one step ahead) gets its own step back, and its retry gets
+        that step's result, kept by the shards. The loop::
 
             deadline = time.monotonic() + 120   # the recovery budget
             while True:

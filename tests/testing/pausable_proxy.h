@@ -1,8 +1,10 @@
-// A loopback TCP proxy whose client-to-target direction can be held: what a
-// client sends while it is paused stays in the socket buffers and goes on,
-// in order, at Resume. For tests that need one shard's calls to another to
-// arrive late without touching the servers (e.g. a shard's AbortStep to the
-// leader landing after a worker's Recover).
+// A loopback TCP proxy whose two directions can each be held: what a
+// client sends while it is paused (Pause), or what the target answers while
+// replies are paused (PauseReplies), stays in the socket buffers and goes
+// on, in order, at Resume / ResumeReplies. For tests that need calls or
+// answers to arrive late without touching the servers (e.g. a shard's
+// AbortStep to the leader landing after a worker's Recover, or a shard's
+// pull reaching a worker after its step watchdog fired).
 #ifndef GTOPK_TESTS_TESTING_PAUSABLE_PROXY_H_
 #define GTOPK_TESTS_TESTING_PAUSABLE_PROXY_H_
 
@@ -82,6 +84,12 @@ class PausableProxy {
     paused_.store(true);
   }
   void Resume() { paused_.store(false); }
+  // The same for the target-to-client direction (the answers).
+  void PauseReplies() {
+    absl::WriterMutexLock lock(&pause_mu_);
+    replies_paused_.store(true);
+  }
+  void ResumeReplies() { replies_paused_.store(false); }
 
  private:
   PausableProxy() = default;
@@ -118,20 +126,20 @@ class PausableProxy {
       fds_.push_back(client);
       fds_.push_back(upstream);
       pumps_.emplace_back([this, client, upstream] {
-        Pump(client, upstream, /*pausable=*/true);
+        Pump(client, upstream, &paused_);
       });
       pumps_.emplace_back([this, client, upstream] {
-        Pump(upstream, client, /*pausable=*/false);
+        Pump(upstream, client, &replies_paused_);
       });
     }
   }
 
   // Copies from `from` to `to` until either closes or the proxy stops;
-  // while paused (pausable direction only), reads nothing.
-  void Pump(int from, int to, bool pausable) {
+  // while `*paused` (this direction's flag), reads nothing.
+  void Pump(int from, int to, const std::atomic<bool>* paused) {
     std::vector<char> buffer(64 * 1024);
     while (!stop_.load()) {
-      if (pausable && paused_.load()) {
+      if (paused->load()) {
         usleep(1000);
         continue;
       }
@@ -139,7 +147,7 @@ class PausableProxy {
       if (poll(&p, 1, 20) <= 0) continue;
       absl::ReaderMutexLock lock(&pause_mu_);
       // Paused while polling: what came stays unread.
-      if (pausable && paused_.load()) continue;
+      if (paused->load()) continue;
       if (!Copy(from, to, buffer)) break;
     }
     shutdown(to, SHUT_WR);
@@ -162,6 +170,7 @@ class PausableProxy {
   int port_ = 0;
   std::atomic<bool> stop_{false};
   std::atomic<bool> paused_{false};
+  std::atomic<bool> replies_paused_{false};
   absl::Mutex pause_mu_;  // held shared by each copy, exclusively by Pause
   absl::Mutex mu_;
   int target_port_ ABSL_GUARDED_BY(mu_) = 0;

@@ -1,0 +1,222 @@
+// A worker that lost the result of a step that committed (its pull from a
+// shard arrived after the worker's step watchdog had fired: a shard stalled
+// while it answered, break-it run of 2026-12-07) recovers it from the
+// shards, with --apply=workers, where the servers hold no parameters to
+// download: Recover says the shards are one step ahead, the worker retries
+// the step (a zero gradient: the residual holds the failed attempt's u, so
+// the push is the same) and the shards answer the retry with the step's
+// kept result. The run stays bit-identical to the same run without the
+// held pull (an independent run on a second cluster), for the plain and
+// the overlapped exchange, threshold and layer-wise selection, and the
+// topk and dense modes. Before the
+// fix Recover refused with FAILED_PRECONDITION ("lost the result of a step
+// that committed") and the run ended.
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/cluster_modes.h"
+#include "common/status_macros.h"
+#include "gtest/gtest.h"
+#include "server/server_config.h"
+#include "tests/testing/joined_workers.h"
+#include "tests/testing/local_cluster.h"
+#include "tests/testing/pausable_proxy.h"
+#include "tests/testing/reference.h"
+#include "tests/testing/status_matchers.h"
+#include "worker/client.h"
+
+namespace gtopk {
+namespace {
+
+using ::gtopk::testing::BitEqual;
+using ::gtopk::testing::StatusIs;
+using ::testing::HasSubstr;
+using worker::WorkerClient;
+
+constexpr uint64_t kN = 2003;
+constexpr int kWorkers = 2;
+constexpr int kSteps = 3;
+// The step whose pulls from shard 1 are held past the watchdog.
+constexpr int kLostStep = 1;
+
+struct Case {
+  AggregationMode mode;
+  SelectionKind selection;
+  bool overlapped;  // the lost step runs overlapped (layer-wise only)
+  const char* name;
+};
+
+server::ServerConfig Config(const Case& c) {
+  server::ServerConfig s;
+  if (c.selection == SelectionKind::kLayerwise) {
+    // Buckets of 500 values: one straddles the shards' boundary (1001).
+    s = ::gtopk::testing::LayerwiseConfig(kWorkers, ApplyMode::kWorkers, 500,
+                                          0.02);
+  } else {
+    s.num_workers = kWorkers;
+    s.mode = c.mode;
+    s.selection = c.selection;
+    s.apply = ApplyMode::kWorkers;
+    s.optimizer.density = 0.02;
+  }
+  // The watchdog: the step timeout + the clients' 500 ms margin.
+  s.step_timeout = absl::Seconds(2);
+  return s;
+}
+
+std::vector<float> Gradient(int step, int worker) {
+  return ::gtopk::testing::NormalVector(kN, 1000 + 10 * step + worker);
+}
+
+// One step of worker w's: the plain AggregateStep, or overlapped (the
+// gradient reported in chunks from the end, as backward produces it).
+absl::Status StepOf(WorkerClient& client, const std::vector<float>& g,
+                    std::vector<float>& averaged,
+                    const std::vector<float>& params, bool overlapped) {
+  if (!overlapped) {
+    return client.AggregateStep(g, absl::MakeSpan(averaged), params).status();
+  }
+  std::vector<float> buffer(kN, 0.0f);
+  GTOPK_RETURN_IF_ERROR(
+      client.BeginOverlappedStep(buffer, absl::MakeSpan(averaged), params));
+  for (uint64_t end = kN; end > 0;) {
+    const uint64_t begin = end >= 300 ? end - 300 : 0;
+    std::copy(g.begin() + begin, g.begin() + end, buffer.begin() + begin);
+    GTOPK_RETURN_IF_ERROR(client.GradientReady(begin, end));
+    end = begin;
+  }
+  return client.FinishOverlappedStep().status();
+}
+
+// Every worker's step `step` at once (gradient Gradient(step, w), or zeros
+// for a retry); the statuses by worker.
+std::vector<absl::Status> StepAll(
+    std::vector<std::unique_ptr<WorkerClient>>& clients,
+    const std::vector<std::vector<float>>& params,
+    std::vector<std::vector<float>>& averaged, int step, bool zero,
+    bool overlapped) {
+  std::vector<absl::Status> out(clients.size());
+  std::vector<std::thread> threads;
+  for (size_t w = 0; w < clients.size(); ++w) {
+    threads.emplace_back([&, w] {
+      const std::vector<float> g = zero ? std::vector<float>(kN, 0.0f)
+                                        : Gradient(step, static_cast<int>(w));
+      out[w] = StepOf(*clients[w], g, averaged[w], params[w], overlapped);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return out;
+}
+
+class LostPullTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(LostPullTest, TheRetryGetsTheCommittedResultBitIdentical) {
+  const Case c = GetParam();
+  const std::vector<float> initial = ::gtopk::testing::NormalVector(kN, 7);
+
+  // The reference: the same steps on a cluster of its own, nothing held.
+  std::vector<std::vector<float>> expected(kSteps);
+  {
+    GTOPK_ASSERT_OK_AND_ASSIGN(
+        std::unique_ptr<::gtopk::testing::LocalCluster> cluster,
+        ::gtopk::testing::LocalCluster::Start(Config(c), 2));
+    GTOPK_ASSERT_OK_AND_ASSIGN(
+        ::gtopk::testing::JoinedWorkers joined,
+        ::gtopk::testing::JoinAndSynchronize(*cluster, kWorkers, initial));
+    std::vector<std::vector<float>> averaged(kWorkers,
+                                             std::vector<float>(kN, 0.0f));
+    for (int t = 0; t < kSteps; ++t) {
+      for (const absl::Status& st :
+           StepAll(joined.clients, joined.params, averaged, t, false,
+                   c.overlapped && t == kLostStep)) {
+        GTOPK_ASSERT_OK(st) << "reference step " << t;
+      }
+      ASSERT_TRUE(BitEqual(averaged[0], averaged[1]));
+      expected[t] = averaged[0];
+    }
+  }
+
+  // Shard 1 is reached through a proxy (the leader advertises the proxy's
+  // address), whose answers are held during step kLostStep.
+  GTOPK_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<::gtopk::testing::PausableProxy> proxy,
+      ::gtopk::testing::PausableProxy::Start());
+  GTOPK_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<::gtopk::testing::LocalCluster> cluster,
+      ::gtopk::testing::LocalCluster::Start(
+          Config(c), 2,
+          [&](server::ServerConfig& s) { s.peers[1] = proxy->address(); }));
+  const std::string shard1 = cluster->peers()[1];
+  proxy->set_target(std::stoi(shard1.substr(shard1.rfind(':') + 1)));
+  GTOPK_ASSERT_OK_AND_ASSIGN(
+      ::gtopk::testing::JoinedWorkers joined,
+      ::gtopk::testing::JoinAndSynchronize(*cluster, kWorkers, initial));
+  ASSERT_EQ(joined.clients[0]->cluster().shards(1).address(),
+            proxy->address());
+  auto& clients = joined.clients;
+  std::vector<std::vector<float>> averaged(kWorkers,
+                                           std::vector<float>(kN, 0.0f));
+  for (int t = 0; t < kSteps; ++t) {
+    const bool overlapped = c.overlapped && t == kLostStep;
+    if (t != kLostStep) {
+      for (const absl::Status& st :
+           StepAll(clients, joined.params, averaged, t, false, overlapped)) {
+        GTOPK_ASSERT_OK(st) << "step " << t;
+      }
+    } else {
+      proxy->PauseReplies();
+      std::vector<absl::Status> lost =
+          StepAll(clients, joined.params, averaged, t, false, overlapped);
+      proxy->ResumeReplies();
+      for (int w = 0; w < kWorkers; ++w) {
+        ASSERT_FALSE(lost[w].ok())
+            << "worker " << w << " got shard 1's held pull";
+        EXPECT_EQ(clients[w]->next_step(), t);
+      }
+      // The step committed on both shards (its pulls were sent): the
+      // shards are a step ahead of both workers, which recover it.
+      for (int w = 0; w < kWorkers; ++w) {
+        absl::StatusOr<int64_t> next = clients[w]->Recover(
+            absl::Span<float>(), absl::Now() + absl::Seconds(20));
+        GTOPK_ASSERT_OK(next.status()) << "worker " << w;
+        EXPECT_EQ(*next, t) << "worker " << w;
+      }
+      std::vector<std::vector<float>> retry(kWorkers,
+                                            std::vector<float>(kN, -1.0f));
+      for (const absl::Status& st :
+           StepAll(clients, joined.params, retry, t, /*zero=*/true, false)) {
+        GTOPK_ASSERT_OK(st) << "the retry of step " << t;
+      }
+      averaged = retry;
+    }
+    for (int w = 0; w < kWorkers; ++w) {
+      EXPECT_EQ(clients[w]->next_step(), t + 1);
+      EXPECT_TRUE(BitEqual(averaged[w], expected[t]))
+          << "worker " << w << ", step " << t
+          << ": differs from the run without the held pull";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Modes, LostPullTest,
+    ::testing::Values(
+        Case{AggregationMode::kGtopk, SelectionKind::kThreshold, false,
+             "threshold"},
+        Case{AggregationMode::kGtopk, SelectionKind::kLayerwise, false,
+             "layerwise"},
+        Case{AggregationMode::kGtopk, SelectionKind::kLayerwise, true,
+             "layerwise_overlapped"},
+        Case{AggregationMode::kTopk, SelectionKind::kThreshold, false, "topk"},
+        Case{AggregationMode::kDense, SelectionKind::kThreshold, false,
+             "dense"}),
+    [](const ::testing::TestParamInfo<Case>& info) {
+      return std::string(info.param.name);
+    });
+
+}  // namespace
+}  // namespace gtopk
