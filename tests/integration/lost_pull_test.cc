@@ -155,8 +155,7 @@ TEST_P(LostPullTest, TheRetryGetsTheCommittedResultBitIdentical) {
   GTOPK_ASSERT_OK_AND_ASSIGN(
       ::gtopk::testing::JoinedWorkers joined,
       ::gtopk::testing::JoinAndSynchronize(*cluster, kWorkers, initial));
-  ASSERT_EQ(joined.clients[0]->cluster().shards(1).address(),
-            proxy->address());
+  ASSERT_EQ(joined.clients[0]->cluster().shards(1).address(), proxy->address());
   auto& clients = joined.clients;
   std::vector<std::vector<float>> averaged(kWorkers,
                                            std::vector<float>(kN, 0.0f));
@@ -204,16 +203,16 @@ TEST_P(LostPullTest, TheRetryGetsTheCommittedResultBitIdentical) {
 
 INSTANTIATE_TEST_SUITE_P(
     Modes, LostPullTest,
-    ::testing::Values(
-        Case{AggregationMode::kGtopk, SelectionKind::kThreshold, false,
-             "threshold"},
-        Case{AggregationMode::kGtopk, SelectionKind::kLayerwise, false,
-             "layerwise"},
-        Case{AggregationMode::kGtopk, SelectionKind::kLayerwise, true,
-             "layerwise_overlapped"},
-        Case{AggregationMode::kTopk, SelectionKind::kThreshold, false, "topk"},
-        Case{AggregationMode::kDense, SelectionKind::kThreshold, false,
-             "dense"}),
+    ::testing::Values(Case{AggregationMode::kGtopk, SelectionKind::kThreshold,
+                           false, "threshold"},
+                      Case{AggregationMode::kGtopk, SelectionKind::kLayerwise,
+                           false, "layerwise"},
+                      Case{AggregationMode::kGtopk, SelectionKind::kLayerwise,
+                           true, "layerwise_overlapped"},
+                      Case{AggregationMode::kTopk, SelectionKind::kThreshold,
+                           false, "topk"},
+                      Case{AggregationMode::kDense, SelectionKind::kThreshold,
+                           false, "dense"}),
     [](const ::testing::TestParamInfo<Case>& info) {
       return std::string(info.param.name);
     });

@@ -125,9 +125,8 @@ class PausableProxy {
       }
       fds_.push_back(client);
       fds_.push_back(upstream);
-      pumps_.emplace_back([this, client, upstream] {
-        Pump(client, upstream, &paused_);
-      });
+      pumps_.emplace_back(
+          [this, client, upstream] { Pump(client, upstream, &paused_); });
       pumps_.emplace_back([this, client, upstream] {
         Pump(upstream, client, &replies_paused_);
       });
