@@ -24,6 +24,13 @@ Runs, in one invocation, for every P in --workers and every method in
   dense, topk, gtopk   gtopk-server --mode=<m> (gtopk: --selection=<--selection>) with
                        S = --shards shards (default 2), and
                        P gtopk-worker --model=synthetic:<n> --compute-ms=<c>
+  gtopk_layerwise      (not in the default list) gtopk with
+                       --selection=layerwise --bucket-mb=<--bucket-mb>: the
+                       workers overlap, their --compute-ms is an emulated
+                       backward pass that reports the gradient in 100 equal
+                       ranges from the end over the c ms (worker/flags.md),
+                       so selection and communication run beside it;
+                       exposed = the wait after it (per_step exposed_seconds)
   ddp                  bench/lowbw/ddp_allreduce.py: torch DDP, gloo, the same
                        n floats, the same --compute-ms
 Each run does --warmup + --steps steps; the first --warmup are dropped. Per
@@ -68,7 +75,9 @@ SUBNET = "10.77.0."           # hosts are .1, .2, ...; inside our namespaces
 SERVER_PORT = 50051
 DDP_PORT = 29500
 PREFIX_RE = re.compile(r"^glbw(\d+)-")
-METHODS = ("dense", "topk", "gtopk", "ddp")
+METHODS = ("dense", "topk", "gtopk", "ddp", "gtopk_layerwise")
+# --methods' default (gtopk_layerwise is asked for by name).
+DEFAULT_METHODS = ("dense", "topk", "gtopk", "ddp")
 
 
 class Interrupted(Exception):
@@ -357,8 +366,9 @@ class Bench:
 
     # -- one run -------------------------------------------------------------
 
-    def run_ps(self, mode, P, tag):
+    def run_ps(self, mode, P, tag, selection=None):
         a, t = self.a, self.topo
+        selection = selection or a.selection
         S = a.shards
         peers = ["%s:%d" % (t.ip("s%d" % s), SERVER_PORT) for s in range(S)]
         for s in range(S):
@@ -370,7 +380,9 @@ class Bench:
                     "--max-message-bytes=1073741824",
                     "--tls=off"]  # plaintext, as the DDP baseline's gloo
             if mode == "gtopk":  # the servers reject it for topk and dense
-                argv.append("--selection=" + a.selection)
+                argv.append("--selection=" + selection)
+            if selection == "layerwise":
+                argv.append("--bucket-mb=%r" % a.bucket_mb)
             self.procs.start("server %d" % s, t.ns("s%d" % s), argv,
                              os.path.join(self.logdir, "%s-server-%d.log" % (tag, s)))
         deadline = time.monotonic() + 30
@@ -469,6 +481,8 @@ class Bench:
         t0 = time.monotonic()
         if method == "ddp":
             summaries, extra = self.run_ddp(P, tag)
+        elif method == "gtopk_layerwise":
+            summaries, extra = self.run_ps("gtopk", P, tag, "layerwise")
         else:
             summaries, extra = self.run_ps(method, P, tag)
         r = {"method": method, "workers": P,
@@ -478,6 +492,11 @@ class Bench:
                     "communication_seconds"):
             r[key + "_p50"], r["timed_steps"] = median_of_steps(
                 summaries, key, self.a.warmup)
+        if all("exposed_seconds" in s["per_step"] for s in summaries):
+            # gtopk-worker: the wait for the client after the gradient was
+            # made (the whole Step, or what backward did not cover).
+            r["exposed_seconds_p50"] = median_of_steps(
+                summaries, "exposed_seconds", self.a.warmup)[0]
         r["last_pusher_communication_seconds_p50"] = \
             last_pusher_communication(summaries, self.a.warmup)
         r.update(extra)
@@ -740,8 +759,11 @@ def parse_args(argv):
                     help="timed steps per run (default 10)")
     ap.add_argument("--warmup", type=int, default=3,
                     help="steps run first and not timed (default 3)")
-    ap.add_argument("--methods", default=",".join(METHODS),
-                    help="comma list of dense, topk, gtopk, ddp")
+    ap.add_argument("--bucket-mb", type=float, default=25.0,
+                    help="gtopk_layerwise: the servers' --bucket-mb (25)")
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                    help="comma list of dense, topk, gtopk, ddp, "
+                    "gtopk_layerwise (default: all but gtopk_layerwise)")
     ap.add_argument("--no-baseline", dest="baseline", action="store_false",
                     help="skip the P = 1 runs (no scaling efficiency)")
     ap.add_argument("--no-cpu-share", dest="cpu_share", action="store_false",
@@ -907,6 +929,7 @@ def main(argv):
             "n": a.n, "density": a.density, "k": bench.k,
             "compute_ms": a.compute_ms, "workers": a.workers,
             "shards": a.shards, "selection": a.selection,
+            "bucket_mb": a.bucket_mb,
             "codecs": "delta-varint + fp32 (server defaults)",
             "timed_steps": a.steps, "warmup_steps": a.warmup,
             "methods": a.methods,
@@ -925,6 +948,11 @@ def main(argv):
                                          "other workers, servers' work); ddp: "
                                          "backward minus backward without "
                                          "all-reduce",
+            "exposed_seconds_p50": "gtopk-server modes: the wait for the "
+                                   "worker client after the gradient was "
+                                   "made (the whole exchange; "
+                                   "gtopk_layerwise: what the emulated "
+                                   "backward pass did not cover)",
             "last_pusher_communication_seconds_p50": "per step, the rank "
                                                      "whose pushes went out "
                                                      "last: pushes out until "

@@ -125,7 +125,11 @@ class LowbwTest(unittest.TestCase):
                          "servers left behind")
 
     def test_small_run_measures_every_method(self):
-        p = self.start(SMALL + ["--no-cpu-share"])
+        # gtopk_layerwise too: buckets of 0.2 MiB, 5 of them per worker's
+        # gradient, overlapped with the emulated backward pass.
+        p = self.start(SMALL + ["--no-cpu-share", "--methods",
+                                "dense,topk,gtopk,ddp,gtopk_layerwise",
+                                "--bucket-mb", "0.2"])
         out, _ = p.communicate(timeout=300)
         self.assertEqual(p.returncode, 0, out)
         self.assert_nothing_left(p.pid)
@@ -136,7 +140,8 @@ class LowbwTest(unittest.TestCase):
         runs = {(r["method"], r["workers"]): r for r in result["runs"]
                 if not r.get("baseline")}
         self.assertEqual(set(runs), {(m, 2) for m in
-                                     ("dense", "topk", "gtopk", "ddp")})
+                                     ("dense", "topk", "gtopk", "ddp",
+                                      "gtopk_layerwise")})
         for key, r in runs.items():
             self.assertEqual(r["timed_steps"], 3, key)
             for t in ("step", "compute", "communication"):
@@ -151,6 +156,9 @@ class LowbwTest(unittest.TestCase):
             self.assertTrue(0 < eff < 1.5, (key, eff))
             if key[0] != "ddp":
                 self.assertTrue(r["replicas_identical"], key)
+                # The wait after the gradient: inside the step.
+                ex = r["exposed_seconds_p50"]
+                self.assertTrue(0 <= ex <= r["step_seconds_p50"], (key, ex))
                 # The last pusher's communication: positive, and within its
                 # step (it is part of it).
                 lp = r["last_pusher_communication_seconds_p50"]

@@ -59,7 +59,9 @@ ABSL_FLAG(std::string, cpu_isa, "portable",
           "bit-identical on any x86-64 CPU with AVX2; native: let libtorch "
           "choose for this CPU");
 ABSL_FLAG(int64_t, compute_ms, 0,
-          "synthetic only: sleep this many ms per step to emulate compute");
+          "synthetic only: sleep this many ms per step to emulate compute "
+          "(layer-wise cluster: an emulated backward pass reporting the "
+          "gradient in 100 ranges from the end over that time)");
 ABSL_FLAG(std::string, summary_json, "", "write this rank's summary here");
 ABSL_FLAG(std::string, device, "cpu", "cpu | cuda");
 ABSL_FLAG(int64_t, metrics_port, 0,

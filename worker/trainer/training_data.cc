@@ -10,6 +10,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/random.h"
 #include "common/status_macros.h"
 #include "worker/trainer/idx_reader.h"
@@ -89,10 +91,14 @@ absl::Status GradientSource::Compute(
     GTOPK_RETURN_IF_ERROR(model_.ZeroDeviceGradient());
   } else if (synthetic_) {
     synthetic_gradient_->Fill(rank_, step, absl::MakeSpan(grad_));
-    if (o_.compute_ms > 0) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(o_.compute_ms));
+    if (on_ready && o_.compute_ms > 0) {
+      EmulateBackward(on_ready);
+    } else {
+      if (o_.compute_ms > 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(o_.compute_ms));
+      }
+      if (on_ready) on_ready(0, grad_.size());
     }
-    if (on_ready) on_ready(0, grad_.size());
   } else {
     FillBatch(step, epoch);
     if (model_.on_device()) {
@@ -114,6 +120,27 @@ absl::Status GradientSource::Compute(
     GTOPK_ASSIGN_OR_RETURN(device_grad_, model_.UploadGradient(grad_));
   }
   return absl::OkStatus();
+}
+
+void GradientSource::EmulateBackward(
+    const Model::GradientRangeReady& on_ready) {
+  // Range r of kEmulatedBackwardRanges, counted from the end, is reported
+  // at t0 + (r + 1) / kEmulatedBackwardRanges x --compute-ms (absolute
+  // times: the sleeps' overshoot does not add up).
+  const size_t n = grad_.size();
+  const size_t ranges = std::min<size_t>(kEmulatedBackwardRanges, n);
+  const absl::Time t0 = absl::Now();
+  const absl::Duration compute = absl::Milliseconds(o_.compute_ms);
+  size_t end = n;
+  for (size_t r = 0; r < ranges; ++r) {
+    const size_t begin = n - n * (r + 1) / ranges;
+    absl::SleepFor(t0 +
+                   compute * static_cast<double>(r + 1) /
+                       static_cast<double>(ranges) -
+                   absl::Now());
+    if (begin < end) on_ready(begin, end);
+    end = begin;
+  }
 }
 
 void GradientSource::FillBatch(int64_t step, int64_t epoch) {

@@ -82,6 +82,9 @@ class Evaluator {
   int64_t last_eval_ = -1;
 };
 
+// Ranges of synthetic:N's emulated backward pass (GradientSource::Compute).
+inline constexpr size_t kEmulatedBackwardRanges = 100;
+
 // Each step's gradient: this rank's batch of the epoch's permutation
 // through the model, synthetic:N's seeded random one, or zeros for a
 // retried step. Keeps the last batch's loss (a retried or synthetic step
@@ -109,8 +112,11 @@ class GradientSource {
   // is retried, its gradient is already in the residual (Step's contract),
   // so the retry adds none. INTERNAL when the loss is not finite.
   // `on_ready` (host gradients only): told each range of grad() as it is
-  // final (Model::ComputeGradient's reports; synthetic:N's gradient is one
-  // range [0, n), once made).
+  // final (Model::ComputeGradient's reports). synthetic:N's gradient is one
+  // range [0, n), once made, or, with --compute-ms, an emulated backward
+  // pass: kEmulatedBackwardRanges equal ranges from the end, one after each
+  // 1/kEmulatedBackwardRanges of --compute-ms (gradient produced at an even
+  // rate, last layers first, the CPU left free as by a GPU's backward).
   absl::Status Compute(int64_t step, int64_t epoch, bool resend_residual,
                        const Model::GradientRangeReady& on_ready = nullptr);
 
@@ -125,6 +131,9 @@ class GradientSource {
   // This rank's `step` batch, normalised: a contiguous slice of the
   // epoch's permutation, one per rank.
   void FillBatch(int64_t step, int64_t epoch);
+  // synthetic:N with --compute-ms on an overlapped step: grad_ (already
+  // filled) reported to `on_ready` range by range over --compute-ms.
+  void EmulateBackward(const Model::GradientRangeReady& on_ready);
 
   const TrainerOptions& o_;
   Model& model_;

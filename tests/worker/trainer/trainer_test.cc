@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -29,7 +30,9 @@
 #include "tests/testing/status_matchers.h"
 #include "worker/client.h"
 #include "worker/trainer/model.h"
+#include "worker/trainer/synthetic_model.h"
 #include "worker/trainer/torch_module.h"
+#include "worker/trainer/training_data.h"
 
 namespace gtopk {
 namespace worker {
@@ -594,6 +597,64 @@ TEST(TrainerTest, OverlappedLayerwiseStepsMatchPlainSteps) {
   EXPECT_EQ(checksums[0], checksums[1]);
   // Each rank's replica equals the servers' (the trainer's final check).
   EXPECT_EQ(checksums[0][0], checksums[0][1]);
+}
+
+// synthetic:N with --compute-ms on an overlapped (layer-wise) step: the
+// gradient is the same seeded one, reported in kEmulatedBackwardRanges
+// ranges that tile [0, n) from the end, range r not before (r + 1) / R of
+// --compute-ms, each holding its final values when reported (the emulated
+// backward pass of the overlap benchmark, bench/lowbw). Without a callback
+// it is one sleep and no reports, as before.
+TEST(GradientSourceTest, SyntheticComputeMsEmulatesABackwardPassFromTheEnd) {
+  constexpr size_t kN = 1003;
+  constexpr int64_t kComputeMs = 60;
+  TrainerOptions o;
+  o.seed = 11;
+  const trainer_internal::Split none;
+  SyntheticModel plain_model(kN, o.seed);
+  trainer_internal::GradientSource plain(o, plain_model, none, true, 1, 1);
+  GTOPK_ASSERT_OK(plain.Compute(3, 0, false));
+  const std::vector<float> expected(plain.grad().begin(), plain.grad().end());
+
+  o.compute_ms = kComputeMs;
+  SyntheticModel model(kN, o.seed);
+  trainer_internal::GradientSource source(o, model, none, true, 1, 1);
+  struct Report {
+    size_t begin, end;
+    absl::Duration at;
+    bool final_values;
+  };
+  std::vector<Report> reports;
+  const absl::Time t0 = absl::Now();
+  GTOPK_ASSERT_OK(source.Compute(3, 0, false, [&](size_t begin, size_t end) {
+    bool same = true;
+    for (size_t i = begin; i < end; ++i) {
+      same = same && source.grad()[i] == expected[i];
+    }
+    reports.push_back({begin, end, absl::Now() - t0, same});
+  }));
+  ASSERT_EQ(reports.size(), trainer_internal::kEmulatedBackwardRanges);
+  size_t end = kN;
+  for (size_t r = 0; r < reports.size(); ++r) {
+    EXPECT_EQ(reports[r].end, end) << "range " << r;
+    EXPECT_LT(reports[r].begin, reports[r].end) << "range " << r;
+    EXPECT_TRUE(reports[r].final_values) << "range " << r;
+    EXPECT_GE(reports[r].at, absl::Milliseconds(kComputeMs) *
+                                 static_cast<double>(r + 1) /
+                                 static_cast<double>(reports.size()))
+        << "range " << r << " came early";
+    end = reports[r].begin;
+  }
+  EXPECT_EQ(end, 0u);
+  EXPECT_TRUE(
+      std::equal(expected.begin(), expected.end(), source.grad().begin()));
+
+  // No callback (a plain step): one sleep of --compute-ms, the same values.
+  const absl::Time t1 = absl::Now();
+  GTOPK_ASSERT_OK(source.Compute(3, 0, false));
+  EXPECT_GE(absl::Now() - t1, absl::Milliseconds(kComputeMs));
+  EXPECT_TRUE(
+      std::equal(expected.begin(), expected.end(), source.grad().begin()));
 }
 
 }  // namespace
