@@ -848,17 +848,23 @@ absl::StatusOr<int64_t> WorkerClient::RecoverWith(absl::Span<float> params,
   // push (a Join of the rank meanwhile gets ALREADY_EXISTS).
   OpenLeaderStream();
   if (response.next_step() == next_step_) return next_step_;
+  if (response.next_step() == next_step_ + 1 &&
+      (apply_ == ApplyMode::kWorkers || kept_result_step_ != next_step_)) {
+    // This worker's step committed but it lost (some of) the result, e.g.
+    // a shard stalled past the step watchdog while it answered. Every
+    // shard keeps its last committed step's result and answers a repeated
+    // push of that step with it (ShardAggregator::Submit): the caller's
+    // retry of this step (a zero gradient; the residual holds the failed
+    // attempt's u) gets exactly the pulls the other workers applied, and
+    // applies them as they did. Under APPLY_SERVERS a second Recover for
+    // the same step (that retry failed: a shard restarted and dropped the
+    // result) downloads the parameters below instead; under APPLY_WORKERS
+    // there is nothing to download, and the retry's own error says so.
+    kept_result_step_ = next_step_;
+    return next_step_;
+  }
   if (apply_ == ApplyMode::kWorkers) {
     // The shards hold only the step: nothing to download.
-    if (response.next_step() == next_step_ + 1) {
-      // This worker's step committed but it lost (some of) the result, e.g.
-      // a shard stalled past the step watchdog while it answered. Every
-      // shard keeps its last committed step's result and answers a repeated
-      // push of that step with it (ShardAggregator::Submit): the caller's
-      // retry of this step (a zero gradient; the residual holds the failed
-      // attempt's u) gets exactly the pulls the other workers applied.
-      return next_step_;
-    }
     if (response.next_step() > next_step_) {
       return absl::FailedPreconditionError(absl::StrCat(
           where, ": the shards are at step ", response.next_step(),

@@ -518,12 +518,20 @@ class WorkerClient {
 
   // After a failed Step: asks the leader to bring the shards to one step
   // (Recover RPC; docs/recovery.md), and returns the step to continue from
-  // (also next_step()). When the shards were rolled back, or are ahead of
-  // this worker (e.g. the step committed but this worker lost a pull),
-  // `params` (length n) are re-downloaded (SynchronizeParameters) so that
-  // they equal the servers' again; otherwise they are untouched (a failed
-  // step applied nothing). The residual and momentum are kept as they are:
-  // a run with a recovery is not bit-identical to one without.
+  // (also next_step()). When the shards are exactly one step ahead (the
+  // step committed but this worker lost a pull, e.g. a shard stalled past
+  // the step watchdog while it answered), this worker's own step is
+  // returned and `params` are untouched: every shard keeps its last
+  // committed step's result and answers the retry of that step (a zero
+  // gradient; the residual holds the failed attempt's u) with it, so the
+  // run stays bit-identical. When that retry failed and the shards are
+  // still one step ahead at the next Recover (a shard restarted and lost
+  // the kept result), or when the shards were rolled back or are further
+  // ahead, `params` (length n) are re-downloaded (SynchronizeParameters)
+  // so that they equal the servers' again; the residual and momentum are
+  // then kept as they are: such a run is not bit-identical to one without
+  // the failure. Otherwise `params` are untouched (a failed step applied
+  // nothing).
   // A leader that cannot be reached (down, restarting) is waited for, up to
   // the deadline: rpc_timeout plus the cluster's step timeout, or
   // `deadline` in the second form; reconnection is retried every 100 ms to
@@ -886,6 +894,11 @@ class WorkerClient {
   // refuses a step whose gradient was written after it was reported.
   std::vector<float> overlap_gradient_;
   int64_t next_step_ = 0;
+  // The step a Recover last answered with the worker's own step while the
+  // shards were one step ahead (their kept result is to answer its retry);
+  // -1: none. Under APPLY_SERVERS a second such Recover for the same step
+  // downloads the parameters instead (the retry did not get the result).
+  int64_t kept_result_step_ = -1;
   // The leader's attempt epoch as last heard (Join, Recover), sent in every
   // push: a push older than its step's last failure is refused (ABORTED),
   // so a retry made after Recover never mixes with the failed attempt.

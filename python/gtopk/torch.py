@@ -895,13 +895,14 @@ class DistributedOptimizer(_ClusterMember, torch.optim.Optimizer):
     def recover(self, timeout=None):
         """After a failed :meth:`step`: asks the leader to bring the shards to
         one step and returns the step to continue from (also
-        :attr:`next_step`). When the servers were rolled back, or are ahead
-        of this worker, the parameters are downloaded again (so they equal
-        the servers'); otherwise they are untouched. With
-        ``--apply=workers`` nothing is downloaded: a rollback renumbers the
-        step, and a rank that lost the result of a step that committed (the
-        shards one step ahead) gets its own step back, and its retry gets
-        that step's result, kept by the shards. The loop::
+        :attr:`next_step`). A rank that lost the result of a step that
+        committed (the shards one step ahead) gets its own step back, and
+        its retry gets that step's result, kept by the shards (bit-identical
+        to a run without the failure). When the servers were rolled back,
+        or are further ahead, the parameters are downloaded again (so they
+        equal the servers'; with ``--apply=workers`` nothing is downloaded:
+        a rollback renumbers the step); otherwise they are untouched. The
+        loop::
 
             deadline = time.monotonic() + 120   # the recovery budget
             while True:
