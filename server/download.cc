@@ -204,6 +204,24 @@ absl::StatusOr<ShardAggregator::State> AwaitParams(
   }
 }
 
+// Waits in the same slices until the shard has parameters (rank 0's
+// InitParams), copying nothing: AwaitInitialized's status, or CANCELLED.
+absl::Status AwaitInitialParams(const ShardAggregator& aggregator,
+                                absl::Time deadline,
+                                const grpc::ServerContext* context) {
+  while (true) {
+    const absl::Status ready = aggregator.AwaitInitialized(
+        std::min(deadline, absl::Now() + kPollInterval));
+    if (ready.ok() || !absl::IsDeadlineExceeded(ready) ||
+        absl::Now() >= deadline) {
+      return ready;
+    }
+    if (context->IsCancelled()) {
+      return absl::CancelledError("DownloadParams cancelled");
+    }
+  }
+}
+
 }  // namespace
 
 DownloadLimits DownloadParamsLimits(const ServerConfig& config,
@@ -261,6 +279,19 @@ grpc::Status AggregatorService::DownloadParams(
         absl::StrCat("DownloadParams from worker ", request->rank(), " "),
         deadline);
     if (!same.ok()) return ToGrpcStatus(same);
+  }
+  // Rank 0's initial parameters are waited for up to the caller's deadline
+  // (its rpc_timeout, less a slack so that this refusal, which says why,
+  // arrives before the transport's anonymous DEADLINE_EXCEEDED), not only a
+  // step timeout: ranks are started seconds or minutes apart (a scheduler,
+  // rank 0 loading its data), and with --step-timeout=2s a rank started 2 s
+  // before rank 0 failed its start-up (break-it run, 2026-12-08). Waited
+  // for before a download slot is taken, so that waiting ranks hold none.
+  if (const absl::Status ready = AwaitInitialParams(
+          **aggregator, ContextDeadline(context) - kLeaderDeadlineSlack,
+          context);
+      !ready.ok()) {
+    return ToGrpcStatus(ready);
   }
   const uint64_t chunk_bytes =
       std::min(config_.download_chunk_bytes, config_.max_message_bytes);

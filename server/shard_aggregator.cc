@@ -131,9 +131,8 @@ absl::StatusOr<bool> ShardAggregator::InitParams(absl::Span<const float> values,
   return true;
 }
 
-absl::StatusOr<ShardAggregator::State> ShardAggregator::GetState(
+absl::Status ShardAggregator::AwaitInitializedLocked(
     absl::Time deadline) const {
-  absl::MutexLock lock(&mu_);
   while (!initialized_) {
     if (!closed_.ok()) return closed_;
     if (cv_.WaitWithDeadline(&mu_, deadline) && !initialized_) {
@@ -142,6 +141,18 @@ absl::StatusOr<ShardAggregator::State> ShardAggregator::GetState(
                        " has no parameters yet (worker 0 initialises them)"));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status ShardAggregator::AwaitInitialized(absl::Time deadline) const {
+  absl::MutexLock lock(&mu_);
+  return AwaitInitializedLocked(deadline);
+}
+
+absl::StatusOr<ShardAggregator::State> ShardAggregator::GetState(
+    absl::Time deadline) const {
+  absl::MutexLock lock(&mu_);
+  GTOPK_RETURN_IF_ERROR(AwaitInitializedLocked(deadline));
   State state;
   try {
     state.params = params_;

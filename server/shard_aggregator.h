@@ -200,6 +200,10 @@ class ShardAggregator {
     std::shared_ptr<const std::string> state;
   };
   absl::StatusOr<State> GetState(absl::Time deadline) const;
+  // Waits until the shard has parameters, copying nothing: OK, or
+  // DEADLINE_EXCEEDED ("has no parameters yet") at the deadline, or the
+  // status of Close.
+  absl::Status AwaitInitialized(absl::Time deadline) const;
 
   // The first step not yet applied.
   int64_t next_step() const;
@@ -537,6 +541,9 @@ class ShardAggregator {
   void FailRoundLocked(const std::shared_ptr<AggregationRound>& round,
                        absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailStepLocked(int64_t step, uint32_t worker, const absl::Status& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // AwaitInitialized with mu_ held (waits on cv_).
+  absl::Status AwaitInitializedLocked(absl::Time deadline) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Tells on_step_failed_ (if set) that `step` failed here.
   void NotifyStepFailedLocked(int64_t step, const absl::Status& reason)

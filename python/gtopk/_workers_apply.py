@@ -797,7 +797,7 @@ class GradientAggregationOptimizer(_ClusterMember, torch.optim.Optimizer):
     def _synchronize_initial(self):
         """Rank 0's parameters and state to every replica (the shards keep
         the first rank 0 offered), recovering within the budget when a shard
-        is restarting (as gtopk-worker does)."""
+        is restarting or stalled (as gtopk-worker does)."""
         blob = self._state_layout.pack() if self._state_layout else b""
         step, state = self._retry_within_budget(
             lambda: self._with_host_params(

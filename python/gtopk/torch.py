@@ -254,7 +254,10 @@ class _ClusterMember:
         """sync(), and while it fails because the shards are at different
         steps (FAILED_PRECONDITION) or one is restarting (UNAVAILABLE),
         recover(seconds left) and sync() again, with backoff, within the
-        recovery budget (as gtopk-worker does)."""
+        recovery budget (as gtopk-worker does); while it fails with
+        DEADLINE_EXCEEDED or ABORTED (a download that waited its
+        rpc_timeout for rank 0's initial parameters, e.g. rank 0 started
+        later or the leader was stopped meanwhile), sync() again."""
         deadline = time.monotonic() + self._budget()
         backoff = 0.1
         while True:
@@ -263,8 +266,18 @@ class _ClusterMember:
             except (errors.FailedPrecondition, errors.Unavailable):
                 if time.monotonic() + backoff > deadline:
                     raise
+                needs_recover = True
+            except (errors.DeadlineExceeded, errors.Aborted):
+                # Nothing to bring together (e.g. rank 0 has not offered
+                # the initial parameters yet: a shard without them cannot
+                # be recovered): asked again.
+                if time.monotonic() + backoff > deadline:
+                    raise
+                needs_recover = False
             time.sleep(backoff)
             backoff = min(backoff * 2, 1.6)
+            if not needs_recover:
+                continue
             try:
                 recover(max(1.0, deadline - time.monotonic()))
             except errors.RETRYABLE:
@@ -720,8 +733,8 @@ class DistributedOptimizer(_ClusterMember, torch.optim.Optimizer):
 
     def _synchronize_initial(self):
         """synchronize_parameters, recovering (as gtopk-worker does) when the
-        shards are at different steps (FAILED_PRECONDITION) or one is
-        restarting (UNAVAILABLE), within the recovery budget."""
+        shards are at different steps (FAILED_PRECONDITION) or a retryable
+        error (gtopk.RETRYABLE) came, within the recovery budget."""
         return self._retry_within_budget(
             lambda: self._with_host_params(
                 self._client.synchronize_parameters),

@@ -132,6 +132,35 @@ std::vector<absl::Status> StepAll(
   return out;
 }
 
+// A 2-shard cluster whose shard 1 is reached through `proxy` (the leader
+// advertises the proxy's address to the workers), with kWorkers joined
+// and synchronised on `initial`. Members in destruction order: the
+// clients first, then the cluster, then the proxy.
+struct ProxiedCluster {
+  std::unique_ptr<::gtopk::testing::PausableProxy> proxy;
+  std::unique_ptr<::gtopk::testing::LocalCluster> cluster;
+  ::gtopk::testing::JoinedWorkers joined;
+};
+absl::StatusOr<ProxiedCluster> StartWithShard1Proxied(
+    const server::ServerConfig& config, const std::vector<float>& initial) {
+  ProxiedCluster c;
+  GTOPK_ASSIGN_OR_RETURN(c.proxy, ::gtopk::testing::PausableProxy::Start());
+  ::gtopk::testing::PausableProxy* proxy = c.proxy.get();
+  GTOPK_ASSIGN_OR_RETURN(c.cluster,
+                         ::gtopk::testing::LocalCluster::Start(
+                             config, 2, [proxy](server::ServerConfig& s) {
+                               s.peers[1] = proxy->address();
+                             }));
+  const std::string shard1 = c.cluster->peers()[1];
+  proxy->set_target(std::stoi(shard1.substr(shard1.rfind(':') + 1)));
+  GTOPK_ASSIGN_OR_RETURN(c.joined, ::gtopk::testing::JoinAndSynchronize(
+                                       *c.cluster, kWorkers, initial));
+  if (c.joined.clients[0]->cluster().shards(1).address() != proxy->address()) {
+    return absl::InternalError("shard 1 is not advertised at the proxy");
+  }
+  return c;
+}
+
 class LostPullTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(LostPullTest, TheRetryGetsTheCommittedResultBitIdentical) {
@@ -168,24 +197,13 @@ TEST_P(LostPullTest, TheRetryGetsTheCommittedResultBitIdentical) {
     }
   }
 
-  // Shard 1 is reached through a proxy (the leader advertises the proxy's
-  // address), whose answers are held during step kLostStep.
-  GTOPK_ASSERT_OK_AND_ASSIGN(
-      std::unique_ptr<::gtopk::testing::PausableProxy> proxy,
-      ::gtopk::testing::PausableProxy::Start());
-  GTOPK_ASSERT_OK_AND_ASSIGN(
-      std::unique_ptr<::gtopk::testing::LocalCluster> cluster,
-      ::gtopk::testing::LocalCluster::Start(
-          Config(c), 2,
-          [&](server::ServerConfig& s) { s.peers[1] = proxy->address(); }));
-  const std::string shard1 = cluster->peers()[1];
-  proxy->set_target(std::stoi(shard1.substr(shard1.rfind(':') + 1)));
-  GTOPK_ASSERT_OK_AND_ASSIGN(
-      ::gtopk::testing::JoinedWorkers joined,
-      ::gtopk::testing::JoinAndSynchronize(*cluster, kWorkers, initial));
-  ASSERT_EQ(joined.clients[0]->cluster().shards(1).address(), proxy->address());
-  auto& clients = joined.clients;
-  auto& params = joined.params;
+  // Shard 1's answers are held during step kLostStep.
+  GTOPK_ASSERT_OK_AND_ASSIGN(ProxiedCluster run,
+                             StartWithShard1Proxied(Config(c), initial));
+  auto& proxy = run.proxy;
+  auto& cluster = run.cluster;
+  auto& clients = run.joined.clients;
+  auto& params = run.joined.params;
   std::vector<std::vector<float>> averaged(kWorkers,
                                            std::vector<float>(kN, 0.0f));
   for (int t = 0; t < kSteps; ++t) {
@@ -280,21 +298,12 @@ TEST_P(LostPullFallbackTest, ARestartedShardNoLongerHasTheKeptResult) {
   config.checkpoint_dir = dir.path();
   config.checkpoint_every = 1;
   GTOPK_ASSERT_OK_AND_ASSIGN(
-      std::unique_ptr<::gtopk::testing::PausableProxy> proxy,
-      ::gtopk::testing::PausableProxy::Start());
-  GTOPK_ASSERT_OK_AND_ASSIGN(
-      std::unique_ptr<::gtopk::testing::LocalCluster> cluster,
-      ::gtopk::testing::LocalCluster::Start(
-          config, 2,
-          [&](server::ServerConfig& s) { s.peers[1] = proxy->address(); }));
-  const std::string shard1 = cluster->peers()[1];
-  proxy->set_target(std::stoi(shard1.substr(shard1.rfind(':') + 1)));
-  GTOPK_ASSERT_OK_AND_ASSIGN(
-      ::gtopk::testing::JoinedWorkers joined,
-      ::gtopk::testing::JoinAndSynchronize(
-          *cluster, kWorkers, ::gtopk::testing::NormalVector(kN, 7)));
-  auto& clients = joined.clients;
-  auto& params = joined.params;
+      ProxiedCluster run,
+      StartWithShard1Proxied(config, ::gtopk::testing::NormalVector(kN, 7)));
+  auto& proxy = run.proxy;
+  auto& cluster = run.cluster;
+  auto& clients = run.joined.clients;
+  auto& params = run.joined.params;
   std::vector<std::vector<float>> averaged(kWorkers,
                                            std::vector<float>(kN, 0.0f));
   for (const absl::Status& st :

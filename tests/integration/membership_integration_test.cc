@@ -250,6 +250,45 @@ TEST(MembershipTest, RankThatNeverJoinedIsRefusedAndNotAggregated) {
 // A rank's worker has connected (Join, and its leader stream is open) but
 // has not pushed yet: a second Join of that rank is ALREADY_EXISTS. Before:
 // granted, as the rank counted alive only from its first push.
+// Ranks started before rank 0 wait for its initial parameters for their
+// whole rpc_timeout (10 s here), not only the servers' step timeout (1 s),
+// and without holding a download slot: five ranks (more than the
+// kMaxConcurrentDownloads = 4 slots) wait 3 s for rank 0, then every
+// replica equals rank 0's parameters. Before, each failed its start-up with
+// DEADLINE_EXCEEDED "has no parameters yet" after 1 s (a break-it run with
+// --step-timeout=2s and the leader stopped during start-up).
+TEST(MembershipTest, RanksStartedBeforeRankZeroWaitTheirRpcTimeout) {
+  constexpr int kRanks = 6;
+  ServerConfig c;
+  c.num_workers = kRanks;
+  c.optimizer.density = 0.05;
+  c.step_timeout = absl::Seconds(1);
+  auto started = LocalCluster::Start(c, 2);
+  ASSERT_TRUE(started.ok()) << started.status();
+  LocalCluster& cluster = **started;
+  std::vector<std::unique_ptr<worker::WorkerClient>> clients(kRanks);
+  std::vector<std::vector<float>> params(kRanks, std::vector<float>(kN, 0.0f));
+  for (int w = 0; w < kRanks; ++w) {
+    params[w].assign(kN, static_cast<float>(w));  // rank 0's: all zeros
+    GTOPK_ASSERT_OK_AND_ASSIGN(clients[w], ConnectAs(cluster, w));
+  }
+  std::vector<absl::Status> synced(kRanks);
+  std::vector<std::thread> threads;
+  for (int w = kRanks - 1; w >= 0; --w) {
+    threads.emplace_back([&, w] {
+      if (w == 0) absl::SleepFor(absl::Seconds(3));
+      synced[w] =
+          clients[w]->SynchronizeParameters(absl::MakeSpan(params[w])).status();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int w = 0; w < kRanks; ++w) {
+    GTOPK_EXPECT_OK(synced[w]) << "rank " << w;
+    EXPECT_TRUE(BitEqual(params[w], std::vector<float>(kN, 0.0f)))
+        << "rank " << w;
+  }
+}
+
 TEST(MembershipTest, SecondJoinBeforeTheFirstPushIsAlreadyExists) {
   auto cluster = StartCluster();
   ASSERT_NE(cluster, nullptr);

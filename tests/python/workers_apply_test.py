@@ -867,6 +867,40 @@ class OutsideTestingTest(ClusterCase):
             opt.close()
 
 
+class StartUpTest(ClusterCase):
+    def test_a_first_download_that_times_out_is_retried_within_the_budget(self):
+        """Rank 1 constructs first: its download of the initial parameters
+        waits on the servers for rank 0 and times out (rpc_timeout 1 s:
+        DeadlineExceeded, "shard 0 has no parameters yet"), as when a break-it
+        run stopped the leader during start-up. It is retried within the
+        recovery budget, as gtopk-worker retries it; rank 1 used to raise it
+        from the constructor. Both ranks then hold rank 0's parameters."""
+        import time
+        srv = self.start(2, 2)
+        models = [make_model(seed=7), make_model(seed=8)]
+        opts = [None, None]
+
+        def worker(w):
+            if w == 0:
+                time.sleep(3.0)  # rank 1's first download times out first
+            opts[w] = self.wrap(
+                srv, torch.optim.SGD(models[w].parameters(), lr=0.1), w,
+                model=models[w], rpc_timeout=1.0, recovery_timeout=60.0)
+
+        try:
+            _, errs = in_threads(2, worker)
+            raise_first(errs)
+            want = flat_of(make_model(seed=7).parameters())
+            for w in range(2):
+                np.testing.assert_array_equal(
+                    flat_of(models[w].parameters()).view(np.uint32),
+                    want.view(np.uint32), err_msg="rank %d" % w)
+        finally:
+            for opt in opts:
+                if opt is not None:
+                    opt.close()
+
+
 class TrainerTest(ClusterCase):
     def test_gtopk_worker_refuses_a_workers_apply_cluster(self):
         import subprocess
