@@ -153,12 +153,15 @@ class PausableProxy {
   }
 
   // One read from `from`, all of it written to `to`; false when either
-  // is closed.
+  // is closed. MSG_NOSIGNAL: a peer that went away (a shard restarted
+  // behind the proxy) ends the copy instead of killing the test process
+  // with SIGPIPE.
   static bool Copy(int from, int to, std::vector<char>& buffer) {
     const ssize_t got = read(from, buffer.data(), buffer.size());
     if (got <= 0) return false;
     for (ssize_t sent = 0; sent < got;) {
-      const ssize_t n = write(to, buffer.data() + sent, got - sent);
+      const ssize_t n =
+          send(to, buffer.data() + sent, got - sent, MSG_NOSIGNAL);
       if (n <= 0) return false;
       sent += n;
     }
