@@ -26,6 +26,15 @@ inline constexpr uint64_t kNewestEpoch = ~uint64_t{0};
 // pushes its next attempt with it (the client library does).
 inline constexpr char kEpochMetadataKey[] = "gtopk-epoch";
 
+// In the message of a shard's FAILED_PRECONDITION refusing a push of a
+// step it applied and whose result it no longer keeps (it keeps only its
+// last committed step's, in memory: not across a restart or a rollback).
+// A worker whose retry of a lost step got it stops expecting the kept
+// result at its next Recover (worker/client.cc; docs/recovery.md); a retry
+// that failed otherwise (a stall, a timeout) is answered again.
+inline constexpr char kResultNotKeptMarker[] =
+    "no longer keeps that step's result";
+
 // Whether `epoch` can be a leader's: epochs start at its start time in
 // microseconds and grow by one per failure, so one more than a day ahead of
 // `now` is not (it would make every later push "newer than any failure"

@@ -427,9 +427,9 @@ std::optional<ShardAggregator::Answer> ShardAggregator::JoinRoundLocked(
     // last_, which a restart or a rollback drops.
     return absl::FailedPreconditionError(absl::StrCat(
         "step ", push.step, " was already applied; shard ", options_.shard_id,
-        " is at step ", next_step_,
-        " and keeps the result of its last committed step only (not across "
-        "a restart or a rollback): this worker missed that step's update"));
+        " is at step ", next_step_, " and ", kResultNotKeptMarker,
+        " (it keeps its last committed step's only, not across a restart "
+        "or a rollback): this worker missed that step's update"));
   }
   if (push.step > next_step_) {
     return absl::FailedPreconditionError(

@@ -849,18 +849,18 @@ absl::StatusOr<int64_t> WorkerClient::RecoverWith(absl::Span<float> params,
   OpenLeaderStream();
   if (response.next_step() == next_step_) return next_step_;
   if (response.next_step() == next_step_ + 1 &&
-      (apply_ == ApplyMode::kWorkers || kept_result_step_ != next_step_)) {
+      result_not_kept_step_ != next_step_) {
     // This worker's step committed but it lost (some of) the result, e.g.
     // a shard stalled past the step watchdog while it answered. Every
     // shard keeps its last committed step's result and answers a repeated
     // push of that step with it (ShardAggregator::Submit): the caller's
     // retry of this step (a zero gradient; the residual holds the failed
     // attempt's u) gets exactly the pulls the other workers applied, and
-    // applies them as they did. Under APPLY_SERVERS a second Recover for
-    // the same step (that retry failed: a shard restarted and dropped the
-    // result) downloads the parameters below instead; under APPLY_WORKERS
-    // there is nothing to download, and the retry's own error says so.
-    kept_result_step_ = next_step_;
+    // applies them as they did; a retry that failed otherwise (stalled
+    // again) is answered again. Once a shard refused the retry because it
+    // no longer keeps the result (it restarted: result_not_kept_step_),
+    // the parameters are downloaded below (APPLY_SERVERS) or the run is
+    // refused (APPLY_WORKERS: nothing to download).
     return next_step_;
   }
   if (apply_ == ApplyMode::kWorkers) {
@@ -869,11 +869,11 @@ absl::StatusOr<int64_t> WorkerClient::RecoverWith(absl::Span<float> params,
       return absl::FailedPreconditionError(absl::StrCat(
           where, ": the shards are at step ", response.next_step(),
           " but this worker is at step ", next_step_,
-          ": it lost the results of steps that committed (the shards keep "
-          "only the last one's), and in workers-apply mode the servers hold "
-          "no parameters to repair its replica from. Restart every rank from "
-          "the checkpoints of one step (model and optimizer state_dict, "
-          "loaded on every rank)"));
+          ": it lost the result of a step that committed, which the shards "
+          "no longer keep (they keep only the last one's, in memory), and "
+          "in workers-apply mode the servers hold no parameters to repair "
+          "its replica from. Restart every rank from the checkpoints of one "
+          "step (model and optimizer state_dict, loaded on every rank)"));
     }
     next_step_ = response.next_step();  // rolled back: renumbered
     // Every worker must have kept the same state: compare at once.

@@ -524,10 +524,11 @@ class WorkerClient {
   // returned and `params` are untouched: every shard keeps its last
   // committed step's result and answers the retry of that step (a zero
   // gradient; the residual holds the failed attempt's u) with it, so the
-  // run stays bit-identical. When that retry failed and the shards are
-  // still one step ahead at the next Recover (a shard restarted and lost
-  // the kept result), or when the shards were rolled back or are further
-  // ahead, `params` (length n) are re-downloaded (SynchronizeParameters)
+  // run stays bit-identical (also when that retry fails otherwise, e.g.
+  // stalled again). When a shard refused that retry because it no longer
+  // keeps the result (it restarted), or when the shards were rolled back
+  // or are further ahead, `params` (length n) are re-downloaded
+  // (SynchronizeParameters)
   // so that they equal the servers' again; the residual and momentum are
   // then kept as they are: such a run is not bit-identical to one without
   // the failure. Otherwise `params` are untouched (a failed step applied
@@ -894,11 +895,11 @@ class WorkerClient {
   // refuses a step whose gradient was written after it was reported.
   std::vector<float> overlap_gradient_;
   int64_t next_step_ = 0;
-  // The step a Recover last answered with the worker's own step while the
-  // shards were one step ahead (their kept result is to answer its retry);
-  // -1: none. Under APPLY_SERVERS a second such Recover for the same step
-  // downloads the parameters instead (the retry did not get the result).
-  int64_t kept_result_step_ = -1;
+  // The step whose push a shard refused because it no longer keeps that
+  // step's result (kResultNotKeptMarker); -1: none. Recover then does not
+  // answer with the worker's own step for it (the retry cannot get the
+  // result): it downloads (APPLY_SERVERS) or refuses (APPLY_WORKERS).
+  int64_t result_not_kept_step_ = -1;
   // The leader's attempt epoch as last heard (Join, Recover), sent in every
   // push: a push older than its step's last failure is refused (ABORTED),
   // so a retry made after Recover never mixes with the failed attempt.

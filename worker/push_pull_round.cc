@@ -214,6 +214,12 @@ absl::Status WorkerClient::PushPullRound(int64_t step,
 
   const absl::Status status = RoundStatus(step, round);
   if (status.ok()) return status;
+  for (const absl::Status& st : round.results) {
+    if (absl::IsFailedPrecondition(st) &&
+        absl::StrContains(st.message(), kResultNotKeptMarker)) {
+      result_not_kept_step_ = step;  // Recover: do not expect it again
+    }
+  }
   // The leader's stream stays open when its part of the step succeeded:
   // cancelled now, the rank would have no stream on the leader until the
   // Recover that follows the backoff, and a Join could take it (issue 42).
