@@ -185,27 +185,9 @@ class ChunkWriter {
   WriteWatchdog watchdog_;
 };
 
-// Waits for the shard's parameters in short slices, so that a cancelled
-// call or a shutdown ends it: GetState's status, or CANCELLED
-// "DownloadParams cancelled".
-absl::StatusOr<ShardAggregator::State> AwaitParams(
-    ShardAggregator& aggregator, absl::Time deadline,
-    const grpc::ServerContext* context) {
-  while (true) {
-    absl::StatusOr<ShardAggregator::State> params =
-        aggregator.GetState(std::min(deadline, absl::Now() + kPollInterval));
-    if (params.ok() || !absl::IsDeadlineExceeded(params.status()) ||
-        absl::Now() >= deadline) {
-      return params;
-    }
-    if (context->IsCancelled()) {
-      return absl::CancelledError("DownloadParams cancelled");
-    }
-  }
-}
-
-// Waits in the same slices until the shard has parameters (rank 0's
-// InitParams), copying nothing: AwaitInitialized's status, or CANCELLED.
+// Waits in short slices, so that a cancelled call or a shutdown ends it,
+// until the shard has parameters (rank 0's InitParams), copying nothing:
+// AwaitInitialized's status, or CANCELLED "DownloadParams cancelled".
 absl::Status AwaitInitialParams(const ShardAggregator& aggregator,
                                 absl::Time deadline,
                                 const grpc::ServerContext* context) {
@@ -313,8 +295,9 @@ grpc::Status AggregatorService::DownloadParams(
         absl::StrCat("shard ", config_.shard_id, ": ", kMaxConcurrentDownloads,
                      " parameter downloads already in progress")));
   }
+  // Initialised above: no wait.
   absl::StatusOr<ShardAggregator::State> params =
-      AwaitParams(**aggregator, deadline, context);
+      (*aggregator)->GetState(deadline);
   if (!params.ok()) return ToGrpcStatus(params.status());
   return SendParams(context, request->rank(), **aggregator, *params,
                     chunk_bytes, writer);

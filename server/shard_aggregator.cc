@@ -422,9 +422,9 @@ std::optional<ShardAggregator::Answer> ShardAggregator::JoinRoundLocked(
     if (last_ != nullptr && last_->step == push.step && !push.is_part()) {
       return last_->result;
     }
-    // A worker that lost a committed step's result (workers apply: its
-    // Recover said the shards are one step ahead) gets it again only from
-    // last_, which a restart or a rollback drops.
+    // A worker that lost a committed step's result (its Recover said the
+    // shards are one step ahead) gets it again only from last_, which a
+    // restart or a rollback drops; kResultNotKeptMarker tells its client.
     return absl::FailedPreconditionError(absl::StrCat(
         "step ", push.step, " was already applied; shard ", options_.shard_id,
         " is at step ", next_step_, " and ", kResultNotKeptMarker,
